@@ -1,0 +1,15 @@
+"""cltrain: channels_last (NHWC) as the fast, safe default for training image models.
+
+Layers, bottom up (lower ones never import higher ones):
+
+* :mod:`cltrain.layout`: tensor and module layout helpers;
+* :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`;
+* :mod:`cltrain.data`: the NHWC data path (transforms, collate, normalisation,
+  an ImageFolder DataModule, demo data);
+* :mod:`cltrain.app`: the Hydra training application behind ``train.py``.
+"""
+
+from cltrain.layout import is_channels_last, layout_of, layout_summary, to_channels_last
+
+__all__ = ["is_channels_last", "layout_of", "layout_summary", "to_channels_last"]
+__version__ = "0.1.0"
