@@ -9,7 +9,8 @@ Layers, bottom up (lower ones never import higher ones):
 * :mod:`cltrain.app`: the Hydra training application behind ``train.py``.
 """
 
+from cltrain.callback import ChannelsLast
 from cltrain.layout import is_channels_last, layout_of, layout_summary, to_channels_last
 
-__all__ = ["is_channels_last", "layout_of", "layout_summary", "to_channels_last"]
+__all__ = ["ChannelsLast", "is_channels_last", "layout_of", "layout_summary", "to_channels_last"]
 __version__ = "0.1.0"

@@ -1,0 +1,324 @@
+"""The ``ChannelsLast`` Lightning callback: channels_last training for an existing project, in one line."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last
+
+__all__ = ["ChannelsLast"]
+
+_MODES = ("full", "conv", "off", "auto")
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class ChannelsLast(Callback):
+    r"""Train, validate, test and predict in channels_last (NHWC) memory format.
+
+    The model is converted once it is complete and before the strategy moves
+    it and wraps it in DDP: right after the LightningModule's own ``setup``
+    hook, or after ``configure_model`` when the module builds layers there.
+    Both run on every rank with the same module structure, so every rank gets
+    the same layout, and DDP's gradient buckets are built with channels_last
+    strides (no "Grad strides do not match bucket view strides").
+
+    Batches: a callback cannot replace the batch object, so the tensors are
+    restrided *in place* (their ``.data`` is swapped) in
+    ``on_{train,validation,test,predict}_batch_start``, after the batch is on
+    the device and before the step sees it. Every rank-4/5 floating tensor
+    anywhere in a tuple, list, dict, namedtuple or dataclass batch (nested) is
+    converted; labels, masks of other ranks, integer tensors and non-tensors
+    are left alone, and a tensor that is already channels_last is not copied
+    (batches from :mod:`cltrain.data` arrive that way). This works for a
+    LightningModule written with no knowledge of cltrain, whatever batch hooks
+    it or its DataModule define.
+
+    When a run resumes from a checkpoint, optimizer state tensors (momentum
+    buffers, Adam moments) are restrided to their parameter's layout at
+    ``on_train_start``. Checkpoints stay portable: ``load_state_dict`` copies
+    values, so a channels_last checkpoint loads into a plain NCHW model.
+
+    Args:
+        mode: ``"full"`` restrides every 4-D/5-D parameter and buffer;
+            ``"conv"`` only convolution weights (see
+            :func:`cltrain.to_channels_last`); ``"auto"`` times a few
+            forward+backward steps of the model in both layouts on a synthetic
+            batch of ``input_shape`` (on rank zero, decision broadcast) and
+            keeps the faster; ``"off"`` does nothing at all (handy for sweeps).
+        convert_inputs: keep batch tensors in the model's layout. With
+            ``False`` only the model is converted (the first convolution then
+            converts the activations, as Composer does).
+        audit: run :func:`cltrain.audit.audit` on the first training batch and
+            print which ops lose the layout (rank zero).
+        input_shape: ``(N, C, H, W)`` or ``(N, C, D, H, W)`` for ``mode="auto"``;
+            when ``None`` it is read from the DataModule's ``input_shape``.
+        auto_steps: timed steps per layout in ``mode="auto"``.
+
+    Raises:
+        ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, an
+            ``input_shape`` that is not rank 4 or 5, or ``mode="auto"`` with no
+            shape to time (raised in ``setup``).
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from cltrain import ChannelsLast
+
+        trainer = Trainer(callbacks=[ChannelsLast()], precision="bf16-mixed")
+        trainer.fit(model, datamodule=dm)
+    """
+
+    def __init__(
+        self,
+        mode: str = "full",
+        convert_inputs: bool = True,
+        audit: bool = False,
+        input_shape: tuple[int, ...] | None = None,
+        auto_steps: int = 3,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"ChannelsLast(mode={mode!r}): expected one of {_MODES}.")
+        if not isinstance(convert_inputs, bool):
+            raise ValueError(f"ChannelsLast(convert_inputs={convert_inputs!r}): expected True or False.")
+        if not isinstance(audit, bool):
+            raise ValueError(f"ChannelsLast(audit={audit!r}): expected True or False.")
+        if input_shape is not None and (
+            len(input_shape) not in (4, 5) or not all(isinstance(s, int) and s > 0 for s in input_shape)
+        ):
+            raise ValueError(
+                f"ChannelsLast(input_shape={input_shape!r}): expected (N, C, H, W) or (N, C, D, H, W) positive ints."
+            )
+        if not isinstance(auto_steps, int) or auto_steps < 1:
+            raise ValueError(f"ChannelsLast(auto_steps={auto_steps!r}): expected an int >= 1.")
+        self.mode = mode
+        self.convert_inputs = convert_inputs
+        self.audit = audit
+        self.input_shape = tuple(input_shape) if input_shape is not None else None
+        self.auto_steps = auto_steps
+        #: the layout in force once the model is converted: "channels_last" or "contiguous".
+        self.layout: str | None = None
+        #: ``mode="auto"``'s timings, seconds per step by layout.
+        self.timings: dict[str, float] | None = None
+        #: layout_summary of the model after conversion.
+        self.summary: dict[str, int] | None = None
+        self.audit_report: Any = None
+        self._audited = False
+        self._told_inputs = False
+
+    # ---- model conversion ----------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.mode == "off":
+            return
+        if self.mode == "auto" and self.layout is None and self._shape(trainer) is None:
+            raise ValueError(
+                "ChannelsLast(mode='auto') needs the shape of a training batch to time: pass "
+                "input_shape=(N, C, H, W), or use a DataModule with an `input_shape` attribute."
+            )
+        # LightningModule.setup runs after this hook and configure_model after that; the model
+        # is complete only then, and the strategy moves and wraps it right after.
+        last = "configure_model" if is_overridden("configure_model", pl_module) else "setup"
+        _run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for hook in ("setup", "configure_model"):
+            if getattr(pl_module.__dict__.get(hook), "_cltrain_once", False):
+                del pl_module.__dict__[hook]
+
+    def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.layout is None:
+            self.layout = "channels_last" if self.mode != "auto" else self._choose(trainer, pl_module)
+        if self.layout == "channels_last":
+            to_channels_last(pl_module, mode="conv" if self.mode == "conv" else "full")
+        self.summary = layout_summary(pl_module, buffers=True)
+        if not any(isinstance(m, CONV_TYPES) for m in pl_module.modules()):
+            rank_zero_warn(
+                f"ChannelsLast: {type(pl_module).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
+                "channels_last has nothing to speed up; remove the callback or keep it for the layout checks."
+            )
+        counts = ", ".join(f"{n} {k}" for k, n in self.summary.items())
+        rank_zero_info(
+            f"ChannelsLast(mode={self.mode!r}): model layout is {self.layout}; parameters and buffers: {counts}."
+        )
+
+    def _shape(self, trainer: Trainer) -> tuple[int, ...] | None:
+        if self.input_shape is not None:
+            return self.input_shape
+        shape = getattr(trainer.datamodule, "input_shape", None)
+        return tuple(shape) if shape is not None else None
+
+    def _choose(self, trainer: Trainer, pl_module: LightningModule) -> str:
+        from cltrain.autolayout import choose_layout
+
+        decision: list[Any] = [None, None]
+        if trainer.is_global_zero:
+            target = _step_target(pl_module)
+            layout, timings = choose_layout(
+                target,
+                self._shape(trainer),
+                steps=self.auto_steps,
+                device=trainer.strategy.root_device,
+                autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision)),
+            )
+            decision = [layout, timings]
+        # Every rank must take the same layout or DDP's buckets disagree between ranks.
+        layout, self.timings = trainer.strategy.broadcast(decision, src=0)
+        per_img = ", ".join(f"{k} {v * 1e3:.1f} ms/step" for k, v in sorted(self.timings.items()))
+        rank_zero_info(f"ChannelsLast(mode='auto'): {per_img} -> keeping {layout}.")
+        return layout
+
+    # ---- batches -------------------------------------------------------------------------------
+
+    def _convert_batch(self, batch: Any) -> None:
+        if self.mode == "off" or not self.convert_inputs or self.layout is None:
+            return
+        want_cl = self.layout == "channels_last"
+        converted = [0]
+
+        def restride(t: torch.Tensor) -> None:
+            if t.dim() not in (4, 5) or not t.is_floating_point() or t.layout is not torch.strided:
+                return
+            if want_cl and not is_channels_last(t):
+                t.data = to_channels_last(t.data)
+            elif not want_cl and not t.is_contiguous():
+                t.data = t.data.contiguous()
+            else:
+                return
+            converted[0] += 1
+
+        _visit_tensors(batch, restride)
+        if converted[0] and not self._told_inputs:
+            self._told_inputs = True
+            rank_zero_info(
+                f"ChannelsLast: batches arrive in another layout; converting {converted[0]} tensor(s) per batch "
+                f"to {self.layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary."
+            )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._convert_batch(batch)
+        if self.audit and not self._audited:
+            self._audited = True
+            self._run_audit(trainer, pl_module, batch)
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._convert_batch(batch)
+
+    @override
+    def on_test_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._convert_batch(batch)
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._convert_batch(batch)
+
+    # ---- resume and audit ----------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Runs after the optimizer state is restored from a checkpoint: momentum buffers keep the
+        # strides they were saved with, which may be another layout than their parameter's.
+        if self.mode == "off":
+            return
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    state = optimizer.state.get(param, {})
+                    for key, value in state.items():
+                        if _needs_param_strides(value, param):
+                            state[key] = torch.empty_like(param, dtype=value.dtype, device=value.device).copy_(value)
+
+    def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        from cltrain.audit import audit
+
+        example = _first_image_tensor(batch)
+        if example is None:
+            rank_zero_warn("ChannelsLast(audit=True): the first training batch holds no 4-D/5-D float tensor to audit.")
+            return
+        target = _step_target(pl_module)
+        # A copy: the real module may be wrapped by DDP, whose gradient hooks must not see this backward.
+        self.audit_report = audit(
+            copy.deepcopy(target), example.detach(), autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision))
+        )
+        rank_zero_info(f"ChannelsLast layout audit of {type(target).__name__}:\n{self.audit_report.format_table()}")
+
+
+def _run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
+    """Make ``module.<hook>()`` call ``then()`` after itself, once, then restore the hook."""
+    if getattr(module.__dict__.get(hook), "_cltrain_once", False):
+        del module.__dict__[hook]  # left from a run that stopped early
+    original = getattr(module, hook)
+
+    @functools.wraps(original)  # keeps Lightning's is_overridden() answer unchanged
+    def once(*args: Any, **kwargs: Any) -> Any:
+        module.__dict__.pop(hook, None)
+        result = original(*args, **kwargs)
+        then()
+        return result
+
+    once._cltrain_once = True  # type: ignore[attr-defined]
+    # nn.Module.__setattr__ would accept this too, but __dict__ keeps it out of state_dict logic.
+    module.__dict__[hook] = once
+
+
+def _visit_tensors(obj: Any, fn: Callable[[torch.Tensor], None]) -> None:
+    if isinstance(obj, torch.Tensor):
+        fn(obj)
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            _visit_tensors(value, fn)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _visit_tensors(value, fn)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        for field in fields(obj):
+            _visit_tensors(getattr(obj, field.name), fn)
+
+
+def _first_image_tensor(batch: Any) -> torch.Tensor | None:
+    found: list[torch.Tensor] = []
+    _visit_tensors(batch, lambda t: found.append(t) if t.dim() in (4, 5) and t.is_floating_point() else None)
+    return found[0] if found else None
+
+
+def _step_target(pl_module: LightningModule) -> nn.Module:
+    """The module a batch goes through: the LightningModule if it defines ``forward``, else its
+    largest child (``self.model``, ``self.net``, ...)."""
+    if is_overridden("forward", pl_module):
+        return pl_module
+    children = [m for m in pl_module.children() if any(True for _ in m.parameters())]
+    if not children:
+        raise ValueError(
+            f"ChannelsLast: {type(pl_module).__name__} defines no forward() and has no child module with "
+            "parameters to time or audit; define forward(), or use mode='full' without audit."
+        )
+    return max(children, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _needs_param_strides(value: Any, param: torch.Tensor) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and memory_format_for(param) is not None
+        and value.shape == param.shape
+        and value.stride() != param.stride()
+    )
