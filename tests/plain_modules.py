@@ -1,0 +1,76 @@
+"""LightningModules written with no knowledge of cltrain, as a user's project would have them.
+
+They only record what reaches them (input strides, weight strides) so tests can check it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class RandomImages(Dataset):
+    """``n`` random ``(C, H, W)`` float images with int labels; batches come out NCHW-contiguous."""
+
+    def __init__(self, n: int = 6, channels: int = 3, size: int = 32, classes: int = 4, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, channels, size, size, generator=g)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def loader(n: int = 6, batch_size: int = 4, channels: int = 3, size: int = 32, **kw) -> DataLoader:
+    return DataLoader(RandomImages(n, channels, size), batch_size=batch_size, **kw)
+
+
+class Classifier(LightningModule):
+    """A plain image classifier around any ``nn.Module``; records the layout of what it sees."""
+
+    def __init__(self, net: nn.Module | None = None, lr: float = 0.05, momentum: float = 0.9):
+        super().__init__()
+        self.net = net if net is not None else torchvision.models.resnet18(num_classes=4)
+        self.lr, self.momentum = lr, momentum
+        self.seen: dict[str, list[tuple[int, ...]]] = {}
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def _record(self, stage: str, x: torch.Tensor) -> None:
+        self.seen.setdefault(stage, []).append(tuple(x.stride()) + (tuple(x.shape),))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self._record("train", x)
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self._record("val", x)
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self._record("test", x)
+
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        self._record("predict", x)
+        return self(x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return torch.empty(shape, memory_format=torch.channels_last).stride()
