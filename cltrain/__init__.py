@@ -14,3 +14,12 @@ from cltrain.layout import is_channels_last, layout_of, layout_summary, to_chann
 
 __all__ = ["ChannelsLast", "is_channels_last", "layout_of", "layout_summary", "to_channels_last"]
 __version__ = "0.1.0"
+
+import warnings  # noqa: E402
+
+from cltrain.audit import AuditReport, audit  # noqa: E402  (the function shadows the module name, as tqdm.tqdm does)
+from cltrain.autolayout import choose_layout, time_layouts  # noqa: E402
+
+__all__ += ["AuditReport", "audit", "choose_layout", "time_layouts"]
+# `python -m cltrain.audit` executes a module this package has already imported; runpy's warning about it is moot.
+warnings.filterwarnings("ignore", message="'cltrain.audit' found in sys.modules", category=RuntimeWarning)

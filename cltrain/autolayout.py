@@ -1,0 +1,203 @@
+"""Pick the faster memory layout for a model by timing it: what ``ChannelsLast(mode="auto")`` runs.
+
+Whether channels_last pays depends on the model, the dtype and the device
+(pytorch#50549, #50036): depthwise-heavy or non-convolutional models can lose
+on CPU, big convolutional ones usually win. So instead of guessing,
+:func:`time_layouts` runs a few forward+backward steps of *copies* of the real
+model on a synthetic batch of the real input shape, once in each layout,
+interleaved so that a machine getting busier or quieter drifts both equally,
+and reports the median seconds per step. :func:`choose_layout` keeps the
+faster one. The given model is never touched (weights, grads, BatchNorm
+statistics and layout stay as they were).
+
+Example::
+
+    >>> import torchvision
+    >>> from cltrain.autolayout import choose_layout
+    >>> layout, seconds = choose_layout(torchvision.models.resnet18(), (8, 3, 64, 64), steps=2)
+    >>> layout in ("channels_last", "contiguous"), sorted(seconds)
+    (True, ['channels_last', 'contiguous'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from cltrain.layout import memory_format_for, to_channels_last
+
+__all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts"]
+
+log = logging.getLogger(__name__)
+
+#: The two layouts compared, in the order timed in the first round.
+LAYOUTS: tuple[str, str] = ("contiguous", "channels_last")
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):  # namedtuples too (GoogLeNetOutputs, ...)
+        for value in obj:
+            yield from _tensors(value)
+
+
+def scalar_loss(output: Any) -> torch.Tensor:
+    """A scalar to call ``backward`` on, from whatever a model returned: the sum of
+    ``t.float().mean()`` over every floating tensor that requires grad in a tensor,
+    tuple, list, namedtuple or dict output. ``mean`` keeps the gradients O(1) whatever
+    the batch size; ``float`` keeps an fp16/bf16 reduction from overflowing.
+
+    Raises:
+        ValueError: the output holds no floating tensor that requires grad.
+    """
+    terms = [t.float().mean() for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not terms:
+        raise ValueError(f"scalar_loss: the model output ({type(output).__name__}) holds no floating tensor that requires grad.")
+    return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
+
+
+def autocast_for(device: torch.device | str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``device``'s type in ``dtype``, or a no-op context when ``dtype`` is ``None``."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels on ``device`` (CUDA), so a wall-clock timer measures the work."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _to_contiguous(module: nn.Module) -> nn.Module:
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if memory_format_for(tensor) is not None and not tensor.is_contiguous():
+            tensor.data = tensor.data.contiguous()
+    return module
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for tensor in [*model.parameters(), *model.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def model_in_layout(model: nn.Module, layout: str, device: torch.device | str | None = None) -> nn.Module:
+    """A deep copy of ``model`` (on ``device`` if given) with every 4-D/5-D parameter and
+    buffer in ``layout`` (``"channels_last"`` or ``"contiguous"``) and no gradients.
+
+    Raises:
+        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"model_in_layout: layout={layout!r} is not one of {LAYOUTS}.")
+    clone = copy.deepcopy(model)
+    if device is not None:
+        clone.to(device)
+    for param in clone.parameters():
+        param.grad = None
+    return to_channels_last(clone) if layout == "channels_last" else _to_contiguous(clone)
+
+
+def _input_in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return to_channels_last(x) if layout == "channels_last" else x.contiguous()
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_layouts(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """Median seconds per forward+backward step of ``model`` in each layout.
+
+    Two deep copies of the model are timed (one per layout) on one synthetic
+    ``torch.randn(input_shape)`` batch, loss :func:`scalar_loss` of the output.
+    After ``warmup`` untimed steps per layout, ``steps`` rounds time one step of
+    each layout, alternating which goes first. The model keeps its train/eval
+    mode in the copies; the model itself is not modified.
+
+    Args:
+        model: the model to time, as it will be trained.
+        input_shape: the batch shape, 4-D ``(N, C, H, W)`` or 5-D ``(N, C, D, H, W)``.
+        steps: timed steps per layout (the median is reported).
+        warmup: untimed steps per layout first (allocator, kernel selection, caches).
+        device: where to time; default the model's device.
+        autocast_dtype: time under ``torch.autocast`` in this dtype (bf16 on CPU,
+            fp16 on CUDA, as in training), or ``None`` for the model's own dtype.
+
+    Returns:
+        ``{"channels_last": seconds, "contiguous": seconds}``.
+
+    Raises:
+        ValueError: ``input_shape`` is not 4-D or 5-D, or ``steps < 1`` or ``warmup < 0``.
+    """
+    shape = tuple(int(s) for s in input_shape)
+    if len(shape) not in (4, 5):
+        raise ValueError(f"time_layouts: input_shape must be 4-D or 5-D, got {input_shape!r}.")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"time_layouts: need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}.")
+    device = torch.device(device) if device is not None else _device_of(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    batch = torch.randn(shape, device=device, dtype=dtype)
+    models = {layout: model_in_layout(model, layout, device) for layout in LAYOUTS}
+    inputs = {layout: _input_in_layout(batch, layout) for layout in LAYOUTS}
+
+    def step(layout: str) -> None:
+        m = models[layout]
+        m.zero_grad(set_to_none=True)
+        with autocast_for(device, autocast_dtype):
+            out = m(inputs[layout])
+        scalar_loss(out).backward()
+
+    for layout in LAYOUTS:
+        for _ in range(warmup):
+            step(layout)
+    samples: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    for i in range(steps):
+        for layout in LAYOUTS if i % 2 == 0 else LAYOUTS[::-1]:
+            samples[layout].append(_timed(lambda: step(layout), device))
+    return {layout: statistics.median(samples[layout]) for layout in ("channels_last", "contiguous")}
+
+
+def choose_layout(model: nn.Module, input_shape: tuple[int, ...], **kwargs: Any) -> tuple[str, dict[str, float]]:
+    """The faster layout for ``model`` on ``input_shape``, by :func:`time_layouts`.
+
+    Keyword arguments go to :func:`time_layouts`. Logs both timings and the
+    decision on the ``cltrain.autolayout`` logger.
+
+    Returns:
+        ``("channels_last" | "contiguous", {"channels_last": s, "contiguous": s})``;
+        a tie goes to ``channels_last``.
+    """
+    seconds = time_layouts(model, input_shape, **kwargs)
+    layout = "channels_last" if seconds["channels_last"] <= seconds["contiguous"] else "contiguous"
+    log.info(
+        "auto layout for %s on %s: channels_last %.1f ms/step, contiguous %.1f ms/step -> %s",
+        type(model).__name__, tuple(input_shape), 1e3 * seconds["channels_last"], 1e3 * seconds["contiguous"], layout,
+    )
+    return layout, seconds
