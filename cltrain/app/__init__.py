@@ -1,0 +1,12 @@
+"""The Hydra training application behind ``train.py`` / ``cltrain-train``.
+
+Modules, bottom up: ``config`` (checks, device/precision mapping), ``schedule``
+(main_amp.py's learning rate), ``models`` (model factory), ``module`` (the
+LightningModule), ``progress`` (main_amp.py's log line, images/second),
+``rundir`` (run-directory guard), ``report`` (metrics.json, sweep report),
+``train`` (``train(cfg) -> dict``), ``cli`` (``main()``, the console script).
+"""
+
+from cltrain.app.config import ConfigError
+
+__all__ = ["ConfigError"]

@@ -1,0 +1,51 @@
+"""``main()``: the command line (``python train.py ...`` and the ``cltrain-train`` console script).
+
+Hydra composes ``conf/config.yaml`` with the command-line overrides and calls
+:func:`cltrain.app.train.train`. A bad config value ends the run with one line
+on stderr and exit status 2; an unknown group option (``model=nope``) is
+Hydra's own one-paragraph error listing the options (exit status 1).
+
+The config directory is, first found: ``$CLTRAIN_CONFIG_DIR``; the ``conf/``
+folder next to the ``cltrain`` package (a source checkout or editable install);
+``./conf``. Hydra's ``--config-dir`` adds another.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from cltrain.app.config import ConfigError
+
+__all__ = ["CONFIG_DIR", "main"]
+
+
+def _config_dir() -> Path:
+    candidates = [os.environ.get("CLTRAIN_CONFIG_DIR"), Path(__file__).resolve().parents[2] / "conf", Path.cwd() / "conf"]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "config.yaml").is_file():
+            return Path(candidate).resolve()
+    return Path(__file__).resolve().parents[2] / "conf"
+
+
+CONFIG_DIR = _config_dir()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+def _run(cfg: DictConfig) -> None:
+    from cltrain.app.train import train  # after Hydra has parsed the command line: `--help` stays fast
+
+    try:
+        train(cfg)
+    except ConfigError as err:
+        print(f"cltrain: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None  # not an Exception: Hydra lets it through instead of printing a traceback
+
+
+def main() -> None:
+    """Entry point of ``train.py`` and ``cltrain-train``."""
+    _run()

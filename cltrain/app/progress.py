@@ -1,0 +1,200 @@
+"""main_amp.py's progress line, and the images/second a run reports.
+
+:class:`MainAmpProgress` prints every ``print_freq`` training batches::
+
+    Epoch: [2][20/31]  Time 0.532 (0.541)  Speed 60.150 (59.121)  Loss 1.2034 (1.4310)  Prec@1 56.250 (48.125)  Prec@5 93.750 (90.625)
+
+(time per batch and images/second over the last ``print_freq`` batches, the
+running averages in brackets; loss and accuracy of the latest batch, epoch
+averages in brackets), and ``* Prec@1 ... Prec@5 ...`` after each validation.
+
+It also measures throughput: the wall time between consecutive training batch
+ends, leaving out the first ``warmup`` batches of the run, the first batch of
+every epoch (worker start-up) and validation, so the figure is the steady-state
+end-to-end training speed, data loading included. Images count across all
+processes (local batch x world size). On CUDA it synchronises at print points
+and at epoch ends only, as main_amp.py does.
+
+Example::
+
+    >>> from lightning.pytorch import Trainer
+    >>> progress = MainAmpProgress(print_freq=10, warmup=3)
+    >>> trainer = Trainer(callbacks=[progress], logger=False)   # doctest: +SKIP
+    >>> progress.summary()["images_per_second"]                  # after trainer.fit(...)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+__all__ = ["MainAmpProgress", "Meter"]
+
+
+class Meter:
+    """Wall time and images between consecutive batch ends, with a warm-up left out."""
+
+    def __init__(self, warmup: int = 0) -> None:
+        self.warmup = warmup
+        self.seen = 0  # batch ends seen, warm-up included
+        self.seconds = 0.0
+        self.images = 0
+        self.intervals = 0
+        self._last: float | None = None
+
+    def restart(self) -> None:
+        """Forget the last timestamp: the next interval (epoch start, after validation) is not counted."""
+        self._last = None
+
+    def tick(self, images: int) -> float | None:
+        """Record a batch end; returns the interval it closed (seconds), if counted."""
+        now = time.perf_counter()
+        last, self._last = self._last, now
+        self.seen += 1
+        if last is None or self.seen <= self.warmup:
+            return None
+        self.seconds += now - last
+        self.images += images
+        self.intervals += 1
+        return now - last
+
+    @property
+    def images_per_second(self) -> float | None:
+        return self.images / self.seconds if self.seconds > 0 else None
+
+    @property
+    def step_time(self) -> float | None:
+        return self.seconds / self.intervals if self.intervals else None
+
+
+class _Average:
+    def __init__(self) -> None:
+        self.sum, self.count = 0.0, 0
+
+    def add(self, value: float, n: int = 1) -> None:
+        self.sum += value * n
+        self.count += n
+
+    @property
+    def avg(self) -> float:
+        return self.sum / self.count if self.count else 0.0
+
+
+class MainAmpProgress(Callback):
+    """Print main_amp.py's periodic line and measure training/validation images per second.
+
+    Args:
+        print_freq: print every this many training batches (0: never).
+        warmup: training batches left out of the throughput figure (at least the first is always out).
+
+    Raises:
+        ValueError: ``print_freq`` or ``warmup`` negative.
+    """
+
+    def __init__(self, print_freq: int = 10, warmup: int = 3) -> None:
+        if print_freq < 0 or warmup < 0:
+            raise ValueError(f"print_freq and warmup must be >= 0, got {print_freq} and {warmup}")
+        self.print_freq = print_freq
+        self.train = Meter(warmup)
+        self.val = Meter(0)
+        self._window: list[float] = []
+        #: ``trainer.global_step`` at the end of the latest validation (None before any).
+        self.last_val_step: int | None = None
+        self._time, self._speed = _Average(), _Average()
+        self._loss, self._top1, self._top5 = _Average(), _Average(), _Average()
+
+    def _sync(self, trainer: Trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+    @staticmethod
+    def _images(batch: Any, trainer: Trainer) -> int:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return int(images.shape[0]) * trainer.world_size
+
+    # --- training -------------------------------------------------------------------------------
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.train.restart()
+        self._window.clear()
+        self._loss, self._top1, self._top5 = _Average(), _Average(), _Average()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        last_of_epoch = batch_idx + 1 >= trainer.num_training_batches
+        due = self.print_freq > 0 and ((batch_idx + 1) % self.print_freq == 0 or last_of_epoch)
+        if due or last_of_epoch:
+            self._sync(trainer)
+        images = self._images(batch, trainer)
+        interval = self.train.tick(images)
+        if interval is not None:
+            self._window.append(interval)
+        if due and isinstance(outputs, dict):
+            self._print_line(trainer, pl_module, outputs, images, batch_idx)
+
+    def _print_line(self, trainer: Trainer, pl_module: LightningModule, outputs: dict, images: int,
+                    batch_idx: int) -> None:
+        n = images // trainer.world_size
+        loss = float(outputs["loss"])
+        top1, top5 = 100 * float(outputs.get("top1", 0.0)), 100 * float(outputs.get("top5", 0.0))
+        self._loss.add(loss, n)
+        self._top1.add(top1, n)
+        self._top5.add(top5, n)
+        if self._window:
+            batch_time = sum(self._window) / len(self._window)
+            self._time.add(batch_time, len(self._window))
+            self._speed.add(images / batch_time, len(self._window))
+            self._window.clear()
+            timing = (f"Time {batch_time:.3f} ({self._time.avg:.3f})  "
+                      f"Speed {images / batch_time:.3f} ({self._speed.avg:.3f})  ")
+        else:
+            timing = "Time - (warm-up)  Speed - (warm-up)  "
+        self._emit(pl_module,
+                   f"Epoch: [{trainer.current_epoch}][{batch_idx + 1}/{trainer.num_training_batches}]  {timing}"
+                   f"Loss {loss:.4f} ({self._loss.avg:.4f})  Prec@1 {top1:.3f} ({self._top1.avg:.3f})  "
+                   f"Prec@5 {top5:.3f} ({self._top5.avg:.3f})")
+
+    # --- validation -----------------------------------------------------------------------------
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.train.restart()  # validation time is not training time
+        self.val.restart()
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self.val.tick(self._images(batch, trainer))
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync(trainer)
+        if trainer.sanity_checking:
+            return
+        self.last_val_step = trainer.global_step
+        if self.print_freq == 0:
+            return
+        metrics = trainer.callback_metrics
+        if "val/top1" in metrics:
+            self._emit(pl_module, f" * Prec@1 {100 * float(metrics['val/top1']):.3f} "
+                                  f"Prec@5 {100 * float(metrics.get('val/top5', float('nan'))):.3f}")
+
+    @rank_zero_only
+    def _emit(self, pl_module: LightningModule, line: str) -> None:
+        pl_module.print(line)  # through the progress bar when there is one, so it is not torn
+
+    def summary(self) -> dict[str, float | None]:
+        """Throughput so far: training images/second and seconds per step, validation images/second."""
+        return {
+            "images_per_second": self.train.images_per_second,
+            "step_time_s": self.train.step_time,
+            "measured_steps": self.train.intervals,
+            "val_images_per_second": self.val.images_per_second,
+        }
