@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 
 from cltrain.app.config import ConfigError
 
-__all__ = ["CONFIG_DIR", "main"]
+__all__ = ["CONFIG_DIR", "compose_config", "main"]
 
 
 def _config_dir() -> Path:
@@ -33,6 +34,15 @@ def _config_dir() -> Path:
 
 
 CONFIG_DIR = _config_dir()
+
+
+def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> DictConfig:
+    """The config ``python train.py <overrides>`` would run, composed with Hydra's compose API
+    (no run directory, so set ``run_dir=...`` before calling ``train``)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")

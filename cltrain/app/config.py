@@ -43,12 +43,21 @@ CHANNELS_LAST_MODES = ("full", "conv", "auto")
 OPTIMIZERS = ("sgd", "adamw")
 
 
+def _show(value: Any) -> str:
+    """A value as it is written on the command line (true, null, 'text', 3)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
 class ConfigError(ValueError):
     """A bad configuration value: ``key=value: reason (allowed: ...)``."""
 
     def __init__(self, key: str, value: Any, reason: str, allowed: str | None = None) -> None:
         self.key, self.value, self.reason, self.allowed = key, value, reason, allowed
-        message = f"{key}={value!r}: {reason}"
+        message = f"{key}={_show(value)}: {reason}"
         if allowed:
             message += f" (allowed: {allowed})"
         super().__init__(message)

@@ -1,0 +1,120 @@
+"""Config composition (every group option) and config checks: each bad value gets its one-line message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from cltrain.app import config as app_config
+from cltrain.app.cli import CONFIG_DIR, compose_config
+from cltrain.app.config import ConfigError, validate
+from cltrain.app.schedule import lr_at, scaled_lr
+
+GROUPS = ("model", "data", "trainer", "optim", "experiment")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes(group: str, option: str, tmp_path: Path) -> None:
+    overrides = [f"{group}={option}"]
+    if option in ("imagenet", "main_amp"):
+        overrides.append(f"data.root={tmp_path}")
+    cfg = compose_config(overrides)
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert {"model", "data", "trainer", "optim", "channels_last", "amp", "device"} <= set(cfg)
+    assert cfg.data._target_ == "cltrain.data.ImageFolderDataModule"
+    assert validate(cfg).accelerator in ("cpu", "cuda")
+
+
+def test_defaults_are_the_demo_main_job() -> None:
+    cfg = compose_config()
+    assert (cfg.model.name, cfg.data.root, cfg.channels_last, cfg.amp, cfg.device) == (
+        "resnet50", "data/demo", True, True, "auto")
+    assert cfg.data.demo.num_classes == 10
+
+
+def test_main_amp_experiment_is_the_apex_recipe(tmp_path: Path) -> None:
+    cfg = compose_config(["experiment=main_amp", f"data.root={tmp_path}"])
+    assert cfg.model.name == "resnet50" and cfg.data.image_size == 224 and cfg.data.batch_size == 256
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.momentum, cfg.optim.weight_decay) == ("sgd", 0.1, 0.9, 1e-4)
+    assert (cfg.optim.warmup_epochs, list(cfg.optim.milestones), cfg.trainer.max_epochs) == (5, [30, 60, 80], 90)
+
+
+def test_main_amp_schedule_matches_adjust_learning_rate() -> None:
+    def main_amp(epoch: int, step: int, len_epoch: int, base: float) -> float:  # apex main_amp.py, verbatim logic
+        factor = epoch // 30
+        if epoch >= 80:
+            factor = factor + 1
+        lr = base * (0.1 ** factor)
+        if epoch < 5:
+            lr = lr * float(1 + step + epoch * len_epoch) / (5.0 * len_epoch)
+        return lr
+
+    base, n = scaled_lr(0.1, 512), 7
+    for epoch in (0, 1, 4, 5, 29, 30, 59, 60, 79, 80, 89):
+        for step in (0, 3, 6):
+            assert lr_at(epoch * n + step, n, base) == pytest.approx(main_amp(epoch, step, n, base))
+
+
+def _error(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(overrides))
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "overrides,key,allowed",
+    [
+        (["model.name=resnet5"], "model.name", "resnet50"),
+        (["model.source=onnx"], "model.source", "torchvision"),
+        (["data=imagenet"], "data.root", "train/ and val/"),
+        (["data=imagenet", "data.root=/no/such/dir"], "data.root", "train/ and val/"),
+        (["data.batch_size=0"], "data.batch_size", None),
+        (["data.batch_size=-4"], "data.batch_size", None),
+        (["amp_dtype=fp16", "device=cpu"], "amp_dtype", "bf16"),
+        (["amp_dtype=fp8"], "amp_dtype", "auto, bf16, fp16"),
+        (["device=tpu"], "device", "auto, cpu, cuda"),
+        (["channels_last=maybe"], "channels_last", "true, false"),
+        (["optim.name=lbfgs"], "optim.name", "sgd, adamw"),
+        (["evaluate_only=true"], "evaluate_only", "ckpt_path"),
+        (["ckpt_path=/no/such.ckpt"], "ckpt_path", "local file"),
+        (["model.pretrained=/no/such.pth"], "model.pretrained", "local file"),
+        (["label_smoothing=1.5"], "label_smoothing", "0 <= value < 1"),
+    ],
+)
+def test_bad_config_names_key_value_and_allowed(overrides: list[str], key: str, allowed: str | None) -> None:
+    err = _error(overrides)
+    message = str(err)
+    assert err.key == key and message.startswith(f"{key}=")
+    assert "\n" not in message and len(message) < 300
+    value = overrides[-1].split("=", 1)[1] if overrides[-1].startswith(key) else None
+    if value is not None:
+        assert value in message
+    if allowed is not None:
+        assert allowed in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_asked_without_cuda() -> None:
+    assert "no CUDA device" in str(_error(["device=cuda"]))
+
+
+def test_amp_is_refused_on_a_device_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app_config, "_resolve_device", lambda device: ("mps", None))
+    err = _error(["amp=true"])
+    assert err.key == "amp" and "mps" in str(err) and "false" in str(err)
+
+
+def test_cpu_amp_is_bf16_and_warns_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert validate(compose_config(["device=cpu", "amp=false"])).precision == "32-true"
+    monkeypatch.setattr(app_config, "cpu_has_native_bf16", lambda: True)
+    assert validate(compose_config(["device=cpu"])).precision == "bf16-mixed"
+    monkeypatch.setattr(app_config, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="without native bf16"):
+        assert validate(compose_config(["device=cpu"])).precision == "bf16-mixed"
