@@ -1,0 +1,87 @@
+"""ChannelsLast(mode="auto") and ChannelsLast(audit=True) on a real Trainer."""
+
+import logging
+import time
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+from cltrain import ChannelsLast, is_channels_last
+from plain_modules import Classifier, loader
+
+
+class SlowIn(nn.Module):
+    """A small conv net that wastes 30 ms per forward when its input is in ``slow_layout``."""
+
+    def __init__(self, slow_layout: str):
+        super().__init__()
+        self.slow_layout = slow_layout
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        layout = "channels_last" if is_channels_last(x) else "contiguous"
+        if layout == self.slow_layout:
+            time.sleep(0.03)
+        return self.body(x)
+
+
+def fit(tmp_path, model, callback, **kw):
+    Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback], **kw,
+    ).fit(model, loader(4, 2))
+
+
+@pytest.mark.parametrize("slow, expected", [("channels_last", "contiguous"), ("contiguous", "channels_last")])
+def test_auto_keeps_the_faster_layout(tmp_path, caplog, slow, expected):
+    model = Classifier(net=SlowIn(slow))
+    callback = ChannelsLast(mode="auto", input_shape=(2, 3, 32, 32))
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, model, callback)
+    assert callback.layout == expected
+    assert callback.timings[slow] > callback.timings[expected] + 0.02
+    assert f"keeping {expected}" in caplog.text and "ms/step" in caplog.text
+    # the model and every batch the step saw are in the chosen layout
+    conv = model.net.body[0].weight
+    assert is_channels_last(conv) == (expected == "channels_last")
+    for *stride, shape in model.seen["train"]:
+        cl = tuple(stride) == torch.empty(shape, memory_format=torch.channels_last).stride()
+        assert cl == (expected == "channels_last")
+
+
+def test_auto_without_a_shape_says_what_to_pass(tmp_path):
+    with pytest.raises(ValueError, match="input_shape=\\(N, C, H, W\\)"):
+        fit(tmp_path, Classifier(), ChannelsLast(mode="auto"))
+
+
+class LosesLayout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3)
+        self.culprit = nn.Sequential(nn.Conv2d(8, 8, 1))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.stem(x).contiguous()  # planted: drops channels_last
+        return self.head(self.culprit(h).mean((2, 3)))
+
+
+def test_audit_on_first_batch_reports_the_planted_op(tmp_path, caplog):
+    callback = ChannelsLast(audit=True)
+    model = Classifier(net=LosesLayout())
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, model, callback)
+    report = callback.audit_report
+    assert report is not None and report.rows
+    # the .contiguous() sits in LosesLayout.forward, i.e. module "net" of the LightningModule
+    assert [(row.op, row.module_path, row.phase) for row in report.rows] == [("aten.clone", "net", "forward")]
+    assert "layout audit" in caplog.text
+    assert len(model.losses) == 2  # training went on, unaffected
+
+
+def test_audit_clean_model_reports_nothing(tmp_path):
+    callback = ChannelsLast(audit=True)
+    fit(tmp_path, Classifier(), callback)
+    assert callback.audit_report is not None and callback.audit_report.rows == []
