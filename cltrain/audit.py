@@ -236,12 +236,15 @@ class _GradFnRecorder(TorchFunctionMode):
         self.current_path = current_path
         self.node_path: dict[Any, str] = {}
 
+    def note(self, output: Any, path: str) -> None:
+        for t in tree_flatten(output)[0]:
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if node is not None and node not in self.node_path:
+                self.node_path[node] = path
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        for t in tree_flatten(result)[0]:
-            node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
-            if node is not None and node not in self.node_path:
-                self.node_path[node] = self.current_path()
+        self.note(result, self.current_path())
         return result
 
 
@@ -309,14 +312,16 @@ def audit(
         module_stack.append(names.get(id(module)) or root_name)
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
+        # Nodes the function mode cannot see (custom autograd.Function.apply) belong to this module.
+        grad_fns.note(output, current_path())
         if module_stack:
             module_stack.pop()
 
     saved_grads = {p: p.grad for p in model.parameters()}
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers() if b is not None]
-    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post, always_call=True))]
     recorder = _Recorder(where)
     grad_fns = _GradFnRecorder(current_path)
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post, always_call=True))]
     try:
         for p in saved_grads:
             p.grad = None

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.layout import memory_format_for, to_channels_last
+from cltrain.layout import layout_of, memory_format_for, to_channels_last
 
 __all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts"]
 
@@ -83,9 +83,11 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def _to_contiguous(module: nn.Module) -> nn.Module:
+    # `contiguous()` keeps channels_last strides on size-1 dims (a 1x1 conv weight), which
+    # the kernels would still read as channels_last; cloning gives canonical NCHW strides.
     for tensor in [*module.parameters(), *module.buffers()]:
-        if memory_format_for(tensor) is not None and not tensor.is_contiguous():
-            tensor.data = tensor.data.contiguous()
+        if memory_format_for(tensor) is not None and layout_of(tensor) != "contiguous":
+            tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
     return module
 
 
@@ -113,7 +115,7 @@ def model_in_layout(model: nn.Module, layout: str, device: torch.device | str | 
 
 
 def _input_in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
-    return to_channels_last(x) if layout == "channels_last" else x.contiguous()
+    return to_channels_last(x) if layout == "channels_last" else x.clone(memory_format=torch.contiguous_format)
 
 
 def _timed(fn: Callable[[], None], device: torch.device) -> float:

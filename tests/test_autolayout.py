@@ -1,0 +1,86 @@
+"""Auto layout: timing both layouts of a model and keeping the faster."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from cltrain import layout_of, layout_summary, to_channels_last
+from cltrain.autolayout import choose_layout, model_in_layout, scalar_loss, time_layouts
+
+
+class SlowIn(nn.Module):
+    """Identity that sleeps when its input is in ``slow_layout``: a layer with a bad kernel for one layout."""
+
+    def __init__(self, slow_layout: str, seconds: float = 0.03) -> None:
+        super().__init__()
+        self.slow_layout, self.seconds = slow_layout, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if layout_of(x) == self.slow_layout:
+            time.sleep(self.seconds)
+        return x
+
+
+def slow_model(slow_layout: str) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), SlowIn(slow_layout), nn.ReLU(), nn.Conv2d(8, 4, 1))
+
+
+@pytest.mark.parametrize(("slow", "expected"), [("channels_last", "contiguous"), ("contiguous", "channels_last")])
+def test_choose_layout_picks_the_faster_layout(slow, expected):
+    layout, seconds = choose_layout(slow_model(slow), (2, 3, 16, 16), steps=3, warmup=1)
+    assert layout == expected
+    assert seconds[slow] > seconds[expected] + 0.02
+
+
+def test_choose_layout_logs_both_timings_and_the_decision(caplog):
+    with caplog.at_level("INFO", logger="cltrain.autolayout"):
+        layout, _ = choose_layout(slow_model("channels_last"), (2, 3, 16, 16), steps=1, warmup=0)
+    assert "channels_last" in caplog.text and "contiguous" in caplog.text and f"-> {layout}" in caplog.text
+
+
+def test_time_layouts_leaves_the_model_alone():
+    model = slow_model("none")
+    model(torch.randn(2, 3, 16, 16)).mean().backward()  # existing grads and BN stats
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.eval()
+    seconds = time_layouts(model, (2, 3, 16, 16), steps=1, warmup=1)
+    assert set(seconds) == {"channels_last", "contiguous"} and all(s > 0 for s in seconds.values())
+    assert not model.training
+    assert layout_summary(model) == {"contiguous": 2, "rank1": 4}
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+
+
+def test_time_layouts_handles_5d_inputs():
+    model = nn.Sequential(nn.Conv3d(2, 4, 3), nn.ReLU())
+    assert set(time_layouts(model, (1, 2, 6, 6, 6), steps=1, warmup=0)) == {"channels_last", "contiguous"}
+
+
+def test_time_layouts_runs_under_bf16_autocast():
+    seconds = time_layouts(slow_model("none"), (2, 3, 16, 16), steps=1, warmup=0, autocast_dtype=torch.bfloat16)
+    assert all(s > 0 for s in seconds.values())
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 16), (2, 3, 4, 4, 4, 4)])
+def test_time_layouts_rejects_other_ranks(shape):
+    with pytest.raises(ValueError, match="4-D or 5-D"):
+        time_layouts(slow_model("none"), shape)
+
+
+def test_model_in_layout_copies_and_converts():
+    model = to_channels_last(slow_model("none"))
+    contiguous = model_in_layout(model, "contiguous")
+    assert layout_summary(contiguous)["contiguous"] == 2 and layout_summary(model)["channels_last"] == 2
+    assert layout_summary(model_in_layout(contiguous, "channels_last"))["channels_last"] == 2
+    with pytest.raises(ValueError, match="'nhwc'"):
+        model_in_layout(model, "nhwc")
+
+
+def test_scalar_loss_sums_every_float_output_that_requires_grad():
+    a, b = torch.ones(2, 3, requires_grad=True), torch.full((4,), 2.0, requires_grad=True)
+    assert scalar_loss({"main": a, "aux": (b, torch.zeros(2, dtype=torch.long))}).item() == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="no floating tensor"):
+        scalar_loss(torch.ones(2))
