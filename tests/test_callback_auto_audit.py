@@ -13,7 +13,7 @@ from plain_modules import Classifier, loader
 
 
 class SlowIn(nn.Module):
-    """A small conv net that wastes 30 ms per forward when its input is in ``slow_layout``."""
+    """A small conv net that wastes 100 ms per forward when its input is in ``slow_layout``."""
 
     def __init__(self, slow_layout: str):
         super().__init__()
@@ -23,7 +23,7 @@ class SlowIn(nn.Module):
     def forward(self, x):
         layout = "channels_last" if is_channels_last(x) else "contiguous"
         if layout == self.slow_layout:
-            time.sleep(0.03)
+            time.sleep(0.1)
         return self.body(x)
 
 
@@ -41,7 +41,7 @@ def test_auto_keeps_the_faster_layout(tmp_path, caplog, slow, expected):
     with caplog.at_level(logging.INFO):
         fit(tmp_path, model, callback)
     assert callback.layout == expected
-    assert callback.timings[slow] > callback.timings[expected] + 0.02
+    assert callback.timings[slow] > callback.timings[expected]
     assert f"keeping {expected}" in caplog.text and "ms/step" in caplog.text
     # the model and every batch the step saw are in the chosen layout
     conv = model.net.body[0].weight
