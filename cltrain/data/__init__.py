@@ -1,0 +1,51 @@
+"""The NHWC data path: batches leave the loader as uint8 NHWC, straight from the decoded images.
+
+* :func:`train_transform`, :func:`eval_transform`: PIL image -> HWC uint8 in one
+  crop+resize call, with reduced-size JPEG decoding when it cannot change the output.
+* :class:`NHWCCollate` / :func:`nhwc_collate`: images into one ``(N, H, W, C)``
+  buffer, returned as its ``(N, C, H, W)`` channels_last view, plus int64 targets.
+* :func:`normalize`: uint8 -> float32/bfloat16/float16 on the device, channels_last.
+* :class:`ImageFolderDataModule`: all of it for Lightning, from an ImageNet-layout folder.
+* :func:`make_demo_dataset`: a small JPEG folder with a learnable signal, made locally.
+
+Example::
+
+    >>> from torch.utils.data import DataLoader
+    >>> from cltrain.data import ImageFolderDataset, train_transform, nhwc_collate, normalize, make_demo_dataset
+    >>> root = make_demo_dataset("/tmp/cltrain-demo")
+    >>> loader = DataLoader(ImageFolderDataset(root / "train", train_transform(224)), batch_size=8,
+    ...                     num_workers=2, collate_fn=nhwc_collate)
+    >>> images, targets = next(iter(loader))
+    >>> x = normalize(images)           # on the GPU: normalize(images.cuda(non_blocking=True))
+    >>> x.shape, x.is_contiguous(memory_format=torch.channels_last)
+    (torch.Size([8, 3, 224, 224]), True)
+"""
+
+from cltrain.data.collate import NHWCCollate, nhwc_collate
+from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
+from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
+from cltrain.data.dataset import BadImageError, ImageFolderDataset
+from cltrain.data.demo import make_demo_dataset
+from cltrain.data.normalize import normalize
+from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMG_EXTENSIONS",
+    "SKIPPED_FILES_NAME",
+    "BadImageError",
+    "CropParams",
+    "ImageFolderDataModule",
+    "ImageFolderDataset",
+    "NHWCCollate",
+    "PrefetchDataLoader",
+    "RandomResizedCropFlip",
+    "ResizeCenterCrop",
+    "eval_transform",
+    "make_demo_dataset",
+    "nhwc_collate",
+    "normalize",
+    "train_transform",
+]

@@ -1,0 +1,237 @@
+"""``ImageFolderDataModule``: an ImageNet-layout folder as NHWC batches for Lightning.
+
+``root/train/<class>/<image>`` and ``root/val/<class>/<image>``; test and predict
+use ``val``. Workers decode and crop with :func:`train_transform` /
+:func:`eval_transform` and collate with :class:`NHWCCollate`, so uint8 NHWC
+buffers cross the process boundary and the host-to-device copy; the batch is
+normalised on the device in ``on_after_batch_transfer``, so every step
+(training, validation, test, predict) receives ``(images, targets)`` with
+images normalised float, channels_last (or contiguous NCHW with
+``channels_last=False``). Under DDP Lightning swaps in its DistributedSampler.
+
+Example::
+
+    >>> import lightning as L
+    >>> from cltrain.data import ImageFolderDataModule, make_demo_dataset
+    >>> dm = ImageFolderDataModule(make_demo_dataset("/tmp/cltrain-demo"), batch_size=32, num_workers=2)
+    >>> dm.num_classes, dm.input_shape
+    (10, (32, 3, 224, 224))
+    >>> # L.Trainer(max_epochs=1).fit(model, datamodule=dm)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from cltrain.data.collate import NHWCCollate
+from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
+from cltrain.data.dataset import BAD_FILE_POLICIES, ImageFolderDataset, find_classes
+from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
+from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.transforms import _pair, eval_transform, train_transform
+
+__all__ = ["SKIPPED_FILES_NAME", "ImageFolderDataModule"]
+
+#: Name of the file (in the run directory) the skipped bad files are listed in.
+SKIPPED_FILES_NAME = "skipped_files.tsv"
+
+
+class _SkippedFilesReport(L.Callback):
+    """Counts the lines workers appended to the skipped-files list, per split and epoch,
+    logs them as ``data/skipped_<split>`` and warns when there are any."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def _new_counts(self) -> dict[str, int]:
+        if not self.path.is_file():
+            return {}
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            lines = f.read().splitlines()
+            self._offset = f.tell()
+        counts: dict[str, int] = {}
+        for line in lines:
+            split = line.split("\t", 1)[0]
+            counts[split] = counts.get(split, 0) + 1
+        return counts
+
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
+        counts = self._new_counts()
+        for split, n in counts.items():
+            rank_zero_warn(f"ImageFolderDataModule: skipped {n} unreadable file(s) of {split!r} in epoch "
+                           f"{trainer.current_epoch}; their paths are in {self.path}.")
+        if can_log and not trainer.sanity_checking:
+            for split in ("train", "val"):
+                pl_module.log(f"data/skipped_{split}", float(counts.get(split, 0)), reduce_fx="sum", sync_dist=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module)
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.training:  # during fit the train epoch end reports both splits
+            self._report(trainer, pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module)
+
+    @override
+    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module, can_log=False)
+
+
+class ImageFolderDataModule(L.LightningDataModule):
+    """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
+
+    Args:
+        root: folder holding ``train/`` and ``val/``, each ``<class>/<image>``.
+        batch_size: images per batch (the last batch may be smaller).
+        num_workers: DataLoader worker processes (0: load in the main process).
+        persistent_workers: keep workers between epochs (when ``num_workers > 0``).
+        pin_memory: ``None`` pins only when the trainer runs on a GPU.
+        image_size: training crop and evaluation crop (int or (height, width)).
+        val_resize_size: shorter side before the evaluation centre crop.
+        channels: 3 (RGB) or 1 (grayscale).
+        bad_files: ``"raise"``: an unreadable file stops with an error naming it;
+            ``"skip"``: it is replaced by the next readable sample, the count is
+            logged each epoch (``data/skipped_train``, ``data/skipped_val``) and the
+            paths are appended to ``<run dir>/skipped_files.tsv``.
+        mean, std: normalisation statistics (0-1 units).
+        dtype: dtype of the normalised images (float32, bfloat16 or float16).
+        channels_last: ``False`` gives contiguous NCHW batches (the baseline).
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream
+            (:class:`~cltrain.data.prefetch.PrefetchDataLoader`).
+
+    Raises:
+        ValueError: a bad argument (at construction); a split without class
+            folders, an empty class folder, or classes that differ (in ``setup``).
+        FileNotFoundError: a missing root or split (in ``setup``, or on reading
+            :attr:`classes`).
+    """
+
+    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int = 4, persistent_workers: bool = True,
+                 pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
+                 channels: int = 3, bad_files: str = "raise", mean: Sequence[float] = IMAGENET_MEAN,
+                 std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32, channels_last: bool = True,
+                 cuda_prefetch: bool = True) -> None:
+        super().__init__()
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"ImageFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
+        if not (isinstance(num_workers, int) and num_workers >= 0):
+            raise ValueError(f"ImageFolderDataModule: num_workers={num_workers!r} must be an int >= 0.")
+        if bad_files not in BAD_FILE_POLICIES:
+            raise ValueError(f"ImageFolderDataModule: bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
+        if dtype not in NORMALIZE_DTYPES:
+            raise ValueError(f"ImageFolderDataModule: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
+        if len(mean) not in (1, channels) or len(std) not in (1, channels):
+            raise ValueError(f"ImageFolderDataModule: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
+        self.root = Path(root)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
+        self.image_size = _pair(image_size, "image_size")
+        self.val_resize_size, self.channels = val_resize_size, channels
+        self.bad_files, self.mean, self.std, self.dtype = bad_files, tuple(mean), tuple(std), dtype
+        self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
+        # Build the transforms now so that bad sizes/channels fail here, not in a worker.
+        self.train_transform = train_transform(self.image_size, channels=channels)
+        self.eval_transform = eval_transform(self.image_size, val_resize_size, channels=channels)
+        self.train_set: ImageFolderDataset | None = None
+        self.val_set: ImageFolderDataset | None = None
+        self._classes: list[str] | None = None
+        self._pin = False
+        self._device: torch.device | None = None
+        self._skip_log: Path | None = None
+
+    def _split_dir(self, split: str) -> Path:
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"ImageFolderDataModule: root {self.root} does not exist or is not a folder. "
+                                    "Point root at a folder with train/ and val/ (ImageNet layout), "
+                                    "or make one with cltrain.data.make_demo_dataset(root).")
+        return self.root / split
+
+    @property
+    def classes(self) -> list[str]:
+        """Class folder names of ``root/train``, in label order."""
+        if self._classes is None:
+            self._classes = find_classes(self._split_dir("train"))
+        return self._classes
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (class folders of ``root/train``)."""
+        return len(self.classes)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int, int]:
+        """``(batch_size, channels, height, width)`` of a training batch."""
+        return (self.batch_size, self.channels, *self.image_size)
+
+    @override
+    def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        self._device = device
+        self._pin = device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
+        if self.bad_files == "skip" and trainer is not None:
+            run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            name = SKIPPED_FILES_NAME if trainer.world_size == 1 else f"rank{trainer.global_rank}.{SKIPPED_FILES_NAME}"
+            self._skip_log = run_dir / name
+            if not any(isinstance(cb, _SkippedFilesReport) for cb in trainer.callbacks):
+                trainer.callbacks.append(_SkippedFilesReport(self._skip_log))
+        # Everything is checked here, before the first step: root, splits, classes, images.
+        if stage == "fit" and self.train_set is None:
+            self.train_set = ImageFolderDataset(self._split_dir("train"), self.train_transform, None,
+                                                self.bad_files, self._skip_log)
+            self._classes = self.train_set.classes
+        if self.val_set is None:
+            self.val_set = ImageFolderDataset(self._split_dir("val"), self.eval_transform, self.classes,
+                                              self.bad_files, self._skip_log)
+
+    def _loader(self, dataset: ImageFolderDataset | None, shuffle: bool) -> PrefetchDataLoader:
+        if dataset is None:
+            raise RuntimeError("ImageFolderDataModule: call setup() (the Trainer does) before asking for a dataloader.")
+        workers = self.num_workers
+        prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
+        return PrefetchDataLoader(
+            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=workers,
+            collate_fn=NHWCCollate(pin_memory=self._pin and workers == 0),  # workers: pinned by the loader, in this process
+            pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
+            drop_last=False, prefetch_device=prefetch)
+
+    @override
+    def train_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def test_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def predict_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Normalise the uint8 images of ``(images, targets)`` on their device."""
+        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dtype == torch.uint8:
+            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+            images = normalize(batch[0], self.mean, self.std, self.dtype, memory_format=fmt)
+            return type(batch)((images, *batch[1:])) if isinstance(batch, tuple) else [images, *batch[1:]]
+        return batch

@@ -1,0 +1,183 @@
+"""Transforms: PIL image in, HWC uint8 numpy array out, in one resample call.
+
+Each transform draws its random parameters in ``make_params`` (pure, seedable)
+and does the pixel work in ``apply`` (deterministic), as torchvision's v2
+transforms do, so tests can pin the crop box and the flip. Both are plain
+picklable objects, fit for DataLoader workers.
+
+Example::
+
+    >>> from PIL import Image
+    >>> t = train_transform(224)
+    >>> t(Image.new("RGB", (500, 375))).shape
+    (224, 224, 3)
+    >>> p = t.make_params(500, 375)      # CropParams(box=(left, top, right, bottom), flip=...)
+    >>> t.apply(Image.new("L", (500, 375)), p).dtype
+    dtype('uint8')
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from cltrain.data.decode import resized_crop
+
+__all__ = ["CropParams", "RandomResizedCropFlip", "ResizeCenterCrop", "eval_transform", "train_transform"]
+
+
+@dataclass(frozen=True)
+class CropParams:
+    """What one call of a transform does: crop ``box`` = (left, top, right, bottom) in
+    source pixels, resize it to the output size, then mirror it if ``flip``."""
+
+    box: tuple[float, float, float, float]
+    flip: bool = False
+
+
+def _pair(size: int | tuple[int, int], name: str) -> tuple[int, int]:
+    pair = (size, size) if isinstance(size, int) else tuple(size)
+    if len(pair) != 2 or not all(isinstance(s, int) and s > 0 for s in pair):
+        raise ValueError(f"{name}={size!r} must be a positive int or a (height, width) pair of them.")
+    return pair  # type: ignore[return-value]
+
+
+def _check_channels(channels: int) -> int:
+    if channels not in (1, 3):
+        raise ValueError(f"channels={channels!r} must be 3 (RGB) or 1 (grayscale).")
+    return channels
+
+
+class _Transform:
+    size: tuple[int, int]
+    channels: int
+
+    def make_params(self, width: int, height: int) -> CropParams:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def apply(self, img: Image.Image, params: CropParams) -> np.ndarray:
+        """The pixel work for ``params``: HWC uint8 of shape ``(*size, channels)``."""
+        return resized_crop(img, params.box, self.size, self.channels, params.flip)
+
+    def __call__(self, img: Image.Image | str | os.PathLike) -> np.ndarray:
+        """Transform a PIL image (best opened lazily, so JPEG decoding can be reduced) or a path."""
+        if isinstance(img, (str, os.PathLike)):
+            with Image.open(img) as opened:
+                return self(opened)
+        if not isinstance(img, Image.Image):
+            raise TypeError(f"{type(self).__name__} expects a PIL image or a path, got {type(img).__name__}.")
+        return self.apply(img, self.make_params(*img.size))
+
+
+class RandomResizedCropFlip(_Transform):
+    """torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` in one resample.
+
+    Args:
+        size: output (height, width), or one int for a square.
+        scale: range of the crop's area as a fraction of the image's.
+        ratio: range of the crop's aspect ratio (width / height), drawn log-uniformly.
+        hflip: probability of a horizontal flip.
+        channels: 3 (RGB) or 1 (grayscale).
+        rng: a ``random.Random`` to draw from; ``None`` uses the ``random`` module,
+            which DataLoader workers seed per worker.
+    """
+
+    def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, channels: int = 3,
+                 rng: random.Random | None = None) -> None:
+        self.size = _pair(size, "size")
+        if not (len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
+            raise ValueError(f"scale={scale!r} must be (low, high) with 0 < low <= high <= 1.")
+        if not (len(ratio) == 2 and 0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"ratio={ratio!r} must be (low, high) with 0 < low <= high.")
+        if not 0 <= hflip <= 1:
+            raise ValueError(f"hflip={hflip!r} must be a probability in [0, 1].")
+        self.scale, self.ratio, self.hflip = tuple(scale), tuple(ratio), float(hflip)
+        self.channels = _check_channels(channels)
+        self.rng = rng
+
+    def make_params(self, width: int, height: int) -> CropParams:
+        """Draw a crop box with torchvision's distribution (10 tries, then its central fallback) and a flip."""
+        rng = self.rng or random
+        area = width * height
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target_area = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                top = rng.randint(0, height - h)
+                left = rng.randint(0, width - w)
+                return CropParams((left, top, left + w, top + h), rng.random() < self.hflip)
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w, h = width, int(round(width / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            w, h = int(round(height * max(self.ratio))), height
+        else:
+            w, h = width, height
+        top, left = (height - h) // 2, (width - w) // 2
+        return CropParams((left, top, left + w, top + h), rng.random() < self.hflip)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
+                f"hflip={self.hflip}, channels={self.channels})")
+
+
+class ResizeCenterCrop(_Transform):
+    """torchvision's ``Resize(resize_size)`` + ``CenterCrop(size)`` in one resample.
+
+    The crop box is mapped back to source pixels, so the samples are those of
+    resizing the whole image and then cropping (same output sizes and positions).
+
+    Args:
+        size: output (height, width), or one int for a square.
+        resize_size: the shorter side after resizing (torchvision's rule for the longer
+            one); ``None`` crops the centre of the image as it is.
+        channels: 3 (RGB) or 1 (grayscale).
+    """
+
+    def __init__(self, size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3) -> None:
+        self.size = _pair(size, "size")
+        if resize_size is not None and not (isinstance(resize_size, int) and resize_size >= max(self.size)):
+            raise ValueError(f"resize_size={resize_size!r} must be an int >= the crop size {self.size} (or None).")
+        self.resize_size = resize_size
+        self.channels = _check_channels(channels)
+
+    def make_params(self, width: int, height: int) -> CropParams:
+        """The (deterministic) box of the centre crop in source pixels."""
+        if self.resize_size is None:
+            new_w, new_h = width, height
+        else:
+            short, long = (width, height) if width <= height else (height, width)
+            new_short, new_long = self.resize_size, int(self.resize_size * long / short)
+            new_w, new_h = (new_short, new_long) if width <= height else (new_long, new_short)
+        crop_h, crop_w = self.size
+        if crop_h > new_h or crop_w > new_w:
+            raise ValueError(f"ResizeCenterCrop: a {width}x{height} image is {new_w}x{new_h} after resizing, "
+                             f"smaller than the crop {crop_w}x{crop_h}; set resize_size.")
+        top, left = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))
+        sx, sy = width / new_w, height / new_h
+        return CropParams((left * sx, top * sy, (left + crop_w) * sx, (top + crop_h) * sy), False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, resize_size={self.resize_size}, channels={self.channels})"
+
+
+def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
+                    ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, channels: int = 3) -> RandomResizedCropFlip:
+    """The training transform: random-resized-crop + horizontal flip, PIL image -> HWC uint8.
+    See :class:`RandomResizedCropFlip`."""
+    return RandomResizedCropFlip(size, scale, ratio, hflip, channels)
+
+
+def eval_transform(size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3) -> ResizeCenterCrop:
+    """The evaluation transform: resize the shorter side, centre crop, PIL image -> HWC uint8.
+    See :class:`ResizeCenterCrop`."""
+    return ResizeCenterCrop(size, resize_size, channels)
