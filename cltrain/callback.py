@@ -115,6 +115,7 @@ class ChannelsLast(Callback):
         self.audit_report: Any = None
         self._audited = False
         self._told_inputs = False
+        self._warned_no_conv = False
 
     # ---- model conversion ----------------------------------------------------------------------
 
@@ -144,7 +145,8 @@ class ChannelsLast(Callback):
         if self.layout == "channels_last":
             to_channels_last(pl_module, mode="conv" if self.mode == "conv" else "full")
         self.summary = layout_summary(pl_module, buffers=True)
-        if not any(isinstance(m, CONV_TYPES) for m in pl_module.modules()):
+        if not self._warned_no_conv and not any(isinstance(m, CONV_TYPES) for m in pl_module.modules()):
+            self._warned_no_conv = True
             rank_zero_warn(
                 f"ChannelsLast: {type(pl_module).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
                 "channels_last has nothing to speed up; remove the callback or keep it for the layout checks."

@@ -3,6 +3,7 @@
 from collections import namedtuple
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -206,8 +207,13 @@ def test_bad_arguments_are_rejected_with_the_value(kwargs, match):
 
 def test_warns_when_the_model_has_no_convolution(tmp_path):
     model = Classifier(net=nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4)))
+    trainer = make_trainer(tmp_path, [ChannelsLast()])
     with pytest.warns(UserWarning, match="no Conv2d/Conv3d"):
-        make_trainer(tmp_path, [ChannelsLast()]).fit(model, loader(4, 2))
+        trainer.fit(model, loader(4, 2))
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        trainer.validate(model, loader(2, 2))
+    assert not [w for w in again if "no Conv2d/Conv3d" in str(w.message)]  # once, not at every setup
 
 
 def test_logs_what_it_converted(tmp_path, caplog):
