@@ -16,7 +16,8 @@ checker), and reports:
   LayerNorm, as ConvNeXt does) is not reported: its memory order is unchanged;
 * layout-changing copies per step: ``clone``/``_to_copy``/``copy_`` from one
   definite layout to the other, plus the conversion a convolution makes when
-  its input and weight disagree (counted as "implicit").
+  its operands (input, weight, and in backward the incoming gradient) disagree
+  (counted as "implicit").
 
 The model is left as it was: gradients, BatchNorm running statistics and
 train/eval mode are restored.
@@ -212,11 +213,11 @@ class _Recorder(TorchDispatchMode):
             if a and b and a != b:
                 self._add(self.copies, self._row(op, "copy", [src], dst))
         elif op in _CONV_OPS:
-            # convolution(input, weight, ...); convolution_backward(grad_output, input, weight, ...)
-            x, w = (args[0], args[1]) if op == "aten.convolution" else (args[1], args[2])
-            a, b = _definite(x), _definite(w)
-            if a and b and a != b:
-                self._add(self.copies, self._row(op, "implicit", [x, w], flat_out[0]))
+            # convolution(input, weight, ...); convolution_backward(grad_output, input, weight, ...):
+            # the kernel converts whichever operands disagree with the layout it picks.
+            operands = list(args[:2] if op == "aten.convolution" else args[:3])
+            if len({_definite(t) for t in operands} - {None}) > 1:
+                self._add(self.copies, self._row(op, "implicit", operands, flat_out[0]))
         cl_inputs = [t for t in flat_in if _definite(t) == "cl"]
         if cl_inputs:
             kind = "view" if func.is_view else "copy" if op in _COPY_OPS else "compute"
