@@ -28,6 +28,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -45,7 +46,7 @@ SKIPPED_FILES_NAME = "skipped_files.tsv"
 
 
 class _SkippedFilesReport(L.Callback):
-    """Counts the lines workers appended to the skipped-files list, per split and epoch,
+    """Counts the distinct files workers appended to the skipped-files list, per split and epoch,
     logs them as ``data/skipped_<split>`` and warns when there are any."""
 
     def __init__(self, path: Path) -> None:
@@ -59,9 +60,11 @@ class _SkippedFilesReport(L.Callback):
             f.seek(self._offset)
             lines = f.read().splitlines()
             self._offset = f.tell()
+        # A file can be met more than once in an epoch (also as the replacement tried for
+        # another bad file): count distinct files.
+        seen = {tuple(line.split("\t", 2)[:2]) for line in lines if "\t" in line}
         counts: dict[str, int] = {}
-        for line in lines:
-            split = line.split("\t", 1)[0]
+        for split, _ in seen:
             counts[split] = counts.get(split, 0) + 1
         return counts
 
@@ -80,7 +83,7 @@ class _SkippedFilesReport(L.Callback):
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.training:  # during fit the train epoch end reports both splits
+        if trainer.state.fn != TrainerFn.FITTING:  # during fit the train epoch end reports both splits
             self._report(trainer, pl_module)
 
     @override

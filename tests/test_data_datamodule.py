@@ -1,0 +1,150 @@
+import shutil
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from cltrain import is_channels_last
+from cltrain.callback import ChannelsLast
+from cltrain.data import SKIPPED_FILES_NAME, BadImageError, ImageFolderDataModule, ImageFolderDataset, eval_transform
+from data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
+
+SIZE = 32
+
+
+class Recorder(L.LightningModule):
+    """A tiny conv net that records what each step receives."""
+
+    def __init__(self, num_classes=2, channels=3):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(channels, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+        self.seen = {}
+
+    def _record(self, stage, batch):
+        x, y = batch
+        self.seen.setdefault(stage, []).append(
+            (x.dtype, tuple(x.shape), is_channels_last(x), x.is_contiguous(), float(x.min()), float(x.max()), y.dtype))
+        return nn.functional.cross_entropy(self.net(x).float(), y)
+
+    def training_step(self, batch, batch_idx):
+        return self._record("train", batch)
+
+    def validation_step(self, batch, batch_idx):
+        self._record("val", batch)
+
+    def test_step(self, batch, batch_idx):
+        self._record("test", batch)
+
+    def predict_step(self, batch, batch_idx):
+        self._record("predict", batch)
+        return batch[1]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _trainer(tmp_path, callbacks=(), **kw):
+    args = dict(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=2, limit_test_batches=2,
+                limit_predict_batches=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    args.update(kw)
+    return L.Trainer(callbacks=list(callbacks), **args)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_image_folder(tmp_path_factory.mktemp("folder"), classes=2, train=5, val=3, size=(64, 48))
+
+
+def test_end_to_end_with_channels_last_callback(folder, tmp_path):
+    dm = ImageFolderDataModule(folder, batch_size=4, num_workers=2, image_size=SIZE, val_resize_size=36)
+    assert dm.num_classes == 2 and dm.classes == ["c0", "c1"] and dm.input_shape == (4, 3, SIZE, SIZE)
+    model = Recorder(dm.num_classes)
+    trainer = _trainer(tmp_path, [ChannelsLast()])
+    trainer.fit(model, datamodule=dm)
+    trainer.test(model, datamodule=dm, verbose=False)
+    trainer.predict(model, datamodule=dm)
+    assert is_channels_last(model.net[0].weight)
+    assert set(model.seen) == {"train", "val", "test", "predict"}
+    for stage, records in model.seen.items():
+        for dtype, shape, cl, _, lo, hi, ydtype in records:
+            assert dtype == torch.float32 and cl and ydtype == torch.int64, stage
+            assert shape[1:] == (3, SIZE, SIZE) and -2.2 <= lo < 0 < hi <= 2.7, stage  # normalised, not 0..255
+    assert [r[1][0] for r in model.seen["val"]] == [4, 2]  # the ragged last batch keeps its layout too
+
+
+def test_batches_are_channels_last_without_the_callback_and_nchw_on_request(folder, tmp_path):
+    for channels_last in (True, False):
+        dm = ImageFolderDataModule(folder, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36,
+                                   channels=1, mean=(0.5,), std=(0.5,), dtype=torch.bfloat16, channels_last=channels_last)
+        model = Recorder(2, channels=1).to(torch.bfloat16)
+        _trainer(tmp_path, limit_train_batches=1, limit_val_batches=1).fit(model, datamodule=dm)
+        for dtype, shape, cl, contiguous, *_ in model.seen["train"] + model.seen["val"]:
+            assert dtype == torch.bfloat16 and shape[1] == 1
+            assert cl if channels_last else (contiguous and not cl)
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_raise_policy_names_the_file_and_the_reason(tmp_path, kind):
+    root = write_image_folder(tmp_path / "data", classes=1, train=1, val=1, size=(64, 48))
+    odd = write_odd_files(tmp_path / "odd")
+    shutil.copy(odd[kind], root / "val" / "c0" / odd[kind].name)
+    ds = ImageFolderDataset(root / "val", eval_transform(SIZE, 36))
+    bad_index = [p for p, _ in ds.samples].index(str(root / "val" / "c0" / odd[kind].name))
+    with pytest.raises(BadImageError, match=rf"{odd[kind].name}: cannot be read as an image \(\w+.*bad_files='skip'"):
+        ds[bad_index]
+
+
+def test_raise_policy_stops_training_and_odd_modes_are_read(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=1, size=(64, 48))
+    odd = write_odd_files(tmp_path / "odd")
+    for kind in READABLE:
+        shutil.copy(odd[kind], root / "train" / "c0" / odd[kind].name)
+    dm = ImageFolderDataModule(root, batch_size=16, num_workers=0, image_size=SIZE, val_resize_size=36)
+    _trainer(tmp_path, limit_train_batches=1, limit_val_batches=1).fit(Recorder(), datamodule=dm)  # all readable
+    shutil.copy(odd["truncated"], root / "train" / "c1" / "truncated.jpg")
+    dm = ImageFolderDataModule(root, batch_size=16, num_workers=0, image_size=SIZE, val_resize_size=36)
+    with pytest.raises(BadImageError, match="truncated.jpg"):
+        _trainer(tmp_path, limit_train_batches=1, limit_val_batches=1).fit(Recorder(), datamodule=dm)
+
+
+def test_skip_policy_replaces_logs_and_lists_the_files(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=3, val=2, size=(64, 48))
+    odd = write_odd_files(tmp_path / "odd")
+    for kind in BAD:
+        shutil.copy(odd[kind], root / "train" / "c1" / odd[kind].name)
+    shutil.copy(odd["empty"], root / "val" / "c0" / "empty.jpg")
+    for kind in ("cmyk", "gray16", "rgba", "gray"):
+        shutil.copy(odd[kind], root / "train" / "c0" / odd[kind].name)
+    dm = ImageFolderDataModule(root, batch_size=4, num_workers=2, image_size=SIZE, val_resize_size=36, bad_files="skip")
+    model = Recorder()
+    trainer = _trainer(tmp_path / "run", [ChannelsLast()], max_epochs=2, limit_train_batches=None, limit_val_batches=None)
+    with pytest.warns(UserWarning, match="skipped 3 unreadable file"):
+        trainer.fit(model, datamodule=dm)
+    assert len(model.seen["train"]) == 2 * 4  # 13 files, 3 of them replaced, in batches of 4, two epochs
+    assert trainer.callback_metrics["data/skipped_train"] == 3 and trainer.callback_metrics["data/skipped_val"] == 1
+    lines = (tmp_path / "run" / SKIPPED_FILES_NAME).read_text().splitlines()
+    assert {line.split("\t")[0] for line in lines} == {"train", "val"}
+    assert {line.split("\t")[1].rsplit("/", 1)[1] for line in lines} == {"truncated.jpg", "empty.jpg", "text.jpg"}
+
+
+def test_layout_errors_come_before_training(tmp_path):
+    def fit(root):
+        _trainer(tmp_path, limit_train_batches=1).fit(Recorder(), datamodule=ImageFolderDataModule(root, num_workers=0))
+
+    with pytest.raises(FileNotFoundError, match="root .*nowhere does not exist"):
+        fit(tmp_path / "nowhere")
+    root = write_image_folder(tmp_path / "data", classes=2, train=1, val=1, size=(64, 48))
+    shutil.rmtree(root / "val")
+    with pytest.raises(FileNotFoundError, match=r"val is not a folder.*ImageNet layout"):
+        fit(root)
+    (root / "val").mkdir()
+    with pytest.raises(ValueError, match="val holds no class folders"):
+        fit(root)
+    (root / "val" / "c0").mkdir()
+    (root / "val" / "c0" / "notes.txt").write_text("no images here")
+    with pytest.raises(ValueError, match=r"class folder .*c0 has no images"):
+        fit(root)
+    with pytest.raises(ValueError, match="bad_files='ignore'"):
+        ImageFolderDataModule(root, bad_files="ignore")
