@@ -1,6 +1,5 @@
 import hashlib
 
-import numpy as np
 import pytest
 from PIL import Image
 
