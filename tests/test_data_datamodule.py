@@ -3,11 +3,15 @@ import shutil
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.utilities.data import _replace_dunder_methods
+from lightning.pytorch.utilities.data import _update_dataloader
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
 from cltrain import is_channels_last
 from cltrain.callback import ChannelsLast
-from cltrain.data import SKIPPED_FILES_NAME, BadImageError, ImageFolderDataModule, ImageFolderDataset, eval_transform
+from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, ImageFolderDataModule, ImageFolderDataset, PrefetchDataLoader,
+                          eval_transform)
 from data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
 
 SIZE = 32
@@ -148,3 +152,19 @@ def test_layout_errors_come_before_training(tmp_path):
         fit(root)
     with pytest.raises(ValueError, match="bad_files='ignore'"):
         ImageFolderDataModule(root, bad_files="ignore")
+
+
+def test_loader_can_be_rebuilt_with_a_distributed_sampler(folder):
+    # What Lightning does under DDP: re-create the DataLoader (our subclass) with its sampler.
+    dm = ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=SIZE, val_resize_size=36)
+    trainer = _trainer(folder.parent / "ddp")
+    trainer.strategy.connect(Recorder())
+    dm.trainer = trainer
+    dm.setup("fit")
+    with _replace_dunder_methods(DataLoader, "dataset"):
+        loader = dm.train_dataloader()
+    sampler = DistributedSampler(dm.train_set, num_replicas=2, rank=1, shuffle=False)
+    rebuilt = _update_dataloader(loader, sampler)
+    assert type(rebuilt) is PrefetchDataLoader and rebuilt.sampler is sampler
+    x, y = next(iter(rebuilt))
+    assert is_channels_last(x) and len(y) == 2
