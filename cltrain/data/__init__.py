@@ -10,6 +10,7 @@
 
 Example::
 
+    >>> import torch
     >>> from torch.utils.data import DataLoader
     >>> from cltrain.data import ImageFolderDataset, train_transform, nhwc_collate, normalize, make_demo_dataset
     >>> root = make_demo_dataset("/tmp/cltrain-demo")
