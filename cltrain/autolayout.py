@@ -53,16 +53,26 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
+def _mean(t: torch.Tensor) -> torch.Tensor:
+    if memory_format_for(t) is None:
+        return t.mean()
+    # `mean`'s backward divides an expanded scalar, which comes out NCHW whatever `t` is; a
+    # weighted sum's backward takes the layout of the weights, which `full_like` gives `t`'s.
+    return (t * torch.full_like(t, 1.0 / t.numel())).sum()
+
+
 def scalar_loss(output: Any) -> torch.Tensor:
-    """A scalar to call ``backward`` on, from whatever a model returned: the sum of
-    ``t.float().mean()`` over every floating tensor that requires grad in a tensor,
-    tuple, list, namedtuple or dict output. ``mean`` keeps the gradients O(1) whatever
-    the batch size; ``float`` keeps an fp16/bf16 reduction from overflowing.
+    """A scalar to call ``backward`` on, from whatever a model returned: the sum of the means
+    (as float32) of every floating tensor that requires grad in a tensor, tuple, list,
+    namedtuple or dict output. A mean keeps the gradients O(1) whatever the batch size;
+    float32 keeps an fp16/bf16 reduction from overflowing. The gradient of a 4-D/5-D
+    output has that output's layout, so a dense-prediction model's last layer is timed
+    and audited as training with a real loss would run it.
 
     Raises:
         ValueError: the output holds no floating tensor that requires grad.
     """
-    terms = [t.float().mean() for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    terms = [_mean(t.float()) for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
     if not terms:
         raise ValueError(f"scalar_loss: the model output ({type(output).__name__}) holds no floating tensor that requires grad.")
     return torch.stack(terms).sum() if len(terms) > 1 else terms[0]

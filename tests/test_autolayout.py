@@ -84,3 +84,11 @@ def test_scalar_loss_sums_every_float_output_that_requires_grad():
     assert scalar_loss({"main": a, "aux": (b, torch.zeros(2, dtype=torch.long))}).item() == pytest.approx(3.0)
     with pytest.raises(ValueError, match="no floating tensor"):
         scalar_loss(torch.ones(2))
+
+
+def test_scalar_loss_gives_a_4d_output_a_channels_last_gradient():
+    out = to_channels_last(torch.randn(2, 3, 4, 4)).requires_grad_()
+    loss = scalar_loss(out)
+    assert loss.item() == pytest.approx(out.mean().item(), abs=1e-6)
+    loss.backward()
+    assert layout_of(out.grad) == "channels_last"
