@@ -100,8 +100,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = build_datamodule(cfg)
+    kwargs = cfg.model.get("kwargs")
     model = build_model(cfg.model.name, datamodule.num_classes, cfg.model.get("source", "auto"),
-                        _absolute(cfg.model.get("pretrained")), OmegaConf.to_container(cfg.model.get("kwargs") or {}))
+                        _absolute(cfg.model.get("pretrained")), {} if kwargs is None else OmegaConf.to_container(kwargs))
     if cfg.compile:
         if cfg.channels_last:  # compile sees the final layout; the callback then finds nothing to convert
             from cltrain import to_channels_last
