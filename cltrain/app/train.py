@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -61,8 +62,20 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     if demo is not None:
         from cltrain.data import make_demo_dataset
 
-        make_demo_dataset(data["root"], **demo)
-    return instantiate(data, channels_last=cfg.channels_last)
+        try:
+            make_demo_dataset(data["root"], **demo)
+        except FileExistsError as err:  # a different folder already sits at root
+            raise ConfigError("data.root", data["root"], str(err).removeprefix("make_demo_dataset: "),
+                              "a new path, or the demo folder made with the same data.demo settings") from None
+    try:
+        datamodule = instantiate(data, channels_last=cfg.channels_last)
+    except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
+        raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
+    try:
+        datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError("data.root", data["root"], str(err), "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
+    return datamodule
 
 
 def _callbacks(cfg: DictConfig, run_dir: Path) -> tuple[list[Callback], MainAmpProgress, ModelCheckpoint | None]:
