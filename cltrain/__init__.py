@@ -3,23 +3,35 @@
 Layers, bottom up (lower ones never import higher ones):
 
 * :mod:`cltrain.layout`: tensor and module layout helpers;
+* :mod:`cltrain.autolayout` and :mod:`cltrain.audit`: time a model in both layouts; find the
+  ops that lose channels_last (``python -m cltrain.audit model=resnet50``);
 * :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`;
 * :mod:`cltrain.data`: the NHWC data path (transforms, collate, normalisation,
   an ImageFolder DataModule, demo data);
 * :mod:`cltrain.app`: the Hydra training application behind ``train.py``.
+
+Only the library layers are imported here; ``cltrain.data`` and ``cltrain.app`` on demand.
 """
 
-from cltrain.callback import ChannelsLast
-from cltrain.layout import is_channels_last, layout_of, layout_summary, to_channels_last
+import warnings
 
-__all__ = ["ChannelsLast", "is_channels_last", "layout_of", "layout_summary", "to_channels_last"]
+from cltrain.layout import is_channels_last, layout_of, layout_summary, to_channels_last
+from cltrain.autolayout import choose_layout, time_layouts
+from cltrain.audit import AuditReport, audit  # the function shadows the module name, as tqdm.tqdm does
+from cltrain.callback import ChannelsLast
+
+__all__ = [
+    "AuditReport",
+    "ChannelsLast",
+    "audit",
+    "choose_layout",
+    "is_channels_last",
+    "layout_of",
+    "layout_summary",
+    "time_layouts",
+    "to_channels_last",
+]
 __version__ = "0.1.0"
 
-import warnings  # noqa: E402
-
-from cltrain.audit import AuditReport, audit  # noqa: E402  (the function shadows the module name, as tqdm.tqdm does)
-from cltrain.autolayout import choose_layout, time_layouts  # noqa: E402
-
-__all__ += ["AuditReport", "audit", "choose_layout", "time_layouts"]
 # `python -m cltrain.audit` executes a module this package has already imported; runpy's warning about it is moot.
 warnings.filterwarnings("ignore", message="'cltrain.audit' found in sys.modules", category=RuntimeWarning)
