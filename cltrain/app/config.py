@@ -198,6 +198,9 @@ def validate(cfg: DictConfig) -> Resolved:
 
     accelerator, index = _resolve_device(cfg.device)
     precision = _resolve_precision(cfg.amp, cfg.amp_dtype, accelerator)
+    if cfg.sync_bn and accelerator != "cuda":
+        raise ConfigError("sync_bn", True, f"SyncBatchNorm needs CUDA devices (torch has none for {accelerator})",
+                          "false; or device=cuda")
     devices = [index] if index is not None else cfg.trainer.devices
     return Resolved(accelerator=accelerator, devices=devices, precision=precision)
 

@@ -1,0 +1,129 @@
+"""train(cfg) end to end, in process, on a tiny demo folder: toggles, resume, evaluate-only, compile, seeds.
+
+The configs are the real ones (``experiment=smoke``: ResNet-18 at 32 px, 4 training batches of 8),
+composed with Hydra's compose API and shrunk further with overrides.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cltrain import is_channels_last
+from cltrain.app.cli import compose_config
+from cltrain.app.config import ConfigError
+from cltrain.app.module import ImageClassifier
+from cltrain.app.schedule import lr_at
+from cltrain.app.train import train
+from cltrain.data import make_demo_dataset
+
+DEMO = {"num_classes": 4, "train_per_class": 8, "val_per_class": 4, "image_size": [64, 48]}
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("data") / "demo"
+    make_demo_dataset(root, **DEMO)
+    return root
+
+
+def tiny(demo_root: Path, run_dir: Path, *overrides: str) -> dict:
+    """Compose the smoke experiment on the tiny demo folder and train it."""
+    demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
+    cfg = compose_config(["experiment=smoke", f"data.root={demo_root}", *demo, f"run_dir={run_dir}", "device=cpu",
+                          "trainer.enable_progress_bar=false", *overrides])
+    return train(cfg)
+
+
+def _state(ckpt: str | Path) -> dict:
+    return torch.load(ckpt, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("amp", [True, False])
+def test_toggles_train_end_to_end(demo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  channels_last: bool, amp: bool) -> None:
+    seen: list[tuple[bool, torch.dtype]] = []
+    step = ImageClassifier.training_step
+
+    def spy(self, batch, batch_idx):
+        seen.append((is_channels_last(batch[0]), batch[0].dtype))
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(ImageClassifier, "training_step", spy)
+    metrics = tiny(demo_root, tmp_path / "run", f"channels_last={channels_last}", f"amp={amp}")
+
+    assert metrics["precision"] == ("bf16-mixed" if amp else "32-true")
+    assert seen == [(channels_last, torch.float32)] * 4  # the NHWC data path, or the plain NCHW baseline
+    assert metrics["global_step"] == 4 and metrics["images_per_second"] > 0 and metrics["step_time_s"] > 0
+    assert 0 <= metrics["val_top1"] <= 100 and metrics["val_top5"] == 100.0  # 4 classes: top-5 is top-4
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert on_disk["val_top1"] == metrics["val_top1"] and on_disk["config"]["channels_last"] is channels_last
+    weight = _state(metrics["last_checkpoint"])["state_dict"]["model.layer1.0.conv1.weight"]
+    assert is_channels_last(weight) is channels_last
+
+
+def test_resume_continues_step_count_schedule_and_layout(demo_root: Path, tmp_path: Path) -> None:
+    first = tiny(demo_root, tmp_path / "a", "trainer.max_epochs=1")
+    assert (first["global_step"], first["epochs"]) == (4, 1)
+    second = tiny(demo_root, tmp_path / "b", f"ckpt_path={first['last_checkpoint']}", "trainer.max_epochs=2")
+    assert (second["global_step"], second["epochs"]) == (8, 2)
+
+    # The schedule went on from step 4: the lr logged at steps 4..7 is lr_at(step) (warm-up 1 epoch, x0.1 at epoch 4).
+    rows = [r for r in csv.DictReader(open(tmp_path / "b" / "csv" / "metrics.csv")) if r.get("lr")]
+    logged = {int(r["step"]): float(r["lr"]) for r in rows}
+    assert min(logged) == 4
+    for s, lr in logged.items():
+        assert lr == pytest.approx(lr_at(s, 4, second["lr"], warmup_epochs=1, milestones=[4]))
+
+    state = _state(second["last_checkpoint"])
+    assert is_channels_last(state["state_dict"]["model.layer1.0.conv1.weight"])
+    momentum = [s["momentum_buffer"] for s in state["optimizer_states"][0]["state"].values() if s["momentum_buffer"].dim() == 4]
+    assert momentum and all(is_channels_last(m) for m in momentum)
+
+
+def test_evaluate_only_from_a_checkpoint_and_from_weights(demo_root: Path, tmp_path: Path) -> None:
+    trained = tiny(demo_root, tmp_path / "a")
+    evaluated = tiny(demo_root, tmp_path / "b", "evaluate_only=true", f"ckpt_path={trained['last_checkpoint']}")
+    assert evaluated["global_step"] == 0 and evaluated["images_per_second"] is None
+    assert evaluated["val_top1"] == trained["val_top1"] and evaluated["val_images_per_second"] > 0
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+    weights = tmp_path / "weights.pth"
+    torch.save({k.removeprefix("model."): v for k, v in _state(trained["last_checkpoint"])["state_dict"].items()
+                if k.startswith("model.")}, weights)
+    from_weights = tiny(demo_root, tmp_path / "c", "evaluate_only=true", f"model.pretrained={weights}")
+    assert from_weights["val_top1"] == trained["val_top1"]
+
+
+def test_compile_after_the_layout_conversion(demo_root: Path, tmp_path: Path) -> None:
+    metrics = tiny(demo_root, tmp_path / "run", "compile=true", "compile_backend=eager")
+    assert metrics["global_step"] == 4 and metrics["compile"] is True
+    state = _state(metrics["last_checkpoint"])["state_dict"]
+    assert not any("_orig_mod" in k for k in state)  # compiled in place: checkpoints load into a plain model
+    assert is_channels_last(state["model.conv1.weight"])
+
+
+def test_seed_and_deterministic_runs_repeat(demo_root: Path, tmp_path: Path) -> None:
+    runs = [tiny(demo_root, tmp_path / f"run{i}", "deterministic=true", "seed=7", "amp=false") for i in range(2)]
+    assert runs[0]["val_loss"] == runs[1]["val_loss"] and runs[0]["train_top1"] == runs[1]["train_top1"]
+
+
+def test_an_existing_run_directory_is_never_overwritten(demo_root: Path, tmp_path: Path) -> None:
+    tiny(demo_root, tmp_path / "run")
+    before = (tmp_path / "run" / "metrics.json").read_bytes()
+    with pytest.raises(ConfigError, match=r"run_dir=.*already holds a run \(metrics.json, checkpoints, csv\)"):
+        tiny(demo_root, tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.json").read_bytes() == before
+
+
+def test_a_missing_split_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "data" / "val" / "a").mkdir(parents=True)
+    cfg = compose_config(["experiment=smoke", "data=imagenet", f"data.root={tmp_path / 'data'}",
+                          f"run_dir={tmp_path / 'run'}", "device=cpu"])
+    with pytest.raises(ConfigError, match=r"data.root=.*train"):
+        train(cfg)
