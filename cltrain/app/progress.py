@@ -102,7 +102,7 @@ class MainAmpProgress(Callback):
         self.print_freq = print_freq
         self.train = Meter(warmup)
         self.val = Meter(0)
-        self._window: list[float] = []
+        self._window: list[tuple[float, int]] = []  # (seconds, images) of the intervals since the last line
         #: ``trainer.global_step`` at the end of the latest validation (None before any).
         self.last_val_step: int | None = None
         self._time, self._speed = _Average(), _Average()
@@ -135,7 +135,7 @@ class MainAmpProgress(Callback):
         images = self._images(batch, trainer)
         interval = self.train.tick(images)
         if interval is not None:
-            self._window.append(interval)
+            self._window.append((interval, images))
         if due and isinstance(outputs, dict):
             self._print_line(trainer, pl_module, outputs, images, batch_idx)
 
@@ -148,12 +148,12 @@ class MainAmpProgress(Callback):
         self._top1.add(top1, n)
         self._top5.add(top5, n)
         if self._window:
-            batch_time = sum(self._window) / len(self._window)
-            self._time.add(batch_time, len(self._window))
-            self._speed.add(images / batch_time, len(self._window))
+            seconds, count = sum(t for t, _ in self._window), len(self._window)
+            batch_time, speed = seconds / count, sum(i for _, i in self._window) / seconds
+            self._time.add(batch_time, count)
+            self._speed.add(speed, count)
             self._window.clear()
-            timing = (f"Time {batch_time:.3f} ({self._time.avg:.3f})  "
-                      f"Speed {images / batch_time:.3f} ({self._speed.avg:.3f})  ")
+            timing = f"Time {batch_time:.3f} ({self._time.avg:.3f})  Speed {speed:.3f} ({self._speed.avg:.3f})  "
         else:
             timing = "Time - (warm-up)  Speed - (warm-up)  "
         self._emit(pl_module,

@@ -4,8 +4,9 @@ Two guards, because Hydra writes ``.hydra/`` into the run directory before the
 task starts:
 
 * :class:`RunDirGuard`, a Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``),
-  refuses a non-empty ``hydra.run.dir`` / ``hydra.sweep.dir`` before Hydra writes
-  anything;
+  refuses a ``hydra.run.dir`` / ``hydra.sweep.dir`` holding anything but Hydra's own
+  bookkeeping (``.hydra/``, ``*.log``: all a run stopped by a config error leaves)
+  before Hydra writes anything;
 * :func:`check_run_dir`, called by ``train(cfg)``, refuses a directory holding
   a previous run's outputs (also when ``train`` is called without Hydra).
 
@@ -42,17 +43,27 @@ def check_run_dir(run_dir: str | Path, key: str = "run_dir") -> Path:
     return path
 
 
+def _is_bookkeeping(entry: Path) -> bool:
+    """Hydra's own files (config copies, the job log): all a run that failed its config check leaves."""
+    return entry.name in (".hydra", "multirun.yaml") or entry.suffix == ".log"
+
+
 def _refuse_non_empty(directory: Any, key: str) -> None:
     path = Path(str(directory)).expanduser()
-    if is_launched_child() or not path.is_dir() or not any(path.iterdir()):
+    if is_launched_child() or not path.is_dir():
         return
-    print(f"cltrain: error: {ConfigError(key, str(path.resolve()), 'exists and is not empty; an earlier run is never overwritten', 'a new or empty directory')}",
-          file=sys.stderr)
+    found = sorted(entry.name for entry in path.iterdir() if not _is_bookkeeping(entry))
+    if not found:
+        return
+    shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+    error = ConfigError(key, str(path.resolve()), f"holds an earlier run ({shown}); it is never overwritten",
+                        "a new directory")
+    print(f"cltrain: error: {error}", file=sys.stderr)
     raise SystemExit(2)  # Hydra turns exceptions into tracebacks; this stays one line
 
 
 class RunDirGuard(Callback):
-    """Hydra callback: stop before Hydra writes into a run or sweep directory that is not empty."""
+    """Hydra callback: stop before Hydra writes into a run or sweep directory that holds an earlier run."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _refuse_non_empty(OmegaConf.select(config, "hydra.run.dir"), "hydra.run.dir")
