@@ -106,7 +106,7 @@ def test_cuda_asked_without_cuda() -> None:
 
 
 def test_amp_is_refused_on_a_device_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app_config, "_resolve_device", lambda device: ("mps", None))
+    monkeypatch.setattr(app_config, "resolve_device", lambda device: ("mps", None))
     err = _error(["amp=true"])
     assert err.key == "amp" and "mps" in str(err) and "false" in str(err)
 

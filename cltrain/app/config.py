@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-__all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "resolve", "validate"]
+__all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "is_launched_child", "resolve_device", "resolve_precision", "validate"]
 
 AMP_DTYPES = ("auto", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
@@ -101,7 +101,7 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _resolve_device(device: Any) -> tuple[str, int | None]:
+def resolve_device(device: Any) -> tuple[str, int | None]:
     """(accelerator, cuda index or None); raises when the device is unknown or absent."""
     if not isinstance(device, str) or not (device in DEVICES or re.fullmatch(r"cuda:\d+", device)):
         raise ConfigError("device", device, "unknown device", ", ".join(DEVICES))
@@ -122,7 +122,7 @@ def _resolve_device(device: Any) -> tuple[str, int | None]:
     return device, None
 
 
-def _resolve_precision(amp: bool, amp_dtype: str, accelerator: str) -> str:
+def resolve_precision(amp: bool, amp_dtype: str, accelerator: str) -> str:
     if not amp:
         return "32-true"
     if accelerator == "cpu":
@@ -196,8 +196,8 @@ def validate(cfg: DictConfig) -> Resolved:
     check_model_name(cfg.model.name, cfg.model.get("source", "auto"))
     _validate_paths(cfg)
 
-    accelerator, index = _resolve_device(cfg.device)
-    precision = _resolve_precision(cfg.amp, cfg.amp_dtype, accelerator)
+    accelerator, index = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.amp, cfg.amp_dtype, accelerator)
     if cfg.sync_bn and accelerator != "cuda":
         raise ConfigError("sync_bn", True, f"SyncBatchNorm needs CUDA devices (torch has none for {accelerator})",
                           "false; or device=cuda")

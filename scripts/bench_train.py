@@ -1,0 +1,212 @@
+"""What train.py's Lightning path costs, and what channels_last + AMP buys end to end.
+
+Part 1, framework overhead (synthetic tensors, no data loading): the same model,
+batch, precision and layout trained by
+
+* a plain PyTorch loop: autocast forward, cross-entropy, backward, SGD step;
+* train.py's path: :class:`cltrain.app.module.ImageClassifier` (per-step
+  schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
+  the :class:`~cltrain.callback.ChannelsLast` callback and Lightning's precision plugin,
+
+in ``--rounds`` interleaved rounds (the order alternates) of ``--warmup`` +
+``--steps`` steps, both fed the same pre-made batches. Speed is images over the
+wall time between step ends after the warm-up (the same meter train.py reports);
+the table gives per-path medians and the ratio Lightning / plain.
+
+Part 2, end to end on JPEG files (the demo data, generated on first use):
+``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
+channels_last + AMP against contiguous fp32, ``--e2e-steps`` measured steps each.
+
+Usage::
+
+    python scripts/bench_train.py                      # ResNet-50, batch 32, 224 px (the README figures)
+    python scripts/bench_train.py --device cuda --batch-size 256
+    python scripts/bench_train.py --quick              # seconds: checks the script works
+
+Prints markdown tables naming the machine; ``--out`` also writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from cltrain import to_channels_last
+from cltrain.app.cli import compose_config
+from cltrain.app.config import cpu_has_native_bf16, resolve_device, resolve_precision
+from cltrain.app.models import build_model
+from cltrain.app.module import ImageClassifier
+from cltrain.app.progress import MainAmpProgress, Meter
+from cltrain.app.train import train
+from cltrain.callback import ChannelsLast
+
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def machine(accelerator: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    parts = [f"CPU {cpu} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads, "
+             f"native bf16: {'yes' if cpu_has_native_bf16() else 'no'})"]
+    if accelerator == "cuda":
+        parts.append(f"GPU {torch.cuda.get_device_name()}")
+    parts.append(f"torch {torch.__version__}, lightning {pl.__version__}")
+    return "; ".join(parts)
+
+
+# --- part 1: plain loop vs the Lightning path ---------------------------------------------------
+def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    meter = Meter(warmup)
+    model.train()
+    for x, y in batches:
+        with torch.autocast(device.type, dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        meter.tick(x.shape[0])
+    return meter.images_per_second
+
+
+def lightning_path(model: torch.nn.Module, batches: list, precision: str, accelerator: str, channels_last: bool,
+                   num_classes: int, warmup: int) -> float:
+    module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
+    progress = MainAmpProgress(print_freq=0, warmup=warmup)
+    callbacks = [progress, ChannelsLast()] if channels_last else [progress]
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=len(batches),
+                         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return progress.summary()["images_per_second"]
+
+
+def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
+    device = torch.device(accelerator)
+    channels_last = args.layout == "channels_last"
+    gen = torch.Generator().manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    batches = [(torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
+                .to(device, memory_format=fmt), torch.randint(0, 1000, (args.batch_size,), generator=gen).to(device))
+               for _ in range(args.warmup + args.steps)]
+    base = build_model(args.model, num_classes=1000)
+    plain_model = copy.deepcopy(base).to(device)
+    if channels_last:
+        to_channels_last(plain_model)
+    speeds: dict[str, list[float]] = {"plain": [], "lightning": []}
+    for r in range(args.rounds):
+        for path in (("plain", "lightning") if r % 2 == 0 else ("lightning", "plain")):
+            if path == "plain":
+                speeds[path].append(plain_loop(plain_model, batches, precision, device, args.warmup))
+            else:
+                speeds[path].append(lightning_path(copy.deepcopy(base), batches, precision, accelerator,
+                                                   channels_last, 1000, args.warmup))
+    plain, light = statistics.median(speeds["plain"]), statistics.median(speeds["lightning"])
+    return {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size, "layout": args.layout,
+            "precision": precision, "plain_images_per_second": plain, "lightning_images_per_second": light,
+            "ratio": light / plain, "rounds": speeds}
+
+
+# --- part 2: end to end on JPEGs -----------------------------------------------------------------
+def end_to_end(args: argparse.Namespace, work: Path) -> list[dict]:
+    common = [f"model={args.model}" if args.model in ("resnet18", "resnet50") else f"model.name={args.model}",
+              f"device={args.device}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
+              f"data.val_resize_size={int(args.image_size * 8 / 7)}", f"data.num_workers={args.num_workers}",
+              f"trainer.max_steps={args.warmup + args.e2e_steps}", "trainer.max_epochs=-1",
+              "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "print_freq=0",
+              f"throughput_warmup={args.warmup}", *args.data]
+    configs = {"contiguous fp32": ["channels_last=false", "amp=false"],
+               "channels_last + AMP": ["channels_last=true", "amp=true"]}
+    results: dict[str, list[dict]] = {name: [] for name in configs}
+    for r in range(args.e2e_rounds):
+        for i, (name, toggles) in enumerate(configs.items() if r % 2 == 0 else reversed(configs.items())):
+            cfg = compose_config([*common, *toggles, f"run_dir={work / f'e2e-{r}-{i}'}"])
+            results[name].append(train(cfg))
+    rows = []
+    for name, runs in results.items():
+        speed = statistics.median(m["images_per_second"] for m in runs)
+        rows.append({"config": name, "precision": runs[0]["precision"], "images_per_second": speed,
+                     "step_time_s": statistics.median(m["step_time_s"] for m in runs)})
+    for row in rows:
+        row["speedup"] = row["images_per_second"] / rows[0]["images_per_second"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto", help="part 1 precision")
+    parser.add_argument("--layout", choices=["channels_last", "contiguous"], default="channels_last", help="part 1 layout")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per round, part 1")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, part 1")
+    parser.add_argument("--e2e-steps", type=int, default=15, help="measured steps per run, part 2 (0: skip part 2)")
+    parser.add_argument("--e2e-rounds", type=int, default=1)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--data", nargs="*", default=[], help="extra train.py overrides for part 2, e.g. data.root=...")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the script works")
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.batch_size, args.image_size = "resnet18", 4, 32
+        args.warmup, args.steps, args.rounds, args.e2e_steps, args.num_workers = 1, 2, 1, 2, 0
+    warnings.filterwarnings("ignore", module="lightning")
+    accelerator, _ = resolve_device(args.device)
+    amp = args.amp != "off"
+    precision = resolve_precision(amp, "auto" if args.amp in ("auto", "off") else args.amp, accelerator)
+    desc = machine(accelerator)
+    print(f"machine: {desc}")
+
+    started = time.perf_counter()
+    part1 = overhead(args, accelerator, precision)
+    print(f"\n## Lightning path vs plain PyTorch loop ({args.model}, batch {args.batch_size}, {args.image_size} px, "
+          f"{args.layout}, {precision}; synthetic tensors; median of {args.rounds} interleaved rounds of {args.steps} steps)\n")
+    print("| path | images/s |\n|---|---:|")
+    print(f"| plain PyTorch loop | {part1['plain_images_per_second']:.2f} |")
+    print(f"| train.py (Lightning + ChannelsLast + ImageClassifier) | {part1['lightning_images_per_second']:.2f} |")
+    print(f"\nratio Lightning / plain: **{part1['ratio']:.3f}**")
+
+    part2: list[dict] = []
+    if args.e2e_steps > 0:
+        with tempfile.TemporaryDirectory(prefix="cltrain-bench-") as tmp:
+            if args.quick and not args.data:
+                args.data = [f"data.root={Path(tmp) / 'demo'}", "data.demo.num_classes=4", "data.demo.train_per_class=8",
+                             "data.demo.val_per_class=2", "data.demo.image_size=[96,72]"]
+            part2 = end_to_end(args, Path(tmp))
+        print(f"\n## End to end on JPEG files ({args.model}, batch {args.batch_size}, {args.image_size} px, "
+              f"{args.num_workers} loader workers, median step after {args.warmup} warm-up steps)\n")
+        print("| config | precision | images/s | step (s) | speed-up |\n|---|---|---:|---:|---:|")
+        for row in part2:
+            print(f"| {row['config']} | {row['precision']} | {row['images_per_second']:.2f} | "
+                  f"{row['step_time_s']:.3f} | {row['speedup']:.2f}x |")
+    result = {"machine": desc, "overhead": part1, "end_to_end": part2, "seconds": round(time.perf_counter() - started, 1)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
