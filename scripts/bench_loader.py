@@ -3,7 +3,8 @@
 Images per second on the same JPEG folder, batch size, worker count and sample
 order, measured one after the other in one run:
 
-  (a) cltrain     train_transform + NHWCCollate, then normalize() (channels_last float32)
+  (a) cltrain     train_transform (given the path: simplejpeg + torch resize) + NHWCCollate,
+                  then normalize() (channels_last float32)
   (b) torchvision RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize,
                   default_collate, then .contiguous(memory_format=torch.channels_last)
   (c) timm        RandomResizedCrop, flip, PILToTensor + timm.data.fast_collate, then
@@ -39,7 +40,8 @@ from cltrain.data.dataset import find_classes, find_samples
 
 
 class Files(Dataset):
-    """(fn(PIL image), target) for each (path, target)."""
+    """(fn(PIL image), target) for each (path, target); fn(path) if fn takes paths (cltrain's
+    transforms, which read and decode JPEGs themselves), as ImageFolderDataset does."""
 
     def __init__(self, samples, fn):
         self.samples, self.fn = samples, fn
@@ -49,6 +51,8 @@ class Files(Dataset):
 
     def __getitem__(self, i):
         path, target = self.samples[i]
+        if getattr(self.fn, "takes_paths", False):
+            return self.fn(path), target
         with Image.open(path) as img:
             return self.fn(img), target
 
@@ -107,7 +111,15 @@ def machine():
         pass
     return (f"{cpu}; {os.cpu_count()} logical CPUs, load avg {os.getloadavg()[0]:.1f}; torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), torchvision {torchvision.__version__}, Pillow {PIL.__version__} "
-            f"(libjpeg-turbo {features.version('libjpeg_turbo') or 'no'})")
+            f"(libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}), simplejpeg {_simplejpeg_version()}")
+
+
+def _simplejpeg_version():
+    try:
+        import simplejpeg
+    except ImportError:
+        return "not installed (cltrain falls back to Pillow)"
+    return simplejpeg.__version__
 
 
 def main(argv=None):

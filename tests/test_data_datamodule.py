@@ -1,6 +1,7 @@
 import shutil
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.fabric.utilities.data import _replace_dunder_methods
@@ -15,6 +16,15 @@ from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, ImageFolderDataModu
 from data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
 
 SIZE = 32
+
+
+class PathRecorder:
+    """A transform that takes paths: records what it got and torch's thread count where it ran."""
+
+    takes_paths = True
+
+    def __call__(self, img):
+        return np.array([isinstance(img, str), torch.get_num_threads()]).reshape(1, 2, 1).astype(np.uint8)
 
 
 class Recorder(L.LightningModule):
@@ -168,3 +178,11 @@ def test_loader_can_be_rebuilt_with_a_distributed_sampler(folder):
     assert type(rebuilt) is PrefetchDataLoader and rebuilt.sampler is sampler
     x, y = next(iter(rebuilt))
     assert is_channels_last(x) and len(y) == 2
+
+
+def test_dataset_hands_paths_to_transforms_that_take_them(folder):
+    ds = ImageFolderDataset(folder / "val", PathRecorder())
+    assert ds[0][0].ravel()[0] == 1  # a path, so cltrain's transforms decode JPEGs with libjpeg-turbo
+    assert ImageFolderDataset(folder / "val", eval_transform(SIZE, 36))[0][0].shape == (SIZE, SIZE, 3)
+    images, _ = next(iter(DataLoader(ds, batch_size=2, num_workers=1)))
+    assert images[:, :, 1].eq(1).all()  # torch runs single-threaded in a DataLoader worker

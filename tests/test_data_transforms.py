@@ -1,3 +1,4 @@
+import math
 import pickle
 import random
 
@@ -5,11 +6,15 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms as T
+import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
+import cltrain.data.decode as decode
 from cltrain.data import CropParams, RandomResizedCropFlip, eval_transform, train_transform
-from cltrain.data.decode import decode_factor
-from data_fixtures import READABLE, write_jpegs, write_odd_files
+from cltrain.data.decode import decode_factor, decode_jpeg, jpeg_resized_crop, jpeg_size
+from data_fixtures import BAD, READABLE, write_jpegs, write_odd_files
+
+simplejpeg = pytest.importorskip("simplejpeg")
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +142,100 @@ def test_transforms_pickle_and_reject_bad_arguments():
         eval_transform(32, 16)
     with pytest.raises(TypeError, match="PIL image or a path"):
         train_transform(32)(np.zeros((8, 8, 3), np.uint8))
+
+
+def _pillow(t, path, params):
+    with Image.open(path) as img:
+        return t.apply(img, params)
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_fast_path_agrees_with_pillow_path(jpegs, big_jpeg, channels):
+    t = train_transform(48, channels=channels)
+    t.rng = random.Random(3)
+    for path in [*jpegs, big_jpeg]:
+        data = path.read_bytes()
+        assert jpeg_size(data) == Image.open(path).size
+        for tr in (t, eval_transform(48, 56, channels=channels)):
+            for params in [tr.make_params(*jpeg_size(data)) for _ in range(4)]:
+                fast = tr.apply(path, params)
+                # A path (or bytes) of a JPEG really goes through libjpeg-turbo + torch.
+                np.testing.assert_array_equal(fast, jpeg_resized_crop(data, params.box, tr.size, channels, params.flip,
+                                                                      params.resize))
+                np.testing.assert_array_equal(fast, tr.apply(data, params))
+                slow = _pillow(tr, path, params)
+                assert fast.shape == slow.shape == (48, 48, channels) and fast.dtype == slow.dtype == np.uint8
+                assert fast.flags["C_CONTIGUOUS"]
+                # Same decode and samples (0.1 grey levels apart); a reduced decode rounds the box to
+                # its pixels, moving the crop by up to half an output pixel (of a noisy picture here).
+                reduced = params.resize is None and decode_factor(params.box, tr.size) > 1
+                assert np.abs(fast.astype(int) - slow.astype(int)).mean() <= (2.0 if reduced else 0.5)
+
+
+def test_fast_eval_is_torchvision_resize_center_crop_exactly(jpegs):
+    for path in jpegs:
+        decoded = torch.from_numpy(simplejpeg.decode_jpeg(path.read_bytes(), colorspace="RGB")).permute(2, 0, 1)
+        ref = TF.center_crop(TF.resize(decoded, 40, antialias=True), 32).permute(1, 2, 0).numpy()
+        np.testing.assert_array_equal(eval_transform(32, 40)(path), ref)
+
+
+def test_fast_train_is_torchvision_resized_crop_and_flip(jpegs):
+    decoded = torch.from_numpy(simplejpeg.decode_jpeg(jpegs[0].read_bytes(), colorspace="RGB")).permute(2, 0, 1)
+    ref = TF.horizontal_flip(TF.resized_crop(decoded, 3, 7, 57, 73, [32, 32], antialias=True)).permute(1, 2, 0).numpy()
+    np.testing.assert_array_equal(train_transform(32).apply(jpegs[0], CropParams((7, 3, 80, 60), flip=True)), ref)
+
+
+def test_reduced_size_jpeg_decoding(big_jpeg):
+    data = big_jpeg.read_bytes()  # 200x150
+    for factor in (1, 2, 4, 8):
+        assert decode_jpeg(data, 3, factor).shape == (math.ceil(150 / factor), math.ceil(200 / factor), 3)
+        assert decode_jpeg(data, 1, factor).shape == (math.ceil(150 / factor), math.ceil(200 / factor), 1)
+    size, box = (40, 40), (10, 10, 170, 140)  # 160x130 crop: a 1/2 decode (see decode_factor)
+    assert decode_factor(box, size) == 2
+    reduced = jpeg_resized_crop(data, box, size)
+    full = jpeg_resized_crop(data, box, size, reduce=False)
+    assert reduced.shape == full.shape == (40, 40, 3)
+    assert 0 < np.abs(reduced.astype(int) - full.astype(int)).mean() < 4  # decoded differently, same picture
+    pillow = _pillow(train_transform(size), big_jpeg, CropParams(box))  # Pillow's draft: a 1/2 decode as well
+    assert np.abs(reduced.astype(int) - pillow.astype(int)).mean() <= 1.5
+    t = eval_transform(32, 64)  # 200x150 -> 85x64: a 1/2 decode of the whole image
+    params = t.make_params(200, 150)
+    assert params.resize == (64, 85) and decode_factor((0, 0, 200, 150), params.resize) == 2
+    out = t(big_jpeg)
+    assert out.shape == (32, 32, 3)
+    assert np.abs(out.astype(int) - _pillow(t, big_jpeg, params).astype(int)).mean() <= 1.5
+
+
+@pytest.mark.parametrize("kind", ["cmyk", "rgba", "gray16", "palette"])
+def test_png_and_cmyk_fall_back_to_pillow(odd, kind):
+    data = odd[kind].read_bytes()
+    assert jpeg_size(data) is None
+    t = train_transform(24)
+    params = t.make_params(*Image.open(odd[kind]).size)
+    expected = _pillow(t, odd[kind], params)
+    np.testing.assert_array_equal(t.apply(odd[kind], params), expected)
+    np.testing.assert_array_equal(t.apply(data, params), expected)
+    assert t(odd[kind]).shape == t(data).shape == (24, 24, 3)
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_unreadable_files_raise_pillows_error(odd, kind):
+    # A truncated JPEG has a readable header but simplejpeg (strict) refuses the data:
+    # Pillow then reads it and raises, as the Pillow-only path did.
+    t = eval_transform(24, 32)
+    with pytest.raises(Exception) as fast:
+        t(odd[kind])
+    with pytest.raises(Exception) as pillow, Image.open(odd[kind]) as img:
+        t(img)
+    assert type(fast.value) is type(pillow.value) and str(fast.value) == str(pillow.value)
+    if kind != "truncated":
+        assert odd[kind].name in str(fast.value)
+
+
+def test_without_simplejpeg_everything_goes_through_pillow(odd, monkeypatch):
+    t = train_transform(24)
+    params = t.make_params(96, 72)
+    expected = _pillow(t, odd["good"], params)
+    monkeypatch.setattr(decode, "simplejpeg", None)
+    assert jpeg_size(odd["good"].read_bytes()) is None
+    np.testing.assert_array_equal(t.apply(odd["good"], params), expected)

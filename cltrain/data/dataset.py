@@ -1,7 +1,9 @@
 """An ImageNet-layout folder (``split/<class>/<image>``) as a Dataset, with a bad-file policy.
 
-Samples are opened lazily with Pillow and handed to the transform undecoded, so
-the transform can ask for reduced-size JPEG decoding. A file that cannot be read
+A transform that takes paths (``takes_paths``, as cltrain's do) is handed each
+sample's path, so it reads the bytes and decodes JPEGs with libjpeg-turbo; any
+other transform gets the image opened lazily with Pillow, undecoded, so it can
+still ask for reduced-size JPEG decoding. A file that cannot be read
 (zero bytes, not an image, truncated, an unsupported mode) either raises
 :class:`BadImageError` naming the file and the reason (``bad_files="raise"``),
 or is replaced by the next readable sample and reported (``bad_files="skip"``):
@@ -88,7 +90,8 @@ class ImageFolderDataset(Dataset):
 
     Args:
         split_dir: e.g. ``root/train``.
-        transform: PIL image -> HWC uint8 (see :func:`cltrain.data.train_transform`).
+        transform: PIL image -> HWC uint8 (see :func:`cltrain.data.train_transform`), or
+            path -> HWC uint8 if it has ``takes_paths = True``.
         classes: class folder names, in label order; ``None`` takes those of ``split_dir``.
         bad_files: ``"raise"`` or ``"skip"`` (see the module docstring).
         skip_log: file the skipped paths are appended to (``"skip"`` only); ``None``: none.
@@ -113,6 +116,8 @@ class ImageFolderDataset(Dataset):
         """The sample at ``index``; raises :class:`BadImageError` for an unreadable file."""
         path, target = self.samples[index]
         try:
+            if getattr(self.transform, "takes_paths", False):
+                return self.transform(path), target
             with Image.open(path) as img:
                 return self.transform(img), target
         except Exception as err:  # any failure of decoding or converting this one file
