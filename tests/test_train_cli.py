@@ -76,3 +76,9 @@ def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str],
     assert metrics["config"]["channels_last"] is True and metrics["val_top1"] is not None
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert "cltrain: val top-1" in result.stdout
+
+
+def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:
+    result = run("-m", "experiment=smoke", "trainer=ddp", "device=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert result.returncode == 2
+    assert "cltrain: error: trainer.devices=2: more than one process cannot be launched inside a -m sweep" in result.stderr

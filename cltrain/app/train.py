@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig, OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from cltrain.app.config import ConfigError, Resolved, validate
 from cltrain.app.models import build_model
@@ -48,6 +50,17 @@ def _run_dir(cfg: DictConfig) -> Path:
     if HydraConfig.initialized():
         return check_run_dir(HydraConfig.get().runtime.output_dir, "hydra.run.dir")
     raise ConfigError("run_dir", None, "not set and not running under Hydra", "a directory path")
+
+
+def _refuse_ddp_in_a_sweep(cfg: DictConfig) -> None:
+    # Lightning's DDP launcher starts the other processes by re-running this command line, which
+    # in a -m sweep would start the whole sweep again. torchrun/SLURM start them themselves.
+    devices = cfg.trainer.devices
+    many = (len(devices) if isinstance(devices, (list, ListConfig)) else devices if isinstance(devices, int) else 1) > 1
+    if (many or cfg.trainer.num_nodes > 1) and "WORLD_SIZE" not in os.environ and HydraConfig.initialized() \
+            and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise ConfigError("trainer.devices", devices, "more than one process cannot be launched inside a -m sweep",
+                          "1 in a sweep; or run each DDP config on its own, or under torchrun/SLURM")
 
 
 def _absolute(path: Any) -> str | None:
@@ -108,6 +121,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     resolved: Resolved = validate(cfg)
     if cfg.compile and cfg.channels_last and cfg.channels_last_mode == "auto":
         raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile=true", "full, conv")
+    _refuse_ddp_in_a_sweep(cfg)
     run_dir = _run_dir(cfg)
     started = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
