@@ -1,7 +1,10 @@
 """The NHWC data path: batches leave the loader as uint8 NHWC, straight from the decoded images.
 
-* :func:`train_transform`, :func:`eval_transform`: PIL image -> HWC uint8 in one
-  crop+resize call, with reduced-size JPEG decoding when it cannot change the output.
+* :func:`train_transform`, :func:`eval_transform`: image -> HWC uint8 in one crop+resize
+  call, with reduced-size JPEG decoding when it cannot change the output. Given a JPEG path
+  (as :class:`ImageFolderDataset` does) they decode with libjpeg-turbo (simplejpeg) and
+  resize with torch's antialiased uint8 kernel; a PIL image, another format, or no
+  simplejpeg takes the Pillow path.
 * :class:`NHWCCollate` / :func:`nhwc_collate`: images into one ``(N, H, W, C)``
   buffer, returned as its ``(N, C, H, W)`` channels_last view, plus int64 targets.
 * :func:`normalize`: uint8 -> float32/bfloat16/float16 on the device, channels_last.
