@@ -70,15 +70,16 @@ def test_toggles_train_end_to_end(demo_root: Path, tmp_path: Path, monkeypatch: 
 def test_resume_continues_step_count_schedule_and_layout(demo_root: Path, tmp_path: Path) -> None:
     first = tiny(demo_root, tmp_path / "a", "trainer.max_epochs=1")
     assert (first["global_step"], first["epochs"]) == (4, 1)
-    second = tiny(demo_root, tmp_path / "b", f"ckpt_path={first['last_checkpoint']}", "trainer.max_epochs=2")
+    second = tiny(demo_root, tmp_path / "b", f"ckpt_path={first['last_checkpoint']}", "trainer.max_epochs=2",
+                  "optim.milestones=[1]")
     assert (second["global_step"], second["epochs"]) == (8, 2)
 
-    # The schedule went on from step 4: the lr logged at steps 4..7 is lr_at(step) (warm-up 1 epoch, x0.1 at epoch 4).
+    # The schedule went on from step 4: the lr logged at steps 4..7 is lr_at(step) (warm-up 1 epoch, x0.1 from epoch 1).
     rows = [r for r in csv.DictReader(open(tmp_path / "b" / "csv" / "metrics.csv")) if r.get("lr")]
     logged = {int(r["step"]): float(r["lr"]) for r in rows}
     assert min(logged) == 4
     for s, lr in logged.items():
-        assert lr == pytest.approx(lr_at(s, 4, second["lr"], warmup_epochs=1, milestones=[4]))
+        assert lr == pytest.approx(lr_at(s, 4, second["lr"], warmup_epochs=1, milestones=[1]))
 
     state = _state(second["last_checkpoint"])
     assert is_channels_last(state["state_dict"]["model.layer1.0.conv1.weight"])
