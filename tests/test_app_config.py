@@ -87,6 +87,7 @@ def _error(overrides: list[str]) -> ConfigError:
         (["model.pretrained=/no/such.pth"], "model.pretrained", "local file"),
         (["label_smoothing=1.5"], "label_smoothing", "0 <= value < 1"),
         (["sync_bn=true", "device=cpu"], "sync_bn", "device=cuda"),
+        (["compile=true", "channels_last_mode=auto"], "channels_last_mode", "full, conv"),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(overrides: list[str], key: str, allowed: str | None) -> None:

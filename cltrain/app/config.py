@@ -172,6 +172,9 @@ def validate(cfg: DictConfig) -> Resolved:
         _require_bool(cfg, key)
     if cfg.channels_last_mode not in CHANNELS_LAST_MODES:
         raise ConfigError("channels_last_mode", cfg.channels_last_mode, "unknown mode", ", ".join(CHANNELS_LAST_MODES))
+    if cfg.compile and cfg.channels_last and cfg.channels_last_mode == "auto":
+        raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile=true (the layout is "
+                          "fixed before compiling)", "full, conv")
     if cfg.amp_dtype not in AMP_DTYPES:
         raise ConfigError("amp_dtype", cfg.amp_dtype, "unknown dtype", ", ".join(AMP_DTYPES))
     for key in ("data.batch_size", "data.image_size", "trainer.devices", "trainer.num_nodes",

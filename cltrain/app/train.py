@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +120,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             directory that already holds a run.
     """
     resolved: Resolved = validate(cfg)
-    if cfg.compile and cfg.channels_last and cfg.channels_last_mode == "auto":
-        raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile=true", "full, conv")
     _refuse_ddp_in_a_sweep(cfg)
     run_dir = _run_dir(cfg)
     started = time.perf_counter()
@@ -155,7 +154,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     ckpt_path = _absolute(cfg.get("ckpt_path"))
     if cfg.evaluate_only:
-        trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        with warnings.catch_warnings():  # "callbacks used to create the checkpoint": not needed to validate
+            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+            trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
     else:
         rank_zero_info(f"cltrain: lr {lr:.4g} (optim.lr {optim.lr} x global batch {global_batch} / 256)"
                        if optim.get("scale_lr", True) else f"cltrain: lr {lr:.4g}")
