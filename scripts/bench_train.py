@@ -15,7 +15,9 @@ the table gives per-path medians and the ratio Lightning / plain.
 
 Part 2, end to end on JPEG files (the demo data, generated on first use):
 ``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
-channels_last + AMP against contiguous fp32, ``--e2e-steps`` measured steps each.
+channels_last + AMP against contiguous fp32, ``--e2e-steps`` measured steps each;
+then the plain loop's speed-up for the same two configs on synthetic tensors, in the same run:
+the ratio the end-to-end speed-up is held against.
 
 Usage::
 
@@ -100,14 +102,18 @@ def lightning_path(model: torch.nn.Module, batches: list, precision: str, accele
     return progress.summary()["images_per_second"]
 
 
+def synthetic_batches(args: argparse.Namespace, device: torch.device, channels_last: bool, steps: int) -> list:
+    gen = torch.Generator().manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return [(torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
+             .to(device, memory_format=fmt), torch.randint(0, 1000, (args.batch_size,), generator=gen).to(device))
+            for _ in range(args.warmup + steps)]
+
+
 def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
     device = torch.device(accelerator)
     channels_last = args.layout == "channels_last"
-    gen = torch.Generator().manual_seed(0)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    batches = [(torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
-                .to(device, memory_format=fmt), torch.randint(0, 1000, (args.batch_size,), generator=gen).to(device))
-               for _ in range(args.warmup + args.steps)]
+    batches = synthetic_batches(args, device, channels_last, args.steps)
     base = build_model(args.model, num_classes=1000)
     plain_model = copy.deepcopy(base).to(device)
     if channels_last:
@@ -127,6 +133,26 @@ def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict
 
 
 # --- part 2: end to end on JPEGs -----------------------------------------------------------------
+def plain_step_ratio(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
+    """The plain loop's channels_last + AMP over contiguous fp32 speed-up, for the same model, batch and
+    size as part 2: the reference the end-to-end speed-up is compared with, measured in this run."""
+    device = torch.device(accelerator)
+    base = build_model(args.model, num_classes=1000)
+    configs = {"contiguous fp32": (False, "32-true"), "channels_last + AMP": (True, precision)}
+    speeds: dict[str, list[float]] = {name: [] for name in configs}
+    for r in range(args.e2e_rounds):
+        for name in configs if r % 2 == 0 else reversed(list(configs)):
+            channels_last, prec = configs[name]
+            model = copy.deepcopy(base).to(device)
+            if channels_last:
+                to_channels_last(model)
+            batches = synthetic_batches(args, device, channels_last, args.e2e_steps)
+            speeds[name].append(plain_loop(model, batches, prec, device, args.warmup))
+    med = {name: statistics.median(v) for name, v in speeds.items()}
+    return {**{f"{k} images_per_second": v for k, v in med.items()},
+            "speedup": med["channels_last + AMP"] / med["contiguous fp32"]}
+
+
 def end_to_end(args: argparse.Namespace, work: Path) -> list[dict]:
     common = [f"model={args.model}" if args.model in ("resnet18", "resnet50") else f"model.name={args.model}",
               f"device={args.device}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
@@ -189,19 +215,27 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nratio Lightning / plain: **{part1['ratio']:.3f}**")
 
     part2: list[dict] = []
+    reference: dict = {}
     if args.e2e_steps > 0:
         with tempfile.TemporaryDirectory(prefix="cltrain-bench-") as tmp:
             if args.quick and not args.data:
                 args.data = [f"data.root={Path(tmp) / 'demo'}", "data.demo.num_classes=4", "data.demo.train_per_class=8",
                              "data.demo.val_per_class=2", "data.demo.image_size=[96,72]"]
             part2 = end_to_end(args, Path(tmp))
+        reference = plain_step_ratio(args, accelerator, precision)
         print(f"\n## End to end on JPEG files ({args.model}, batch {args.batch_size}, {args.image_size} px, "
               f"{args.num_workers} loader workers, median step after {args.warmup} warm-up steps)\n")
         print("| config | precision | images/s | step (s) | speed-up |\n|---|---|---:|---:|---:|")
         for row in part2:
             print(f"| {row['config']} | {row['precision']} | {row['images_per_second']:.2f} | "
                   f"{row['step_time_s']:.3f} | {row['speedup']:.2f}x |")
-    result = {"machine": desc, "overhead": part1, "end_to_end": part2, "seconds": round(time.perf_counter() - started, 1)}
+        e2e = part2[-1]["speedup"]
+        print(f"\nplain loop on synthetic tensors, same model/batch/size: contiguous fp32 "
+              f"{reference['contiguous fp32 images_per_second']:.2f} img/s, channels_last + AMP "
+              f"{reference['channels_last + AMP images_per_second']:.2f} img/s: **{reference['speedup']:.2f}x**")
+        print(f"end to end keeps {e2e / reference['speedup']:.0%} of the plain step's speed-up "
+              f"({e2e:.2f}x vs {reference['speedup']:.2f}x)")
+    result = {"machine": desc, "overhead": part1, "end_to_end": part2, "plain_step_reference": reference, "seconds": round(time.perf_counter() - started, 1)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
