@@ -20,4 +20,8 @@ def test_bench_train_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert result["end_to_end"][0]["speedup"] == 1.0
     out = capsys.readouterr().out
     assert "ratio Lightning / plain" in out and "| channels_last + AMP | bf16-mixed |" in out
+    ref = result["plain_step_reference"]
+    assert ref["speedup"] == pytest.approx(
+        ref["channels_last + AMP images_per_second"] / ref["contiguous fp32 images_per_second"])
+    assert "of the plain step's speed-up" in out
     assert (tmp_path / "bench.json").is_file()
