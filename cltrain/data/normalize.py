@@ -16,6 +16,7 @@ time in a cache-sized buffer and rounded once on the way out (not once per op).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -29,8 +30,18 @@ _CHUNK = 16  # images per float32 work buffer for low-precision outputs
 
 
 def _affine(mean: Sequence[float], std: Sequence[float], channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    mean_t = torch.as_tensor(mean, dtype=torch.float64).flatten()
-    std_t = torch.as_tensor(std, dtype=torch.float64).flatten()
+    # Made once per (statistics, channels, device): building them per batch meant a blocking
+    # host-to-device copy every step on CUDA, which stalls the side-stream prefetch.
+    mean_key = tuple(float(m) for m in torch.as_tensor(mean, dtype=torch.float64).flatten().tolist())
+    std_key = tuple(float(v) for v in torch.as_tensor(std, dtype=torch.float64).flatten().tolist())
+    return _affine_cached(mean_key, std_key, channels, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _affine_cached(mean: tuple[float, ...], std: tuple[float, ...], channels: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    mean_t = torch.tensor(mean, dtype=torch.float64)
+    std_t = torch.tensor(std, dtype=torch.float64)
     for name, t in (("mean", mean_t), ("std", std_t)):
         if t.numel() not in (1, channels):
             raise ValueError(f"normalize: {name} has {t.numel()} values for a batch of {channels} channels; give 1 or {channels}.")
