@@ -117,7 +117,7 @@ def test_seed_and_deterministic_runs_repeat(demo_root: Path, tmp_path: Path) -> 
 def test_an_existing_run_directory_is_never_overwritten(demo_root: Path, tmp_path: Path) -> None:
     tiny(demo_root, tmp_path / "run")
     before = (tmp_path / "run" / "metrics.json").read_bytes()
-    with pytest.raises(ConfigError, match=r"run_dir=.*already holds a run \(metrics.json, checkpoints, csv\)"):
+    with pytest.raises(ConfigError, match=r"run_dir=.*holds an earlier run \(checkpoints, csv, metrics.json\)"):
         tiny(demo_root, tmp_path / "run")
     assert (tmp_path / "run" / "metrics.json").read_bytes() == before
 

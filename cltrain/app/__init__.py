@@ -7,6 +7,6 @@ LightningModule), ``progress`` (main_amp.py's log line, images/second),
 ``train`` (``train(cfg) -> dict``), ``cli`` (``main()``, the console script).
 """
 
-from cltrain.app.config import ConfigError
+from cltrain.app.errors import ConfigError
 
 __all__ = ["ConfigError"]

@@ -35,32 +35,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-__all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "is_launched_child", "resolve_device", "resolve_precision", "validate"]
+from cltrain.app.errors import ConfigError
+from cltrain.app.keys import check_keys
+
+__all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "demo_default_root", "is_launched_child", "resolve_device", "resolve_precision", "validate"]
 
 AMP_DTYPES = ("auto", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 CHANNELS_LAST_MODES = ("full", "conv", "auto")
 OPTIMIZERS = ("sgd", "adamw")
-
-
-def _show(value: Any) -> str:
-    """A value as it is written on the command line (true, null, 'text', 3)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if value is None:
-        return "null"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-class ConfigError(ValueError):
-    """A bad configuration value: ``key=value: reason (allowed: ...)``."""
-
-    def __init__(self, key: str, value: Any, reason: str, allowed: str | None = None) -> None:
-        self.key, self.value, self.reason, self.allowed = key, value, reason, allowed
-        message = f"{key}={_show(value)}: {reason}"
-        if allowed:
-            message += f" (allowed: {allowed})"
-        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -85,20 +68,6 @@ def cpu_has_native_bf16() -> bool:
         except OSError:
             return platform.system() == "Darwin"  # Apple M2 and later
     return False
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _require_bool(cfg: DictConfig, key: str) -> None:
-    value = cfg.get(key)
-    if not _is_bool(value):
-        raise ConfigError(key, value, "must be a boolean", "true, false")
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def resolve_device(device: Any) -> tuple[str, int | None]:
@@ -150,9 +119,19 @@ def _validate_paths(cfg: DictConfig) -> None:
     if root is None:
         raise ConfigError("data.root", root, "not set; an ImageNet-layout folder is needed",
                           "a directory with train/ and val/ class folders")
-    if data.get("demo") is None and not Path(str(root)).expanduser().is_dir():
+    where = Path(str(root)).expanduser()
+    if where.exists() and not where.is_dir():
+        raise ConfigError("data.root", str(root), "is a file, not a directory", "a directory with train/ and val/ class folders")
+    demo = data.get("demo")
+    if demo is None and not where.is_dir():
         raise ConfigError("data.root", str(root), "no such directory",
                           "a directory with train/ and val/ class folders")
+    if demo is not None and not where.exists() and not demo.get("any_root", False) \
+            and where.resolve() != Path(demo_default_root()).resolve():
+        # A typo'd path would otherwise get a freshly generated demo set and train on it without a word.
+        raise ConfigError("data.root", str(root), "no such directory; the demo set is generated only at its default "
+                          f"location {demo_default_root()}", "data=imagenet data.root=<your folder> for your own "
+                          f"data; or leave data.root unset for the demo set")
     for key in ("ckpt_path", "model.pretrained"):
         path = cfg.get("ckpt_path") if key == "ckpt_path" else cfg.model.get("pretrained")
         if path is not None and not Path(str(path)).expanduser().is_file():
@@ -162,14 +141,41 @@ def _validate_paths(cfg: DictConfig) -> None:
                           "with ckpt_path=<checkpoint> or model.pretrained=<weights file>")
 
 
+def _check_checkpoint(path: str, cfg: DictConfig) -> None:
+    """A resume/evaluate checkpoint is a Lightning checkpoint whose optimizer matches ``optim.name``
+    (a changed optimizer would fail deep inside Lightning with ``KeyError: 'step'``)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user mistake
+        raise ConfigError("ckpt_path", path, f"not a readable checkpoint ({type(err).__name__})",
+                          "a .ckpt file written by train.py") from None
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ConfigError("ckpt_path", path, "not a Lightning checkpoint (no state_dict)", "a .ckpt file written by train.py")
+    saved = (state.get("hyper_parameters") or {}).get("optimizer")
+    if not cfg.evaluate_only and saved is not None and saved != cfg.optim.name:
+        raise ConfigError("optim.name", cfg.optim.name, f"the checkpoint {path} was trained with optim={saved}; "
+                          "resuming needs the same optimizer", f"optim={saved}; or model.pretrained=<ckpt> to start anew")
+    if not cfg.evaluate_only and "optimizer_states" not in state:
+        raise ConfigError("ckpt_path", path, "holds weights only, nothing to resume", "model.pretrained=<file> to start from weights")
+
+
+def demo_default_root() -> str:
+    """``data.root`` of ``conf/data/demo.yaml``: the one place ``train.py`` generates the demo set."""
+    from omegaconf import OmegaConf
+
+    from cltrain.app.cli import CONFIG_DIR
+
+    path = CONFIG_DIR / "data" / "demo.yaml"
+    return str(OmegaConf.load(path).get("root", "data/demo")) if path.is_file() else "data/demo"
+
+
 def validate(cfg: DictConfig) -> Resolved:
     """Check ``cfg`` (before building anything) and resolve device and precision.
 
     Raises:
         ConfigError: on the first bad value, naming the key, the value and what is allowed.
     """
-    for key in ("channels_last", "amp", "compile", "sync_bn", "deterministic", "evaluate_only"):
-        _require_bool(cfg, key)
+    check_keys(cfg)  # names, types and ranges of every key; what follows checks meanings
     if cfg.channels_last_mode not in CHANNELS_LAST_MODES:
         raise ConfigError("channels_last_mode", cfg.channels_last_mode, "unknown mode", ", ".join(CHANNELS_LAST_MODES))
     if cfg.compile and cfg.channels_last and cfg.channels_last_mode == "auto":
@@ -177,27 +183,15 @@ def validate(cfg: DictConfig) -> Resolved:
                           "fixed before compiling)", "full, conv")
     if cfg.amp_dtype not in AMP_DTYPES:
         raise ConfigError("amp_dtype", cfg.amp_dtype, "unknown dtype", ", ".join(AMP_DTYPES))
-    for key in ("data.batch_size", "data.image_size", "trainer.devices", "trainer.num_nodes",
-                "trainer.accumulate_grad_batches"):
-        group, name = key.split(".")
-        value = cfg[group].get(name)
-        if key == "trainer.devices" and (value == "auto" or isinstance(value, list)):
-            continue
-        if not _positive_int(value):
-            raise ConfigError(key, value, "must be a whole number > 0")
-    if not (isinstance(cfg.print_freq, int) and cfg.print_freq >= 0):
-        raise ConfigError("print_freq", cfg.print_freq, "must be a whole number >= 0")
-    if not (0.0 <= float(cfg.label_smoothing) < 1.0):
-        raise ConfigError("label_smoothing", cfg.label_smoothing, "out of range", "0 <= value < 1")
     if cfg.optim.get("name") not in OPTIMIZERS:
         raise ConfigError("optim.name", cfg.optim.get("name"), "unknown optimizer", ", ".join(OPTIMIZERS))
-    if not (isinstance(cfg.optim.get("lr"), (int, float)) and cfg.optim.lr > 0):
-        raise ConfigError("optim.lr", cfg.optim.get("lr"), "must be a number > 0")
 
     from cltrain.app.models import check_model_name  # keeps torchvision/timm lookups out of import time
 
     check_model_name(cfg.model.name, cfg.model.get("source", "auto"))
     _validate_paths(cfg)
+    if cfg.get("ckpt_path") is not None:
+        _check_checkpoint(str(cfg.ckpt_path), cfg)
 
     accelerator, index = resolve_device(cfg.device)
     precision = resolve_precision(cfg.amp, cfg.amp_dtype, accelerator)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.app.config import ConfigError
+from cltrain.app.errors import ConfigError
 
 __all__ = ["SOURCES", "build_model", "check_model_name", "load_pretrained", "model_source"]
 

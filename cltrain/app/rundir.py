@@ -1,72 +1,192 @@
-"""Never write over an earlier run: refuse a run directory that already holds one.
+"""One directory per run, claimed atomically; never write over an earlier run.
 
-Two guards, because Hydra writes ``.hydra/`` into the run directory before the
-task starts:
+The design: a run *claims* its directory before anything is written into it, and
+a claim is an atomic filesystem operation, so two runs can never both win:
 
-* :class:`RunDirGuard`, a Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``),
-  refuses a ``hydra.run.dir`` / ``hydra.sweep.dir`` holding anything but Hydra's own
-  bookkeeping (``.hydra/``, ``*.log``: all a run stopped by a config error leaves)
-  before Hydra writes anything;
-* :func:`check_run_dir`, called by ``train(cfg)``, refuses a directory holding
-  a previous run's outputs (also when ``train`` is called without Hydra).
+* a new directory is claimed by ``os.mkdir`` (atomic: exactly one process gets it);
+* an existing directory given explicitly (``run_dir=``, ``hydra.run.dir=``,
+  ``hydra.sweep.dir=``) may be claimed only when it holds nothing but Hydra's
+  bookkeeping (``.hydra/``, ``*.log``: what a run stopped by a config error leaves),
+  by creating the marker file :data:`CLAIM` with ``O_CREAT | O_EXCL`` (atomic too).
+  The marker holds the claiming process id; a marker whose process is gone is stale
+  and may be claimed again.
 
-Processes that Lightning's DDP launcher starts (``LOCAL_RANK`` > 0) share their
-parent's run directory by design and are let through.
+Hydra's default ``outputs/<date>/<time>`` has a one-second resolution, so runs
+started in the same second from one folder would share it. :class:`RunDirGuard`, a
+Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``), runs in
+``on_run_start`` / ``on_multirun_start``, *before* Hydra creates the directory and
+writes ``.hydra/`` into it: it claims the configured directory and, when that one
+is taken and the directory is Hydra's default pattern (not given on the command
+line), the next free of ``<dir>-1``, ``<dir>-2``, ..., then points
+``hydra.run.dir`` (or ``hydra.sweep.dir``) at the directory it claimed. An explicit
+directory is never replaced by another: a taken one is a one-line error naming
+what is in it. ``train(cfg)`` then checks the directory again with
+:func:`claim_run_dir` (it finds its own claim), which also covers ``run_dir=`` and
+``train`` called without Hydra.
+
+Processes that Lightning's DDP launcher starts (``LOCAL_RANK`` > 0) are given the
+parent's directory on their command line (``hydra.run.dir=<parent's dir>``) and
+share it by design: they claim nothing.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from cltrain.app.config import ConfigError, is_launched_child
 
-__all__ = ["OUTPUTS", "RunDirGuard", "check_run_dir"]
+__all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir"]
 
 #: What a run writes into its directory.
 OUTPUTS = ("metrics.json", "checkpoints", "csv")
-
-
-def check_run_dir(run_dir: str | Path, key: str = "run_dir") -> Path:
-    """``run_dir`` as an absolute path, created; raises :class:`ConfigError` if it holds a previous run."""
-    path = Path(run_dir).expanduser().resolve()
-    if not is_launched_child():
-        found = [name for name in OUTPUTS if (path / name).exists()]
-        if found:
-            raise ConfigError(key, str(path), f"already holds a run ({', '.join(found)}); it is never overwritten",
-                              "a new directory")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+#: The marker file of a claimed directory: ``<pid> <host>``.
+CLAIM = ".cltrain-run"
+_MAX_SUFFIX = 1000
 
 
 def _is_bookkeeping(entry: Path) -> bool:
-    """Hydra's own files (config copies, the job log): all a run that failed its config check leaves."""
-    return entry.name in (".hydra", "multirun.yaml") or entry.suffix == ".log"
+    """Hydra's own files (config copies, the job log) and our marker: all a run stopped by a config error leaves."""
+    return entry.name in (".hydra", "multirun.yaml", CLAIM) or entry.suffix == ".log"
 
 
-def _refuse_non_empty(directory: Any, key: str) -> None:
-    path = Path(str(directory)).expanduser()
-    if is_launched_child() or not path.is_dir():
+def _claim_owner(directory: Path) -> tuple[int, str] | None:
+    try:
+        pid, host = (directory / CLAIM).read_text().split(maxsplit=1)
+        return int(pid), host.strip()
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int, host: str) -> bool:
+    if host != socket.gethostname():
+        return True  # another machine's run: assume it is running
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_claim(directory: Path, replace: bool = False) -> bool:
+    """Create the marker atomically; False if another process holds it."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    try:
+        fd = os.open(directory / CLAIM, flags, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()} {socket.gethostname()}\n")
+    return True
+
+
+def _refusal(directory: Path, key: str) -> ConfigError | None:
+    """Why an existing ``directory`` cannot be this run's, or None if it holds only bookkeeping."""
+    if not directory.is_dir():
+        return ConfigError(key, str(directory), "is a file, not a directory", "a new directory path")
+    entries = sorted(directory.iterdir())
+    earlier = [e.name for e in entries if e.name in OUTPUTS]
+    if earlier:
+        return ConfigError(key, str(directory), f"holds an earlier run ({', '.join(earlier)}); it is never overwritten",
+                           "a new directory")
+    other = [e.name + ("/" if e.is_dir() else "") for e in entries if not _is_bookkeeping(e)]
+    if other:
+        shown = ", ".join(other[:4]) + (", ..." if len(other) > 4 else "")
+        return ConfigError(key, str(directory), f"is not empty and not a cltrain run (holds {shown})",
+                           "a new or empty directory")
+    return None
+
+
+def _claim_existing(directory: Path, key: str) -> bool:
+    """Claim an existing explicit directory; raises if it cannot be a run directory of ours."""
+    refusal = _refusal(directory, key)
+    if refusal is not None:
+        raise refusal
+    owner = _claim_owner(directory)
+    if owner is not None and owner[0] == os.getpid() and owner[1] == socket.gethostname():
+        return True  # claimed earlier by this process (the Hydra callback, then train())
+    if _write_claim(directory):
+        return True
+    owner = _claim_owner(directory)
+    if owner is not None and not _alive(*owner):  # left by a run that is gone (config error, kill -9)
+        return _write_claim(directory, replace=True)
+    return False
+
+
+def claim_run_dir(run_dir: str | os.PathLike, key: str = "run_dir", next_free: bool = False) -> Path:
+    """Claim ``run_dir`` for this run (atomically) and return it as an absolute path.
+
+    Args:
+        run_dir: the directory; created (with parents) when missing.
+        key: the config key shown in errors.
+        next_free: when ``run_dir`` is taken, claim ``<run_dir>-1``, ``-2``, ... instead
+            (for Hydra's date/time pattern); otherwise a taken directory is an error.
+
+    Raises:
+        ConfigError: ``run_dir`` is a file, holds an earlier run, holds files that are
+            not a run of ours, or is claimed by another running process.
+    """
+    path = Path(run_dir).expanduser().absolute()
+    if is_launched_child():
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    if path.exists() and not path.is_dir():
+        raise ConfigError(key, str(path), "is a file, not a directory", "a new directory path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(_MAX_SUFFIX if next_free else 1):
+        candidate = path if n == 0 else path.with_name(f"{path.name}-{n}")
+        try:
+            os.mkdir(candidate)
+        except FileExistsError:
+            if next_free:
+                continue  # taken (by a run started in the same second, or earlier): try the next name
+            if _claim_existing(candidate, key):
+                return candidate
+            owner = _claim_owner(candidate)
+            raise ConfigError(key, str(candidate), f"in use by another run (pid {owner[0] if owner else '?'})",
+                              "a new directory") from None
+        _write_claim(candidate, replace=True)
+        return candidate
+    raise ConfigError(key, str(path), f"{path.name}-1 .. -{_MAX_SUFFIX - 1} are all taken", "a new directory")
+
+
+def check_run_dir(run_dir: str | os.PathLike, key: str = "run_dir") -> Path:
+    """``run_dir`` claimed for this run (see :func:`claim_run_dir`); kept for callers of the old name."""
+    return claim_run_dir(run_dir, key)
+
+
+def _explicit(config: DictConfig, key: str) -> bool:
+    """Whether ``key`` was given on the command line (else it is Hydra's date/time pattern)."""
+    overrides = OmegaConf.select(config, "hydra.overrides.hydra") or []
+    return any(str(o).lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def _claim_for_hydra(config: DictConfig, key: str) -> None:
+    if is_launched_child():
         return
-    found = sorted(entry.name for entry in path.iterdir() if not _is_bookkeeping(entry))
-    if not found:
-        return
-    shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-    error = ConfigError(key, str(path.resolve()), f"holds an earlier run ({shown}); it is never overwritten",
-                        "a new directory")
-    print(f"cltrain: error: {error}", file=sys.stderr)
-    raise SystemExit(2)  # Hydra turns exceptions into tracebacks; this stays one line
+    try:
+        path = claim_run_dir(str(OmegaConf.select(config, key)), key, next_free=not _explicit(config, key))
+    except ConfigError as error:
+        print(f"cltrain: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None  # Hydra turns exceptions into tracebacks; this stays one line
+    group = config.hydra.run if key == "hydra.run.dir" else config.hydra.sweep
+    with read_write(group), open_dict(group):
+        group.dir = str(path)
 
 
 class RunDirGuard(Callback):
-    """Hydra callback: stop before Hydra writes into a run or sweep directory that holds an earlier run."""
+    """Hydra callback: claim the run (or sweep) directory before Hydra writes into it; see the module docstring."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _refuse_non_empty(OmegaConf.select(config, "hydra.run.dir"), "hydra.run.dir")
+        _claim_for_hydra(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _refuse_non_empty(OmegaConf.select(config, "hydra.sweep.dir"), "hydra.sweep.dir")
+        _claim_for_hydra(config, "hydra.sweep.dir")

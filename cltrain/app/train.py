@@ -19,18 +19,23 @@ Example::
 from __future__ import annotations
 
 import os
+import shlex
+import signal
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -39,17 +44,18 @@ from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
 from cltrain.app.progress import MainAmpProgress
 from cltrain.app.report import write_metrics
-from cltrain.app.rundir import check_run_dir
+from cltrain.app.rundir import claim_run_dir
 from cltrain.app.schedule import scaled_lr
+from cltrain.app.signals import RunInterrupted, SignalStop
 
 __all__ = ["train"]
 
 
 def _run_dir(cfg: DictConfig) -> Path:
     if cfg.get("run_dir"):
-        return check_run_dir(cfg.run_dir, "run_dir")
-    if HydraConfig.initialized():
-        return check_run_dir(HydraConfig.get().runtime.output_dir, "hydra.run.dir")
+        return claim_run_dir(cfg.run_dir, "run_dir")
+    if HydraConfig.initialized():  # claimed by RunDirGuard before Hydra wrote into it; this finds our claim
+        return claim_run_dir(HydraConfig.get().runtime.output_dir, "hydra.run.dir")
     raise ConfigError("run_dir", None, "not set and not running under Hydra", "a directory path")
 
 
@@ -76,35 +82,70 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     if demo is not None:
         from cltrain.data import make_demo_dataset
 
+        demo.pop("any_root", None)
         try:
             make_demo_dataset(data["root"], **demo)
         except FileExistsError as err:  # a different folder already sits at root
             raise ConfigError("data.root", data["root"], str(err).removeprefix("make_demo_dataset: "),
                               "a new path, or the demo folder made with the same data.demo settings") from None
+    if not data.get("allow_missing_val_classes", True) and "allow_missing_val_classes" not in _arguments(data["_target_"]):
+        data.pop("allow_missing_val_classes")  # a DataModule without the option: the default behaviour is the same
     try:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
         raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
     try:
         datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError("data.root", data["root"], str(err), "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
+    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
+        raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
+                          "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
     return datamodule
 
 
-def _callbacks(cfg: DictConfig, run_dir: Path) -> tuple[list[Callback], MainAmpProgress, ModelCheckpoint | None]:
+def _arguments(target: str) -> set[str]:
+    import importlib
+    import inspect
+
+    module, _, name = target.rpartition(".")
+    return set(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+
+
+def _apply_cuda_math(cfg: DictConfig) -> None:
+    """``cudnn_benchmark`` and ``tf32``: process-wide switches, set before the model is built."""
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # what set_float32_matmul_precision("high"/"highest") sets
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+
+
+def _callbacks(cfg: DictConfig, run_dir: Path, stop: SignalStop) -> tuple[list[Callback], MainAmpProgress, dict[str, Any]]:
     progress = MainAmpProgress(print_freq=cfg.print_freq, warmup=cfg.throughput_warmup)
-    callbacks: list[Callback] = [progress]
+    callbacks: list[Callback] = [progress, stop]
+    parts: dict[str, Any] = {}
     if cfg.channels_last:
         from cltrain.callback import ChannelsLast
 
-        callbacks.append(ChannelsLast(mode=cfg.channels_last_mode))
-    checkpoint = None
+        parts["channels_last"] = ChannelsLast(mode=cfg.channels_last_mode)
+        callbacks.append(parts["channels_last"])
     if not cfg.evaluate_only:
-        checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best-epoch{epoch:03d}",
-                                     monitor="val/top1", mode="max", save_last=True, auto_insert_metric_name=False)
-        callbacks.append(checkpoint)
-    return callbacks, progress, checkpoint
+        checkpoints = run_dir / "checkpoints"
+        # The best k by val/top1, apart from last.ckpt: with a monitor, Lightning's save_last only
+        # writes last.ckpt when the metric improves, so the latest state has its own checkpoint callback.
+        parts["best"] = ModelCheckpoint(dirpath=checkpoints, filename="best-epoch{epoch:03d}", monitor="val/top1",
+                                        mode="max", save_top_k=cfg.checkpoint.save_top_k, auto_insert_metric_name=False)
+        parts["last"] = ModelCheckpoint(dirpath=checkpoints, filename="last", monitor=None, save_top_k=1,
+                                        every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
+        parts["on_exception"] = _KeepOnException(checkpoints, filename="last")  # signal or crash: the latest state
+        callbacks += [parts["best"], parts["last"], parts["on_exception"]]
+    return callbacks, progress, parts
+
+
+class _KeepOnException(OnExceptionCheckpoint):
+    """``OnExceptionCheckpoint`` that writes ``last.ckpt`` and keeps it: Lightning's deletes its file in
+    ``teardown``, which after a normal run would delete the epoch-end ``last.ckpt``."""
+
+    def teardown(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 def _percent(metrics: dict[str, Any], key: str) -> float | None:
@@ -112,19 +153,46 @@ def _percent(metrics: dict[str, Any], key: str) -> float | None:
     return None if value is None else round(100.0 * float(value), 3)
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes this run from its ``last.ckpt`` (the same overrides, in a new run directory)."""
+    overrides: list[str] = []
+    if HydraConfig.initialized():
+        overrides = [o for o in HydraConfig.get().overrides.task
+                     if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "run_dir")]
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "train.py"
+    args = [*overrides, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
+    return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in args)])
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured training (or evaluation); returns the final metrics (also in ``metrics.json``).
 
+    A run stopped by SIGTERM / SIGINT saves ``checkpoints/last.ckpt``, writes ``metrics.json``
+    with ``"status": "interrupted"``, prints the resume command and raises ``SystemExit(143 / 130)``.
+    A run that fails with an exception saves ``last.ckpt`` too, and writes ``"status": "failed"``.
+
     Raises:
         ConfigError: a bad config value (raised before anything is built), or a run
-            directory that already holds a run.
+            directory that cannot be this run's.
     """
     resolved: Resolved = validate(cfg)
     _refuse_ddp_in_a_sweep(cfg)
     run_dir = _run_dir(cfg)
     started = time.perf_counter()
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    with SignalStop() as stop:
+        try:
+            return _train(cfg, resolved, run_dir, stop, started)
+        except RunInterrupted as interrupt:
+            code = 128 + interrupt.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+            if not getattr(interrupt, "reported", False):
+                print(f"cltrain: interrupted by {signal.Signals(interrupt.signum).name} before training started; "
+                      "nothing to resume", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
+
+def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop, started: float) -> dict[str, Any]:
+    _apply_cuda_math(cfg)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build_datamodule(cfg)
     kwargs = cfg.model.get("kwargs")
     model = build_model(cfg.model.name, datamodule.num_classes, cfg.model.get("source", "auto"),
@@ -136,7 +204,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             to_channels_last(model, mode=cfg.channels_last_mode)
         model.compile(backend=cfg.compile_backend)  # in place: state_dict keys stay unprefixed
 
-    callbacks, progress, checkpoint = _callbacks(cfg, run_dir)
+    callbacks, progress, parts = _callbacks(cfg, run_dir, stop)
     trainer: pl.Trainer = instantiate(
         cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
         callbacks=callbacks, logger=CSVLogger(save_dir=run_dir, name="csv", version=""),
@@ -152,37 +220,94 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         milestones=tuple(optim.milestones), gamma=optim.gamma, label_smoothing=cfg.label_smoothing,
     )
 
-    ckpt_path = _absolute(cfg.get("ckpt_path"))
-    if cfg.evaluate_only:
-        with warnings.catch_warnings():  # "callbacks used to create the checkpoint": not needed to validate
-            warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
-            trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
-    else:
-        rank_zero_info(f"cltrain: lr {lr:.4g} (optim.lr {optim.lr} x global batch {global_batch} / 256)"
-                       if optim.get("scale_lr", True) else f"cltrain: lr {lr:.4g}")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        if progress.last_val_step != trainer.global_step:  # the final model has not been validated yet
-            trainer.validate(module, datamodule=datamodule, verbose=False)
+    def finish(status: str, error: BaseException | None = None) -> dict[str, Any]:
+        metrics = _final_metrics(cfg, resolved, trainer, progress, parts, model, run_dir, global_batch, lr)
+        metrics["status"] = status
+        if error is not None and status == "failed":
+            metrics["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+        metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
+        if trainer.is_global_zero:
+            write_metrics(run_dir, metrics)
+        return metrics
 
-    metrics = _final_metrics(cfg, resolved, trainer, progress, checkpoint, run_dir, global_batch, lr)
-    metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
+    ckpt_path = _absolute(cfg.get("ckpt_path"))
+    try:
+        if cfg.evaluate_only:
+            with warnings.catch_warnings():  # "callbacks used to create the checkpoint": not needed to validate
+                warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+                trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        else:
+            rank_zero_info(f"cltrain: lr {lr:.4g} (optim.lr {optim.lr} x global batch {global_batch} / 256)"
+                           if optim.get("scale_lr", True) else f"cltrain: lr {lr:.4g}")
+            with stop.deferred():
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            if stop.signum is not None or trainer.received_sigterm:
+                raise RunInterrupted(stop.signum or signal.SIGTERM)
+            if progress.last_val_step != trainer.global_step:  # the final model has not been validated yet
+                trainer.validate(module, datamodule=datamodule, verbose=False)
+    except (RunInterrupted, SIGTERMException, KeyboardInterrupt) as err:
+        signum = getattr(err, "signum", None) or stop.signum or (signal.SIGTERM if trainer.received_sigterm else signal.SIGINT)
+        metrics = finish("interrupted")
+        if trainer.is_global_zero:
+            last = metrics.get("last_checkpoint")
+            how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written (stopped before training)"
+            print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",
+                  file=sys.stderr, flush=True)
+        interrupt = RunInterrupted(signum)
+        interrupt.reported = True
+        raise interrupt from None
+    except Exception as err:
+        if not cfg.evaluate_only:
+            try:  # last.ckpt was written by the on-exception checkpoint; say so in metrics.json
+                finish("failed", err)
+            except Exception:  # noqa: BLE001 - the original error is the one to show
+                pass
+        raise
+
+    metrics = finish("completed")
     if trainer.is_global_zero:
-        write_metrics(run_dir, metrics)
         print(_summary_line(metrics, datamodule.num_classes), flush=True)
     return metrics
 
 
+def _kept_layout(cfg: DictConfig, parts: dict[str, Any], model: torch.nn.Module) -> str:
+    """The layout the model trained in: ``mode="auto"`` may have kept contiguous."""
+    if not cfg.channels_last:
+        return "contiguous"
+    layout = getattr(parts.get("channels_last"), "layout", None)
+    if layout in ("channels_last", "contiguous"):
+        return layout
+    from cltrain.layout import is_channels_last
+
+    conv = next((m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
+    return "channels_last" if conv is None or is_channels_last(conv) else "contiguous"
+
+
+def _checkpoint_path(path: str | None, run_dir: Path) -> str | None:
+    """``path`` if it is a file of this run (a resumed run's callback state can name the previous run's)."""
+    return path if path and Path(path).is_file() and Path(path).is_relative_to(run_dir) else None
+
+
 def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, progress: MainAmpProgress,
-                   checkpoint: ModelCheckpoint | None, run_dir: Path, global_batch: int, lr: float) -> dict[str, Any]:
+                   parts: dict[str, Any], model: torch.nn.Module, run_dir: Path, global_batch: int,
+                   lr: float) -> dict[str, Any]:
     logged = trainer.callback_metrics
     speed = progress.summary()
-    best = checkpoint.best_model_score if checkpoint is not None else None
+    best_cb: ModelCheckpoint | None = parts.get("best")
+    best = best_cb.best_model_score if best_cb is not None else None
+    last = run_dir / "checkpoints" / "last.ckpt"
+    layout = _kept_layout(cfg, parts, model)
     return {
+        "status": None,
         "model": cfg.model.name,
-        "channels_last": cfg.channels_last,
+        "channels_last": layout == "channels_last",
+        "layout": layout,
         "amp": cfg.amp,
         "precision": resolved.precision,
         "device": resolved.accelerator,
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "tf32": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "world_size": trainer.world_size,
         "image_size": cfg.data.image_size,
         "batch_size": cfg.data.batch_size,
@@ -198,8 +323,10 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, pro
         "train_top1": _percent(logged, "train/top1_epoch"),
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
-        "best_checkpoint": checkpoint.best_model_path if checkpoint is not None else None,
-        "last_checkpoint": checkpoint.last_model_path if checkpoint is not None else None,
+        "best_checkpoint": _checkpoint_path(best_cb.best_model_path, run_dir) if best_cb is not None else None,
+        "best_checkpoints": {} if best_cb is None else {
+            p: round(100.0 * float(v), 3) for p, v in sorted(best_cb.best_k_models.items()) if _checkpoint_path(p, run_dir)},
+        "last_checkpoint": str(last) if last.is_file() and not cfg.evaluate_only else None,
         "run_dir": str(run_dir),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
@@ -210,9 +337,9 @@ def _summary_line(m: dict[str, Any], num_classes: int) -> str:
              if m.get("images_per_second") else "images/s: too few steps to measure")
     if m["evaluate_only"]:
         speed = f"{m['val_images_per_second']:.1f} images/s (validation)" if m.get("val_images_per_second") else "-"
-    layout = "channels_last" if m["channels_last"] else "contiguous"
     top1 = "-" if m["val_top1"] is None else f"{m['val_top1']:.2f}%"
     top5 = "-" if m["val_top5"] is None else f"{m['val_top5']:.2f}%"
+    math = f", tf32" if m["tf32"] and m["precision"] == "32-true" and m["device"] == "cuda" else ""
     return (f"\ncltrain: val top-1 {top1} (chance {100 / num_classes:.1f}%), top-5 {top5} | {speed} "
-            f"| {m['model']}, global batch {m['global_batch']}, {layout}, {m['precision']}, {m['device']} "
+            f"| {m['model']}, global batch {m['global_batch']}, {m['layout']}, {m['precision']}{math}, {m['device']} "
             f"| {Path(m['run_dir']) / 'metrics.json'}")

@@ -1,0 +1,122 @@
+"""SIGTERM and SIGINT end a run cleanly: the latest state saved, exit status 143 / 130.
+
+How it fits Lightning 2.x: while ``trainer.fit`` runs, Lightning's ``_SignalConnector``
+installs its own SIGTERM handler, which sets ``trainer.received_sigterm`` (and, under
+DDP, tells the other ranks); the training and validation loops then raise
+``SIGTERMException`` at the next batch end. Lightning chains the SIGTERM handler that
+was installed before (ours), and restores it after fit.
+
+:class:`SignalStop` adds what Lightning leaves out:
+
+* a handler for SIGINT and SIGTERM installed for the whole of ``train()``. Outside
+  ``fit`` (building the data, the final validation) a signal raises
+  :class:`RunInterrupted` at once. Inside ``fit`` the first signal is recorded and the
+  run stops at the end of the current batch (so the checkpoint holds a whole step);
+  a second signal of the same kind stops at once;
+* a callback that raises :class:`RunInterrupted` at that batch end. The exception
+  goes through Lightning's ``on_exception`` hooks, where ``OnExceptionCheckpoint``
+  writes ``last.ckpt``; ``train()`` then writes ``metrics.json`` with
+  ``"status": "interrupted"``, prints the resume command and exits 128 + signal.
+
+Under DDP (world size > 1) SIGTERM is left to Lightning's broadcast (every rank must
+stop at the same step) and SIGINT stops at once. SIGUSR1 (SLURM's requeue signal,
+handled by Lightning's ``SLURMEnvironment(auto_requeue=True)``) is never touched.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+__all__ = ["RunInterrupted", "SignalStop"]
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunInterrupted(BaseException):
+    """The run was stopped by ``signum`` (a BaseException: nothing on the way catches it as an error)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class SignalStop(Callback):
+    """Stop the run on SIGINT / SIGTERM with the latest state saved; see the module docstring.
+
+    Use as a context manager around the whole run, and as a Trainer callback.
+
+    Example::
+
+        stop = SignalStop()
+        with stop:
+            trainer = Trainer(callbacks=[stop, OnExceptionCheckpoint("ckpts", "last")])
+            with stop.deferred():
+                trainer.fit(model)
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._defer = False
+        self._world_size = 1
+        self._previous: dict[int, Any] = {}
+
+    # --- the handler ----------------------------------------------------------------------------
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        again = self.signum == signum
+        self.signum = signum
+        if not self._defer or again or (signum == signal.SIGINT and self._world_size > 1):
+            raise RunInterrupted(signum)
+        # inside fit: stop at the end of the current batch (Lightning also sees SIGTERM itself)
+
+    def __enter__(self) -> SignalStop:
+        if threading.current_thread() is threading.main_thread():
+            for signum in HANDLED:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def deferred(self) -> _Deferred:
+        """While the returned context is active (``trainer.fit``), a first signal waits for the batch end."""
+        return _Deferred(self)
+
+    # --- the callback ---------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._world_size = trainer.world_size
+
+    def _check(self, trainer: pl.Trainer) -> None:
+        if self.signum is None:
+            return
+        if self.signum == signal.SIGTERM and trainer.world_size > 1:
+            return  # Lightning broadcasts SIGTERM from rank 0 and raises on every rank at the same step
+        raise RunInterrupted(self.signum)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._check(trainer)
+
+    @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._check(trainer)
+
+
+class _Deferred:
+    def __init__(self, stop: SignalStop) -> None:
+        self.stop = stop
+
+    def __enter__(self) -> None:
+        self.stop._defer = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop._defer = False
