@@ -137,10 +137,12 @@ def _signature_keys(target: Any) -> frozenset[str]:
         return frozenset()
 
 
-def _unknown(key: str, known: frozenset[str] | set[str], prefix: str = "") -> ConfigError:
-    close = difflib.get_close_matches(key.rpartition(".")[2], sorted(known), n=3, cutoff=0.6)
-    hint = f"did you mean {', '.join(prefix + c for c in close)}?" if close else f"see python train.py --help"
-    return ConfigError(prefix + key.rpartition(".")[2], None, f"unknown key; {hint}")
+def _unknown(key: str, value: Any, known: frozenset[str] | set[str], prefix: str = "") -> ConfigError:
+    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(prefix + c for c in close)}?" if close else "see python train.py --help"
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=False)
+    return ConfigError(prefix + key, value, f"unknown key; {hint}")
 
 
 def _check_value(key: str, value: Any, check: Check) -> None:
@@ -175,7 +177,7 @@ def check_keys(cfg: DictConfig) -> None:
         if key == "hydra":
             continue
         if key not in known[""]:
-            raise _unknown(str(key), known[""])
+            raise _unknown(str(key), cfg.get(key), known[""])
     for key, check in TOP_LEVEL.items():
         if key in cfg:
             _check_value(key, cfg.get(key), check)
@@ -188,7 +190,7 @@ def check_keys(cfg: DictConfig) -> None:
                 raise ConfigError(f"trainer.{key}", node.get(key), "set by the app; do not set it here",
                                   f"use {APP_SET_TRAINER_KEYS[key]}")
             if group in known and known[group] and key not in known[group]:
-                raise _unknown(str(key), known[group], prefix=f"{group}.")
+                raise _unknown(str(key), node.get(key), known[group], prefix=f"{group}.")
         for key, check in checks.items():
             if key in node:
                 _check_value(f"{group}.{key}", node.get(key), check)

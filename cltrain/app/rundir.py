@@ -16,11 +16,11 @@ started in the same second from one folder would share it. :class:`RunDirGuard`,
 Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``), runs in
 ``on_run_start`` / ``on_multirun_start``, *before* Hydra creates the directory and
 writes ``.hydra/`` into it: it claims the configured directory and, when that one
-is taken and the directory is Hydra's default pattern (not given on the command
-line), the next free of ``<dir>-1``, ``<dir>-2``, ..., then points
-``hydra.run.dir`` (or ``hydra.sweep.dir``) at the directory it claimed. An explicit
-directory is never replaced by another: a taken one is a one-line error naming
-what is in it. ``train(cfg)`` then checks the directory again with
+is taken and the configured value is a time pattern (holds ``${now:...}``, as
+Hydra's default does), the next free of ``<dir>-1``, ``<dir>-2``, ..., then points
+``hydra.run.dir`` (or ``hydra.sweep.dir``) at the directory it claimed. A fixed
+path is never replaced by another: a taken one is a one-line error naming what is
+in it. ``train(cfg)`` then checks the directory again with
 :func:`claim_run_dir` (it finds its own claim), which also covers ``run_dir=`` and
 ``train`` called without Hydra.
 
@@ -163,17 +163,19 @@ def check_run_dir(run_dir: str | os.PathLike, key: str = "run_dir") -> Path:
     return claim_run_dir(run_dir, key)
 
 
-def _explicit(config: DictConfig, key: str) -> bool:
-    """Whether ``key`` was given on the command line (else it is Hydra's date/time pattern)."""
-    overrides = OmegaConf.select(config, "hydra.overrides.hydra") or []
-    return any(str(o).lstrip("+~").split("=", 1)[0] == key for o in overrides)
+def _is_pattern(config: DictConfig, key: str) -> bool:
+    """Whether ``key`` is a time pattern (Hydra's default ``outputs/${now:...}``, or any with ``${now:``):
+    a name made up for the run, so a taken one is replaced by the next free; a fixed path is the user's
+    choice, and a taken one is an error."""
+    raw = OmegaConf.to_container(config.hydra.run if key == "hydra.run.dir" else config.hydra.sweep, resolve=False)
+    return "${now:" in str(raw.get("dir", ""))
 
 
 def _claim_for_hydra(config: DictConfig, key: str) -> None:
     if is_launched_child():
         return
     try:
-        path = claim_run_dir(str(OmegaConf.select(config, key)), key, next_free=not _explicit(config, key))
+        path = claim_run_dir(str(OmegaConf.select(config, key)), key, next_free=_is_pattern(config, key))
     except ConfigError as error:
         print(f"cltrain: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None  # Hydra turns exceptions into tracebacks; this stays one line
