@@ -21,7 +21,7 @@ def load_script():
 def test_quick_run_writes_checked_csv_markdown_and_png(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--models", "tinycnn", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--models", "tinycnn", "--out", str(out)],
         capture_output=True, text=True, timeout=300, check=True,
     )
     assert "Machine: CPU" in proc.stdout and "torch " in proc.stdout
@@ -60,10 +60,10 @@ def test_defaults_fit_the_device_and_quick_shrinks_them():
 def test_rejects_unknown_models_and_vit_sizes(capsys):
     bench = load_script()
     with pytest.raises(SystemExit):
-        bench.parse_args(["--models", "resnet5"])
+        bench.parse_args(["--device", "cpu", "--models", "resnet5"])
     assert "resnet5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.parse_args(["--models", "vit_b_16", "--image-size", "100"])
+        bench.parse_args(["--device", "cpu", "--models", "vit_b_16", "--image-size", "100"])
     assert "multiple of 16" in capsys.readouterr().err
     model, _ = bench.build_model("vit_b_16", 64)
     assert model.image_size == 64
