@@ -1,40 +1,62 @@
-"""Training-step throughput of torchvision models, contiguous (NCHW) vs channels_last (NHWC).
+"""Training-step throughput of torchvision models, contiguous vs channels-last, for 2-D, 3-D and 1-D models.
 
 One training step = forward, cross-entropy loss, backward, SGD(momentum) step,
 on one fixed random batch (no data loading: this measures the model). For each
 model and each dtype (fp32, and the device's AMP dtype: bf16 on CPU, fp16 on
 CUDA, autocast without a GradScaler), the two layouts are timed in rounds that
-alternate which goes first (``--repeats`` rounds of ``--steps`` steps, after
-``--warmup`` steps each); the table gives the median images/second with the
-min-max spread over rounds, and the speed-up channels_last / contiguous. It
-also runs :func:`cltrain.autolayout.choose_layout` (what
-``ChannelsLast(mode="auto")`` does) per model and dtype and says whether it
-picked the measured winner.
+alternate which goes first (``--repeats`` rounds); the table gives the median
+samples/second with the min-max spread over rounds, and the speed-up
+channels-last / contiguous. It also runs :func:`cltrain.autolayout.choose_layout`
+(what ``ChannelsLast(mode="auto")`` does) per model and dtype and says whether
+it picked the measured winner.
 
-The models: the 16 of PyTorch's channels_last tutorial, three newer convnets
-(convnext_tiny, efficientnet_b0, regnet_y_400mf) and vit_b_16 as a
-non-convolutional control; ``tinycnn`` is a small test model. All are built
-with ``weights=None`` (nothing is downloaded).
+Timed windows: after ``--warmup`` untimed steps per layout, one more step per
+layout is timed to calibrate, and every round then runs
+``max(--steps, ceil(--min-window / that step time))`` steps, so each timed
+window lasts at least ``--min-window`` seconds (0.1 s by default: on a fast GPU
+two steps are 20-50 ms, too short to time). On a CPU the models' steps are
+longer than that, so the rounds stay at ``--steps`` (2). On CUDA
+``cudnn.benchmark`` is on (as apex, timm and FFCV set it; the warm-up of 5
+steps covers its tuning) and the machine line says whether fp32 ran as TF32.
 
-Defaults fit the device: on CPU batch 16 at 160x160, on CUDA batch 64 at
-224x224. On a 2-core CPU all 20 models take an estimated 30-50 minutes
-(resnet18 alone took 76 s on a busy machine; the rest scale with their FLOPs). ``--quick`` shrinks
-everything to check the script works (batch 2 at 64x64, one step per round).
+The models, by rank:
+
+* images, 4-D ``(N, 3, H, W)`` in ``channels_last``: the 16 of PyTorch's
+  channels_last tutorial, three newer convnets (convnext_tiny, efficientnet_b0,
+  regnet_y_400mf) and vit_b_16 as a non-convolutional control;
+* video, 5-D ``(N, 3, T, H, W)`` clips in ``channels_last_3d``: r3d_18, mc3_18,
+  r2plus1d_18, s3d (s3d's fixed pooling needs at least 16x224x224 clips: it gets them);
+* audio, 3-D ``(N, 1, L)`` waveforms: ``m5``, an M5 1-D CNN (Dai et al., 2017), in
+  the only channels-last 1-D layout stock PyTorch can express, strides ``(C*L, 1, C)``
+  for the activations and the Conv1d weights (pytorch#66681). ``mode="auto"`` does
+  not time rank 3 yet, so its "auto picks" reads n/a.
+
+``tinycnn`` is a small 2-D test model. All are built with ``weights=None``
+(nothing is downloaded).
+
+Defaults fit the device: on CPU batch 16 images at 160x160, 4 clips of
+8x112x112, 16 waveforms of 16000 samples; on CUDA 64 images at 224x224,
+16 clips of 16x112x112, 128 waveforms. On a 2-core CPU the 20 image models take
+30-50 minutes. ``--quick`` shrinks everything to check the script works (batch 2,
+64x64 images, 4x32x32 clips, 8000-sample waveforms, one step per round).
 
 Usage::
 
     python scripts/bench_models.py                              # all models, default sizes
     python scripts/bench_models.py --models resnet50,mobilenet_v2 --batch-size 32 --image-size 224
-    python scripts/bench_models.py --quick --models tinycnn --out /tmp/bench
+    python scripts/bench_models.py --models r3d_18,mc3_18,r2plus1d_18,s3d,m5
+    python scripts/bench_models.py --device cuda --models resnet50 --batch-size 256
+    python scripts/bench_models.py --quick --models tinycnn,r3d_18,m5 --out /tmp/bench
 
-Writes ``results.csv``, ``results.md`` and ``speedup.png`` to ``--out``
-(default ``bench_out/models``); every output names the machine.
+Writes ``results.csv``, ``results.md`` (one table per rank) and ``speedup.png``
+to ``--out`` (default ``bench_out/models``); every output names the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import platform
 import statistics
@@ -58,10 +80,19 @@ TUTORIAL_MODELS = [
 ]
 NEWER_MODELS = ["convnext_tiny", "efficientnet_b0", "regnet_y_400mf"]
 CONTROL_MODELS = ["vit_b_16"]
-ALL_MODELS = TUTORIAL_MODELS + NEWER_MODELS + CONTROL_MODELS
+IMAGE_MODELS = TUTORIAL_MODELS + NEWER_MODELS + CONTROL_MODELS
+VIDEO_MODELS = ["r3d_18", "mc3_18", "r2plus1d_18", "s3d"]
+AUDIO_MODELS = ["m5"]
+ALL_MODELS = IMAGE_MODELS + VIDEO_MODELS + AUDIO_MODELS
 NUM_CLASSES = 1000
+#: kind -> (heading, what one sample is, the channels-last layout's name)
+KINDS = {
+    "image": ("Images, 4-D (N, 3, H, W)", "img", "channels_last"),
+    "video": ("Video clips, 5-D (N, 3, T, H, W)", "clips", "channels_last_3d"),
+    "audio": ("Audio, 1-D (N, 1, L): channels-last-1-D strides (C*L, 1, C), stock PyTorch", "clips", "channels-last-1-D"),
+}
 CSV_FIELDS = [
-    "model", "dtype", "batch_size", "image_size", "device", "machine",
+    "model", "kind", "dtype", "batch_size", "input_shape", "device", "machine", "steps",
     "contiguous_img_s", "contiguous_min", "contiguous_max", "channels_last_img_s", "channels_last_min", "channels_last_max",
     "speedup", "measured_winner", "auto_pick", "auto_contiguous_ms", "auto_channels_last_ms", "auto_matches", "note",
 ]
@@ -76,15 +107,65 @@ def tinycnn(num_classes: int = NUM_CLASSES) -> nn.Module:
     )
 
 
+def m5(num_classes: int = NUM_CLASSES, channels: int = 32) -> nn.Module:
+    """M5 (Dai et al., "Very deep convolutional neural networks for raw waveforms", 2017), as in
+    torchaudio's speech-command tutorial: four Conv1d/BatchNorm1d/ReLU/MaxPool1d blocks on a raw waveform."""
+    def block(cin: int, cout: int, kernel: int, stride: int = 1) -> list[nn.Module]:
+        return [nn.Conv1d(cin, cout, kernel, stride=stride), nn.BatchNorm1d(cout), nn.ReLU(inplace=True), nn.MaxPool1d(4)]
+
+    return nn.Sequential(
+        *block(1, channels, 80, stride=16), *block(channels, channels, 3), *block(channels, 2 * channels, 3),
+        *block(2 * channels, 2 * channels, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(2 * channels, num_classes),
+    )
+
+
+# TODO(layoutcb): switch to cltrain.layout.to_channels_last_1d / is_channels_last_1d once they land on this branch.
+def to_channels_last_1d(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (N, C, L) restrided to (C*L, 1, C): channels innermost. Built with ``empty_strided``
+    because ``transpose().contiguous()`` is a no-op (and keeps NCL strides) when C == 1."""
+    n, c, length = tensor.shape
+    strides = (c * length, 1, c)
+    if tensor.stride() == strides:
+        return tensor
+    return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+def module_to_channels_last_1d(module: nn.Module) -> nn.Module:
+    """Conv1d / ConvTranspose1d weights of ``module`` to channels-last-1-D strides, in place (``param.data``)."""
+    for layer in module.modules():
+        if isinstance(layer, (nn.Conv1d, nn.ConvTranspose1d)):
+            layer.weight.data = to_channels_last_1d(layer.weight.data)
+    return module
+
+
+def kind_of(name: str) -> str:
+    return "video" if name in VIDEO_MODELS else "audio" if name in AUDIO_MODELS else "image"
+
+
 def build_model(name: str, image_size: int) -> tuple[nn.Module, str]:
     """The model ``name`` (random weights) for ``image_size`` inputs, and a note ("" if none)."""
     if name == "tinycnn":
         return tinycnn(), ""
+    if name == "m5":
+        return m5(), ""
     if name == "googlenet":  # no aux heads: the step trains the main head only, as in eval
         return torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True), "no aux heads"
     if name.startswith("vit_"):
         return torchvision.models.get_model(name, weights=None, image_size=image_size), ""
-    return torchvision.models.get_model(name, weights=None), ""
+    return torchvision.models.get_model(name, weights=None, num_classes=NUM_CLASSES), ""  # video models default to 400
+
+
+def input_shape(name: str, args: argparse.Namespace) -> tuple[tuple[int, ...], str]:
+    """The batch shape ``name`` is timed on, and a note when it differs from the defaults."""
+    kind = kind_of(name)
+    if kind == "audio":
+        return (args.audio_batch_size, 1, args.audio_length), ""
+    if kind == "video":
+        frames, size = args.frames, args.clip_size
+        if name == "s3d" and (frames < 16 or size < 224):  # its AvgPool3d((2, 7, 7)) needs 16x224x224
+            return (args.clip_batch_size, 3, max(frames, 16), max(size, 224), max(size, 224)), "needs >= 16x224x224"
+        return (args.clip_batch_size, 3, frames, size, size), ""
+    return (args.batch_size, 3, args.image_size, args.image_size), ""
 
 
 def amp_dtype(device: torch.device) -> torch.dtype:
@@ -108,7 +189,10 @@ def describe_machine(device: torch.device) -> str:
         bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
         parts.append(f"bf16 kernels {'yes' if bf16 else 'no (AVX512-BF16/AMX missing: bf16 runs emulated, slower)'}")
     else:
-        parts.append(f"GPU {torch.cuda.get_device_name(device)}")
+        tf32 = torch.backends.cudnn.allow_tf32
+        parts.append(f"GPU {torch.cuda.get_device_name(device)}; cudnn.benchmark {torch.backends.cudnn.benchmark}, "
+                     f"fp32 convolutions {'TF32' if tf32 else 'full fp32'} (cudnn.allow_tf32={tf32}), "
+                     f"matmul precision {torch.get_float32_matmul_precision()}")
     parts.append(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {platform.system()} {platform.release()}")
     return "; ".join(parts)
 
@@ -122,65 +206,101 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
     opt.step()
 
 
-def bench_cell(base: nn.Module, args: argparse.Namespace, device: torch.device, dtype: torch.dtype | None) -> dict[str, list[float]]:
-    """Images/second per round for each layout, timed interleaved."""
+def _in_layout(base: nn.Module, x: torch.Tensor, layout: str, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+    if x.dim() == 3:  # 1-D: model_in_layout / to_channels_last leave rank 3 alone
+        model = model_in_layout(base, "contiguous", device)
+        return (module_to_channels_last_1d(model), to_channels_last_1d(x)) if layout == "channels_last" else (model, x.contiguous())
+    return model_in_layout(base, layout, device), to_channels_last(x) if layout == "channels_last" else x.contiguous()
+
+
+def _seconds(fn, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
+               dtype: torch.dtype | None) -> tuple[dict[str, list[float]], int]:
+    """Samples/second per round for each layout, timed interleaved, and the steps per round."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen).to(device)
-    y = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=gen).to(device)
-    models = {layout: model_in_layout(base, layout, device).train() for layout in LAYOUTS}
-    opts = {layout: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4) for layout, m in models.items()}
-    inputs = {"contiguous": x.contiguous(), "channels_last": to_channels_last(x)}
+    x = torch.randn(shape, generator=gen).to(device)
+    y = torch.randint(0, NUM_CLASSES, (shape[0],), generator=gen).to(device)
+    models, inputs = {}, {}
     for layout in LAYOUTS:
-        for _ in range(args.warmup):
+        models[layout], inputs[layout] = _in_layout(base, x, layout, device)
+        models[layout].train()
+    opts = {layout: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4) for layout, m in models.items()}
+
+    def steps_of(layout: str, n: int) -> None:
+        for _ in range(n):
             _train_step(models[layout], opts[layout], inputs[layout], y, device, dtype)
+
+    for layout in LAYOUTS:
+        steps_of(layout, args.warmup)
+    steps = args.steps
+    if args.min_window > 0:  # calibrate on the faster layout, so both layouts' windows last >= --min-window
+        fastest = min(_seconds(lambda: steps_of(layout, 1), device) for layout in LAYOUTS)
+        steps = max(steps, min(args.max_steps, math.ceil(args.min_window / max(fastest, 1e-9))))
     rates: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     for r in range(args.repeats):
         for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                _train_step(models[layout], opts[layout], inputs[layout], y, device, dtype)
-            synchronize(device)
-            rates[layout].append(args.batch_size * args.steps / (time.perf_counter() - start))
-    return rates
+            rates[layout].append(shape[0] * steps / _seconds(lambda: steps_of(layout, steps), device))
+    return rates, steps
+
+
+def _auto_pick(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
+               dtype: torch.dtype | None) -> tuple[str, dict[str, float] | None]:
+    try:
+        return choose_layout(base, shape, steps=args.auto_steps, warmup=1, device=device, autocast_dtype=dtype)
+    except ValueError:  # a rank choose_layout does not time (3-D, until cltrain's 1-D support lands)
+        return "n/a", None
+
+
+def _sig(value: float) -> float:
+    return float(f"{value:.4g}")  # four significant digits: slow 3-D/1-D cells run below 1 sample/s on a CPU
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, machine: str) -> list[dict]:
     torch.manual_seed(0)
     base, note = build_model(name, args.image_size)
+    shape, shape_note = input_shape(name, args)
+    note = "; ".join(n for n in (note, shape_note) if n)
     base.to(device).train()
     rows = []
     for dtype_name in args.dtypes:
         dtype = None if dtype_name == "fp32" else amp_dtype(device)
-        rates = bench_cell(base, args, device, dtype)
+        rates, steps = bench_cell(base, shape, args, device, dtype)
         med = {layout: statistics.median(v) for layout, v in rates.items()}
         winner = max(LAYOUTS, key=lambda layout: med[layout])
-        pick, seconds = choose_layout(
-            base, (args.batch_size, 3, args.image_size, args.image_size),
-            steps=args.auto_steps, warmup=1, device=device, autocast_dtype=dtype,
-        )
+        pick, seconds = _auto_pick(base, shape, args, device, dtype)
         label = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rows.append({
-            "model": name, "dtype": label, "batch_size": args.batch_size, "image_size": args.image_size, "device": device.type,
-            "machine": machine,
-            **{f"{layout}_img_s": round(med[layout], 2) for layout in LAYOUTS},
-            **{f"{layout}_min": round(min(rates[layout]), 2) for layout in LAYOUTS},
-            **{f"{layout}_max": round(max(rates[layout]), 2) for layout in LAYOUTS},
+            "model": name, "kind": kind_of(name), "dtype": label, "batch_size": shape[0],
+            "input_shape": "x".join(map(str, shape)), "device": device.type, "machine": machine, "steps": steps,
+            **{f"{layout}_img_s": _sig(med[layout]) for layout in LAYOUTS},
+            **{f"{layout}_min": _sig(min(rates[layout])) for layout in LAYOUTS},
+            **{f"{layout}_max": _sig(max(rates[layout])) for layout in LAYOUTS},
             "speedup": round(med["channels_last"] / med["contiguous"], 3),
             "measured_winner": winner, "auto_pick": pick,
-            **{f"auto_{layout}_ms": round(1e3 * seconds[layout], 1) for layout in LAYOUTS},
-            "auto_matches": pick == winner, "note": note,
+            **{f"auto_{layout}_ms": round(1e3 * seconds[layout], 1) if seconds else "" for layout in LAYOUTS},
+            "auto_matches": pick == winner if seconds else "", "note": note,
         })
-        print(f"  {name:20s} {label:8s} contiguous {med['contiguous']:8.2f} img/s  channels_last {med['channels_last']:8.2f} img/s  "
-              f"x{rows[-1]['speedup']:.2f}  auto -> {pick} ({'matches' if pick == winner else 'differs'})", flush=True)
+        verdict = "n/a" if not seconds else "matches" if pick == winner else "differs"
+        print(f"  {name:20s} {label:5s} {rows[-1]['input_shape']:>16s} x{steps:<4d} contiguous {med['contiguous']:8.2f}/s  "
+              f"channels-last {med['channels_last']:8.2f}/s  x{rows[-1]['speedup']:.2f}  auto -> {pick} ({verdict})", flush=True)
     return rows
 
 
 def _cell(row: dict, layout: str) -> str:
-    return f"{row[f'{layout}_img_s']:.1f} ({row[f'{layout}_min']:.1f}-{row[f'{layout}_max']:.1f})"
+    digits = 1 if row[f"{layout}_min"] >= 10 else 2
+    return f"{row[f'{layout}_img_s']:.{digits}f} ({row[f'{layout}_min']:.{digits}f}-{row[f'{layout}_max']:.{digits}f})"
 
 
 def _matches(row: dict) -> str:
+    if row["auto_matches"] == "":
+        return "n/a"
     if row["auto_matches"]:
         return "yes"
     overlap = row["contiguous_min"] <= row["channels_last_max"] and row["channels_last_min"] <= row["contiguous_max"]
@@ -188,24 +308,33 @@ def _matches(row: dict) -> str:
 
 
 def to_markdown(rows: list[dict], machine: str, args: argparse.Namespace) -> str:
+    """One table per kind (image, video, audio) present in ``rows``, under a shared preamble."""
     lines = [
-        f"Training step (forward, backward, SGD step) images/second, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
-        f"median (min-max) of {args.repeats} rounds x {args.steps} steps; speed-up = channels_last / contiguous; "
-        f"auto = what `ChannelsLast(mode=\"auto\")` picks ({args.auto_steps} timed forward+backward steps per layout).",
+        f"Training step (forward, backward, SGD step) samples/second, median (min-max) of {args.repeats} interleaved "
+        f"rounds, each timing at least {args.steps} steps and {args.min_window:g} s (steps per round: `results.csv`); "
+        f"speed-up = channels-last / contiguous; auto = what `ChannelsLast(mode=\"auto\")` picks "
+        f"({args.auto_steps} timed forward+backward steps per layout).",
         "",
         f"Machine: {machine}",
-        "",
-        "| model | dtype | contiguous img/s | channels_last img/s | speed-up | auto picks | matches winner |",
-        "|---|---|---:|---:|---:|---|---|",
     ]
-    for r in rows:
-        note = f" ({r['note']})" if r["note"] else ""
-        lines.append(
-            f"| {r['model']}{note} | {r['dtype']} | {_cell(r, 'contiguous')} | {_cell(r, 'channels_last')} | "
-            f"**{r['speedup']:.2f}x** | {r['auto_pick']} | {_matches(r)} |"
-        )
-    matched = sum(r["auto_matches"] for r in rows)
-    lines += ["", f"Auto mode picked the measured winner in {matched} of {len(rows)} cases."]
+    for kind, (heading, unit, layout_name) in KINDS.items():
+        group = [r for r in rows if r["kind"] == kind]
+        if not group:
+            continue
+        lines += [
+            "", f"#### {heading}", "",
+            f"| model | input | dtype | contiguous {unit}/s | {layout_name} {unit}/s | speed-up | auto picks | matches winner |",
+            "|---|---|---|---:|---:|---:|---|---|",
+        ]
+        for r in group:
+            note = f" ({r['note']})" if r["note"] else ""
+            lines.append(
+                f"| {r['model']}{note} | {r['input_shape']} | {r['dtype']} | {_cell(r, 'contiguous')} | "
+                f"{_cell(r, 'channels_last')} | **{r['speedup']:.2f}x** | {r['auto_pick']} | {_matches(r)} |"
+            )
+    timed = [r for r in rows if r["auto_matches"] != ""]
+    matched = sum(bool(r["auto_matches"]) for r in timed)
+    lines += ["", f"Auto mode picked the measured winner in {matched} of {len(timed)} cases it timed."]
     return "\n".join(lines) + "\n"
 
 
@@ -225,8 +354,10 @@ def plot(rows: list[dict], machine: str, path: Path) -> None:
         ys = [by_model[m]["speedup"] for m in models if m in by_model]
         ax.bar(xs, ys, width, label=dtype)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(models)), models, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("speed-up, channels_last / contiguous")
+    ranks = {"image": "2-D", "video": "3-D", "audio": "1-D"}
+    labels = [f"{m} ({ranks[kind_of(m)]})" if kind_of(m) != "image" else m for m in models]
+    ax.set_xticks(range(len(models)), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("speed-up, channels-last / contiguous")
     ax.set_title("\n".join(textwrap.wrap(machine, 120)), fontsize=7)
     ax.legend()
     fig.tight_layout()
@@ -237,30 +368,48 @@ def plot(rows: list[dict], machine: str, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Defaults: CPU batch 16 at 160x160, CUDA batch 64 at 224x224.")
     p.add_argument("--models", default="all", help=f"comma-separated names, or 'all' (= {','.join(ALL_MODELS)}); 'tinycnn' for tests")
-    p.add_argument("--batch-size", type=int, default=None, help="default 16 on CPU, 64 on CUDA")
+    p.add_argument("--batch-size", type=int, default=None, help="images per batch: default 16 on CPU, 64 on CUDA")
     p.add_argument("--image-size", type=int, default=None, help="default 160 on CPU, 224 on CUDA (vit_b_16 needs a multiple of 16)")
+    p.add_argument("--clip-batch-size", type=int, default=None, help="video clips per batch: default 4 on CPU, 16 on CUDA")
+    p.add_argument("--frames", type=int, default=None, help="frames per clip: default 8 on CPU, 16 on CUDA")
+    p.add_argument("--clip-size", type=int, default=112, help="clip height and width")
+    p.add_argument("--audio-batch-size", type=int, default=None, help="waveforms per batch: default 16 on CPU, 128 on CUDA")
+    p.add_argument("--audio-length", type=int, default=16000, help="samples per waveform (1 s at 16 kHz)")
     p.add_argument("--dtypes", default="fp32,amp", help="comma-separated from fp32, amp (amp = bf16 on CPU, fp16 on CUDA)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per layout and dtype")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per layout and dtype: default 1 on CPU, 5 on CUDA")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round, at least")
+    p.add_argument("--min-window", type=float, default=0.1, help="seconds each timed round lasts, at least")
+    p.add_argument("--max-steps", type=int, default=1000, help="timed steps per round, at most")
     p.add_argument("--repeats", type=int, default=3, help="rounds per layout (layouts alternate)")
     p.add_argument("--auto-steps", type=int, default=2, help="timed steps per layout for the auto-mode pick")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", type=Path, default=Path("bench_out/models"), help="output folder")
-    p.add_argument("--quick", action="store_true", help="check it runs: batch 2 at 64x64, 1 step per round, 2 rounds")
+    p.add_argument("--quick", action="store_true",
+                   help="check it runs: batch 2, 64x64 images, 4x32x32 clips, 8000 samples, 1 step per round, 2 rounds")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device = device
+    cuda = device.type == "cuda"
     if args.quick:
         args.batch_size = args.batch_size or 2
         args.image_size = args.image_size or 64
-        args.warmup, args.steps, args.repeats, args.auto_steps = 1, 1, 2, 1
-    args.batch_size = args.batch_size or (64 if device.type == "cuda" else 16)
-    args.image_size = args.image_size or (224 if device.type == "cuda" else 160)
+        args.clip_batch_size, args.audio_batch_size = args.clip_batch_size or 2, args.audio_batch_size or 2
+        args.frames, args.clip_size, args.audio_length = args.frames or 4, 32, 8000
+        args.warmup, args.steps, args.repeats, args.auto_steps, args.min_window = 1, 1, 2, 1, 0.0
+    args.batch_size = args.batch_size or (64 if cuda else 16)
+    args.image_size = args.image_size or (224 if cuda else 160)
+    args.clip_batch_size = args.clip_batch_size or (16 if cuda else 4)
+    args.frames = args.frames or (16 if cuda else 8)
+    args.audio_batch_size = args.audio_batch_size or (128 if cuda else 16)
+    args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
     args.models = ALL_MODELS if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in ("fp32", "amp")]
     if bad:
         p.error(f"--dtypes: {bad} not in fp32, amp")
+    if args.steps < 1 or args.max_steps < args.steps or args.min_window < 0 or args.warmup < 0:
+        p.error(f"--steps {args.steps}, --max-steps {args.max_steps}, --min-window {args.min_window}, --warmup "
+                f"{args.warmup}: need 1 <= steps <= max-steps, min-window >= 0, warmup >= 0")
     known = set(ALL_MODELS) | {"tinycnn"} | set(torchvision.models.list_models(torchvision.models))
     unknown = [m for m in args.models if m not in known]
     if unknown:
@@ -274,8 +423,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = args.device
     torch.set_flush_denormal(True)  # a few SGD steps on random data must not wander into slow denormals
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as apex, timm and FFCV run; the warm-up covers the tuning
     machine = describe_machine(device)
-    print(f"Machine: {machine}\nbatch {args.batch_size}, image {args.image_size}, dtypes {args.dtypes}, models {len(args.models)}", flush=True)
+    print(f"Machine: {machine}\nimages {args.batch_size}x{args.image_size}px, clips {args.clip_batch_size}x{args.frames}x"
+          f"{args.clip_size}px, waveforms {args.audio_batch_size}x{args.audio_length}, dtypes {args.dtypes}, "
+          f"models {len(args.models)}, timed windows >= {args.min_window:g} s", flush=True)
     rows = []
     for name in args.models:
         rows += bench_model(name, args, device, machine)

@@ -3,7 +3,9 @@
 Part 1, framework overhead (synthetic tensors, no data loading): the same model,
 batch, precision and layout trained by
 
-* a plain PyTorch loop: autocast forward, cross-entropy, backward, SGD step;
+* a plain PyTorch loop (:class:`PlainStep`) doing what Lightning does in a step: the optimizer
+  ``ImageClassifier.configure_optimizers`` makes, autocast (``cache_enabled=False``) around forward
+  and loss, ``zero_grad(set_to_none=True)``, backward, and under ``16-mixed`` a ``GradScaler``;
 * train.py's path: :class:`cltrain.app.module.ImageClassifier` (per-step
   schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
   the :class:`~cltrain.callback.ChannelsLast` callback and Lightning's precision plugin,
@@ -11,7 +13,9 @@ batch, precision and layout trained by
 in ``--rounds`` interleaved rounds (the order alternates) of ``--warmup`` +
 ``--steps`` steps, both fed the same pre-made batches. Speed is images over the
 wall time between step ends after the warm-up (the same meter train.py reports);
-the table gives per-path medians and the ratio Lightning / plain.
+both paths synchronise the device at the same two points (end of warm-up, last
+step), so on CUDA the window holds the GPU's work. The table gives per-path
+medians and the ratio Lightning / plain, measured in the same run.
 
 Part 2, end to end on JPEG files (the demo data, generated on first use):
 ``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
@@ -31,6 +35,7 @@ Prints markdown tables naming the machine; ``--out`` also writes them as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -40,10 +45,10 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from cltrain import to_channels_last
@@ -74,18 +79,84 @@ def machine(accelerator: str) -> str:
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
+def _optimizer_and_scheduler(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer and per-step LR scheduler (or None) from whatever ``configure_optimizers`` returned."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured, None
+    if isinstance(configured, dict):
+        scheduler = configured.get("lr_scheduler")
+        if isinstance(scheduler, dict):
+            scheduler = scheduler["scheduler"] if scheduler.get("interval", "epoch") == "step" else None
+        return configured["optimizer"], scheduler
+    optimizers, *schedulers = configured  # ([optimizers], [schedulers]) or a one-optimizer list
+    optimizer = optimizers[0] if isinstance(optimizers, (list, tuple)) else optimizers
+    return optimizer, None  # a bare list of schedulers is stepped per epoch by Lightning: not in a step
+
+
+class PlainStep:
+    """One training step as Lightning's automatic optimisation and precision plugin run it, without Lightning.
+
+    The same optimizer (and per-step scheduler) ``ImageClassifier.configure_optimizers`` gives the Lightning
+    path; ``torch.autocast(..., cache_enabled=False)`` around forward and loss as ``MixedPrecision`` does;
+    ``zero_grad(set_to_none=True)`` after the forward and before backward (Lightning's closure order);
+    under ``16-mixed`` a ``GradScaler``: scale, backward, ``unscale_``, ``step``, ``update``. What is left
+    between the two paths is the framework: hooks, metrics, logging, the loop.
+    """
+
+    def __init__(self, model: torch.nn.Module, precision: str, device: torch.device, num_classes: int = 1000) -> None:
+        self.module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=()).to(device)
+        self.module.train()
+        self.optimizer, self.scheduler = _optimizer_and_scheduler(self.module.configure_optimizers())
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+        self.autocast_dtype = AUTOCAST.get(precision)
+        self.device = device
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with autocast:
+            loss = self.module.criterion(self.module.model(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return loss
+
+
+def _sync_points(steps: int, warmup: int) -> tuple[int, int]:
+    # The step indices after which both paths synchronise: where the meter's timed window opens (the
+    # warm-up's last tick) and the last step, so on CUDA each window holds the GPU work, not launches.
+    return max(warmup, 1) - 1, steps - 1
+
+
+class _WarmupSync(pl.Callback):
+    """Synchronises the device at the end of the warm-up, before the meter (listed after it) opens its window."""
+
+    def __init__(self, warmup: int) -> None:
+        self.index = _sync_points(1, warmup)[0]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx == self.index and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+
 def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    """Images/second of :class:`PlainStep` over ``batches``, timed by the meter train.py uses."""
+    step = PlainStep(model, precision, device)
     meter = Meter(warmup)
-    model.train()
-    for x, y in batches:
-        with torch.autocast(device.type, dtype=AUTOCAST.get(precision), enabled=precision in AUTOCAST):
-            loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    syncs = _sync_points(len(batches), warmup)
+    for i, (x, y) in enumerate(batches):
+        step(x, y)
+        if i in syncs and device.type == "cuda":
+            torch.cuda.synchronize(device)
         meter.tick(x.shape[0])
     return meter.images_per_second
 
@@ -93,8 +164,8 @@ def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: to
 def lightning_path(model: torch.nn.Module, batches: list, precision: str, accelerator: str, channels_last: bool,
                    num_classes: int, warmup: int) -> float:
     module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
-    progress = MainAmpProgress(print_freq=0, warmup=warmup)
-    callbacks = [progress, ChannelsLast()] if channels_last else [progress]
+    progress = MainAmpProgress(print_freq=0, warmup=warmup)  # syncs after the last step, like the plain loop
+    callbacks = [_WarmupSync(warmup), progress] + ([ChannelsLast()] if channels_last else [])
     trainer = pl.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=len(batches),
                          callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
