@@ -41,11 +41,10 @@ from pathlib import Path
 import numpy as np
 
 from cltrain.data.dataset import find_classes, find_samples
+from cltrain.data.shards import MANIFEST
 
 __all__ = ["MANIFEST", "PACK_STATE", "PackError", "pack", "shard_name"]
 
-#: Written last into a complete pack.
-MANIFEST = "shards.json"
 #: Written first: marks ``OUT`` as this pack's own, with what it packs.
 PACK_STATE = ".cltrain_pack.json"
 FORMAT_VERSION = 1
