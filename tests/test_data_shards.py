@@ -4,8 +4,11 @@ and each sample exactly once per epoch under DDP x workers."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, ShardsDataset, eval_transform
-from cltrain.data.pack import MANIFEST, PackError, main, pack
+from cltrain.data.pack import MANIFEST, PackError, _plan, main, pack
 from cltrain.data.shards import ShardBatchSampler, rank_batch_sizes
 from data_fixtures import write_image_folder, write_jpegs
 
@@ -73,28 +76,45 @@ def test_pack_refuses_other_settings_and_a_changed_tree(folder: Path, tmp_path: 
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
+def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"the packer never wrote {paths}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
 def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    pack(folder, out, shard_size=7, progress=False)
-    complete = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    # The state a kill leaves: no manifest, shard 3 half written, shard 4 and val not started.
-    (out / MANIFEST).unlink()
-    train = out / "train"
-    (train / "shard-000003.tar").rename(train / "shard-000003.tar.partial")
-    (train / "shard-000003.idx.npy").unlink()
-    (train / "shard-000004.tar").unlink()
-    (train / "shard-000004.idx.npy").unlink()
-    for p in (out / "val").iterdir():
-        p.unlink()
-    kept = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in train.glob("shard-00000[0-2].*")}
+    reference = json.loads(pack(folder, tmp_path / "reference", shard_size=7, progress=False).read_text())
+    # Sample 20 of the packing order (in shard 2) becomes a FIFO: the packer blocks there, in the
+    # middle of shard 2, until the test writes the file's bytes into it.
+    victim = Path(_plan(folder, ["train", "val"], 0)[1]["train"][20][0])
+    data = victim.read_bytes()
+    victim.unlink()
+    os.mkfifo(victim)
+    out, train = tmp_path / "out", tmp_path / "out" / "train"
+    cmd = [sys.executable, "-m", "cltrain.data.pack", str(folder), str(out), "--shard-size", "7"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for([train / "shard-000001.idx.npy", train / "shard-000002.tar.partial"], first)
+    first.send_signal(signal.SIGKILL)
+    assert first.wait(timeout=60) == -signal.SIGKILL
+    assert not (out / MANIFEST).exists() and not (train / "shard-000002.tar").exists()
     with pytest.raises(FileNotFoundError, match="not a complete cltrain pack"):
         ShardsDataset(out, "train", eval_transform(32, 36))
-    proc = subprocess.run([sys.executable, "-m", "cltrain.data.pack", str(folder), str(out), "--shard-size", "7"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "pack train" in proc.stderr and "train 33 images in 5 shards" in proc.stdout  # progress bar, summary
+    kept = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in train.glob("shard-00000[01].*")}
+    second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(victim, "wb") as fifo:  # blocks until the resumed packer opens it
+        fifo.write(data)
+    stdout, stderr = second.communicate(timeout=120)
+    assert second.returncode == 0, stderr
+    assert "pack train" in stderr and "train 33 images in 5 shards" in stdout  # progress bar, summary
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in kept} == kept  # finished shards not redone
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == complete
+    assert json.loads((out / MANIFEST).read_text()) == reference
+    for split in ("train", "val"):  # the same shards as an uninterrupted pack, byte for byte
+        for name in reference["splits"][split]["shards"]:
+            assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+    assert not list(out.rglob("*.partial"))
 
 
 @pytest.mark.parametrize("n,batch,world", [(33, 4, 2), (32, 4, 2), (17, 8, 2), (9, 2, 4), (1001, 64, 8), (5, 1, 5), (10, 3, 3)])
