@@ -23,12 +23,12 @@ def _options(group: str) -> list[str]:
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_group_option_composes(group: str, option: str, tmp_path: Path) -> None:
     overrides = [f"{group}={option}"]
-    if option in ("imagenet", "main_amp"):
+    if option in ("imagenet", "main_amp", "shards"):
         overrides.append(f"data.root={tmp_path}")
     cfg = compose_config(overrides)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert {"model", "data", "trainer", "optim", "channels_last", "amp", "device"} <= set(cfg)
-    assert cfg.data._target_ == "cltrain.data.ImageFolderDataModule"
+    assert cfg.data._target_ in ("cltrain.data.ImageFolderDataModule", "cltrain.data.ShardsDataModule")
     assert validate(cfg).accelerator in ("cpu", "cuda")
 
 

@@ -9,6 +9,7 @@
   buffer, returned as its ``(N, C, H, W)`` channels_last view, plus int64 targets.
 * :func:`normalize`: uint8 -> float32/bfloat16/float16 on the device, channels_last.
 * :class:`ImageFolderDataModule`: all of it for Lightning, from an ImageNet-layout folder.
+* :class:`ShardsDataModule`: the same from WebDataset shards packed by ``python -m cltrain.data.pack``.
 * :func:`make_demo_dataset`: a small JPEG folder with a learnable signal, made locally.
 
 Example::
@@ -32,6 +33,7 @@ from cltrain.data.dataset import BadImageError, ImageFolderDataset
 from cltrain.data.demo import make_demo_dataset
 from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.shards import ShardsDataModule, ShardsDataset
 from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
 
 __all__ = [
@@ -47,6 +49,8 @@ __all__ = [
     "PrefetchDataLoader",
     "RandomResizedCropFlip",
     "ResizeCenterCrop",
+    "ShardsDataModule",
+    "ShardsDataset",
     "eval_transform",
     "make_demo_dataset",
     "nhwc_collate",
