@@ -58,17 +58,21 @@ from __future__ import annotations
 
 import math
 
+import warnings
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+from cltrain.data import jpeg_roi
 
 try:
     import simplejpeg
 except ImportError:  # optional: without it every file goes through Pillow
     simplejpeg = None
 
-__all__ = ["decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop", "to_mode"]
+__all__ = ["check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop", "to_mode"]
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -136,6 +140,28 @@ def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size:
 
 
 
+def check_pixels(size: tuple[int, int], name: object = "image") -> None:
+    """Pillow's decompression-bomb rule for an image of ``size`` = (width, height) that Pillow
+    does not open (the libjpeg-turbo paths): above ``Image.MAX_IMAGE_PIXELS`` a
+    ``DecompressionBombWarning``, above twice that a ``DecompressionBombError``; off when
+    ``Image.MAX_IMAGE_PIXELS`` is ``None``, as in Pillow.
+
+    Raises:
+        PIL.Image.DecompressionBombError: ``size`` is over twice the limit.
+    """
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is None:
+        return
+    pixels = size[0] * size[1]
+    if pixels > 2 * limit:
+        raise Image.DecompressionBombError(
+            f"{name}: image size ({pixels} pixels) exceeds limit of {2 * limit} pixels, could be decompression bomb DOS "
+            "attack; raise PIL.Image.MAX_IMAGE_PIXELS (or set it to None) if the file is trusted.")
+    if pixels > limit:
+        warnings.warn(f"{name}: image size ({pixels} pixels) exceeds limit of {limit} pixels, could be decompression "
+                      "bomb DOS attack.", Image.DecompressionBombWarning, stacklevel=2)
+
+
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
     """``(width, height)`` of a JPEG that :func:`jpeg_resized_crop` can decode, from its
     header; ``None`` for anything else (not a JPEG, CMYK/YCCK, an unreadable header,
@@ -177,31 +203,52 @@ def _resize(arr: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
 
 
+def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channels: int,
+                scaled: tuple[int, int], region: bool) -> np.ndarray:
+    """HWC uint8 of ``box`` (integral, in the pixels of the image decoded at ``1 / factor``, of
+    size ``scaled`` = (width, height)): only the region when libturbojpeg 3 is at hand, else
+    the whole image sliced."""
+    if region and jpeg_roi.available():
+        header = jpeg_roi.read_header(data)
+        if header is not None:
+            # One pixel of margin on each side: libjpeg's fancy (smooth) chroma upsampling of a
+            # 4:2:0/4:2:2 image uses the neighbouring sample, which a region's edge lacks; with
+            # the margin the pixels equal the whole-image decode's exactly (tested).
+            left, top, right, bottom = box
+            outer = (max(left - 1, 0), max(top - 1, 0), min(right + 1, scaled[0]), min(bottom + 1, scaled[1]))
+            arr = jpeg_roi.decode_region(data, outer, factor, channels, header)
+            return arr[top - outer[1]:bottom - outer[1], left - outer[0]:right - outer[0]]
+    return decode_jpeg(data, channels, factor)[box[1]:box[3], box[0]:box[2]]
+
+
 def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int = 3,
-                      flip: bool = False, resize: tuple[int, int] | None = None, reduce: bool = True) -> np.ndarray:
+                      flip: bool = False, resize: tuple[int, int] | None = None, reduce: bool = True,
+                      region: bool = True) -> np.ndarray:
     """:func:`resized_crop` for JPEG bytes, through libjpeg-turbo and torch; HWC uint8 (contiguous) out.
 
-    Without ``resize`` the box (source pixels) is sliced and resized to ``size``, as
-    torchvision v2's ``resized_crop`` does on a tensor. With ``resize`` the whole image
-    is resized to it and ``box`` (integral, in those pixels) sliced out: exactly
-    torchvision's ``Resize`` + ``CenterCrop`` on the decoded tensor. With ``reduce``
-    the JPEG is decoded at 1/2, 1/4 or 1/8 scale when that keeps the region at least
-    the size it is resized to, and the box is scaled to the decoded image and rounded
-    to its pixels.
+    Without ``resize`` the box (source pixels) is decoded and resized to ``size``, as
+    torchvision v2's ``resized_crop`` does on a tensor; with ``region`` (and libturbojpeg 3,
+    see :mod:`cltrain.data.jpeg_roi`) only the iMCU rows and columns under the box are
+    decoded, with the same pixels. With ``resize`` the whole image is resized to it and
+    ``box`` (integral, in those pixels) sliced out: exactly torchvision's ``Resize`` +
+    ``CenterCrop`` on the decoded tensor. With ``reduce`` the JPEG is decoded at 1/2, 1/4
+    or 1/8 scale when that keeps the region at least the size it is resized to, and the
+    box is scaled to the decoded image and rounded to its pixels.
 
     Raises:
-        ValueError: simplejpeg cannot decode ``data`` (see :func:`decode_jpeg`).
+        ValueError: libjpeg-turbo cannot decode ``data`` (see :func:`decode_jpeg`).
     """
     height, width = simplejpeg.decode_jpeg_header(data)[:2]
-    region, target = ((0, 0, width, height), resize) if resize is not None else (box, size)
-    factor = decode_factor(region, target) if reduce else 1
-    arr = decode_jpeg(data, channels, factor)
+    region_box, target = ((0, 0, width, height), resize) if resize is not None else (box, size)
+    factor = decode_factor(region_box, target) if reduce else 1
     if resize is None:
-        sx, sy = arr.shape[1] / width, arr.shape[0] / height
+        sw, sh = -(-width // factor), -(-height // factor)  # libjpeg's ceil(width / factor)
+        sx, sy = sw / width, sh / height
         left, top = round(box[0] * sx), round(box[1] * sy)
-        right, bottom = min(max(round(box[2] * sx), left + 1), arr.shape[1]), min(max(round(box[3] * sy), top + 1), arr.shape[0])
-        out = _resize(arr[top:bottom, left:right], size)
+        right, bottom = min(max(round(box[2] * sx), left + 1), sw), min(max(round(box[3] * sy), top + 1), sh)
+        out = _resize(_decode_box(data, (left, top, right, bottom), factor, channels, (sw, sh), region), size)
     else:
+        arr = decode_jpeg(data, channels, factor)
         left, top, right, bottom = (int(v) for v in box)
         out = _resize(arr, resize)[:, :, top:bottom, left:right]
     hwc = out[0].permute(1, 2, 0)
