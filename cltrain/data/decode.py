@@ -72,7 +72,7 @@ try:
 except ImportError:  # optional: without it every file goes through Pillow
     simplejpeg = None
 
-__all__ = ["check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop", "to_mode"]
+__all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop", "to_mode"]
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -108,7 +108,8 @@ def to_mode(img: Image.Image, mode: str) -> Image.Image:
 
 
 def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size: tuple[int, int],
-                 channels: int = 3, flip: bool = False, resize: tuple[int, int] | None = None) -> np.ndarray:
+                 channels: int = 3, flip: bool = False, resize: tuple[int, int] | None = None,
+                 interpolation: str = "bilinear") -> np.ndarray:
     """Crop ``box`` (left, top, right, bottom in ``img``'s pixels) and resize it to
     ``size`` = (height, width) in one antialiased bilinear resample; HWC uint8 out.
 
@@ -131,7 +132,7 @@ def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size:
         s = drafted[1][2] / width  # the decoded image covers (0, 0, width / scale, height / scale)
         box = (box[0] * s, box[1] * s, box[2] * s, box[3] * s)
     img = to_mode(img, mode)
-    out = img.resize((size[1], size[0]), Image.Resampling.BILINEAR, box=box)
+    out = img.resize((size[1], size[0]), INTERPOLATIONS[interpolation][1], box=box)
     if flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     arr = np.asarray(out)
@@ -192,7 +193,11 @@ def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1) -> np.ndarray:
                                   min_width=math.ceil(width / factor))
 
 
-def _resize(arr: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+#: ``interpolation`` names -> (torch ``interpolate`` mode, Pillow filter); both antialiased when shrinking.
+INTERPOLATIONS = {"bilinear": ("bilinear", Image.Resampling.BILINEAR), "bicubic": ("bicubic", Image.Resampling.BICUBIC)}
+
+
+def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "bilinear") -> torch.Tensor:
     """HWC uint8 (a view is fine) -> its ``(1, C, *size)`` channels_last uint8 resample."""
     # A crop is a strided view that interpolate would not see as channels_last: it would
     # take a slower path and return NCHW (another transposing copy). Copying the crop
@@ -200,7 +205,7 @@ def _resize(arr: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     x = torch.from_numpy(arr).unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
     if x.shape[-2:] == size:
         return x
-    return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    return F.interpolate(x, size=size, mode=INTERPOLATIONS[interpolation][0], antialias=True, align_corners=False)
 
 
 def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channels: int,
@@ -223,7 +228,7 @@ def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channe
 
 def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int = 3,
                       flip: bool = False, resize: tuple[int, int] | None = None, reduce: bool = True,
-                      region: bool = True) -> np.ndarray:
+                      region: bool = True, interpolation: str = "bilinear") -> np.ndarray:
     """:func:`resized_crop` for JPEG bytes, through libjpeg-turbo and torch; HWC uint8 (contiguous) out.
 
     Without ``resize`` the box (source pixels) is decoded and resized to ``size``, as
@@ -246,11 +251,12 @@ def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size:
         sx, sy = sw / width, sh / height
         left, top = round(box[0] * sx), round(box[1] * sy)
         right, bottom = min(max(round(box[2] * sx), left + 1), sw), min(max(round(box[3] * sy), top + 1), sh)
-        out = _resize(_decode_box(data, (left, top, right, bottom), factor, channels, (sw, sh), region), size)
+        out = _resize(_decode_box(data, (left, top, right, bottom), factor, channels, (sw, sh), region), size,
+                      interpolation)
     else:
         arr = decode_jpeg(data, channels, factor)
         left, top, right, bottom = (int(v) for v in box)
-        out = _resize(arr, resize)[:, :, top:bottom, left:right]
+        out = _resize(arr, resize, interpolation)[:, :, top:bottom, left:right]
     hwc = out[0].permute(1, 2, 0)
     if flip:
         hwc = hwc.flip(1)  # torch's flip writes a dense copy; numpy's [:, ::-1] copy is 10x slower
