@@ -121,3 +121,44 @@ def test_odd_batch_is_refused_with_the_reason():
         MixupCutmix(10)(_batch(5), torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="at least one"):
         MixupCutmix(10, mixup_alpha=0.0, cutmix_alpha=0.0)
+
+
+class _Recording(__import__("lightning").LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        images, targets = batch
+        self.seen.append((images.is_contiguous(memory_format=torch.channels_last), images.dtype, targets.shape))
+        return nn.functional.cross_entropy(self.net(images), targets)
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(("val", batch[1].shape))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_datamodule_augments_training_batches_only(tmp_path):
+    import lightning as L
+
+    from cltrain.data import ImageFolderDataModule
+    from data_fixtures import write_image_folder
+
+    root = write_image_folder(tmp_path / "data", classes=2, train=4, val=2, size=(64, 48))
+    dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=32, val_resize_size=36,
+                               augment="randaugment", random_erasing=0.5, mixup_alpha=0.8, cutmix_alpha=1.0,
+                               scale=(0.5, 1.0), ratio=(0.8, 1.25), interpolation="bicubic")
+    assert dm.train_transform.scale == (0.5, 1.0) and dm.train_transform.interpolation == "bicubic"
+    model = _Recording()
+    L.Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path).fit(model, dm)
+    train = [s for s in model.seen if s[0] != "val"]
+    assert train and all(s == (True, torch.float32, torch.Size([4, 2])) for s in train)  # soft targets, NHWC
+    assert ("val", torch.Size([4])) in model.seen  # validation keeps its labels
+    with pytest.raises(ValueError, match="probability=1.5"):
+        ImageFolderDataModule(root, random_erasing=1.5)
+    with pytest.raises(ValueError, match="policy='auto'"):
+        ImageFolderDataModule(root, augment="auto")

@@ -283,7 +283,7 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
     if isinstance(augment, str):
         from cltrain.data.augment import HWCAugment
 
-        augment = HWCAugment(augment, interpolation=interpolation) if augment != "none" else None
+        augment = HWCAugment(augment) if augment != "none" else None  # its geometric ops: torchvision's nearest
     return RandomResizedCropFlip(size, scale, ratio, hflip, channels, interpolation, exif_transpose, augment)
 
 
