@@ -88,6 +88,18 @@ def test_region_crop_matches_decode_then_crop_within_resampling_tolerance(photos
             assert diff.mean() < bound, (path.name, p.box, diff.mean())
 
 
+@needs_roi
+def test_region_arguments_the_library_would_refuse_are_errors_not_overruns(photos):
+    data = photos[0].read_bytes()  # 203x150
+    with pytest.raises(ValueError, match="factor=3"):
+        jpeg_roi.decode_region(data, (0, 0, 10, 10), factor=3)
+    with pytest.raises(ValueError, match="not inside"):
+        jpeg_roi.decode_region(data, (0, 0, 204, 10))
+    with pytest.raises(ValueError, match="not inside"):
+        jpeg_roi.decode_region(data, (0, 0, 60, 40), factor=4)  # 51x38 at 1/4
+    assert jpeg_roi.decode_region(data, (50, 37, 51, 38), factor=4).shape == (1, 1, 3)
+
+
 def test_corrupt_region_raises_value_error(photos):
     data = photos[0].read_bytes()
     with pytest.raises(ValueError):

@@ -85,6 +85,7 @@ def _load() -> ctypes.CDLL | None:
     lib.tj3Get.argtypes = [vp, ctypes.c_int]
     lib.tj3Set.argtypes = [vp, ctypes.c_int, ctypes.c_int]
     lib.tj3SetScalingFactor.argtypes = [vp, _Scaling]
+    lib.tj3SetScalingFactor.restype = ctypes.c_int
     lib.tj3SetCroppingRegion.argtypes = [vp, _Region]
     lib.tj3Decompress8.argtypes = [vp, buf, size, buf, ctypes.c_int, ctypes.c_int]
     lib.tj3GetErrorStr.restype, lib.tj3GetErrorStr.argtypes = ctypes.c_char_p, [vp]
@@ -147,20 +148,23 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], factor: int = 1, 
     if header is None:
         raise JpegRegionError("not a JPEG that libturbojpeg can decode to RGB/grey at 8 bits.")
     sub = header[2]
-    handle = _handle()  # read_header left this handle holding the header
-    if factor != 1:
-        _LIB.tj3SetScalingFactor(handle, _Scaling(1, factor))
-    else:
-        _LIB.tj3SetScalingFactor(handle, _Scaling(1, 1))
+    if factor not in (1, 2, 4, 8):
+        raise ValueError(f"decode_region: factor={factor!r} must be 1, 2, 4 or 8.")
+    width_s, height_s = -(-header[0] // factor), -(-header[1] // factor)  # TJSCALED: libjpeg rounds up
     left, top, right, bottom = box
-    mcu = _MCU_WIDTH[sub] // factor if _MCU_WIDTH[sub] >= factor else 1
+    if not (0 <= left < right <= width_s and 0 <= top < bottom <= height_s):
+        raise ValueError(f"decode_region: box={box!r} is not inside the {width_s}x{height_s} decoded image.")
+    handle = _handle()  # read_header left this handle holding the header
+    mcu = max(_MCU_WIDTH[sub] // factor, 1)
     x = left - left % mcu
     width, height = right - x, bottom - top
-    _LIB.tj3SetCroppingRegion(handle, _Region(x, top, width, height))
+    # Both setters refuse what the library cannot do (and then leave the old setting): a decode
+    # after a refused region would write a wider image than ``out`` holds, so stop there.
+    if (_LIB.tj3SetScalingFactor(handle, _Scaling(1, factor)) != 0
+            or _LIB.tj3SetCroppingRegion(handle, _Region(x, top, width, height)) != 0):
+        raise _error(handle)
     out = np.empty((height, width, channels), np.uint8)
     pf = _TJPF_RGB if channels == 3 else _TJPF_GRAY
     if _LIB.tj3Decompress8(handle, data, len(data), out.ctypes.data, width * channels, pf) != 0:
-        err = _error(handle)
-        _LIB.tj3SetCroppingRegion(handle, _Region(0, 0, 0, 0))
-        raise err
+        raise _error(handle)
     return out[:, left - x:]
