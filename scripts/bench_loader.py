@@ -18,7 +18,7 @@ from the images bundled with scikit-image and scikit-learn, see
 ``scripts/photo_folder.py``: ``pip install 'cltrain[bench]'``); without it and
 without --root, the demo folder (synthetic 500x375 JPEGs). ``--augment`` adds a
 cltrain row with TrivialAugmentWide in the workers and random erasing + mixup on the
-batch. ``--device cuda`` also times each loader's whole path to the GPU: pinned
+batch; ``--whole`` a cltrain row decoding whole images (the path before region decoding). ``--device cuda`` also times each loader's whole path to the GPU: pinned
 batches, one non-blocking host-to-device copy, normalisation and layout on the GPU,
 synchronised before the clock stops.
 
@@ -97,7 +97,7 @@ def _to(batch, device):
     return [t.to(device, non_blocking=True) for t in batch]
 
 
-def methods(size, device, augment=False, num_classes=1000):
+def methods(size, device, augment=False, num_classes=1000, whole=False):
     """name -> (per-image fn, collate, finish(batch) -> images or a count). ``finish`` does what
     the step would get: normalised channels_last float on ``device`` (copied there if CUDA)."""
     from timm.data.loader import fast_collate
@@ -116,6 +116,10 @@ def methods(size, device, augment=False, num_classes=1000):
     }
     if not cuda:
         rows["(d) decode only"] = (DecodeWhole(), count_only, lambda b: b)
+    if whole:  # the same loader decoding whole images (cltrain before region decoding)
+        t = train_transform(size)
+        t.region = False
+        rows["(a0) cltrain whole"] = (t, NHWCCollate(), lambda b: normalize(move(b)[0]))
     if augment:
         from cltrain.data.augment import MixupCutmix, RandomErasing
 
@@ -198,6 +202,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--augment", action="store_true", help="add a cltrain row with TrivialAugment, erasing and mixup")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: also time the path to the GPU")
+    p.add_argument("--whole", action="store_true", help="add a cltrain row that decodes whole images (no region)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -216,7 +221,7 @@ def main(argv=None):
     for dev in devices:
         rates: dict[str, list[float]] = {}
         for r in range(args.repeats):
-            for name, (fn, collate, finish) in methods(args.size, dev, args.augment, len(classes)).items():
+            for name, (fn, collate, finish) in methods(args.size, dev, args.augment, len(classes), args.whole).items():
                 rates.setdefault(name, []).append(
                     run(samples, fn, collate, finish, args.batch_size, args.workers, args.batches, args.seed + r, dev))
         med = {k: statistics.median(v) for k, v in rates.items()}

@@ -124,6 +124,8 @@ class _Transform:
     augment: Callable[[np.ndarray], np.ndarray] | None = None
     #: Datasets hand this transform file paths: it reads and decodes them itself.
     takes_paths = True
+    #: Decode only the crop's region when libturbojpeg 3 is at hand (False: the whole image, then slice).
+    region = True
 
     def make_params(self, width: int, height: int) -> CropParams:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -149,7 +151,7 @@ class _Transform:
     def _apply_jpeg(self, img: ImageSource, data: bytes, params: CropParams) -> np.ndarray:
         try:
             return jpeg_resized_crop(data, params.box, self.size, self.channels, params.flip, params.resize,
-                                     interpolation=self.interpolation)
+                                     region=self.region, interpolation=self.interpolation)
         except ValueError:  # corrupt or truncated: Pillow reads it, or raises saying what is wrong
             with _open(img, data) as opened:
                 return self.apply(opened, params)
