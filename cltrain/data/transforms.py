@@ -134,8 +134,11 @@ class _Transform:
         return resized_crop(img, params.box, self.size, self.channels, params.flip, params.resize, self.interpolation)
 
     def _upright(self, img: Image.Image) -> Image.Image:
-        # exif_transpose decodes the whole image (no draft), only for the rare rotated photo
-        return ImageOps.exif_transpose(img) if self.exif_transpose else img
+        # exif_transpose decodes the whole image (no draft) and copies even an upright one:
+        # read the tag first, so only the rare rotated photo pays that
+        if self.exif_transpose and img.getexif().get(_ORIENTATION, 1) != 1:
+            return ImageOps.exif_transpose(img)
+        return img
 
     def apply(self, img: ImageSource, params: CropParams) -> np.ndarray:
         """The pixel work for ``params``: HWC uint8 of shape ``(*size, channels)``
