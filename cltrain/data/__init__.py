@@ -10,6 +10,8 @@
 * :func:`normalize`: uint8 -> float32/bfloat16/float16 on the device, channels_last.
 * :class:`ImageFolderDataModule`: all of it for Lightning, from an ImageNet-layout folder.
 * :func:`make_demo_dataset`: a small JPEG folder with a learnable signal, made locally.
+* :class:`HWCAugment` (TrivialAugment / RandAugment in the workers), :class:`RandomErasing`
+  and :class:`MixupCutmix` (on the device batch, channels_last kept): see :mod:`cltrain.data.augment`.
 
 Example::
 
@@ -25,6 +27,7 @@ Example::
     (torch.Size([8, 3, 224, 224]), True)
 """
 
+from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate, nhwc_collate
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
 from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
@@ -41,10 +44,13 @@ __all__ = [
     "SKIPPED_FILES_NAME",
     "BadImageError",
     "CropParams",
+    "HWCAugment",
     "ImageFolderDataModule",
     "ImageFolderDataset",
+    "MixupCutmix",
     "NHWCCollate",
     "PrefetchDataLoader",
+    "RandomErasing",
     "RandomResizedCropFlip",
     "ResizeCenterCrop",
     "eval_transform",
