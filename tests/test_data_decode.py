@@ -24,7 +24,7 @@ needs_roi = pytest.mark.skipif(not jpeg_roi.available(), reason="no libturbojpeg
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory):
-    """JPEGs of odd sizes in 4:2:0, 4:2:2, 4:4:4 and grey, so MCU edges fall inside crops."""
+    """JPEGs of odd sizes in 4:2:0, 4:2:2, 4:4:4, grey and progressive, so MCU edges fall inside crops."""
     folder = tmp_path_factory.mktemp("roi")
     rng = np.random.default_rng(3)
     out = []
@@ -34,7 +34,9 @@ def photos(tmp_path_factory):
         out.append(p)
     g = folder / "grey.jpg"
     photo(rng, (131, 99), 9).convert("L").save(g, quality=90)
-    return [*out, g]
+    prog = folder / "progressive.jpg"  # coefficients for the whole image first, then the region's IDCT
+    photo(rng, (141, 113), 5).save(prog, quality=85, progressive=True, subsampling=2)
+    return [*out, g, prog]
 
 
 @needs_roi
