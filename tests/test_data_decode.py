@@ -198,6 +198,8 @@ def test_pixel_limit_on_the_libjpeg_turbo_path(tmp_path, monkeypatch):
         t(path)
     with pytest.raises(Image.DecompressionBombError):
         t(path.read_bytes())
+    with pytest.raises(Image.DecompressionBombError):
+        t.apply(path, t.make_params(100, 80))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100 * 80 - 1)  # over the limit: Pillow's warning
     with pytest.warns(Image.DecompressionBombWarning):
         t(path)

@@ -146,9 +146,11 @@ class _Transform:
         data = _read(img, type(self).__name__)
         if data is None:
             return self._pillow(self._upright(img), params)
-        if jpeg_size(data) is None or (self.exif_transpose and _orientation(data) != 1):
+        jpeg = jpeg_size(data)
+        if jpeg is None or (self.exif_transpose and _orientation(data) != 1):
             with _open(img, data) as opened:
                 return self.apply(opened, params)
+        check_pixels(jpeg, img if not isinstance(img, bytes) else "JPEG bytes")
         return self._apply_jpeg(img, data, params)
 
     def _apply_jpeg(self, img: ImageSource, data: bytes, params: CropParams) -> np.ndarray:
