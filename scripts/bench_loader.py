@@ -9,14 +9,22 @@ order, measured one after the other in one run:
                   default_collate, then .contiguous(memory_format=torch.channels_last)
   (c) timm        RandomResizedCrop, flip, PILToTensor + timm.data.fast_collate, then
                   float().sub_(mean).div_(std) and .contiguous(memory_format=channels_last)
-  (d) decode      PIL open + convert("RGB") and nothing else: the bound
+  (d) decode      read the file + simplejpeg.decode_jpeg of the whole image (libjpeg-turbo,
+                  accurate DCT and upsampling) and nothing else: the bar to beat
 
-The first batch of each loader (worker start-up) is not timed. Without --root it
-times the demo folder (500x375 JPEGs, quality 75-95), made once under /tmp.
+The first batch of each loader (worker start-up) is not timed. ``--photos DIR`` times
+a folder of real photographs (333-800 px, quality 75-95, 4:2:0 and 4:4:4; made once
+from the images bundled with scikit-image and scikit-learn, see
+``scripts/photo_folder.py``: ``pip install 'cltrain[bench]'``); without it and
+without --root, the demo folder (synthetic 500x375 JPEGs). ``--augment`` adds a
+cltrain row with TrivialAugmentWide in the workers and random erasing + mixup on the
+batch; ``--whole`` a cltrain row decoding whole images (the path before region decoding). ``--device cuda`` also times each loader's whole path to the GPU: pinned
+batches, one non-blocking host-to-device copy, normalisation and layout on the GPU,
+synchronised before the clock stops.
 
-    python scripts/bench_loader.py                                   # batch 64, 1 worker
+    python scripts/bench_loader.py --photos /tmp/cltrain-photos       # batch 64, 1 worker
     python scripts/bench_loader.py --root /data/imagenet --workers 4 --batches 50
-    python scripts/bench_loader.py --batches 3 --batch-size 16       # a quick check
+    python scripts/bench_loader.py --photos /tmp/p --batches 3 --batch-size 16   # a quick check
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -36,7 +45,11 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
 from torchvision import transforms as T
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, NHWCCollate, make_demo_dataset, normalize, train_transform
+from cltrain.data import jpeg_roi
 from cltrain.data.dataset import find_classes, find_samples
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from photo_folder import make_photo_folder  # noqa: E402
 
 
 class Files(Dataset):
@@ -57,8 +70,16 @@ class Files(Dataset):
             return self.fn(img), target
 
 
-def to_rgb(img):
-    return img.convert("RGB")
+class DecodeWhole:
+    """Read the file and decode the whole image with simplejpeg (accurate defaults): the bar."""
+
+    takes_paths = True
+
+    def __call__(self, path):
+        import simplejpeg
+
+        with open(path, "rb") as f:
+            return simplejpeg.decode_jpeg(f.read())
 
 
 def count_only(batch):
@@ -71,47 +92,80 @@ def _mean_std_255(device="cpu"):
     return m, s
 
 
-def methods(size):
+def _to(batch, device):
+    """One non-blocking copy per tensor of an (images, targets) batch (pinned by the loader)."""
+    return [t.to(device, non_blocking=True) for t in batch]
+
+
+def methods(size, device, augment=False, num_classes=1000, whole=False):
+    """name -> (per-image fn, collate, finish(batch) -> images or a count). ``finish`` does what
+    the step would get: normalised channels_last float on ``device`` (copied there if CUDA)."""
     from timm.data.loader import fast_collate
 
-    m255, s255 = _mean_std_255()
+    cuda = device.type == "cuda"
+    m255, s255 = _mean_std_255(device)
     tv = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
                     T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     timm_t = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
-    return {
-        "(a) cltrain": (train_transform(size), NHWCCollate(), lambda b: normalize(b[0])),
-        "(b) torchvision": (tv, default_collate, lambda b: b[0].contiguous(memory_format=torch.channels_last)),
+    move = (lambda b: _to(b, device)) if cuda else (lambda b: b)
+    rows = {
+        "(a) cltrain": (train_transform(size), NHWCCollate(), lambda b: normalize(move(b)[0])),
+        "(b) torchvision": (tv, default_collate, lambda b: move(b)[0].contiguous(memory_format=torch.channels_last)),
         "(c) timm": (timm_t, fast_collate,
-                     lambda b: b[0].float().sub_(m255).div_(s255).contiguous(memory_format=torch.channels_last)),
-        "(d) decode only": (to_rgb, count_only, lambda b: b),
+                     lambda b: move(b)[0].float().sub_(m255).div_(s255).contiguous(memory_format=torch.channels_last)),
     }
+    if not cuda:
+        rows["(d) decode only"] = (DecodeWhole(), count_only, lambda b: b)
+    if whole:  # the same loader decoding whole images (cltrain before region decoding)
+        t = train_transform(size)
+        t.region = False
+        rows["(a0) cltrain whole"] = (t, NHWCCollate(), lambda b: normalize(move(b)[0]))
+    if augment:
+        from cltrain.data.augment import MixupCutmix, RandomErasing
+
+        erase, mix = RandomErasing(0.25), MixupCutmix(num_classes, mixup_alpha=0.8, cutmix_alpha=1.0)
+
+        def finish_aug(b):
+            images, targets = move(b)
+            return mix(erase(normalize(images)), targets)[0]
+
+        rows["(e) cltrain+aug"] = (train_transform(size, augment="trivialaugment"), NHWCCollate(), finish_aug)
+    return rows
 
 
-def run(samples, fn, collate, finish, batch_size, workers, batches, seed):
+def run(samples, fn, collate, finish, batch_size, workers, batches, seed, device):
     n = batch_size * (batches + 1)
+    cuda = device.type == "cuda"
     sampler = RandomSampler(samples, replacement=True, num_samples=n, generator=torch.Generator().manual_seed(seed))
     loader = DataLoader(Files(samples, fn), batch_size=batch_size, sampler=sampler, num_workers=workers,
-                        collate_fn=collate, persistent_workers=False)
+                        collate_fn=collate, persistent_workers=False, pin_memory=cuda)
+    torch.manual_seed(seed)  # the same crops for each loader with workers=0
     it = iter(loader)
     finish(next(it))  # worker start-up is not timed
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     images = 0
     for batch in it:
         out = finish(batch)
         images += out if isinstance(out, int) else out.shape[0]
+    if cuda:
+        torch.cuda.synchronize(device)  # the copies and kernels are done, not just queued
     return images / (time.perf_counter() - start)
 
 
-def machine():
+def machine(device):
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}; {os.cpu_count()} logical CPUs, load avg {os.getloadavg()[0]:.1f}; torch {torch.__version__} "
+    gpu = f"; GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    return (f"{cpu}; {os.cpu_count()} logical CPUs, load avg {os.getloadavg()[0]:.1f}{gpu}; torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), torchvision {torchvision.__version__}, Pillow {PIL.__version__} "
-            f"(libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}), simplejpeg {_simplejpeg_version()}")
+            f"(libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}), simplejpeg {_simplejpeg_version()}, "
+            f"region decode {'libturbojpeg ' + str(jpeg_roi.library_path()) if jpeg_roi.available() else 'off (no libturbojpeg 3)'}")
 
 
 def _simplejpeg_version():
@@ -122,35 +176,61 @@ def _simplejpeg_version():
     return simplejpeg.__version__
 
 
+def table(title, med):
+    names = list(med)
+    refs = [n for n in names if n[:3] in ("(b)", "(c)", "(d)")]
+    print(f"\n{title}\n{'loader':<18}{'img/s':>9}" + "".join(f"{'vs ' + n.split()[0]:>9}" for n in refs))
+    for name in names:
+        print(f"{name:<18}{med[name]:>9.0f}" + "".join(f"{med[name] / med[o]:>9.2f}" for o in refs))
+    a = med["(a) cltrain"]
+    line = f"cltrain: {a / med['(b) torchvision']:.2f}x torchvision [target 2.5], {a / med['(c) timm']:.2f}x timm"
+    if "(d) decode only" in med:
+        line += f", {a / med['(d) decode only']:.2f}x whole-image simplejpeg decode [target 0.9, stretch 1.0]"
+    print(line)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", type=Path, help="folder with train/<class>/<image> (default: the demo folder)")
+    p.add_argument("--photos", type=Path, help="time a folder of real photographs, made here once if missing")
+    p.add_argument("--photos-count", type=int, default=400, help="training images when --photos makes the folder")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--batches", type=int, default=20, help="timed batches per loader and repeat")
     p.add_argument("--repeats", type=int, default=1, help="rounds over all loaders; the median is shown")
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--augment", action="store_true", help="add a cltrain row with TrivialAugment, erasing and mixup")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: also time the path to the GPU")
+    p.add_argument("--whole", action="store_true", help="add a cltrain row that decodes whole images (no region)")
     args = p.parse_args(argv)
-    root = args.root or make_demo_dataset("/tmp/cltrain-bench-demo", train_per_class=40, val_per_class=1)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available here.")
+    if args.photos is not None:
+        root = make_photo_folder(args.photos, train=args.photos_count, val=max(1, args.photos_count // 10))
+    else:
+        root = args.root or make_demo_dataset("/tmp/cltrain-bench-demo", train_per_class=40, val_per_class=1)
     split = root / "train" if (root / "train").is_dir() else root
-    samples = find_samples(split, find_classes(split))
+    classes = find_classes(split)
+    samples = find_samples(split, classes)
     print(f"{len(samples)} images under {split}; batch {args.batch_size}, {args.workers} worker(s), "
           f"{args.batches} timed batches x {args.repeats} repeat(s), crop {args.size}")
-    print(machine())
-    rates: dict[str, list[float]] = {}
-    for r in range(args.repeats):
-        for name, (fn, collate, finish) in methods(args.size).items():
-            rates.setdefault(name, []).append(
-                run(samples, fn, collate, finish, args.batch_size, args.workers, args.batches, args.seed + r))
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    names = list(med)
-    print(f"\n{'loader':<18}{'img/s':>9}" + "".join(f"{'vs ' + n.split()[0]:>9}" for n in names[1:]))
-    for name in names:
-        print(f"{name:<18}{med[name]:>9.0f}" + "".join(f"{med[name] / med[o]:>9.2f}" for o in names[1:]))
-    a = med[names[0]]
-    print(f"\ncltrain vs targets: {a / med[names[1]]:.2f}x (b) [target 2.0], {a / med[names[2]]:.2f}x (c) [1.3], "
-          f"{a / med[names[3]]:.2f}x (d) [0.7]")
+    print(machine(device))
+    devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
+    for dev in devices:
+        rates: dict[str, list[float]] = {}
+        for r in range(args.repeats):
+            for name, (fn, collate, finish) in methods(args.size, dev, args.augment, len(classes), args.whole).items():
+                rates.setdefault(name, []).append(
+                    run(samples, fn, collate, finish, args.batch_size, args.workers, args.batches, args.seed + r, dev))
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        if dev.type == "cuda":  # decode-only has no GPU path: carry the CPU figure for the ratio
+            med["(d) decode only"] = cpu_decode
+        else:
+            cpu_decode = med["(d) decode only"]
+        table(f"to {dev} (normalised channels_last float32 {'on the GPU' if dev.type == 'cuda' else 'in this process'})",
+              med)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 import math
 import pickle
-import random
 
 import numpy as np
 import pytest
@@ -47,7 +46,8 @@ def test_non_square_size_and_path_input(jpegs):
 
 
 def test_crop_boxes_inside_image_and_follow_torchvision_distribution():
-    t = RandomResizedCropFlip(224, rng=random.Random(0))
+    torch.manual_seed(0)
+    t = RandomResizedCropFlip(224)
     areas = []
     for w, h in [(500, 375), (375, 500), (64, 64), (1000, 100), (100, 1000)]:
         for _ in range(300):
@@ -66,14 +66,15 @@ def test_crop_boxes_inside_image_and_follow_torchvision_distribution():
 
 def test_fallback_is_torchvision_central_crop():
     # An extreme aspect ratio makes all ten tries fail: torchvision's central crop.
-    t = RandomResizedCropFlip(224, scale=(0.99, 1.0), rng=random.Random(0))
+    t = RandomResizedCropFlip(224, scale=(0.99, 1.0))
     torch_box = T.RandomResizedCrop.get_params(Image.new("RGB", (1000, 100)), (0.99, 1.0), (3 / 4, 4 / 3))
     i, j, h, w = torch_box
     assert t.make_params(1000, 100).box == (j, i, j + w, i + h) == (433, 0, 566, 100)
 
 
 def test_flip_probability_and_pinned_params(jpegs):
-    t = RandomResizedCropFlip(32, hflip=0.5, rng=random.Random(1))
+    torch.manual_seed(1)
+    t = RandomResizedCropFlip(32, hflip=0.5)
     flips = [t.make_params(96, 72).flip for _ in range(2000)]
     assert 0.45 < np.mean(flips) < 0.55
     assert not any(RandomResizedCropFlip(32, hflip=0.0).make_params(96, 72).flip for _ in range(50))
@@ -152,7 +153,7 @@ def _pillow(t, path, params):
 @pytest.mark.parametrize("channels", [3, 1])
 def test_fast_path_agrees_with_pillow_path(jpegs, big_jpeg, channels):
     t = train_transform(48, channels=channels)
-    t.rng = random.Random(3)
+    torch.manual_seed(3)
     for path in [*jpegs, big_jpeg]:
         data = path.read_bytes()
         assert jpeg_size(data) == Image.open(path).size

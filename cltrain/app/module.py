@@ -93,9 +93,10 @@ class ImageClassifier(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         images, targets = batch
         logits = self.model(images)
-        loss = self.criterion(logits, targets)
-        top1 = self.train_top1(logits, targets)
-        top5 = self.train_top5(logits, targets)
+        loss = self.criterion(logits, targets)  # takes mixup/cutmix's probability targets as they are
+        labels = targets.argmax(1) if targets.ndim == 2 else targets  # accuracy against the dominant label
+        top1 = self.train_top1(logits, labels)
+        top5 = self.train_top5(logits, labels)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/top1", self.train_top1, prog_bar=True, on_epoch=True)
         self.log("train/top5", self.train_top5, on_epoch=True)  # top-min(5, classes)

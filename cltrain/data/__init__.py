@@ -11,6 +11,8 @@
 * :class:`ImageFolderDataModule`: all of it for Lightning, from an ImageNet-layout folder.
 * :class:`ShardsDataModule`: the same from WebDataset shards packed by ``python -m cltrain.data.pack``.
 * :func:`make_demo_dataset`: a small JPEG folder with a learnable signal, made locally.
+* :class:`HWCAugment` (TrivialAugment / RandAugment in the workers), :class:`RandomErasing`
+  and :class:`MixupCutmix` (on the device batch, channels_last kept): see :mod:`cltrain.data.augment`.
 
 Example::
 
@@ -26,6 +28,7 @@ Example::
     (torch.Size([8, 3, 224, 224]), True)
 """
 
+from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate, nhwc_collate
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
 from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
@@ -43,10 +46,13 @@ __all__ = [
     "SKIPPED_FILES_NAME",
     "BadImageError",
     "CropParams",
+    "HWCAugment",
     "ImageFolderDataModule",
     "ImageFolderDataset",
+    "MixupCutmix",
     "NHWCCollate",
     "PrefetchDataLoader",
+    "RandomErasing",
     "RandomResizedCropFlip",
     "ResizeCenterCrop",
     "ShardsDataModule",

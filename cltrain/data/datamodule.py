@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from cltrain.data.augment import MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 from cltrain.data.dataset import BAD_FILE_POLICIES, ImageFolderDataset, find_classes
@@ -116,6 +117,17 @@ class ImageFolderDataModule(L.LightningDataModule):
         channels_last: ``False`` gives contiguous NCHW batches (the baseline).
         cuda_prefetch: on a CUDA device, copy the next batch on a side stream
             (:class:`~cltrain.data.prefetch.PrefetchDataLoader`).
+        scale, ratio, hflip, interpolation: the training crop's RandomResizedCrop range of
+            area and aspect ratio, flip probability, and resampling (``"bilinear"``/``"bicubic"``).
+        exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
+        augment: ``"none"``, ``"trivialaugment"`` or ``"randaugment"`` on each training crop,
+            in the workers (:class:`~cltrain.data.augment.HWCAugment`).
+        random_erasing: probability of timm's per-image random erasing of the normalised
+            training batch on the device (0: off).
+        mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: timm's mixup / cutmix on the
+            training batch on the device (both alphas 0: off); targets become probabilities
+            ``(N, classes)``, which the module's loss takes as they are and its accuracy reads
+            by ``argmax`` (the dominant label). Needs an even batch (drop the last partial one).
 
     Raises:
         ValueError: a bad argument (at construction); a split without class
@@ -128,7 +140,11 @@ class ImageFolderDataModule(L.LightningDataModule):
                  pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
                  channels: int = 3, bad_files: str = "raise", mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32, channels_last: bool = True,
-                 cuda_prefetch: bool = True) -> None:
+                 cuda_prefetch: bool = True, scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, interpolation: str = "bilinear",
+                 exif_transpose: bool = False, augment: str = "none", random_erasing: float = 0.0,
+                 mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, mixup_prob: float = 1.0,
+                 mixup_switch_prob: float = 0.5) -> None:
         super().__init__()
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"ImageFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
@@ -148,8 +164,17 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.bad_files, self.mean, self.std, self.dtype = bad_files, tuple(mean), tuple(std), dtype
         self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
         # Build the transforms now so that bad sizes/channels fail here, not in a worker.
-        self.train_transform = train_transform(self.image_size, channels=channels)
-        self.eval_transform = eval_transform(self.image_size, val_resize_size, channels=channels)
+        self.train_transform = train_transform(self.image_size, tuple(scale), tuple(ratio), hflip, channels=channels,
+                                               interpolation=interpolation, exif_transpose=exif_transpose,
+                                               augment=augment)
+        self.eval_transform = eval_transform(self.image_size, val_resize_size, channels=channels,
+                                             interpolation=interpolation, exif_transpose=exif_transpose)
+        self.random_erasing = RandomErasing(random_erasing) if random_erasing > 0 else None
+        self.mixup_args = (dict(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob,
+                                switch_prob=mixup_switch_prob) if mixup_alpha > 0 or cutmix_alpha > 0 else None)
+        if self.mixup_args is not None:
+            MixupCutmix(2, **self.mixup_args)  # checks the arguments here, not at the first batch
+        self._mixup: MixupCutmix | None = None
         self.train_set: ImageFolderDataset | None = None
         self.val_set: ImageFolderDataset | None = None
         self._classes: list[str] | None = None
@@ -236,5 +261,13 @@ class ImageFolderDataModule(L.LightningDataModule):
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dtype == torch.uint8:
             fmt = torch.channels_last if self.channels_last else torch.contiguous_format
             images = normalize(batch[0], self.mean, self.std, self.dtype, memory_format=fmt)
+            trainer = self.trainer
+            if trainer is not None and trainer.training:  # device-side augmentation, training batches only
+                if self.random_erasing is not None:
+                    images = self.random_erasing(images)
+                if self.mixup_args is not None:
+                    self._mixup = self._mixup or MixupCutmix(self.num_classes, **self.mixup_args)
+                    images, targets = self._mixup(images, batch[1])
+                    batch = type(batch)((images, targets, *batch[2:])) if isinstance(batch, tuple) else [images, targets, *batch[2:]]
             return type(batch)((images, *batch[1:])) if isinstance(batch, tuple) else [images, *batch[1:]]
         return batch

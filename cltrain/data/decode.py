@@ -3,8 +3,10 @@
 Two kernels do the same work (crop a box, resize it with antialiased bilinear
 filtering, mirror it, HWC uint8 out):
 
-* :func:`jpeg_resized_crop`: JPEG bytes decoded by libjpeg-turbo (simplejpeg)
-  straight into a numpy array, the crop taken as a slice, resized by
+* :func:`jpeg_resized_crop`: JPEG bytes decoded by libjpeg-turbo straight into a numpy
+  array: for a training crop only the region under it (:mod:`cltrain.data.jpeg_roi`,
+  libturbojpeg 3; the same pixels as the whole decode sliced), else the whole image
+  (simplejpeg) with the crop taken as a slice; then resized by
   ``torch.nn.functional.interpolate(..., antialias=True)`` as a channels_last
   uint8 tensor (PyTorch's AVX2 uint8 kernel, the one torchvision v2's resize uses).
 * :func:`resized_crop`: a PIL image, ``Image.draft`` then one ``resize(box=...)``;
@@ -22,7 +24,14 @@ fast path then rounds the box to the reduced image's pixels (Pillow takes the
 exact float box): the crop moves by up to half a decoded pixel, at most half an
 output pixel, like torchvision's own whole-pixel crop boxes.
 
-Decoder choice, measured on a busy 2-core machine shared with other jobs (load
+Region decoding, measured on real photographs (333-800 px, quality 75-95, 4:2:0 and
+4:4:4; ``scripts/bench_loader.py --photos``), one thread, the same crops, on a busy
+2-core machine: bare whole-image simplejpeg decode 2.70 ms, this transform decoding the
+whole image 3.71 ms (0.73x of the bare decode), decoding the region 2.96 ms (0.91x), of
+which the region decode 2.07 ms and the resize 0.63 ms. The rows above the crop still
+cost their Huffman decoding, so the saving is less than the area thrown away.
+
+Decoder choice (before region decoding), measured on a busy 2-core machine shared with other jobs (load
 3.5; torch 2.14.1 with one thread, simplejpeg 1.9, Pillow 13 with libjpeg-turbo
 3.2), on 100 of the 500x375 demo JPEGs (quality 75-95), the same
 random-resized-crop parameters for both paths, best of 5 rounds:
@@ -57,21 +66,26 @@ also keeps the evaluation path equal to torchvision's decode + ``Resize`` +
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from cltrain.data import jpeg_roi
+
 try:
     import simplejpeg
 except ImportError:  # optional: without it every file goes through Pillow
     simplejpeg = None
 
-__all__ = ["decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop", "to_mode"]
+__all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop", "to_mode"]
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _JPEG_MAGIC = b"\xff\xd8\xff"
+#: ``interpolation`` names -> (torch ``interpolate`` mode, Pillow filter); both antialiased when shrinking.
+INTERPOLATIONS = {"bilinear": ("bilinear", Image.Resampling.BILINEAR), "bicubic": ("bicubic", Image.Resampling.BICUBIC)}
 #: JPEG colour spaces libjpeg-turbo turns into RGB/luma as Pillow does; CMYK and YCCK go to Pillow.
 _FAST_COLORSPACES = ("YCbCr", "Gray")
 
@@ -104,7 +118,8 @@ def to_mode(img: Image.Image, mode: str) -> Image.Image:
 
 
 def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size: tuple[int, int],
-                 channels: int = 3, flip: bool = False, resize: tuple[int, int] | None = None) -> np.ndarray:
+                 channels: int = 3, flip: bool = False, resize: tuple[int, int] | None = None,
+                 interpolation: str = "bilinear") -> np.ndarray:
     """Crop ``box`` (left, top, right, bottom in ``img``'s pixels) and resize it to
     ``size`` = (height, width) in one antialiased bilinear resample; HWC uint8 out.
 
@@ -127,13 +142,35 @@ def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size:
         s = drafted[1][2] / width  # the decoded image covers (0, 0, width / scale, height / scale)
         box = (box[0] * s, box[1] * s, box[2] * s, box[3] * s)
     img = to_mode(img, mode)
-    out = img.resize((size[1], size[0]), Image.Resampling.BILINEAR, box=box)
+    out = img.resize((size[1], size[0]), INTERPOLATIONS[interpolation][1], box=box)
     if flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     arr = np.asarray(out)
     return arr[:, :, None] if arr.ndim == 2 else arr
 
 
+
+
+def check_pixels(size: tuple[int, int], name: object = "image") -> None:
+    """Pillow's decompression-bomb rule for an image of ``size`` = (width, height) that Pillow
+    does not open (the libjpeg-turbo paths): above ``Image.MAX_IMAGE_PIXELS`` a
+    ``DecompressionBombWarning``, above twice that a ``DecompressionBombError``; off when
+    ``Image.MAX_IMAGE_PIXELS`` is ``None``, as in Pillow.
+
+    Raises:
+        PIL.Image.DecompressionBombError: ``size`` is over twice the limit.
+    """
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is None:
+        return
+    pixels = size[0] * size[1]
+    if pixels > 2 * limit:
+        raise Image.DecompressionBombError(
+            f"{name}: image size ({pixels} pixels) exceeds limit of {2 * limit} pixels, could be decompression bomb DOS "
+            "attack; raise PIL.Image.MAX_IMAGE_PIXELS (or set it to None) if the file is trusted.")
+    if pixels > limit:
+        warnings.warn(f"{name}: image size ({pixels} pixels) exceeds limit of {limit} pixels, could be decompression "
+                      "bomb DOS attack.", Image.DecompressionBombWarning, stacklevel=2)
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
@@ -166,7 +203,7 @@ def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1) -> np.ndarray:
                                   min_width=math.ceil(width / factor))
 
 
-def _resize(arr: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "bilinear") -> torch.Tensor:
     """HWC uint8 (a view is fine) -> its ``(1, C, *size)`` channels_last uint8 resample."""
     # A crop is a strided view that interpolate would not see as channels_last: it would
     # take a slower path and return NCHW (another transposing copy). Copying the crop
@@ -174,36 +211,58 @@ def _resize(arr: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     x = torch.from_numpy(arr).unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
     if x.shape[-2:] == size:
         return x
-    return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    return F.interpolate(x, size=size, mode=INTERPOLATIONS[interpolation][0], antialias=True, align_corners=False)
+
+
+def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channels: int,
+                scaled: tuple[int, int], region: bool) -> np.ndarray:
+    """HWC uint8 of ``box`` (integral, in the pixels of the image decoded at ``1 / factor``, of
+    size ``scaled`` = (width, height)): only the region when libturbojpeg 3 is at hand, else
+    the whole image sliced."""
+    if region and jpeg_roi.available():
+        header = jpeg_roi.read_header(data)
+        if header is not None:
+            # One pixel of margin on each side: libjpeg's fancy (smooth) chroma upsampling of a
+            # 4:2:0/4:2:2 image uses the neighbouring sample, which a region's edge lacks; with
+            # the margin the pixels equal the whole-image decode's exactly (tested).
+            left, top, right, bottom = box
+            outer = (max(left - 1, 0), max(top - 1, 0), min(right + 1, scaled[0]), min(bottom + 1, scaled[1]))
+            arr = jpeg_roi.decode_region(data, outer, factor, channels, header)
+            return arr[top - outer[1]:bottom - outer[1], left - outer[0]:right - outer[0]]
+    return decode_jpeg(data, channels, factor)[box[1]:box[3], box[0]:box[2]]
 
 
 def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int = 3,
-                      flip: bool = False, resize: tuple[int, int] | None = None, reduce: bool = True) -> np.ndarray:
+                      flip: bool = False, resize: tuple[int, int] | None = None, reduce: bool = True,
+                      region: bool = True, interpolation: str = "bilinear") -> np.ndarray:
     """:func:`resized_crop` for JPEG bytes, through libjpeg-turbo and torch; HWC uint8 (contiguous) out.
 
-    Without ``resize`` the box (source pixels) is sliced and resized to ``size``, as
-    torchvision v2's ``resized_crop`` does on a tensor. With ``resize`` the whole image
-    is resized to it and ``box`` (integral, in those pixels) sliced out: exactly
-    torchvision's ``Resize`` + ``CenterCrop`` on the decoded tensor. With ``reduce``
-    the JPEG is decoded at 1/2, 1/4 or 1/8 scale when that keeps the region at least
-    the size it is resized to, and the box is scaled to the decoded image and rounded
-    to its pixels.
+    Without ``resize`` the box (source pixels) is decoded and resized to ``size``, as
+    torchvision v2's ``resized_crop`` does on a tensor; with ``region`` (and libturbojpeg 3,
+    see :mod:`cltrain.data.jpeg_roi`) only the iMCU rows and columns under the box are
+    decoded, with the same pixels. With ``resize`` the whole image is resized to it and
+    ``box`` (integral, in those pixels) sliced out: exactly torchvision's ``Resize`` +
+    ``CenterCrop`` on the decoded tensor. With ``reduce`` the JPEG is decoded at 1/2, 1/4
+    or 1/8 scale when that keeps the region at least the size it is resized to, and the
+    box is scaled to the decoded image and rounded to its pixels.
 
     Raises:
-        ValueError: simplejpeg cannot decode ``data`` (see :func:`decode_jpeg`).
+        ValueError: libjpeg-turbo cannot decode ``data`` (see :func:`decode_jpeg`).
     """
     height, width = simplejpeg.decode_jpeg_header(data)[:2]
-    region, target = ((0, 0, width, height), resize) if resize is not None else (box, size)
-    factor = decode_factor(region, target) if reduce else 1
-    arr = decode_jpeg(data, channels, factor)
+    region_box, target = ((0, 0, width, height), resize) if resize is not None else (box, size)
+    factor = decode_factor(region_box, target) if reduce else 1
     if resize is None:
-        sx, sy = arr.shape[1] / width, arr.shape[0] / height
+        sw, sh = -(-width // factor), -(-height // factor)  # libjpeg's ceil(width / factor)
+        sx, sy = sw / width, sh / height
         left, top = round(box[0] * sx), round(box[1] * sy)
-        right, bottom = min(max(round(box[2] * sx), left + 1), arr.shape[1]), min(max(round(box[3] * sy), top + 1), arr.shape[0])
-        out = _resize(arr[top:bottom, left:right], size)
+        right, bottom = min(max(round(box[2] * sx), left + 1), sw), min(max(round(box[3] * sy), top + 1), sh)
+        out = _resize(_decode_box(data, (left, top, right, bottom), factor, channels, (sw, sh), region), size,
+                      interpolation)
     else:
+        arr = decode_jpeg(data, channels, factor)
         left, top, right, bottom = (int(v) for v in box)
-        out = _resize(arr, resize)[:, :, top:bottom, left:right]
+        out = _resize(arr, resize, interpolation)[:, :, top:bottom, left:right]
     hwc = out[0].permute(1, 2, 0)
     if flip:
         hwc = hwc.flip(1)  # torch's flip writes a dense copy; numpy's [:, ::-1] copy is 10x slower

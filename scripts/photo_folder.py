@@ -1,0 +1,108 @@
+"""A folder of real photographs for measuring loaders, made from images that ship inside packages.
+
+ImageNet's JPEGs are real photographs, mostly 333-800 px on a side, quality 75-95,
+mostly 4:2:0 chroma subsampling. Synthetic images decode at different speeds
+(smooth gradients compress to few bits), so loader figures are taken on crops of
+the photographs bundled with scikit-image (``skimage/data``: only the files in the
+wheel, never its pooch downloads) and scikit-learn (``load_sample_images``). Each
+output is a random crop (30-100 % of the area) of one of them, resized to a
+333-800 px side, saved at a random quality in 75-95 with 4:2:0 or 4:4:4 chroma,
+as ``ROOT/{train,val}/<class>/<n>.jpg``. Made once: a finished folder is reused.
+
+    python scripts/photo_folder.py /tmp/cltrain-photos --train 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+from PIL import Image
+
+#: skimage/data files that are photographs (colour and grey); all ship in the wheel.
+SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "motorcycle_left.png", "motorcycle_right.png",
+                  "rocket.jpg", "retina.jpg", "hubble_deep_field.jpg", "ihc.png", "camera.png", "moon.png")
+_DONE = ".complete"
+
+
+def bundled_photos() -> list[Image.Image]:
+    """The packaged photographs as RGB PIL images (a missing package or file is skipped, nothing is downloaded)."""
+    photos: list[Image.Image] = []
+    try:
+        import skimage
+
+        data_dir = Path(skimage.__file__).parent / "data"
+        for name in SKIMAGE_PHOTOS:
+            if (data_dir / name).is_file():  # read the file itself: skimage.data.* may fetch with pooch
+                with Image.open(data_dir / name) as img:
+                    photos.append(img.convert("RGB"))
+    except ImportError:
+        pass
+    try:
+        from sklearn.datasets import load_sample_images
+
+        photos += [Image.fromarray(a) for a in load_sample_images().images]  # china.jpg, flower.jpg (bundled)
+    except ImportError:
+        pass
+    if len(photos) < 2:
+        raise RuntimeError("no bundled photographs found: pip install 'cltrain[bench]' (scikit-image, scikit-learn).")
+    return photos
+
+
+def _one(photo: Image.Image, rng: random.Random) -> Image.Image:
+    w, h = photo.size
+    area = rng.uniform(0.3, 1.0)
+    aspect = rng.uniform(3 / 4, 4 / 3) if rng.random() < 0.5 else rng.uniform(0.6, 1.7)
+    cw, ch = min(w, round((w * h * area * aspect) ** 0.5)), min(h, round((w * h * area / aspect) ** 0.5))
+    left, top = rng.randint(0, w - cw), rng.randint(0, h - ch)
+    crop = photo.crop((left, top, left + cw, top + ch))
+    long_side = rng.randint(400, 800)
+    s = long_side / max(cw, ch)
+    nw, nh = max(333, min(800, round(cw * s))), max(333, min(800, round(ch * s)))
+    return crop.resize((nw, nh), Image.Resampling.LANCZOS)
+
+
+def make_photo_folder(root: str | os.PathLike, train: int = 400, val: int = 40, classes: int = 10,
+                      seed: int = 0) -> Path:
+    """``root`` holding ``train`` + ``val`` JPEG photographs in ImageNet layout (made once; reused when complete)."""
+    root = Path(root)
+    if (root / _DONE).is_file():
+        return root
+    if root.exists() and any(root.iterdir()):
+        raise FileExistsError(f"{root} exists and is not a finished photo folder; remove it or pick another path.")
+    photos, rng = bundled_photos(), random.Random(seed)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        for split, count in (("train", train), ("val", val)):
+            for i in range(count):
+                cls = tmp / split / f"class_{i % classes:02d}"
+                cls.mkdir(parents=True, exist_ok=True)
+                img = _one(photos[rng.randrange(len(photos))], rng)
+                img.save(cls / f"{i:06d}.jpg", quality=rng.randint(75, 95), subsampling=2 if i % 2 == 0 else 0)
+        (tmp / _DONE).write_text(f"{train} train, {val} val, seed {seed}\n")
+        if root.exists():
+            root.rmdir()
+        tmp.rename(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root", type=Path)
+    p.add_argument("--train", type=int, default=400)
+    p.add_argument("--val", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(make_photo_folder(args.root, args.train, args.val, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
