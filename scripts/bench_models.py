@@ -28,8 +28,8 @@ The models, by rank:
   r2plus1d_18, s3d (s3d's fixed pooling needs at least 16x224x224 clips: it gets them);
 * audio, 3-D ``(N, 1, L)`` waveforms: ``m5``, an M5 1-D CNN (Dai et al., 2017), in
   the only channels-last 1-D layout stock PyTorch can express, strides ``(C*L, 1, C)``
-  for the activations and the Conv1d weights (pytorch#66681). ``mode="auto"`` does
-  not time rank 3 yet, so its "auto picks" reads n/a.
+  for the activations and the Conv1d weights (pytorch#66681). Where cltrain's auto
+  mode does not time rank 3, its "auto picks" reads n/a.
 
 ``tinycnn`` is a small 2-D test model. All are built with ``weights=None``
 (nothing is downloaded).
@@ -119,8 +119,7 @@ def m5(num_classes: int = NUM_CLASSES, channels: int = 32) -> nn.Module:
     )
 
 
-# TODO(layoutcb): switch to cltrain.layout.to_channels_last_1d / is_channels_last_1d once they land on this branch.
-def to_channels_last_1d(tensor: torch.Tensor) -> torch.Tensor:
+def _to_channels_last_1d(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (N, C, L) restrided to (C*L, 1, C): channels innermost. Built with ``empty_strided``
     because ``transpose().contiguous()`` is a no-op (and keeps NCL strides) when C == 1."""
     n, c, length = tensor.shape
@@ -128,6 +127,12 @@ def to_channels_last_1d(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.stride() == strides:
         return tensor
     return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+try:
+    from cltrain.layout import to_channels_last_1d
+except ImportError:  # TODO(layoutcb): drop this fallback once cltrain.layout.to_channels_last_1d is on main
+    to_channels_last_1d = _to_channels_last_1d
 
 
 def module_to_channels_last_1d(module: nn.Module) -> nn.Module:

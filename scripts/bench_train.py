@@ -4,7 +4,7 @@ Part 1, framework overhead (synthetic tensors, no data loading): the same model,
 batch, precision and layout trained by
 
 * a plain PyTorch loop (:class:`PlainStep`) doing what Lightning does in a step: the optimizer
-  ``ImageClassifier.configure_optimizers`` makes, autocast (``cache_enabled=False``) around forward
+  Lightning makes from ``ImageClassifier.configure_optimizers``, autocast (``cache_enabled=False``) around forward
   and loss, ``zero_grad(set_to_none=True)``, backward, and under ``16-mixed`` a ``GradScaler``;
 * train.py's path: :class:`cltrain.app.module.ImageClassifier` (per-step
   schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
@@ -79,34 +79,32 @@ def machine(accelerator: str) -> str:
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
-def _optimizer_and_scheduler(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
-    """The optimizer and per-step LR scheduler (or None) from whatever ``configure_optimizers`` returned."""
-    if isinstance(configured, torch.optim.Optimizer):
-        return configured, None
-    if isinstance(configured, dict):
-        scheduler = configured.get("lr_scheduler")
-        if isinstance(scheduler, dict):
-            scheduler = scheduler["scheduler"] if scheduler.get("interval", "epoch") == "step" else None
-        return configured["optimizer"], scheduler
-    optimizers, *schedulers = configured  # ([optimizers], [schedulers]) or a one-optimizer list
-    optimizer = optimizers[0] if isinstance(optimizers, (list, tuple)) else optimizers
-    return optimizer, None  # a bare list of schedulers is stepped per epoch by Lightning: not in a step
+def _quiet_trainer(accelerator: str, precision: str, max_steps: int, callbacks: list | None = None) -> pl.Trainer:
+    return pl.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=max_steps,
+                      callbacks=callbacks or [], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
 
 
 class PlainStep:
     """One training step as Lightning's automatic optimisation and precision plugin run it, without Lightning.
 
-    The same optimizer (and per-step scheduler) ``ImageClassifier.configure_optimizers`` gives the Lightning
-    path; ``torch.autocast(..., cache_enabled=False)`` around forward and loss as ``MixedPrecision`` does;
+    The optimizer and per-step LR scheduler are the ones Lightning itself makes from
+    ``ImageClassifier.configure_optimizers`` (a ``fit`` with ``max_steps=0`` on the same batches: same
+    class, fused or not, same settings, whatever the module asks of its trainer);
+    ``torch.autocast(..., cache_enabled=False)`` around forward and loss as ``MixedPrecision`` does;
     ``zero_grad(set_to_none=True)`` after the forward and before backward (Lightning's closure order);
     under ``16-mixed`` a ``GradScaler``: scale, backward, ``unscale_``, ``step``, ``update``. What is left
     between the two paths is the framework: hooks, metrics, logging, the loop.
     """
 
-    def __init__(self, model: torch.nn.Module, precision: str, device: torch.device, num_classes: int = 1000) -> None:
-        self.module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=()).to(device)
-        self.module.train()
-        self.optimizer, self.scheduler = _optimizer_and_scheduler(self.module.configure_optimizers())
+    def __init__(self, model: torch.nn.Module, precision: str, device: torch.device, batches: list,
+                 num_classes: int = 1000) -> None:
+        self.module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
+        trainer = _quiet_trainer(device.type, precision, max_steps=0)
+        trainer.fit(self.module, train_dataloaders=DataLoader(batches, batch_size=None))  # configures, steps nothing
+        self.module.to(device).train()
+        self.optimizer = trainer.optimizers[0]
+        self.scheduler = next((c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"), None)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         self.autocast_dtype = AUTOCAST.get(precision)
         self.device = device
@@ -150,7 +148,7 @@ class _WarmupSync(pl.Callback):
 
 def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
     """Images/second of :class:`PlainStep` over ``batches``, timed by the meter train.py uses."""
-    step = PlainStep(model, precision, device)
+    step = PlainStep(model, precision, device, batches)
     meter = Meter(warmup)
     syncs = _sync_points(len(batches), warmup)
     for i, (x, y) in enumerate(batches):
@@ -166,9 +164,7 @@ def lightning_path(model: torch.nn.Module, batches: list, precision: str, accele
     module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
     progress = MainAmpProgress(print_freq=0, warmup=warmup)  # syncs after the last step, like the plain loop
     callbacks = [_WarmupSync(warmup), progress] + ([ChannelsLast()] if channels_last else [])
-    trainer = pl.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=len(batches),
-                         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = _quiet_trainer(accelerator, precision, len(batches), callbacks)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     return progress.summary()["images_per_second"]
 

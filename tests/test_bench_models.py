@@ -66,10 +66,13 @@ def test_quick_run_times_a_video_model_and_the_1d_model(tmp_path):
     assert (by_model["m5"]["kind"], by_model["m5"]["input_shape"]) == ("audio", "2x1x8000")
     _check_rows(rows)
     assert by_model["mc3_18"]["auto_pick"] in ("channels_last", "contiguous")
-    assert (by_model["m5"]["auto_pick"], by_model["m5"]["auto_matches"]) == ("n/a", "")  # auto does not time rank 3
+    if by_model["m5"]["auto_pick"] == "n/a":  # a cltrain whose auto mode does not time rank 3
+        assert by_model["m5"]["auto_matches"] == "" and "| n/a | n/a |" in (tmp_path / "results.md").read_text()
+    else:
+        assert by_model["m5"]["auto_pick"] in ("channels_last", "contiguous")
     markdown = (tmp_path / "results.md").read_text()
     assert "#### Video clips, 5-D" in markdown and "channels_last_3d clips/s" in markdown
-    assert "#### Audio, 1-D" in markdown and "| m5 | 2x1x8000 | fp32 |" in markdown and "| n/a | n/a |" in markdown
+    assert "#### Audio, 1-D" in markdown and "| m5 | 2x1x8000 | fp32 |" in markdown
     assert "#### Images" not in markdown
 
 
@@ -77,10 +80,10 @@ def test_channels_last_1d_strides_for_activations_and_conv1d_weights():
     bench = load_script()
     for shape in [(2, 1, 7), (2, 5, 7), (1, 5, 7)]:  # C == 1 and N == 1 too: `transpose().contiguous()` misses C == 1
         x = torch.randn(shape)
-        y = bench.to_channels_last_1d(x)
+        y = bench._to_channels_last_1d(x)
         n, c, length = shape
         assert y.stride() == (c * length, 1, c) and torch.equal(x, y)
-        assert bench.to_channels_last_1d(y) is y
+        assert bench._to_channels_last_1d(y) is y and bench.to_channels_last_1d(x).stride() == y.stride()
     model = bench.module_to_channels_last_1d(bench.m5(num_classes=10, channels=4))
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
     assert len(convs) == 4

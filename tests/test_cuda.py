@@ -96,6 +96,28 @@ def test_normalize_on_cuda_equals_the_cpu(dtype: torch.dtype, memory_format: tor
         torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}[dtype])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("memory_format", [torch.channels_last_3d, torch.contiguous_format])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 6, 8), (2, 1, 4, 6, 8), (1, 3, 4, 6, 8)])
+def test_normalize_clips_on_cuda_equals_the_cpu(dtype: torch.dtype, memory_format: torch.memory_format,
+                                                shape: tuple[int, ...]) -> None:
+    n, c, t, h, w = shape
+    gen = torch.Generator().manual_seed(1)
+    clips = torch.randint(0, 256, (n, t, h, w, c), dtype=torch.uint8, generator=gen).permute(0, 4, 1, 2, 3)  # NDHWC view
+    mean, std = ((0.5,), (0.25,)) if c == 1 else ((0.43, 0.4, 0.37), (0.23, 0.22, 0.22))
+    try:
+        on_cpu = normalize(clips, mean, std, dtype, memory_format=memory_format)
+    except (TypeError, ValueError) as err:  # a cltrain without 5-D normalize (issue 12)
+        pytest.skip(f"normalize has no 5-D support here: {err}")
+    on_gpu = normalize(clips.cuda(), mean, std, dtype, memory_format=memory_format)
+    assert on_gpu.is_cuda and on_gpu.dtype == dtype and on_gpu.shape == clips.shape
+    assert is_channels_last(on_gpu) if memory_format is torch.channels_last_3d else on_gpu.is_contiguous()
+    torch.testing.assert_close(on_gpu.cpu().float(), on_cpu.float(), rtol=0, atol={
+        torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}[dtype])
+
+
 # --- the prefetcher under a slow compute stream, allocator churn and the sanitizer ----------------------------
 class _Numbered(Dataset):
     """Sample i: a (3, 16, 16) image filled with i % 251 and the target i."""

@@ -42,8 +42,9 @@ def test_plain_step_scales_fp16_losses_and_uses_the_modules_optimizer() -> None:
 
     bench = _load()
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
-    step = bench.PlainStep(model, "16-mixed", torch.device("cpu"), num_classes=10)
-    expected = type(step.module.configure_optimizers())
+    batches = [(torch.randn(2, 3, 8, 8), torch.tensor([1, 2]))]
+    step = bench.PlainStep(model, "16-mixed", torch.device("cpu"), batches, num_classes=10)
+    expected = torch.optim.SGD  # ImageClassifier's default
     assert isinstance(step.optimizer, expected) and step.optimizer.param_groups[0]["params"][0] is model[0].weight
     y = torch.tensor([1, 2])
     # Inputs this large overflow the scaled fp16 gradients: a scaled step is skipped and the scale halves.
@@ -53,5 +54,5 @@ def test_plain_step_scales_fp16_losses_and_uses_the_modules_optimizer() -> None:
     assert step.scaler.get_scale() == 2.0**15 and torch.equal(before, model[0].weight)
     step(torch.randn(2, 3, 8, 8), y)  # a normal batch is stepped
     assert not torch.equal(before, model[0].weight) and torch.isfinite(model[0].weight).all()
-    plain = bench.PlainStep(model, "32-true", torch.device("cpu"), num_classes=10)
+    plain = bench.PlainStep(model, "32-true", torch.device("cpu"), batches, num_classes=10)
     assert plain.scaler is None and plain.autocast_dtype is None
