@@ -64,6 +64,12 @@ def test_pack_never_overwrites_a_foreign_folder(folder: Path, tmp_path: Path, ca
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
 
+def test_pack_names_a_missing_split(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([str(folder), str(tmp_path / "out"), "--splits", "train", "test", "--no-progress"]) == 2
+    assert "has no split folder test; it has ['train', 'val']" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_pack_refuses_other_settings_and_a_changed_tree(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     pack(folder, out, shard_size=7, progress=False)
@@ -85,6 +91,7 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO (POSIX)")
 def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp_path: Path) -> None:
     reference = json.loads(pack(folder, tmp_path / "reference", shard_size=7, progress=False).read_text())
     # Sample 20 of the packing order (in shard 2) becomes a FIFO: the packer blocks there, in the
