@@ -156,6 +156,40 @@ def test_sampler_splits_each_epoch_exactly_once_in_a_new_order() -> None:
     assert unshuffled == list(range(33))
 
 
+class _Shards:
+    """Just what the sampler reads of a dataset: its length and its shard sizes."""
+
+    shard_sizes = [7, 7, 7, 7, 5]
+
+    def __len__(self) -> int:
+        return 33
+
+
+def test_shuffle_window_mixes_runs_of_shards_exactly_once() -> None:
+    shard_of = np.repeat(np.arange(5), _Shards.shard_sizes)
+    orders = []
+    for epoch in (0, 1):
+        samplers = [ShardBatchSampler(_Shards(), 4, num_replicas=2, rank=r, seed=1, shuffle_window=2) for r in (0, 1)]
+        for s in samplers:
+            s.set_epoch(epoch)
+        flat = [i for s in samplers for b in s for i in b]
+        assert sorted(flat) == list(range(33)) and flat == list(samplers[0].order())
+        shards, pos, windows = shard_of[flat].tolist(), 0, []
+        while pos < 33:  # each window: the next two shards (one at the end), all their samples, nothing else
+            first = shards[pos]
+            window = {first, next((k for k in shards[pos:] if k != first), first)}
+            end = pos + sum(_Shards.shard_sizes[k] for k in window)
+            assert set(shards[pos:end]) == window, (epoch, shards)
+            windows.append(shards[pos:end])
+            pos = end
+        assert [len(set(w)) for w in windows] == [2, 2, 1]
+        assert any(w != sorted(w) and w != sorted(w, reverse=True) for w in windows)  # mixed within a window
+        orders.append(flat)
+    assert orders[0] != orders[1]
+    with pytest.raises(ValueError, match="shuffle_window=0"):
+        ShardBatchSampler(_Shards(), 4, shuffle_window=0)
+
+
 def test_datamodule_gives_the_imagefolder_batches(folder: Path, tmp_path: Path) -> None:
     pack(folder, tmp_path / "out", shard_size=7, progress=False)
     kw = dict(batch_size=8, num_workers=2, image_size=32, val_resize_size=36)

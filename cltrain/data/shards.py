@@ -107,6 +107,12 @@ def rank_batch_sizes(num_samples: int, batch_size: int, num_replicas: int, rank:
     return sizes
 
 
+def _check_window(shuffle_window: int | None, owner: str) -> int | None:
+    if shuffle_window is not None and not (isinstance(shuffle_window, int) and shuffle_window >= 1):
+        raise ValueError(f"{owner}: shuffle_window={shuffle_window!r} must be None (null) or an int >= 1 (shards).")
+    return shuffle_window
+
+
 class ShardBatchSampler(DistributedSampler):
     """Lists of sample indices, one per batch, for one rank (see the module docstring).
 
@@ -116,21 +122,39 @@ class ShardBatchSampler(DistributedSampler):
         num_replicas, rank: the DDP world size and this process's rank.
         shuffle: a new permutation every epoch (``seed + epoch``), identical on every rank.
         seed: the seed the permutations are drawn from.
+        shuffle_window: ``None``: one permutation of all samples. ``k``: the shards are
+            permuted, then the samples within each run of ``k`` consecutive shards, so a
+            rank reads about ``num_shards / world_size + k`` shards per epoch instead of
+            all of them (for storage where reading few files in long runs is faster).
+            Needs ``dataset.shard_sizes``.
     """
 
     def __init__(self, dataset: Any, batch_size: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, shuffle_window: int | None = None) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
-        self.batch_size = batch_size
+        self.batch_size, self.shuffle_window = batch_size, _check_window(shuffle_window, "ShardBatchSampler")
         self.sizes = rank_batch_sizes(len(dataset), batch_size, num_replicas, rank)  # fails here, not in the loop
+
+    def order(self) -> np.ndarray:
+        """This epoch's order of all sample indices (the same on every rank)."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return np.arange(n)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.shuffle_window is None:
+            return torch.randperm(n, generator=g).numpy()
+        sizes = np.asarray(self.dataset.shard_sizes)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        shards = torch.randperm(len(sizes), generator=g).numpy()
+        runs = []
+        for w in range(0, len(shards), self.shuffle_window):
+            ids = np.concatenate([np.arange(starts[k], starts[k] + sizes[k]) for k in shards[w:w + self.shuffle_window]])
+            runs.append(ids[torch.randperm(len(ids), generator=g).numpy()])
+        return np.concatenate(runs)
 
     def __iter__(self) -> Iterator[list[int]]:
         n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).numpy()
-        else:
-            order = np.arange(n)
+        order = self.order()
         base, extra = divmod(n, self.num_replicas)
         start = self.rank * base + min(self.rank, extra)
         for size in self.sizes:
@@ -169,7 +193,8 @@ class ShardsDataset(Dataset):
         self.shards = [str(self.root / s) for s in manifest["splits"][split]["shards"]]
         indexes = [np.load(Path(s).with_suffix(".idx.npy")) for s in self.shards]
         self.index = np.concatenate(indexes) if indexes else np.zeros((0, 3), np.int64)  # offset, size, label
-        self.shard_of = np.repeat(np.arange(len(indexes)), [len(i) for i in indexes])
+        self.shard_sizes = [len(i) for i in indexes]
+        self.shard_of = np.repeat(np.arange(len(indexes)), self.shard_sizes)
         self.transform, self.with_ids = transform, with_ids
         self.collate = collate if collate is not None else NHWCCollate()
         self._files: dict[int, int] = {}
@@ -228,6 +253,9 @@ class ShardsDataModule(ImageFolderDataModule):
     Args:
         root: the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``).
         seed: seed of the per-epoch training order (the same on every rank).
+        shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
+            ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
+            files per rank per epoch; see :class:`ShardBatchSampler`).
 
     Under DDP (``trainer.world_size`` ranks) each rank reads its own slice of every
     epoch's permutation: each sample exactly once per epoch, the same step count on
@@ -243,12 +271,13 @@ class ShardsDataModule(ImageFolderDataModule):
         (10, (32, 3, 224, 224))
     """
 
-    def __init__(self, root: str | os.PathLike, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, root: str | os.PathLike, *args: Any, seed: int = 0, shuffle_window: int | None = None,
+                 **kwargs: Any) -> None:
         if kwargs.get("bad_files", "raise") != "raise":
             raise ValueError(f"ShardsDataModule: bad_files={kwargs['bad_files']!r} is not supported; shards are checked "
                              "when packed, so a bad sample raises (bad_files='raise').")
         super().__init__(root, *args, **kwargs)
-        self.seed = seed
+        self.seed, self.shuffle_window = seed, _check_window(shuffle_window, "ShardsDataModule")
         self.train_set: ShardsDataset | None = None  # type: ignore[assignment]
         self.val_set: ShardsDataset | None = None  # type: ignore[assignment]
         self._world = (1, 0)
@@ -278,7 +307,8 @@ class ShardsDataModule(ImageFolderDataModule):
             raise RuntimeError("ShardsDataModule: call setup() (the Trainer does) before asking for a dataloader.")
         workers = self.num_workers
         prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
-        sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=shuffle, seed=self.seed)
+        sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=shuffle, seed=self.seed,
+                                    shuffle_window=self.shuffle_window)
         # batch_size=None: the sampler yields whole batches and the dataset collates them in the worker.
         return PrefetchDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers,
                                   pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
