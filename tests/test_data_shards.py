@@ -18,7 +18,7 @@ import torch
 
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, ShardsDataset, eval_transform
 from cltrain.data.pack import MANIFEST, PackError, _plan, main, pack
-from cltrain.data.shards import ShardBatchSampler, rank_batch_sizes
+from cltrain.data.shard_sampler import ShardBatchSampler, rank_batch_sizes
 from data_fixtures import write_image_folder, write_jpegs
 
 DDP_SCRIPT = Path(__file__).with_name("shards_ddp_run.py")
