@@ -18,7 +18,7 @@ import torch
 
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, ShardsDataset, eval_transform
 from cltrain.data.pack import MANIFEST, PackError, _plan, main, pack
-from cltrain.data.shards import ShardBatchSampler, rank_batch_sizes
+from cltrain.data.shard_sampler import ShardBatchSampler, rank_batch_sizes
 from data_fixtures import write_image_folder, write_jpegs
 
 DDP_SCRIPT = Path(__file__).with_name("shards_ddp_run.py")
@@ -64,6 +64,12 @@ def test_pack_never_overwrites_a_foreign_folder(folder: Path, tmp_path: Path, ca
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
 
+def test_pack_names_a_missing_split(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main([str(folder), str(tmp_path / "out"), "--splits", "train", "test", "--no-progress"]) == 2
+    assert "has no split folder test; it has ['train', 'val']" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_pack_refuses_other_settings_and_a_changed_tree(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     pack(folder, out, shard_size=7, progress=False)
@@ -85,6 +91,7 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO (POSIX)")
 def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp_path: Path) -> None:
     reference = json.loads(pack(folder, tmp_path / "reference", shard_size=7, progress=False).read_text())
     # Sample 20 of the packing order (in shard 2) becomes a FIFO: the packer blocks there, in the
@@ -147,6 +154,40 @@ def test_sampler_splits_each_epoch_exactly_once_in_a_new_order() -> None:
     assert orders[0] != orders[1]
     unshuffled = [i for b in ShardBatchSampler(data, 4, 1, 0, shuffle=False) for i in b]
     assert unshuffled == list(range(33))
+
+
+class _Shards:
+    """Just what the sampler reads of a dataset: its length and its shard sizes."""
+
+    shard_sizes = [7, 7, 7, 7, 5]
+
+    def __len__(self) -> int:
+        return 33
+
+
+def test_shuffle_window_mixes_runs_of_shards_exactly_once() -> None:
+    shard_of = np.repeat(np.arange(5), _Shards.shard_sizes)
+    orders = []
+    for epoch in (0, 1):
+        samplers = [ShardBatchSampler(_Shards(), 4, num_replicas=2, rank=r, seed=1, shuffle_window=2) for r in (0, 1)]
+        for s in samplers:
+            s.set_epoch(epoch)
+        flat = [i for s in samplers for b in s for i in b]
+        assert sorted(flat) == list(range(33)) and flat == list(samplers[0].order())
+        shards, pos, windows = shard_of[flat].tolist(), 0, []
+        while pos < 33:  # each window: the next two shards (one at the end), all their samples, nothing else
+            first = shards[pos]
+            window = {first, next((k for k in shards[pos:] if k != first), first)}
+            end = pos + sum(_Shards.shard_sizes[k] for k in window)
+            assert set(shards[pos:end]) == window, (epoch, shards)
+            windows.append(shards[pos:end])
+            pos = end
+        assert [len(set(w)) for w in windows] == [2, 2, 1]
+        assert any(w != sorted(w) and w != sorted(w, reverse=True) for w in windows)  # mixed within a window
+        orders.append(flat)
+    assert orders[0] != orders[1]
+    with pytest.raises(ValueError, match="shuffle_window=0"):
+        ShardBatchSampler(_Shards(), 4, shuffle_window=0)
 
 
 def test_datamodule_gives_the_imagefolder_batches(folder: Path, tmp_path: Path) -> None:

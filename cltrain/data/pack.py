@@ -68,6 +68,11 @@ def _fingerprint(root: Path, samples: Sequence[tuple[str, int]]) -> str:
 
 
 def _plan(root: Path, splits: Sequence[str], seed: int) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
+    missing = [s for s in splits if not (root / s).is_dir()]
+    if missing:
+        have = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise FileNotFoundError(f"pack: ROOT {root} has no split folder {', '.join(missing)}; it has {have}. "
+                                "Pass the ones to pack with --splits.")
     classes = find_classes(root / splits[0])
     plan = {}
     for split in splits:

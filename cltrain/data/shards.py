@@ -62,83 +62,26 @@ What decided it:
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset
 from typing_extensions import override
 
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.datamodule import ImageFolderDataModule
 from cltrain.data.dataset import BadImageError
 from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.shard_sampler import ShardBatchSampler, check_window, rank_batch_sizes
 
-__all__ = ["MANIFEST", "ShardBatchSampler", "ShardsDataModule", "ShardsDataset", "rank_batch_sizes"]
+__all__ = ["MANIFEST", "ShardBatchSampler", "ShardsDataModule", "ShardsDataset", "rank_batch_sizes", "read_manifest"]
 
 #: Written last into a complete pack (by :mod:`cltrain.data.pack`): classes, shards and counts per split.
 MANIFEST = "shards.json"
-
-
-def rank_batch_sizes(num_samples: int, batch_size: int, num_replicas: int, rank: int) -> list[int]:
-    """Batch sizes of rank ``rank`` when ``num_samples`` are split over ``num_replicas`` ranks:
-    every rank gets the same number of batches and every sample exactly once.
-
-    Raises:
-        ValueError: the split cannot keep ranks in step (fewer samples than ranks, or
-            ``batch_size=1`` with ``num_samples`` not a multiple of ``num_replicas``).
-    """
-    if num_samples < num_replicas:
-        raise ValueError(f"{num_samples} samples cannot be split over {num_replicas} ranks with each sample exactly once; "
-                         "use fewer devices or more samples.")
-    base, extra = divmod(num_samples, num_replicas)
-    mine = base + (rank < extra)
-    steps = math.ceil((base + (extra > 0)) / batch_size)
-    sizes = [batch_size] * (steps - 1) + [mine - batch_size * (steps - 1)]
-    if sizes[-1] == 0:  # one sample short of a full last batch's worth: the last two batches share it
-        if batch_size == 1:
-            raise ValueError(f"batch_size=1 with {num_samples} samples on {num_replicas} ranks gives the ranks different "
-                             "step counts; use batch_size >= 2 or a sample count divisible by the number of ranks.")
-        sizes[-2:] = [batch_size - batch_size // 2, batch_size // 2]
-    return sizes
-
-
-class ShardBatchSampler(DistributedSampler):
-    """Lists of sample indices, one per batch, for one rank (see the module docstring).
-
-    Args:
-        dataset: anything with ``len``: the number of samples.
-        batch_size: samples per batch (the last of a rank's batches may be smaller).
-        num_replicas, rank: the DDP world size and this process's rank.
-        shuffle: a new permutation every epoch (``seed + epoch``), identical on every rank.
-        seed: the seed the permutations are drawn from.
-    """
-
-    def __init__(self, dataset: Any, batch_size: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
-        self.batch_size = batch_size
-        self.sizes = rank_batch_sizes(len(dataset), batch_size, num_replicas, rank)  # fails here, not in the loop
-
-    def __iter__(self) -> Iterator[list[int]]:
-        n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).numpy()
-        else:
-            order = np.arange(n)
-        base, extra = divmod(n, self.num_replicas)
-        start = self.rank * base + min(self.rank, extra)
-        for size in self.sizes:
-            yield order[start:start + size].tolist()
-            start += size
-
-    def __len__(self) -> int:
-        return len(self.sizes)
 
 
 class ShardsDataset(Dataset):
@@ -169,7 +112,8 @@ class ShardsDataset(Dataset):
         self.shards = [str(self.root / s) for s in manifest["splits"][split]["shards"]]
         indexes = [np.load(Path(s).with_suffix(".idx.npy")) for s in self.shards]
         self.index = np.concatenate(indexes) if indexes else np.zeros((0, 3), np.int64)  # offset, size, label
-        self.shard_of = np.repeat(np.arange(len(indexes)), [len(i) for i in indexes])
+        self.shard_sizes = [len(i) for i in indexes]
+        self.shard_of = np.repeat(np.arange(len(indexes)), self.shard_sizes)
         self.transform, self.with_ids = transform, with_ids
         self.collate = collate if collate is not None else NHWCCollate()
         self._files: dict[int, int] = {}
@@ -228,6 +172,9 @@ class ShardsDataModule(ImageFolderDataModule):
     Args:
         root: the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``).
         seed: seed of the per-epoch training order (the same on every rank).
+        shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
+            ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
+            files per rank per epoch; see :class:`ShardBatchSampler`).
 
     Under DDP (``trainer.world_size`` ranks) each rank reads its own slice of every
     epoch's permutation: each sample exactly once per epoch, the same step count on
@@ -243,12 +190,13 @@ class ShardsDataModule(ImageFolderDataModule):
         (10, (32, 3, 224, 224))
     """
 
-    def __init__(self, root: str | os.PathLike, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, root: str | os.PathLike, *args: Any, seed: int = 0, shuffle_window: int | None = None,
+                 **kwargs: Any) -> None:
         if kwargs.get("bad_files", "raise") != "raise":
             raise ValueError(f"ShardsDataModule: bad_files={kwargs['bad_files']!r} is not supported; shards are checked "
                              "when packed, so a bad sample raises (bad_files='raise').")
         super().__init__(root, *args, **kwargs)
-        self.seed = seed
+        self.seed, self.shuffle_window = seed, check_window(shuffle_window, "ShardsDataModule")
         self.train_set: ShardsDataset | None = None  # type: ignore[assignment]
         self.val_set: ShardsDataset | None = None  # type: ignore[assignment]
         self._world = (1, 0)
@@ -278,7 +226,8 @@ class ShardsDataModule(ImageFolderDataModule):
             raise RuntimeError("ShardsDataModule: call setup() (the Trainer does) before asking for a dataloader.")
         workers = self.num_workers
         prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
-        sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=shuffle, seed=self.seed)
+        sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=shuffle, seed=self.seed,
+                                    shuffle_window=self.shuffle_window)
         # batch_size=None: the sampler yields whole batches and the dataset collates them in the worker.
         return PrefetchDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers,
                                   pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,

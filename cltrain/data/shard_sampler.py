@@ -1,0 +1,109 @@
+"""Each sample exactly once per epoch under DDP x workers, with every rank in step.
+
+Every epoch, all ranks draw the same order of the sample indices (``seed + epoch``);
+rank ``r`` takes the ``r``-th of ``world_size`` contiguous slices (sizes differ by at
+most one) and cuts it into batches with :func:`rank_batch_sizes`. The sampler is a
+``DistributedSampler``, so Lightning keeps it under DDP (it injects no sampler of its
+own) and calls its ``set_epoch``. Used by :class:`~cltrain.data.ShardsDataModule`,
+whose dataset reads a whole batch per index list.
+
+Example::
+
+    >>> s = ShardBatchSampler(range(33), batch_size=4, num_replicas=2, rank=1)
+    >>> [len(b) for b in s]
+    [4, 4, 4, 2, 2]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+
+__all__ = ["ShardBatchSampler", "check_window", "rank_batch_sizes"]
+
+
+def rank_batch_sizes(num_samples: int, batch_size: int, num_replicas: int, rank: int) -> list[int]:
+    """Batch sizes of rank ``rank`` when ``num_samples`` are split over ``num_replicas`` ranks:
+    every rank gets the same number of batches and every sample exactly once.
+
+    Raises:
+        ValueError: the split cannot keep ranks in step (fewer samples than ranks, or
+            ``batch_size=1`` with ``num_samples`` not a multiple of ``num_replicas``).
+    """
+    if num_samples < num_replicas:
+        raise ValueError(f"{num_samples} samples cannot be split over {num_replicas} ranks with each sample exactly once; "
+                         "use fewer devices or more samples.")
+    base, extra = divmod(num_samples, num_replicas)
+    mine = base + (rank < extra)
+    steps = math.ceil((base + (extra > 0)) / batch_size)
+    sizes = [batch_size] * (steps - 1) + [mine - batch_size * (steps - 1)]
+    if sizes[-1] == 0:  # one sample short of a full last batch's worth: the last two batches share it
+        if batch_size == 1:
+            raise ValueError(f"batch_size=1 with {num_samples} samples on {num_replicas} ranks gives the ranks different "
+                             "step counts; use batch_size >= 2 or a sample count divisible by the number of ranks.")
+        sizes[-2:] = [batch_size - batch_size // 2, batch_size // 2]
+    return sizes
+
+
+def check_window(shuffle_window: int | None, owner: str) -> int | None:
+    """``shuffle_window`` if it is None or an int >= 1; a ValueError naming ``owner`` otherwise."""
+    if shuffle_window is not None and not (isinstance(shuffle_window, int) and shuffle_window >= 1):
+        raise ValueError(f"{owner}: shuffle_window={shuffle_window!r} must be None (null) or an int >= 1 (shards).")
+    return shuffle_window
+
+
+class ShardBatchSampler(DistributedSampler):
+    """Lists of sample indices, one per batch, for one rank (see the module docstring).
+
+    Args:
+        dataset: anything with ``len``: the number of samples.
+        batch_size: samples per batch (the last of a rank's batches may be smaller).
+        num_replicas, rank: the DDP world size and this process's rank.
+        shuffle: a new permutation every epoch (``seed + epoch``), identical on every rank.
+        seed: the seed the permutations are drawn from.
+        shuffle_window: ``None``: one permutation of all samples. ``k``: the shards are
+            permuted, then the samples within each run of ``k`` consecutive shards, so a
+            rank reads about ``num_shards / world_size + k`` shards per epoch instead of
+            all of them (for storage where reading few files in long runs is faster).
+            Needs ``dataset.shard_sizes``.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
+                 seed: int = 0, shuffle_window: int | None = None) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        self.batch_size, self.shuffle_window = batch_size, check_window(shuffle_window, "ShardBatchSampler")
+        self.sizes = rank_batch_sizes(len(dataset), batch_size, num_replicas, rank)  # fails here, not in the loop
+
+    def order(self) -> np.ndarray:
+        """This epoch's order of all sample indices (the same on every rank)."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return np.arange(n)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.shuffle_window is None:
+            return torch.randperm(n, generator=g).numpy()
+        sizes = np.asarray(self.dataset.shard_sizes)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        shards = torch.randperm(len(sizes), generator=g).numpy()
+        runs = []
+        for w in range(0, len(shards), self.shuffle_window):
+            ids = np.concatenate([np.arange(starts[k], starts[k] + sizes[k]) for k in shards[w:w + self.shuffle_window]])
+            runs.append(ids[torch.randperm(len(ids), generator=g).numpy()])
+        return np.concatenate(runs)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n = len(self.dataset)
+        order = self.order()
+        base, extra = divmod(n, self.num_replicas)
+        start = self.rank * base + min(self.rank, extra)
+        for size in self.sizes:
+            yield order[start:start + size].tolist()
+            start += size
+
+    def __len__(self) -> int:
+        return len(self.sizes)
