@@ -116,9 +116,22 @@ def test_mixed_targets_into_loss_and_accuracy():
     assert torch.equal(mixed.argmax(1), hard)
 
 
-def test_odd_batch_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="odd"):
-        MixupCutmix(10)(_batch(5), torch.zeros(5, dtype=torch.long))
+def test_odd_batch_mixes_all_but_the_last_image():
+    torch.manual_seed(0)
+    batch = _batch(5)
+    orig = batch.clone()
+    targets = torch.tensor([0, 1, 2, 3, 4])
+    out, soft = MixupCutmix(10, mixup_alpha=1.0, cutmix_alpha=0.0)(batch, targets)
+    assert out.data_ptr() == batch.data_ptr() and out.is_contiguous(memory_format=torch.channels_last)
+    assert soft.shape == (5, 10)
+    torch.testing.assert_close(soft.sum(1), torch.ones(5))
+    assert torch.equal(out[4], orig[4]) and torch.equal(soft[4], torch.nn.functional.one_hot(targets[4], 10).float())
+    assert not torch.equal(out[:4], orig[:4])  # the first four were mixed (pairs 0-3, 1-2)
+    lam = float(soft[0, 0])
+    torch.testing.assert_close(out[:4], lam * orig[:4] + (1 - lam) * orig[:4].flip(0))
+
+
+def test_mixing_needs_an_alpha():
     with pytest.raises(ValueError, match="at least one"):
         MixupCutmix(10, mixup_alpha=0.0, cutmix_alpha=0.0)
 

@@ -124,9 +124,12 @@ class MixupCutmix:
         label_smoothing: timm's; leave 0 and let ``nn.CrossEntropyLoss(label_smoothing=...)``
             smooth the mixed targets (the same targets).
 
+    An odd batch (a sharded epoch split exactly once over ranks can end in one) mixes its first
+    ``N - 1`` images, in place through a view, and leaves the last one as it is with its own
+    (one-hot) target: timm pairs image ``i`` with ``N - 1 - i`` and refuses odd batches.
+
     Raises:
-        ValueError: both alphas 0, or (at call) an odd batch: timm pairs image ``i`` with
-            ``N - 1 - i``; the training loader should drop its last partial batch.
+        ValueError: both alphas 0.
     """
 
     def __init__(self, num_classes: int, mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0, prob: float = 1.0,
@@ -140,10 +143,15 @@ class MixupCutmix:
                                                num_classes=self.num_classes)
 
     def __call__(self, batch: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch.shape[0] % 2:
-            raise ValueError(f"MixupCutmix: a batch of {batch.shape[0]} images is odd; timm's mixup pairs image i "
-                             "with N-1-i: drop the last partial batch (drop_last=True).")
-        return self.impl(batch, targets)
+        if batch.shape[0] % 2 == 0:
+            return self.impl(batch, targets)
+        from timm.data.mixup import mixup_target
+
+        last = mixup_target(targets[-1:], self.num_classes, lam=1.0, smoothing=self.impl.label_smoothing)
+        if batch.shape[0] == 1:
+            return batch, last
+        _, mixed = self.impl(batch[:-1], targets[:-1])  # timm mixes in place: the view writes into batch
+        return batch, torch.cat([mixed, last.to(mixed.dtype)])
 
     def __repr__(self) -> str:
         m = self.impl
