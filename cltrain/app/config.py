@@ -162,6 +162,29 @@ def _validate_paths(cfg: DictConfig) -> None:
                           "with ckpt_path=<checkpoint> or model.pretrained=<weights file>")
 
 
+def _validate_steps(cfg: DictConfig) -> None:
+    """The schedule and EMA keys (steps engineer's block)."""
+    from cltrain.app.schedule import SCHEDULES
+
+    schedule = cfg.optim.get("schedule", "step")
+    if schedule not in SCHEDULES:
+        raise ConfigError("optim.schedule", schedule, "unknown schedule", ", ".join(SCHEDULES))
+    ratio = cfg.optim.get("min_lr_ratio", 0.0)
+    if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 <= ratio <= 1.0):
+        raise ConfigError("optim.min_lr_ratio", ratio, "out of range", "0 <= value <= 1")
+    if not cfg.get("ema", False):
+        return
+    _require_bool(cfg, "ema")
+    decay = cfg.get("ema_decay", 0.999)
+    if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0.0 <= decay < 1.0):
+        raise ConfigError("ema_decay", decay, "out of range", "0 <= value < 1, e.g. 0.999")
+    warmup = cfg.get("ema_warmup_steps", 0)
+    if not (isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0):
+        raise ConfigError("ema_warmup_steps", warmup, "must be a whole number >= 0")
+    if not _positive_int(cfg.get("ema_every_n_steps", 1)):
+        raise ConfigError("ema_every_n_steps", cfg.get("ema_every_n_steps"), "must be a whole number > 0")
+
+
 def validate(cfg: DictConfig) -> Resolved:
     """Check ``cfg`` (before building anything) and resolve device and precision.
 
@@ -189,6 +212,7 @@ def validate(cfg: DictConfig) -> Resolved:
         raise ConfigError("print_freq", cfg.print_freq, "must be a whole number >= 0")
     if not (0.0 <= float(cfg.label_smoothing) < 1.0):
         raise ConfigError("label_smoothing", cfg.label_smoothing, "out of range", "0 <= value < 1")
+    _validate_steps(cfg)
     if cfg.optim.get("name") not in OPTIMIZERS:
         raise ConfigError("optim.name", cfg.optim.get("name"), "unknown optimizer", ", ".join(OPTIMIZERS))
     if not (isinstance(cfg.optim.get("lr"), (int, float)) and cfg.optim.lr > 0):

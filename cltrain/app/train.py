@@ -28,16 +28,17 @@ import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from cltrain.app.config import ConfigError, Resolved, validate
+from cltrain.app.ema import EMA, weights_in_checkpoint
 from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
-from cltrain.app.progress import MainAmpProgress
+from cltrain.app.progress import MainAmpProgress, main_amp_progress_bar
 from cltrain.app.report import write_metrics
 from cltrain.app.rundir import check_run_dir
 from cltrain.app.schedule import scaled_lr
@@ -99,6 +100,13 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> tuple[list[Callback], MainAmpP
         from cltrain.callback import ChannelsLast
 
         callbacks.append(ChannelsLast(mode=cfg.channels_last_mode))
+    # steps: the rate as LearningRateMonitor reads it (host floats, at log steps); a progress bar fed from
+    # host values (nothing prog_bar=True per step: no per-step sync); EMA weights when ema=true.
+    callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(main_amp_progress_bar())
+    if cfg.get("ema", False) and not cfg.evaluate_only:
+        callbacks.append(EMA(cfg.ema_decay, cfg.ema_warmup_steps, cfg.ema_every_n_steps))
     checkpoint = None
     if not cfg.evaluate_only:
         checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best-epoch{epoch:03d}",
@@ -150,6 +158,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         weight_decay=optim.weight_decay, nesterov=optim.get("nesterov", False),
         betas=tuple(optim.get("betas", (0.9, 0.999))), warmup_epochs=optim.warmup_epochs,
         milestones=tuple(optim.milestones), gamma=optim.gamma, label_smoothing=cfg.label_smoothing,
+        schedule=optim.get("schedule", "step"), min_lr_ratio=optim.get("min_lr_ratio", 0.0),  # steps: schedulers
     )
 
     ckpt_path = _absolute(cfg.get("ckpt_path"))
@@ -166,6 +175,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     metrics = _final_metrics(cfg, resolved, trainer, progress, checkpoint, run_dir, global_batch, lr)
     metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
+    # steps: which weights val_* and the best checkpoint are of ("ema" | "live"; pretrained weights: "live")
+    if cfg.evaluate_only:
+        metrics["weights"] = weights_in_checkpoint(ckpt_path) or "live"
+    else:
+        metrics["weights"] = "ema" if cfg.get("ema", False) else "live"
     if trainer.is_global_zero:
         write_metrics(run_dir, metrics)
         print(_summary_line(metrics, datamodule.num_classes), flush=True)
