@@ -25,7 +25,7 @@ from lightning.pytorch import Callback
 from cltrain.app.cli import compose_config
 from cltrain.app.train import train
 from cltrain.data import make_demo_dataset
-from sync_counting import CountingTrainer, SyncOps
+from trainer_probes import CountingTrainer, SyncOps
 
 DEMO = {"num_classes": 4, "train_per_class": 16, "val_per_class": 2, "image_size": [48, 40]}
 PRINT_FREQ = 4  # = log_every_n_steps: batches 3 and 7 print and log
@@ -43,7 +43,7 @@ def _config(demo_root: Path, run_dir: Path, *overrides: str):
     demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
     return compose_config([
         "experiment=smoke", f"data.root={demo_root}", *demo, f"run_dir={run_dir}",
-        "trainer._target_=sync_counting.CountingTrainer", f"trainer.limit_train_batches={BATCHES}",
+        "trainer._target_=trainer_probes.CountingTrainer", f"trainer.limit_train_batches={BATCHES}",
         f"trainer.log_every_n_steps={PRINT_FREQ}", f"print_freq={PRINT_FREQ}", "data.num_workers=1",
         "trainer.enable_progress_bar=true", *overrides,
     ])

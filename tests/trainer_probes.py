@@ -1,7 +1,8 @@
-"""A ``Trainer`` that counts host-sync ATen ops per training step (used by ``tests/test_sync.py``).
+"""Lightning ``Trainer`` subclasses that tests select from the config (``trainer._target_=trainer_probes.X``),
+so ``train(cfg)`` runs unchanged: each only adds a callback to the ones it is given.
 
-Selected from the config (``trainer._target_=sync_counting.CountingTrainer``), so ``train(cfg)``
-runs unchanged: the trainer only adds :class:`StepSyncCounter` to the callbacks it is given.
+- :class:`CountingTrainer` counts host-sync ATen ops per training step (``tests/test_sync.py``).
+- :class:`CrashingTrainer` raises at a given step, as a crash would (``tests/test_schedule.py``).
 """
 
 from __future__ import annotations
@@ -68,3 +69,23 @@ class CountingTrainer(Trainer):
         self.counter = StepSyncCounter(CountingTrainer.mode)
         super().__init__(*args, callbacks=[*(callbacks or []), self.counter], **kwargs)
         CountingTrainer.last = self
+
+
+class Crash(RuntimeError):
+    """Raised by :class:`CrashingTrainer`."""
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")
+
+
+class CrashingTrainer(Trainer):
+    """A Lightning ``Trainer`` that raises :class:`Crash` before optimizer step ``crash_at_step``."""
+
+    def __init__(self, *args: Any, crash_at_step: int, callbacks: list[Callback] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, callbacks=[*(callbacks or []), _CrashAt(crash_at_step)], **kwargs)
