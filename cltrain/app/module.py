@@ -117,6 +117,8 @@ class ImageClassifier(LightningModule):
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps in one training epoch on this rank."""
+        if self.trainer.train_dataloader is None:  # not loaded yet (max_epochs=-1 with max_steps)
+            self.trainer.fit_loop.setup_data()
         batches = self.trainer.num_training_batches
         if batches == float("inf"):
             raise RuntimeError("the epoch-based schedule needs a training DataLoader with a length")
