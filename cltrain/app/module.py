@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from torch import nn
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from cltrain.app.config import ConfigError
@@ -152,7 +152,9 @@ class ImageClassifier(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         params = self.model.parameters()
-        fused = self.device.type == "cuda" if hp.fused is None else hp.fused
+        # Fused on CUDA: GradScaler then hands the overflow check to the kernel (no .item() per step). Not with
+        # gradient clipping: Lightning refuses to clip for an optimizer that unscales internally.
+        fused = self.device.type == "cuda" and not self.trainer.gradient_clip_val if hp.fused is None else hp.fused
         if hp.optimizer == "adamw":
             optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay,
                                           fused=fused or None)
