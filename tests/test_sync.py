@@ -117,3 +117,22 @@ def test_no_host_sync_on_cuda(demo_root: Path, tmp_path: Path, amp_dtype: str) -
         CountingTrainer.mode = None
         torch.cuda.set_sync_debug_mode(0)
     assert metrics["global_step"] == BATCHES
+
+
+def test_the_device_side_train_accuracy_agrees_with_torchmetrics() -> None:
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from cltrain.app.metrics import TopKAccuracy
+
+    g = torch.Generator().manual_seed(0)
+    ours = [TopKAccuracy(top_k=k) for k in (1, 5)]
+    theirs = [MulticlassAccuracy(num_classes=10, top_k=k, average="micro") for k in (1, 5)]
+    for _ in range(3):
+        logits, targets = torch.randn(16, 10, generator=g), torch.randint(0, 10, (16,), generator=g)
+        for a, b in zip(ours, theirs):
+            assert a(logits, targets) == pytest.approx(float(b(logits, targets)))
+    for a, b in zip(ours, theirs):
+        assert float(a.compute()) == pytest.approx(float(b.compute()))
+    with SyncOps() as mode:
+        ours[1](torch.randn(4, 10), torch.tensor([1, 2, 3, 4]))
+    assert not mode.counts
