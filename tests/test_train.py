@@ -75,8 +75,8 @@ def test_resume_continues_step_count_schedule_and_layout(demo_root: Path, tmp_pa
     assert (second["global_step"], second["epochs"]) == (8, 2)
 
     # The schedule went on from step 4: the lr logged at steps 4..7 is lr_at(step) (warm-up 1 epoch, x0.1 from epoch 1).
-    rows = [r for r in csv.DictReader(open(tmp_path / "b" / "csv" / "metrics.csv")) if r.get("lr")]
-    logged = {int(r["step"]): float(r["lr"]) for r in rows}
+    rows = [r for r in csv.DictReader(open(tmp_path / "b" / "csv" / "metrics.csv")) if r.get("lr-SGD")]
+    logged = {int(r["step"]): float(r["lr-SGD"]) for r in rows}  # LearningRateMonitor's column
     assert min(logged) == 4
     for s, lr in logged.items():
         assert lr == pytest.approx(lr_at(s, 4, second["lr"], warmup_epochs=1, milestones=[1]))

@@ -183,6 +183,10 @@ def validate(cfg: DictConfig) -> Resolved:
                           "fixed before compiling)", "full, conv")
     if cfg.amp_dtype not in AMP_DTYPES:
         raise ConfigError("amp_dtype", cfg.amp_dtype, "unknown dtype", ", ".join(AMP_DTYPES))
+    from cltrain.app.schedule import SCHEDULES
+
+    if cfg.optim.get("schedule", "step") not in SCHEDULES:
+        raise ConfigError("optim.schedule", cfg.optim.get("schedule"), "unknown schedule", ", ".join(SCHEDULES))
     if cfg.optim.get("name") not in OPTIMIZERS:
         raise ConfigError("optim.name", cfg.optim.get("name"), "unknown optimizer", ", ".join(OPTIMIZERS))
 

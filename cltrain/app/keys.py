@@ -83,6 +83,7 @@ TOP_LEVEL: dict[str, Check] = {
     "evaluate_only": BOOL, "cudnn_benchmark": BOOL, "tf32": BOOL,
     "seed": SEED, "compile_backend": TEXT, "label_smoothing": UNIT, "print_freq": COUNT,
     "throughput_warmup": COUNT, "ckpt_path": OPT_PATH, "run_dir": OPT_PATH,
+    "ema": BOOL, "ema_decay": UNIT, "ema_warmup_steps": COUNT, "ema_every_n_steps": POSITIVE,
 }
 GROUPS: dict[str, dict[str, Check]] = {
     "checkpoint": {"save_top_k": TOP_K},
@@ -101,6 +102,7 @@ GROUPS: dict[str, dict[str, Check]] = {
     "optim": {
         "name": TEXT, "lr": GT_ZERO, "scale_lr": BOOL, "momentum": UNIT_CLOSED, "weight_decay": NON_NEGATIVE,
         "nesterov": BOOL, "betas": BETAS, "warmup_epochs": NON_NEGATIVE, "milestones": MILESTONES, "gamma": GT_ZERO,
+        "schedule": TEXT, "min_lr_ratio": UNIT_CLOSED,
     },
 }
 

@@ -1,11 +1,30 @@
 """The LightningModule: image classification as apex ``main_amp.py`` trains it.
 
-Cross-entropy (optional label smoothing); top-1 / top-5 accuracy (torchmetrics,
-micro-averaged like main_amp's ``Prec@k``) on train and val; SGD (or AdamW)
-whose rate :func:`cltrain.app.schedule.lr_at` sets before every batch from
-``trainer.global_step``, so a resumed run continues the schedule where it
-stopped. The model's memory format is not this module's business: the
+Cross-entropy (optional label smoothing); top-1 / top-5 accuracy micro-averaged
+like main_amp's ``Prec@k``; SGD (or AdamW) with a per-iteration schedule
+(:mod:`cltrain.app.schedule`: main_amp's warm-up + milestones, or cosine)
+returned from ``configure_optimizers`` as a ``torch.optim.lr_scheduler`` that
+Lightning steps after every optimizer step and saves in checkpoints. The model's
+memory format is not this module's business: the
 :class:`cltrain.callback.ChannelsLast` callback (or its absence) decides it.
+
+A training step never waits for the host (issue 9.1; ``tests/test_sync.py``
+counts): the loss goes to the logger only (Lightning makes it a number at
+``log_every_n_steps``), nothing is logged with ``prog_bar=True`` per step
+(Lightning turns every such value into a Python number every step,
+Lightning#21232), train accuracy accumulates on the device
+(:class:`~cltrain.app.metrics.TopKAccuracy`) and reaches the host only at
+print steps (:class:`~cltrain.app.progress.MainAmpProgress`) and epoch ends, the
+rate is shown by ``LearningRateMonitor`` from the optimizer's host-side value,
+and on CUDA the optimizer is fused, so fp16 loss scaling checks for overflow on
+the device instead of calling ``.item()`` (``GradScaler.step``).
+
+Lightning's ``LearningRateFinder`` and ``BatchSizeFinder`` are refused (a
+``ConfigError`` when fit starts): the rate is ``optim.lr`` scaled for the
+global batch and then scheduled per step, so the finder's rate would be
+rescheduled from the config and a found batch size would leave the rate scaled
+for the old one. A ``-m`` sweep over ``optim.lr`` / ``data.batch_size`` does
+what they would.
 
 Example::
 
@@ -22,10 +41,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from cltrain.app.schedule import lr_at
+from cltrain.app.config import ConfigError
+
+from cltrain.app.metrics import TopKAccuracy
+from cltrain.app.schedule import make_scheduler
 
 __all__ = ["ImageClassifier"]
 
@@ -39,8 +62,12 @@ class ImageClassifier(LightningModule):
         lr: the peak learning rate, already scaled for the global batch.
         optimizer: ``"sgd"`` or ``"adamw"``.
         momentum, weight_decay, nesterov, betas: optimizer settings.
-        warmup_epochs, milestones, gamma: the schedule (see :func:`~cltrain.app.schedule.lr_at`).
+        schedule: ``"step"`` (:func:`~cltrain.app.schedule.lr_at`) or ``"cosine"``
+            (:func:`~cltrain.app.schedule.cosine_lr_at`).
+        warmup_epochs, milestones, gamma: the warm-up (both schedules) and the step schedule's decay.
+        min_lr_ratio: the cosine schedule's final rate, as a fraction of ``lr``.
         label_smoothing: cross-entropy label smoothing.
+        fused: a fused optimizer step; ``None``: on CUDA (where fp16 loss scaling then needs no host sync).
     """
 
     def __init__(
@@ -53,19 +80,23 @@ class ImageClassifier(LightningModule):
         weight_decay: float = 1e-4,
         nesterov: bool = False,
         betas: Sequence[float] = (0.9, 0.999),
+        schedule: str = "step",
         warmup_epochs: float = 5,
         milestones: Sequence[int] = (30, 60, 80),
         gamma: float = 0.1,
+        min_lr_ratio: float = 0.0,
         label_smoothing: float = 0.0,
+        fused: bool | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
         self.model = model
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.top_k = min(5, num_classes)
-        metric = dict(num_classes=num_classes, average="micro")
-        self.train_top1 = MulticlassAccuracy(top_k=1, **metric)
-        self.train_top5 = MulticlassAccuracy(top_k=self.top_k, **metric)
+        self.train_top1 = TopKAccuracy(top_k=1)
+        self.train_top5 = TopKAccuracy(top_k=self.top_k)
+        # validate_args=False: the default checks run torch.unique on the targets (a host sync) each update
+        metric = dict(num_classes=num_classes, average="micro", validate_args=False)
         self.val_top1 = MulticlassAccuracy(top_k=1, **metric)
         self.val_top5 = MulticlassAccuracy(top_k=self.top_k, **metric)
 
@@ -73,22 +104,25 @@ class ImageClassifier(LightningModule):
         return self.model(images)
 
     # --- training -------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Refuse Lightning's LR finder and BatchSizeFinder (see the module docstring)."""
+        if stage != "fit":
+            return
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, (LearningRateFinder, BatchSizeFinder)):
+                raise ConfigError("callbacks", type(callback).__name__, "not supported by ImageClassifier: the rate is "
+                                  "optim.lr scaled for data.batch_size and then scheduled per step by optim.schedule, "
+                                  "so a found rate or batch would be overridden or mis-scaled", "search them with a "
+                                  "-m sweep over optim.lr / data.batch_size instead")
+
     def steps_per_epoch(self) -> int:
         """Optimizer steps in one training epoch on this rank."""
+        if self.trainer.train_dataloader is None:  # not loaded yet (max_epochs=-1 with max_steps)
+            self.trainer.fit_loop.setup_data()
         batches = self.trainer.num_training_batches
         if batches == float("inf"):
             raise RuntimeError("the epoch-based schedule needs a training DataLoader with a length")
         return max(1, -(-int(batches) // self.trainer.accumulate_grad_batches))
-
-    def current_lr(self) -> float:
-        hp = self.hparams
-        return lr_at(self.trainer.global_step, self.steps_per_epoch(), hp.lr, hp.warmup_epochs, hp.milestones, hp.gamma)
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        lr = self.current_lr()
-        for optimizer in self.trainer.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         images, targets = batch
@@ -97,11 +131,10 @@ class ImageClassifier(LightningModule):
         labels = targets.argmax(1) if targets.ndim == 2 else targets  # accuracy against the dominant label
         top1 = self.train_top1(logits, labels)
         top5 = self.train_top5(logits, labels)
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/top1", self.train_top1, prog_bar=True, on_epoch=True)
-        self.log("train/top5", self.train_top5, on_epoch=True)  # top-min(5, classes)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
-        # The progress callback prints these every print_freq batches (main_amp's Loss/Prec@1/Prec@5).
+        self.log("train/loss", loss)  # logger only: made a number at log_every_n_steps, not every step
+        self.log("train/top1", self.train_top1, on_step=False, on_epoch=True)
+        self.log("train/top5", self.train_top5, on_step=False, on_epoch=True)  # top-min(5, classes)
+        # Device tensors: MainAmpProgress reads them at print steps (main_amp's Loss/Prec@1/Prec@5).
         return {"loss": loss, "top1": top1.detach(), "top5": top5.detach()}
 
     # --- evaluation -----------------------------------------------------------------------------
@@ -111,16 +144,30 @@ class ImageClassifier(LightningModule):
         self.val_top1.update(logits, targets)
         self.val_top5.update(logits, targets)
         self.log("val/loss", self.criterion(logits, targets), sync_dist=True)
-        self.log("val/top1", self.val_top1, prog_bar=True)
+        self.log("val/top1", self.val_top1, prog_bar=True)  # per epoch: made a number once, at its end
         self.log("val/top5", self.val_top5)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         params = self.model.parameters()
+        # Fused on CUDA: GradScaler then hands the overflow check to the kernel (no .item() per step). Not with
+        # gradient clipping: Lightning refuses to clip for an optimizer that unscales internally.
+        fused = self.device.type == "cuda" and not self.trainer.gradient_clip_val if hp.fused is None else hp.fused
         if hp.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
-        return torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
-                               nesterov=hp.nesterov)
+            optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay,
+                                          fused=fused or None)
+        else:
+            optimizer = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
+                                        nesterov=hp.nesterov, fused=fused or None)
+        total_steps = self.trainer.estimated_stepping_batches  # loads the training data (num_training_batches)
+        steps_per_epoch = self.steps_per_epoch()
+        if hp.schedule == "cosine" and total_steps == float("inf"):
+            raise RuntimeError("optim.schedule=cosine needs a finite run: set trainer.max_epochs or trainer.max_steps")
+        scheduler = make_scheduler(
+            optimizer, hp.schedule, steps_per_epoch, max(1, int(min(total_steps, 2**62))),
+            warmup_epochs=hp.warmup_epochs, milestones=tuple(hp.milestones), gamma=hp.gamma, min_lr_ratio=hp.min_lr_ratio,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -12,8 +12,16 @@ It also measures throughput: the wall time between consecutive training batch
 ends, leaving out the first ``warmup`` batches of the run, the first batch of
 every epoch (worker start-up) and validation, so the figure is the steady-state
 end-to-end training speed, data loading included. Images count across all
-processes (local batch x world size). On CUDA it synchronises at print points
-and at epoch ends only, as main_amp.py does.
+processes (local batch x world size). On CUDA it synchronises only where a
+timed window ends, as main_amp.py does at its print points: before the
+timestamp of a print step, of an epoch's last batch, of the batch at which the
+run stops (``max_steps``, ``trainer.should_stop``) or after which validation
+runs, and of the last validation batch. Elsewhere the host runs ahead.
+
+:class:`MainAmpProgressBar` (Rich when installed, else tqdm) shows the values
+of the latest print step (loss, Prec@1, the rate, images/second), already on
+the host: a bar fed by ``self.log(..., prog_bar=True)`` would turn each value
+into a Python number, a device sync, every step (Lightning#21232, #20995).
 
 Example::
 
@@ -30,10 +38,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-__all__ = ["MainAmpProgress", "Meter"]
+__all__ = ["MainAmpProgress", "MainAmpProgressBar", "Meter", "main_amp_progress_bar"]
 
 
 class Meter:
@@ -107,6 +117,8 @@ class MainAmpProgress(Callback):
         self.last_val_step: int | None = None
         self._time, self._speed = _Average(), _Average()
         self._loss, self._top1, self._top5 = _Average(), _Average(), _Average()
+        #: host values of the latest print step, for :class:`MainAmpProgressBar`
+        self.bar_values: dict[str, float] = {}
 
     def _sync(self, trainer: Trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -124,14 +136,25 @@ class MainAmpProgress(Callback):
         self._window.clear()
         self._loss, self._top1, self._top5 = _Average(), _Average(), _Average()
 
+    @staticmethod
+    def _window_ends(trainer: Trainer, batch_idx: int, due: bool) -> bool:
+        """Whether this training batch closes a timed window: a print step, the epoch's last batch,
+        the run's last (``max_steps``, a stop request) or the one validation follows."""
+        if due or batch_idx + 1 >= trainer.num_training_batches or trainer.should_stop:
+            return True
+        if 0 < trainer.max_steps <= trainer.global_step:
+            return True
+        every = trainer.val_check_batch
+        return bool(trainer.enable_validation and isinstance(every, int) and every > 0 and (batch_idx + 1) % every == 0)
+
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         last_of_epoch = batch_idx + 1 >= trainer.num_training_batches
         due = self.print_freq > 0 and ((batch_idx + 1) % self.print_freq == 0 or last_of_epoch)
-        if due or last_of_epoch:
-            self._sync(trainer)
+        if self._window_ends(trainer, batch_idx, due):
+            self._sync(trainer)  # the timestamp below then counts the work, not its launch
         images = self._images(batch, trainer)
         interval = self.train.tick(images)
         if interval is not None:
@@ -156,6 +179,11 @@ class MainAmpProgress(Callback):
             timing = f"Time {batch_time:.3f} ({self._time.avg:.3f})  Speed {speed:.3f} ({self._speed.avg:.3f})  "
         else:
             timing = "Time - (warm-up)  Speed - (warm-up)  "
+        self.bar_values = {"loss": round(loss, 4), "Prec@1": round(top1, 2)}
+        if trainer.optimizers:
+            self.bar_values["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])  # a host float already
+        if self._speed.count:
+            self.bar_values["img/s"] = round(self._speed.avg, 1)
         self._emit(pl_module,
                    f"Epoch: [{trainer.current_epoch}][{batch_idx + 1}/{trainer.num_training_batches}]  {timing}"
                    f"Loss {loss:.4f} ({self._loss.avg:.4f})  Prec@1 {top1:.3f} ({self._top1.avg:.3f})  "
@@ -170,12 +198,16 @@ class MainAmpProgress(Callback):
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not trainer.sanity_checking:
-            self.val.tick(self._images(batch, trainer))
+        if trainer.sanity_checking:
+            return
+        batches = trainer.num_val_batches
+        total = batches[dataloader_idx] if isinstance(batches, list) and dataloader_idx < len(batches) else batches
+        if batch_idx + 1 >= total:
+            self._sync(trainer)  # the last validation timestamp counts the work, not its launch
+        self.val.tick(self._images(batch, trainer))
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._sync(trainer)
         if trainer.sanity_checking:
             return
         self.last_val_step = trainer.global_step
@@ -198,3 +230,30 @@ class MainAmpProgress(Callback):
             "measured_steps": self.train.intervals,
             "val_images_per_second": self.val.images_per_second,
         }
+
+
+class _HostValuesBar:
+    """Adds :attr:`MainAmpProgress.bar_values` (host floats, renewed at print steps) to a progress bar."""
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)  # type: ignore[misc]  # sync-free: no per-step prog_bar logs
+        for callback in trainer.callbacks:
+            if isinstance(callback, MainAmpProgress):
+                items.update(callback.bar_values)
+        return items
+
+
+class MainAmpRichProgressBar(_HostValuesBar, RichProgressBar):
+    """Lightning's Rich progress bar showing the latest main_amp print-step values."""
+
+
+class MainAmpTQDMProgressBar(_HostValuesBar, TQDMProgressBar):
+    """Lightning's tqdm progress bar showing the latest main_amp print-step values."""
+
+
+MainAmpProgressBar = MainAmpRichProgressBar if _RICH_AVAILABLE else MainAmpTQDMProgressBar
+
+
+def main_amp_progress_bar() -> ProgressBar:
+    """The progress bar Lightning would pick (Rich when installed, else tqdm), fed from host values."""
+    return MainAmpProgressBar()

@@ -32,7 +32,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -40,9 +40,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from cltrain.app.config import ConfigError, Resolved, validate
+from cltrain.app.ema import EMA, weights_in_checkpoint
 from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
-from cltrain.app.progress import MainAmpProgress
+from cltrain.app.progress import MainAmpProgress, main_amp_progress_bar
 from cltrain.app.report import write_metrics
 from cltrain.app.rundir import claim_run_dir
 from cltrain.app.schedule import scaled_lr
@@ -127,6 +128,13 @@ def _callbacks(cfg: DictConfig, run_dir: Path, stop: SignalStop) -> tuple[list[C
 
         parts["channels_last"] = ChannelsLast(mode=cfg.channels_last_mode)
         callbacks.append(parts["channels_last"])
+    # steps: the rate as LearningRateMonitor reads it (host floats, at log steps); a progress bar fed from
+    # host values (nothing prog_bar=True per step: no per-step sync); EMA weights when ema=true.
+    callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(main_amp_progress_bar())
+    if cfg.get("ema", False) and not cfg.evaluate_only:
+        callbacks.append(EMA(cfg.ema_decay, cfg.ema_warmup_steps, cfg.ema_every_n_steps))
     if not cfg.evaluate_only:
         checkpoints = run_dir / "checkpoints"
         # The best k by val/top1, apart from last.ckpt: with a monitor, Lightning's save_last only
@@ -218,11 +226,17 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         weight_decay=optim.weight_decay, nesterov=optim.get("nesterov", False),
         betas=tuple(optim.get("betas", (0.9, 0.999))), warmup_epochs=optim.warmup_epochs,
         milestones=tuple(optim.milestones), gamma=optim.gamma, label_smoothing=cfg.label_smoothing,
+        schedule=optim.get("schedule", "step"), min_lr_ratio=optim.get("min_lr_ratio", 0.0),  # steps: schedulers
     )
 
     def finish(status: str, error: BaseException | None = None) -> dict[str, Any]:
         metrics = _final_metrics(cfg, resolved, trainer, progress, parts, model, run_dir, global_batch, lr)
         metrics["status"] = status
+        # which weights val_* and the best checkpoint are of ("ema" | "live"; pretrained weights: "live")
+        if cfg.evaluate_only:
+            metrics["weights"] = weights_in_checkpoint(ckpt_path) or "live"
+        else:
+            metrics["weights"] = "ema" if cfg.get("ema", False) else "live"
         if error is not None and status == "failed":
             metrics["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
         metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
