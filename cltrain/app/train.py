@@ -29,11 +29,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from cltrain.app.components import build_callbacks, build_loggers
 from cltrain.app.config import ConfigError, Resolved, validate
 from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
@@ -137,9 +137,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         model.compile(backend=cfg.compile_backend)  # in place: state_dict keys stay unprefixed
 
     callbacks, progress, checkpoint = _callbacks(cfg, run_dir)
+    loggers = build_loggers(cfg.get("logger"), run_dir)
+    callbacks += build_callbacks(cfg.get("callbacks"), run_dir, has_logger=bool(loggers)).values()
     trainer: pl.Trainer = instantiate(
         cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
-        callbacks=callbacks, logger=CSVLogger(save_dir=run_dir, name="csv", version=""),
+        callbacks=callbacks, logger=loggers or False,
         sync_batchnorm=cfg.sync_bn, deterministic=cfg.deterministic, default_root_dir=str(run_dir),
     )
     global_batch = cfg.data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
