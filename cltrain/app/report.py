@@ -132,5 +132,18 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
     out.mkdir(parents=True, exist_ok=True)
     md, png = out / "report.md", out / "report.png"
     plot(runs, png)
-    md.write_text(f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}\n![images/second and top-1]({png.name})\n")
+    md.write_text(f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}"
+                  f"\n![images/second and top-1]({png.name})\n")
     return md, png
+
+
+def _optuna_best(sweep_dir: Path) -> str:
+    """The line for the best trial of an Optuna search (hparams_search=optuna), if this sweep was one."""
+    path = sweep_dir / "optimization_results.yaml"
+    if not path.is_file():
+        return ""
+    import yaml
+
+    results = yaml.safe_load(path.read_text()) or {}
+    params = ", ".join(f"{k}={v}" for k, v in (results.get("best_params") or {}).items())
+    return f"\nOptuna best: val top-1 {results.get('best_value')} with {params}\n"

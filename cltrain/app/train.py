@@ -32,13 +32,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, OnExceptionCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from cltrain.app.components import build_callbacks, build_loggers
 from cltrain.app.config import ConfigError, Resolved, validate
 from cltrain.app.ema import EMA, weights_in_checkpoint
 from cltrain.app.models import build_model
@@ -128,9 +128,8 @@ def _callbacks(cfg: DictConfig, run_dir: Path, stop: SignalStop) -> tuple[list[C
 
         parts["channels_last"] = ChannelsLast(mode=cfg.channels_last_mode)
         callbacks.append(parts["channels_last"])
-    # steps: the rate as LearningRateMonitor reads it (host floats, at log steps); a progress bar fed from
-    # host values (nothing prog_bar=True per step: no per-step sync); EMA weights when ema=true.
-    callbacks.append(LearningRateMonitor(logging_interval="step"))
+    # A progress bar fed from host values (nothing prog_bar=True per step: no per-step sync); EMA weights
+    # when ema=true. The learning rate is logged by LearningRateMonitor (callbacks/lr_monitor.yaml, a default).
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(main_amp_progress_bar())
     if cfg.get("ema", False) and not cfg.evaluate_only:
@@ -213,9 +212,11 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         model.compile(backend=cfg.compile_backend)  # in place: state_dict keys stay unprefixed
 
     callbacks, progress, parts = _callbacks(cfg, run_dir, stop)
+    loggers = build_loggers(cfg.get("logger"), run_dir)
+    callbacks += build_callbacks(cfg.get("callbacks"), run_dir, has_logger=bool(loggers)).values()
     trainer: pl.Trainer = instantiate(
         cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
-        callbacks=callbacks, logger=CSVLogger(save_dir=run_dir, name="csv", version=""),
+        callbacks=callbacks, logger=loggers or False,
         sync_batchnorm=cfg.sync_bn, deterministic=cfg.deterministic, default_root_dir=str(run_dir),
     )
     global_batch = cfg.data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
