@@ -34,8 +34,8 @@ __all__ = ["APP_SET_TRAINER_KEYS", "check_keys"]
 APP_SET_TRAINER_KEYS = {
     "accelerator": "device (auto, cpu, cuda, cuda:N, mps)",
     "precision": "amp and amp_dtype",
-    "logger": "none: the app logs to <run_dir>/csv",
-    "callbacks": "channels_last, print_freq, checkpoint.save_top_k: the app builds the callbacks",
+    "logger": "logger=csv|tensorboard|mlflow|wandb|none (several: logger=[csv,tensorboard])",
+    "callbacks": "callbacks=[default,early_stopping,...] or +callbacks.<name>._target_=<class>",
     "sync_batchnorm": "sync_bn",
     "deterministic": "deterministic",
     "default_root_dir": "run_dir",
@@ -159,7 +159,8 @@ def _known_keys(cfg: DictConfig) -> dict[str, frozenset[str]]:
 
     data_target = cfg.data.get("_target_") if isinstance(cfg.get("data"), DictConfig) else None
     return {
-        "": _yaml_keys(conf, None) | set(GROUPS) | set(TOP_LEVEL) | {"experiment"},
+        # logger / callbacks: free-form groups of named entries, checked when they are built (components.py)
+        "": _yaml_keys(conf, None) | set(GROUPS) | set(TOP_LEVEL) | {"experiment", "logger", "callbacks"},
         "trainer": (_signature_keys(Trainer) - set(APP_SET_TRAINER_KEYS)) | {"_target_"},
         "data": _signature_keys(data_target) | _yaml_keys(conf, "data") | {"_target_"},
         "model": _yaml_keys(conf, "model") | set(GROUPS["model"]),
