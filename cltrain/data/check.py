@@ -37,11 +37,11 @@ from pathlib import Path
 
 from PIL import Image
 
+from cltrain.data.constants import CHECK_MODES
 from cltrain.data.index import index_split
 
 __all__ = ["CHECK_MODES", "check_file", "check_files", "main"]
 
-CHECK_MODES: tuple[str, ...] = ("quick", "full", "off")
 _TAIL = 4096  # bytes searched for a JPEG's end-of-image marker (some files carry trailing bytes after it)
 
 # Measured on this machine (2 vCPU AMD EPYC shared with other jobs, one process, demo JPEGs 500x375,

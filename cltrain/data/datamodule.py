@@ -33,8 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from cltrain.data.collate import NHWCCollate
-from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
-from cltrain.data.check import CHECK_MODES, check_files
+from cltrain.data.constants import CHECK_MODES, IMAGENET_MEAN, IMAGENET_STD
 from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, ImageFolderDataset, find_classes, read_file_list
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
@@ -232,6 +231,8 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     def _check_val_files(self, dataset: ImageFolderDataset) -> None:
         """Find bad validation files now, not after a training epoch (every rank checks, so all stop together)."""
+        from cltrain.data.check import check_files  # here: `python -m cltrain.data.check` must not find it imported
+
         paths = [p for p, _ in dataset.samples]
         bad = check_files(paths, self.check_val, workers=self.num_workers if len(paths) >= 2000 else 0)
         if not bad:
