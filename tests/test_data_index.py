@@ -113,3 +113,15 @@ def test_ranks_share_one_index_through_the_lock(tmp_path):
         p.join(60)
         assert p.exitcode == 0
     assert counts == [8, 8, 8] and len(list((root / CACHE_DIR_NAME).glob("train-*.json"))) == 1
+
+
+def test_a_cached_index_serves_the_tree_named_from_another_folder(tmp_path, monkeypatch):
+    root = write_image_folder(tmp_path / "data", classes=1, train=2, val=1, size=(32, 24))
+    _age(root)
+    monkeypatch.chdir(tmp_path)
+    first = [os.path.realpath(p) for p, _ in index_split("data/train").samples]
+    assert len(list((root / CACHE_DIR_NAME).glob("train-*.json"))) == 1
+    monkeypatch.chdir(root)
+    second = index_split("train")  # the same real folder: the cache is reused, paths as named now
+    assert first == [os.path.realpath(p) for p, _ in second.samples]
+    assert all(p.startswith("train/") and os.path.isfile(p) for p, _ in second.samples)

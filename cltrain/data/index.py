@@ -189,7 +189,7 @@ def _cache_file(split_dir: Path, cache_dir: str | os.PathLike | None) -> Path:
     return user / f"{split_dir.name}-{key}.json"
 
 
-def _load(path: Path, key: dict) -> SplitIndex | None:
+def _load(path: Path, key: dict, split_dir: Path) -> SplitIndex | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -203,19 +203,21 @@ def _load(path: Path, key: dict) -> SplitIndex | None:
                 return None
         except OSError:
             return None
+    prefix = str(split_dir) + os.sep  # stored relative: the same tree may be named from another folder
     samples = []
     for label, names in enumerate(data["files"]):
-        samples += [(p, label) for p in names.split("\n")] if names else []
+        samples += [(prefix + p, label) for p in names.split("\n")] if names else []
     return SplitIndex(classes=key["classes"], samples=samples, ignored=data["ignored"], duplicates=data["duplicates"],
                       signature=signature)
 
 
-def _store(path: Path, key: dict, index: SplitIndex, started: float) -> None:
+def _store(path: Path, key: dict, index: SplitIndex, started: float, split_dir: Path) -> None:
     if any(started - mtime / 1e9 < _RACY_S for mtime in index.signature.values()):
         return  # a folder changed just before the walk: a later change in the same clock tick could go unseen
-    files = [[] for _ in index.classes]
+    files: list[list[str]] = [[] for _ in index.classes]
+    skip = len(str(split_dir)) + 1  # every walked path starts with split_dir + "/"
     for p, label in index.samples:
-        files[label].append(p)
+        files[label].append(p[skip:])
     data = {"key": key, "signature": index.signature, "ignored": index.ignored, "duplicates": index.duplicates,
             "files": ["\n".join(f) for f in files]}  # one string per class: loads ~10x faster than a list of paths
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -248,13 +250,13 @@ def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = No
     except OSError:  # no writable cache anywhere: walk
         return scan_split(split_dir, classes, allow_missing)
     try:
-        cached = _load(path, key)
+        cached = _load(path, key, split_dir)
         if cached is not None:
             return cached
         started = time.time()
         index = scan_split(split_dir, key["classes"], allow_missing)
         try:
-            _store(path, key, index, started)
+            _store(path, key, index, started, split_dir)
         except OSError:
             pass
         return index
