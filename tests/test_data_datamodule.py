@@ -13,7 +13,7 @@ from cltrain import is_channels_last
 from cltrain.callback import ChannelsLast
 from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, ImageFolderDataModule, ImageFolderDataset, PrefetchDataLoader,
                           eval_transform)
-from data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
+from data_fixtures import BAD, READABLE, write_image_folder, write_jpegs, write_odd_files
 
 SIZE = 32
 
@@ -115,10 +115,10 @@ def test_raise_policy_stops_training_and_odd_modes_are_read(tmp_path):
     odd = write_odd_files(tmp_path / "odd")
     for kind in READABLE:
         shutil.copy(odd[kind], root / "train" / "c0" / odd[kind].name)
-    dm = ImageFolderDataModule(root, batch_size=16, num_workers=0, image_size=SIZE, val_resize_size=36)
+    dm = ImageFolderDataModule(root, batch_size=11, num_workers=0, image_size=SIZE, val_resize_size=36)
     _trainer(tmp_path, limit_train_batches=1, limit_val_batches=1).fit(Recorder(), datamodule=dm)  # all readable
     shutil.copy(odd["truncated"], root / "train" / "c1" / "truncated.jpg")
-    dm = ImageFolderDataModule(root, batch_size=16, num_workers=0, image_size=SIZE, val_resize_size=36)
+    dm = ImageFolderDataModule(root, batch_size=12, num_workers=0, image_size=SIZE, val_resize_size=36)
     with pytest.raises(BadImageError, match="truncated.jpg"):
         _trainer(tmp_path, limit_train_batches=1, limit_val_batches=1).fit(Recorder(), datamodule=dm)
 
@@ -134,10 +134,16 @@ def test_skip_policy_replaces_logs_and_lists_the_files(tmp_path):
     dm = ImageFolderDataModule(root, batch_size=4, num_workers=2, image_size=SIZE, val_resize_size=36, bad_files="skip")
     model = Recorder()
     trainer = _trainer(tmp_path / "run", [ChannelsLast()], max_epochs=2, limit_train_batches=None, limit_val_batches=None)
-    with pytest.warns(UserWarning, match="skipped 3 unreadable file"):
+    with pytest.warns(UserWarning) as record:
         trainer.fit(model, datamodule=dm)
-    assert len(model.seen["train"]) == 2 * 4  # 13 files, 3 of them replaced, in batches of 4, two epochs
-    assert trainer.callback_metrics["data/skipped_train"] == 3 and trainer.callback_metrics["data/skipped_val"] == 1
+    messages = [str(w.message) for w in record]
+    assert any("skipped 3 unreadable file(s) of 'train' in epoch 0" in m for m in messages)
+    # The bad validation file is found by the check in setup and left out before training starts.
+    assert any("left out 1 unreadable validation file(s) before training" in m and "empty.jpg" in m for m in messages)
+    assert any("skipped 1 unreadable file(s) of 'val' in epoch 0" in m for m in messages)
+    assert len(model.seen["train"]) == 2 * 3  # 13 files, 3 of them replaced, in full batches of 4, two epochs
+    assert [s[1][0] for s in model.seen["val"]] == [4, 4]  # the 4 readable val files (5 less the empty one), each epoch
+    assert trainer.callback_metrics["data/skipped_train"] == 3 and trainer.callback_metrics["data/skipped_val"] == 0
     lines = (tmp_path / "run" / SKIPPED_FILES_NAME).read_text().splitlines()
     assert {line.split("\t")[0] for line in lines} == {"train", "val"}
     assert {line.split("\t")[1].rsplit("/", 1)[1] for line in lines} == {"truncated.jpg", "empty.jpg", "text.jpg"}
@@ -158,7 +164,10 @@ def test_layout_errors_come_before_training(tmp_path):
         fit(root)
     (root / "val" / "c0").mkdir()
     (root / "val" / "c0" / "notes.txt").write_text("no images here")
-    with pytest.raises(ValueError, match=r"class folder .*c0 has no images"):
+    with pytest.raises(ValueError, match=r"val lacks the class folders \['c1'\].*allow_missing_val_classes=True"):
+        fit(root)
+    write_jpegs(root / "val" / "c1", 1, k=1)
+    with pytest.raises(ValueError, match=r"class folder .*val/c0 has no images"):
         fit(root)
     with pytest.raises(ValueError, match="bad_files='ignore'"):
         ImageFolderDataModule(root, bad_files="ignore")
@@ -186,3 +195,67 @@ def test_dataset_hands_paths_to_transforms_that_take_them(folder):
     assert ImageFolderDataset(folder / "val", eval_transform(SIZE, 36))[0][0].shape == (SIZE, SIZE, 3)
     images, _ = next(iter(DataLoader(ds, batch_size=2, num_workers=1)))
     assert images[:, :, 1].eq(1).all()  # torch runs single-threaded in a DataLoader worker
+
+
+def test_classes_missing_from_val_are_an_error_unless_allowed(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    shutil.rmtree(root / "val" / "c1")
+    dm = ImageFolderDataModule(root, batch_size=2, num_workers=0, image_size=SIZE, val_resize_size=36)
+    with pytest.raises(ValueError, match=r"data/val lacks the class folders \['c1'\] that the training split has"):
+        _trainer(tmp_path).fit(Recorder(), datamodule=dm)
+    dm = ImageFolderDataModule(root, batch_size=2, num_workers=0, image_size=SIZE, val_resize_size=36,
+                               allow_missing_val_classes=True)
+    _trainer(tmp_path).fit(Recorder(), datamodule=dm)
+    assert dm.num_classes == 2 and {t for _, t in dm.val_set.samples} == {0}
+
+
+def test_training_drops_the_last_partial_batch_and_validation_keeps_every_image(tmp_path):
+    # 9 training images in batches of 4: 9 % 4 == 1, the batch of 1 that breaks BatchNorm.
+    root = write_image_folder(tmp_path / "data", classes=1, train=9, val=5, size=(64, 48))
+    model = Recorder(num_classes=1)
+    model.net.insert(1, nn.BatchNorm2d(4))
+    dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36)
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=None, limit_val_batches=None).fit(model, datamodule=dm)
+    assert [seen[1][0] for seen in model.seen["train"]] == [4, 4] * 2
+    assert [seen[1][0] for seen in model.seen["val"]] == [4, 1] * 2
+    with pytest.raises(ValueError, match=r"has 9 images, fewer than batch_size=10"):
+        dm = ImageFolderDataModule(root, batch_size=10, num_workers=0, image_size=SIZE, val_resize_size=36)
+        _trainer(tmp_path).fit(Recorder(num_classes=1), datamodule=dm)
+
+
+def test_a_bad_validation_file_stops_the_run_before_the_first_training_step(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    odd = write_odd_files(tmp_path / "odd")
+    shutil.copy(odd["truncated"], root / "val" / "c1" / "truncated.jpg")
+    kw = dict(batch_size=2, num_workers=0, image_size=SIZE, val_resize_size=36)
+    model = Recorder()
+    with pytest.raises(BadImageError, match=r"val: 1 unreadable file\(s\) found before training: .*truncated.jpg.*"
+                                            r"python -m cltrain.data.check"):
+        _trainer(tmp_path, limit_val_batches=None).fit(model, datamodule=ImageFolderDataModule(root, **kw))
+    assert "train" not in model.seen
+    # Negative control: without the check the same file is met only after the training epoch.
+    model = Recorder()
+    with pytest.raises(BadImageError, match="truncated.jpg"):
+        _trainer(tmp_path, limit_val_batches=None).fit(model, datamodule=ImageFolderDataModule(root, check_val="off", **kw))
+    assert len(model.seen["train"]) == 2
+    with pytest.raises(ValueError, match="check_val='thorough'"):
+        ImageFolderDataModule(root, check_val="thorough")
+
+
+def test_skipped_files_list_is_in_the_run_directory_not_the_loggers(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    shutil.copy(write_odd_files(tmp_path / "odd")["empty"], root / "train" / "c0" / "empty.jpg")
+    run = tmp_path / "run"
+    trainer = _trainer(run, logger=CSVLogger(save_dir=run, name="csv", version=""), limit_train_batches=None)
+    assert trainer.log_dir != str(run)
+    with pytest.warns(UserWarning, match="skipped 1 unreadable"):
+        trainer.fit(Recorder(), datamodule=ImageFolderDataModule(root, batch_size=5, num_workers=0, image_size=SIZE,
+                                                                 val_resize_size=36, bad_files="skip"))
+    assert (run / SKIPPED_FILES_NAME).is_file() and not (run / "csv" / SKIPPED_FILES_NAME).exists()
+
+
+def test_statistics_in_0_255_units_are_refused_at_construction(folder):
+    with pytest.raises(ValueError, match=r"ImageFolderDataModule: mean=.* look like 0-255 units.*divide by 255"):
+        ImageFolderDataModule(folder, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))

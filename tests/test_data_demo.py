@@ -1,4 +1,10 @@
 import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 from PIL import Image
@@ -58,3 +64,27 @@ def test_bad_arguments():
         make_demo_dataset("/nonexistent", num_classes=26)
     with pytest.raises(ValueError, match="train_per_class=0"):
         make_demo_dataset("/nonexistent", train_per_class=0)
+
+
+def test_a_killed_generation_leaves_nothing_behind_for_long(tmp_path):
+    # A real generation, killed with SIGKILL mid-way, leaves its temporary folder ...
+    code = "import sys; from cltrain.data import make_demo_dataset; make_demo_dataset(sys.argv[1], train_per_class=400)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "demo")], env=env)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".demo.tmp-*/train/*/*.jpg")) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stale = list(tmp_path.glob(".demo.tmp-*"))
+    assert len(stale) == 1 and not (tmp_path / "demo").exists()
+    # ... which the next generation deletes, while a live writer's folder is left alone.
+    writer = subprocess.Popen(["sleep", "60"])
+    try:
+        live = tmp_path / f".demo.tmp-{socket.gethostname()}-{writer.pid}"
+        live.mkdir()
+        make_demo_dataset(tmp_path / "demo", num_classes=2, train_per_class=1, val_per_class=1, image_size=(32, 32))
+        assert not stale[0].exists() and live.exists()
+    finally:
+        writer.kill()
+        writer.wait()

@@ -17,12 +17,15 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from PIL import Image
+from torch.utils.data import default_collate
 
 __all__ = ["NHWCCollate", "nhwc_collate"]
 
@@ -49,51 +52,99 @@ def _as_hwc(image: Any, index: int) -> np.ndarray | torch.Tensor:
     return arr
 
 
+def _empty_batch(shape: tuple[int, ...], pin_memory: bool) -> torch.Tensor:
+    """The uint8 batch buffer; in a DataLoader worker, in shared memory as ``default_collate`` does, so
+    the batch reaches the main process without being copied into shared memory once more."""
+    if torch.utils.data.get_worker_info() is not None:
+        storage = torch.UntypedStorage._new_shared(math.prod(shape))
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape)
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
+
+
+def _pin(obj: Any) -> Any:
+    return apply_to_collection(obj, torch.Tensor, lambda t: t if t.is_pinned() else t.pin_memory())
+
+
 class NHWCCollate:
-    """``collate_fn`` for a DataLoader of ``(image, target)`` samples.
+    """``collate_fn`` for a DataLoader of ``(image, target, ...)`` or ``{"image": ..., ...}`` samples.
+
+    The images go into one NHWC buffer; every other field is collated by
+    ``default_collate``, as a plain DataLoader would: int targets become int64, float
+    targets float64 (1.7 stays 1.7), tensors and arrays are stacked, strings listed.
+
+    In a DataLoader worker the buffer is allocated in shared memory (as ``default_collate``
+    allocates its stacked tensors), so it crosses to the main process without a copy.
 
     Args:
-        pin_memory: allocate the batch buffer in pinned memory (for CUDA copies with
-            ``non_blocking=True``). Pinning is per process: with ``num_workers > 0`` use
-            the DataLoader's own ``pin_memory=True`` instead, which pins in the main
-            process and keeps the strides.
+        pin_memory: allocate the batch in pinned memory (for CUDA copies with
+            ``non_blocking=True``); the other fields are pinned too. Pinning is per
+            process: with ``num_workers > 0`` use the DataLoader's own ``pin_memory=True``
+            instead, which pins in the main process and keeps the strides.
+        image_key: the key of the image in dict samples.
 
     Returns (from a call):
-        ``(images, targets)``: images ``(N, C, H, W)`` uint8 with channels_last strides
-        (a view of an ``(N, H, W, C)`` buffer), targets ``(N,)`` int64.
+        ``(images, targets, ...)`` for sequence samples, a dict for dict samples: images
+        ``(N, C, H, W)`` uint8 with channels_last strides (a view of an ``(N, H, W, C)``
+        buffer).
 
     Raises:
         ValueError: an empty batch, or images of different shapes (the message names
             both shapes and their positions).
-        TypeError: an image that is not HWC uint8 (numpy array, PIL image or tensor).
+        TypeError: an image that is not HWC uint8 (numpy array, PIL image or tensor), or a
+            sample that is neither a sequence nor a dict with ``image_key``.
     """
 
-    def __init__(self, pin_memory: bool = False) -> None:
+    def __init__(self, pin_memory: bool = False, image_key: str = "image") -> None:
         self.pin_memory = bool(pin_memory)
+        self.image_key = image_key
 
-    def __call__(self, batch: Sequence[Sequence[Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(batch) == 0:
+    def images(self, images: Sequence[Any]) -> torch.Tensor:
+        """Only the images: ``(N, C, H, W)`` channels_last uint8."""
+        if len(images) == 0:
             raise ValueError("nhwc_collate: the batch is empty.")
-        images = [_as_hwc(sample[0], i) for i, sample in enumerate(batch)]
-        shape = tuple(images[0].shape)
-        for i, img in enumerate(images):
+        arrays = [_as_hwc(img, i) for i, img in enumerate(images)]
+        shape = tuple(arrays[0].shape)
+        for i, img in enumerate(arrays):
             if tuple(img.shape) != shape:
                 raise ValueError(f"nhwc_collate: image {i} has shape (H, W, C) = {tuple(img.shape)} but image 0 has {shape}; "
                                  "all images of a batch must be the same size (resize or crop them in the transform).")
-        buffer = torch.empty((len(images), *shape), dtype=torch.uint8, pin_memory=self.pin_memory)
+        buffer = _empty_batch((len(arrays), *shape), self.pin_memory)
         view = buffer.numpy()
-        for i, img in enumerate(images):
+        for i, img in enumerate(arrays):
             if isinstance(img, torch.Tensor):
                 buffer[i].copy_(img)
             else:
                 view[i] = img
-        targets = torch.as_tensor([int(sample[1]) for sample in batch], dtype=torch.int64)
-        return buffer.permute(0, 3, 1, 2), targets
+        return buffer.permute(0, 3, 1, 2)
+
+    def __call__(self, batch: Sequence[Any]) -> Any:
+        if len(batch) == 0:
+            raise ValueError("nhwc_collate: the batch is empty.")
+        first = batch[0]
+        if isinstance(first, Mapping):
+            if self.image_key not in first:
+                raise TypeError(f"nhwc_collate: dict samples need the key {self.image_key!r} (image_key); "
+                                f"sample 0 has {sorted(first)}.")
+            rest = default_collate([{k: v for k, v in s.items() if k != self.image_key} for s in batch])
+            out = {self.image_key: self.images([s[self.image_key] for s in batch])}
+            out.update(self._pinned(rest))
+            return type(first)(out) if type(first) is not dict else out
+        if not isinstance(first, Sequence) or isinstance(first, (str, bytes)) or len(first) < 1:
+            raise TypeError(f"nhwc_collate: sample 0 is a {type(first).__name__}; expected (image, target, ...) "
+                            f"or a dict with {self.image_key!r}.")
+        images = self.images([s[0] for s in batch])
+        if len(first) == 1:
+            return (images,)
+        rest = self._pinned(default_collate([tuple(s[1:]) for s in batch]))
+        return (images, *rest)
+
+    def _pinned(self, obj: Any) -> Any:
+        return _pin(obj) if self.pin_memory else obj
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(pin_memory={self.pin_memory})"
 
 
-def nhwc_collate(batch: Sequence[Sequence[Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+def nhwc_collate(batch: Sequence[Any]) -> Any:
     """:class:`NHWCCollate` without pinning, as a function."""
     return NHWCCollate()(batch)

@@ -8,3 +8,6 @@ IMG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pg
 
 #: Suffixes decoded through the JPEG fast path.
 JPEG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg")
+
+#: Depths of the image-file check (see :mod:`cltrain.data.check`).
+CHECK_MODES: tuple[str, ...] = ("quick", "full", "off")

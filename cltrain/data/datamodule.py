@@ -34,9 +34,9 @@ from typing_extensions import override
 
 from cltrain.data.augment import MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate
-from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
-from cltrain.data.dataset import BAD_FILE_POLICIES, ImageFolderDataset, find_classes
-from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
+from cltrain.data.constants import CHECK_MODES, IMAGENET_MEAN, IMAGENET_STD
+from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, ImageFolderDataset, find_classes, read_file_list
+from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.transforms import _pair, eval_transform, train_transform
 
@@ -101,7 +101,10 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     Args:
         root: folder holding ``train/`` and ``val/``, each ``<class>/<image>``.
-        batch_size: images per batch (the last batch may be smaller).
+        batch_size: images per batch. The training loader drops the last partial batch
+            (as timm and torchvision's references do: no batch of 1 reaches BatchNorm, and
+            shapes stay fixed for ``cudnn.benchmark`` and ``torch.compile``); validation,
+            test and predict keep every image.
         num_workers: DataLoader worker processes (0: load in the main process).
         persistent_workers: keep workers between epochs (when ``num_workers > 0``).
         pin_memory: ``None`` pins only when the trainer runs on a GPU.
@@ -111,7 +114,19 @@ class ImageFolderDataModule(L.LightningDataModule):
         bad_files: ``"raise"``: an unreadable file stops with an error naming it;
             ``"skip"``: it is replaced by the next readable sample, the count is
             logged each epoch (``data/skipped_train``, ``data/skipped_val``) and the
-            paths are appended to ``<run dir>/skipped_files.tsv``.
+            paths are appended to ``<run dir>/skipped_files.tsv`` (the trainer's
+            ``default_root_dir``).
+        allow_missing_val_classes: accept training classes with no folder in ``val/``
+            (by default that is an error naming them).
+        exclude_files: a list of files to leave out from the start: the output of
+            ``python -m cltrain.data.check ROOT``, or a ``skipped_files.tsv``.
+        check_val: check the validation files in ``setup`` before training starts:
+            ``"quick"`` (headers and JPEG end markers, ~0.1-0.3 ms a file),
+            ``"full"`` (decode every file) or ``"off"`` (see :mod:`cltrain.data.check`).
+            Bad files stop the run (``bad_files="raise"``) or are left out and listed
+            (``"skip"``).
+        index_cache: reuse the file index of an unchanged tree between runs and
+            ranks (:mod:`cltrain.data.index`).
         mean, std: normalisation statistics (0-1 units).
         dtype: dtype of the normalised images (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCHW batches (the baseline).
@@ -131,7 +146,9 @@ class ImageFolderDataModule(L.LightningDataModule):
 
     Raises:
         ValueError: a bad argument (at construction); a split without class
-            folders, an empty class folder, or classes that differ (in ``setup``).
+            folders, an empty class folder, or classes that differ (in ``setup``);
+            ``mean``/``std`` in 0-255 units.
+        BadImageError: a bad validation file found by ``check_val`` (``bad_files="raise"``).
         FileNotFoundError: a missing root or split (in ``setup``, or on reading
             :attr:`classes`).
     """
@@ -140,11 +157,12 @@ class ImageFolderDataModule(L.LightningDataModule):
                  pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
                  channels: int = 3, bad_files: str = "raise", mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32, channels_last: bool = True,
-                 cuda_prefetch: bool = True, scale: Sequence[float] = (0.08, 1.0),
-                 ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, interpolation: str = "bilinear",
-                 exif_transpose: bool = False, augment: str = "none", random_erasing: float = 0.0,
-                 mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, mixup_prob: float = 1.0,
-                 mixup_switch_prob: float = 0.5) -> None:
+                 cuda_prefetch: bool = True, allow_missing_val_classes: bool = False,
+                 exclude_files: str | os.PathLike | None = None, check_val: str = "quick", index_cache: bool = True,
+                 scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5,
+                 interpolation: str = "bilinear", exif_transpose: bool = False, augment: str = "none",
+                 random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+                 mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5) -> None:
         super().__init__()
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"ImageFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
@@ -156,6 +174,9 @@ class ImageFolderDataModule(L.LightningDataModule):
             raise ValueError(f"ImageFolderDataModule: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
         if len(mean) not in (1, channels) or len(std) not in (1, channels):
             raise ValueError(f"ImageFolderDataModule: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
+        check_statistics(mean, std, "ImageFolderDataModule")
+        if check_val not in CHECK_MODES:
+            raise ValueError(f"ImageFolderDataModule: check_val={check_val!r} must be one of {CHECK_MODES}.")
         self.root = Path(root)
         self.batch_size, self.num_workers = batch_size, num_workers
         self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
@@ -163,6 +184,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.val_resize_size, self.channels = val_resize_size, channels
         self.bad_files, self.mean, self.std, self.dtype = bad_files, tuple(mean), tuple(std), dtype
         self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
+        self.allow_missing_val_classes, self.check_val, self.index_cache = allow_missing_val_classes, check_val, index_cache
+        self.exclude_files = None if exclude_files is None else Path(exclude_files)
         # Build the transforms now so that bad sizes/channels fail here, not in a worker.
         self.train_transform = train_transform(self.image_size, tuple(scale), tuple(ratio), hflip, channels=channels,
                                                interpolation=interpolation, exif_transpose=exif_transpose,
@@ -213,47 +236,73 @@ class ImageFolderDataModule(L.LightningDataModule):
         self._device = device
         self._pin = device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
         if self.bad_files == "skip" and trainer is not None:
-            run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+            run_dir = Path(trainer.default_root_dir)  # the run directory, not the logger's folder
             run_dir.mkdir(parents=True, exist_ok=True)
             name = SKIPPED_FILES_NAME if trainer.world_size == 1 else f"rank{trainer.global_rank}.{SKIPPED_FILES_NAME}"
             self._skip_log = run_dir / name
             if not any(isinstance(cb, _SkippedFilesReport) for cb in trainer.callbacks):
                 trainer.callbacks.append(_SkippedFilesReport(self._skip_log))
         # Everything is checked here, before the first step: root, splits, classes, images.
+        exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
         if stage == "fit" and self.train_set is None:
-            self.train_set = ImageFolderDataset(self._split_dir("train"), self.train_transform, None,
-                                                self.bad_files, self._skip_log)
+            self.train_set = ImageFolderDataset(self._split_dir("train"), self.train_transform, None, self.bad_files,
+                                                self._skip_log, exclude=exclude, index_cache=self.index_cache)
             self._classes = self.train_set.classes
         if self.val_set is None:
-            self.val_set = ImageFolderDataset(self._split_dir("val"), self.eval_transform, self.classes,
-                                              self.bad_files, self._skip_log)
+            self.val_set = ImageFolderDataset(self._split_dir("val"), self.eval_transform, self.classes, self.bad_files,
+                                              self._skip_log, self.allow_missing_val_classes, exclude, self.index_cache)
+            if stage == "fit":
+                self._check_val_files(self.val_set)
 
-    def _loader(self, dataset: ImageFolderDataset | None, shuffle: bool) -> PrefetchDataLoader:
+    def _check_val_files(self, dataset: ImageFolderDataset) -> None:
+        """Find bad validation files now, not after a training epoch (every rank checks, so all stop together)."""
+        from cltrain.data.check import check_files  # here: `python -m cltrain.data.check` must not find it imported
+
+        paths = [p for p, _ in dataset.samples]
+        bad = check_files(paths, self.check_val, workers=self.num_workers if len(paths) >= 2000 else 0)
+        if not bad:
+            return
+        listed = "; ".join(f"{p} ({r})" for p, r in sorted(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")
+        if self.bad_files == "raise":
+            raise BadImageError(f"{dataset.split_dir}: {len(bad)} unreadable file(s) found before training: {listed}. "
+                                f"List them all with 'python -m cltrain.data.check {self.root}' and pass exclude_files=<that list>, "
+                                "or pass bad_files='skip'.")
+        dataset.samples = [s for s in dataset.samples if s[0] not in bad]
+        if not dataset.samples:
+            raise BadImageError(f"{dataset.split_dir}: every file is unreadable: {listed}.")
+        for path, reason in bad.items():
+            dataset.skip(path, reason)
+        rank_zero_warn(f"ImageFolderDataModule: left out {len(bad)} unreadable validation file(s) before training: {listed}.")
+
+    def _loader(self, dataset: ImageFolderDataset | None, train: bool) -> PrefetchDataLoader:
         if dataset is None:
             raise RuntimeError("ImageFolderDataModule: call setup() (the Trainer does) before asking for a dataloader.")
         workers = self.num_workers
         prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
         return PrefetchDataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=workers,
+            dataset, batch_size=self.batch_size, shuffle=train, num_workers=workers,
             collate_fn=NHWCCollate(pin_memory=self._pin and workers == 0),  # workers: pinned by the loader, in this process
             pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
-            drop_last=False, prefetch_device=prefetch)
+            drop_last=train, prefetch_device=prefetch)
 
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        if self.train_set is not None and len(self.train_set) < self.batch_size:
+            raise ValueError(f"ImageFolderDataModule: {self.train_set.split_dir} has {len(self.train_set)} images, fewer than "
+                             f"batch_size={self.batch_size}; the training loader drops partial batches, so it would be empty.")
+        return self._loader(self.train_set, train=True)
 
     @override
     def val_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, train=False)
 
     @override
     def test_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, train=False)
 
     @override
     def predict_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, train=False)
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

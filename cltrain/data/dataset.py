@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,9 +23,9 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from cltrain.data.constants import IMG_EXTENSIONS
+from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
-__all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "find_classes", "find_samples"]
+__all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "find_classes", "find_samples", "read_file_list"]
 
 log = logging.getLogger(__name__)
 
@@ -36,53 +37,33 @@ class BadImageError(RuntimeError):
     """A file of the image folder cannot be read as an image."""
 
 
-def _is_image(name: str) -> bool:
-    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
-
-
-def find_classes(split_dir: str | os.PathLike) -> list[str]:
-    """Sorted names of the class folders of ``split_dir``.
-
-    Raises:
-        FileNotFoundError: ``split_dir`` is missing.
-        ValueError: it holds no class folders.
-    """
-    split_dir = Path(split_dir)
-    if not split_dir.is_dir():
-        raise FileNotFoundError(f"{split_dir} is not a folder. Expected the ImageNet layout: "
-                                f"{split_dir.parent}/train/<class>/<image> and {split_dir.parent}/val/<class>/<image>.")
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
-        raise ValueError(f"{split_dir} holds no class folders; put each class's images in {split_dir}/<class>/.")
-    return classes
-
-
 def find_samples(split_dir: str | os.PathLike, classes: Sequence[str], require_all: bool = True) -> list[tuple[str, int]]:
-    """``(path, class index)`` of every image file (by suffix, any depth) under ``split_dir/<class>``.
+    """``(path, class index)`` of every image file under ``split_dir/<class>`` (each real file once; no cache).
 
     Raises:
-        ValueError: a class folder with no images, a class folder not in ``classes``,
-            or (``require_all``) a class of ``classes`` with no folder.
+        ValueError: see :func:`cltrain.data.index.scan_split` (``require_all=False`` allows missing classes).
     """
-    split_dir = Path(split_dir)
-    present = set(find_classes(split_dir))
-    unknown = sorted(present - set(classes))
-    if unknown:
-        raise ValueError(f"{split_dir} has class folders {unknown} that the training split does not have.")
-    missing = [c for c in classes if c not in present]
-    if require_all and missing:
-        raise ValueError(f"{split_dir} lacks the class folders {missing}.")
-    samples: list[tuple[str, int]] = []
-    for index, name in enumerate(classes):
-        if name not in present:
+    return scan_split(split_dir, classes, allow_missing=not require_all).samples
+
+
+def read_file_list(path: str | os.PathLike) -> set[str]:
+    """Real paths of the files listed in ``path``: a bad-files list from ``python -m cltrain.data.check``
+    or a ``skipped_files.tsv`` (``split<TAB>path<TAB>reason`` lines), or one path per line.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"exclude_files={str(path)!r} is not a file; give the list written by "
+                                "'python -m cltrain.data.check ROOT' or a skipped_files.tsv.")
+    out = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.startswith("#"):
             continue
-        found = [os.path.join(d, f) for d, _, files in sorted(os.walk(split_dir / name, followlinks=True))
-                 for f in sorted(files) if _is_image(f)]
-        if not found:
-            raise ValueError(f"class folder {split_dir / name} has no images (suffixes {', '.join(IMG_EXTENSIONS)}); "
-                             "add images or remove the folder.")
-        samples += [(p, index) for p in found]
-    return samples
+        fields = line.split("\t")
+        out.add(os.path.realpath(fields[1] if len(fields) >= 2 else fields[0]))
+    return out
 
 
 class ImageFolderDataset(Dataset):
@@ -95,15 +76,39 @@ class ImageFolderDataset(Dataset):
         classes: class folder names, in label order; ``None`` takes those of ``split_dir``.
         bad_files: ``"raise"`` or ``"skip"`` (see the module docstring).
         skip_log: file the skipped paths are appended to (``"skip"`` only); ``None``: none.
+        allow_missing_classes: accept classes of ``classes`` without a folder here
+            (otherwise a ``ValueError`` names them).
+        exclude: real paths of files to leave out from the start (see :func:`read_file_list`).
+        index_cache: reuse the file index of an unchanged tree (:mod:`cltrain.data.index`).
+
+    Attributes:
+        index: what the walk found (:class:`~cltrain.data.index.SplitIndex`: ignored
+            suffixes, duplicate links).
+        excluded: how many listed files were left out.
     """
 
     def __init__(self, split_dir: str | os.PathLike, transform: Callable[[Image.Image], np.ndarray],
-                 classes: Sequence[str] | None = None, bad_files: str = "raise", skip_log: str | os.PathLike | None = None) -> None:
+                 classes: Sequence[str] | None = None, bad_files: str = "raise", skip_log: str | os.PathLike | None = None,
+                 allow_missing_classes: bool = False, exclude: set[str] | frozenset[str] = frozenset(),
+                 index_cache: bool = True) -> None:
         if bad_files not in BAD_FILE_POLICIES:
             raise ValueError(f"bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
         self.split_dir = Path(split_dir)
-        self.classes = list(classes) if classes is not None else find_classes(self.split_dir)
-        self.samples = find_samples(self.split_dir, self.classes, require_all=classes is None)
+        self.index: SplitIndex = index_split(self.split_dir, classes, allow_missing_classes, cache=index_cache)
+        self.classes = list(self.index.classes)
+        self.samples = self.index.samples
+        self.excluded = 0
+        if exclude:
+            names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
+            kept = [s for s in self.samples
+                    if os.path.basename(s[0]) not in names or os.path.realpath(s[0]) not in exclude]
+            self.excluded = len(self.samples) - len(kept)
+            if not kept:
+                raise ValueError(f"{self.split_dir}: all {len(self.samples)} images are in the exclude list.")
+            self.samples = kept
+        summary = self.index.summary(self.split_dir)
+        if summary:
+            warnings.warn(summary, stacklevel=2)
         self.transform = transform
         self.bad_files = bad_files
         self.skip_log = None if skip_log is None else str(skip_log)
@@ -132,13 +137,14 @@ class ImageFolderDataset(Dataset):
             try:
                 return self.load(i)
             except BadImageError as err:
-                self._report(self.samples[i][0], err)
+                cause = err.__cause__
+                self.skip(self.samples[i][0], f"{type(cause).__name__}: {cause}")
         raise BadImageError(f"{self.split_dir}: {_MAX_SKIPS_IN_A_ROW} unreadable files in a row from index {index}; "
                             "the folder is not usable as it is (see the skipped-files log).")
 
-    def _report(self, path: str, err: BadImageError) -> None:
-        cause = err.__cause__
-        reason = f"{type(cause).__name__}: {cause}".replace("\t", " ").replace("\n", " ")
+    def skip(self, path: str, reason: str) -> None:
+        """Report ``path`` as skipped: a line in ``skip_log`` and a warning once per file and process."""
+        reason = reason.replace("\t", " ").replace("\n", " ")
         if self.skip_log is not None:
             with open(self.skip_log, "a", encoding="utf-8") as f:  # one short line per write: atomic with O_APPEND
                 f.write(f"{self.split_dir.name}\t{path}\t{reason}\n")

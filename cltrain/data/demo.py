@@ -9,10 +9,12 @@ rotation, hue, saturation, brightness and JPEG quality (75-95) vary per image.
 Everything is drawn from ``numpy.random.default_rng([seed, split, class, index])``,
 so a folder is the same byte for byte on every machine with the same Pillow.
 
-The folder is written to a temporary sibling and renamed into place when
-complete, with a marker file holding the parameters; a later call with the same
-parameters reuses it, and an existing folder that is not such a demo folder is
-never touched.
+The folder is written to a temporary sibling (``.<name>.tmp-<host>-<pid>``) and
+renamed into place when complete, with a marker file holding the parameters; a
+later call with the same parameters reuses it, and an existing folder that is not
+such a demo folder is never touched. A temporary folder left by a killed
+generation is deleted by the next call that has to generate (its pid no longer
+alive on this host; another host's after a day untouched).
 
 Example::
 
@@ -29,6 +31,8 @@ import json
 import math
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +47,7 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross")
 #: Colour families as (name, hue in degrees).
 COLOURS: tuple[tuple[str, float], ...] = (("red", 0.0), ("yellow", 55.0), ("green", 125.0), ("blue", 225.0), ("magenta", 300.0))
 _SPLITS = {"train": 0, "val": 1}
+_STALE_AFTER_S = 24 * 3600  # a temporary folder of another host untouched this long is a dead writer's
 
 
 def _class_spec(k: int) -> tuple[str, int]:
@@ -119,6 +124,42 @@ def _params(num_classes: int, train_per_class: int, val_per_class: int, image_si
             "image_size": list(image_size), "seed": seed, "version": 1}
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _remove_stale_tmp(root: Path) -> list[Path]:
+    """Delete the temporary folders that killed generations of ``root`` left behind.
+
+    A folder ``.<name>.tmp-<host>-<pid>`` is stale when its process is gone: on this host, a
+    pid that is not alive; from another host (a shared filesystem), untouched for a day.
+    A live writer's folder is never touched.
+    """
+    removed = []
+    host = socket.gethostname()
+    for tmp in root.parent.glob(f".{root.name}.tmp-*"):
+        owner, _, pid = tmp.name[len(f".{root.name}.tmp-"):].rpartition("-")
+        if not pid.isdigit():
+            continue
+        if owner == host or not owner:  # "" : the older .<name>.tmp-<pid> form, written on this host
+            stale = not _alive(int(pid))
+        else:
+            try:
+                stale = time.time() - tmp.stat().st_mtime > _STALE_AFTER_S
+            except OSError:
+                continue
+        if stale:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
 def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_class: int = 80,
                       val_per_class: int = 20, image_size: tuple[int, int] = (500, 375), seed: int = 0) -> Path:
     """Write (once) a demo folder ``root/{train,val}/<class>/<n>.jpg`` and return ``Path(root)``.
@@ -151,7 +192,8 @@ def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_
         what = f"a demo folder made with other arguments ({marker.read_text().strip()})" if marker.is_file() else "not a cltrain demo folder"
         raise FileExistsError(f"make_demo_dataset: {root} exists and is {what}; it is left untouched. "
                               "Pass another root, or delete it to have it written again.")
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    _remove_stale_tmp(root)
+    tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         names = class_names(num_classes)

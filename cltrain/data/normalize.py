@@ -12,21 +12,41 @@ CPU was measured 2x slower, as was a single mixed-dtype ``addcmul`` on the uint8
 input. So it is two passes: one conversion copy (uint8 -> float32, exact) and one
 in-place ``addcmul``; for bfloat16/float16 the float32 work is done 16 images at a
 time in a cache-sized buffer and rounded once on the way out (not once per op).
+
+A 5-D clip batch ``(N, C, T, H, W)`` (channels_last_3d, as an NTHWC buffer's view)
+goes the same way, with ``(N*T*H, W*C)`` rows. Statistics are checked to be in 0-1
+units: ImageNet's in 0-255 units (123.7, ...) would shift every pixel to about -2.1.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
 
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["NORMALIZE_DTYPES", "normalize"]
+__all__ = ["NORMALIZE_DTYPES", "check_statistics", "normalize"]
 
 NORMALIZE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK = 16  # images per float32 work buffer for low-precision outputs
+
+
+def check_statistics(mean: Sequence[float], std: Sequence[float], owner: str = "normalize") -> None:
+    """Refuse statistics that look like 0-255 units (any mean or std above 1) or a std <= 0.
+
+    Raises:
+        ValueError: one line naming the values and what to do.
+    """
+    m = torch.as_tensor(mean, dtype=torch.float64).flatten()
+    s = torch.as_tensor(std, dtype=torch.float64).flatten()
+    if (m.abs() > 1).any() or (s > 1).any():
+        raise ValueError(f"{owner}: mean={tuple(m.tolist())}, std={tuple(s.tolist())} look like 0-255 units; "
+                         "give them in 0-1 units (divide by 255), e.g. IMAGENET_MEAN / IMAGENET_STD.")
+    if (s <= 0).any():
+        raise ValueError(f"{owner}: std={tuple(s.tolist())} contains a zero or a negative value; each must be > 0.")
 
 
 def _affine(mean: Sequence[float], std: Sequence[float], channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +65,7 @@ def _affine_cached(mean: tuple[float, ...], std: tuple[float, ...], channels: in
     for name, t in (("mean", mean_t), ("std", std_t)):
         if t.numel() not in (1, channels):
             raise ValueError(f"normalize: {name} has {t.numel()} values for a batch of {channels} channels; give 1 or {channels}.")
-    if (std_t == 0).any():
-        raise ValueError(f"normalize: std={tuple(std_t.tolist())} contains a zero.")
+    check_statistics(mean, std)
     scale = (1.0 / (255.0 * std_t)).expand(channels)
     shift = (-mean_t / std_t).expand(channels)
     return scale.to(device, torch.float32), shift.to(device, torch.float32)
@@ -58,18 +77,21 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
 
     Args:
         batch: ``(N, C, H, W)`` uint8 tensor, typically the channels_last view
-            :class:`~cltrain.data.NHWCCollate` makes (any layout is accepted).
+            :class:`~cltrain.data.NHWCCollate` makes, or a ``(N, C, T, H, W)`` clip
+            batch (channels_last_3d); any layout is accepted.
         mean, std: per-channel statistics in [0, 1] units (1 or C values each).
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
-        memory_format: ``torch.channels_last`` (default) or
-            ``torch.contiguous_format`` for the plain NCHW baseline.
+        memory_format: ``torch.channels_last`` (default; for a 5-D batch it means
+            ``torch.channels_last_3d``), ``torch.channels_last_3d`` (5-D only) or
+            ``torch.contiguous_format`` for the plain NCHW / NCTHW baseline.
 
     Returns:
-        A new tensor in ``memory_format`` (real channels_last strides also for C == 1).
+        A new tensor in ``memory_format`` (real channels-last strides also for C == 1).
 
     Raises:
-        TypeError: ``batch`` is not a 4-D uint8 tensor, or ``dtype`` is not one of the three.
-        ValueError: ``mean``/``std`` do not match C, a zero std, or another ``memory_format``.
+        TypeError: ``batch`` is not a 4-D or 5-D uint8 tensor, or ``dtype`` is not one of the three.
+        ValueError: ``mean``/``std`` do not match C, look like 0-255 units, a zero std, or
+            another ``memory_format``.
 
     Example::
 
@@ -78,26 +100,34 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
         >>> y.dtype, y.is_contiguous(memory_format=torch.channels_last)
         (torch.bfloat16, True)
     """
-    if not isinstance(batch, torch.Tensor) or batch.dtype != torch.uint8 or batch.dim() != 4:
+    if not isinstance(batch, torch.Tensor) or batch.dtype != torch.uint8 or batch.dim() not in (4, 5):
         what = f"{batch.dtype} tensor of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else type(batch).__name__
-        raise TypeError(f"normalize expects an (N, C, H, W) uint8 tensor, got a {what}.")
+        raise TypeError(f"normalize expects an (N, C, H, W) or (N, C, T, H, W) uint8 tensor, got a {what}.")
     if dtype not in NORMALIZE_DTYPES:
         raise TypeError(f"normalize: dtype={dtype} is not one of {NORMALIZE_DTYPES}.")
-    if memory_format not in (torch.channels_last, torch.contiguous_format):
-        raise ValueError(f"normalize: memory_format={memory_format} must be torch.channels_last or torch.contiguous_format.")
-    n, c, h, w = batch.shape
+    five = batch.dim() == 5
+    channels_last = torch.channels_last_3d if five else torch.channels_last
+    if five and memory_format is torch.channels_last:
+        memory_format = torch.channels_last_3d
+    if memory_format not in (channels_last, torch.contiguous_format):
+        raise ValueError(f"normalize: memory_format={memory_format} must be {channels_last} or torch.contiguous_format "
+                         f"for a {batch.dim()}-D batch.")
+    n, c = batch.shape[:2]
+    spatial = batch.shape[2:]  # (H, W) or (T, H, W)
+    w, outer = spatial[-1], math.prod(spatial[:-1])  # W, and H or T*H
     scale, shift = _affine(mean, std, c, batch.device)
     out = torch.empty(batch.shape, dtype=dtype, device=batch.device, memory_format=memory_format)
     if out.numel() == 0:
         return out
-    if memory_format is torch.channels_last:
-        # (N*H, W*C) rows over the NHWC buffers; the affine repeats every C values.
-        dst = out.permute(0, 2, 3, 1).view(n * h, w * c)
-        src = batch.permute(0, 2, 3, 1).reshape(n * h, w * c)  # a view for NHWC input, a copy otherwise
+    if memory_format is channels_last:
+        # (N*H, W*C) rows over the NHWC buffers (N*T*H for NTHWC); the affine repeats every C values.
+        to_last = (0, *range(2, batch.dim()), 1)
+        dst = out.permute(to_last).view(n * outer, w * c)
+        src = batch.permute(to_last).reshape(n * outer, w * c)  # a view for channels-last input, a copy otherwise
         scale, shift = scale.repeat(w), shift.repeat(w)
-        rows_per_image = h
+        rows_per_image = outer
     else:
-        dst, src = out.view(n * c, h * w), batch.reshape(n * c, h * w)
+        dst, src = out.view(n * c, outer * w), batch.reshape(n * c, outer * w)
         scale, shift = scale.repeat(n)[:, None], shift.repeat(n)[:, None]
         rows_per_image = c
     if dtype == torch.float32:
@@ -110,7 +140,7 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
         rows = slice(start, min(start + step, dst.shape[0]))
         buf = work[: rows.stop - rows.start]
         buf.copy_(src[rows])
-        sc, sh = (scale, shift) if memory_format is torch.channels_last else (scale[rows], shift[rows])
+        sc, sh = (scale, shift) if memory_format is channels_last else (scale[rows], shift[rows])
         torch.addcmul(sh, buf, sc, out=buf)
         dst[rows].copy_(buf)
     return out

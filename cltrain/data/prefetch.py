@@ -8,10 +8,18 @@ stream wait for batch i's copy (issued one batch earlier) and starts batch i+1's
 copy on a side stream. Lightning then finds the batch on its device already and
 its own transfer is a no-op. It is a ``DataLoader`` subclass, so Lightning can
 still re-create it with a ``DistributedSampler`` under DDP.
+
+As timm fixed it (timm#2781, PR #2784): one side stream per loader (not one per
+epoch, which kept growing reserved memory), the side stream waits for the
+compute stream before each copy (so the copy cannot overwrite memory the compute
+stream still reads, nor race it), ``record_stream`` tells the caching allocator
+the compute stream uses the copied tensors, and a batch in pageable memory is
+warned about once (its ``non_blocking`` copy is synchronous).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,43 +30,72 @@ from torch.utils.data import DataLoader
 __all__ = ["PrefetchDataLoader"]
 
 
-def _cuda_prefetch(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
-    stream = torch.cuda.Stream(device)
+class _CudaPrefetcher:
+    """The side stream of one loader and one device, and the copy logic (CUDA only)."""
 
-    def send(batch: Any) -> Any:
-        with torch.cuda.stream(stream):
-            return apply_to_collection(batch, torch.Tensor, lambda t: t.to(device, non_blocking=True))
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.warned_unpinned = False
 
-    def take(batch: Any) -> Any:
-        compute = torch.cuda.current_stream(device)
-        compute.wait_stream(stream)
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" and not t.is_pinned() and not self.warned_unpinned:
+            self.warned_unpinned = True
+            warnings.warn(f"PrefetchDataLoader: a batch tensor of shape {tuple(t.shape)} is in pageable memory, so its "
+                          "copy to the GPU blocks the host and does not overlap; use pin_memory=True (ImageFolderDataModule "
+                          "pins on a GPU by default).", stacklevel=4)
+        return t.to(self.device, non_blocking=True)
+
+    def send(self, batch: Any) -> Any:
+        """Start copying ``batch`` on the side stream, after the work already queued on the compute stream."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            return apply_to_collection(batch, torch.Tensor, self._copy)
+
+    def take(self, batch: Any) -> Any:
+        """Make the compute stream wait for ``batch``'s copy; hand it over."""
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.stream)
         # The caching allocator must not reuse these blocks while the compute stream reads them.
         apply_to_collection(batch, torch.Tensor, lambda t: t.record_stream(compute) if t.is_cuda else None)
         return batch
 
-    try:
-        ahead = send(next(batches))
-    except StopIteration:
-        return
-    for batch in batches:
-        current = take(ahead)
-        ahead = send(batch)
-        yield current
-    yield take(ahead)
+    def iterate(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` one ahead on the device."""
+        try:
+            ahead = self.send(next(batches))
+        except StopIteration:
+            return
+        for batch in batches:
+            current = self.take(ahead)
+            ahead = self.send(batch)
+            yield current
+        yield self.take(ahead)
 
 
 class PrefetchDataLoader(DataLoader):
     """A ``DataLoader`` whose batches come out already on ``prefetch_device`` when it is a
     CUDA device (copied on a side stream, one batch ahead); any other value, or no
-    CUDA, gives a plain ``DataLoader``. Use it with pinned memory."""
+    CUDA, gives a plain ``DataLoader``. Use it with pinned memory (a warning says when a
+    batch is not pinned). The side stream is made once per loader and reused by every
+    epoch's iterator."""
 
     def __init__(self, *args: Any, prefetch_device: str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prefetch_device = prefetch_device
+        self._prefetcher: _CudaPrefetcher | None = None
+
+    def _cuda_device(self) -> torch.device | None:
+        device = None if self.prefetch_device is None else torch.device(self.prefetch_device)
+        if device is None or device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def __iter__(self) -> Iterator[Any]:
         it = super().__iter__()
-        device = None if self.prefetch_device is None else torch.device(self.prefetch_device)
-        if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        device = self._cuda_device()
+        if device is None:
             return it
-        return _cuda_prefetch(it, device)
+        if self._prefetcher is None or self._prefetcher.device != device:
+            self._prefetcher = _CudaPrefetcher(device)
+        return self._prefetcher.iterate(it)

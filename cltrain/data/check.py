@@ -1,0 +1,168 @@
+"""Find the unreadable files of an image folder before training: ``python -m cltrain.data.check ROOT``.
+
+Checks every image file of ``ROOT/train`` and ``ROOT/val`` (or of ``ROOT`` itself
+when it has neither) in parallel worker processes, with a progress bar, and writes
+the bad ones as ``split<TAB>path<TAB>reason`` lines (the format of
+``skipped_files.tsv``). Exit status 1 when there are bad files, 0 when none, 2 for
+a bad argument. Give the list to the training to leave those files out from the
+start: ``ImageFolderDataModule(root, exclude_files="bad_files.tsv")``.
+
+Two depths (``--quick``):
+
+* full (default): decodes every pixel with Pillow. It catches what the loader
+  would fail on while decoding. Cost: see the measurement below ``CHECK_MODES``.
+* quick: a zero-byte file; a header Pillow cannot parse (not an image, unknown
+  format, a broken header); a JPEG without its end-of-image marker in the last
+  4 KiB (a truncated download: the usual damage); a PNG whose chunk CRCs or
+  length fail Pillow's ``verify``. It does not catch corrupt compressed data
+  inside a complete JPEG, nor a truncated BMP/TIFF/WebP/PPM. This is what
+  :class:`~cltrain.data.ImageFolderDataModule` runs on the validation split in
+  ``setup`` (``check_val="quick"``), so a bad validation file stops the run
+  before the first training epoch rather than after it.
+
+Example::
+
+    python -m cltrain.data.check /data/imagenet --workers 8 --out bad_files.tsv
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from PIL import Image
+
+from cltrain.data.constants import CHECK_MODES
+from cltrain.data.index import index_split
+
+__all__ = ["CHECK_MODES", "check_file", "check_files", "main"]
+
+_TAIL = 4096  # bytes searched for a JPEG's end-of-image marker (some files carry trailing bytes after it)
+
+# Measured on this machine (2 vCPU AMD EPYC shared with other jobs, one process, demo JPEGs 500x375,
+# warm page cache, 400 files): full decode 2.6-3.4 ms per file, quick check 0.13-0.33 ms (Pillow's header
+# parse dominates; the tail read alone is ~0.09 ms). For a 50,000-file validation split on one core:
+# full ~130-170 s, quick ~7-16 s, divided by the worker count. So setup runs the quick check.
+
+
+def check_file(path: str, full: bool = False) -> str | None:
+    """``None`` if ``path`` reads as an image, else the reason (one line). ``full`` decodes every pixel."""
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return "empty file (0 bytes)"
+        with Image.open(path) as img:
+            if full:
+                img.load()
+                return None
+            fmt = img.format
+            if fmt == "PNG":
+                img.verify()
+        if fmt in ("JPEG", "MPO"):
+            with open(path, "rb") as f:
+                f.seek(max(0, size - _TAIL))
+                if b"\xff\xd9" not in f.read():
+                    return "JPEG without its end-of-image marker (truncated?)"
+        return None
+    except Exception as err:  # any failure to parse or decode this one file
+        return f"{type(err).__name__}: {err}".replace("\t", " ").replace("\n", " ")
+
+
+def _check_full(path: str) -> tuple[str, str | None]:
+    return path, check_file(path, full=True)
+
+
+def _check_quick(path: str) -> tuple[str, str | None]:
+    return path, check_file(path, full=False)
+
+
+def check_files(paths: Sequence[str], mode: str = "quick", workers: int = 0, progress: bool = False) -> dict[str, str]:
+    """``{path: reason}`` of the bad files among ``paths``.
+
+    Args:
+        paths: the files.
+        mode: ``"full"`` (decode) or ``"quick"`` (see the module docstring); ``"off"`` checks nothing.
+        workers: processes to check in (0: this process).
+        progress: show a tqdm progress bar (on stderr).
+    """
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check mode {mode!r} must be one of {CHECK_MODES}.")
+    if mode == "off" or not paths:
+        return {}
+    fn = _check_full if mode == "full" else _check_quick
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(paths), unit="file", desc=f"checking ({mode})", file=sys.stderr, dynamic_ncols=True)
+    bad: dict[str, str] = {}
+
+    def consume(results: Iterable[tuple[str, str | None]]) -> None:
+        for path, reason in results:
+            if reason is not None:
+                bad[path] = reason
+            if bar is not None:
+                bar.update(1)
+
+    try:
+        if workers > 0 and len(paths) > 1:
+            chunk = max(1, min(256, len(paths) // (workers * 8)))
+            with multiprocessing.get_context().Pool(workers) as pool:
+                consume(pool.imap_unordered(fn, paths, chunksize=chunk))
+        else:
+            consume(map(fn, paths))
+    finally:
+        if bar is not None:
+            bar.close()
+    return bad
+
+
+def _splits(root: Path) -> list[tuple[str, Path]]:
+    named = [(s, root / s) for s in ("train", "val") if (root / s).is_dir()]
+    return named or [(root.name, root)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring); returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m cltrain.data.check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", help="folder with train/ and val/ (or one split folder of <class>/<image>)")
+    parser.add_argument("--out", default="bad_files.tsv", help="where to write the bad files (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all CPUs)")
+    parser.add_argument("--quick", action="store_true", help="header and end-marker checks only, no decode")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if not root.is_dir():
+        print(f"cltrain.data.check: {root} is not a folder.", file=sys.stderr)
+        return 2
+    if args.workers < 0:
+        print(f"cltrain.data.check: --workers={args.workers} must be >= 0.", file=sys.stderr)
+        return 2
+    try:
+        listed = [(split, index_split(folder, allow_missing=True).samples) for split, folder in _splits(root)]
+    except (OSError, ValueError) as err:
+        print(f"cltrain.data.check: {err}", file=sys.stderr)
+        return 2
+    split_of = {path: split for split, samples in listed for path, _ in samples}
+    mode = "quick" if args.quick else "full"
+    start = time.perf_counter()
+    bad = check_files(list(split_of), mode, args.workers, progress=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    out = Path(args.out)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("# split\tpath\treason\n")
+        for path in sorted(bad):
+            f.write(f"{split_of[path]}\t{path}\t{bad[path]}\n")
+    rate = len(split_of) / elapsed if elapsed > 0 else float("inf")
+    print(f"cltrain.data.check: {len(split_of)} files checked ({mode}) in {elapsed:.1f} s ({rate:.0f} files/s); "
+          f"{len(bad)} bad, listed in {out}" + (f"; train with exclude_files={str(out)!r} to leave them out." if bad else "."))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The file index of an image folder split (``split/<class>/<image>``), built once and cached.
+
+Walking a 1.28M-file ImageNet tree takes every rank of every run many seconds (minutes
+on a network filesystem), so :func:`index_split` stores what one walk found and reuses
+it while the tree is unchanged.
+
+What a walk counts:
+
+* each image file once, by its real path: a symlink loop (a folder linking to an
+  ancestor) is walked once, and a second link to a file already listed is dropped
+  (counted in ``duplicates``). Hard links are not recognised (that would need a
+  ``stat`` per file);
+* files whose suffix is not loaded (``ignored``, by suffix), so a folder of ``.gif``
+  files is reported rather than silently dropped. Dot-files (``.DS_Store``) are skipped
+  without being counted.
+
+Which formats are loaded: :data:`~cltrain.data.constants.IMG_EXTENSIONS`, torchvision's
+``ImageFolder`` list, so a folder gives the same samples and labels as torchvision's
+reference scripts. GIF is not in it: torchvision leaves it out, ImageNet has none,
+and for an animated GIF "the image" is ambiguous (Pillow would give the first frame).
+
+The cache: one JSON file per split, in ``<root>/.cltrain_index/`` when the root is
+writable, else in ``$XDG_CACHE_HOME/cltrain/index`` (``~/.cache``), keyed by the
+split's real path. It is valid while the modification time of every folder the walk
+visited (the split, its class folders, their subfolders, linked folders) is unchanged,
+and the class list and suffix list are the same. That detects files or folders added,
+removed or renamed anywhere in the tree; it does not detect a file's content replaced
+under the same name (which does not change the index), and a folder changed within
+2 s of the walk (coarse filesystem clocks), so such an index is not stored. Ranks
+share it through a file lock: the first to take it walks and writes, the others
+wait and read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filelock import FileLock
+
+from cltrain.data.constants import IMG_EXTENSIONS
+
+__all__ = ["SplitIndex", "find_classes", "index_split", "scan_split"]
+
+_VERSION = 1
+_RACY_S = 2.0  # folders modified this recently are not trusted to show a later change
+CACHE_DIR_NAME = ".cltrain_index"
+
+
+@dataclass
+class SplitIndex:
+    """What one walk of ``split_dir`` found.
+
+    Attributes:
+        classes: class folder names, in label order.
+        samples: ``(path, class index)`` of every image file, each real file once.
+        ignored: count of non-hidden files not loaded, by lower-case suffix (``""``: none).
+        duplicates: image paths dropped because their real file was already listed.
+        signature: modification time (ns) of every folder walked, by real path.
+    """
+
+    classes: list[str]
+    samples: list[tuple[str, int]]
+    ignored: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    signature: dict[str, int] = field(default_factory=dict)
+
+    def summary(self, split_dir: str | os.PathLike) -> str | None:
+        """One line on the ignored and duplicate files, or ``None`` when there are none."""
+        parts = []
+        if self.ignored:
+            kinds = ", ".join(f"{k or '(no suffix)'}: {n}" for k, n in sorted(self.ignored.items(), key=lambda kv: -kv[1]))
+            parts.append(f"{sum(self.ignored.values())} file(s) not loaded ({kinds}; loaded: {', '.join(IMG_EXTENSIONS)})")
+        if self.duplicates:
+            parts.append(f"{self.duplicates} link(s) to an image already listed, counted once")
+        return f"{split_dir}: " + "; ".join(parts) + "." if parts else None
+
+
+def find_classes(split_dir: str | os.PathLike) -> list[str]:
+    """Sorted names of the class folders of ``split_dir``.
+
+    Raises:
+        FileNotFoundError: ``split_dir`` is missing.
+        ValueError: it holds no class folders.
+    """
+    split_dir = Path(split_dir)
+    if not split_dir.is_dir():
+        raise FileNotFoundError(f"{split_dir} is not a folder. Expected the ImageNet layout: "
+                                f"{split_dir.parent}/train/<class>/<image> and {split_dir.parent}/val/<class>/<image>.")
+    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise ValueError(f"{split_dir} holds no class folders; put each class's images in {split_dir}/<class>/.")
+    return classes
+
+
+def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: set[str], index: SplitIndex, out: list[str]) -> None:
+    """Depth-first, sorted, following folder links once each (by real path)."""
+    seen_dirs.add(real)
+    index.signature[real] = os.stat(real).st_mtime_ns
+    subdirs = []
+    with os.scandir(folder) as entries:
+        for e in sorted(entries, key=lambda e: e.name):
+            if e.name.startswith("."):
+                continue
+            if e.is_dir():
+                sub_real = os.path.realpath(e.path) if e.is_symlink() else os.path.join(real, e.name)
+                if sub_real not in seen_dirs:
+                    subdirs.append((e.path, sub_real))
+                continue
+            if not e.name.lower().endswith(IMG_EXTENSIONS):
+                if e.is_file():  # a dangling link is neither file nor folder: not counted
+                    suffix = os.path.splitext(e.name)[1].lower()
+                    index.ignored[suffix] = index.ignored.get(suffix, 0) + 1
+                continue
+            file_real = os.path.realpath(e.path) if e.is_symlink() else os.path.join(real, e.name)
+            if file_real in seen_files:
+                index.duplicates += 1
+                continue
+            seen_files.add(file_real)
+            out.append(e.path)
+    for path, sub_real in subdirs:
+        if sub_real not in seen_dirs:  # a sibling may have linked it meanwhile
+            _walk(path, sub_real, seen_dirs, seen_files, index, out)
+
+
+def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
+               split_name: str | None = None) -> SplitIndex:
+    """Walk ``split_dir/<class>/`` (any depth) and list its images (no cache; see :func:`index_split`).
+
+    Args:
+        split_dir: e.g. ``root/train``.
+        classes: class names in label order; ``None`` takes the folders of ``split_dir``.
+        allow_missing: accept classes of ``classes`` that have no folder here.
+        split_name: how the errors name the split's role (default: the folder name).
+
+    Raises:
+        FileNotFoundError: ``split_dir`` is missing.
+        ValueError: no class folders, an empty class folder, a class folder not in
+            ``classes``, or (unless ``allow_missing``) a class of ``classes`` with no folder.
+    """
+    split_dir = Path(split_dir)
+    present = find_classes(split_dir)
+    classes = list(present if classes is None else classes)
+    unknown = sorted(set(present) - set(classes))
+    if unknown:
+        raise ValueError(f"{split_dir} has class folders {unknown} that the training split does not have; "
+                         "remove them or add them to the training split.")
+    missing = [c for c in classes if c not in set(present)]
+    if missing and not allow_missing:
+        raise ValueError(f"{split_dir} lacks the class folders {missing} that the training split has; add them, "
+                         f"or allow it explicitly with allow_missing_val_classes=True.")
+    index = SplitIndex(classes=classes, samples=[])
+    seen_dirs = {os.path.realpath(split_dir)}
+    index.signature[os.path.realpath(split_dir)] = os.stat(split_dir).st_mtime_ns
+    seen_files: set[str] = set()
+    for label, name in enumerate(classes):
+        if name not in present:
+            continue
+        folder = split_dir / name
+        real = os.path.realpath(folder)
+        found: list[str] = []
+        if real not in seen_dirs:
+            _walk(str(folder), real, seen_dirs, seen_files, index, found)
+        if not found:
+            raise ValueError(f"class folder {folder} has no images (suffixes {', '.join(IMG_EXTENSIONS)}); "
+                             "add images or remove the folder.")
+        index.samples += [(p, label) for p in found]
+    return index
+
+
+def _cache_file(split_dir: Path, cache_dir: str | os.PathLike | None) -> Path:
+    key = hashlib.sha1(os.path.realpath(split_dir).encode()).hexdigest()[:16]
+    if cache_dir is not None:
+        return Path(cache_dir) / f"{split_dir.name}-{key}.json"
+    root_cache = split_dir.parent / CACHE_DIR_NAME
+    try:
+        root_cache.mkdir(exist_ok=True)
+        if os.access(root_cache, os.W_OK):
+            return root_cache / f"{split_dir.name}-{key}.json"
+    except OSError:  # a read-only dataset root
+        pass
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cltrain" / "index"
+    return user / f"{split_dir.name}-{key}.json"
+
+
+def _load(path: Path, key: dict, split_dir: Path) -> SplitIndex | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key:
+        return None
+    signature = data["signature"]
+    for folder, mtime in signature.items():
+        try:
+            if os.stat(folder).st_mtime_ns != mtime:
+                return None
+        except OSError:
+            return None
+    prefix = str(split_dir) + os.sep  # stored relative: the same tree may be named from another folder
+    samples = []
+    for label, names in enumerate(data["files"]):
+        samples += [(prefix + p, label) for p in names.split("\n")] if names else []
+    return SplitIndex(classes=key["classes"], samples=samples, ignored=data["ignored"], duplicates=data["duplicates"],
+                      signature=signature)
+
+
+def _store(path: Path, key: dict, index: SplitIndex, started: float, split_dir: Path) -> None:
+    if any(started - mtime / 1e9 < _RACY_S for mtime in index.signature.values()):
+        return  # a folder changed just before the walk: a later change in the same clock tick could go unseen
+    files: list[list[str]] = [[] for _ in index.classes]
+    skip = len(str(split_dir)) + 1  # every walked path starts with split_dir + "/"
+    for p, label in index.samples:
+        files[label].append(p[skip:])
+    data = {"key": key, "signature": index.signature, "ignored": index.ignored, "duplicates": index.duplicates,
+            "files": ["\n".join(f) for f in files]}  # one string per class: loads ~10x faster than a list of paths
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
+                cache: bool = True, cache_dir: str | os.PathLike | None = None) -> SplitIndex:
+    """:func:`scan_split`, from the cache when the tree is unchanged (see the module docstring).
+
+    Args:
+        split_dir, classes, allow_missing: as :func:`scan_split`.
+        cache: ``False`` always walks and stores nothing.
+        cache_dir: where the index files go; ``None``: ``<root>/.cltrain_index`` if
+            writable, else the user cache folder.
+    """
+    split_dir = Path(split_dir)
+    if not cache:
+        return scan_split(split_dir, classes, allow_missing)
+    present = find_classes(split_dir)  # cheap, and its errors come first
+    key = {"version": _VERSION, "split": os.path.realpath(split_dir), "classes": list(present if classes is None else classes),
+           "allow_missing": bool(allow_missing), "extensions": list(IMG_EXTENSIONS)}
+    path = _cache_file(split_dir, cache_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path) + ".lock", timeout=3600)
+        lock.acquire()
+    except OSError:  # no writable cache anywhere: walk
+        return scan_split(split_dir, classes, allow_missing)
+    try:
+        cached = _load(path, key, split_dir)
+        if cached is not None:
+            return cached
+        started = time.time()
+        index = scan_split(split_dir, key["classes"], allow_missing)
+        try:
+            _store(path, key, index, started, split_dir)
+        except OSError:
+            pass
+        return index
+    finally:
+        lock.release()
