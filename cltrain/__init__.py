@@ -10,7 +10,9 @@ Layers, bottom up (lower ones never import higher ones):
   an ImageFolder DataModule, demo data);
 * :mod:`cltrain.app`: the Hydra training application behind ``train.py``.
 
-Only the library layers are imported here; ``cltrain.data`` and ``cltrain.app`` on demand.
+Only the torch-only library layers are imported here. :class:`ChannelsLast` is imported on first
+use (it needs Lightning, whose import takes seconds, which ``python -m cltrain.audit`` and plain
+layout users need not pay); ``cltrain.data`` and ``cltrain.app`` on demand.
 """
 
 import warnings
@@ -18,7 +20,6 @@ import warnings
 from cltrain.layout import is_channels_last, layout_of, layout_summary, to_channels_last
 from cltrain.autolayout import choose_layout, time_layouts
 from cltrain.audit import AuditReport, audit  # the function shadows the module name, as tqdm.tqdm does
-from cltrain.callback import ChannelsLast
 
 __all__ = [
     "AuditReport",
@@ -35,3 +36,11 @@ __version__ = "0.1.0"
 
 # `python -m cltrain.audit` executes a module this package has already imported; runpy's warning about it is moot.
 warnings.filterwarnings("ignore", message="'cltrain.audit' found in sys.modules", category=RuntimeWarning)
+
+
+def __getattr__(name: str):  # PEP 562: `from cltrain import ChannelsLast` imports Lightning only then
+    if name == "ChannelsLast":
+        from cltrain.callback import ChannelsLast
+
+        return ChannelsLast
+    raise AttributeError(f"module 'cltrain' has no attribute {name!r}")
