@@ -34,7 +34,7 @@ from torch import nn
 
 from cltrain.layout import layout_of, memory_format_for, to_channels_last
 
-__all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts"]
+__all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts", "to_contiguous"]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,9 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _to_contiguous(module: nn.Module) -> nn.Module:
+def to_contiguous(module: nn.Module) -> nn.Module:
+    """Put every 4-D/5-D parameter and buffer of ``module`` back in NCHW/NCDHW strides, in place
+    (through ``.data``, so the ``Parameter`` objects stay the same); returns ``module``."""
     # `contiguous()` keeps channels_last strides on size-1 dims (a 1x1 conv weight), which
     # the kernels would still read as channels_last; cloning gives canonical NCHW strides.
     for tensor in [*module.parameters(), *module.buffers()]:
@@ -121,7 +123,7 @@ def model_in_layout(model: nn.Module, layout: str, device: torch.device | str | 
         clone.to(device)
     for param in clone.parameters():
         param.grad = None
-    return to_channels_last(clone) if layout == "channels_last" else _to_contiguous(clone)
+    return to_channels_last(clone) if layout == "channels_last" else to_contiguous(clone)
 
 
 def _input_in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:

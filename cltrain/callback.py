@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from cltrain.autolayout import to_contiguous
 from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last
 
 __all__ = ["ChannelsLast"]
@@ -65,6 +66,21 @@ class ChannelsLast(Callback):
             when ``None`` it is read from the DataModule's ``input_shape``.
         auto_steps: timed steps per layout in ``mode="auto"``.
 
+    Attributes:
+        layout: the layout the callback put the model in, for reports (``metrics.json``, a
+            summary line): ``"channels_last"`` (the channels-last format of each tensor's
+            rank: ``channels_last`` for 4-D, ``channels_last_3d`` for 5-D) or
+            ``"contiguous"`` (NCHW/NCDHW: what ``mode="auto"`` keeps when it times faster;
+            a model that arrived channels_last is then put back in NCHW, so the word is
+            true). ``None`` before ``setup`` and always with ``mode="off"``, which leaves
+            the model as it is.
+        timings: with ``mode="auto"``, the median seconds per timed step of each layout,
+            ``{"channels_last": s, "contiguous": s}`` (the same on every rank); else ``None``.
+        summary: :func:`cltrain.layout_summary` of the model's parameters and buffers
+            once converted.
+        audit_report: with ``audit=True``, the :class:`cltrain.audit.AuditReport` of the
+            first training batch.
+
     Raises:
         ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, an
             ``input_shape`` that is not rank 4 or 5, or ``mode="auto"`` with no
@@ -106,11 +122,8 @@ class ChannelsLast(Callback):
         self.audit = audit
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.auto_steps = auto_steps
-        #: the layout in force once the model is converted: "channels_last" or "contiguous".
         self.layout: str | None = None
-        #: ``mode="auto"``'s timings, seconds per step by layout.
         self.timings: dict[str, float] | None = None
-        #: layout_summary of the model after conversion.
         self.summary: dict[str, int] | None = None
         self.audit_report: Any = None
         self._audited = False
@@ -144,6 +157,8 @@ class ChannelsLast(Callback):
             self.layout = "channels_last" if self.mode != "auto" else self._choose(trainer, pl_module)
         if self.layout == "channels_last":
             to_channels_last(pl_module, mode="conv" if self.mode == "conv" else "full")
+        else:  # auto kept NCHW: make that true even for a model that arrived channels_last
+            to_contiguous(pl_module)
         self.summary = layout_summary(pl_module, buffers=True)
         if not self._warned_no_conv and not any(isinstance(m, CONV_TYPES) for m in pl_module.modules()):
             self._warned_no_conv = True

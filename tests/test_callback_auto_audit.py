@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch import nn
 
-from cltrain import ChannelsLast, is_channels_last
+from cltrain import ChannelsLast, is_channels_last, to_channels_last
 from plain_modules import Classifier, loader
 
 
@@ -85,3 +85,23 @@ def test_audit_clean_model_reports_nothing(tmp_path):
     callback = ChannelsLast(audit=True)
     fit(tmp_path, Classifier(), callback)
     assert callback.audit_report is not None and callback.audit_report.rows == []
+
+
+def test_layout_attribute_says_what_the_model_is_in(tmp_path):
+    full, off = ChannelsLast(), ChannelsLast(mode="off")
+    assert full.layout is None and full.timings is None
+    fit(tmp_path, Classifier(net=SlowIn("none")), full)
+    assert full.layout == "channels_last" and full.timings is None and full.summary["channels_last"] == 1
+    fit(tmp_path, Classifier(net=SlowIn("none")), off)
+    assert off.layout is None
+
+
+def test_auto_keeping_contiguous_makes_a_channels_last_model_contiguous(tmp_path):
+    # the user converted the model already; auto finds NCHW faster, so "contiguous" must be true
+    model = Classifier(net=to_channels_last(SlowIn("channels_last")))
+    assert is_channels_last(model.net.body[0].weight)
+    callback = ChannelsLast(mode="auto", input_shape=(2, 3, 32, 32))
+    fit(tmp_path, model, callback)
+    assert callback.layout == "contiguous" and set(callback.timings) == {"channels_last", "contiguous"}
+    assert model.net.body[0].weight.is_contiguous() and not is_channels_last(model.net.body[0].weight)
+    assert callback.summary == {"contiguous": 1, "rank1": 2, "rank2": 1}
