@@ -18,7 +18,7 @@ from typing_extensions import override
 from cltrain.autolayout import to_contiguous
 from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last
 
-__all__ = ["ChannelsLast"]
+__all__ = ["ChannelsLast", "model_copies"]
 
 _MODES = ("full", "conv", "off", "auto")
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -44,6 +44,12 @@ class ChannelsLast(Callback):
     (batches from :mod:`cltrain.data` arrive that way). This works for a
     LightningModule written with no knowledge of cltrain, whatever batch hooks
     it or its DataModule define.
+
+    Averaged copies of the model (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
+    ``StochasticWeightAveraging``, or any callback holding a copy: see :func:`model_copies`)
+    are put in the model's layout too, whatever the callback order: those callbacks copy
+    the module in their ``setup``, before it is converted, and would otherwise cross
+    layouts at every update and every validation swap.
 
     When a run resumes from a checkpoint, optimizer state tensors (momentum
     buffers, Adam moments) are restrided to their parameter's layout at
@@ -152,13 +158,24 @@ class ChannelsLast(Callback):
             if getattr(pl_module.__dict__.get(hook), "_cltrain_once", False):
                 del pl_module.__dict__[hook]
 
+    def _put_in_layout(self, module: nn.Module) -> None:
+        if self.layout == "channels_last":
+            to_channels_last(module, mode="conv" if self.mode == "conv" else "full")
+        else:  # auto kept NCHW: make that true even for a model that arrived channels_last
+            to_contiguous(module)
+
+    def _convert_copies(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Averaging callbacks deep-copy the module in their own `setup`, before this callback
+        # converts it (whatever the callback order); every EMA update and validation swap
+        # would then copy across layouts. Their copies join the model's layout here.
+        for copy_ in model_copies(trainer, pl_module, exclude=self):
+            self._put_in_layout(copy_)
+
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.layout is None:
             self.layout = "channels_last" if self.mode != "auto" else self._choose(trainer, pl_module)
-        if self.layout == "channels_last":
-            to_channels_last(pl_module, mode="conv" if self.mode == "conv" else "full")
-        else:  # auto kept NCHW: make that true even for a model that arrived channels_last
-            to_contiguous(pl_module)
+        self._put_in_layout(pl_module)
+        self._convert_copies(trainer, pl_module)
         self.summary = layout_summary(pl_module, buffers=True)
         if not self._warned_no_conv and not any(isinstance(m, CONV_TYPES) for m in pl_module.modules()):
             self._warned_no_conv = True
@@ -257,6 +274,7 @@ class ChannelsLast(Callback):
         # strides they were saved with, which may be another layout than their parameter's.
         if self.mode == "off":
             return
+        self._convert_copies(trainer, pl_module)  # copies made later than setup (on_fit_start)
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -296,6 +314,32 @@ def _run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
     once._cltrain_once = True  # type: ignore[attr-defined]
     # nn.Module.__setattr__ would accept this too, but __dict__ keeps it out of state_dict logic.
     module.__dict__[hook] = once
+
+
+def model_copies(trainer: Trainer, pl_module: LightningModule, exclude: Callback | None = None) -> list[nn.Module]:
+    """The modules that ``trainer``'s callbacks hold as copies of ``pl_module``.
+
+    A copy is an ``nn.Module`` attribute of a callback with the same parameter shapes as
+    ``pl_module`` in the same order, and none of its parameter objects: the
+    ``AveragedModel`` of Lightning's ``WeightAveraging`` / ``EMAWeightAveraging``, the
+    deep-copied LightningModule of ``StochasticWeightAveraging``, or a user's own EMA
+    callback's model. Only public objects are read (``trainer.callbacks`` and each
+    callback's attributes), not the attribute names of any one callback.
+    """
+    params = list(pl_module.parameters())
+    shapes = [p.shape for p in params]
+    own = {id(p) for p in params}
+    found: list[nn.Module] = []
+    for callback in trainer.callbacks:
+        if callback is exclude:
+            continue
+        for value in vars(callback).values():
+            if not isinstance(value, nn.Module) or value is pl_module or any(v is value for v in found):
+                continue
+            theirs = list(value.parameters())
+            if [p.shape for p in theirs] == shapes and not any(id(p) in own for p in theirs):
+                found.append(value)
+    return found
 
 
 def _visit_tensors(obj: Any, fn: Callable[[torch.Tensor], None]) -> None:
