@@ -17,7 +17,14 @@ layout users need not pay); ``cltrain.data`` and ``cltrain.app`` on demand.
 
 import warnings
 
-from cltrain.layout import is_channels_last, layout_of, layout_summary, to_channels_last
+from cltrain.layout import (
+    is_channels_last,
+    is_channels_last_1d,
+    layout_of,
+    layout_summary,
+    to_channels_last,
+    to_channels_last_1d,
+)
 from cltrain.autolayout import choose_layout, time_layouts
 from cltrain.audit import AuditReport, audit  # the function shadows the module name, as tqdm.tqdm does
 
@@ -27,10 +34,12 @@ __all__ = [
     "audit",
     "choose_layout",
     "is_channels_last",
+    "is_channels_last_1d",
     "layout_of",
     "layout_summary",
     "time_layouts",
     "to_channels_last",
+    "to_channels_last_1d",
 ]
 __version__ = "0.1.0"
 

@@ -16,7 +16,16 @@ from torch import nn
 from typing_extensions import override
 
 from cltrain.autolayout import to_contiguous
-from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last
+from cltrain.layout import (
+    CONV1D_TYPES,
+    CONV_TYPES,
+    is_channels_last,
+    is_channels_last_1d,
+    layout_summary,
+    memory_format_for,
+    to_channels_last,
+    to_channels_last_1d,
+)
 
 __all__ = ["ChannelsLast", "model_copies"]
 
@@ -69,7 +78,11 @@ class ChannelsLast(Callback):
         audit: run :func:`cltrain.audit.audit` on the first training batch and
             print which ops lose the layout (rank zero).
         input_shape: ``(N, C, H, W)`` or ``(N, C, D, H, W)`` for ``mode="auto"``;
-            when ``None`` it is read from the DataModule's ``input_shape``.
+            when ``None`` it is read from the DataModule's ``input_shape``. A rank-3
+            ``(N, C, L)`` shape times a 1-D model with channels-last 1-D strides
+            (:func:`cltrain.layout.to_channels_last_1d`) against NCL; if that wins, the
+            Conv1d/ConvTranspose1d weights and every rank-3 floating batch tensor get
+            those strides. ``"full"``/``"conv"`` never touch rank-3 tensors.
         auto_steps: timed steps per layout in ``mode="auto"``.
 
     Attributes:
@@ -116,10 +129,11 @@ class ChannelsLast(Callback):
         if not isinstance(audit, bool):
             raise ValueError(f"ChannelsLast(audit={audit!r}): expected True or False.")
         if input_shape is not None and (
-            len(input_shape) not in (4, 5) or not all(isinstance(s, int) and s > 0 for s in input_shape)
+            len(input_shape) not in (3, 4, 5) or not all(isinstance(s, int) and s > 0 for s in input_shape)
         ):
             raise ValueError(
-                f"ChannelsLast(input_shape={input_shape!r}): expected (N, C, H, W) or (N, C, D, H, W) positive ints."
+                f"ChannelsLast(input_shape={input_shape!r}): expected (N, C, H, W), (N, C, D, H, W) or, for a 1-D "
+                "model, (N, C, L) positive ints."
             )
         if not isinstance(auto_steps, int) or auto_steps < 1:
             raise ValueError(f"ChannelsLast(auto_steps={auto_steps!r}): expected an int >= 1.")
@@ -132,6 +146,7 @@ class ChannelsLast(Callback):
         self.timings: dict[str, float] | None = None
         self.summary: dict[str, int] | None = None
         self.audit_report: Any = None
+        self._one_d = False  # auto timed a rank-3 shape: channels-last 1-D for Conv1d and rank-3 batches
         self._audited = False
         self._told_inputs = False
         self._warned_no_conv = False
@@ -161,6 +176,8 @@ class ChannelsLast(Callback):
     def _put_in_layout(self, module: nn.Module) -> None:
         if self.layout == "channels_last":
             to_channels_last(module, mode="conv" if self.mode == "conv" else "full")
+            if self._one_d:
+                to_channels_last_1d(module)
         else:  # auto kept NCHW: make that true even for a model that arrived channels_last
             to_contiguous(module)
 
@@ -177,7 +194,8 @@ class ChannelsLast(Callback):
         self._put_in_layout(pl_module)
         self._convert_copies(trainer, pl_module)
         self.summary = layout_summary(pl_module, buffers=True)
-        if not self._warned_no_conv and not any(isinstance(m, CONV_TYPES) for m in pl_module.modules()):
+        convs = CONV_TYPES + CONV1D_TYPES if self._one_d else CONV_TYPES
+        if not self._warned_no_conv and not any(isinstance(m, convs) for m in pl_module.modules()):
             self._warned_no_conv = True
             rank_zero_warn(
                 f"ChannelsLast: {type(pl_module).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
@@ -198,6 +216,7 @@ class ChannelsLast(Callback):
         from cltrain.autolayout import choose_layout
 
         decision: list[Any] = [None, None]
+        self._one_d = len(self._shape(trainer)) == 3
         if trainer.is_global_zero:
             target = _step_target(pl_module)
             layout, timings = choose_layout(
@@ -222,10 +241,16 @@ class ChannelsLast(Callback):
         want_cl = self.layout == "channels_last"
         converted = [0]
 
+        ranks = (3, 4, 5) if self._one_d else (4, 5)
+
         def restride(t: torch.Tensor) -> None:
-            if t.dim() not in (4, 5) or not t.is_floating_point() or t.layout is not torch.strided:
+            if t.dim() not in ranks or not t.is_floating_point() or t.layout is not torch.strided:
                 return
-            if want_cl and not is_channels_last(t):
+            if want_cl and t.dim() == 3:
+                if is_channels_last_1d(t):
+                    return
+                t.data = to_channels_last_1d(t.data)
+            elif want_cl and not is_channels_last(t):
                 t.data = to_channels_last(t.data)
             elif not want_cl and not t.is_contiguous():
                 t.data = t.data.contiguous()
