@@ -2,10 +2,12 @@
 
 Layers, bottom up (lower ones never import higher ones):
 
-* :mod:`cltrain.layout`: tensor and module layout helpers;
+* :mod:`cltrain.layout`: tensor and module layout helpers (channels-last 1-D too);
 * :mod:`cltrain.autolayout` and :mod:`cltrain.audit`: time a model in both layouts; find the
-  ops that lose channels_last (``python -m cltrain.audit model=resnet50``);
-* :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`;
+  ops that lose channels_last; :mod:`cltrain.audit_cli` is ``python -m cltrain.audit model=resnet50``;
+* :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`, with its pieces in
+  :mod:`cltrain.batch_layout` (restriding batches) and :mod:`cltrain.model_access` (the modules
+  around a LightningModule: step target, averaged copies, hook wrapping, optimizer state);
 * :mod:`cltrain.data`: the NHWC data path (transforms, collate, normalisation,
   an ImageFolder DataModule, demo data);
 * :mod:`cltrain.app`: the Hydra training application behind ``train.py``.

@@ -3,31 +3,27 @@
 from __future__ import annotations
 
 import copy
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from cltrain.autolayout import to_contiguous
-from cltrain.layout import (
-    CONV1D_TYPES,
-    CONV_TYPES,
-    is_channels_last,
-    is_channels_last_1d,
-    layout_summary,
-    memory_format_for,
-    to_channels_last,
-    to_channels_last_1d,
+from cltrain.batch_layout import first_image_tensor, restride_batch
+from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d
+from cltrain.model_access import (
+    model_copies,
+    restride_optimizer_state,
+    run_after,
+    step_target,
+    undo_run_after,
 )
 
-__all__ = ["ChannelsLast", "model_copies"]
+__all__ = ["ChannelsLast"]
 
 _MODES = ("full", "conv", "off", "auto")
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -55,7 +51,7 @@ class ChannelsLast(Callback):
     it or its DataModule define.
 
     Averaged copies of the model (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
-    ``StochasticWeightAveraging``, or any callback holding a copy: see :func:`model_copies`)
+    ``StochasticWeightAveraging``, or any callback holding a copy: see :func:`cltrain.model_access.model_copies`)
     are put in the model's layout too, whatever the callback order: those callbacks copy
     the module in their ``setup``, before it is converted, and would otherwise cross
     layouts at every update and every validation swap.
@@ -165,13 +161,11 @@ class ChannelsLast(Callback):
         # LightningModule.setup runs after this hook and configure_model after that; the model
         # is complete only then, and the strategy moves and wraps it right after.
         last = "configure_model" if is_overridden("configure_model", pl_module) else "setup"
-        _run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
+        run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        for hook in ("setup", "configure_model"):
-            if getattr(pl_module.__dict__.get(hook), "_cltrain_once", False):
-                del pl_module.__dict__[hook]
+        undo_run_after(pl_module)
 
     def _put_in_layout(self, module: nn.Module) -> None:
         if self.layout == "channels_last":
@@ -218,7 +212,7 @@ class ChannelsLast(Callback):
         decision: list[Any] = [None, None]
         self._one_d = len(self._shape(trainer)) == 3
         if trainer.is_global_zero:
-            target = _step_target(pl_module)
+            target = step_target(pl_module)
             layout, timings = choose_layout(
                 target,
                 self._shape(trainer),
@@ -238,31 +232,11 @@ class ChannelsLast(Callback):
     def _convert_batch(self, batch: Any) -> None:
         if self.mode == "off" or not self.convert_inputs or self.layout is None:
             return
-        want_cl = self.layout == "channels_last"
-        converted = [0]
-
-        ranks = (3, 4, 5) if self._one_d else (4, 5)
-
-        def restride(t: torch.Tensor) -> None:
-            if t.dim() not in ranks or not t.is_floating_point() or t.layout is not torch.strided:
-                return
-            if want_cl and t.dim() == 3:
-                if is_channels_last_1d(t):
-                    return
-                t.data = to_channels_last_1d(t.data)
-            elif want_cl and not is_channels_last(t):
-                t.data = to_channels_last(t.data)
-            elif not want_cl and not t.is_contiguous():
-                t.data = t.data.contiguous()
-            else:
-                return
-            converted[0] += 1
-
-        _visit_tensors(batch, restride)
-        if converted[0] and not self._told_inputs:
+        converted = restride_batch(batch, self.layout, one_d=self._one_d)
+        if converted and not self._told_inputs:
             self._told_inputs = True
             rank_zero_info(
-                f"ChannelsLast: batches arrive in another layout; converting {converted[0]} tensor(s) per batch "
+                f"ChannelsLast: batches arrive in another layout; converting {converted} tensor(s) per batch "
                 f"to {self.layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary."
             )
 
@@ -300,111 +274,18 @@ class ChannelsLast(Callback):
         if self.mode == "off":
             return
         self._convert_copies(trainer, pl_module)  # copies made later than setup (on_fit_start)
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    state = optimizer.state.get(param, {})
-                    for key, value in state.items():
-                        if _needs_param_strides(value, param):
-                            state[key] = torch.empty_like(param, dtype=value.dtype, device=value.device).copy_(value)
+        restride_optimizer_state(trainer.optimizers)
 
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         from cltrain.audit import audit
 
-        example = _first_image_tensor(batch)
+        example = first_image_tensor(batch)
         if example is None:
             rank_zero_warn("ChannelsLast(audit=True): the first training batch holds no 4-D/5-D float tensor to audit.")
             return
-        target = _step_target(pl_module)
+        target = step_target(pl_module)
         # A copy: the real module may be wrapped by DDP, whose gradient hooks must not see this backward.
         self.audit_report = audit(
             copy.deepcopy(target), example.detach(), autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision))
         )
         rank_zero_info(f"ChannelsLast layout audit of {type(target).__name__}:\n{self.audit_report.format_table()}")
-
-
-def _run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
-    """Make ``module.<hook>()`` call ``then()`` after itself, once, then restore the hook."""
-    if getattr(module.__dict__.get(hook), "_cltrain_once", False):
-        del module.__dict__[hook]  # left from a run that stopped early
-    original = getattr(module, hook)
-
-    @functools.wraps(original)  # keeps Lightning's is_overridden() answer unchanged
-    def once(*args: Any, **kwargs: Any) -> Any:
-        module.__dict__.pop(hook, None)
-        result = original(*args, **kwargs)
-        then()
-        return result
-
-    once._cltrain_once = True  # type: ignore[attr-defined]
-    # nn.Module.__setattr__ would accept this too, but __dict__ keeps it out of state_dict logic.
-    module.__dict__[hook] = once
-
-
-def model_copies(trainer: Trainer, pl_module: LightningModule, exclude: Callback | None = None) -> list[nn.Module]:
-    """The modules that ``trainer``'s callbacks hold as copies of ``pl_module``.
-
-    A copy is an ``nn.Module`` attribute of a callback with the same parameter shapes as
-    ``pl_module`` in the same order, and none of its parameter objects: the
-    ``AveragedModel`` of Lightning's ``WeightAveraging`` / ``EMAWeightAveraging``, the
-    deep-copied LightningModule of ``StochasticWeightAveraging``, or a user's own EMA
-    callback's model. Only public objects are read (``trainer.callbacks`` and each
-    callback's attributes), not the attribute names of any one callback.
-    """
-    params = list(pl_module.parameters())
-    shapes = [p.shape for p in params]
-    own = {id(p) for p in params}
-    found: list[nn.Module] = []
-    for callback in trainer.callbacks:
-        if callback is exclude:
-            continue
-        for value in vars(callback).values():
-            if not isinstance(value, nn.Module) or value is pl_module or any(v is value for v in found):
-                continue
-            theirs = list(value.parameters())
-            if [p.shape for p in theirs] == shapes and not any(id(p) in own for p in theirs):
-                found.append(value)
-    return found
-
-
-def _first_image_tensor(batch: Any) -> torch.Tensor | None:
-    found: list[torch.Tensor] = []
-    _visit_tensors(batch, lambda t: found.append(t) if t.dim() in (4, 5) and t.is_floating_point() else None)
-    return found[0] if found else None
-
-
-def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
-    """Call ``fn`` on every tensor of ``batch`` (tensors, mappings, sequences, namedtuples,
-    dataclasses, nested), by Lightning's ``apply_to_collection``: the batch types Lightning can
-    move to the device are exactly the ones visited. The rebuilt collection it returns is
-    dropped; ``fn`` works on the tensor objects the step will see. Measured on a (32, 3, 224,
-    224) batch: 5-150 us per batch more than a hand-written visitor, nothing next to a step."""
-
-    def call(t: torch.Tensor) -> torch.Tensor:
-        fn(t)
-        return t
-
-    apply_to_collection(batch, torch.Tensor, call)
-
-
-def _step_target(pl_module: LightningModule) -> nn.Module:
-    """The module a batch goes through: the LightningModule if it defines ``forward``, else its
-    largest child (``self.model``, ``self.net``, ...)."""
-    if is_overridden("forward", pl_module):
-        return pl_module
-    children = [m for m in pl_module.children() if any(True for _ in m.parameters())]
-    if not children:
-        raise ValueError(
-            f"ChannelsLast: {type(pl_module).__name__} defines no forward() and has no child module with "
-            "parameters to time or audit; define forward(), or use mode='full' without audit."
-        )
-    return max(children, key=lambda m: sum(p.numel() for p in m.parameters()))
-
-
-def _needs_param_strides(value: Any, param: torch.Tensor) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and memory_format_for(param) is not None
-        and value.shape == param.shape
-        and value.stride() != param.stride()
-    )

@@ -13,11 +13,15 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class RandomImages(Dataset):
-    """``n`` random ``(C, H, W)`` float images with int labels; batches come out NCHW-contiguous."""
+    """``n`` random ``(C, H, W)`` float images (``(C, T, H, W)`` clips with ``frames``) with int
+    labels; batches come out NCHW- (NCDHW-) contiguous."""
 
-    def __init__(self, n: int = 6, channels: int = 3, size: int = 32, classes: int = 4, seed: int = 0):
+    def __init__(
+        self, n: int = 6, channels: int = 3, size: int = 32, classes: int = 4, seed: int = 0, frames: int | None = None
+    ):
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, channels, size, size, generator=g)
+        time = (frames,) if frames is not None else ()
+        self.x = torch.randn(n, channels, *time, size, size, generator=g)
         self.y = torch.randint(0, classes, (n,), generator=g)
 
     def __len__(self) -> int:
@@ -31,23 +35,9 @@ def loader(n: int = 6, batch_size: int = 4, channels: int = 3, size: int = 32, *
     return DataLoader(RandomImages(n, channels, size), batch_size=batch_size, **kw)
 
 
-class RandomClips(Dataset):
-    """``n`` random ``(C, T, H, W)`` float clips with int labels; batches come out NCDHW-contiguous."""
-
-    def __init__(self, n: int = 4, frames: int = 4, size: int = 16, classes: int = 4, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 3, frames, size, size, generator=g)
-        self.y = torch.randint(0, classes, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-
 def clip_loader(n: int = 4, batch_size: int = 2, frames: int = 4, size: int = 16, **kw) -> DataLoader:
-    return DataLoader(RandomClips(n, frames, size), batch_size=batch_size, **kw)
+    """Random ``(3, frames, size, size)`` clips: batches come out NCDHW-contiguous."""
+    return DataLoader(RandomImages(n, 3, size, frames=frames), batch_size=batch_size, **kw)
 
 
 def tiny_video_net(classes: int = 4) -> nn.Module:

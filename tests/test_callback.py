@@ -209,7 +209,8 @@ def test_convert_inputs_false_leaves_batches(tmp_path):
     [
         ({"mode": "fast"}, "mode='fast'"),
         ({"convert_inputs": "yes"}, "convert_inputs='yes'"),
-        ({"input_shape": (3, 32, 32)}, r"input_shape=\(3, 32, 32\)"),
+        ({"input_shape": (32, 32)}, r"input_shape=\(32, 32\)"),
+        ({"input_shape": (2, 3, 0, 32)}, r"input_shape=\(2, 3, 0, 32\)"),
         ({"auto_steps": 0}, "auto_steps=0"),
     ],
 )

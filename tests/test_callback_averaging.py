@@ -7,7 +7,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAver
 from torch import nn
 
 from cltrain import ChannelsLast, is_channels_last
-from cltrain.callback import model_copies
+from cltrain.model_access import model_copies
 from plain_modules import Classifier, loader
 
 
