@@ -119,9 +119,13 @@ def is_channels_last(tensor: torch.Tensor) -> bool:
 def layout_of(tensor: torch.Tensor) -> str:
     """One word for ``tensor``'s layout: ``"channels_last"``, ``"channels_last_3d"``,
     ``"contiguous"`` (dense NCHW/NCDHW), ``"strided"`` (neither: a slice, an
-    expanded view, ...) or ``"rank<N>"`` for ranks other than 4 and 5."""
+    expanded view, ...), ``"channels_last_1d"`` for a rank-3 tensor that :func:`is_channels_last_1d`
+    accepts (unless C == L == 1, where both layouts coincide), or ``"rank<N>"`` for
+    other ranks and other rank-3 tensors."""
     fmt = memory_format_for(tensor)
     if fmt is None:
+        if tensor.dim() == 3 and tensor.shape[1] * tensor.shape[2] > 1 and is_channels_last_1d(tensor):
+            return "channels_last_1d"
         return f"rank{tensor.dim()}"
     if is_channels_last(tensor):
         return "channels_last" if fmt is torch.channels_last else "channels_last_3d"

@@ -140,6 +140,7 @@ def test_auto_times_a_1d_model_and_applies_its_choice(tmp_path, slow_channels_la
     assert callback.layout == ("channels_last" if want_cl else "contiguous")
     assert is_channels_last_1d(model.net.body[0].weight) == want_cl
     assert is_channels_last_1d(model.net.body[3].weight) == want_cl
+    assert callback.summary.get("channels_last_1d", 0) == (2 if want_cl else 0)
     for *stride, shape in model.seen["train"]:
         assert (tuple(stride) == (shape[1] * shape[2], 1, shape[1])) == want_cl
 

@@ -174,6 +174,7 @@ def test_1d_tensor_gets_c_l_1_c_strides_values_unchanged(shape, strides):
     y = to_channels_last_1d(x)
     assert y.stride() == strides and torch.equal(x, y) and is_channels_last_1d(y)
     assert to_channels_last_1d(y) is y  # no copy when already there
+    assert layout_of(y) == "channels_last_1d" and layout_of(x) == "rank3"
 
 
 def test_1d_predicate_on_ambiguous_shapes():
