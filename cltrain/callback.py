@@ -179,6 +179,8 @@ class ChannelsLast(Callback):
         # Averaging callbacks deep-copy the module in their own `setup`, before this callback
         # converts it (whatever the callback order); every EMA update and validation swap
         # would then copy across layouts. Their copies join the model's layout here.
+        if self.layout is None:
+            return
         for copy_ in model_copies(trainer, pl_module, exclude=self):
             self._put_in_layout(copy_)
 
