@@ -2,23 +2,33 @@
 
 Layers, bottom up (lower ones never import higher ones):
 
-* :mod:`cltrain.layout`: tensor and module layout helpers;
+* :mod:`cltrain.layout`: tensor and module layout helpers (channels-last 1-D too);
 * :mod:`cltrain.autolayout` and :mod:`cltrain.audit`: time a model in both layouts; find the
-  ops that lose channels_last (``python -m cltrain.audit model=resnet50``);
-* :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`;
+  ops that lose channels_last; :mod:`cltrain.audit_cli` is ``python -m cltrain.audit model=resnet50``;
+* :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`, with its pieces in
+  :mod:`cltrain.batch_layout` (restriding batches) and :mod:`cltrain.model_access` (the modules
+  around a LightningModule: step target, averaged copies, hook wrapping, optimizer state);
 * :mod:`cltrain.data`: the NHWC data path (transforms, collate, normalisation,
   an ImageFolder DataModule, demo data);
 * :mod:`cltrain.app`: the Hydra training application behind ``train.py``.
 
-Only the library layers are imported here; ``cltrain.data`` and ``cltrain.app`` on demand.
+Only the torch-only library layers are imported here. :class:`ChannelsLast` is imported on first
+use (it needs Lightning, whose import takes seconds, which ``python -m cltrain.audit`` and plain
+layout users need not pay); ``cltrain.data`` and ``cltrain.app`` on demand.
 """
 
 import warnings
 
-from cltrain.layout import is_channels_last, layout_of, layout_summary, to_channels_last
+from cltrain.layout import (
+    is_channels_last,
+    is_channels_last_1d,
+    layout_of,
+    layout_summary,
+    to_channels_last,
+    to_channels_last_1d,
+)
 from cltrain.autolayout import choose_layout, time_layouts
 from cltrain.audit import AuditReport, audit  # the function shadows the module name, as tqdm.tqdm does
-from cltrain.callback import ChannelsLast
 
 __all__ = [
     "AuditReport",
@@ -26,12 +36,22 @@ __all__ = [
     "audit",
     "choose_layout",
     "is_channels_last",
+    "is_channels_last_1d",
     "layout_of",
     "layout_summary",
     "time_layouts",
     "to_channels_last",
+    "to_channels_last_1d",
 ]
 __version__ = "0.1.0"
 
 # `python -m cltrain.audit` executes a module this package has already imported; runpy's warning about it is moot.
 warnings.filterwarnings("ignore", message="'cltrain.audit' found in sys.modules", category=RuntimeWarning)
+
+
+def __getattr__(name: str):  # PEP 562: `from cltrain import ChannelsLast` imports Lightning only then
+    if name == "ChannelsLast":
+        from cltrain.callback import ChannelsLast
+
+        return ChannelsLast
+    raise AttributeError(f"module 'cltrain' has no attribute {name!r}")

@@ -22,7 +22,8 @@ checker), and reports:
 The model is left as it was: gradients, BatchNorm running statistics and
 train/eval mode are restored.
 
-Command line (a torchvision model, weights=None, converted to channels_last)::
+Command line (a torchvision or timm model with random weights, converted to channels_last;
+see :mod:`cltrain.audit_cli`)::
 
     python -m cltrain.audit model=resnet50 batch_size=2 image_size=224 [dtype=bf16] [mode=full|conv] [device=cpu]
 
@@ -39,7 +40,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 from cltrain.autolayout import autocast_for, scalar_loss
 from cltrain.layout import is_channels_last, layout_summary, to_channels_last
 
-__all__ = ["AuditReport", "AuditRow", "audit", "main"]
+__all__ = ["AuditReport", "AuditRow", "audit"]
 
 _COPY_OPS = frozenset({"aten.clone", "aten._to_copy", "aten.copy_"})
 _CONV_OPS = frozenset({"aten.convolution", "aten.convolution_backward"})
@@ -355,43 +355,7 @@ def audit(
     )
 
 
-_DTYPES = {"fp32": None, "32": None, "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16": torch.float16, "16-mixed": torch.float16}
-_CLI_DEFAULTS = {"model": None, "batch_size": "2", "image_size": "224", "dtype": "fp32", "mode": "full", "device": None}
+if __name__ == "__main__":  # `python -m cltrain.audit`: the command line lives in its own module
+    from cltrain.audit_cli import main
 
-
-def main(argv: Sequence[str] | None = None) -> AuditReport:
-    """``python -m cltrain.audit model=NAME [batch_size=2] [image_size=224] [dtype=fp32|bf16|fp16] [mode=full|conv] [device=cpu|cuda]``.
-
-    Builds the torchvision model ``NAME`` (``weights=None``, train mode), converts it with
-    :func:`cltrain.to_channels_last` in ``mode``, audits one step on a random batch and prints the report.
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or any(a in ("-h", "--help") for a in args):
-        print(main.__doc__)
-        raise SystemExit(0 if args else 2)
-    opts = dict(_CLI_DEFAULTS)
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in opts:
-            raise SystemExit(f"cltrain.audit: bad argument {arg!r}; expected key=value with key in {sorted(opts)}.")
-        opts[key] = value
-    if opts["model"] is None:
-        raise SystemExit("cltrain.audit: model=NAME is required (a torchvision model name, e.g. model=resnet50).")
-    if opts["dtype"] not in _DTYPES:
-        raise SystemExit(f"cltrain.audit: dtype={opts['dtype']!r} is not one of {sorted(_DTYPES)}.")
-    import torchvision  # only the command line needs it
-
-    device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
-    size = int(opts["image_size"])
-    extra = {"image_size": size} if opts["model"].startswith("vit_") else {}
-    model = torchvision.models.get_model(opts["model"], weights=None, **extra).to(device).train()
-    to_channels_last(model, mode=opts["mode"])
-    example = torch.randn(int(opts["batch_size"]), 3, size, size, device=device)
-    report = audit(model, example, autocast_dtype=_DTYPES[opts["dtype"]])
-    print(f"model={opts['model']} mode={opts['mode']} device={device} torch={torch.__version__}")
-    print(report.format_table())
-    return report
-
-
-if __name__ == "__main__":
     main()

@@ -26,15 +26,16 @@ import copy
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten  # tensors in nested outputs, namedtuples too
 
-from cltrain.layout import layout_of, memory_format_for, to_channels_last
+from cltrain.layout import is_channels_last_1d, layout_of, memory_format_for, to_channels_last, to_channels_last_1d
 
-__all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts"]
+__all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts", "to_contiguous"]
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +43,8 @@ log = logging.getLogger(__name__)
 LAYOUTS: tuple[str, str] = ("contiguous", "channels_last")
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):  # namedtuples too (GoogLeNetOutputs, ...)
-        for value in obj:
-            yield from _tensors(value)
-
-
 def _mean(t: torch.Tensor) -> torch.Tensor:
-    if memory_format_for(t) is None:
+    if t.dim() < 3:
         return t.mean()
     # `mean`'s backward divides an expanded scalar, which comes out NCHW whatever `t` is; a
     # weighted sum's backward takes the layout of the weights, which `full_like` gives `t`'s.
@@ -72,7 +62,8 @@ def scalar_loss(output: Any) -> torch.Tensor:
     Raises:
         ValueError: the output holds no floating tensor that requires grad.
     """
-    terms = [_mean(t.float()) for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    terms = [_mean(t.float()) for t in tensors if t.is_floating_point() and t.requires_grad]
     if not terms:
         raise ValueError(f"scalar_loss: the model output ({type(output).__name__}) holds no floating tensor that requires grad.")
     return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
@@ -92,11 +83,16 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _to_contiguous(module: nn.Module) -> nn.Module:
+def to_contiguous(module: nn.Module) -> nn.Module:
+    """Put every 4-D/5-D parameter and buffer of ``module`` back in NCHW/NCDHW strides, and
+    channels-last 1-D rank-3 ones back in NCL, in place (through ``.data``, so the
+    ``Parameter`` objects stay the same); returns ``module``."""
     # `contiguous()` keeps channels_last strides on size-1 dims (a 1x1 conv weight), which
     # the kernels would still read as channels_last; cloning gives canonical NCHW strides.
     for tensor in [*module.parameters(), *module.buffers()]:
-        if memory_format_for(tensor) is not None and layout_of(tensor) != "contiguous":
+        four_or_five_d = memory_format_for(tensor) is not None and layout_of(tensor) != "contiguous"
+        one_d = is_channels_last_1d(tensor) and not tensor.is_contiguous()
+        if four_or_five_d or one_d:
             tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
     return module
 
@@ -107,9 +103,13 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def model_in_layout(model: nn.Module, layout: str, device: torch.device | str | None = None) -> nn.Module:
+def model_in_layout(
+    model: nn.Module, layout: str, device: torch.device | str | None = None, *, conv1d: bool = False
+) -> nn.Module:
     """A deep copy of ``model`` (on ``device`` if given) with every 4-D/5-D parameter and
-    buffer in ``layout`` (``"channels_last"`` or ``"contiguous"``) and no gradients.
+    buffer in ``layout`` (``"channels_last"`` or ``"contiguous"``) and no gradients. With
+    ``conv1d=True``, ``"channels_last"`` also gives Conv1d/ConvTranspose1d weights
+    channels-last 1-D strides (:func:`cltrain.layout.to_channels_last_1d`).
 
     Raises:
         ValueError: ``layout`` is not one of :data:`LAYOUTS`.
@@ -121,11 +121,16 @@ def model_in_layout(model: nn.Module, layout: str, device: torch.device | str | 
         clone.to(device)
     for param in clone.parameters():
         param.grad = None
-    return to_channels_last(clone) if layout == "channels_last" else _to_contiguous(clone)
+    if layout == "contiguous":
+        return to_contiguous(clone)
+    to_channels_last(clone)
+    return to_channels_last_1d(clone) if conv1d else clone
 
 
 def _input_in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
-    return to_channels_last(x) if layout == "channels_last" else x.clone(memory_format=torch.contiguous_format)
+    if layout == "contiguous":
+        return x.clone(memory_format=torch.contiguous_format)
+    return to_channels_last_1d(x) if x.dim() == 3 else to_channels_last(x)
 
 
 def _timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -155,7 +160,10 @@ def time_layouts(
 
     Args:
         model: the model to time, as it will be trained.
-        input_shape: the batch shape, 4-D ``(N, C, H, W)`` or 5-D ``(N, C, D, H, W)``.
+        input_shape: the batch shape, 4-D ``(N, C, H, W)``, 5-D ``(N, C, D, H, W)``, or 3-D
+            ``(N, C, L)`` for a 1-D model: its ``"channels_last"`` is then channels-last 1-D
+            strides for the input and the Conv1d/ConvTranspose1d weights (usually slower on
+            stock PyTorch, which is why it is timed, not assumed).
         steps: timed steps per layout (the median is reported).
         warmup: untimed steps per layout first (allocator, kernel selection, caches).
         device: where to time; default the model's device.
@@ -166,17 +174,17 @@ def time_layouts(
         ``{"channels_last": seconds, "contiguous": seconds}``.
 
     Raises:
-        ValueError: ``input_shape`` is not 4-D or 5-D, or ``steps < 1`` or ``warmup < 0``.
+        ValueError: ``input_shape`` is not 3-D, 4-D or 5-D, or ``steps < 1`` or ``warmup < 0``.
     """
     shape = tuple(int(s) for s in input_shape)
-    if len(shape) not in (4, 5):
-        raise ValueError(f"time_layouts: input_shape must be 4-D or 5-D, got {input_shape!r}.")
+    if len(shape) not in (3, 4, 5):
+        raise ValueError(f"time_layouts: input_shape must be 3-D, 4-D or 5-D, got {input_shape!r}.")
     if steps < 1 or warmup < 0:
         raise ValueError(f"time_layouts: need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}.")
     device = torch.device(device) if device is not None else _device_of(model)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     batch = torch.randn(shape, device=device, dtype=dtype)
-    models = {layout: model_in_layout(model, layout, device) for layout in LAYOUTS}
+    models = {layout: model_in_layout(model, layout, device, conv1d=len(shape) == 3) for layout in LAYOUTS}
     inputs = {layout: _input_in_layout(batch, layout) for layout in LAYOUTS}
 
     def step(layout: str) -> None:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
-from collections.abc import Callable, Mapping
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
@@ -15,7 +12,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last
+from cltrain.autolayout import to_contiguous
+from cltrain.batch_layout import first_image_tensor, restride_batch
+from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d
+from cltrain.model_access import (
+    model_copies,
+    restride_optimizer_state,
+    run_after,
+    step_target,
+    undo_run_after,
+)
 
 __all__ = ["ChannelsLast"]
 
@@ -44,6 +50,12 @@ class ChannelsLast(Callback):
     LightningModule written with no knowledge of cltrain, whatever batch hooks
     it or its DataModule define.
 
+    Averaged copies of the model (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
+    ``StochasticWeightAveraging``, or any callback holding a copy: see :func:`cltrain.model_access.model_copies`)
+    are put in the model's layout too, whatever the callback order: those callbacks copy
+    the module in their ``setup``, before it is converted, and would otherwise cross
+    layouts at every update and every validation swap.
+
     When a run resumes from a checkpoint, optimizer state tensors (momentum
     buffers, Adam moments) are restrided to their parameter's layout at
     ``on_train_start``. Checkpoints stay portable: ``load_state_dict`` copies
@@ -62,8 +74,27 @@ class ChannelsLast(Callback):
         audit: run :func:`cltrain.audit.audit` on the first training batch and
             print which ops lose the layout (rank zero).
         input_shape: ``(N, C, H, W)`` or ``(N, C, D, H, W)`` for ``mode="auto"``;
-            when ``None`` it is read from the DataModule's ``input_shape``.
+            when ``None`` it is read from the DataModule's ``input_shape``. A rank-3
+            ``(N, C, L)`` shape times a 1-D model with channels-last 1-D strides
+            (:func:`cltrain.layout.to_channels_last_1d`) against NCL; if that wins, the
+            Conv1d/ConvTranspose1d weights and every rank-3 floating batch tensor get
+            those strides. ``"full"``/``"conv"`` never touch rank-3 tensors.
         auto_steps: timed steps per layout in ``mode="auto"``.
+
+    Attributes:
+        layout: the layout the callback put the model in, for reports (``metrics.json``, a
+            summary line): ``"channels_last"`` (the channels-last format of each tensor's
+            rank: ``channels_last`` for 4-D, ``channels_last_3d`` for 5-D) or
+            ``"contiguous"`` (NCHW/NCDHW: what ``mode="auto"`` keeps when it times faster;
+            a model that arrived channels_last is then put back in NCHW, so the word is
+            true). ``None`` before ``setup`` and always with ``mode="off"``, which leaves
+            the model as it is.
+        timings: with ``mode="auto"``, the median seconds per timed step of each layout,
+            ``{"channels_last": s, "contiguous": s}`` (the same on every rank); else ``None``.
+        summary: :func:`cltrain.layout_summary` of the model's parameters and buffers
+            once converted.
+        audit_report: with ``audit=True``, the :class:`cltrain.audit.AuditReport` of the
+            first training batch.
 
     Raises:
         ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, an
@@ -94,10 +125,11 @@ class ChannelsLast(Callback):
         if not isinstance(audit, bool):
             raise ValueError(f"ChannelsLast(audit={audit!r}): expected True or False.")
         if input_shape is not None and (
-            len(input_shape) not in (4, 5) or not all(isinstance(s, int) and s > 0 for s in input_shape)
+            len(input_shape) not in (3, 4, 5) or not all(isinstance(s, int) and s > 0 for s in input_shape)
         ):
             raise ValueError(
-                f"ChannelsLast(input_shape={input_shape!r}): expected (N, C, H, W) or (N, C, D, H, W) positive ints."
+                f"ChannelsLast(input_shape={input_shape!r}): expected (N, C, H, W), (N, C, D, H, W) or, for a 1-D "
+                "model, (N, C, L) positive ints."
             )
         if not isinstance(auto_steps, int) or auto_steps < 1:
             raise ValueError(f"ChannelsLast(auto_steps={auto_steps!r}): expected an int >= 1.")
@@ -106,13 +138,11 @@ class ChannelsLast(Callback):
         self.audit = audit
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.auto_steps = auto_steps
-        #: the layout in force once the model is converted: "channels_last" or "contiguous".
         self.layout: str | None = None
-        #: ``mode="auto"``'s timings, seconds per step by layout.
         self.timings: dict[str, float] | None = None
-        #: layout_summary of the model after conversion.
         self.summary: dict[str, int] | None = None
         self.audit_report: Any = None
+        self._one_d = False  # auto timed a rank-3 shape: channels-last 1-D for Conv1d and rank-3 batches
         self._audited = False
         self._told_inputs = False
         self._warned_no_conv = False
@@ -131,21 +161,37 @@ class ChannelsLast(Callback):
         # LightningModule.setup runs after this hook and configure_model after that; the model
         # is complete only then, and the strategy moves and wraps it right after.
         last = "configure_model" if is_overridden("configure_model", pl_module) else "setup"
-        _run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
+        run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        for hook in ("setup", "configure_model"):
-            if getattr(pl_module.__dict__.get(hook), "_cltrain_once", False):
-                del pl_module.__dict__[hook]
+        undo_run_after(pl_module)
+
+    def _put_in_layout(self, module: nn.Module) -> None:
+        if self.layout == "channels_last":
+            to_channels_last(module, mode="conv" if self.mode == "conv" else "full")
+            if self._one_d:
+                to_channels_last_1d(module)
+        else:  # auto kept NCHW: make that true even for a model that arrived channels_last
+            to_contiguous(module)
+
+    def _convert_copies(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Averaging callbacks deep-copy the module in their own `setup`, before this callback
+        # converts it (whatever the callback order); every EMA update and validation swap
+        # would then copy across layouts. Their copies join the model's layout here.
+        if self.layout is None:
+            return
+        for copy_ in model_copies(trainer, pl_module, exclude=self):
+            self._put_in_layout(copy_)
 
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.layout is None:
             self.layout = "channels_last" if self.mode != "auto" else self._choose(trainer, pl_module)
-        if self.layout == "channels_last":
-            to_channels_last(pl_module, mode="conv" if self.mode == "conv" else "full")
+        self._put_in_layout(pl_module)
+        self._convert_copies(trainer, pl_module)
         self.summary = layout_summary(pl_module, buffers=True)
-        if not self._warned_no_conv and not any(isinstance(m, CONV_TYPES) for m in pl_module.modules()):
+        convs = CONV_TYPES + CONV1D_TYPES if self._one_d else CONV_TYPES
+        if not self._warned_no_conv and not any(isinstance(m, convs) for m in pl_module.modules()):
             self._warned_no_conv = True
             rank_zero_warn(
                 f"ChannelsLast: {type(pl_module).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
@@ -166,8 +212,9 @@ class ChannelsLast(Callback):
         from cltrain.autolayout import choose_layout
 
         decision: list[Any] = [None, None]
+        self._one_d = len(self._shape(trainer)) == 3
         if trainer.is_global_zero:
-            target = _step_target(pl_module)
+            target = step_target(pl_module)
             layout, timings = choose_layout(
                 target,
                 self._shape(trainer),
@@ -187,25 +234,11 @@ class ChannelsLast(Callback):
     def _convert_batch(self, batch: Any) -> None:
         if self.mode == "off" or not self.convert_inputs or self.layout is None:
             return
-        want_cl = self.layout == "channels_last"
-        converted = [0]
-
-        def restride(t: torch.Tensor) -> None:
-            if t.dim() not in (4, 5) or not t.is_floating_point() or t.layout is not torch.strided:
-                return
-            if want_cl and not is_channels_last(t):
-                t.data = to_channels_last(t.data)
-            elif not want_cl and not t.is_contiguous():
-                t.data = t.data.contiguous()
-            else:
-                return
-            converted[0] += 1
-
-        _visit_tensors(batch, restride)
-        if converted[0] and not self._told_inputs:
+        converted = restride_batch(batch, self.layout, one_d=self._one_d)
+        if converted and not self._told_inputs:
             self._told_inputs = True
             rank_zero_info(
-                f"ChannelsLast: batches arrive in another layout; converting {converted[0]} tensor(s) per batch "
+                f"ChannelsLast: batches arrive in another layout; converting {converted} tensor(s) per batch "
                 f"to {self.layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary."
             )
 
@@ -242,85 +275,19 @@ class ChannelsLast(Callback):
         # strides they were saved with, which may be another layout than their parameter's.
         if self.mode == "off":
             return
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    state = optimizer.state.get(param, {})
-                    for key, value in state.items():
-                        if _needs_param_strides(value, param):
-                            state[key] = torch.empty_like(param, dtype=value.dtype, device=value.device).copy_(value)
+        self._convert_copies(trainer, pl_module)  # copies made later than setup (on_fit_start)
+        restride_optimizer_state(trainer.optimizers)
 
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         from cltrain.audit import audit
 
-        example = _first_image_tensor(batch)
+        example = first_image_tensor(batch)
         if example is None:
             rank_zero_warn("ChannelsLast(audit=True): the first training batch holds no 4-D/5-D float tensor to audit.")
             return
-        target = _step_target(pl_module)
+        target = step_target(pl_module)
         # A copy: the real module may be wrapped by DDP, whose gradient hooks must not see this backward.
         self.audit_report = audit(
             copy.deepcopy(target), example.detach(), autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision))
         )
         rank_zero_info(f"ChannelsLast layout audit of {type(target).__name__}:\n{self.audit_report.format_table()}")
-
-
-def _run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
-    """Make ``module.<hook>()`` call ``then()`` after itself, once, then restore the hook."""
-    if getattr(module.__dict__.get(hook), "_cltrain_once", False):
-        del module.__dict__[hook]  # left from a run that stopped early
-    original = getattr(module, hook)
-
-    @functools.wraps(original)  # keeps Lightning's is_overridden() answer unchanged
-    def once(*args: Any, **kwargs: Any) -> Any:
-        module.__dict__.pop(hook, None)
-        result = original(*args, **kwargs)
-        then()
-        return result
-
-    once._cltrain_once = True  # type: ignore[attr-defined]
-    # nn.Module.__setattr__ would accept this too, but __dict__ keeps it out of state_dict logic.
-    module.__dict__[hook] = once
-
-
-def _visit_tensors(obj: Any, fn: Callable[[torch.Tensor], None]) -> None:
-    if isinstance(obj, torch.Tensor):
-        fn(obj)
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _visit_tensors(value, fn)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _visit_tensors(value, fn)
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        for field in fields(obj):
-            _visit_tensors(getattr(obj, field.name), fn)
-
-
-def _first_image_tensor(batch: Any) -> torch.Tensor | None:
-    found: list[torch.Tensor] = []
-    _visit_tensors(batch, lambda t: found.append(t) if t.dim() in (4, 5) and t.is_floating_point() else None)
-    return found[0] if found else None
-
-
-def _step_target(pl_module: LightningModule) -> nn.Module:
-    """The module a batch goes through: the LightningModule if it defines ``forward``, else its
-    largest child (``self.model``, ``self.net``, ...)."""
-    if is_overridden("forward", pl_module):
-        return pl_module
-    children = [m for m in pl_module.children() if any(True for _ in m.parameters())]
-    if not children:
-        raise ValueError(
-            f"ChannelsLast: {type(pl_module).__name__} defines no forward() and has no child module with "
-            "parameters to time or audit; define forward(), or use mode='full' without audit."
-        )
-    return max(children, key=lambda m: sum(p.numel() for p in m.parameters()))
-
-
-def _needs_param_strides(value: Any, param: torch.Tensor) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and memory_format_for(param) is not None
-        and value.shape == param.shape
-        and value.stride() != param.stride()
-    )

@@ -34,13 +34,16 @@ import torch
 from torch import nn
 
 __all__ = [
+    "CONV1D_TYPES",
     "CONV_TYPES",
     "MODES",
     "is_channels_last",
+    "is_channels_last_1d",
     "layout_of",
     "layout_summary",
     "memory_format_for",
     "to_channels_last",
+    "to_channels_last_1d",
 ]
 
 Mode = Literal["full", "conv"]
@@ -48,6 +51,9 @@ MODES: tuple[str, ...] = ("full", "conv")
 
 #: The layers whose weights ``mode="conv"`` converts.
 CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+#: The layers whose weights :func:`to_channels_last_1d` converts.
+CONV1D_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -63,10 +69,11 @@ def memory_format_for(tensor: torch.Tensor) -> torch.memory_format | None:
     return None
 
 
-def _canonical_strides(shape: torch.Size, memory_format: torch.memory_format) -> tuple[int, ...]:
+def _canonical_strides(shape: torch.Size, memory_format: torch.memory_format | None) -> tuple[int, ...]:
     # The strides `torch.empty(shape, memory_format=...)` (and so `.to(memory_format=...)`)
     # gives: channels innermost, then the spatial dims right to left, batch outermost.
-    order = (1, 3, 2, 0) if memory_format is torch.channels_last else (1, 4, 3, 2, 0)
+    # `None` is channels-last 1-D for (N, C, L), which has no torch.memory_format.
+    order = {torch.channels_last: (1, 3, 2, 0), torch.channels_last_3d: (1, 4, 3, 2, 0), None: (1, 2, 0)}[memory_format]
     strides = [0] * len(shape)
     step = 1
     for d in order:
@@ -112,9 +119,13 @@ def is_channels_last(tensor: torch.Tensor) -> bool:
 def layout_of(tensor: torch.Tensor) -> str:
     """One word for ``tensor``'s layout: ``"channels_last"``, ``"channels_last_3d"``,
     ``"contiguous"`` (dense NCHW/NCDHW), ``"strided"`` (neither: a slice, an
-    expanded view, ...) or ``"rank<N>"`` for ranks other than 4 and 5."""
+    expanded view, ...), ``"channels_last_1d"`` for a rank-3 tensor that :func:`is_channels_last_1d`
+    accepts (unless C == L == 1, where both layouts coincide), or ``"rank<N>"`` for
+    other ranks and other rank-3 tensors."""
     fmt = memory_format_for(tensor)
     if fmt is None:
+        if tensor.dim() == 3 and tensor.shape[1] * tensor.shape[2] > 1 and is_channels_last_1d(tensor):
+            return "channels_last_1d"
         return f"rank{tensor.dim()}"
     if is_channels_last(tensor):
         return "channels_last" if fmt is torch.channels_last else "channels_last_3d"
@@ -231,3 +242,81 @@ def layout_summary(module: nn.Module, buffers: bool = False) -> dict[str, int]:
     for t in tensors:
         counts["uninitialized" if not _is_materialized(t) else layout_of(t)] += 1
     return dict(sorted(counts.items()))
+
+
+# ---- channels-last 1-D ----------------------------------------------------------------------------
+# Stock PyTorch has no channels-last format for rank 3 (pytorch#66681), but (N, C, L) strides
+# (C*L, 1, C) can be expressed, and Conv1d (which runs as a 2-D convolution on (N, C, 1, L))
+# then picks its NHWC kernels. Intel's XPU extension calls these `to_channels_last_1d` /
+# `is_contiguous_channels_last_1d`. Measured on this project's CPU it is usually SLOWER (see
+# the README); `ChannelsLast(mode="auto")` with a rank-3 input_shape times it before using it.
+
+
+def is_channels_last_1d(tensor: torch.Tensor) -> bool:
+    """Whether a rank-3 ``(N, C, L)`` tensor has channels-last 1-D strides ``(C*L, 1, C)``.
+
+    The same rules as :func:`is_channels_last`: dense in that order, and the strides of
+    size-1 channel/length dims must be the canonical ones (the batch stride is not compared
+    when N == 1). A plain contiguous ``(N, 1, L)`` or ``(N, C, 1)`` tensor is therefore
+    **not** channels-last 1-D, and when C == L == 1 both layouts coincide and the answer is
+    ``True``. Other ranks and non-strided tensors are ``False``.
+    """
+    if tensor.dim() != 3 or tensor.layout is not torch.strided:
+        return False
+    expected = _canonical_strides(tensor.shape, None)
+    return all(
+        stride == want
+        for d, (size, stride, want) in enumerate(zip(tensor.shape, tensor.stride(), expected))
+        if size != 1 or d != 0
+    )
+
+
+def _restride_1d(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() != 3 or tensor.layout is not torch.strided or is_channels_last_1d(tensor):
+        return tensor
+    # `transpose(1, 2).contiguous()` is a no-op on the ambiguous shapes (C == 1 or L == 1):
+    # write into canonical strides instead. `copy_` is differentiable, so gradients flow.
+    out = torch.empty_strided(
+        tensor.shape, _canonical_strides(tensor.shape, None), dtype=tensor.dtype, device=tensor.device
+    )
+    return out.copy_(tensor)
+
+
+@overload
+def to_channels_last_1d(obj: torch.Tensor) -> torch.Tensor: ...
+@overload
+def to_channels_last_1d(obj: M) -> M: ...
+
+
+def to_channels_last_1d(obj):
+    """Give an ``(N, C, L)`` tensor, or a module's Conv1d/ConvTranspose1d weights, channels-last
+    1-D strides ``(C*L, 1, C)`` (the layout Intel's ``to_channels_last_1d`` makes).
+
+    Args:
+        obj: a rank-3 tensor (other ranks are returned unchanged), or an ``nn.Module``
+            whose :data:`CONV1D_TYPES` weights are restrided in place (through ``.data``,
+            gradients too, so optimizer-held ``Parameter`` objects stay the same).
+
+    Returns:
+        The tensor restrided (a copy that autograd follows; the tensor itself when already
+        channels-last 1-D), or the same module.
+
+    Raises:
+        TypeError: ``obj`` is neither a tensor nor a module.
+
+    Example::
+
+        >>> x = to_channels_last_1d(torch.randn(2, 4, 10))
+        >>> x.stride(), is_channels_last_1d(x)
+        ((40, 1, 4), True)
+    """
+    if isinstance(obj, torch.Tensor):
+        return _restride_1d(obj)
+    if isinstance(obj, nn.Module):
+        for sub in obj.modules():
+            if isinstance(sub, CONV1D_TYPES) and _is_materialized(sub.weight):
+                sub.weight.data = _restride_1d(sub.weight.data)
+                if sub.weight.grad is not None:
+                    sub.weight.grad = _restride_1d(sub.weight.grad)
+        return obj
+    raise TypeError(f"to_channels_last_1d expects a torch.Tensor or an nn.Module, got {type(obj).__name__}.")

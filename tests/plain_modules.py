@@ -13,11 +13,15 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class RandomImages(Dataset):
-    """``n`` random ``(C, H, W)`` float images with int labels; batches come out NCHW-contiguous."""
+    """``n`` random ``(C, H, W)`` float images (``(C, T, H, W)`` clips with ``frames``) with int
+    labels; batches come out NCHW- (NCDHW-) contiguous."""
 
-    def __init__(self, n: int = 6, channels: int = 3, size: int = 32, classes: int = 4, seed: int = 0):
+    def __init__(
+        self, n: int = 6, channels: int = 3, size: int = 32, classes: int = 4, seed: int = 0, frames: int | None = None
+    ):
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, channels, size, size, generator=g)
+        time = (frames,) if frames is not None else ()
+        self.x = torch.randn(n, channels, *time, size, size, generator=g)
         self.y = torch.randint(0, classes, (n,), generator=g)
 
     def __len__(self) -> int:
@@ -29,6 +33,19 @@ class RandomImages(Dataset):
 
 def loader(n: int = 6, batch_size: int = 4, channels: int = 3, size: int = 32, **kw) -> DataLoader:
     return DataLoader(RandomImages(n, channels, size), batch_size=batch_size, **kw)
+
+
+def clip_loader(n: int = 4, batch_size: int = 2, frames: int = 4, size: int = 16, **kw) -> DataLoader:
+    """Random ``(3, frames, size, size)`` clips: batches come out NCDHW-contiguous."""
+    return DataLoader(RandomImages(n, 3, size, frames=frames), batch_size=batch_size, **kw)
+
+
+def tiny_video_net(classes: int = 4) -> nn.Module:
+    """A small Conv3d classifier, as a user's own video model would be written."""
+    return nn.Sequential(
+        nn.Conv3d(3, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(), nn.Conv3d(8, 8, (1, 3, 3), padding=(0, 1, 1)),
+        nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(8, classes),
+    )
 
 
 class Classifier(LightningModule):
@@ -73,4 +90,6 @@ class Classifier(LightningModule):
 
 
 def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return torch.empty(shape, memory_format=torch.channels_last).stride()
+    """The channels-last strides for a 4-D (``channels_last``) or 5-D (``channels_last_3d``) shape."""
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    return torch.empty(shape, memory_format=fmt).stride()

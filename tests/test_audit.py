@@ -5,7 +5,7 @@ from torch import nn
 
 import cltrain
 from cltrain import to_channels_last
-from cltrain.audit import AuditReport, audit, main
+from cltrain.audit import AuditReport, audit
 
 
 class LosesLayout(nn.Module):
@@ -133,13 +133,6 @@ def test_custom_loss_fn_and_tuple_input():
 
 def test_is_exported_as_cltrain_audit():
     assert cltrain.audit is audit
-
-
-def test_command_line_prints_the_report(capsys):
-    report = main(["model=squeezenet1_1", "batch_size=1", "image_size=64", "dtype=bf16"])
-    out = capsys.readouterr().out
-    assert "model=squeezenet1_1" in out and "Layout audit of SqueezeNet" in out and "autocast bfloat16" in out
-    assert isinstance(report, AuditReport)
 
 
 def test_handles_5d_models():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from cltrain import layout_of, layout_summary, to_channels_last
+from cltrain import is_channels_last_1d, layout_of, layout_summary, to_channels_last
 from cltrain.autolayout import choose_layout, model_in_layout, scalar_loss, time_layouts
 
 
@@ -64,10 +64,40 @@ def test_time_layouts_runs_under_bf16_autocast():
     assert all(s > 0 for s in seconds.values())
 
 
-@pytest.mark.parametrize("shape", [(3, 16, 16), (2, 3, 4, 4, 4, 4)])
+@pytest.mark.parametrize("shape", [(16, 16), (2, 3, 4, 4, 4, 4)])
 def test_time_layouts_rejects_other_ranks(shape):
-    with pytest.raises(ValueError, match="4-D or 5-D"):
+    with pytest.raises(ValueError, match="3-D, 4-D or 5-D"):
         time_layouts(slow_model("none"), shape)
+
+
+class SlowIn1d(nn.Module):
+    """A Conv1d net that sleeps when its input has channels-last 1-D strides (or NCL ones)."""
+
+    def __init__(self, slow_channels_last: bool) -> None:
+        super().__init__()
+        self.slow_channels_last = slow_channels_last
+        self.conv = nn.Conv1d(2, 8, 5)
+        self.up = nn.ConvTranspose1d(8, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_channels_last_1d(x) == self.slow_channels_last and x.shape[1] > 1:
+            time.sleep(0.2)
+        return self.up(torch.relu(self.conv(x)))
+
+
+@pytest.mark.parametrize("slow_channels_last", [True, False])
+def test_choose_layout_times_1d_models_with_channels_last_1d_strides(slow_channels_last):
+    layout, seconds = choose_layout(SlowIn1d(slow_channels_last), (2, 2, 64), steps=2, warmup=0)
+    assert layout == ("contiguous" if slow_channels_last else "channels_last")
+    assert abs(seconds["channels_last"] - seconds["contiguous"]) > 0.1
+
+
+def test_model_in_layout_conv1d_and_back():
+    cl = model_in_layout(SlowIn1d(True), "channels_last", conv1d=True)
+    assert is_channels_last_1d(cl.conv.weight) and is_channels_last_1d(cl.up.weight)
+    assert not is_channels_last_1d(model_in_layout(SlowIn1d(True), "channels_last").conv.weight)
+    back = model_in_layout(cl, "contiguous")
+    assert back.conv.weight.is_contiguous() and back.up.weight.is_contiguous()
 
 
 def test_model_in_layout_copies_and_converts():

@@ -109,6 +109,19 @@ def test_nested_dict_batches_convert_only_floating_rank_4_and_5(tmp_path):
             assert stride == torch.empty(shape).stride(), untouched
 
 
+def test_any_collection_lightning_moves_is_converted(tmp_path):
+    # a UserList batch (a Sequence, not a list): Lightning's apply_to_collection carries it to the
+    # device, so the callback must reach its tensors too (a hand-written list/tuple visitor did not)
+    from collections import UserList
+
+    from torch.utils.data import default_collate
+
+    model = Classifier(net=nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4)))
+    data = DataLoader(RandomImages(4), batch_size=2, collate_fn=lambda items: UserList(default_collate(items)))
+    make_trainer(tmp_path, [ChannelsLast()]).fit(model, data)
+    assert_all_channels_last(model.seen["train"])
+
+
 def test_no_copy_when_batches_arrive_channels_last(tmp_path):
     made = []
 
@@ -196,7 +209,8 @@ def test_convert_inputs_false_leaves_batches(tmp_path):
     [
         ({"mode": "fast"}, "mode='fast'"),
         ({"convert_inputs": "yes"}, "convert_inputs='yes'"),
-        ({"input_shape": (3, 32, 32)}, r"input_shape=\(3, 32, 32\)"),
+        ({"input_shape": (32, 32)}, r"input_shape=\(32, 32\)"),
+        ({"input_shape": (2, 3, 0, 32)}, r"input_shape=\(2, 3, 0, 32\)"),
         ({"auto_steps": 0}, "auto_steps=0"),
     ],
 )

@@ -7,8 +7,9 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from cltrain import ChannelsLast, is_channels_last
+from cltrain import ChannelsLast, is_channels_last, is_channels_last_1d, to_channels_last
 from plain_modules import Classifier, loader
 
 
@@ -85,3 +86,70 @@ def test_audit_clean_model_reports_nothing(tmp_path):
     callback = ChannelsLast(audit=True)
     fit(tmp_path, Classifier(), callback)
     assert callback.audit_report is not None and callback.audit_report.rows == []
+
+
+def test_layout_attribute_says_what_the_model_is_in(tmp_path):
+    full, off = ChannelsLast(), ChannelsLast(mode="off")
+    assert full.layout is None and full.timings is None
+    fit(tmp_path, Classifier(net=SlowIn("none")), full)
+    assert full.layout == "channels_last" and full.timings is None and full.summary["channels_last"] == 1
+    fit(tmp_path, Classifier(net=SlowIn("none")), off)
+    assert off.layout is None
+
+
+def test_auto_keeping_contiguous_makes_a_channels_last_model_contiguous(tmp_path):
+    # the user converted the model already; auto finds NCHW faster, so "contiguous" must be true
+    model = Classifier(net=to_channels_last(SlowIn("channels_last")))
+    assert is_channels_last(model.net.body[0].weight)
+    callback = ChannelsLast(mode="auto", input_shape=(2, 3, 32, 32))
+    fit(tmp_path, model, callback)
+    assert callback.layout == "contiguous" and set(callback.timings) == {"channels_last", "contiguous"}
+    assert model.net.body[0].weight.is_contiguous() and not is_channels_last(model.net.body[0].weight)
+    assert callback.summary == {"contiguous": 1, "rank1": 2, "rank2": 1}
+
+
+class Audio1d(nn.Module):
+    """An M5-style 1-D net that sleeps when its input has the slow strides: forces auto's choice."""
+
+    def __init__(self, slow_channels_last: bool):
+        super().__init__()
+        self.slow_channels_last = slow_channels_last
+        self.body = nn.Sequential(nn.Conv1d(2, 8, 5, stride=2), nn.BatchNorm1d(8), nn.ReLU(), nn.Conv1d(8, 8, 3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if is_channels_last_1d(x) == self.slow_channels_last:
+            time.sleep(0.6)  # well above a step's noise on a busy 2-core machine
+        return self.head(self.body(x).mean(2))
+
+
+def audio_loader(n=4, batch_size=2):
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 2, 64, generator=g), torch.randint(0, 4, (n,), generator=g)), batch_size)
+
+
+@pytest.mark.parametrize("slow_channels_last", [True, False])
+def test_auto_times_a_1d_model_and_applies_its_choice(tmp_path, slow_channels_last):
+    model = Classifier(net=Audio1d(slow_channels_last))
+    callback = ChannelsLast(mode="auto", input_shape=(2, 2, 64), auto_steps=2)
+    Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback],
+    ).fit(model, audio_loader())
+    want_cl = not slow_channels_last
+    assert callback.layout == ("channels_last" if want_cl else "contiguous")
+    assert is_channels_last_1d(model.net.body[0].weight) == want_cl
+    assert is_channels_last_1d(model.net.body[3].weight) == want_cl
+    assert callback.summary.get("channels_last_1d", 0) == (2 if want_cl else 0)
+    for *stride, shape in model.seen["train"]:
+        assert (tuple(stride) == (shape[1] * shape[2], 1, shape[1])) == want_cl
+
+
+def test_full_mode_leaves_a_1d_model_and_its_batches_alone(tmp_path):
+    model = Classifier(net=Audio1d(slow_channels_last=False))
+    Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ChannelsLast()],
+    ).fit(model, audio_loader())
+    assert model.net.body[0].weight.is_contiguous()
+    assert [tuple(s[:3]) for s in model.seen["train"]] == [(128, 64, 1)]

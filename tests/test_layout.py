@@ -5,7 +5,7 @@ import torch
 import torchvision
 from torch import nn
 
-from cltrain import is_channels_last, layout_of, layout_summary, to_channels_last
+from cltrain import is_channels_last, is_channels_last_1d, layout_of, layout_summary, to_channels_last, to_channels_last_1d
 from cltrain.layout import memory_format_for
 
 CL, CL3 = torch.channels_last, torch.channels_last_3d
@@ -160,3 +160,64 @@ def test_converted_resnet_computes_the_same():
     with torch.no_grad():
         torch.testing.assert_close(cl(to_channels_last(x)), ref(x), rtol=1e-4, atol=1e-4)
     assert is_channels_last(cl.conv1.weight)  # load_state_dict keeps the layout
+
+
+# ---- channels-last 1-D -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides"),
+    [((2, 4, 10), (40, 1, 4)), ((2, 1, 10), (10, 1, 1)), ((2, 4, 1), (4, 1, 4)), ((1, 4, 10), (40, 1, 4))],
+)
+def test_1d_tensor_gets_c_l_1_c_strides_values_unchanged(shape, strides):
+    x = torch.randn(shape)
+    y = to_channels_last_1d(x)
+    assert y.stride() == strides and torch.equal(x, y) and is_channels_last_1d(y)
+    assert to_channels_last_1d(y) is y  # no copy when already there
+    assert layout_of(y) == "channels_last_1d" and layout_of(x) == "rank3"
+
+
+def test_1d_predicate_on_ambiguous_shapes():
+    # plain contiguous tensors whose size-1 dims make torch's own checks ambiguous are NCL here
+    assert not is_channels_last_1d(torch.randn(2, 1, 10))  # C == 1: strides (10, 10, 1)
+    assert not is_channels_last_1d(torch.randn(2, 4, 1))  # L == 1: strides (4, 1, 1)
+    assert is_channels_last_1d(torch.randn(3, 1, 1))  # C == L == 1: the layouts coincide
+    assert is_channels_last_1d(torch.randn(1, 10, 4).transpose(1, 2))  # an NLC buffer seen as NCL
+    assert not is_channels_last_1d(torch.randn(2, 4, 10)[:, :, ::2])  # a strided slice
+    assert not is_channels_last_1d(to_channels_last(torch.randn(2, 3, 4, 4)))  # other ranks
+    assert to_channels_last_1d(torch.randn(2, 3, 4, 4)).stride() == (48, 16, 4, 1)
+
+
+def test_1d_gradients_flow_and_conv1d_computes_the_same():
+    conv = nn.Conv1d(4, 6, 3)
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    expected = conv(x)
+    expected.sum().backward()
+    grad_x, grad_w = x.grad.clone(), conv.weight.grad.clone()
+    x.grad = None
+    to_channels_last_1d(conv)  # restrides the weight and its grad in place
+    assert is_channels_last_1d(conv.weight) and is_channels_last_1d(conv.weight.grad)
+    conv.weight.grad = None
+    out = conv(to_channels_last_1d(x))
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, grad_x)
+    torch.testing.assert_close(conv.weight.grad, grad_w)
+
+
+def test_1d_module_helper_converts_only_conv1d_weights():
+    model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ConvTranspose1d(4, 2, 3), nn.Conv2d(2, 2, 3), nn.Linear(3, 3))
+    to_channels_last_1d(model)
+    assert is_channels_last_1d(model[0].weight) and is_channels_last_1d(model[1].weight)
+    assert model[2].weight.is_contiguous() and model[3].weight.is_contiguous()
+    with pytest.raises(TypeError, match="got list"):
+        to_channels_last_1d([1])
+
+
+def test_full_and_conv_modes_leave_rank_3_alone():
+    model = nn.Sequential(nn.Conv1d(2, 4, 3))
+    for mode in ("full", "conv"):
+        to_channels_last(model, mode=mode)
+        assert model[0].weight.is_contiguous() and not is_channels_last_1d(model[0].weight)
+    x = torch.randn(2, 4, 8)
+    assert to_channels_last(x) is x
