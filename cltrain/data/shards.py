@@ -221,12 +221,13 @@ class ShardsDataModule(ImageFolderDataModule):
             self.val_set = ShardsDataset(self.root, "val", self.eval_transform, collate)
 
     @override
-    def _loader(self, dataset: ShardsDataset | None, shuffle: bool) -> PrefetchDataLoader:  # type: ignore[override]
+    def _loader(self, dataset: ShardsDataset | None, train: bool) -> PrefetchDataLoader:  # type: ignore[override]
+        # Nothing is dropped, also in training: the sampler keeps ranks in step exactly once (see ShardBatchSampler).
         if dataset is None:
             raise RuntimeError("ShardsDataModule: call setup() (the Trainer does) before asking for a dataloader.")
         workers = self.num_workers
         prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
-        sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=shuffle, seed=self.seed,
+        sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=train, seed=self.seed,
                                     shuffle_window=self.shuffle_window)
         # batch_size=None: the sampler yields whole batches and the dataset collates them in the worker.
         return PrefetchDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers,
