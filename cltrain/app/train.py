@@ -94,12 +94,37 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
         raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
+    _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
     try:
         datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
     except (FileNotFoundError, NotADirectoryError, ValueError) as err:
         raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
                           "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
     return datamodule
+
+
+def _check_layout(root: Path, allow_missing_val_classes: bool, evaluate_only: bool) -> None:
+    """The ImageNet layout, checked cheaply (one directory listing per class) before anything is built:
+    both splits there, no empty class folder, every training class in ``val/``."""
+    layout = "an ImageNet-layout folder: train/<class>/<image>, val/<class>/<image>"
+    classes: dict[str, set[str]] = {}
+    for split in ("val",) if evaluate_only else ("train", "val"):
+        folder = root / split
+        if not folder.is_dir():
+            raise ConfigError("data.root", str(root), f"has no {split}/ folder", layout)
+        classes[split] = {e.name for e in os.scandir(folder) if e.is_dir()}
+        if not classes[split]:
+            raise ConfigError("data.root", str(root), f"{split}/ has no class folders", layout)
+        for name in sorted(classes[split]):
+            with os.scandir(folder / name) as entries:
+                if next(entries, None) is None:
+                    raise ConfigError("data.root", str(root), f"the class folder {split}/{name}/ is empty",
+                                      f"remove it, or put its images there")
+    missing = sorted(classes.get("train", set()) - classes["val"])
+    if missing and not allow_missing_val_classes:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ConfigError("data.root", str(root), f"{len(missing)} training class(es) have no val/ folder ({shown})",
+                          "add them to val/, or data.allow_missing_val_classes=true")
 
 
 def _arguments(target: str) -> set[str]:
