@@ -79,3 +79,19 @@ def test_concurrent_runs_from_one_folder_get_their_own_directories(tmp_path: Pat
         assert (run / ".hydra" / "config.yaml").is_file() and f"seed: {metrics['config']['seed']}" in \
             (run / ".hydra" / "config.yaml").read_text()
     assert seeds == {0, 1}
+
+
+def test_a_requeued_slurm_job_may_come_back_to_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "slurm-77"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.json").write_text("{}")
+    (run / CLAIM).write_text(f"1 another-node\n")  # the first attempt ran elsewhere
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    with pytest.raises(ConfigError, match="holds an earlier run"):
+        claim_run_dir(run)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(ConfigError, match="holds an earlier run"):  # nothing for Lightning to resume from
+        claim_run_dir(run)
+    (run / "hpc_ckpt_1.ckpt").write_bytes(b"x")
+    assert claim_run_dir(run) == run and (run / CLAIM).read_text().split()[0] == str(os.getpid())

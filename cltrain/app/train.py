@@ -44,7 +44,7 @@ from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
 from cltrain.app.progress import MainAmpProgress
 from cltrain.app.report import write_metrics
-from cltrain.app.rundir import claim_run_dir
+from cltrain.app.rundir import claim_run_dir, is_slurm_requeue
 from cltrain.app.schedule import scaled_lr
 from cltrain.app.signals import RunInterrupted, SignalStop
 
@@ -252,7 +252,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
             metrics["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
         metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
         if trainer.is_global_zero:
-            write_metrics(run_dir, metrics)
+            write_metrics(run_dir, metrics, replace=is_slurm_requeue())  # a requeued job ends its own run
         return metrics
 
     ckpt_path = _absolute(cfg.get("ckpt_path"))
