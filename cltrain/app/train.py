@@ -30,7 +30,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -40,6 +39,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from cltrain.app.config import ConfigError, Resolved, validate
+from cltrain.app.datasource import absolute as _absolute
+from cltrain.app.datasource import build_datamodule
 from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
 from cltrain.app.progress import MainAmpProgress
@@ -48,7 +49,7 @@ from cltrain.app.rundir import claim_run_dir, is_slurm_requeue
 from cltrain.app.schedule import scaled_lr
 from cltrain.app.signals import RunInterrupted, SignalStop
 
-__all__ = ["train"]
+__all__ = ["build_datamodule", "resume_command", "train"]
 
 
 def _run_dir(cfg: DictConfig) -> Path:
@@ -68,71 +69,6 @@ def _refuse_ddp_in_a_sweep(cfg: DictConfig) -> None:
             and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise ConfigError("trainer.devices", devices, "more than one process cannot be launched inside a -m sweep",
                           "1 in a sweep; or run each DDP config on its own, or under torchrun/SLURM")
-
-
-def _absolute(path: Any) -> str | None:
-    return None if path is None else str(Path(str(path)).expanduser().resolve())
-
-
-def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
-    """The configured DataModule (``data._target_``), with the demo set generated first when configured."""
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    demo = data.pop("demo", None)
-    data["root"] = _absolute(data["root"])
-    if demo is not None:
-        from cltrain.data import make_demo_dataset
-
-        demo.pop("any_root", None)
-        try:
-            make_demo_dataset(data["root"], **demo)
-        except FileExistsError as err:  # a different folder already sits at root
-            raise ConfigError("data.root", data["root"], str(err).removeprefix("make_demo_dataset: "),
-                              "a new path, or the demo folder made with the same data.demo settings") from None
-    if not data.get("allow_missing_val_classes", True) and "allow_missing_val_classes" not in _arguments(data["_target_"]):
-        data.pop("allow_missing_val_classes")  # a DataModule without the option: the default behaviour is the same
-    try:
-        datamodule = instantiate(data, channels_last=cfg.channels_last)
-    except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
-        raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
-    _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
-    try:
-        datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
-    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
-                          "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
-    return datamodule
-
-
-def _check_layout(root: Path, allow_missing_val_classes: bool, evaluate_only: bool) -> None:
-    """The ImageNet layout, checked cheaply (one directory listing per class) before anything is built:
-    both splits there, no empty class folder, every training class in ``val/``."""
-    layout = "an ImageNet-layout folder: train/<class>/<image>, val/<class>/<image>"
-    classes: dict[str, set[str]] = {}
-    for split in ("val",) if evaluate_only else ("train", "val"):
-        folder = root / split
-        if not folder.is_dir():
-            raise ConfigError("data.root", str(root), f"has no {split}/ folder", layout)
-        classes[split] = {e.name for e in os.scandir(folder) if e.is_dir()}
-        if not classes[split]:
-            raise ConfigError("data.root", str(root), f"{split}/ has no class folders", layout)
-        for name in sorted(classes[split]):
-            with os.scandir(folder / name) as entries:
-                if next(entries, None) is None:
-                    raise ConfigError("data.root", str(root), f"the class folder {split}/{name}/ is empty",
-                                      f"remove it, or put its images there")
-    missing = sorted(classes.get("train", set()) - classes["val"])
-    if missing and not allow_missing_val_classes:
-        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-        raise ConfigError("data.root", str(root), f"{len(missing)} training class(es) have no val/ folder ({shown})",
-                          "add them to val/, or data.allow_missing_val_classes=true")
-
-
-def _arguments(target: str) -> set[str]:
-    import importlib
-    import inspect
-
-    module, _, name = target.rpartition(".")
-    return set(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
 
 
 def _apply_cuda_math(cfg: DictConfig) -> None:
@@ -364,7 +300,7 @@ def _summary_line(m: dict[str, Any], num_classes: int) -> str:
         speed = f"{m['val_images_per_second']:.1f} images/s (validation)" if m.get("val_images_per_second") else "-"
     top1 = "-" if m["val_top1"] is None else f"{m['val_top1']:.2f}%"
     top5 = "-" if m["val_top5"] is None else f"{m['val_top5']:.2f}%"
-    math = f", tf32" if m["tf32"] and m["precision"] == "32-true" and m["device"] == "cuda" else ""
+    math = ", tf32" if m["tf32"] and m["precision"] == "32-true" and m["device"] == "cuda" else ""
     return (f"\ncltrain: val top-1 {top1} (chance {100 / num_classes:.1f}%), top-5 {top5} | {speed} "
             f"| {m['model']}, global batch {m['global_batch']}, {m['layout']}, {m['precision']}{math}, {m['device']} "
             f"| {Path(m['run_dir']) / 'metrics.json'}")
