@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.quick and not args.data:
                 args.data = [f"data.root={Path(tmp) / 'demo'}", "data.demo.num_classes=4", "data.demo.train_per_class=8",
                              "data.demo.val_per_class=2", "data.demo.image_size=[96,72]"]
+                args.data.append("data.demo.any_root=true")  # the demo set in a temporary folder, not data/demo
             part2 = end_to_end(args, Path(tmp))
         reference = plain_step_ratio(args, accelerator, precision)
         print(f"\n## End to end on JPEG files ({args.model}, batch {args.batch_size}, {args.image_size} px, "

@@ -128,3 +128,43 @@ def test_a_missing_split_is_a_config_error(tmp_path: Path) -> None:
                           f"run_dir={tmp_path / 'run'}", "device=cpu"])
     with pytest.raises(ConfigError, match=r"data.root=.*train"):
         train(cfg)
+
+
+def test_last_checkpoint_is_the_final_step_when_validation_stops_improving(demo_root: Path, tmp_path: Path) -> None:
+    # lr ~ 0: validation top-1 never improves after epoch 0, so the best checkpoint stays at step 2;
+    # last.ckpt must still hold the final step (Lightning's save_last with a monitor would leave it at step 2).
+    metrics = tiny(demo_root, tmp_path / "run", "trainer.max_epochs=3", "trainer.limit_train_batches=2",
+                   "optim.lr=1e-12", "amp=false", "tf32=false", "cudnn_benchmark=false")
+    assert metrics["status"] == "completed" and metrics["global_step"] == 6
+    assert Path(metrics["best_checkpoint"]).name == "best-epoch000.ckpt"  # the stall really happened
+    assert list(metrics["best_checkpoints"]) == [metrics["best_checkpoint"]]  # checkpoint.save_top_k=1
+    assert metrics["last_checkpoint"] == str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert _state(metrics["last_checkpoint"])["global_step"] == 6
+    assert _state(metrics["best_checkpoint"])["global_step"] == 2
+    # The CUDA math switches are applied process-wide and recorded (issue 9).
+    assert (metrics["tf32"], metrics["cudnn_benchmark"], metrics["float32_matmul_precision"]) == (False, False, "highest")
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
+    on = tiny(demo_root, tmp_path / "on", "trainer.max_steps=1")
+    assert (on["tf32"], on["cudnn_benchmark"], on["float32_matmul_precision"]) == (True, True, "high")
+    assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+
+
+def test_an_exception_mid_epoch_leaves_a_resumable_last_checkpoint(demo_root: Path, tmp_path: Path) -> None:
+    # A huge learning rate turns the weights to inf after the first step; anomaly detection then raises
+    # in the backward pass of a later step: a real error in the middle of an epoch.
+    with pytest.raises(RuntimeError, match="nan|NaN|inf"):
+        tiny(demo_root, tmp_path / "run", "optim.lr=1e30", "amp=false", "+trainer.detect_anomaly=true",
+             "trainer.max_epochs=2")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "RuntimeError" in metrics["error"]
+    state = _state(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == metrics["global_step"] >= 1 and state["optimizer_states"]
+
+
+def test_auto_mode_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -> None:
+    metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "trainer.max_steps=3")
+    weight = _state(metrics["last_checkpoint"])["state_dict"]["model.conv1.weight"]
+    kept = "channels_last" if is_channels_last(weight) else "contiguous"
+    assert metrics["layout"] == kept and metrics["channels_last"] is (kept == "channels_last")
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert on_disk["layout"] == kept

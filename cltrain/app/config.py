@@ -131,7 +131,7 @@ def _validate_paths(cfg: DictConfig) -> None:
         # A typo'd path would otherwise get a freshly generated demo set and train on it without a word.
         raise ConfigError("data.root", str(root), "no such directory; the demo set is generated only at its default "
                           f"location {demo_default_root()}", "data=imagenet data.root=<your folder> for your own "
-                          f"data; or leave data.root unset for the demo set")
+                          "data; or leave data.root unset for the demo set")
     for key in ("ckpt_path", "model.pretrained"):
         path = cfg.get("ckpt_path") if key == "ckpt_path" else cfg.model.get("pretrained")
         if path is not None and not Path(str(path)).expanduser().is_file():

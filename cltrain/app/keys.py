@@ -140,8 +140,8 @@ def _signature_keys(target: Any) -> frozenset[str]:
 
 
 def _unknown(key: str, value: Any, known: frozenset[str] | set[str], prefix: str = "") -> ConfigError:
-    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(prefix + c for c in close)}?" if close else "see python train.py --help"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean {prefix + close[0]}?" if close else "see python train.py --help"
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value, resolve=False)
     return ConfigError(prefix + key, value, f"unknown key; {hint}")

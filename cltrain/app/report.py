@@ -18,10 +18,10 @@ __all__ = ["METRICS_FILE", "collect", "label", "markdown_table", "plot", "read_m
 METRICS_FILE = "metrics.json"
 
 
-def write_metrics(run_dir: str | Path, metrics: dict[str, Any]) -> Path:
-    """Write ``metrics`` as ``<run_dir>/metrics.json`` (refusing to replace an existing file)."""
+def write_metrics(run_dir: str | Path, metrics: dict[str, Any], replace: bool = False) -> Path:
+    """Write ``metrics`` as ``<run_dir>/metrics.json`` (refusing to replace an existing file unless ``replace``)."""
     path = Path(run_dir) / METRICS_FILE
-    with open(path, "x") as f:
+    with open(path, "w" if replace else "x") as f:
         json.dump(metrics, f, indent=2, default=str)
         f.write("\n")
     return path

@@ -24,6 +24,10 @@ in it. ``train(cfg)`` then checks the directory again with
 :func:`claim_run_dir` (it finds its own claim), which also covers ``run_dir=`` and
 ``train`` called without Hydra.
 
+A requeued SLURM job (``SLURM_RESTART_COUNT`` > 0) may come back to its fixed
+directory (e.g. ``hydra.run.dir=outputs/slurm-${oc.env:SLURM_JOB_ID}``) when Lightning
+saved ``hpc_ckpt_<n>.ckpt`` there; Lightning then resumes from it.
+
 Processes that Lightning's DDP launcher starts (``LOCAL_RANK`` > 0) are given the
 parent's directory on their command line (``hydra.run.dir=<parent's dir>``) and
 share it by design: they claim nothing.
@@ -42,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from cltrain.app.config import ConfigError, is_launched_child
 
-__all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir"]
+__all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir", "is_slurm_requeue"]
 
 #: What a run writes into its directory.
 OUTPUTS = ("metrics.json", "checkpoints", "csv")
@@ -88,10 +92,22 @@ def _write_claim(directory: Path, replace: bool = False) -> bool:
     return True
 
 
+def is_slurm_requeue() -> bool:
+    """True in a SLURM job that was requeued (``SLURM_RESTART_COUNT`` > 0)."""
+    return bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+
+
+def _requeued_run(directory: Path) -> bool:
+    """A requeued SLURM job coming back to its own directory, where Lightning saved ``hpc_ckpt_<n>.ckpt``."""
+    return is_slurm_requeue() and any(directory.glob("hpc_ckpt_*.ckpt"))
+
+
 def _refusal(directory: Path, key: str) -> ConfigError | None:
     """Why an existing ``directory`` cannot be this run's, or None if it holds only bookkeeping."""
     if not directory.is_dir():
         return ConfigError(key, str(directory), "is a file, not a directory", "a new directory path")
+    if _requeued_run(directory):
+        return None  # Lightning resumes from the hpc checkpoint there
     entries = sorted(directory.iterdir())
     earlier = [e.name for e in entries if e.name in OUTPUTS]
     if earlier:
@@ -116,7 +132,7 @@ def _claim_existing(directory: Path, key: str) -> bool:
     if _write_claim(directory):
         return True
     owner = _claim_owner(directory)
-    if owner is not None and not _alive(*owner):  # left by a run that is gone (config error, kill -9)
+    if owner is not None and (not _alive(*owner) or _requeued_run(directory)):  # left by a run that is gone
         return _write_claim(directory, replace=True)
     return False
 

@@ -30,7 +30,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
@@ -40,16 +39,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from cltrain.app.components import build_callbacks, build_loggers
 from cltrain.app.config import ConfigError, Resolved, validate
+from cltrain.app.datasource import absolute as _absolute
+from cltrain.app.datasource import build_datamodule
 from cltrain.app.ema import EMA, weights_in_checkpoint
 from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
 from cltrain.app.progress import MainAmpProgress, main_amp_progress_bar
 from cltrain.app.report import write_metrics
-from cltrain.app.rundir import claim_run_dir
+from cltrain.app.rundir import claim_run_dir, is_slurm_requeue
 from cltrain.app.schedule import scaled_lr
 from cltrain.app.signals import RunInterrupted, SignalStop
 
-__all__ = ["train"]
+__all__ = ["build_datamodule", "resume_command", "train"]
 
 
 def _run_dir(cfg: DictConfig) -> Path:
@@ -69,46 +70,6 @@ def _refuse_ddp_in_a_sweep(cfg: DictConfig) -> None:
             and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise ConfigError("trainer.devices", devices, "more than one process cannot be launched inside a -m sweep",
                           "1 in a sweep; or run each DDP config on its own, or under torchrun/SLURM")
-
-
-def _absolute(path: Any) -> str | None:
-    return None if path is None else str(Path(str(path)).expanduser().resolve())
-
-
-def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
-    """The configured DataModule (``data._target_``), with the demo set generated first when configured."""
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    demo = data.pop("demo", None)
-    data["root"] = _absolute(data["root"])
-    if demo is not None:
-        from cltrain.data import make_demo_dataset
-
-        demo.pop("any_root", None)
-        try:
-            make_demo_dataset(data["root"], **demo)
-        except FileExistsError as err:  # a different folder already sits at root
-            raise ConfigError("data.root", data["root"], str(err).removeprefix("make_demo_dataset: "),
-                              "a new path, or the demo folder made with the same data.demo settings") from None
-    if not data.get("allow_missing_val_classes", True) and "allow_missing_val_classes" not in _arguments(data["_target_"]):
-        data.pop("allow_missing_val_classes")  # a DataModule without the option: the default behaviour is the same
-    try:
-        datamodule = instantiate(data, channels_last=cfg.channels_last)
-    except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
-        raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
-    try:
-        datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
-    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
-                          "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
-    return datamodule
-
-
-def _arguments(target: str) -> set[str]:
-    import importlib
-    import inspect
-
-    module, _, name = target.rpartition(".")
-    return set(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
 
 
 def _apply_cuda_math(cfg: DictConfig) -> None:
@@ -242,7 +203,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
             metrics["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
         metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
         if trainer.is_global_zero:
-            write_metrics(run_dir, metrics)
+            write_metrics(run_dir, metrics, replace=is_slurm_requeue())  # a requeued job ends its own run
         return metrics
 
     ckpt_path = _absolute(cfg.get("ckpt_path"))
@@ -354,7 +315,7 @@ def _summary_line(m: dict[str, Any], num_classes: int) -> str:
         speed = f"{m['val_images_per_second']:.1f} images/s (validation)" if m.get("val_images_per_second") else "-"
     top1 = "-" if m["val_top1"] is None else f"{m['val_top1']:.2f}%"
     top5 = "-" if m["val_top5"] is None else f"{m['val_top5']:.2f}%"
-    math = f", tf32" if m["tf32"] and m["precision"] == "32-true" and m["device"] == "cuda" else ""
+    math = ", tf32" if m["tf32"] and m["precision"] == "32-true" and m["device"] == "cuda" else ""
     return (f"\ncltrain: val top-1 {top1} (chance {100 / num_classes:.1f}%), top-5 {top5} | {speed} "
             f"| {m['model']}, global batch {m['global_batch']}, {m['layout']}, {m['precision']}{math}, {m['device']} "
             f"| {Path(m['run_dir']) / 'metrics.json'}")

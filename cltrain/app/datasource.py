@@ -1,0 +1,86 @@
+"""The training data for ``train(cfg)``: the DataModule built from ``cfg.data``, its folder checked first.
+
+:func:`build_datamodule` generates the demo set when configured, checks the ImageNet layout
+cheaply (one directory listing per class folder, before anything is built) and instantiates
+``data._target_``; every problem is a one-line :class:`~cltrain.app.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from cltrain.app.errors import ConfigError
+
+__all__ = ["absolute", "build_datamodule"]
+
+
+def absolute(path: Any) -> str | None:
+    """``path`` as an absolute string (``~`` expanded), or None."""
+    return None if path is None else str(Path(str(path)).expanduser().resolve())
+
+
+def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
+    """The configured DataModule (``data._target_``), with the demo set generated first when configured."""
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    demo = data.pop("demo", None)
+    data["root"] = absolute(data["root"])
+    if demo is not None:
+        from cltrain.data import make_demo_dataset
+
+        demo.pop("any_root", None)
+        try:
+            make_demo_dataset(data["root"], **demo)
+        except FileExistsError as err:  # a different folder already sits at root
+            raise ConfigError("data.root", data["root"], str(err).removeprefix("make_demo_dataset: "),
+                              "a new path, or the demo folder made with the same data.demo settings") from None
+    if not data.get("allow_missing_val_classes", True) and "allow_missing_val_classes" not in _arguments(data["_target_"]):
+        data.pop("allow_missing_val_classes")  # a DataModule without the option: the default behaviour is the same
+    try:
+        datamodule = instantiate(data, channels_last=cfg.channels_last)
+    except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
+        raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
+    _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
+    try:
+        datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
+    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
+        raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
+                          "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
+    return datamodule
+
+
+def _check_layout(root: Path, allow_missing_val_classes: bool, evaluate_only: bool) -> None:
+    """The ImageNet layout, checked cheaply (one directory listing per class) before anything is built:
+    both splits there, no empty class folder, every training class in ``val/``."""
+    layout = "an ImageNet-layout folder: train/<class>/<image>, val/<class>/<image>"
+    classes: dict[str, set[str]] = {}
+    for split in ("val",) if evaluate_only else ("train", "val"):
+        folder = root / split
+        if not folder.is_dir():
+            raise ConfigError("data.root", str(root), f"has no {split}/ folder", layout)
+        classes[split] = {e.name for e in os.scandir(folder) if e.is_dir()}
+        if not classes[split]:
+            raise ConfigError("data.root", str(root), f"{split}/ has no class folders", layout)
+        for name in sorted(classes[split]):
+            with os.scandir(folder / name) as entries:
+                if next(entries, None) is None:
+                    raise ConfigError("data.root", str(root), f"the class folder {split}/{name}/ is empty",
+                                      "remove it, or put its images there")
+    missing = sorted(classes.get("train", set()) - classes["val"])
+    if missing and not allow_missing_val_classes:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ConfigError("data.root", str(root), f"{len(missing)} training class(es) have no val/ folder ({shown})",
+                          "add them to val/, or data.allow_missing_val_classes=true")
+
+
+def _arguments(target: str) -> set[str]:
+    module, _, name = target.rpartition(".")
+    return set(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
