@@ -66,7 +66,10 @@ def _refuse_ddp_in_a_sweep(cfg: DictConfig) -> None:
     # in a -m sweep would start the whole sweep again. torchrun/SLURM start them themselves.
     devices = cfg.trainer.devices
     many = (len(devices) if isinstance(devices, (list, ListConfig)) else devices if isinstance(devices, int) else 1) > 1
-    if (many or cfg.trainer.num_nodes > 1) and "WORLD_SIZE" not in os.environ and HydraConfig.initialized() \
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    started_by_scheduler = "WORLD_SIZE" in os.environ or SLURMEnvironment.detect()  # hydra/launcher=slurm
+    if (many or cfg.trainer.num_nodes > 1) and not started_by_scheduler and HydraConfig.initialized() \
             and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise ConfigError("trainer.devices", devices, "more than one process cannot be launched inside a -m sweep",
                           "1 in a sweep; or run each DDP config on its own, or under torchrun/SLURM")
