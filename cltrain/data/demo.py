@@ -29,12 +29,13 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["MARKER", "make_demo_dataset"]
+__all__ = ["MARKER", "make_demo_dataset", "write_once"]
 
 #: Written last into a complete demo folder; holds the parameters it was made with.
 MARKER = ".cltrain_demo.json"
@@ -142,18 +143,9 @@ def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_
         raise ValueError(f"make_demo_dataset: train_per_class={train_per_class} and val_per_class={val_per_class} must be >= 1.")
     if len(image_size) != 2 or min(image_size) < 16:
         raise ValueError(f"make_demo_dataset: image_size={image_size!r} must be (width, height), each >= 16.")
-    root = Path(root)
     params = _params(num_classes, train_per_class, val_per_class, tuple(image_size), seed)
-    if root.exists():
-        marker = root / MARKER
-        if marker.is_file() and json.loads(marker.read_text()) == params:
-            return root
-        what = f"a demo folder made with other arguments ({marker.read_text().strip()})" if marker.is_file() else "not a cltrain demo folder"
-        raise FileExistsError(f"make_demo_dataset: {root} exists and is {what}; it is left untouched. "
-                              "Pass another root, or delete it to have it written again.")
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         names = class_names(num_classes)
         for split, per_class in (("train", train_per_class), ("val", val_per_class)):
             for k, name in enumerate(names):
@@ -163,6 +155,28 @@ def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_
                     rng = np.random.default_rng([seed, _SPLITS[split], k, i])
                     img = draw_demo_image(k, rng, tuple(image_size))
                     img.save(folder / f"{i:05d}.jpg", quality=int(rng.integers(75, 96)))
+
+    return write_once(root, params, fill, "make_demo_dataset")
+
+
+def write_once(root: str | os.PathLike, params: dict, fill: Callable[[Path], None], owner: str) -> Path:
+    """Make the folder ``root`` once: ``fill`` writes into a temporary sibling, the :data:`MARKER`
+    file (holding ``params``) is written last, then the folder is renamed into place. A
+    complete folder made with the same ``params`` is reused as it is; any other existing
+    ``root`` is left untouched (:class:`FileExistsError`, prefixed by ``owner``)."""
+    root = Path(root)
+    if root.exists():
+        marker = root / MARKER
+        if marker.is_file() and json.loads(marker.read_text()) == params:
+            return root
+        what = f"a demo folder made with other arguments ({marker.read_text().strip()})" if marker.is_file() else "not a cltrain demo folder"
+        raise FileExistsError(f"{owner}: {root} exists and is {what}; it is left untouched. "
+                              "Pass another root, or delete it to have it written again.")
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        fill(tmp)
         (tmp / MARKER).write_text(json.dumps(params))
         try:
             tmp.rename(root)
