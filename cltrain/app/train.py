@@ -74,12 +74,14 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     demo = data.pop("demo", None)
     data["root"] = _absolute(data["root"])
     if demo is not None:
-        from cltrain.data import make_demo_dataset
+        from hydra.utils import get_method
 
+        # data.demo._target_ picks the generator (the video demo names its own); default: the image demo.
+        make_demo = get_method(demo.pop("_target_", "cltrain.data.make_demo_dataset"))
         try:
-            make_demo_dataset(data["root"], **demo)
+            make_demo(data["root"], **demo)
         except FileExistsError as err:  # a different folder already sits at root
-            raise ConfigError("data.root", data["root"], str(err).removeprefix("make_demo_dataset: "),
+            raise ConfigError("data.root", data["root"], str(err).split(": ", 1)[-1],
                               "a new path, or the demo folder made with the same data.demo settings") from None
     try:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
