@@ -34,13 +34,15 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     demo = data.pop("demo", None)
     data["root"] = absolute(data["root"])
     if demo is not None:
-        from cltrain.data import make_demo_dataset
+        from hydra.utils import get_method
 
         demo.pop("any_root", None)
+        # data.demo._target_ picks the generator (the video demo names its own); default: the image demo.
+        make_demo = get_method(demo.pop("_target_", "cltrain.data.make_demo_dataset"))
         try:
-            make_demo_dataset(data["root"], **demo)
+            make_demo(data["root"], **demo)
         except FileExistsError as err:  # a different folder already sits at root
-            raise ConfigError("data.root", data["root"], str(err).removeprefix("make_demo_dataset: "),
+            raise ConfigError("data.root", data["root"], str(err).split(": ", 1)[-1],
                               "a new path, or the demo folder made with the same data.demo settings") from None
     if not data.get("allow_missing_val_classes", True) and "allow_missing_val_classes" not in _arguments(data["_target_"]):
         data.pop("allow_missing_val_classes")  # a DataModule without the option: the default behaviour is the same
@@ -48,7 +50,10 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
         raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
-    _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
+    from cltrain.data import ShardsDataModule
+
+    if not isinstance(datamodule, ShardsDataModule):  # a shard pack is checked by its own manifest
+        _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
     try:
         datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
     except (FileNotFoundError, NotADirectoryError, ValueError) as err:

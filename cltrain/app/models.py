@@ -1,15 +1,40 @@
-"""Build a classification model by name: any torchvision classification model, or a timm model.
+"""Build a classification model by name: any torchvision image or video classifier, or a timm model.
 
-Nothing is ever downloaded: ``pretrained`` is a local file, loaded with
-:func:`load_pretrained` (a plain ``state_dict``, ``{"state_dict": ...}`` from a
-Lightning checkpoint, or ``{"model": ...}``). Weights whose shape does not fit
-(an ImageNet classifier head on a 10-class model) are skipped with a warning.
+Video models (``r3d_18``, ``mc3_18``, ``r2plus1d_18``, ``s3d``, ``mvit_*``,
+``swin3d_*``: ``torchvision.models.list_models(module=torchvision.models.video)``)
+take ``(N, C, T, H, W)`` clips; train them with ``data=video_demo`` or a
+:class:`~cltrain.data.video.ClipFolderDataModule`.
+
+Nothing is ever downloaded: ``pretrained`` is a local file read by
+:func:`read_checkpoint`, which takes
+
+* ``.safetensors`` files (recognised by content, whatever the suffix; needs the
+  ``safetensors`` package, ``pip install 'cltrain[safetensors]'``);
+* ``torch.save`` files (``weights_only``): a plain ``state_dict``; a Lightning
+  checkpoint (``{"state_dict": {"model.<name>": ...}}``); ``{"model": ...}``
+  (torchvision's references, timm's ``train.py``); and EMA weights, which are
+  preferred when the file has them, as timm's ``load_state_dict(use_ema=True)``
+  does: ``state_dict_ema`` (timm), then ``model_ema`` (torchvision's references,
+  an ``AveragedModel`` whose ``n_averaged`` counter is dropped);
+
+and strips the wrapper prefixes ``module.`` (DDP, ``AveragedModel``) and
+``_orig_mod.`` (``torch.compile``) as timm's ``clean_state_dict`` does, and
+``model.`` (a LightningModule's attribute) when the model has no such key. A file
+that is none of these (text, truncated, empty) is a one-line :class:`ConfigError`
+naming it. Weights whose shape does not fit (an ImageNet classifier head on a
+10-class model) are skipped with a warning.
+
+timm's own ``load_state_dict`` is not used even when timm is installed: it does
+not know Lightning's ``model.`` prefix nor ``n_averaged``, and a bad file comes out
+as a bare ``AssertionError`` or unpickling traceback.
 
 Example::
 
     >>> model = build_model("resnet18", num_classes=10)
     >>> model.fc.out_features
     10
+    >>> build_model("r3d_18", num_classes=6).fc.out_features
+    6
 """
 
 from __future__ import annotations
@@ -25,16 +50,23 @@ from torch import nn
 
 from cltrain.app.errors import ConfigError
 
-__all__ = ["SOURCES", "build_model", "check_model_name", "load_pretrained", "model_source"]
+__all__ = ["EMA_KEYS", "SOURCES", "build_model", "check_model_name", "load_pretrained", "model_source", "read_checkpoint"]
 
 SOURCES = ("auto", "torchvision", "timm")
+#: Keys of a checkpoint dict that hold EMA weights, in order of preference (timm's order).
+EMA_KEYS: tuple[str, ...] = ("state_dict_ema", "model_ema")
+#: Wrapper prefixes stripped from every key, in either order (timm's ``clean_state_dict``).
+_WRAPPER_PREFIXES: tuple[str, ...] = ("_orig_mod.", "module.", "_orig_mod.")
+_SAFETENSORS_EXAMPLE = "a state_dict saved with torch.save, a Lightning .ckpt, or a .safetensors file"
 
 
 @lru_cache(maxsize=1)
 def _torchvision_names() -> tuple[str, ...]:
     import torchvision
 
-    return tuple(torchvision.models.list_models(module=torchvision.models))
+    # Image classifiers (torchvision.models) and video classifiers (torchvision.models.video).
+    return tuple(torchvision.models.list_models(module=torchvision.models)) + tuple(
+        torchvision.models.list_models(module=torchvision.models.video))
 
 
 def _timm():
@@ -97,20 +129,113 @@ def build_model(
     return model
 
 
-def load_pretrained(model: nn.Module, path: str | Path) -> list[str]:
-    """Copy weights from the local file ``path`` into ``model``; returns the keys it skipped.
+def _first_line(err: BaseException) -> str:
+    """``Type: first sentence`` of an error (torch's zip-reader errors run to several)."""
+    text = str(err).strip().splitlines()
+    first = text[0].split(". ")[0].rstrip(".") if text else ""
+    return f"{type(err).__name__}: {first}".rstrip(": ")
+
+
+def _what_it_is(path: Path) -> str | None:
+    """``"empty"`` or ``"text"`` for files that plainly hold no weights, else None."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if not head:
+        return "empty"
+    try:
+        decoded = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return "text" if all(c.isprintable() or c.isspace() for c in decoded) else None
+
+
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then a JSON header."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{")
+
+
+def _load_file(path: Path) -> Any:
+    if _is_safetensors(path):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ConfigError("model.pretrained", str(path), "a .safetensors file needs the safetensors package",
+                              "pip install 'cltrain[safetensors]'") from None
+        try:
+            return load_file(path, device="cpu")
+        except Exception as err:  # SafetensorError: a truncated file, a bad header
+            raise ConfigError("model.pretrained", str(path), f"not a readable safetensors file ({_first_line(err)})",
+                              _SAFETENSORS_EXAMPLE) from None
+    what = _what_it_is(path)
+    if what is not None:
+        raise ConfigError("model.pretrained", str(path), f"not a checkpoint: the file is {what}", _SAFETENSORS_EXAMPLE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # UnpicklingError (text), RuntimeError (truncated zip), EOFError (empty), ...
+        raise ConfigError("model.pretrained", str(path), f"not a checkpoint torch.load can read ({_first_line(err)})",
+                          _SAFETENSORS_EXAMPLE) from None
+
+
+def _strip_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in state.items():
+        for prefix in _WRAPPER_PREFIXES:
+            key = key.removeprefix(prefix)
+        out[key] = value
+    return out
+
+
+def read_checkpoint(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights in the local file ``path`` and where they were found (``"state_dict_ema"``,
+    ``"model_ema"``, ``"state_dict"``, ``"model"`` or ``""`` for a plain state_dict), with the
+    wrapper prefixes ``module.`` / ``_orig_mod.`` stripped (see the module docstring).
+
+    Args:
+        path: a ``torch.save`` file, a Lightning checkpoint or a ``.safetensors`` file.
+        use_ema: take the EMA weights when the file has them (timm's default).
+
+    Raises:
+        ConfigError: (``model.pretrained``) the file is not a checkpoint (text, truncated,
+            empty) or holds no tensors.
+    """
+    path = Path(path).expanduser()
+    checkpoint = _load_file(path)
+    where = ""
+    if isinstance(checkpoint, dict):
+        keys = (*(EMA_KEYS if use_ema else ()), "state_dict", "model")
+        where = next((k for k in keys if isinstance(checkpoint.get(k), dict)), "")
+        if where:
+            checkpoint = checkpoint[where]
+    state = {k: v for k, v in checkpoint.items() if isinstance(k, str) and isinstance(v, torch.Tensor)} \
+        if isinstance(checkpoint, dict) else {}
+    state.pop("n_averaged", None)  # torch.optim.swa_utils.AveragedModel's counter, not a weight
+    if not state:
+        raise ConfigError("model.pretrained", str(path), f"holds no weights (a {type(checkpoint).__name__} without tensors)",
+                          _SAFETENSORS_EXAMPLE)
+    return _strip_prefixes(state), where
+
+
+def load_pretrained(model: nn.Module, path: str | Path, use_ema: bool = True) -> list[str]:
+    """Copy weights from the local file ``path`` (see :func:`read_checkpoint`) into ``model``;
+    returns the keys it skipped.
 
     ``load_state_dict`` copies into the existing parameters, so the model keeps its layout.
+
+    Raises:
+        ConfigError: the file is not a checkpoint, or no weight in it matches the model.
     """
-    state = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and "state_dict" in state:  # a Lightning checkpoint: keys are "model.<name>"
-        state = {k.removeprefix("model."): v for k, v in state["state_dict"].items() if k.startswith("model.")}
-    elif isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+    state, _ = read_checkpoint(path, use_ema)
     own = model.state_dict()
+    # A LightningModule's checkpoint names the network by its attribute ("model." for ours).
+    if not any(k.startswith("model.") for k in own) and any(k.startswith("model.") for k in state):
+        state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     skipped = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
     missing = [k for k in own if k not in state]
+    if not set(state) - set(skipped):
+        raise ConfigError("model.pretrained", str(path), "no weight in the file matches the model",
+                          "weights saved from the same architecture")
     model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
     if skipped or missing:
         warnings.warn(
@@ -118,7 +243,4 @@ def load_pretrained(model: nn.Module, path: str | Path) -> list[str]:
             f"{len(missing)} model key(s) left at their initial values {missing[:4]}",
             stacklevel=2,
         )
-    if not set(state) - set(skipped):
-        raise ConfigError("model.pretrained", str(path), "no weight in the file matches the model",
-                          "weights saved from the same architecture")
     return skipped

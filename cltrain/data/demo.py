@@ -9,12 +9,10 @@ rotation, hue, saturation, brightness and JPEG quality (75-95) vary per image.
 Everything is drawn from ``numpy.random.default_rng([seed, split, class, index])``,
 so a folder is the same byte for byte on every machine with the same Pillow.
 
-The folder is written to a temporary sibling (``.<name>.tmp-<host>-<pid>``) and
-renamed into place when complete, with a marker file holding the parameters; a
-later call with the same parameters reuses it, and an existing folder that is not
-such a demo folder is never touched. A temporary folder left by a killed
-generation is deleted by the next call that has to generate (its pid no longer
-alive on this host; another host's after a day untouched).
+The folder is written to a temporary sibling and renamed into place when
+complete, with a marker file holding the parameters; a later call with the same
+parameters reuses it, and an existing folder that is not such a demo folder is
+never touched.
 
 Example::
 
@@ -33,12 +31,13 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["MARKER", "make_demo_dataset"]
+__all__ = ["MARKER", "make_demo_dataset", "write_once"]
 
 #: Written last into a complete demo folder; holds the parameters it was made with.
 MARKER = ".cltrain_demo.json"
@@ -124,6 +123,45 @@ def _params(num_classes: int, train_per_class: int, val_per_class: int, image_si
             "image_size": list(image_size), "seed": seed, "version": 1}
 
 
+def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_class: int = 80,
+                      val_per_class: int = 20, image_size: tuple[int, int] = (500, 375), seed: int = 0) -> Path:
+    """Write (once) a demo folder ``root/{train,val}/<class>/<n>.jpg`` and return ``Path(root)``.
+
+    Args:
+        root: the folder to create. Reused as it is when it holds a complete demo
+            folder made with the same arguments.
+        num_classes: number of classes, 1 to 25 (5 shapes x 5 colour families).
+        train_per_class, val_per_class: images per class in each split (>= 1).
+        image_size: (width, height) of every image.
+        seed: the seed everything is drawn from.
+
+    Raises:
+        ValueError: a bad argument.
+        FileExistsError: ``root`` exists and is not a demo folder made with these arguments
+            (it is left untouched; pass another root or delete it).
+    """
+    if not 1 <= num_classes <= len(SHAPES) * len(COLOURS):
+        raise ValueError(f"make_demo_dataset: num_classes={num_classes} must be between 1 and {len(SHAPES) * len(COLOURS)}.")
+    if train_per_class < 1 or val_per_class < 1:
+        raise ValueError(f"make_demo_dataset: train_per_class={train_per_class} and val_per_class={val_per_class} must be >= 1.")
+    if len(image_size) != 2 or min(image_size) < 16:
+        raise ValueError(f"make_demo_dataset: image_size={image_size!r} must be (width, height), each >= 16.")
+    params = _params(num_classes, train_per_class, val_per_class, tuple(image_size), seed)
+
+    def fill(tmp: Path) -> None:
+        names = class_names(num_classes)
+        for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+            for k, name in enumerate(names):
+                folder = tmp / split / name
+                folder.mkdir(parents=True)
+                for i in range(per_class):
+                    rng = np.random.default_rng([seed, _SPLITS[split], k, i])
+                    img = draw_demo_image(k, rng, tuple(image_size))
+                    img.save(folder / f"{i:05d}.jpg", quality=int(rng.integers(75, 96)))
+
+    return write_once(root, params, fill, "make_demo_dataset")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -160,51 +198,25 @@ def _remove_stale_tmp(root: Path) -> list[Path]:
     return removed
 
 
-def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_class: int = 80,
-                      val_per_class: int = 20, image_size: tuple[int, int] = (500, 375), seed: int = 0) -> Path:
-    """Write (once) a demo folder ``root/{train,val}/<class>/<n>.jpg`` and return ``Path(root)``.
-
-    Args:
-        root: the folder to create. Reused as it is when it holds a complete demo
-            folder made with the same arguments.
-        num_classes: number of classes, 1 to 25 (5 shapes x 5 colour families).
-        train_per_class, val_per_class: images per class in each split (>= 1).
-        image_size: (width, height) of every image.
-        seed: the seed everything is drawn from.
-
-    Raises:
-        ValueError: a bad argument.
-        FileExistsError: ``root`` exists and is not a demo folder made with these arguments
-            (it is left untouched; pass another root or delete it).
-    """
-    if not 1 <= num_classes <= len(SHAPES) * len(COLOURS):
-        raise ValueError(f"make_demo_dataset: num_classes={num_classes} must be between 1 and {len(SHAPES) * len(COLOURS)}.")
-    if train_per_class < 1 or val_per_class < 1:
-        raise ValueError(f"make_demo_dataset: train_per_class={train_per_class} and val_per_class={val_per_class} must be >= 1.")
-    if len(image_size) != 2 or min(image_size) < 16:
-        raise ValueError(f"make_demo_dataset: image_size={image_size!r} must be (width, height), each >= 16.")
+def write_once(root: str | os.PathLike, params: dict, fill: Callable[[Path], None], owner: str) -> Path:
+    """Make the folder ``root`` once: ``fill`` writes into a temporary sibling, the :data:`MARKER`
+    file (holding ``params``) is written last, then the folder is renamed into place. A
+    complete folder made with the same ``params`` is reused as it is; any other existing
+    ``root`` is left untouched (:class:`FileExistsError`, prefixed by ``owner``)."""
     root = Path(root)
-    params = _params(num_classes, train_per_class, val_per_class, tuple(image_size), seed)
     if root.exists():
         marker = root / MARKER
         if marker.is_file() and json.loads(marker.read_text()) == params:
             return root
         what = f"a demo folder made with other arguments ({marker.read_text().strip()})" if marker.is_file() else "not a cltrain demo folder"
-        raise FileExistsError(f"make_demo_dataset: {root} exists and is {what}; it is left untouched. "
+        raise FileExistsError(f"{owner}: {root} exists and is {what}; it is left untouched. "
                               "Pass another root, or delete it to have it written again.")
     _remove_stale_tmp(root)
     tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        names = class_names(num_classes)
-        for split, per_class in (("train", train_per_class), ("val", val_per_class)):
-            for k, name in enumerate(names):
-                folder = tmp / split / name
-                folder.mkdir(parents=True)
-                for i in range(per_class):
-                    rng = np.random.default_rng([seed, _SPLITS[split], k, i])
-                    img = draw_demo_image(k, rng, tuple(image_size))
-                    img.save(folder / f"{i:05d}.jpg", quality=int(rng.integers(75, 96)))
+        tmp.mkdir(parents=True)
+        fill(tmp)
         (tmp / MARKER).write_text(json.dumps(params))
         try:
             tmp.rename(root)

@@ -1,0 +1,48 @@
+"""The channels_last_3d data path for video: clips leave the loader as uint8 NDHWC.
+
+* :class:`NDHWCCollate` / :func:`ndhwc_collate`: (T, H, W, C) clips into one
+  ``(N, T, H, W, C)`` buffer, returned as its ``(N, C, T, H, W)`` channels_last_3d view.
+* :func:`train_clip_transform`, :func:`eval_clip_transform`: a clip's frames -> (T, H, W, C)
+  uint8: :class:`TemporalSample` picks T frames, one crop box and flip for all of them.
+* :class:`ClipFolderDataset` / :class:`ClipFolderDataModule`: ``split/<class>/<clip>/<frame>.jpg``
+  (or video files, with OpenCV), normalised on the device by :func:`normalize_clips`.
+* :func:`make_demo_videos`: a small clip folder of moving shapes with a learnable motion signal.
+
+Example::
+
+    >>> from torch.utils.data import DataLoader
+    >>> from cltrain.data.video import ClipFolderDataset, make_demo_videos, ndhwc_collate, train_clip_transform
+    >>> root = make_demo_videos("/tmp/cltrain-video-demo")
+    >>> loader = DataLoader(ClipFolderDataset(root / "train", train_clip_transform(8, 2, 56, hflip=0.0)),
+    ...                     batch_size=4, num_workers=2, collate_fn=ndhwc_collate)
+    >>> clips, targets = next(iter(loader))
+    >>> clips.shape
+    torch.Size([4, 3, 8, 56, 56])
+"""
+
+from cltrain.data.video.collate import NDHWCCollate, ndhwc_collate
+from cltrain.data.video.datamodule import KINETICS_MEAN, KINETICS_STD, ClipFolderDataModule, normalize_clips
+from cltrain.data.video.dataset import VIDEO_EXTENSIONS, ClipFolderDataset, find_clips, read_video
+from cltrain.data.video.demo import make_demo_videos
+from cltrain.data.video.transforms import (TEMPORAL_MODES, ClipParams, ClipTransform, TemporalSample, eval_clip_transform,
+                                           train_clip_transform)
+
+__all__ = [
+    "KINETICS_MEAN",
+    "KINETICS_STD",
+    "TEMPORAL_MODES",
+    "VIDEO_EXTENSIONS",
+    "ClipFolderDataModule",
+    "ClipFolderDataset",
+    "ClipParams",
+    "ClipTransform",
+    "NDHWCCollate",
+    "TemporalSample",
+    "eval_clip_transform",
+    "find_clips",
+    "make_demo_videos",
+    "ndhwc_collate",
+    "normalize_clips",
+    "read_video",
+    "train_clip_transform",
+]

@@ -1,0 +1,196 @@
+"""``ClipFolderDataModule``: a clip folder as channels_last_3d batches for Lightning.
+
+``root/train/<class>/<clip>/<frame>.jpg`` and ``root/val/<class>/<clip>/...``
+(or video files in place of the clip folders); test and predict use ``val``.
+Workers sample and crop clips with :func:`train_clip_transform` /
+:func:`eval_clip_transform` and collate them with :class:`NDHWCCollate`, so
+uint8 NDHWC buffers cross the process boundary and the host-to-device copy; the
+batch is normalised on its device in ``on_after_batch_transfer``: every step
+receives ``(clips, targets)`` with clips ``(N, C, T, H, W)`` float,
+channels_last_3d (or contiguous with ``channels_last=False``). The training
+loader drops its last partial batch (stable shapes, no batch of 1 for BatchNorm).
+
+Example::
+
+    >>> from cltrain.data.video import ClipFolderDataModule, make_demo_videos
+    >>> dm = ClipFolderDataModule(make_demo_videos("/tmp/cltrain-video-demo"), batch_size=8, num_frames=8, image_size=56)
+    >>> dm.num_classes, dm.input_shape
+    (6, (8, 3, 8, 56, 56))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from cltrain.data.dataset import find_classes
+from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
+from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.transforms import _pair
+from cltrain.data.video.collate import NDHWCCollate
+from cltrain.data.video.dataset import ClipFolderDataset
+from cltrain.data.video.transforms import TEMPORAL_MODES, eval_clip_transform, train_clip_transform
+
+__all__ = ["KINETICS_MEAN", "KINETICS_STD", "ClipFolderDataModule", "normalize_clips"]
+
+#: The statistics torchvision's Kinetics-400 video models were trained with.
+KINETICS_MEAN: tuple[float, float, float] = (0.43216, 0.394666, 0.37645)
+KINETICS_STD: tuple[float, float, float] = (0.22803, 0.22145, 0.216989)
+
+
+def normalize_clips(clips: torch.Tensor, mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
+                    dtype: torch.dtype = torch.float32, channels_last: bool = True) -> torch.Tensor:
+    """``(clips / 255 - mean) / std`` of an ``(N, C, T, H, W)`` uint8 channels_last_3d batch, through
+    :func:`cltrain.data.normalize`; channels_last_3d out (or contiguous with ``channels_last=False``).
+
+    T is folded into H, (N, C, T * H, W), which is a view both ways: the NTHWC buffer is
+    the N(TH)WC buffer of a channels_last 4-D batch, and a contiguous NCTHW one is a
+    contiguous NC(TH)W one. So the 4-D kernel does the work, exactly, with no copy.
+    """
+    if not isinstance(clips, torch.Tensor) or clips.dim() != 5 or clips.dtype != torch.uint8:
+        what = f"{clips.dtype} tensor of shape {tuple(clips.shape)}" if isinstance(clips, torch.Tensor) else type(clips).__name__
+        raise TypeError(f"normalize_clips expects an (N, C, T, H, W) uint8 tensor, got a {what}.")
+    n, c, t, h, w = clips.shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = normalize(clips.reshape(n, c, t * h, w), mean, std, dtype, memory_format=fmt)  # a view for NTHWC input
+    return out.view(n, c, t, h, w)
+
+
+class ClipFolderDataModule(L.LightningDataModule):
+    """Train/val clip folders as normalised channels_last_3d ``(N, C, T, H, W)`` batches.
+
+    Args:
+        root: folder holding ``train/`` and ``val/``, each ``<class>/<clip>/<frame>``.
+        batch_size: clips per batch.
+        num_workers: DataLoader worker processes (0: load in the main process).
+        persistent_workers: keep workers between epochs (when ``num_workers > 0``).
+        pin_memory: ``None`` pins only when the trainer runs on a GPU.
+        num_frames: frames per clip (T).
+        frame_stride: step between the sampled frames.
+        image_size: training crop and evaluation crop (int or (height, width)).
+        val_resize_size: shorter side before the evaluation centre crop (``None``: no resize).
+        scale: area range of the training random-resized-crop.
+        hflip: flip probability in training (0 for data whose label depends on left/right).
+        val_temporal: ``"center"`` segment or ``"uniform"`` frames over the clip for evaluation.
+        channels: 3 (RGB) or 1 (grayscale).
+        mean, std: normalisation statistics (0-1 units); torchvision's Kinetics ones by default.
+        dtype: dtype of the normalised clips (float32, bfloat16 or float16).
+        channels_last: ``False`` gives contiguous NCTHW batches (the baseline).
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream.
+
+    Raises:
+        ValueError: a bad argument (at construction); a split without class folders, a
+            class without clips, a clip folder without frames, classes that differ (in ``setup``).
+        FileNotFoundError: a missing root or split.
+    """
+
+    def __init__(self, root: str | os.PathLike, batch_size: int = 8, num_workers: int = 2, persistent_workers: bool = True,
+                 pin_memory: bool | None = None, num_frames: int = 16, frame_stride: int = 1,
+                 image_size: int | tuple[int, int] = 112, val_resize_size: int | None = 128,
+                 scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5, val_temporal: str = "center", channels: int = 3,
+                 mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
+                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = True) -> None:
+        super().__init__()
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"ClipFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
+        if not (isinstance(num_workers, int) and num_workers >= 0):
+            raise ValueError(f"ClipFolderDataModule: num_workers={num_workers!r} must be an int >= 0.")
+        if val_temporal not in TEMPORAL_MODES[1:]:
+            raise ValueError(f"ClipFolderDataModule: val_temporal={val_temporal!r} must be one of {TEMPORAL_MODES[1:]}.")
+        if dtype not in NORMALIZE_DTYPES:
+            raise ValueError(f"ClipFolderDataModule: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
+        if len(mean) not in (1, channels) or len(std) not in (1, channels):
+            raise ValueError(f"ClipFolderDataModule: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
+        self.root = Path(root)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
+        self.num_frames, self.frame_stride = num_frames, frame_stride
+        self.image_size, self.channels = _pair(image_size, "image_size"), channels
+        self.mean, self.std, self.dtype = tuple(mean), tuple(std), dtype
+        self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
+        # Built now so that bad sizes, frame counts or channels fail here, not in a worker.
+        self.train_transform = train_clip_transform(num_frames, frame_stride, self.image_size, tuple(scale),
+                                                    hflip=hflip, channels=channels)
+        eval_stride = frame_stride if val_temporal == "center" else 1
+        self.eval_transform = eval_clip_transform(num_frames, eval_stride, self.image_size, val_resize_size, channels, val_temporal)
+        self.train_set: ClipFolderDataset | None = None
+        self.val_set: ClipFolderDataset | None = None
+        self._classes: list[str] | None = None
+        self._pin = False
+        self._device: torch.device | None = None
+
+    def _split_dir(self, split: str) -> Path:
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"ClipFolderDataModule: root {self.root} does not exist or is not a folder. Point root "
+                                    "at a folder with train/<class>/<clip>/ and val/<class>/<clip>/, or make one with "
+                                    "cltrain.data.video.make_demo_videos(root).")
+        return self.root / split
+
+    @property
+    def classes(self) -> list[str]:
+        """Class folder names of ``root/train``, in label order."""
+        if self._classes is None:
+            self._classes = find_classes(self._split_dir("train"))
+        return self._classes
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (class folders of ``root/train``)."""
+        return len(self.classes)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int, int, int]:
+        """``(batch_size, channels, num_frames, height, width)`` of a training batch."""
+        return (self.batch_size, self.channels, self.num_frames, *self.image_size)
+
+    @override
+    def setup(self, stage: str) -> None:
+        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+        self._device = device
+        self._pin = device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
+        # Everything is listed and checked here, before the first step.
+        if stage == "fit" and self.train_set is None:
+            self.train_set = ClipFolderDataset(self._split_dir("train"), self.train_transform, self.classes)
+        if self.val_set is None:
+            self.val_set = ClipFolderDataset(self._split_dir("val"), self.eval_transform, self.classes)
+
+    def _loader(self, dataset: ClipFolderDataset | None, train: bool) -> PrefetchDataLoader:
+        if dataset is None:
+            raise RuntimeError("ClipFolderDataModule: call setup() (the Trainer does) before asking for a dataloader.")
+        workers = self.num_workers
+        prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
+        return PrefetchDataLoader(
+            dataset, batch_size=self.batch_size, shuffle=train, num_workers=workers,
+            collate_fn=NDHWCCollate(pin_memory=self._pin and workers == 0),
+            pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
+            drop_last=train and len(dataset) >= self.batch_size, prefetch_device=prefetch)
+
+    @override
+    def train_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.train_set, train=True)
+
+    @override
+    def val_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, train=False)
+
+    @override
+    def test_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, train=False)
+
+    @override
+    def predict_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, train=False)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Normalise the uint8 clips of ``(clips, targets)`` on their device."""
+        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dtype == torch.uint8:
+            clips = normalize_clips(batch[0], self.mean, self.std, self.dtype, self.channels_last)
+            return type(batch)((clips, *batch[1:])) if isinstance(batch, tuple) else [clips, *batch[1:]]
+        return batch

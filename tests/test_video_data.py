@@ -1,0 +1,139 @@
+"""The clip-folder dataset and DataModule, the video demo, video files, and 5-D normalisation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cltrain.data import normalize
+from cltrain.data.video import (ClipFolderDataModule, ClipFolderDataset, eval_clip_transform, find_clips, make_demo_videos,
+                                normalize_clips, read_video)
+
+CL3D = torch.channels_last_3d
+SMALL = dict(num_classes=2, train_per_class=5, val_per_class=2, num_frames=6, frame_size=32)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_demo_videos(tmp_path_factory.mktemp("video") / "demo", **SMALL)
+
+
+def test_demo_is_a_clip_folder_made_once(demo: Path) -> None:
+    classes = sorted(p.name for p in (demo / "train").iterdir())
+    assert classes == ["00_circle_right", "01_square_right"]
+    clip = demo / "train" / classes[0] / "00003"
+    assert sorted(os.listdir(clip)) == [f"{t:03d}.jpg" for t in range(6)] and Image.open(clip / "000.jpg").size == (32, 32)
+    before = (clip / "000.jpg").stat().st_mtime_ns
+    assert make_demo_videos(demo, **SMALL) == demo and (clip / "000.jpg").stat().st_mtime_ns == before  # reused
+    with pytest.raises(FileExistsError, match="make_demo_videos: .* made with other arguments"):
+        make_demo_videos(demo, **{**SMALL, "seed": 1})
+    with pytest.raises(ValueError, match="num_classes=13"):
+        make_demo_videos(demo.parent / "x", num_classes=13)
+
+
+def test_demo_shapes_move_in_their_class_direction(demo: Path) -> None:
+    def centre_x(path: Path) -> float:
+        img = np.asarray(Image.open(path)).astype(float)
+        saturation = img.max(-1) - img.min(-1)  # the shape is saturated, the background dull
+        return float(np.nonzero(saturation > saturation.max() * 0.6)[1].mean())
+
+    for clip in sorted((demo / "train" / "00_circle_right").iterdir()):
+        assert centre_x(clip / "005.jpg") > centre_x(clip / "000.jpg") + 5
+
+
+def test_datamodule_gives_normalised_channels_last_3d_batches_from_workers(demo: Path) -> None:
+    dm = ClipFolderDataModule(demo, batch_size=3, num_workers=2, persistent_workers=False, num_frames=4, frame_stride=1,
+                              image_size=24, val_resize_size=28, hflip=0.0)
+    assert dm.num_classes == 2 and dm.input_shape == (3, 3, 4, 24, 24)
+    dm.setup("fit")
+    train = [dm.on_after_batch_transfer(b, 0) for b in dm.train_dataloader()]
+    assert len(train) == 3  # 10 clips, batch 3: the partial last batch is dropped
+    val = [dm.on_after_batch_transfer(b, 0) for b in dm.val_dataloader()]
+    assert [len(b[1]) for b in val] == [3, 1]  # validation keeps every clip
+    for clips, targets in train + val:
+        assert clips.dtype == torch.float32 and clips.shape[1:] == (3, 4, 24, 24) and clips.is_contiguous(memory_format=CL3D)
+        assert -3 < float(clips.mean()) < 3 and targets.dtype == torch.int64
+
+
+def test_normalize_clips_is_exact_and_keeps_the_layout() -> None:
+    rng = np.random.default_rng(0)
+    thwc = torch.from_numpy(rng.integers(0, 256, (2, 3, 5, 6, 3), dtype=np.uint8))
+    clips = thwc.permute(0, 4, 1, 2, 3)  # what ndhwc_collate gives
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+    ref = (clips.double() / 255 - torch.tensor(mean, dtype=torch.float64).view(1, 3, 1, 1, 1)) / torch.tensor(
+        std, dtype=torch.float64).view(1, 3, 1, 1, 1)
+    out = normalize_clips(clips, mean, std)
+    assert out.is_contiguous(memory_format=CL3D) and torch.allclose(out.double(), ref, atol=1e-5)
+    plain = normalize_clips(clips, mean, std, channels_last=False)
+    assert plain.is_contiguous() and torch.allclose(plain.double(), ref, atol=1e-5)
+    half = normalize_clips(clips, mean, std, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.is_contiguous(memory_format=CL3D)
+    with pytest.raises(TypeError, match=r"\(N, C, T, H, W\) uint8"):
+        normalize_clips(clips[0])
+
+
+@pytest.mark.xfail(strict=False, reason="5-D support in cltrain.data.normalize is data8's work (issue 12.1); "
+                                        "until it lands, ClipFolderDataModule folds T into H (normalize_clips)")
+def test_normalize_itself_takes_5d_channels_last_3d_batches() -> None:
+    clips = torch.full((2, 4, 5, 6, 3), 255, dtype=torch.uint8).permute(0, 4, 1, 2, 3)
+    out = normalize(clips)
+    assert out.shape == (2, 3, 4, 5, 6) and out.is_contiguous(memory_format=CL3D)
+    assert torch.allclose(out, normalize_clips(clips))
+
+
+def _frames(folder: Path, n: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for t in range(n):
+        Image.new("RGB", (16, 16), (10 * t, 0, 0)).save(folder / f"{t}.jpg")
+
+
+def test_clip_folder_errors_name_the_folder(tmp_path: Path) -> None:
+    root = tmp_path / "clips"
+    _frames(root / "train" / "a" / "clip1", 3)
+    (root / "train" / "b" / "clip1").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"clip folder .*train/b/clip1 has no frames"):
+        find_clips(root / "train", ["a", "b"])
+    _frames(root / "train" / "b" / "clip1", 3)
+    (root / "train" / "b" / "notes.txt").write_text("x")  # not a clip: ignored
+    assert [(Path(p).name, len(f), k) for p, f, k in find_clips(root / "train", ["a", "b"])] == [("clip1", 3, 0), ("clip1", 3, 1)]
+    (root / "train" / "c").mkdir()
+    with pytest.raises(ValueError, match=r"class folder .*train/c has no clips"):
+        find_clips(root / "train", ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"has class folders \['a', 'b', 'c'\] but the training split has \['a', 'b'\]"):
+        find_clips(root / "train", ["a", "b"])
+    with pytest.raises(FileNotFoundError, match="root .*missing does not exist"):
+        ClipFolderDataModule(tmp_path / "missing").num_classes
+
+
+def test_frames_are_taken_in_natural_order(tmp_path: Path) -> None:
+    _frames(tmp_path / "a" / "clip", 12)  # 0.jpg ... 11.jpg: "10" must come after "9"
+    dataset = ClipFolderDataset(tmp_path, eval_clip_transform(12, size=16, resize_size=None))
+    clip, _ = dataset[0]
+    reds = clip[:, 8, 8, 0].astype(int)
+    assert (np.diff(reds) > 0).all()
+
+
+def test_video_files_are_clips(tmp_path: Path) -> None:
+    cv2 = pytest.importorskip("cv2")
+    folder = tmp_path / "train" / "a"
+    folder.mkdir(parents=True)
+    writer = cv2.VideoWriter(str(folder / "clip.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 25, (32, 24))
+    for t in range(10):
+        frame = np.zeros((24, 32, 3), np.uint8)
+        frame[:, 3 * t:3 * t + 4] = 255  # a white bar moving right
+        writer.write(frame)
+    writer.release()
+    frames = read_video(folder / "clip.mp4")
+    assert len(frames) == 10 and frames[0].shape == (24, 32, 3)
+    dataset = ClipFolderDataset(tmp_path / "train", eval_clip_transform(4, 3, size=(24, 32), resize_size=None))
+    clip, target = dataset[0]
+    bars = [int(np.argmax(f[:, :, 0].astype(int).sum(0))) for f in clip]
+    assert clip.shape == (4, 24, 32, 3) and target == 0 and bars == sorted(bars) and bars[-1] - bars[0] >= 20
+    (folder / "broken.mp4").write_bytes(b"not a video")
+    with pytest.raises(Exception, match=r"broken.mp4: cannot be read as a clip"):
+        ClipFolderDataset(tmp_path / "train", eval_clip_transform(4, 3, size=16, resize_size=None))[0]

@@ -1,0 +1,56 @@
+"""`python train.py experiment=video` end to end, in process, on a tiny moving-shapes demo: the app's
+ImageClassifier, progress meter and ChannelsLast on 5-D (N, C, T, H, W) batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cltrain.app.cli import compose_config
+from cltrain.app.module import ImageClassifier
+from cltrain.app.train import train
+
+CL3D = torch.channels_last_3d
+DEMO = {"num_classes": 2, "train_per_class": 4, "val_per_class": 2, "num_frames": 6, "frame_size": 32}
+
+
+def tiny_video(root: Path, run_dir: Path, *overrides: str) -> dict:
+    demo = [f"data.demo.{k}={v}" for k, v in DEMO.items()]
+    cfg = compose_config(["experiment=video", f"data.root={root}", *demo, f"run_dir={run_dir}", "device=cpu",
+                          "data.batch_size=2", "data.num_workers=0", "data.num_frames=4", "data.frame_stride=1",
+                          "data.image_size=32", "data.val_resize_size=32", "trainer=debug", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
+                          "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", "print_freq=1",
+                          "throughput_warmup=0", *overrides])
+    return train(cfg)
+
+
+@pytest.mark.parametrize(("channels_last", "amp"), [(True, True), (False, False)])
+def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  channels_last: bool, amp: bool) -> None:
+    seen: list[tuple[tuple[int, ...], bool, torch.dtype]] = []
+    step = ImageClassifier.training_step
+
+    def spy(self, batch, batch_idx):
+        seen.append((tuple(batch[0].shape), batch[0].is_contiguous(memory_format=CL3D), batch[0].dtype))
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(ImageClassifier, "training_step", spy)
+    metrics = tiny_video(tmp_path / "demo", tmp_path / "run", f"channels_last={channels_last}", f"amp={amp}")
+
+    assert metrics["model"] == "r3d_18" and metrics["precision"] == ("bf16-mixed" if amp else "32-true")
+    assert seen == [((2, 3, 4, 32, 32), channels_last, torch.float32)] * 2
+    assert metrics["global_step"] == 2 and metrics["images_per_second"] > 0  # the progress meter counts clips
+    assert 0 <= metrics["val_top1"] <= 100
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["config"]["data"]["num_frames"] == 4
+    state = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
+    weight = state["model.layer1.0.conv1.0.weight"]
+    assert weight.dim() == 5 and weight.is_contiguous(memory_format=CL3D) is channels_last
+    assert (tmp_path / "demo" / "train" / "00_circle_right").is_dir()  # the video demo, generated on first use
+
+
+def test_the_other_video_models_by_name(tmp_path: Path) -> None:
+    metrics = tiny_video(tmp_path / "demo", tmp_path / "run", "model=mc3_18", "trainer.limit_train_batches=1")
+    assert metrics["model"] == "mc3_18" and metrics["global_step"] == 1
