@@ -60,8 +60,8 @@ TABLE = [
     # keys the app sets itself: the key to use instead
     (["+trainer.precision=64-true"], "trainer.precision", "use amp and amp_dtype"),
     (["+trainer.accelerator=gpu"], "trainer.accelerator", "use device"),
-    (["+trainer.logger=false"], "trainer.logger", "<run_dir>/csv"),
-    (["+trainer.callbacks=[]"], "trainer.callbacks", "the app builds the callbacks"),
+    (["+trainer.logger=false"], "trainer.logger", "logger=csv|tensorboard|mlflow|wandb|none"),
+    (["+trainer.callbacks=[]"], "trainer.callbacks", "+callbacks.<name>._target_=<class>"),
     (["+trainer.sync_batchnorm=true"], "trainer.sync_batchnorm", "use sync_bn"),
     (["+trainer.benchmark=true"], "trainer.benchmark", "use cudnn_benchmark"),
     (["+trainer.default_root_dir=/tmp"], "trainer.default_root_dir", "use run_dir"),

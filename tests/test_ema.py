@@ -107,8 +107,6 @@ def test_validation_checkpoint_and_metrics_use_the_ema_weights(ema_run: dict) ->
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="WeightAveraging copies the module in Callback.setup, before ChannelsLast "
-                                        "converts it; the layoutcb branch makes ChannelsLast convert the copy")
 def test_the_averaged_copy_is_channels_last_with_channels_last(ema_run: dict) -> None:
     averaged = torch.load(ema_run["fit"]["best_checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
     assert is_channels_last(averaged["model.conv1.weight"]) and is_channels_last(averaged["model.layer1.0.conv1.weight"])

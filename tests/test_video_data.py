@@ -77,8 +77,6 @@ def test_normalize_clips_is_exact_and_keeps_the_layout() -> None:
         normalize_clips(clips[0])
 
 
-@pytest.mark.xfail(strict=False, reason="5-D support in cltrain.data.normalize is data8's work (issue 12.1); "
-                                        "until it lands, ClipFolderDataModule folds T into H (normalize_clips)")
 def test_normalize_itself_takes_5d_channels_last_3d_batches() -> None:
     clips = torch.full((2, 4, 5, 6, 3), 255, dtype=torch.uint8).permute(0, 4, 1, 2, 3)
     out = normalize(clips)

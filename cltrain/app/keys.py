@@ -161,7 +161,9 @@ def _known_keys(cfg: DictConfig) -> dict[str, frozenset[str]]:
     return {
         # logger / callbacks: free-form groups of named entries, checked when they are built (components.py)
         "": _yaml_keys(conf, None) | set(GROUPS) | set(TOP_LEVEL) | {"experiment", "logger", "callbacks"},
-        "trainer": (_signature_keys(Trainer) - set(APP_SET_TRAINER_KEYS)) | {"_target_"},
+        # a Trainer subclass (trainer._target_) may add arguments of its own
+        "trainer": ((_signature_keys(Trainer) | _signature_keys(cfg.trainer.get("_target_")))
+                    - set(APP_SET_TRAINER_KEYS)) | {"_target_"},
         "data": _signature_keys(data_target) | _yaml_keys(conf, "data") | {"_target_"},
         "model": _yaml_keys(conf, "model") | set(GROUPS["model"]),
         "optim": _yaml_keys(conf, "optim") | set(GROUPS["optim"]),
