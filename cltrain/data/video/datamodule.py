@@ -46,20 +46,14 @@ KINETICS_STD: tuple[float, float, float] = (0.22803, 0.22145, 0.216989)
 
 def normalize_clips(clips: torch.Tensor, mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
                     dtype: torch.dtype = torch.float32, channels_last: bool = True) -> torch.Tensor:
-    """``(clips / 255 - mean) / std`` of an ``(N, C, T, H, W)`` uint8 channels_last_3d batch, through
-    :func:`cltrain.data.normalize`; channels_last_3d out (or contiguous with ``channels_last=False``).
-
-    T is folded into H, (N, C, T * H, W), which is a view both ways: the NTHWC buffer is
-    the N(TH)WC buffer of a channels_last 4-D batch, and a contiguous NCTHW one is a
-    contiguous NC(TH)W one. So the 4-D kernel does the work, exactly, with no copy.
-    """
+    """``(clips / 255 - mean) / std`` of an ``(N, C, T, H, W)`` uint8 channels_last_3d batch, with the
+    Kinetics statistics by default, through :func:`cltrain.data.normalize` (which takes 5-D batches);
+    channels_last_3d out (or contiguous with ``channels_last=False``)."""
     if not isinstance(clips, torch.Tensor) or clips.dim() != 5 or clips.dtype != torch.uint8:
         what = f"{clips.dtype} tensor of shape {tuple(clips.shape)}" if isinstance(clips, torch.Tensor) else type(clips).__name__
         raise TypeError(f"normalize_clips expects an (N, C, T, H, W) uint8 tensor, got a {what}.")
-    n, c, t, h, w = clips.shape
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = normalize(clips.reshape(n, c, t * h, w), mean, std, dtype, memory_format=fmt)  # a view for NTHWC input
-    return out.view(n, c, t, h, w)
+    fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
+    return normalize(clips, mean, std, dtype, memory_format=fmt)
 
 
 class ClipFolderDataModule(L.LightningDataModule):
