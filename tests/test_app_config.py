@@ -120,3 +120,13 @@ def test_cpu_amp_is_bf16_and_warns_without_native_bf16(monkeypatch: pytest.Monke
     monkeypatch.setattr(app_config, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(UserWarning, match="without native bf16"):
         assert validate(compose_config(["device=cpu"])).precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("overrides", [["experiment=video"], ["data=video_demo"], []])
+def test_each_demo_is_generated_at_its_own_default_root(overrides: list[str]) -> None:
+    # data=video_demo's root is data/video_demo, not the image demo's data/demo: both are allowed to be made
+    from cltrain.app.config import demo_default_roots
+
+    cfg = compose_config([*overrides, "device=cpu"])
+    assert str(cfg.data.root) in demo_default_roots().values()
+    validate(cfg)  # raises ConfigError for a demo root that is not its config's own

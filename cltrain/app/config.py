@@ -126,11 +126,13 @@ def _validate_paths(cfg: DictConfig) -> None:
     if demo is None and not where.is_dir():
         raise ConfigError("data.root", str(root), "no such directory",
                           "a directory with train/ and val/ class folders")
+    generator = demo.get("_target_", "cltrain.data.make_demo_dataset") if demo is not None else None
+    home = demo_default_roots().get(generator, demo_default_root())
     if demo is not None and not where.exists() and not demo.get("any_root", False) \
-            and where.resolve() != Path(demo_default_root()).resolve():
+            and where.resolve() != Path(home).resolve():
         # A typo'd path would otherwise get a freshly generated demo set and train on it without a word.
         raise ConfigError("data.root", str(root), "no such directory; the demo set is generated only at its default "
-                          f"location {demo_default_root()}", "data=imagenet data.root=<your folder> for your own "
+                          f"location {home}", "data=imagenet data.root=<your folder> for your own "
                           "data; or leave data.root unset for the demo set")
     for key in ("ckpt_path", "model.pretrained"):
         path = cfg.get("ckpt_path") if key == "ckpt_path" else cfg.model.get("pretrained")
@@ -157,6 +159,21 @@ def _check_checkpoint(path: str, cfg: DictConfig) -> None:
                           "resuming needs the same optimizer", f"optim={saved}; or model.pretrained=<ckpt> to start anew")
     if not cfg.evaluate_only and "optimizer_states" not in state:
         raise ConfigError("ckpt_path", path, "holds weights only, nothing to resume", "model.pretrained=<file> to start from weights")
+
+
+def demo_default_roots() -> dict[str, str]:
+    """Demo generator (``data.demo._target_``) -> the ``data.root`` its ``conf/data/*.yaml`` declares: the
+    places ``train.py`` may generate a demo set (``data=demo`` -> ``data/demo``, ``data=video_demo`` -> ...)."""
+    from omegaconf import OmegaConf
+
+    from cltrain.app.cli import CONFIG_DIR
+
+    roots: dict[str, str] = {}
+    for path in sorted((CONFIG_DIR / "data").glob("*.yaml")):
+        node = OmegaConf.load(path)
+        if node.get("demo") is not None and node.get("root") is not None:
+            roots.setdefault(str(node.demo.get("_target_", "cltrain.data.make_demo_dataset")), str(node.root))
+    return roots
 
 
 def demo_default_root() -> str:
