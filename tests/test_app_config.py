@@ -28,7 +28,8 @@ def test_every_group_option_composes(group: str, option: str, tmp_path: Path) ->
     cfg = compose_config(overrides)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert {"model", "data", "trainer", "optim", "channels_last", "amp", "device"} <= set(cfg)
-    assert cfg.data._target_ in ("cltrain.data.ImageFolderDataModule", "cltrain.data.ShardsDataModule")
+    assert cfg.data._target_ in ("cltrain.data.ImageFolderDataModule", "cltrain.data.ShardsDataModule",
+                                 "cltrain.data.video.ClipFolderDataModule")
     assert validate(cfg).accelerator in ("cpu", "cuda")
 
 

@@ -19,7 +19,7 @@ DEMO = {"num_classes": 2, "train_per_class": 4, "val_per_class": 2, "num_frames"
 
 def tiny_video(root: Path, run_dir: Path, *overrides: str) -> dict:
     demo = [f"data.demo.{k}={v}" for k, v in DEMO.items()]
-    cfg = compose_config(["experiment=video", f"data.root={root}", *demo, f"run_dir={run_dir}", "device=cpu",
+    cfg = compose_config(["experiment=video", f"data.root={root}", *demo, "data.demo.any_root=true", f"run_dir={run_dir}", "device=cpu",
                           "data.batch_size=2", "data.num_workers=0", "data.num_frames=4", "data.frame_stride=1",
                           "data.image_size=32", "data.val_resize_size=32", "trainer=debug", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
                           "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", "print_freq=1",

@@ -35,7 +35,8 @@ from typing_extensions import override
 from cltrain.data.augment import MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.constants import CHECK_MODES, IMAGENET_MEAN, IMAGENET_STD
-from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, ImageFolderDataset, find_classes, read_file_list
+from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, ImageFolderDataset, read_file_list
+from cltrain.data.folders import ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.transforms import _pair, eval_transform, train_transform
@@ -96,7 +97,7 @@ class _SkippedFilesReport(L.Callback):
         self._report(trainer, pl_module, can_log=False)
 
 
-class ImageFolderDataModule(L.LightningDataModule):
+class ImageFolderDataModule(ClassFolderDataModule):
     """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
 
     Args:
@@ -153,6 +154,11 @@ class ImageFolderDataModule(L.LightningDataModule):
             :attr:`classes`).
     """
 
+    layout_hint = ("a folder with train/ and val/ (ImageNet layout), or make one with "
+                   "cltrain.data.make_demo_dataset(root)")
+    collate_class = NHWCCollate
+
+
     def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int = 4, persistent_workers: bool = True,
                  pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
                  channels: int = 3, bad_files: str = "raise", mean: Sequence[float] = IMAGENET_MEAN,
@@ -205,25 +211,6 @@ class ImageFolderDataModule(L.LightningDataModule):
         self._device: torch.device | None = None
         self._skip_log: Path | None = None
 
-    def _split_dir(self, split: str) -> Path:
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"ImageFolderDataModule: root {self.root} does not exist or is not a folder. "
-                                    "Point root at a folder with train/ and val/ (ImageNet layout), "
-                                    "or make one with cltrain.data.make_demo_dataset(root).")
-        return self.root / split
-
-    @property
-    def classes(self) -> list[str]:
-        """Class folder names of ``root/train``, in label order."""
-        if self._classes is None:
-            self._classes = find_classes(self._split_dir("train"))
-        return self._classes
-
-    @property
-    def num_classes(self) -> int:
-        """Number of classes (class folders of ``root/train``)."""
-        return len(self.classes)
-
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
         """``(batch_size, channels, height, width)`` of a training batch."""
@@ -232,9 +219,7 @@ class ImageFolderDataModule(L.LightningDataModule):
     @override
     def setup(self, stage: str) -> None:
         trainer = self.trainer
-        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
-        self._device = device
-        self._pin = device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
+        self._choose_device()
         if self.bad_files == "skip" and trainer is not None:
             run_dir = Path(trainer.default_root_dir)  # the run directory, not the logger's folder
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -274,35 +259,12 @@ class ImageFolderDataModule(L.LightningDataModule):
             dataset.skip(path, reason)
         rank_zero_warn(f"ImageFolderDataModule: left out {len(bad)} unreadable validation file(s) before training: {listed}.")
 
-    def _loader(self, dataset: ImageFolderDataset | None, train: bool) -> PrefetchDataLoader:
-        if dataset is None:
-            raise RuntimeError("ImageFolderDataModule: call setup() (the Trainer does) before asking for a dataloader.")
-        workers = self.num_workers
-        prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
-        return PrefetchDataLoader(
-            dataset, batch_size=self.batch_size, shuffle=train, num_workers=workers,
-            collate_fn=NHWCCollate(pin_memory=self._pin and workers == 0),  # workers: pinned by the loader, in this process
-            pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
-            drop_last=train, prefetch_device=prefetch)
-
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
         if self.train_set is not None and len(self.train_set) < self.batch_size:
             raise ValueError(f"ImageFolderDataModule: {self.train_set.split_dir} has {len(self.train_set)} images, fewer than "
                              f"batch_size={self.batch_size}; the training loader drops partial batches, so it would be empty.")
         return self._loader(self.train_set, train=True)
-
-    @override
-    def val_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
-
-    @override
-    def test_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
-
-    @override
-    def predict_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from typing_extensions import override
 
-from cltrain.data.dataset import find_classes
+from cltrain.data.folders import ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.transforms import _pair
@@ -56,7 +55,7 @@ def normalize_clips(clips: torch.Tensor, mean: Sequence[float] = KINETICS_MEAN, 
     return normalize(clips, mean, std, dtype, memory_format=fmt)
 
 
-class ClipFolderDataModule(L.LightningDataModule):
+class ClipFolderDataModule(ClassFolderDataModule):
     """Train/val clip folders as normalised channels_last_3d ``(N, C, T, H, W)`` batches.
 
     Args:
@@ -83,6 +82,11 @@ class ClipFolderDataModule(L.LightningDataModule):
             class without clips, a clip folder without frames, classes that differ (in ``setup``).
         FileNotFoundError: a missing root or split.
     """
+
+    layout_hint = ("a folder with train/<class>/<clip>/ and val/<class>/<clip>/, or make one with "
+                   "cltrain.data.video.make_demo_videos(root)")
+    collate_class = NDHWCCollate
+
 
     def __init__(self, root: str | os.PathLike, batch_size: int = 8, num_workers: int = 2, persistent_workers: bool = True,
                  pin_memory: bool | None = None, num_frames: int = 16, frame_stride: int = 1,
@@ -119,25 +123,6 @@ class ClipFolderDataModule(L.LightningDataModule):
         self._pin = False
         self._device: torch.device | None = None
 
-    def _split_dir(self, split: str) -> Path:
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"ClipFolderDataModule: root {self.root} does not exist or is not a folder. Point root "
-                                    "at a folder with train/<class>/<clip>/ and val/<class>/<clip>/, or make one with "
-                                    "cltrain.data.video.make_demo_videos(root).")
-        return self.root / split
-
-    @property
-    def classes(self) -> list[str]:
-        """Class folder names of ``root/train``, in label order."""
-        if self._classes is None:
-            self._classes = find_classes(self._split_dir("train"))
-        return self._classes
-
-    @property
-    def num_classes(self) -> int:
-        """Number of classes (class folders of ``root/train``)."""
-        return len(self.classes)
-
     @property
     def input_shape(self) -> tuple[int, int, int, int, int]:
         """``(batch_size, channels, num_frames, height, width)`` of a training batch."""
@@ -145,41 +130,17 @@ class ClipFolderDataModule(L.LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
-        self._device = device
-        self._pin = device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
+        self._choose_device()
         # Everything is listed and checked here, before the first step.
         if stage == "fit" and self.train_set is None:
             self.train_set = ClipFolderDataset(self._split_dir("train"), self.train_transform, self.classes)
         if self.val_set is None:
             self.val_set = ClipFolderDataset(self._split_dir("val"), self.eval_transform, self.classes)
 
-    def _loader(self, dataset: ClipFolderDataset | None, train: bool) -> PrefetchDataLoader:
-        if dataset is None:
-            raise RuntimeError("ClipFolderDataModule: call setup() (the Trainer does) before asking for a dataloader.")
-        workers = self.num_workers
-        prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
-        return PrefetchDataLoader(
-            dataset, batch_size=self.batch_size, shuffle=train, num_workers=workers,
-            collate_fn=NDHWCCollate(pin_memory=self._pin and workers == 0),
-            pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
-            drop_last=train and len(dataset) >= self.batch_size, prefetch_device=prefetch)
-
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.train_set, train=True)
-
-    @override
-    def val_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
-
-    @override
-    def test_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
-
-    @override
-    def predict_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
+        # whole batches only, unless the (small) set holds less than one
+        return self._loader(self.train_set, train=True, drop_last=len(self.train_set or ()) >= self.batch_size)
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
