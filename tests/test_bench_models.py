@@ -98,7 +98,7 @@ def test_auto_steps_fill_the_minimum_window():
     # Two steps of a fast model on a GPU last 20-50 ms: rounds are lengthened until each lasts >= --min-window.
     bench = load_script()
     args = bench.parse_args(["--device", "cpu", "--models", "tinycnn", "--batch-size", "2", "--image-size", "16",
-                             "--repeats", "2", "--min-window", "0.5"])
+                             "--repeats", "2", "--min-window", "0.5", "--max-steps", "1000000"])
     rates, steps = bench.bench_cell(bench.tinycnn(), (2, 3, 16, 16), args, torch.device("cpu"), None)
     assert steps > args.steps
     for layout_rates in rates.values():
