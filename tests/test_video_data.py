@@ -27,25 +27,40 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_demo_is_a_clip_folder_made_once(demo: Path) -> None:
     classes = sorted(p.name for p in (demo / "train").iterdir())
-    assert classes == ["00_circle_right", "01_square_right"]
+    assert classes == ["00_right", "01_left"]
     clip = demo / "train" / classes[0] / "00003"
     assert sorted(os.listdir(clip)) == [f"{t:03d}.jpg" for t in range(6)] and Image.open(clip / "000.jpg").size == (32, 32)
     before = (clip / "000.jpg").stat().st_mtime_ns
     assert make_demo_videos(demo, **SMALL) == demo and (clip / "000.jpg").stat().st_mtime_ns == before  # reused
     with pytest.raises(FileExistsError, match="make_demo_videos: .* made with other arguments"):
         make_demo_videos(demo, **{**SMALL, "seed": 1})
-    with pytest.raises(ValueError, match="num_classes=13"):
-        make_demo_videos(demo.parent / "x", num_classes=13)
+    with pytest.raises(ValueError, match="num_classes=7"):
+        make_demo_videos(demo.parent / "x", num_classes=7)
 
 
-def test_demo_shapes_move_in_their_class_direction(demo: Path) -> None:
-    def centre_x(path: Path) -> float:
+def test_demo_classes_are_motions_and_no_single_frame_tells_them(tmp_path: Path) -> None:
+    root = make_demo_videos(tmp_path / "demo", num_classes=6, train_per_class=4, val_per_class=1, num_frames=8, frame_size=64)
+
+    def centre_and_area(path: Path) -> tuple[float, float, int]:
         img = np.asarray(Image.open(path)).astype(float)
-        saturation = img.max(-1) - img.min(-1)  # the shape is saturated, the background dull
-        return float(np.nonzero(saturation > saturation.max() * 0.6)[1].mean())
+        shape = np.abs(img - np.median(img.reshape(-1, 3), 0)).sum(-1) > 60  # the shape covers well under half the frame
+        ys, xs = np.nonzero(shape)
+        return float(xs.mean()), float(ys.mean()), int(shape.sum())
 
-    for clip in sorted((demo / "train" / "00_circle_right").iterdir()):
-        assert centre_x(clip / "005.jpg") > centre_x(clip / "000.jpg") + 5
+    moves = {"00_right": (0, 1), "01_left": (0, -1), "02_down": (1, 1), "03_up": (1, -1)}
+    sizes_seen = set()
+    for cls in sorted((root / "train").iterdir()):
+        for clip in sorted(cls.iterdir()):
+            first, last = centre_and_area(clip / "000.jpg"), centre_and_area(clip / "007.jpg")
+            sizes_seen.add(first[2] // 50)
+            if cls.name in moves:
+                axis, sign = moves[cls.name]
+                assert sign * (last[axis] - first[axis]) > 5, (clip, first, last)
+            elif cls.name == "04_grow":
+                assert last[2] > 1.3 * first[2], (clip, first, last)
+            else:
+                assert cls.name == "05_shrink" and first[2] > 1.3 * last[2], (clip, first, last)
+    assert len(sizes_seen) > 3  # sizes (and shapes, colours, places) vary within a class
 
 
 def test_datamodule_gives_normalised_channels_last_3d_batches_from_workers(demo: Path) -> None:

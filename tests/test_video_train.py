@@ -4,6 +4,9 @@ ImageClassifier, progress meter and ChannelsLast on 5-D (N, C, T, H, W) batches.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from cltrain.app.module import ImageClassifier
 from cltrain.app.train import train
 
 CL3D = torch.channels_last_3d
+REPO = Path(__file__).resolve().parents[1]
 DEMO = {"num_classes": 2, "train_per_class": 4, "val_per_class": 2, "num_frames": 6, "frame_size": 32}
 
 
@@ -48,9 +52,26 @@ def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: p
     state = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
     weight = state["model.layer1.0.conv1.0.weight"]
     assert weight.dim() == 5 and weight.is_contiguous(memory_format=CL3D) is channels_last
-    assert (tmp_path / "demo" / "train" / "00_circle_right").is_dir()  # the video demo, generated on first use
+    assert (tmp_path / "demo" / "train" / "00_right").is_dir()  # the video demo, generated on first use
 
 
 def test_the_other_video_models_by_name(tmp_path: Path) -> None:
     metrics = tiny_video(tmp_path / "demo", tmp_path / "run", "model=mc3_18", "trainer.limit_train_batches=1")
     assert metrics["model"] == "mc3_18" and metrics["global_step"] == 1
+
+
+@pytest.mark.slow
+def test_the_video_demo_learns_motion_well_above_chance(tmp_path: Path) -> None:
+    """The README's command as a user runs it (about 3 minutes here): ``python train.py experiment=video``
+    from an empty folder, the demo written to ``data/video_demo`` there. Six motions, chance 16.7 %;
+    this recipe reached 84-92 % on this machine (seeds 1 and 42). The first demo (class = shape x
+    direction) reached 35 %, and 40.6 % with this recipe: r3d_18 learnt the direction and never the shape;
+    this test fails on it (checked)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "experiment=video", "device=cpu", "run_dir=run",
+                           "trainer.enable_progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["model"] == "r3d_18" and metrics["layout"] == "channels_last" and metrics["epochs"] == 5
+    assert metrics["val_top1"] >= 3 * 100 / 6, metrics["val_top1"]  # at least 3x chance
