@@ -82,3 +82,26 @@ def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:
     result = run("-m", "experiment=smoke", "trainer=ddp", "device=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert result.returncode == 2
     assert "cltrain: error: trainer.devices=2: more than one process cannot be launched inside a -m sweep" in result.stderr
+
+
+def test_a_diverged_run_stops_says_so_and_keeps_the_finite_last_checkpoint(demo_args: list[str], tmp_path: Path) -> None:
+    # Epoch 0 trains as usual; at epoch 1 the step schedule multiplies the lr by 1e30, so the loss turns
+    # inf/NaN within the epoch. The run must stop there (not train on and end "completed"), exit 1 with one
+    # line, say "failed" in metrics.json, and leave epoch 0's last.ckpt as it was (finite), not NaN weights.
+    run_dir = tmp_path / "run"
+    done = run("experiment=smoke", *demo_args, f"run_dir={run_dir}", "device=cpu", "amp=false", "trainer.max_epochs=4",
+               "optim.milestones=[1]", "optim.gamma=1e30", "optim.warmup_epochs=0", "print_freq=1",
+               "trainer.enable_progress_bar=false")
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("cltrain: error:")]
+    assert len(errors) == 1 and "training loss is" in errors[0] and "at epoch 1" in errors[0] and "optim.lr" in errors[0]
+    assert "Traceback" not in done.stderr
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and metrics["error"].startswith("NonFiniteLossError: training loss is")
+    import torch
+
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    steps_per_epoch = 32 // 8  # 32 images, batch 8 (experiment=smoke)
+    assert state["global_step"] == steps_per_epoch and state["epoch"] == 0
+    assert steps_per_epoch < metrics["global_step"] < 2 * steps_per_epoch  # stopped inside epoch 1
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())

@@ -48,6 +48,7 @@ def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def _run(cfg: DictConfig) -> float | None:
     """One run; returns validation top-1 (%), the value Hydra's sweepers (Optuna) maximise."""
+    from cltrain.app.finite import NonFiniteLossError
     from cltrain.app.train import train  # after Hydra has parsed the command line: `--help` stays fast
 
     try:
@@ -55,6 +56,9 @@ def _run(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         print(f"cltrain: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None  # not an Exception: Hydra lets it through instead of printing a traceback
+    except NonFiniteLossError as err:  # a diverged run: metrics.json says "failed"; one line, not a traceback
+        print(f"cltrain: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ from cltrain.app.config import ConfigError, Resolved, validate
 from cltrain.app.datasource import absolute as _absolute
 from cltrain.app.datasource import build_datamodule
 from cltrain.app.ema import EMA, weights_in_checkpoint
+from cltrain.app.finite import NonFiniteLossError, StopOnNonFinite
 from cltrain.app.models import build_model
 from cltrain.app.module import ImageClassifier
 from cltrain.app.progress import MainAmpProgress, main_amp_progress_bar
@@ -108,12 +109,21 @@ def _callbacks(cfg: DictConfig, run_dir: Path, stop: SignalStop) -> tuple[list[C
                                         every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
         parts["on_exception"] = _KeepOnException(checkpoints, filename="last")  # signal or crash: the latest state
         callbacks += [parts["best"], parts["last"], parts["on_exception"]]
+        # A NaN loss stops the run (checked where the progress line syncs anyway), before NaN weights are saved.
+        try_amp = ", or amp=false" if cfg.amp else ""
+        callbacks.append(StopOnNonFinite(every=cfg.print_freq, hint=f"; {checkpoints / 'last.ckpt'} (if written) keeps the "
+                                                                     f"latest finite state. Try a lower optim.lr{try_amp}"))
     return callbacks, progress, parts
 
 
 class _KeepOnException(OnExceptionCheckpoint):
     """``OnExceptionCheckpoint`` that writes ``last.ckpt`` and keeps it: Lightning's deletes its file in
-    ``teardown``, which after a normal run would delete the epoch-end ``last.ckpt``."""
+    ``teardown``, which after a normal run would delete the epoch-end ``last.ckpt``. A run stopped for a
+    non-finite loss is not saved: its weights are NaN, and the ``last.ckpt`` it has is the latest finite state."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, NonFiniteLossError):
+            super().on_exception(trainer, pl_module, exception)
 
     def teardown(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         pass
