@@ -70,6 +70,7 @@ def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str],
                  f"hydra.run.dir={run_dir}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Grad strides do not match" not in result.stderr + result.stdout
+    assert " images/s, " in next(line for line in result.stdout.splitlines() if line.startswith("cltrain: val top-1"))
     metrics = json.loads((run_dir / "metrics.json").read_text())
     # 32 images / (2 ranks x batch 8) = 2 batches per rank per epoch; accumulating 2 -> 1 optimizer step per epoch
     assert (metrics["world_size"], metrics["global_batch"], metrics["global_step"]) == (2, 32, 2)

@@ -33,7 +33,7 @@ def tiny_video(root: Path, run_dir: Path, *overrides: str) -> dict:
 
 @pytest.mark.parametrize(("channels_last", "amp"), [(True, True), (False, False)])
 def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  channels_last: bool, amp: bool) -> None:
+                                                  capsys: pytest.CaptureFixture, channels_last: bool, amp: bool) -> None:
     seen: list[tuple[tuple[int, ...], bool, torch.dtype]] = []
     step = ImageClassifier.training_step
 
@@ -47,6 +47,8 @@ def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: p
     assert metrics["model"] == "r3d_18" and metrics["precision"] == ("bf16-mixed" if amp else "32-true")
     assert seen == [((2, 3, 4, 32, 32), channels_last, torch.float32)] * 2
     assert metrics["global_step"] == 2 and metrics["images_per_second"] > 0  # the progress meter counts clips
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cltrain: val top-1")]
+    assert len(summary) == 1 and " clips/s, " in summary[0] and "images/s" not in summary[0]
     assert 0 <= metrics["val_top1"] <= 100
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["config"]["data"]["num_frames"] == 4
     state = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]

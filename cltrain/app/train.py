@@ -255,7 +255,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
 
     metrics = finish("completed")
     if trainer.is_global_zero:
-        print(_summary_line(metrics, datamodule.num_classes), flush=True)
+        unit = "clips" if len(getattr(datamodule, "input_shape", ())) == 5 else "images"  # what a sample is
+        print(_summary_line(metrics, datamodule.num_classes, unit), flush=True)
     return metrics
 
 
@@ -321,11 +322,12 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, pro
     }
 
 
-def _summary_line(m: dict[str, Any], num_classes: int) -> str:
-    speed = (f"{m['images_per_second']:.1f} images/s, {m['step_time_s']:.3f} s/step"
-             if m.get("images_per_second") else "images/s: too few steps to measure")
+def _summary_line(m: dict[str, Any], num_classes: int, unit: str = "images") -> str:
+    """The run's one-line summary; ``unit``: what one sample is (``images_per_second`` counts clips for video)."""
+    speed = (f"{m['images_per_second']:.1f} {unit}/s, {m['step_time_s']:.3f} s/step"
+             if m.get("images_per_second") else f"{unit}/s: too few steps to measure")
     if m["evaluate_only"]:
-        speed = f"{m['val_images_per_second']:.1f} images/s (validation)" if m.get("val_images_per_second") else "-"
+        speed = f"{m['val_images_per_second']:.1f} {unit}/s (validation)" if m.get("val_images_per_second") else "-"
     top1 = "-" if m["val_top1"] is None else f"{m['val_top1']:.2f}%"
     top5 = "-" if m["val_top5"] is None else f"{m['val_top5']:.2f}%"
     math = ", tf32" if m["tf32"] and m["precision"] == "32-true" and m["device"] == "cuda" else ""
