@@ -77,3 +77,20 @@ def test_the_video_demo_learns_motion_well_above_chance(tmp_path: Path) -> None:
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["model"] == "r3d_18" and metrics["layout"] == "channels_last" and metrics["epochs"] == 5
     assert metrics["val_top1"] >= 3 * 100 / 6, metrics["val_top1"]  # at least 3x chance
+
+
+def test_an_unreadable_clip_is_named_or_skipped_and_listed(tmp_path: Path) -> None:
+    from cltrain.data.video import make_demo_videos
+
+    root = make_demo_videos(tmp_path / "demo", **DEMO)
+    bad = sorted((root / "train" / "00_right").iterdir())[1]
+    (bad / "002.jpg").write_bytes(b"not a jpeg")  # one broken frame in one training clip
+    with pytest.raises(Exception, match=r"00_right.*cannot be read as a clip.*bad_files='skip'"):
+        tiny_video(root, tmp_path / "raise", "trainer.limit_train_batches=null")
+    # skip: the run goes on in real worker processes; the clip is listed in the run directory, once per epoch
+    metrics = tiny_video(root, tmp_path / "skip", "data.bad_files=skip", "data.num_workers=2",
+                         "trainer.limit_train_batches=null", "trainer.max_epochs=2")
+    assert metrics["status"] == "completed" and metrics["global_step"] == 2 * (2 * 4 // 2)
+    lines = (tmp_path / "skip" / "skipped_files.tsv").read_text().splitlines()
+    assert lines and {tuple(line.split("\t")[:2]) for line in lines} == {("train", str(bad))}
+    assert "002.jpg" in lines[0]  # the reason names the frame

@@ -26,9 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -36,7 +34,7 @@ from cltrain.data.augment import MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.constants import CHECK_MODES, IMAGENET_MEAN, IMAGENET_STD
 from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, ImageFolderDataset, read_file_list
-from cltrain.data.folders import ClassFolderDataModule
+from cltrain.data.folders import SKIPPED_FILES_NAME, ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.transforms import _pair, eval_transform, train_transform
@@ -44,59 +42,6 @@ from cltrain.data.transforms import _pair, eval_transform, train_transform
 __all__ = ["SKIPPED_FILES_NAME", "ImageFolderDataModule"]
 
 #: Name of the file (in the run directory) the skipped bad files are listed in.
-SKIPPED_FILES_NAME = "skipped_files.tsv"
-
-
-class _SkippedFilesReport(L.Callback):
-    """Counts the distinct files workers appended to the skipped-files list, per split and epoch,
-    logs them as ``data/skipped_<split>`` and warns when there are any."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-
-    def _new_counts(self) -> dict[str, int]:
-        if not self.path.is_file():
-            return {}
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self._offset)
-            lines = f.read().splitlines()
-            self._offset = f.tell()
-        # A file can be met more than once in an epoch (also as the replacement tried for
-        # another bad file): count distinct files.
-        seen = {tuple(line.split("\t", 2)[:2]) for line in lines if "\t" in line}
-        counts: dict[str, int] = {}
-        for split, _ in seen:
-            counts[split] = counts.get(split, 0) + 1
-        return counts
-
-    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
-        counts = self._new_counts()
-        for split, n in counts.items():
-            rank_zero_warn(f"ImageFolderDataModule: skipped {n} unreadable file(s) of {split!r} in epoch "
-                           f"{trainer.current_epoch}; their paths are in {self.path}.")
-        if can_log and not trainer.sanity_checking:
-            for split in ("train", "val"):
-                pl_module.log(f"data/skipped_{split}", float(counts.get(split, 0)), reduce_fx="sum", sync_dist=True)
-
-    @override
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module)
-
-    @override
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn != TrainerFn.FITTING:  # during fit the train epoch end reports both splits
-            self._report(trainer, pl_module)
-
-    @override
-    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module)
-
-    @override
-    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module, can_log=False)
-
-
 class ImageFolderDataModule(ClassFolderDataModule):
     """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
 
@@ -218,15 +163,8 @@ class ImageFolderDataModule(ClassFolderDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        trainer = self.trainer
         self._choose_device()
-        if self.bad_files == "skip" and trainer is not None:
-            run_dir = Path(trainer.default_root_dir)  # the run directory, not the logger's folder
-            run_dir.mkdir(parents=True, exist_ok=True)
-            name = SKIPPED_FILES_NAME if trainer.world_size == 1 else f"rank{trainer.global_rank}.{SKIPPED_FILES_NAME}"
-            self._skip_log = run_dir / name
-            if not any(isinstance(cb, _SkippedFilesReport) for cb in trainer.callbacks):
-                trainer.callbacks.append(_SkippedFilesReport(self._skip_log))
+        self._open_skip_log()
         # Everything is checked here, before the first step: root, splits, classes, images.
         exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
         if stage == "fit" and self.train_set is None:

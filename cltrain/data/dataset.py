@@ -25,7 +25,8 @@ from torch.utils.data import Dataset
 
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
-__all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "find_classes", "find_samples", "read_file_list"]
+__all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "find_classes", "find_samples",
+           "read_file_list"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,48 @@ def read_file_list(path: str | os.PathLike) -> set[str]:
     return out
 
 
-class ImageFolderDataset(Dataset):
+class SkipsBadSamples:
+    """The bad-file policy of a folder Dataset whose ``samples`` start with a path and whose
+    ``load(i)`` raises :class:`BadImageError` (its ``__cause__`` the reason): ``bad_files="raise"``
+    passes it on; ``"skip"`` reports the sample (:meth:`skip`) and returns the next readable one
+    (at most 50 in a row). Sets nothing itself: the Dataset sets ``split_dir``, ``bad_files``,
+    ``skip_log`` and ``_warned``, and :attr:`what` names a sample in the warning."""
+
+    what = "image"
+    split_dir: Path
+    samples: Sequence[tuple]
+    bad_files: str
+    skip_log: str | None
+    _warned: set[str]
+
+    def load(self, index: int) -> tuple[np.ndarray, int]:  # pragma: no cover - the Dataset's
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        if self.bad_files == "raise":
+            return self.load(index)
+        for attempt in range(min(_MAX_SKIPS_IN_A_ROW, len(self.samples))):
+            i = (index + attempt) % len(self.samples)
+            try:
+                return self.load(i)
+            except BadImageError as err:
+                cause = err.__cause__
+                self.skip(self.samples[i][0], f"{type(cause).__name__}: {cause}")
+        raise BadImageError(f"{self.split_dir}: {_MAX_SKIPS_IN_A_ROW} unreadable files in a row from index {index}; "
+                            "the folder is not usable as it is (see the skipped-files log).")
+
+    def skip(self, path: str, reason: str) -> None:
+        """Report ``path`` as skipped: a line in ``skip_log`` and a warning once per file and process."""
+        reason = reason.replace("\t", " ").replace("\n", " ")
+        if self.skip_log is not None:
+            with open(self.skip_log, "a", encoding="utf-8") as f:  # one short line per write: atomic with O_APPEND
+                f.write(f"{self.split_dir.name}\t{path}\t{reason}\n")
+        if path not in self._warned:
+            self._warned.add(path)
+            log.warning("skipping unreadable %s %s (%s)", self.what, path, reason)
+
+
+class ImageFolderDataset(SkipsBadSamples, Dataset):
     """``(transform(image), class index)`` for each image under ``split_dir/<class>/``.
 
     Args:
@@ -129,25 +171,3 @@ class ImageFolderDataset(Dataset):
             raise BadImageError(f"{path}: cannot be read as an image ({type(err).__name__}: {err}). "
                                 "Replace or remove the file, or pass bad_files='skip' to skip such files.") from err
 
-    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        if self.bad_files == "raise":
-            return self.load(index)
-        for attempt in range(min(_MAX_SKIPS_IN_A_ROW, len(self.samples))):
-            i = (index + attempt) % len(self.samples)
-            try:
-                return self.load(i)
-            except BadImageError as err:
-                cause = err.__cause__
-                self.skip(self.samples[i][0], f"{type(cause).__name__}: {cause}")
-        raise BadImageError(f"{self.split_dir}: {_MAX_SKIPS_IN_A_ROW} unreadable files in a row from index {index}; "
-                            "the folder is not usable as it is (see the skipped-files log).")
-
-    def skip(self, path: str, reason: str) -> None:
-        """Report ``path`` as skipped: a line in ``skip_log`` and a warning once per file and process."""
-        reason = reason.replace("\t", " ").replace("\n", " ")
-        if self.skip_log is not None:
-            with open(self.skip_log, "a", encoding="utf-8") as f:  # one short line per write: atomic with O_APPEND
-                f.write(f"{self.split_dir.name}\t{path}\t{reason}\n")
-        if path not in self._warned:
-            self._warned.add(path)
-            log.warning("skipping unreadable image %s (%s)", path, reason)

@@ -9,7 +9,8 @@ whose batches are copied to a CUDA device on a side stream
 training, every sample kept for validation, test and predict.
 
 A subclass sets :attr:`layout_hint` and :attr:`collate_class` and calls
-:meth:`_choose_device` in its ``setup``.
+:meth:`_choose_device` in its ``setup``; with ``bad_files="skip"`` it calls :meth:`_open_skip_log`
+too, so the skipped samples are listed in the run directory and counted per epoch.
 """
 
 from __future__ import annotations
@@ -19,13 +20,67 @@ from typing import ClassVar
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
 from cltrain.data.dataset import find_classes
 from cltrain.data.prefetch import PrefetchDataLoader
 
-__all__ = ["ClassFolderDataModule"]
+__all__ = ["SKIPPED_FILES_NAME", "ClassFolderDataModule"]
+
+SKIPPED_FILES_NAME = "skipped_files.tsv"
+
+
+class _SkippedFilesReport(L.Callback):
+    """Counts the distinct files workers appended to the skipped-files list, per split and epoch,
+    logs them as ``data/skipped_<split>`` and warns when there are any."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def _new_counts(self) -> dict[str, int]:
+        if not self.path.is_file():
+            return {}
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            lines = f.read().splitlines()
+            self._offset = f.tell()
+        # A file can be met more than once in an epoch (also as the replacement tried for
+        # another bad file): count distinct files.
+        seen = {tuple(line.split("\t", 2)[:2]) for line in lines if "\t" in line}
+        counts: dict[str, int] = {}
+        for split, _ in seen:
+            counts[split] = counts.get(split, 0) + 1
+        return counts
+
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
+        counts = self._new_counts()
+        for split, n in counts.items():
+            rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
+                           f"{trainer.current_epoch}; their paths are in {self.path}.")
+        if can_log and not trainer.sanity_checking:
+            for split in ("train", "val"):
+                pl_module.log(f"data/skipped_{split}", float(counts.get(split, 0)), reduce_fx="sum", sync_dist=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module)
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:  # during fit the train epoch end reports both splits
+            self._report(trainer, pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module)
+
+    @override
+    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module, can_log=False)
 
 
 class ClassFolderDataModule(L.LightningDataModule):
@@ -46,6 +101,21 @@ class ClassFolderDataModule(L.LightningDataModule):
     _classes: list[str] | None
     _pin: bool
     _device: torch.device | None
+    bad_files: str
+    _skip_log: Path | None
+
+    def _open_skip_log(self) -> None:
+        """With ``bad_files="skip"`` under a Trainer: the skipped-files list in the run directory (one per
+        rank), and the callback that counts and reports what the workers appended to it."""
+        trainer = self.trainer
+        if self.bad_files != "skip" or trainer is None:
+            return
+        run_dir = Path(trainer.default_root_dir)  # the run directory, not the logger's folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+        name = SKIPPED_FILES_NAME if trainer.world_size == 1 else f"rank{trainer.global_rank}.{SKIPPED_FILES_NAME}"
+        self._skip_log = run_dir / name
+        if not any(isinstance(cb, _SkippedFilesReport) for cb in trainer.callbacks):
+            trainer.callbacks.append(_SkippedFilesReport(self._skip_log))
 
     def _split_dir(self, split: str) -> Path:
         if not self.root.is_dir():

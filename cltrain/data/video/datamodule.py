@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from cltrain.data.dataset import BAD_FILE_POLICIES
 from cltrain.data.folders import ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
@@ -76,6 +77,9 @@ class ClipFolderDataModule(ClassFolderDataModule):
         dtype: dtype of the normalised clips (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCTHW batches (the baseline).
         cuda_prefetch: on a CUDA device, copy the next batch on a side stream.
+        bad_files: ``"raise"``: a clip that cannot be read stops with an error naming it;
+            ``"skip"``: it is replaced by the next readable clip, listed in the run directory's
+            ``skipped_files.tsv`` and counted per epoch (``data/skipped_<split>``), as images are.
 
     Raises:
         ValueError: a bad argument (at construction); a split without class folders, a
@@ -93,8 +97,11 @@ class ClipFolderDataModule(ClassFolderDataModule):
                  image_size: int | tuple[int, int] = 112, val_resize_size: int | None = 128,
                  scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5, val_temporal: str = "center", channels: int = 3,
                  mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
-                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = True) -> None:
+                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = True,
+                 bad_files: str = "raise") -> None:
         super().__init__()
+        if bad_files not in BAD_FILE_POLICIES:
+            raise ValueError(f"ClipFolderDataModule: bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"ClipFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
         if not (isinstance(num_workers, int) and num_workers >= 0):
@@ -117,6 +124,7 @@ class ClipFolderDataModule(ClassFolderDataModule):
                                                     hflip=hflip, channels=channels)
         eval_stride = frame_stride if val_temporal == "center" else 1
         self.eval_transform = eval_clip_transform(num_frames, eval_stride, self.image_size, val_resize_size, channels, val_temporal)
+        self.bad_files, self._skip_log = bad_files, None
         self.train_set: ClipFolderDataset | None = None
         self.val_set: ClipFolderDataset | None = None
         self._classes: list[str] | None = None
@@ -131,11 +139,14 @@ class ClipFolderDataModule(ClassFolderDataModule):
     @override
     def setup(self, stage: str) -> None:
         self._choose_device()
+        self._open_skip_log()
         # Everything is listed and checked here, before the first step.
         if stage == "fit" and self.train_set is None:
-            self.train_set = ClipFolderDataset(self._split_dir("train"), self.train_transform, self.classes)
+            self.train_set = ClipFolderDataset(self._split_dir("train"), self.train_transform, self.classes, self.bad_files,
+                                               self._skip_log)
         if self.val_set is None:
-            self.val_set = ClipFolderDataset(self._split_dir("val"), self.eval_transform, self.classes)
+            self.val_set = ClipFolderDataset(self._split_dir("val"), self.eval_transform, self.classes, self.bad_files,
+                                             self._skip_log)
 
     @override
     def train_dataloader(self) -> PrefetchDataLoader:

@@ -27,7 +27,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from cltrain.data.constants import IMG_EXTENSIONS
-from cltrain.data.dataset import BadImageError, find_classes
+from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, SkipsBadSamples, find_classes
 
 __all__ = ["VIDEO_EXTENSIONS", "ClipFolderDataset", "find_clips", "read_video"]
 
@@ -115,29 +115,41 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
     return samples
 
 
-class ClipFolderDataset(Dataset):
+class ClipFolderDataset(SkipsBadSamples, Dataset):
     """``(transform(frames), class index)`` for each clip under ``split_dir/<class>/``.
 
     Args:
         split_dir: e.g. ``root/train``.
         transform: a :class:`~cltrain.data.video.ClipTransform` (frames -> (T, H, W, C) uint8).
         classes: class folder names in label order; ``None`` takes those of ``split_dir``.
+        bad_files: ``"raise"``: an unreadable clip raises :class:`~cltrain.data.BadImageError`
+            naming it; ``"skip"``: the next readable clip is returned instead and the clip is
+            reported (a line in ``skip_log``, a warning once per clip and process).
+        skip_log: file the skipped clips are appended to (``"skip"`` only); ``None``: none.
 
     Raises:
         ValueError, FileNotFoundError: see :func:`find_clips` (at construction, before any step).
     """
 
+    what = "clip"
+
     def __init__(self, split_dir: str | os.PathLike, transform: Callable[[Sequence], np.ndarray],
-                 classes: Sequence[str] | None = None) -> None:
+                 classes: Sequence[str] | None = None, bad_files: str = "raise",
+                 skip_log: str | os.PathLike | None = None) -> None:
+        if bad_files not in BAD_FILE_POLICIES:
+            raise ValueError(f"bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
         self.split_dir = Path(split_dir)
         self.classes = list(classes) if classes is not None else find_classes(self.split_dir)
         self.samples = find_clips(self.split_dir, self.classes)
         self.transform = transform
+        self.bad_files, self.skip_log = bad_files, None if skip_log is None else str(skip_log)
+        self._warned: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+    def load(self, index: int) -> tuple[np.ndarray, int]:
+        """The clip at ``index``; raises :class:`~cltrain.data.BadImageError` for one that cannot be read."""
         path, names, target = self.samples[index]
         try:
             frames = read_video(path) if names is None else [os.path.join(path, n) for n in names]
@@ -146,4 +158,4 @@ class ClipFolderDataset(Dataset):
             raise
         except Exception as err:  # any failure of reading or decoding this one clip
             raise BadImageError(f"{path}: cannot be read as a clip ({type(err).__name__}: {err}). "
-                                "Replace or remove it.") from err
+                                "Replace or remove it, or pass bad_files='skip' to skip such clips.") from err
