@@ -31,9 +31,9 @@ def tiny_video(root: Path, run_dir: Path, *overrides: str) -> dict:
     return train(cfg)
 
 
-@pytest.mark.parametrize(("channels_last", "amp"), [(True, True), (False, False)])
+@pytest.mark.parametrize("channels_last", [True, False])
 def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture, channels_last: bool, amp: bool) -> None:
+                                                  capsys: pytest.CaptureFixture, channels_last: bool) -> None:
     seen: list[tuple[tuple[int, ...], bool, torch.dtype]] = []
     step = ImageClassifier.training_step
 
@@ -42,9 +42,9 @@ def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: p
         return step(self, batch, batch_idx)
 
     monkeypatch.setattr(ImageClassifier, "training_step", spy)
-    metrics = tiny_video(tmp_path / "demo", tmp_path / "run", f"channels_last={channels_last}", f"amp={amp}")
+    metrics = tiny_video(tmp_path / "demo", tmp_path / "run", f"channels_last={channels_last}", "amp=false")
 
-    assert metrics["model"] == "r3d_18" and metrics["precision"] == ("bf16-mixed" if amp else "32-true")
+    assert metrics["model"] == "r3d_18" and metrics["precision"] == "32-true"
     assert seen == [((2, 3, 4, 32, 32), channels_last, torch.float32)] * 2
     assert metrics["global_step"] == 2 and metrics["images_per_second"] > 0  # the progress meter counts clips
     summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cltrain: val top-1")]
@@ -55,6 +55,30 @@ def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: p
     weight = state["model.layer1.0.conv1.0.weight"]
     assert weight.dim() == 5 and weight.is_contiguous(memory_format=CL3D) is channels_last
     assert (tmp_path / "demo" / "train" / "00_right").is_dir()  # the video demo, generated on first use
+
+
+def test_amp_on_the_cpu_with_conv3d_warns_and_runs_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 Conv3d weight gradients on this CPU are non-finite now and then (README: 12 of 100 identical calls), so
+    # a 2-step run ends either "completed" or stopped by the non-finite-loss check ("failed"); both say bf16-mixed,
+    # and the first step always runs channels_last_3d batches through bf16 autocast.
+    from cltrain.app.finite import NonFiniteLossError
+
+    seen: list[tuple[bool, torch.dtype]] = []
+    step = ImageClassifier.training_step
+
+    def spy(self, batch, batch_idx):
+        seen.append((batch[0].is_contiguous(memory_format=CL3D), self.model(batch[0]).dtype))
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(ImageClassifier, "training_step", spy)
+    with pytest.warns(UserWarning, match="amp=true on the CPU with Conv3d layers.*amp=false trains these models safely"):
+        try:
+            tiny_video(tmp_path / "demo", tmp_path / "run", "amp=true")
+        except NonFiniteLossError:
+            pass
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["precision"] == "bf16-mixed" and metrics["status"] in ("completed", "failed")
+    assert seen and all(s == (True, torch.bfloat16) for s in seen)
 
 
 def test_the_other_video_models_by_name(tmp_path: Path) -> None:
