@@ -58,7 +58,7 @@ def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: p
 
 
 def test_amp_on_the_cpu_with_conv3d_warns_and_runs_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # bf16 Conv3d weight gradients on this CPU are non-finite now and then (README: 12 of 100 identical calls), so
+    # bf16 Conv3d weight gradients on this CPU are non-finite now and then (16-24 of 100 identical calls), so
     # a 2-step run ends either "completed" or stopped by the non-finite-loss check ("failed"); both say bf16-mixed,
     # and the first step always runs channels_last_3d batches through bf16 autocast.
     from cltrain.app.finite import NonFiniteLossError

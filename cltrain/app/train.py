@@ -118,8 +118,8 @@ def _callbacks(cfg: DictConfig, run_dir: Path, stop: SignalStop) -> tuple[list[C
 
 _CPU_BF16_CONV3D = (
     "cltrain: amp=true on the CPU with Conv3d layers: bf16 Conv3d weight gradients (oneDNN, torch 2.14.1) were measured "
-    "non-finite in 12 of 100 identical calls on an AVX512-BF16 CPU, in both layouts (README, Video); a loss that turns NaN "
-    "stops the run. amp=false trains these models safely.")
+    "non-finite in 16-24 of 100 identical calls on an AVX512-BF16 CPU, in both layouts (scripts/cpu_bf16_conv3d.py); "
+    "a loss that turns NaN stops the run. amp=false trains these models safely.")
 
 
 class _KeepOnException(OnExceptionCheckpoint):
