@@ -31,6 +31,7 @@ from torch import nn
 
 from cltrain.audit import AuditReport, audit
 from cltrain.layout import MODES, to_channels_last
+from cltrain.model_names import closest_model_names, optional_timm
 
 __all__ = ["AuditArgs", "UsageError", "build_model", "input_shape", "main", "parse_args", "run"]
 
@@ -118,12 +119,7 @@ def _check_device(value: str) -> str:
     return str(device)
 
 
-def _timm():
-    try:
-        import timm
-    except ImportError:
-        return None
-    return timm
+_timm = optional_timm
 
 
 def _family(name: str) -> str | None:
@@ -141,15 +137,7 @@ def _family(name: str) -> str | None:
 def _unknown(name: str, source: str) -> UsageError:
     import torchvision.models as tvm
 
-    pool, lists = [], []
-    if source != "timm":
-        pool += tvm.list_models()
-        lists.append("torchvision.models.list_models()")
-    timm = _timm()
-    if source != "torchvision" and timm is not None:
-        pool += timm.list_models()
-        lists.append("timm.list_models()")
-    close = list(dict.fromkeys(difflib.get_close_matches(name, pool, n=6, cutoff=0.6)))[:4]
+    close, lists = closest_model_names(name, source, tvm.list_models() if source != "timm" else ())
     hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, r3d_18, efficientnet_b0"
     where = " or ".join(lists) if lists else "timm (not installed: pip install timm)"
     return UsageError(f"model={name!r} is not in {where}; {hint}.")

@@ -39,7 +39,6 @@ Example::
 
 from __future__ import annotations
 
-import difflib
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch
 from torch import nn
 
 from cltrain.app.errors import ConfigError
+from cltrain.model_names import closest_model_names, optional_timm
 
 __all__ = ["EMA_KEYS", "SOURCES", "build_model", "check_model_name", "load_pretrained", "model_source", "read_checkpoint"]
 
@@ -69,12 +69,7 @@ def _torchvision_names() -> tuple[str, ...]:
         torchvision.models.list_models(module=torchvision.models.video))
 
 
-def _timm():
-    try:
-        import timm
-    except ImportError:
-        return None
-    return timm
+_timm = optional_timm
 
 
 def model_source(name: str, source: str = "auto") -> str | None:
@@ -96,12 +91,7 @@ def check_model_name(name: Any, source: str = "auto") -> str:
         raise ConfigError("model.source", source, "timm is not installed (pip install timm)", "auto, torchvision")
     found = model_source(str(name), source) if isinstance(name, str) else None
     if found is None:
-        pool = list(_torchvision_names()) if source != "timm" else []
-        lists = ["torchvision.models.list_models()"] if source != "timm" else []
-        if source != "torchvision" and _timm() is not None:
-            pool += _timm().list_models()
-            lists.append("timm.list_models()")
-        close = list(dict.fromkeys(difflib.get_close_matches(str(name), pool, n=6, cutoff=0.6)))[:4]
+        close, lists = closest_model_names(str(name), source, _torchvision_names() if source != "timm" else ())
         allowed = "a name from " + " or ".join(lists)
         allowed += f"; closest: {', '.join(close)}" if close else "; e.g. resnet50, resnet18, efficientnet_b0"
         raise ConfigError("model.name", name, "unknown model", allowed)
