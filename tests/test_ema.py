@@ -110,3 +110,18 @@ def test_validation_checkpoint_and_metrics_use_the_ema_weights(ema_run: dict) ->
 def test_the_averaged_copy_is_channels_last_with_channels_last(ema_run: dict) -> None:
     averaged = torch.load(ema_run["fit"]["best_checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
     assert is_channels_last(averaged["model.conv1.weight"]) and is_channels_last(averaged["model.layer1.0.conv1.weight"])
+
+
+@pytest.mark.slow
+def test_an_ema_checkpoint_resumes_only_with_ema(ema_run: dict, tmp_path: Path) -> None:
+    # Its state_dict is the average; without ema=true nothing restores the training weights (current_model_state)
+    # and the run would go on from the average without a word. Refused before anything is built.
+    fit = ema_run["fit"]
+    cfg = fit["config"]
+    common = ["experiment=smoke", f"data.root={cfg['data']['root']}", "data.demo=null", "device=cpu", "amp=false", "trainer.enable_progress_bar=false",
+              "print_freq=0", f"ckpt_path={fit['last_checkpoint']}", "trainer.max_epochs=3"]
+    with pytest.raises(ConfigError, match=r"ema=false: the checkpoint .*last.ckpt was trained with ema=true.*resuming needs ema=true"):
+        train(compose_config([*common, f"run_dir={tmp_path / 'no'}", "ema=false"]))
+    assert not (tmp_path / "no").exists()
+    resumed = train(compose_config([*common, f"run_dir={tmp_path / 'yes'}", "ema=true", "ema_decay=0.5"]))
+    assert resumed["status"] == "completed" and resumed["epochs"] == 3 and resumed["weights"] == "ema"

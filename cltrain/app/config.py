@@ -159,6 +159,12 @@ def _check_checkpoint(path: str, cfg: DictConfig) -> None:
                           "resuming needs the same optimizer", f"optim={saved}; or model.pretrained=<ckpt> to start anew")
     if not cfg.evaluate_only and "optimizer_states" not in state:
         raise ConfigError("ckpt_path", path, "holds weights only, nothing to resume", "model.pretrained=<file> to start from weights")
+    if not cfg.evaluate_only and "current_model_state" in state and not cfg.get("ema", False):
+        # Its state_dict is the averaged weights; without the EMA callback nothing would restore the training
+        # weights (current_model_state) and the run would go on from the average, silently.
+        raise ConfigError("ema", False, f"the checkpoint {path} was trained with ema=true (its training weights are kept "
+                          "apart from the averaged ones); resuming needs ema=true",
+                          "ema=true; or model.pretrained=<ckpt> to start anew from the averaged weights")
 
 
 def demo_default_roots() -> dict[str, str]:
