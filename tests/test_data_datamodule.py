@@ -169,7 +169,7 @@ def test_layout_errors_come_before_training(tmp_path):
     write_jpegs(root / "val" / "c1", 1, k=1)
     with pytest.raises(ValueError, match=r"class folder .*val/c0 has no images"):
         fit(root)
-    with pytest.raises(ValueError, match="bad_files='ignore'"):
+    with pytest.raises(ValueError, match=r"ImageFolderDataModule: bad_files='ignore' must be one of \('raise', 'skip'\)"):
         ImageFolderDataModule(root, bad_files="ignore")
 
 

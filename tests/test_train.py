@@ -168,3 +168,18 @@ def test_auto_mode_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -
     assert metrics["layout"] == kept and metrics["channels_last"] is (kept == "channels_last")
     on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert on_disk["layout"] == kept
+
+
+def test_weights_that_turn_non_finite_in_the_last_step_of_an_epoch_are_not_saved(demo_root: Path, tmp_path: Path) -> None:
+    # One step per epoch and no print steps: the loss read at epoch 1's only step is still finite (it comes
+    # from epoch 0's weights), then that step's update (lr x inf from epoch 1) makes the weights non-finite.
+    # Only the epoch-end weight check sees it, before the epoch-end last.ckpt would save them.
+    from cltrain.app.finite import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match=r"the weights are no longer finite at epoch 1, step 2"):
+        tiny(demo_root, tmp_path / "run", "amp=false", "trainer.limit_train_batches=1", "trainer.max_epochs=3",
+             "optim.milestones=[1]", "optim.gamma=inf", "optim.warmup_epochs=0", "print_freq=0")
+    state = _state(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == 1 and state["epoch"] == 0
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"

@@ -104,11 +104,13 @@ def test_the_video_demo_learns_motion_well_above_chance(tmp_path: Path) -> None:
 
 
 def test_an_unreadable_clip_is_named_or_skipped_and_listed(tmp_path: Path) -> None:
-    from cltrain.data.video import make_demo_videos
+    from cltrain.data.video import ClipFolderDataModule, make_demo_videos
 
     root = make_demo_videos(tmp_path / "demo", **DEMO)
     bad = sorted((root / "train" / "00_right").iterdir())[1]
     (bad / "002.jpg").write_bytes(b"not a jpeg")  # one broken frame in one training clip
+    with pytest.raises(ValueError, match=r"ClipFolderDataModule: bad_files='ignore' must be one of \('raise', 'skip'\)"):
+        ClipFolderDataModule(root, bad_files="ignore")
     with pytest.raises(Exception, match=r"00_right.*cannot be read as a clip.*bad_files='skip'"):
         tiny_video(root, tmp_path / "raise", "trainer.limit_train_batches=null")
     # skip: the run goes on in real worker processes; the clip is listed in the run directory, once per epoch

@@ -55,7 +55,7 @@ class StopOnNonFinite(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, torch.Tensor):
             return
-        value = float(loss.detach())  # the progress line reads it at the same step: one sync for both
+        value = float(loss.detach())  # at a step the progress line reads too: the second read waits for nothing
         if trainer.strategy.reduce_boolean_decision(not math.isfinite(value), all=False):
             self._fail(trainer, f"training loss is {value} on rank {trainer.global_rank}" if not math.isfinite(value)
                        else "training loss is not finite on another rank")

@@ -33,7 +33,7 @@ from typing_extensions import override
 from cltrain.data.augment import MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.constants import CHECK_MODES, IMAGENET_MEAN, IMAGENET_STD
-from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, ImageFolderDataset, read_file_list
+from cltrain.data.dataset import BadImageError, ImageFolderDataset, check_bad_files, read_file_list
 from cltrain.data.folders import SKIPPED_FILES_NAME, ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
@@ -119,8 +119,7 @@ class ImageFolderDataModule(ClassFolderDataModule):
             raise ValueError(f"ImageFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
         if not (isinstance(num_workers, int) and num_workers >= 0):
             raise ValueError(f"ImageFolderDataModule: num_workers={num_workers!r} must be an int >= 0.")
-        if bad_files not in BAD_FILE_POLICIES:
-            raise ValueError(f"ImageFolderDataModule: bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
+        check_bad_files(bad_files, "ImageFolderDataModule")
         if dtype not in NORMALIZE_DTYPES:
             raise ValueError(f"ImageFolderDataModule: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
         if len(mean) not in (1, channels) or len(std) not in (1, channels):

@@ -25,8 +25,8 @@ from torch.utils.data import Dataset
 
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
-__all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "find_classes", "find_samples",
-           "read_file_list"]
+__all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "check_bad_files", "find_classes",
+           "find_samples", "read_file_list"]
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +67,19 @@ def read_file_list(path: str | os.PathLike) -> set[str]:
     return out
 
 
+def check_bad_files(bad_files: str, owner: str = "") -> str:
+    """``bad_files`` if it is a policy of :data:`BAD_FILE_POLICIES`; else ``ValueError`` (prefixed by ``owner``)."""
+    if bad_files not in BAD_FILE_POLICIES:
+        raise ValueError(f"{owner + ': ' if owner else ''}bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
+    return bad_files
+
+
 class SkipsBadSamples:
     """The bad-file policy of a folder Dataset whose ``samples`` start with a path and whose
     ``load(i)`` raises :class:`BadImageError` (its ``__cause__`` the reason): ``bad_files="raise"``
     passes it on; ``"skip"`` reports the sample (:meth:`skip`) and returns the next readable one
-    (at most 50 in a row). Sets nothing itself: the Dataset sets ``split_dir``, ``bad_files``,
-    ``skip_log`` and ``_warned``, and :attr:`what` names a sample in the warning."""
+    (at most 50 in a row). The Dataset sets ``split_dir`` and calls :meth:`_set_policy`;
+    :attr:`what` names a sample in the warning."""
 
     what = "image"
     split_dir: Path
@@ -80,6 +87,11 @@ class SkipsBadSamples:
     bad_files: str
     skip_log: str | None
     _warned: set[str]
+
+    def _set_policy(self, bad_files: str, skip_log: str | os.PathLike | None) -> None:
+        self.bad_files = check_bad_files(bad_files)
+        self.skip_log = None if skip_log is None else str(skip_log)
+        self._warned = set()
 
     def load(self, index: int) -> tuple[np.ndarray, int]:  # pragma: no cover - the Dataset's
         raise NotImplementedError
@@ -133,8 +145,7 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
                  classes: Sequence[str] | None = None, bad_files: str = "raise", skip_log: str | os.PathLike | None = None,
                  allow_missing_classes: bool = False, exclude: set[str] | frozenset[str] = frozenset(),
                  index_cache: bool = True) -> None:
-        if bad_files not in BAD_FILE_POLICIES:
-            raise ValueError(f"bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
+        self._set_policy(bad_files, skip_log)
         self.split_dir = Path(split_dir)
         self.index: SplitIndex = index_split(self.split_dir, classes, allow_missing_classes, cache=index_cache)
         self.classes = list(self.index.classes)
@@ -152,9 +163,6 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         if summary:
             warnings.warn(summary, stacklevel=2)
         self.transform = transform
-        self.bad_files = bad_files
-        self.skip_log = None if skip_log is None else str(skip_log)
-        self._warned: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from cltrain.data.dataset import BAD_FILE_POLICIES
+from cltrain.data.dataset import check_bad_files
 from cltrain.data.folders import ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
@@ -100,8 +100,7 @@ class ClipFolderDataModule(ClassFolderDataModule):
                  dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = True,
                  bad_files: str = "raise") -> None:
         super().__init__()
-        if bad_files not in BAD_FILE_POLICIES:
-            raise ValueError(f"ClipFolderDataModule: bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
+        check_bad_files(bad_files, "ClipFolderDataModule")
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"ClipFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
         if not (isinstance(num_workers, int) and num_workers >= 0):

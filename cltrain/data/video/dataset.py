@@ -27,7 +27,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from cltrain.data.constants import IMG_EXTENSIONS
-from cltrain.data.dataset import BAD_FILE_POLICIES, BadImageError, SkipsBadSamples, find_classes
+from cltrain.data.dataset import BadImageError, SkipsBadSamples, find_classes
 
 __all__ = ["VIDEO_EXTENSIONS", "ClipFolderDataset", "find_clips", "read_video"]
 
@@ -136,14 +136,11 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
     def __init__(self, split_dir: str | os.PathLike, transform: Callable[[Sequence], np.ndarray],
                  classes: Sequence[str] | None = None, bad_files: str = "raise",
                  skip_log: str | os.PathLike | None = None) -> None:
-        if bad_files not in BAD_FILE_POLICIES:
-            raise ValueError(f"bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
+        self._set_policy(bad_files, skip_log)
         self.split_dir = Path(split_dir)
         self.classes = list(classes) if classes is not None else find_classes(self.split_dir)
         self.samples = find_clips(self.split_dir, self.classes)
         self.transform = transform
-        self.bad_files, self.skip_log = bad_files, None if skip_log is None else str(skip_log)
-        self._warned: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.samples)
