@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", module="lightning")
     accelerator, _ = resolve_device(args.device)
     amp = args.amp != "off"
-    precision = resolve_precision(amp, "auto" if args.amp in ("auto", "off") else args.amp, accelerator)
+    precision, _ = resolve_precision(amp, "auto" if args.amp in ("auto", "off") else args.amp, accelerator)
     desc = machine(accelerator)
     print(f"machine: {desc}")
 

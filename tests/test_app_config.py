@@ -36,7 +36,7 @@ def test_every_group_option_composes(group: str, option: str, tmp_path: Path) ->
 def test_defaults_are_the_demo_main_job() -> None:
     cfg = compose_config()
     assert (cfg.model.name, cfg.data.root, cfg.channels_last, cfg.amp, cfg.device) == (
-        "resnet50", "data/demo", True, True, "auto")
+        "resnet50", "data/demo", True, "auto", "auto")
     assert cfg.data.demo.num_classes == 10
 
 
@@ -112,15 +112,31 @@ def test_amp_is_refused_on_a_device_without_it(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(app_config, "resolve_device", lambda device: ("mps", None))
     err = _error(["amp=true"])
     assert err.key == "amp" and "mps" in str(err) and "false" in str(err)
+    assert validate(compose_config([])).precision == "32-true"  # amp=auto: fp32 there
 
 
-def test_cpu_amp_is_bf16_and_warns_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def _native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    import cltrain.precision
+
+    support = (native, "natively (test)" if native else "no native bf16 (test)")
+    monkeypatch.setattr(cltrain.precision, "cpu_bf16_support", lambda: support)
+    monkeypatch.setattr(app_config, "cpu_bf16_support", lambda: support)
+
+
+def test_cpu_amp_auto_is_bf16_only_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
     assert validate(compose_config(["device=cpu", "amp=false"])).precision == "32-true"
-    monkeypatch.setattr(app_config, "cpu_has_native_bf16", lambda: True)
-    assert validate(compose_config(["device=cpu"])).precision == "bf16-mixed"
-    monkeypatch.setattr(app_config, "cpu_has_native_bf16", lambda: False)
-    with pytest.warns(UserWarning, match="without native bf16"):
-        assert validate(compose_config(["device=cpu"])).precision == "bf16-mixed"
+    _native_bf16(monkeypatch, True)
+    resolved = validate(compose_config(["device=cpu"]))
+    assert resolved.precision == "bf16-mixed" and resolved.precision_reason == "amp=auto: natively (test)"
+    _native_bf16(monkeypatch, False)
+    assert validate(compose_config(["device=cpu"])).precision == "32-true"
+    with pytest.warns(UserWarning, match="without native bf16.*14.5x slower"):  # asked for: runs, and says the cost
+        assert validate(compose_config(["device=cpu", "amp=true"])).precision == "bf16-mixed"
+
+
+def test_amp_takes_auto_or_a_boolean() -> None:
+    err = _error(["amp=fast"])
+    assert err.key == "amp" and "auto, true, false" in str(err)
 
 
 @pytest.mark.parametrize("overrides", [["experiment=video"], ["data=video_demo"], []])

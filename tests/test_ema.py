@@ -70,6 +70,18 @@ def test_the_update_reads_nothing_back_to_the_host() -> None:
     assert counts == [0, 2]
 
 
+def test_the_average_follows_the_module_to_its_device_at_fit_start() -> None:
+    """Made in setup, before the strategy moves the module: left behind, every update would copy to the host."""
+    from plain_modules import Classifier
+
+    module = Classifier()
+    callback = EMA(decay=0.9)
+    callback.setup(None, module, "fit")
+    module.to("meta")  # stands for the GPU the strategy moves the module to
+    callback.on_fit_start(None, module)
+    assert {p.device.type for p in callback._average_model.parameters()} == {"meta"}
+
+
 def test_bad_ema_values_are_refused() -> None:
     with pytest.raises(ValueError, match="decay must be in"):
         EMA(decay=1.0)

@@ -3,29 +3,27 @@
 Every problem is a :class:`ConfigError` that names the key, the value and what is
 allowed; the CLI prints it as one line and exits with status 2.
 
-The toggles, and what they become:
+The toggles, and what they become (``device=auto`` is ``cuda`` when available, else ``cpu``):
 
-=============  ===========  ===========================================================
-``device``     ``amp``      Lightning ``accelerator`` / ``precision``
-=============  ===========  ===========================================================
-cpu            false        ``cpu`` / ``32-true``
-cpu            true         ``cpu`` / ``bf16-mixed`` (``amp_dtype`` auto or bf16; fp16 is
-                            refused). A CPU without native bf16 (AVX512-BF16, AMX or Arm
-                            BF16) gets a warning: bf16 autocast runs there but is usually
-                            slower than fp32 (pytorch#118499).
-cuda[:N]       false        ``cuda`` / ``32-true``
-cuda[:N]       true         ``cuda`` / ``16-mixed`` (fp16 with dynamic loss scaling, as
-                            main_amp.py; ``amp_dtype`` auto or fp16) or ``bf16-mixed``
-                            (``amp_dtype=bf16``, refused on GPUs without bf16)
-mps            false        ``mps`` / ``32-true``; ``amp=true`` is refused
-auto                        ``cuda`` when available, else ``cpu``
-=============  ===========  ===========================================================
+=============  =====================  ===================================================
+``device``     ``amp``                Lightning ``accelerator`` / ``precision``
+=============  =====================  ===================================================
+any            auto (the default)     :func:`cltrain.precision.auto_precision`: bf16 autocast
+                                      where bf16 is native (CUDA compute capability 8.0+,
+                                      CPUs with AVX512-BF16/AMX/Arm BF16 not held to AVX2),
+                                      fp16 with loss scaling on older GPUs, else fp32
+cpu            true                   ``bf16-mixed`` (``amp_dtype`` auto or bf16); without
+                                      native bf16 it runs, with a warning: many times slower
+cuda[:N]       true                   ``16-mixed`` (``amp_dtype=fp16``), ``bf16-mixed``
+                                      (``amp_dtype=bf16``), or by ``auto_precision``
+mps            true                   refused
+any            false                  ``32-true``
+=============  =====================  ===================================================
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import re
 import warnings
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ from omegaconf import DictConfig
 
 from cltrain.app.errors import ConfigError
 from cltrain.app.keys import check_keys
+from cltrain.precision import auto_precision, cpu_bf16_support
 
 __all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "demo_default_root", "is_launched_child", "resolve_device", "resolve_precision", "validate"]
 
@@ -53,21 +52,12 @@ class Resolved:
     accelerator: str  # "cpu" | "cuda" | "mps"
     devices: Any  # trainer.devices, or [N] for device=cuda:N
     precision: str  # Lightning precision flag
+    precision_reason: str = ""  # why amp / amp_dtype became that flag on this machine
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX, Arm BF16)."""
-    cpu = getattr(torch, "cpu", None)
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        fn = getattr(cpu, probe, None)
-        if fn is not None and fn():
-            return True
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        try:
-            return " bf16" in Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return platform.system() == "Darwin"  # Apple M2 and later
-    return False
+    """Whether bf16 autocast runs on native bf16 kernels on this CPU (:func:`cltrain.precision.cpu_bf16_support`)."""
+    return cpu_bf16_support()[0]
 
 
 def resolve_device(device: Any) -> tuple[str, int | None]:
@@ -91,26 +81,44 @@ def resolve_device(device: Any) -> tuple[str, int | None]:
     return device, None
 
 
-def resolve_precision(amp: bool, amp_dtype: str, accelerator: str) -> str:
-    if not amp:
-        return "32-true"
+#: What bf16 autocast cost on a CPU without native bf16 (ResNet-50 training, docs/performance.md).
+CPU_BF16_EMULATED_SLOWDOWN = "ResNet-50 trained 14.5x slower than in fp32 (0.8 vs 11.6 img/s)"
+
+
+def resolve_precision(amp: Any, amp_dtype: str, accelerator: str, index: int | None = None) -> tuple[str, str]:
+    """The Lightning precision flag for ``amp`` (``"auto"``, true, false) and ``amp_dtype`` on
+    ``accelerator``, and the reason in words.
+
+    Raises:
+        ConfigError: a dtype the device cannot autocast to, or ``amp=true`` on a device without AMP.
+    """
+    if amp is False:
+        return "32-true", "amp=false"
+    if accelerator == "cpu" and amp_dtype == "fp16":
+        raise ConfigError("amp_dtype", amp_dtype, "AMP on the CPU is bf16 autocast", "auto, bf16; or amp=false")
+    if accelerator == "cuda" and amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("amp_dtype", amp_dtype, "this GPU has no bf16 support", "auto, fp16")
+    if accelerator not in ("cpu", "cuda"):
+        if amp == "auto":
+            return "32-true", f"amp=auto: no mixed precision is chosen automatically on {accelerator}"
+        raise ConfigError("amp", amp, f"AMP is not supported on device {accelerator!r}", "auto, false; or device=cpu|cuda")
+    explicit = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(amp_dtype)
+    if amp == "auto" and explicit is None:
+        choice = auto_precision(torch.device(accelerator, index) if index is not None else torch.device(accelerator))
+        return choice.flag, f"amp=auto: {choice.reason}"
     if accelerator == "cpu":
-        if amp_dtype == "fp16":
-            raise ConfigError("amp_dtype", amp_dtype, "AMP on the CPU is bf16 autocast", "auto, bf16; or amp=false")
-        if not cpu_has_native_bf16():
+        native, reason = cpu_bf16_support()
+        if not native:
             warnings.warn(
-                "amp=true on a CPU without native bf16 (no AVX512-BF16/AMX/Arm BF16): bf16 autocast runs, "
-                "but usually slower than fp32 here (pytorch#118499); amp=false is likely faster",
+                f"amp=true on a CPU without native bf16 ({reason}): bf16 autocast runs, but emulated; "
+                f"{CPU_BF16_EMULATED_SLOWDOWN}. amp=auto or amp=false trains in fp32",
                 stacklevel=3,
             )
-        return "bf16-mixed"
-    if accelerator == "cuda":
-        if amp_dtype == "bf16":
-            if not torch.cuda.is_bf16_supported():
-                raise ConfigError("amp_dtype", amp_dtype, "this GPU has no bf16 support", "auto, fp16")
-            return "bf16-mixed"
-        return "16-mixed"
-    raise ConfigError("amp", amp, f"AMP is not supported on device {accelerator!r}", "false; or device=cpu|cuda")
+        return "bf16-mixed", f"amp={amp} amp_dtype={amp_dtype}: bf16 autocast ({reason})"
+    if explicit is None:  # amp=true amp_dtype=auto on CUDA: as amp=auto
+        choice = auto_precision(torch.device("cuda", index) if index is not None else torch.device("cuda"))
+        return choice.flag, f"amp=true: {choice.reason}"
+    return explicit, f"amp_dtype={amp_dtype}"
 
 
 def _validate_paths(cfg: DictConfig) -> None:
@@ -221,12 +229,12 @@ def validate(cfg: DictConfig) -> Resolved:
         _check_checkpoint(str(cfg.ckpt_path), cfg)
 
     accelerator, index = resolve_device(cfg.device)
-    precision = resolve_precision(cfg.amp, cfg.amp_dtype, accelerator)
+    precision, reason = resolve_precision(cfg.amp, cfg.amp_dtype, accelerator, index)
     if cfg.sync_bn and accelerator != "cuda":
         raise ConfigError("sync_bn", True, f"SyncBatchNorm needs CUDA devices (torch has none for {accelerator})",
                           "false; or device=cuda")
     devices = [index] if index is not None else cfg.trainer.devices
-    return Resolved(accelerator=accelerator, devices=devices, precision=precision)
+    return Resolved(accelerator=accelerator, devices=devices, precision=precision, precision_reason=reason)
 
 
 def is_launched_child() -> bool:

@@ -18,8 +18,11 @@ two host syncs per step on CUDA, and ``EMAWeightAveraging`` averages one tensor
 at a time. :class:`EMAModel` keeps the update count on the host too and updates
 all tensors with ``torch._foreach_lerp_``.
 
-The copy is made in ``Callback.setup``, before ``ChannelsLast`` converts the
-module; keeping it in the module's layout is ``ChannelsLast``'s job.
+The copy is made in ``Callback.setup``, before the strategy moves the module to its
+device and before ``ChannelsLast`` converts it. It follows the module to its device at
+``on_fit_start`` (Lightning's ``WeightAveraging`` leaves it on the CPU, so every update
+would copy the weights to the host: a blocking copy per step); keeping it in the
+module's layout is ``ChannelsLast``'s job.
 
 Example::
 
@@ -106,6 +109,12 @@ class EMA(WeightAveraging):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._average_model = EMAModel(pl_module, self.decay, self.warmup_steps)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # `module.to` keeps each tensor's strides, so a channels_last copy stays channels_last.
+        if self._average_model is not None:
+            self._average_model.to(pl_module.device)
 
     @override
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:

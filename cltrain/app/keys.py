@@ -76,10 +76,11 @@ MILESTONES: Check = (lambda v: isinstance(v, (list, ListConfig)) and all(_int(i)
                      "must be a list of epochs", "e.g. [30, 60, 80]")
 BETAS: Check = (lambda v: isinstance(v, (list, ListConfig)) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
                 "must be two numbers in [0, 1)", "e.g. [0.9, 0.999]")
+AMP: Check = (lambda v: v == "auto" or isinstance(v, bool), "must be auto or a boolean", "auto, true, false")
 MAPPING: Check = (lambda v: v is None or isinstance(v, (dict, DictConfig)), "must be a mapping", "{key: value}, or null")
 
 TOP_LEVEL: dict[str, Check] = {
-    "channels_last": BOOL, "amp": BOOL, "compile": BOOL, "sync_bn": BOOL, "deterministic": BOOL,
+    "channels_last": BOOL, "amp": AMP, "compile": BOOL, "sync_bn": BOOL, "deterministic": BOOL,
     "evaluate_only": BOOL, "cudnn_benchmark": BOOL, "tf32": BOOL,
     "seed": SEED, "compile_backend": TEXT, "label_smoothing": UNIT, "print_freq": COUNT,
     "throughput_warmup": COUNT, "ckpt_path": OPT_PATH, "run_dir": OPT_PATH,

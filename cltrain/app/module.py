@@ -16,8 +16,11 @@ Lightning#21232), train accuracy accumulates on the device
 (:class:`~cltrain.app.metrics.TopKAccuracy`) and reaches the host only at
 print steps (:class:`~cltrain.app.progress.MainAmpProgress`) and epoch ends, the
 rate is shown by ``LearningRateMonitor`` from the optimizer's host-side value,
-and on CUDA the optimizer is fused, so fp16 loss scaling checks for overflow on
-the device instead of calling ``.item()`` (``GradScaler.step``).
+and on CUDA the optimizer is fused. Under fp16 loss scaling a fused optimizer gets the
+overflow check inside its kernel (no ``.item()``), but only one that passes
+:func:`cltrain.precision.loss_scaling_safe` is used: fused SGD with momentum fails it
+(it writes an uninitialised momentum buffer on an overflowed step), so fp16 runs with
+SGD use the unfused optimizer, whose overflow check reads one flag on the host per step.
 
 Lightning's ``LearningRateFinder`` and ``BatchSizeFinder`` are refused (a
 ``ConfigError`` when fit starts): the rate is ``optim.lr`` scaled for the
@@ -45,12 +48,15 @@ from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning.pytorch.utilities import rank_zero_info
+
 from cltrain.app.config import ConfigError
 
 from cltrain.app.metrics import TopKAccuracy
 from cltrain.app.schedule import make_scheduler
+from cltrain.precision import loss_scaling_safe
 
-__all__ = ["ImageClassifier"]
+__all__ = ["ImageClassifier", "build_optimizer"]
 
 
 class ImageClassifier(LightningModule):
@@ -67,7 +73,8 @@ class ImageClassifier(LightningModule):
         warmup_epochs, milestones, gamma: the warm-up (both schedules) and the step schedule's decay.
         min_lr_ratio: the cosine schedule's final rate, as a fraction of ``lr``.
         label_smoothing: cross-entropy label smoothing.
-        fused: a fused optimizer step; ``None``: on CUDA (where fp16 loss scaling then needs no host sync).
+        fused: a fused optimizer step; ``None``: on CUDA. Under loss scaling (fp16) a fused
+            optimizer that fails :func:`cltrain.precision.loss_scaling_safe` is built unfused.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class ImageClassifier(LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
         self.model = model
+        self.optimizer_note = ""  # set by configure_optimizers when the fused optimizer was declined
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.top_k = min(5, num_classes)
         self.train_top1 = TopKAccuracy(top_k=1)
@@ -152,16 +160,15 @@ class ImageClassifier(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        params = self.model.parameters()
         # Fused on CUDA: GradScaler then hands the overflow check to the kernel (no .item() per step). Not with
         # gradient clipping: Lightning refuses to clip for an optimizer that unscales internally.
         fused = self.device.type == "cuda" and not self.trainer.gradient_clip_val if hp.fused is None else hp.fused
-        if hp.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay,
-                                          fused=fused or None)
-        else:
-            optimizer = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
-                                        nesterov=hp.nesterov, fused=fused or None)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        optimizer, self.optimizer_note = build_optimizer(
+            self.model.parameters(), hp.optimizer, self.device, fused=bool(fused), loss_scaling=scaler is not None,
+            lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=hp.nesterov, betas=tuple(hp.betas))
+        if self.optimizer_note:
+            rank_zero_info(f"cltrain: {self.optimizer_note}")
         total_steps = self.trainer.estimated_stepping_batches  # loads the training data (num_training_batches)
         steps_per_epoch = self.steps_per_epoch()
         if hp.schedule == "cosine" and total_steps == float("inf"):
@@ -171,3 +178,24 @@ class ImageClassifier(LightningModule):
             warmup_epochs=hp.warmup_epochs, milestones=tuple(hp.milestones), gamma=hp.gamma, min_lr_ratio=hp.min_lr_ratio,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def build_optimizer(params: Any, name: str, device: torch.device, *, fused: bool, loss_scaling: bool, lr: float,
+                    momentum: float = 0.9, weight_decay: float = 1e-4, nesterov: bool = False,
+                    betas: Sequence[float] = (0.9, 0.999)) -> tuple[torch.optim.Optimizer, str]:
+    """``name`` (``"sgd"`` or ``"adamw"``) over ``params``, and a note (empty when nothing to say).
+
+    With ``fused`` and ``loss_scaling``, the fused optimizer is used only if it passes
+    :func:`cltrain.precision.loss_scaling_safe` on ``device``; otherwise the unfused one, and
+    the note says why.
+    """
+    if name == "adamw":
+        cls, kwargs = torch.optim.AdamW, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    else:
+        cls, kwargs = torch.optim.SGD, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    note = ""
+    if fused and loss_scaling and not loss_scaling_safe(cls, device, **kwargs):
+        fused = False
+        note = (f"fused {cls.__name__} fails the loss-scaling check on {device.type} (an overflowed step changes its "
+                f"state); using the unfused {cls.__name__}, whose overflow check costs one host sync per step")
+    return cls(params, fused=True if fused else None, **kwargs), note

@@ -84,7 +84,7 @@ def _apply_cuda_math(cfg: DictConfig) -> None:
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
 
 
-def _callbacks(cfg: DictConfig, run_dir: Path, stop: SignalStop) -> tuple[list[Callback], MainAmpProgress, dict[str, Any]]:
+def _callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop) -> tuple[list[Callback], MainAmpProgress, dict[str, Any]]:
     progress = MainAmpProgress(print_freq=cfg.print_freq, warmup=cfg.throughput_warmup)
     callbacks: list[Callback] = [progress, stop]
     parts: dict[str, Any] = {}
@@ -110,7 +110,7 @@ def _callbacks(cfg: DictConfig, run_dir: Path, stop: SignalStop) -> tuple[list[C
         parts["on_exception"] = _KeepOnException(checkpoints, filename="last")  # signal or crash: the latest state
         callbacks += [parts["best"], parts["last"], parts["on_exception"]]
         # A NaN loss stops the run (checked where the progress line syncs anyway), before NaN weights are saved.
-        try_amp = ", or amp=false" if cfg.amp else ""
+        try_amp = ", or amp=false" if resolved.precision != "32-true" else ""
         callbacks.append(StopOnNonFinite(every=cfg.print_freq, hint=f"; {checkpoints / 'last.ckpt'} (if written) keeps the "
                                                                      f"latest finite state. Try a lower optim.lr{try_amp}"))
     return callbacks, progress, parts
@@ -194,7 +194,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
             to_channels_last(model, mode=cfg.channels_last_mode)
         model.compile(backend=cfg.compile_backend)  # in place: state_dict keys stay unprefixed
 
-    callbacks, progress, parts = _callbacks(cfg, run_dir, stop)
+    callbacks, progress, parts = _callbacks(cfg, resolved, run_dir, stop)
     loggers = build_loggers(cfg.get("logger"), run_dir)
     callbacks += build_callbacks(cfg.get("callbacks"), run_dir, has_logger=bool(loggers)).values()
     trainer: pl.Trainer = instantiate(
@@ -229,6 +229,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         return metrics
 
     ckpt_path = _absolute(cfg.get("ckpt_path"))
+    rank_zero_info(f"cltrain: precision {resolved.precision} ({resolved.precision_reason})")
     try:
         if cfg.evaluate_only:
             with warnings.catch_warnings():  # "callbacks used to create the checkpoint": not needed to validate
@@ -303,6 +304,8 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, pro
         "layout": layout,
         "amp": cfg.amp,
         "precision": resolved.precision,
+        "precision_reason": resolved.precision_reason,
+        "optimizer": _optimizer_report(trainer),
         "device": resolved.accelerator,
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "tf32": bool(torch.backends.cudnn.allow_tf32),
@@ -329,6 +332,15 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, pro
         "run_dir": str(run_dir),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+
+
+def _optimizer_report(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The optimizer that trained: its class, whether its step was fused, and why a fused one was declined."""
+    if not trainer.optimizers:
+        return None
+    optimizer = trainer.optimizers[0]
+    note = getattr(trainer.lightning_module, "optimizer_note", "")
+    return {"name": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")), "note": note or None}
 
 
 def _summary_line(m: dict[str, Any], num_classes: int, unit: str = "images") -> str:

@@ -1,0 +1,159 @@
+"""Which precision a device trains fastest in, and whether a fused optimizer is safe under loss scaling.
+
+* :func:`cpu_bf16_support`: does this CPU compute bf16 natively, as PyTorch and oneDNN are
+  configured in this process (``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` can hold
+  them to AVX2 kernels on a CPU that has AVX512-BF16)?
+* :func:`auto_precision`: the Lightning precision flag ``amp="auto"`` means on a device:
+  bf16 autocast where bf16 is native, fp16 with loss scaling on CUDA GPUs without bf16,
+  fp32 elsewhere; with the reason, in words.
+* :func:`loss_scaling_safe`: one overflowed step of an optimizer under a ``GradScaler``
+  on scratch tensors, compared with the unfused optimizer. A fused optimizer gets the
+  overflow check handed to its kernel; ``SGD(fused=True, momentum>0)`` writes an
+  uninitialised momentum buffer on an overflowed first step and trains to NaN.
+
+Example::
+
+    >>> import torch
+    >>> from cltrain.precision import auto_precision, loss_scaling_safe
+    >>> auto_precision(torch.device("cpu")).flag in ("bf16-mixed", "32-true")
+    True
+    >>> loss_scaling_safe(torch.optim.SGD, torch.device("cpu"), lr=0.1, momentum=0.9)
+    False
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PrecisionChoice", "auto_precision", "cpu_bf16_support", "loss_scaling_safe"]
+
+#: oneDNN ISA limits (``ONEDNN_MAX_CPU_ISA``) below which bf16 convolutions have no native kernel.
+_ONEDNN_NO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """A Lightning precision flag (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``) and why it was chosen."""
+
+    flag: str
+    reason: str
+
+
+def _cpu_has_bf16_hardware() -> tuple[bool, str]:
+    cpu = getattr(torch, "cpu", None)
+    for probe, name in (("_is_avx512_bf16_supported", "AVX512-BF16"), ("_is_amx_tile_supported", "AMX")):
+        fn = getattr(cpu, probe, None)
+        if fn is not None and fn():
+            return True, name
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        try:
+            return " bf16" in Path("/proc/cpuinfo").read_text(), "Arm BF16"
+        except OSError:
+            return platform.system() == "Darwin", "Apple silicon"  # M2 and later
+    return False, "no AVX512-BF16, AMX or Arm BF16"
+
+
+def cpu_bf16_support() -> tuple[bool, str]:
+    """``(native, reason)``: whether bf16 autocast runs on native bf16 kernels on this CPU.
+
+    The hardware must have bf16 dot products (AVX512-BF16, AMX, Arm BF16), and neither
+    ATen's kernels (``torch.backends.cpu.get_cpu_capability()``, set by ``ATEN_CPU_CAPABILITY``)
+    nor oneDNN's (``ONEDNN_MAX_CPU_ISA``) may be held to an ISA without them. Without native
+    bf16, autocast emulates it and trains many times slower than fp32 (pytorch#118499).
+    """
+    has, name = _cpu_has_bf16_hardware()
+    if not has:
+        return False, f"this CPU has {name}" if name.startswith("no ") else f"this CPU has no {name}"
+    if platform.machine().lower() in ("x86_64", "amd64", "i686"):
+        capability = torch.backends.cpu.get_cpu_capability()
+        if not capability.startswith("AVX512"):
+            return False, f"PyTorch runs {capability} kernels here (ATEN_CPU_CAPABILITY), though the CPU has {name}"
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+        if isa in _ONEDNN_NO_BF16:
+            return False, f"oneDNN is limited to {isa} (ONEDNN_MAX_CPU_ISA), though the CPU has {name}"
+    return True, f"this CPU computes bf16 natively ({name})"
+
+
+def auto_precision(device: torch.device) -> PrecisionChoice:
+    """The precision ``amp="auto"`` picks on ``device``.
+
+    CUDA with bf16 (compute capability 8.0 and later): ``bf16-mixed``, no loss scaling;
+    older CUDA GPUs (V100, T4): ``16-mixed`` with loss scaling; a CPU with native bf16
+    (:func:`cpu_bf16_support`): ``bf16-mixed``; any other CPU, MPS and the rest: ``32-true``.
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        major, minor = torch.cuda.get_device_capability(index)
+        if major >= 8:
+            return PrecisionChoice("bf16-mixed", f"{name} (compute capability {major}.{minor}) computes bf16 natively")
+        return PrecisionChoice("16-mixed", f"{name} (compute capability {major}.{minor}) has no fast bf16: fp16 "
+                                           "with loss scaling")
+    if device.type == "cpu":
+        native, reason = cpu_bf16_support()
+        return PrecisionChoice("bf16-mixed" if native else "32-true", reason)
+    return PrecisionChoice("32-true", f"no mixed precision is chosen automatically on {device.type}")
+
+
+def _poison(like: torch.Tensor, count: int = 8) -> None:
+    # Fill and free a few blocks of the scratch size, so that a kernel that leaves an `empty_like`
+    # buffer unwritten shows NaN instead of whatever zeros a fresh allocation happens to hold.
+    blocks = [torch.full_like(like, float("nan")) for _ in range(count)]
+    del blocks
+
+
+def _run_sequence(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                  device: torch.device) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    param = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64, device=device).reshape(8, 8))
+    optimizer = make([param])
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16)
+    weights = torch.linspace(0.5, 1.5, 64, device=device).reshape(8, 8)
+    snapshots = []
+    for overflow in (True, False, True, False):
+        _poison(param)
+        optimizer.zero_grad(set_to_none=True)
+        loss = (param * weights).sum() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        state = {k: v.detach().clone() for k, v in optimizer.state.get(param, {}).items()
+                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0}
+        snapshots.append((param.detach().clone(), state))
+    return snapshots
+
+
+def loss_scaling_safe(optimizer_class: type[torch.optim.Optimizer], device: torch.device | str, **kwargs: Any) -> bool:
+    """Whether ``optimizer_class(..., fused=True, **kwargs)`` is safe under a ``GradScaler`` on ``device``.
+
+    Runs overflowed, finite, overflowed and finite steps on a scratch parameter with the
+    fused optimizer and with the unfused one (``foreach=False``); safe when, after every step,
+    the parameter and every state tensor both optimizers hold are finite and equal (to
+    float rounding). Costs a few milliseconds; the GradScaler's unfused path reads the
+    overflow flag on the host, which is fine for a probe.
+
+    Returns:
+        ``False`` also when the fused optimizer cannot be built on ``device``.
+    """
+    device = torch.device(device)
+    try:
+        fused = _run_sequence(lambda p: optimizer_class(p, fused=True, **kwargs), device)
+    except (RuntimeError, TypeError, ValueError):  # no fused kernel for this device or dtype
+        return False
+    plain = _run_sequence(lambda p: optimizer_class(p, foreach=False, **kwargs), device)
+    for (p_fused, s_fused), (p_plain, s_plain) in zip(fused, plain):
+        tensors = [p_fused, *s_fused.values()]
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            return False
+        if not torch.allclose(p_fused, p_plain, rtol=1e-5, atol=1e-7):
+            return False
+        for key in s_fused.keys() & s_plain.keys():
+            if not torch.allclose(s_fused[key], s_plain[key], rtol=1e-5, atol=1e-7):
+                return False
+    return True
