@@ -4,7 +4,7 @@ Layers, bottom up (lower ones never import higher ones):
 
 * :mod:`cltrain.layout`: tensor and module layout helpers (channels-last 1-D too);
 * :mod:`cltrain.autolayout` and :mod:`cltrain.audit`: time a model in both layouts; find the
-  ops that lose channels_last; :mod:`cltrain.audit_cli` is ``python -m cltrain.audit model=resnet50``;
+  ops that lose channels_last (``cltrain-audit resnet50`` on the command line);
 * :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`, with its pieces in
   :mod:`cltrain.batch_layout` (restriding batches) and :mod:`cltrain.model_access` (the modules
   around a LightningModule: step target, averaged copies, hook wrapping, optimizer state);
@@ -13,11 +13,9 @@ Layers, bottom up (lower ones never import higher ones):
 * :mod:`cltrain.app`: the Hydra training application behind ``train.py``.
 
 Only the torch-only library layers are imported here. :class:`ChannelsLast` is imported on first
-use (it needs Lightning, whose import takes seconds, which ``python -m cltrain.audit`` and plain
+use (it needs Lightning, whose import takes seconds, which ``cltrain-audit`` and plain
 layout users need not pay); ``cltrain.data`` and ``cltrain.app`` on demand.
 """
-
-import warnings
 
 from cltrain.layout import (
     is_channels_last,
@@ -45,8 +43,6 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# `python -m cltrain.audit` executes a module this package has already imported; runpy's warning about it is moot.
-warnings.filterwarnings("ignore", message="'cltrain.audit' found in sys.modules", category=RuntimeWarning)
 
 
 def __getattr__(name: str):  # PEP 562: `from cltrain import ChannelsLast` imports Lightning only then

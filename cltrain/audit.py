@@ -23,9 +23,9 @@ The model is left as it was: gradients, BatchNorm running statistics and
 train/eval mode are restored.
 
 Command line (a torchvision or timm model with random weights, converted to channels_last;
-see :mod:`cltrain.audit_cli`)::
+see :mod:`cltrain.tools.audit`)::
 
-    python -m cltrain.audit model=resnet50 batch_size=2 image_size=224 [dtype=bf16] [mode=full|conv] [device=cpu]
+    cltrain-audit resnet50 --batch-size 2 --image-size 224 [--dtype bf16] [--mode full|conv] [--device cpu]
 
 Example::
 
@@ -354,8 +354,3 @@ def audit(
         parameter_layouts=layout_summary(model),
     )
 
-
-if __name__ == "__main__":  # `python -m cltrain.audit`: the command line lives in its own module
-    from cltrain.audit_cli import main
-
-    main()

@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from cltrain.app import config as app_config
-from cltrain.app.cli import CONFIG_DIR, compose_config
+from cltrain.app.cli import compose_config
+from cltrain.app.configs import CONFIG_DIR
 from cltrain.app.config import ConfigError, validate
 from cltrain.app.schedule import lr_at, scaled_lr
 

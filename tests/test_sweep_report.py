@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cltrain.app.report import markdown_table, write_metrics, write_report
+from cltrain.app.report import write_metrics
+from cltrain.tools.sweep_report import markdown_table, write_report
 from cltrain.data import make_demo_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def test_report_from_a_real_multirun(tmp_path: Path) -> None:
                (json.loads(p.read_text()) for p in sweep.glob("*/metrics.json"))}
     assert configs == {(True, "bf16-mixed"), (True, "32-true"), (False, "bf16-mixed"), (False, "32-true")}
 
-    report = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep_report.py"), str(sweep)],
+    report = subprocess.run([sys.executable, "-m", "cltrain.tools.sweep_report", str(sweep)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr
     table = (sweep / "report.md").read_text()

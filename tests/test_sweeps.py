@@ -1,7 +1,7 @@
 """Hydra sweepers and launchers on the real app: an Optuna search, joblib jobs, a submitit job.
 
 Each is a real ``python train.py -m ...`` process on a tiny demo folder (``experiment=smoke``);
-``scripts/sweep_report.py`` then reads what the sweep wrote.
+``cltrain-sweep-report`` then reads what the sweep wrote.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _sweep(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def _report(sweep: Path) -> str:
-    report = subprocess.run([sys.executable, str(REPO / "scripts" / "sweep_report.py"), str(sweep)],
+    report = subprocess.run([sys.executable, "-m", "cltrain.tools.sweep_report", str(sweep)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr
     return (sweep / "report.md").read_text()
@@ -93,7 +93,7 @@ def test_slurm_preset_composes_for_the_trainer_shape() -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from hydra import compose, initialize_config_dir
 
-    from cltrain.app.cli import CONFIG_DIR
+    from cltrain.app.configs import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4",

@@ -5,14 +5,12 @@ Hydra composes ``conf/config.yaml`` with the command-line overrides and calls
 on stderr and exit status 2; an unknown group option (``model=nope``) is
 Hydra's own one-paragraph error listing the options (exit status 1).
 
-The config directory is, first found: ``$CLTRAIN_CONFIG_DIR``; the ``conf/``
-folder next to the ``cltrain`` package (a source checkout or editable install);
-``./conf``. Hydra's ``--config-dir`` adds another.
+The configs are cltrain's own (:mod:`cltrain.app.configs`), or ``$CLTRAIN_CONFIG_DIR``;
+Hydra's ``--config-dir`` adds a folder of the user's beside them.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,20 +18,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from cltrain.app.config import ConfigError
+from cltrain.app.configs import CONFIG_DIR
+from cltrain.app.errors import ConfigError
 
 __all__ = ["CONFIG_DIR", "compose_config", "main"]
-
-
-def _config_dir() -> Path:
-    candidates = [os.environ.get("CLTRAIN_CONFIG_DIR"), Path(__file__).resolve().parents[2] / "conf", Path.cwd() / "conf"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "config.yaml").is_file():
-            return Path(candidate).resolve()
-    return Path(__file__).resolve().parents[2] / "conf"
-
-
-CONFIG_DIR = _config_dir()
 
 
 def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> DictConfig:

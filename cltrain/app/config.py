@@ -24,7 +24,6 @@ any            false                  ``32-true``
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +34,13 @@ from omegaconf import DictConfig
 
 from cltrain.app.errors import ConfigError
 from cltrain.app.keys import check_keys
+from cltrain.devices import DeviceError
+from cltrain.devices import resolve_device as resolve_torch_device
 from cltrain.precision import auto_precision, cpu_bf16_support
 
 __all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "demo_default_root", "is_launched_child", "resolve_device", "resolve_precision", "validate"]
 
 AMP_DTYPES = ("auto", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 CHANNELS_LAST_MODES = ("full", "conv", "auto")
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -61,24 +61,12 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_device(device: Any) -> tuple[str, int | None]:
-    """(accelerator, cuda index or None); raises when the device is unknown or absent."""
-    if not isinstance(device, str) or not (device in DEVICES or re.fullmatch(r"cuda:\d+", device)):
-        raise ConfigError("device", device, "unknown device", ", ".join(DEVICES))
-    if device == "auto":
-        return ("cuda" if torch.cuda.is_available() else "cpu"), None
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("device", device, "no CUDA device on this machine", "auto, cpu")
-        index = int(device.split(":")[1]) if ":" in device else None
-        if index is not None and index >= torch.cuda.device_count():
-            raise ConfigError(
-                "device", device, f"this machine has {torch.cuda.device_count()} CUDA device(s)",
-                f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}",
-            )
-        return "cuda", index
-    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ConfigError("device", device, "MPS is not available on this machine", "auto, cpu")
-    return device, None
+    """(accelerator, cuda index or None) for ``device``: :func:`cltrain.devices.resolve_device` as a ConfigError."""
+    try:
+        resolved = resolve_torch_device(device)
+    except DeviceError as err:
+        raise ConfigError("device", device, err.reason, err.allowed) from None
+    return resolved.type, resolved.index
 
 
 #: What bf16 autocast cost on a CPU without native bf16 (ResNet-50 training, docs/performance.md).
@@ -180,7 +168,7 @@ def demo_default_roots() -> dict[str, str]:
     places ``train.py`` may generate a demo set (``data=demo`` -> ``data/demo``, ``data=video_demo`` -> ...)."""
     from omegaconf import OmegaConf
 
-    from cltrain.app.cli import CONFIG_DIR
+    from cltrain.app.configs import CONFIG_DIR
 
     roots: dict[str, str] = {}
     for path in sorted((CONFIG_DIR / "data").glob("*.yaml")):
@@ -194,7 +182,7 @@ def demo_default_root() -> str:
     """``data.root`` of ``conf/data/demo.yaml``: the one place ``train.py`` generates the demo set."""
     from omegaconf import OmegaConf
 
-    from cltrain.app.cli import CONFIG_DIR
+    from cltrain.app.configs import CONFIG_DIR
 
     path = CONFIG_DIR / "data" / "demo.yaml"
     return str(OmegaConf.load(path).get("root", "data/demo")) if path.is_file() else "data/demo"

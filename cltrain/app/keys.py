@@ -109,7 +109,7 @@ GROUPS: dict[str, dict[str, Check]] = {
 
 
 def _config_dir() -> Path:
-    from cltrain.app.cli import CONFIG_DIR  # cli imports this module's users, not this module
+    from cltrain.app.configs import CONFIG_DIR
 
     return CONFIG_DIR
 

@@ -40,7 +40,6 @@ Example::
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +47,11 @@ import torch
 from torch import nn
 
 from cltrain.app.errors import ConfigError
-from cltrain.model_names import closest_model_names, optional_timm
+from cltrain.zoo import SOURCES, closest_model_names, model_source
+from cltrain.zoo import build_model as build_zoo_model
 
-__all__ = ["EMA_KEYS", "SOURCES", "build_model", "check_model_name", "load_pretrained", "model_source", "read_checkpoint"]
+__all__ = ["EMA_KEYS", "build_model", "check_model_name", "load_pretrained", "read_checkpoint"]
 
-SOURCES = ("auto", "torchvision", "timm")
 #: Keys of a checkpoint dict that hold EMA weights, in order of preference (timm's order).
 EMA_KEYS: tuple[str, ...] = ("state_dict_ema", "model_ema")
 #: Wrapper prefixes stripped from every key, in either order (timm's ``clean_state_dict``).
@@ -60,38 +59,15 @@ _WRAPPER_PREFIXES: tuple[str, ...] = ("_orig_mod.", "module.", "_orig_mod.")
 _SAFETENSORS_EXAMPLE = "a state_dict saved with torch.save, a Lightning .ckpt, or a .safetensors file"
 
 
-@lru_cache(maxsize=1)
-def _torchvision_names() -> tuple[str, ...]:
-    import torchvision
-
-    # Image classifiers (torchvision.models) and video classifiers (torchvision.models.video).
-    return tuple(torchvision.models.list_models(module=torchvision.models)) + tuple(
-        torchvision.models.list_models(module=torchvision.models.video))
-
-
-_timm = optional_timm
-
-
-def model_source(name: str, source: str = "auto") -> str | None:
-    """Where ``name`` comes from ("torchvision" or "timm"), or None if neither has it."""
-    if source in ("auto", "torchvision") and name in _torchvision_names():
-        return "torchvision"
-    if source in ("auto", "timm"):
-        timm = _timm()
-        if timm is not None and timm.is_model(name):
-            return "timm"
-    return None
-
-
 def check_model_name(name: Any, source: str = "auto") -> str:
-    """The source of ``name``; raises :class:`ConfigError` naming close matches if it is unknown."""
+    """The source of ``name`` (:func:`cltrain.zoo.model_source`); a :class:`ConfigError` naming close matches if unknown."""
     if source not in SOURCES:
         raise ConfigError("model.source", source, "unknown model source", ", ".join(SOURCES))
-    if source == "timm" and _timm() is None:
-        raise ConfigError("model.source", source, "timm is not installed (pip install timm)", "auto, torchvision")
+    if source == "timm" and model_source("resnet18", "timm") is None:
+        raise ConfigError("model.source", source, "timm is not installed (pip install 'cltrain[timm]')", "auto, torchvision")
     found = model_source(str(name), source) if isinstance(name, str) else None
     if found is None:
-        close, lists = closest_model_names(str(name), source, _torchvision_names() if source != "timm" else ())
+        close, lists = closest_model_names(str(name), source)
         allowed = "a name from " + " or ".join(lists)
         allowed += f"; closest: {', '.join(close)}" if close else "; e.g. resnet50, resnet18, efficientnet_b0"
         raise ConfigError("model.name", name, "unknown model", allowed)
@@ -106,14 +82,8 @@ def build_model(
     kwargs: dict[str, Any] | None = None,
 ) -> nn.Module:
     """A freshly initialised classifier with ``num_classes`` outputs (weights from ``pretrained`` if given)."""
-    kwargs = dict(kwargs or {})
-    found = check_model_name(name, source)
-    if found == "torchvision":
-        import torchvision
-
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
-    else:
-        model = _timm().create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
+    check_model_name(name, source)
+    model = build_zoo_model(name, num_classes, source, **dict(kwargs or {}))
     if pretrained is not None:
         load_pretrained(model, pretrained)
     return model

@@ -1,19 +1,12 @@
-"""Run results as files: ``metrics.json`` per run, and a sweep's markdown table and PNG chart.
-
-Example::
-
-    python scripts/sweep_report.py multirun/2025-01-01/12-00-00     # -> report.md, report.png there
-"""
+"""A run's results as a file: ``metrics.json`` in its run directory (read by ``cltrain-sweep-report``)."""
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRICS_FILE", "collect", "label", "markdown_table", "plot", "read_metrics", "write_metrics", "write_report"]
+__all__ = ["METRICS_FILE", "read_metrics", "write_metrics"]
 
 METRICS_FILE = "metrics.json"
 
@@ -28,122 +21,6 @@ def write_metrics(run_dir: str | Path, metrics: dict[str, Any], replace: bool = 
 
 
 def read_metrics(path: str | Path) -> dict[str, Any]:
+    """The dict a ``metrics.json`` holds."""
     with open(path) as f:
         return json.load(f)
-
-
-def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """Every ``metrics.json`` under ``sweep_dir`` (one per run), ordered by run directory."""
-    runs = []
-    for path in sorted(Path(sweep_dir).rglob(METRICS_FILE), key=lambda p: (len(p.parts), str(p))):
-        metrics = read_metrics(path)
-        metrics["run"] = str(path.parent.relative_to(sweep_dir)) or "."
-        runs.append(metrics)
-    return runs
-
-
-def label(run: dict[str, Any]) -> str:
-    """A short name for a run's layout and precision, e.g. ``channels_last bf16-mixed``."""
-    layout = "channels_last" if run.get("channels_last") else "contiguous"
-    return f"{layout} {run.get('precision', '?')}"
-
-
-def _baseline(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The contiguous fp32 run with the same model, image size and batch as ``run``."""
-    def key(r: dict[str, Any]) -> tuple:
-        return r.get("model"), r.get("image_size"), r.get("global_batch"), r.get("device")
-
-    for other in runs:
-        if not other.get("channels_last") and other.get("precision") == "32-true" and key(other) == key(run):
-            return other
-    return None
-
-
-def _speedup(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> float | None:
-    base = _baseline(run, runs)
-    if base is None or not base.get("images_per_second") or not run.get("images_per_second"):
-        return None
-    return run["images_per_second"] / base["images_per_second"]
-
-
-def _fmt(value: Any, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
-
-
-def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
-    """One row per run: config, images/second, step time, top-1, top-5, speed-up vs contiguous fp32."""
-    lines = [
-        "| run | model | layout | precision | device | batch | img/s | step (ms) | top-1 (%) | top-5 (%) | speed-up vs contiguous fp32 |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for run in runs:
-        step = run.get("step_time_s")
-        speedup = _speedup(run, runs)
-        lines.append(
-            f"| {run['run']} | {run.get('model', '?')} | {'channels_last' if run.get('channels_last') else 'contiguous'} "
-            f"| {run.get('precision', '?')} | {run.get('device', '?')} | {run.get('global_batch', '-')} "
-            f"| {_fmt(run.get('images_per_second'), '.1f')} | {_fmt(step * 1000 if step else None, '.0f')} "
-            f"| {_fmt(run.get('val_top1'), '.2f')} | {_fmt(run.get('val_top5'), '.2f')} "
-            f"| {_fmt(speedup, '.2f') + 'x' if speedup else '-'} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """A PNG with two bar charts per run: training images/second (with speed-up) and validation top-1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [f"{r['run']}: {label(r)}" for r in runs]
-    speed = [r.get("images_per_second") or 0.0 for r in runs]
-    top1 = [r.get("val_top1") or 0.0 for r in runs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.6 * len(runs) + 2), sharey=True)
-    bars = ax1.barh(names, speed, color="tab:blue")
-    for bar, run in zip(bars, runs):
-        s = _speedup(run, runs)
-        if s:
-            ax1.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {s:.2f}x", va="center")
-    ax1.set_xlabel("training images / second")
-    ax1.invert_yaxis()
-    ax2.barh(names, top1, color="tab:green")
-    ax2.set_xlabel("validation top-1 (%)")
-    model = {r.get("model") for r in runs}
-    fig.suptitle(f"{', '.join(map(str, model))}: speed and accuracy per config (speed-up vs contiguous fp32)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
-def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path]:
-    """Write ``report.md`` and ``report.png`` for the runs under ``sweep_dir``; returns their paths.
-
-    Raises:
-        FileNotFoundError: no ``metrics.json`` under ``sweep_dir``.
-    """
-    runs = collect(sweep_dir)
-    if not runs:
-        raise FileNotFoundError(f"no {METRICS_FILE} under {sweep_dir}: is it a multirun directory of finished runs?")
-    out = Path(out_dir or sweep_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    md, png = out / "report.md", out / "report.png"
-    plot(runs, png)
-    md.write_text(f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}"
-                  f"\n![images/second and top-1]({png.name})\n")
-    return md, png
-
-
-def _optuna_best(sweep_dir: Path) -> str:
-    """The line for the best trial of an Optuna search (hparams_search=optuna), if this sweep was one."""
-    path = sweep_dir / "optimization_results.yaml"
-    if not path.is_file():
-        return ""
-    import yaml
-
-    results = yaml.safe_load(path.read_text()) or {}
-    params = ", ".join(f"{k}={v}" for k, v in (results.get("best_params") or {}).items())
-    return f"\nOptuna best: val top-1 {results.get('best_value')} with {params}\n"

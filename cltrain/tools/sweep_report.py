@@ -1,0 +1,165 @@
+"""``cltrain-sweep-report``: a sweep's runs as a markdown table and a PNG chart.
+
+    python train.py -m channels_last=true,false amp=auto,false     # -> multirun/<date>/<time>/{0,1,2,3}
+    cltrain-sweep-report multirun/<date>/<time>                    # -> report.md, report.png there
+
+Every run directory under the sweep directory holds a ``metrics.json`` (written by
+``train(cfg)``); the speed-up column compares each run with the contiguous fp32 run of the
+same model, image size, global batch and device. The chart needs matplotlib
+(``pip install 'cltrain[report]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cltrain.app.report import METRICS_FILE, read_metrics
+
+__all__ = ["collect", "label", "main", "markdown_table", "plot", "write_report"]
+
+
+def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """Every ``metrics.json`` under ``sweep_dir`` (one per run), ordered by run directory."""
+    runs = []
+    for path in sorted(Path(sweep_dir).rglob(METRICS_FILE), key=lambda p: (len(p.parts), str(p))):
+        metrics = read_metrics(path)
+        metrics["run"] = str(path.parent.relative_to(sweep_dir)) or "."
+        runs.append(metrics)
+    return runs
+
+
+def label(run: dict[str, Any]) -> str:
+    """A short name for a run's layout and precision, e.g. ``channels_last bf16-mixed``."""
+    layout = "channels_last" if run.get("channels_last") else "contiguous"
+    return f"{layout} {run.get('precision', '?')}"
+
+
+def _baseline(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The contiguous fp32 run with the same model, image size and batch as ``run``."""
+    def key(r: dict[str, Any]) -> tuple:
+        return r.get("model"), r.get("image_size"), r.get("global_batch"), r.get("device")
+
+    for other in runs:
+        if not other.get("channels_last") and other.get("precision") == "32-true" and key(other) == key(run):
+            return other
+    return None
+
+
+def _speedup(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> float | None:
+    base = _baseline(run, runs)
+    if base is None or not base.get("images_per_second") or not run.get("images_per_second"):
+        return None
+    return run["images_per_second"] / base["images_per_second"]
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
+    """One row per run: config, images/second, step time, top-1, top-5, speed-up vs contiguous fp32."""
+    lines = [
+        "| run | model | layout | precision | device | batch | img/s | step (ms) | top-1 (%) | top-5 (%) | speed-up vs contiguous fp32 |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        step = run.get("step_time_s")
+        speedup = _speedup(run, runs)
+        lines.append(
+            f"| {run['run']} | {run.get('model', '?')} | {'channels_last' if run.get('channels_last') else 'contiguous'} "
+            f"| {run.get('precision', '?')} | {run.get('device', '?')} | {run.get('global_batch', '-')} "
+            f"| {_fmt(run.get('images_per_second'), '.1f')} | {_fmt(step * 1000 if step else None, '.0f')} "
+            f"| {_fmt(run.get('val_top1'), '.2f')} | {_fmt(run.get('val_top5'), '.2f')} "
+            f"| {_fmt(speedup, '.2f') + 'x' if speedup else '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """A PNG with two bar charts per run: training images/second (with speed-up) and validation top-1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"{r['run']}: {label(r)}" for r in runs]
+    speed = [r.get("images_per_second") or 0.0 for r in runs]
+    top1 = [r.get("val_top1") or 0.0 for r in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.6 * len(runs) + 2), sharey=True)
+    bars = ax1.barh(names, speed, color="tab:blue")
+    for bar, run in zip(bars, runs):
+        s = _speedup(run, runs)
+        if s:
+            ax1.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {s:.2f}x", va="center")
+    ax1.set_xlabel("training images / second")
+    ax1.invert_yaxis()
+    ax2.barh(names, top1, color="tab:green")
+    ax2.set_xlabel("validation top-1 (%)")
+    model = {r.get("model") for r in runs}
+    fig.suptitle(f"{', '.join(map(str, model))}: speed and accuracy per config (speed-up vs contiguous fp32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """Write ``report.md`` and ``report.png`` for the runs under ``sweep_dir``; returns their paths.
+
+    Raises:
+        FileNotFoundError: no ``metrics.json`` under ``sweep_dir``.
+    """
+    runs = collect(sweep_dir)
+    if not runs:
+        raise FileNotFoundError(f"no {METRICS_FILE} under {sweep_dir}: is it a multirun directory of finished runs?")
+    out = Path(out_dir or sweep_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md, png = out / "report.md", out / "report.png"
+    plot(runs, png)
+    md.write_text(f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}"
+                  f"\n![images/second and top-1]({png.name})\n")
+    return md, png
+
+
+def _optuna_best(sweep_dir: Path) -> str:
+    """The line for the best trial of an Optuna search (hparams_search=optuna), if this sweep was one."""
+    path = sweep_dir / "optimization_results.yaml"
+    if not path.is_file():
+        return ""
+    import yaml
+
+    results = yaml.safe_load(path.read_text()) or {}
+    params = ", ".join(f"{k}={v}" for k, v in (results.get("best_params") or {}).items())
+    return f"\nOptuna best: val top-1 {results.get('best_value')} with {params}\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 and one line on a mistake)."""
+    parser = argparse.ArgumentParser(prog="cltrain-sweep-report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun directory (Hydra's hydra.sweep.dir)")
+    parser.add_argument("--out", type=Path, default=None, help="where to write report.md/report.png (default: sweep_dir)")
+    args = parser.parse_args(argv)
+    try:
+        if not args.sweep_dir.is_dir():
+            raise FileNotFoundError(f"{args.sweep_dir}: no such directory")
+        md, png = write_report(args.sweep_dir, args.out)
+    except FileNotFoundError as err:
+        print(f"cltrain-sweep-report: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        print(f"cltrain-sweep-report: error: the chart needs {err.name} (pip install 'cltrain[report]')", file=sys.stderr)
+        return 2
+    print(markdown_table(collect(args.sweep_dir)))
+    print(f"wrote {md} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The training application's Hydra configs, installed as the package data ``cltrain.conf``."""
