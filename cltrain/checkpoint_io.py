@@ -78,15 +78,17 @@ class UnreadableCheckpointError(CheckpointLoadError):
     """The file is not a complete checkpoint (truncated, empty, another kind of file).
 
     Attributes:
+        reason: why it does not load (``"the file is empty"``, ``"incomplete: ..."``, ...).
         loadable: the other checkpoints in its directory that load, newest first.
+        others: the sentence naming them.
     """
 
     def __init__(self, path: str | os.PathLike, reason: str, loadable: list[Path]) -> None:
-        self.loadable = loadable
+        self.reason, self.loadable = reason, loadable
         where = Path(path).parent
-        others = (f"checkpoints in {where} that load: {', '.join(p.name for p in loadable)}" if loadable
-                  else f"no other checkpoint in {where} loads")
-        super().__init__(path, f"{path}: not a readable checkpoint ({reason}); {others}")
+        self.others = (f"checkpoints in {where} that load: {', '.join(p.name for p in loadable)}" if loadable
+                       else f"no other checkpoint in {where} loads")
+        super().__init__(path, f"{path}: not a readable checkpoint ({reason}); {self.others}")
 
 
 def _is_local(path: str | os.PathLike) -> bool:
