@@ -46,7 +46,7 @@ __all__ = [
 TEMP_PREFIX = ".cltrain-tmp-"
 
 _FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
-         errno.EFBIG: "the file is larger than the filesystem or this process allows (ulimit -f)"}
+         errno.EFBIG: "the file is larger than the filesystem or this process's file size limit allows"}
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
 _NAME_MAX = 255
 
@@ -87,7 +87,7 @@ class DiskFullError(OSError):
 
 
 def _size(n: int) -> str:
-    return f"{n:,} bytes ({n / 2**20:.1f} MiB)"
+    return f"{n:,} bytes ({n / 2**20:.1f} MiB)" if n < 2**30 else f"{n:,} bytes ({n / 2**30:.1f} GiB)"
 
 
 def _file_size_limit() -> str:
@@ -97,7 +97,7 @@ def _file_size_limit() -> str:
         soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     except (ImportError, OSError, ValueError):
         return ""
-    return "" if soft == resource.RLIM_INFINITY else f" (limit {soft:,} bytes)"
+    return " (ulimit -f: unlimited)" if soft == resource.RLIM_INFINITY else f" (ulimit -f: {soft:,} bytes)"
 
 
 def _space_errno(err: BaseException | None) -> int | None:
