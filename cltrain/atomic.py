@@ -30,7 +30,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -39,7 +39,7 @@ import torch
 
 __all__ = [
     "TEMP_PREFIX", "DiskFullError", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json",
-    "atomic_write_text", "remove_leftovers",
+    "atomic_write_text", "remove_leftovers", "removed_line",
 ]
 
 #: Name prefix of the temporary files; a file with it that outlives its writer is a leftover.
@@ -344,3 +344,11 @@ def remove_leftovers(directory: str | os.PathLike, *, stale_after_s: float = 360
             continue
         removed.append(Path(entry.path))
     return removed
+
+
+def removed_line(removed: Sequence[Path], by: str = "an interrupted write") -> str:
+    """One line on what :func:`remove_leftovers` removed, e.g. ``removed 1 temporary file(s) left in
+    /run/checkpoints by an interrupted write: .cltrain-tmp-...``."""
+    shown = ", ".join(p.name for p in removed[:3]) + (", ..." if len(removed) > 3 else "")
+    where = removed[0].parent if removed else Path()
+    return f"removed {len(removed)} temporary file(s) left in {where} by {by}: {shown}"

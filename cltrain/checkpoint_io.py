@@ -42,7 +42,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from cltrain.atomic import TEMP_PREFIX, atomic_torch_save, remove_leftovers
+from cltrain.atomic import TEMP_PREFIX, atomic_torch_save, remove_leftovers, removed_line
 
 __all__ = ["AtomicCheckpointIO", "CheckpointLoadError", "UnreadableCheckpointError", "UnsafeCheckpointError",
            "load_checkpoint_file", "loadable_checkpoints"]
@@ -206,9 +206,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._cleaned.add(directory)
         removed = remove_leftovers(directory)
         if removed:
-            shown = ", ".join(p.name for p in removed[:3]) + (", ..." if len(removed) > 3 else "")
-            rank_zero_info(f"AtomicCheckpointIO: removed {len(removed)} temporary file(s) left in {directory} by "
-                           f"{whose} that was stopped while saving: {shown}")
+            rank_zero_info(f"AtomicCheckpointIO: {removed_line(removed, f'{whose} that was stopped while saving')}")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
