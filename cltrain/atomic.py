@@ -1,5 +1,7 @@
 """Atomic file writes: a file is its previous version or the complete new one, never half-written.
 
+The standard library only (torch is imported by :func:`atomic_torch_save`).
+
 Every writer here puts the data into a temporary file in the *target's own directory*
 (``.cltrain-tmp-<pid>-<host>-<random>-<name>``), flushes it and ``fsync``-s it, renames it
 over the target with ``os.replace`` (atomic on one filesystem, which the same directory
@@ -34,8 +36,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
-
-import torch
 
 __all__ = [
     "TEMP_PREFIX", "DiskFullError", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json",
@@ -289,6 +289,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
         >>> import torch
         >>> _ = atomic_torch_save({"w": torch.zeros(3)}, "/tmp/cltrain-example.pt")
     """
+    import torch  # here: the rest of this module is the standard library only
+
     def size() -> int:
         sink = _Sink()
         torch.save(obj, sink)
