@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from cltrain.atomic import atomic_open, atomic_write_json, atomic_write_text, remove_leftovers, removed_line
 
 __all__ = ["METRICS_FILE", "collect", "label", "markdown_table", "plot", "read_metrics", "write_metrics", "write_report"]
 
@@ -19,12 +22,9 @@ METRICS_FILE = "metrics.json"
 
 
 def write_metrics(run_dir: str | Path, metrics: dict[str, Any], replace: bool = False) -> Path:
-    """Write ``metrics`` as ``<run_dir>/metrics.json`` (refusing to replace an existing file unless ``replace``)."""
-    path = Path(run_dir) / METRICS_FILE
-    with open(path, "w" if replace else "x") as f:
-        json.dump(metrics, f, indent=2, default=str)
-        f.write("\n")
-    return path
+    """Write ``metrics`` as ``<run_dir>/metrics.json``, atomically (refusing to replace an existing file
+    unless ``replace``)."""
+    return atomic_write_json(Path(run_dir) / METRICS_FILE, metrics, overwrite=replace, indent=2, default=str)
 
 
 def read_metrics(path: str | Path) -> dict[str, Any]:
@@ -114,7 +114,8 @@ def plot(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
     model = {r.get("model") for r in runs}
     fig.suptitle(f"{', '.join(map(str, model))}: speed and accuracy per config (speed-up vs contiguous fp32)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_open(path) as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return Path(path)
 
@@ -130,10 +131,13 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
         raise FileNotFoundError(f"no {METRICS_FILE} under {sweep_dir}: is it a multirun directory of finished runs?")
     out = Path(out_dir or sweep_dir)
     out.mkdir(parents=True, exist_ok=True)
+    removed = remove_leftovers(out)
+    if removed:
+        print(f"sweep report: {removed_line(removed, 'a report stopped while writing')}", file=sys.stderr)
     md, png = out / "report.md", out / "report.png"
     plot(runs, png)
-    md.write_text(f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}"
-                  f"\n![images/second and top-1]({png.name})\n")
+    atomic_write_text(md, f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}"
+                          f"\n![images/second and top-1]({png.name})\n")
     return md, png
 
 
