@@ -199,14 +199,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         super().__init__()
         self._cleaned: set[Path] = set()
 
-    def _remove_leftovers(self, directory: Path, whose: str) -> None:
+    def _remove_leftovers(self, directory: Path) -> None:
         directory = directory.absolute()
         if directory in self._cleaned:
             return
         self._cleaned.add(directory)
         removed = remove_leftovers(directory)
         if removed:
-            rank_zero_info(f"AtomicCheckpointIO: {removed_line(removed, f'{whose} that was stopped while saving')}")
+            rank_zero_info(f"AtomicCheckpointIO: {removed_line(removed, 'a run that was stopped while saving')}")
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -221,7 +221,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         path = _local(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_leftovers(path.parent, "a run")
+        self._remove_leftovers(path.parent)
         atomic_torch_save(checkpoint, path)
 
     @override
@@ -239,5 +239,5 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         path = _local(path)
         if rank_zero_only.rank == 0 and path.is_file():
-            self._remove_leftovers(path.parent, "the run that wrote it")
+            self._remove_leftovers(path.parent)  # a resumed run's source: where a killed run left them
         return load_checkpoint_file(path, map_location=map_location, weights_only=weights_only)
