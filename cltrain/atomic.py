@@ -190,7 +190,14 @@ def _atomic(path: str | os.PathLike, mode: str, encoding: str | None, overwrite:
         raise ValueError(f"atomic_open: mode={mode!r} is not supported (allowed: 'wb', 'w')")
     target = Path(path)
     existed = target.exists()
-    fd, tmp = _create_temp(target)
+    try:
+        fd, tmp = _create_temp(target)
+    except OSError as err:  # no inode left, or a quota on files
+        code = _space_errno(err)
+        if code is None:
+            raise
+        size = _needed(needed)
+        raise DiskFullError(target, size or 0, code, at_least=size is None, existed=existed) from err
     f = os.fdopen(fd, mode, encoding=(encoding or "utf-8") if mode == "w" else None)
     written = 0
     try:
@@ -213,9 +220,18 @@ def _atomic(path: str | os.PathLike, mode: str, encoding: str | None, overwrite:
         code = _space_errno(err)
         if code is None:
             raise
-        size = needed() if callable(needed) else needed
+        size = _needed(needed)
         raise DiskFullError(target, size if size is not None else written, code, at_least=size is None,
                             existed=existed) from err
+
+
+def _needed(needed: int | Callable[[], int] | None) -> int | None:
+    if not callable(needed):
+        return needed
+    try:
+        return needed()
+    except Exception:  # noqa: BLE001 - only the message's byte count is lost
+        return None
 
 
 def atomic_open(path: str | os.PathLike, mode: str = "wb", *, encoding: str | None = None,
