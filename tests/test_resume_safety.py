@@ -186,6 +186,7 @@ def test_a_full_disk_keeps_the_previous_last_ckpt_and_it_resumes(demo_args: list
                             "trainer.limit_train_batches=1"))
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
+    print(f"\n{last}")
     assert last.startswith(f"cltrain: error: cannot write last.ckpt in {run / 'checkpoints'}: no space left on the "
                            "device; it needs 89,")
     assert last.endswith("free; last.ckpt keeps its previous content") and "Traceback" not in done.stderr
