@@ -183,6 +183,8 @@ def _discard(tmp: Path) -> None:
         pass
 
 
+# Our own rather than a package: atomicwrites (last release 2022) and atomicwriter give no full-disk
+# error with the bytes needed, no streamed torch.save and no removal of a killed writer's file.
 @contextmanager
 def _atomic(path: str | os.PathLike, mode: str, encoding: str | None, overwrite: bool,
             needed: int | Callable[[], int] | None) -> Iterator[IO[Any]]:
