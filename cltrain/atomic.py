@@ -183,8 +183,9 @@ def _discard(tmp: Path) -> None:
         pass
 
 
-# Our own rather than a package: atomicwrites (last release 2022) and atomicwriter give no full-disk
-# error with the bytes needed, no streamed torch.save and no removal of a killed writer's file.
+# Our own rather than a package: atomicwrites is archived (last release 2022), atomicwriter (a Rust
+# extension) takes text/bytes, not a stream torch.save can write to; neither names the bytes a full disk
+# refused nor removes a killed writer's temporary file.
 @contextmanager
 def _atomic(path: str | os.PathLike, mode: str, encoding: str | None, overwrite: bool,
             needed: int | Callable[[], int] | None) -> Iterator[IO[Any]]:
