@@ -274,7 +274,7 @@ def test_train_py_runs_on_cuda(demo_args: list[str], tmp_path: Path, overrides: 
     assert metrics["val_top1"] is not None and 0 <= metrics["val_top1"] <= 100
     channels_last = "channels_last=false" not in overrides
     assert metrics["config"]["channels_last"] is channels_last
-    state = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
     weight = state["model.layer1.0.conv1.weight"]
     if channels_last and "channels_last_mode=auto" not in overrides:
         assert is_channels_last(weight)

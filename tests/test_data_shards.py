@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from cltrain.atomic import TEMP_PREFIX
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, ShardsDataset, eval_transform
 from cltrain.data.pack import MANIFEST, PackError, _plan, main, pack
 from cltrain.data.shard_sampler import ShardBatchSampler, rank_batch_sizes
@@ -84,7 +85,7 @@ def test_pack_refuses_other_settings_and_a_changed_tree(folder: Path, tmp_path: 
 
 def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
+    while not all(any(p.parent.glob(p.name)) for p in paths):  # a name may be a glob pattern
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"the packer never wrote {paths}"
         time.sleep(0.05)
@@ -103,7 +104,7 @@ def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp
     out, train = tmp_path / "out", tmp_path / "out" / "train"
     cmd = [sys.executable, "-m", "cltrain.data.pack", str(folder), str(out), "--shard-size", "7"]
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for([train / "shard-000001.idx.npy", train / "shard-000002.tar.partial"], first)
+    _wait_for([train / "shard-000001.idx.npy", train / f"{TEMP_PREFIX}*-shard-000002.tar"], first)
     first.send_signal(signal.SIGKILL)
     assert first.wait(timeout=60) == -signal.SIGKILL
     assert not (out / MANIFEST).exists() and not (train / "shard-000002.tar").exists()
@@ -121,7 +122,8 @@ def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp
     for split in ("train", "val"):  # the same shards as an uninterrupted pack, byte for byte
         for name in reference["splits"][split]["shards"]:
             assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
-    assert not list(out.rglob("*.partial"))
+    assert not list(out.rglob(f"{TEMP_PREFIX}*"))  # the killed pack's temporary shard was removed, and said so
+    assert f"pack: removed 1 temporary file(s) left in {train} by a pack that was stopped" in stderr
 
 
 @pytest.mark.parametrize("n,batch,world", [(33, 4, 2), (32, 4, 2), (17, 8, 2), (9, 2, 4), (1001, 64, 8), (5, 1, 5), (10, 3, 3)])

@@ -107,7 +107,7 @@ def ema_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_validation_checkpoint_and_metrics_use_the_ema_weights(ema_run: dict) -> None:
     fit = ema_run["fit"]
     assert fit["weights"] == "ema" and json.loads((Path(fit["run_dir"]) / "metrics.json").read_text())["weights"] == "ema"
-    checkpoint = torch.load(fit["best_checkpoint"], map_location="cpu", weights_only=False)
+    checkpoint = torch.load(fit["best_checkpoint"], map_location="cpu", weights_only=True)
     averaged, live = checkpoint["state_dict"], checkpoint["current_model_state"]
     assert not torch.equal(averaged["model.conv1.weight"], live["model.conv1.weight"])
     # portable: the averaged weights load into a plain torchvision model, no EMA code needed
@@ -120,7 +120,7 @@ def test_validation_checkpoint_and_metrics_use_the_ema_weights(ema_run: dict) ->
 
 @pytest.mark.slow
 def test_the_averaged_copy_is_channels_last_with_channels_last(ema_run: dict) -> None:
-    averaged = torch.load(ema_run["fit"]["best_checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    averaged = torch.load(ema_run["fit"]["best_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
     assert is_channels_last(averaged["model.conv1.weight"]) and is_channels_last(averaged["model.layer1.0.conv1.weight"])
 
 

@@ -73,7 +73,7 @@ def test_concurrent_runs_from_one_folder_get_their_own_directories(tmp_path: Pat
         assert metrics["last_checkpoint"] == str(run / "checkpoints" / "last.ckpt")
         assert metrics["best_checkpoint"].startswith(str(run / "checkpoints"))
         seeds.add(metrics["config"]["seed"])
-        assert torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
+        assert torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
         steps = [int(r["step"]) for r in csv.DictReader(open(run / "csv" / "metrics.csv")) if r.get("train/loss")]
         assert steps == [0, 1, 2, 3]  # one run's rows only
         assert (run / ".hydra" / "config.yaml").is_file() and f"seed: {metrics['config']['seed']}" in \

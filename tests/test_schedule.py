@@ -106,7 +106,7 @@ def test_resume_after_a_crash_continues_the_lr_sequence(demo_root: Path, tmp_pat
         train(_cfg(demo_root, tmp_path / "crashed", *common, "trainer._target_=trainer_probes.CrashingTrainer",
                    "+trainer.crash_at_step=6"))
     checkpoint = tmp_path / "crashed" / "checkpoints" / "last.ckpt"  # written by the on-exception checkpoint
-    assert torch.load(checkpoint, weights_only=False)["global_step"] == 6
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 6
     resumed = train(_cfg(demo_root, tmp_path / "resumed", *common, f"ckpt_path={checkpoint}"))
     assert resumed["global_step"] == 12
     # The rates, in order, are the uninterrupted run's from step 6 on. (The CSV's step column of a run resumed

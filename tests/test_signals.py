@@ -69,7 +69,7 @@ def test_sigterm_saves_last_state_and_the_printed_command_resumes_at_that_step(d
     assert status == 143, out[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "interrupted" and metrics["last_checkpoint"] == str(run_dir / "checkpoints" / "last.ckpt")
-    step = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=False)["global_step"]
+    step = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=True)["global_step"]
     assert step == metrics["global_step"] and 4 < step < 8  # mid epoch 1, not the epoch-0 checkpoint
     resume = [line for line in out.splitlines() if "resume with:" in line]
     assert len(resume) == 1 and "interrupted by SIGTERM" in resume[0], out[-3000:]
@@ -95,7 +95,7 @@ def test_sigint_exits_130_with_last_checkpoint(demo_args: list[str], tmp_path: P
     assert status == 130, out[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "interrupted"
-    step = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
     assert step == metrics["global_step"] >= 2
     assert sum("resume with:" in line for line in out.splitlines()) == 1 and "interrupted by SIGINT" in out
     assert "Traceback" not in out

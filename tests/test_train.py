@@ -40,7 +40,7 @@ def tiny(demo_root: Path, run_dir: Path, *overrides: str) -> dict:
 
 
 def _state(ckpt: str | Path) -> dict:
-    return torch.load(ckpt, map_location="cpu", weights_only=False)
+    return torch.load(ckpt, map_location="cpu", weights_only=True)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])

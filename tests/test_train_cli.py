@@ -101,7 +101,7 @@ def test_a_diverged_run_stops_says_so_and_keeps_the_finite_last_checkpoint(demo_
     assert metrics["status"] == "failed" and metrics["error"].startswith("NonFiniteLossError: training loss is")
     import torch
 
-    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     steps_per_epoch = 32 // 8  # 32 images, batch 8 (experiment=smoke)
     assert state["global_step"] == steps_per_epoch and state["epoch"] == 0
     assert steps_per_epoch < metrics["global_step"] < 2 * steps_per_epoch  # stopped inside epoch 1

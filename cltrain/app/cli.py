@@ -38,14 +38,16 @@ def _run(cfg: DictConfig) -> float | None:
     """One run; returns validation top-1 (%), the value Hydra's sweepers (Optuna) maximise."""
     from cltrain.app.finite import NonFiniteLossError
     from cltrain.app.train import train  # after Hydra has parsed the command line: `--help` stays fast
+    from cltrain.atomic import DiskFullError
+    from cltrain.checkpoint_io import CheckpointLoadError
 
     try:
         return train(cfg).get("val_top1")
     except ConfigError as err:
         print(f"cltrain: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None  # not an Exception: Hydra lets it through instead of printing a traceback
-    except NonFiniteLossError as err:  # a diverged run: metrics.json says "failed"; one line, not a traceback
-        print(f"cltrain: error: {err}", file=sys.stderr)
+    except (NonFiniteLossError, DiskFullError, CheckpointLoadError) as err:  # a diverged run, a full disk, a bad
+        print(f"cltrain: error: {err}", file=sys.stderr)  # checkpoint: metrics.json says "failed"; one line
         raise SystemExit(1) from None
 
 

@@ -142,10 +142,15 @@ def _validate_paths(cfg: DictConfig) -> None:
 def _check_checkpoint(path: str, cfg: DictConfig) -> None:
     """A resume/evaluate checkpoint is a Lightning checkpoint whose optimizer matches ``optim.name``
     (a changed optimizer would fail deep inside Lightning with ``KeyError: 'step'``)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user mistake
-        raise ConfigError("ckpt_path", path, f"not a readable checkpoint ({type(err).__name__})",
+    from cltrain.checkpoint_io import UnreadableCheckpointError, UnsafeCheckpointError, load_checkpoint_file
+
+    try:  # weights_only: nothing in the file runs, whoever wrote it
+        state = load_checkpoint_file(path, map_location="cpu", mmap=True)
+    except UnsafeCheckpointError as err:
+        raise ConfigError("ckpt_path", path, f"refused to load: it holds {', '.join(err.types)}, which no checkpoint "
+                          "written by train.py holds; unpickling it could run code", "a .ckpt file written by train.py") from None
+    except UnreadableCheckpointError as err:
+        raise ConfigError("ckpt_path", path, f"not a readable checkpoint ({err.reason}); {err.others}",
                           "a .ckpt file written by train.py") from None
     if not isinstance(state, dict) or "state_dict" not in state:
         raise ConfigError("ckpt_path", path, "not a Lightning checkpoint (no state_dict)", "a .ckpt file written by train.py")

@@ -41,6 +41,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
+from cltrain.checkpoint_io import load_checkpoint_file
+
 __all__ = ["EMA", "EMAModel", "weights_in_checkpoint"]
 
 
@@ -126,5 +128,5 @@ def weights_in_checkpoint(path: str | None) -> str | None:
     ``current_model_state``), ``"live"`` when it does not, ``None`` without a path."""
     if path is None:
         return None
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = load_checkpoint_file(path, map_location="cpu", mmap=True)  # weights_only: nothing in it runs
     return "ema" if "current_model_state" in checkpoint else "live"

@@ -131,10 +131,15 @@ def _load_file(path: Path) -> Any:
     what = _what_it_is(path)
     if what is not None:
         raise ConfigError("model.pretrained", str(path), f"not a checkpoint: the file is {what}", _SAFETENSORS_EXAMPLE)
+    from cltrain.checkpoint_io import UnreadableCheckpointError, UnsafeCheckpointError, load_checkpoint_file
+
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # UnpicklingError (text), RuntimeError (truncated zip), EOFError (empty), ...
-        raise ConfigError("model.pretrained", str(path), f"not a checkpoint torch.load can read ({_first_line(err)})",
+        return load_checkpoint_file(path, map_location="cpu")  # weights_only
+    except UnsafeCheckpointError as err:
+        raise ConfigError("model.pretrained", str(path), f"refused to load: it holds {', '.join(err.types)}; unpickling "
+                          "it could run code", _SAFETENSORS_EXAMPLE) from None
+    except UnreadableCheckpointError as err:
+        raise ConfigError("model.pretrained", str(path), f"not a checkpoint torch.load can read ({err.reason})",
                           _SAFETENSORS_EXAMPLE) from None
 
 

@@ -6,18 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cltrain.atomic import atomic_write_json
+
 __all__ = ["METRICS_FILE", "read_metrics", "write_metrics"]
 
 METRICS_FILE = "metrics.json"
 
 
 def write_metrics(run_dir: str | Path, metrics: dict[str, Any], replace: bool = False) -> Path:
-    """Write ``metrics`` as ``<run_dir>/metrics.json`` (refusing to replace an existing file unless ``replace``)."""
-    path = Path(run_dir) / METRICS_FILE
-    with open(path, "w" if replace else "x") as f:
-        json.dump(metrics, f, indent=2, default=str)
-        f.write("\n")
-    return path
+    """Write ``metrics`` as ``<run_dir>/metrics.json``, atomically (refusing to replace an existing file
+    unless ``replace``)."""
+    return atomic_write_json(Path(run_dir) / METRICS_FILE, metrics, overwrite=replace, indent=2, default=str)
 
 
 def read_metrics(path: str | Path) -> dict[str, Any]:

@@ -50,6 +50,8 @@ from cltrain.app.report import write_metrics
 from cltrain.app.rundir import claim_run_dir, is_slurm_requeue
 from cltrain.app.schedule import scaled_lr
 from cltrain.app.signals import RunInterrupted, SignalStop
+from cltrain.atomic import DiskFullError
+from cltrain.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["build_datamodule", "resume_command", "train"]
 
@@ -125,10 +127,11 @@ _CPU_BF16_CONV3D = (
 class _KeepOnException(OnExceptionCheckpoint):
     """``OnExceptionCheckpoint`` that writes ``last.ckpt`` and keeps it: Lightning's deletes its file in
     ``teardown``, which after a normal run would delete the epoch-end ``last.ckpt``. A run stopped for a
-    non-finite loss is not saved: its weights are NaN, and the ``last.ckpt`` it has is the latest finite state."""
+    non-finite loss is not saved: its weights are NaN, and the ``last.ckpt`` it has is the latest finite state;
+    nor is a run stopped by a full disk: the save would fail again, and the ``last.ckpt`` it has is intact."""
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, NonFiniteLossError):
+        if not isinstance(exception, (NonFiniteLossError, DiskFullError)):
             super().on_exception(trainer, pl_module, exception)
 
     def teardown(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -157,6 +160,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     A run stopped by SIGTERM / SIGINT saves ``checkpoints/last.ckpt``, writes ``metrics.json``
     with ``"status": "interrupted"``, prints the resume command and raises ``SystemExit(143 / 130)``.
     A run that fails with an exception saves ``last.ckpt`` too, and writes ``"status": "failed"``.
+    Checkpoints are saved atomically (:class:`~cltrain.checkpoint_io.AtomicCheckpointIO`): a save that
+    fails for lack of space raises :class:`~cltrain.atomic.DiskFullError` and leaves the previous
+    ``last.ckpt`` as it was.
 
     Raises:
         ConfigError: a bad config value (raised before anything is built), or a run
@@ -199,7 +205,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     callbacks += build_callbacks(cfg.get("callbacks"), run_dir, has_logger=bool(loggers)).values()
     trainer: pl.Trainer = instantiate(
         cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
-        callbacks=callbacks, logger=loggers or False,
+        callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
         sync_batchnorm=cfg.sync_bn, deterministic=cfg.deterministic, default_root_dir=str(run_dir),
     )
     global_batch = cfg.data.batch_size * trainer.world_size * trainer.accumulate_grad_batches

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from cltrain.atomic import atomic_open
 from cltrain.data.constants import CHECK_MODES
 from cltrain.data.index import index_split
 
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = check_files(list(split_of), mode, args.workers, progress=not args.no_progress)
     elapsed = time.perf_counter() - start
     out = Path(args.out)
-    with open(out, "w", encoding="utf-8") as f:
+    with atomic_open(out, "w") as f:  # a list the user trains with: never half-written
         f.write("# split\tpath\treason\n")
         for path in sorted(bad):
             f.write(f"{split_of[path]}\t{path}\t{bad[path]}\n")

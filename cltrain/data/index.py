@@ -28,7 +28,7 @@ removed or renamed anywhere in the tree; it does not detect a file's content rep
 under the same name (which does not change the index), and a folder changed within
 2 s of the walk (coarse filesystem clocks), so such an index is not stored. Ranks
 share it through a file lock: the first to take it walks and writes, the others
-wait and read.
+wait and read. The file is written atomically and read as JSON (no pickle).
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from filelock import FileLock
 
+from cltrain.atomic import atomic_write_json, remove_leftovers, removed_line
 from cltrain.data.constants import IMG_EXTENSIONS
 
 __all__ = ["SplitIndex", "find_classes", "index_split", "scan_split"]
@@ -220,10 +221,7 @@ def _store(path: Path, key: dict, index: SplitIndex, started: float, split_dir: 
         files[label].append(p[skip:])
     data = {"key": key, "signature": index.signature, "ignored": index.ignored, "duplicates": index.duplicates,
             "files": ["\n".join(f) for f in files]}  # one string per class: loads ~10x faster than a list of paths
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    atomic_write_json(path, data)
 
 
 def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
@@ -250,6 +248,10 @@ def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = No
     except OSError:  # no writable cache anywhere: walk
         return scan_split(split_dir, classes, allow_missing)
     try:
+        removed = remove_leftovers(path.parent)  # under the lock: no other rank is writing
+        if removed:
+            warnings.warn(f"index_split: {removed_line(removed, 'a run stopped while writing the file index')}",
+                          stacklevel=2)
         cached = _load(path, key, split_dir)
         if cached is not None:
             return cached

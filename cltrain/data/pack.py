@@ -19,9 +19,9 @@ The tars are plain WebDataset shards (``webdataset.WebDataset(urls)`` reads
 them); the ``.idx.npy`` files let the reader fetch any sample directly, which is
 how it gives each sample exactly once per epoch under DDP x workers.
 
-Resumable: a shard is written as ``*.partial`` and renamed when complete, and its
-index is written after it, so a killed pack, run again with the same arguments,
-keeps every finished shard and continues with the next one. It never overwrites:
+Resumable: every file is written atomically (a temporary file renamed when complete), and a
+shard's index after its tar, so a killed pack, run again with the same arguments, keeps every
+finished shard, removes the killed one's temporary files and continues with the next shard. It never overwrites:
 a non-empty ``OUT`` that is not this pack's own (unfinished or finished) output is
 refused, and so is a tree that changed since the pack started.
 """
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cltrain.atomic import atomic_open, atomic_write_json, remove_leftovers, removed_line
 from cltrain.data.dataset import find_classes, find_samples
 from cltrain.data.shards import MANIFEST
 
@@ -97,18 +98,23 @@ def _claim(out: Path, state: dict) -> bool:
     if out.is_dir() and any(out.iterdir()):
         raise PackError(f"pack: OUT {out} is not empty and is not a cltrain pack; it is left untouched. Pass a new or empty folder.")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (PACK_STATE + ".partial")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.rename(marker)
+    atomic_write_json(marker, state, indent=1)
     return False
 
 
+def _remove_leftovers(folders: Sequence[Path]) -> None:
+    """The temporary files a killed pack left (a shard, an index, the manifest being written)."""
+    for folder in folders:
+        removed = remove_leftovers(folder)
+        if removed:
+            print(f"pack: {removed_line(removed, 'a pack that was stopped')}", file=sys.stderr)
+
+
 def _write_shard(path: Path, samples: Sequence[tuple[str, int]], first_key: int) -> np.ndarray:
-    """Write one tar (via ``*.partial``) and return its index: (data offset, size, label) per image."""
+    """Write one tar (atomically) and return its index: (data offset, size, label) per image."""
     import webdataset as wds  # the `shards` extra; only packing needs it
 
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as f:
+    with atomic_open(path) as f:
         writer = wds.TarWriter(f, mtime=0.0)
         for i, (src, label) in enumerate(samples):
             ext = Path(src).suffix.lower().lstrip(".") or "img"
@@ -116,13 +122,12 @@ def _write_shard(path: Path, samples: Sequence[tuple[str, int]], first_key: int)
                 writer.write({"__key__": f"{first_key + i:09d}", ext: img.read(), "cls": str(label).encode()})
         writer.close()
     index = np.zeros((len(samples), 3), np.int64)
-    with tarfile.open(partial) as tar:  # read the offsets back from the tar itself
+    with tarfile.open(path) as tar:  # read the offsets back from the tar itself; the shard counts once its index exists
         members = [m for m in tar.getmembers() if not m.name.endswith(".cls")]
     if len(members) != len(samples):
-        raise PackError(f"pack: {partial} has {len(members)} images, expected {len(samples)}; delete it and run again.")
+        raise PackError(f"pack: {path} has {len(members)} images, expected {len(samples)}; delete it and run again.")
     for i, (m, (_, label)) in enumerate(zip(members, samples)):
         index[i] = (m.offset_data, m.size, label)
-    os.replace(partial, path)
     return index
 
 
@@ -145,6 +150,7 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
     classes, plan = _plan(root, list(splits), seed)
     state = {"version": FORMAT_VERSION, "root": str(root), "shard_size": shard_size, "splits": list(splits), "seed": seed,
              "fingerprint": {s: _fingerprint(root, plan[s]) for s in splits}}
+    _remove_leftovers([out, *(out / s for s in splits)])
     if _claim(out, state):
         return out / MANIFEST
     manifest: dict = {"format": "webdataset", "version": FORMAT_VERSION, "classes": classes, "splits": {}}
@@ -160,16 +166,11 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
                 if done[k]:
                     continue
                 index = _write_shard(folder / f"{shard_name(k)}.tar", chunk, k * shard_size)
-                idx_path = folder / f"{shard_name(k)}.idx.npy"
-                with open(idx_path.with_name(idx_path.name + ".partial"), "wb") as f:
-                    np.save(f, index)
-                os.replace(idx_path.with_name(idx_path.name + ".partial"), idx_path)  # last: marks the shard finished
+                with atomic_open(folder / f"{shard_name(k)}.idx.npy") as f:  # last: marks the shard finished
+                    np.save(f, index, allow_pickle=False)
                 bar.update(len(chunk))
         manifest["splits"][split] = {"count": len(samples), "shards": [f"{split}/{shard_name(k)}.tar" for k in range(len(chunks))]}
-    partial = out / (MANIFEST + ".partial")
-    partial.write_text(json.dumps(manifest, indent=1))
-    partial.rename(out / MANIFEST)
-    return out / MANIFEST
+    return atomic_write_json(out / MANIFEST, manifest, indent=1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

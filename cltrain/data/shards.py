@@ -111,7 +111,7 @@ class ShardsDataset(Dataset):
             raise KeyError(f"ShardsDataset: the pack at {self.root} has no split {split!r} (it has {sorted(manifest['splits'])}).")
         self.classes: list[str] = manifest["classes"]
         self.shards = [str(self.root / s) for s in manifest["splits"][split]["shards"]]
-        indexes = [np.load(Path(s).with_suffix(".idx.npy")) for s in self.shards]
+        indexes = [np.load(Path(s).with_suffix(".idx.npy"), allow_pickle=False) for s in self.shards]  # no pickle
         self.index = np.concatenate(indexes) if indexes else np.zeros((0, 3), np.int64)  # offset, size, label
         self.shard_sizes = [len(i) for i in indexes]
         self.shard_of = np.repeat(np.arange(len(indexes)), self.shard_sizes)

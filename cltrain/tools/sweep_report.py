@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cltrain.app.report import METRICS_FILE, read_metrics
+from cltrain.atomic import atomic_open, atomic_write_text, remove_leftovers, removed_line
 
 __all__ = ["collect", "label", "main", "markdown_table", "plot", "write_report"]
 
@@ -105,7 +106,8 @@ def plot(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
     model = {r.get("model") for r in runs}
     fig.suptitle(f"{', '.join(map(str, model))}: speed and accuracy per config (speed-up vs contiguous fp32)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_open(path) as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return Path(path)
 
@@ -121,10 +123,13 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
         raise FileNotFoundError(f"no {METRICS_FILE} under {sweep_dir}: is it a multirun directory of finished runs?")
     out = Path(out_dir or sweep_dir)
     out.mkdir(parents=True, exist_ok=True)
+    removed = remove_leftovers(out)
+    if removed:
+        print(f"cltrain-sweep-report: {removed_line(removed, 'a report stopped while writing')}", file=sys.stderr)
     md, png = out / "report.md", out / "report.png"
     plot(runs, png)
-    md.write_text(f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}"
-                  f"\n![images/second and top-1]({png.name})\n")
+    atomic_write_text(md, f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}"
+                          f"\n![images/second and top-1]({png.name})\n")
     return md, png
 
 
@@ -138,6 +143,7 @@ def _optuna_best(sweep_dir: Path) -> str:
     results = yaml.safe_load(path.read_text()) or {}
     params = ", ".join(f"{k}={v}" for k, v in (results.get("best_params") or {}).items())
     return f"\nOptuna best: val top-1 {results.get('best_value')} with {params}\n"
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:
