@@ -1,25 +1,24 @@
-"""Test set-up shared by every test module.
+"""Set-up shared by every test.
 
-* The tests folder is importable (``plain_modules``, ``data_fixtures``).
 * Tests run on the CPU unless marked ``@pytest.mark.cuda``, also on a CUDA machine: an
   autouse fixture sets ``PL_TRAINER_ACCELERATOR=cpu`` (Lightning's env default for
   every ``Trainer`` made without an explicit ``accelerator``) and ``CUDA_VISIBLE_DEVICES=""``
   (every subprocess a test starts, ``train.py`` with ``device=auto`` included, sees no GPU).
-  In-process code that asks ``torch.cuda.is_available()`` itself (``device=auto`` in
-  ``compose_config``) still sees the GPU: such tests pass ``device=cpu`` explicitly.
+  In-process code that asks ``torch.cuda.is_available()`` itself still sees the GPU: such
+  tests pass ``device=cpu`` explicitly.
 * Tests marked ``cuda`` are skipped where CUDA is not available.
+* ``demo_root`` / ``demo_args``: the tiny demo set (:data:`tests.helpers.TINY_DEMO`), made once per session.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+from tests.helpers import TINY_DEMO, demo_overrides
 
 # The CUDA runtime reads CUDA_VISIBLE_DEVICES once, at its first call: make that call now, before
 # the fixture below hides the GPU from subprocesses, so this process keeps seeing it for the
@@ -40,3 +39,17 @@ def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.
         monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     yield
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo set (:data:`tests.helpers.TINY_DEMO`), made once for the whole session."""
+    from cltrain.data import make_demo_dataset
+
+    return make_demo_dataset(tmp_path_factory.mktemp("data") / "demo", **TINY_DEMO)
+
+
+@pytest.fixture(scope="session")
+def demo_args(demo_root: Path) -> list[str]:
+    """The overrides that point ``train.py`` at :func:`demo_root`."""
+    return demo_overrides(demo_root)

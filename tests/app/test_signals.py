@@ -1,0 +1,94 @@
+"""Real signals sent to a real ``train.py`` process: exit 143 / 130, last.ckpt, metrics.json marked
+interrupted, one line with the resume command; the resume continues at the exact step."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+def run_until_signalled(args: list[str], signum: int, wait_for: str, timeout: float = 240) -> tuple[int, str]:
+    """Start train.py, wait for a line containing ``wait_for``, send ``signum``; (exit status, output)."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env())
+    lines, deadline = [], time.monotonic() + timeout
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if wait_for in line:
+                proc.send_signal(signum)
+                break
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        else:
+            pytest.fail("train.py ended before the signal: " + "".join(lines[-30:]))
+        lines += proc.stdout.readlines()
+        return proc.wait(timeout=120), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _args(demo_args: list[str], run_dir: Path) -> list[str]:
+    return ["experiment=smoke", *demo_args, "device=cpu", "amp=false", "trainer.max_epochs=50",
+            "trainer.enable_progress_bar=false", "print_freq=1", f"hydra.run.dir={run_dir}"]
+
+
+def test_sigterm_saves_last_state_and_the_printed_command_resumes_at_that_step(demo_args: list[str],
+                                                                             tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    status, out = run_until_signalled(_args(demo_args, run_dir), signal.SIGTERM, "Epoch: [1][2/")
+    assert status == 143, out[-3000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["last_checkpoint"] == str(run_dir / "checkpoints" / "last.ckpt")
+    step = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=True)["global_step"]
+    assert step == metrics["global_step"] and 4 < step < 8  # mid epoch 1, not the epoch-0 checkpoint
+    resume = [line for line in out.splitlines() if "resume with:" in line]
+    assert len(resume) == 1 and "interrupted by SIGTERM" in resume[0], out[-3000:]
+    assert "Traceback" not in out
+
+    # The printed command, as a user would paste it (finishing epoch 1 this time).
+    command = shlex.split(resume[0].split("resume with: ", 1)[1])
+    assert command[:2] == ["python", str(REPO / "train.py")] or command[1].endswith("train.py")
+    command = [a.replace("trainer.max_epochs=50", "trainer.max_epochs=2") for a in command[2:]]
+    command = [a for a in command if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={tmp_path / 'resumed'}"]
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), *command], capture_output=True, text=True,
+                          cwd=REPO, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
+    assert resumed["status"] == "completed" and resumed["global_step"] == 8
+    rows = [r for r in csv.DictReader(open(tmp_path / "resumed" / "csv" / "metrics.csv")) if r.get("train/loss")]
+    assert min(int(r["step"]) for r in rows) == step  # the first step trained is the one after the checkpoint
+
+
+def test_sigint_exits_130_with_last_checkpoint(demo_args: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    status, out = run_until_signalled(_args(demo_args, run_dir), signal.SIGINT, "Epoch: [0][2/")
+    assert status == 130, out[-3000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted"
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    assert step == metrics["global_step"] >= 2
+    assert sum("resume with:" in line for line in out.splitlines()) == 1 and "interrupted by SIGINT" in out
+    assert "Traceback" not in out

@@ -1,0 +1,67 @@
+"""The sweep report: from a real tiny multirun (`python train.py -m ...`) to report.md and report.png."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cltrain.app.report import write_metrics
+from cltrain.tools.sweep_report import markdown_table, write_report
+from cltrain.data import make_demo_dataset
+from tests.helpers import TINY_DEMO as DEMO
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(channels_last: bool, precision: str, speed: float, top1: float) -> dict:
+    return {"model": "resnet50", "image_size": 112, "global_batch": 32, "device": "cpu", "channels_last": channels_last,
+            "precision": precision, "images_per_second": speed, "step_time_s": 32 / speed, "val_top1": top1, "val_top5": 90.0}
+
+
+def test_speedup_is_against_the_contiguous_fp32_run(tmp_path: Path) -> None:
+    runs = [(False, "32-true", 10.0, 50.0), (True, "32-true", 12.5, 51.0), (True, "bf16-mixed", 28.0, 49.5)]
+    for i, r in enumerate(runs):
+        (tmp_path / str(i)).mkdir()
+        write_metrics(tmp_path / str(i), _run(*r))
+    md, png = write_report(tmp_path)
+    table = md.read_text()
+    assert "| 0 | resnet50 | contiguous | 32-true | cpu | 32 | 10.0 | 3200 | 50.00 | 90.00 | 1.00x |" in table
+    assert "| 2 | resnet50 | channels_last | bf16-mixed | cpu | 32 | 28.0 | 1143 | 49.50 | 90.00 | 2.80x |" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(FileExistsError):  # metrics.json is never replaced
+        write_metrics(tmp_path / "0", _run(*runs[0]))
+
+
+def test_no_baseline_gives_no_speedup() -> None:
+    table = markdown_table([{**_run(True, "bf16-mixed", 20.0, 40.0), "run": "0"}])
+    assert table.rstrip().endswith("| - |")
+
+
+def test_report_from_a_real_multirun(tmp_path: Path) -> None:
+    root = make_demo_dataset(tmp_path / "demo", **DEMO)
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    args = ["experiment=smoke", f"data.root={root}", *(f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()),
+            "device=cpu", "trainer.enable_progress_bar=false", "print_freq=0", f"hydra.sweep.dir={sweep}"]
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "channels_last=true,false", "amp=true,false",
+                             *args], capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    configs = {(m["channels_last"], m["precision"]) for m in
+               (json.loads(p.read_text()) for p in sweep.glob("*/metrics.json"))}
+    assert configs == {(True, "bf16-mixed"), (True, "32-true"), (False, "bf16-mixed"), (False, "32-true")}
+
+    report = subprocess.run([sys.executable, "-m", "cltrain.tools.sweep_report", str(sweep)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert report.returncode == 0, report.stderr
+    table = (sweep / "report.md").read_text()
+    assert table.count("| resnet18 |") == 4 and "1.00x" in table
+    assert (sweep / "report.png").stat().st_size > 1000
+
+    again = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "amp=true", *args],
+                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert again.returncode == 2 and "hydra.sweep.dir=" in again.stderr  # the sweep is never overwritten

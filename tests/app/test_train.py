@@ -1,0 +1,179 @@
+"""train(cfg) end to end, in process, on a tiny demo folder: toggles, resume, evaluate-only, compile, seeds.
+
+The configs are the real ones (``experiment=smoke``: ResNet-18 at 32 px, 4 training batches of 8),
+composed with Hydra's compose API and shrunk further with overrides.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cltrain import is_channels_last
+from cltrain.app.cli import compose_config
+from cltrain.app.config import ConfigError
+from cltrain.app.module import ImageClassifier
+from cltrain.app.schedule import lr_at
+from cltrain.app.train import train
+from tests.helpers import TINY_DEMO as DEMO
+
+
+
+
+
+def tiny(demo_root: Path, run_dir: Path, *overrides: str) -> dict:
+    """Compose the smoke experiment on the tiny demo folder and train it."""
+    demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
+    cfg = compose_config(["experiment=smoke", f"data.root={demo_root}", *demo, f"run_dir={run_dir}", "device=cpu",
+                          "trainer.enable_progress_bar=false", *overrides])
+    return train(cfg)
+
+
+def _state(ckpt: str | Path) -> dict:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("amp", [True, False])
+def test_toggles_train_end_to_end(demo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  channels_last: bool, amp: bool) -> None:
+    seen: list[tuple[bool, torch.dtype]] = []
+    step = ImageClassifier.training_step
+
+    def spy(self, batch, batch_idx):
+        seen.append((is_channels_last(batch[0]), batch[0].dtype))
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(ImageClassifier, "training_step", spy)
+    metrics = tiny(demo_root, tmp_path / "run", f"channels_last={channels_last}", f"amp={amp}")
+
+    assert metrics["precision"] == ("bf16-mixed" if amp else "32-true")
+    assert seen == [(channels_last, torch.float32)] * 4  # the NHWC data path, or the plain NCHW baseline
+    assert metrics["global_step"] == 4 and metrics["images_per_second"] > 0 and metrics["step_time_s"] > 0
+    assert 0 <= metrics["val_top1"] <= 100 and metrics["val_top5"] == 100.0  # 4 classes: top-5 is top-4
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert on_disk["val_top1"] == metrics["val_top1"] and on_disk["config"]["channels_last"] is channels_last
+    weight = _state(metrics["last_checkpoint"])["state_dict"]["model.layer1.0.conv1.weight"]
+    assert is_channels_last(weight) is channels_last
+
+
+def test_resume_continues_step_count_schedule_and_layout(demo_root: Path, tmp_path: Path) -> None:
+    first = tiny(demo_root, tmp_path / "a", "trainer.max_epochs=1")
+    assert (first["global_step"], first["epochs"]) == (4, 1)
+    second = tiny(demo_root, tmp_path / "b", f"ckpt_path={first['last_checkpoint']}", "trainer.max_epochs=2",
+                  "optim.milestones=[1]")
+    assert (second["global_step"], second["epochs"]) == (8, 2)
+
+    # The schedule went on from step 4: the lr logged at steps 4..7 is lr_at(step) (warm-up 1 epoch, x0.1 from epoch 1).
+    rows = [r for r in csv.DictReader(open(tmp_path / "b" / "csv" / "metrics.csv")) if r.get("lr-SGD")]
+    logged = {int(r["step"]): float(r["lr-SGD"]) for r in rows}  # LearningRateMonitor's column
+    assert min(logged) == 4
+    for s, lr in logged.items():
+        assert lr == pytest.approx(lr_at(s, 4, second["lr"], warmup_epochs=1, milestones=[1]))
+
+    state = _state(second["last_checkpoint"])
+    assert is_channels_last(state["state_dict"]["model.layer1.0.conv1.weight"])
+    momentum = [s["momentum_buffer"] for s in state["optimizer_states"][0]["state"].values() if s["momentum_buffer"].dim() == 4]
+    assert momentum and all(is_channels_last(m) for m in momentum)
+
+
+def test_evaluate_only_from_a_checkpoint_and_from_weights(demo_root: Path, tmp_path: Path) -> None:
+    trained = tiny(demo_root, tmp_path / "a")
+    evaluated = tiny(demo_root, tmp_path / "b", "evaluate_only=true", f"ckpt_path={trained['last_checkpoint']}")
+    assert evaluated["global_step"] == 0 and evaluated["images_per_second"] is None
+    assert evaluated["val_top1"] == trained["val_top1"] and evaluated["val_images_per_second"] > 0
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+    weights = tmp_path / "weights.pth"
+    torch.save({k.removeprefix("model."): v for k, v in _state(trained["last_checkpoint"])["state_dict"].items()
+                if k.startswith("model.")}, weights)
+    from_weights = tiny(demo_root, tmp_path / "c", "evaluate_only=true", f"model.pretrained={weights}")
+    assert from_weights["val_top1"] == trained["val_top1"]
+
+
+def test_compile_after_the_layout_conversion(demo_root: Path, tmp_path: Path) -> None:
+    metrics = tiny(demo_root, tmp_path / "run", "compile=true", "compile_backend=eager")
+    assert metrics["global_step"] == 4 and metrics["compile"] is True
+    state = _state(metrics["last_checkpoint"])["state_dict"]
+    assert not any("_orig_mod" in k for k in state)  # compiled in place: checkpoints load into a plain model
+    assert is_channels_last(state["model.conv1.weight"])
+
+
+def test_seed_and_deterministic_runs_repeat(demo_root: Path, tmp_path: Path) -> None:
+    runs = [tiny(demo_root, tmp_path / f"run{i}", "deterministic=true", "seed=7", "amp=false") for i in range(2)]
+    assert runs[0]["val_loss"] == runs[1]["val_loss"] and runs[0]["train_top1"] == runs[1]["train_top1"]
+
+
+def test_an_existing_run_directory_is_never_overwritten(demo_root: Path, tmp_path: Path) -> None:
+    tiny(demo_root, tmp_path / "run")
+    before = (tmp_path / "run" / "metrics.json").read_bytes()
+    with pytest.raises(ConfigError, match=r"run_dir=.*holds an earlier run \(checkpoints, csv, metrics.json\)"):
+        tiny(demo_root, tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.json").read_bytes() == before
+
+
+def test_a_missing_split_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "data" / "val" / "a").mkdir(parents=True)
+    cfg = compose_config(["experiment=smoke", "data=imagenet", f"data.root={tmp_path / 'data'}",
+                          f"run_dir={tmp_path / 'run'}", "device=cpu"])
+    with pytest.raises(ConfigError, match=r"data.root=.*train"):
+        train(cfg)
+
+
+def test_last_checkpoint_is_the_final_step_when_validation_stops_improving(demo_root: Path, tmp_path: Path) -> None:
+    # lr ~ 0: validation top-1 never improves after epoch 0, so the best checkpoint stays at step 2;
+    # last.ckpt must still hold the final step (Lightning's save_last with a monitor would leave it at step 2).
+    metrics = tiny(demo_root, tmp_path / "run", "trainer.max_epochs=3", "trainer.limit_train_batches=2",
+                   "optim.lr=1e-12", "amp=false", "tf32=false", "cudnn_benchmark=false")
+    assert metrics["status"] == "completed" and metrics["global_step"] == 6
+    assert Path(metrics["best_checkpoint"]).name == "best-epoch000.ckpt"  # the stall really happened
+    assert list(metrics["best_checkpoints"]) == [metrics["best_checkpoint"]]  # checkpoint.save_top_k=1
+    assert metrics["last_checkpoint"] == str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert _state(metrics["last_checkpoint"])["global_step"] == 6
+    assert _state(metrics["best_checkpoint"])["global_step"] == 2
+    # The CUDA math switches are applied process-wide and recorded (issue 9).
+    assert (metrics["tf32"], metrics["cudnn_benchmark"], metrics["float32_matmul_precision"]) == (False, False, "highest")
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
+    on = tiny(demo_root, tmp_path / "on", "trainer.max_steps=1")
+    assert (on["tf32"], on["cudnn_benchmark"], on["float32_matmul_precision"]) == (True, True, "high")
+    assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+
+
+def test_an_exception_mid_epoch_leaves_a_resumable_last_checkpoint(demo_root: Path, tmp_path: Path) -> None:
+    # A huge learning rate turns the weights to inf after the first step; anomaly detection then raises
+    # in the backward pass of a later step: a real error in the middle of an epoch.
+    with pytest.raises(RuntimeError, match="nan|NaN|inf"):
+        tiny(demo_root, tmp_path / "run", "optim.lr=1e30", "amp=false", "+trainer.detect_anomaly=true",
+             "trainer.max_epochs=2")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and "RuntimeError" in metrics["error"]
+    state = _state(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == metrics["global_step"] >= 1 and state["optimizer_states"]
+
+
+def test_auto_mode_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -> None:
+    metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "trainer.max_steps=3")
+    weight = _state(metrics["last_checkpoint"])["state_dict"]["model.conv1.weight"]
+    kept = "channels_last" if is_channels_last(weight) else "contiguous"
+    assert metrics["layout"] == kept and metrics["channels_last"] is (kept == "channels_last")
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert on_disk["layout"] == kept
+
+
+def test_weights_that_turn_non_finite_in_the_last_step_of_an_epoch_are_not_saved(demo_root: Path, tmp_path: Path) -> None:
+    # One step per epoch and no print steps: the loss read at epoch 1's only step is still finite (it comes
+    # from epoch 0's weights), then that step's update (lr x inf from epoch 1) makes the weights non-finite.
+    # Only the epoch-end weight check sees it, before the epoch-end last.ckpt would save them.
+    from cltrain.app.finite import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match=r"the weights are no longer finite at epoch 1, step 2"):
+        tiny(demo_root, tmp_path / "run", "amp=false", "trainer.limit_train_batches=1", "trainer.max_epochs=3",
+             "optim.milestones=[1]", "optim.gamma=inf", "optim.warmup_epochs=0", "print_freq=0")
+    state = _state(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == 1 and state["epoch"] == 0
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"

@@ -1,0 +1,101 @@
+"""`python train.py ...` as a user runs it: short errors with exit status 2, Hydra's option list, real DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.batch_size=0", "cltrain: error: data.batch_size=0: must be a whole number > 0"),
+        ("model.name=resnet5", "cltrain: error: model.name='resnet5': unknown model (allowed: a name from"),
+        ("data=imagenet", "cltrain: error: data.root=null: not set"),
+        ("amp_dtype=fp16", "cltrain: error: amp_dtype='fp16': AMP on the CPU is bf16 autocast (allowed: auto, bf16"),
+    ],
+)
+def test_bad_config_is_one_line_and_exit_status_2(tmp_path: Path, override: str, message: str) -> None:
+    result = run(override, "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().startswith(message), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_group_option_lists_the_options(tmp_path: Path) -> None:
+    result = run("model=nope", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 1
+    assert "Could not find 'model/nope'" in result.stderr and "Available options in 'model'" in result.stderr
+    assert "\tresnet50" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_run_directory_with_a_run_in_it_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "last.ckpt").write_bytes(b"old")
+    result = run("experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert "hydra.run.dir=" in result.stderr and "holds an earlier run (checkpoints)" in result.stderr
+    assert not (tmp_path / "run" / ".hydra").exists()  # refused before Hydra wrote anything
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").read_bytes() == b"old"
+
+
+def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "ddp"
+    result = run("experiment=smoke", *demo_args, "device=cpu", "trainer=ddp", "trainer.devices=2",
+                 "trainer.max_epochs=2", "trainer.accumulate_grad_batches=2", "trainer.enable_progress_bar=false",
+                 f"hydra.run.dir={run_dir}", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Grad strides do not match" not in result.stderr + result.stdout
+    assert " images/s, " in next(line for line in result.stdout.splitlines() if line.startswith("cltrain: val top-1"))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    # 32 images / (2 ranks x batch 8) = 2 batches per rank per epoch; accumulating 2 -> 1 optimizer step per epoch
+    assert (metrics["world_size"], metrics["global_batch"], metrics["global_step"]) == (2, 32, 2)
+    assert metrics["config"]["channels_last"] is True and metrics["val_top1"] is not None
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert "cltrain: val top-1" in result.stdout
+
+
+def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:
+    result = run("-m", "experiment=smoke", "trainer=ddp", "device=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert result.returncode == 2
+    assert "cltrain: error: trainer.devices=2: more than one process cannot be launched inside a -m sweep" in result.stderr
+
+
+def test_a_diverged_run_stops_says_so_and_keeps_the_finite_last_checkpoint(demo_args: list[str], tmp_path: Path) -> None:
+    # Epoch 0 trains as usual; at epoch 1 the step schedule multiplies the lr by 1e30, so the loss turns
+    # inf/NaN within the epoch. The run must stop there (not train on and end "completed"), exit 1 with one
+    # line, say "failed" in metrics.json, and leave epoch 0's last.ckpt as it was (finite), not NaN weights.
+    run_dir = tmp_path / "run"
+    done = run("experiment=smoke", *demo_args, f"run_dir={run_dir}", "device=cpu", "amp=false", "trainer.max_epochs=4",
+               "optim.milestones=[1]", "optim.gamma=1e30", "optim.warmup_epochs=0", "print_freq=1",
+               "trainer.enable_progress_bar=false")
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("cltrain: error:")]
+    assert len(errors) == 1 and "training loss is" in errors[0] and "at epoch 1" in errors[0] and "optim.lr" in errors[0]
+    assert "Traceback" not in done.stderr
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and metrics["error"].startswith("NonFiniteLossError: training loss is")
+    import torch
+
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    steps_per_epoch = 32 // 8  # 32 images, batch 8 (experiment=smoke)
+    assert state["global_step"] == steps_per_epoch and state["epoch"] == 0
+    assert steps_per_epoch < metrics["global_step"] < 2 * steps_per_epoch  # stopped inside epoch 1
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())

@@ -1,0 +1,155 @@
+"""ChannelsLast(mode="auto") and ChannelsLast(audit=True) on a real Trainer."""
+
+import logging
+import time
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cltrain import ChannelsLast, is_channels_last, is_channels_last_1d, to_channels_last
+from tests.helpers.plain_modules import Classifier, loader
+
+
+class SlowIn(nn.Module):
+    """A small conv net that wastes 100 ms per forward when its input is in ``slow_layout``."""
+
+    def __init__(self, slow_layout: str):
+        super().__init__()
+        self.slow_layout = slow_layout
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        layout = "channels_last" if is_channels_last(x) else "contiguous"
+        if layout == self.slow_layout:
+            time.sleep(0.1)
+        return self.body(x)
+
+
+def fit(tmp_path, model, callback, **kw):
+    Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback], **kw,
+    ).fit(model, loader(4, 2))
+
+
+@pytest.mark.parametrize("slow, expected", [("channels_last", "contiguous"), ("contiguous", "channels_last")])
+def test_auto_keeps_the_faster_layout(tmp_path, caplog, slow, expected):
+    model = Classifier(net=SlowIn(slow))
+    callback = ChannelsLast(mode="auto", input_shape=(2, 3, 32, 32))
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, model, callback)
+    assert callback.layout == expected
+    assert callback.timings[slow] > callback.timings[expected]
+    assert f"keeping {expected}" in caplog.text and "ms/step" in caplog.text
+    # the model and every batch the step saw are in the chosen layout
+    conv = model.net.body[0].weight
+    assert is_channels_last(conv) == (expected == "channels_last")
+    for *stride, shape in model.seen["train"]:
+        cl = tuple(stride) == torch.empty(shape, memory_format=torch.channels_last).stride()
+        assert cl == (expected == "channels_last")
+
+
+def test_auto_without_a_shape_says_what_to_pass(tmp_path):
+    with pytest.raises(ValueError, match="input_shape=\\(N, C, H, W\\)"):
+        fit(tmp_path, Classifier(), ChannelsLast(mode="auto"))
+
+
+class LosesLayout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3)
+        self.culprit = nn.Sequential(nn.Conv2d(8, 8, 1))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.stem(x).contiguous()  # planted: drops channels_last
+        return self.head(self.culprit(h).mean((2, 3)))
+
+
+def test_audit_on_first_batch_reports_the_planted_op(tmp_path, caplog):
+    callback = ChannelsLast(audit=True)
+    model = Classifier(net=LosesLayout())
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, model, callback)
+    report = callback.audit_report
+    assert report is not None and report.rows
+    # the .contiguous() sits in LosesLayout.forward, i.e. module "net" of the LightningModule
+    assert [(row.op, row.module_path, row.phase) for row in report.rows] == [("aten.clone", "net", "forward")]
+    assert "layout audit" in caplog.text
+    assert len(model.losses) == 2  # training went on, unaffected
+
+
+def test_audit_clean_model_reports_nothing(tmp_path):
+    callback = ChannelsLast(audit=True)
+    fit(tmp_path, Classifier(), callback)
+    assert callback.audit_report is not None and callback.audit_report.rows == []
+
+
+def test_layout_attribute_says_what_the_model_is_in(tmp_path):
+    full, off = ChannelsLast(), ChannelsLast(mode="off")
+    assert full.layout is None and full.timings is None
+    fit(tmp_path, Classifier(net=SlowIn("none")), full)
+    assert full.layout == "channels_last" and full.timings is None and full.summary["channels_last"] == 1
+    fit(tmp_path, Classifier(net=SlowIn("none")), off)
+    assert off.layout is None
+
+
+def test_auto_keeping_contiguous_makes_a_channels_last_model_contiguous(tmp_path):
+    # the user converted the model already; auto finds NCHW faster, so "contiguous" must be true
+    model = Classifier(net=to_channels_last(SlowIn("channels_last")))
+    assert is_channels_last(model.net.body[0].weight)
+    callback = ChannelsLast(mode="auto", input_shape=(2, 3, 32, 32))
+    fit(tmp_path, model, callback)
+    assert callback.layout == "contiguous" and set(callback.timings) == {"channels_last", "contiguous"}
+    assert model.net.body[0].weight.is_contiguous() and not is_channels_last(model.net.body[0].weight)
+    assert callback.summary == {"contiguous": 1, "rank1": 2, "rank2": 1}
+
+
+class Audio1d(nn.Module):
+    """An M5-style 1-D net that sleeps when its input has the slow strides: forces auto's choice."""
+
+    def __init__(self, slow_channels_last: bool):
+        super().__init__()
+        self.slow_channels_last = slow_channels_last
+        self.body = nn.Sequential(nn.Conv1d(2, 8, 5, stride=2), nn.BatchNorm1d(8), nn.ReLU(), nn.Conv1d(8, 8, 3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if is_channels_last_1d(x) == self.slow_channels_last:
+            time.sleep(0.6)  # well above a step's noise on a busy 2-core machine
+        return self.head(self.body(x).mean(2))
+
+
+def audio_loader(n=4, batch_size=2):
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 2, 64, generator=g), torch.randint(0, 4, (n,), generator=g)), batch_size)
+
+
+@pytest.mark.parametrize("slow_channels_last", [True, False])
+def test_auto_times_a_1d_model_and_applies_its_choice(tmp_path, slow_channels_last):
+    model = Classifier(net=Audio1d(slow_channels_last))
+    callback = ChannelsLast(mode="auto", input_shape=(2, 2, 64), auto_steps=2)
+    Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback],
+    ).fit(model, audio_loader())
+    want_cl = not slow_channels_last
+    assert callback.layout == ("channels_last" if want_cl else "contiguous")
+    assert is_channels_last_1d(model.net.body[0].weight) == want_cl
+    assert is_channels_last_1d(model.net.body[3].weight) == want_cl
+    assert callback.summary.get("channels_last_1d", 0) == (2 if want_cl else 0)
+    for *stride, shape in model.seen["train"]:
+        assert (tuple(stride) == (shape[1] * shape[2], 1, shape[1])) == want_cl
+
+
+def test_full_mode_leaves_a_1d_model_and_its_batches_alone(tmp_path):
+    model = Classifier(net=Audio1d(slow_channels_last=False))
+    Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ChannelsLast()],
+    ).fit(model, audio_loader())
+    assert model.net.body[0].weight.is_contiguous()
+    assert [tuple(s[:3]) for s in model.seen["train"]] == [(128, 64, 1)]

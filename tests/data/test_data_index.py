@@ -1,0 +1,127 @@
+"""The image-folder index: each real file once, unloaded suffixes counted, the cache and its invalidation."""
+
+import json
+import shutil
+import os
+import time
+from multiprocessing import get_context
+
+import pytest
+
+from cltrain.data import ImageFolderDataset, eval_transform
+from cltrain.data.index import CACHE_DIR_NAME, index_split, scan_split
+from tests.helpers.data_fixtures import write_image_folder, write_jpegs
+
+
+def _age(root, seconds=60):
+    """Make every folder look older than the index's racy window (the walk then trusts its mtimes)."""
+    old = time.time() - seconds
+    for d, _, _ in os.walk(root):
+        os.utime(d, (old, old))
+
+
+def test_symlink_loop_and_links_to_the_same_file_count_each_image_once(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=3, val=1, size=(32, 24))
+    c0 = root / "train" / "c0"
+    (c0 / "loop").symlink_to(c0, target_is_directory=True)  # walked naively: 40 levels deep, 41x the images
+    (c0 / "up").symlink_to(root / "train", target_is_directory=True)  # reaches c1 again from inside c0
+    (c0 / "again.jpg").symlink_to(c0 / "0_000.jpg")
+    os.link(c0 / "0_001.jpg", c0 / "hard.jpg")  # a hard link is a second real path: counted (documented)
+    index = scan_split(root / "train")
+    names = sorted(os.path.basename(p) for p, label in index.samples if label == 0)
+    assert names == ["0_000.jpg", "0_001.jpg", "0_002.jpg", "hard.jpg"]
+    assert sorted(os.path.basename(p) for p, label in index.samples if label == 1) == ["1_000.jpg", "1_001.jpg", "1_002.jpg"]
+    assert index.duplicates == 1 and index.summary(root / "train").endswith("1 link(s) to an image already listed, counted once.")
+    # The classic walk this replaces, for the record: it multiplies the images (only "loop" here, or it explodes).
+    (c0 / "up").unlink()
+    naive = [f for d, _, fs in os.walk(c0, followlinks=True) for f in fs if f.endswith(".jpg")]
+    assert len(naive) > 20
+
+
+def test_files_that_are_not_loaded_are_counted_and_reported(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=1, train=2, val=1, size=(32, 24))
+    c0 = root / "train" / "c0"
+    for name in ("a.gif", "b.GIF", "notes.txt", "README"):
+        (c0 / name).write_bytes(b"x")
+    (c0 / ".DS_Store").write_bytes(b"x")  # hidden: skipped silently
+    (c0 / "dangling.jpg").symlink_to(c0 / "nowhere.jpg")
+    with pytest.warns(UserWarning, match=r"train: 4 file\(s\) not loaded \(\.gif: 2, .*; loaded: \.jpg"):
+        ds = ImageFolderDataset(root / "train", eval_transform(16, 18), index_cache=False)
+    assert ds.index.ignored == {".gif": 2, ".txt": 1, "": 1}
+    assert sorted(os.path.basename(p) for p, _ in ds.samples) == ["0_000.jpg", "0_001.jpg", "dangling.jpg"]
+
+
+def test_cache_is_reused_while_the_tree_is_unchanged_and_invalidated_when_it_changes(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=3, val=1, size=(32, 24))
+    _age(root)
+    first = index_split(root / "train")
+    cache_files = list((root / CACHE_DIR_NAME).glob("train-*.json"))
+    assert len(cache_files) == 1
+    # Doctor the cache: a reused index gives the doctored content back, a rebuilt one does not.
+    data = json.loads(cache_files[0].read_text())
+    data["files"][0] = data["files"][0] + "\n" + str(root / "train" / "c0" / "phantom.jpg")
+    cache_files[0].write_text(json.dumps(data))
+    assert len(index_split(root / "train").samples) == len(first.samples) + 1  # reused
+    changes = [
+        lambda: write_jpegs(root / "train" / "c1", 1, k=7, size=(32, 24)),  # a file added
+        lambda: (root / "train" / "c0" / "0_000.jpg").unlink(),  # a file removed
+        lambda: (root / "train" / "c0" / "sub").mkdir(),  # a folder added
+        lambda: write_jpegs(root / "train" / "c0" / "sub", 1, size=(32, 24)),  # a file in a nested folder
+        lambda: (root / "train" / "c2").mkdir(),  # a class added: a different key (and an empty class error)
+    ]
+    expected = [7, 6, 6, 7, None]
+    for change, n in zip(changes, expected):
+        _age(root)
+        index_split(root / "train") if n is not None else None
+        change()
+        if n is None:
+            with pytest.raises(ValueError, match="c2 has no images"):
+                index_split(root / "train")
+            continue
+        _age(root, 30)  # older than the window, but different from what the cache recorded
+        got = index_split(root / "train")
+        assert len(got.samples) == n and not any("phantom" in p for p, _ in got.samples)
+
+
+def test_no_cache_is_stored_for_a_tree_changed_just_now_and_an_unwritable_root_uses_the_user_cache(tmp_path, monkeypatch):
+    root = write_image_folder(tmp_path / "data", classes=1, train=2, val=1, size=(32, 24))
+    index_split(root / "train")
+    assert not list((root / CACHE_DIR_NAME).glob("*.json"))  # folders modified within 2 s: not trusted
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    _age(root)
+    shutil.rmtree(root / CACHE_DIR_NAME)  # holds only the lock file
+    (root / CACHE_DIR_NAME).write_text("")  # the root cannot take the cache folder (as a read-only root cannot)
+    _age(root)
+    index_split(root / "train")
+    assert len(list((tmp_path / "xdg" / "cltrain" / "index").glob("train-*.json"))) == 1
+
+
+def _index_in_process(split, queue):
+    queue.put(len(index_split(split).samples))
+
+
+def test_ranks_share_one_index_through_the_lock(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=4, val=1, size=(32, 24))
+    _age(root)
+    ctx = get_context("fork")  # ranks are separate processes; fork keeps the test fast
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_index_in_process, args=(root / "train", queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    counts = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert counts == [8, 8, 8] and len(list((root / CACHE_DIR_NAME).glob("train-*.json"))) == 1
+
+
+def test_a_cached_index_serves_the_tree_named_from_another_folder(tmp_path, monkeypatch):
+    root = write_image_folder(tmp_path / "data", classes=1, train=2, val=1, size=(32, 24))
+    _age(root)
+    monkeypatch.chdir(tmp_path)
+    first = [os.path.realpath(p) for p, _ in index_split("data/train").samples]
+    assert len(list((root / CACHE_DIR_NAME).glob("train-*.json"))) == 1
+    monkeypatch.chdir(root)
+    second = index_split("train")  # the same real folder: the cache is reused, paths as named now
+    assert first == [os.path.realpath(p) for p, _ in second.samples]
+    assert all(p.startswith("train/") and os.path.isfile(p) for p, _ in second.samples)

@@ -1,0 +1,62 @@
+"""Run by test_callback_ddp.py: a real two-process DDP fit on CPU (gloo) through Lightning.
+
+    python -m tests.helpers.ddp_run OUT_DIR [callback|late]
+
+Every rank writes OUT_DIR/rank<N>.json with the layout of its parameters and gradients and the
+warnings it saw. "late" converts only after DDP has wrapped the model (the pitfall of
+pytorch#47163), to show the check can fail.
+"""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from cltrain import ChannelsLast, is_channels_last, to_channels_last
+from tests.helpers.plain_modules import Classifier, loader
+
+
+class Probe(Callback):
+    def __init__(self):
+        self.grads_match = []
+        self.params_cl = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        four_d = [p for p in pl_module.parameters() if p.dim() == 4]
+        self.params_cl.append(all(is_channels_last(p) for p in four_d))
+        self.grads_match.append(all(p.grad is not None and p.grad.stride() == p.stride() for p in four_d))
+
+
+class LateConversion(Callback):
+    def on_train_start(self, trainer, pl_module):
+        to_channels_last(pl_module)
+
+
+def main(out: Path, how: str) -> None:
+    torch.manual_seed(0)
+    probe = Probe()
+    callbacks = [ChannelsLast() if how == "callback" else LateConversion(), probe]
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(Classifier(), loader(24, 4))
+    rank = trainer.global_rank
+    result = {
+        "rank": rank,
+        "world_size": trainer.world_size,
+        "steps": trainer.global_step,
+        "params_cl": probe.params_cl,
+        "grads_match": probe.grads_match,
+        "warnings": [str(w.message) for w in seen],
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "callback")
