@@ -35,8 +35,11 @@ The models, by rank:
 (nothing is downloaded).
 
 Defaults fit the device: on CPU batch 16 images at 160x160, 4 clips of
-8x112x112, 16 waveforms of 16000 samples; on CUDA 64 images at 224x224,
-16 clips of 16x112x112, 128 waveforms. On a 2-core CPU the 20 image models take
+8x112x112, 16 waveforms of 16000 samples; on CUDA 256 images at 224x224 (the
+batch of apex's main_amp.py and of ``scripts/bench_train.py``: at batch 64 a
+ResNet-50 step on an H100 is bound by kernel launches, and the layouts time alike),
+16 clips of 16x112x112, 128 waveforms. On CUDA the auto-mode pick is off unless
+``--auto-steps`` is given (it builds two more copies of each model). On a 2-core CPU the 20 image models take
 30-50 minutes. ``--quick`` shrinks everything to check the script works (batch 2,
 64x64 images, 4x32x32 clips, 8000-sample waveforms, one step per round).
 
@@ -71,7 +74,8 @@ import torchvision
 from torch import nn
 
 from cltrain.autolayout import LAYOUTS, autocast_for, choose_layout, model_in_layout, synchronize
-from cltrain.layout import to_channels_last
+from cltrain.layout import to_channels_last, to_channels_last_1d
+from cltrain.zoo import build_model as build_zoo_model
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -119,30 +123,6 @@ def m5(num_classes: int = NUM_CLASSES, channels: int = 32) -> nn.Module:
     )
 
 
-def _to_channels_last_1d(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (N, C, L) restrided to (C*L, 1, C): channels innermost. Built with ``empty_strided``
-    because ``transpose().contiguous()`` is a no-op (and keeps NCL strides) when C == 1."""
-    n, c, length = tensor.shape
-    strides = (c * length, 1, c)
-    if tensor.stride() == strides:
-        return tensor
-    return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
-
-
-try:
-    from cltrain.layout import to_channels_last_1d
-except ImportError:  # TODO(layoutcb): drop this fallback once cltrain.layout.to_channels_last_1d is on main
-    to_channels_last_1d = _to_channels_last_1d
-
-
-def module_to_channels_last_1d(module: nn.Module) -> nn.Module:
-    """Conv1d / ConvTranspose1d weights of ``module`` to channels-last-1-D strides, in place (``param.data``)."""
-    for layer in module.modules():
-        if isinstance(layer, (nn.Conv1d, nn.ConvTranspose1d)):
-            layer.weight.data = to_channels_last_1d(layer.weight.data)
-    return module
-
-
 def kind_of(name: str) -> str:
     return "video" if name in VIDEO_MODELS else "audio" if name in AUDIO_MODELS else "image"
 
@@ -156,8 +136,8 @@ def build_model(name: str, image_size: int) -> tuple[nn.Module, str]:
     if name == "googlenet":  # no aux heads: the step trains the main head only, as in eval
         return torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True), "no aux heads"
     if name.startswith("vit_"):
-        return torchvision.models.get_model(name, weights=None, image_size=image_size), ""
-    return torchvision.models.get_model(name, weights=None, num_classes=NUM_CLASSES), ""  # video models default to 400
+        return build_zoo_model(name, source="torchvision", image_size=image_size), ""
+    return build_zoo_model(name, NUM_CLASSES, source="torchvision"), ""  # video models default to 400
 
 
 def input_shape(name: str, args: argparse.Namespace) -> tuple[tuple[int, ...], str]:
@@ -214,7 +194,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
 def _in_layout(base: nn.Module, x: torch.Tensor, layout: str, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
     if x.dim() == 3:  # 1-D: model_in_layout / to_channels_last leave rank 3 alone
         model = model_in_layout(base, "contiguous", device)
-        return (module_to_channels_last_1d(model), to_channels_last_1d(x)) if layout == "channels_last" else (model, x.contiguous())
+        return (to_channels_last_1d(model), to_channels_last_1d(x)) if layout == "channels_last" else (model, x.contiguous())
     return model_in_layout(base, layout, device), to_channels_last(x) if layout == "channels_last" else x.contiguous()
 
 
@@ -259,6 +239,8 @@ def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace
 
 def _auto_pick(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
                dtype: torch.dtype | None) -> tuple[str, dict[str, float] | None]:
+    if args.auto_steps < 1:
+        return "n/a", None
     try:
         return choose_layout(base, shape, steps=args.auto_steps, warmup=1, device=device, autocast_dtype=dtype)
     except ValueError:  # a rank choose_layout does not time (3-D, until cltrain's 1-D support lands)
@@ -373,9 +355,9 @@ def plot(rows: list[dict], machine: str, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Defaults: CPU batch 16 at 160x160, CUDA batch 64 at 224x224.")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Defaults: CPU batch 16 at 160x160, CUDA batch 256 at 224x224.")
     p.add_argument("--models", default="all", help=f"comma-separated names, or 'all' (= {','.join(ALL_MODELS)}); 'tinycnn' for tests")
-    p.add_argument("--batch-size", type=int, default=None, help="images per batch: default 16 on CPU, 64 on CUDA")
+    p.add_argument("--batch-size", type=int, default=None, help="images per batch: default 16 on CPU, 256 on CUDA")
     p.add_argument("--image-size", type=int, default=None, help="default 160 on CPU, 224 on CUDA (vit_b_16 needs a multiple of 16)")
     p.add_argument("--clip-batch-size", type=int, default=None, help="video clips per batch: default 4 on CPU, 16 on CUDA")
     p.add_argument("--frames", type=int, default=None, help="frames per clip: default 8 on CPU, 16 on CUDA")
@@ -388,7 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-window", type=float, default=0.1, help="seconds each timed round lasts, at least")
     p.add_argument("--max-steps", type=int, default=1000, help="timed steps per round, at most")
     p.add_argument("--repeats", type=int, default=3, help="rounds per layout (layouts alternate)")
-    p.add_argument("--auto-steps", type=int, default=2, help="timed steps per layout for the auto-mode pick")
+    p.add_argument("--auto-steps", type=int, default=None,
+                   help="timed steps per layout for the auto-mode pick; 0: skip it (default 2 on CPU, 0 on CUDA)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", type=Path, default=Path("bench_out/models"), help="output folder")
     p.add_argument("--quick", action="store_true",
@@ -403,7 +386,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.clip_batch_size, args.audio_batch_size = args.clip_batch_size or 2, args.audio_batch_size or 2
         args.frames, args.clip_size, args.audio_length = args.frames or 4, 32, 8000
         args.warmup, args.steps, args.repeats, args.auto_steps, args.min_window = 1, 1, 2, 1, 0.0
-    args.batch_size = args.batch_size or (64 if cuda else 16)
+    args.batch_size = args.batch_size or (256 if cuda else 16)
+    args.auto_steps = args.auto_steps if args.auto_steps is not None else (0 if cuda else 2)
     args.image_size = args.image_size or (224 if cuda else 160)
     args.clip_batch_size = args.clip_batch_size or (16 if cuda else 4)
     args.frames = args.frames or (16 if cuda else 8)

@@ -80,10 +80,10 @@ def test_channels_last_1d_strides_for_activations_and_conv1d_weights():
     bench = load_script()
     for shape in [(2, 1, 7), (2, 5, 7), (1, 5, 7)]:  # C == 1 and N == 1 too: `transpose().contiguous()` misses C == 1
         x = torch.randn(shape)
-        y = bench._to_channels_last_1d(x)
+        y = bench.to_channels_last_1d(x)
         n, c, length = shape
         assert y.stride() == (c * length, 1, c) and torch.equal(x, y)
-        assert bench._to_channels_last_1d(y) is y and bench.to_channels_last_1d(x).stride() == y.stride()
+        assert bench.to_channels_last_1d(y) is y and bench.to_channels_last_1d(x).stride() == y.stride()
     model = bench.module_to_channels_last_1d(bench.m5(num_classes=10, channels=4))
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
     assert len(convs) == 4
