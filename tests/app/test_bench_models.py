@@ -84,7 +84,7 @@ def test_channels_last_1d_strides_for_activations_and_conv1d_weights():
         n, c, length = shape
         assert y.stride() == (c * length, 1, c) and torch.equal(x, y)
         assert bench.to_channels_last_1d(y) is y and bench.to_channels_last_1d(x).stride() == y.stride()
-    model = bench.module_to_channels_last_1d(bench.m5(num_classes=10, channels=4))
+    model = bench.to_channels_last_1d(bench.m5(num_classes=10, channels=4))
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
     assert len(convs) == 4
     for conv in convs:
