@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from hydra.types import RunMode
@@ -124,18 +124,21 @@ _CPU_BF16_CONV3D = (
     "a loss that turns NaN stops the run. amp=false trains these models safely.")
 
 
-class _KeepOnException(OnExceptionCheckpoint):
-    """``OnExceptionCheckpoint`` that writes ``last.ckpt`` and keeps it: Lightning's deletes its file in
-    ``teardown``, which after a normal run would delete the epoch-end ``last.ckpt``. A run stopped for a
-    non-finite loss is not saved: its weights are NaN, and the ``last.ckpt`` it has is the latest finite state;
-    nor is a run stopped by a full disk: the save would fail again, and the ``last.ckpt`` it has is intact."""
+class _KeepOnException(Callback):
+    """Writes ``last.ckpt`` when a run stops on an exception or signal, and keeps it.
+
+    Not Lightning's ``OnExceptionCheckpoint``: that one deletes its file in ``teardown`` (after a
+    normal run, the epoch-end ``last.ckpt``), and its presence makes ``fit(ckpt_path=None)`` look
+    for a checkpoint to resume from. A run stopped for a non-finite loss is not saved: its weights
+    are NaN, and the ``last.ckpt`` it has is the latest finite state; nor is a run stopped by a full
+    disk: the save would fail again, and the ``last.ckpt`` it has is intact."""
+
+    def __init__(self, dirpath: Path, filename: str = "last") -> None:
+        self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, (NonFiniteLossError, DiskFullError)):
-            super().on_exception(trainer, pl_module, exception)
-
-    def teardown(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        pass
+            trainer.save_checkpoint(self.ckpt_path)
 
 
 def _percent(metrics: dict[str, Any], key: str) -> float | None:
