@@ -77,7 +77,8 @@ class ImageFolderDataModule(ClassFolderDataModule):
         dtype: dtype of the normalised images (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCHW batches (the baseline).
         cuda_prefetch: on a CUDA device, copy the next batch on a side stream
-            (:class:`~cltrain.data.prefetch.PrefetchDataLoader`).
+            (:class:`~cltrain.data.prefetch.PrefetchDataLoader`). Off by default: this path has
+            not been measured on a GPU yet; without it Lightning copies each batch when its step starts.
         scale, ratio, hflip, interpolation: the training crop's RandomResizedCrop range of
             area and aspect ratio, flip probability, and resampling (``"bilinear"``/``"bicubic"``).
         exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
@@ -108,7 +109,7 @@ class ImageFolderDataModule(ClassFolderDataModule):
                  pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
                  channels: int = 3, bad_files: str = "raise", mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32, channels_last: bool = True,
-                 cuda_prefetch: bool = True, allow_missing_val_classes: bool = False,
+                 cuda_prefetch: bool = False, allow_missing_val_classes: bool = False,
                  exclude_files: str | os.PathLike | None = None, check_val: str = "quick", index_cache: bool = True,
                  scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5,
                  interpolation: str = "bilinear", exif_transpose: bool = False, augment: str = "none",

@@ -1,11 +1,11 @@
-"""What the folder DataModules share: class folders, the device, and loaders with the CUDA prefetch.
+"""What the folder DataModules share: class folders, the device, and loaders with the opt-in CUDA prefetch.
 
 :class:`~cltrain.data.ImageFolderDataModule` (images) and
 :class:`~cltrain.data.video.ClipFolderDataModule` (clips) differ in what a sample is and how a
 batch is collated and normalised; the rest is here, once: the class folders of ``root/train``
 (label order), the device and memory pinning chosen at ``setup``, and one loader builder
-whose batches are copied to a CUDA device on a side stream
-(:class:`~cltrain.data.prefetch.PrefetchDataLoader`), shuffled and cut to whole batches for
+whose batches are copied to a CUDA device on a side stream when ``cuda_prefetch=True``
+(:class:`~cltrain.data.prefetch.PrefetchDataLoader`; off by default until a GPU run measures it), shuffled and cut to whole batches for
 training, every sample kept for validation, test and predict.
 
 A subclass sets :attr:`layout_hint` and :attr:`collate_class` and calls
