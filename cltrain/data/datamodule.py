@@ -72,7 +72,9 @@ class ImageFolderDataModule(ClassFolderDataModule):
             Bad files stop the run (``bad_files="raise"``) or are left out and listed
             (``"skip"``).
         index_cache: reuse the file index of an unchanged tree between runs and
-            ranks (:mod:`cltrain.data.index`).
+            ranks (:mod:`cltrain.data.index`), kept in the user cache folder
+            (``$CLTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/cltrain``), never in ``root``; a path
+            keeps it there instead; ``False`` walks the tree every run.
         mean, std: normalisation statistics (0-1 units).
         dtype: dtype of the normalised images (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCHW batches (the baseline).
@@ -110,7 +112,7 @@ class ImageFolderDataModule(ClassFolderDataModule):
                  channels: int = 3, bad_files: str = "raise", mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32, channels_last: bool = True,
                  cuda_prefetch: bool = False, allow_missing_val_classes: bool = False,
-                 exclude_files: str | os.PathLike | None = None, check_val: str = "quick", index_cache: bool = True,
+                 exclude_files: str | os.PathLike | None = None, check_val: str = "quick", index_cache: bool | str | os.PathLike = True,
                  scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5,
                  interpolation: str = "bilinear", exif_transpose: bool = False, augment: str = "none",
                  random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,

@@ -133,7 +133,8 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         allow_missing_classes: accept classes of ``classes`` without a folder here
             (otherwise a ``ValueError`` names them).
         exclude: real paths of files to leave out from the start (see :func:`read_file_list`).
-        index_cache: reuse the file index of an unchanged tree (:mod:`cltrain.data.index`).
+        index_cache: reuse the file index of an unchanged tree (:mod:`cltrain.data.index`): ``True``
+            keeps it in the user cache folder, a path keeps it there, ``False`` walks every time.
 
     Attributes:
         index: what the walk found (:class:`~cltrain.data.index.SplitIndex`: ignored
@@ -144,10 +145,12 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
     def __init__(self, split_dir: str | os.PathLike, transform: Callable[[Image.Image], np.ndarray],
                  classes: Sequence[str] | None = None, bad_files: str = "raise", skip_log: str | os.PathLike | None = None,
                  allow_missing_classes: bool = False, exclude: set[str] | frozenset[str] = frozenset(),
-                 index_cache: bool = True) -> None:
+                 index_cache: bool | str | os.PathLike = True) -> None:
         self._set_policy(bad_files, skip_log)
         self.split_dir = Path(split_dir)
-        self.index: SplitIndex = index_split(self.split_dir, classes, allow_missing_classes, cache=index_cache)
+        cache_dir = None if isinstance(index_cache, bool) else index_cache
+        self.index: SplitIndex = index_split(self.split_dir, classes, allow_missing_classes, cache=index_cache is not False,
+                                             cache_dir=cache_dir)
         self.classes = list(self.index.classes)
         self.samples = self.index.samples
         self.excluded = 0
