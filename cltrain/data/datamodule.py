@@ -52,6 +52,9 @@ class ImageFolderDataModule(ClassFolderDataModule):
             shapes stay fixed for ``cudnn.benchmark`` and ``torch.compile``); validation,
             test and predict keep every image.
         num_workers: DataLoader worker processes (0: load in the main process).
+        decode_threads: threads that decode a batch's images in each loading process
+            (:mod:`cltrain.data.decode_pool`): with ``num_workers=0`` and 2 threads, two cores
+            load in one process; 1 decodes them one by one.
         persistent_workers: keep workers between epochs (when ``num_workers > 0``).
         pin_memory: ``None`` pins only when the trainer runs on a GPU.
         image_size: training crop and evaluation crop (int or (height, width)).
@@ -116,8 +119,11 @@ class ImageFolderDataModule(ClassFolderDataModule):
                  scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5,
                  interpolation: str = "bilinear", exif_transpose: bool = False, augment: str = "none",
                  random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
-                 mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5) -> None:
+                 mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, decode_threads: int = 1) -> None:
         super().__init__()
+        if not (isinstance(decode_threads, int) and decode_threads >= 1):
+            raise ValueError(f"ImageFolderDataModule: decode_threads={decode_threads!r} must be an int >= 1.")
+        self.decode_threads = decode_threads
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"ImageFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
         if not (isinstance(num_workers, int) and num_workers >= 0):
@@ -171,11 +177,13 @@ class ImageFolderDataModule(ClassFolderDataModule):
         exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
         if stage == "fit" and self.train_set is None:
             self.train_set = ImageFolderDataset(self._split_dir("train"), self.train_transform, None, self.bad_files,
-                                                self._skip_log, exclude=exclude, index_cache=self.index_cache)
+                                                self._skip_log, exclude=exclude, index_cache=self.index_cache,
+                                                threads=self.decode_threads)
             self._classes = self.train_set.classes
         if self.val_set is None:
             self.val_set = ImageFolderDataset(self._split_dir("val"), self.eval_transform, self.classes, self.bad_files,
-                                              self._skip_log, self.allow_missing_val_classes, exclude, self.index_cache)
+                                              self._skip_log, self.allow_missing_val_classes, exclude, self.index_cache,
+                                              threads=self.decode_threads)
             if stage == "fit":
                 self._check_val_files(self.val_set)
 

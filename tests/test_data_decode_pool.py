@@ -1,0 +1,119 @@
+"""A batch decoded on threads of one process: the same pixels as one by one, reproducible crops,
+bad files and augmentations handled as in the sequential path, worker processes with threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from cltrain import is_channels_last
+from cltrain.data import ImageFolderDataModule, ImageFolderDataset, NHWCCollate, eval_transform, train_transform
+from cltrain.data import decode_pool
+from cltrain.data.dataset import BadImageError
+from cltrain.data.decode import jpeg_resized_crop, one_thread
+from data_fixtures import write_image_folder
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return write_image_folder(tmp_path_factory.mktemp("pool"), classes=2, train=6, val=2, size=(120, 90))
+
+
+def _batch(ds, indices, seed):
+    torch.manual_seed(seed)
+    return ds.__getitems__(indices)
+
+
+def test_threaded_batch_is_the_sequential_kernel_with_each_samples_own_generator(root):
+    t = train_transform(32)
+    ds = ImageFolderDataset(root / "train", t, threads=3, index_cache=False)
+    indices = list(range(len(ds)))
+    got = _batch(ds, indices, seed=0)
+    torch.manual_seed(0)
+    seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # what load_batch draws in the calling thread
+    for i, seed in zip(indices, seeds):
+        decode_pool._LOCAL.generator = torch.Generator().manual_seed(seed)  # as a pool thread sets it
+        try:
+            params = t.make_params(120, 90)
+        finally:
+            decode_pool._LOCAL.generator = None
+        np.testing.assert_array_equal(got[i][0], t.apply(ds.samples[i][0], params))
+        assert got[i][1] == ds.samples[i][1]
+
+
+def test_threaded_crops_are_reproducible_and_follow_the_seed(root):
+    ds = ImageFolderDataset(root / "train", train_transform(32), threads=2, index_cache=False)
+    a, b, c = _batch(ds, range(8), 1), _batch(ds, range(8), 1), _batch(ds, range(8), 2)
+    assert all(np.array_equal(x[0], y[0]) for x, y in zip(a, b))
+    assert not all(np.array_equal(x[0], y[0]) for x, y in zip(a, c))
+    assert len({x[0].tobytes() for x in a}) == 8  # every sample its own crop
+
+
+def test_deterministic_transform_gives_the_same_batch_on_threads(root):
+    one = ImageFolderDataset(root / "val", eval_transform(32, 36), threads=1, index_cache=False)
+    two = ImageFolderDataset(root / "val", eval_transform(32, 36), threads=2, index_cache=False)
+    for (x, tx), (y, ty) in zip(one.__getitems__(range(4)), two.__getitems__(range(4))):
+        np.testing.assert_array_equal(x, y)
+        assert tx == ty
+
+
+def test_augmentation_runs_in_the_calling_thread_in_order(root):
+    ds = ImageFolderDataset(root / "train", train_transform(32, augment="trivialaugment"), threads=3, index_cache=False)
+    a, b = _batch(ds, range(12), 5), _batch(ds, range(12), 5)
+    assert all(np.array_equal(x[0], y[0]) for x, y in zip(a, b))  # TrivialAugment draws from the global RNG
+
+
+@pytest.fixture()
+def with_bad(tmp_path):
+    root = write_image_folder(tmp_path / "d", classes=1, train=4, val=1, size=(64, 48))
+    bad = root / "train" / "c0" / "0_001.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    return root, bad
+
+
+def test_bad_file_raises_naming_it_or_is_skipped(with_bad):
+    root, bad = with_bad
+    ds = ImageFolderDataset(root / "train", train_transform(16), threads=2, index_cache=False)
+    with pytest.raises(BadImageError, match="0_001.jpg"):
+        ds.__getitems__([0, 1, 2])
+    log = root / "skipped.tsv"
+    ds = ImageFolderDataset(root / "train", train_transform(16), bad_files="skip", skip_log=log, threads=2,
+                            index_cache=False)
+    out = ds.__getitems__([0, 1, 2])
+    assert [t for _, t in out] == [0, 0, 0] and all(x.shape == (16, 16, 3) for x, _ in out)
+    assert str(bad) in log.read_text()
+
+
+def test_workers_with_threads_give_channels_last_batches(root):
+    ds = ImageFolderDataset(root / "train", train_transform(24), threads=2, index_cache=False)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=NHWCCollate(),
+                        generator=torch.Generator().manual_seed(0))
+    first = [x for x, _ in loader]
+    again = [x for x, _ in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=NHWCCollate(),
+                                      generator=torch.Generator().manual_seed(0))]
+    assert len(first) == 3 and all(is_channels_last(x) and x.shape == (4, 3, 24, 24) for x in first)
+    assert all(torch.equal(x, y) for x, y in zip(first, again))  # per-worker seeding decides the crops
+
+
+def test_datamodule_passes_decode_threads_and_checks_it(root):
+    dm = ImageFolderDataModule(root, batch_size=2, num_workers=0, image_size=16, val_resize_size=18, decode_threads=2)
+    dm.setup("fit")
+    assert dm.train_set.threads == 2 and dm.val_set.threads == 2
+    with pytest.raises(ValueError, match="decode_threads=0"):
+        ImageFolderDataModule(root, decode_threads=0)
+
+
+def test_per_image_kernels_run_on_one_thread_and_leave_the_callers_setting(root):
+    data = (root / "train" / "c0" / "0_000.jpg").read_bytes()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        with one_thread():
+            seen.append(torch.get_num_threads())
+        out = jpeg_resized_crop(data, (5, 5, 100, 80), (32, 32))
+        assert seen == [1] and torch.get_num_threads() == 2 and out.shape == (32, 32, 3)
+    finally:
+        torch.set_num_threads(before)
