@@ -8,9 +8,10 @@ this process's memory:
                   crop's region) + resize (antialias) + crop_mirror_normalize (mirror, float,
                   HWC); ``num_threads`` = T, no GPU (``pip install nvidia-dali-cuda130``)
   cltrain float   ImageFolderDataset(train_transform(224), threads=T) in a DataLoader with no
-                  worker process, NHWCCollate, then normalize() (float32, channels_last)
-  cltrain uint8   the same without normalize(): the uint8 NHWC batch the loader hands a GPU
-  cltrain 2 proc  (T = 2 only) the same as cltrain float with 2 worker processes, 1 thread each
+                  worker process; NHWCCollate(normalize=ImageNormalizer(), threads=T) writes each
+                  image normalised (float32) into the channels_last batch
+  cltrain uint8   the same, uint8: the batch the loader hands a GPU (normalised there)
+  cltrain 2 proc  (T = 2 only) cltrain float in 2 worker processes of 1 thread each
   torchvision     RandomResizedCrop + flip + ToTensor + Normalize, default_collate, then
                   .contiguous(channels_last); T = 1: in this process, T = 2: two worker processes
   timm            RandomResizedCrop + flip + PILToTensor + fast_collate, float().sub_().div_(),
@@ -24,7 +25,9 @@ ImageNet-sized JPEGs of 500x375 and 2000x1500 (mosaics of 500x375 crops of the s
 photographs, so they hold as much detail as a photograph: quality 75-95, 4:2:0). Each
 loader runs ``--repeats`` times, interleaved (the order rotates each round); the table
 gives the median images/second and the spread (lowest-highest), and the ratios of
-cltrain's median to DALI's and to the bare decode. The CPU model, its SIMD flags and
+cltrain's median to DALI's and to the bare decode. ``--levers`` adds rows for the choices
+the default path makes (normalize() on the whole uint8 batch afterwards; whole-image
+decoding instead of the crop's region). The CPU model, its SIMD flags and
 the load average before and after are printed: figures from a busy machine say so.
 
     pip install 'cltrain[bench]'                      # DALI, timm, scikit-image, scikit-learn
@@ -50,6 +53,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
 from cltrain.data.dataset import find_classes, find_samples
+from cltrain.data.normalize import ImageNormalizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from bench_loader import machine, methods, run as run_plain  # noqa: E402
@@ -127,12 +131,17 @@ class Dali:
 
 
 def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, batches: int, seed: int,
-                   float_out: bool) -> float:
-    dataset = ImageFolderDataset(split, train_transform(SIZE), threads=threads, index_cache=False)
+                   output: str = "float", region: bool = True) -> float:
+    """``output``: ``"float"`` normalised by the collate, image by image on the loader's threads;
+    ``"after"``: a uint8 batch, then normalize() on the whole batch; ``"uint8"``: the uint8 batch."""
+    transform = train_transform(SIZE)
+    transform.region = region
+    dataset = ImageFolderDataset(split, transform, threads=threads, index_cache=False)
     sampler = RandomSampler(dataset, replacement=True, num_samples=batch_size * (batches + 1),
                             generator=torch.Generator().manual_seed(seed))
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=NHWCCollate())
-    finish = normalize if float_out else (lambda x: x)
+    collate = NHWCCollate(normalize=ImageNormalizer() if output == "float" else None, threads=threads)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate)
+    finish = normalize if output == "after" else (lambda x: x)
     it = iter(loader)
     finish(next(it)[0])
     start = time.perf_counter()
@@ -164,7 +173,7 @@ def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed:
         return images / (time.perf_counter() - start)
 
 
-def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali: bool) -> dict:
+def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali: bool, levers: bool) -> dict:
     """name -> f(seed) -> images/second, for one folder and thread count."""
     samples = find_samples(split, find_classes(split))
     plain = methods(SIZE, torch.device("cpu"))
@@ -173,10 +182,14 @@ def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali:
     if has_dali:
         dali = Dali(split, threads, batch_size, seed=1)
         rows["DALI"] = lambda seed: dali(batches)
-    rows["cltrain float"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, True)
-    rows["cltrain uint8"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, False)
+    rows["cltrain float"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "float")
+    rows["cltrain uint8"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "uint8")
     if threads > 1:
-        rows[f"cltrain {threads} proc"] = lambda seed: cltrain_loader(split, 1, threads, batch_size, batches, seed, True)
+        rows[f"cltrain {threads} proc"] = lambda seed: cltrain_loader(split, 1, threads, batch_size, batches, seed, "float")
+    if levers:  # what each choice of the default path is worth, measured beside it
+        rows["lever: normalize() after"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "after")
+        rows["lever: whole-image decode"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed,
+                                                                         "float", region=False)
     for name, key in (("torchvision", "(b) torchvision"), ("timm", "(c) timm")):
         fn, collate, finish = plain[key]
         rows[name] = (lambda seed, fn=fn, collate=collate, finish=finish:
@@ -225,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", type=int, default=10, help="timed batches per measurement (a quarter for 2000x1500)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-dali", action="store_true", help="leave DALI out (it is not installed here)")
+    p.add_argument("--levers", action="store_true", help="add rows for the default path's choices")
     p.add_argument("--quick", action="store_true", help="tiny folders and runs: checks that the script works")
     args = p.parse_args(argv)
     if args.quick:
@@ -249,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     for set_name, split in sets.items():
         batches = max(1, args.batches // 4) if set_name.startswith("2000") else args.batches
         for threads in args.threads:
-            rates = measure(rows_for(split, threads, args.batch_size, batches, has_dali), args.repeats)
+            rates = measure(rows_for(split, threads, args.batch_size, batches, has_dali, args.levers), args.repeats)
             results[(set_name, threads)] = report(f"{set_name}, {threads} thread(s)", rates)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if has_dali:

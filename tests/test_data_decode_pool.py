@@ -12,7 +12,8 @@ from cltrain import is_channels_last
 from cltrain.data import ImageFolderDataModule, ImageFolderDataset, NHWCCollate, eval_transform, train_transform
 from cltrain.data import decode_pool
 from cltrain.data.dataset import BadImageError
-from cltrain.data.decode import jpeg_resized_crop, one_thread
+from cltrain.data.decode import jpeg_resized_crop
+from cltrain.data.decode_pool import one_thread
 from data_fixtures import write_image_folder
 
 
@@ -117,3 +118,30 @@ def test_per_image_kernels_run_on_one_thread_and_leave_the_callers_setting(root)
         assert seen == [1] and torch.get_num_threads() == 2 and out.shape == (32, 32, 3)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [(224, 224), (37, 23)])
+def test_collate_normalised_in_the_loader_equals_normalize_of_the_uint8_batch(dtype, size):
+    from cltrain.data import normalize
+    from cltrain.data.normalize import ImageNormalizer
+
+    rng = np.random.default_rng(0)
+    samples = [(rng.integers(0, 256, (*size, 3), dtype=np.uint8), i) for i in range(5)]
+    expected = normalize(NHWCCollate()(samples)[0], dtype=dtype)
+    for threads in (1, 2):
+        images, targets = NHWCCollate(normalize=ImageNormalizer(dtype=dtype), threads=threads)(samples)
+        assert images.dtype == dtype and is_channels_last(images) and targets.tolist() == [0, 1, 2, 3, 4]
+        assert torch.equal(images, expected)
+
+
+def test_loader_normalised_batches_cross_worker_processes(root):
+    from cltrain.data.normalize import ImageNormalizer
+
+    ds = ImageFolderDataset(root / "val", eval_transform(24, 28), index_cache=False)
+    plain = next(iter(DataLoader(ds, batch_size=4, collate_fn=NHWCCollate())))[0]
+    loader = DataLoader(ds, batch_size=4, num_workers=1, collate_fn=NHWCCollate(normalize=ImageNormalizer(), threads=2))
+    images = next(iter(loader))[0]
+    from cltrain.data import normalize
+
+    assert images.dtype == torch.float32 and is_channels_last(images) and torch.equal(images, normalize(plain))

@@ -65,10 +65,8 @@ also keeps the evaluation path equal to torchvision's decode + ``Resize`` +
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -76,14 +74,15 @@ import torch.nn.functional as F
 from PIL import Image
 
 from cltrain.data import jpeg_roi
+from cltrain.data.decode_pool import one_thread
 
 try:
     import simplejpeg
 except ImportError:  # optional: without it every file goes through Pillow
     simplejpeg = None
 
-__all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "one_thread",
-           "resized_crop", "to_mode"]
+__all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop",
+           "to_mode"]
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -215,26 +214,6 @@ def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "biline
     if x.shape[-2:] == size:
         return x
     return F.interpolate(x, size=size, mode=INTERPOLATIONS[interpolation][0], antialias=True, align_corners=False)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch's per-image kernels in this block on one intra-op thread (this thread's setting only).
-
-    A 224x224 resize is too small to split: with the main process's two OpenMP threads on a
-    busy 2-core machine each small parallel region waits for a descheduled thread, and the
-    in-process loader ran at 43 img/s against 195 in a single-threaded worker. Images are
-    loaded in parallel instead (:class:`~cltrain.data.DecodePool`, DataLoader workers).
-    """
-    threads = torch.get_num_threads()  # OpenMP's setting is per calling thread
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channels: int,

@@ -22,15 +22,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-__all__ = ["augment_deferred", "load_batch", "sample_generator"]
+__all__ = ["augment_deferred", "load_batch", "one_thread", "run_each", "sample_generator"]
 
 _LOCAL = threading.local()
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
@@ -45,6 +46,25 @@ def sample_generator() -> torch.Generator | None:
 def augment_deferred() -> bool:
     """Whether this thread's transform should leave its augmentation to the calling thread."""
     return getattr(_LOCAL, "defer_augment", False)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's per-image kernels in this block on one intra-op thread (this thread's setting only).
+
+    One image's work is too small to split: on a busy machine each small parallel region
+    waits for a descheduled OpenMP thread (docs/performance.md). Images are loaded in
+    parallel instead (:func:`load_batch`, DataLoader workers).
+    """
+    threads = torch.get_num_threads()  # OpenMP's setting is per calling thread
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _init_thread() -> None:
@@ -109,3 +129,14 @@ def load_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int,
             sample = (augment(sample[0]), *sample[1:])
         out.append(sample)
     return out
+
+
+def run_each(fn: Callable[[Any], None], items: Sequence[Any], threads: int) -> None:
+    """``fn(item)`` for every item, on ``threads`` threads of the pool (in this thread when 1)."""
+    if threads <= 1 or len(items) <= 1:
+        with one_thread():
+            for item in items:
+                fn(item)
+        return
+    for future in [_pool(threads).submit(fn, item) for item in items]:
+        future.result()
