@@ -145,3 +145,20 @@ def test_loader_normalised_batches_cross_worker_processes(root):
     from cltrain.data import normalize
 
     assert images.dtype == torch.float32 and is_channels_last(images) and torch.equal(images, normalize(plain))
+
+
+def test_datamodule_on_the_cpu_normalises_in_the_loader_with_the_same_values(root):
+    import lightning as L
+
+    from cltrain.data import normalize
+
+    dm = ImageFolderDataModule(root, batch_size=2, num_workers=0, image_size=16, val_resize_size=18, decode_threads=2,
+                               dtype=torch.bfloat16)
+    dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                           enable_progress_bar=False)
+    dm.setup("fit")
+    images, targets = next(iter(dm.val_dataloader()))
+    assert images.dtype == torch.bfloat16 and is_channels_last(images)
+    plain = next(iter(DataLoader(dm.val_set, batch_size=2, collate_fn=NHWCCollate())))[0]
+    assert torch.equal(images, normalize(plain, dtype=torch.bfloat16))
+    assert dm.on_after_batch_transfer((images, targets), 0)[0] is images  # not normalised twice

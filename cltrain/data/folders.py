@@ -142,6 +142,10 @@ class ClassFolderDataModule(L.LightningDataModule):
         self._pin = self._device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
         return self._device
 
+    def _collate(self, pin_memory: bool) -> object:
+        """The loader's ``collate_fn``."""
+        return self.collate_class(pin_memory=pin_memory)
+
     def _loader(self, dataset: Dataset | None, train: bool, drop_last: bool | None = None) -> PrefetchDataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() (the Trainer does) before asking for a dataloader.")
@@ -149,7 +153,7 @@ class ClassFolderDataModule(L.LightningDataModule):
         cuda = self.cuda_prefetch and self._device is not None and self._device.type == "cuda"
         return PrefetchDataLoader(
             dataset, batch_size=self.batch_size, shuffle=train, num_workers=workers,
-            collate_fn=self.collate_class(pin_memory=self._pin and workers == 0),  # workers: the loader pins, here
+            collate_fn=self._collate(pin_memory=self._pin and workers == 0),  # workers: the loader pins, here
             pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
             drop_last=train if drop_last is None else drop_last, prefetch_device=self._device if cuda else None)
 
