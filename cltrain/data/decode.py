@@ -16,51 +16,13 @@ filtering, mirror it, HWC uint8 out):
 
 Both decode a crop at least twice the output at a reduced size (libjpeg's DCT
 scaling) when that cannot lower the output's resolution: 1/2, 1/4 or 1/8, see
-:func:`decode_factor`; the two decoders then give the same pixels. libjpeg-turbo
-also scales by 3/8, 5/8, 6/8 and 7/8, but those run slower generic IDCTs: a 500x375
-JPEG took 0.50 ms at 3/8 against 0.46 at 4/8, and 0.71, 0.81 and 0.97 ms at
-5/8-7/8 against 0.56 ms at full size, so only the powers of two are used. The
-fast path then rounds the box to the reduced image's pixels (Pillow takes the
-exact float box): the crop moves by up to half a decoded pixel, at most half an
-output pixel, like torchvision's own whole-pixel crop boxes.
-
-Region decoding, measured on real photographs (333-800 px, quality 75-95, 4:2:0 and
-4:4:4; ``scripts/bench_loader.py --photos``), one thread, the same crops, on a busy
-2-core machine: bare whole-image simplejpeg decode 2.70 ms, this transform decoding the
-whole image 3.71 ms (0.73x of the bare decode), decoding the region 2.96 ms (0.91x), of
-which the region decode 2.07 ms and the resize 0.63 ms. The rows above the crop still
-cost their Huffman decoding, so the saving is less than the area thrown away.
-
-Decoder choice (before region decoding), measured on a busy 2-core machine shared with other jobs (load
-3.5; torch 2.14.1 with one thread, simplejpeg 1.9, Pillow 13 with libjpeg-turbo
-3.2), on 100 of the 500x375 demo JPEGs (quality 75-95), the same
-random-resized-crop parameters for both paths, best of 5 rounds:
-
-==================================================  =================
-path                                                ms/img
-==================================================  =================
-train, Pillow: open + draft + ``resize(box=...)``   1.18
-train, fast: simplejpeg + slice + torch resize      0.70 (1.7x)
-train, fast, grayscale                              0.66
-eval 256/224, Pillow                                1.26
-eval 256/224, fast (whole-image resize, slice)      0.77 (1.6x)
-simplejpeg decode alone, full size / 1/2 scale      0.58 / 0.46
-torch resize of the (densely copied) crop to 224    0.11
-==================================================  =================
-
-Decoding is now most of the cost; none of the demo crops (at most 375 high) is
-twice 224, so none is decoded reduced. Resizing the crop as a strided numpy view
-took 0.27 ms: ``interpolate`` does not see such a view as channels_last, runs its
-slower path and returns NCHW, which costs another transposing copy; copying the
-crop into a dense NHWC buffer first (~5 us) avoids both.
-
-``fastdct`` and ``fastupsample`` are left off. On the whole transform (same 100
-images and crops) they saved 3 % and 6 % (0.68 -> 0.66 / 0.64 ms; both: 0.62),
-within this machine's run-to-run noise, and changed the 224x224 output by 0.8
-grey levels on average (up to 11) for ``fastdct``, a systematic shift, and 0.11 on
-average but up to 67 at sharp colour edges for ``fastupsample``; accurate decoding
-also keeps the evaluation path equal to torchvision's decode + ``Resize`` +
-``CenterCrop`` on tensors, pixel for pixel.
+:func:`decode_factor` (the M/8 scales in between run slower generic IDCTs). The fast
+path then rounds the box to the reduced image's pixels (Pillow takes the exact float
+box): the crop moves by up to half a decoded pixel, at most half an output pixel, like
+torchvision's own whole-pixel crop boxes. Decoding is accurate (no ``fastdct`` /
+``fastupsample``), so the evaluation path equals torchvision's decode + ``Resize`` +
+``CenterCrop`` on tensors pixel for pixel. Measurements behind these choices:
+docs/performance.md.
 """
 
 from __future__ import annotations
