@@ -162,3 +162,23 @@ def test_datamodule_on_the_cpu_normalises_in_the_loader_with_the_same_values(roo
     plain = next(iter(DataLoader(dm.val_set, batch_size=2, collate_fn=NHWCCollate())))[0]
     assert torch.equal(images, normalize(plain, dtype=torch.bfloat16))
     assert dm.on_after_batch_transfer((images, targets), 0)[0] is images  # not normalised twice
+
+
+def test_large_in_process_batches_live_in_their_own_mapping(monkeypatch):
+    import gc
+
+    from cltrain.data import collate as collate_module
+    from cltrain.data import normalize
+    from cltrain.data.normalize import ImageNormalizer
+
+    monkeypatch.setattr(collate_module, "_HUGE_PAGES_FROM", 0)  # every batch through the mapping path
+    rng = np.random.default_rng(1)
+    samples = [(rng.integers(0, 256, (40, 30, 3), dtype=np.uint8), i) for i in range(3)]
+    expected = normalize(NHWCCollate()(samples)[0])
+    first = NHWCCollate(normalize=ImageNormalizer(), threads=2)(samples)[0]
+    second = NHWCCollate(normalize=ImageNormalizer())(samples)[0]
+    gc.collect()  # the collate's own references are gone; the tensors keep their memory
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert first.data_ptr() != second.data_ptr()  # a fresh buffer per batch: a kept batch is never overwritten
+    first.add_(1)
+    assert torch.equal(second, expected) and is_channels_last(first)
