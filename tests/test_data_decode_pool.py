@@ -182,3 +182,20 @@ def test_large_in_process_batches_live_in_their_own_mapping(monkeypatch):
     assert first.data_ptr() != second.data_ptr()  # a fresh buffer per batch: a kept batch is never overwritten
     first.add_(1)
     assert torch.equal(second, expected) and is_channels_last(first)
+
+
+def test_augmentation_of_a_wrapped_transform_is_not_lost_on_threads(root):
+    calls = []
+
+    class Wrapper:  # hides the inner transform's augment attribute from the dataset
+        takes_paths = True
+
+        def __init__(self):
+            self.inner = train_transform(16, augment=lambda hwc: calls.append(1) or hwc * 0)
+
+        def __call__(self, path):
+            return self.inner(path)
+
+    ds = ImageFolderDataset(root / "train", Wrapper(), threads=2, index_cache=False)
+    out = ds.__getitems__(range(4))
+    assert len(calls) == 4 and all(not x.any() for x, _ in out)

@@ -69,7 +69,6 @@ def one_thread() -> Iterator[None]:
 
 def _init_thread() -> None:
     torch.set_num_threads(1)
-    _LOCAL.defer_augment = True
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
@@ -88,15 +87,14 @@ class _Failed:
         self.error = error
 
 
-def _seeded(load: Callable[[int], Any], index: int, seed: int, catch: type[BaseException]) -> Any:
-    generator = torch.Generator().manual_seed(seed)
-    _LOCAL.generator = generator
+def _seeded(load: Callable[[int], Any], index: int, seed: int, catch: type[BaseException], defer: bool) -> Any:
+    _LOCAL.generator, _LOCAL.defer_augment = torch.Generator().manual_seed(seed), defer
     try:
         return load(index)
     except catch as err:
         return _Failed(err)
     finally:
-        _LOCAL.generator = None
+        _LOCAL.generator, _LOCAL.defer_augment = None, False
 
 
 def load_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int,
@@ -117,7 +115,8 @@ def load_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int,
         The samples, in the order of ``indices``.
     """
     seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # from the global RNG: reproducible per worker seed
-    futures = [_pool(threads).submit(_seeded, load, i, s, retry) for i, s in zip(indices, seeds)]
+    defer = augment is not None  # a transform whose augmentation the caller cannot see applies it itself
+    futures = [_pool(threads).submit(_seeded, load, i, s, retry, defer) for i, s in zip(indices, seeds)]
     out = []
     for index, future in zip(indices, futures):
         sample = future.result()

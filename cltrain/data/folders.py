@@ -5,8 +5,9 @@
 batch is collated and normalised; the rest is here, once: the class folders of ``root/train``
 (label order), the device and memory pinning chosen at ``setup``, and one loader builder
 whose batches are copied to a CUDA device on a side stream when ``cuda_prefetch=True``
-(:class:`~cltrain.data.prefetch.PrefetchDataLoader`; off by default until a GPU run measures it), shuffled and cut to whole batches for
-training, every sample kept for validation, test and predict.
+(:class:`~cltrain.data.prefetch.PrefetchDataLoader`; off by default until a GPU run
+measures it), shuffled and cut to whole batches for training, every sample kept for
+validation, test and predict.
 
 A subclass sets :attr:`layout_hint` and :attr:`collate_class` and calls
 :meth:`_choose_device` in its ``setup``; with ``bad_files="skip"`` it calls :meth:`_open_skip_log`
