@@ -199,3 +199,18 @@ def test_augmentation_of_a_wrapped_transform_is_not_lost_on_threads(root):
     ds = ImageFolderDataset(root / "train", Wrapper(), threads=2, index_cache=False)
     out = ds.__getitems__(range(4))
     assert len(calls) == 4 and all(not x.any() for x, _ in out)
+
+
+def test_outputs_never_alias_the_threads_scratch_buffers(root):
+    from cltrain.data import CropParams
+
+    paths = [p for p, _ in ImageFolderDataset(root / "train", eval_transform(16, 18), index_cache=False).samples[:2]]
+    t = train_transform(32)
+    cases = [(t, CropParams((10, 10, 42, 42))),  # a 32x32 crop: no resize, the decoded pixels themselves
+             (t, CropParams((0, 0, 120, 90), flip=True)),
+             (eval_transform((90, 120), None), None)]  # the whole image at its own size
+    for transform, params in cases:
+        first = transform.apply(paths[0], params or transform.make_params(120, 90))
+        kept = first.copy()
+        transform.apply(paths[1], params or transform.make_params(120, 90))  # reuses this thread's buffers
+        np.testing.assert_array_equal(first, kept)

@@ -28,6 +28,7 @@ docs/performance.md.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -150,21 +151,40 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
     return (width, height) if colorspace in _FAST_COLORSPACES else None
 
 
-def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1) -> np.ndarray:
+def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1, buffer: np.ndarray | None = None) -> np.ndarray:
     """HWC uint8 (RGB or luma) of a JPEG, decoded by libjpeg-turbo at ``1 / factor`` of its
-    size (rounded up, as libjpeg does: ``ceil(width / factor)`` x ``ceil(height / factor)``).
+    size (rounded up, as libjpeg does: ``ceil(width / factor)`` x ``ceil(height / factor)``);
+    into ``buffer`` (1-D uint8, large enough: the result is a view of it) when given.
 
     Raises:
         ValueError: simplejpeg cannot decode ``data`` (corrupt, truncated, not a JPEG);
             it is strict, so a truncated file is an error, as it is for Pillow.
     """
     colorspace = "RGB" if channels == 3 else "GRAY"
-    if factor == 1:
-        return simplejpeg.decode_jpeg(data, colorspace=colorspace)
     height, width = simplejpeg.decode_jpeg_header(data)[:2]
+    if buffer is not None and buffer.size < math.ceil(height / factor) * math.ceil(width / factor) * channels:
+        buffer = None
+    if factor == 1:
+        return simplejpeg.decode_jpeg(data, colorspace=colorspace, buffer=buffer)
     # simplejpeg picks the smallest M/8 scale whose output is at least this large: M = 8 / factor.
     return simplejpeg.decode_jpeg(data, colorspace=colorspace, min_height=math.ceil(height / factor),
-                                  min_width=math.ceil(width / factor))
+                                  min_width=math.ceil(width / factor), buffer=buffer)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, nbytes: int) -> np.ndarray:
+    """This thread's reusable 1-D uint8 buffer ``name`` of at least ``nbytes``.
+
+    Each image's decoded pixels and their dense copy go here, not into new arrays: a new
+    multi-megabyte array is a fresh mapping, faulted in page by page, and threads of one
+    process doing that serialise on the kernel's memory-map lock (docs/performance.md)."""
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+        setattr(_SCRATCH, name, buf)
+    return buf
 
 
 def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "bilinear") -> torch.Tensor:
@@ -172,9 +192,12 @@ def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "biline
     # A crop is a strided view that interpolate would not see as channels_last: it would
     # take a slower path and return NCHW (another transposing copy). Copying the crop
     # into a dense NHWC buffer first costs ~5 us and halves the resize (0.27 -> 0.11 ms).
-    x = torch.from_numpy(arr).unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+    h, w, c = arr.shape
+    dense = torch.from_numpy(_scratch("dense", h * w * c)[: h * w * c]).view(1, h, w, c)
+    dense.copy_(torch.from_numpy(arr).unsqueeze(0))
+    x = dense.permute(0, 3, 1, 2)  # channels_last
     if x.shape[-2:] == size:
-        return x
+        return x.clone(memory_format=torch.channels_last)  # not a view of the scratch buffer
     return F.interpolate(x, size=size, mode=INTERPOLATIONS[interpolation][0], antialias=True, align_corners=False)
 
 
@@ -191,9 +214,11 @@ def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channe
             # the margin the pixels equal the whole-image decode's exactly (tested).
             left, top, right, bottom = box
             outer = (max(left - 1, 0), max(top - 1, 0), min(right + 1, scaled[0]), min(bottom + 1, scaled[1]))
-            arr = jpeg_roi.decode_region(data, outer, factor, channels, header)
+            arr = jpeg_roi.decode_region(data, outer, factor, channels, header,
+                                         _scratch("decoded", scaled[0] * scaled[1] * channels))
             return arr[top - outer[1]:bottom - outer[1], left - outer[0]:right - outer[0]]
-    return decode_jpeg(data, channels, factor)[box[1]:box[3], box[0]:box[2]]
+    whole = decode_jpeg(data, channels, factor, _scratch("decoded", scaled[0] * scaled[1] * channels))
+    return whole[box[1]:box[3], box[0]:box[2]]
 
 
 def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int = 3,
@@ -231,7 +256,8 @@ def _jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size
         out = _resize(_decode_box(data, (left, top, right, bottom), factor, channels, (sw, sh), region), size,
                       interpolation)
     else:
-        arr = decode_jpeg(data, channels, factor)
+        need = -(-height // factor) * -(-width // factor) * channels
+        arr = decode_jpeg(data, channels, factor, _scratch("decoded", need))
         left, top, right, bottom = (int(v) for v in box)
         out = _resize(arr, resize, interpolation)[:, :, top:bottom, left:right]
     hwc = out[0].permute(1, 2, 0)

@@ -134,12 +134,14 @@ def read_header(data: bytes) -> tuple[int, int, int, int] | None:
 
 
 def decode_region(data: bytes, box: tuple[int, int, int, int], factor: int = 1, channels: int = 3,
-                  header: tuple[int, int, int, int] | None = None) -> np.ndarray:
+                  header: tuple[int, int, int, int] | None = None, buffer: np.ndarray | None = None) -> np.ndarray:
     """HWC uint8 of ``box`` = (left, top, right, bottom), in the pixels of the image decoded at
     ``1 / factor`` (``ceil(width / factor)`` x ``ceil(height / factor)``, as libjpeg scales),
     decoding only the iMCU rows and columns under it.
 
     The pixels equal those of decoding the whole image at that scale and slicing ``box``.
+    ``buffer`` (1-D uint8, large enough) is decoded into instead of a new array: the result is
+    then a view of it.
 
     Raises:
         JpegRegionError: the data is corrupt, truncated or of a kind :func:`read_header` refuses.
@@ -163,7 +165,11 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], factor: int = 1, 
     if (_LIB.tj3SetScalingFactor(handle, _Scaling(1, factor)) != 0
             or _LIB.tj3SetCroppingRegion(handle, _Region(x, top, width, height)) != 0):
         raise _error(handle)
-    out = np.empty((height, width, channels), np.uint8)
+    nbytes = height * width * channels
+    if buffer is not None and buffer.size >= nbytes:
+        out = buffer[:nbytes].reshape(height, width, channels)
+    else:
+        out = np.empty((height, width, channels), np.uint8)
     pf = _TJPF_RGB if channels == 3 else _TJPF_GRAY
     if _LIB.tj3Decompress8(handle, data, len(data), out.ctypes.data, width * channels, pf) != 0:
         raise _error(handle)
