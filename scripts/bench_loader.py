@@ -3,8 +3,9 @@
 Images per second on the same JPEG folder, batch size, worker count and sample
 order, measured one after the other in one run:
 
-  (a) cltrain     train_transform (given the path: simplejpeg + torch resize) + NHWCCollate,
-                  then normalize() (channels_last float32)
+  (a) cltrain     train_transform (given the path: libjpeg-turbo + torch resize) + NHWCCollate
+                  normalising each image into the channels_last float32 batch (for a GPU:
+                  uint8 batches, normalize() on the device)
   (b) torchvision RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize,
                   default_collate, then .contiguous(memory_format=torch.channels_last)
   (c) timm        RandomResizedCrop, flip, PILToTensor + timm.data.fast_collate, then
@@ -47,6 +48,7 @@ from torchvision import transforms as T
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, NHWCCollate, make_demo_dataset, normalize, train_transform
 from cltrain.data import jpeg_roi
 from cltrain.data.dataset import find_classes, find_samples
+from cltrain.data.normalize import ImageNormalizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from photo_folder import make_photo_folder  # noqa: E402
@@ -108,8 +110,12 @@ def methods(size, device, augment=False, num_classes=1000, whole=False):
                     T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     timm_t = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
     move = (lambda b: _to(b, device)) if cuda else (lambda b: b)
+    # On the CPU the collate normalises each image into the batch (as ImageFolderDataModule does there);
+    # for a GPU the loader hands over uint8 and normalize() runs on the device.
+    cltrain_row = ((train_transform(size), NHWCCollate(), lambda b: normalize(move(b)[0])) if cuda
+                   else (train_transform(size), NHWCCollate(normalize=ImageNormalizer()), lambda b: b[0]))
     rows = {
-        "(a) cltrain": (train_transform(size), NHWCCollate(), lambda b: normalize(move(b)[0])),
+        "(a) cltrain": cltrain_row,
         "(b) torchvision": (tv, default_collate, lambda b: move(b)[0].contiguous(memory_format=torch.channels_last)),
         "(c) timm": (timm_t, fast_collate,
                      lambda b: move(b)[0].float().sub_(m255).div_(s255).contiguous(memory_format=torch.channels_last)),
@@ -119,7 +125,7 @@ def methods(size, device, augment=False, num_classes=1000, whole=False):
     if whole:  # the same loader decoding whole images (cltrain before region decoding)
         t = train_transform(size)
         t.region = False
-        rows["(a0) cltrain whole"] = (t, NHWCCollate(), lambda b: normalize(move(b)[0]))
+        rows["(a0) cltrain whole"] = (t, *cltrain_row[1:])
     if augment:
         from cltrain.data.augment import MixupCutmix, RandomErasing
 

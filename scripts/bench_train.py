@@ -11,7 +11,8 @@ batch, precision and layout trained by
   the :class:`~cltrain.callback.ChannelsLast` callback and Lightning's precision plugin,
 
 in ``--rounds`` interleaved rounds (the order alternates) of ``--warmup`` +
-``--steps`` steps, both fed the same pre-made batches. Speed is images over the
+``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
+rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over the
 wall time between step ends after the warm-up (the same meter train.py reports);
 both paths synchronise the device at the same two points (end of warm-up, last
 step), so on CUDA the window holds the GPU's work. The table gives per-path
@@ -19,9 +20,9 @@ medians and the ratio Lightning / plain, measured in the same run.
 
 Part 2, end to end on JPEG files (the demo data, generated on first use):
 ``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
-channels_last + AMP against contiguous fp32, ``--e2e-steps`` measured steps each;
-then the plain loop's speed-up for the same two configs on synthetic tensors, in the same run:
-the ratio the end-to-end speed-up is held against.
+channels_last + AMP against contiguous fp32, ``--e2e-steps`` measured steps each,
+each round followed by the plain loop's pair for the same two configs on synthetic tensors:
+the speed-up the end-to-end one is held against (median over ``--e2e-rounds`` rounds).
 
 Usage::
 
@@ -194,33 +195,32 @@ def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict
                 speeds[path].append(lightning_path(copy.deepcopy(base), batches, precision, accelerator,
                                                    channels_last, 1000, args.warmup))
     plain, light = statistics.median(speeds["plain"]), statistics.median(speeds["lightning"])
+    ratios = [lt / pl for lt, pl in zip(speeds["lightning"], speeds["plain"])]  # each round's pair ran back to back
     return {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size, "layout": args.layout,
             "precision": precision, "plain_images_per_second": plain, "lightning_images_per_second": light,
-            "ratio": light / plain, "rounds": speeds}
+            "ratio": statistics.median(ratios), "ratio_spread": (min(ratios), max(ratios)), "rounds": speeds}
 
 
 # --- part 2: end to end on JPEGs -----------------------------------------------------------------
-def plain_step_ratio(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
-    """The plain loop's channels_last + AMP over contiguous fp32 speed-up, for the same model, batch and
-    size as part 2: the reference the end-to-end speed-up is compared with, measured in this run."""
+def plain_step_round(args: argparse.Namespace, accelerator: str, precision: str, r: int) -> dict[str, float]:
+    """One round of the plain loop's contiguous fp32 and channels_last + AMP, for the same model, batch and
+    size as part 2: the speed-up the end-to-end one is held against, measured between its rounds."""
     device = torch.device(accelerator)
     base = build_model(args.model, num_classes=1000)
     configs = {"contiguous fp32": (False, "32-true"), "channels_last + AMP": (True, precision)}
-    speeds: dict[str, list[float]] = {name: [] for name in configs}
-    for r in range(args.e2e_rounds):
-        for name in configs if r % 2 == 0 else reversed(list(configs)):
-            channels_last, prec = configs[name]
-            model = copy.deepcopy(base).to(device)
-            if channels_last:
-                to_channels_last(model)
-            batches = synthetic_batches(args, device, channels_last, args.e2e_steps)
-            speeds[name].append(plain_loop(model, batches, prec, device, args.warmup))
-    med = {name: statistics.median(v) for name, v in speeds.items()}
-    return {**{f"{k} images_per_second": v for k, v in med.items()},
-            "speedup": med["channels_last + AMP"] / med["contiguous fp32"]}
+    speeds = {}
+    for name in configs if r % 2 == 0 else reversed(list(configs)):
+        channels_last, prec = configs[name]
+        model = copy.deepcopy(base).to(device)
+        if channels_last:
+            to_channels_last(model)
+        batches = synthetic_batches(args, device, channels_last, args.e2e_steps)
+        speeds[name] = plain_loop(model, batches, prec, device, args.warmup)
+    return speeds
 
 
-def end_to_end(args: argparse.Namespace, work: Path) -> list[dict]:
+def end_to_end_round(args: argparse.Namespace, work: Path, r: int) -> dict[str, dict]:
+    """One round of ``train(cfg)`` on JPEG files, contiguous fp32 and channels_last + AMP (order alternating)."""
     common = [f"model={args.model}" if args.model in ("resnet18", "resnet50") else f"model.name={args.model}",
               f"device={args.device}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
               f"data.val_resize_size={int(args.image_size * 8 / 7)}", f"data.num_workers={args.num_workers}",
@@ -229,19 +229,38 @@ def end_to_end(args: argparse.Namespace, work: Path) -> list[dict]:
               f"throughput_warmup={args.warmup}", *args.data]
     configs = {"contiguous fp32": ["channels_last=false", "amp=false"],
                "channels_last + AMP": ["channels_last=true", "amp=true"]}
-    results: dict[str, list[dict]] = {name: [] for name in configs}
+    out = {}
+    for i, (name, toggles) in enumerate(configs.items() if r % 2 == 0 else reversed(configs.items())):
+        cfg = compose_config([*common, *toggles, f"run_dir={work / f'e2e-{r}-{i}'}"])
+        out[name] = train(cfg)
+    return out
+
+
+def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision: str) -> tuple[list[dict], dict]:
+    """``--e2e-rounds`` rounds, each an end-to-end pair then a plain-loop pair: the rows, and the reference
+    with the share of the plain step's speed-up kept end to end (median over rounds)."""
+    e2e: dict[str, list[dict]] = {"contiguous fp32": [], "channels_last + AMP": []}
+    plain: dict[str, list[float]] = {"contiguous fp32": [], "channels_last + AMP": []}
+    kept = []
     for r in range(args.e2e_rounds):
-        for i, (name, toggles) in enumerate(configs.items() if r % 2 == 0 else reversed(configs.items())):
-            cfg = compose_config([*common, *toggles, f"run_dir={work / f'e2e-{r}-{i}'}"])
-            results[name].append(train(cfg))
+        runs, ref = end_to_end_round(args, work, r), plain_step_round(args, accelerator, precision, r)
+        for name in e2e:
+            e2e[name].append(runs[name])
+            plain[name].append(ref[name])
+        speedup = runs["channels_last + AMP"]["images_per_second"] / runs["contiguous fp32"]["images_per_second"]
+        kept.append(speedup / (ref["channels_last + AMP"] / ref["contiguous fp32"]))
     rows = []
-    for name, runs in results.items():
-        speed = statistics.median(m["images_per_second"] for m in runs)
-        rows.append({"config": name, "precision": runs[0]["precision"], "images_per_second": speed,
+    for name, runs in e2e.items():
+        rows.append({"config": name, "precision": runs[0]["precision"],
+                     "images_per_second": statistics.median(m["images_per_second"] for m in runs),
                      "step_time_s": statistics.median(m["step_time_s"] for m in runs)})
     for row in rows:
         row["speedup"] = row["images_per_second"] / rows[0]["images_per_second"]
-    return rows
+    med = {name: statistics.median(v) for name, v in plain.items()}
+    reference = {**{f"{k} images_per_second": v for k, v in med.items()},
+                 "speedup": med["channels_last + AMP"] / med["contiguous fp32"],
+                 "kept": statistics.median(kept), "kept_spread": (min(kept), max(kept))}
+    return rows, reference
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -254,9 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layout", choices=["channels_last", "contiguous"], default="channels_last", help="part 1 layout")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="measured steps per round, part 1")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, part 1")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds, part 1")
     parser.add_argument("--e2e-steps", type=int, default=15, help="measured steps per run, part 2 (0: skip part 2)")
-    parser.add_argument("--e2e-rounds", type=int, default=1)
+    parser.add_argument("--e2e-rounds", type=int, default=3, help="interleaved rounds, part 2")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--data", nargs="*", default=[], help="extra train.py overrides for part 2, e.g. data.root=...")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the script works")
@@ -265,12 +284,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.model, args.batch_size, args.image_size = "resnet18", 4, 32
         args.warmup, args.steps, args.rounds, args.e2e_steps, args.num_workers = 1, 2, 1, 2, 0
+        args.e2e_rounds = 1
     warnings.filterwarnings("ignore", module="lightning")
     accelerator, _ = resolve_device(args.device)
     amp = args.amp != "off"
     precision, _ = resolve_precision(amp, "auto" if args.amp in ("auto", "off") else args.amp, accelerator)
     desc = machine(accelerator)
-    print(f"machine: {desc}")
+    print(f"machine: {desc}; load average {os.getloadavg()[0]:.2f}")
 
     started = time.perf_counter()
     part1 = overhead(args, accelerator, precision)
@@ -279,7 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("| path | images/s |\n|---|---:|")
     print(f"| plain PyTorch loop | {part1['plain_images_per_second']:.2f} |")
     print(f"| train.py (Lightning + ChannelsLast + ImageClassifier) | {part1['lightning_images_per_second']:.2f} |")
-    print(f"\nratio Lightning / plain: **{part1['ratio']:.3f}**")
+    lo, hi = part1["ratio_spread"]
+    print(f"\nratio Lightning / plain: **{part1['ratio']:.3f}** (median of the {args.rounds} rounds' ratios, each "
+          f"pair run back to back; spread {lo:.3f}-{hi:.3f}) [goal >= 0.98]")
 
     part2: list[dict] = []
     reference: dict = {}
@@ -289,8 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.data = [f"data.root={Path(tmp) / 'demo'}", "data.demo.num_classes=4", "data.demo.train_per_class=8",
                              "data.demo.val_per_class=2", "data.demo.image_size=[96,72]"]
                 args.data.append("data.demo.any_root=true")  # the demo set in a temporary folder, not data/demo
-            part2 = end_to_end(args, Path(tmp))
-        reference = plain_step_ratio(args, accelerator, precision)
+            part2, reference = end_to_end(args, Path(tmp), accelerator, precision)
         print(f"\n## End to end on JPEG files ({args.model}, batch {args.batch_size}, {args.image_size} px, "
               f"{args.num_workers} loader workers, median step after {args.warmup} warm-up steps)\n")
         print("| config | precision | images/s | step (s) | speed-up |\n|---|---|---:|---:|---:|")
@@ -301,8 +322,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\nplain loop on synthetic tensors, same model/batch/size: contiguous fp32 "
               f"{reference['contiguous fp32 images_per_second']:.2f} img/s, channels_last + AMP "
               f"{reference['channels_last + AMP images_per_second']:.2f} img/s: **{reference['speedup']:.2f}x**")
-        print(f"end to end keeps {e2e / reference['speedup']:.0%} of the plain step's speed-up "
-              f"({e2e:.2f}x vs {reference['speedup']:.2f}x)")
+        lo, hi = reference["kept_spread"]
+        print(f"end to end keeps {reference['kept']:.0%} of the plain step's speed-up (median of {args.e2e_rounds} "
+              f"rounds, each pair against the plain pair run next to it; spread {lo:.0%}-{hi:.0%}; medians: "
+              f"{e2e:.2f}x vs {reference['speedup']:.2f}x) [goal >= 98%]")
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     result = {"machine": desc, "overhead": part1, "end_to_end": part2, "plain_step_reference": reference, "seconds": round(time.perf_counter() - started, 1)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

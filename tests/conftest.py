@@ -7,6 +7,7 @@
   In-process code that asks ``torch.cuda.is_available()`` itself still sees the GPU: such
   tests pass ``device=cpu`` explicitly.
 * Tests marked ``cuda`` are skipped where CUDA is not available.
+* The file-index cache (``CLTRAIN_CACHE_DIR``) is a session temporary folder, not the user's.
 * ``demo_root`` / ``demo_args``: the tiny demo set (:data:`tests.helpers.TINY_DEMO`), made once per session.
 """
 
@@ -33,8 +34,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture(autouse=True)
-def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                            _cache_dir: Path) -> Iterator[None]:
+    monkeypatch.setenv("CLTRAIN_CACHE_DIR", str(_cache_dir))  # file indexes: never the user's cache folder
     if request.node.get_closest_marker("cuda") is None:
         monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

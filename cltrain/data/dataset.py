@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
+from cltrain.data.decode_pool import load_batch
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
 __all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "check_bad_files", "find_classes",
@@ -133,7 +134,11 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         allow_missing_classes: accept classes of ``classes`` without a folder here
             (otherwise a ``ValueError`` names them).
         exclude: real paths of files to leave out from the start (see :func:`read_file_list`).
-        index_cache: reuse the file index of an unchanged tree (:mod:`cltrain.data.index`).
+        index_cache: reuse the file index of an unchanged tree (:mod:`cltrain.data.index`): ``True``
+            keeps it in the user cache folder, a path keeps it there, ``False`` walks every time.
+        threads: decode the samples of a batch on this many threads of the loading process
+            (:mod:`cltrain.data.decode_pool`; the DataLoader asks for whole batches through
+            ``__getitems__``); 1 loads them one by one in the calling thread.
 
     Attributes:
         index: what the walk found (:class:`~cltrain.data.index.SplitIndex`: ignored
@@ -144,10 +149,15 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
     def __init__(self, split_dir: str | os.PathLike, transform: Callable[[Image.Image], np.ndarray],
                  classes: Sequence[str] | None = None, bad_files: str = "raise", skip_log: str | os.PathLike | None = None,
                  allow_missing_classes: bool = False, exclude: set[str] | frozenset[str] = frozenset(),
-                 index_cache: bool = True) -> None:
+                 index_cache: bool | str | os.PathLike = True, threads: int = 1) -> None:
+        if not (isinstance(threads, int) and threads >= 1):
+            raise ValueError(f"ImageFolderDataset: threads={threads!r} must be an int >= 1.")
+        self.threads = threads
         self._set_policy(bad_files, skip_log)
         self.split_dir = Path(split_dir)
-        self.index: SplitIndex = index_split(self.split_dir, classes, allow_missing_classes, cache=index_cache)
+        cache_dir = None if isinstance(index_cache, bool) else index_cache
+        self.index: SplitIndex = index_split(self.split_dir, classes, allow_missing_classes, cache=index_cache is not False,
+                                             cache_dir=cache_dir)
         self.classes = list(self.index.classes)
         self.samples = self.index.samples
         self.excluded = 0
@@ -166,6 +176,13 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, int]]:
+        """The samples of a batch, decoded on :attr:`threads` threads (see :mod:`cltrain.data.decode_pool`)."""
+        if self.threads == 1 or len(indices) == 1:
+            return [self[i] for i in indices]
+        return load_batch(self.load, indices, self.threads, getattr(self.transform, "augment", None),
+                          retry=BadImageError, fallback=self.__getitem__ if self.bad_files == "skip" else None)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
         """The sample at ``index``; raises :class:`BadImageError` for an unreadable file."""

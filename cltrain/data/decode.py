@@ -16,56 +16,19 @@ filtering, mirror it, HWC uint8 out):
 
 Both decode a crop at least twice the output at a reduced size (libjpeg's DCT
 scaling) when that cannot lower the output's resolution: 1/2, 1/4 or 1/8, see
-:func:`decode_factor`; the two decoders then give the same pixels. libjpeg-turbo
-also scales by 3/8, 5/8, 6/8 and 7/8, but those run slower generic IDCTs: a 500x375
-JPEG took 0.50 ms at 3/8 against 0.46 at 4/8, and 0.71, 0.81 and 0.97 ms at
-5/8-7/8 against 0.56 ms at full size, so only the powers of two are used. The
-fast path then rounds the box to the reduced image's pixels (Pillow takes the
-exact float box): the crop moves by up to half a decoded pixel, at most half an
-output pixel, like torchvision's own whole-pixel crop boxes.
-
-Region decoding, measured on real photographs (333-800 px, quality 75-95, 4:2:0 and
-4:4:4; ``scripts/bench_loader.py --photos``), one thread, the same crops, on a busy
-2-core machine: bare whole-image simplejpeg decode 2.70 ms, this transform decoding the
-whole image 3.71 ms (0.73x of the bare decode), decoding the region 2.96 ms (0.91x), of
-which the region decode 2.07 ms and the resize 0.63 ms. The rows above the crop still
-cost their Huffman decoding, so the saving is less than the area thrown away.
-
-Decoder choice (before region decoding), measured on a busy 2-core machine shared with other jobs (load
-3.5; torch 2.14.1 with one thread, simplejpeg 1.9, Pillow 13 with libjpeg-turbo
-3.2), on 100 of the 500x375 demo JPEGs (quality 75-95), the same
-random-resized-crop parameters for both paths, best of 5 rounds:
-
-==================================================  =================
-path                                                ms/img
-==================================================  =================
-train, Pillow: open + draft + ``resize(box=...)``   1.18
-train, fast: simplejpeg + slice + torch resize      0.70 (1.7x)
-train, fast, grayscale                              0.66
-eval 256/224, Pillow                                1.26
-eval 256/224, fast (whole-image resize, slice)      0.77 (1.6x)
-simplejpeg decode alone, full size / 1/2 scale      0.58 / 0.46
-torch resize of the (densely copied) crop to 224    0.11
-==================================================  =================
-
-Decoding is now most of the cost; none of the demo crops (at most 375 high) is
-twice 224, so none is decoded reduced. Resizing the crop as a strided numpy view
-took 0.27 ms: ``interpolate`` does not see such a view as channels_last, runs its
-slower path and returns NCHW, which costs another transposing copy; copying the
-crop into a dense NHWC buffer first (~5 us) avoids both.
-
-``fastdct`` and ``fastupsample`` are left off. On the whole transform (same 100
-images and crops) they saved 3 % and 6 % (0.68 -> 0.66 / 0.64 ms; both: 0.62),
-within this machine's run-to-run noise, and changed the 224x224 output by 0.8
-grey levels on average (up to 11) for ``fastdct``, a systematic shift, and 0.11 on
-average but up to 67 at sharp colour edges for ``fastupsample``; accurate decoding
-also keeps the evaluation path equal to torchvision's decode + ``Resize`` +
-``CenterCrop`` on tensors, pixel for pixel.
+:func:`decode_factor` (the M/8 scales in between run slower generic IDCTs). The fast
+path then rounds the box to the reduced image's pixels (Pillow takes the exact float
+box): the crop moves by up to half a decoded pixel, at most half an output pixel, like
+torchvision's own whole-pixel crop boxes. Decoding is accurate (no ``fastdct`` /
+``fastupsample``), so the evaluation path equals torchvision's decode + ``Resize`` +
+``CenterCrop`` on tensors pixel for pixel. Measurements behind these choices:
+docs/performance.md.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -74,13 +37,15 @@ import torch.nn.functional as F
 from PIL import Image
 
 from cltrain.data import jpeg_roi
+from cltrain.data.decode_pool import one_thread
 
 try:
     import simplejpeg
 except ImportError:  # optional: without it every file goes through Pillow
     simplejpeg = None
 
-__all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop", "to_mode"]
+__all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop",
+           "to_mode"]
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -186,21 +151,40 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
     return (width, height) if colorspace in _FAST_COLORSPACES else None
 
 
-def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1) -> np.ndarray:
+def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1, buffer: np.ndarray | None = None) -> np.ndarray:
     """HWC uint8 (RGB or luma) of a JPEG, decoded by libjpeg-turbo at ``1 / factor`` of its
-    size (rounded up, as libjpeg does: ``ceil(width / factor)`` x ``ceil(height / factor)``).
+    size (rounded up, as libjpeg does: ``ceil(width / factor)`` x ``ceil(height / factor)``);
+    into ``buffer`` (1-D uint8, large enough: the result is a view of it) when given.
 
     Raises:
         ValueError: simplejpeg cannot decode ``data`` (corrupt, truncated, not a JPEG);
             it is strict, so a truncated file is an error, as it is for Pillow.
     """
     colorspace = "RGB" if channels == 3 else "GRAY"
-    if factor == 1:
-        return simplejpeg.decode_jpeg(data, colorspace=colorspace)
     height, width = simplejpeg.decode_jpeg_header(data)[:2]
+    if buffer is not None and buffer.size < math.ceil(height / factor) * math.ceil(width / factor) * channels:
+        buffer = None
+    if factor == 1:
+        return simplejpeg.decode_jpeg(data, colorspace=colorspace, buffer=buffer)
     # simplejpeg picks the smallest M/8 scale whose output is at least this large: M = 8 / factor.
     return simplejpeg.decode_jpeg(data, colorspace=colorspace, min_height=math.ceil(height / factor),
-                                  min_width=math.ceil(width / factor))
+                                  min_width=math.ceil(width / factor), buffer=buffer)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, nbytes: int) -> np.ndarray:
+    """This thread's reusable 1-D uint8 buffer ``name`` of at least ``nbytes``.
+
+    Each image's decoded pixels and their dense copy go here, not into new arrays: a new
+    multi-megabyte array is a fresh mapping, faulted in page by page, and threads of one
+    process doing that serialise on the kernel's memory-map lock (docs/performance.md)."""
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+        setattr(_SCRATCH, name, buf)
+    return buf
 
 
 def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "bilinear") -> torch.Tensor:
@@ -208,9 +192,12 @@ def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "biline
     # A crop is a strided view that interpolate would not see as channels_last: it would
     # take a slower path and return NCHW (another transposing copy). Copying the crop
     # into a dense NHWC buffer first costs ~5 us and halves the resize (0.27 -> 0.11 ms).
-    x = torch.from_numpy(arr).unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+    h, w, c = arr.shape
+    dense = torch.from_numpy(_scratch("dense", h * w * c)[: h * w * c]).view(1, h, w, c)
+    dense.copy_(torch.from_numpy(arr).unsqueeze(0))
+    x = dense.permute(0, 3, 1, 2)  # channels_last
     if x.shape[-2:] == size:
-        return x
+        return x.clone(memory_format=torch.channels_last)  # not a view of the scratch buffer
     return F.interpolate(x, size=size, mode=INTERPOLATIONS[interpolation][0], antialias=True, align_corners=False)
 
 
@@ -227,9 +214,11 @@ def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channe
             # the margin the pixels equal the whole-image decode's exactly (tested).
             left, top, right, bottom = box
             outer = (max(left - 1, 0), max(top - 1, 0), min(right + 1, scaled[0]), min(bottom + 1, scaled[1]))
-            arr = jpeg_roi.decode_region(data, outer, factor, channels, header)
+            arr = jpeg_roi.decode_region(data, outer, factor, channels, header,
+                                         _scratch("decoded", scaled[0] * scaled[1] * channels))
             return arr[top - outer[1]:bottom - outer[1], left - outer[0]:right - outer[0]]
-    return decode_jpeg(data, channels, factor)[box[1]:box[3], box[0]:box[2]]
+    whole = decode_jpeg(data, channels, factor, _scratch("decoded", scaled[0] * scaled[1] * channels))
+    return whole[box[1]:box[3], box[0]:box[2]]
 
 
 def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int = 3,
@@ -249,6 +238,13 @@ def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size:
     Raises:
         ValueError: libjpeg-turbo cannot decode ``data`` (see :func:`decode_jpeg`).
     """
+    with one_thread():
+        return _jpeg_resized_crop(data, box, size, channels, flip, resize, reduce, region, interpolation)
+
+
+def _jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int,
+                       flip: bool, resize: tuple[int, int] | None, reduce: bool, region: bool,
+                       interpolation: str) -> np.ndarray:
     height, width = simplejpeg.decode_jpeg_header(data)[:2]
     region_box, target = ((0, 0, width, height), resize) if resize is not None else (box, size)
     factor = decode_factor(region_box, target) if reduce else 1
@@ -260,7 +256,8 @@ def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size:
         out = _resize(_decode_box(data, (left, top, right, bottom), factor, channels, (sw, sh), region), size,
                       interpolation)
     else:
-        arr = decode_jpeg(data, channels, factor)
+        need = -(-height // factor) * -(-width // factor) * channels
+        arr = decode_jpeg(data, channels, factor, _scratch("decoded", need))
         left, top, right, bottom = (int(v) for v in box)
         out = _resize(arr, resize, interpolation)[:, :, top:bottom, left:right]
     hwc = out[0].permute(1, 2, 0)

@@ -1,12 +1,13 @@
-"""What the folder DataModules share: class folders, the device, and loaders with the CUDA prefetch.
+"""What the folder DataModules share: class folders, the device, and loaders with the opt-in CUDA prefetch.
 
 :class:`~cltrain.data.ImageFolderDataModule` (images) and
 :class:`~cltrain.data.video.ClipFolderDataModule` (clips) differ in what a sample is and how a
 batch is collated and normalised; the rest is here, once: the class folders of ``root/train``
 (label order), the device and memory pinning chosen at ``setup``, and one loader builder
-whose batches are copied to a CUDA device on a side stream
-(:class:`~cltrain.data.prefetch.PrefetchDataLoader`), shuffled and cut to whole batches for
-training, every sample kept for validation, test and predict.
+whose batches are copied to a CUDA device on a side stream when ``cuda_prefetch=True``
+(:class:`~cltrain.data.prefetch.PrefetchDataLoader`; off by default until a GPU run
+measures it), shuffled and cut to whole batches for training, every sample kept for
+validation, test and predict.
 
 A subclass sets :attr:`layout_hint` and :attr:`collate_class` and calls
 :meth:`_choose_device` in its ``setup``; with ``bad_files="skip"`` it calls :meth:`_open_skip_log`
@@ -142,6 +143,10 @@ class ClassFolderDataModule(L.LightningDataModule):
         self._pin = self._device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
         return self._device
 
+    def _collate(self, pin_memory: bool) -> object:
+        """The loader's ``collate_fn``."""
+        return self.collate_class(pin_memory=pin_memory)
+
     def _loader(self, dataset: Dataset | None, train: bool, drop_last: bool | None = None) -> PrefetchDataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() (the Trainer does) before asking for a dataloader.")
@@ -149,7 +154,7 @@ class ClassFolderDataModule(L.LightningDataModule):
         cuda = self.cuda_prefetch and self._device is not None and self._device.type == "cuda"
         return PrefetchDataLoader(
             dataset, batch_size=self.batch_size, shuffle=train, num_workers=workers,
-            collate_fn=self.collate_class(pin_memory=self._pin and workers == 0),  # workers: the loader pins, here
+            collate_fn=self._collate(pin_memory=self._pin and workers == 0),  # workers: the loader pins, here
             pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
             drop_last=train if drop_last is None else drop_last, prefetch_device=self._device if cuda else None)
 

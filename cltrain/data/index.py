@@ -19,9 +19,11 @@ Which formats are loaded: :data:`~cltrain.data.constants.IMG_EXTENSIONS`, torchv
 reference scripts. GIF is not in it: torchvision leaves it out, ImageNet has none,
 and for an animated GIF "the image" is ambiguous (Pillow would give the first frame).
 
-The cache: one JSON file per split, in ``<root>/.cltrain_index/`` when the root is
-writable, else in ``$XDG_CACHE_HOME/cltrain/index`` (``~/.cache``), keyed by the
-split's real path. It is valid while the modification time of every folder the walk
+The cache: one JSON file per split in the user's cache folder, never in the dataset:
+``$CLTRAIN_CACHE_DIR/index`` when that is set, else ``$XDG_CACHE_HOME/cltrain/index``
+(``~/.cache/cltrain/index``), or the ``cache_dir`` given; keyed by the split's real path.
+An index file an older cltrain wrote into ``<root>/.cltrain_index/`` is moved there on
+first use (one log line says so). It is valid while the modification time of every folder the walk
 visited (the split, its class folders, their subfolders, linked folders) is unchanged,
 and the class list and suffix list are the same. That detects files or folders added,
 removed or renamed anywhere in the tree; it does not detect a file's content replaced
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 import warnings
@@ -44,14 +47,17 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from cltrain.atomic import atomic_write_json, remove_leftovers, removed_line
+from cltrain.atomic import atomic_write_bytes, atomic_write_json, remove_leftovers, removed_line
 from cltrain.data.constants import IMG_EXTENSIONS
 
-__all__ = ["SplitIndex", "find_classes", "index_split", "scan_split"]
+__all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "scan_split"]
+
+log = logging.getLogger(__name__)
 
 _VERSION = 1
 _RACY_S = 2.0  # folders modified this recently are not trusted to show a later change
-CACHE_DIR_NAME = ".cltrain_index"
+#: The folder in a dataset root where older versions kept the index (moved out on first use).
+LEGACY_DIR_NAME = ".cltrain_index"
 
 
 @dataclass
@@ -175,19 +181,38 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
     return index
 
 
+def default_cache_dir() -> Path:
+    """Where index files go by default: ``$CLTRAIN_CACHE_DIR/index``, else
+    ``$XDG_CACHE_HOME/cltrain/index`` (``~/.cache/cltrain/index`` when that is unset)."""
+    own = os.environ.get("CLTRAIN_CACHE_DIR")
+    if own:
+        return Path(own) / "index"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cltrain" / "index"
+
+
 def _cache_file(split_dir: Path, cache_dir: str | os.PathLike | None) -> Path:
     key = hashlib.sha1(os.path.realpath(split_dir).encode()).hexdigest()[:16]
-    if cache_dir is not None:
-        return Path(cache_dir) / f"{split_dir.name}-{key}.json"
-    root_cache = split_dir.parent / CACHE_DIR_NAME
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"{split_dir.name}-{key}.json"
+
+
+def _migrate(split_dir: Path, path: Path) -> None:
+    """Move the index an older version wrote to ``<root>/.cltrain_index/`` to ``path`` (a missing file: nothing)."""
+    legacy_dir = split_dir.parent / LEGACY_DIR_NAME
+    legacy = legacy_dir / path.name
+    if path.exists() or not legacy.is_file():
+        return
     try:
-        root_cache.mkdir(exist_ok=True)
-        if os.access(root_cache, os.W_OK):
-            return root_cache / f"{split_dir.name}-{key}.json"
-    except OSError:  # a read-only dataset root
-        pass
-    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cltrain" / "index"
-    return user / f"{split_dir.name}-{key}.json"
+        atomic_write_bytes(path, legacy.read_bytes())
+    except OSError:
+        return  # the index is rebuilt in the new place
+    try:
+        legacy.unlink()
+        for lock in legacy_dir.glob("*.lock"):
+            lock.unlink()
+        legacy_dir.rmdir()  # only when nothing else is left in it
+    except OSError:
+        pass  # a read-only root keeps its copy, which is no longer read
+    log.info("moved the file index of %s from %s to %s", split_dir, legacy, path)
 
 
 def _load(path: Path, key: dict, split_dir: Path) -> SplitIndex | None:
@@ -231,8 +256,7 @@ def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = No
     Args:
         split_dir, classes, allow_missing: as :func:`scan_split`.
         cache: ``False`` always walks and stores nothing.
-        cache_dir: where the index files go; ``None``: ``<root>/.cltrain_index`` if
-            writable, else the user cache folder.
+        cache_dir: where the index files go; ``None``: :func:`default_cache_dir`.
     """
     split_dir = Path(split_dir)
     if not cache:
@@ -248,6 +272,7 @@ def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = No
     except OSError:  # no writable cache anywhere: walk
         return scan_split(split_dir, classes, allow_missing)
     try:
+        _migrate(split_dir, path)
         removed = remove_leftovers(path.parent)  # under the lock: no other rank is writing
         if removed:
             warnings.warn(f"index_split: {removed_line(removed, 'a run stopped while writing the file index')}",

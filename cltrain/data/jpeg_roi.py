@@ -8,25 +8,23 @@ Every anchor (torchvision, timm, FFCV) decodes the whole image and then throws
 away half of it on average (RandomResizedCrop's mean area); NVIDIA DALI decodes
 the region only, as this does.
 
-Which library, by measurement (one core, real photographs 333-800 px, see
-``scripts/bench_loader.py --photos``): none of simplejpeg (1.9: ``min_height`` /
-``min_width`` scale only), OpenCV (``IMREAD_REDUCED_*`` scale only), Pillow
-(``draft`` scales only; no crop) or torchvision's ``decode_jpeg`` has a region
-decode. The TurboJPEG 3 library has it, but PyTurboJPEG is pure Python and needs a
-system ``libturbojpeg``; the ``turbojpeg`` wheel on PyPI bundles
-``libturbojpeg.so`` (libjpeg-turbo 3.0) for its own pybind11 module, whose
-``decompress`` has no region either. So this module calls that bundled library
-(or a system ``libturbojpeg`` 3.x) with ctypes: five plain C functions, no Python
-wrapper in the way. Without either library :func:`available` is ``False`` and the
-callers keep the whole-image simplejpeg path.
+Why ctypes: no maintained Python binding exposes this (checked: simplejpeg 1.9 and
+OpenCV scale only; Pillow's ``draft`` scales only; torchvision's ``decode_jpeg`` decodes
+whole; PyTurboJPEG 2.6 decodes whole or crops losslessly and needs a system
+``libturbojpeg``; the ``turbojpeg`` wheel's pybind11 module decompresses whole or crops
+losslessly). A lossless crop through that supported API followed by a decode took 2.4x
+the region decode's time (docs/performance.md). So this module calls libjpeg-turbo 3's
+documented C API (five functions of ``turbojpeg.h``) in the ``libturbojpeg`` that the
+``turbojpeg`` wheel lists among its own files (found through ``importlib.metadata``),
+or a system one of version 3. Without either :func:`available` is ``False`` and the
+callers decode whole images with simplejpeg.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import glob
-import importlib.util
+import importlib.metadata
 import os
 import threading
 
@@ -57,16 +55,18 @@ class _Region(ctypes.Structure):
 
 
 def library_path() -> str | None:
-    """The libturbojpeg 3.x to use: ``CLTRAIN_TURBOJPEG`` if set, the one bundled in the
-    ``turbojpeg`` wheel, else the system's; ``None`` when there is none."""
+    """The libturbojpeg 3.x to use: ``CLTRAIN_TURBOJPEG`` if set, the one among the ``turbojpeg``
+    wheel's installed files, else the system's; ``None`` when there is none."""
     env = os.environ.get("CLTRAIN_TURBOJPEG")
     if env is not None:
         return env or None  # CLTRAIN_TURBOJPEG= (empty) turns region decoding off
-    spec = importlib.util.find_spec("turbojpeg")
-    if spec is not None and spec.origin:
-        found = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "turbojpeg.libs", "libturbojpeg*.so*")))
-        if found:
-            return found[0]
+    try:
+        files = importlib.metadata.files("turbojpeg") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in sorted(files, key=str):
+        if f.name.startswith("libturbojpeg") and ".so" in f.name:
+            return str(f.locate())
     return ctypes.util.find_library("turbojpeg")
 
 
@@ -134,12 +134,14 @@ def read_header(data: bytes) -> tuple[int, int, int, int] | None:
 
 
 def decode_region(data: bytes, box: tuple[int, int, int, int], factor: int = 1, channels: int = 3,
-                  header: tuple[int, int, int, int] | None = None) -> np.ndarray:
+                  header: tuple[int, int, int, int] | None = None, buffer: np.ndarray | None = None) -> np.ndarray:
     """HWC uint8 of ``box`` = (left, top, right, bottom), in the pixels of the image decoded at
     ``1 / factor`` (``ceil(width / factor)`` x ``ceil(height / factor)``, as libjpeg scales),
     decoding only the iMCU rows and columns under it.
 
     The pixels equal those of decoding the whole image at that scale and slicing ``box``.
+    ``buffer`` (1-D uint8, large enough) is decoded into instead of a new array: the result is
+    then a view of it.
 
     Raises:
         JpegRegionError: the data is corrupt, truncated or of a kind :func:`read_header` refuses.
@@ -163,7 +165,11 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], factor: int = 1, 
     if (_LIB.tj3SetScalingFactor(handle, _Scaling(1, factor)) != 0
             or _LIB.tj3SetCroppingRegion(handle, _Region(x, top, width, height)) != 0):
         raise _error(handle)
-    out = np.empty((height, width, channels), np.uint8)
+    nbytes = height * width * channels
+    if buffer is not None and buffer.size >= nbytes:
+        out = buffer[:nbytes].reshape(height, width, channels)
+    else:
+        out = np.empty((height, width, channels), np.uint8)
     pf = _TJPF_RGB if channels == 3 else _TJPF_GRAY
     if _LIB.tj3Decompress8(handle, data, len(data), out.ctypes.data, width * channels, pf) != 0:
         raise _error(handle)

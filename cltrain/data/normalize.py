@@ -28,7 +28,7 @@ import torch
 
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["NORMALIZE_DTYPES", "check_statistics", "normalize"]
+__all__ = ["NORMALIZE_DTYPES", "ImageNormalizer", "check_statistics", "normalize"]
 
 NORMALIZE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK = 16  # images per float32 work buffer for low-precision outputs
@@ -144,3 +144,59 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
         torch.addcmul(sh, buf, sc, out=buf)
         dst[rows].copy_(buf)
     return out
+
+
+class ImageNormalizer:
+    """:func:`normalize` one HWC uint8 image at a time, into its slot of a batch buffer.
+
+    The same arithmetic as :func:`normalize` (a float32 conversion copy, then one ``addcmul``
+    over ``(H, W * C)`` rows; bfloat16/float16 rounded once at the end), so the values are
+    bitwise equal; done per image, the float work stays in the CPU cache instead of passing
+    over a whole batch in memory twice, and images can be done on different threads.
+
+    Args:
+        mean, std: per-channel statistics in [0, 1] units (1 or C values each).
+        dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+
+    Example::
+
+        >>> n = ImageNormalizer()
+        >>> out = torch.empty(2, 224, 224, 3)
+        >>> n(torch.full((224, 224, 3), 255, dtype=torch.uint8), out[0])
+    """
+
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in NORMALIZE_DTYPES:
+            raise TypeError(f"ImageNormalizer: dtype={dtype} is not one of {NORMALIZE_DTYPES}.")
+        check_statistics(mean, std, "ImageNormalizer")
+        self.mean, self.std, self.dtype = tuple(float(m) for m in mean), tuple(float(v) for v in std), dtype
+        self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _affine(self, width: int, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (width, channels)
+        if key not in self._rows:
+            scale, shift = _affine(self.mean, self.std, channels, torch.device("cpu"))
+            self._rows[key] = (scale.repeat(width), shift.repeat(width))
+        return self._rows[key]
+
+    def __call__(self, image: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``image`` (HWC uint8, CPU) normalised into ``out`` (HWC of :attr:`dtype`, dense)."""
+        h, w, c = image.shape
+        scale, shift = self._affine(w, c)
+        src = image.reshape(h, w * c)
+        if self.dtype == torch.float32:
+            dst = out.view(h, w * c)
+            dst.copy_(src)
+            torch.addcmul(shift, dst, scale, out=dst)
+            return
+        work = torch.empty((h, w * c), dtype=torch.float32)
+        work.copy_(src)
+        torch.addcmul(shift, work, scale, out=work)
+        out.view(h, w * c).copy_(work)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_rows": {}}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mean={self.mean}, std={self.std}, dtype={self.dtype})"

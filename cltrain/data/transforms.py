@@ -46,6 +46,7 @@ import torch
 from PIL import Image, ImageOps
 
 from cltrain.data.decode import INTERPOLATIONS, check_pixels, jpeg_resized_crop, jpeg_size, resized_crop
+from cltrain.data.decode_pool import augment_deferred, sample_generator
 
 __all__ = ["CropParams", "RandomResizedCropFlip", "ResizeCenterCrop", "eval_transform", "train_transform"]
 
@@ -178,7 +179,7 @@ class _Transform:
         """Transform a file path, the bytes of a file, or a PIL image (best opened lazily,
         so JPEG decoding can be reduced). Paths and bytes of JPEGs take the fast path."""
         out = self._transform(img)
-        return out if self.augment is None else self.augment(out)
+        return out if self.augment is None or augment_deferred() else self.augment(out)
 
 
 class RandomResizedCropFlip(_Transform):
@@ -223,7 +224,7 @@ class RandomResizedCropFlip(_Transform):
         # against 22 us here (one torch.rand, then the same arithmetic in Python), measured one
         # after the other on a busy 2-core machine, where a whole 333-800 px photo's transform took
         # ~3 ms. The box distribution is tested equal to torchvision's (tests/test_data_decode.py).
-        u = torch.rand(41).tolist()
+        u = torch.rand(41, generator=sample_generator()).tolist()  # a batch-loading thread's own generator
         area = width * height
         s0, s1 = self.scale
         r0, r1 = math.log(self.ratio[0]), math.log(self.ratio[1])

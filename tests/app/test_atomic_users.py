@@ -17,7 +17,7 @@ from tests.helpers.data_fixtures import write_image_folder
 from cltrain.app.report import write_metrics
 from cltrain.tools.sweep_report import write_report
 from cltrain.atomic import TEMP_PREFIX, _host_tag
-from cltrain.data.index import CACHE_DIR_NAME, index_split
+from cltrain.data.index import index_split
 
 
 def _leftover(folder: Path, name: str) -> Path:
@@ -34,12 +34,12 @@ def test_the_index_cache_is_atomic_json_and_its_leftovers_are_removed(tmp_path: 
     old = time.time() - 60
     for d, _, _ in os.walk(root):
         os.utime(d, (old, old))  # older than the index's racy window, so it is stored
-    cache = root / CACHE_DIR_NAME
+    cache = tmp_path / "cache"
     cache.mkdir()
     leftover = _leftover(cache, "train-0123456789abcdef.json")
     with pytest.warns(UserWarning, match=rf"^index_split: removed 1 temporary file\(s\) left in {cache} by a run "
                                          rf"stopped while writing the file index: {leftover.name}$"):
-        index = index_split(root / "train")
+        index = index_split(root / "train", cache_dir=cache)
     assert not leftover.exists()
     stored = [p for p in cache.iterdir() if p.suffix == ".json"]
     assert len(stored) == 1 and json.loads(stored[0].read_text())["key"]["classes"] == index.classes

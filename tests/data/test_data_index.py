@@ -9,8 +9,15 @@ from multiprocessing import get_context
 import pytest
 
 from cltrain.data import ImageFolderDataset, eval_transform
-from cltrain.data.index import CACHE_DIR_NAME, index_split, scan_split
+from cltrain.data.index import LEGACY_DIR_NAME, default_cache_dir, index_split, scan_split
 from tests.helpers.data_fixtures import write_image_folder, write_jpegs
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """Each test's index files in its own folder (the default is the user's cache folder)."""
+    monkeypatch.setenv("CLTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "index"
 
 
 def _age(root, seconds=60):
@@ -51,11 +58,11 @@ def test_files_that_are_not_loaded_are_counted_and_reported(tmp_path):
     assert sorted(os.path.basename(p) for p, _ in ds.samples) == ["0_000.jpg", "0_001.jpg", "dangling.jpg"]
 
 
-def test_cache_is_reused_while_the_tree_is_unchanged_and_invalidated_when_it_changes(tmp_path):
+def test_cache_is_reused_while_the_tree_is_unchanged_and_invalidated_when_it_changes(tmp_path, cache_dir):
     root = write_image_folder(tmp_path / "data", classes=2, train=3, val=1, size=(32, 24))
     _age(root)
     first = index_split(root / "train")
-    cache_files = list((root / CACHE_DIR_NAME).glob("train-*.json"))
+    cache_files = list(cache_dir.glob("train-*.json"))
     assert len(cache_files) == 1
     # Doctor the cache: a reused index gives the doctored content back, a rebuilt one does not.
     data = json.loads(cache_files[0].read_text())
@@ -83,17 +90,47 @@ def test_cache_is_reused_while_the_tree_is_unchanged_and_invalidated_when_it_cha
         assert len(got.samples) == n and not any("phantom" in p for p, _ in got.samples)
 
 
-def test_no_cache_is_stored_for_a_tree_changed_just_now_and_an_unwritable_root_uses_the_user_cache(tmp_path, monkeypatch):
+def test_no_cache_is_stored_for_a_tree_changed_just_now(tmp_path, cache_dir):
     root = write_image_folder(tmp_path / "data", classes=1, train=2, val=1, size=(32, 24))
     index_split(root / "train")
-    assert not list((root / CACHE_DIR_NAME).glob("*.json"))  # folders modified within 2 s: not trusted
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    _age(root)
-    shutil.rmtree(root / CACHE_DIR_NAME)  # holds only the lock file
-    (root / CACHE_DIR_NAME).write_text("")  # the root cannot take the cache folder (as a read-only root cannot)
+    assert not list(cache_dir.glob("*.json"))  # folders modified within 2 s: not trusted
     _age(root)
     index_split(root / "train")
+    assert len(list(cache_dir.glob("train-*.json"))) == 1
+
+
+def test_the_index_goes_to_the_user_cache_folder_never_into_the_dataset(tmp_path, monkeypatch):
+    root = write_image_folder(tmp_path / "data", classes=1, train=2, val=1, size=(32, 24))
+    _age(root)
+    monkeypatch.delenv("CLTRAIN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "cltrain" / "index"
+    ImageFolderDataset(root / "train", eval_transform(16, 18))
     assert len(list((tmp_path / "xdg" / "cltrain" / "index").glob("train-*.json"))) == 1
+    own = tmp_path / "own"
+    ImageFolderDataset(root / "train", eval_transform(16, 18), index_cache=own)  # a path: kept there
+    assert len(list(own.glob("train-*.json"))) == 1
+    assert not (root / LEGACY_DIR_NAME).exists() and sorted(p.name for p in root.iterdir()) == ["train", "val"]
+
+
+def test_an_index_in_the_dataset_root_is_moved_to_the_cache_folder(tmp_path, cache_dir, caplog):
+    root = write_image_folder(tmp_path / "data", classes=2, train=3, val=1, size=(32, 24))
+    _age(root)
+    index_split(root / "train")
+    (written,) = cache_dir.glob("train-*.json")
+    data = json.loads(written.read_text())
+    data["files"][0] += "\n" + "c0/phantom.jpg"  # marks the index as the one read from the old place
+    legacy = root / LEGACY_DIR_NAME
+    legacy.mkdir()
+    (legacy / written.name).write_text(json.dumps(data))
+    (legacy / (written.name + ".lock")).write_text("")
+    written.unlink()
+    with caplog.at_level("INFO", logger="cltrain.data.index"):
+        got = index_split(root / "train")
+    assert any(p.endswith("phantom.jpg") for p, _ in got.samples)  # the old index was reused, not rebuilt
+    assert written.is_file() and not legacy.exists()  # moved, and the emptied folder removed
+    assert [r.getMessage() for r in caplog.records if "moved the file index" in r.getMessage()] == [
+        f"moved the file index of {root / 'train'} from {legacy / written.name} to {written}"]
 
 
 def _index_in_process(split, queue):
@@ -112,7 +149,7 @@ def test_ranks_share_one_index_through_the_lock(tmp_path):
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    assert counts == [8, 8, 8] and len(list((root / CACHE_DIR_NAME).glob("train-*.json"))) == 1
+    assert counts == [8, 8, 8] and len(list(default_cache_dir().glob("train-*.json"))) == 1
 
 
 def test_a_cached_index_serves_the_tree_named_from_another_folder(tmp_path, monkeypatch):
@@ -120,7 +157,7 @@ def test_a_cached_index_serves_the_tree_named_from_another_folder(tmp_path, monk
     _age(root)
     monkeypatch.chdir(tmp_path)
     first = [os.path.realpath(p) for p, _ in index_split("data/train").samples]
-    assert len(list((root / CACHE_DIR_NAME).glob("train-*.json"))) == 1
+    assert len(list(default_cache_dir().glob("train-*.json"))) == 1
     monkeypatch.chdir(root)
     second = index_split("train")  # the same real folder: the cache is reused, paths as named now
     assert first == [os.path.realpath(p) for p, _ in second.samples]

@@ -76,7 +76,8 @@ class ClipFolderDataModule(ClassFolderDataModule):
         mean, std: normalisation statistics (0-1 units); torchvision's Kinetics ones by default.
         dtype: dtype of the normalised clips (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCTHW batches (the baseline).
-        cuda_prefetch: on a CUDA device, copy the next batch on a side stream.
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream (off by default:
+            not measured on a GPU yet; see :class:`~cltrain.data.ImageFolderDataModule`).
         bad_files: ``"raise"``: a clip that cannot be read stops with an error naming it;
             ``"skip"``: it is replaced by the next readable clip, listed in the run directory's
             ``skipped_files.tsv`` and counted per epoch (``data/skipped_<split>``), as images are.
@@ -97,7 +98,7 @@ class ClipFolderDataModule(ClassFolderDataModule):
                  image_size: int | tuple[int, int] = 112, val_resize_size: int | None = 128,
                  scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5, val_temporal: str = "center", channels: int = 3,
                  mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
-                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = True,
+                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
                  bad_files: str = "raise") -> None:
         super().__init__()
         check_bad_files(bad_files, "ClipFolderDataModule")

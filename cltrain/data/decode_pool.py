@@ -1,0 +1,141 @@
+"""Load the samples of a batch on several threads of one process.
+
+libjpeg-turbo (simplejpeg, the region decoder) and torch's resize release the GIL, so
+a batch's images decode in parallel in one process: two cores need no second
+process, no pickling and no shared-memory hand-over. A Dataset with ``__getitems__``
+(which the DataLoader calls with a batch's indices) hands them to :func:`load_batch`.
+
+Random crops stay reproducible: the calling thread draws one seed per sample from the
+torch RNG (so ``seed_everything`` and the DataLoader's per-worker seeding decide them),
+and each sample's transform draws from a generator seeded with it
+(:func:`sample_generator`). Augmentations that draw from the global RNG
+(:class:`~cltrain.data.augment.HWCAugment`) run afterwards in the calling thread, in
+sample order. The threads run torch on one intra-op thread each.
+
+Example::
+
+    >>> from cltrain.data import ImageFolderDataset, train_transform, make_demo_dataset
+    >>> ds = ImageFolderDataset(make_demo_dataset("/tmp/cltrain-demo") / "train", train_transform(224), threads=2)
+    >>> [img.shape for img, _ in ds.__getitems__([0, 1])]
+    [(224, 224, 3), (224, 224, 3)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["augment_deferred", "load_batch", "one_thread", "run_each", "sample_generator"]
+
+_LOCAL = threading.local()
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def sample_generator() -> torch.Generator | None:
+    """The generator this thread's current sample draws from (``None``: the global torch RNG)."""
+    return getattr(_LOCAL, "generator", None)
+
+
+def augment_deferred() -> bool:
+    """Whether this thread's transform should leave its augmentation to the calling thread."""
+    return getattr(_LOCAL, "defer_augment", False)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's per-image kernels in this block on one intra-op thread (this thread's setting only).
+
+    One image's work is too small to split: on a busy machine each small parallel region
+    waits for a descheduled OpenMP thread (docs/performance.md). Images are loaded in
+    parallel instead (:func:`load_batch`, DataLoader workers).
+    """
+    threads = torch.get_num_threads()  # OpenMP's setting is per calling thread
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _init_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    key = (os.getpid(), threads)  # a forked DataLoader worker has no threads of its parent: it makes its own
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="cltrain-decode", initializer=_init_thread)
+    return pool
+
+
+class _Failed:
+    """A sample whose load raised ``error`` in a thread."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _seeded(load: Callable[[int], Any], index: int, seed: int, catch: type[BaseException], defer: bool) -> Any:
+    _LOCAL.generator, _LOCAL.defer_augment = torch.Generator().manual_seed(seed), defer
+    try:
+        return load(index)
+    except catch as err:
+        return _Failed(err)
+    finally:
+        _LOCAL.generator, _LOCAL.defer_augment = None, False
+
+
+def load_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int,
+               augment: Callable[[Any], Any] | None = None, retry: type[BaseException] = Exception,
+               fallback: Callable[[int], Any] | None = None) -> list[Any]:
+    """``[load(i) for i in indices]``, computed on ``threads`` threads.
+
+    Args:
+        load: index -> ``(image, target, ...)``; called in the threads.
+        indices: the batch's sample indices.
+        threads: threads of the pool (one pool per process and count, kept for reuse).
+        augment: applied to each sample's image (its first field) in the calling thread, in order.
+        retry: exceptions of ``load`` that send the sample to ``fallback`` in the calling thread
+            (a bad-file policy there picks its replacement); others are raised.
+        fallback: index -> sample for those; ``None`` re-raises.
+
+    Returns:
+        The samples, in the order of ``indices``.
+    """
+    seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # from the global RNG: reproducible per worker seed
+    defer = augment is not None  # a transform whose augmentation the caller cannot see applies it itself
+    futures = [_pool(threads).submit(_seeded, load, i, s, retry, defer) for i, s in zip(indices, seeds)]
+    out = []
+    for index, future in zip(indices, futures):
+        sample = future.result()
+        if isinstance(sample, _Failed):
+            if fallback is None:
+                raise sample.error
+            sample = fallback(index)
+        elif augment is not None:
+            sample = (augment(sample[0]), *sample[1:])
+        out.append(sample)
+    return out
+
+
+def run_each(fn: Callable[[Any], None], items: Sequence[Any], threads: int) -> None:
+    """``fn(item)`` for every item, on ``threads`` threads of the pool (in this thread when 1)."""
+    if threads <= 1 or len(items) <= 1:
+        with one_thread():
+            for item in items:
+                fn(item)
+        return
+    for future in [_pool(threads).submit(fn, item) for item in items]:
+        future.result()

@@ -1,0 +1,284 @@
+"""cltrain's loader against NVIDIA DALI's CPU pipeline, torchvision, timm and a bare decode, on the same JPEGs.
+
+The work, for every loader: random-resized crop (area 0.08-1, aspect 3/4-4/3), antialiased
+bilinear resize to 224, random horizontal flip, and a normalised float32 NHWC batch of 64 in
+this process's memory:
+
+  DALI            readers.file + decoders.image_random_crop (libjpeg-turbo, decodes only the
+                  crop's region) + resize (antialias) + crop_mirror_normalize (mirror, float,
+                  HWC); ``num_threads`` = T, no GPU (``pip install nvidia-dali-cuda130``)
+  cltrain float   ImageFolderDataset(train_transform(224), threads=T) in a DataLoader with no
+                  worker process; NHWCCollate(normalize=ImageNormalizer(), threads=T) writes each
+                  image normalised (float32) into the channels_last batch
+  cltrain uint8   the same, uint8: the batch the loader hands a GPU (normalised there)
+  cltrain 2 proc  (T = 2 only) cltrain float in 2 worker processes of 1 thread each
+  torchvision     RandomResizedCrop + flip + ToTensor + Normalize, default_collate, then
+                  .contiguous(channels_last); T = 1: in this process, T = 2: two worker processes
+  timm            RandomResizedCrop + flip + PILToTensor + fast_collate, float().sub_().div_(),
+                  .contiguous(channels_last); worker processes as torchvision
+  decode          read the file and decode the whole image (simplejpeg, accurate defaults) on
+                  T threads, nothing else: the bar for the in-process loader
+
+on three folders: real photographs (333-800 px, made from the images bundled with
+scikit-image and scikit-learn, see ``scripts/photo_folder.py``), and generated
+ImageNet-sized JPEGs of 500x375 and 2000x1500 (mosaics of 500x375 crops of the same
+photographs, so they hold as much detail as a photograph: quality 75-95, 4:2:0). Each
+loader runs ``--repeats`` times, interleaved (the order rotates each round); the table
+gives the median images/second and the spread (lowest-highest), and the ratios of
+cltrain's median to DALI's and to the bare decode. ``--levers`` adds rows for the choices
+the default path makes (normalize() on the whole uint8 batch afterwards; whole-image
+decoding instead of the crop's region). The CPU model, its SIMD flags and
+the load average before and after are printed: figures from a busy machine say so.
+
+    pip install 'cltrain[bench]'                      # DALI, timm, scikit-image, scikit-learn
+    python scripts/bench_dali.py                      # the docs/performance.md table
+    python scripts/bench_dali.py --quick              # seconds: checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, RandomSampler
+
+from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
+from cltrain.data.dataset import find_classes, find_samples
+from cltrain.data.normalize import ImageNormalizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from bench_loader import machine, methods, run as run_plain  # noqa: E402
+from photo_folder import bundled_photos, make_photo_folder  # noqa: E402
+
+SIZE = 224
+_DONE = ".complete"
+
+
+# --- the folders -----------------------------------------------------------------------------------
+def make_sized_folder(root: Path, size: tuple[int, int], count: int, classes: int = 4, seed: int = 0) -> Path:
+    """``root/train/<class>/*.jpg``: ``count`` JPEGs of exactly ``size`` = (width, height), each a mosaic of
+    500x375 random crops of the bundled photographs (one tile when ``size`` is that small); made once."""
+    if (root / _DONE).is_file():
+        return root
+    photos, rng = bundled_photos(), random.Random(seed)
+    tile_w, tile_h = min(500, size[0]), min(375, size[1])
+    for i in range(count):
+        canvas = Image.new("RGB", size)
+        for top in range(0, size[1], tile_h):
+            for left in range(0, size[0], tile_w):
+                photo = photos[rng.randrange(len(photos))]
+                w, h = photo.size
+                scale = max(tile_w / w, tile_h / h) * rng.uniform(1.0, 1.6)  # some enlarged, never stretched
+                big = photo.resize((max(tile_w, round(w * scale)), max(tile_h, round(h * scale))), Image.Resampling.LANCZOS)
+                x, y = rng.randint(0, big.width - tile_w), rng.randint(0, big.height - tile_h)
+                canvas.paste(big.crop((x, y, x + tile_w, y + tile_h)), (left, top))
+        folder = root / "train" / f"class_{i % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        canvas.save(folder / f"{i:05d}.jpg", quality=rng.randint(75, 95), subsampling=2)
+    (root / _DONE).write_text(f"{count} images of {size[0]}x{size[1]}, seed {seed}\n")
+    return root
+
+
+def folders(work: Path, quick: bool) -> dict[str, Path]:
+    n = 8 if quick else 1
+    return {
+        "photos 333-800 px": make_photo_folder(work / ("photos-quick" if quick else "photos"), train=400 // n,
+                                               val=max(1, 40 // n)) / "train",
+        "500x375": make_sized_folder(work / ("500x375-quick" if quick else "500x375"), (500, 375), 256 // n) / "train",
+        "2000x1500": make_sized_folder(work / ("2000x1500-quick" if quick else "2000x1500"), (2000, 1500), 96 // n) / "train",
+    }
+
+
+# --- the loaders -------------------------------------------------------------------------------------
+class Dali:
+    """DALI's CPU pipeline for one folder and thread count, built once, run batch by batch."""
+
+    def __init__(self, split: Path, threads: int, batch_size: int, seed: int) -> None:
+        from nvidia.dali import fn, pipeline_def, types
+
+        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed)
+        def pipe():
+            jpegs, labels = fn.readers.file(file_root=str(split), random_shuffle=True, name="reader")
+            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
+                                                   random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3],
+                                                   num_attempts=10)
+            images = fn.resize(images, resize_x=SIZE, resize_y=SIZE, antialias=True, interp_type=types.INTERP_LINEAR)
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="HWC",
+                                              mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD],
+                                              mirror=fn.random.coin_flip(probability=0.5))
+            return images, labels
+
+        self.pipe = pipe()
+        self.pipe.build()
+        self.batch_size = batch_size
+
+    def __call__(self, batches: int) -> float:
+        self.pipe.run()  # its first batch, as each loader's first, is not timed
+        start = time.perf_counter()
+        for _ in range(batches):
+            images, _ = self.pipe.run()
+            images.as_tensor()  # the dense (N, H, W, C) batch
+        return batches * self.batch_size / (time.perf_counter() - start)
+
+
+def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, batches: int, seed: int,
+                   output: str = "float", region: bool = True) -> float:
+    """``output``: ``"float"`` normalised by the collate, image by image on the loader's threads;
+    ``"after"``: a uint8 batch, then normalize() on the whole batch; ``"uint8"``: the uint8 batch."""
+    transform = train_transform(SIZE)
+    transform.region = region
+    dataset = ImageFolderDataset(split, transform, threads=threads, index_cache=False)
+    sampler = RandomSampler(dataset, replacement=True, num_samples=batch_size * (batches + 1),
+                            generator=torch.Generator().manual_seed(seed))
+    collate = NHWCCollate(normalize=ImageNormalizer() if output == "float" else None, threads=threads)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate)
+    finish = normalize if output == "after" else (lambda x: x)
+    it = iter(loader)
+    finish(next(it)[0])
+    start = time.perf_counter()
+    images = 0
+    for x, _ in it:
+        images += finish(x).shape[0]
+    return images / (time.perf_counter() - start)
+
+
+def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed: int) -> float:
+    import simplejpeg
+
+    rng = random.Random(seed)
+    paths = [samples[rng.randrange(len(samples))][0] for _ in range(images)]
+
+    def one(path: str) -> int:
+        with open(path, "rb") as f:
+            return simplejpeg.decode_jpeg(f.read()).shape[0]
+
+    if threads == 1:
+        start = time.perf_counter()
+        for p in paths:
+            one(p)
+        return images / (time.perf_counter() - start)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, paths[:threads]))
+        start = time.perf_counter()
+        list(pool.map(one, paths))
+        return images / (time.perf_counter() - start)
+
+
+def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali: bool, levers: bool) -> dict:
+    """name -> f(seed) -> images/second, for one folder and thread count."""
+    samples = find_samples(split, find_classes(split))
+    plain = methods(SIZE, torch.device("cpu"))
+    workers = 0 if threads == 1 else threads
+    rows = {}
+    if has_dali:
+        dali = Dali(split, threads, batch_size, seed=1)
+        rows["DALI"] = lambda seed: dali(batches)
+    rows["cltrain float"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "float")
+    rows["cltrain uint8"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "uint8")
+    if threads > 1:
+        rows[f"cltrain {threads} proc"] = lambda seed: cltrain_loader(split, 1, threads, batch_size, batches, seed, "float")
+    if levers:  # what each choice of the default path is worth, measured beside it
+        rows["lever: normalize() after"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "after")
+        rows["lever: whole-image decode"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed,
+                                                                         "float", region=False)
+    for name, key in (("torchvision", "(b) torchvision"), ("timm", "(c) timm")):
+        fn, collate, finish = plain[key]
+        rows[name] = (lambda seed, fn=fn, collate=collate, finish=finish:
+                      run_plain(samples, fn, collate, finish, batch_size, workers, batches, seed, torch.device("cpu")))
+    rows["decode"] = lambda seed: bare_decode(samples, threads, batch_size * batches, seed)
+    return rows
+
+
+# --- the run ------------------------------------------------------------------------------------------
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "flags unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return "flags: " + " ".join(f for f in wanted if f in flags) + f" (torch: {torch.backends.cpu.get_cpu_capability()})"
+
+
+def measure(rows: dict, repeats: int) -> dict[str, list[float]]:
+    names = list(rows)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:  # interleaved: each loader in every position once in a while
+            rates[name].append(rows[name](r))
+    return rates
+
+
+def report(title: str, rates: dict[str, list[float]]) -> dict:
+    med = {n: statistics.median(v) for n, v in rates.items()}
+    print(f"\n### {title}\n\n| loader | img/s (median) | spread | vs DALI | vs decode |\n|---|---:|---:|---:|---:|")
+    for name, v in rates.items():
+        vs_dali = f"{med[name] / med['DALI']:.2f}x" if "DALI" in med else "-"
+        print(f"| {name} | {med[name]:.0f} | {min(v):.0f}-{max(v):.0f} | {vs_dali} | {med[name] / med['decode']:.2f}x |")
+    return med
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cltrain-bench-dali",
+                   help="where the JPEG folders are made (once) and reused")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--sets", nargs="+", default=None, help="folder names to run (default: all three)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batches", type=int, default=10, help="timed batches per measurement (a quarter for 2000x1500)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-dali", action="store_true", help="leave DALI out (it is not installed here)")
+    p.add_argument("--levers", action="store_true", help="add rows for the default path's choices")
+    p.add_argument("--quick", action="store_true", help="tiny folders and runs: checks that the script works")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.batches, args.repeats = 8, 1, 1
+    has_dali = not args.no_dali
+    if has_dali:
+        try:
+            import nvidia.dali  # noqa: F401
+        except ImportError:
+            p.error("NVIDIA DALI is not installed: pip install nvidia-dali-cuda130 (or pass --no-dali).")
+    sets = folders(args.work, args.quick)
+    if args.sets:
+        sets = {k: v for k, v in sets.items() if any(s in k for s in args.sets)}
+    print(machine(torch.device("cpu")))
+    print(cpu_flags())
+    if has_dali:
+        import nvidia.dali
+
+        print(f"NVIDIA DALI {nvidia.dali.__version__} (CPU only)")
+    print(f"batch {args.batch_size}, {args.batches} timed batches per measurement, {args.repeats} interleaved repeats")
+    results: dict = {}
+    for set_name, split in sets.items():
+        batches = max(1, args.batches // 4) if set_name.startswith("2000") else args.batches
+        for threads in args.threads:
+            rates = measure(rows_for(split, threads, args.batch_size, batches, has_dali, args.levers), args.repeats)
+            results[(set_name, threads)] = report(f"{set_name}, {threads} thread(s)", rates)
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+    if has_dali:
+        print("\n### cltrain float / DALI\n\n| folder | " + " | ".join(f"{t} thread(s)" for t in args.threads)
+              + " | cltrain 1 -> 2 threads | DALI 1 -> 2 threads |\n|---|" + "---:|" * (len(args.threads) + 2))
+        for set_name in sets:
+            cells = [f"{results[(set_name, t)]['cltrain float'] / results[(set_name, t)]['DALI']:.2f}x" for t in args.threads]
+            if 1 in args.threads and 2 in args.threads:
+                one, two = results[(set_name, 1)], results[(set_name, 2)]
+                cells += [f"{two['cltrain float'] / one['cltrain float'] - 1:+.0%}", f"{two['DALI'] / one['DALI'] - 1:+.0%}"]
+            else:
+                cells += ["-", "-"]
+            print(f"| {set_name} | " + " | ".join(cells) + " |")
+    return {f"{k[0]}, {k[1]} thread(s)": v for k, v in results.items()}
+
+
+if __name__ == "__main__":
+    main()
