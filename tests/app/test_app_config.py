@@ -79,17 +79,17 @@ def _error(overrides: list[str]) -> ConfigError:
         (["data=imagenet", "data.root=/no/such/dir"], "data.root", "train/ and val/"),
         (["data.batch_size=0"], "data.batch_size", None),
         (["data.batch_size=-4"], "data.batch_size", None),
-        (["amp_dtype=fp16", "device=cpu"], "amp_dtype", "bf16"),
-        (["amp_dtype=fp8"], "amp_dtype", "auto, bf16, fp16"),
+        (["amp=fp16", "device=cpu"], "amp", "bf16"),
+        (["amp=fp8"], "amp", "auto, true, false, bf16, fp16"),
         (["device=tpu"], "device", "auto, cpu, cuda"),
         (["channels_last=maybe"], "channels_last", "true, false"),
-        (["optim.name=lbfgs"], "optim.name", "sgd, adamw"),
+        (["optim.name=lbfgs"], "optim.name", "optim=sgd, optim=adamw"),
         (["evaluate_only=true"], "evaluate_only", "ckpt_path"),
         (["ckpt_path=/no/such.ckpt"], "ckpt_path", "local file"),
         (["model.pretrained=/no/such.pth"], "model.pretrained", "local file"),
         (["label_smoothing=1.5"], "label_smoothing", "0 <= value < 1"),
-        (["sync_bn=true", "device=cpu"], "sync_bn", "device=cuda"),
-        (["compile=true", "channels_last_mode=auto"], "channels_last_mode", "full, conv"),
+        (["trainer.sync_batchnorm=true", "device=cpu"], "trainer.sync_batchnorm", "device=cuda"),
+        (["compile.enabled=true", "channels_last_mode=auto"], "channels_last_mode", "full, conv"),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(overrides: list[str], key: str, allowed: str | None) -> None:
@@ -143,8 +143,8 @@ def test_amp_takes_auto_or_a_boolean() -> None:
 @pytest.mark.parametrize("overrides", [["experiment=video"], ["data=video_demo"], []])
 def test_each_demo_is_generated_at_its_own_default_root(overrides: list[str]) -> None:
     # data=video_demo's root is data/video_demo, not the image demo's data/demo: both are allowed to be made
-    from cltrain.app.config import demo_default_roots
+    from cltrain.app.config import demo_home
 
     cfg = compose_config([*overrides, "device=cpu"])
-    assert str(cfg.data.root) in demo_default_roots().values()
+    assert str(cfg.data.root) == demo_home(cfg.data) in ("data/demo", "data/video_demo")
     validate(cfg)  # raises ConfigError for a demo root that is not its config's own
