@@ -106,7 +106,8 @@ def _type_words(tp: Any) -> str:
     if origin in (dict, typing.Dict):
         return "a mapping"
     if origin is Union:
-        words = " or ".join(_type_words(a) for a in typing.get_args(tp) if a is not _NONE)
+        args = [a for a in typing.get_args(tp) if a is not _NONE and not (a is int and float in typing.get_args(tp))]
+        words = " or ".join(_type_words(a) for a in args)
         return f"{words} or null" if _NONE in typing.get_args(tp) else words
     if origin is typing.Literal:
         return "one of " + ", ".join(map(str, typing.get_args(tp)))

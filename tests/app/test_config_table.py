@@ -37,7 +37,7 @@ TABLE = [
     # Lightning's other Trainer arguments pass through with +, typed by Trainer's own signature
     (["trainer.check_val_every_n_epoch=2"], "trainer.check_val_every_n_epoch", "+trainer.check_val_every_n_epoch=2"),
     (["+trainer.check_val_every_n_epoch=abc"], "trainer.check_val_every_n_epoch", "must be a whole number or null"),
-    (["+trainer.gradient_clip_val=abc"], "trainer.gradient_clip_val", "a whole number or a number"),
+    (["+trainer.gradient_clip_val=abc"], "trainer.gradient_clip_val", "must be a number or null"),
     (["data.num_workers=-1"], "data.num_workers", ">= 0"),
     (["data.val_resize_size=0"], "data.val_resize_size", "> 0"),
     (["data.image_size=abc"], "data.image_size", "> 0"),
