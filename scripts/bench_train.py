@@ -267,8 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.warmup, args.steps, args.rounds, args.e2e_steps, args.num_workers = 1, 2, 1, 2, 0
     warnings.filterwarnings("ignore", module="lightning")
     accelerator, _ = resolve_device(args.device)
-    amp = args.amp != "off"
-    precision, _ = resolve_precision(amp, "auto" if args.amp in ("auto", "off") else args.amp, accelerator)
+    precision, _ = resolve_precision({"auto": True, "off": False}.get(args.amp, args.amp), accelerator)
     desc = machine(accelerator)
     print(f"machine: {desc}")
 

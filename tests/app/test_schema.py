@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -254,3 +255,24 @@ def test_cli_help_and_cfg_job_show_the_schema() -> None:
     assert job.returncode == 0, job.stderr
     cfg = OmegaConf.create(job.stdout)
     assert cfg.ema.enabled is True and cfg.trainer.max_steps == 3 and cfg.optim.milestones == [6]
+
+
+def _documented_commands() -> list[list[str]]:
+    """Every ``python train.py ...`` line of the README and docs (comments and line continuations handled)."""
+    import shlex
+
+    commands = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("python train.py"):
+                args = [re.sub(r"<[^>]*>", "x", a) for a in shlex.split(line.split(" #", 1)[0], posix=True)[2:]]
+                if args and "..." not in " ".join(args):
+                    commands.append(args)
+    return commands
+
+
+@pytest.mark.parametrize("args", _documented_commands(), ids=lambda a: " ".join(a)[:60])
+def test_every_documented_command_uses_keys_the_schema_has(args: list[str]) -> None:
+    check_command_line(args)
