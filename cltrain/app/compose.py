@@ -28,22 +28,34 @@ import difflib
 import importlib
 import inspect
 import re
+import types
 import typing
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+)
 
 from cltrain.app.errors import ConfigError
-from cltrain.app.schema import APP_SET_TRAINER_KEYS, KEYS_ELSEWHERE, SCHEMA_NAME, TrainConfig, TrainerConfig
+from cltrain.app.schema import (
+    APP_SET_TRAINER_KEYS,
+    KEYS_ELSEWHERE,
+    SCHEMA_NAME,
+    TrainConfig,
+    TrainerConfig,
+)
 
 __all__ = ["check", "check_command_line", "compose_config", "config_error"]
 
 _NONE = type(None)
+_UNIONS = (Union, types.UnionType)  # Optional[X] and X | None
 
 
 # --- the schema's fields, by dotted key ----------------------------------------------------------
@@ -56,13 +68,13 @@ def _subclasses(cls: type) -> list[type]:
 
 def _unwrap(tp: Any) -> Any:
     """``Optional[X]`` -> ``X``."""
-    if typing.get_origin(tp) is Union:
+    if typing.get_origin(tp) in _UNIONS:
         args = [a for a in typing.get_args(tp) if a is not _NONE]
         return args[0] if len(args) == 1 else tp
     return tp
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -101,11 +113,11 @@ def _describe(owner: type, f: dataclasses.Field) -> tuple[str, str | None]:
 
 def _type_words(tp: Any) -> str:
     origin = typing.get_origin(tp)
-    if origin in (list, Sequence, typing.List):
+    if origin in (list, Sequence, list):
         return f"a list of {_type_words(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
-    if origin in (dict, typing.Dict):
+    if origin in (dict, dict):
         return "a mapping"
-    if origin is Union:
+    if origin in _UNIONS:
         args = [a for a in typing.get_args(tp) if a is not _NONE and not (a is int and float in typing.get_args(tp))]
         words = " or ".join(_type_words(a) for a in args)
         return f"{words} or null" if _NONE in typing.get_args(tp) else words
@@ -124,6 +136,8 @@ def _unknown(key: str, value: Any, known: Sequence[str], prefix: str = "", hint:
     close = [KEYS_ELSEWHERE[prefix + key]] if prefix + key in KEYS_ELSEWHERE else [
         prefix + c for c in difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)]
     reason = f"unknown key; did you mean {close[0]}?" if close else "unknown key; see python train.py --help"
+    if not close and hint is None and len(known) <= 8:  # a small group: its keys
+        hint = ", ".join(prefix + k for k in known)
     return ConfigError(prefix + key, _plain(value), reason, hint)
 
 
@@ -132,7 +146,7 @@ def _plain(value: Any) -> Any:
 
 
 # --- Lightning's Trainer arguments (trainer.* beyond the schema's) -------------------------------
-@lru_cache(maxsize=None)
+@cache
 def _arguments(target: str | None) -> dict[str, Any]:
     """Constructor argument -> type hint of a class (its dotted path); empty if it does not import."""
     if target is None:
@@ -154,7 +168,7 @@ def _fits(value: Any, hint: Any) -> bool:
     """Whether ``value`` is of the simple type ``hint`` (bool, int, float, str, None, Literal, Optional,
     Union, list of those); a hint it cannot judge (a class, a timedelta) lets anything through."""
     origin = typing.get_origin(hint)
-    if origin is Union:
+    if origin in _UNIONS:
         return any(_fits(value, a) for a in typing.get_args(hint))
     if origin is typing.Literal:
         return value in typing.get_args(hint)
@@ -205,7 +219,7 @@ def check(cfg: DictConfig) -> None:
 def _check_node(node: DictConfig, prefix: str) -> None:
     schema = OmegaConf.get_type(node)
     fields = {f.name: f for f in dataclasses.fields(schema)}
-    for name in node.keys():
+    for name in node:
         if name in fields:
             continue
         if schema is TrainerConfig or issubclass(schema, TrainerConfig):
@@ -253,9 +267,6 @@ def config_error(exc: BaseException) -> ConfigError | None:
     if isinstance(exc, ConfigError):
         return exc
     message = str(exc)
-    line = next((m.group(1) for m in [re.match(r"Error merging override (.+)", message)] if m), None)
-    if message.startswith("Could not override '"):
-        line = message.split("To append to your config use +", 1)[-1].strip()
     if message.startswith("Could not append to config. An item is already at '"):
         key = message.split("'")[1]
         value = _override(message.split("Either remove + prefix: '", 1)[-1].split("'")[0])[1]
@@ -263,32 +274,44 @@ def config_error(exc: BaseException) -> ConfigError | None:
     cause = next((c for c in _causes(exc) if isinstance(c, OmegaConfBaseException) and getattr(c, "full_key", None)), None)
     if cause is None:
         return None
-    full_key = re.sub(r"\[\d+\]$", "", str(cause.full_key))
-    key, value = _override(line) if line is not None else (full_key, cause.value)
-    key = key if line is not None else full_key
-    found = _field(key)
-    parent, _, name = key.rpartition(".")
-    if found is None:  # not a key of the schema
-        owner = _field(parent)
-        schema = _unwrap(_hints(owner[0])[owner[1].name]) if owner is not None else (TrainConfig if not parent else None)
-        if schema is not None and dataclasses.is_dataclass(schema):
-            if issubclass(schema, TrainerConfig) and name not in APP_SET_TRAINER_KEYS:
-                from lightning.pytorch import Trainer
-
-                if name in _arguments(f"{Trainer.__module__}.{Trainer.__qualname__}"):
-                    return ConfigError(key, value, "a Lightning Trainer argument the app leaves at Lightning's default; "
-                                       "add it with +", f"+{key}={_show_override(line)}")
-            if issubclass(schema, TrainerConfig) and name in APP_SET_TRAINER_KEYS:
-                return ConfigError(key, value, "set by the app; do not set it here", f"use {APP_SET_TRAINER_KEYS[name]}")
-            types = [c for c in _subclasses(schema) if c is getattr(cause, "object_type", None)] or [schema]
-            return _unknown(name, value, [f.name for f in dataclasses.fields(types[0])], f"{parent}." if parent else "")
-        return ConfigError(key, value, f"not in {parent}; add a key there with +", f"+{key}={_show_override(line)}")
+    merging = re.match(r"Error merging override (.+)", message)
+    line = merging.group(1) if merging else message.split("To append to your config use +", 1)[1].strip() \
+        if message.startswith("Could not override '") else None
+    key, value = _override(line) if line is not None else (re.sub(r"\[\d+\]$", "", str(cause.full_key)), cause.value)
+    parent_type = getattr(cause, "object_type", None)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return _not_a_key(key, value, parent_type if dataclasses.is_dataclass(parent_type) else None, line)
+    name = key.rpartition(".")[2]
+    found = (parent_type, next(f for f in dataclasses.fields(parent_type) if f.name == name)) \
+        if dataclasses.is_dataclass(parent_type) and name in {f.name for f in dataclasses.fields(parent_type)} \
+        else _field(key)
+    if found is None:
+        return None
     owner, f = found
     schema = _unwrap(_hints(owner)[f.name])
     if dataclasses.is_dataclass(schema):
         return ConfigError(key, value, "is a group of keys, not a value", _group_hint(key, schema))
     reason, allowed = _describe(owner, f)
     return ConfigError(key, value, reason, allowed)
+
+
+def _not_a_key(key: str, value: Any, schema: type | None, line: str | None) -> ConfigError:
+    """The error for a key its group does not have: the closest keys, or where it goes instead."""
+    parent, _, name = key.rpartition(".")
+    if schema is None:
+        owner = _field(parent) if parent else None
+        schema = TrainConfig if not parent else _unwrap(_hints(owner[0])[owner[1].name]) if owner else None
+    if schema is None or not dataclasses.is_dataclass(schema):  # a free-form mapping (model.kwargs, logger.csv)
+        return ConfigError(key, value, f"not in {parent}; add a key there with +", f"+{key}={_show_override(line)}")
+    if issubclass(schema, TrainerConfig):
+        if name in APP_SET_TRAINER_KEYS:
+            return ConfigError(key, value, "set by the app; do not set it here", f"use {APP_SET_TRAINER_KEYS[name]}")
+        from lightning.pytorch import Trainer
+
+        if name in _arguments(f"{Trainer.__module__}.{Trainer.__qualname__}"):
+            return ConfigError(key, value, "a Lightning Trainer argument the app leaves at Lightning's default; "
+                               "add it with +", f"+{key}={_show_override(line)}")
+    return _unknown(name, value, [f.name for f in dataclasses.fields(schema)], f"{parent}." if parent else "")
 
 
 def _show_override(line: str | None) -> str:
@@ -311,7 +334,7 @@ def _compose(overrides: Sequence[str], config_name: str = "config") -> DictConfi
 
     try:
         return compose(config_name, overrides=list(overrides))
-    except Exception as exc:  # noqa: BLE001 - translated, or raised as it is
+    except Exception as exc:
         error = config_error(exc)
         if error is None:
             raise

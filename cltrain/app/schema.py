@@ -39,16 +39,36 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig
 
 __all__ = [
-    "APP_SET_TRAINER_KEYS", "KEYS_ELSEWHERE", "AdamWConfig", "CheckpointConfig", "ClipFolderConfig", "ClipFolderDemoConfig",
-    "CompileConfig", "DataConfig", "EMAConfig", "ImageDemoConfig", "ImageFolderConfig", "ImageFolderDemoConfig",
-    "ModelConfig", "OptimConfig", "Rule", "choices", "optimizer_name", "SCHEMA_NAME", "SGDConfig", "ShardsConfig", "TrainConfig", "TrainerConfig",
-    "VideoDemoConfig", "register",
+    "APP_SET_TRAINER_KEYS",
+    "KEYS_ELSEWHERE",
+    "SCHEMA_NAME",
+    "AdamWConfig",
+    "CheckpointConfig",
+    "ClipFolderConfig",
+    "ClipFolderDemoConfig",
+    "CompileConfig",
+    "DataConfig",
+    "EMAConfig",
+    "ImageDemoConfig",
+    "ImageFolderConfig",
+    "ImageFolderDemoConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "Rule",
+    "SGDConfig",
+    "ShardsConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "VideoDemoConfig",
+    "choices",
+    "optimizer_name",
+    "register",
 ]
 
 
@@ -153,8 +173,8 @@ class ModelConfig:
 
     name: str = MISSING                       # resnet50, efficientnet_b0, r3d_18, convnext_atto (timm), ...
     source: str = key("auto", choices("auto", "torchvision", "timm"))  # auto: torchvision first, then timm
-    pretrained: Optional[str] = key(None, OPT_PATH)  # a local weights file; nothing is downloaded
-    kwargs: Dict[str, Any] = key({})          # extra constructor arguments, e.g. {zero_init_residual: true}
+    pretrained: str | None = key(None, OPT_PATH)  # a local weights file; nothing is downloaded
+    kwargs: dict[str, Any] = key({})          # extra constructor arguments, e.g. {zero_init_residual: true}
 
 
 # --- data -----------------------------------------------------------------------------------------
@@ -165,7 +185,7 @@ class ImageDemoConfig:
     num_classes: int = key(10, POSITIVE)
     train_per_class: int = key(100, POSITIVE)
     val_per_class: int = key(20, POSITIVE)
-    image_size: List[int] = key([500, 375], IMAGE_SIZE_WH)  # width, height of the JPEGs (ImageNet-like)
+    image_size: list[int] = key([500, 375], IMAGE_SIZE_WH)  # width, height of the JPEGs (ImageNet-like)
     seed: int = key(0, SEED)
     any_root: bool = False                    # true: generate it at any data.root (else only at the option's own root)
 
@@ -195,19 +215,19 @@ class DataConfig:
     """``data``: what every DataModule the app builds takes; the options' schemas extend it."""
 
     _target_: str = MISSING                   # the DataModule class
-    root: Optional[str] = key(None, OPT_PATH)  # relative to the directory you start from; required unless a demo
+    root: str | None = key(None, OPT_PATH)  # relative to the directory you start from; required unless a demo
     batch_size: int = key(256, POSITIVE)       # per device (global batch = batch_size x devices x nodes x accumulation)
     num_workers: int = key(8, COUNT)
     image_size: int = key(224, POSITIVE)      # training crop; centre crop for validation
-    val_resize_size: Optional[int] = key(256, OPT_POSITIVE)  # validation resize before the centre crop
+    val_resize_size: int | None = key(256, OPT_POSITIVE)  # validation resize before the centre crop
 
 
 @dataclass
 class _ImageCrops(DataConfig):
     """The training crop and augmentation of :class:`cltrain.data.ImageFolderDataModule` (README "The NHWC data path")."""
 
-    scale: List[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
-    ratio: List[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
+    scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
+    ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
     hflip: float = key(0.5, UNIT_CLOSED)      # horizontal flip probability
     interpolation: str = key("bilinear", choices(*INTERPOLATIONS))  # antialiased, training and evaluation
     exif_transpose: bool = False              # turn photos upright by their EXIF orientation (off, as torchvision)
@@ -227,16 +247,16 @@ class ImageFolderConfig(_ImageCrops):
     bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
     allow_missing_val_classes: bool = False   # true: accept classes with train/ images but no val/ folder
     check_val: str = key("quick", choices(*CHECK_MODES))  # check the validation files before the first epoch
-    exclude_files: Optional[str] = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
-    demo: Optional[ImageDemoConfig] = None    # set: generate the demo set at root when it is missing
+    exclude_files: str | None = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
+    demo: ImageDemoConfig | None = None    # set: generate the demo set at root when it is missing
 
 
 @dataclass
 class ImageFolderDemoConfig(ImageFolderConfig):
     """``schema/data/images_demo``: the image demo set, generated at ``root`` (its only place) on first use."""
 
-    root: Optional[str] = key("data/demo", OPT_PATH)
-    demo: Optional[ImageDemoConfig] = field(default_factory=ImageDemoConfig)
+    root: str | None = key("data/demo", OPT_PATH)
+    demo: ImageDemoConfig | None = field(default_factory=ImageDemoConfig)
 
 
 @dataclass
@@ -245,7 +265,7 @@ class ShardsConfig(_ImageCrops):
 
     _target_: str = "cltrain.data.ShardsDataModule"
     seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
-    shuffle_window: Optional[int] = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
+    shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
 
 
 @dataclass
@@ -256,21 +276,21 @@ class ClipFolderConfig(DataConfig):
     batch_size: int = key(8, POSITIVE)        # clips per device
     num_workers: int = key(2, COUNT)
     image_size: int = key(112, POSITIVE)
-    val_resize_size: Optional[int] = key(128, OPT_POSITIVE)
+    val_resize_size: int | None = key(128, OPT_POSITIVE)
     num_frames: int = key(16, POSITIVE)       # frames per clip (T)
     frame_stride: int = key(1, POSITIVE)      # every n-th frame
-    scale: List[float] = key([0.08, 1.0], SCALE)  # crop area range
+    scale: list[float] = key([0.08, 1.0], SCALE)  # crop area range
     hflip: float = key(0.5, UNIT_CLOSED)
     bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))
-    demo: Optional[VideoDemoConfig] = None
+    demo: VideoDemoConfig | None = None
 
 
 @dataclass
 class ClipFolderDemoConfig(ClipFolderConfig):
     """``schema/data/video_demo``: the moving-shapes clip demo, generated at ``root`` on first use."""
 
-    root: Optional[str] = key("data/video_demo", OPT_PATH)
-    demo: Optional[VideoDemoConfig] = field(default_factory=VideoDemoConfig)
+    root: str | None = key("data/video_demo", OPT_PATH)
+    demo: VideoDemoConfig | None = field(default_factory=VideoDemoConfig)
 
 
 # --- trainer --------------------------------------------------------------------------------------
@@ -295,7 +315,7 @@ class TrainerConfig:
     """
 
     _target_: str = "lightning.pytorch.Trainer"
-    max_epochs: Optional[int] = key(8, STEPS)  # the demo run; experiment=main_amp: 90
+    max_epochs: int | None = key(8, STEPS)  # the demo run; experiment=main_amp: 90
     devices: Any = key(1, DEVICES)            # per node; > 1 means DDP (trainer=ddp)
     num_nodes: int = key(1, POSITIVE)
     strategy: str = key("auto", TEXT)
@@ -309,7 +329,7 @@ class TrainerConfig:
     sync_batchnorm: bool = False              # SyncBatchNorm under DDP (CUDA only)
     # torch.backends.cudnn.benchmark, set by Lightning: time the conv algorithms once per shape (apex, timm).
     # null: true, or false with deterministic=true (Lightning's rule, with apex's default otherwise).
-    benchmark: Optional[bool] = None
+    benchmark: bool | None = None
 
 
 # --- optimizer and schedule -----------------------------------------------------------------------
@@ -323,7 +343,7 @@ class OptimConfig:
     weight_decay: float = key(1.0e-4, NON_NEGATIVE)
     schedule: str = key("step", choices(*SCHEDULES))  # step: main_amp's warm-up + x gamma at milestones | cosine
     warmup_epochs: float = key(1.0, NON_NEGATIVE)  # linear warm-up, both schedules
-    milestones: List[int] = key([6], MILESTONES)  # step schedule: epochs at which lr is multiplied by gamma
+    milestones: list[int] = key([6], MILESTONES)  # step schedule: epochs at which lr is multiplied by gamma
     gamma: float = key(0.1, GT_ZERO)
     min_lr_ratio: float = key(0.0, UNIT_CLOSED)  # cosine schedule: final lr = lr x min_lr_ratio
 
@@ -344,7 +364,7 @@ class AdamWConfig(OptimConfig):
     name: str = key("adamw", optimizer_name("adamw"))
     lr: float = key(1.0e-3, GT_ZERO)
     weight_decay: float = key(0.05, NON_NEGATIVE)
-    betas: List[float] = key([0.9, 0.999], BETAS)
+    betas: list[float] = key([0.9, 0.999], BETAS)
 
 
 # --- run-wide groups ------------------------------------------------------------------------------
@@ -381,8 +401,8 @@ class TrainConfig:
     data: DataConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = MISSING
-    logger: Dict[str, Any] = key({})          # named entries, each {_target_: <Lightning logger>, ...}: conf/logger/
-    callbacks: Dict[str, Any] = key({})       # named entries, each {_target_: <Lightning callback>, ...}: conf/callbacks/
+    logger: dict[str, Any] = key({})          # named entries, each {_target_: <Lightning logger>, ...}: conf/logger/
+    callbacks: dict[str, Any] = key({})       # named entries, each {_target_: <Lightning callback>, ...}: conf/callbacks/
     # the toggles
     channels_last: bool = True                # true: ChannelsLast callback + NHWC batches; false: contiguous NCHW baseline
     channels_last_mode: str = key("full", choices("full", "conv", "auto"))  # what the ChannelsLast callback converts
@@ -397,9 +417,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     print_freq: int = key(10, COUNT)          # a main_amp.py style progress line every N training batches (0: never)
     throughput_warmup: int = key(3, COUNT)    # training batches left out of images/second (allocator, cudnn, compile)
-    ckpt_path: Optional[str] = key(None, OPT_PATH)  # resume training from this checkpoint (step, schedule, optimizer)
+    ckpt_path: str | None = key(None, OPT_PATH)  # resume training from this checkpoint (step, schedule, optimizer)
     evaluate_only: bool = False               # validate only: needs ckpt_path=... or model.pretrained=...
-    run_dir: Optional[str] = key(None, OPT_PATH)  # null: Hydra's run directory (outputs/<date>/<time>, -1, -2...)
+    run_dir: str | None = key(None, OPT_PATH)  # null: Hydra's run directory (outputs/<date>/<time>, -1, -2...)
 
 
 #: The name of :class:`TrainConfig` in the ConfigStore (the first entry of conf/config.yaml's defaults list).

@@ -181,8 +181,8 @@ BAD = [
     ("ema.decay=1.5", "ema.decay=1.5: must be a number in [0, 1) (allowed: 0 <= value < 1)"),
     ("ema=true", "ema=true: is a group of keys, not a value (allowed: ema.enabled=true)"),
     ("+trainer.precision=bf16-mixed", "trainer.precision='bf16-mixed': set by the app; do not set it here (allowed: use amp"),
-    ("trainer.max_steps=100", "trainer.max_steps=100: a Lightning Trainer argument the app leaves at Lightning's default; "
-                              "add it with + (allowed: +trainer.max_steps=100)"),
+    ("trainer.max_steps=100", ("trainer.max_steps=100: a Lightning Trainer argument the app leaves at Lightning's default; "
+                               "add it with + (allowed: +trainer.max_steps=100)")),
 ]
 
 
