@@ -1,6 +1,6 @@
 """Check a composed config before anything is built, and map the toggles onto Lightning.
 
-:func:`validate` is the one check of a config: the schema's (:func:`cltrain.app.compose.check`:
+:func:`validate` is the one check of a config: the schema's (:func:`cltrain.app.schema_check.check`:
 keys, types, ranges, choices), then what a value means on this machine (device, precision,
 paths, the checkpoint to resume). Every problem is a :class:`ConfigError` that names the key,
 the value and what is allowed; the CLI prints it as one line and exits with status 2.
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.compose import check
+from cltrain.app.schema_check import check
 from cltrain.app.errors import ConfigError, show
 from cltrain.devices import DeviceError
 from cltrain.devices import resolve_device as resolve_torch_device

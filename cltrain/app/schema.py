@@ -14,9 +14,9 @@ schema per shape under ``schema/<group>`` that each option's yaml extends
 ``schema/optim``    ``sgd`` (:class:`SGDConfig`), ``adamw`` (:class:`AdamWConfig`)
 ==================  ==========================================================
 
-Hydra checks types when it composes (``seed=abc``); each field's :class:`Rule`
-(its metadata) holds the range or choices that :mod:`cltrain.app.compose`
-checks after (``ema.decay=1.5``). ``trainer`` takes any other argument of
+Hydra checks types when it composes (``seed=abc``); each field's rule
+(:class:`cltrain.app.rules.Rule`, in its metadata) holds the range or choices that
+:func:`cltrain.app.schema_check.check` checks after (``ema.decay=1.5``). ``trainer`` takes any other argument of
 Lightning's ``Trainer`` by its own name (``+trainer.max_steps=100``), except
 :data:`APP_SET_TRAINER_KEYS`.
 
@@ -35,14 +35,43 @@ Example::
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, ListConfig
+from omegaconf import MISSING
+
+from cltrain.app.rules import (
+    AMP,
+    AUGMENT_POLICIES,
+    BAD_FILE_POLICIES,
+    BETAS,
+    CHECK_MODES,
+    COUNT,
+    DETERMINISTIC,
+    DEVICES,
+    FRACTION_OR_COUNT,
+    GT_ZERO,
+    IMAGE_SIZE_WH,
+    INTERPOLATIONS,
+    MILESTONES,
+    NON_NEGATIVE,
+    OPT_PATH,
+    OPT_POSITIVE,
+    POSITIVE,
+    RATIO,
+    SCALE,
+    SCHEDULES,
+    SEED,
+    STEPS,
+    TEXT,
+    TOP_K,
+    UNIT,
+    UNIT_CLOSED,
+    choices,
+    key,
+    optimizer_name,
+)
 
 __all__ = [
     "APP_SET_TRAINER_KEYS",
@@ -60,102 +89,13 @@ __all__ = [
     "ImageFolderDemoConfig",
     "ModelConfig",
     "OptimConfig",
-    "Rule",
     "SGDConfig",
     "ShardsConfig",
     "TrainConfig",
     "TrainerConfig",
     "VideoDemoConfig",
-    "choices",
-    "optimizer_name",
     "register",
 ]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a value must be beyond its type: ``test(value)`` holds, else the error says ``reason`` and ``allowed``."""
-
-    test: Callable[[Any], bool]
-    reason: str
-    allowed: str | None = None
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _list(v: Any) -> bool:
-    return isinstance(v, (list, tuple, ListConfig))
-
-
-def choices(*values: Any) -> Rule:
-    """A rule allowing exactly ``values``."""
-    shown = ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
-    return Rule(lambda v: any(v is c or (type(v) is type(c) and v == c) for c in values), "unknown value", shown)
-
-
-POSITIVE = Rule(lambda v: _int(v) and v > 0, "must be a whole number > 0")
-COUNT = Rule(lambda v: _int(v) and v >= 0, "must be a whole number >= 0")
-SEED = Rule(lambda v: _int(v) and 0 <= v < 2**32, "must be a whole number", "0 .. 2**32-1")
-STEPS = Rule(lambda v: v is None or (_int(v) and v >= -1), "must be a whole number >= -1", "-1 for no limit, or null")
-OPT_POSITIVE = Rule(lambda v: v is None or (_int(v) and v > 0), "must be a whole number > 0", "or null")
-FRACTION_OR_COUNT = Rule(lambda v: v is None or (_int(v) and v >= 0) or (_number(v) and 0.0 <= v <= 1.0),
-                         "must be a number of batches or a fraction", "a whole number >= 0, 0.0 .. 1.0, or null")
-NON_NEGATIVE = Rule(lambda v: _number(v) and v >= 0, "must be a number >= 0")
-GT_ZERO = Rule(lambda v: _number(v) and v > 0, "must be a number > 0")
-UNIT = Rule(lambda v: _number(v) and 0.0 <= v < 1.0, "must be a number in [0, 1)", "0 <= value < 1")
-UNIT_CLOSED = Rule(lambda v: _number(v) and 0.0 <= v <= 1.0, "must be a number in [0, 1]", "0 <= value <= 1")
-TEXT = Rule(lambda v: isinstance(v, str) and v != "", "must be a non-empty string")
-OPT_PATH = Rule(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a path", "a path, or null")
-TOP_K = Rule(lambda v: _int(v) and v >= -1, "must be a whole number >= -1", "-1 keeps all, 0 none, k the best k")
-DEVICES = Rule(lambda v: v == "auto" or (_int(v) and v > 0) or (_list(v) and len(v) > 0 and all(_int(i) and i >= 0 for i in v)),
-               "must be a number of devices", "a whole number > 0, auto, or [0, 1, ...]")
-MILESTONES = Rule(lambda v: _list(v) and all(_int(i) and i >= 0 for i in v), "must be a list of epochs", "e.g. [30, 60, 80]")
-BETAS = Rule(lambda v: _list(v) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
-             "must be two numbers in [0, 1)", "e.g. [0.9, 0.999]")
-SCALE = Rule(lambda v: _list(v) and len(v) == 2 and all(_number(s) for s in v) and 0 < v[0] <= v[1] <= 1,
-             "must be two numbers 0 < min <= max <= 1", "e.g. [0.08, 1.0]")
-RATIO = Rule(lambda v: _list(v) and len(v) == 2 and all(_number(s) for s in v) and 0 < v[0] <= v[1],
-             "must be two numbers 0 < min <= max", "e.g. [0.75, 1.3333]")
-IMAGE_SIZE_WH = Rule(lambda v: _list(v) and len(v) == 2 and all(_int(s) and s > 0 for s in v),
-                     "must be two whole numbers > 0", "[width, height]")
-AMP = choices("auto", True, False, "bf16", "fp16")
-DETERMINISTIC = choices(True, False, "warn")
-
-#: Choices the data layer takes (a test checks they match its own lists).
-INTERPOLATIONS = ("bilinear", "bicubic")
-AUGMENT_POLICIES = ("none", "trivialaugment", "randaugment")
-CHECK_MODES = ("quick", "full", "off")
-BAD_FILE_POLICIES = ("raise", "skip")
-SCHEDULES = ("step", "cosine")
-OPTIMIZERS = ("sgd", "adamw")
-
-
-def optimizer_name(name: str) -> Rule:
-    """``optim.name`` of an optim option's schema: only its own name (the option picks the optimizer)."""
-    return Rule(lambda v: v == name, "the optimizer is chosen by the optim option",
-                ", ".join(f"optim={o}" for o in OPTIMIZERS))
-
-
-def key(default: Any, rule: Rule | None = None) -> Any:
-    """A dataclass field holding ``default`` (copied per instance when mutable) and its :class:`Rule`."""
-    metadata = {"rule": rule} if rule is not None else {}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def rule_of(schema: type, name: str) -> Rule | None:
-    """The :class:`Rule` of field ``name`` of the dataclass ``schema``, if it has one."""
-    for f in dataclasses.fields(schema):
-        if f.name == name:
-            return f.metadata.get("rule")
-    return None
 
 
 #: Keys whose settings live under another name: an unknown key among these suggests its new place.

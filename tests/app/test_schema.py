@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app import schema
+from cltrain.app import rules, schema
 from cltrain.app.compose import check_command_line, compose_config
 from cltrain.app.config import validate
 from cltrain.app.configs import CONFIG_DIR
@@ -140,15 +140,13 @@ def test_a_demo_schema_takes_only_its_generators_arguments() -> None:
 
 
 def test_the_schema_choices_are_the_data_layers() -> None:
-    from cltrain.app.schedule import SCHEDULES
     from cltrain.data.augment import AUGMENT_POLICIES
     from cltrain.data.constants import CHECK_MODES
     from cltrain.data.dataset import BAD_FILE_POLICIES
     from cltrain.data.decode import INTERPOLATIONS
 
-    assert set(schema.INTERPOLATIONS) == set(INTERPOLATIONS) and set(schema.AUGMENT_POLICIES) == set(AUGMENT_POLICIES)
-    assert set(schema.CHECK_MODES) == set(CHECK_MODES) and set(schema.BAD_FILE_POLICIES) == set(BAD_FILE_POLICIES)
-    assert set(schema.SCHEDULES) == set(SCHEDULES)
+    assert set(rules.INTERPOLATIONS) == set(INTERPOLATIONS) and set(rules.AUGMENT_POLICIES) == set(AUGMENT_POLICIES)
+    assert set(rules.CHECK_MODES) == set(CHECK_MODES) and set(rules.BAD_FILE_POLICIES) == set(BAD_FILE_POLICIES)
 
 
 def test_trainer_arguments_pass_through_by_their_own_names() -> None:
