@@ -56,6 +56,7 @@ __all__ = ["check", "config_error"]
 
 _NONE = type(None)
 _UNIONS = (Union, types.UnionType)  # Optional[X] and X | None
+LIGHTNING_TRAINER = TrainerConfig._target_  # its arguments pass through under trainer.*
 
 
 # --- the schema's fields, by dotted key ----------------------------------------------------------
@@ -113,9 +114,9 @@ def _describe(owner: type, f: dataclasses.Field) -> tuple[str, str | None]:
 
 def _type_words(tp: Any) -> str:
     origin = typing.get_origin(tp)
-    if origin in (list, Sequence, list):
+    if origin in (list, Sequence):
         return f"a list of {_type_words(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
-    if origin in (dict, dict):
+    if origin is dict:
         return "a mapping"
     if origin in _UNIONS:
         args = [a for a in typing.get_args(tp) if a is not _NONE and not (a is int and float in typing.get_args(tp))]
@@ -185,16 +186,14 @@ def _fits(value: Any, hint: Any) -> bool:
         return isinstance(value, str)
     if hint is _NONE:
         return value is None
-    return not (origin is None and isinstance(hint, type) and hint in (dict, tuple))
+    return True  # a class, a timedelta, a mapping: Lightning checks it
 
 
 def _check_trainer_extra(node: DictConfig, name: str) -> None:
     key, value = f"trainer.{name}", node.get(name)
     if name in APP_SET_TRAINER_KEYS:
         raise ConfigError(key, _plain(value), "set by the app; do not set it here", f"use {APP_SET_TRAINER_KEYS[name]}")
-    from lightning.pytorch import Trainer
-
-    arguments = {**_arguments(f"{Trainer.__module__}.{Trainer.__qualname__}"), **_arguments(node.get("_target_"))}
+    arguments = {**_arguments(LIGHTNING_TRAINER), **_arguments(node.get("_target_"))}
     if name not in arguments:
         known = set(arguments) - set(APP_SET_TRAINER_KEYS)
         raise _unknown(name, value, known, "trainer.", "any argument of lightning.pytorch.Trainer")
@@ -306,9 +305,7 @@ def _not_a_key(key: str, value: Any, schema: type | None, line: str | None) -> C
     if issubclass(schema, TrainerConfig):
         if name in APP_SET_TRAINER_KEYS:
             return ConfigError(key, value, "set by the app; do not set it here", f"use {APP_SET_TRAINER_KEYS[name]}")
-        from lightning.pytorch import Trainer
-
-        if name in _arguments(f"{Trainer.__module__}.{Trainer.__qualname__}"):
+        if name in _arguments(LIGHTNING_TRAINER):
             return ConfigError(key, value, "a Lightning Trainer argument the app leaves at Lightning's default; "
                                "add it with +", f"+{key}={_show_override(line)}")
     return _unknown(name, value, [f.name for f in dataclasses.fields(schema)], f"{parent}." if parent else "")
