@@ -128,3 +128,31 @@ def test_each_demo_is_generated_at_its_own_default_root(overrides: list[str]) ->
     cfg = compose_config([*overrides, "device=cpu"])
     assert str(cfg.data.root) == demo_home(cfg.data) in ("data/demo", "data/video_demo")
     validate(cfg)  # raises ConfigError for a demo root that is not its config's own
+
+
+@pytest.mark.parametrize("amp,bf16_ok,expected", [
+    ("fp16", True, "16-mixed"), ("bf16", True, "bf16-mixed"), ("bf16", False, "amp='bf16': this GPU has no bf16 support"),
+    (True, True, "bf16-mixed"), (True, False, "16-mixed"), ("auto", False, "16-mixed"), (False, True, "32-true"),
+])
+def test_amp_on_cuda_maps_to_lightning_precision(monkeypatch: pytest.MonkeyPatch, amp, bf16_ok: bool, expected: str) -> None:
+    # amp=true and amp=auto pick the GPU's dtype (cltrain.precision.auto_precision); bf16 / fp16 ask for one
+    from cltrain.precision import PrecisionChoice
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_ok)
+    monkeypatch.setattr(app_config, "auto_precision",
+                        lambda device: PrecisionChoice("bf16-mixed" if bf16_ok else "16-mixed", "test"))
+    if expected.startswith("amp="):
+        with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
+            app_config.resolve_precision(amp, "cuda")
+    else:
+        assert app_config.resolve_precision(amp, "cuda")[0] == expected
+
+
+def test_amp_fp16_is_refused_on_the_cpu_and_bf16_runs() -> None:
+    with pytest.raises(ConfigError, match=r"amp='fp16': AMP on the CPU is bf16 autocast"):
+        app_config.resolve_precision("fp16", "cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert app_config.resolve_precision("bf16", "cpu")[0] == "bf16-mixed"
