@@ -1,9 +1,11 @@
 """``main()``: the command line (``python train.py ...`` and the ``cltrain-train`` console script).
 
 Hydra composes ``conf/config.yaml`` with the command-line overrides and calls
-:func:`cltrain.app.train.train`. A bad config value ends the run with one line
-on stderr and exit status 2; an unknown group option (``model=nope``) is
-Hydra's own one-paragraph error listing the options (exit status 1).
+:func:`cltrain.app.train.train`. The overrides are composed and checked against
+the schema first (:func:`cltrain.app.compose.check_command_line`, every value of
+a ``-m`` sweep): an unknown key or a bad value ends the run with one line on
+stderr and exit status 2 before anything starts; an unknown group option
+(``model=nope``) is Hydra's own one-paragraph error listing the options (exit status 1).
 
 The configs are cltrain's own (:mod:`cltrain.app.configs`), or ``$CLTRAIN_CONFIG_DIR``;
 Hydra's ``--config-dir`` adds a folder of the user's beside them.
@@ -12,25 +14,15 @@ Hydra's ``--config-dir`` adds a folder of the user's beside them.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from cltrain.app.compose import check_command_line, compose_config
 from cltrain.app.configs import CONFIG_DIR
 from cltrain.app.errors import ConfigError
 
 __all__ = ["CONFIG_DIR", "compose_config", "main"]
-
-
-def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> DictConfig:
-    """The config ``python train.py <overrides>`` would run, composed with Hydra's compose API
-    (no run directory, so set ``run_dir=...`` before calling ``train``)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
@@ -53,4 +45,9 @@ def _run(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """Entry point of ``train.py`` and ``cltrain-train``."""
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as err:
+        print(f"cltrain: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     _run()

@@ -1,7 +1,9 @@
 """Check a composed config before anything is built, and map the toggles onto Lightning.
 
-Every problem is a :class:`ConfigError` that names the key, the value and what is
-allowed; the CLI prints it as one line and exits with status 2.
+:func:`validate` is the one check of a config: the schema's (:func:`cltrain.app.schema_check.check`:
+keys, types, ranges, choices), then what a value means on this machine (device, precision,
+paths, the checkpoint to resume). Every problem is a :class:`ConfigError` that names the key,
+the value and what is allowed; the CLI prints it as one line and exits with status 2.
 
 The toggles, and what they become (``device=auto`` is ``cuda`` when available, else ``cpu``):
 
@@ -12,17 +14,22 @@ any            auto (the default)     :func:`cltrain.precision.auto_precision`: 
                                       where bf16 is native (CUDA compute capability 8.0+,
                                       CPUs with AVX512-BF16/AMX/Arm BF16 not held to AVX2),
                                       fp16 with loss scaling on older GPUs, else fp32
-cpu            true                   ``bf16-mixed`` (``amp_dtype`` auto or bf16); without
-                                      native bf16 it runs, with a warning: many times slower
-cuda[:N]       true                   ``16-mixed`` (``amp_dtype=fp16``), ``bf16-mixed``
-                                      (``amp_dtype=bf16``), or by ``auto_precision``
-mps            true                   refused
+cpu            true, bf16             ``bf16-mixed``; without native bf16 it runs, with a
+                                      warning: many times slower
+cpu            fp16                   refused (AMP on the CPU is bf16 autocast)
+cuda[:N]       true                   by ``auto_precision`` (bf16 on Ampere+, else fp16)
+cuda[:N]       bf16, fp16             ``bf16-mixed`` (refused without bf16 support), ``16-mixed``
+mps            true, bf16, fp16       refused
 any            false                  ``32-true``
 =============  =====================  ===================================================
+
+``trainer.benchmark`` (``torch.backends.cudnn.benchmark``, set by Lightning) left ``null``
+becomes true, as apex and timm run, or false with ``trainer.deterministic``: :attr:`Resolved.benchmark`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -30,19 +37,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.errors import ConfigError
-from cltrain.app.keys import check_keys
+from cltrain.app.schema_check import check
+from cltrain.app.errors import ConfigError, show
 from cltrain.devices import DeviceError
 from cltrain.devices import resolve_device as resolve_torch_device
 from cltrain.precision import auto_precision, cpu_bf16_support
 
-__all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "demo_default_root", "is_launched_child", "resolve_device", "resolve_precision", "validate"]
-
-AMP_DTYPES = ("auto", "bf16", "fp16")
-CHANNELS_LAST_MODES = ("full", "conv", "auto")
-OPTIMIZERS = ("sgd", "adamw")
+__all__ = ["ConfigError", "Resolved", "cpu_has_native_bf16", "demo_home", "is_launched_child", "resolve_device",
+           "resolve_precision", "validate"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ class Resolved:
     accelerator: str  # "cpu" | "cuda" | "mps"
     devices: Any  # trainer.devices, or [N] for device=cuda:N
     precision: str  # Lightning precision flag
-    precision_reason: str = ""  # why amp / amp_dtype became that flag on this machine
+    precision_reason: str = ""  # why amp became that flag on this machine
+    benchmark: bool = True  # trainer.benchmark as Lightning gets it
 
 
 def cpu_has_native_bf16() -> bool:
@@ -73,40 +78,49 @@ def resolve_device(device: Any) -> tuple[str, int | None]:
 CPU_BF16_EMULATED_SLOWDOWN = "ResNet-50 trained 14.5x slower than in fp32 (0.8 vs 11.6 img/s)"
 
 
-def resolve_precision(amp: Any, amp_dtype: str, accelerator: str, index: int | None = None) -> tuple[str, str]:
-    """The Lightning precision flag for ``amp`` (``"auto"``, true, false) and ``amp_dtype`` on
+def resolve_precision(amp: Any, accelerator: str, index: int | None = None) -> tuple[str, str]:
+    """The Lightning precision flag for ``amp`` (``"auto"``, true, false, ``"bf16"``, ``"fp16"``) on
     ``accelerator``, and the reason in words.
 
     Raises:
-        ConfigError: a dtype the device cannot autocast to, or ``amp=true`` on a device without AMP.
+        ConfigError: a dtype the device cannot autocast to, or mixed precision on a device without AMP.
     """
     if amp is False:
         return "32-true", "amp=false"
-    if accelerator == "cpu" and amp_dtype == "fp16":
-        raise ConfigError("amp_dtype", amp_dtype, "AMP on the CPU is bf16 autocast", "auto, bf16; or amp=false")
-    if accelerator == "cuda" and amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("amp_dtype", amp_dtype, "this GPU has no bf16 support", "auto, fp16")
+    if accelerator == "cpu" and amp == "fp16":
+        raise ConfigError("amp", amp, "AMP on the CPU is bf16 autocast", "auto, true, bf16, false")
+    if accelerator == "cuda" and amp == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("amp", amp, "this GPU has no bf16 support", "auto, true, fp16, false")
     if accelerator not in ("cpu", "cuda"):
         if amp == "auto":
             return "32-true", f"amp=auto: no mixed precision is chosen automatically on {accelerator}"
         raise ConfigError("amp", amp, f"AMP is not supported on device {accelerator!r}", "auto, false; or device=cpu|cuda")
-    explicit = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(amp_dtype)
-    if amp == "auto" and explicit is None:
-        choice = auto_precision(torch.device(accelerator, index) if index is not None else torch.device(accelerator))
+    device = torch.device(accelerator, index) if index is not None else torch.device(accelerator)
+    if amp == "auto":
+        choice = auto_precision(device)
         return choice.flag, f"amp=auto: {choice.reason}"
-    if accelerator == "cpu":
+    if accelerator == "cpu":  # amp=true or bf16
         native, reason = cpu_bf16_support()
         if not native:
             warnings.warn(
-                f"amp=true on a CPU without native bf16 ({reason}): bf16 autocast runs, but emulated; "
+                f"amp={show(amp)} on a CPU without native bf16 ({reason}): bf16 autocast runs, but emulated; "
                 f"{CPU_BF16_EMULATED_SLOWDOWN}. amp=auto or amp=false trains in fp32",
                 stacklevel=3,
             )
-        return "bf16-mixed", f"amp={amp} amp_dtype={amp_dtype}: bf16 autocast ({reason})"
-    if explicit is None:  # amp=true amp_dtype=auto on CUDA: as amp=auto
-        choice = auto_precision(torch.device("cuda", index) if index is not None else torch.device("cuda"))
+        return "bf16-mixed", f"amp={show(amp)}: bf16 autocast ({reason})"
+    if amp is True:  # on CUDA: the dtype amp=auto picks
+        choice = auto_precision(device)
         return choice.flag, f"amp=true: {choice.reason}"
-    return explicit, f"amp_dtype={amp_dtype}"
+    return {"bf16": "bf16-mixed", "fp16": "16-mixed"}[amp], f"amp={amp}"
+
+
+def demo_home(data: DictConfig) -> str | None:
+    """The one ``data.root`` at which the data option's demo set is generated: the default ``root`` of
+    its schema (``data=demo`` -> ``data/demo``, ``data=video_demo`` -> ``data/video_demo``)."""
+    schema = OmegaConf.get_type(data)
+    root = next((f.default for f in dataclasses.fields(schema) if f.name == "root"), None) \
+        if dataclasses.is_dataclass(schema) else None
+    return root if isinstance(root, str) else None
 
 
 def _validate_paths(cfg: DictConfig) -> None:
@@ -122,10 +136,9 @@ def _validate_paths(cfg: DictConfig) -> None:
     if demo is None and not where.is_dir():
         raise ConfigError("data.root", str(root), "no such directory",
                           "a directory with train/ and val/ class folders")
-    generator = demo.get("_target_", "cltrain.data.make_demo_dataset") if demo is not None else None
-    home = demo_default_roots().get(generator, demo_default_root())
-    if demo is not None and not where.exists() and not demo.get("any_root", False) \
-            and where.resolve() != Path(home).resolve():
+    home = demo_home(data)
+    if demo is not None and not where.exists() and not demo.any_root \
+            and (home is None or where.resolve() != Path(home).resolve()):
         # A typo'd path would otherwise get a freshly generated demo set and train on it without a word.
         raise ConfigError("data.root", str(root), "no such directory; the demo set is generated only at its default "
                           f"location {home}", "data=imagenet data.root=<your folder> for your own "
@@ -160,74 +173,43 @@ def _check_checkpoint(path: str, cfg: DictConfig) -> None:
                           "resuming needs the same optimizer", f"optim={saved}; or model.pretrained=<ckpt> to start anew")
     if not cfg.evaluate_only and "optimizer_states" not in state:
         raise ConfigError("ckpt_path", path, "holds weights only, nothing to resume", "model.pretrained=<file> to start from weights")
-    if not cfg.evaluate_only and "current_model_state" in state and not cfg.get("ema", False):
+    if not cfg.evaluate_only and "current_model_state" in state and not cfg.ema.enabled:
         # Its state_dict is the averaged weights; without the EMA callback nothing would restore the training
         # weights (current_model_state) and the run would go on from the average, silently.
-        raise ConfigError("ema", False, f"the checkpoint {path} was trained with ema=true (its training weights are kept "
-                          "apart from the averaged ones); resuming needs ema=true",
-                          "ema=true; or model.pretrained=<ckpt> to start anew from the averaged weights")
-
-
-def demo_default_roots() -> dict[str, str]:
-    """Demo generator (``data.demo._target_``) -> the ``data.root`` its ``conf/data/*.yaml`` declares: the
-    places ``train.py`` may generate a demo set (``data=demo`` -> ``data/demo``, ``data=video_demo`` -> ...)."""
-    from omegaconf import OmegaConf
-
-    from cltrain.app.configs import CONFIG_DIR
-
-    roots: dict[str, str] = {}
-    for path in sorted((CONFIG_DIR / "data").glob("*.yaml")):
-        node = OmegaConf.load(path)
-        if node.get("demo") is not None and node.get("root") is not None:
-            roots.setdefault(str(node.demo.get("_target_", "cltrain.data.make_demo_dataset")), str(node.root))
-    return roots
-
-
-def demo_default_root() -> str:
-    """``data.root`` of ``conf/data/demo.yaml``: the one place ``train.py`` generates the demo set."""
-    from omegaconf import OmegaConf
-
-    from cltrain.app.configs import CONFIG_DIR
-
-    path = CONFIG_DIR / "data" / "demo.yaml"
-    return str(OmegaConf.load(path).get("root", "data/demo")) if path.is_file() else "data/demo"
+        raise ConfigError("ema.enabled", False, f"the checkpoint {path} was trained with ema.enabled=true (its training "
+                          "weights are kept apart from the averaged ones); resuming needs ema.enabled=true",
+                          "ema.enabled=true; or model.pretrained=<ckpt> to start anew from the averaged weights")
 
 
 def validate(cfg: DictConfig) -> Resolved:
-    """Check ``cfg`` (before building anything) and resolve device and precision.
+    """Check ``cfg`` (before building anything) and resolve device, precision and cuDNN benchmark.
 
     Raises:
         ConfigError: on the first bad value, naming the key, the value and what is allowed.
     """
-    check_keys(cfg)  # names, types and ranges of every key; what follows checks meanings
-    if cfg.channels_last_mode not in CHANNELS_LAST_MODES:
-        raise ConfigError("channels_last_mode", cfg.channels_last_mode, "unknown mode", ", ".join(CHANNELS_LAST_MODES))
-    if cfg.compile and cfg.channels_last and cfg.channels_last_mode == "auto":
-        raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile=true (the layout is "
+    check(cfg)  # names, types, ranges and choices of every key (the schema); what follows checks meanings
+    if cfg.compile.enabled and cfg.channels_last and cfg.channels_last_mode == "auto":
+        raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile.enabled=true (the layout is "
                           "fixed before compiling)", "full, conv")
-    if cfg.amp_dtype not in AMP_DTYPES:
-        raise ConfigError("amp_dtype", cfg.amp_dtype, "unknown dtype", ", ".join(AMP_DTYPES))
-    from cltrain.app.schedule import SCHEDULES
-
-    if cfg.optim.get("schedule", "step") not in SCHEDULES:
-        raise ConfigError("optim.schedule", cfg.optim.get("schedule"), "unknown schedule", ", ".join(SCHEDULES))
-    if cfg.optim.get("name") not in OPTIMIZERS:
-        raise ConfigError("optim.name", cfg.optim.get("name"), "unknown optimizer", ", ".join(OPTIMIZERS))
 
     from cltrain.app.models import check_model_name  # keeps torchvision/timm lookups out of import time
 
-    check_model_name(cfg.model.name, cfg.model.get("source", "auto"))
+    check_model_name(cfg.model.name, cfg.model.source)
     _validate_paths(cfg)
     if cfg.get("ckpt_path") is not None:
         _check_checkpoint(str(cfg.ckpt_path), cfg)
 
     accelerator, index = resolve_device(cfg.device)
-    precision, reason = resolve_precision(cfg.amp, cfg.amp_dtype, accelerator, index)
-    if cfg.sync_bn and accelerator != "cuda":
-        raise ConfigError("sync_bn", True, f"SyncBatchNorm needs CUDA devices (torch has none for {accelerator})",
-                          "false; or device=cuda")
+    precision, reason = resolve_precision(cfg.amp, accelerator, index)
+    if cfg.trainer.sync_batchnorm and accelerator != "cuda":
+        raise ConfigError("trainer.sync_batchnorm", True, f"SyncBatchNorm needs CUDA devices (torch has none for "
+                          f"{accelerator})", "false; or device=cuda")
     devices = [index] if index is not None else cfg.trainer.devices
-    return Resolved(accelerator=accelerator, devices=devices, precision=precision, precision_reason=reason)
+    benchmark = cfg.trainer.benchmark
+    if benchmark is None:
+        benchmark = not cfg.trainer.deterministic
+    return Resolved(accelerator=accelerator, devices=devices, precision=precision, precision_reason=reason,
+                    benchmark=benchmark)
 
 
 def is_launched_child() -> bool:

@@ -7,8 +7,6 @@ cheaply (one directory listing per class folder, before anything is built) and i
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.errors import ConfigError
+from cltrain.app.schema import DEMO_GENERATORS
 
 __all__ = ["absolute", "build_datamodule"]
 
@@ -36,16 +35,13 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     if demo is not None:
         from hydra.utils import get_method
 
-        demo.pop("any_root", None)
-        # data.demo._target_ picks the generator (the video demo names its own); default: the image demo.
-        make_demo = get_method(demo.pop("_target_", "cltrain.data.make_demo_dataset"))
+        demo.pop("any_root")
+        make_demo = get_method(DEMO_GENERATORS[OmegaConf.get_type(cfg.data.demo)])  # the demo schema names its generator
         try:
             make_demo(data["root"], **demo)
         except FileExistsError as err:  # a different folder already sits at root
             raise ConfigError("data.root", data["root"], str(err).split(": ", 1)[-1],
                               "a new path, or the demo folder made with the same data.demo settings") from None
-    if not data.get("allow_missing_val_classes", True) and "allow_missing_val_classes" not in _arguments(data["_target_"]):
-        data.pop("allow_missing_val_classes")  # a DataModule without the option: the default behaviour is the same
     try:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
@@ -84,8 +80,3 @@ def _check_layout(root: Path, allow_missing_val_classes: bool, evaluate_only: bo
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         raise ConfigError("data.root", str(root), f"{len(missing)} training class(es) have no val/ folder ({shown})",
                           "add them to val/, or data.allow_missing_val_classes=true")
-
-
-def _arguments(target: str) -> set[str]:
-    module, _, name = target.rpartition(".")
-    return set(inspect.signature(getattr(importlib.import_module(module), name)).parameters)

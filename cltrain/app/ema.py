@@ -1,4 +1,4 @@
-"""EMA of the weights (``ema=true``): Lightning's ``WeightAveraging`` with a sync-free update.
+"""EMA of the weights (``ema.enabled=true``): Lightning's ``WeightAveraging`` with a sync-free update.
 
 Like timm's and torchvision's ``--model-ema``: a copy of the module (parameters
 and buffers, so BatchNorm statistics too) follows the training weights as

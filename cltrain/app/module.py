@@ -75,6 +75,9 @@ class ImageClassifier(LightningModule):
         label_smoothing: cross-entropy label smoothing.
         fused: a fused optimizer step; ``None``: on CUDA. Under loss scaling (fp16) a fused
             optimizer that fails :func:`cltrain.precision.loss_scaling_safe` is built unfused.
+
+    The defaults are apex main_amp.py's 90-epoch recipe; ``train.py`` passes every value from its
+    config (:mod:`cltrain.app.schema`, whose schedule fits the 8-epoch demo run).
     """
 
     def __init__(

@@ -79,8 +79,7 @@ def _refuse_ddp_in_a_sweep(cfg: DictConfig) -> None:
 
 
 def _apply_cuda_math(cfg: DictConfig) -> None:
-    """``cudnn_benchmark`` and ``tf32``: process-wide switches, set before the model is built."""
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    """``tf32``: process-wide switches, set before the model is built (``trainer.benchmark``: Lightning's)."""
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # what set_float32_matmul_precision("high"/"highest") sets
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
@@ -96,11 +95,11 @@ def _callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalS
         parts["channels_last"] = ChannelsLast(mode=cfg.channels_last_mode)
         callbacks.append(parts["channels_last"])
     # A progress bar fed from host values (nothing prog_bar=True per step: no per-step sync); EMA weights
-    # when ema=true. The learning rate is logged by LearningRateMonitor (callbacks/lr_monitor.yaml, a default).
+    # when ema.enabled=true. The learning rate is logged by LearningRateMonitor (callbacks/lr_monitor.yaml, a default).
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(main_amp_progress_bar())
-    if cfg.get("ema", False) and not cfg.evaluate_only:
-        callbacks.append(EMA(cfg.ema_decay, cfg.ema_warmup_steps, cfg.ema_every_n_steps))
+    if cfg.ema.enabled and not cfg.evaluate_only:
+        callbacks.append(EMA(cfg.ema.decay, cfg.ema.warmup_steps, cfg.ema.every_n_steps))
     if not cfg.evaluate_only:
         checkpoints = run_dir / "checkpoints"
         # The best k by val/top1, apart from last.ckpt: with a monitor, Lightning's save_last only
@@ -191,17 +190,17 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build_datamodule(cfg)
     kwargs = cfg.model.get("kwargs")
-    model = build_model(cfg.model.name, datamodule.num_classes, cfg.model.get("source", "auto"),
-                        _absolute(cfg.model.get("pretrained")), {} if kwargs is None else OmegaConf.to_container(kwargs))
+    model = build_model(cfg.model.name, datamodule.num_classes, cfg.model.source,
+                        _absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
     if resolved.precision == "bf16-mixed" and resolved.accelerator == "cpu" and not cfg.evaluate_only \
             and any(isinstance(m, torch.nn.Conv3d) for m in model.modules()):
         rank_zero_warn(_CPU_BF16_CONV3D)
-    if cfg.compile:
+    if cfg.compile.enabled:
         if cfg.channels_last:  # compile sees the final layout; the callback then finds nothing to convert
             from cltrain import to_channels_last
 
             to_channels_last(model, mode=cfg.channels_last_mode)
-        model.compile(backend=cfg.compile_backend)  # in place: state_dict keys stay unprefixed
+        model.compile(backend=cfg.compile.backend)  # in place: state_dict keys stay unprefixed
 
     callbacks, progress, parts = _callbacks(cfg, resolved, run_dir, stop)
     loggers = build_loggers(cfg.get("logger"), run_dir)
@@ -209,18 +208,16 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     trainer: pl.Trainer = instantiate(
         cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
         callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
-        sync_batchnorm=cfg.sync_bn, deterministic=cfg.deterministic, default_root_dir=str(run_dir),
+        benchmark=resolved.benchmark, default_root_dir=str(run_dir),
     )
     global_batch = cfg.data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
     optim = cfg.optim
-    lr = scaled_lr(optim.lr, global_batch) if optim.get("scale_lr", True) else optim.lr
-    module = ImageClassifier(
-        model, datamodule.num_classes, lr=lr, optimizer=optim.name, momentum=optim.get("momentum", 0.9),
-        weight_decay=optim.weight_decay, nesterov=optim.get("nesterov", False),
-        betas=tuple(optim.get("betas", (0.9, 0.999))), warmup_epochs=optim.warmup_epochs,
-        milestones=tuple(optim.milestones), gamma=optim.gamma, label_smoothing=cfg.label_smoothing,
-        schedule=optim.get("schedule", "step"), min_lr_ratio=optim.get("min_lr_ratio", 0.0),  # steps: schedulers
-    )
+    lr = scaled_lr(optim.lr, global_batch) if optim.scale_lr else optim.lr
+    # every optimizer and schedule key of the optim option's schema (SGD: momentum, nesterov; AdamW: betas)
+    hparams = {k: tuple(v) if isinstance(v, list) else v for k, v in OmegaConf.to_container(optim).items()
+               if k not in ("name", "lr", "scale_lr")}
+    module = ImageClassifier(model, datamodule.num_classes, lr=lr, optimizer=optim.name,
+                             label_smoothing=cfg.label_smoothing, **hparams)
 
     def finish(status: str, error: BaseException | None = None) -> dict[str, Any]:
         metrics = _final_metrics(cfg, resolved, trainer, progress, parts, model, run_dir, global_batch, lr)
@@ -229,7 +226,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         if cfg.evaluate_only:
             metrics["weights"] = weights_in_checkpoint(ckpt_path) or "live"
         else:
-            metrics["weights"] = "ema" if cfg.get("ema", False) else "live"
+            metrics["weights"] = "ema" if cfg.ema.enabled else "live"
         if error is not None and status == "failed":
             metrics["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
         metrics["wall_time_s"] = round(time.perf_counter() - started, 2)
@@ -246,7 +243,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                 trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
         else:
             rank_zero_info(f"cltrain: lr {lr:.4g} (optim.lr {optim.lr} x global batch {global_batch} / 256)"
-                           if optim.get("scale_lr", True) else f"cltrain: lr {lr:.4g}")
+                           if optim.scale_lr else f"cltrain: lr {lr:.4g}")
             with stop.deferred():
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
             if stop.signum is not None or trainer.received_sigterm:
@@ -324,7 +321,7 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, pro
         "batch_size": cfg.data.batch_size,
         "global_batch": global_batch,
         "lr": lr,
-        "compile": cfg.compile,
+        "compile": cfg.compile.enabled,
         "evaluate_only": cfg.evaluate_only,
         **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in speed.items()},
         "val_top1": _percent(logged, "val/top1"),

@@ -1,4 +1,5 @@
-"""Config composition (every group option) and config checks: each bad value gets its one-line message."""
+"""Config checks that need the machine or the filesystem (device, precision, paths, demo roots), and the
+main_amp recipe; each bad value gets its one-line message. Every group option composing: test_schema.py."""
 
 from __future__ import annotations
 
@@ -6,32 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from cltrain.app import config as app_config
 from cltrain.app.cli import compose_config
-from cltrain.app.configs import CONFIG_DIR
 from cltrain.app.config import ConfigError, validate
 from cltrain.app.schedule import lr_at, scaled_lr
-
-GROUPS = ("model", "data", "trainer", "optim", "experiment")
-
-
-def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
-
-
-@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
-def test_every_group_option_composes(group: str, option: str, tmp_path: Path) -> None:
-    overrides = [f"{group}={option}"]
-    if option in ("imagenet", "main_amp", "shards"):
-        overrides.append(f"data.root={tmp_path}")
-    cfg = compose_config(overrides)
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    assert {"model", "data", "trainer", "optim", "channels_last", "amp", "device"} <= set(cfg)
-    assert cfg.data._target_ in ("cltrain.data.ImageFolderDataModule", "cltrain.data.ShardsDataModule",
-                                 "cltrain.data.video.ClipFolderDataModule")
-    assert validate(cfg).accelerator in ("cpu", "cuda")
 
 
 def test_defaults_are_the_demo_main_job() -> None:
@@ -79,17 +59,17 @@ def _error(overrides: list[str]) -> ConfigError:
         (["data=imagenet", "data.root=/no/such/dir"], "data.root", "train/ and val/"),
         (["data.batch_size=0"], "data.batch_size", None),
         (["data.batch_size=-4"], "data.batch_size", None),
-        (["amp_dtype=fp16", "device=cpu"], "amp_dtype", "bf16"),
-        (["amp_dtype=fp8"], "amp_dtype", "auto, bf16, fp16"),
+        (["amp=fp16", "device=cpu"], "amp", "bf16"),
+        (["amp=fp8"], "amp", "auto, true, false, bf16, fp16"),
         (["device=tpu"], "device", "auto, cpu, cuda"),
         (["channels_last=maybe"], "channels_last", "true, false"),
-        (["optim.name=lbfgs"], "optim.name", "sgd, adamw"),
+        (["optim.name=lbfgs"], "optim.name", "optim=sgd, optim=adamw"),
         (["evaluate_only=true"], "evaluate_only", "ckpt_path"),
         (["ckpt_path=/no/such.ckpt"], "ckpt_path", "local file"),
         (["model.pretrained=/no/such.pth"], "model.pretrained", "local file"),
         (["label_smoothing=1.5"], "label_smoothing", "0 <= value < 1"),
-        (["sync_bn=true", "device=cpu"], "sync_bn", "device=cuda"),
-        (["compile=true", "channels_last_mode=auto"], "channels_last_mode", "full, conv"),
+        (["trainer.sync_batchnorm=true", "device=cpu"], "trainer.sync_batchnorm", "device=cuda"),
+        (["compile.enabled=true", "channels_last_mode=auto"], "channels_last_mode", "full, conv"),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(overrides: list[str], key: str, allowed: str | None) -> None:
@@ -143,8 +123,36 @@ def test_amp_takes_auto_or_a_boolean() -> None:
 @pytest.mark.parametrize("overrides", [["experiment=video"], ["data=video_demo"], []])
 def test_each_demo_is_generated_at_its_own_default_root(overrides: list[str]) -> None:
     # data=video_demo's root is data/video_demo, not the image demo's data/demo: both are allowed to be made
-    from cltrain.app.config import demo_default_roots
+    from cltrain.app.config import demo_home
 
     cfg = compose_config([*overrides, "device=cpu"])
-    assert str(cfg.data.root) in demo_default_roots().values()
+    assert str(cfg.data.root) == demo_home(cfg.data) in ("data/demo", "data/video_demo")
     validate(cfg)  # raises ConfigError for a demo root that is not its config's own
+
+
+@pytest.mark.parametrize("amp,bf16_ok,expected", [
+    ("fp16", True, "16-mixed"), ("bf16", True, "bf16-mixed"), ("bf16", False, "amp='bf16': this GPU has no bf16 support"),
+    (True, True, "bf16-mixed"), (True, False, "16-mixed"), ("auto", False, "16-mixed"), (False, True, "32-true"),
+])
+def test_amp_on_cuda_maps_to_lightning_precision(monkeypatch: pytest.MonkeyPatch, amp, bf16_ok: bool, expected: str) -> None:
+    # amp=true and amp=auto pick the GPU's dtype (cltrain.precision.auto_precision); bf16 / fp16 ask for one
+    from cltrain.precision import PrecisionChoice
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_ok)
+    monkeypatch.setattr(app_config, "auto_precision",
+                        lambda device: PrecisionChoice("bf16-mixed" if bf16_ok else "16-mixed", "test"))
+    if expected.startswith("amp="):
+        with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
+            app_config.resolve_precision(amp, "cuda")
+    else:
+        assert app_config.resolve_precision(amp, "cuda")[0] == expected
+
+
+def test_amp_fp16_is_refused_on_the_cpu_and_bf16_runs() -> None:
+    with pytest.raises(ConfigError, match=r"amp='fp16': AMP on the CPU is bf16 autocast"):
+        app_config.resolve_precision("fp16", "cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert app_config.resolve_precision("bf16", "cpu")[0] == "bf16-mixed"

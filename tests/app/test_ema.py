@@ -1,4 +1,4 @@
-"""ema=true (issue 10.4, the app side): the sync-free EMA update, and what validation,
+"""ema.enabled=true (issue 10.4, the app side): the sync-free EMA update, and what validation,
 checkpoints and metrics.json say about the weights they used."""
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def test_the_average_follows_the_module_to_its_device_at_fit_start() -> None:
 def test_bad_ema_values_are_refused() -> None:
     with pytest.raises(ValueError, match="decay must be in"):
         EMA(decay=1.0)
-    with pytest.raises(ConfigError, match="ema_decay=1.5: out of range"):
-        train(compose_config(["experiment=smoke", "ema=true", "ema_decay=1.5", "run_dir=/nonexistent"]))
+    with pytest.raises(ConfigError, match=r"ema.decay=1.5: must be a number in \[0, 1\)"):
+        train(compose_config(["experiment=smoke", "ema.enabled=true", "ema.decay=1.5", "run_dir=/nonexistent"]))
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def ema_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
     common = ["experiment=smoke", f"data.root={root / 'demo'}", *demo, "device=cpu", "amp=false",
               "trainer.enable_progress_bar=false", "print_freq=0"]
-    fit = train(compose_config([*common, f"run_dir={root / 'fit'}", "ema=true", "ema_decay=0.5",
+    fit = train(compose_config([*common, f"run_dir={root / 'fit'}", "ema.enabled=true", "ema.decay=0.5",
                                 "trainer.max_epochs=2", "channels_last=true"]))
     evaluated = train(compose_config([*common, f"run_dir={root / 'eval'}", "evaluate_only=true",
                                       f"ckpt_path={fit['best_checkpoint']}"]))
@@ -132,8 +132,9 @@ def test_an_ema_checkpoint_resumes_only_with_ema(ema_run: dict, tmp_path: Path) 
     cfg = fit["config"]
     common = ["experiment=smoke", f"data.root={cfg['data']['root']}", "data.demo=null", "device=cpu", "amp=false", "trainer.enable_progress_bar=false",
               "print_freq=0", f"ckpt_path={fit['last_checkpoint']}", "trainer.max_epochs=3"]
-    with pytest.raises(ConfigError, match=r"ema=false: the checkpoint .*last.ckpt was trained with ema=true.*resuming needs ema=true"):
-        train(compose_config([*common, f"run_dir={tmp_path / 'no'}", "ema=false"]))
+    with pytest.raises(ConfigError, match=r"ema.enabled=false: the checkpoint .*last.ckpt was trained with ema.enabled=true"
+                                          r".*resuming needs ema.enabled=true"):
+        train(compose_config([*common, f"run_dir={tmp_path / 'no'}", "ema.enabled=false"]))
     assert not (tmp_path / "no").exists()
-    resumed = train(compose_config([*common, f"run_dir={tmp_path / 'yes'}", "ema=true", "ema_decay=0.5"]))
+    resumed = train(compose_config([*common, f"run_dir={tmp_path / 'yes'}", "ema.enabled=true", "ema.decay=0.5"]))
     assert resumed["status"] == "completed" and resumed["epochs"] == 3 and resumed["weights"] == "ema"

@@ -91,7 +91,7 @@ def _payload_checkpoint(path: Path, marker: Path, trained: dict) -> Path:
 
 
 def test_the_app_saves_only_types_weights_only_loads(demo_args: list[str], tmp_path: Path) -> None:
-    metrics = train(compose_config(_smoke(demo_args, f"run_dir={tmp_path / 'run'}", "ema=true", "optim=adamw",
+    metrics = train(compose_config(_smoke(demo_args, f"run_dir={tmp_path / 'run'}", "ema.enabled=true", "optim=adamw",
                                           "callbacks=[default,early_stopping]")))
     for path in (metrics["last_checkpoint"], metrics["best_checkpoint"]):
         assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []  # nothing to allow-list

@@ -9,7 +9,7 @@ Python numbers), the first batch of the run and epoch ends are left out; every
 other batch must count zero. The data path runs in a worker process, outside the
 mode: host-side ``.item()`` on CPU tensors there is no device sync.
 
-The run has ``ema=true``, so the EMA update is counted too. On CUDA the same run goes under ``torch.cuda.set_sync_debug_mode("error")``,
+The run has ``ema.enabled=true``, so the EMA update is counted too. On CUDA the same run goes under ``torch.cuda.set_sync_debug_mode("error")``,
 which raises on any synchronising CUDA call in the steady-state steps.
 """
 
@@ -70,7 +70,7 @@ def _run(cfg) -> tuple[dict, SyncOps, CountingTrainer]:
 @pytest.mark.slow
 def test_no_host_sync_in_a_steady_state_step(demo_root: Path, tmp_path: Path) -> None:
     # ema=true: the EMA update runs every step too (Lightning's AveragedModel would read n_averaged twice)
-    metrics, mode, trainer = _run(_config(demo_root, tmp_path / "run", "device=cpu", "amp=true", "ema=true"))
+    metrics, mode, trainer = _run(_config(demo_root, tmp_path / "run", "device=cpu", "amp=true", "ema.enabled=true"))
     assert metrics["global_step"] == BATCHES
     assert _steady_state_syncs(mode, trainer) == {}
     # the counter sees syncs where they are expected: the print/log steps read loss and accuracy
@@ -105,7 +105,7 @@ def test_no_host_sync_on_cuda(demo_root: Path, tmp_path: Path, amp_dtype: str) -
     # fp16 with SGD builds the unfused SGD (the fused one fails the loss-scaling check), whose overflow check reads
     # one flag on the host per step; AdamW's fused step takes the flag on the device.
     optim = ["optim=adamw"] if amp_dtype == "fp16" else []
-    cfg = _config(demo_root, tmp_path / "run", "device=cuda", "amp=true", f"amp_dtype={amp_dtype}", "ema=true", *optim)
+    cfg = _config(demo_root, tmp_path / "run", "device=cuda", f"amp={amp_dtype}", "ema.enabled=true", *optim)
     CountingTrainer.mode = SyncOps()
     original = CountingTrainer.__init__
 

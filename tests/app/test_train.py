@@ -96,7 +96,7 @@ def test_evaluate_only_from_a_checkpoint_and_from_weights(demo_root: Path, tmp_p
 
 
 def test_compile_after_the_layout_conversion(demo_root: Path, tmp_path: Path) -> None:
-    metrics = tiny(demo_root, tmp_path / "run", "compile=true", "compile_backend=eager")
+    metrics = tiny(demo_root, tmp_path / "run", "compile.enabled=true", "compile.backend=eager")
     assert metrics["global_step"] == 4 and metrics["compile"] is True
     state = _state(metrics["last_checkpoint"])["state_dict"]
     assert not any("_orig_mod" in k for k in state)  # compiled in place: checkpoints load into a plain model
@@ -104,7 +104,7 @@ def test_compile_after_the_layout_conversion(demo_root: Path, tmp_path: Path) ->
 
 
 def test_seed_and_deterministic_runs_repeat(demo_root: Path, tmp_path: Path) -> None:
-    runs = [tiny(demo_root, tmp_path / f"run{i}", "deterministic=true", "seed=7", "amp=false") for i in range(2)]
+    runs = [tiny(demo_root, tmp_path / f"run{i}", "trainer.deterministic=true", "seed=7", "amp=false") for i in range(2)]
     assert runs[0]["val_loss"] == runs[1]["val_loss"] and runs[0]["train_top1"] == runs[1]["train_top1"]
 
 
@@ -128,7 +128,7 @@ def test_last_checkpoint_is_the_final_step_when_validation_stops_improving(demo_
     # lr ~ 0: validation top-1 never improves after epoch 0, so the best checkpoint stays at step 2;
     # last.ckpt must still hold the final step (Lightning's save_last with a monitor would leave it at step 2).
     metrics = tiny(demo_root, tmp_path / "run", "trainer.max_epochs=3", "trainer.limit_train_batches=2",
-                   "optim.lr=1e-12", "amp=false", "tf32=false", "cudnn_benchmark=false")
+                   "optim.lr=1e-12", "amp=false", "tf32=false", "trainer.benchmark=false")
     assert metrics["status"] == "completed" and metrics["global_step"] == 6
     assert Path(metrics["best_checkpoint"]).name == "best-epoch000.ckpt"  # the stall really happened
     assert list(metrics["best_checkpoints"]) == [metrics["best_checkpoint"]]  # checkpoint.save_top_k=1
@@ -138,7 +138,7 @@ def test_last_checkpoint_is_the_final_step_when_validation_stops_improving(demo_
     # The CUDA math switches are applied process-wide and recorded (issue 9).
     assert (metrics["tf32"], metrics["cudnn_benchmark"], metrics["float32_matmul_precision"]) == (False, False, "highest")
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
-    on = tiny(demo_root, tmp_path / "on", "trainer.max_steps=1")
+    on = tiny(demo_root, tmp_path / "on", "+trainer.max_steps=1")
     assert (on["tf32"], on["cudnn_benchmark"], on["float32_matmul_precision"]) == (True, True, "high")
     assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == "high"
 
@@ -156,7 +156,7 @@ def test_an_exception_mid_epoch_leaves_a_resumable_last_checkpoint(demo_root: Pa
 
 
 def test_auto_mode_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -> None:
-    metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "trainer.max_steps=3")
+    metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "+trainer.max_steps=3")
     weight = _state(metrics["last_checkpoint"])["state_dict"]["model.conv1.weight"]
     kept = "channels_last" if is_channels_last(weight) else "contiguous"
     assert metrics["layout"] == kept and metrics["channels_last"] is (kept == "channels_last")

@@ -29,7 +29,7 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
         ("data.batch_size=0", "cltrain: error: data.batch_size=0: must be a whole number > 0"),
         ("model.name=resnet5", "cltrain: error: model.name='resnet5': unknown model (allowed: a name from"),
         ("data=imagenet", "cltrain: error: data.root=null: not set"),
-        ("amp_dtype=fp16", "cltrain: error: amp_dtype='fp16': AMP on the CPU is bf16 autocast (allowed: auto, bf16"),
+        ("amp=fp16", "cltrain: error: amp='fp16': AMP on the CPU is bf16 autocast (allowed: auto, true, bf16"),
     ],
 )
 def test_bad_config_is_one_line_and_exit_status_2(tmp_path: Path, override: str, message: str) -> None:
@@ -59,7 +59,7 @@ def test_a_run_directory_with_a_run_in_it_is_refused(tmp_path: Path) -> None:
 def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "ddp"
     result = run("experiment=smoke", *demo_args, "device=cpu", "trainer=ddp", "trainer.devices=2",
-                 "trainer.max_epochs=2", "trainer.accumulate_grad_batches=2", "trainer.enable_progress_bar=false",
+                 "trainer.max_epochs=2", "+trainer.accumulate_grad_batches=2", "trainer.enable_progress_bar=false",
                  f"hydra.run.dir={run_dir}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Grad strides do not match" not in result.stderr + result.stdout

@@ -246,14 +246,14 @@ def demo_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("overrides,precision", [
-    (["amp=true", "amp_dtype=fp16"], "16-mixed"),
-    (["amp=true", "amp_dtype=bf16"], "bf16-mixed"),
+    (["amp=fp16"], "16-mixed"),
+    (["amp=bf16"], "bf16-mixed"),
     (["amp=false"], "32-true"),
-    (["channels_last=false", "amp=true", "amp_dtype=fp16"], "16-mixed"),
+    (["channels_last=false", "amp=fp16"], "16-mixed"),
     (["channels_last=false", "amp=false"], "32-true"),
     (["channels_last_mode=auto"], "amp-auto"),
     ([], "amp-auto"),
-    pytest.param(["compile=true"], "amp-auto", marks=pytest.mark.slow),
+    pytest.param(["compile.enabled=true"], "amp-auto", marks=pytest.mark.slow),
 ], ids=["fp16", "bf16", "fp32", "nchw-fp16", "nchw-fp32", "auto", "default", "compile"])
 def test_train_py_runs_on_cuda(demo_args: list[str], tmp_path: Path, overrides: list[str], precision: str) -> None:
     run_dir = tmp_path / "run"

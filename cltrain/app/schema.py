@@ -1,0 +1,385 @@
+"""The training application's config schema: every key, its type, its default and what it allows.
+
+Hydra structured configs (dataclasses registered in Hydra's ``ConfigStore``): the
+schema holds every default once; the yaml files in ``conf/`` only choose and
+override. ``conf/config.yaml``'s defaults list starts with :class:`TrainConfig`
+(stored as ``cltrain_schema``); a group whose options differ in shape has one
+schema per shape under ``schema/<group>`` that each option's yaml extends
+(``conf/data/demo.yaml``: ``defaults: [/schema/data/images_demo@_here_, _self_]``):
+
+==================  ==========================================================
+``schema/data``     ``images`` (:class:`ImageFolderConfig`), ``images_demo``,
+                    ``shards`` (:class:`ShardsConfig`), ``video``
+                    (:class:`ClipFolderConfig`), ``video_demo``
+``schema/optim``    ``sgd`` (:class:`SGDConfig`), ``adamw`` (:class:`AdamWConfig`)
+==================  ==========================================================
+
+Hydra checks types when it composes (``seed=abc``); each field's rule
+(:class:`cltrain.app.rules.Rule`, in its metadata) holds the range or choices that
+:func:`cltrain.app.schema_check.check` checks after (``ema.decay=1.5``). ``trainer`` takes any other argument of
+Lightning's ``Trainer`` by its own name (``+trainer.max_steps=100``), except
+:data:`APP_SET_TRAINER_KEYS`.
+
+The library's constructors (``ImageClassifier``, the DataModules, ``EMA``) keep
+their own defaults and checks for library users; the app passes every value
+from here, so where the two differ (``ImageClassifier``'s schedule is apex
+main_amp's 90-epoch one; this schema's fits the 8-epoch demo run) the schema is
+what ``train.py`` runs.
+
+Example::
+
+    >>> from omegaconf import OmegaConf
+    >>> OmegaConf.structured(SGDConfig).milestones
+    [6]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from cltrain.app.rules import (
+    AMP,
+    AUGMENT_POLICIES,
+    BAD_FILE_POLICIES,
+    BETAS,
+    CHECK_MODES,
+    COUNT,
+    DETERMINISTIC,
+    DEVICES,
+    FRACTION_OR_COUNT,
+    GT_ZERO,
+    IMAGE_SIZE_WH,
+    INTERPOLATIONS,
+    MILESTONES,
+    NON_NEGATIVE,
+    OPT_PATH,
+    OPT_POSITIVE,
+    POSITIVE,
+    RATIO,
+    SCALE,
+    SCHEDULES,
+    SEED,
+    STEPS,
+    TEXT,
+    TOP_K,
+    UNIT,
+    UNIT_CLOSED,
+    choices,
+    key,
+    optimizer_name,
+)
+
+__all__ = [
+    "APP_SET_TRAINER_KEYS",
+    "KEYS_ELSEWHERE",
+    "SCHEMA_NAME",
+    "AdamWConfig",
+    "CheckpointConfig",
+    "ClipFolderConfig",
+    "ClipFolderDemoConfig",
+    "CompileConfig",
+    "DataConfig",
+    "EMAConfig",
+    "ImageDemoConfig",
+    "ImageFolderConfig",
+    "ImageFolderDemoConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "SGDConfig",
+    "ShardsConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "VideoDemoConfig",
+    "register",
+]
+
+
+#: Keys whose settings live under another name: an unknown key among these suggests its new place.
+KEYS_ELSEWHERE = {
+    "amp_dtype": "amp", "sync_bn": "trainer.sync_batchnorm", "cudnn_benchmark": "trainer.benchmark",
+    "deterministic": "trainer.deterministic", "compile_backend": "compile.backend", "ema_decay": "ema.decay",
+    "ema_warmup_steps": "ema.warmup_steps", "ema_every_n_steps": "ema.every_n_steps",
+}
+
+
+# --- model ----------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """``model``: any torchvision classifier by name, or a timm model; each ``conf/model/*.yaml`` names one."""
+
+    name: str = MISSING                       # resnet50, efficientnet_b0, r3d_18, convnext_atto (timm), ...
+    source: str = key("auto", choices("auto", "torchvision", "timm"))  # auto: torchvision first, then timm
+    pretrained: str | None = key(None, OPT_PATH)  # a local weights file; nothing is downloaded
+    kwargs: dict[str, Any] = key({})          # extra constructor arguments, e.g. {zero_init_residual: true}
+
+
+# --- data -----------------------------------------------------------------------------------------
+@dataclass
+class ImageDemoConfig:
+    """``data.demo``: the generated image demo set (:func:`cltrain.data.make_demo_dataset`'s arguments)."""
+
+    num_classes: int = key(10, POSITIVE)
+    train_per_class: int = key(100, POSITIVE)
+    val_per_class: int = key(20, POSITIVE)
+    image_size: list[int] = key([500, 375], IMAGE_SIZE_WH)  # width, height of the JPEGs (ImageNet-like)
+    seed: int = key(0, SEED)
+    any_root: bool = False                    # true: generate it at any data.root (else only at the option's own root)
+
+
+@dataclass
+class VideoDemoConfig:
+    """``data.demo``: the generated clip demo set (:func:`cltrain.data.video.make_demo_videos`'s arguments)."""
+
+    num_classes: int = key(6, POSITIVE)
+    train_per_class: int = key(48, POSITIVE)
+    val_per_class: int = key(16, POSITIVE)
+    num_frames: int = key(16, POSITIVE)
+    frame_size: int = key(64, POSITIVE)
+    seed: int = key(0, SEED)
+    any_root: bool = False
+
+
+#: The generator of each demo schema (``data.demo``'s type).
+DEMO_GENERATORS: dict[type, str] = {
+    ImageDemoConfig: "cltrain.data.make_demo_dataset",
+    VideoDemoConfig: "cltrain.data.video.make_demo_videos",
+}
+
+
+@dataclass
+class DataConfig:
+    """``data``: what every DataModule the app builds takes; the options' schemas extend it."""
+
+    _target_: str = MISSING                   # the DataModule class
+    root: str | None = key(None, OPT_PATH)  # relative to the directory you start from; required unless a demo
+    batch_size: int = key(256, POSITIVE)       # per device (global batch = batch_size x devices x nodes x accumulation)
+    num_workers: int = key(8, COUNT)
+    image_size: int = key(224, POSITIVE)      # training crop; centre crop for validation
+    val_resize_size: int | None = key(256, OPT_POSITIVE)  # validation resize before the centre crop
+
+
+@dataclass
+class _ImageCrops(DataConfig):
+    """The training crop and augmentation of :class:`cltrain.data.ImageFolderDataModule` (README "The NHWC data path")."""
+
+    scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
+    ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
+    hflip: float = key(0.5, UNIT_CLOSED)      # horizontal flip probability
+    interpolation: str = key("bilinear", choices(*INTERPOLATIONS))  # antialiased, training and evaluation
+    exif_transpose: bool = False              # turn photos upright by their EXIF orientation (off, as torchvision)
+    augment: str = key("none", choices(*AUGMENT_POLICIES))  # on the HWC crop in the workers
+    random_erasing: float = key(0.0, UNIT_CLOSED)  # probability, timm's per-image erasing on the device batch
+    mixup_alpha: float = key(0.0, NON_NEGATIVE)  # timm's mixup / cutmix on the device batch (0 and 0: off);
+    cutmix_alpha: float = key(0.0, NON_NEGATIVE)  # targets become probabilities, accuracy reads their argmax
+    mixup_prob: float = key(1.0, UNIT_CLOSED)
+    mixup_switch_prob: float = key(0.5, UNIT_CLOSED)
+
+
+@dataclass
+class ImageFolderConfig(_ImageCrops):
+    """``schema/data/images``: an ImageNet-layout folder, ``<root>/{train,val}/<class>/<image>``."""
+
+    _target_: str = "cltrain.data.ImageFolderDataModule"
+    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
+    allow_missing_val_classes: bool = False   # true: accept classes with train/ images but no val/ folder
+    check_val: str = key("quick", choices(*CHECK_MODES))  # check the validation files before the first epoch
+    exclude_files: str | None = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
+    demo: ImageDemoConfig | None = None    # set: generate the demo set at root when it is missing
+
+
+@dataclass
+class ImageFolderDemoConfig(ImageFolderConfig):
+    """``schema/data/images_demo``: the image demo set, generated at ``root`` (its only place) on first use."""
+
+    root: str | None = key("data/demo", OPT_PATH)
+    demo: ImageDemoConfig | None = field(default_factory=ImageDemoConfig)
+
+
+@dataclass
+class ShardsConfig(_ImageCrops):
+    """``schema/data/shards``: WebDataset shards packed by ``cltrain-pack`` (checked when packed)."""
+
+    _target_: str = "cltrain.data.ShardsDataModule"
+    seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
+    shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
+
+
+@dataclass
+class ClipFolderConfig(DataConfig):
+    """``schema/data/video``: clips as folders of frames, ``<root>/{train,val}/<class>/<clip>/<frame>``."""
+
+    _target_: str = "cltrain.data.video.ClipFolderDataModule"
+    batch_size: int = key(8, POSITIVE)        # clips per device
+    num_workers: int = key(2, COUNT)
+    image_size: int = key(112, POSITIVE)
+    val_resize_size: int | None = key(128, OPT_POSITIVE)
+    num_frames: int = key(16, POSITIVE)       # frames per clip (T)
+    frame_stride: int = key(1, POSITIVE)      # every n-th frame
+    scale: list[float] = key([0.08, 1.0], SCALE)  # crop area range
+    hflip: float = key(0.5, UNIT_CLOSED)
+    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))
+    demo: VideoDemoConfig | None = None
+
+
+@dataclass
+class ClipFolderDemoConfig(ClipFolderConfig):
+    """``schema/data/video_demo``: the moving-shapes clip demo, generated at ``root`` on first use."""
+
+    root: str | None = key("data/video_demo", OPT_PATH)
+    demo: VideoDemoConfig | None = field(default_factory=VideoDemoConfig)
+
+
+# --- trainer --------------------------------------------------------------------------------------
+#: Trainer arguments train() sets from other keys: the key to use instead.
+APP_SET_TRAINER_KEYS = {
+    "accelerator": "device (auto, cpu, cuda, cuda:N, mps)",
+    "precision": "amp (auto, true, false, bf16, fp16)",
+    "logger": "logger=csv|tensorboard|mlflow|wandb|none (several: logger=[csv,tensorboard])",
+    "callbacks": "callbacks=[default,early_stopping,...] or +callbacks.<name>._target_=<class>",
+    "default_root_dir": "run_dir",
+    "enable_checkpointing": "checkpoint.save_top_k (last.ckpt is always written)",
+    "plugins": "nothing: the app sets its checkpoint IO (atomic saves)",
+}
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer``: ``lightning.pytorch.Trainer``'s arguments, by their own names.
+
+    The keys here are those the app sets differently from Lightning or reads itself;
+    any other Trainer argument passes through with ``+trainer.<name>=<value>``.
+    """
+
+    _target_: str = "lightning.pytorch.Trainer"
+    max_epochs: int | None = key(8, STEPS)  # the demo run; experiment=main_amp: 90
+    devices: Any = key(1, DEVICES)            # per node; > 1 means DDP (trainer=ddp)
+    num_nodes: int = key(1, POSITIVE)
+    strategy: str = key("auto", TEXT)
+    limit_train_batches: Any = key(None, FRACTION_OR_COUNT)
+    limit_val_batches: Any = key(None, FRACTION_OR_COUNT)
+    num_sanity_val_steps: int = key(0, STEPS)
+    log_every_n_steps: int = key(10, POSITIVE)
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    deterministic: Any = key(False, DETERMINISTIC)  # torch deterministic algorithms (+ seeded dataloader workers)
+    sync_batchnorm: bool = False              # SyncBatchNorm under DDP (CUDA only)
+    # torch.backends.cudnn.benchmark, set by Lightning: time the conv algorithms once per shape (apex, timm).
+    # null: true, or false with deterministic=true (Lightning's rule, with apex's default otherwise).
+    benchmark: bool | None = None
+
+
+# --- optimizer and schedule -----------------------------------------------------------------------
+@dataclass
+class OptimConfig:
+    """``optim``: the optimizer (its schema picks it) and the per-step learning-rate schedule."""
+
+    name: str = MISSING                       # set by the optim option's schema: sgd | adamw
+    lr: float = key(0.05, GT_ZERO)            # for a global batch of 256 when scale_lr
+    scale_lr: bool = True                     # lr x global_batch / 256
+    weight_decay: float = key(1.0e-4, NON_NEGATIVE)
+    schedule: str = key("step", choices(*SCHEDULES))  # step: main_amp's warm-up + x gamma at milestones | cosine
+    warmup_epochs: float = key(1.0, NON_NEGATIVE)  # linear warm-up, both schedules
+    milestones: list[int] = key([6], MILESTONES)  # step schedule: epochs at which lr is multiplied by gamma
+    gamma: float = key(0.1, GT_ZERO)
+    min_lr_ratio: float = key(0.0, UNIT_CLOSED)  # cosine schedule: final lr = lr x min_lr_ratio
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    """``schema/optim/sgd``: apex main_amp.py's SGD (lr 0.05 measured steadier than 0.1 on the short demo run)."""
+
+    name: str = key("sgd", optimizer_name("sgd"))
+    momentum: float = key(0.9, UNIT_CLOSED)
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimConfig):
+    """``schema/optim/adamw``: AdamW with the same schedules."""
+
+    name: str = key("adamw", optimizer_name("adamw"))
+    lr: float = key(1.0e-3, GT_ZERO)
+    weight_decay: float = key(0.05, NON_NEGATIVE)
+    betas: list[float] = key([0.9, 0.999], BETAS)
+
+
+# --- run-wide groups ------------------------------------------------------------------------------
+@dataclass
+class CompileConfig:
+    """``compile``: ``torch.compile`` the model, after the channels_last conversion."""
+
+    enabled: bool = False
+    backend: str = key("inductor", TEXT)
+
+
+@dataclass
+class EMAConfig:
+    """``ema``: an EMA of the weights that validation, checkpoints and metrics.json ("weights") use."""
+
+    enabled: bool = False
+    decay: float = key(0.999, UNIT)           # per update; pick it for the run's length (timm 0.9998)
+    warmup_steps: int = key(0, COUNT)         # the EMA follows the weights for this many updates first
+    every_n_steps: int = key(1, POSITIVE)     # update after every N optimizer steps
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint``: what is kept besides ``last.ckpt`` (always written)."""
+
+    save_top_k: int = key(1, TOP_K)           # best checkpoints kept by val/top1 (-1: all, 0: none)
+
+
+@dataclass
+class TrainConfig:
+    """The whole config of ``python train.py`` (``conf/config.yaml`` starts from it)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = MISSING
+    logger: dict[str, Any] = key({})          # named entries, each {_target_: <Lightning logger>, ...}: conf/logger/
+    callbacks: dict[str, Any] = key({})       # named entries, each {_target_: <Lightning callback>, ...}: conf/callbacks/
+    # the toggles
+    channels_last: bool = True                # true: ChannelsLast callback + NHWC batches; false: contiguous NCHW baseline
+    channels_last_mode: str = key("full", choices("full", "conv", "auto"))  # what the ChannelsLast callback converts
+    amp: Any = key("auto", AMP)               # auto: bf16 where native, fp16 on older GPUs, else fp32 | true | false | bf16 | fp16
+    device: str = "auto"                      # auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps
+    tf32: bool = True                         # CUDA fp32 convolutions and matmuls in TF32 on Ampere+ (PyTorch's cudnn default)
+    # run control
+    seed: int = key(42, SEED)
+    label_smoothing: float = key(0.0, UNIT)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    print_freq: int = key(10, COUNT)          # a main_amp.py style progress line every N training batches (0: never)
+    throughput_warmup: int = key(3, COUNT)    # training batches left out of images/second (allocator, cudnn, compile)
+    ckpt_path: str | None = key(None, OPT_PATH)  # resume training from this checkpoint (step, schedule, optimizer)
+    evaluate_only: bool = False               # validate only: needs ckpt_path=... or model.pretrained=...
+    run_dir: str | None = key(None, OPT_PATH)  # null: Hydra's run directory (outputs/<date>/<time>, -1, -2...)
+
+
+#: The name of :class:`TrainConfig` in the ConfigStore (the first entry of conf/config.yaml's defaults list).
+SCHEMA_NAME = "cltrain_schema"
+
+#: ``schema/<group>/<name>`` -> the schema a group option's yaml extends.
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "data": {"images": ImageFolderConfig, "images_demo": ImageFolderDemoConfig, "shards": ShardsConfig,
+             "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
+    "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
+}
+
+
+def register() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent; done when this module is imported)."""
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=TrainConfig)
+    for group, options in GROUP_SCHEMAS.items():
+        for name, node in options.items():
+            store.store(group=f"schema/{group}", name=name, node=node)
+
+
+register()

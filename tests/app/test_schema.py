@@ -1,0 +1,276 @@
+"""The config schema (cltrain.app.schema): every key typed, every default written once, every group option
+composing, the data schemas matching their DataModules, and one-line errors for bad keys and values before
+anything runs: in process, for every value of a -m sweep, and through a real `python train.py` (exit status 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+from cltrain.app import rules, schema
+from cltrain.app.compose import check_command_line, compose_config
+from cltrain.app.config import validate
+from cltrain.app.configs import CONFIG_DIR
+from cltrain.app.errors import ConfigError
+from tests.helpers import REPO
+
+GROUPS = ("model", "data", "trainer", "optim", "logger", "callbacks", "experiment")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _schemas() -> list[type]:
+    found, todo = [], [schema.TrainConfig]
+    while todo:
+        cls = todo.pop()
+        if cls in found:
+            continue
+        found.append(cls)
+        todo += cls.__subclasses__()
+        for hint in typing.get_type_hints(cls).values():
+            for tp in (hint, *typing.get_args(hint)):
+                if dataclasses.is_dataclass(tp):
+                    todo.append(tp)
+    return found
+
+
+# --- the schema ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", _schemas(), ids=lambda c: c.__name__)
+def test_every_key_is_typed_and_has_a_default(cls: type) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is Any:  # Any only where a rule says what is allowed (amp: auto or a boolean ...)
+            assert f.metadata.get("rule") is not None, f"{cls.__name__}.{f.name}: Any without a rule"
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        assert has_default, f"{cls.__name__}.{f.name} has no default"
+        if f.default == "???":  # left to a group option: what the option chooses, and only in a base schema
+            concrete = {c for options in schema.GROUP_SCHEMAS.values() for c in options.values()}
+            assert f.name in ("data", "optim", "name", "_target_") and cls not in concrete, f"{cls.__name__}.{f.name}"
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict) or not node:
+        return {prefix.rstrip("."): node}
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k != "defaults":
+            out.update(_leaves(v, f"{prefix}{k}."))
+    return out
+
+
+def _option_schema(group: str, raw: dict) -> type:
+    for entry in raw.get("defaults", []):
+        if isinstance(entry, str) and entry.startswith("/schema/"):
+            _, sub, name = entry.split("@")[0].strip("/").split("/")
+            return schema.GROUP_SCHEMAS[sub][name]
+    return typing.get_type_hints(schema.TrainConfig)[group]
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in ("model", "data", "trainer", "optim") for o in _options(g)])
+def test_an_option_sets_only_what_differs_from_its_schema(group: str, option: str) -> None:
+    raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / group / f"{option}.yaml"))
+    baseline = OmegaConf.structured(_option_schema(group, raw or {}))
+    for key, value in _leaves(raw or {}).items():
+        default = OmegaConf.select(baseline, key, throw_on_missing=False)
+        default = OmegaConf.to_container(default) if OmegaConf.is_config(default) else default
+        assert value != default, f"conf/{group}/{option}.yaml: {key}: {value!r} is the schema's default already"
+
+
+@pytest.mark.parametrize("option", _options("experiment"))
+def test_an_experiment_sets_only_what_differs_from_its_choices(option: str) -> None:
+    raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "experiment" / f"{option}.yaml"))
+    choices = [f"{k.split('/')[-1]}={v}" for e in raw.get("defaults", []) for k, v in e.items()]
+    baseline = compose_config(choices)
+    for key, value in _leaves(raw).items():
+        default = OmegaConf.select(baseline, key)
+        default = OmegaConf.to_container(default) if OmegaConf.is_config(default) else default
+        assert value != default, f"conf/experiment/{option}.yaml: {key}: {value!r} is already the value of its choices"
+
+
+def test_config_yaml_only_chooses() -> None:
+    raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))
+    assert set(raw) == {"defaults", "hydra"}
+    assert raw["defaults"][0] == schema.SCHEMA_NAME
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes_into_the_schema(group: str, option: str, tmp_path: Path) -> None:
+    cfg = compose_config([f"{group}={option}", f"data.root={tmp_path}"] if option in ("imagenet", "main_amp", "shards")
+                         else [f"{group}={option}"])
+    assert isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema.TrainConfig
+    assert isinstance(OmegaConf.to_object(cfg), schema.TrainConfig)  # every node converts to its dataclass
+    assert validate(cfg).accelerator in ("cpu", "cuda")
+
+
+def _arguments(cls: type) -> set[str]:
+    params = inspect.signature(cls).parameters
+    names = set(params) - {"self", "args", "kwargs"}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # ShardsDataModule passes the rest to its parent
+        names |= _arguments(cls.__mro__[1])
+    return names
+
+
+@pytest.mark.parametrize("name,cls", sorted(schema.GROUP_SCHEMAS["data"].items()))
+def test_a_data_schema_takes_only_its_datamodules_arguments(name: str, cls: type) -> None:
+    from hydra.utils import get_class
+
+    target = get_class(cls._target_)
+    keys = {f.name for f in dataclasses.fields(cls)} - {"_target_", "demo"}
+    assert keys <= _arguments(target), f"schema/data/{name}: not arguments of {target.__name__}: {keys - _arguments(target)}"
+
+
+def test_a_demo_schema_takes_only_its_generators_arguments() -> None:
+    from hydra.utils import get_method
+
+    for cls, generator in schema.DEMO_GENERATORS.items():
+        keys = {f.name for f in dataclasses.fields(cls)} - {"any_root"}
+        assert keys <= set(inspect.signature(get_method(generator)).parameters), cls.__name__
+
+
+def test_the_schema_choices_are_the_data_layers() -> None:
+    from cltrain.data.augment import AUGMENT_POLICIES
+    from cltrain.data.constants import CHECK_MODES
+    from cltrain.data.dataset import BAD_FILE_POLICIES
+    from cltrain.data.decode import INTERPOLATIONS
+
+    assert set(rules.INTERPOLATIONS) == set(INTERPOLATIONS) and set(rules.AUGMENT_POLICIES) == set(AUGMENT_POLICIES)
+    assert set(rules.CHECK_MODES) == set(CHECK_MODES) and set(rules.BAD_FILE_POLICIES) == set(BAD_FILE_POLICIES)
+
+
+def test_trainer_arguments_pass_through_by_their_own_names() -> None:
+    from lightning.pytorch import Trainer
+
+    trainer_args = set(inspect.signature(Trainer).parameters)
+    assert {f.name for f in dataclasses.fields(schema.TrainerConfig)} - {"_target_"} <= trainer_args
+    assert set(schema.APP_SET_TRAINER_KEYS) <= trainer_args
+    cfg = compose_config(["+trainer.max_steps=7", "+trainer.gradient_clip_val=1.0", "trainer.deterministic=warn"])
+    validate(cfg)
+    assert (cfg.trainer.max_steps, cfg.trainer.gradient_clip_val, cfg.trainer.deterministic) == (7, 1.0, "warn")
+
+
+@pytest.mark.parametrize("overrides,expected", [([], True), (["trainer.deterministic=true"], False),
+                                                 (["trainer.benchmark=false"], False),
+                                                 (["trainer.deterministic=true", "trainer.benchmark=true"], True)])
+def test_benchmark_defaults_to_true_unless_deterministic(overrides: list[str], expected: bool) -> None:
+    assert validate(compose_config([*overrides, "device=cpu"])).benchmark is expected
+
+
+# --- one-line errors: in process, for sweeps, through the command line -----------------------------
+BAD = [
+    ("chanels_last=false", "chanels_last=false: unknown key; did you mean channels_last?"),
+    ("+chanels_last=false", "chanels_last=false: unknown key; did you mean channels_last?"),
+    ("optim.lrr=0.1", "optim.lrr=0.1: unknown key; did you mean optim.lr?"),
+    ("seed=abc", "seed='abc': must be a whole number (allowed: 0 .. 2**32-1)"),
+    ("amp=fast", "amp='fast': unknown value (allowed: auto, true, false, bf16, fp16)"),
+    ("trainer.max_epochs=abc", "trainer.max_epochs='abc': must be a whole number >= -1"),
+    ("optim.name=lamb", "optim.name='lamb': the optimizer is chosen by the optim option (allowed: optim=sgd, optim=adamw)"),
+    ("ema.decay=1.5", "ema.decay=1.5: must be a number in [0, 1) (allowed: 0 <= value < 1)"),
+    ("ema=true", "ema=true: is a group of keys, not a value (allowed: ema.enabled=true)"),
+    ("+trainer.precision=bf16-mixed", "trainer.precision='bf16-mixed': set by the app; do not set it here (allowed: use amp"),
+    ("trainer.max_steps=100", ("trainer.max_steps=100: a Lightning Trainer argument the app leaves at Lightning's default; "
+                               "add it with + (allowed: +trainer.max_steps=100)")),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_key_or_value_is_one_line_in_process(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_command_line([override, "device=cpu"])
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+    with pytest.raises(ConfigError) as again:  # what train(cfg) callers meet: compose_config, then validate
+        validate(compose_config([override, "device=cpu"]))
+    assert str(again.value) == str(info.value)
+
+
+@pytest.mark.parametrize("sweep,message", [
+    (["seed=1,2,abc"], "seed='abc': must be a whole number"),
+    (["ema.decay=0.9,1.5", "seed=1,2"], "ema.decay=1.5: must be a number in [0, 1)"),
+    (["model=resnet18,resnet50", "optim.lrr=0.1,0.2"], "optim.lrr=0.1: unknown key; did you mean optim.lr?"),
+    (["amp=auto,fast"], "amp='fast': unknown value"),
+    (["seed=range(0,3)", "trainer.max_epochs=1,abc"], "trainer.max_epochs='abc'"),
+])
+def test_every_value_of_a_sweep_is_checked_before_it_starts(sweep: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        check_command_line(["-m", *sweep])
+    check_command_line(["-m", *(s.replace(",abc", "").replace(",1.5", "").replace(",fast", "").replace("optim.lrr", "optim.lr")
+                              for s in sweep)])  # the good values pass
+
+
+def test_problems_that_are_not_about_keys_are_left_to_hydra() -> None:
+    check_command_line(["model=nope"])  # Hydra lists the options itself (exit status 1)
+    check_command_line(["seed=[1"])  # a syntax error: Hydra shows where
+    check_command_line(["--help", "seed=1"])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env)
+
+
+def _assert_one_line_exit_2(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().startswith(f"cltrain: error: {message}"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_cli_refuses_a_misspelt_key_with_the_closest_one(tmp_path: Path) -> None:
+    result = _cli("chanels_last=false", "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
+    _assert_one_line_exit_2(result, BAD[0][1])
+    assert not (tmp_path / "run").exists()  # stopped before Hydra made the run directory
+
+
+def test_cli_refuses_a_bad_value_in_a_sweep_before_any_job(tmp_path: Path) -> None:
+    result = _cli("-m", "experiment=smoke", "ema.decay=0.9,1.5", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    _assert_one_line_exit_2(result, "ema.decay=1.5: must be a number in [0, 1)")
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override,message", BAD[1:], ids=[b[0] for b in BAD[1:]])
+def test_cli_one_line_exit_2(tmp_path: Path, override: str, message: str) -> None:
+    _assert_one_line_exit_2(_cli(override, "device=cpu", f"hydra.run.dir={tmp_path / 'run'}"), message)
+
+
+@pytest.mark.slow
+def test_cli_help_and_cfg_job_show_the_schema() -> None:
+    shown = _cli("--help")
+    assert shown.returncode == 0 and "ema.enabled=true" in shown.stdout and "amp=auto|true|false|bf16|fp16" in shown.stdout
+    job = _cli("--cfg", "job", "ema.enabled=true", "+trainer.max_steps=3")
+    assert job.returncode == 0, job.stderr
+    cfg = OmegaConf.create(job.stdout)
+    assert cfg.ema.enabled is True and cfg.trainer.max_steps == 3 and cfg.optim.milestones == [6]
+
+
+def _documented_commands() -> list[list[str]]:
+    """Every ``python train.py ...`` line of the README and docs (comments and line continuations handled)."""
+    import shlex
+
+    commands = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("python train.py"):
+                args = [re.sub(r"<[^>]*>", "x", a) for a in shlex.split(line.split(" #", 1)[0], posix=True)[2:]]
+                if args and "..." not in " ".join(args):
+                    commands.append(args)
+    return commands
+
+
+@pytest.mark.parametrize("args", _documented_commands(), ids=lambda a: " ".join(a)[:60])
+def test_every_documented_command_uses_keys_the_schema_has(args: list[str]) -> None:
+    check_command_line(args)
