@@ -263,8 +263,8 @@ def _onednn_cpu_x86(p: Platform) -> bool:
 
 
 def _is_1x1_strided_few_channels(module: nn.Module, p: Platform) -> bool:
-    # Grouped and zero-padded 1x1 convs run other oneDNN implementations (jit, gemm), measured correct.
-    if not isinstance(module, (nn.Conv2d, nn.Conv3d)) or module.groups != 1 or not _kernel_1_strided(module):
+    # Grouped, zero-padded and 3-D 1x1 convs run other oneDNN implementations (jit, gemm), measured correct.
+    if not isinstance(module, nn.Conv2d) or module.groups != 1 or not _kernel_1_strided(module):
         return False
     unpadded = module.padding == "valid" or module.padding_mode != "zeros" or not any(module.padding)
     if not unpadded:
@@ -290,7 +290,7 @@ KNOWN_FAULTS: tuple[KnownFault, ...] = (
         upstream="oneDNN #6035",
         versions="measured in oneDNN 3.12.0 (torch 2.13.0 and 2.14.1); open upstream with no fixed release, so "
                  "every oneDNN version is guarded",
-        description="backward of an ungrouped, unpadded 1x1 convolution with stride > 1 on a channels_last input "
+        description="backward of an ungrouped, unpadded 1x1 Conv2d with stride > 1 on a channels_last input "
                     "with fewer input channels than oneDNN's channel block (16 on AVX-512, 8 on AVX2) writes past "
                     "its workspace: segfault, hang or silently wrong weight gradients, fp32 and bf16",
         workaround="that conv's weight kept in NCHW and its input made NCHW by a forward pre-hook (oneDNN's blocked "

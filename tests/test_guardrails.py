@@ -79,7 +79,7 @@ def test_channel_block_follows_the_isa_onednn_may_use(monkeypatch):
         (nn.Conv2d(3, 48, 1, stride=2, padding=1), False, False),  # oneDNN's gemm implementation
         (nn.Conv2d(3, 48, 1, stride=2, padding=1, padding_mode="reflect"), True, True),  # padded outside the conv
         (nn.Conv2d(8, 8, 1, stride=2, groups=8), False, False),  # depthwise: another implementation
-        (nn.Conv3d(3, 16, 1, stride=2), True, True),
+        (nn.Conv3d(3, 16, 1, stride=2), False, False),  # 3-D: another implementation
         (nn.LazyConv2d(16, 1, stride=2), True, True),  # input channels unknown: guarded
     ],
 )
@@ -157,10 +157,25 @@ def test_1x1_fault_shows_without_the_guard(isa, cin):
 
 
 @needs_x86_onednn
-@pytest.mark.parametrize("isa, cin, dtype", [("native", 3, "fp32"), ("native", 3, "bf16"), ("avx2", 7, "fp32")])
-def test_1x1_guard_gives_reference_gradients(isa, cin, dtype):
-    # 96 px: the size where the unguarded stem crashes on both ISAs here (docs/troubleshooting.md)
-    result = case("stem", str(cin), dtype, "1", "96", env=AVX2 if isa == "avx2" else None)
+def test_1x1_fault_gives_silently_wrong_gradients_on_avx2():
+    # 8 px on AVX2: no crash, no error, and every other call's weight gradient is off by ~21%
+    proc = run([str(SCRIPTS / "repro_onednn_1x1_strided_conv.py"), "--cin", "3", "--cout", "32", "--size", "8",
+                "--repeats", "6"], AVX2, timeout=90)
+    if proc is not None and proc.returncode == 0:
+        pytest.skip(f"oneDNN #6035 gave right gradients on this machine: {proc.stdout[-300:]}")
+    if proc is None or proc.returncode < 0:
+        pytest.skip("oneDNN #6035 crashed or hung here instead of returning wrong gradients")
+    assert proc.returncode == 1 and "FAULT: wrong" in proc.stdout
+
+
+@needs_x86_onednn
+@pytest.mark.parametrize(
+    "isa, cin, dtype, size",
+    # the sizes where the unguarded stem crashes (96 px) or returns wrong numbers (8 px, AVX2) here
+    [("native", 3, "fp32", 96), ("native", 3, "bf16", 96), ("avx2", 7, "fp32", 96), ("avx2", 3, "fp32", 8)],
+)
+def test_1x1_guard_gives_reference_gradients(isa, cin, dtype, size):
+    result = case("stem", str(cin), dtype, "1", str(size), env=AVX2 if isa == "avx2" else None)
     assert result["guarded"] == [["conv_1x1"]]
     tolerance = 1e-4 if dtype == "fp32" else 2e-2  # bf16 autocast lands near 5e-3
     assert max(result["errors"].values()) < tolerance, result["errors"]
