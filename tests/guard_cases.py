@@ -5,6 +5,7 @@
     python tests/guard_cases.py trainer MODEL GUARD SIZE    # 2 Lightning steps, ChannelsLast vs none: grads
     python tests/guard_cases.py auto GUARD                  # ChannelsLast(mode="auto") on a stem that crashes
     python tests/guard_cases.py inprocess_auto              # the in-process timing on the same stem
+    python tests/guard_cases.py ddp OUT UNION               # 2 DDP ranks, rank 1 held to AVX2: same guards?
 
 Each prints one JSON line on success; the tests read it, or the exit status when the process died.
 """
@@ -145,6 +146,37 @@ def inprocess_auto() -> dict:
     return {"layout": layout, "timings": timings}
 
 
+def ddp(out: str, union: bool) -> dict:
+    """Two gloo ranks; rank 1 runs oneDNN at AVX2 (block 8), so only rank 0 (AVX-512, block 16) finds the
+    8-channel 1x1 stride-2 conv hazardous. Each rank writes what it guarded and its parameter strides."""
+    import os
+
+    if os.environ.get("LOCAL_RANK") == "1":
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # before oneDNN's first use in this process
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cltrain import ChannelsLast
+    from cltrain.guardrails import find_hazards
+    from guard_models import EightChannelStem
+
+    callback = ChannelsLast()
+    if not union:  # the negative control: each rank guards only what it finds itself
+        callback._hazards_on_every_rank = lambda trainer, module: find_hazards(
+            module, device="cpu", layout="channels_last")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 8, 32, 32, generator=g), torch.randint(0, 5, (16,), generator=g))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[callback])
+    module = EightChannelStem()
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    result = {"rank": trainer.global_rank, "guarded": [list(r.modules) for r in callback.guardrails or []],
+              "strides": {n: list(p.stride()) for n, p in module.named_parameters() if p.dim() == 4}}
+    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    return result
+
+
 def main(argv: list[str]) -> None:
     case, *args = argv
     flag = lambda s: s == "1"  # noqa: E731
@@ -158,6 +190,8 @@ def main(argv: list[str]) -> None:
         result = auto(flag(args[0]))
     elif case == "inprocess_auto":
         result = inprocess_auto()
+    elif case == "ddp":
+        result = ddp(args[0], flag(args[1]))
     else:
         raise SystemExit(f"guard_cases.py: unknown case {case!r}")
     print(json.dumps(result), flush=True)

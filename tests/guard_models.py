@@ -59,3 +59,23 @@ class StemModule(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class EightChannelStem(LightningModule):
+    """An 8-channel input into a 1x1 stride-2 conv: below the AVX-512 block (16), not below AVX2's (8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(8, 16, 1, stride=2)
+        self.body = nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)).mean((2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -231,3 +231,26 @@ def test_timm_stem_model_crashes_without_the_guard():
     if proc is not None and proc.returncode == 0:
         pytest.skip("repvgg_a0 trained unguarded on this machine: oneDNN #6035 did not show")
     assert proc is None or proc.returncode != 0
+
+
+# ---- DDP: ranks whose oneDNN ISA differs guard the same modules --------------------------------------------
+
+
+@needs_x86_onednn
+@pytest.mark.skipif(current_platform("cpu").onednn_isa != "avx512", reason="needs an AVX-512 CPU to differ from AVX2")
+def test_ddp_ranks_with_different_isas_guard_the_union(tmp_path):
+    proc = run([str(HERE / "guard_cases.py"), "ddp", str(tmp_path), "1"], timeout=300)
+    assert proc is not None and proc.returncode == 0, (proc.stderr if proc else "hung")[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["guarded"] for r in ranks] == [[["stem"]], [["stem"]]]  # rank 1 (AVX2) alone would not
+    assert ranks[0]["strides"] == ranks[1]["strides"]
+
+
+@pytest.mark.slow
+@needs_x86_onednn
+@pytest.mark.skipif(current_platform("cpu").onednn_isa != "avx512", reason="needs an AVX-512 CPU to differ from AVX2")
+def test_ddp_without_the_union_fails_on_a_stride_mismatch(tmp_path):
+    # The negative control: each rank guarding only what it finds gives the stem weight different strides.
+    proc = run([str(HERE / "guard_cases.py"), "ddp", str(tmp_path), "0"], timeout=300)
+    assert proc is not None and proc.returncode != 0
+    assert "appears not to match strides" in proc.stderr
