@@ -52,7 +52,8 @@ def _grads(model: nn.Module, x: torch.Tensor, dtype: str) -> dict[str, torch.Ten
 def _errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per parameter: ||got - want|| / ||want|| (inf when not finite). The norm, not the largest element: one
     ReLU whose input sits within rounding of zero flips between correct fp32 kernels and moves single elements
-    by percents (seen on repvgg_a0's last stage, 3x3 at 96 px); a faulty kernel moves the whole tensor."""
+    by percents (seen on repvgg_a0's last stage, 3x3 at 96 px, with batch statistics); a faulty kernel moves
+    the whole tensor."""
     out = {}
     for name, w in want.items():
         g = got[name]
@@ -93,7 +94,8 @@ def conv3d(guard: bool) -> dict:
 
 def trainer(name: str, guard: bool, size: int) -> dict:
     """Two training steps three ways: float64 NCHW with oneDNN off (the reference), fp32 NCHW, and fp32 under
-    ``ChannelsLast(guard=...)``; the first step's gradients of both fp32 runs against the reference."""
+    ``ChannelsLast(guard=...)``; the first step's gradients of both fp32 runs against the reference
+    (BatchNorm on running statistics: see :class:`guard_models.Net`)."""
     from lightning.pytorch import Trainer, seed_everything
     from torch.utils.data import DataLoader, TensorDataset
 

@@ -185,8 +185,7 @@ def test_1x1_guard_gives_reference_gradients(isa, cin, dtype, size):
 def test_channels_last_trains_a_repvgg_style_stem_with_nchw_parity():
     result = case("trainer", "repstem", "1", "96")
     assert [r["modules"] for r in result["guardrails"]] == [["net.conv_1x1"]]
-    worst_cl, worst_nchw = max(result["channels_last"].values()), max(result["contiguous"].values())
-    assert worst_cl <= max(1e-4, 5 * worst_nchw), result
+    assert max(result["contiguous"].values()) < 1e-4 and max(result["channels_last"].values()) < 1e-4, result
 
 
 # ---- bf16 Conv3d weight gradients ----------------------------------------------------------------------------
@@ -217,10 +216,9 @@ def test_timm_stem_models_train_under_channels_last_with_parity(name):
     pytest.importorskip("timm")
     result = case("trainer", name, "1", "96")
     assert any(ONE_BY_ONE == r["fault"] for r in result["guardrails"]), result["guardrails"]
-    worst_cl, worst_nchw = max(result["channels_last"].values()), max(result["contiguous"].values())
-    # One ReLU input within rounding of zero moves a deep BN's gradient by percents between correct fp32
-    # kernels; a faulty kernel is off by O(1) or not finite.
-    assert worst_cl <= max(5e-2, 5 * worst_nchw), result
+    # Every parameter's first gradient against a float64 run (BatchNorm on running statistics, which keeps
+    # them well-conditioned: 1e-6 here in either layout); a faulty kernel is off by O(1) or not finite.
+    assert max(result["contiguous"].values()) < 1e-4 and max(result["channels_last"].values()) < 1e-4, result
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from torch import nn
 
 from cltrain import ChannelsLast, is_channels_last
 from cltrain.layout_probe import probe_layout
-from test_guardrails import case, needs_x86_onednn, run, HERE
+from test_guardrails import HERE, case, needs_x86_onednn, run
 
 
 class Small(nn.Module):
@@ -60,6 +60,7 @@ def test_probe_reports_an_exception_in_the_child():
     assert "raised while timing a channels_last step" in result.failure and "planted" in result.failure
 
 
+@pytest.mark.slow
 def test_probe_kills_a_hang_and_says_where():
     start = time.perf_counter()
     result = probe_layout(HangsInChannelsLast(), (2, 3, 16, 16), steps=1, warmup=0, timeout=20)
@@ -97,6 +98,7 @@ def test_in_process_auto_trial_is_killed_by_the_same_fault():
     assert proc is None or proc.returncode < 0 or proc.returncode >= 128
 
 
+@pytest.mark.slow
 @needs_x86_onednn
 def test_auto_with_guardrails_times_the_guarded_model():
     result = case("auto", "1")
