@@ -15,10 +15,11 @@ exactly those modules (the rest of the model keeps its layout and dtype) and ret
     >>> [r.modules for r in records if r.fault == "onednn-1x1-strided-few-channels"] in ([("0",)], [])
     True
 
-The workarounds are forward hooks made of module-level functions, so a guarded model still deep-copies,
-pickles (``torch.save`` of the whole module) and exports. Converting the model again after it was guarded
-(``to_channels_last`` restrides the guarded weights too) undoes the weight half: call
-:func:`apply_guardrails` again after any conversion.
+The workarounds are a module-level ``Conv2d`` subclass (:class:`SubsampledConv2d`) and forward hooks made
+of module-level functions, so a guarded model still deep-copies, pickles (``torch.save`` of the whole
+module, loaded where ``cltrain`` is importable) and exports; ``state_dict`` keys and values are unchanged.
+The NCHW-weight fallback for ``Conv2d`` subclasses is undone by converting the model again: call
+:func:`apply_guardrails` after any conversion.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "KNOWN_FAULTS",
     "KnownFault",
     "Platform",
+    "SubsampledConv2d",
     "apply_guardrails",
     "current_platform",
     "find_hazards",
@@ -172,9 +175,30 @@ def _keep_weight_nchw(module: nn.Module) -> None:
         module.weight.grad = _contiguous(module.weight.grad)
 
 
+class SubsampledConv2d(nn.Conv2d):
+    """A 1x1 ``Conv2d`` with stride > 1 computed as a stride-1 1x1 convolution of its input's strided slice.
+
+    The same numbers as ``nn.Conv2d`` (a 1x1 kernel without zero padding reads exactly the pixels
+    ``x[..., ::sh, ::sw]``), the same parameters and ``state_dict``, any layout; oneDNN's strided 1x1
+    backward (oneDNN #6035) is never called, in eager mode or under ``torch.compile``.
+    :func:`apply_guardrails` gives matching ``nn.Conv2d`` modules this class.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            input = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        input = input[..., :: self.stride[0], :: self.stride[1]]
+        return F.conv2d(input, self.weight, self.bias, 1, 0, self.dilation, self.groups)
+
+
 def _guard_1x1(module: nn.Module) -> None:
-    _keep_weight_nchw(module)
-    _register_once(module, "pre", _nchw_input)
+    if type(module) is nn.Conv2d:
+        module.__class__ = SubsampledConv2d
+    elif not isinstance(module, SubsampledConv2d):
+        # A subclass has its own forward, which must run: keep this conv's weight and input in NCHW instead
+        # (oneDNN's blocked path). Inductor may re-layout the input under torch.compile.
+        _keep_weight_nchw(module)
+        _register_once(module, "pre", _nchw_input)
 
 
 _autocast_state = threading.local()
@@ -293,8 +317,9 @@ KNOWN_FAULTS: tuple[KnownFault, ...] = (
         description="backward of an ungrouped, unpadded 1x1 Conv2d with stride > 1 on a channels_last input "
                     "with fewer input channels than oneDNN's channel block (16 on AVX-512, 8 on AVX2) writes past "
                     "its workspace: segfault, hang or silently wrong weight gradients, fp32 and bf16",
-        workaround="that conv's weight kept in NCHW and its input made NCHW by a forward pre-hook (oneDNN's blocked "
-                   "path); the rest of the model stays channels_last",
+        workaround="computed as a stride-1 1x1 conv of the input's strided slice (SubsampledConv2d: the same numbers "
+                   "and parameters, layouts unchanged); a Conv2d subclass keeps its forward, with its weight and "
+                   "input in NCHW instead",
         layouts=("channels_last",),
         affects=lambda p, dtype: _onednn_cpu_x86(p),
         matches=_is_1x1_strided_few_channels,

@@ -53,6 +53,8 @@ SWEEPS: dict[str, list[dict]] = {
     "conv3d": _cases(op=("conv3d",), cin=FEW, size=(24,)),
     "conv_transpose2d": _cases(op=("conv_transpose2d",), cin=(32,), cout=FEW, size=(48,)),
     "versions": _cases(cin=(1, 3, 7, 8, 15, 16)),
+    # the workaround's path: a stride-1 1x1 conv of the strided slice
+    "stride1": _cases(cin=(1, 2, 3, 4, 5, 7, 8, 12, 15), stride=(1,), size=(8, 48, 128, 224)),
 }
 for case in SWEEPS["groups"]:
     if case["groups"] == -1:  # depthwise

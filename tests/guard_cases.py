@@ -1,6 +1,7 @@
 """Run by test_guardrails.py, one case per process: a native crash in a kernel is a result, not the end of the suite.
 
-    python tests/guard_cases.py stem CIN DTYPE GUARD SIZE   # weight gradients of a RepVGG-style stem vs float64
+    python tests/guard_cases.py stem CIN DTYPE GUARD SIZE [conv2d|subclass [compile]]   # a RepVGG-style stem's
+                                                            # gradients vs float64
     python tests/guard_cases.py conv3d GUARD                # bf16-autocast Conv3d weight gradients vs fp32
     python tests/guard_cases.py trainer MODEL GUARD SIZE    # 2 Lightning steps, ChannelsLast vs none: grads
     python tests/guard_cases.py auto GUARD                  # ChannelsLast(mode="auto") on a stem that crashes
@@ -27,13 +28,20 @@ from cltrain import to_channels_last  # noqa: E402
 from cltrain.guardrails import apply_guardrails  # noqa: E402
 
 
+class UserConv2d(nn.Conv2d):
+    """A user's Conv2d subclass with its own forward (the guardrail must keep it)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
 class RepStem(nn.Module):
     """A RepVGG/MobileOne-style stem: a 3x3 and a 1x1 branch, both stride 2, on the image, then a body."""
 
-    def __init__(self, cin: int = 3, width: int = 48, classes: int = 5):
+    def __init__(self, cin: int = 3, width: int = 48, classes: int = 5, conv: type[nn.Conv2d] = nn.Conv2d):
         super().__init__()
         self.conv_kxk = nn.Conv2d(cin, width, 3, stride=2, padding=1)
-        self.conv_1x1 = nn.Conv2d(cin, width, 1, stride=2)
+        self.conv_1x1 = conv(cin, width, 1, stride=2)
         self.body = nn.Sequential(nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU())
         self.head = nn.Linear(width, classes)
 
@@ -61,9 +69,9 @@ def _errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def stem(cin: int, dtype: str, guard: bool, size: int) -> dict:
+def stem(cin: int, dtype: str, guard: bool, size: int, conv: str = "conv2d", compile: bool = False) -> dict:
     torch.manual_seed(0)
-    model = RepStem(cin)
+    model = RepStem(cin, conv=UserConv2d if conv == "subclass" else nn.Conv2d)
     x = torch.randn(8, cin, size, size)
     ref_model = RepStem(cin).double()
     ref_model.load_state_dict(model.state_dict())
@@ -71,11 +79,16 @@ def stem(cin: int, dtype: str, guard: bool, size: int) -> dict:
         want = _grads(ref_model, x.double(), "fp32")
     to_channels_last(model)
     records = apply_guardrails(model, device="cpu", dtype=torch.bfloat16 if dtype == "bf16" else None) if guard else []
+    run = torch.compile(model) if compile else model
     worst: dict[str, float] = {}
     for _ in range(4):  # the faulty kernel's results vary from call to call
-        errors = _errors(_grads(model, to_channels_last(x), dtype), want)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
+            out = run(to_channels_last(x))
+        out.float().square().mean().backward()
+        errors = _errors({n: p.grad.double() for n, p in model.named_parameters()}, want)
         worst = {k: max(worst.get(k, 0.0), v) for k, v in errors.items()}
-    return {"errors": worst, "guarded": [list(r.modules) for r in records]}
+    return {"errors": worst, "guarded": [list(r.modules) for r in records], "class": type(model.conv_1x1).__name__}
 
 
 def conv3d(guard: bool) -> dict:
@@ -183,7 +196,7 @@ def main(argv: list[str]) -> None:
     case, *args = argv
     flag = lambda s: s == "1"  # noqa: E731
     if case == "stem":
-        result = stem(int(args[0]), args[1], flag(args[2]), int(args[3]))
+        result = stem(int(args[0]), args[1], flag(args[2]), int(args[3]), *args[4:5], compile="compile" in args[5:])
     elif case == "conv3d":
         result = conv3d(flag(args[0]))
     elif case == "trainer":
