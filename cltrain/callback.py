@@ -224,12 +224,14 @@ class ChannelsLast(Callback):
         if trainer.world_size == 1:
             return local
         names = [name for name, _ in pl_module.named_modules()]
+        index = {name: j for j, name in enumerate(names)}
         flags = torch.zeros(len(KNOWN_FAULTS), len(names), device=self._device)
         for i, fault in enumerate(KNOWN_FAULTS):
             for name in local.get(fault.key, ()):
-                flags[i, names.index(name)] = 1
-        flags = trainer.strategy.reduce(flags, reduce_op="sum")
-        union = {fault.key: [names[j] for j in flags[i].nonzero().flatten().tolist()] for i, fault in enumerate(KNOWN_FAULTS)}
+                flags[i, index[name]] = 1
+        flags = trainer.strategy.reduce(flags, reduce_op="sum").cpu()
+        union = {fault.key: [names[j] for j in flags[i].nonzero().flatten().tolist()]
+                 for i, fault in enumerate(KNOWN_FAULTS)}
         return {key: found for key, found in union.items() if found}
 
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from guard_cases import RepStem
+from guard_cases import RepStem, UserConv2d
 
 
 class Net(LightningModule):
@@ -70,11 +70,12 @@ class StemModule(LightningModule):
 
 
 class EightChannelStem(LightningModule):
-    """An 8-channel input into a 1x1 stride-2 conv: below the AVX-512 block (16), not below AVX2's (8)."""
+    """An 8-channel input into a 1x1 stride-2 conv: below the AVX-512 block (16), not below AVX2's (8). A
+    Conv2d subclass, whose guard (NCHW weight) changes parameter strides: ranks must agree on it."""
 
     def __init__(self):
         super().__init__()
-        self.stem = nn.Conv2d(8, 16, 1, stride=2)
+        self.stem = UserConv2d(8, 16, 1, stride=2)
         self.body = nn.Conv2d(16, 16, 3, padding=1)
         self.head = nn.Linear(16, 5)
 

@@ -72,6 +72,7 @@ def test_channel_block_follows_the_isa_onednn_may_use(monkeypatch):
     assert Platform("cpu", "aarch64", (2, 14, 1), (3, 12, 0), "DEFAULT", None, None).onednn_isa == "other"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert current_platform("cpu").channel_block == 8
+    assert "oneDNN ISA avx2 (block 8)" in current_platform("cpu").describe()
 
 
 @pytest.mark.parametrize(
