@@ -133,8 +133,9 @@ def probe_layout(
     options = dict(steps=steps, warmup=warmup, device=str(device), autocast_dtype=autocast_dtype, guardrails=guardrails)
     settings = dict(threads=torch.get_num_threads(), cudnn_benchmark=torch.backends.cudnn.benchmark,
                     matmul_precision=torch.get_float32_matmul_precision())
-    folder = Path(tempfile.mkdtemp(prefix="cltrain-probe-"))
+    folder = None
     try:
+        folder = Path(tempfile.mkdtemp(prefix="cltrain-probe-"))
         reason = _save_model(model, folder / "model.pt")
         if reason is not None:
             failure = (f"the model could not be sent to the timing process ({reason}); keep its classes at module "
@@ -142,8 +143,11 @@ def probe_layout(
             return _result(None, failure, start)
         timings, failure = _run_child(folder / "model.pt", tuple(input_shape), options, settings, timeout)
         return _result(timings, failure, start)
+    except Exception as error:  # noqa: BLE001 - no temp dir, no child (a daemonic parent, ...): not worth the run
+        return _result(None, f"the timing process could not be started ({type(error).__name__}: {error})", start)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _result(timings: dict[str, float] | None, failure: str | None, start: float) -> ProbeResult:

@@ -106,3 +106,18 @@ def test_auto_with_guardrails_times_the_guarded_model():
     assert result["layout"] in ("channels_last", "contiguous")
     if result["layout"] == "channels_last":
         assert [r["modules"] for r in result["guardrails"]] == [["stem"]]
+
+
+def test_probe_from_a_process_that_cannot_start_one_keeps_contiguous():
+    import multiprocessing
+
+    def inside_a_daemon(queue):
+        queue.put(probe_layout(Small(), (2, 3, 16, 16), steps=1))
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    daemon = context.Process(target=inside_a_daemon, args=(queue,), daemon=True)  # may not have children
+    daemon.start()
+    result = queue.get(timeout=60)
+    daemon.join()
+    assert result.layout == "contiguous" and "could not be started" in result.failure
