@@ -24,6 +24,7 @@ The NCHW-weight fallback for ``Conv2d`` subclasses is undone by converting the m
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform as _platform
 import re
@@ -130,8 +131,9 @@ class Platform:
 def _as_device_type(device: torch.device | str | None, model: nn.Module | None) -> str:
     if device is not None:
         return torch.device(device).type
-    for tensor in [*(model.parameters() if model is not None else ()), *(model.buffers() if model is not None else ())]:
-        return tensor.device.type
+    if model is not None:
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            return tensor.device.type
     return "cpu"
 
 
@@ -155,7 +157,11 @@ def current_platform(device: torch.device | str | None = None, model: nn.Module 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     # `contiguous()` keeps channels_last strides on size-1 dims (C == 1, or a 1x1 weight), which oneDNN
     # still reads as nhwc: only canonical NCHW strides are safe.
-    if t.stride() == torch.empty_like(t, memory_format=torch.contiguous_format).stride():
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    if t.stride() == tuple(reversed(strides)):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
