@@ -1,13 +1,18 @@
 """Time a model in both layouts in a child process: a native crash in a backend kernel ends the child, not the run.
 
-What ``ChannelsLast(mode="auto")`` runs. The model is sent to a fresh ``spawn`` process (``torch.save``
-of the whole module through a temporary file), which runs :func:`cltrain.autolayout.time_layouts` and
-reports each step as it starts. A crash (segfault, abort), an exception, or no progress for too long
-gives ``"contiguous"`` and one line saying why; the caller's process is never at risk. A model that does
-not pickle (a lambda or an open file among its attributes, a class defined inside a function) is not timed:
-``"contiguous"`` again, and the line says so. Rebuilding it from a ``state_dict`` would need its
-constructor's arguments, which an arbitrary module does not record (a LightningModule's ``hparams``
-often leave the network out), and timing a different model would be worse than not timing.
+What ``ChannelsLast(mode="auto")`` runs. The model is written with ``torch.save`` (the whole module) to a
+private temporary folder and a fresh Python process, which sees the caller's ``sys.path``, loads it and
+runs :func:`cltrain.autolayout.time_layouts`, reporting each step as it starts. A crash (segfault,
+abort), an exception, or no progress for too long gives ``"contiguous"`` and one line saying why; the
+caller's process is never at risk.
+
+A model that does not pickle (a lambda or an open file among its attributes, a class defined inside a
+function) is not timed: ``"contiguous"`` again, and the line says so. Rebuilding it from a ``state_dict``
+would need its constructor's arguments, which an arbitrary module does not record (a LightningModule's
+``hparams`` often leave the network out), and timing a different model would be worse than not timing.
+Classes defined in the running script itself are found by running the script's top level in the child,
+as multiprocessing's ``spawn`` does, but only when the script has an ``if __name__ == "__main__":``
+guard; without one, running it again would start the whole training again, so the probe says so instead.
 
 Example::
 
@@ -20,12 +25,20 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
+import os
+import queue
+import re
+import runpy
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +51,8 @@ from cltrain.autolayout import time_layouts
 __all__ = ["ProbeResult", "probe_layout"]
 
 log = logging.getLogger(__name__)
+
+_MAIN_GUARD = re.compile(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -56,43 +71,6 @@ class ProbeResult:
     timings: dict[str, float] | None
     failure: str | None
     seconds: float
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def _save_model(model: nn.Module, path: Path) -> str | None:
-    """Write ``model`` so a fresh process can load it; the reason it cannot be, or ``None``."""
-    try:
-        torch.save(model, path)
-        return None
-    except Exception as error:  # noqa: BLE001 - any pickling failure: lambdas, local classes, open handles
-        return f"{type(error).__name__}: {error}"
-
-
-def _load_model(path: str) -> nn.Module:
-    # Our own file, written by the parent a moment ago: not an untrusted checkpoint.
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _child(path: str, shape: tuple[int, ...], options: dict[str, Any], settings: dict[str, Any], conn: Any) -> None:
-    """The probe process: load the model, time it, send each step's start and the result."""
-    try:
-        torch.set_num_threads(settings["threads"])
-        torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
-        torch.set_float32_matmul_precision(settings["matmul_precision"])
-        model = _load_model(path)
-        conn.send(("loaded", None))
-        timings = time_layouts(model, shape, on_step=lambda layout: conn.send(("step", layout)), **options)
-        conn.send(("done", timings))
-    except Exception as error:  # noqa: BLE001 - reported to the parent, which keeps contiguous
-        conn.send(("error", f"{type(error).__name__}: {error}"))
-    finally:
-        conn.close()
 
 
 def probe_layout(
@@ -130,20 +108,30 @@ def probe_layout(
     start = time.perf_counter()
     if device is None:
         device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    options = dict(steps=steps, warmup=warmup, device=str(device), autocast_dtype=autocast_dtype, guardrails=guardrails)
-    settings = dict(threads=torch.get_num_threads(), cudnn_benchmark=torch.backends.cudnn.benchmark,
-                    matmul_precision=torch.get_float32_matmul_precision())
+    main_path, main_guarded = _main_script()
+    job = {
+        "shape": tuple(input_shape),
+        "options": dict(steps=steps, warmup=warmup, device=str(device), autocast_dtype=autocast_dtype,
+                        guardrails=guardrails),
+        "settings": dict(threads=torch.get_num_threads(), cudnn_benchmark=torch.backends.cudnn.benchmark,
+                         matmul_precision=torch.get_float32_matmul_precision()),
+        "main_path": main_path,
+        "main_guarded": main_guarded,
+        "argv": list(sys.argv),
+    }
     folder = None
     try:
         folder = Path(tempfile.mkdtemp(prefix="cltrain-probe-"))
-        reason = _save_model(model, folder / "model.pt")
-        if reason is not None:
-            failure = (f"the model could not be sent to the timing process ({reason}); keep its classes at module "
-                       "level and unpicklable objects off it, or choose mode='full'")
+        try:
+            torch.save(model, folder / "model.pt")
+        except Exception as error:  # noqa: BLE001 - any pickling failure: lambdas, local classes, open handles
+            failure = (f"the model could not be sent to the timing process ({type(error).__name__}: {error}); keep "
+                       "its classes at module level and unpicklable objects off it, or choose mode='full'")
             return _result(None, failure, start)
-        timings, failure = _run_child(folder / "model.pt", tuple(input_shape), options, settings, timeout)
+        torch.save(job, folder / "job.pt")
+        timings, failure = _run_child(folder, timeout)
         return _result(timings, failure, start)
-    except Exception as error:  # noqa: BLE001 - no temp dir, no child (a daemonic parent, ...): not worth the run
+    except Exception as error:  # noqa: BLE001 - no temp folder, no process: not a reason to stop the run
         return _result(None, f"the timing process could not be started ({type(error).__name__}: {error})", start)
     finally:
         if folder is not None:
@@ -161,28 +149,55 @@ def _result(timings: dict[str, float] | None, failure: str | None, start: float)
     return ProbeResult(layout, timings, None, seconds)
 
 
-def _run_child(
-    path: Path, shape: tuple[int, ...], options: dict[str, Any], settings: dict[str, Any], timeout: float
-) -> tuple[dict[str, float] | None, str | None]:
-    context = multiprocessing.get_context("spawn")
-    receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(str(path), shape, options, settings, send), daemon=True)
-    process.start()
-    send.close()  # the child holds the only writer: EOF here means the child is gone
+def _main_script() -> tuple[str | None, bool]:
+    """The running script's path (``None`` for ``-c``, a REPL, a notebook) and whether it has a main guard."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None, False
+    try:
+        return path, bool(_MAIN_GUARD.search(Path(path).read_text(errors="replace")))
+    except OSError:
+        return path, False
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _run_child(folder: Path, timeout: float) -> tuple[dict[str, float] | None, str | None]:
+    # A fresh interpreter rather than multiprocessing's spawn, which runs the caller's whole script again
+    # when it has no main guard (the training with it).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)}
+    code = "from cltrain.layout_probe import _child_main; _child_main()"
+    process = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, env=env, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
     where, limit, slowest, last = "loading the model", timeout, 0.0, time.perf_counter()
     try:
         while True:
-            if not receive.poll(limit):
+            try:
+                line = lines.get(timeout=limit)
+            except queue.Empty:
                 process.kill()
                 return None, f"no progress for {limit:.0f} s while {where} (a hang); the probe process was killed"
-            try:
-                kind, value = receive.recv()
-            except EOFError:
-                process.join()
-                code = process.exitcode
-                died = f"crashed ({_signal_name(code)})" if code is not None and code < 0 else f"exited ({code})"
+            if line is None:
+                code = process.wait()
+                died = f"crashed ({_signal_name(code)})" if code < 0 else f"exited ({code})"
                 return None, f"the probe process {died} while {where}"
-            now = time.perf_counter()
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            kind, value, now = message["kind"], message["value"], time.perf_counter()
             if kind == "step":
                 if where.startswith("timing"):
                     slowest = max(slowest, now - last)
@@ -194,8 +209,48 @@ def _run_child(
                 return None, f"the probe raised while {where}: {value}"
             last = now
     finally:
-        receive.close()
-        process.join(5)
-        if process.is_alive():
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
             process.kill()
-            process.join()
+            process.wait()
+
+
+def _child_main() -> None:
+    """The probe process (``python -c``): load the model, time it, report on the original stdout."""
+    folder = Path(sys.argv[1])
+    messages = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the model prints goes to stderr, not among the messages
+
+    def send(kind: str, value: Any = None) -> None:
+        messages.write(json.dumps({"kind": kind, "value": value}) + "\n")
+
+    try:
+        job = torch.load(folder / "job.pt", weights_only=False)  # our own files, written a moment ago
+        settings = job["settings"]
+        torch.set_num_threads(settings["threads"])
+        torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+        torch.set_float32_matmul_precision(settings["matmul_precision"])
+        sys.argv = job["argv"]  # as spawn does: the script's top level may read it
+        model = _load_model(folder / "model.pt", job["main_path"], job["main_guarded"])
+        send("loaded")
+        timings = time_layouts(model, job["shape"], on_step=lambda layout: send("step", layout), **job["options"])
+        send("done", timings)
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which keeps contiguous
+        send("error", f"{type(error).__name__}: {error}")
+
+
+def _load_model(path: Path, main_path: str | None, main_guarded: bool) -> nn.Module:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except AttributeError as error:
+        if "__main__" not in str(error) or main_path is None:
+            raise
+        if not main_guarded:
+            raise RuntimeError(f"the model's classes are defined in {main_path}, which has no "
+                               "`if __name__ == '__main__':` guard: loading them would run it again") from error
+    # As multiprocessing's spawn does: the script's top level, without its `if __name__ == "__main__":` block.
+    main = types.ModuleType("__mp_main__")
+    main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+    return torch.load(path, map_location="cpu", weights_only=False)

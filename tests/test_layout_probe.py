@@ -108,16 +108,50 @@ def test_auto_with_guardrails_times_the_guarded_model():
         assert [r["modules"] for r in result["guardrails"]] == [["stem"]]
 
 
-def test_probe_from_a_process_that_cannot_start_one_keeps_contiguous():
-    import multiprocessing
+def test_probe_without_a_temporary_folder_keeps_contiguous(tmp_path, monkeypatch):
+    import tempfile
 
-    def inside_a_daemon(queue):
-        queue.put(probe_layout(Small(), (2, 3, 16, 16), steps=1))
-
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    daemon = context.Process(target=inside_a_daemon, args=(queue,), daemon=True)  # may not have children
-    daemon.start()
-    result = queue.get(timeout=60)
-    daemon.join()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # as with a TMPDIR that is not there
+    result = probe_layout(Small(), (2, 3, 16, 16), steps=1)
     assert result.layout == "contiguous" and "could not be started" in result.failure
+
+
+SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cltrain.layout_probe import probe_layout
+
+Path(sys.argv[1]).open("a").write("top level ran\\n")
+
+
+class InMain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+{call}
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_model_defined_in_the_running_script(tmp_path, guarded):
+    call = "result = probe_layout(InMain(), (2, 3, 8, 8), steps=1, warmup=0)\nprint(result.failure)"
+    if guarded:
+        call = "if __name__ == '__main__':\n    " + call.replace("\n", "\n    ")
+    script, ran = tmp_path / "train.py", tmp_path / "ran.txt"
+    script.write_text(SCRIPT.format(call=call))
+    proc = run([str(script), str(ran)], timeout=300)
+    assert proc is not None and proc.returncode == 0, proc.stderr[-2000:] if proc else "hung"
+    failure = proc.stdout.strip().splitlines()[-1]
+    if guarded:  # the child ran the top level (a second line), not the guarded block, and timed the model
+        assert failure == "None" and ran.read_text().count("top level ran") == 2
+    else:  # running the script again would run the training again: the probe says so instead
+        assert "no `if __name__ == '__main__':` guard" in failure and ran.read_text().count("top level ran") == 1
