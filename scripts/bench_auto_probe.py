@@ -3,7 +3,9 @@
 For each model, rounds alternate (A B, B A, ...) between ``cltrain.autolayout.choose_layout`` (in this
 process, as mode="auto" ran before) and ``cltrain.layout_probe.probe_layout`` (a spawned child: start
 Python, import torch, unpickle the model, time, report), with the same steps; prints the median wall
-seconds of each, their difference (the isolation's cost) and ratio, then the machine::
+seconds of each, their difference (the isolation's cost) and ratio, then the machine. "(cold)" is the
+first in-process trial, which creates the kernels as a run's own trial would; every child starts cold.
+The first row, one 3x3 conv, is the fixed cost of the child process alone::
 
     python scripts/bench_auto_probe.py                       # resnet18 and resnet50, (8, 3, 64, 64), 3 rounds
     python scripts/bench_auto_probe.py --models resnet50 --shape 16 3 112 112 --rounds 5
@@ -36,9 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shape = tuple(args.shape)
     print(f"shape {shape}, {args.steps} timed steps + 1 warm-up per layout, {args.rounds} rounds, median wall seconds")
-    print(f"{'model':<12}{'in-process':>12}{'child':>10}{'cost':>9}{'ratio':>8}  auto's choice (child)")
-    for name in args.models:
-        model = getattr(torchvision.models, name)(num_classes=10)
+    print(f"{'model':<12}{'in-process':>12}{'(cold)':>8}{'child':>10}{'cost':>9}{'ratio':>8}  auto's choice (child)")
+    for name in ["tiny", *args.models]:  # tiny: one 3x3 conv, so its row is the isolation's fixed cost
+        model = torch.nn.Conv2d(3, 8, 3) if name == "tiny" else getattr(torchvision.models, name)(num_classes=10)
         samples: dict[str, list[float]] = {"in-process": [], "child": []}
         chosen = None
         for i in range(args.rounds):
@@ -53,7 +55,9 @@ def main(argv: list[str] | None = None) -> None:
                     choose_layout(model, shape, steps=args.steps)
                 samples[how].append(time.perf_counter() - start)
         inproc, child = (statistics.median(samples[k]) for k in ("in-process", "child"))
-        print(f"{name:<12}{inproc:>12.1f}{child:>10.1f}{child - inproc:>9.1f}{child / inproc:>8.2f}  {chosen}", flush=True)
+        cold = samples["in-process"][0]  # this process's first trial of the model: kernels created, as in a run
+        print(f"{name:<12}{inproc:>12.1f}{cold:>8.1f}{child:>10.1f}{child - inproc:>9.1f}{child / inproc:>8.2f}  "
+              f"{chosen}", flush=True)
     print(f"Machine: {machine(torch.device('cpu'))}")
 
 
