@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten  # tensors in nested outputs, namedtuples too
 
+from cltrain.guardrails import apply_guardrails
 from cltrain.layout import is_channels_last_1d, layout_of, memory_format_for, to_channels_last, to_channels_last_1d
 
 __all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts", "to_contiguous"]
@@ -149,6 +150,8 @@ def time_layouts(
     warmup: int = 1,
     device: torch.device | str | None = None,
     autocast_dtype: torch.dtype | None = None,
+    guardrails: bool = False,
+    on_step: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds per forward+backward step of ``model`` in each layout.
 
@@ -169,6 +172,10 @@ def time_layouts(
         device: where to time; default the model's device.
         autocast_dtype: time under ``torch.autocast`` in this dtype (bf16 on CPU,
             fp16 on CUDA, as in training), or ``None`` for the model's own dtype.
+        guardrails: apply :func:`cltrain.guardrails.apply_guardrails` to each copy for its
+            layout, as ``ChannelsLast`` does to the model it trains.
+        on_step: called with the layout's name before every step (warm-up ones too): progress
+            for a caller watching from another process (:func:`cltrain.layout_probe.probe_layout`).
 
     Returns:
         ``{"channels_last": seconds, "contiguous": seconds}``.
@@ -185,9 +192,14 @@ def time_layouts(
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     batch = torch.randn(shape, device=device, dtype=dtype)
     models = {layout: model_in_layout(model, layout, device, conv1d=len(shape) == 3) for layout in LAYOUTS}
+    if guardrails:
+        for layout, copy_ in models.items():
+            apply_guardrails(copy_, device=device, dtype=autocast_dtype or dtype, layout=layout)
     inputs = {layout: _input_in_layout(batch, layout) for layout in LAYOUTS}
 
     def step(layout: str) -> None:
+        if on_step is not None:
+            on_step(layout)
         m = models[layout]
         m.zero_grad(set_to_none=True)
         with autocast_for(device, autocast_dtype):

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from cltrain.autolayout import to_contiguous
 from cltrain.batch_layout import first_image_tensor, restride_batch
+from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
 from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d
 from cltrain.model_access import (
     model_copies,
@@ -27,6 +28,8 @@ __all__ = ["ChannelsLast"]
 
 _MODES = ("full", "conv", "off", "auto")
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# The dtype convolutions compute in, for the guardrails: autocast's, or the parameters' once cast.
+_COMPUTE_DTYPES = {**_AUTOCAST_DTYPES, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
 class ChannelsLast(Callback):
@@ -80,6 +83,13 @@ class ChannelsLast(Callback):
             Conv1d/ConvTranspose1d weights and every rank-3 floating batch tensor get
             those strides. ``"full"``/``"conv"`` never touch rank-3 tensors.
         auto_steps: timed steps per layout in ``mode="auto"``.
+        guard: apply :func:`cltrain.guardrails.apply_guardrails` once the model is converted: the
+            few layers that match a known-bad backend kernel (:data:`cltrain.guardrails.KNOWN_FAULTS`:
+            crashes or silently wrong gradients on this device) get a targeted workaround, the rest of
+            the model keeps its layout; one log line names them. ``False`` trains the bare kernels.
+        auto_timeout: ``mode="auto"`` times the layouts in a child process
+            (:func:`cltrain.layout_probe.probe_layout`), which a native crash cannot take the run down
+            with; this is how long it may go without progress (seconds) before it counts as a hang.
 
     Attributes:
         layout: the layout the callback put the model in, for reports (``metrics.json``, a
@@ -90,16 +100,23 @@ class ChannelsLast(Callback):
             true). ``None`` before ``setup`` and always with ``mode="off"``, which leaves
             the model as it is.
         timings: with ``mode="auto"``, the median seconds per timed step of each layout,
-            ``{"channels_last": s, "contiguous": s}`` (the same on every rank); else ``None``.
+            ``{"channels_last": s, "contiguous": s}`` (the same on every rank); else ``None``, also
+            when the timing failed.
+        auto_failure: with ``mode="auto"``, one line saying why the timing gave no result (the probe
+            crashed, raised, hung, or the model could not be sent to it); the layout is then
+            ``"contiguous"``. ``None`` otherwise.
+        guardrails: the :class:`cltrain.guardrails.GuardRecord` of each known fault worked around in
+            the model (``record.as_dict()`` for ``metrics.json``); ``[]`` when none matched, ``None``
+            before ``setup``, with ``guard=False`` and with ``mode="off"``.
         summary: :func:`cltrain.layout_summary` of the model's parameters and buffers
             once converted.
         audit_report: with ``audit=True``, the :class:`cltrain.audit.AuditReport` of the
             first training batch.
 
     Raises:
-        ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, an
-            ``input_shape`` that is not rank 4 or 5, or ``mode="auto"`` with no
-            shape to time (raised in ``setup``).
+        ValueError: an unknown ``mode``, a non-bool ``convert_inputs`` or ``guard``, an
+            ``input_shape`` that is not rank 3, 4 or 5, a non-positive ``auto_timeout``, or
+            ``mode="auto"`` with no shape to time (raised in ``setup``).
 
     Example::
 
@@ -117,6 +134,8 @@ class ChannelsLast(Callback):
         audit: bool = False,
         input_shape: tuple[int, ...] | None = None,
         auto_steps: int = 3,
+        guard: bool = True,
+        auto_timeout: float = 300.0,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"ChannelsLast(mode={mode!r}): expected one of {_MODES}.")
@@ -133,13 +152,23 @@ class ChannelsLast(Callback):
             )
         if not isinstance(auto_steps, int) or auto_steps < 1:
             raise ValueError(f"ChannelsLast(auto_steps={auto_steps!r}): expected an int >= 1.")
+        if not isinstance(guard, bool):
+            raise ValueError(f"ChannelsLast(guard={guard!r}): expected True or False.")
+        if not isinstance(auto_timeout, (int, float)) or auto_timeout <= 0:
+            raise ValueError(f"ChannelsLast(auto_timeout={auto_timeout!r}): expected seconds > 0.")
         self.mode = mode
         self.convert_inputs = convert_inputs
         self.audit = audit
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.auto_steps = auto_steps
+        self.guard = guard
+        self.auto_timeout = float(auto_timeout)
         self.layout: str | None = None
         self.timings: dict[str, float] | None = None
+        self.auto_failure: str | None = None
+        self.guardrails: list[GuardRecord] | None = None
+        self._device: torch.device | None = None
+        self._dtype: torch.dtype | None = None
         self.summary: dict[str, int] | None = None
         self.audit_report: Any = None
         self._one_d = False  # auto timed a rank-3 shape: channels-last 1-D for Conv1d and rank-3 batches
@@ -167,13 +196,17 @@ class ChannelsLast(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         undo_run_after(pl_module)
 
-    def _put_in_layout(self, module: nn.Module) -> None:
+    def _put_in_layout(self, module: nn.Module, hazards: dict[str, list[str]] | None = None) -> list[GuardRecord]:
         if self.layout == "channels_last":
             to_channels_last(module, mode="conv" if self.mode == "conv" else "full")
             if self._one_d:
                 to_channels_last_1d(module)
         else:  # auto kept NCHW: make that true even for a model that arrived channels_last
             to_contiguous(module)
+        if not self.guard:
+            return []
+        # After every conversion: converting again would undo a guarded weight's layout.
+        return apply_guardrails(module, device=self._device, dtype=self._dtype, layout=self.layout, hazards=hazards)
 
     def _convert_copies(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Averaging callbacks deep-copy the module in their own `setup`, before this callback
@@ -184,10 +217,32 @@ class ChannelsLast(Callback):
         for copy_ in model_copies(trainer, pl_module, exclude=self):
             self._put_in_layout(copy_)
 
+    def _hazards_on_every_rank(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, list[str]]:
+        """The modules any rank finds hazardous (the oneDNN ISA may differ between machines): every
+        rank guards the same modules, so parameter layouts, and DDP's buckets, agree."""
+        local = find_hazards(pl_module, device=self._device, dtype=self._dtype, layout=self.layout)
+        if trainer.world_size == 1:
+            return local
+        names = [name for name, _ in pl_module.named_modules()]
+        index = {name: j for j, name in enumerate(names)}
+        flags = torch.zeros(len(KNOWN_FAULTS), len(names), device=self._device)
+        for i, fault in enumerate(KNOWN_FAULTS):
+            for name in local.get(fault.key, ()):
+                flags[i, index[name]] = 1
+        flags = trainer.strategy.reduce(flags, reduce_op="sum").cpu()
+        union = {fault.key: [names[j] for j in flags[i].nonzero().flatten().tolist()]
+                 for i, fault in enumerate(KNOWN_FAULTS)}
+        return {key: found for key, found in union.items() if found}
+
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._device = trainer.strategy.root_device
+        self._dtype = _COMPUTE_DTYPES.get(str(trainer.precision))
         if self.layout is None:
             self.layout = "channels_last" if self.mode != "auto" else self._choose(trainer, pl_module)
-        self._put_in_layout(pl_module)
+        hazards = self._hazards_on_every_rank(trainer, pl_module) if self.guard else None
+        records = self._put_in_layout(pl_module, hazards)
+        if self.guard:
+            self.guardrails = records
         self._convert_copies(trainer, pl_module)
         self.summary = layout_summary(pl_module, buffers=True)
         convs = CONV_TYPES + CONV1D_TYPES if self._one_d else CONV_TYPES
@@ -201,6 +256,8 @@ class ChannelsLast(Callback):
         rank_zero_info(
             f"ChannelsLast(mode={self.mode!r}): model layout is {self.layout}; parameters and buffers: {counts}."
         )
+        if records:
+            rank_zero_info("ChannelsLast: worked around known kernel faults: " + "; ".join(r.line() for r in records))
 
     def _shape(self, trainer: Trainer) -> tuple[int, ...] | None:
         if self.input_shape is not None:
@@ -209,22 +266,27 @@ class ChannelsLast(Callback):
         return tuple(shape) if shape is not None else None
 
     def _choose(self, trainer: Trainer, pl_module: LightningModule) -> str:
-        from cltrain.autolayout import choose_layout
+        from cltrain.layout_probe import probe_layout
 
-        decision: list[Any] = [None, None]
+        decision: list[Any] = [None, None, None]
         self._one_d = len(self._shape(trainer)) == 3
         if trainer.is_global_zero:
-            target = step_target(pl_module)
-            layout, timings = choose_layout(
-                target,
+            # In a child process: a native crash in either layout's kernels must not end the run.
+            result = probe_layout(
+                step_target(pl_module),
                 self._shape(trainer),
                 steps=self.auto_steps,
-                device=trainer.strategy.root_device,
+                device=self._device,
                 autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision)),
+                guardrails=self.guard,
+                timeout=self.auto_timeout,
             )
-            decision = [layout, timings]
+            decision = [result.layout, result.timings, result.failure]
         # Every rank must take the same layout or DDP's buckets disagree between ranks.
-        layout, self.timings = trainer.strategy.broadcast(decision, src=0)
+        layout, self.timings, self.auto_failure = trainer.strategy.broadcast(decision, src=0)
+        if self.auto_failure is not None:
+            rank_zero_warn(f"ChannelsLast(mode='auto'): {self.auto_failure}; keeping contiguous.")
+            return layout
         per_img = ", ".join(f"{k} {v * 1e3:.1f} ms/step" for k, v in sorted(self.timings.items()))
         rank_zero_info(f"ChannelsLast(mode='auto'): {per_img} -> keeping {layout}.")
         return layout

@@ -1,9 +1,10 @@
 """How often bf16 Conv3d weight gradients come out non-finite on this CPU, for the same tensors every call.
 
-The README's Video section quotes it: one ``F.conv3d`` backward on an (8, 256, 2, 4, 4) input (r3d_18's
-layer3 on 32 px clips), the same input, weight and output gradient each call, in bf16 (contiguous and
-channels_last_3d) and in fp32; prints the count of calls whose weight gradient has a NaN or inf, and
-how many finite results differ from the first one, then the machine.
+One ``F.conv3d`` backward on an (8, 256, 2, 4, 4) input (r3d_18's layer3 on 32 px clips), the same input,
+weight and output gradient each call, in bf16 (contiguous and channels_last_3d) and in fp32; prints the
+count of calls whose weight gradient has a NaN or inf, and how many finite results differ from the first
+one, then the machine. The finite ones are wrong too: scripts/repro_cpu_bf16_conv3d_grad.py compares them
+with float64 and maps the shapes (an input shallower than the kernel); docs/troubleshooting.md has the table.
 
     python scripts/cpu_bf16_conv3d.py --calls 100
 """

@@ -32,7 +32,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -117,12 +117,6 @@ def _callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalS
     return callbacks, progress, parts
 
 
-_CPU_BF16_CONV3D = (
-    "cltrain: amp=true on the CPU with Conv3d layers: bf16 Conv3d weight gradients (oneDNN, torch 2.14.1) were measured "
-    "non-finite in 16-24 of 100 identical calls on an AVX512-BF16 CPU, in both layouts (scripts/cpu_bf16_conv3d.py); "
-    "a loss that turns NaN stops the run. amp=false trains these models safely.")
-
-
 class _KeepOnException(Callback):
     """Writes ``last.ckpt`` when a run stops on an exception or signal, and keeps it.
 
@@ -192,9 +186,13 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     kwargs = cfg.model.get("kwargs")
     model = build_model(cfg.model.name, datamodule.num_classes, cfg.model.source,
                         _absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
-    if resolved.precision == "bf16-mixed" and resolved.accelerator == "cpu" and not cfg.evaluate_only \
-            and any(isinstance(m, torch.nn.Conv3d) for m in model.modules()):
-        rank_zero_warn(_CPU_BF16_CONV3D)
+    if resolved.precision == "bf16-mixed" and resolved.accelerator == "cpu" and not cfg.evaluate_only:
+        # bf16 Conv3d weight gradients are wrong on the CPU in either layout (cltrain.guardrails), with or without
+        # the ChannelsLast callback, which guards its own layout's faults.
+        from cltrain.guardrails import apply_guardrails
+
+        for record in apply_guardrails(model, device="cpu", dtype=torch.bfloat16, layout="contiguous"):
+            rank_zero_info(f"cltrain: worked around a known kernel fault: {record.line()}")
     if cfg.compile.enabled:
         if cfg.channels_last:  # compile sees the final layout; the callback then finds nothing to convert
             from cltrain import to_channels_last

@@ -3,7 +3,6 @@ EXIF orientation and the decompression-bomb limit, on real JPEG files written he
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np

@@ -1,7 +1,6 @@
 """The image-folder index: each real file once, unloaded suffixes counted, the cache and its invalidation."""
 
 import json
-import shutil
 import os
 import time
 from multiprocessing import get_context

@@ -4,6 +4,7 @@ ImageClassifier, progress meter and ChannelsLast on 5-D (N, C, T, H, W) batches.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -57,12 +58,12 @@ def test_experiment_video_trains_with_the_toggles(tmp_path: Path, monkeypatch: p
     assert (tmp_path / "demo" / "train" / "00_right").is_dir()  # the video demo, generated on first use
 
 
-def test_amp_on_the_cpu_with_conv3d_warns_and_runs_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # bf16 Conv3d weight gradients on this CPU are non-finite now and then (16-24 of 100 identical calls), so
-    # a 2-step run ends either "completed" or stopped by the non-finite-loss check ("failed"); both say bf16-mixed,
-    # and the first step always runs channels_last_3d batches through bf16 autocast.
-    from cltrain.app.finite import NonFiniteLossError
-
+def test_amp_on_the_cpu_with_conv3d_guards_the_shallow_convs_and_runs_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # bf16 Conv3d weight gradients on this CPU are wrong or not finite for inputs shallower than the kernel
+    # (4-frame clips reach depth 2 in layer2): the guardrail computes those calls in fp32, so the run completes
+    # in bf16-mixed, its batches channels_last_3d through bf16 autocast.
     seen: list[tuple[bool, torch.dtype]] = []
     step = ImageClassifier.training_step
 
@@ -71,13 +72,11 @@ def test_amp_on_the_cpu_with_conv3d_warns_and_runs_bf16(tmp_path: Path, monkeypa
         return step(self, batch, batch_idx)
 
     monkeypatch.setattr(ImageClassifier, "training_step", spy)
-    with pytest.warns(UserWarning, match="amp=true on the CPU with Conv3d layers.*amp=false trains these models safely"):
-        try:
-            tiny_video(tmp_path / "demo", tmp_path / "run", "amp=true")
-        except NonFiniteLossError:
-            pass
+    with caplog.at_level(logging.INFO):
+        tiny_video(tmp_path / "demo", tmp_path / "run", "amp=true")
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["precision"] == "bf16-mixed" and metrics["status"] in ("completed", "failed")
+    assert metrics["precision"] == "bf16-mixed" and metrics["status"] == "completed"
+    assert "onednn-bf16-conv3d-weight-grad" in caplog.text
     assert seen and all(s == (True, torch.bfloat16) for s in seen)
 
 

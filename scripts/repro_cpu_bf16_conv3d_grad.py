@@ -1,0 +1,129 @@
+"""oneDNN's bf16 Conv3d backward-weights on the CPU: wrong (often huge or non-finite) weight gradients.
+
+Plain PyTorch only. One ``F.conv3d`` backward in bf16 (plain bf16 tensors, or fp32 tensors under
+``torch.autocast("cpu", torch.bfloat16)``), its weight gradient compared elementwise with a float64
+reference computed with oneDNN disabled::
+
+    python scripts/repro_cpu_bf16_conv3d_grad.py                 # (8, 256, 2, 4, 4), 3x3x3, the r3d_18 layer3 case
+    python scripts/repro_cpu_bf16_conv3d_grad.py --mode fp32-in-autocast
+    python scripts/repro_cpu_bf16_conv3d_grad.py --sweep         # the table in docs/troubleshooting.md
+
+Prints the machine and the worst relative error over ``--calls`` calls (bf16 kernels land near 4e-3);
+exits 1 when a weight gradient is wrong or not finite. ``--mode fp32-in-autocast`` runs the same conv
+with autocast turned off for it and fp32 inputs: what cltrain's guardrail does to such a layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # from mkldnn.flags()
+TOLERANCE = 5e-2  # bf16 weight gradients land near 4e-3 here; the faulty ones at 1 to 1e37, or inf/nan
+MODES = ("bf16", "autocast", "fp32-in-autocast")
+
+
+def machine() -> str:
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        pass
+    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    onednn = re.search(r"MKL-DNN v([\d.]+)", torch.__config__.show())
+    return (f"[{vector}] {os.cpu_count()} cpus; torch {torch.__version__}, oneDNN {onednn.group(1) if onednn else '?'}, "
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, {torch.get_num_threads()} threads")
+
+
+def weight_error(shape, cout, kernel, stride, padding, channels_last, mode, calls) -> float:
+    """The worst max|g - ref| / max|ref| of the weight gradient over ``calls`` calls (inf when not finite)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen)
+    w = torch.randn(cout, shape[1], *kernel, generator=gen) * 0.02
+    y_shape = F.conv3d(x, w, None, stride, padding).shape
+    gy = torch.randn(y_shape, generator=gen) * 1e-4
+
+    def grad(dtype, reference=False):
+        xx, ww, gg = (t.to(dtype, copy=True) for t in (x, w, gy))  # a fresh leaf each call
+        if channels_last:
+            xx, ww, gg = (t.to(memory_format=torch.channels_last_3d) for t in (xx, ww, gg))
+        ww.requires_grad_(True)
+        autocast = mode != "bf16" and not reference
+        with torch.backends.mkldnn.flags(enabled=not reference):
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                if mode == "fp32-in-autocast" and not reference:
+                    with torch.autocast("cpu", enabled=False):
+                        y = F.conv3d(xx.float(), ww, None, stride, padding)
+                else:
+                    y = F.conv3d(xx, ww, None, stride, padding)
+            y.backward(gg.to(y.dtype))
+        return ww.grad.double()
+
+    want = grad(torch.float64, reference=True)
+    worst = 0.0
+    for _ in range(calls):
+        got = grad(torch.bfloat16 if mode == "bf16" else torch.float32)
+        if not bool(torch.isfinite(got).all()):
+            return float("inf")
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return worst
+
+
+def sweep(calls: int) -> int:
+    """The boundary table: depth x kernel depth x stride x padding x channels x layout, bf16 and fp32-in-autocast."""
+    print("| input (N, C, D, H, W) | out C | kernel | stride | pad | layout | bf16 | autocast | fp32-in-autocast |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    cases = [((4, 64, d, 8, 8), 64, (3, 3, 3), 1, 1) for d in (1, 2, 3, 4, 8)]
+    cases += [((4, c, 2, 8, 8), c, (3, 3, 3), 1, 1) for c in (3, 16, 256)]
+    cases += [((4, 64, 2, hw, hw), 64, (3, 3, 3), 1, 1) for hw in (2, 16, 28)]
+    cases += [((4, 64, 2, 8, 8), 64, k, 1, p) for k, p in (((3, 1, 1), (1, 0, 0)), ((1, 3, 3), (0, 1, 1)),
+                                                        ((1, 1, 1), 0), ((2, 3, 3), (0, 1, 1)), ((2, 3, 3), 1),
+                                                        ((3, 3, 3), (2, 1, 1)), ((5, 3, 3), (2, 1, 1)))]
+    cases += [((4, 64, d, 8, 8), 64, (3, 3, 3), (2, 1, 1), 1) for d in (3, 4, 5)]
+    cases += [((4, 64, d, 8, 8), 64, (3, 3, 3), 1, (0, 1, 1)) for d in (3, 4, 5)]
+    cases += [((4, 64, d, 8, 8), 64, (5, 3, 3), 1, (2, 1, 1)) for d in (1, 3, 4)]
+    bad = 0
+    for (shape, cout, kernel, stride, padding), cl in itertools.product(cases, (False, True)):
+        cells = []
+        for mode in MODES:
+            err = weight_error(shape, cout, kernel, stride, padding, cl, mode, calls)
+            cells.append(f"**{err:.1e}**" if not err <= TOLERANCE else f"{err:.1e}")
+            bad += mode == "bf16" and not err <= TOLERANCE
+        print(f"| {shape} | {cout} | {kernel} | {stride} | {padding} | {'cl3d' if cl else 'ncdhw'} | " + " | ".join(cells) + " |",
+              flush=True)
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", type=int, nargs=5, default=[8, 256, 2, 4, 4], metavar=("N", "C", "D", "H", "W"))
+    p.add_argument("--cout", type=int, default=0, help="output channels (0: the input's)")
+    p.add_argument("--kernel", type=int, nargs=3, default=[3, 3, 3])
+    p.add_argument("--stride", type=int, default=1)
+    p.add_argument("--padding", type=int, default=1)
+    p.add_argument("--channels-last", action="store_true", help="channels_last_3d tensors")
+    p.add_argument("--mode", choices=MODES, default="bf16")
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args(argv)
+    print(f"Machine: {machine()}", flush=True)
+    if args.sweep:
+        bad = sweep(args.calls)
+        return 1 if bad else 0
+    err = weight_error(tuple(args.shape), args.cout or args.shape[1], tuple(args.kernel), args.stride, args.padding,
+                       args.channels_last, args.mode, args.calls)
+    print(f"{args.mode}: worst weight-gradient error {err:.2e} over {args.calls} calls "
+          f"({'FAULT' if not err <= TOLERANCE else 'ok'}, tolerance {TOLERANCE:g})", flush=True)
+    return 1 if not err <= TOLERANCE else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""oneDNN #6035: the backward of a strided 1x1 convolution on a channels_last input with few input channels.
+
+oneDNN's ``jit_1x1`` backward-weights kernel copies a strided nhwc source into a unit-stride workspace
+("rtus") and writes past that workspace when the input channels are fewer than the kernel's channel
+block (8 on AVX2, 16 on AVX-512). Depending on the machine and thread count the process segfaults,
+hangs, or gets weight gradients that are silently wrong. Plain PyTorch only::
+
+    python scripts/repro_onednn_1x1_strided_conv.py                  # Conv2d(3, 48, 1, stride=2), 8x3x128x128
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python scripts/repro_onednn_1x1_strided_conv.py
+    python scripts/repro_onednn_1x1_strided_conv.py --cin 7 --threads 2 --repeats 10
+
+Prints the machine, then one line per repeat: the largest elementwise error of the weight and input
+gradients against a float64 reference computed with oneDNN disabled, relative to the reference's largest
+value. Exits 1 when a gradient is wrong or not finite; a crash or hang is the fault too (``--timeout``
+turns a hang into exit 1 with the stack printed). ``--json`` prints one JSON object instead (for scripts/onednn_1x1_boundary.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import platform
+import re
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+# mkldnn.flags() sets allow_tf32 too, which warns on builds without Intel GPU support.
+warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+
+#: Relative error above which a gradient counts as wrong: fp32 kernels land near 1e-6 here, bf16 near 4e-3.
+TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
+
+
+def machine() -> str:
+    """The CPU model, its vector flags, torch, oneDNN and the ISA torch dispatches to."""
+    model, flags = platform.processor() or "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("?", "x86_64", ""):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    onednn = re.search(r"MKL-DNN v([\d.]+)", torch.__config__.show())
+    return (f"{model} [{vector}], {os.cpu_count()} cpus; torch {torch.__version__}, oneDNN "
+            f"{onednn.group(1) if onednn else '?'}, ATen {torch.backends.cpu.get_cpu_capability()}, "
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, {torch.get_num_threads()} threads")
+
+
+def _layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    # clone, not contiguous(): a C == 1 channels_last tensor counts as contiguous and would be kept as it is.
+    return t.clone(memory_format=fmt if channels_last else torch.contiguous_format)
+
+
+def grads(args: argparse.Namespace, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, *, reference: bool):
+    """Weight and input gradients of one conv: oneDNN in the case's dtype and layouts, or the float64 reference."""
+    if reference:
+        x, w, gy = (t.double().contiguous() for t in (x, w, gy))
+    else:
+        x, w = _layout(x, args.input_layout == "channels_last"), _layout(w, args.weight_layout == "channels_last")
+    x, w = x.requires_grad_(True), w.requires_grad_(True)
+    conv = F.conv_transpose2d if args.op == "conv_transpose2d" else F.conv3d if x.dim() == 5 else F.conv2d
+    bf16 = args.dtype == "bf16" and not reference
+    with torch.backends.mkldnn.flags(enabled=not reference):
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            y = conv(x, w, None, args.stride, args.padding, groups=args.groups)
+        y.backward(gy.to(y.dtype))
+    return w.grad.float(), x.grad.float()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (inf when ``got`` is not finite)."""
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def case_tensors(args: argparse.Namespace):
+    gen = torch.Generator().manual_seed(0)
+    dims = 3 if args.op == "conv3d" else 2
+    spatial = (args.size,) * dims
+    x = torch.randn(args.batch, args.cin, *spatial, generator=gen)
+    if args.op == "conv_transpose2d":
+        w = torch.randn(args.cin, args.cout // args.groups, *(args.kernel,) * dims, generator=gen) * 0.1
+        out = F.conv_transpose2d(x, w, None, args.stride, args.padding, groups=args.groups)
+    else:
+        w = torch.randn(args.cout, args.cin // args.groups, *(args.kernel,) * dims, generator=gen) * 0.1
+        out = (F.conv3d if dims == 3 else F.conv2d)(x, w, None, args.stride, args.padding, groups=args.groups)
+    return x, w, torch.randn(out.shape, generator=gen)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--op", choices=("conv2d", "conv3d", "conv_transpose2d"), default="conv2d")
+    p.add_argument("--cin", type=int, default=3)
+    p.add_argument("--cout", type=int, default=48)
+    p.add_argument("--kernel", type=int, default=1)
+    p.add_argument("--stride", type=int, default=2)
+    p.add_argument("--padding", type=int, default=0)
+    p.add_argument("--groups", type=int, default=1)
+    p.add_argument("--size", type=int, default=128, help="height = width (= depth for conv3d)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--dtype", choices=tuple(TOLERANCE), default="fp32", help="bf16 = torch.autocast('cpu', bfloat16)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    p.add_argument("--input-layout", choices=("channels_last", "contiguous"), default="channels_last")
+    p.add_argument("--weight-layout", choices=("channels_last", "contiguous"), default="channels_last")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=0, help="exit 1 after this many seconds (a hang)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.timeout:
+        faulthandler.dump_traceback_later(args.timeout, exit=True)
+    if not args.json:
+        print(f"Machine: {machine()}", flush=True)
+    x, w, gy = case_tensors(args)
+    want_w, want_x = grads(args, x, w, gy, reference=True)
+    worst_w = worst_x = 0.0
+    for i in range(args.repeats):
+        got_w, got_x = grads(args, x, w, gy, reference=False)
+        err_w, err_x = relative_error(got_w, want_w), relative_error(got_x, want_x)
+        worst_w, worst_x = max(worst_w, err_w), max(worst_x, err_x)
+        if not args.json:
+            print(f"repeat {i}: weight grad error {err_w:.2e}, input grad error {err_x:.2e}", flush=True)
+    tol = TOLERANCE[args.dtype]
+    bad = not (worst_w <= tol and worst_x <= tol)
+    if args.json:
+        print(json.dumps({"weight_error": worst_w, "input_error": worst_x, "wrong": bad}), flush=True)
+    else:
+        print("FAULT: wrong or non-finite gradients" if bad else f"ok (tolerance {tol:g})", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
