@@ -179,6 +179,31 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     raise SystemExit(code)
 
 
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _guard(cfg: DictConfig, resolved: Resolved, model: torch.nn.Module) -> list[Any]:
+    """Work around known kernel faults the callback does not see (cltrain.guardrails); returns the records.
+
+    bf16 Conv3d weight gradients are wrong on the CPU in either layout, with or without the ChannelsLast
+    callback. A model to compile is converted here, before compiling, so its layout's faults are guarded
+    here too (the callback then finds nothing to convert)."""
+    from cltrain.guardrails import apply_guardrails
+
+    records: list[Any] = []
+    dtype = _AUTOCAST.get(resolved.precision)
+    if cfg.compile.enabled and cfg.channels_last:
+        from cltrain import to_channels_last
+
+        to_channels_last(model, mode=cfg.channels_last_mode)
+        records += apply_guardrails(model, device=resolved.accelerator, dtype=dtype, layout="channels_last")
+    elif dtype is torch.bfloat16 and resolved.accelerator == "cpu" and not cfg.evaluate_only:
+        records += apply_guardrails(model, device="cpu", dtype=dtype, layout="contiguous")
+    for record in records:
+        rank_zero_info(f"cltrain: worked around a known kernel fault: {record.line()}")
+    return records
+
+
 def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop, started: float) -> dict[str, Any]:
     _apply_cuda_math(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -186,18 +211,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     kwargs = cfg.model.get("kwargs")
     model = build_model(cfg.model.name, datamodule.num_classes, cfg.model.source,
                         _absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
-    if resolved.precision == "bf16-mixed" and resolved.accelerator == "cpu" and not cfg.evaluate_only:
-        # bf16 Conv3d weight gradients are wrong on the CPU in either layout (cltrain.guardrails), with or without
-        # the ChannelsLast callback, which guards its own layout's faults.
-        from cltrain.guardrails import apply_guardrails
-
-        for record in apply_guardrails(model, device="cpu", dtype=torch.bfloat16, layout="contiguous"):
-            rank_zero_info(f"cltrain: worked around a known kernel fault: {record.line()}")
+    guarded = _guard(cfg, resolved, model)
     if cfg.compile.enabled:
-        if cfg.channels_last:  # compile sees the final layout; the callback then finds nothing to convert
-            from cltrain import to_channels_last
-
-            to_channels_last(model, mode=cfg.channels_last_mode)
         model.compile(backend=cfg.compile.backend)  # in place: state_dict keys stay unprefixed
 
     callbacks, progress, parts = _callbacks(cfg, resolved, run_dir, stop)
@@ -219,6 +234,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
 
     def finish(status: str, error: BaseException | None = None) -> dict[str, Any]:
         metrics = _final_metrics(cfg, resolved, trainer, progress, parts, model, run_dir, global_batch, lr)
+        callback_records = getattr(parts.get("channels_last"), "guardrails", None) or []
+        metrics["guardrails"] = [r.as_dict() for r in (*guarded, *callback_records)]
         metrics["status"] = status
         # which weights val_* and the best checkpoint are of ("ema" | "live"; pretrained weights: "live")
         if cfg.evaluate_only:

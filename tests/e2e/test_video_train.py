@@ -77,6 +77,7 @@ def test_amp_on_the_cpu_with_conv3d_guards_the_shallow_convs_and_runs_bf16(
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["precision"] == "bf16-mixed" and metrics["status"] == "completed"
     assert "onednn-bf16-conv3d-weight-grad" in caplog.text
+    assert "onednn-bf16-conv3d-weight-grad" in {g["fault"] for g in metrics["guardrails"]}  # recorded for the run
     assert seen and all(s == (True, torch.bfloat16) for s in seen)
 
 
