@@ -1,65 +1,239 @@
-"""Restride the tensors of a batch in place: what ``ChannelsLast`` does to every batch.
+"""Restride the model's inputs in a batch, in place: what ``ChannelsLast`` does to every batch.
 
-A Lightning callback cannot replace the batch object, so the tensors' ``.data`` is swapped:
-the step sees the same tensor objects, in the new layout. Every floating tensor of the
-chosen ranks anywhere in the batch is visited (tuples, lists, dicts, namedtuples,
-dataclasses, nested: whatever Lightning's ``apply_to_collection`` carries to the device);
-labels, masks of other ranks, integer tensors and non-tensors are left alone.
+Only the model's input is converted by default; targets, masks, heatmaps, boxes and every
+other tensor keep the layout the user's code built (a loss doing ``target.view(N, -1)``
+keeps working). Which tensors are the input, by the batch's shape:
+
+* a tensor: the batch itself;
+* a dict (any mapping), namedtuple or dataclass: the values under :data:`IMAGE_KEYS`
+  (``image``, ``pixel_values``, ``inputs``, ``video``, ...); a dict with none of them
+  has no input that can be told apart from its targets, and nothing is converted;
+* a tuple or list (any sequence; a namedtuple without an image field): its first element,
+  as in ``(input, target)``;
+* inside that input (the first element, or a value under an image key), a dict,
+  namedtuple or dataclass again gives its image keys (or all of it when it has none),
+  and a tuple or list is several inputs (multi-crop views, multi-scale images): all of them.
+
+``inputs=`` names others instead: a key or field name (found at any depth), an index of a
+tuple or list batch, a list of those, or ``"all"`` for every tensor of the batch. Within
+what is selected, only floating tensors of rank 4 and 5 (with ``one_d``, rank 3) are
+converted. A callback cannot replace the batch object, so the tensors' ``.data`` is
+swapped: the step sees the same tensor objects, in the new layout.
 
 Example::
 
     >>> import torch
-    >>> batch = {"image": torch.randn(2, 3, 8, 8), "label": torch.tensor([0, 1])}
-    >>> restride_batch(batch, "channels_last"), batch["image"].stride()
-    (1, (192, 1, 24, 3))
+    >>> batch = {"image": torch.randn(2, 3, 8, 8), "heatmap": torch.rand(2, 5, 8, 8)}
+    >>> restride_batch(batch, "channels_last"), batch["image"].stride(), batch["heatmap"].is_contiguous()
+    (1, (192, 1, 24, 3), True)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from cltrain.layout import is_channels_last, is_channels_last_1d, to_channels_last, to_channels_last_1d
 
-__all__ = ["first_image_tensor", "restride_batch"]
+__all__ = [
+    "IMAGE_KEYS", "Inputs", "check_inputs", "describe_batch", "first_image_tensor", "model_inputs", "restride_batch",
+]
+
+#: Dict keys (and namedtuple/dataclass field names) read as the model's image input: albumentations,
+#: MONAI, torchgeo, anomalib, detectron2 (``image``); MMDetection 2 / MMAction (``img``, ``imgs``);
+#: MMEngine (``inputs``); Hugging Face (``pixel_values``, ``pixel_values_videos``); PyTorchVideo
+#: (``video``); and the generic ``images``, ``input``, ``x``, ``videos``, ``clip(s)``, ``frames``.
+IMAGE_KEYS: frozenset[str] = frozenset({
+    "image", "images", "img", "imgs", "pixel_values", "pixel_values_videos", "input", "inputs", "x",
+    "video", "videos", "clip", "clips", "frames",
+})
+
+#: What ``inputs=`` accepts: ``None`` (the model's input, see the module docstring), ``"all"``,
+#: a key or field name, an index of a tuple/list batch, or a list of keys and indices.
+Inputs = Union[None, str, int, Sequence[Union[str, int]]]
 
 
-def restride_batch(batch: Any, layout: str, one_d: bool = False) -> int:
-    """Put every rank-4/5 (and with ``one_d``, rank-3) floating tensor of ``batch`` in ``layout``
-    (``"channels_last"`` or ``"contiguous"``), in place; returns how many tensors it copied
-    (0 when the batch already arrives in the layout: nothing is copied then)."""
+def check_inputs(inputs: Any, owner: str = "") -> None | str | tuple[str | int, ...]:
+    """``inputs`` in canonical form (``None``, ``"all"`` or a tuple of keys and indices).
+
+    Raises:
+        ValueError: ``inputs`` is none of the forms of :data:`Inputs`; the message names ``owner``
+            (a class or function name) and the value.
+    """
+    if inputs is None or inputs == "all":
+        return inputs
+    items = (inputs,) if isinstance(inputs, (str, int)) else inputs
+    if (
+        not isinstance(items, Sequence)
+        or not items
+        or not all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in items)
+        or "all" in items and len(items) > 1
+    ):
+        where = f"{owner}(inputs={inputs!r})" if owner else f"inputs={inputs!r}"
+        raise ValueError(
+            f"{where}: expected None (the model's input), 'all', a key, an index, or a list of keys and indices."
+        )
+    return tuple(items)
+
+
+def model_inputs(batch: Any, inputs: Inputs = None) -> list[torch.Tensor]:
+    """The tensors of ``batch`` that ``inputs`` selects (every rank and dtype; see the module docstring).
+
+    Raises:
+        ValueError: a key or index named in ``inputs`` is not in ``batch``.
+
+    Example::
+
+        >>> x, y = torch.randn(2, 3, 4, 4), torch.rand(2, 3, 4, 4)
+        >>> [t is x for t in model_inputs((x, y))], len(model_inputs((x, y), "all"))
+        ([True], 2)
+    """
+    inputs = check_inputs(inputs)
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if inputs == "all":
+        return _tensors(batch)
+    if inputs is None:
+        return _default_inputs(batch)
+    found: list[torch.Tensor] = []
+    for selector in inputs:
+        parts = _at_index(batch, selector) if isinstance(selector, int) else _under_key(batch, selector)
+        for part in parts:
+            found += _tensors(part)
+    return found
+
+
+def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs = None) -> int:
+    """Put the floating rank-4/5 (and with ``one_d``, rank-3) tensors of ``batch`` that ``inputs``
+    selects in ``layout`` (``"channels_last"`` or ``"contiguous"``), in place; returns how many
+    tensors it copied (0 when they already arrive in the layout: nothing is copied then).
+
+    Raises:
+        ValueError: a key or index named in ``inputs`` is not in ``batch``.
+    """
     want_cl = layout == "channels_last"
     ranks = (3, 4, 5) if one_d else (4, 5)
     converted = 0
-
-    def restride(t: torch.Tensor) -> None:
-        nonlocal converted
-        if t.dim() not in ranks or not t.is_floating_point() or t.layout is not torch.strided:
-            return
+    seen: set[int] = set()
+    for t in model_inputs(batch, inputs):
+        if id(t) in seen or t.dim() not in ranks or not t.is_floating_point() or t.layout is not torch.strided:
+            continue
+        seen.add(id(t))
         if want_cl and t.dim() == 3:
             if is_channels_last_1d(t):
-                return
+                continue
             t.data = to_channels_last_1d(t.data)
         elif want_cl and not is_channels_last(t):
             t.data = to_channels_last(t.data)
         elif not want_cl and not t.is_contiguous():
             t.data = t.data.contiguous()
         else:
-            return
+            continue
         converted += 1
-
-    _visit_tensors(batch, restride)
     return converted
 
 
-def first_image_tensor(batch: Any) -> torch.Tensor | None:
-    """The first rank-4/5 floating tensor of ``batch``, or ``None``."""
+def first_image_tensor(batch: Any, inputs: Inputs = None) -> torch.Tensor | None:
+    """The first rank-4/5 floating tensor that ``inputs`` selects in ``batch``, or ``None``."""
+    return next((t for t in model_inputs(batch, inputs) if t.dim() in (4, 5) and t.is_floating_point()), None)
+
+
+# ---- the walk -----------------------------------------------------------------------------------
+
+
+def _fields(obj: Any) -> dict[Any, Any] | None:
+    """The named children of a mapping, namedtuple or dataclass instance; ``None`` for anything else."""
+    if isinstance(obj, Mapping):
+        return dict(obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return obj._asdict()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return None
+
+
+def _is_sequence(obj: Any) -> bool:
+    return isinstance(obj, Sequence) and not isinstance(obj, (str, bytes))
+
+
+def _image_values(obj: Any) -> list[Any] | None:
+    fields = _fields(obj)
+    if fields is None:
+        return None
+    return [v for k, v in fields.items() if k in IMAGE_KEYS]
+
+
+def _default_inputs(batch: Any) -> list[torch.Tensor]:
+    images = _image_values(batch)
+    if images:
+        return [t for v in images for t in _input_part(v)]
+    if _is_sequence(batch) and len(batch) > 0:  # (input, target, ...), and namedtuples without an image field
+        return _input_part(batch[0])
+    return []  # a dict or dataclass with no image key: the input cannot be told from the targets
+
+
+def _input_part(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    images = _image_values(obj)
+    if images:
+        return [t for v in images for t in _input_part(v)]
+    if _is_sequence(obj) or images is not None:  # several inputs, or a dict of inputs with no image key
+        return _tensors(obj)
+    return []
+
+
+def _at_index(batch: Any, index: int) -> list[Any]:
+    if not _is_sequence(batch):
+        raise ValueError(
+            f"inputs={index!r}: an index selects from a tuple or list batch, and this batch is a "
+            f"{type(batch).__name__}{_keys_hint(batch)}; name its keys instead."
+        )
+    if not -len(batch) <= index < len(batch):
+        raise ValueError(f"inputs={index!r}: the batch has {len(batch)} elements; name an index in range.")
+    return [batch[index]]
+
+
+def _under_key(batch: Any, key: str) -> list[Any]:
+    found: list[Any] = []
+    keys: list[Any] = []
+
+    def walk(obj: Any) -> None:
+        fields = _fields(obj)
+        if fields is not None:
+            for k, v in fields.items():
+                keys.append(k)
+                if k == key:
+                    found.append(v)
+                else:
+                    walk(v)
+        elif _is_sequence(obj):
+            for v in obj:
+                walk(v)
+
+    walk(batch)
+    if not found:
+        have = ", ".join(repr(k) for k in dict.fromkeys(keys)) or "none"
+        raise ValueError(
+            f"inputs={key!r}: the batch ({type(batch).__name__}) has no key or field {key!r} (its keys: {have}); "
+            "name one of them, an index of a tuple/list batch, or 'all'."
+        )
+    return found
+
+
+def _keys_hint(batch: Any) -> str:
+    fields = _fields(batch)
+    return f" with keys {', '.join(repr(k) for k in fields)}" if fields else ""
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _visit_tensors(batch, lambda t: found.append(t) if t.dim() in (4, 5) and t.is_floating_point() else None)
-    return found[0] if found else None
+    _visit_tensors(batch, found.append)
+    return found
 
 
 def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
@@ -74,3 +248,8 @@ def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
         return t
 
     apply_to_collection(batch, torch.Tensor, call)
+
+
+def describe_batch(batch: Any) -> str:
+    """A few words on ``batch``'s shape for a message: its type and, for a dict-like batch, its keys."""
+    return f"{type(batch).__name__}{_keys_hint(batch)}"

@@ -13,7 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from cltrain.autolayout import to_contiguous
-from cltrain.batch_layout import first_image_tensor, restride_batch
+from cltrain.batch_layout import check_inputs, describe_batch, first_image_tensor, restride_batch
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
 from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d
 from cltrain.model_access import (
@@ -42,16 +42,22 @@ class ChannelsLast(Callback):
     the same layout, and DDP's gradient buckets are built with channels_last
     strides (no "Grad strides do not match bucket view strides").
 
-    Batches: a callback cannot replace the batch object, so the tensors are
-    restrided *in place* (their ``.data`` is swapped) in
+    Batches: only the model's input is converted: the batch itself when it is
+    one tensor, the first element of a tuple or list batch, the image keys of a
+    dict batch (``image``, ``pixel_values``, ``inputs``, ``video``, ...: see
+    :mod:`cltrain.batch_layout`); ``inputs=`` names others. Targets, masks,
+    heatmaps and every other tensor keep the layout the user's code built. A
+    callback cannot replace the batch object, so the tensors are restrided *in
+    place* (their ``.data`` is swapped) in
     ``on_{train,validation,test,predict}_batch_start``, after the batch is on
-    the device and before the step sees it. Every rank-4/5 floating tensor
-    anywhere in a tuple, list, dict, namedtuple or dataclass batch (nested) is
-    converted; labels, masks of other ranks, integer tensors and non-tensors
-    are left alone, and a tensor that is already channels_last is not copied
-    (batches from :mod:`cltrain.data` arrive that way). This works for a
-    LightningModule written with no knowledge of cltrain, whatever batch hooks
-    it or its DataModule define.
+    the device and before the step sees it; a tensor that is already
+    channels_last is not copied (batches from :mod:`cltrain.data` arrive that
+    way). This works for a LightningModule written with no knowledge of
+    cltrain, whatever batch hooks it or its DataModule define.
+
+    Outputs: a channels_last model's 4-D/5-D outputs (segmentation logits,
+    heatmaps, feature maps) are channels_last too. Code that flattens them needs
+    ``reshape`` (or ``flatten``), not ``view``.
 
     Averaged copies of the model (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
     ``StochasticWeightAveraging``, or any callback holding a copy: see :func:`cltrain.model_access.model_copies`)
@@ -71,9 +77,14 @@ class ChannelsLast(Callback):
             forward+backward steps of the model in both layouts on a synthetic
             batch of ``input_shape`` (on rank zero, decision broadcast) and
             keeps the faster; ``"off"`` does nothing at all (handy for sweeps).
-        convert_inputs: keep batch tensors in the model's layout. With
+        convert_inputs: put the model's inputs in the model's layout. With
             ``False`` only the model is converted (the first convolution then
             converts the activations, as Composer does).
+        inputs: which tensors of a batch are the model's inputs. ``None``: by
+            the batch's shape, as above. A key or field name (found at any
+            depth of the batch), an index of a tuple/list batch, or a list of
+            those: every floating rank-4/5 tensor under them. ``"all"``: every
+            floating rank-4/5 tensor of the batch, targets included.
         audit: run :func:`cltrain.audit.audit` on the first training batch and
             print which ops lose the layout (rank zero).
         input_shape: ``(N, C, H, W)`` or ``(N, C, D, H, W)`` for ``mode="auto"``;
@@ -114,9 +125,10 @@ class ChannelsLast(Callback):
             first training batch.
 
     Raises:
-        ValueError: an unknown ``mode``, a non-bool ``convert_inputs`` or ``guard``, an
-            ``input_shape`` that is not rank 3, 4 or 5, a non-positive ``auto_timeout``, or
-            ``mode="auto"`` with no shape to time (raised in ``setup``).
+        ValueError: an unknown ``mode``, a non-bool ``convert_inputs`` or ``guard``, an ``inputs``
+            that is none of its forms, an ``input_shape`` that is not rank 3, 4 or 5, a non-positive
+            ``auto_timeout``, ``mode="auto"`` with no shape to time (raised in ``setup``), or a key or
+            index named in ``inputs`` that a batch lacks (raised at that batch).
 
     Example::
 
@@ -136,6 +148,7 @@ class ChannelsLast(Callback):
         auto_steps: int = 3,
         guard: bool = True,
         auto_timeout: float = 300.0,
+        inputs: str | int | list[str | int] | None = None,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"ChannelsLast(mode={mode!r}): expected one of {_MODES}.")
@@ -143,6 +156,7 @@ class ChannelsLast(Callback):
             raise ValueError(f"ChannelsLast(convert_inputs={convert_inputs!r}): expected True or False.")
         if not isinstance(audit, bool):
             raise ValueError(f"ChannelsLast(audit={audit!r}): expected True or False.")
+        inputs = check_inputs(inputs, owner="ChannelsLast")
         if input_shape is not None and (
             len(input_shape) not in (3, 4, 5) or not all(isinstance(s, int) and s > 0 for s in input_shape)
         ):
@@ -158,6 +172,7 @@ class ChannelsLast(Callback):
             raise ValueError(f"ChannelsLast(auto_timeout={auto_timeout!r}): expected seconds > 0.")
         self.mode = mode
         self.convert_inputs = convert_inputs
+        self.inputs = inputs
         self.audit = audit
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.auto_steps = auto_steps
@@ -174,6 +189,7 @@ class ChannelsLast(Callback):
         self._one_d = False  # auto timed a rank-3 shape: channels-last 1-D for Conv1d and rank-3 batches
         self._audited = False
         self._told_inputs = False
+        self._checked_inputs = False
         self._warned_no_conv = False
 
     # ---- model conversion ----------------------------------------------------------------------
@@ -296,7 +312,14 @@ class ChannelsLast(Callback):
     def _convert_batch(self, batch: Any) -> None:
         if self.mode == "off" or not self.convert_inputs or self.layout is None:
             return
-        converted = restride_batch(batch, self.layout, one_d=self._one_d)
+        converted = restride_batch(batch, self.layout, one_d=self._one_d, inputs=self.inputs)
+        if not self._checked_inputs:
+            self._checked_inputs = True
+            if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
+                rank_zero_info(
+                    f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
+                    "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX."
+                )
         if converted and not self._told_inputs:
             self._told_inputs = True
             rank_zero_info(
@@ -343,7 +366,7 @@ class ChannelsLast(Callback):
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         from cltrain.audit import audit
 
-        example = first_image_tensor(batch)
+        example = first_image_tensor(batch, self.inputs)
         if example is None:
             rank_zero_warn("ChannelsLast(audit=True): the first training batch holds no 4-D/5-D float tensor to audit.")
             return

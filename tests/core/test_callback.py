@@ -95,15 +95,22 @@ def dict_collate(items):
     }
 
 
-def test_nested_dict_batches_convert_only_floating_rank_4_and_5(tmp_path):
+@pytest.mark.parametrize(
+    "inputs, converted",
+    [(None, ("video",)), ("all", ("video", "image")), (["video", "b"], ("video", "image"))],
+    ids=["model-input", "all", "named"],
+)
+def test_nested_dict_batches_convert_only_floating_rank_4_and_5(tmp_path, inputs, converted):
+    # by default only the image key at the top ("video"); "all" and names reach into the nesting
     model = DictModule()
     data = DataLoader(range(3), batch_size=2, collate_fn=dict_collate)
-    make_trainer(tmp_path, [ChannelsLast()]).fit(model, data)
+    make_trainer(tmp_path, [ChannelsLast(inputs=inputs)]).fit(model, data)
+    assert model.seen
     for seen in model.seen:
         stride, shape = seen["video"]
         assert stride == torch.empty(shape, memory_format=torch.channels_last_3d).stride()
         stride, shape = seen["image"]
-        assert stride == channels_last_strides(shape)
+        assert stride == (channels_last_strides(shape) if "image" in converted else torch.empty(shape).stride())
         for untouched in ("label", "mask4d", "mask3d"):
             stride, shape = seen[untouched]
             assert stride == torch.empty(shape).stride(), untouched
@@ -209,6 +216,10 @@ def test_convert_inputs_false_leaves_batches(tmp_path):
     [
         ({"mode": "fast"}, "mode='fast'"),
         ({"convert_inputs": "yes"}, "convert_inputs='yes'"),
+        ({"inputs": 1.5}, r"ChannelsLast\(inputs=1.5\)"),
+        ({"inputs": []}, r"ChannelsLast\(inputs=\[\]\)"),
+        ({"inputs": ["all", 0]}, r"ChannelsLast\(inputs=\['all', 0\]\)"),
+        ({"inputs": True}, r"ChannelsLast\(inputs=True\)"),
         ({"input_shape": (32, 32)}, r"input_shape=\(32, 32\)"),
         ({"input_shape": (2, 3, 0, 32)}, r"input_shape=\(2, 3, 0, 32\)"),
         ({"auto_steps": 0}, "auto_steps=0"),

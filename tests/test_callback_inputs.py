@@ -1,0 +1,219 @@
+"""ChannelsLast converts the model's inputs only: user code on targets, masks and heatmaps keeps working."""
+
+import logging
+from collections import namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from cltrain import ChannelsLast, is_channels_last
+from cltrain.batch_layout import model_inputs, restride_batch
+from plain_modules import channels_last_strides
+
+KEYPOINTS = 5
+
+
+def fit(tmp_path, model, data, callback, **kw):
+    kw = {"max_steps": 2, **kw}
+    Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback], **kw,
+    ).fit(model, data)
+
+
+def contiguous_strides(t):
+    return torch.empty(t.shape).stride()
+
+
+class HeatmapModel(LightningModule):
+    """Keypoint heatmaps as a user writes them: the loss flattens the target with ``view``, legal on the
+    contiguous tensors its DataLoader yields. The output is flattened with ``reshape``: a channels_last
+    model's outputs are channels_last."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, KEYPOINTS, 1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        image, target = (batch["image"], batch["heatmap"]) if isinstance(batch, dict) else batch
+        self.seen.append((image.stride(), target.stride()))
+        n = image.shape[0]
+        out = self.net(image)
+        return F.mse_loss(out.reshape(n, -1), target.view(n, -1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def heatmap_loader(kind):
+    def collate(items):
+        n = len(items)
+        image, heatmap = torch.randn(n, 3, 16, 16), torch.rand(n, KEYPOINTS, 16, 16)
+        return {"image": image, "heatmap": heatmap} if kind == "dict" else (image, heatmap)
+
+    return DataLoader(range(4), batch_size=2, collate_fn=collate)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_heatmap_loss_with_view_on_the_target_trains(tmp_path, kind):
+    model = HeatmapModel()
+    fit(tmp_path, model, heatmap_loader(kind), ChannelsLast())
+    assert len(model.seen) == 2
+    for image_stride, target_stride in model.seen:
+        assert image_stride == channels_last_strides((2, 3, 16, 16))
+        assert target_stride == contiguous_strides(torch.empty(2, KEYPOINTS, 16, 16))
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_converting_all_tensors_breaks_the_heatmap_loss(tmp_path, kind):
+    # the negative control: the old behaviour restrides the target and the user's view() raises
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        fit(tmp_path, HeatmapModel(), heatmap_loader(kind), ChannelsLast(inputs="all"))
+
+
+def test_a_channels_last_models_outputs_are_channels_last():
+    # what the docs say: flatten a channels_last model's 4-D output with reshape, not view
+    net = nn.Conv2d(3, KEYPOINTS, 1).to(memory_format=torch.channels_last)
+    out = net(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last))
+    assert is_channels_last(out)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        out.view(2, -1)
+    assert out.reshape(2, -1).shape == (2, KEYPOINTS * 64)
+
+
+class Recorder(LightningModule):
+    """Records the strides of every tensor of the batch it is given; trains a conv on ``pick(batch)``."""
+
+    def __init__(self, pick):
+        super().__init__()
+        self.pick = pick
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        from torch.utils._pytree import tree_flatten_with_path, keystr
+
+        flat, _ = tree_flatten_with_path(batch)
+        self.seen.append({keystr(path): t.stride() for path, t in flat if isinstance(t, torch.Tensor)})
+        return self.conv(self.pick(batch)).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def run(tmp_path, make_batch, pick, **callback_kw):
+    model = Recorder(pick)
+    fit(tmp_path, model, DataLoader(range(4), batch_size=2, collate_fn=lambda items: make_batch(len(items))),
+        ChannelsLast(**callback_kw), max_steps=1)
+    assert len(model.seen) == 1
+    return model.seen[0]
+
+
+def cl_strides(*shape):
+    return channels_last_strides(shape)
+
+
+def plain_strides(*shape):
+    return torch.empty(shape).stride()
+
+
+def test_segmentation_masks_keep_their_layout(tmp_path):
+    # MONAI-style float label maps, one-hot and single-channel, in a dict and in a tuple
+    def dict_batch(n):
+        return {"image": torch.randn(n, 3, 8, 8), "label": torch.rand(n, 1, 8, 8), "onehot": torch.rand(n, 4, 8, 8)}
+
+    seen = run(tmp_path, dict_batch, lambda b: b["image"])
+    assert seen == {"['image']": cl_strides(2, 3, 8, 8), "['label']": plain_strides(2, 1, 8, 8),
+                    "['onehot']": plain_strides(2, 4, 8, 8)}
+    seen = run(tmp_path, lambda n: (torch.randn(n, 3, 8, 8), torch.rand(n, 4, 8, 8)), lambda b: b[0])
+    assert seen == {"[0]": cl_strides(2, 3, 8, 8), "[1]": plain_strides(2, 4, 8, 8)}
+
+
+def test_nested_batch_converts_every_view_of_the_input_and_no_target(tmp_path):
+    # ((view_a, view_b), {"heatmap", "boxes"}): multi-crop views are all inputs; the targets stay
+    def batch(n):
+        views = (torch.randn(n, 3, 8, 8), torch.randn(n, 3, 12, 12))
+        return views, {"heatmap": torch.rand(n, 2, 8, 8), "boxes": torch.rand(n, 3, 4)}
+
+    seen = run(tmp_path, batch, lambda b: b[0][0])
+    assert seen == {"[0][0]": cl_strides(2, 3, 8, 8), "[0][1]": cl_strides(2, 3, 12, 12),
+                    "[1]['heatmap']": plain_strides(2, 2, 8, 8), "[1]['boxes']": plain_strides(2, 3, 4)}
+
+
+def test_nested_dict_under_an_image_key_gives_its_own_image_keys(tmp_path):
+    def batch(n):
+        return {"inputs": {"image": torch.randn(n, 3, 8, 8), "mask": torch.rand(n, 1, 8, 8)},
+                "target": torch.rand(n, 3, 8, 8)}
+
+    seen = run(tmp_path, batch, lambda b: b["inputs"]["image"])
+    assert seen == {"['inputs']['image']": cl_strides(2, 3, 8, 8), "['inputs']['mask']": plain_strides(2, 1, 8, 8),
+                    "['target']": plain_strides(2, 3, 8, 8)}
+
+
+def test_a_batch_that_is_one_tensor_is_converted(tmp_path):
+    seen = run(tmp_path, lambda n: torch.randn(n, 3, 8, 8), lambda b: b)
+    assert seen == {"": cl_strides(2, 3, 8, 8)}
+
+
+def test_named_keys_and_indices_replace_the_default(tmp_path):
+    def batch(n):
+        return {"rgb": torch.randn(n, 3, 8, 8), "depth": torch.randn(n, 1, 8, 8), "image": torch.randn(n, 3, 8, 8)}
+
+    seen = run(tmp_path, batch, lambda b: b["rgb"], inputs=["rgb", "depth"])
+    assert seen == {"['rgb']": cl_strides(2, 3, 8, 8), "['depth']": cl_strides(2, 1, 8, 8),
+                    "['image']": plain_strides(2, 3, 8, 8)}
+    seen = run(tmp_path, lambda n: (torch.rand(n, 2, 8, 8), torch.randn(n, 3, 8, 8)), lambda b: b[1], inputs=1)
+    assert seen == {"[0]": plain_strides(2, 2, 8, 8), "[1]": cl_strides(2, 3, 8, 8)}
+
+
+def test_a_named_key_the_batch_lacks_is_a_one_line_error(tmp_path):
+    batch = lambda n: {"image": torch.randn(n, 3, 8, 8), "label": torch.zeros(n)}  # noqa: E731
+    with pytest.raises(ValueError, match=r"inputs='rgb': the batch \(dict\) has no key or field 'rgb' \(its keys: 'image', 'label'\)"):
+        run(tmp_path, batch, lambda b: b["image"], inputs="rgb")
+
+
+def test_a_dict_batch_without_an_image_key_is_left_alone_and_says_so(tmp_path, caplog):
+    batch = lambda n: {"data": torch.randn(n, 3, 8, 8), "target": torch.rand(n, 3, 8, 8)}  # noqa: E731
+    with caplog.at_level(logging.INFO):
+        seen = run(tmp_path, batch, lambda b: b["data"])
+    assert seen == {"['data']": plain_strides(2, 3, 8, 8), "['target']": plain_strides(2, 3, 8, 8)}
+    assert "no model input found in the batch (dict with keys 'data', 'target')" in caplog.text
+    assert "inputs=KEY" in caplog.text
+
+
+# ---- the selection rules without a Trainer --------------------------------------------------------
+
+
+def test_namedtuple_and_dataclass_batches_select_their_image_fields():
+    Sample = namedtuple("Sample", "label img")
+
+    @dataclass
+    class Batch:
+        pixel_values: torch.Tensor
+        labels: torch.Tensor
+
+    x, y = torch.randn(2, 3, 4, 4), torch.rand(2, 3, 4, 4)
+    assert [t is x for t in model_inputs(Sample(y, x))] == [True]
+    assert [t is x for t in model_inputs(Batch(x, y))] == [True]
+    Plain = namedtuple("Plain", "a b")  # no image field: the first element, as a tuple
+    assert [t is x for t in model_inputs(Plain(x, y))] == [True]
+
+
+def test_an_index_on_a_dict_batch_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"inputs=0: .* dict with keys 'image'; name its keys instead"):
+        model_inputs({"image": torch.randn(1, 3, 2, 2)}, 0)
+    with pytest.raises(ValueError, match=r"inputs=2: the batch has 2 elements"):
+        model_inputs((torch.randn(1, 3, 2, 2), torch.zeros(1)), 2)
+
+
+def test_restride_batch_counts_copies_and_skips_what_is_already_channels_last():
+    batch = {"image": torch.randn(2, 3, 4, 4), "label": torch.rand(2, 3, 4, 4)}
+    assert restride_batch(batch, "channels_last") == 1
+    assert restride_batch(batch, "channels_last") == 0
+    assert restride_batch(batch, "contiguous") == 1 and batch["image"].is_contiguous()
