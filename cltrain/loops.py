@@ -1,0 +1,161 @@
+"""Channels_last in a Lightning Fabric or plain PyTorch loop, and a contiguous copy for export.
+
+:func:`convert_model` does to a model what :class:`cltrain.ChannelsLast` does at setup (the
+channels-last format of each parameter's rank, and the kernel guardrails); :func:`convert_batch`
+puts a batch's model inputs in that layout by the same rules as the callback (only the inputs:
+targets and masks keep their layout, see :mod:`cltrain.batch_layout`). Convert before
+``fabric.setup`` / DDP / ``torch.compile``, so every rank wraps and compiles the final layout.
+:func:`contiguous_copy` gives an NCHW copy of a trained model for ``torch.onnx.export``,
+``torch.export`` and TorchScript, whose graphs should not depend on how training strided the weights.
+
+Example (Fabric; a plain loop is the same without the ``fabric`` lines)::
+
+    from lightning.fabric import Fabric
+    from cltrain.loops import convert_batch, convert_model
+
+    fabric = Fabric(accelerator="cpu")
+    model = convert_model(torchvision.models.resnet18())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    for batch in fabric.setup_dataloaders(loader):
+        x, y = convert_batch(batch)
+        fabric.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from cltrain.autolayout import to_contiguous
+from cltrain.batch_layout import Inputs, check_inputs, restride_batch
+from cltrain.layout import MODES, to_channels_last
+
+__all__ = ["contiguous_copy", "convert_batch", "convert_model"]
+
+B = TypeVar("B")
+M = TypeVar("M", bound=nn.Module)
+
+
+def convert_model(
+    model: M, mode: str = "full", *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> M:
+    """Put ``model`` in channels_last, in place, with the kernel guardrails, as ``ChannelsLast`` does.
+
+    Args:
+        model: the model, before ``fabric.setup``, DDP or ``torch.compile`` wrap it.
+        mode: ``"full"`` restrides every 4-D/5-D parameter and buffer (``channels_last`` for
+            4-D, ``channels_last_3d`` for 5-D); ``"conv"`` only convolution weights.
+        device: where the model will train (the guardrails depend on the backend); default
+            the device of its parameters.
+        dtype: the autocast dtype training will use (``torch.bfloat16``, ``torch.float16``),
+            or ``None`` for the model's own dtype.
+
+    Returns:
+        ``model`` itself (its ``Parameter`` objects are kept: an optimizer made before still works).
+
+    Raises:
+        ValueError: ``mode`` is not ``"full"`` or ``"conv"``.
+
+    Example::
+
+        >>> model = convert_model(torch.nn.Conv2d(3, 8, 3))
+        >>> model.weight.is_contiguous(memory_format=torch.channels_last)
+        True
+    """
+    if mode not in MODES:
+        raise ValueError(f"convert_model(mode={mode!r}): expected one of {MODES}.")
+    to_channels_last(model, mode=mode)
+    if device is None:
+        device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    _apply_guardrails(model, torch.device(device), dtype)
+    return model
+
+
+def _apply_guardrails(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """The seam to :mod:`cltrain.guardrails` (targeted workarounds for known-bad kernels); a no-op
+    where that module is absent."""
+    try:
+        from cltrain.guardrails import apply_guardrails
+    except ImportError:
+        return
+    apply_guardrails(model, device=device, dtype=dtype)
+
+
+def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last") -> B:
+    """Put the model inputs of ``batch`` in ``layout``, in place, and return ``batch``.
+
+    The same rules as ``ChannelsLast``: the batch when it is one tensor, the first element of a
+    tuple/list batch, the image keys of a dict batch, or what ``inputs`` names (a key, an index, a
+    list of them, ``"all"``); only floating 4-D/5-D tensors, and nothing is copied when they already
+    are in ``layout``. The tensor objects stay the same (their ``.data`` is swapped).
+
+    Args:
+        batch: a tensor, or a tuple, list, dict, namedtuple or dataclass of them (nested).
+        inputs: which tensors are the model's inputs; see :mod:`cltrain.batch_layout`.
+        layout: ``"channels_last"`` or ``"contiguous"``.
+
+    Returns:
+        ``batch``.
+
+    Raises:
+        ValueError: a bad ``inputs`` or ``layout``, or a key or index named in ``inputs`` that ``batch`` lacks.
+
+    Example::
+
+        >>> x, heatmap = convert_batch((torch.randn(2, 3, 8, 8), torch.rand(2, 5, 8, 8)))
+        >>> x.is_contiguous(memory_format=torch.channels_last), heatmap.is_contiguous()
+        (True, True)
+    """
+    if layout not in ("channels_last", "contiguous"):
+        raise ValueError(f"convert_batch(layout={layout!r}): expected 'channels_last' or 'contiguous'.")
+    restride_batch(batch, layout, inputs=check_inputs(inputs, owner="convert_batch"))
+    return batch
+
+
+def contiguous_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with every parameter and buffer in NCHW/NCDHW strides, for export.
+
+    ``torch.onnx.export``, ``torch.export`` and TorchScript then see the layout every backend
+    expects; the copy computes the same function (the layout changes strides, not values). A
+    model wrapped by Fabric, DDP or ``torch.compile`` is unwrapped first. Train/eval mode is
+    kept: call ``.eval()`` before exporting, as for any model. Gradients are not copied.
+
+    Returns:
+        The copy; ``model`` is not modified.
+
+    Example::
+
+        >>> trained = convert_model(torch.nn.Conv2d(3, 8, 3))
+        >>> export_me = contiguous_copy(trained).eval()
+        >>> export_me.weight.is_contiguous(), trained.weight.is_contiguous()
+        (True, False)
+    """
+    bare = _unwrap(model)
+    grads = {p: p.grad for p in bare.parameters()}
+    for p in grads:  # deepcopy would copy them, in the training layout
+        p.grad = None
+    try:
+        clone = copy.deepcopy(bare)
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+    return to_contiguous(clone)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # torch.compile's OptimizedModule keeps the model as `_orig_mod`; Fabric's wrapper and DDP as `.module`.
+    from lightning.fabric.wrappers import is_wrapped
+
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif is_wrapped(model) or isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model

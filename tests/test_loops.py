@@ -1,0 +1,171 @@
+"""cltrain.loops: channels_last in a Lightning Fabric loop and a plain PyTorch loop, and exporting a
+model trained channels_last (torch.export, TorchScript, ONNX)."""
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from lightning.fabric import Fabric
+from torch import nn
+from torch.nn import functional as F
+
+from cltrain import is_channels_last, layout_summary
+from cltrain.loops import contiguous_copy, convert_batch, convert_model
+from plain_modules import channels_last_strides, loader
+
+FABRIC_DDP = Path(__file__).with_name("fabric_ddp_run.py")
+BUCKET_WARNING = "Grad strides do not match bucket view strides"
+
+
+def small_net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )
+
+
+def train(model, batches, fabric=None, channels_last=True):
+    """Three SGD steps; returns the losses and the strides of what reached the model."""
+    if channels_last:
+        model = convert_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if fabric is not None:
+        model, optimizer = fabric.setup(model, optimizer)
+        batches = fabric.setup_dataloaders(batches)
+    losses, seen = [], []
+    for batch in batches:
+        x, y = convert_batch(batch) if channels_last else batch
+        seen.append(x.stride())
+        loss = F.cross_entropy(model(x), y)
+        fabric.backward(loss) if fabric is not None else loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return model, torch.stack(losses), seen
+
+
+@pytest.mark.parametrize("use_fabric", [True, False], ids=["fabric", "plain"])
+def test_a_loop_trains_channels_last_with_parity(use_fabric):
+    fabric = Fabric(accelerator="cpu", devices=1) if use_fabric else None
+    model, losses, seen = train(small_net(), loader(12, 4), fabric)
+    _, reference, _ = train(small_net(), loader(12, 4), channels_last=False)
+    assert seen == [channels_last_strides((4, 3, 32, 32))] * 3
+    assert layout_summary(model)["channels_last"] == 2 and "contiguous" not in layout_summary(model)
+    torch.testing.assert_close(losses, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_convert_model_keeps_parameter_objects_and_ranks():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Conv3d(4, 4, 1))
+    params = list(model.parameters())
+    assert convert_model(model) is model and list(model.parameters()) == params
+    assert is_channels_last(model[0].weight) and model[1].weight.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="convert_model\\(mode='fast'\\)"):
+        convert_model(nn.Conv2d(3, 4, 1), mode="fast")
+    with pytest.raises(ValueError, match="convert_batch\\(layout='nhwc'\\)"):
+        convert_batch(torch.randn(1, 3, 2, 2), layout="nhwc")
+    with pytest.raises(ValueError, match="convert_batch\\(inputs=2.0\\)"):
+        convert_batch(torch.randn(1, 3, 2, 2), inputs=2.0)
+
+
+def run_fabric_ddp(tmp_path, when):
+    proc = subprocess.run([sys.executable, str(FABRIC_DDP), str(tmp_path), when], capture_output=True, text=True,
+                          timeout=600, cwd=FABRIC_DDP.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_fabric_ddp_converted_before_setup_has_matching_buckets(tmp_path):
+    for rank in run_fabric_ddp(tmp_path, "before"):
+        assert rank["world_size"] == 2
+        assert rank["params_cl"] == rank["grads_match"] == rank["inputs_cl"] == [True] * 3, rank
+        assert not [w for w in rank["warnings"] if BUCKET_WARNING in w], rank["warnings"]
+
+
+@pytest.mark.slow
+def test_fabric_ddp_check_catches_conversion_after_setup(tmp_path):
+    # the negative control: restriding after Fabric wrapped the model in DDP is what convert_model avoids
+    ranks = run_fabric_ddp(tmp_path, "after")
+    assert any(BUCKET_WARNING in w for r in ranks for w in r["warnings"])
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+
+def trained_channels_last(model, size):
+    """``model`` after two SGD steps in channels_last, in eval mode, and an input for it."""
+    model = convert_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = convert_batch((torch.randn(2, 3, size, size, generator=g), torch.randint(0, 4, (2,), generator=g)))
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval(), torch.randn(2, 3, size, size, generator=g)
+
+
+def four_d(tensors):
+    return [t for t in tensors if t.dim() == 4]
+
+
+def export_and_compare(model, x, onnx_path):
+    """Export a contiguous copy of ``model`` three ways; every artifact holds NCHW weights and
+    computes what the eager channels_last model does."""
+    with torch.no_grad():
+        eager = model(x)
+    copy = contiguous_copy(model)
+    assert four_d(copy.parameters()) and all(t.is_contiguous() for t in four_d(copy.parameters()))
+    assert all(is_channels_last(t) for t in four_d(model.parameters()))  # the model itself is untouched
+
+    program = torch.export.export(copy, (x,))
+    assert all(t.is_contiguous() for t in four_d(program.state_dict.values()))
+    torch.testing.assert_close(program.module()(x), eager, rtol=1e-3, atol=1e-4)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))  # torch.jit is deprecated upstream
+        traced = torch.jit.trace(copy, x)
+    assert all(t.is_contiguous() for t in four_d(traced.parameters()))
+    torch.testing.assert_close(traced(x), eager, rtol=1e-3, atol=1e-4)
+
+    onnx = pytest.importorskip("onnx")
+    torch.onnx.export(copy, (x,), str(onnx_path))
+    onnx.checker.check_model(str(onnx_path))
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), eager, rtol=1e-3, atol=1e-4)
+
+
+def test_export_a_small_model_trained_channels_last(tmp_path):
+    pytest.importorskip("onnxscript")  # torch.onnx.export's exporter
+    model, x = trained_channels_last(small_net(), 16)
+    export_and_compare(model, x, tmp_path / "small.onnx")
+
+
+@pytest.mark.slow
+def test_export_resnet50_trained_channels_last(tmp_path):
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model, x = trained_channels_last(torchvision.models.resnet50(num_classes=4), 64)
+    export_and_compare(model, x, tmp_path / "resnet50.onnx")
+
+
+def test_contiguous_copy_unwraps_fabric_and_leaves_the_model_alone():
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = convert_model(small_net())
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    wrapped = fabric.setup_module(model)
+    copy = contiguous_copy(wrapped)
+    assert isinstance(copy, nn.Sequential) and copy[0].weight.grad is None
+    assert copy[0].weight.is_contiguous() and is_channels_last(model[0].weight)
+    assert model[0].weight.grad is not None and is_channels_last(model[0].weight.grad)
