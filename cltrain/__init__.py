@@ -8,6 +8,7 @@ Layers, bottom up (lower ones never import higher ones):
 * :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`, with its pieces in
   :mod:`cltrain.batch_layout` (restriding batches) and :mod:`cltrain.model_access` (the modules
   around a LightningModule: step target, averaged copies, hook wrapping, optimizer state);
+* :mod:`cltrain.loops`: the same for Lightning Fabric and plain loops, and a contiguous copy for export;
 * :mod:`cltrain.atomic` (atomic file writes) and :mod:`cltrain.checkpoint_io`
   (:class:`AtomicCheckpointIO`: ``Trainer(plugins=[AtomicCheckpointIO()])`` saves checkpoints
   atomically on any local filesystem and loads them with ``weights_only=True``);
