@@ -115,7 +115,8 @@ def judge(err_cl: dict[str, float], noise: dict[str, float] | None) -> dict[str,
 def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str, torch.Tensor | None], float]:
     loss = loss_of(net, batch, spec.dict_batch)
     loss.backward()
-    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in net.named_parameters()}
+    grads = {n.removeprefix("_orig_mod."): None if p.grad is None else p.grad.detach().clone()  # torch.compile's wrapper
+             for n, p in net.named_parameters()}
     net.zero_grad(set_to_none=True)
     return grads, float(loss)
 
@@ -453,7 +454,7 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path) -> dict[str, An
         start = time.perf_counter()
         with open(log, "w") as log_file:
             try:
-                proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
+                proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=_timeout(spec, args))
                 code: int | None = proc.returncode
             except subprocess.TimeoutExpired:
                 code = None
@@ -463,13 +464,17 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path) -> dict[str, An
     if code == 0 and phase == "done":
         result["status"] = "skipped" if "skipped" in result else "ok"
     elif code is None:
-        result["status"] = f"timeout after {args.timeout}s in {phase}"
+        result["status"] = f"timeout after {_timeout(spec, args)}s in {phase}"
     elif code < 0:
         result["status"] = f"crashed ({_signal_name(code)}) in {phase}"
     else:
         result["status"] = f"raised in {phase}: {_last_error(log)}"
     result["log"] = str(log)
     return result
+
+
+def _timeout(spec: Spec, args: argparse.Namespace) -> int:
+    return args.timeout * (3 if spec.compile and not args.no_compile else 1)  # 4 compilations: minutes each on a CPU
 
 
 def _last_error(log: Path) -> str:
@@ -641,10 +646,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("docs/zoo"), help="output stem: <out>.md, .json, .csv")
     p.add_argument("--log-dir", type=Path, default=Path("bench_out/zoo/logs"), help="one log per model")
     p.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run the others")
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per model (default 1200)")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per model, 3x with torch.compile (default 1200)")
     p.add_argument("--batch", type=int, default=2, help="parity batch size (default 2)")
     p.add_argument("--speed-batch", type=int, default=8, help="speed batch size (default 8)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per layout (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per layout (default 5)")
     p.add_argument("--min-window", type=float, default=0.5, help="seconds per timed round, at least (default 0.5)")
     p.add_argument("--max-params", type=float, default=150.0, help="skip models larger than this, millions (150)")
     p.add_argument("--dtypes", default="fp32,bf16", help="speed and auto in these (bf16 only where native; default fp32,bf16)")
