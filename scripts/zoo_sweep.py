@@ -16,8 +16,9 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    where correct fp32 kernels are not); **ok** where ``err_CL <= 1e-3``; **numerics** otherwise,
    with the noise of the same parameter and how small its exact gradient is beside it
    (ill-conditioned gradients, nearly zero by cancellation, are as far off in any fp32 kernel).
-   Without a float64 reference (a model that cannot run in float64) CL is compared with NCHW
-   fp32 directly. The table also says how many conv weights are channels_last and which
+   The step-0 loss is judged the same way (MISS where it is > 1e-3 off and 10x the fp32 runs'
+   error). Without a float64 reference (a model that cannot run in float64) CL is compared with the NCHW
+   fp32 run, the run without oneDNN giving the noise. The table also says how many conv weights are channels_last and which
    guardrail the callback applied.
 4. **speed**: training steps/s (forward, cross-entropy, backward, SGD step) of the two trained
    models, in interleaved rounds (median), fp32 and, where the CPU has native bf16, bf16 autocast.
@@ -68,7 +69,7 @@ from zoo_models import (  # noqa: E402
 )
 
 OK_BELOW = 1e-3     # worst per-parameter gradient error at or below this: ok
-MISS_ABOVE = 0.1    # above this, and 10x the NCHW fp32 error of the same parameter: a wrong kernel
+MISS_ABOVE = 0.1    # above this, and 10x the fp32 noise of the same parameter: a wrong kernel
 FLOOR = 1e-7        # error denominators are at least this fraction of the model's largest exact gradient
 FAST = ["timm:repvgg_a0", "timm:mobileone_s0", "timm:fastvit_t8", "timm:resnet26d", "timm:vit_tiny_patch16_224",
         "tv:googlenet", "hf:resnet_small"]
@@ -101,7 +102,7 @@ def grad_errors(grads: dict[str, torch.Tensor | None], exact: dict[str, torch.Te
 def judge(err_cl: dict[str, float], noise: dict[str, float] | None) -> dict[str, Any]:
     """The row's gradient verdict from per-parameter errors of channels_last and of correct fp32
     kernels (``noise``: NCHW fp32 with and without oneDNN, the larger), both against the same
-    reference. ``noise`` is ``None`` when the reference is NCHW fp32 itself (no float64)."""
+    reference; ``noise`` ``None`` counts as none."""
     if not err_cl:
         return {"verdict": "ok", "worst_param": "", "err_cl": 0.0, "err_nc": None, "misses": 0}
     floor = noise or {}
@@ -256,25 +257,28 @@ def _speed_runs(nets: dict[str, torch.nn.Module], batch: Any, dtype: torch.dtype
 def _parity(result: dict[str, Any], grads: dict[str, dict], losses: dict[str, float], prefix: str = "") -> None:
     """Loss and gradient verdict of ``grads["channels_last"]`` into ``result``: against ``"float64"``, with
     ``"contiguous"`` and ``"native"`` (NCHW fp32 with and without oneDNN) as the fp32 noise; or, without
-    float64, against ``"contiguous"``."""
+    float64, against ``"contiguous"`` with ``"native"`` as the noise."""
     if "float64" in grads:
         exact, base = grads["float64"], losses["float64"]
         err_cl = grad_errors(grads["channels_last"], exact)
         fp32 = {k: grad_errors(grads[k], exact) for k in ("contiguous", "native") if k in grads}
         noise: dict[str, float] | None = {n: max(e.get(n, 0.0) for e in fp32.values()) for n in err_cl}
-    else:
-        exact, base, fp32 = grads["contiguous"], losses["contiguous"], {}
-        err_cl, noise = grad_errors(grads["channels_last"], exact), None
+    else:  # the Trainer's NCHW run is the reference; the NCHW run without oneDNN gauges the noise
+        exact, base = grads["contiguous"], losses["contiguous"]
+        fp32 = {"native": grad_errors(grads["native"], exact)}
+        err_cl, noise = grad_errors(grads["channels_last"], exact), fp32["native"]
     verdict = judge(err_cl, noise)
     verdict["noise_by_run"] = {k: e.get(verdict["worst_param"]) for k, e in fp32.items()}
     if verdict["worst_param"]:  # how small the worst parameter's gradient is: ill-conditioned ones are tiny
         largest = max((float(g.abs().max()) for g in exact.values() if g is not None and g.numel()), default=0.0)
         ref = exact.get(verdict["worst_param"])
         verdict["grad_scale"] = float(ref.abs().max()) / largest if ref is not None and largest > 0 else None
+    rel = lambda key: abs(losses[key] - base) / max(abs(base), 1e-12)  # noqa: E731
+    loss_err, loss_noise = rel("channels_last"), max(rel(k) for k in ("contiguous", "native") if k in losses)
+    if loss_err > OK_BELOW and loss_err > 10 * loss_noise:  # the loss is one number: the same rule, stricter
+        verdict.update(verdict="MISS", loss_miss=True)
     result[prefix + "grad"] = verdict
-    result[prefix + "loss_err_cl"] = abs(losses["channels_last"] - base) / max(abs(base), 1e-12)
-    if "float64" in grads:
-        result[prefix + "loss_err_nc"] = abs(losses["contiguous"] - base) / max(abs(base), 1e-12)
+    result[prefix + "loss_err_cl"], result[prefix + "loss_noise"] = loss_err, loss_noise
 
 
 def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_batch: Any,
@@ -379,18 +383,16 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
 
 
 def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> dict[str, tuple[dict, float]]:
-    """Step-0 gradients and loss of ``net0`` on ``batch``: ``"float64"`` (the exact ones, unless the model
-    cannot run in float64: why goes in ``result``) and ``"native"`` (NCHW fp32 without oneDNN, a second
-    correct fp32 kernel set beside the Trainer's NCHW run, to gauge fp32 noise)."""
-    refs: dict[str, tuple[dict, float]] = {}
+    """Step-0 gradients and loss of ``net0`` on ``batch``: ``"native"`` (NCHW fp32 without oneDNN, a second
+    correct fp32 kernel set beside the Trainer's NCHW run, to gauge fp32 noise) and ``"float64"`` (the
+    exact ones, unless the model cannot run in float64: why goes in ``result``)."""
+    with torch.backends.mkldnn.flags(enabled=False):
+        refs = {"native": _step_grads(quiet_random_layers(copy.deepcopy(net0).train()), spec, clone_batch(batch))}
     try:
         refs["float64"] = _step_grads(quiet_random_layers(copy.deepcopy(net0).double().train()), spec,
                                       batch_to(batch, torch.float64))
     except Exception as err:  # noqa: BLE001 - some models hard-code float32 somewhere: CL is compared with NCHW then
         result["float64_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-        return refs
-    with torch.backends.mkldnn.flags(enabled=False):
-        refs["native"] = _step_grads(quiet_random_layers(copy.deepcopy(net0).train()), spec, clone_batch(batch))
     return refs
 
 
@@ -519,7 +521,7 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     trains = "" if "trains_contiguous" not in r else (
         f"{'yes' if r['trains_contiguous'] else 'NO'} / {'yes' if r.get('trains_channels_last') else 'NO'}")
     verdict = grad.get("verdict", "")
-    if grad.get("err_nc") is None and grad and "float64_error" in r:
+    if grad and "float64_error" in r:
         verdict += " (vs NCHW fp32)"
     if "compile_grad" in r:
         verdict += f"; compiled: {r['compile_grad']['verdict']}"
@@ -533,13 +535,13 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     auto = " / ".join(r[k] or "?" for k in ("auto_fp32", "auto_bf16") if k in r)
     return [
         f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), status if status != "ok" else "ok", trains,
-        _fmt_err(r.get("loss_err_cl")), _fmt_grad(grad),
+        f"{_fmt_err(r['loss_err_cl'])} / {_fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
         f"`{grad.get('worst_param', '')}`" if grad.get("worst_param") else "", verdict, r.get("conv_weights_cl", ""),
         r.get("guardrails", ""), speed, bf16, auto, note,
     ]
 
 
-HEADER = ["model", "family", "params (M)", "run", "trains NCHW / CL", "step-0 loss err CL",
+HEADER = ["model", "family", "params (M)", "run", "trains NCHW / CL", "step-0 loss err CL / fp32 noise",
           "worst grad err CL / fp32 noise (vs float64)", "worst parameter", "gradients", "conv weights CL", "guardrail",
           "fp32 steps/s CL / NCHW", "bf16 steps/s CL / NCHW", "auto fp32 / bf16", "note"]
 
@@ -606,7 +608,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
 def _csv(rows: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl",
+    writer.writerow(["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl", "loss_noise",
                      "grad_verdict", "grad_err_cl", "grad_noise", "grad_scale", "worst_param", "conv_weights_cl", "guardrails",
                      "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw", "auto_fp32", "auto_bf16", "compile_grad_verdict",
                      "compile_fp32_cl", "compile_fp32_nchw", "seconds", "note"])
@@ -615,6 +617,7 @@ def _csv(rows: list[dict[str, Any]]) -> str:
         speed = lambda k, layout: (r.get(k) or {}).get(layout, "")  # noqa: E731
         writer.writerow([r["key"], r.get("family", ""), r.get("params_m", ""), r.get("status", ""),
                          r.get("trains_contiguous", ""), r.get("trains_channels_last", ""), r.get("loss_err_cl", ""),
+                         r.get("loss_noise", ""),
                          grad.get("verdict", ""), grad.get("err_cl", ""), grad.get("err_nc", ""), grad.get("grad_scale", ""),
                          grad.get("worst_param", ""), r.get("conv_weights_cl", ""), r.get("guardrails", ""),
                          speed("speed_fp32", "channels_last"), speed("speed_fp32", "contiguous"),
