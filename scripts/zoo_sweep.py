@@ -295,7 +295,8 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
         nets[layout] = torch.compile(net)
         batch = clone_batch(batches[0])
         start = time.perf_counter()
-        grads[layout], losses[layout] = _step_grads(nets[layout], spec, convert_batch(batch) if layout == "channels_last" else batch)
+        batch = convert_batch(batch) if layout == "channels_last" else batch
+        grads[layout], losses[layout] = _step_grads(nets[layout], spec, batch)
         result[f"compile_seconds_{layout}"] = round(time.perf_counter() - start, 1)
     for key, value in (exact or {}).items():
         grads[key], losses[key] = value
@@ -314,7 +315,6 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
 
     warnings.filterwarnings("ignore")
     result: dict[str, Any] = {"key": spec.key, "family": spec.family, "size": spec.size, "note": spec.note}
-
     clock = [time.perf_counter()]
 
     def phase(name: str) -> None:
@@ -333,8 +333,6 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         return phase("done")
     gen = torch.Generator().manual_seed(0)
     batches = [make_batch(spec, args.batch, gen) for _ in range(2)]
-    grads: dict[str, dict] = {}
-    losses: dict[str, float] = {}
 
     phase("references")
     exact = _references(spec, net0, batches[0], result)
