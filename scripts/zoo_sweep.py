@@ -113,6 +113,21 @@ def judge(err_cl: dict[str, float], noise: dict[str, float] | None) -> dict[str,
             "err_nc": floor.get(worst) if noise is not None else None, "misses": len(missed)}
 
 
+def _why(verdict: dict[str, Any]) -> str:
+    """One phrase on a verdict that is not "ok"."""
+    if verdict["verdict"] == "ok":
+        return ""
+    if verdict["verdict"] == "MISS":
+        loss = "the loss and " if verdict.get("loss_miss") else ""
+        return f"{loss}{verdict['misses']} parameter(s) O(1) off where fp32 kernels are not"
+    scale, noise = verdict.get("grad_scale"), verdict.get("err_nc")
+    if scale is not None and scale < 1e-6:
+        return "its exact gradient is ~0 (cancels)"
+    if noise is not None and noise >= verdict["err_cl"] / 10:
+        return "NCHW fp32 is as far off (ill-conditioned)"
+    return "within 10x of the fp32 noise"
+
+
 def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str, torch.Tensor | None], float]:
     loss = loss_of(net, batch, spec.dict_batch)
     loss.backward()
@@ -191,7 +206,7 @@ def _fit(net: torch.nn.Module, spec: Spec, batches: list[Any], callback: Any, ma
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    module = _module_class()(net, spec.dict_batch)
+    module = _module_class()(net, spec.dict_batch).train()  # Lightning keeps each submodule's mode: quiet them here
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=max_steps, precision=precision, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback] if callback else [])
@@ -277,6 +292,7 @@ def _parity(result: dict[str, Any], grads: dict[str, dict], losses: dict[str, fl
     loss_err, loss_noise = rel("channels_last"), max(rel(k) for k in ("contiguous", "native") if k in losses)
     if loss_err > OK_BELOW and loss_err > 10 * loss_noise:  # the loss is one number: the same rule, stricter
         verdict.update(verdict="MISS", loss_miss=True)
+    verdict["why"] = _why(verdict)
     result[prefix + "grad"] = verdict
     result[prefix + "loss_err_cl"], result[prefix + "loss_noise"] = loss_err, loss_noise
 
@@ -510,7 +526,7 @@ def _fmt_grad(grad: dict[str, Any]) -> str:
     cell = f"{_fmt_err(grad.get('err_cl'))} / {_fmt_err(grad.get('err_nc'))}"
     if grad.get("verdict") != "ok" and grad.get("grad_scale") is not None:
         cell += f" (its gradient {grad['grad_scale']:.0e} of the largest)"
-    return cell
+    return cell + (f": {grad['why']}" if grad.get("why") else "")
 
 
 def _row_cells(r: dict[str, Any]) -> list[str]:
@@ -607,7 +623,7 @@ def _csv(rows: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl", "loss_noise",
-                     "grad_verdict", "grad_err_cl", "grad_noise", "grad_scale", "worst_param", "conv_weights_cl", "guardrails",
+                     "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "worst_param", "conv_weights_cl", "guardrails",
                      "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw", "auto_fp32", "auto_bf16", "compile_grad_verdict",
                      "compile_fp32_cl", "compile_fp32_nchw", "seconds", "note"])
     for r in rows:
@@ -616,7 +632,7 @@ def _csv(rows: list[dict[str, Any]]) -> str:
         writer.writerow([r["key"], r.get("family", ""), r.get("params_m", ""), r.get("status", ""),
                          r.get("trains_contiguous", ""), r.get("trains_channels_last", ""), r.get("loss_err_cl", ""),
                          r.get("loss_noise", ""),
-                         grad.get("verdict", ""), grad.get("err_cl", ""), grad.get("err_nc", ""), grad.get("grad_scale", ""),
+                         grad.get("verdict", ""), grad.get("why", ""), grad.get("err_cl", ""), grad.get("err_nc", ""), grad.get("grad_scale", ""),
                          grad.get("worst_param", ""), r.get("conv_weights_cl", ""), r.get("guardrails", ""),
                          speed("speed_fp32", "channels_last"), speed("speed_fp32", "contiguous"),
                          speed("speed_bf16", "channels_last"), speed("speed_bf16", "contiguous"),

@@ -96,7 +96,7 @@ def test_fast_subset_of_real_models(tmp_path):
         assert row["status"] == "ok", (key, row["status"])
         assert row["trains_channels_last"] is True, key
         assert row["grad"]["verdict"] in ("ok", "numerics"), (key, row["grad"])
-        assert row["loss_err_cl"] <= max(1e-4, 10 * row["loss_noise"]), key  # googlenet's BN at batch 2: ~1e-2
+        assert row["loss_err_cl"] < 1e-4, key
         assert row["auto_fp32"] in ("channels_last", "contiguous"), key
     assert rows["timm:resnet26d"]["grad"]["verdict"] != "MISS"  # ill-conditioned at batch 2, not wrong
     assert "AMD" in out or "Intel" in out or "CPU" in out
