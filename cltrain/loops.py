@@ -27,6 +27,7 @@ Example (Fabric; a plain loop is the same without the ``fabric`` lines)::
 from __future__ import annotations
 
 import copy
+import logging
 from typing import TypeVar
 
 import torch
@@ -38,6 +39,7 @@ from cltrain.layout import MODES, to_channels_last
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model"]
 
+log = logging.getLogger(__name__)
 B = TypeVar("B")
 M = TypeVar("M", bound=nn.Module)
 
@@ -78,13 +80,14 @@ def convert_model(
 
 
 def _apply_guardrails(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """The seam to :mod:`cltrain.guardrails` (targeted workarounds for known-bad kernels); a no-op
-    where that module is absent."""
+    """The seam to :mod:`cltrain.guardrails` (targeted workarounds for known-bad kernels), logging one
+    line per fault worked around; a no-op where that module is absent."""
     try:
         from cltrain.guardrails import apply_guardrails
     except ImportError:
         return
-    apply_guardrails(model, device=device, dtype=dtype)
+    for record in apply_guardrails(model, device=device, dtype=dtype) or []:
+        log.info("convert_model: worked around a known kernel fault: %s", getattr(record, "line", lambda: record)())
 
 
 def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last") -> B:

@@ -215,12 +215,9 @@ def _fit(net: torch.nn.Module, spec: Spec, batches: list[Any], callback: Any, ma
 
 
 def _guardrails_of(callback: Any) -> str:
-    # What the kernel guardrails did to this model; the callback's attribute once cltrain.guardrails is in.
-    for attr in ("guardrails", "guardrails_applied", "guardrail_report"):
-        value = getattr(callback, attr, None)
-        if value:
-            return value if isinstance(value, str) else "; ".join(map(str, value))
-    return ""
+    """Which known-fault workarounds the callback applied (its ``guardrails`` records), in a few words."""
+    records = getattr(callback, "guardrails", None) or []
+    return "; ".join(f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)" for r in records)
 
 
 def _conv_layout(net: torch.nn.Module) -> str:
