@@ -5,8 +5,8 @@ Sources: timm architectures (small variants, one or more per family), every torc
 classification model (those over ``--max-params`` are rows that say so), Hugging Face
 transformers models built from their config objects (dict batches ``{"pixel_values", "labels"}``),
 and two planted models that only the tests name: ``planted:wrong_grad`` (a conv whose weight
-gradient is 3.4x off under channels_last, as oneDNN #6035's silent case) and ``planted:crash``
-(a segfault under channels_last), so the sweep's checks can be seen to fail.
+gradient is 3.4x off under channels_last with oneDNN in fp32, as #6035's silent case) and
+``planted:crash`` (a segfault there), so the sweep's checks can be seen to fail.
 """
 
 from __future__ import annotations
@@ -165,11 +165,13 @@ def find(keys: list[str]) -> list[Spec]:
 
 
 class _WrongGradUnderChannelsLast(torch.autograd.Function):
-    """Identity on the weight, whose gradient comes back 3.4x too large when the input is channels_last."""
+    """Identity on the weight, whose gradient comes back 3.4x too large when the input is channels_last
+    and oneDNN is on: a wrong oneDNN kernel, as #6035's silent case."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        ctx.scale = 3.4 if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else 1.0
+        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        ctx.scale = 3.4 if channels_last and torch.backends.mkldnn.enabled and x.dtype == torch.float32 else 1.0
         return weight.clone()
 
     @staticmethod
@@ -186,8 +188,9 @@ class _Planted(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        if self.kind == "crash" and channels_last and torch.is_grad_enabled():
-            ctypes.string_at(0)  # a native crash, as a bad kernel's
+        onednn_fp32 = torch.backends.mkldnn.enabled and x.dtype == torch.float32
+        if self.kind == "crash" and channels_last and onednn_fp32 and torch.is_grad_enabled():
+            ctypes.string_at(0)  # a native crash, as a bad oneDNN kernel's
         weight = _WrongGradUnderChannelsLast.apply(self.conv.weight, x) if self.kind == "wrong_grad" else self.conv.weight
         return self.head(F.conv2d(x, weight, self.conv.bias, padding=1).relu().mean((2, 3)))
 
