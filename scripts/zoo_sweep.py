@@ -119,6 +119,10 @@ def judge(err_cl: dict[str, float], noise: dict[str, float] | None) -> dict[str,
             "err_nc": floor.get(worst) if noise is not None else None, "misses": len(missed)}
 
 
+_RUN_NAMES = {"contiguous": "NCHW fp32", "native": "NCHW fp32 without oneDNN",
+              "native_cl": "channels_last fp32 without oneDNN"}
+
+
 def _why(verdict: dict[str, Any]) -> str:
     """One phrase on a verdict that is not "ok"."""
     if verdict["verdict"] == "ok":
@@ -132,7 +136,9 @@ def _why(verdict: dict[str, Any]) -> str:
     if scale is not None and scale < 1e-6:
         return "its exact gradient is ~0 (cancels)"
     if noise is not None and noise >= verdict["err_cl"] / 10:
-        return "NCHW fp32 is as far off (ill-conditioned)"
+        runs = verdict.get("noise_by_run") or {}
+        run = max(runs, key=lambda k: runs[k] or 0.0) if runs else "contiguous"
+        return f"{_RUN_NAMES.get(run, run)} is as far off (ill-conditioned)"
     return "within 10x of the fp32 noise"
 
 
