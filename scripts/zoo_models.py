@@ -197,14 +197,11 @@ class _Planted(nn.Module):
 
 def build(spec: Spec) -> nn.Module:
     """``spec``'s model with random weights and :data:`NUM_CLASSES` outputs."""
-    if spec.source == "timm":
-        import timm
+    if spec.source in ("timm", "tv"):
+        from cltrain.zoo import build_model
 
-        return timm.create_model(spec.name, pretrained=False, num_classes=NUM_CLASSES, **spec.kwargs)
-    if spec.source == "tv":
-        import torchvision
-
-        return torchvision.models.get_model(spec.name, weights=None, num_classes=NUM_CLASSES, **spec.kwargs)
+        source = "timm" if spec.source == "timm" else "torchvision"
+        return build_model(spec.name, num_classes=NUM_CLASSES, source=source, **spec.kwargs)
     if spec.source == "hf":
         import transformers
 

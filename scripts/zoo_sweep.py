@@ -68,6 +68,8 @@ from typing import Any
 
 import torch
 
+from cltrain.atomic import atomic_write_text
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # zoo_models, beside this file
 from zoo_models import (  # noqa: E402
     Spec, all_specs, batch_to, build, clone_batch, find, logits_of, loss_of, make_batch, quiet_random_layers,
@@ -154,30 +156,10 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
 # ---- one model, in the child process ------------------------------------------------------------
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader (or a crash) sees the old file or the new, never a part."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _native_bf16() -> bool:
-    from cltrain.app.config import cpu_has_native_bf16
+    from cltrain.precision import cpu_bf16_support
 
-    # an emulated AVX2-only CPU (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2) has no bf16 kernels either
-    return cpu_has_native_bf16() and torch.backends.cpu.get_cpu_capability() != "AVX2"
+    return cpu_bf16_support()[0]
 
 
 def _module_class():
@@ -351,7 +333,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
             result.setdefault("phase_seconds", {})[result["phase"]] = round(time.perf_counter() - clock[0], 1)
         clock[0] = time.perf_counter()
         result["phase"] = name
-        _write_atomic(out, json.dumps(result, default=str))
+        atomic_write_text(out, json.dumps(result, default=str))
 
     phase("build")
     torch.manual_seed(0)
@@ -674,10 +656,10 @@ def _csv(rows: list[dict[str, Any]]) -> str:
 def write_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str,
                   args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out.with_suffix(".json"), json.dumps({"machine": m, "command": command, "rows": rows}, indent=1,
-                                                       default=str))
-    _write_atomic(out.with_suffix(".csv"), _csv(rows))
-    _write_atomic(out.with_suffix(".md"), markdown(rows, m, command, args))
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": m, "command": command, "rows": rows}, indent=1,
+                                                           default=str))
+    atomic_write_text(out.with_suffix(".csv"), _csv(rows))
+    atomic_write_text(out.with_suffix(".md"), markdown(rows, m, command, args))
 
 
 # ---- command line -------------------------------------------------------------------------------

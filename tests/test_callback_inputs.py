@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from cltrain import ChannelsLast, is_channels_last
 from cltrain.batch_layout import model_inputs, restride_batch
-from plain_modules import channels_last_strides
+from tests.helpers.plain_modules import channels_last_strides
 
 KEYPOINTS = 5
 

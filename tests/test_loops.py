@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ from torch.nn import functional as F
 
 from cltrain import is_channels_last, layout_summary
 from cltrain.loops import contiguous_copy, convert_batch, convert_model
-from plain_modules import channels_last_strides, loader
+from tests.helpers import REPO
+from tests.helpers.plain_modules import channels_last_strides, loader
 
-FABRIC_DDP = Path(__file__).with_name("fabric_ddp_run.py")
 BUCKET_WARNING = "Grad strides do not match bucket view strides"
 
 
@@ -77,8 +76,8 @@ def test_bad_arguments_name_the_value():
 
 
 def run_fabric_ddp(tmp_path, when):
-    proc = subprocess.run([sys.executable, str(FABRIC_DDP), str(tmp_path), when], capture_output=True, text=True,
-                          timeout=600, cwd=FABRIC_DDP.parent)
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.fabric_ddp_run", str(tmp_path), when],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 

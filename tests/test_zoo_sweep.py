@@ -5,12 +5,13 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "zoo_sweep.py"
+from tests.helpers import REPO
+
+SCRIPT = REPO / "scripts" / "zoo_sweep.py"
 
 
 def load_script():

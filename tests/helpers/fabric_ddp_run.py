@@ -1,6 +1,6 @@
 """Run by test_loops.py: a real two-process DDP loop on CPU (gloo) through Lightning Fabric.
 
-    python tests/fabric_ddp_run.py OUT_DIR [before|after]
+    python -m tests.helpers.fabric_ddp_run OUT_DIR [before|after]     # from the repository root
 
 ``before`` converts with :func:`cltrain.loops.convert_model` before ``fabric.setup`` (the way it
 is meant to be used); ``after`` restrides once Fabric has wrapped the model in DDP (the pitfall of
@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from cltrain import is_channels_last, to_channels_last
 from cltrain.loops import convert_batch, convert_model
-from plain_modules import loader
+from tests.helpers.plain_modules import loader
 
 
 def main(out: Path, when: str) -> None:
