@@ -50,13 +50,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import io
 import json
 import math
 import os
-import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -70,78 +66,16 @@ import torch
 
 from cltrain.atomic import atomic_write_text
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # zoo_models, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # zoo_models, zoo_parity, zoo_report, beside this file
 from zoo_models import (  # noqa: E402
     Spec, all_specs, batch_to, build, clone_batch, find, logits_of, loss_of, make_batch, quiet_random_layers,
 )
+from zoo_parity import parity  # noqa: E402
+from zoo_report import machine, machine_line, summary, write_outputs  # noqa: E402
 
-OK_BELOW = 1e-3     # worst per-parameter gradient error at or below this: ok
-MISS_ABOVE = 0.1    # above this, and 10x the fp32 noise of the same parameter: a wrong kernel
-FLOOR = 1e-7        # error denominators are at least this fraction of the model's largest exact gradient
-LAYOUT_F64_MAX = 1e-8  # float64 channels_last vs float64 NCHW, per parameter: only rounding below this
 FAST = ["timm:repvgg_a0", "timm:mobileone_s0", "timm:fastvit_t8", "timm:resnet26d", "timm:vit_tiny_patch16_224",
         "tv:googlenet", "hf:resnet_small"]
 LR = 0.01
-
-
-# ---- the verdict --------------------------------------------------------------------------------
-
-
-def grad_errors(grads: dict[str, torch.Tensor | None], exact: dict[str, torch.Tensor | None]) -> dict[str, float]:
-    """Per parameter, ``max|g - exact| / max(max|exact|, FLOOR * largest exact gradient)``.
-
-    A parameter with a gradient on one side and none on the other is ``inf``; none on both is left out."""
-    scale = max((float(g.abs().max()) for g in exact.values() if g is not None and g.numel()), default=0.0)
-    floor = max(FLOOR * scale, torch.finfo(torch.float64).tiny)
-    errors: dict[str, float] = {}
-    for name in exact.keys() | grads.keys():
-        g, ref = grads.get(name), exact.get(name)
-        if g is None and ref is None:
-            continue
-        if g is None or ref is None:
-            errors[name] = math.inf
-            continue
-        ref = ref.double()
-        diff = float((g.double() - ref).abs().max()) if ref.numel() else 0.0
-        errors[name] = diff / max(float(ref.abs().max()) if ref.numel() else 0.0, floor)
-    return errors
-
-
-def judge(err_cl: dict[str, float], noise: dict[str, float] | None) -> dict[str, Any]:
-    """The row's gradient verdict from per-parameter errors of channels_last and of correct fp32
-    kernels (``noise``: NCHW fp32 with and without oneDNN, the larger), both against the same
-    reference; ``noise`` ``None`` counts as none."""
-    if not err_cl:
-        return {"verdict": "ok", "worst_param": "", "err_cl": 0.0, "err_nc": None, "misses": 0}
-    floor = noise or {}
-    missed = [n for n, e in err_cl.items() if e > MISS_ABOVE and e > 10 * max(floor.get(n, 0.0), OK_BELOW)]
-    worst = max(missed or err_cl, key=lambda n: err_cl[n])
-    verdict = "MISS" if missed else "ok" if err_cl[worst] <= OK_BELOW else "numerics"
-    return {"verdict": verdict, "worst_param": worst, "err_cl": err_cl[worst],
-            "err_nc": floor.get(worst) if noise is not None else None, "misses": len(missed)}
-
-
-_RUN_NAMES = {"contiguous": "NCHW fp32", "native": "NCHW fp32 without oneDNN",
-              "native_cl": "channels_last fp32 without oneDNN"}
-
-
-def _why(verdict: dict[str, Any]) -> str:
-    """One phrase on a verdict that is not "ok"."""
-    if verdict["verdict"] == "ok":
-        return ""
-    if verdict.get("layout_miss"):
-        return f"channels_last kernels give other gradients in float64 ({verdict['layout_err_f64']:.0e})"
-    if verdict["verdict"] == "MISS":
-        loss = "the loss and " if verdict.get("loss_miss") else ""
-        return f"{loss}{verdict['misses']} parameter(s) O(1) off where fp32 kernels are not"
-    scale, noise = verdict.get("grad_scale"), verdict.get("err_nc")
-    if scale is not None and scale < 1e-6:
-        return "its exact gradient is ~0 (cancels)"
-    if noise is not None and noise >= verdict["err_cl"] / 10:
-        runs = verdict.get("noise_by_run") or {}
-        run = max(runs, key=lambda k: runs[k] or 0.0) if runs else "contiguous"
-        return f"{_RUN_NAMES.get(run, run)} is as far off (ill-conditioned)"
-    return "within 10x of the fp32 noise"
 
 
 def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str, torch.Tensor | None], float]:
@@ -224,7 +158,7 @@ def _conv_layout(net: torch.nn.Module) -> str:
 
 
 def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], dict_batch: bool, dtype: torch.dtype | None,
-                   rounds: int, min_window: float, warmup: int = 1) -> dict[str, float]:
+                   rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
     """Median training steps/s of each ``(net, batch)``, timed in interleaved rounds of the same
     number of steps (enough for ``min_window`` seconds on the faster one)."""
     from cltrain.autolayout import autocast_for
@@ -242,9 +176,9 @@ def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], dict_batch: boo
             optimizers[key].step()
         return time.perf_counter() - start
 
-    for key in runs:
-        steps(key, warmup)
-    per_step = min(steps(key, 1) for key in runs)
+    # The first steps build oneDNN primitives and grow the allocator's pools (a small model's first step
+    # can take 20x its later ones): time only after `warmup` steps, and size the rounds by the last one.
+    per_step = min([steps(key, 1) for _ in range(warmup)][-1] for key in runs)
     n = max(1, math.ceil(min_window / max(per_step, 1e-9)))
     rates: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(rounds):
@@ -260,36 +194,6 @@ def _speed_runs(nets: dict[str, torch.nn.Module], batch: Any, dtype: torch.dtype
     cast = batch_to(batch, dtype) if dtype is not None else batch
     return {"contiguous": (nets["contiguous"], clone_batch(cast)),
             "channels_last": (nets["channels_last"], convert_batch(clone_batch(cast)))}
-
-
-def _parity(result: dict[str, Any], grads: dict[str, dict], losses: dict[str, float], prefix: str = "") -> None:
-    """Loss and gradient verdict of ``grads["channels_last"]`` into ``result``: against ``"float64"``, with
-    ``"contiguous"`` and ``"native"`` (NCHW fp32 with and without oneDNN) as the fp32 noise; or, without
-    float64, against ``"contiguous"`` with ``"native"`` as the noise."""
-    reference = "float64" if "float64" in grads else "contiguous"  # without float64, the Trainer's NCHW run
-    exact, base = grads[reference], losses[reference]
-    err_cl = grad_errors(grads["channels_last"], exact)
-    fp32 = {k: grad_errors(grads[k], exact) for k in ("contiguous", "native", "native_cl") if k in grads and k != reference}
-    noise = {n: max(e.get(n, 0.0) for e in fp32.values()) for n in err_cl}
-    verdict = judge(err_cl, noise)
-    if "float64_cl" in grads:  # the layout's own kernels, in exact arithmetic: any difference is a wrong kernel
-        layout_err = max(grad_errors(grads["float64_cl"], exact).values(), default=0.0)
-        verdict["layout_err_f64"] = layout_err
-        if layout_err > LAYOUT_F64_MAX:
-            verdict.update(verdict="MISS", layout_miss=True)
-    verdict["noise_by_run"] = {k: e.get(verdict["worst_param"]) for k, e in fp32.items()}
-    if verdict["worst_param"]:  # how small the worst parameter's gradient is: ill-conditioned ones are tiny
-        largest = max((float(g.abs().max()) for g in exact.values() if g is not None and g.numel()), default=0.0)
-        ref = exact.get(verdict["worst_param"])
-        verdict["grad_scale"] = float(ref.abs().max()) / largest if ref is not None and largest > 0 else None
-    rel = lambda key: abs(losses[key] - base) / max(abs(base), 1e-12)  # noqa: E731
-    loss_err = rel("channels_last")
-    loss_noise = max(rel(k) for k in ("contiguous", "native", "native_cl") if k in losses and k != reference)
-    if loss_err > OK_BELOW and loss_err > 10 * loss_noise:  # the loss is one number: the same rule, stricter
-        verdict.update(verdict="MISS", loss_miss=True)
-    verdict["why"] = _why(verdict)
-    result[prefix + "grad"] = verdict
-    result[prefix + "loss_err_cl"], result[prefix + "loss_noise"] = loss_err, loss_noise
 
 
 def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_batch: Any,
@@ -311,10 +215,10 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
         result[f"compile_seconds_{layout}"] = round(time.perf_counter() - start, 1)
     for key, value in (exact or {}).items():
         grads[key], losses[key] = value
-    _parity(result, grads, losses, prefix="compile_")
+    parity(result, grads, losses, prefix="compile_")
     for label, dtype in dtypes:
         result[f"compile_speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec.dict_batch, dtype,
-                                                          args.rounds, args.min_window, warmup=2)
+                                                          args.rounds, args.min_window, warmup=4)
 
 
 def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
@@ -362,7 +266,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         if callback is not None:
             result["conv_weights_cl"] = _conv_layout(module.net)
             result["guardrails"] = _guardrails_of(callback)
-    _parity(result, grads, losses)
+    parity(result, grads, losses)
     del grads, losses
 
     dtypes: list[tuple[str, torch.dtype | None]] = [("fp32", None)] if "fp32" in args.dtypes else []
@@ -423,46 +327,6 @@ def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> 
 # ---- the sweep, in the parent process -----------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    """The CPU, its flags that matter here, and the software versions."""
-    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "flags": []}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        for line in text.splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                info["flags"] = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
-                                             "amx_bf16") if f in have]
-                break
-    except OSError:
-        pass
-    import lightning
-    import torchvision
-
-    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__, "lightning": lightning.__version__}
-    for name in ("timm", "transformers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = "missing"
-    info.update(logical_cpus=os.cpu_count(), torch_threads=torch.get_num_threads(),
-                capability=torch.backends.cpu.get_cpu_capability(), native_bf16=_native_bf16(),
-                onednn=next(iter(re.findall(r"(?:MKL-DNN|oneDNN) v([\d.]+)", torch.__config__.show())), ""),
-                versions=versions, emulation={k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-                                                 if k in os.environ})
-    return info
-
-
-def _machine_line(m: dict[str, Any]) -> str:
-    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
-    emulated = f"; emulating {m['emulation']}" if m["emulation"] else ""
-    return (f"CPU {m['cpu']} ({m['logical_cpus']} logical, torch threads {m['torch_threads']}); flags "
-            f"{' '.join(m['flags']) or 'none of avx2/avx512/amx'}; ATen capability {m['capability']}; native bf16 "
-            f"{'yes' if m['native_bf16'] else 'no'}{emulated}; oneDNN {m['onednn'] or '?'}; {versions}")
-
-
 def _signal_name(returncode: int) -> str:
     try:
         return signal.Signals(-returncode).name
@@ -515,153 +379,6 @@ def _child_options(args: argparse.Namespace) -> list[str]:
     return opts + [f"--{flag.replace('_', '-')}" for flag in ("quick", "no_speed", "no_auto", "no_compile") if getattr(args, flag)]
 
 
-# ---- the report ---------------------------------------------------------------------------------
-
-
-def _fmt_err(value: Any) -> str:
-    if value is None:
-        return ""
-    return "inf" if value == math.inf else f"{value:.1e}"
-
-
-def _fmt_speed(speed: dict[str, float] | None) -> str:
-    if not speed:
-        return ""
-    return f"{speed['channels_last']:.2f} / {speed['contiguous']:.2f} = **{speed['channels_last'] / speed['contiguous']:.2f}x**"
-
-
-def _fmt_grad(grad: dict[str, Any]) -> str:
-    if not grad:
-        return ""
-    cell = f"{_fmt_err(grad.get('err_cl'))} / {_fmt_err(grad.get('err_nc'))}"
-    if grad.get("verdict") != "ok" and grad.get("grad_scale") is not None:
-        cell += f" (its gradient {grad['grad_scale']:.0e} of the largest)"
-    return cell + (f": {grad['why']}" if grad.get("why") else "")
-
-
-def _row_cells(r: dict[str, Any]) -> list[str]:
-    grad = r.get("grad") or {}
-    status = r.get("status", "")
-    trains = "" if "trains_contiguous" not in r else (
-        f"{'yes' if r['trains_contiguous'] else 'NO'} / {'yes' if r.get('trains_channels_last') else 'NO'}")
-    verdict = grad.get("verdict", "")
-    if grad and "float64_error" in r:
-        verdict += " (vs NCHW fp32)"
-    if "compile_grad" in r:
-        verdict += f"; compiled: {r['compile_grad']['verdict']}"
-    note = "; ".join(filter(None, [r.get("note", ""), r.get("skipped", ""),
-                                   f"no float64: {r['float64_error']}" if "float64_error" in r else ""]))
-    speed = _fmt_speed(r.get("speed_fp32"))
-    bf16 = _fmt_speed(r.get("speed_bf16"))
-    if "compile_speed_fp32" in r:
-        speed += f"<br>compiled {_fmt_speed(r['compile_speed_fp32'])}"
-        bf16 += f"<br>compiled {_fmt_speed(r.get('compile_speed_bf16'))}" if r.get("compile_speed_bf16") else ""
-    auto = " / ".join(r[k] or "?" for k in ("auto_fp32", "auto_bf16") if k in r)
-    return [
-        f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), status if status != "ok" else "ok", trains,
-        f"{_fmt_err(r['loss_err_cl'])} / {_fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
-        f"`{grad.get('worst_param', '')}`" if grad.get("worst_param") else "", verdict, r.get("conv_weights_cl", ""),
-        r.get("guardrails", ""), speed, bf16, auto, note,
-    ]
-
-
-HEADER = ["model", "family", "params (M)", "run", "trains NCHW / CL", "step-0 loss err CL / fp32 noise",
-          "worst grad err CL / fp32 noise (vs float64)", "worst parameter", "gradients", "conv weights CL", "guardrail",
-          "fp32 steps/s CL / NCHW", "bf16 steps/s CL / NCHW", "auto fp32 / bf16", "note"]
-
-
-def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """A few lines: how many ran, crashed, raised, missed; the speed ratios; auto's choices."""
-    ran = [r for r in rows if r.get("status") != "skipped"]
-    crashed = [r["key"] for r in ran if r.get("status", "").startswith(("crashed", "timeout"))]
-    raised = [r["key"] for r in ran if r.get("status", "").startswith("raised")]
-    cl_fail = [r["key"] for r in ran if r.get("trains_contiguous") and not r.get("trains_channels_last")]
-    verdicts = [(r.get("grad") or {}).get("verdict") for r in ran]
-    lines = [
-        f"- {len(rows)} models: {len(ran)} ran, {len(rows) - len(ran)} skipped (over --max-params).",
-        f"- Crashed or timed out: {len(crashed)}{': ' + ', '.join(crashed) if crashed else ''}. "
-        f"Raised: {len(raised)}{': ' + ', '.join(raised) if raised else ''}. "
-        f"Trained without ChannelsLast but not with it: {len(cl_fail)}{': ' + ', '.join(cl_fail) if cl_fail else ''}.",
-        f"- Gradients under ChannelsLast: {verdicts.count('ok')} ok (<= {OK_BELOW:g}), {verdicts.count('numerics')} "
-        f"numerics, {verdicts.count('MISS')} MISS.",
-    ]
-    for label in ("fp32", "bf16"):
-        ratios = [r[f"speed_{label}"]["channels_last"] / r[f"speed_{label}"]["contiguous"] for r in ran
-                  if r.get(f"speed_{label}")]
-        if ratios:
-            faster = sum(x > 1.0 for x in ratios)
-            lines.append(f"- {label} CL / NCHW training steps/s: median {statistics.median(ratios):.2f}x "
-                         f"(range {min(ratios):.2f}-{max(ratios):.2f}); CL faster for {faster} of {len(ratios)}.")
-        picks = [r[f"auto_{label}"] for r in ran if r.get(f"auto_{label}")]
-        if picks:
-            lines.append(f"- mode=\"auto\" ({label}) kept channels_last for {picks.count('channels_last')} of "
-                         f"{len(picks)} models, contiguous for {picks.count('contiguous')}.")
-    return lines
-
-
-def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace) -> str:
-    escape = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    table += ["| " + " | ".join(escape(c) for c in _row_cells(r)) + " |" for r in rows]
-    return "\n".join([
-        "# Model zoo under ChannelsLast",
-        "",
-        f"Made by `{command}` ({time.strftime('%Y-%m-%d')}).",
-        "",
-        f"Machine: {_machine_line(m)}.",
-        f"Load average at the start: {m.get('load_start', '?')}, at the end: {m.get('load_end', '?')}.",
-        "",
-        f"Parity: batch {args.batch} at each model's size (128 px unless noted), one initialisation, the same two "
-        "batches, a real Lightning Trainer with and without `ChannelsLast()`; step-0 gradients of every parameter "
-        "against float64 (`scripts/zoo_sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
-        f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
-        f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
-        "process; ratio = CL / NCHW. auto = what `ChannelsLast(mode=\"auto\")` kept.",
-        "",
-        "## Summary",
-        "",
-        *summary(rows),
-        "",
-        "## Every model",
-        "",
-        *table,
-        "",
-    ])
-
-
-def _csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf)
-    writer.writerow(["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl", "loss_noise",
-                     "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "layout_err_f64", "worst_param", "conv_weights_cl", "guardrails",
-                     "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw", "auto_fp32", "auto_bf16", "compile_grad_verdict",
-                     "compile_fp32_cl", "compile_fp32_nchw", "seconds", "note"])
-    for r in rows:
-        grad = r.get("grad") or {}
-        speed = lambda k, layout: (r.get(k) or {}).get(layout, "")  # noqa: E731
-        writer.writerow([r["key"], r.get("family", ""), r.get("params_m", ""), r.get("status", ""),
-                         r.get("trains_contiguous", ""), r.get("trains_channels_last", ""), r.get("loss_err_cl", ""),
-                         r.get("loss_noise", ""),
-                         grad.get("verdict", ""), grad.get("why", ""), grad.get("err_cl", ""), grad.get("err_nc", ""),
-                         grad.get("grad_scale", ""), grad.get("layout_err_f64", ""),
-                         grad.get("worst_param", ""), r.get("conv_weights_cl", ""), r.get("guardrails", ""),
-                         speed("speed_fp32", "channels_last"), speed("speed_fp32", "contiguous"),
-                         speed("speed_bf16", "channels_last"), speed("speed_bf16", "contiguous"),
-                         r.get("auto_fp32", ""), r.get("auto_bf16", ""), (r.get("compile_grad") or {}).get("verdict", ""),
-                         speed("compile_speed_fp32", "channels_last"), speed("compile_speed_fp32", "contiguous"),
-                         r.get("seconds", ""), r.get("note", "")])
-    return buf.getvalue()
-
-
-def write_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str,
-                  args: argparse.Namespace) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": m, "command": command, "rows": rows}, indent=1,
-                                                           default=str))
-    atomic_write_text(out.with_suffix(".csv"), _csv(rows))
-    atomic_write_text(out.with_suffix(".md"), markdown(rows, m, command, args))
-
-
 # ---- command line -------------------------------------------------------------------------------
 
 
@@ -712,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python scripts/zoo_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
     m = machine()
     m["load_start"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(_machine_line(m), flush=True)
+    print(machine_line(m), flush=True)
     rows: list[dict[str, Any]] = []
     if args.resume and args.out.with_suffix(".json").exists():
         rows = [r for r in json.loads(args.out.with_suffix(".json").read_text())["rows"]

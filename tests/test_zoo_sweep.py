@@ -14,8 +14,8 @@ from tests.helpers import REPO
 SCRIPT = REPO / "scripts" / "zoo_sweep.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("zoo_sweep", SCRIPT)
+def load_script(name="zoo_sweep"):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -35,7 +35,7 @@ def perturbed(exact, relative, generator):
 
 
 def test_verdict_separates_ill_conditioned_numerics_from_a_wrong_kernel():
-    zoo = load_script()
+    zoo = load_script("zoo_parity")
     g = torch.Generator().manual_seed(0)
     exact = {"stem.weight": torch.randn(8, 3, 1, 1, dtype=torch.float64, generator=g),
              "head.weight": torch.randn(5, 8, dtype=torch.float64, generator=g)}
@@ -52,11 +52,28 @@ def test_verdict_separates_ill_conditioned_numerics_from_a_wrong_kernel():
 
 
 def test_grad_errors_floor_zero_gradients_and_flag_a_missing_one():
-    zoo = load_script()
+    zoo = load_script("zoo_parity")
     exact = {"bias_before_bn": torch.zeros(4, dtype=torch.float64), "w": torch.ones(4, dtype=torch.float64)}
     errors = zoo.grad_errors({"bias_before_bn": torch.full((4,), 1e-9), "w": torch.ones(4)}, exact)
     assert errors["w"] == 0.0 and errors["bias_before_bn"] == pytest.approx(1e-9 / (zoo.FLOOR * 1.0))
     assert zoo.grad_errors({"w": torch.ones(4)}, exact)["bias_before_bn"] == float("inf")
+
+
+def test_parity_flags_a_layout_kernel_that_is_wrong_in_float64_too():
+    # a fault in a kernel every dtype shares shows in the fp32 noise runs as well; float64 catches it
+    zoo = load_script("zoo_parity")
+    exact = {"w": torch.linspace(-1, 1, 8, dtype=torch.float64)}
+    fp32 = {"w": exact["w"].float()}
+    grads = {"float64": exact, "float64_cl": {"w": 1.5 * exact["w"]}, "contiguous": fp32, "native": fp32,
+             "native_cl": {"w": 1.5 * fp32["w"]}, "channels_last": {"w": 1.5 * fp32["w"]}}
+    losses = dict.fromkeys(grads, 1.0)
+    result = {}
+    zoo.parity(result, grads, losses)
+    assert result["grad"]["verdict"] == "MISS" and result["grad"]["layout_miss"]
+    assert "float64" in result["grad"]["why"]
+    grads["float64_cl"] = exact  # the same fault without the float64 check would pass as noise
+    zoo.parity(result, grads, losses)
+    assert result["grad"]["verdict"] == "numerics"
 
 
 @pytest.mark.slow
@@ -106,9 +123,7 @@ def test_fast_subset_of_real_models(tmp_path):
 def test_cpu_batchnorm_channels_last_rounds_worse_upstream():
     # the upstream gap behind channels_last's larger fp32 gradient errors in BatchNorm-heavy models at
     # tiny batches (numerics in the sweep); if this fails, PyTorch fixed it: update the repro's docstring
-    spec = importlib.util.spec_from_file_location("bn_repro", SCRIPT.with_name("cpu_bn_channels_last_accuracy.py"))
-    repro = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(repro)
+    repro = load_script("cpu_bn_channels_last_accuracy")
     errors = repro.errors((32, 16, 56, 56), 0.0, 1.0)
     assert errors["channels_last"][0] > 10 * errors["NCHW"][0]
     assert errors["NCHW"][0] < 1e-6

@@ -1,0 +1,206 @@
+"""The outputs of ``scripts/zoo_sweep.py``: the machine it ran on, the markdown table with its summary,
+the CSV; every file written atomically (:mod:`cltrain.atomic`)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cltrain.atomic import atomic_write_text
+from cltrain.precision import cpu_bf16_support
+from zoo_parity import OK_BELOW
+
+def machine() -> dict[str, Any]:
+    """The CPU, its flags that matter here, and the software versions."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "flags": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                info["flags"] = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
+                                             "amx_bf16") if f in have]
+                break
+    except OSError:
+        pass
+    import lightning
+    import torchvision
+
+    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__, "lightning": lightning.__version__}
+    for name in ("timm", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = "missing"
+    info.update(logical_cpus=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                capability=torch.backends.cpu.get_cpu_capability(), native_bf16=cpu_bf16_support()[0],
+                onednn=next(iter(re.findall(r"(?:MKL-DNN|oneDNN) v([\d.]+)", torch.__config__.show())), ""),
+                versions=versions, emulation={k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+                                                 if k in os.environ})
+    return info
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    emulated = f"; emulating {m['emulation']}" if m["emulation"] else ""
+    return (f"CPU {m['cpu']} ({m['logical_cpus']} logical, torch threads {m['torch_threads']}); flags "
+            f"{' '.join(m['flags']) or 'none of avx2/avx512/amx'}; ATen capability {m['capability']}; native bf16 "
+            f"{'yes' if m['native_bf16'] else 'no'}{emulated}; oneDNN {m['onednn'] or '?'}; {versions}")
+
+
+def _fmt_err(value: Any) -> str:
+    if value is None:
+        return ""
+    return "inf" if value == math.inf else f"{value:.1e}"
+
+
+def _fmt_speed(speed: dict[str, float] | None) -> str:
+    if not speed:
+        return ""
+    return f"{speed['channels_last']:.2f} / {speed['contiguous']:.2f} = **{speed['channels_last'] / speed['contiguous']:.2f}x**"
+
+
+def _fmt_grad(grad: dict[str, Any]) -> str:
+    if not grad:
+        return ""
+    cell = f"{_fmt_err(grad.get('err_cl'))} / {_fmt_err(grad.get('err_nc'))}"
+    if grad.get("verdict") != "ok" and grad.get("grad_scale") is not None:
+        cell += f" (its gradient {grad['grad_scale']:.0e} of the largest)"
+    return cell + (f": {grad['why']}" if grad.get("why") else "")
+
+
+def _row_cells(r: dict[str, Any]) -> list[str]:
+    grad = r.get("grad") or {}
+    status = r.get("status", "")
+    trains = "" if "trains_contiguous" not in r else (
+        f"{'yes' if r['trains_contiguous'] else 'NO'} / {'yes' if r.get('trains_channels_last') else 'NO'}")
+    verdict = grad.get("verdict", "")
+    if grad and "float64_error" in r:
+        verdict += " (vs NCHW fp32)"
+    if "compile_grad" in r:
+        verdict += f"; compiled: {r['compile_grad']['verdict']}"
+    note = "; ".join(filter(None, [r.get("note", ""), r.get("skipped", ""),
+                                   f"no float64: {r['float64_error']}" if "float64_error" in r else ""]))
+    speed = _fmt_speed(r.get("speed_fp32"))
+    bf16 = _fmt_speed(r.get("speed_bf16"))
+    if "compile_speed_fp32" in r:
+        speed += f"<br>compiled {_fmt_speed(r['compile_speed_fp32'])}"
+        bf16 += f"<br>compiled {_fmt_speed(r.get('compile_speed_bf16'))}" if r.get("compile_speed_bf16") else ""
+    auto = " / ".join(r[k] or "?" for k in ("auto_fp32", "auto_bf16") if k in r)
+    return [
+        f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), status if status != "ok" else "ok", trains,
+        f"{_fmt_err(r['loss_err_cl'])} / {_fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
+        f"`{grad.get('worst_param', '')}`" if grad.get("worst_param") else "", verdict, r.get("conv_weights_cl", ""),
+        r.get("guardrails", ""), speed, bf16, auto, note,
+    ]
+
+
+HEADER = ["model", "family", "params (M)", "run", "trains NCHW / CL", "step-0 loss err CL / fp32 noise",
+          "worst grad err CL / fp32 noise (vs float64)", "worst parameter", "gradients", "conv weights CL", "guardrail",
+          "fp32 steps/s CL / NCHW", "bf16 steps/s CL / NCHW", "auto fp32 / bf16", "note"]
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """A few lines: how many ran, crashed, raised, missed; the speed ratios; auto's choices."""
+    ran = [r for r in rows if r.get("status") != "skipped"]
+    crashed = [r["key"] for r in ran if r.get("status", "").startswith(("crashed", "timeout"))]
+    raised = [r["key"] for r in ran if r.get("status", "").startswith("raised")]
+    cl_fail = [r["key"] for r in ran if r.get("trains_contiguous") and not r.get("trains_channels_last")]
+    verdicts = [(r.get("grad") or {}).get("verdict") for r in ran]
+    lines = [
+        f"- {len(rows)} models: {len(ran)} ran, {len(rows) - len(ran)} skipped (over --max-params).",
+        f"- Crashed or timed out: {len(crashed)}{': ' + ', '.join(crashed) if crashed else ''}. "
+        f"Raised: {len(raised)}{': ' + ', '.join(raised) if raised else ''}. "
+        f"Trained without ChannelsLast but not with it: {len(cl_fail)}{': ' + ', '.join(cl_fail) if cl_fail else ''}.",
+        f"- Gradients under ChannelsLast: {verdicts.count('ok')} ok (<= {OK_BELOW:g}), {verdicts.count('numerics')} "
+        f"numerics, {verdicts.count('MISS')} MISS.",
+    ]
+    for label in ("fp32", "bf16"):
+        ratios = [r[f"speed_{label}"]["channels_last"] / r[f"speed_{label}"]["contiguous"] for r in ran
+                  if r.get(f"speed_{label}")]
+        if ratios:
+            faster = sum(x > 1.0 for x in ratios)
+            lines.append(f"- {label} CL / NCHW training steps/s: median {statistics.median(ratios):.2f}x "
+                         f"(range {min(ratios):.2f}-{max(ratios):.2f}); CL faster for {faster} of {len(ratios)}.")
+        picks = [r[f"auto_{label}"] for r in ran if r.get(f"auto_{label}")]
+        if picks:
+            lines.append(f"- mode=\"auto\" ({label}) kept channels_last for {picks.count('channels_last')} of "
+                         f"{len(picks)} models, contiguous for {picks.count('contiguous')}.")
+    return lines
+
+
+def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace) -> str:
+    escape = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    table += ["| " + " | ".join(escape(c) for c in _row_cells(r)) + " |" for r in rows]
+    return "\n".join([
+        "# Model zoo under ChannelsLast",
+        "",
+        f"Made by `{command}` ({time.strftime('%Y-%m-%d')}).",
+        "",
+        f"Machine: {machine_line(m)}.",
+        f"Load average at the start: {m.get('load_start', '?')}, at the end: {m.get('load_end', '?')}.",
+        "",
+        f"Parity: batch {args.batch} at each model's size (128 px unless noted), one initialisation, the same two "
+        "batches, a real Lightning Trainer with and without `ChannelsLast()`; step-0 gradients of every parameter "
+        "against float64 (`scripts/zoo_sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
+        f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
+        f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
+        "process; ratio = CL / NCHW. auto = what `ChannelsLast(mode=\"auto\")` kept.",
+        "",
+        "## Summary",
+        "",
+        *summary(rows),
+        "",
+        "## Every model",
+        "",
+        *table,
+        "",
+    ])
+
+
+def _csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl", "loss_noise",
+                     "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "layout_err_f64", "worst_param", "conv_weights_cl", "guardrails",
+                     "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw", "auto_fp32", "auto_bf16", "compile_grad_verdict",
+                     "compile_fp32_cl", "compile_fp32_nchw", "seconds", "note"])
+    for r in rows:
+        grad = r.get("grad") or {}
+        speed = lambda k, layout: (r.get(k) or {}).get(layout, "")  # noqa: E731
+        writer.writerow([r["key"], r.get("family", ""), r.get("params_m", ""), r.get("status", ""),
+                         r.get("trains_contiguous", ""), r.get("trains_channels_last", ""), r.get("loss_err_cl", ""),
+                         r.get("loss_noise", ""),
+                         grad.get("verdict", ""), grad.get("why", ""), grad.get("err_cl", ""), grad.get("err_nc", ""),
+                         grad.get("grad_scale", ""), grad.get("layout_err_f64", ""),
+                         grad.get("worst_param", ""), r.get("conv_weights_cl", ""), r.get("guardrails", ""),
+                         speed("speed_fp32", "channels_last"), speed("speed_fp32", "contiguous"),
+                         speed("speed_bf16", "channels_last"), speed("speed_bf16", "contiguous"),
+                         r.get("auto_fp32", ""), r.get("auto_bf16", ""), (r.get("compile_grad") or {}).get("verdict", ""),
+                         speed("compile_speed_fp32", "channels_last"), speed("compile_speed_fp32", "contiguous"),
+                         r.get("seconds", ""), r.get("note", "")])
+    return buf.getvalue()
+
+
+def write_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str,
+                  args: argparse.Namespace) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": m, "command": command, "rows": rows}, indent=1,
+                                                           default=str))
+    atomic_write_text(out.with_suffix(".csv"), _csv(rows))
+    atomic_write_text(out.with_suffix(".md"), markdown(rows, m, command, args))
