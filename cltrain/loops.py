@@ -35,6 +35,7 @@ from torch import nn
 
 from cltrain.autolayout import to_contiguous
 from cltrain.batch_layout import Inputs, check_inputs, restride_batch
+from cltrain.guardrails import apply_guardrails
 from cltrain.layout import MODES, to_channels_last
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model"]
@@ -45,7 +46,12 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def convert_model(
-    model: M, mode: str = "full", *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    model: M,
+    mode: str = "full",
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    guard: bool = True,
 ) -> M:
     """Put ``model`` in channels_last, in place, with the kernel guardrails, as ``ChannelsLast`` does.
 
@@ -55,14 +61,16 @@ def convert_model(
             4-D, ``channels_last_3d`` for 5-D); ``"conv"`` only convolution weights.
         device: where the model will train (the guardrails depend on the backend); default
             the device of its parameters.
-        dtype: the autocast dtype training will use (``torch.bfloat16``, ``torch.float16``),
-            or ``None`` for the model's own dtype.
+        dtype: the dtype its convolutions will compute in: the autocast dtype
+            (``torch.bfloat16``, ``torch.float16``), or ``None`` for fp32.
+        guard: apply :func:`cltrain.guardrails.apply_guardrails` (one log line per known
+            kernel fault worked around); ``False`` trains the bare kernels.
 
     Returns:
         ``model`` itself (its ``Parameter`` objects are kept: an optimizer made before still works).
 
     Raises:
-        ValueError: ``mode`` is not ``"full"`` or ``"conv"``.
+        ValueError: ``mode`` is not ``"full"`` or ``"conv"``, or ``guard`` is not a bool.
 
     Example::
 
@@ -72,22 +80,15 @@ def convert_model(
     """
     if mode not in MODES:
         raise ValueError(f"convert_model(mode={mode!r}): expected one of {MODES}.")
+    if not isinstance(guard, bool):
+        raise ValueError(f"convert_model(guard={guard!r}): expected True or False.")
     to_channels_last(model, mode=mode)
-    if device is None:
-        device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    _apply_guardrails(model, torch.device(device), dtype)
+    if guard:
+        if device is None:
+            device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+        for record in apply_guardrails(model, device=device, dtype=dtype):
+            log.info("convert_model: worked around a known kernel fault: %s", record.line())
     return model
-
-
-def _apply_guardrails(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """The seam to :mod:`cltrain.guardrails` (targeted workarounds for known-bad kernels), logging one
-    line per fault worked around; a no-op where that module is absent."""
-    try:
-        from cltrain.guardrails import apply_guardrails
-    except ImportError:
-        return
-    for record in apply_guardrails(model, device=device, dtype=dtype) or []:
-        log.info("convert_model: worked around a known kernel fault: %s", getattr(record, "line", lambda: record)())
 
 
 def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last") -> B:

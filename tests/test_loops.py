@@ -2,6 +2,7 @@
 model trained channels_last (torch.export, TorchScript, ONNX)."""
 
 import json
+import logging
 import subprocess
 import sys
 import warnings
@@ -66,7 +67,22 @@ def test_convert_model_keeps_parameter_objects_and_ranks():
     assert is_channels_last(model[0].weight) and model[1].weight.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+def test_convert_model_applies_the_guardrails(caplog):
+    from cltrain.guardrails import find_hazards
+
+    stem = nn.Sequential(nn.Conv2d(3, 8, 1, stride=2), nn.ReLU())  # oneDNN #6035's pattern on x86 CPUs
+    if not find_hazards(stem, device="cpu"):
+        pytest.skip("no known kernel fault for this model on this platform")
+    with caplog.at_level(logging.INFO, logger="cltrain.loops"):
+        convert_model(stem)
+    assert type(stem[0]).__name__ == "SubsampledConv2d" and "worked around a known kernel fault" in caplog.text
+    bare = convert_model(nn.Sequential(nn.Conv2d(3, 8, 1, stride=2)), guard=False)
+    assert type(bare[0]) is nn.Conv2d and is_channels_last(bare[0].weight)
+
+
 def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="convert_model\\(guard='yes'\\)"):
+        convert_model(nn.Conv2d(3, 4, 1), guard="yes")
     with pytest.raises(ValueError, match="convert_model\\(mode='fast'\\)"):
         convert_model(nn.Conv2d(3, 4, 1), mode="fast")
     with pytest.raises(ValueError, match="convert_batch\\(layout='nhwc'\\)"):
