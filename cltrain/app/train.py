@@ -39,7 +39,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from cltrain.app.components import build_callbacks, build_loggers
 from cltrain.app.config import ConfigError, Resolved, validate
-from cltrain.app.datasource import absolute as _absolute
+from cltrain.app.datasource import absolute
 from cltrain.app.datasource import build_datamodule
 from cltrain.app.ema import EMA, weights_in_checkpoint
 from cltrain.app.finite import NonFiniteLossError, StopOnNonFinite
@@ -100,6 +100,10 @@ def _callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalS
         callbacks.append(main_amp_progress_bar())
     if cfg.ema.enabled and not cfg.evaluate_only:
         callbacks.append(EMA(cfg.ema.decay, cfg.ema.warmup_steps, cfg.ema.every_n_steps))
+    if cfg.data.get("bad_files") == "skip":  # counts what the DataModule's workers left out, per epoch
+        from cltrain.data import SkippedFilesReport
+
+        callbacks.append(SkippedFilesReport())
     if not cfg.evaluate_only:
         checkpoints = run_dir / "checkpoints"
         # The best k by val/top1, apart from last.ckpt: with a monitor, Lightning's save_last only
@@ -210,7 +214,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     datamodule = build_datamodule(cfg)
     kwargs = cfg.model.get("kwargs")
     model = build_model(cfg.model.name, datamodule.num_classes, cfg.model.source,
-                        _absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
+                        absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
     guarded = _guard(cfg, resolved, model)
     if cfg.compile.enabled:
         model.compile(backend=cfg.compile.backend)  # in place: state_dict keys stay unprefixed
@@ -249,7 +253,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
             write_metrics(run_dir, metrics, replace=is_slurm_requeue())  # a requeued job ends its own run
         return metrics
 
-    ckpt_path = _absolute(cfg.get("ckpt_path"))
+    ckpt_path = absolute(cfg.get("ckpt_path"))
     rank_zero_info(f"cltrain: precision {resolved.precision} ({resolved.precision_reason})")
     try:
         if cfg.evaluate_only:

@@ -32,6 +32,7 @@ from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
 from cltrain.data.collate import NHWCCollate, nhwc_collate
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
 from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
+from cltrain.data.folders import SkippedFilesReport
 from cltrain.data.dataset import BadImageError, ImageFolderDataset
 from cltrain.data.demo import make_demo_dataset
 from cltrain.data.normalize import normalize
@@ -57,6 +58,7 @@ __all__ = [
     "ResizeCenterCrop",
     "ShardsDataModule",
     "ShardsDataset",
+    "SkippedFilesReport",
     "eval_transform",
     "make_demo_dataset",
     "nhwc_collate",

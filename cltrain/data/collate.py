@@ -31,10 +31,11 @@ from torch.utils.data import default_collate
 from cltrain.data.decode_pool import run_each
 from cltrain.data.normalize import ImageNormalizer
 
-__all__ = ["NHWCCollate", "nhwc_collate"]
+__all__ = ["NHWCCollate", "as_hwc", "nhwc_collate"]
 
 
-def _as_hwc(image: Any, index: int) -> np.ndarray | torch.Tensor:
+def as_hwc(image: Any, index: int) -> np.ndarray | torch.Tensor:
+    """``image`` (PIL image, HWC array or tensor) as an HWC array or tensor; ``index`` names it in errors."""
     if isinstance(image, Image.Image):
         image = np.asarray(image)
     if isinstance(image, np.ndarray):
@@ -128,7 +129,7 @@ class NHWCCollate:
         """Only the images: ``(N, C, H, W)`` channels_last uint8."""
         if len(images) == 0:
             raise ValueError("nhwc_collate: the batch is empty.")
-        arrays = [_as_hwc(img, i) for i, img in enumerate(images)]
+        arrays = [as_hwc(img, i) for i, img in enumerate(images)]
         shape = tuple(arrays[0].shape)
         for i, img in enumerate(arrays):
             if tuple(img.shape) != shape:

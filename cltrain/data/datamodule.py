@@ -37,7 +37,7 @@ from cltrain.data.dataset import BadImageError, ImageFolderDataset, check_bad_fi
 from cltrain.data.folders import SKIPPED_FILES_NAME, ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, ImageNormalizer, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
-from cltrain.data.transforms import _pair, eval_transform, train_transform
+from cltrain.data.transforms import size_pair, eval_transform, train_transform
 
 __all__ = ["SKIPPED_FILES_NAME", "ImageFolderDataModule"]
 
@@ -139,7 +139,7 @@ class ImageFolderDataModule(ClassFolderDataModule):
         self.root = Path(root)
         self.batch_size, self.num_workers = batch_size, num_workers
         self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
-        self.image_size = _pair(image_size, "image_size")
+        self.image_size = size_pair(image_size, "image_size")
         self.val_resize_size, self.channels = val_resize_size, channels
         self.bad_files, self.mean, self.std, self.dtype = bad_files, tuple(mean), tuple(std), dtype
         self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["MARKER", "make_demo_dataset", "write_once"]
+__all__ = ["MARKER", "hsv_to_rgb255", "make_demo_dataset", "shape_polygon", "write_once"]
 
 #: Written last into a complete demo folder; holds the parameters it was made with.
 MARKER = ".cltrain_demo.json"
@@ -62,7 +62,8 @@ def class_names(num_classes: int) -> list[str]:
     return [f"{k:02d}_{COLOURS[_class_spec(k)[1]][0]}_{_class_spec(k)[0]}" for k in range(num_classes)]
 
 
-def _polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
+def shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
+    """The vertices of ``shape`` (circle, square, triangle, ...) of radius ``r`` at (``cx``, ``cy``), turned by ``angle``."""
     if shape == "circle":
         radii, n = [r], 48
     elif shape == "square":
@@ -86,7 +87,8 @@ def _polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[t
     ]
 
 
-def _rgb(hue_deg: float, sat: float, val: float) -> tuple[int, int, int]:
+def hsv_to_rgb255(hue_deg: float, sat: float, val: float) -> tuple[int, int, int]:
+    """An HSV colour (hue in degrees, saturation and value in 0-1) as 0-255 RGB."""
     r, g, b = colorsys.hsv_to_rgb((hue_deg % 360.0) / 360.0, sat, val)
     return int(r * 255), int(g * 255), int(b * 255)
 
@@ -95,7 +97,7 @@ def draw_demo_image(k: int, rng: np.random.Generator, size: tuple[int, int] = (5
     """One RGB image of class ``k`` (see the module docstring), ``size`` = (width, height)."""
     w, h = size
     # Background: a gradient between two dull colours, plus grain.
-    c0, c1 = (np.array(_rgb(rng.uniform(0, 360), rng.uniform(0, 0.35), rng.uniform(0.25, 0.9)), np.float32) for _ in range(2))
+    c0, c1 = (np.array(hsv_to_rgb255(rng.uniform(0, 360), rng.uniform(0, 0.35), rng.uniform(0.25, 0.9)), np.float32) for _ in range(2))
     theta = rng.uniform(0, 2 * math.pi)
     t = (np.cos(theta) * np.linspace(0, 1, w, dtype=np.float32)[None, :]
          + np.sin(theta) * np.linspace(0, 1, h, dtype=np.float32)[:, None])
@@ -113,8 +115,8 @@ def draw_demo_image(k: int, rng: np.random.Generator, size: tuple[int, int] = (5
     shape, colour = _class_spec(k)
     r = rng.uniform(0.15, 0.32) * short
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
-    fill = _rgb(COLOURS[colour][1] + rng.uniform(-12, 12), rng.uniform(0.55, 1.0), rng.uniform(0.55, 1.0))
-    draw.polygon(_polygon(shape, cx, cy, r, rng.uniform(0, 2 * math.pi)), fill=fill)
+    fill = hsv_to_rgb255(COLOURS[colour][1] + rng.uniform(-12, 12), rng.uniform(0.55, 1.0), rng.uniform(0.55, 1.0))
+    draw.polygon(shape_polygon(shape, cx, cy, r, rng.uniform(0, 2 * math.pi)), fill=fill)
     return img
 
 

@@ -11,7 +11,7 @@ validation, test and predict.
 
 A subclass sets :attr:`layout_hint` and :attr:`collate_class` and calls
 :meth:`_choose_device` in its ``setup``; with ``bad_files="skip"`` it calls :meth:`_open_skip_log`
-too, so the skipped samples are listed in the run directory and counted per epoch.
+too, so the skipped samples are listed in the run directory (:class:`SkippedFilesReport` counts them per epoch).
 """
 
 from __future__ import annotations
@@ -29,21 +29,30 @@ from typing_extensions import override
 from cltrain.data.dataset import find_classes
 from cltrain.data.prefetch import PrefetchDataLoader
 
-__all__ = ["SKIPPED_FILES_NAME", "ClassFolderDataModule"]
+__all__ = ["SKIPPED_FILES_NAME", "ClassFolderDataModule", "SkippedFilesReport"]
 
 SKIPPED_FILES_NAME = "skipped_files.tsv"
 
 
-class _SkippedFilesReport(L.Callback):
-    """Counts the distinct files workers appended to the skipped-files list, per split and epoch,
-    logs them as ``data/skipped_<split>`` and warns when there are any."""
+class SkippedFilesReport(L.Callback):
+    """Counts the files a folder DataModule with ``bad_files="skip"`` left out, per split and epoch:
+    logs them as ``data/skipped_<split>`` and warns, naming the list they are in.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    Example::
+
+        trainer = Trainer(callbacks=[SkippedFilesReport()])
+        trainer.fit(model, datamodule=ImageFolderDataModule(root, bad_files="skip"))
+    """
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
         self._offset = 0
 
-    def _new_counts(self) -> dict[str, int]:
-        if not self.path.is_file():
+    def _new_counts(self, trainer: L.Trainer) -> dict[str, int]:
+        path = getattr(trainer.datamodule, "skipped_files_path", None)
+        if path != self.path:
+            self.path, self._offset = path, 0
+        if self.path is None or not self.path.is_file():
             return {}
         with open(self.path, encoding="utf-8") as f:
             f.seek(self._offset)
@@ -58,7 +67,7 @@ class _SkippedFilesReport(L.Callback):
         return counts
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
-        counts = self._new_counts()
+        counts = self._new_counts(trainer)
         for split, n in counts.items():
             rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
                            f"{trainer.current_epoch}; their paths are in {self.path}.")
@@ -105,9 +114,14 @@ class ClassFolderDataModule(L.LightningDataModule):
     bad_files: str
     _skip_log: Path | None
 
+    @property
+    def skipped_files_path(self) -> Path | None:
+        """With ``bad_files="skip"`` under a Trainer: the list the workers append skipped files to
+        (:class:`SkippedFilesReport` counts and reports them); else ``None``."""
+        return getattr(self, "_skip_log", None)
+
     def _open_skip_log(self) -> None:
-        """With ``bad_files="skip"`` under a Trainer: the skipped-files list in the run directory (one per
-        rank), and the callback that counts and reports what the workers appended to it."""
+        """With ``bad_files="skip"`` under a Trainer: the skipped-files list in the run directory (one per rank)."""
         trainer = self.trainer
         if self.bad_files != "skip" or trainer is None:
             return
@@ -115,8 +129,9 @@ class ClassFolderDataModule(L.LightningDataModule):
         run_dir.mkdir(parents=True, exist_ok=True)
         name = SKIPPED_FILES_NAME if trainer.world_size == 1 else f"rank{trainer.global_rank}.{SKIPPED_FILES_NAME}"
         self._skip_log = run_dir / name
-        if not any(isinstance(cb, _SkippedFilesReport) for cb in trainer.callbacks):
-            trainer.callbacks.append(_SkippedFilesReport(self._skip_log))
+        if not any(isinstance(cb, SkippedFilesReport) for cb in trainer.callbacks):
+            rank_zero_warn(f"{type(self).__name__}(bad_files='skip'): skipped files are listed in {self._skip_log}; "
+                           "add cltrain.data.SkippedFilesReport() to the Trainer's callbacks to count them per epoch.")
 
     def _split_dir(self, split: str) -> Path:
         if not self.root.is_dir():

@@ -48,7 +48,7 @@ from PIL import Image, ImageOps
 from cltrain.data.decode import INTERPOLATIONS, check_pixels, jpeg_resized_crop, jpeg_size, resized_crop
 from cltrain.data.decode_pool import augment_deferred, sample_generator
 
-__all__ = ["CropParams", "RandomResizedCropFlip", "ResizeCenterCrop", "eval_transform", "train_transform"]
+__all__ = ["CropParams", "RandomResizedCropFlip", "ResizeCenterCrop", "eval_transform", "size_pair", "train_transform"]
 
 
 #: What the transforms read: a PIL image, a file path, or the bytes of an image file.
@@ -68,7 +68,8 @@ class CropParams:
     resize: tuple[int, int] | None = None
 
 
-def _pair(size: int | tuple[int, int], name: str) -> tuple[int, int]:
+def size_pair(size: int | tuple[int, int], name: str) -> tuple[int, int]:
+    """``size`` as (height, width) positive ints; ``name`` is the argument named in the error."""
     pair = (size, size) if isinstance(size, int) else tuple(size)
     if len(pair) != 2 or not all(isinstance(s, int) and s > 0 for s in pair):
         raise ValueError(f"{name}={size!r} must be a positive int or a (height, width) pair of them.")
@@ -205,7 +206,7 @@ class RandomResizedCropFlip(_Transform):
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, channels: int = 3,
                  interpolation: str = "bilinear", exif_transpose: bool = False,
                  augment: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        self.size = _pair(size, "size")
+        self.size = size_pair(size, "size")
         if not (len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
             raise ValueError(f"scale={scale!r} must be (low, high) with 0 < low <= high <= 1.")
         if not (len(ratio) == 2 and 0 < ratio[0] <= ratio[1]):
@@ -275,7 +276,7 @@ class ResizeCenterCrop(_Transform):
 
     def __init__(self, size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3,
                  interpolation: str = "bilinear", exif_transpose: bool = False) -> None:
-        self.size = _pair(size, "size")
+        self.size = size_pair(size, "size")
         self.interpolation = _check_interpolation(interpolation)
         self.exif_transpose = bool(exif_transpose)
         if resize_size is not None and not (isinstance(resize_size, int) and resize_size >= max(self.size)):

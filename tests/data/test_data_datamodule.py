@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from cltrain import is_channels_last
 from cltrain.callback import ChannelsLast
-from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, ImageFolderDataModule, ImageFolderDataset, PrefetchDataLoader,
+from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, ImageFolderDataModule, ImageFolderDataset, PrefetchDataLoader,
                           eval_transform)
 from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_jpegs, write_odd_files
 
@@ -129,11 +129,12 @@ def test_skip_policy_replaces_logs_and_lists_the_files(tmp_path):
     for kind in BAD:
         shutil.copy(odd[kind], root / "train" / "c1" / odd[kind].name)
     shutil.copy(odd["empty"], root / "val" / "c0" / "empty.jpg")
-    for kind in ("cmyk", "gray16", "rgba", "gray"):
+    for kind in ("cmyk", "gray16", "rgba"):  # 12 training files: whole batches, so no file is dropped by drop_last
         shutil.copy(odd[kind], root / "train" / "c0" / odd[kind].name)
     dm = ImageFolderDataModule(root, batch_size=4, num_workers=2, image_size=SIZE, val_resize_size=36, bad_files="skip")
     model = Recorder()
-    trainer = _trainer(tmp_path / "run", [ChannelsLast()], max_epochs=2, limit_train_batches=None, limit_val_batches=None)
+    trainer = _trainer(tmp_path / "run", [ChannelsLast(), SkippedFilesReport()], max_epochs=2, limit_train_batches=None,
+                       limit_val_batches=None)
     with pytest.warns(UserWarning) as record:
         trainer.fit(model, datamodule=dm)
     messages = [str(w.message) for w in record]
@@ -141,7 +142,7 @@ def test_skip_policy_replaces_logs_and_lists_the_files(tmp_path):
     # The bad validation file is found by the check in setup and left out before training starts.
     assert any("left out 1 unreadable validation file(s) before training" in m and "empty.jpg" in m for m in messages)
     assert any("skipped 1 unreadable file(s) of 'val' in epoch 0" in m for m in messages)
-    assert len(model.seen["train"]) == 2 * 3  # 13 files, 3 of them replaced, in full batches of 4, two epochs
+    assert len(model.seen["train"]) == 2 * 3  # 12 files, 3 of them replaced, in full batches of 4, two epochs
     assert [s[1][0] for s in model.seen["val"]] == [4, 4]  # the 4 readable val files (5 less the empty one), each epoch
     assert trainer.callback_metrics["data/skipped_train"] == 3 and trainer.callback_metrics["data/skipped_val"] == 0
     lines = (tmp_path / "run" / SKIPPED_FILES_NAME).read_text().splitlines()
@@ -248,7 +249,8 @@ def test_skipped_files_list_is_in_the_run_directory_not_the_loggers(tmp_path):
     root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
     shutil.copy(write_odd_files(tmp_path / "odd")["empty"], root / "train" / "c0" / "empty.jpg")
     run = tmp_path / "run"
-    trainer = _trainer(run, logger=CSVLogger(save_dir=run, name="csv", version=""), limit_train_batches=None)
+    trainer = _trainer(run, [SkippedFilesReport()], logger=CSVLogger(save_dir=run, name="csv", version=""),
+                       limit_train_batches=None)
     assert trainer.log_dir != str(run)
     with pytest.warns(UserWarning, match="skipped 1 unreadable"):
         trainer.fit(Recorder(), datamodule=ImageFolderDataModule(root, batch_size=5, num_workers=0, image_size=SIZE,
@@ -259,3 +261,14 @@ def test_skipped_files_list_is_in_the_run_directory_not_the_loggers(tmp_path):
 def test_statistics_in_0_255_units_are_refused_at_construction(folder):
     with pytest.raises(ValueError, match=r"ImageFolderDataModule: mean=.* look like 0-255 units.*divide by 255"):
         ImageFolderDataModule(folder, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))
+
+
+def test_without_the_report_the_datamodule_adds_no_callback_and_says_where_the_list_is(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    shutil.copy(write_odd_files(tmp_path / "odd")["empty"], root / "train" / "c0" / "empty.jpg")
+    trainer = _trainer(tmp_path / "run", limit_train_batches=None)
+    before = list(trainer.callbacks)
+    with pytest.warns(UserWarning, match=r"add cltrain.data.SkippedFilesReport\(\)"):
+        trainer.fit(Recorder(), datamodule=ImageFolderDataModule(root, batch_size=5, num_workers=0, image_size=SIZE,
+                                                                 val_resize_size=36, bad_files="skip"))
+    assert trainer.callbacks == before and (tmp_path / "run" / SKIPPED_FILES_NAME).is_file()

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from torch.utils.data import default_collate
 
-from cltrain.data.collate import _as_hwc
+from cltrain.data.collate import as_hwc
 
 __all__ = ["NDHWCCollate", "ndhwc_collate"]
 
@@ -41,7 +41,7 @@ def _as_thwc(clip: Any, index: int) -> np.ndarray | torch.Tensor | list[np.ndarr
         if not clip:
             raise ValueError(f"{_NAME}: clip {index} has no frames.")
         try:
-            frames = [_as_hwc(frame, t) for t, frame in enumerate(clip)]  # the image collate's own checks
+            frames = [as_hwc(frame, t) for t, frame in enumerate(clip)]  # the image collate's own checks
         except TypeError as err:
             raise TypeError(f"{_NAME}: clip {index}: {str(err).removeprefix('nhwc_collate: ')}") from None
         for t, frame in enumerate(frames):

@@ -32,7 +32,7 @@ from cltrain.data.dataset import check_bad_files
 from cltrain.data.folders import ClassFolderDataModule
 from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
-from cltrain.data.transforms import _pair
+from cltrain.data.transforms import size_pair
 from cltrain.data.video.collate import NDHWCCollate
 from cltrain.data.video.dataset import ClipFolderDataset
 from cltrain.data.video.transforms import TEMPORAL_MODES, eval_clip_transform, train_clip_transform
@@ -116,7 +116,7 @@ class ClipFolderDataModule(ClassFolderDataModule):
         self.batch_size, self.num_workers = batch_size, num_workers
         self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
         self.num_frames, self.frame_stride = num_frames, frame_stride
-        self.image_size, self.channels = _pair(image_size, "image_size"), channels
+        self.image_size, self.channels = size_pair(image_size, "image_size"), channels
         self.mean, self.std, self.dtype = tuple(mean), tuple(std), dtype
         self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
         # Built now so that bad sizes, frame counts or channels fail here, not in a worker.

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from cltrain.data.demo import SHAPES, _polygon, _rgb, write_once
+from cltrain.data.demo import SHAPES, shape_polygon, hsv_to_rgb255, write_once
 
 __all__ = ["MOTIONS", "draw_demo_clip", "make_demo_videos", "video_class_names"]
 
@@ -51,10 +51,10 @@ def draw_demo_clip(k: int, rng: np.random.Generator, num_frames: int = 16, size:
     """The RGB frames (``size`` x ``size``) of one clip of class ``k`` (see the module docstring)."""
     motion, angle = MOTIONS[k]
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
-    bg = np.array(_rgb(rng.uniform(0, 360), rng.uniform(0, 0.35), rng.uniform(0.2, 0.8)), np.float32)
+    bg = np.array(hsv_to_rgb255(rng.uniform(0, 360), rng.uniform(0, 0.35), rng.uniform(0.2, 0.8)), np.float32)
     grain = rng.normal(0.0, rng.uniform(4, 12), size=(size, size, 1)).astype(np.float32)
     background = Image.fromarray(np.clip(bg + grain, 0, 255).astype(np.uint8), "RGB")
-    fill = _rgb(rng.uniform(0, 360), rng.uniform(0.55, 1.0), rng.uniform(0.6, 1.0))
+    fill = hsv_to_rgb255(rng.uniform(0, 360), rng.uniform(0.55, 1.0), rng.uniform(0.6, 1.0))
     if angle is None:  # grow or shrink by 1.8-2.4x, drifting a little in any direction
         r_small = rng.uniform(0.08, 0.11) * size
         r_big = r_small * rng.uniform(1.8, 2.4)
@@ -73,7 +73,7 @@ def draw_demo_clip(k: int, rng: np.random.Generator, num_frames: int = 16, size:
     for t in range(num_frames):
         s = t / max(num_frames - 1, 1)
         img = background.copy()
-        points = _polygon(shape, x0 + s * dx, y0 + s * dy, r0 + s * (r1 - r0), spin0 + t * spin)
+        points = shape_polygon(shape, x0 + s * dx, y0 + s * dy, r0 + s * (r1 - r0), spin0 + t * spin)
         ImageDraw.Draw(img).polygon(points, fill=fill)
         frames.append(img)
     return frames
