@@ -38,6 +38,7 @@ the load average before and after are printed: figures from a busy machine say s
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -100,14 +101,22 @@ def folders(work: Path, quick: bool) -> dict[str, Path]:
 
 # --- the loaders -------------------------------------------------------------------------------------
 class Dali:
-    """DALI's CPU pipeline for one folder and thread count, built once, run batch by batch."""
+    """DALI's CPU pipeline for one folder and thread count, built anew for each measurement.
+
+    A pipeline keeps computing batches ahead (its prefetch queue) after ``run()`` returns; kept
+    between measurements, it would decode on the cores while the next loader is timed. So each
+    measurement builds its own pipeline and deletes it (which stops its threads) before returning.
+    """
 
     def __init__(self, split: Path, threads: int, batch_size: int, seed: int) -> None:
+        self.split, self.threads, self.batch_size, self.seed = split, threads, batch_size, seed
+
+    def _build(self):
         from nvidia.dali import fn, pipeline_def, types
 
-        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed)
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=None, seed=self.seed)
         def pipe():
-            jpegs, labels = fn.readers.file(file_root=str(split), random_shuffle=True, name="reader")
+            jpegs, labels = fn.readers.file(file_root=str(self.split), random_shuffle=True, name="reader")
             images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
                                                    random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3],
                                                    num_attempts=10)
@@ -117,17 +126,21 @@ class Dali:
                                               mirror=fn.random.coin_flip(probability=0.5))
             return images, labels
 
-        self.pipe = pipe()
-        self.pipe.build()
-        self.batch_size = batch_size
+        built = pipe()
+        built.build()
+        return built
 
     def __call__(self, batches: int) -> float:
-        self.pipe.run()  # its first batch, as each loader's first, is not timed
+        pipe = self._build()
+        pipe.run()  # its first batch, as each loader's first, is not timed
         start = time.perf_counter()
         for _ in range(batches):
-            images, _ = self.pipe.run()
+            images, _ = pipe.run()
             images.as_tensor()  # the dense (N, H, W, C) batch
-        return batches * self.batch_size / (time.perf_counter() - start)
+        rate = batches * self.batch_size / (time.perf_counter() - start)
+        del pipe, images
+        gc.collect()
+        return rate
 
 
 def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, batches: int, seed: int,

@@ -137,5 +137,13 @@ def run_each(fn: Callable[[Any], None], items: Sequence[Any], threads: int) -> N
             for item in items:
                 fn(item)
         return
-    for future in [_pool(threads).submit(fn, item) for item in items]:
+    # One task per thread over a contiguous run of items: a task per item costs a GIL hand-over each.
+    step = -(-len(items) // threads)
+    chunks = [items[k:k + step] for k in range(0, len(items), step)]
+    for future in [_pool(threads).submit(_each, fn, chunk) for chunk in chunks]:
         future.result()
+
+
+def _each(fn: Callable[[Any], None], items: Sequence[Any]) -> None:
+    for item in items:
+        fn(item)
