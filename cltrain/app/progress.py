@@ -101,15 +101,18 @@ class MainAmpProgress(Callback):
     Args:
         print_freq: print every this many training batches (0: never).
         warmup: training batches left out of the throughput figure (at least the first is always out).
+        lines: print the training lines; ``False``: only renew :attr:`bar_values` at print steps, for a
+            progress bar that shows them instead (one progress display at a time).
 
     Raises:
         ValueError: ``print_freq`` or ``warmup`` negative.
     """
 
-    def __init__(self, print_freq: int = 10, warmup: int = 3) -> None:
+    def __init__(self, print_freq: int = 10, warmup: int = 3, lines: bool = True) -> None:
         if print_freq < 0 or warmup < 0:
             raise ValueError(f"print_freq and warmup must be >= 0, got {print_freq} and {warmup}")
         self.print_freq = print_freq
+        self.lines = lines
         self.train = Meter(warmup)
         self.val = Meter(0)
         self._window: list[tuple[float, int]] = []  # (seconds, images) of the intervals since the last line
@@ -184,6 +187,8 @@ class MainAmpProgress(Callback):
             self.bar_values["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])  # a host float already
         if self._speed.count:
             self.bar_values["img/s"] = round(self._speed.avg, 1)
+        if not self.lines:
+            return
         self._emit(pl_module,
                    f"Epoch: [{trainer.current_epoch}][{batch_idx + 1}/{trainer.num_training_batches}]  {timing}"
                    f"Loss {loss:.4f} ({self._loss.avg:.4f})  Prec@1 {top1:.3f} ({self._top1.avg:.3f})  "

@@ -188,6 +188,7 @@ class ImageFolderConfig(_ImageCrops):
     allow_missing_val_classes: bool = False   # true: accept classes with train/ images but no val/ folder
     check_val: str = key("quick", choices(*CHECK_MODES))  # check the validation files before the first epoch
     exclude_files: str | None = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
+    decode_threads: int = key(1, POSITIVE)    # threads decoding each batch inside each loading process
     demo: ImageDemoConfig | None = None    # set: generate the demo set at root when it is missing
 
 
@@ -263,7 +264,7 @@ class TrainerConfig:
     limit_val_batches: Any = key(None, FRACTION_OR_COUNT)
     num_sanity_val_steps: int = key(0, STEPS)
     log_every_n_steps: int = key(10, POSITIVE)
-    enable_progress_bar: bool = True
+    enable_progress_bar: bool = False          # true: a progress bar instead of the main_amp lines (print_freq)
     enable_model_summary: bool = False
     deterministic: Any = key(False, DETERMINISTIC)  # torch deterministic algorithms (+ seeded dataloader workers)
     sync_batchnorm: bool = False              # SyncBatchNorm under DDP (CUDA only)

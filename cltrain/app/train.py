@@ -39,6 +39,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from cltrain.app.components import build_callbacks, build_loggers
 from cltrain.app.config import ConfigError, Resolved, validate
+from cltrain.app.console import quiet_console
 from cltrain.app.datasource import absolute
 from cltrain.app.datasource import build_datamodule
 from cltrain.app.ema import EMA, weights_in_checkpoint
@@ -86,7 +87,8 @@ def _apply_cuda_math(cfg: DictConfig) -> None:
 
 
 def _callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop) -> tuple[list[Callback], MainAmpProgress, dict[str, Any]]:
-    progress = MainAmpProgress(print_freq=cfg.print_freq, warmup=cfg.throughput_warmup)
+    bar = cfg.trainer.get("enable_progress_bar", False)  # one progress display: the bar or main_amp's lines
+    progress = MainAmpProgress(print_freq=cfg.print_freq, warmup=cfg.throughput_warmup, lines=not bar)
     callbacks: list[Callback] = [progress, stop]
     parts: dict[str, Any] = {}
     if cfg.channels_last:
@@ -96,7 +98,7 @@ def _callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalS
         callbacks.append(parts["channels_last"])
     # A progress bar fed from host values (nothing prog_bar=True per step: no per-step sync); EMA weights
     # when ema.enabled=true. The learning rate is logged by LearningRateMonitor (callbacks/lr_monitor.yaml, a default).
-    if cfg.trainer.get("enable_progress_bar", True):
+    if bar:
         callbacks.append(main_amp_progress_bar())
     if cfg.ema.enabled and not cfg.evaluate_only:
         callbacks.append(EMA(cfg.ema.decay, cfg.ema.warmup_steps, cfg.ema.every_n_steps))
@@ -174,7 +176,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     with SignalStop() as stop:
         try:
-            return _train(cfg, resolved, run_dir, stop, started)
+            with quiet_console():
+                return _train(cfg, resolved, run_dir, stop, started)
         except RunInterrupted as interrupt:
             code = 128 + interrupt.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
             if not getattr(interrupt, "reported", False):
