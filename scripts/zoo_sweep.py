@@ -391,6 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("docs/zoo"), help="output stem: <out>.md, .json, .csv")
     p.add_argument("--log-dir", type=Path, default=Path("bench_out/zoo/logs"), help="one log per model")
     p.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run the others")
+    p.add_argument("--run-first", default="", help="comma-separated key prefixes run before the others (hf:,tv:); "
+                                                   "the table keeps the zoo's order")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per model, 3x with torch.compile (default 1200)")
     p.add_argument("--batch", type=int, default=2, help="parity batch size (default 2)")
     p.add_argument("--speed-batch", type=int, default=8, help="speed batch size (default 8)")
@@ -436,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                 if r["key"] in {s.key for s in specs}]
     done = {r["key"] for r in rows}
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    for i, spec in enumerate(s for s in specs if s.key not in done):
+    first = tuple(p for p in args.run_first.split(",") if p)
+    todo = sorted((s for s in specs if s.key not in done), key=lambda s: not (first and s.key.startswith(first)))
+    for spec in todo:
         result = run_one(spec, args, args.log_dir)
         rows.append(result)
         grad = (result.get("grad") or {}).get("verdict", "")
