@@ -91,6 +91,8 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     verdict = grad.get("verdict", "")
     if grad and "float64_error" in r:
         verdict += " (vs NCHW fp32)"
+    if r.get("examined"):  # scripts/zoo_miss_check.py: the worst parameter's layer run alone
+        verdict += f", examined: {r['examined']['verdict']}"
     if "compile_grad" in r:
         verdict += f"; compiled: {r['compile_grad']['verdict']}"
     note = "; ".join(filter(None, [r.get("note", ""), r.get("skipped", ""),
@@ -105,7 +107,7 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
         f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), status if status != "ok" else "ok", trains,
         f"{_fmt_err(r['loss_err_cl'])} / {_fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
         f"`{grad.get('worst_param', '')}`" if grad.get("worst_param") else "", verdict, r.get("conv_weights_cl", ""),
-        r.get("guardrails", ""), speed, bf16, auto, note,
+        r.get("guardrails", ""), speed, bf16, auto, "; ".join(filter(None, [note, (r.get("examined") or {}).get("why", "")])),
     ]
 
 
@@ -127,7 +129,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         f"Raised: {len(raised)}{': ' + ', '.join(raised) if raised else ''}. "
         f"Trained without ChannelsLast but not with it: {len(cl_fail)}{': ' + ', '.join(cl_fail) if cl_fail else ''}.",
         f"- Gradients under ChannelsLast: {verdicts.count('ok')} ok (<= {OK_BELOW:g}), {verdicts.count('numerics')} "
-        f"numerics, {verdicts.count('MISS')} MISS.",
+        f"numerics, {verdicts.count('MISS')} MISS{_examined(ran)}.",
     ]
     for label in ("fp32", "bf16"):
         ratios = [r[f"speed_{label}"]["channels_last"] / r[f"speed_{label}"]["contiguous"] for r in ran
@@ -141,6 +143,16 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"- mode=\"auto\" ({label}) kept channels_last for {picks.count('channels_last')} of "
                          f"{len(picks)} models, contiguous for {picks.count('contiguous')}.")
     return lines
+
+
+def _examined(ran: list[dict[str, Any]]) -> str:
+    misses = [r for r in ran if (r.get("grad") or {}).get("verdict") == "MISS"]
+    if not misses:
+        return ""
+    found = [(r.get("examined") or {}).get("verdict") for r in misses]
+    return (f" ({len(misses) - found.count(None)} examined by scripts/zoo_miss_check.py: {found.count('numerics')} "
+            f"numerics (the layer alone is exact in both layouts; the gradient is ill-conditioned at batch 2), "
+            f"{found.count('kernel')} kernel faults)")
 
 
 def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace) -> str:

@@ -127,3 +127,17 @@ def test_cpu_batchnorm_channels_last_rounds_worse_upstream():
     errors = repro.errors((32, 16, 56, 56), 0.0, 1.0)
     assert errors["channels_last"][0] > 10 * errors["NCHW"][0]
     assert errors["NCHW"][0] < 1e-6
+
+
+def test_miss_check_tells_a_right_kernel_from_one_that_is_off_alone():
+    check = load_script("zoo_miss_check")
+    models = load_script("zoo_models")
+
+    class WrongUnderChannelsLast(torch.nn.Conv2d):  # the weight gradient 3.4x off for channels_last input
+        def forward(self, x):
+            return self._conv_forward(x, models._WrongGradUnderChannelsLast.apply(self.weight, x), self.bias)
+
+    right = check.layer_alone(torch.nn.Conv2d(16, 16, 3, padding=1), (2, 16, 8, 8))
+    assert max(right.values()) <= check.RIGHT_ALONE
+    wrong = check.layer_alone(WrongUnderChannelsLast(16, 16, 3, padding=1), (2, 16, 8, 8))
+    assert wrong["contiguous"] <= check.RIGHT_ALONE and wrong["channels_last"] > 1.0

@@ -1,0 +1,115 @@
+"""Examine the zoo sweep's MISS rows: is the layer's kernel wrong, or is the gradient ill-conditioned?
+
+For each MISS row of ``docs/zoo.json``, the worst parameter's layer is run alone, in NCHW and in
+channels_last (oneDNN on, fp32), on well-conditioned random inputs of the shape it sees in the
+sweep, and its weight gradient compared with float64 (elementwise, as the sweep does). A kernel
+that is right alone (errors at fp32 rounding, ~1e-6) while the model's gradient is off points at
+conditioning: in the sweep's batch of 2 that parameter's gradient is a small difference of large
+terms (its scale and the other fp32 kernels' spread are in the row). A kernel that is off alone
+is a fault to report and guard. Adds the finding to each row of ``<out>.json`` and renders the
+table again (atomically).
+
+    python scripts/zoo_miss_check.py                 # every MISS in docs/zoo.json
+    python scripts/zoo_miss_check.py --models tv:resnet34
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zoo_models import build, find, logits_of, make_batch  # noqa: E402
+from zoo_parity import grad_errors  # noqa: E402
+from zoo_report import write_outputs  # noqa: E402
+from zoo_sweep import parse_args  # noqa: E402
+
+#: The layer alone is "right" when both layouts' weight gradients are within this of float64.
+RIGHT_ALONE = 1e-4
+
+
+def _layer_input_shape(spec: Any, module_name: str) -> tuple[tuple[int, ...], torch.nn.Module]:
+    torch.manual_seed(0)
+    net = build(spec).train()
+    batch = make_batch(spec, 2, torch.Generator().manual_seed(0))
+    module = net.get_submodule(module_name)
+    shapes: list[tuple[int, ...]] = []
+    handle = module.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        logits_of(net, batch["pixel_values"] if spec.dict_batch else batch[0], spec.dict_batch)
+    handle.remove()
+    return shapes[0], module
+
+
+def layer_alone(module: torch.nn.Module, shape: tuple[int, ...], leaf: str = "weight") -> dict[str, float]:
+    """``module``'s ``leaf`` gradient error against float64, NCHW and channels_last, on random input of ``shape``."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen)
+    reference = copy.deepcopy(module).double()
+    out = reference(x.double())
+    grad_out = torch.randn(out.shape, generator=gen)
+    out.backward(grad_out.double())
+    exact = {leaf: getattr(reference, leaf).grad.detach()}
+    errors = {}
+    for layout, fmt in (("contiguous", torch.contiguous_format), ("channels_last", torch.channels_last)):
+        fmt = fmt if x.dim() == 4 else torch.contiguous_format  # channels_last is a 4-D layout
+        layer = copy.deepcopy(module).float().to(memory_format=fmt)
+        layer.zero_grad(set_to_none=True)
+        y = layer(x.contiguous(memory_format=fmt))
+        y.backward(grad_out.contiguous(memory_format=fmt) if grad_out.dim() == 4 else grad_out)
+        errors[layout] = grad_errors({leaf: getattr(layer, leaf).grad}, exact)[leaf]
+    return errors
+
+
+def examine(spec: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """The layer-alone errors for ``row``'s worst parameter, and the verdict they support."""
+    param = row["grad"]["worst_param"]
+    module_name, _, leaf = param.rpartition(".")
+    shape, module = _layer_input_shape(spec, module_name)
+    errors = layer_alone(module, shape, leaf)
+    right = all(e <= RIGHT_ALONE for e in errors.values())
+    noise = row["grad"].get("noise_by_run") or {}
+    return {
+        "param": param,
+        "layer": f"{type(module).__name__} {tuple(getattr(module, leaf).shape)}",
+        "input_shape": list(shape),
+        "alone_error": errors,
+        "grad_scale": row["grad"].get("grad_scale"),
+        "fp32_spread": [min(noise.values()), max(noise.values())] if noise else None,
+        "verdict": "numerics" if right else "kernel",
+        "why": (f"{type(module).__name__} alone on input {tuple(shape)}: weight-gradient error "
+                f"{errors['channels_last']:.1e} channels_last, {errors['contiguous']:.1e} NCHW against float64: "
+                + ("the kernel is right; the model's gradient of this parameter is ill-conditioned at batch 2"
+                   if right else "the kernel is off alone: a fault to report and guard")),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("docs/zoo"), help="the sweep's output stem")
+    p.add_argument("--models", default="", help="comma-separated keys; default: every MISS row")
+    args = p.parse_args(argv)
+    data = json.loads(args.out.with_suffix(".json").read_text())
+    keys = set(args.models.split(",")) if args.models else set()
+    for row in data["rows"]:
+        if (row.get("grad") or {}).get("verdict") == "MISS" and (not keys or row["key"] in keys):
+            row["examined"] = examine(find([row["key"]])[0], row)
+            print(f"{row['key']} {row['examined']['param']}: {row['examined']['verdict']}: {row['examined']['why']}",
+                  flush=True)
+    sweep_args = parse_args(shlex.split(data["command"])[2:])
+    write_outputs(args.out, data["rows"], data["machine"], data["command"], sweep_args)  # the table, re-rendered
+    kernel = [r["key"] for r in data["rows"] if (r.get("examined") or {}).get("verdict") == "kernel"]
+    print(f"kernel faults: {', '.join(kernel) or 'none'}; wrote {args.out.with_suffix('.md')}")
+    return 1 if kernel else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
