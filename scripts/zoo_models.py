@@ -91,10 +91,12 @@ TIMM = [
 _TV_KWARGS: dict[str, dict[str, Any]] = {
     "googlenet": {"aux_logits": False, "init_weights": True},
     "inception_v3": {"aux_logits": False, "init_weights": True},
-    **{f"vit_{v}": {"image_size": SIZE} for v in ("b_16", "b_32", "l_16", "l_32", "h_14")},
+    **{f"vit_{v}": {"image_size": SIZE} for v in ("b_16", "b_32", "l_16", "l_32")},
+    "vit_h_14": {"image_size": 112},  # patch 14 does not divide 128
 }
+_TV_SIZES = {"maxvit_t": 224, "vit_h_14": 112}
 _TV_NOTES = {"googlenet": "no aux heads", "inception_v3": "no aux heads",
-             "maxvit_t": "224 px: its partition size 7 does not divide 128 px maps"}
+             "maxvit_t": "224 px: its partition size 7 does not divide 128 px maps", "vit_h_14": "112 px: patch 14"}
 _TV_COMPILE = {"resnet50"}
 
 
@@ -114,7 +116,7 @@ def torchvision_specs() -> list[Spec]:
     import torchvision
 
     return [
-        Spec(f"tv:{n}", _tv_family(n), size=224 if n == "maxvit_t" else SIZE, kwargs=_TV_KWARGS.get(n, {}),
+        Spec(f"tv:{n}", _tv_family(n), size=_TV_SIZES.get(n, SIZE), kwargs=_TV_KWARGS.get(n, {}),
              note=_TV_NOTES.get(n, ""), compile=n in _TV_COMPILE)
         for n in torchvision.models.list_models(module=torchvision.models)
     ]
