@@ -5,7 +5,7 @@ other tensor keep the layout the user's code built (a loss doing ``target.view(N
 keeps working). Which tensors are the input, by the batch's shape:
 
 * a tensor: the batch itself;
-* a dict (any mapping), namedtuple or dataclass: the values under :data:`IMAGE_KEYS`
+* a dict (any mapping), namedtuple or dataclass: the values under ``IMAGE_KEYS``
   (``image``, ``pixel_values``, ``inputs``, ``video``, ...); a dict with none of them
   has no input that can be told apart from its targets, and nothing is converted;
 * a tuple or list (any sequence; a namedtuple without an image field): its first element,
@@ -61,7 +61,7 @@ def check_inputs(inputs: Any, owner: str = "") -> None | str | tuple[str | int, 
     """``inputs`` in canonical form (``None``, ``"all"`` or a tuple of keys and indices).
 
     Raises:
-        ValueError: ``inputs`` is none of the forms of :data:`Inputs`; the message names ``owner``
+        ValueError: ``inputs`` is none of the forms of ``Inputs``; the message names ``owner``
             (a class or function name) and the value.
     """
     if inputs is None or inputs == "all":

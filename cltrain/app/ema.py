@@ -6,7 +6,7 @@ and buffers, so BatchNorm statistics too) follows the training weights as
 optimizer steps; for the first ``warmup_steps`` updates the copy simply follows
 the weights (torchvision's ``--model-ema-warmup-epochs``, in steps).
 
-It is Lightning's :class:`~lightning.pytorch.callbacks.WeightAveraging`, so
+It is Lightning's ``WeightAveraging``, so
 validation runs on the averaged weights (swapped in and out around each
 validation epoch), a checkpoint's ``state_dict`` holds the averaged weights
 (portable: plain module keys, loadable with no EMA code) with the training
@@ -15,7 +15,7 @@ averaged weights in the module. What differs from ``EMAWeightAveraging`` is the
 update: ``torch.optim.swa_utils.AveragedModel.update_parameters`` tests
 ``n_averaged == 0`` and ``n_averaged > 0`` (a device tensor) on every update,
 two host syncs per step on CUDA, and ``EMAWeightAveraging`` averages one tensor
-at a time. :class:`EMAModel` keeps the update count on the host too and updates
+at a time. ``EMAModel`` keeps the update count on the host too and updates
 all tensors with ``torch._foreach_lerp_``.
 
 The copy is made in ``Callback.setup``, before the strategy moves the module to its

@@ -7,12 +7,12 @@ a claim is an atomic filesystem operation, so two runs can never both win:
 * an existing directory given explicitly (``run_dir=``, ``hydra.run.dir=``,
   ``hydra.sweep.dir=``) may be claimed only when it holds nothing but Hydra's
   bookkeeping (``.hydra/``, ``*.log``: what a run stopped by a config error leaves),
-  by creating the marker file :data:`CLAIM` with ``O_CREAT | O_EXCL`` (atomic too).
+  by creating the marker file ``CLAIM`` with ``O_CREAT | O_EXCL`` (atomic too).
   The marker holds the claiming process id; a marker whose process is gone is stale
   and may be claimed again.
 
 Hydra's default ``outputs/<date>/<time>`` has a one-second resolution, so runs
-started in the same second from one folder would share it. :class:`RunDirGuard`, a
+started in the same second from one folder would share it. ``RunDirGuard``, a
 Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``), runs in
 ``on_run_start`` / ``on_multirun_start``, *before* Hydra creates the directory and
 writes ``.hydra/`` into it: it claims the configured directory and, when that one
@@ -21,7 +21,7 @@ Hydra's default does), the next free of ``<dir>-1``, ``<dir>-2``, ..., then poin
 ``hydra.run.dir`` (or ``hydra.sweep.dir``) at the directory it claimed. A fixed
 path is never replaced by another: a taken one is a one-line error naming what is
 in it. ``train(cfg)`` then checks the directory again with
-:func:`claim_run_dir` (it finds its own claim), which also covers ``run_dir=`` and
+``claim_run_dir`` (it finds its own claim), which also covers ``run_dir=`` and
 ``train`` called without Hydra.
 
 A requeued SLURM job (``SLURM_RESTART_COUNT`` > 0) may come back to its fixed
@@ -175,7 +175,7 @@ def claim_run_dir(run_dir: str | os.PathLike, key: str = "run_dir", next_free: b
 
 
 def check_run_dir(run_dir: str | os.PathLike, key: str = "run_dir") -> Path:
-    """``run_dir`` claimed for this run (see :func:`claim_run_dir`); kept for callers of the old name."""
+    """``run_dir`` claimed for this run (see ``claim_run_dir``); kept for callers of the old name."""
     return claim_run_dir(run_dir, key)
 
 

@@ -6,14 +6,14 @@ DDP, tells the other ranks); the training and validation loops then raise
 ``SIGTERMException`` at the next batch end. Lightning chains the SIGTERM handler that
 was installed before (ours), and restores it after fit.
 
-:class:`SignalStop` adds what Lightning leaves out:
+``SignalStop`` adds what Lightning leaves out:
 
 * a handler for SIGINT and SIGTERM installed for the whole of ``train()``. Outside
   ``fit`` (building the data, the final validation) a signal raises
-  :class:`RunInterrupted` at once. Inside ``fit`` the first signal is recorded and the
+  ``RunInterrupted`` at once. Inside ``fit`` the first signal is recorded and the
   run stops at the end of the current batch (so the checkpoint holds a whole step);
   a second signal of the same kind stops at once;
-* a callback that raises :class:`RunInterrupted` at that batch end. The exception
+* a callback that raises ``RunInterrupted`` at that batch end. The exception
   goes through Lightning's ``on_exception`` hooks, where ``OnExceptionCheckpoint``
   writes ``last.ckpt``; ``train()`` then writes ``metrics.json`` with
   ``"status": "interrupted"``, prints the resume command and exits 128 + signal.

@@ -16,7 +16,7 @@ Two depths (``--quick``):
   4 KiB (a truncated download: the usual damage); a PNG whose chunk CRCs or
   length fail Pillow's ``verify``. It does not catch corrupt compressed data
   inside a complete JPEG, nor a truncated BMP/TIFF/WebP/PPM. This is what
-  :class:`~cltrain.data.ImageFolderDataModule` runs on the validation split in
+  ``ImageFolderDataModule`` runs on the validation split in
   ``setup`` (``check_val="quick"``), so a bad validation file stops the run
   before the first training epoch rather than after it.
 

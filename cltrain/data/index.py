@@ -1,7 +1,7 @@
 """The file index of an image folder split (``split/<class>/<image>``), built once and cached.
 
 Walking a 1.28M-file ImageNet tree takes every rank of every run many seconds (minutes
-on a network filesystem), so :func:`index_split` stores what one walk found and reuses
+on a network filesystem), so ``index_split`` stores what one walk found and reuses
 it while the tree is unchanged.
 
 What a walk counts:
@@ -14,7 +14,7 @@ What a walk counts:
   files is reported rather than silently dropped. Dot-files (``.DS_Store``) are skipped
   without being counted.
 
-Which formats are loaded: :data:`~cltrain.data.constants.IMG_EXTENSIONS`, torchvision's
+Which formats are loaded: ``IMG_EXTENSIONS``, torchvision's
 ``ImageFolder`` list, so a folder gives the same samples and labels as torchvision's
 reference scripts. GIF is not in it: torchvision leaves it out, ImageNet has none,
 and for an animated GIF "the image" is ambiguous (Pillow would give the first frame).
@@ -138,7 +138,7 @@ def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: set[str], ind
 
 def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
                split_name: str | None = None) -> SplitIndex:
-    """Walk ``split_dir/<class>/`` (any depth) and list its images (no cache; see :func:`index_split`).
+    """Walk ``split_dir/<class>/`` (any depth) and list its images (no cache; see ``index_split``).
 
     Args:
         split_dir: e.g. ``root/train``.
@@ -251,12 +251,14 @@ def _store(path: Path, key: dict, index: SplitIndex, started: float, split_dir: 
 
 def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
                 cache: bool = True, cache_dir: str | os.PathLike | None = None) -> SplitIndex:
-    """:func:`scan_split`, from the cache when the tree is unchanged (see the module docstring).
+    """``scan_split``, from the cache when the tree is unchanged (see the module docstring).
 
     Args:
-        split_dir, classes, allow_missing: as :func:`scan_split`.
+        split_dir: as ``scan_split``.
+        classes: as ``scan_split``.
+        allow_missing: as ``scan_split``.
         cache: ``False`` always walks and stores nothing.
-        cache_dir: where the index files go; ``None``: :func:`default_cache_dir`.
+        cache_dir: where the index files go; ``None``: ``default_cache_dir``.
     """
     split_dir = Path(split_dir)
     if not cache:

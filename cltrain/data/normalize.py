@@ -77,9 +77,10 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
 
     Args:
         batch: ``(N, C, H, W)`` uint8 tensor, typically the channels_last view
-            :class:`~cltrain.data.NHWCCollate` makes, or a ``(N, C, T, H, W)`` clip
+            ``NHWCCollate`` makes, or a ``(N, C, T, H, W)`` clip
             batch (channels_last_3d); any layout is accepted.
-        mean, std: per-channel statistics in [0, 1] units (1 or C values each).
+        mean: per-channel mean in [0, 1] units (1 or C values).
+        std: per-channel standard deviation in [0, 1] units (1 or C values).
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
         memory_format: ``torch.channels_last`` (default; for a 5-D batch it means
             ``torch.channels_last_3d``), ``torch.channels_last_3d`` (5-D only) or
@@ -147,15 +148,16 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
 
 
 class ImageNormalizer:
-    """:func:`normalize` one HWC uint8 image at a time, into its slot of a batch buffer.
+    """``normalize`` one HWC uint8 image at a time, into its slot of a batch buffer.
 
-    The same arithmetic as :func:`normalize` (a float32 conversion copy, then one ``addcmul``
+    The same arithmetic as ``normalize`` (a float32 conversion copy, then one ``addcmul``
     over ``(H, W * C)`` rows; bfloat16/float16 rounded once at the end), so the values are
     bitwise equal; done per image, the float work stays in the CPU cache instead of passing
     over a whole batch in memory twice, and images can be done on different threads.
 
     Args:
-        mean, std: per-channel statistics in [0, 1] units (1 or C values each).
+        mean: per-channel mean in [0, 1] units (1 or C values).
+        std: per-channel standard deviation in [0, 1] units (1 or C values).
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
 
     Example::
@@ -181,7 +183,7 @@ class ImageNormalizer:
         return self._rows[key]
 
     def __call__(self, image: torch.Tensor, out: torch.Tensor) -> None:
-        """Write ``image`` (HWC uint8, CPU) normalised into ``out`` (HWC of :attr:`dtype`, dense)."""
+        """Write ``image`` (HWC uint8, CPU) normalised into ``out`` (HWC of ``dtype``, dense)."""
         h, w, c = image.shape
         scale, shift = self._affine(w, c)
         src = image.reshape(h, w * c)

@@ -1,14 +1,14 @@
 """WebDataset shards as NHWC batches, each sample exactly once per epoch under DDP x workers.
 
-Pack an ImageNet-layout folder once (:mod:`cltrain.data.pack`), then train from the shards::
+Pack an ImageNet-layout folder once (``cltrain.data.pack``), then train from the shards::
 
     python -m cltrain.data.pack /data/imagenet /data/imagenet-shards
     python train.py data=shards data.root=/data/imagenet-shards
 
-:class:`ShardsDataModule` is :class:`~cltrain.data.ImageFolderDataModule` reading
+``ShardsDataModule`` is ``ImageFolderDataModule`` reading
 shards instead of files: the same transforms (the JPEG bytes go to
 ``train_transform`` / ``eval_transform`` as they are, libjpeg-turbo decodes them),
-the same :class:`~cltrain.data.NHWCCollate` batches built in the workers, the same
+the same ``NHWCCollate`` batches built in the workers, the same
 normalisation on the device, channels_last out.
 
 How samples are split. Every epoch, all ranks draw the same permutation of the
@@ -81,20 +81,20 @@ from cltrain.data.shard_sampler import ShardBatchSampler, check_window, rank_bat
 
 __all__ = ["MANIFEST", "ShardBatchSampler", "ShardsDataModule", "ShardsDataset", "rank_batch_sizes", "read_manifest"]
 
-#: Written last into a complete pack (by :mod:`cltrain.data.pack`): classes, shards and counts per split.
+#: Written last into a complete pack (by ``cltrain.data.pack``): classes, shards and counts per split.
 MANIFEST = "shards.json"
 
 
 class ShardsDataset(Dataset):
-    """One split of a pack (:mod:`cltrain.data.pack`): ``dataset[i]`` is ``(HWC uint8, label)``,
+    """One split of a pack (``cltrain.data.pack``): ``dataset[i]`` is ``(HWC uint8, label)``,
     ``dataset[[i, j, ...]]`` a collated batch ``(images, targets)`` (or ``(images, targets, ids)``
     with ``with_ids``), built in the worker that reads it.
 
     Args:
         root: the pack's folder (holds ``shards.json``).
         split: ``"train"``, ``"val"``, ...
-        transform: JPEG bytes -> HWC uint8 (:func:`cltrain.data.train_transform` and
-            :func:`~cltrain.data.eval_transform` take bytes).
+        transform: JPEG bytes -> HWC uint8 (``cltrain.data.train_transform`` and
+            ``eval_transform`` take bytes).
         collate: makes a batch of ``(image, label)`` pairs.
         with_ids: batches also carry the int64 sample indices.
 
@@ -141,7 +141,7 @@ class ShardsDataset(Dataset):
         return os.pread(fd, int(size), int(offset))
 
     def load(self, i: int) -> tuple[np.ndarray, int]:
-        """``(HWC uint8, label)`` of sample ``i``; :class:`BadImageError` names the shard and sample."""
+        """``(HWC uint8, label)`` of sample ``i``; ``BadImageError`` names the shard and sample."""
         try:
             return self.transform(self.read(i)), int(self.index[i, 2])
         except Exception as err:
@@ -165,17 +165,17 @@ def read_manifest(root: str | os.PathLike) -> dict:
 
 
 class ShardsDataModule(ImageFolderDataModule):
-    """A pack of WebDataset shards (:mod:`cltrain.data.pack`) as normalised channels_last batches.
+    """A pack of WebDataset shards (``cltrain.data.pack``) as normalised channels_last batches.
 
-    Takes :class:`~cltrain.data.ImageFolderDataModule`'s arguments (``bad_files`` aside: a
-    bad sample raises :class:`~cltrain.data.BadImageError` naming its shard), plus:
+    Takes ``ImageFolderDataModule``'s arguments (``bad_files`` aside: a
+    bad sample raises ``BadImageError`` naming its shard), plus:
 
     Args:
         root: the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``).
         seed: seed of the per-epoch training order (the same on every rank).
         shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
             ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
-            files per rank per epoch; see :class:`ShardBatchSampler`).
+            files per rank per epoch; see ``ShardBatchSampler``).
 
     Under DDP (``trainer.world_size`` ranks) each rank reads its own slice of every
     epoch's permutation: each sample exactly once per epoch, the same step count on

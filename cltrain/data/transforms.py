@@ -2,7 +2,7 @@
 
 A path or bytes of a JPEG goes the fast way: libjpeg-turbo decodes it (at a
 reduced size when the crop allows), the crop is a slice and torch resizes it
-(see :mod:`cltrain.data.decode` for the measurements): 0.70 against 1.18 ms per
+(see ``cltrain.data.decode`` for the measurements): 0.70 against 1.18 ms per
 500x375 photo with Pillow. Any other file, a JPEG that path cannot read, and a
 PIL image go through Pillow, whose errors name what is wrong with a bad file.
 
@@ -122,7 +122,7 @@ class _Transform:
     channels: int
     interpolation: str = "bilinear"
     exif_transpose: bool = False
-    #: Called on the HWC uint8 output (an augmentation such as :class:`~cltrain.data.augment.HWCAugment`).
+    #: Called on the HWC uint8 output (an augmentation such as ``HWCAugment``).
     augment: Callable[[np.ndarray], np.ndarray] | None = None
     #: Datasets hand this transform file paths: it reads and decodes them itself.
     takes_paths = True
@@ -144,7 +144,7 @@ class _Transform:
 
     def apply(self, img: ImageSource, params: CropParams) -> np.ndarray:
         """The pixel work for ``params``: HWC uint8 of shape ``(*size, channels)``
-        (before :attr:`augment`, which only ``__call__`` runs)."""
+        (before ``augment``, which only ``__call__`` runs)."""
         data = _read(img, type(self).__name__)
         if data is None:
             return self._pillow(self._upright(img), params)
@@ -199,7 +199,7 @@ class RandomResizedCropFlip(_Transform):
         channels: 3 (RGB) or 1 (grayscale).
         interpolation: ``"bilinear"`` or ``"bicubic"`` (antialiased).
         exif_transpose: turn photos upright by their EXIF orientation first.
-        augment: called on each HWC uint8 output, e.g. :class:`~cltrain.data.augment.HWCAugment`.
+        augment: called on each HWC uint8 output, e.g. ``HWCAugment``.
     """
 
     def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
@@ -309,8 +309,8 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
                     interpolation: str = "bilinear", exif_transpose: bool = False,
                     augment: str | Callable[[np.ndarray], np.ndarray] | None = None) -> RandomResizedCropFlip:
     """The training transform: random-resized-crop + horizontal flip, then ``augment`` (a
-    callable on HWC uint8, or a policy name of :class:`~cltrain.data.augment.HWCAugment`:
-    ``"trivialaugment"``, ``"randaugment"``, ``"none"``). See :class:`RandomResizedCropFlip`."""
+    callable on HWC uint8, or a policy name of ``HWCAugment``:
+    ``"trivialaugment"``, ``"randaugment"``, ``"none"``). See ``RandomResizedCropFlip``."""
     if isinstance(augment, str):
         from cltrain.data.augment import HWCAugment
 
@@ -321,5 +321,5 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
 def eval_transform(size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3,
                    interpolation: str = "bilinear", exif_transpose: bool = False) -> ResizeCenterCrop:
     """The evaluation transform: resize the shorter side, centre crop, PIL image -> HWC uint8.
-    See :class:`ResizeCenterCrop`."""
+    See ``ResizeCenterCrop``."""
     return ResizeCenterCrop(size, resize_size, channels, interpolation, exif_transpose)

@@ -120,15 +120,15 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
 
     Args:
         split_dir: e.g. ``root/train``.
-        transform: a :class:`~cltrain.data.video.ClipTransform` (frames -> (T, H, W, C) uint8).
+        transform: a ``ClipTransform`` (frames -> (T, H, W, C) uint8).
         classes: class folder names in label order; ``None`` takes those of ``split_dir``.
-        bad_files: ``"raise"``: an unreadable clip raises :class:`~cltrain.data.BadImageError`
+        bad_files: ``"raise"``: an unreadable clip raises ``BadImageError``
             naming it; ``"skip"``: the next readable clip is returned instead and the clip is
             reported (a line in ``skip_log``, a warning once per clip and process).
         skip_log: file the skipped clips are appended to (``"skip"`` only); ``None``: none.
 
     Raises:
-        ValueError, FileNotFoundError: see :func:`find_clips` (at construction, before any step).
+        ValueError, FileNotFoundError: see ``find_clips`` (at construction, before any step).
     """
 
     what = "clip"
@@ -146,7 +146,7 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
         return len(self.samples)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
-        """The clip at ``index``; raises :class:`~cltrain.data.BadImageError` for one that cannot be read."""
+        """The clip at ``index``; raises ``BadImageError`` for one that cannot be read."""
         path, names, target = self.samples[index]
         try:
             frames = read_video(path) if names is None else [os.path.join(path, n) for n in names]
