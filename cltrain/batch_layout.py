@@ -240,8 +240,7 @@ def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
     """Call ``fn`` on every tensor of ``batch`` (tensors, mappings, sequences, namedtuples,
     dataclasses, nested), by Lightning's ``apply_to_collection``: the batch types Lightning can
     move to the device are exactly the ones visited. The rebuilt collection it returns is
-    dropped; ``fn`` works on the tensor objects the step will see. Measured on a (32, 3, 224,
-    224) batch: 5-150 us per batch more than a hand-written visitor, nothing next to a step."""
+    dropped; ``fn`` works on the tensor objects the step will see."""
 
     def call(t: torch.Tensor) -> torch.Tensor:
         fn(t)

@@ -7,21 +7,15 @@ the value and what is allowed; the CLI prints it as one line and exits with stat
 
 The toggles, and what they become (``device=auto`` is ``cuda`` when available, else ``cpu``):
 
-=============  =====================  ===================================================
-``device``     ``amp``                Lightning ``accelerator`` / ``precision``
-=============  =====================  ===================================================
-any            auto (the default)     ``cltrain.precision.auto_precision``: bf16 autocast
-                                      where bf16 is native (CUDA compute capability 8.0+,
-                                      CPUs with AVX512-BF16/AMX/Arm BF16 not held to AVX2),
-                                      fp16 with loss scaling on older GPUs, else fp32
-cpu            true, bf16             ``bf16-mixed``; without native bf16 it runs, with a
-                                      warning: many times slower
-cpu            fp16                   refused (AMP on the CPU is bf16 autocast)
-cuda[:N]       true                   by ``auto_precision`` (bf16 on Ampere+, else fp16)
-cuda[:N]       bf16, fp16             ``bf16-mixed`` (refused without bf16 support), ``16-mixed``
-mps            true, bf16, fp16       refused
-any            false                  ``32-true``
-=============  =====================  ===================================================
+| ``device`` | ``amp`` | Lightning ``precision`` |
+|---|---|---|
+| any | auto (the default) | ``cltrain.precision.auto_precision``: bf16 autocast where bf16 is native, fp16 with loss scaling on older GPUs, else fp32 |
+| cpu | true, bf16 | ``bf16-mixed``; without native bf16 it runs, with a warning: many times slower |
+| cpu | fp16 | refused (AMP on the CPU is bf16 autocast) |
+| cuda[:N] | true | by ``auto_precision`` (bf16 on Ampere+, else fp16) |
+| cuda[:N] | bf16, fp16 | ``bf16-mixed`` (refused without bf16 support), ``16-mixed`` |
+| mps | true, bf16, fp16 | refused |
+| any | false | ``32-true`` |
 
 ``trainer.benchmark`` (``torch.backends.cudnn.benchmark``, set by Lightning) left ``null``
 becomes true, as apex and timm run, or false with ``trainer.deterministic``: ``Resolved.benchmark``.

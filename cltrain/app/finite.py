@@ -1,7 +1,7 @@
 """Stop a run whose training loss is no longer finite, before it spends hours on NaN.
 
 A NaN or infinite loss makes every later step NaN too (the optimizer writes it into the
-weights), yet Lightning trains on and the run used to end ``"completed"`` with a chance-level
+weights), yet Lightning trains on and would end ``"completed"`` with a chance-level
 accuracy. ``StopOnNonFinite`` reads the loss where the app already synchronises with the
 device to print it (every ``print_freq`` batches and the last batch of an epoch; no extra sync
 per step) and checks the weights once per epoch, before the epoch-end ``last.ckpt`` is written.

@@ -8,26 +8,12 @@ Lightning steps after every optimizer step and saves in checkpoints. The model's
 memory format is not this module's business: the
 ``cltrain.callback.ChannelsLast`` callback (or its absence) decides it.
 
-A training step never waits for the host (issue 9.1; ``tests/test_sync.py``
-counts): the loss goes to the logger only (Lightning makes it a number at
-``log_every_n_steps``), nothing is logged with ``prog_bar=True`` per step
-(Lightning turns every such value into a Python number every step,
-Lightning#21232), train accuracy accumulates on the device
-(``TopKAccuracy``) and reaches the host only at
-print steps (``MainAmpProgress``) and epoch ends, the
-rate is shown by ``LearningRateMonitor`` from the optimizer's host-side value,
-and on CUDA the optimizer is fused. Under fp16 loss scaling a fused optimizer gets the
-overflow check inside its kernel (no ``.item()``), but only one that passes
-``cltrain.precision.loss_scaling_safe`` is used: fused SGD with momentum fails it
-(it writes an uninitialised momentum buffer on an overflowed step), so fp16 runs with
-SGD use the unfused optimizer, whose overflow check reads one flag on the host per step.
-
-Lightning's ``LearningRateFinder`` and ``BatchSizeFinder`` are refused (a
-``ConfigError`` when fit starts): the rate is ``optim.lr`` scaled for the
-global batch and then scheduled per step, so the finder's rate would be
-rescheduled from the config and a found batch size would leave the rate scaled
-for the old one. A ``-m`` sweep over ``optim.lr`` / ``data.batch_size`` does
-what they would.
+A training step never waits for the host (``tests/app/test_sync.py`` counts): the loss goes to
+the logger only, nothing is logged with ``prog_bar=True`` per step (Lightning#21232), train
+accuracy accumulates on the device (``TopKAccuracy``) and reaches the host at print steps, and on
+CUDA the optimizer is fused where ``cltrain.precision.loss_scaling_safe`` allows it.
+Lightning's ``LearningRateFinder`` and ``BatchSizeFinder`` are refused with a ``ConfigError``
+(docs/guides/app.md says why).
 
 Example::
 

@@ -7,12 +7,9 @@ override. ``conf/config.yaml``'s defaults list starts with ``TrainConfig``
 schema per shape under ``schema/<group>`` that each option's yaml extends
 (``conf/data/demo.yaml``: ``defaults: [/schema/data/images_demo@_here_, _self_]``):
 
-==================  ==========================================================
-``schema/data``     ``images`` (``ImageFolderConfig``), ``images_demo``,
-                    ``shards`` (``ShardsConfig``), ``video``
-                    (``ClipFolderConfig``), ``video_demo``
-``schema/optim``    ``sgd`` (``SGDConfig``), ``adamw`` (``AdamWConfig``)
-==================  ==========================================================
+* ``schema/data``: ``images`` (``ImageFolderConfig``), ``images_demo``, ``shards``
+  (``ShardsConfig``), ``video`` (``ClipFolderConfig``), ``video_demo``;
+* ``schema/optim``: ``sgd`` (``SGDConfig``), ``adamw`` (``AdamWConfig``).
 
 Hydra checks types when it composes (``seed=abc``); each field's rule
 (``cltrain.app.rules.Rule``, in its metadata) holds the range or choices that
@@ -164,7 +161,7 @@ class DataConfig:
 
 @dataclass
 class _ImageCrops(DataConfig):
-    """The training crop and augmentation of ``cltrain.data.ImageFolderDataModule`` (README "The NHWC data path")."""
+    """The training crop and augmentation of ``cltrain.data.ImageFolderDataModule`` (docs/guides/data.md)."""
 
     scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
     ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
@@ -290,7 +287,7 @@ class OptimConfig:
 
 @dataclass
 class SGDConfig(OptimConfig):
-    """``schema/optim/sgd``: apex main_amp.py's SGD (lr 0.05 measured steadier than 0.1 on the short demo run)."""
+    """``schema/optim/sgd``: apex main_amp.py's SGD, with lr 0.05 for the short demo run."""
 
     name: str = key("sgd", optimizer_name("sgd"))
     momentum: float = key(0.9, UNIT_CLOSED)

@@ -70,21 +70,20 @@ class ImageFolderDataModule(ClassFolderDataModule):
         exclude_files: a list of files to leave out from the start: the output of
             ``python -m cltrain.data.check ROOT``, or a ``skipped_files.tsv``.
         check_val: check the validation files in ``setup`` before training starts:
-            ``"quick"`` (headers and JPEG end markers, ~0.1-0.3 ms a file),
+            ``"quick"`` (headers and JPEG end markers),
             ``"full"`` (decode every file) or ``"off"`` (see ``cltrain.data.check``).
             Bad files stop the run (``bad_files="raise"``) or are left out and listed
             (``"skip"``).
         index_cache: reuse the file index of an unchanged tree between runs and
             ranks (``cltrain.data.index``), kept in the user cache folder
-            (``$CLTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/cltrain``), never in ``root``; a path
+            (``cltrain.data.index.default_cache_dir``), never in ``root``; a path
             keeps it there instead; ``False`` walks the tree every run.
         mean: per-channel normalisation mean (0-1 units).
         std: per-channel normalisation standard deviation (0-1 units).
         dtype: dtype of the normalised images (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCHW batches (the baseline).
         cuda_prefetch: on a CUDA device, copy the next batch on a side stream
-            (``PrefetchDataLoader``). Off by default: this path has
-            not been measured on a GPU yet; without it Lightning copies each batch when its step starts.
+            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
         scale: the training crop's RandomResizedCrop range of area.
         ratio: the training crop's range of aspect ratio.
         hflip: the training flip probability.

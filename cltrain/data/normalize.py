@@ -3,15 +3,11 @@
 ``normalize`` runs wherever the batch is (CPU or CUDA, same code), after the
 transfer, so the loader only ever moves uint8 (4x less than float32).
 
-How, and why this way: the per-channel affine ``x / 255 * (1 / std) - mean / std``
-is applied on a ``(N * H, W * C)`` view of the NHWC buffer with the scale and
-shift repeated ``W`` times, so the innermost loop runs over ``W * C`` contiguous
-values with contiguous operands. Broadcasting a ``(1, C, 1, 1)`` tensor over a
-channels_last tensor instead gives an inner loop of length C == 3, which on a
-CPU was measured 2x slower, as was a single mixed-dtype ``addcmul`` on the uint8
-input. So it is two passes: one conversion copy (uint8 -> float32, exact) and one
-in-place ``addcmul``; for bfloat16/float16 the float32 work is done 16 images at a
-time in a cache-sized buffer and rounded once on the way out (not once per op).
+The per-channel affine ``x / 255 * (1 / std) - mean / std`` runs on a ``(N * H, W * C)``
+view of the NHWC buffer with the scale and shift repeated ``W`` times, so the innermost loop
+runs over ``W * C`` contiguous values (broadcasting a ``(1, C, 1, 1)`` tensor would give an
+inner loop of length C == 3). bfloat16/float16 outputs are computed in float32 a few images at a
+time and rounded once.
 
 A 5-D clip batch ``(N, C, T, H, W)`` (channels_last_3d, as an NTHWC buffer's view)
 goes the same way, with ``(N*T*H, W*C)`` rows. Statistics are checked to be in 0-1

@@ -1,26 +1,10 @@
 """Transforms: an image file (path or bytes) or a PIL image in, HWC uint8 numpy array out, in one resample call.
 
-A path or bytes of a JPEG goes the fast way: libjpeg-turbo decodes it (at a
-reduced size when the crop allows), the crop is a slice and torch resizes it
-(see ``cltrain.data.decode`` for the measurements): 0.70 against 1.18 ms per
-500x375 photo with Pillow. Any other file, a JPEG that path cannot read, and a
-PIL image go through Pillow, whose errors name what is wrong with a bad file.
-
-Each transform draws its random parameters in ``make_params`` (from the torch RNG,
-with torchvision's ``RandomResizedCrop.get_params`` distribution, so ``seed_everything``
-and the DataLoader's per-worker seeding make them reproducible) and does the pixel
-work in ``apply`` (deterministic), as torchvision's v2 transforms do, so tests can
-pin the crop box and the flip. Both are plain picklable objects, fit for DataLoader
-workers (which run torch single-threaded).
-
-Options both transforms take: ``interpolation`` (``"bilinear"``, the default, or
-``"bicubic"``; antialiased as torchvision's v2 ``Resize`` on tensors) and
-``exif_transpose`` (off by default, as in torchvision and timm: a photo whose EXIF
-says it was taken rotated is read as stored; on, it is turned upright first, the
-way ``PIL.ImageOps.exif_transpose`` does; a JPEG with such a tag then goes through
-Pillow, whole, since libjpeg decodes in stored order). A JPEG read by libjpeg-turbo
-is held to Pillow's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``) as
-Pillow holds every file it opens.
+A path or bytes of a JPEG is decoded by libjpeg-turbo (``cltrain.data.decode``), the crop
+taken as a slice and resized by torch; any other file, a JPEG that path cannot read, and a PIL
+image go through Pillow. Each transform draws its random parameters in ``make_params`` (the
+torch RNG, torchvision's ``RandomResizedCrop`` distribution) and does the deterministic pixel
+work in ``apply``, as torchvision's v2 transforms do. Both are picklable, for DataLoader workers.
 
 Example::
 
@@ -187,9 +171,7 @@ class RandomResizedCropFlip(_Transform):
     """torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` in one resample.
 
     The box is drawn as torchvision's ``RandomResizedCrop.get_params`` draws it, and the
-    flip with it, from the torch RNG, which ``seed_everything`` seeds and each
-    DataLoader worker re-seeds from the loader's base seed (so runs repeat, and workers
-    draw different crops).
+    flip with it, from the torch RNG (reproducible under ``seed_everything``, different per worker).
 
     Args:
         size: output (height, width), or one int for a square.
@@ -257,13 +239,9 @@ class RandomResizedCropFlip(_Transform):
 class ResizeCenterCrop(_Transform):
     """torchvision's ``Resize(resize_size)`` + ``CenterCrop(size)``.
 
-    The parameters are the centre box in the resized image and that size. A JPEG
-    file is resized whole and the box sliced out, exactly torchvision's ``Resize`` +
-    ``CenterCrop`` on the decoded tensor (resizing only the box would save ~0.06 ms
-    on a 500x375 image, 0.11 against 0.16 ms, but needs a sub-pixel box, which
-    ``interpolate`` cannot take).
-    A PIL image has the box mapped back to source pixels and resampled alone
-    (Pillow takes a float box): the same samples.
+    A JPEG file is resized whole and the centre box sliced out, exactly torchvision's
+    ``Resize`` + ``CenterCrop`` on the decoded tensor; a PIL image has the box mapped back to
+    source pixels and resampled alone (the same samples).
 
     Args:
         size: output (height, width), or one int for a square.

@@ -77,8 +77,8 @@ class ClipFolderDataModule(ClassFolderDataModule):
         std: per-channel normalisation standard deviation (0-1 units); Kinetics' by default.
         dtype: dtype of the normalised clips (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCTHW batches (the baseline).
-        cuda_prefetch: on a CUDA device, copy the next batch on a side stream (off by default:
-            not measured on a GPU yet; see ``ImageFolderDataModule``).
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream (as
+            ``ImageFolderDataModule``).
         bad_files: ``"raise"``: a clip that cannot be read stops with an error naming it;
             ``"skip"``: it is replaced by the next readable clip, listed in the run directory's
             ``skipped_files.tsv`` and counted per epoch (``data/skipped_<split>``), as images are.

@@ -4,10 +4,7 @@ A class is a *motion*: by default six of them, a shape moving right, left, down 
 or shrinking. The shape itself (circle, square, triangle, star or cross), its colour, size,
 start, speed (with +-15 degrees of jitter in the direction), spin, the background and its grain
 are drawn per clip and tell nothing about the class: no single frame does, only the change
-across frames does, so a model has to use time. (The first version made the class a shape *and*
-a direction; r3d_18 from scratch learnt the direction within an epoch but stayed at chance on the
-shape for 6 epochs, 35 % top-1 for 6 classes, so the demo measured the wrong thing.)
-Each clip is one folder of JPEG frames (``root/{train,val}/<class>/<clip>/<frame>.jpg``), the
+across frames does, so a model has to use time. Each clip is one folder of JPEG frames (``root/{train,val}/<class>/<clip>/<frame>.jpg``), the
 layout ``ClipFolderDataModule`` reads. Everything is drawn from
 ``numpy.random.default_rng([seed, split, class, index])``, and the folder is written once and
 reused like ``cltrain.data.make_demo_dataset``'s (same marker file, same
