@@ -5,28 +5,9 @@ Video models (``r3d_18``, ``mc3_18``, ``r2plus1d_18``, ``s3d``, ``mvit_*``,
 take ``(N, C, T, H, W)`` clips; train them with ``data=video_demo`` or a
 ``ClipFolderDataModule``.
 
-Nothing is ever downloaded: ``pretrained`` is a local file read by
-``read_checkpoint``, which takes
-
-* ``.safetensors`` files (recognised by content, whatever the suffix; needs the
-  ``safetensors`` package, ``pip install 'cltrain[safetensors]'``);
-* ``torch.save`` files (``weights_only``): a plain ``state_dict``; a Lightning
-  checkpoint (``{"state_dict": {"model.<name>": ...}}``); ``{"model": ...}``
-  (torchvision's references, timm's ``train.py``); and EMA weights, which are
-  preferred when the file has them, as timm's ``load_state_dict(use_ema=True)``
-  does: ``state_dict_ema`` (timm), then ``model_ema`` (torchvision's references,
-  an ``AveragedModel`` whose ``n_averaged`` counter is dropped);
-
-and strips the wrapper prefixes ``module.`` (DDP, ``AveragedModel``) and
-``_orig_mod.`` (``torch.compile``) as timm's ``clean_state_dict`` does, and
-``model.`` (a LightningModule's attribute) when the model has no such key. A file
-that is none of these (text, truncated, empty) is a one-line ``ConfigError``
-naming it. Weights whose shape does not fit (an ImageNet classifier head on a
-10-class model) are skipped with a warning.
-
-timm's own ``load_state_dict`` is not used even when timm is installed: it does
-not know Lightning's ``model.`` prefix nor ``n_averaged``, and a bad file comes out
-as a bare ``AssertionError`` or unpickling traceback.
+Nothing is ever downloaded: ``pretrained`` is a local file (``.safetensors``, a ``state_dict``,
+a Lightning checkpoint, or torchvision's and timm's training checkpoints, EMA weights preferred)
+read by ``read_checkpoint``; the formats it takes: docs/guides/app.md.
 
 Example::
 
