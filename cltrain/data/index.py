@@ -1,36 +1,15 @@
 """The file index of an image folder split (``split/<class>/<image>``), built once and cached.
 
-Walking a 1.28M-file ImageNet tree takes every rank of every run many seconds (minutes
-on a network filesystem), so ``index_split`` stores what one walk found and reuses
-it while the tree is unchanged.
+A walk counts each image file once, by its real path (a symlink loop is walked once, a second
+link to a listed file is dropped; hard links are not recognised), and counts the files whose
+suffix is not in ``IMG_EXTENSIONS`` (torchvision's ``ImageFolder`` list) as ``ignored``.
 
-What a walk counts:
-
-* each image file once, by its real path: a symlink loop (a folder linking to an
-  ancestor) is walked once, and a second link to a file already listed is dropped
-  (counted in ``duplicates``). Hard links are not recognised (that would need a
-  ``stat`` per file);
-* files whose suffix is not loaded (``ignored``, by suffix), so a folder of ``.gif``
-  files is reported rather than silently dropped. Dot-files (``.DS_Store``) are skipped
-  without being counted.
-
-Which formats are loaded: ``IMG_EXTENSIONS``, torchvision's
-``ImageFolder`` list, so a folder gives the same samples and labels as torchvision's
-reference scripts. GIF is not in it: torchvision leaves it out, ImageNet has none,
-and for an animated GIF "the image" is ambiguous (Pillow would give the first frame).
-
-The cache: one JSON file per split in the user's cache folder, never in the dataset:
-``$CLTRAIN_CACHE_DIR/index`` when that is set, else ``$XDG_CACHE_HOME/cltrain/index``
-(``~/.cache/cltrain/index``), or the ``cache_dir`` given; keyed by the split's real path.
-An index file an older cltrain wrote into ``<root>/.cltrain_index/`` is moved there on
-first use (one log line says so). It is valid while the modification time of every folder the walk
-visited (the split, its class folders, their subfolders, linked folders) is unchanged,
-and the class list and suffix list are the same. That detects files or folders added,
-removed or renamed anywhere in the tree; it does not detect a file's content replaced
-under the same name (which does not change the index), and a folder changed within
-2 s of the walk (coarse filesystem clocks), so such an index is not stored. Ranks
-share it through a file lock: the first to take it walks and writes, the others
-wait and read. The file is written atomically and read as JSON (no pickle).
+``index_split`` stores what one walk found as one JSON file per split in
+``default_cache_dir()`` (or ``cache_dir``), keyed by the split's real path, written atomically;
+an index found in ``<root>/.cltrain_index/`` is moved there on first use. It is reused while the
+modification time of every folder the walk visited is unchanged (a folder changed within 2 s of
+the walk is not trusted), and ranks share it through a file lock: the first walks and writes,
+the others read.
 """
 
 from __future__ import annotations
