@@ -248,8 +248,8 @@ def layout_summary(module: nn.Module, buffers: bool = False) -> dict[str, int]:
 # Stock PyTorch has no channels-last format for rank 3 (pytorch#66681), but (N, C, L) strides
 # (C*L, 1, C) can be expressed, and Conv1d (which runs as a 2-D convolution on (N, C, 1, L))
 # then picks its NHWC kernels. Intel's XPU extension calls these `to_channels_last_1d` /
-# `is_contiguous_channels_last_1d`. Measured on this project's CPU it is usually SLOWER (see
-# the README); `ChannelsLast(mode="auto")` with a rank-3 input_shape times it before using it.
+# `is_contiguous_channels_last_1d`. On stock PyTorch it is usually slower (docs/guides/callback.md);
+# `ChannelsLast(mode="auto")` with a rank-3 input_shape times it before using it.
 
 
 def is_channels_last_1d(tensor: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ the speed-up the end-to-end one is held against (median over ``--e2e-rounds`` ro
 
 Usage::
 
-    python scripts/bench_train.py                      # ResNet-50, batch 32, 224 px (the README figures)
+    python scripts/bench_train.py                      # ResNet-50, batch 32, 224 px
     python scripts/bench_train.py --device cuda --batch-size 256
     python scripts/bench_train.py --quick              # seconds: checks the script works
 

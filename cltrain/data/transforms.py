@@ -206,7 +206,7 @@ class RandomResizedCropFlip(_Transform):
         # torchvision's get_params makes ~8 small tensors and .item() calls per try: 227 us a call
         # against 22 us here (one torch.rand, then the same arithmetic in Python), measured one
         # after the other on a busy 2-core machine, where a whole 333-800 px photo's transform took
-        # ~3 ms. The box distribution is tested equal to torchvision's (tests/test_data_decode.py).
+        # ~3 ms. The box distribution is tested equal to torchvision's (tests/data/test_data_decode.py).
         u = torch.rand(41, generator=sample_generator()).tolist()  # a batch-loading thread's own generator
         area = width * height
         s0, s1 = self.scale
