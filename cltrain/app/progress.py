@@ -8,20 +8,12 @@
 running averages in brackets; loss and accuracy of the latest batch, epoch
 averages in brackets), and ``* Prec@1 ... Prec@5 ...`` after each validation.
 
-It also measures throughput: the wall time between consecutive training batch
-ends, leaving out the first ``warmup`` batches of the run, the first batch of
-every epoch (worker start-up) and validation, so the figure is the steady-state
-end-to-end training speed, data loading included. Images count across all
-processes (local batch x world size). On CUDA it synchronises only where a
-timed window ends, as main_amp.py does at its print points: before the
-timestamp of a print step, of an epoch's last batch, of the batch at which the
-run stops (``max_steps``, ``trainer.should_stop``) or after which validation
-runs, and of the last validation batch. Elsewhere the host runs ahead.
-
-``MainAmpProgressBar`` (Rich when installed, else tqdm) shows the values
-of the latest print step (loss, Prec@1, the rate, images/second), already on
-the host: a bar fed by ``self.log(..., prog_bar=True)`` would turn each value
-into a Python number, a device sync, every step (Lightning#21232, #20995).
+It also measures the steady-state training throughput, data loading included: the wall time
+between consecutive training batch ends, without the first ``warmup`` batches, the first batch
+of every epoch and validation, images counted across all processes. On CUDA it synchronises
+only where a timed window ends, as main_amp.py does at its print points.
+``MainAmpProgressBar`` (Rich when installed, else tqdm) shows the latest print step's values,
+already on the host, so the bar adds no device sync per step.
 
 Example::
 
