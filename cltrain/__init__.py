@@ -2,22 +2,22 @@
 
 Layers, bottom up (lower ones never import higher ones):
 
-* :mod:`cltrain.layout`: tensor and module layout helpers (channels-last 1-D too);
-* :mod:`cltrain.autolayout` and :mod:`cltrain.audit`: time a model in both layouts; find the
+* ``cltrain.layout``: tensor and module layout helpers (channels-last 1-D too);
+* ``cltrain.autolayout`` and ``cltrain.audit``: time a model in both layouts; find the
   ops that lose channels_last (``cltrain-audit resnet50`` on the command line);
-* :mod:`cltrain.callback`: the Lightning callback :class:`ChannelsLast`, with its pieces in
-  :mod:`cltrain.batch_layout` (restriding batches) and :mod:`cltrain.model_access` (the modules
+* ``cltrain.callback``: the Lightning callback ``ChannelsLast``, with its pieces in
+  ``cltrain.batch_layout`` (restriding batches) and ``cltrain.model_access`` (the modules
   around a LightningModule: step target, averaged copies, hook wrapping, optimizer state);
-* :mod:`cltrain.loops`: the same for Lightning Fabric and plain loops, and a contiguous copy for export;
-* :mod:`cltrain.atomic` (atomic file writes) and :mod:`cltrain.checkpoint_io`
-  (:class:`AtomicCheckpointIO`: ``Trainer(plugins=[AtomicCheckpointIO()])`` saves checkpoints
+* ``cltrain.loops``: the same for Lightning Fabric and plain loops, and a contiguous copy for export;
+* ``cltrain.atomic`` (atomic file writes) and ``cltrain.checkpoint_io``
+  (``AtomicCheckpointIO``: ``Trainer(plugins=[AtomicCheckpointIO()])`` saves checkpoints
   atomically on any local filesystem and loads them with ``weights_only=True``);
-* :mod:`cltrain.data`: the NHWC data path (transforms, collate, normalisation,
+* ``cltrain.data``: the NHWC data path (transforms, collate, normalisation,
   an ImageFolder DataModule, demo data);
-* :mod:`cltrain.app`: the Hydra training application behind ``train.py``.
+* ``cltrain.app``: the Hydra training application behind ``train.py``.
 
-Only the torch-only library layers are imported here. :class:`ChannelsLast` and
-:class:`AtomicCheckpointIO` are imported on first use (they need Lightning, whose import takes
+Only the torch-only library layers are imported here. ``ChannelsLast`` and
+``AtomicCheckpointIO`` are imported on first use (they need Lightning, whose import takes
 seconds, which ``cltrain-audit`` and plain layout users need not pay); ``cltrain.data`` and ``cltrain.app`` on demand.
 """
 

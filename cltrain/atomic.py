@@ -1,17 +1,17 @@
 """Atomic file writes: a file is its previous version or the complete new one, never half-written.
 
-The standard library only (torch is imported by :func:`atomic_torch_save`).
+The standard library only (torch is imported by ``atomic_torch_save``).
 
 Every writer here puts the data into a temporary file in the *target's own directory*
 (``.cltrain-tmp-<pid>-<host>-<random>-<name>``), flushes it and ``fsync``-s it, renames it
 over the target with ``os.replace`` (atomic on one filesystem, which the same directory
 guarantees) and ``fsync``-s the directory, so the rename survives a power loss too. On
 any error the temporary file is removed and the target is left as it was. A write that
-fails for lack of space (``ENOSPC``, ``EDQUOT``, ``EFBIG``) raises :class:`DiskFullError`,
+fails for lack of space (``ENOSPC``, ``EDQUOT``, ``EFBIG``) raises ``DiskFullError``,
 which names the directory and the bytes the file needed.
 
 A process killed in the middle of a write leaves its temporary file behind (nothing
-can remove it then); :func:`remove_leftovers` removes those of processes that are gone.
+can remove it then); ``remove_leftovers`` removes those of processes that are gone.
 
 Example::
 
@@ -259,14 +259,14 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", *, encoding: str | No
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = True) -> Path:
-    """Write ``data`` to ``path`` atomically (see :func:`atomic_open`); returns ``Path(path)``."""
+    """Write ``data`` to ``path`` atomically (see ``atomic_open``); returns ``Path(path)``."""
     with _atomic(path, "wb", None, overwrite, len(data)) as f:
         f.write(data)
     return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8", overwrite: bool = True) -> Path:
-    """Write ``text`` to ``path`` atomically (see :func:`atomic_open`); returns ``Path(path)``."""
+    """Write ``text`` to ``path`` atomically (see ``atomic_open``); returns ``Path(path)``."""
     return atomic_write_bytes(path, text.encode(encoding), overwrite=overwrite)
 
 
@@ -298,7 +298,7 @@ class _Sink(io.RawIOBase):
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save(obj, path)``, atomically (see :func:`atomic_open`), streamed to the disk (no copy in memory).
+    """``torch.save(obj, path)``, atomically (see ``atomic_open``), streamed to the disk (no copy in memory).
 
     Raises:
         DiskFullError: no space for the file; ``needed`` is its exact size.
@@ -368,7 +368,7 @@ def remove_leftovers(directory: str | os.PathLike, *, stale_after_s: float = 360
 
 
 def removed_line(removed: Sequence[Path], by: str = "an interrupted write") -> str:
-    """One line on what :func:`remove_leftovers` removed, e.g. ``removed 1 temporary file(s) left in
+    """One line on what ``remove_leftovers`` removed, e.g. ``removed 1 temporary file(s) left in
     /run/checkpoints by an interrupted write: .cltrain-tmp-...``."""
     shown = ", ".join(p.name for p in removed[:3]) + (", ..." if len(removed) > 3 else "")
     where = removed[0].parent if removed else Path()

@@ -1,6 +1,6 @@
 """Layout audit: which operators of a model drop channels_last, and how many layout copies a step makes.
 
-:func:`audit` runs one forward and one backward of the model under a
+``audit`` runs one forward and one backward of the model under a
 ``TorchDispatchMode``, so it sees every ATen operator the step really
 dispatches (no monkey-patching of ``torch`` functions, unlike the tutorial's
 checker), and reports:
@@ -23,7 +23,7 @@ The model is left as it was: gradients, BatchNorm running statistics and
 train/eval mode are restored.
 
 Command line (a torchvision or timm model with random weights, converted to channels_last;
-see :mod:`cltrain.tools.audit`)::
+see ``cltrain.tools.audit``)::
 
     cltrain-audit resnet50 --batch-size 2 --image-size 224 [--dtype bf16] [--mode full|conv] [--device cpu]
 
@@ -77,13 +77,13 @@ class AuditRow:
 
 @dataclass
 class AuditReport:
-    """What :func:`audit` found. ``str(report)`` is :meth:`format_table`."""
+    """What ``audit`` found. ``str(report)`` is ``format_table``."""
 
     #: Ops whose rank-4/5 output is not channels_last although a channels_last input was.
     rows: list[AuditRow]
     #: Layout-changing copies per step (forward + backward), explicit and implicit.
     layout_copies: int
-    #: Those copies, grouped like :attr:`rows` (``input_*`` is the source, ``output_*`` the destination).
+    #: Those copies, grouped like ``rows`` (``input_*`` is the source, ``output_*`` the destination).
     copies: list[AuditRow] = field(default_factory=list)
     model_name: str = ""
     input_shapes: tuple[tuple[int, ...], ...] = ()
@@ -94,7 +94,7 @@ class AuditReport:
     parameter_layouts: dict[str, int] = field(default_factory=dict)
 
     def format_table(self) -> str:
-        """A human-readable report; says "no op lost the channels_last layout" when :attr:`rows` is empty."""
+        """A human-readable report; says "no op lost the channels_last layout" when ``rows`` is empty."""
         dtype = str(self.autocast_dtype).replace("torch.", "") if self.autocast_dtype is not None else "off"
         shapes = ", ".join(_fmt_shape(s) for s in self.input_shapes)
         lines = [
@@ -282,16 +282,16 @@ def audit(
     """Run one forward + backward of ``model`` and report the ops that lose channels_last.
 
     Args:
-        model: the model, normally already converted with :func:`cltrain.to_channels_last`
+        model: the model, normally already converted with ``cltrain.to_channels_last``
             (the audit does not convert it). Its train/eval mode is used as is.
         example_input: a batch tensor, or a tuple of positional arguments for ``model``.
-        loss_fn: maps the model output to a scalar; default :func:`cltrain.autolayout.scalar_loss`.
+        loss_fn: maps the model output to a scalar; default ``cltrain.autolayout.scalar_loss``.
         autocast_dtype: run the step under ``torch.autocast`` in this dtype (as training would).
         convert_input: put rank-4/5 input tensors in channels_last first (default), so the
             report is about the model and not about the data path.
 
     Returns:
-        An :class:`AuditReport`; ``print(report)`` shows the table.
+        An ``AuditReport``; ``print(report)`` shows the table.
 
     Raises:
         ValueError: the output gives no scalar to differentiate (see ``scalar_loss``).

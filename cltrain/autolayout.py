@@ -3,10 +3,10 @@
 Whether channels_last pays depends on the model, the dtype and the device
 (pytorch#50549, #50036): depthwise-heavy or non-convolutional models can lose
 on CPU, big convolutional ones usually win. So instead of guessing,
-:func:`time_layouts` runs a few forward+backward steps of *copies* of the real
+``time_layouts`` runs a few forward+backward steps of *copies* of the real
 model on a synthetic batch of the real input shape, once in each layout,
 interleaved so that a machine getting busier or quieter drifts both equally,
-and reports the median seconds per step. :func:`choose_layout` keeps the
+and reports the median seconds per step. ``choose_layout`` keeps the
 faster one. The given model is never touched (weights, grads, BatchNorm
 statistics and layout stay as they were).
 
@@ -110,10 +110,10 @@ def model_in_layout(
     """A deep copy of ``model`` (on ``device`` if given) with every 4-D/5-D parameter and
     buffer in ``layout`` (``"channels_last"`` or ``"contiguous"``) and no gradients. With
     ``conv1d=True``, ``"channels_last"`` also gives Conv1d/ConvTranspose1d weights
-    channels-last 1-D strides (:func:`cltrain.layout.to_channels_last_1d`).
+    channels-last 1-D strides (``cltrain.layout.to_channels_last_1d``).
 
     Raises:
-        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
+        ValueError: ``layout`` is not one of ``LAYOUTS``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"model_in_layout: layout={layout!r} is not one of {LAYOUTS}.")
@@ -156,7 +156,7 @@ def time_layouts(
     """Median seconds per forward+backward step of ``model`` in each layout.
 
     Two deep copies of the model are timed (one per layout) on one synthetic
-    ``torch.randn(input_shape)`` batch, loss :func:`scalar_loss` of the output.
+    ``torch.randn(input_shape)`` batch, loss ``scalar_loss`` of the output.
     After ``warmup`` untimed steps per layout, ``steps`` rounds time one step of
     each layout, alternating which goes first. The model keeps its train/eval
     mode in the copies; the model itself is not modified.
@@ -172,10 +172,10 @@ def time_layouts(
         device: where to time; default the model's device.
         autocast_dtype: time under ``torch.autocast`` in this dtype (bf16 on CPU,
             fp16 on CUDA, as in training), or ``None`` for the model's own dtype.
-        guardrails: apply :func:`cltrain.guardrails.apply_guardrails` to each copy for its
+        guardrails: apply ``cltrain.guardrails.apply_guardrails`` to each copy for its
             layout, as ``ChannelsLast`` does to the model it trains.
         on_step: called with the layout's name before every step (warm-up ones too): progress
-            for a caller watching from another process (:func:`cltrain.layout_probe.probe_layout`).
+            for a caller watching from another process (``cltrain.layout_probe.probe_layout``).
 
     Returns:
         ``{"channels_last": seconds, "contiguous": seconds}``.
@@ -217,9 +217,9 @@ def time_layouts(
 
 
 def choose_layout(model: nn.Module, input_shape: tuple[int, ...], **kwargs: Any) -> tuple[str, dict[str, float]]:
-    """The faster layout for ``model`` on ``input_shape``, by :func:`time_layouts`.
+    """The faster layout for ``model`` on ``input_shape``, by ``time_layouts``.
 
-    Keyword arguments go to :func:`time_layouts`. Logs both timings and the
+    Keyword arguments go to ``time_layouts``. Logs both timings and the
     decision on the ``cltrain.autolayout`` logger.
 
     Returns:

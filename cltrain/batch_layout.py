@@ -5,7 +5,7 @@ other tensor keep the layout the user's code built (a loss doing ``target.view(N
 keeps working). Which tensors are the input, by the batch's shape:
 
 * a tensor: the batch itself;
-* a dict (any mapping), namedtuple or dataclass: the values under :data:`IMAGE_KEYS`
+* a dict (any mapping), namedtuple or dataclass: the values under ``IMAGE_KEYS``
   (``image``, ``pixel_values``, ``inputs``, ``video``, ...); a dict with none of them
   has no input that can be told apart from its targets, and nothing is converted;
 * a tuple or list (any sequence; a namedtuple without an image field): its first element,
@@ -61,7 +61,7 @@ def check_inputs(inputs: Any, owner: str = "") -> None | str | tuple[str | int, 
     """``inputs`` in canonical form (``None``, ``"all"`` or a tuple of keys and indices).
 
     Raises:
-        ValueError: ``inputs`` is none of the forms of :data:`Inputs`; the message names ``owner``
+        ValueError: ``inputs`` is none of the forms of ``Inputs``; the message names ``owner``
             (a class or function name) and the value.
     """
     if inputs is None or inputs == "all":
@@ -240,8 +240,7 @@ def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
     """Call ``fn`` on every tensor of ``batch`` (tensors, mappings, sequences, namedtuples,
     dataclasses, nested), by Lightning's ``apply_to_collection``: the batch types Lightning can
     move to the device are exactly the ones visited. The rebuilt collection it returns is
-    dropped; ``fn`` works on the tensor objects the step will see. Measured on a (32, 3, 224,
-    224) batch: 5-150 us per batch more than a hand-written visitor, nothing next to a step."""
+    dropped; ``fn`` works on the tensor objects the step will see."""
 
     def call(t: torch.Tensor) -> torch.Tensor:
         fn(t)

@@ -35,48 +35,22 @@ _COMPUTE_DTYPES = {**_AUTOCAST_DTYPES, "bf16-true": torch.bfloat16, "16-true": t
 class ChannelsLast(Callback):
     r"""Train, validate, test and predict in channels_last (NHWC) memory format.
 
-    The model is converted once it is complete and before the strategy moves
-    it and wraps it in DDP: right after the LightningModule's own ``setup``
-    hook, or after ``configure_model`` when the module builds layers there.
-    Both run on every rank with the same module structure, so every rank gets
-    the same layout, and DDP's gradient buckets are built with channels_last
-    strides (no "Grad strides do not match bucket view strides").
-
-    Batches: only the model's input is converted: the batch itself when it is
-    one tensor, the first element of a tuple or list batch, the image keys of a
-    dict batch (``image``, ``pixel_values``, ``inputs``, ``video``, ...: see
-    :mod:`cltrain.batch_layout`); ``inputs=`` names others. Targets, masks,
-    heatmaps and every other tensor keep the layout the user's code built. A
-    callback cannot replace the batch object, so the tensors are restrided *in
-    place* (their ``.data`` is swapped) in
-    ``on_{train,validation,test,predict}_batch_start``, after the batch is on
-    the device and before the step sees it; a tensor that is already
-    channels_last is not copied (batches from :mod:`cltrain.data` arrive that
-    way). This works for a LightningModule written with no knowledge of
-    cltrain, whatever batch hooks it or its DataModule define.
-
-    Outputs: a channels_last model's 4-D/5-D outputs (segmentation logits,
-    heatmaps, feature maps) are channels_last too. Code that flattens them needs
-    ``reshape`` (or ``flatten``), not ``view``.
-
-    Averaged copies of the model (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
-    ``StochasticWeightAveraging``, or any callback holding a copy: see :func:`cltrain.model_access.model_copies`)
-    are put in the model's layout too, whatever the callback order: those callbacks copy
-    the module in their ``setup``, before it is converted, and would otherwise cross
-    layouts at every update and every validation swap.
-
-    When a run resumes from a checkpoint, optimizer state tensors (momentum
-    buffers, Adam moments) are restrided to their parameter's layout at
-    ``on_train_start``. Checkpoints stay portable: ``load_state_dict`` copies
-    values, so a channels_last checkpoint loads into a plain NCHW model.
+    The model is converted once it is complete (after the LightningModule's ``setup`` or
+    ``configure_model``), before the strategy moves it and wraps it in DDP, identically on every
+    rank. In every stage the model's inputs are restrided in place in
+    ``on_{train,validation,test,predict}_batch_start`` (``cltrain.batch_layout`` says which
+    tensors); targets and masks keep their layout, and a tensor already channels_last is not
+    copied. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
+    ``StochasticWeightAveraging``) join the model's layout, and on resume the optimizer state is
+    restrided to its parameter's layout. A channels_last model's 4-D/5-D outputs are
+    channels_last: flatten them with ``reshape``, not ``view``. The guide:
+    docs/guides/callback.md.
 
     Args:
-        mode: ``"full"`` restrides every 4-D/5-D parameter and buffer;
-            ``"conv"`` only convolution weights (see
-            :func:`cltrain.to_channels_last`); ``"auto"`` times a few
-            forward+backward steps of the model in both layouts on a synthetic
-            batch of ``input_shape`` (on rank zero, decision broadcast) and
-            keeps the faster; ``"off"`` does nothing at all (handy for sweeps).
+        mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only
+            convolution weights; ``"auto"`` times a few steps in both layouts on a synthetic batch
+            of ``input_shape`` (on rank zero, decision broadcast) and keeps the faster; ``"off"``
+            does nothing (for sweeps).
         convert_inputs: put the model's inputs in the model's layout. With
             ``False`` only the model is converted (the first convolution then
             converts the activations, as Composer does).
@@ -85,43 +59,40 @@ class ChannelsLast(Callback):
             depth of the batch), an index of a tuple/list batch, or a list of
             those: every floating rank-4/5 tensor under them. ``"all"``: every
             floating rank-4/5 tensor of the batch, targets included.
-        audit: run :func:`cltrain.audit.audit` on the first training batch and
+        audit: run ``cltrain.audit.audit`` on the first training batch and
             print which ops lose the layout (rank zero).
         input_shape: ``(N, C, H, W)`` or ``(N, C, D, H, W)`` for ``mode="auto"``;
             when ``None`` it is read from the DataModule's ``input_shape``. A rank-3
             ``(N, C, L)`` shape times a 1-D model with channels-last 1-D strides
-            (:func:`cltrain.layout.to_channels_last_1d`) against NCL; if that wins, the
+            (``cltrain.layout.to_channels_last_1d``) against NCL; if that wins, the
             Conv1d/ConvTranspose1d weights and every rank-3 floating batch tensor get
             those strides. ``"full"``/``"conv"`` never touch rank-3 tensors.
         auto_steps: timed steps per layout in ``mode="auto"``.
-        guard: apply :func:`cltrain.guardrails.apply_guardrails` once the model is converted: the
-            few layers that match a known-bad backend kernel (:data:`cltrain.guardrails.KNOWN_FAULTS`:
+        guard: apply ``cltrain.guardrails.apply_guardrails`` once the model is converted: the
+            few layers that match a known-bad backend kernel (``cltrain.guardrails.KNOWN_FAULTS``:
             crashes or silently wrong gradients on this device) get a targeted workaround, the rest of
             the model keeps its layout; one log line names them. ``False`` trains the bare kernels.
         auto_timeout: ``mode="auto"`` times the layouts in a child process
-            (:func:`cltrain.layout_probe.probe_layout`), which a native crash cannot take the run down
+            (``cltrain.layout_probe.probe_layout``), which a native crash cannot take the run down
             with; this is how long it may go without progress (seconds) before it counts as a hang.
 
     Attributes:
-        layout: the layout the callback put the model in, for reports (``metrics.json``, a
-            summary line): ``"channels_last"`` (the channels-last format of each tensor's
-            rank: ``channels_last`` for 4-D, ``channels_last_3d`` for 5-D) or
-            ``"contiguous"`` (NCHW/NCDHW: what ``mode="auto"`` keeps when it times faster;
-            a model that arrived channels_last is then put back in NCHW, so the word is
-            true). ``None`` before ``setup`` and always with ``mode="off"``, which leaves
-            the model as it is.
+        layout: ``"channels_last"`` (the channels-last format of each tensor's rank) or
+            ``"contiguous"`` (what ``mode="auto"`` keeps when NCHW times faster; a model that
+            arrived channels_last is then put back in NCHW); ``None`` before ``setup`` and always
+            with ``mode="off"``.
         timings: with ``mode="auto"``, the median seconds per timed step of each layout,
             ``{"channels_last": s, "contiguous": s}`` (the same on every rank); else ``None``, also
             when the timing failed.
         auto_failure: with ``mode="auto"``, one line saying why the timing gave no result (the probe
             crashed, raised, hung, or the model could not be sent to it); the layout is then
             ``"contiguous"``. ``None`` otherwise.
-        guardrails: the :class:`cltrain.guardrails.GuardRecord` of each known fault worked around in
+        guardrails: the ``cltrain.guardrails.GuardRecord`` of each known fault worked around in
             the model (``record.as_dict()`` for ``metrics.json``); ``[]`` when none matched, ``None``
             before ``setup``, with ``guard=False`` and with ``mode="off"``.
-        summary: :func:`cltrain.layout_summary` of the model's parameters and buffers
+        summary: ``cltrain.layout_summary`` of the model's parameters and buffers
             once converted.
-        audit_report: with ``audit=True``, the :class:`cltrain.audit.AuditReport` of the
+        audit_report: with ``audit=True``, the ``cltrain.audit.AuditReport`` of the
             first training batch.
 
     Raises:

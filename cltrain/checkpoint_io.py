@@ -1,22 +1,17 @@
 """Checkpoints that are never half-written and never run code when loaded.
 
-:class:`AtomicCheckpointIO` is Lightning's ``TorchCheckpointIO`` with two changes for local
+``AtomicCheckpointIO`` is Lightning's ``TorchCheckpointIO`` with two changes for local
 paths:
 
-* **Saving** goes through :func:`cltrain.atomic.atomic_torch_save`: a temporary file in the
-  checkpoint's own directory, ``fsync``, ``os.replace``, ``fsync`` of the directory. Lightning's
-  own save stages the file in ``$TMPDIR``; when that is another filesystem than the
-  checkpoint (a local ``/tmp`` and a shared run directory) the final move becomes a copy onto
-  the existing file, which is then empty or partial for the length of the copy. A save that
-  fails for lack of space raises :class:`~cltrain.atomic.DiskFullError` and leaves the
-  previous file as it was. The first save into a directory removes the temporary files that
-  killed runs left there (one line saying so).
+* **Saving** goes through ``cltrain.atomic.atomic_torch_save`` (a temporary file in the
+  checkpoint's own directory, ``fsync``, ``os.replace``); a save that fails for lack of space
+  raises ``DiskFullError`` and leaves the previous file as it was.
 * **Loading** uses ``torch.load(weights_only=True)`` unless the caller passes
-  ``weights_only=False``: a checkpoint holding any type outside torch's allow-list (and what
-  ``torch.serialization.add_safe_globals`` added) is refused with
-  :class:`UnsafeCheckpointError` before anything in it runs. A file that cannot be read
-  (truncated, not a checkpoint) raises :class:`UnreadableCheckpointError`, which names the
-  other checkpoints of its directory that do load.
+  ``weights_only=False``: a checkpoint holding a type outside torch's allow-list is refused with
+  ``UnsafeCheckpointError`` before anything in it runs; a file that cannot be read raises
+  ``UnreadableCheckpointError``, naming the checkpoints of its directory that do load.
+
+Why, and what a full disk or a kill does: docs/resuming.md.
 
 Remote paths (``s3://``, ``gs://``, any fsspec URL other than ``file://``) keep Lightning's
 behaviour for saving and removing (its fsspec transaction); loading them is still
@@ -47,7 +42,7 @@ from cltrain.atomic import TEMP_PREFIX, atomic_torch_save, remove_leftovers, rem
 __all__ = ["AtomicCheckpointIO", "CheckpointLoadError", "UnreadableCheckpointError", "UnsafeCheckpointError",
            "load_checkpoint_file", "loadable_checkpoints"]
 
-#: Suffixes of the files :func:`loadable_checkpoints` looks at.
+#: Suffixes of the files ``loadable_checkpoints`` looks at.
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
 
 

@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["DEVICES", "DeviceError", "resolve_device"]
 
-#: The device names :func:`resolve_device` takes.
+#: The device names ``resolve_device`` takes.
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 
 

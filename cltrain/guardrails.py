@@ -1,9 +1,9 @@
 """Known-bad backend kernels that a channels_last (or bf16) model can walk into, and the targeted workaround for each.
 
-One table, :data:`KNOWN_FAULTS`: for each fault the backend, the versions it is known in, the platform
+One table, ``KNOWN_FAULTS``: for each fault the backend, the versions it is known in, the platform
 condition (device, CPU architecture, ISA), the op pattern (a predicate on a module), a one-line
-description naming the upstream issue, and the workaround. :func:`find_hazards` lists the modules of a
-model that match an entry on this platform; :func:`apply_guardrails` applies each entry's workaround to
+description naming the upstream issue, and the workaround. ``find_hazards`` lists the modules of a
+model that match an entry on this platform; ``apply_guardrails`` applies each entry's workaround to
 exactly those modules (the rest of the model keeps its layout and dtype) and returns what it did.
 ``ChannelsLast`` calls it at setup; outside Lightning call it once the model is converted::
 
@@ -15,11 +15,11 @@ exactly those modules (the rest of the model keeps its layout and dtype) and ret
     >>> [r.modules for r in records if r.fault == "onednn-1x1-strided-few-channels"] in ([("0",)], [])
     True
 
-The workarounds are a module-level ``Conv2d`` subclass (:class:`SubsampledConv2d`) and forward hooks made
+The workarounds are a module-level ``Conv2d`` subclass (``SubsampledConv2d``) and forward hooks made
 of module-level functions, so a guarded model still deep-copies, pickles (``torch.save`` of the whole
 module, loaded where ``cltrain`` is importable) and exports; ``state_dict`` keys and values are unchanged.
 The NCHW-weight fallback for ``Conv2d`` subclasses is undone by converting the model again: call
-:func:`apply_guardrails` after any conversion.
+``apply_guardrails`` after any conversion.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _as_device_type(device: torch.device | str | None, model: nn.Module | None) 
 
 
 def current_platform(device: torch.device | str | None = None, model: nn.Module | None = None) -> Platform:
-    """The :class:`Platform` for ``device`` (default: where ``model``'s parameters are, else the CPU)."""
+    """The ``Platform`` for ``device`` (default: where ``model``'s parameters are, else the CPU)."""
     version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:3])
     return Platform(
         device_type=_as_device_type(device, model),
@@ -187,7 +187,7 @@ class SubsampledConv2d(nn.Conv2d):
     The same numbers as ``nn.Conv2d`` (a 1x1 kernel without zero padding reads exactly the pixels
     ``x[..., ::sh, ::sw]``), the same parameters and ``state_dict``, any layout; oneDNN's strided 1x1
     backward (oneDNN #6035) is never called, in eager mode or under ``torch.compile``.
-    :func:`apply_guardrails` gives matching ``nn.Conv2d`` modules this class.
+    ``apply_guardrails`` gives matching ``nn.Conv2d`` modules this class.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -268,7 +268,7 @@ class KnownFault:
         upstream: the public issue.
         versions: the versions it is known in, and how far the table guards (a sentence).
         description: what goes wrong, in one line.
-        workaround: what :func:`apply_guardrails` does to a matching module, in one line.
+        workaround: what ``apply_guardrails`` does to a matching module, in one line.
         layouts: the model layouts (``"channels_last"``, ``"contiguous"``) in which the fault can happen.
         affects: ``(platform, dtype) -> bool``: the fault can happen on this platform for convolutions
             computed in ``dtype`` (``None``: the parameters' dtype).
@@ -355,10 +355,10 @@ KNOWN_FAULTS: tuple[KnownFault, ...] = (
 
 @dataclass(frozen=True)
 class GuardRecord:
-    """What :func:`apply_guardrails` did for one fault.
+    """What ``apply_guardrails`` did for one fault.
 
     Attributes:
-        fault: the :attr:`KnownFault.key`.
+        fault: the ``KnownFault.key``.
         upstream: the public issue.
         modules: the qualified names of the modules it changed (``""`` is the model itself).
         action: the workaround, in one line.
@@ -398,7 +398,7 @@ def find_hazards(
         dtype: the dtype its convolutions compute in: the autocast dtype (``torch.bfloat16`` for CPU
             ``bf16-mixed``), or the parameters' dtype when they are cast (``bf16-true``); ``None`` for fp32.
         layout: the layout it trains in, ``"channels_last"`` or ``"contiguous"``.
-        faults: the table to check (default :data:`KNOWN_FAULTS`).
+        faults: the table to check (default ``KNOWN_FAULTS``).
 
     Returns:
         ``{fault key: [qualified module names]}``, only the faults with a match.
@@ -436,13 +436,16 @@ def apply_guardrails(
 
     Args:
         model: the model to guard.
-        device, dtype, layout, faults: as for :func:`find_hazards`.
-        hazards: the modules to guard, as :func:`find_hazards` returns them (default: what it finds on
+        device: as for ``find_hazards``.
+        dtype: as for ``find_hazards``.
+        layout: as for ``find_hazards``.
+        faults: as for ``find_hazards``.
+        hazards: the modules to guard, as ``find_hazards`` returns them (default: what it finds on
             this process's platform). In distributed training pass the union over ranks, so that every
             rank's parameters keep the same layouts (``ChannelsLast`` does).
 
     Returns:
-        One :class:`GuardRecord` per fault that matched (an empty list: nothing to do here).
+        One ``GuardRecord`` per fault that matched (an empty list: nothing to do here).
 
     Raises:
         ValueError: ``layout`` is not ``"channels_last"`` or ``"contiguous"``.

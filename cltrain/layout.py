@@ -52,7 +52,7 @@ MODES: tuple[str, ...] = ("full", "conv")
 #: The layers whose weights ``mode="conv"`` converts.
 CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
-#: The layers whose weights :func:`to_channels_last_1d` converts.
+#: The layers whose weights ``to_channels_last_1d`` converts.
 CONV1D_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 
 M = TypeVar("M", bound=nn.Module)
@@ -95,7 +95,7 @@ def is_channels_last(tensor: torch.Tensor) -> bool:
       ``tensor.to(memory_format=...)`` gives, which are what the convolution
       kernels read (``suggest_memory_format``). So a freshly made contiguous
       ``(N, 1, H, W)`` tensor is **not** channels_last, while the same tensor
-      after :func:`to_channels_last` is.
+      after ``to_channels_last`` is.
     * The batch stride is not compared when N == 1 (no kernel reads it), so a
       single image ``unsqueeze(0)``-ed from an HWC array counts.
     * When C == H == W (== D) == 1 both layouts have the very same strides; the
@@ -119,7 +119,7 @@ def is_channels_last(tensor: torch.Tensor) -> bool:
 def layout_of(tensor: torch.Tensor) -> str:
     """One word for ``tensor``'s layout: ``"channels_last"``, ``"channels_last_3d"``,
     ``"contiguous"`` (dense NCHW/NCDHW), ``"strided"`` (neither: a slice, an
-    expanded view, ...), ``"channels_last_1d"`` for a rank-3 tensor that :func:`is_channels_last_1d`
+    expanded view, ...), ``"channels_last_1d"`` for a rank-3 tensor that ``is_channels_last_1d``
     accepts (unless C == L == 1, where both layouts coincide), or ``"rank<N>"`` for
     other ranks and other rank-3 tensors."""
     fmt = memory_format_for(tensor)
@@ -225,7 +225,7 @@ def to_channels_last(obj, mode="full"):
 def layout_summary(module: nn.Module, buffers: bool = False) -> dict[str, int]:
     """Count ``module``'s parameters (and buffers, if asked) by layout.
 
-    Keys are the words of :func:`layout_of` (``"channels_last"``,
+    Keys are the words of ``layout_of`` (``"channels_last"``,
     ``"channels_last_3d"``, ``"contiguous"``, ``"strided"``, ``"rank1"``, ...)
     plus ``"uninitialized"`` for lazy parameters; only keys with a count appear.
     Shared parameters are counted once.
@@ -248,14 +248,14 @@ def layout_summary(module: nn.Module, buffers: bool = False) -> dict[str, int]:
 # Stock PyTorch has no channels-last format for rank 3 (pytorch#66681), but (N, C, L) strides
 # (C*L, 1, C) can be expressed, and Conv1d (which runs as a 2-D convolution on (N, C, 1, L))
 # then picks its NHWC kernels. Intel's XPU extension calls these `to_channels_last_1d` /
-# `is_contiguous_channels_last_1d`. Measured on this project's CPU it is usually SLOWER (see
-# the README); `ChannelsLast(mode="auto")` with a rank-3 input_shape times it before using it.
+# `is_contiguous_channels_last_1d`. On stock PyTorch it is usually slower (docs/guides/callback.md);
+# `ChannelsLast(mode="auto")` with a rank-3 input_shape times it before using it.
 
 
 def is_channels_last_1d(tensor: torch.Tensor) -> bool:
     """Whether a rank-3 ``(N, C, L)`` tensor has channels-last 1-D strides ``(C*L, 1, C)``.
 
-    The same rules as :func:`is_channels_last`: dense in that order, and the strides of
+    The same rules as ``is_channels_last``: dense in that order, and the strides of
     size-1 channel/length dims must be the canonical ones (the batch stride is not compared
     when N == 1). A plain contiguous ``(N, 1, L)`` or ``(N, C, 1)`` tensor is therefore
     **not** channels-last 1-D, and when C == L == 1 both layouts coincide and the answer is
@@ -294,7 +294,7 @@ def to_channels_last_1d(obj):
 
     Args:
         obj: a rank-3 tensor (other ranks are returned unchanged), or an ``nn.Module``
-            whose :data:`CONV1D_TYPES` weights are restrided in place (through ``.data``,
+            whose ``CONV1D_TYPES`` weights are restrided in place (through ``.data``,
             gradients too, so optimizer-held ``Parameter`` objects stay the same).
 
     Returns:

@@ -2,7 +2,7 @@
 
 What ``ChannelsLast(mode="auto")`` runs. The model is written with ``torch.save`` (the whole module) to a
 private temporary folder and a fresh Python process, which sees the caller's ``sys.path``, loads it and
-runs :func:`cltrain.autolayout.time_layouts`, reporting each step as it starts. A crash (segfault,
+runs ``cltrain.autolayout.time_layouts``, reporting each step as it starts. A crash (segfault,
 abort), an exception, or no progress for too long gives ``"contiguous"`` and one line saying why; the
 caller's process is never at risk.
 
@@ -57,7 +57,7 @@ _MAIN_GUARD = re.compile(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.M
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What :func:`probe_layout` found.
+    """What ``probe_layout`` found.
 
     Attributes:
         layout: ``"channels_last"`` or ``"contiguous"`` (always ``"contiguous"`` after a failure).
@@ -84,19 +84,22 @@ def probe_layout(
     guardrails: bool = True,
     timeout: float = 300.0,
 ) -> ProbeResult:
-    """The faster layout for ``model``, timed by :func:`cltrain.autolayout.time_layouts` in a child process.
+    """The faster layout for ``model``, timed by ``cltrain.autolayout.time_layouts`` in a child process.
 
     Args:
         model: the model to time, as it will be trained (not modified).
-        input_shape, steps, warmup, autocast_dtype: as for :func:`~cltrain.autolayout.time_layouts`.
+        input_shape: as for ``time_layouts``.
+        steps: as for ``time_layouts``.
+        warmup: as for ``time_layouts``.
+        autocast_dtype: as for ``time_layouts``.
         device: where to time (default: the model's device); the child uses the same device.
-        guardrails: time each layout with :func:`cltrain.guardrails.apply_guardrails` applied, as it
+        guardrails: time each layout with ``cltrain.guardrails.apply_guardrails`` applied, as it
             would train; ``False`` times the bare kernels.
         timeout: seconds to wait for the model to load and the first step to finish; after that a step
             may take 10 times the slowest one seen (at least 30 s, at most ``timeout``).
 
     Returns:
-        A :class:`ProbeResult`; after any failure its layout is ``"contiguous"`` and ``failure`` says why.
+        A ``ProbeResult``; after any failure its layout is ``"contiguous"`` and ``failure`` says why.
 
     Raises:
         ValueError: ``input_shape`` is not 3-D, 4-D or 5-D, ``steps < 1``, ``warmup < 0`` or ``timeout <= 0``.

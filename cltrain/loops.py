@@ -1,11 +1,11 @@
 """Channels_last in a Lightning Fabric or plain PyTorch loop, and a contiguous copy for export.
 
-:func:`convert_model` does to a model what :class:`cltrain.ChannelsLast` does at setup (the
-channels-last format of each parameter's rank, and the kernel guardrails); :func:`convert_batch`
+``convert_model`` does to a model what ``cltrain.ChannelsLast`` does at setup (the
+channels-last format of each parameter's rank, and the kernel guardrails); ``convert_batch``
 puts a batch's model inputs in that layout by the same rules as the callback (only the inputs:
-targets and masks keep their layout, see :mod:`cltrain.batch_layout`). Convert before
+targets and masks keep their layout, see ``cltrain.batch_layout``). Convert before
 ``fabric.setup`` / DDP / ``torch.compile``, so every rank wraps and compiles the final layout.
-:func:`contiguous_copy` gives an NCHW copy of a trained model for ``torch.onnx.export``,
+``contiguous_copy`` gives an NCHW copy of a trained model for ``torch.onnx.export``,
 ``torch.export`` and TorchScript, whose graphs should not depend on how training strided the weights.
 
 Example (Fabric; a plain loop is the same without the ``fabric`` lines)::
@@ -63,7 +63,7 @@ def convert_model(
             the device of its parameters.
         dtype: the dtype its convolutions will compute in: the autocast dtype
             (``torch.bfloat16``, ``torch.float16``), or ``None`` for fp32.
-        guard: apply :func:`cltrain.guardrails.apply_guardrails` (one log line per known
+        guard: apply ``cltrain.guardrails.apply_guardrails`` (one log line per known
             kernel fault worked around); ``False`` trains the bare kernels.
 
     Returns:
@@ -101,7 +101,7 @@ def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last"
 
     Args:
         batch: a tensor, or a tuple, list, dict, namedtuple or dataclass of them (nested).
-        inputs: which tensors are the model's inputs; see :mod:`cltrain.batch_layout`.
+        inputs: which tensors are the model's inputs; see ``cltrain.batch_layout``.
         layout: ``"channels_last"`` or ``"contiguous"``.
 
     Returns:

@@ -37,7 +37,7 @@ def run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
 
 
 def undo_run_after(module: nn.Module) -> None:
-    """Remove any hook wrapper :func:`run_after` left on ``module`` (a run that stopped early)."""
+    """Remove any hook wrapper ``run_after`` left on ``module`` (a run that stopped early)."""
     for hook in ("setup", "configure_model"):
         if getattr(module.__dict__.get(hook), "_cltrain_once", False):
             del module.__dict__[hook]

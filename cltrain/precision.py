@@ -1,12 +1,12 @@
 """Which precision a device trains fastest in, and whether a fused optimizer is safe under loss scaling.
 
-* :func:`cpu_bf16_support`: does this CPU compute bf16 natively, as PyTorch and oneDNN are
+* ``cpu_bf16_support``: does this CPU compute bf16 natively, as PyTorch and oneDNN are
   configured in this process (``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` can hold
   them to AVX2 kernels on a CPU that has AVX512-BF16)?
-* :func:`auto_precision`: the Lightning precision flag ``amp="auto"`` means on a device:
+* ``auto_precision``: the Lightning precision flag ``amp="auto"`` means on a device:
   bf16 autocast where bf16 is native, fp16 with loss scaling on CUDA GPUs without bf16,
   fp32 elsewhere; with the reason, in words.
-* :func:`loss_scaling_safe`: one overflowed step of an optimizer under a ``GradScaler``
+* ``loss_scaling_safe``: one overflowed step of an optimizer under a ``GradScaler``
   on scratch tensors, compared with the unfused optimizer. A fused optimizer gets the
   overflow check handed to its kernel; ``SGD(fused=True, momentum>0)`` writes an
   uninitialised momentum buffer on an overflowed first step and trains to NaN.
@@ -86,7 +86,7 @@ def auto_precision(device: torch.device) -> PrecisionChoice:
 
     CUDA with bf16 (compute capability 8.0 and later): ``bf16-mixed``, no loss scaling;
     older CUDA GPUs (V100, T4): ``16-mixed`` with loss scaling; a CPU with native bf16
-    (:func:`cpu_bf16_support`): ``bf16-mixed``; any other CPU, MPS and the rest: ``32-true``.
+    (``cpu_bf16_support``): ``bf16-mixed``; any other CPU, MPS and the rest: ``32-true``.
     """
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -6,7 +6,7 @@ model and each dtype (fp32, and the device's AMP dtype: bf16 on CPU, fp16 on
 CUDA, autocast without a GradScaler), the two layouts are timed in rounds that
 alternate which goes first (``--repeats`` rounds); the table gives the median
 samples/second with the min-max spread over rounds, and the speed-up
-channels-last / contiguous. It also runs :func:`cltrain.autolayout.choose_layout`
+channels-last / contiguous. It also runs ``cltrain.autolayout.choose_layout``
 (what ``ChannelsLast(mode="auto")`` does) per model and dtype and says whether
 it picked the measured winner.
 

@@ -3,12 +3,12 @@
 Part 1, framework overhead (synthetic tensors, no data loading): the same model,
 batch, precision and layout trained by
 
-* a plain PyTorch loop (:class:`PlainStep`) doing what Lightning does in a step: the optimizer
+* a plain PyTorch loop (``PlainStep``) doing what Lightning does in a step: the optimizer
   Lightning makes from ``ImageClassifier.configure_optimizers``, autocast (``cache_enabled=False``) around forward
   and loss, ``zero_grad(set_to_none=True)``, backward, and under ``16-mixed`` a ``GradScaler``;
-* train.py's path: :class:`cltrain.app.module.ImageClassifier` (per-step
+* train.py's path: ``cltrain.app.module.ImageClassifier`` (per-step
   schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
-  the :class:`~cltrain.callback.ChannelsLast` callback and Lightning's precision plugin,
+  the ``ChannelsLast`` callback and Lightning's precision plugin,
 
 in ``--rounds`` interleaved rounds (the order alternates) of ``--warmup`` +
 ``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
@@ -26,7 +26,7 @@ the speed-up the end-to-end one is held against (median over ``--e2e-rounds`` ro
 
 Usage::
 
-    python scripts/bench_train.py                      # ResNet-50, batch 32, 224 px (the README figures)
+    python scripts/bench_train.py                      # ResNet-50, batch 32, 224 px
     python scripts/bench_train.py --device cuda --batch-size 256
     python scripts/bench_train.py --quick              # seconds: checks the script works
 
@@ -148,7 +148,7 @@ class _WarmupSync(pl.Callback):
 
 
 def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
-    """Images/second of :class:`PlainStep` over ``batches``, timed by the meter train.py uses."""
+    """Images/second of ``PlainStep`` over ``batches``, timed by the meter train.py uses."""
     step = PlainStep(model, precision, device, batches)
     meter = Meter(warmup)
     syncs = _sync_points(len(batches), warmup)

@@ -31,7 +31,7 @@ FEW = (3, 8, 15)  # below the block on both ISAs; 8 == the AVX2 block; 15 == the
 
 
 def _cases(**axes) -> list[dict]:
-    """Every combination of ``axes`` (name -> values) over :data:`BASE`."""
+    """Every combination of ``axes`` (name -> values) over ``BASE``."""
     cases = [dict(BASE)]
     for name, values in axes.items():
         cases = [{**case, name: v} for case in cases for v in values]

@@ -198,7 +198,7 @@ class _Planted(nn.Module):
 
 
 def build(spec: Spec) -> nn.Module:
-    """``spec``'s model with random weights and :data:`NUM_CLASSES` outputs."""
+    """``spec``'s model with random weights and ``NUM_CLASSES`` outputs."""
     if spec.source in ("timm", "tv"):
         from cltrain.zoo import build_model
 

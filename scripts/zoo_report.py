@@ -1,5 +1,5 @@
 """The outputs of ``scripts/zoo_sweep.py``: the machine it ran on, the markdown table with its summary,
-the CSV; every file written atomically (:mod:`cltrain.atomic`)."""
+the CSV; every file written atomically (``cltrain.atomic``)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    ``bf16-mixed`` where native).
 6. **compile** (tv ``resnet50``, timm ``convnext_atto``, timm ``efficientnet_b0``): the parity and
    speed checks again under ``torch.compile``, the model converted with
-   :func:`cltrain.loops.convert_model` before compiling.
+   ``cltrain.loops.convert_model`` before compiling.
 
 Usage::
 
@@ -199,7 +199,7 @@ def _speed_runs(nets: dict[str, torch.nn.Module], batch: Any, dtype: torch.dtype
 def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_batch: Any,
                    exact: dict[str, tuple[dict, float]], dtypes: list[tuple[str, torch.dtype | None]],
                    args: argparse.Namespace, result: dict) -> None:
-    """Parity and speed of ``torch.compile``-d copies, NCHW and converted by :func:`cltrain.loops.convert_model`."""
+    """Parity and speed of ``torch.compile``-d copies, NCHW and converted by ``cltrain.loops.convert_model``."""
     from cltrain.loops import convert_batch, convert_model
 
     nets, grads, losses = {}, {}, {}

@@ -1,13 +1,13 @@
 """``main()``: the command line (``python train.py ...`` and the ``cltrain-train`` console script).
 
 Hydra composes ``conf/config.yaml`` with the command-line overrides and calls
-:func:`cltrain.app.train.train`. The overrides are composed and checked against
-the schema first (:func:`cltrain.app.compose.check_command_line`, every value of
+``cltrain.app.train.train``. The overrides are composed and checked against
+the schema first (``cltrain.app.compose.check_command_line``, every value of
 a ``-m`` sweep): an unknown key or a bad value ends the run with one line on
 stderr and exit status 2 before anything starts; an unknown group option
 (``model=nope``) is Hydra's own one-paragraph error listing the options (exit status 1).
 
-The configs are cltrain's own (:mod:`cltrain.app.configs`), or ``$CLTRAIN_CONFIG_DIR``;
+The configs are cltrain's own (``cltrain.app.configs``), or ``$CLTRAIN_CONFIG_DIR``;
 Hydra's ``--config-dir`` adds a folder of the user's beside them.
 """
 

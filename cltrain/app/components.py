@@ -12,7 +12,7 @@ the run directory (``<run dir>/checkpoints`` for checkpoints), and an MLflow
 logger without a ``tracking_uri`` writes to ``sqlite:///<run dir>/mlflow.db``
 (MLflow 3 refuses its old ``./mlruns`` file store), artifacts to
 ``<run dir>/mlartifacts``. A logger whose package is missing is a one-line
-:class:`ConfigError` naming the ``pip install`` extra.
+``ConfigError`` naming the ``pip install`` extra.
 
 Example::
 
@@ -118,7 +118,7 @@ def build_callbacks(group: Any, run_dir: str | Path, has_logger: bool = True, ke
     nowhere to write, and Lightning would refuse the run.
 
     Raises:
-        ConfigError: as :func:`build_loggers`.
+        ConfigError: as ``build_loggers``.
     """
     built = {}
     for name, entry in _entries(group, key).items():

@@ -1,8 +1,8 @@
 """Compose the config ``python train.py <overrides>`` runs, and check it before Hydra starts the run.
 
-:func:`compose_config` is Hydra's compose API with one-line errors for bad keys and values
-(:func:`cltrain.app.schema_check.config_error`); :func:`check_command_line` composes and
-checks (:func:`cltrain.app.schema_check.check`) what a command line would run, every value of a
+``compose_config`` is Hydra's compose API with one-line errors for bad keys and values
+(``cltrain.app.schema_check.config_error``); ``check_command_line`` composes and
+checks (``cltrain.app.schema_check.check``) what a command line would run, every value of a
 ``-m`` sweep included (``-m ema.decay=0.9,1.5``), so that a bad value stops the sweep before its
 first job.
 
@@ -81,8 +81,8 @@ def _variants(overrides: Sequence[str]) -> list[list[str]]:
 
 
 def check_command_line(argv: Sequence[str]) -> None:
-    """Compose and :func:`check` what ``python train.py <argv>`` would run (every value of a ``-m``
-    sweep) before Hydra starts: a bad key or value raises one :class:`ConfigError`. Problems that are
+    """Compose and ``check`` what ``python train.py <argv>`` would run (every value of a ``-m``
+    sweep) before Hydra starts: a bad key or value raises one ``ConfigError``. Problems that are
     not about a key or a value (an unknown group option, a syntax error) are left to Hydra's own message.
 
     Raises:

@@ -1,30 +1,24 @@
 """Check a composed config before anything is built, and map the toggles onto Lightning.
 
-:func:`validate` is the one check of a config: the schema's (:func:`cltrain.app.schema_check.check`:
+``validate`` is the one check of a config: the schema's (``cltrain.app.schema_check.check``:
 keys, types, ranges, choices), then what a value means on this machine (device, precision,
-paths, the checkpoint to resume). Every problem is a :class:`ConfigError` that names the key,
+paths, the checkpoint to resume). Every problem is a ``ConfigError`` that names the key,
 the value and what is allowed; the CLI prints it as one line and exits with status 2.
 
 The toggles, and what they become (``device=auto`` is ``cuda`` when available, else ``cpu``):
 
-=============  =====================  ===================================================
-``device``     ``amp``                Lightning ``accelerator`` / ``precision``
-=============  =====================  ===================================================
-any            auto (the default)     :func:`cltrain.precision.auto_precision`: bf16 autocast
-                                      where bf16 is native (CUDA compute capability 8.0+,
-                                      CPUs with AVX512-BF16/AMX/Arm BF16 not held to AVX2),
-                                      fp16 with loss scaling on older GPUs, else fp32
-cpu            true, bf16             ``bf16-mixed``; without native bf16 it runs, with a
-                                      warning: many times slower
-cpu            fp16                   refused (AMP on the CPU is bf16 autocast)
-cuda[:N]       true                   by ``auto_precision`` (bf16 on Ampere+, else fp16)
-cuda[:N]       bf16, fp16             ``bf16-mixed`` (refused without bf16 support), ``16-mixed``
-mps            true, bf16, fp16       refused
-any            false                  ``32-true``
-=============  =====================  ===================================================
+| ``device`` | ``amp`` | Lightning ``precision`` |
+|---|---|---|
+| any | auto (the default) | ``cltrain.precision.auto_precision``: bf16 autocast where bf16 is native, fp16 with loss scaling on older GPUs, else fp32 |
+| cpu | true, bf16 | ``bf16-mixed``; without native bf16 it runs, with a warning: many times slower |
+| cpu | fp16 | refused (AMP on the CPU is bf16 autocast) |
+| cuda[:N] | true | by ``auto_precision`` (bf16 on Ampere+, else fp16) |
+| cuda[:N] | bf16, fp16 | ``bf16-mixed`` (refused without bf16 support), ``16-mixed`` |
+| mps | true, bf16, fp16 | refused |
+| any | false | ``32-true`` |
 
 ``trainer.benchmark`` (``torch.backends.cudnn.benchmark``, set by Lightning) left ``null``
-becomes true, as apex and timm run, or false with ``trainer.deterministic``: :attr:`Resolved.benchmark`.
+becomes true, as apex and timm run, or false with ``trainer.deterministic``: ``Resolved.benchmark``.
 """
 
 from __future__ import annotations
@@ -61,12 +55,12 @@ class Resolved:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether bf16 autocast runs on native bf16 kernels on this CPU (:func:`cltrain.precision.cpu_bf16_support`)."""
+    """Whether bf16 autocast runs on native bf16 kernels on this CPU (``cltrain.precision.cpu_bf16_support``)."""
     return cpu_bf16_support()[0]
 
 
 def resolve_device(device: Any) -> tuple[str, int | None]:
-    """(accelerator, cuda index or None) for ``device``: :func:`cltrain.devices.resolve_device` as a ConfigError."""
+    """(accelerator, cuda index or None) for ``device``: ``cltrain.devices.resolve_device`` as a ConfigError."""
     try:
         resolved = resolve_torch_device(device)
     except DeviceError as err:

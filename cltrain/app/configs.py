@@ -1,7 +1,7 @@
 """Where the training application's Hydra configs are.
 
 The package's own configs (``conf/`` in the source tree, installed as ``cltrain.conf``),
-found with :mod:`importlib.resources`; never the current folder. ``$CLTRAIN_CONFIG_DIR``
+found with ``importlib.resources``; never the current folder. ``$CLTRAIN_CONFIG_DIR``
 replaces them with a folder of the user's; Hydra's ``--config-dir`` adds one beside them.
 """
 

@@ -1,8 +1,8 @@
 """The training data for ``train(cfg)``: the DataModule built from ``cfg.data``, its folder checked first.
 
-:func:`build_datamodule` generates the demo set when configured, checks the ImageNet layout
+``build_datamodule`` generates the demo set when configured, checks the ImageNet layout
 cheaply (one directory listing per class folder, before anything is built) and instantiates
-``data._target_``; every problem is a one-line :class:`~cltrain.app.errors.ConfigError`.
+``data._target_``; every problem is a one-line ``ConfigError``.
 """
 
 from __future__ import annotations

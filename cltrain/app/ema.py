@@ -6,23 +6,11 @@ and buffers, so BatchNorm statistics too) follows the training weights as
 optimizer steps; for the first ``warmup_steps`` updates the copy simply follows
 the weights (torchvision's ``--model-ema-warmup-epochs``, in steps).
 
-It is Lightning's :class:`~lightning.pytorch.callbacks.WeightAveraging`, so
-validation runs on the averaged weights (swapped in and out around each
-validation epoch), a checkpoint's ``state_dict`` holds the averaged weights
-(portable: plain module keys, loadable with no EMA code) with the training
-weights under ``current_model_state`` for resuming, and training ends with the
-averaged weights in the module. What differs from ``EMAWeightAveraging`` is the
-update: ``torch.optim.swa_utils.AveragedModel.update_parameters`` tests
-``n_averaged == 0`` and ``n_averaged > 0`` (a device tensor) on every update,
-two host syncs per step on CUDA, and ``EMAWeightAveraging`` averages one tensor
-at a time. :class:`EMAModel` keeps the update count on the host too and updates
-all tensors with ``torch._foreach_lerp_``.
-
-The copy is made in ``Callback.setup``, before the strategy moves the module to its
-device and before ``ChannelsLast`` converts it. It follows the module to its device at
-``on_fit_start`` (Lightning's ``WeightAveraging`` leaves it on the CPU, so every update
-would copy the weights to the host: a blocking copy per step); keeping it in the
-module's layout is ``ChannelsLast``'s job.
+It is Lightning's ``WeightAveraging``: validation runs on the averaged weights, and a
+checkpoint's ``state_dict`` holds them (plain module keys) with the training weights under
+``current_model_state`` for resuming. Unlike ``EMAWeightAveraging``, the update never waits for
+the host (``EMAModel`` counts updates on the host and updates all tensors with one
+``torch._foreach_lerp_``), and the copy follows the module to its device at ``on_fit_start``.
 
 Example::
 

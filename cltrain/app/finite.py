@@ -1,11 +1,11 @@
 """Stop a run whose training loss is no longer finite, before it spends hours on NaN.
 
 A NaN or infinite loss makes every later step NaN too (the optimizer writes it into the
-weights), yet Lightning trains on and the run used to end ``"completed"`` with a chance-level
-accuracy. :class:`StopOnNonFinite` reads the loss where the app already synchronises with the
+weights), yet Lightning trains on and would end ``"completed"`` with a chance-level
+accuracy. ``StopOnNonFinite`` reads the loss where the app already synchronises with the
 device to print it (every ``print_freq`` batches and the last batch of an epoch; no extra sync
 per step) and checks the weights once per epoch, before the epoch-end ``last.ckpt`` is written.
-On the first non-finite value it raises :class:`NonFiniteLossError`: the app keeps the
+On the first non-finite value it raises ``NonFiniteLossError``: the app keeps the
 ``last.ckpt`` it has (the on-exception checkpoint skips this error, so finite weights are not
 overwritten by NaN ones), writes ``metrics.json`` with ``"status": "failed"``, prints one line
 and exits with status 1. Under DDP every rank takes the same decision (one collective at the
@@ -29,7 +29,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 class StopOnNonFinite(Callback):
-    """Raise :class:`NonFiniteLossError` at the first non-finite training loss read every
+    """Raise ``NonFiniteLossError`` at the first non-finite training loss read every
     ``every`` batches (and at the last batch of each epoch), or non-finite weights at an epoch's end.
 
     Args:

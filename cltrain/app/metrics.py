@@ -4,7 +4,7 @@ torchmetrics' ``MulticlassAccuracy(top_k=k > 1)`` builds a one-hot of the target
 (``F.one_hot``), which on a CPU-type device reads the targets' min and max back
 to the host (``.item()``) on every update, and with its default
 ``validate_args=True`` runs ``torch.unique`` on the targets (a device sync on
-CUDA) on every update. :class:`TopKAccuracy` is the same micro-averaged
+CUDA) on every update. ``TopKAccuracy`` is the same micro-averaged
 ``Prec@k`` of apex main_amp.py (correct predictions over samples) as two running
 sums, so a training step never waits for the host; its states reduce across
 processes like any torchmetrics ``Metric``. Validation keeps torchmetrics'

@@ -3,30 +3,11 @@
 Video models (``r3d_18``, ``mc3_18``, ``r2plus1d_18``, ``s3d``, ``mvit_*``,
 ``swin3d_*``: ``torchvision.models.list_models(module=torchvision.models.video)``)
 take ``(N, C, T, H, W)`` clips; train them with ``data=video_demo`` or a
-:class:`~cltrain.data.video.ClipFolderDataModule`.
+``ClipFolderDataModule``.
 
-Nothing is ever downloaded: ``pretrained`` is a local file read by
-:func:`read_checkpoint`, which takes
-
-* ``.safetensors`` files (recognised by content, whatever the suffix; needs the
-  ``safetensors`` package, ``pip install 'cltrain[safetensors]'``);
-* ``torch.save`` files (``weights_only``): a plain ``state_dict``; a Lightning
-  checkpoint (``{"state_dict": {"model.<name>": ...}}``); ``{"model": ...}``
-  (torchvision's references, timm's ``train.py``); and EMA weights, which are
-  preferred when the file has them, as timm's ``load_state_dict(use_ema=True)``
-  does: ``state_dict_ema`` (timm), then ``model_ema`` (torchvision's references,
-  an ``AveragedModel`` whose ``n_averaged`` counter is dropped);
-
-and strips the wrapper prefixes ``module.`` (DDP, ``AveragedModel``) and
-``_orig_mod.`` (``torch.compile``) as timm's ``clean_state_dict`` does, and
-``model.`` (a LightningModule's attribute) when the model has no such key. A file
-that is none of these (text, truncated, empty) is a one-line :class:`ConfigError`
-naming it. Weights whose shape does not fit (an ImageNet classifier head on a
-10-class model) are skipped with a warning.
-
-timm's own ``load_state_dict`` is not used even when timm is installed: it does
-not know Lightning's ``model.`` prefix nor ``n_averaged``, and a bad file comes out
-as a bare ``AssertionError`` or unpickling traceback.
+Nothing is ever downloaded: ``pretrained`` is a local file (``.safetensors``, a ``state_dict``,
+a Lightning checkpoint, or torchvision's and timm's training checkpoints, EMA weights preferred)
+read by ``read_checkpoint``; the formats it takes: docs/guides/app.md.
 
 Example::
 
@@ -60,7 +41,7 @@ _SAFETENSORS_EXAMPLE = "a state_dict saved with torch.save, a Lightning .ckpt, o
 
 
 def check_model_name(name: Any, source: str = "auto") -> str:
-    """The source of ``name`` (:func:`cltrain.zoo.model_source`); a :class:`ConfigError` naming close matches if unknown."""
+    """The source of ``name`` (``cltrain.zoo.model_source``); a ``ConfigError`` naming close matches if unknown."""
     if source not in SOURCES:
         raise ConfigError("model.source", source, "unknown model source", ", ".join(SOURCES))
     if source == "timm" and model_source("resnet18", "timm") is None:
@@ -183,7 +164,7 @@ def read_checkpoint(path: str | Path, use_ema: bool = True) -> tuple[dict[str, t
 
 
 def load_pretrained(model: nn.Module, path: str | Path, use_ema: bool = True) -> list[str]:
-    """Copy weights from the local file ``path`` (see :func:`read_checkpoint`) into ``model``;
+    """Copy weights from the local file ``path`` (see ``read_checkpoint``) into ``model``;
     returns the keys it skipped.
 
     ``load_state_dict`` copies into the existing parameters, so the model keeps its layout.

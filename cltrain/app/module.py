@@ -2,32 +2,18 @@
 
 Cross-entropy (optional label smoothing); top-1 / top-5 accuracy micro-averaged
 like main_amp's ``Prec@k``; SGD (or AdamW) with a per-iteration schedule
-(:mod:`cltrain.app.schedule`: main_amp's warm-up + milestones, or cosine)
+(``cltrain.app.schedule``: main_amp's warm-up + milestones, or cosine)
 returned from ``configure_optimizers`` as a ``torch.optim.lr_scheduler`` that
 Lightning steps after every optimizer step and saves in checkpoints. The model's
 memory format is not this module's business: the
-:class:`cltrain.callback.ChannelsLast` callback (or its absence) decides it.
+``cltrain.callback.ChannelsLast`` callback (or its absence) decides it.
 
-A training step never waits for the host (issue 9.1; ``tests/test_sync.py``
-counts): the loss goes to the logger only (Lightning makes it a number at
-``log_every_n_steps``), nothing is logged with ``prog_bar=True`` per step
-(Lightning turns every such value into a Python number every step,
-Lightning#21232), train accuracy accumulates on the device
-(:class:`~cltrain.app.metrics.TopKAccuracy`) and reaches the host only at
-print steps (:class:`~cltrain.app.progress.MainAmpProgress`) and epoch ends, the
-rate is shown by ``LearningRateMonitor`` from the optimizer's host-side value,
-and on CUDA the optimizer is fused. Under fp16 loss scaling a fused optimizer gets the
-overflow check inside its kernel (no ``.item()``), but only one that passes
-:func:`cltrain.precision.loss_scaling_safe` is used: fused SGD with momentum fails it
-(it writes an uninitialised momentum buffer on an overflowed step), so fp16 runs with
-SGD use the unfused optimizer, whose overflow check reads one flag on the host per step.
-
-Lightning's ``LearningRateFinder`` and ``BatchSizeFinder`` are refused (a
-``ConfigError`` when fit starts): the rate is ``optim.lr`` scaled for the
-global batch and then scheduled per step, so the finder's rate would be
-rescheduled from the config and a found batch size would leave the rate scaled
-for the old one. A ``-m`` sweep over ``optim.lr`` / ``data.batch_size`` does
-what they would.
+A training step never waits for the host (``tests/app/test_sync.py`` counts): the loss goes to
+the logger only, nothing is logged with ``prog_bar=True`` per step (Lightning#21232), train
+accuracy accumulates on the device (``TopKAccuracy``) and reaches the host at print steps, and on
+CUDA the optimizer is fused where ``cltrain.precision.loss_scaling_safe`` allows it.
+Lightning's ``LearningRateFinder`` and ``BatchSizeFinder`` are refused with a ``ConfigError``
+(docs/guides/app.md says why).
 
 Example::
 
@@ -67,17 +53,22 @@ class ImageClassifier(LightningModule):
         num_classes: number of classes.
         lr: the peak learning rate, already scaled for the global batch.
         optimizer: ``"sgd"`` or ``"adamw"``.
-        momentum, weight_decay, nesterov, betas: optimizer settings.
-        schedule: ``"step"`` (:func:`~cltrain.app.schedule.lr_at`) or ``"cosine"``
-            (:func:`~cltrain.app.schedule.cosine_lr_at`).
-        warmup_epochs, milestones, gamma: the warm-up (both schedules) and the step schedule's decay.
+        momentum: SGD's momentum.
+        weight_decay: weight decay of both optimizers.
+        nesterov: SGD's Nesterov momentum.
+        betas: AdamW's betas.
+        schedule: ``"step"`` (``lr_at``) or ``"cosine"``
+            (``cosine_lr_at``).
+        warmup_epochs: the linear warm-up, in epochs (both schedules).
+        milestones: the epochs at which the step schedule decays.
+        gamma: the step schedule's decay factor.
         min_lr_ratio: the cosine schedule's final rate, as a fraction of ``lr``.
         label_smoothing: cross-entropy label smoothing.
         fused: a fused optimizer step; ``None``: on CUDA. Under loss scaling (fp16) a fused
-            optimizer that fails :func:`cltrain.precision.loss_scaling_safe` is built unfused.
+            optimizer that fails ``cltrain.precision.loss_scaling_safe`` is built unfused.
 
     The defaults are apex main_amp.py's 90-epoch recipe; ``train.py`` passes every value from its
-    config (:mod:`cltrain.app.schema`, whose schedule fits the 8-epoch demo run).
+    config (``cltrain.app.schema``, whose schedule fits the 8-epoch demo run).
     """
 
     def __init__(
@@ -189,7 +180,7 @@ def build_optimizer(params: Any, name: str, device: torch.device, *, fused: bool
     """``name`` (``"sgd"`` or ``"adamw"``) over ``params``, and a note (empty when nothing to say).
 
     With ``fused`` and ``loss_scaling``, the fused optimizer is used only if it passes
-    :func:`cltrain.precision.loss_scaling_safe` on ``device``; otherwise the unfused one, and
+    ``cltrain.precision.loss_scaling_safe`` on ``device``; otherwise the unfused one, and
     the note says why.
     """
     if name == "adamw":

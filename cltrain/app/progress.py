@@ -1,6 +1,6 @@
 """main_amp.py's progress line, and the images/second a run reports.
 
-:class:`MainAmpProgress` prints every ``print_freq`` training batches::
+``MainAmpProgress`` prints every ``print_freq`` training batches::
 
     Epoch: [2][20/31]  Time 0.532 (0.541)  Speed 60.150 (59.121)  Loss 1.2034 (1.4310)  Prec@1 56.250 (48.125)  Prec@5 93.750 (90.625)
 
@@ -8,20 +8,12 @@
 running averages in brackets; loss and accuracy of the latest batch, epoch
 averages in brackets), and ``* Prec@1 ... Prec@5 ...`` after each validation.
 
-It also measures throughput: the wall time between consecutive training batch
-ends, leaving out the first ``warmup`` batches of the run, the first batch of
-every epoch (worker start-up) and validation, so the figure is the steady-state
-end-to-end training speed, data loading included. Images count across all
-processes (local batch x world size). On CUDA it synchronises only where a
-timed window ends, as main_amp.py does at its print points: before the
-timestamp of a print step, of an epoch's last batch, of the batch at which the
-run stops (``max_steps``, ``trainer.should_stop``) or after which validation
-runs, and of the last validation batch. Elsewhere the host runs ahead.
-
-:class:`MainAmpProgressBar` (Rich when installed, else tqdm) shows the values
-of the latest print step (loss, Prec@1, the rate, images/second), already on
-the host: a bar fed by ``self.log(..., prog_bar=True)`` would turn each value
-into a Python number, a device sync, every step (Lightning#21232, #20995).
+It also measures the steady-state training throughput, data loading included: the wall time
+between consecutive training batch ends, without the first ``warmup`` batches, the first batch
+of every epoch and validation, images counted across all processes. On CUDA it synchronises
+only where a timed window ends, as main_amp.py does at its print points.
+``MainAmpProgressBar`` (Rich when installed, else tqdm) shows the latest print step's values,
+already on the host, so the bar adds no device sync per step.
 
 Example::
 
@@ -120,7 +112,7 @@ class MainAmpProgress(Callback):
         self.last_val_step: int | None = None
         self._time, self._speed = _Average(), _Average()
         self._loss, self._top1, self._top5 = _Average(), _Average(), _Average()
-        #: host values of the latest print step, for :class:`MainAmpProgressBar`
+        #: host values of the latest print step, for ``MainAmpProgressBar``
         self.bar_values: dict[str, float] = {}
 
     def _sync(self, trainer: Trainer) -> None:
@@ -238,7 +230,7 @@ class MainAmpProgress(Callback):
 
 
 class _HostValuesBar:
-    """Adds :attr:`MainAmpProgress.bar_values` (host floats, renewed at print steps) to a progress bar."""
+    """Adds ``MainAmpProgress.bar_values`` (host floats, renewed at print steps) to a progress bar."""
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)  # type: ignore[misc]  # sync-free: no per-step prog_bar logs

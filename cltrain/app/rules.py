@@ -1,8 +1,8 @@
-"""What a config value may be beyond its type: :class:`Rule` and the rules :mod:`cltrain.app.schema` uses.
+"""What a config value may be beyond its type: ``Rule`` and the rules ``cltrain.app.schema`` uses.
 
 A rule is a test and the words of its error: ``Rule(test, reason, allowed)`` becomes
 ``ConfigError(key, value, reason, allowed)`` ("ema.decay=1.5: must be a number in [0, 1)
-(allowed: 0 <= value < 1)"). :func:`key` makes a dataclass field holding a default and its rule.
+(allowed: 0 <= value < 1)"). ``key`` makes a dataclass field holding a default and its rule.
 
 Example::
 
@@ -95,7 +95,7 @@ def optimizer_name(name: str) -> Rule:
 
 
 def key(default: Any, rule: Rule | None = None) -> Any:
-    """A dataclass field holding ``default`` (copied per instance when mutable) and its :class:`Rule`."""
+    """A dataclass field holding ``default`` (copied per instance when mutable) and its ``Rule``."""
     metadata = {"rule": rule} if rule is not None else {}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)

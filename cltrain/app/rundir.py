@@ -1,36 +1,13 @@
 """One directory per run, claimed atomically; never write over an earlier run.
 
-The design: a run *claims* its directory before anything is written into it, and
-a claim is an atomic filesystem operation, so two runs can never both win:
-
-* a new directory is claimed by ``os.mkdir`` (atomic: exactly one process gets it);
-* an existing directory given explicitly (``run_dir=``, ``hydra.run.dir=``,
-  ``hydra.sweep.dir=``) may be claimed only when it holds nothing but Hydra's
-  bookkeeping (``.hydra/``, ``*.log``: what a run stopped by a config error leaves),
-  by creating the marker file :data:`CLAIM` with ``O_CREAT | O_EXCL`` (atomic too).
-  The marker holds the claiming process id; a marker whose process is gone is stale
-  and may be claimed again.
-
-Hydra's default ``outputs/<date>/<time>`` has a one-second resolution, so runs
-started in the same second from one folder would share it. :class:`RunDirGuard`, a
-Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``), runs in
-``on_run_start`` / ``on_multirun_start``, *before* Hydra creates the directory and
-writes ``.hydra/`` into it: it claims the configured directory and, when that one
-is taken and the configured value is a time pattern (holds ``${now:...}``, as
-Hydra's default does), the next free of ``<dir>-1``, ``<dir>-2``, ..., then points
-``hydra.run.dir`` (or ``hydra.sweep.dir``) at the directory it claimed. A fixed
-path is never replaced by another: a taken one is a one-line error naming what is
-in it. ``train(cfg)`` then checks the directory again with
-:func:`claim_run_dir` (it finds its own claim), which also covers ``run_dir=`` and
-``train`` called without Hydra.
-
-A requeued SLURM job (``SLURM_RESTART_COUNT`` > 0) may come back to its fixed
-directory (e.g. ``hydra.run.dir=outputs/slurm-${oc.env:SLURM_JOB_ID}``) when Lightning
-saved ``hpc_ckpt_<n>.ckpt`` there; Lightning then resumes from it.
-
-Processes that Lightning's DDP launcher starts (``LOCAL_RANK`` > 0) are given the
-parent's directory on their command line (``hydra.run.dir=<parent's dir>``) and
-share it by design: they claim nothing.
+A new directory is claimed by ``os.mkdir``; an existing one given explicitly (``run_dir=``,
+``hydra.run.dir=``) only when it holds nothing but Hydra's bookkeeping, by creating the marker
+file ``CLAIM`` with ``O_CREAT | O_EXCL``. Both are atomic, so two runs never both win; a marker
+whose process is gone is stale. ``RunDirGuard`` (a Hydra callback) claims the directory before
+Hydra writes ``.hydra/`` into it and, when a time-pattern directory is taken, takes
+``<dir>-1``, ``<dir>-2``, ...; ``train(cfg)`` checks again with ``claim_run_dir``. A requeued
+SLURM job may come back to its fixed directory, and processes started by Lightning's DDP
+launcher share their parent's. The guarantees: docs/guides/app.md.
 """
 
 from __future__ import annotations
@@ -175,7 +152,7 @@ def claim_run_dir(run_dir: str | os.PathLike, key: str = "run_dir", next_free: b
 
 
 def check_run_dir(run_dir: str | os.PathLike, key: str = "run_dir") -> Path:
-    """``run_dir`` claimed for this run (see :func:`claim_run_dir`); kept for callers of the old name."""
+    """``run_dir`` claimed for this run (see ``claim_run_dir``); kept for callers of the old name."""
     return claim_run_dir(run_dir, key)
 
 

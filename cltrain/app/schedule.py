@@ -5,10 +5,10 @@ apex ``examples/imagenet/main_amp.py`` sets the rate before every batch::
     factor = epoch // 30 (+1 from epoch 80)     -> x0.1 at epochs 30, 60, 80
     if epoch < 5: lr *= (1 + step + epoch * len_epoch) / (5 * len_epoch)
 
-:func:`lr_at` is that rule with the warm-up length, milestones and factor as
-arguments, written in optimizer steps; :func:`cosine_lr_at` is the cosine decay
+``lr_at`` is that rule with the warm-up length, milestones and factor as
+arguments, written in optimizer steps; ``cosine_lr_at`` is the cosine decay
 (timm's and torchvision's references' other common choice) after the same
-linear warm-up. :class:`StepScheduler` turns either into an ``LRScheduler`` that
+linear warm-up. ``StepScheduler`` turns either into an ``LRScheduler`` that
 Lightning steps after every optimizer step (``"interval": "step"``), so
 ``LearningRateMonitor``, the LR finder and checkpoints all see it.
 
@@ -83,7 +83,7 @@ def cosine_lr_at(step: int, total_steps: int, base_lr: float, warmup_steps: floa
                  min_lr_ratio: float = 0.0) -> float:
     """The learning rate for optimizer step ``step`` (0-based): linear warm-up, then a half cosine.
 
-    The warm-up is :func:`lr_at`'s (``base_lr * (step + 1) / warmup_steps``); then the rate falls
+    The warm-up is ``lr_at``'s (``base_lr * (step + 1) / warmup_steps``); then the rate falls
     from ``base_lr`` to ``base_lr * min_lr_ratio`` at ``total_steps`` (and stays there after).
 
     Raises:
@@ -112,7 +112,7 @@ class StepScheduler(LRScheduler):
 
     Args:
         optimizer: the optimizer; every param group's ``initial_lr`` (else ``lr``) is its base rate.
-        rule: ``(step, base_lr) -> lr``; :func:`make_scheduler` builds it from the config.
+        rule: ``(step, base_lr) -> lr``; ``make_scheduler`` builds it from the config.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, rule: Callable[[int, float], float]) -> None:
@@ -137,7 +137,7 @@ class StepScheduler(LRScheduler):
 def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, steps_per_epoch: int, total_steps: int, *,
                    warmup_epochs: float = 5, milestones: Sequence[int] = (30, 60, 80), gamma: float = 0.1,
                    min_lr_ratio: float = 0.0) -> StepScheduler:
-    """The configured schedule (``"step"``: :func:`lr_at`; ``"cosine"``: :func:`cosine_lr_at`).
+    """The configured schedule (``"step"``: ``lr_at``; ``"cosine"``: ``cosine_lr_at``).
 
     Raises:
         ValueError: an unknown ``schedule``.

@@ -2,23 +2,20 @@
 
 Hydra structured configs (dataclasses registered in Hydra's ``ConfigStore``): the
 schema holds every default once; the yaml files in ``conf/`` only choose and
-override. ``conf/config.yaml``'s defaults list starts with :class:`TrainConfig`
+override. ``conf/config.yaml``'s defaults list starts with ``TrainConfig``
 (stored as ``cltrain_schema``); a group whose options differ in shape has one
 schema per shape under ``schema/<group>`` that each option's yaml extends
 (``conf/data/demo.yaml``: ``defaults: [/schema/data/images_demo@_here_, _self_]``):
 
-==================  ==========================================================
-``schema/data``     ``images`` (:class:`ImageFolderConfig`), ``images_demo``,
-                    ``shards`` (:class:`ShardsConfig`), ``video``
-                    (:class:`ClipFolderConfig`), ``video_demo``
-``schema/optim``    ``sgd`` (:class:`SGDConfig`), ``adamw`` (:class:`AdamWConfig`)
-==================  ==========================================================
+* ``schema/data``: ``images`` (``ImageFolderConfig``), ``images_demo``, ``shards``
+  (``ShardsConfig``), ``video`` (``ClipFolderConfig``), ``video_demo``;
+* ``schema/optim``: ``sgd`` (``SGDConfig``), ``adamw`` (``AdamWConfig``).
 
 Hydra checks types when it composes (``seed=abc``); each field's rule
-(:class:`cltrain.app.rules.Rule`, in its metadata) holds the range or choices that
-:func:`cltrain.app.schema_check.check` checks after (``ema.decay=1.5``). ``trainer`` takes any other argument of
+(``cltrain.app.rules.Rule``, in its metadata) holds the range or choices that
+``cltrain.app.schema_check.check`` checks after (``ema.decay=1.5``). ``trainer`` takes any other argument of
 Lightning's ``Trainer`` by its own name (``+trainer.max_steps=100``), except
-:data:`APP_SET_TRAINER_KEYS`.
+``APP_SET_TRAINER_KEYS``.
 
 The library's constructors (``ImageClassifier``, the DataModules, ``EMA``) keep
 their own defaults and checks for library users; the app passes every value
@@ -120,7 +117,7 @@ class ModelConfig:
 # --- data -----------------------------------------------------------------------------------------
 @dataclass
 class ImageDemoConfig:
-    """``data.demo``: the generated image demo set (:func:`cltrain.data.make_demo_dataset`'s arguments)."""
+    """``data.demo``: the generated image demo set (``cltrain.data.make_demo_dataset``'s arguments)."""
 
     num_classes: int = key(10, POSITIVE)
     train_per_class: int = key(100, POSITIVE)
@@ -132,7 +129,7 @@ class ImageDemoConfig:
 
 @dataclass
 class VideoDemoConfig:
-    """``data.demo``: the generated clip demo set (:func:`cltrain.data.video.make_demo_videos`'s arguments)."""
+    """``data.demo``: the generated clip demo set (``cltrain.data.video.make_demo_videos``'s arguments)."""
 
     num_classes: int = key(6, POSITIVE)
     train_per_class: int = key(48, POSITIVE)
@@ -164,7 +161,7 @@ class DataConfig:
 
 @dataclass
 class _ImageCrops(DataConfig):
-    """The training crop and augmentation of :class:`cltrain.data.ImageFolderDataModule` (README "The NHWC data path")."""
+    """The training crop and augmentation of ``cltrain.data.ImageFolderDataModule`` (docs/guides/data.md)."""
 
     scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
     ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
@@ -291,7 +288,7 @@ class OptimConfig:
 
 @dataclass
 class SGDConfig(OptimConfig):
-    """``schema/optim/sgd``: apex main_amp.py's SGD (lr 0.05 measured steadier than 0.1 on the short demo run)."""
+    """``schema/optim/sgd``: apex main_amp.py's SGD, with lr 0.05 for the short demo run."""
 
     name: str = key("sgd", optimizer_name("sgd"))
     momentum: float = key(0.9, UNIT_CLOSED)
@@ -363,7 +360,7 @@ class TrainConfig:
     run_dir: str | None = key(None, OPT_PATH)  # null: Hydra's run directory (outputs/<date>/<time>, -1, -2...)
 
 
-#: The name of :class:`TrainConfig` in the ConfigStore (the first entry of conf/config.yaml's defaults list).
+#: The name of ``TrainConfig`` in the ConfigStore (the first entry of conf/config.yaml's defaults list).
 SCHEMA_NAME = "cltrain_schema"
 
 #: ``schema/<group>/<name>`` -> the schema a group option's yaml extends.

@@ -1,17 +1,17 @@
-"""Check a config against the schema: every problem with a key or a value one :class:`ConfigError` line.
+"""Check a config against the schema: every problem with a key or a value one ``ConfigError`` line.
 
 One pass over what a user can get wrong about keys and values:
 
 * at composition, Hydra and OmegaConf refuse an unknown key (``chanels_last=false``,
   ``optim.lrr=0.1``) or a value of the wrong type (``seed=abc``, ``ema=true``) with a
-  multi-line message; :func:`config_error` turns each into one line naming the key, the
-  value and what is allowed (the closest key names, the field's :class:`~cltrain.app.schema.Rule`);
-* after composition, :func:`check` walks the config against the dataclasses of
-  :mod:`cltrain.app.schema`: keys added with ``+`` that the schema does not have
+  multi-line message; ``config_error`` turns each into one line naming the key, the
+  value and what is allowed (the closest key names, the field's ``Rule``);
+* after composition, ``check`` walks the config against the dataclasses of
+  ``cltrain.app.schema``: keys added with ``+`` that the schema does not have
   (``+chanels_last=false``), keys removed with ``~``, and every field's rule
   (``ema.decay=1.5``, ``optim.name=lamb``); extra ``trainer.*`` keys must be arguments of
   Lightning's ``Trainer`` (or of ``trainer._target_``), not ones the app sets itself;
-* :func:`cltrain.app.compose.check_command_line` does both for ``python train.py ...`` before
+* ``cltrain.app.compose.check_command_line`` does both for ``python train.py ...`` before
   Hydra starts the run, for every value of a ``-m`` sweep.
 
 Example::
@@ -203,7 +203,7 @@ def _check_trainer_extra(node: DictConfig, name: str) -> None:
 
 # --- the walk after composition ------------------------------------------------------------------
 def check(cfg: DictConfig) -> None:
-    """Check a composed config against :mod:`cltrain.app.schema`: keys added that the schema lacks,
+    """Check a composed config against ``cltrain.app.schema``: keys added that the schema lacks,
     keys removed, values left unset, and every field's rule.
 
     Raises:
@@ -261,7 +261,7 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
 
 
 def config_error(exc: BaseException) -> ConfigError | None:
-    """The one-line :class:`ConfigError` for a Hydra / OmegaConf composition error about a key or a value;
+    """The one-line ``ConfigError`` for a Hydra / OmegaConf composition error about a key or a value;
     None for other errors (an unknown group option, a syntax error), which Hydra's own message explains."""
     if isinstance(exc, ConfigError):
         return exc

@@ -1,26 +1,11 @@
 """SIGTERM and SIGINT end a run cleanly: the latest state saved, exit status 143 / 130.
 
-How it fits Lightning 2.x: while ``trainer.fit`` runs, Lightning's ``_SignalConnector``
-installs its own SIGTERM handler, which sets ``trainer.received_sigterm`` (and, under
-DDP, tells the other ranks); the training and validation loops then raise
-``SIGTERMException`` at the next batch end. Lightning chains the SIGTERM handler that
-was installed before (ours), and restores it after fit.
-
-:class:`SignalStop` adds what Lightning leaves out:
-
-* a handler for SIGINT and SIGTERM installed for the whole of ``train()``. Outside
-  ``fit`` (building the data, the final validation) a signal raises
-  :class:`RunInterrupted` at once. Inside ``fit`` the first signal is recorded and the
-  run stops at the end of the current batch (so the checkpoint holds a whole step);
-  a second signal of the same kind stops at once;
-* a callback that raises :class:`RunInterrupted` at that batch end. The exception
-  goes through Lightning's ``on_exception`` hooks, where ``OnExceptionCheckpoint``
-  writes ``last.ckpt``; ``train()`` then writes ``metrics.json`` with
-  ``"status": "interrupted"``, prints the resume command and exits 128 + signal.
-
-Under DDP (world size > 1) SIGTERM is left to Lightning's broadcast (every rank must
-stop at the same step) and SIGINT stops at once. SIGUSR1 (SLURM's requeue signal,
-handled by Lightning's ``SLURMEnvironment(auto_requeue=True)``) is never touched.
+``SignalStop`` handles SIGINT and SIGTERM for the whole of ``train()``, chained with
+Lightning's own SIGTERM handler. Outside ``fit`` a signal raises ``RunInterrupted`` at once;
+inside ``fit`` the first signal stops the run at the end of the current batch (a second one at
+once), through Lightning's ``on_exception`` hooks, where ``OnExceptionCheckpoint`` writes
+``last.ckpt``. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same
+step). SIGUSR1 (SLURM's requeue) is never touched.
 """
 
 from __future__ import annotations

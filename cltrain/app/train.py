@@ -1,9 +1,9 @@
 """``train(cfg)``: the whole training run behind ``python train.py``, testable without a shell.
 
-Steps: check the config (:func:`~cltrain.app.config.validate`, before anything is
+Steps: check the config (``validate``, before anything is
 built), claim the run directory, seed, build the data (generating the demo set on
 first use), the model (converted to channels_last first when it will be
-compiled), the :class:`~cltrain.app.module.ImageClassifier` and a Lightning
+compiled), the ``ImageClassifier`` and a Lightning
 ``Trainer`` whose accelerator and precision come from ``device`` / ``amp``; then
 fit (or resume from ``ckpt_path``) or, with ``evaluate_only``, validate; finally
 write ``metrics.json`` and print the result.
@@ -162,8 +162,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     A run stopped by SIGTERM / SIGINT saves ``checkpoints/last.ckpt``, writes ``metrics.json``
     with ``"status": "interrupted"``, prints the resume command and raises ``SystemExit(143 / 130)``.
     A run that fails with an exception saves ``last.ckpt`` too, and writes ``"status": "failed"``.
-    Checkpoints are saved atomically (:class:`~cltrain.checkpoint_io.AtomicCheckpointIO`): a save that
-    fails for lack of space raises :class:`~cltrain.atomic.DiskFullError` and leaves the previous
+    Checkpoints are saved atomically (``AtomicCheckpointIO``): a save that
+    fails for lack of space raises ``DiskFullError`` and leaves the previous
     ``last.ckpt`` as it was.
 
     Raises:

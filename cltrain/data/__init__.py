@@ -1,18 +1,18 @@
 """The NHWC data path: batches leave the loader as uint8 NHWC, straight from the decoded images.
 
-* :func:`train_transform`, :func:`eval_transform`: image -> HWC uint8 in one crop+resize
+* ``train_transform``, ``eval_transform``: image -> HWC uint8 in one crop+resize
   call, with reduced-size JPEG decoding when it cannot change the output. Given a JPEG path
-  (as :class:`ImageFolderDataset` does) they decode with libjpeg-turbo (simplejpeg) and
+  (as ``ImageFolderDataset`` does) they decode with libjpeg-turbo (simplejpeg) and
   resize with torch's antialiased uint8 kernel; a PIL image, another format, or no
   simplejpeg takes the Pillow path.
-* :class:`NHWCCollate` / :func:`nhwc_collate`: images into one ``(N, H, W, C)``
+* ``NHWCCollate`` / ``nhwc_collate``: images into one ``(N, H, W, C)``
   buffer, returned as its ``(N, C, H, W)`` channels_last view, plus int64 targets.
-* :func:`normalize`: uint8 -> float32/bfloat16/float16 on the device, channels_last.
-* :class:`ImageFolderDataModule`: all of it for Lightning, from an ImageNet-layout folder.
-* :class:`ShardsDataModule`: the same from WebDataset shards packed by ``python -m cltrain.data.pack``.
-* :func:`make_demo_dataset`: a small JPEG folder with a learnable signal, made locally.
-* :class:`HWCAugment` (TrivialAugment / RandAugment in the workers), :class:`RandomErasing`
-  and :class:`MixupCutmix` (on the device batch, channels_last kept): see :mod:`cltrain.data.augment`.
+* ``normalize``: uint8 -> float32/bfloat16/float16 on the device, channels_last.
+* ``ImageFolderDataModule``: all of it for Lightning, from an ImageNet-layout folder.
+* ``ShardsDataModule``: the same from WebDataset shards packed by ``python -m cltrain.data.pack``.
+* ``make_demo_dataset``: a small JPEG folder with a learnable signal, made locally.
+* ``HWCAugment`` (TrivialAugment / RandAugment in the workers), ``RandomErasing``
+  and ``MixupCutmix`` (on the device batch, channels_last kept): see ``cltrain.data.augment``.
 
 Example::
 

@@ -1,15 +1,15 @@
 """Augmentations that keep the NHWC path: policies on the HWC uint8 crop in the workers,
 random erasing and mixup / cutmix on the channels_last batch on the device.
 
-* :class:`HWCAugment`: torchvision v2's ``TrivialAugmentWide`` or ``RandAugment`` on the
-  crop, in the worker, after :class:`~cltrain.data.transforms.RandomResizedCropFlip`.
+* ``HWCAugment``: torchvision v2's ``TrivialAugmentWide`` or ``RandAugment`` on the
+  crop, in the worker, after ``RandomResizedCropFlip``.
   torchvision wants CHW: the HWC array's ``permute(2, 0, 1)`` *is* a CHW tensor (with
   channels-last strides, no copy), and the v2 kernels give the same pixels on it as on a
   contiguous copy (tested). Draws from the torch RNG (seeded per worker).
-* :class:`RandomErasing`: timm's ``RandomErasing`` (per image, in place; the same code
+* ``RandomErasing``: timm's ``RandomErasing`` (per image, in place; the same code
   timm's ``PrefetchLoader`` runs after normalising on the GPU). Writing a patch into a
   slice of the batch keeps its strides: channels_last in, channels_last out, no copy.
-* :class:`MixupCutmix`: timm's ``Mixup`` (mixup or cutmix per batch, ``switch_prob``
+* ``MixupCutmix``: timm's ``Mixup`` (mixup or cutmix per batch, ``switch_prob``
   between them, cutmix's lambda corrected to the clipped box), in place on the batch.
   Targets become probabilities ``(N, num_classes)``.
 
@@ -55,7 +55,8 @@ class HWCAugment:
 
     Args:
         policy: ``"trivialaugment"`` or ``"randaugment"``.
-        num_ops, magnitude: RandAugment's (ignored by TrivialAugmentWide, which draws its own).
+        num_ops: RandAugment's number of ops (ignored by TrivialAugmentWide).
+        magnitude: RandAugment's magnitude (ignored by TrivialAugmentWide, which draws its own).
         interpolation: ``"nearest"`` (torchvision's default) or ``"bilinear"``, for the geometric ops.
 
     Raises:
@@ -90,7 +91,10 @@ class RandomErasing:
         probability: chance that an image gets erased boxes.
         mode: ``"pixel"`` (normal noise per pixel, timm's training default), ``"rand"``
             (one random colour per box) or ``"const"`` (zeros, i.e. the mean after normalising).
-        min_area, max_area, min_aspect, max_count: timm's box parameters.
+        min_area: timm's smallest box, as a fraction of the image.
+        max_area: timm's largest box, as a fraction of the image.
+        min_aspect: timm's smallest box aspect ratio.
+        max_count: timm's largest number of boxes per image.
     """
 
     def __init__(self, probability: float = 0.25, mode: str = "pixel", min_area: float = 0.02,
@@ -118,7 +122,8 @@ class MixupCutmix:
 
     Args:
         num_classes: width of the probability targets.
-        mixup_alpha, cutmix_alpha: Beta parameters (0 turns one off).
+        mixup_alpha: mixup's Beta parameter (0 turns it off).
+        cutmix_alpha: cutmix's Beta parameter (0 turns it off).
         prob: chance that a batch is mixed at all.
         switch_prob: with both on, the chance of cutmix rather than mixup.
         label_smoothing: timm's; leave 0 and let ``nn.CrossEntropyLoss(label_smoothing=...)``

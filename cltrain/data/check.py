@@ -10,13 +10,13 @@ start: ``ImageFolderDataModule(root, exclude_files="bad_files.tsv")``.
 Two depths (``--quick``):
 
 * full (default): decodes every pixel with Pillow. It catches what the loader
-  would fail on while decoding. Cost: see the measurement below ``CHECK_MODES``.
+  would fail on while decoding, at about ten times the quick check's cost.
 * quick: a zero-byte file; a header Pillow cannot parse (not an image, unknown
   format, a broken header); a JPEG without its end-of-image marker in the last
   4 KiB (a truncated download: the usual damage); a PNG whose chunk CRCs or
   length fail Pillow's ``verify``. It does not catch corrupt compressed data
   inside a complete JPEG, nor a truncated BMP/TIFF/WebP/PPM. This is what
-  :class:`~cltrain.data.ImageFolderDataModule` runs on the validation split in
+  ``ImageFolderDataModule`` runs on the validation split in
   ``setup`` (``check_val="quick"``), so a bad validation file stops the run
   before the first training epoch rather than after it.
 
@@ -45,10 +45,7 @@ __all__ = ["CHECK_MODES", "check_file", "check_files", "main"]
 
 _TAIL = 4096  # bytes searched for a JPEG's end-of-image marker (some files carry trailing bytes after it)
 
-# Measured on this machine (2 vCPU AMD EPYC shared with other jobs, one process, demo JPEGs 500x375,
-# warm page cache, 400 files): full decode 2.6-3.4 ms per file, quick check 0.13-0.33 ms (Pillow's header
-# parse dominates; the tail read alone is ~0.09 ms). For a 50,000-file validation split on one core:
-# full ~130-170 s, quick ~7-16 s, divided by the worker count. So setup runs the quick check.
+# A full decode costs about ten times the quick check (docs/guides/data.md), so setup runs the quick one.
 
 
 def check_file(path: str, full: bool = False) -> str | None:

@@ -100,12 +100,12 @@ class NHWCCollate:
             process: with ``num_workers > 0`` use the DataLoader's own ``pin_memory=True``
             instead, which pins in the main process and keeps the strides.
         image_key: the key of the image in dict samples.
-        normalize: an :class:`~cltrain.data.normalize.ImageNormalizer`: the batch comes out
+        normalize: an ``ImageNormalizer``: the batch comes out
             normalised (float32/bfloat16/float16, channels_last), each image written into the
             buffer as it is converted (the DataModules then skip their own normalisation);
             ``None``: uint8.
         threads: images copied (and normalised) on this many threads
-            (:mod:`cltrain.data.decode_pool`).
+            (``cltrain.data.decode_pool``).
 
     Returns (from a call):
         ``(images, targets, ...)`` for sequence samples, a dict for dict samples: images
@@ -177,5 +177,5 @@ class NHWCCollate:
 
 
 def nhwc_collate(batch: Sequence[Any]) -> Any:
-    """:class:`NHWCCollate` without pinning, as a function."""
+    """``NHWCCollate`` without pinning, as a function."""
     return NHWCCollate()(batch)

@@ -9,5 +9,5 @@ IMG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pg
 #: Suffixes decoded through the JPEG fast path.
 JPEG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg")
 
-#: Depths of the image-file check (see :mod:`cltrain.data.check`).
+#: Depths of the image-file check (see ``cltrain.data.check``).
 CHECK_MODES: tuple[str, ...] = ("quick", "full", "off")

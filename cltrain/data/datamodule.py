@@ -1,8 +1,8 @@
 """``ImageFolderDataModule``: an ImageNet-layout folder as NHWC batches for Lightning.
 
 ``root/train/<class>/<image>`` and ``root/val/<class>/<image>``; test and predict
-use ``val``. Workers decode and crop with :func:`train_transform` /
-:func:`eval_transform` and collate with :class:`NHWCCollate`, so uint8 NHWC
+use ``val``. Workers decode and crop with ``train_transform`` /
+``eval_transform`` and collate with ``NHWCCollate``, so uint8 NHWC
 buffers cross the process boundary and the host-to-device copy; the batch is
 normalised on the device in ``on_after_batch_transfer``, so every step
 (training, validation, test, predict) receives ``(images, targets)`` with
@@ -53,7 +53,7 @@ class ImageFolderDataModule(ClassFolderDataModule):
             test and predict keep every image.
         num_workers: DataLoader worker processes (0: load in the main process).
         decode_threads: threads that decode a batch's images in each loading process
-            (:mod:`cltrain.data.decode_pool`): with ``num_workers=0`` and 2 threads, two cores
+            (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
             load in one process; 1 decodes them one by one.
         persistent_workers: keep workers between epochs (when ``num_workers > 0``).
         pin_memory: ``None`` pins only when the trainer runs on a GPU.
@@ -70,31 +70,35 @@ class ImageFolderDataModule(ClassFolderDataModule):
         exclude_files: a list of files to leave out from the start: the output of
             ``python -m cltrain.data.check ROOT``, or a ``skipped_files.tsv``.
         check_val: check the validation files in ``setup`` before training starts:
-            ``"quick"`` (headers and JPEG end markers, ~0.1-0.3 ms a file),
-            ``"full"`` (decode every file) or ``"off"`` (see :mod:`cltrain.data.check`).
+            ``"quick"`` (headers and JPEG end markers),
+            ``"full"`` (decode every file) or ``"off"`` (see ``cltrain.data.check``).
             Bad files stop the run (``bad_files="raise"``) or are left out and listed
             (``"skip"``).
         index_cache: reuse the file index of an unchanged tree between runs and
-            ranks (:mod:`cltrain.data.index`), kept in the user cache folder
-            (``$CLTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/cltrain``), never in ``root``; a path
+            ranks (``cltrain.data.index``), kept in the user cache folder
+            (``cltrain.data.index.default_cache_dir``), never in ``root``; a path
             keeps it there instead; ``False`` walks the tree every run.
-        mean, std: normalisation statistics (0-1 units).
+        mean: per-channel normalisation mean (0-1 units).
+        std: per-channel normalisation standard deviation (0-1 units).
         dtype: dtype of the normalised images (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCHW batches (the baseline).
         cuda_prefetch: on a CUDA device, copy the next batch on a side stream
-            (:class:`~cltrain.data.prefetch.PrefetchDataLoader`). Off by default: this path has
-            not been measured on a GPU yet; without it Lightning copies each batch when its step starts.
-        scale, ratio, hflip, interpolation: the training crop's RandomResizedCrop range of
-            area and aspect ratio, flip probability, and resampling (``"bilinear"``/``"bicubic"``).
+            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
+        scale: the training crop's RandomResizedCrop range of area.
+        ratio: the training crop's range of aspect ratio.
+        hflip: the training flip probability.
+        interpolation: the resampling, ``"bilinear"`` or ``"bicubic"``.
         exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
         augment: ``"none"``, ``"trivialaugment"`` or ``"randaugment"`` on each training crop,
-            in the workers (:class:`~cltrain.data.augment.HWCAugment`).
+            in the workers (``HWCAugment``).
         random_erasing: probability of timm's per-image random erasing of the normalised
             training batch on the device (0: off).
-        mixup_alpha, cutmix_alpha, mixup_prob, mixup_switch_prob: timm's mixup / cutmix on the
-            training batch on the device (both alphas 0: off); targets become probabilities
-            ``(N, classes)``, which the module's loss takes as they are and its accuracy reads
-            by ``argmax`` (the dominant label). Needs an even batch (drop the last partial one).
+        mixup_alpha: timm's mixup on the training batch on the device (0: off); targets become
+            probabilities ``(N, classes)``, which the module's loss takes as they are and its
+            accuracy reads by ``argmax`` (the dominant label). Needs an even batch.
+        cutmix_alpha: timm's cutmix, as ``mixup_alpha`` (both 0: off).
+        mixup_prob: the chance that a batch is mixed at all.
+        mixup_switch_prob: with both on, the chance of cutmix rather than mixup.
 
     Raises:
         ValueError: a bad argument (at construction); a split without class
@@ -102,7 +106,7 @@ class ImageFolderDataModule(ClassFolderDataModule):
             ``mean``/``std`` in 0-255 units.
         BadImageError: a bad validation file found by ``check_val`` (``bad_files="raise"``).
         FileNotFoundError: a missing root or split (in ``setup``, or on reading
-            :attr:`classes`).
+            ``classes``).
     """
 
     layout_hint = ("a folder with train/ and val/ (ImageNet layout), or make one with "

@@ -5,7 +5,7 @@ sample's path, so it reads the bytes and decodes JPEGs with libjpeg-turbo; any
 other transform gets the image opened lazily with Pillow, undecoded, so it can
 still ask for reduced-size JPEG decoding. A file that cannot be read
 (zero bytes, not an image, truncated, an unsupported mode) either raises
-:class:`BadImageError` naming the file and the reason (``bad_files="raise"``),
+``BadImageError`` naming the file and the reason (``bad_files="raise"``),
 or is replaced by the next readable sample and reported (``bad_files="skip"``):
 one ``split<TAB>path<TAB>reason`` line appended to ``skip_log`` (from whichever
 worker process met it) and a warning once per file and process.
@@ -43,7 +43,7 @@ def find_samples(split_dir: str | os.PathLike, classes: Sequence[str], require_a
     """``(path, class index)`` of every image file under ``split_dir/<class>`` (each real file once; no cache).
 
     Raises:
-        ValueError: see :func:`cltrain.data.index.scan_split` (``require_all=False`` allows missing classes).
+        ValueError: see ``cltrain.data.index.scan_split`` (``require_all=False`` allows missing classes).
     """
     return scan_split(split_dir, classes, allow_missing=not require_all).samples
 
@@ -69,7 +69,7 @@ def read_file_list(path: str | os.PathLike) -> set[str]:
 
 
 def check_bad_files(bad_files: str, owner: str = "") -> str:
-    """``bad_files`` if it is a policy of :data:`BAD_FILE_POLICIES`; else ``ValueError`` (prefixed by ``owner``)."""
+    """``bad_files`` if it is a policy of ``BAD_FILE_POLICIES``; else ``ValueError`` (prefixed by ``owner``)."""
     if bad_files not in BAD_FILE_POLICIES:
         raise ValueError(f"{owner + ': ' if owner else ''}bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
     return bad_files
@@ -77,10 +77,10 @@ def check_bad_files(bad_files: str, owner: str = "") -> str:
 
 class SkipsBadSamples:
     """The bad-file policy of a folder Dataset whose ``samples`` start with a path and whose
-    ``load(i)`` raises :class:`BadImageError` (its ``__cause__`` the reason): ``bad_files="raise"``
-    passes it on; ``"skip"`` reports the sample (:meth:`skip`) and returns the next readable one
-    (at most 50 in a row). The Dataset sets ``split_dir`` and calls :meth:`_set_policy`;
-    :attr:`what` names a sample in the warning."""
+    ``load(i)`` raises ``BadImageError`` (its ``__cause__`` the reason): ``bad_files="raise"``
+    passes it on; ``"skip"`` reports the sample (``skip``) and returns the next readable one
+    (at most 50 in a row). The Dataset sets ``split_dir`` and calls ``_set_policy``;
+    ``what`` names a sample in the warning."""
 
     what = "image"
     split_dir: Path
@@ -126,22 +126,22 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
 
     Args:
         split_dir: e.g. ``root/train``.
-        transform: PIL image -> HWC uint8 (see :func:`cltrain.data.train_transform`), or
+        transform: PIL image -> HWC uint8 (see ``cltrain.data.train_transform``), or
             path -> HWC uint8 if it has ``takes_paths = True``.
         classes: class folder names, in label order; ``None`` takes those of ``split_dir``.
         bad_files: ``"raise"`` or ``"skip"`` (see the module docstring).
         skip_log: file the skipped paths are appended to (``"skip"`` only); ``None``: none.
         allow_missing_classes: accept classes of ``classes`` without a folder here
             (otherwise a ``ValueError`` names them).
-        exclude: real paths of files to leave out from the start (see :func:`read_file_list`).
-        index_cache: reuse the file index of an unchanged tree (:mod:`cltrain.data.index`): ``True``
+        exclude: real paths of files to leave out from the start (see ``read_file_list``).
+        index_cache: reuse the file index of an unchanged tree (``cltrain.data.index``): ``True``
             keeps it in the user cache folder, a path keeps it there, ``False`` walks every time.
         threads: decode the samples of a batch on this many threads of the loading process
-            (:mod:`cltrain.data.decode_pool`; the DataLoader asks for whole batches through
+            (``cltrain.data.decode_pool``; the DataLoader asks for whole batches through
             ``__getitems__``); 1 loads them one by one in the calling thread.
 
     Attributes:
-        index: what the walk found (:class:`~cltrain.data.index.SplitIndex`: ignored
+        index: what the walk found (``SplitIndex``: ignored
             suffixes, duplicate links).
         excluded: how many listed files were left out.
     """
@@ -178,14 +178,14 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         return len(self.samples)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, int]]:
-        """The samples of a batch, decoded on :attr:`threads` threads (see :mod:`cltrain.data.decode_pool`)."""
+        """The samples of a batch, decoded on ``threads`` threads (see ``cltrain.data.decode_pool``)."""
         if self.threads == 1 or len(indices) == 1:
             return [self[i] for i in indices]
         return load_batch(self.load, indices, self.threads, getattr(self.transform, "augment", None),
                           retry=BadImageError, fallback=self.__getitem__ if self.bad_files == "skip" else None)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
-        """The sample at ``index``; raises :class:`BadImageError` for an unreadable file."""
+        """The sample at ``index``; raises ``BadImageError`` for an unreadable file."""
         path, target = self.samples[index]
         try:
             if getattr(self.transform, "takes_paths", False):

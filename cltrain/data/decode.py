@@ -3,20 +3,20 @@
 Two kernels do the same work (crop a box, resize it with antialiased bilinear
 filtering, mirror it, HWC uint8 out):
 
-* :func:`jpeg_resized_crop`: JPEG bytes decoded by libjpeg-turbo straight into a numpy
-  array: for a training crop only the region under it (:mod:`cltrain.data.jpeg_roi`,
+* ``jpeg_resized_crop``: JPEG bytes decoded by libjpeg-turbo straight into a numpy
+  array: for a training crop only the region under it (``cltrain.data.jpeg_roi``,
   libturbojpeg 3; the same pixels as the whole decode sliced), else the whole image
   (simplejpeg) with the crop taken as a slice; then resized by
   ``torch.nn.functional.interpolate(..., antialias=True)`` as a channels_last
   uint8 tensor (PyTorch's AVX2 uint8 kernel, the one torchvision v2's resize uses).
-* :func:`resized_crop`: a PIL image, ``Image.draft`` then one ``resize(box=...)``;
+* ``resized_crop``: a PIL image, ``Image.draft`` then one ``resize(box=...)``;
   the fallback for every other format, CMYK/YCCK JPEGs, files simplejpeg rejects
   (corrupt, truncated, empty: Pillow then reports them with its own message), and
   machines without simplejpeg.
 
 Both decode a crop at least twice the output at a reduced size (libjpeg's DCT
 scaling) when that cannot lower the output's resolution: 1/2, 1/4 or 1/8, see
-:func:`decode_factor` (the M/8 scales in between run slower generic IDCTs). The fast
+``decode_factor`` (the M/8 scales in between run slower generic IDCTs). The fast
 path then rounds the box to the reduced image's pixels (Pillow takes the exact float
 box): the crop moves by up to half a decoded pixel, at most half an output pixel, like
 torchvision's own whole-pixel crop boxes. Decoding is accurate (no ``fastdct`` /
@@ -139,7 +139,7 @@ def check_pixels(size: tuple[int, int], name: object = "image") -> None:
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of a JPEG that :func:`jpeg_resized_crop` can decode, from its
+    """``(width, height)`` of a JPEG that ``jpeg_resized_crop`` can decode, from its
     header; ``None`` for anything else (not a JPEG, CMYK/YCCK, an unreadable header,
     simplejpeg not installed), which is Pillow's to read."""
     if simplejpeg is None or not data.startswith(_JPEG_MAGIC):
@@ -224,11 +224,11 @@ def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channe
 def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int = 3,
                       flip: bool = False, resize: tuple[int, int] | None = None, reduce: bool = True,
                       region: bool = True, interpolation: str = "bilinear") -> np.ndarray:
-    """:func:`resized_crop` for JPEG bytes, through libjpeg-turbo and torch; HWC uint8 (contiguous) out.
+    """``resized_crop`` for JPEG bytes, through libjpeg-turbo and torch; HWC uint8 (contiguous) out.
 
     Without ``resize`` the box (source pixels) is decoded and resized to ``size``, as
     torchvision v2's ``resized_crop`` does on a tensor; with ``region`` (and libturbojpeg 3,
-    see :mod:`cltrain.data.jpeg_roi`) only the iMCU rows and columns under the box are
+    see ``cltrain.data.jpeg_roi``) only the iMCU rows and columns under the box are
     decoded, with the same pixels. With ``resize`` the whole image is resized to it and
     ``box`` (integral, in those pixels) sliced out: exactly torchvision's ``Resize`` +
     ``CenterCrop`` on the decoded tensor. With ``reduce`` the JPEG is decoded at 1/2, 1/4
@@ -236,7 +236,7 @@ def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size:
     box is scaled to the decoded image and rounded to its pixels.
 
     Raises:
-        ValueError: libjpeg-turbo cannot decode ``data`` (see :func:`decode_jpeg`).
+        ValueError: libjpeg-turbo cannot decode ``data`` (see ``decode_jpeg``).
     """
     with one_thread():
         return _jpeg_resized_crop(data, box, size, channels, flip, resize, reduce, region, interpolation)

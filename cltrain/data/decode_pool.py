@@ -3,13 +3,13 @@
 libjpeg-turbo (simplejpeg, the region decoder) and torch's resize release the GIL, so
 a batch's images decode in parallel in one process: two cores need no second
 process, no pickling and no shared-memory hand-over. A Dataset with ``__getitems__``
-(which the DataLoader calls with a batch's indices) hands them to :func:`load_batch`.
+(which the DataLoader calls with a batch's indices) hands them to ``load_batch``.
 
 Random crops stay reproducible: the calling thread draws one seed per sample from the
 torch RNG (so ``seed_everything`` and the DataLoader's per-worker seeding decide them),
 and each sample's transform draws from a generator seeded with it
-(:func:`sample_generator`). Augmentations that draw from the global RNG
-(:class:`~cltrain.data.augment.HWCAugment`) run afterwards in the calling thread, in
+(``sample_generator``). Augmentations that draw from the global RNG
+(``HWCAugment``) run afterwards in the calling thread, in
 sample order. The threads run torch on one intra-op thread each.
 
 Example::
@@ -54,7 +54,7 @@ def one_thread() -> Iterator[None]:
 
     One image's work is too small to split: on a busy machine each small parallel region
     waits for a descheduled OpenMP thread (docs/performance.md). Images are loaded in
-    parallel instead (:func:`load_batch`, DataLoader workers).
+    parallel instead (``load_batch``, DataLoader workers).
     """
     threads = torch.get_num_threads()  # OpenMP's setting is per calling thread
     if threads == 1:

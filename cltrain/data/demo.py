@@ -133,7 +133,8 @@ def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_
         root: the folder to create. Reused as it is when it holds a complete demo
             folder made with the same arguments.
         num_classes: number of classes, 1 to 25 (5 shapes x 5 colour families).
-        train_per_class, val_per_class: images per class in each split (>= 1).
+        train_per_class: training images per class (>= 1).
+        val_per_class: validation images per class (>= 1).
         image_size: (width, height) of every image.
         seed: the seed everything is drawn from.
 
@@ -201,10 +202,10 @@ def _remove_stale_tmp(root: Path) -> list[Path]:
 
 
 def write_once(root: str | os.PathLike, params: dict, fill: Callable[[Path], None], owner: str) -> Path:
-    """Make the folder ``root`` once: ``fill`` writes into a temporary sibling, the :data:`MARKER`
+    """Make the folder ``root`` once: ``fill`` writes into a temporary sibling, the ``MARKER``
     file (holding ``params``) is written last, then the folder is renamed into place. A
     complete folder made with the same ``params`` is reused as it is; any other existing
-    ``root`` is left untouched (:class:`FileExistsError`, prefixed by ``owner``)."""
+    ``root`` is left untouched (``FileExistsError``, prefixed by ``owner``)."""
     root = Path(root)
     if root.exists():
         marker = root / MARKER

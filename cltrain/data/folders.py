@@ -1,17 +1,17 @@
 """What the folder DataModules share: class folders, the device, and loaders with the opt-in CUDA prefetch.
 
-:class:`~cltrain.data.ImageFolderDataModule` (images) and
-:class:`~cltrain.data.video.ClipFolderDataModule` (clips) differ in what a sample is and how a
+``ImageFolderDataModule`` (images) and
+``ClipFolderDataModule`` (clips) differ in what a sample is and how a
 batch is collated and normalised; the rest is here, once: the class folders of ``root/train``
 (label order), the device and memory pinning chosen at ``setup``, and one loader builder
 whose batches are copied to a CUDA device on a side stream when ``cuda_prefetch=True``
-(:class:`~cltrain.data.prefetch.PrefetchDataLoader`; off by default until a GPU run
+(``PrefetchDataLoader``; off by default until a GPU run
 measures it), shuffled and cut to whole batches for training, every sample kept for
 validation, test and predict.
 
-A subclass sets :attr:`layout_hint` and :attr:`collate_class` and calls
-:meth:`_choose_device` in its ``setup``; with ``bad_files="skip"`` it calls :meth:`_open_skip_log`
-too, so the skipped samples are listed in the run directory (:class:`SkippedFilesReport` counts them per epoch).
+A subclass sets ``layout_hint`` and ``collate_class`` and calls
+``_choose_device`` in its ``setup``; with ``bad_files="skip"`` it calls ``_open_skip_log``
+too, so the skipped samples are listed in the run directory (``SkippedFilesReport`` counts them per epoch).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class ClassFolderDataModule(L.LightningDataModule):
     @property
     def skipped_files_path(self) -> Path | None:
         """With ``bad_files="skip"`` under a Trainer: the list the workers append skipped files to
-        (:class:`SkippedFilesReport` counts and reports them); else ``None``."""
+        (``SkippedFilesReport`` counts and reports them); else ``None``."""
         return getattr(self, "_skip_log", None)
 
     def _open_skip_log(self) -> None:

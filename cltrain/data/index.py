@@ -1,36 +1,15 @@
 """The file index of an image folder split (``split/<class>/<image>``), built once and cached.
 
-Walking a 1.28M-file ImageNet tree takes every rank of every run many seconds (minutes
-on a network filesystem), so :func:`index_split` stores what one walk found and reuses
-it while the tree is unchanged.
+A walk counts each image file once, by its real path (a symlink loop is walked once, a second
+link to a listed file is dropped; hard links are not recognised), and counts the files whose
+suffix is not in ``IMG_EXTENSIONS`` (torchvision's ``ImageFolder`` list) as ``ignored``.
 
-What a walk counts:
-
-* each image file once, by its real path: a symlink loop (a folder linking to an
-  ancestor) is walked once, and a second link to a file already listed is dropped
-  (counted in ``duplicates``). Hard links are not recognised (that would need a
-  ``stat`` per file);
-* files whose suffix is not loaded (``ignored``, by suffix), so a folder of ``.gif``
-  files is reported rather than silently dropped. Dot-files (``.DS_Store``) are skipped
-  without being counted.
-
-Which formats are loaded: :data:`~cltrain.data.constants.IMG_EXTENSIONS`, torchvision's
-``ImageFolder`` list, so a folder gives the same samples and labels as torchvision's
-reference scripts. GIF is not in it: torchvision leaves it out, ImageNet has none,
-and for an animated GIF "the image" is ambiguous (Pillow would give the first frame).
-
-The cache: one JSON file per split in the user's cache folder, never in the dataset:
-``$CLTRAIN_CACHE_DIR/index`` when that is set, else ``$XDG_CACHE_HOME/cltrain/index``
-(``~/.cache/cltrain/index``), or the ``cache_dir`` given; keyed by the split's real path.
-An index file an older cltrain wrote into ``<root>/.cltrain_index/`` is moved there on
-first use (one log line says so). It is valid while the modification time of every folder the walk
-visited (the split, its class folders, their subfolders, linked folders) is unchanged,
-and the class list and suffix list are the same. That detects files or folders added,
-removed or renamed anywhere in the tree; it does not detect a file's content replaced
-under the same name (which does not change the index), and a folder changed within
-2 s of the walk (coarse filesystem clocks), so such an index is not stored. Ranks
-share it through a file lock: the first to take it walks and writes, the others
-wait and read. The file is written atomically and read as JSON (no pickle).
+``index_split`` stores what one walk found as one JSON file per split in
+``default_cache_dir()`` (or ``cache_dir``), keyed by the split's real path, written atomically;
+an index found in ``<root>/.cltrain_index/`` is moved there on first use. It is reused while the
+modification time of every folder the walk visited is unchanged (a folder changed within 2 s of
+the walk is not trusted), and ranks share it through a file lock: the first walks and writes,
+the others read.
 """
 
 from __future__ import annotations
@@ -138,7 +117,7 @@ def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: set[str], ind
 
 def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
                split_name: str | None = None) -> SplitIndex:
-    """Walk ``split_dir/<class>/`` (any depth) and list its images (no cache; see :func:`index_split`).
+    """Walk ``split_dir/<class>/`` (any depth) and list its images (no cache; see ``index_split``).
 
     Args:
         split_dir: e.g. ``root/train``.
@@ -251,12 +230,14 @@ def _store(path: Path, key: dict, index: SplitIndex, started: float, split_dir: 
 
 def index_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
                 cache: bool = True, cache_dir: str | os.PathLike | None = None) -> SplitIndex:
-    """:func:`scan_split`, from the cache when the tree is unchanged (see the module docstring).
+    """``scan_split``, from the cache when the tree is unchanged (see the module docstring).
 
     Args:
-        split_dir, classes, allow_missing: as :func:`scan_split`.
+        split_dir: as ``scan_split``.
+        classes: as ``scan_split``.
+        allow_missing: as ``scan_split``.
         cache: ``False`` always walks and stores nothing.
-        cache_dir: where the index files go; ``None``: :func:`default_cache_dir`.
+        cache_dir: where the index files go; ``None``: ``default_cache_dir``.
     """
     split_dir = Path(split_dir)
     if not cache:

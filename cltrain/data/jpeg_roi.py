@@ -16,7 +16,7 @@ losslessly). A lossless crop through that supported API followed by a decode too
 the region decode's time (docs/performance.md). So this module calls libjpeg-turbo 3's
 documented C API (five functions of ``turbojpeg.h``) in the ``libturbojpeg`` that the
 ``turbojpeg`` wheel lists among its own files (found through ``importlib.metadata``),
-or a system one of version 3. Without either :func:`available` is ``False`` and the
+or a system one of version 3. Without either ``available`` is ``False`` and the
 callers decode whole images with simplejpeg.
 """
 
@@ -118,7 +118,7 @@ def _error(handle) -> JpegRegionError:
 
 def read_header(data: bytes) -> tuple[int, int, int, int] | None:
     """``(width, height, subsampling, colorspace)`` of a baseline/progressive 8-bit
-    RGB/YCbCr/grey JPEG that :func:`decode_region` can decode; ``None`` otherwise
+    RGB/YCbCr/grey JPEG that ``decode_region`` can decode; ``None`` otherwise
     (CMYK, 12-bit, lossless, not a JPEG, no library)."""
     if _LIB is None:
         return None
@@ -144,7 +144,7 @@ def decode_region(data: bytes, box: tuple[int, int, int, int], factor: int = 1, 
     then a view of it.
 
     Raises:
-        JpegRegionError: the data is corrupt, truncated or of a kind :func:`read_header` refuses.
+        JpegRegionError: the data is corrupt, truncated or of a kind ``read_header`` refuses.
     """
     header = header or read_header(data)
     if header is None:

@@ -3,15 +3,11 @@
 ``normalize`` runs wherever the batch is (CPU or CUDA, same code), after the
 transfer, so the loader only ever moves uint8 (4x less than float32).
 
-How, and why this way: the per-channel affine ``x / 255 * (1 / std) - mean / std``
-is applied on a ``(N * H, W * C)`` view of the NHWC buffer with the scale and
-shift repeated ``W`` times, so the innermost loop runs over ``W * C`` contiguous
-values with contiguous operands. Broadcasting a ``(1, C, 1, 1)`` tensor over a
-channels_last tensor instead gives an inner loop of length C == 3, which on a
-CPU was measured 2x slower, as was a single mixed-dtype ``addcmul`` on the uint8
-input. So it is two passes: one conversion copy (uint8 -> float32, exact) and one
-in-place ``addcmul``; for bfloat16/float16 the float32 work is done 16 images at a
-time in a cache-sized buffer and rounded once on the way out (not once per op).
+The per-channel affine ``x / 255 * (1 / std) - mean / std`` runs on a ``(N * H, W * C)``
+view of the NHWC buffer with the scale and shift repeated ``W`` times, so the innermost loop
+runs over ``W * C`` contiguous values (broadcasting a ``(1, C, 1, 1)`` tensor would give an
+inner loop of length C == 3). bfloat16/float16 outputs are computed in float32 a few images at a
+time and rounded once.
 
 A 5-D clip batch ``(N, C, T, H, W)`` (channels_last_3d, as an NTHWC buffer's view)
 goes the same way, with ``(N*T*H, W*C)`` rows. Statistics are checked to be in 0-1
@@ -77,9 +73,10 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
 
     Args:
         batch: ``(N, C, H, W)`` uint8 tensor, typically the channels_last view
-            :class:`~cltrain.data.NHWCCollate` makes, or a ``(N, C, T, H, W)`` clip
+            ``NHWCCollate`` makes, or a ``(N, C, T, H, W)`` clip
             batch (channels_last_3d); any layout is accepted.
-        mean, std: per-channel statistics in [0, 1] units (1 or C values each).
+        mean: per-channel mean in [0, 1] units (1 or C values).
+        std: per-channel standard deviation in [0, 1] units (1 or C values).
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
         memory_format: ``torch.channels_last`` (default; for a 5-D batch it means
             ``torch.channels_last_3d``), ``torch.channels_last_3d`` (5-D only) or
@@ -147,15 +144,16 @@ def normalize(batch: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: S
 
 
 class ImageNormalizer:
-    """:func:`normalize` one HWC uint8 image at a time, into its slot of a batch buffer.
+    """``normalize`` one HWC uint8 image at a time, into its slot of a batch buffer.
 
-    The same arithmetic as :func:`normalize` (a float32 conversion copy, then one ``addcmul``
+    The same arithmetic as ``normalize`` (a float32 conversion copy, then one ``addcmul``
     over ``(H, W * C)`` rows; bfloat16/float16 rounded once at the end), so the values are
     bitwise equal; done per image, the float work stays in the CPU cache instead of passing
     over a whole batch in memory twice, and images can be done on different threads.
 
     Args:
-        mean, std: per-channel statistics in [0, 1] units (1 or C values each).
+        mean: per-channel mean in [0, 1] units (1 or C values).
+        std: per-channel standard deviation in [0, 1] units (1 or C values).
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
 
     Example::
@@ -181,7 +179,7 @@ class ImageNormalizer:
         return self._rows[key]
 
     def __call__(self, image: torch.Tensor, out: torch.Tensor) -> None:
-        """Write ``image`` (HWC uint8, CPU) normalised into ``out`` (HWC of :attr:`dtype`, dense)."""
+        """Write ``image`` (HWC uint8, CPU) normalised into ``out`` (HWC of ``dtype``, dense)."""
         h, w, c = image.shape
         scale, shift = self._affine(w, c)
         src = image.reshape(h, w * c)

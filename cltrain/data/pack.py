@@ -1,4 +1,4 @@
-"""Pack an ImageNet-layout folder into WebDataset shards that :class:`~cltrain.data.ShardsDataModule` reads.
+"""Pack an ImageNet-layout folder into WebDataset shards that ``ShardsDataModule`` reads.
 
 ::
 

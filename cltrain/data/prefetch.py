@@ -2,7 +2,7 @@
 
 Lightning moves a batch to the device when its step starts, on the compute
 stream, so the copy waits behind the previous step's kernels and the step waits
-for the copy: no overlap. :class:`PrefetchDataLoader` does what apex's
+for the copy: no overlap. ``PrefetchDataLoader`` does what apex's
 ``data_prefetcher`` does instead: when batch i is taken it makes the compute
 stream wait for batch i's copy (issued one batch earlier) and starts batch i+1's
 copy on a side stream. Lightning then finds the batch on its device already and

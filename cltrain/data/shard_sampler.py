@@ -2,9 +2,9 @@
 
 Every epoch, all ranks draw the same order of the sample indices (``seed + epoch``);
 rank ``r`` takes the ``r``-th of ``world_size`` contiguous slices (sizes differ by at
-most one) and cuts it into batches with :func:`rank_batch_sizes`. The sampler is a
+most one) and cuts it into batches with ``rank_batch_sizes``. The sampler is a
 ``DistributedSampler``, so Lightning keeps it under DDP (it injects no sampler of its
-own) and calls its ``set_epoch``. Used by :class:`~cltrain.data.ShardsDataModule`,
+own) and calls its ``set_epoch``. Used by ``ShardsDataModule``,
 whose dataset reads a whole batch per index list.
 
 Example::
@@ -63,7 +63,8 @@ class ShardBatchSampler(DistributedSampler):
     Args:
         dataset: anything with ``len``: the number of samples.
         batch_size: samples per batch (the last of a rank's batches may be smaller).
-        num_replicas, rank: the DDP world size and this process's rank.
+        num_replicas: the DDP world size.
+        rank: this process's rank.
         shuffle: a new permutation every epoch (``seed + epoch``), identical on every rank.
         seed: the seed the permutations are drawn from.
         shuffle_window: ``None``: one permutation of all samples. ``k``: the shards are

@@ -1,63 +1,20 @@
 """WebDataset shards as NHWC batches, each sample exactly once per epoch under DDP x workers.
 
-Pack an ImageNet-layout folder once (:mod:`cltrain.data.pack`), then train from the shards::
+Pack an ImageNet-layout folder once (``cltrain.data.pack``), then train from the shards::
 
     python -m cltrain.data.pack /data/imagenet /data/imagenet-shards
     python train.py data=shards data.root=/data/imagenet-shards
 
-:class:`ShardsDataModule` is :class:`~cltrain.data.ImageFolderDataModule` reading
-shards instead of files: the same transforms (the JPEG bytes go to
-``train_transform`` / ``eval_transform`` as they are, libjpeg-turbo decodes them),
-the same :class:`~cltrain.data.NHWCCollate` batches built in the workers, the same
-normalisation on the device, channels_last out.
+``ShardsDataModule`` is ``ImageFolderDataModule`` reading shards instead of files: the same
+transforms (the JPEG bytes go to ``train_transform`` / ``eval_transform`` as they are), the same
+``NHWCCollate`` batches built in the workers, the same normalisation on the device.
 
-How samples are split. Every epoch, all ranks draw the same permutation of the
-split's sample indices (``seed + epoch``); rank ``r`` takes the ``r``-th of
-``world_size`` contiguous slices (sizes differ by at most one) and cuts it into
-batches; the DataLoader hands whole batches to its workers in turn. So every
-sample is read exactly once per epoch, by one worker of one rank, in an order
-that mixes all shards and changes every epoch. With uneven counts nothing is
-padded or dropped: every rank makes the same number of steps,
-``ceil(ceil(n / world_size) / batch_size)``, and the ranks with one sample fewer
-have a smaller last batch (when that would leave it empty, the last two batches
-share a batch's worth between them). Only ``batch_size=1`` with ``n`` not a
-multiple of ``world_size``, or fewer samples than ranks, cannot keep the ranks in
-step; they are refused. The batch sampler is a ``DistributedSampler``, so
-Lightning keeps it (no sampler of its own under DDP) and calls its ``set_epoch``.
-Samples are read by offset (the pack's ``.idx.npy``), so a worker reads only the
-bytes of its own images.
-
-Why WebDataset (plain tar shards) and not LitData, checked on the 1000-image demo
-train split (500x375 JPEGs), one worker, batch 64, ``train_transform(224)``, on a
-busy shared 2-core machine (load ~13, so only the ordering is meaningful; the lead
-takes final figures)::
-
-    read img/s, 2 rounds:  ImageFolder 90 / 89   WebDataset 80 / 74   LitData 77 / 87
-    packing 1000 images:   WebDataset ShardWriter 0.66 s   litdata.optimize 22.9 s
-
-Reading is decode-bound either way (the same within this machine's noise). Against
-the folder itself, ``scripts/bench_shards.py`` (same samples and crops per batch, one
-thread, quiet machine) gives shards/files 1.004x on 2000 real photographs and 1.023x
-on 3000 demo images per batch, loader medians 1.00x and 1.04x (README); reading the
-bytes alone, 1000 random samples: 128-159 ms by offset from the shard, 159-173 ms
-opening each file.
-What decided it:
-
-* Exactly once: neither library's own loader gives it under DDP with uneven
-  counts. LitData's ``StreamingDataset`` forces ``drop_last=True`` when
-  ``world_size > 1`` (it drops samples so ranks stay in step); WebDataset splits
-  by shard, so ranks get unequal counts and need ``with_epoch``/resampling. Both
-  need the split done by sample index, which a per-shard offset index makes cheap
-  for a tar.
-* Dependencies and side effects: webdataset needs braceexpand, numpy and pyyaml,
-  and only the packer imports it (the reader uses the standard library);
-  litdata pulls boto3, obstore, requests, tifffile and set the process-wide
-  multiprocessing start method to ``spawn`` when packing.
-* Format: a tar of ``<key>.jpg`` + ``<key>.cls`` is read by ``tar``, by
-  ``webdataset.WebDataset(urls)`` and by most streaming loaders; LitData's chunks
-  only by LitData. Both are maintained.
-* Resumability: the epoch order is a function of ``(seed, epoch)``, so a run
-  resumed from a checkpoint at an epoch boundary gets that epoch's order.
+Every epoch all ranks draw the same permutation of the sample indices (``seed + epoch``); rank
+``r`` takes the ``r``-th of ``world_size`` contiguous slices and cuts it into batches
+(``ShardBatchSampler``). Every sample is read once per epoch, by one worker of one rank; with
+uneven counts every rank makes the same number of steps and some get a smaller last batch.
+Samples are read by offset (the pack's ``.idx.npy``), so a worker reads only its own images' bytes.
+Why WebDataset's tars and not LitData: docs/guides/data.md.
 """
 
 from __future__ import annotations
@@ -81,20 +38,20 @@ from cltrain.data.shard_sampler import ShardBatchSampler, check_window, rank_bat
 
 __all__ = ["MANIFEST", "ShardBatchSampler", "ShardsDataModule", "ShardsDataset", "rank_batch_sizes", "read_manifest"]
 
-#: Written last into a complete pack (by :mod:`cltrain.data.pack`): classes, shards and counts per split.
+#: Written last into a complete pack (by ``cltrain.data.pack``): classes, shards and counts per split.
 MANIFEST = "shards.json"
 
 
 class ShardsDataset(Dataset):
-    """One split of a pack (:mod:`cltrain.data.pack`): ``dataset[i]`` is ``(HWC uint8, label)``,
+    """One split of a pack (``cltrain.data.pack``): ``dataset[i]`` is ``(HWC uint8, label)``,
     ``dataset[[i, j, ...]]`` a collated batch ``(images, targets)`` (or ``(images, targets, ids)``
     with ``with_ids``), built in the worker that reads it.
 
     Args:
         root: the pack's folder (holds ``shards.json``).
         split: ``"train"``, ``"val"``, ...
-        transform: JPEG bytes -> HWC uint8 (:func:`cltrain.data.train_transform` and
-            :func:`~cltrain.data.eval_transform` take bytes).
+        transform: JPEG bytes -> HWC uint8 (``cltrain.data.train_transform`` and
+            ``eval_transform`` take bytes).
         collate: makes a batch of ``(image, label)`` pairs.
         with_ids: batches also carry the int64 sample indices.
 
@@ -141,7 +98,7 @@ class ShardsDataset(Dataset):
         return os.pread(fd, int(size), int(offset))
 
     def load(self, i: int) -> tuple[np.ndarray, int]:
-        """``(HWC uint8, label)`` of sample ``i``; :class:`BadImageError` names the shard and sample."""
+        """``(HWC uint8, label)`` of sample ``i``; ``BadImageError`` names the shard and sample."""
         try:
             return self.transform(self.read(i)), int(self.index[i, 2])
         except Exception as err:
@@ -165,17 +122,17 @@ def read_manifest(root: str | os.PathLike) -> dict:
 
 
 class ShardsDataModule(ImageFolderDataModule):
-    """A pack of WebDataset shards (:mod:`cltrain.data.pack`) as normalised channels_last batches.
+    """A pack of WebDataset shards (``cltrain.data.pack``) as normalised channels_last batches.
 
-    Takes :class:`~cltrain.data.ImageFolderDataModule`'s arguments (``bad_files`` aside: a
-    bad sample raises :class:`~cltrain.data.BadImageError` naming its shard), plus:
+    Takes ``ImageFolderDataModule``'s arguments (``bad_files`` aside: a
+    bad sample raises ``BadImageError`` naming its shard), plus:
 
     Args:
         root: the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``).
         seed: seed of the per-epoch training order (the same on every rank).
         shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
             ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
-            files per rank per epoch; see :class:`ShardBatchSampler`).
+            files per rank per epoch; see ``ShardBatchSampler``).
 
     Under DDP (``trainer.world_size`` ranks) each rank reads its own slice of every
     epoch's permutation: each sample exactly once per epoch, the same step count on

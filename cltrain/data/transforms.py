@@ -1,26 +1,10 @@
 """Transforms: an image file (path or bytes) or a PIL image in, HWC uint8 numpy array out, in one resample call.
 
-A path or bytes of a JPEG goes the fast way: libjpeg-turbo decodes it (at a
-reduced size when the crop allows), the crop is a slice and torch resizes it
-(see :mod:`cltrain.data.decode` for the measurements): 0.70 against 1.18 ms per
-500x375 photo with Pillow. Any other file, a JPEG that path cannot read, and a
-PIL image go through Pillow, whose errors name what is wrong with a bad file.
-
-Each transform draws its random parameters in ``make_params`` (from the torch RNG,
-with torchvision's ``RandomResizedCrop.get_params`` distribution, so ``seed_everything``
-and the DataLoader's per-worker seeding make them reproducible) and does the pixel
-work in ``apply`` (deterministic), as torchvision's v2 transforms do, so tests can
-pin the crop box and the flip. Both are plain picklable objects, fit for DataLoader
-workers (which run torch single-threaded).
-
-Options both transforms take: ``interpolation`` (``"bilinear"``, the default, or
-``"bicubic"``; antialiased as torchvision's v2 ``Resize`` on tensors) and
-``exif_transpose`` (off by default, as in torchvision and timm: a photo whose EXIF
-says it was taken rotated is read as stored; on, it is turned upright first, the
-way ``PIL.ImageOps.exif_transpose`` does; a JPEG with such a tag then goes through
-Pillow, whole, since libjpeg decodes in stored order). A JPEG read by libjpeg-turbo
-is held to Pillow's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``) as
-Pillow holds every file it opens.
+A path or bytes of a JPEG is decoded by libjpeg-turbo (``cltrain.data.decode``), the crop
+taken as a slice and resized by torch; any other file, a JPEG that path cannot read, and a PIL
+image go through Pillow. Each transform draws its random parameters in ``make_params`` (the
+torch RNG, torchvision's ``RandomResizedCrop`` distribution) and does the deterministic pixel
+work in ``apply``, as torchvision's v2 transforms do. Both are picklable, for DataLoader workers.
 
 Example::
 
@@ -122,7 +106,7 @@ class _Transform:
     channels: int
     interpolation: str = "bilinear"
     exif_transpose: bool = False
-    #: Called on the HWC uint8 output (an augmentation such as :class:`~cltrain.data.augment.HWCAugment`).
+    #: Called on the HWC uint8 output (an augmentation such as ``HWCAugment``).
     augment: Callable[[np.ndarray], np.ndarray] | None = None
     #: Datasets hand this transform file paths: it reads and decodes them itself.
     takes_paths = True
@@ -144,7 +128,7 @@ class _Transform:
 
     def apply(self, img: ImageSource, params: CropParams) -> np.ndarray:
         """The pixel work for ``params``: HWC uint8 of shape ``(*size, channels)``
-        (before :attr:`augment`, which only ``__call__`` runs)."""
+        (before ``augment``, which only ``__call__`` runs)."""
         data = _read(img, type(self).__name__)
         if data is None:
             return self._pillow(self._upright(img), params)
@@ -187,9 +171,7 @@ class RandomResizedCropFlip(_Transform):
     """torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` in one resample.
 
     The box is drawn as torchvision's ``RandomResizedCrop.get_params`` draws it, and the
-    flip with it, from the torch RNG, which ``seed_everything`` seeds and each
-    DataLoader worker re-seeds from the loader's base seed (so runs repeat, and workers
-    draw different crops).
+    flip with it, from the torch RNG (reproducible under ``seed_everything``, different per worker).
 
     Args:
         size: output (height, width), or one int for a square.
@@ -199,7 +181,7 @@ class RandomResizedCropFlip(_Transform):
         channels: 3 (RGB) or 1 (grayscale).
         interpolation: ``"bilinear"`` or ``"bicubic"`` (antialiased).
         exif_transpose: turn photos upright by their EXIF orientation first.
-        augment: called on each HWC uint8 output, e.g. :class:`~cltrain.data.augment.HWCAugment`.
+        augment: called on each HWC uint8 output, e.g. ``HWCAugment``.
     """
 
     def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
@@ -224,7 +206,7 @@ class RandomResizedCropFlip(_Transform):
         # torchvision's get_params makes ~8 small tensors and .item() calls per try: 227 us a call
         # against 22 us here (one torch.rand, then the same arithmetic in Python), measured one
         # after the other on a busy 2-core machine, where a whole 333-800 px photo's transform took
-        # ~3 ms. The box distribution is tested equal to torchvision's (tests/test_data_decode.py).
+        # ~3 ms. The box distribution is tested equal to torchvision's (tests/data/test_data_decode.py).
         u = torch.rand(41, generator=sample_generator()).tolist()  # a batch-loading thread's own generator
         area = width * height
         s0, s1 = self.scale
@@ -257,13 +239,9 @@ class RandomResizedCropFlip(_Transform):
 class ResizeCenterCrop(_Transform):
     """torchvision's ``Resize(resize_size)`` + ``CenterCrop(size)``.
 
-    The parameters are the centre box in the resized image and that size. A JPEG
-    file is resized whole and the box sliced out, exactly torchvision's ``Resize`` +
-    ``CenterCrop`` on the decoded tensor (resizing only the box would save ~0.06 ms
-    on a 500x375 image, 0.11 against 0.16 ms, but needs a sub-pixel box, which
-    ``interpolate`` cannot take).
-    A PIL image has the box mapped back to source pixels and resampled alone
-    (Pillow takes a float box): the same samples.
+    A JPEG file is resized whole and the centre box sliced out, exactly torchvision's
+    ``Resize`` + ``CenterCrop`` on the decoded tensor; a PIL image has the box mapped back to
+    source pixels and resampled alone (the same samples).
 
     Args:
         size: output (height, width), or one int for a square.
@@ -309,8 +287,8 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
                     interpolation: str = "bilinear", exif_transpose: bool = False,
                     augment: str | Callable[[np.ndarray], np.ndarray] | None = None) -> RandomResizedCropFlip:
     """The training transform: random-resized-crop + horizontal flip, then ``augment`` (a
-    callable on HWC uint8, or a policy name of :class:`~cltrain.data.augment.HWCAugment`:
-    ``"trivialaugment"``, ``"randaugment"``, ``"none"``). See :class:`RandomResizedCropFlip`."""
+    callable on HWC uint8, or a policy name of ``HWCAugment``:
+    ``"trivialaugment"``, ``"randaugment"``, ``"none"``). See ``RandomResizedCropFlip``."""
     if isinstance(augment, str):
         from cltrain.data.augment import HWCAugment
 
@@ -321,5 +299,5 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
 def eval_transform(size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3,
                    interpolation: str = "bilinear", exif_transpose: bool = False) -> ResizeCenterCrop:
     """The evaluation transform: resize the shorter side, centre crop, PIL image -> HWC uint8.
-    See :class:`ResizeCenterCrop`."""
+    See ``ResizeCenterCrop``."""
     return ResizeCenterCrop(size, resize_size, channels, interpolation, exif_transpose)

@@ -5,7 +5,7 @@
     cltrain-audit r3d_18 --frames 8 --image-size 112 --device cuda
 
 The model is built with random weights (nothing is downloaded), put in train mode,
-converted with :func:`cltrain.to_channels_last` and audited by :func:`cltrain.audit.audit`
+converted with ``cltrain.to_channels_last`` and audited by ``cltrain.audit.audit``
 on one random batch: ``(N, 3, S, S)``, or ``(N, 3, frames, S, S)`` for torchvision's video
 models. Detection, optical-flow and quantized models are refused with the reason. Every
 mistake is one line on stderr and exit status 2.

@@ -1,6 +1,6 @@
 """Collate (T, H, W, C) uint8 clips into one (N, T, H, W, C) buffer; hand out its (N, C, T, H, W) view.
 
-The 5-D twin of :func:`cltrain.data.nhwc_collate`: the batch is
+The 5-D twin of ``cltrain.data.nhwc_collate``: the batch is
 ``torch.empty((N, T, H, W, C), uint8)`` filled clip by clip with plain copies
 (clips are already THWC, nothing is transposed) and returned as
 ``buffer.permute(0, 4, 1, 2, 3)``: shape (N, C, T, H, W) with
@@ -75,7 +75,7 @@ class NDHWCCollate:
 
     Args:
         pin_memory: allocate the batch buffer in pinned memory. As for
-            :class:`~cltrain.data.NHWCCollate`, with ``num_workers > 0`` use the
+            ``NHWCCollate``, with ``num_workers > 0`` use the
             DataLoader's ``pin_memory=True`` instead (it pins in the main process and
             keeps the strides).
 
@@ -123,5 +123,5 @@ class NDHWCCollate:
 
 
 def ndhwc_collate(batch: Sequence[Sequence[Any]]) -> tuple[torch.Tensor, ...]:
-    """:class:`NDHWCCollate` without pinning, as a function."""
+    """``NDHWCCollate`` without pinning, as a function."""
     return NDHWCCollate()(batch)

@@ -2,8 +2,8 @@
 
 ``root/train/<class>/<clip>/<frame>.jpg`` and ``root/val/<class>/<clip>/...``
 (or video files in place of the clip folders); test and predict use ``val``.
-Workers sample and crop clips with :func:`train_clip_transform` /
-:func:`eval_clip_transform` and collate them with :class:`NDHWCCollate`, so
+Workers sample and crop clips with ``train_clip_transform`` /
+``eval_clip_transform`` and collate them with ``NDHWCCollate``, so
 uint8 NDHWC buffers cross the process boundary and the host-to-device copy; the
 batch is normalised on its device in ``on_after_batch_transfer``: every step
 receives ``(clips, targets)`` with clips ``(N, C, T, H, W)`` float,
@@ -47,7 +47,7 @@ KINETICS_STD: tuple[float, float, float] = (0.22803, 0.22145, 0.216989)
 def normalize_clips(clips: torch.Tensor, mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
                     dtype: torch.dtype = torch.float32, channels_last: bool = True) -> torch.Tensor:
     """``(clips / 255 - mean) / std`` of an ``(N, C, T, H, W)`` uint8 channels_last_3d batch, with the
-    Kinetics statistics by default, through :func:`cltrain.data.normalize` (which takes 5-D batches);
+    Kinetics statistics by default, through ``cltrain.data.normalize`` (which takes 5-D batches);
     channels_last_3d out (or contiguous with ``channels_last=False``)."""
     if not isinstance(clips, torch.Tensor) or clips.dim() != 5 or clips.dtype != torch.uint8:
         what = f"{clips.dtype} tensor of shape {tuple(clips.shape)}" if isinstance(clips, torch.Tensor) else type(clips).__name__
@@ -73,11 +73,12 @@ class ClipFolderDataModule(ClassFolderDataModule):
         hflip: flip probability in training (0 for data whose label depends on left/right).
         val_temporal: ``"center"`` segment or ``"uniform"`` frames over the clip for evaluation.
         channels: 3 (RGB) or 1 (grayscale).
-        mean, std: normalisation statistics (0-1 units); torchvision's Kinetics ones by default.
+        mean: per-channel normalisation mean (0-1 units); torchvision's Kinetics one by default.
+        std: per-channel normalisation standard deviation (0-1 units); Kinetics' by default.
         dtype: dtype of the normalised clips (float32, bfloat16 or float16).
         channels_last: ``False`` gives contiguous NCTHW batches (the baseline).
-        cuda_prefetch: on a CUDA device, copy the next batch on a side stream (off by default:
-            not measured on a GPU yet; see :class:`~cltrain.data.ImageFolderDataModule`).
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream (as
+            ``ImageFolderDataModule``).
         bad_files: ``"raise"``: a clip that cannot be read stops with an error naming it;
             ``"skip"``: it is replaced by the next readable clip, listed in the run directory's
             ``skipped_files.tsv`` and counted per epoch (``data/skipped_<split>``), as images are.

@@ -5,15 +5,8 @@ clip; frames are taken in natural name order (``2.jpg`` before ``10.jpg``).
 A video file (``.mp4``, ``.avi``, ``.mkv``, ``.webm``, ``.mov``) in a class
 folder is a clip too, decoded with OpenCV (``pip install cltrain[video]``).
 
-Decoder choice, measured on this 2-core machine (one thread each, best of 7,
-H.264 files written by PyAV; both give the same pixels): OpenCV
-(``opencv-python-headless`` 5.0, ``VideoCapture`` + ``cvtColor``) decoded a 16x112x112
-clip in 2.9 ms and a 64x320x240 clip in 21 ms (26 ms CPU), PyAV 18.1
-(``to_ndarray("rgb24")``) in 6.6 and 85 ms (46 ms CPU). torchvision 0.29 has no
-video reader any more (``torchvision.io.read_video`` is gone) and torchcodec needs
-FFmpeg installed on the system (its documentation says so), decord was not tried. A video file is
-decoded whole (fine for the few-second clips of action datasets); folders of
-frames decode only the sampled frames.
+A video file is decoded whole (fine for the few-second clips of action datasets); folders of
+frames decode only the sampled frames. Why OpenCV: docs/guides/video.md.
 """
 
 from __future__ import annotations
@@ -120,15 +113,15 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
 
     Args:
         split_dir: e.g. ``root/train``.
-        transform: a :class:`~cltrain.data.video.ClipTransform` (frames -> (T, H, W, C) uint8).
+        transform: a ``ClipTransform`` (frames -> (T, H, W, C) uint8).
         classes: class folder names in label order; ``None`` takes those of ``split_dir``.
-        bad_files: ``"raise"``: an unreadable clip raises :class:`~cltrain.data.BadImageError`
+        bad_files: ``"raise"``: an unreadable clip raises ``BadImageError``
             naming it; ``"skip"``: the next readable clip is returned instead and the clip is
             reported (a line in ``skip_log``, a warning once per clip and process).
         skip_log: file the skipped clips are appended to (``"skip"`` only); ``None``: none.
 
     Raises:
-        ValueError, FileNotFoundError: see :func:`find_clips` (at construction, before any step).
+        ValueError, FileNotFoundError: see ``find_clips`` (at construction, before any step).
     """
 
     what = "clip"
@@ -146,7 +139,7 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
         return len(self.samples)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
-        """The clip at ``index``; raises :class:`~cltrain.data.BadImageError` for one that cannot be read."""
+        """The clip at ``index``; raises ``BadImageError`` for one that cannot be read."""
         path, names, target = self.samples[index]
         try:
             frames = read_video(path) if names is None else [os.path.join(path, n) for n in names]

@@ -4,13 +4,10 @@ A class is a *motion*: by default six of them, a shape moving right, left, down 
 or shrinking. The shape itself (circle, square, triangle, star or cross), its colour, size,
 start, speed (with +-15 degrees of jitter in the direction), spin, the background and its grain
 are drawn per clip and tell nothing about the class: no single frame does, only the change
-across frames does, so a model has to use time. (The first version made the class a shape *and*
-a direction; r3d_18 from scratch learnt the direction within an epoch but stayed at chance on the
-shape for 6 epochs, 35 % top-1 for 6 classes, so the demo measured the wrong thing.)
-Each clip is one folder of JPEG frames (``root/{train,val}/<class>/<clip>/<frame>.jpg``), the
-layout :class:`~cltrain.data.video.ClipFolderDataModule` reads. Everything is drawn from
+across frames does, so a model has to use time. Each clip is one folder of JPEG frames (``root/{train,val}/<class>/<clip>/<frame>.jpg``), the
+layout ``ClipFolderDataModule`` reads. Everything is drawn from
 ``numpy.random.default_rng([seed, split, class, index])``, and the folder is written once and
-reused like :func:`cltrain.data.make_demo_dataset`'s (same marker file, same
+reused like ``cltrain.data.make_demo_dataset``'s (same marker file, same
 temporary-sibling-then-rename).
 
 Labels depend on left/right: train it without horizontal flips (``hflip=0``).
@@ -86,9 +83,10 @@ def make_demo_videos(root: str | os.PathLike, num_classes: int = 6, train_per_cl
     Args:
         root: the folder to create; reused as it is when it holds a complete demo folder
             made with the same arguments.
-        num_classes: 2 to 6, the first ``num_classes`` of :data:`MOTIONS` (right, left, down, up,
+        num_classes: 2 to 6, the first ``num_classes`` of ``MOTIONS`` (right, left, down, up,
             grow, shrink).
-        train_per_class, val_per_class: clips per class in each split (>= 1).
+        train_per_class: training clips per class (>= 1).
+        val_per_class: validation clips per class (>= 1).
         num_frames: frames per clip (>= 1).
         frame_size: width and height of the frames (16 to 256).
         seed: the seed everything is drawn from.

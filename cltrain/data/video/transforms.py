@@ -1,9 +1,9 @@
 """Clip transforms: T frames sampled from a clip, one crop box and one flip for all of them, (T, H, W, C) uint8 out.
 
-A clip transform is an image transform of :mod:`cltrain.data.transforms` whose
-random parameters are drawn once per clip: :meth:`ClipTransform.make_params`
-picks the frame indices (:class:`TemporalSample`) and one :class:`CropParams`
-from the first frame's size, and :meth:`ClipTransform.apply` runs the image
+A clip transform is an image transform of ``cltrain.data.transforms`` whose
+random parameters are drawn once per clip: ``ClipTransform.make_params``
+picks the frame indices (``TemporalSample``) and one ``CropParams``
+from the first frame's size, and ``ClipTransform.apply`` runs the image
 transform's own ``apply`` with those parameters on every frame. So every frame
 of a clip gets the same box and flip (a moving object is not made to jump), and
 the pixel work is the image path's: JPEG files through libjpeg-turbo and torch's
@@ -51,7 +51,7 @@ class TemporalSample:
         num_frames: frames per sample (T).
         stride: frame step within a segment (``random`` / ``center``); a segment spans
             ``(num_frames - 1) * stride + 1`` frames.
-        mode: one of :data:`TEMPORAL_MODES`. A clip shorter than the segment repeats
+        mode: one of ``TEMPORAL_MODES``. A clip shorter than the segment repeats
             its last frame (as PyTorchVideo's samplers pad).
         generator: a ``torch.Generator`` for ``random``; ``None``: the global torch RNG.
 
@@ -123,11 +123,11 @@ def _frame_size(frame: FrameSource) -> tuple[int, int]:
 
 
 class ClipTransform:
-    """Frames of a clip -> (T, H, W, C) uint8: :class:`TemporalSample` then one image transform with shared parameters.
+    """Frames of a clip -> (T, H, W, C) uint8: ``TemporalSample`` then one image transform with shared parameters.
 
     Args:
-        frame_transform: a :class:`~cltrain.data.RandomResizedCropFlip` (training) or
-            :class:`~cltrain.data.ResizeCenterCrop` (evaluation), or any transform with
+        frame_transform: a ``RandomResizedCropFlip`` (training) or
+            ``ResizeCenterCrop`` (evaluation), or any transform with
             ``make_params(width, height)`` and ``apply(frame, params)``.
         temporal: which frames to take.
     """
