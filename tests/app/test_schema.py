@@ -260,7 +260,7 @@ def _documented_commands() -> list[list[str]]:
     import shlex
 
     commands = []
-    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         text = path.read_text().replace("\\\n", " ")
         for line in text.splitlines():
             line = line.strip()
