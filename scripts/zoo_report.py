@@ -83,6 +83,11 @@ def _fmt_grad(grad: dict[str, Any]) -> str:
     return cell + (f": {grad['why']}" if grad.get("why") else "")
 
 
+def _auto(r: dict[str, Any], key: str) -> str:
+    """What ``mode="auto"`` kept; "not timed" where its probe recorded no timings (it then keeps contiguous)."""
+    return (r[key] or "?") if r.get(f"{key}_ms") else "not timed"
+
+
 def _row_cells(r: dict[str, Any]) -> list[str]:
     grad = r.get("grad") or {}
     status = r.get("status", "")
@@ -102,7 +107,7 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     if "compile_speed_fp32" in r:
         speed += f"<br>compiled {_fmt_speed(r['compile_speed_fp32'])}"
         bf16 += f"<br>compiled {_fmt_speed(r.get('compile_speed_bf16'))}" if r.get("compile_speed_bf16") else ""
-    auto = " / ".join(r[k] or "?" for k in ("auto_fp32", "auto_bf16") if k in r)
+    auto = " / ".join(_auto(r, k) for k in ("auto_fp32", "auto_bf16") if k in r)
     return [
         f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), status if status != "ok" else "ok", trains,
         f"{_fmt_err(r['loss_err_cl'])} / {_fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
@@ -138,10 +143,12 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             faster = sum(x > 1.0 for x in ratios)
             lines.append(f"- {label} CL / NCHW training steps/s: median {statistics.median(ratios):.2f}x "
                          f"(range {min(ratios):.2f}-{max(ratios):.2f}); CL faster for {faster} of {len(ratios)}.")
-        picks = [r[f"auto_{label}"] for r in ran if r.get(f"auto_{label}")]
-        if picks:
+        picks = [r[f"auto_{label}"] for r in ran if r.get(f"auto_{label}") and r.get(f"auto_{label}_ms")]
+        untimed = sum(1 for r in ran if r.get(f"auto_{label}") and not r.get(f"auto_{label}_ms"))
+        if picks or untimed:
             lines.append(f"- mode=\"auto\" ({label}) kept channels_last for {picks.count('channels_last')} of "
-                         f"{len(picks)} models, contiguous for {picks.count('contiguous')}.")
+                         f"{len(picks)} models it timed, contiguous for {picks.count('contiguous')}"
+                         + (f"; {untimed} not timed (the probe could not pickle the sweep's module class)" if untimed else "") + ".")
     return lines
 
 

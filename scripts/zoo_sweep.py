@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 
 from cltrain.atomic import atomic_write_text
 
@@ -96,47 +97,45 @@ def _native_bf16() -> bool:
     return cpu_bf16_support()[0]
 
 
-def _module_class():
-    from lightning.pytorch import LightningModule
+class ZooModule(LightningModule):
+    """A classifier around any zoo model; keeps the step-0 gradients and the losses.
 
-    class ZooModule(LightningModule):
-        """A classifier around any zoo model; keeps the step-0 gradients and the losses."""
+    At the top level of this script: ``mode="auto"`` times the model in a child process, which must
+    be able to import its class (a class made inside a function does not pickle)."""
 
-        def __init__(self, net: torch.nn.Module, dict_batch: bool):
-            super().__init__()
-            self.net, self.dict_batch = net, dict_batch
-            self.losses: list[torch.Tensor] = []
-            self.step0_grads: dict[str, torch.Tensor | None] | None = None
+    def __init__(self, net: torch.nn.Module, dict_batch: bool):
+        super().__init__()
+        self.net, self.dict_batch = net, dict_batch
+        self.losses: list[torch.Tensor] = []
+        self.step0_grads: dict[str, torch.Tensor | None] | None = None
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return logits_of(self.net, x, self.dict_batch)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.net, x, self.dict_batch)
 
-        def train(self, mode: bool = True):
-            super().train(mode)
-            quiet_random_layers(self)
-            return self
+    def train(self, mode: bool = True):
+        super().train(mode)
+        quiet_random_layers(self)
+        return self
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            loss = loss_of(self.net, batch, self.dict_batch)
-            self.losses.append(loss.detach())
-            return loss
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = loss_of(self.net, batch, self.dict_batch)
+        self.losses.append(loss.detach())
+        return loss
 
-        def on_after_backward(self) -> None:
-            if self.step0_grads is None:
-                self.step0_grads = {n: None if p.grad is None else p.grad.detach().clone()
-                                    for n, p in self.net.named_parameters()}
+    def on_after_backward(self) -> None:
+        if self.step0_grads is None:
+            self.step0_grads = {n: None if p.grad is None else p.grad.detach().clone()
+                                for n, p in self.net.named_parameters()}
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-
-    return ZooModule
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
 def _fit(net: torch.nn.Module, spec: Spec, batches: list[Any], callback: Any, max_steps: int, precision: str = "32-true"):
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    module = _module_class()(net, spec.dict_batch).train()  # Lightning keeps each submodule's mode: quiet them here
+    module = ZooModule(net, spec.dict_batch).train()  # Lightning keeps each submodule's mode: quiet them here
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=max_steps, precision=precision, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback] if callback else [])
