@@ -85,7 +85,7 @@ def examine(spec: Any, row: dict[str, Any]) -> dict[str, Any]:
         "grad_scale": row["grad"].get("grad_scale"),
         "fp32_spread": [min(noise.values()), max(noise.values())] if noise else None,
         "verdict": "numerics" if right else "kernel",
-        "why": (f"{type(module).__name__} alone on input {tuple(shape)}: weight-gradient error "
+        "why": (f"{type(module).__name__} alone on input {tuple(shape)}: {leaf} gradient error "
                 f"{errors['channels_last']:.1e} channels_last, {errors['contiguous']:.1e} NCHW against float64: "
                 + ("the kernel is right; the model's gradient of this parameter is ill-conditioned at batch 2"
                    if right else "the kernel is off alone: a fault to report and guard")),
