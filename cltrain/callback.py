@@ -16,13 +16,16 @@ from cltrain.autolayout import to_contiguous
 from cltrain.batch_layout import check_inputs, describe_batch, first_image_tensor, restride_batch
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
 from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d
+from cltrain.layout_check import LayoutCheck, check_layout, projection_loss
 from cltrain.model_access import (
+    detached_copy,
     model_copies,
     restride_optimizer_state,
     run_after,
     step_target,
     undo_run_after,
 )
+from cltrain.nchw_fallback import Fallback, apply_fallbacks
 
 __all__ = ["ChannelsLast"]
 
@@ -72,6 +75,14 @@ class ChannelsLast(Callback):
             few layers that match a known-bad backend kernel (``cltrain.guardrails.KNOWN_FAULTS``:
             crashes or silently wrong gradients on this device) get a targeted workaround, the rest of
             the model keeps its layout; one log line names them. ``False`` trains the bare kernels.
+        verify: on the first batch of training (and of validation, test or predict, whichever comes
+            first) run the step in both layouts on copies of the model (``cltrain.layout_check``): where
+            the project's own code assumes NCHW (a ``view`` that merges C with H and W, an op reading raw
+            memory, a custom backward doing either) and raises or diverges only in channels_last, the
+            smallest part holding that code runs in NCHW (or the whole model stays contiguous), and one
+            line names the module, the file and line, and the fix. Nothing of the real run changes
+            (weights, gradients, BatchNorm statistics, optimizer and RNG state, logged values).
+            ``False`` skips the check.
         auto_timeout: ``mode="auto"`` times the layouts in a child process
             (``cltrain.layout_probe.probe_layout``), which a native crash cannot take the run down
             with; this is how long it may go without progress (seconds) before it counts as a hang.
@@ -90,13 +101,16 @@ class ChannelsLast(Callback):
         guardrails: the ``cltrain.guardrails.GuardRecord`` of each known fault worked around in
             the model (``record.as_dict()`` for ``metrics.json``); ``[]`` when none matched, ``None``
             before ``setup``, with ``guard=False`` and with ``mode="off"``.
+        layout_checks: the ``cltrain.layout_check.LayoutCheck`` of each first batch checked, by kind
+            (``"train"``, ``"eval"``); ``result.as_dict()`` for ``metrics.json``.
+        fallbacks: the ``cltrain.nchw_fallback.Fallback``s the checks applied to the model.
         summary: ``cltrain.layout_summary`` of the model's parameters and buffers
             once converted.
         audit_report: with ``audit=True``, the ``cltrain.audit.AuditReport`` of the
             first training batch.
 
     Raises:
-        ValueError: an unknown ``mode``, a non-bool ``convert_inputs`` or ``guard``, an ``inputs``
+        ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, ``guard`` or ``verify``, an ``inputs``
             that is none of its forms, an ``input_shape`` that is not rank 3, 4 or 5, a non-positive
             ``auto_timeout``, ``mode="auto"`` with no shape to time (raised in ``setup``), or a key or
             index named in ``inputs`` that a batch lacks (raised at that batch).
@@ -120,6 +134,7 @@ class ChannelsLast(Callback):
         guard: bool = True,
         auto_timeout: float = 300.0,
         inputs: str | int | list[str | int] | None = None,
+        verify: bool = True,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"ChannelsLast(mode={mode!r}): expected one of {_MODES}.")
@@ -139,6 +154,8 @@ class ChannelsLast(Callback):
             raise ValueError(f"ChannelsLast(auto_steps={auto_steps!r}): expected an int >= 1.")
         if not isinstance(guard, bool):
             raise ValueError(f"ChannelsLast(guard={guard!r}): expected True or False.")
+        if not isinstance(verify, bool):
+            raise ValueError(f"ChannelsLast(verify={verify!r}): expected True or False.")
         if not isinstance(auto_timeout, (int, float)) or auto_timeout <= 0:
             raise ValueError(f"ChannelsLast(auto_timeout={auto_timeout!r}): expected seconds > 0.")
         self.mode = mode
@@ -148,6 +165,9 @@ class ChannelsLast(Callback):
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.auto_steps = auto_steps
         self.guard = guard
+        self.verify = verify
+        self.layout_checks: dict[str, LayoutCheck] = {}
+        self.fallbacks: list[Fallback] = []
         self.auto_timeout = float(auto_timeout)
         self.layout: str | None = None
         self.timings: dict[str, float] | None = None
@@ -230,6 +250,7 @@ class ChannelsLast(Callback):
         records = self._put_in_layout(pl_module, hazards)
         if self.guard:
             self.guardrails = records
+        apply_fallbacks(pl_module, self.fallbacks)  # a later fit: conversion restrided their weights
         self._convert_copies(trainer, pl_module)
         self.summary = layout_summary(pl_module, buffers=True)
         convs = CONV_TYPES + CONV1D_TYPES if self._one_d else CONV_TYPES
@@ -301,6 +322,7 @@ class ChannelsLast(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._convert_batch(batch)
+        self._check_first_batch(trainer, pl_module, batch, batch_idx, "train")
         if self.audit and not self._audited:
             self._audited = True
             self._run_audit(trainer, pl_module, batch)
@@ -310,18 +332,92 @@ class ChannelsLast(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._convert_batch(batch)
+        self._check_first_batch(trainer, pl_module, batch, batch_idx, "validation")
 
     @override
     def on_test_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._convert_batch(batch)
+        self._check_first_batch(trainer, pl_module, batch, batch_idx, "test")
 
     @override
     def on_predict_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._convert_batch(batch)
+        self._check_first_batch(trainer, pl_module, batch, batch_idx, "predict")
+
+    # ---- the first-batch layout check ------------------------------------------------------------
+
+    def _check_first_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                           stage: str) -> None:
+        kind = "train" if stage == "train" else "eval"
+        if not self.verify or self.mode == "off" or self.layout != "channels_last" or kind in self.layout_checks:
+            return
+        result = None
+        if trainer.is_global_zero:
+            try:
+                result = self._run_check(trainer, pl_module, batch, batch_idx, stage)
+            except Exception as error:  # noqa: BLE001 - the check failing must not end the run
+                result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
+        # Every rank applies the same fallbacks, or DDP's parameter layouts disagree between ranks.
+        result = trainer.strategy.broadcast(result, src=0)
+        self.layout_checks[kind] = result
+        if result.verdict == "fallback":
+            self.fallbacks += [f for f in result.fallbacks if f not in self.fallbacks]
+            apply_fallbacks(pl_module, self.fallbacks)
+            for copy_ in model_copies(trainer, pl_module, exclude=self):
+                _apply_to_copy(copy_, self.fallbacks)
+            restride_optimizer_state(trainer.optimizers)
+        elif result.verdict == "contiguous":
+            self.layout = "contiguous"
+            records = self._put_in_layout(pl_module)
+            if self.guard:
+                self.guardrails = records
+            self._convert_copies(trainer, pl_module)
+            restride_optimizer_state(trainer.optimizers)
+            restride_batch(batch, "contiguous", one_d=self._one_d, inputs=self.inputs)
+        if result.verdict in ("fallback", "contiguous"):
+            rank_zero_warn(f"ChannelsLast {result.line()}")
+        else:
+            rank_zero_info(f"ChannelsLast {result.line()}")
+
+    def _run_check(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                   stage: str) -> LayoutCheck:
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        precision = trainer.strategy.precision_plugin
+        method = {"train": "training_step", "validation": "validation_step", "test": "test_step",
+                  "predict": "predict_step"}[stage]
+        context = precision.train_step_context if stage == "train" else getattr(
+            precision, f"{'val' if stage == 'validation' else stage}_step_context")
+        grad = torch.enable_grad if stage == "train" else torch.no_grad
+
+        def batch_in(layout: str) -> Any:
+            copied = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
+            restride_batch(copied, layout, one_d=self._one_d, inputs=self.inputs)
+            return copied
+
+        def step_code(clone: nn.Module, layout: str) -> Any:
+            with grad(), context():
+                return getattr(clone, method)(batch_in(layout), batch_idx)
+
+        def model_only(clone: nn.Module, layout: str) -> Any:
+            x = first_image_tensor(batch_in(layout), self.inputs)
+            with grad(), context():
+                out = step_target(clone)(x)
+            return projection_loss(out) if stage == "train" else out
+
+        use_step = stage != "train" or pl_module.automatic_optimization
+        result = check_layout(pl_module, step_code if use_step else model_only, step_owner=pl_module,
+                              copy_model=detached_copy)
+        if use_step and result.verdict == "not checked" and first_image_tensor(batch, self.inputs) is not None:
+            # The step code needs the trainer (or raises anyway): check the model's forward and backward alone.
+            alone = check_layout(pl_module, model_only, step_owner=pl_module, copy_model=detached_copy)
+            if alone.verdict != "not checked":
+                return alone
+        return result
 
     # ---- resume and audit ----------------------------------------------------------------------
 
@@ -347,3 +443,13 @@ class ChannelsLast(Callback):
             copy.deepcopy(target), example.detach(), autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision))
         )
         rank_zero_info(f"ChannelsLast layout audit of {type(target).__name__}:\n{self.audit_report.format_table()}")
+
+
+def _apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
+    """The fallbacks on an averaged copy, whose names may sit under ``module.`` (``AveragedModel``)."""
+    names = {name for name, _ in copy_.named_modules()}
+    wanted = [f for f in fallbacks if f.kind != "model"]
+    for prefix in ("", "module."):
+        if all(f"{prefix}{f.module}".rstrip(".") in names for f in wanted):
+            apply_fallbacks(copy_, [Fallback(f.kind, f"{prefix}{f.module}".rstrip(".")) for f in wanted])
+            return

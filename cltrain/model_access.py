@@ -4,6 +4,7 @@ module's own, and optimizer state that should follow its parameter's strides."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from torch import nn
 
 from cltrain.layout import memory_format_for
 
-__all__ = ["model_copies", "restride_optimizer_state", "run_after", "step_target", "undo_run_after"]
+__all__ = ["detached_copy", "model_copies", "restride_optimizer_state", "run_after", "step_target", "undo_run_after"]
 
 
 def run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
@@ -104,3 +105,24 @@ def _needs_param_strides(value: Any, param: torch.Tensor) -> bool:
         and value.shape == param.shape
         and value.stride() != param.stride()
     )
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def detached_copy(pl_module: nn.Module) -> nn.Module:
+    """A deep copy of ``pl_module`` whose step leaves no trace: not attached to the trainer (``self.log``
+    and ``self.log_dict`` do nothing, there is no logger), datasets and data loaders it holds shared rather
+    than copied, and every module eager (a module compiled in place runs uncompiled)."""
+    from torch.utils.data import DataLoader, Dataset
+
+    memo = {id(v): v for v in vars(pl_module).values() if isinstance(v, (Dataset, DataLoader))}
+    clone = copy.deepcopy(pl_module, memo)  # a LightningModule's __getstate__ drops its trainer
+    for module in clone.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+        if isinstance(module, LightningModule):
+            module.__dict__["log"] = _no_log
+            module.__dict__["log_dict"] = _no_log
+    return clone
