@@ -5,8 +5,8 @@ the backward) on an NCHW copy and a channels_last copy of ``model``, with the sa
 random ops (dropout) drawn in the same logical order in both. Every module's inputs, outputs and output
 gradients, the loss and every parameter's gradient are compared as they happen; the first place that
 raises only in channels_last, or differs beyond the layouts' own rounding noise, is the finding.
-The noise is measured on the same batch: an NCHW run whose every module output is perturbed by half
-a unit in the last place of its dtype. A finding is then fixed by the smallest ``cltrain.nchw_fallback``
+The noise is measured on the same batch: an NCHW run whose every module output, and the gradient
+arriving at it, is perturbed by a few units in the last place of its dtype. A finding is then fixed by the smallest ``cltrain.nchw_fallback``
 that makes the channels_last copy agree, tried in order (the outputs of the module just before the
 faulty code, the module holding it, its parents, the whole model), each verified by running the step
 again. The model itself, its gradients, BatchNorm statistics, optimizer and RNG state are not touched.
@@ -40,6 +40,7 @@ import random
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,12 +128,22 @@ def _floats(obj: Any) -> list[torch.Tensor]:
     return found
 
 
-def _signature(obj: Any, vectors: _Vectors) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """Per floating tensor: its shape and ``[norm, projections...]`` (a device tensor: no sync here)."""
+def _signature(obj: Any, vectors: _Vectors, seen: dict[int, tuple[Any, int, torch.Tensor]] | None = None,
+               ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Per floating tensor: its shape and ``[norm, projections...]`` (a device tensor: no sync here).
+
+    ``seen`` caches by tensor (and its version): a module's input is mostly the previous one's output."""
     out = []
     for t in _floats(obj):
+        hit = seen.get(id(t)) if seen is not None else None
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            out.append((tuple(t.shape), hit[2]))
+            continue
         x = t.detach().float()
-        out.append((tuple(t.shape), torch.cat([torch.linalg.vector_norm(x).reshape(1), _project(x, vectors)])))
+        sig = torch.cat([torch.linalg.vector_norm(x).reshape(1), _project(x, vectors)])
+        if seen is not None:
+            seen[id(t)] = (weakref.ref(t), t._version, sig)
+        out.append((tuple(t.shape), sig))
     return out
 
 
@@ -155,6 +166,13 @@ def _distance(a: list[tuple[tuple[int, ...], list[float]]], b: list[tuple[tuple[
             continue
         worst = max(worst, max(abs(x - y) for x, y in zip(sa, sb)) / scale)
     return worst
+
+
+def _noise_scale(dtype: torch.dtype) -> float:
+    """The relative perturbation of the noise run: a kernel's rounding differs between layouts by more than
+    half a unit in the last place where it sums long runs (a convolution's weight gradient sums N*H*W
+    products), so 64 units, and at most 2**-6 for 16-bit dtypes."""
+    return min(64 * torch.finfo(dtype).eps, 2.0**-6)
 
 
 # ---- one run of the step, recorded -----------------------------------------------------------------------------
@@ -225,6 +243,7 @@ class _Recorder:
     def __init__(self, model: nn.Module, vectors: _Vectors, perturb: bool) -> None:
         self.run = _Run()
         self.vectors = vectors
+        self.seen: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self.stack: list[list[Any]] = []  # [name, call key, last child completed]
         self.last_top: str | None = None
         self.backward_open: list[str] = []
@@ -246,18 +265,25 @@ class _Recorder:
         if key in self.run.signatures:
             return
         self.run.keys.append(key)
-        self.run.signatures[key] = _signature(obj, self.vectors)
+        self.run.signatures[key] = _signature(obj, self.vectors, self.seen)
         self.run.contexts[key] = context
 
-    def _perturb(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        def noisy(t: torch.Tensor) -> torch.Tensor:
-            if self.generator is None or self.generator.device != t.device:
-                self.generator = torch.Generator(device=t.device).manual_seed(0)
-            eps = torch.finfo(t.dtype).eps / 2
-            signs = torch.randint(0, 2, t.shape, generator=self.generator, device=t.device).to(t.dtype) * 2 - 1
-            return t + t * (signs * eps)
+    def _noisy(self, t: torch.Tensor) -> torch.Tensor:
+        if self.generator is None or self.generator.device != t.device:
+            self.generator = torch.Generator(device=t.device).manual_seed(0)
+        signs = torch.randint(0, 2, t.shape, generator=self.generator, device=t.device).to(t.dtype) * 2 - 1
+        return t + t * (signs * _noise_scale(t.dtype))
 
-        return map_images(output, noisy, ranks=None) if _floats(output) else None
+    def _perturb(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Forward hook of the noise run: every output, and later the gradient arriving at it, perturbed."""
+        if not _floats(output):
+            return None
+        output = map_images(output, self._noisy, ranks=None)
+        if torch.is_grad_enabled():
+            for t in _floats(output):
+                if t.requires_grad:
+                    t.register_hook(self._noisy)
+        return output
 
     def _pre(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -149,6 +149,17 @@ def _guardrails_of(callback: Any) -> str:
     return "; ".join(f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)" for r in records)
 
 
+def _record_check(result: dict[str, Any], callback: Any) -> None:
+    """The first-batch layout check's verdict, line, the layout kept, and the largest agreeing difference."""
+    check = callback.layout_checks.get("train")
+    if check is not None:
+        result["layout_check"] = check.verdict
+        result["layout_check_line"] = check.line()
+        result["layout_check_worst"] = check.worst
+        result["layout_check_seconds"] = round(check.seconds, 2)
+    result["layout_kept"] = callback.layout
+
+
 def _conv_layout(net: torch.nn.Module) -> str:
     from cltrain.layout import CONV_TYPES, is_channels_last
 
@@ -248,6 +259,14 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     batches = [make_batch(spec, args.batch, gen) for _ in range(2)]
 
+    if args.check_only:
+        phase("channels_last")
+        callback = ChannelsLast()
+        module = _fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2)
+        result["losses_channels_last"] = [float(v) for v in module.losses]
+        _record_check(result, callback)
+        return phase("done")
+
     phase("references")
     exact = _references(spec, net0, batches[0], result)
     grads: dict[str, dict] = {k: g for k, (g, _) in exact.items()}
@@ -265,6 +284,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         if callback is not None:
             result["conv_weights_cl"] = _conv_layout(module.net)
             result["guardrails"] = _guardrails_of(callback)
+            _record_check(result, callback)
     parity(result, grads, losses)
     del grads, losses
 
@@ -375,7 +395,31 @@ def _last_error(log: Path) -> str:
 def _child_options(args: argparse.Namespace) -> list[str]:
     opts = ["--batch", str(args.batch), "--speed-batch", str(args.speed_batch), "--rounds", str(args.rounds),
             "--min-window", str(args.min_window), "--max-params", str(args.max_params), "--dtypes", args.dtypes]
-    return opts + [f"--{flag.replace('_', '-')}" for flag in ("quick", "no_speed", "no_auto", "no_compile") if getattr(args, flag)]
+    flags = ("quick", "no_speed", "no_auto", "no_compile", "check_only")
+    return opts + [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag)]
+
+
+def _check_summary(rows: list[dict[str, Any]]) -> str:
+    ran = [r for r in rows if r.get("status") == "ok"]
+    counts: dict[str, int] = {}
+    for r in ran:
+        counts[r.get("layout_check", "none")] = counts.get(r.get("layout_check", "none"), 0) + 1
+    failed = [r["key"] for r in rows if r.get("status") not in ("ok", "skipped")]
+    return (f"{len(ran)} models ran; layout check verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            + (f"; did not finish: {', '.join(failed)}" if failed else ""))
+
+
+def _write_check_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str) -> None:
+    lines = ["# The first-batch layout check over the zoo", "", f"Command: `{command}`", "", machine_line(m), "",
+             _check_summary(rows), "", "| model | status | verdict | largest agreeing difference (noise) | check s | layout kept |",
+             "|---|---|---|---|---:|---|"]
+    for r in rows:
+        worst = r.get("layout_check_worst")
+        shown = f"{worst[0]:.2g} ({worst[1]:.2g})" if worst else ""
+        lines.append(f"| {r['key']} | {r.get('status', '')} | {r.get('layout_check', '')} | {shown} | "
+                     f"{r.get('layout_check_seconds', '')} | {r.get('layout_kept', '')} |")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"command": command, "machine": m, "rows": rows}, default=str))
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -402,6 +446,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-speed", action="store_true", help="do not time training steps")
     p.add_argument("--no-auto", action="store_true", help="do not run mode='auto'")
     p.add_argument("--no-compile", action="store_true", help="do not run the torch.compile rows")
+    p.add_argument("--check-only", action="store_true",
+                   help="only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict count")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -446,7 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{len(rows)}/{len(specs)}] {spec.key}: {result['status']} {grad} {result['seconds']}s", flush=True)
         m["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
         rows.sort(key=lambda r: [s.key for s in specs].index(r["key"]))
-        write_outputs(args.out, rows, m, command, args)
+        if args.check_only:
+            _write_check_outputs(args.out, rows, m, command)
+        else:
+            write_outputs(args.out, rows, m, command, args)
+    if args.check_only:
+        print(_check_summary(rows))
+        print(f"wrote {args.out.with_suffix('.md')}, .json")
+        return 0
     print("\n".join(summary(rows)))
     print(f"wrote {args.out.with_suffix('.md')}, .json, .csv")
     return 0
