@@ -10,29 +10,36 @@
   on scratch tensors, compared with the unfused optimizer. A fused optimizer gets the
   overflow check handed to its kernel; ``SGD(fused=True, momentum>0)`` writes an
   uninitialised momentum buffer on an overflowed first step and trains to NaN.
+* ``zero_momentum_buffers``: starts SGD's momentum buffers at zero, which makes the
+  fused SGD pass ``loss_scaling_safe`` (``dampening=0``).
 
 Example::
 
     >>> import torch
-    >>> from cltrain.precision import auto_precision, loss_scaling_safe
+    >>> from cltrain.precision import auto_precision, loss_scaling_safe, zero_momentum_buffers
     >>> auto_precision(torch.device("cpu")).flag in ("bf16-mixed", "32-true")
     True
     >>> loss_scaling_safe(torch.optim.SGD, torch.device("cpu"), lr=0.1, momentum=0.9)
     False
+    >>> loss_scaling_safe(torch.optim.SGD, torch.device("cpu"), prepare=zero_momentum_buffers, lr=0.1, momentum=0.9)
+    True
 """
 
 from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.deterministic
 
-__all__ = ["PrecisionChoice", "auto_precision", "cpu_bf16_support", "loss_scaling_safe"]
+__all__ = ["PrecisionChoice", "auto_precision", "cpu_bf16_support", "loss_scaling_safe", "zero_momentum_buffers"]
 
 #: oneDNN ISA limits (``ONEDNN_MAX_CPU_ISA``) below which bf16 convolutions have no native kernel.
 _ONEDNN_NO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
@@ -102,11 +109,22 @@ def auto_precision(device: torch.device) -> PrecisionChoice:
     return PrecisionChoice("32-true", f"no mixed precision is chosen automatically on {device.type}")
 
 
-def _poison(like: torch.Tensor, count: int = 8) -> None:
-    # Fill and free a few blocks of the scratch size, so that a kernel that leaves an `empty_like`
-    # buffer unwritten shows NaN instead of whatever zeros a fresh allocation happens to hold.
-    blocks = [torch.full_like(like, float("nan")) for _ in range(count)]
-    del blocks
+@contextmanager
+def _uninitialised_memory_is_nan() -> Iterator[None]:
+    # A kernel that leaves an `empty_like` buffer unwritten must show NaN, not whatever the allocator
+    # hands back (often zeros or a freed tensor's finite values). Deterministic mode fills every
+    # `torch.empty*` result; warn_only, because the probe needs the fill, not deterministic kernels.
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def _run_sequence(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
@@ -117,7 +135,6 @@ def _run_sequence(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimiz
     weights = torch.linspace(0.5, 1.5, 64, device=device).reshape(8, 8)
     snapshots = []
     for overflow in (True, False, True, False):
-        _poison(param)
         optimizer.zero_grad(set_to_none=True)
         loss = (param * weights).sum() * (float("inf") if overflow else 1.0)
         scaler.scale(loss).backward()
@@ -129,7 +146,58 @@ def _run_sequence(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimiz
     return snapshots
 
 
-def loss_scaling_safe(optimizer_class: type[torch.optim.Optimizer], device: torch.device | str, **kwargs: Any) -> bool:
+def zero_momentum_buffers(optimizer: torch.optim.SGD) -> torch.optim.SGD:
+    """Start every momentum buffer of ``optimizer`` at zero, so that its fused step is safe under loss scaling.
+
+    Call it on the new optimizer, before its first step::
+
+        optimizer = zero_momentum_buffers(torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True))
+
+    With ``dampening=0`` a zero buffer gives SGD's first step unchanged (``0 * momentum + grad``
+    is the ``grad`` it starts from), and the fused kernel, which skips an overflowed step,
+    no longer allocates an uninitialised buffer for it. Groups with ``momentum=0`` have no
+    buffer, and groups with ``dampening != 0`` start from ``(1 - dampening) * grad`` instead,
+    so both are left alone (``loss_scaling_safe`` still fails such a fused SGD).
+
+    ``optimizer.load_state_dict`` keeps both properties, for a state dict saved by the
+    unfused SGD too: parameters without a saved buffer get a zero one, and every group keeps
+    the ``fused`` and ``foreach`` flags the optimizer was built with (the loaded groups would
+    make the step unfused, and the unfused step refuses a ``GradScaler``'s overflow flag).
+    Parameters added later with ``add_param_group`` need another call.
+
+    Returns:
+        ``optimizer``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.SGD``.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise TypeError(f"zero_momentum_buffers takes a torch.optim.SGD, got {type(optimizer).__name__}")
+    _zero_missing_buffers(optimizer)
+    optimizer.register_load_state_dict_post_hook(_keep_zero_buffers_after_load)
+    return optimizer
+
+
+def _zero_missing_buffers(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0 or group["dampening"] != 0:
+            continue
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state.get("momentum_buffer") is None:
+                # zeros_like keeps the parameter's strides (channels_last), as the fused kernel's buffers have
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _keep_zero_buffers_after_load(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for key in ("fused", "foreach"):
+            group[key] = optimizer.defaults[key]
+    _zero_missing_buffers(optimizer)
+
+
+def loss_scaling_safe(optimizer_class: type[torch.optim.Optimizer], device: torch.device | str, *,
+                      prepare: Callable[[torch.optim.Optimizer], Any] | None = None, **kwargs: Any) -> bool:
     """Whether ``optimizer_class(..., fused=True, **kwargs)`` is safe under a ``GradScaler`` on ``device``.
 
     Runs overflowed, finite, overflowed and finite steps on a scratch parameter with the
@@ -138,12 +206,27 @@ def loss_scaling_safe(optimizer_class: type[torch.optim.Optimizer], device: torc
     float rounding). Costs a few milliseconds; the GradScaler's unfused path reads the
     overflow flag on the host, which is fine for a probe.
 
+    Args:
+        optimizer_class: the optimizer, e.g. ``torch.optim.SGD``.
+        device: where it would run.
+        prepare: called on the fused optimizer right after it is built, as the caller will
+            call it on the real one (e.g. ``zero_momentum_buffers``); its return value is unused.
+        **kwargs: the optimizer's arguments, other than ``fused`` and ``foreach``.
+
     Returns:
         ``False`` also when the fused optimizer cannot be built on ``device``.
     """
     device = torch.device(device)
+
+    def build_fused(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = optimizer_class(params, fused=True, **kwargs)
+        if prepare is not None:
+            prepare(optimizer)
+        return optimizer
+
     try:
-        fused = _run_sequence(lambda p: optimizer_class(p, fused=True, **kwargs), device)
+        with _uninitialised_memory_is_nan():
+            fused = _run_sequence(build_fused, device)
     except (RuntimeError, TypeError, ValueError):  # no fused kernel for this device or dtype
         return False
     plain = _run_sequence(lambda p: optimizer_class(p, foreach=False, **kwargs), device)

@@ -40,7 +40,7 @@ from cltrain.app.config import ConfigError
 
 from cltrain.app.metrics import TopKAccuracy
 from cltrain.app.schedule import make_scheduler
-from cltrain.precision import loss_scaling_safe
+from cltrain.precision import loss_scaling_safe, zero_momentum_buffers
 
 __all__ = ["ImageClassifier", "build_optimizer"]
 
@@ -64,8 +64,9 @@ class ImageClassifier(LightningModule):
         gamma: the step schedule's decay factor.
         min_lr_ratio: the cosine schedule's final rate, as a fraction of ``lr``.
         label_smoothing: cross-entropy label smoothing.
-        fused: a fused optimizer step; ``None``: on CUDA. Under loss scaling (fp16) a fused
-            optimizer that fails ``cltrain.precision.loss_scaling_safe`` is built unfused.
+        fused: a fused optimizer step; ``None``: on CUDA. Under loss scaling (fp16) SGD's
+            momentum buffers start at zero (``cltrain.precision.zero_momentum_buffers``), and a
+            fused optimizer that fails ``cltrain.precision.loss_scaling_safe`` is built unfused.
 
     The defaults are apex main_amp.py's 90-epoch recipe; ``train.py`` passes every value from its
     config (``cltrain.app.schema``, whose schedule fits the 8-epoch demo run).
@@ -179,17 +180,23 @@ def build_optimizer(params: Any, name: str, device: torch.device, *, fused: bool
                     betas: Sequence[float] = (0.9, 0.999)) -> tuple[torch.optim.Optimizer, str]:
     """``name`` (``"sgd"`` or ``"adamw"``) over ``params``, and a note (empty when nothing to say).
 
-    With ``fused`` and ``loss_scaling``, the fused optimizer is used only if it passes
-    ``cltrain.precision.loss_scaling_safe`` on ``device``; otherwise the unfused one, and
-    the note says why.
+    With ``fused`` and ``loss_scaling``, SGD's momentum buffers start at zero
+    (``cltrain.precision.zero_momentum_buffers``), and the fused optimizer so built is used
+    only if it passes ``cltrain.precision.loss_scaling_safe`` on ``device``; otherwise the
+    unfused one, and the note says why.
     """
     if name == "adamw":
         cls, kwargs = torch.optim.AdamW, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
     else:
         cls, kwargs = torch.optim.SGD, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    # Without loss scaling no step is skipped, so the fused SGD's first-step buffer is always written.
+    prepare = zero_momentum_buffers if fused and loss_scaling and cls is torch.optim.SGD else None
     note = ""
-    if fused and loss_scaling and not loss_scaling_safe(cls, device, **kwargs):
-        fused = False
+    if fused and loss_scaling and not loss_scaling_safe(cls, device, prepare=prepare, **kwargs):
+        fused, prepare = False, None
         note = (f"fused {cls.__name__} fails the loss-scaling check on {device.type} (an overflowed step changes its "
                 f"state); using the unfused {cls.__name__}, whose overflow check costs one host sync per step")
-    return cls(params, fused=True if fused else None, **kwargs), note
+    optimizer = cls(params, fused=True if fused else None, **kwargs)
+    if prepare is not None:
+        prepare(optimizer)
+    return optimizer, note

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import os
 import subprocess
@@ -10,9 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from cltrain.app.module import build_optimizer
-from cltrain.precision import auto_precision, cpu_bf16_support, loss_scaling_safe
+from cltrain.app.module import ImageClassifier, build_optimizer
+from cltrain.precision import auto_precision, cpu_bf16_support, loss_scaling_safe, zero_momentum_buffers
 
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
@@ -40,17 +46,138 @@ def test_optimizers_that_honour_the_overflow_flag_pass_the_probe(optimizer: type
     assert loss_scaling_safe(optimizer, "cpu", **kwargs)  # AdamW, and SGD without momentum (no buffer)
 
 
-def test_the_app_builds_an_unfused_sgd_under_loss_scaling_and_an_overflow_leaves_it_untouched() -> None:
-    param = torch.nn.Parameter(torch.linspace(-1, 1, 64).reshape(8, 8))
+def test_zero_momentum_buffers_make_the_fused_sgd_pass_the_probe() -> None:
+    assert loss_scaling_safe(torch.optim.SGD, "cpu", prepare=zero_momentum_buffers, **SGD)
+    assert loss_scaling_safe(torch.optim.SGD, "cpu", prepare=zero_momentum_buffers, nesterov=True, **SGD)
+    assert not torch.are_deterministic_algorithms_enabled()  # the probe's NaN-filled allocations ended with it
+
+
+def _params() -> list[nn.Parameter]:
+    # one matrix and one channels_last conv weight: the zero buffers must keep each parameter's strides
+    conv = torch.linspace(-1.0, 1.0, 2 * 3 * 2 * 2).reshape(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    return [nn.Parameter(torch.linspace(-1.0, 1.0, 64).reshape(8, 8)), nn.Parameter(conv)]
+
+
+def _scaled_steps(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], loss_factors: list[float],
+                  init_scale: float = 2.0**127) -> list[tuple[list[torch.Tensor], list[torch.Tensor | None], float]]:
+    """Steps under a real GradScaler; after each, the parameters, their momentum buffers and the scale.
+
+    With the gradients in [1, 3], a scale of 2**127 overflows fp32 on the first step, 2**126 does not,
+    and a loss factor of 4 overflows it again."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    weights = [torch.linspace(1.0, 3.0, p.numel()).reshape(p.shape) for p in params]
+    history = []
+    for factor in loss_factors:
+        optimizer.zero_grad(set_to_none=True)
+        loss = sum((p * w).sum() for p, w in zip(params, weights)) * factor
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        buffers = [optimizer.state[p].get("momentum_buffer") for p in params]
+        history.append(([p.detach().clone() for p in params], [None if b is None else b.clone() for b in buffers],
+                        scaler.get_scale()))
+    return history
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_zeroed_fused_sgd_steps_like_the_unfused_one_through_a_first_step_overflow(nesterov: bool) -> None:
+    kwargs = {**SGD, "nesterov": nesterov}
+    fused_params, plain_params = _params(), _params()
+    fused = zero_momentum_buffers(torch.optim.SGD(fused_params, fused=True, **kwargs))
+    plain = torch.optim.SGD(plain_params, foreach=False, **kwargs)
+    factors = [1.0, 1.0, 4.0, 1.0]  # overflow, finite, overflow, finite
+    fused_steps, plain_steps = _scaled_steps(fused, fused_params, factors), _scaled_steps(plain, plain_params, factors)
+    assert [scale for *_, scale in plain_steps] == [2.0**126, 2.0**126, 2.0**125, 2.0**125]
+    assert [scale for *_, scale in fused_steps] == [2.0**126, 2.0**126, 2.0**125, 2.0**125]
+    for step, ((p_fused, b_fused, _), (p_plain, b_plain, _)) in enumerate(zip(fused_steps, plain_steps)):
+        torch.testing.assert_close(p_fused, p_plain)
+        if step == 0:  # the unfused SGD skipped its first step and has no buffer yet
+            assert b_plain == [None, None] and all(torch.equal(b, torch.zeros_like(b)) for b in b_fused)
+        else:
+            torch.testing.assert_close(b_fused, b_plain)
+    assert not torch.equal(fused_steps[-1][0][0], _params()[0])  # the finite steps did move the parameters
+    assert fused_steps[-1][1][1].stride() == fused_params[1].stride()  # channels_last buffer, as the kernel writes it
+
+
+def test_dampening_or_no_momentum_gets_no_zero_buffer_and_dampening_stays_unsafe() -> None:
+    damped, still = _params(), _params()
+    optimizer = zero_momentum_buffers(torch.optim.SGD(
+        [{"params": damped, "dampening": 0.1}, {"params": still, "momentum": 0.0}], fused=True, **SGD))
+    assert not optimizer.state  # (1 - dampening) * grad is SGD's first step there, not a zero buffer's grad
+    assert not loss_scaling_safe(torch.optim.SGD, "cpu", prepare=zero_momentum_buffers, dampening=0.1, **SGD)
+    with pytest.raises(TypeError, match="got AdamW"):
+        zero_momentum_buffers(torch.optim.AdamW(_params()))
+
+
+def test_the_app_builds_a_fused_sgd_with_zero_buffers_under_loss_scaling() -> None:
+    param = nn.Parameter(torch.linspace(-1, 1, 64).reshape(8, 8))
     before = param.detach().clone()
     optimizer, note = build_optimizer([param], "sgd", torch.device("cpu"), fused=True, loss_scaling=True, **SGD)
-    assert not optimizer.defaults["fused"] and "unfused SGD" in note and "host sync" in note
+    assert optimizer.defaults["fused"] and note == ""
+    assert torch.equal(optimizer.state[param]["momentum_buffer"], torch.zeros_like(param))
     _overflowed_step(optimizer, param)
-    assert torch.equal(param.detach(), before) and not optimizer.state[param]
-    # without loss scaling (bf16, fp32) the fused step is kept, and AdamW keeps it under loss scaling too
-    assert build_optimizer([param], "sgd", torch.device("cpu"), fused=True, loss_scaling=False, **SGD)[0].defaults["fused"]
+    assert torch.equal(param.detach(), before)
+    assert torch.equal(optimizer.state[param]["momentum_buffer"], torch.zeros_like(param))
+    # without loss scaling (bf16, fp32) the fused SGD writes its buffers on its first step, and AdamW is kept fused
+    plain, note = build_optimizer([param], "sgd", torch.device("cpu"), fused=True, loss_scaling=False, **SGD)
+    assert plain.defaults["fused"] and not plain.state and note == ""
     adamw, note = build_optimizer([param], "adamw", torch.device("cpu"), fused=True, loss_scaling=True, lr=1e-3)
     assert adamw.defaults["fused"] and note == ""
+
+
+@pytest.mark.parametrize("steps_before", [2, 0])
+def test_a_state_dict_of_the_unfused_sgd_resumes_in_the_apps_fused_sgd(steps_before: int) -> None:
+    # The state dict of the app's unfused SGD; the second parameter gets no gradient before the save, so no buffer
+    # is saved for it.
+    saved_params = _params()
+    unfused, _ = build_optimizer(saved_params, "sgd", torch.device("cpu"), fused=False, loss_scaling=True, **SGD)
+    for _ in range(steps_before):
+        unfused.zero_grad(set_to_none=True)
+        (saved_params[0] ** 2).sum().backward()
+        unfused.step()
+    saved = io.BytesIO()
+    torch.save(unfused.state_dict(), saved)
+    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    assert len(state["state"]) == (1 if steps_before else 0)
+    resumed_params = [nn.Parameter(p.detach().clone()) for p in saved_params]
+    resumed, note = build_optimizer(resumed_params, "sgd", torch.device("cpu"), fused=True, loss_scaling=True, **SGD)
+    resumed.load_state_dict(state)
+    assert note == "" and resumed.param_groups[0]["fused"]  # not the loaded group's fused=None
+    assert torch.equal(resumed.state[resumed_params[1]]["momentum_buffer"], torch.zeros_like(resumed_params[1]))
+    factors = [1.0, 1.0, 4.0, 1.0]  # overflow, finite, overflow, finite
+    for (p_resumed, b_resumed, _), (p_unfused, b_unfused, _) in zip(
+            _scaled_steps(resumed, resumed_params, factors), _scaled_steps(unfused, saved_params, factors)):
+        torch.testing.assert_close(p_resumed, p_unfused)
+        torch.testing.assert_close(b_resumed, [torch.zeros_like(p) if b is None else b
+                                               for p, b in zip(p_unfused, b_unfused)])
+
+
+def _fit_fp16(model: nn.Module, fused: bool, max_steps: int, ckpt_path: Path | None) -> Trainer:
+    # Lightning turns 16-mixed into bf16 on the CPU; the plugin keeps fp16 autocast with a CPU GradScaler.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = Trainer(accelerator="cpu", plugins=[plugin], max_steps=max_steps, limit_train_batches=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = ImageClassifier(model, num_classes=4, lr=0.1, warmup_epochs=0, fused=fused)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 3, 8, 8, generator=g), torch.arange(8) % 4)
+    trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_checkpoint_of_the_unfused_sgd_resumes_fused_in_a_real_fp16_trainer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4))
+    saved = _fit_fp16(model, fused=False, max_steps=2, ckpt_path=None)
+    assert not saved.optimizers[0].defaults["fused"] and saved.optimizers[0].state
+    ckpt = tmp_path / "unfused.ckpt"
+    saved.save_checkpoint(ckpt)
+    fused_model, unfused_model = copy.deepcopy(model), copy.deepcopy(model)
+    fused = _fit_fp16(fused_model, fused=True, max_steps=4, ckpt_path=ckpt)
+    unfused = _fit_fp16(unfused_model, fused=False, max_steps=4, ckpt_path=ckpt)
+    assert fused.global_step == unfused.global_step == 4
+    assert fused.optimizers[0].param_groups[0]["fused"] and fused.lightning_module.optimizer_note == ""
+    torch.testing.assert_close(fused_model.state_dict(), unfused_model.state_dict())
+    assert not torch.equal(fused_model[0].weight, model[0].weight)  # the resumed steps did train
 
 
 def _in_a_fresh_process(code: str, env: dict[str, str]) -> str:
