@@ -135,14 +135,16 @@ def _signature(obj: Any, vectors: _Vectors, seen: dict[int, tuple[Any, int, torc
     ``seen`` caches by tensor (and its version): a module's input is mostly the previous one's output."""
     out = []
     for t in _floats(obj):
-        hit = seen.get(id(t)) if seen is not None else None
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
+        cache = seen if not t.is_inference() else None  # inference tensors have no version counter
+        version = t._version if cache is not None else -1
+        hit = cache.get(id(t)) if cache is not None else None
+        if hit is not None and hit[0]() is t and hit[1] == version:
             out.append((tuple(t.shape), hit[2]))
             continue
         x = t.detach().float()
         sig = torch.cat([torch.linalg.vector_norm(x).reshape(1), _project(x, vectors)])
-        if seen is not None:
-            seen[id(t)] = (weakref.ref(t), t._version, sig)
+        if cache is not None:
+            cache[id(t)] = (weakref.ref(t), version, sig)
         out.append((tuple(t.shape), sig))
     return out
 

@@ -5,6 +5,8 @@ channels-last format of each parameter's rank, and the kernel guardrails); ``con
 puts a batch's model inputs in that layout by the same rules as the callback (only the inputs:
 targets and masks keep their layout, see ``cltrain.batch_layout``). Convert before
 ``fabric.setup`` / DDP / ``torch.compile``, so every rank wraps and compiles the final layout.
+``verify_layout`` runs one step in both layouts on copies of the model (``cltrain.layout_check``) and
+puts the part of the model whose code assumes NCHW in NCHW, as the callback does on its first batch.
 ``contiguous_copy`` gives an NCHW copy of a trained model for ``torch.onnx.export``,
 ``torch.export`` and TorchScript, whose graphs should not depend on how training strided the weights.
 
@@ -15,6 +17,7 @@ Example (Fabric; a plain loop is the same without the ``fabric`` lines)::
 
     fabric = Fabric(accelerator="cpu")
     model = convert_model(torchvision.models.resnet18())
+    verify_layout(model, next(iter(loader)), step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = fabric.setup(model, optimizer)
     for batch in fabric.setup_dataloaders(loader):
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -37,8 +41,10 @@ from cltrain.autolayout import to_contiguous
 from cltrain.batch_layout import Inputs, check_inputs, restride_batch
 from cltrain.guardrails import apply_guardrails
 from cltrain.layout import MODES, to_channels_last
+from cltrain.layout_check import LayoutCheck, check_layout, projection_loss
+from cltrain.nchw_fallback import apply_fallbacks
 
-__all__ = ["contiguous_copy", "convert_batch", "convert_model"]
+__all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
 log = logging.getLogger(__name__)
 B = TypeVar("B")
@@ -120,6 +126,64 @@ def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last"
         raise ValueError(f"convert_batch(layout={layout!r}): expected 'channels_last' or 'contiguous'.")
     restride_batch(batch, layout, inputs=check_inputs(inputs, owner="convert_batch"))
     return batch
+
+
+def verify_layout(
+    model: nn.Module,
+    batch: Any,
+    step: Callable[[nn.Module, Any], Any] | None = None,
+    *,
+    inputs: Inputs = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> LayoutCheck:
+    """Check one step in both layouts and apply what the check chooses to ``model``, in place.
+
+    Call it once, after ``convert_model`` and before ``fabric.setup`` / DDP / ``torch.compile``, with a
+    real batch. Where the code in the model or in ``step`` raises or diverges only in channels_last, the
+    smallest part holding it runs in NCHW (``cltrain.nchw_fallback``); where that is the whole model, the
+    model is put back in NCHW (then keep the batches contiguous: ``result.verdict == "contiguous"``).
+    One log line says what was found and done. The model's weights, gradients and BatchNorm statistics
+    and the RNG state are not changed.
+
+    Args:
+        model: the model, converted by ``convert_model``.
+        batch: one batch as the loop gets it (on the model's device).
+        step: ``step(model, batch) -> loss`` (or the outputs): the forward and the loss code of the loop;
+            by default the model is called on the batch's input (``inputs``) and its outputs reduced by a
+            fixed random projection.
+        inputs: which tensors of ``batch`` are the model's inputs (``convert_batch``'s rules).
+        autocast_dtype: run the step under autocast in this dtype on the model's device (as the loop does).
+
+    Returns:
+        The ``cltrain.layout_check.LayoutCheck``.
+    """
+    from cltrain.autolayout import autocast_for
+    from cltrain.batch_layout import first_image_tensor
+
+    inputs = check_inputs(inputs, owner="verify_layout")
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+
+    def run(clone: nn.Module, layout: str) -> Any:
+        copied = _clone_tensors(batch)
+        restride_batch(copied, layout, inputs=inputs)
+        with autocast_for(device, autocast_dtype):
+            if step is not None:
+                return step(clone, copied)
+            return projection_loss(clone(first_image_tensor(copied, inputs)))
+
+    result = check_layout(model, run)
+    if result.verdict == "fallback":
+        apply_fallbacks(model, list(result.fallbacks))
+    elif result.verdict == "contiguous":
+        to_contiguous(model)
+    (log.warning if result.verdict in ("fallback", "contiguous") else log.info)("verify_layout: %s", result.line())
+    return result
+
+
+def _clone_tensors(batch: Any) -> Any:
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
 
 
 def contiguous_copy(model: nn.Module) -> nn.Module:

@@ -1,8 +1,8 @@
 """Small Lightning projects in common styles whose own code assumes NCHW strides, one pattern each.
 
-Run one as ``python -m tests.helpers.user_code PATTERN VARIANT`` (VARIANT: ``nchw`` without the
-callback, ``checked`` with ``ChannelsLast()``, ``unchecked`` with ``ChannelsLast(verify=False)``); it
-trains three steps and prints one JSON line: the losses, the error if it raised, the check's result.
+Run one as ``python -m tests.helpers.user_code PATTERN VARIANT...`` (VARIANT: ``nchw`` without the
+callback, ``checked`` with ``ChannelsLast()``, ``unchecked`` with ``ChannelsLast(verify=False)``); each
+variant trains three steps and prints one JSON line: the losses, the error if it raised, the check's result.
 """
 
 from __future__ import annotations
@@ -189,4 +189,5 @@ def main(pattern: str, variant: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for variant in sys.argv[2:]:
+        main(sys.argv[1], variant)

@@ -1,0 +1,196 @@
+"""The first-batch layout check: user code that assumes NCHW keeps training under ChannelsLast, and the
+check leaves no trace in the run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cltrain import ChannelsLast
+from cltrain.layout_check import check_layout
+from cltrain.loops import convert_batch, convert_model, verify_layout
+from tests.helpers.user_code import PATTERNS, RawMemory, ViewHead
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# pattern -> (the module the line must name, the fix it must give, how the unchecked run fails)
+EXPECTED = {
+    "view_head": ("`net`", "torch.flatten(x, 1)", "raises"),
+    "raw_memory": ("`net.s2d`", ".contiguous()", "diverges"),
+    "backward_view": ("`net.block`", "torch.flatten(x, 1)", "raises"),
+    "backward_raw_memory": ("`net.block`", ".contiguous()", "diverges"),
+    "contiguous_assert": ("`net.block`", ".contiguous()", "raises"),
+    "loss_view": ("the step code", "torch.flatten(x, 1)", "raises"),
+}
+
+
+def _run(pattern: str) -> dict[str, dict]:
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.user_code", pattern, "nchw", "checked", "unchecked"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["variant"]: r for r in reports}
+
+
+@pytest.mark.parametrize("pattern", sorted(EXPECTED))
+def test_user_code_that_assumes_nchw_trains_like_nchw_under_the_callback(pattern: str) -> None:
+    assert set(EXPECTED) == set(PATTERNS)
+    runs = _run(pattern)
+    nchw, checked, unchecked = runs["nchw"], runs["checked"], runs["unchecked"]
+    assert nchw["error"] is None and len(nchw["losses"]) == 3
+    assert checked["error"] is None, checked["error"]
+    torch.testing.assert_close(torch.tensor(checked["losses"]), torch.tensor(nchw["losses"]), rtol=1e-5, atol=1e-6)
+    module, fix, failure = EXPECTED[pattern]
+    line = checked["line"]["train"]
+    assert module in line and fix in line, line
+    assert checked["check"]["train"]["verdict"] in ("fallback", "contiguous")
+    assert "py:" in line  # the user's file and line
+    # The negative control: without the check the same code raises or trains on other numbers.
+    assert unchecked["check"] == {}
+    if failure == "raises":
+        assert unchecked["error"] is not None
+    else:
+        assert unchecked["error"] is None
+        gap = max(abs(a - b) for a, b in zip(unchecked["losses"], nchw["losses"]))
+        assert gap > 1e-5, (unchecked["losses"], nchw["losses"])
+
+
+class _Snapshot(Callback):
+    """What the run's state is at the first training batch: taken before and after ChannelsLast's hook."""
+
+    def __init__(self) -> None:
+        self.state: dict | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.state is None:
+            self.state = {
+                "rng": torch.get_rng_state().clone(),
+                "buffers": {k: v.clone() for k, v in pl_module.state_dict().items()},
+                "grads": [p.grad for p in pl_module.parameters()],
+                "optimizer": trainer.optimizers[0].state_dict(),
+                "logged": dict(trainer.callback_metrics),
+                "losses": list(pl_module.losses),
+                "step": trainer.global_step,
+            }
+
+
+class _DropoutNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout2d(0.3),
+                                 nn.Conv2d(8, 8, 3, padding=1), nn.Dropout(0.5), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(8, 5))
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("loss", loss)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)),
+                      batch_size=4)
+
+
+def test_the_check_leaves_no_trace_and_dropout_does_not_count_as_a_finding() -> None:
+    before, after, callback = _Snapshot(), _Snapshot(), ChannelsLast()
+    torch.manual_seed(0)
+    module = _DropoutNet()
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[before, callback, after])
+    trainer.fit(module, _loader())
+    assert callback.layout_checks["train"].verdict == "passed"  # same masks in both layouts: no false finding
+    assert callback.layout == "channels_last" and callback.fallbacks == []
+    a, b = before.state, after.state
+    assert torch.equal(a["rng"], b["rng"])
+    for key, value in a["buffers"].items():
+        assert torch.equal(value, b["buffers"][key]), key  # BatchNorm statistics and weights
+    assert all(g is None for g in b["grads"])
+    assert a["optimizer"] == b["optimizer"] and a["logged"] == b["logged"] == {}
+    assert a["losses"] == b["losses"] == [] and a["step"] == b["step"] == 0
+
+
+def test_the_check_runs_once_and_not_with_verify_false() -> None:
+    for verify in (True, False):
+        callback = ChannelsLast(verify=verify)
+        module = _DropoutNet()
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+        trainer.fit(module, _loader())
+        assert set(callback.layout_checks) == ({"train"} if verify else set())
+    with pytest.raises(ValueError, match="verify"):
+        ChannelsLast(verify="yes")
+
+
+class _ViewHeadModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = ViewHead()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+
+def test_validate_alone_checks_the_eval_step() -> None:
+    callback = ChannelsLast()
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)),
+                      batch_size=4)
+    trainer.validate(_ViewHeadModule(), data)
+    check = callback.layout_checks["eval"]
+    assert check.verdict == "fallback" and "`net`" in check.line()
+
+
+def test_verify_layout_in_a_plain_loop_keeps_the_raw_memory_op_right() -> None:
+    torch.manual_seed(0)
+    reference = RawMemory()
+    model = convert_model(RawMemory())
+    model.load_state_dict(reference.state_dict())
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = verify_layout(model, (x, y), step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    assert result.verdict == "fallback" and [f.module for f in result.fallbacks] == ["s2d"]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    batch = convert_batch((x.clone(), y))
+    torch.testing.assert_close(model(batch[0]), reference(x), rtol=1e-5, atol=1e-6)
+    # The negative control: the same model without the check computes something else.
+    unchecked = convert_model(RawMemory())
+    unchecked.load_state_dict(reference.state_dict())
+    assert not torch.allclose(unchecked(batch[0]), reference(x), atol=1e-3)
+
+
+def test_a_correct_model_passes_without_a_noise_run_and_a_scramble_is_far_above_the_floor() -> None:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = convert_model(torchvision.models.resnet18(num_classes=5))
+    x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 5, (2,))
+    xc = x.to(memory_format=torch.channels_last)
+    result = check_layout(model, lambda m, layout: F.cross_entropy(m(x if layout == "contiguous" else xc), y))
+    assert result.verdict == "passed", result.line()
+    assert result.worst is not None and result.worst[0] < 0.02
