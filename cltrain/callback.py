@@ -85,7 +85,9 @@ class ChannelsLast(Callback):
             ``False`` skips the check.
         auto_timeout: ``mode="auto"`` times the layouts in a child process
             (``cltrain.layout_probe.probe_layout``), which a native crash cannot take the run down
-            with; this is how long it may go without progress (seconds) before it counts as a hang.
+            with (a model the child cannot load, from a script without a main guard, ``python -c`` or a
+            notebook, is timed in this process with the guardrails, and the log line says so); this is
+            how long it may go without progress (seconds) before it counts as a hang.
 
     Attributes:
         layout: ``"channels_last"`` (the channels-last format of each tensor's rank) or
@@ -96,7 +98,7 @@ class ChannelsLast(Callback):
             ``{"channels_last": s, "contiguous": s}`` (the same on every rank); else ``None``, also
             when the timing failed.
         auto_failure: with ``mode="auto"``, one line saying why the timing gave no result (the probe
-            crashed, raised, hung, or the model could not be sent to it); the layout is then
+            crashed, raised or hung while timing); the layout is then
             ``"contiguous"``. ``None`` otherwise.
         guardrails: the ``cltrain.guardrails.GuardRecord`` of each known fault worked around in
             the model (``record.as_dict()`` for ``metrics.json``); ``[]`` when none matched, ``None``
@@ -289,14 +291,14 @@ class ChannelsLast(Callback):
                 guardrails=self.guard,
                 timeout=self.auto_timeout,
             )
-            decision = [result.layout, result.timings, result.failure]
+            decision = [result.layout, result.timings, result.failure, result.method]
         # Every rank must take the same layout or DDP's buckets disagree between ranks.
-        layout, self.timings, self.auto_failure = trainer.strategy.broadcast(decision, src=0)
+        layout, self.timings, self.auto_failure, method = trainer.strategy.broadcast(decision, src=0)
         if self.auto_failure is not None:
             rank_zero_warn(f"ChannelsLast(mode='auto'): {self.auto_failure}; keeping contiguous.")
             return layout
         per_img = ", ".join(f"{k} {v * 1e3:.1f} ms/step" for k, v in sorted(self.timings.items()))
-        rank_zero_info(f"ChannelsLast(mode='auto'): {per_img} -> keeping {layout}.")
+        rank_zero_info(f"ChannelsLast(mode='auto'), timed {method}: {per_img} -> keeping {layout}.")
         return layout
 
     # ---- batches -------------------------------------------------------------------------------

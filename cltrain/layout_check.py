@@ -54,10 +54,12 @@ from cltrain.nchw_fallback import Fallback, apply_fallbacks, map_images
 
 __all__ = ["Finding", "LayoutCheck", "check_layout", "projection_loss"]
 
-# A finding differs from the NCHW run by more than RATIO times the measured noise at the same place, and
-# by more than FLOOR (relative): a layout fault moves values to other places, which is O(1).
+# A finding differs from the NCHW run by more than RATIO times the measured noise at the same place, by more
+# than FLOOR (relative), and by more than JUMP times the difference already in its inputs: a layout fault
+# moves values to other places, which is O(1) at once.
 RATIO = 10.0
 FLOOR = 0.02
+JUMP = 3.0
 _ATTEMPTS = 8  # fallbacks tried before the whole model stays contiguous
 _PROJECTIONS = 3
 # Frames in these folders are not the user's code (the finding names the innermost frame outside them).
@@ -523,19 +525,51 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:160]}" if text else type(error).__name__
 
 
+def _upstream(key: tuple, z: dict[tuple, float], previous: float, index: dict[str, Any]) -> float:
+    """The largest difference already present in what ``key``'s value is computed from: a module's
+    inputs for its outputs; the gradients arriving at its outputs (and its inputs) for its input and
+    parameter gradients; otherwise the event just before."""
+    kind = key[0]
+    if kind == "forward-out":
+        return z.get(("forward-in", key[1]), 0.0)
+    if kind == "grad-in":
+        calls = [key[1]]
+    elif kind == "param":
+        calls = index["calls"].get(key[1].rpartition(".")[0], [])
+    else:
+        return previous
+    found = [z.get(("forward-in", c), 0.0) for c in calls]
+    found += [z.get(k, 0.0) for c in calls for k in index["grad-out"].get(c, ())]
+    return max(found, default=previous)
+
+
 def _compare(ref: _Run, noise: _Run | None, run: _Run, floor: float) -> tuple[int, tuple, float, float] | None:
-    """The first event (position, key, difference, noise) where ``run`` differs from ``ref``, or ``None``."""
+    """The first event (position, key, difference, noise) where ``run`` differs from ``ref``, or ``None``.
+
+    An event differs when its difference is above ``floor``, above ``RATIO`` times the noise there, and above
+    ``JUMP`` times the difference already in what it is computed from (an ill-conditioned gradient grows
+    step by step; a layout fault appears at once)."""
+    z = {key: _distance(ref.signatures[key], run.signatures[key]) for key in ref.keys if key in run.signatures}
+    index: dict[str, Any] = {"calls": {}, "grad-out": {}}
+    for key in ref.keys:
+        if key[0] == "forward-in":
+            index["calls"].setdefault(key[1].rpartition("#")[0], []).append(key[1])
+        elif key[0] == "grad-out":
+            index["grad-out"].setdefault(key[1], []).append(key)
+    previous = 0.0
     for position, key in enumerate(ref.keys):
-        if key not in run.signatures:
+        if key not in z:
             continue
-        z = _distance(ref.signatures[key], run.signatures[key])
-        if z <= floor:
+        here = z[key]
+        bar = max(floor, JUMP * _upstream(key, z, previous, index))
+        previous = here
+        if here <= bar:
             continue
         if noise is None:
-            return position, key, z, float("nan")  # the caller measures the noise and asks again
+            return position, key, here, float("nan")  # the caller measures the noise and asks again
         z_noise = _distance(ref.signatures[key], noise.signatures[key]) if key in noise.signatures else float("inf")
-        if z > max(RATIO * z_noise, floor):
-            return position, key, z, z_noise
+        if here > max(RATIO * z_noise, bar):
+            return position, key, here, z_noise
     return None
 
 

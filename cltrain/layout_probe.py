@@ -6,13 +6,14 @@ runs ``cltrain.autolayout.time_layouts``, reporting each step as it starts. A cr
 abort), an exception, or no progress for too long gives ``"contiguous"`` and one line saying why; the
 caller's process is never at risk.
 
-A model that does not pickle (a lambda or an open file among its attributes, a class defined inside a
-function) is not timed: ``"contiguous"`` again, and the line says so. Rebuilding it from a ``state_dict``
-would need its constructor's arguments, which an arbitrary module does not record (a LightningModule's
-``hparams`` often leave the network out), and timing a different model would be worse than not timing.
-Classes defined in the running script itself are found by running the script's top level in the child,
-as multiprocessing's ``spawn`` does, but only when the script has an ``if __name__ == "__main__":``
-guard; without one, running it again would start the whole training again, so the probe says so instead.
+A model the child cannot load is timed in this process instead, with the guardrails applied
+(``cltrain.guardrails.apply_guardrails``), and ``ProbeResult.method`` says so and why: a model that does
+not pickle (a lambda among its attributes, a class defined inside a function), or classes defined in a
+``__main__`` the child cannot import (``python -c``, a REPL, a notebook, or a script without an
+``if __name__ == "__main__":`` guard, which running again would start the whole training again). Classes
+defined in a guarded script are found by running the script's top level in the child, as
+multiprocessing's ``spawn`` does. Only loading falls back: a crash, an exception or a hang while timing
+in the child still gives ``"contiguous"``.
 
 Example::
 
@@ -62,15 +63,26 @@ class ProbeResult:
     Attributes:
         layout: ``"channels_last"`` or ``"contiguous"`` (always ``"contiguous"`` after a failure).
         timings: ``{"channels_last": s, "contiguous": s}``, median seconds per step; ``None`` after a failure.
-        failure: one line saying why no timings came back (a crash, an exception, a timeout, a model that
-            cannot be sent), or ``None``.
+        failure: one line saying why no timings came back (a crash, an exception, a timeout), or ``None``.
         seconds: the whole probe's wall time: sending the model, starting the process, timing.
+        method: how the layouts were timed: ``"child process"``, or ``"in-process (the model could not be
+            loaded in a child process: <reason>)"`` (always with the guardrails applied, since no child
+            process stands between a known-bad kernel and the caller).
     """
 
     layout: str
     timings: dict[str, float] | None
     failure: str | None
     seconds: float
+    method: str
+
+
+# ``ProbeResult.method`` when the child process timed the model.
+_CHILD = "child process"
+
+
+class _Unloadable(Exception):
+    """The child process could not load the model; the message says why."""
 
 
 def probe_layout(
@@ -84,7 +96,8 @@ def probe_layout(
     guardrails: bool = True,
     timeout: float = 300.0,
 ) -> ProbeResult:
-    """The faster layout for ``model``, timed by ``cltrain.autolayout.time_layouts`` in a child process.
+    """The faster layout for ``model``, timed by ``cltrain.autolayout.time_layouts`` in a child process,
+    or in this process with the guardrails applied when the child cannot load the model.
 
     Args:
         model: the model to time, as it will be trained (not modified).
@@ -94,12 +107,13 @@ def probe_layout(
         autocast_dtype: as for ``time_layouts``.
         device: where to time (default: the model's device); the child uses the same device.
         guardrails: time each layout with ``cltrain.guardrails.apply_guardrails`` applied, as it
-            would train; ``False`` times the bare kernels.
+            would train; ``False`` times the bare kernels (in a child process only).
         timeout: seconds to wait for the model to load and the first step to finish; after that a step
             may take 10 times the slowest one seen (at least 30 s, at most ``timeout``).
 
     Returns:
-        A ``ProbeResult``; after any failure its layout is ``"contiguous"`` and ``failure`` says why.
+        A ``ProbeResult``; after any failure its layout is ``"contiguous"`` and ``failure`` says why;
+        ``method`` says where the layouts were timed.
 
     Raises:
         ValueError: ``input_shape`` is not 3-D, 4-D or 5-D, ``steps < 1``, ``warmup < 0`` or ``timeout <= 0``.
@@ -122,34 +136,76 @@ def probe_layout(
         "main_guarded": main_guarded,
         "argv": list(sys.argv),
     }
+    reason = _main_unloadable(model, main_path, main_guarded)
+    if reason is not None:
+        return _time_in_process(model, input_shape, reason, start, job["options"])
     folder = None
     try:
         folder = Path(tempfile.mkdtemp(prefix="cltrain-probe-"))
         try:
             torch.save(model, folder / "model.pt")
         except Exception as error:  # noqa: BLE001 - any pickling failure: lambdas, local classes, open handles
-            failure = (f"the model could not be sent to the timing process ({type(error).__name__}: {error}); keep "
-                       "its classes at module level and unpicklable objects off it, or choose mode='full'")
-            return _result(None, failure, start)
-        torch.save(job, folder / "job.pt")
-        timings, failure = _run_child(folder, timeout)
-        return _result(timings, failure, start)
+            reason = f"it does not pickle ({type(error).__name__}: {error})"
+        else:
+            torch.save(job, folder / "job.pt")
+            try:
+                timings, failure = _run_child(folder, timeout)
+                return _result(timings, failure, start, _CHILD)
+            except _Unloadable as error:
+                reason = str(error)
     except Exception as error:  # noqa: BLE001 - no temp folder, no process: not a reason to stop the run
-        return _result(None, f"the timing process could not be started ({type(error).__name__}: {error})", start)
+        failure = f"the timing process could not be started ({type(error).__name__}: {error})"
+        return _result(None, failure, start, _CHILD)
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+    return _time_in_process(model, input_shape, reason, start, job["options"])
 
 
-def _result(timings: dict[str, float] | None, failure: str | None, start: float) -> ProbeResult:
+def _time_in_process(
+    model: nn.Module, input_shape: tuple[int, ...], reason: str, start: float, options: dict[str, Any]
+) -> ProbeResult:
+    method = f"in-process (the model could not be loaded in a child process: {reason})"
+    where = "copying the model"
+
+    def on_step(layout: str) -> None:
+        nonlocal where
+        where = f"timing a {layout} step"
+
+    # No child process takes a crash here: the known-bad kernels are worked around whatever was asked.
+    try:
+        timings = time_layouts(model, input_shape, on_step=on_step, **{**options, "guardrails": True})
+    except Exception as error:  # noqa: BLE001 - a layout that cannot run is a reason to keep contiguous
+        return _result(None, f"the in-process timing raised while {where}: {type(error).__name__}: {error}",
+                       start, method)
+    return _result(timings, None, start, method)
+
+
+def _result(timings: dict[str, float] | None, failure: str | None, start: float, method: str) -> ProbeResult:
     seconds = time.perf_counter() - start
     if timings is None:
-        log.info("auto layout probe failed after %.1f s: %s -> contiguous", seconds, failure)
-        return ProbeResult("contiguous", None, failure, seconds)
+        log.info("auto layout probe, %s, failed after %.1f s: %s -> contiguous", method, seconds, failure)
+        return ProbeResult("contiguous", None, failure, seconds, method)
     layout = "channels_last" if timings["channels_last"] <= timings["contiguous"] else "contiguous"
-    log.info("auto layout probe: channels_last %.1f ms/step, contiguous %.1f ms/step -> %s (%.1f s)",
-             1e3 * timings["channels_last"], 1e3 * timings["contiguous"], layout, seconds)
-    return ProbeResult(layout, timings, None, seconds)
+    log.info("auto layout probe, %s: channels_last %.1f ms/step, contiguous %.1f ms/step -> %s (%.1f s)",
+             method, 1e3 * timings["channels_last"], 1e3 * timings["contiguous"], layout, seconds)
+    return ProbeResult(layout, timings, None, seconds, method)
+
+
+def _main_unloadable(model: nn.Module, main_path: str | None, main_guarded: bool) -> str | None:
+    """Why a child process could not import the model's classes from ``__main__``, or ``None``. Finding it
+    here saves starting a child that can only fail; ``_load_model`` still catches what this misses."""
+    if main_guarded or not any(type(m).__module__ == "__main__" for m in model.modules()):
+        return None
+    if main_path is None:
+        return ("its classes are defined in __main__, which has no file to import them from "
+                "(python -c, a REPL, a notebook)")
+    return _unguarded(main_path)
+
+
+def _unguarded(main_path: str) -> str:
+    return (f"its classes are defined in {main_path}, which has no `if __name__ == '__main__':` guard: "
+            "loading them would run it again")
 
 
 def _main_script() -> tuple[str | None, bool]:
@@ -179,11 +235,13 @@ def _run_child(folder: Path, timeout: float) -> tuple[dict[str, float] | None, s
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
-        for line in process.stdout:
-            lines.put(line)
+        with process.stdout:  # closed by the thread that reads it, once the child's end is closed
+            for line in process.stdout:
+                lines.put(line)
         lines.put(None)
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     where, limit, slowest, last = "loading the model", timeout, 0.0, time.perf_counter()
     try:
         while True:
@@ -210,6 +268,8 @@ def _run_child(folder: Path, timeout: float) -> tuple[dict[str, float] | None, s
                 return value, None
             elif kind == "error":
                 return None, f"the probe raised while {where}: {value}"
+            elif kind == "unloadable":
+                raise _Unloadable(value)
             last = now
     finally:
         try:
@@ -217,6 +277,7 @@ def _run_child(folder: Path, timeout: float) -> tuple[dict[str, float] | None, s
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        reader.join(5)
 
 
 def _child_main() -> None:
@@ -235,12 +296,18 @@ def _child_main() -> None:
         torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
         torch.set_float32_matmul_precision(settings["matmul_precision"])
         sys.argv = job["argv"]  # as spawn does: the script's top level may read it
-        model = _load_model(folder / "model.pt", job["main_path"], job["main_guarded"])
+        try:
+            model = _load_model(folder / "model.pt", job["main_path"], job["main_guarded"])
+        except Exception as error:  # noqa: BLE001 - reported to the parent, which times in its own process
+            send("unloadable", f"{type(error).__name__}: {error}")
+            return
         send("loaded")
         timings = time_layouts(model, job["shape"], on_step=lambda layout: send("step", layout), **job["options"])
         send("done", timings)
     except Exception as error:  # noqa: BLE001 - reported to the parent, which keeps contiguous
         send("error", f"{type(error).__name__}: {error}")
+    finally:
+        messages.close()
 
 
 def _load_model(path: Path, main_path: str | None, main_guarded: bool) -> nn.Module:
@@ -250,8 +317,7 @@ def _load_model(path: Path, main_path: str | None, main_guarded: bool) -> nn.Mod
         if "__main__" not in str(error) or main_path is None:
             raise
         if not main_guarded:
-            raise RuntimeError(f"the model's classes are defined in {main_path}, which has no "
-                               "`if __name__ == '__main__':` guard: loading them would run it again") from error
+            raise RuntimeError(_unguarded(main_path)) from error
     # As multiprocessing's spawn does: the script's top level, without its `if __name__ == "__main__":` block.
     main = types.ModuleType("__mp_main__")
     main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))

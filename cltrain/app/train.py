@@ -243,6 +243,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         metrics = _final_metrics(cfg, resolved, trainer, progress, parts, model, run_dir, global_batch, lr)
         callback_records = getattr(parts.get("channels_last"), "guardrails", None) or []
         metrics["guardrails"] = [r.as_dict() for r in (*guarded, *callback_records)]
+        checks = getattr(parts.get("channels_last"), "layout_checks", None) or {}
+        metrics["layout_check"] = {kind: check.as_dict() for kind, check in checks.items()}
         metrics["status"] = status
         # which weights val_* and the best checkpoint are of ("ema" | "live"; pretrained weights: "live")
         if cfg.evaluate_only:

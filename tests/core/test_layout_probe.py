@@ -1,8 +1,12 @@
-"""mode="auto"'s timing in a child process (cltrain.layout_probe): a crash, an exception, a hang or a model that
-cannot be sent ends in "contiguous" and one line, never in the caller's death."""
+"""mode="auto"'s timing in a child process (cltrain.layout_probe): a crash, an exception or a hang ends in
+"contiguous" and one line, never in the caller's death; a model the child cannot load is timed in-process."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -43,15 +47,25 @@ def test_probe_times_both_layouts_in_a_child():
     result = probe_layout(model, (2, 3, 16, 16), steps=1, warmup=0)
     assert result.failure is None and set(result.timings) == {"channels_last", "contiguous"}
     assert result.layout == min(result.timings, key=result.timings.get) and result.seconds > 0
+    assert result.method == "child process"
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_probe_says_why_when_the_model_cannot_be_sent():
+def test_a_model_that_does_not_pickle_is_timed_in_process():
     model = Small()
     model.transform = lambda x: x  # a lambda does not pickle
     result = probe_layout(model, (2, 3, 16, 16), steps=1)
-    assert result.layout == "contiguous" and result.timings is None
-    assert "could not be sent" in result.failure and "mode='full'" in result.failure
+    assert result.failure is None and set(result.timings) == {"channels_last", "contiguous"}
+    assert result.method.startswith("in-process (the model could not be loaded in a child process: it does not pickle")
+
+
+def test_an_exception_while_timing_in_process_keeps_contiguous():
+    model = RaisesInChannelsLast()
+    model.transform = lambda x: x
+    result = probe_layout(model, (2, 3, 16, 16), steps=1, warmup=0)
+    assert result.layout == "contiguous" and result.timings is None and result.method.startswith("in-process")
+    assert "in-process timing raised while timing a channels_last step" in result.failure
+    assert "planted" in result.failure
 
 
 def test_probe_reports_an_exception_in_the_child():
@@ -143,15 +157,91 @@ class InMain(nn.Module):
 
 @pytest.mark.parametrize("guarded", [True, False])
 def test_a_model_defined_in_the_running_script(tmp_path, guarded):
-    call = "result = probe_layout(InMain(), (2, 3, 8, 8), steps=1, warmup=0)\nprint(result.failure)"
+    call = ("result = probe_layout(InMain(), (2, 3, 8, 8), steps=1, warmup=0)\n"
+            "print(result.failure)\nprint(result.method)")
     if guarded:
         call = "if __name__ == '__main__':\n    " + call.replace("\n", "\n    ")
     script, ran = tmp_path / "train.py", tmp_path / "ran.txt"
     script.write_text(SCRIPT.format(call=call))
     proc = run([str(script), str(ran)], timeout=300)
     assert proc is not None and proc.returncode == 0, proc.stderr[-2000:] if proc else "hung"
-    failure = proc.stdout.strip().splitlines()[-1]
+    failure, method = proc.stdout.strip().splitlines()[-2:]
+    assert failure == "None"
     if guarded:  # the child ran the top level (a second line), not the guarded block, and timed the model
-        assert failure == "None" and ran.read_text().count("top level ran") == 2
-    else:  # running the script again would run the training again: the probe says so instead
-        assert "no `if __name__ == '__main__':` guard" in failure and ran.read_text().count("top level ran") == 1
+        assert method == "child process" and ran.read_text().count("top level ran") == 2
+    else:  # running the script again would run the training again: timed in this process instead
+        assert method.startswith("in-process") and "no `if __name__ == '__main__':` guard" in method
+        assert ran.read_text().count("top level ran") == 1
+
+
+TRAIN_WITHOUT_GUARD = """
+import json
+import logging
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cltrain import ChannelsLast
+
+logging.basicConfig(level=logging.INFO)
+
+
+class TopLevelNet(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.body(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+data = DataLoader(TensorDataset(torch.randn(4, 3, 16, 16), torch.randint(0, 2, (4,))), batch_size=2)
+callback = ChannelsLast(mode="auto", input_shape=(2, 3, 16, 16), auto_steps=1)
+Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[callback]).fit(TopLevelNet(), data)
+print(json.dumps({"timings": callback.timings, "auto_failure": callback.auto_failure}))
+"""
+
+
+@pytest.mark.parametrize("how, reason", [("script", "no `if __name__ == '__main__':` guard"),
+                                         ("-c", "no file to import them from")])
+def test_auto_times_a_model_from_an_unimportable_main_in_process(tmp_path, how, reason):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_WITHOUT_GUARD)
+    args = [str(script)] if how == "script" else ["-c", TRAIN_WITHOUT_GUARD]
+    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result["timings"]) == {"channels_last", "contiguous"} and result["auto_failure"] is None
+    probe_line = next(line for line in proc.stderr.splitlines() if "auto layout probe" in line)
+    assert "auto layout probe, in-process (the model could not be loaded in a child process: " in probe_line
+    assert reason in probe_line
+
+
+PROBE_ONLY = """
+import torch
+from torch import nn
+
+from cltrain.layout_probe import probe_layout
+
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+print(probe_layout(model, (2, 3, 8, 8), steps=1, warmup=0).method)
+"""
+
+
+def test_a_probe_leaves_no_file_open_in_either_process():
+    # PYTHONWARNINGS reaches the child too; its stderr is the caller's
+    env = {**os.environ, "PYTHONWARNINGS": "always::ResourceWarning"}
+    proc = subprocess.run([sys.executable, "-c", PROBE_ONLY], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "child process"
+    assert "ResourceWarning" not in proc.stderr, proc.stderr[-3000:]
