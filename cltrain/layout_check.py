@@ -253,7 +253,7 @@ class _Recorder:
         self.backward_open: list[str] = []
         self.calls: dict[str, int] = {}
         self.handles: list[Any] = []
-        self.generator: torch.Generator | None = None
+        self.factors: dict[tuple, torch.Tensor] = {}
         self.perturb = perturb
         for name, module in model.named_modules():
             if perturb:
@@ -273,10 +273,13 @@ class _Recorder:
         self.run.contexts[key] = context
 
     def _noisy(self, t: torch.Tensor) -> torch.Tensor:
-        if self.generator is None or self.generator.device != t.device:
-            self.generator = torch.Generator(device=t.device).manual_seed(0)
-        signs = torch.randint(0, 2, t.shape, generator=self.generator, device=t.device).to(t.dtype) * 2 - 1
-        return t + t * (signs * _noise_scale(t.dtype))
+        key = (tuple(t.shape), t.dtype, str(t.device))
+        factor = self.factors.get(key)
+        if factor is None:  # one random sign pattern per shape: the perturbation is one multiply
+            g = torch.Generator().manual_seed(len(self.factors))
+            signs = torch.randint(0, 2, t.shape, generator=g).to(torch.float32) * 2 - 1
+            factor = self.factors[key] = (1 + signs * _noise_scale(t.dtype)).to(t.device, t.dtype)
+        return t * factor
 
     def _perturb(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Forward hook of the noise run: every output, and later the gradient arriving at it, perturbed."""
