@@ -412,11 +412,12 @@ class ChannelsLast(Callback):
             return projection_loss(out) if stage == "train" else out
 
         use_step = stage != "train" or pl_module.automatic_optimization
-        result = check_layout(pl_module, step_code if use_step else model_only, step_owner=pl_module,
-                              copy_model=detached_copy)
+        # DDP has wrapped the model by now: its buckets keep the parameters' layout, so keep that layout.
+        options = dict(step_owner=pl_module, copy_model=detached_copy, time_fallbacks=trainer.world_size == 1)
+        result = check_layout(pl_module, step_code if use_step else model_only, **options)
         if use_step and result.verdict == "not checked" and first_image_tensor(batch, self.inputs) is not None:
             # The step code needs the trainer (or raises anyway): check the model's forward and backward alone.
-            alone = check_layout(pl_module, model_only, step_owner=pl_module, copy_model=detached_copy)
+            alone = check_layout(pl_module, model_only, **options)
             if alone.verdict != "not checked":
                 return alone
         return result

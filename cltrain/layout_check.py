@@ -597,6 +597,7 @@ def check_layout(
     step_owner: Any = None,
     copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy,
     floor: float = FLOOR,
+    time_fallbacks: bool = True,
 ) -> LayoutCheck:
     """Run ``step`` in both layouts on copies of ``model`` and choose the NCHW fallbacks its code needs.
 
@@ -609,6 +610,9 @@ def check_layout(
         step_owner: the object whose method is the step code (a LightningModule), to name its file.
         copy_model: makes each copy (``cltrain.model_access.detached_copy`` for a LightningModule).
         floor: the smallest relative difference that counts as a finding.
+        time_fallbacks: where the fault is not isolated inside the model, time the fallback against the
+            whole model contiguous and keep the faster; ``False`` keeps the fallback (a model already
+            wrapped by DDP, whose gradient buckets keep the parameters' layout).
 
     Returns:
         A ``LayoutCheck``.
@@ -657,7 +661,7 @@ def check_layout(
             if not fallbacks:
                 return LayoutCheck("passed", seconds=time.perf_counter() - start, worst=worst)
             timings = None
-            if any(f.module == "" or f.module in top_level for f in fallbacks):
+            if time_fallbacks and any(f.module == "" or f.module in top_level for f in fallbacks):
                 # Not isolated inside the model: keep whichever of the two costs less.
                 trial = copy_model(model)
                 apply_fallbacks(trial, fallbacks)

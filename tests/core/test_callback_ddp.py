@@ -35,3 +35,15 @@ def test_ddp_check_catches_conversion_after_wrapping(tmp_path):
     # DDP's bucket views keep the strides the parameters had when it wrapped them, so the
     # reducer warns even though each grad matches its (restrided) parameter.
     assert any(BUCKET_WARNING in w for r in ranks for w in r["warnings"]), "late conversion went unnoticed\n" + output[-2000:]
+
+
+def test_ddp_every_rank_applies_the_layout_checks_fallback(tmp_path):
+    # Rank zero checks its first batch; every rank must apply the same fallback (or the same layout).
+    # The loss's view gets the model's outputs in NCHW, not a contiguous model: DDP's buckets keep their layout.
+    for pattern, verdicts in (("raw_memory", {"fallback"}), ("loss_view", {"fallback"})):
+        ranks, output = run_ddp(tmp_path, f"user:{pattern}")
+        assert ranks[0]["steps"] == ranks[1]["steps"] == 3, output[-2000:]
+        assert ranks[0]["checks"] == ranks[1]["checks"] and ranks[0]["checks"]["train"] in verdicts, ranks
+        assert ranks[0]["fallbacks"] == ranks[1]["fallbacks"] and ranks[0]["layout"] == ranks[1]["layout"]
+        assert all(len(r["losses"]) == 3 for r in ranks)
+        assert BUCKET_WARNING not in output

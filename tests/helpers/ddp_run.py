@@ -1,10 +1,11 @@
 """Run by test_callback_ddp.py: a real two-process DDP fit on CPU (gloo) through Lightning.
 
-    python -m tests.helpers.ddp_run OUT_DIR [callback|late]
+    python -m tests.helpers.ddp_run OUT_DIR [callback|late|user:PATTERN]
 
 Every rank writes OUT_DIR/rank<N>.json with the layout of its parameters and gradients and the
 warnings it saw. "late" converts only after DDP has wrapped the model (the pitfall of
-pytorch#47163), to show the check can fail.
+pytorch#47163), to show the check can fail. "user:PATTERN" trains one of ``tests.helpers.user_code``'s
+projects whose code assumes NCHW, under ``ChannelsLast()``.
 """
 
 import json
@@ -36,16 +37,22 @@ class LateConversion(Callback):
 
 
 def main(out: Path, how: str) -> None:
+    from tests.helpers import user_code
+
     torch.manual_seed(0)
     probe = Probe()
-    callbacks = [ChannelsLast() if how == "callback" else LateConversion(), probe]
+    callbacks = [ChannelsLast() if how != "late" else LateConversion(), probe]
+    module, data = Classifier(), loader(24, 4)
+    if how.startswith("user:"):
+        pattern = how.split(":", 1)[1]
+        module, data = user_code.PATTERNS[pattern](), user_code.data(pattern)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        trainer.fit(Classifier(), loader(24, 4))
+        trainer.fit(module, data)
     rank = trainer.global_rank
     result = {
         "rank": rank,
@@ -54,6 +61,10 @@ def main(out: Path, how: str) -> None:
         "params_cl": probe.params_cl,
         "grads_match": probe.grads_match,
         "warnings": [str(w.message) for w in seen],
+        "losses": getattr(module, "losses", None),
+        "layout": callbacks[0].layout if how != "late" else None,
+        "fallbacks": [f.as_dict() for f in callbacks[0].fallbacks] if how != "late" else None,
+        "checks": {k: c.verdict for k, c in callbacks[0].layout_checks.items()} if how != "late" else None,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
