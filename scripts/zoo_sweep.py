@@ -262,7 +262,8 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     if args.check_only:
         phase("channels_last")
         callback = ChannelsLast()
-        module = _fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2)
+        module = _fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2, precision=args.check_precision)
+        result["check_precision"] = args.check_precision
         result["losses_channels_last"] = [float(v) for v in module.losses]
         _record_check(result, callback)
         return phase("done")
@@ -396,6 +397,7 @@ def _child_options(args: argparse.Namespace) -> list[str]:
     opts = ["--batch", str(args.batch), "--speed-batch", str(args.speed_batch), "--rounds", str(args.rounds),
             "--min-window", str(args.min_window), "--max-params", str(args.max_params), "--dtypes", args.dtypes]
     flags = ("quick", "no_speed", "no_auto", "no_compile", "check_only")
+    opts += ["--check-precision", args.check_precision]
     return opts + [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag)]
 
 
@@ -448,6 +450,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="do not run the torch.compile rows")
     p.add_argument("--check-only", action="store_true",
                    help="only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict count")
+    p.add_argument("--check-precision", default="32-true", help="the Trainer's precision for --check-only (bf16-mixed, ...)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

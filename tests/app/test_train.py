@@ -45,7 +45,8 @@ def test_toggles_train_end_to_end(demo_root: Path, tmp_path: Path, monkeypatch: 
     step = ImageClassifier.training_step
 
     def spy(self, batch, batch_idx):
-        seen.append((is_channels_last(batch[0]), batch[0].dtype))
+        if self._trainer is not None:  # not the first-batch layout check's copies, which hold no trainer
+            seen.append((is_channels_last(batch[0]), batch[0].dtype))
         return step(self, batch, batch_idx)
 
     monkeypatch.setattr(ImageClassifier, "training_step", spy)
@@ -55,6 +56,8 @@ def test_toggles_train_end_to_end(demo_root: Path, tmp_path: Path, monkeypatch: 
     assert seen == [(channels_last, torch.float32)] * 4  # the NHWC data path, or the plain NCHW baseline
     assert metrics["global_step"] == 4 and metrics["images_per_second"] > 0 and metrics["step_time_s"] > 0
     assert 0 <= metrics["val_top1"] <= 100 and metrics["val_top5"] == 100.0  # 4 classes: top-5 is top-4
+    checks = metrics["layout_check"]
+    assert (checks["train"]["verdict"], checks["eval"]["verdict"]) == ("passed", "passed") if channels_last else checks == {}
     on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert on_disk["val_top1"] == metrics["val_top1"] and on_disk["config"]["channels_last"] is channels_last
     weight = _state(metrics["last_checkpoint"])["state_dict"]["model.layer1.0.conv1.weight"]
