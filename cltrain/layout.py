@@ -42,6 +42,7 @@ __all__ = [
     "layout_of",
     "layout_summary",
     "memory_format_for",
+    "nchw",
     "to_channels_last",
     "to_channels_last_1d",
 ]
@@ -56,6 +57,20 @@ CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.Conv3d, nn.ConvTranspos
 CONV1D_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 
 M = TypeVar("M", bound=nn.Module)
+
+
+def nchw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in canonical row-major (NCHW) strides: a copy unless it already has them.
+
+    ``contiguous()`` keeps channels_last strides on size-1 dims (C == 1, a 1x1 kernel), which a kernel
+    or code reading raw memory still sees as channels_last; canonical strides leave nothing to chance."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    if t.stride() == tuple(reversed(expected)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def memory_format_for(tensor: torch.Tensor) -> torch.memory_format | None:

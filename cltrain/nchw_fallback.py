@@ -22,24 +22,11 @@ import torch
 from torch import nn
 
 from cltrain.autolayout import to_contiguous
+from cltrain.layout import nchw
 
-__all__ = ["Fallback", "apply_fallbacks", "map_images", "nchw"]
+__all__ = ["Fallback", "apply_fallbacks", "map_images"]
 
 _KINDS = ("outputs", "module", "model")
-
-
-def nchw(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in canonical NCHW (row-major) strides: a copy unless it already has them.
-
-    ``contiguous()`` keeps channels_last strides on size-1 dims (C == 1, H == W == 1), which
-    code reading raw memory would still see; canonical strides leave nothing to chance."""
-    expected, step = [], 1
-    for size in reversed(t.shape):
-        expected.append(step)
-        step *= max(size, 1)
-    if t.stride() == tuple(reversed(expected)):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _is_image(t: Any, ranks: tuple[int, ...] | None) -> bool:

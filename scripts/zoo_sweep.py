@@ -9,7 +9,8 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    1e-8, else MISS: a kernel computing something else); and in fp32 with oneDNN disabled, NCHW and
    channels_last: more correct fp32 kernels, to gauge fp32 noise in each layout.
 2. **contiguous**: a real Lightning ``Trainer``, 2 SGD steps, no callback.
-3. **channels_last**: the same with ``ChannelsLast()``. The step-0 loss and *every* parameter's
+3. **channels_last**: the same with ``ChannelsLast(verify=False)`` (the kernels and the guardrails; the
+   first-batch layout check is measured by ``--check-only``). The step-0 loss and *every* parameter's
    gradient are compared elementwise with the float64 ones: per parameter
    ``err = max|g - g64| / max|g64|`` (the denominator floored at 1e-7 of the model's largest
    gradient). A wrong-gradient kernel can leave the gradient's norm close; it cannot hide from a
@@ -40,6 +41,7 @@ Usage::
     python scripts/zoo_sweep.py --fast --out /tmp/zoo      # one model per special case, small and quick (the test suite's)
     python scripts/zoo_sweep.py --models resnet50,hf:swin --out /tmp/zoo
     python scripts/zoo_sweep.py --list
+    python scripts/zoo_sweep.py --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check
 
 Outputs (each written atomically after every model, so an interrupted sweep keeps its rows):
 ``<out>.md`` (the table, the command, the CPU and its flags), ``<out>.json`` (every measurement,
@@ -274,7 +276,8 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     losses: dict[str, float] = {k: loss for k, (_, loss) in exact.items()}
 
     nets = {}
-    for layout, callback in (("contiguous", None), ("channels_last", ChannelsLast())):
+    # The kernels and the guardrails, without the first-batch check's fallbacks (``--check-only`` measures those).
+    for layout, callback in (("contiguous", None), ("channels_last", ChannelsLast(verify=False))):
         phase(layout)
         module = _fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2)
         nets[layout] = module.train().net

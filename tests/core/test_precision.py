@@ -18,7 +18,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cltrain.app.module import ImageClassifier, build_optimizer
-from cltrain.precision import auto_precision, cpu_bf16_support, loss_scaling_safe, zero_momentum_buffers
+from cltrain.precision import (
+    PrecisionChoice,
+    auto_precision,
+    cpu_bf16_support,
+    loss_scaling_safe,
+    zero_momentum_buffers,
+)
 
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
@@ -47,9 +53,10 @@ def test_optimizers_that_honour_the_overflow_flag_pass_the_probe(optimizer: type
 
 
 def test_zero_momentum_buffers_make_the_fused_sgd_pass_the_probe() -> None:
+    before = torch.are_deterministic_algorithms_enabled()  # an earlier Trainer(deterministic=True) may have set it
     assert loss_scaling_safe(torch.optim.SGD, "cpu", prepare=zero_momentum_buffers, **SGD)
     assert loss_scaling_safe(torch.optim.SGD, "cpu", prepare=zero_momentum_buffers, nesterov=True, **SGD)
-    assert not torch.are_deterministic_algorithms_enabled()  # the probe's NaN-filled allocations ended with it
+    assert torch.are_deterministic_algorithms_enabled() is before  # the probe's NaN-filled allocations ended with it
 
 
 def _params() -> list[nn.Parameter]:
@@ -195,6 +202,51 @@ def test_auto_precision_is_fp32_where_kernels_are_held_to_avx2() -> None:
     assert flag == "32-true" and "ONEDNN_MAX_CPU_ISA" in reason
     native, _ = cpu_bf16_support()
     assert auto_precision(torch.device("cpu")).flag == ("bf16-mixed" if native else "32-true")
+
+
+@pytest.fixture
+def bf16_x86(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """This process on an x86 CPU with AVX512-BF16 and ATen's AVX-512 kernels, whatever this machine is; no cap set."""
+    import types
+
+    import cltrain.platform
+
+    # the hardware facts are cached per process: replaced, not cleared
+    monkeypatch.setattr(cltrain.platform, "_bf16_hardware", lambda machine: "AVX512-BF16")
+    monkeypatch.setattr(cltrain.platform, "_platform", types.SimpleNamespace(machine=lambda: "x86_64"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(variable, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("variable", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_either_onednn_variable_turns_native_bf16_off(bf16_x86: pytest.MonkeyPatch, variable: str) -> None:
+    assert auto_precision(torch.device("cpu")) == PrecisionChoice("bf16-mixed", "this CPU computes bf16 natively (AVX512-BF16)")
+    bf16_x86.setenv(variable, "avx512_core_vnni")  # the widest ISA without bf16 dot products, in any case
+    native, reason = cpu_bf16_support()
+    assert not native and "AVX512_CORE_VNNI" in reason and variable in reason
+    assert auto_precision(torch.device("cpu")).flag == "32-true"
+    bf16_x86.setenv(variable, "AVX512_CORE_BF16")  # capped, but not below bf16
+    assert cpu_bf16_support()[0]
+
+
+def test_onednn_max_cpu_isa_wins_over_dnnl_max_cpu_isa(bf16_x86: pytest.MonkeyPatch) -> None:
+    bf16_x86.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    bf16_x86.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    assert cpu_bf16_support()[0]  # oneDNN reads ONEDNN_ first
+
+
+def test_aten_kernels_below_avx512_turn_native_bf16_off(bf16_x86: pytest.MonkeyPatch) -> None:
+    bf16_x86.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cpu_bf16_support() == (False, "PyTorch runs AVX2 kernels here (ATEN_CPU_CAPABILITY), though the CPU has AVX512-BF16")
+
+
+def test_precision_asks_cltrain_platform() -> None:
+    import cltrain.platform
+    import cltrain.precision
+
+    assert cltrain.precision.cpu_bf16_support is cltrain.platform.cpu_bf16_support
 
 
 def _smoke_precision(tmp_path: Path, env: dict[str, str]) -> tuple[dict, str]:

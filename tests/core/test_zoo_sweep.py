@@ -93,6 +93,10 @@ def test_planted_faults_are_found_and_a_crash_is_a_row(tmp_path):
     assert "| `planted:crash` |" in table and "crashed (SIGSEGV) in channels_last" in table and "CPU " in table
     assert "Crashed or timed out: 1: planted:crash" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "zoo.csv", "zoo.json", "zoo.md"]  # no temp files
+    # The first-batch layout check finds the planted wrong gradient too, and runs that conv in NCHW.
+    rows, out = sweep(tmp_path / "check", "--check-only", "--models", "planted:wrong_grad")
+    checked = rows["planted:wrong_grad"]
+    assert checked["layout_check"] == "fallback" and "`net.conv`" in checked["layout_check_line"], checked
 
 
 def _guardrails_present() -> bool:
