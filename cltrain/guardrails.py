@@ -1,10 +1,11 @@
 """Known-bad backend kernels that a channels_last (or bf16) model can walk into, and the targeted workaround for each.
 
 One table, ``KNOWN_FAULTS``: for each fault the backend, the versions it is known in, the platform
-condition (device, CPU architecture, ISA), the op pattern (a predicate on a module), a one-line
-description naming the upstream issue, and the workaround. ``find_hazards`` lists the modules of a
-model that match an entry on this platform; ``apply_guardrails`` applies each entry's workaround to
-exactly those modules (the rest of the model keeps its layout and dtype) and returns what it did.
+condition (device, CPU architecture, ISA: a ``cltrain.platform.Platform``), the op pattern (a
+predicate on a module), a one-line description naming the upstream issue, and the workaround.
+``find_hazards`` lists the modules of a model that match an entry on this platform;
+``apply_guardrails`` applies each entry's workaround to exactly those modules (the rest of the
+model keeps its layout and dtype) and returns what it did.
 ``ChannelsLast`` calls it at setup; outside Lightning call it once the model is converted::
 
     >>> import torch
@@ -24,161 +25,46 @@ The NCHW-weight fallback for ``Conv2d`` subclasses is undone by converting the m
 
 from __future__ import annotations
 
-import itertools
-import os
-import platform as _platform
-import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cltrain.layout import nchw
+
+from cltrain.platform import Platform, current_platform
+
+# Platform and current_platform live in cltrain.platform; importing them from here keeps working.
 __all__ = [
     "GuardRecord",
     "KNOWN_FAULTS",
     "KnownFault",
-    "Platform",
     "SubsampledConv2d",
     "apply_guardrails",
-    "current_platform",
     "find_hazards",
 ]
-
-
-# ---- the platform --------------------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def _onednn_version() -> tuple[int, ...] | None:
-    if not torch.backends.mkldnn.is_available():
-        return None
-    found = re.search(r"MKL-DNN v(\d+(?:\.\d+)*)", torch.__config__.show())
-    return tuple(int(p) for p in found.group(1).split(".")) if found else None
-
-
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str] | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
-# ONEDNN_MAX_CPU_ISA values that keep oneDNN below AVX-512 (its own names; DNNL_ is the older prefix).
-_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
-
-
-@dataclass(frozen=True)
-class Platform:
-    """What decides whether a known fault can happen: the device and the backend under it.
-
-    Attributes:
-        device_type: ``"cpu"``, ``"cuda"``, ...
-        machine: the CPU architecture (``platform.machine()``: ``x86_64``, ``aarch64``, ...).
-        torch_version: ``torch.__version__`` as ints (``(2, 14, 1)``).
-        onednn_version: the oneDNN bundled with torch (``(3, 12, 0)``), ``None`` without oneDNN.
-        aten_isa: ``torch.backends.cpu.get_cpu_capability()`` (ATen's own kernels; oneDNN decides separately).
-        onednn_max_isa: ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) from the environment, or ``None``.
-        cpu_flags: the CPU's flags from ``/proc/cpuinfo``, ``None`` where they cannot be read.
-    """
-
-    device_type: str
-    machine: str
-    torch_version: tuple[int, ...]
-    onednn_version: tuple[int, ...] | None
-    aten_isa: str
-    onednn_max_isa: str | None
-    cpu_flags: frozenset[str] | None = field(default=None, repr=False)
-
-    @property
-    def onednn_isa(self) -> str:
-        """The widest vector ISA oneDNN's x86 kernels may use here: ``"avx512"``, ``"avx2"`` or ``"other"``.
-
-        The hardware's flags (``avx512f``; when unreadable, ATen's capability, and AVX-512 when that is
-        unknown too) capped by ``ONEDNN_MAX_CPU_ISA``. Torch has no call that returns oneDNN's own choice;
-        where this cannot tell, it answers the wider ISA, whose fault range is the wider one.
-        """
-        if self.machine not in ("x86_64", "AMD64", "i386", "i686"):
-            return "other"
-        capped = (self.onednn_max_isa or "").upper() in _BELOW_AVX512
-        if self.cpu_flags is not None:
-            has_512 = "avx512f" in self.cpu_flags
-        else:
-            has_512 = self.aten_isa.upper() not in ("AVX2", "DEFAULT", "NO AVX")
-        return "avx2" if capped or not has_512 else "avx512"
-
-    @property
-    def channel_block(self) -> int:
-        """oneDNN's channel block on this ISA: 16 floats in an AVX-512 register, 8 in an AVX2 one."""
-        return 16 if self.onednn_isa == "avx512" else 8
-
-    def describe(self) -> str:
-        """One line: device, architecture, torch, oneDNN and ISA."""
-        onednn = ".".join(map(str, self.onednn_version)) if self.onednn_version else "none"
-        return (f"{self.device_type} on {self.machine}, torch {'.'.join(map(str, self.torch_version))}, oneDNN {onednn}, "
-                f"oneDNN ISA {self.onednn_isa} (block {self.channel_block}), ATen {self.aten_isa}")
-
-
-def _as_device_type(device: torch.device | str | None, model: nn.Module | None) -> str:
-    if device is not None:
-        return torch.device(device).type
-    if model is not None:
-        for tensor in itertools.chain(model.parameters(), model.buffers()):
-            return tensor.device.type
-    return "cpu"
-
-
-def current_platform(device: torch.device | str | None = None, model: nn.Module | None = None) -> Platform:
-    """The ``Platform`` for ``device`` (default: where ``model``'s parameters are, else the CPU)."""
-    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__.split("+")[0])[:3])
-    return Platform(
-        device_type=_as_device_type(device, model),
-        machine=_platform.machine(),
-        torch_version=version,
-        onednn_version=_onednn_version(),
-        aten_isa=torch.backends.cpu.get_cpu_capability(),
-        onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
-        cpu_flags=_cpu_flags(),
-    )
 
 
 # ---- the workarounds (module-level functions: a guarded model still pickles) ---------------------------------
 
 
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    # `contiguous()` keeps channels_last strides on size-1 dims (C == 1, or a 1x1 weight), which oneDNN
-    # still reads as nhwc: only canonical NCHW strides are safe.
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= max(size, 1)
-    if t.stride() == tuple(reversed(strides)):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def _nchw_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook: the conv's input in canonical NCHW strides (oneDNN then takes its blocked path)."""
     if args and isinstance(args[0], torch.Tensor) and args[0].dim() in (4, 5):
-        return (_contiguous(args[0]), *args[1:])
+        return (nchw(args[0]), *args[1:])
     return None
 
 
 def _keep_weight_nchw(module: nn.Module) -> None:
     if isinstance(module.weight, nn.parameter.UninitializedParameter):
         return  # materialized later, in NCHW
-    module.weight.data = _contiguous(module.weight.data)
+    module.weight.data = nchw(module.weight.data)
     if module.weight.grad is not None:
-        module.weight.grad = _contiguous(module.weight.grad)
+        module.weight.grad = nchw(module.weight.grad)
 
 
 class SubsampledConv2d(nn.Conv2d):

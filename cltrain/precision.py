@@ -1,11 +1,10 @@
 """Which precision a device trains fastest in, and whether a fused optimizer is safe under loss scaling.
 
-* ``cpu_bf16_support``: does this CPU compute bf16 natively, as PyTorch and oneDNN are
-  configured in this process (``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` can hold
-  them to AVX2 kernels on a CPU that has AVX512-BF16)?
 * ``auto_precision``: the Lightning precision flag ``amp="auto"`` means on a device:
-  bf16 autocast where bf16 is native, fp16 with loss scaling on CUDA GPUs without bf16,
-  fp32 elsewhere; with the reason, in words.
+  bf16 autocast where bf16 is native (on the CPU: ``cltrain.platform.cpu_bf16_support``, which
+  ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``DNNL_MAX_CPU_ISA`` can turn off on a CPU
+  that has AVX512-BF16), fp16 with loss scaling on CUDA GPUs without bf16, fp32 elsewhere;
+  with the reason, in words.
 * ``loss_scaling_safe``: one overflowed step of an optimizer under a ``GradScaler``
   on scratch tensors, compared with the unfused optimizer. A fused optimizer gets the
   overflow check handed to its kernel; ``SGD(fused=True, momentum>0)`` writes an
@@ -27,22 +26,19 @@ Example::
 
 from __future__ import annotations
 
-import os
-import platform
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils.deterministic
 
-__all__ = ["PrecisionChoice", "auto_precision", "cpu_bf16_support", "loss_scaling_safe", "zero_momentum_buffers"]
+from cltrain.platform import cpu_bf16_support
 
-#: oneDNN ISA limits (``ONEDNN_MAX_CPU_ISA``) below which bf16 convolutions have no native kernel.
-_ONEDNN_NO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+# cpu_bf16_support lives in cltrain.platform; importing it from here keeps working.
+__all__ = ["PrecisionChoice", "auto_precision", "loss_scaling_safe", "zero_momentum_buffers"]
 
 
 @dataclass(frozen=True)
@@ -51,41 +47,6 @@ class PrecisionChoice:
 
     flag: str
     reason: str
-
-
-def _cpu_has_bf16_hardware() -> tuple[bool, str]:
-    cpu = getattr(torch, "cpu", None)
-    for probe, name in (("_is_avx512_bf16_supported", "AVX512-BF16"), ("_is_amx_tile_supported", "AMX")):
-        fn = getattr(cpu, probe, None)
-        if fn is not None and fn():
-            return True, name
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        try:
-            return " bf16" in Path("/proc/cpuinfo").read_text(), "Arm BF16"
-        except OSError:
-            return platform.system() == "Darwin", "Apple silicon"  # M2 and later
-    return False, "no AVX512-BF16, AMX or Arm BF16"
-
-
-def cpu_bf16_support() -> tuple[bool, str]:
-    """``(native, reason)``: whether bf16 autocast runs on native bf16 kernels on this CPU.
-
-    The hardware must have bf16 dot products (AVX512-BF16, AMX, Arm BF16), and neither
-    ATen's kernels (``torch.backends.cpu.get_cpu_capability()``, set by ``ATEN_CPU_CAPABILITY``)
-    nor oneDNN's (``ONEDNN_MAX_CPU_ISA``) may be held to an ISA without them. Without native
-    bf16, autocast emulates it and trains many times slower than fp32 (pytorch#118499).
-    """
-    has, name = _cpu_has_bf16_hardware()
-    if not has:
-        return False, f"this CPU has {name}" if name.startswith("no ") else f"this CPU has no {name}"
-    if platform.machine().lower() in ("x86_64", "amd64", "i686"):
-        capability = torch.backends.cpu.get_cpu_capability()
-        if not capability.startswith("AVX512"):
-            return False, f"PyTorch runs {capability} kernels here (ATEN_CPU_CAPABILITY), though the CPU has {name}"
-        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
-        if isa in _ONEDNN_NO_BF16:
-            return False, f"oneDNN is limited to {isa} (ONEDNN_MAX_CPU_ISA), though the CPU has {name}"
-    return True, f"this CPU computes bf16 natively ({name})"
 
 
 def auto_precision(device: torch.device) -> PrecisionChoice:

@@ -224,7 +224,7 @@ def end_to_end_round(args: argparse.Namespace, work: Path, r: int) -> dict[str, 
     common = [f"model={args.model}" if args.model in ("resnet18", "resnet50") else f"model.name={args.model}",
               f"device={args.device}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
               f"data.val_resize_size={int(args.image_size * 8 / 7)}", f"data.num_workers={args.num_workers}",
-              f"+trainer.max_steps={args.warmup + args.e2e_steps}", "trainer.max_epochs=-1",
+              f"trainer.max_steps={args.warmup + args.e2e_steps}", "trainer.max_epochs=-1",
               "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "print_freq=0",
               f"throughput_warmup={args.warmup}", *args.data]
     configs = {"contiguous fp32": ["channels_last=false", "amp=false"],

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,10 +57,12 @@ POSITIVE = Rule(lambda v: _int(v) and v > 0, "must be a whole number > 0")
 COUNT = Rule(lambda v: _int(v) and v >= 0, "must be a whole number >= 0")
 SEED = Rule(lambda v: _int(v) and 0 <= v < 2**32, "must be a whole number", "0 .. 2**32-1")
 STEPS = Rule(lambda v: v is None or (_int(v) and v >= -1), "must be a whole number >= -1", "-1 for no limit, or null")
+MAX_STEPS = Rule(lambda v: _int(v) and v >= -1, "must be a whole number >= -1", "-1 for no limit")
 OPT_POSITIVE = Rule(lambda v: v is None or (_int(v) and v > 0), "must be a whole number > 0", "or null")
 FRACTION_OR_COUNT = Rule(lambda v: v is None or (_int(v) and v >= 0) or (_number(v) and 0.0 <= v <= 1.0),
                          "must be a number of batches or a fraction", "a whole number >= 0, 0.0 .. 1.0, or null")
 NON_NEGATIVE = Rule(lambda v: _number(v) and v >= 0, "must be a number >= 0")
+OPT_NON_NEGATIVE = Rule(lambda v: v is None or (_number(v) and v >= 0), "must be a number >= 0", "or null")
 GT_ZERO = Rule(lambda v: _number(v) and v > 0, "must be a number > 0")
 UNIT = Rule(lambda v: _number(v) and 0.0 <= v < 1.0, "must be a number in [0, 1)", "0 <= value < 1")
 UNIT_CLOSED = Rule(lambda v: _number(v) and 0.0 <= v <= 1.0, "must be a number in [0, 1]", "0 <= value <= 1")
@@ -77,6 +80,12 @@ RATIO = Rule(lambda v: _list(v) and len(v) == 2 and all(_number(s) for s in v) a
              "must be two numbers 0 < min <= max", "e.g. [0.75, 1.3333]")
 IMAGE_SIZE_WH = Rule(lambda v: _list(v) and len(v) == 2 and all(_int(s) and s > 0 for s in v),
                      "must be two whole numbers > 0", "[width, height]")
+# Lightning's val_check_interval: batches, a fraction of the epoch, or a time ('DD:HH:MM:SS', Lightning's format)
+VAL_CHECK_INTERVAL = Rule(lambda v: v is None or (_int(v) and v > 0) or (_number(v) and 0.0 < v <= 1.0)
+                          or (isinstance(v, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", v) is not None),
+                          "must be a number of batches, a fraction of the epoch or a time",
+                          "a whole number > 0, 0.0 < fraction <= 1.0, 'DD:HH:MM:SS', or null")
+CLIP_ALGORITHM = Rule(lambda v: v is None or v in ("norm", "value"), "unknown value", "norm, value, or null")
 AMP = choices("auto", True, False, "bf16", "fp16")
 DETERMINISTIC = choices(True, False, "warn")
 

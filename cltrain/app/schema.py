@@ -13,9 +13,9 @@ schema per shape under ``schema/<group>`` that each option's yaml extends
 
 Hydra checks types when it composes (``seed=abc``); each field's rule
 (``cltrain.app.rules.Rule``, in its metadata) holds the range or choices that
-``cltrain.app.schema_check.check`` checks after (``ema.decay=1.5``). ``trainer`` takes any other argument of
-Lightning's ``Trainer`` by its own name (``+trainer.max_steps=100``), except
-``APP_SET_TRAINER_KEYS``.
+``cltrain.app.schema_check.check`` checks after (``ema.decay=1.5``). ``trainer`` has the Trainer
+arguments users set most (``trainer.max_steps=100``) and takes any other argument of Lightning's
+``Trainer`` by its own name (``+trainer.detect_anomaly=true``), except ``APP_SET_TRAINER_KEYS``.
 
 The library's constructors (``ImageClassifier``, the DataModules, ``EMA``) keep
 their own defaults and checks for library users; the app passes every value
@@ -44,6 +44,7 @@ from cltrain.app.rules import (
     BAD_FILE_POLICIES,
     BETAS,
     CHECK_MODES,
+    CLIP_ALGORITHM,
     COUNT,
     DETERMINISTIC,
     DEVICES,
@@ -51,8 +52,10 @@ from cltrain.app.rules import (
     GT_ZERO,
     IMAGE_SIZE_WH,
     INTERPOLATIONS,
+    MAX_STEPS,
     MILESTONES,
     NON_NEGATIVE,
+    OPT_NON_NEGATIVE,
     OPT_PATH,
     OPT_POSITIVE,
     POSITIVE,
@@ -65,6 +68,7 @@ from cltrain.app.rules import (
     TOP_K,
     UNIT,
     UNIT_CLOSED,
+    VAL_CHECK_INTERVAL,
     choices,
     key,
     optimizer_name,
@@ -248,19 +252,28 @@ APP_SET_TRAINER_KEYS = {
 class TrainerConfig:
     """``trainer``: ``lightning.pytorch.Trainer``'s arguments, by their own names.
 
-    The keys here are those the app sets differently from Lightning or reads itself;
-    any other Trainer argument passes through with ``+trainer.<name>=<value>``.
+    The keys here are those the app sets differently from Lightning or reads itself, and
+    the ones users set most, at Lightning's defaults (``trainer.max_steps=100``,
+    ``trainer.gradient_clip_val=1.0``); any other Trainer argument passes through with
+    ``+trainer.<name>=<value>``.
     """
 
     _target_: str = "lightning.pytorch.Trainer"
     max_epochs: int | None = key(8, STEPS)  # the demo run; experiment=main_amp: 90
+    max_steps: int = key(-1, MAX_STEPS)       # optimizer steps; the run stops at whichever limit comes first
     devices: Any = key(1, DEVICES)            # per node; > 1 means DDP (trainer=ddp)
     num_nodes: int = key(1, POSITIVE)
     strategy: str = key("auto", TEXT)
-    limit_train_batches: Any = key(None, FRACTION_OR_COUNT)
+    limit_train_batches: Any = key(None, FRACTION_OR_COUNT)  # per epoch: a count, or a fraction of the loader
     limit_val_batches: Any = key(None, FRACTION_OR_COUNT)
-    num_sanity_val_steps: int = key(0, STEPS)
-    log_every_n_steps: int = key(10, POSITIVE)
+    limit_test_batches: Any = key(None, FRACTION_OR_COUNT)
+    val_check_interval: Any = key(None, VAL_CHECK_INTERVAL)  # null: at the end of every epoch
+    check_val_every_n_epoch: int | None = key(1, OPT_POSITIVE)  # null: by val_check_interval's batches alone
+    num_sanity_val_steps: int = key(0, STEPS)  # Lightning: 2; -1: the whole validation set
+    log_every_n_steps: int = key(10, POSITIVE)  # Lightning: 50
+    accumulate_grad_batches: int = key(1, POSITIVE)  # batches per optimizer step (the global batch and lr scale with it)
+    gradient_clip_val: float | None = key(None, OPT_NON_NEGATIVE)  # null: no clipping
+    gradient_clip_algorithm: str | None = key(None, CLIP_ALGORITHM)  # null: norm
     enable_progress_bar: bool = False          # true: a progress bar instead of the main_amp lines (print_freq)
     enable_model_summary: bool = False
     deterministic: Any = key(False, DETERMINISTIC)  # torch deterministic algorithms (+ seeded dataloader workers)

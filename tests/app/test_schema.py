@@ -155,9 +155,63 @@ def test_trainer_arguments_pass_through_by_their_own_names() -> None:
     trainer_args = set(inspect.signature(Trainer).parameters)
     assert {f.name for f in dataclasses.fields(schema.TrainerConfig)} - {"_target_"} <= trainer_args
     assert set(schema.APP_SET_TRAINER_KEYS) <= trainer_args
-    cfg = compose_config(["+trainer.max_steps=7", "+trainer.gradient_clip_val=1.0", "trainer.deterministic=warn"])
+    cfg = compose_config(["trainer.max_steps=7", "+trainer.detect_anomaly=true", "trainer.deterministic=warn"])
     validate(cfg)
-    assert (cfg.trainer.max_steps, cfg.trainer.gradient_clip_val, cfg.trainer.deterministic) == (7, 1.0, "warn")
+    assert (cfg.trainer.max_steps, cfg.trainer.detect_anomaly, cfg.trainer.deterministic) == (7, True, "warn")
+
+
+#: Trainer keys whose default is the app's own (the demo run, main_amp's progress lines), not Lightning's.
+APP_TRAINER_DEFAULTS = {"max_epochs", "devices", "num_sanity_val_steps", "log_every_n_steps", "enable_progress_bar",
+                        "enable_model_summary", "deterministic"}
+
+
+def test_every_other_trainer_key_has_lightnings_own_default() -> None:
+    from lightning.pytorch import Trainer
+
+    lightning = {name: p.default for name, p in inspect.signature(Trainer).parameters.items()}
+    schema_defaults = OmegaConf.to_container(OmegaConf.structured(schema.TrainerConfig))
+    differ = {k for k, v in schema_defaults.items() if k != "_target_" and v != lightning[k]}
+    assert differ == APP_TRAINER_DEFAULTS
+
+
+COMMON_TRAINER_KEYS = {"max_steps": 3, "accumulate_grad_batches": 2, "gradient_clip_val": 1.0,
+                       "gradient_clip_algorithm": "value", "val_check_interval": 0.5, "limit_train_batches": 4,
+                       "limit_val_batches": 0.5, "limit_test_batches": 2, "check_val_every_n_epoch": 2,
+                       "log_every_n_steps": 5, "num_sanity_val_steps": 1}
+
+
+def test_the_common_trainer_arguments_are_plain_keys_that_reach_the_trainer() -> None:
+    from hydra.utils import instantiate
+
+    overrides = [f"trainer.{k}={v}" for k, v in COMMON_TRAINER_KEYS.items()]
+    check_command_line([*overrides, "device=cpu"])  # no + needed
+    cfg = compose_config([*overrides, "device=cpu"])
+    trainer = instantiate(cfg.trainer, accelerator="cpu", logger=False, enable_checkpointing=False)
+    assert trainer.max_steps == 3 and trainer.accumulate_grad_batches == 2
+    assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) == (1.0, "value")
+    assert (trainer.val_check_interval, trainer.check_val_every_n_epoch, trainer.log_every_n_steps) == (0.5, 2, 5)
+    assert (trainer.limit_train_batches, trainer.limit_val_batches, trainer.limit_test_batches) == (4, 0.5, 2)
+    assert trainer.num_sanity_val_steps == 1
+
+
+@pytest.mark.filterwarnings("ignore:.*could not find the monitored key")  # max_steps stops before the epoch's validation
+def test_plain_max_steps_and_gradient_clip_val_reach_a_real_run(demo_args: list[str], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from cltrain.app.module import ImageClassifier
+    from cltrain.app.train import train
+
+    clipped: list[tuple[Any, Any]] = []
+    clip = ImageClassifier.configure_gradient_clipping
+
+    def spy(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        clipped.append((gradient_clip_val, gradient_clip_algorithm))
+        return clip(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    monkeypatch.setattr(ImageClassifier, "configure_gradient_clipping", spy)
+    metrics = train(compose_config(["experiment=smoke", *demo_args, f"run_dir={tmp_path / 'run'}", "device=cpu",
+                                    "trainer.max_steps=3", "trainer.gradient_clip_val=1.0"]))
+    assert metrics["status"] == "completed" and metrics["global_step"] == 3  # trainer=debug alone runs 4
+    assert clipped == [(1.0, None)] * 3  # Lightning clips by norm (its default algorithm) at every step
 
 
 @pytest.mark.parametrize("overrides,expected", [([], True), (["trainer.deterministic=true"], False),
@@ -179,8 +233,13 @@ BAD = [
     ("ema.decay=1.5", "ema.decay=1.5: must be a number in [0, 1) (allowed: 0 <= value < 1)"),
     ("ema=true", "ema=true: is a group of keys, not a value (allowed: ema.enabled=true)"),
     ("+trainer.precision=bf16-mixed", "trainer.precision='bf16-mixed': set by the app; do not set it here (allowed: use amp"),
-    ("trainer.max_steps=100", ("trainer.max_steps=100: a Lightning Trainer argument the app leaves at Lightning's default; "
-                               "add it with + (allowed: +trainer.max_steps=100)")),
+    ("trainer.precision=16", "trainer.precision=16: set by the app; do not set it here (allowed: use amp (auto, true"),
+    ("trainer.foo=1", "trainer.foo=1: unknown key; see python train.py --help"),
+    ("trainer.max_step=100", "trainer.max_step=100: unknown key; did you mean trainer.max_steps?"),
+    ("+trainer.max_steps=100", "trainer.max_steps=100: already in the config; set it without the + (allowed: trainer.max_steps=...)"),
+    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1.0: must be a number >= 0 (allowed: or null)"),
+    ("trainer.detect_anomaly=true", ("trainer.detect_anomaly=true: a Lightning Trainer argument the app leaves at Lightning's "
+                                     "default; add it with + (allowed: +trainer.detect_anomaly=true)")),
 ]
 
 
@@ -249,7 +308,7 @@ def test_cli_one_line_exit_2(tmp_path: Path, override: str, message: str) -> Non
 def test_cli_help_and_cfg_job_show_the_schema() -> None:
     shown = _cli("--help")
     assert shown.returncode == 0 and "ema.enabled=true" in shown.stdout and "amp=auto|true|false|bf16|fp16" in shown.stdout
-    job = _cli("--cfg", "job", "ema.enabled=true", "+trainer.max_steps=3")
+    job = _cli("--cfg", "job", "ema.enabled=true", "trainer.max_steps=3")
     assert job.returncode == 0, job.stderr
     cfg = OmegaConf.create(job.stdout)
     assert cfg.ema.enabled is True and cfg.trainer.max_steps == 3 and cfg.optim.milestones == [6]

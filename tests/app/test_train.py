@@ -141,7 +141,7 @@ def test_last_checkpoint_is_the_final_step_when_validation_stops_improving(demo_
     # The CUDA math switches are applied process-wide and recorded (issue 9).
     assert (metrics["tf32"], metrics["cudnn_benchmark"], metrics["float32_matmul_precision"]) == (False, False, "highest")
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.benchmark
-    on = tiny(demo_root, tmp_path / "on", "+trainer.max_steps=1")
+    on = tiny(demo_root, tmp_path / "on", "trainer.max_steps=1")
     assert (on["tf32"], on["cudnn_benchmark"], on["float32_matmul_precision"]) == (True, True, "high")
     assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == "high"
 
@@ -159,7 +159,7 @@ def test_an_exception_mid_epoch_leaves_a_resumable_last_checkpoint(demo_root: Pa
 
 
 def test_auto_mode_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -> None:
-    metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "+trainer.max_steps=3")
+    metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "trainer.max_steps=3")
     weight = _state(metrics["last_checkpoint"])["state_dict"]["model.conv1.weight"]
     kept = "channels_last" if is_channels_last(weight) else "contiguous"
     assert metrics["layout"] == kept and metrics["channels_last"] is (kept == "channels_last")

@@ -59,7 +59,7 @@ def test_a_run_directory_with_a_run_in_it_is_refused(tmp_path: Path) -> None:
 def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "ddp"
     result = run("experiment=smoke", *demo_args, "device=cpu", "trainer=ddp", "trainer.devices=2",
-                 "trainer.max_epochs=2", "+trainer.accumulate_grad_batches=2", "trainer.enable_progress_bar=false",
+                 "trainer.max_epochs=2", "trainer.accumulate_grad_batches=2", "trainer.enable_progress_bar=false",
                  f"hydra.run.dir={run_dir}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Grad strides do not match" not in result.stderr + result.stdout

@@ -75,6 +75,52 @@ def test_channel_block_follows_the_isa_onednn_may_use(monkeypatch):
     assert "oneDNN ISA avx2 (block 8)" in current_platform("cpu").describe()
 
 
+def test_the_platform_is_the_one_of_cltrain_platform():
+    import cltrain.platform
+
+    assert Platform is cltrain.platform.Platform and current_platform is cltrain.platform.current_platform
+
+
+@pytest.fixture
+def avx512_x86(monkeypatch):
+    """This process on an x86 CPU with AVX-512 and oneDNN 3.12, whatever this machine is; no cap set."""
+    import types
+
+    import cltrain.platform
+
+    # the hardware facts are cached per process: replaced, not cleared
+    monkeypatch.setattr(cltrain.platform, "_cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(cltrain.platform, "_onednn_version", lambda: (3, 12, 0))
+    monkeypatch.setattr(cltrain.platform, "_platform", types.SimpleNamespace(machine=lambda: "x86_64"))
+    for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(variable, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("variable", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_either_onednn_variable_caps_the_isa_the_guardrails_guard(avx512_x86, variable):
+    stem = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2))  # 8 input channels: below the AVX-512 block only
+    assert find_hazards(stem, device="cpu") == {ONE_BY_ONE: ["0"]}
+    avx512_x86.setenv(variable, "avx2")  # oneDNN's names, in any case
+    assert current_platform("cpu").onednn_isa == "avx2" and find_hazards(stem, device="cpu") == {}
+    avx512_x86.setenv(variable, "AVX512_CORE_BF16")  # a cap at or above AVX-512 leaves the block at 16
+    assert find_hazards(stem, device="cpu") == {ONE_BY_ONE: ["0"]}
+
+
+def test_onednn_max_cpu_isa_comes_before_dnnl_max_cpu_isa():
+    from cltrain.platform import onednn_max_isa
+
+    assert onednn_max_isa({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "DNNL_MAX_CPU_ISA": "AVX2"}) == "AVX512_CORE"
+    assert onednn_max_isa({"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": " avx2 "}) == "AVX2"  # empty: unset
+    assert onednn_max_isa({}) is None
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "AMD64", "amd64", "i386", "i686"])
+def test_every_x86_machine_name_is_x86(machine):
+    flags = frozenset({"avx512f"})
+    assert Platform("cpu", machine, (2, 14, 1), (3, 12, 0), "AVX512", None, flags).onednn_isa == "avx512"
+
+
 @pytest.mark.parametrize(
     "conv, on_avx512, on_avx2",
     [

@@ -96,6 +96,13 @@ def test_the_library_layer_imports_torch_and_lightning_only() -> None:
     assert third_party == {"zoo.py": ["timm", "torchvision"]}, third_party
 
 
+def test_the_platform_module_imports_torch_and_the_standard_library_only() -> None:
+    import sys
+
+    tops = {m.split(".")[0] for m in _imports(PACKAGE / "platform.py")} - {"__future__"}
+    assert {t for t in tops if t not in sys.stdlib_module_names} == {"torch"}  # no Lightning, nothing of cltrain
+
+
 def test_the_checker_sees_a_cycle_through_a_function_body(tmp_path: Path) -> None:
     """Negative control: an import inside a function counts."""
     (tmp_path / "a.py").write_text("def f():\n    from cltrain.b import g\n")

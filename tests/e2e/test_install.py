@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import REPO, demo_overrides
 
@@ -45,22 +47,35 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return found
 
 
-def _venv(path: Path, system_site_packages: bool) -> Path:
-    venv.EnvBuilder(system_site_packages=system_site_packages, with_pip=True).create(path)
+def _venv(path: Path, inherit: bool) -> Path:
+    """A fresh virtual environment at ``path`` (its ``bin/``); with ``inherit`` it also imports what the
+    environment running these tests has installed (torch, Lightning, Hydra, ...), after its own packages."""
+    venv.EnvBuilder(with_pip=True).create(path)
+    if inherit:
+        # system_site_packages=True would add the *base* interpreter's site-packages, which lack torch when
+        # the tests run in a virtual environment: list the running interpreter's site directories instead.
+        # As plain lines their own .pth files stay unread, so the checkout's editable install is not importable
+        # there and `cltrain` can only be the wheel installed into the new environment.
+        site_dirs = [d for d in (*site.getsitepackages(), site.getusersitepackages()) if d in sys.path]
+        purelib = _run([str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       cwd=path).stdout.strip()
+        (Path(purelib) / "_tests_environment.pth").write_text("".join(f"{d}\n" for d in site_dirs))
     return path / "bin"
 
 
 def test_the_wheel_trains_from_a_folder_with_another_projects_config(wheel: Path, tmp_path: Path,
                                                                     demo_root: Path) -> None:
-    bin_dir = _venv(tmp_path / "venv", system_site_packages=True)  # the dependencies come from this machine
+    bin_dir = _venv(tmp_path / "venv", inherit=True)  # the dependencies come from the environment running the tests
     _run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel)], cwd=tmp_path)
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "conf").mkdir(parents=True)
     (elsewhere / "conf" / "config.yaml").write_text(FOREIGN_CONFIG)
 
-    where = _run([str(bin_dir / "python"), "-c", "import cltrain, importlib.resources as r; "
-                  "print(cltrain.__file__); print(r.files('cltrain.conf'))"], cwd=elsewhere).stdout.split()
-    assert all(Path(p).is_relative_to(tmp_path / "venv") for p in where), where  # the wheel, not the checkout
+    where = _run([str(bin_dir / "python"), "-c", "import cltrain, importlib.resources as r, torch; "
+                  "print(cltrain.__file__); print(r.files('cltrain.conf')); print(torch.__file__)"],
+                 cwd=elsewhere).stdout.split()
+    assert all(Path(p).is_relative_to(tmp_path / "venv") for p in where[:2]), where  # the wheel, not the checkout
+    assert Path(where[2]).resolve() == Path(torch.__file__).resolve(), where  # torch: the one running these tests
 
     job = _run([str(bin_dir / "cltrain-train"), "--cfg", "job"], cwd=elsewhere).stdout
     assert "channels_last: true" in job and "not-cltrain" not in job
@@ -102,7 +117,7 @@ print("trained", trainer.global_step, torch.__version__, L.__version__)
 
 
 def test_the_library_alone_on_its_oldest_torch_and_lightning(wheel: Path, tmp_path: Path) -> None:
-    bin_dir = _venv(tmp_path / "venv", system_site_packages=False)
+    bin_dir = _venv(tmp_path / "venv", inherit=False)
     pip = [str(bin_dir / "python"), "-m", "pip", "install", "--quiet"]
     _run([*pip, "torch==2.13.0", "lightning==2.6.0"], cwd=tmp_path)
     _run([*pip, str(wheel)], cwd=tmp_path)  # its dependencies are already there: nothing else comes in
