@@ -1,0 +1,367 @@
+"""One command that proves and measures the GPU path, and writes the table for docs/performance.md.
+
+    python scripts/gpu_check.py --out gpu-check              # a CUDA machine: about 8 minutes on one H100
+    python scripts/gpu_check.py --wheels .whl --out $OUT     # the same, installing the app's wheels first
+    python scripts/gpu_check.py --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
+
+Each part runs in its own subprocess under its own time limit (``--limits``, seconds):
+
+(a) ``python -m pytest -m cuda tests/``: the tests marked ``cuda`` (conftest.py pins every other test to the CPU).
+(b) ``python train.py`` as a newcomer types it, in an empty folder: its ``metrics.json`` (status, precision,
+    images/s, step time) and how many of the training losses its CSV log holds are finite.
+(c) apex's main_amp recipe (``experiment=main_amp``: ResNet-50, batch 256, 224 px) end to end on 5,120 + 10
+    ImageNet-size JPEGs drawn by ``cltrain.data.demo``; channels_last and contiguous in fp16, bf16 and fp32, then
+    channels_last with ``compile.enabled=true``, in one process, in turn: images/s and step time over 60 steps
+    after 8 warm-up steps (train.py's meter), the finite losses among all steps, and host syncs per step: ATen
+    ops that read a device value on the host (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6,
+    which neither print nor log.
+(d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
+    runs' ``metrics.json`` files and logs; data, checkpoints and run folders stay in ``--work``.
+
+``--tiny``: 12 JPEGs of 64x48, ResNet-18 at 32 px, 3 steps per configuration, the smoke experiment for (b); what
+needs CUDA, bf16 where the CPU lacks it, and compile are rows saying "skipped" and why.
+
+Where hydra-core, omegaconf, antlr4-python3-runtime, simplejpeg and turbojpeg are missing, fetch their wheels
+(CPython 3.12, x86-64 Linux; antlr4-python3-runtime 4.9.3 is an sdist only: ``pip wheel`` builds it)::
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl hydra-core==1.3.8 omegaconf==2.3.1
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
+        -d .whl simplejpeg==1.9.0 turbojpeg==0.0.2
+    pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
+
+``--wheels .whl`` then runs ``python -m pip install -q --no-index --no-deps --target <work>/site .whl/*.whl``
+first and puts that folder first on ``sys.path`` and the subprocesses' ``PYTHONPATH`` (by hand: ``python3 -m pip
+install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site``). The repository
+needs no install: it goes on ``PYTHONPATH``, and its ``conf/`` becomes ``$CLTRAIN_CONFIG_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import importlib.util
+import json
+import math
+import multiprocessing
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # cltrain and tests.helpers, also where cltrain is not installed
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
+
+from tests.helpers.trainer_probes import SyncOps  # noqa: E402
+
+COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
+           "notes")
+CELLS = {"img_s": "img/s", "step_ms": "step (ms)", "finite": "finite losses", "syncs": "host syncs/step"}
+E2E, SHORT = "main_amp e2e", {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
+#: (configuration, train.py overrides); compile last: the slowest to start, the first a time limit drops.
+MATRIX = [(f"{layout} {name}", [f"channels_last={str(layout == 'channels_last').lower()}", f"amp={amp}"])
+          for name, amp in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "false"))
+          for layout in ("channels_last", "contiguous")]
+MATRIX.append(("channels_last compile", ["channels_last=true", "amp=auto", "compile.enabled=true"]))
+FULL = {"classes": 10, "per_class": 512, "size": (500, 375), "warmup": 8, "steps": 60, "count": (3, 4),
+        "overrides": []}  # 20 batches of 256 an epoch
+TINY = {"classes": 2, "per_class": 6, "size": (64, 48), "warmup": 2, "steps": 1, "count": (1, 1),
+        "overrides": ["model.name=resnet18", "data.batch_size=4", "data.image_size=32", "data.val_resize_size=36"]}
+TINY_NEWCOMER = ["experiment=smoke", "data.demo.num_classes=2", "data.demo.train_per_class=8",
+                 "data.demo.val_per_class=1", "data.demo.image_size=[64,48]"]
+
+
+class StepProbe(Callback):
+    """Keeps every training step's loss on the device and counts host-sync ops over ``count_steps`` steps.
+
+    Added to a run with ``+callbacks.probe._target_=gpu_check.StepProbe +callbacks.probe.path=FILE ...``;
+    writes ``{"finite", "steps", "counted", "sync_ops"}`` to ``path`` as JSON when training ends or fails.
+    A step is everything from one training batch start to the next (hooks, logging, the next fetch).
+    """
+
+    def __init__(self, path: str, count_from: int, count_steps: int) -> None:
+        self.path, self.first, self.stop = Path(path), count_from, count_from + count_steps
+        self.losses: list[torch.Tensor] = []
+        self.mode: SyncOps | None = None
+        self.ops: Counter = Counter()
+
+    def _close(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.ops, self.mode = sum(self.mode.counts.values(), Counter()), None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if len(self.losses) == self.stop:
+            self._close()
+        if len(self.losses) == self.first:
+            self.mode = SyncOps().__enter__()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append((outputs["loss"] if isinstance(outputs, dict) else outputs).detach())  # no sync
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+        finite = int(torch.stack(self.losses).float().isfinite().sum()) if self.losses else 0
+        counted = max(0, min(self.stop, len(self.losses)) - self.first)
+        self.path.write_text(json.dumps({"finite": finite, "steps": len(self.losses), "counted": counted,
+                                         "sync_ops": self.ops}))
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
+
+
+def run_matrix(spec_file: Path) -> int:
+    """Part (c)'s worker: each configuration of the spec through ``train(cfg)`` in this process, one JSON line each."""
+    from cltrain.app.cli import compose_config
+    from cltrain.app.train import train
+
+    spec = json.loads(spec_file.read_text())
+    runs, (first, count) = Path(spec["runs"]), spec["count"]
+    for name, overrides in spec["configs"]:
+        slug = re.sub(r"\W+", "-", name)
+        probe, record = runs / f"{slug}.probe.json", {"name": name}
+        print(f"gpu_check: {name}: {' '.join(overrides)}", flush=True)
+        try:
+            record.update(train(compose_config([
+                *spec["common"], *overrides, f"run_dir={runs / slug}", "+callbacks.probe._target_=gpu_check.StepProbe",
+                f"+callbacks.probe.path={probe}", f"+callbacks.probe.count_from={first}",
+                f"+callbacks.probe.count_steps={count}"])))
+        except Exception as err:  # noqa: BLE001 - one configuration failing must not stop the others
+            record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
+        record.update(json.loads(probe.read_text()) if probe.is_file() else {})
+        record.pop("config", None)
+        with open(spec["results"], "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        gc.collect()  # the finished run's loader workers and tensors, before the next run starts
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _draw(job: tuple[str, int, list[int], tuple[int, int]]) -> None:
+    import numpy as np
+
+    from cltrain.data.demo import draw_demo_image
+
+    path, k, seed, size = job
+    rng = np.random.default_rng(seed)
+    draw_demo_image(k, rng, size).save(path, quality=int(rng.integers(75, 96)))
+
+
+def jpeg_folder(root: Path, classes: int, per_class: int, size: tuple[int, int]) -> Path:
+    """An ImageNet-layout folder of ``cltrain.data.demo``'s images (``per_class`` train, 1 val), drawn on every core."""
+    from cltrain.data.demo import class_names, write_once
+
+    def fill(tmp: Path) -> None:
+        jobs = []
+        for s, (split, n) in enumerate((("train", per_class), ("val", 1))):
+            for k, name in enumerate(class_names(classes)):
+                (tmp / split / name).mkdir(parents=True)
+                jobs += [(str(tmp / split / name / f"{i:05d}.jpg"), k, [0, s, k, i], size) for i in range(n)]
+        with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:  # they draw, they never touch CUDA
+            pool.map(_draw, jobs, chunksize=16)
+
+    return write_once(root, {"classes": classes, "per_class": per_class, "size": list(size)}, fill, "gpu_check")
+
+
+def run(cmd: list[str], cwd: Path, limit: float, log: Path) -> int | None:
+    """``cmd``'s exit status, its output in ``log``; ``None`` when it ran past ``limit`` (its process group is killed)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its DataLoader workers and the tests' subprocesses too
+            proc.wait()
+            return None
+
+
+def row(part: str, configuration: str, status: str, **cells: Any) -> dict[str, str]:
+    """A table row; ``cells`` by column, the numbers by the names in ``CELLS``."""
+    return {**dict.fromkeys(COLUMNS, ""), "part": part, "configuration": configuration, "status": status,
+            **{CELLS.get(k, k): "" if v is None else str(v) for k, v in cells.items()}}
+
+
+def _num(v: float | None, scale: float = 1) -> str:
+    return "" if v is None else f"{scale * v:,.1f}"
+
+
+def cuda_tests(limit: float, log: Path) -> dict[str, str]:
+    shown = "`python -m pytest -m cuda tests/`"
+    if not torch.cuda.is_available():
+        return row("cuda tests", shown, "skipped: no CUDA")
+    if importlib.util.find_spec("pytest") is None:
+        return row("cuda tests", shown, "skipped: pytest is not installed")
+    started = time.perf_counter()
+    code = run([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-q", "-p", "no:cacheprovider"], REPO, limit, log)
+    text = log.read_text(errors="replace")
+    if code is None:  # no summary line: count the progress marks `-q` printed
+        marks = "".join(re.findall(r"^([.sFE]+) +\[ *\d+%\]$", text, re.MULTILINE))
+        return row("cuda tests", shown, f"timed out after {limit:.0f} s with {marks.count('.')} passed, "
+                   f"{marks.count('F')} failed, {marks.count('E')} errors", notes=log.name)
+    summary = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", text.strip().splitlines()[-1])
+    status = ("completed" if code == 0 else f"failed (exit {code})") + ": " + ", ".join(map(" ".join, summary))
+    return row("cuda tests", shown, f"{status} in {time.perf_counter() - started:.0f} s", notes=log.name)
+
+
+def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> dict[str, str]:
+    overrides = TINY_NEWCOMER if tiny else []
+    shown = "`" + " ".join(["python train.py", *overrides]) + "`"
+    folder.mkdir(parents=True)
+    code = run([sys.executable, str(REPO / "train.py"), *overrides], folder, limit, log)
+    found = sorted(folder.glob("outputs/*/*/metrics.json"))
+    if not found:
+        return row("default train.py", shown, "timed out" if code is None else f"failed (exit {code})", notes=log.name)
+    (out / "default_train.metrics.json").write_text(found[-1].read_text())
+    m, losses = json.loads(found[-1].read_text()), []
+    for path in found[-1].parent.glob("csv/**/metrics.csv"):
+        with open(path) as f:
+            losses += [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    return row("default train.py", shown, m["status"] if code == 0 else f"{m['status']} (exit {code})",
+               precision=m["precision"], img_s=_num(m.get("images_per_second")),
+               step_ms=_num(m.get("step_time_s"), 1000), finite=f"{sum(map(math.isfinite, losses))}/{len(losses)} logged",
+               notes=f"{m['device']}, {m['layout']}, {m['global_step']} steps, val top-1 {m.get('val_top1')}%; "
+                     f"{m['precision_reason']}")
+
+
+def _skip(overrides: list[str], tiny: bool) -> str | None:
+    from cltrain.precision import cpu_bf16_support
+
+    cuda = torch.cuda.is_available()
+    if "amp=fp16" in overrides and not cuda:
+        return "skipped: no CUDA"
+    if "amp=bf16" in overrides and not (torch.cuda.is_bf16_supported() if cuda else cpu_bf16_support()[0]):
+        return f"skipped: no bf16 on this {'GPU' if cuda else 'CPU'}"
+    return "skipped: --tiny (compiling takes minutes on a CPU)" if tiny and "compile.enabled=true" in overrides else None
+
+
+def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool) -> list[dict[str, str]]:
+    runs, results = work / "runs", work / "matrix.jsonl"
+    runs.mkdir(parents=True)
+    workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))
+    skips = {name: _skip(o, tiny) for name, o in MATRIX}
+    spec = {"configs": [(n, o) for n, o in MATRIX if not skips[n]], "runs": str(runs), "results": str(results),
+            "count": size["count"], "common": [
+                "experiment=main_amp", f"data.root={root}", f"data.num_workers={workers}", *size["overrides"],
+                f"++trainer.max_steps={size['warmup'] + size['steps']}", "trainer.max_epochs=-1",
+                "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
+    (work / "matrix.json").write_text(json.dumps(spec, indent=1))
+    code = run([sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "matrix.json")], REPO, limit,
+               log) if spec["configs"] else 0
+    done = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())} if results.is_file() else {}
+    for path in runs.glob("*/metrics.json"):
+        (out / f"{path.parent.name}.metrics.json").write_text(path.read_text())
+    rows = []
+    for name, overrides in MATRIX:
+        shown, r = "`" + " ".join(overrides) + "`", done.get(name)
+        if r is None:
+            why = f"time limit ({limit:.0f} s) reached" if code is None else f"the worker exited with {code}"
+            rows.append(row(E2E, shown, skips[name] or f"not run: {why}", notes="" if skips[name] else log.name))
+            continue
+        notes = [f"{r['error']} ({log.name})"] if r.get("error") else []
+        notes += ["TF32"] if r.get("precision") == "32-true" and r.get("tf32") and r.get("device") == "cuda" else []
+        notes += [f"{op} x{n}" for op, n in r.get("sync_ops", {}).items()]
+        rows.append(row(E2E, shown, r["status"], precision=r.get("precision"), img_s=_num(r.get("images_per_second")),
+                        step_ms=_num(r.get("step_time_s"), 1000), finite=f"{r['finite']}/{r['steps']}" if "steps" in r
+                        else None, syncs=f"{sum(r['sync_ops'].values()) / r['counted']:g}" if r.get("counted") else None,
+                        notes="; ".join(notes)))
+    speed = {name: (r.get("precision"), r.get("images_per_second")) for name, r in done.items()}
+    for (name, _), r in zip(MATRIX, rows):  # channels_last against contiguous, compile against eager
+        precision, mine = speed.get(name, (None, None))
+        if mine and name.startswith("channels_last") and precision in SHORT:
+            base, what = ((f"channels_last {SHORT[precision]}", "eager") if "compile" in name
+                          else (f"contiguous {SHORT[precision]}", "contiguous"))
+            if speed.get(base, (None, None))[1]:
+                r["notes"] = "; ".join(filter(None, [f"{mine / speed[base][1]:.2f}x {what}", r["notes"]]))
+    return rows
+
+
+def machine_rows(command: str, seconds: float, data: str) -> list[dict[str, str]]:
+    from zoo_report import machine
+
+    m, device = machine(), "no CUDA device"
+    if torch.cuda.is_available():
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            smi = []
+        device = (f"{torch.cuda.get_device_name()}, driver {smi[0] if smi else 'unknown'}, CUDA {torch.version.cuda}, "
+                  f"cuDNN {torch.backends.cudnn.version()}")
+    host = (f"{m['cpu']}, {m['logical_cpus']} logical cores; Python {sys.version.split()[0]}; "
+            + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    return [row("machine", device, "", notes=host), row("command", f"`{command}`", f"finished in {seconds:.0f} s",
+                                                        notes=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+            row("data", data, "")]
+
+
+def table(rows: list[dict[str, str]]) -> str:
+    """The rows as one Markdown table, numbers right-aligned."""
+    def line(cells: Any) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+    align = "|" + "|".join("---:" if c in CELLS.values() else "---" for c in COLUMNS) + "|"
+    return "\n".join([line(COLUMNS), align, *(line(r[c] for c in COLUMNS) for r in rows)]) + "\n"
+
+
+def install_wheels(folder: Path, target: Path) -> None:
+    """``pip install --no-index --no-deps --target`` of every wheel in ``folder``; the target goes first on the paths."""
+    wheels = sorted(str(p) for p in folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"gpu_check: --wheels {folder}: no .whl files there")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade", "--target",
+                    str(target), *wheels], check=True)
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="gpu_check.md, metrics.json files, logs")
+    parser.add_argument("--work", type=Path, default=None, help="data and runs (default: a temporary folder)")
+    parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (see the docstring)")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the script on any CPU")
+    parser.add_argument("--limits", type=float, nargs=3, default=[140, 120, 240], metavar=("A", "B", "C"),
+                        help="seconds for (a) the cuda tests, (b) the default train.py, (c) the matrix")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return run_matrix(args.worker)
+    started, command = time.perf_counter(), "python " + shlex.join(sys.argv if argv is None else [__file__, *argv])
+    args.out.mkdir(parents=True, exist_ok=True)
+    size, (limit_a, limit_b, limit_c) = TINY if args.tiny else FULL, args.limits
+    with tempfile.TemporaryDirectory(prefix="cltrain-gpu-check-") as tmp:
+        work = args.work or Path(tmp)
+        if args.wheels:
+            install_wheels(args.wheels, work / "site")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
+        if importlib.util.find_spec("cltrain.conf") is None:  # a source tree, not installed
+            os.environ.setdefault("CLTRAIN_CONFIG_DIR", str(REPO / "conf"))
+        t = time.perf_counter()
+        root = jpeg_folder(work / f"jpegs-{size['classes']}x{size['per_class']}", size["classes"], size["per_class"],
+                           size["size"])
+        data = (f"{size['classes'] * size['per_class']:,} + {size['classes']} JPEGs of {size['size'][0]}x"
+                f"{size['size'][1]} drawn by cltrain.data.demo in {time.perf_counter() - t:.0f} s")
+        stamp = work / time.strftime("%Y%m%d-%H%M%S")
+        rows = [cuda_tests(limit_a, args.out / "cuda_tests.log"),
+                newcomer(stamp / "newcomer", limit_b, args.out / "default_train.log", args.tiny, args.out),
+                *matrix(stamp, root, limit_c, args.out / "matrix.log", size, args.out, args.tiny)]
+    text = table(machine_rows(command, time.perf_counter() - started, data) + rows)
+    (args.out / "gpu_check.md").write_text(text)
+    print(text, end="")
+    return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
