@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -392,34 +393,43 @@ class ChannelsLast(Callback):
         precision = trainer.strategy.precision_plugin
         method = {"train": "training_step", "validation": "validation_step", "test": "test_step",
                   "predict": "predict_step"}[stage]
-        context = precision.train_step_context if stage == "train" else getattr(
+        own_context = precision.train_step_context if stage == "train" else getattr(
             precision, f"{'val' if stage == 'validation' else stage}_step_context")
         grad = torch.enable_grad if stage == "train" else torch.no_grad
+        # Mixed precision's rounding would hide a wrong op in noise (bf16 gradients through BatchNorm differ
+        # by O(1) between any two kernels): check in float32 first, in the training precision if that raises.
+        contexts = [contextlib.nullcontext, own_context] if str(trainer.precision) in _AUTOCAST_DTYPES \
+            else [own_context]
 
         def batch_in(layout: str) -> Any:
             copied = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
             restride_batch(copied, layout, one_d=self._one_d, inputs=self.inputs)
             return copied
 
-        def step_code(clone: nn.Module, layout: str) -> Any:
-            with grad(), context():
-                return getattr(clone, method)(batch_in(layout), batch_idx)
-
-        def model_only(clone: nn.Module, layout: str) -> Any:
-            x = first_image_tensor(batch_in(layout), self.inputs)
-            with grad(), context():
-                out = step_target(clone)(x)
-            return projection_loss(out) if stage == "train" else out
-
         use_step = stage != "train" or pl_module.automatic_optimization
         # DDP has wrapped the model by now: its buckets keep the parameters' layout, so keep that layout.
         options = dict(step_owner=pl_module, copy_model=detached_copy, time_fallbacks=trainer.world_size == 1)
-        result = check_layout(pl_module, step_code if use_step else model_only, **options)
-        if use_step and result.verdict == "not checked" and first_image_tensor(batch, self.inputs) is not None:
-            # The step code needs the trainer (or raises anyway): check the model's forward and backward alone.
-            alone = check_layout(pl_module, model_only, **options)
-            if alone.verdict != "not checked":
-                return alone
+        result = None
+        for context in contexts:
+
+            def step_code(clone: nn.Module, layout: str, context: Any = context) -> Any:
+                with grad(), context():
+                    return getattr(clone, method)(batch_in(layout), batch_idx)
+
+            def model_only(clone: nn.Module, layout: str, context: Any = context) -> Any:
+                x = first_image_tensor(batch_in(layout), self.inputs)
+                with grad(), context():
+                    out = step_target(clone)(x)
+                return projection_loss(out) if stage == "train" else out
+
+            result = check_layout(pl_module, step_code if use_step else model_only, **options)
+            if use_step and result.verdict == "not checked" and first_image_tensor(batch, self.inputs) is not None:
+                # The step code needs the trainer (or raises anyway): check the model's forward and backward alone.
+                alone = check_layout(pl_module, model_only, **options)
+                if alone.verdict != "not checked":
+                    result = alone
+            if result.verdict != "not checked":
+                break
         return result
 
     # ---- resume and audit ----------------------------------------------------------------------

@@ -152,7 +152,8 @@ def verify_layout(
             by default the model is called on the batch's input (``inputs``) and its outputs reduced by a
             fixed random projection.
         inputs: which tensors of ``batch`` are the model's inputs (``convert_batch``'s rules).
-        autocast_dtype: run the step under autocast in this dtype on the model's device (as the loop does).
+        autocast_dtype: the loop's autocast dtype: the check runs the step in float32, and under autocast in
+            this dtype only where it cannot run in float32.
 
     Returns:
         The ``cltrain.layout_check.LayoutCheck``.
@@ -163,15 +164,21 @@ def verify_layout(
     inputs = check_inputs(inputs, owner="verify_layout")
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
-    def run(clone: nn.Module, layout: str) -> Any:
-        copied = _clone_tensors(batch)
-        restride_batch(copied, layout, inputs=inputs)
-        with autocast_for(device, autocast_dtype):
-            if step is not None:
-                return step(clone, copied)
-            return projection_loss(clone(first_image_tensor(copied, inputs)))
+    def run_in(dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
+        def run(clone: nn.Module, layout: str) -> Any:
+            copied = _clone_tensors(batch)
+            restride_batch(copied, layout, inputs=inputs)
+            with autocast_for(device, dtype):
+                if step is not None:
+                    return step(clone, copied)
+                return projection_loss(clone(first_image_tensor(copied, inputs)))
 
-    result = check_layout(model, run)
+        return run
+
+    # float32 first: mixed precision's rounding would hide a wrong op in noise.
+    result = check_layout(model, run_in(None))
+    if result.verdict == "not checked" and autocast_dtype is not None:
+        result = check_layout(model, run_in(autocast_dtype))
     if result.verdict == "fallback":
         apply_fallbacks(model, list(result.fallbacks))
     elif result.verdict == "contiguous":

@@ -1,8 +1,9 @@
 """What the first-batch layout check costs: its seconds against one training step and one demo epoch.
 
 For each model, rounds alternate (check, step; step, check; ...) between ``cltrain.layout_check.check_layout``
-on one batch (the forward, the cross-entropy and the backward on an NCHW copy, a channels_last copy and,
-when they differ by more than the floor, a perturbed NCHW copy) and one plain channels_last training step
+on one batch as ``ChannelsLast`` runs it (in float32 also when training in bf16: the forward, the
+cross-entropy and the backward on an NCHW copy, a channels_last copy and, when they differ by more than
+the floor, a perturbed NCHW copy) and one plain channels_last training step in the training precision
 (forward, loss, backward, SGD) on the same batch; prints the median of each, the check's cost in steps and
 as a fraction of one epoch of the demo set (1,000 images at this batch size), then the machine::
 
@@ -57,12 +58,12 @@ def main(argv: list[str] | None = None) -> None:
         model = convert_model(getattr(torchvision.models, name)(num_classes=10), dtype=dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-        def loss_of(m: torch.nn.Module, layout: str) -> torch.Tensor:
-            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        def loss_of(m: torch.nn.Module, layout: str, amp: bool = False) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=amp and dtype is not None):
                 return F.cross_entropy(m(x if layout == "channels_last" else x.contiguous()), y)
 
         def train_step() -> None:
-            loss_of(model, "channels_last").backward()
+            loss_of(model, "channels_last", amp=True).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
