@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
@@ -17,9 +16,9 @@ from cltrain.autolayout import to_contiguous
 from cltrain.batch_layout import check_inputs, describe_batch, first_image_tensor, restride_batch
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
 from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d
-from cltrain.layout_check import LayoutCheck, check_layout, projection_loss
+from cltrain.layout_check import LayoutCheck
+from cltrain.lightning_step_check import apply_to_copy, check_lightning_step
 from cltrain.model_access import (
-    detached_copy,
     model_copies,
     restride_optimizer_state,
     run_after,
@@ -361,7 +360,8 @@ class ChannelsLast(Callback):
         result = None
         if trainer.is_global_zero:
             try:
-                result = self._run_check(trainer, pl_module, batch, batch_idx, stage)
+                result = check_lightning_step(trainer, pl_module, batch, batch_idx, stage, inputs=self.inputs,
+                                              one_d=self._one_d)
             except Exception as error:  # noqa: BLE001 - the check failing must not end the run
                 result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
         # Every rank applies the same fallbacks, or DDP's parameter layouts disagree between ranks.
@@ -371,7 +371,7 @@ class ChannelsLast(Callback):
             self.fallbacks += [f for f in result.fallbacks if f not in self.fallbacks]
             apply_fallbacks(pl_module, self.fallbacks)
             for copy_ in model_copies(trainer, pl_module, exclude=self):
-                _apply_to_copy(copy_, self.fallbacks)
+                apply_to_copy(copy_, self.fallbacks)
             restride_optimizer_state(trainer.optimizers)
         elif result.verdict == "contiguous":
             self.layout = "contiguous"
@@ -385,52 +385,6 @@ class ChannelsLast(Callback):
             rank_zero_warn(f"ChannelsLast {result.line()}")
         else:
             rank_zero_info(f"ChannelsLast {result.line()}")
-
-    def _run_check(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
-                   stage: str) -> LayoutCheck:
-        from lightning_utilities.core.apply_func import apply_to_collection
-
-        precision = trainer.strategy.precision_plugin
-        method = {"train": "training_step", "validation": "validation_step", "test": "test_step",
-                  "predict": "predict_step"}[stage]
-        own_context = precision.train_step_context if stage == "train" else getattr(
-            precision, f"{'val' if stage == 'validation' else stage}_step_context")
-        grad = torch.enable_grad if stage == "train" else torch.no_grad
-        # Mixed precision's rounding would hide a wrong op in noise (bf16 gradients through BatchNorm differ
-        # by O(1) between any two kernels): check in float32 first, in the training precision if that raises.
-        contexts = [contextlib.nullcontext, own_context] if str(trainer.precision) in _AUTOCAST_DTYPES \
-            else [own_context]
-
-        def batch_in(layout: str) -> Any:
-            copied = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
-            restride_batch(copied, layout, one_d=self._one_d, inputs=self.inputs)
-            return copied
-
-        use_step = stage != "train" or pl_module.automatic_optimization
-        # DDP has wrapped the model by now: its buckets keep the parameters' layout, so keep that layout.
-        options = dict(step_owner=pl_module, copy_model=detached_copy, time_fallbacks=trainer.world_size == 1)
-        result = None
-        for context in contexts:
-
-            def step_code(clone: nn.Module, layout: str, context: Any = context) -> Any:
-                with grad(), context():
-                    return getattr(clone, method)(batch_in(layout), batch_idx)
-
-            def model_only(clone: nn.Module, layout: str, context: Any = context) -> Any:
-                x = first_image_tensor(batch_in(layout), self.inputs)
-                with grad(), context():
-                    out = step_target(clone)(x)
-                return projection_loss(out) if stage == "train" else out
-
-            result = check_layout(pl_module, step_code if use_step else model_only, **options)
-            if use_step and result.verdict == "not checked" and first_image_tensor(batch, self.inputs) is not None:
-                # The step code needs the trainer (or raises anyway): check the model's forward and backward alone.
-                alone = check_layout(pl_module, model_only, **options)
-                if alone.verdict != "not checked":
-                    result = alone
-            if result.verdict != "not checked":
-                break
-        return result
 
     # ---- resume and audit ----------------------------------------------------------------------
 
@@ -457,12 +411,3 @@ class ChannelsLast(Callback):
         )
         rank_zero_info(f"ChannelsLast layout audit of {type(target).__name__}:\n{self.audit_report.format_table()}")
 
-
-def _apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
-    """The fallbacks on an averaged copy, whose names may sit under ``module.`` (``AveragedModel``)."""
-    names = {name for name, _ in copy_.named_modules()}
-    wanted = [f for f in fallbacks if f.kind != "model"]
-    for prefix in ("", "module."):
-        if all(f"{prefix}{f.module}".rstrip(".") in names for f in wanted):
-            apply_fallbacks(copy_, [Fallback(f.kind, f"{prefix}{f.module}".rstrip(".")) for f in wanted])
-            return
