@@ -182,8 +182,10 @@ def _source_of(model: nn.Module, name: str | None, step_owner: Any) -> str | Non
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:160]}" if text else type(error).__name__
+    text = [line for line in str(error).strip().splitlines() if line.strip()]
+    if text and text[0].startswith("The following operation failed in the TorchScript interpreter"):
+        text = [text[-1].split(": ", 1)[-1]]  # TorchScript puts its own traceback first and the error last
+    return f"{type(error).__name__}: {text[0].strip()[:160]}" if text else type(error).__name__
 
 
 def _upstream(key: tuple, z: dict[tuple, float], previous: float, index: dict[str, Any]) -> float:

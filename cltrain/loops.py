@@ -42,7 +42,7 @@ from cltrain.batch_layout import Inputs, check_inputs, restride_batch
 from cltrain.guardrails import apply_guardrails
 from cltrain.layout import MODES, to_channels_last
 from cltrain.layout_check import LayoutCheck, check_layout, projection_loss
-from cltrain.nchw_fallback import apply_fallbacks
+from cltrain.nchw_fallback import Fallback, apply_fallbacks
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
@@ -141,7 +141,7 @@ def verify_layout(
     Call it once, after ``convert_model`` and before ``fabric.setup`` / DDP / ``torch.compile``, with a
     real batch. Where the code in the model or in ``step`` raises or diverges only in channels_last, the
     smallest part holding it runs in NCHW (``cltrain.nchw_fallback``); where that is the whole model, the
-    model is put back in NCHW (then keep the batches contiguous: ``result.verdict == "contiguous"``).
+    model runs in NCHW (its inputs are put in NCHW on the way in, so the loop may keep converting batches).
     One log line says what was found and done. The model's weights, gradients and BatchNorm statistics
     and the RNG state are not changed.
 
@@ -182,7 +182,8 @@ def verify_layout(
     if result.verdict == "fallback":
         apply_fallbacks(model, list(result.fallbacks))
     elif result.verdict == "contiguous":
-        to_contiguous(model)
+        # The whole model in NCHW, inputs included: a loop that keeps converting its batches stays right.
+        apply_fallbacks(model, [Fallback("module", "")])
     (log.warning if result.verdict in ("fallback", "contiguous") else log.info)("verify_layout: %s", result.line())
     return result
 

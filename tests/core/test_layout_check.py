@@ -194,3 +194,41 @@ def test_a_correct_model_passes_without_a_noise_run_and_a_scramble_is_far_above_
     result = check_layout(model, lambda m, layout: F.cross_entropy(m(x if layout == "contiguous" else xc), y))
     assert result.verdict == "passed", result.line()
     assert result.worst is not None and result.worst[0] < 0.02
+
+
+@torch.jit.script
+def _scripted_flatten(x: torch.Tensor) -> torch.Tensor:
+    return x.view(x.size(0), -1)
+
+
+class _SegWithScriptedHead(nn.Module):
+    """A dict-output model whose own forward flattens through a TorchScript function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.cls = nn.Conv2d(8, 4, 1)
+        self.aux = nn.Linear(8 * 16 * 16, 2)
+
+    def forward(self, x):
+        f = self.enc(x)
+        return {"seg": self.cls(f), "aux": self.aux(_scripted_flatten(f))}
+
+
+def test_verify_layout_on_a_scripted_view_keeps_a_converting_loop_right() -> None:
+    torch.manual_seed(0)
+    reference = _SegWithScriptedHead()
+    model = convert_model(_SegWithScriptedHead())
+    model.load_state_dict(reference.state_dict())
+    batch = {"image": torch.randn(4, 3, 16, 16), "mask": torch.randint(0, 4, (4, 16, 16)), "y": torch.randint(0, 2, (4,))}
+
+    def step(m, b):
+        out = m(b["image"])
+        n, c = out["seg"].shape[:2]
+        return F.cross_entropy(out["seg"].reshape(n, c, -1), b["mask"].view(n, -1)) + F.cross_entropy(out["aux"], b["y"])
+
+    result = verify_layout(model, batch, step=step)
+    assert result.verdict in ("fallback", "contiguous")
+    assert "view size is not compatible" in result.line() and "torch.flatten(x, 1)" in result.line()
+    converted = convert_batch({k: v.clone() for k, v in batch.items()})  # the loop keeps converting its batches
+    torch.testing.assert_close(step(model, converted), step(reference, batch), rtol=1e-5, atol=1e-6)
