@@ -8,7 +8,8 @@
 * ``NHWCCollate`` / ``nhwc_collate``: images into one ``(N, H, W, C)``
   buffer, returned as its ``(N, C, H, W)`` channels_last view, plus int64 targets.
 * ``normalize``: uint8 -> float32/bfloat16/float16 on the device, channels_last.
-* ``ImageFolderDataModule``: all of it for Lightning, from an ImageNet-layout folder.
+* ``ImageFolderDataModule``: all of it for Lightning, from an ImageNet-layout folder; its training
+  augmentation is one ``Augmentation`` (or its fields as keywords).
 * ``ShardsDataModule``: the same from WebDataset shards packed by ``python -m cltrain.data.pack``.
 * ``make_demo_dataset``: a small JPEG folder with a learnable signal, made locally.
 * ``HWCAugment`` (TrivialAugment / RandAugment in the workers), ``RandomErasing``
@@ -29,6 +30,7 @@ Example::
 """
 
 from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
+from cltrain.data.augmentation import Augmentation
 from cltrain.data.collate import NHWCCollate, nhwc_collate
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
 from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
@@ -41,6 +43,7 @@ from cltrain.data.shards import ShardsDataModule, ShardsDataset
 from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
 
 __all__ = [
+    "Augmentation",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "IMG_EXTENSIONS",

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Mapping, Sequence
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +33,33 @@ from torch.utils.data import default_collate
 from cltrain.data.decode_pool import run_each
 from cltrain.data.normalize import ImageNormalizer
 
-__all__ = ["NHWCCollate", "as_hwc", "nhwc_collate"]
+__all__ = ["BatchSlot", "NHWCCollate", "as_hwc", "nhwc_collate"]
+
+
+class BatchSlot:
+    """Image ``index`` of ``buffer`` (an NHWC batch ``NHWCCollate.new_batch`` made), written in place
+    by ``NHWCCollate.write``: a sample holding these for all of a batch's images is collated without a copy."""
+
+    __slots__ = ("buffer", "index")
+
+    def __init__(self, buffer: torch.Tensor, index: int) -> None:
+        self.buffer, self.index = buffer, index
+
+    def image(self) -> torch.Tensor:
+        """The slot's pixels: HWC of the buffer's dtype."""
+        return self.buffer[self.index]
+
+
+_SCRATCH = threading.local()
+
+
+def _uint8_scratch(shape: tuple[int, ...]) -> torch.Tensor:
+    """This thread's reusable HWC uint8 image of ``shape``: an image waits there to be normalised
+    into its slot while it is still in the CPU cache."""
+    buf = getattr(_SCRATCH, "image", None)
+    if buf is None or tuple(buf.shape) != shape:
+        buf = _SCRATCH.image = torch.empty(shape, dtype=torch.uint8)
+    return buf
 
 
 def as_hwc(image: Any, index: int) -> np.ndarray | torch.Tensor:
@@ -72,12 +100,32 @@ def _empty_batch(shape: tuple[int, ...], pin_memory: bool, dtype: torch.dtype = 
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     if pin_memory or nbytes < _HUGE_PAGES_FROM or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    # A fresh batch each time (the caller may keep it), without a page fault per 4 KiB: filling a
-    # float32 batch of 64 224x224 images took 32 ms in a new torch.empty, 10.5 ms in huge pages
-    # and 9 ms in a reused buffer (docs/performance.md). The tensor keeps the mapping alive.
+    # A batch nobody holds any more is reused; else a fresh mapping with transparent huge pages (a
+    # page fault per 2 MiB, not per 4 KiB). Filling a float32 batch of 64 224x224 images: 32 ms in
+    # a new torch.empty, 6.8 ms in a new huge-page mapping, 3.0 ms in a reused one (docs/performance.md).
+    key = (shape, dtype)
+    free = _RECYCLED.get(key, [])
+    for batch, alone in free:
+        if _uses(batch) == alone and sys.getrefcount(batch) <= 3:  # the list, this loop and the call
+            return batch
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    batch = torch.frombuffer(buffer, dtype=dtype).view(shape)
+    if len(free) < _RECYCLE and hasattr(torch._C, "_storage_Use_Count"):
+        _RECYCLED[key] = [*free, (batch, _uses(batch))]
+    return batch
+
+
+#: Large batch buffers of this process kept for reuse, per (shape, dtype): at most this many each
+#: (a training loop holds one or two batches at a time; the loader decodes one ahead).
+_RECYCLE = 4
+_RECYCLED: dict[tuple, list[torch.Tensor]] = {}
+
+
+def _uses(batch: torch.Tensor) -> int:
+    """How many tensors (views included) hold ``batch``'s memory: a kept batch is free again when this
+    is back to its count when it was made and no one else holds the tensor itself."""
+    return torch._C._storage_Use_Count(batch.untyped_storage()._cdata)
 
 
 def _pin(obj: Any) -> Any:
@@ -125,10 +173,36 @@ class NHWCCollate:
         self.image_key = image_key
         self.normalize, self.threads = normalize, threads
 
+    def new_batch(self, n: int, shape: tuple[int, int, int]) -> torch.Tensor:
+        """An empty NHWC batch of ``n`` images of ``shape`` = (H, W, C), of this collate's dtype,
+        for ``write`` to fill (in a DataLoader worker, in shared memory)."""
+        return _empty_batch((n, *shape), self.pin_memory, torch.uint8 if self.normalize is None else self.normalize.dtype)
+
+    def write(self, buffer: torch.Tensor, index: int,
+              make: Callable[[torch.Tensor], np.ndarray | torch.Tensor]) -> BatchSlot:
+        """Image ``index`` of ``buffer``: ``make(dest)`` writes (or returns) it as HWC uint8, ``dest``
+        being the slot itself for a uint8 batch, or a per-thread scratch image that is normalised
+        into the slot at once; safe to call from several threads for different slots."""
+        slot = buffer[index]
+        dest = slot if self.normalize is None else _uint8_scratch(tuple(slot.shape))
+        image = make(dest)
+        if self.normalize is not None:
+            self.normalize(torch.as_tensor(as_hwc(image, index)), slot)
+        elif image is not slot:
+            slot.copy_(torch.as_tensor(as_hwc(image, index)))
+        return BatchSlot(buffer, index)
+
     def images(self, images: Sequence[Any]) -> torch.Tensor:
-        """Only the images: ``(N, C, H, W)`` channels_last uint8."""
+        """Only the images: ``(N, C, H, W)`` channels_last uint8 (or normalised)."""
         if len(images) == 0:
             raise ValueError("nhwc_collate: the batch is empty.")
+        first = images[0]
+        if isinstance(first, BatchSlot):
+            buffer = first.buffer
+            if len(images) == buffer.shape[0] and all(isinstance(s, BatchSlot) and s.buffer is buffer and s.index == i
+                                                      for i, s in enumerate(images)):
+                return buffer.permute(0, 3, 1, 2)  # written in place: nothing to copy
+        images = [s.image() if isinstance(s, BatchSlot) else s for s in images]
         arrays = [as_hwc(img, i) for i, img in enumerate(images)]
         shape = tuple(arrays[0].shape)
         for i, img in enumerate(arrays):

@@ -24,25 +24,22 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from cltrain.data.augment import MixupCutmix, RandomErasing
-from cltrain.data.collate import NHWCCollate
+from cltrain.data.augmentation import Augmentation
 from cltrain.data.constants import CHECK_MODES, IMAGENET_MEAN, IMAGENET_STD
-from cltrain.data.dataset import BadImageError, ImageFolderDataset, check_bad_files, read_file_list
+from cltrain.data.dataset import BadImageError, ImageFolderDataset, read_file_list
 from cltrain.data.folders import SKIPPED_FILES_NAME, ClassFolderDataModule
-from cltrain.data.normalize import NORMALIZE_DTYPES, ImageNormalizer, check_statistics, normalize
+from cltrain.data.images import ImageDataModule
 from cltrain.data.prefetch import PrefetchDataLoader
-from cltrain.data.transforms import size_pair, eval_transform, train_transform
 
 __all__ = ["SKIPPED_FILES_NAME", "ImageFolderDataModule"]
 
-#: Name of the file (in the run directory) the skipped bad files are listed in.
-class ImageFolderDataModule(ClassFolderDataModule):
+
+class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
     """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
 
     Args:
@@ -52,14 +49,27 @@ class ImageFolderDataModule(ClassFolderDataModule):
             shapes stay fixed for ``cudnn.benchmark`` and ``torch.compile``); validation,
             test and predict keep every image.
         num_workers: DataLoader worker processes (0: load in the main process).
-        decode_threads: threads that decode a batch's images in each loading process
-            (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
-            load in one process; 1 decodes them one by one.
         persistent_workers: keep workers between epochs (when ``num_workers > 0``).
         pin_memory: ``None`` pins only when the trainer runs on a GPU.
         image_size: training crop and evaluation crop (int or (height, width)).
         val_resize_size: shorter side before the evaluation centre crop.
         channels: 3 (RGB) or 1 (grayscale).
+        mean: per-channel normalisation mean (0-1 units).
+        std: per-channel normalisation standard deviation (0-1 units).
+        dtype: dtype of the normalised images (float32, bfloat16 or float16).
+        channels_last: ``False`` gives contiguous NCHW batches (the baseline).
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream
+            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
+        interpolation: the resampling, ``"bilinear"`` or ``"bicubic"``.
+        exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
+        decode_threads: threads that decode a batch's images in each loading process
+            (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
+            load in one process; 1 decodes them one by one.
+        augmentation: the training augmentation as one group (``Augmentation``), or ``None``
+            and its fields as the keywords below (not both).
+        scale, ratio, hflip, augment, random_erasing, mixup_alpha, cutmix_alpha, mixup_prob,
+            mixup_switch_prob: the fields of ``Augmentation`` (see it), when ``augmentation``
+            is ``None``.
         bad_files: ``"raise"``: an unreadable file stops with an error naming it;
             ``"skip"``: it is replaced by the next readable sample, the count is
             logged each epoch (``data/skipped_train``, ``data/skipped_val``) and the
@@ -78,32 +88,12 @@ class ImageFolderDataModule(ClassFolderDataModule):
             ranks (``cltrain.data.index``), kept in the user cache folder
             (``cltrain.data.index.default_cache_dir``), never in ``root``; a path
             keeps it there instead; ``False`` walks the tree every run.
-        mean: per-channel normalisation mean (0-1 units).
-        std: per-channel normalisation standard deviation (0-1 units).
-        dtype: dtype of the normalised images (float32, bfloat16 or float16).
-        channels_last: ``False`` gives contiguous NCHW batches (the baseline).
-        cuda_prefetch: on a CUDA device, copy the next batch on a side stream
-            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
-        scale: the training crop's RandomResizedCrop range of area.
-        ratio: the training crop's range of aspect ratio.
-        hflip: the training flip probability.
-        interpolation: the resampling, ``"bilinear"`` or ``"bicubic"``.
-        exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
-        augment: ``"none"``, ``"trivialaugment"`` or ``"randaugment"`` on each training crop,
-            in the workers (``HWCAugment``).
-        random_erasing: probability of timm's per-image random erasing of the normalised
-            training batch on the device (0: off).
-        mixup_alpha: timm's mixup on the training batch on the device (0: off); targets become
-            probabilities ``(N, classes)``, which the module's loss takes as they are and its
-            accuracy reads by ``argmax`` (the dominant label). Needs an even batch.
-        cutmix_alpha: timm's cutmix, as ``mixup_alpha`` (both 0: off).
-        mixup_prob: the chance that a batch is mixed at all.
-        mixup_switch_prob: with both on, the chance of cutmix rather than mixup.
 
     Raises:
         ValueError: a bad argument (at construction); a split without class
             folders, an empty class folder, or classes that differ (in ``setup``);
             ``mean``/``std`` in 0-255 units.
+        TypeError: an argument it does not take (Python's one-line error names it).
         BadImageError: a bad validation file found by ``check_val`` (``bad_files="raise"``).
         FileNotFoundError: a missing root or split (in ``setup``, or on reading
             ``classes``).
@@ -111,67 +101,31 @@ class ImageFolderDataModule(ClassFolderDataModule):
 
     layout_hint = ("a folder with train/ and val/ (ImageNet layout), or make one with "
                    "cltrain.data.make_demo_dataset(root)")
-    collate_class = NHWCCollate
-
 
     def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int = 4, persistent_workers: bool = True,
                  pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
-                 channels: int = 3, bad_files: str = "raise", mean: Sequence[float] = IMAGENET_MEAN,
-                 std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32, channels_last: bool = True,
-                 cuda_prefetch: bool = False, allow_missing_val_classes: bool = False,
-                 exclude_files: str | os.PathLike | None = None, check_val: str = "quick", index_cache: bool | str | os.PathLike = True,
-                 scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5,
-                 interpolation: str = "bilinear", exif_transpose: bool = False, augment: str = "none",
+                 channels: int = 3, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
+                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int = 1,
+                 augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, augment: str = "none",
                  random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
-                 mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, decode_threads: int = 1) -> None:
-        super().__init__()
-        if not (isinstance(decode_threads, int) and decode_threads >= 1):
-            raise ValueError(f"ImageFolderDataModule: decode_threads={decode_threads!r} must be an int >= 1.")
-        self.decode_threads = decode_threads
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"ImageFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
-        if not (isinstance(num_workers, int) and num_workers >= 0):
-            raise ValueError(f"ImageFolderDataModule: num_workers={num_workers!r} must be an int >= 0.")
-        check_bad_files(bad_files, "ImageFolderDataModule")
-        if dtype not in NORMALIZE_DTYPES:
-            raise ValueError(f"ImageFolderDataModule: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
-        if len(mean) not in (1, channels) or len(std) not in (1, channels):
-            raise ValueError(f"ImageFolderDataModule: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
-        check_statistics(mean, std, "ImageFolderDataModule")
+                 mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, bad_files: str = "raise",
+                 allow_missing_val_classes: bool = False, exclude_files: str | os.PathLike | None = None,
+                 check_val: str = "quick", index_cache: bool | str | os.PathLike = True) -> None:
         if check_val not in CHECK_MODES:
             raise ValueError(f"ImageFolderDataModule: check_val={check_val!r} must be one of {CHECK_MODES}.")
-        self.root = Path(root)
-        self.batch_size, self.num_workers = batch_size, num_workers
-        self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
-        self.image_size = size_pair(image_size, "image_size")
-        self.val_resize_size, self.channels = val_resize_size, channels
-        self.bad_files, self.mean, self.std, self.dtype = bad_files, tuple(mean), tuple(std), dtype
-        self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
+        super().__init__(root, batch_size=batch_size, num_workers=num_workers, persistent_workers=persistent_workers,
+                         pin_memory=pin_memory, image_size=image_size, val_resize_size=val_resize_size, channels=channels,
+                         mean=mean, std=std, dtype=dtype, channels_last=channels_last, cuda_prefetch=cuda_prefetch,
+                         interpolation=interpolation, exif_transpose=exif_transpose, decode_threads=decode_threads,
+                         augmentation=augmentation, scale=scale, ratio=ratio, hflip=hflip, augment=augment,
+                         random_erasing=random_erasing, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
+                         mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob, bad_files=bad_files)
         self.allow_missing_val_classes, self.check_val, self.index_cache = allow_missing_val_classes, check_val, index_cache
         self.exclude_files = None if exclude_files is None else Path(exclude_files)
-        # Build the transforms now so that bad sizes/channels fail here, not in a worker.
-        self.train_transform = train_transform(self.image_size, tuple(scale), tuple(ratio), hflip, channels=channels,
-                                               interpolation=interpolation, exif_transpose=exif_transpose,
-                                               augment=augment)
-        self.eval_transform = eval_transform(self.image_size, val_resize_size, channels=channels,
-                                             interpolation=interpolation, exif_transpose=exif_transpose)
-        self.random_erasing = RandomErasing(random_erasing) if random_erasing > 0 else None
-        self.mixup_args = (dict(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob,
-                                switch_prob=mixup_switch_prob) if mixup_alpha > 0 or cutmix_alpha > 0 else None)
-        if self.mixup_args is not None:
-            MixupCutmix(2, **self.mixup_args)  # checks the arguments here, not at the first batch
-        self._mixup: MixupCutmix | None = None
         self.train_set: ImageFolderDataset | None = None
         self.val_set: ImageFolderDataset | None = None
-        self._classes: list[str] | None = None
-        self._pin = False
-        self._device: torch.device | None = None
-        self._skip_log: Path | None = None
-
-    @property
-    def input_shape(self) -> tuple[int, int, int, int]:
-        """``(batch_size, channels, height, width)`` of a training batch."""
-        return (self.batch_size, self.channels, *self.image_size)
 
     @override
     def setup(self, stage: str) -> None:
@@ -217,30 +171,3 @@ class ImageFolderDataModule(ClassFolderDataModule):
             raise ValueError(f"ImageFolderDataModule: {self.train_set.split_dir} has {len(self.train_set)} images, fewer than "
                              f"batch_size={self.batch_size}; the training loader drops partial batches, so it would be empty.")
         return self._loader(self.train_set, train=True)
-
-    def _collate(self, pin_memory: bool) -> NHWCCollate:
-        # On the CPU the loader normalises each image into the batch as it is collated (in the
-        # worker or on the decode threads, in cache); for a GPU it hands over uint8 (4x fewer bytes).
-        on_cpu = self._device is not None and self._device.type == "cpu" and self.channels_last
-        normalizer = ImageNormalizer(self.mean, self.std, self.dtype) if on_cpu else None
-        return NHWCCollate(pin_memory=pin_memory, normalize=normalizer, threads=self.decode_threads)
-
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Normalise the uint8 images of ``(images, targets)`` on their device (the loader did it on a CPU);
-        then the device-side augmentations of training batches."""
-        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() == 4:
-            images = batch[0]
-            if images.dtype == torch.uint8:
-                fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-                images = normalize(images, self.mean, self.std, self.dtype, memory_format=fmt)
-            trainer = self.trainer
-            if trainer is not None and trainer.training:  # device-side augmentation, training batches only
-                if self.random_erasing is not None:
-                    images = self.random_erasing(images)
-                if self.mixup_args is not None:
-                    self._mixup = self._mixup or MixupCutmix(self.num_classes, **self.mixup_args)
-                    images, targets = self._mixup(images, batch[1])
-                    batch = type(batch)((images, targets, *batch[2:])) if isinstance(batch, tuple) else [images, targets, *batch[2:]]
-            return type(batch)((images, *batch[1:])) if isinstance(batch, tuple) else [images, *batch[1:]]
-        return batch

@@ -13,17 +13,23 @@ worker process met it) and a warning once per file and process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from cltrain.data.decode_pool import load_batch
+from cltrain.data.decode_pool import one_thread, start_batch
+
+if TYPE_CHECKING:
+    from cltrain.data.collate import NHWCCollate
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
 __all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "check_bad_files", "find_classes",
@@ -98,12 +104,18 @@ class SkipsBadSamples:
         raise NotImplementedError
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        return self.fetch(index)
+
+    def fetch(self, index: int, out: Any = None) -> tuple[Any, ...]:
+        """The sample at ``index`` (its image written into ``out`` when given), or under
+        ``bad_files="skip"`` the next readable one."""
+        load = self.load if out is None else functools.partial(self.load, out=out)
         if self.bad_files == "raise":
-            return self.load(index)
+            return load(index)
         for attempt in range(min(_MAX_SKIPS_IN_A_ROW, len(self.samples))):
             i = (index + attempt) % len(self.samples)
             try:
-                return self.load(i)
+                return load(i)
             except BadImageError as err:
                 cause = err.__cause__
                 self.skip(self.samples[i][0], f"{type(cause).__name__}: {cause}")
@@ -179,15 +191,47 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, int]]:
         """The samples of a batch, decoded on ``threads`` threads (see ``cltrain.data.decode_pool``)."""
-        if self.threads == 1 or len(indices) == 1:
-            return [self[i] for i in indices]
-        return load_batch(self.load, indices, self.threads, getattr(self.transform, "augment", None),
-                          retry=BadImageError, fallback=self.__getitem__ if self.bad_files == "skip" else None)
+        return self.start_items(indices)()
 
-    def load(self, index: int) -> tuple[np.ndarray, int]:
-        """The sample at ``index``; raises ``BadImageError`` for an unreadable file."""
+    def start_items(self, indices: Sequence[int], collate: NHWCCollate | None = None) -> Callable[[], list[tuple]]:
+        """``__getitems__`` begun: with ``threads > 1`` the batch is decoding on the pool's threads when
+        this returns, and calling the result waits for it. With ``collate``, each image is written
+        straight into its slot of one batch buffer (normalised there if ``collate`` normalises) and the
+        samples hold ``BatchSlot``s, which ``collate`` hands on without copying."""
+        augment = getattr(self.transform, "augment", None)
+        size = getattr(self.transform, "size", None)
+        if collate is None or augment is not None or size is None or not getattr(self.transform, "takes_paths", False):
+            if self.threads == 1 or len(indices) == 1:
+                return lambda: [self[i] for i in indices]
+            return start_batch(self.load, indices, self.threads, augment, retry=BadImageError,
+                               fallback=self.__getitem__ if self.bad_files == "skip" else None)
+        buffer = collate.new_batch(len(indices), (*size, self.transform.channels))
+
+        def write(k: int, fetch: Callable[..., tuple]) -> tuple:
+            sample = None
+
+            def make(dest: torch.Tensor) -> Any:
+                nonlocal sample
+                sample = fetch(indices[k], out=dest)
+                return sample[0]
+
+            slot = collate.write(buffer, k, make)
+            return (slot, *sample[1:])
+
+        if self.threads == 1:
+            with one_thread():
+                samples = [write(k, self.fetch) for k in range(len(indices))]
+            return lambda: samples
+        return start_batch(lambda k: write(k, self.load), range(len(indices)), self.threads, retry=BadImageError,
+                           fallback=(lambda k: write(k, self.fetch)) if self.bad_files == "skip" else None)
+
+    def load(self, index: int, out: torch.Tensor | None = None) -> tuple[Any, int]:
+        """The sample at ``index`` (its image written into ``out`` when given, see the transforms);
+        raises ``BadImageError`` for an unreadable file."""
         path, target = self.samples[index]
         try:
+            if out is not None:
+                return self.transform(path, out=out), target
             if getattr(self.transform, "takes_paths", False):
                 return self.transform(path), target
             with Image.open(path) as img:

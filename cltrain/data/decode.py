@@ -3,16 +3,16 @@
 Two kernels do the same work (crop a box, resize it with antialiased bilinear
 filtering, mirror it, HWC uint8 out):
 
-* ``jpeg_resized_crop``: JPEG bytes decoded by libjpeg-turbo straight into a numpy
-  array: for a training crop only the region under it (``cltrain.data.jpeg_roi``,
-  libturbojpeg 3; the same pixels as the whole decode sliced), else the whole image
-  (simplejpeg) with the crop taken as a slice; then resized by
-  ``torch.nn.functional.interpolate(..., antialias=True)`` as a channels_last
-  uint8 tensor (PyTorch's AVX2 uint8 kernel, the one torchvision v2's resize uses).
+* ``jpeg_resized_crop``: JPEG bytes decoded by a JPEG back end (``cltrain.data.decoders``)
+  straight into a numpy array: for a training crop only the region under it where the back
+  end can (libturbojpeg 3; the same pixels as the whole decode sliced), else the whole image
+  with the crop taken as a slice; then resized by torch's antialiased resampling
+  (``F.interpolate(..., antialias=True)``'s op) as a channels_last uint8 tensor (PyTorch's
+  AVX2 uint8 kernel, the one torchvision v2's resize uses), into the batch's slot when given one.
 * ``resized_crop``: a PIL image, ``Image.draft`` then one ``resize(box=...)``;
-  the fallback for every other format, CMYK/YCCK JPEGs, files simplejpeg rejects
+  the fallback for every other format, CMYK/YCCK JPEGs, files the back end rejects
   (corrupt, truncated, empty: Pillow then reports them with its own message), and
-  machines without simplejpeg.
+  machines without a back end (or ``decoder="pillow"``).
 
 Both decode a crop at least twice the output at a reduced size (libjpeg's DCT
 scaling) when that cannot lower the output's resolution: 1/2, 1/4 or 1/8, see
@@ -27,32 +27,22 @@ docs/performance.md.
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
-from cltrain.data import jpeg_roi
 from cltrain.data.decode_pool import one_thread
-
-try:
-    import simplejpeg
-except ImportError:  # optional: without it every file goes through Pillow
-    simplejpeg = None
+from cltrain.data.decoders import Decoder, JpegHeader, get_decoder
 
 __all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop",
            "to_mode"]
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
-_JPEG_MAGIC = b"\xff\xd8\xff"
 #: ``interpolation`` names -> (torch ``interpolate`` mode, Pillow filter); both antialiased when shrinking.
 INTERPOLATIONS = {"bilinear": ("bilinear", Image.Resampling.BILINEAR), "bicubic": ("bicubic", Image.Resampling.BICUBIC)}
-#: JPEG colour spaces libjpeg-turbo turns into RGB/luma as Pillow does; CMYK and YCCK go to Pillow.
-_FAST_COLORSPACES = ("YCbCr", "Gray")
 
 
 def decode_factor(box: tuple[float, float, float, float], size: tuple[int, int]) -> int:
@@ -110,7 +100,7 @@ def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size:
     out = img.resize((size[1], size[0]), INTERPOLATIONS[interpolation][1], box=box)
     if flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    arr = np.asarray(out)
+    arr = np.array(out)  # writable (np.asarray of a PIL image is read-only, which torch warns about)
     return arr[:, :, None] if arr.ndim == 2 else arr
 
 
@@ -138,37 +128,37 @@ def check_pixels(size: tuple[int, int], name: object = "image") -> None:
                       "bomb DOS attack.", Image.DecompressionBombWarning, stacklevel=2)
 
 
-def jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of a JPEG that ``jpeg_resized_crop`` can decode, from its
-    header; ``None`` for anything else (not a JPEG, CMYK/YCCK, an unreadable header,
-    simplejpeg not installed), which is Pillow's to read."""
-    if simplejpeg is None or not data.startswith(_JPEG_MAGIC):
-        return None
-    try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        return None
-    return (width, height) if colorspace in _FAST_COLORSPACES else None
+def _decoder(decoder: str | Decoder | None, region: bool = True) -> Decoder | None:
+    """A back end from a name (``None``: ``"auto"``, or ``"simplejpeg"`` when ``region`` is off)."""
+    if decoder is None:
+        decoder = "auto" if region else "simplejpeg"
+    return get_decoder(decoder) if isinstance(decoder, str) else decoder
 
 
-def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1, buffer: np.ndarray | None = None) -> np.ndarray:
-    """HWC uint8 (RGB or luma) of a JPEG, decoded by libjpeg-turbo at ``1 / factor`` of its
-    size (rounded up, as libjpeg does: ``ceil(width / factor)`` x ``ceil(height / factor)``);
-    into ``buffer`` (1-D uint8, large enough: the result is a view of it) when given.
+def jpeg_size(data: bytes, decoder: str | Decoder | None = None) -> tuple[int, int] | None:
+    """``(width, height)`` of a JPEG that ``jpeg_resized_crop`` can decode with ``decoder``
+    (``cltrain.data.decoders``; ``None``: ``"auto"``), from its header; ``None`` for anything
+    else (not a JPEG, CMYK/YCCK, an unreadable header, no back end installed), which is Pillow's to read."""
+    backend = _decoder(decoder)
+    header = None if backend is None else backend.header(data)
+    return None if header is None else (header.width, header.height)
+
+
+def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1, buffer: np.ndarray | None = None,
+                decoder: str | Decoder | None = None) -> np.ndarray:
+    """HWC uint8 (RGB or luma) of a whole JPEG, decoded at ``1 / factor`` of its size (rounded up,
+    as libjpeg does: ``ceil(width / factor)`` x ``ceil(height / factor)``) by ``decoder``; into
+    ``buffer`` (1-D uint8, large enough: the result is a view of it) when given.
 
     Raises:
-        ValueError: simplejpeg cannot decode ``data`` (corrupt, truncated, not a JPEG);
-            it is strict, so a truncated file is an error, as it is for Pillow.
+        ValueError: the back end cannot decode ``data`` (corrupt, truncated, not a JPEG it reads);
+            both are strict, so a truncated file is an error, as it is for Pillow.
     """
-    colorspace = "RGB" if channels == 3 else "GRAY"
-    height, width = simplejpeg.decode_jpeg_header(data)[:2]
-    if buffer is not None and buffer.size < math.ceil(height / factor) * math.ceil(width / factor) * channels:
-        buffer = None
-    if factor == 1:
-        return simplejpeg.decode_jpeg(data, colorspace=colorspace, buffer=buffer)
-    # simplejpeg picks the smallest M/8 scale whose output is at least this large: M = 8 / factor.
-    return simplejpeg.decode_jpeg(data, colorspace=colorspace, min_height=math.ceil(height / factor),
-                                  min_width=math.ceil(width / factor), buffer=buffer)
+    backend = _decoder(decoder)
+    header = None if backend is None else backend.header(data)
+    if header is None:
+        raise ValueError(f"not a JPEG the {getattr(backend, 'name', 'pillow')!r} decoder reads (Pillow reads the rest)")
+    return backend.decode(data, header, None, factor, channels, buffer)
 
 
 _SCRATCH = threading.local()
@@ -187,8 +177,16 @@ def _scratch(name: str, nbytes: int) -> np.ndarray:
     return buf
 
 
-def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "bilinear") -> torch.Tensor:
-    """HWC uint8 (a view is fine) -> its ``(1, C, *size)`` channels_last uint8 resample."""
+#: ``interpolation`` -> torch's antialiased resampling op (``F.interpolate(..., antialias=True)`` calls the
+#: same): called directly with ``out=``, so the pixels go straight into their batch slot, and without
+#: ``interpolate``'s Python checks (held under the GIL while other decode threads wait).
+_RESAMPLE = {"bilinear": torch._C._nn._upsample_bilinear2d_aa, "bicubic": torch._C._nn._upsample_bicubic2d_aa}
+
+
+def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "bilinear",
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """HWC uint8 (a view is fine) -> its ``(1, C, *size)`` channels_last uint8 resample, written
+    into ``out`` (``(1, C, *size)`` channels_last) when given."""
     # A crop is a strided view that interpolate would not see as channels_last: it would
     # take a slower path and return NCHW (another transposing copy). Copying the crop
     # into a dense NHWC buffer first costs ~5 us and halves the resize (0.27 -> 0.11 ms).
@@ -197,70 +195,66 @@ def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "biline
     dense.copy_(torch.from_numpy(arr).unsqueeze(0))
     x = dense.permute(0, 3, 1, 2)  # channels_last
     if x.shape[-2:] == size:
-        return x.clone(memory_format=torch.channels_last)  # not a view of the scratch buffer
-    return F.interpolate(x, size=size, mode=INTERPOLATIONS[interpolation][0], antialias=True, align_corners=False)
-
-
-def _decode_box(data: bytes, box: tuple[int, int, int, int], factor: int, channels: int,
-                scaled: tuple[int, int], region: bool) -> np.ndarray:
-    """HWC uint8 of ``box`` (integral, in the pixels of the image decoded at ``1 / factor``, of
-    size ``scaled`` = (width, height)): only the region when libturbojpeg 3 is at hand, else
-    the whole image sliced."""
-    if region and jpeg_roi.available():
-        header = jpeg_roi.read_header(data)
-        if header is not None:
-            # One pixel of margin on each side: libjpeg's fancy (smooth) chroma upsampling of a
-            # 4:2:0/4:2:2 image uses the neighbouring sample, which a region's edge lacks; with
-            # the margin the pixels equal the whole-image decode's exactly (tested).
-            left, top, right, bottom = box
-            outer = (max(left - 1, 0), max(top - 1, 0), min(right + 1, scaled[0]), min(bottom + 1, scaled[1]))
-            arr = jpeg_roi.decode_region(data, outer, factor, channels, header,
-                                         _scratch("decoded", scaled[0] * scaled[1] * channels))
-            return arr[top - outer[1]:bottom - outer[1], left - outer[0]:right - outer[0]]
-    whole = decode_jpeg(data, channels, factor, _scratch("decoded", scaled[0] * scaled[1] * channels))
-    return whole[box[1]:box[3], box[0]:box[2]]
+        if out is None:
+            return x.clone(memory_format=torch.channels_last)  # not a view of the scratch buffer
+        return out.copy_(x)
+    if out is None:
+        out = torch.empty((1, *size, c), dtype=torch.uint8).permute(0, 3, 1, 2)
+    return _RESAMPLE[interpolation](x, size, False, None, None, out=out)
 
 
 def jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int = 3,
                       flip: bool = False, resize: tuple[int, int] | None = None, reduce: bool = True,
-                      region: bool = True, interpolation: str = "bilinear") -> np.ndarray:
-    """``resized_crop`` for JPEG bytes, through libjpeg-turbo and torch; HWC uint8 (contiguous) out.
+                      region: bool = True, interpolation: str = "bilinear", out: torch.Tensor | None = None,
+                      decoder: str | Decoder | None = None, header: JpegHeader | None = None) -> np.ndarray | torch.Tensor:
+    """``resized_crop`` for JPEG bytes, through a JPEG back end and torch; HWC uint8 (contiguous) out,
+    or written into ``out`` (an HWC uint8 tensor of ``(*size, channels)``, dense), which is returned.
 
     Without ``resize`` the box (source pixels) is decoded and resized to ``size``, as
-    torchvision v2's ``resized_crop`` does on a tensor; with ``region`` (and libturbojpeg 3,
-    see ``cltrain.data.jpeg_roi``) only the iMCU rows and columns under the box are
-    decoded, with the same pixels. With ``resize`` the whole image is resized to it and
-    ``box`` (integral, in those pixels) sliced out: exactly torchvision's ``Resize`` +
-    ``CenterCrop`` on the decoded tensor. With ``reduce`` the JPEG is decoded at 1/2, 1/4
-    or 1/8 scale when that keeps the region at least the size it is resized to, and the
-    box is scaled to the decoded image and rounded to its pixels.
+    torchvision v2's ``resized_crop`` does on a tensor; a region back end (``"turbojpeg"``,
+    ``cltrain.data.decoders``) decodes only the iMCU rows and columns under the box, with the
+    same pixels. With ``resize`` the whole image is resized to it and ``box`` (integral, in those
+    pixels) sliced out: exactly torchvision's ``Resize`` + ``CenterCrop`` on the decoded tensor.
+    With ``reduce`` the JPEG is decoded at 1/2, 1/4 or 1/8 scale when that keeps the region at
+    least the size it is resized to, and the box is scaled to the decoded image and rounded to its pixels.
+
+    Args:
+        decoder: a back end or its name (``None``: ``"auto"``, or ``"simplejpeg"`` with ``region=False``).
+        header: ``decoder``'s header of ``data``, when already read.
 
     Raises:
-        ValueError: libjpeg-turbo cannot decode ``data`` (see ``decode_jpeg``).
+        ValueError: the back end cannot decode ``data`` (see ``decode_jpeg``).
     """
+    backend = _decoder(decoder, region)
+    header = header or (None if backend is None else backend.header(data))
+    if header is None:
+        raise ValueError(f"not a JPEG the {getattr(backend, 'name', 'pillow')!r} decoder reads (Pillow reads the rest)")
     with one_thread():
-        return _jpeg_resized_crop(data, box, size, channels, flip, resize, reduce, region, interpolation)
+        return _jpeg_resized_crop(data, backend, header, box, size, channels, flip, resize, reduce, interpolation, out)
 
 
-def _jpeg_resized_crop(data: bytes, box: tuple[float, float, float, float], size: tuple[int, int], channels: int,
-                       flip: bool, resize: tuple[int, int] | None, reduce: bool, region: bool,
-                       interpolation: str) -> np.ndarray:
-    height, width = simplejpeg.decode_jpeg_header(data)[:2]
+def _jpeg_resized_crop(data: bytes, backend: Decoder, header: JpegHeader, box: tuple[float, float, float, float],
+                       size: tuple[int, int], channels: int, flip: bool, resize: tuple[int, int] | None, reduce: bool,
+                       interpolation: str, out: torch.Tensor | None) -> np.ndarray | torch.Tensor:
+    width, height = header.width, header.height
     region_box, target = ((0, 0, width, height), resize) if resize is not None else (box, size)
     factor = decode_factor(region_box, target) if reduce else 1
+    sw, sh = -(-width // factor), -(-height // factor)  # libjpeg's ceil(width / factor)
+    decoded = _scratch("decoded", sw * sh * channels)
     if resize is None:
-        sw, sh = -(-width // factor), -(-height // factor)  # libjpeg's ceil(width / factor)
         sx, sy = sw / width, sh / height
         left, top = round(box[0] * sx), round(box[1] * sy)
         right, bottom = min(max(round(box[2] * sx), left + 1), sw), min(max(round(box[3] * sy), top + 1), sh)
-        out = _resize(_decode_box(data, (left, top, right, bottom), factor, channels, (sw, sh), region), size,
-                      interpolation)
+        dest = None if out is None else out.unsqueeze(0).permute(0, 3, 1, 2)
+        nchw = _resize(backend.decode(data, header, (left, top, right, bottom), factor, channels, decoded), size,
+                       interpolation, dest)
     else:
-        need = -(-height // factor) * -(-width // factor) * channels
-        arr = decode_jpeg(data, channels, factor, _scratch("decoded", need))
         left, top, right, bottom = (int(v) for v in box)
-        out = _resize(arr, resize, interpolation)[:, :, top:bottom, left:right]
-    hwc = out[0].permute(1, 2, 0)
+        nchw = _resize(backend.decode(data, header, None, factor, channels, decoded), resize,
+                       interpolation)[:, :, top:bottom, left:right]
+    hwc = nchw[0].permute(1, 2, 0)
     if flip:
         hwc = hwc.flip(1)  # torch's flip writes a dense copy; numpy's [:, ::-1] copy is 10x slower
-    return np.ascontiguousarray(hwc.numpy())
+    if out is None:
+        return np.ascontiguousarray(hwc.numpy())
+    return out if hwc.data_ptr() == out.data_ptr() else out.copy_(hwc)  # a flip is a new tensor

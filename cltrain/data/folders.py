@@ -1,33 +1,26 @@
-"""What the folder DataModules share: class folders, the device, and loaders with the opt-in CUDA prefetch.
+"""What the folder DataModules share: class folders, the bad-file policy and its report.
 
-``ImageFolderDataModule`` (images) and
-``ClipFolderDataModule`` (clips) differ in what a sample is and how a
-batch is collated and normalised; the rest is here, once: the class folders of ``root/train``
-(label order), the device and memory pinning chosen at ``setup``, and one loader builder
-whose batches are copied to a CUDA device on a side stream when ``cuda_prefetch=True``
-(``PrefetchDataLoader``; off by default until a GPU run
-measures it), shuffled and cut to whole batches for training, every sample kept for
-validation, test and predict.
+``ImageFolderDataModule`` (images) and ``ClipFolderDataModule`` (clips) read
+``root/train/<class>/...`` and ``root/val/<class>/...``; ``ClassFolderDataModule`` adds to
+``BatchDataModule`` the class folders of ``root/train`` (label order), the error for a missing
+root, and ``bad_files``: with ``"skip"`` under a Trainer, the skipped samples are listed in the
+run directory (``SkippedFilesReport`` counts them per epoch).
 
-A subclass sets ``layout_hint`` and ``collate_class`` and calls
-``_choose_device`` in its ``setup``; with ``bad_files="skip"`` it calls ``_open_skip_log``
-too, so the skipped samples are listed in the run directory (``SkippedFilesReport`` counts them per epoch).
+A subclass sets ``layout_hint`` and calls ``_choose_device`` and ``_open_skip_log`` in its ``setup``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import lightning as L
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset
 from typing_extensions import override
 
-from cltrain.data.dataset import find_classes
-from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.batches import BatchDataModule
+from cltrain.data.dataset import check_bad_files, find_classes
 
 __all__ = ["SKIPPED_FILES_NAME", "ClassFolderDataModule", "SkippedFilesReport"]
 
@@ -93,32 +86,29 @@ class SkippedFilesReport(L.Callback):
         self._report(trainer, pl_module, can_log=False)
 
 
-class ClassFolderDataModule(L.LightningDataModule):
-    """Base of the folder DataModules (see the module docstring); not used on its own."""
+class ClassFolderDataModule(BatchDataModule):
+    """Base of the folder DataModules (see the module docstring); not used on its own.
+
+    Args:
+        bad_files: ``"raise"``: an unreadable sample stops with an error naming it;
+            ``"skip"``: it is replaced by the next readable one, listed in the run
+            directory's ``skipped_files.tsv`` and counted per epoch (``data/skipped_<split>``).
+        **kwargs: ``BatchDataModule``'s arguments, and those of the other bases.
+    """
 
     #: How the root should look, and how to make one, for the error when it is missing.
     layout_hint: ClassVar[str] = "train/ and val/ class folders"
-    #: The collate (called with ``pin_memory=``) that builds a batch in the loader.
-    collate_class: ClassVar[type]
 
-    root: Path
-    batch_size: int
-    num_workers: int
-    persistent_workers: bool
-    pin_memory: bool | None
-    cuda_prefetch: bool
-    val_set: Dataset | None
-    _classes: list[str] | None
-    _pin: bool
-    _device: torch.device | None
-    bad_files: str
-    _skip_log: Path | None
+    def __init__(self, *args: Any, bad_files: str = "raise", **kwargs: Any) -> None:
+        self.bad_files = check_bad_files(bad_files, type(self).__name__)
+        self._skip_log: Path | None = None
+        super().__init__(*args, **kwargs)
 
     @property
     def skipped_files_path(self) -> Path | None:
         """With ``bad_files="skip"`` under a Trainer: the list the workers append skipped files to
         (``SkippedFilesReport`` counts and reports them); else ``None``."""
-        return getattr(self, "_skip_log", None)
+        return self._skip_log
 
     def _open_skip_log(self) -> None:
         """With ``bad_files="skip"`` under a Trainer: the skipped-files list in the run directory (one per rank)."""
@@ -140,47 +130,9 @@ class ClassFolderDataModule(L.LightningDataModule):
         return self.root / split
 
     @property
+    @override
     def classes(self) -> list[str]:
         """Class folder names of ``root/train``, in label order."""
         if self._classes is None:
             self._classes = find_classes(self._split_dir("train"))
         return self._classes
-
-    @property
-    def num_classes(self) -> int:
-        """Number of classes (class folders of ``root/train``)."""
-        return len(self.classes)
-
-    def _choose_device(self) -> torch.device:
-        """The trainer's device (CPU without one); pin memory only for a GPU unless ``pin_memory`` says."""
-        trainer = self.trainer
-        self._device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
-        self._pin = self._device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
-        return self._device
-
-    def _collate(self, pin_memory: bool) -> object:
-        """The loader's ``collate_fn``."""
-        return self.collate_class(pin_memory=pin_memory)
-
-    def _loader(self, dataset: Dataset | None, train: bool, drop_last: bool | None = None) -> PrefetchDataLoader:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}: call setup() (the Trainer does) before asking for a dataloader.")
-        workers = self.num_workers
-        cuda = self.cuda_prefetch and self._device is not None and self._device.type == "cuda"
-        return PrefetchDataLoader(
-            dataset, batch_size=self.batch_size, shuffle=train, num_workers=workers,
-            collate_fn=self._collate(pin_memory=self._pin and workers == 0),  # workers: the loader pins, here
-            pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
-            drop_last=train if drop_last is None else drop_last, prefetch_device=self._device if cuda else None)
-
-    @override
-    def val_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
-
-    @override
-    def test_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)
-
-    @override
-    def predict_dataloader(self) -> PrefetchDataLoader:
-        return self._loader(self.val_set, train=False)

@@ -89,6 +89,7 @@ def _load() -> ctypes.CDLL | None:
     lib.tj3SetCroppingRegion.argtypes = [vp, _Region]
     lib.tj3Decompress8.argtypes = [vp, buf, size, buf, ctypes.c_int, ctypes.c_int]
     lib.tj3GetErrorStr.restype, lib.tj3GetErrorStr.argtypes = ctypes.c_char_p, [vp]
+    lib.tj3Destroy.argtypes = [vp]
     return lib
 
 
@@ -113,7 +114,16 @@ def _handle() -> ctypes.c_void_p:
 
 
 def _error(handle) -> JpegRegionError:
-    return JpegRegionError((_LIB.tj3GetErrorStr(handle) or b"unknown error").decode(errors="replace"))
+    error = JpegRegionError((_LIB.tj3GetErrorStr(handle) or b"unknown error").decode(errors="replace"))
+    _reset(handle)
+    return error
+
+
+def _reset(handle) -> None:
+    """Drop this thread's handle after a failure: libturbojpeg 3 refuses every later header on a
+    handle that failed one (measured), so the next call makes a fresh one."""
+    _LOCAL.handle = None
+    _LIB.tj3Destroy(handle)
 
 
 def read_header(data: bytes) -> tuple[int, int, int, int] | None:
@@ -124,6 +134,7 @@ def read_header(data: bytes) -> tuple[int, int, int, int] | None:
         return None
     handle = _handle()
     if _LIB.tj3DecompressHeader(handle, data, len(data)) != 0:
+        _reset(handle)
         return None
     cs = _LIB.tj3Get(handle, _TJPARAM_COLORSPACE)
     sub = _LIB.tj3Get(handle, _TJPARAM_SUBSAMP)

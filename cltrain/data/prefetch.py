@@ -27,6 +27,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
+from cltrain.data.collate import NHWCCollate
+
 __all__ = ["PrefetchDataLoader"]
 
 
@@ -73,16 +75,55 @@ class _CudaPrefetcher:
         yield self.take(ahead)
 
 
+def _decodes_ahead(loader: DataLoader) -> bool:
+    """Whether ``loader`` loads in this process from a dataset that can start a batch (``start_items``)."""
+    return (loader.num_workers == 0 and loader.batch_sampler is not None
+            and callable(getattr(loader.dataset, "start_items", None)))
+
+
+def _one_batch_ahead(loader: DataLoader) -> Iterator[Any]:
+    """The batches of ``loader`` (no worker processes), the next one decoding on the dataset's
+    threads while the current one is used; images go straight into their slots when the collate is an
+    ``NHWCCollate``. Everything random (the sampler, each sample's seed) is drawn in this thread,
+    batch after batch, so a seeded run repeats."""
+    dataset, collate = loader.dataset, loader.collate_fn
+    slots = collate if isinstance(collate, NHWCCollate) else None
+    ahead = getattr(dataset, "threads", 1) > 1  # one thread: no thread to decode on while this one waits
+    pending = None
+    for indices in loader.batch_sampler:
+        started = dataset.start_items(indices, slots) if slots is not None else dataset.start_items(indices)
+        if not ahead:
+            yield _finish(loader, started)
+            continue
+        if pending is not None:
+            yield _finish(loader, pending)
+        pending = started
+    if pending is not None:
+        yield _finish(loader, pending)
+
+
+def _finish(loader: DataLoader, pending: Any) -> Any:
+    batch = loader.collate_fn(pending())
+    if loader.pin_memory and torch.cuda.is_available():
+        batch = apply_to_collection(batch, torch.Tensor, lambda t: t if t.is_pinned() else t.pin_memory())
+    return batch
+
+
 class PrefetchDataLoader(DataLoader):
     """A ``DataLoader`` whose batches come out already on ``prefetch_device`` when it is a
     CUDA device (copied on a side stream, one batch ahead); any other value, or no
     CUDA, gives a plain ``DataLoader``. Use it with pinned memory (a warning says when a
     batch is not pinned). The side stream is made once per loader and reused by every
-    epoch's iterator."""
+    epoch's iterator.
 
-    def __init__(self, *args: Any, prefetch_device: str | torch.device | None = None, **kwargs: Any) -> None:
+    With no worker processes and a dataset that decodes on threads (``ImageFolderDataset(threads=2)``),
+    the next batch decodes while the current one is used, and an ``NHWCCollate``'s images are written
+    straight into the batch (``decode_ahead=False``: batch by batch, as a plain ``DataLoader``)."""
+
+    def __init__(self, *args: Any, prefetch_device: str | torch.device | None = None, decode_ahead: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.prefetch_device = prefetch_device
+        self.prefetch_device, self.decode_ahead = prefetch_device, decode_ahead
         self._prefetcher: _CudaPrefetcher | None = None
 
     def _cuda_device(self) -> torch.device | None:
@@ -92,7 +133,7 @@ class PrefetchDataLoader(DataLoader):
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def __iter__(self) -> Iterator[Any]:
-        it = super().__iter__()
+        it = _one_batch_ahead(self) if self.decode_ahead and _decodes_ahead(self) else super().__iter__()
         device = self._cuda_device()
         if device is None:
             return it

@@ -5,9 +5,11 @@ Pack an ImageNet-layout folder once (``cltrain.data.pack``), then train from the
     python -m cltrain.data.pack /data/imagenet /data/imagenet-shards
     python train.py data=shards data.root=/data/imagenet-shards
 
-``ShardsDataModule`` is ``ImageFolderDataModule`` reading shards instead of files: the same
+``ShardsDataModule`` and ``ImageFolderDataModule`` are both ``ImageDataModule``s: the same
 transforms (the JPEG bytes go to ``train_transform`` / ``eval_transform`` as they are), the same
-``NHWCCollate`` batches built in the workers, the same normalisation on the device.
+``NHWCCollate`` batches built in the workers, the same normalisation and augmentation on the device.
+The folder's own arguments (``bad_files``, ``check_val``, ``exclude_files``, ``index_cache``,
+``allow_missing_val_classes``) are not taken: ``cltrain.data.pack`` checks every file when it packs.
 
 Every epoch all ranks draw the same permutation of the sample indices (``seed + epoch``); rank
 ``r`` takes the ``r``-th of ``world_size`` contiguous slices and cuts it into batches
@@ -30,10 +32,12 @@ import torch
 from torch.utils.data import Dataset
 from typing_extensions import override
 
+from cltrain.data.augmentation import Augmentation
 from cltrain.data.collate import NHWCCollate
-from cltrain.data.datamodule import ImageFolderDataModule
+from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 from cltrain.data.dataset import BadImageError
-from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.decode_pool import load_batch
+from cltrain.data.images import ImageDataModule
 from cltrain.data.shard_sampler import ShardBatchSampler, check_window, rank_batch_sizes
 
 __all__ = ["MANIFEST", "ShardBatchSampler", "ShardsDataModule", "ShardsDataset", "rank_batch_sizes", "read_manifest"]
@@ -54,6 +58,8 @@ class ShardsDataset(Dataset):
             ``eval_transform`` take bytes).
         collate: makes a batch of ``(image, label)`` pairs.
         with_ids: batches also carry the int64 sample indices.
+        threads: decode the samples of a batch on this many threads of the reading process
+            (``cltrain.data.decode_pool``); 1 decodes them one by one.
 
     Raises:
         FileNotFoundError: no complete pack at ``root``.
@@ -61,8 +67,10 @@ class ShardsDataset(Dataset):
     """
 
     def __init__(self, root: str | os.PathLike, split: str, transform: Callable[[bytes], np.ndarray],
-                 collate: Callable[[list], Any] | None = None, with_ids: bool = False) -> None:
-        self.root, self.split = Path(root), split
+                 collate: Callable[[list], Any] | None = None, with_ids: bool = False, threads: int = 1) -> None:
+        if not (isinstance(threads, int) and threads >= 1):
+            raise ValueError(f"ShardsDataset: threads={threads!r} must be an int >= 1.")
+        self.root, self.split, self.threads = Path(root), split, threads
         manifest = read_manifest(self.root)
         if split not in manifest["splits"]:
             raise KeyError(f"ShardsDataset: the pack at {self.root} has no split {split!r} (it has {sorted(manifest['splits'])}).")
@@ -108,7 +116,11 @@ class ShardsDataset(Dataset):
     def __getitem__(self, index: int | Sequence[int]) -> Any:
         if isinstance(index, (int, np.integer)):
             return self.load(int(index))
-        batch = self.collate([self.load(i) for i in index])
+        if self.threads > 1 and len(index) > 1:
+            samples = load_batch(self.load, index, self.threads, getattr(self.transform, "augment", None))
+        else:
+            samples = [self.load(i) for i in index]
+        batch = self.collate(samples)
         return (*batch, torch.as_tensor(index, dtype=torch.int64)) if self.with_ids else batch
 
 
@@ -121,14 +133,17 @@ def read_manifest(root: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
-class ShardsDataModule(ImageFolderDataModule):
+class ShardsDataModule(ImageDataModule):
     """A pack of WebDataset shards (``cltrain.data.pack``) as normalised channels_last batches.
 
-    Takes ``ImageFolderDataModule``'s arguments (``bad_files`` aside: a
-    bad sample raises ``BadImageError`` naming its shard), plus:
+    Takes the arguments of ``ImageFolderDataModule`` that do not concern files on disk (those
+    a pack settles when it is made: ``bad_files``, ``check_val``, ``exclude_files``,
+    ``index_cache``, ``allow_missing_val_classes``, are refused with Python's ``TypeError``);
+    a bad sample raises ``BadImageError`` naming its shard. Besides:
 
     Args:
         root: the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``).
+        decode_threads: threads that decode a batch's samples in each loading process.
         seed: seed of the per-epoch training order (the same on every rank).
         shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
             ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
@@ -136,7 +151,8 @@ class ShardsDataModule(ImageFolderDataModule):
 
     Under DDP (``trainer.world_size`` ranks) each rank reads its own slice of every
     epoch's permutation: each sample exactly once per epoch, the same step count on
-    every rank (see the module docstring). Test and predict use ``val``.
+    every rank (see the module docstring); nothing is dropped, in training either.
+    Test and predict use ``val``.
 
     Example::
 
@@ -148,18 +164,30 @@ class ShardsDataModule(ImageFolderDataModule):
         (10, (32, 3, 224, 224))
     """
 
-    def __init__(self, root: str | os.PathLike, *args: Any, seed: int = 0, shuffle_window: int | None = None,
-                 **kwargs: Any) -> None:
-        if kwargs.get("bad_files", "raise") != "raise":
-            raise ValueError(f"ShardsDataModule: bad_files={kwargs['bad_files']!r} is not supported; shards are checked "
-                             "when packed, so a bad sample raises (bad_files='raise').")
-        super().__init__(root, *args, **kwargs)
+    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int = 4, persistent_workers: bool = True,
+                 pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
+                 channels: int = 3, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
+                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int = 1,
+                 augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, augment: str = "none",
+                 random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+                 mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, seed: int = 0,
+                 shuffle_window: int | None = None) -> None:
+        super().__init__(root, batch_size=batch_size, num_workers=num_workers, persistent_workers=persistent_workers,
+                         pin_memory=pin_memory, image_size=image_size, val_resize_size=val_resize_size, channels=channels,
+                         mean=mean, std=std, dtype=dtype, channels_last=channels_last, cuda_prefetch=cuda_prefetch,
+                         interpolation=interpolation, exif_transpose=exif_transpose, decode_threads=decode_threads,
+                         augmentation=augmentation, scale=scale, ratio=ratio, hflip=hflip, augment=augment,
+                         random_erasing=random_erasing, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
+                         mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob)
         self.seed, self.shuffle_window = seed, check_window(shuffle_window, "ShardsDataModule")
-        self.train_set: ShardsDataset | None = None  # type: ignore[assignment]
-        self.val_set: ShardsDataset | None = None  # type: ignore[assignment]
+        self.train_set: ShardsDataset | None = None
+        self.val_set: ShardsDataset | None = None
         self._world = (1, 0)
 
     @property
+    @override
     def classes(self) -> list[str]:
         """Class names of the pack, in label order."""
         if self._classes is None:
@@ -168,26 +196,20 @@ class ShardsDataModule(ImageFolderDataModule):
 
     @override
     def setup(self, stage: str) -> None:
+        self._choose_device()
         trainer = self.trainer
-        self._device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
-        self._pin = self._device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
         self._world = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        collate = NHWCCollate(pin_memory=self._pin and self.num_workers == 0)  # workers: the loader pins
+        # The dataset collates its batch in the worker that reads it; workers: the loader pins.
+        collate = self._collate(pin_memory=self._pin and self.num_workers == 0)
         if stage == "fit" and self.train_set is None:
-            self.train_set = ShardsDataset(self.root, "train", self.train_transform, collate)
+            self.train_set = ShardsDataset(self.root, "train", self.train_transform, collate, threads=self.decode_threads)
         if self.val_set is None:
-            self.val_set = ShardsDataset(self.root, "val", self.eval_transform, collate)
+            self.val_set = ShardsDataset(self.root, "val", self.eval_transform, collate, threads=self.decode_threads)
 
     @override
-    def _loader(self, dataset: ShardsDataset | None, train: bool) -> PrefetchDataLoader:  # type: ignore[override]
-        # Nothing is dropped, also in training: the sampler keeps ranks in step exactly once (see ShardBatchSampler).
-        if dataset is None:
-            raise RuntimeError("ShardsDataModule: call setup() (the Trainer does) before asking for a dataloader.")
-        workers = self.num_workers
-        prefetch = self._device if (self.cuda_prefetch and self._device is not None and self._device.type == "cuda") else None
+    def _batching(self, dataset: ShardsDataset, train: bool, drop_last: bool | None) -> dict[str, Any]:  # type: ignore[override]
+        # batch_size=None: the sampler yields whole batches and the dataset collates them in the worker;
+        # nothing is dropped: the sampler keeps the ranks in step, each sample once (see ShardBatchSampler).
         sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=train, seed=self.seed,
                                     shuffle_window=self.shuffle_window)
-        # batch_size=None: the sampler yields whole batches and the dataset collates them in the worker.
-        return PrefetchDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers,
-                                  pin_memory=self._pin and workers > 0, persistent_workers=self.persistent_workers and workers > 0,
-                                  prefetch_device=prefetch)
+        return dict(batch_size=None, sampler=sampler)

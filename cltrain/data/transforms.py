@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from cltrain.data.decode import INTERPOLATIONS, check_pixels, jpeg_resized_crop, jpeg_size, resized_crop
+from cltrain.data.decode import INTERPOLATIONS, check_pixels, jpeg_resized_crop, resized_crop
+from cltrain.data.decoders import Decoder, JpegHeader, get_decoder
 from cltrain.data.decode_pool import augment_deferred, sample_generator
 
 __all__ = ["CropParams", "RandomResizedCropFlip", "ResizeCenterCrop", "eval_transform", "size_pair", "train_transform"]
@@ -78,6 +79,11 @@ def _orientation(data: bytes) -> int:
         return 1
 
 
+def _check_decoder(decoder: str) -> str:
+    get_decoder(decoder)  # a one-line ValueError for an unknown name or a back end not installed
+    return decoder
+
+
 def _check_channels(channels: int) -> int:
     if channels not in (1, 3):
         raise ValueError(f"channels={channels!r} must be 3 (RGB) or 1 (grayscale).")
@@ -110,8 +116,13 @@ class _Transform:
     augment: Callable[[np.ndarray], np.ndarray] | None = None
     #: Datasets hand this transform file paths: it reads and decodes them itself.
     takes_paths = True
-    #: Decode only the crop's region when libturbojpeg 3 is at hand (False: the whole image, then slice).
+    #: The JPEG back end (``cltrain.data.decoders``): ``"auto"``, a back end's name, or ``"pillow"``.
+    decoder: str = "auto"
+    #: With ``decoder="auto"``, decode only the crop's region where a back end can (False: whole images).
     region = True
+
+    def _backend(self) -> Decoder | None:
+        return get_decoder("simplejpeg" if self.decoder == "auto" and not self.region else self.decoder)
 
     def make_params(self, width: int, height: int) -> CropParams:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -132,39 +143,53 @@ class _Transform:
         data = _read(img, type(self).__name__)
         if data is None:
             return self._pillow(self._upright(img), params)
-        jpeg = jpeg_size(data)
-        if jpeg is None or (self.exif_transpose and _orientation(data) != 1):
+        backend, header = self._header(data)
+        if header is None or (self.exif_transpose and _orientation(data) != 1):
             with _open(img, data) as opened:
                 return self.apply(opened, params)
-        check_pixels(jpeg, img if not isinstance(img, bytes) else "JPEG bytes")
-        return self._apply_jpeg(img, data, params)
+        check_pixels((header.width, header.height), img if not isinstance(img, bytes) else "JPEG bytes")
+        return self._apply_jpeg(img, data, params, None, backend, header)
 
-    def _apply_jpeg(self, img: ImageSource, data: bytes, params: CropParams) -> np.ndarray:
+    def _header(self, data: bytes) -> tuple[Decoder | None, JpegHeader | None]:
+        backend = self._backend()
+        return backend, None if backend is None else backend.header(data)
+
+    def _apply_jpeg(self, img: ImageSource, data: bytes, params: CropParams, out: torch.Tensor | None,
+                    backend: Decoder, header: JpegHeader) -> np.ndarray | torch.Tensor:
         try:
             return jpeg_resized_crop(data, params.box, self.size, self.channels, params.flip, params.resize,
-                                     region=self.region, interpolation=self.interpolation)
+                                     interpolation=self.interpolation, out=out, decoder=backend, header=header)
         except ValueError:  # corrupt or truncated: Pillow reads it, or raises saying what is wrong
             with _open(img, data) as opened:
                 return self.apply(opened, params)
 
-    def _transform(self, img: ImageSource) -> np.ndarray:
+    def _transform(self, img: ImageSource, out: torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
         data = _read(img, type(self).__name__)
         if data is None:
             img = self._upright(img)
             return self._pillow(img, self.make_params(*img.size))
-        jpeg = jpeg_size(data)
-        if jpeg is None or (self.exif_transpose and _orientation(data) != 1):
+        backend, header = self._header(data)
+        if header is None or (self.exif_transpose and _orientation(data) != 1):
             with _open(img, data) as opened:
                 upright = self._upright(opened)
                 return self._pillow(upright, self.make_params(*upright.size))
-        check_pixels(jpeg, img if not isinstance(img, bytes) else "JPEG bytes")  # Pillow's rule, as Image.open applies it
-        return self._apply_jpeg(img, data, self.make_params(*jpeg))
+        size = (header.width, header.height)
+        check_pixels(size, img if not isinstance(img, bytes) else "JPEG bytes")  # Pillow's rule, as Image.open applies it
+        return self._apply_jpeg(img, data, self.make_params(*size), out, backend, header)
 
-    def __call__(self, img: ImageSource) -> np.ndarray:
+    def __call__(self, img: ImageSource, out: torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
         """Transform a file path, the bytes of a file, or a PIL image (best opened lazily,
-        so JPEG decoding can be reduced). Paths and bytes of JPEGs take the fast path."""
-        out = self._transform(img)
-        return out if self.augment is None or augment_deferred() else self.augment(out)
+        so JPEG decoding can be reduced). Paths and bytes of JPEGs take the fast path.
+
+        With ``out`` (an HWC uint8 tensor of ``(*size, channels)``, dense: a batch's slot) the
+        result is written there and ``out`` returned; otherwise a new HWC uint8 array."""
+        image = self._transform(img, out)
+        if self.augment is not None and not augment_deferred():
+            image = self.augment(image.numpy() if isinstance(image, torch.Tensor) else image)
+        if out is None or image is out:
+            return image
+        np.copyto(out.numpy(), image)  # Pillow's arrays are read-only: torch would warn about wrapping one
+        return out
 
 
 class RandomResizedCropFlip(_Transform):
@@ -182,12 +207,14 @@ class RandomResizedCropFlip(_Transform):
         interpolation: ``"bilinear"`` or ``"bicubic"`` (antialiased).
         exif_transpose: turn photos upright by their EXIF orientation first.
         augment: called on each HWC uint8 output, e.g. ``HWCAugment``.
+        decoder: the JPEG back end (``cltrain.data.decoders``): ``"auto"``, ``"turbojpeg"``,
+            ``"simplejpeg"`` or ``"pillow"``.
     """
 
     def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, channels: int = 3,
                  interpolation: str = "bilinear", exif_transpose: bool = False,
-                 augment: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 augment: Callable[[np.ndarray], np.ndarray] | None = None, decoder: str = "auto") -> None:
         self.size = size_pair(size, "size")
         if not (len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
             raise ValueError(f"scale={scale!r} must be (low, high) with 0 < low <= high <= 1.")
@@ -199,6 +226,7 @@ class RandomResizedCropFlip(_Transform):
         self.channels = _check_channels(channels)
         self.interpolation = _check_interpolation(interpolation)
         self.exif_transpose, self.augment = bool(exif_transpose), augment
+        self.decoder = _check_decoder(decoder)
 
     def make_params(self, width: int, height: int) -> CropParams:
         """Draw a crop box with torchvision's ``RandomResizedCrop.get_params`` distribution
@@ -233,7 +261,7 @@ class RandomResizedCropFlip(_Transform):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
                 f"hflip={self.hflip}, channels={self.channels}, interpolation={self.interpolation!r}, "
-                f"exif_transpose={self.exif_transpose}, augment={self.augment!r})")
+                f"exif_transpose={self.exif_transpose}, augment={self.augment!r}, decoder={self.decoder!r})")
 
 
 class ResizeCenterCrop(_Transform):
@@ -250,13 +278,15 @@ class ResizeCenterCrop(_Transform):
         channels: 3 (RGB) or 1 (grayscale).
         interpolation: ``"bilinear"`` or ``"bicubic"`` (antialiased).
         exif_transpose: turn photos upright by their EXIF orientation first.
+        decoder: the JPEG back end (``cltrain.data.decoders``), as ``RandomResizedCropFlip``.
     """
 
     def __init__(self, size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3,
-                 interpolation: str = "bilinear", exif_transpose: bool = False) -> None:
+                 interpolation: str = "bilinear", exif_transpose: bool = False, decoder: str = "auto") -> None:
         self.size = size_pair(size, "size")
         self.interpolation = _check_interpolation(interpolation)
         self.exif_transpose = bool(exif_transpose)
+        self.decoder = _check_decoder(decoder)
         if resize_size is not None and not (isinstance(resize_size, int) and resize_size >= max(self.size)):
             raise ValueError(f"resize_size={resize_size!r} must be an int >= the crop size {self.size} (or None).")
         self.resize_size = resize_size
@@ -279,13 +309,14 @@ class ResizeCenterCrop(_Transform):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(size={self.size}, resize_size={self.resize_size}, channels={self.channels}, "
-                f"interpolation={self.interpolation!r}, exif_transpose={self.exif_transpose})")
+                f"interpolation={self.interpolation!r}, exif_transpose={self.exif_transpose}, decoder={self.decoder!r})")
 
 
 def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
                     ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, channels: int = 3,
                     interpolation: str = "bilinear", exif_transpose: bool = False,
-                    augment: str | Callable[[np.ndarray], np.ndarray] | None = None) -> RandomResizedCropFlip:
+                    augment: str | Callable[[np.ndarray], np.ndarray] | None = None,
+                    decoder: str = "auto") -> RandomResizedCropFlip:
     """The training transform: random-resized-crop + horizontal flip, then ``augment`` (a
     callable on HWC uint8, or a policy name of ``HWCAugment``:
     ``"trivialaugment"``, ``"randaugment"``, ``"none"``). See ``RandomResizedCropFlip``."""
@@ -293,11 +324,11 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
         from cltrain.data.augment import HWCAugment
 
         augment = HWCAugment(augment) if augment != "none" else None  # its geometric ops: torchvision's nearest
-    return RandomResizedCropFlip(size, scale, ratio, hflip, channels, interpolation, exif_transpose, augment)
+    return RandomResizedCropFlip(size, scale, ratio, hflip, channels, interpolation, exif_transpose, augment, decoder)
 
 
 def eval_transform(size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3,
-                   interpolation: str = "bilinear", exif_transpose: bool = False) -> ResizeCenterCrop:
+                   interpolation: str = "bilinear", exif_transpose: bool = False, decoder: str = "auto") -> ResizeCenterCrop:
     """The evaluation transform: resize the shorter side, centre crop, PIL image -> HWC uint8.
     See ``ResizeCenterCrop``."""
-    return ResizeCenterCrop(size, resize_size, channels, interpolation, exif_transpose)
+    return ResizeCenterCrop(size, resize_size, channels, interpolation, exif_transpose, decoder)

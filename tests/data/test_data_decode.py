@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from cltrain.data import ImageFolderDataset, RandomResizedCropFlip, eval_transform, nhwc_collate, train_transform
 from cltrain.data import decode, jpeg_roi
 from cltrain.data.decode import decode_jpeg, jpeg_resized_crop
+from cltrain.data.decoders import BACKENDS, get_decoder
 from tests.helpers.data_fixtures import photo, write_image_folder
 
 needs_roi = pytest.mark.skipif(not jpeg_roi.available(), reason="no libturbojpeg 3 (pip install turbojpeg)")
@@ -38,19 +39,23 @@ def photos(tmp_path_factory):
     return [*out, g, prog]
 
 
-@needs_roi
 @pytest.mark.parametrize("factor", [1, 2, 4])
-def test_region_decode_equals_whole_decode_sliced(photos, factor):
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_each_decoder_decodes_a_box_as_the_whole_decode_sliced(photos, factor, name):
+    backend = get_decoder(name)
+    if not backend.available():
+        pytest.skip(f"{name} is not installed")
     rng = np.random.default_rng(factor)
     for path in photos:
         data = path.read_bytes()
+        header = backend.header(data)
         for channels in (3, 1):
-            whole = decode_jpeg(data, channels, factor)
+            whole = decode_jpeg(data, channels, factor, decoder="simplejpeg")
             h, w = whole.shape[:2]
             for _ in range(12):
                 left, top = int(rng.integers(0, w - 1)), int(rng.integers(0, h - 1))
                 box = (left, top, int(rng.integers(left + 1, w + 1)), int(rng.integers(top + 1, h + 1)))
-                got = decode._decode_box(data, box, factor, channels, (w, h), region=True)
+                got = backend.decode(data, header, box, factor, channels)
                 np.testing.assert_array_equal(got, whole[box[1]:box[3], box[0]:box[2]], err_msg=f"{path.name} {box}")
 
 
@@ -219,3 +224,14 @@ def test_interpolation_option_on_both_paths(photos, interpolation):
     assert not np.array_equal(fast, other.apply(photos[0], p))
     with pytest.raises(ValueError, match="interpolation='lanczos'"):
         train_transform(32, interpolation="lanczos")
+
+
+@needs_roi
+def test_a_bad_header_does_not_spoil_the_next_good_one(photos):
+    data = photos[0].read_bytes()
+    good = jpeg_roi.read_header(data)
+    assert jpeg_roi.read_header(b"\xff\xd8\xff\xe0 not a jpeg") is None
+    assert jpeg_roi.read_header(data) == good
+    with pytest.raises(jpeg_roi.JpegRegionError):
+        jpeg_roi.decode_region(data[:200], (0, 0, 8, 8))
+    assert jpeg_roi.read_header(data) == good

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cltrain.atomic import TEMP_PREFIX
-from cltrain.data import ImageFolderDataModule, ShardsDataModule, ShardsDataset, eval_transform
+from cltrain.data import ImageFolderDataModule, NHWCCollate, ShardsDataModule, ShardsDataset, eval_transform, normalize
 from cltrain.data.pack import MANIFEST, PackError, _plan, main, pack
 from cltrain.data.shard_sampler import ShardBatchSampler, rank_batch_sizes
 from tests.helpers.data_fixtures import write_image_folder, write_jpegs
@@ -201,18 +201,20 @@ def test_datamodule_gives_the_imagefolder_batches(folder: Path, tmp_path: Path) 
     files.setup("fit")
     by_bytes = {Path(p).read_bytes(): (p, y) for p, y in files.val_set.samples}
     seen = []
-    for images, targets in shards.val_dataloader():  # two worker processes
-        assert images.dtype == torch.uint8 and images.is_contiguous(memory_format=torch.channels_last)
+    for images, targets in shards.val_dataloader():  # two worker processes, normalised there (a CPU run)
+        assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
         seen.append((images, targets))
     assert sum(len(t) for _, t in seen) == 15
     for i, (images, targets) in zip(range(0, 15, 8), seen):  # unshuffled: sample i is the i-th
         for j in range(len(targets)):
             path, label = by_bytes[shards.val_set.read(i + j)]
             assert int(targets[j]) == label
-            expected = torch.from_numpy(files.eval_transform(path)).permute(2, 0, 1)
-            assert torch.equal(images[j], expected)  # the same decode path, pixel for pixel
-    batch = shards.on_after_batch_transfer(seen[0], 0)  # normalised on the device, channels_last
-    assert batch[0].dtype == torch.float32 and batch[0].is_contiguous(memory_format=torch.channels_last)
+            expected = normalize(torch.from_numpy(files.eval_transform(path)).permute(2, 0, 1)[None])[0]
+            torch.testing.assert_close(images[j], expected)  # the same decode path, pixel for pixel
+    uint8 = NHWCCollate()([shards.val_set.load(i) for i in range(4)])  # as a loader for a GPU hands it over
+    batch = shards.on_after_batch_transfer(uint8, 0)  # normalised on the device
+    torch.testing.assert_close(batch[0], seen[0][0][:4])
+    assert batch[0].is_contiguous(memory_format=torch.channels_last)
     x, y = next(iter(shards.train_dataloader()))
     assert x.shape == (8, 3, 32, 32) and x.is_contiguous(memory_format=torch.channels_last)
 

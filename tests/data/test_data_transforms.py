@@ -233,10 +233,32 @@ def test_unreadable_files_raise_pillows_error(odd, kind):
         assert odd[kind].name in str(fast.value)
 
 
-def test_without_simplejpeg_everything_goes_through_pillow(odd, monkeypatch):
+def test_without_a_jpeg_back_end_everything_goes_through_pillow(odd, monkeypatch):
+    from cltrain.data import decoders, jpeg_roi
+    from cltrain.data.decoders import simplejpeg_whole
+
     t = train_transform(24)
     params = t.make_params(96, 72)
     expected = _pillow(t, odd["good"], params)
-    monkeypatch.setattr(decode, "simplejpeg", None)
+    assert jpeg_size(odd["good"].read_bytes()) is not None  # the control: a back end reads it
+    monkeypatch.setattr(simplejpeg_whole, "simplejpeg", None)
+    monkeypatch.setattr(jpeg_roi, "_LIB", None)
+    monkeypatch.setattr(decoders, "_INSTANCES", {})
+    assert decoders.get_decoder("auto") is None
     assert jpeg_size(odd["good"].read_bytes()) is None
     np.testing.assert_array_equal(t.apply(odd["good"], params), expected)
+
+
+def test_the_pillow_decoder_reads_every_file_with_pillow(odd, monkeypatch):
+    from cltrain.data.decoders import simplejpeg_whole, turbojpeg_region
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a JPEG back end was used")
+
+    monkeypatch.setattr(simplejpeg_whole.SimpleJpegWhole, "decode", refuse)
+    monkeypatch.setattr(turbojpeg_region.TurboJpegRegion, "decode", refuse)
+    t = train_transform(24, decoder="pillow")
+    params = t.make_params(96, 72)
+    np.testing.assert_array_equal(t.apply(odd["good"], params), _pillow(t, odd["good"], params))
+    with pytest.raises(AssertionError, match="back end was used"):  # the control: "auto" decodes with one
+        train_transform(24).apply(odd["good"], params)

@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
 from typing_extensions import override
 
-from cltrain.data.dataset import check_bad_files
 from cltrain.data.folders import ClassFolderDataModule
-from cltrain.data.normalize import NORMALIZE_DTYPES, normalize
+from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.transforms import size_pair
 from cltrain.data.video.collate import NDHWCCollate
@@ -91,8 +88,6 @@ class ClipFolderDataModule(ClassFolderDataModule):
 
     layout_hint = ("a folder with train/<class>/<clip>/ and val/<class>/<clip>/, or make one with "
                    "cltrain.data.video.make_demo_videos(root)")
-    collate_class = NDHWCCollate
-
 
     def __init__(self, root: str | os.PathLike, batch_size: int = 8, num_workers: int = 2, persistent_workers: bool = True,
                  pin_memory: bool | None = None, num_frames: int = 16, frame_stride: int = 1,
@@ -101,36 +96,20 @@ class ClipFolderDataModule(ClassFolderDataModule):
                  mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
                  dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
                  bad_files: str = "raise") -> None:
-        super().__init__()
-        check_bad_files(bad_files, "ClipFolderDataModule")
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"ClipFolderDataModule: batch_size={batch_size!r} must be an int >= 1.")
-        if not (isinstance(num_workers, int) and num_workers >= 0):
-            raise ValueError(f"ClipFolderDataModule: num_workers={num_workers!r} must be an int >= 0.")
         if val_temporal not in TEMPORAL_MODES[1:]:
             raise ValueError(f"ClipFolderDataModule: val_temporal={val_temporal!r} must be one of {TEMPORAL_MODES[1:]}.")
-        if dtype not in NORMALIZE_DTYPES:
-            raise ValueError(f"ClipFolderDataModule: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
-        if len(mean) not in (1, channels) or len(std) not in (1, channels):
-            raise ValueError(f"ClipFolderDataModule: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
-        self.root = Path(root)
-        self.batch_size, self.num_workers = batch_size, num_workers
-        self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
+        super().__init__(root, batch_size=batch_size, num_workers=num_workers, persistent_workers=persistent_workers,
+                         pin_memory=pin_memory, channels=channels, mean=mean, std=std, dtype=dtype,
+                         channels_last=channels_last, cuda_prefetch=cuda_prefetch, bad_files=bad_files)
         self.num_frames, self.frame_stride = num_frames, frame_stride
-        self.image_size, self.channels = size_pair(image_size, "image_size"), channels
-        self.mean, self.std, self.dtype = tuple(mean), tuple(std), dtype
-        self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
+        self.image_size = size_pair(image_size, "image_size")
         # Built now so that bad sizes, frame counts or channels fail here, not in a worker.
         self.train_transform = train_clip_transform(num_frames, frame_stride, self.image_size, tuple(scale),
                                                     hflip=hflip, channels=channels)
         eval_stride = frame_stride if val_temporal == "center" else 1
         self.eval_transform = eval_clip_transform(num_frames, eval_stride, self.image_size, val_resize_size, channels, val_temporal)
-        self.bad_files, self._skip_log = bad_files, None
         self.train_set: ClipFolderDataset | None = None
         self.val_set: ClipFolderDataset | None = None
-        self._classes: list[str] | None = None
-        self._pin = False
-        self._device: torch.device | None = None
 
     @property
     def input_shape(self) -> tuple[int, int, int, int, int]:
@@ -150,14 +129,10 @@ class ClipFolderDataModule(ClassFolderDataModule):
                                              self._skip_log)
 
     @override
+    def _collate(self, pin_memory: bool) -> NDHWCCollate:
+        return NDHWCCollate(pin_memory=pin_memory)
+
+    @override
     def train_dataloader(self) -> PrefetchDataLoader:
         # whole batches only, unless the (small) set holds less than one
         return self._loader(self.train_set, train=True, drop_last=len(self.train_set or ()) >= self.batch_size)
-
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Normalise the uint8 clips of ``(clips, targets)`` on their device."""
-        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dtype == torch.uint8:
-            clips = normalize_clips(batch[0], self.mean, self.std, self.dtype, self.channels_last)
-            return type(batch)((clips, *batch[1:])) if isinstance(batch, tuple) else [clips, *batch[1:]]
-        return batch

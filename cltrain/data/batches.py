@@ -1,0 +1,156 @@
+"""``BatchDataModule``: what every cltrain DataModule shares, once.
+
+The loader (batch size, worker processes, pinning, the opt-in CUDA prefetch), the device
+chosen at ``setup``, and the normalisation of the uint8 batch on that device in
+``on_after_batch_transfer`` (images ``(N, C, H, W)`` channels_last, clips ``(N, C, T, H, W)``
+channels_last_3d; contiguous with ``channels_last=False``). The arguments are checked here,
+in the constructor, for every DataModule.
+
+A subclass sets ``train_set`` / ``val_set`` in its ``setup`` (after ``_choose_device``),
+defines ``classes`` and ``input_shape``, and says how a batch is collated (``_collate``), or
+how a loader batches altogether (``_batching``).
+
+========================  ===============================================
+``BatchDataModule``       loader, device, normalisation
+``ImageDataModule``       + image crops, ``Augmentation``, ``decode_threads``
+``ShardsDataModule``      + a pack of shards (``seed``, ``shuffle_window``)
+``ImageFolderDataModule`` + class folders, ``bad_files``, the folder checks
+``ClipFolderDataModule``  + class folders, ``bad_files``, clip sampling
+========================  ===============================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
+from cltrain.data.prefetch import PrefetchDataLoader
+
+__all__ = ["BatchDataModule"]
+
+
+class BatchDataModule(L.LightningDataModule):
+    """Base of cltrain's DataModules (see the module docstring); not used on its own.
+
+    Args:
+        root: where the data is.
+        batch_size: samples per batch.
+        num_workers: DataLoader worker processes (0: load in the main process).
+        persistent_workers: keep workers between epochs (when ``num_workers > 0``).
+        pin_memory: ``None`` pins only when the trainer runs on a GPU.
+        channels: 3 (RGB) or 1 (grayscale).
+        mean: per-channel normalisation mean (0-1 units).
+        std: per-channel normalisation standard deviation (0-1 units).
+        dtype: dtype of the normalised batch (float32, bfloat16 or float16).
+        channels_last: ``False`` gives contiguous batches (the baseline).
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream
+            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
+
+    Raises:
+        ValueError: a bad argument, quoted (also ``mean``/``std`` in 0-255 units).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, batch_size: int, num_workers: int, persistent_workers: bool,
+                 pin_memory: bool | None, channels: int, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype,
+                 channels_last: bool, cuda_prefetch: bool) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"{owner}: batch_size={batch_size!r} must be an int >= 1.")
+        if not (isinstance(num_workers, int) and num_workers >= 0):
+            raise ValueError(f"{owner}: num_workers={num_workers!r} must be an int >= 0.")
+        if channels not in (1, 3):
+            raise ValueError(f"{owner}: channels={channels!r} must be 1 (grayscale) or 3 (RGB).")
+        if dtype not in NORMALIZE_DTYPES:
+            raise ValueError(f"{owner}: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
+        if len(mean) not in (1, channels) or len(std) not in (1, channels):
+            raise ValueError(f"{owner}: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
+        check_statistics(mean, std, owner)
+        self.root = Path(root)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
+        self.channels, self.mean, self.std, self.dtype = channels, tuple(mean), tuple(std), dtype
+        self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self._classes: list[str] | None = None
+        self._pin = False
+        self._device: torch.device | None = None
+
+    @property
+    def classes(self) -> list[str]:
+        """Class names, in label order."""
+        raise NotImplementedError
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes."""
+        return len(self.classes)
+
+    def _choose_device(self) -> torch.device:
+        """The trainer's device (CPU without one); pin memory only for a GPU unless ``pin_memory`` says."""
+        trainer = self.trainer
+        self._device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        self._pin = self._device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
+        return self._device
+
+    def _collate(self, pin_memory: bool) -> Any:
+        """The ``collate_fn`` that builds a batch in the loader."""
+        raise NotImplementedError
+
+    def _batching(self, dataset: Dataset, train: bool, drop_last: bool | None) -> dict[str, Any]:
+        """How the loader makes batches: shuffled and cut to whole batches for training (unless
+        ``drop_last`` says), every sample kept for validation, test and predict."""
+        return dict(batch_size=self.batch_size, shuffle=train, drop_last=train if drop_last is None else drop_last,
+                    collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0))  # workers: the loader pins
+
+    def _loader(self, dataset: Dataset | None, train: bool, drop_last: bool | None = None) -> PrefetchDataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() (the Trainer does) before asking for a dataloader.")
+        workers = self.num_workers
+        cuda = self.cuda_prefetch and self._device is not None and self._device.type == "cuda"
+        return PrefetchDataLoader(dataset, num_workers=workers, pin_memory=self._pin and workers > 0,
+                                  persistent_workers=self.persistent_workers and workers > 0,
+                                  prefetch_device=self._device if cuda else None, **self._batching(dataset, train, drop_last))
+
+    @override
+    def train_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.train_set, train=True)
+
+    @override
+    def val_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, train=False)
+
+    @override
+    def test_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, train=False)
+
+    @override
+    def predict_dataloader(self) -> PrefetchDataLoader:
+        return self._loader(self.val_set, train=False)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Normalise the uint8 images (or clips) of ``(images, targets, ...)`` on their device."""
+        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() in (4, 5):
+            images = batch[0]
+            if images.dtype == torch.uint8:
+                layout = torch.channels_last if images.dim() == 4 else torch.channels_last_3d
+                fmt = layout if self.channels_last else torch.contiguous_format
+                images = normalize(images, self.mean, self.std, self.dtype, memory_format=fmt)
+                return self._replace_head(batch, images)
+        return batch
+
+    @staticmethod
+    def _replace_head(batch: tuple | list, *head: Any) -> tuple | list:
+        """``batch`` with its first fields replaced by ``head``, of the same type."""
+        fields = [*head, *batch[len(head):]]
+        return tuple(fields) if isinstance(batch, tuple) else fields

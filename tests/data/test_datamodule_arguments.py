@@ -1,0 +1,227 @@
+"""Every DataModule acts on every argument it takes, and refuses the others with one line.
+
+For each DataModule and each argument of its signature, two DataModules are built on tiny real
+data: one with the probe's base arguments, one with the argument changed; what the probe
+observes downstream (a batch as a step receives it, the loader, the set-up outcome, the files
+written) must differ. Each argument that some DataModule takes but this one does not must be
+refused: a ``TypeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cltrain.data import Augmentation, ImageFolderDataModule, ShardsDataModule
+from cltrain.data.pack import pack
+from cltrain.data.video import ClipFolderDataModule, make_demo_videos
+from tests.helpers.data_fixtures import write_image_folder, write_jpegs
+
+DATAMODULES = {"images": ImageFolderDataModule, "shards": ShardsDataModule, "clips": ClipFolderDataModule}
+BASE = {  # small and in-process: every probe loads one batch in the main process
+    "images": dict(batch_size=4, num_workers=0, image_size=16, val_resize_size=18),
+    "shards": dict(batch_size=4, num_workers=0, image_size=16, val_resize_size=18),
+    "clips": dict(batch_size=2, num_workers=0, image_size=16, val_resize_size=18, num_frames=3),
+}
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("arguments")
+    images = write_image_folder(tmp / "images", classes=2, train=4, val=3, size=(64, 48))
+    rotated = images / "val" / "c0" / "0_000.jpg"  # the first validation image, turned by its EXIF orientation
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.open(rotated).save(rotated, exif=exif, quality=85)
+    bad = Path(shutil.copytree(images, tmp / "bad"))
+    (bad / "val" / "c0" / "0_bad.jpg").write_text("not an image\n")
+    (tmp / "bad.tsv").write_text(f"{bad / 'val' / 'c0' / '0_bad.jpg'}\n")
+    missing = Path(shutil.copytree(images, tmp / "missing"))
+    write_jpegs(missing / "train" / "c2", 4, (64, 48), k=2)
+    clips = make_demo_videos(tmp / "clips", num_classes=2, train_per_class=2, val_per_class=2, num_frames=6, frame_size=24)
+    bad_clips = Path(shutil.copytree(clips, tmp / "bad_clips"))
+    for frame in sorted((bad_clips / "val").glob("*/*/"))[0].iterdir():  # the first validation clip: unreadable
+        frame.write_text("not an image\n")
+    return dict(images=images, bad=bad, bad_list=tmp / "bad.tsv", missing=missing, index_cache=tmp / "index",
+                shards=pack(images, tmp / "pack", shard_size=3, progress=False).parent, clips=clips, bad_clips=bad_clips)
+
+
+# --- what a probe observes -------------------------------------------------------------------------
+
+def _fingerprint(batch: Any) -> tuple:
+    """A batch as comparable values: each tensor's dtype, shape, layout and contents."""
+    out = []
+    for t in batch:
+        layout = t.is_contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+        out.append((t.dtype, tuple(t.shape), layout, t.float().contiguous().numpy().tobytes()))
+    return tuple(out)
+
+
+def val_batch(dm: Any) -> tuple:
+    """The first validation batch as a validation step receives it."""
+    dm.setup("fit")
+    return _fingerprint(dm.on_after_batch_transfer(next(iter(dm.val_dataloader())), 0))
+
+
+def train_batch(dm: Any) -> tuple:
+    """The first training batch as a training step receives it (same seeds for both DataModules)."""
+    dm.setup("fit")
+    dm.trainer = SimpleNamespace(training=True)  # device-side augmentation runs on training batches only
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    return _fingerprint(dm.on_after_batch_transfer(next(iter(dm.train_dataloader())), 0))
+
+
+def loader(attribute: str, device: str = "cpu") -> Callable[[Any], Any]:
+    """An attribute of the validation loader built for ``device``."""
+    def probe(dm: Any) -> Any:
+        dm.setup("fit")
+        dm._device = torch.device(device)
+        return getattr(dm.val_dataloader(), attribute)
+    return probe
+
+
+def outcome(dm: Any) -> str:
+    """Where a set-up and a validation pass stop, and why."""
+    try:
+        dm.setup("fit")
+    except Exception as err:
+        return f"setup: {type(err).__name__}"
+    try:
+        for _ in dm.val_dataloader():
+            pass
+    except Exception as err:
+        return f"loading: {type(err).__name__}"
+    return "ok"
+
+
+def decode_threads_used(dm: Any) -> bool:
+    """Whether the validation images were decoded on the decode pool's threads."""
+    inner, names = dm.eval_transform, set()
+
+    class Recording:
+        takes_paths = getattr(inner, "takes_paths", False)
+
+        def __call__(self, image: Any) -> Any:
+            names.add(threading.current_thread().name.startswith("cltrain-decode"))
+            return inner(image)
+
+    dm.eval_transform = Recording()
+    val_batch(dm)
+    return True in names
+
+
+def index_written(roots: dict[str, Path]) -> Callable[[Any], bool]:
+    def probe(dm: Any) -> bool:
+        dm.setup("fit")
+        return roots["index_cache"].is_dir() and any(roots["index_cache"].iterdir())
+    return probe
+
+
+@dataclass
+class Probe:
+    """Change an argument to ``value`` on top of ``base`` and observe it with ``observe``."""
+
+    value: Any
+    observe: Callable[[Any], Any]
+    base: dict[str, Any] = field(default_factory=dict)
+    root: str | None = None  # another folder of ``roots`` than the DataModule's own
+
+
+def probes(roots: dict[str, Path]) -> dict[str, Probe]:
+    """One probe per argument name that any DataModule takes."""
+    mixing = dict(mixup_alpha=1.0, cutmix_alpha=1.0)
+    return {
+        "batch_size": Probe(1, val_batch),
+        "num_workers": Probe(1, loader("num_workers")),
+        "persistent_workers": Probe(False, loader("persistent_workers"), dict(num_workers=1)),
+        "pin_memory": Probe(True, loader("pin_memory"), dict(num_workers=1)),
+        "image_size": Probe(12, val_batch),
+        "val_resize_size": Probe(None, val_batch),
+        "channels": Probe(1, val_batch, dict(mean=(0.5,), std=(0.25,))),
+        "mean": Probe((0.1, 0.2, 0.3), val_batch),
+        "std": Probe((0.1, 0.2, 0.3), val_batch),
+        "dtype": Probe(torch.bfloat16, val_batch),
+        "channels_last": Probe(False, val_batch),
+        "cuda_prefetch": Probe(True, loader("prefetch_device", "cuda")),
+        "interpolation": Probe("bicubic", val_batch),
+        "exif_transpose": Probe(True, val_batch),
+        "decode_threads": Probe(2, decode_threads_used),
+        "augmentation": Probe(Augmentation(scale=(1.0, 1.0), hflip=0.0), train_batch),
+        "scale": Probe((1.0, 1.0), train_batch),
+        "ratio": Probe((0.5, 0.5), train_batch),
+        "hflip": Probe(1.0, train_batch, dict(hflip=0.0)),
+        "augment": Probe("randaugment", train_batch),
+        "random_erasing": Probe(1.0, train_batch),
+        "mixup_alpha": Probe(1.0, train_batch),
+        "cutmix_alpha": Probe(1.0, train_batch),
+        "mixup_prob": Probe(0.0, train_batch, mixing),
+        "mixup_switch_prob": Probe(1.0, train_batch, {**mixing, "mixup_switch_prob": 0.0}),
+        "bad_files": Probe("skip", outcome, root="bad"),
+        "check_val": Probe("off", outcome, root="bad"),
+        "exclude_files": Probe(roots["bad_list"], outcome, root="bad"),
+        "allow_missing_val_classes": Probe(True, outcome, root="missing"),
+        "index_cache": Probe(roots["index_cache"], index_written(roots)),
+        "seed": Probe(1, train_batch),
+        "shuffle_window": Probe(1, train_batch),
+        "num_frames": Probe(2, val_batch),
+        "frame_stride": Probe(2, val_batch),
+        "val_temporal": Probe("uniform", val_batch),
+    }
+
+
+VIDEO_ROOTS = {"bad": "bad_clips"}  # the clip DataModule's counterpart of a folder with a bad file
+ALL_NAMES = sorted({p.name for cls in DATAMODULES.values() for p in inspect.signature(cls).parameters.values()
+                    if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"root"})
+CASES = [(kind, name) for kind in DATAMODULES for name in ALL_NAMES]
+
+
+@pytest.mark.parametrize(("kind", "name"), CASES, ids=[f"{k}-{n}" for k, n in CASES])
+def test_each_argument_is_acted_on_or_refused_in_one_line(kind: str, name: str, roots: dict[str, Path]) -> None:
+    cls, probe = DATAMODULES[kind], probes(roots)[name]
+    root = roots[(VIDEO_ROOTS.get(probe.root, probe.root) if kind == "clips" else probe.root) or kind]
+    base = {**BASE[kind], **probe.base}
+    if name not in inspect.signature(cls).parameters:
+        try:
+            cls(roots[kind], **BASE[kind], **{name: probe.value})
+        except (TypeError, ValueError) as err:
+            assert name in str(err) and "\n" not in str(err)
+            return
+    before = probe.observe(cls(root, **base))  # taken (by name or by **kwargs): it must change something
+    after = probe.observe(cls(root, **{**base, name: probe.value}))
+    assert before != after, f"{cls.__name__}({name}={probe.value!r}) changed nothing that {probe.observe.__name__} sees"
+
+
+@pytest.mark.parametrize("cls", DATAMODULES.values(), ids=DATAMODULES.keys())
+def test_signatures_name_every_argument(cls: type) -> None:
+    var = [p.name for p in inspect.signature(cls).parameters.values() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    assert not var, f"{cls.__name__} takes {var}: what it does with them is not in its signature"
+
+
+def test_every_argument_has_a_probe(roots: dict[str, Path]) -> None:
+    assert not set(ALL_NAMES) - set(probes(roots))
+
+
+def test_augmentation_is_one_group_given_whole_or_as_keywords(roots: dict[str, Path]) -> None:
+    group = Augmentation(hflip=0.0, augment="trivialaugment", mixup_alpha=0.8)
+    for cls in (ImageFolderDataModule, ShardsDataModule):
+        root = roots["images" if cls is ImageFolderDataModule else "shards"]
+        assert cls(root, augmentation=group).augmentation == group
+        assert cls(root, hflip=0.0, augment="trivialaugment", mixup_alpha=0.8).augmentation == group
+        with pytest.raises(ValueError, match="pass hflip inside augmentation=Augmentation"):
+            cls(root, augmentation=group, hflip=1.0)
+    with pytest.raises(ValueError, match="mixup_prob=1.5"):
+        Augmentation(mixup_prob=1.5)
+    with pytest.raises(ValueError, match="cutmix_alpha=-1"):
+        ImageFolderDataModule(roots["images"], cutmix_alpha=-1)
