@@ -90,10 +90,10 @@ class Augmentation:
         return augmentation
 
     def train_transform(self, size: int | tuple[int, int], channels: int = 3, interpolation: str = "bilinear",
-                        exif_transpose: bool = False) -> RandomResizedCropFlip:
-        """The per-image training transform (crop, flip, ``augment``) at ``size``."""
+                        exif_transpose: bool = False, decoder: str = "auto") -> RandomResizedCropFlip:
+        """The per-image training transform (crop, flip, ``augment``) at ``size``, decoding with ``decoder``."""
         return train_transform(size, self.scale, self.ratio, self.hflip, channels=channels, interpolation=interpolation,
-                               exif_transpose=exif_transpose, augment=self.augment)
+                               exif_transpose=exif_transpose, augment=self.augment, decoder=decoder)
 
     def erasing(self) -> RandomErasing | None:
         """The device-side random erasing, or ``None`` when ``random_erasing`` is 0."""

@@ -9,8 +9,12 @@ start: ``ImageFolderDataModule(root, exclude_files="bad_files.tsv")``.
 
 Two depths (``--quick``):
 
-* full (default): decodes every pixel with Pillow. It catches what the loader
-  would fail on while decoding, at about ten times the quick check's cost.
+* full (default): decodes every pixel as the loader does, with its JPEG decoder
+  (``--decoder``, ``cltrain.data.decoders``): a JPEG that back end reads is decoded whole
+  by it, and when it refuses the data (a corrupt stream), by Pillow, as the loader falls
+  back; every other file (and every file with ``--decoder pillow``) by Pillow. A file is
+  bad when the loader with that decoder would fail on it. About ten times the quick
+  check's cost.
 * quick: a zero-byte file; a header Pillow cannot parse (not an image, unknown
   format, a broken header); a JPEG without its end-of-image marker in the last
   4 KiB (a truncated download: the usual damage); a PNG whose chunk CRCs or
@@ -23,6 +27,7 @@ Two depths (``--quick``):
 Example::
 
     python -m cltrain.data.check /data/imagenet --workers 8 --out bad_files.tsv
+    cltrain-data-check /data/imagenet --decoder pillow       # as a loader with decoder="pillow" reads
 """
 
 from __future__ import annotations
@@ -32,13 +37,16 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 
 from PIL import Image
 
 from cltrain.atomic import atomic_open
 from cltrain.data.constants import CHECK_MODES
+from cltrain.data.decode import check_pixels
+from cltrain.data.decoders import DECODER_NAMES, Decoder, get_decoder
 from cltrain.data.index import index_split
 
 __all__ = ["CHECK_MODES", "check_file", "check_files", "main"]
@@ -48,12 +56,16 @@ _TAIL = 4096  # bytes searched for a JPEG's end-of-image marker (some files carr
 # A full decode costs about ten times the quick check (docs/guides/data.md), so setup runs the quick one.
 
 
-def check_file(path: str, full: bool = False) -> str | None:
-    """``None`` if ``path`` reads as an image, else the reason (one line). ``full`` decodes every pixel."""
+def check_file(path: str, full: bool = False, decoder: str = "auto") -> str | None:
+    """``None`` if ``path`` reads as an image, else the reason (one line). ``full`` decodes every pixel
+    with ``decoder`` (see the module docstring; ``ValueError`` for a name ``get_decoder`` refuses)."""
+    backend = get_decoder(decoder) if full else None
     try:
         size = os.path.getsize(path)
         if size == 0:
             return "empty file (0 bytes)"
+        if backend is not None and _decodes(backend, path):
+            return None
         with Image.open(path) as img:
             if full:
                 img.load()
@@ -71,15 +83,32 @@ def check_file(path: str, full: bool = False) -> str | None:
         return f"{type(err).__name__}: {err}".replace("\t", " ").replace("\n", " ")
 
 
-def _check_full(path: str) -> tuple[str, str | None]:
-    return path, check_file(path, full=True)
+def _decodes(backend: Decoder, path: str) -> bool:
+    """Whether ``backend`` decodes the whole of ``path``; ``False`` for a file it does not read or
+    whose data it refuses, which the loader hands to Pillow (Pillow's verdict is then the one).
+
+    Raises:
+        PIL.Image.DecompressionBombError: the image is over Pillow's pixel limit, which the loader applies too.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    header = backend.header(data)
+    if header is None:
+        return False
+    check_pixels((header.width, header.height), path)
+    try:
+        backend.decode(data, header)
+    except ValueError:
+        return False
+    return True
 
 
-def _check_quick(path: str) -> tuple[str, str | None]:
-    return path, check_file(path, full=False)
+def _check(path: str, full: bool, decoder: str) -> tuple[str, str | None]:
+    return path, check_file(path, full, decoder)
 
 
-def check_files(paths: Sequence[str], mode: str = "quick", workers: int = 0, progress: bool = False) -> dict[str, str]:
+def check_files(paths: Sequence[str], mode: str = "quick", workers: int = 0, progress: bool = False,
+                decoder: str = "auto") -> dict[str, str]:
     """``{path: reason}`` of the bad files among ``paths``.
 
     Args:
@@ -87,12 +116,17 @@ def check_files(paths: Sequence[str], mode: str = "quick", workers: int = 0, pro
         mode: ``"full"`` (decode) or ``"quick"`` (see the module docstring); ``"off"`` checks nothing.
         workers: processes to check in (0: this process).
         progress: show a tqdm progress bar (on stderr).
+        decoder: the loader's JPEG decoder (``DECODER_NAMES``), which the full check decodes with.
+
+    Raises:
+        ValueError: an unknown ``mode``, or a ``decoder`` that ``get_decoder`` refuses.
     """
     if mode not in CHECK_MODES:
         raise ValueError(f"check mode {mode!r} must be one of {CHECK_MODES}.")
+    get_decoder(decoder)  # a bad name fails here, not in every worker
     if mode == "off" or not paths:
         return {}
-    fn = _check_full if mode == "full" else _check_quick
+    fn: Callable[[str], tuple[str, str | None]] = partial(_check, full=mode == "full", decoder=decoder)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -132,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="bad_files.tsv", help="where to write the bad files (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all CPUs)")
     parser.add_argument("--quick", action="store_true", help="header and end-marker checks only, no decode")
+    parser.add_argument("--decoder", choices=DECODER_NAMES, default="auto",
+                        help="the JPEG decoder of the loader, which the full check decodes with (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     root = Path(args.root)
@@ -142,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cltrain.data.check: --workers={args.workers} must be >= 0.", file=sys.stderr)
         return 2
     try:
+        get_decoder(args.decoder)  # a back end not installed here: ValueError
         listed = [(split, index_split(folder, allow_missing=True).samples) for split, folder in _splits(root)]
     except (OSError, ValueError) as err:
         print(f"cltrain.data.check: {err}", file=sys.stderr)
@@ -149,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     split_of = {path: split for split, samples in listed for path, _ in samples}
     mode = "quick" if args.quick else "full"
     start = time.perf_counter()
-    bad = check_files(list(split_of), mode, args.workers, progress=not args.no_progress)
+    bad = check_files(list(split_of), mode, args.workers, progress=not args.no_progress, decoder=args.decoder)
     elapsed = time.perf_counter() - start
     out = Path(args.out)
     with atomic_open(out, "w") as f:  # a list the user trains with: never half-written

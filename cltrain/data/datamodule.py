@@ -65,6 +65,8 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
         decode_threads: threads that decode a batch's images in each loading process
             (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
             load in one process; 1 decodes them one by one.
+        decoder: the JPEG decoder of the transforms and of ``check_val="full"``
+            (``cltrain.data.decoders``): ``"auto"``, ``"turbojpeg"``, ``"simplejpeg"`` or ``"pillow"``.
         augmentation: the training augmentation as one group (``Augmentation``), or ``None``
             and its fields as the keywords below (not both).
         scale, ratio, hflip, augment, random_erasing, mixup_alpha, cutmix_alpha, mixup_prob,
@@ -81,7 +83,7 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
             ``python -m cltrain.data.check ROOT``, or a ``skipped_files.tsv``.
         check_val: check the validation files in ``setup`` before training starts:
             ``"quick"`` (headers and JPEG end markers),
-            ``"full"`` (decode every file) or ``"off"`` (see ``cltrain.data.check``).
+            ``"full"`` (decode every file, with ``decoder``) or ``"off"`` (see ``cltrain.data.check``).
             Bad files stop the run (``bad_files="raise"``) or are left out and listed
             (``"skip"``).
         index_cache: reuse the file index of an unchanged tree between runs and
@@ -107,7 +109,7 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
                  channels: int = 3, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                  dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
                  interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int = 1,
-                 augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
+                 decoder: str = "auto", augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, augment: str = "none",
                  random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
                  mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, bad_files: str = "raise",
@@ -119,7 +121,7 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
                          pin_memory=pin_memory, image_size=image_size, val_resize_size=val_resize_size, channels=channels,
                          mean=mean, std=std, dtype=dtype, channels_last=channels_last, cuda_prefetch=cuda_prefetch,
                          interpolation=interpolation, exif_transpose=exif_transpose, decode_threads=decode_threads,
-                         augmentation=augmentation, scale=scale, ratio=ratio, hflip=hflip, augment=augment,
+                         decoder=decoder, augmentation=augmentation, scale=scale, ratio=ratio, hflip=hflip, augment=augment,
                          random_erasing=random_erasing, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
                          mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob, bad_files=bad_files)
         self.allow_missing_val_classes, self.check_val, self.index_cache = allow_missing_val_classes, check_val, index_cache
@@ -150,7 +152,8 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
         from cltrain.data.check import check_files  # here: `python -m cltrain.data.check` must not find it imported
 
         paths = [p for p, _ in dataset.samples]
-        bad = check_files(paths, self.check_val, workers=self.num_workers if len(paths) >= 2000 else 0)
+        bad = check_files(paths, self.check_val, workers=self.num_workers if len(paths) >= 2000 else 0,
+                          decoder=self.decoder)
         if not bad:
             return
         listed = "; ".join(f"{p} ({r})" for p, r in sorted(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")

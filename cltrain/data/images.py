@@ -1,12 +1,13 @@
 """``ImageDataModule``: what the image DataModules share on top of ``BatchDataModule``.
 
-The training and evaluation transforms (crop size, resize, interpolation, EXIF orientation and
-the training ``Augmentation``), built in the constructor so that a bad setting fails there and
-not in a worker; the samples of a batch decoded on ``decode_threads`` threads of each loading
-process; ``NHWCCollate`` batches, normalised while collated when the trainer runs on the CPU
-(uint8 to a GPU: 4x fewer bytes to copy); and the device-side augmentation of training batches
-(random erasing, mixup/cutmix) after the normalisation. ``ImageFolderDataModule`` reads an
-ImageNet-layout folder, ``ShardsDataModule`` a pack of shards.
+The training and evaluation transforms (crop size, resize, interpolation, EXIF orientation, the
+JPEG decoder and the training ``Augmentation``), built in the constructor so that a bad setting
+fails there and not in a worker; the samples of a batch decoded on ``decode_threads`` threads of
+each loading process; ``NHWCCollate`` batches, normalised while collated when the trainer runs
+on the CPU (uint8 to a GPU: 4x fewer bytes to copy); and the device-side augmentation of
+training batches (random erasing, mixup/cutmix) after the normalisation.
+``ImageFolderDataModule`` reads an ImageNet-layout folder, ``ShardsDataModule`` a pack of
+shards.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cltrain.data.augment import MixupCutmix
 from cltrain.data.augmentation import AUGMENTATION_FIELDS, Augmentation
 from cltrain.data.batches import BatchDataModule
 from cltrain.data.collate import NHWCCollate
+from cltrain.data.decoders import get_decoder
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.transforms import eval_transform, size_pair
 
@@ -37,6 +39,9 @@ class ImageDataModule(BatchDataModule):
         decode_threads: threads that decode a batch's images in each loading process
             (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
             load in one process; 1 decodes them one by one.
+        decoder: the JPEG decoder of both transforms (``cltrain.data.decoders``): ``"auto"`` (the
+            first back end installed), ``"turbojpeg"``, ``"simplejpeg"``, or ``"pillow"`` (every file
+            through Pillow).
         augmentation: the training augmentation (``Augmentation``); ``None``: the one made of
             ``Augmentation``'s fields given as keywords (``hflip=0.0``), defaults for the others.
         **kwargs: ``Augmentation``'s fields, and ``BatchDataModule``'s arguments.
@@ -46,17 +51,24 @@ class ImageDataModule(BatchDataModule):
     """
 
     def __init__(self, *args: Any, image_size: int | tuple[int, int], val_resize_size: int | None, interpolation: str,
-                 exif_transpose: bool, decode_threads: int, augmentation: Augmentation | None, **kwargs: Any) -> None:
+                 exif_transpose: bool, decode_threads: int, decoder: str, augmentation: Augmentation | None,
+                 **kwargs: Any) -> None:
         fields = {name: kwargs.pop(name) for name in AUGMENTATION_FIELDS if name in kwargs}
         augmentation = Augmentation.build(augmentation, type(self).__name__, **fields)
         super().__init__(*args, **kwargs)
         if not (isinstance(decode_threads, int) and decode_threads >= 1):
             raise ValueError(f"{type(self).__name__}: decode_threads={decode_threads!r} must be an int >= 1.")
+        try:
+            get_decoder(decoder)
+        except ValueError as err:  # an unknown name, or a back end not installed here
+            raise ValueError(f"{type(self).__name__}: {err}") from None
         self.image_size = size_pair(image_size, "image_size")
         self.val_resize_size, self.decode_threads, self.augmentation = val_resize_size, decode_threads, augmentation
-        self.train_transform = augmentation.train_transform(self.image_size, self.channels, interpolation, exif_transpose)
+        self.decoder = decoder
+        self.train_transform = augmentation.train_transform(self.image_size, self.channels, interpolation, exif_transpose,
+                                                            decoder)
         self.eval_transform = eval_transform(self.image_size, val_resize_size, channels=self.channels,
-                                             interpolation=interpolation, exif_transpose=exif_transpose)
+                                             interpolation=interpolation, exif_transpose=exif_transpose, decoder=decoder)
         self.random_erasing = augmentation.erasing()
         self._mixup: MixupCutmix | None = None
 

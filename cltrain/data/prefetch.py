@@ -133,7 +133,13 @@ class PrefetchDataLoader(DataLoader):
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def __iter__(self) -> Iterator[Any]:
-        it = _one_batch_ahead(self) if self.decode_ahead and _decodes_ahead(self) else super().__iter__()
+        if self.decode_ahead and _decodes_ahead(self):
+            # A DataLoader's iterator draws its workers' base seed from the global RNG when it is made:
+            # so does this one, so that a seeded epoch gives a plain DataLoader's batches.
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            it = _one_batch_ahead(self)
+        else:
+            it = super().__iter__()
         device = self._cuda_device()
         if device is None:
             return it

@@ -169,7 +169,7 @@ class ShardsDataModule(ImageDataModule):
                  channels: int = 3, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                  dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
                  interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int = 1,
-                 augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
+                 decoder: str = "auto", augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, augment: str = "none",
                  random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
                  mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, seed: int = 0,
@@ -178,7 +178,7 @@ class ShardsDataModule(ImageDataModule):
                          pin_memory=pin_memory, image_size=image_size, val_resize_size=val_resize_size, channels=channels,
                          mean=mean, std=std, dtype=dtype, channels_last=channels_last, cuda_prefetch=cuda_prefetch,
                          interpolation=interpolation, exif_transpose=exif_transpose, decode_threads=decode_threads,
-                         augmentation=augmentation, scale=scale, ratio=ratio, hflip=hflip, augment=augment,
+                         decoder=decoder, augmentation=augmentation, scale=scale, ratio=ratio, hflip=hflip, augment=augment,
                          random_erasing=random_erasing, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
                          mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob)
         self.seed, self.shuffle_window = seed, check_window(shuffle_window, "ShardsDataModule")

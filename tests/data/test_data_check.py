@@ -1,4 +1,5 @@
-"""`python -m cltrain.data.check`: real files, real worker processes, a real subprocess."""
+"""`python -m cltrain.data.check`: real files, real worker processes, a real subprocess; the full check
+against what a real dataset with each decoder fails on."""
 
 import os
 import struct
@@ -11,6 +12,8 @@ import pytest
 
 from cltrain.data import ImageFolderDataModule
 from cltrain.data.check import check_file, check_files, main
+from cltrain.data.dataset import BadImageError
+from cltrain.data.decoders import DECODER_NAMES
 from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
 
 
@@ -75,3 +78,111 @@ def test_command_lists_bad_files_exits_1_and_the_datamodule_leaves_them_out(odd,
     assert main([str(tmp_path / "nowhere")]) == 2 and "nowhere is not a folder" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="exclude_files=.*missing.tsv.*python -m cltrain.data.check"):
         ImageFolderDataModule(root, num_workers=0, exclude_files=tmp_path / "missing.tsv").setup("fit")
+
+
+# --- the full check decodes as the loader with its decoder ------------------------------------------
+
+def _jpeg_cases(folder):
+    """A good JPEG; one whose header Pillow cannot parse but libjpeg-turbo reads (an Adobe APP14
+    segment of 5 bytes: Pillow reads a 16-bit field past its end, libjpeg ignores a short one); one
+    with corrupt entropy-coded data, which libjpeg-turbo refuses and Pillow decodes, filling it in."""
+    good = write_odd_files(folder)["good"]
+    data = good.read_bytes()
+    short_app14 = folder / "short_app14.jpg"
+    short_app14.write_bytes(data[:2] + b"\xff\xee\x00\x07Adobe" + data[2:])
+    corrupt = bytearray(data)
+    start = data.index(b"\xff\xda") + 20  # inside the scan
+    for k in range(start, start + 40):
+        if corrupt[k] != 0xFF and corrupt[k - 1] != 0xFF:  # no new markers
+            corrupt[k] = (corrupt[k] * 7 + 13) & 0x7F
+    (folder / "corrupt_scan.jpg").write_bytes(bytes(corrupt))
+    return {"good": good, "short_app14": short_app14, "corrupt_scan": folder / "corrupt_scan.jpg"}
+
+
+def _loader_fails(path, decoder):
+    """Whether a real dataset with that decoder fails on ``path`` (both transforms)."""
+    from cltrain.data import ImageFolderDataset, eval_transform, train_transform
+    from cltrain.data.dataset import BadImageError
+
+    split = path.parent.parent
+    for transform in (train_transform(24, decoder=decoder), eval_transform(24, 28, decoder=decoder)):
+        ds = ImageFolderDataset(split, transform, index_cache=False)
+        i = next(k for k, (p, _) in enumerate(ds.samples) if p == str(path))
+        try:
+            ds[i]
+        except BadImageError:
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory):
+    from cltrain.data.decoders import get_decoder
+
+    if get_decoder("auto") is None:
+        pytest.skip("no JPEG back end installed")
+    return _jpeg_cases(tmp_path_factory.mktemp("split") / "c0")
+
+
+def test_the_back_ends_and_pillow_disagree_on_real_files(jpegs):
+    """The premise of the tests below, shown with the libraries themselves."""
+    from PIL import Image
+
+    from cltrain.data.decoders import BACKENDS, get_decoder
+
+    data = jpegs["short_app14"].read_bytes()
+    with pytest.raises(Exception, match="cannot identify image file"):
+        Image.open(jpegs["short_app14"])
+    for name in BACKENDS:
+        backend = get_decoder(name)
+        assert backend.decode(data, backend.header(data)).shape == (72, 96, 3)
+    corrupt = jpegs["corrupt_scan"].read_bytes()
+    with Image.open(jpegs["corrupt_scan"]) as img:
+        img.load()  # Pillow fills the damage in
+    for name in BACKENDS:
+        backend = get_decoder(name)
+        with pytest.raises(ValueError, match="Corrupt JPEG data"):
+            backend.decode(corrupt, backend.header(corrupt))
+
+
+@pytest.mark.parametrize("decoder", DECODER_NAMES)
+def test_the_full_check_says_what_the_loader_with_that_decoder_fails_on(jpegs, decoder):
+    for kind, path in jpegs.items():
+        assert (check_file(str(path), full=True, decoder=decoder) is not None) == _loader_fails(path, decoder), kind
+    # The file whose verdict depends on the decoder: read by a back end, refused by Pillow.
+    assert (check_file(str(jpegs["short_app14"]), full=True, decoder=decoder) is None) == (decoder != "pillow")
+    assert check_file(str(jpegs["corrupt_scan"]), full=True, decoder=decoder) is None  # the loader falls back to Pillow
+
+
+def test_the_pillow_decoder_never_calls_a_back_end_and_the_default_does(jpegs, monkeypatch):
+    from cltrain.data.decoders import simplejpeg_whole, turbojpeg_region
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a JPEG back end was used")
+
+    monkeypatch.setattr(simplejpeg_whole.SimpleJpegWhole, "decode", refuse)
+    monkeypatch.setattr(turbojpeg_region.TurboJpegRegion, "decode", refuse)
+    good = str(jpegs["good"])
+    assert check_file(good, full=True, decoder="pillow") is None
+    assert "back end was used" in check_file(good, full=True)  # the control: the default decodes with one
+    assert check_file(good, full=False) is None  # the quick check decodes nothing
+
+
+def test_decoder_reaches_the_worker_processes_the_command_and_check_val(jpegs, tmp_path, capsys):
+    paths = [str(p) for p in jpegs.values()]
+    assert set(check_files(paths, "full", workers=2, decoder="pillow")) == {str(jpegs["short_app14"])}
+    assert check_files(paths, "full", workers=2) == {}
+    with pytest.raises(ValueError, match="decoder='libjpeg' is not a decoder"):
+        check_files(paths, "full", decoder="libjpeg")
+    root = write_image_folder(tmp_path / "data", classes=1, train=2, val=2, size=(64, 48))
+    shutil.copy(jpegs["short_app14"], root / "val" / "c0" / "short_app14.jpg")
+    out = tmp_path / "bad.tsv"
+    args = [str(root), "--no-progress", "--workers", "0", "--out", str(out)]
+    assert main(args) == 0
+    assert main([*args, "--decoder", "pillow"]) == 1 and "short_app14.jpg" in out.read_text()
+    with pytest.raises(SystemExit):
+        main([*args, "--decoder", "libjpeg"])
+    assert "invalid choice: 'libjpeg'" in capsys.readouterr().err
+    ImageFolderDataModule(root, num_workers=0, check_val="full").setup("fit")
+    with pytest.raises(BadImageError, match="short_app14.jpg"):
+        ImageFolderDataModule(root, num_workers=0, check_val="full", decoder="pillow").setup("fit")

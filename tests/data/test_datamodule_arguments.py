@@ -158,6 +158,7 @@ def probes(roots: dict[str, Path]) -> dict[str, Probe]:
         "interpolation": Probe("bicubic", val_batch),
         "exif_transpose": Probe(True, val_batch),
         "decode_threads": Probe(2, decode_threads_used),
+        "decoder": Probe("pillow", train_batch),  # Pillow crops the float box, the JPEG path whole pixels
         "augmentation": Probe(Augmentation(scale=(1.0, 1.0), hflip=0.0), train_batch),
         "scale": Probe((1.0, 1.0), train_batch),
         "ratio": Probe((0.5, 0.5), train_batch),
@@ -225,3 +226,14 @@ def test_augmentation_is_one_group_given_whole_or_as_keywords(roots: dict[str, P
         Augmentation(mixup_prob=1.5)
     with pytest.raises(ValueError, match="cutmix_alpha=-1"):
         ImageFolderDataModule(roots["images"], cutmix_alpha=-1)
+
+
+def test_decoder_is_checked_once_in_the_constructor_and_reaches_both_transforms(roots: dict[str, Path]) -> None:
+    for cls in (ImageFolderDataModule, ShardsDataModule):
+        root = roots["images" if cls is ImageFolderDataModule else "shards"]
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}: decoder='libjpeg' is not a decoder") as err:
+            cls(root, decoder="libjpeg")
+        assert "\n" not in str(err.value)
+        dm = cls(root, **BASE["images"], decoder="pillow")
+        dm.setup("fit")
+        assert dm.train_set.transform.decoder == dm.val_set.transform.decoder == "pillow"
