@@ -26,13 +26,11 @@ from cltrain.model_access import (
     undo_run_after,
 )
 from cltrain.nchw_fallback import Fallback, apply_fallbacks
+from cltrain.precision import autocast_dtype, compute_dtype
 
 __all__ = ["ChannelsLast"]
 
 _MODES = ("full", "conv", "off", "auto")
-_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-# The dtype convolutions compute in, for the guardrails: autocast's, or the parameters' once cast.
-_COMPUTE_DTYPES = {**_AUTOCAST_DTYPES, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
 class ChannelsLast(Callback):
@@ -62,7 +60,7 @@ class ChannelsLast(Callback):
             depth of the batch), an index of a tuple/list batch, or a list of
             those: every floating rank-4/5 tensor under them. ``"all"``: every
             floating rank-4/5 tensor of the batch, targets included.
-        audit: run ``cltrain.audit.audit`` on the first training batch and
+        audit: run ``cltrain.audit.audit_model`` on the first training batch and
             print which ops lose the layout (rank zero).
         input_shape: ``(N, C, H, W)`` or ``(N, C, D, H, W)`` for ``mode="auto"``;
             when ``None`` it is read from the DataModule's ``input_shape``. A rank-3
@@ -245,7 +243,7 @@ class ChannelsLast(Callback):
 
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._device = trainer.strategy.root_device
-        self._dtype = _COMPUTE_DTYPES.get(str(trainer.precision))
+        self._dtype = compute_dtype(trainer.precision)
         if self.layout is None:
             self.layout = "channels_last" if self.mode != "auto" else self._choose(trainer, pl_module)
         hazards = self._hazards_on_every_rank(trainer, pl_module) if self.guard else None
@@ -287,7 +285,7 @@ class ChannelsLast(Callback):
                 self._shape(trainer),
                 steps=self.auto_steps,
                 device=self._device,
-                autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision)),
+                autocast_dtype=autocast_dtype(trainer.precision),
                 guardrails=self.guard,
                 timeout=self.auto_timeout,
             )
@@ -398,7 +396,7 @@ class ChannelsLast(Callback):
         restride_optimizer_state(trainer.optimizers)
 
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
-        from cltrain.audit import audit
+        from cltrain.audit import audit_model
 
         example = first_image_tensor(batch, self.inputs)
         if example is None:
@@ -406,8 +404,8 @@ class ChannelsLast(Callback):
             return
         target = step_target(pl_module)
         # A copy: the real module may be wrapped by DDP, whose gradient hooks must not see this backward.
-        self.audit_report = audit(
-            copy.deepcopy(target), example.detach(), autocast_dtype=_AUTOCAST_DTYPES.get(str(trainer.precision))
+        self.audit_report = audit_model(
+            copy.deepcopy(target), example.detach(), autocast_dtype=autocast_dtype(trainer.precision)
         )
         rank_zero_info(f"ChannelsLast layout audit of {type(target).__name__}:\n{self.audit_report.format_table()}")
 

@@ -14,10 +14,9 @@ from cltrain.batch_layout import Inputs, first_image_tensor, restride_batch
 from cltrain.layout_check import LayoutCheck, check_layout, projection_loss
 from cltrain.model_access import detached_copy, step_target
 from cltrain.nchw_fallback import Fallback, apply_fallbacks
+from cltrain.precision import autocast_dtype
 
 __all__ = ["apply_to_copy", "check_lightning_step"]
-
-_AUTOCAST = ("bf16-mixed", "16-mixed")
 
 
 def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, stage: str, *,
@@ -39,7 +38,7 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
     grad = torch.enable_grad if stage == "train" else torch.no_grad
     # Mixed precision's rounding would hide a wrong op in noise (bf16 gradients through BatchNorm differ
     # by O(1) between any two kernels): check in float32 first, in the training precision if that raises.
-    contexts = [contextlib.nullcontext, own_context] if str(trainer.precision) in _AUTOCAST \
+    contexts = [contextlib.nullcontext, own_context] if autocast_dtype(trainer.precision) is not None \
         else [own_context]
 
     def batch_in(layout: str) -> Any:

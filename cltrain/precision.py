@@ -1,5 +1,11 @@
-"""Which precision a device trains fastest in, and whether a fused optimizer is safe under loss scaling.
+"""Which precision a device trains fastest in, the dtype each precision computes in, and whether a fused
+optimizer is safe under loss scaling.
 
+* ``AMP_CHOICES``, ``AMP_DTYPE_FLAGS``: what the app's ``amp`` key may be, and the Lightning precision
+  flag of each autocast dtype it can name (``amp=bf16`` -> ``bf16-mixed``).
+* ``autocast_dtype``, ``compute_dtype``: the dtype a Lightning precision flag autocasts to
+  (``bf16-mixed`` -> ``torch.bfloat16``; ``32-true`` -> None), and the dtype convolutions compute in
+  (autocast's, or the parameters' for ``bf16-true`` / ``16-true``).
 * ``auto_precision``: the Lightning precision flag ``amp="auto"`` means on a device:
   bf16 autocast where bf16 is native (on the CPU: ``cltrain.platform.cpu_bf16_support``, which
   ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``DNNL_MAX_CPU_ISA`` can turn off on a CPU
@@ -15,7 +21,9 @@
 Example::
 
     >>> import torch
-    >>> from cltrain.precision import auto_precision, loss_scaling_safe, zero_momentum_buffers
+    >>> from cltrain.precision import auto_precision, autocast_dtype, loss_scaling_safe, zero_momentum_buffers
+    >>> autocast_dtype("bf16-mixed"), autocast_dtype("32-true")
+    (torch.bfloat16, None)
     >>> auto_precision(torch.device("cpu")).flag in ("bf16-mixed", "32-true")
     True
     >>> loss_scaling_safe(torch.optim.SGD, torch.device("cpu"), lr=0.1, momentum=0.9)
@@ -38,7 +46,30 @@ import torch.utils.deterministic
 from cltrain.platform import cpu_bf16_support
 
 # cpu_bf16_support lives in cltrain.platform; importing it from here keeps working.
-__all__ = ["PrecisionChoice", "auto_precision", "loss_scaling_safe", "zero_momentum_buffers"]
+__all__ = ["AMP_CHOICES", "AMP_DTYPE_FLAGS", "AUTOCAST_DTYPES", "PrecisionChoice", "auto_precision", "autocast_dtype",
+           "compute_dtype", "loss_scaling_safe", "zero_momentum_buffers"]
+
+#: The Lightning precision flag -> the dtype its autocast computes in.
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# The dtype convolutions compute in: autocast's, or the parameters' once cast.
+_COMPUTE_DTYPES: dict[str, torch.dtype] = {**AUTOCAST_DTYPES, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+#: An autocast dtype ``amp`` can name -> its Lightning precision flag.
+AMP_DTYPE_FLAGS: dict[str, str] = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+#: What ``amp`` may be: ``"auto"`` (the device's fastest), true (mixed precision), false (fp32), or a dtype.
+AMP_CHOICES: tuple[str | bool, ...] = ("auto", True, False, *AMP_DTYPE_FLAGS)
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype a Lightning precision flag autocasts to (``"bf16-mixed"`` -> ``torch.bfloat16``); None
+    for a precision without autocast (``"32-true"``, ``"bf16-true"``)."""
+    return AUTOCAST_DTYPES.get(str(precision))
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype convolutions compute in under a Lightning precision flag: autocast's, or the
+    parameters' for ``"bf16-true"`` / ``"16-true"``; None for float32 (``"32-true"``)."""
+    return _COMPUTE_DTYPES.get(str(precision))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """The Hydra training application behind ``train.py`` / ``cltrain-train``.
 
-Modules, bottom up: ``schema`` (every config key: type, default, allowed values),
-``compose`` (composing a config, one-line errors for bad keys and values), ``config``
-(the one check of a config, device/precision mapping), ``schedule``
-(main_amp.py's learning rate), ``models`` (model factory), ``module`` (the
-LightningModule), ``progress`` (main_amp.py's log line, images/second),
-``rundir`` (run-directory guard), ``report`` (metrics.json, sweep report),
+Modules, bottom up: ``config`` (the config's package: schema, checks, composition, and what it
+means on this machine: device, precision), ``schedule`` (main_amp.py's learning rate), ``models``
+(model factory), ``module`` (the LightningModule), ``progress`` (main_amp.py's log line,
+images/second), ``launch`` (how this process was started), ``rundir`` (run-directory guard),
+``prepare`` (the model guarded, compiled and wrapped), ``run_callbacks`` (the callbacks a run
+trains with), ``results`` (the final metrics and summary line), ``report`` (metrics.json),
 ``train`` (``train(cfg) -> dict``), ``cli`` (``main()``, the console script).
 """
 
-from cltrain.app.errors import ConfigError
+from cltrain.app.config.errors import ConfigError
 
 __all__ = ["ConfigError"]

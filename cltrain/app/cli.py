@@ -2,12 +2,12 @@
 
 Hydra composes ``conf/config.yaml`` with the command-line overrides and calls
 ``cltrain.app.train.train``. The overrides are composed and checked against
-the schema first (``cltrain.app.compose.check_command_line``, every value of
+the schema first (``cltrain.app.config.check_command_line``, every value of
 a ``-m`` sweep): an unknown key or a bad value ends the run with one line on
 stderr and exit status 2 before anything starts; an unknown group option
 (``model=nope``) is Hydra's own one-paragraph error listing the options (exit status 1).
 
-The configs are cltrain's own (``cltrain.app.configs``), or ``$CLTRAIN_CONFIG_DIR``;
+The configs are cltrain's own (``cltrain.app.config.config_dir``), or ``$CLTRAIN_CONFIG_DIR``;
 Hydra's ``--config-dir`` adds a folder of the user's beside them.
 """
 
@@ -18,11 +18,12 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from cltrain.app.compose import check_command_line, compose_config
-from cltrain.app.configs import CONFIG_DIR
-from cltrain.app.errors import ConfigError
+from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir
 
 __all__ = ["CONFIG_DIR", "compose_config", "main"]
+
+#: The folder Hydra composes from (``cltrain.app.config.config_dir``).
+CONFIG_DIR = config_dir()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")

@@ -1,35 +1,19 @@
-"""Where the training application's Hydra configs are.
-
-The package's own configs (``conf/`` in the source tree, installed as ``cltrain.conf``),
-found with ``importlib.resources``; never the current folder. ``$CLTRAIN_CONFIG_DIR``
-replaces them with a folder of the user's; Hydra's ``--config-dir`` adds one beside them.
-"""
+"""Deprecated: ``cltrain.app.config.compose`` (where the configs are (``config_dir``)); this module re-exports its names for one release."""
 
 from __future__ import annotations
 
-import importlib.resources
-import os
-from pathlib import Path
+import importlib
+import warnings
+from typing import Any
 
-from cltrain.app.errors import ConfigError
+_new = importlib.import_module("cltrain.app.config.compose")
 
 __all__ = ["CONFIG_DIR", "config_dir"]
 
-
-def config_dir() -> Path:
-    """``$CLTRAIN_CONFIG_DIR`` when set, else the installed ``cltrain.conf`` package's folder.
-
-    Raises:
-        ConfigError: ``$CLTRAIN_CONFIG_DIR`` holds no ``config.yaml``.
-    """
-    env = os.environ.get("CLTRAIN_CONFIG_DIR")
-    if env:
-        path = Path(env).expanduser()
-        if not (path / "config.yaml").is_file():
-            raise ConfigError("CLTRAIN_CONFIG_DIR", env, "no config.yaml in that folder",
-                              "a folder holding config.yaml and its groups, or unset it to use cltrain's own configs")
-        return path.resolve()
-    return Path(str(importlib.resources.files("cltrain.conf")))
+warnings.warn("cltrain.app.configs is deprecated; import from cltrain.app.config.compose", DeprecationWarning, stacklevel=2)
 
 
-CONFIG_DIR = config_dir()
+def __getattr__(name: str) -> Any:
+    if name == "CONFIG_DIR":
+        return _new.config_dir()
+    return getattr(_new, name)

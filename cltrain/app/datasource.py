@@ -16,8 +16,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.errors import ConfigError
-from cltrain.app.schema import DEMO_GENERATORS
+from cltrain.app.config.errors import ConfigError
+from cltrain.app.config.data_schema import DEMO_GENERATORS
 
 __all__ = ["absolute", "build_datamodule"]
 

@@ -1,37 +1,17 @@
-"""``ConfigError``: the one error type the training application shows as one line (exit status 2).
-
-Kept in a module of its own so that ``config`` and ``models`` (which both raise it) do not
-import each other.
-"""
+"""Deprecated: ``cltrain.app.config.errors`` (``ConfigError``); this module re-exports its names for one release."""
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from typing import Any
 
-__all__ = ["ConfigError", "show"]
+_new = importlib.import_module("cltrain.app.config.errors")
+
+__all__ = list(_new.__all__)
+
+warnings.warn("cltrain.app.errors is deprecated; import from cltrain.app.config.errors", DeprecationWarning, stacklevel=2)
 
 
-def show(value: Any) -> str:
-    """A value as it is written on the command line (true, null, 'text', 3)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if value is None:
-        return "null"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-class ConfigError(ValueError):
-    """A bad configuration value: ``key=value: reason (allowed: ...)``.
-
-    Example::
-
-        >>> str(ConfigError("seed", "abc", "must be a whole number"))
-        "seed='abc': must be a whole number"
-    """
-
-    def __init__(self, key: str, value: Any, reason: str, allowed: str | None = None) -> None:
-        self.key, self.value, self.reason, self.allowed = key, value, reason, allowed
-        message = f"{key}={show(value)}: {reason}"
-        if allowed:
-            message += f" (allowed: {allowed})"
-        super().__init__(message)
+def __getattr__(name: str) -> Any:
+    return getattr(_new, name)

@@ -1,4 +1,5 @@
-"""Build a classification model by name: any torchvision image or video classifier, or a timm model.
+"""The application's classifier by name (any torchvision image or video classifier, or a timm model) and its
+pretrained weights from a local file.
 
 Video models (``r3d_18``, ``mc3_18``, ``r2plus1d_18``, ``s3d``, ``mvit_*``,
 ``swin3d_*``: ``torchvision.models.list_models(module=torchvision.models.video)``)
@@ -11,10 +12,10 @@ read by ``read_checkpoint``; the formats it takes: docs/guides/app.md.
 
 Example::
 
-    >>> model = build_model("resnet18", num_classes=10)
+    >>> model = build_classifier("resnet18", num_classes=10)
     >>> model.fc.out_features
     10
-    >>> build_model("r3d_18", num_classes=6).fc.out_features
+    >>> build_classifier("r3d_18", num_classes=6).fc.out_features
     6
 """
 
@@ -27,11 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.app.errors import ConfigError
-from cltrain.zoo import SOURCES, closest_model_names, model_source
-from cltrain.zoo import build_model as build_zoo_model
+from cltrain.app.config.errors import ConfigError
+from cltrain.model_names import SOURCES, build_untrained_model, closest_model_names, model_source
 
-__all__ = ["EMA_KEYS", "build_model", "check_model_name", "load_pretrained", "read_checkpoint"]
+__all__ = ["EMA_KEYS", "build_classifier", "check_model_name", "load_pretrained", "read_checkpoint"]
 
 #: Keys of a checkpoint dict that hold EMA weights, in order of preference (timm's order).
 EMA_KEYS: tuple[str, ...] = ("state_dict_ema", "model_ema")
@@ -41,7 +41,7 @@ _SAFETENSORS_EXAMPLE = "a state_dict saved with torch.save, a Lightning .ckpt, o
 
 
 def check_model_name(name: Any, source: str = "auto") -> str:
-    """The source of ``name`` (``cltrain.zoo.model_source``); a ``ConfigError`` naming close matches if unknown."""
+    """The source of ``name`` (``cltrain.model_names.model_source``); a ``ConfigError`` naming close matches if unknown."""
     if source not in SOURCES:
         raise ConfigError("model.source", source, "unknown model source", ", ".join(SOURCES))
     if source == "timm" and model_source("resnet18", "timm") is None:
@@ -55,7 +55,7 @@ def check_model_name(name: Any, source: str = "auto") -> str:
     return found
 
 
-def build_model(
+def build_classifier(
     name: str,
     num_classes: int,
     source: str = "auto",
@@ -64,7 +64,7 @@ def build_model(
 ) -> nn.Module:
     """A freshly initialised classifier with ``num_classes`` outputs (weights from ``pretrained`` if given)."""
     check_model_name(name, source)
-    model = build_zoo_model(name, num_classes, source, **dict(kwargs or {}))
+    model = build_untrained_model(name, num_classes, source, **dict(kwargs or {}))
     if pretrained is not None:
         load_pretrained(model, pretrained)
     return model
@@ -190,3 +190,11 @@ def load_pretrained(model: nn.Module, path: str | Path, use_ema: bool = True) ->
             stacklevel=2,
         )
     return skipped
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the old name, for one release
+    if name == "build_model":
+        warnings.warn("cltrain.app.models.build_model is deprecated: call build_classifier (the same arguments)",
+                      DeprecationWarning, stacklevel=2)
+        return build_classifier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -69,7 +69,7 @@ class ImageClassifier(LightningModule):
             fused optimizer that fails ``cltrain.precision.loss_scaling_safe`` is built unfused.
 
     The defaults are apex main_amp.py's 90-epoch recipe; ``train.py`` passes every value from its
-    config (``cltrain.app.schema``, whose schedule fits the 8-epoch demo run).
+    config (``cltrain.app.config.schema``, whose schedule fits the 8-epoch demo run).
     """
 
     def __init__(

@@ -21,9 +21,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from cltrain.app.config import ConfigError, is_launched_child
+from cltrain.app.config import ConfigError
+from cltrain.app.launch import is_launched_child
 
-__all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir", "is_slurm_requeue"]
+__all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir", "is_slurm_requeue", "run_dir_of"]
 
 #: What a run writes into its directory.
 OUTPUTS = ("metrics.json", "checkpoints", "csv")
@@ -154,6 +155,21 @@ def claim_run_dir(run_dir: str | os.PathLike, key: str = "run_dir", next_free: b
 def check_run_dir(run_dir: str | os.PathLike, key: str = "run_dir") -> Path:
     """``run_dir`` claimed for this run (see ``claim_run_dir``); kept for callers of the old name."""
     return claim_run_dir(run_dir, key)
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """The run's directory, claimed: ``run_dir`` when set, else Hydra's (claimed already by ``RunDirGuard``).
+
+    Raises:
+        ConfigError: neither is set, or the directory cannot be this run's (see ``claim_run_dir``).
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    if cfg.get("run_dir"):
+        return claim_run_dir(cfg.run_dir, "run_dir")
+    if HydraConfig.initialized():  # claimed by RunDirGuard before Hydra wrote into it; this finds our claim
+        return claim_run_dir(HydraConfig.get().runtime.output_dir, "hydra.run.dir")
+    raise ConfigError("run_dir", None, "not set and not running under Hydra", "a directory path")
 
 
 def _is_pattern(config: DictConfig, key: str) -> bool:

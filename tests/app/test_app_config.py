@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cltrain.app import config as app_config
 from cltrain.app.cli import compose_config
 from cltrain.app.config import ConfigError, validate
+from cltrain.app.config import resolve as app_config
 from cltrain.app.schedule import lr_at, scaled_lr
 
 
@@ -90,7 +90,7 @@ def test_cuda_asked_without_cuda() -> None:
 
 
 def test_amp_is_refused_on_a_device_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app_config, "resolve_device", lambda device: ("mps", None))
+    monkeypatch.setattr(app_config, "resolve_accelerator", lambda device: ("mps", None))
     err = _error(["amp=true"])
     assert err.key == "amp" and "mps" in str(err) and "false" in str(err)
     assert validate(compose_config([])).precision == "32-true"  # amp=auto: fp32 there

@@ -1,4 +1,4 @@
-"""The config schema (cltrain.app.schema): every key typed, every default written once, every group option
+"""The config schema (cltrain.app.config.schema): every key typed, every default written once, every group option
 composing, the data schemas matching their DataModules, and one-line errors for bad keys and values before
 anything runs: in process, for every value of a -m sweep, and through a real `python train.py` (exit status 2)."""
 
@@ -17,12 +17,10 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app import rules, schema
-from cltrain.app.compose import check_command_line, compose_config
-from cltrain.app.config import validate
-from cltrain.app.configs import CONFIG_DIR
-from cltrain.app.errors import ConfigError
+from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir, data_schema, schema, validate
 from tests.helpers import REPO
+
+CONFIG_DIR = config_dir()
 
 GROUPS = ("model", "data", "trainer", "optim", "logger", "callbacks", "experiment")
 
@@ -145,8 +143,32 @@ def test_the_schema_choices_are_the_data_layers() -> None:
     from cltrain.data.dataset import BAD_FILE_POLICIES
     from cltrain.data.decode import INTERPOLATIONS
 
-    assert set(rules.INTERPOLATIONS) == set(INTERPOLATIONS) and set(rules.AUGMENT_POLICIES) == set(AUGMENT_POLICIES)
-    assert set(rules.CHECK_MODES) == set(CHECK_MODES) and set(rules.BAD_FILE_POLICIES) == set(BAD_FILE_POLICIES)
+    def allowed(cls: type, name: str) -> str:
+        return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["rule"].allowed
+
+    assert allowed(data_schema.ImageFolderConfig, "interpolation") == ", ".join(INTERPOLATIONS)
+    assert allowed(data_schema.ImageFolderConfig, "augment") == ", ".join(AUGMENT_POLICIES)
+    assert allowed(data_schema.ImageFolderConfig, "check_val") == ", ".join(CHECK_MODES)
+    assert allowed(data_schema.ClipFolderConfig, "bad_files") == ", ".join(BAD_FILE_POLICIES)
+
+
+def test_the_old_config_modules_warn_and_give_the_same_objects() -> None:
+    import importlib
+
+    from cltrain.app.config import check, compose, errors, rules
+
+    new = {"schema": (schema, "TrainConfig"), "rules": (rules, "Rule"), "schema_check": (check, "check"),
+           "compose": (compose, "compose_config"), "configs": (compose, "config_dir"), "errors": (errors, "ConfigError")}
+    for old, (module, name) in new.items():
+        sys.modules.pop(f"cltrain.app.{old}", None)
+        with pytest.warns(DeprecationWarning, match=rf"cltrain\.app\.{old} is deprecated; import from {module.__name__}"):
+            shim = importlib.import_module(f"cltrain.app.{old}")
+        assert getattr(shim, name) is getattr(module, name), old
+    with pytest.warns(DeprecationWarning, match="resolve_accelerator"):
+        from cltrain.app.config import resolve_device
+    from cltrain.app.config import resolve_accelerator
+
+    assert resolve_device is resolve_accelerator
 
 
 def test_trainer_arguments_pass_through_by_their_own_names() -> None:

@@ -93,9 +93,9 @@ def test_slurm_preset_composes_for_the_trainer_shape() -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from hydra import compose, initialize_config_dir
 
-    from cltrain.app.configs import CONFIG_DIR
+    from cltrain.app.config import config_dir
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.devices=4",
                                            "trainer.num_nodes=2"], return_hydra_config=True)
     launcher = cfg.hydra.launcher

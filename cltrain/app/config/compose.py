@@ -1,0 +1,133 @@
+"""Find the configs, compose the config ``python train.py <overrides>`` runs, and check it before Hydra
+starts the run.
+
+``config_dir`` is where the configs are: the package's own (``conf/`` in the source tree, installed as
+``cltrain.conf``), found with ``importlib.resources`` and never the current folder;
+``$CLTRAIN_CONFIG_DIR`` replaces them with a folder of the user's, and Hydra's ``--config-dir`` adds
+one beside them. ``compose_config`` is Hydra's compose API with one-line errors for bad keys and
+values (``cltrain.app.config.check.config_error``); ``check_command_line`` composes and
+checks (``cltrain.app.config.check.check``) what a command line would run, every value of a
+``-m`` sweep included (``-m ema.decay=0.9,1.5``), so that a bad value stops the sweep before its
+first job.
+
+Example::
+
+    cfg = compose_config(["experiment=smoke", "ema.enabled=true", "run_dir=/tmp/run1"])
+    check_command_line(["-m", "seed=1,2,abc"])   # ConfigError: seed='abc': must be a whole number ...
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from cltrain.app.config.check import check, config_error
+from cltrain.app.config.errors import ConfigError
+
+__all__ = ["check_command_line", "compose_config", "config_dir"]
+
+
+def config_dir() -> Path:
+    """``$CLTRAIN_CONFIG_DIR`` when set, else the installed ``cltrain.conf`` package's folder.
+
+    Raises:
+        ConfigError: ``$CLTRAIN_CONFIG_DIR`` holds no ``config.yaml``.
+    """
+    env = os.environ.get("CLTRAIN_CONFIG_DIR")
+    if env:
+        path = Path(env).expanduser()
+        if not (path / "config.yaml").is_file():
+            raise ConfigError("CLTRAIN_CONFIG_DIR", env, "no config.yaml in that folder",
+                              "a folder holding config.yaml and its groups, or unset it to use cltrain's own configs")
+        return path.resolve()
+    return Path(str(importlib.resources.files("cltrain.conf")))
+
+
+@contextmanager
+def _hydra(folder: str | Path | None) -> Iterator[None]:
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(folder or config_dir()).resolve()), version_base="1.3"):
+        yield
+
+
+def _compose(overrides: Sequence[str], config_name: str = "config") -> DictConfig:
+    from hydra import compose
+
+    try:
+        return compose(config_name, overrides=list(overrides))
+    except Exception as exc:
+        error = config_error(exc)
+        if error is None:
+            raise
+        raise error from None
+
+
+def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> DictConfig:
+    """The config ``python train.py <overrides>`` would run, composed with Hydra's compose API
+    (no run directory, so set ``run_dir=...`` before calling ``train``).
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type, in one line.
+    """
+    with _hydra(config_dir):
+        return _compose(overrides)
+
+
+def _variants(overrides: Sequence[str]) -> list[list[str]]:
+    """The override lists to check for ``-m``: the first value of every sweep, then each other value
+    of each sweep in turn (not their product). Continuous sweeps (``interval(...)``) are left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    base: list[str] = []
+    sweeps: list[tuple[int, list[str]]] = []
+    for override in parsed:
+        if not override.is_sweep_override():
+            base.append(str(override.input_line))
+        elif override.is_discrete_sweep():
+            values = [f"{override.get_key_element()}={v}" for v in override.sweep_string_iterator()]
+            sweeps.append((len(base), values))
+            base.append(values[0])
+    variants = [base]
+    for index, values in sweeps:
+        variants += [[*base[:index], value, *base[index + 1:]] for value in values[1:]]
+    return variants
+
+
+def check_command_line(argv: Sequence[str]) -> None:
+    """Compose and ``check`` what ``python train.py <argv>`` would run (every value of a ``-m``
+    sweep) before Hydra starts: a bad key or value raises one ``ConfigError``. Problems that are
+    not about a key or a value (an unknown group option, a syntax error) are left to Hydra's own message.
+
+    Raises:
+        ConfigError: the first bad key or value.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(list(argv))
+    except SystemExit:  # --version, or arguments Hydra refuses: Hydra answers them itself
+        return
+    if args.hydra_help or args.shell_completion or args.info or args.experimental_rerun or args.config_path:
+        return  # --config-path is relative to cli.py: Hydra composes that one itself
+    overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+    if args.config_dir:
+        overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
+    try:
+        variants = _variants(overrides) if args.multirun else [overrides]
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra's message shows where
+        return
+    try:
+        with _hydra(None):
+            for variant in variants:
+                check(_compose(variant, args.config_name or "config"))
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - not about a key or a value: Hydra reports it when it composes
+        return

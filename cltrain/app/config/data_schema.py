@@ -1,0 +1,185 @@
+"""The ``data`` group's schemas: what every DataModule the app builds takes, and each option's shape.
+
+``DataConfig`` is the group's type in ``cltrain.app.config.schema.TrainConfig``; each option's yaml
+extends one of its subclasses (``conf/data/demo.yaml`` extends ``ImageFolderDemoConfig``). A demo
+option's schema carries the demo set's generator arguments (``data.demo``) and the one ``root`` at
+which the set is generated (``demo_home``).
+
+Example::
+
+    >>> from omegaconf import OmegaConf
+    >>> demo_home(OmegaConf.structured(ImageFolderDemoConfig))
+    'data/demo'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from cltrain.app.config.rules import (
+    COUNT_OR_AUTO,
+    IMAGE_SIZE_WH,
+    NON_NEGATIVE,
+    OPT_PATH,
+    OPT_POSITIVE,
+    POSITIVE,
+    POSITIVE_OR_AUTO,
+    RATIO,
+    SCALE,
+    SEED,
+    UNIT_CLOSED,
+    choices,
+    key,
+)
+from cltrain.data.augment import AUGMENT_POLICIES
+from cltrain.data.constants import CHECK_MODES
+from cltrain.data.dataset import BAD_FILE_POLICIES
+from cltrain.data.decode import INTERPOLATIONS
+from cltrain.data.decoders import DECODER_NAMES
+
+__all__ = [
+    "DEMO_GENERATORS",
+    "ClipFolderConfig",
+    "ClipFolderDemoConfig",
+    "DataConfig",
+    "ImageDemoConfig",
+    "ImageFolderConfig",
+    "ImageFolderDemoConfig",
+    "ShardsConfig",
+    "VideoDemoConfig",
+    "demo_home",
+]
+
+
+@dataclass
+class ImageDemoConfig:
+    """``data.demo``: the generated image demo set (``cltrain.data.make_demo_dataset``'s arguments)."""
+
+    num_classes: int = key(10, POSITIVE)
+    train_per_class: int = key(100, POSITIVE)
+    val_per_class: int = key(20, POSITIVE)
+    image_size: list[int] = key([500, 375], IMAGE_SIZE_WH)  # width, height of the JPEGs (ImageNet-like)
+    seed: int = key(0, SEED)
+    any_root: bool = False                    # true: generate it at any data.root (else only at the option's own root)
+
+
+@dataclass
+class VideoDemoConfig:
+    """``data.demo``: the generated clip demo set (``cltrain.data.video.make_demo_videos``'s arguments)."""
+
+    num_classes: int = key(6, POSITIVE)
+    train_per_class: int = key(48, POSITIVE)
+    val_per_class: int = key(16, POSITIVE)
+    num_frames: int = key(16, POSITIVE)
+    frame_size: int = key(64, POSITIVE)
+    seed: int = key(0, SEED)
+    any_root: bool = False
+
+
+#: The generator of each demo schema (``data.demo``'s type).
+DEMO_GENERATORS: dict[type, str] = {
+    ImageDemoConfig: "cltrain.data.make_demo_dataset",
+    VideoDemoConfig: "cltrain.data.video.make_demo_videos",
+}
+
+
+@dataclass
+class DataConfig:
+    """``data``: what every DataModule the app builds takes; the options' schemas extend it."""
+
+    _target_: str = MISSING                   # the DataModule class
+    root: str | None = key(None, OPT_PATH)  # relative to the directory you start from; required unless a demo
+    batch_size: int = key(256, POSITIVE)       # per device (global batch = batch_size x devices x nodes x accumulation)
+    num_workers: Any = key(8, COUNT_OR_AUTO)  # DataLoader worker processes; auto: see the image options
+    image_size: int = key(224, POSITIVE)      # training crop; centre crop for validation
+    val_resize_size: int | None = key(256, OPT_POSITIVE)  # validation resize before the centre crop
+
+
+@dataclass
+class _ImageCrops(DataConfig):
+    """What the image DataModules (``ImageFolderDataModule``, ``ShardsDataModule``) take beyond
+    ``DataConfig``: loading, decoding, the training crop and augmentation (docs/guides/data.md)."""
+
+    # auto: cltrain.data.decode_pool.loading_plan, the fastest measured split of the cores (docs/performance.md)
+    num_workers: Any = key("auto", COUNT_OR_AUTO)
+    decode_threads: Any = key("auto", POSITIVE_OR_AUTO)  # threads decoding each batch inside each loading process
+    decoder: str = key("auto", choices(*DECODER_NAMES))  # the JPEG back end (cltrain.data.decoders), or pillow
+
+    scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
+    ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
+    hflip: float = key(0.5, UNIT_CLOSED)      # horizontal flip probability
+    interpolation: str = key("bilinear", choices(*INTERPOLATIONS))  # antialiased, training and evaluation
+    exif_transpose: bool = False              # turn photos upright by their EXIF orientation (off, as torchvision)
+    augment: str = key("none", choices(*AUGMENT_POLICIES))  # on the HWC crop in the workers
+    random_erasing: float = key(0.0, UNIT_CLOSED)  # probability, timm's per-image erasing on the device batch
+    mixup_alpha: float = key(0.0, NON_NEGATIVE)  # timm's mixup / cutmix on the device batch (0 and 0: off);
+    cutmix_alpha: float = key(0.0, NON_NEGATIVE)  # targets become probabilities, accuracy reads their argmax
+    mixup_prob: float = key(1.0, UNIT_CLOSED)
+    mixup_switch_prob: float = key(0.5, UNIT_CLOSED)
+
+
+@dataclass
+class ImageFolderConfig(_ImageCrops):
+    """``schema/data/images``: an ImageNet-layout folder, ``<root>/{train,val}/<class>/<image>``."""
+
+    _target_: str = "cltrain.data.ImageFolderDataModule"
+    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
+    allow_missing_val_classes: bool = False   # true: accept classes with train/ images but no val/ folder
+    check_val: str = key("quick", choices(*CHECK_MODES))  # check the validation files before the first epoch
+    exclude_files: str | None = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
+    demo: ImageDemoConfig | None = None    # set: generate the demo set at root when it is missing
+
+
+@dataclass
+class ImageFolderDemoConfig(ImageFolderConfig):
+    """``schema/data/images_demo``: the image demo set, generated at ``root`` (its only place) on first use."""
+
+    root: str | None = key("data/demo", OPT_PATH)
+    demo: ImageDemoConfig | None = field(default_factory=ImageDemoConfig)
+
+
+@dataclass
+class ShardsConfig(_ImageCrops):
+    """``schema/data/shards``: WebDataset shards packed by ``cltrain-pack`` (checked when packed)."""
+
+    _target_: str = "cltrain.data.ShardsDataModule"
+    seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
+    shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
+
+
+@dataclass
+class ClipFolderConfig(DataConfig):
+    """``schema/data/video``: clips as folders of frames, ``<root>/{train,val}/<class>/<clip>/<frame>``."""
+
+    _target_: str = "cltrain.data.video.ClipFolderDataModule"
+    batch_size: int = key(8, POSITIVE)        # clips per device
+    num_workers: Any = key(2, COUNT_OR_AUTO)  # auto: a worker per core
+    image_size: int = key(112, POSITIVE)
+    val_resize_size: int | None = key(128, OPT_POSITIVE)
+    num_frames: int = key(16, POSITIVE)       # frames per clip (T)
+    frame_stride: int = key(1, POSITIVE)      # every n-th frame
+    scale: list[float] = key([0.08, 1.0], SCALE)  # crop area range
+    hflip: float = key(0.5, UNIT_CLOSED)
+    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))
+    demo: VideoDemoConfig | None = None
+
+
+@dataclass
+class ClipFolderDemoConfig(ClipFolderConfig):
+    """``schema/data/video_demo``: the moving-shapes clip demo, generated at ``root`` on first use."""
+
+    root: str | None = key("data/video_demo", OPT_PATH)
+    demo: VideoDemoConfig | None = field(default_factory=VideoDemoConfig)
+
+
+def demo_home(data: DictConfig) -> str | None:
+    """The one ``data.root`` at which the data option's demo set is generated: the default ``root`` of
+    its schema (``data=demo`` -> ``data/demo``, ``data=video_demo`` -> ``data/video_demo``)."""
+    schema = OmegaConf.get_type(data)
+    root = next((f.default for f in dataclasses.fields(schema) if f.name == "root"), None) \
+        if dataclasses.is_dataclass(schema) else None
+    return root if isinstance(root, str) else None

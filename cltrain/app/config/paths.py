@@ -1,0 +1,88 @@
+"""What the paths of a config must name on this machine: the data folder, the checkpoint, the weights.
+
+``check_paths`` refuses a ``data.root`` that is not a folder (a demo option's set is generated only
+at its own default root, ``demo_home``), a missing ``ckpt_path`` or ``model.pretrained`` file, and
+``evaluate_only`` without either; ``check_checkpoint`` opens ``ckpt_path`` without running anything
+in it and refuses one the run cannot resume from (another optimizer, weights only, EMA state
+without ``ema.enabled``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from cltrain.app.config.data_schema import demo_home
+from cltrain.app.config.errors import ConfigError
+
+__all__ = ["check_checkpoint", "check_paths"]
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """``data.root``, ``ckpt_path`` and ``model.pretrained`` name what exists, and ``evaluate_only`` has
+    something to evaluate.
+
+    Raises:
+        ConfigError: the first path that is missing, or not what its key needs.
+    """
+    data = cfg.data
+    root = data.get("root")
+    if root is None:
+        raise ConfigError("data.root", root, "not set; an ImageNet-layout folder is needed",
+                          "a directory with train/ and val/ class folders")
+    where = Path(str(root)).expanduser()
+    if where.exists() and not where.is_dir():
+        raise ConfigError("data.root", str(root), "is a file, not a directory", "a directory with train/ and val/ class folders")
+    demo = data.get("demo")
+    if demo is None and not where.is_dir():
+        raise ConfigError("data.root", str(root), "no such directory",
+                          "a directory with train/ and val/ class folders")
+    home = demo_home(data)
+    if demo is not None and not where.exists() and not demo.any_root \
+            and (home is None or where.resolve() != Path(home).resolve()):
+        # A typo'd path would otherwise get a freshly generated demo set and train on it without a word.
+        raise ConfigError("data.root", str(root), "no such directory; the demo set is generated only at its default "
+                          f"location {home}", "data=imagenet data.root=<your folder> for your own "
+                          "data; or leave data.root unset for the demo set")
+    for key in ("ckpt_path", "model.pretrained"):
+        path = cfg.get("ckpt_path") if key == "ckpt_path" else cfg.model.get("pretrained")
+        if path is not None and not Path(str(path)).expanduser().is_file():
+            raise ConfigError(key, str(path), "no such file", "a local file path, or null")
+    if cfg.evaluate_only and cfg.get("ckpt_path") is None and cfg.model.get("pretrained") is None:
+        raise ConfigError("evaluate_only", True, "nothing to evaluate",
+                          "with ckpt_path=<checkpoint> or model.pretrained=<weights file>")
+
+
+def check_checkpoint(path: str, cfg: DictConfig) -> None:
+    """A resume/evaluate checkpoint is a Lightning checkpoint whose optimizer matches ``optim.name``
+    (a changed optimizer would fail deep inside Lightning with ``KeyError: 'step'``).
+
+    Raises:
+        ConfigError: a file that is unsafe or unreadable, not a Lightning checkpoint, or not one
+            this run can resume from.
+    """
+    from cltrain.checkpoint_io import UnreadableCheckpointError, UnsafeCheckpointError, load_checkpoint_file
+
+    try:  # weights_only: nothing in the file runs, whoever wrote it
+        state = load_checkpoint_file(path, map_location="cpu", mmap=True)
+    except UnsafeCheckpointError as err:
+        raise ConfigError("ckpt_path", path, f"refused to load: it holds {', '.join(err.types)}, which no checkpoint "
+                          "written by train.py holds; unpickling it could run code", "a .ckpt file written by train.py") from None
+    except UnreadableCheckpointError as err:
+        raise ConfigError("ckpt_path", path, f"not a readable checkpoint ({err.reason}); {err.others}",
+                          "a .ckpt file written by train.py") from None
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ConfigError("ckpt_path", path, "not a Lightning checkpoint (no state_dict)", "a .ckpt file written by train.py")
+    saved = (state.get("hyper_parameters") or {}).get("optimizer")
+    if not cfg.evaluate_only and saved is not None and saved != cfg.optim.name:
+        raise ConfigError("optim.name", cfg.optim.name, f"the checkpoint {path} was trained with optim={saved}; "
+                          "resuming needs the same optimizer", f"optim={saved}; or model.pretrained=<ckpt> to start anew")
+    if not cfg.evaluate_only and "optimizer_states" not in state:
+        raise ConfigError("ckpt_path", path, "holds weights only, nothing to resume", "model.pretrained=<file> to start from weights")
+    if not cfg.evaluate_only and "current_model_state" in state and not cfg.ema.enabled:
+        # Its state_dict is the averaged weights; without the EMA callback nothing would restore the training
+        # weights (current_model_state) and the run would go on from the average, silently.
+        raise ConfigError("ema.enabled", False, f"the checkpoint {path} was trained with ema.enabled=true (its training "
+                          "weights are kept apart from the averaged ones); resuming needs ema.enabled=true",
+                          "ema.enabled=true; or model.pretrained=<ckpt> to start anew from the averaged weights")

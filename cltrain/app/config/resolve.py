@@ -1,0 +1,140 @@
+"""Check a composed config before anything is built, and map the toggles onto Lightning.
+
+``validate`` is the one check of a config: the schema's (``cltrain.app.config.check.check``:
+keys, types, ranges, choices), then what a value means on this machine (device, precision,
+paths and the checkpoint to resume: ``cltrain.app.config.paths``). Every problem is a ``ConfigError`` that names the key,
+the value and what is allowed; the CLI prints it as one line and exits with status 2.
+
+The toggles, and what they become (``device=auto`` is ``cuda`` when available, else ``cpu``):
+
+| ``device`` | ``amp`` | Lightning ``precision`` |
+|---|---|---|
+| any | auto (the default) | ``cltrain.precision.auto_precision``: bf16 autocast where bf16 is native, fp16 with loss scaling on older GPUs, else fp32 |
+| cpu | true, bf16 | ``bf16-mixed``; without native bf16 it runs, with a warning: many times slower |
+| cpu | fp16 | refused (AMP on the CPU is bf16 autocast) |
+| cuda[:N] | true | by ``auto_precision`` (bf16 on Ampere+, else fp16) |
+| cuda[:N] | bf16, fp16 | ``bf16-mixed`` (refused without bf16 support), ``16-mixed`` |
+| mps | true, bf16, fp16 | refused |
+| any | false | ``32-true`` |
+
+``trainer.benchmark`` (``torch.backends.cudnn.benchmark``, set by Lightning) left ``null``
+becomes true, as apex and timm run, or false with ``trainer.deterministic``: ``Resolved.benchmark``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from cltrain.app.config.check import check
+from cltrain.app.config.errors import ConfigError, show
+from cltrain.app.config.paths import check_checkpoint, check_paths
+from cltrain.devices import DeviceError, resolve_device
+from cltrain.precision import AMP_DTYPE_FLAGS, auto_precision, cpu_bf16_support
+
+__all__ = ["Resolved", "resolve_accelerator", "resolve_precision", "validate"]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the toggles mean on this machine."""
+
+    accelerator: str  # "cpu" | "cuda" | "mps"
+    devices: Any  # trainer.devices, or [N] for device=cuda:N
+    precision: str  # Lightning precision flag
+    precision_reason: str = ""  # why amp became that flag on this machine
+    benchmark: bool = True  # trainer.benchmark as Lightning gets it
+
+
+def resolve_accelerator(device: Any) -> tuple[str, int | None]:
+    """The Lightning accelerator (``"cpu"``, ``"cuda"``, ``"mps"``) and the CUDA index (or None) that
+    ``device`` names: ``cltrain.devices.resolve_device``, its errors as a ``ConfigError``.
+
+    Raises:
+        ConfigError: a device name torch does not know, or a device this machine lacks.
+    """
+    try:
+        resolved = resolve_device(device)
+    except DeviceError as err:
+        raise ConfigError("device", device, err.reason, err.allowed) from None
+    return resolved.type, resolved.index
+
+
+#: What bf16 autocast cost on a CPU without native bf16 (ResNet-50 training, docs/performance.md).
+CPU_BF16_EMULATED_SLOWDOWN = "ResNet-50 trained 14.5x slower than in fp32 (0.8 vs 11.6 img/s)"
+
+
+def _amp_allowed_without(refused: str) -> str:
+    """The ``amp`` values a device takes when it cannot autocast to ``refused``: ``auto, true, bf16, false``."""
+    return ", ".join(["auto", "true", *(name for name in AMP_DTYPE_FLAGS if name != refused), "false"])
+
+
+def resolve_precision(amp: Any, accelerator: str, index: int | None = None) -> tuple[str, str]:
+    """The Lightning precision flag for ``amp`` (``"auto"``, true, false, ``"bf16"``, ``"fp16"``) on
+    ``accelerator``, and the reason in words.
+
+    Raises:
+        ConfigError: a dtype the device cannot autocast to, or mixed precision on a device without AMP.
+    """
+    if amp is False:
+        return "32-true", "amp=false"
+    if accelerator == "cpu" and amp == "fp16":
+        raise ConfigError("amp", amp, "AMP on the CPU is bf16 autocast", _amp_allowed_without("fp16"))
+    if accelerator == "cuda" and amp == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("amp", amp, "this GPU has no bf16 support", _amp_allowed_without("bf16"))
+    if accelerator not in ("cpu", "cuda"):
+        if amp == "auto":
+            return "32-true", f"amp=auto: no mixed precision is chosen automatically on {accelerator}"
+        raise ConfigError("amp", amp, f"AMP is not supported on device {accelerator!r}", "auto, false; or device=cpu|cuda")
+    device = torch.device(accelerator, index) if index is not None else torch.device(accelerator)
+    if amp == "auto":
+        choice = auto_precision(device)
+        return choice.flag, f"amp=auto: {choice.reason}"
+    if accelerator == "cpu":  # amp=true or bf16
+        native, reason = cpu_bf16_support()
+        if not native:
+            warnings.warn(
+                f"amp={show(amp)} on a CPU without native bf16 ({reason}): bf16 autocast runs, but emulated; "
+                f"{CPU_BF16_EMULATED_SLOWDOWN}. amp=auto or amp=false trains in fp32",
+                stacklevel=3,
+            )
+        return "bf16-mixed", f"amp={show(amp)}: bf16 autocast ({reason})"
+    if amp is True:  # on CUDA: the dtype amp=auto picks
+        choice = auto_precision(device)
+        return choice.flag, f"amp=true: {choice.reason}"
+    return AMP_DTYPE_FLAGS[amp], f"amp={amp}"
+
+
+def validate(cfg: DictConfig) -> Resolved:
+    """Check ``cfg`` (before building anything) and resolve device, precision and cuDNN benchmark.
+
+    Raises:
+        ConfigError: on the first bad value, naming the key, the value and what is allowed.
+    """
+    check(cfg)  # names, types, ranges and choices of every key (the schema); what follows checks meanings
+    if cfg.compile.enabled and cfg.channels_last and cfg.channels_last_mode == "auto":
+        raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile.enabled=true (the layout is "
+                          "fixed before compiling)", "full, conv")
+
+    from cltrain.app.models import check_model_name  # keeps torchvision/timm lookups out of import time
+
+    check_model_name(cfg.model.name, cfg.model.source)
+    check_paths(cfg)
+    if cfg.get("ckpt_path") is not None:
+        check_checkpoint(str(cfg.ckpt_path), cfg)
+
+    accelerator, index = resolve_accelerator(cfg.device)
+    precision, reason = resolve_precision(cfg.amp, accelerator, index)
+    if cfg.trainer.sync_batchnorm and accelerator != "cuda":
+        raise ConfigError("trainer.sync_batchnorm", True, f"SyncBatchNorm needs CUDA devices (torch has none for "
+                          f"{accelerator})", "false; or device=cuda")
+    devices = [index] if index is not None else cfg.trainer.devices
+    benchmark = cfg.trainer.benchmark
+    if benchmark is None:
+        benchmark = not cfg.trainer.deterministic
+    return Resolved(accelerator=accelerator, devices=devices, precision=precision, precision_reason=reason,
+                    benchmark=benchmark)

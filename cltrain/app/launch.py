@@ -1,0 +1,43 @@
+"""How this process was started: as a child of Lightning's DDP launcher, by a scheduler, inside a ``-m`` sweep.
+
+``is_launched_child`` tells the processes Lightning's DDP launcher starts (and nodes > 0) from the one
+that claims the run directory; ``check_launch`` refuses a multi-process run inside a Hydra ``-m`` sweep,
+where Lightning's launcher would start the whole sweep again.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig, ListConfig
+
+from cltrain.app.config import ConfigError
+
+__all__ = ["check_launch", "is_launched_child"]
+
+
+def is_launched_child() -> bool:
+    """True in the processes Lightning's DDP launcher starts (LOCAL_RANK > 0) and on nodes > 0."""
+    return any(os.environ.get(var, "0") not in ("", "0") for var in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
+
+
+def check_launch(cfg: DictConfig) -> None:
+    """Refuse more than one process inside a Hydra ``-m`` sweep, unless torchrun or SLURM starts them.
+
+    Lightning's DDP launcher starts the other processes by re-running this command line, which
+    in a ``-m`` sweep would start the whole sweep again; torchrun and SLURM start them themselves.
+
+    Raises:
+        ConfigError: ``trainer.devices`` > 1 or ``trainer.num_nodes`` > 1 in a ``-m`` sweep.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    devices = cfg.trainer.devices
+    many = (len(devices) if isinstance(devices, (list, ListConfig)) else devices if isinstance(devices, int) else 1) > 1
+    started_by_scheduler = "WORLD_SIZE" in os.environ or SLURMEnvironment.detect()  # hydra/launcher=slurm
+    if (many or cfg.trainer.num_nodes > 1) and not started_by_scheduler and HydraConfig.initialized() \
+            and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise ConfigError("trainer.devices", devices, "more than one process cannot be launched inside a -m sweep",
+                          "1 in a sweep; or run each DDP config on its own, or under torchrun/SLURM")

@@ -1,0 +1,41 @@
+"""``KeepOnException``: write ``last.ckpt`` when a run stops on an exception or a signal, and keep it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from cltrain.app.finite import NonFiniteLossError
+from cltrain.atomic import DiskFullError
+
+__all__ = ["KeepOnException"]
+
+
+class KeepOnException(Callback):
+    """Writes ``last.ckpt`` when a run stops on an exception or signal, and keeps it.
+
+    Not Lightning's ``OnExceptionCheckpoint``: that one deletes its file in ``teardown`` (after a
+    normal run, the epoch-end ``last.ckpt``), and its presence makes ``fit(ckpt_path=None)`` look
+    for a checkpoint to resume from. A run stopped for a non-finite loss is not saved: its weights
+    are NaN, and the ``last.ckpt`` it has is the latest finite state; nor is a run stopped by a full
+    disk: the save would fail again, and the ``last.ckpt`` it has is intact.
+
+    Args:
+        dirpath: the checkpoint folder.
+        filename: the checkpoint's name, without ``.ckpt``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[KeepOnException("run/checkpoints")])
+    """
+
+    def __init__(self, dirpath: str | Path, filename: str = "last") -> None:
+        self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, (NonFiniteLossError, DiskFullError)):
+            trainer.save_checkpoint(self.ckpt_path)

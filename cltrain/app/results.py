@@ -1,0 +1,173 @@
+"""What a run reports: its final metrics (``metrics.json``) and its one-line summary.
+
+``RunResults.finish(status)`` gathers the metrics from the Trainer and the run's callbacks (speed,
+accuracy, checkpoints, the layout the model trained in, the guardrails and layout checks), writes
+``metrics.json`` on rank zero and returns them; ``summary_line`` is the line printed at the end, and
+``resume_command`` the command printed when a run is interrupted.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from cltrain.app.config import Resolved
+from cltrain.app.ema import weights_in_checkpoint
+from cltrain.app.report import write_metrics
+from cltrain.app.rundir import is_slurm_requeue
+from cltrain.app.run_callbacks import RunCallbacks
+
+__all__ = ["RunResults", "resume_command", "summary_line"]
+
+
+@dataclass
+class RunResults:
+    """What a run's metrics are read from; ``finish`` reads them (at the end, or when the run stops)."""
+
+    cfg: DictConfig
+    resolved: Resolved
+    trainer: pl.Trainer
+    run: RunCallbacks
+    model: torch.nn.Module
+    run_dir: Path
+    global_batch: int
+    lr: float
+    ckpt_path: str | None = None  # the checkpoint evaluated or resumed from
+    guarded: list[Any] = field(default_factory=list)  # GuardRecords of workarounds applied outside the callback
+    started: float = field(default_factory=time.perf_counter)
+
+    def finish(self, status: str, error: BaseException | None = None) -> dict[str, Any]:
+        """The final metrics with ``status`` (``"completed"``, ``"interrupted"``, ``"failed"``), written as
+        ``metrics.json`` by rank zero (replacing the file only in a requeued SLURM job)."""
+        cfg, parts = self.cfg, self.run.parts
+        metrics = _final_metrics(cfg, self.resolved, self.trainer, self.run, self.model, self.run_dir,
+                                self.global_batch, self.lr)
+        callback_records = getattr(parts.get("channels_last"), "guardrails", None) or []
+        metrics["guardrails"] = [r.as_dict() for r in (*self.guarded, *callback_records)]
+        checks = getattr(parts.get("channels_last"), "layout_checks", None) or {}
+        metrics["layout_check"] = {kind: check.as_dict() for kind, check in checks.items()}
+        metrics["status"] = status
+        # which weights val_* and the best checkpoint are of ("ema" | "live"; pretrained weights: "live")
+        if cfg.evaluate_only:
+            metrics["weights"] = weights_in_checkpoint(self.ckpt_path) or "live"
+        else:
+            metrics["weights"] = "ema" if cfg.ema.enabled else "live"
+        if error is not None and status == "failed":
+            metrics["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+        metrics["wall_time_s"] = round(time.perf_counter() - self.started, 2)
+        if self.trainer.is_global_zero:
+            write_metrics(self.run_dir, metrics, replace=is_slurm_requeue())  # a requeued job ends its own run
+        return metrics
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes this run from its ``last.ckpt`` (the same overrides, in a new run directory)."""
+    overrides: list[str] = []
+    if HydraConfig.initialized():
+        overrides = [o for o in HydraConfig.get().overrides.task
+                     if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "run_dir")]
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "train.py"
+    args = [*overrides, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
+    return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in args)])
+
+
+def _percent(metrics: dict[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    return None if value is None else round(100.0 * float(value), 3)
+
+
+def _kept_layout(cfg: DictConfig, parts: dict[str, Any], model: torch.nn.Module) -> str:
+    """The layout the model trained in: ``mode="auto"`` may have kept contiguous."""
+    if not cfg.channels_last:
+        return "contiguous"
+    layout = getattr(parts.get("channels_last"), "layout", None)
+    if layout in ("channels_last", "contiguous"):
+        return layout
+    from cltrain.layout import is_channels_last
+
+    conv = next((m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
+    return "channels_last" if conv is None or is_channels_last(conv) else "contiguous"
+
+
+def _checkpoint_path(path: str | None, run_dir: Path) -> str | None:
+    """``path`` if it is a file of this run (a resumed run's callback state can name the previous run's)."""
+    return path if path and Path(path).is_file() and Path(path).is_relative_to(run_dir) else None
+
+
+def _optimizer_report(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The optimizer that trained: its class, whether its step was fused, and why a fused one was declined."""
+    if not trainer.optimizers:
+        return None
+    optimizer = trainer.optimizers[0]
+    note = getattr(trainer.lightning_module, "optimizer_note", "")
+    return {"name": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")), "note": note or None}
+
+
+def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run: RunCallbacks, model: torch.nn.Module,
+                  run_dir: Path, global_batch: int, lr: float) -> dict[str, Any]:
+    """The run's metrics as ``metrics.json`` holds them, ``status`` still None."""
+    logged = trainer.callback_metrics
+    speed = run.progress.summary()
+    best_cb: ModelCheckpoint | None = run.parts.get("best")
+    best = best_cb.best_model_score if best_cb is not None else None
+    last = run_dir / "checkpoints" / "last.ckpt"
+    layout = _kept_layout(cfg, run.parts, model)
+    return {
+        "status": None,
+        "model": cfg.model.name,
+        "channels_last": layout == "channels_last",
+        "layout": layout,
+        "amp": cfg.amp,
+        "precision": resolved.precision,
+        "precision_reason": resolved.precision_reason,
+        "optimizer": _optimizer_report(trainer),
+        "device": resolved.accelerator,
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "tf32": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "world_size": trainer.world_size,
+        "image_size": cfg.data.image_size,
+        "batch_size": cfg.data.batch_size,
+        "global_batch": global_batch,
+        "lr": lr,
+        "compile": cfg.compile.enabled,
+        "evaluate_only": cfg.evaluate_only,
+        **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in speed.items()},
+        "val_top1": _percent(logged, "val/top1"),
+        "val_top5": _percent(logged, "val/top5"),
+        "val_loss": None if logged.get("val/loss") is None else round(float(logged["val/loss"]), 4),
+        "best_val_top1": None if best is None else round(100.0 * float(best), 3),
+        "train_top1": _percent(logged, "train/top1_epoch"),
+        "epochs": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "best_checkpoint": _checkpoint_path(best_cb.best_model_path, run_dir) if best_cb is not None else None,
+        "best_checkpoints": {} if best_cb is None else {
+            p: round(100.0 * float(v), 3) for p, v in sorted(best_cb.best_k_models.items()) if _checkpoint_path(p, run_dir)},
+        "last_checkpoint": str(last) if last.is_file() and not cfg.evaluate_only else None,
+        "run_dir": str(run_dir),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def summary_line(m: dict[str, Any], num_classes: int, unit: str = "images") -> str:
+    """The run's one-line summary; ``unit``: what one sample is (``images_per_second`` counts clips for video)."""
+    speed = (f"{m['images_per_second']:.1f} {unit}/s, {m['step_time_s']:.3f} s/step"
+             if m.get("images_per_second") else f"{unit}/s: too few steps to measure")
+    if m["evaluate_only"]:
+        speed = f"{m['val_images_per_second']:.1f} {unit}/s (validation)" if m.get("val_images_per_second") else "-"
+    top1 = "-" if m["val_top1"] is None else f"{m['val_top1']:.2f}%"
+    top5 = "-" if m["val_top5"] is None else f"{m['val_top5']:.2f}%"
+    math = ", tf32" if m["tf32"] and m["precision"] == "32-true" and m["device"] == "cuda" else ""
+    return (f"\ncltrain: val top-1 {top1} (chance {100 / num_classes:.1f}%), top-5 {top5} | {speed} "
+            f"| {m['model']}, global batch {m['global_batch']}, {m['layout']}, {m['precision']}{math}, {m['device']} "
+            f"| {Path(m['run_dir']) / 'metrics.json'}")
