@@ -5,6 +5,7 @@ Layers, bottom up (lower ones never import higher ones):
 * ``cltrain.layout``: tensor and module layout helpers (channels-last 1-D too);
 * ``cltrain.autolayout`` and ``cltrain.audit``: time a model in both layouts; find the
   ops that lose channels_last (``cltrain-audit resnet50`` on the command line);
+* ``cltrain.model_names``: torchvision and timm models by name, with random weights;
 * ``cltrain.callback``: the Lightning callback ``ChannelsLast``, with its pieces in
   ``cltrain.batch_layout`` (restriding batches) and ``cltrain.model_access`` (the modules
   around a LightningModule: step target, averaged copies, hook wrapping, optimizer state);
@@ -14,7 +15,8 @@ Layers, bottom up (lower ones never import higher ones):
   atomically on any local filesystem and loads them with ``weights_only=True``);
 * ``cltrain.data``: the NHWC data path (transforms, collate, normalisation,
   an ImageFolder DataModule, demo data);
-* ``cltrain.app``: the Hydra training application behind ``train.py``.
+* ``cltrain.app``: the Hydra training application behind ``train.py``;
+* ``cltrain.tools``: the console scripts (``cltrain-train``, ``cltrain-audit``, ...).
 
 Only the torch-only library layers are imported here. ``ChannelsLast`` and
 ``AtomicCheckpointIO`` are imported on first use (they need Lightning, whose import takes
@@ -30,13 +32,13 @@ from cltrain.layout import (
     to_channels_last_1d,
 )
 from cltrain.autolayout import choose_layout, time_layouts
-from cltrain.audit import AuditReport, audit  # the function shadows the module name, as tqdm.tqdm does
+from cltrain.audit import AuditReport, audit_model
 
 __all__ = [
     "AtomicCheckpointIO",
     "AuditReport",
     "ChannelsLast",
-    "audit",
+    "audit_model",
     "choose_layout",
     "is_channels_last",
     "is_channels_last_1d",

@@ -1,6 +1,6 @@
 """Layout audit: which operators of a model drop channels_last, and how many layout copies a step makes.
 
-``audit`` runs one forward and one backward of the model under a
+``audit_model`` runs one forward and one backward of the model under a
 ``TorchDispatchMode``, so it sees every ATen operator the step really
 dispatches (no monkey-patching of ``torch`` functions, unlike the tutorial's
 checker), and reports:
@@ -31,15 +31,18 @@ Example::
 
     >>> import torch
     >>> from cltrain import to_channels_last
-    >>> from cltrain.audit import audit
+    >>> from cltrain.audit import audit_model
     >>> model = to_channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()))
-    >>> report = audit(model, torch.randn(2, 3, 16, 16))
+    >>> report = audit_model(model, torch.randn(2, 3, 16, 16))
     >>> report.rows, report.layout_copies
     ([], 0)
 """
 
 from __future__ import annotations
 
+import sys
+import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 from cltrain.autolayout import autocast_for, scalar_loss
 from cltrain.layout import is_channels_last, layout_summary, to_channels_last
 
-__all__ = ["AuditReport", "AuditRow", "audit"]
+__all__ = ["AuditReport", "AuditRow", "audit_model"]
 
 _COPY_OPS = frozenset({"aten.clone", "aten._to_copy", "aten.copy_"})
 _CONV_OPS = frozenset({"aten.convolution", "aten.convolution_backward"})
@@ -77,7 +80,7 @@ class AuditRow:
 
 @dataclass
 class AuditReport:
-    """What ``audit`` found. ``str(report)`` is ``format_table``."""
+    """What ``audit_model`` found. ``str(report)`` is ``format_table``."""
 
     #: Ops whose rank-4/5 output is not channels_last although a channels_last input was.
     rows: list[AuditRow]
@@ -271,7 +274,7 @@ def _as_tuple(example_input: torch.Tensor | tuple) -> tuple:
     return example_input if isinstance(example_input, tuple) else (example_input,)
 
 
-def audit(
+def audit_model(
     model: nn.Module,
     example_input: torch.Tensor | tuple,
     *,
@@ -354,3 +357,23 @@ def audit(
         parameter_layouts=layout_summary(model),
     )
 
+
+_DEPRECATED_CALL = "cltrain.audit(...) and cltrain.audit.audit(...) are deprecated: call cltrain.audit_model(...)"
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the old name of audit_model, for one release
+    if name == "audit":
+        warnings.warn(_DEPRECATED_CALL, DeprecationWarning, stacklevel=2)
+        return audit_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _CallableModule(types.ModuleType):
+    """``cltrain.audit`` is this module; calling it, as when it was the function, still audits for one release."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> AuditReport:
+        warnings.warn(_DEPRECATED_CALL, DeprecationWarning, stacklevel=2)
+        return audit_model(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -220,7 +220,7 @@ KNOWN_FAULTS: tuple[KnownFault, ...] = (
     KnownFault(
         key="onednn-bf16-conv3d-weight-grad",
         backend="oneDNN (CPU, x86 jit_bf16 Conv3d backward-weights)",
-        upstream="no upstream report yet (scripts/repro_cpu_bf16_conv3d_grad.py)",
+        upstream="no upstream report yet (scripts/repro/cpu_bf16_conv3d_grad.py)",
         versions="measured in oneDNN 3.12.0 (torch 2.14.1) with AVX-512 (not with AVX2); every oneDNN version "
                  "and x86 ISA is guarded",
         description="bf16 Conv3d weight gradients are wrong (up to 1e37) or not finite when the input is "

@@ -6,10 +6,10 @@ closest-names answer.
 
 Example::
 
-    >>> from cltrain.zoo import build_model, model_source
+    >>> from cltrain.model_names import build_untrained_model, model_source
     >>> model_source("resnet18")
     'torchvision'
-    >>> build_model("resnet18", num_classes=10).fc.out_features
+    >>> build_untrained_model("resnet18", num_classes=10).fc.out_features
     10
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["CLASSIFIERS", "SOURCES", "UnknownModelError", "build_model", "closest_model_names", "model_source", "optional_timm",
-           "torchvision_family"]
+__all__ = ["CLASSIFIERS", "SOURCES", "UnknownModelError", "build_untrained_model", "closest_model_names", "model_source",
+           "optional_timm", "torchvision_family"]
 
 #: Where a name may be looked up: ``auto`` tries torchvision, then timm.
 SOURCES = ("auto", "torchvision", "timm")
@@ -101,8 +101,8 @@ def closest_model_names(name: str, source: str = "auto") -> tuple[list[str], lis
     return list(dict.fromkeys(difflib.get_close_matches(name, pool, n=6, cutoff=0.6)))[:4], lists
 
 
-def build_model(name: str, num_classes: int | None = None, source: str = "auto",
-                families: tuple[str, ...] = CLASSIFIERS, **kwargs: Any) -> nn.Module:
+def build_untrained_model(name: str, num_classes: int | None = None, source: str = "auto",
+                          families: tuple[str, ...] = CLASSIFIERS, **kwargs: Any) -> nn.Module:
     """A freshly initialised model named ``name`` (random weights; torchvision's and timm's
     pretrained weights are never fetched).
 

@@ -1,8 +1,8 @@
 """One command that proves and measures the GPU path, and writes the table for docs/performance.md.
 
-    python scripts/gpu_check.py --out gpu-check              # a CUDA machine: about 8 minutes on one H100
-    python scripts/gpu_check.py --wheels .whl --out $OUT     # the same, installing the app's wheels first
-    python scripts/gpu_check.py --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
+    python -m scripts.gpu_check --out gpu-check              # a CUDA machine: about 8 minutes on one H100
+    python -m scripts.gpu_check --wheels .whl --out $OUT     # the same, installing the app's wheels first
+    python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
 
 Each part runs in its own subprocess under its own time limit (``--limits``, seconds):
 
@@ -32,8 +32,9 @@ Where hydra-core, omegaconf, antlr4-python3-runtime, simplejpeg and turbojpeg ar
 
 ``--wheels .whl`` then runs ``python -m pip install -q --no-index --no-deps --target <work>/site .whl/*.whl``
 first and puts that folder first on ``sys.path`` and the subprocesses' ``PYTHONPATH`` (by hand: ``python3 -m pip
-install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site``). The repository
-needs no install: it goes on ``PYTHONPATH``, and its ``conf/`` becomes ``$CLTRAIN_CONFIG_DIR``.
+install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site``). Run from the
+repository root, which needs no install: ``-m`` puts it on ``sys.path``, the subprocesses get it on ``PYTHONPATH``,
+and its ``conf/`` becomes ``$CLTRAIN_CONFIG_DIR``.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
+from lightning.pytorch import Callback
+
+from scripts.machine import machine
+from tests.helpers.trainer_probes import SyncOps
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # cltrain and tests.helpers, also where cltrain is not installed
-
-import torch  # noqa: E402
-from lightning.pytorch import Callback  # noqa: E402
-
-from tests.helpers.trainer_probes import SyncOps  # noqa: E402
 
 COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
            "notes")
@@ -123,7 +124,7 @@ class StepProbe(Callback):
 
 def run_matrix(spec_file: Path) -> int:
     """Part (c)'s worker: each configuration of the spec through ``train(cfg)`` in this process, one JSON line each."""
-    from cltrain.app.cli import compose_config
+    from cltrain.app.config import compose_config
     from cltrain.app.train import train
 
     spec = json.loads(spec_file.read_text())
@@ -134,7 +135,7 @@ def run_matrix(spec_file: Path) -> int:
         print(f"gpu_check: {name}: {' '.join(overrides)}", flush=True)
         try:
             record.update(train(compose_config([
-                *spec["common"], *overrides, f"run_dir={runs / slug}", "+callbacks.probe._target_=gpu_check.StepProbe",
+                *spec["common"], *overrides, f"run_dir={runs / slug}", "+callbacks.probe._target_=scripts.gpu_check.StepProbe",
                 f"+callbacks.probe.path={probe}", f"+callbacks.probe.count_from={first}",
                 f"+callbacks.probe.count_steps={count}"])))
         except Exception as err:  # noqa: BLE001 - one configuration failing must not stop the others
@@ -175,7 +176,7 @@ def jpeg_folder(root: Path, classes: int, per_class: int, size: tuple[int, int])
     return write_once(root, {"classes": classes, "per_class": per_class, "size": list(size)}, fill, "gpu_check")
 
 
-def run(cmd: list[str], cwd: Path, limit: float, log: Path) -> int | None:
+def run_part(cmd: list[str], cwd: Path, limit: float, log: Path) -> int | None:
     """``cmd``'s exit status, its output in ``log``; ``None`` when it ran past ``limit`` (its process group is killed)."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -204,7 +205,7 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
     if importlib.util.find_spec("pytest") is None:
         return row("cuda tests", shown, "skipped: pytest is not installed")
     started = time.perf_counter()
-    code = run([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-q", "-p", "no:cacheprovider"], REPO, limit, log)
+    code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-q", "-p", "no:cacheprovider"], REPO, limit, log)
     text = log.read_text(errors="replace")
     if code is None:  # no summary line: count the progress marks `-q` printed
         marks = "".join(re.findall(r"^([.sFE]+) +\[ *\d+%\]$", text, re.MULTILINE))
@@ -219,7 +220,7 @@ def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> di
     overrides = TINY_NEWCOMER if tiny else []
     shown = "`" + " ".join(["python train.py", *overrides]) + "`"
     folder.mkdir(parents=True)
-    code = run([sys.executable, str(REPO / "train.py"), *overrides], folder, limit, log)
+    code = run_part([sys.executable, str(REPO / "train.py"), *overrides], folder, limit, log)
     found = sorted(folder.glob("outputs/*/*/metrics.json"))
     if not found:
         return row("default train.py", shown, "timed out" if code is None else f"failed (exit {code})", notes=log.name)
@@ -236,7 +237,7 @@ def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> di
 
 
 def _skip(overrides: list[str], tiny: bool) -> str | None:
-    from cltrain.precision import cpu_bf16_support
+    from cltrain.platform import cpu_bf16_support
 
     cuda = torch.cuda.is_available()
     if "amp=fp16" in overrides and not cuda:
@@ -257,8 +258,8 @@ def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Pat
                 f"++trainer.max_steps={size['warmup'] + size['steps']}", "trainer.max_epochs=-1",
                 "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
     (work / "matrix.json").write_text(json.dumps(spec, indent=1))
-    code = run([sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "matrix.json")], REPO, limit,
-               log) if spec["configs"] else 0
+    code = run_part([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "matrix.json")], REPO, limit,
+                    log) if spec["configs"] else 0
     done = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())} if results.is_file() else {}
     for path in runs.glob("*/metrics.json"):
         (out / f"{path.parent.name}.metrics.json").write_text(path.read_text())
@@ -288,8 +289,6 @@ def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Pat
 
 
 def machine_rows(command: str, seconds: float, data: str) -> list[dict[str, str]]:
-    from zoo_report import machine
-
     m, device = machine(), "no CUDA device"
     if torch.cuda.is_available():
         try:
@@ -306,7 +305,7 @@ def machine_rows(command: str, seconds: float, data: str) -> list[dict[str, str]
             row("data", data, "")]
 
 
-def table(rows: list[dict[str, str]]) -> str:
+def markdown_table(rows: list[dict[str, str]]) -> str:
     """The rows as one Markdown table, numbers right-aligned."""
     def line(cells: Any) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
@@ -338,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return run_matrix(args.worker)
-    started, command = time.perf_counter(), "python " + shlex.join(sys.argv if argv is None else [__file__, *argv])
+    started, command = time.perf_counter(), "python -m scripts.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     size, (limit_a, limit_b, limit_c) = TINY if args.tiny else FULL, args.limits
     with tempfile.TemporaryDirectory(prefix="cltrain-gpu-check-") as tmp:
@@ -357,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [cuda_tests(limit_a, args.out / "cuda_tests.log"),
                 newcomer(stamp / "newcomer", limit_b, args.out / "default_train.log", args.tiny, args.out),
                 *matrix(stamp, root, limit_c, args.out / "matrix.log", size, args.out, args.tiny)]
-    text = table(machine_rows(command, time.perf_counter() - started, data) + rows)
+    text = markdown_table(machine_rows(command, time.perf_counter() - started, data) + rows)
     (args.out / "gpu_check.md").write_text(text)
     print(text, end="")
     return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 from typing_extensions import override
 
+from cltrain.data.decode_pool import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 
@@ -58,15 +59,17 @@ class BatchDataModule(L.LightningDataModule):
         ValueError: a bad argument, quoted (also ``mean``/``std`` in 0-255 units).
     """
 
-    def __init__(self, root: str | os.PathLike, *, batch_size: int, num_workers: int, persistent_workers: bool,
+    def __init__(self, root: str | os.PathLike, *, batch_size: int, num_workers: int | str, persistent_workers: bool,
                  pin_memory: bool | None, channels: int, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype,
                  channels_last: bool, cuda_prefetch: bool) -> None:
         super().__init__()
         owner = type(self).__name__
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"{owner}: batch_size={batch_size!r} must be an int >= 1.")
+        if num_workers == "auto":
+            num_workers = usable_cores()  # a worker process per core (the image DataModules plan threads too)
         if not (isinstance(num_workers, int) and num_workers >= 0):
-            raise ValueError(f"{owner}: num_workers={num_workers!r} must be an int >= 0.")
+            raise ValueError(f"{owner}: num_workers={num_workers!r} must be an int >= 0 or 'auto'.")
         if channels not in (1, 3):
             raise ValueError(f"{owner}: channels={channels!r} must be 1 (grayscale) or 3 (RGB).")
         if dtype not in NORMALIZE_DTYPES:

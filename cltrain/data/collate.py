@@ -58,7 +58,8 @@ def _uint8_scratch(shape: tuple[int, ...]) -> torch.Tensor:
     into its slot while it is still in the CPU cache."""
     buf = getattr(_SCRATCH, "image", None)
     if buf is None or tuple(buf.shape) != shape:
-        buf = _SCRATCH.image = torch.empty(shape, dtype=torch.uint8)
+        with torch.inference_mode(False):  # written again outside inference mode (see _empty_batch)
+            buf = _SCRATCH.image = torch.empty(shape, dtype=torch.uint8)
     return buf
 
 
@@ -91,6 +92,13 @@ _HUGE_PAGES_FROM = 32 << 20
 
 
 def _empty_batch(shape: tuple[int, ...], pin_memory: bool, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    # A buffer made under inference mode (Lightning's validation loop) is an inference tensor, which the
+    # decode threads (not in inference mode) or a later training batch could not write into.
+    with torch.inference_mode(False):
+        return _new_batch(shape, pin_memory, dtype)
+
+
+def _new_batch(shape: tuple[int, ...], pin_memory: bool, dtype: torch.dtype) -> torch.Tensor:
     """The batch buffer; in a DataLoader worker, in shared memory as ``default_collate`` does, so
     the batch reaches the main process without being copied into shared memory once more; else a
     fresh anonymous mapping with transparent huge pages asked for (where the kernel allows them)."""

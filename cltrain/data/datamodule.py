@@ -48,7 +48,9 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
             (as timm and torchvision's references do: no batch of 1 reaches BatchNorm, and
             shapes stay fixed for ``cudnn.benchmark`` and ``torch.compile``); validation,
             test and predict keep every image.
-        num_workers: DataLoader worker processes (0: load in the main process).
+        num_workers: DataLoader worker processes (0: load in the main process; ``"auto"``, with
+            ``decode_threads="auto"``: ``cltrain.data.decode_pool.loading_plan``, one process with a
+            decode thread per core up to 4 cores).
         persistent_workers: keep workers between epochs (when ``num_workers > 0``).
         pin_memory: ``None`` pins only when the trainer runs on a GPU.
         image_size: training crop and evaluation crop (int or (height, width)).
@@ -64,14 +66,14 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
         exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
         decode_threads: threads that decode a batch's images in each loading process
             (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
-            load in one process; 1 decodes them one by one.
+            load in one process; 1 decodes them one by one; ``"auto"``: as ``num_workers``.
         decoder: the JPEG decoder of the transforms and of ``check_val="full"``
             (``cltrain.data.decoders``): ``"auto"``, ``"turbojpeg"``, ``"simplejpeg"`` or ``"pillow"``.
         augmentation: the training augmentation as one group (``Augmentation``), or ``None``
             and its fields as the keywords below (not both).
-        scale, ratio, hflip, augment, random_erasing, mixup_alpha, cutmix_alpha, mixup_prob,
-            mixup_switch_prob: the fields of ``Augmentation`` (see it), when ``augmentation``
-            is ``None``.
+        scale: with ``ratio``, ``hflip``, ``augment``, ``random_erasing``, ``mixup_alpha``,
+            ``cutmix_alpha``, ``mixup_prob`` and ``mixup_switch_prob``: the fields of
+            ``Augmentation`` (see it), when ``augmentation`` is ``None``.
         bad_files: ``"raise"``: an unreadable file stops with an error naming it;
             ``"skip"``: it is replaced by the next readable sample, the count is
             logged each epoch (``data/skipped_train``, ``data/skipped_val``) and the
@@ -104,11 +106,11 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
     layout_hint = ("a folder with train/ and val/ (ImageNet layout), or make one with "
                    "cltrain.data.make_demo_dataset(root)")
 
-    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int = 4, persistent_workers: bool = True,
+    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int | str = "auto", persistent_workers: bool = True,
                  pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
                  channels: int = 3, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                  dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
-                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int = 1,
+                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int | str = "auto",
                  decoder: str = "auto", augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, augment: str = "none",
                  random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,

@@ -79,19 +79,20 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def loading_plan(cores: int | None = None) -> tuple[int, int]:
+def loading_plan(num_workers: int | None = None, cores: int | None = None) -> tuple[int, int]:
     """``(num_workers, decode_threads)`` for ``"auto"``: the fastest measured split of ``cores``
-    (default: ``usable_cores()``) between DataLoader worker processes and decode threads.
+    (default: ``usable_cores()``) between DataLoader worker processes and decode threads; with
+    ``num_workers`` given, the threads each of those processes gets.
 
     Up to 4 cores, one process decodes on a thread per core (2 cores: 1.28x the images per second
     of 2 worker processes for the float batch, 1.13x for uint8; docs/performance.md). Above that,
     a worker process per 4 cores with 4 threads each: the Python share of each image's work holds
-    the GIL, so one process's threads stop adding throughput well before 16 (not measured here:
-    this machine has 2 cores)."""
+    the GIL, so one process's threads stop adding throughput well before 16 (not measured: the
+    machine behind these figures has 2 cores)."""
     cores = usable_cores() if cores is None else max(1, cores)
-    if cores <= _CORES_PER_PROCESS:
-        return 0, cores
-    return cores // _CORES_PER_PROCESS, _CORES_PER_PROCESS
+    if num_workers is None:
+        num_workers = 0 if cores <= _CORES_PER_PROCESS else cores // _CORES_PER_PROCESS
+    return num_workers, max(1, min(_CORES_PER_PROCESS, cores // max(1, num_workers)))
 
 
 _CORES_PER_PROCESS = 4

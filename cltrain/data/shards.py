@@ -143,7 +143,8 @@ class ShardsDataModule(ImageDataModule):
 
     Args:
         root: the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``).
-        decode_threads: threads that decode a batch's samples in each loading process.
+        decode_threads: threads that decode a batch's samples in each loading process (``"auto"``:
+            ``cltrain.data.decode_pool.loading_plan``).
         seed: seed of the per-epoch training order (the same on every rank).
         shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
             ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
@@ -164,11 +165,11 @@ class ShardsDataModule(ImageDataModule):
         (10, (32, 3, 224, 224))
     """
 
-    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int = 4, persistent_workers: bool = True,
+    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int | str = "auto", persistent_workers: bool = True,
                  pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
                  channels: int = 3, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                  dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
-                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int = 1,
+                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int | str = "auto",
                  decoder: str = "auto", augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, augment: str = "none",
                  random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,

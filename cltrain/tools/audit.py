@@ -5,7 +5,7 @@
     cltrain-audit r3d_18 --frames 8 --image-size 112 --device cuda
 
 The model is built with random weights (nothing is downloaded), put in train mode,
-converted with ``cltrain.to_channels_last`` and audited by ``cltrain.audit.audit``
+converted with ``cltrain.to_channels_last`` and audited by ``cltrain.audit.audit_model``
 on one random batch: ``(N, 3, S, S)``, or ``(N, 3, frames, S, S)`` for torchvision's video
 models. Detection, optical-flow and quantized models are refused with the reason. Every
 mistake is one line on stderr and exit status 2.
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from cltrain.audit import AuditReport, audit
+from cltrain.audit import AuditReport, audit_model
 from cltrain.devices import DeviceError, resolve_device
 from cltrain.layout import MODES, to_channels_last
-from cltrain.zoo import SOURCES, UnknownModelError, build_model, torchvision_family
+from cltrain.model_names import SOURCES, UnknownModelError, build_untrained_model, torchvision_family
 
 __all__ = ["main", "parser", "run"]
 
@@ -75,10 +75,10 @@ def _build(args: argparse.Namespace) -> tuple[nn.Module, tuple[int, ...]]:
     family = torchvision_family(args.model) if args.source != "timm" else None
     if family in _REFUSED_FAMILIES:
         raise UsageError(f"{args.model} is a torchvision {family} model: {_REFUSED_FAMILIES[family]}; audit a "
-                         "classification, video or segmentation model, or call cltrain.audit() on your own step")
+                         "classification, video or segmentation model, or call cltrain.audit_model() on your own step")
     kwargs = {"image_size": args.image_size} if family == "" and args.model.startswith("vit_") else {}
     try:
-        model = build_model(args.model, source=args.source, families=("", "video", "segmentation"), **kwargs)
+        model = build_untrained_model(args.model, source=args.source, families=("", "video", "segmentation"), **kwargs)
     except UnknownModelError as err:
         raise UsageError(str(err)) from None
     spatial = (args.image_size, args.image_size)
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> AuditReport:
         model, shape = _build(args)
         model = model.to(device).train()
         to_channels_last(model, mode=args.mode)
-        report = audit(model, torch.randn(shape, device=device), autocast_dtype=DTYPES[args.dtype])
+        report = audit_model(model, torch.randn(shape, device=device), autocast_dtype=DTYPES[args.dtype])
     except UsageError:
         raise
     except (RuntimeError, ValueError, AssertionError, TypeError) as err:  # e.g. a ViT's size check, BN on 1 value

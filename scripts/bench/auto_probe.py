@@ -7,26 +7,22 @@ seconds of each, their difference (the isolation's cost) and ratio, then the mac
 first in-process trial, which creates the kernels as a run's own trial would; every child starts cold.
 The first row, one 3x3 conv, is the fixed cost of the child process alone::
 
-    python scripts/bench_auto_probe.py                       # resnet18 and resnet50, (8, 3, 64, 64), 3 rounds
-    python scripts/bench_auto_probe.py --models resnet50 --shape 16 3 112 112 --rounds 5
+    python -m scripts.bench.auto_probe                       # resnet18 and resnet50, (8, 3, 64, 64), 3 rounds
+    python -m scripts.bench.auto_probe --models resnet50 --shape 16 3 112 112 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torchvision
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from bench_loader import machine  # noqa: E402
-
-from cltrain.autolayout import choose_layout  # noqa: E402
-from cltrain.layout_probe import probe_layout  # noqa: E402
+from cltrain.autolayout import choose_layout
+from cltrain.layout_probe import probe_layout
+from scripts.machine import machine, machine_line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         cold = samples["in-process"][0]  # this process's first trial of the model: kernels created, as in a run
         print(f"{name:<12}{inproc:>12.1f}{cold:>8.1f}{child:>10.1f}{child - inproc:>9.1f}{child / inproc:>8.2f}  "
               f"{chosen}", flush=True)
-    print(f"Machine: {machine(torch.device('cpu'))}")
+    print(f"Machine: {machine_line(machine())}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ this process's memory:
                   T threads, nothing else: the bar for the in-process loader
 
 on three folders: real photographs (333-800 px, made from the images bundled with
-scikit-image and scikit-learn, see ``scripts/photo_folder.py``), and generated
+scikit-image and scikit-learn, see ``scripts/bench/photo_folder.py``), and generated
 ImageNet-sized JPEGs of 500x375 and 2000x1500 (mosaics of 500x375 crops of the same
 photographs, so they hold as much detail as a photograph: quality 75-95, 4:2:0). Each
 loader runs ``--repeats`` times, interleaved (the order rotates each round); the table
@@ -31,8 +31,8 @@ decoding instead of the crop's region). The CPU model, its SIMD flags and
 the load average before and after are printed: figures from a busy machine say so.
 
     pip install 'cltrain[bench]'                      # DALI, timm, scikit-image, scikit-learn
-    python scripts/bench_dali.py                      # the docs/performance.md table
-    python scripts/bench_dali.py --quick              # seconds: checks that it runs
+    python -m scripts.bench.dali                      # the docs/performance.md table
+    python -m scripts.bench.dali --quick              # seconds: checks that it runs
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import gc
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,10 +54,8 @@ from torch.utils.data import DataLoader, RandomSampler
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
 from cltrain.data.dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from bench_loader import machine, methods, run as run_plain  # noqa: E402
-from photo_folder import bundled_photos, make_photo_folder  # noqa: E402
+from scripts.bench.loader import loader_machine_line, methods, time_loader
+from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 
 SIZE = 224
 _DONE = ".complete"
@@ -206,7 +203,7 @@ def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali:
     for name, key in (("torchvision", "(b) torchvision"), ("timm", "(c) timm")):
         fn, collate, finish = plain[key]
         rows[name] = (lambda seed, fn=fn, collate=collate, finish=finish:
-                      run_plain(samples, fn, collate, finish, batch_size, workers, batches, seed, torch.device("cpu")))
+                      time_loader(samples, fn, collate, finish, batch_size, workers, batches, seed, torch.device("cpu")))
     rows["decode"] = lambda seed: bare_decode(samples, threads, batch_size * batches, seed)
     return rows
 
@@ -265,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     sets = folders(args.work, args.quick)
     if args.sets:
         sets = {k: v for k, v in sets.items() if any(s in k for s in args.sets)}
-    print(machine(torch.device("cpu")))
+    print(loader_machine_line(torch.device("cpu")))
     print(cpu_flags())
     if has_dali:
         import nvidia.dali

@@ -7,28 +7,24 @@ the floor, a perturbed NCHW copy) and one plain channels_last training step in t
 (forward, loss, backward, SGD) on the same batch; prints the median of each, the check's cost in steps and
 as a fraction of one epoch of the demo set (1,000 images at this batch size), then the machine::
 
-    python scripts/bench_layout_check.py                        # resnet18, resnet50; batch 32 at 112 px (the demo's)
-    python scripts/bench_layout_check.py --models resnet50 --batch 64 --size 224 --amp fp32
+    python -m scripts.bench.layout_check                        # resnet18, resnet50; batch 32 at 112 px (the demo's)
+    python -m scripts.bench.layout_check --models resnet50 --batch 64 --size 224 --amp fp32
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import torchvision
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from zoo_report import machine, machine_line  # noqa: E402
-
-from cltrain.layout_check import check_layout  # noqa: E402
-from cltrain.loops import convert_model  # noqa: E402
-from cltrain.precision import auto_precision  # noqa: E402
+from cltrain.layout_check import check_layout
+from cltrain.loops import convert_model
+from cltrain.precision import auto_precision
+from scripts.machine import machine, machine_line
 
 DEMO_TRAIN_IMAGES = 1000
 

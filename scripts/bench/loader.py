@@ -16,16 +16,16 @@ order, measured one after the other in one run:
 The first batch of each loader (worker start-up) is not timed. ``--photos DIR`` times
 a folder of real photographs (333-800 px, quality 75-95, 4:2:0 and 4:4:4; made once
 from the images bundled with scikit-image and scikit-learn, see
-``scripts/photo_folder.py``: ``pip install 'cltrain[bench]'``); without it and
+``scripts/bench/photo_folder.py``: ``pip install 'cltrain[bench]'``); without it and
 without --root, the demo folder (synthetic 500x375 JPEGs). ``--augment`` adds a
 cltrain row with TrivialAugmentWide in the workers and random erasing + mixup on the
 batch; ``--whole`` a cltrain row decoding whole images (the path before region decoding). ``--device cuda`` also times each loader's whole path to the GPU: pinned
 batches, one non-blocking host-to-device copy, normalisation and layout on the GPU,
 synchronised before the clock stops.
 
-    python scripts/bench_loader.py --photos /tmp/cltrain-photos       # batch 64, 1 worker
-    python scripts/bench_loader.py --root /data/imagenet --workers 4 --batches 50
-    python scripts/bench_loader.py --photos /tmp/p --batches 3 --batch-size 16   # a quick check
+    python -m scripts.bench.loader --photos /tmp/cltrain-photos       # batch 64, 1 worker
+    python -m scripts.bench.loader --root /data/imagenet --workers 4 --batches 50
+    python -m scripts.bench.loader --photos /tmp/p --batches 3 --batch-size 16   # a quick check
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -49,9 +48,7 @@ from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, NHWCCollate, make_demo_dat
 from cltrain.data import jpeg_roi
 from cltrain.data.dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from photo_folder import make_photo_folder  # noqa: E402
+from scripts.bench.photo_folder import make_photo_folder
 
 
 class Files(Dataset):
@@ -139,7 +136,8 @@ def methods(size, device, augment=False, num_classes=1000, whole=False):
     return rows
 
 
-def run(samples, fn, collate, finish, batch_size, workers, batches, seed, device):
+def time_loader(samples, fn, collate, finish, batch_size, workers, batches, seed, device):
+    """Images per second of one loader over ``batches`` batches after an untimed first one."""
     n = batch_size * (batches + 1)
     cuda = device.type == "cuda"
     sampler = RandomSampler(samples, replacement=True, num_samples=n, generator=torch.Generator().manual_seed(seed))
@@ -160,7 +158,9 @@ def run(samples, fn, collate, finish, batch_size, workers, batches, seed, device
     return images / (time.perf_counter() - start)
 
 
-def machine(device):
+def loader_machine_line(device):
+    """The CPU, its load, the GPU, and the versions of the libraries a loader figure depends on (Pillow, simplejpeg,
+    libturbojpeg)."""
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -182,7 +182,8 @@ def _simplejpeg_version():
     return simplejpeg.__version__
 
 
-def table(title, med):
+def print_ratios(title, med):
+    """Print each loader's median images/second and its ratio to the reference loaders."""
     names = list(med)
     refs = [n for n in names if n[:3] in ("(b)", "(c)", "(d)")]
     print(f"\n{title}\n{'loader':<18}{'img/s':>9}" + "".join(f"{'vs ' + n.split()[0]:>9}" for n in refs))
@@ -222,21 +223,21 @@ def main(argv=None):
     samples = find_samples(split, classes)
     print(f"{len(samples)} images under {split}; batch {args.batch_size}, {args.workers} worker(s), "
           f"{args.batches} timed batches x {args.repeats} repeat(s), crop {args.size}")
-    print(machine(device))
+    print(loader_machine_line(device))
     devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
     for dev in devices:
         rates: dict[str, list[float]] = {}
         for r in range(args.repeats):
             for name, (fn, collate, finish) in methods(args.size, dev, args.augment, len(classes), args.whole).items():
                 rates.setdefault(name, []).append(
-                    run(samples, fn, collate, finish, args.batch_size, args.workers, args.batches, args.seed + r, dev))
+                    time_loader(samples, fn, collate, finish, args.batch_size, args.workers, args.batches, args.seed + r, dev))
         med = {k: statistics.median(v) for k, v in rates.items()}
         if dev.type == "cuda":  # decode-only has no GPU path: carry the CPU figure for the ratio
             med["(d) decode only"] = cpu_decode
         else:
             cpu_decode = med["(d) decode only"]
-        table(f"to {dev} (normalised channels_last float32 {'on the GPU' if dev.type == 'cuda' else 'in this process'})",
-              med)
+        print_ratios(f"to {dev} (normalised channels_last float32 {'on the GPU' if dev.type == 'cuda' else 'in this process'})",
+                     med)
 
 
 if __name__ == "__main__":

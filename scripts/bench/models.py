@@ -36,7 +36,7 @@ The models, by rank:
 
 Defaults fit the device: on CPU batch 16 images at 160x160, 4 clips of
 8x112x112, 16 waveforms of 16000 samples; on CUDA 256 images at 224x224 (the
-batch of apex's main_amp.py and of ``scripts/bench_train.py``: at batch 64 a
+batch of apex's main_amp.py and of ``scripts/bench/train.py``: at batch 64 a
 ResNet-50 step on an H100 is bound by kernel launches, and the layouts time alike),
 16 clips of 16x112x112, 128 waveforms. On CUDA the auto-mode pick is off unless
 ``--auto-steps`` is given (it builds two more copies of each model). On a 2-core CPU the 20 image models take
@@ -45,11 +45,11 @@ ResNet-50 step on an H100 is bound by kernel launches, and the layouts time alik
 
 Usage::
 
-    python scripts/bench_models.py                              # all models, default sizes
-    python scripts/bench_models.py --models resnet50,mobilenet_v2 --batch-size 32 --image-size 224
-    python scripts/bench_models.py --models r3d_18,mc3_18,r2plus1d_18,s3d,m5
-    python scripts/bench_models.py --device cuda --models resnet50 --batch-size 256
-    python scripts/bench_models.py --quick --models tinycnn,r3d_18,m5 --out /tmp/bench
+    python -m scripts.bench.models                              # all models, default sizes
+    python -m scripts.bench.models --models resnet50,mobilenet_v2 --batch-size 32 --image-size 224
+    python -m scripts.bench.models --models r3d_18,mc3_18,r2plus1d_18,s3d,m5
+    python -m scripts.bench.models --device cuda --models resnet50 --batch-size 256
+    python -m scripts.bench.models --quick --models tinycnn,r3d_18,m5 --out /tmp/bench
 
 Writes ``results.csv``, ``results.md`` (one table per rank) and ``speedup.png``
 to ``--out`` (default ``bench_out/models``); every output names the machine.
@@ -75,7 +75,7 @@ from torch import nn
 
 from cltrain.autolayout import LAYOUTS, autocast_for, choose_layout, model_in_layout, synchronize
 from cltrain.layout import to_channels_last, to_channels_last_1d
-from cltrain.zoo import build_model as build_zoo_model
+from cltrain.model_names import build_untrained_model
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -127,7 +127,7 @@ def kind_of(name: str) -> str:
     return "video" if name in VIDEO_MODELS else "audio" if name in AUDIO_MODELS else "image"
 
 
-def build_model(name: str, image_size: int) -> tuple[nn.Module, str]:
+def build_bench_model(name: str, image_size: int) -> tuple[nn.Module, str]:
     """The model ``name`` (random weights) for ``image_size`` inputs, and a note ("" if none)."""
     if name == "tinycnn":
         return tinycnn(), ""
@@ -136,8 +136,8 @@ def build_model(name: str, image_size: int) -> tuple[nn.Module, str]:
     if name == "googlenet":  # no aux heads: the step trains the main head only, as in eval
         return torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True), "no aux heads"
     if name.startswith("vit_"):
-        return build_zoo_model(name, source="torchvision", image_size=image_size), ""
-    return build_zoo_model(name, NUM_CLASSES, source="torchvision"), ""  # video models default to 400
+        return build_untrained_model(name, source="torchvision", image_size=image_size), ""
+    return build_untrained_model(name, NUM_CLASSES, source="torchvision"), ""  # video models default to 400
 
 
 def input_shape(name: str, args: argparse.Namespace) -> tuple[tuple[int, ...], str]:
@@ -253,7 +253,7 @@ def _sig(value: float) -> float:
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, machine: str) -> list[dict]:
     torch.manual_seed(0)
-    base, note = build_model(name, args.image_size)
+    base, note = build_bench_model(name, args.image_size)
     shape, shape_note = input_shape(name, args)
     note = "; ".join(n for n in (note, shape_note) if n)
     base.to(device).train()
@@ -327,7 +327,7 @@ def to_markdown(rows: list[dict], machine: str, args: argparse.Namespace) -> str
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], machine: str, path: Path) -> None:
+def plot_speedups(rows: list[dict], machine: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         writer.writerows(rows)
     markdown = to_markdown(rows, machine, args)
     (args.out / "results.md").write_text(markdown)
-    plot(rows, machine, args.out / "speedup.png")
+    plot_speedups(rows, machine, args.out / "speedup.png")
     print(markdown)
     print(f"wrote {args.out / 'results.csv'}, {args.out / 'results.md'}, {args.out / 'speedup.png'}")
     return rows

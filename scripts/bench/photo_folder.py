@@ -9,7 +9,7 @@ output is a random crop (30-100 % of the area) of one of them, resized to a
 333-800 px side, saved at a random quality in 75-95 with 4:2:0 or 4:4:4 chroma,
 as ``ROOT/{train,val}/<class>/<n>.jpg``. Made once: a finished folder is reused.
 
-    python scripts/photo_folder.py /tmp/cltrain-photos --train 400
+    python -m scripts.bench.photo_folder /tmp/cltrain-photos --train 400
 """
 
 from __future__ import annotations

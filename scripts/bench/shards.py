@@ -10,8 +10,8 @@ collated from the files and from the shards, alternately, the batches checked eq
 its median per-batch ratio, then each loader round, the median ratio shards / files, and the
 machine.
 
-    python scripts/bench_shards.py                          # a 3000-image demo folder, packed once under bench_out/
-    python scripts/bench_shards.py --root /data/imagenet-subset --pack /data/imagenet-subset-shards
+    python -m scripts.bench.shards                          # a 3000-image demo folder, packed once under bench_out/
+    python -m scripts.bench.shards --root /data/imagenet-subset --pack /data/imagenet-subset-shards
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, make_demo_dataset
+from scripts.bench.loader import loader_machine_line
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from bench_loader import machine  # noqa: E402
+#: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
+FILES_ONLY = {"check_val": "off"}
 
 
 def images_per_second(datamodule: ImageFolderDataModule, batches: int) -> float:
@@ -50,7 +51,7 @@ def paired_ratio(root: Path, pack: Path, settings: dict, batches: int) -> tuple[
     """Median, lower and upper quartile of per-batch (files seconds / shards seconds): the shards'
     speed relative to the files' for the same images and crops, DataLoader and workers aside."""
     settings = {**settings, "num_workers": 0}
-    files, shards = ImageFolderDataModule(root, **settings), ShardsDataModule(pack, **settings)
+    files, shards = ImageFolderDataModule(root, **settings, **FILES_ONLY), ShardsDataModule(pack, **settings)
     files.setup("fit")
     shards.setup("fit")
     fs, hs = files.train_set, shards.train_set
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (pack / "shards.json").is_file():
         subprocess.run([sys.executable, "-m", "cltrain.data.pack", str(root), str(pack), "--no-progress"], check=True)
     settings = dict(batch_size=args.batch_size, num_workers=args.workers, persistent_workers=False,
-                    image_size=args.size, val_resize_size=round(args.size * 8 / 7), check_val="off")
+                    image_size=args.size, val_resize_size=round(args.size * 8 / 7))
     median, q1, q3 = paired_ratio(root, pack, settings, args.paired)
     print(f"paired, same images and crops, {args.paired} batches in one thread: shards/files {median:.3f}x "
           f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
@@ -107,13 +108,14 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.rounds):
         rate = {}
         for kind in ("files", "shards") if r % 2 == 0 else ("shards", "files"):
-            module = ImageFolderDataModule(root, **settings) if kind == "files" else ShardsDataModule(pack, **settings)
+            module = (ImageFolderDataModule(root, **settings, **FILES_ONLY) if kind == "files"
+                      else ShardsDataModule(pack, **settings))
             rate[kind] = images_per_second(module, args.batches)
         ratios.append(rate["shards"] / rate["files"])
         print(f"round {r} ({'files' if r % 2 == 0 else 'shards'} first): files {rate['files']:.0f} img/s, "
               f"shards {rate['shards']:.0f} img/s, shards/files {ratios[-1]:.2f}x", flush=True)
     print(f"median shards/files: {statistics.median(ratios):.2f}x ({args.rounds} rounds, batch {args.batch_size}, "
-          f"{args.workers} worker(s), {args.size} px)\nMachine: {machine(torch.device('cpu'))}")
+          f"{args.workers} worker(s), {args.size} px)\nMachine: {loader_machine_line(torch.device('cpu'))}")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ the speed-up the end-to-end one is held against (median over ``--e2e-rounds`` ro
 
 Usage::
 
-    python scripts/bench_train.py                      # ResNet-50, batch 32, 224 px
-    python scripts/bench_train.py --device cuda --batch-size 256
-    python scripts/bench_train.py --quick              # seconds: checks the script works
+    python -m scripts.bench.train                      # ResNet-50, batch 32, 224 px
+    python -m scripts.bench.train --device cuda --batch-size 256
+    python -m scripts.bench.train --quick              # seconds: checks the script works
 
 Prints markdown tables naming the machine; ``--out`` also writes them as JSON.
 """
@@ -53,18 +53,19 @@ import torch
 from torch.utils.data import DataLoader
 
 from cltrain import to_channels_last
-from cltrain.app.cli import compose_config
-from cltrain.app.config import cpu_has_native_bf16, resolve_device, resolve_precision
-from cltrain.app.models import build_model
+from cltrain.app.config import compose_config, resolve_accelerator, resolve_precision
+from cltrain.app.models import build_classifier
 from cltrain.app.module import ImageClassifier
 from cltrain.app.progress import MainAmpProgress, Meter
 from cltrain.app.train import train
 from cltrain.callback import ChannelsLast
+from cltrain.platform import cpu_bf16_support
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def machine(accelerator: str) -> str:
+def describe_host(accelerator: str) -> str:
+    """The CPU (native bf16 or not), the GPU when training on one, torch and Lightning."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -72,7 +73,7 @@ def machine(accelerator: str) -> str:
     except (OSError, StopIteration):
         pass
     parts = [f"CPU {cpu} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads, "
-             f"native bf16: {'yes' if cpu_has_native_bf16() else 'no'})"]
+             f"native bf16: {'yes' if cpu_bf16_support()[0] else 'no'})"]
     if accelerator == "cuda":
         parts.append(f"GPU {torch.cuda.get_device_name()}")
     parts.append(f"torch {torch.__version__}, lightning {pl.__version__}")
@@ -182,7 +183,7 @@ def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict
     device = torch.device(accelerator)
     channels_last = args.layout == "channels_last"
     batches = synthetic_batches(args, device, channels_last, args.steps)
-    base = build_model(args.model, num_classes=1000)
+    base = build_classifier(args.model, num_classes=1000)
     plain_model = copy.deepcopy(base).to(device)
     if channels_last:
         to_channels_last(plain_model)
@@ -206,7 +207,7 @@ def plain_step_round(args: argparse.Namespace, accelerator: str, precision: str,
     """One round of the plain loop's contiguous fp32 and channels_last + AMP, for the same model, batch and
     size as part 2: the speed-up the end-to-end one is held against, measured between its rounds."""
     device = torch.device(accelerator)
-    base = build_model(args.model, num_classes=1000)
+    base = build_classifier(args.model, num_classes=1000)
     configs = {"contiguous fp32": (False, "32-true"), "channels_last + AMP": (True, precision)}
     speeds = {}
     for name in configs if r % 2 == 0 else reversed(list(configs)):
@@ -286,9 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.warmup, args.steps, args.rounds, args.e2e_steps, args.num_workers = 1, 2, 1, 2, 0
         args.e2e_rounds = 1
     warnings.filterwarnings("ignore", module="lightning")
-    accelerator, _ = resolve_device(args.device)
+    accelerator, _ = resolve_accelerator(args.device)
     precision, _ = resolve_precision({"auto": True, "off": False}.get(args.amp, args.amp), accelerator)
-    desc = machine(accelerator)
+    desc = describe_host(accelerator)
     print(f"machine: {desc}; load average {os.getloadavg()[0]:.2f}")
 
     started = time.perf_counter()

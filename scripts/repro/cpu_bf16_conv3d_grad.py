@@ -4,9 +4,9 @@ Plain PyTorch only. One ``F.conv3d`` backward in bf16 (plain bf16 tensors, or fp
 ``torch.autocast("cpu", torch.bfloat16)``), its weight gradient compared elementwise with a float64
 reference computed with oneDNN disabled::
 
-    python scripts/repro_cpu_bf16_conv3d_grad.py                 # (8, 256, 2, 4, 4), 3x3x3, the r3d_18 layer3 case
-    python scripts/repro_cpu_bf16_conv3d_grad.py --mode fp32-in-autocast
-    python scripts/repro_cpu_bf16_conv3d_grad.py --sweep         # the table in docs/troubleshooting.md
+    python -m scripts.repro.cpu_bf16_conv3d_grad                 # (8, 256, 2, 4, 4), 3x3x3, the r3d_18 layer3 case
+    python -m scripts.repro.cpu_bf16_conv3d_grad --mode fp32-in-autocast
+    python -m scripts.repro.cpu_bf16_conv3d_grad --sweep         # the table in docs/troubleshooting.md
 
 Prints the machine and the worst relative error over ``--calls`` calls (bf16 kernels land near 4e-3);
 exits 1 when a weight gradient is wrong or not finite. ``--mode fp32-in-autocast`` runs the same conv
@@ -30,7 +30,8 @@ TOLERANCE = 5e-2  # bf16 weight gradients land near 4e-3 here; the faulty ones a
 MODES = ("bf16", "autocast", "fp32-in-autocast")
 
 
-def machine() -> str:
+def _machine() -> str:
+    """The CPU's vector flags, torch, oneDNN and the threads."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--sweep", action="store_true")
     args = p.parse_args(argv)
-    print(f"Machine: {machine()}", flush=True)
+    print(f"Machine: {_machine()}", flush=True)
     if args.sweep:
         bad = sweep(args.calls)
         return 1 if bad else 0

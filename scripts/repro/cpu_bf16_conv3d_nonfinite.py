@@ -3,24 +3,21 @@
 One ``F.conv3d`` backward on an (8, 256, 2, 4, 4) input (r3d_18's layer3 on 32 px clips), the same input,
 weight and output gradient each call, in bf16 (contiguous and channels_last_3d) and in fp32; prints the
 count of calls whose weight gradient has a NaN or inf, and how many finite results differ from the first
-one, then the machine. The finite ones are wrong too: scripts/repro_cpu_bf16_conv3d_grad.py compares them
+one, then the machine. The finite ones are wrong too: scripts/repro/cpu_bf16_conv3d_grad.py compares them
 with float64 and maps the shapes (an input shallower than the kernel); docs/troubleshooting.md has the table.
 
-    python scripts/cpu_bf16_conv3d.py --calls 100
+    python -m scripts.repro.cpu_bf16_conv3d_nonfinite --calls 100
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from bench_loader import machine  # noqa: E402
+from scripts.machine import machine, machine_line
 
 
 def count(dtype: torch.dtype, channels_last: bool, calls: int, shape: tuple[int, ...]) -> tuple[int, int, float]:
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         layout = "channels_last_3d" if channels_last else "contiguous"
         print(f"{str(dtype).removeprefix('torch.')} {layout}: {bad} of {args.calls} calls non-finite, "
               f"{differ} finite ones differ from the first, {ms:.1f} ms/call", flush=True)
-    print(f"Machine: {machine(torch.device('cpu'))}")
+    print(f"Machine: {machine_line(machine())}")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ at (64, 64, 56, 56), backward 1.6e-7 vs 1.1e-5; with a large mean (10) and a sma
 forward 1.6e-5 vs 3.2e-4 at (8, 64, 32, 32). Models with many BatchNorm layers at tiny batches (timm ``mobileone_s0`` at
 batch 2, whose gradients are ill-conditioned) then get weight gradients 0.2-0.6 off float64 in
 channels_last where NCHW fp32 is 0.01-0.06 off; in float64 the two layouts agree to 1e-11, so
-the kernels are right and only their rounding differs (``scripts/zoo_sweep.py`` counts these as
+the kernels are right and only their rounding differs (``scripts/zoo/sweep.py`` counts these as
 numerics). Related upstream: pytorch#121651, #36582.
 
-    python scripts/cpu_bn_channels_last_accuracy.py
+    python -m scripts.repro.cpu_bn_channels_last_accuracy
 
 Prints one line per case and exits 0; the last column is channels_last's error over NCHW's.
 """

@@ -1,4 +1,4 @@
-"""Map where oneDNN #6035 shows: each case of scripts/repro_onednn_1x1_strided_conv.py in its own process.
+"""Map where oneDNN #6035 shows: each case of scripts/repro/onednn_1x1_strided_conv.py in its own process.
 
 A case is one convolution's backward (input channels, output channels, kernel, stride, padding, groups,
 size, batch, dtype, threads, input and weight layout) under one ISA: native, or AVX2 emulated with
@@ -6,9 +6,9 @@ size, batch, dtype, threads, input and weight layout) under one ISA: native, or 
 ``--timeout`` a hang, one whose gradients differ from the float64 reference (oneDNN disabled) wrong.
 Prints a markdown table per sweep (the ones in docs/troubleshooting.md) and the machine::
 
-    python scripts/onednn_1x1_boundary.py                       # every sweep, ~15 min on 2 cores
-    python scripts/onednn_1x1_boundary.py --sweeps channels --runs 3
-    python scripts/onednn_1x1_boundary.py --sweeps versions --python /tmp/venv213/bin/python
+    python -m scripts.repro.onednn_1x1_boundary                       # every sweep, ~15 min on 2 cores
+    python -m scripts.repro.onednn_1x1_boundary --sweeps channels --runs 3
+    python -m scripts.repro.onednn_1x1_boundary --sweeps versions --python /tmp/venv213/bin/python
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPRO = Path(__file__).resolve().parent / "repro_onednn_1x1_strided_conv.py"
+REPRO = Path(__file__).resolve().parent / "onednn_1x1_strided_conv.py"
 BASE = dict(op="conv2d", cin=3, cout=32, kernel=1, stride=2, padding=0, groups=1, size=96, batch=8, dtype="fp32",
             threads=2, input_layout="channels_last", weight_layout="channels_last")
 ISAS = {"AVX512": {}, "AVX2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}

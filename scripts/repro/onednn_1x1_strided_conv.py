@@ -5,14 +5,14 @@ oneDNN's ``jit_1x1`` backward-weights kernel copies a strided nhwc source into a
 block (8 on AVX2, 16 on AVX-512). Depending on the machine and thread count the process segfaults,
 hangs, or gets weight gradients that are silently wrong. Plain PyTorch only::
 
-    python scripts/repro_onednn_1x1_strided_conv.py                  # Conv2d(3, 48, 1, stride=2), 8x3x128x128
-    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python scripts/repro_onednn_1x1_strided_conv.py
-    python scripts/repro_onednn_1x1_strided_conv.py --cin 7 --threads 2 --repeats 10
+    python -m scripts.repro.onednn_1x1_strided_conv                  # Conv2d(3, 48, 1, stride=2), 8x3x128x128
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python -m scripts.repro.onednn_1x1_strided_conv
+    python -m scripts.repro.onednn_1x1_strided_conv --cin 7 --threads 2 --repeats 10
 
 Prints the machine, then one line per repeat: the largest elementwise error of the weight and input
 gradients against a float64 reference computed with oneDNN disabled, relative to the reference's largest
 value. Exits 1 when a gradient is wrong or not finite; a crash or hang is the fault too (``--timeout``
-turns a hang into exit 1 with the stack printed). ``--json`` prints one JSON object instead (for scripts/onednn_1x1_boundary.py).
+turns a hang into exit 1 with the stack printed). ``--json`` prints one JSON object instead (for scripts/repro/onednn_1x1_boundary.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
 
 
-def machine() -> str:
+def _machine() -> str:
     """The CPU model, its vector flags, torch, oneDNN and the ISA torch dispatches to."""
     model, flags = platform.processor() or "?", set()
     try:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout:
         faulthandler.dump_traceback_later(args.timeout, exit=True)
     if not args.json:
-        print(f"Machine: {machine()}", flush=True)
+        print(f"Machine: {_machine()}", flush=True)
     x, w, gy = case_tensors(args)
     want_w, want_x = grads(args, x, w, gy, reference=True)
     worst_w = worst_x = 0.0

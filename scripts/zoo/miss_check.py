@@ -9,8 +9,8 @@ terms (its scale and the other fp32 kernels' spread are in the row). A kernel th
 is a fault to report and guard. Adds the finding to each row of ``<out>.json`` and renders the
 table again (atomically).
 
-    python scripts/zoo_miss_check.py                 # every MISS in docs/zoo.json
-    python scripts/zoo_miss_check.py --models tv:resnet34
+    python -m scripts.zoo.miss_check                 # every MISS in docs/zoo.json
+    python -m scripts.zoo.miss_check --models tv:resnet34
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zoo_models import build, find, logits_of, make_batch  # noqa: E402
-from zoo_parity import grad_errors  # noqa: E402
-from zoo_report import write_outputs  # noqa: E402
-from zoo_sweep import parse_args  # noqa: E402
+from scripts.zoo.models import build, find, logits_of, make_batch
+from scripts.zoo.parity import grad_errors
+from scripts.zoo.report import write_outputs
+from scripts.zoo.sweep import parse_args
 
 #: The layer alone is "right" when both layouts' weight gradients are within this of float64.
 RIGHT_ALONE = 1e-4

@@ -1,4 +1,4 @@
-"""The models of ``scripts/zoo_sweep.py``: which ones, how each is built (random weights, nothing
+"""The models of ``scripts/zoo/sweep.py``: which ones, how each is built (random weights, nothing
 downloaded), the batch it takes and its loss.
 
 Sources: timm architectures (small variants, one or more per family), every torchvision
@@ -200,10 +200,10 @@ class _Planted(nn.Module):
 def build(spec: Spec) -> nn.Module:
     """``spec``'s model with random weights and ``NUM_CLASSES`` outputs."""
     if spec.source in ("timm", "tv"):
-        from cltrain.zoo import build_model
+        from cltrain.model_names import build_untrained_model
 
         source = "timm" if spec.source == "timm" else "torchvision"
-        return build_model(spec.name, num_classes=NUM_CLASSES, source=source, **spec.kwargs)
+        return build_untrained_model(spec.name, num_classes=NUM_CLASSES, source=source, **spec.kwargs)
     if spec.source == "hf":
         import transformers
 
@@ -243,7 +243,7 @@ def logits_of(net: nn.Module, x: torch.Tensor, dict_batch: bool) -> torch.Tensor
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def loss_of(net: nn.Module, batch: Any, dict_batch: bool) -> torch.Tensor:
+def training_loss(net: nn.Module, batch: Any, dict_batch: bool) -> torch.Tensor:
     """Cross-entropy of ``net`` on ``batch`` (in float32 or the batch's dtype, whichever is wider)."""
     x, y = (batch["pixel_values"], batch["labels"]) if dict_batch else batch
     logits = logits_of(net, x, dict_batch)

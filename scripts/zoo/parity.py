@@ -1,4 +1,4 @@
-"""How ``scripts/zoo_sweep.py`` judges channels_last's gradients: elementwise against float64, with the
+"""How ``scripts/zoo/sweep.py`` judges channels_last's gradients: elementwise against float64, with the
 noise of other correct fp32 kernels as the yardstick (see that script's docstring for the rules).
 
 Pure functions on ``{parameter name: gradient}`` dicts; torch only.

@@ -1,4 +1,4 @@
-"""The outputs of ``scripts/zoo_sweep.py``: the machine it ran on, the markdown table with its summary,
+"""The outputs of ``python -m scripts.zoo.sweep``: the markdown table with its summary (and the machine it ran on),
 the CSV; every file written atomically (``cltrain.atomic``)."""
 
 from __future__ import annotations
@@ -8,58 +8,14 @@ import csv
 import io
 import json
 import math
-import os
-import platform
-import re
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cltrain.atomic import atomic_write_text
-from cltrain.precision import cpu_bf16_support
-from zoo_parity import OK_BELOW
-
-def machine() -> dict[str, Any]:
-    """The CPU, its flags that matter here, and the software versions."""
-    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "flags": []}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        for line in text.splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                info["flags"] = [f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
-                                             "amx_bf16") if f in have]
-                break
-    except OSError:
-        pass
-    import lightning
-    import torchvision
-
-    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__, "lightning": lightning.__version__}
-    for name in ("timm", "transformers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = "missing"
-    info.update(logical_cpus=os.cpu_count(), torch_threads=torch.get_num_threads(),
-                capability=torch.backends.cpu.get_cpu_capability(), native_bf16=cpu_bf16_support()[0],
-                onednn=next(iter(re.findall(r"(?:MKL-DNN|oneDNN) v([\d.]+)", torch.__config__.show())), ""),
-                versions=versions, emulation={k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-                                                 if k in os.environ})
-    return info
-
-
-def machine_line(m: dict[str, Any]) -> str:
-    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
-    emulated = f"; emulating {m['emulation']}" if m["emulation"] else ""
-    return (f"CPU {m['cpu']} ({m['logical_cpus']} logical, torch threads {m['torch_threads']}); flags "
-            f"{' '.join(m['flags']) or 'none of avx2/avx512/amx'}; ATen capability {m['capability']}; native bf16 "
-            f"{'yes' if m['native_bf16'] else 'no'}{emulated}; oneDNN {m['onednn'] or '?'}; {versions}")
+from scripts.machine import machine_line
+from scripts.zoo.parity import OK_BELOW
 
 
 def _fmt_err(value: Any) -> str:
@@ -96,7 +52,7 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     verdict = grad.get("verdict", "")
     if grad and "float64_error" in r:
         verdict += " (vs NCHW fp32)"
-    if r.get("examined"):  # scripts/zoo_miss_check.py: the worst parameter's layer run alone
+    if r.get("examined"):  # scripts/zoo/miss_check.py: the worst parameter's layer run alone
         verdict += f", examined: {r['examined']['verdict']}"
     if "compile_grad" in r:
         verdict += f"; compiled: {r['compile_grad']['verdict']}"
@@ -157,7 +113,7 @@ def _examined(ran: list[dict[str, Any]]) -> str:
     if not misses:
         return ""
     found = [(r.get("examined") or {}).get("verdict") for r in misses]
-    return (f" ({len(misses) - found.count(None)} examined by scripts/zoo_miss_check.py: {found.count('numerics')} "
+    return (f" ({len(misses) - found.count(None)} examined by scripts/zoo/miss_check.py: {found.count('numerics')} "
             f"numerics (the layer alone is exact in both layouts; the gradient is ill-conditioned at batch 2), "
             f"{found.count('kernel')} kernel faults)")
 
@@ -176,7 +132,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         "",
         f"Parity: batch {args.batch} at each model's size (128 px unless noted), one initialisation, the same two "
         "batches, a real Lightning Trainer with and without `ChannelsLast()`; step-0 gradients of every parameter "
-        "against float64 (`scripts/zoo_sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
+        "against float64 (`scripts/zoo/sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
         f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
         f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
         "process; ratio = CL / NCHW. auto = what `ChannelsLast(mode=\"auto\")` kept.",

@@ -1,5 +1,5 @@
 """Which real models train correctly, and faster, under ``ChannelsLast``: a sweep of timm, torchvision
-and Hugging Face models (the list: ``scripts/zoo_models.py``; random weights, nothing downloaded).
+and Hugging Face models (the list: ``scripts/zoo/models.py``; random weights, nothing downloaded).
 
 Every model runs in its own subprocess with a timeout, so a native crash or a hang is a row, not
 the end of the sweep. In it, from one seeded initialisation and the same two batches:
@@ -21,7 +21,7 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    ``err_CL <= 1e-3``; **numerics** otherwise, with the noise of the same parameter and how small
    its exact gradient is beside it (ill-conditioned gradients, as BatchNorm at batch 2 makes them,
    are as far off in other fp32 kernels; CPU BatchNorm in channels_last sums its statistics less
-   accurately, see ``scripts/cpu_bn_channels_last_accuracy.py``, so channels_last runs are further
+   accurately, see ``scripts/repro/cpu_bn_channels_last_accuracy.py``, so channels_last runs are further
    off there whatever the convolution kernels). The step-0 loss is judged the same way (MISS
    where it is > 1e-3 off and 10x the fp32 runs' error). Without a float64 reference (a model
    that cannot run in float64) the Trainer's NCHW run is the reference. The table also says how
@@ -36,12 +36,12 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
 
 Usage::
 
-    python scripts/zoo_sweep.py                            # the whole zoo -> docs/zoo.md, docs/zoo.json, docs/zoo.csv
-    python scripts/zoo_sweep.py --resume                   # go on after an interruption (rows already in the JSON kept)
-    python scripts/zoo_sweep.py --fast --out /tmp/zoo      # one model per special case, small and quick (the test suite's)
-    python scripts/zoo_sweep.py --models resnet50,hf:swin --out /tmp/zoo
-    python scripts/zoo_sweep.py --list
-    python scripts/zoo_sweep.py --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check
+    python -m scripts.zoo.sweep                            # the whole zoo -> docs/zoo.md, docs/zoo.json, docs/zoo.csv
+    python -m scripts.zoo.sweep --resume                   # go on after an interruption (rows already in the JSON kept)
+    python -m scripts.zoo.sweep --fast --out /tmp/zoo      # one model per special case, small and quick (the test suite's)
+    python -m scripts.zoo.sweep --models resnet50,hf:swin --out /tmp/zoo
+    python -m scripts.zoo.sweep --list
+    python -m scripts.zoo.sweep --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check
 
 Outputs (each written atomically after every model, so an interrupted sweep keeps its rows):
 ``<out>.md`` (the table, the command, the CPU and its flags), ``<out>.json`` (every measurement,
@@ -68,21 +68,22 @@ import torch
 from lightning.pytorch import LightningModule
 
 from cltrain.atomic import atomic_write_text
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # zoo_models, zoo_parity, zoo_report, beside this file
-from zoo_models import (  # noqa: E402
-    Spec, all_specs, batch_to, build, clone_batch, find, logits_of, loss_of, make_batch, quiet_random_layers,
+from scripts.machine import machine, machine_line
+from scripts.zoo.models import (
+    Spec, all_specs, batch_to, build, clone_batch, find, logits_of, make_batch, quiet_random_layers, training_loss,
 )
-from zoo_parity import parity  # noqa: E402
-from zoo_report import machine, machine_line, summary, write_outputs  # noqa: E402
+from scripts.zoo.parity import parity
+from scripts.zoo.report import summary, write_outputs
 
+#: The repository root: each model's child process runs ``python -m scripts.zoo.sweep --child`` from there.
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["timm:repvgg_a0", "timm:mobileone_s0", "timm:fastvit_t8", "timm:resnet26d", "timm:vit_tiny_patch16_224",
         "tv:googlenet", "hf:resnet_small"]
 LR = 0.01
 
 
 def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str, torch.Tensor | None], float]:
-    loss = loss_of(net, batch, spec.dict_batch)
+    loss = training_loss(net, batch, spec.dict_batch)
     loss.backward()
     grads = {n.removeprefix("_orig_mod."): None if p.grad is None else p.grad.detach().clone()  # torch.compile's wrapper
              for n, p in net.named_parameters()}
@@ -94,7 +95,7 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
 
 
 def _native_bf16() -> bool:
-    from cltrain.precision import cpu_bf16_support
+    from cltrain.platform import cpu_bf16_support
 
     return cpu_bf16_support()[0]
 
@@ -120,7 +121,7 @@ class ZooModule(LightningModule):
         return self
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = loss_of(self.net, batch, self.dict_batch)
+        loss = training_loss(self.net, batch, self.dict_batch)
         self.losses.append(loss.detach())
         return loss
 
@@ -183,7 +184,7 @@ def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], dict_batch: boo
         for _ in range(n):
             optimizers[key].zero_grad(set_to_none=True)
             with autocast_for("cpu", dtype):
-                loss = loss_of(net, batch, dict_batch)
+                loss = training_loss(net, batch, dict_batch)
             loss.backward()
             optimizers[key].step()
         return time.perf_counter() - start
@@ -362,12 +363,13 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path) -> dict[str, An
     log = log_dir / f"{spec.key.replace(':', '_')}.log"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", spec.key, "--result", str(out),
+        cmd = [sys.executable, "-m", "scripts.zoo.sweep", "--child", spec.key, "--result", str(out),
                *_child_options(args)]
         start = time.perf_counter()
         with open(log, "w") as log_file:
             try:
-                proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=_timeout(spec, args))
+                proc = subprocess.run(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+                                      timeout=_timeout(spec, args))
                 code: int | None = proc.returncode
             except subprocess.TimeoutExpired:
                 code = None
@@ -479,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in specs:
             print(f"{s.key:40s} {s.family:26s} {s.size:4d}px {s.note}")
         return 0
-    command = "python scripts/zoo_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m scripts.zoo.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     m = machine()
     m["load_start"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(machine_line(m), flush=True)

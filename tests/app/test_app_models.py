@@ -10,11 +10,11 @@ import torchvision
 
 from cltrain import is_channels_last, to_channels_last
 from cltrain.app.config import ConfigError
-from cltrain.app.models import build_model, check_model_name, load_pretrained, read_checkpoint
+from cltrain.app.models import build_classifier, check_model_name, load_pretrained, read_checkpoint
 
 
 def test_torchvision_model_by_name() -> None:
-    model = build_model("mobilenet_v3_small", num_classes=7)
+    model = build_classifier("mobilenet_v3_small", num_classes=7)
     assert isinstance(model, torchvision.models.MobileNetV3)
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)
 
@@ -23,7 +23,7 @@ def test_timm_model_by_name() -> None:
     pytest.importorskip("timm")
     assert check_model_name("resnet50") == "torchvision"  # auto: torchvision first
     assert check_model_name("resnet50", "timm") == "timm"
-    model = build_model("convnext_atto", num_classes=3)
+    model = build_classifier("convnext_atto", num_classes=3)
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
 
 
@@ -37,7 +37,7 @@ def test_pretrained_from_a_local_state_dict_skips_a_mismatched_head(tmp_path: Pa
     path = tmp_path / "resnet18.pth"
     torch.save(source.state_dict(), path)
     with pytest.warns(UserWarning, match="skipped 2 unmatched"):
-        model = build_model("resnet18", num_classes=10, pretrained=path)
+        model = build_classifier("resnet18", num_classes=10, pretrained=path)
     assert torch.equal(model.conv1.weight, source.conv1.weight)
     assert model.fc.out_features == 10
 
@@ -56,14 +56,14 @@ def test_pretrained_with_nothing_matching_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "other.pth"
     torch.save({"foo.weight": torch.zeros(3)}, path)
     with pytest.raises(ConfigError, match="model.pretrained=.*other.pth.*no weight in the file matches"):
-        build_model("resnet18", num_classes=10, pretrained=path)
+        build_classifier("resnet18", num_classes=10, pretrained=path)
 
 
 # --- video models ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["r3d_18", "mc3_18", "r2plus1d_18"])
 def test_torchvision_video_model_by_name(name: str) -> None:
     assert check_model_name(name) == "torchvision"
-    model = build_model(name, num_classes=6)
+    model = build_classifier(name, num_classes=6)
     assert model.fc.out_features == 6
     assert model(torch.randn(1, 3, 4, 32, 32)).shape == (1, 6)
 
@@ -98,7 +98,7 @@ def test_a_file_that_is_not_a_checkpoint_is_a_one_line_error_naming_it(tmp_path:
             path = path.with_suffix(".safetensors")
         path.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
     with pytest.raises(ConfigError) as info:
-        build_model("resnet18", num_classes=4, pretrained=path)
+        build_classifier("resnet18", num_classes=4, pretrained=path)
     message = str(info.value)
     assert message.startswith(f"model.pretrained='{path}': ") and "\n" not in message
     assert ("holds no weights" if kind == "list" else "not a") in message

@@ -5,7 +5,7 @@ from torch import nn
 
 import cltrain
 from cltrain import to_channels_last
-from cltrain.audit import AuditReport, audit
+from cltrain.audit import AuditReport, audit_model
 
 
 class LosesLayout(nn.Module):
@@ -50,7 +50,7 @@ def x() -> torch.Tensor:
 
 def test_finds_a_planted_layout_losing_op_and_its_module_path():
     model = to_channels_last(planted_model(LosesLayout()))
-    report = audit(model, x())
+    report = audit_model(model, x())
     assert [(r.op, r.module_path, r.phase, r.kind, r.count) for r in report.rows] == [("aten.clone", "1.planted", "forward", "copy", 1)]
     row = report.rows[0]
     assert row.input_shapes == ((2, 8, 16, 16),) and row.input_strides == ((2048, 1, 128, 8),)
@@ -66,25 +66,25 @@ def test_finds_a_planted_layout_losing_op_and_its_module_path():
 
 def test_attributes_backward_ops_to_the_module_that_made_them():
     model = to_channels_last(planted_model(LosesLayoutInBackward()))
-    report = audit(model, x())
+    report = audit_model(model, x())
     assert [(r.op, r.module_path, r.phase) for r in report.rows] == [("aten.clone", "1.planted", "backward")]
 
 
 def test_reports_none_on_a_model_with_none():
-    report = audit(to_channels_last(clean_model()), x())
+    report = audit_model(to_channels_last(clean_model()), x())
     assert isinstance(report, AuditReport)
     assert report.rows == [] and report.layout_copies == 0 and report.ops_seen > 20
     assert "No op lost the channels_last layout" in report.format_table()
 
 
 def test_reports_none_under_bf16_autocast():
-    report = audit(to_channels_last(clean_model()), x(), autocast_dtype=torch.bfloat16)
+    report = audit_model(to_channels_last(clean_model()), x(), autocast_dtype=torch.bfloat16)
     assert report.rows == [] and report.layout_copies == 0
     assert "autocast bfloat16" in str(report)
 
 
 def test_counts_implicit_copies_when_input_and_weights_disagree():
-    report = audit(to_channels_last(clean_model()), x(), convert_input=False)
+    report = audit_model(to_channels_last(clean_model()), x(), convert_input=False)
     assert report.rows == []
     # the first conv converts the NCHW input, in forward and again in backward
     assert report.layout_copies == 2
@@ -99,7 +99,7 @@ def test_permuting_a_whole_tensor_to_nhwc_is_not_a_loss():
             return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
     model = to_channels_last(nn.Sequential(nn.Conv2d(3, 8, 3), ChannelsLastLayerNorm(8), nn.Conv2d(8, 4, 3)))
-    assert audit(model, x()).rows == []
+    assert audit_model(model, x()).rows == []
 
 
 def test_leaves_the_model_as_it_was():
@@ -107,12 +107,12 @@ def test_leaves_the_model_as_it_was():
     model(x()).sum().backward()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    audit(model, x())
+    audit_model(model, x())
     assert model.training
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BN running stats too
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
     model.eval()
-    audit(model, x())
+    audit_model(model, x())
     assert not model.training
     assert all(h == {} for m in model.modules() for h in (m._forward_hooks, m._forward_pre_hooks))
 
@@ -127,15 +127,15 @@ def test_custom_loss_fn_and_tuple_input():
             return {"out": self.conv(a) + self.conv(b)}
 
     model = to_channels_last(TwoInputs())
-    report = audit(model, (x(), x()), loss_fn=lambda out: out["out"].mean())
+    report = audit_model(model, (x(), x()), loss_fn=lambda out: out["out"].mean())
     assert report.rows == [] and report.input_shapes == ((2, 3, 16, 16), (2, 3, 16, 16))
 
 
-def test_is_exported_as_cltrain_audit():
-    assert cltrain.audit is audit
+def test_is_exported_as_cltrain_audit_model():
+    assert cltrain.audit_model is audit_model
 
 
 def test_handles_5d_models():
     model = to_channels_last(nn.Sequential(nn.Conv3d(2, 4, 3), nn.BatchNorm3d(4), nn.ReLU(), nn.Conv3d(4, 4, 1)))
-    report = audit(model, torch.randn(2, 2, 6, 6, 6))
+    report = audit_model(model, torch.randn(2, 2, 6, 6, 6))
     assert report.rows == [] and report.layout_copies == 0

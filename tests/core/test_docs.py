@@ -1,24 +1,23 @@
-"""The documentation: every public name is in the API reference, the README is a front page, no history.
+"""The documentation: the API reference is generated from the package and covers every public name, the README
+is a front page, no history.
 
-The API reference (``docs/api/*.md``) is written with mkdocstrings directives. A page either
-renders a whole module (``::: cltrain.mod``: its ``__all__``, by ``filters: public`` in
-``mkdocs.yml``) or a single name (``::: cltrain.mod.Name``). A package's page renders only its
-docstring (``members: false``) and links each re-exported name to the module page that renders
-it, so a name in a package's ``__all__`` counts as documented when the same object is rendered,
-under the same name, by another directive.
+The API reference is written at build time by ``docs/gen_api.py`` (mkdocs-gen-files): one page per public module
+(the rule is in that file's docstring) with mkdocstrings directives, and the nav. A page either renders a whole
+module (``::: cltrain.mod``: its ``__all__``, by ``filters: public`` in ``mkdocs.yml``) or a single name
+(``::: cltrain.mod.Name``). A package's page renders only its docstring (``members: false``) and links each
+re-exported name to the module page that renders it, so a name in a package's ``__all__`` counts as documented
+when the same object is rendered, under the same name, by another directive.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 import re
+import runpy
 from pathlib import Path
 
-import cltrain
-
 ROOT = Path(__file__).resolve().parents[2]
-API = ROOT / "docs" / "api"
+GENERATOR = runpy.run_path(str(ROOT / "docs" / "gen_api.py"), run_name="gen_api")  # docs/ is not a package
 README_MAX_LINES = 260
 HISTORY = [
     r"\bthis round\b",
@@ -32,20 +31,19 @@ HISTORY = [
 ]
 
 _DIRECTIVE = re.compile(r"^::: *(\S+)\s*$")
+_LINK = re.compile(r"\]\[([\w.]+)\]")
 
 
 def public_modules() -> dict[str, object]:
-    """Every ``cltrain`` module or package that declares ``__all__``, by name."""
-    names = ["cltrain"] + [m.name for m in pkgutil.walk_packages(cltrain.__path__, "cltrain.")]
-    modules = {name: importlib.import_module(name) for name in names}
-    return {name: mod for name, mod in modules.items() if hasattr(mod, "__all__")}
+    """Every module of the public API (the generator's rule), imported, by name."""
+    return {name: importlib.import_module(name) for name in GENERATOR["public_modules"]()}
 
 
-def directives(api_dir: Path = API) -> list[tuple[str, bool]]:
+def directives(pages: dict[str, str]) -> list[tuple[str, bool]]:
     """``(target, renders_members)`` for every ``::: target`` in the API pages."""
     found = []
-    for page in sorted(api_dir.glob("*.md")):
-        lines = page.read_text().splitlines()
+    for _, text in sorted(pages.items()):
+        lines = text.splitlines()
         for i, line in enumerate(lines):
             match = _DIRECTIVE.match(line)
             if not match:
@@ -59,10 +57,10 @@ def directives(api_dir: Path = API) -> list[tuple[str, bool]]:
     return found
 
 
-def documented(modules: dict[str, object], api_dir: Path = API) -> set[tuple[str, str]]:
+def documented(modules: dict[str, object], pages: dict[str, str]) -> set[tuple[str, str]]:
     """The ``(module, name)`` pairs that a directive renders."""
     pairs = set()
-    for target, members in directives(api_dir):
+    for target, members in directives(pages):
         if target in modules:
             if members:
                 pairs |= {(target, name) for name in modules[target].__all__}
@@ -89,25 +87,58 @@ def undocumented(modules: dict[str, object], pairs: set[tuple[str, str]]) -> lis
 def test_every_public_name_is_in_the_api_reference():
     assert "filters: public" in (ROOT / "mkdocs.yml").read_text()  # a module directive renders its __all__
     modules = public_modules()
-    assert undocumented(modules, documented(modules)) == []
+    assert undocumented(modules, documented(modules, GENERATOR["api_pages"]())) == []
 
 
-def test_every_api_directive_names_something_public():
+def test_every_api_directive_and_link_names_something_public():
     modules = public_modules()
+    pages = GENERATOR["api_pages"]()
+    targets = [target for target, _ in directives(pages)] + [t for text in pages.values() for t in _LINK.findall(text)]
     stale = []
-    for target, _ in directives():
+    for target in targets:
         module, _, name = target.rpartition(".")
         if target not in modules and not (module in modules and name in modules[module].__all__):
             stale.append(target)
     assert stale == []
 
 
-def test_a_name_missing_from_the_reference_is_found(tmp_path):
+def test_the_nav_lists_every_page():
+    pages = GENERATOR["api_pages"]()
+    listed = re.findall(r"^\* \[[\w.]+\]\(([\w.]+\.md)\)$", pages["SUMMARY.md"], re.M)
+    assert sorted(listed) == sorted(set(pages) - {"SUMMARY.md"})
+    assert "nav_file: SUMMARY.md" in (ROOT / "mkdocs.yml").read_text() and not (ROOT / "docs" / "api").exists()
+
+
+def test_the_reference_is_the_public_api_only():
+    names = set(GENERATOR["public_modules"]())
+    assert {"cltrain", "cltrain.layout", "cltrain.data", "cltrain.data.video", "cltrain.app", "cltrain.app.train",
+            "cltrain.model_names"} <= names
+    assert not any(n.startswith(("cltrain.tools", "cltrain.app.")) for n in names - {"cltrain.app.train"})
+    assert "cltrain.zoo" not in names  # a deprecated alias
+
+
+def test_a_new_module_gets_a_page_with_no_hand_written_file(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "app").mkdir(parents=True)
+    (package / "__init__.py").write_text('"""A package."""\nfrom pkg.new import fresh\n__all__ = ["OWN", "fresh"]\nOWN = 1\n')
+    (package / "new.py").write_text('"""A new module."""\n__all__ = ["fresh"]\n\ndef fresh():\n    """New."""\n')
+    (package / "_private.py").write_text('__all__ = ["hidden"]\n')
+    (package / "old.py").write_text('import warnings\nfrom pkg.new import fresh\n__all__ = ["fresh"]\n'
+                                    'warnings.warn("use pkg.new", DeprecationWarning, stacklevel=2)\n')
+    (package / "app" / "__init__.py").write_text('__all__ = []\n')
+    (package / "app" / "inner.py").write_text('__all__ = ["x"]\nx = 1\n')
+    pages = GENERATOR["api_pages"](package, "pkg", internal=("pkg.app",), app_public=())
+    assert sorted(pages) == ["SUMMARY.md", "pkg.md", "pkg.new.md"]
+    assert "::: pkg.new\n" in pages["pkg.new.md"] and "[`fresh`][pkg.new.fresh]" in pages["pkg.md"]
+    assert "::: pkg.OWN\n" in pages["pkg.md"]  # defined in the package: rendered on its page
+    assert pages["SUMMARY.md"] == "* [pkg](pkg.md)\n* [pkg.new](pkg.new.md)\n"
+
+
+def test_a_name_missing_from_the_reference_is_found():
     modules = public_modules()
-    for page in API.glob("*.md"):
-        (tmp_path / page.name).write_text(page.read_text())
-    (tmp_path / "cltrain.loops.md").write_text("# `cltrain.loops`\n\n::: cltrain.loops.convert_model\n")
-    missing = undocumented(modules, documented(modules, tmp_path))
+    pages = GENERATOR["api_pages"]()
+    pages["cltrain.loops.md"] = "# `cltrain.loops`\n\n::: cltrain.loops.convert_model\n"
+    missing = undocumented(modules, documented(modules, pages))
     assert missing == ["cltrain.loops.contiguous_copy", "cltrain.loops.convert_batch", "cltrain.loops.verify_layout"]
 
 

@@ -2,7 +2,7 @@
 
 Every entry of KNOWN_FAULTS has a test that shows the fault without the workaround (a crash, a hang, or
 wrong gradients; skipped with the reason where this machine does not show it) and one that shows the
-workaround gives reference gradients. The cases run in tests/guard_cases.py and the scripts/repro_*.py.
+workaround gives reference gradients. The cases run in tests/helpers/guard_cases.py and scripts/repro/.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from cltrain.guardrails import (
 )
 
 HERE = Path(__file__).resolve().parents[1] / "helpers"
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+REPRO = Path(__file__).resolve().parents[2] / "scripts" / "repro"  # standalone files, run by path
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 X86_ONEDNN = platform.machine() in ("x86_64", "AMD64") and torch.backends.mkldnn.is_available()
 needs_x86_onednn = pytest.mark.skipif(not X86_ONEDNN, reason="the faults are in oneDNN's x86 kernels")
@@ -224,7 +224,7 @@ def test_conv3d_guard_runs_only_shallow_inputs_in_fp32():
 @needs_x86_onednn
 @pytest.mark.parametrize("isa, cin", [("native", 3), ("avx2", 7)])
 def test_1x1_fault_shows_without_the_guard(isa, cin):
-    proc = run([str(SCRIPTS / "repro_onednn_1x1_strided_conv.py"), "--cin", str(cin), "--repeats", "10"],
+    proc = run([str(REPRO / "onednn_1x1_strided_conv.py"), "--cin", str(cin), "--repeats", "10"],
                AVX2 if isa == "avx2" else None, timeout=90)
     if proc is not None and proc.returncode == 0:
         pytest.skip(f"oneDNN #6035 did not show on this machine ({isa}, {cin} input channels): {proc.stdout[:200]}")
@@ -235,7 +235,7 @@ def test_1x1_fault_shows_without_the_guard(isa, cin):
 @needs_x86_onednn
 def test_1x1_fault_gives_silently_wrong_gradients_on_avx2():
     # 8 px on AVX2: no crash, no error, and every other call's weight gradient is off by ~21%
-    proc = run([str(SCRIPTS / "repro_onednn_1x1_strided_conv.py"), "--cin", "3", "--cout", "32", "--size", "8",
+    proc = run([str(REPRO / "onednn_1x1_strided_conv.py"), "--cin", "3", "--cout", "32", "--size", "8",
                 "--repeats", "6"], AVX2, timeout=90)
     if proc is not None and proc.returncode == 0:
         pytest.skip(f"oneDNN #6035 gave right gradients on this machine: {proc.stdout[-300:]}")

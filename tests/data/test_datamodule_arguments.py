@@ -31,8 +31,8 @@ from tests.helpers.data_fixtures import write_image_folder, write_jpegs
 
 DATAMODULES = {"images": ImageFolderDataModule, "shards": ShardsDataModule, "clips": ClipFolderDataModule}
 BASE = {  # small and in-process: every probe loads one batch in the main process
-    "images": dict(batch_size=4, num_workers=0, image_size=16, val_resize_size=18),
-    "shards": dict(batch_size=4, num_workers=0, image_size=16, val_resize_size=18),
+    "images": dict(batch_size=4, num_workers=0, decode_threads=1, image_size=16, val_resize_size=18),
+    "shards": dict(batch_size=4, num_workers=0, decode_threads=1, image_size=16, val_resize_size=18),
     "clips": dict(batch_size=2, num_workers=0, image_size=16, val_resize_size=18, num_frames=3),
 }
 
@@ -237,3 +237,24 @@ def test_decoder_is_checked_once_in_the_constructor_and_reaches_both_transforms(
         dm = cls(root, **BASE["images"], decoder="pillow")
         dm.setup("fit")
         assert dm.train_set.transform.decoder == dm.val_set.transform.decoder == "pillow"
+
+
+@pytest.mark.parametrize("kind", ["images", "shards"])
+def test_auto_workers_and_threads_follow_the_loading_plan(roots, kind):
+    from cltrain.data.decode_pool import loading_plan
+
+    cls = DATAMODULES[kind]
+    base = {k: v for k, v in BASE[kind].items() if k not in ("num_workers", "decode_threads")}
+    dm = cls(roots[kind], **base)  # both "auto" by default
+    assert (dm.num_workers, dm.decode_threads) == loading_plan()
+    dm = cls(roots[kind], **base, num_workers=3)  # threads for each of 3 processes
+    assert (dm.num_workers, dm.decode_threads) == loading_plan(3)
+    with pytest.raises(ValueError, match="decode_threads='many'"):
+        cls(roots[kind], **base, decode_threads="many")
+
+
+def test_the_loading_plan_splits_the_cores():
+    from cltrain.data.decode_pool import loading_plan
+
+    assert [loading_plan(cores=c) for c in (1, 2, 4, 8, 16)] == [(0, 1), (0, 2), (0, 4), (2, 4), (4, 4)]
+    assert loading_plan(2, cores=8) == (2, 4) and loading_plan(4, cores=2) == (4, 1)

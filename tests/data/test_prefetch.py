@@ -191,3 +191,18 @@ def test_an_epoch_abandoned_midway_leaves_the_next_one_whole(folder):
         break  # the second batch is decoding when the loop leaves
     got = _epoch(loader)
     assert [len(y) for _, y in got] == [4, 4, 4] and _same(got, expected)
+
+
+@pytest.mark.parametrize("threads", [2, 1])
+def test_an_epoch_under_inference_mode_then_a_training_epoch(big, threads):
+    # Lightning validates under torch.inference_mode: buffers and scratch images made there are reused
+    # (and written by the decode threads, which are not in inference mode) in the next training epoch.
+    ds = ImageFolderDataset(big / "train", train_transform(640), threads=threads, index_cache=False)
+    loader = PrefetchDataLoader(ds, batch_size=8, collate_fn=NHWCCollate(normalize=ImageNormalizer()))
+    with torch.inference_mode():
+        assert len([x for x, _ in loader]) == 2 * 2
+    torch.manual_seed(0)
+    trained = [_fingerprint(x) for x, _ in loader]
+    torch.manual_seed(0)
+    plain = DataLoader(ds, batch_size=8, collate_fn=NHWCCollate(normalize=ImageNormalizer()))
+    assert trained == [_fingerprint(x) for x, _ in plain]

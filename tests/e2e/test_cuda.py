@@ -296,12 +296,12 @@ class _LosesLayout(nn.Module):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [None, torch.float16])
 def test_audit_finds_a_planted_layout_loss_on_a_cuda_model(dtype: torch.dtype | None) -> None:
-    from cltrain.audit import audit
+    from cltrain.audit import audit_model
 
     body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
     body.add_module("planted", _LosesLayout())
     model = to_channels_last(nn.Sequential(nn.Conv2d(3, 3, 1), body, nn.Conv2d(8, 4, 3)).cuda())
-    report = audit(model, torch.randn(2, 3, 16, 16, device="cuda"), autocast_dtype=dtype)
+    report = audit_model(model, torch.randn(2, 3, 16, 16, device="cuda"), autocast_dtype=dtype)
     assert ("aten.clone", "1.planted", "forward", "copy") in [(r.op, r.module_path, r.phase, r.kind) for r in report.rows]
     assert {r.module_path for r in report.rows} == {"1.planted"}, str(report)
     assert all(p.is_cuda and is_channels_last(p) for p in model.parameters() if p.dim() == 4)  # left as it was

@@ -1,15 +1,13 @@
-"""scripts/bench_dali.py runs end to end at tiny settings (the figures are taken by hand, see docs/performance.md)."""
+"""scripts.bench.dali runs end to end at tiny settings (the figures are taken by hand, see docs/performance.md)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.helpers import REPO
 
 
 @pytest.mark.slow
@@ -18,10 +16,9 @@ def test_bench_dali_prints_every_loader_and_the_ratios(tmp_path):
     pytest.importorskip("sklearn")
     pytest.importorskip("skimage")
     pytest.importorskip("nvidia.dali", reason="pip install nvidia-dali-cuda130")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS.parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_dali.py"), "--quick", "--work", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "scripts.bench.dali", "--quick", "--work", str(tmp_path),
                           "--sets", "photos", "500x375", "--levers"],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     for row in ("| DALI |", "| cltrain float |", "| cltrain uint8 |", "| cltrain 2 proc |", "| torchvision |", "| timm |",
                 "| decode |", "| lever: normalize() after |", "| lever: whole-image decode |"):

@@ -1,25 +1,18 @@
-"""scripts/bench_loader.py and scripts/photo_folder.py run end to end at tiny settings (the lead takes the figures)."""
+"""scripts.bench.loader and scripts.bench.photo_folder run end to end at tiny settings (the lead takes the figures)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 from PIL import Image, JpegImagePlugin
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from scripts.bench.photo_folder import make_photo_folder
+from tests.helpers import REPO
 
 
 def test_photo_folder_is_real_photographs_in_imagenet_layout(tmp_path):
     pytest.importorskip("sklearn")
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        from photo_folder import make_photo_folder
-    finally:
-        sys.path.remove(str(SCRIPTS))
     root = make_photo_folder(tmp_path / "photos", train=8, val=2, classes=2)
     files = sorted((root / "train").glob("*/*.jpg"))
     assert len(files) == 8 and len(list((root / "val").glob("*/*.jpg"))) == 2
@@ -41,11 +34,10 @@ def test_photo_folder_is_real_photographs_in_imagenet_layout(tmp_path):
 def test_bench_loader_prints_the_ratios(tmp_path):
     pytest.importorskip("timm")
     pytest.importorskip("sklearn")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS.parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_loader.py"), "--photos", str(tmp_path / "p"),
+    out = subprocess.run([sys.executable, "-m", "scripts.bench.loader", "--photos", str(tmp_path / "p"),
                           "--photos-count", "12", "--batches", "1", "--batch-size", "4", "--workers", "0",
                           "--size", "32", "--whole", "--augment"],
-                         capture_output=True, text=True, env=env, timeout=300)
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     for row in ("(a) cltrain", "(b) torchvision", "(c) timm", "(d) decode only", "(a0) cltrain whole", "(e) cltrain+aug"):
         assert row in out.stdout

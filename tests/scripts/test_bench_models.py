@@ -1,22 +1,14 @@
-"""scripts/bench_models.py: runs in quick mode on tiny models and writes sane CSV, markdown and PNG."""
+"""scripts.bench.models: runs in quick mode on tiny models and writes sane CSV, markdown and PNG."""
 
 import csv
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_models.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_models", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts.bench import models as bench
+from tests.helpers import REPO
 
 
 def _check_rows(rows: list[dict]) -> None:
@@ -33,8 +25,8 @@ def _check_rows(rows: list[dict]) -> None:
 def test_quick_run_writes_checked_csv_markdown_and_png(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--models", "tinycnn", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=True,
+        [sys.executable, "-m", "scripts.bench.models", "--quick", "--device", "cpu", "--models", "tinycnn", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
     )
     assert "Machine: CPU" in proc.stdout and "torch " in proc.stdout
 
@@ -59,7 +51,6 @@ def test_quick_run_writes_checked_csv_markdown_and_png(tmp_path):
 
 @pytest.mark.slow
 def test_quick_run_times_a_video_model_and_the_1d_model(tmp_path):
-    bench = load_script()
     rows = bench.main(["--quick", "--device", "cpu", "--models", "mc3_18,m5", "--dtypes", "fp32", "--out", str(tmp_path)])
     by_model = {r["model"]: r for r in rows}
     assert (by_model["mc3_18"]["kind"], by_model["mc3_18"]["input_shape"]) == ("video", "2x3x4x32x32")
@@ -77,7 +68,6 @@ def test_quick_run_times_a_video_model_and_the_1d_model(tmp_path):
 
 
 def test_channels_last_1d_strides_for_activations_and_conv1d_weights():
-    bench = load_script()
     for shape in [(2, 1, 7), (2, 5, 7), (1, 5, 7)]:  # C == 1 and N == 1 too: `transpose().contiguous()` misses C == 1
         x = torch.randn(shape)
         y = bench.to_channels_last_1d(x)
@@ -96,7 +86,6 @@ def test_channels_last_1d_strides_for_activations_and_conv1d_weights():
 
 def test_auto_steps_fill_the_minimum_window():
     # Two steps of a fast model on a GPU last 20-50 ms: rounds are lengthened until each lasts >= --min-window.
-    bench = load_script()
     args = bench.parse_args(["--device", "cpu", "--models", "tinycnn", "--batch-size", "2", "--image-size", "16",
                              "--repeats", "2", "--min-window", "0.5", "--max-steps", "1000000"])
     rates, steps = bench.bench_cell(bench.tinycnn(), (2, 3, 16, 16), args, torch.device("cpu"), None)
@@ -106,7 +95,6 @@ def test_auto_steps_fill_the_minimum_window():
 
 
 def test_defaults_fit_the_device_and_quick_shrinks_them():
-    bench = load_script()
     args = bench.parse_args(["--device", "cpu"])
     assert (args.batch_size, args.image_size, args.warmup, args.steps, args.min_window) == (16, 160, 1, 2, 0.1)
     assert (args.clip_batch_size, args.frames, args.clip_size, args.audio_batch_size) == (4, 8, 112, 16)
@@ -121,12 +109,11 @@ def test_defaults_fit_the_device_and_quick_shrinks_them():
 
 
 def test_rejects_unknown_models_and_vit_sizes(capsys):
-    bench = load_script()
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--models", "resnet5"])
     assert "resnet5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--models", "vit_b_16", "--image-size", "100"])
     assert "multiple of 16" in capsys.readouterr().err
-    model, _ = bench.build_model("vit_b_16", 64)
+    model, _ = bench.build_bench_model("vit_b_16", 64)
     assert model.image_size == 64

@@ -1,19 +1,15 @@
-"""scripts/bench_train.py --quick runs both parts and reports ratios."""
+"""scripts.bench.train --quick runs both parts and reports ratios."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_train.py"
+from scripts.bench import train as bench
 
 
 def test_bench_train_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     result = bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "bench.json")])
     assert result["overhead"]["ratio"] > 0 and len(result["overhead"]["rounds"]["plain"]) == 1
     assert [r["config"] for r in result["end_to_end"]] == ["contiguous fp32", "channels_last + AMP"]
@@ -27,20 +23,12 @@ def test_bench_train_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert (tmp_path / "bench.json").is_file()
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_plain_step_scales_fp16_losses_and_uses_the_modules_optimizer() -> None:
     # The plain loop once ran fp16 autocast without a GradScaler while Lightning's 16-mixed had one:
     # the Lightning / plain ratio then held more than framework overhead.
     import torch
     from torch import nn
 
-    bench = _load()
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
     batches = [(torch.randn(2, 3, 8, 8), torch.tensor([1, 2]))]
     step = bench.PlainStep(model, "16-mixed", torch.device("cpu"), batches, num_classes=10)

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py --tiny`` on the CPU: one Markdown table with every part's rows and columns, the parts that
+"""``python -m scripts.gpu_check --tiny`` on the CPU: one Markdown table with every part's rows and columns, the parts that
 need CUDA skipped with the reason, and the runs this CPU can make trained with finite losses and no host sync."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
 COLUMNS = ["part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
            "notes"]
 E2E = {"`channels_last=true amp=fp16`": "16-mixed", "`channels_last=false amp=fp16`": "16-mixed",
@@ -26,7 +26,7 @@ def _cells(line: str) -> list[str]:
 @pytest.mark.slow
 def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None:
     # conftest hides the GPU from this subprocess: what needs CUDA must be a "skipped" row, not a failure
-    result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--tiny", "--out", str(tmp_path)], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--out", str(tmp_path)], cwd=REPO,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = (tmp_path / "gpu_check.md").read_text()
@@ -39,7 +39,7 @@ def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None
                                          *["main_amp e2e"] * len(E2E)]
     machine, command, _, cuda_tests, newcomer, *e2e = rows
     assert "logical cores" in machine["notes"] and "torch " in machine["notes"]
-    assert "scripts/gpu_check.py --tiny --out" in command["configuration"]
+    assert "python -m scripts.gpu_check --tiny --out" in command["configuration"]
     assert cuda_tests["status"] == "skipped: no CUDA"
 
     assert newcomer["status"] == "completed" and newcomer["configuration"].startswith("`python train.py")

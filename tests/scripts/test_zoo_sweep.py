@@ -1,4 +1,4 @@
-"""scripts/zoo_sweep.py: the gradient verdict separates fp32 numerics from a wrong kernel, a crash is a
+"""scripts.zoo: the gradient verdict separates fp32 numerics from a wrong kernel, a crash is a
 row, and the fast subset of real models (the crashing stems included) runs through the script."""
 
 import importlib.util
@@ -9,21 +9,14 @@ import sys
 import pytest
 import torch
 
+from scripts.zoo import miss_check, models, parity
+from scripts.zoo import sweep as zoo_sweep
 from tests.helpers import REPO
-
-SCRIPT = REPO / "scripts" / "zoo_sweep.py"
-
-
-def load_script(name="zoo_sweep"):
-    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def sweep(tmp_path, *args, timeout=900):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "zoo"), "--log-dir",
-                           str(tmp_path / "logs"), *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "scripts.zoo.sweep", "--out", str(tmp_path / "zoo"), "--log-dir",
+                           str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["key"]: r for r in json.loads((tmp_path / "zoo.json").read_text())["rows"]}
     return rows, proc.stdout
@@ -35,44 +28,41 @@ def perturbed(exact, relative, generator):
 
 
 def test_verdict_separates_ill_conditioned_numerics_from_a_wrong_kernel():
-    zoo = load_script("zoo_parity")
     g = torch.Generator().manual_seed(0)
     exact = {"stem.weight": torch.randn(8, 3, 1, 1, dtype=torch.float64, generator=g),
              "head.weight": torch.randn(5, 8, dtype=torch.float64, generator=g)}
     fp32 = perturbed(exact, 1e-6, g)
-    assert zoo.judge(zoo.grad_errors(fp32, exact), zoo.grad_errors(fp32, exact))["verdict"] == "ok"
+    assert parity.judge(parity.grad_errors(fp32, exact), parity.grad_errors(fp32, exact))["verdict"] == "ok"
     # ill-conditioned: every correct fp32 kernel is ~1e-2 off, channels_last a bit more
     noisy_nc, noisy_cl = perturbed(exact, 1e-2, g), perturbed(exact, 3e-2, g)
-    verdict = zoo.judge(zoo.grad_errors(noisy_cl, exact), zoo.grad_errors(noisy_nc, exact))
+    verdict = parity.judge(parity.grad_errors(noisy_cl, exact), parity.grad_errors(noisy_nc, exact))
     assert verdict["verdict"] == "numerics" and verdict["misses"] == 0
     # a wrong kernel: one weight gradient 3.4x, its norm direction unchanged, the rest exact
     wrong = dict(fp32, **{"stem.weight": 3.4 * exact["stem.weight"]})
-    verdict = zoo.judge(zoo.grad_errors(wrong, exact), zoo.grad_errors(noisy_nc, exact))
+    verdict = parity.judge(parity.grad_errors(wrong, exact), parity.grad_errors(noisy_nc, exact))
     assert verdict["verdict"] == "MISS" and verdict["worst_param"] == "stem.weight"
 
 
 def test_grad_errors_floor_zero_gradients_and_flag_a_missing_one():
-    zoo = load_script("zoo_parity")
     exact = {"bias_before_bn": torch.zeros(4, dtype=torch.float64), "w": torch.ones(4, dtype=torch.float64)}
-    errors = zoo.grad_errors({"bias_before_bn": torch.full((4,), 1e-9), "w": torch.ones(4)}, exact)
-    assert errors["w"] == 0.0 and errors["bias_before_bn"] == pytest.approx(1e-9 / (zoo.FLOOR * 1.0))
-    assert zoo.grad_errors({"w": torch.ones(4)}, exact)["bias_before_bn"] == float("inf")
+    errors = parity.grad_errors({"bias_before_bn": torch.full((4,), 1e-9), "w": torch.ones(4)}, exact)
+    assert errors["w"] == 0.0 and errors["bias_before_bn"] == pytest.approx(1e-9 / (parity.FLOOR * 1.0))
+    assert parity.grad_errors({"w": torch.ones(4)}, exact)["bias_before_bn"] == float("inf")
 
 
 def test_parity_flags_a_layout_kernel_that_is_wrong_in_float64_too():
     # a fault in a kernel every dtype shares shows in the fp32 noise runs as well; float64 catches it
-    zoo = load_script("zoo_parity")
     exact = {"w": torch.linspace(-1, 1, 8, dtype=torch.float64)}
     fp32 = {"w": exact["w"].float()}
     grads = {"float64": exact, "float64_cl": {"w": 1.5 * exact["w"]}, "contiguous": fp32, "native": fp32,
              "native_cl": {"w": 1.5 * fp32["w"]}, "channels_last": {"w": 1.5 * fp32["w"]}}
     losses = dict.fromkeys(grads, 1.0)
     result = {}
-    zoo.parity(result, grads, losses)
+    parity.parity(result, grads, losses)
     assert result["grad"]["verdict"] == "MISS" and result["grad"]["layout_miss"]
     assert "float64" in result["grad"]["why"]
     grads["float64_cl"] = exact  # the same fault without the float64 check would pass as noise
-    zoo.parity(result, grads, losses)
+    parity.parity(result, grads, losses)
     assert result["grad"]["verdict"] == "numerics"
 
 
@@ -105,9 +95,8 @@ def _guardrails_present() -> bool:
 
 @pytest.mark.slow
 def test_fast_subset_of_real_models(tmp_path):
-    zoo = load_script()
     rows, out = sweep(tmp_path, "--fast", timeout=1500)
-    assert set(rows) == set(zoo.FAST)
+    assert set(rows) == set(zoo_sweep.FAST)
     stems = {"timm:repvgg_a0", "timm:mobileone_s0", "timm:fastvit_t8"}
     for key, row in rows.items():
         assert row["trains_contiguous"] is True, (key, row["status"])
@@ -124,24 +113,12 @@ def test_fast_subset_of_real_models(tmp_path):
     assert "AMD" in out or "Intel" in out or "CPU" in out
 
 
-def test_cpu_batchnorm_channels_last_rounds_worse_upstream():
-    # the upstream gap behind channels_last's larger fp32 gradient errors in BatchNorm-heavy models at
-    # tiny batches (numerics in the sweep); if this fails, PyTorch fixed it: update the repro's docstring
-    repro = load_script("cpu_bn_channels_last_accuracy")
-    errors = repro.errors((32, 16, 56, 56), 0.0, 1.0)
-    assert errors["channels_last"][0] > 10 * errors["NCHW"][0]
-    assert errors["NCHW"][0] < 1e-6
-
-
 def test_miss_check_tells_a_right_kernel_from_one_that_is_off_alone():
-    check = load_script("zoo_miss_check")
-    models = load_script("zoo_models")
-
     class WrongUnderChannelsLast(torch.nn.Conv2d):  # the weight gradient 3.4x off for channels_last input
         def forward(self, x):
             return self._conv_forward(x, models._WrongGradUnderChannelsLast.apply(self.weight, x), self.bias)
 
-    right = check.layer_alone(torch.nn.Conv2d(16, 16, 3, padding=1), (2, 16, 8, 8))
-    assert max(right.values()) <= check.RIGHT_ALONE
-    wrong = check.layer_alone(WrongUnderChannelsLast(16, 16, 3, padding=1), (2, 16, 8, 8))
-    assert wrong["contiguous"] <= check.RIGHT_ALONE and wrong["channels_last"] > 1.0
+    right = miss_check.layer_alone(torch.nn.Conv2d(16, 16, 3, padding=1), (2, 16, 8, 8))
+    assert max(right.values()) <= miss_check.RIGHT_ALONE
+    wrong = miss_check.layer_alone(WrongUnderChannelsLast(16, 16, 3, padding=1), (2, 16, 8, 8))
+    assert wrong["contiguous"] <= miss_check.RIGHT_ALONE and wrong["channels_last"] > 1.0
