@@ -32,7 +32,7 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.config import ConfigError
+from cltrain.app.config.errors import ConfigError
 
 __all__ = ["LOGGER_EXTRAS", "build_callbacks", "build_loggers"]
 

@@ -11,7 +11,7 @@ import os
 
 from omegaconf import DictConfig, ListConfig
 
-from cltrain.app.config import ConfigError
+from cltrain.app.config.errors import ConfigError
 
 __all__ = ["check_launch", "is_launched_child"]
 

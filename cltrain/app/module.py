@@ -36,7 +36,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from cltrain.app.config import ConfigError
+from cltrain.app.config.errors import ConfigError
 
 from cltrain.app.metrics import TopKAccuracy
 from cltrain.app.schedule import make_scheduler

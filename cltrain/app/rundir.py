@@ -21,7 +21,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from cltrain.app.config import ConfigError
+from cltrain.app.config.errors import ConfigError
 from cltrain.app.launch import is_launched_child
 
 __all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir", "is_slurm_requeue", "run_dir_of"]

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from cltrain.data.decode_pool import one_thread, start_batch
+from cltrain.data.decode_pool import start_batch
 
 if TYPE_CHECKING:
     from cltrain.data.collate import NHWCCollate
@@ -150,7 +150,9 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
             keeps it in the user cache folder, a path keeps it there, ``False`` walks every time.
         threads: decode the samples of a batch on this many threads of the loading process
             (``cltrain.data.decode_pool``; the DataLoader asks for whole batches through
-            ``__getitems__``); 1 loads them one by one in the calling thread.
+            ``__getitems__``); 1 loads them one by one in the calling thread. Each sample draws
+            its crop from a seed of its own, drawn from the torch RNG, so a seeded run gives the
+            same samples whatever the number of threads.
 
     Attributes:
         index: what the walk found (``SplitIndex``: ignored
@@ -201,8 +203,6 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         augment = getattr(self.transform, "augment", None)
         size = getattr(self.transform, "size", None)
         if collate is None or augment is not None or size is None or not getattr(self.transform, "takes_paths", False):
-            if self.threads == 1 or len(indices) == 1:
-                return lambda: [self[i] for i in indices]
             return start_batch(self.load, indices, self.threads, augment, retry=BadImageError,
                                fallback=self.__getitem__ if self.bad_files == "skip" else None)
         buffer = collate.new_batch(len(indices), (*size, self.transform.channels))
@@ -218,10 +218,6 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
             slot = collate.write(buffer, k, make)
             return (slot, *sample[1:])
 
-        if self.threads == 1:
-            with one_thread():
-                samples = [write(k, self.fetch) for k in range(len(indices))]
-            return lambda: samples
         return start_batch(lambda k: write(k, self.load), range(len(indices)), self.threads, retry=BadImageError,
                            fallback=(lambda k: write(k, self.fetch)) if self.bad_files == "skip" else None)
 

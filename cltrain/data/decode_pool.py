@@ -150,9 +150,11 @@ def load_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int,
 def start_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int,
                 augment: Callable[[Any], Any] | None = None, retry: type[BaseException] = Exception,
                 fallback: Callable[[int], Any] | None = None) -> Callable[[], list[Any]]:
-    """``load_batch`` begun: the samples are loading on the pool's threads when this returns; calling
-    the result waits for them (and runs ``augment`` and ``fallback`` in the calling thread).
-    The random seeds are drawn here, so batches started one after another draw in that order."""
+    """``load_batch`` begun: the samples are loading on the pool's threads when this returns (with one
+    thread, or one usable core, they are loaded here, before it returns); calling the result waits for
+    them (and runs ``augment`` and ``fallback`` in the calling thread). The random seeds are drawn
+    here, one per sample, so batches started one after another draw in that order and a seeded run
+    gives the same samples whatever the number of threads."""
     seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # from the global RNG: reproducible per worker seed
     defer = augment is not None  # a transform whose augmentation the caller cannot see applies it itself
     samples: list[Any] = [None] * len(indices)
@@ -165,8 +167,14 @@ def start_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int
         for k, (i, seed) in todo:
             samples[k] = _seeded(load, i, seed, retry, defer)
 
-    pool = _pool(threads)
-    tasks = [pool.submit(drain) for _ in range(min(threads, usable_cores(), len(indices)))]
+    threads = min(threads, usable_cores(), len(indices))
+    if threads <= 1:
+        with one_thread():
+            drain()
+        tasks = []
+    else:
+        pool = _pool(threads)
+        tasks = [pool.submit(drain) for _ in range(threads)]
 
     def finish() -> list[Any]:
         for task in tasks:

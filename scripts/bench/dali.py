@@ -7,9 +7,10 @@ this process's memory:
   DALI            readers.file + decoders.image_random_crop (libjpeg-turbo, decodes only the
                   crop's region) + resize (antialias) + crop_mirror_normalize (mirror, float,
                   HWC); ``num_threads`` = T, no GPU (``pip install nvidia-dali-cuda130``)
-  cltrain float   ImageFolderDataset(train_transform(224), threads=T) in a DataLoader with no
-                  worker process; NHWCCollate(normalize=ImageNormalizer(), threads=T) writes each
-                  image normalised (float32) into the channels_last batch
+  cltrain float   ImageFolderDataset(train_transform(224), threads=T) in the DataModules' loader
+                  (PrefetchDataLoader) with no worker process: each image is decoded and written
+                  normalised (float32) straight into its slot of the channels_last batch
+                  (NHWCCollate(normalize=ImageNormalizer())), the next batch decoding meanwhile
   cltrain uint8   the same, uint8: the batch the loader hands a GPU (normalised there)
   cltrain 2 proc  (T = 2 only) cltrain float in 2 worker processes of 1 thread each
   torchvision     RandomResizedCrop + flip + ToTensor + Normalize, default_collate, then
@@ -27,7 +28,7 @@ loader runs ``--repeats`` times, interleaved (the order rotates each round); the
 gives the median images/second and the spread (lowest-highest), and the ratios of
 cltrain's median to DALI's and to the bare decode. ``--levers`` adds rows for the choices
 the default path makes (normalize() on the whole uint8 batch afterwards; whole-image
-decoding instead of the crop's region). The CPU model, its SIMD flags and
+decoding instead of the crop's region; batch by batch, no batch decoding ahead). The CPU model, its SIMD flags and
 the load average before and after are printed: figures from a busy machine say so.
 
     pip install 'cltrain[bench]'                      # DALI, timm, scikit-image, scikit-learn
@@ -49,11 +50,12 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import RandomSampler
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
 from cltrain.data.dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
+from cltrain.data.prefetch import PrefetchDataLoader
 from scripts.bench.loader import loader_machine_line, methods, time_loader
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 
@@ -141,16 +143,16 @@ class Dali:
 
 
 def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, batches: int, seed: int,
-                   output: str = "float", region: bool = True) -> float:
+                   output: str = "float", decoder: str = "auto", ahead: bool = True) -> float:
     """``output``: ``"float"`` normalised by the collate, image by image on the loader's threads;
     ``"after"``: a uint8 batch, then normalize() on the whole batch; ``"uint8"``: the uint8 batch."""
-    transform = train_transform(SIZE)
-    transform.region = region
+    transform = train_transform(SIZE, decoder=decoder)
     dataset = ImageFolderDataset(split, transform, threads=threads, index_cache=False)
     sampler = RandomSampler(dataset, replacement=True, num_samples=batch_size * (batches + 1),
                             generator=torch.Generator().manual_seed(seed))
     collate = NHWCCollate(normalize=ImageNormalizer() if output == "float" else None, threads=threads)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate)
+    loader = PrefetchDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
+                                decode_ahead=ahead)
     finish = normalize if output == "after" else (lambda x: x)
     it = iter(loader)
     finish(next(it)[0])
@@ -199,7 +201,10 @@ def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali:
     if levers:  # what each choice of the default path is worth, measured beside it
         rows["lever: normalize() after"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "after")
         rows["lever: whole-image decode"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed,
-                                                                         "float", region=False)
+                                                                         "float", decoder="simplejpeg")
+        if threads > 1:
+            rows["lever: batch by batch"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed,
+                                                                         "float", ahead=False)
     for name, key in (("torchvision", "(b) torchvision"), ("timm", "(c) timm")):
         fn, collate, finish = plain[key]
         rows[name] = (lambda seed, fn=fn, collate=collate, finish=finish:
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     has_dali = not args.no_dali
     if has_dali:
         try:
-            import nvidia.dali  # noqa: F401
+            import nvidia.dali
         except ImportError:
             p.error("NVIDIA DALI is not installed: pip install nvidia-dali-cuda130 (or pass --no-dali).")
     sets = folders(args.work, args.quick)
@@ -265,8 +270,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(loader_machine_line(torch.device("cpu")))
     print(cpu_flags())
     if has_dali:
-        import nvidia.dali
-
         print(f"NVIDIA DALI {nvidia.dali.__version__} (CPU only)")
     print(f"batch {args.batch_size}, {args.batches} timed batches per measurement, {args.repeats} interleaved repeats")
     results: dict = {}
@@ -276,17 +279,18 @@ def main(argv: list[str] | None = None) -> dict:
             rates = measure(rows_for(split, threads, args.batch_size, batches, has_dali, args.levers), args.repeats)
             results[(set_name, threads)] = report(f"{set_name}, {threads} thread(s)", rates)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-    if has_dali:
-        print("\n### cltrain float / DALI\n\n| folder | " + " | ".join(f"{t} thread(s)" for t in args.threads)
-              + " | cltrain 1 -> 2 threads | DALI 1 -> 2 threads |\n|---|" + "---:|" * (len(args.threads) + 2))
-        for set_name in sets:
-            cells = [f"{results[(set_name, t)]['cltrain float'] / results[(set_name, t)]['DALI']:.2f}x" for t in args.threads]
-            if 1 in args.threads and 2 in args.threads:
-                one, two = results[(set_name, 1)], results[(set_name, 2)]
-                cells += [f"{two['cltrain float'] / one['cltrain float'] - 1:+.0%}", f"{two['DALI'] / one['DALI'] - 1:+.0%}"]
-            else:
-                cells += ["-", "-"]
-            print(f"| {set_name} | " + " | ".join(cells) + " |")
+    print("\n### cltrain against DALI, against the bare decode, and what more threads add\n")
+    print("| folder | threads | float / DALI | uint8 / decode | float / decode | float vs 1 thread | uint8 vs 1 thread "
+          "| DALI vs 1 thread |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    for set_name in sets:
+        one = results.get((set_name, 1))
+        for t in args.threads:
+            r = results[(set_name, t)]
+            gain = (lambda k: f"{r[k] / one[k] - 1:+.0%}" if one and k in one and k in r else "-")
+            vs_dali = f"{r['cltrain float'] / r['DALI']:.2f}x" if "DALI" in r else "-"
+            print(f"| {set_name} | {t} | {vs_dali} | {r['cltrain uint8'] / r['decode']:.2f}x "
+                  f"| {r['cltrain float'] / r['decode']:.2f}x | {gain('cltrain float')} | {gain('cltrain uint8')} "
+                  f"| {gain('DALI')} |")
     return {f"{k[0]}, {k[1]} thread(s)": v for k, v in results.items()}
 
 

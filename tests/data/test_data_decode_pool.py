@@ -214,3 +214,16 @@ def test_outputs_never_alias_the_threads_scratch_buffers(root):
         kept = first.copy()
         transform.apply(paths[1], params or transform.make_params(120, 90))  # reuses this thread's buffers
         np.testing.assert_array_equal(first, kept)
+
+
+def test_a_seeded_batch_is_the_same_whatever_the_number_of_threads(root):
+    # Each sample draws its crop from a seed of its own: a run seeded on a 1-core and on a 16-core
+    # machine (decode_threads="auto") trains on the same crops.
+    batches = []
+    for threads in (1, 2, 3):
+        ds = ImageFolderDataset(root / "train", train_transform(32), threads=threads, index_cache=False)
+        batches.append(_batch(ds, list(range(len(ds))), seed=5))
+    for other in batches[1:]:
+        assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(batches[0], other))
+    ds = ImageFolderDataset(root / "train", train_transform(32), threads=1, index_cache=False)
+    assert not all(np.array_equal(a[0], b[0]) for a, b in zip(batches[0], _batch(ds, list(range(len(ds))), seed=6)))

@@ -54,8 +54,8 @@ def _cpu_has_native_bf16() -> bool:
 _DEPRECATED = {
     "resolve_device": ("cltrain.app.config.resolve_accelerator", lambda: _public("resolve_accelerator")),
     "cpu_has_native_bf16": ("cltrain.platform.cpu_bf16_support()[0]", lambda: _cpu_has_native_bf16),
-    "is_launched_child": ("cltrain.app.rundir.is_launched_child",
-                          lambda: importlib.import_module("cltrain.app.rundir").is_launched_child),
+    "is_launched_child": ("cltrain.app.launch.is_launched_child",
+                          lambda: importlib.import_module("cltrain.app.launch").is_launched_child),
 }
 
 
