@@ -305,7 +305,7 @@ def machine_rows(command: str, seconds: float, data: str) -> list[dict[str, str]
             row("data", data, "")]
 
 
-def markdown_table(rows: list[dict[str, str]]) -> str:
+def gpu_results_table(rows: list[dict[str, str]]) -> str:
     """The rows as one Markdown table, numbers right-aligned."""
     def line(cells: Any) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [cuda_tests(limit_a, args.out / "cuda_tests.log"),
                 newcomer(stamp / "newcomer", limit_b, args.out / "default_train.log", args.tiny, args.out),
                 *matrix(stamp, root, limit_c, args.out / "matrix.log", size, args.out, args.tiny)]
-    text = markdown_table(machine_rows(command, time.perf_counter() - started, data) + rows)
+    text = gpu_results_table(machine_rows(command, time.perf_counter() - started, data) + rows)
     (args.out / "gpu_check.md").write_text(text)
     print(text, end="")
     return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0

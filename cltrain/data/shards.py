@@ -116,10 +116,8 @@ class ShardsDataset(Dataset):
     def __getitem__(self, index: int | Sequence[int]) -> Any:
         if isinstance(index, (int, np.integer)):
             return self.load(int(index))
-        if self.threads > 1 and len(index) > 1:
-            samples = load_batch(self.load, index, self.threads, getattr(self.transform, "augment", None))
-        else:
-            samples = [self.load(i) for i in index]
+        # each sample's crop from a seed of its own, whatever the number of threads (as ImageFolderDataset)
+        samples = load_batch(self.load, index, self.threads, getattr(self.transform, "augment", None))
         batch = self.collate(samples)
         return (*batch, torch.as_tensor(index, dtype=torch.int64)) if self.with_ids else batch
 

@@ -72,7 +72,7 @@ def paired_ratio(root: Path, pack: Path, settings: dict, batches: int) -> tuple[
             for kind in ("files", "shards") if b % 2 == 0 else ("shards", "files"):
                 torch.manual_seed(seed)
                 start = time.perf_counter()
-                out[kind] = hs.collate([fs.load(same[i]) for i in idx]) if kind == "files" else hs[idx]
+                out[kind] = hs.collate(fs.__getitems__([same[i] for i in idx])) if kind == "files" else hs[idx]
                 took[kind] = time.perf_counter() - start
             if not torch.equal(out["files"][0], out["shards"][0]):
                 raise SystemExit(f"bench_shards: the pack {pack} does not hold the folder's images ({root}: a batch differs); "

@@ -93,7 +93,7 @@ def test_the_library_layer_imports_torch_and_lightning_only() -> None:
         if outside:
             third_party[path.name] = sorted(outside)
     # torchvision and timm only inside functions of the model zoo, named by the `data`/`timm` extras
-    assert third_party == {"zoo.py": ["timm", "torchvision"]}, third_party
+    assert third_party == {"model_names.py": ["timm", "torchvision"]}, third_party
 
 
 def test_the_platform_module_imports_torch_and_the_standard_library_only() -> None:

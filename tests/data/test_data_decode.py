@@ -235,3 +235,28 @@ def test_a_bad_header_does_not_spoil_the_next_good_one(photos):
     with pytest.raises(jpeg_roi.JpegRegionError):
         jpeg_roi.decode_region(data[:200], (0, 0, 8, 8))
     assert jpeg_roi.read_header(data) == good
+
+
+def test_a_back_end_is_one_module_and_one_line(photos, tmp_path, monkeypatch):
+    from cltrain.data import decoders
+    from cltrain.data.transforms import train_transform
+
+    (tmp_path / "counting_backend.py").write_text(
+        "from cltrain.data.decoders.simplejpeg_whole import SimpleJpegWhole\n"
+        "class Counting(SimpleJpegWhole):\n"
+        "    name, calls = 'counting', 0\n"
+        "    def decode(self, *args, **kwargs):\n"
+        "        type(self).calls += 1\n"
+        "        return super().decode(*args, **kwargs)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="decoder='counting' is not a decoder"):  # the control: not there yet
+        train_transform(48, decoder="counting")
+    monkeypatch.setitem(decoders.BACKENDS, "counting", "counting_backend:Counting")  # the one line
+    t = train_transform(48, decoder="counting")
+    torch.manual_seed(0)
+    out = t(photos[0])
+    backend = decoders.get_decoder("counting")
+    assert type(backend).calls == 1 and out.shape == (48, 48, 3)
+    torch.manual_seed(0)
+    np.testing.assert_array_equal(out, train_transform(48, decoder="simplejpeg")(photos[0]))
+    monkeypatch.delitem(decoders._INSTANCES, "counting")

@@ -18,10 +18,12 @@ this package with a class that has ``name``, ``available``, ``header`` and ``dec
 
 Example::
 
-    >>> from cltrain.data.decoders import get_decoder
-    >>> dec = get_decoder("auto")                         # None when no back end is installed
-    >>> header = dec.header(open("photo.jpg", "rb").read())   # JpegHeader(width, height, ...)
-    >>> dec.decode(data, header, box=(0, 0, 64, 48)).shape    # (48, 64, 3)
+    from cltrain.data.decoders import get_decoder
+
+    dec = get_decoder("auto")                       # None when no back end is installed
+    data = open("photo.jpg", "rb").read()
+    header = dec.header(data)                       # JpegHeader(width, height, ...); None: Pillow's to read
+    dec.decode(data, header, box=(0, 0, 64, 48))    # HWC uint8 of shape (48, 64, 3)
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def get_decoder(name: str = "auto") -> Decoder | None:
     """
     if name in _INSTANCES:
         return _INSTANCES[name]
-    if name not in DECODER_NAMES:
-        raise ValueError(f"decoder={name!r} is not a decoder; use one of {list(DECODER_NAMES)}.")
+    names = ("auto", *BACKENDS, "pillow")
+    if name not in names:
+        raise ValueError(f"decoder={name!r} is not a decoder; use one of {list(names)}.")
     if name == "pillow":
         found = None
     elif name == "auto":
