@@ -82,7 +82,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     datamodule = build_datamodule(cfg)
     kwargs = cfg.model.get("kwargs")
     model = build_classifier(cfg.model.name, datamodule.num_classes, cfg.model.source,
-                        absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
+                             absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
     guarded = prepare_model(cfg, resolved, model)
 
     run = build_run_callbacks(cfg, resolved, run_dir, stop)
