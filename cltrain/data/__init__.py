@@ -29,18 +29,53 @@ Example::
     (torch.Size([8, 3, 224, 224]), True)
 """
 
-from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
-from cltrain.data.augmentation import Augmentation
-from cltrain.data.collate import NHWCCollate, nhwc_collate
-from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
-from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
-from cltrain.data.folders import SkippedFilesReport
-from cltrain.data.dataset import BadImageError, ImageFolderDataset
-from cltrain.data.demo import make_demo_dataset
-from cltrain.data.normalize import normalize
-from cltrain.data.prefetch import PrefetchDataLoader
-from cltrain.data.shards import ShardsDataModule, ShardsDataset
-from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
+    from cltrain.data.augmentation import Augmentation
+    from cltrain.data.collate import NHWCCollate, nhwc_collate
+    from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
+    from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
+    from cltrain.data.folders import SkippedFilesReport
+    from cltrain.data.dataset import BadImageError, ImageFolderDataset
+    from cltrain.data.demo import make_demo_dataset
+    from cltrain.data.normalize import normalize
+    from cltrain.data.prefetch import PrefetchDataLoader
+    from cltrain.data.shards import ShardsDataModule, ShardsDataset
+    from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
+
+# ``normalize`` is also a submodule's name: bound here, so that importing the submodule later (which
+# sets the package's attribute) cannot make ``cltrain.data.normalize`` the module instead of the function.
+from cltrain.data.normalize import normalize  # noqa: E402 - torch only
+
+#: name -> the module it comes from: imported on first use (PEP 562), so that a light module
+#: (``cltrain.data.constants``, ``cltrain.data.decoders``) comes without Lightning.
+_MODULES = {
+    "HWCAugment": "augment",
+    "MixupCutmix": "augment",
+    "RandomErasing": "augment",
+    "Augmentation": "augmentation",
+    "NHWCCollate": "collate",
+    "nhwc_collate": "collate",
+    "IMAGENET_MEAN": "constants",
+    "IMAGENET_STD": "constants",
+    "IMG_EXTENSIONS": "constants",
+    "SKIPPED_FILES_NAME": "datamodule",
+    "ImageFolderDataModule": "datamodule",
+    "SkippedFilesReport": "folders",
+    "BadImageError": "dataset",
+    "ImageFolderDataset": "dataset",
+    "make_demo_dataset": "demo",
+    "PrefetchDataLoader": "prefetch",
+    "ShardsDataModule": "shards",
+    "ShardsDataset": "shards",
+    "CropParams": "transforms",
+    "RandomResizedCropFlip": "transforms",
+    "ResizeCenterCrop": "transforms",
+    "eval_transform": "transforms",
+    "train_transform": "transforms",
+}
 
 __all__ = [
     "Augmentation",
@@ -68,3 +103,18 @@ __all__ = [
     "normalize",
     "train_transform",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULES])
