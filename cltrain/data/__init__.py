@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from cltrain.data.folders import SkippedFilesReport
     from cltrain.data.dataset import BadImageError, ImageFolderDataset
     from cltrain.data.demo import make_demo_dataset
-    from cltrain.data.normalize import normalize
     from cltrain.data.prefetch import PrefetchDataLoader
     from cltrain.data.shards import ShardsDataModule, ShardsDataset
     from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
