@@ -66,7 +66,9 @@ class Augmentation:
         RandomResizedCropFlip(8, self.scale, self.ratio, self.hflip)  # checks scale, ratio and hflip
         if self.augment != "none":
             HWCAugment(self.augment)
-        RandomErasing(self.random_erasing)  # checks the probability, also 0
+        if not 0 <= self.random_erasing <= 1:
+            raise ValueError(f"Augmentation: random_erasing={self.random_erasing!r} must be a probability in [0, 1] (0: off).")
+        self.erasing()  # checks the rest (timm, imported only when erasing is on)
         for name in ("mixup_alpha", "cutmix_alpha"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Augmentation: {name}={getattr(self, name)!r} must be >= 0 (0: off).")

@@ -171,7 +171,7 @@ def test_datamodule_augments_training_batches_only(tmp_path):
     train = [s for s in model.seen if s[0] != "val"]
     assert train and all(s == (True, torch.float32, torch.Size([4, 2])) for s in train)  # soft targets, NHWC
     assert ("val", torch.Size([4])) in model.seen  # validation keeps its labels
-    with pytest.raises(ValueError, match="probability=1.5"):
+    with pytest.raises(ValueError, match="random_erasing=1.5"):
         ImageFolderDataModule(root, random_erasing=1.5)
     with pytest.raises(ValueError, match="policy='auto'"):
         ImageFolderDataModule(root, augment="auto")
