@@ -89,6 +89,7 @@ def test_the_other_video_models_by_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_video_demo_learns_motion_well_above_chance(tmp_path: Path) -> None:
     """The README's command as a user runs it (about 3 minutes here): ``python train.py experiment=video``
     from an empty folder, the demo written to ``data/video_demo`` there. Six motions, chance 16.7 %;
