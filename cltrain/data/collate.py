@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import mmap
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from PIL import Image
 from torch.utils.data import default_collate
 
-from cltrain.data.decode_pool import run_each
+from cltrain.data.decode_pool import run_each, thread_scratch
 from cltrain.data.normalize import ImageNormalizer
 
 __all__ = ["BatchSlot", "NHWCCollate", "as_hwc", "nhwc_collate"]
@@ -48,19 +47,6 @@ class BatchSlot:
     def image(self) -> torch.Tensor:
         """The slot's pixels: HWC of the buffer's dtype."""
         return self.buffer[self.index]
-
-
-_SCRATCH = threading.local()
-
-
-def _uint8_scratch(shape: tuple[int, ...]) -> torch.Tensor:
-    """This thread's reusable HWC uint8 image of ``shape``: an image waits there to be normalised
-    into its slot while it is still in the CPU cache."""
-    buf = getattr(_SCRATCH, "image", None)
-    if buf is None or tuple(buf.shape) != shape:
-        with torch.inference_mode(False):  # written again outside inference mode (see _empty_batch)
-            buf = _SCRATCH.image = torch.empty(shape, dtype=torch.uint8)
-    return buf
 
 
 def as_hwc(image: Any, index: int) -> np.ndarray | torch.Tensor:
@@ -192,7 +178,11 @@ class NHWCCollate:
         being the slot itself for a uint8 batch, or a per-thread scratch image that is normalised
         into the slot at once; safe to call from several threads for different slots."""
         slot = buffer[index]
-        dest = slot if self.normalize is None else _uint8_scratch(tuple(slot.shape))
+        if self.normalize is None:
+            dest = slot
+        else:  # this thread's scratch image: normalised into the slot at once, while in the CPU cache
+            n = slot.numel()
+            dest = torch.from_numpy(thread_scratch("normalise", n)[:n]).view(tuple(slot.shape))
         image = make(dest)
         if self.normalize is not None:
             self.normalize(torch.as_tensor(as_hwc(image, index)), slot)

@@ -202,7 +202,13 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         samples hold ``BatchSlot``s, which ``collate`` hands on without copying."""
         augment = getattr(self.transform, "augment", None)
         size = getattr(self.transform, "size", None)
-        if collate is None or augment is not None or size is None or not getattr(self.transform, "takes_paths", False):
+        # A subclass's own __getitem__ (extra fields) or load (no out=) is what its samples are made by.
+        own_getitem = type(self).__getitem__ is not SkipsBadSamples.__getitem__
+        own_load = type(self).load is not ImageFolderDataset.load
+        if own_getitem:
+            return start_batch(self.__getitem__, indices, self.threads, augment)
+        if (collate is None or own_load or augment is not None or size is None
+                or not getattr(self.transform, "takes_paths", False)):
             return start_batch(self.load, indices, self.threads, augment, retry=BadImageError,
                                fallback=self.__getitem__ if self.bad_files == "skip" else None)
         buffer = collate.new_batch(len(indices), (*size, self.transform.channels))

@@ -27,14 +27,13 @@ docs/performance.md.
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import numpy as np
 import torch
 from PIL import Image
 
-from cltrain.data.decode_pool import one_thread
+from cltrain.data.decode_pool import one_thread, thread_scratch
 from cltrain.data.decoders import Decoder, JpegHeader, get_decoder
 
 __all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop",
@@ -161,22 +160,6 @@ def decode_jpeg(data: bytes, channels: int = 3, factor: int = 1, buffer: np.ndar
     return backend.decode(data, header, None, factor, channels, buffer)
 
 
-_SCRATCH = threading.local()
-
-
-def _scratch(name: str, nbytes: int) -> np.ndarray:
-    """This thread's reusable 1-D uint8 buffer ``name`` of at least ``nbytes``.
-
-    Each image's decoded pixels and their dense copy go here, not into new arrays: a new
-    multi-megabyte array is a fresh mapping, faulted in page by page, and threads of one
-    process doing that serialise on the kernel's memory-map lock (docs/performance.md)."""
-    buf = getattr(_SCRATCH, name, None)
-    if buf is None or buf.size < nbytes:
-        buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-        setattr(_SCRATCH, name, buf)
-    return buf
-
-
 #: ``interpolation`` -> torch's antialiased resampling op (``F.interpolate(..., antialias=True)`` calls the
 #: same): called directly with ``out=``, so the pixels go straight into their batch slot, and without
 #: ``interpolate``'s Python checks (held under the GIL while other decode threads wait).
@@ -191,7 +174,7 @@ def _resize(arr: np.ndarray, size: tuple[int, int], interpolation: str = "biline
     # take a slower path and return NCHW (another transposing copy). Copying the crop
     # into a dense NHWC buffer first costs ~5 us and halves the resize (0.27 -> 0.11 ms).
     h, w, c = arr.shape
-    dense = torch.from_numpy(_scratch("dense", h * w * c)[: h * w * c]).view(1, h, w, c)
+    dense = torch.from_numpy(thread_scratch("dense", h * w * c)[: h * w * c]).view(1, h, w, c)
     dense.copy_(torch.from_numpy(arr).unsqueeze(0))
     x = dense.permute(0, 3, 1, 2)  # channels_last
     if x.shape[-2:] == size:
@@ -240,7 +223,7 @@ def _jpeg_resized_crop(data: bytes, backend: Decoder, header: JpegHeader, box: t
     region_box, target = ((0, 0, width, height), resize) if resize is not None else (box, size)
     factor = decode_factor(region_box, target) if reduce else 1
     sw, sh = -(-width // factor), -(-height // factor)  # libjpeg's ceil(width / factor)
-    decoded = _scratch("decoded", sw * sh * channels)
+    decoded = thread_scratch("decoded", sw * sh * channels)
     if resize is None:
         sx, sy = sw / width, sh / height
         left, top = round(box[0] * sx), round(box[1] * sy)

@@ -29,9 +29,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["augment_deferred", "load_batch", "one_thread", "run_each", "sample_generator", "loading_plan", "start_batch", "usable_cores"]
+__all__ = ["augment_deferred", "load_batch", "one_thread", "run_each", "sample_generator", "loading_plan", "start_batch", "thread_scratch", "usable_cores"]
 
 _LOCAL = threading.local()
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
@@ -69,6 +70,22 @@ def one_thread() -> Iterator[None]:
 
 def _init_thread() -> None:
     torch.set_num_threads(1)
+
+
+_SCRATCH = threading.local()
+
+
+def thread_scratch(name: str, nbytes: int) -> np.ndarray:
+    """This thread's reusable 1-D uint8 buffer ``name`` of at least ``nbytes``.
+
+    Each image's decoded pixels, their dense copy and (for a normalised batch) the resized image go here, not into new arrays: a new
+    multi-megabyte array is a fresh mapping, faulted in page by page, and threads of one
+    process doing that serialise on the kernel's memory-map lock (docs/performance.md)."""
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+        setattr(_SCRATCH, name, buf)
+    return buf
 
 
 def usable_cores() -> int:

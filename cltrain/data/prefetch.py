@@ -91,7 +91,7 @@ def _one_batch_ahead(loader: DataLoader) -> Iterator[Any]:
     ahead = getattr(dataset, "threads", 1) > 1  # one thread: no thread to decode on while this one waits
     pending = None
     for indices in loader.batch_sampler:
-        started = dataset.start_items(indices, slots) if slots is not None else dataset.start_items(indices)
+        started = dataset.start_items(indices, slots)
         if not ahead:
             yield _finish(loader, started)
             continue

@@ -206,3 +206,30 @@ def test_an_epoch_under_inference_mode_then_a_training_epoch(big, threads):
     torch.manual_seed(0)
     plain = DataLoader(ds, batch_size=8, collate_fn=NHWCCollate(normalize=ImageNormalizer()))
     assert trained == [_fingerprint(x) for x, _ in plain]
+
+
+class _WithPaths(ImageFolderDataset):
+    """A user's subclass in the common style: the sample also carries its file path."""
+
+    def __getitem__(self, index):
+        image, target = super().__getitem__(index)
+        return image, target, self.samples[index][0]
+
+
+class _OwnLoad(ImageFolderDataset):
+    """A user's subclass that overrides load (without the loader's out= argument)."""
+
+    def load(self, index):
+        image, target = super().load(index)
+        return image, target + 100
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_users_dataset_subclass_keeps_its_own_getitem_and_load(folder, threads):
+    collate = NHWCCollate()
+    paths = _WithPaths(folder / "train", train_transform(32), threads=threads, index_cache=False)
+    images, targets, names = next(iter(PrefetchDataLoader(paths, batch_size=4, collate_fn=collate)))
+    assert list(names) == [paths.samples[i][0] for i in range(4)] and images.shape == (4, 3, 32, 32)
+    own = _OwnLoad(folder / "train", train_transform(32), threads=threads, index_cache=False)
+    _, targets = next(iter(PrefetchDataLoader(own, batch_size=4, collate_fn=collate)))
+    assert targets.tolist() == [own.samples[i][1] + 100 for i in range(4)]
