@@ -1,26 +1,28 @@
 """cltrain: channels_last (NHWC) as the fast, safe default for training image models.
 
-Layers, bottom up (lower ones never import higher ones):
+Packages and modules, bottom up (lower ones never import higher ones):
 
-* ``cltrain.layout``: tensor and module layout helpers (channels-last 1-D too);
-* ``cltrain.autolayout`` and ``cltrain.audit``: time a model in both layouts; find the
-  ops that lose channels_last (``cltrain-audit resnet50`` on the command line);
-* ``cltrain.model_names``: torchvision and timm models by name, with random weights;
-* ``cltrain.callback``: the Lightning callback ``ChannelsLast``, with its pieces in
-  ``cltrain.batch_layout`` (restriding batches) and ``cltrain.model_access`` (the modules
-  around a LightningModule: step target, averaged copies, hook wrapping, optimizer state);
-* ``cltrain.loops``: the same for Lightning Fabric and plain loops, and a contiguous copy for export;
-* ``cltrain.atomic`` (atomic file writes) and ``cltrain.checkpoint_io``
-  (``AtomicCheckpointIO``: ``Trainer(plugins=[AtomicCheckpointIO()])`` saves checkpoints
-  atomically on any local filesystem and loads them with ``weights_only=True``);
-* ``cltrain.data``: the NHWC data path (transforms, collate, normalisation,
-  an ImageFolder DataModule, demo data);
-* ``cltrain.app``: the Hydra training application behind ``train.py``;
-* ``cltrain.tools``: the console scripts (``cltrain-train``, ``cltrain-audit``, ...).
+* ``platform``: what this machine's CPU and backends can do (bf16, oneDNN ISA);
+* ``devices``: device names as users type them, checked against this machine;
+* ``precision``: the dtype a precision computes in, ``amp="auto"``'s choice, loss-scaling safety;
+* ``atomic``: files written atomically (same-folder temp file, fsync, rename);
+* ``checkpoint_io``: ``AtomicCheckpointIO``, Lightning checkpoints saved atomically, loaded ``weights_only``;
+* ``layout``: tensors, modules and batches put in channels_last (``to_channels_last``, ``to_contiguous``);
+* ``guardrails``: workarounds for backend kernels known to fail in channels_last on this device;
+* ``timing``: a model timed in both layouts (``mode="auto"``), in a child process;
+* ``audit``: the ops that lose channels_last in a model (``cltrain-audit`` on the command line);
+* ``model_names``: torchvision and timm models by name, with random weights;
+* ``check``: the first-batch layout check and the NCHW fallbacks it chooses;
+* ``callback``: ``ChannelsLast``, the Lightning callback;
+* ``loops``: the same for Lightning Fabric, Accelerate and plain loops; a contiguous copy for export;
+* ``integrations``: the Hugging Face ``Trainer`` callback and the Accelerate helper;
+* ``data``: the NHWC data path (decoding, transforms, collate, normalisation, DataModules, demo data);
+* ``app``: the Hydra training application behind ``train.py``;
+* ``tools``: the console scripts (``cltrain-train``, ``cltrain-audit``, ...).
 
-Only the torch-only library layers are imported here. ``ChannelsLast`` and
-``AtomicCheckpointIO`` are imported on first use (they need Lightning, whose import takes
-seconds, which ``cltrain-audit`` and plain layout users need not pay); ``cltrain.data`` and ``cltrain.app`` on demand.
+Only the torch-only layers are imported here. ``ChannelsLast`` and ``AtomicCheckpointIO`` are imported on
+first use (Lightning's import takes seconds, which ``cltrain-audit`` and plain layout users need not pay);
+``cltrain.data``, ``cltrain.integrations`` and ``cltrain.app`` on demand.
 """
 
 from cltrain.layout import (
@@ -31,7 +33,7 @@ from cltrain.layout import (
     to_channels_last,
     to_channels_last_1d,
 )
-from cltrain.autolayout import choose_layout, time_layouts
+from cltrain.timing.layouts import choose_layout, time_layouts
 from cltrain.audit import AuditReport, audit_model
 
 __all__ = [

@@ -40,9 +40,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
-import types
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +50,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cltrain.autolayout import autocast_for, scalar_loss
+from cltrain.precision import autocast_for
+from cltrain.timing.layouts import scalar_loss
 from cltrain.layout import is_channels_last, layout_summary, to_channels_last
 
 __all__ = ["AuditReport", "AuditRow", "audit_model"]
@@ -288,7 +286,7 @@ def audit_model(
         model: the model, normally already converted with ``cltrain.to_channels_last``
             (the audit does not convert it). Its train/eval mode is used as is.
         example_input: a batch tensor, or a tuple of positional arguments for ``model``.
-        loss_fn: maps the model output to a scalar; default ``cltrain.autolayout.scalar_loss``.
+        loss_fn: maps the model output to a scalar; default ``cltrain.timing.layouts.scalar_loss``.
         autocast_dtype: run the step under ``torch.autocast`` in this dtype (as training would).
         convert_input: put rank-4/5 input tensors in channels_last first (default), so the
             report is about the model and not about the data path.
@@ -357,23 +355,3 @@ def audit_model(
         parameter_layouts=layout_summary(model),
     )
 
-
-_DEPRECATED_CALL = "cltrain.audit(...) and cltrain.audit.audit(...) are deprecated: call cltrain.audit_model(...)"
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: the old name of audit_model, for one release
-    if name == "audit":
-        warnings.warn(_DEPRECATED_CALL, DeprecationWarning, stacklevel=2)
-        return audit_model
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _CallableModule(types.ModuleType):
-    """``cltrain.audit`` is this module; calling it, as when it was the function, still audits for one release."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> AuditReport:
-        warnings.warn(_DEPRECATED_CALL, DeprecationWarning, stacklevel=2)
-        return audit_model(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

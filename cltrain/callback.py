@@ -12,20 +12,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from cltrain.autolayout import to_contiguous
-from cltrain.batch_layout import check_inputs, describe_batch, first_image_tensor, restride_batch
+from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d, to_contiguous
+from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, restride_batch
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
-from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d
-from cltrain.layout_check import LayoutCheck
-from cltrain.lightning_step_check import apply_to_copy, check_lightning_step
-from cltrain.model_access import (
+from cltrain.check.compare import LayoutCheck
+from cltrain.check.lightning_step import apply_to_copy, check_lightning_step
+from cltrain.layout.lightning_access import (
     model_copies,
     restride_optimizer_state,
     run_after,
     step_target,
     undo_run_after,
 )
-from cltrain.nchw_fallback import Fallback, apply_fallbacks
+from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.precision import autocast_dtype, compute_dtype
 
 __all__ = ["ChannelsLast"]
@@ -39,7 +38,7 @@ class ChannelsLast(Callback):
     The model is converted once it is complete (after the LightningModule's ``setup`` or
     ``configure_model``), before the strategy moves it and wraps it in DDP, identically on every
     rank. In every stage the model's inputs are restrided in place in
-    ``on_{train,validation,test,predict}_batch_start`` (``cltrain.batch_layout`` says which
+    ``on_{train,validation,test,predict}_batch_start`` (``cltrain.layout.batches`` says which
     tensors); targets and masks keep their layout, and a tensor already channels_last is not
     copied. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
     ``StochasticWeightAveraging``) join the model's layout, and on resume the optimizer state is
@@ -74,7 +73,7 @@ class ChannelsLast(Callback):
             crashes or silently wrong gradients on this device) get a targeted workaround, the rest of
             the model keeps its layout; one log line names them. ``False`` trains the bare kernels.
         verify: on the first batch of training (and of validation, test or predict, whichever comes
-            first) run the step in both layouts on copies of the model (``cltrain.layout_check``): where
+            first) run the step in both layouts on copies of the model (``cltrain.check.compare``): where
             the project's own code assumes NCHW (a ``view`` that merges C with H and W, an op reading raw
             memory, a custom backward doing either) and raises or diverges only in channels_last, the
             smallest part holding that code runs in NCHW (or the whole model stays contiguous), and one
@@ -82,7 +81,7 @@ class ChannelsLast(Callback):
             (weights, gradients, BatchNorm statistics, optimizer and RNG state, logged values).
             ``False`` skips the check.
         auto_timeout: ``mode="auto"`` times the layouts in a child process
-            (``cltrain.layout_probe.probe_layout``), which a native crash cannot take the run down
+            (``cltrain.timing.probe.probe_layout``), which a native crash cannot take the run down
             with (a model the child cannot load, from a script without a main guard, ``python -c`` or a
             notebook, is timed in this process with the guardrails, and the log line says so); this is
             how long it may go without progress (seconds) before it counts as a hang.
@@ -101,9 +100,9 @@ class ChannelsLast(Callback):
         guardrails: the ``cltrain.guardrails.GuardRecord`` of each known fault worked around in
             the model (``record.as_dict()`` for ``metrics.json``); ``[]`` when none matched, ``None``
             before ``setup``, with ``guard=False`` and with ``mode="off"``.
-        layout_checks: the ``cltrain.layout_check.LayoutCheck`` of each first batch checked, by kind
+        layout_checks: the ``cltrain.check.compare.LayoutCheck`` of each first batch checked, by kind
             (``"train"``, ``"eval"``); ``result.as_dict()`` for ``metrics.json``.
-        fallbacks: the ``cltrain.nchw_fallback.Fallback``s the checks applied to the model.
+        fallbacks: the ``cltrain.check.fallback.Fallback``s the checks applied to the model.
         summary: ``cltrain.layout_summary`` of the model's parameters and buffers
             once converted.
         audit_report: with ``audit=True``, the ``cltrain.audit.AuditReport`` of the
@@ -274,7 +273,7 @@ class ChannelsLast(Callback):
         return tuple(shape) if shape is not None else None
 
     def _choose(self, trainer: Trainer, pl_module: LightningModule) -> str:
-        from cltrain.layout_probe import probe_layout
+        from cltrain.timing.probe import probe_layout
 
         decision: list[Any] = [None, None, None]
         self._one_d = len(self._shape(trainer)) == 3

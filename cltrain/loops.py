@@ -3,9 +3,9 @@
 ``convert_model`` does to a model what ``cltrain.ChannelsLast`` does at setup (the
 channels-last format of each parameter's rank, and the kernel guardrails); ``convert_batch``
 puts a batch's model inputs in that layout by the same rules as the callback (only the inputs:
-targets and masks keep their layout, see ``cltrain.batch_layout``). Convert before
+targets and masks keep their layout, see ``cltrain.layout.batches``). Convert before
 ``fabric.setup`` / DDP / ``torch.compile``, so every rank wraps and compiles the final layout.
-``verify_layout`` runs one step in both layouts on copies of the model (``cltrain.layout_check``) and
+``verify_layout`` runs one step in both layouts on copies of the model (``cltrain.check.compare``) and
 puts the part of the model whose code assumes NCHW in NCHW, as the callback does on its first batch.
 ``contiguous_copy`` gives an NCHW copy of a trained model for ``torch.onnx.export``,
 ``torch.export`` and TorchScript, whose graphs should not depend on how training strided the weights.
@@ -37,12 +37,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from cltrain.autolayout import to_contiguous
-from cltrain.batch_layout import Inputs, check_inputs, restride_batch
+from cltrain.layout import MODES, to_channels_last, to_contiguous
+from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.guardrails import apply_guardrails
-from cltrain.layout import MODES, to_channels_last
-from cltrain.layout_check import LayoutCheck, check_layout, projection_loss
-from cltrain.nchw_fallback import Fallback, apply_fallbacks
+from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
+from cltrain.check.fallback import Fallback, apply_fallbacks
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
@@ -107,7 +106,7 @@ def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last"
 
     Args:
         batch: a tensor, or a tuple, list, dict, namedtuple or dataclass of them (nested).
-        inputs: which tensors are the model's inputs; see ``cltrain.batch_layout``.
+        inputs: which tensors are the model's inputs; see ``cltrain.layout.batches``.
         layout: ``"channels_last"`` or ``"contiguous"``.
 
     Returns:
@@ -140,7 +139,7 @@ def verify_layout(
 
     Call it once, after ``convert_model`` and before ``fabric.setup`` / DDP / ``torch.compile``, with a
     real batch. Where the code in the model or in ``step`` raises or diverges only in channels_last, the
-    smallest part holding it runs in NCHW (``cltrain.nchw_fallback``); where that is the whole model, the
+    smallest part holding it runs in NCHW (``cltrain.check.fallback``); where that is the whole model, the
     model runs in NCHW (its inputs are put in NCHW on the way in, so the loop may keep converting batches).
     One log line says what was found and done. The model's weights, gradients and BatchNorm statistics
     and the RNG state are not changed.
@@ -156,10 +155,10 @@ def verify_layout(
             this dtype only where it cannot run in float32.
 
     Returns:
-        The ``cltrain.layout_check.LayoutCheck``.
+        The ``cltrain.check.compare.LayoutCheck``.
     """
-    from cltrain.autolayout import autocast_for
-    from cltrain.batch_layout import first_image_tensor
+    from cltrain.precision import autocast_for
+    from cltrain.layout.batches import first_image_tensor
 
     inputs = check_inputs(inputs, owner="verify_layout")
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))

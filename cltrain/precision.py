@@ -1,11 +1,10 @@
 """Which precision a device trains fastest in, the dtype each precision computes in, and whether a fused
 optimizer is safe under loss scaling.
 
-* ``AMP_CHOICES``, ``AMP_DTYPE_FLAGS``: what the app's ``amp`` key may be, and the Lightning precision
-  flag of each autocast dtype it can name (``amp=bf16`` -> ``bf16-mixed``).
 * ``autocast_dtype``, ``compute_dtype``: the dtype a Lightning precision flag autocasts to
   (``bf16-mixed`` -> ``torch.bfloat16``; ``32-true`` -> None), and the dtype convolutions compute in
-  (autocast's, or the parameters' for ``bf16-true`` / ``16-true``).
+  (autocast's, or the parameters' for ``bf16-true`` / ``16-true``); ``autocast_for``: the autocast
+  context of a device and dtype.
 * ``auto_precision``: the Lightning precision flag ``amp="auto"`` means on a device:
   bf16 autocast where bf16 is native (on the CPU: ``cltrain.platform.cpu_bf16_support``, which
   ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``DNNL_MAX_CPU_ISA`` can turn off on a CPU
@@ -34,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,8 +45,7 @@ import torch.utils.deterministic
 
 from cltrain.platform import cpu_bf16_support
 
-# cpu_bf16_support lives in cltrain.platform; importing it from here keeps working.
-__all__ = ["AMP_CHOICES", "AMP_DTYPE_FLAGS", "AUTOCAST_DTYPES", "PrecisionChoice", "auto_precision", "autocast_dtype",
+__all__ = ["AUTOCAST_DTYPES", "PrecisionChoice", "auto_precision", "autocast_dtype", "autocast_for",
            "compute_dtype", "loss_scaling_safe", "zero_momentum_buffers"]
 
 #: The Lightning precision flag -> the dtype its autocast computes in.
@@ -54,16 +53,19 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "16-mix
 # The dtype convolutions compute in: autocast's, or the parameters' once cast.
 _COMPUTE_DTYPES: dict[str, torch.dtype] = {**AUTOCAST_DTYPES, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 
-#: An autocast dtype ``amp`` can name -> its Lightning precision flag.
-AMP_DTYPE_FLAGS: dict[str, str] = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
-#: What ``amp`` may be: ``"auto"`` (the device's fastest), true (mixed precision), false (fp32), or a dtype.
-AMP_CHOICES: tuple[str | bool, ...] = ("auto", True, False, *AMP_DTYPE_FLAGS)
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The dtype a Lightning precision flag autocasts to (``"bf16-mixed"`` -> ``torch.bfloat16``); None
     for a precision without autocast (``"32-true"``, ``"bf16-true"``)."""
     return AUTOCAST_DTYPES.get(str(precision))
+
+
+def autocast_for(device: torch.device | str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``device``'s type in ``dtype``, or a no-op context when ``dtype`` is ``None``."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

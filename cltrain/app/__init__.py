@@ -1,14 +1,54 @@
-"""The Hydra training application behind ``train.py`` / ``cltrain-train``.
+"""The Hydra training application behind ``train.py`` / ``cltrain-train``; modules, bottom up:
 
-Modules, bottom up: ``config`` (the config's package: schema, checks, composition, and what it
-means on this machine: device, precision), ``schedule`` (main_amp.py's learning rate), ``models``
-(model factory), ``module`` (the LightningModule), ``progress`` (main_amp.py's log line,
-images/second), ``launch`` (how this process was started), ``rundir`` (run-directory guard),
-``prepare`` (the model guarded, compiled and wrapped), ``run_callbacks`` (the callbacks a run
-trains with), ``results`` (the final metrics and summary line), ``report`` (metrics.json),
-``train`` (``train(cfg) -> dict``), ``cli`` (``main()``, the console script).
+* ``config``: the config's package: schema, checks, composition, and what it means on this machine;
+* ``console``: Lightning's console records once, under Hydra's logging;
+* ``schedule``: main_amp.py's learning rate (warm-up, steps);
+* ``topk``: the top-k accuracy metric;
+* ``models``: the classifier by name, pretrained weights, checkpoints read for evaluation;
+* ``module``: ``ImageClassifier``, the LightningModule;
+* ``datasource``: the DataModule a config names;
+* ``progress``: main_amp.py's log line (loss, top-1/5, images/second);
+* ``ema``: the EMA weights callback;
+* ``finite``: stopping on a non-finite loss;
+* ``on_exception``: ``last.ckpt`` on a crash or a signal;
+* ``signals``: SIGTERM / SIGINT turned into a clean stop;
+* ``launch``: how this process was started (DDP children, nodes);
+* ``rundir``: the run directory, never shared or overwritten;
+* ``prepare``: the model guarded, compiled and wrapped;
+* ``groups``: the ``logger=`` and ``callbacks=`` config groups instantiated;
+* ``callbacks``: every callback a run trains with;
+* ``metrics_file``: ``metrics.json`` written and read;
+* ``results``: the final metrics and the summary line;
+* ``train``: ``train(cfg) -> dict``;
+* ``cli``: ``main()``, the console script.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from cltrain.app.config.errors import ConfigError
 
-__all__ = ["ConfigError"]
+if TYPE_CHECKING:
+    from cltrain.app.config import compose_config, resolve_accelerator, resolve_precision, validate
+    from cltrain.app.models import build_classifier
+    from cltrain.app.module import ImageClassifier
+    from cltrain.app.progress import MainAmpProgress, Meter
+    from cltrain.app.train import train
+
+#: The app's public names -> their module, imported on first use (PEP 562: ``ConfigError`` comes without Hydra).
+_MODULES = {
+    "compose_config": "config", "resolve_accelerator": "config", "resolve_precision": "config", "validate": "config",
+    "build_classifier": "models", "ImageClassifier": "module", "MainAmpProgress": "progress", "Meter": "progress",
+    "train": "train",
+}
+
+__all__ = ["ConfigError", "ImageClassifier", "MainAmpProgress", "Meter", "build_classifier", "compose_config",
+           "resolve_accelerator", "resolve_precision", "train", "validate"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

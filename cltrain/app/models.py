@@ -29,30 +29,16 @@ import torch
 from torch import nn
 
 from cltrain.app.config.errors import ConfigError
-from cltrain.model_names import SOURCES, build_untrained_model, closest_model_names, model_source
+from cltrain.app.config.resolve import check_model_name
+from cltrain.model_names import build_untrained_model
 
-__all__ = ["EMA_KEYS", "build_classifier", "check_model_name", "load_pretrained", "read_checkpoint"]
+__all__ = ["EMA_KEYS", "build_classifier", "load_pretrained", "read_checkpoint"]
 
 #: Keys of a checkpoint dict that hold EMA weights, in order of preference (timm's order).
 EMA_KEYS: tuple[str, ...] = ("state_dict_ema", "model_ema")
 #: Wrapper prefixes stripped from every key, in either order (timm's ``clean_state_dict``).
 _WRAPPER_PREFIXES: tuple[str, ...] = ("_orig_mod.", "module.", "_orig_mod.")
 _SAFETENSORS_EXAMPLE = "a state_dict saved with torch.save, a Lightning .ckpt, or a .safetensors file"
-
-
-def check_model_name(name: Any, source: str = "auto") -> str:
-    """The source of ``name`` (``cltrain.model_names.model_source``); a ``ConfigError`` naming close matches if unknown."""
-    if source not in SOURCES:
-        raise ConfigError("model.source", source, "unknown model source", ", ".join(SOURCES))
-    if source == "timm" and model_source("resnet18", "timm") is None:
-        raise ConfigError("model.source", source, "timm is not installed (pip install 'cltrain[timm]')", "auto, torchvision")
-    found = model_source(str(name), source) if isinstance(name, str) else None
-    if found is None:
-        close, lists = closest_model_names(str(name), source)
-        allowed = "a name from " + " or ".join(lists)
-        allowed += f"; closest: {', '.join(close)}" if close else "; e.g. resnet50, resnet18, efficientnet_b0"
-        raise ConfigError("model.name", name, "unknown model", allowed)
-    return found
 
 
 def build_classifier(
@@ -191,10 +177,3 @@ def load_pretrained(model: nn.Module, path: str | Path, use_ema: bool = True) ->
         )
     return skipped
 
-
-def __getattr__(name: str) -> Any:  # PEP 562: the old name, for one release
-    if name == "build_model":
-        warnings.warn("cltrain.app.models.build_model is deprecated: call build_classifier (the same arguments)",
-                      DeprecationWarning, stacklevel=2)
-        return build_classifier
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,7 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from cltrain.app.config.errors import ConfigError
 
-from cltrain.app.metrics import TopKAccuracy
+from cltrain.app.topk import TopKAccuracy
 from cltrain.app.schedule import make_scheduler
 from cltrain.precision import loss_scaling_safe, zero_momentum_buffers
 

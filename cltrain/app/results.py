@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config import Resolved
 from cltrain.app.ema import weights_in_checkpoint
-from cltrain.app.report import write_metrics
+from cltrain.app.metrics_file import write_metrics
 from cltrain.app.rundir import is_slurm_requeue
-from cltrain.app.run_callbacks import RunCallbacks
+from cltrain.app.callbacks import RunCallbacks
 
 __all__ = ["RunResults", "resume_command", "summary_line"]
 

@@ -2,7 +2,7 @@
 
 The recipe: check the config (``validate``, before anything is built), claim the run directory,
 seed; build the data (generating the demo set on first use), the model (guarded and compiled:
-``cltrain.app.prepare``), the ``ImageClassifier``, the run's callbacks (``cltrain.app.run_callbacks``)
+``cltrain.app.prepare``), the ``ImageClassifier``, the run's callbacks (``cltrain.app.callbacks``)
 and a Lightning ``Trainer`` whose accelerator and precision come from ``device`` / ``amp``; then fit
 (or resume from ``ckpt_path``) or, with ``evaluate_only``, validate; finally write ``metrics.json``
 and print the result (``cltrain.app.results``).
@@ -30,15 +30,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.components import build_callbacks, build_loggers
+from cltrain.app.callbacks import build_run_callbacks
 from cltrain.app.config import Resolved, validate
 from cltrain.app.console import quiet_console
 from cltrain.app.datasource import absolute, build_datamodule
+from cltrain.app.groups import build_loggers
 from cltrain.app.launch import check_launch
 from cltrain.app.models import build_classifier
 from cltrain.app.prepare import apply_cuda_math, build_lightning_module, prepare_model
 from cltrain.app.results import RunResults, resume_command, summary_line
-from cltrain.app.run_callbacks import build_run_callbacks
 from cltrain.app.rundir import run_dir_of
 from cltrain.app.signals import RunInterrupted, SignalStop
 from cltrain.checkpoint_io import AtomicCheckpointIO
@@ -85,12 +85,11 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                              absolute(cfg.model.pretrained), {} if kwargs is None else OmegaConf.to_container(kwargs))
     guarded = prepare_model(cfg, resolved, model)
 
-    run = build_run_callbacks(cfg, resolved, run_dir, stop)
     loggers = build_loggers(cfg.get("logger"), run_dir)
-    callbacks = run.callbacks + list(build_callbacks(cfg.get("callbacks"), run_dir, has_logger=bool(loggers)).values())
+    run = build_run_callbacks(cfg, resolved, run_dir, stop, has_logger=bool(loggers))
     trainer: pl.Trainer = instantiate(
         cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
-        callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
+        callbacks=run.callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
         benchmark=resolved.benchmark, default_root_dir=str(run_dir),
     )
     global_batch = cfg.data.batch_size * trainer.world_size * trainer.accumulate_grad_batches

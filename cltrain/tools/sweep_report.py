@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cltrain.app.report import METRICS_FILE, read_metrics
+from cltrain.app.metrics_file import METRICS_FILE, read_metrics
 from cltrain.atomic import atomic_open, atomic_write_text, remove_leftovers, removed_line
 
 __all__ = ["collect", "label", "main", "markdown_table", "plot", "write_report"]

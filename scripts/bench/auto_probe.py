@@ -1,7 +1,7 @@
 """What mode="auto"'s isolation costs: the timing in a child process against the same timing in this process.
 
-For each model, rounds alternate (A B, B A, ...) between ``cltrain.autolayout.choose_layout`` (in this
-process, as mode="auto" ran before) and ``cltrain.layout_probe.probe_layout`` (a spawned child: start
+For each model, rounds alternate (A B, B A, ...) between ``cltrain.timing.layouts.choose_layout`` (in this
+process, as mode="auto" ran before) and ``cltrain.timing.probe.probe_layout`` (a spawned child: start
 Python, import torch, unpickle the model, time, report), with the same steps; prints the median wall
 seconds of each, their difference (the isolation's cost) and ratio, then the machine. "(cold)" is the
 first in-process trial, which creates the kernels as a run's own trial would; every child starts cold.
@@ -20,8 +20,7 @@ import time
 import torch
 import torchvision
 
-from cltrain.autolayout import choose_layout
-from cltrain.layout_probe import probe_layout
+from cltrain.timing import choose_layout, probe_layout
 from scripts.machine import machine, machine_line
 
 

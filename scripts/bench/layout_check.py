@@ -1,6 +1,6 @@
 """What the first-batch layout check costs: its seconds against one training step and one demo epoch.
 
-For each model, rounds alternate (check, step; step, check; ...) between ``cltrain.layout_check.check_layout``
+For each model, rounds alternate (check, step; step, check; ...) between ``cltrain.check.compare.check_layout``
 on one batch as ``ChannelsLast`` runs it (in float32 also when training in bf16: the forward, the
 cross-entropy and the backward on an NCHW copy, a channels_last copy and, when they differ by more than
 the floor, a perturbed NCHW copy) and one plain channels_last training step in the training precision
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from cltrain.layout_check import check_layout
+from cltrain.check import check_layout
 from cltrain.loops import convert_model
 from cltrain.precision import auto_precision
 from scripts.machine import machine, machine_line

@@ -6,7 +6,7 @@ model and each dtype (fp32, and the device's AMP dtype: bf16 on CPU, fp16 on
 CUDA, autocast without a GradScaler), the two layouts are timed in rounds that
 alternate which goes first (``--repeats`` rounds); the table gives the median
 samples/second with the min-max spread over rounds, and the speed-up
-channels-last / contiguous. It also runs ``cltrain.autolayout.choose_layout``
+channels-last / contiguous. It also runs ``cltrain.timing.layouts.choose_layout``
 (what ``ChannelsLast(mode="auto")`` does) per model and dtype and says whether
 it picked the measured winner.
 
@@ -73,7 +73,8 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from cltrain.autolayout import LAYOUTS, autocast_for, choose_layout, model_in_layout, synchronize
+from cltrain.precision import autocast_for
+from cltrain.timing.layouts import LAYOUTS, choose_layout, model_in_layout, synchronize
 from cltrain.layout import to_channels_last, to_channels_last_1d
 from cltrain.model_names import build_untrained_model
 

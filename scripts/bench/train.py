@@ -52,16 +52,19 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from cltrain import to_channels_last
-from cltrain.app.config import compose_config, resolve_accelerator, resolve_precision
-from cltrain.app.models import build_classifier
-from cltrain.app.module import ImageClassifier
-from cltrain.app.progress import MainAmpProgress, Meter
-from cltrain.app.train import train
-from cltrain.callback import ChannelsLast
+from cltrain import ChannelsLast, to_channels_last
+from cltrain.app import (
+    ImageClassifier,
+    MainAmpProgress,
+    Meter,
+    build_classifier,
+    compose_config,
+    resolve_accelerator,
+    resolve_precision,
+    train,
+)
 from cltrain.platform import cpu_bf16_support
-
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+from cltrain.precision import autocast_dtype
 
 
 def describe_host(accelerator: str) -> str:
@@ -108,7 +111,7 @@ class PlainStep:
         self.optimizer = trainer.optimizers[0]
         self.scheduler = next((c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"), None)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
-        self.autocast_dtype = AUTOCAST.get(precision)
+        self.autocast_dtype = autocast_dtype(precision)
         self.device = device
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

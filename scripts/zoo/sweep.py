@@ -174,7 +174,7 @@ def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], dict_batch: boo
                    rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
     """Median training steps/s of each ``(net, batch)``, timed in interleaved rounds of the same
     number of steps (enough for ``min_window`` seconds on the faster one)."""
-    from cltrain.autolayout import autocast_for
+    from cltrain.precision import autocast_for
 
     optimizers = {k: torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9) for k, (net, _) in runs.items()}
 

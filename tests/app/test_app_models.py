@@ -10,7 +10,8 @@ import torchvision
 
 from cltrain import is_channels_last, to_channels_last
 from cltrain.app.config import ConfigError
-from cltrain.app.models import build_classifier, check_model_name, load_pretrained, read_checkpoint
+from cltrain.app.config.resolve import check_model_name
+from cltrain.app.models import build_classifier, load_pretrained, read_checkpoint
 
 
 def test_torchvision_model_by_name() -> None:

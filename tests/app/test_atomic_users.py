@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tests.helpers.data_fixtures import write_image_folder
 
-from cltrain.app.report import write_metrics
+from cltrain.app.metrics_file import write_metrics
 from cltrain.tools.sweep_report import write_report
 from cltrain.atomic import TEMP_PREFIX, _host_tag
 from cltrain.data.index import index_split

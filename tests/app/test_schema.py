@@ -138,9 +138,9 @@ def test_a_demo_schema_takes_only_its_generators_arguments() -> None:
 
 
 def test_the_schema_choices_are_the_data_layers() -> None:
-    from cltrain.data.augment import AUGMENT_POLICIES
+    from cltrain.data.augment_ops import AUGMENT_POLICIES
     from cltrain.data.constants import CHECK_MODES
-    from cltrain.data.dataset import BAD_FILE_POLICIES
+    from cltrain.data.image_folder_dataset import BAD_FILE_POLICIES
     from cltrain.data.decode import INTERPOLATIONS
 
     def allowed(cls: type, name: str) -> str:
@@ -150,25 +150,6 @@ def test_the_schema_choices_are_the_data_layers() -> None:
     assert allowed(data_schema.ImageFolderConfig, "augment") == ", ".join(AUGMENT_POLICIES)
     assert allowed(data_schema.ImageFolderConfig, "check_val") == ", ".join(CHECK_MODES)
     assert allowed(data_schema.ClipFolderConfig, "bad_files") == ", ".join(BAD_FILE_POLICIES)
-
-
-def test_the_old_config_modules_warn_and_give_the_same_objects() -> None:
-    import importlib
-
-    from cltrain.app.config import check, compose, errors, rules
-
-    new = {"schema": (schema, "TrainConfig"), "rules": (rules, "Rule"), "schema_check": (check, "check"),
-           "compose": (compose, "compose_config"), "configs": (compose, "config_dir"), "errors": (errors, "ConfigError")}
-    for old, (module, name) in new.items():
-        sys.modules.pop(f"cltrain.app.{old}", None)
-        with pytest.warns(DeprecationWarning, match=rf"cltrain\.app\.{old} is deprecated; import from {module.__name__}"):
-            shim = importlib.import_module(f"cltrain.app.{old}")
-        assert getattr(shim, name) is getattr(module, name), old
-    with pytest.warns(DeprecationWarning, match="resolve_accelerator"):
-        from cltrain.app.config import resolve_device
-    from cltrain.app.config import resolve_accelerator
-
-    assert resolve_device is resolve_accelerator
 
 
 def test_trainer_arguments_pass_through_by_their_own_names() -> None:

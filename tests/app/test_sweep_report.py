@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cltrain.app.report import write_metrics
+from cltrain.app.metrics_file import write_metrics
 from cltrain.tools.sweep_report import markdown_table, write_report
 from cltrain.data import make_demo_dataset
 from tests.helpers import TINY_DEMO as DEMO

@@ -123,7 +123,7 @@ def test_no_host_sync_on_cuda(demo_root: Path, tmp_path: Path, amp_dtype: str) -
 def test_the_device_side_train_accuracy_agrees_with_torchmetrics() -> None:
     from torchmetrics.classification import MulticlassAccuracy
 
-    from cltrain.app.metrics import TopKAccuracy
+    from cltrain.app.topk import TopKAccuracy
 
     g = torch.Generator().manual_seed(0)
     ours = [TopKAccuracy(top_k=k) for k in (1, 5)]

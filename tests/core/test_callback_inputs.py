@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from cltrain import ChannelsLast, is_channels_last
-from cltrain.batch_layout import model_inputs, restride_batch
+from cltrain.layout.batches import model_inputs, restride_batch
 from tests.helpers.plain_modules import channels_last_strides
 
 KEYPOINTS = 5

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cltrain import ChannelsLast
-from cltrain.layout_check import check_layout
+from cltrain.check.compare import check_layout
 from cltrain.loops import convert_batch, convert_model, verify_layout
 from tests.helpers.user_code import PATTERNS, RawMemory, ViewHead
 

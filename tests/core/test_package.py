@@ -1,11 +1,10 @@
 """The package's public names: `import cltrain` stays torch-only; ChannelsLast loads Lightning on first use; the
-submodules are modules (`cltrain.audit` the module, `cltrain.audit_model` its function); the old names still work
-for one release, with a DeprecationWarning."""
+submodules are modules (`cltrain.audit` the module, `cltrain.audit_model` its function); no module is a
+deprecation shim, and every public module is listed in its package's map."""
 
 import subprocess
 import sys
 import types
-import warnings
 
 import pytest
 import torch
@@ -23,37 +22,50 @@ def test_import_cltrain_does_not_import_lightning_until_channels_last_is_used():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_cltrain_audit_is_the_module_and_calling_it_still_audits_with_a_warning():
+def test_cltrain_audit_is_the_module_and_audit_model_its_function():
     import cltrain
-    import cltrain.audit
     from cltrain import audit
 
     assert isinstance(cltrain.audit, types.ModuleType) and audit is sys.modules["cltrain.audit"]
     assert cltrain.audit_model is cltrain.audit.audit_model
-    model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-    with pytest.warns(DeprecationWarning, match="audit_model"):
-        report = cltrain.audit(model, torch.randn(1, 3, 8, 8))
-    assert isinstance(report, cltrain.AuditReport)
-    with pytest.warns(DeprecationWarning, match="audit_model"):
-        from cltrain.audit import audit as old_name
-    assert old_name is cltrain.audit_model
+    assert not callable(cltrain.audit)
 
 
-def test_old_model_builders_warn_and_give_the_renamed_functions():
-    from cltrain.model_names import build_untrained_model
+def _modules() -> list[str]:
+    import pkgutil
 
-    sys.modules.pop("cltrain.zoo", None)
-    with pytest.warns(DeprecationWarning, match="cltrain.model_names"):
-        from cltrain.zoo import build_model
-    assert build_model is build_untrained_model
-    from cltrain.app import models
+    import cltrain
 
-    with pytest.warns(DeprecationWarning, match="build_classifier"):
-        assert models.build_model is models.build_classifier
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from cltrain.app.models import build_classifier  # noqa: F401  the new names do not warn
-        from cltrain.model_names import build_untrained_model  # noqa: F401,F811
+    return [m.name for m in pkgutil.walk_packages(cltrain.__path__, "cltrain.")]
+
+
+def test_no_module_is_a_deprecation_shim():
+    # Nothing has been released: an old name is removed, not kept behind a warning.
+    code = (
+        "import importlib, sys, warnings\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "warnings.filterwarnings('ignore', category=DeprecationWarning, module='(?!cltrain)')\n"
+        f"for name in {_modules()!r}:\n"
+        "    importlib.import_module(name)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for old in ("cltrain.zoo", "cltrain.app.schema", "cltrain.app.rules", "cltrain.layout_check", "cltrain.autolayout"):
+        assert old not in _modules()
+
+
+def test_each_package_map_lists_every_public_module_once():
+    import importlib
+    import pkgutil
+    import re
+
+    for package in ("cltrain", "cltrain.app", "cltrain.layout", "cltrain.check", "cltrain.timing"):
+        module = importlib.import_module(package)
+        doc = module.__doc__ or ""
+        public = [m.name for m in pkgutil.iter_modules(module.__path__) if not m.name.startswith("_")]
+        named = set(re.findall(r"``(?:" + re.escape(package) + r"\.)?([a-z_]+)", doc))
+        missing = [m for m in public if m not in named]
+        assert missing == [], f"{package}'s docstring does not name {missing}"
 
 
 def test_console_scripts_all_live_in_cltrain_tools():

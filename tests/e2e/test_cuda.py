@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from cltrain import is_channels_last, to_channels_last
 from cltrain.data import make_demo_dataset
-from cltrain.data.datamodule import ImageFolderDataModule
+from cltrain.data.datamodules.image_folder import ImageFolderDataModule
 from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from tests.helpers.data_fixtures import write_image_folder

@@ -155,7 +155,7 @@ def auto(guard: bool) -> dict:
 
 
 def inprocess_auto() -> dict:
-    from cltrain.autolayout import choose_layout
+    from cltrain.timing.layouts import choose_layout
 
     layout, timings = choose_layout(nn.Conv2d(3, 48, 1, stride=2), (8, 3, 96, 96), steps=3)
     return {"layout": layout, "timings": timings}

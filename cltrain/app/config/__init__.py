@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,21 +43,6 @@ _MODULES = {
 }
 
 
-def _cpu_has_native_bf16() -> bool:
-    from cltrain.platform import cpu_bf16_support
-
-    return cpu_bf16_support()[0]
-
-
-# Old names: (where the name is now, what it is)
-_DEPRECATED = {
-    "resolve_device": ("cltrain.app.config.resolve_accelerator", lambda: _public("resolve_accelerator")),
-    "cpu_has_native_bf16": ("cltrain.platform.cpu_bf16_support()[0]", lambda: _cpu_has_native_bf16),
-    "is_launched_child": ("cltrain.app.launch.is_launched_child",
-                          lambda: importlib.import_module("cltrain.app.launch").is_launched_child),
-}
-
-
 def _public(name: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
 
@@ -66,10 +50,6 @@ def _public(name: str) -> Any:
 def __getattr__(name: str) -> Any:
     if name in _MODULES:
         return _public(name)
-    if name in _DEPRECATED:
-        new, value = _DEPRECATED[name]
-        warnings.warn(f"cltrain.app.config.{name} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
-        return value()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -33,10 +33,12 @@ from omegaconf import DictConfig
 from cltrain.app.config.check import check
 from cltrain.app.config.errors import ConfigError, show
 from cltrain.app.config.paths import check_checkpoint, check_paths
+from cltrain.app.config.rules import AMP_DTYPE_FLAGS
 from cltrain.devices import DeviceError, resolve_device
-from cltrain.precision import AMP_DTYPE_FLAGS, auto_precision, cpu_bf16_support
+from cltrain.platform import cpu_bf16_support
+from cltrain.precision import auto_precision
 
-__all__ = ["Resolved", "resolve_accelerator", "resolve_precision", "validate"]
+__all__ = ["Resolved", "check_model_name", "resolve_accelerator", "resolve_precision", "validate"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,23 @@ def resolve_precision(amp: Any, accelerator: str, index: int | None = None) -> t
     return AMP_DTYPE_FLAGS[amp], f"amp={amp}"
 
 
+def check_model_name(name: Any, source: str = "auto") -> str:
+    """The source of ``name`` (``cltrain.model_names.model_source``); a ``ConfigError`` naming close matches if unknown."""
+    from cltrain.model_names import SOURCES, closest_model_names, model_source  # torchvision/timm only when checked
+
+    if source not in SOURCES:
+        raise ConfigError("model.source", source, "unknown model source", ", ".join(SOURCES))
+    if source == "timm" and model_source("resnet18", "timm") is None:
+        raise ConfigError("model.source", source, "timm is not installed (pip install 'cltrain[timm]')", "auto, torchvision")
+    found = model_source(str(name), source) if isinstance(name, str) else None
+    if found is None:
+        close, lists = closest_model_names(str(name), source)
+        allowed = "a name from " + " or ".join(lists)
+        allowed += f"; closest: {', '.join(close)}" if close else "; e.g. resnet50, resnet18, efficientnet_b0"
+        raise ConfigError("model.name", name, "unknown model", allowed)
+    return found
+
+
 def validate(cfg: DictConfig) -> Resolved:
     """Check ``cfg`` (before building anything) and resolve device, precision and cuDNN benchmark.
 
@@ -120,7 +139,6 @@ def validate(cfg: DictConfig) -> Resolved:
         raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile.enabled=true (the layout is "
                           "fixed before compiling)", "full, conv")
 
-    from cltrain.app.models import check_model_name  # keeps torchvision/timm lookups out of import time
 
     check_model_name(cfg.model.name, cfg.model.source)
     check_paths(cfg)

@@ -20,7 +20,6 @@ from typing import Any
 
 from omegaconf import ListConfig
 
-from cltrain.precision import AMP_CHOICES
 
 __all__ = ["OPTIMIZERS", "Rule", "choices", "key", "optimizer_name"]
 
@@ -87,6 +86,10 @@ VAL_CHECK_INTERVAL = Rule(lambda v: v is None or (_int(v) and v > 0) or (_number
                           "must be a number of batches, a fraction of the epoch or a time",
                           "a whole number > 0, 0.0 < fraction <= 1.0, 'DD:HH:MM:SS', or null")
 CLIP_ALGORITHM = Rule(lambda v: v is None or v in ("norm", "value"), "unknown value", "norm, value, or null")
+#: An autocast dtype ``amp`` can name -> its Lightning precision flag.
+AMP_DTYPE_FLAGS: dict[str, str] = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+#: What ``amp`` may be: ``"auto"`` (the device's fastest), true (mixed precision), false (fp32), or a dtype.
+AMP_CHOICES: tuple[str | bool, ...] = ("auto", True, False, *AMP_DTYPE_FLAGS)
 AMP = choices(*AMP_CHOICES)
 DETERMINISTIC = choices(True, False, "warn")
 #: The optimizers ``optim.name`` can be (one option of the ``optim`` group each).

@@ -1,5 +1,5 @@
 """One step of a model run with every module's tensors summarised as they pass: what
-``cltrain.layout_check`` compares between the layouts.
+``cltrain.check.compare`` compares between the layouts.
 
 ``execute(model, step, layout, rng, vectors)`` runs ``step`` (and the backward of the loss it returns) on
 ``model`` with hooks on every module: each module call's inputs and outputs, the gradients arriving at
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from cltrain.nchw_fallback import map_images
+from cltrain.check.fallback import map_images
 
 __all__ = ["Raise", "Recorder", "Run", "SameRandomness", "Vectors", "distance", "execute", "floats", "loss_of",
            "noise_scale", "projection_loss", "rng_state", "set_rng_state", "signature"]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cltrain import is_channels_last_1d, layout_of, layout_summary, to_channels_last
-from cltrain.autolayout import choose_layout, model_in_layout, scalar_loss, time_layouts
+from cltrain.timing.layouts import choose_layout, model_in_layout, scalar_loss, time_layouts
 
 
 class SlowIn(nn.Module):
@@ -35,7 +35,7 @@ def test_choose_layout_picks_the_faster_layout(slow, expected):
 
 
 def test_choose_layout_logs_both_timings_and_the_decision(caplog):
-    with caplog.at_level("INFO", logger="cltrain.autolayout"):
+    with caplog.at_level("INFO", logger="cltrain.timing.layouts"):
         layout, _ = choose_layout(slow_model("channels_last"), (2, 3, 16, 16), steps=1, warmup=0)
     assert "channels_last" in caplog.text and "contiguous" in caplog.text and f"-> {layout}" in caplog.text
 

@@ -4,7 +4,7 @@ Always main_amp's progress lines (or a progress bar) and the signal handler; the
 callback with ``channels_last=true``; EMA weights with ``ema.enabled=true``; a count of the files
 the DataModule's workers left out with ``data.bad_files=skip``; and, when training, the best
 checkpoints by ``val/top1``, ``last.ckpt`` every epoch and on an exception, and a stop on a
-non-finite loss. The ``callbacks=`` config group adds its own (``cltrain.app.components``).
+non-finite loss. Then the ``callbacks=`` config group's (``cltrain.app.groups``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from cltrain.app.config import Resolved
 from cltrain.app.ema import EMA
 from cltrain.app.finite import StopOnNonFinite
+from cltrain.app.groups import build_callbacks
 from cltrain.app.on_exception import KeepOnException
 from cltrain.app.progress import MainAmpProgress, main_amp_progress_bar
 from cltrain.app.signals import SignalStop
@@ -38,8 +39,10 @@ class RunCallbacks:
     parts: dict[str, Any] = field(default_factory=dict)
 
 
-def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop) -> RunCallbacks:
-    """The run's own callbacks for ``cfg`` (checkpoints under ``run_dir/checkpoints``), ``stop`` among them."""
+def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
+                        has_logger: bool = True) -> RunCallbacks:
+    """Every callback of the run for ``cfg`` (checkpoints under ``run_dir/checkpoints``), ``stop`` among them: the
+    run's own, then the ``callbacks=`` group's (a ``LearningRateMonitor`` only when ``has_logger``)."""
     bar = cfg.trainer.get("enable_progress_bar", False)  # one progress display: the bar or main_amp's lines
     progress = MainAmpProgress(print_freq=cfg.print_freq, warmup=cfg.throughput_warmup, lines=not bar)
     callbacks: list[Callback] = [progress, stop]
@@ -73,4 +76,5 @@ def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop
         try_amp = ", or amp=false" if resolved.precision != "32-true" else ""
         callbacks.append(StopOnNonFinite(every=cfg.print_freq, hint=f"; {checkpoints / 'last.ckpt'} (if written) keeps the "
                                                                      f"latest finite state. Try a lower optim.lr{try_amp}"))
+    callbacks += build_callbacks(cfg.get("callbacks"), run_dir, has_logger=has_logger).values()
     return RunCallbacks(callbacks, progress, parts)

@@ -2,7 +2,7 @@
 
 What ``ChannelsLast(mode="auto")`` runs. The model is written with ``torch.save`` (the whole module) to a
 private temporary folder and a fresh Python process, which sees the caller's ``sys.path``, loads it and
-runs ``cltrain.autolayout.time_layouts``, reporting each step as it starts. A crash (segfault,
+runs ``cltrain.timing.layouts.time_layouts``, reporting each step as it starts. A crash (segfault,
 abort), an exception, or no progress for too long gives ``"contiguous"`` and one line saying why; the
 caller's process is never at risk.
 
@@ -18,7 +18,7 @@ in the child still gives ``"contiguous"``.
 Example::
 
     >>> import torchvision
-    >>> from cltrain.layout_probe import probe_layout
+    >>> from cltrain.timing.probe import probe_layout
     >>> result = probe_layout(torchvision.models.resnet18(), (8, 3, 64, 64), steps=2)  # doctest: +SKIP
     >>> result.layout, result.failure                                                   # doctest: +SKIP
     ('channels_last', None)
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.autolayout import time_layouts
+from cltrain.timing.layouts import time_layouts
 
 __all__ = ["ProbeResult", "probe_layout"]
 
@@ -96,7 +96,7 @@ def probe_layout(
     guardrails: bool = True,
     timeout: float = 300.0,
 ) -> ProbeResult:
-    """The faster layout for ``model``, timed by ``cltrain.autolayout.time_layouts`` in a child process,
+    """The faster layout for ``model``, timed by ``cltrain.timing.layouts.time_layouts`` in a child process,
     or in this process with the guardrails applied when the child cannot load the model.
 
     Args:
@@ -230,7 +230,7 @@ def _run_child(folder: Path, timeout: float) -> tuple[dict[str, float] | None, s
     # A fresh interpreter rather than multiprocessing's spawn, which runs the caller's whole script again
     # when it has no main guard (the training with it).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)}
-    code = "from cltrain.layout_probe import _child_main; _child_main()"
+    code = "from cltrain.timing.probe import _child_main; _child_main()"
     process = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, env=env, text=True)
     lines: queue.Queue[str | None] = queue.Queue()
 

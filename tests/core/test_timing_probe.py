@@ -1,4 +1,4 @@
-"""mode="auto"'s timing in a child process (cltrain.layout_probe): a crash, an exception or a hang ends in
+"""mode="auto"'s timing in a child process (cltrain.timing.probe): a crash, an exception or a hang ends in
 "contiguous" and one line, never in the caller's death; a model the child cannot load is timed in-process."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from cltrain import ChannelsLast, is_channels_last
-from cltrain.layout_probe import probe_layout
+from cltrain.timing.probe import probe_layout
 from tests.core.test_guardrails import HERE, case, needs_x86_onednn, run
 
 
@@ -105,7 +105,7 @@ def test_auto_survives_a_native_crash_and_keeps_contiguous():
 
 @needs_x86_onednn
 def test_in_process_auto_trial_is_killed_by_the_same_fault():
-    # The negative control: the timing of cltrain.autolayout run in the caller's process, as mode="auto" did.
+    # The negative control: the timing of cltrain.timing.layouts run in the caller's process, as mode="auto" did.
     proc = run([str(HERE / "guard_cases.py"), "inprocess_auto"], timeout=120)
     if proc is not None and proc.returncode == 0:
         pytest.skip("the unguarded stem did not crash on this machine")
@@ -137,7 +137,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cltrain.layout_probe import probe_layout
+from cltrain.timing.probe import probe_layout
 
 Path(sys.argv[1]).open("a").write("top level ran\\n")
 
@@ -231,7 +231,7 @@ PROBE_ONLY = """
 import torch
 from torch import nn
 
-from cltrain.layout_probe import probe_layout
+from cltrain.timing.probe import probe_layout
 
 model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
 print(probe_layout(model, (2, 3, 8, 8), steps=1, warmup=0).method)

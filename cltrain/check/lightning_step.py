@@ -10,10 +10,10 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from cltrain.batch_layout import Inputs, first_image_tensor, restride_batch
-from cltrain.layout_check import LayoutCheck, check_layout, projection_loss
-from cltrain.model_access import detached_copy, step_target
-from cltrain.nchw_fallback import Fallback, apply_fallbacks
+from cltrain.layout.batches import Inputs, first_image_tensor, restride_batch
+from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
+from cltrain.layout.lightning_access import detached_copy, step_target
+from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.precision import autocast_dtype
 
 __all__ = ["apply_to_copy", "check_lightning_step"]
@@ -21,7 +21,7 @@ __all__ = ["apply_to_copy", "check_lightning_step"]
 
 def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, stage: str, *,
                          inputs: Inputs = None, one_d: bool = False) -> LayoutCheck:
-    """``cltrain.layout_check.check_layout`` on a Lightning step: ``stage``'s step method of copies of
+    """``cltrain.check.compare.check_layout`` on a Lightning step: ``stage``'s step method of copies of
     ``pl_module`` (``training_step``, ``validation_step``, ...) on copies of ``batch`` in each layout.
 
     A manual-optimization module, or a step that cannot run on a copy (it needs ``self.trainer``), is

@@ -13,7 +13,7 @@ statistics and layout stay as they were).
 Example::
 
     >>> import torchvision
-    >>> from cltrain.autolayout import choose_layout
+    >>> from cltrain.timing.layouts import choose_layout
     >>> layout, seconds = choose_layout(torchvision.models.resnet18(), (8, 3, 64, 64), steps=2)
     >>> layout in ("channels_last", "contiguous"), sorted(seconds)
     (True, ['channels_last', 'contiguous'])
@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import statistics
@@ -34,9 +33,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten  # tensors in nested outputs, namedtuples too
 
 from cltrain.guardrails import apply_guardrails
-from cltrain.layout import is_channels_last_1d, layout_of, memory_format_for, to_channels_last, to_channels_last_1d
+from cltrain.layout import to_channels_last, to_channels_last_1d, to_contiguous
+from cltrain.precision import autocast_for
 
-__all__ = ["LAYOUTS", "autocast_for", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts", "to_contiguous"]
+__all__ = ["LAYOUTS", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts"]
 
 log = logging.getLogger(__name__)
 
@@ -70,32 +70,11 @@ def scalar_loss(output: Any) -> torch.Tensor:
     return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
 
 
-def autocast_for(device: torch.device | str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` for ``device``'s type in ``dtype``, or a no-op context when ``dtype`` is ``None``."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
-
-
 def synchronize(device: torch.device | str) -> None:
     """Wait for queued kernels on ``device`` (CUDA), so a wall-clock timer measures the work."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def to_contiguous(module: nn.Module) -> nn.Module:
-    """Put every 4-D/5-D parameter and buffer of ``module`` back in NCHW/NCDHW strides, and
-    channels-last 1-D rank-3 ones back in NCL, in place (through ``.data``, so the
-    ``Parameter`` objects stay the same); returns ``module``."""
-    # `contiguous()` keeps channels_last strides on size-1 dims (a 1x1 conv weight), which
-    # the kernels would still read as channels_last; cloning gives canonical NCHW strides.
-    for tensor in [*module.parameters(), *module.buffers()]:
-        four_or_five_d = memory_format_for(tensor) is not None and layout_of(tensor) != "contiguous"
-        one_d = is_channels_last_1d(tensor) and not tensor.is_contiguous()
-        if four_or_five_d or one_d:
-            tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
-    return module
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -175,7 +154,7 @@ def time_layouts(
         guardrails: apply ``cltrain.guardrails.apply_guardrails`` to each copy for its
             layout, as ``ChannelsLast`` does to the model it trains.
         on_step: called with the layout's name before every step (warm-up ones too): progress
-            for a caller watching from another process (``cltrain.layout_probe.probe_layout``).
+            for a caller watching from another process (``cltrain.timing.probe.probe_layout``).
 
     Returns:
         ``{"channels_last": seconds, "contiguous": seconds}``.
@@ -220,7 +199,7 @@ def choose_layout(model: nn.Module, input_shape: tuple[int, ...], **kwargs: Any)
     """The faster layout for ``model`` on ``input_shape``, by ``time_layouts``.
 
     Keyword arguments go to ``time_layouts``. Logs both timings and the
-    decision on the ``cltrain.autolayout`` logger.
+    decision on the ``cltrain.timing.layouts`` logger.
 
     Returns:
         ``("channels_last" | "contiguous", {"channels_last": s, "contiguous": s})``;

@@ -45,6 +45,7 @@ __all__ = [
     "nchw",
     "to_channels_last",
     "to_channels_last_1d",
+    "to_contiguous",
 ]
 
 Mode = Literal["full", "conv"]
@@ -335,3 +336,17 @@ def to_channels_last_1d(obj):
                     sub.weight.grad = _restride_1d(sub.weight.grad)
         return obj
     raise TypeError(f"to_channels_last_1d expects a torch.Tensor or an nn.Module, got {type(obj).__name__}.")
+
+
+def to_contiguous(module: nn.Module) -> nn.Module:
+    """Put every 4-D/5-D parameter and buffer of ``module`` back in NCHW/NCDHW strides, and
+    channels-last 1-D rank-3 ones back in NCL, in place (through ``.data``, so the
+    ``Parameter`` objects stay the same); returns ``module``."""
+    # `contiguous()` keeps channels_last strides on size-1 dims (a 1x1 conv weight), which
+    # the kernels would still read as channels_last; cloning gives canonical NCHW strides.
+    for tensor in [*module.parameters(), *module.buffers()]:
+        four_or_five_d = memory_format_for(tensor) is not None and layout_of(tensor) != "contiguous"
+        one_d = is_channels_last_1d(tensor) and not tensor.is_contiguous()
+        if four_or_five_d or one_d:
+            tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
+    return module

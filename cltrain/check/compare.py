@@ -6,7 +6,7 @@ random ops (dropout) drawn in the same logical order in both. Every module's inp
 gradients, the loss and every parameter's gradient are compared as they happen; the first place that
 raises only in channels_last, or differs beyond the layouts' own rounding noise, is the finding.
 The noise is measured on the same batch: an NCHW run whose every module output, and the gradient
-arriving at it, is perturbed by a few units in the last place of its dtype. A finding is then fixed by the smallest ``cltrain.nchw_fallback``
+arriving at it, is perturbed by a few units in the last place of its dtype. A finding is then fixed by the smallest ``cltrain.check.fallback``
 that makes the channels_last copy agree, tried in order (the outputs of the module just before the
 faulty code, the module holding it, its parents, the whole model), each verified by running the step
 again. The model itself, its gradients, BatchNorm statistics, optimizer and RNG state are not touched.
@@ -16,7 +16,7 @@ Example::
     >>> import torch
     >>> from torch import nn
     >>> from cltrain import to_channels_last
-    >>> from cltrain.layout_check import check_layout
+    >>> from cltrain.check.compare import check_layout
     >>> class Head(nn.Module):
     ...     def __init__(self):
     ...         super().__init__()
@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.autolayout import to_contiguous
-from cltrain.nchw_fallback import Fallback, apply_fallbacks
-from cltrain.step_record import (
+from cltrain.layout import to_contiguous
+from cltrain.check.fallback import Fallback, apply_fallbacks
+from cltrain.check.record import (
     Run,
     SameRandomness,
     Vectors,
@@ -268,7 +268,7 @@ def check_layout(
             forward-only check, the outputs. ``layout`` is ``"contiguous"`` or ``"channels_last"``: the step
             puts the model's inputs in it.
         step_owner: the object whose method is the step code (a LightningModule), to name its file.
-        copy_model: makes each copy (``cltrain.model_access.detached_copy`` for a LightningModule).
+        copy_model: makes each copy (``cltrain.layout.lightning_access.detached_copy`` for a LightningModule).
         floor: the smallest relative difference that counts as a finding.
         time_fallbacks: where the fault is not isolated inside the model, time the fallback against the
             whole model contiguous and keep the faster; ``False`` keeps the fallback (a model already

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, StochasticWeightAveraging
 
 from cltrain.app.cli import compose_config
-from cltrain.app.components import build_callbacks, build_loggers
+from cltrain.app.groups import build_callbacks, build_loggers
 from cltrain.app.config import ConfigError
 from cltrain.app.train import train
 from tests.helpers import TINY_DEMO as DEMO

@@ -1,4 +1,4 @@
-"""Run one part of a channels_last model in NCHW: the fallbacks ``cltrain.layout_check`` chooses.
+"""Run one part of a channels_last model in NCHW: the fallbacks ``cltrain.check.compare`` chooses.
 
 A fallback is a ``Fallback(kind, module)``:
 
@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.autolayout import to_contiguous
-from cltrain.layout import nchw
+from cltrain.layout import nchw, to_contiguous
 
 __all__ = ["Fallback", "apply_fallbacks", "map_images"]
 

@@ -1,0 +1,38 @@
+"""Putting tensors, modules and batches in channels_last, and telling whether they are.
+
+* ``cltrain.layout.tensors``: tensors and modules (``to_channels_last``, ``to_contiguous``, ``is_channels_last``, ...);
+* ``cltrain.layout.batches``: which tensors of a batch are the model's inputs, and restriding them;
+* ``cltrain.layout.lightning_access``: the modules around a LightningModule (averaged copies, optimizer state).
+
+The tensor and module helpers are importable from here (``from cltrain.layout import to_channels_last``).
+"""
+
+from cltrain.layout.tensors import (
+    CONV1D_TYPES,
+    CONV_TYPES,
+    MODES,
+    is_channels_last,
+    is_channels_last_1d,
+    layout_of,
+    layout_summary,
+    memory_format_for,
+    nchw,
+    to_channels_last,
+    to_channels_last_1d,
+    to_contiguous,
+)
+
+__all__ = [
+    "CONV1D_TYPES",
+    "CONV_TYPES",
+    "MODES",
+    "is_channels_last",
+    "is_channels_last_1d",
+    "layout_of",
+    "layout_summary",
+    "memory_format_for",
+    "nchw",
+    "to_channels_last",
+    "to_channels_last_1d",
+    "to_contiguous",
+]
