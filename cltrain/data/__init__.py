@@ -1,19 +1,26 @@
 """The NHWC data path: batches leave the loader as uint8 NHWC, straight from the decoded images.
 
-* ``train_transform``, ``eval_transform``: image -> HWC uint8 in one crop+resize
-  call, with reduced-size JPEG decoding when it cannot change the output. Given a JPEG path
-  (as ``ImageFolderDataset`` does) they decode with libjpeg-turbo (simplejpeg) and
-  resize with torch's antialiased uint8 kernel; a PIL image, another format, or no
-  simplejpeg takes the Pillow path.
-* ``NHWCCollate`` / ``nhwc_collate``: images into one ``(N, H, W, C)``
-  buffer, returned as its ``(N, C, H, W)`` channels_last view, plus int64 targets.
-* ``normalize``: uint8 -> float32/bfloat16/float16 on the device, channels_last.
-* ``ImageFolderDataModule``: all of it for Lightning, from an ImageNet-layout folder; its training
-  augmentation is one ``Augmentation`` (or its fields as keywords).
-* ``ShardsDataModule``: the same from WebDataset shards packed by ``python -m cltrain.data.pack``.
-* ``make_demo_dataset``: a small JPEG folder with a learnable signal, made locally.
-* ``HWCAugment`` (TrivialAugment / RandAugment in the workers), ``RandomErasing``
-  and ``MixupCutmix`` (on the device batch, channels_last kept): see ``cltrain.data.augment``.
+Its modules, one line each (the names below are importable from ``cltrain.data`` itself):
+
+* ``transforms``: ``train_transform``, ``eval_transform``: image -> HWC uint8 in one crop+resize call.
+* ``decode``: the pixel kernels of the transforms (reduced-size JPEG decoding, antialiased uint8 resize).
+* ``decoders``: the JPEG back ends (libturbojpeg region decoding, simplejpeg) and ``get_decoder``.
+* ``decode_pool``: the samples of a batch decoded on threads of one loading process.
+* ``augment_ops``: ``HWCAugment`` (in the workers), ``RandomErasing``, ``MixupCutmix`` (on the device).
+* ``augment_group``: ``Augmentation``, the training augmentation of the image DataModules as one group.
+* ``collate``: ``NHWCCollate`` / ``nhwc_collate``: images into one ``(N, H, W, C)`` buffer, seen as NCHW channels_last.
+* ``normalize``: ``normalize``: uint8 -> float32/bfloat16/float16 on the device, channels_last.
+* ``image_folder_dataset``: ``ImageFolderDataset``, an ImageNet-layout split with a bad-file policy.
+* ``index``: the cached file index of an image folder split.
+* ``check``: ``python -m cltrain.data.check ROOT``: the unreadable files of a folder, before training.
+* ``pack``: ``python -m cltrain.data.pack ROOT OUT``: an image folder into WebDataset shards.
+* ``shard_dataset``: ``ShardsDataset``, one split of a pack, read by offset.
+* ``shard_sampler``: ``ShardBatchSampler``, each sample once per epoch under DDP, ranks in step.
+* ``prefetch``: ``PrefetchDataLoader``, the next batch copied to the GPU on a side stream.
+* ``datamodules``: ``ImageFolderDataModule``, ``ShardsDataModule`` and their bases, for Lightning.
+* ``demo``: ``make_demo_dataset``, a small JPEG folder with a learnable signal, made locally.
+* ``constants``: ImageNet statistics and the image suffixes read.
+* ``video``: the same path for clips, ``(N, C, T, H, W)`` channels_last_3d.
 
 Example::
 
@@ -32,16 +39,17 @@ Example::
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
-    from cltrain.data.augmentation import Augmentation
+    from cltrain.data.augment_group import Augmentation
+    from cltrain.data.augment_ops import HWCAugment, MixupCutmix, RandomErasing
     from cltrain.data.collate import NHWCCollate, nhwc_collate
     from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
-    from cltrain.data.datamodule import SKIPPED_FILES_NAME, ImageFolderDataModule
-    from cltrain.data.folders import SkippedFilesReport
-    from cltrain.data.dataset import BadImageError, ImageFolderDataset
+    from cltrain.data.datamodules.image_folder import ImageFolderDataModule
+    from cltrain.data.datamodules.shards import ShardsDataModule
+    from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
     from cltrain.data.demo import make_demo_dataset
+    from cltrain.data.image_folder_dataset import BadImageError, ImageFolderDataset
     from cltrain.data.prefetch import PrefetchDataLoader
-    from cltrain.data.shards import ShardsDataModule, ShardsDataset
+    from cltrain.data.shard_dataset import ShardsDataset
     from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
 
 # ``normalize`` is also a submodule's name: bound here, so that importing the submodule later (which
@@ -51,24 +59,24 @@ from cltrain.data.normalize import normalize  # noqa: E402 - torch only
 #: name -> the module it comes from: imported on first use (PEP 562), so that a light module
 #: (``cltrain.data.constants``, ``cltrain.data.decoders``) comes without Lightning.
 _MODULES = {
-    "HWCAugment": "augment",
-    "MixupCutmix": "augment",
-    "RandomErasing": "augment",
-    "Augmentation": "augmentation",
+    "HWCAugment": "augment_ops",
+    "MixupCutmix": "augment_ops",
+    "RandomErasing": "augment_ops",
+    "Augmentation": "augment_group",
     "NHWCCollate": "collate",
     "nhwc_collate": "collate",
     "IMAGENET_MEAN": "constants",
     "IMAGENET_STD": "constants",
     "IMG_EXTENSIONS": "constants",
-    "SKIPPED_FILES_NAME": "datamodule",
-    "ImageFolderDataModule": "datamodule",
-    "SkippedFilesReport": "folders",
-    "BadImageError": "dataset",
-    "ImageFolderDataset": "dataset",
+    "SKIPPED_FILES_NAME": "datamodules.skipped_files",
+    "ImageFolderDataModule": "datamodules.image_folder",
+    "SkippedFilesReport": "datamodules.skipped_files",
+    "BadImageError": "image_folder_dataset",
+    "ImageFolderDataset": "image_folder_dataset",
     "make_demo_dataset": "demo",
     "PrefetchDataLoader": "prefetch",
-    "ShardsDataModule": "shards",
-    "ShardsDataset": "shards",
+    "ShardsDataModule": "datamodules.shards",
+    "ShardsDataset": "shard_dataset",
     "CropParams": "transforms",
     "RandomResizedCropFlip": "transforms",
     "ResizeCenterCrop": "transforms",

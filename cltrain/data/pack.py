@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from cltrain.atomic import atomic_open, atomic_write_json, remove_leftovers, removed_line
-from cltrain.data.dataset import find_classes, find_samples
-from cltrain.data.shards import MANIFEST
+from cltrain.data.image_folder_dataset import find_classes, find_samples
+from cltrain.data.shard_dataset import MANIFEST
 
 __all__ = ["MANIFEST", "PACK_STATE", "PackError", "pack", "shard_name"]
 

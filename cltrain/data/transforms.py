@@ -321,7 +321,7 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
     callable on HWC uint8, or a policy name of ``HWCAugment``:
     ``"trivialaugment"``, ``"randaugment"``, ``"none"``). See ``RandomResizedCropFlip``."""
     if isinstance(augment, str):
-        from cltrain.data.augment import HWCAugment
+        from cltrain.data.augment_ops import HWCAugment
 
         augment = HWCAugment(augment) if augment != "none" else None  # its geometric ops: torchvision's nearest
     return RandomResizedCropFlip(size, scale, ratio, hflip, channels, interpolation, exif_transpose, augment, decoder)

@@ -53,7 +53,7 @@ from PIL import Image
 from torch.utils.data import RandomSampler
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
-from cltrain.data.dataset import find_classes, find_samples
+from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.prefetch import PrefetchDataLoader
 from scripts.bench.loader import loader_machine_line, methods, time_loader

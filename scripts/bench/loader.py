@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
 from torchvision import transforms as T
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, NHWCCollate, make_demo_dataset, normalize, train_transform
-from cltrain.data import jpeg_roi
-from cltrain.data.dataset import find_classes, find_samples
+from cltrain.data.decoders import jpeg_roi
+from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
 from scripts.bench.photo_folder import make_photo_folder
 
@@ -124,7 +124,7 @@ def methods(size, device, augment=False, num_classes=1000, whole=False):
         t.region = False
         rows["(a0) cltrain whole"] = (t, *cltrain_row[1:])
     if augment:
-        from cltrain.data.augment import MixupCutmix, RandomErasing
+        from cltrain.data.augment_ops import MixupCutmix, RandomErasing
 
         erase, mix = RandomErasing(0.25), MixupCutmix(num_classes, mixup_alpha=0.8, cutmix_alpha=1.0)
 

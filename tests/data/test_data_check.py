@@ -12,7 +12,7 @@ import pytest
 
 from cltrain.data import ImageFolderDataModule
 from cltrain.data.check import check_file, check_files, main
-from cltrain.data.dataset import BadImageError
+from cltrain.data.image_folder_dataset import BadImageError
 from cltrain.data.decoders import DECODER_NAMES
 from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
 
@@ -102,7 +102,7 @@ def _jpeg_cases(folder):
 def _loader_fails(path, decoder):
     """Whether a real dataset with that decoder fails on ``path`` (both transforms)."""
     from cltrain.data import ImageFolderDataset, eval_transform, train_transform
-    from cltrain.data.dataset import BadImageError
+    from cltrain.data.image_folder_dataset import BadImageError
 
     split = path.parent.parent
     for transform in (train_transform(24, decoder=decoder), eval_transform(24, 28, decoder=decoder)):

@@ -14,7 +14,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from cltrain.data import ImageFolderDataset, RandomResizedCropFlip, eval_transform, nhwc_collate, train_transform
-from cltrain.data import decode, jpeg_roi
+from cltrain.data import decode
+from cltrain.data.decoders import jpeg_roi
 from cltrain.data.decode import decode_jpeg, jpeg_resized_crop
 from cltrain.data.decoders import BACKENDS, get_decoder
 from tests.helpers.data_fixtures import photo, write_image_folder

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from cltrain import is_channels_last
 from cltrain.data import ImageFolderDataModule, ImageFolderDataset, NHWCCollate, eval_transform, train_transform
 from cltrain.data import decode_pool
-from cltrain.data.dataset import BadImageError
+from cltrain.data.image_folder_dataset import BadImageError
 from cltrain.data.decode import jpeg_resized_crop
 from cltrain.data.decode_pool import one_thread
 from tests.helpers.data_fixtures import write_image_folder

@@ -234,7 +234,8 @@ def test_unreadable_files_raise_pillows_error(odd, kind):
 
 
 def test_without_a_jpeg_back_end_everything_goes_through_pillow(odd, monkeypatch):
-    from cltrain.data import decoders, jpeg_roi
+    from cltrain.data import decoders
+    from cltrain.data.decoders import jpeg_roi
     from cltrain.data.decoders import simplejpeg_whole
 
     t = train_transform(24)

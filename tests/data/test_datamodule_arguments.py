@@ -210,6 +210,20 @@ def test_signatures_name_every_argument(cls: type) -> None:
     assert not var, f"{cls.__name__} takes {var}: what it does with them is not in its signature"
 
 
+@pytest.mark.parametrize("cls", [ImageFolderDataModule, ShardsDataModule], ids=["images", "shards"])
+def test_lightning_cli_reads_every_argument_with_its_type(cls: type) -> None:
+    jsonargparse = pytest.importorskip("jsonargparse")  # what LightningCLI reads a DataModule's arguments with
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "data")
+    assert set(vars(parser.get_defaults().data)) == set(inspect.signature(cls).parameters)
+    own = ["--data.seed=3"] if cls is ShardsDataModule else ["--data.check_val=off"]
+    data = parser.parse_args(["--data.root=/x", "--data.batch_size=8", "--data.scale=[0.5, 1.0]", *own]).data
+    assert (data.batch_size, data.scale) == (8, [0.5, 1.0]) and (data.seed == 3 if cls is ShardsDataModule
+                                                                 else data.check_val == "off")
+    with pytest.raises(jsonargparse.ArgumentError):
+        parser.parse_args(["--data.root=/x", "--data.batch_size=eight"])
+
+
 def test_every_argument_has_a_probe(roots: dict[str, Path]) -> None:
     assert not set(ALL_NAMES) - set(probes(roots))
 

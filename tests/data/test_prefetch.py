@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from cltrain import is_channels_last
 from cltrain.data import ImageFolderDataset, NHWCCollate, PrefetchDataLoader, eval_transform, train_transform
 from cltrain.data import collate as collate_module
-from cltrain.data.dataset import BadImageError
+from cltrain.data.image_folder_dataset import BadImageError
 from cltrain.data.normalize import ImageNormalizer
 from tests.helpers.data_fixtures import write_image_folder
 

@@ -35,9 +35,9 @@ from cltrain.app.config.rules import (
     choices,
     key,
 )
-from cltrain.data.augment import AUGMENT_POLICIES
+from cltrain.data.augment_ops import AUGMENT_POLICIES
 from cltrain.data.constants import CHECK_MODES
-from cltrain.data.dataset import BAD_FILE_POLICIES
+from cltrain.data.image_folder_dataset import BAD_FILE_POLICIES
 from cltrain.data.decode import INTERPOLATIONS
 from cltrain.data.decoders import DECODER_NAMES
 

@@ -9,7 +9,7 @@ read (another format, CMYK, a corrupt stream) goes to Pillow, which decodes it o
 Back ends, in the order ``"auto"`` tries them (the first one installed is used):
 
 * ``"turbojpeg"``: libturbojpeg 3 through ctypes, decoding only the iMCU rows and columns under
-  the box (``cltrain.data.jpeg_roi``).
+  the box (``cltrain.data.decoders.jpeg_roi``).
 * ``"simplejpeg"``: the whole image by simplejpeg (libjpeg-turbo), then sliced.
 
 ``"pillow"`` decodes every file with Pillow (no back end). Adding a back end is one module in

@@ -1,6 +1,6 @@
 """The ``"turbojpeg"`` back end: libturbojpeg 3 decodes only the iMCU rows and columns under the box.
 
-The ctypes binding is ``cltrain.data.jpeg_roi``; this adds the one-pixel margin that makes a
+The ctypes binding is ``cltrain.data.decoders.jpeg_roi``; this adds the one-pixel margin that makes a
 region's pixels equal the whole image's (libjpeg's smooth chroma upsampling of 4:2:0/4:2:2 reads
 the neighbouring sample, which a region's edge lacks).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cltrain.data import jpeg_roi
+from cltrain.data.decoders import jpeg_roi
 from cltrain.data.decoders import JpegHeader
 
 __all__ = ["TurboJpegRegion"]

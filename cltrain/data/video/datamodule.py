@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from typing_extensions import override
 
-from cltrain.data.folders import ClassFolderDataModule
+from cltrain.data.datamodules.class_folders import ClassFolderDataModule
 from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.transforms import size_pair

@@ -20,7 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from cltrain.data.constants import IMG_EXTENSIONS
-from cltrain.data.dataset import BadImageError, SkipsBadSamples, find_classes
+from cltrain.data.image_folder_dataset import BadImageError, SkipsBadSamples, find_classes
 
 __all__ = ["VIDEO_EXTENSIONS", "ClipFolderDataset", "find_clips", "read_video"]
 

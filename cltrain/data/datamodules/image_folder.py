@@ -22,58 +22,32 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from cltrain.data.augmentation import Augmentation
-from cltrain.data.constants import CHECK_MODES, IMAGENET_MEAN, IMAGENET_STD
-from cltrain.data.dataset import BadImageError, ImageFolderDataset, read_file_list
-from cltrain.data.folders import SKIPPED_FILES_NAME, ClassFolderDataModule
-from cltrain.data.images import ImageDataModule
+from cltrain.data.constants import CHECK_MODES
+from cltrain.data.datamodules.base import takes_arguments_of
+from cltrain.data.datamodules.class_folders import ClassFolderDataModule
+from cltrain.data.datamodules.image_base import ImageDataModule
+from cltrain.data.image_folder_dataset import BadImageError, ImageFolderDataset, read_file_list
 from cltrain.data.prefetch import PrefetchDataLoader
 
-__all__ = ["SKIPPED_FILES_NAME", "ImageFolderDataModule"]
+__all__ = ["ImageFolderDataModule"]
 
 
 class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
     """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
 
+    Takes ``ImageDataModule``'s arguments (``root``, ``batch_size``, ``num_workers``, the crops, the
+    decoder and the ``Augmentation``: see it), then these. ``root`` holds ``train/`` and ``val/``, each
+    ``<class>/<image>``. The training loader drops the last partial batch (as timm and torchvision's
+    references do: no batch of 1 reaches BatchNorm, and shapes stay fixed for ``cudnn.benchmark`` and
+    ``torch.compile``); validation, test and predict keep every image.
+
     Args:
-        root: folder holding ``train/`` and ``val/``, each ``<class>/<image>``.
-        batch_size: images per batch. The training loader drops the last partial batch
-            (as timm and torchvision's references do: no batch of 1 reaches BatchNorm, and
-            shapes stay fixed for ``cudnn.benchmark`` and ``torch.compile``); validation,
-            test and predict keep every image.
-        num_workers: DataLoader worker processes (0: load in the main process; ``"auto"``, with
-            ``decode_threads="auto"``: ``cltrain.data.decode_pool.loading_plan``, one process with a
-            decode thread per core up to 4 cores).
-        persistent_workers: keep workers between epochs (when ``num_workers > 0``).
-        pin_memory: ``None`` pins only when the trainer runs on a GPU.
-        image_size: training crop and evaluation crop (int or (height, width)).
-        val_resize_size: shorter side before the evaluation centre crop.
-        channels: 3 (RGB) or 1 (grayscale).
-        mean: per-channel normalisation mean (0-1 units).
-        std: per-channel normalisation standard deviation (0-1 units).
-        dtype: dtype of the normalised images (float32, bfloat16 or float16).
-        channels_last: ``False`` gives contiguous NCHW batches (the baseline).
-        cuda_prefetch: on a CUDA device, copy the next batch on a side stream
-            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
-        interpolation: the resampling, ``"bilinear"`` or ``"bicubic"``.
-        exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
-        decode_threads: threads that decode a batch's images in each loading process
-            (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
-            load in one process; 1 decodes them one by one; ``"auto"``: as ``num_workers``.
-        decoder: the JPEG decoder of the transforms and of ``check_val="full"``
-            (``cltrain.data.decoders``): ``"auto"``, ``"turbojpeg"``, ``"simplejpeg"`` or ``"pillow"``.
-        augmentation: the training augmentation as one group (``Augmentation``), or ``None``
-            and its fields as the keywords below (not both).
-        scale: with ``ratio``, ``hflip``, ``augment``, ``random_erasing``, ``mixup_alpha``,
-            ``cutmix_alpha``, ``mixup_prob`` and ``mixup_switch_prob``: the fields of
-            ``Augmentation`` (see it), when ``augmentation`` is ``None``.
         bad_files: ``"raise"``: an unreadable file stops with an error naming it;
             ``"skip"``: it is replaced by the next readable sample, the count is
             logged each epoch (``data/skipped_train``, ``data/skipped_val``) and the
@@ -97,7 +71,7 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
         ValueError: a bad argument (at construction); a split without class
             folders, an empty class folder, or classes that differ (in ``setup``);
             ``mean``/``std`` in 0-255 units.
-        TypeError: an argument it does not take (Python's one-line error names it).
+        TypeError: an argument it does not take (a one-line error naming it).
         BadImageError: a bad validation file found by ``check_val`` (``bad_files="raise"``).
         FileNotFoundError: a missing root or split (in ``setup``, or on reading
             ``classes``).
@@ -106,26 +80,13 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
     layout_hint = ("a folder with train/ and val/ (ImageNet layout), or make one with "
                    "cltrain.data.make_demo_dataset(root)")
 
-    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int | str = "auto", persistent_workers: bool = True,
-                 pin_memory: bool | None = None, image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256,
-                 channels: int = 3, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
-                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int | str = "auto",
-                 decoder: str = "auto", augmentation: Augmentation | None = None, scale: Sequence[float] = (0.08, 1.0),
-                 ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5, augment: str = "none",
-                 random_erasing: float = 0.0, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
-                 mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, bad_files: str = "raise",
-                 allow_missing_val_classes: bool = False, exclude_files: str | os.PathLike | None = None,
-                 check_val: str = "quick", index_cache: bool | str | os.PathLike = True) -> None:
+    @takes_arguments_of(ImageDataModule)
+    def __init__(self, *args: Any, bad_files: str = "raise", allow_missing_val_classes: bool = False,
+                 exclude_files: str | os.PathLike | None = None, check_val: str = "quick",
+                 index_cache: bool | str | os.PathLike = True, **kwargs: Any) -> None:
         if check_val not in CHECK_MODES:
             raise ValueError(f"ImageFolderDataModule: check_val={check_val!r} must be one of {CHECK_MODES}.")
-        super().__init__(root, batch_size=batch_size, num_workers=num_workers, persistent_workers=persistent_workers,
-                         pin_memory=pin_memory, image_size=image_size, val_resize_size=val_resize_size, channels=channels,
-                         mean=mean, std=std, dtype=dtype, channels_last=channels_last, cuda_prefetch=cuda_prefetch,
-                         interpolation=interpolation, exif_transpose=exif_transpose, decode_threads=decode_threads,
-                         decoder=decoder, augmentation=augmentation, scale=scale, ratio=ratio, hflip=hflip, augment=augment,
-                         random_erasing=random_erasing, mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha,
-                         mixup_prob=mixup_prob, mixup_switch_prob=mixup_switch_prob, bad_files=bad_files)
+        super().__init__(*args, bad_files=bad_files, **kwargs)
         self.allow_missing_val_classes, self.check_val, self.index_cache = allow_missing_val_classes, check_val, index_cache
         self.exclude_files = None if exclude_files is None else Path(exclude_files)
         self.train_set: ImageFolderDataset | None = None

@@ -10,7 +10,7 @@ from torch import nn
 
 from cltrain.audit import _Recorder
 from cltrain.data import train_transform
-from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
+from cltrain.data.augment_ops import HWCAugment, MixupCutmix, RandomErasing
 from tests.helpers.data_fixtures import write_jpegs
 
 pytest.importorskip("timm")

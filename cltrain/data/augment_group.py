@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cltrain.data.augment import HWCAugment, MixupCutmix, RandomErasing
+from cltrain.data.augment_ops import HWCAugment, MixupCutmix, RandomErasing
 from cltrain.data.transforms import RandomResizedCropFlip, train_transform
 
-__all__ = ["AUGMENTATION_FIELDS", "Augmentation"]
+__all__ = ["Augmentation"]
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,6 @@ class Augmentation:
                            prob=self.mixup_prob, switch_prob=self.mixup_switch_prob)
 
 
-#: The field names of ``Augmentation``: a DataModule takes each as a keyword too.
-AUGMENTATION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Augmentation))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Augmentation)}
 
 

@@ -7,20 +7,23 @@ each loading process; ``NHWCCollate`` batches, normalised while collated when th
 on the CPU (uint8 to a GPU: 4x fewer bytes to copy); and the device-side augmentation of
 training batches (random erasing, mixup/cutmix) after the normalisation.
 ``ImageFolderDataModule`` reads an ImageNet-layout folder, ``ShardsDataModule`` a pack of
-shards.
+shards; both take this constructor's arguments, written here once, and add their own.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from typing_extensions import override
 
-from cltrain.data.augment import MixupCutmix
-from cltrain.data.augmentation import AUGMENTATION_FIELDS, Augmentation
-from cltrain.data.batches import BatchDataModule
+from cltrain.data.augment_group import Augmentation
+from cltrain.data.augment_ops import MixupCutmix
 from cltrain.data.collate import NHWCCollate
+from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
+from cltrain.data.datamodules.base import BatchDataModule
 from cltrain.data.decode_pool import loading_plan
 from cltrain.data.decoders import get_decoder
 from cltrain.data.normalize import ImageNormalizer
@@ -30,36 +33,65 @@ __all__ = ["ImageDataModule"]
 
 
 class ImageDataModule(BatchDataModule):
-    """Base of the image DataModules (see the module docstring); not used on its own.
+    """Base of the image DataModules (see the module docstring); not used on its own. Its arguments
+    are theirs: ``ImageFolderDataModule`` and ``ShardsDataModule`` add their own after them
+    (``takes_arguments_of``).
 
     Args:
+        root: where the images are (the subclass says how they are laid out).
+        batch_size: images per batch.
+        num_workers: DataLoader worker processes (0: load in the main process; ``"auto"``, with
+            ``decode_threads="auto"``: ``cltrain.data.decode_pool.loading_plan``, one process with a
+            decode thread per core up to 4 cores).
+        persistent_workers: keep workers between epochs (when ``num_workers > 0``).
+        pin_memory: ``None`` pins only when the trainer runs on a GPU.
         image_size: training crop and evaluation crop (int or (height, width)).
         val_resize_size: shorter side before the evaluation centre crop (``None``: no resize).
+        channels: 3 (RGB) or 1 (grayscale).
+        mean: per-channel normalisation mean (0-1 units).
+        std: per-channel normalisation standard deviation (0-1 units).
+        dtype: dtype of the normalised images (float32, bfloat16 or float16).
+        channels_last: ``False`` gives contiguous NCHW batches (the baseline).
+        cuda_prefetch: on a CUDA device, copy the next batch on a side stream
+            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
         interpolation: the resampling, ``"bilinear"`` or ``"bicubic"`` (training and evaluation).
         exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
-        decode_threads: threads that decode a batch's images in each loading process (``"auto"``:
-            ``cltrain.data.decode_pool.loading_plan``, the fastest measured split of the cores)
+        decode_threads: threads that decode a batch's images in each loading process
             (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
-            load in one process; 1 decodes them one by one.
+            load in one process; 1 decodes them one by one; ``"auto"``: as ``num_workers``.
         decoder: the JPEG decoder of both transforms (``cltrain.data.decoders``): ``"auto"`` (the
             first back end installed), ``"turbojpeg"``, ``"simplejpeg"``, or ``"pillow"`` (every file
             through Pillow).
-        augmentation: the training augmentation (``Augmentation``); ``None``: the one made of
-            ``Augmentation``'s fields given as keywords (``hflip=0.0``), defaults for the others.
-        **kwargs: ``Augmentation``'s fields, and ``BatchDataModule``'s arguments.
+        augmentation: the training augmentation as one group (``Augmentation``), or ``None``
+            and its fields as the keywords below (not both).
+        scale: with ``ratio``, ``hflip``, ``augment``, ``random_erasing``, ``mixup_alpha``,
+            ``cutmix_alpha``, ``mixup_prob`` and ``mixup_switch_prob``: the fields of
+            ``Augmentation`` (see it), when ``augmentation`` is ``None``.
 
     Raises:
-        ValueError: a bad argument, quoted.
+        ValueError: a bad argument, quoted (also ``mean``/``std`` in 0-255 units).
+        TypeError: an argument it does not take (Python's one-line error names it).
     """
 
-    def __init__(self, *args: Any, image_size: int | tuple[int, int], val_resize_size: int | None, interpolation: str,
-                 exif_transpose: bool, decode_threads: int | str, decoder: str, augmentation: Augmentation | None,
-                 **kwargs: Any) -> None:
-        fields = {name: kwargs.pop(name) for name in AUGMENTATION_FIELDS if name in kwargs}
-        augmentation = Augmentation.build(augmentation, type(self).__name__, **fields)
-        if kwargs.get("num_workers") == "auto":
-            kwargs["num_workers"] = loading_plan()[0]
-        super().__init__(*args, **kwargs)
+    def __init__(self, root: str | os.PathLike, batch_size: int = 64, num_workers: int | str = "auto",
+                 persistent_workers: bool = True, pin_memory: bool | None = None,
+                 image_size: int | tuple[int, int] = 224, val_resize_size: int | None = 256, channels: int = 3, *,
+                 mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
+                 interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int | str = "auto",
+                 decoder: str = "auto", augmentation: Augmentation | None = None,
+                 scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5,
+                 augment: str = "none", random_erasing: float = 0.0, mixup_alpha: float = 0.0,
+                 cutmix_alpha: float = 0.0, mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5) -> None:
+        augmentation = Augmentation.build(augmentation, type(self).__name__, scale=scale, ratio=ratio, hflip=hflip,
+                                          augment=augment, random_erasing=random_erasing, mixup_alpha=mixup_alpha,
+                                          cutmix_alpha=cutmix_alpha, mixup_prob=mixup_prob,
+                                          mixup_switch_prob=mixup_switch_prob)
+        if num_workers == "auto":
+            num_workers = loading_plan()[0]
+        super().__init__(root, batch_size=batch_size, num_workers=num_workers, persistent_workers=persistent_workers,
+                         pin_memory=pin_memory, channels=channels, mean=mean, std=std, dtype=dtype,
+                         channels_last=channels_last, cuda_prefetch=cuda_prefetch)
         if decode_threads == "auto":
             decode_threads = loading_plan(self.num_workers)[1]
         if not (isinstance(decode_threads, int) and decode_threads >= 1):

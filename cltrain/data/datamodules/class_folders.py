@@ -1,10 +1,10 @@
-"""What the folder DataModules share: class folders, the bad-file policy and its report.
+"""``ClassFolderDataModule``: what the folder DataModules share: class folders and the bad-file policy.
 
 ``ImageFolderDataModule`` (images) and ``ClipFolderDataModule`` (clips) read
 ``root/train/<class>/...`` and ``root/val/<class>/...``; ``ClassFolderDataModule`` adds to
 ``BatchDataModule`` the class folders of ``root/train`` (label order), the error for a missing
 root, and ``bad_files``: with ``"skip"`` under a Trainer, the skipped samples are listed in the
-run directory (``SkippedFilesReport`` counts them per epoch).
+run directory (``cltrain.data.datamodules.skipped_files.SkippedFilesReport`` counts them per epoch).
 
 A subclass sets ``layout_hint`` and calls ``_choose_device`` and ``_open_skip_log`` in its ``setup``.
 """
@@ -14,76 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-import lightning as L
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from cltrain.data.batches import BatchDataModule
-from cltrain.data.dataset import check_bad_files, find_classes
+from cltrain.data.datamodules.base import BatchDataModule
+from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
+from cltrain.data.image_folder_dataset import check_bad_files, find_classes
 
-__all__ = ["SKIPPED_FILES_NAME", "ClassFolderDataModule", "SkippedFilesReport"]
-
-SKIPPED_FILES_NAME = "skipped_files.tsv"
-
-
-class SkippedFilesReport(L.Callback):
-    """Counts the files a folder DataModule with ``bad_files="skip"`` left out, per split and epoch:
-    logs them as ``data/skipped_<split>`` and warns, naming the list they are in.
-
-    Example::
-
-        trainer = Trainer(callbacks=[SkippedFilesReport()])
-        trainer.fit(model, datamodule=ImageFolderDataModule(root, bad_files="skip"))
-    """
-
-    def __init__(self) -> None:
-        self.path: Path | None = None
-        self._offset = 0
-
-    def _new_counts(self, trainer: L.Trainer) -> dict[str, int]:
-        path = getattr(trainer.datamodule, "skipped_files_path", None)
-        if path != self.path:
-            self.path, self._offset = path, 0
-        if self.path is None or not self.path.is_file():
-            return {}
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self._offset)
-            lines = f.read().splitlines()
-            self._offset = f.tell()
-        # A file can be met more than once in an epoch (also as the replacement tried for
-        # another bad file): count distinct files.
-        seen = {tuple(line.split("\t", 2)[:2]) for line in lines if "\t" in line}
-        counts: dict[str, int] = {}
-        for split, _ in seen:
-            counts[split] = counts.get(split, 0) + 1
-        return counts
-
-    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
-        counts = self._new_counts(trainer)
-        for split, n in counts.items():
-            rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
-                           f"{trainer.current_epoch}; their paths are in {self.path}.")
-        if can_log and not trainer.sanity_checking:
-            for split in ("train", "val"):
-                pl_module.log(f"data/skipped_{split}", float(counts.get(split, 0)), reduce_fx="sum", sync_dist=True)
-
-    @override
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module)
-
-    @override
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn != TrainerFn.FITTING:  # during fit the train epoch end reports both splits
-            self._report(trainer, pl_module)
-
-    @override
-    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module)
-
-    @override
-    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module, can_log=False)
+__all__ = ["ClassFolderDataModule"]
 
 
 class ClassFolderDataModule(BatchDataModule):

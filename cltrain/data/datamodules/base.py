@@ -17,14 +17,20 @@ how a loader batches altogether (``_batching``).
 ``ImageFolderDataModule`` + class folders, ``bad_files``, the folder checks
 ``ClipFolderDataModule``  + class folders, ``bad_files``, clip sampling
 ========================  ===============================================
+
+A subclass that only adds arguments writes them alone: ``takes_arguments_of(Base)`` gives its
+``__init__(self, *args, <its own keyword-only arguments>, **kwargs)`` the signature of ``Base``
+followed by its own, the one that ``inspect``, ``help``, Hydra's users and LightningCLI read.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning as L
 import torch
@@ -35,7 +41,41 @@ from cltrain.data.decode_pool import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 
-__all__ = ["BatchDataModule"]
+__all__ = ["BatchDataModule", "takes_arguments_of"]
+
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def takes_arguments_of(base: type) -> Callable[[Init], Init]:
+    """Decorator of ``__init__(self, *args, <own keyword-only arguments>, **kwargs)`` that hands ``*args,
+    **kwargs`` on to ``base``: its signature becomes ``base``'s arguments, then its own, so shared arguments
+    are written once (in ``base``) and still named in every subclass's signature; an argument neither
+    takes is a one-line ``TypeError`` naming the subclass.
+
+    Example::
+
+        class ShardsDataModule(ImageDataModule):
+            @takes_arguments_of(ImageDataModule)
+            def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.seed = seed
+    """
+    def decorate(init: Init) -> Init:
+        inherited = list(inspect.signature(base.__init__, eval_str=True).parameters.values())
+        own = [p for p in inspect.signature(init, eval_str=True).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        signature = inspect.Signature([*inherited, *own])
+
+        @functools.wraps(init)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                signature.bind(self, *args, **kwargs)
+            except TypeError as err:  # Python's message names the base's __init__: name the class called
+                raise TypeError(f"{type(self).__name__}: {err}") from None
+            init(self, *args, **kwargs)
+
+        checked.__signature__ = signature  # type: ignore[attr-defined]
+        return checked  # type: ignore[return-value]
+    return decorate
 
 
 class BatchDataModule(L.LightningDataModule):

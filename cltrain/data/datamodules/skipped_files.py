@@ -1,0 +1,79 @@
+"""``SkippedFilesReport``: counts, logs and reports the files a folder DataModule with ``bad_files="skip"`` left out.
+
+The DataModule's workers append one ``split<TAB>path<TAB>reason`` line per skipped file to
+``SKIPPED_FILES_NAME`` in the run directory (``datamodule.skipped_files_path``); this callback
+reads the new lines at each epoch's end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+__all__ = ["SKIPPED_FILES_NAME", "SkippedFilesReport"]
+
+#: The list of skipped files in the run directory (``rank<r>.skipped_files.tsv`` per rank under DDP).
+SKIPPED_FILES_NAME = "skipped_files.tsv"
+
+
+class SkippedFilesReport(L.Callback):
+    """Counts the files a folder DataModule with ``bad_files="skip"`` left out, per split and epoch:
+    logs them as ``data/skipped_<split>`` and warns, naming the list they are in.
+
+    Example::
+
+        trainer = Trainer(callbacks=[SkippedFilesReport()])
+        trainer.fit(model, datamodule=ImageFolderDataModule(root, bad_files="skip"))
+    """
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self._offset = 0
+
+    def _new_counts(self, trainer: L.Trainer) -> dict[str, int]:
+        path = getattr(trainer.datamodule, "skipped_files_path", None)
+        if path != self.path:
+            self.path, self._offset = path, 0
+        if self.path is None or not self.path.is_file():
+            return {}
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            lines = f.read().splitlines()
+            self._offset = f.tell()
+        # A file can be met more than once in an epoch (also as the replacement tried for
+        # another bad file): count distinct files.
+        seen = {tuple(line.split("\t", 2)[:2]) for line in lines if "\t" in line}
+        counts: dict[str, int] = {}
+        for split, _ in seen:
+            counts[split] = counts.get(split, 0) + 1
+        return counts
+
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
+        counts = self._new_counts(trainer)
+        for split, n in counts.items():
+            rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
+                           f"{trainer.current_epoch}; their paths are in {self.path}.")
+        if can_log and not trainer.sanity_checking:
+            for split in ("train", "val"):
+                pl_module.log(f"data/skipped_{split}", float(counts.get(split, 0)), reduce_fx="sum", sync_dist=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module)
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:  # during fit the train epoch end reports both splits
+            self._report(trainer, pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module)
+
+    @override
+    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module, can_log=False)

@@ -1,0 +1,114 @@
+"""One split of a shard pack (``cltrain.data.pack``) as a Dataset: samples read by offset, batches built in the worker.
+
+A pack is WebDataset tar shards, an ``.idx.npy`` index beside each (offset, size, label per sample),
+and ``shards.json`` (the manifest, written last). ``ShardsDataset`` reads only the bytes of the
+samples it is asked for (``os.pread`` on one descriptor per shard and process); with an index list
+it decodes a whole batch on its decode threads and collates it, in the worker that reads it.
+``cltrain.data.datamodules.shards`` wraps it for Lightning; ``cltrain.data.shard_sampler`` orders it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from cltrain.data.collate import NHWCCollate
+from cltrain.data.decode_pool import load_batch
+from cltrain.data.image_folder_dataset import BadImageError
+
+__all__ = ["MANIFEST", "ShardsDataset", "read_manifest"]
+
+#: Written last into a complete pack (by ``cltrain.data.pack``): classes, shards and counts per split.
+MANIFEST = "shards.json"
+
+
+class ShardsDataset(Dataset):
+    """One split of a pack (``cltrain.data.pack``): ``dataset[i]`` is ``(HWC uint8, label)``,
+    ``dataset[[i, j, ...]]`` a collated batch ``(images, targets)`` (or ``(images, targets, ids)``
+    with ``with_ids``), built in the worker that reads it.
+
+    Args:
+        root: the pack's folder (holds ``shards.json``).
+        split: ``"train"``, ``"val"``, ...
+        transform: JPEG bytes -> HWC uint8 (``cltrain.data.train_transform`` and
+            ``eval_transform`` take bytes).
+        collate: makes a batch of ``(image, label)`` pairs.
+        with_ids: batches also carry the int64 sample indices.
+        threads: decode the samples of a batch on this many threads of the reading process
+            (``cltrain.data.decode_pool``); 1 decodes them one by one.
+
+    Raises:
+        FileNotFoundError: no complete pack at ``root``.
+        KeyError: the pack has no ``split``.
+    """
+
+    def __init__(self, root: str | os.PathLike, split: str, transform: Callable[[bytes], np.ndarray],
+                 collate: Callable[[list], Any] | None = None, with_ids: bool = False, threads: int = 1) -> None:
+        if not (isinstance(threads, int) and threads >= 1):
+            raise ValueError(f"ShardsDataset: threads={threads!r} must be an int >= 1.")
+        self.root, self.split, self.threads = Path(root), split, threads
+        manifest = read_manifest(self.root)
+        if split not in manifest["splits"]:
+            raise KeyError(f"ShardsDataset: the pack at {self.root} has no split {split!r} (it has {sorted(manifest['splits'])}).")
+        self.classes: list[str] = manifest["classes"]
+        self.shards = [str(self.root / s) for s in manifest["splits"][split]["shards"]]
+        indexes = [np.load(Path(s).with_suffix(".idx.npy"), allow_pickle=False) for s in self.shards]  # no pickle
+        self.index = np.concatenate(indexes) if indexes else np.zeros((0, 3), np.int64)  # offset, size, label
+        self.shard_sizes = [len(i) for i in indexes]
+        self.shard_of = np.repeat(np.arange(len(indexes)), self.shard_sizes)
+        self.transform, self.with_ids = transform, with_ids
+        self.collate = collate if collate is not None else NHWCCollate()
+        self._files: dict[int, int] = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_files"] = {}  # file descriptors are per process
+        return state
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_files", {}).values():
+            os.close(fd)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def read(self, i: int) -> bytes:
+        """The stored bytes of sample ``i`` (the image file as it was packed)."""
+        shard = int(self.shard_of[i])
+        fd = self._files.get(shard)
+        if fd is None:
+            fd = self._files[shard] = os.open(self.shards[shard], os.O_RDONLY)
+        offset, size, _ = self.index[i]
+        return os.pread(fd, int(size), int(offset))
+
+    def load(self, i: int) -> tuple[np.ndarray, int]:
+        """``(HWC uint8, label)`` of sample ``i``; ``BadImageError`` names the shard and sample."""
+        try:
+            return self.transform(self.read(i)), int(self.index[i, 2])
+        except Exception as err:
+            raise BadImageError(f"{self.shards[int(self.shard_of[i])]}: sample {i} of {self.split!r} cannot be read as an image "
+                                f"({type(err).__name__}: {err}); pack the folder again.") from err
+
+    def __getitem__(self, index: int | Sequence[int]) -> Any:
+        if isinstance(index, (int, np.integer)):
+            return self.load(int(index))
+        # each sample's crop from a seed of its own, whatever the number of threads (as ImageFolderDataset)
+        samples = load_batch(self.load, index, self.threads, getattr(self.transform, "augment", None))
+        batch = self.collate(samples)
+        return (*batch, torch.as_tensor(index, dtype=torch.int64)) if self.with_ids else batch
+
+
+def read_manifest(root: str | os.PathLike) -> dict:
+    """The ``shards.json`` of a complete pack; ``FileNotFoundError`` saying how to make one."""
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {root} is not a complete cltrain pack. Make one with "
+                                f"`python -m cltrain.data.pack IMAGEFOLDER {root}` (run it again to finish an interrupted one).")
+    return json.loads(path.read_text())
