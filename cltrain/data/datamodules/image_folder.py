@@ -41,11 +41,12 @@ __all__ = ["ImageFolderDataModule"]
 class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
     """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
 
-    Takes ``ImageDataModule``'s arguments (``root``, ``batch_size``, ``num_workers``, the crops, the
-    decoder and the ``Augmentation``: see it), then these. ``root`` holds ``train/`` and ``val/``, each
-    ``<class>/<image>``. The training loader drops the last partial batch (as timm and torchvision's
-    references do: no batch of 1 reaches BatchNorm, and shapes stay fixed for ``cudnn.benchmark`` and
-    ``torch.compile``); validation, test and predict keep every image.
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments
+    (``root``, ``batch_size``, ``num_workers``, the crops, the decoder and the ``Augmentation``: see
+    it), then these. ``root`` holds ``train/`` and ``val/``, each ``<class>/<image>``. The training
+    loader drops the last partial batch (as timm and torchvision's references do: no batch of 1
+    reaches BatchNorm, and shapes stay fixed for ``cudnn.benchmark`` and ``torch.compile``);
+    validation, test and predict keep every image.
 
     Args:
         bad_files: ``"raise"``: an unreadable file stops with an error naming it;

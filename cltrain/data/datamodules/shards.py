@@ -36,11 +36,11 @@ __all__ = ["ShardsDataModule"]
 class ShardsDataModule(ImageDataModule):
     """A pack of WebDataset shards (``cltrain.data.pack``) as normalised channels_last batches.
 
-    Takes ``ImageDataModule``'s arguments (see it), with ``root`` the pack's folder (``OUT`` of
-    ``python -m cltrain.data.pack ROOT OUT``), then these. The folder's own arguments (those a pack
-    settles when it is made: ``bad_files``, ``check_val``, ``exclude_files``, ``index_cache``,
-    ``allow_missing_val_classes``) are refused with a one-line ``TypeError``; a bad sample raises
-    ``BadImageError`` naming its shard.
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments,
+    with ``root`` the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``), then
+    these. The folder's own arguments (those a pack settles when it is made: ``bad_files``,
+    ``check_val``, ``exclude_files``, ``index_cache``, ``allow_missing_val_classes``) are refused
+    with a one-line ``TypeError``; a bad sample raises ``BadImageError`` naming its shard.
 
     Args:
         seed: seed of the per-epoch training order (the same on every rank).

@@ -8,9 +8,9 @@ read (another format, CMYK, a corrupt stream) goes to Pillow, which decodes it o
 
 Back ends, in the order ``"auto"`` tries them (the first one installed is used):
 
-* ``"turbojpeg"``: libturbojpeg 3 through ctypes, decoding only the iMCU rows and columns under
-  the box (``cltrain.data.decoders.jpeg_roi``).
-* ``"simplejpeg"``: the whole image by simplejpeg (libjpeg-turbo), then sliced.
+* ``"turbojpeg"`` (``turbojpeg_region``): libturbojpeg 3 through ctypes, decoding only the iMCU
+  rows and columns under the box (the binding: ``jpeg_roi``).
+* ``"simplejpeg"`` (``simplejpeg_whole``): the whole image by simplejpeg (libjpeg-turbo), then sliced.
 
 ``"pillow"`` decodes every file with Pillow (no back end). Adding a back end is one module in
 this package with a class that has ``name``, ``available``, ``header`` and ``decode`` (see

@@ -1,12 +1,12 @@
 """The channels_last_3d data path for video: clips leave the loader as uint8 NDHWC.
 
-* ``NDHWCCollate`` / ``ndhwc_collate``: (T, H, W, C) clips into one
+* ``collate``: ``NDHWCCollate`` / ``ndhwc_collate``: (T, H, W, C) clips into one
   ``(N, T, H, W, C)`` buffer, returned as its ``(N, C, T, H, W)`` channels_last_3d view.
-* ``train_clip_transform``, ``eval_clip_transform``: a clip's frames -> (T, H, W, C)
+* ``transforms``: ``train_clip_transform``, ``eval_clip_transform``: a clip's frames -> (T, H, W, C)
   uint8: ``TemporalSample`` picks T frames, one crop box and flip for all of them.
-* ``ClipFolderDataset`` / ``ClipFolderDataModule``: ``split/<class>/<clip>/<frame>.jpg``
-  (or video files, with OpenCV), normalised on the device by ``normalize_clips``.
-* ``make_demo_videos``: a small clip folder of moving shapes with a learnable motion signal.
+* ``dataset``: ``ClipFolderDataset``, ``split/<class>/<clip>/<frame>.jpg`` (or video files, with OpenCV).
+* ``datamodule``: ``ClipFolderDataModule``, normalised on the device by ``normalize_clips``.
+* ``demo``: ``make_demo_videos``, a small clip folder of moving shapes with a learnable motion signal.
 
 Example::
 
