@@ -124,7 +124,8 @@ class StepProbe(Callback):
 
 def run_matrix(spec_file: Path) -> int:
     """Part (c)'s worker: each configuration of the spec through ``train(cfg)`` in this process, one JSON line each."""
-    from cltrain.app import compose_config, train
+    from cltrain.app import compose_config
+    from cltrain.app.train import train
 
     spec = json.loads(spec_file.read_text())
     runs, (first, count) = Path(spec["runs"]), spec["count"]

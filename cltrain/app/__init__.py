@@ -19,7 +19,7 @@
 * ``callbacks``: every callback a run trains with;
 * ``metrics_file``: ``metrics.json`` written and read;
 * ``results``: the final metrics and the summary line;
-* ``train``: ``train(cfg) -> dict``;
+* ``train``: ``train(cfg) -> dict`` (``from cltrain.app.train import train``);
 * ``cli``: ``main()``, the console script.
 """
 
@@ -32,17 +32,15 @@ if TYPE_CHECKING:
     from cltrain.app.models import build_classifier
     from cltrain.app.module import ImageClassifier
     from cltrain.app.progress import MainAmpProgress, Meter
-    from cltrain.app.train import train
 
 #: The app's public names -> their module, imported on first use (PEP 562: ``ConfigError`` comes without Hydra).
 _MODULES = {
     "compose_config": "config", "resolve_accelerator": "config", "resolve_precision": "config", "validate": "config",
     "build_classifier": "models", "ImageClassifier": "module", "MainAmpProgress": "progress", "Meter": "progress",
-    "train": "train",
 }
 
 __all__ = ["ConfigError", "ImageClassifier", "MainAmpProgress", "Meter", "build_classifier", "compose_config",
-           "resolve_accelerator", "resolve_precision", "train", "validate"]
+           "resolve_accelerator", "resolve_precision", "validate"]
 
 
 def __getattr__(name: str) -> Any:

@@ -61,8 +61,8 @@ from cltrain.app import (
     compose_config,
     resolve_accelerator,
     resolve_precision,
-    train,
 )
+from cltrain.app.train import train
 from cltrain.platform import cpu_bf16_support
 from cltrain.precision import autocast_dtype
 
