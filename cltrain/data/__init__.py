@@ -3,9 +3,9 @@
 Its modules, one line each (the names below are importable from ``cltrain.data`` itself):
 
 * ``transforms``: ``train_transform``, ``eval_transform``: image -> HWC uint8 in one crop+resize call.
-* ``decode``: the pixel kernels of the transforms (reduced-size JPEG decoding, antialiased uint8 resize).
+* ``crop_kernels``: the pixel kernels of the transforms (reduced-size JPEG decoding, antialiased uint8 resize).
 * ``decoders``: the JPEG back ends (libturbojpeg region decoding, simplejpeg) and ``get_decoder``.
-* ``decode_pool``: the samples of a batch decoded on threads of one loading process.
+* ``loader_threads``: the samples of a batch decoded on threads of one loading process.
 * ``augment_ops``: ``HWCAugment`` (in the workers), ``RandomErasing``, ``MixupCutmix`` (on the device).
 * ``augment_group``: ``Augmentation``, the training augmentation of the image DataModules as one group.
 * ``collate``: ``NHWCCollate`` / ``nhwc_collate``: images into one ``(N, H, W, C)`` buffer, seen as NCHW channels_last.

@@ -45,7 +45,7 @@ from PIL import Image
 
 from cltrain.atomic import atomic_open
 from cltrain.data.constants import CHECK_MODES
-from cltrain.data.decode import check_pixels
+from cltrain.data.crop_kernels import check_pixels
 from cltrain.data.decoders import DECODER_NAMES, Decoder, get_decoder
 from cltrain.data.index import index_split
 

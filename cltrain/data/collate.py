@@ -29,7 +29,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from PIL import Image
 from torch.utils.data import default_collate
 
-from cltrain.data.decode_pool import run_each, thread_scratch
+from cltrain.data.loader_threads import run_each, thread_scratch
 from cltrain.data.normalize import ImageNormalizer
 
 __all__ = ["BatchSlot", "NHWCCollate", "as_hwc", "nhwc_collate"]
@@ -147,7 +147,7 @@ class NHWCCollate:
             buffer as it is converted (the DataModules then skip their own normalisation);
             ``None``: uint8.
         threads: images copied (and normalised) on this many threads
-            (``cltrain.data.decode_pool``).
+            (``cltrain.data.loader_threads``).
 
     Returns (from a call):
         ``(images, targets, ...)`` for sequence samples, a dict for dict samples: images

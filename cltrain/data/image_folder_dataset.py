@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from cltrain.data.decode_pool import start_batch
+from cltrain.data.loader_threads import start_batch
 
 if TYPE_CHECKING:
     from cltrain.data.collate import NHWCCollate
@@ -149,7 +149,7 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         index_cache: reuse the file index of an unchanged tree (``cltrain.data.index``): ``True``
             keeps it in the user cache folder, a path keeps it there, ``False`` walks every time.
         threads: decode the samples of a batch on this many threads of the loading process
-            (``cltrain.data.decode_pool``; the DataLoader asks for whole batches through
+            (``cltrain.data.loader_threads``; the DataLoader asks for whole batches through
             ``__getitems__``); 1 loads them one by one in the calling thread. Each sample draws
             its crop from a seed of its own, drawn from the torch RNG, so a seeded run gives the
             same samples whatever the number of threads.
@@ -192,7 +192,7 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
         return len(self.samples)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, int]]:
-        """The samples of a batch, decoded on ``threads`` threads (see ``cltrain.data.decode_pool``)."""
+        """The samples of a batch, decoded on ``threads`` threads (see ``cltrain.data.loader_threads``)."""
         return self.start_items(indices)()
 
     def start_items(self, indices: Sequence[int], collate: NHWCCollate | None = None) -> Callable[[], list[tuple]]:

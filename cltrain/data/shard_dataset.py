@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from cltrain.data.collate import NHWCCollate
-from cltrain.data.decode_pool import load_batch
+from cltrain.data.loader_threads import load_batch
 from cltrain.data.image_folder_dataset import BadImageError
 
 __all__ = ["MANIFEST", "ShardsDataset", "read_manifest"]
@@ -42,7 +42,7 @@ class ShardsDataset(Dataset):
         collate: makes a batch of ``(image, label)`` pairs.
         with_ids: batches also carry the int64 sample indices.
         threads: decode the samples of a batch on this many threads of the reading process
-            (``cltrain.data.decode_pool``); 1 decodes them one by one.
+            (``cltrain.data.loader_threads``); 1 decodes them one by one.
 
     Raises:
         FileNotFoundError: no complete pack at ``root``.

@@ -1,6 +1,6 @@
 """Transforms: an image file (path or bytes) or a PIL image in, HWC uint8 numpy array out, in one resample call.
 
-A path or bytes of a JPEG is decoded by libjpeg-turbo (``cltrain.data.decode``), the crop
+A path or bytes of a JPEG is decoded by libjpeg-turbo (``cltrain.data.crop_kernels``), the crop
 taken as a slice and resized by torch; any other file, a JPEG that path cannot read, and a PIL
 image go through Pillow. Each transform draws its random parameters in ``make_params`` (the
 torch RNG, torchvision's ``RandomResizedCrop`` distribution) and does the deterministic pixel
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from cltrain.data.decode import INTERPOLATIONS, check_pixels, jpeg_resized_crop, resized_crop
+from cltrain.data.crop_kernels import INTERPOLATIONS, check_pixels, jpeg_resized_crop, resized_crop
 from cltrain.data.decoders import Decoder, JpegHeader, get_decoder
-from cltrain.data.decode_pool import augment_deferred, sample_generator
+from cltrain.data.loader_threads import augment_deferred, sample_generator
 
 __all__ = ["CropParams", "RandomResizedCropFlip", "ResizeCenterCrop", "eval_transform", "size_pair", "train_transform"]
 
@@ -234,7 +234,7 @@ class RandomResizedCropFlip(_Transform):
         # torchvision's get_params makes ~8 small tensors and .item() calls per try: 227 us a call
         # against 22 us here (one torch.rand, then the same arithmetic in Python), measured one
         # after the other on a busy 2-core machine, where a whole 333-800 px photo's transform took
-        # ~3 ms. The box distribution is tested equal to torchvision's (tests/data/test_data_decode.py).
+        # ~3 ms. The box distribution is tested equal to torchvision's (tests/data/test_data_crop_kernels.py).
         u = torch.rand(41, generator=sample_generator()).tolist()  # a batch-loading thread's own generator
         area = width * height
         s0, s1 = self.scale

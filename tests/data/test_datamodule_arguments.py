@@ -255,7 +255,7 @@ def test_decoder_is_checked_once_in_the_constructor_and_reaches_both_transforms(
 
 @pytest.mark.parametrize("kind", ["images", "shards"])
 def test_auto_workers_and_threads_follow_the_loading_plan(roots, kind):
-    from cltrain.data.decode_pool import loading_plan
+    from cltrain.data.loader_threads import loading_plan
 
     cls = DATAMODULES[kind]
     base = {k: v for k, v in BASE[kind].items() if k not in ("num_workers", "decode_threads")}
@@ -268,7 +268,7 @@ def test_auto_workers_and_threads_follow_the_loading_plan(roots, kind):
 
 
 def test_the_loading_plan_splits_the_cores():
-    from cltrain.data.decode_pool import loading_plan
+    from cltrain.data.loader_threads import loading_plan
 
     assert [loading_plan(cores=c) for c in (1, 2, 4, 8, 16)] == [(0, 1), (0, 2), (0, 4), (2, 4), (4, 4)]
     assert loading_plan(2, cores=8) == (2, 4) and loading_plan(4, cores=2) == (4, 1)

@@ -38,7 +38,7 @@ from cltrain.app.config.rules import (
 from cltrain.data.augment_ops import AUGMENT_POLICIES
 from cltrain.data.constants import CHECK_MODES
 from cltrain.data.image_folder_dataset import BAD_FILE_POLICIES
-from cltrain.data.decode import INTERPOLATIONS
+from cltrain.data.crop_kernels import INTERPOLATIONS
 from cltrain.data.decoders import DECODER_NAMES
 
 __all__ = [
@@ -104,7 +104,7 @@ class _ImageCrops(DataConfig):
     """What the image DataModules (``ImageFolderDataModule``, ``ShardsDataModule``) take beyond
     ``DataConfig``: loading, decoding, the training crop and augmentation (docs/guides/data.md)."""
 
-    # auto: cltrain.data.decode_pool.loading_plan, the fastest measured split of the cores (docs/performance.md)
+    # auto: cltrain.data.loader_threads.loading_plan, the fastest measured split of the cores (docs/performance.md)
     num_workers: Any = key("auto", COUNT_OR_AUTO)
     decode_threads: Any = key("auto", POSITIVE_OR_AUTO)  # threads decoding each batch inside each loading process
     decoder: str = key("auto", choices(*DECODER_NAMES))  # the JPEG back end (cltrain.data.decoders), or pillow

@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from cltrain.data.decode_pool import usable_cores
+from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 

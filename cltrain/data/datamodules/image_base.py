@@ -24,7 +24,7 @@ from cltrain.data.augment_ops import MixupCutmix
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 from cltrain.data.datamodules.base import BatchDataModule
-from cltrain.data.decode_pool import loading_plan
+from cltrain.data.loader_threads import loading_plan
 from cltrain.data.decoders import get_decoder
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.transforms import eval_transform, size_pair
@@ -41,7 +41,7 @@ class ImageDataModule(BatchDataModule):
         root: where the images are (the subclass says how they are laid out).
         batch_size: images per batch.
         num_workers: DataLoader worker processes (0: load in the main process; ``"auto"``, with
-            ``decode_threads="auto"``: ``cltrain.data.decode_pool.loading_plan``, one process with a
+            ``decode_threads="auto"``: ``cltrain.data.loader_threads.loading_plan``, one process with a
             decode thread per core up to 4 cores).
         persistent_workers: keep workers between epochs (when ``num_workers > 0``).
         pin_memory: ``None`` pins only when the trainer runs on a GPU.
@@ -57,7 +57,7 @@ class ImageDataModule(BatchDataModule):
         interpolation: the resampling, ``"bilinear"`` or ``"bicubic"`` (training and evaluation).
         exif_transpose: turn photos upright by their EXIF orientation (off, as torchvision).
         decode_threads: threads that decode a batch's images in each loading process
-            (``cltrain.data.decode_pool``): with ``num_workers=0`` and 2 threads, two cores
+            (``cltrain.data.loader_threads``): with ``num_workers=0`` and 2 threads, two cores
             load in one process; 1 decodes them one by one; ``"auto"``: as ``num_workers``.
         decoder: the JPEG decoder of both transforms (``cltrain.data.decoders``): ``"auto"`` (the
             first back end installed), ``"turbojpeg"``, ``"simplejpeg"``, or ``"pillow"`` (every file

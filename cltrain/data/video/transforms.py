@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cltrain.data.decode import jpeg_size
+from cltrain.data.crop_kernels import jpeg_size
 from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, _Transform
 
 __all__ = ["ClipParams", "ClipTransform", "TEMPORAL_MODES", "TemporalSample", "eval_clip_transform", "train_clip_transform"]

@@ -10,10 +10,10 @@ from torch.utils.data import DataLoader
 
 from cltrain import is_channels_last
 from cltrain.data import ImageFolderDataModule, ImageFolderDataset, NHWCCollate, eval_transform, train_transform
-from cltrain.data import decode_pool
+from cltrain.data import loader_threads
 from cltrain.data.image_folder_dataset import BadImageError
-from cltrain.data.decode import jpeg_resized_crop
-from cltrain.data.decode_pool import one_thread
+from cltrain.data.crop_kernels import jpeg_resized_crop
+from cltrain.data.loader_threads import one_thread
 from tests.helpers.data_fixtures import write_image_folder
 
 
@@ -35,11 +35,11 @@ def test_threaded_batch_is_the_sequential_kernel_with_each_samples_own_generator
     torch.manual_seed(0)
     seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # what load_batch draws in the calling thread
     for i, seed in zip(indices, seeds):
-        decode_pool._LOCAL.generator = torch.Generator().manual_seed(seed)  # as a pool thread sets it
+        loader_threads._LOCAL.generator = torch.Generator().manual_seed(seed)  # as a pool thread sets it
         try:
             params = t.make_params(120, 90)
         finally:
-            decode_pool._LOCAL.generator = None
+            loader_threads._LOCAL.generator = None
         np.testing.assert_array_equal(got[i][0], t.apply(ds.samples[i][0], params))
         assert got[i][1] == ds.samples[i][1]
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from cltrain.data.decode_pool import one_thread, thread_scratch
+from cltrain.data.loader_threads import one_thread, thread_scratch
 from cltrain.data.decoders import Decoder, JpegHeader, get_decoder
 
 __all__ = ["INTERPOLATIONS", "check_pixels", "decode_factor", "decode_jpeg", "jpeg_resized_crop", "jpeg_size", "resized_crop",

@@ -14,9 +14,9 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from cltrain.data import ImageFolderDataset, RandomResizedCropFlip, eval_transform, nhwc_collate, train_transform
-from cltrain.data import decode
+from cltrain.data import crop_kernels
 from cltrain.data.decoders import jpeg_roi
-from cltrain.data.decode import decode_jpeg, jpeg_resized_crop
+from cltrain.data.crop_kernels import decode_jpeg, jpeg_resized_crop
 from cltrain.data.decoders import BACKENDS, get_decoder
 from tests.helpers.data_fixtures import photo, write_image_folder
 
@@ -91,7 +91,7 @@ def test_region_crop_matches_decode_then_crop_within_resampling_tolerance(photos
             diff = np.abs(got.astype(int) - ref.permute(1, 2, 0).numpy().astype(int))
             # factor 1: the same decode and kernel (libjpeg versions may differ by a level); a
             # DCT-scaled decode rounds the box to its pixels and filters differently.
-            bound = 0.5 if decode.decode_factor(p.box, (64, 64)) == 1 else 4.0
+            bound = 0.5 if crop_kernels.decode_factor(p.box, (64, 64)) == 1 else 4.0
             assert diff.mean() < bound, (path.name, p.box, diff.mean())
 
 
