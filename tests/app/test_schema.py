@@ -141,7 +141,7 @@ def test_the_schema_choices_are_the_data_layers() -> None:
     from cltrain.data.augment_ops import AUGMENT_POLICIES
     from cltrain.data.constants import CHECK_MODES
     from cltrain.data.image_folder_dataset import BAD_FILE_POLICIES
-    from cltrain.data.decode import INTERPOLATIONS
+    from cltrain.data.crop_kernels import INTERPOLATIONS
 
     def allowed(cls: type, name: str) -> str:
         return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["rule"].allowed
