@@ -1,0 +1,226 @@
+"""A forward pre-hook that puts a model's image arguments in channels_last and checks its first batches.
+
+Loops that call the model themselves (the Hugging Face ``Trainer`` calls ``model(**inputs)``, an Accelerate
+loop ``model(x)``) give a plug-in no way to change the batch: the hook changes what the model receives
+instead. It converts the first positional argument and the keyword arguments it names (``pixel_values``
+by default), when they are floating 4-D/5-D tensors (or lists of them), and nothing else: ``labels``,
+masks and boxes keep the layout the collator made. The conversion returns new tensors (the caller's
+batch is not modified) and runs outside ``torch.compile``'s graph, so a compiled model sees a stable layout.
+
+On the first training call (the model in train mode, gradients on) and the first evaluation call, the hook
+runs ``cltrain.loops.verify_layout`` on that batch: the model's forward, and the loss it computes from
+``labels``, in both layouts on copies of the model, in float32 outside the loop's autocast. Where the model's
+code assumes NCHW, that part is put in NCHW (one log line names it and the fix); nothing of the real run
+changes. In distributed runs the check is skipped (each rank would decide alone after DDP wrapped the model).
+
+Example::
+
+    >>> import torch
+    >>> from cltrain.integrations.inputs_hook import ChannelsLastInputs
+    >>> model = torch.nn.Conv2d(3, 8, 3)
+    >>> hook = ChannelsLastInputs(verify=False).attach(model)
+    >>> seen = []
+    >>> _ = model.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    >>> _ = model(torch.randn(2, 3, 8, 8))
+    >>> seen
+    [False]
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from cltrain.layout import to_channels_last
+
+__all__ = ["IMAGE_ARGUMENTS", "ChannelsLastInputs", "argument_names"]
+
+#: The forward arguments holding images in Hugging Face vision models (timm models wrapped by
+#: ``TimmWrapperForImageClassification`` included).
+IMAGE_ARGUMENTS: tuple[str, ...] = ("pixel_values", "pixel_values_videos")
+
+_state = threading.local()  # `checking`: the hook is running the layout check; every hook stands aside
+
+
+def argument_names(value: str | Sequence[str], where: str) -> tuple[str, ...]:
+    """``value`` (a forward argument's name or a list of names) as a tuple.
+
+    Raises:
+        ValueError: ``value`` is neither; the message starts with ``where`` (``"Owner(argument=...)"``).
+    """
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Sequence) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"{where}: expected the name of the model's image argument (e.g. 'pixel_values') or a list "
+                         "of names.")
+    return tuple(names)
+
+
+def _is_image(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() in (4, 5)
+
+
+def _holds_image(value: Any) -> bool:
+    return _is_image(value) or isinstance(value, (list, tuple)) and any(_is_image(v) for v in value)
+
+
+def _to_channels_last(value: Any) -> Any:
+    if _is_image(value):
+        return to_channels_last(value)
+    if isinstance(value, (list, tuple)) and any(_is_image(v) for v in value):
+        return type(value)(_to_channels_last(v) for v in value)
+    return value
+
+
+def _call(model: nn.Module, batch: tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]) -> Any:
+    first, rest, kwargs = batch
+    return model(*first, *rest, **kwargs)
+
+
+class ChannelsLastInputs:
+    """Put a model's image arguments in channels_last on every call, and check its first batches.
+
+    Args:
+        names: the keyword arguments holding images (``"pixel_values"``, or what the model's forward calls
+            them); a name or a list of names.
+        positional: also convert the first positional argument (``model(x)``).
+        verify: run ``cltrain.loops.verify_layout`` on the first training and the first evaluation batch.
+        autocast_dtype: the loop's autocast dtype (``torch.bfloat16``, ``torch.float16``, ``None``); the check
+            uses it only where the step cannot run in float32.
+        logger: where the check's result and hints go (default: this module's logger).
+
+    Attributes:
+        layout: ``"channels_last"``, or ``"contiguous"`` once a check put the whole model in NCHW (the hook
+            then stops converting).
+        layout_checks: the ``LayoutCheck`` of the first batch of each kind, ``"train"`` and ``"eval"``.
+        optimizers: optimizers whose state is restrided to its parameters' strides when a check changes them.
+
+    Raises:
+        ValueError: ``names`` is not a name or a list of names, or ``positional`` / ``verify`` is not a bool.
+
+    Example::
+
+        hook = ChannelsLastInputs(names=["pixel_values"]).attach(model)
+        model(pixel_values=batch)            # the model gets a channels_last copy; the first call is checked
+        hook.layout_checks["train"].line()
+    """
+
+    def __init__(
+        self,
+        names: str | Sequence[str] = IMAGE_ARGUMENTS,
+        *,
+        positional: bool = True,
+        verify: bool = True,
+        autocast_dtype: torch.dtype | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        names = argument_names(names, f"ChannelsLastInputs(names={names!r})")
+        if not isinstance(positional, bool):
+            raise ValueError(f"ChannelsLastInputs(positional={positional!r}): expected True or False.")
+        if not isinstance(verify, bool):
+            raise ValueError(f"ChannelsLastInputs(verify={verify!r}): expected True or False.")
+        self.names = names
+        self.positional = positional
+        self.verify = verify
+        self.autocast_dtype = autocast_dtype
+        self.log = logger or logging.getLogger(__name__)
+        self.layout = "channels_last"
+        self.layout_checks: dict[str, Any] = {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.model: nn.Module | None = None
+        self._handle: RemovableHandle | None = None
+        self._hinted = False
+
+    def attach(self, model: nn.Module) -> ChannelsLastInputs:
+        """Register the hook on ``model`` (first among its pre-hooks), leaving the model it was on before."""
+        self.detach()
+        self.model = model
+        self._handle = model.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+        return self
+
+    def detach(self) -> None:
+        """Remove the hook from its model."""
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle, self.model = None, None
+
+    @staticmethod
+    def of(model: nn.Module) -> ChannelsLastInputs | None:
+        """The ``ChannelsLastInputs`` attached to ``model``, or ``None``."""
+        return next((h for h in model._forward_pre_hooks.values() if isinstance(h, ChannelsLastInputs)), None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChannelsLastInputs:
+        # A copy of the model (the check's, an EMA's) shares the hook: its inputs are converted, never checked.
+        return self
+
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if getattr(_state, "checking", False) or self.layout != "channels_last":
+            return None
+        new_args = (_to_channels_last(args[0]), *args[1:]) if self.positional and args else args
+        new_kwargs = {k: _to_channels_last(v) if k in self.names else v for k, v in kwargs.items()}
+        if module is self.model:
+            if not self._hinted:
+                self._hinted = True
+                self._hint(args, kwargs)
+            kind = "train" if module.training and torch.is_grad_enabled() else "eval"
+            if self.verify and kind not in self.layout_checks:
+                self._check(module, args, kwargs, kind)
+                if self.layout != "channels_last":  # the whole model stays NCHW: so do its inputs
+                    return None
+        return new_args, new_kwargs
+
+    def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str | int]:
+        """What the hook converts in this call: ``0`` for the first positional argument, and names."""
+        first: list[str | int] = [0] if self.positional and args and _holds_image(args[0]) else []
+        return first + [k for k in self.names if k in kwargs and _holds_image(kwargs[k])]
+
+    def _hint(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._found(args, kwargs):
+            return
+        others = [k for k, v in kwargs.items() if _is_image(v)]
+        if others:
+            self.log.info(
+                "ChannelsLast: the model's forward got no image argument named %s; %s look like images: name them "
+                "with inputs=%r to convert them (the first convolution converts the activations meanwhile).",
+                list(self.names), others, others,
+            )
+
+    def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str) -> None:
+        from cltrain.check.compare import LayoutCheck  # internal: the check's result type
+        from cltrain.loops import verify_layout
+
+        found = self._found(args, kwargs)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            result = LayoutCheck("not checked", reason="distributed run (check it once in a single process)")
+        elif not found:
+            result = LayoutCheck("not checked", reason="the model's forward got no image argument to check")
+        else:
+            device = next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
+            grad = torch.enable_grad() if kind == "train" else torch.no_grad()
+            # Positional: the first argument alone; verify_layout restrides only what `inputs` names.
+            batch = (args[:1], args[1:], kwargs)
+            _state.checking = True
+            try:
+                with torch.autocast(device.type, enabled=False), grad:  # float32: the loop's autocast is outside
+                    result = verify_layout(module, batch, _call, inputs=found, autocast_dtype=self.autocast_dtype)
+            except Exception as error:  # noqa: BLE001 - the check failing must not end the run
+                result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
+            finally:
+                _state.checking = False
+        self.layout_checks[kind] = result
+        if result.verdict == "contiguous":
+            self.layout = "contiguous"
+        if result.verdict in ("fallback", "contiguous"):
+            from cltrain.layout.lightning_access import restride_optimizer_state  # internal
+
+            restride_optimizer_state([getattr(o, "optimizer", o) for o in self.optimizers])
+            self.log.warning("ChannelsLast %s", result.line())
+        else:
+            self.log.info("ChannelsLast %s", result.line())

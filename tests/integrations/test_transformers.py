@@ -1,0 +1,174 @@
+"""ChannelsLastCallback under a real transformers.Trainer, on Hugging Face models built from their configs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+
+from cltrain.integrations.transformers import ChannelsLastCallback  # noqa: E402
+from tests.helpers import REPO  # noqa: E402
+from tests.helpers.hf_models import build  # noqa: E402
+from tests.helpers.hf_trainer_run import Probe, conv_weights, trainer  # noqa: E402
+
+# transformers 5.24 saves Segformer under its legacy key names and Trainer's resume loads them with
+# load_state_dict(strict=False): the resumed Segformer starts from its own weights, with or without cltrain.
+RESUMES_WEIGHTS = {"convnext", "resnet", "regnet", "timm"}
+
+
+def _run_model(name: str, tmp_path: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.hf_trainer_run", name, str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [
+    "resnet", "convnext", "segformer",
+    pytest.param("regnet", marks=pytest.mark.slow),
+    pytest.param("timm", marks=pytest.mark.slow),
+])
+def test_model_trains_channels_last_with_the_same_losses_and_checkpoints(name, tmp_path):
+    if name == "timm":
+        pytest.importorskip("timm")
+    r = _run_model(name, tmp_path)
+    nchw, cl, resumed = r["nchw"], r["callback"], r["resumed"]
+    assert nchw["first_conv_input"] == [False] * 3
+    assert cl["first_conv_input"] == [True] * 3  # inputs reach the first convolution channels_last
+    torch.testing.assert_close(cl["losses"], nchw["losses"], rtol=1e-4, atol=1e-6)
+    assert cl["check"] == "passed"
+    assert {k for k, ok in cl["conv_weights"].items() if not ok} <= set(cl["guarded"])
+    # checkpoint-2 resumed by a new Trainer: layout kept, optimizer state in its parameters' layout
+    assert resumed["first_conv_input"] == [True]
+    assert resumed["conv_weights"] == cl["conv_weights"]
+    assert resumed["optimizer_state"] and all(resumed["optimizer_state"].values())
+    if name in RESUMES_WEIGHTS:
+        torch.testing.assert_close(resumed["losses"], cl["losses"][2:], rtol=1e-5, atol=1e-6)
+    # save_model -> from_pretrained into a model without cltrain: plain NCHW tensors, the trained values
+    assert r["reloaded"] == {"contiguous": True, "max_diff": 0.0, "missing": []}
+    # the usual advice converts the weights only: the inputs stay NCHW
+    assert all(r["recipe"]["conv_weights"].values()) and r["recipe"]["first_conv_input"] == [False]
+
+
+def test_model_init_builds_the_model_in_train_and_it_is_converted(tmp_path):
+    probes: list[Probe] = []
+
+    def model_init() -> nn.Module:
+        model = build("resnet")
+        probes.append(Probe(model))
+        return model
+
+    callback = ChannelsLastCallback()
+    t = trainer("resnet", tmp_path, None, [callback], max_steps=2, model_init=model_init)
+    t.train()
+    assert len(probes) == 2 and t.model is probes[1].model  # built in __init__, built again in train()
+    assert probes[1].first_conv_input == [True, True] and all(conv_weights(t.model).values())
+    optimized = {id(p) for group in t.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in t.model.parameters()}  # converted in place: the optimizer's own parameters
+    assert callback.layout_checks["train"].verdict == "passed"
+
+
+def test_bf16_and_torch_compile(tmp_path):
+    model, callback = build("resnet"), ChannelsLastCallback()
+    probe = Probe(model)
+    t = trainer("resnet", tmp_path, model, [callback], max_steps=2, bf16=True, torch_compile=True,
+                torch_compile_backend="eager")
+    t.train()
+    assert type(t.model_wrapped).__name__ == "OptimizedModule"  # compiled after on_init_end converted the model
+    assert probe.first_conv_input == [True, True] and all(conv_weights(model).values())
+    assert callback.inputs_hook.autocast_dtype == torch.bfloat16
+    assert len(probe.losses) == 2 and all(torch.isfinite(torch.tensor(probe.losses)))
+
+
+def test_activation_checkpointing(tmp_path):  # TrainingArguments(gradient_checkpointing=True) is its old name
+    model, reference = build("segformer"), build("segformer")
+    probe, expected = Probe(model), Probe(reference)
+    trainer("segformer", tmp_path, model, [ChannelsLastCallback()], max_steps=2, activation_checkpointing=True).train()
+    trainer("segformer", tmp_path / "nchw", reference, [], max_steps=2).train()
+    assert model.is_activation_checkpointing and probe.first_conv_input == [True, True]
+    torch.testing.assert_close(probe.losses, expected.losses, rtol=1e-4, atol=1e-6)
+
+
+def test_evaluate_and_predict_get_channels_last_inputs_and_the_same_outputs(tmp_path):
+    model, reference = build("resnet"), build("resnet")
+    probe = Probe(model)
+    callback = ChannelsLastCallback()
+    t = trainer("resnet", tmp_path, model, [callback])
+    metrics = t.evaluate()
+    prediction = t.predict(t.eval_dataset)
+    assert probe.first_conv_input and all(probe.first_conv_input)
+    assert callback.layout_checks["eval"].verdict == "passed" and "train" not in callback.layout_checks
+    expected = trainer("resnet", tmp_path / "nchw", reference, []).predict(t.eval_dataset)
+    torch.testing.assert_close(torch.as_tensor(prediction.predictions), torch.as_tensor(expected.predictions),
+                               rtol=1e-4, atol=1e-5)
+    assert metrics["eval_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-4)
+
+
+class FlattenWithView(nn.Module):
+    """A model whose head assumes NCHW strides (``view`` merging C with H and W), as user code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 32 * 32, 3)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        features = self.conv(pixel_values)
+        logits = self.fc(features.view(features.size(0), -1))
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_first_batch_check_finds_code_assuming_nchw(tmp_path):
+    torch.manual_seed(0)
+    model, reference = FlattenWithView(), FlattenWithView()
+    reference.load_state_dict(model.state_dict())
+    callback = ChannelsLastCallback()
+    probe, expected = Probe(model), Probe(reference)
+    trainer("resnet", tmp_path, model, [callback], max_steps=2).train()
+    trainer("resnet", tmp_path / "nchw", reference, [], max_steps=2).train()
+    assert callback.layout_checks["train"].verdict == "fallback"
+    torch.testing.assert_close(probe.losses, expected.losses, rtol=1e-4, atol=1e-6)
+    unchecked = FlattenWithView()
+    with pytest.raises(RuntimeError, match="view"):  # without the check, channels_last breaks its view
+        trainer("resnet", tmp_path / "off", unchecked, [ChannelsLastCallback(verify=False)], max_steps=1).train()
+
+
+def test_events_leave_the_trainer_control_alone():
+    args = TrainingArguments("unused", use_cpu=True, report_to="none")
+    control, callback, model = TrainerControl(), ChannelsLastCallback(), build("resnet")
+    before = dict(vars(control))
+    assert callback.on_init_end(args, TrainerState(), control, model=model) is None
+    assert callback.on_train_begin(args, TrainerState(), control, model=model) is None
+    assert vars(control) == before and all(conv_weights(model).values())
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"mode": "auto"}, "mode='auto'"), ({"inputs": 3}, "inputs=3"), ({"inputs": []}, "inputs=[]"),
+    ({"guard": "yes"}, "guard='yes'"), ({"verify": None}, "verify=None"),
+])
+def test_bad_arguments_are_named(kwargs, named):
+    with pytest.raises(ValueError, match=re.escape(f"ChannelsLastCallback({named})")):
+        ChannelsLastCallback(**kwargs)
+
+
+def test_import_cltrain_imports_neither_transformers_nor_accelerate():
+    code = ("import sys; import cltrain, cltrain.integrations, cltrain.integrations.inputs_hook\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'accelerate'}))\n"
+            "sys.modules['transformers'] = None  # as if it were not installed\n"
+            "try:\n    import cltrain.integrations.transformers\n"
+            "except ImportError as error:\n    print(error)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines() == ["[]", "cltrain.integrations.transformers needs transformers: pip install "
+                                        "'cltrain[hf]'."]
+    assert not proc.stderr
