@@ -1,0 +1,94 @@
+"""channels_last in a hand-written Accelerate loop, with a real ``Accelerator`` on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+
+from cltrain.integrations.accelerate import prepare_channels_last  # noqa: E402
+from cltrain.integrations.inputs_hook import ChannelsLastInputs  # noqa: E402
+from cltrain.loops import convert_batch, convert_model, verify_layout  # noqa: E402
+from tests.helpers.hf_models import build, dataset  # noqa: E402
+from tests.helpers.hf_trainer_run import Probe, conv_weights  # noqa: E402
+
+
+def _train(model: nn.Module, accelerator: Accelerator, convert: bool = False, steps: int = 3) -> Probe:
+    """The loop of Accelerate's examples: prepare, then forward, backward, step; ``convert``: ``convert_batch``."""
+    probe = Probe(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(dataset("resnet"), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for _, batch in zip(range(steps), loader):
+        if convert:
+            convert_batch(batch)
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return probe
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    # One AcceleratorState per process: each test (and a Trainer test before) may ask for another precision.
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def nchw_losses() -> list[float]:
+    return _train(build("resnet"), Accelerator(cpu=True)).losses
+
+
+def test_the_documented_order(nchw_losses):
+    accelerator = Accelerator(cpu=True)
+    model = convert_model(build("resnet"), device=accelerator.device)  # before accelerator.prepare
+    first = next(iter(DataLoader(dataset("resnet"), batch_size=4)))
+    check = verify_layout(model, first, step=lambda m, batch: m(**batch).loss)
+    probe = _train(model, accelerator, convert=True)
+    assert check.verdict == "passed"
+    assert probe.first_conv_input == [True] * 3 and all(conv_weights(model).values())
+    torch.testing.assert_close(probe.losses, nchw_losses, rtol=1e-4, atol=1e-6)
+
+
+def test_without_convert_batch_the_inputs_stay_nchw():
+    model = convert_model(build("resnet"))
+    probe = _train(model, Accelerator(cpu=True), steps=1)
+    assert probe.first_conv_input == [False]
+
+
+def test_prepare_channels_last_is_the_one_line(nchw_losses):
+    accelerator = Accelerator(cpu=True)
+    model = prepare_channels_last(build("resnet"), accelerator)
+    probe = _train(model, accelerator)  # no convert_batch, no verify_layout in the loop
+    hook = ChannelsLastInputs.of(model)
+    assert probe.first_conv_input == [True] * 3 and all(conv_weights(model).values())
+    assert hook.layout_checks["train"].verdict == "passed" and hook.autocast_dtype is None
+    torch.testing.assert_close(probe.losses, nchw_losses, rtol=1e-4, atol=1e-6)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))  # a positional image argument, in evaluation
+    assert probe.first_conv_input[-1] and hook.layout_checks["eval"].verdict == "passed"
+
+
+def test_prepare_channels_last_under_bf16():
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model = prepare_channels_last(build("resnet"), accelerator)
+    probe = _train(model, accelerator, steps=1)
+    assert ChannelsLastInputs.of(model).autocast_dtype == torch.bfloat16
+    assert probe.first_conv_input == [True] and torch.isfinite(torch.tensor(probe.losses)).all()
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"mode": "auto"}, "mode='auto'"), ({"inputs": 0}, "inputs=0"), ({"guard": 1}, "guard=1"),
+])
+def test_bad_arguments_are_named(kwargs, named):
+    with pytest.raises(ValueError, match=f"prepare_channels_last\\({named}\\)"):
+        prepare_channels_last(nn.Conv2d(3, 8, 3), Accelerator(cpu=True), **kwargs)
