@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,7 +42,9 @@ from cltrain.layout import MODES, to_channels_last, to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.guardrails import apply_guardrails
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
+from cltrain.check.copies import copy_optimizer
 from cltrain.check.fallback import Fallback, apply_fallbacks
+from cltrain.layout.lightning_access import eager_copy
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
@@ -134,6 +137,7 @@ def verify_layout(
     *,
     inputs: Inputs = None,
     autocast_dtype: torch.dtype | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> LayoutCheck:
     """Check one step in both layouts and apply what the check chooses to ``model``, in place.
 
@@ -153,6 +157,8 @@ def verify_layout(
         inputs: which tensors of ``batch`` are the model's inputs (``convert_batch``'s rules).
         autocast_dtype: the loop's autocast dtype: the check runs the step in float32, and under autocast in
             this dtype only where it cannot run in float32.
+        optimizer: the loop's optimizer: its step runs after the backward on a copy of it and its state (the
+            optimizer itself is not touched), and the parameters' updates are compared too.
 
     Returns:
         The ``cltrain.check.compare.LayoutCheck``.
@@ -174,10 +180,22 @@ def verify_layout(
 
         return run
 
+    optimizers: weakref.WeakKeyDictionary[nn.Module, torch.optim.Optimizer] = weakref.WeakKeyDictionary()
+
+    def copy_model(original: nn.Module) -> nn.Module:
+        memo: dict[int, Any] = {}
+        clone = eager_copy(original, memo)
+        if optimizer is not None:
+            optimizers[clone] = copy_optimizer(optimizer, memo)
+        return clone
+
+    options: dict[str, Any] = {"copy_model": copy_model}
+    if optimizer is not None:
+        options["after_backward"] = lambda clone: optimizers[clone].step()
     # float32 first: mixed precision's rounding would hide a wrong op in noise.
-    result = check_layout(model, run_in(None))
+    result = check_layout(model, run_in(None), **options)
     if result.verdict == "not checked" and autocast_dtype is not None:
-        result = check_layout(model, run_in(autocast_dtype))
+        result = check_layout(model, run_in(autocast_dtype), **options)
     if result.verdict == "fallback":
         apply_fallbacks(model, list(result.fallbacks))
     elif result.verdict == "contiguous":

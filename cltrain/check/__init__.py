@@ -1,14 +1,21 @@
 """The first-batch layout check: one step in both layouts on copies, and the NCHW fallbacks it chooses.
 
-* ``cltrain.check.record``: one step run with every module's inputs, outputs and gradients recorded;
-* ``cltrain.check.compare``: ``check_layout``, the two runs compared, the fault located, the fallback chosen;
+* ``cltrain.check.record``: one step run with every module's inputs, outputs, gradients and updates recorded;
+* ``cltrain.check.compare``: ``check_layout``, the two runs compared and the fallback chosen;
+* ``cltrain.check.localise``: where a fault is, and the fallbacks to try for it;
+* ``cltrain.check.result``: ``Finding`` and ``LayoutCheck``, and the one log line;
 * ``cltrain.check.fallback``: ``Fallback`` and ``apply_fallbacks``, the parts of a model that run in NCHW;
+* ``cltrain.check.copies``: the copies the check runs on, and ``checking()`` / ``is_check_copy()`` for user
+  code with side effects;
 * ``cltrain.check.lightning_step``: the check on a Lightning step, for ``cltrain.ChannelsLast``.
 
 ``cltrain.loops.verify_layout`` is the entry point for Fabric and plain loops.
 """
 
-from cltrain.check.compare import Finding, LayoutCheck, check_layout, projection_loss
+from cltrain.check.compare import check_layout, projection_loss
+from cltrain.check.copies import checking, is_check_copy
 from cltrain.check.fallback import Fallback, apply_fallbacks
+from cltrain.check.result import Finding, LayoutCheck
 
-__all__ = ["Fallback", "Finding", "LayoutCheck", "apply_fallbacks", "check_layout", "projection_loss"]
+__all__ = ["Fallback", "Finding", "LayoutCheck", "apply_fallbacks", "check_layout", "checking", "is_check_copy",
+           "projection_loss"]

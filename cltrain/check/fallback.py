@@ -7,7 +7,13 @@ A fallback is a ``Fallback(kind, module)``:
 * ``"module"``: the module runs in NCHW: its inputs and its own parameters and buffers in NCHW strides,
   and the gradients arriving at its outputs too (a custom backward sees NCHW); the rest of the
   model keeps its layout;
+* ``"weights"``: the 4-D/5-D parameters of the module and its submodules stay in NCHW strides, so their
+  gradients and optimizer state do too (for an optimizer, gradient hook or clipping code that flattens or
+  reads a gradient as NCHW); inputs and activations keep channels_last, where the speed is;
 * ``"model"``: the whole model stays contiguous (the caller changes the model's layout; nothing here).
+
+A model holding compiled code has its compiled graphs dropped (``torch._dynamo.reset()``) when a
+fallback is applied: hooks added after compilation are not traced otherwise.
 
 The hooks are module-level functions, so a model with fallbacks still deep-copies and pickles;
 ``state_dict`` keys and values are unchanged.
@@ -15,7 +21,8 @@ The hooks are module-level functions, so a model with fallbacks still deep-copie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +32,7 @@ from cltrain.layout import nchw, to_contiguous
 
 __all__ = ["Fallback", "apply_fallbacks", "map_images"]
 
-_KINDS = ("outputs", "module", "model")
+_KINDS = ("outputs", "module", "weights", "model")
 
 
 def _is_image(t: Any, ranks: tuple[int, ...] | None) -> bool:
@@ -77,12 +84,16 @@ class Fallback:
 
     Attributes:
         kind: ``"outputs"`` (the module's outputs handed on in NCHW), ``"module"`` (the module runs in
-            NCHW) or ``"model"`` (the whole model stays contiguous).
+            NCHW), ``"weights"`` (the module's 4-D/5-D parameters stay NCHW) or ``"model"`` (the whole
+            model stays contiguous).
         module: the module's qualified name (``""``: the model itself).
+        group: the class name when the same fallback was applied to every instance of a class (for the log
+            line; not part of equality).
     """
 
     kind: str
     module: str
+    group: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -95,11 +106,13 @@ class Fallback:
             return f"the outputs of {name} are handed on in NCHW"
         if self.kind == "module":
             return f"{name} runs in NCHW (its inputs, weights and output gradients)"
+        if self.kind == "weights":
+            return f"the weights of {name} stay in NCHW strides (activations stay channels_last)"
         return "the whole model stays contiguous (NCHW)"
 
     def as_dict(self) -> dict[str, str]:
         """Plain types, for ``metrics.json``."""
-        return {"kind": self.kind, "module": self.module}
+        return {"kind": self.kind, "module": self.module, **({"group": self.group} if self.group else {})}
 
 
 def _register_once(module: nn.Module, kind: str, hook: Any, **options: Any) -> None:
@@ -129,7 +142,21 @@ def apply_fallbacks(model: nn.Module, fallbacks: list[Fallback]) -> None:
         module = modules[fallback.module]
         if fallback.kind == "outputs":
             _register_once(module, "post", _outputs_nchw)
+        elif fallback.kind == "weights":
+            for param in module.parameters():
+                if param.dim() in (4, 5) and param.stride() != nchw(param).stride():
+                    param.data = nchw(param.data)
         else:
             to_contiguous(module)
             _register_once(module, "pre", _inputs_nchw, with_kwargs=True)
             _register_once(module, "post", _output_grads_nchw)
+    if any(f.kind != "model" for f in fallbacks) and _compiled(model):
+        sys.modules["torch._dynamo"].reset()
+
+
+def _compiled(model: nn.Module) -> bool:
+    if "torch._dynamo" not in sys.modules:
+        return False
+    optimized = sys.modules["torch._dynamo"].eval_frame.OptimizedModule
+    return any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
+               or getattr(m, "_compiler_ctx", None) is not None for m in model.modules())

@@ -1,10 +1,12 @@
 """One step of a model run with every module's tensors summarised as they pass: what
 ``cltrain.check.compare`` compares between the layouts.
 
-``execute(model, step, layout, rng, vectors)`` runs ``step`` (and the backward of the loss it returns) on
-``model`` with hooks on every module: each module call's inputs and outputs, the gradients arriving at
-its outputs and inputs, the result and every parameter's gradient are reduced to a few numbers (a norm
-and fixed random projections, ``signature``), and where the code was when something raised is kept.
+``execute(model, step, layout, rng, vectors)`` runs ``step`` (and the backward of the loss it returns, and
+``after_backward``: the hooks, clipping and optimizer step on copies) on ``model`` with hooks on every
+module: each module call's inputs and outputs, the gradients arriving at its outputs and inputs, the
+result, every parameter's gradient and, with ``updates=True``, every parameter's change are reduced to a
+few numbers (a norm and fixed random projections, ``signature``), and where the code was when something
+raised is kept.
 Random ops draw in the logical order whatever the strides (``SameRandomness``), and the RNG state is
 set before and restored after. With ``perturb=True`` every module output, and the gradient arriving at
 it, is perturbed by ``noise_scale`` of its dtype: the noise run.
@@ -192,7 +194,7 @@ class SameRandomness(TorchFunctionMode):
 @dataclass
 class Raise:
     error: BaseException
-    phase: str  # "forward", "backward" or "step"
+    phase: str  # "forward", "backward", "step" or "update" (after the backward: hooks, clipping, optimizer)
     context: tuple[str | None, str | None]  # (the module whose code ran, the module completed just before)
     position: int  # how many events had happened
 
@@ -334,9 +336,13 @@ def loss_of(result: Any) -> torch.Tensor | None:
 
 
 def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str, rng: dict[str, Any],
-             vectors: Vectors, perturb: bool = False) -> Run:
+             vectors: Vectors, perturb: bool = False, after_backward: Callable[[nn.Module], Any] | None = None,
+             updates: bool = False) -> Run:
+    """One recorded run of ``step`` on ``model`` (see the module docstring); ``after_backward(model)`` runs
+    after the loss's backward; ``updates`` records each parameter's change over the whole run."""
     for param in model.parameters():
         param.grad = None
+    before = {name: p.detach().clone() for name, p in model.named_parameters()} if updates else {}
     recorder = Recorder(model, vectors, perturb)
     run = recorder.run
     propagated = False
@@ -355,11 +361,20 @@ def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str
                 for pname, param in model.named_parameters():
                     owner = pname.rpartition(".")[0]
                     recorder.record(("param", pname), param.grad, (owner, None))
+                if after_backward is not None:
+                    phase = "update"
+                    after_backward(model)
+                    phase = "step"
+            with torch.no_grad():
+                for pname, param in model.named_parameters():
+                    if pname in before:
+                        recorder.record(("update", pname), param.detach() - before[pname],
+                                        (pname.rpartition(".")[0], None))
     except Exception as error:  # noqa: BLE001 - the user's code raising is a result
         propagated = True
         if run.raised is None or run.raised.error is not error:
             context = (recorder.backward_open[-1] if recorder.backward_open else None, None) if phase == "backward" \
-                else (None, recorder.last_top)
+                else (None, None) if phase == "update" else (None, recorder.last_top)
             run.raised = Raise(error, phase, context, len(run.keys))
         elif run.raised.phase == "forward" and phase == "backward":
             run.raised.phase = "backward"

@@ -1,11 +1,15 @@
 """Reaching the modules around a LightningModule through public objects only: the module a
 batch goes through, copies of it that other callbacks hold, a hook that runs once after the
-module's own, and optimizer state that should follow its parameter's strides."""
+module's own, optimizer state that should follow its parameter's strides, and true copies of a
+module for the layout check (eager, bound to themselves, seeing the trainer read only)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +20,8 @@ from torch import nn
 
 from cltrain.layout import memory_format_for
 
-__all__ = ["detached_copy", "model_copies", "restride_optimizer_state", "run_after", "step_target", "undo_run_after"]
+__all__ = ["ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "rebind_methods", "restride_optimizer_state", "run_after", "step_target",
+           "undo_run_after"]
 
 
 def run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
@@ -107,22 +112,169 @@ def _needs_param_strides(value: Any, param: torch.Tensor) -> bool:
     )
 
 
+class _Eager(nn.Module):
+    """Stands in a copy for a ``torch.compile``d child: runs the module it wraps eagerly, under the same name."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod(*args, **kwargs)
+
+
+def rebind_methods(obj: Any, memo: dict[int, Any]) -> None:
+    """Instance attributes of ``obj`` that are (wrapped) methods bound to an original object: bound to its
+    copy instead, unwrapped (a ``torch.compile`` wrapper around a step method runs eagerly on the copy)."""
+    for name, value in list(vars(obj).items()):
+        if not callable(value) or isinstance(value, (nn.Module, torch.Tensor, type)):
+            continue
+        try:
+            inner = inspect.unwrap(value)
+        except ValueError:
+            continue
+        if isinstance(inner, types.MethodType) and id(inner.__self__) in memo:
+            vars(obj)[name] = types.MethodType(inner.__func__, memo[id(inner.__self__)])
+        elif inner is not value and isinstance(inner, types.MethodType) and inner.__self__ is obj:
+            vars(obj)[name] = inner
+        elif inner is not value and getattr(type(obj), name, None) is inner:
+            del vars(obj)[name]  # a wrapper (an LR scheduler's on `step`) that calls the original
+
+
+def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """A deep copy of ``model`` that runs eagerly and only on itself: methods bound as instance attributes
+    (Lightning's rebinding of a compiled module's steps) are bound to the copy, ``module.compile()`` is
+    undone and ``torch.compile``d children run their module eagerly (module names unchanged); parameter
+    gradient hooks are copied."""
+    memo = {} if memo is None else memo
+    clone = copy.deepcopy(model, memo)
+    originals = dict(model.named_parameters())
+    for name, param in clone.named_parameters():
+        _copy_grad_hooks(originals.get(name), param)
+    for parent in list(clone.modules()):
+        rebind_methods(parent, memo)
+        if getattr(parent, "_compiled_call_impl", None) is not None:
+            parent._compiled_call_impl = None
+        if getattr(parent, "_compiler_ctx", None) is not None:
+            parent._compiler_ctx = None
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, torch._dynamo.eval_frame.OptimizedModule if _dynamo_loaded() else ()):
+                setattr(parent, child_name, _Eager(child._orig_mod))
+    return clone
+
+
+def _dynamo_loaded() -> bool:
+    return "torch._dynamo" in sys.modules
+
+
+def _copy_grad_hooks(original: torch.Tensor | None, param: torch.Tensor) -> None:
+    if original is None:
+        return
+    for hook in (getattr(original, "_backward_hooks", None) or {}).values():
+        param.register_hook(hook)
+    for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():
+        param.register_post_accumulate_grad_hook(hook)
+
+
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def detached_copy(pl_module: nn.Module) -> nn.Module:
-    """A deep copy of ``pl_module`` whose step leaves no trace: not attached to the trainer (``self.log``
-    and ``self.log_dict`` do nothing, there is no logger), datasets and data loaders it holds shared rather
-    than copied, and every module eager (a module compiled in place runs uncompiled)."""
+class _Silent:
+    """A logger stand-in: every attribute and call gives itself back, nothing is written."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# What a check copy's step may read from the real trainer: values, and the user's datamodule.
+_TRAINER_READS = frozenset({
+    "datamodule", "current_epoch", "global_step", "world_size", "num_devices", "num_nodes", "node_rank",
+    "local_rank", "global_rank", "is_global_zero", "training", "validating", "testing", "predicting",
+    "sanity_checking", "estimated_stepping_batches", "max_epochs", "min_epochs", "max_steps", "min_steps",
+    "precision", "gradient_clip_val", "gradient_clip_algorithm", "accumulate_grad_batches", "log_every_n_steps",
+    "check_val_every_n_epoch", "val_check_interval", "num_training_batches", "num_val_batches",
+    "num_sanity_val_batches", "num_test_batches", "num_predict_batches", "default_root_dir", "state",
+    "precision_plugin", "interrupted", "fast_dev_run", "overfit_batches", "limit_train_batches",
+    "limit_val_batches", "limit_test_batches", "limit_predict_batches", "lightning_module",
+})
+
+
+class ReadOnlyTrainer:
+    """What a check copy sees as ``self.trainer``: the real trainer's values read through (``datamodule``,
+    ``current_epoch``, ``global_step``, ``world_size``, ``training``, ``estimated_stepping_batches``, ...),
+    a silent ``logger``, no callbacks, the copy as ``lightning_module``, the copied ``optimizers``; anything
+    else (the loops, the strategy) raises ``AttributeError`` naming it, and nothing can be set."""
+
+    def __init__(self, trainer: Trainer, module: nn.Module, optimizers: list[Any] | None = None) -> None:
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_optimizers", optimizers if optimizers is not None else [])
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "lightning_module":
+            return self._module
+        if name in ("logger", "progress_bar_callback", "checkpoint_callback", "early_stopping_callback"):
+            return _Silent() if name == "logger" else None
+        if name in ("loggers", "callbacks", "checkpoint_callbacks", "early_stopping_callbacks",
+                    "lr_scheduler_configs"):
+            return []
+        if name == "optimizers":
+            return self._optimizers
+        if name in _TRAINER_READS:
+            return getattr(self._trainer, name)
+        raise AttributeError(f"trainer.{name} is not available to the layout check's copy (only values such as "
+                             "datamodule, current_epoch, global_step are)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"trainer.{name} cannot be set from the layout check's copy")
+
+
+def detached_copy(pl_module: nn.Module, trainer: Trainer | None = None, memo: dict[int, Any] | None = None,
+                  optimizers: list[Any] | None = None) -> nn.Module:
+    """A true copy of ``pl_module`` whose step leaves no trace: ``self.trainer`` is a ``ReadOnlyTrainer`` of
+    ``trainer`` (``None``: not attached), ``self.log`` and ``self.log_dict`` do nothing, datasets and data
+    loaders it holds are shared rather than copied, and it runs eagerly and only on itself
+    (``eager_copy``: compiled modules and rebound step methods). ``memo`` receives the
+    deep copy's map (for ``cltrain.check.copies.copy_optimizer``); ``optimizers`` (a list the caller may fill
+    after the copy) are what ``self.optimizers()`` and ``trainer.optimizers`` give, ``self.manual_backward``
+    is the loss's ``backward`` and ``self.lr_schedulers()`` does nothing."""
     from torch.utils.data import DataLoader, Dataset
 
-    memo = {id(v): v for v in vars(pl_module).values() if isinstance(v, (Dataset, DataLoader))}
-    clone = copy.deepcopy(pl_module, memo)  # a LightningModule's __getstate__ drops its trainer
+    memo = {} if memo is None else memo
+    memo.update({id(v): v for v in vars(pl_module).values() if isinstance(v, (Dataset, DataLoader))})
+    clone = eager_copy(pl_module, memo)  # a LightningModule's __getstate__ drops its trainer
+    proxy = ReadOnlyTrainer(trainer, clone, optimizers) if trainer is not None else None
     for module in clone.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            module._compiled_call_impl = None
         if isinstance(module, LightningModule):
             module.__dict__["log"] = _no_log
             module.__dict__["log_dict"] = _no_log
+            if proxy is not None:
+                module.__dict__["_trainer"] = proxy
+            if optimizers is not None:  # a manual-optimization step on the copies of the optimizers
+                module.__dict__["optimizers"] = functools.partial(_optimizers_of, optimizers)
+                module.__dict__["manual_backward"] = _backward
+                module.__dict__["lr_schedulers"] = _Silent()
+                module.__dict__["toggle_optimizer"] = module.__dict__["untoggle_optimizer"] = _no_log
+                module.__dict__["toggled_optimizer"] = _Silent()
     return clone
+
+
+def _optimizers_of(optimizers: list[Any], use_pl_optimizer: bool = True) -> Any:
+    return optimizers[0] if len(optimizers) == 1 else list(optimizers)
+
+
+def _backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    loss.backward(*args, **kwargs)

@@ -2,7 +2,8 @@
 
 Run one as ``python -m tests.helpers.user_code PATTERN VARIANT...`` (VARIANT: ``nchw`` without the
 callback, ``checked`` with ``ChannelsLast()``, ``unchecked`` with ``ChannelsLast(verify=False)``); each
-variant trains three steps and prints one JSON line: the losses, the error if it raised, the check's result.
+variant trains three steps and prints one JSON line: the losses, the error if it raised, the check's result,
+the BatchNorm statistics.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class SpaceToDepth(nn.Module):
         n, c, h, w = x.shape
         blocks = torch.as_strided(x, (n, c, h // 2, w // 2, 2, 2), (c * h * w, h * w, 2 * w, 2, w, 1))
         return blocks.permute(0, 1, 4, 5, 2, 3).reshape(n, c * 4, h // 2, w // 2)
+
+
+class ViewHeadFlat(ViewHead):
+    """``ViewHead`` flattening with ``torch.flatten``: layout-agnostic."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(F.relu(self.conv2(F.relu(self.conv1(x))))), 1))
 
 
 class RawMemory(nn.Module):
@@ -149,7 +157,150 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+class FilterNormSGD(torch.optim.Optimizer):
+    """MuSGD style: each conv filter's gradient flattened with ``view`` and normalised (ultralytics #26013)."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                u = p.grad
+                if u.dim() == 4:
+                    flat = u.view(len(u), -1)
+                    u = (flat / (flat.norm(dim=1, keepdim=True) + 1e-8)).view_as(u)
+                p.add_(u, alpha=-group["lr"])
+        return loss
+
+
+class RawGradSGD(torch.optim.Optimizer):
+    """An optimizer (a fused-kernel stand-in) that reads each gradient's memory as NCHW: silently wrong."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:  # noqa: ANN001
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad
+                    nchw_strides = torch.empty(g.shape).stride()
+                    p.add_(torch.as_strided(g, g.shape, nchw_strides), alpha=-group["lr"])
+        return loss
+
+
+class FilterClipping(pl.LightningModule):
+    """Per-filter gradient clipping written with ``view`` in ``configure_gradient_clipping``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):  # noqa: ANN001
+        for p in self.parameters():
+            if p.grad is not None and p.dim() == 4:
+                flat = p.grad.view(p.size(0), -1)
+                flat.mul_((0.1 / (flat.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class SplitNorm(nn.Module):
+    """lightly's SplitBatchNorm: statistics per half batch through ``view(-1, C * 2, H, W)`` on the input."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(2 * channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        return self.bn(x.view(-1, c * 2, h, w)).view(n, c, h, w)
+
+
+class SplitNormNet(nn.Module):
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), SplitNorm(8), nn.ReLU())
+                                      for _ in range(blocks)))
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class BNViewHead(ViewHead):
+    """``ViewHead`` with BatchNorm, whose statistics show a step run on the real module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.bn(self.conv2(F.relu(self.conv1(x))))))
+        return self.fc(x.view(x.size(0), -1))
+
+
+class Weights(pl.LightningDataModule):
+    """A datamodule the step reads (torchgeo's tasks read ``self.trainer.datamodule``)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__()
+        self.loader = loader
+        self.weight = 2.0
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader
+
+
+class ReadsDatamodule(Classifier):
+    """A heatmap step whose loss weight comes from ``self.trainer.datamodule`` and flattens with ``view``."""
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        out = self(batch[0])
+        n = out.size(0)
+        loss = self.trainer.datamodule.weight * F.mse_loss(out.view(n, -1), batch[1].reshape(n, -1))
+        self.losses.append(loss.item())
+        return loss
+
+
+def _with_optimizer(module: pl.LightningModule, optimizer: type[torch.optim.Optimizer]) -> pl.LightningModule:
+    module.configure_optimizers = lambda: optimizer(module.parameters(), lr=0.05)  # type: ignore[method-assign]
+    return module
+
+
+# Code around the step: after the backward, compiled modules, a class's every instance, the trainer.
+STEP_PATTERNS = {
+    "optimizer_view": lambda: _with_optimizer(Classifier(ViewHeadFlat()), FilterNormSGD),
+    "optimizer_raw_memory": lambda: _with_optimizer(Classifier(ViewHeadFlat()), RawGradSGD),
+    "clipping_view": lambda: FilterClipping(ViewHeadFlat()),
+    "compiled_view_head": lambda: torch.compile(Classifier(BNViewHead()), backend="eager"),
+    "compiled_submodule": lambda: Classifier(torch.compile(ViewHead(), backend="eager")),
+    "class_wide": lambda: Classifier(SplitNormNet()),
+    "reads_datamodule": lambda: ReadsDatamodule(Heatmaps()),
+}
+
 PATTERNS = {
+
     "view_head": lambda: Classifier(ViewHead()),
     "raw_memory": lambda: Classifier(RawMemory()),
     "backward_view": lambda: Classifier(Net(CustomOp(_ScaleFlat))),
@@ -159,18 +310,25 @@ PATTERNS = {
 }
 
 
-def data(pattern: str) -> DataLoader:
+def data(pattern: str) -> DataLoader | pl.LightningDataModule:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 3, 16, 16, generator=g)
-    y = torch.randn(12, 4, 16, 16, generator=g) if pattern == "loss_view" else torch.randint(0, 5, (12,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=4)
+    heatmaps = pattern in ("loss_view", "reads_datamodule")
+    y = torch.randn(12, 4, 16, 16, generator=g) if heatmaps else torch.randint(0, 5, (12,), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    return Weights(loader) if pattern == "reads_datamodule" else loader
+
+
+def _statistics(module: nn.Module) -> dict[str, list[float]]:
+    return {k: v.flatten().tolist() for k, v in module.state_dict().items()
+            if k.endswith(("running_mean", "num_batches_tracked"))}
 
 
 def main(pattern: str, variant: str) -> None:
     from cltrain import ChannelsLast
 
     torch.manual_seed(0)
-    module = PATTERNS[pattern]()
+    module = {**PATTERNS, **STEP_PATTERNS}[pattern]()
     callbacks = {"nchw": [], "checked": [ChannelsLast()], "unchecked": [ChannelsLast(verify=False)]}[variant]
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
@@ -179,7 +337,9 @@ def main(pattern: str, variant: str) -> None:
         trainer.fit(module, data(pattern))
     except Exception as error:  # noqa: BLE001 - raising is the negative control's result
         report["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+    module = getattr(module, "_orig_mod", module)  # torch.compile(module) handed to fit
     report["losses"] = module.losses
+    report["statistics"] = _statistics(module)
     if callbacks:
         checks = callbacks[0].layout_checks
         report["check"] = {kind: check.as_dict() for kind, check in checks.items()}

@@ -1,0 +1,145 @@
+"""What the layout check found and chose: ``Finding``, ``LayoutCheck`` and its one log line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cltrain.check.fallback import Fallback
+
+__all__ = ["MAX_LINE", "Finding", "LayoutCheck"]
+
+MAX_LINE = 600  # characters of one log line; the rest is in ``as_dict()``
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The first place the channels_last run differs from the NCHW run.
+
+    Attributes:
+        kind: ``"raised"`` (only in channels_last) or ``"diverged"`` (beyond the layouts' rounding noise).
+        phase: ``"forward"``, ``"backward"``, ``"step"`` (the step code around the model) or ``"update"``
+            (after the backward: gradient hooks, clipping, the optimizer step).
+        module: the qualified name of the module whose code it is in (``None``: the step code).
+        where: ``file:line`` of the user's code, when it can be known.
+        detail: the exception (type and first line), or the relative difference and the noise.
+        others: how many more instances of the same class hold the same fault (handled at once).
+        module_type: the class of ``module`` when ``others`` > 0.
+    """
+
+    kind: str
+    phase: str
+    module: str | None
+    where: str | None
+    detail: str
+    others: int = 0
+    module_type: str | None = None
+
+    def fix(self) -> str:
+        """What to change in the user's code, in a few words."""
+        if "view size is not compatible" in self.detail or ".view(" in self.detail:
+            return "use torch.flatten(x, 1) or .reshape(...) instead of .view(...) there"
+        if self.kind == "raised" and "contiguous" in self.detail.lower():
+            return "call .contiguous() on the tensor before that op"
+        if self.kind == "diverged" and self.phase == "update":
+            return ("that code reads a gradient's memory as if it were NCHW (as_strided, data_ptr, an extension "
+                    "op): call .contiguous() on p.grad first")
+        if self.kind == "diverged":
+            return ("that code reads memory as if it were NCHW (as_strided, data_ptr, an extension op): call "
+                    ".contiguous() on its input first")
+        return "make that code layout-agnostic (.reshape instead of .view, .contiguous() before raw-memory ops)"
+
+    def subject(self) -> str:
+        """Whose code it is: a module (and its siblings of the same class), the step code, the update."""
+        if self.module is None:
+            return "the code after the backward" if self.phase == "update" else "the step code"
+        if not self.module:
+            return "the model's own forward"
+        more = f" and {self.others} more `{self.module_type}`" if self.others else ""
+        return f"`{self.module}`{more}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain types, for ``metrics.json``."""
+        return {"kind": self.kind, "phase": self.phase, "module": self.module, "where": self.where,
+                "detail": self.detail, "fix": self.fix(), "others": self.others, "module_type": self.module_type}
+
+
+def describe_fallbacks(fallbacks: tuple[Fallback, ...]) -> str:
+    """The fallbacks in a few words, those applied to every instance of a class named once."""
+    parts: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for fallback in fallbacks:
+        if fallback.group:
+            key = (fallback.kind, fallback.group)
+            if key in seen:
+                continue
+            seen.add(key)
+            count = sum(1 for f in fallbacks if (f.kind, f.group) == key)
+            text = fallback.describe()
+            parts.append(text.replace(f"`{fallback.module}`", f"`{fallback.module}` and {count - 1} more "
+                                                               f"`{fallback.group}`", 1))
+        else:
+            parts.append(fallback.describe())
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class LayoutCheck:
+    """What ``check_layout`` found and chose.
+
+    Attributes:
+        verdict: ``"passed"`` (the same in both layouts), ``"fallback"`` (parts run in NCHW: ``fallbacks``),
+            ``"contiguous"`` (the whole model should stay NCHW) or ``"not checked"`` (``reason`` says why).
+        findings: each fault found, in the order found.
+        fallbacks: the ``Fallback``s that make the channels_last step agree with NCHW.
+        reason: for ``"not checked"``, why.
+        seconds: the check's wall time.
+        worst: the largest relative difference seen between the layouts where they agreed, and the noise there.
+        timings: where the fault could not be isolated inside the model (the step code, the model's own
+            forward, every instance of a class), seconds per step of the channels_last model with its
+            fallback and of the contiguous model, ``{"channels_last": s, "contiguous": s}``: the faster
+            was kept.
+        notes: what the check could not run on its copies (an optimizer it could not copy, LR schedulers).
+    """
+
+    verdict: str
+    findings: tuple[Finding, ...] = ()
+    fallbacks: tuple[Fallback, ...] = ()
+    reason: str | None = None
+    seconds: float = 0.0
+    worst: tuple[float, float] | None = None
+    timings: dict[str, float] | None = None
+    notes: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """One log line (at most ``MAX_LINE`` characters): what was found, where, what was done, the fix."""
+        notes = "".join(f"; {note}" for note in self.notes)
+        if self.verdict == "passed":
+            text = (f"layout check passed: the first batch computes the same in channels_last as in NCHW"
+                    f"{notes} ({self.seconds:.1f} s)")
+        elif self.verdict == "not checked":
+            text = f"layout check skipped: {self.reason}{notes}"
+        else:
+            parts: list[str] = []
+            for finding in self.findings:
+                where = f" at {finding.where}" if finding.where else ""
+                part = (f"{finding.subject()} {finding.kind} in channels_last only ({finding.phase}{where}: "
+                        f"{finding.detail}); fix: {finding.fix()}")
+                if part not in parts:  # the same error in several places is named once
+                    parts.append(part)
+            done = describe_fallbacks(self.fallbacks)
+            if self.timings:
+                done += (f" (measured {1e3 * self.timings['channels_last']:.0f} ms/step channels_last with the "
+                         f"fallback, {1e3 * self.timings['contiguous']:.0f} ms/step contiguous)")
+            found, tail = " | ".join(parts), f" -> {done}{notes} ({self.seconds:.1f} s)"
+            room = MAX_LINE - len("layout check: ") - len(tail)
+            if len(found) > room:  # shorten what was found, keep what was done
+                found = found[:max(room - 1, 40)] + "…"
+            text = f"layout check: {found}{tail}"
+        return text if len(text) <= MAX_LINE else text[:MAX_LINE - 1] + "…"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain types, for ``metrics.json``."""
+        return {"verdict": self.verdict, "findings": [f.as_dict() for f in self.findings],
+                "fallbacks": [f.as_dict() for f in self.fallbacks], "reason": self.reason,
+                "seconds": round(self.seconds, 3), "timings": self.timings, "notes": list(self.notes)}

@@ -1,0 +1,235 @@
+"""The first-batch layout check covers the whole training step as the Trainer runs it: the code after the
+backward (optimizer, clipping), compiled modules, every instance of a faulty class, steps that read the
+Trainer; and it leaves no trace in the real optimizer or a compiled module."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cltrain import ChannelsLast
+from cltrain.check import checking, is_check_copy
+from cltrain.check.result import MAX_LINE
+from tests.helpers.user_code import STEP_PATTERNS, Heatmaps
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# pattern -> (what the line must name, the fix it must give, how the unchecked run fails)
+EXPECTED = {
+    "optimizer_view": ("the code after the backward", "torch.flatten(x, 1)", "raises"),
+    "optimizer_raw_memory": ("the code after the backward", "p.grad", "diverges"),
+    "clipping_view": ("the code after the backward", "torch.flatten(x, 1)", "raises"),
+    "compiled_view_head": ("`net`", "torch.flatten(x, 1)", "raises"),
+    "compiled_submodule": ("`net._orig_mod`", "torch.flatten(x, 1)", "raises"),
+    "class_wide": ("`net.blocks.0.1` and 3 more `SplitNorm`", "torch.flatten(x, 1)", "raises"),
+    "reads_datamodule": ("the step code", "torch.flatten(x, 1)", "raises"),
+}
+
+
+def _run(pattern: str) -> dict[str, dict]:
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.user_code", pattern, "nchw", "checked", "unchecked"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["variant"]: r for r in reports}
+
+
+@pytest.mark.parametrize("pattern", sorted(EXPECTED))
+def test_code_around_the_step_that_assumes_nchw_trains_like_nchw_under_the_callback(pattern: str) -> None:
+    assert set(EXPECTED) == set(STEP_PATTERNS)
+    runs = _run(pattern)
+    nchw, checked, unchecked = runs["nchw"], runs["checked"], runs["unchecked"]
+    assert nchw["error"] is None and len(nchw["losses"]) == 3
+    assert checked["error"] is None, checked["error"]
+    torch.testing.assert_close(torch.tensor(checked["losses"]), torch.tensor(nchw["losses"]), rtol=1e-5, atol=1e-6)
+    # No step ran on the real module: the same BatchNorm statistics as the run without the callback.
+    assert checked["statistics"].keys() == nchw["statistics"].keys()
+    for key, value in nchw["statistics"].items():
+        torch.testing.assert_close(torch.tensor(checked["statistics"][key]), torch.tensor(value), rtol=1e-4,
+                                   atol=1e-6, msg=key)
+    subject, fix, failure = EXPECTED[pattern]
+    line = checked["line"]["train"]
+    assert subject in line and fix in line and "py:" in line, line
+    assert len(line) <= MAX_LINE and line.count("view size is not compatible") <= 1, line
+    assert checked["check"]["train"]["verdict"] in ("fallback", "contiguous")
+    # The negative control: without the check the same code raises or trains on other numbers.
+    assert unchecked["check"] == {}
+    if failure == "raises":
+        assert unchecked["error"] is not None
+    else:
+        assert unchecked["error"] is None
+        gap = max(abs(a - b) for a, b in zip(unchecked["losses"], nchw["losses"]))
+        assert gap > 1e-5, (unchecked["losses"], nchw["losses"])
+
+
+# ---- no trace in the real optimizer and a compiled module; what the copies see ----------------------------------
+
+
+class _Snapshot(Callback):
+    """The run's state at the first training batch, taken before and after ChannelsLast's hook."""
+
+    def __init__(self) -> None:
+        self.state: dict | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.state is None:
+            module = getattr(pl_module, "_orig_mod", pl_module)
+            self.state = {
+                "rng": torch.get_rng_state().clone(),
+                "tensors": {k: v.clone() for k, v in module.state_dict().items()},
+                "grads": [p.grad for p in module.parameters()],
+                "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+                "calls": dict(module.calls),
+            }
+
+
+_COPIES: list[bool] = []  # checking() in each step run on a check copy
+
+
+class _BNNet(pl.LightningModule):
+    """BatchNorm, Adam with state from a step already taken, a hook after the backward, counted calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+        self.calls = {"step": 0, "after_backward": 0}
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if is_check_copy(self):
+            _COPIES.append(checking())
+        else:
+            self.calls["step"] += 1
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def on_after_backward(self) -> None:
+        if not is_check_copy(self):
+            self.calls["after_backward"] += 1
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        for p in self.parameters():  # state as after a resume: moments and a step count
+            optimizer.state[p] = {"step": torch.tensor(5.0), "exp_avg": torch.full_like(p, 0.1),
+                                  "exp_avg_sq": torch.full_like(p, 0.2)}
+        return optimizer
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)),
+                      batch_size=4)
+
+
+def _fit(module, callbacks, max_steps: int = 1) -> pl.Trainer:
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, _loader())
+    return trainer
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_check_leaves_no_trace_in_the_optimizer_or_a_compiled_module(compiled: bool) -> None:
+    before, after, callback = _Snapshot(), _Snapshot(), ChannelsLast()
+    torch.manual_seed(0)
+    module = _BNNet()
+    _COPIES.clear()
+    _fit(torch.compile(module, backend="eager") if compiled else module, [before, callback, after])
+    check = callback.layout_checks["train"]
+    assert check.verdict == "passed", check.line()
+    a, b = before.state, after.state
+    assert torch.equal(a["rng"], b["rng"])
+    for key, value in a["tensors"].items():  # weights and BatchNorm statistics (num_batches_tracked too)
+        assert torch.equal(value, b["tensors"][key]), key
+    assert all(g is None for g in b["grads"])
+    for (ka, sa), (kb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items()):
+        assert ka == kb and all(torch.equal(sa[k], sb[k]) for k in sa), ka  # moments and state['step']
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    # The copies ran the step (and said so); the real module's own counters did not move.
+    assert a["calls"]["step"] == b["calls"]["step"] == 0 and a["calls"]["after_backward"] == 0
+    assert len(_COPIES) >= 2 and all(_COPIES)
+    assert module.calls["step"] == 1 and module.calls["after_backward"] == 1
+    assert module.net[1].num_batches_tracked.item() == 1
+    assert not checking() and not is_check_copy(module)
+
+
+_SEEN: list[tuple] = []  # what each run of the step read from the trainer
+
+
+class _TrainerReads(pl.LightningModule):
+    """A step that reads what torchgeo's read from the trainer, and a step that needs the loop."""
+
+    def __init__(self, needs_loop: bool) -> None:
+        super().__init__()
+        self.net = Heatmaps()
+        self.needs_loop = needs_loop
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        t = self.trainer
+        _SEEN.append((is_check_copy(self), t.current_epoch, t.global_step, t.world_size, t.training, t.datamodule,
+                          t.estimated_stepping_batches, len(t.callbacks)))
+        if is_check_copy(self):  # the copy's logger is a stand-in that writes nothing
+            self.logger.experiment.add_image("x", batch[0])
+        x = batch[0][:, :, ::2, ::2] if self.needs_loop else batch[0]  # a tensor the batch does not hold
+        out = self(x)
+        if self.needs_loop:
+            out = out * (self.trainer.fit_loop.epoch_progress.current.completed + 1)
+        return F.mse_loss(out.reshape(len(x), -1), torch.zeros(len(x), 4 * x.shape[2] * x.shape[3]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_step_reading_the_trainer_is_checked_through_the_step_and_never_fed_another_input() -> None:
+    callback = ChannelsLast()
+    _SEEN.clear()
+    _fit(_TrainerReads(needs_loop=False), [callback])
+    assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"].line()
+    copies, real = _SEEN[:-1], _SEEN[-1]
+    assert copies and all(seen[0] for seen in copies) and not real[0]
+    assert all(seen[1:7] == real[1:7] and seen[7] == 0 < real[7] for seen in copies)  # values read, no callbacks
+    # A step that needs the loop cannot run on a copy, and gives the model another tensor than the batch's:
+    # not checked, and the model alone is not fed the batch's tensor instead.
+    callback = ChannelsLast()
+    _fit(_TrainerReads(needs_loop=True), [callback])
+    check = callback.layout_checks["train"]
+    assert check.verdict == "not checked", check.line()
+    assert "trainer.fit_loop" in check.line() and "does not give the model the batch's image tensor" in check.line()
+
+
+def test_verify_layout_with_the_optimizer_keeps_a_plain_loop_training() -> None:
+    from cltrain.loops import convert_batch, convert_model, verify_layout
+    from tests.helpers.user_code import FilterNormSGD, ViewHeadFlat
+
+    torch.manual_seed(0)
+    model = convert_model(ViewHeadFlat())
+    optimizer = FilterNormSGD(model.parameters())
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    result = verify_layout(model, (x, y), step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), optimizer=optimizer)
+    assert result.verdict in ("fallback", "contiguous") and result.findings[0].phase == "update", result.line()
+    assert optimizer.state == {} and all(p.grad is None for p in model.parameters())
+    batch = convert_batch((x.clone(), y))
+    F.cross_entropy(model(batch[0]), batch[1]).backward()
+    optimizer.step()  # the conv gradients have NCHW strides now
+    # The negative control: without the optimizer the check does not see its code, and the step raises.
+    unchecked = convert_model(ViewHeadFlat())
+    assert verify_layout(unchecked, (x, y), step=lambda m, b: F.cross_entropy(m(b[0]), b[1])).verdict == "passed"
+    F.cross_entropy(unchecked(batch[0]), batch[1]).backward()
+    with pytest.raises(RuntimeError, match="view size"):
+        FilterNormSGD(unchecked.parameters()).step()
