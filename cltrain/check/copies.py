@@ -81,5 +81,5 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> to
     if any(memo.get(id(p)) is not q for g, h in zip(optimizer.param_groups, clone.param_groups)
            for p, q in zip(g["params"], h["params"])):
         raise TypeError(f"{type(optimizer).__name__}'s copy does not hold the copied parameters")
-    rebind_methods(clone, own)  # an LR scheduler's patched `step` is bound to the original
+    rebind_methods(clone, own, drop_class_wrappers=True)  # an LR scheduler's patched `step`
     return clone

@@ -123,22 +123,31 @@ class _Eager(nn.Module):
         return self._orig_mod(*args, **kwargs)
 
 
-def rebind_methods(obj: Any, memo: dict[int, Any]) -> None:
-    """Instance attributes of ``obj`` that are (wrapped) methods bound to an original object: bound to its
-    copy instead, unwrapped (a ``torch.compile`` wrapper around a step method runs eagerly on the copy)."""
+def rebind_methods(obj: Any, memo: dict[int, Any], drop_class_wrappers: bool = False) -> None:
+    """Instance attributes of ``obj`` that wrap a method bound to an original object (``memo``: original id ->
+    copy): the method bound to its copy instead, unwrapped (a ``torch.compile`` wrapper around a step method
+    runs eagerly on the copy). ``drop_class_wrappers``: also drop a wrapper around the class's own function
+    (an LR scheduler's on an optimizer's ``step`` calls the original optimizer)."""
     for name, value in list(vars(obj).items()):
         if not callable(value) or isinstance(value, (nn.Module, torch.Tensor, type)):
             continue
+        if isinstance(value, types.MethodType) and value.__self__ is obj:
+            continue  # deepcopy bound it to the copy already (accelerate's forward wrappers)
         try:
             inner = inspect.unwrap(value)
         except ValueError:
             continue
         if isinstance(inner, types.MethodType) and id(inner.__self__) in memo:
             vars(obj)[name] = types.MethodType(inner.__func__, memo[id(inner.__self__)])
-        elif inner is not value and isinstance(inner, types.MethodType) and inner.__self__ is obj:
-            vars(obj)[name] = inner
-        elif inner is not value and getattr(type(obj), name, None) is inner:
-            del vars(obj)[name]  # a wrapper (an LR scheduler's on `step`) that calls the original
+        elif drop_class_wrappers and inner is not value and _unwrapped(getattr(type(obj), name, None)) is inner:
+            del vars(obj)[name]
+
+
+def _unwrapped(fn: Any) -> Any:
+    try:
+        return inspect.unwrap(fn) if fn is not None else None
+    except ValueError:
+        return None
 
 
 def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:

@@ -233,3 +233,21 @@ def test_verify_layout_with_the_optimizer_keeps_a_plain_loop_training() -> None:
     F.cross_entropy(unchecked(batch[0]), batch[1]).backward()
     with pytest.raises(RuntimeError, match="view size"):
         FilterNormSGD(unchecked.parameters()).step()
+
+
+def test_the_copy_of_an_optimizer_steps_the_copied_parameters_only_also_with_an_lr_scheduler() -> None:
+    from cltrain.check.copies import copy_optimizer
+    from cltrain.layout.lightning_access import eager_copy
+
+    model = nn.Conv2d(3, 4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.StepLR(optimizer, 1)  # patches optimizer.step with a wrapper calling the original
+    memo: dict = {}
+    clone = eager_copy(model, memo)
+    copied = copy_optimizer(optimizer, memo)
+    for p, q in zip(model.parameters(), clone.parameters()):
+        p.grad, q.grad = torch.zeros_like(p), torch.ones_like(q)
+    weight = model.weight.detach().clone()
+    copied.step()
+    assert not torch.equal(clone.weight, weight) and len(copied.state) == 2
+    assert torch.equal(model.weight, weight) and len(optimizer.state) == 0 and not getattr(optimizer, "_opt_called", 0)
