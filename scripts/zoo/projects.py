@@ -1,0 +1,241 @@
+"""Third-party Lightning libraries' own tasks under ``ChannelsLast``: anomalib, lightly, torchgeo (the cases:
+``scripts/zoo/project_cases.py``; tiny sizes, random weights, generated images, nothing downloaded).
+
+Every case runs twice, each run in its own subprocess with a timeout (a native crash or a hang is a row, not the
+end of the sweep): a real ``lightning.Trainer`` on the CPU, fp32, seeded, 2 training steps (anomalib: its one
+epoch of 2 steps, then validation), without and with ``ChannelsLast()``. Each run records whether it trained,
+the first training loss, the metrics after ``fit``, how many conv weights are channels_last after training,
+the callback's ``layout_checks`` and every log line it wrote that starts with "ChannelsLast".
+
+The libraries pull many packages: install them in a virtual environment of their own, pinned to the torch,
+torchvision and Lightning the project is tested with::
+
+    python -m venv /root/venv-projects && source /root/venv-projects/bin/activate
+    pip install "torch==2.14.1" "torchvision==0.29.1" && pip install -e .
+    printf 'torch==2.14.1\\ntorchvision==0.29.1\\nlightning==2.6.6\\n' > /tmp/constraints.txt
+    pip install -c /tmp/constraints.txt -e ".[projects]"
+
+Usage::
+
+    python -m scripts.zoo.projects                              # every case -> docs/projects.md, docs/projects.json
+    python -m scripts.zoo.projects --only lightly:moco anomalib   # rerun some (keys or libraries); other rows kept
+    python -m scripts.zoo.projects --fast --out /tmp/projects     # one case per library
+    python -m scripts.zoo.projects --list
+
+A case whose library is not installed is a "skipped" row. Child logs go to ``--log-dir``. On a shared 2-core CPU
+the whole sweep took 11 minutes, one case 1-2 (most of it imports and the check's own timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+from scripts.machine import machine, machine_line
+from scripts.zoo.project_cases import CASES, Case
+from scripts.zoo.project_report import REPO, write_outputs
+
+FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
+LAYOUTS = ("contiguous", "channels_last")
+MARK = "PROJECTS-RESULT "  # the child's result line on stdout
+
+
+# ---- one run, in the child process ----------------------------------------------------------------
+
+
+class _ChannelsLastLines(logging.Handler):
+    """Keeps, in order, every log record and warning whose message starts with "ChannelsLast" (the callback
+    logs with ``rank_zero_info``, warns with ``rank_zero_warn``); a record once, whichever logger saw it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self._seen: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("ChannelsLast") and not any(r is record for r in self._seen):
+            self._seen.append(record)
+            self.lines.append(message)
+
+    def warning(self, message, category, filename, lineno, file=None, line=None) -> None:  # warnings.showwarning
+        if str(message).startswith("ChannelsLast"):
+            self.lines.append(str(message))
+        print(f"{filename}:{lineno}: {category.__name__}: {message}", file=sys.stderr)
+
+
+def _first_outputs():
+    from lightning.pytorch import Callback
+
+    class FirstOutputs(Callback):
+        """The first training loss and a fingerprint of the first validation outputs (their float tensors' sums)."""
+
+        def __init__(self) -> None:
+            self.first_loss: float | None = None
+            self.val_outputs: dict[str, float] = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if self.first_loss is None and loss is not None:
+                self.first_loss = float(loss)
+
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+            if not self.val_outputs and outputs is not None:
+                fields = outputs if isinstance(outputs, dict) else (
+                    {f.name: getattr(outputs, f.name) for f in dataclasses.fields(outputs)}
+                    if dataclasses.is_dataclass(outputs) else {"output": outputs})
+                self.val_outputs = {f"val output {k}": float(v.detach().double().abs().sum())
+                                    for k, v in fields.items() if k != "image" and hasattr(v, "is_floating_point")
+                                    and v.is_floating_point()}
+
+    return FirstOutputs()
+
+
+def child(case: Case, layout: str) -> dict[str, Any]:
+    """Build the case, fit it with or without ``ChannelsLast()``, and say what happened."""
+    import torch
+    from lightning.pytorch import Trainer, seed_everything
+
+    from cltrain import ChannelsLast
+    from scripts.zoo.sweep import _conv_layout
+
+    seed_everything(0, workers=True)
+    handler = _ChannelsLastLines()
+    for name in ("", "lightning.pytorch", "lightning.fabric", "cltrain"):
+        logging.getLogger(name).addHandler(handler)
+    logging.getLogger("cltrain").setLevel(logging.INFO)
+    result: dict[str, Any] = {"key": case.key, "layout": layout, "trained": False}
+    callback = ChannelsLast() if layout == "channels_last" else None
+    recorder = _first_outputs()
+    module = None
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = handler.warning
+        try:
+            module_name, function = case.build.split(":")
+            built = getattr(importlib.import_module(module_name), function)(Path(tmp))
+            module = built.module
+            options = dict(accelerator="cpu", devices=1, precision="32-true", max_steps=2, limit_val_batches=1,
+                           num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                           enable_model_summary=False, default_root_dir=tmp)
+            trainer = Trainer(**{**options, **built.trainer}, callbacks=[recorder] + ([callback] if callback else []))
+            trainer.fit(module, datamodule=built.datamodule, train_dataloaders=built.train_dataloaders,
+                        val_dataloaders=built.val_dataloaders)
+            result.update(trained=trainer.global_step > 0, steps=trainer.global_step,
+                          metrics={k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+        except Exception as error:  # noqa: BLE001 - a raise is this run's result
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            result.update(error=f"{type(error).__name__}: {error}"[:400], at=f"{frame.filename}:{frame.lineno}")
+            traceback.print_exc()
+    result.update(first_loss=recorder.first_loss, val_outputs=recorder.val_outputs, lines=handler.lines,
+                  conv_weights_cl=_conv_layout(module) if isinstance(module, torch.nn.Module) else "")
+    if callback is not None:
+        result.update(layout_kept=callback.layout, fallbacks=len(callback.fallbacks),
+                      layout_checks={kind: check.as_dict() for kind, check in callback.layout_checks.items()})
+    return result
+
+
+# ---- the sweep, in the parent process ------------------------------------------------------------------
+
+
+def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
+    """Both layouts of one case, each in its own subprocess; a crash or a timeout is that run's ``status``."""
+    from scripts.zoo.sweep import _last_error, _signal_name
+
+    row: dict[str, Any] = {"key": case.key, "library": case.library, "task": case.task}
+    if case.library and importlib.util.find_spec(case.library) is None:
+        return {**row, "status": f"skipped: {case.library} is not installed"}
+    row["version"] = importlib.metadata.version(case.library) if case.library else ""
+    start = time.perf_counter()
+    for layout in LAYOUTS:
+        log = log_dir / f"{case.key.replace(':', '_')}.{layout}.log"
+        cmd = [sys.executable, "-m", "scripts.zoo.projects", "--child", json.dumps(dataclasses.asdict(case)),
+               "--layout", layout]
+        with open(log, "w") as log_file:
+            try:
+                code: int | None = subprocess.run(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+                                                  timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        text = log.read_text(errors="replace")
+        found = [json.loads(line[len(MARK):]) for line in text.splitlines() if line.startswith(MARK)]
+        run = found[-1] if found else {"trained": False}
+        if code is None:
+            run["status"] = f"timeout after {timeout:g} s"
+        elif code < 0:
+            run["status"] = f"crashed ({_signal_name(code)}): {_last_error(log)}"
+        elif code or not found:
+            run["status"] = f"exited {code}: {_last_error(log)}"
+        else:
+            run["status"] = "raised" if "error" in run else "ok"
+        row[layout] = {**run, "log": str(log)}
+    row["status"] = "ok" if all(row[k]["status"] == "ok" for k in LAYOUTS) else "see runs"
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: str, keep: bool = False) -> list[dict]:
+    """Run ``cases`` and write the outputs after each; with ``keep``, rows of other cases stay from ``<out>.json``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    old = json.loads(out.with_suffix(".json").read_text()) if keep and out.with_suffix(".json").exists() else {}
+    rows = {r["key"]: r for r in old.get("rows", [])}
+    runs = (old.get("runs", []) if keep else []) + [{"command": command, "seconds": 0.0}]
+    m = machine()
+    print(machine_line(m), flush=True)
+    order = [c.key for c in CASES]  # the others (a test's own cases) stay in the order they first ran
+    start = time.perf_counter()
+    for case in cases:
+        rows[case.key] = run_case(case, log_dir, timeout)
+        print(f"{case.key}: {rows[case.key]['status']} ({rows[case.key].get('seconds', 0)} s)", flush=True)
+        runs[-1]["seconds"] = round(time.perf_counter() - start, 1)
+        write_outputs(out, _in_order(rows, order), m, runs)
+    return _in_order(rows, order)
+
+
+def _in_order(rows: dict[str, dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
+    return sorted(rows.values(), key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", default=None, help="case keys (lightly:moco) or libraries (anomalib)")
+    p.add_argument("--fast", action="store_true", help=f"one case per library: {', '.join(FAST)}")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "projects.md", help="the page; its .json beside it")
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "projects_logs")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run (one case, one layout)")
+    p.add_argument("--list", action="store_true", help="print the cases and exit")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--layout", choices=LAYOUTS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(MARK + json.dumps(child(Case(**json.loads(args.child)), args.layout), default=str), flush=True)
+        return 0
+    if args.list:
+        for case in CASES:
+            print(f"{case.key:32} {case.task}")
+        return 0
+    wanted = set(args.only or (FAST if args.fast else [c.key for c in CASES]))
+    cases = [c for c in CASES if c.key in wanted or c.library in wanted]
+    if unknown := wanted - {c.key for c in cases} - {c.library for c in cases}:
+        p.error(f"unknown case(s) {sorted(unknown)}; --list shows them")
+    command = "python -m scripts.zoo.projects" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    rows = sweep(cases, args.out, args.log_dir, args.timeout, command, keep=args.only is not None)
+    print(f"wrote {args.out} ({sum(r.get('seconds', 0) for r in rows if r['key'] in {c.key for c in cases}):.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
