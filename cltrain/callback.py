@@ -12,9 +12,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d, to_contiguous
-from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, restride_batch
+from cltrain.layout import CONV1D_TYPES, CONV_TYPES, is_channels_last, layout_summary, to_channels_last, to_channels_last_1d, to_contiguous
+from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, image_inputs, restride_batch
+from cltrain.layout.conv_reach import ConvReach
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
+from cltrain.check.budget import DEFAULT_SAMPLES, check_within_budget
 from cltrain.check.compare import LayoutCheck
 from cltrain.check.lightning_step import apply_to_copy, check_lightning_step
 from cltrain.layout.lightning_access import (
@@ -40,7 +42,9 @@ class ChannelsLast(Callback):
     rank. In every stage the model's inputs are restrided in place in
     ``on_{train,validation,test,predict}_batch_start`` (``cltrain.layout.batches`` says which
     tensors); targets and masks keep their layout, and a tensor already channels_last is not
-    copied. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
+    copied. At each stage's first batch the model's forward is traced: an input whose converted layout
+    reaches no convolution (a (B, T, C, H, W) stack the model flattens to (B*T, C, H, W) first) is left as
+    it arrives from then on, and one line says so. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
     ``StochasticWeightAveraging``) join the model's layout, and on resume the optimizer state is
     restrided to its parameter's layout. A channels_last model's 4-D/5-D outputs are
     channels_last: flatten them with ``reshape``, not ``view``. The guide:
@@ -80,6 +84,12 @@ class ChannelsLast(Callback):
             line names the module, the file and line, and the fix. Nothing of the real run changes
             (weights, gradients, BatchNorm statistics, optimizer and RNG state, logged values).
             ``False`` skips the check.
+        check_samples: the check runs on the first ``check_samples`` samples of the batch (every batch tensor
+            whose leading dim is the batch size is cut; both layouts see the same samples), so it costs a few
+            samples' steps and little memory; the whole batch where the step raises on the part without
+            channels_last too (code written for the batch size). ``None``: the whole batch. An out-of-memory
+            error inside the check is retried on fewer samples, then reported as not checked: never a verdict
+            (``cltrain.check.budget``).
         auto_timeout: ``mode="auto"`` times the layouts in a child process
             (``cltrain.timing.probe.probe_layout``), which a native crash cannot take the run down
             with (a model the child cannot load, from a script without a main guard, ``python -c`` or a
@@ -109,7 +119,8 @@ class ChannelsLast(Callback):
             first training batch.
 
     Raises:
-        ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, ``guard`` or ``verify``, an ``inputs``
+        ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, ``guard`` or ``verify``, a ``check_samples``
+            that is not ``None`` or an int >= 1, an ``inputs``
             that is none of its forms, an ``input_shape`` that is not rank 3, 4 or 5, a non-positive
             ``auto_timeout``, ``mode="auto"`` with no shape to time (raised in ``setup``), or a key or
             index named in ``inputs`` that a batch lacks (raised at that batch).
@@ -134,6 +145,7 @@ class ChannelsLast(Callback):
         auto_timeout: float = 300.0,
         inputs: str | int | list[str | int] | None = None,
         verify: bool = True,
+        check_samples: int | None = DEFAULT_SAMPLES,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"ChannelsLast(mode={mode!r}): expected one of {_MODES}.")
@@ -155,6 +167,9 @@ class ChannelsLast(Callback):
             raise ValueError(f"ChannelsLast(guard={guard!r}): expected True or False.")
         if not isinstance(verify, bool):
             raise ValueError(f"ChannelsLast(verify={verify!r}): expected True or False.")
+        if check_samples is not None and (not isinstance(check_samples, int) or isinstance(check_samples, bool)
+                                          or check_samples < 1):
+            raise ValueError(f"ChannelsLast(check_samples={check_samples!r}): expected None or an int >= 1.")
         if not isinstance(auto_timeout, (int, float)) or auto_timeout <= 0:
             raise ValueError(f"ChannelsLast(auto_timeout={auto_timeout!r}): expected seconds > 0.")
         self.mode = mode
@@ -165,6 +180,7 @@ class ChannelsLast(Callback):
         self.auto_steps = auto_steps
         self.guard = guard
         self.verify = verify
+        self.check_samples = check_samples
         self.layout_checks: dict[str, LayoutCheck] = {}
         self.fallbacks: list[Fallback] = []
         self.auto_timeout = float(auto_timeout)
@@ -181,6 +197,8 @@ class ChannelsLast(Callback):
         self._told_inputs = False
         self._checked_inputs = False
         self._warned_no_conv = False
+        self._left_as_is: dict[str, frozenset[int]] = {}  # per stage: input positions no convolution needs converted
+        self._reach: tuple[str, ConvReach, dict[int, torch.Tensor]] | None = None  # the first batch being traced
 
     # ---- model conversion ----------------------------------------------------------------------
 
@@ -300,10 +318,14 @@ class ChannelsLast(Callback):
 
     # ---- batches -------------------------------------------------------------------------------
 
-    def _convert_batch(self, batch: Any) -> None:
+    def _convert_batch(self, batch: Any, stage: str) -> None:
         if self.mode == "off" or not self.convert_inputs or self.layout is None:
             return
-        converted = restride_batch(batch, self.layout, one_d=self._one_d, inputs=self.inputs)
+        traced = None
+        if self._traces_inputs(stage):
+            traced = {p: t for p, t in image_inputs(batch, self.inputs, self._one_d).items() if not is_channels_last(t)}
+        converted = restride_batch(batch, self.layout, one_d=self._one_d, inputs=self.inputs,
+                                   skip=self._left_as_is.get(stage, ()))
         if not self._checked_inputs:
             self._checked_inputs = True
             if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
@@ -311,6 +333,19 @@ class ChannelsLast(Callback):
                     f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
                     "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX."
                 )
+        if traced is not None:
+            self._left_as_is[stage] = frozenset()
+            if traced:
+                # Traced through this batch's forward (after the check): `_end_trace` keeps or stops each conversion.
+                self._reach = (stage, ConvReach(traced), traced)
+                return
+        self._tell_converting(converted)
+
+    def _traces_inputs(self, stage: str) -> bool:
+        return (stage not in self._left_as_is and self.layout == "channels_last" and self.inputs != "all"
+                and not self._one_d)
+
+    def _tell_converting(self, converted: int) -> None:
         if converted and not self._told_inputs:
             self._told_inputs = True
             rank_zero_info(
@@ -318,34 +353,98 @@ class ChannelsLast(Callback):
                 f"to {self.layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary."
             )
 
+    def _start_trace(self, pl_module: LightningModule) -> None:
+        if self._reach is None:
+            return
+        if self.layout != "channels_last" or getattr(pl_module, "_compiler_ctx", None) is not None:
+            # The check put the model in NCHW; or the step is compiled, and a TorchFunctionMode would change what
+            # Dynamo compiles: convert as before.
+            self._tell_converting(len(self._reach[2]) if self.layout == "channels_last" else 0)
+            self._reach = None
+            return
+        self._reach[1].__enter__()
+
+    def _end_trace(self, completed: bool = True) -> None:
+        """Leave the forward's trace; with ``completed``, stop converting the inputs no convolution took in channels_last."""
+        if self._reach is None:
+            return
+        stage, reach, traced = self._reach
+        self._reach = None
+        reach.__exit__(None, None, None)
+        if not completed or reach.convolutions == 0:  # nothing seen to judge by: keep converting
+            self._tell_converting(len(traced))
+            return
+        left = sorted(set(traced) - reach.reached)
+        if left:
+            self._left_as_is[stage] = frozenset(left)
+            shapes = ", ".join(str(tuple(traced[p].shape)) for p in left)
+            rank_zero_info(
+                f"ChannelsLast: the {stage} batches' input {shapes} reaches no convolution in {self.layout} (the model "
+                "reshapes or permutes it first), so converting it is a copy that helps nothing: it is left as it "
+                "arrives from now on."
+            )
+        self._tell_converting(len(traced) - len(left))
+
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._convert_batch(batch)
+        self._convert_batch(batch, "train")
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "train")
         if self.audit and not self._audited:
             self._audited = True
             self._run_audit(trainer, pl_module, batch)
+        self._start_trace(pl_module)
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._end_trace()
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._end_trace()
 
     @override
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch)
+        self._convert_batch(batch, "validation")
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "validation")
+        self._start_trace(pl_module)
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._end_trace()
 
     @override
     def on_test_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch)
+        self._convert_batch(batch, "test")
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "test")
+        self._start_trace(pl_module)
+
+    @override
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._end_trace()
 
     @override
     def on_predict_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch)
+        self._convert_batch(batch, "predict")
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "predict")
+        self._start_trace(pl_module)
+
+    @override
+    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._end_trace()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._end_trace(completed=False)
 
     # ---- the first-batch layout check ------------------------------------------------------------
 
@@ -357,8 +456,10 @@ class ChannelsLast(Callback):
         result = None
         if trainer.is_global_zero:
             try:
-                result = check_lightning_step(trainer, pl_module, batch, batch_idx, stage, inputs=self.inputs,
-                                              one_d=self._one_d)
+                result = check_within_budget(
+                    lambda part: check_lightning_step(trainer, pl_module, part, batch_idx, stage, inputs=self.inputs,
+                                                      one_d=self._one_d),
+                    batch, self.check_samples, inputs=self.inputs)
             except Exception as error:  # noqa: BLE001 - the check failing must not end the run
                 result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
         # Every rank applies the same fallbacks, or DDP's parameter layouts disagree between ranks.

@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -40,7 +40,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from cltrain.layout import is_channels_last, is_channels_last_1d, to_channels_last, to_channels_last_1d
 
 __all__ = [
-    "IMAGE_KEYS", "Inputs", "check_inputs", "describe_batch", "first_image_tensor", "model_inputs", "restride_batch",
+    "IMAGE_KEYS", "Inputs", "check_inputs", "describe_batch", "first_image_tensor", "image_inputs", "model_inputs",
+    "restride_batch",
 ]
 
 #: Dict keys (and namedtuple/dataclass field names) read as the model's image input: albumentations,
@@ -107,22 +108,39 @@ def model_inputs(batch: Any, inputs: Inputs = None) -> list[torch.Tensor]:
     return found
 
 
-def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs = None) -> int:
+def image_inputs(batch: Any, inputs: Inputs = None, one_d: bool = False) -> dict[int, torch.Tensor]:
+    """The tensors ``restride_batch`` puts in a layout, by position: their index in ``model_inputs(batch, inputs)``
+    (the same for every batch of the same structure). Floating rank-4/5 (with ``one_d``, rank-3) tensors, each once.
+
+    Raises:
+        ValueError: a key or index named in ``inputs`` is not in ``batch``.
+    """
+    ranks = (3, 4, 5) if one_d else (4, 5)
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    for position, t in enumerate(model_inputs(batch, inputs)):
+        if id(t) in seen or t.dim() not in ranks or not t.is_floating_point() or t.layout is not torch.strided:
+            continue
+        seen.add(id(t))
+        found[position] = t
+    return found
+
+
+def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs = None,
+                   skip: Collection[int] = ()) -> int:
     """Put the floating rank-4/5 (and with ``one_d``, rank-3) tensors of ``batch`` that ``inputs``
     selects in ``layout`` (``"channels_last"`` or ``"contiguous"``), in place; returns how many
-    tensors it copied (0 when they already arrive in the layout: nothing is copied then).
+    tensors it copied (0 when they already arrive in the layout: nothing is copied then). The
+    positions in ``skip`` (``image_inputs``' keys) are left as they are.
 
     Raises:
         ValueError: a key or index named in ``inputs`` is not in ``batch``.
     """
     want_cl = layout == "channels_last"
-    ranks = (3, 4, 5) if one_d else (4, 5)
     converted = 0
-    seen: set[int] = set()
-    for t in model_inputs(batch, inputs):
-        if id(t) in seen or t.dim() not in ranks or not t.is_floating_point() or t.layout is not torch.strided:
+    for position, t in image_inputs(batch, inputs, one_d).items():
+        if position in skip:
             continue
-        seen.add(id(t))
         if want_cl and t.dim() == 3:
             if is_channels_last_1d(t):
                 continue

@@ -218,3 +218,54 @@ def test_restride_batch_counts_copies_and_skips_what_is_already_channels_last():
     assert restride_batch(batch, "channels_last") == 1
     assert restride_batch(batch, "channels_last") == 0
     assert restride_batch(batch, "contiguous") == 1 and batch["image"].is_contiguous()
+
+
+# ---- an input is converted only where its converted layout reaches a convolution ------------------
+
+
+class StackOrImage(LightningModule):
+    """torchgeo-style change detection: a (B, T, C, H, W) image stack flattened to (B*T, C, H, W) before the
+    convolutions (no longer channels_last then); or a plain (B, C, H, W) image normalised, then convolved."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x = batch["image"]
+        self.seen.append(x.stride())
+        if x.dim() == 5:
+            return self.conv(x.flatten(0, 1)).mean()
+        return self.conv((x - 0.5) * 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _reach_run(tmp_path, caplog, shape, **callback_kw):
+    model = StackOrImage()
+    data = DataLoader(range(6), batch_size=2, collate_fn=lambda items: {"image": torch.randn(len(items), *shape)})
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, model, data, ChannelsLast(**callback_kw), max_steps=3)
+    return model.seen
+
+
+def test_a_5d_stack_flattened_before_the_convolutions_is_left_as_it_arrives_after_the_first_batch(tmp_path, caplog):
+    seen = _reach_run(tmp_path, caplog, (2, 3, 8, 8))
+    assert seen == [cl_strides(2, 2, 3, 8, 8)] + [plain_strides(2, 2, 3, 8, 8)] * 2
+    assert caplog.text.count("reaches no convolution") == 1, caplog.text
+    assert "converting 1 tensor(s) per batch" not in caplog.text
+
+
+def test_an_image_that_reaches_a_convolution_stays_converted(tmp_path, caplog):
+    seen = _reach_run(tmp_path, caplog, (3, 8, 8))
+    assert seen == [cl_strides(2, 3, 8, 8)] * 3
+    assert "reaches no convolution" not in caplog.text
+
+
+def test_inputs_all_converts_the_5d_stack_on_every_batch(tmp_path, caplog):
+    # The negative control: every tensor converted, as before, where the user asks for all of them.
+    seen = _reach_run(tmp_path, caplog, (2, 3, 8, 8), inputs="all")
+    assert seen == [cl_strides(2, 2, 3, 8, 8)] * 3
+    assert "reaches no convolution" not in caplog.text

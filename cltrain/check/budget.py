@@ -1,0 +1,117 @@
+"""What the first-batch layout check runs on: a slice of the batch, and an out-of-memory error that is never a verdict.
+
+``check_within_budget(run, batch, samples=4)`` calls ``run(part) -> LayoutCheck`` (the check on one batch) on
+``part``, the first ``samples`` samples of ``batch``: every tensor whose leading dim is the batch size (the size of
+the model's first image input) is cut to its first ``samples`` rows; other tensors and objects are passed as they
+are. Both layouts see the same part, so the comparison stays exact, and the check's activations are ``samples``
+rows instead of the whole batch's. Where the check on the part is ``"not checked"`` (the step raised without
+channels_last too: code written for the whole batch, ``x.view(BATCH, -1)``, a per-sample list the cut left
+long), the whole batch is checked. An out-of-memory error (CUDA or host) inside the check frees what it held
+and the check runs again on half as many samples (down to ``MIN_SAMPLES``), then gives ``"not checked"`` with
+the reason: never a finding, so never a fallback.
+
+Example::
+
+    >>> import torch
+    >>> from cltrain.check.compare import LayoutCheck
+    >>> seen = []
+    >>> def run(part):
+    ...     seen.append(part[0].shape[0])
+    ...     return LayoutCheck("passed")
+    >>> batch = (torch.randn(32, 3, 8, 8), torch.randint(0, 5, (32,)))
+    >>> check_within_budget(run, batch, samples=4).verdict, seen
+    ('passed', [4])
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from cltrain.check import LayoutCheck
+from cltrain.layout.batches import Inputs, first_image_tensor
+
+__all__ = ["DEFAULT_SAMPLES", "MIN_SAMPLES", "check_within_budget", "free_memory", "is_out_of_memory", "slice_batch"]
+
+#: Samples of the first batch the check runs on by default.
+DEFAULT_SAMPLES = 4
+#: The fewest samples an out-of-memory retry goes down to (BatchNorm in training needs two).
+MIN_SAMPLES = 2
+_OOM_TEXT = ("out of memory", "outofmemoryerror", "memoryerror", "can't allocate memory", "failed to allocate")
+
+
+def is_out_of_memory(error: BaseException | str) -> bool:
+    """Whether ``error`` (an exception, or its message as a ``LayoutCheck`` reports it) is an allocation failure:
+    ``torch.OutOfMemoryError``, ``MemoryError``, a CUDA or host allocator's ``RuntimeError``."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return any(part in text.lower() for part in _OOM_TEXT)
+
+
+def free_memory() -> None:
+    """Collect what a failed run left and give the CUDA caching allocator's free blocks back."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def slice_batch(batch: Any, samples: int, size: int) -> Any:
+    """``batch`` rebuilt with every tensor whose leading dim is ``size`` cut to its first ``samples`` rows (views)."""
+    return apply_to_collection(batch, torch.Tensor,
+                               lambda t: t[:samples] if t.dim() >= 1 and t.shape[0] == size else t)
+
+
+def _oom_in(result: LayoutCheck) -> str | None:
+    """The out-of-memory message a check's result carries (as its reason or as a finding), or ``None``."""
+    texts = [result.reason or ""] + [f.detail for f in result.findings if f.kind == "raised"]
+    return next((t for t in texts if t and is_out_of_memory(t)), None)
+
+
+def check_within_budget(run: Callable[[Any], LayoutCheck], batch: Any, samples: int | None = DEFAULT_SAMPLES, *,
+                        inputs: Inputs = None) -> LayoutCheck:
+    """``run(part)`` on the first ``samples`` samples of ``batch`` (see the module docstring).
+
+    Args:
+        run: the check on one batch, ``run(part) -> LayoutCheck``.
+        batch: the batch as the step gets it.
+        samples: how many samples to check; ``None``: the whole batch.
+        inputs: which tensors are the model's inputs (``cltrain.layout.batches``): the first one's leading dim
+            is the batch size.
+
+    Returns:
+        ``run``'s ``LayoutCheck``, or ``"not checked"`` with the reason where memory ran out at every size tried.
+    """
+    image = first_image_tensor(batch, inputs)
+    size = int(image.shape[0]) if image is not None and image.dim() > 0 else None
+    n = size if size is None or samples is None else min(samples, size)
+    whole_needed = ""  # why the whole batch is checked after a part was
+    while True:
+        part = batch if n == size else slice_batch(batch, n, size)
+        oom = None
+        try:
+            result = run(part)
+            oom = _oom_in(result)
+        except Exception as error:  # noqa: BLE001 - only an allocation failure is handled here
+            if not is_out_of_memory(error):
+                raise
+            oom = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}"
+            del error
+        del part
+        free_memory()
+        if oom is not None:
+            if n is not None and n > MIN_SAMPLES and not whole_needed:
+                n = max(MIN_SAMPLES, n // 2)
+                continue
+            at = f"{n} samples" if n is not None else "the whole batch"
+            reason = f"out of memory at {at} ({oom}){whole_needed}; the run goes on unchecked in channels_last"
+            return LayoutCheck("not checked", reason=reason)
+        if result.verdict == "not checked" and n is not None and size is not None and n < size:
+            whole_needed = f" (on {n} of {size} samples: {result.reason})"
+            n = size
+            continue
+        return result

@@ -1,0 +1,116 @@
+"""The first-batch layout check on a slice of the batch: it finds what the whole batch finds, falls back to the
+whole batch for code written for the batch size, and an out-of-memory error inside it is never a verdict."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cltrain import ChannelsLast, is_channels_last
+from cltrain.check.budget import slice_batch
+from tests.helpers.user_code import PATTERNS, Classifier, Net
+
+BATCH = 8
+# The most samples a copy of the model may run in the check before "memory runs out" (see OutOfMemoryAbove).
+_LIMIT = {"samples": None}
+
+
+def fit(module: pl.LightningModule, data: DataLoader, callback: ChannelsLast, steps: int = 1) -> None:
+    pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[callback, _MemoryFreedForTheStep()]).fit(module, data)
+
+
+def loader(pattern: str = "") -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * BATCH, 3, 16, 16, generator=g)
+    y = torch.randn(2 * BATCH, 4, 16, 16, generator=g) if pattern == "loss_view" else \
+        torch.randint(0, 5, (2 * BATCH,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+
+
+def test_slice_batch_cuts_the_tensors_with_the_batch_size_only():
+    images, labels, weights = torch.randn(8, 3, 4, 4), torch.arange(8), torch.ones(5)
+    part = slice_batch({"image": images, "label": labels, "weights": weights, "name": "x"}, 2, 8)
+    assert part["image"].shape == (2, 3, 4, 4) and part["label"].tolist() == [0, 1]
+    assert part["weights"] is weights and part["name"] == "x"
+
+
+@pytest.mark.parametrize("pattern", ["view_head", "raw_memory", "loss_view"])  # raises, diverges, the step code
+def test_two_samples_find_what_the_whole_batch_finds(pattern):
+    found = {}
+    for samples in (2, None):
+        torch.manual_seed(0)
+        callback = ChannelsLast(check_samples=samples)
+        fit(PATTERNS[pattern](), loader(pattern), callback)
+        check = callback.layout_checks["train"]
+        found[samples] = (check.verdict, check.fallbacks, [(f.kind, f.phase, f.module) for f in check.findings])
+    assert found[2] == found[None] and found[2][0] in ("fallback", "contiguous"), found
+
+
+class BatchSizedView(nn.Module):
+    """Code written for the batch size: ``x.view(BATCH, -1)`` raises on any other number of samples, in both layouts,
+    and on the whole batch only in channels_last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 16 * 16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).view(BATCH, -1))
+
+
+def test_code_written_for_the_batch_size_is_checked_on_the_whole_batch():
+    callback = ChannelsLast()  # a 4-sample part raises in NCHW too
+    module = Classifier(BatchSizedView())
+    fit(module, loader(), callback, steps=2)
+    check = callback.layout_checks["train"]
+    assert check.verdict in ("fallback", "contiguous") and "view" in check.findings[0].detail, check.line()
+    assert len(module.losses) == 2
+
+
+class OutOfMemoryAbove(nn.Module):
+    """Raises ``torch.OutOfMemoryError`` on more than ``_LIMIT["samples"]`` samples, in channels_last only (or in
+    both layouts with ``both``): memory that the check's copies would lack and the real step has."""
+
+    def __init__(self, both: bool = False) -> None:
+        super().__init__()
+        self.both = both
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        limit = _LIMIT["samples"]
+        if limit is not None and x.shape[0] > limit and (self.both or is_channels_last(x)):
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({x.shape[0]} samples)")
+        return x
+
+
+class _MemoryFreedForTheStep(Callback):
+    """After ChannelsLast's hook (the check): the real step has the memory the check's copies held."""
+
+    def on_train_batch_start(self, *args, **kwargs) -> None:
+        _LIMIT["samples"] = None
+
+
+@pytest.mark.parametrize("limit, both, verdict", [(2, False, "passed"), (1, False, "not checked"),
+                                                  (1, True, "not checked")])
+def test_out_of_memory_in_the_check_is_never_a_verdict_and_the_run_trains(limit, both, verdict):
+    _LIMIT["samples"] = limit
+    callback = ChannelsLast()
+    module = Classifier(Net(OutOfMemoryAbove(both)))
+    fit(module, loader(), callback, steps=2)
+    check = callback.layout_checks["train"]
+    assert check.verdict == verdict and not check.fallbacks, check.line()
+    if verdict == "not checked":
+        assert "out of memory at 2 samples" in check.reason, check.reason
+    assert callback.layout == "channels_last" and is_channels_last(module.net.stem.weight)
+    assert len(module.losses) == 2 and all(l == l for l in module.losses)
+
+
+def test_check_samples_is_validated():
+    for bad in (0, -1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="check_samples"):
+            ChannelsLast(check_samples=bad)
