@@ -1,0 +1,186 @@
+"""What ChannelsLast's first-batch layout check costs: peak memory and wall time against a run without it.
+
+For each model, a real ``lightning.Trainer`` trains ``--steps`` steps on synthetic data (a torchvision
+model with random weights, SGD) with ``ChannelsLast(verify=False)`` and with ``ChannelsLast()``, each run
+in its own fresh process, the two alternating over ``--repeats`` rounds (medians). Prints per model:
+
+* the peak memory ratio: the process's peak RSS (``VmHWM``) with the check over without it, and on CUDA
+  ``torch.cuda.max_memory_allocated``'s ratio;
+* the check in plain steps: (the first step with the check - the first step without it) / the median
+  plain step (steps 2.. of the run without the check); and the check's own seconds and verdict;
+
+then the machine::
+
+    python -m scripts.bench.check_cost                          # resnet50, convnext_tiny, vit_s_16; batch 32, 224 px
+    python -m scripts.bench.check_cost --models resnet50 --batch 32 --size 224 --precision bf16-mixed
+    python -m scripts.bench.check_cost --tiny                   # seconds: resnet18, batch 4 at 32 px (the test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: ``--models`` names: torchvision builders, and ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer).
+MODELS = ("resnet18", "resnet50", "convnext_tiny", "vit_s_16")
+
+
+def build(name: str, size: int, classes: int = 10) -> torch.nn.Module:
+    """One of ``MODELS`` with random weights (no download)."""
+    import torchvision
+
+    if name == "vit_s_16":
+        return torchvision.models.VisionTransformer(image_size=size, patch_size=16, num_layers=12, num_heads=6,
+                                                    hidden_dim=384, mlp_dim=1536, num_classes=classes)
+    if name not in MODELS:
+        raise ValueError(f"check_cost: unknown model {name!r}; expected one of {MODELS}.")
+    return getattr(torchvision.models, name)(num_classes=classes)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (MiB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool) -> dict[str, Any]:
+    """One training run in this process; returns its figures."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, Dataset
+
+    from cltrain import ChannelsLast
+
+    class Images(Dataset):
+        def __len__(self) -> int:
+            return batch * steps
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            g = torch.Generator().manual_seed(i)
+            return torch.randn(3, size, size, generator=g), i % 10
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build(model_name, size)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, b: Any, i: int) -> torch.Tensor:
+            return F.cross_entropy(self(b[0]), b[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class StepTimes(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.strategy.root_device.type == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._start)
+
+    torch.manual_seed(0)
+    timer, callback = StepTimes(), ChannelsLast(verify=verify)
+    trainer = pl.Trainer(max_steps=steps, precision=precision, callbacks=[timer, callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(Module(), DataLoader(Images(), batch_size=batch))
+    check = callback.layout_checks.get("train")
+    cuda = torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"
+    return {"steps": timer.times, "peak_rss_mb": peak_rss_mb(),
+            "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "check_s": check.seconds if check else None, "verdict": check.verdict if check else None,
+            "device": str(trainer.strategy.root_device)}
+
+
+def measure(model_name: str, batch: int, size: int, precision: str, steps: int, repeats: int) -> dict[str, Any]:
+    """``repeats`` alternating rounds of a run without and with the check, each in a fresh process."""
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for r in range(repeats):
+        for verify in (False, True) if r % 2 == 0 else (True, False):
+            cmd = [sys.executable, "-m", "scripts.bench.check_cost", "--child", "--models", model_name,
+                   "--batch", str(batch), "--size", str(size), "--precision", precision, "--steps", str(steps)]
+            if verify:
+                cmd.append("--verify")
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"check_cost child failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+            runs[verify].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = statistics.median
+    plain_step = med(t for run in runs[False] for t in run["steps"][1:])
+    first_plain, first_check = (med(run["steps"][0] for run in runs[v]) for v in (False, True))
+    rss_plain, rss_check = (med(run["peak_rss_mb"] for run in runs[v]) for v in (False, True))
+    row = {"model": model_name, "batch": batch, "size": size, "precision": precision,
+           "device": runs[True][0]["device"], "rss_plain_mb": rss_plain, "rss_check_mb": rss_check,
+           "memory_ratio": rss_check / rss_plain, "plain_step_s": plain_step,
+           "check_in_steps": (first_check - first_plain) / plain_step,
+           "check_s": med(run["check_s"] for run in runs[True]), "verdict": runs[True][0]["verdict"],
+           "runs": {"plain": runs[False], "check": runs[True]}}
+    if runs[True][0]["cuda_peak_mb"] is not None:
+        cuda_plain, cuda_check = (med(run["cuda_peak_mb"] for run in runs[v]) for v in (False, True))
+        row.update(cuda_plain_mb=cuda_plain, cuda_check_mb=cuda_check, cuda_memory_ratio=cuda_check / cuda_plain)
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["resnet50", "convnext_tiny", "vit_s_16"], choices=MODELS)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run (>= 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) the check")
+    parser.add_argument("--tiny", action="store_true", help="resnet18, batch 4 at 32 px, fp32, one round")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify)))
+        return []
+    if args.tiny:
+        args.models, args.batch, args.size, args.precision, args.steps, args.repeats = \
+            ["resnet18"], 4, 32, "32-true", 2, 1
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the plain step time is read from steps 2..)")
+    from scripts.machine import machine, machine_line
+
+    print(f"batch {args.batch} at {args.size} px, {args.precision}, {args.steps} steps per run, {args.repeats} "
+          f"rounds, each run in its own process; medians")
+    print(f"{'model':<15}{'peak RSS':>10}{'with check':>12}{'ratio':>7}{'step s':>8}{'check in steps':>16}"
+          f"{'check s':>9}  verdict")
+    rows = []
+    for name in args.models:
+        row = measure(name, args.batch, args.size, args.precision, args.steps, args.repeats)
+        rows.append(row)
+        cuda = (f"  CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB "
+                f"({row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")
+        print(f"{name:<15}{row['rss_plain_mb']:>8.0f}MB{row['rss_check_mb']:>10.0f}MB{row['memory_ratio']:>6.2f}x"
+              f"{row['plain_step_s']:>8.3f}{row['check_in_steps']:>16.1f}{row['check_s']:>9.2f}  {row['verdict']}"
+              f"{cuda}", flush=True)
+    print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line(machine()))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Does the first-batch layout check on a slice of the batch find what it finds on the whole batch? Zoo models.
+
+Each model (``scripts/zoo/models.py``, random weights, its size) in its own process: one batch of ``--batch``
+samples, a real ``Trainer`` step with ``ChannelsLast(check_samples=K)`` and again with
+``ChannelsLast(check_samples=None)`` (the whole batch); prints per model both verdicts, their findings and
+fallbacks, the largest agreeing difference and the check's seconds, as a markdown table, then the machine::
+
+    python -m scripts.zoo.check_slice --models timm:repvgg_a0,timm:mobileone_s0,tv:resnet50 --batch 16 --samples 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+
+def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
+    """Both checks of one model in this process."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from cltrain import ChannelsLast
+    from scripts.zoo.models import build, find, make_batch
+    from scripts.zoo.sweep import ZooModule
+
+    spec = find([key])[0]
+    row: dict[str, Any] = {"model": spec.key}
+    for name, k in (("slice", samples), ("whole", None)):
+        torch.manual_seed(0)
+        data = [make_batch(spec, batch, torch.Generator().manual_seed(0))]
+        callback = ChannelsLast(check_samples=k)
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, precision=precision, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback])
+        trainer.fit(ZooModule(build(spec), spec.dict_batch).train(), DataLoader(data, batch_size=None))
+        check = callback.layout_checks["train"]
+        row[name] = {"verdict": check.verdict, "findings": [(f.kind, f.phase, f.module) for f in check.findings],
+                     "fallbacks": [f.describe() for f in check.fallbacks], "worst": check.worst,
+                     "seconds": round(check.seconds, 2), "layout": callback.layout}
+    return row
+
+
+def _cell(run: dict[str, Any]) -> str:
+    found = "; ".join(f"{k} {p} {m!r}" for k, p, m in run["findings"]) or "-"
+    worst = f"{run['worst'][0]:.2g} ({run['worst'][1]:.2g})" if run.get("worst") else "-"
+    return f"{run['verdict']} | {found} | {worst} | {run['seconds']}"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", required=True, help="comma-separated zoo keys (timm:resnet50, tv:vit_b_16)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=4, help="check_samples of the sliced check")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per model")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.batch, args.samples, args.precision)))
+        return []
+    from scripts.machine import machine, machine_line
+
+    print(f"batch {args.batch}, slice of {args.samples} samples, {args.precision}\n")
+    print("| model | same | slice: verdict | findings | largest agreeing difference (noise) | s "
+          "| whole batch: verdict | findings | largest agreeing difference (noise) | s |")
+    print("|---|---|---|---|---|---:|---|---|---|---:|")
+    rows = []
+    for key in args.models.split(","):
+        cmd = [sys.executable, "-m", "scripts.zoo.check_slice", "--child", key, "--batch", str(args.batch),
+               "--samples", str(args.samples), "--precision", args.precision, "--models", key]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            row = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+            error = None if row else (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:120]
+        except subprocess.TimeoutExpired:
+            row, error = None, f"timed out after {args.timeout} s"
+        if row is None:
+            print(f"| {key} | error: {error} |||||||||", flush=True)
+            continue
+        rows.append(row)
+        same = all(row["slice"][k] == row["whole"][k] for k in ("verdict", "findings", "fallbacks", "layout"))
+        print(f"| {row['model']} | {'yes' if same else 'NO'} | {_cell(row['slice'])} | {_cell(row['whole'])} |",
+              flush=True)
+    print("\n" + machine_line(machine()))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""scripts.bench.check_cost --tiny: two real runs in fresh processes, the ratios and the machine printed."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+
+@pytest.mark.slow
+def test_tiny_prints_the_memory_ratio_the_check_in_steps_and_the_machine(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.check_cost", "--tiny", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "resnet18" and row["verdict"] == "passed"
+    assert row["rss_plain_mb"] > 0 and math.isclose(row["memory_ratio"], row["rss_check_mb"] / row["rss_plain_mb"])
+    assert math.isfinite(row["check_in_steps"]) and row["plain_step_s"] > 0 and row["check_s"] > 0
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("resnet18") and f"{row['memory_ratio']:.2f}x" in line for line in lines), proc.stdout
+    assert "CPU" in lines[-1] and "torch" in lines[-1]
