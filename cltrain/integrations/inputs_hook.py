@@ -192,7 +192,7 @@ class ChannelsLastInputs:
             )
 
     def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str) -> None:
-        from cltrain.check.compare import LayoutCheck  # internal: the check's result type
+        from cltrain.check import LayoutCheck
         from cltrain.loops import verify_layout
 
         found = self._found(args, kwargs)

@@ -1,0 +1,193 @@
+"""Training steps/second of Hugging Face image models under a real ``transformers.Trainer``, NCHW vs channels_last.
+
+Each model is built from its config at its published size (random weights, nothing downloaded): ConvNeXt-T
+(``ConvNextConfig()``), ResNet-50 (``ResNetConfig()``), RegNetY-4GF (``RegNetConfig()``), MobileNetV2 1.0
+(``MobileNetV2Config()``), EfficientNet-B0 and SegFormer-B0 (``SegformerForSemanticSegmentation``, a
+segmentation head). Two Trainers train it on a generated dataset (``pixel_values`` and labels, collated NCHW as
+an image processor's output is): one as it comes, one with ``Trainer(callbacks=[ChannelsLastCallback()])``
+(``verify=False``: the first-batch check runs once, before the first step, and is not timed here).
+A step is timed from ``on_step_begin`` to ``on_step_end`` (forward, loss, backward, optimizer step; not the data
+loader). Rounds alternate which layout goes first; each round is one ``trainer.train()`` of ``--steps`` steps
+after one untimed warm-up step. The table gives the median steps/second over every timed step, the min-max
+over rounds, and channels_last / NCHW.
+
+Usage::
+
+    python -m scripts.bench.hf_trainer                                  # bf16, batch 8 at 128 px, 3 rounds
+    python -m scripts.bench.hf_trainer --models resnet,convnext --image-size 224 --precision fp32
+    python -m scripts.bench.hf_trainer --device cuda --batch-size 64 --image-size 224
+    python -m scripts.bench.hf_trainer --tiny                           # tiny configs: checks the script works
+
+bf16 on a CPU without AVX512-BF16/AMX runs far slower than fp32 (the machine line says which this CPU has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from scripts.machine import machine, machine_line
+
+#: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
+MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "convnext": ("ConvNextForImageClassification", "ConvNextConfig", {},
+                 {"num_stages": 2, "hidden_sizes": [8, 16], "depths": [1, 1]}),
+    "resnet": ("ResNetForImageClassification", "ResNetConfig", {},
+               {"embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1]}),
+    "regnet": ("RegNetForImageClassification", "RegNetConfig", {},
+               {"embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1], "groups_width": 8}),
+    "mobilenet_v2": ("MobileNetV2ForImageClassification", "MobileNetV2Config", {}, {"depth_multiplier": 0.25}),
+    "efficientnet": ("EfficientNetForImageClassification", "EfficientNetConfig",
+                     {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
+                     {"width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320}),
+    "segformer": ("SegformerForSemanticSegmentation", "SegformerConfig", {},
+                  {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [8, 16],
+                   "patch_sizes": [7, 3], "strides": [4, 2], "num_attention_heads": [1, 1], "mlp_ratios": [2, 2],
+                   "decoder_hidden_size": 16}),
+}
+NUM_LABELS = 10
+
+
+def build(name: str, image_size: int, tiny: bool) -> nn.Module:
+    """``name`` from its config (``--tiny``: a few channels), random weights."""
+    import transformers
+
+    model_class, config_class, full, small = MODELS[name]
+    config = getattr(transformers, config_class)(**(small if tiny else full), num_labels=NUM_LABELS)
+    if hasattr(config, "image_size"):
+        config.image_size = image_size
+    return getattr(transformers, model_class)(config)
+
+
+class Images(torch.utils.data.Dataset):
+    """``n`` generated samples: ``pixel_values`` (3, H, W) and a class (a class map for segmentation)."""
+
+    def __init__(self, n: int, image_size: int, segmentation: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.images = torch.randn(n, 3, image_size, image_size, generator=g)
+        shape = (n, image_size, image_size) if segmentation else (n,)
+        self.labels = torch.randint(0, NUM_LABELS, shape, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.images[i], "labels": self.labels[i]}
+
+
+def step_timer() -> tuple[Any, list[float]]:
+    """A ``TrainerCallback`` that appends each step's seconds to the returned list."""
+    from transformers import TrainerCallback
+
+    seconds: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seconds.append(time.perf_counter() - self.start)
+
+    return StepTimer(), seconds
+
+
+def make_trainer(model: nn.Module, data: Images, callbacks: list[Any], args: argparse.Namespace, out: str) -> Any:
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    options = TrainingArguments(
+        output_dir=out, max_steps=args.steps + 1, per_device_train_batch_size=args.batch_size, bf16=args.precision
+        == "bf16", use_cpu=args.device == "cpu", save_strategy="no", report_to="none", logging_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, optim="sgd", learning_rate=1e-3,
+    )
+    trainer = Trainer(model=model, args=options, train_dataset=data, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # the end-of-training metrics line, printed at every round
+    return trainer
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Steps/second of ``name`` in both layouts, rounds interleaved."""
+    from cltrain.integrations.transformers import ChannelsLastCallback
+
+    torch.manual_seed(0)
+    base = build(name, args.image_size, args.tiny)
+    data = Images(args.batch_size * (args.steps + 1), args.image_size, segmentation="Segformer" in type(base).__name__)
+    trainers: dict[str, tuple[Any, list[float]]] = {}
+    timed: dict[str, list[float]] = {"contiguous": [], "channels_last": []}
+    rounds: dict[str, list[float]] = {"contiguous": [], "channels_last": []}
+    with tempfile.TemporaryDirectory() as out:
+        for layout in timed:
+            timer, seconds = step_timer()
+            # verify=False: the first-batch check is a one-off before the first step, not part of a step's time
+            extra = [ChannelsLastCallback(verify=False)] if layout == "channels_last" else []
+            model = build(name, args.image_size, args.tiny)
+            model.load_state_dict(base.state_dict())
+            trainers[layout] = (make_trainer(model, data, [*extra, timer], args, out), seconds)
+        for r in range(args.repeats):
+            for layout in (list(timed) if r % 2 == 0 else list(reversed(list(timed)))):
+                trainer, seconds = trainers[layout]
+                seconds.clear()
+                trainer.train()
+                steps = seconds[1:] or seconds  # the first step of a train() call warms up
+                timed[layout] += steps
+                rounds[layout].append(1 / statistics.median(steps))
+    rate = {layout: 1 / statistics.median(s) for layout, s in timed.items()}
+    return {"model": name, "params_m": sum(p.numel() for p in base.parameters()) / 1e6, "rate": rate,
+            "rounds": rounds, "ratio": rate["channels_last"] / rate["contiguous"]}
+
+
+def to_markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """The results table."""
+    lines = [f"{args.device}, {args.precision}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+             f"{args.repeats} rounds of {args.steps} timed steps per layout", "",
+             "| model | params (M) | NCHW steps/s | channels_last steps/s | channels_last / NCHW |",
+             "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        cells = [f"{row['rate'][k]:.2f} ({min(row['rounds'][k]):.2f}-{max(row['rounds'][k]):.2f})"
+                 for k in ("contiguous", "channels_last")]
+        lines.append(f"| {row['model']} | {row['params_m']:.1f} | {cells[0]} | {cells[1]} | {row['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round and layout")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds, alternating which layout goes first")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs, batch 2 at 32 px, 1 round of 1 step")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
+    if args.tiny:
+        args.batch_size, args.image_size, args.steps, args.repeats = 2, 32, 1, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    print(f"Machine: {machine_line(machine())}", flush=True)
+    rows = []
+    for name in args.models.split(","):
+        rows.append(bench_model(name, args))
+        print(f"{name}: {rows[-1]['ratio']:.2f}x", flush=True)
+    print(to_markdown(rows, args))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
