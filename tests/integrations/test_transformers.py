@@ -144,13 +144,16 @@ def test_the_first_batch_check_finds_code_assuming_nchw(tmp_path):
         trainer("resnet", tmp_path / "off", unchecked, [ChannelsLastCallback(verify=False)], max_steps=1).train()
 
 
-def test_events_leave_the_trainer_control_alone():
-    args = TrainingArguments("unused", use_cpu=True, report_to="none")
+@pytest.mark.parametrize("precision, dtype", [({}, None), ({"bf16": True}, torch.bfloat16),
+                                              ({"fp16": True}, torch.float16)])
+def test_events_leave_the_trainer_control_alone(precision, dtype):
+    args = TrainingArguments("unused", use_cpu=True, report_to="none", **precision)
     control, callback, model = TrainerControl(), ChannelsLastCallback(), build("resnet")
     before = dict(vars(control))
     assert callback.on_init_end(args, TrainerState(), control, model=model) is None
     assert callback.on_train_begin(args, TrainerState(), control, model=model) is None
     assert vars(control) == before and all(conv_weights(model).values())
+    assert callback.inputs_hook.autocast_dtype == dtype  # the dtype the guardrails and the check assume
 
 
 @pytest.mark.parametrize("kwargs, named", [
