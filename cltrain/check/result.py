@@ -38,7 +38,7 @@ class Finding:
     def fix(self) -> str:
         """What to change in the user's code, in a few words."""
         if "view size is not compatible" in self.detail or ".view(" in self.detail:
-            return "use torch.flatten(x, 1) or .reshape(...) instead of .view(...) there"
+            return "use .reshape(...) instead of .view(...) there (torch.flatten(x, 1) where it flattens)"
         if self.kind == "raised" and "contiguous" in self.detail.lower():
             return "call .contiguous() on the tensor before that op"
         if self.kind == "diverged" and self.phase == "update":
@@ -123,8 +123,8 @@ class LayoutCheck:
             parts: list[str] = []
             for finding in self.findings:
                 where = f" at {finding.where}" if finding.where else ""
-                part = (f"{finding.subject()} {finding.kind} in channels_last only ({finding.phase}{where}: "
-                        f"{finding.detail}); fix: {finding.fix()}")
+                part = (f"{finding.subject()} {finding.kind} in channels_last only ({finding.phase}{where}); "
+                        f"fix: {finding.fix()} [{_shorten(finding.detail, 120)}]")
                 if part not in parts:  # the same error in several places is named once
                     parts.append(part)
             done = describe_fallbacks(self.fallbacks)
@@ -134,12 +134,21 @@ class LayoutCheck:
             found, tail = " | ".join(parts), f" -> {done}{notes} ({self.seconds:.1f} s)"
             room = MAX_LINE - len("layout check: ") - len(tail)
             if len(found) > room:  # shorten what was found, keep what was done
-                found = found[:max(room - 1, 40)] + "…"
+                found = _shorten(found, max(room, 40))
             text = f"layout check: {found}{tail}"
-        return text if len(text) <= MAX_LINE else text[:MAX_LINE - 1] + "…"
+        return _shorten(text, MAX_LINE)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain types, for ``metrics.json``."""
         return {"verdict": self.verdict, "findings": [f.as_dict() for f in self.findings],
                 "fallbacks": [f.as_dict() for f in self.fallbacks], "reason": self.reason,
                 "seconds": round(self.seconds, 3), "timings": self.timings, "notes": list(self.notes)}
+
+
+def _shorten(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, with an ellipsis where cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ;,(") + "…"
