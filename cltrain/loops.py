@@ -138,6 +138,7 @@ def verify_layout(
     inputs: Inputs = None,
     autocast_dtype: torch.dtype | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    report: bool = True,
 ) -> LayoutCheck:
     """Check one step in both layouts and apply what the check chooses to ``model``, in place.
 
@@ -159,6 +160,7 @@ def verify_layout(
             this dtype only where it cannot run in float32.
         optimizer: the loop's optimizer: its step runs after the backward on a copy of it and its state (the
             optimizer itself is not touched), and the parameters' updates are compared too.
+        report: log the result's line (``False``: the caller reports it in its own way).
 
     Returns:
         The ``cltrain.check.compare.LayoutCheck``.
@@ -201,7 +203,8 @@ def verify_layout(
     elif result.verdict == "contiguous":
         # The whole model in NCHW, inputs included: a loop that keeps converting its batches stays right.
         apply_fallbacks(model, [Fallback("module", "")])
-    (log.warning if result.verdict in ("fallback", "contiguous") else log.info)("verify_layout: %s", result.line())
+    if report:
+        (log.warning if result.verdict in ("fallback", "contiguous") else log.info)("verify_layout: %s", result.line())
     return result
 
 

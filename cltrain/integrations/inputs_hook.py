@@ -209,7 +209,8 @@ class ChannelsLastInputs:
             _state.checking = True
             try:
                 with torch.autocast(device.type, enabled=False), grad:  # float32: the loop's autocast is outside
-                    result = verify_layout(module, batch, _call, inputs=found, autocast_dtype=self.autocast_dtype)
+                    result = verify_layout(module, batch, _call, inputs=found, autocast_dtype=self.autocast_dtype,
+                                           report=False)
             except Exception as error:  # noqa: BLE001 - the check failing must not end the run
                 result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
             finally:
