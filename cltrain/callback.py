@@ -12,7 +12,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from cltrain.layout import CONV1D_TYPES, CONV_TYPES, is_channels_last, layout_summary, to_channels_last, to_channels_last_1d, to_contiguous
+from cltrain.layout import (
+    CONV1D_TYPES,
+    CONV_TYPES,
+    is_channels_last,
+    layout_summary,
+    to_channels_last,
+    to_channels_last_1d,
+    to_contiguous,
+)
 from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, image_inputs, restride_batch
 from cltrain.layout.conv_reach import ConvReach
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
@@ -356,7 +364,10 @@ class ChannelsLast(Callback):
     def _start_trace(self, pl_module: LightningModule) -> None:
         if self._reach is None:
             return
-        if self.layout != "channels_last" or getattr(pl_module, "_compiler_ctx", None) is not None:
+        compiled = getattr(pl_module, "_compiler_ctx", None) is not None or any(
+            type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+            for m in pl_module.modules())
+        if self.layout != "channels_last" or compiled:
             # The check put the model in NCHW; or the step is compiled, and a TorchFunctionMode would change what
             # Dynamo compiles: convert as before.
             self._tell_converting(len(self._reach[2]) if self.layout == "channels_last" else 0)
@@ -365,7 +376,8 @@ class ChannelsLast(Callback):
         self._reach[1].__enter__()
 
     def _end_trace(self, completed: bool = True) -> None:
-        """Leave the forward's trace; with ``completed``, stop converting the inputs no convolution took in channels_last."""
+        """Leave the forward's trace; with ``completed``, stop converting the inputs that no convolution took
+        in channels_last."""
         if self._reach is None:
             return
         stage, reach, traced = self._reach

@@ -6,8 +6,9 @@ in its own fresh process, the two alternating over ``--repeats`` rounds (medians
 
 * the peak memory ratio: the process's peak RSS (``VmHWM``) with the check over without it, and on CUDA
   ``torch.cuda.max_memory_allocated``'s ratio;
-* the check in plain steps: (the first step with the check - the first step without it) / the median
-  plain step (steps 2.. of the run without the check); and the check's own seconds and verdict;
+* the check in plain steps: the check's own seconds over the median plain step of the same run (its steps
+  2..); and, across runs, (the first step with the check - the first step without it) over the median plain
+  step of the run without it (first steps also build kernels: noisier); the verdict;
 
 then the machine::
 
@@ -55,7 +56,8 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool) -> dict[str, Any]:
+def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool,
+          samples: int | None = None) -> dict[str, Any]:
     """One training run in this process; returns its figures."""
     import lightning.pytorch as pl
     import torch.nn.functional as F
@@ -98,7 +100,8 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
             self.times.append(time.perf_counter() - self._start)
 
     torch.manual_seed(0)
-    timer, callback = StepTimes(), ChannelsLast(verify=verify)
+    options = {} if samples is None else {"check_samples": samples or None}
+    timer, callback = StepTimes(), ChannelsLast(verify=verify, **options)
     trainer = pl.Trainer(max_steps=steps, precision=precision, callbacks=[timer, callback], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
@@ -111,7 +114,8 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
             "device": str(trainer.strategy.root_device)}
 
 
-def measure(model_name: str, batch: int, size: int, precision: str, steps: int, repeats: int) -> dict[str, Any]:
+def measure(model_name: str, batch: int, size: int, precision: str, steps: int, repeats: int,
+            samples: int | None = None) -> dict[str, Any]:
     """``repeats`` alternating rounds of a run without and with the check, each in a fresh process."""
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for r in range(repeats):
@@ -120,19 +124,23 @@ def measure(model_name: str, batch: int, size: int, precision: str, steps: int, 
                    "--batch", str(batch), "--size", str(size), "--precision", precision, "--steps", str(steps)]
             if verify:
                 cmd.append("--verify")
+            if samples is not None:
+                cmd += ["--check-samples", str(samples)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 raise RuntimeError(f"check_cost child failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
             runs[verify].append(json.loads(out.stdout.strip().splitlines()[-1]))
     med = statistics.median
     plain_step = med(t for run in runs[False] for t in run["steps"][1:])
+    step_with_check = med(t for run in runs[True] for t in run["steps"][1:])
     first_plain, first_check = (med(run["steps"][0] for run in runs[v]) for v in (False, True))
     rss_plain, rss_check = (med(run["peak_rss_mb"] for run in runs[v]) for v in (False, True))
     row = {"model": model_name, "batch": batch, "size": size, "precision": precision,
            "device": runs[True][0]["device"], "rss_plain_mb": rss_plain, "rss_check_mb": rss_check,
-           "memory_ratio": rss_check / rss_plain, "plain_step_s": plain_step,
-           "check_in_steps": (first_check - first_plain) / plain_step,
-           "check_s": med(run["check_s"] for run in runs[True]), "verdict": runs[True][0]["verdict"],
+           "memory_ratio": rss_check / rss_plain, "plain_step_s": plain_step, "step_with_check_s": step_with_check,
+           "check_s": med(run["check_s"] for run in runs[True]),
+           "check_in_steps": med(run["check_s"] for run in runs[True]) / step_with_check,
+           "first_step_extra_in_steps": (first_check - first_plain) / plain_step, "verdict": runs[True][0]["verdict"],
            "runs": {"plain": runs[False], "check": runs[True]}}
     if runs[True][0]["cuda_peak_mb"] is not None:
         cuda_plain, cuda_check = (med(run["cuda_peak_mb"] for run in runs[v]) for v in (False, True))
@@ -149,12 +157,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (>= 2)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) the check")
     parser.add_argument("--tiny", action="store_true", help="resnet18, batch 4 at 32 px, fp32, one round")
+    parser.add_argument("--check-samples", type=int, help="ChannelsLast(check_samples=...); 0: the whole batch")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify)))
+        print(json.dumps(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify,
+                               args.check_samples)))
         return []
     if args.tiny:
         args.models, args.batch, args.size, args.precision, args.steps, args.repeats = \
@@ -163,18 +173,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error("--steps must be >= 2 (the plain step time is read from steps 2..)")
     from scripts.machine import machine, machine_line
 
+    samples = {None: "default", 0: "the whole batch"}.get(args.check_samples, args.check_samples)
     print(f"batch {args.batch} at {args.size} px, {args.precision}, {args.steps} steps per run, {args.repeats} "
-          f"rounds, each run in its own process; medians")
-    print(f"{'model':<15}{'peak RSS':>10}{'with check':>12}{'ratio':>7}{'step s':>8}{'check in steps':>16}"
-          f"{'check s':>9}  verdict")
+          f"rounds, each run in its own process; medians; check_samples {samples}")
+    print(f"{'model':<15}{'peak RSS':>10}{'with check':>12}{'ratio':>7}{'step s':>8}{'check s':>9}"
+          f"{'check in steps':>16}{'first step +':>14}  verdict")
     rows = []
     for name in args.models:
-        row = measure(name, args.batch, args.size, args.precision, args.steps, args.repeats)
+        row = measure(name, args.batch, args.size, args.precision, args.steps, args.repeats, args.check_samples)
         rows.append(row)
         cuda = (f"  CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB "
                 f"({row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")
         print(f"{name:<15}{row['rss_plain_mb']:>8.0f}MB{row['rss_check_mb']:>10.0f}MB{row['memory_ratio']:>6.2f}x"
-              f"{row['plain_step_s']:>8.3f}{row['check_in_steps']:>16.1f}{row['check_s']:>9.2f}  {row['verdict']}"
+              f"{row['step_with_check_s']:>8.3f}{row['check_s']:>9.2f}{row['check_in_steps']:>16.1f}"
+              f"{row['first_step_extra_in_steps']:>14.1f}  {row['verdict']}"
               f"{cuda}", flush=True)
     print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line(machine()))
     if args.json:

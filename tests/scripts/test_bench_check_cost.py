@@ -19,7 +19,9 @@ def test_tiny_prints_the_memory_ratio_the_check_in_steps_and_the_machine(tmp_pat
     (row,) = json.loads(out.read_text())
     assert row["model"] == "resnet18" and row["verdict"] == "passed"
     assert row["rss_plain_mb"] > 0 and math.isclose(row["memory_ratio"], row["rss_check_mb"] / row["rss_plain_mb"])
-    assert math.isfinite(row["check_in_steps"]) and row["plain_step_s"] > 0 and row["check_s"] > 0
+    assert row["plain_step_s"] > 0 and row["check_s"] > 0
+    assert math.isclose(row["check_in_steps"], row["check_s"] / row["step_with_check_s"])
+    assert math.isfinite(row["first_step_extra_in_steps"])
     lines = proc.stdout.splitlines()
     assert any(line.startswith("resnet18") and f"{row['memory_ratio']:.2f}x" in line for line in lines), proc.stdout
     assert "CPU" in lines[-1] and "torch" in lines[-1]
