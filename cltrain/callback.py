@@ -207,6 +207,7 @@ class ChannelsLast(Callback):
         self._warned_no_conv = False
         self._left_as_is: dict[str, frozenset[int]] = {}  # per stage: input positions no convolution needs converted
         self._reach: tuple[str, ConvReach, dict[int, torch.Tensor]] | None = None  # the first batch being traced
+        self._told_left: set[str] = set()
 
     # ---- model conversion ----------------------------------------------------------------------
 
@@ -390,11 +391,13 @@ class ChannelsLast(Callback):
         if left:
             self._left_as_is[stage] = frozenset(left)
             shapes = ", ".join(str(tuple(traced[p].shape)) for p in left)
-            rank_zero_info(
-                f"ChannelsLast: the {stage} batches' input {shapes} reaches no convolution in {self.layout} (the model "
-                "reshapes or permutes it first), so converting it is a copy that helps nothing: it is left as it "
-                "arrives from now on."
-            )
+            if shapes not in self._told_left:  # once per run, not once per stage
+                self._told_left.add(shapes)
+                rank_zero_info(
+                    f"ChannelsLast: the input {shapes} reaches no convolution in {self.layout} (the model reshapes "
+                    "or permutes it first), so converting it is a copy that helps nothing: it is left as it arrives "
+                    "from now on."
+                )
         self._tell_converting(len(traced) - len(left))
 
     @override

@@ -239,6 +239,9 @@ class StackOrImage(LightningModule):
             return self.conv(x.flatten(0, 1)).mean()
         return self.conv((x - 0.5) * 2).mean()
 
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -247,14 +250,16 @@ def _reach_run(tmp_path, caplog, shape, **callback_kw):
     model = StackOrImage()
     data = DataLoader(range(6), batch_size=2, collate_fn=lambda items: {"image": torch.randn(len(items), *shape)})
     with caplog.at_level(logging.INFO):
-        fit(tmp_path, model, data, ChannelsLast(**callback_kw), max_steps=3)
-    return model.seen
+        Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ChannelsLast(**callback_kw)],
+                max_steps=3, limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=2).fit(model, data, data)
+    return [model.seen[i] for i in (0, 1, 3)]  # the training steps (the validation batch came third)
 
 
 def test_a_5d_stack_flattened_before_the_convolutions_is_left_as_it_arrives_after_the_first_batch(tmp_path, caplog):
     seen = _reach_run(tmp_path, caplog, (2, 3, 8, 8))
     assert seen == [cl_strides(2, 2, 3, 8, 8)] + [plain_strides(2, 2, 3, 8, 8)] * 2
-    assert caplog.text.count("reaches no convolution") == 1, caplog.text
+    assert caplog.text.count("reaches no convolution") == 1, caplog.text  # train and validation: one line
     assert "converting 1 tensor(s) per batch" not in caplog.text
 
 
