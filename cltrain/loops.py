@@ -138,6 +138,7 @@ def verify_layout(
     inputs: Inputs = None,
     autocast_dtype: torch.dtype | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    samples: int | None = 4,
     report: bool = True,
 ) -> LayoutCheck:
     """Check one step in both layouts and apply what the check chooses to ``model``, in place.
@@ -160,20 +161,23 @@ def verify_layout(
             this dtype only where it cannot run in float32.
         optimizer: the loop's optimizer: its step runs after the backward on a copy of it and its state (the
             optimizer itself is not touched), and the parameters' updates are compared too.
+        samples: check the batch's first ``samples`` samples (``cltrain.check.budget``: the whole batch where
+            the step cannot run on them, fewer where memory runs out); ``None``: the whole batch.
         report: log the result's line (``False``: the caller reports it in its own way).
 
     Returns:
         The ``cltrain.check.compare.LayoutCheck``.
     """
-    from cltrain.precision import autocast_for
+    from cltrain.check.budget import check_within_budget
     from cltrain.layout.batches import first_image_tensor
+    from cltrain.precision import autocast_for
 
     inputs = check_inputs(inputs, owner="verify_layout")
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
-    def run_in(dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
+    def run_in(part: Any, dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
         def run(clone: nn.Module, layout: str) -> Any:
-            copied = _clone_tensors(batch)
+            copied = _clone_tensors(part)
             restride_batch(copied, layout, inputs=inputs)
             with autocast_for(device, dtype):
                 if step is not None:
@@ -194,10 +198,14 @@ def verify_layout(
     options: dict[str, Any] = {"copy_model": copy_model}
     if optimizer is not None:
         options["after_backward"] = lambda clone: optimizers[clone].step()
-    # float32 first: mixed precision's rounding would hide a wrong op in noise.
-    result = check_layout(model, run_in(None), **options)
-    if result.verdict == "not checked" and autocast_dtype is not None:
-        result = check_layout(model, run_in(autocast_dtype), **options)
+    def check(part: Any) -> LayoutCheck:
+        # float32 first: mixed precision's rounding would hide a wrong op in noise.
+        result = check_layout(model, run_in(part, None), **options)
+        if result.verdict == "not checked" and autocast_dtype is not None:
+            result = check_layout(model, run_in(part, autocast_dtype), **options)
+        return result
+
+    result = check_within_budget(check, batch, samples, inputs=inputs)
     if result.verdict == "fallback":
         apply_fallbacks(model, list(result.fallbacks))
     elif result.verdict == "contiguous":

@@ -184,3 +184,26 @@ def test_contiguous_copy_unwraps_fabric_and_leaves_the_model_alone():
     assert isinstance(copy, nn.Sequential) and copy[0].weight.grad is None
     assert copy[0].weight.is_contiguous() and is_channels_last(model[0].weight)
     assert model[0].weight.grad is not None and is_channels_last(model[0].weight.grad)
+
+
+def test_verify_layout_checks_a_slice_of_the_batch_and_the_whole_batch_on_request():
+    seen: list[int] = []
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.shape[0])
+            return self.conv(x)
+
+    from cltrain.loops import convert_model, verify_layout
+
+    model = convert_model(Net())
+    batch = (torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,)))
+    assert verify_layout(model, batch).verdict == "passed"
+    assert seen and set(seen) == {4}
+    seen.clear()
+    assert verify_layout(model, batch, samples=None).verdict == "passed"
+    assert set(seen) == {16}
