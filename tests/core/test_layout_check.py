@@ -3,10 +3,6 @@ check leaves no trace in the run."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -19,9 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from cltrain import ChannelsLast
 from cltrain.check.compare import check_layout
 from cltrain.loops import convert_batch, convert_model, verify_layout
-from tests.helpers.user_code import PATTERNS, RawMemory, ViewHead
+from tests.helpers.user_code import PATTERNS, RawMemory, ViewHead, run_variants
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # pattern -> (the module the line must name, the fix it must give, how the unchecked run fails)
 EXPECTED = {
@@ -34,18 +29,10 @@ EXPECTED = {
 }
 
 
-def _run(pattern: str) -> dict[str, dict]:
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.user_code", pattern, "nchw", "checked", "unchecked"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["variant"]: r for r in reports}
-
-
 @pytest.mark.parametrize("pattern", sorted(EXPECTED))
 def test_user_code_that_assumes_nchw_trains_like_nchw_under_the_callback(pattern: str) -> None:
     assert set(EXPECTED) == set(PATTERNS)
-    runs = _run(pattern)
+    runs = run_variants(pattern)
     nchw, checked, unchecked = runs["nchw"], runs["checked"], runs["unchecked"]
     assert nchw["error"] is None and len(nchw["losses"]) == 3
     assert checked["error"] is None, checked["error"]

@@ -6,8 +6,6 @@ import subprocess
 import sys
 import types
 
-import pytest
-import torch
 
 
 def test_import_cltrain_does_not_import_lightning_until_channels_last_is_used():

@@ -8,7 +8,6 @@ import torchvision.transforms as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
-import cltrain.data.crop_kernels as decode
 from cltrain.data import CropParams, RandomResizedCropFlip, eval_transform, train_transform
 from cltrain.data.crop_kernels import decode_factor, decode_jpeg, jpeg_resized_crop, jpeg_size
 from tests.helpers.data_fixtures import BAD, READABLE, write_jpegs, write_odd_files

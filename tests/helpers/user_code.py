@@ -9,7 +9,9 @@ the BatchNorm statistics.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -346,6 +348,17 @@ def main(pattern: str, variant: str) -> None:
         report["line"] = {kind: check.line() for kind, check in checks.items()}
         report["layout"] = callbacks[0].layout
     print(json.dumps(report))
+
+
+def run_variants(pattern: str) -> dict[str, dict]:
+    """``pattern`` trained in a subprocess without the callback, with it, and with ``verify=False``: each
+    variant's report by name (``"nchw"``, ``"checked"``, ``"unchecked"``)."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.user_code", pattern, "nchw", "checked", "unchecked"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["variant"]: r for r in reports}
 
 
 if __name__ == "__main__":
