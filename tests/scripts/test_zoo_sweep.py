@@ -97,7 +97,7 @@ def _guardrails_present() -> bool:
 def test_fast_subset_of_real_models(tmp_path):
     rows, out = sweep(tmp_path, "--fast", timeout=1500)
     assert set(rows) == set(zoo_sweep.FAST)
-    stems = {"timm:repvgg_a0", "timm:mobileone_s0", "timm:fastvit_t8"}
+    stems = {"timm:repvgg_a0"}
     for key, row in rows.items():
         assert row["trains_contiguous"] is True, (key, row["status"])
         if key in stems and not _guardrails_present():
