@@ -159,33 +159,14 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-class FilterNormSGD(torch.optim.Optimizer):
-    """MuSGD style: each conv filter's gradient flattened with ``view`` and normalised (ultralytics #26013)."""
+class _PlainSGD(torch.optim.Optimizer):
+    """SGD without momentum whose update is ``direction(p.grad)``: the user code the optimizer patterns vary."""
 
     def __init__(self, params, lr: float = 0.05) -> None:  # noqa: ANN001
         super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                u = p.grad
-                if u.dim() == 4:
-                    flat = u.view(len(u), -1)
-                    u = (flat / (flat.norm(dim=1, keepdim=True) + 1e-8)).view_as(u)
-                p.add_(u, alpha=-group["lr"])
-        return loss
-
-
-class RawGradSGD(torch.optim.Optimizer):
-    """An optimizer (a fused-kernel stand-in) that reads each gradient's memory as NCHW: silently wrong."""
-
-    def __init__(self, params, lr: float = 0.05) -> None:  # noqa: ANN001
-        super().__init__(params, {"lr": lr})
+    def direction(self, g: torch.Tensor) -> torch.Tensor:
+        return g
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201
@@ -194,10 +175,25 @@ class RawGradSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    g = p.grad
-                    nchw_strides = torch.empty(g.shape).stride()
-                    p.add_(torch.as_strided(g, g.shape, nchw_strides), alpha=-group["lr"])
+                    p.add_(self.direction(p.grad), alpha=-group["lr"])
         return loss
+
+
+class FilterNormSGD(_PlainSGD):
+    """MuSGD style: each conv filter's gradient flattened with ``view`` and normalised (ultralytics #26013)."""
+
+    def direction(self, g: torch.Tensor) -> torch.Tensor:
+        if g.dim() != 4:
+            return g
+        flat = g.view(len(g), -1)
+        return (flat / (flat.norm(dim=1, keepdim=True) + 1e-8)).view_as(g)
+
+
+class RawGradSGD(_PlainSGD):
+    """An optimizer (a fused-kernel stand-in) that reads each gradient's memory as NCHW: silently wrong."""
+
+    def direction(self, g: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided(g, g.shape, torch.empty(g.shape).stride())
 
 
 class FilterClipping(pl.LightningModule):
