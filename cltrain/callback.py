@@ -395,8 +395,8 @@ class ChannelsLast(Callback):
                 self._told_left.add(shapes)
                 rank_zero_info(
                     f"ChannelsLast: the input {shapes} reaches no convolution in {self.layout} (the model reshapes "
-                    "or permutes it, or other code replaces it, first), so converting it is a copy that helps nothing: it is left as it arrives "
-                    "from now on."
+                    "or permutes it, or other code replaces it, first), so converting it is a copy that helps nothing: "
+                    "it is left as it arrives from now on."
                 )
         self._tell_converting(len(traced) - len(left))
 
