@@ -47,8 +47,11 @@ def test_two_samples_find_what_the_whole_batch_finds(pattern):
         callback = ChannelsLast(check_samples=samples)
         fit(PATTERNS[pattern](), loader(pattern), callback)
         check = callback.layout_checks["train"]
-        found[samples] = (check.verdict, check.fallbacks, [(f.kind, f.phase, f.module) for f in check.findings])
-    assert found[2] == found[None] and found[2][0] in ("fallback", "contiguous"), found
+        assert check.verdict in ("fallback", "contiguous"), check.line()
+        # Where the fallback was timed against the contiguous model, the faster of the two on this machine wins.
+        choice = (check.verdict, check.fallbacks) if check.timings is None else "timed"
+        found[samples] = (choice, [(f.kind, f.phase, f.module) for f in check.findings])
+    assert found[2] == found[None], found
 
 
 class BatchSizedView(nn.Module):
