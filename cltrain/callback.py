@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -29,6 +28,7 @@ from cltrain.check.compare import LayoutCheck
 from cltrain.check.lightning_step import apply_to_copy, check_lightning_step
 from cltrain.layout.lightning_access import (
     model_copies,
+    overrides,
     restride_optimizer_state,
     run_after,
     step_target,
@@ -222,7 +222,7 @@ class ChannelsLast(Callback):
             )
         # LightningModule.setup runs after this hook and configure_model after that; the model
         # is complete only then, and the strategy moves and wraps it right after.
-        last = "configure_model" if is_overridden("configure_model", pl_module) else "setup"
+        last = "configure_model" if overrides("configure_model", pl_module) else "setup"
         run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
 
     @override

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 
 from cltrain.layout import memory_format_for
 
-__all__ = ["ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "rebind_methods", "restride_optimizer_state", "run_after", "step_target",
+__all__ = ["ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "overrides", "rebind_methods", "restride_optimizer_state", "run_after", "step_target",
            "undo_run_after"]
 
 
@@ -75,10 +75,18 @@ def model_copies(trainer: Trainer, pl_module: LightningModule, exclude: Callback
     return found
 
 
+def overrides(method: str, pl_module: nn.Module) -> bool:
+    """Whether ``pl_module``'s class defines ``method`` itself: for a ``lightning.pytorch`` or a
+    ``pytorch_lightning`` LightningModule alike (Lightning's ``is_overridden`` knows only its own package)."""
+    parent = next((cls for cls in type(pl_module).__mro__ if cls.__name__ == "LightningModule"
+                   and cls.__module__ in ("lightning.pytorch.core.module", "pytorch_lightning.core.module")), None)
+    return parent is not None and is_overridden(method, pl_module, parent)
+
+
 def step_target(pl_module: LightningModule) -> nn.Module:
     """The module a batch goes through: the LightningModule if it defines ``forward``, else its
     largest child (``self.model``, ``self.net``, ...)."""
-    if is_overridden("forward", pl_module):
+    if overrides("forward", pl_module):
         return pl_module
     children = [m for m in pl_module.children() if any(True for _ in m.parameters())]
     if not children:

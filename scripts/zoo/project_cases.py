@@ -39,13 +39,15 @@ class Case:
 
 @dataclass
 class Built:
-    """What a builder returns: the module, its data (a datamodule or loaders) and ``Trainer`` overrides."""
+    """What a builder returns: the module, its data (a datamodule or loaders), ``Trainer`` overrides and the
+    Lightning package whose ``Trainer`` fits the module (``pytorch_lightning`` for a library built on it)."""
 
     module: Any
     datamodule: Any = None
     train_dataloaders: Any = None
     val_dataloaders: Any = None
     trainer: dict[str, Any] = field(default_factory=dict)
+    package: str = "lightning.pytorch"
 
 
 def smooth_images(n: int, seed: int, size: int = SIZE, channels: int = 3) -> np.ndarray:
@@ -166,15 +168,17 @@ def lightly_moco(tmp: Path) -> Built:
     from lightly.models.utils import deactivate_requires_grad, update_momentum
     from lightly.transforms import MoCoV2Transform
     from lightly.transforms.utils import IMAGENET_NORMALIZE
-    from lightning.pytorch import LightningModule
+    from lightly.utils.benchmarking import BenchmarkModule
     from torchvision import transforms as T
 
-    # lightly's benchmarks/cifar10_benchmark.py MocoModel (SplitBatchNorm simulates 4 GPUs); its base class there,
-    # lightly.utils.benchmarking.BenchmarkModule, is a pytorch_lightning module, which lightning.pytorch's Trainer
-    # (and so ChannelsLast) does not take: a lightning.pytorch module, validating as that base class does
-    class MocoModel(LightningModule):
+    plain = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_NORMALIZE["mean"], IMAGENET_NORMALIZE["std"])])
+    bank = DataLoader(_lightly_data(plain, 8, seed=5), batch_size=8)  # the kNN feature bank's images
+
+    # lightly's benchmarks/cifar10_benchmark.py MocoModel (SplitBatchNorm simulates 4 GPUs) on lightly's own
+    # BenchmarkModule, a pytorch_lightning module: fitted by pytorch_lightning's Trainer
+    class MocoModel(BenchmarkModule):
         def __init__(self):
-            super().__init__()
+            super().__init__(bank, num_classes=2, knn_k=4)
             resnet = ResNetGenerator("resnet-18", 1, num_splits=4)
             self.backbone = nn.Sequential(*list(resnet.children())[:-1], nn.AdaptiveAvgPool2d(1))
             self.projection_head = MoCoProjectionHead(512, 512, 128)
@@ -192,19 +196,14 @@ def lightly_moco(tmp: Path) -> Built:
             key = self.projection_head_momentum(self.backbone_momentum(x1).flatten(start_dim=1)).detach()
             return self.criterion(query, key)
 
-        def validation_step(self, batch, batch_idx):
-            images, _, _ = batch
-            return {"features": nn.functional.normalize(self.backbone(images).flatten(start_dim=1), dim=1)}
-
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.06, momentum=0.9, weight_decay=5e-4)
 
-    plain = T.Compose([T.ToTensor(), T.Normalize(IMAGENET_NORMALIZE["mean"], IMAGENET_NORMALIZE["std"])])
     train = _lightly_data(MoCoV2Transform(input_size=SIZE, gaussian_blur=0.0), 16, seed=4)
     test = DataLoader(_lightly_data(plain, 8, seed=6), batch_size=8)
     return Built(MocoModel(),
                  train_dataloaders=DataLoader(train, batch_size=8, shuffle=True, drop_last=True),
-                 val_dataloaders=test, trainer={"max_epochs": 1})
+                 val_dataloaders=test, trainer={"max_epochs": 1}, package="pytorch_lightning")
 
 
 # ---- torchgeo: its tasks with a NonGeoDataModule over a generated NonGeoDataset ---------------------------
@@ -274,7 +273,8 @@ CASES = [
     _case("anomalib:padim", "Padim, resnet18, Folder datamodule"),
     _case("anomalib:patchcore", "Patchcore, resnet18, Folder datamodule"),
     _case("lightly:simclr", "SimCLR (examples/pytorch_lightning), torchvision resnet18"),
-    _case("lightly:moco", "MoCo (benchmarks' MocoModel), ResNetGenerator with SplitBatchNorm"),
+    _case("lightly:moco", "MoCo (benchmarks' MocoModel on lightly's BenchmarkModule, pytorch_lightning's Trainer), "
+          "ResNetGenerator with SplitBatchNorm"),
     _case("torchgeo:classification", "ClassificationTask, timm resnet18"),
     _case("torchgeo:segmentation", "SemanticSegmentationTask, smp U-Net resnet18"),
     _case("torchgeo:change", "ChangeDetectionTask, U-Net resnet18 on image pairs"),
@@ -282,10 +282,9 @@ CASES = [
 
 #: What the page says about the cases beside the table.
 NOTES = [
-    "lightly's own LightningModules (`lightly.utils.benchmarking`: BenchmarkModule, LinearClassifier, ...) subclass "
-    "`pytorch_lightning.LightningModule`, which `lightning.pytorch`'s Trainer rejects and under whose "
-    "`pytorch_lightning.Trainer` `ChannelsLast` (a `lightning.pytorch` callback) raises in `setup`: the lightly cases "
-    "are `lightning.pytorch` modules in the style of lightly's SimCLR example and its CIFAR-10 benchmark's MocoModel.",
+    "lightly's own LightningModules (`lightly.utils.benchmarking.BenchmarkModule`, ...) subclass "
+    "`pytorch_lightning.LightningModule`: the MoCo case is lightly's MocoModel on that base class, fitted by "
+    "`pytorch_lightning.Trainer` with the same `ChannelsLast()`.",
     "torchgeo 0.8.1 imports `requests` (`torchgeo.datasets.openstreetmap`), declared only in its `[datasets]` extra; "
     "the `projects` extra adds it. The augmentation of its OSCDDataModule (kornia `VideoSequential`), copied here, "
     "rejected the one-frame change mask beside the two-frame image (kornia 0.9): the generated datamodule scales the "

@@ -2,7 +2,7 @@
 ``scripts/zoo/project_cases.py``; tiny sizes, random weights, generated images, nothing downloaded).
 
 Every case runs twice, each run in its own subprocess with a timeout (a native crash or a hang is a row, not the
-end of the sweep): a real ``lightning.Trainer`` on the CPU, fp32, seeded, 2 training steps (anomalib: its one
+end of the sweep): a real Lightning ``Trainer`` (the case's package) on the CPU, fp32, seeded, 2 training steps (anomalib: its one
 epoch of 2 steps, then validation), without and with ``ChannelsLast()``. Each run records whether it trained,
 the first training loss, the metrics after ``fit``, how many conv weights are channels_last after training,
 the callback's ``layout_checks`` and every log line it wrote that starts with "ChannelsLast".
@@ -12,7 +12,7 @@ torchvision and Lightning the project is tested with::
 
     python -m venv /root/venv-projects && source /root/venv-projects/bin/activate
     pip install "torch==2.14.1" "torchvision==0.29.1" && pip install -e .
-    printf 'torch==2.14.1\\ntorchvision==0.29.1\\nlightning==2.6.6\\n' > /tmp/constraints.txt
+    printf 'torch==2.14.1\\ntorchvision==0.29.1\\nlightning==2.6.6\\npytorch-lightning==2.6.6\\n' > /tmp/constraints.txt
     pip install -c /tmp/constraints.txt -e ".[projects]"
 
 Usage::
@@ -107,14 +107,14 @@ def _first_outputs():
 def child(case: Case, layout: str) -> dict[str, Any]:
     """Build the case, fit it with or without ``ChannelsLast()``, and say what happened."""
     import torch
-    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch import seed_everything
 
     from cltrain import ChannelsLast
     from scripts.zoo.sweep import _conv_layout
 
     seed_everything(0, workers=True)
     handler = _ChannelsLastLines()
-    for name in ("", "lightning.pytorch", "lightning.fabric", "cltrain"):
+    for name in ("", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "cltrain"):
         logging.getLogger(name).addHandler(handler)
     logging.getLogger("cltrain").setLevel(logging.INFO)
     result: dict[str, Any] = {"key": case.key, "layout": layout, "trained": False}
@@ -131,7 +131,9 @@ def child(case: Case, layout: str) -> dict[str, Any]:
             options = dict(accelerator="cpu", devices=1, precision="32-true", max_steps=2, limit_val_batches=1,
                            num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                            enable_model_summary=False, default_root_dir=tmp)
-            trainer = Trainer(**{**options, **built.trainer}, callbacks=[recorder] + ([callback] if callback else []))
+            trainer_class = importlib.import_module(built.package).Trainer
+            trainer = trainer_class(**{**options, **built.trainer},
+                                    callbacks=[recorder] + ([callback] if callback else []))
             trainer.fit(module, datamodule=built.datamodule, train_dataloaders=built.train_dataloaders,
                         val_dataloaders=built.val_dataloaders)
             result.update(trained=trainer.global_step > 0, steps=trainer.global_step,
