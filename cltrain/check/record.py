@@ -59,9 +59,11 @@ def project(x: torch.Tensor, vectors: Vectors) -> torch.Tensor:
     permutation-invariant statistic (sum, norm) would not."""
     if x.dim() == 0:
         return x.reshape(1).expand(_PROJECTIONS)
-    dims = x.dim()
-    y = x @ vectors.get(x.shape[-1], dims - 1, x.device)  # (..., P)
-    for d in range(dims - 1):
+    # Contract in memory order, the stride-1 dim first: 3-60x faster on channels_last tensors than the
+    # logical order, whose first matmul would stride through memory (scripts/bench/check_cost.py).
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    y = x.permute(order) @ vectors.get(x.shape[order[-1]], order[-1], x.device)  # (..., P)
+    for d in order[:-1]:
         v = vectors.get(x.shape[d], d, x.device)  # (size, P): contracts the leading dim
         y = (y * v.view(v.shape[0], *([1] * (y.dim() - 2)), _PROJECTIONS)).sum(0)
     return y

@@ -219,3 +219,17 @@ def test_verify_layout_on_a_scripted_view_keeps_a_converting_loop_right() -> Non
     assert "view size is not compatible" in result.line() and "torch.flatten(x, 1)" in result.line()
     converted = convert_batch({k: v.clone() for k, v in batch.items()})  # the loop keeps converting its batches
     torch.testing.assert_close(step(model, converted), step(reference, batch), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 5, 7), (2, 3, 4, 5, 6), (6, 5), (7,)])
+def test_the_fingerprint_of_a_tensor_ignores_its_memory_layout_and_sees_a_moved_value(shape):
+    from cltrain.check.record import Vectors, project
+
+    vectors, x = Vectors(), torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    others = [x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else None,
+              x.contiguous(memory_format=torch.channels_last_3d) if x.dim() == 5 else None,
+              x.transpose(0, -1).contiguous().transpose(0, -1), x.expand(2, *shape)[1]]
+    for other in (o for o in others if o is not None):
+        torch.testing.assert_close(project(other, vectors), project(x, vectors), rtol=1e-5, atol=1e-5)
+    moved = x.flatten().roll(1).view(shape)  # the same values, each at another index: the negative control
+    assert not torch.allclose(project(moved, vectors), project(x, vectors), rtol=1e-3, atol=1e-3)
