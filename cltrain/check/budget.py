@@ -4,11 +4,11 @@
 ``part``, the first ``samples`` samples of ``batch``: every tensor whose leading dim is the batch size (the size of
 the model's first image input) is cut to its first ``samples`` rows; other tensors and objects are passed as they
 are. Both layouts see the same part, so the comparison stays exact, and the check's activations are ``samples``
-rows instead of the whole batch's. Where the check on the part is ``"not checked"`` (the step raised without
-channels_last too: code written for the whole batch, ``x.view(BATCH, -1)``, a per-sample list the cut left
-long), the whole batch is checked. An out-of-memory error (CUDA or host) inside the check frees what it held
-and the check runs again on half as many samples (down to ``MIN_SAMPLES``), then gives ``"not checked"`` with
-the reason: never a finding, so never a fallback.
+rows instead of the whole batch's. Where the step raised on the part without channels_last too (code written
+for the whole batch, ``x.view(BATCH, -1)``, a per-sample list the cut left long), the whole batch is checked;
+not where it raised at what the check's copy cannot reach (``trainer.strategy``). An out-of-memory error (CUDA
+or host) inside the check frees what it held and the check runs again on half as many samples (down to
+``MIN_SAMPLES``), then gives ``"not checked"`` with the reason: never a finding, so never a fallback.
 
 Example::
 
@@ -33,7 +33,9 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from cltrain.check import LayoutCheck
+from cltrain.check.compare import RAISED_WITHOUT_CHANNELS_LAST
 from cltrain.layout.batches import Inputs, first_image_tensor
+from cltrain.layout.lightning_access import COPY_LIMIT
 
 __all__ = ["DEFAULT_SAMPLES", "MIN_SAMPLES", "check_within_budget", "free_memory", "is_out_of_memory", "slice_batch"]
 
@@ -70,6 +72,14 @@ def _oom_in(result: LayoutCheck) -> str | None:
     """The out-of-memory message a check's result carries (as its reason or as a finding), or ``None``."""
     texts = [result.reason or ""] + [f.detail for f in result.findings if f.kind == "raised"]
     return next((t for t in texts if t and is_out_of_memory(t)), None)
+
+
+def _whole_batch_may_help(result: LayoutCheck) -> bool:
+    """The step raised on the part without channels_last too, and not at something the check's copy cannot reach
+    (``trainer.strategy``, ...): code that may be written for the whole batch."""
+    reason = result.reason or ""
+    return result.verdict == "not checked" and reason.startswith(RAISED_WITHOUT_CHANNELS_LAST) \
+        and COPY_LIMIT not in reason
 
 
 def check_within_budget(run: Callable[[Any], LayoutCheck], batch: Any, samples: int | None = DEFAULT_SAMPLES, *,
@@ -110,7 +120,7 @@ def check_within_budget(run: Callable[[Any], LayoutCheck], batch: Any, samples: 
             at = f"{n} samples" if n is not None else "the whole batch"
             reason = f"out of memory at {at} ({oom}){whole_needed}; the run goes on unchecked in channels_last"
             return LayoutCheck("not checked", reason=reason)
-        if result.verdict == "not checked" and n is not None and size is not None and n < size:
+        if _whole_batch_may_help(result) and n is not None and size is not None and n < size:
             whole_needed = f" (on {n} of {size} samples: {result.reason})"
             n = size
             continue

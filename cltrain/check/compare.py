@@ -66,6 +66,8 @@ __all__ = ["Finding", "LayoutCheck", "check_layout", "projection_loss"]
 # moves values to other places, which is O(1) at once.
 RATIO = 10.0
 FLOOR = 0.02
+#: How a "not checked" reason starts where the step raised in NCHW as well.
+RAISED_WITHOUT_CHANNELS_LAST = "the step raised without channels_last too"
 JUMP = 3.0
 _ATTEMPTS = 8  # fallbacks tried before the whole model stays contiguous
 
@@ -172,7 +174,7 @@ def check_layout(
     ref_model = to_contiguous(fresh())
     ref = run_on(ref_model, "contiguous")
     if ref.raised is not None:
-        reason = f"the step raised without channels_last too ({first_line(ref.raised.error)})"
+        reason = f"{RAISED_WITHOUT_CHANNELS_LAST} ({first_line(ref.raised.error)})"
         return LayoutCheck("not checked", reason=reason, seconds=time.perf_counter() - start)
     top_level = {key[1].rpartition("#")[0] for key in ref.keys if key[0] == "forward-out"
                  and ref.contexts[key][0] is None}  # modules the step code calls directly

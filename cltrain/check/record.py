@@ -59,8 +59,8 @@ def project(x: torch.Tensor, vectors: Vectors) -> torch.Tensor:
     permutation-invariant statistic (sum, norm) would not."""
     if x.dim() == 0:
         return x.reshape(1).expand(_PROJECTIONS)
-    # Contract in memory order, the stride-1 dim first: 3-60x faster on channels_last tensors than the
-    # logical order, whose first matmul would stride through memory (scripts/bench/check_cost.py).
+    # Contract in memory order, the stride-1 dim first: in the logical order the first matmul strides through
+    # a channels_last tensor's memory (the check's cost: scripts/bench/check_cost.py, docs/performance.md).
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
     y = x.permute(order) @ vectors.get(x.shape[order[-1]], order[-1], x.device)  # (..., P)
     for d in order[:-1]:

@@ -20,9 +20,12 @@ from torch import nn
 
 from cltrain.layout import memory_format_for
 
-__all__ = ["ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "overrides", "rebind_methods", "restride_optimizer_state", "run_after", "step_target",
+__all__ = ["COPY_LIMIT", "ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "overrides", "rebind_methods", "restride_optimizer_state", "run_after", "step_target",
            "undo_run_after"]
 
+
+#: Named in every error a copy's ``ReadOnlyTrainer`` raises: a limit of the copy, not of the user's code.
+COPY_LIMIT = "the layout check's copy"
 
 def run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
     """Make ``module.<hook>()`` call ``then()`` after itself, once, then restore the hook."""
@@ -252,11 +255,11 @@ class ReadOnlyTrainer:
             return self._optimizers
         if name in _TRAINER_READS:
             return getattr(self._trainer, name)
-        raise AttributeError(f"trainer.{name} is not available to the layout check's copy (only values such as "
+        raise AttributeError(f"trainer.{name} is not available to {COPY_LIMIT} (only values such as "
                              "datamodule, current_epoch, global_step are)")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"trainer.{name} cannot be set from the layout check's copy")
+        raise AttributeError(f"trainer.{name} cannot be set from {COPY_LIMIT}")
 
 
 def detached_copy(pl_module: nn.Module, trainer: Trainer | None = None, memo: dict[int, Any] | None = None,

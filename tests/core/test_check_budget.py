@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cltrain import ChannelsLast, is_channels_last
+from cltrain.check import checking
 from cltrain.check.budget import slice_batch
 from tests.helpers.user_code import PATTERNS, Classifier, Net
 
@@ -73,6 +74,39 @@ def test_code_written_for_the_batch_size_is_checked_on_the_whole_batch():
     check = callback.layout_checks["train"]
     assert check.verdict in ("fallback", "contiguous") and "view" in check.findings[0].detail, check.line()
     assert len(module.losses) == 2
+
+
+class Recorded(Classifier):
+    """Records the batch size of every step the check runs on its copies; with ``reads_strategy``, the step reads
+    ``trainer.strategy`` (which the copies cannot reach) before calling the model."""
+
+    def __init__(self, net: nn.Module, reads_strategy: bool = False) -> None:
+        super().__init__(net)
+        self.reads_strategy = reads_strategy
+
+    def training_step(self, batch, batch_idx):
+        if checking():
+            _SEEN.append(batch[0].shape[0])
+        scale = 1.0 / self.trainer.strategy.world_size if self.reads_strategy else 1.0
+        return super().training_step(batch, batch_idx) * scale
+
+
+_SEEN: list[int] = []
+
+
+def test_only_code_written_for_the_batch_size_sends_the_check_to_the_whole_batch():
+    runs = {}
+    for name, module in (("strategy", Recorded(Net(nn.Identity()), reads_strategy=True)), ("batch-sized", Recorded(BatchSizedView()))):
+        _SEEN.clear()
+        callback = ChannelsLast()
+        fit(module, loader(), callback, steps=2)
+        runs[name] = (callback.layout_checks["train"], sorted(set(_SEEN)))
+        assert len(module.losses) == 2
+    strategy, _ = runs["strategy"]
+    assert strategy.verdict == "not checked" and "trainer.strategy" in strategy.reason, strategy.line()
+    assert runs["strategy"][1] == [4], runs  # the copy's limit: not rerun on the whole batch
+    assert runs["batch-sized"][1] == [4, BATCH], runs  # the negative control: rerun on the whole batch
+    assert "view" in runs["batch-sized"][0].findings[0].detail
 
 
 class OutOfMemoryAbove(nn.Module):
