@@ -184,10 +184,8 @@ def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override,message", [
+@pytest.mark.parametrize("override,message", [  # refused before Hydra makes the directory, and after
     ("trainer.max_epochs=abc", "cltrain: error: trainer.max_epochs='abc': must be a whole number >= -1"),
-    ("+chanels_last=false", "cltrain: error: chanels_last=false: unknown key; did you mean channels_last?"),
-    ("+trainer.precision=64-true", "cltrain: error: trainer.precision='64-true': set by the app"),
     ("data.root=/no/such/imagnet", "cltrain: error: data.root='/no/such/imagnet': no such directory; the demo set"),
 ])
 def test_cli_exit_2_one_line_and_the_directory_stays_usable(tmp_path: Path, override: str, message: str) -> None:

@@ -303,8 +303,13 @@ def test_cli_refuses_a_bad_value_in_a_sweep_before_any_job(tmp_path: Path) -> No
     assert not (tmp_path / "sweep").exists()
 
 
+# Every line of BAD reaches train.py through check_command_line, tested in process above; the command line
+# prints what it raises: a value, a "+" on a key the config has, and a Trainer argument left at its default.
+CLI_SAMPLE = [b for b in BAD if b[0] in ("seed=abc", "+trainer.max_steps=100", "trainer.detect_anomaly=true")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("override,message", BAD[1:], ids=[b[0] for b in BAD[1:]])
+@pytest.mark.parametrize("override,message", CLI_SAMPLE, ids=[b[0] for b in CLI_SAMPLE])
 def test_cli_one_line_exit_2(tmp_path: Path, override: str, message: str) -> None:
     _assert_one_line_exit_2(_cli(override, "device=cpu", f"hydra.run.dir={tmp_path / 'run'}"), message)
 
