@@ -60,7 +60,7 @@ def project(x: torch.Tensor, vectors: Vectors) -> torch.Tensor:
     if x.dim() == 0:
         return x.reshape(1).expand(_PROJECTIONS)
     # Contract in memory order, the stride-1 dim first: in the logical order the first matmul strides through
-    # a channels_last tensor's memory (the check's cost: scripts/bench/check_cost.py, docs/performance.md).
+    # a channels_last tensor's memory (measured in the check's cost: docs/performance.md).
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
     y = x.permute(order) @ vectors.get(x.shape[order[-1]], order[-1], x.device)  # (..., P)
     for d in order[:-1]:
