@@ -206,14 +206,19 @@ def verify_layout(
         return result
 
     result = check_within_budget(check, batch, samples, inputs=inputs)
+    apply_check(model, result)
+    if report:
+        (log.warning if result.verdict in ("fallback", "contiguous") else log.info)("verify_layout: %s", result.line())
+    return result
+
+
+def apply_check(model: nn.Module, result: LayoutCheck) -> None:
+    """Apply what a ``verify_layout`` result chose to ``model`` (another rank's copy of the same model)."""
     if result.verdict == "fallback":
         apply_fallbacks(model, list(result.fallbacks))
     elif result.verdict == "contiguous":
         # The whole model in NCHW, inputs included: a loop that keeps converting its batches stays right.
         apply_fallbacks(model, [Fallback("module", "")])
-    if report:
-        (log.warning if result.verdict in ("fallback", "contiguous") else log.info)("verify_layout: %s", result.line())
-    return result
 
 
 def _clone_tensors(batch: Any) -> Any:

@@ -11,7 +11,8 @@ On the first training call (the model in train mode, gradients on) and the first
 runs ``cltrain.loops.verify_layout`` on that batch: the model's forward, and the loss it computes from
 ``labels``, in both layouts on copies of the model, in float32 outside the loop's autocast. Where the model's
 code assumes NCHW, that part is put in NCHW (one log line names it and the fix); nothing of the real run
-changes. In distributed runs the check is skipped (each rank would decide alone after DDP wrapped the model).
+changes. In a distributed run, rank 0 checks its batch and every rank applies what it chose (a model with
+``SyncBatchNorm`` is not checked: its copies would wait for the other ranks).
 
 Example::
 
@@ -196,11 +197,16 @@ class ChannelsLastInputs:
         from cltrain.loops import verify_layout
 
         found = self._found(args, kwargs)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            result = LayoutCheck("not checked", reason="distributed run (check it once in a single process)")
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
+        rank = torch.distributed.get_rank() if distributed else 0
+        if distributed and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+            result = LayoutCheck("not checked", reason="SyncBatchNorm in a distributed run: its copies would wait "
+                                 "for the other ranks (check it once in a single process)")
         elif not found:
             result = LayoutCheck("not checked", reason="the model's forward got no image argument to check")
+        elif rank != 0:  # rank 0 checks its batch; every rank applies what it chose (below)
+            result = LayoutCheck("not checked", reason="checked on rank 0")
         else:
             device = next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
             grad = torch.enable_grad() if kind == "train" else torch.no_grad()
@@ -215,6 +221,14 @@ class ChannelsLastInputs:
                 result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
             finally:
                 _state.checking = False
+        if distributed:
+            shared = [result]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            if rank != 0:
+                from cltrain.loops import apply_check
+
+                result = shared[0]
+                apply_check(module, result)
         self.layout_checks[kind] = result
         if result.verdict == "contiguous":
             self.layout = "contiguous"
@@ -222,6 +236,6 @@ class ChannelsLastInputs:
             from cltrain.layout.lightning_access import restride_optimizer_state  # internal
 
             restride_optimizer_state([getattr(o, "optimizer", o) for o in self.optimizers])
-            self.log.warning("ChannelsLast %s", result.line())
-        else:
-            self.log.info("ChannelsLast %s", result.line())
+        if rank == 0:  # one line per run, not one per rank
+            level = logging.WARNING if result.verdict in ("fallback", "contiguous") else logging.INFO
+            self.log.log(level, "ChannelsLast %s", result.line())

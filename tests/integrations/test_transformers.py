@@ -175,3 +175,19 @@ def test_import_cltrain_imports_neither_transformers_nor_accelerate():
     assert proc.stdout.splitlines() == ["[]", "cltrain.integrations.transformers needs transformers: pip install "
                                         "'cltrain[hf]'."]
     assert not proc.stderr
+
+
+@pytest.mark.slow
+def test_ddp_rank_0_checks_and_every_rank_applies_its_choice(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "tests.helpers.hf_ddp_run", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["checked"]["wrapped"] for r in ranks] == ["DistributedDataParallel"] * 2
+    assert ranks[0]["verdict"] in ("fallback", "contiguous") and ranks[0]["fallbacks"]
+    assert (ranks[0]["verdict"], ranks[0]["fallbacks"]) == (ranks[1]["verdict"], ranks[1]["fallbacks"])
+    for rank in ranks:  # each rank's losses are the NCHW run's, and the ranks end with the same weights
+        torch.testing.assert_close(rank["checked"]["losses"], rank["nchw"]["losses"], rtol=1e-4, atol=1e-6)
+    assert ranks[0]["checked"]["weights"] == ranks[1]["checked"]["weights"]
+    assert (proc.stdout + proc.stderr).count("ChannelsLast layout check:") == 1  # one line, from rank 0
