@@ -20,12 +20,12 @@ from torch import nn
 
 from cltrain.layout import memory_format_for
 
-__all__ = ["COPY_LIMIT", "ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "overrides", "rebind_methods", "restride_optimizer_state", "run_after", "step_target",
-           "undo_run_after"]
-
+__all__ = ["COPY_LIMIT", "ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "overrides",
+           "rebind_methods", "restride_optimizer_state", "run_after", "step_target", "undo_run_after"]
 
 #: Named in every error a copy's ``ReadOnlyTrainer`` raises: a limit of the copy, not of the user's code.
 COPY_LIMIT = "the layout check's copy"
+
 
 def run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
     """Make ``module.<hook>()`` call ``then()`` after itself, once, then restore the hook."""

@@ -2,10 +2,10 @@
 ``scripts/zoo/project_cases.py``; tiny sizes, random weights, generated images, nothing downloaded).
 
 Every case runs twice, each run in its own subprocess with a timeout (a native crash or a hang is a row, not the
-end of the sweep): a real Lightning ``Trainer`` (the case's package) on the CPU, fp32, seeded, 2 training steps (anomalib: its one
-epoch of 2 steps, then validation), without and with ``ChannelsLast()``. Each run records whether it trained,
-the first training loss, the metrics after ``fit``, how many conv weights are channels_last after training,
-the callback's ``layout_checks`` and every log line it wrote that starts with "ChannelsLast".
+end of the sweep): a real Lightning ``Trainer`` (the case's package) on the CPU, fp32, seeded, 2 training steps
+(anomalib: its one epoch of 2 steps, then validation), without and with ``ChannelsLast()``. Each run records
+whether it trained, the first training loss, the metrics after ``fit``, how many conv weights are channels_last
+after training, the callback's ``layout_checks`` and every log line it wrote that starts with "ChannelsLast".
 
 The libraries pull many packages: install them in a virtual environment of their own, pinned to the torch,
 torchvision and Lightning the project is tested with::

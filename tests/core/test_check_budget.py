@@ -96,7 +96,8 @@ _SEEN: list[int] = []
 
 def test_only_code_written_for_the_batch_size_sends_the_check_to_the_whole_batch():
     runs = {}
-    for name, module in (("strategy", Recorded(Net(nn.Identity()), reads_strategy=True)), ("batch-sized", Recorded(BatchSizedView()))):
+    cases = (("strategy", Recorded(Net(nn.Identity()), reads_strategy=True)), ("batch-sized", Recorded(BatchSizedView())))
+    for name, module in cases:
         _SEEN.clear()
         callback = ChannelsLast()
         fit(module, loader(), callback, steps=2)

@@ -35,7 +35,8 @@ def main() -> None:
     callback = ChannelsLastCallback()
     checked = run(out / "checked", [callback])
     check = callback.layout_checks["train"]
-    result = {"nchw": nchw, "checked": checked, "verdict": check.verdict, "fallbacks": [str(f) for f in check.fallbacks]}
+    result = {"nchw": nchw, "checked": checked, "verdict": check.verdict,
+              "fallbacks": [str(f) for f in check.fallbacks]}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
