@@ -1,68 +1,27 @@
-"""ChannelsLast under the standalone ``pytorch_lightning`` package (its Trainer, its LightningModule, its SWA
-callback), as lightly's own modules and many older projects use it."""
+"""ChannelsLast under the standalone ``pytorch_lightning`` package, as lightly's own modules and many older
+projects use it (``tests/helpers/pl_standalone_run.py``, in its own process)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-pl = pytest.importorskip("pytorch_lightning")
-
-from cltrain import ChannelsLast, is_channels_last  # noqa: E402
+from tests.helpers import REPO
 
 
-class ViewHead(nn.Module):
-    """A LeNet-style head: ``view`` flattens the feature map, which raises on channels_last memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8 * 16 * 16, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn(self.conv(x)))
-        return self.fc(y.view(y.size(0), -1))
-
-
-class Module(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = ViewHead()
-        self.losses: list[torch.Tensor] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        loss = F.cross_entropy(self(batch[0]), batch[1])
-        self.losses.append(loss.detach())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-
-def fit(callbacks: list, epochs: int = 2) -> Module:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    data = DataLoader(TensorDataset(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 5, (16,), generator=g)),
-                      batch_size=8)
-    module = Module()
-    pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(module, data)
-    return module
-
-
+@pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None, reason="pytorch_lightning is not installed")
 def test_the_check_finds_the_view_and_training_matches_nchw_under_pytorch_lightning():
-    callback, swa = ChannelsLast(), pl.callbacks.StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
-    checked, reference = fit([callback, swa]), fit([pl.callbacks.StochasticWeightAveraging(0.05, swa_epoch_start=1)])
-    check = callback.layout_checks["train"]
-    assert check.verdict in ("fallback", "contiguous") and "`net`" in check.line() and "view" in check.line()
-    torch.testing.assert_close(torch.stack(checked.losses), torch.stack(reference.losses), rtol=1e-5, atol=1e-6)
-    if check.verdict == "fallback":
-        assert is_channels_last(checked.net.conv.weight)
-        assert is_channels_last(swa._average_model.net.conv.weight)  # the SWA copy follows the model's layout
-    with pytest.raises(RuntimeError, match="view size is not compatible"):  # the negative control: no check
-        fit([ChannelsLast(verify=False)], epochs=1)
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.pl_standalone_run"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["verdict"] in ("fallback", "contiguous") and "`net`" in run["line"] and "view" in run["line"], run
+    torch.testing.assert_close(run["losses"], run["reference"], rtol=1e-5, atol=1e-6)
+    if run["verdict"] == "fallback":
+        assert run["conv_cl"] and run["swa_conv_cl"]  # the SWA copy follows the model's layout
+    assert run["control"] and "view size is not compatible" in run["control"]  # without the check it raises
