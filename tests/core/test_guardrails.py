@@ -221,11 +221,15 @@ def test_conv3d_guard_runs_only_shallow_inputs_in_fp32():
 # ---- oneDNN #6035: the 1x1 strided conv with few input channels ---------------------------------------------
 
 
+# The repro ends in about 2 s when it crashes or computes; where the fault is a hang, 30 s says so.
+REPRO_TIMEOUT = 30
+
+
 @needs_x86_onednn
 @pytest.mark.parametrize("isa, cin", [("native", 3), ("avx2", 7)])
 def test_1x1_fault_shows_without_the_guard(isa, cin):
     proc = run([str(REPRO / "onednn_1x1_strided_conv.py"), "--cin", str(cin), "--repeats", "10"],
-               AVX2 if isa == "avx2" else None, timeout=90)
+               AVX2 if isa == "avx2" else None, timeout=REPRO_TIMEOUT)
     if proc is not None and proc.returncode == 0:
         pytest.skip(f"oneDNN #6035 did not show on this machine ({isa}, {cin} input channels): {proc.stdout[:200]}")
     # a hang (None), a crash (negative: the signal) or wrong gradients (1)
@@ -236,7 +240,7 @@ def test_1x1_fault_shows_without_the_guard(isa, cin):
 def test_1x1_fault_gives_silently_wrong_gradients_on_avx2():
     # 8 px on AVX2: no crash, no error, and every other call's weight gradient is off by ~21%
     proc = run([str(REPRO / "onednn_1x1_strided_conv.py"), "--cin", "3", "--cout", "32", "--size", "8",
-                "--repeats", "6"], AVX2, timeout=90)
+                "--repeats", "6"], AVX2, timeout=REPRO_TIMEOUT)
     if proc is not None and proc.returncode == 0:
         pytest.skip(f"oneDNN #6035 gave right gradients on this machine: {proc.stdout[-300:]}")
     if proc is None or proc.returncode < 0:
