@@ -95,8 +95,7 @@ def _guardrails_present() -> bool:
 
 @pytest.mark.slow
 def test_fast_subset_of_real_models(tmp_path):
-    # mode="auto" on a real model: tests/app/test_train.py and the timing probe's tests (8 s a model here)
-    rows, out = sweep(tmp_path, "--fast", "--no-auto", timeout=1500)
+    rows, out = sweep(tmp_path, "--fast", timeout=1500)
     assert set(rows) == set(zoo_sweep.FAST)
     stems = {"timm:repvgg_a0"}
     for key, row in rows.items():
@@ -109,6 +108,7 @@ def test_fast_subset_of_real_models(tmp_path):
         assert row["trains_channels_last"] is True, key
         assert row["grad"]["verdict"] in ("ok", "numerics"), (key, row["grad"])
         assert row["loss_err_cl"] < 1e-4, key
+        assert row["auto_fp32"] in ("channels_last", "contiguous"), key
     assert rows["timm:resnet26d"]["grad"]["verdict"] != "MISS"  # the ill-conditioned case at batch 2 in the notes
     assert "AMD" in out or "Intel" in out or "CPU" in out
 
