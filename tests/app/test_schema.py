@@ -303,8 +303,22 @@ def test_cli_refuses_a_bad_value_in_a_sweep_before_any_job(tmp_path: Path) -> No
     assert not (tmp_path / "sweep").exists()
 
 
-# Every line of BAD reaches train.py through check_command_line, tested in process above; the command line
-# prints what it raises: a value, a "+" on a key the config has, and a Trainer argument left at its default.
+@pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
+def test_the_command_line_entry_point_prints_each_as_one_line_and_exits_2(override: str, message: str, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    from cltrain.app.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["train.py", override, "device=cpu", f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as exited:
+        main()  # what train.py and cltrain-train run, in this process
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(f"cltrain: error: {message}"), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+# train.py itself, in its own process, for three kinds of error: a value, a "+" on a key the config has, and a
+# Trainer argument left at its default (every line of BAD goes through the same entry point above).
 CLI_SAMPLE = [b for b in BAD if b[0] in ("seed=abc", "+trainer.max_steps=100", "trainer.detect_anomaly=true")]
 
 
