@@ -1,0 +1,185 @@
+"""What sharding costs channels_last: a training step with channels_last activations and contiguous weights.
+
+FSDP2 (``fully_shard``) keeps every parameter contiguous: it refuses channels_last ones, and the weights it
+all-gathers for a layer's forward are contiguous views of its gather buffer. A convolution still runs its NHWC
+kernel when its *input* is channels_last (cuDNN's and oneDNN's layout choice reads input or weight), so a sharded
+model fed channels_last batches computes in NHWC and pays for restriding each weight on every call. This times
+one training step (forward, cross-entropy, backward, SGD with momentum) on one fixed random batch in:
+
+* ``contiguous``: NCHW weights, NCHW input (the plain run);
+* ``channels_last``: channels_last weights and input (what ``ChannelsLast`` gives an unsharded model);
+* ``cl_activations``: NCHW weights, channels_last input (what ``ChannelsLast`` gives a sharded model);
+* with ``--fsdp``, ``fsdp2 contiguous`` and ``fsdp2 cl_activations``: the same two after ``fully_shard`` on every
+  convolution-bearing child and the root, in a one-process group (gloo on CPU, nccl on CUDA), so the all-gather's
+  copies are in the step too.
+
+Each variant has its own copy of the model and optimizer; rounds alternate which variant goes first
+(``--repeats`` rounds, ``--steps`` steps each after ``--warmup``); the table gives median images/s over rounds,
+the min-max spread, and each variant's ratio to ``contiguous`` measured in the same run. A hook confirms the
+layout the first convolution's output has in each variant (``NHWC`` when the NHWC kernel ran).
+
+    python -m scripts.bench.sharded_weights                                   # CPU: resnet50, convnext_tiny, bf16
+    python -m scripts.bench.sharded_weights --device cuda --batch-size 256 --fsdp
+    python -m scripts.bench.sharded_weights --quick                           # a minute: checks the script works
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cltrain.layout import to_channels_last
+from cltrain.model_names import build_untrained_model
+from cltrain.precision import autocast_for
+from cltrain.timing.layouts import synchronize
+from scripts.machine import machine, machine_line
+
+PLAIN = ("contiguous", "channels_last", "cl_activations")
+SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
+
+
+@contextlib.contextmanager
+def one_process_group(device: torch.device) -> Iterator[None]:
+    """A world of one (gloo on CPU, nccl on CUDA) for ``fully_shard``, torn down afterwards."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(model: nn.Module) -> nn.Module:
+    """``fully_shard`` on each direct child holding a 4-D weight, then on the root (FSDP2's usual wrapping)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        if any(p.dim() == 4 for p in child.parameters()):
+            fully_shard(child)
+    return fully_shard(model)
+
+
+def variant(base: nn.Module, name: str, device: torch.device) -> nn.Module:
+    """A fresh copy of ``base`` on ``device`` with its weights as ``name`` says."""
+    model = copy.deepcopy(base).to(device)
+    if name == "channels_last":
+        to_channels_last(model)
+    return sharded(model) if name.startswith("fsdp2") else model
+
+
+def first_conv_output_layout(model: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> str:
+    """``NHWC`` or ``NCHW``: the memory order of the first Conv2d's output on ``x``."""
+    seen: list[str] = []
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    handle = conv.register_forward_hook(lambda m, i, out: seen.append(
+        "NHWC" if out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous() else "NCHW"))
+    try:
+        with torch.no_grad(), autocast_for(x.device, dtype):
+            model(x[:1])
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+         dtype: torch.dtype | None) -> None:
+    opt.zero_grad(set_to_none=True)
+    with autocast_for(x.device, dtype):
+        out = model(x)
+    F.cross_entropy(out.float(), y).backward()
+    opt.step()
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype | None,
+                names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per variant of model ``name``: median images/s over rounds, spread, first-conv output layout."""
+    torch.manual_seed(0)
+    base = build_untrained_model(name, 1000, source="torchvision")
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    y = torch.randint(0, 1000, (args.batch_size,), device=device)
+    inputs = {"contiguous": x.contiguous(), "channels_last": to_channels_last(x.clone())}
+    runs = {}
+    for n in names:
+        model = variant(base, n, device)
+        runs[n] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                   inputs["contiguous" if n.endswith("contiguous") else "channels_last"])
+    layouts = {n: first_conv_output_layout(m, xi, dtype) for n, (m, _, xi) in runs.items()}
+    for n, (m, opt, xi) in runs.items():
+        for _ in range(args.warmup):
+            step(m, opt, xi, y, dtype)
+    synchronize(device)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]  # each variant goes first in turn
+        for n in order:
+            m, opt, xi = runs[n]
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(m, opt, xi, y, dtype)
+            synchronize(device)
+            rates[n].append(args.steps * args.batch_size / (time.perf_counter() - start))
+    base_rate = statistics.median(rates["contiguous"])
+    return [{"model": name, "variant": n, "img_s": statistics.median(v), "min": min(v), "max": max(v),
+             "ratio": statistics.median(v) / base_rate, "first_conv_out": layouts[n]} for n, v in rates.items()]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | weights / input | img/s (median) | min-max | vs contiguous | first conv output |",
+             "|---|---|---:|---:|---:|---|"]
+    lines += [f"| {r['model']} | {r['variant']} | {r['img_s']:,.1f} | {r['min']:,.1f}-{r['max']:,.1f} | "
+              f"{r['ratio']:.2f}x | {r['first_conv_out']} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", nargs="+", default=["resnet50", "convnext_tiny"])
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="autocast dtype")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fsdp", action="store_true", help="add the two fully_shard variants (one-process group)")
+    parser.add_argument("--quick", action="store_true", help="resnet18, batch 2, 64 px, one step per round")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.quick:
+        args.models, args.batch_size, args.image_size, args.warmup, args.steps, args.repeats = (
+            ["resnet18"], 2, 64, 1, 1, 3)
+    args.batch_size = args.batch_size or (256 if device.type == "cuda" else 32)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    names = PLAIN + (SHARDED if args.fsdp else ())
+    print(machine_line(machine()))
+    if device.type == "cuda":
+        print(f"GPU {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    print(f"batch {args.batch_size} at {args.image_size} px, autocast {args.dtype}, {args.warmup} warm-up steps, "
+          f"{args.repeats} interleaved rounds of {args.steps} steps")
+    rows: list[dict[str, Any]] = []
+    with one_process_group(device) if args.fsdp else contextlib.nullcontext():
+        for name in args.models:
+            rows += bench_model(name, args, device, dtype, names)
+            print(table([r for r in rows if r["model"] == name]), flush=True)
+    print()
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
