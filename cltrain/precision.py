@@ -16,6 +16,8 @@ optimizer is safe under loss scaling.
   uninitialised momentum buffer on an overflowed first step and trains to NaN.
 * ``zero_momentum_buffers``: starts SGD's momentum buffers at zero, which makes the
   fused SGD pass ``loss_scaling_safe`` (``dampening=0``).
+* ``full_float32``: float32 convolutions and matmuls computed in IEEE float32 inside (no TF32 on CUDA,
+  no bf16/TF32 shortcuts in oneDNN), the user's settings restored after.
 
 Example::
 
@@ -46,13 +48,47 @@ import torch.utils.deterministic
 from cltrain.platform import cpu_bf16_support
 
 __all__ = ["AUTOCAST_DTYPES", "PrecisionChoice", "auto_precision", "autocast_dtype", "autocast_for",
-           "compute_dtype", "loss_scaling_safe", "zero_momentum_buffers"]
+           "compute_dtype", "full_float32", "loss_scaling_safe", "zero_momentum_buffers"]
 
 #: The Lightning precision flag -> the dtype its autocast computes in.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 # The dtype convolutions compute in: autocast's, or the parameters' once cast.
 _COMPUTE_DTYPES: dict[str, torch.dtype] = {**AUTOCAST_DTYPES, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 
+
+
+#: The backends whose float32 math has a reduced-precision mode (``fp32_precision``: "tf32", "bf16").
+_FP32_BACKENDS = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _fp32_settings() -> list[Any]:
+    found = []
+    for path in _FP32_BACKENDS:
+        obj: Any = torch.backends
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            found.append(obj)
+    return found
+
+
+@contextmanager
+def full_float32() -> Iterator[None]:
+    """float32 convolutions and matmuls in IEEE float32 inside, whatever the user set (TF32 is CUDA's default
+    for cuDNN convolutions); each backend's ``fp32_precision`` is restored on the way out.
+
+    TF32 rounds a convolution's inputs to 10 bits, and the two layouts' kernels round differently: the
+    layout check compares in full float32 so that rounding cannot pass for a layout fault.
+    """
+    settings = _fp32_settings()
+    saved = [s.fp32_precision for s in settings]
+    try:
+        for s in settings:
+            s.fp32_precision = "ieee"
+        yield
+    finally:
+        for s, value in zip(settings, saved):
+            s.fp32_precision = value
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -7,7 +7,10 @@ random ops (dropout) drawn in the same logical order in both. Every module's inp
 gradients, the loss, every parameter's gradient and its update are compared as they happen; the first place that
 raises only in channels_last, or differs beyond the layouts' own rounding noise, is the finding.
 The noise is measured on the same batch: an NCHW run whose every module output, and the gradient
-arriving at it, is perturbed by a few units in the last place of its dtype. A finding is then fixed by the smallest ``cltrain.check.fallback``
+arriving at it, is perturbed by a few units in the last place of its dtype. The runs compute float32 in full
+float32 (no TF32, ``cltrain.precision.full_float32``), and the code after the backward starts from the NCHW
+run's gradient values in every run (``cltrain.check.record.GradientTape``), so updates are compared on
+identical gradients. A finding is then fixed by the smallest ``cltrain.check.fallback``
 that makes the channels_last copy agree, tried in order (the outputs of the module just before the
 faulty code, the module holding it, its parents, the weights, the whole model), each verified by running the step
 again; a fault in a class's code is fixed in every instance of the class at once. The model itself, its gradients, BatchNorm statistics, optimizer and RNG state are not touched.
@@ -46,6 +49,7 @@ from cltrain.check.copies import mark_copy, running
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import candidates, class_wide, first_line, method_source, source_of, user_frame
 from cltrain.check.record import (
+    GradientTape,
     Run,
     SameRandomness,
     Vectors,
@@ -58,6 +62,7 @@ from cltrain.check.record import (
 )
 from cltrain.check.result import Finding, LayoutCheck
 from cltrain.layout import to_contiguous
+from cltrain.precision import full_float32
 
 __all__ = ["Finding", "LayoutCheck", "check_layout", "projection_loss"]
 
@@ -79,7 +84,7 @@ def _upstream(key: tuple, z: dict[tuple, float], previous: float, index: dict[st
     parameter gradients; otherwise the event just before."""
     kind = key[0]
     if kind == "update":
-        return z.get(("param", key[1]), 0.0)
+        return 0.0  # every run's code after the backward starts from the reference's gradients (GradientTape)
     if kind == "forward-out":
         return z.get(("forward-in", key[1]), 0.0)
     if kind == "grad-in":
@@ -161,11 +166,12 @@ def check_layout(
     vectors = Vectors()
     rng = rng_state()
     updates = after_backward is not None if updates is None else updates
+    tape = GradientTape()
 
     def run_on(trial: nn.Module, layout: str, perturb: bool = False) -> Run:
-        with running():
+        with running(), full_float32():
             return execute(trial, step, layout, rng, vectors, perturb=perturb, after_backward=after_backward,
-                           updates=updates)
+                           updates=updates, tape=tape)
 
     def fresh() -> nn.Module:
         with running():
@@ -173,6 +179,7 @@ def check_layout(
 
     ref_model = to_contiguous(fresh())
     ref = run_on(ref_model, "contiguous")
+    tape.recording = False
     if ref.raised is not None:
         reason = f"{RAISED_WITHOUT_CHANNELS_LAST} ({first_line(ref.raised.error)})"
         return LayoutCheck("not checked", reason=reason, seconds=time.perf_counter() - start)

@@ -10,6 +10,13 @@ raised is kept.
 Random ops draw in the logical order whatever the strides (``SameRandomness``), and the RNG state is
 set before and restored after. With ``perturb=True`` every module output, and the gradient arriving at
 it, is perturbed by ``noise_scale`` of its dtype: the noise run.
+
+The code after the backward starts from the same gradient values in every run (``GradientTape``): the
+reference run keeps each parameter's gradient as its backward leaves it, the others record their own and
+then take those values, in their own strides. An update rule that turns a near-zero gradient into a full
+step (Adam's first step is about ``lr * sign(g)``) then cannot amplify the backward's rounding, while
+code that reads a gradient's memory as NCHW still moves values. Before a copied optimizer steps, its state
+tensors take their parameter's strides, as the same run in that layout would have built them.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from cltrain.check.fallback import map_images
 
-__all__ = ["Raise", "Recorder", "Run", "SameRandomness", "Vectors", "distance", "execute", "floats", "loss_of",
-           "noise_scale", "projection_loss", "rng_state", "set_rng_state", "signature"]
+__all__ = ["GradientTape", "Raise", "Recorder", "Run", "SameRandomness", "Vectors", "distance", "execute", "floats",
+           "loss_of", "noise_scale", "projection_loss", "rng_state", "set_rng_state", "signature"]
 
 _PROJECTIONS = 3
 
@@ -337,16 +345,77 @@ def loss_of(result: Any) -> torch.Tensor | None:
     return None
 
 
+class GradientTape:
+    """Each parameter's gradient after each backward of the reference run (``recording``), given to the
+    same parameter at the same point of every later run."""
+
+    def __init__(self) -> None:
+        self.grads: dict[tuple[str, int], torch.Tensor] = {}
+        self.recording = True
+
+    def hooks(self, model: nn.Module, recorder: Recorder) -> list[Any]:
+        """Post-accumulate-grad hooks on ``model``'s parameters: record the gradient, then keep or take the tape's."""
+        fires: dict[str, int] = {}
+
+        def hook_for(name: str) -> Callable[[torch.Tensor], None]:
+            def hook(param: torch.Tensor) -> None:
+                k = fires[name] = fires.get(name, -1) + 1
+                recorder.record(("param", name), param.grad, (name.rpartition(".")[0], None))
+                if param.grad is None:
+                    return
+                if self.recording:
+                    self.grads[(name, k)] = param.grad.detach().clone()
+                    return
+                ref = self.grads.get((name, k))
+                if ref is not None and ref.shape == param.grad.shape:
+                    with torch.no_grad():
+                        param.grad.copy_(ref)  # the reference's values in this run's strides
+
+            return hook
+
+        return [p.register_post_accumulate_grad_hook(hook_for(n)) for n, p in model.named_parameters()
+                if p.requires_grad]
+
+
+def _state_in_param_strides(model: nn.Module) -> Any:
+    """A global optimizer pre-step hook: an optimizer of ``model``'s parameters gets each state tensor of a
+    parameter's shape in that parameter's strides (a fused or foreach kernel requires it; the copy's
+    parameters may have changed layout since the state was copied)."""
+    own = {id(p) for p in model.parameters()}
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p) if id(p) in own else None
+                for key, value in (state or {}).items():
+                    if isinstance(value, torch.Tensor) and value.shape == p.shape and value.stride() != p.stride() \
+                            and p.is_contiguous(memory_format=_format_of(p)):
+                        state[key] = torch.empty_like(p, dtype=value.dtype, device=value.device).copy_(value)
+
+    return register_optimizer_step_pre_hook(hook)
+
+
+def _format_of(t: torch.Tensor) -> torch.memory_format:
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str, rng: dict[str, Any],
-             vectors: Vectors, perturb: bool = False, after_backward: Callable[[nn.Module], Any] | None = None,
-             updates: bool = False) -> Run:
+            vectors: Vectors, perturb: bool = False, after_backward: Callable[[nn.Module], Any] | None = None,
+            updates: bool = False, tape: GradientTape | None = None) -> Run:
     """One recorded run of ``step`` on ``model`` (see the module docstring); ``after_backward(model)`` runs
-    after the loss's backward; ``updates`` records each parameter's change over the whole run."""
+    after the loss's backward; ``updates`` records each parameter's change over the whole run; ``tape``
+    records the gradients (while ``tape.recording``) or gives its values to this run's parameters."""
     for param in model.parameters():
         param.grad = None
     before = {name: p.detach().clone() for name, p in model.named_parameters()} if updates else {}
     recorder = Recorder(model, vectors, perturb)
     run = recorder.run
+    handles = tape.hooks(model, recorder) if tape is not None else []
+    handles.append(_state_in_param_strides(model))
     propagated = False
     start = time.perf_counter()
     set_rng_state(rng)
@@ -382,6 +451,8 @@ def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str
             run.raised.phase = "backward"
     finally:
         recorder.close()
+        for handle in handles:
+            handle.remove()
         set_rng_state(rng)
     if not propagated:
         run.raised = None  # raised inside a module and caught by the user's own code
