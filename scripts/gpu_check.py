@@ -205,15 +205,21 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
     if importlib.util.find_spec("pytest") is None:
         return row("cuda tests", shown, "skipped: pytest is not installed")
     started = time.perf_counter()
-    code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-q", "-p", "no:cacheprovider"], REPO, limit, log)
+    # -v: one line per test as it ends, so a run cut short by its limit still says which failed
+    code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-v", "--tb=line", "-rfE", "-p",
+                     "no:cacheprovider"], REPO, limit, log)
     text = log.read_text(errors="replace")
-    if code is None:  # no summary line: count the progress marks `-q` printed
-        marks = "".join(re.findall(r"^([.sFE]+) +\[ *\d+%\]$", text, re.MULTILINE))
-        return row("cuda tests", shown, f"timed out after {limit:.0f} s with {marks.count('.')} passed, "
-                   f"{marks.count('F')} failed, {marks.count('E')} errors", notes=log.name)
+    ended = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.MULTILINE)
+    failed = [name.rpartition("::")[2] for name, outcome in ended if outcome in ("FAILED", "ERROR")]
+    reasons = dict(re.findall(r"^(?:FAILED|ERROR) \S+::(\S+) - (.{0,160})", text, re.MULTILINE))
+    notes = "; ".join([log.name] + [f"{n}: {reasons[n]}" if n in reasons else n for n in failed])
+    if code is None:
+        counts = Counter(outcome for _, outcome in ended)
+        return row("cuda tests", shown, f"timed out after {limit:.0f} s with {counts['PASSED']} passed, "
+                   f"{counts['FAILED']} failed, {counts['ERROR']} errors", notes=notes)
     summary = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", text.strip().splitlines()[-1])
     status = ("completed" if code == 0 else f"failed (exit {code})") + ": " + ", ".join(map(" ".join, summary))
-    return row("cuda tests", shown, f"{status} in {time.perf_counter() - started:.0f} s", notes=log.name)
+    return row("cuda tests", shown, f"{status} in {time.perf_counter() - started:.0f} s", notes=notes)
 
 
 def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> dict[str, str]:
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=None, help="data and runs (default: a temporary folder)")
     parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (see the docstring)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the script on any CPU")
-    parser.add_argument("--limits", type=float, nargs=3, default=[140, 120, 240], metavar=("A", "B", "C"),
+    parser.add_argument("--limits", type=float, nargs=3, default=[180, 100, 220], metavar=("A", "B", "C"),
                         help="seconds for (a) the cuda tests, (b) the default train.py, (c) the matrix")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
