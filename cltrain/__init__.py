@@ -8,6 +8,7 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``atomic``: files written atomically (same-folder temp file, fsync, rename);
 * ``checkpoint_io``: ``AtomicCheckpointIO``, Lightning checkpoints saved atomically, loaded ``weights_only``;
 * ``layout``: tensors, modules and batches put in channels_last (``to_channels_last``, ``to_contiguous``);
+* ``sharding``: which sharding engine (FSDP2, FSDP, DeepSpeed) holds a model, and the layout it keeps;
 * ``guardrails``: workarounds for backend kernels known to fail in channels_last on this device;
 * ``timing``: a model timed in both layouts (``mode="auto"``), in a child process;
 * ``audit``: the ops that lose channels_last in a model (``cltrain-audit`` on the command line);

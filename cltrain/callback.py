@@ -36,6 +36,7 @@ from cltrain.layout.lightning_access import (
 )
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.precision import autocast_dtype, compute_dtype
+from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 
 __all__ = ["ChannelsLast"]
 
@@ -57,6 +58,12 @@ class ChannelsLast(Callback):
     restrided to its parameter's layout. A channels_last model's 4-D/5-D outputs are
     channels_last: flatten them with ``reshape``, not ``view``. The guide:
     docs/guides/callback.md.
+
+    Under a sharding strategy (``ModelParallelStrategy``, whose ``configure_model`` calls ``fully_shard``;
+    ``FSDPStrategy``; ``DeepSpeedStrategy``) or on a model sharded already, the parameters stay contiguous, as the
+    engine requires, and only the inputs are channels_last: the convolutions still run NHWC kernels
+    (``cltrain.sharding``; docs/guides/scaling.md). The first-batch check and the audit then do not run (a sharded
+    model cannot be copied; the line says how to check instead), and ``mode="auto"`` is not timed.
 
     Args:
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only
@@ -123,6 +130,8 @@ class ChannelsLast(Callback):
         fallbacks: the ``cltrain.check.fallback.Fallback``s the checks applied to the model.
         summary: ``cltrain.layout_summary`` of the model's parameters and buffers
             once converted.
+        sharding: the sharding engine (``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``, ``"DTensor"``) that holds the
+            model's parameters, which then stay contiguous; ``None`` when none does.
         audit_report: with ``audit=True``, the ``cltrain.audit.AuditReport`` of the
             first training batch.
 
@@ -199,6 +208,7 @@ class ChannelsLast(Callback):
         self._device: torch.device | None = None
         self._dtype: torch.dtype | None = None
         self.summary: dict[str, int] | None = None
+        self.sharding: str | None = None
         self.audit_report: Any = None
         self._one_d = False  # auto timed a rank-3 shape: channels-last 1-D for Conv1d and rank-3 batches
         self._audited = False
@@ -220,6 +230,9 @@ class ChannelsLast(Callback):
                 "ChannelsLast(mode='auto') needs the shape of a training batch to time: pass "
                 "input_shape=(N, C, H, W), or use a DataModule with an `input_shape` attribute."
             )
+        if sharding_of(pl_module, trainer.strategy) is not None:
+            # configure_model may call fully_shard next, which refuses a model that arrived channels_last.
+            to_contiguous(pl_module)
         # LightningModule.setup runs after this hook and configure_model after that; the model
         # is complete only then, and the strategy moves and wraps it right after.
         last = "configure_model" if overrides("configure_model", pl_module) else "setup"
@@ -230,7 +243,10 @@ class ChannelsLast(Callback):
         undo_run_after(pl_module)
 
     def _put_in_layout(self, module: nn.Module, hazards: dict[str, list[str]] | None = None) -> list[GuardRecord]:
-        if self.layout == "channels_last":
+        if self.sharding is not None:
+            if sharding_of(module) is None:  # FSDP and DeepSpeed wrap it later, and flatten it contiguous
+                to_contiguous(module)
+        elif self.layout == "channels_last":
             to_channels_last(module, mode="conv" if self.mode == "conv" else "full")
             if self._one_d:
                 to_channels_last_1d(module)
@@ -245,7 +261,7 @@ class ChannelsLast(Callback):
         # Averaging callbacks deep-copy the module in their own `setup`, before this callback
         # converts it (whatever the callback order); every EMA update and validation swap
         # would then copy across layouts. Their copies join the model's layout here.
-        if self.layout is None:
+        if self.layout is None or self.sharding is not None:
             return
         for copy_ in model_copies(trainer, pl_module, exclude=self):
             self._put_in_layout(copy_)
@@ -270,8 +286,9 @@ class ChannelsLast(Callback):
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._device = trainer.strategy.root_device
         self._dtype = compute_dtype(trainer.precision)
-        if self.layout is None:
-            self.layout = "channels_last" if self.mode != "auto" else self._choose(trainer, pl_module)
+        self.sharding = sharding_of(pl_module, trainer.strategy)
+        if self.layout is None:  # a sharded model cannot be copied to time it
+            self.layout = "channels_last" if self.mode != "auto" or self.sharding else self._choose(trainer, pl_module)
         hazards = self._hazards_on_every_rank(trainer, pl_module) if self.guard else None
         records = self._put_in_layout(pl_module, hazards)
         if self.guard:
@@ -287,9 +304,14 @@ class ChannelsLast(Callback):
                 "channels_last has nothing to speed up; remove the callback or keep it for the layout checks."
             )
         counts = ", ".join(f"{n} {k}" for k, n in self.summary.items())
-        rank_zero_info(
-            f"ChannelsLast(mode={self.mode!r}): model layout is {self.layout}; parameters and buffers: {counts}."
-        )
+        if self.sharding is not None:
+            untimed = " (not timed: a sharded model cannot be copied)" if self.mode == "auto" else ""
+            (rank_zero_info if self.convert_inputs else rank_zero_warn)(
+                f"ChannelsLast(mode={self.mode!r}){untimed}: {sharded_line(self.sharding, self.convert_inputs)}")
+        else:
+            rank_zero_info(
+                f"ChannelsLast(mode={self.mode!r}): model layout is {self.layout}; parameters and buffers: {counts}."
+            )
         if records:
             rank_zero_info("ChannelsLast: worked around known kernel faults: " + "; ".join(r.line() for r in records))
 
@@ -469,7 +491,9 @@ class ChannelsLast(Callback):
         if not self.verify or self.mode == "off" or self.layout != "channels_last" or kind in self.layout_checks:
             return
         result = None
-        if trainer.is_global_zero:
+        if self.sharding is not None:  # the same on every rank: nothing to broadcast
+            result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
+        elif trainer.is_global_zero:
             try:
                 result = check_within_budget(
                     lambda part: check_lightning_step(trainer, pl_module, part, batch_idx, stage, inputs=self.inputs,
@@ -505,7 +529,7 @@ class ChannelsLast(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Runs after the optimizer state is restored from a checkpoint: momentum buffers keep the
         # strides they were saved with, which may be another layout than their parameter's.
-        if self.mode == "off":
+        if self.mode == "off" or self.sharding is not None:  # the engine owns the optimizer state's layout
             return
         self._convert_copies(trainer, pl_module)  # copies made later than setup (on_fit_start)
         restride_optimizer_state(trainer.optimizers)
@@ -514,6 +538,10 @@ class ChannelsLast(Callback):
         from cltrain.audit import audit_model
 
         example = first_image_tensor(batch, self.inputs)
+        if self.sharding is not None:
+            rank_zero_warn(f"ChannelsLast(audit=True): not audited, the model is sharded by {self.sharding}, which "
+                           "cannot be copied; audit the unsharded model: cltrain.audit_model(model, batch_input).")
+            return
         if example is None:
             rank_zero_warn("ChannelsLast(audit=True): the first training batch holds no 4-D/5-D float tensor to audit.")
             return

@@ -7,6 +7,9 @@ targets and masks keep their layout, see ``cltrain.layout.batches``). Convert be
 ``fabric.setup`` / DDP / ``torch.compile``, so every rank wraps and compiles the final layout.
 ``verify_layout`` runs one step in both layouts on copies of the model (``cltrain.check.compare``) and
 puts the part of the model whose code assumes NCHW in NCHW, as the callback does on its first batch.
+A model that FSDP2 (``fully_shard``) will shard is converted with ``convert_model(model, sharded=True)``: its
+weights stay NCHW, which FSDP2 requires, and ``convert_batch`` still feeds the convolutions channels_last
+inputs (``cltrain.sharding``); call ``verify_layout`` on it before ``fully_shard``.
 ``contiguous_copy`` gives an NCHW copy of a trained model for ``torch.onnx.export``,
 ``torch.export`` and TorchScript, whose graphs should not depend on how training strided the weights.
 
@@ -45,6 +48,7 @@ from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import copy_optimizer
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.layout.lightning_access import eager_copy
+from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
@@ -60,13 +64,18 @@ def convert_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     guard: bool = True,
+    sharded: bool = False,
 ) -> M:
     """Put ``model`` in channels_last, in place, with the kernel guardrails, as ``ChannelsLast`` does.
 
     Args:
-        model: the model, before ``fabric.setup``, DDP or ``torch.compile`` wrap it.
+        model: the model, before ``fabric.setup``, DDP, ``fully_shard`` or ``torch.compile`` wrap it.
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer (``channels_last`` for
             4-D, ``channels_last_3d`` for 5-D); ``"conv"`` only convolution weights.
+        sharded: the model will be sharded (``fully_shard``, FSDP, DeepSpeed), which keeps parameters
+            contiguous: its parameters and buffers are put in NCHW instead and only the inputs
+            (``convert_batch``) are channels_last, so the convolutions still run NHWC kernels. A model
+            sharded already is treated so, and not restrided.
         device: where the model will train (the guardrails depend on the backend); default
             the device of its parameters.
         dtype: the dtype its convolutions will compute in: the autocast dtype
@@ -78,19 +87,28 @@ def convert_model(
         ``model`` itself (its ``Parameter`` objects are kept: an optimizer made before still works).
 
     Raises:
-        ValueError: ``mode`` is not ``"full"`` or ``"conv"``, or ``guard`` is not a bool.
+        ValueError: ``mode`` is not ``"full"`` or ``"conv"``, or ``guard`` or ``sharded`` is not a bool.
 
     Example::
 
         >>> model = convert_model(torch.nn.Conv2d(3, 8, 3))
         >>> model.weight.is_contiguous(memory_format=torch.channels_last)
         True
+        >>> convert_model(torch.nn.Conv2d(3, 8, 3), sharded=True).weight.is_contiguous()  # then fully_shard
+        True
     """
     if mode not in MODES:
         raise ValueError(f"convert_model(mode={mode!r}): expected one of {MODES}.")
-    if not isinstance(guard, bool):
-        raise ValueError(f"convert_model(guard={guard!r}): expected True or False.")
-    to_channels_last(model, mode=mode)
+    for name, value in (("guard", guard), ("sharded", sharded)):
+        if not isinstance(value, bool):
+            raise ValueError(f"convert_model({name}={value!r}): expected True or False.")
+    engine = sharding_of(model)
+    if sharded or engine is not None:
+        if engine is None:  # FSDP2 refuses channels_last parameters; the others flatten them contiguous
+            to_contiguous(model)
+        log.info("convert_model: %s", sharded_line(engine))
+    else:
+        to_channels_last(model, mode=mode)
     if guard:
         if device is None:
             device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
@@ -143,8 +161,9 @@ def verify_layout(
 ) -> LayoutCheck:
     """Check one step in both layouts and apply what the check chooses to ``model``, in place.
 
-    Call it once, after ``convert_model`` and before ``fabric.setup`` / DDP / ``torch.compile``, with a
-    real batch. Where the code in the model or in ``step`` raises or diverges only in channels_last, the
+    Call it once, after ``convert_model`` and before ``fabric.setup`` / DDP / ``fully_shard`` / ``torch.compile``,
+    with a real batch; for a sharded run, on the model ``convert_model(model, sharded=True)`` gave (NCHW
+    weights, channels_last inputs). A model sharded already cannot be copied: it is reported not checked. Where the code in the model or in ``step`` raises or diverges only in channels_last, the
     smallest part holding it runs in NCHW (``cltrain.check.fallback``); where that is the whole model, the
     model runs in NCHW (its inputs are put in NCHW on the way in, so the loop may keep converting batches).
     One log line says what was found and done. The model's weights, gradients and BatchNorm statistics
@@ -173,6 +192,12 @@ def verify_layout(
     from cltrain.precision import autocast_for
 
     inputs = check_inputs(inputs, owner="verify_layout")
+    engine = sharding_of(model)
+    if engine is not None:
+        result = LayoutCheck("not checked", reason=not_checked_reason(engine))
+        if report:
+            log.info("verify_layout: %s", result.line())
+        return result
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
     def run_in(part: Any, dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
@@ -238,6 +263,9 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
     Returns:
         The copy; ``model`` is not modified.
 
+    Raises:
+        ValueError: ``model`` is sharded (FSDP2, FSDP, DeepSpeed), which cannot be copied.
+
     Example::
 
         >>> trained = convert_model(torch.nn.Conv2d(3, 8, 3))
@@ -246,6 +274,10 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
         (True, False)
     """
     bare = _unwrap(model)
+    engine = sharding_of(bare)
+    if engine is not None:
+        raise ValueError(f"contiguous_copy: the model is sharded by {engine}, which cannot be copied; load its full "
+                         "state dict (get_model_state_dict with full_state_dict=True) into an unsharded model instead.")
     grads = {p: p.grad for p in bare.parameters()}
     for p in grads:  # deepcopy would copy them, in the training layout
         p.grad = None
