@@ -34,6 +34,7 @@ from torch import nn
 
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.loops import convert_model
+from cltrain.sharding import sharding_of
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -66,7 +67,8 @@ def prepare_channels_last(
         verify: check the first training and evaluation batch (``ChannelsLastInputs.of(model).layout_checks``).
 
     Returns:
-        ``model`` itself (its parameters are kept).
+        ``model`` itself (its parameters are kept). Under FSDP or DeepSpeed its weights stay NCHW, as those
+        engines require, and only its image inputs are channels_last (``cltrain.sharding``).
 
     Raises:
         ValueError: a bad ``mode``, ``inputs``, ``guard`` or ``verify``.
@@ -79,6 +81,8 @@ def prepare_channels_last(
             raise ValueError(f"prepare_channels_last({name}={value!r}): expected True or False.")
     dtype = _AUTOCAST.get(str(accelerator.mixed_precision))
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
-    convert_model(model, mode, device=accelerator.device, dtype=dtype, guard=guard)
+    # FSDP and DeepSpeed (GPU only in Accelerate) keep parameters contiguous: then only the inputs go channels_last.
+    convert_model(model, mode, device=accelerator.device, dtype=dtype, guard=guard,
+                  sharded=sharding_of(model, accelerator) is not None)
     hook.attach(model)
     return model

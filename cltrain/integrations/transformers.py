@@ -17,7 +17,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from cltrain import layout_summary
 from cltrain.guardrails import apply_guardrails
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
-from cltrain.layout import is_channels_last, to_channels_last
+from cltrain.layout import is_channels_last, to_channels_last, to_contiguous
+from cltrain.sharding import sharded_line, sharding_of
 
 __all__ = ["ChannelsLastCallback"]
 
@@ -30,6 +31,13 @@ _MODES = ("full", "conv")
 def _compute_dtype(args: TrainingArguments) -> torch.dtype | None:
     """The dtype the Trainer's autocast computes convolutions in."""
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
+def _accelerator_state() -> Any:
+    """Accelerate's shared state once the Trainer has made its ``Accelerator`` (FSDP or DeepSpeed is decided there)."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    return AcceleratorState() if is_initialized() else None
 
 
 def _convs_channels_last(model: nn.Module) -> bool:
@@ -56,6 +64,11 @@ class ChannelsLastCallback(TrainerCallback):
       model's forward, and the loss it computes from ``labels``, in both layouts on copies; where the model's
       code assumes NCHW, that part runs in NCHW and one log line names it. The run itself is not changed.
 
+    Under FSDP (``fsdp_config={"version": 2}``) or DeepSpeed, which need a GPU in Accelerate, the weights stay
+    contiguous, as the engine requires, and only the image arguments are channels_last: the convolutions still
+    run NHWC kernels (``cltrain.sharding``; docs/guides/scaling.md). A model sharded before its first batch is not
+    checked (it cannot be copied); the line says how to check it instead.
+
     It logs through the Trainer's logger (``transformers.utils.logging``) and never changes ``TrainerControl``.
     Checkpoints (``save_pretrained``) hold ordinary tensors: they load into a model without this callback.
 
@@ -69,6 +82,8 @@ class ChannelsLastCallback(TrainerCallback):
     Attributes:
         inputs_hook: the ``ChannelsLastInputs`` on the model (its ``layout_checks``: the checks' results).
         guardrails: the ``GuardRecord`` of each known kernel fault worked around (``[]``: none).
+        sharding: the engine that shards the model (``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``), whose weights then
+            stay contiguous; ``None`` when none does.
         summary: ``cltrain.layout_summary`` of the model's parameters and buffers once converted.
 
     Raises:
@@ -104,6 +119,7 @@ class ChannelsLastCallback(TrainerCallback):
         self.guard = guard
         self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger)
         self.guardrails: list[Any] | None = None
+        self.sharding: str | None = None
         self.summary: dict[str, int] | None = None
 
     @property
@@ -122,9 +138,10 @@ class ChannelsLastCallback(TrainerCallback):
         if model is None:
             return
         if model is not self.inputs_hook.model:  # built by model_init inside train(), after on_init_end
+            self.sharding = sharding_of(model, _accelerator_state())
             if args.world_size == 1:
                 self._convert(model, args)
-            elif _convs_channels_last(model):  # converted by the user's model_init
+            elif _convs_channels_last(model) or self.sharding:  # converted by the user's model_init, or sharded
                 self._attach(model, args)
             else:
                 raise ValueError(
@@ -139,7 +156,11 @@ class ChannelsLastCallback(TrainerCallback):
             self.inputs_hook.optimizers = [optimizer]
 
     def _convert(self, model: nn.Module, args: TrainingArguments) -> None:
-        to_channels_last(model, mode=self.mode)
+        self.sharding = sharding_of(model, _accelerator_state())
+        if self.sharding is None:
+            to_channels_last(model, mode=self.mode)
+        elif sharding_of(model) is None:  # Accelerate shards it in `prepare`; FSDP2 refuses channels_last parameters
+            to_contiguous(model)
         if self.guard:  # after every conversion: converting again undoes a guarded weight's layout
             self.guardrails = apply_guardrails(model, device=args.device, dtype=_compute_dtype(args))
         self._attach(model, args)
@@ -154,8 +175,11 @@ class ChannelsLastCallback(TrainerCallback):
                 "nothing to speed up; remove the callback."
             )
         counts = ", ".join(f"{n} {k}" for k, n in self.summary.items())
-        logger.info(f"ChannelsLastCallback(mode={self.mode!r}): {type(model).__name__} is channels_last; "
-                    f"parameters and buffers: {counts}.")
+        if self.sharding is not None:
+            logger.info(f"ChannelsLastCallback(mode={self.mode!r}): {sharded_line(self.sharding)}")
+        else:
+            logger.info(f"ChannelsLastCallback(mode={self.mode!r}): {type(model).__name__} is channels_last; "
+                        f"parameters and buffers: {counts}.")
         if self.guardrails:
             logger.info("ChannelsLastCallback: worked around known kernel faults: "
                         + "; ".join(r.line() for r in self.guardrails))
