@@ -8,9 +8,8 @@ channels_last: ResNet-50 keeps 1.93x of the 1.94x channels_last speed-up on an H
 
 ``sharding_of(model, engine)`` names the engine from the model (``FSDPModule`` modules, DTensor, FSDP1 or
 DeepSpeed parameters) or from what will shard it (a Lightning or Fabric strategy, an ``accelerate.Accelerator``
-or its state); ``sharded_line`` is the one log line that says what is where; ``NOT_CHECKED`` is why the
-first-batch check does not run on a sharded model, and how to check instead. The guide:
-docs/guides/scaling.md.
+or its state); ``sharded_line`` is the one log line that says what is where; ``not_checked_reason`` says why the
+first-batch check does not run on a sharded model, and how to check instead. The guide: docs/guides/scaling.md.
 
 Example::
 
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ENGINES", "NOT_CHECKED", "not_checked_reason", "sharded_line", "sharding_of"]
+__all__ = ["ENGINES", "not_checked_reason", "sharded_line", "sharding_of"]
 
 #: Each engine ``sharding_of`` names, and what it does to the parameters' layout.
 ENGINES: dict[str, str] = {
@@ -41,8 +40,8 @@ ENGINES: dict[str, str] = {
 #: Lightning's and Fabric's strategies that shard (class names: ``pytorch_lightning``'s count too).
 _STRATEGIES = {"ModelParallelStrategy": "FSDP2", "FSDPStrategy": "FSDP", "DeepSpeedStrategy": "DeepSpeed"}
 
-#: How the check is run instead, in the reason a sharded model's check gives.
-NOT_CHECKED = ("check the unsharded model in one process instead: cltrain.loops.verify_layout("
+# How the check is run instead, in the reason a sharded model's check gives.
+_CHECK_INSTEAD = ("check the unsharded model in one process instead: cltrain.loops.verify_layout("
                "convert_model(model, sharded=True), batch, step) before fully_shard (docs/guides/scaling.md)")
 
 
@@ -115,4 +114,4 @@ def sharded_line(engine: str | None, inputs: bool = True) -> str:
 
 def not_checked_reason(engine: str) -> str:
     """The first-batch check's ``not checked`` reason for a model ``engine`` has sharded."""
-    return f"the model is sharded by {engine}, which cannot be copied for the check; {NOT_CHECKED}"
+    return f"the model is sharded by {engine}, which cannot be copied for the check; {_CHECK_INSTEAD}"
