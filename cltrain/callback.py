@@ -491,7 +491,7 @@ class ChannelsLast(Callback):
         if not self.verify or self.mode == "off" or self.layout != "channels_last" or kind in self.layout_checks:
             return
         result = None
-        if self.sharding is not None:  # the same on every rank: nothing to broadcast
+        if self.sharding is not None:  # a sharded model cannot be copied; every rank knows why
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
         elif trainer.is_global_zero:
             try:

@@ -100,3 +100,9 @@ def test_sharding_of_names_the_strategies_engine():
     assert sharding_of(None, FabricModelParallel(lambda m, mesh: m)) == "FSDP2"
     assert sharding_of(None, FSDPStrategy()) == "FSDP"
     assert sharding_of(tiny(), DDPStrategy()) is None and sharding_of(tiny()) is None
+
+
+def test_the_line_says_nothing_runs_nhwc_when_the_inputs_are_not_converted():
+    assert "the inputs and activations are channels_last" in sharded_line("FSDP")
+    unconverted = sharded_line("FSDP", inputs=False)
+    assert "no convolution runs an NHWC kernel" in unconverted and "activations are channels_last" not in unconverted
