@@ -537,11 +537,11 @@ class ChannelsLast(Callback):
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         from cltrain.audit import audit_model
 
-        example = first_image_tensor(batch, self.inputs)
         if self.sharding is not None:
             rank_zero_warn(f"ChannelsLast(audit=True): not audited, the model is sharded by {self.sharding}, which "
                            "cannot be copied; audit the unsharded model: cltrain.audit_model(model, batch_input).")
             return
+        example = first_image_tensor(batch, self.inputs)
         if example is None:
             rank_zero_warn("ChannelsLast(audit=True): the first training batch holds no 4-D/5-D float tensor to audit.")
             return
