@@ -163,7 +163,8 @@ def verify_layout(
 
     Call it once, after ``convert_model`` and before ``fabric.setup`` / DDP / ``fully_shard`` / ``torch.compile``,
     with a real batch; for a sharded run, on the model ``convert_model(model, sharded=True)`` gave (NCHW
-    weights, channels_last inputs). A model sharded already cannot be copied: it is reported not checked. Where the code in the model or in ``step`` raises or diverges only in channels_last, the
+    weights, channels_last inputs). A model sharded already cannot be copied: it is reported not checked.
+    Where the code in the model or in ``step`` raises or diverges only in channels_last, the
     smallest part holding it runs in NCHW (``cltrain.check.fallback``); where that is the whole model, the
     model runs in NCHW (its inputs are put in NCHW on the way in, so the loop may keep converting batches).
     One log line says what was found and done. The model's weights, gradients and BatchNorm statistics

@@ -16,8 +16,11 @@ Example::
     >>> import torch
     >>> sharding_of(torch.nn.Conv2d(3, 8, 3)) is None
     True
-    >>> print(sharded_line("FSDP2"))
-    FSDP2 shards the parameters, which it keeps contiguous: the weights stay NCHW, the inputs and activations are channels_last (the convolutions run NHWC kernels).
+    >>> engine, layouts = sharded_line("FSDP2").split(": ")
+    >>> engine
+    'FSDP2 shards the parameters, which it keeps contiguous'
+    >>> layouts
+    'the weights stay NCHW, the inputs and activations are channels_last (the convolutions run NHWC kernels).'
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ def sharded_line(engine: str | None, inputs: bool = True) -> str:
     if not inputs:
         return (f"{why}: the weights stay NCHW and the inputs are not converted, so no convolution runs an NHWC "
                 "kernel; convert the inputs (convert_inputs=True) for the channels_last speed-up.")
-    return f"{why}: the weights stay NCHW, the inputs and activations are channels_last (the convolutions run NHWC kernels)."
+    return (f"{why}: the weights stay NCHW, the inputs and activations are channels_last (the convolutions run NHWC "
+            "kernels).")
 
 
 def not_checked_reason(engine: str) -> str:

@@ -91,7 +91,7 @@ def test_convert_model_sharded_keeps_the_weights_nchw(caplog):
     with caplog.at_level("INFO", logger="cltrain.loops"):
         assert convert_model(model, sharded=True) is model
     assert model[0].weight.is_contiguous() and sharding_of(model) is None
-    assert caplog.messages[-1].endswith("the inputs and activations are channels_last (the convolutions run NHWC kernels).")
+    assert caplog.messages[-1] == f"convert_model: {sharded_line(None)}"
     assert not convert_model(tiny())[0].weight.is_contiguous()  # the control: unsharded, channels_last
     with pytest.raises(ValueError, match=r"convert_model\(sharded='yes'\)"):
         convert_model(tiny(), sharded="yes")
