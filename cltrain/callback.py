@@ -22,6 +22,7 @@ from cltrain.layout import (
 )
 from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, image_inputs, restride_batch
 from cltrain.layout.conv_reach import ConvReach
+from cltrain.layout.stacks import in_input_layout
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
 from cltrain.check.budget import DEFAULT_SAMPLES, check_within_budget
 from cltrain.check.compare import LayoutCheck
@@ -327,14 +328,15 @@ class ChannelsLast(Callback):
 
     # ---- batches -------------------------------------------------------------------------------
 
-    def _convert_batch(self, batch: Any, stage: str) -> None:
+    def _convert_batch(self, batch: Any, stage: str, pl_module: LightningModule) -> None:
         if self.mode == "off" or not self.convert_inputs or self.layout is None:
             return
         traced = None
         if self._traces_inputs(stage):
-            traced = {p: t for p, t in image_inputs(batch, self.inputs, self._one_d).items() if not is_channels_last(t)}
+            traced = {p: t for p, t in image_inputs(batch, self.inputs, self._one_d).items()
+                      if not in_input_layout(t, pl_module)}
         converted = restride_batch(batch, self.layout, one_d=self._one_d, inputs=self.inputs,
-                                   skip=self._left_as_is.get(stage, ()))
+                                   skip=self._left_as_is.get(stage, ()), model=pl_module)
         if not self._checked_inputs:
             self._checked_inputs = True
             if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
@@ -402,7 +404,7 @@ class ChannelsLast(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._convert_batch(batch, "train")
+        self._convert_batch(batch, "train", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "train")
         if self.audit and not self._audited:
             self._audited = True
@@ -422,7 +424,7 @@ class ChannelsLast(Callback):
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch, "validation")
+        self._convert_batch(batch, "validation", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "validation")
         self._start_trace(pl_module)
 
@@ -435,7 +437,7 @@ class ChannelsLast(Callback):
     def on_test_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch, "test")
+        self._convert_batch(batch, "test", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "test")
         self._start_trace(pl_module)
 
@@ -448,7 +450,7 @@ class ChannelsLast(Callback):
     def on_predict_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch, "predict")
+        self._convert_batch(batch, "predict", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "predict")
         self._start_trace(pl_module)
 
