@@ -51,9 +51,9 @@ class ChannelsLast(Callback):
     rank. In every stage the model's inputs are restrided in place in
     ``on_{train,validation,test,predict}_batch_start`` (``cltrain.layout.batches`` says which
     tensors); targets and masks keep their layout, and a tensor already channels_last is not
-    copied. At each stage's first batch the model's forward is traced: an input whose converted layout
-    reaches no convolution (a (B, T, C, H, W) stack the model flattens to (B*T, C, H, W) first) is left as
-    it arrives from then on, and one line says so. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
+    copied; a (B, T, C, H, W) stack of images gets each frame channels_last (``cltrain.layout.stacks``). At each
+    stage's first batch the model's forward is traced: an input whose converted layout reaches no convolution
+    (the model makes it contiguous first) is left as it arrives from then on, and one line says so. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
     ``StochasticWeightAveraging``) join the model's layout, and on resume the optimizer state is
     restrided to its parameter's layout. A channels_last model's 4-D/5-D outputs are
     channels_last: flatten them with ``reshape``, not ``view``. The guide:

@@ -4,8 +4,11 @@ Loops that call the model themselves (the Hugging Face ``Trainer`` calls ``model
 loop ``model(x)``) give a plug-in no way to change the batch: the hook changes what the model receives
 instead. It converts the first positional argument and the keyword arguments it names (``pixel_values``
 by default), when they are floating 4-D/5-D tensors (or lists of them), and nothing else: ``labels``,
-masks and boxes keep the layout the collator made. The conversion returns new tensors (the caller's
-batch is not modified) and runs outside ``torch.compile``'s graph, so a compiled model sees a stable layout.
+masks and boxes keep the layout the collator made. A (B, T, C, H, W) stack of frames or images gets each frame
+channels_last (``cltrain.layout.stacks``). The conversion returns new tensors (the caller's batch is not
+modified) and runs outside ``torch.compile``'s graph, so a compiled model sees a stable layout. The first
+training and the first evaluation forward are traced (not a compiled one): an argument that reaches no
+convolution in channels_last is left as it arrives from then on (``left_as_is``), and one line says so.
 
 On the first training call (the model in train mode, gradients on) and the first evaluation call, the hook
 runs ``cltrain.loops.verify_layout`` on that batch: the model's forward, and the loss it computes from
@@ -113,6 +116,8 @@ class ChannelsLastInputs:
             then stops converting).
         layout_checks: the ``LayoutCheck`` of the first batch of each kind, ``"train"`` and ``"eval"``.
         optimizers: optimizers whose state is restrided to its parameters' strides when a check changes them.
+        left_as_is: the arguments (``0`` for the first positional one, or names) left as they arrive because the
+            traced forward took them to no convolution in channels_last.
 
     Raises:
         ValueError: ``names`` is not a name or a list of names, or ``positional`` / ``verify`` is not a bool.
