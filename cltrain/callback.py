@@ -22,6 +22,7 @@ from cltrain.layout import (
 )
 from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, image_inputs, restride_batch
 from cltrain.layout.conv_reach import ConvReach
+from cltrain.layout.stacks import in_input_layout
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
 from cltrain.check.budget import DEFAULT_SAMPLES, check_within_budget
 from cltrain.check.compare import LayoutCheck
@@ -51,9 +52,9 @@ class ChannelsLast(Callback):
     rank. In every stage the model's inputs are restrided in place in
     ``on_{train,validation,test,predict}_batch_start`` (``cltrain.layout.batches`` says which
     tensors); targets and masks keep their layout, and a tensor already channels_last is not
-    copied. At each stage's first batch the model's forward is traced: an input whose converted layout
-    reaches no convolution (a (B, T, C, H, W) stack the model flattens to (B*T, C, H, W) first) is left as
-    it arrives from then on, and one line says so. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
+    copied; a (B, T, C, H, W) stack of images gets each frame channels_last (``cltrain.layout.stacks``). At each
+    stage's first batch the model's forward is traced: an input whose converted layout reaches no convolution
+    (the model makes it contiguous first) is left as it arrives from then on, and one line says so. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
     ``StochasticWeightAveraging``) join the model's layout, and on resume the optimizer state is
     restrided to its parameter's layout. A channels_last model's 4-D/5-D outputs are
     channels_last: flatten them with ``reshape``, not ``view``. The guide:
@@ -349,14 +350,15 @@ class ChannelsLast(Callback):
 
     # ---- batches -------------------------------------------------------------------------------
 
-    def _convert_batch(self, batch: Any, stage: str) -> None:
+    def _convert_batch(self, batch: Any, stage: str, pl_module: LightningModule) -> None:
         if self.mode == "off" or not self.convert_inputs or self.layout is None:
             return
         traced = None
         if self._traces_inputs(stage):
-            traced = {p: t for p, t in image_inputs(batch, self.inputs, self._one_d).items() if not is_channels_last(t)}
+            traced = {p: t for p, t in image_inputs(batch, self.inputs, self._one_d).items()
+                      if not in_input_layout(t, pl_module)}
         converted = restride_batch(batch, self.layout, one_d=self._one_d, inputs=self.inputs,
-                                   skip=self._left_as_is.get(stage, ()))
+                                   skip=self._left_as_is.get(stage, ()), model=pl_module)
         if not self._checked_inputs:
             self._checked_inputs = True
             if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
@@ -424,7 +426,7 @@ class ChannelsLast(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._convert_batch(batch, "train")
+        self._convert_batch(batch, "train", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "train")
         if self.audit and not self._audited:
             self._audited = True
@@ -444,7 +446,7 @@ class ChannelsLast(Callback):
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch, "validation")
+        self._convert_batch(batch, "validation", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "validation")
         self._start_trace(pl_module)
 
@@ -457,7 +459,7 @@ class ChannelsLast(Callback):
     def on_test_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch, "test")
+        self._convert_batch(batch, "test", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "test")
         self._start_trace(pl_module)
 
@@ -470,7 +472,7 @@ class ChannelsLast(Callback):
     def on_predict_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._convert_batch(batch, "predict")
+        self._convert_batch(batch, "predict", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "predict")
         self._start_trace(pl_module)
 

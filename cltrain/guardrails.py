@@ -46,6 +46,7 @@ __all__ = [
     "SubsampledConv2d",
     "apply_guardrails",
     "find_hazards",
+    "guard_of",
 ]
 
 
@@ -356,3 +357,11 @@ def apply_guardrails(
             fault.fix(modules[name])
         records.append(GuardRecord(fault.key, fault.upstream, tuple(names), fault.workaround, fault.description))
     return records
+
+
+def guard_of(module: nn.Module) -> KnownFault | None:
+    """The known fault whose workaround ``apply_guardrails`` gave ``module``, or ``None``."""
+    pre = [h for h in module._forward_pre_hooks.values()]
+    key = ("onednn-1x1-strided-few-channels" if isinstance(module, SubsampledConv2d) or _nchw_input in pre
+           else "onednn-bf16-conv3d-weight-grad" if _fp32_pre in pre else None)
+    return next((f for f in KNOWN_FAULTS if f.key == key), None)

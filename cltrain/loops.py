@@ -117,7 +117,7 @@ def convert_model(
     return model
 
 
-def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last") -> B:
+def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last", model: nn.Module | None = None) -> B:
     """Put the model inputs of ``batch`` in ``layout``, in place, and return ``batch``.
 
     The same rules as ``ChannelsLast``: the batch when it is one tensor, the first element of a
@@ -129,6 +129,9 @@ def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last"
         batch: a tensor, or a tuple, list, dict, namedtuple or dataclass of them (nested).
         inputs: which tensors are the model's inputs; see ``cltrain.layout.batches``.
         layout: ``"channels_last"`` or ``"contiguous"``.
+        model: the model that reads the batch: tells a 5-D stack of images ``(B, T, C, H, W)`` (each frame put
+            channels_last) from a clip ``(N, C, T, H, W)`` (``channels_last_3d``) by its first convolution's
+            input channels (``cltrain.layout.stacks``); without it, by the sizes.
 
     Returns:
         ``batch``.
@@ -144,7 +147,7 @@ def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last"
     """
     if layout not in ("channels_last", "contiguous"):
         raise ValueError(f"convert_batch(layout={layout!r}): expected 'channels_last' or 'contiguous'.")
-    restride_batch(batch, layout, inputs=check_inputs(inputs, owner="convert_batch"))
+    restride_batch(batch, layout, inputs=check_inputs(inputs, owner="convert_batch"), model=model)
     return batch
 
 
@@ -204,7 +207,7 @@ def verify_layout(
     def run_in(part: Any, dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
         def run(clone: nn.Module, layout: str) -> Any:
             copied = _clone_tensors(part)
-            restride_batch(copied, layout, inputs=inputs)
+            restride_batch(copied, layout, inputs=inputs, model=clone)
             with autocast_for(device, dtype):
                 if step is not None:
                     return step(clone, copied)

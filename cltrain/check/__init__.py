@@ -7,6 +7,7 @@
 * ``cltrain.check.fallback``: ``Fallback`` and ``apply_fallbacks``, the parts of a model that run in NCHW;
 * ``cltrain.check.copies``: the copies the check runs on, and ``checking()`` / ``is_check_copy()`` for user
   code with side effects;
+* ``cltrain.check.untouched``: what a copy still reaches of the real model, and the real model's tensors put back;
 * ``cltrain.check.budget``: the check on a slice of the batch; an out-of-memory error is never a verdict;
 * ``cltrain.check.lightning_step``: the check on a Lightning step, for ``cltrain.ChannelsLast``.
 

@@ -35,7 +35,6 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from cltrain.check import LayoutCheck
 from cltrain.check.compare import RAISED_WITHOUT_CHANNELS_LAST
 from cltrain.layout.batches import Inputs, first_image_tensor
-from cltrain.layout.lightning_access import COPY_LIMIT
 
 __all__ = ["DEFAULT_SAMPLES", "MIN_SAMPLES", "check_within_budget", "free_memory", "is_out_of_memory", "slice_batch"]
 
@@ -78,8 +77,7 @@ def _whole_batch_may_help(result: LayoutCheck) -> bool:
     """The step raised on the part without channels_last too, and not at something the check's copy cannot reach
     (``trainer.strategy``, ...): code that may be written for the whole batch."""
     reason = result.reason or ""
-    return result.verdict == "not checked" and reason.startswith(RAISED_WITHOUT_CHANNELS_LAST) \
-        and COPY_LIMIT not in reason
+    return result.verdict == "not checked" and reason.startswith(RAISED_WITHOUT_CHANNELS_LAST)
 
 
 def check_within_budget(run: Callable[[Any], LayoutCheck], batch: Any, samples: int | None = DEFAULT_SAMPLES, *,

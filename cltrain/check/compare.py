@@ -61,7 +61,10 @@ from cltrain.check.record import (
     set_rng_state,
 )
 from cltrain.check.result import Finding, LayoutCheck
+from cltrain.check.untouched import RealState, describe, reaching_path
+from cltrain.guardrails import guard_of
 from cltrain.layout import to_contiguous
+from cltrain.layout.lightning_access import COPY_LIMIT
 from cltrain.precision import full_float32
 
 __all__ = ["Finding", "LayoutCheck", "check_layout", "projection_loss"]
@@ -160,9 +163,28 @@ def check_layout(
         update_owner: the object whose ``step`` runs after the backward (the optimizer), to name its file.
 
     Returns:
-        A ``LayoutCheck``.
+        A ``LayoutCheck``; ``"not checked"`` where a copy would still run the real model (a closure over it that
+        cannot be pointed at the copy) or where the step changed the real model anyway (put back, and named).
     """
     start = time.perf_counter()
+    real = RealState(model)
+    try:
+        result = _check_layout(model, step, start, step_owner=step_owner, copy_model=copy_model, floor=floor,
+                               time_fallbacks=time_fallbacks, after_backward=after_backward, updates=updates,
+                               update_owner=update_owner)
+    finally:
+        changed = real.restore()
+    if changed:
+        return LayoutCheck("not checked", reason=f"the step changed the real model through code the check's copy "
+                           f"shares with it ({describe(changed)}; put back as it was)",
+                           seconds=time.perf_counter() - start)
+    return result
+
+
+def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start: float, *, step_owner: Any,
+                  copy_model: Callable[[nn.Module], nn.Module], floor: float, time_fallbacks: bool,
+                  after_backward: Callable[[nn.Module], Any] | None, updates: bool | None,
+                  update_owner: Any) -> LayoutCheck:
     vectors = Vectors()
     rng = rng_state()
     updates = after_backward is not None if updates is None else updates
@@ -177,11 +199,18 @@ def check_layout(
         with running():
             return mark_copy(copy_model(model))
 
-    ref_model = to_contiguous(fresh())
+    ref_model = fresh()
+    path = reaching_path(model, ref_model)
+    if path is not None:
+        return LayoutCheck("not checked", reason=f"a copy of the model would run the real one ({path}): the "
+                           "check does not run", seconds=time.perf_counter() - start)
+    ref_model = to_contiguous(ref_model)
     ref = run_on(ref_model, "contiguous")
     tape.recording = False
     if ref.raised is not None:
-        reason = f"{RAISED_WITHOUT_CHANNELS_LAST} ({first_line(ref.raised.error)})"
+        error = first_line(ref.raised.error)
+        reason = (f"the step needs what the check's copy cannot offer ({error})" if COPY_LIMIT in error
+                  else f"{RAISED_WITHOUT_CHANNELS_LAST} ({error})")
         return LayoutCheck("not checked", reason=reason, seconds=time.perf_counter() - start)
     top_level = {key[1].rpartition("#")[0] for key in ref.keys if key[0] == "forward-out"
                  and ref.contexts[key][0] is None}  # modules the step code calls directly
@@ -206,7 +235,7 @@ def check_layout(
             position, context = run.raised.position, run.raised.context
             phase = "step" if run.raised.phase == "forward" and context[0] is None else run.raised.phase
             finding = Finding("raised", phase, context[0], user_frame(run.raised.error),
-                              first_line(run.raised.error))
+                              first_line(run.raised.error), guard=_guard_at(model, [context[0]]))
         elif first is not None:
             position, key, z, z_noise = first
             context = run.contexts[key]
@@ -218,9 +247,10 @@ def check_layout(
             else:
                 phase = phase if context[0] is not None else "step"
                 where = source_of(model, context[0], step_owner)
+            at = key[1].rpartition("#")[0] if key[0] != "param" else key[1].rpartition(".")[0]
             finding = Finding("diverged", phase, context[0], where,
                               f"{z:.2g} relative difference at {key[0]} of {key[1] if len(key) > 1 else 'the result'}, "
-                              f"noise {z_noise:.2g}")
+                              f"noise {z_noise:.2g}", guard=_guard_at(model, [context[0], at if len(key) > 1 else None]))
         else:
             worst = _worst(ref, noise, run)
             if not fallbacks:
@@ -266,6 +296,16 @@ def check_layout(
             break
         fallbacks.append(choice)
     return LayoutCheck("contiguous", tuple(findings), (Fallback("model", ""),), seconds=time.perf_counter() - start)
+
+
+def _guard_at(model: nn.Module, names: list[str | None]) -> str | None:
+    """The upstream issue of the guardrail on the first of the modules ``names`` that has one."""
+    modules = dict(model.named_modules())
+    for name in names:
+        fault = guard_of(modules[name]) if name is not None and name in modules else None
+        if fault is not None:
+            return fault.upstream
+    return None
 
 
 def _time_step(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str, rng: dict[str, Any],

@@ -25,7 +25,7 @@ from torch import nn
 
 from cltrain.layout.lightning_access import rebind_methods
 
-__all__ = ["checking", "copy_optimizer", "is_check_copy", "mark_copy", "running"]
+__all__ = ["checking", "copy_optimizer", "copy_schedulers", "is_check_copy", "mark_copy", "running"]
 
 _MARK = "_cltrain_check_copy"
 _depth = 0
@@ -83,3 +83,29 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> to
         raise TypeError(f"{type(optimizer).__name__}'s copy does not hold the copied parameters")
     rebind_methods(clone, own, drop_class_wrappers=True)  # an LR scheduler's patched `step`
     return clone
+
+
+def copy_schedulers(configs: list[Any], memo: dict[int, Any]) -> list[Any]:
+    """Copies of Lightning's ``LRSchedulerConfig``s, each holding a copy of its scheduler bound to the copied
+    optimizer (``memo`` maps each optimizer to its copy); a scheduler that cannot be copied gets a stand-in
+    whose ``step`` does nothing (a scheduler steps after the update the check compares)."""
+    import dataclasses
+
+    copies = []
+    for config in configs:
+        scheduler: Any = _InertScheduler()
+        if id(getattr(config.scheduler, "optimizer", None)) in memo:
+            try:
+                scheduler = copy.deepcopy(config.scheduler, dict(memo))
+            except Exception:  # noqa: BLE001 - the stand-in instead
+                pass
+        copies.append(dataclasses.replace(config, scheduler=scheduler))
+    return copies
+
+
+class _InertScheduler:
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return []

@@ -12,7 +12,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer
+from cltrain.check.copies import copy_optimizer, copy_schedulers
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.layout.batches import Inputs, first_image_tensor, restride_batch
 from cltrain.layout.lightning_access import detached_copy, step_target
@@ -51,20 +51,25 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
     optimizers = list(trainer.optimizers) if train else []
     uncopied: dict[str, str] = {}
 
-    def batch_in(layout: str) -> Any:
+    def batch_in(layout: str, clone: nn.Module) -> Any:
         copied = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
-        restride_batch(copied, layout, one_d=one_d, inputs=inputs)
+        restride_batch(copied, layout, one_d=one_d, inputs=inputs, model=clone)
         return copied
 
     def copy_model(module: nn.Module) -> nn.Module:
         memo: dict[int, Any] = {}
         copies: list[torch.optim.Optimizer] = []
-        clone = detached_copy(module, trainer, memo=memo, optimizers=copies if train else None)
+        schedulers: list[Any] = []
+        clone = detached_copy(module, trainer, memo=memo, optimizers=copies if train else None,
+                              schedulers=schedulers)
         for optimizer in optimizers:
             try:
                 copies.append(copy_optimizer(optimizer, memo))
+                memo[id(optimizer)] = copies[-1]
             except TypeError as error:
                 uncopied.setdefault(type(optimizer).__name__, str(error))
+        if train:
+            schedulers += copy_schedulers(trainer.lr_scheduler_configs, memo)
         return clone
 
     def after_backward(clone: LightningModule) -> None:
@@ -84,7 +89,7 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
     for context in contexts:
 
         def step_code(clone: nn.Module, layout: str, context: Any = context) -> Any:
-            copied = batch_in(layout)
+            copied = batch_in(layout, clone)
             image = first_image_tensor(copied, inputs)
 
             def note_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -99,7 +104,7 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
             return None if manual else result  # a manual step has run its own backward
 
         def model_only(clone: nn.Module, layout: str, context: Any = context) -> Any:
-            x = first_image_tensor(batch_in(layout), inputs)
+            x = first_image_tensor(batch_in(layout, clone), inputs)
             with grad(), context():
                 out = step_target(clone)(x)
             return projection_loss(out) if train else out
@@ -120,8 +125,6 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
         if result.verdict != "not checked":
             break
     notes = [f"the optimizer step of {name} was not checked ({why})" for name, why in uncopied.items()]
-    if train and trainer.lr_scheduler_configs:
-        notes.append("the LR schedulers were not stepped on the copies")
     return dataclasses.replace(result, notes=tuple(notes)) if notes else result
 
 

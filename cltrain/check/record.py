@@ -236,7 +236,9 @@ class Recorder:
         for name, module in model.named_modules():
             if perturb:
                 self.handles.append(module.register_forward_hook(self._perturb))
-            self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            # prepend: the input as the caller passed it, before a guardrail's own pre-hook copies it (the guarded
+            # layer and its guard are one unit; the copy's gradient would be that branch's share only)
+            self.handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True, prepend=True))
             self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True, always_call=True))
 
     def close(self) -> None:

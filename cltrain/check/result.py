@@ -25,6 +25,8 @@ class Finding:
         detail: the exception (type and first line), or the relative difference and the noise.
         others: how many more instances of the same class hold the same fault (handled at once).
         module_type: the class of ``module`` when ``others`` > 0.
+        guard: the cltrain guardrail on the layer where it shows (``"oneDNN #6035"``), when there is one: the
+            guard and its layer are the cause, not the user's code.
     """
 
     kind: str
@@ -34,9 +36,25 @@ class Finding:
     detail: str
     others: int = 0
     module_type: str | None = None
+    guard: str | None = None
+
+    def package(self) -> str | None:
+        """The installed package the code is in (``where`` under site-packages), or ``None``: the user's code."""
+        if not self.where:
+            return None
+        parts = self.where.replace("\\", "/").split("/")
+        for i, part in enumerate(parts[:-1]):
+            if part in ("site-packages", "dist-packages"):
+                return parts[i + 1].split(":")[0].removesuffix(".py")
+        return None
 
     def fix(self) -> str:
-        """What to change in the user's code, in a few words."""
+        """What to change in the user's code, in a few words; nothing where the code is not the user's."""
+        if self.guard:
+            return (f"nothing to edit: it shows at cltrain's guardrail for {self.guard} on that layer; the "
+                    "fallback stands (please report it to cltrain)")
+        if self.package():
+            return f"nothing to edit: that code is in the installed package `{self.package()}`; the fallback stands"
         if "view size is not compatible" in self.detail or ".view(" in self.detail:
             return "use .reshape(...) instead of .view(...) there (torch.flatten(x, 1) where it flattens)"
         if self.kind == "raised" and "contiguous" in self.detail.lower():
@@ -61,7 +79,8 @@ class Finding:
     def as_dict(self) -> dict[str, Any]:
         """Plain types, for ``metrics.json``."""
         return {"kind": self.kind, "phase": self.phase, "module": self.module, "where": self.where,
-                "detail": self.detail, "fix": self.fix(), "others": self.others, "module_type": self.module_type}
+                "detail": self.detail, "fix": self.fix(), "others": self.others, "module_type": self.module_type,
+                "guard": self.guard}
 
 
 def describe_fallbacks(fallbacks: tuple[Fallback, ...]) -> str:

@@ -4,8 +4,11 @@ Loops that call the model themselves (the Hugging Face ``Trainer`` calls ``model
 loop ``model(x)``) give a plug-in no way to change the batch: the hook changes what the model receives
 instead. It converts the first positional argument and the keyword arguments it names (``pixel_values``
 by default), when they are floating 4-D/5-D tensors (or lists of them), and nothing else: ``labels``,
-masks and boxes keep the layout the collator made. The conversion returns new tensors (the caller's
-batch is not modified) and runs outside ``torch.compile``'s graph, so a compiled model sees a stable layout.
+masks and boxes keep the layout the collator made. A (B, T, C, H, W) stack of frames or images gets each frame
+channels_last (``cltrain.layout.stacks``). The conversion returns new tensors (the caller's batch is not
+modified) and runs outside ``torch.compile``'s graph, so a compiled model sees a stable layout. The first
+training and the first evaluation forward are traced (not a compiled one): an argument that reaches no
+convolution in channels_last is left as it arrives from then on (``left_as_is``), and one line says so.
 
 On the first training call (the model in train mode, gradients on) and the first evaluation call, the hook
 runs ``cltrain.loops.verify_layout`` on that batch: the model's forward, and the loss it computes from
@@ -30,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +42,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from cltrain.layout import to_channels_last
+from cltrain.layout.conv_reach import ConvReach
+from cltrain.layout.stacks import to_input_layout
 
 __all__ = ["IMAGE_ARGUMENTS", "ChannelsLastInputs", "argument_names"]
 
@@ -70,12 +75,23 @@ def _holds_image(value: Any) -> bool:
     return _is_image(value) or isinstance(value, (list, tuple)) and any(_is_image(v) for v in value)
 
 
-def _to_channels_last(value: Any) -> Any:
+def _to_channels_last(value: Any, model: nn.Module) -> Any:
     if _is_image(value):
-        return to_channels_last(value)
+        return to_input_layout(value, model)
     if isinstance(value, (list, tuple)) and any(_is_image(v) for v in value):
-        return type(value)(_to_channels_last(v) for v in value)
+        return type(value)(_to_channels_last(v, model) for v in value)
     return value
+
+
+def _images(value: Any) -> list[torch.Tensor]:
+    return [value] if _is_image(value) else [v for v in value if _is_image(v)] if isinstance(value, (list, tuple)) \
+        else []
+
+
+def _compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiler_ctx", None) is not None or any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules())
 
 
 def _call(model: nn.Module, batch: tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -100,6 +116,8 @@ class ChannelsLastInputs:
             then stops converting).
         layout_checks: the ``LayoutCheck`` of the first batch of each kind, ``"train"`` and ``"eval"``.
         optimizers: optimizers whose state is restrided to its parameters' strides when a check changes them.
+        left_as_is: the arguments (``0`` for the first positional one, or names) left as they arrive because the
+            traced forward took them to no convolution in channels_last.
 
     Raises:
         ValueError: ``names`` is not a name or a list of names, or ``positional`` / ``verify`` is not a bool.
@@ -134,21 +152,25 @@ class ChannelsLastInputs:
         self.layout_checks: dict[str, Any] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.model: nn.Module | None = None
-        self._handle: RemovableHandle | None = None
+        self._handles: list[RemovableHandle] = []
         self._hinted = False
+        self._traced: set[str] = set()  # the kinds of call whose first forward was traced
+        self._reach: tuple[ConvReach, dict[Any, torch.Tensor]] | None = None
+        self.left_as_is: set[str | int] = set()
 
     def attach(self, model: nn.Module) -> ChannelsLastInputs:
         """Register the hook on ``model`` (first among its pre-hooks), leaving the model it was on before."""
         self.detach()
         self.model = model
-        self._handle = model.register_forward_pre_hook(self, with_kwargs=True, prepend=True)
+        self._handles = [model.register_forward_pre_hook(self, with_kwargs=True, prepend=True),
+                         model.register_forward_hook(self._end_trace, always_call=True)]
         return self
 
     def detach(self) -> None:
         """Remove the hook from its model."""
-        if self._handle is not None:
-            self._handle.remove()
-        self._handle, self.model = None, None
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.model = [], None
 
     @staticmethod
     def of(model: nn.Module) -> ChannelsLastInputs | None:
@@ -163,8 +185,10 @@ class ChannelsLastInputs:
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(_state, "checking", False) or self.layout != "channels_last":
             return None
-        new_args = (_to_channels_last(args[0]), *args[1:]) if self.positional and args else args
-        new_kwargs = {k: _to_channels_last(v) if k in self.names else v for k, v in kwargs.items()}
+        convert = self.positional and args and 0 not in self.left_as_is
+        new_args = (_to_channels_last(args[0], module), *args[1:]) if convert else args
+        new_kwargs = {k: _to_channels_last(v, module) if k in self.names and k not in self.left_as_is else v
+                      for k, v in kwargs.items()}
         if module is self.model:
             if not self._hinted:
                 self._hinted = True
@@ -174,7 +198,40 @@ class ChannelsLastInputs:
                 self._check(module, args, kwargs, kind)
                 if self.layout != "channels_last":  # the whole model stays NCHW: so do its inputs
                     return None
+            if kind not in self._traced and not _compiled(module):
+                self._traced.add(kind)
+                self._start_trace(args, kwargs, new_args, new_kwargs)
         return new_args, new_kwargs
+
+    def _start_trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], new_args: tuple[Any, ...],
+                     new_kwargs: dict[str, Any]) -> None:
+        """Trace this forward: each converted input that reaches no convolution in its layout is left as it
+        arrives from then on (a stack the model makes contiguous first: converting it is a copy for nothing)."""
+        converted: dict[Any, torch.Tensor] = {}
+        pairs = [(0, args[0], new_args[0])] if self.positional and args and 0 not in self.left_as_is else []
+        pairs += [(k, kwargs[k], new_kwargs[k]) for k in self.names if k in kwargs and k not in self.left_as_is]
+        for key, old, new in pairs:
+            for i, (a, b) in enumerate(zip(_images(old), _images(new))):
+                if a is not b:
+                    converted[(key, i)] = b
+        if converted:
+            self._reach = (ConvReach(converted), converted)
+            self._reach[0].__enter__()
+
+    def _end_trace(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._reach is None:
+            return
+        (reach, converted), self._reach = self._reach, None
+        reach.__exit__(None, None, None)
+        if reach.convolutions == 0 or sys.exc_info()[0] is not None:
+            return
+        reached = {key for key, _ in reach.reached}
+        left = sorted({key for key, _ in converted} - reached, key=str)
+        if left:
+            self.left_as_is.update(left)
+            self.log.info("ChannelsLast: %s reach no convolution in channels_last (the model copies or reshapes them "
+                          "first), so converting them is a copy that helps nothing: they are left as they arrive from "
+                          "now on.", ", ".join("the first positional argument" if k == 0 else repr(k) for k in left))
 
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str | int]:
         """What the hook converts in this call: ``0`` for the first positional argument, and names."""

@@ -2,7 +2,9 @@
 
 * ``cltrain.layout.tensors``: tensors and modules (``to_channels_last``, ``to_contiguous``, ``is_channels_last``, ...);
 * ``cltrain.layout.batches``: which tensors of a batch are the model's inputs, and restriding them;
+* ``cltrain.layout.stacks``: 5-D inputs in the layout the model reads them in (a clip, or a stack of images);
 * ``cltrain.layout.conv_reach``: which converted inputs reach a convolution in channels_last;
+* ``cltrain.layout.closures``: functions that hold an original module, made to hold its copy;
 * ``cltrain.layout.lightning_access``: the modules around a LightningModule (averaged copies, optimizer state).
 
 The tensor and module helpers are importable from here (``from cltrain.layout import to_channels_last``).

@@ -36,8 +36,10 @@ from typing import Any, Union
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import nn
 
-from cltrain.layout import is_channels_last, is_channels_last_1d, to_channels_last, to_channels_last_1d
+from cltrain.layout.stacks import in_input_layout, to_input_layout
+from cltrain.layout.tensors import is_channels_last_1d, to_channels_last_1d
 
 __all__ = [
     "IMAGE_KEYS", "Inputs", "check_inputs", "describe_batch", "first_image_tensor", "image_inputs", "model_inputs",
@@ -127,11 +129,12 @@ def image_inputs(batch: Any, inputs: Inputs = None, one_d: bool = False) -> dict
 
 
 def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs = None,
-                   skip: Collection[int] = ()) -> int:
+                   skip: Collection[int] = (), model: nn.Module | None = None) -> int:
     """Put the floating rank-4/5 (and with ``one_d``, rank-3) tensors of ``batch`` that ``inputs``
     selects in ``layout`` (``"channels_last"`` or ``"contiguous"``), in place; returns how many
     tensors it copied (0 when they already arrive in the layout: nothing is copied then). The
-    positions in ``skip`` (``image_inputs``' keys) are left as they are.
+    positions in ``skip`` (``image_inputs``' keys) are left as they are. A 5-D tensor is a clip or a stack
+    of images by ``cltrain.layout.stacks.channel_dim`` (``model``: the model that reads it).
 
     Raises:
         ValueError: a key or index named in ``inputs`` is not in ``batch``.
@@ -145,8 +148,8 @@ def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs 
             if is_channels_last_1d(t):
                 continue
             t.data = to_channels_last_1d(t.data)
-        elif want_cl and not is_channels_last(t):
-            t.data = to_channels_last(t.data)
+        elif want_cl and not in_input_layout(t, model):
+            t.data = to_input_layout(t.data, model)
         elif not want_cl and not t.is_contiguous():
             t.data = t.data.contiguous()
         else:

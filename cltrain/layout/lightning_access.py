@@ -19,6 +19,7 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 
 from cltrain.layout import memory_format_for
+from cltrain.layout.closures import callables_of, rebound
 
 __all__ = ["COPY_LIMIT", "ReadOnlyTrainer", "detached_copy", "eager_copy", "model_copies", "overrides",
            "rebind_methods", "restride_optimizer_state", "run_after", "step_target", "undo_run_after"]
@@ -143,15 +144,30 @@ def rebind_methods(obj: Any, memo: dict[int, Any], drop_class_wrappers: bool = F
         if not callable(value) or isinstance(value, (nn.Module, torch.Tensor, type)):
             continue
         if isinstance(value, types.MethodType) and value.__self__ is obj:
-            continue  # deepcopy bound it to the copy already (accelerate's forward wrappers)
+            # deepcopy bound it to the copy already (accelerate's forward wrappers); its defaults may hold originals
+            vars(obj)[name] = rebound(value, memo)
+            continue
         try:
             inner = inspect.unwrap(value)
         except ValueError:
             continue
-        if isinstance(inner, types.MethodType) and id(inner.__self__) in memo:
+        if _compiled(value) and isinstance(inner, types.MethodType) and id(inner.__self__) in memo:
             vars(obj)[name] = types.MethodType(inner.__func__, memo[id(inner.__self__)])
         elif drop_class_wrappers and inner is not value and _unwrapped(getattr(type(obj), name, None)) is inner:
             del vars(obj)[name]
+        else:  # a user's wrapper or closure over the original: the same code, holding the copy
+            vars(obj)[name] = rebound(value, memo)
+
+
+def _compiled(fn: Any) -> bool:
+    """Whether ``fn`` or a function it wraps is a ``torch.compile`` wrapper."""
+    for _ in range(16):
+        if fn is None:
+            return False
+        if hasattr(fn, "_torchdynamo_orig_callable"):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def _unwrapped(fn: Any) -> Any:
@@ -164,15 +180,19 @@ def _unwrapped(fn: Any) -> Any:
 def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     """A deep copy of ``model`` that runs eagerly and only on itself: methods bound as instance attributes
     (Lightning's rebinding of a compiled module's steps) are bound to the copy, ``module.compile()`` is
-    undone and ``torch.compile``d children run their module eagerly (module names unchanged); parameter
-    gradient hooks are copied."""
+    undone and ``torch.compile``d children run their module eagerly (module names unchanged); closures,
+    partials, default arguments and hooks that hold the original (a wrapped ``forward``) hold the copy
+    (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise."""
     memo = {} if memo is None else memo
     clone = copy.deepcopy(model, memo)
     originals = dict(model.named_parameters())
     for name, param in clone.named_parameters():
-        _copy_grad_hooks(originals.get(name), param)
+        _copy_grad_hooks(originals.get(name), param, memo)
     for parent in list(clone.modules()):
         rebind_methods(parent, memo)
+        for label, container, key, value in callables_of(parent):
+            if not label.isidentifier():  # its hooks (its attributes are rebound above)
+                container[key] = rebound(value, memo)
         if getattr(parent, "_compiled_call_impl", None) is not None:
             parent._compiled_call_impl = None
         if getattr(parent, "_compiler_ctx", None) is not None:
@@ -187,13 +207,13 @@ def _dynamo_loaded() -> bool:
     return "torch._dynamo" in sys.modules
 
 
-def _copy_grad_hooks(original: torch.Tensor | None, param: torch.Tensor) -> None:
+def _copy_grad_hooks(original: torch.Tensor | None, param: torch.Tensor, memo: dict[int, Any]) -> None:
     if original is None:
         return
     for hook in (getattr(original, "_backward_hooks", None) or {}).values():
-        param.register_hook(hook)
+        param.register_hook(rebound(hook, memo))
     for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():
-        param.register_post_accumulate_grad_hook(hook)
+        param.register_post_accumulate_grad_hook(rebound(hook, memo))
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -235,24 +255,28 @@ _TRAINER_READS = frozenset({
 class ReadOnlyTrainer:
     """What a check copy sees as ``self.trainer``: the real trainer's values read through (``datamodule``,
     ``current_epoch``, ``global_step``, ``world_size``, ``training``, ``estimated_stepping_batches``, ...),
-    a silent ``logger``, no callbacks, the copy as ``lightning_module``, the copied ``optimizers``; anything
-    else (the loops, the strategy) raises ``AttributeError`` naming it, and nothing can be set."""
+    a silent ``logger``, no callbacks, the copy as ``lightning_module``, the copied ``optimizers`` and
+    ``lr_scheduler_configs`` (each holding a copy of its scheduler); anything else (the loops, the strategy)
+    raises ``AttributeError`` naming it, and nothing can be set."""
 
-    def __init__(self, trainer: Trainer, module: nn.Module, optimizers: list[Any] | None = None) -> None:
+    def __init__(self, trainer: Trainer, module: nn.Module, optimizers: list[Any] | None = None,
+                 schedulers: list[Any] | None = None) -> None:
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_optimizers", optimizers if optimizers is not None else [])
+        object.__setattr__(self, "_schedulers", schedulers if schedulers is not None else [])
 
     def __getattr__(self, name: str) -> Any:
         if name == "lightning_module":
             return self._module
         if name in ("logger", "progress_bar_callback", "checkpoint_callback", "early_stopping_callback"):
             return _Silent() if name == "logger" else None
-        if name in ("loggers", "callbacks", "checkpoint_callbacks", "early_stopping_callbacks",
-                    "lr_scheduler_configs"):
+        if name in ("loggers", "callbacks", "checkpoint_callbacks", "early_stopping_callbacks"):
             return []
         if name == "optimizers":
             return self._optimizers
+        if name == "lr_scheduler_configs":
+            return self._schedulers
         if name in _TRAINER_READS:
             return getattr(self._trainer, name)
         raise AttributeError(f"trainer.{name} is not available to {COPY_LIMIT} (only values such as "
@@ -263,20 +287,24 @@ class ReadOnlyTrainer:
 
 
 def detached_copy(pl_module: nn.Module, trainer: Trainer | None = None, memo: dict[int, Any] | None = None,
-                  optimizers: list[Any] | None = None) -> nn.Module:
+                  optimizers: list[Any] | None = None, schedulers: list[Any] | None = None) -> nn.Module:
     """A true copy of ``pl_module`` whose step leaves no trace: ``self.trainer`` is a ``ReadOnlyTrainer`` of
     ``trainer`` (``None``: not attached), ``self.log`` and ``self.log_dict`` do nothing, datasets and data
     loaders it holds are shared rather than copied, and it runs eagerly and only on itself
     (``eager_copy``: compiled modules and rebound step methods). ``memo`` receives the
-    deep copy's map (for ``cltrain.check.copies.copy_optimizer``); ``optimizers`` (a list the caller may fill
-    after the copy) are what ``self.optimizers()`` and ``trainer.optimizers`` give, ``self.manual_backward``
-    is the loss's ``backward`` and ``self.lr_schedulers()`` does nothing."""
+    deep copy's map (for ``cltrain.check.copies.copy_optimizer``). ``optimizers`` and ``schedulers`` (lists the
+    caller fills after the copy: copies of the optimizers, and of the trainer's ``LRSchedulerConfig``s holding
+    copies of their schedulers) are what ``self.optimizers()`` (wrapped in ``LightningOptimizer``s, as Lightning
+    wraps them, unless ``use_pl_optimizer=False``), ``self.lr_schedulers()`` and the trainer's
+    ``optimizers`` / ``lr_scheduler_configs`` give; ``self.manual_backward`` is the loss's ``backward``."""
     from torch.utils.data import DataLoader, Dataset
 
     memo = {} if memo is None else memo
     memo.update({id(v): v for v in vars(pl_module).values() if isinstance(v, (Dataset, DataLoader))})
     clone = eager_copy(pl_module, memo)  # a LightningModule's __getstate__ drops its trainer
-    proxy = ReadOnlyTrainer(trainer, clone, optimizers) if trainer is not None else None
+    schedulers = schedulers if schedulers is not None else []
+    proxy = ReadOnlyTrainer(trainer, clone, optimizers, schedulers) if trainer is not None else None
+    wrapped: dict[int, Any] = {}
     for module in clone.modules():
         if isinstance(module, LightningModule):
             module.__dict__["log"] = _no_log
@@ -284,16 +312,46 @@ def detached_copy(pl_module: nn.Module, trainer: Trainer | None = None, memo: di
             if proxy is not None:
                 module.__dict__["_trainer"] = proxy
             if optimizers is not None:  # a manual-optimization step on the copies of the optimizers
-                module.__dict__["optimizers"] = functools.partial(_optimizers_of, optimizers)
+                module.__dict__["optimizers"] = functools.partial(_optimizers_of, clone, optimizers, wrapped)
                 module.__dict__["manual_backward"] = _backward
-                module.__dict__["lr_schedulers"] = _Silent()
+                module.__dict__["lr_schedulers"] = functools.partial(_schedulers_of, schedulers)
                 module.__dict__["toggle_optimizer"] = module.__dict__["untoggle_optimizer"] = _no_log
                 module.__dict__["toggled_optimizer"] = _Silent()
     return clone
 
 
-def _optimizers_of(optimizers: list[Any], use_pl_optimizer: bool = True) -> Any:
+class _CopyStrategy:
+    """What a copy's ``LightningOptimizer`` steps through: the optimizer's own ``step`` with the closure."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.lightning_module = module
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return optimizer.step(closure=closure, **kwargs)
+
+
+def _lightning_optimizer(module: nn.Module, optimizer: Any) -> Any:
+    """``optimizer`` in the ``LightningOptimizer`` of the package ``module`` comes from (``lightning.pytorch`` or
+    the standalone ``pytorch_lightning``), stepping through ``_CopyStrategy``."""
+    import importlib
+
+    package = next((cls.__module__.rpartition(".core.")[0] for cls in type(module).__mro__
+                    if cls.__name__ == "LightningModule" and ".core." in cls.__module__), "lightning.pytorch")
+    wrapper = importlib.import_module(f"{package}.core.optimizer").LightningOptimizer(optimizer)
+    wrapper._strategy = _CopyStrategy(module)
+    return wrapper
+
+
+def _optimizers_of(module: nn.Module, optimizers: list[Any], wrapped: dict[int, Any],
+                   use_pl_optimizer: bool = True) -> Any:
+    if use_pl_optimizer:
+        optimizers = [wrapped.setdefault(id(o), _lightning_optimizer(module, o)) for o in optimizers]
     return optimizers[0] if len(optimizers) == 1 else list(optimizers)
+
+
+def _schedulers_of(configs: list[Any]) -> Any:
+    schedulers = [config.scheduler for config in configs]
+    return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
 
 
 def _backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:

@@ -225,11 +225,13 @@ def test_restride_batch_counts_copies_and_skips_what_is_already_channels_last():
 
 class StackOrImage(LightningModule):
     """torchgeo-style change detection: a (B, T, C, H, W) image stack flattened to (B*T, C, H, W) before the
-    convolutions (no longer channels_last then); or a plain (B, C, H, W) image normalised, then convolved."""
+    convolutions; or a plain (B, C, H, W) image normalised, then convolved; with ``copies``, the image made
+    contiguous (NCHW) by the model's own code before the convolution."""
 
-    def __init__(self):
+    def __init__(self, copies: bool = False):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.copies = copies
         self.seen = []
 
     def training_step(self, batch, batch_idx):
@@ -237,7 +239,7 @@ class StackOrImage(LightningModule):
         self.seen.append(x.stride())
         if x.dim() == 5:
             return self.conv(x.flatten(0, 1)).mean()
-        return self.conv((x - 0.5) * 2).mean()
+        return self.conv(x.contiguous() if self.copies else (x - 0.5) * 2).mean()
 
     def validation_step(self, batch, batch_idx):
         return self.training_step(batch, batch_idx)
@@ -246,8 +248,8 @@ class StackOrImage(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _reach_run(tmp_path, caplog, shape, **callback_kw):
-    model = StackOrImage()
+def _reach_run(tmp_path, caplog, shape, copies=False, **callback_kw):
+    model = StackOrImage(copies)
     data = DataLoader(range(6), batch_size=2, collate_fn=lambda items: {"image": torch.randn(len(items), *shape)})
     with caplog.at_level(logging.INFO):
         Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -256,9 +258,20 @@ def _reach_run(tmp_path, caplog, shape, **callback_kw):
     return [model.seen[i] for i in (0, 1, 3)]  # the training steps (the validation batch came third)
 
 
-def test_a_5d_stack_flattened_before_the_convolutions_is_left_as_it_arrives_after_the_first_batch(tmp_path, caplog):
+def frames_strides(b, t, c, h, w):
+    """A (B, T, C, H, W) stack with each frame channels_last."""
+    return (t * h * w * c, h * w * c, 1, w * c, c)
+
+
+def test_an_image_stack_flattened_before_the_convolutions_gets_each_frame_channels_last(tmp_path, caplog):
     seen = _reach_run(tmp_path, caplog, (2, 3, 8, 8))
-    assert seen == [cl_strides(2, 2, 3, 8, 8)] + [plain_strides(2, 2, 3, 8, 8)] * 2
+    assert seen == [frames_strides(2, 2, 3, 8, 8)] * 3  # the flatten is a view, channels_last: no copy
+    assert "reaches no convolution" not in caplog.text
+
+
+def test_an_input_the_model_makes_contiguous_first_is_left_as_it_arrives_after_the_first_batch(tmp_path, caplog):
+    seen = _reach_run(tmp_path, caplog, (3, 8, 8), copies=True)
+    assert seen == [cl_strides(2, 3, 8, 8)] + [plain_strides(2, 3, 8, 8)] * 2
     assert caplog.text.count("reaches no convolution") == 1, caplog.text  # train and validation: one line
     assert "converting 1 tensor(s) per batch" not in caplog.text
 
@@ -269,8 +282,8 @@ def test_an_image_that_reaches_a_convolution_stays_converted(tmp_path, caplog):
     assert "reaches no convolution" not in caplog.text
 
 
-def test_inputs_all_converts_the_5d_stack_on_every_batch(tmp_path, caplog):
-    # The negative control: every tensor converted, as before, where the user asks for all of them.
-    seen = _reach_run(tmp_path, caplog, (2, 3, 8, 8), inputs="all")
-    assert seen == [cl_strides(2, 2, 3, 8, 8)] * 3
+def test_inputs_all_converts_on_every_batch(tmp_path, caplog):
+    # The negative control: every tensor converted, untraced, where the user asks for all of them.
+    seen = _reach_run(tmp_path, caplog, (3, 8, 8), copies=True, inputs="all")
+    assert seen == [cl_strides(2, 3, 8, 8)] * 3
     assert "reaches no convolution" not in caplog.text

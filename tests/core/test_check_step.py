@@ -238,3 +238,60 @@ def test_the_copy_of_an_optimizer_steps_the_copied_parameters_only_also_with_an_
     copied.step()
     assert not torch.equal(clone.weight, weight) and len(copied.state) == 2
     assert torch.equal(model.weight, weight) and len(optimizer.state) == 0 and not getattr(optimizer, "_opt_called", 0)
+
+
+class _TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers and two schedulers, written as GAN projects write it: the step
+    unpacks ``self.optimizers()`` and ``self.lr_schedulers()``, expects ``LightningOptimizer``s, toggles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 3, 1))
+        self.disc = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.gen(x)
+
+    def training_step(self, batch, batch_idx):
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        optimizers, schedulers = self.optimizers(), self.lr_schedulers()
+        if len(optimizers) != len(schedulers):  # what such projects check
+            raise ValueError("When using more than one optimizer, we need as many schedulers as optimizers!")
+        (opt_g, opt_d), (sch_g, sch_d) = optimizers, schedulers
+        assert isinstance(opt_g, LightningOptimizer) and isinstance(opt_d, torch.optim.Adam)
+        x = batch[0]
+        with opt_g.toggle_model():
+            fake = self(x)
+            loss_g = F.softplus(-self.disc(fake)).mean() + F.mse_loss(fake, x)
+            opt_g.zero_grad()
+            self.manual_backward(loss_g)
+            opt_g.step()
+        with opt_d.toggle_model():
+            loss_d = F.softplus(self.disc(fake.detach())).mean() + F.softplus(-self.disc(x)).mean()
+            opt_d.zero_grad()
+            self.manual_backward(loss_d)
+            opt_d.step()
+        sch_g.step()
+        sch_d.step()
+
+    def configure_optimizers(self):
+        opt_g = torch.optim.Adam(self.gen.parameters(), lr=1e-3)
+        opt_d = torch.optim.Adam(self.disc.parameters(), lr=1e-3)
+        return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 1, 0.5),
+                                torch.optim.lr_scheduler.StepLR(opt_d, 1, 0.5)]
+
+
+def test_a_manual_step_with_two_optimizers_and_schedulers_is_checked_and_steps_nothing_real() -> None:
+    callback = ChannelsLast()
+    torch.manual_seed(0)
+    module = _TwoOptimizers()
+    trainer = _fit(module, [callback], max_steps=2)
+    check = callback.layout_checks["train"]
+    assert check.verdict == "passed", check.line()
+    assert "raised" not in check.line() and "skipped" not in check.line()
+    # the real schedulers stepped once per real step only (two optimizer steps per training step)
+    assert [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs] == [1, 1]
+    assert [o.param_groups[0]["lr"] for o in trainer.optimizers] == [5e-4, 5e-4]

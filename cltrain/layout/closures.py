@@ -1,0 +1,157 @@
+"""Functions that hold an original object, made to hold its copy: what makes a deep copy of a module true.
+
+``copy.deepcopy`` copies a module's tensors and submodules but shares its functions: a ``forward`` replaced by a
+closure over the original module (``orig = m.forward; m.forward = lambda x: post(orig(x))``), a
+``functools.partial`` over it, a wrapper taking the original's method as a default argument
+(``def new_forward(self, x, fn=fn)``), or a hook closing over it still runs the original from the copy.
+
+* ``rebound(value, memo)``: ``value`` with every original object it holds in a closure cell, a default, a
+  partial's arguments or a bound method's ``self`` replaced by its copy (``memo``: ``deepcopy``'s map, original
+  id -> copy), recursively through nested functions; ``value`` itself where it holds none.
+* ``callables_of(module)``: where a module keeps callables (its ``__dict__``, its hooks), for both of the above.
+* ``path_to(roots, targets)``: the first path from the callables of ``roots`` to an object in ``targets`` (by id),
+  through closures, defaults, partials, bound methods and plain containers: what a copy still reaches of the
+  original.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+__all__ = ["callables_of", "path_to", "rebound"]
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def callables_of(module: nn.Module) -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(label, container, key, value)`` for each callable a module keeps: instance attributes and hooks."""
+    for key, value in list(vars(module).items()):
+        if callable(value) and not isinstance(value, (nn.Module, type)) and not hasattr(value, "__torch_function__"):
+            yield key, vars(module), key, value
+    for dict_name in _HOOK_DICTS:
+        hooks = getattr(module, dict_name, None)
+        if isinstance(hooks, dict):
+            for key, value in list(hooks.items()):
+                yield f"{dict_name.strip('_')}[{key}]", hooks, key, value
+
+
+def rebound(value: Any, memo: dict[int, Any], _done: dict[int, Any] | None = None) -> Any:
+    """``value`` holding copies (``memo``) where it held originals; see the module docstring."""
+    done = {} if _done is None else _done
+    if id(value) in memo:
+        return memo[id(value)]
+    if id(value) in done:
+        return done[id(value)]
+    if isinstance(value, types.MethodType):
+        owner = memo.get(id(value.__self__), value.__self__)
+        func = rebound(value.__func__, memo, done)
+        return value if owner is value.__self__ and func is value.__func__ else types.MethodType(func, owner)
+    if isinstance(value, functools.partial):
+        func = rebound(value.func, memo, done)
+        args = tuple(rebound(a, memo, done) for a in value.args)
+        kwargs = {k: rebound(v, memo, done) for k, v in value.keywords.items()}
+        if func is value.func and all(a is b for a, b in zip(args, value.args)) \
+                and all(kwargs[k] is v for k, v in value.keywords.items()):
+            return value
+        return functools.partial(func, *args, **kwargs)
+    if isinstance(value, types.FunctionType):
+        return _rebound_function(value, memo, done)
+    return value
+
+
+def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], done: dict[int, Any]) -> types.FunctionType:
+    cells = fn.__closure__ or ()
+    contents = [_cell_value(c) for c in cells]
+    done[id(fn)] = fn  # a function that holds itself (recursion) keeps itself until it is known to change
+    new_contents = [rebound(v, memo, done) if v is not _EMPTY else v for v in contents]
+    defaults = tuple(rebound(d, memo, done) for d in fn.__defaults__ or ())
+    kwdefaults = {k: rebound(v, memo, done) for k, v in (fn.__kwdefaults__ or {}).items()}
+    wrapped = getattr(fn, "__wrapped__", None)
+    new_wrapped = rebound(wrapped, memo, done) if wrapped is not None else None
+    unchanged = (all(a is b for a, b in zip(new_contents, contents))
+                 and all(a is b for a, b in zip(defaults, fn.__defaults__ or ()))
+                 and all(kwdefaults[k] is v for k, v in (fn.__kwdefaults__ or {}).items())
+                 and new_wrapped is wrapped)
+    if unchanged:
+        return fn
+    new_cells = tuple(types.CellType() for _ in cells)
+    copy_ = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults or None, new_cells or None)
+    done[id(fn)] = copy_
+    for cell, value in zip(new_cells, new_contents):  # filled after: a cell may hold the function itself
+        if value is not _EMPTY:
+            cell.cell_contents = copy_ if value is fn else value
+    copy_.__kwdefaults__ = kwdefaults or None
+    copy_.__dict__.update(fn.__dict__)
+    if new_wrapped is not None:
+        copy_.__wrapped__ = new_wrapped
+    copy_.__qualname__, copy_.__module__, copy_.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return copy_
+
+
+_EMPTY = object()
+
+
+def _cell_value(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name not yet bound)
+        return _EMPTY
+
+
+def path_to(roots: list[tuple[str, nn.Module]], targets: set[int], depth: int = 6) -> str | None:
+    """The first path (``"encoder.forward -> closure 'fn' -> ..."``) from the callables of the named modules
+    ``roots`` to an object whose id is in ``targets``, or ``None``."""
+    for name, module in roots:
+        for label, _, _, value in callables_of(module):
+            found = _search(value, targets, depth, set())
+            if found is not None:
+                return " -> ".join([f"{name}.{label}" if name else label, *found])
+    return None
+
+
+def _children(value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, types.MethodType):
+        yield "its self", value.__self__
+        yield "its function", value.__func__
+    elif isinstance(value, functools.partial):
+        yield "the partial's function", value.func
+        for i, a in enumerate(value.args):
+            yield f"the partial's argument {i}", a
+        for k, v in value.keywords.items():
+            yield f"the partial's argument {k!r}", v
+    elif isinstance(value, types.FunctionType):
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+            yield f"{value.__qualname__}'s closure {name!r}", _cell_value(cell)
+        for i, d in enumerate(value.__defaults__ or ()):
+            yield f"{value.__qualname__}'s default {i}", d
+        for k, d in (value.__kwdefaults__ or {}).items():
+            yield f"{value.__qualname__}'s default {k!r}", d
+        if getattr(value, "__wrapped__", None) is not None:
+            yield "the function it wraps", value.__wrapped__
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for i, v in enumerate(value):
+            yield f"item {i}", v
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield f"item {k!r}", v
+
+
+def _search(value: Any, targets: set[int], depth: int, seen: set[int]) -> list[str] | None:
+    if id(value) in targets:
+        return []
+    if depth == 0 or id(value) in seen or isinstance(value, nn.Module):
+        return None  # a module that is not a target is the copy's own: its callables are searched as roots
+    seen.add(id(value))
+    for label, child in _children(value):
+        if id(child) in targets:
+            return [label]
+        found = _search(child, targets, depth - 1, seen)
+        if found is not None:
+            return [label, *found]
+    return None
