@@ -45,7 +45,7 @@ from cltrain.layout import MODES, to_channels_last, to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.guardrails import apply_guardrails
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer
+from cltrain.check.copies import copy_optimizer, elementwise
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.layout.lightning_access import eager_copy
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
@@ -183,7 +183,10 @@ def verify_layout(
         autocast_dtype: the loop's autocast dtype: the check runs the step in float32, and under autocast in
             this dtype only where it cannot run in float32.
         optimizer: the loop's optimizer: its step runs after the backward on a copy of it and its state (the
-            optimizer itself is not touched), and the parameters' updates are compared too.
+            optimizer itself is not touched), and the parameters' updates are compared too, on the same gradient
+            values in both layouts; one of torch's elementwise optimizers
+            (``cltrain.check.copies.ELEMENTWISE_OPTIMIZERS``: SGD, Adam, AdamW, ...), whose update is the same in
+            any layout, is not re-run.
         samples: check the batch's first ``samples`` samples (``cltrain.check.budget``: the whole batch where
             the step cannot run on them, fewer where memory runs out); ``None``: the whole batch.
         report: log the result's line (``False``: the caller reports it in its own way).
@@ -217,15 +220,18 @@ def verify_layout(
 
     optimizers: weakref.WeakKeyDictionary[nn.Module, torch.optim.Optimizer] = weakref.WeakKeyDictionary()
 
+    # torch's elementwise optimizers give the same update in any layout: their step is not re-run.
+    stepped = optimizer if optimizer is not None and not elementwise([optimizer]) else None
+
     def copy_model(original: nn.Module) -> nn.Module:
         memo: dict[int, Any] = {}
         clone = eager_copy(original, memo)
-        if optimizer is not None:
-            optimizers[clone] = copy_optimizer(optimizer, memo)
+        if stepped is not None:
+            optimizers[clone] = copy_optimizer(stepped, memo)
         return clone
 
     options: dict[str, Any] = {"copy_model": copy_model}
-    if optimizer is not None:
+    if stepped is not None:
         options["after_backward"] = lambda clone: optimizers[clone].step()
     def check(part: Any) -> LayoutCheck:
         # float32 first: mixed precision's rounding would hide a wrong op in noise.

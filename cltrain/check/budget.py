@@ -110,8 +110,8 @@ def check_within_budget(run: Callable[[Any], LayoutCheck], batch: Any, samples: 
             oom = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}"
             del error
         del part
-        free_memory()
         if oom is not None:
+            free_memory()  # only before a retry: a full collection costs a step's worth on a large heap
             if n is not None and n > MIN_SAMPLES and not whole_needed:
                 n = max(MIN_SAMPLES, n // 2)
                 continue

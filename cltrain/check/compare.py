@@ -125,7 +125,10 @@ def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, 
             continue
         if noise is None:
             return position, key, here, float("nan")  # the caller measures the noise and asks again
-        z_noise = distance(ref.signatures[key], noise.signatures[key]) if key in noise.signatures else float("inf")
+        if key[0] == "update":  # every run's update starts from the same gradients: no noise to measure
+            z_noise = 0.0
+        else:
+            z_noise = distance(ref.signatures[key], noise.signatures[key]) if key in noise.signatures else float("inf")
         if here > max(RATIO * z_noise, bar):
             return position, key, here, z_noise
     return None
@@ -191,9 +194,12 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     tape = GradientTape()
 
     def run_on(trial: nn.Module, layout: str, perturb: bool = False) -> Run:
+        # The noise run stops at the gradients: the code after the backward starts from the reference's gradients
+        # in every run (the tape), so its updates would be the reference's.
         with running(), full_float32():
-            return execute(trial, step, layout, rng, vectors, perturb=perturb, after_backward=after_backward,
-                           updates=updates, tape=tape)
+            return execute(trial, step, layout, rng, vectors, perturb=perturb,
+                           after_backward=None if perturb else after_backward, updates=updates and not perturb,
+                           tape=tape)
 
     def fresh() -> nn.Module:
         with running():

@@ -25,9 +25,19 @@ from torch import nn
 
 from cltrain.layout.lightning_access import rebind_methods
 
-__all__ = ["checking", "copy_optimizer", "copy_schedulers", "is_check_copy", "mark_copy", "running"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "checking", "copy_optimizer", "copy_schedulers", "elementwise",
+           "is_check_copy", "mark_copy", "running"]
 
 _MARK = "_cltrain_check_copy"
+
+#: torch's optimizers whose update of a parameter is elementwise in its gradient and state (fused, foreach or
+#: per tensor): the same values in any layout, so re-running them on the check's copies tells nothing.
+#: LBFGS (which flattens gradients with ``view``) and every subclass or other optimizer are run.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
+    torch.optim.ASGD,
+)
 _depth = 0
 
 
@@ -109,3 +119,8 @@ class _InertScheduler:
 
     def get_last_lr(self) -> list[float]:
         return []
+
+
+def elementwise(optimizers: list[Any]) -> bool:
+    """Whether every optimizer (or ``LightningOptimizer``'s) is one of ``ELEMENTWISE_OPTIMIZERS`` itself."""
+    return all(type(getattr(o, "optimizer", o)) in ELEMENTWISE_OPTIMIZERS for o in optimizers)

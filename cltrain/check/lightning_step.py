@@ -12,10 +12,10 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer, copy_schedulers
+from cltrain.check.copies import copy_optimizer, copy_schedulers, elementwise
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.layout.batches import Inputs, first_image_tensor, restride_batch
-from cltrain.layout.lightning_access import detached_copy, step_target
+from cltrain.layout.lightning_access import detached_copy, overrides, step_target
 from cltrain.precision import autocast_dtype
 
 __all__ = ["apply_to_copy", "check_lightning_step"]
@@ -49,6 +49,11 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
     train = stage == "train"
     manual = train and not pl_module.automatic_optimization
     optimizers = list(trainer.optimizers) if train else []
+    # torch's elementwise optimizers give the same update in any layout: with no code of the user's between the
+    # backward and the step, that step is not re-run on the copies.
+    after_code = any(overrides(m, pl_module) for m in ("on_after_backward", "on_before_optimizer_step",
+                                                        "configure_gradient_clipping")) or bool(trainer.gradient_clip_val)
+    update = train and (manual or after_code or not elementwise(optimizers))
     uncopied: dict[str, str] = {}
 
     def batch_in(layout: str, clone: nn.Module) -> Any:
@@ -62,7 +67,7 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
         schedulers: list[Any] = []
         clone = detached_copy(module, trainer, memo=memo, optimizers=copies if train else None,
                               schedulers=schedulers)
-        for optimizer in optimizers:
+        for optimizer in optimizers:  # what self.optimizers() gives the copy (a fresh run's state is empty)
             try:
                 copies.append(copy_optimizer(optimizer, memo))
                 memo[id(optimizer)] = copies[-1]
@@ -82,7 +87,7 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
 
     # DDP has wrapped the model by now: its buckets keep the parameters' layout, so keep that layout.
     options = dict(step_owner=pl_module, copy_model=copy_model, time_fallbacks=trainer.world_size == 1,
-                   after_backward=after_backward if train and not manual else None, updates=train,
+                   after_backward=after_backward if update and not manual else None, updates=update,
                    update_owner=optimizers[0] if optimizers else None)
     fed: dict[str, bool | None] = {}
     result = None

@@ -68,8 +68,9 @@ def project(x: torch.Tensor, vectors: Vectors) -> torch.Tensor:
     if x.dim() == 0:
         return x.reshape(1).expand(_PROJECTIONS)
     # Contract in memory order, the stride-1 dim first: in the logical order the first matmul strides through
-    # a channels_last tensor's memory (measured in the check's cost: docs/performance.md).
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    # a channels_last tensor's memory (measured in the check's cost: docs/performance.md). Size-1 dims go first:
+    # their stride says nothing, and one taken for the stride-1 dim makes the first product as large as x.
+    order = sorted(range(x.dim()), key=lambda d: (x.shape[d] > 1, -x.stride(d), d))
     y = x.permute(order) @ vectors.get(x.shape[order[-1]], order[-1], x.device)  # (..., P)
     for d in order[:-1]:
         v = vectors.get(x.shape[d], d, x.device)  # (size, P): contracts the leading dim

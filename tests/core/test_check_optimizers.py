@@ -69,10 +69,19 @@ def _cls_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
 
 
+def _user_subclass(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The same optimizer as a user's subclass of it: the check re-runs its step on the copies."""
+    optimizer.__class__ = type(f"My{type(optimizer).__name__}", (type(optimizer),), {})
+    return optimizer
+
+
+@pytest.mark.parametrize("subclass", [False, True], ids=["torch's", "a subclass"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_optimizer_passes_and_its_state_is_untouched(name: str) -> None:
+def test_every_optimizer_passes_and_its_state_is_untouched(name: str, subclass: bool) -> None:
     model = convert_model(_small())
     optimizer = OPTIMIZERS[name](model.parameters())
+    if subclass:
+        _user_subclass(optimizer)
     torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=10, cycle_momentum=False)
     _cls_loss(model, convert_batch(_cls_batch())).backward()
     optimizer.step()  # a state already filled, as on a resumed run
@@ -88,8 +97,8 @@ def test_every_optimizer_passes_and_its_state_is_untouched(name: str) -> None:
 
 def test_a_segmentation_model_with_adam_passes() -> None:
     model = convert_model(_unetplusplus())
-    result = verify_layout(model, _batch(), _seg_loss, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
-                           report=False)
+    optimizer = _user_subclass(torch.optim.Adam(model.parameters(), lr=1e-3))  # re-run on the copies
+    result = verify_layout(model, _batch(), _seg_loss, optimizer=optimizer, report=False)
     assert result.verdict == "passed", result.line()
 
 
@@ -103,8 +112,8 @@ def test_without_identical_gradients_adam_turns_rounding_into_a_false_alarm(monk
 
     monkeypatch.setattr(compare, "GradientTape", OwnGradients)
     model = convert_model(_unetplusplus())
-    result = verify_layout(model, _batch(), _seg_loss, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
-                           report=False)
+    optimizer = _user_subclass(torch.optim.Adam(model.parameters(), lr=1e-3))
+    result = verify_layout(model, _batch(), _seg_loss, optimizer=optimizer, report=False)
     assert result.verdict == "contiguous" and result.findings[0].phase == "update", result.line()
 
 
@@ -263,3 +272,17 @@ def test_a_segmentation_task_with_adam_keeps_channels_last_under_the_callback() 
     check = callback.layout_checks["train"]
     assert check.verdict == "passed" and callback.layout == "channels_last", check.line()
     assert callback.fallbacks == []
+
+
+def test_torchs_elementwise_optimizers_are_not_re_run_and_others_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    stepped: list[str] = []
+
+    def counting_step(self, closure=None):  # noqa: ANN001, ANN202
+        stepped.append(type(self).__name__)
+
+    model = convert_model(_small())
+    for optimizer in (torch.optim.AdamW(model.parameters()), _user_subclass(torch.optim.AdamW(model.parameters())),
+                      torch.optim.LBFGS(model.parameters())):
+        monkeypatch.setattr(type(optimizer), "step", counting_step)
+        verify_layout(model, _cls_batch(), _cls_loss, optimizer=optimizer, report=False)
+    assert "AdamW" not in stepped and "MyAdamW" in stepped and "LBFGS" in stepped, stepped
