@@ -10,10 +10,12 @@ in its own fresh process, the two alternating over ``--repeats`` rounds (medians
   2..); and, across runs, (the first step with the check - the first step without it) over the median plain
   step of the run without it (first steps also build kernels: noisier); the verdict;
 
-then the machine::
+then the machine. ``--grid`` measures ResNet-50, EfficientNet-B0 and a U-Net (segmentation_models_pytorch, a
+resnet18 encoder, Dice + BCE on binary masks) at 64, 128 and 224 px and prints one table::
 
     python -m scripts.bench.check_cost                          # resnet50, convnext_tiny, vit_s_16; batch 32, 224 px
     python -m scripts.bench.check_cost --models resnet50 --batch 32 --size 224 --precision bf16-mixed
+    python -m scripts.bench.check_cost --grid --batch 32 --optimizer adamw
     python -m scripts.bench.check_cost --tiny                   # seconds: resnet18, batch 4 at 32 px (the test)
 """
 
@@ -30,8 +32,10 @@ from typing import Any
 
 import torch
 
-#: ``--models`` names: torchvision builders, and ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer).
-MODELS = ("resnet18", "resnet50", "convnext_tiny", "vit_s_16")
+#: ``--models`` names: torchvision builders, ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer) and
+#: ``unet_resnet18`` (segmentation_models_pytorch's U-Net, one output channel, trained with Dice + BCE).
+MODELS = ("resnet18", "resnet50", "efficientnet_b0", "convnext_tiny", "vit_s_16", "unet_resnet18")
+GRID = (("resnet50", "efficientnet_b0", "unet_resnet18"), (64, 128, 224))
 
 
 def build(name: str, size: int, classes: int = 10) -> torch.nn.Module:
@@ -41,6 +45,10 @@ def build(name: str, size: int, classes: int = 10) -> torch.nn.Module:
     if name == "vit_s_16":
         return torchvision.models.VisionTransformer(image_size=size, patch_size=16, num_layers=12, num_heads=6,
                                                     hidden_dim=384, mlp_dim=1536, num_classes=classes)
+    if name == "unet_resnet18":
+        import segmentation_models_pytorch as smp
+
+        return smp.Unet(encoder_name="resnet18", encoder_weights=None, classes=1)
     if name not in MODELS:
         raise ValueError(f"check_cost: unknown model {name!r}; expected one of {MODELS}.")
     return getattr(torchvision.models, name)(num_classes=classes)
@@ -57,7 +65,7 @@ def peak_rss_mb() -> float:
 
 
 def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool,
-          samples: int | None = None) -> dict[str, Any]:
+          samples: int | None = None, optimizer: str = "adamw") -> dict[str, Any]:
     """One training run in this process; returns its figures."""
     import lightning.pytorch as pl
     import torch.nn.functional as F
@@ -69,9 +77,12 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
         def __len__(self) -> int:
             return batch * steps
 
-        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
             g = torch.Generator().manual_seed(i)
-            return torch.randn(3, size, size, generator=g), i % 10
+            image = torch.randn(3, size, size, generator=g)
+            return (image, (image[:1] > 0).float()) if segmentation else (image, i % 10)
+
+    segmentation = model_name.startswith("unet")
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -82,10 +93,17 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
             return self.net(x)
 
         def training_step(self, b: Any, i: int) -> torch.Tensor:
-            return F.cross_entropy(self(b[0]), b[1])
+            out = self(b[0])
+            if not segmentation:
+                return F.cross_entropy(out, b[1])
+            probs = out.sigmoid()
+            dice = 1 - (2 * (probs * b[1]).sum() + 1) / (probs.sum() + b[1].sum() + 1)
+            return dice + F.binary_cross_entropy_with_logits(out, b[1])
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+            if optimizer == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     class StepTimes(pl.Callback):
         def __init__(self) -> None:
@@ -115,13 +133,14 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
 
 
 def measure(model_name: str, batch: int, size: int, precision: str, steps: int, repeats: int,
-            samples: int | None = None) -> dict[str, Any]:
+            samples: int | None = None, optimizer: str = "adamw") -> dict[str, Any]:
     """``repeats`` alternating rounds of a run without and with the check, each in a fresh process."""
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for r in range(repeats):
         for verify in (False, True) if r % 2 == 0 else (True, False):
             cmd = [sys.executable, "-m", "scripts.bench.check_cost", "--child", "--models", model_name,
-                   "--batch", str(batch), "--size", str(size), "--precision", precision, "--steps", str(steps)]
+                   "--batch", str(batch), "--size", str(size), "--precision", precision, "--steps", str(steps),
+                   "--optimizer", optimizer]
             if verify:
                 cmd.append("--verify")
             if samples is not None:
@@ -135,7 +154,7 @@ def measure(model_name: str, batch: int, size: int, precision: str, steps: int, 
     step_with_check = med(t for run in runs[True] for t in run["steps"][1:])
     first_plain, first_check = (med(run["steps"][0] for run in runs[v]) for v in (False, True))
     rss_plain, rss_check = (med(run["peak_rss_mb"] for run in runs[v]) for v in (False, True))
-    row = {"model": model_name, "batch": batch, "size": size, "precision": precision,
+    row = {"model": model_name, "batch": batch, "size": size, "precision": precision, "optimizer": optimizer,
            "device": runs[True][0]["device"], "rss_plain_mb": rss_plain, "rss_check_mb": rss_check,
            "memory_ratio": rss_check / rss_plain, "plain_step_s": plain_step, "step_with_check_s": step_with_check,
            "check_s": med(run["check_s"] for run in runs[True]),
@@ -156,6 +175,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (>= 2)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) the check")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--grid", action="store_true", help="resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px")
     parser.add_argument("--tiny", action="store_true", help="resnet18, batch 4 at 32 px, fp32, one round")
     parser.add_argument("--check-samples", type=int, help="ChannelsLast(check_samples=...); 0: the whole batch")
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -164,7 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify,
-                               args.check_samples)))
+                               args.check_samples, args.optimizer)))
         return []
     if args.tiny:
         args.models, args.batch, args.size, args.precision, args.steps, args.repeats = \
@@ -174,19 +195,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from scripts.machine import machine, machine_line
 
     samples = {None: "default", 0: "the whole batch"}.get(args.check_samples, args.check_samples)
-    print(f"batch {args.batch} at {args.size} px, {args.precision}, {args.steps} steps per run, {args.repeats} "
+    points = [(m, z) for m in GRID[0] for z in GRID[1]] if args.grid else [(m, args.size) for m in args.models]
+    print(f"batch {args.batch}, {args.precision}, {args.optimizer}, {args.steps} steps per run, {args.repeats} "
           f"rounds, each run in its own process; medians; check_samples {samples}")
-    print(f"{'model':<15}{'peak RSS':>10}{'with check':>12}{'ratio':>7}{'step s':>8}{'check s':>9}"
+    print(f"{'model':<16}{'px':>5}{'peak RSS':>10}{'with check':>12}{'ratio':>7}{'step s':>8}{'check s':>9}"
           f"{'check in steps':>16}{'first step +':>14}  verdict")
     rows = []
-    for name in args.models:
-        row = measure(name, args.batch, args.size, args.precision, args.steps, args.repeats, args.check_samples)
+    for name, size in points:
+        row = measure(name, args.batch, size, args.precision, args.steps, args.repeats, args.check_samples,
+                      args.optimizer)
         rows.append(row)
         cuda = (f"  CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB "
                 f"({row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")
-        print(f"{name:<15}{row['rss_plain_mb']:>8.0f}MB{row['rss_check_mb']:>10.0f}MB{row['memory_ratio']:>6.2f}x"
-              f"{row['step_with_check_s']:>8.3f}{row['check_s']:>9.2f}{row['check_in_steps']:>16.1f}"
-              f"{row['first_step_extra_in_steps']:>14.1f}  {row['verdict']}"
+        print(f"{name:<16}{size:>5}{row['rss_plain_mb']:>8.0f}MB{row['rss_check_mb']:>10.0f}MB"
+              f"{row['memory_ratio']:>6.2f}x{row['step_with_check_s']:>8.3f}{row['check_s']:>9.2f}"
+              f"{row['check_in_steps']:>16.1f}{row['first_step_extra_in_steps']:>14.1f}  {row['verdict']}"
               f"{cuda}", flush=True)
     print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line(machine()))
     if args.json:
