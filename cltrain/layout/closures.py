@@ -52,7 +52,7 @@ def rebound(value: Any, memo: dict[int, Any], _done: dict[int, Any] | None = Non
         owner = memo.get(id(value.__self__), value.__self__)
         func = rebound(value.__func__, memo, done)
         return value if owner is value.__self__ and func is value.__func__ else types.MethodType(func, owner)
-    if isinstance(value, functools.partial):
+    if type(value) is functools.partial:  # a subclass may rebuild itself otherwise: left to path_to
         func = rebound(value.func, memo, done)
         args = tuple(rebound(a, memo, done) for a in value.args)
         kwargs = {k: rebound(v, memo, done) for k, v in value.keywords.items()}
