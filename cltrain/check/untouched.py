@@ -44,10 +44,17 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _same(t: torch.Tensor, kept: torch.Tensor) -> bool:
     """Bit for bit (a kernel may update a buffer in place without its version counter: BatchNorm's statistics)."""
     now = t.detach().to("cpu") if t.is_cuda else t.detach()
-    return now.shape == kept.shape and torch.equal(now.reshape(-1).view(torch.uint8), kept.reshape(-1).view(torch.uint8))
+    if now.shape != kept.shape or now.dtype != kept.dtype:
+        return False
+    bits = _INTS.get(now.element_size()) if not now.is_complex() else None
+    # The same element size views any strides (no copy); integers compare bits (NaN, -0.0).
+    return torch.equal(now.view(bits), kept.view(bits)) if bits is not None else torch.equal(now, kept)
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
