@@ -256,7 +256,8 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
             at = key[1].rpartition("#")[0] if key[0] != "param" else key[1].rpartition(".")[0]
             finding = Finding("diverged", phase, context[0], where,
                               f"{z:.2g} relative difference at {key[0]} of {key[1] if len(key) > 1 else 'the result'}, "
-                              f"noise {z_noise:.2g}", guard=_guard_at(model, [context[0], at if len(key) > 1 else None]))
+                              f"noise {z_noise:.2g}",
+                              guard=_guard_at(model, [context[0], at if len(key) > 1 else None]))
         else:
             worst = _worst(ref, noise, run)
             if not fallbacks:

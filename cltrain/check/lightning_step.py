@@ -51,8 +51,8 @@ def check_lightning_step(trainer: Trainer, pl_module: LightningModule, batch: An
     optimizers = list(trainer.optimizers) if train else []
     # torch's elementwise optimizers give the same update in any layout: with no code of the user's between the
     # backward and the step, that step is not re-run on the copies.
-    after_code = any(overrides(m, pl_module) for m in ("on_after_backward", "on_before_optimizer_step",
-                                                        "configure_gradient_clipping")) or bool(trainer.gradient_clip_val)
+    hooks = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+    after_code = any(overrides(m, pl_module) for m in hooks) or bool(trainer.gradient_clip_val)
     update = train and (manual or after_code or not elementwise(optimizers))
     uncopied: dict[str, str] = {}
 

@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (>= 2)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) the check")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    parser.add_argument("--grid", action="store_true", help="resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px")
+    parser.add_argument("--grid", action="store_true",
+                        help="resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px")
     parser.add_argument("--tiny", action="store_true", help="resnet18, batch 4 at 32 px, fp32, one round")
     parser.add_argument("--check-samples", type=int, help="ChannelsLast(check_samples=...); 0: the whole batch")
     parser.add_argument("--json", type=Path, help="also write the rows here")

@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     names = PLAIN + (SHARDED if args.fsdp else ())
     print(machine_line(machine()))
     if device.type == "cuda":
-        print(f"GPU {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+        print(f"GPU {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, "
+              f"cuDNN {torch.backends.cudnn.version()}")
     print(f"batch {args.batch_size} at {args.image_size} px, autocast {args.dtype}, {args.warmup} warm-up steps, "
           f"{args.repeats} interleaved rounds of {args.steps} steps")
     rows: list[dict[str, Any]] = []

@@ -50,7 +50,8 @@ def closure(net: Net) -> None:  # a toolkit filtering its backbone's outputs
 
 
 def partial(net: Net) -> None:
-    net.encoder.forward = functools.partial(lambda module, x: _keep_tokens(type(module).forward(module, x)), net.encoder)
+    net.encoder.forward = functools.partial(lambda module, x: _keep_tokens(type(module).forward(module, x)),
+                                            net.encoder)
 
 
 def default_argument(net: Net) -> None:  # a probe callback's style: new_forward(self, ..., fn=fn)
