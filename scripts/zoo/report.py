@@ -118,10 +118,14 @@ def _examined(ran: list[dict[str, Any]]) -> str:
             f"{found.count('kernel')} kernel faults)")
 
 
+def escape_cell(cell: Any) -> str:
+    """``cell`` as the text of one markdown table cell."""
+    return str(cell).replace("|", "\\|").replace("\n", " ")
+
+
 def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace) -> str:
-    escape = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    table += ["| " + " | ".join(escape(c) for c in _row_cells(r)) + " |" for r in rows]
+    table += ["| " + " | ".join(escape_cell(c) for c in _row_cells(r)) + " |" for r in rows]
     return "\n".join([
         "# Model zoo under ChannelsLast",
         "",

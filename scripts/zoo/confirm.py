@@ -1,0 +1,136 @@
+"""Was the first-batch check's verdict right? Three short trainings of the same model tell.
+
+From one initialisation, the same seed, the same batches and the same optimizer, ``steps`` training steps each
+(``scripts.zoo.training.fit``, a real ``Trainer``):
+
+1. **nchw**: NCHW, no callback: the reference;
+2. **nudged**: NCHW with every parameter nudged by a relative 1e-7 (``p.mul_(1 + 1e-7 * randn_like(p))``): how far
+   rounding alone moves the run (the noise reference: Adam's first steps amplify it);
+3. **channels_last**: ``ChannelsLast(verify=False)``: channels_last without the check's fallbacks.
+
+``gap`` is how far a run is from **nchw**: the largest relative difference of its losses (per step) and of its
+parameters' updates (per parameter, ``|u - u_nchw| / |u_nchw|`` with ``u`` = final minus initial parameter, so the
+nudge itself does not count). The channels_last run **diverges** where it raised or crashed, or where a gap is
+above ``FACTOR`` x the nudged run's gap and above ``MIN_GAP``. A fallback or contiguous verdict is then
+**confirmed**, else **FALSE** (a false fallback); a passing verdict is **right**, or **MISSED** where the
+channels_last run diverges (a fault the check let through). Where the NCHW runs themselves raise there is no
+reference, and nothing is judged.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from scripts.zoo.models import Spec
+from scripts.zoo.training import fit
+
+FACTOR = 10.0      #: how many times the nudged run's gap a channels_last gap must exceed to count
+MIN_GAP = 1e-5     #: and the least relative gap that counts
+NUDGE = 1e-7       #: the relative nudge of every parameter in the noise reference
+RUNS = ("nchw", "nudged", "channels_last")
+FALLBACK_VERDICTS = ("fallback", "contiguous")
+
+
+def nudge(net: torch.nn.Module, relative: float = NUDGE, seed: int = 1) -> torch.nn.Module:
+    """``net`` with every parameter multiplied by ``1 + relative * N(0, 1)`` (its own draw), in place."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(1 + relative * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return net
+
+
+def loss_gap(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference between two runs' losses, step by step (``inf`` where a run stopped
+    early or one is finite and the other not)."""
+    if len(losses) != len(reference):
+        return math.inf
+    gaps = []
+    for a, b in zip(losses, reference):
+        if not (math.isfinite(a) and math.isfinite(b)):
+            gaps.append(0.0 if a == b or (math.isnan(a) and math.isnan(b)) else math.inf)
+        else:
+            gaps.append(abs(a - b) / max(abs(b), 1e-12))
+    return max(gaps, default=0.0)
+
+
+def update_gap(updates: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str | None]:
+    """The largest relative difference between two runs' parameter updates, and the parameter it is at."""
+    worst, where = 0.0, None
+    for name, ref in reference.items():
+        update = updates[name]
+        if not (update.isfinite().all() and ref.isfinite().all()):  # both non-finite in the same places: alike
+            gap = 0.0 if torch.equal(update.isfinite(), ref.isfinite()) else math.inf
+        else:
+            diff, scale = float((update - ref).double().norm()), float(ref.double().norm())
+            gap = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+        if gap > worst or where is None:
+            worst, where = gap, name
+    return worst, where
+
+
+def diverges(result: dict[str, Any]) -> bool | None:
+    """Does the channels_last run differ from NCHW beyond the noise reference? ``None``: no reference."""
+    if result.get("error_nchw") or result.get("error_nudged"):
+        return None
+    if result.get("error_channels_last"):
+        return True
+    gap, noise = result["gap"], result["noise"]
+    return any(gap[k] > max(FACTOR * noise[k], MIN_GAP) for k in ("loss", "update"))
+
+
+def judge(verdict: str, result: dict[str, Any]) -> str:
+    """``"confirmed"`` / ``"FALSE"`` for a fallback or contiguous verdict, ``"right"`` / ``"MISSED"`` for a
+    pass, ``"no reference"`` where the NCHW runs raised."""
+    apart = diverges(result)
+    if apart is None:
+        return "no reference"
+    if verdict in FALLBACK_VERDICTS:
+        return "confirmed" if apart else "FALSE"
+    return "MISSED" if apart else "right"
+
+
+def _updates(module: torch.nn.Module, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: p.detach() - initial[n] for n, p in module.named_parameters()}
+
+
+def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: str, steps: int,
+            phase: Callable[[str], None] = lambda name: None, result: dict[str, Any] | None = None,
+            precision: str = "32-true") -> dict[str, Any]:
+    """The three runs of ``net0`` (copies) for ``steps`` steps on ``batches`` with ``optimizer``, and their gaps.
+
+    ``phase(name)`` is called before each run (``"confirm nchw"``, ...) and ``result`` filled as the runs end, so
+    what a native crash leaves says which run it was in. Returns ``result``: the losses of each run, ``gap``
+    (channels_last against nchw) and ``noise`` (nudged against nchw), each ``{"loss", "update", "update_param"}``,
+    and ``error_<run>`` for a run that raised.
+    """
+    from cltrain import ChannelsLast
+
+    result = {} if result is None else result
+    result["steps"] = steps
+    updates: dict[str, dict[str, torch.Tensor]] = {}
+    for run in RUNS:
+        phase(f"confirm {run}")
+        net = copy.deepcopy(net0)
+        if run == "nudged":
+            nudge(net)
+        initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+        callback = ChannelsLast(verify=False) if run == "channels_last" else None
+        try:
+            module = fit(net, spec, batches, callback, max_steps=steps, precision=precision, optimizer=optimizer)
+        except Exception as err:  # noqa: BLE001 - a raise is a result here
+            result[f"error_{run}"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            continue
+        result[f"losses_{run}"] = [float(v) for v in module.losses]
+        updates[run] = _updates(module.net, initial)
+    if all(run in updates for run in RUNS):
+        for key, run in (("gap", "channels_last"), ("noise", "nudged")):
+            gap, where = update_gap(updates[run], updates["nchw"])
+            result[key] = {"loss": loss_gap(result[f"losses_{run}"], result["losses_nchw"]), "update": gap,
+                           "update_param": where}
+    return result
