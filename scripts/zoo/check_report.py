@@ -12,7 +12,7 @@ from typing import Any
 
 from cltrain.atomic import atomic_write_text
 from scripts.machine import machine_line
-from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, MIN_GAP, NUDGE
+from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, MIN_GAP, NUDGE, numerics
 from scripts.zoo.report import escape_cell
 from scripts.zoo.training import OPTIMIZER_NAMES
 
@@ -25,7 +25,10 @@ def _checked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _name(r: dict[str, Any]) -> str:
-    return f"{r['key']} ({OPTIMIZER_NAMES.get(r.get('optimizer', ''), r.get('optimizer', ''))})"
+    """The model and optimizer, and what the float64 run says of a diverging channels_last run."""
+    exact = numerics(r.get("confirm") or {})
+    said = "" if exact is None else " [float64: rounding]" if exact else " [float64: channels_last off]"
+    return f"{r['key']} ({OPTIMIZER_NAMES.get(r.get('optimizer', ''), r.get('optimizer', ''))}){said}"
 
 
 def _judged(rows: list[dict[str, Any]], verdict: str) -> list[dict[str, Any]]:
@@ -70,6 +73,10 @@ def _fmt(value: Any) -> str:
     return "" if value is None else "inf" if value == math.inf else f"{value:.1e}"
 
 
+def _pair(a: Any, b: Any) -> str:
+    return "" if a is None and b is None else f"{_fmt(a)} / {_fmt(b)}"
+
+
 def _cell(r: dict[str, Any] | None) -> str:
     if r is None:
         return ""
@@ -77,6 +84,8 @@ def _cell(r: dict[str, Any] | None) -> str:
         return r.get("status", "")
     verdict = (r.get("confirm") or {}).get("verdict")
     shown = {"FALSE": "**FALSE**", "MISSED": "**MISSED**"}.get(verdict, verdict)
+    exact = numerics(r.get("confirm") or {})
+    shown = f"{shown}, float64: {'rounding' if exact else 'channels_last off'}" if exact is not None else shown
     return r["layout_check"] + (f" ({shown})" if verdict else "")
 
 
@@ -116,11 +125,14 @@ def _confirm_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         for other in ("nchw", "nudged"):
             if c.get(f"error_{other}"):
                 run = f"{other} raised: {c[f'error_{other}']}"
+        exact = c.get("float64") or {}
         cells.append([r["key"], OPTIMIZER_NAMES.get(r.get("optimizer", ""), ""), r["layout_check"],
-                      c.get("verdict", ""), f"{_fmt(gap.get('loss'))} / {_fmt(noise.get('loss'))}",
-                      f"{_fmt(gap.get('update'))} / {_fmt(noise.get('update'))}"
-                      + (f" (`{gap['update_param']}`)" if gap.get("update_param") else ""), run,
-                      r.get("layout_check_line", "") if r["layout_check"] != "passed" else ""])
+                      c.get("verdict", ""), _pair(gap.get("loss"), noise.get("loss")),
+                      _pair(gap.get("update"), noise.get("update"))
+                      + (f" (`{gap['update_param']}`)" if gap.get("update_param") else ""),
+                      " ; ".join(f"{k} {_pair(exact[n]['loss'], exact[n]['update'])}"
+                                 for k, n in (("CL", "channels_last"), ("NCHW", "nchw")) if n in exact),
+                      run, r.get("layout_check_line", "") if r["layout_check"] != "passed" else ""])
     return cells
 
 
@@ -143,7 +155,8 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         "",
         f"Each model (built from config, random weights, nothing downloaded) with each optimizer ({', '.join(names)}:"
         " SGD momentum 0.9 lr 0.01, Adam and AdamW lr 1e-3) in its own process: a real `Trainer` with `ChannelsLast()`"
-        f" for 2 steps, batch {args.batch}, {args.check_precision}, and the first-batch layout check's verdict. Where "
+        f" for 2 steps, batch {args.batch} at {f'{args.size} px' if args.size else 'its size (the zoo page lists it)'}"
+        f", {args.check_precision}, and the first-batch layout check's verdict. Where "
         "the verdict is fallback or contiguous (and for the passes of "
         f"{_confirm_scope(args)}), the same process trains {args.confirm_steps} steps three more times from the same "
         "initialisation, seed, batches and optimizer: NCHW without the callback; NCHW with every parameter nudged by "
@@ -151,7 +164,10 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         "largest relative difference from the NCHW run of the losses (per step) and of the parameter updates (per "
         "parameter). The channels_last run diverges where it raised or crashed, or a gap is above "
         f"{FACTOR:g}x the nudged run's and above {MIN_GAP:g}: a fallback is then **confirmed**, else **FALSE** (a "
-        "false fallback); a pass is **right**, or **MISSED** where it diverges (`scripts/zoo/confirm.py`).",
+        "false fallback); a pass is **right**, or **MISSED** where it diverges (`scripts/zoo/confirm.py`). A "
+        "channels_last run that diverged without raising is run once more in float64 (NCHW): *rounding* where "
+        f"channels_last fp32 is within {FACTOR:g}x as close to it as NCHW fp32 (the layouts' kernels round "
+        "differently), *channels_last off* where it is farther.",
         "",
         "## Summary",
         "",
@@ -167,8 +183,11 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         "",
         "## Confirmations",
         "",
+        "Gaps from the NCHW run, of the channels_last run and of the nudged run (the noise); where the channels_last "
+        "run diverged, how far each fp32 run is from the float64 run (loss / update).",
+        "",
         *_table(["model", "optimizer", "verdict", "confirmation", "loss gap / noise", "update gap / noise",
-                 "channels_last run", "the check's line"], _confirm_rows(rows)),
+                 "off float64 (loss / update)", "channels_last run", "the check's line"], _confirm_rows(rows)),
         "",
     ])
 

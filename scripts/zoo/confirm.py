@@ -15,6 +15,10 @@ above ``FACTOR`` x the nudged run's gap and above ``MIN_GAP``. A fallback or con
 **confirmed**, else **FALSE** (a false fallback); a passing verdict is **right**, or **MISSED** where the
 channels_last run diverges (a fault the check let through). Where the NCHW runs themselves raise there is no
 reference, and nothing is judged.
+
+A diverging channels_last run that trained is run a fourth time in float64 (NCHW): where channels_last fp32 is as
+close to it as NCHW fp32 is (within ``FACTOR``), the gap is the two layouts' fp32 kernels rounding differently (a
+less accurate CPU reduction, amplified by Adam), not a fault; the verdict stays, and ``numerics`` says so beside it.
 """
 
 from __future__ import annotations
@@ -96,7 +100,16 @@ def judge(verdict: str, result: dict[str, Any]) -> str:
 
 
 def _updates(module: torch.nn.Module, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: p.detach() - initial[n] for n, p in module.named_parameters()}
+    return {n: p.detach() - initial[n].to(p.dtype) for n, p in module.named_parameters()}
+
+
+def numerics(result: dict[str, Any]) -> bool | None:
+    """Is a diverging channels_last run as close to the float64 run as the NCHW fp32 run is (within ``FACTOR``)?
+    Then the two fp32 runs differ by their kernels' rounding, not by a fault. ``None``: no float64 run."""
+    exact = result.get("float64")
+    if not exact or "nchw" not in exact:
+        return None
+    return all(exact["channels_last"][k] <= FACTOR * max(exact["nchw"][k], MIN_GAP) for k in ("loss", "update"))
 
 
 def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: str, steps: int,
@@ -107,30 +120,42 @@ def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: st
     ``phase(name)`` is called before each run (``"confirm nchw"``, ...) and ``result`` filled as the runs end, so
     what a native crash leaves says which run it was in. Returns ``result``: the losses of each run, ``gap``
     (channels_last against nchw) and ``noise`` (nudged against nchw), each ``{"loss", "update", "update_param"}``,
-    and ``error_<run>`` for a run that raised.
+    and ``error_<run>`` for a run that raised. Where the channels_last run trained and diverges, a fourth run in
+    float64 (NCHW) says how far each fp32 run is from it (``float64``: ``{"nchw": gaps, "channels_last": gaps}``;
+    ``numerics`` reads it).
     """
     from cltrain import ChannelsLast
 
     result = {} if result is None else result
     result["steps"] = steps
     updates: dict[str, dict[str, torch.Tensor]] = {}
-    for run in RUNS:
-        phase(f"confirm {run}")
-        net = copy.deepcopy(net0)
-        if run == "nudged":
-            nudge(net)
+
+    def run(name: str, callback: Any = None, run_precision: str = precision) -> None:
+        phase(f"confirm {name}")
+        net = nudge(copy.deepcopy(net0)) if name == "nudged" else copy.deepcopy(net0)
         initial = {n: p.detach().clone() for n, p in net.named_parameters()}
-        callback = ChannelsLast(verify=False) if run == "channels_last" else None
         try:
-            module = fit(net, spec, batches, callback, max_steps=steps, precision=precision, optimizer=optimizer)
+            module = fit(net, spec, batches, callback, max_steps=steps, precision=run_precision, optimizer=optimizer)
         except Exception as err:  # noqa: BLE001 - a raise is a result here
-            result[f"error_{run}"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-            continue
-        result[f"losses_{run}"] = [float(v) for v in module.losses]
-        updates[run] = _updates(module.net, initial)
-    if all(run in updates for run in RUNS):
-        for key, run in (("gap", "channels_last"), ("noise", "nudged")):
-            gap, where = update_gap(updates[run], updates["nchw"])
-            result[key] = {"loss": loss_gap(result[f"losses_{run}"], result["losses_nchw"]), "update": gap,
-                           "update_param": where}
+            result[f"error_{name}"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            return
+        result[f"losses_{name}"] = [float(v) for v in module.losses]
+        updates[name] = _updates(module.net, initial)
+
+    run("nchw")
+    run("nudged")
+    run("channels_last", ChannelsLast(verify=False))
+    if not all(name in updates for name in RUNS):
+        return result
+    for key, name in (("gap", "channels_last"), ("noise", "nudged")):
+        gap, where = update_gap(updates[name], updates["nchw"])
+        result[key] = {"loss": loss_gap(result[f"losses_{name}"], result["losses_nchw"]), "update": gap,
+                       "update_param": where}
+    if diverges(result):
+        run("float64", run_precision="64-true")
+        if "float64" in updates:
+            result["float64"] = {
+                name: {"loss": loss_gap(result[f"losses_{name}"], result["losses_float64"]),
+                       "update": update_gap({n: u.double() for n, u in updates[name].items()}, updates["float64"])[0]}
+                for name in ("nchw", "channels_last")}
     return result

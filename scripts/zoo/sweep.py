@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -72,9 +73,10 @@ from scripts.zoo.check_report import summary as check_summary
 from scripts.zoo.check_report import write_check_outputs
 from scripts.zoo.confirm import FALLBACK_VERDICTS, confirm, judge
 from scripts.zoo.models import (
-    Spec, all_specs, batch_to, build, clone_batch, find, image_of, make_batch, quiet_random_layers, training_loss,
+    FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, find, image_of, make_batch, quiet_random_layers, training_loss,
 )
 from scripts.zoo.parity import parity
+from scripts.zoo.tasks import SPECS as TASK_SPECS
 from scripts.zoo.report import summary, write_outputs
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit
 
@@ -282,7 +284,7 @@ def _check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: ar
     callback = ChannelsLast()
     module = fit(copy.deepcopy(net0), spec, batches[:2], callback, max_steps=2, precision=args.check_precision,
                  optimizer=args.optimizer)
-    result.update(optimizer=args.optimizer, check_precision=args.check_precision,
+    result.update(optimizer=args.optimizer, check_precision=args.check_precision, batch=args.batch,
                   losses_channels_last=[float(v) for v in module.losses])
     _record_check(result, callback)
     if result.get("layout_check") in FALLBACK_VERDICTS or _confirms_passes(spec, args.confirm_passes):
@@ -397,6 +399,7 @@ def _last_error(log: Path) -> str:
 def _child_options(args: argparse.Namespace) -> list[str]:
     opts = ["--batch", str(args.batch), "--speed-batch", str(args.speed_batch), "--rounds", str(args.rounds),
             "--min-window", str(args.min_window), "--max-params", str(args.max_params), "--dtypes", args.dtypes]
+    opts += ["--size", str(args.size)] if args.size else []
     flags = ("quick", "no_speed", "no_auto", "no_compile", "check_only")
     opts += ["--check-precision", args.check_precision, "--confirm-passes", args.confirm_passes,
              "--confirm-steps", str(args.confirm_steps)]
@@ -409,6 +412,9 @@ def _child_options(args: argparse.Namespace) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=None, help="comma-separated keys (timm:resnet50) or names (resnet50); default all")
+    p.add_argument("--families", action="store_true",
+                   help="one classifier per family (scripts/zoo/models.py FAMILY_SUBSET) and every segmentation, "
+                        "detection and video model, beside the models of --models")
     p.add_argument("--fast", action="store_true", help=f"the quick subset: {', '.join(FAST)} (--quick, --no-speed, fp32 only)")
     p.add_argument("--quick", action="store_true", help="speed timed on the parity batch, 1 round, no compile")
     p.add_argument("--list", action="store_true", help="print the zoo and exit")
@@ -418,7 +424,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-first", default="", help="comma-separated key prefixes run before the others (hf:,tv:); "
                                                    "the table keeps the zoo's order")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per model, 3x with torch.compile (default 1200)")
-    p.add_argument("--batch", type=int, default=2, help="parity batch size (default 2)")
+    p.add_argument("--batch", type=int, default=2, help="parity (and --check-only) batch size (default 2)")
+    p.add_argument("--size", type=int, default=None,
+                   help="every model's input size, pixels (tiny runs for the tests); default each model's own")
     p.add_argument("--speed-batch", type=int, default=8, help="speed batch size (default 8)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per layout (default 5)")
     p.add_argument("--min-window", type=float, default=0.5, help="seconds per timed round, at least (default 0.5)")
@@ -457,10 +465,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        child(find([args.child])[0], args, args.result)
+        spec = find([args.child])[0]
+        child(dataclasses.replace(spec, size=args.size) if args.size else spec, args, args.result)
         return 0
     try:
-        specs = find(args.models.split(",")) if args.models else all_specs()
+        keys = (args.models.split(",") if args.models else []) + (FAMILY_SUBSET + [s.key for s in TASK_SPECS]
+                                                                 if args.families else [])
+        specs = find(keys) if keys else all_specs()
     except ValueError as err:
         print(f"zoo_sweep: error: {err}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ DETECTION = [
 ]
 
 _CLIP = {"size": 64, "frames": 8}
-_TINY_VIT = {"image_size": 64, "patch_size": 16, "num_frames": 4, "hidden_size": 64, "num_hidden_layers": 2,
+_TINY_VIT = {"patch_size": 16, "num_frames": 4, "hidden_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 2, "intermediate_size": 128}
 #: Hugging Face video classifiers: (config class, model class, config kwargs).
 HF_VIDEO: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -53,6 +53,11 @@ VIDEO += [Spec(f"hf:{n}", f"HF {n}", size=64, frames=4, note="dict batch {pixel_
           for n in HF_VIDEO]
 
 SPECS = SEGMENTATION + DETECTION + VIDEO
+
+
+def is_task_model(spec: Spec) -> bool:
+    """Whether ``spec`` is one of these (at any ``size``: the tests shrink them)."""
+    return spec.source in ("smp", "tv-det", "tv-video") or spec.source == "hf" and spec.name in HF_VIDEO
 
 
 def build_task_model(spec: Spec) -> nn.Module:
@@ -72,7 +77,8 @@ def build_task_model(spec: Spec) -> nn.Module:
         import transformers
 
         config_cls, model_cls, kwargs = HF_VIDEO[spec.name]
-        return getattr(transformers, model_cls)(getattr(transformers, config_cls)(num_labels=NUM_CLASSES, **kwargs))
+        config = getattr(transformers, config_cls)(num_labels=NUM_CLASSES, **{**kwargs, "image_size": spec.size})
+        return getattr(transformers, model_cls)(config)
     raise ValueError(f"no task model {spec.key!r}")
 
 
