@@ -12,7 +12,7 @@ from typing import Any
 
 from cltrain.atomic import atomic_write_text
 from scripts.machine import machine_line
-from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, MIN_GAP, NUDGE, numerics
+from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, JUDGED, MIN_GAP, NUDGE, numerics
 from scripts.zoo.report import escape_cell
 from scripts.zoo.training import OPTIMIZER_NAMES
 
@@ -62,8 +62,7 @@ def summary(rows: list[dict[str, Any]], optimizers: list[str]) -> list[str]:
     missed = _judged(rows, "MISSED")
     lines.append(f"- Passes confirmed by the same three runs: {len(passes)}; right {len(_judged(rows, 'right'))}, "
                  f"**missed {len(missed)}**" + (": " + ", ".join(_name(r) for r in missed) if missed else "") + ".")
-    open_ = [r for r in _checked(rows) if r.get("confirm") and r["confirm"].get("verdict") not in
-             ("confirmed", "FALSE", "right", "MISSED")]
+    open_ = [r for r in _checked(rows) if r.get("confirm") and r["confirm"].get("verdict") not in JUDGED]
     if open_:
         lines.append("- Not judged: " + "; ".join(f"{_name(r)}: {r['confirm'].get('verdict')}" for r in open_) + ".")
     return lines

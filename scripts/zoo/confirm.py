@@ -38,6 +38,7 @@ MIN_GAP = 1e-5     #: and the least relative gap that counts
 NUDGE = 1e-7       #: the relative nudge of every parameter in the noise reference
 RUNS = ("nchw", "nudged", "channels_last")
 FALLBACK_VERDICTS = ("fallback", "contiguous")
+JUDGED = ("confirmed", "FALSE", "right", "MISSED")  #: what ``judge`` says where there is a reference
 
 
 def nudge(net: torch.nn.Module, relative: float = NUDGE, seed: int = 1) -> torch.nn.Module:
@@ -97,6 +98,17 @@ def judge(verdict: str, result: dict[str, Any]) -> str:
     if verdict in FALLBACK_VERDICTS:
         return "confirmed" if apart else "FALSE"
     return "MISSED" if apart else "right"
+
+
+def died(row: dict[str, Any], phase: str, crash: str | None) -> str:
+    """The confirmation's verdict where its process died in ``phase`` (``crash``: how, for a native crash; ``None``
+    for a timeout or a raise outside the runs): a native crash in the channels_last run is that run's result, as a
+    raise would be; anything else leaves it unjudged."""
+    runs = row["confirm"]
+    if phase == "confirm channels_last" and crash:
+        runs["error_channels_last"] = crash
+        return judge(row["layout_check"], runs)
+    return f"unfinished: {row.get('status', phase)}"
 
 
 def _updates(module: torch.nn.Module, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

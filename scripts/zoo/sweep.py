@@ -71,7 +71,7 @@ from cltrain.atomic import atomic_write_text
 from scripts.machine import machine, machine_line
 from scripts.zoo.check_report import summary as check_summary
 from scripts.zoo.check_report import write_check_outputs
-from scripts.zoo.confirm import FALLBACK_VERDICTS, confirm, judge
+from scripts.zoo.confirm import FALLBACK_VERDICTS, JUDGED, confirm, died, judge
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, find, image_of, make_batch, quiet_random_layers, training_loss,
 )
@@ -366,22 +366,12 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
         result["status"] = f"crashed ({_signal_name(code)}) in {phase}"
     else:
         result["status"] = f"raised in {phase}: {_last_error(log)}"
-    if "confirm" in result and "verdict" not in result["confirm"]:
-        _confirm_died(result, phase, code)
+    if "confirm" in result and "verdict" not in result["confirm"]:  # the process died in a confirmation run
+        crashed = code is not None and code < 0
+        result["confirm"]["verdict"] = died(result, phase, result["status"] if crashed else None)
+        result["status"] = "ok" if result["confirm"]["verdict"] in JUDGED else result["status"]
     result["log"] = str(log)
     return result
-
-
-def _confirm_died(result: dict[str, Any], phase: str, code: int | None) -> None:
-    """A confirmation whose process died: a native crash in the channels_last run is that run's result (it
-    crashes where NCHW trains); anything else leaves it unjudged."""
-    runs = result["confirm"]
-    if phase == "confirm channels_last" and code is not None and code < 0:
-        runs["error_channels_last"] = f"crashed ({_signal_name(code)})"
-        runs["verdict"] = judge(result["layout_check"], runs)
-        result["status"] = "ok"
-    else:
-        runs["verdict"] = f"unfinished: {result['status']}"
 
 
 def _timeout(spec: Spec, args: argparse.Namespace) -> int:
