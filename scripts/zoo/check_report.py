@@ -13,8 +13,8 @@ from typing import Any
 from cltrain.atomic import atomic_write_text
 from scripts.machine import machine_line
 from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, JUDGED, MIN_GAP, NUDGE, numerics
-from scripts.zoo.report import escape_cell
-from scripts.zoo.training import OPTIMIZER_NAMES
+from scripts.zoo.report import page, table
+from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZER_SETTINGS
 
 VERDICTS = ("passed", "fallback", "contiguous", "not checked")
 
@@ -101,12 +101,13 @@ def _model_rows(rows: list[dict[str, Any]], optimizers: list[str]) -> list[list[
     for key, runs in by_key.items():
         first = next(iter(runs.values()))
         if all(r.get("status") == "skipped" for r in runs.values()):
-            cells.append([key, first.get("family", ""), str(first.get("params_m", "")), "skipped",
-                          *[""] * (len(optimizers) + 2)])
+            cells.append([key, first.get("family", ""), first.get("size", ""), str(first.get("params_m", "")),
+                          "skipped", *[""] * (len(optimizers) + 2)])
             continue
         per = [runs.get(o) for o in optimizers]
         kept = {r.get("layout_kept", "") for r in per if r}
-        cells.append([key, first.get("family", ""), str(first.get("params_m", "")), *[_cell(r) for r in per],
+        cells.append([key, first.get("family", ""), first.get("size", ""), str(first.get("params_m", "")),
+                      *[_cell(r) for r in per],
                       " / ".join(_worst(r) for r in per),
                       " / ".join(str((r or {}).get("layout_check_seconds", "")) for r in per),
                       kept.pop() if len(kept) == 1 else " / ".join(str((r or {}).get("layout_kept", "")) for r in per)])
@@ -130,65 +131,50 @@ def _confirm_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                       _pair(gap.get("update"), noise.get("update"))
                       + (f" (`{gap['update_param']}`)" if gap.get("update_param") else ""),
                       " ; ".join(f"{k} {_pair(exact[n]['loss'], exact[n]['update'])}"
-                                 for k, n in (("CL", "channels_last"), ("NCHW", "nchw")) if n in exact),
+                                 for k, n in (("CL", "channels_last"), ("NCHW", "nchw"),
+                                              ("NCHW without oneDNN", "nchw_native")) if n in exact),
                       run, r.get("layout_check_line", "") if r["layout_check"] != "passed" else ""])
     return cells
-
-
-def _table(header: list[str], cells: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(escape_cell(c) for c in row) + " |" for row in cells])
 
 
 def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace,
              optimizers: list[str]) -> str:
     names = [OPTIMIZER_NAMES[o] for o in optimizers]
-    return "\n".join([
-        "# The first-batch layout check over the zoo",
-        "",
+    return page("The first-batch layout check over the zoo", [
         f"Made by `{command}`, {m.get('started', '?')} to {m.get('ended', '?')}.",
-        "",
-        f"Machine: {machine_line(m)}.",
+        f"Machine: {machine_line(m)}.\n"
         f"Load average at the start: {m.get('load_start', '?')}, at the end: {m.get('load_end', '?')}: the "
         "machine is shared, so the check's seconds are upper bounds, not speed measurements.",
-        "",
-        f"Each model (built from config, random weights, nothing downloaded) with each optimizer ({', '.join(names)}:"
-        " SGD momentum 0.9 lr 0.01, Adam and AdamW lr 1e-3) in its own process: a real `Trainer` with `ChannelsLast()`"
-        f" for 2 steps, batch {args.batch} at {f'{args.size} px' if args.size else 'its size (the zoo page lists it)'}"
-        f", {args.check_precision}, and the first-batch layout check's verdict. Where "
+        "Each model (built from config, random weights, nothing downloaded) with each optimizer ("
+        + ", ".join(f"{OPTIMIZER_NAMES[o]} {OPTIMIZER_SETTINGS[o]}" for o in optimizers) + ") in its own process: a "
+        f"real `Trainer` with `ChannelsLast()` for 2 steps, batch {args.batch} at "
+        f"{f'{args.size} px' if args.size else 'its size (px in the table)'}, {args.check_precision}, and the "
+        "first-batch layout check's verdict. Where "
         "the verdict is fallback or contiguous (and for the passes of "
         f"{_confirm_scope(args)}), the same process trains {args.confirm_steps} steps three more times from the same "
         "initialisation, seed, batches and optimizer: NCHW without the callback; NCHW with every parameter nudged by "
         f"a relative {NUDGE:g} (the noise reference); channels_last with `ChannelsLast(verify=False)`. Gaps are the "
-        "largest relative difference from the NCHW run of the losses (per step) and of the parameter updates (per "
-        "parameter). The channels_last run diverges where it raised or crashed, or a gap is above "
+        "largest relative difference from the NCHW run of the losses (per step), and the relative difference of the "
+        "parameter updates over the whole model (the parameter farthest off on its own named). The channels_last run "
+        "diverges where it raised or crashed, or a gap is above "
         f"{FACTOR:g}x the nudged run's and above {MIN_GAP:g}: a fallback is then **confirmed**, else **FALSE** (a "
         "false fallback); a pass is **right**, or **MISSED** where it diverges (`scripts/zoo/confirm.py`). A "
-        "channels_last run that diverged without raising is run once more in float64 (NCHW): *rounding* where "
-        f"channels_last fp32 is within {FACTOR:g}x as close to it as NCHW fp32 (the layouts' kernels round "
-        "differently), *channels_last off* where it is farther.",
-        "",
-        "## Summary",
-        "",
-        *summary(rows, optimizers),
-        "",
-        "## Every model",
-        "",
-        "Each optimizer's verdict (its confirmation); the largest relative difference between the layouts where "
-        "they agreed and the noise measured there (`nan`: no noise run was needed); the check's seconds.",
-        "",
-        *_table(["model", "family", "params (M)", *names, "largest agreeing difference (noise)", "check s",
-                 "layout kept"], _model_rows(rows, optimizers)),
-        "",
-        "## Confirmations",
-        "",
-        "Gaps from the NCHW run, of the channels_last run and of the nudged run (the noise); where the channels_last "
-        "run diverged, how far each fp32 run is from the float64 run (loss / update).",
-        "",
-        *_table(["model", "optimizer", "verdict", "confirmation", "loss gap / noise", "update gap / noise",
-                 "off float64 (loss / update)", "channels_last run", "the check's line"], _confirm_rows(rows)),
-        "",
-    ])
+        "channels_last run that diverged without raising is run twice more, NCHW in float64 and NCHW fp32 without "
+        f"oneDNN: *rounding* where channels_last fp32 is within {FACTOR:g}x as close to float64 as the farther NCHW "
+        "fp32 run (fp32 kernels round differently), *channels_last off* where it is farther.",
+    ], {
+        "Summary": summary(rows, optimizers),
+        "Every model": [
+            "Each optimizer's verdict (its confirmation); the largest relative difference between the layouts where "
+            "they agreed and the noise measured there (`nan`: no noise run was needed); the check's seconds.", "",
+            *table(["model", "family", "px", "params (M)", *names, "largest agreeing difference (noise)", "check s",
+                    "layout kept"], _model_rows(rows, optimizers))],
+        "Confirmations": [
+            "Gaps from the NCHW run, of the channels_last run and of the nudged run (the noise); where the "
+            "channels_last run diverged, how far each fp32 run is from the float64 run (loss / update).", "",
+            *table(["model", "optimizer", "verdict", "confirmation", "loss gap / noise", "update gap / noise",
+                    "off float64 (loss / update)", "channels_last run", "the check's line"], _confirm_rows(rows))],
+    })
 
 
 def _confirm_scope(args: argparse.Namespace) -> str:

@@ -18,6 +18,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
 OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+OPTIMIZER_SETTINGS = {"sgd": "momentum 0.9, lr 0.01", "adam": "lr 1e-3", "adamw": "lr 1e-3"}  #: as above, in words
 
 
 class ZooModule(LightningModule):

@@ -148,7 +148,7 @@ def test_check_only_confirms_a_planted_fallback_with_each_optimizer(tmp_path):
         runs = row["confirm"]
         assert runs["verdict"] == "confirmed" and "view size is not compatible" in runs["error_channels_last"]
         assert len(runs["losses_nchw"]) == len(runs["losses_nudged"]) == runs["steps"] == 4
-    assert "| model | family | params (M) | SGD | AdamW |" in table and "fallback (confirmed)" in table
+    assert "| model | family | px | params (M) | SGD | AdamW |" in table and "fallback (confirmed)" in table
     assert "**False fallbacks: 0** of 2" in out and "Confirmed fallbacks: 2" in out
 
 
