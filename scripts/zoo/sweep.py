@@ -34,6 +34,12 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    speed checks again under ``torch.compile``, the model converted with
    ``cltrain.loops.convert_model`` before compiling.
 
+``--check-only`` measures the first-batch layout check's false alarms instead: each model once per optimizer
+(``--optimizers``, default SGD, Adam and AdamW; ``scripts/zoo/training.py``), each in its own process, a real
+``Trainer`` with ``ChannelsLast()`` for 2 steps; where the check falls back (or keeps the model contiguous), and for
+the passes of ``--confirm-passes``, the same process confirms the verdict with three short trainings
+(``scripts/zoo/confirm.py``), and ``<out>.md`` counts the false fallbacks (``scripts/zoo/check_report.py``).
+
 Usage::
 
     python -m scripts.zoo.sweep                            # the whole zoo -> docs/zoo.md, docs/zoo.json, docs/zoo.csv
@@ -42,6 +48,7 @@ Usage::
     python -m scripts.zoo.sweep --models resnet50,hf:swin --out /tmp/zoo
     python -m scripts.zoo.sweep --list
     python -m scripts.zoo.sweep --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check
+    python -m scripts.zoo.sweep --check-only --families --batch 4 --confirm-passes smp:,tv-video: --out /tmp/zoo_check
 
 Outputs (each written atomically after every model, so an interrupted sweep keeps its rows):
 ``<out>.md`` (the table, the command, the CPU and its flags), ``<out>.json`` (every measurement,

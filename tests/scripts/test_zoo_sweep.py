@@ -166,6 +166,18 @@ def test_segmentation_detection_and_video_models_run_the_check_and_its_confirmat
                for run in confirm.RUNS), runs
 
 
+@pytest.mark.slow
+def test_segmentation_detection_and_video_models_run_in_parity_mode(tmp_path):
+    # the sweep's parity mode (float64 references, a Trainer with and without ChannelsLast) takes them as they are
+    keys = ["smp:unet_resnet18", "tv-det:fasterrcnn_mobilenet_v3_large_320_fpn", "tv-video:mc3_18", "hf:videomae"]
+    rows, _ = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--size", "32", "--models", ",".join(keys))
+    for key in keys:
+        row = rows[key]
+        assert row["status"] == "ok" and "float64_error" not in row, (key, row["status"])
+        assert row["trains_contiguous"] and row["trains_channels_last"], key
+        assert row["grad"]["verdict"] in ("ok", "numerics"), (key, row["grad"])
+
+
 def _view_head_net_and_batches(steps):
     spec = models.find(["planted:view_head"])[0]
     torch.manual_seed(0)
