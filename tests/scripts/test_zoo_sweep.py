@@ -152,14 +152,21 @@ def test_check_only_confirms_a_planted_fallback_with_each_optimizer(tmp_path):
     assert "**False fallbacks: 0** of 2" in out and "Confirmed fallbacks: 2" in out
 
 
-@pytest.mark.parametrize("key", ["smp:unet_resnet18", "tv-det:fcos_resnet18_fpn", "hf:timesformer"])
-def test_segmentation_detection_and_video_models_run_the_check_and_its_confirmation(tmp_path, key):
-    # the child's own path, in this process, at 32 px: the check with Adam, then the three confirmation runs
-    args = zoo_sweep.parse_args(["--check-only", "--optimizer", "adam", "--confirm-passes", key.split(":")[0] + ":",
-                                 "--confirm-steps", "2", "--size", "32"])
-    zoo_sweep.child(dataclasses.replace(models.find([key])[0], size=32), args, tmp_path / "row.json")
+@pytest.mark.parametrize(("key", "optimizer", "size", "confirms"), [("smp:unet_resnet18", "adam", 64, False),
+                                                                   ("tv-det:fcos_resnet18_fpn", "sgd", 64, False),
+                                                                   ("hf:timesformer", "adamw", 32, True)])
+def test_segmentation_detection_and_video_models_run_the_check(tmp_path, key, optimizer, size, confirms):
+    # the child's own path, in this process, at a tiny size: the check, and for the video model the three
+    # confirmation runs (--confirm-passes)
+    args = zoo_sweep.parse_args(["--check-only", "--optimizer", optimizer, "--confirm-steps", "2", "--size", str(size),
+                                 *(["--confirm-passes", key.split(":")[0] + ":"] if confirms else [])])
+    zoo_sweep.child(dataclasses.replace(models.find([key])[0], size=size), args, tmp_path / "row.json")
     row = json.loads((tmp_path / "row.json").read_text())
     assert row["phase"] == "done" and row["layout_check"] in check_report.VERDICTS, row
+    assert row["optimizer"] == optimizer and len(row["losses_channels_last"]) == 2, row
+    if not confirms:
+        assert "confirm" not in row or row["layout_check"] in confirm.FALLBACK_VERDICTS
+        return
     runs = row["confirm"]
     assert runs["verdict"] in confirm.JUDGED, runs
     assert all(len(runs[f"losses_{run}"]) == 2 and all(map(math.isfinite, runs[f"losses_{run}"]))
