@@ -118,6 +118,11 @@ def _examined(ran: list[dict[str, Any]]) -> str:
             f"{found.count('kernel')} kernel faults)")
 
 
+def now() -> str:
+    """The date and time, to the minute, as the outputs give them."""
+    return time.strftime("%Y-%m-%d %H:%M")
+
+
 def escape_cell(cell: Any) -> str:
     """``cell`` as the text of one markdown table cell."""
     return str(cell).replace("|", "\\|").replace("\n", " ")

@@ -34,11 +34,11 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    speed checks again under ``torch.compile``, the model converted with
    ``cltrain.loops.convert_model`` before compiling.
 
-``--check-only`` measures the first-batch layout check's false alarms instead: each model once per optimizer
-(``--optimizers``, default SGD, Adam and AdamW; ``scripts/zoo/training.py``), each in its own process, a real
-``Trainer`` with ``ChannelsLast()`` for 2 steps; where the check falls back (or keeps the model contiguous), and for
-the passes of ``--confirm-passes``, the same process confirms the verdict with three short trainings
-(``scripts/zoo/confirm.py``), and ``<out>.md`` counts the false fallbacks (``scripts/zoo/check_report.py``).
+``--check-only`` measures the first-batch layout check's false alarms instead (``scripts/zoo/check_sweep.py``): each
+model once per optimizer (``--optimizers``, default SGD, Adam and AdamW; ``scripts/zoo/training.py``), each in its
+own process, a real ``Trainer`` with ``ChannelsLast()`` for 2 steps; where the check falls back (or keeps the model
+contiguous), and for the passes of ``--confirm-passes``, the same process confirms the verdict with three short
+trainings (``scripts/zoo/confirm.py``), and ``<out>.md`` counts the false fallbacks (``scripts/zoo/check_report.py``).
 
 Usage::
 
@@ -76,16 +76,14 @@ import torch
 
 from cltrain.atomic import atomic_write_text
 from scripts.machine import machine, machine_line
-from scripts.zoo.check_report import summary as check_summary
-from scripts.zoo.check_report import write_check_outputs
-from scripts.zoo.confirm import FALLBACK_VERDICTS, JUDGED, confirm, died, judge
+from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, find, image_of, make_batch, quiet_random_layers, training_loss,
 )
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
-from scripts.zoo.report import summary, write_outputs
-from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit
+from scripts.zoo.report import now, summary, write_outputs
+from scripts.zoo.training import OPTIMIZERS, fit
 
 #: The repository root: each model's child process runs ``python -m scripts.zoo.sweep --child`` from there.
 REPO = Path(__file__).resolve().parents[2]
@@ -116,17 +114,6 @@ def _guardrails_of(callback: Any) -> str:
     """Which known-fault workarounds the callback applied (its ``guardrails`` records), in a few words."""
     records = getattr(callback, "guardrails", None) or []
     return "; ".join(f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)" for r in records)
-
-
-def _record_check(result: dict[str, Any], callback: Any) -> None:
-    """The first-batch layout check's verdict, line, the layout kept, and the largest agreeing difference."""
-    check = callback.layout_checks.get("train")
-    if check is not None:
-        result["layout_check"] = check.verdict
-        result["layout_check_line"] = check.line()
-        result["layout_check_worst"] = check.worst
-        result["layout_check_seconds"] = round(check.seconds, 2)
-    result["layout_kept"] = callback.layout
 
 
 def _conv_layout(net: torch.nn.Module) -> str:
@@ -229,7 +216,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     batches = [make_batch(spec, args.batch, gen) for _ in range(max(2, args.confirm_steps if args.check_only else 2))]
 
     if args.check_only:
-        _check_child(spec, net0, batches, args, result, phase)
+        check_child(spec, net0, batches, args, result, phase)
         return phase("done")
 
     phase("references")
@@ -250,7 +237,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         if callback is not None:
             result["conv_weights_cl"] = _conv_layout(module.net)
             result["guardrails"] = _guardrails_of(callback)
-            _record_check(result, callback)
+            record_check(result, callback)
     parity(result, grads, losses)
     del grads, losses
 
@@ -279,30 +266,6 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         phase("compile")
         _compile_phase(spec, net0, batches, speed_batch, exact, dtypes, args, result)
     phase("done")
-
-
-def _check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: argparse.Namespace,
-                 result: dict[str, Any], phase: Any) -> None:
-    """``--check-only``: ``ChannelsLast()``'s check with ``args.optimizer`` on ``batches[:2]``, and where it fell back
-    (or the spec is in ``--confirm-passes``) the three runs of ``scripts/zoo/confirm.py`` on ``batches``."""
-    from cltrain import ChannelsLast
-
-    phase("channels_last")
-    callback = ChannelsLast()
-    module = fit(copy.deepcopy(net0), spec, batches[:2], callback, max_steps=2, precision=args.check_precision,
-                 optimizer=args.optimizer)
-    result.update(optimizer=args.optimizer, check_precision=args.check_precision, batch=args.batch,
-                  losses_channels_last=[float(v) for v in module.losses])
-    _record_check(result, callback)
-    if result.get("layout_check") in FALLBACK_VERDICTS or _confirms_passes(spec, args.confirm_passes):
-        runs = result["confirm"] = {}
-        confirm(spec, net0, batches, args.optimizer, args.confirm_steps, phase, runs, precision=args.check_precision)
-        runs["verdict"] = judge(result["layout_check"], runs)
-
-
-def _confirms_passes(spec: Spec, scope: str) -> bool:
-    """Whether ``--confirm-passes`` (``all`` or comma-separated key prefixes) takes in ``spec``'s passing runs."""
-    return scope == "all" or any(spec.key.startswith(p) for p in scope.split(",") if p)
 
 
 def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> dict[str, tuple[dict, float]]:
@@ -373,10 +336,7 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
         result["status"] = f"crashed ({_signal_name(code)}) in {phase}"
     else:
         result["status"] = f"raised in {phase}: {_last_error(log)}"
-    if "confirm" in result and "verdict" not in result["confirm"]:  # the process died in a confirmation run
-        crashed = code is not None and code < 0
-        result["confirm"]["verdict"] = died(result, phase, result["status"] if crashed else None)
-        result["status"] = "ok" if result["confirm"]["verdict"] in JUDGED else result["status"]
+    settle_confirmation(result, phase, crashed=code is not None and code < 0)
     result["log"] = str(log)
     return result
 
@@ -479,26 +439,26 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m scripts.zoo.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     m = machine()
     m["load_start"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    m["started"] = _now()
+    m["started"] = now()
     print(machine_line(m), flush=True)
     previous = json.loads(args.out.with_suffix(".json").read_text()) if args.resume and \
         args.out.with_suffix(".json").exists() else {}
     if previous:
         m["started"] = previous.get("machine", {}).get("started", m["started"])
-        m["resumed"] = _now()
+        m["resumed"] = now()
     rows = [r for r in previous.get("rows", []) if r["key"] in {s.key for s in specs}]
     args.log_dir.mkdir(parents=True, exist_ok=True)
     first = tuple(p for p in args.run_first.split(",") if p)
     ordered = sorted(specs, key=lambda s: not (first and s.key.startswith(first)))
     if args.check_only:
-        return _check_sweep(ordered, specs, rows, args, m, command)
+        return check_sweep(ordered, specs, rows, args, m, command, run_one)
     done = {r["key"] for r in rows}
     for spec in (s for s in ordered if s.key not in done):
         result = run_one(spec, args, args.log_dir)
         rows.append(result)
         grad = (result.get("grad") or {}).get("verdict", "")
         print(f"[{len(rows)}/{len(specs)}] {spec.key}: {result['status']} {grad} {result['seconds']}s", flush=True)
-        m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), _now()
+        m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), now()
         rows.sort(key=lambda r: [s.key for s in specs].index(r["key"]))
         write_outputs(args.out, rows, m, command, args)
     print("\n".join(summary(rows)))
@@ -506,40 +466,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M")
-
-
-def _check_sweep(ordered: list[Spec], specs: list[Spec], rows: list[dict[str, Any]], args: argparse.Namespace,
-                 m: dict[str, Any], command: str) -> int:
-    """``--check-only``: every model once per optimizer, each in its own process; a model over ``--max-params``
-    is built once and its row stands for every optimizer."""
-    optimizers = args.optimizers.split(",")
-    done = {(r["key"], r.get("optimizer")) for r in rows}
-    order = {s.key: i for i, s in enumerate(specs)}
-    total = len(specs) * len(optimizers)
-    for spec in ordered:
-        for optimizer in optimizers:
-            if (spec.key, optimizer) in done:
-                continue
-            result = run_one(spec, args, args.log_dir, optimizer)
-            rows.append(result)
-            done.add((spec.key, optimizer))
-            if result["status"] == "skipped":
-                for other in (o for o in optimizers if (spec.key, o) not in done):
-                    rows.append(dict(result, optimizer=other))
-                    done.add((spec.key, other))
-            confirmed = (result.get("confirm") or {}).get("verdict")
-            print(f"[{len(done)}/{total}] {spec.key} {OPTIMIZER_NAMES[optimizer]}: {result['status']} "
-                  f"{result.get('layout_check', '')}{f' ({confirmed})' if confirmed else ''} {result['seconds']}s",
-                  flush=True)
-            m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), _now()
-            rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", "sgd"))
-                                     if r.get("optimizer", "sgd") in optimizers else len(optimizers)))
-            write_check_outputs(args.out, rows, m, command, args, optimizers)
-    print("\n".join(check_summary(rows, optimizers)))
-    print(f"wrote {args.out.with_suffix('.md')}, .json")
-    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
