@@ -141,7 +141,9 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
              optimizers: list[str]) -> str:
     names = [OPTIMIZER_NAMES[o] for o in optimizers]
     return page("The first-batch layout check over the zoo", [
-        f"Made by `{command}`, {m.get('started', '?')} to {m.get('ended', '?')}.",
+        "Made by " + ", then ".join(f"`{c}`" for c in [*m.get("earlier_commands", []), command])
+        + f" (resumed: the rows already made kept), {m.get('started', '?')} to {m.get('ended', '?')}."
+        if m.get("earlier_commands") else f"Made by `{command}`, {m.get('started', '?')} to {m.get('ended', '?')}.",
         f"Machine: {machine_line(m)}.\n"
         f"Load average at the start: {m.get('load_start', '?')}, at the end: {m.get('load_end', '?')}: the "
         "machine is shared, so the check's seconds are upper bounds, not speed measurements.",

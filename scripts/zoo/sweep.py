@@ -445,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.with_suffix(".json").exists() else {}
     if previous:
         m["started"] = previous.get("machine", {}).get("started", m["started"])
+        m["earlier_commands"] = previous.get("machine", {}).get("earlier_commands", []) + [previous["command"]]
         m["resumed"] = now()
     rows = [r for r in previous.get("rows", []) if r["key"] in {s.key for s in specs}]
     args.log_dir.mkdir(parents=True, exist_ok=True)
