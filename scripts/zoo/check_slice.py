@@ -26,7 +26,7 @@ def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
 
     from cltrain import ChannelsLast
     from scripts.zoo.models import build, find, make_batch
-    from scripts.zoo.sweep import ZooModule
+    from scripts.zoo.training import ZooModule
 
     spec = find([key])[0]
     row: dict[str, Any] = {"model": spec.key}
@@ -37,7 +37,7 @@ def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
         trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, precision=precision, logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback])
-        trainer.fit(ZooModule(build(spec), spec.dict_batch).train(), DataLoader(data, batch_size=None))
+        trainer.fit(ZooModule(build(spec), spec).train(), DataLoader(data, batch_size=None))
         check = callback.layout_checks["train"]
         row[name] = {"verdict": check.verdict, "findings": [(f.kind, f.phase, f.module) for f in check.findings],
                      "fallbacks": [f.describe() for f in check.fallbacks], "worst": check.worst,

@@ -4,48 +4,28 @@ downloaded), the batch it takes and its loss.
 Sources: timm architectures (small variants, one or more per family), every torchvision
 classification model (those over ``--max-params`` are rows that say so), Hugging Face
 transformers models built from their config objects (dict batches ``{"pixel_values", "labels"}``),
-and two planted models that only the tests name: ``planted:wrong_grad`` (a conv whose weight
-gradient is 3.4x off under channels_last with oneDNN in fp32, as #6035's silent case) and
-``planted:crash`` (a segfault there), so the sweep's checks can be seen to fail.
+the segmentation, detection and video models of ``scripts/zoo/tasks.py``, and planted models that only
+the tests name: ``planted:wrong_grad`` (a conv whose weight gradient is 3.4x off under channels_last
+with oneDNN in fp32, as #6035's silent case), ``planted:crash`` (a segfault there) and
+``planted:view_head`` (a head that flattens with ``x.view(x.size(0), -1)``: it raises on a channels_last
+feature map), so the sweep's checks can be seen to fail.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from lightning_utilities.core.apply_func import apply_to_collection
 
-NUM_CLASSES = 5
-SIZE = 128
+from scripts.zoo import tasks
+from scripts.zoo.spec import NUM_CLASSES, SIZE, Spec
 
-
-@dataclass(frozen=True)
-class Spec:
-    """One row of the sweep."""
-
-    key: str                      #: ``source:name``, unique
-    family: str
-    size: int = SIZE              #: square input size, pixels
-    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
-    note: str = ""
-    compile: bool = False         #: also measured under torch.compile
-
-    @property
-    def source(self) -> str:
-        return self.key.split(":", 1)[0]
-
-    @property
-    def name(self) -> str:
-        return self.key.split(":", 1)[1]
-
-    @property
-    def dict_batch(self) -> bool:
-        return self.source == "hf"
-
+__all__ = ["NUM_CLASSES", "SIZE", "Spec", "all_specs", "batch_to", "build", "clone_batch", "find", "logits_of",
+           "image_of", "make_batch", "quiet_random_layers", "training_loss"]
 
 def _timm(name: str, family: str, **kw: Any) -> Spec:
     return Spec(f"timm:{name}", family, **kw)
@@ -136,15 +116,32 @@ HF_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 HF = [Spec(f"hf:{n}", f"HF {n}", note="dict batch {pixel_values, labels}") for n in HF_MODELS]
 
+#: One classifier per family, for sweeps too long for the whole zoo: per timm family its first model (a more
+#: common one for MobileNet and Res2Net/ResNeSt), torchvision's own implementations of the common families and
+#: its families timm lacks (ShuffleNet, SqueezeNet; VGG, AlexNet and torchvision's ViTs are over 30M parameters),
+#: and the Hugging Face models but the two over 20M parameters whose code a smaller one shares (resnet, efficientnet).
+FAMILY_SUBSET = [
+    *(f"timm:{n}" for n in (
+        "resnet18", "seresnext26d_32x4d", "regnetx_002", "efficientnet_b0", "mobilenetv3_large_100", "convnext_atto",
+        "repvgg_a0", "densenet121", "hrnet_w18_small", "resnest14d", "dla34", "ese_vovnet19b_dw", "ghostnet_050",
+        "cspresnet50", "inception_v3", "nf_resnet26", "convmixer_768_32", "poolformer_s12", "efficientformer_l1",
+        "mobilevit_xxs", "vit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "maxvit_nano_rw_256", "levit_128s",
+        "efficientvit_b0", "edgenext_xx_small", "hgnetv2_b0", "starnet_s1", "tiny_vit_5m_224", "pvt_v2_b0",
+        "mambaout_femto", "xcit_nano_12_p16_224", "selecsls42b", "dpn48b", "gernet_s", "rdnet_tiny", "mixer_s32_224")),
+    *(f"tv:{n}" for n in ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "shufflenet_v2_x1_0", "squeezenet1_1")),
+    *(f"hf:{n}" for n in ("resnet_small", "convnext", "convnextv2", "regnet", "swin", "mobilevit")),
+]
+
 PLANTED = [
     Spec("planted:wrong_grad", "planted", size=32, note="weight gradient 3.4x off under channels_last"),
     Spec("planted:crash", "planted", size=32, note="segfaults under channels_last"),
+    Spec("planted:view_head", "planted", size=32, note="x.view(x.size(0), -1) in its head"),
 ]
 
 
 def all_specs() -> list[Spec]:
     """The sweep's rows, planted models excluded (they run only when named)."""
-    return TIMM + torchvision_specs() + HF
+    return TIMM + torchvision_specs() + HF + tasks.SPECS
 
 
 def find(keys: list[str]) -> list[Spec]:
@@ -197,8 +194,32 @@ class _Planted(nn.Module):
         return self.head(F.conv2d(x, weight, self.conv.bias, padding=1).relu().mean((2, 3)))
 
 
+class _ViewHead(nn.Module):
+    """A LeNet-style head: ``x.view(x.size(0), -1)`` merges C with H and W, which only NCHW strides allow."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.fc = nn.Linear(features, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(x.size(0), -1))
+
+
+class _PlantedViewHead(nn.Module):
+    def __init__(self, size: int):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AvgPool2d(4)
+        self.head = _ViewHead(8 * (size // 4) ** 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.conv(x).relu()))
+
+
 def build(spec: Spec) -> nn.Module:
-    """``spec``'s model with random weights and ``NUM_CLASSES`` outputs."""
+    """``spec``'s model with random weights and ``NUM_CLASSES`` outputs (one mask channel for segmentation)."""
+    if tasks.is_task_model(spec):
+        return tasks.build_task_model(spec)
     if spec.source in ("timm", "tv"):
         from cltrain.model_names import build_untrained_model
 
@@ -210,29 +231,39 @@ def build(spec: Spec) -> nn.Module:
         config_cls, model_cls, kwargs = HF_MODELS[spec.name]
         config = getattr(transformers, config_cls)(num_labels=NUM_CLASSES, **kwargs)
         return getattr(transformers, model_cls)(config)
+    if spec.key == "planted:view_head":
+        return _PlantedViewHead(spec.size)
     if spec.source == "planted":
         return _Planted(spec.name)
     raise ValueError(f"unknown source in {spec.key!r}")
 
 
 def make_batch(spec: Spec, n: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> Any:
-    """A random NCHW-contiguous batch of ``n``: ``(images, labels)``, or a dict for Hugging Face models."""
-    x = torch.randn(n, 3, spec.size, spec.size, generator=generator).to(dtype)
+    """A random NCHW-contiguous batch of ``n`` with the targets of ``spec.loss``: ``(images, labels)`` (a dict
+    for Hugging Face models; clips of ``spec.frames``), ``(images, masks)`` or ``(images, targets)``."""
+    if spec.loss != "cross_entropy":
+        return tasks.task_batch(spec, n, generator, dtype)
+    frames = () if not spec.frames else (spec.frames,)
+    # a clip is (N, C, T, H, W); a Hugging Face image stack is (B, T, C, H, W)
+    shape = (n, *frames, 3) if spec.dict_batch else (n, 3, *frames)
+    x = torch.randn(*shape, spec.size, spec.size, generator=generator).to(dtype)
     y = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
     return {"pixel_values": x, "labels": y} if spec.dict_batch else (x, y)
 
 
+def image_of(batch: Any, spec: Spec) -> Any:
+    """The model's input in ``batch``: its image tensor (a list of images for a detector)."""
+    return batch["pixel_values"] if spec.dict_batch else batch[0]
+
+
 def clone_batch(batch: Any) -> Any:
     """A copy with new tensor objects (the callback restrides a batch's tensors in place)."""
-    if isinstance(batch, dict):
-        return {k: v.clone() for k, v in batch.items()}
-    return tuple(t.clone() for t in batch)
+    return apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
 
 
 def batch_to(batch: Any, dtype: torch.dtype) -> Any:
     """The batch with its floating tensors in ``dtype``."""
-    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-    return {k: cast(v) for k, v in batch.items()} if isinstance(batch, dict) else tuple(cast(t) for t in batch)
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def logits_of(net: nn.Module, x: torch.Tensor, dict_batch: bool) -> torch.Tensor:
@@ -243,10 +274,14 @@ def logits_of(net: nn.Module, x: torch.Tensor, dict_batch: bool) -> torch.Tensor
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def training_loss(net: nn.Module, batch: Any, dict_batch: bool) -> torch.Tensor:
-    """Cross-entropy of ``net`` on ``batch`` (in float32 or the batch's dtype, whichever is wider)."""
-    x, y = (batch["pixel_values"], batch["labels"]) if dict_batch else batch
-    logits = logits_of(net, x, dict_batch)
+def training_loss(net: nn.Module, batch: Any, spec: Spec) -> torch.Tensor:
+    """``spec.loss`` of ``net`` on ``batch`` (in float32 or the batch's dtype, whichever is wider)."""
+    if spec.loss == "dice_bce":
+        return tasks.dice_bce(net, batch)
+    if spec.loss == "detection":
+        return tasks.detection_loss(net, batch)
+    x, y = (batch["pixel_values"], batch["labels"]) if spec.dict_batch else batch
+    logits = logits_of(net, x, spec.dict_batch)
     return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), y)
 
 

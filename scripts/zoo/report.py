@@ -118,34 +118,44 @@ def _examined(ran: list[dict[str, Any]]) -> str:
             f"{found.count('kernel')} kernel faults)")
 
 
+def now() -> str:
+    """The date and time, to the minute, as the outputs give them."""
+    return time.strftime("%Y-%m-%d %H:%M")
+
+
+def escape_cell(cell: Any) -> str:
+    """``cell`` as the text of one markdown table cell."""
+    return str(cell).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], cells: list[list[Any]]) -> list[str]:
+    """A markdown table's lines."""
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(escape_cell(c) for c in row) + " |" for row in cells])
+
+
+def page(title: str, intro: list[str], sections: dict[str, list[str]]) -> str:
+    """A markdown page: ``# title``, the ``intro`` paragraphs, then each ``## section`` with its lines."""
+    lines = [f"# {title}", ""]
+    for paragraph in intro:
+        lines += [paragraph, ""]
+    for name, body in sections.items():
+        lines += [f"## {name}", "", *body, ""]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace) -> str:
-    escape = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    table += ["| " + " | ".join(escape(c) for c in _row_cells(r)) + " |" for r in rows]
-    return "\n".join([
-        "# Model zoo under ChannelsLast",
-        "",
+    return page("Model zoo under ChannelsLast", [
         f"Made by `{command}` ({time.strftime('%Y-%m-%d')}).",
-        "",
-        f"Machine: {machine_line(m)}.",
+        f"Machine: {machine_line(m)}.\n"
         f"Load average at the start: {m.get('load_start', '?')}, at the end: {m.get('load_end', '?')}.",
-        "",
         f"Parity: batch {args.batch} at each model's size (128 px unless noted), one initialisation, the same two "
         "batches, a real Lightning Trainer with and without `ChannelsLast()`; step-0 gradients of every parameter "
         "against float64 (`scripts/zoo/sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
         f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
         f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
         "process; ratio = CL / NCHW. auto = what `ChannelsLast(mode=\"auto\")` kept.",
-        "",
-        "## Summary",
-        "",
-        *summary(rows),
-        "",
-        "## Every model",
-        "",
-        *table,
-        "",
-    ])
+    ], {"Summary": summary(rows), "Every model": table(HEADER, [_row_cells(r) for r in rows])})
 
 
 def _csv(rows: list[dict[str, Any]]) -> str:

@@ -34,6 +34,12 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    speed checks again under ``torch.compile``, the model converted with
    ``cltrain.loops.convert_model`` before compiling.
 
+``--check-only`` measures the first-batch layout check's false alarms instead (``scripts/zoo/check_sweep.py``): each
+model once per optimizer (``--optimizers``, default SGD, Adam and AdamW; ``scripts/zoo/training.py``), each in its
+own process, a real ``Trainer`` with ``ChannelsLast()`` for 2 steps; where the check falls back (or keeps the model
+contiguous), and for the passes of ``--confirm-passes``, the same process confirms the verdict with three short
+trainings (``scripts/zoo/confirm.py``), and ``<out>.md`` counts the false fallbacks (``scripts/zoo/check_report.py``).
+
 Usage::
 
     python -m scripts.zoo.sweep                            # the whole zoo -> docs/zoo.md, docs/zoo.json, docs/zoo.csv
@@ -42,6 +48,7 @@ Usage::
     python -m scripts.zoo.sweep --models resnet50,hf:swin --out /tmp/zoo
     python -m scripts.zoo.sweep --list
     python -m scripts.zoo.sweep --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check
+    python -m scripts.zoo.sweep --check-only --families --batch 4 --confirm-passes smp:,tv-video: --out /tmp/zoo_check
 
 Outputs (each written atomically after every model, so an interrupted sweep keeps its rows):
 ``<out>.md`` (the table, the command, the CPU and its flags), ``<out>.json`` (every measurement,
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -65,25 +73,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 
 from cltrain.atomic import atomic_write_text
 from scripts.machine import machine, machine_line
+from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
 from scripts.zoo.models import (
-    Spec, all_specs, batch_to, build, clone_batch, find, logits_of, make_batch, quiet_random_layers, training_loss,
+    FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, find, image_of, make_batch, quiet_random_layers, training_loss,
 )
 from scripts.zoo.parity import parity
-from scripts.zoo.report import summary, write_outputs
+from scripts.zoo.tasks import SPECS as TASK_SPECS
+from scripts.zoo.report import now, summary, write_outputs
+from scripts.zoo.training import OPTIMIZERS, fit
 
 #: The repository root: each model's child process runs ``python -m scripts.zoo.sweep --child`` from there.
 REPO = Path(__file__).resolve().parents[2]
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
 FAST = ["timm:repvgg_a0", "timm:resnet26d", "timm:vit_tiny_patch16_224", "tv:googlenet", "hf:resnet_small"]
-LR = 0.01
 
 
 def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str, torch.Tensor | None], float]:
-    loss = training_loss(net, batch, spec.dict_batch)
+    torch.manual_seed(0)  # as ``fit`` does: a detector's samplers draw from the global RNG
+    loss = training_loss(net, batch, spec)
     loss.backward()
     grads = {n.removeprefix("_orig_mod."): None if p.grad is None else p.grad.detach().clone()  # torch.compile's wrapper
              for n, p in net.named_parameters()}
@@ -100,67 +110,10 @@ def _native_bf16() -> bool:
     return cpu_bf16_support()[0]
 
 
-class ZooModule(LightningModule):
-    """A classifier around any zoo model; keeps the step-0 gradients and the losses.
-
-    At the top level of this script: ``mode="auto"`` times the model in a child process, which must
-    be able to import its class (a class made inside a function does not pickle)."""
-
-    def __init__(self, net: torch.nn.Module, dict_batch: bool):
-        super().__init__()
-        self.net, self.dict_batch = net, dict_batch
-        self.losses: list[torch.Tensor] = []
-        self.step0_grads: dict[str, torch.Tensor | None] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return logits_of(self.net, x, self.dict_batch)
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        quiet_random_layers(self)
-        return self
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = training_loss(self.net, batch, self.dict_batch)
-        self.losses.append(loss.detach())
-        return loss
-
-    def on_after_backward(self) -> None:
-        if self.step0_grads is None:
-            self.step0_grads = {n: None if p.grad is None else p.grad.detach().clone()
-                                for n, p in self.net.named_parameters()}
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-
-
-def _fit(net: torch.nn.Module, spec: Spec, batches: list[Any], callback: Any, max_steps: int, precision: str = "32-true"):
-    from lightning.pytorch import Trainer
-    from torch.utils.data import DataLoader
-
-    module = ZooModule(net, spec.dict_batch).train()  # Lightning keeps each submodule's mode: quiet them here
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=max_steps, precision=precision, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback] if callback else [])
-    trainer.fit(module, DataLoader([clone_batch(b) for b in batches], batch_size=None))
-    return module
-
-
 def _guardrails_of(callback: Any) -> str:
     """Which known-fault workarounds the callback applied (its ``guardrails`` records), in a few words."""
     records = getattr(callback, "guardrails", None) or []
     return "; ".join(f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)" for r in records)
-
-
-def _record_check(result: dict[str, Any], callback: Any) -> None:
-    """The first-batch layout check's verdict, line, the layout kept, and the largest agreeing difference."""
-    check = callback.layout_checks.get("train")
-    if check is not None:
-        result["layout_check"] = check.verdict
-        result["layout_check_line"] = check.line()
-        result["layout_check_worst"] = check.worst
-        result["layout_check_seconds"] = round(check.seconds, 2)
-    result["layout_kept"] = callback.layout
 
 
 def _conv_layout(net: torch.nn.Module) -> str:
@@ -170,7 +123,7 @@ def _conv_layout(net: torch.nn.Module) -> str:
     return f"{sum(is_channels_last(w) for w in weights)}/{len(weights)}"
 
 
-def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], dict_batch: bool, dtype: torch.dtype | None,
+def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dtype: torch.dtype | None,
                    rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
     """Median training steps/s of each ``(net, batch)``, timed in interleaved rounds of the same
     number of steps (enough for ``min_window`` seconds on the faster one)."""
@@ -184,7 +137,7 @@ def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], dict_batch: boo
         for _ in range(n):
             optimizers[key].zero_grad(set_to_none=True)
             with autocast_for("cpu", dtype):
-                loss = training_loss(net, batch, dict_batch)
+                loss = training_loss(net, batch, spec)
             loss.backward()
             optimizers[key].step()
         return time.perf_counter() - start
@@ -230,7 +183,7 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
         grads[key], losses[key] = value
     parity(result, grads, losses, prefix="compile_")
     for label, dtype in dtypes:
-        result[f"compile_speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec.dict_batch, dtype,
+        result[f"compile_speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec, dtype,
                                                           args.rounds, args.min_window, warmup=4)
 
 
@@ -260,15 +213,10 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         result["skipped"] = f"{result['params_m']:.0f}M parameters: over --max-params {args.max_params:g}M"
         return phase("done")
     gen = torch.Generator().manual_seed(0)
-    batches = [make_batch(spec, args.batch, gen) for _ in range(2)]
+    batches = [make_batch(spec, args.batch, gen) for _ in range(max(2, args.confirm_steps if args.check_only else 2))]
 
     if args.check_only:
-        phase("channels_last")
-        callback = ChannelsLast()
-        module = _fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2, precision=args.check_precision)
-        result["check_precision"] = args.check_precision
-        result["losses_channels_last"] = [float(v) for v in module.losses]
-        _record_check(result, callback)
+        check_child(spec, net0, batches, args, result, phase)
         return phase("done")
 
     phase("references")
@@ -280,7 +228,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     # The kernels and the guardrails, without the first-batch check's fallbacks (``--check-only`` measures those).
     for layout, callback in (("contiguous", None), ("channels_last", ChannelsLast(verify=False))):
         phase(layout)
-        module = _fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2)
+        module = fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2)
         nets[layout] = module.train().net
         losses[layout] = float(module.losses[0])
         grads[layout] = module.step0_grads
@@ -289,7 +237,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         if callback is not None:
             result["conv_weights_cl"] = _conv_layout(module.net)
             result["guardrails"] = _guardrails_of(callback)
-            _record_check(result, callback)
+            record_check(result, callback)
     parity(result, grads, losses)
     del grads, losses
 
@@ -299,17 +247,18 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     speed_batch = batches[0] if args.quick else make_batch(spec, args.speed_batch, torch.Generator().manual_seed(1))
     for label, dtype in dtypes if not args.no_speed else []:
         phase(f"speed {label}")
-        result[f"speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec.dict_batch, dtype,
+        result[f"speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec, dtype,
                                                   args.rounds, args.min_window)
     del nets
 
-    if not args.no_auto:
-        image = speed_batch["pixel_values"] if spec.dict_batch else speed_batch[0]
+    image = image_of(speed_batch, spec)
+    # mode="auto" times a synthetic batch of one image tensor: not a detector's list, not a (B, T, C, H, W) stack
+    if not args.no_auto and isinstance(image, torch.Tensor) and image.dim() == 4:
         for label, dtype in dtypes:
             phase(f"auto {label}")
             callback = ChannelsLast(mode="auto", input_shape=tuple(image.shape), auto_steps=2 if args.quick else 3)
-            _fit(copy.deepcopy(net0), spec, batches, callback, max_steps=1,
-                 precision="32-true" if dtype is None else "bf16-mixed")
+            fit(copy.deepcopy(net0), spec, batches, callback, max_steps=1,
+                precision="32-true" if dtype is None else "bf16-mixed")
             result[f"auto_{label}"] = callback.layout
             result[f"auto_{label}_ms"] = {k: round(v * 1e3, 1) for k, v in (callback.timings or {}).items()}
 
@@ -358,13 +307,14 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
-def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """One model in a subprocess; a crash, a raise or a timeout comes back as the row's ``status``."""
-    log = log_dir / f"{spec.key.replace(':', '_')}.log"
+def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str | None = None) -> dict[str, Any]:
+    """One model in a subprocess (with ``optimizer``: its ``--check-only`` run with that optimizer); a crash, a
+    raise or a timeout comes back as the row's ``status``."""
+    log = log_dir / f"{spec.key.replace(':', '_')}{'_' + optimizer if optimizer else ''}.log"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "scripts.zoo.sweep", "--child", spec.key, "--result", str(out),
-               *_child_options(args)]
+               *_child_options(args), *(["--optimizer", optimizer] if optimizer else [])]
         start = time.perf_counter()
         with open(log, "w") as log_file:
             try:
@@ -375,6 +325,8 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path) -> dict[str, An
                 code = None
         result = json.loads(out.read_text()) if out.exists() else {"key": spec.key, "family": spec.family}
     result["seconds"] = round(time.perf_counter() - start, 1)
+    if optimizer:
+        result["optimizer"] = optimizer
     phase = result.get("phase", "start")
     if code == 0 and phase == "done":
         result["status"] = "skipped" if "skipped" in result else "ok"
@@ -384,11 +336,14 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path) -> dict[str, An
         result["status"] = f"crashed ({_signal_name(code)}) in {phase}"
     else:
         result["status"] = f"raised in {phase}: {_last_error(log)}"
+    settle_confirmation(result, phase, crashed=code is not None and code < 0)
     result["log"] = str(log)
     return result
 
 
 def _timeout(spec: Spec, args: argparse.Namespace) -> int:
+    if args.check_only:
+        return args.timeout
     return args.timeout * (3 if spec.compile and not args.no_compile else 1)  # 4 compilations: minutes each on a CPU
 
 
@@ -401,32 +356,11 @@ def _last_error(log: Path) -> str:
 def _child_options(args: argparse.Namespace) -> list[str]:
     opts = ["--batch", str(args.batch), "--speed-batch", str(args.speed_batch), "--rounds", str(args.rounds),
             "--min-window", str(args.min_window), "--max-params", str(args.max_params), "--dtypes", args.dtypes]
+    opts += ["--size", str(args.size)] if args.size else []
     flags = ("quick", "no_speed", "no_auto", "no_compile", "check_only")
-    opts += ["--check-precision", args.check_precision]
+    opts += ["--check-precision", args.check_precision, "--confirm-passes", args.confirm_passes,
+             "--confirm-steps", str(args.confirm_steps)]
     return opts + [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag)]
-
-
-def _check_summary(rows: list[dict[str, Any]]) -> str:
-    ran = [r for r in rows if r.get("status") == "ok"]
-    counts: dict[str, int] = {}
-    for r in ran:
-        counts[r.get("layout_check", "none")] = counts.get(r.get("layout_check", "none"), 0) + 1
-    failed = [r["key"] for r in rows if r.get("status") not in ("ok", "skipped")]
-    return (f"{len(ran)} models ran; layout check verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-            + (f"; did not finish: {', '.join(failed)}" if failed else ""))
-
-
-def _write_check_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str) -> None:
-    lines = ["# The first-batch layout check over the zoo", "", f"Command: `{command}`", "", machine_line(m), "",
-             _check_summary(rows), "", "| model | status | verdict | largest agreeing difference (noise) | check s | layout kept |",
-             "|---|---|---|---|---:|---|"]
-    for r in rows:
-        worst = r.get("layout_check_worst")
-        shown = f"{worst[0]:.2g} ({worst[1]:.2g})" if worst else ""
-        lines.append(f"| {r['key']} | {r.get('status', '')} | {r.get('layout_check', '')} | {shown} | "
-                     f"{r.get('layout_check_seconds', '')} | {r.get('layout_kept', '')} |")
-    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    atomic_write_text(out.with_suffix(".json"), json.dumps({"command": command, "machine": m, "rows": rows}, default=str))
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -435,6 +369,9 @@ def _write_check_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=None, help="comma-separated keys (timm:resnet50) or names (resnet50); default all")
+    p.add_argument("--families", action="store_true",
+                   help="one classifier per family (scripts/zoo/models.py FAMILY_SUBSET) and every segmentation, "
+                        "detection and video model, beside the models of --models")
     p.add_argument("--fast", action="store_true", help=f"the quick subset: {', '.join(FAST)} (--quick, --no-speed, fp32 only)")
     p.add_argument("--quick", action="store_true", help="speed timed on the parity batch, 1 round, no compile")
     p.add_argument("--list", action="store_true", help="print the zoo and exit")
@@ -444,7 +381,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-first", default="", help="comma-separated key prefixes run before the others (hf:,tv:); "
                                                    "the table keeps the zoo's order")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per model, 3x with torch.compile (default 1200)")
-    p.add_argument("--batch", type=int, default=2, help="parity batch size (default 2)")
+    p.add_argument("--batch", type=int, default=2, help="parity (and --check-only) batch size (default 2)")
+    p.add_argument("--size", type=int, default=None,
+                   help="every model's input size, pixels (tiny runs for the tests); default each model's own")
     p.add_argument("--speed-batch", type=int, default=8, help="speed batch size (default 8)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per layout (default 5)")
     p.add_argument("--min-window", type=float, default=0.5, help="seconds per timed round, at least (default 0.5)")
@@ -456,9 +395,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--check-only", action="store_true",
                    help="only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict count")
     p.add_argument("--check-precision", default="32-true", help="the Trainer's precision for --check-only (bf16-mixed, ...)")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help=f"--check-only: each model checked once per optimizer, each in its own process "
+                        f"(default {','.join(OPTIMIZERS)})")
+    p.add_argument("--confirm-passes", default="", metavar="PREFIXES",
+                   help="--check-only: also confirm the passes of models whose key starts with one of these "
+                        "comma-separated prefixes (smp:,tv-video:), or 'all' (fallbacks are always confirmed)")
+    p.add_argument("--confirm-steps", type=int, default=4, help="--check-only: steps of each confirmation run (4)")
+    p.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = [o for o in args.optimizers.split(",") if o not in OPTIMIZERS]
+    if unknown or not args.optimizers:
+        p.error(f"--optimizers {args.optimizers!r}: each of {', '.join(OPTIMIZERS)}, comma-separated")
+    if args.confirm_steps < 1:
+        p.error(f"--confirm-steps {args.confirm_steps}: at least 1")
     if args.fast:
         args.quick, args.dtypes, args.no_speed = True, "fp32", True
         args.models = args.models or ",".join(FAST)
@@ -470,10 +422,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        child(find([args.child])[0], args, args.result)
+        spec = find([args.child])[0]
+        child(dataclasses.replace(spec, size=args.size) if args.size else spec, args, args.result)
         return 0
     try:
-        specs = find(args.models.split(",")) if args.models else all_specs()
+        keys = (args.models.split(",") if args.models else []) + (FAMILY_SUBSET + [s.key for s in TASK_SPECS]
+                                                                 if args.families else [])
+        specs = find(keys) if keys else all_specs()
     except ValueError as err:
         print(f"zoo_sweep: error: {err}", file=sys.stderr)
         return 2
@@ -484,33 +439,33 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m scripts.zoo.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     m = machine()
     m["load_start"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    m["started"] = now()
     print(machine_line(m), flush=True)
-    rows: list[dict[str, Any]] = []
-    if args.resume and args.out.with_suffix(".json").exists():
-        rows = [r for r in json.loads(args.out.with_suffix(".json").read_text())["rows"]
-                if r["key"] in {s.key for s in specs}]
-    done = {r["key"] for r in rows}
+    previous = json.loads(args.out.with_suffix(".json").read_text()) if args.resume and \
+        args.out.with_suffix(".json").exists() else {}
+    if previous:
+        m["started"] = previous.get("machine", {}).get("started", m["started"])
+        m["earlier_commands"] = previous.get("machine", {}).get("earlier_commands", []) + [previous["command"]]
+        m["resumed"] = now()
+    rows = [r for r in previous.get("rows", []) if r["key"] in {s.key for s in specs}]
     args.log_dir.mkdir(parents=True, exist_ok=True)
     first = tuple(p for p in args.run_first.split(",") if p)
-    todo = sorted((s for s in specs if s.key not in done), key=lambda s: not (first and s.key.startswith(first)))
-    for spec in todo:
+    ordered = sorted(specs, key=lambda s: not (first and s.key.startswith(first)))
+    if args.check_only:
+        return check_sweep(ordered, specs, rows, args, m, command, run_one)
+    done = {r["key"] for r in rows}
+    for spec in (s for s in ordered if s.key not in done):
         result = run_one(spec, args, args.log_dir)
         rows.append(result)
         grad = (result.get("grad") or {}).get("verdict", "")
         print(f"[{len(rows)}/{len(specs)}] {spec.key}: {result['status']} {grad} {result['seconds']}s", flush=True)
-        m["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), now()
         rows.sort(key=lambda r: [s.key for s in specs].index(r["key"]))
-        if args.check_only:
-            _write_check_outputs(args.out, rows, m, command)
-        else:
-            write_outputs(args.out, rows, m, command, args)
-    if args.check_only:
-        print(_check_summary(rows))
-        print(f"wrote {args.out.with_suffix('.md')}, .json")
-        return 0
+        write_outputs(args.out, rows, m, command, args)
     print("\n".join(summary(rows)))
     print(f"wrote {args.out.with_suffix('.md')}, .json, .csv")
     return 0
+
 
 
 if __name__ == "__main__":

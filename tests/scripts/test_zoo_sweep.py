@@ -1,15 +1,19 @@
 """scripts.zoo: the gradient verdict separates fp32 numerics from a wrong kernel, a crash is a
-row, and the fast subset of real models (the crashing stems included) runs through the script."""
+row, and the fast subset of real models (the crashing stems included) runs through the script; ``--check-only``
+runs each optimizer, the segmentation, detection and video models, and confirms a fallback or calls it false."""
 
+import dataclasses
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch import nn
 
-from scripts.zoo import miss_check, models, parity
+from scripts.zoo import check_report, confirm, miss_check, models, parity
 from scripts.zoo import sweep as zoo_sweep
 from tests.helpers import REPO
 
@@ -84,7 +88,7 @@ def test_planted_faults_are_found_and_a_crash_is_a_row(tmp_path):
     assert "Crashed or timed out: 1: planted:crash" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "zoo.csv", "zoo.json", "zoo.md"]  # no temp files
     # The first-batch layout check finds the planted wrong gradient too, and runs that conv in NCHW.
-    rows, out = sweep(tmp_path / "check", "--check-only", "--models", "planted:wrong_grad")
+    rows, out = sweep(tmp_path / "check", "--check-only", "--optimizers", "sgd", "--models", "planted:wrong_grad")
     checked = rows["planted:wrong_grad"]
     assert checked["layout_check"] == "fallback" and "`net.conv`" in checked["layout_check_line"], checked
 
@@ -122,3 +126,129 @@ def test_miss_check_tells_a_right_kernel_from_one_that_is_off_alone():
     assert max(right.values()) <= miss_check.RIGHT_ALONE
     wrong = miss_check.layer_alone(WrongUnderChannelsLast(16, 16, 3, padding=1), (2, 16, 8, 8))
     assert wrong["contiguous"] <= miss_check.RIGHT_ALONE and wrong["channels_last"] > 1.0
+
+
+def check_rows(tmp_path, *args):
+    """``--check-only`` through the script: its rows by (model, optimizer), its table and its output."""
+    proc = subprocess.run([sys.executable, "-m", "scripts.zoo.sweep", "--check-only", "--out", str(tmp_path / "zoo"),
+                           "--log-dir", str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {(r["key"], r["optimizer"]): r for r in json.loads((tmp_path / "zoo.json").read_text())["rows"]}
+    return rows, (tmp_path / "zoo.md").read_text(), proc.stdout
+
+
+def test_check_only_confirms_a_planted_fallback_with_each_optimizer(tmp_path):
+    # a head doing x.view(x.size(0), -1): the check falls back, and channels_last without the check raises
+    rows, table, out = check_rows(tmp_path, "--optimizers", "sgd,adamw", "--models", "planted:view_head")
+    assert set(rows) == {("planted:view_head", "sgd"), ("planted:view_head", "adamw")}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["layout_check"] == "fallback", row
+        assert "`net.head`" in row["layout_check_line"]
+        runs = row["confirm"]
+        assert runs["verdict"] == "confirmed" and "view size is not compatible" in runs["error_channels_last"]
+        assert len(runs["losses_nchw"]) == len(runs["losses_nudged"]) == runs["steps"] == 4
+    assert "| model | family | px | params (M) | SGD | AdamW |" in table and "fallback (confirmed)" in table
+    assert "**False fallbacks: 0** of 2" in out and "Confirmed fallbacks: 2" in out
+
+
+@pytest.mark.parametrize(("key", "optimizer", "size", "confirms"), [("smp:unet_resnet18", "adam", 64, False),
+                                                                   ("tv-det:fcos_resnet18_fpn", "sgd", 64, False),
+                                                                   ("hf:timesformer", "adamw", 32, True)])
+def test_segmentation_detection_and_video_models_run_the_check(tmp_path, key, optimizer, size, confirms):
+    # the child's own path, in this process, at a tiny size: the check, and for the video model the three
+    # confirmation runs (--confirm-passes)
+    args = zoo_sweep.parse_args(["--check-only", "--optimizer", optimizer, "--confirm-steps", "2", "--size", str(size),
+                                 *(["--confirm-passes", key.split(":")[0] + ":"] if confirms else [])])
+    zoo_sweep.child(dataclasses.replace(models.find([key])[0], size=size), args, tmp_path / "row.json")
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["phase"] == "done" and row["layout_check"] in check_report.VERDICTS, row
+    assert row["optimizer"] == optimizer and len(row["losses_channels_last"]) == 2, row
+    if not confirms:
+        assert "confirm" not in row or row["layout_check"] in confirm.FALLBACK_VERDICTS
+        return
+    runs = row["confirm"]
+    assert runs["verdict"] in confirm.JUDGED, runs
+    assert all(len(runs[f"losses_{run}"]) == 2 and all(map(math.isfinite, runs[f"losses_{run}"]))
+               for run in confirm.RUNS), runs
+
+
+@pytest.mark.slow
+def test_segmentation_detection_and_video_models_run_in_parity_mode(tmp_path):
+    # the sweep's parity mode (float64 references, a Trainer with and without ChannelsLast) takes them as they are
+    keys = ["smp:unet_resnet18", "tv-det:fasterrcnn_mobilenet_v3_large_320_fpn", "tv-video:mc3_18", "hf:videomae"]
+    rows, _ = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--size", "32", "--models", ",".join(keys))
+    for key in keys:
+        row = rows[key]
+        assert row["status"] == "ok" and "float64_error" not in row, (key, row["status"])
+        assert row["trains_contiguous"] and row["trains_channels_last"], key
+        assert row["grad"]["verdict"] in ("ok", "numerics"), (key, row["grad"])
+
+
+def _view_head_net_and_batches(steps):
+    spec = models.find(["planted:view_head"])[0]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    return spec, models.build(spec), [models.make_batch(spec, 2, gen) for _ in range(steps)]
+
+
+def test_the_confirmation_calls_a_fallback_on_a_healthy_model_false():
+    spec, net, batches = _view_head_net_and_batches(2)
+    net.head = nn.Sequential(nn.Flatten(), net.head.fc)  # the same head, layout-agnostic
+    runs = confirm.confirm(spec, net, batches, "sgd", steps=2)
+    assert "error_channels_last" not in runs and confirm.diverges(runs) is False, runs
+    assert confirm.judge("fallback", runs) == "FALSE" and confirm.judge("contiguous", runs) == "FALSE"
+    assert confirm.judge("passed", runs) == "right"
+    spec, faulty, batches = _view_head_net_and_batches(2)
+    runs = confirm.confirm(spec, faulty, batches, "adam", steps=2)
+    assert confirm.judge("fallback", runs) == "confirmed" and confirm.judge("passed", runs) == "MISSED"
+
+
+def _gaps(loss, update, noise_loss, noise_update):
+    return {"gap": {"loss": loss, "update": update}, "noise": {"loss": noise_loss, "update": noise_update}}
+
+
+def test_a_gap_counts_above_ten_times_the_noise_and_the_least_gap():
+    assert confirm.diverges(_gaps(2e-3, 0.0, 1e-4, 0.0)) is True
+    assert confirm.diverges(_gaps(9e-4, 0.0, 1e-4, 0.0)) is False       # under 10x the nudged run's
+    assert confirm.diverges(_gaps(0.0, 5e-6, 0.0, 1e-9)) is False       # under the least gap
+    assert confirm.diverges(_gaps(0.0, 2e-5, 0.0, 1e-9)) is True
+    assert confirm.diverges({"error_channels_last": "RuntimeError: view"}) is True
+    assert confirm.judge("fallback", {"error_nchw": "ValueError: x", "error_channels_last": "y"}) == "no reference"
+    assert confirm.loss_gap([1.0, math.nan], [1.0, 2.0]) == math.inf and confirm.loss_gap([1.0], [1.0, 1.0]) == math.inf
+
+
+def test_a_native_crash_in_the_channels_last_run_confirms_and_elsewhere_is_unjudged():
+    row = {"layout_check": "contiguous", "status": "crashed (SIGSEGV) in confirm channels_last",
+           "confirm": {"losses_nchw": [1.0], "losses_nudged": [1.0]}}
+    assert confirm.died(row, "confirm channels_last", row["status"]) == "confirmed"
+    assert row["confirm"]["error_channels_last"] == row["status"]
+    row = {"layout_check": "fallback", "status": "timeout after 60s in confirm nudged", "confirm": {}}
+    assert confirm.died(row, "confirm nudged", None) == "unfinished: timeout after 60s in confirm nudged"
+
+
+def test_the_summary_counts_each_optimizer_and_names_each_false_fallback():
+    def row(key, optimizer, verdict, judged=None, **extra):
+        return {"key": key, "optimizer": optimizer, "status": "ok", "layout_check": verdict,
+                "layout_check_line": f"layout check: {key} line", **({"confirm": {"verdict": judged}} if judged else {}),
+                **extra}
+
+    rows = [row("a", "sgd", "passed"), row("a", "adam", "fallback", "FALSE"), row("b", "sgd", "contiguous", "confirmed"),
+            row("b", "adam", "passed", "MISSED"), {"key": "c", "optimizer": "sgd", "status": "skipped"},
+            {"key": "c", "optimizer": "adam", "status": "skipped"}]
+    lines = check_report.summary(rows, ["sgd", "adam"])
+    assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models run 2 times each, 1 skipped")
+    assert lines[1] == "- SGD: 2 models; passed 1, fallback 0, contiguous 1, not checked 0."
+    assert lines[2] == "- Adam: 2 models; passed 1, fallback 1, contiguous 0, not checked 0."
+    assert lines[3] == "- **False fallbacks: 1** of 2 fallback or contiguous verdicts: a (Adam): layout check: a line"
+    assert lines[4] == "- Confirmed fallbacks: 1: b (SGD)."
+    assert "**missed 1**: b (Adam)" in lines[5]
+
+
+def test_a_spec_shrinks_for_tiny_runs():
+    # --size: every model at another input size, the task models too (a Hugging Face video config follows it)
+    for key in ("hf:videomae", "tv-video:mc3_18", "smp:fpn_resnet18"):
+        spec = dataclasses.replace(models.find([key])[0], size=32)
+        batch = models.make_batch(spec, 2, torch.Generator().manual_seed(0))
+        assert models.image_of(batch, spec).shape[-2:] == (32, 32)
+        assert torch.isfinite(models.training_loss(models.build(spec), batch, spec))
