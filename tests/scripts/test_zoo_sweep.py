@@ -99,8 +99,11 @@ def _guardrails_present() -> bool:
 
 @pytest.mark.slow
 def test_fast_subset_of_real_models(tmp_path):
-    rows, out = sweep(tmp_path, "--fast", timeout=1500)
-    assert set(rows) == set(zoo_sweep.FAST)
+    # three of --fast's models: the stem oneDNN #6035 crashed, the ill-conditioned case, a Hugging Face model
+    keys = ["timm:repvgg_a0", "timm:resnet26d", "hf:resnet_small"]
+    assert set(keys) <= set(zoo_sweep.FAST)
+    rows, out = sweep(tmp_path, "--fast", "--models", ",".join(keys), timeout=1500)
+    assert set(rows) == set(keys)
     stems = {"timm:repvgg_a0"}
     for key, row in rows.items():
         assert row["trains_contiguous"] is True, (key, row["status"])
@@ -175,8 +178,9 @@ def test_segmentation_detection_and_video_models_run_the_check(tmp_path, key, op
 
 @pytest.mark.slow
 def test_segmentation_detection_and_video_models_run_in_parity_mode(tmp_path):
-    # the sweep's parity mode (float64 references, a Trainer with and without ChannelsLast) takes them as they are
-    keys = ["smp:unet_resnet18", "tv-det:fasterrcnn_mobilenet_v3_large_320_fpn", "tv-video:mc3_18", "hf:videomae"]
+    # the sweep's parity mode (float64 references, a Trainer with and without ChannelsLast) takes a segmentation
+    # model's masks and a detector's list of images and targets as they are (the video models: the check's test)
+    keys = ["smp:unet_resnet18", "tv-det:fasterrcnn_mobilenet_v3_large_320_fpn"]
     rows, _ = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--size", "32", "--models", ",".join(keys))
     for key in keys:
         row = rows[key]
