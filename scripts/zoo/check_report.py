@@ -41,8 +41,8 @@ def summary(rows: list[dict[str, Any]], optimizers: list[str]) -> list[str]:
     models = sorted({r["key"] for r in rows})
     skipped = sorted({r["key"] for r in rows if r.get("status") == "skipped"})
     lines = [f"- {len(models)} models x {len(optimizers)} optimizers "
-             f"({', '.join(OPTIMIZER_NAMES[o] for o in optimizers)}): {len(models) - len(skipped)} models run "
-             f"{len(optimizers)} times each, {len(skipped)} skipped (over --max-params)."]
+             f"({', '.join(OPTIMIZER_NAMES[o] for o in optimizers)}): {len(models) - len(skipped)} models checked "
+             f"with each optimizer, {len(skipped)} skipped (over --max-params)."]
     for opt in optimizers:
         ran = [r for r in rows if r.get("optimizer") == opt and r.get("status") != "skipped"]
         checked = _checked(ran)

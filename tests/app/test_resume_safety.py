@@ -276,7 +276,7 @@ def test_kill_9_at_random_moments_leaves_a_last_ckpt_that_resumes(demo_args: lis
     rng = random.Random(19)
     source: Path | None = None
     left = 0
-    for attempt in range(3):
+    for attempt in range(2):  # a kill in the middle of a save, then one at any moment of the resumed run
         run = tmp_path / f"run{attempt}"
         resume = [f"ckpt_path={source / 'checkpoints' / 'last.ckpt'}"] if source else []
         proc = _start(demo_args, run, other_fs_tmpdir, *resume)
@@ -287,7 +287,7 @@ def test_kill_9_at_random_moments_leaves_a_last_ckpt_that_resumes(demo_args: lis
         if source is not None:  # it resumed: its first step is the checkpoint's
             assert _first_step(run) == load_checkpoint_file(source / "checkpoints" / "last.ckpt")["global_step"]
         source = run
-    print(f"\nkill -9: 3 kills, {left} in the middle of a save; every last.ckpt loaded and resumed")
+    print(f"\nkill -9: 2 kills, {left} in the middle of a save; every last.ckpt loaded and resumed")
     assert left >= 1  # at least one kill landed in the middle of a save
 
     step = load_checkpoint_file(source / "checkpoints" / "last.ckpt")["global_step"]

@@ -112,12 +112,3 @@ def _repghostnet_check() -> str:
 def test_a_real_model_with_a_relu_at_rounding_passes() -> None:
     line = _repghostnet_check()
     assert line.startswith("layout check passed"), line
-
-
-def test_a_real_model_with_a_relu_at_rounding_is_a_false_alarm_without_the_rerun(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compare, "_EXPLAINED", 0)
-    line = _repghostnet_check()
-    if "passed" in line:
-        pytest.skip("no ReLU input fell within rounding of zero on this CPU")
-    assert "diverged in channels_last only" in line and "backward" in line, line

@@ -311,7 +311,7 @@ def test_bf16_conv3d_guard_gives_fp32_gradients():
 
 @pytest.mark.slow
 @needs_x86_onednn
-@pytest.mark.parametrize("name", ["repvgg_a0", "mobileone_s0", "fastvit_t8"])
+@pytest.mark.parametrize("name", ["repvgg_a0", "fastvit_t8"])  # mobileone_s0 has the same stem
 def test_timm_stem_models_train_under_channels_last_with_parity(name):
     pytest.importorskip("timm")
     result = case("trainer", name, "1", "96")

@@ -116,6 +116,7 @@ print("trained", trainer.global_step, torch.__version__, L.__version__)
 """
 
 
+@pytest.mark.long  # downloads torch 2.13 (about a minute): python -m pytest -m long
 def test_the_library_alone_on_its_oldest_torch_and_lightning(wheel: Path, tmp_path: Path) -> None:
     bin_dir = _venv(tmp_path / "venv", inherit=False)
     pip = [str(bin_dir / "python"), "-m", "pip", "install", "--quiet"]

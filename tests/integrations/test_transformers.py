@@ -36,7 +36,6 @@ def _run_model(name: str, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("name", [
     "resnet", "convnext", "segformer",
-    pytest.param("regnet", marks=pytest.mark.slow),
     pytest.param("timm", marks=pytest.mark.slow),
 ])
 def test_model_trains_channels_last_with_the_same_losses_and_checkpoints(name, tmp_path):

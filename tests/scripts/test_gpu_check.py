@@ -23,7 +23,7 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # train.py and the main_amp matrix end to end (about 40 s): run it before a GPU session
 def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None:
     # conftest hides the GPU from this subprocess: what needs CUDA must be a "skipped" row, not a failure
     result = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--out", str(tmp_path)], cwd=REPO,

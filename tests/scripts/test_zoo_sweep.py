@@ -74,13 +74,13 @@ def test_parity_flags_a_layout_kernel_that_is_wrong_in_float64_too():
 def test_planted_faults_are_found_and_a_crash_is_a_row(tmp_path):
     # the negative controls of the sweep itself: a 3.4x weight gradient under channels_last is a MISS,
     # and a segfault under channels_last ends that model's subprocess only; --resume keeps done rows
-    rows, _ = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--models", "planted:wrong_grad")
-    first = rows["planted:wrong_grad"]
+    keys = "planted:wrong_grad,planted:crash"
+    done, _ = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--models", keys)
+    first = done["planted:wrong_grad"]
     assert first["status"] == "ok" and first["grad"]["verdict"] == "MISS"
     assert first["grad"]["worst_param"] == "conv.weight" and first["grad"]["err_cl"] > 1.0
-    rows, out = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--resume", "--models",
-                      "planted:wrong_grad,planted:crash")
-    assert rows["planted:wrong_grad"] == first
+    rows, out = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--resume", "--models", keys)
+    assert rows == done  # nothing run again
     crash = rows["planted:crash"]
     assert crash["status"] == "crashed (SIGSEGV) in channels_last" and crash["trains_contiguous"] is True
     table = (tmp_path / "zoo.md").read_text()
@@ -99,8 +99,9 @@ def _guardrails_present() -> bool:
 
 @pytest.mark.slow
 def test_fast_subset_of_real_models(tmp_path):
-    # three of --fast's models: the stem oneDNN #6035 crashed, the ill-conditioned case, a Hugging Face model
-    keys = ["timm:repvgg_a0", "timm:resnet26d", "hf:resnet_small"]
+    # one of --fast's models through the whole script: the stem oneDNN #6035 crashed (the sweep's other paths: the
+    # planted faults, the check-only runs below)
+    keys = ["timm:repvgg_a0"]
     assert set(keys) <= set(zoo_sweep.FAST)
     rows, out = sweep(tmp_path, "--fast", "--models", ",".join(keys), timeout=1500)
     assert set(rows) == set(keys)
@@ -116,7 +117,6 @@ def test_fast_subset_of_real_models(tmp_path):
         assert row["grad"]["verdict"] in ("ok", "numerics"), (key, row["grad"])
         assert row["loss_err_cl"] < 1e-4, key
         assert row["auto_fp32"] in ("channels_last", "contiguous"), key
-    assert rows["timm:resnet26d"]["grad"]["verdict"] != "MISS"  # the ill-conditioned case at batch 2 in the notes
     assert "AMD" in out or "Intel" in out or "CPU" in out
 
 
@@ -176,19 +176,6 @@ def test_segmentation_detection_and_video_models_run_the_check(tmp_path, key, op
                for run in confirm.RUNS), runs
 
 
-@pytest.mark.slow
-def test_segmentation_detection_and_video_models_run_in_parity_mode(tmp_path):
-    # the sweep's parity mode (float64 references, a Trainer with and without ChannelsLast) takes a segmentation
-    # model's masks and a detector's list of images and targets as they are (the video models: the check's test)
-    keys = ["smp:unet_resnet18", "tv-det:fasterrcnn_mobilenet_v3_large_320_fpn"]
-    rows, _ = sweep(tmp_path, "--quick", "--no-speed", "--no-auto", "--size", "32", "--models", ",".join(keys))
-    for key in keys:
-        row = rows[key]
-        assert row["status"] == "ok" and "float64_error" not in row, (key, row["status"])
-        assert row["trains_contiguous"] and row["trains_channels_last"], key
-        assert row["grad"]["verdict"] in ("ok", "numerics"), (key, row["grad"])
-
-
 def _view_head_net_and_batches(steps):
     spec = models.find(["planted:view_head"])[0]
     torch.manual_seed(0)
@@ -241,7 +228,7 @@ def test_the_summary_counts_each_optimizer_and_names_each_false_fallback():
             row("b", "adam", "passed", "MISSED"), {"key": "c", "optimizer": "sgd", "status": "skipped"},
             {"key": "c", "optimizer": "adam", "status": "skipped"}]
     lines = check_report.summary(rows, ["sgd", "adam"])
-    assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models run 2 times each, 1 skipped")
+    assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models checked with each optimizer, 1 skipped")
     assert lines[1] == "- SGD: 2 models; passed 1, fallback 0, contiguous 1, not checked 0."
     assert lines[2] == "- Adam: 2 models; passed 1, fallback 1, contiguous 0, not checked 0."
     assert lines[3] == "- **False fallbacks: 1** of 2 fallback or contiguous verdicts: a (Adam): layout check: a line"
