@@ -104,8 +104,9 @@ def _repghostnet_check() -> str:
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(4, 3, 128, 128, generator=g), torch.randint(0, 10, (4,), generator=g))]
     callback = ChannelsLast()
-    pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, callbacks=[callback]).fit(_Classifier(net), DataLoader(data, batch_size=None))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(_Classifier(net), DataLoader(data, batch_size=None))
     return callback.layout_checks["train"].line()
 
 

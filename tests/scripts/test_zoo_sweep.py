@@ -220,15 +220,16 @@ def test_a_native_crash_in_the_channels_last_run_confirms_and_elsewhere_is_unjud
 
 def test_the_summary_counts_each_optimizer_and_names_each_false_fallback():
     def row(key, optimizer, verdict, judged=None, **extra):
+        confirmed = {"confirm": {"verdict": judged}} if judged else {}
         return {"key": key, "optimizer": optimizer, "status": "ok", "layout_check": verdict,
-                "layout_check_line": f"layout check: {key} line", **({"confirm": {"verdict": judged}} if judged else {}),
-                **extra}
+                "layout_check_line": f"layout check: {key} line", **confirmed, **extra}
 
-    rows = [row("a", "sgd", "passed"), row("a", "adam", "fallback", "FALSE"), row("b", "sgd", "contiguous", "confirmed"),
-            row("b", "adam", "passed", "MISSED"), {"key": "c", "optimizer": "sgd", "status": "skipped"},
+    rows = [row("a", "sgd", "passed"), row("a", "adam", "fallback", "FALSE"),
+            row("b", "sgd", "contiguous", "confirmed"), row("b", "adam", "passed", "MISSED"), {"key": "c", "optimizer": "sgd", "status": "skipped"},
             {"key": "c", "optimizer": "adam", "status": "skipped"}]
     lines = check_report.summary(rows, ["sgd", "adam"])
-    assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models checked with each optimizer, 1 skipped")
+    assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models checked with each optimizer, "
+                               "1 skipped")
     assert lines[1] == "- SGD: 2 models; passed 1, fallback 0, contiguous 1, not checked 0."
     assert lines[2] == "- Adam: 2 models; passed 1, fallback 1, contiguous 0, not checked 0."
     assert lines[3] == "- **False fallbacks: 1** of 2 fallback or contiguous verdicts: a (Adam): layout check: a line"
