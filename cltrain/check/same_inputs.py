@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from cltrain.check.fallback import map_images
+from cltrain.check.record import floats
 
 
 class _Substitute(torch.autograd.Function):
@@ -51,10 +52,10 @@ def substitute_inputs(model: nn.Module, name: str, calls: list[Any]) -> Any:
         count[0] += 1
         if k >= len(calls):
             return None
-        values = iter(_floats(calls[k]))
-        mine = _floats((args, kwargs))
-        if len(mine) != len(_floats(calls[k])) or any(a.shape != b.shape for a, b in zip(mine, _floats(calls[k]))):
+        theirs, mine = floats(calls[k]), floats((args, kwargs))
+        if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
             return None
+        values = iter(theirs)
 
         def swap(t: torch.Tensor) -> torch.Tensor:
             value = next(values).to(t.dtype)
@@ -64,8 +65,3 @@ def substitute_inputs(model: nn.Module, name: str, calls: list[Any]) -> Any:
 
     return model.get_submodule(name).register_forward_pre_hook(give, with_kwargs=True, prepend=True)
 
-
-def _floats(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    map_images(obj, lambda t: found.append(t) or t, ranks=None)
-    return found
