@@ -217,6 +217,9 @@ def main(out: Path, engine: str) -> None:
     rank = int(os.environ["RANK"])
     result = {"loop": run_loop, "fabric": run_fabric, "lightning": run_lightning}[engine](rank, lines)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():  # a gloo group left to the interpreter's exit can abort ("terminate called ...")
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
