@@ -13,10 +13,13 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``timing``: a model timed in both layouts (``mode="auto"``), in a child process;
 * ``audit``: the ops that lose channels_last in a model (``cltrain-audit`` on the command line);
 * ``model_names``: torchvision and timm models by name, with random weights;
-* ``check``: the first-batch layout check and the NCHW fallbacks it chooses;
-* ``callback``: ``ChannelsLast``, the Lightning callback;
-* ``loops``: the same for Lightning Fabric, Accelerate and plain loops; a contiguous copy for export;
-* ``integrations``: the Hugging Face ``Trainer`` callback and the Accelerate helper;
+* ``check``: the first-batch layout check and the NCHW fallbacks it chooses, and how a Lightning step is run for it;
+* ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs):
+  the core the three adapters below hand their framework's step and broadcast to;
+* ``lightning_access``: what cltrain reads of a LightningModule, for ``lightning`` and ``pytorch_lightning``;
+* ``callback``: ``ChannelsLast``, the Lightning adapter;
+* ``loops``: the adapter for Lightning Fabric, Accelerate and plain loops; a contiguous copy for export;
+* ``integrations``: the Hugging Face ``Trainer`` adapter and the Accelerate helper;
 * ``data``: the NHWC data path (decoding, transforms, collate, normalisation, DataModules, demo data);
 * ``app``: the Hydra training application behind ``train.py``;
 * ``tools``: the console scripts (``cltrain-train``, ``cltrain-audit``, ...).

@@ -8,36 +8,21 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
-from cltrain.layout import (
-    CONV1D_TYPES,
-    CONV_TYPES,
-    is_channels_last,
-    layout_summary,
-    to_channels_last,
-    to_channels_last_1d,
-    to_contiguous,
-)
-from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, image_inputs, restride_batch
-from cltrain.layout.conv_reach import ConvReach
-from cltrain.layout.stacks import in_input_layout
-from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, apply_guardrails, find_hazards
 from cltrain.check.budget import DEFAULT_SAMPLES, check_within_budget
 from cltrain.check.compare import LayoutCheck
-from cltrain.check.lightning_step import apply_to_copy, check_lightning_step
-from cltrain.layout.lightning_access import (
-    model_copies,
-    overrides,
-    restride_optimizer_state,
-    run_after,
-    step_target,
-    undo_run_after,
-)
-from cltrain.check.fallback import Fallback, apply_fallbacks
+from cltrain.check.fallback import Fallback
+from cltrain.check.lightning_step import check_lightning_step
+from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, find_hazards
+from cltrain.layout import to_contiguous
+from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, image_inputs, restride_batch
+from cltrain.layout.optimizer_state import restride_optimizer_state
+from cltrain.layout.stacks import in_input_layout
+from cltrain.lightning_access import model_copies, overrides, run_after, step_target, undo_run_after
 from cltrain.precision import autocast_dtype, compute_dtype
-from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
+from cltrain.session import InputTrace, LayoutSession
+from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLast"]
 
@@ -199,26 +184,47 @@ class ChannelsLast(Callback):
         self.guard = guard
         self.verify = verify
         self.check_samples = check_samples
-        self.layout_checks: dict[str, LayoutCheck] = {}
-        self.fallbacks: list[Fallback] = []
         self.auto_timeout = float(auto_timeout)
-        self.layout: str | None = None
         self.timings: dict[str, float] | None = None
         self.auto_failure: str | None = None
-        self.guardrails: list[GuardRecord] | None = None
-        self._device: torch.device | None = None
-        self._dtype: torch.dtype | None = None
-        self.summary: dict[str, int] | None = None
-        self.sharding: str | None = None
         self.audit_report: Any = None
-        self._one_d = False  # auto timed a rank-3 shape: channels-last 1-D for Conv1d and rank-3 batches
+        self.session = LayoutSession("conv" if mode == "conv" else "full", guard=guard, say=_say)
+        self._trace = InputTrace(say=_say)
+        self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a stage, to trace
         self._audited = False
         self._told_inputs = False
         self._checked_inputs = False
         self._warned_no_conv = False
-        self._left_as_is: dict[str, frozenset[int]] = {}  # per stage: input positions no convolution needs converted
-        self._reach: tuple[str, ConvReach, dict[int, torch.Tensor]] | None = None  # the first batch being traced
-        self._told_left: set[str] = set()
+
+    @property
+    def layout(self) -> str | None:
+        """``"channels_last"`` or ``"contiguous"``; ``None`` before ``setup`` and with ``mode="off"``."""
+        return self.session.layout
+
+    @property
+    def guardrails(self) -> list[GuardRecord] | None:
+        """The ``GuardRecord`` of each known fault worked around (``None`` before ``setup`` and with ``guard=False``)."""
+        return self.session.guardrails
+
+    @property
+    def layout_checks(self) -> dict[str, LayoutCheck]:
+        """The ``LayoutCheck`` of each first batch checked, by kind (``"train"``, ``"eval"``)."""
+        return self.session.layout_checks
+
+    @property
+    def fallbacks(self) -> list[Fallback]:
+        """The ``Fallback``s the checks applied to the model."""
+        return self.session.fallbacks
+
+    @property
+    def summary(self) -> dict[str, int] | None:
+        """``cltrain.layout_summary`` of the model's parameters and buffers once converted."""
+        return self.session.summary
+
+    @property
+    def sharding(self) -> str | None:
+        """The engine holding the model's parameters (which then stay contiguous), or ``None``."""
+        return self.session.sharding
 
     # ---- model conversion ----------------------------------------------------------------------
 
@@ -243,39 +249,16 @@ class ChannelsLast(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         undo_run_after(pl_module)
 
-    def _put_in_layout(self, module: nn.Module, hazards: dict[str, list[str]] | None = None) -> list[GuardRecord]:
-        if self.sharding is not None:
-            if sharding_of(module) is None:  # FSDP and DeepSpeed wrap it later, and flatten it contiguous
-                to_contiguous(module)
-        elif self.layout == "channels_last":
-            to_channels_last(module, mode="conv" if self.mode == "conv" else "full")
-            if self._one_d:
-                to_channels_last_1d(module)
-        else:  # auto kept NCHW: make that true even for a model that arrived channels_last
-            to_contiguous(module)
-        if not self.guard:
-            return []
-        # After every conversion: converting again would undo a guarded weight's layout.
-        return apply_guardrails(module, device=self._device, dtype=self._dtype, layout=self.layout, hazards=hazards)
-
-    def _convert_copies(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Averaging callbacks deep-copy the module in their own `setup`, before this callback
-        # converts it (whatever the callback order); every EMA update and validation swap
-        # would then copy across layouts. Their copies join the model's layout here.
-        if self.layout is None or self.sharding is not None:
-            return
-        for copy_ in model_copies(trainer, pl_module, exclude=self):
-            self._put_in_layout(copy_)
-
-    def _hazards_on_every_rank(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, list[str]]:
+    def _hazards_on_every_rank(self, trainer: Trainer, pl_module: LightningModule, device: torch.device,
+                               dtype: torch.dtype | None, layout: str) -> dict[str, list[str]]:
         """The modules any rank finds hazardous (the oneDNN ISA may differ between machines): every
         rank guards the same modules, so parameter layouts, and DDP's buckets, agree."""
-        local = find_hazards(pl_module, device=self._device, dtype=self._dtype, layout=self.layout)
+        local = find_hazards(pl_module, device=device, dtype=dtype, layout=layout)
         if trainer.world_size == 1:
             return local
         names = [name for name, _ in pl_module.named_modules()]
         index = {name: j for j, name in enumerate(names)}
-        flags = torch.zeros(len(KNOWN_FAULTS), len(names), device=self._device)
+        flags = torch.zeros(len(KNOWN_FAULTS), len(names), device=device)
         for i, fault in enumerate(KNOWN_FAULTS):
             for name in local.get(fault.key, ()):
                 flags[i, index[name]] = 1
@@ -285,36 +268,23 @@ class ChannelsLast(Callback):
         return {key: found for key, found in union.items() if found}
 
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._device = trainer.strategy.root_device
-        self._dtype = compute_dtype(trainer.precision)
-        self.sharding = sharding_of(pl_module, trainer.strategy)
-        if self.layout is None:  # a sharded model cannot be copied to time it
-            self.layout = "channels_last" if self.mode != "auto" or self.sharding else self._choose(trainer, pl_module)
-        hazards = self._hazards_on_every_rank(trainer, pl_module) if self.guard else None
-        records = self._put_in_layout(pl_module, hazards)
-        if self.guard:
-            self.guardrails = records
-        apply_fallbacks(pl_module, self.fallbacks)  # a later fit: conversion restrided their weights
-        self._convert_copies(trainer, pl_module)
-        self.summary = layout_summary(pl_module, buffers=True)
-        convs = CONV_TYPES + CONV1D_TYPES if self._one_d else CONV_TYPES
-        if not self._warned_no_conv and not any(isinstance(m, convs) for m in pl_module.modules()):
+        device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
+        sharding = sharding_of(pl_module, trainer.strategy)
+        layout = self.session.layout
+        if layout is None:  # a sharded model cannot be copied to time it
+            layout = "channels_last" if self.mode != "auto" or sharding else self._choose(trainer, pl_module, device)
+        hazards = self._hazards_on_every_rank(trainer, pl_module, device, dtype, layout) \
+            if self.guard and sharding is None else None
+        self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding, layout=layout, hazards=hazards)
+        self.session.convert_copies(model_copies(trainer, pl_module, exclude=self))
+        if not self._warned_no_conv and not self.session.has_convolutions(pl_module):
             self._warned_no_conv = True
             rank_zero_warn(
                 f"ChannelsLast: {type(pl_module).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
                 "channels_last has nothing to speed up; remove the callback or keep it for the layout checks."
             )
-        counts = ", ".join(f"{n} {k}" for k, n in self.summary.items())
-        if self.sharding is not None:
-            untimed = " (not timed: a sharded model cannot be copied)" if self.mode == "auto" else ""
-            (rank_zero_info if self.convert_inputs else rank_zero_warn)(
-                f"ChannelsLast(mode={self.mode!r}){untimed}: {sharded_line(self.sharding, self.convert_inputs)}")
-        else:
-            rank_zero_info(
-                f"ChannelsLast(mode={self.mode!r}): model layout is {self.layout}; parameters and buffers: {counts}."
-            )
-        if records:
-            rank_zero_info("ChannelsLast: worked around known kernel faults: " + "; ".join(r.line() for r in records))
+        untimed = " (not timed: a sharded model cannot be copied)" if self.mode == "auto" and sharding else ""
+        self.session.report_conversion(f"ChannelsLast(mode={self.mode!r}){untimed}", pl_module, self.convert_inputs)
 
     def _shape(self, trainer: Trainer) -> tuple[int, ...] | None:
         if self.input_shape is not None:
@@ -322,18 +292,18 @@ class ChannelsLast(Callback):
         shape = getattr(trainer.datamodule, "input_shape", None)
         return tuple(shape) if shape is not None else None
 
-    def _choose(self, trainer: Trainer, pl_module: LightningModule) -> str:
+    def _choose(self, trainer: Trainer, pl_module: LightningModule, device: torch.device) -> str:
         from cltrain.timing.probe import probe_layout
 
-        decision: list[Any] = [None, None, None]
-        self._one_d = len(self._shape(trainer)) == 3
+        decision: list[Any] = [None, None, None, None]
+        self.session.one_d = len(self._shape(trainer)) == 3
         if trainer.is_global_zero:
             # In a child process: a native crash in either layout's kernels must not end the run.
             result = probe_layout(
                 step_target(pl_module),
                 self._shape(trainer),
                 steps=self.auto_steps,
-                device=self._device,
+                device=device,
                 autocast_dtype=autocast_dtype(trainer.precision),
                 guardrails=self.guard,
                 timeout=self.auto_timeout,
@@ -353,12 +323,13 @@ class ChannelsLast(Callback):
     def _convert_batch(self, batch: Any, stage: str, pl_module: LightningModule) -> None:
         if self.mode == "off" or not self.convert_inputs or self.layout is None:
             return
+        one_d = self.session.one_d
         traced = None
-        if self._traces_inputs(stage):
-            traced = {p: t for p, t in image_inputs(batch, self.inputs, self._one_d).items()
+        if not self._trace.traced(stage) and self.layout == "channels_last" and self.inputs != "all" and not one_d:
+            traced = {p: t for p, t in image_inputs(batch, self.inputs, one_d).items()
                       if not in_input_layout(t, pl_module)}
-        converted = restride_batch(batch, self.layout, one_d=self._one_d, inputs=self.inputs,
-                                   skip=self._left_as_is.get(stage, ()), model=pl_module)
+        converted = restride_batch(batch, self.layout, one_d=one_d, inputs=self.inputs,
+                                   skip=self._trace.left_as_is.get(stage, ()), model=pl_module)
         if not self._checked_inputs:
             self._checked_inputs = True
             if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
@@ -366,17 +337,10 @@ class ChannelsLast(Callback):
                     f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
                     "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX."
                 )
-        if traced is not None:
-            self._left_as_is[stage] = frozenset()
-            if traced:
-                # Traced through this batch's forward (after the check): `_end_trace` keeps or stops each conversion.
-                self._reach = (stage, ConvReach(traced), traced)
-                return
+        if traced is not None:  # traced through this batch's forward, after the check
+            self._pending = (stage, traced)
+            return
         self._tell_converting(converted)
-
-    def _traces_inputs(self, stage: str) -> bool:
-        return (stage not in self._left_as_is and self.layout == "channels_last" and self.inputs != "all"
-                and not self._one_d)
 
     def _tell_converting(self, converted: int) -> None:
         if converted and not self._told_inputs:
@@ -387,42 +351,23 @@ class ChannelsLast(Callback):
             )
 
     def _start_trace(self, pl_module: LightningModule) -> None:
-        if self._reach is None:
+        if self._pending is None:
             return
-        compiled = getattr(pl_module, "_compiler_ctx", None) is not None or any(
-            type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-            for m in pl_module.modules())
-        if self.layout != "channels_last" or compiled:
-            # The check put the model in NCHW; or the step is compiled, and a TorchFunctionMode would change what
-            # Dynamo compiles: convert as before.
-            self._tell_converting(len(self._reach[2]) if self.layout == "channels_last" else 0)
-            self._reach = None
-            return
-        self._reach[1].__enter__()
+        stage, traced = self._pending
+        if self.layout != "channels_last":  # the check put the model in NCHW, and the batch with it
+            self._pending = None
+            self._trace.start(stage, {}, pl_module)
+        elif not self._trace.start(stage, traced, pl_module):  # compiled: convert as before
+            self._pending = None
+            self._tell_converting(len(traced))
 
     def _end_trace(self, completed: bool = True) -> None:
-        """Leave the forward's trace; with ``completed``, stop converting the inputs that no convolution took
-        in channels_last."""
-        if self._reach is None:
+        if self._pending is None:
             return
-        stage, reach, traced = self._reach
-        self._reach = None
-        reach.__exit__(None, None, None)
-        if not completed or reach.convolutions == 0:  # nothing seen to judge by: keep converting
-            self._tell_converting(len(traced))
-            return
-        left = sorted(set(traced) - reach.reached)
-        if left:
-            self._left_as_is[stage] = frozenset(left)
-            shapes = ", ".join(str(tuple(traced[p].shape)) for p in left)
-            if shapes not in self._told_left:  # once per run, not once per stage
-                self._told_left.add(shapes)
-                rank_zero_info(
-                    f"ChannelsLast: the input {shapes} reaches no convolution in {self.layout} (the model reshapes "
-                    "or permutes it, or other code replaces it, first), so converting it is a copy that helps nothing: "
-                    "it is left as it arrives from now on."
-                )
-        self._tell_converting(len(traced) - len(left))
+        traced = self._pending[1]
+        self._pending = None
+        left = self._trace.end(completed)
+        self._tell_converting(len(traced) - len(left or ()))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -442,13 +387,12 @@ class ChannelsLast(Callback):
                            batch_idx: int) -> None:
         self._end_trace()
 
+    # Lightning passes ``dataloader_idx`` to these hooks and to the step only with several data loaders.
     @override
     def on_validation_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None = None
     ) -> None:
-        self._convert_batch(batch, "validation", pl_module)
-        self._check_first_batch(trainer, pl_module, batch, batch_idx, "validation")
-        self._start_trace(pl_module)
+        self._batch_start(trainer, pl_module, batch, batch_idx, "validation", dataloader_idx)
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -457,11 +401,9 @@ class ChannelsLast(Callback):
 
     @override
     def on_test_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None = None
     ) -> None:
-        self._convert_batch(batch, "test", pl_module)
-        self._check_first_batch(trainer, pl_module, batch, batch_idx, "test")
-        self._start_trace(pl_module)
+        self._batch_start(trainer, pl_module, batch, batch_idx, "test", dataloader_idx)
 
     @override
     def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -470,16 +412,20 @@ class ChannelsLast(Callback):
 
     @override
     def on_predict_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None = None
     ) -> None:
-        self._convert_batch(batch, "predict", pl_module)
-        self._check_first_batch(trainer, pl_module, batch, batch_idx, "predict")
-        self._start_trace(pl_module)
+        self._batch_start(trainer, pl_module, batch, batch_idx, "predict", dataloader_idx)
 
     @override
     def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
         self._end_trace()
+
+    def _batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, stage: str,
+                     dataloader_idx: int | None) -> None:
+        self._convert_batch(batch, stage, pl_module)
+        self._check_first_batch(trainer, pl_module, batch, batch_idx, stage, dataloader_idx)
+        self._start_trace(pl_module)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -488,42 +434,23 @@ class ChannelsLast(Callback):
     # ---- the first-batch layout check ------------------------------------------------------------
 
     def _check_first_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
-                           stage: str) -> None:
+                           stage: str, dataloader_idx: int | None = None) -> None:
         kind = "train" if stage == "train" else "eval"
         if not self.verify or self.mode == "off" or self.layout != "channels_last" or kind in self.layout_checks:
             return
-        result = None
-        if self.sharding is not None:  # a sharded model cannot be copied; every rank knows why
-            result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
-        elif trainer.is_global_zero:
-            try:
-                result = check_within_budget(
-                    lambda part: check_lightning_step(trainer, pl_module, part, batch_idx, stage, inputs=self.inputs,
-                                                      one_d=self._one_d),
-                    batch, self.check_samples, inputs=self.inputs)
-            except Exception as error:  # noqa: BLE001 - the check failing must not end the run
-                result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
-        # Every rank applies the same fallbacks, or DDP's parameter layouts disagree between ranks.
-        result = trainer.strategy.broadcast(result, src=0)
-        self.layout_checks[kind] = result
-        if result.verdict == "fallback":
-            self.fallbacks += [f for f in result.fallbacks if f not in self.fallbacks]
-            apply_fallbacks(pl_module, self.fallbacks)
-            for copy_ in model_copies(trainer, pl_module, exclude=self):
-                apply_to_copy(copy_, self.fallbacks)
-            restride_optimizer_state(trainer.optimizers)
-        elif result.verdict == "contiguous":
-            self.layout = "contiguous"
-            records = self._put_in_layout(pl_module)
-            if self.guard:
-                self.guardrails = records
-            self._convert_copies(trainer, pl_module)
-            restride_optimizer_state(trainer.optimizers)
-            restride_batch(batch, "contiguous", one_d=self._one_d, inputs=self.inputs)
-        if result.verdict in ("fallback", "contiguous"):
-            rank_zero_warn(f"ChannelsLast {result.line()}")
-        else:
-            rank_zero_info(f"ChannelsLast {result.line()}")
+
+        def run() -> LayoutCheck:
+            return check_within_budget(
+                lambda part: check_lightning_step(trainer, pl_module, part, batch_idx, stage, inputs=self.inputs,
+                                                  one_d=self.session.one_d, dataloader_idx=dataloader_idx),
+                batch, self.check_samples, inputs=self.inputs)
+
+        result = self.session.check(kind, pl_module, run if trainer.is_global_zero else None,
+                                    broadcast=lambda found: trainer.strategy.broadcast(found, src=0),
+                                    copies=model_copies(trainer, pl_module, exclude=self),
+                                    optimizers=trainer.optimizers)
+        if result.verdict == "contiguous":
+            restride_batch(batch, "contiguous", one_d=self.session.one_d, inputs=self.inputs)
 
     # ---- resume and audit ----------------------------------------------------------------------
 
@@ -533,7 +460,7 @@ class ChannelsLast(Callback):
         # strides they were saved with, which may be another layout than their parameter's.
         if self.mode == "off" or self.sharding is not None:  # the engine owns the optimizer state's layout
             return
-        self._convert_copies(trainer, pl_module)  # copies made later than setup (on_fit_start)
+        self.session.convert_copies(model_copies(trainer, pl_module, exclude=self))  # made later than setup
         restride_optimizer_state(trainer.optimizers)
 
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
@@ -554,3 +481,7 @@ class ChannelsLast(Callback):
         )
         rank_zero_info(f"ChannelsLast layout audit of {type(target).__name__}:\n{self.audit_report.format_table()}")
 
+
+
+def _say(message: str, warn: bool) -> None:
+    (rank_zero_warn if warn else rank_zero_info)(message)

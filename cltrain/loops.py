@@ -41,14 +41,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from cltrain.layout import MODES, to_channels_last, to_contiguous
-from cltrain.layout.batches import Inputs, check_inputs, restride_batch
-from cltrain.guardrails import apply_guardrails
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer, elementwise
-from cltrain.check.fallback import Fallback, apply_fallbacks
-from cltrain.layout.lightning_access import eager_copy
-from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
+from cltrain.check.copies import copy_optimizer, eager_copy, elementwise
+from cltrain.layout import MODES, to_contiguous
+from cltrain.layout.batches import Inputs, check_inputs, restride_batch
+from cltrain.session import LayoutSession
+from cltrain.sharding import sharding_of
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
@@ -103,17 +101,9 @@ def convert_model(
         if not isinstance(value, bool):
             raise ValueError(f"convert_model({name}={value!r}): expected True or False.")
     engine = sharding_of(model)
-    if sharded or engine is not None:
-        if engine is None:  # FSDP2 refuses channels_last parameters; the others flatten them contiguous
-            to_contiguous(model)
-        log.info("convert_model: %s", sharded_line(engine))
-    else:
-        to_channels_last(model, mode=mode)
-    if guard:
-        if device is None:
-            device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-        for record in apply_guardrails(model, device=device, dtype=dtype):
-            log.info("convert_model: worked around a known kernel fault: %s", record.line())
+    session = LayoutSession(mode, guard=guard, say=_say)
+    session.convert(model, device=device, dtype=dtype, sharding=engine if engine is not None else "" if sharded else None)
+    session.report_conversion(f"convert_model(mode={mode!r})", model)
     return model
 
 
@@ -194,17 +184,21 @@ def verify_layout(
     Returns:
         The ``cltrain.check.compare.LayoutCheck``.
     """
+    inputs = check_inputs(inputs, owner="verify_layout")
+    session = LayoutSession.of(model, dtype=autocast_dtype, say=_say)
+    run = lambda: check_batch(model, batch, step, inputs=inputs, autocast_dtype=autocast_dtype,  # noqa: E731
+                              optimizer=optimizer, samples=samples)
+    return session.check("train", model, run, optimizers=[optimizer] if optimizer is not None else [], report=report)
+
+
+def check_batch(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], Any] | None = None, *,
+                inputs: Inputs = None, autocast_dtype: torch.dtype | None = None,
+                optimizer: torch.optim.Optimizer | None = None, samples: int | None = 4) -> LayoutCheck:
+    """``verify_layout``'s check without applying its verdict (the arguments are ``verify_layout``'s)."""
     from cltrain.check.budget import check_within_budget
     from cltrain.layout.batches import first_image_tensor
     from cltrain.precision import autocast_for
 
-    inputs = check_inputs(inputs, owner="verify_layout")
-    engine = sharding_of(model)
-    if engine is not None:
-        result = LayoutCheck("not checked", reason=not_checked_reason(engine))
-        if report:
-            log.info("verify_layout: %s", result.line())
-        return result
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
     def run_in(part: Any, dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
@@ -233,6 +227,7 @@ def verify_layout(
     options: dict[str, Any] = {"copy_model": copy_model}
     if stepped is not None:
         options["after_backward"] = lambda clone: optimizers[clone].step()
+
     def check(part: Any) -> LayoutCheck:
         # float32 first: mixed precision's rounding would hide a wrong op in noise.
         result = check_layout(model, run_in(part, None), **options)
@@ -240,20 +235,17 @@ def verify_layout(
             result = check_layout(model, run_in(part, autocast_dtype), **options)
         return result
 
-    result = check_within_budget(check, batch, samples, inputs=inputs)
-    apply_check(model, result)
-    if report:
-        (log.warning if result.verdict in ("fallback", "contiguous") else log.info)("verify_layout: %s", result.line())
-    return result
+    return check_within_budget(check, batch, samples, inputs=inputs)
 
 
 def apply_check(model: nn.Module, result: LayoutCheck) -> None:
-    """Apply what a ``verify_layout`` result chose to ``model`` (another rank's copy of the same model)."""
-    if result.verdict == "fallback":
-        apply_fallbacks(model, list(result.fallbacks))
-    elif result.verdict == "contiguous":
-        # The whole model in NCHW, inputs included: a loop that keeps converting its batches stays right.
-        apply_fallbacks(model, [Fallback("module", "")])
+    """Apply what a ``verify_layout`` result chose to ``model`` (another rank's copy of the same model): the
+    fallbacks, or the whole model in NCHW with its inputs put in NCHW at its entry."""
+    LayoutSession.of(model, say=_say).apply(result, model)
+
+
+def _say(message: str, warn: bool) -> None:
+    log.log(logging.WARNING if warn else logging.INFO, message)
 
 
 def _clone_tensors(batch: Any) -> Any:

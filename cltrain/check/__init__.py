@@ -3,7 +3,7 @@
 * ``cltrain.check.record``: one step run with every module's inputs, outputs, gradients and updates recorded;
 * ``cltrain.check.compare``: ``check_layout``, the two runs compared and the fallback chosen;
 * ``cltrain.check.localise``: where a fault is, and the fallbacks to try for it;
-* ``cltrain.check.same_inputs``: a module run on the reference run's inputs (a gradient difference at a kink);
+* ``cltrain.check.isolation``: every module run on the reference run's values (rounding carried to a kink);
 * ``cltrain.check.result``: ``Finding`` and ``LayoutCheck``, and the one log line;
 * ``cltrain.check.fallback``: ``Fallback`` and ``apply_fallbacks``, the parts of a model that run in NCHW;
 * ``cltrain.check.copies``: the copies the check runs on, and ``checking()`` / ``is_check_copy()`` for user

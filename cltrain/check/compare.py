@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,12 +60,11 @@ from cltrain.check.record import (
     rng_state,
     set_rng_state,
 )
-from cltrain.check.result import Finding, LayoutCheck
-from cltrain.check.same_inputs import capture_inputs, substitute_inputs
+from cltrain.check.result import STEP_RAISED, Finding, LayoutCheck
+from cltrain.check.isolation import ReferenceOutputs
 from cltrain.check.untouched import RealState, describe, reaching_path
 from cltrain.guardrails import guard_of
 from cltrain.layout import to_contiguous
-from cltrain.layout.lightning_access import COPY_LIMIT
 from cltrain.precision import full_float32
 
 __all__ = ["Finding", "LayoutCheck", "check_layout", "projection_loss"]
@@ -76,11 +74,9 @@ __all__ = ["Finding", "LayoutCheck", "check_layout", "projection_loss"]
 # moves values to other places, which is O(1) at once.
 RATIO = 10.0
 FLOOR = 0.02
-#: How a "not checked" reason starts where the step raised in NCHW as well.
-RAISED_WITHOUT_CHANNELS_LAST = "the step raised without channels_last too"
 JUMP = 3.0
 _ATTEMPTS = 8  # fallbacks tried before the whole model stays contiguous
-_EXPLAINED = 4  # modules whose inputs may come from the reference (a difference at a kink), at most
+_ISOLATE = True  # a difference is judged again with every module on the reference's values
 
 
 
@@ -158,7 +154,7 @@ def check_layout(
             forward-only check, the outputs. ``layout`` is ``"contiguous"`` or ``"channels_last"``: the step
             puts the model's inputs in it.
         step_owner: the object whose method is the step code (a LightningModule), to name its file.
-        copy_model: makes each copy (``cltrain.layout.lightning_access.detached_copy`` for a LightningModule).
+        copy_model: makes each copy (``cltrain.check.lightning_step.lightning_copy`` for a LightningModule).
         floor: the smallest relative difference that counts as a finding.
         time_fallbacks: where the fault is not isolated inside the model, time the fallback against the
             whole model contiguous and keep the faster; ``False`` keeps the fallback (a model already
@@ -196,13 +192,13 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     updates = after_backward is not None if updates is None else updates
     tape = GradientTape()
 
-    def run_on(trial: nn.Module, layout: str, perturb: bool = False) -> Run:
+    def run_on(trial: nn.Module, layout: str, perturb: bool = False, outputs: ReferenceOutputs | None = None) -> Run:
         # The noise run stops at the gradients: the code after the backward starts from the reference's gradients
         # in every run (the tape), so its updates would be the reference's.
         with running(), full_float32():
             return execute(trial, step, layout, rng, vectors, perturb=perturb,
                            after_backward=None if perturb else after_backward, updates=updates and not perturb,
-                           tape=tape)
+                           tape=tape, outputs=outputs)
 
     def fresh() -> nn.Module:
         with running():
@@ -217,52 +213,19 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     ref = run_on(ref_model, "contiguous")
     tape.recording = False
     if ref.raised is not None:
-        error = first_line(ref.raised.error)
-        reason = (f"the step needs what the check's copy cannot offer ({error})" if COPY_LIMIT in error
-                  else f"{RAISED_WITHOUT_CHANNELS_LAST} ({error})")
-        return LayoutCheck("not checked", reason=reason, seconds=time.perf_counter() - start)
+        return LayoutCheck("not checked", reason=f"{STEP_RAISED} ({first_line(ref.raised.error)})",
+                           seconds=time.perf_counter() - start)
     top_level = {key[1].rpartition("#")[0] for key in ref.keys if key[0] == "forward-out"
                  and ref.contexts[key][0] is None}  # modules the step code calls directly
     noise: Run | None = None
-    from_ref: list[str] = []  # modules whose inputs every channels_last run takes from the reference
-    captured: dict[str, list[Any]] = {}
+    # Once a difference shows, every module of a channels_last run computes from the reference's values
+    # (cltrain.check.isolation): rounding carried to a kink anywhere upstream is then no longer a difference.
+    isolated: ReferenceOutputs | None = None
 
-    def channels_last_run(modules: list[str]) -> Run:
+    def channels_last_run() -> Run:
         trial = fresh()
         apply_fallbacks(trial, fallbacks)
-        handles = [substitute_inputs(trial, m, captured[m]) for m in modules]
-        try:
-            return run_on(trial, "channels_last")
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def explained(run: Run, first: tuple[int, tuple, float, float]) -> Run | None:
-        # A backward difference at a module: channels_last once more with the module's inputs taken from the
-        # reference (cltrain.check.same_inputs). Agreeing then, the difference came from what its inputs
-        # already had (an input at a kink, as at a ReLU): that run, with those inputs, is compared from now on.
-        key, module = first[1], run.contexts[first[1]][0]
-        if key[0] not in ("grad-out", "grad-in", "param") or not module or module in from_ref \
-                or len(from_ref) >= _EXPLAINED or (run.raised is not None and run.raised.position <= first[0]):
-            return None
-        try:
-            if module not in captured:
-                source = to_contiguous(fresh())
-                calls, handle = capture_inputs(source, module)
-                try:
-                    run_on(source, "contiguous")
-                finally:
-                    handle.remove()
-                captured[module] = calls
-            again = channels_last_run([*from_ref, module])
-        except AttributeError:  # the name is not a submodule's path
-            return None
-        noise_there = first[3] if math.isfinite(first[3]) else 0.0
-        if again.raised is not None or key not in again.signatures \
-                or distance(ref.signatures[key], again.signatures[key]) > max(RATIO * noise_there, floor):
-            return None
-        from_ref.append(module)
-        return again
+        return run_on(trial, "channels_last", outputs=isolated)
 
     fallbacks: list[Fallback] = []
     findings: list[Finding] = []
@@ -272,18 +235,24 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     last_position = -1
     worst: tuple[float, float] | None = None
     for _ in range(_ATTEMPTS):
-        run = channels_last_run(from_ref)
+        run = channels_last_run()
         first = _compare(ref, noise, run, floor)
         if first is not None and noise is None:
             noise = run_on(to_contiguous(fresh()) if updates else ref_model, "contiguous", perturb=True)
             first = _compare(ref, noise, run, floor)
-        while first is not None and (again := explained(run, first)) is not None:
-            run, first = again, _compare(ref, noise, again, floor)
+        if first is not None and isolated is None and _ISOLATE \
+                and (run.raised is None or run.raised.position > first[0]):
+            isolated = ReferenceOutputs()
+            run_on(to_contiguous(fresh()), "contiguous", outputs=isolated)
+            isolated.recording = False
+            run = channels_last_run()
+            first = _compare(ref, noise, run, floor)
         if run.raised is not None and (first is None or run.raised.position <= first[0]):
             position, context = run.raised.position, run.raised.context
             phase = "step" if run.raised.phase == "forward" and context[0] is None else run.raised.phase
-            finding = Finding("raised", phase, context[0], user_frame(run.raised.error),
-                              first_line(run.raised.error), guard=_guard_at(model, [context[0]]))
+            where, package = user_frame(run.raised.error) or (None, None)
+            finding = Finding("raised", phase, context[0], where, first_line(run.raised.error),
+                              guard=_guard_at(model, [context[0]]), package=package)
         elif first is not None:
             position, key, z, z_noise = first
             context = run.contexts[key]
@@ -291,15 +260,16 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
                      "grad-out": "backward", "param": "backward", "update": "update"}.get(key[0], "step")
             if phase == "update":
                 context = (None, None)
-                where = method_source(update_owner, "step") if update_owner is not None else None
+                where, package = (method_source(update_owner, "step") if update_owner is not None else None) \
+                    or (None, None)
             else:
                 phase = phase if context[0] is not None else "step"
-                where = source_of(model, context[0], step_owner)
+                where, package = source_of(model, context[0], step_owner) or (None, None)
             at = key[1].rpartition("#")[0] if key[0] != "param" else key[1].rpartition(".")[0]
             finding = Finding("diverged", phase, context[0], where,
                               f"{z:.2g} relative difference at {key[0]} of {key[1] if len(key) > 1 else 'the result'}, "
                               f"noise {z_noise:.2g}",
-                              guard=_guard_at(model, [context[0], at if len(key) > 1 else None]))
+                              guard=_guard_at(model, [context[0], at if len(key) > 1 else None]), package=package)
         else:
             worst = _worst(ref, noise, run)
             if not fallbacks:
@@ -348,12 +318,15 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
 
 
 def _guard_at(model: nn.Module, names: list[str | None]) -> str | None:
-    """The upstream issue of the guardrail on the first of the modules ``names`` that has one."""
+    """The upstream issue of the guardrail on the first of the modules ``names``, or a module holding it, that has
+    one (a guarded layer and what it holds are one unit)."""
     modules = dict(model.named_modules())
     for name in names:
-        fault = guard_of(modules[name]) if name is not None and name in modules else None
-        if fault is not None:
-            return fault.upstream
+        while name:
+            fault = guard_of(modules[name]) if name in modules else None
+            if fault is not None:
+                return fault.upstream
+            name = name.rpartition(".")[0]
     return None
 
 

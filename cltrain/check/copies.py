@@ -1,5 +1,5 @@
-"""The copies the layout check runs on: true copies of a model (eager, methods bound to the copy) and of its
-optimizers, and how user code knows it is running on one.
+"""The copies the layout check runs on: true copies of a model (eager, methods, closures and hooks bound to the
+copy: ``eager_copy``) and of its optimizers, and how user code knows it is running on one.
 
 ``is_check_copy(module)`` is ``True`` for a model the check made, and ``checking()`` while the check runs:
 code with side effects outside the model (writing files, counting steps, a global registry) can skip them::
@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from cltrain.layout.lightning_access import rebind_methods
+from cltrain.layout.closures import callables_of, rebound
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "checking", "copy_optimizer", "copy_schedulers", "elementwise",
-           "is_check_copy", "mark_copy", "running"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "checking", "copy_optimizer", "copy_schedulers", "eager_copy", "elementwise",
+           "is_check_copy", "mark_copy", "rebind_methods", "running"]
 
 _MARK = "_cltrain_check_copy"
 
@@ -71,7 +74,7 @@ def mark_copy(model: nn.Module) -> nn.Module:
 
 def copy_optimizer(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` and its state whose parameters are the copies ``memo`` maps them to (``memo``:
-    the one ``detached_copy`` filled); the original, its state and step count are not touched.
+    the one ``eager_copy`` filled); the original, its state and step count are not touched.
 
     Raises:
         TypeError: the optimizer can be neither deep-copied nor rebuilt from its ``defaults``.
@@ -124,3 +127,95 @@ class _InertScheduler:
 def elementwise(optimizers: list[Any]) -> bool:
     """Whether every optimizer (or ``LightningOptimizer``'s) is one of ``ELEMENTWISE_OPTIMIZERS`` itself."""
     return all(type(getattr(o, "optimizer", o)) in ELEMENTWISE_OPTIMIZERS for o in optimizers)
+
+
+class _Eager(nn.Module):
+    """Stands in a copy for a ``torch.compile``d child: runs the module it wraps eagerly, under the same name."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod(*args, **kwargs)
+
+
+def rebind_methods(obj: Any, memo: dict[int, Any], drop_class_wrappers: bool = False) -> None:
+    """Instance attributes of ``obj`` that wrap a method bound to an original object (``memo``: original id ->
+    copy): the method bound to its copy instead, unwrapped (a ``torch.compile`` wrapper around a step method
+    runs eagerly on the copy). ``drop_class_wrappers``: also drop a wrapper around the class's own function
+    (an LR scheduler's on an optimizer's ``step`` calls the original optimizer)."""
+    for name, value in list(vars(obj).items()):
+        if not callable(value) or isinstance(value, (nn.Module, torch.Tensor, type)):
+            continue
+        if isinstance(value, types.MethodType) and value.__self__ is obj:
+            # deepcopy bound it to the copy already (accelerate's forward wrappers); its defaults may hold originals
+            vars(obj)[name] = rebound(value, memo)
+            continue
+        try:
+            inner = inspect.unwrap(value)
+        except ValueError:
+            continue
+        if _compiled(value) and isinstance(inner, types.MethodType) and id(inner.__self__) in memo:
+            vars(obj)[name] = types.MethodType(inner.__func__, memo[id(inner.__self__)])
+        elif drop_class_wrappers and inner is not value and _unwrapped(getattr(type(obj), name, None)) is inner:
+            del vars(obj)[name]
+        else:  # a user's wrapper or closure over the original: the same code, holding the copy
+            vars(obj)[name] = rebound(value, memo)
+
+
+def _compiled(fn: Any) -> bool:
+    """Whether ``fn`` or a function it wraps is a ``torch.compile`` wrapper."""
+    for _ in range(16):
+        if fn is None:
+            return False
+        if hasattr(fn, "_torchdynamo_orig_callable"):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _unwrapped(fn: Any) -> Any:
+    try:
+        return inspect.unwrap(fn) if fn is not None else None
+    except ValueError:
+        return None
+
+
+def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """A deep copy of ``model`` that runs eagerly and only on itself: methods bound as instance attributes
+    (Lightning's rebinding of a compiled module's steps) are bound to the copy, ``module.compile()`` is
+    undone and ``torch.compile``d children run their module eagerly (module names unchanged); closures,
+    partials, default arguments and hooks that hold the original (a wrapped ``forward``) hold the copy
+    (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise."""
+    memo = {} if memo is None else memo
+    clone = copy.deepcopy(model, memo)
+    originals = dict(model.named_parameters())
+    for name, param in clone.named_parameters():
+        _copy_grad_hooks(originals.get(name), param, memo)
+    for parent in list(clone.modules()):
+        rebind_methods(parent, memo)
+        for label, container, key, value in callables_of(parent):
+            if not label.isidentifier():  # its hooks (its attributes are rebound above)
+                container[key] = rebound(value, memo)
+        if getattr(parent, "_compiled_call_impl", None) is not None:
+            parent._compiled_call_impl = None
+        if getattr(parent, "_compiler_ctx", None) is not None:
+            parent._compiler_ctx = None
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, torch._dynamo.eval_frame.OptimizedModule if _dynamo_loaded() else ()):
+                setattr(parent, child_name, _Eager(child._orig_mod))
+    return clone
+
+
+def _dynamo_loaded() -> bool:
+    return "torch._dynamo" in sys.modules
+
+
+def _copy_grad_hooks(original: torch.Tensor | None, param: torch.Tensor, memo: dict[int, Any]) -> None:
+    if original is None:
+        return
+    for hook in (getattr(original, "_backward_hooks", None) or {}).values():
+        param.register_hook(rebound(hook, memo))
+    for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():
+        param.register_post_accumulate_grad_hook(rebound(hook, memo))

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from cltrain.layout import nchw, to_contiguous
+from cltrain.layout.tensors import is_compiled
 
 __all__ = ["Fallback", "apply_fallbacks", "map_images"]
 
@@ -105,9 +106,9 @@ class Fallback:
         if self.kind == "outputs":
             return f"the outputs of {name} are handed on in NCHW"
         if self.kind == "module":
-            return f"{name} runs in NCHW (its inputs, weights and output gradients)"
+            return f"{name} runs in NCHW"
         if self.kind == "weights":
-            return f"the weights of {name} stay in NCHW strides (activations stay channels_last)"
+            return f"the weights of {name} stay NCHW (activations channels_last)"
         return "the whole model stays contiguous (NCHW)"
 
     def as_dict(self) -> dict[str, str]:
@@ -150,13 +151,5 @@ def apply_fallbacks(model: nn.Module, fallbacks: list[Fallback]) -> None:
             to_contiguous(module)
             _register_once(module, "pre", _inputs_nchw, with_kwargs=True)
             _register_once(module, "post", _output_grads_nchw)
-    if any(f.kind != "model" for f in fallbacks) and _compiled(model):
+    if any(f.kind != "model" for f in fallbacks) and is_compiled(model):
         sys.modules["torch._dynamo"].reset()
-
-
-def _compiled(model: nn.Module) -> bool:
-    if "torch._dynamo" not in sys.modules:
-        return False
-    optimized = sys.modules["torch._dynamo"].eval_frame.OptimizedModule
-    return any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
-               or getattr(m, "_compiler_ctx", None) is not None for m in model.modules())

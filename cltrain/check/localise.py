@@ -3,9 +3,12 @@ smallest first, and the same fallback for every instance of the faulty module's 
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import inspect
 import os
+import site
+import sys
+import sysconfig
 import traceback
 from typing import Any
 
@@ -13,37 +16,72 @@ from torch import nn
 
 from cltrain.check.fallback import Fallback
 
-__all__ = ["candidates", "class_wide", "first_line", "method_source", "source_of", "user_frame"]
+__all__ = ["candidates", "class_wide", "first_line", "method_source", "place", "source_of", "user_frame"]
 
-# Frames in these folders are not the user's code (the finding names the innermost frame outside them).
-_LIBRARY_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}lightning{os.sep}", f"{os.sep}lightning_fabric{os.sep}",
-                  f"{os.sep}pytorch_lightning{os.sep}", f"{os.sep}cltrain{os.sep}",
-                  os.path.dirname(contextlib.__file__) + os.sep)
+_FRAMEWORKS = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "cltrain")
 
 
-def user_frame(error: BaseException) -> str | None:
-    """``file:line`` of the innermost frame of ``error``'s traceback outside torch, Lightning and cltrain."""
-    frames = traceback.extract_tb(error.__traceback__)
-    for frame in reversed(frames):
-        if not any(part in frame.filename for part in _LIBRARY_PARTS) and not frame.filename.startswith("<"):
-            return f"{frame.filename}:{frame.lineno}"
+@functools.lru_cache(maxsize=1)
+def _install_roots() -> tuple[str, ...]:
+    """The folders packages are installed into (site-packages of this interpreter and the user's), deepest first."""
+    roots = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    roots |= set(getattr(site, "getsitepackages", lambda: [])())
+    if site.ENABLE_USER_SITE:
+        roots.add(site.getusersitepackages())
+    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots}, key=len, reverse=True))
+
+
+def _framework_dirs() -> tuple[str, ...]:
+    """Where torch, Lightning and cltrain really are (imported modules' folders), and the standard library."""
+    dirs = [os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep]
+    for name in _FRAMEWORKS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.append(os.path.realpath(os.path.dirname(module.__file__)) + os.sep)
+    return tuple(dirs)
+
+
+def place(filename: str, line: int) -> tuple[str, str | None]:
+    """``(file:line as shown, the installed package it is in or None)``: a file in an installed package is shown
+    from the package's folder (``lightly/models/batchnorm.py:62``), one under the working directory relative to it,
+    any other in full. Installed means under this interpreter's site-packages, never a folder's name."""
+    path = os.path.realpath(filename)
+    for root in _install_roots():
+        if path.startswith(root):
+            rest = path[len(root):]
+            return f"{rest}:{line}", rest.split(os.sep)[0].removesuffix(".py")
+    cwd = os.path.realpath(os.getcwd()) + os.sep
+    return f"{path[len(cwd):] if path.startswith(cwd) else path}:{line}", None
+
+
+def user_frame(error: BaseException) -> tuple[str, str | None] | None:
+    """``place`` of the innermost frame of ``error``'s traceback outside torch, Lightning, cltrain and the standard
+    library (by where those packages really are), or ``None``."""
+    frameworks = _framework_dirs()
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.startswith("<"):
+            continue
+        where, package = place(frame.filename, frame.lineno or 0)
+        if package in _FRAMEWORKS or package is None and os.path.realpath(frame.filename).startswith(frameworks):
+            continue
+        return where, package
     return None
 
 
-def source_of(model: nn.Module, name: str | None, step_owner: Any) -> str | None:
-    """``file:line`` of module ``name``'s ``forward`` (``None``: ``step_owner``'s ``training_step``)."""
+def source_of(model: nn.Module, name: str | None, step_owner: Any) -> tuple[str, str | None] | None:
+    """``place`` of module ``name``'s ``forward`` (``None``: ``step_owner``'s ``training_step``)."""
     target = dict(model.named_modules()).get(name) if name is not None else step_owner
     if target is None:
         return None
     return method_source(target, "forward" if name is not None else "training_step")
 
 
-def method_source(obj: Any, method: str) -> str | None:
-    """``file:line`` where ``type(obj).<method>`` (or the class) is defined."""
+def method_source(obj: Any, method: str) -> tuple[str, str | None] | None:
+    """``place`` of where ``type(obj).<method>`` (or the class) is defined."""
     try:
         code = getattr(type(obj), method, None) or type(obj)
         code = inspect.unwrap(code)
-        return f"{inspect.getsourcefile(code)}:{inspect.getsourcelines(code)[1]}"
+        return place(inspect.getsourcefile(code), inspect.getsourcelines(code)[1])
     except (TypeError, OSError, ValueError):
         return None
 

@@ -36,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from cltrain.check.fallback import map_images
+from cltrain.check.isolation import ReferenceOutputs
 
 __all__ = ["GradientTape", "Raise", "Recorder", "Run", "SameRandomness", "Vectors", "distance", "execute", "floats",
            "loss_of", "noise_scale", "projection_loss", "rng_state", "set_rng_state", "signature"]
@@ -223,8 +224,10 @@ class Recorder:
     """Hooks on every module of one copy: signatures of inputs, outputs and output gradients, and where
     the code was when something raised."""
 
-    def __init__(self, model: nn.Module, vectors: Vectors, perturb: bool) -> None:
+    def __init__(self, model: nn.Module, vectors: Vectors, perturb: bool,
+                 outputs: ReferenceOutputs | None = None) -> None:
         self.run = Run()
+        self.outputs = outputs
         self.vectors = vectors
         self.seen: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self.stack: list[list[Any]] = []  # [name, call key, last child completed]
@@ -298,14 +301,17 @@ class Recorder:
                     self.run.raised = Raise(sys.exc_info()[1], "forward", (frame[0], frame[2]), len(self.run.keys))
                 return
             self.record(("forward-out", frame[1]), output, (frame[0], frame[2]))
+            # recorded first: a module's own difference is seen; what follows computes from the reference's values
+            handed = self.outputs.pass_on(frame[1], output) if self.outputs is not None else output
             if self.stack:
                 self.stack[-1][2] = frame[0]
             else:
                 self.last_top = frame[0]
             if torch.is_grad_enabled():
-                for i, t in enumerate(floats(output)):
+                for i, t in enumerate(floats(handed)):
                     if t.requires_grad:
                         t.register_hook(self._grad(("grad-out", frame[1], i), name, closes=False))
+            return None if handed is output else handed
 
         return hook
 
@@ -408,14 +414,16 @@ def _format_of(t: torch.Tensor) -> torch.memory_format:
 
 def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str, rng: dict[str, Any],
             vectors: Vectors, perturb: bool = False, after_backward: Callable[[nn.Module], Any] | None = None,
-            updates: bool = False, tape: GradientTape | None = None) -> Run:
+            updates: bool = False, tape: GradientTape | None = None, outputs: ReferenceOutputs | None = None) -> Run:
     """One recorded run of ``step`` on ``model`` (see the module docstring); ``after_backward(model)`` runs
     after the loss's backward; ``updates`` records each parameter's change over the whole run; ``tape``
-    records the gradients (while ``tape.recording``) or gives its values to this run's parameters."""
+    records the gradients (while ``tape.recording``) or gives its values to this run's parameters; ``outputs``
+    keeps every module call's outputs (while ``outputs.recording``) or hands on its values in their place
+    (``cltrain.check.isolation``)."""
     for param in model.parameters():
         param.grad = None
     before = {name: p.detach().clone() for name, p in model.named_parameters()} if updates else {}
-    recorder = Recorder(model, vectors, perturb)
+    recorder = Recorder(model, vectors, perturb, outputs)
     run = recorder.run
     handles = tape.hooks(model, recorder) if tape is not None else []
     handles.append(_state_in_param_strides(model))

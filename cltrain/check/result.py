@@ -7,9 +7,15 @@ from typing import Any
 
 from cltrain.check.fallback import Fallback
 
-__all__ = ["MAX_LINE", "Finding", "LayoutCheck"]
+__all__ = ["COPY_LIMIT", "MAX_LINE", "MODEL_ALONE", "STEP_RAISED", "Finding", "LayoutCheck"]
 
-MAX_LINE = 600  # characters of one log line; the rest is in ``as_dict()``
+MAX_LINE = 287  # characters of the line (300 with the "ChannelsLast " before it); the rest is in ``as_dict()``
+#: Named in every error a check copy's stand-ins raise: a limit of the copy, not of the user's code.
+COPY_LIMIT = "the layout check's copy"
+#: How a "not checked" reason starts where the step raised on the NCHW copy: the real step may still run.
+STEP_RAISED = "the step raised on the check's NCHW copy"
+#: How a note starts where the model was checked alone because the step could not run on the copies.
+MODEL_ALONE = "the model alone"
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,8 @@ class Finding:
         module_type: the class of ``module`` when ``others`` > 0.
         guard: the cltrain guardrail on the layer where it shows (``"oneDNN #6035"``), when there is one: the
             guard and its layer are the cause, not the user's code.
+        package: the installed package ``where`` is in (``cltrain.check.localise.place``), or ``None``: the user's
+            own code.
     """
 
     kind: str
@@ -37,34 +45,22 @@ class Finding:
     others: int = 0
     module_type: str | None = None
     guard: str | None = None
-
-    def package(self) -> str | None:
-        """The installed package the code is in (``where`` under site-packages), or ``None``: the user's code."""
-        if not self.where:
-            return None
-        parts = self.where.replace("\\", "/").split("/")
-        for i, part in enumerate(parts[:-1]):
-            if part in ("site-packages", "dist-packages"):
-                return parts[i + 1].split(":")[0].removesuffix(".py")
-        return None
+    package: str | None = None
 
     def fix(self) -> str:
         """What to change in the user's code, in a few words; nothing where the code is not the user's."""
         if self.guard:
-            return (f"nothing to edit: it shows at cltrain's guardrail for {self.guard} on that layer; the "
-                    "fallback stands (please report it to cltrain)")
-        if self.package():
-            return f"nothing to edit: that code is in the installed package `{self.package()}`; the fallback stands"
+            return f"nothing to edit: it shows at cltrain's guardrail for {self.guard}; the fallback stands"
+        if self.package:
+            return f"nothing to edit: that code is in the installed package `{self.package}`; the fallback stands"
         if "view size is not compatible" in self.detail or ".view(" in self.detail:
-            return "use .reshape(...) instead of .view(...) there (torch.flatten(x, 1) where it flattens)"
+            return "use .reshape(...) or torch.flatten(x, 1) instead of .view(...) there"
         if self.kind == "raised" and "contiguous" in self.detail.lower():
             return "call .contiguous() on the tensor before that op"
         if self.kind == "diverged" and self.phase == "update":
-            return ("that code reads a gradient's memory as if it were NCHW (as_strided, data_ptr, an extension "
-                    "op): call .contiguous() on p.grad first")
+            return "call .contiguous() on p.grad there: it reads a gradient's memory as NCHW"
         if self.kind == "diverged":
-            return ("that code reads memory as if it were NCHW (as_strided, data_ptr, an extension op): call "
-                    ".contiguous() on its input first")
+            return "call .contiguous() on its input there: it reads memory as NCHW (as_strided, data_ptr, ...)"
         return "make that code layout-agnostic (.reshape instead of .view, .contiguous() before raw-memory ops)"
 
     def subject(self) -> str:
@@ -80,7 +76,7 @@ class Finding:
         """Plain types, for ``metrics.json``."""
         return {"kind": self.kind, "phase": self.phase, "module": self.module, "where": self.where,
                 "detail": self.detail, "fix": self.fix(), "others": self.others, "module_type": self.module_type,
-                "guard": self.guard}
+                "guard": self.guard, "package": self.package}
 
 
 def describe_fallbacks(fallbacks: tuple[Fallback, ...]) -> str:
@@ -131,7 +127,8 @@ class LayoutCheck:
     notes: tuple[str, ...] = ()
 
     def line(self) -> str:
-        """One log line (at most ``MAX_LINE`` characters): what was found, where, what was done, the fix."""
+        """One log line (at most ``MAX_LINE`` characters): what was found, where, the fix, what was done; the
+        error or the difference last, where there is room."""
         notes = "".join(f"; {note}" for note in self.notes)
         if self.verdict == "passed":
             text = (f"layout check passed: the first batch computes the same in channels_last as in NCHW"
@@ -140,20 +137,24 @@ class LayoutCheck:
             text = f"layout check skipped: {self.reason}{notes}"
         else:
             parts: list[str] = []
+            details: list[str] = []
             for finding in self.findings:
                 where = f" at {finding.where}" if finding.where else ""
                 part = (f"{finding.subject()} {finding.kind} in channels_last only ({finding.phase}{where}); "
-                        f"fix: {finding.fix()} [{_shorten(finding.detail, 120)}]")
+                        f"fix: {finding.fix()}")
                 if part not in parts:  # the same error in several places is named once
                     parts.append(part)
+                    details.append(finding.detail)
             done = describe_fallbacks(self.fallbacks)
             if self.timings:
-                done += (f" (measured {1e3 * self.timings['channels_last']:.0f} ms/step channels_last with the "
-                         f"fallback, {1e3 * self.timings['contiguous']:.0f} ms/step contiguous)")
+                done += (f" ({1e3 * self.timings['channels_last']:.0f} ms/step, "
+                         f"{1e3 * self.timings['contiguous']:.0f} contiguous)")
             found, tail = " | ".join(parts), f" -> {done}{notes} ({self.seconds:.1f} s)"
             room = MAX_LINE - len("layout check: ") - len(tail)
             if len(found) > room:  # shorten what was found, keep what was done
                 found = _shorten(found, max(room, 40))
+            elif room - len(found) > 30:
+                found += f" [{_shorten(' | '.join(details), room - len(found) - 3)}]"
             text = f"layout check: {found}{tail}"
         return _shorten(text, MAX_LINE)
 

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from cltrain.layout.conv_reach import ConvReach
 from cltrain.layout.stacks import to_input_layout
+from cltrain.session import InputTrace, LayoutSession
 
 __all__ = ["IMAGE_ARGUMENTS", "ChannelsLastInputs", "argument_names"]
 
@@ -86,12 +86,6 @@ def _to_channels_last(value: Any, model: nn.Module) -> Any:
 def _images(value: Any) -> list[torch.Tensor]:
     return [value] if _is_image(value) else [v for v in value if _is_image(v)] if isinstance(value, (list, tuple)) \
         else []
-
-
-def _compiled(module: nn.Module) -> bool:
-    return getattr(module, "_compiler_ctx", None) is not None or any(
-        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-        for m in module.modules())
 
 
 def _call(model: nn.Module, batch: tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -148,20 +142,38 @@ class ChannelsLastInputs:
         self.verify = verify
         self.autocast_dtype = autocast_dtype
         self.log = logger or logging.getLogger(__name__)
-        self.layout = "channels_last"
-        self.layout_checks: dict[str, Any] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.model: nn.Module | None = None
+        self.session = LayoutSession(say=self._say)
+        self._trace = InputTrace(say=self._say)
         self._handles: list[RemovableHandle] = []
         self._hinted = False
-        self._traced: set[str] = set()  # the kinds of call whose first forward was traced
-        self._reach: tuple[ConvReach, dict[Any, torch.Tensor]] | None = None
-        self.left_as_is: set[str | int] = set()
 
-    def attach(self, model: nn.Module) -> ChannelsLastInputs:
-        """Register the hook on ``model`` (first among its pre-hooks), leaving the model it was on before."""
+    def _say(self, message: str, warn: bool) -> None:
+        self.log.log(logging.WARNING if warn else logging.INFO, message)
+
+    @property
+    def layout(self) -> str:
+        """``"channels_last"``, or ``"contiguous"`` once a check put the whole model in NCHW."""
+        return self.session.layout or "channels_last"
+
+    @property
+    def layout_checks(self) -> dict[str, Any]:
+        """The ``LayoutCheck`` of the first batch of each kind, ``"train"`` and ``"eval"``."""
+        return self.session.layout_checks
+
+    @property
+    def left_as_is(self) -> set[str | int]:
+        """The arguments (``0``: the first positional one, or names) left as they arrive: the traced forward took
+        them to no convolution in channels_last."""
+        return {key for keys in self._trace.left_as_is.values() for key, _ in keys}
+
+    def attach(self, model: nn.Module, session: LayoutSession | None = None) -> ChannelsLastInputs:
+        """Register the hook on ``model`` (first among its pre-hooks), leaving the model it was on before;
+        ``session``: the ``LayoutSession`` that converted it (default: one for the model as it is)."""
         self.detach()
         self.model = model
+        self.session = session or LayoutSession.of(model, dtype=self.autocast_dtype, say=self._say)
         self._handles = [model.register_forward_pre_hook(self, with_kwargs=True, prepend=True),
                          model.register_forward_hook(self._end_trace, always_call=True)]
         return self
@@ -185,9 +197,10 @@ class ChannelsLastInputs:
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(_state, "checking", False) or self.layout != "channels_last":
             return None
-        convert = self.positional and args and 0 not in self.left_as_is
+        left = self.left_as_is
+        convert = self.positional and args and 0 not in left
         new_args = (_to_channels_last(args[0], module), *args[1:]) if convert else args
-        new_kwargs = {k: _to_channels_last(v, module) if k in self.names and k not in self.left_as_is else v
+        new_kwargs = {k: _to_channels_last(v, module) if k in self.names and k not in left else v
                       for k, v in kwargs.items()}
         if module is self.model:
             if not self._hinted:
@@ -198,40 +211,26 @@ class ChannelsLastInputs:
                 self._check(module, args, kwargs, kind)
                 if self.layout != "channels_last":  # the whole model stays NCHW: so do its inputs
                     return None
-            if kind not in self._traced and not _compiled(module):
-                self._traced.add(kind)
-                self._start_trace(args, kwargs, new_args, new_kwargs)
+            if not self._trace.traced(kind):
+                self._start_trace(kind, module, args, kwargs, new_args, new_kwargs)
         return new_args, new_kwargs
 
-    def _start_trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], new_args: tuple[Any, ...],
-                     new_kwargs: dict[str, Any]) -> None:
-        """Trace this forward: each converted input that reaches no convolution in its layout is left as it
-        arrives from then on (a stack the model makes contiguous first: converting it is a copy for nothing)."""
+    def _start_trace(self, kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     new_args: tuple[Any, ...], new_kwargs: dict[str, Any]) -> None:
+        """Trace this forward (``cltrain.session.InputTrace``): each converted input that reaches no convolution in
+        its layout is left as it arrives from then on (a stack the model makes contiguous first)."""
         converted: dict[Any, torch.Tensor] = {}
-        pairs = [(0, args[0], new_args[0])] if self.positional and args and 0 not in self.left_as_is else []
-        pairs += [(k, kwargs[k], new_kwargs[k]) for k in self.names if k in kwargs and k not in self.left_as_is]
+        left = self.left_as_is
+        pairs = [(0, args[0], new_args[0])] if self.positional and args and 0 not in left else []
+        pairs += [(k, kwargs[k], new_kwargs[k]) for k in self.names if k in kwargs and k not in left]
         for key, old, new in pairs:
             for i, (a, b) in enumerate(zip(_images(old), _images(new))):
                 if a is not b:
                     converted[(key, i)] = b
-        if converted:
-            self._reach = (ConvReach(converted), converted)
-            self._reach[0].__enter__()
+        self._trace.start(kind, converted, module)
 
     def _end_trace(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._reach is None:
-            return
-        (reach, converted), self._reach = self._reach, None
-        reach.__exit__(None, None, None)
-        if reach.convolutions == 0 or sys.exc_info()[0] is not None:
-            return
-        reached = {key for key, _ in reach.reached}
-        left = sorted({key for key, _ in converted} - reached, key=str)
-        if left:
-            self.left_as_is.update(left)
-            self.log.info("ChannelsLast: %s reach no convolution in channels_last (the model copies or reshapes them "
-                          "first), so converting them is a copy that helps nothing: they are left as they arrive from "
-                          "now on.", ", ".join("the first positional argument" if k == 0 else repr(k) for k in left))
+        self._trace.end(completed=sys.exc_info()[0] is None)
 
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str | int]:
         """What the hook converts in this call: ``0`` for the first positional argument, and names."""
@@ -251,48 +250,33 @@ class ChannelsLastInputs:
 
     def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str) -> None:
         from cltrain.check import LayoutCheck
-        from cltrain.loops import verify_layout
+        from cltrain.loops import check_batch
 
         found = self._found(args, kwargs)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         rank = torch.distributed.get_rank() if distributed else 0
-        if distributed and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
-            result = LayoutCheck("not checked", reason="SyncBatchNorm in a distributed run: its copies would wait "
-                                 "for the other ranks (check it once in a single process)")
-        elif not found:
-            result = LayoutCheck("not checked", reason="the model's forward got no image argument to check")
-        elif rank != 0:  # rank 0 checks its batch; every rank applies what it chose (below)
-            result = LayoutCheck("not checked", reason="checked on rank 0")
-        else:
+
+        def run() -> LayoutCheck:
+            if distributed and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+                return LayoutCheck("not checked", reason="SyncBatchNorm in a distributed run: its copies would wait "
+                                   "for the other ranks (check it once in a single process)")
+            if not found:
+                return LayoutCheck("not checked", reason="the model's forward got no image argument to check")
             device = next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
             grad = torch.enable_grad() if kind == "train" else torch.no_grad()
-            # Positional: the first argument alone; verify_layout restrides only what `inputs` names.
-            batch = (args[:1], args[1:], kwargs)
             _state.checking = True
-            try:
+            try:  # positional: the first argument alone; the check restrides only what `inputs` names
                 with torch.autocast(device.type, enabled=False), grad:  # float32: the loop's autocast is outside
-                    result = verify_layout(module, batch, _call, inputs=found, autocast_dtype=self.autocast_dtype,
-                                           report=False)
-            except Exception as error:  # noqa: BLE001 - the check failing must not end the run
-                result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: {error})")
+                    return check_batch(module, (args[:1], args[1:], kwargs), _call, inputs=found,
+                                       autocast_dtype=self.autocast_dtype)
             finally:
                 _state.checking = False
-        if distributed:
+
+        def broadcast(result: LayoutCheck | None) -> LayoutCheck:  # rank 0 checks; every rank applies what it chose
             shared = [result]
             torch.distributed.broadcast_object_list(shared, src=0)
-            if rank != 0:
-                from cltrain.loops import apply_check
+            return shared[0]
 
-                result = shared[0]
-                apply_check(module, result)
-        self.layout_checks[kind] = result
-        if result.verdict == "contiguous":
-            self.layout = "contiguous"
-        if result.verdict in ("fallback", "contiguous"):
-            from cltrain.layout.lightning_access import restride_optimizer_state  # internal
-
-            restride_optimizer_state([getattr(o, "optimizer", o) for o in self.optimizers])
-        if rank == 0:  # one line per run, not one per rank
-            level = logging.WARNING if result.verdict in ("fallback", "contiguous") else logging.INFO
-            self.log.log(level, "ChannelsLast %s", result.line())
+        self.session.check(kind, module, run if rank == 0 else None, broadcast=broadcast if distributed else None,
+                           optimizers=self.optimizers, report=rank == 0)

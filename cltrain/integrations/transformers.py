@@ -15,10 +15,10 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("cltrain.integrations.transformers needs transformers: pip install 'cltrain[hf]'.") from error
 
 from cltrain import layout_summary
-from cltrain.guardrails import apply_guardrails
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
-from cltrain.layout import is_channels_last, to_channels_last, to_contiguous
-from cltrain.sharding import sharded_line, sharding_of
+from cltrain.layout import is_channels_last
+from cltrain.session import LayoutSession
+from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLastCallback"]
 
@@ -118,9 +118,21 @@ class ChannelsLastCallback(TrainerCallback):
         self.mode = mode
         self.guard = guard
         self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger)
-        self.guardrails: list[Any] | None = None
-        self.sharding: str | None = None
-        self.summary: dict[str, int] | None = None
+
+    @property
+    def guardrails(self) -> list[Any] | None:
+        """The ``GuardRecord`` of each known kernel fault worked around (``[]``: none)."""
+        return self.inputs_hook.session.guardrails
+
+    @property
+    def sharding(self) -> str | None:
+        """The engine that shards the model, whose weights then stay contiguous; ``None`` when none does."""
+        return self.inputs_hook.session.sharding
+
+    @property
+    def summary(self) -> dict[str, int] | None:
+        """``cltrain.layout_summary`` of the model's parameters and buffers once converted."""
+        return self.inputs_hook.session.summary
 
     @property
     def layout_checks(self) -> dict[str, Any]:
@@ -138,48 +150,42 @@ class ChannelsLastCallback(TrainerCallback):
         if model is None:
             return
         if model is not self.inputs_hook.model:  # built by model_init inside train(), after on_init_end
-            self.sharding = sharding_of(model, _accelerator_state())
+            sharding = sharding_of(model, _accelerator_state())
             if args.world_size == 1:
                 self._convert(model, args)
-            elif _convs_channels_last(model) or self.sharding:  # converted by the user's model_init, or sharded
-                self._attach(model, args)
+            elif _convs_channels_last(model) or sharding:  # converted by the user's model_init, or sharded
+                self._attach(model, args, LayoutSession.of(model, dtype=_compute_dtype(args), guard=self.guard,
+                                                           say=_say, sharding=sharding))
             else:
                 raise ValueError(
                     "ChannelsLastCallback: Trainer(model_init=...) built the model after DDP/FSDP wrapped it, too late "
                     "to convert; in distributed runs return cltrain.loops.convert_model(model) from model_init."
                 )
         if optimizer is not None:
-            from cltrain.layout.lightning_access import restride_optimizer_state  # internal
+            from cltrain.layout.optimizer_state import restride_optimizer_state
 
             # A resumed optimizer state keeps the strides it was saved with.
             restride_optimizer_state([getattr(optimizer, "optimizer", optimizer)])
             self.inputs_hook.optimizers = [optimizer]
 
     def _convert(self, model: nn.Module, args: TrainingArguments) -> None:
-        self.sharding = sharding_of(model, _accelerator_state())
-        if self.sharding is None:
-            to_channels_last(model, mode=self.mode)
-        elif sharding_of(model) is None:  # Accelerate shards it in `prepare`; FSDP2 refuses channels_last parameters
-            to_contiguous(model)
-        if self.guard:  # after every conversion: converting again undoes a guarded weight's layout
-            self.guardrails = apply_guardrails(model, device=args.device, dtype=_compute_dtype(args))
-        self._attach(model, args)
+        session = LayoutSession(self.mode, guard=self.guard, say=_say)
+        # Accelerate shards it in `prepare`; FSDP2 refuses channels_last parameters
+        session.convert(model, device=args.device, dtype=_compute_dtype(args),
+                        sharding=sharding_of(model, _accelerator_state()))
+        self._attach(model, args, session)
 
-    def _attach(self, model: nn.Module, args: TrainingArguments) -> None:
+    def _attach(self, model: nn.Module, args: TrainingArguments, session: LayoutSession) -> None:
         self.inputs_hook.autocast_dtype = _compute_dtype(args)
-        self.inputs_hook.attach(model)
-        self.summary = layout_summary(model, buffers=True)
-        if not any(isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)) for m in model.modules()):
+        self.inputs_hook.attach(model, session)
+        session.summary = layout_summary(model, buffers=True)
+        if not session.has_convolutions(model):
             logger.warning(
                 f"ChannelsLastCallback: {type(model).__name__} has no Conv2d/Conv3d layer, so channels_last has "
                 "nothing to speed up; remove the callback."
             )
-        counts = ", ".join(f"{n} {k}" for k, n in self.summary.items())
-        if self.sharding is not None:
-            logger.info(f"ChannelsLastCallback(mode={self.mode!r}): {sharded_line(self.sharding)}")
-        else:
-            logger.info(f"ChannelsLastCallback(mode={self.mode!r}): {type(model).__name__} is channels_last; "
-                        f"parameters and buffers: {counts}.")
-        if self.guardrails:
-            logger.info("ChannelsLastCallback: worked around known kernel faults: "
-                        + "; ".join(r.line() for r in self.guardrails))
+        session.report_conversion(f"ChannelsLastCallback(mode={self.mode!r})", model)
+
+
+def _say(message: str, warn: bool) -> None:
+    (logger.warning if warn else logger.info)(message)

@@ -5,7 +5,7 @@
 * ``cltrain.layout.stacks``: 5-D inputs in the layout the model reads them in (a clip, or a stack of images);
 * ``cltrain.layout.conv_reach``: which converted inputs reach a convolution in channels_last;
 * ``cltrain.layout.closures``: functions that hold an original module, made to hold its copy;
-* ``cltrain.layout.lightning_access``: the modules around a LightningModule (averaged copies, optimizer state).
+* ``cltrain.layout.optimizer_state``: optimizer state in its parameter's layout.
 
 The tensor and module helpers are importable from here (``from cltrain.layout import to_channels_last``).
 """

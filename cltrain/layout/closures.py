@@ -7,7 +7,9 @@ closure over the original module (``orig = m.forward; m.forward = lambda x: post
 
 * ``rebound(value, memo)``: ``value`` with every original object it holds in a closure cell, a default, a
   partial's arguments or a bound method's ``self`` replaced by its copy (``memo``: ``deepcopy``'s map, original
-  id -> copy), recursively through nested functions; ``value`` itself where it holds none.
+  id -> copy), recursively through nested functions; ``value`` itself where it holds none. An object that is no
+  copy but holds originals (a callback whose method or closure is a hook on the model, holding the module) is
+  replaced by a shallow copy of it whose attributes hold the copies (a callback's ``self.module``).
 * ``callables_of(module)``: where a module keeps callables (its ``__dict__``, its hooks), for both of the above.
 * ``path_to(roots, targets)``: the first path from the callables of ``roots`` to an object in ``targets`` (by id),
   through closures, defaults, partials, bound methods and plain containers: what a copy still reaches of the
@@ -16,15 +18,18 @@ closure over the original module (``orig = m.forward; m.forward = lambda x: post
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["callables_of", "path_to", "rebound"]
 
+_LARGE = 256  # a container with more items than this is not searched for originals
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_state_dict_hooks", "_load_state_dict_pre_hooks")
 
@@ -49,7 +54,7 @@ def rebound(value: Any, memo: dict[int, Any], _done: dict[int, Any] | None = Non
     if id(value) in done:
         return done[id(value)]
     if isinstance(value, types.MethodType):
-        owner = memo.get(id(value.__self__), value.__self__)
+        owner = memo[id(value.__self__)] if id(value.__self__) in memo else _rebound_object(value.__self__, memo, done)
         func = rebound(value.__func__, memo, done)
         return value if owner is value.__self__ and func is value.__func__ else types.MethodType(func, owner)
     if type(value) is functools.partial:  # a subclass may rebuild itself otherwise: left to path_to
@@ -62,7 +67,47 @@ def rebound(value: Any, memo: dict[int, Any], _done: dict[int, Any] | None = Non
         return functools.partial(func, *args, **kwargs)
     if isinstance(value, types.FunctionType):
         return _rebound_function(value, memo, done)
-    return value
+    return _rebound_object(value, memo, done)
+
+
+def _rebound_object(obj: Any, memo: dict[int, Any], done: dict[int, Any], depth: int = 2) -> Any:
+    """A shallow copy of ``obj`` whose attributes (and the items of its plain lists, tuples and dicts) that are
+    originals, or objects holding originals (``depth`` levels), are their copies; ``obj`` itself where none is."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if id(obj) in done:
+        return done[id(obj)]
+    attrs = getattr(obj, "__dict__", None)
+    if depth == 0 or not isinstance(attrs, dict) or isinstance(obj, (nn.Module, torch.Tensor, type, types.ModuleType,
+                                                                     types.FunctionType, types.MethodType)):
+        return obj
+    done[id(obj)] = obj  # a cycle back to it keeps it until it is known to change
+
+    def remapped(value: Any) -> Any:
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, (list, tuple, dict)) and len(value) > _LARGE:
+            return value  # data, not a holder of the model (path_to names it if it reaches one)
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            items = [remapped(v) for v in value]
+            return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+        if type(value) is dict:
+            items = {k: remapped(v) for k, v in value.items()}
+            return value if all(items[k] is v for k, v in value.items()) else items
+        if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            return rebound(value, memo, done)
+        return _rebound_object(value, memo, done, depth - 1)
+
+    changed = {k: new for k, v in list(attrs.items()) if (new := remapped(v)) is not v}
+    if not changed:
+        return obj
+    try:
+        clone = copy.copy(obj)
+        vars(clone).update(changed)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied: path_to names it
+        return obj
+    done[id(obj)] = clone
+    return clone
 
 
 def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], done: dict[int, Any]) -> types.FunctionType:

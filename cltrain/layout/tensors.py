@@ -27,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+import sys
+
 from collections import Counter
 from typing import Literal, TypeVar, overload
 
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "is_compiled",
     "CONV1D_TYPES",
     "CONV_TYPES",
     "MODES",
@@ -350,3 +353,11 @@ def to_contiguous(module: nn.Module) -> nn.Module:
         if four_or_five_d or one_d:
             tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
     return module
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or a module in it runs compiled code: a ``torch.compile`` wrapper (``OptimizedModule``),
+    ``module.compile()``, or a LightningModule that Lightning unwrapped from one (``_compiler_ctx``)."""
+    optimized = sys.modules["torch._dynamo"].eval_frame.OptimizedModule if "torch._dynamo" in sys.modules else ()
+    return any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
+               or getattr(m, "_compiler_ctx", None) is not None for m in module.modules())

@@ -7,7 +7,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAver
 from torch import nn
 
 from cltrain import ChannelsLast, is_channels_last
-from cltrain.layout.lightning_access import model_copies
+from cltrain.lightning_access import model_copies
 from tests.helpers.plain_modules import Classifier, loader
 
 

@@ -80,17 +80,19 @@ def test_code_written_for_the_batch_size_is_checked_on_the_whole_batch():
 
 
 class Recorded(Classifier):
-    """Records the batch size of every step the check runs on its copies; with ``reads_strategy``, the step reads
-    ``trainer.strategy`` (which the copies cannot reach) before calling the model."""
+    """Records the batch size of every step the check runs on its copies; with ``sets_trainer``, the step sets
+    ``trainer.should_stop`` (which a copy may not) before calling the model."""
 
-    def __init__(self, net: nn.Module, reads_strategy: bool = False) -> None:
+    def __init__(self, net: nn.Module, sets_trainer: bool = False) -> None:
         super().__init__(net)
-        self.reads_strategy = reads_strategy
+        self.sets_trainer = sets_trainer
 
     def training_step(self, batch, batch_idx):
         if checking():
             _SEEN.append(batch[0].shape[0])
-        scale = 1.0 / self.trainer.strategy.world_size if self.reads_strategy else 1.0
+        if self.sets_trainer:
+            self.trainer.should_stop = False
+        scale = 1.0 / self.trainer.strategy.world_size  # read as on the real run
         return super().training_step(batch, batch_idx) * scale
 
 
@@ -99,16 +101,17 @@ _SEEN: list[int] = []
 
 def test_only_code_written_for_the_batch_size_sends_the_check_to_the_whole_batch():
     runs = {}
-    cases = (("strategy", Recorded(Net(nn.Identity()), reads_strategy=True)), ("batch-sized", Recorded(BatchSizedView())))
+    cases = (("sets", Recorded(Net(nn.Identity()), sets_trainer=True)), ("batch-sized", Recorded(BatchSizedView())))
     for name, module in cases:
         _SEEN.clear()
         callback = ChannelsLast()
         fit(module, loader(), callback, steps=2)
         runs[name] = (callback.layout_checks["train"], sorted(set(_SEEN)))
         assert len(module.losses) == 2
-    strategy, _ = runs["strategy"]
-    assert strategy.verdict == "not checked" and "trainer.strategy" in strategy.reason, strategy.line()
-    assert runs["strategy"][1] == [4], runs  # the copy's limit: not rerun on the whole batch
+    sets, _ = runs["sets"]
+    assert sets.verdict == "passed" and "the model alone" in sets.line(), sets.line()
+    assert "trainer.should_stop cannot be set" in sets.line(), sets.line()
+    assert runs["sets"][1] == [4], runs  # the copy's limit: not rerun on the whole batch
     assert runs["batch-sized"][1] == [4, BATCH], runs  # the negative control: rerun on the whole batch
     assert "view" in runs["batch-sized"][0].findings[0].detail
 

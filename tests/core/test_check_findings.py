@@ -4,9 +4,12 @@ named as the package's, with nothing for the user to edit."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
+from cltrain.check.localise import place, user_frame
 from cltrain.check.result import Finding
 from cltrain.guardrails import KNOWN_FAULTS, apply_guardrails, guard_of
 from cltrain.loops import convert_model, verify_layout
@@ -66,11 +69,28 @@ def test_guard_of_names_each_guardrail_and_nothing_else() -> None:
 
 
 def test_a_finding_in_an_installed_package_or_at_a_guard_asks_nothing_of_the_user() -> None:
-    where = "/venv/lib/python3.12/site-packages/transformers/models/idefics3/modeling_idefics3.py:812"
-    in_package = Finding("raised", "forward", "model.vision", where, "RuntimeError: view size is not compatible")
-    assert in_package.package() == "transformers"
+    module = transformers.models.bit.modeling_bit
+    where, package = place(module.__file__, 812)
+    assert package == "transformers" and where == "transformers/models/bit/modeling_bit.py:812", where
+    in_package = Finding("raised", "forward", "model.vision", where, "RuntimeError: view size is not compatible",
+                         package=package)
     assert "installed package `transformers`" in in_package.fix() and "fallback stands" in in_package.fix()
     mine = Finding("raised", "forward", "net", "/home/me/project/model.py:12", "RuntimeError: view size is not ...")
-    assert mine.package() is None and ".reshape" in mine.fix()
+    assert mine.package is None and ".reshape" in mine.fix()
     guarded = Finding("diverged", "backward", "net.down", where, "1.4 relative difference", guard="oneDNN #6035")
     assert "oneDNN #6035" in guarded.fix() and "nothing to edit" in guarded.fix()
+
+
+@pytest.mark.parametrize("folder", ["torch", "lightning", "cltrain", "site-packages"])
+def test_the_users_code_is_found_by_where_packages_are_not_by_folder_names(tmp_path, folder: str) -> None:
+    source = tmp_path / folder / "models" / "net.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("import torch\n\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n"
+                      "        return x.view(x.size(0), -1)\n")
+    spec = importlib.util.spec_from_file_location(f"user_net_{folder.replace('-', '_')}", source)
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    with pytest.raises(RuntimeError) as caught:
+        user.Net()(torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last))
+    where, package = user_frame(caught.value)
+    assert package is None and where.endswith(f"{folder}/models/net.py:6"), where

@@ -50,8 +50,10 @@ def test_plain_loop_fully_shard_after_convert_model_sharded(tmp_path):
         assert "sharded by FSDP2" in rank["check_after"]["reason"] and "verify_layout(" in rank["check_after"]["reason"]
         assert rank["after_convert"] == [NHWC_WITH_NCHW_WEIGHTS]  # convert_model on a sharded model changes nothing
         assert rank["copy"].startswith("contiguous_copy: the model is sharded by FSDP2")
-        assert not any("channels_last;" in line or "failed" in line for line in rank["lines"]), rank["lines"]
-        assert rank["lines"][-1] == f"convert_model: {LINE}"
+        # the old order's convert_model saw an unsharded model; nothing after it claims channels_last weights
+        assert rank["lines"][0].startswith("convert_model(mode='full'): model layout is channels_last;")
+        assert not any("channels_last;" in line or "failed" in line for line in rank["lines"][1:]), rank["lines"]
+        assert rank["lines"][-1] == f"convert_model(mode='full'): {LINE}"
     assert ranks[0]["nchw"]["losses"] != ranks[1]["nchw"]["losses"]  # each rank trains on its own batches
 
 
@@ -91,7 +93,7 @@ def test_convert_model_sharded_keeps_the_weights_nchw(caplog):
     with caplog.at_level("INFO", logger="cltrain.loops"):
         assert convert_model(model, sharded=True) is model
     assert model[0].weight.is_contiguous() and sharding_of(model) is None
-    assert caplog.messages[-1] == f"convert_model: {sharded_line(None)}"
+    assert caplog.messages[-1] == f"convert_model(mode='full'): {sharded_line(None)}"
     assert not convert_model(tiny())[0].weight.is_contiguous()  # the control: unsharded, channels_last
     with pytest.raises(ValueError, match=r"convert_model\(sharded='yes'\)"):
         convert_model(tiny(), sharded="yes")

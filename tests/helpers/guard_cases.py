@@ -177,7 +177,7 @@ def ddp(out: str, union: bool) -> dict:
 
     callback = ChannelsLast()
     if not union:  # the negative control: each rank guards only what it finds itself
-        callback._hazards_on_every_rank = lambda trainer, module: find_hazards(
+        callback._hazards_on_every_rank = lambda trainer, module, device, dtype, layout: find_hazards(
             module, device="cpu", layout="channels_last")
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 8, 32, 32, generator=g), torch.randint(0, 5, (16,), generator=g))

@@ -1,0 +1,123 @@
+"""What cltrain reads of a LightningModule and its Trainer, through public objects only, for ``lightning.pytorch``
+and the standalone ``pytorch_lightning`` package alike: which package a module comes from, whether it overrides a
+hook, the module a batch goes through, a hook that runs once after the module's own, the copies of the module that
+other callbacks hold, and a step's arguments as Lightning passes them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from lightning_utilities.core.overrides import is_overridden
+from torch import nn
+
+__all__ = ["is_lightning_module", "lightning_package", "model_copies", "overrides", "run_after", "step_arguments",
+           "step_target", "undo_run_after"]
+
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _lightning_base(obj: Any) -> type | None:
+    return next((cls for cls in type(obj).__mro__ if cls.__name__ == "LightningModule"
+                 and cls.__module__ in tuple(f"{p}.core.module" for p in _PACKAGES)), None)
+
+
+def is_lightning_module(obj: Any) -> bool:
+    """Whether ``obj`` is a LightningModule of either package."""
+    return _lightning_base(obj) is not None
+
+
+def lightning_package(obj: Any) -> str:
+    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package ``obj``'s LightningModule class comes from
+    (``"lightning.pytorch"`` for anything else)."""
+    base = _lightning_base(obj)
+    return base.__module__.rpartition(".core.")[0] if base is not None else "lightning.pytorch"
+
+
+def overrides(method: str, pl_module: nn.Module) -> bool:
+    """Whether ``pl_module``'s class defines ``method`` itself (Lightning's ``is_overridden`` knows only its own
+    package)."""
+    base = _lightning_base(pl_module)
+    return base is not None and is_overridden(method, pl_module, base)
+
+
+def step_target(pl_module: nn.Module) -> nn.Module:
+    """The module a batch goes through: the LightningModule if it defines ``forward``, else its
+    largest child (``self.model``, ``self.net``, ...)."""
+    if overrides("forward", pl_module):
+        return pl_module
+    children = [m for m in pl_module.children() if any(True for _ in m.parameters())]
+    if not children:
+        raise ValueError(
+            f"ChannelsLast: {type(pl_module).__name__} defines no forward() and has no child module with "
+            "parameters to time or audit; define forward(), or use mode='full' without audit."
+        )
+    return max(children, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def step_arguments(pl_module: nn.Module, method: str, batch: Any, batch_idx: int,
+                   dataloader_idx: int | None = None) -> tuple[Any, ...]:
+    """The positional arguments Lightning gives ``pl_module.<method>`` (``training_step``, ``validation_step``,
+    ``test_step``, ``predict_step``): the batch; ``batch_idx`` where the signature takes a second argument
+    (``training_step(self, batch)`` is legal); ``dataloader_idx`` where Lightning passes one (several
+    evaluation data loaders)."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    args: tuple[Any, ...] = (batch,)
+    if is_param_in_hook_signature(getattr(pl_module, method), "batch_idx", min_args=2):
+        args += (batch_idx,)
+    if dataloader_idx is not None and method != "training_step":
+        args += (dataloader_idx,)
+    return args
+
+
+def run_after(module: nn.Module, hook: str, then: Callable[[], None]) -> None:
+    """Make ``module.<hook>()`` call ``then()`` after itself, once, then restore the hook."""
+    if getattr(module.__dict__.get(hook), "_cltrain_once", False):
+        del module.__dict__[hook]  # left from a run that stopped early
+    original = getattr(module, hook)
+
+    @functools.wraps(original)  # keeps Lightning's is_overridden() answer unchanged
+    def once(*args: Any, **kwargs: Any) -> Any:
+        module.__dict__.pop(hook, None)
+        result = original(*args, **kwargs)
+        then()
+        return result
+
+    once._cltrain_once = True  # type: ignore[attr-defined]
+    # nn.Module.__setattr__ would accept this too, but __dict__ keeps it out of state_dict logic.
+    module.__dict__[hook] = once
+
+
+def undo_run_after(module: nn.Module) -> None:
+    """Remove any hook wrapper ``run_after`` left on ``module`` (a run that stopped early)."""
+    for hook in ("setup", "configure_model"):
+        if getattr(module.__dict__.get(hook), "_cltrain_once", False):
+            del module.__dict__[hook]
+
+
+def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> list[nn.Module]:
+    """The modules that ``trainer``'s callbacks hold as copies of ``pl_module``.
+
+    A copy is an ``nn.Module`` attribute of a callback with the same parameter shapes as
+    ``pl_module`` in the same order, and none of its parameter objects: the
+    ``AveragedModel`` of Lightning's ``WeightAveraging`` / ``EMAWeightAveraging``, the
+    deep-copied LightningModule of ``StochasticWeightAveraging``, or a user's own EMA
+    callback's model. Only public objects are read (``trainer.callbacks`` and each
+    callback's attributes), not the attribute names of any one callback.
+    """
+    params = list(pl_module.parameters())
+    shapes = [p.shape for p in params]
+    own = {id(p) for p in params}
+    found: list[nn.Module] = []
+    for callback in trainer.callbacks:
+        if callback is exclude:
+            continue
+        for value in vars(callback).values():
+            if not isinstance(value, nn.Module) or value is pl_module or any(v is value for v in found):
+                continue
+            theirs = list(value.parameters())
+            if [p.shape for p in theirs] == shapes and not any(id(p) in own for p in theirs):
+                found.append(value)
+    return found

@@ -1,0 +1,276 @@
+"""A model's channels_last layout for one run, whatever runs it: the core behind ``ChannelsLast`` (Lightning),
+``cltrain.loops`` (Fabric, plain loops) and the Hugging Face hook.
+
+``LayoutSession`` decides and converts (the channels-last format of each parameter's rank, contiguous weights under a
+sharding engine, channels-last 1-D where timed faster), applies the kernel guardrails, runs the first-batch check
+with the step runner and the broadcast its adapter hands it, and applies the verdict with one meaning each:
+
+* ``"passed"`` / ``"not checked"``: nothing changes;
+* ``"fallback"``: the named parts run in NCHW (``cltrain.check.fallback``), in the model and in its copies;
+* ``"contiguous"``: the whole model in NCHW (its parameters, buffers and guardrails) and its inputs put in NCHW at
+  its entry, in the model and in its copies.
+
+Every change of a parameter's layout gives the optimizer state its parameter's strides. ``InputTrace`` follows the
+first forward of each kind of batch: a converted input that reaches no convolution in channels_last is left as it
+arrives from then on. Every line starts with ``ChannelsLast`` and is the same from every adapter.
+
+Example (what an adapter does; ``cltrain.loops`` is the shortest one)::
+
+    session = LayoutSession()
+    session.convert(model, device=torch.device("cpu"))
+    session.check("train", model, lambda: check_layout(model, step))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cltrain.check.fallback import Fallback, apply_fallbacks
+from cltrain.check.result import LayoutCheck
+from cltrain.guardrails import GuardRecord, apply_guardrails
+from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d, to_contiguous
+from cltrain.layout.conv_reach import ConvReach
+from cltrain.layout.optimizer_state import restride_optimizer_state
+from cltrain.layout.tensors import is_compiled
+from cltrain.sharding import sharded_line, sharding_of
+
+__all__ = ["InputTrace", "LayoutSession"]
+
+#: ``say(message, warn)``: how an adapter reports (Lightning's rank-zero log, the Trainer's logger, ...).
+Say = Callable[[str, bool], None]
+
+
+def _logged(message: str, warn: bool) -> None:
+    logging.getLogger("cltrain").log(logging.WARNING if warn else logging.INFO, message)
+
+
+class LayoutSession:
+    """A model's layout for one run: see the module docstring.
+
+    Args:
+        mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
+        guard: apply ``cltrain.guardrails.apply_guardrails`` after every conversion.
+        say: ``say(message, warn)`` reports one line (default: the ``cltrain`` logger).
+
+    Attributes:
+        layout: ``"channels_last"`` or ``"contiguous"``; ``None`` before ``convert``.
+        one_d: Conv1d weights and rank-3 inputs get channels-last 1-D strides too (``mode="auto"`` timed it faster).
+        sharding: the engine holding the parameters (``cltrain.sharding``), which then stay contiguous, or ``None``.
+        guardrails: the ``GuardRecord`` of each known fault worked around (``None`` with ``guard=False``).
+        fallbacks: the ``Fallback``s the checks chose, applied to the model and its copies.
+        layout_checks: the ``LayoutCheck`` of each kind of batch checked (``"train"``, ``"eval"``).
+        summary: ``cltrain.layout_summary`` of the model's parameters and buffers once converted.
+        device: where the model trains; dtype: the dtype its convolutions compute in (``None``: float32).
+    """
+
+    def __init__(self, mode: str = "full", *, guard: bool = True, say: Say | None = None) -> None:
+        self.mode = mode
+        self.guard = guard
+        self.say: Say = say or _logged
+        self.layout: str | None = None
+        self.one_d = False
+        self.sharding: str | None = None
+        self.guardrails: list[GuardRecord] | None = None
+        self.fallbacks: list[Fallback] = []
+        self.layout_checks: dict[str, LayoutCheck] = {}
+        self.summary: dict[str, int] | None = None
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module, *, dtype: torch.dtype | None = None, guard: bool = True, say: Say | None = None,
+           sharding: str | None = None) -> LayoutSession:
+        """A session for ``model`` as it is (converted already, by ``convert_model`` or by hand): its layout is
+        channels_last, its engine ``sharding`` or the one that shards it already, if any."""
+        session = cls(guard=guard, say=say)
+        session.layout = "channels_last"
+        session.device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+        session.dtype = dtype
+        session.sharding = sharding if sharding is not None else sharding_of(model)
+        return session
+
+    # ---- decide and convert ----------------------------------------------------------------------------------------
+
+    def convert(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                sharding: str | None = None, layout: str | None = None,
+                hazards: dict[str, list[str]] | None = None) -> nn.Module:
+        """Put ``model`` in the session's layout, in place, with the guardrails and the fallbacks chosen so far.
+
+        Args:
+            device: where it trains (default: its parameters' device); the guardrails depend on the backend.
+            dtype: the dtype its convolutions compute in (the autocast dtype, or ``None`` for float32).
+            sharding: the engine that shards it or will (``cltrain.sharding.sharding_of``): parameters contiguous.
+            layout: ``"channels_last"`` or ``"contiguous"`` (default: the session's, else channels_last).
+            hazards: the modules to guard, the union over ranks (``apply_guardrails``; default: this process's).
+        """
+        if device is None:
+            device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+        self.device, self.dtype = torch.device(device), dtype
+        held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
+        self.sharding = sharding if sharding is not None else held
+        self.layout = layout or self.layout or "channels_last"
+        records = self._put_in_layout(model, hazards, held is not None)
+        if self.guard:
+            self.guardrails = records
+        apply_fallbacks(model, self.fallbacks)  # a later fit: the conversion restrided their weights
+        self.summary = layout_summary(model, buffers=True)
+        return model
+
+    def _put_in_layout(self, model: nn.Module, hazards: dict[str, list[str]] | None = None,
+                       held: bool = False) -> list[GuardRecord]:
+        if self.sharding is not None:
+            if not held:  # FSDP2 refuses channels_last parameters; the others flatten them contiguous
+                to_contiguous(model)
+        elif self.layout == "channels_last":
+            to_channels_last(model, mode="conv" if self.mode == "conv" else "full")
+            if self.one_d:
+                to_channels_last_1d(model)
+        else:  # NCHW, even for a model that arrived channels_last
+            to_contiguous(model)
+        if not self.guard:
+            return []
+        # After every conversion: converting again would undo a guarded weight's layout.
+        return apply_guardrails(model, device=self.device, dtype=self.dtype, layout=self.layout, hazards=hazards)
+
+    def convert_copies(self, copies: Iterable[nn.Module]) -> None:
+        """Put copies of the model (an EMA's ``AveragedModel``, SWA's) in its layout, with its fallbacks."""
+        if self.layout is None or self.sharding is not None:
+            return
+        for copy_ in copies:
+            self._put_in_layout(copy_)
+            _apply_to_copy(copy_, self.fallbacks)
+            if self.layout == "contiguous":
+                _apply_to_copy(copy_, [Fallback("module", "")])
+
+    def has_convolutions(self, model: nn.Module) -> bool:
+        """Whether ``model`` has a layer channels_last speeds up."""
+        convs = CONV_TYPES + CONV1D_TYPES if self.one_d else CONV_TYPES
+        return any(isinstance(m, convs) for m in model.modules())
+
+    def conversion_line(self, owner: str, model: nn.Module, inputs: bool = True) -> str:
+        """The one line that says what ``convert`` did (``owner``: ``"ChannelsLast(mode='full')"``)."""
+        if self.sharding is not None:
+            return f"{owner}: {sharded_line(self.sharding, inputs)}"
+        counts = ", ".join(f"{n} {k}" for k, n in (self.summary or {}).items())
+        return f"{owner}: model layout is {self.layout}; parameters and buffers: {counts}."
+
+    def report_conversion(self, owner: str, model: nn.Module, inputs: bool = True) -> None:
+        """Say the conversion line, the guardrails applied, and that a model without convolutions gains nothing."""
+        self.say(self.conversion_line(owner, model, inputs), self.sharding is not None and not inputs)
+        if self.guardrails:
+            self.say("ChannelsLast: worked around known kernel faults: "
+                     + "; ".join(r.line() for r in self.guardrails), False)
+
+    # ---- the first-batch check -------------------------------------------------------------------------------------
+
+    def check(self, kind: str, model: nn.Module, run: Callable[[], LayoutCheck] | None, *,
+              broadcast: Callable[[LayoutCheck | None], LayoutCheck] | None = None, copies: Iterable[nn.Module] = (),
+              optimizers: Iterable[Any] = (), report: bool = True) -> LayoutCheck:
+        """The first-batch check of ``kind`` (once per kind): ``run()`` where it is given (the deciding rank;
+        ``None`` on the others), its result shared by ``broadcast`` (every rank then applies the same, or DDP's
+        parameter layouts disagree), applied to ``model``, its ``copies`` and the ``optimizers``' state, and said
+        in one line. A failure of the check itself is reported as not checked: it never ends the run."""
+        result = None
+        if self.sharding is not None:
+            from cltrain.sharding import not_checked_reason
+
+            result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
+        elif run is not None:
+            try:
+                result = run()
+            except Exception as error:  # noqa: BLE001 - the check failing must not end the run
+                result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: "
+                                     f"{str(error).strip().splitlines()[0][:160] if str(error).strip() else ''})")
+        if broadcast is not None:
+            result = broadcast(result)
+        if result is None:
+            raise ValueError("LayoutSession.check: no result on this rank and no broadcast to receive one.")
+        self.layout_checks[kind] = result
+        self.apply(result, model, copies, optimizers)
+        if report:
+            self.say(f"ChannelsLast {result.line()}", result.verdict in ("fallback", "contiguous"))
+        return result
+
+    def apply(self, result: LayoutCheck, model: nn.Module, copies: Iterable[nn.Module] = (),
+              optimizers: Iterable[Any] = ()) -> None:
+        """What ``result`` chose, on ``model`` and its ``copies`` (see the module docstring), and the optimizer state
+        in its parameters' strides."""
+        copies = list(copies)
+        if result.verdict == "fallback":
+            self.fallbacks += [f for f in result.fallbacks if f not in self.fallbacks]
+            apply_fallbacks(model, self.fallbacks)
+        elif result.verdict == "contiguous":
+            self.layout = "contiguous"
+            records = self._put_in_layout(model)
+            if self.guard:
+                self.guardrails = records
+            apply_fallbacks(model, [Fallback("module", "")])
+            self.summary = layout_summary(model, buffers=True)
+        else:
+            return
+        self.convert_copies(copies)
+        restride_optimizer_state(list(optimizers))
+
+
+def _apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
+    """The fallbacks on a copy of the model, whose names may sit under ``module.`` (``AveragedModel``)."""
+    names = {name for name, _ in copy_.named_modules()}
+    wanted = [f for f in fallbacks if f.kind != "model"]
+    for prefix in ("", "module."):
+        if all(f"{prefix}{f.module}".rstrip(".") in names for f in wanted):
+            apply_fallbacks(copy_, [Fallback(f.kind, f"{prefix}{f.module}".rstrip(".")) for f in wanted])
+            return
+
+
+class InputTrace:
+    """Which converted inputs of the first forward of each kind of batch reach a convolution in channels_last.
+
+    ``start(kind, converted, model)`` holds a ``cltrain.layout.conv_reach.ConvReach`` around that forward (not
+    around a compiled one: a ``TorchFunctionMode`` would change what Dynamo compiles); ``end()`` leaves it and keeps
+    the keys of the inputs no convolution took in channels_last in ``left_as_is[kind]``: converting them is a copy
+    that helps nothing, and one line says so, once per input shape.
+    """
+
+    def __init__(self, say: Say | None = None) -> None:
+        self.say: Say = say or _logged
+        self.left_as_is: dict[str, frozenset[Hashable]] = {}
+        self._active: tuple[str, ConvReach, dict[Hashable, torch.Tensor]] | None = None
+        self._told: set[str] = set()
+
+    def traced(self, kind: str) -> bool:
+        """Whether the first forward of ``kind`` was traced (or is being traced)."""
+        return kind in self.left_as_is
+
+    def start(self, kind: str, converted: dict[Hashable, torch.Tensor], model: nn.Module) -> bool:
+        """Trace this forward of ``kind``; ``False`` where it is not traced (nothing converted, or compiled)."""
+        self.left_as_is[kind] = frozenset()
+        if not converted or is_compiled(model):
+            return False
+        self._active = (kind, ConvReach(converted), converted)
+        self._active[1].__enter__()
+        return True
+
+    def end(self, completed: bool = True) -> list[Hashable] | None:
+        """Leave the trace; the keys left as they arrive from now on (``None``: nothing was traced or judged)."""
+        if self._active is None:
+            return None
+        kind, reach, converted = self._active
+        self._active = None
+        reach.__exit__(None, None, None)
+        if not completed or reach.convolutions == 0:  # nothing seen to judge by: keep converting
+            return None
+        left = sorted(set(converted) - reach.reached, key=str)
+        if left:
+            self.left_as_is[kind] = frozenset(left)
+            shapes = ", ".join(str(tuple(converted[k].shape)) for k in left)
+            if shapes not in self._told:
+                self._told.add(shapes)
+                self.say(f"ChannelsLast: the input {shapes} reaches no convolution in channels_last (the model "
+                         "reshapes or permutes it, or other code replaces it, first), so converting it is a copy that "
+                         "helps nothing: it is left as it arrives from now on.", False)
+        return left
