@@ -1,8 +1,10 @@
 """The training data for ``train(cfg)``: the DataModule built from ``cfg.data``, its folder checked first.
 
 ``build_datamodule`` generates the demo set when configured, checks the ImageNet layout
-cheaply (one directory listing per class folder, before anything is built) and instantiates
-``data._target_``; every problem is a one-line ``ConfigError``.
+cheaply (one directory listing per class folder, before anything is built; hidden and system
+entries such as ``.ipynb_checkpoints`` or ``Thumbs.db`` are skipped by the data path's one rule,
+``cltrain.data.constants.is_hidden``) and instantiates ``data._target_``; every problem is a
+one-line ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config.errors import ConfigError
 from cltrain.app.config.data_schema import DEMO_GENERATORS
+from cltrain.data.constants import is_hidden
 
 __all__ = ["absolute", "build_datamodule"]
 
@@ -46,9 +49,9 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
         raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
-    from cltrain.data import ShardsDataModule
+    from cltrain.data.datamodules import ClassFolderDataModule
 
-    if not isinstance(datamodule, ShardsDataModule):  # a shard pack is checked by its own manifest
+    if isinstance(datamodule, ClassFolderDataModule):  # a pack or a dataset of rows says what it holds itself
         _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
     try:
         datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
@@ -67,13 +70,19 @@ def _check_layout(root: Path, allow_missing_val_classes: bool, evaluate_only: bo
         folder = root / split
         if not folder.is_dir():
             raise ConfigError("data.root", str(root), f"has no {split}/ folder", layout)
-        classes[split] = {e.name for e in os.scandir(folder) if e.is_dir()}
+        classes[split] = {e.name for e in os.scandir(folder) if not is_hidden(e.name) and e.is_dir()}
         if not classes[split]:
             raise ConfigError("data.root", str(root), f"{split}/ has no class folders", layout)
         for name in sorted(classes[split]):
             with os.scandir(folder / name) as entries:
-                if next(entries, None) is None:
-                    raise ConfigError("data.root", str(root), f"the class folder {split}/{name}/ is empty",
+                hidden = []
+                for entry in entries:
+                    if not is_hidden(entry.name):
+                        break
+                    hidden.append(entry.name)
+                else:
+                    what = f"holds only {', '.join(sorted(hidden)[:3])}" if hidden else "is empty"
+                    raise ConfigError("data.root", str(root), f"the class folder {split}/{name}/ {what}",
                                       "remove it, or put its images there")
     missing = sorted(classes.get("train", set()) - classes["val"])
     if missing and not allow_missing_val_classes:

@@ -10,6 +10,8 @@ Its modules, one line each (the names below are importable from ``cltrain.data``
 * ``augment_group``: ``Augmentation``, the training augmentation of the image DataModules as one group.
 * ``collate``: ``NHWCCollate`` / ``nhwc_collate``: images into one ``(N, H, W, C)`` buffer, seen as NCHW channels_last.
 * ``normalize``: ``normalize``: uint8 -> float32/bfloat16/float16 on the device, channels_last.
+* ``errors``: ``DataError`` (one line naming the file or folder and the fix), ``BadImageError``.
+* ``bad_samples``: the ``bad_files`` policy (``"raise"`` / ``"skip"``) of every Dataset here.
 * ``image_folder_dataset``: ``ImageFolderDataset``, an ImageNet-layout split with a bad-file policy.
 * ``index``: the cached file index of an image folder split.
 * ``check``: ``python -m cltrain.data.check ROOT``: the unreadable files of a folder, before training.
@@ -19,7 +21,7 @@ Its modules, one line each (the names below are importable from ``cltrain.data``
 * ``prefetch``: ``PrefetchDataLoader``, the next batch copied to the GPU on a side stream.
 * ``datamodules``: ``ImageFolderDataModule``, ``ShardsDataModule`` and their bases, for Lightning.
 * ``demo``: ``make_demo_dataset``, a small JPEG folder with a learnable signal, made locally.
-* ``constants``: ImageNet statistics and the image suffixes read.
+* ``constants``: ImageNet statistics, the image suffixes read, the hidden and system entries no walk lists.
 * ``video``: the same path for clips, ``(N, C, T, H, W)`` channels_last_3d.
 
 Example::
@@ -47,7 +49,8 @@ if TYPE_CHECKING:
     from cltrain.data.datamodules.shards import ShardsDataModule
     from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
     from cltrain.data.demo import make_demo_dataset
-    from cltrain.data.image_folder_dataset import BadImageError, ImageFolderDataset
+    from cltrain.data.errors import BadImageError, DataError
+    from cltrain.data.image_folder_dataset import ImageFolderDataset
     from cltrain.data.prefetch import PrefetchDataLoader
     from cltrain.data.shard_dataset import ShardsDataset
     from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
@@ -71,7 +74,8 @@ _MODULES = {
     "SKIPPED_FILES_NAME": "datamodules.skipped_files",
     "ImageFolderDataModule": "datamodules.image_folder",
     "SkippedFilesReport": "datamodules.skipped_files",
-    "BadImageError": "image_folder_dataset",
+    "BadImageError": "errors",
+    "DataError": "errors",
     "ImageFolderDataset": "image_folder_dataset",
     "make_demo_dataset": "demo",
     "PrefetchDataLoader": "prefetch",
@@ -92,6 +96,7 @@ __all__ = [
     "SKIPPED_FILES_NAME",
     "BadImageError",
     "CropParams",
+    "DataError",
     "HWCAugment",
     "ImageFolderDataModule",
     "ImageFolderDataset",

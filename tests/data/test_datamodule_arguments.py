@@ -55,7 +55,8 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for frame in sorted((bad_clips / "val").glob("*/*/"))[0].iterdir():  # the first validation clip: unreadable
         frame.write_text("not an image\n")
     return dict(images=images, bad=bad, bad_list=tmp / "bad.tsv", missing=missing, index_cache=tmp / "index",
-                shards=pack(images, tmp / "pack", shard_size=3, progress=False).parent, clips=clips, bad_clips=bad_clips)
+                shards=pack(images, tmp / "pack", shard_size=3, progress=False).parent, clips=clips, bad_clips=bad_clips,
+                bad_shards=pack(bad, tmp / "bad_pack", shard_size=3, progress=False, check="off").parent)
 
 
 # --- what a probe observes -------------------------------------------------------------------------
@@ -182,7 +183,8 @@ def probes(roots: dict[str, Path]) -> dict[str, Probe]:
     }
 
 
-VIDEO_ROOTS = {"bad": "bad_clips"}  # the clip DataModule's counterpart of a folder with a bad file
+# each DataModule's counterpart of a folder with a bad file (a pack made without the check holds it)
+BAD_ROOTS = {"clips": {"bad": "bad_clips"}, "shards": {"bad": "bad_shards"}}
 ALL_NAMES = sorted({p.name for cls in DATAMODULES.values() for p in inspect.signature(cls).parameters.values()
                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"root"})
 CASES = [(kind, name) for kind in DATAMODULES for name in ALL_NAMES]
@@ -191,7 +193,7 @@ CASES = [(kind, name) for kind in DATAMODULES for name in ALL_NAMES]
 @pytest.mark.parametrize(("kind", "name"), CASES, ids=[f"{k}-{n}" for k, n in CASES])
 def test_each_argument_is_acted_on_or_refused_in_one_line(kind: str, name: str, roots: dict[str, Path]) -> None:
     cls, probe = DATAMODULES[kind], probes(roots)[name]
-    root = roots[(VIDEO_ROOTS.get(probe.root, probe.root) if kind == "clips" else probe.root) or kind]
+    root = roots[BAD_ROOTS.get(kind, {}).get(probe.root, probe.root) or kind]
     base = {**BASE[kind], **probe.base}
     if name not in inspect.signature(cls).parameters:
         try:

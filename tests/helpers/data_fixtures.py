@@ -72,3 +72,87 @@ def write_odd_files(folder: Path, size: tuple[int, int] = (96, 72)) -> dict[str,
 
 BAD = ("truncated", "empty", "text")
 READABLE = ("good", "cmyk", "gray16", "rgba", "gray", "palette", "la")
+
+
+def _png_header_only(path: Path, width: int, height: int) -> None:
+    """A PNG whose header says ``width`` x ``height`` (a bomb's size) with almost no data: Pillow refuses it at open."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grey
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+
+
+def write_quirks(folder: Path, size: tuple[int, int] = (96, 72), seed: int = 7) -> dict[str, Path]:
+    """One file of each kind a real image folder holds (ImageNet's own oddities, and what users' copies
+    add), keyed by kind: the readable ones are ``QUIRKS_READABLE``, the unreadable ones ``QUIRKS_BAD``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rgb = photo(np.random.default_rng(seed), size)
+    out: dict[str, Path] = {}
+
+    def save(kind: str, name: str, img: Image.Image, **kw: object) -> None:
+        out[kind] = folder / name
+        img.save(out[kind], **kw)
+
+    save("jpeg", "n01_0001.JPEG", rgb, quality=90)
+    save("cmyk", "n01_0002.JPEG", rgb.convert("CMYK"), quality=90)
+    save("png_named_jpeg", "n01_0003.JPEG", rgb, format="PNG")
+    save("grey", "n01_0004.JPEG", rgb.convert("L"), quality=90)
+    save("progressive", "n01_0005.jpg", rgb, quality=90, progressive=True)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees: torchvision's decode ignores the tag, as the loader does by default
+    save("exif_rotated", "n01_0006.jpg", rgb, quality=90, exif=exif)
+    save("png", "n01_0007.png", rgb)
+    save("grey16", "n01_0008.png", Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 257))
+    save("palette", "n01_0009.png", rgb.convert("P", palette=Image.Palette.ADAPTIVE))
+    rgba = rgb.convert("RGBA")
+    rgba.putalpha(128)
+    save("rgba", "n01_0010.png", rgba)
+    save("webp", "n01_0011.webp", rgb, lossless=True)
+    save("bmp", "n01_0012.bmp", rgb)
+    save("tiff", "n01_0013.tif", rgb)
+    save("one_pixel", "n01_0014.jpg", rgb.resize((1, 1)), quality=90)
+    save("unicode_name", "ünïcödé_画像.jpg", rgb, quality=90)
+    good = out["jpeg"].read_bytes()
+    for kind, name, data in (("truncated", "n01_0101.JPEG", good[: len(good) // 2]), ("empty", "n01_0102.JPEG", b""),
+                             ("html", "n01_0103.jpg", b"<!DOCTYPE html><html><body>404 Not Found</body></html>\n")):
+        out[kind] = folder / name
+        out[kind].write_bytes(data)
+    out["bomb"] = folder / "n01_0104.png"
+    _png_header_only(out["bomb"], 20000, 20000)  # 4e8 pixels: over twice Pillow's limit
+    out["dangling_link"] = folder / "dangling_link.jpg"
+    out["dangling_link"].symlink_to(folder / "gone.jpg")
+    return out
+
+
+QUIRKS_READABLE = ("jpeg", "cmyk", "png_named_jpeg", "grey", "progressive", "exif_rotated", "png", "grey16", "palette",
+                   "rgba", "webp", "bmp", "tiff", "one_pixel", "unicode_name")
+QUIRKS_BAD = ("truncated", "empty", "html", "bomb", "dangling_link")
+
+
+def add_junk(folder: Path) -> list[Path]:
+    """What copies from laptops, notebooks and zip files leave in a folder: never classes, never samples."""
+    junk = [folder / ".DS_Store", folder / "Thumbs.db", folder / "desktop.ini", folder / "._n01_0001.JPEG",
+            folder / ".ipynb_checkpoints" / "n01_0001-checkpoint.JPEG", folder / "__MACOSX" / "._n01_0001.JPEG"]
+    for path in junk:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x00\x05\x16\x07junk")
+    return junk
+
+
+def write_user_folder(root: Path, size: tuple[int, int] = (96, 72)) -> dict[str, dict[str, Path]]:
+    """``root/{train,val}/<class>/`` as users have it: real JPEGs, every quirk in ``train/c0`` (``write_quirks``),
+    a link to a file of another class, and OS junk in every folder (``.ipynb_checkpoints`` beside the classes
+    too). Returns the quirk files of ``train/c0`` under ``"quirks"`` and the plain images under ``"plain"``."""
+    write_image_folder(root, classes=2, train=3, val=2, size=size)
+    quirks = write_quirks(root / "train" / "c0", size)
+    link = root / "train" / "c1" / "linked.jpg"
+    link.symlink_to(root / "train" / "c0" / "0_000.jpg")  # the same real file: counted once
+    for folder in (root / "train", root / "val", *(root / s / c for s in ("train", "val") for c in ("c0", "c1"))):
+        add_junk(folder)
+    plain = {p.relative_to(root).as_posix(): p for p in root.glob("*/c*/[01]_*.jpg")}
+    return {"quirks": quirks, "plain": plain}

@@ -37,7 +37,7 @@ from cltrain.app.config.rules import (
 )
 from cltrain.data.augment_ops import AUGMENT_POLICIES
 from cltrain.data.constants import CHECK_MODES
-from cltrain.data.image_folder_dataset import BAD_FILE_POLICIES
+from cltrain.data.bad_samples import BAD_FILE_POLICIES
 from cltrain.data.crop_kernels import INTERPOLATIONS
 from cltrain.data.decoders import DECODER_NAMES
 
@@ -113,6 +113,7 @@ class _ImageCrops(DataConfig):
     ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
     hflip: float = key(0.5, UNIT_CLOSED)      # horizontal flip probability
     interpolation: str = key("bilinear", choices(*INTERPOLATIONS))  # antialiased, training and evaluation
+    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
     exif_transpose: bool = False              # turn photos upright by their EXIF orientation (off, as torchvision)
     augment: str = key("none", choices(*AUGMENT_POLICIES))  # on the HWC crop in the workers
     random_erasing: float = key(0.0, UNIT_CLOSED)  # probability, timm's per-image erasing on the device batch
@@ -127,7 +128,6 @@ class ImageFolderConfig(_ImageCrops):
     """``schema/data/images``: an ImageNet-layout folder, ``<root>/{train,val}/<class>/<image>``."""
 
     _target_: str = "cltrain.data.ImageFolderDataModule"
-    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
     allow_missing_val_classes: bool = False   # true: accept classes with train/ images but no val/ folder
     check_val: str = key("quick", choices(*CHECK_MODES))  # check the validation files before the first epoch
     exclude_files: str | None = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
