@@ -156,3 +156,36 @@ def write_user_folder(root: Path, size: tuple[int, int] = (96, 72)) -> dict[str,
         add_junk(folder)
     plain = {p.relative_to(root).as_posix(): p for p in root.glob("*/c*/[01]_*.jpg")}
     return {"quirks": quirks, "plain": plain}
+
+
+def write_format1_pack(root: Path, out: Path, shard_size: int = 5) -> Path:
+    """``root``'s train/ and val/ packed as ``cltrain.data.pack`` wrote packs of format 1: tars of
+    ``<key>.<ext>`` + ``<key>.cls``, an (n, 3) index (offset, size, label), no source paths, no
+    check (an unreadable file is packed as it is). Written here with the standard library and numpy."""
+    import io
+    import json
+    import tarfile
+
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    manifest = {"format": "webdataset", "version": 1, "classes": classes, "splits": {}}
+    for split in ("train", "val"):
+        (out / split).mkdir(parents=True)
+        samples = [(p, classes.index(p.parent.name)) for p in sorted((root / split).glob("*/*")) if p.is_file()]
+        shards = []
+        for k in range(0, len(samples), shard_size):
+            name = f"{split}/shard-{k // shard_size:06d}.tar"
+            with tarfile.open(out / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for i, (path, label) in enumerate(samples[k:k + shard_size]):
+                    for ext, data in ((path.suffix.lower().lstrip("."), path.read_bytes()), ("cls", str(label).encode())):
+                        info = tarfile.TarInfo(f"{k + i:09d}.{ext}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+            with tarfile.open(out / name) as tar:
+                members = [m for m in tar.getmembers() if not m.name.endswith(".cls")]
+            index = np.array([(m.offset_data, m.size, label) for m, (_, label) in zip(members, samples[k:k + shard_size])],
+                             np.int64)
+            np.save((out / name).with_suffix(".idx.npy"), index, allow_pickle=False)
+            shards.append(name)
+        manifest["splits"][split] = {"count": len(samples), "shards": shards}
+    (out / "shards.json").write_text(json.dumps(manifest))
+    return out
