@@ -160,6 +160,7 @@ def probes(roots: dict[str, Path]) -> dict[str, Probe]:
         "exif_transpose": Probe(True, val_batch),
         "decode_threads": Probe(2, decode_threads_used),
         "decoder": Probe("pillow", train_batch),  # Pillow crops the float box, the JPEG path whole pixels
+        "val_reduce": Probe(True, val_batch),  # 48 px high, resized to 18: decoded at 1/2
         "augmentation": Probe(Augmentation(scale=(1.0, 1.0), hflip=0.0), train_batch),
         "scale": Probe((1.0, 1.0), train_batch),
         "ratio": Probe((0.5, 0.5), train_batch),

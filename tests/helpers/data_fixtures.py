@@ -8,6 +8,11 @@ import numpy as np
 from PIL import Image
 
 from cltrain.data.demo import draw_demo_image
+from scripts.bench import quirk_files
+from scripts.bench.quirk_files import QUIRKS_BAD, QUIRKS_READABLE
+
+__all__ = ["BAD", "QUIRKS_BAD", "QUIRKS_READABLE", "READABLE", "add_junk", "photo", "write_format1_pack",
+           "write_image_folder", "write_jpegs", "write_odd_files", "write_quirks", "write_user_folder"]
 
 
 def photo(rng: np.random.Generator, size: tuple[int, int] = (96, 72), k: int = 0) -> Image.Image:
@@ -74,64 +79,9 @@ BAD = ("truncated", "empty", "text")
 READABLE = ("good", "cmyk", "gray16", "rgba", "gray", "palette", "la")
 
 
-def _png_header_only(path: Path, width: int, height: int) -> None:
-    """A PNG whose header says ``width`` x ``height`` (a bomb's size) with almost no data: Pillow refuses it at open."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grey
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-                     + chunk(b"IEND", b""))
-
-
 def write_quirks(folder: Path, size: tuple[int, int] = (96, 72), seed: int = 7) -> dict[str, Path]:
-    """One file of each kind a real image folder holds (ImageNet's own oddities, and what users' copies
-    add), keyed by kind: the readable ones are ``QUIRKS_READABLE``, the unreadable ones ``QUIRKS_BAD``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rgb = photo(np.random.default_rng(seed), size)
-    out: dict[str, Path] = {}
-
-    def save(kind: str, name: str, img: Image.Image, **kw: object) -> None:
-        out[kind] = folder / name
-        img.save(out[kind], **kw)
-
-    save("jpeg", "n01_0001.JPEG", rgb, quality=90)
-    save("cmyk", "n01_0002.JPEG", rgb.convert("CMYK"), quality=90)
-    save("png_named_jpeg", "n01_0003.JPEG", rgb, format="PNG")
-    save("grey", "n01_0004.JPEG", rgb.convert("L"), quality=90)
-    save("progressive", "n01_0005.jpg", rgb, quality=90, progressive=True)
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotated 90 degrees: torchvision's decode ignores the tag, as the loader does by default
-    save("exif_rotated", "n01_0006.jpg", rgb, quality=90, exif=exif)
-    save("png", "n01_0007.png", rgb)
-    save("grey16", "n01_0008.png", Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 257))
-    save("palette", "n01_0009.png", rgb.convert("P", palette=Image.Palette.ADAPTIVE))
-    rgba = rgb.convert("RGBA")
-    rgba.putalpha(128)
-    save("rgba", "n01_0010.png", rgba)
-    save("webp", "n01_0011.webp", rgb, lossless=True)
-    save("bmp", "n01_0012.bmp", rgb)
-    save("tiff", "n01_0013.tif", rgb)
-    save("one_pixel", "n01_0014.jpg", rgb.resize((1, 1)), quality=90)
-    save("unicode_name", "ünïcödé_画像.jpg", rgb, quality=90)
-    good = out["jpeg"].read_bytes()
-    for kind, name, data in (("truncated", "n01_0101.JPEG", good[: len(good) // 2]), ("empty", "n01_0102.JPEG", b""),
-                             ("html", "n01_0103.jpg", b"<!DOCTYPE html><html><body>404 Not Found</body></html>\n")):
-        out[kind] = folder / name
-        out[kind].write_bytes(data)
-    out["bomb"] = folder / "n01_0104.png"
-    _png_header_only(out["bomb"], 20000, 20000)  # 4e8 pixels: over twice Pillow's limit
-    out["dangling_link"] = folder / "dangling_link.jpg"
-    out["dangling_link"].symlink_to(folder / "gone.jpg")
-    return out
-
-
-QUIRKS_READABLE = ("jpeg", "cmyk", "png_named_jpeg", "grey", "progressive", "exif_rotated", "png", "grey16", "palette",
-                   "rgba", "webp", "bmp", "tiff", "one_pixel", "unicode_name")
-QUIRKS_BAD = ("truncated", "empty", "html", "bomb", "dangling_link")
+    """One file of each kind a real image folder holds (``scripts.bench.quirk_files``), from a demo picture."""
+    return quirk_files.write_quirks(folder, photo(np.random.default_rng(seed), size))
 
 
 def add_junk(folder: Path) -> list[Path]:
