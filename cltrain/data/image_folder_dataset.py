@@ -16,19 +16,13 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image
-from torch.utils.data import Dataset
 
-from cltrain.data.bad_samples import BAD_FILE_POLICIES, SkipsBadSamples, check_bad_files, unreadable
+from cltrain.data.bad_samples import BAD_FILE_POLICIES, SkipsBadSamples, check_bad_files
 from cltrain.data.errors import BadImageError
-from cltrain.data.loader_threads import start_batch
-
-if TYPE_CHECKING:
-    from cltrain.data.collate import NHWCCollate
+from cltrain.data.image_samples import ImageSamples
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
 __all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "check_bad_files", "find_classes",
@@ -64,7 +58,7 @@ def read_file_list(path: str | os.PathLike) -> set[str]:
     return out
 
 
-class ImageFolderDataset(SkipsBadSamples, Dataset):
+class ImageFolderDataset(ImageSamples):
     """``(transform(image), class index)`` for each image under ``split_dir/<class>/``.
 
     Args:
@@ -122,55 +116,11 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, int]]:
-        """The samples of a batch, decoded on ``threads`` threads (see ``cltrain.data.loader_threads``)."""
-        return self.start_items(indices)()
+    def source(self, index: int) -> tuple[str, int]:
+        """The path and class index of sample ``index``."""
+        return self.samples[index]
 
-    def start_items(self, indices: Sequence[int], collate: NHWCCollate | None = None) -> Callable[[], list[tuple]]:
-        """``__getitems__`` begun: with ``threads > 1`` the batch is decoding on the pool's threads when
-        this returns, and calling the result waits for it. With ``collate``, each image is written
-        straight into its slot of one batch buffer (normalised there if ``collate`` normalises) and the
-        samples hold ``BatchSlot``s, which ``collate`` hands on without copying."""
-        augment = getattr(self.transform, "augment", None)
-        size = getattr(self.transform, "size", None)
-        # A subclass's own __getitem__ (extra fields) or load (no out=) is what its samples are made by.
-        own_getitem = type(self).__getitem__ is not SkipsBadSamples.__getitem__
-        own_load = type(self).load is not ImageFolderDataset.load
-        if own_getitem:
-            return start_batch(self.__getitem__, indices, self.threads, augment)
-        if (collate is None or own_load or augment is not None or size is None
-                or not getattr(self.transform, "takes_paths", False)):
-            return start_batch(self.load, indices, self.threads, augment, retry=BadImageError,
-                               fallback=self.__getitem__ if self.bad_files == "skip" else None)
-        buffer = collate.new_batch(len(indices), (*size, self.transform.channels))
-
-        def write(k: int, fetch: Callable[..., tuple]) -> tuple:
-            sample = None
-
-            def make(dest: torch.Tensor) -> Any:
-                nonlocal sample
-                sample = fetch(indices[k], out=dest)
-                return sample[0]
-
-            slot = collate.write(buffer, k, make)
-            return (slot, *sample[1:])
-
-        return start_batch(lambda k: write(k, self.load), range(len(indices)), self.threads, retry=BadImageError,
-                           fallback=(lambda k: write(k, self.fetch)) if self.bad_files == "skip" else None)
-
-    def load(self, index: int, out: torch.Tensor | None = None) -> tuple[Any, int]:
-        """The sample at ``index`` (its image written into ``out`` when given, see the transforms);
-        raises ``BadImageError`` for an unreadable file."""
-        path, target = self.samples[index]
-        try:
-            if out is not None:
-                return self.transform(path, out=out), target
-            if getattr(self.transform, "takes_paths", False):
-                return self.transform(path), target
-            with Image.open(path) as img:
-                return self.transform(img), target
-        except Exception as err:  # any failure of decoding or converting this one file
-            reason = unreadable(err, path)
-            raise BadImageError(f"{path}: cannot be read as an image ({reason}). "
-                                "Replace or remove the file, or pass bad_files='skip' to skip such files.", reason) from err
-
+    def unreadable_message(self, index: int, reason: str) -> str:
+        """The one line of ``BadImageError`` for sample ``index``: the file, why, what to do."""
+        return (f"{self.samples[index][0]}: cannot be read as an image ({reason}). "
+                "Replace or remove the file, or pass bad_files='skip' to skip such files.")
