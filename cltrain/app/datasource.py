@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from cltrain.app.config.errors import ConfigError
 from cltrain.app.config.data_schema import DEMO_GENERATORS
 from cltrain.data.constants import is_hidden
+from cltrain.data.hf_dataset import is_hub_id
 
 __all__ = ["absolute", "build_datamodule"]
 
@@ -34,7 +35,8 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     """The configured DataModule (``data._target_``), with the demo set generated first when configured."""
     data = OmegaConf.to_container(cfg.data, resolve=True)
     demo = data.pop("demo", None)
-    data["root"] = absolute(data["root"])
+    if not (data["_target_"].endswith("HFImageDataModule") and is_hub_id(data["root"])):  # a Hub id is not a path
+        data["root"] = absolute(data["root"])
     if demo is not None:
         from hydra.utils import get_method
 
@@ -54,10 +56,10 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     if isinstance(datamodule, ClassFolderDataModule):  # a pack or a dataset of rows says what it holds itself
         _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
     try:
-        datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
+        datamodule.num_classes  # reads the class folders (or the dataset's labels): a missing split fails here
     except (FileNotFoundError, NotADirectoryError, ValueError) as err:
         raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
-                          "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
+                          getattr(datamodule, "root_hint", "an ImageNet-layout folder: train/<class>/, val/<class>/")) from None
     return datamodule
 
 

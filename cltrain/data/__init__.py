@@ -18,8 +18,11 @@ Its modules, one line each (the names below are importable from ``cltrain.data``
 * ``pack``: ``python -m cltrain.data.pack ROOT OUT``: an image folder into WebDataset shards.
 * ``shard_dataset``: ``ShardsDataset``, one split of a pack, read by offset.
 * ``shard_sampler``: ``ShardBatchSampler``, each sample once per epoch under DDP, ranks in step.
+* ``shard_writer``: one shard of a pack: its files read and checked once, written with their paths.
+* ``hf_dataset``: Hugging Face ``datasets`` rows (encoded bytes) as samples, map-style or streamed.
+* ``image_samples``: ``ImageSamples``, the base of the map-style image Datasets (a path or bytes per sample).
 * ``prefetch``: ``PrefetchDataLoader``, the next batch copied to the GPU on a side stream.
-* ``datamodules``: ``ImageFolderDataModule``, ``ShardsDataModule`` and their bases, for Lightning.
+* ``datamodules``: ``ImageFolderDataModule``, ``ShardsDataModule``, ``HFImageDataModule`` and their bases, for Lightning.
 * ``demo``: ``make_demo_dataset``, a small JPEG folder with a learnable signal, made locally.
 * ``constants``: ImageNet statistics, the image suffixes read, the hidden and system entries no walk lists.
 * ``video``: the same path for clips, ``(N, C, T, H, W)`` channels_last_3d.
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from cltrain.data.augment_ops import HWCAugment, MixupCutmix, RandomErasing
     from cltrain.data.collate import NHWCCollate, nhwc_collate
     from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
+    from cltrain.data.datamodules.hf import HFImageDataModule
     from cltrain.data.datamodules.image_folder import ImageFolderDataModule
     from cltrain.data.datamodules.shards import ShardsDataModule
     from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
@@ -73,6 +77,7 @@ _MODULES = {
     "IMG_EXTENSIONS": "constants",
     "SKIPPED_FILES_NAME": "datamodules.skipped_files",
     "ImageFolderDataModule": "datamodules.image_folder",
+    "HFImageDataModule": "datamodules.hf",
     "SkippedFilesReport": "datamodules.skipped_files",
     "BadImageError": "errors",
     "DataError": "errors",
@@ -97,6 +102,7 @@ __all__ = [
     "BadImageError",
     "CropParams",
     "DataError",
+    "HFImageDataModule",
     "HWCAugment",
     "ImageFolderDataModule",
     "ImageFolderDataset",

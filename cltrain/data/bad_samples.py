@@ -48,7 +48,7 @@ class SkipsBadSamples:
     ``BadImageError`` for an unreadable sample (its ``reason``, else its ``__cause__``, says why):
     ``"raise"`` passes it on; ``"skip"`` reports the sample (``skip``) and returns the next readable
     one (at most 50 in a row). The Dataset calls ``_set_policy`` and says what its samples are
-    called (``sample_name``), which split it is (``split_name``) and where (``source``);
+    called (``sample_name``), which split it is (``split_name``) and where (``source_name``);
     ``what`` names a sample in the warning."""
 
     what = "image"
@@ -77,7 +77,7 @@ class SkipsBadSamples:
         return self.split_dir.name  # type: ignore[attr-defined]
 
     @property
-    def source(self) -> str:
+    def source_name(self) -> str:
         """Where the samples are, for errors (a folder Dataset: its folder)."""
         return str(self.split_dir)  # type: ignore[attr-defined]
 
@@ -97,7 +97,7 @@ class SkipsBadSamples:
                 return load(i)
             except BadImageError as err:
                 self.skip(self.sample_name(i), getattr(err, "reason", None) or unreadable(err.__cause__ or err))
-        raise BadImageError(f"{self.source}: {_MAX_SKIPS_IN_A_ROW} unreadable {self.what}s in a row from index {index}; "
+        raise BadImageError(f"{self.source_name}: {_MAX_SKIPS_IN_A_ROW} unreadable {self.what}s in a row from index {index}; "
                             "the data is not usable as it is (see the skipped-files list).")
 
     def skip(self, name: str, reason: str) -> None:

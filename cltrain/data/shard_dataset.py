@@ -121,7 +121,7 @@ class ShardsDataset(SkipsBadSamples, Dataset):
         return self.split
 
     @property
-    def source(self) -> str:
+    def source_name(self) -> str:
         """The pack and split, for errors."""
         return f"{self.root} ({self.split})"
 

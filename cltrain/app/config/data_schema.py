@@ -26,11 +26,13 @@ from cltrain.app.config.rules import (
     NON_NEGATIVE,
     OPT_PATH,
     OPT_POSITIVE,
+    OPT_TEXT,
     POSITIVE,
     POSITIVE_OR_AUTO,
     RATIO,
     SCALE,
     SEED,
+    TEXT,
     UNIT_CLOSED,
     choices,
     key,
@@ -46,6 +48,7 @@ __all__ = [
     "ClipFolderConfig",
     "ClipFolderDemoConfig",
     "DataConfig",
+    "HFConfig",
     "ImageDemoConfig",
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
@@ -150,6 +153,21 @@ class ShardsConfig(_ImageCrops):
     _target_: str = "cltrain.data.ShardsDataModule"
     seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
     shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
+
+
+@dataclass
+class HFConfig(_ImageCrops):
+    """``schema/data/hf``: a Hugging Face image dataset: a Hub id, a ``save_to_disk`` folder or a folder of
+    Parquet files (``pip install 'cltrain[hf]'``); a local ``root`` is a folder, anything else a Hub id."""
+
+    _target_: str = "cltrain.data.HFImageDataModule"
+    streaming: bool = False                   # read the splits as streams (nothing downloaded or converted first)
+    train_split: str = key("train", TEXT)
+    val_split: str | None = key(None, OPT_TEXT)  # null: the first of validation, val, valid, test
+    image_column: str | None = key(None, OPT_TEXT)  # null: the first Image feature
+    label_column: str | None = key(None, OPT_TEXT)  # null: the first ClassLabel feature
+    shuffle_buffer: int | None = key(10000, OPT_POSITIVE)  # streaming: rows shuffled together for training
+    shuffle_seed: int = key(0, SEED)          # streaming: epoch e's order is shuffled with shuffle_seed + e (every rank)
 
 
 @dataclass
