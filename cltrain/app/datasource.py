@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from cltrain.app.config.errors import ConfigError
 from cltrain.app.config.data_schema import DEMO_GENERATORS
 from cltrain.data.constants import is_hidden
-from cltrain.data.hf_dataset import is_hub_id
+from cltrain.data.hf_source import is_hub_id
 
 __all__ = ["absolute", "build_datamodule"]
 

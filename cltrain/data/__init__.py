@@ -19,6 +19,7 @@ Its modules, one line each (the names below are importable from ``cltrain.data``
 * ``shard_dataset``: ``ShardsDataset``, one split of a pack, read by offset.
 * ``shard_sampler``: ``ShardBatchSampler``, each sample once per epoch under DDP, ranks in step.
 * ``shard_writer``: one shard of a pack: its files read and checked once, written with their paths.
+* ``hf_source``: opening a Hugging Face dataset (Hub id, ``save_to_disk`` folder, Parquet), its splits and columns.
 * ``hf_dataset``: Hugging Face ``datasets`` rows (encoded bytes) as samples, map-style or streamed.
 * ``image_samples``: ``ImageSamples``, the base of the map-style image Datasets (a path or bytes per sample).
 * ``prefetch``: ``PrefetchDataLoader``, the next batch copied to the GPU on a side stream.

@@ -10,15 +10,14 @@ as for a folder (``cltrain.data.image_samples``); the labels and class names com
 that cannot be read is named by its index under the ``bad_files`` policy of every source
 (``cltrain.data.bad_samples``).
 
-``open_dataset(root)`` opens what users have: a folder written by ``save_to_disk``, a folder of
-Parquet files (or any folder ``datasets.load_dataset`` reads), or a Hub id (downloaded into the
-Hugging Face cache on first use, read from it after; with ``HF_HUB_OFFLINE=1`` only the cache).
-Needs ``pip install 'cltrain[hf]'`` (``datasets``).
+``cltrain.data.hf_source.open_dataset(root)`` opens what users have: a folder written by
+``save_to_disk``, a folder of Parquet files, or a Hub id. Needs ``pip install 'cltrain[hf]'`` (``datasets``).
 
 Example::
 
     >>> from cltrain.data import eval_transform
-    >>> from cltrain.data.hf_dataset import HFImageDataset, open_dataset, split_names
+    >>> from cltrain.data.hf_dataset import HFImageDataset
+    >>> from cltrain.data.hf_source import open_dataset, split_names
     >>> splits = open_dataset("/data/imagenet-hf")             # doctest: +SKIP
     >>> train, val = split_names(splits, "/data/imagenet-hf")  # doctest: +SKIP
     >>> ds = HFImageDataset(splits[val], eval_transform(224))  # doctest: +SKIP
@@ -28,136 +27,49 @@ Example::
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from cltrain.data.bad_samples import SkipsBadSamples
-from cltrain.data.errors import BadImageError, DataError
+from cltrain.data.bad_samples import SkipsBadSamples, unreadable
+from cltrain.data.errors import BadImageError
+from cltrain.data.hf_source import columns, row_name, row_source, undecoded
 from cltrain.data.image_samples import ImageSamples
 from cltrain.data.loader_threads import load_batch
 
-__all__ = ["VAL_SPLITS", "HFImageDataset", "HFStreamingDataset", "columns", "is_hub_id", "open_dataset", "rank_of",
-           "split_names"]
-
-#: The splits evaluated on, in the order they are looked for when ``val_split`` is not given.
-VAL_SPLITS = ("validation", "val", "valid", "test")
+__all__ = ["HFImageDataset", "HFStreamingDataset", "rank_of"]
 
 
-def _datasets() -> Any:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError("Hugging Face datasets need the datasets package: pip install 'cltrain[hf]'.") from None
-    return datasets
+class _Split:
+    """What both datasets of a split share: its columns, its names in lists and errors."""
+
+    split: str
+    where: str
+
+    def _open_split(self, dataset: Any, image_column: str | None, label_column: str | None, split: str,
+                    where: str) -> None:
+        self.split, self.where = split, str(where)
+        self.image_column, self.label_column, self.classes = columns(dataset.features, image_column, label_column,
+                                                                     self.source_name)
+        self.dataset = undecoded(dataset, self.image_column, self.label_column)
+
+    @property
+    def split_name(self) -> str:
+        """The split, as the skipped-files list names it."""
+        return self.split
+
+    @property
+    def source_name(self) -> str:
+        """The dataset and split, for errors."""
+        return f"{self.where} ({self.split})"
+
+    def _unreadable(self, name: str, reason: str) -> str:
+        return (f"{self.source_name} {name}: cannot be read as an image ({reason}). "
+                "Pass bad_files='skip' to leave such rows out, or mend the row in the dataset.")
 
 
-def is_hub_id(root: str | os.PathLike) -> bool:
-    """Whether ``open_dataset`` takes ``root`` for a Hub id: no such local path, and ``name`` or ``owner/name``."""
-    text = str(root)
-    return not Path(os.path.expanduser(text)).exists() and re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", text) is not None
-
-
-def open_dataset(root: str | os.PathLike, streaming: bool = False) -> Mapping[str, Any]:
-    """The splits of ``root`` (a ``DatasetDict``, or an ``IterableDatasetDict`` when ``streaming``): a folder
-    written by ``save_to_disk`` (a single ``Dataset`` is the split ``"train"``), any other local folder
-    through ``datasets.load_dataset`` (a folder of Parquet files: the splits by file name), else a Hub id.
-
-    Raises:
-        DataError: ``datasets`` is not installed, or ``root`` cannot be opened (the reason in one line).
-    """
-    datasets = _datasets()
-    folder = Path(os.path.expanduser(str(root)))
-    try:
-        if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
-            loaded = datasets.load_from_disk(str(folder))
-            splits = loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
-            if streaming:  # contiguous shards, enough for the DataLoader's workers to share
-                return datasets.IterableDatasetDict({k: v.to_iterable_dataset(num_shards=max(1, min(len(v), 64)))
-                                                     for k, v in splits.items()})
-            return splits
-        return datasets.load_dataset(str(folder) if folder.is_dir() else str(root), streaming=streaming)
-    except Exception as err:  # a missing Hub id, no network, a folder datasets does not read
-        reason = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-        if is_hub_id(root):
-            raise DataError(f"{root}: cannot be opened as a Hub dataset ({reason}); a Hub id is read from the local "
-                            "Hugging Face cache or downloaded (HF_HUB_OFFLINE=1: the cache only).") from None
-        raise DataError(f"{root}: cannot be opened as a Hugging Face dataset ({reason}); pass a folder written by "
-                        "save_to_disk or a folder of Parquet files.") from None
-
-
-def split_names(splits: Mapping[str, Any], root: str | os.PathLike, train_split: str = "train",
-                val_split: str | None = None) -> tuple[str, str]:
-    """``(train, validation)`` split names of ``splits``; ``val_split=None`` takes the first of ``VAL_SPLITS`` there.
-
-    Raises:
-        DataError: a split is missing (the splits there are named).
-    """
-    have = sorted(splits)
-    if train_split not in splits:
-        raise DataError(f"{root}: no split {train_split!r} (it has {have}); pass train_split=<one of them>.")
-    val = val_split if val_split is not None else next((s for s in VAL_SPLITS if s in splits), None)
-    if val is None or val not in splits:
-        raise DataError(f"{root}: no split {val or ' or '.join(VAL_SPLITS)!r} to evaluate on (it has {have}); "
-                        "pass val_split=<one of them>.")
-    return train_split, val
-
-
-def columns(features: Mapping[str, Any], image_column: str | None = None, label_column: str | None = None,
-            where: str = "the dataset") -> tuple[str, str, list[str]]:
-    """``(image column, label column, class names)``: the named columns, or the first ``Image`` and the
-    first ``ClassLabel`` feature.
-
-    Raises:
-        DataError: no such column, or not of that type (the features are named).
-    """
-    datasets = _datasets()
-    kinds = {name: type(f).__name__ for name, f in features.items()}
-
-    def pick(given: str | None, kind: type, what: str) -> str:
-        if given is None:
-            found = next((n for n, f in features.items() if isinstance(f, kind)), None)
-            if found is None:
-                raise DataError(f"{where} has no {kind.__name__} column (columns: {kinds}); pass {what}=<the {what[:-7]}>.")
-            return found
-        if given not in features or not isinstance(features[given], kind):
-            raise DataError(f"{where}: {what}={given!r} is not a {kind.__name__} column (columns: {kinds}).")
-        return given
-
-    image = pick(image_column, datasets.Image, "image_column")
-    label = pick(label_column, datasets.ClassLabel, "label_column")
-    return image, label, list(features[label].names)
-
-
-def _undecoded(dataset: Any, image: str, label: str) -> Any:
-    """``dataset`` with only the two columns, the images as ``{"bytes", "path"}`` (not decoded by ``datasets``)."""
-    return dataset.select_columns([image, label]).cast_column(image, _datasets().Image(decode=False))
-
-
-def _row_source(row: Mapping[str, Any], image: str, label: str) -> tuple[bytes | str, int]:
-    """The encoded bytes (or the local path) of a row's image, and its label."""
-    value, target = row[image], row[label]
-    if value is None:
-        raise ValueError("the row has no image")
-    data = value.get("bytes") or value.get("path")
-    if not data:
-        raise ValueError("the row's image has neither bytes nor a path")
-    if target is None or target < 0:
-        raise ValueError(f"the row has no label ({target})")
-    return data, int(target)
-
-
-def _row_name(index: int | str, row: Mapping[str, Any], image: str) -> str:
-    """``row <index> (<file name>)`` (the file name when the row has one)."""
-    value = row.get(image)
-    name = value.get("path") if isinstance(value, Mapping) else None
-    return f"row {index}" + (f" ({name})" if name else "")
-
-
-class HFImageDataset(ImageSamples):
+class HFImageDataset(_Split, ImageSamples):
     """One split of a Hugging Face dataset (``datasets.Dataset``) as ``(transform(image), label)``: the
     rows' encoded bytes decoded by the loader (see the module docstring); batches are decoded on
     ``threads`` threads and written into the batch, as ``ImageFolderDataset`` does.
@@ -186,39 +98,26 @@ class HFImageDataset(ImageSamples):
         if not (isinstance(threads, int) and threads >= 1):
             raise ValueError(f"HFImageDataset: threads={threads!r} must be an int >= 1.")
         self._set_policy(bad_files, skip_log)
-        self.threads, self.transform, self.split, self.where = threads, transform, split, str(where)
-        self.image_column, self.label_column, self.classes = columns(dataset.features, image_column, label_column,
-                                                                     f"{where} ({split})")
-        self.dataset = _undecoded(dataset, self.image_column, self.label_column)
+        self.threads, self.transform = threads, transform
+        self._open_split(dataset, image_column, label_column, split, where)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def source(self, index: int) -> tuple[bytes | str, int]:
         """The encoded bytes (or the local path) of row ``index``'s image, and its label."""
-        return _row_source(self.dataset[index], self.image_column, self.label_column)
+        return row_source(self.dataset[index], self.image_column, self.label_column)
 
     def sample_name(self, index: int) -> str:
         """``row <index>``, with the image's file name when the row has one."""
-        return _row_name(index, self.dataset[index], self.image_column)
-
-    @property
-    def split_name(self) -> str:
-        """The split, as the skipped-files list names it."""
-        return self.split
-
-    @property
-    def source_name(self) -> str:
-        """The dataset and split, for errors."""
-        return f"{self.where} ({self.split})"
+        return row_name(index, self.dataset[index], self.image_column)
 
     def unreadable_message(self, index: int, reason: str) -> str:
         """The one line of ``BadImageError`` for row ``index``."""
-        return (f"{self.source_name} {self.sample_name(index)}: cannot be read as an image ({reason}). "
-                "Pass bad_files='skip' to leave such rows out, or mend the row in the dataset.")
+        return self._unreadable(self.sample_name(index), reason)
 
 
-class HFStreamingDataset(SkipsBadSamples, IterableDataset):
+class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
     """A streamed split (``datasets.IterableDataset``) as ``(transform(image), label)`` samples, in the
     stream's order (shuffled within ``shuffle_buffer`` rows, a new order each epoch, ``set_epoch``). A
     stream has no row index: a bad row is named by its place in the epoch's stream and its file name.
@@ -253,26 +152,14 @@ class HFStreamingDataset(SkipsBadSamples, IterableDataset):
                  bad_files: str = "raise", skip_log: str | os.PathLike | None = None, threads: int = 1, rank: int = 0,
                  world_size: int = 1, equal: bool = False, shuffle_buffer: int | None = None, seed: int = 0) -> None:
         self._set_policy(bad_files, skip_log)
-        self.transform, self.split, self.where, self.threads = transform, split, str(where), max(1, threads)
-        self.image_column, self.label_column, self.classes = columns(dataset.features, image_column, label_column,
-                                                                     f"{where} ({split})")
-        self.dataset = _undecoded(dataset, self.image_column, self.label_column)
+        self.transform, self.threads = transform, max(1, threads)
+        self._open_split(dataset, image_column, label_column, split, where)
         self.rank, self.world_size, self.equal = rank, world_size, equal
         self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next iteration gives (``PrefetchDataLoader`` sets it)."""
         self.epoch = epoch
-
-    @property
-    def split_name(self) -> str:
-        """The split, as the skipped-files list names it."""
-        return self.split
-
-    @property
-    def source_name(self) -> str:
-        """The dataset and split, for errors."""
-        return f"{self.where} ({self.split})"
 
     def _rows(self) -> Iterator[tuple[str, Mapping[str, Any]]]:
         """This rank's ``(name, row)`` pairs of this worker's part of the stream."""
@@ -286,10 +173,10 @@ class HFStreamingDataset(SkipsBadSamples, IterableDataset):
         mine = None
         for j, row in enumerate(stream):
             if world == 1:
-                yield _row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row
+                yield row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row
                 continue
             if j % world == rank:
-                mine = (_row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row)
+                mine = (row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row)
                 if not self.equal:
                     yield mine
             if self.equal and j % world == world - 1:  # the group is whole: every rank has its row
@@ -298,12 +185,11 @@ class HFStreamingDataset(SkipsBadSamples, IterableDataset):
     def _load(self, item: tuple[str, Mapping[str, Any]]) -> tuple[Any, int]:
         name, row = item
         try:
-            data, target = _row_source(row, self.image_column, self.label_column)
+            data, target = row_source(row, self.image_column, self.label_column)
             return self.transform(data), target
         except Exception as err:  # any failure of this one row
-            reason = f"{type(err).__name__}: {err}".replace("\t", " ").replace("\n", " ")
-            raise BadImageError(f"{self.source_name} {name}: cannot be read as an image ({reason}). Pass bad_files='skip' "
-                                "to leave such rows out, or mend the row in the dataset.", reason) from err
+            reason = unreadable(err)
+            raise BadImageError(self._unreadable(name, reason), reason) from err
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
         augment = getattr(self.transform, "augment", None)

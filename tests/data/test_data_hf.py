@@ -107,6 +107,7 @@ def test_bad_rows_are_skipped_and_listed_by_index_or_raised_in_one_line(hf, tmp_
     assert line.endswith("Pass bad_files='skip' to leave such rows out, or mend the row in the dataset."), line
 
 
+@pytest.mark.slow
 def test_the_app_trains_from_a_hub_id_in_the_local_cache_offline(hf, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(hf["paths"]["hub-cache"]), "PYTHONWARNINGS": "ignore"}
@@ -131,9 +132,8 @@ def test_ddp_two_ranks_two_workers_read_each_row_once_per_epoch(tmp_path, stream
     cells, _ = image_rows(24, 24, seed=2)  # each row its own class: a batch's targets are its row ids
     root = write_hf_dataset(tmp_path / "rows", {"train": (cells, list(range(24))), "validation": (cells[:8], list(range(8)))},
                             [f"r{i}" for i in range(24)])["saved"]
-    script = REPO / "tests" / "helpers" / "hf_ddp_run.py"
-    proc = subprocess.run([sys.executable, str(script), str(root), str(tmp_path), "1" if streaming else "0", "2"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.hf_ddp_run", str(root), str(tmp_path), "1" if streaming else "0",
+                           "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 for r in ranks) and ranks[0]["steps"] == ranks[1]["steps"]

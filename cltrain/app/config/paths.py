@@ -37,7 +37,7 @@ def check_paths(cfg: DictConfig) -> None:
                           _HUB_ROOTS if hub else "a directory with train/ and val/ class folders")
     where = Path(str(root)).expanduser()
     if hub:
-        from cltrain.data.hf_dataset import is_hub_id
+        from cltrain.data.hf_source import is_hub_id
 
         if not where.is_dir() and not is_hub_id(root):
             raise ConfigError("data.root", str(root), "no such directory, and not a Hub id", _HUB_ROOTS)

@@ -24,7 +24,8 @@ from cltrain.data.datamodules.base import takes_arguments_of
 from cltrain.data.datamodules.image_base import ImageDataModule
 from cltrain.data.datamodules.skipped_files import TakesBadFiles
 from cltrain.data.errors import DataError
-from cltrain.data.hf_dataset import HFImageDataset, HFStreamingDataset, columns, open_dataset, rank_of, split_names
+from cltrain.data.hf_dataset import HFImageDataset, HFStreamingDataset, rank_of
+from cltrain.data.hf_source import columns, open_dataset, split_names
 from cltrain.data.prefetch import PrefetchDataLoader
 
 __all__ = ["HFImageDataModule"]
