@@ -58,8 +58,8 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     try:
         datamodule.num_classes  # reads the class folders (or the dataset's labels): a missing split fails here
     except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
-                          getattr(datamodule, "root_hint", "an ImageNet-layout folder: train/<class>/, val/<class>/")) from None
+        hint = getattr(datamodule, "root_hint", "an ImageNet-layout folder: train/<class>/, val/<class>/")
+        raise ConfigError("data.root", data["root"], str(err).splitlines()[0], hint) from None
     return datamodule
 
 

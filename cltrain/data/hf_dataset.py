@@ -7,8 +7,8 @@ libjpeg-turbo straight into the batch (no Pillow image on the way) and any other
 as for a folder (``cltrain.data.image_samples``); the labels and class names come from the
 ``ClassLabel``. ``HFStreamingDataset`` does the same for a streamed dataset
 (``load_dataset(..., streaming=True)``), which is read in order and never downloaded whole. A row
-that cannot be read is named by its index under the ``bad_files`` policy of every source
-(``cltrain.data.bad_samples``).
+that cannot be read is named by its index (in a stream: its place and its file name) under the
+``bad_files`` policy of every source (``cltrain.data.bad_samples``).
 
 ``cltrain.data.hf_source.open_dataset(root)`` opens what users have: a folder written by
 ``save_to_disk``, a folder of Parquet files, or a Hub id. Needs ``pip install 'cltrain[hf]'`` (``datasets``).
@@ -143,8 +143,7 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
         world_size: the number of ranks.
         equal: drop the incomplete last group, so every rank yields as many samples.
         shuffle_buffer: rows shuffled together (``datasets``' buffer shuffle); ``None``: stream order.
-        seed: the shuffle's seed (the same on every rank: the DataModule passes the run's seed);
-            epoch ``e`` shuffles with ``seed + e``.
+        seed: the shuffle's seed, the same on every rank; epoch ``e`` shuffles with ``seed + e``.
     """
 
     def __init__(self, dataset: Any, transform: Callable[..., Any], image_column: str | None = None,

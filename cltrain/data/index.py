@@ -1,9 +1,10 @@
 """The file index of an image folder split (``split/<class>/<image>``), built once and cached.
 
 A walk skips hidden and system entries (``cltrain.data.constants.is_hidden``: dot names such as
-``.ipynb_checkpoints`` and ``.DS_Store``, ``Thumbs.db``, ``desktop.ini``), counts each image file once, by its real path (a symlink loop is walked once, a second
-link to a listed file is dropped; hard links are not recognised), and counts the files whose
-suffix is not in ``IMG_EXTENSIONS`` (torchvision's ``ImageFolder`` list) as ``ignored``.
+``.ipynb_checkpoints`` and ``.DS_Store``, ``Thumbs.db``, ``desktop.ini``), counts each image file
+once, by its real path (a symlink loop is walked once, a second link to a listed file is dropped;
+hard links are not recognised), and counts the files whose suffix is not in ``IMG_EXTENSIONS``
+(torchvision's ``ImageFolder`` list) as ``ignored``.
 
 ``index_split`` stores what one walk found as one JSON file per split in
 ``default_cache_dir()`` (or ``cache_dir``), keyed by the split's real path, written atomically;

@@ -59,7 +59,8 @@ def save_as_hf(samples: list[tuple[str, int]], classes: list[str], out: Path) ->
 
 def hf_documented(dataset: Any, size: int) -> tuple[Dataset, Callable, Callable]:
     """Hugging Face's image-classification recipe: ``set_transform`` with torchvision transforms on Pillow images."""
-    tv = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    tv = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
     def transform(batch: dict) -> dict:
         batch["pixel_values"] = [tv(img.convert("RGB")) for img in batch["image"]]
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         return {"(b) cltrain hf": (HFImageDataset(split, train_transform(args.size), threads=threads), collate),
                 "(c) cltrain dir": (ImageFolderDataset(root / "train", train_transform(args.size), threads=threads), collate)}
 
-    configs = {f"{args.workers} workers (all)": (args.workers, 1), f"cltrain's plan ({plan[0]} workers x {plan[1]} threads)": plan}
+    configs = {f"{args.workers} workers (all)": (args.workers, 1),
+               f"cltrain's plan ({plan[0]} workers x {plan[1]} threads)": plan}
     rates: dict[tuple[str, str], list[float]] = {}
     for r in range(args.repeats):
         for config, (workers, threads) in configs.items():

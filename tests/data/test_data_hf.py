@@ -48,8 +48,9 @@ def _dm(root: Path, **kw) -> HFImageDataModule:
 
 @pytest.mark.parametrize("source,streaming", [("saved", False), ("parquet", False), ("parquet", True), ("saved", True)])
 def test_rows_give_the_pixels_of_the_files_and_the_classlabel(hf, source, streaming):
-    dm = _dm(hf["paths"][source], streaming=streaming, shuffle_buffer=None)  # (datasets sleeps 5 s ending a shuffled
-    assert dm.classes == NAMES                                                 # Parquet stream: not here) and dm.num_classes == 3
+    # no shuffle buffer: datasets sleeps 5 s where a shuffled Parquet stream ends (the streaming tests below shuffle)
+    dm = _dm(hf["paths"][source], streaming=streaming, shuffle_buffer=None)
+    assert dm.classes == NAMES and dm.num_classes == 3
     dm.setup("fit")
     cells, labels = hf["val"]
     seen = 0
@@ -132,8 +133,8 @@ def test_ddp_two_ranks_two_workers_read_each_row_once_per_epoch(tmp_path, stream
     cells, _ = image_rows(24, 24, seed=2)  # each row its own class: a batch's targets are its row ids
     root = write_hf_dataset(tmp_path / "rows", {"train": (cells, list(range(24))), "validation": (cells[:8], list(range(8)))},
                             [f"r{i}" for i in range(24)])["saved"]
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.hf_ddp_run", str(root), str(tmp_path), "1" if streaming else "0",
-                           "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    command = ["-m", "tests.helpers.hf_ddp_run", str(root), str(tmp_path), "1" if streaming else "0", "2"]
+    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 for r in ranks) and ranks[0]["steps"] == ranks[1]["steps"]

@@ -43,7 +43,8 @@ def test_every_code_path_lists_the_images_and_nothing_hidden(user_folder, tmp_pa
     assert check_main([str(root), "--out", str(tmp_path / "bad.tsv"), "--workers", "2", "--no-progress"]) == 1
     assert set(_rows(tmp_path / "bad.tsv")) == bad  # the data check: exactly the unreadable files
     reasons = {path: reason for path, (_, reason) in _rows(tmp_path / "bad.tsv").items()}
-    assert reasons[str(quirks["dangling_link"])] == f"a symbolic link to {quirks['dangling_link'].parent / 'gone.jpg'}, which does not exist"
+    link = quirks["dangling_link"]
+    assert reasons[str(link)] == f"a symbolic link to {link.parent / 'gone.jpg'}, which does not exist"
 
     out = tmp_path / "pack"  # the packer: every readable image once, the unreadable ones listed by path
     assert pack_main([str(root), str(out), "--shard-size", "8", "--workers", "2", "--no-progress"]) == 0

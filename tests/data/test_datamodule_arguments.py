@@ -82,9 +82,10 @@ def _hf_dataset(folder: Path, out: Path) -> Path:
             except OSError:  # the bad folder's unreadable file: unreadable in both columns
                 buf.write(f.read_bytes())
             mirrored.append({"bytes": buf.getvalue(), "path": None})
+        images = [{"bytes": f.read_bytes(), "path": f.name} for f in files]
+        labels = [int(f.parent.name[1]) for f in files]
         splits[name] = datasets.Dataset.from_dict(
-            {"image": [{"bytes": f.read_bytes(), "path": f.name} for f in files], "label": [int(f.parent.name[1]) for f in files],
-             "mirrored": mirrored, "coarse": [0] * len(files)}, features=features)
+            {"image": images, "label": labels, "mirrored": mirrored, "coarse": [0] * len(files)}, features=features)
     datasets.DatasetDict(splits).save_to_disk(str(out))
     return out
 
@@ -267,7 +268,8 @@ def test_lightning_cli_reads_every_argument_with_its_type(cls: type) -> None:
     parser.add_class_arguments(cls, "data")
     assert set(vars(parser.get_defaults().data)) == set(inspect.signature(cls).parameters)
     name, text, value = OWN_FLAG[cls]
-    data = parser.parse_args(["--data.root=/x", "--data.batch_size=8", "--data.scale=[0.5, 1.0]", f"--data.{name}={text}"]).data
+    flags = ["--data.root=/x", "--data.batch_size=8", "--data.scale=[0.5, 1.0]", f"--data.{name}={text}"]
+    data = parser.parse_args(flags).data
     assert (data.batch_size, data.scale, getattr(data, name)) == (8, [0.5, 1.0], value)
     with pytest.raises(jsonargparse.ArgumentError):
         parser.parse_args(["--data.root=/x", "--data.batch_size=eight"])

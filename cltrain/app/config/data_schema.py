@@ -111,7 +111,7 @@ class _ImageCrops(DataConfig):
     num_workers: Any = key("auto", COUNT_OR_AUTO)
     decode_threads: Any = key("auto", POSITIVE_OR_AUTO)  # threads decoding each batch inside each loading process
     decoder: str = key("auto", choices(*DECODER_NAMES))  # the JPEG back end (cltrain.data.decoders), or pillow
-    val_reduce: bool = False                  # true: large validation JPEGs decoded at 1/2-1/8 scale (faster, not torchvision's)
+    val_reduce: bool = False                  # true: large validation JPEGs decoded at 1/2-1/8 scale (not torchvision's)
 
     scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
     ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
