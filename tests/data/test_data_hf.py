@@ -1,6 +1,6 @@
 """Hugging Face datasets through the NHWC path: real ``datasets`` on disk (``save_to_disk``, Parquet files, a Hub
 id from the local cache, streamed), the folder path's pixels, labels from the ClassLabel, JPEG rows never through
-Pillow, bad rows skipped and listed by index or raised in one line, 0 and 2 workers."""
+Pillow, bad rows skipped and listed by index or raised in one line, 0 and 2 workers, a stream under DDP."""
 
 from __future__ import annotations
 
@@ -108,32 +108,41 @@ def test_bad_rows_are_skipped_and_listed_by_index_or_raised_in_one_line(hf, tmp_
     assert line.endswith("Pass bad_files='skip' to leave such rows out, or mend the row in the dataset."), line
 
 
-@pytest.mark.slow
-def test_the_app_trains_from_a_hub_id_in_the_local_cache_offline(hf, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(hf["paths"]["hub-cache"]), "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)
-    run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "experiment=smoke", "data=hf", f"data.root={HUB_ID}",
-                             "data.batch_size=4", "device=cpu", f"hydra.run.dir={run_dir}"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "cltrain: val top-1" in result.stdout and "(chance 33.3%)" in result.stdout
-    missing = subprocess.run([sys.executable, str(REPO / "train.py"), "experiment=smoke", "data=hf",
-                              "data.root=cltrain-tests/not-cached", "device=cpu", f"hydra.run.dir={tmp_path / 'run2'}"],
-                             capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert missing.stderr.strip().splitlines()[-1].startswith(
-        "cltrain: error: data.root='cltrain-tests/not-cached': cltrain-tests/not-cached: cannot be opened as a Hub dataset")
+def test_the_app_reads_a_hub_id_from_the_local_cache_offline(hf, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    from cltrain.app.cli import compose_config
+    from cltrain.app.config import ConfigError
+    from cltrain.app.config.paths import check_paths
+    from cltrain.app.train import build_datamodule
+
+    # as HF_HUB_OFFLINE=1 HF_DATASETS_CACHE=<cache> set them when datasets is imported: no network, the cache only
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf["paths"]["hub-cache"])
+    cfg = compose_config(["data=hf", f"data.root={HUB_ID}", "data.num_workers=0", "data.image_size=24",
+                          "data.val_resize_size=28", "data.batch_size=4"])
+    check_paths(cfg)  # a Hub id is not a folder, and needs none
+    dm = build_datamodule(cfg)
+    assert isinstance(dm, HFImageDataModule) and dm.root_name == HUB_ID and dm.classes == NAMES
+    dm.setup("fit")
+    x, y = next(iter(dm.val_dataloader()))
+    assert x.shape == (4, 3, 24, 24) and y.tolist() == hf["val"][1][:4]
+    with pytest.raises(ConfigError, match=r"^data.root='cltrain-tests/not-cached': cltrain-tests/not-cached: cannot be "
+                                          r"opened as a Hub dataset \(ConnectionError"):
+        build_datamodule(compose_config(["data=hf", "data.root=cltrain-tests/not-cached", "data.num_workers=0"]))
+    with pytest.raises(ConfigError, match="no such directory, and not a Hub id"):
+        check_paths(compose_config(["data=hf", "data.root=./not/a/folder"]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("streaming", [False, True])
-def test_ddp_two_ranks_two_workers_read_each_row_once_per_epoch(tmp_path, streaming):
+def test_ddp_two_ranks_two_workers_read_each_streamed_row_once_per_epoch(tmp_path):
+    # the map-style path is the folder's: Lightning's DistributedSampler (tests/data/test_data_image_folder.py)
     cells, _ = image_rows(24, 24, seed=2)  # each row its own class: a batch's targets are its row ids
     root = write_hf_dataset(tmp_path / "rows", {"train": (cells, list(range(24))), "validation": (cells[:8], list(range(8)))},
                             [f"r{i}" for i in range(24)])["saved"]
-    command = ["-m", "tests.helpers.hf_ddp_run", str(root), str(tmp_path), "1" if streaming else "0", "2"]
+    command = ["-m", "tests.helpers.hf_ddp_run", str(root), str(tmp_path), "1", "2"]
     proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
