@@ -24,6 +24,9 @@ Two depths (``--quick``):
   ``setup`` (``check_val="quick"``), so a bad validation file stops the run
   before the first training epoch rather than after it.
 
+``check_bytes`` gives the same verdict on a file's bytes already read (``cltrain-pack`` reads each
+file once, checks it, and packs the same bytes).
+
 Example::
 
     python -m cltrain.data.check /data/imagenet --workers 8 --out bad_files.tsv
