@@ -6,6 +6,9 @@ the schema first (``cltrain.app.config.check_command_line``, every value of
 a ``-m`` sweep): an unknown key or a bad value ends the run with one line on
 stderr and exit status 2 before anything starts; an unknown group option
 (``model=nope``) is Hydra's own one-paragraph error listing the options (exit status 1).
+A problem with the data found once the run has started (an empty class folder, an unreadable
+image under ``data.bad_files=raise``, in ``setup`` or in a DataLoader worker: a
+``cltrain.data.DataError``) ends it with one line naming the file or folder and the fix, exit status 2.
 
 The configs are cltrain's own (``cltrain.app.config.config_dir``), or ``$CLTRAIN_CONFIG_DIR``;
 Hydra's ``--config-dir`` adds a folder of the user's beside them.
@@ -33,12 +36,16 @@ def _run(cfg: DictConfig) -> float | None:
     from cltrain.app.train import train  # after Hydra has parsed the command line: `--help` stays fast
     from cltrain.atomic import DiskFullError
     from cltrain.checkpoint_io import CheckpointLoadError
+    from cltrain.data.errors import DataError, error_line
 
     try:
         return train(cfg).get("val_top1")
     except ConfigError as err:
         print(f"cltrain: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None  # not an Exception: Hydra lets it through instead of printing a traceback
+    except DataError as err:  # raised in setup or a worker: its own line, without the worker's traceback
+        print(f"cltrain: error: {error_line(err)}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (NonFiniteLossError, DiskFullError, CheckpointLoadError) as err:  # a diverged run, a full disk, a bad
         print(f"cltrain: error: {err}", file=sys.stderr)  # checkpoint: metrics.json says "failed"; one line
         raise SystemExit(1) from None

@@ -1,8 +1,10 @@
 """The training data for ``train(cfg)``: the DataModule built from ``cfg.data``, its folder checked first.
 
 ``build_datamodule`` generates the demo set when configured, checks the ImageNet layout
-cheaply (one directory listing per class folder, before anything is built) and instantiates
-``data._target_``; every problem is a one-line ``ConfigError``.
+cheaply (one directory listing per class folder, before anything is built; hidden and system
+entries such as ``.ipynb_checkpoints`` or ``Thumbs.db`` are skipped by the data path's one rule,
+``cltrain.data.constants.is_hidden``) and instantiates ``data._target_``; every problem is a
+one-line ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config.errors import ConfigError
 from cltrain.app.config.data_schema import DEMO_GENERATORS
+from cltrain.data.constants import is_hidden
+from cltrain.data.hf_source import is_hub_id
 
 __all__ = ["absolute", "build_datamodule"]
 
@@ -31,7 +35,8 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     """The configured DataModule (``data._target_``), with the demo set generated first when configured."""
     data = OmegaConf.to_container(cfg.data, resolve=True)
     demo = data.pop("demo", None)
-    data["root"] = absolute(data["root"])
+    if not (data["_target_"].endswith("HFImageDataModule") and is_hub_id(data["root"])):  # a Hub id is not a path
+        data["root"] = absolute(data["root"])
     if demo is not None:
         from hydra.utils import get_method
 
@@ -46,15 +51,15 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
         raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
-    from cltrain.data import ShardsDataModule
+    from cltrain.data.datamodules import ClassFolderDataModule
 
-    if not isinstance(datamodule, ShardsDataModule):  # a shard pack is checked by its own manifest
+    if isinstance(datamodule, ClassFolderDataModule):  # a pack or a dataset of rows says what it holds itself
         _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
     try:
-        datamodule.num_classes  # reads the class folders: a missing split or class fails here, not in a worker
+        datamodule.num_classes  # reads the class folders (or the dataset's labels): a missing split fails here
     except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        raise ConfigError("data.root", data["root"], str(err).splitlines()[0],
-                          "an ImageNet-layout folder: train/<class>/, val/<class>/") from None
+        hint = getattr(datamodule, "root_hint", "an ImageNet-layout folder: train/<class>/, val/<class>/")
+        raise ConfigError("data.root", data["root"], str(err).splitlines()[0], hint) from None
     return datamodule
 
 
@@ -67,13 +72,19 @@ def _check_layout(root: Path, allow_missing_val_classes: bool, evaluate_only: bo
         folder = root / split
         if not folder.is_dir():
             raise ConfigError("data.root", str(root), f"has no {split}/ folder", layout)
-        classes[split] = {e.name for e in os.scandir(folder) if e.is_dir()}
+        classes[split] = {e.name for e in os.scandir(folder) if not is_hidden(e.name) and e.is_dir()}
         if not classes[split]:
             raise ConfigError("data.root", str(root), f"{split}/ has no class folders", layout)
         for name in sorted(classes[split]):
             with os.scandir(folder / name) as entries:
-                if next(entries, None) is None:
-                    raise ConfigError("data.root", str(root), f"the class folder {split}/{name}/ is empty",
+                hidden = []
+                for entry in entries:
+                    if not is_hidden(entry.name):
+                        break
+                    hidden.append(entry.name)
+                else:
+                    what = f"holds only {', '.join(sorted(hidden)[:3])}" if hidden else "is empty"
+                    raise ConfigError("data.root", str(root), f"the class folder {split}/{name}/ {what}",
                                       "remove it, or put its images there")
     missing = sorted(classes.get("train", set()) - classes["val"])
     if missing and not allow_missing_val_classes:

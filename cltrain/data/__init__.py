@@ -10,16 +10,22 @@ Its modules, one line each (the names below are importable from ``cltrain.data``
 * ``augment_group``: ``Augmentation``, the training augmentation of the image DataModules as one group.
 * ``collate``: ``NHWCCollate`` / ``nhwc_collate``: images into one ``(N, H, W, C)`` buffer, seen as NCHW channels_last.
 * ``normalize``: ``normalize``: uint8 -> float32/bfloat16/float16 on the device, channels_last.
+* ``errors``: ``DataError`` (one line naming the file or folder and the fix), ``BadImageError``.
+* ``bad_samples``: the ``bad_files`` policy (``"raise"`` / ``"skip"``) of every Dataset here.
 * ``image_folder_dataset``: ``ImageFolderDataset``, an ImageNet-layout split with a bad-file policy.
 * ``index``: the cached file index of an image folder split.
 * ``check``: ``python -m cltrain.data.check ROOT``: the unreadable files of a folder, before training.
 * ``pack``: ``python -m cltrain.data.pack ROOT OUT``: an image folder into WebDataset shards.
 * ``shard_dataset``: ``ShardsDataset``, one split of a pack, read by offset.
 * ``shard_sampler``: ``ShardBatchSampler``, each sample once per epoch under DDP, ranks in step.
+* ``shard_writer``: one shard of a pack: its files read and checked once, written with their paths.
+* ``hf_source``: opening a Hugging Face dataset (Hub id, ``save_to_disk`` folder, Parquet), its splits and columns.
+* ``hf_dataset``: Hugging Face ``datasets`` rows (encoded bytes) as samples, map-style or streamed.
+* ``image_samples``: ``ImageSamples``, the base of the map-style image Datasets (a path or bytes per sample).
 * ``prefetch``: ``PrefetchDataLoader``, the next batch copied to the GPU on a side stream.
-* ``datamodules``: ``ImageFolderDataModule``, ``ShardsDataModule`` and their bases, for Lightning.
+* ``datamodules``: ``ImageFolderDataModule``, ``ShardsDataModule``, ``HFImageDataModule`` and their bases, for Lightning.
 * ``demo``: ``make_demo_dataset``, a small JPEG folder with a learnable signal, made locally.
-* ``constants``: ImageNet statistics and the image suffixes read.
+* ``constants``: ImageNet statistics, the image suffixes read, the hidden and system entries no walk lists.
 * ``video``: the same path for clips, ``(N, C, T, H, W)`` channels_last_3d.
 
 Example::
@@ -43,11 +49,13 @@ if TYPE_CHECKING:
     from cltrain.data.augment_ops import HWCAugment, MixupCutmix, RandomErasing
     from cltrain.data.collate import NHWCCollate, nhwc_collate
     from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
+    from cltrain.data.datamodules.hf import HFImageDataModule
     from cltrain.data.datamodules.image_folder import ImageFolderDataModule
     from cltrain.data.datamodules.shards import ShardsDataModule
     from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
     from cltrain.data.demo import make_demo_dataset
-    from cltrain.data.image_folder_dataset import BadImageError, ImageFolderDataset
+    from cltrain.data.errors import BadImageError, DataError
+    from cltrain.data.image_folder_dataset import ImageFolderDataset
     from cltrain.data.prefetch import PrefetchDataLoader
     from cltrain.data.shard_dataset import ShardsDataset
     from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, eval_transform, train_transform
@@ -70,8 +78,10 @@ _MODULES = {
     "IMG_EXTENSIONS": "constants",
     "SKIPPED_FILES_NAME": "datamodules.skipped_files",
     "ImageFolderDataModule": "datamodules.image_folder",
+    "HFImageDataModule": "datamodules.hf",
     "SkippedFilesReport": "datamodules.skipped_files",
-    "BadImageError": "image_folder_dataset",
+    "BadImageError": "errors",
+    "DataError": "errors",
     "ImageFolderDataset": "image_folder_dataset",
     "make_demo_dataset": "demo",
     "PrefetchDataLoader": "prefetch",
@@ -92,6 +102,8 @@ __all__ = [
     "SKIPPED_FILES_NAME",
     "BadImageError",
     "CropParams",
+    "DataError",
+    "HFImageDataModule",
     "HWCAugment",
     "ImageFolderDataModule",
     "ImageFolderDataset",

@@ -24,6 +24,9 @@ Two depths (``--quick``):
   ``setup`` (``check_val="quick"``), so a bad validation file stops the run
   before the first training epoch rather than after it.
 
+``check_bytes`` gives the same verdict on a file's bytes already read (``cltrain-pack`` reads each
+file once, checks it, and packs the same bytes).
+
 Example::
 
     python -m cltrain.data.check /data/imagenet --workers 8 --out bad_files.tsv
@@ -33,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import io
 import multiprocessing
 import os
 import sys
@@ -40,16 +44,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 from PIL import Image
 
 from cltrain.atomic import atomic_open
+from cltrain.data.bad_samples import unreadable
 from cltrain.data.constants import CHECK_MODES
 from cltrain.data.crop_kernels import check_pixels
 from cltrain.data.decoders import DECODER_NAMES, Decoder, get_decoder
 from cltrain.data.index import index_split
 
-__all__ = ["CHECK_MODES", "check_file", "check_files", "main"]
+__all__ = ["CHECK_MODES", "check_bytes", "check_file", "check_files", "main"]
 
 _TAIL = 4096  # bytes searched for a JPEG's end-of-image marker (some files carry trailing bytes after it)
 
@@ -61,41 +67,52 @@ def check_file(path: str, full: bool = False, decoder: str = "auto") -> str | No
     with ``decoder`` (see the module docstring; ``ValueError`` for a name ``get_decoder`` refuses)."""
     backend = get_decoder(decoder) if full else None
     try:
-        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            return _check_stream(f, os.fstat(f.fileno()).st_size, full, backend)
+    except Exception as err:  # any failure to open this one file
+        return unreadable(err, path)
+
+
+def check_bytes(data: bytes, full: bool = True, decoder: str = "auto") -> str | None:
+    """``check_file``'s verdict on a file's bytes (read once by whoever also stores them: ``cltrain.data.pack``)."""
+    return _check_stream(io.BytesIO(data), len(data), full, get_decoder(decoder) if full else None)
+
+
+def _check_stream(f: BinaryIO, size: int, full: bool, backend: Decoder | None) -> str | None:
+    try:
         if size == 0:
             return "empty file (0 bytes)"
-        if backend is not None and _decodes(backend, path):
-            return None
-        with Image.open(path) as img:
-            if full:
-                img.load()
+        if full:
+            data = f.read()
+            if backend is not None and _decodes(backend, data):
                 return None
+            with Image.open(io.BytesIO(data)) as img:
+                img.load()
+            return None
+        with Image.open(f) as img:
             fmt = img.format
             if fmt == "PNG":
                 img.verify()
         if fmt in ("JPEG", "MPO"):
-            with open(path, "rb") as f:
-                f.seek(max(0, size - _TAIL))
-                if b"\xff\xd9" not in f.read():
-                    return "JPEG without its end-of-image marker (truncated?)"
+            f.seek(max(0, size - _TAIL))
+            if b"\xff\xd9" not in f.read():
+                return "JPEG without its end-of-image marker (truncated?)"
         return None
     except Exception as err:  # any failure to parse or decode this one file
-        return f"{type(err).__name__}: {err}".replace("\t", " ").replace("\n", " ")
+        return unreadable(err)
 
 
-def _decodes(backend: Decoder, path: str) -> bool:
-    """Whether ``backend`` decodes the whole of ``path``; ``False`` for a file it does not read or
+def _decodes(backend: Decoder, data: bytes) -> bool:
+    """Whether ``backend`` decodes the whole of ``data``; ``False`` for a file it does not read or
     whose data it refuses, which the loader hands to Pillow (Pillow's verdict is then the one).
 
     Raises:
         PIL.Image.DecompressionBombError: the image is over Pillow's pixel limit, which the loader applies too.
     """
-    with open(path, "rb") as f:
-        data = f.read()
     header = backend.header(data)
     if header is None:
         return False
-    check_pixels((header.width, header.height), path)
+    check_pixels((header.width, header.height), "image")
     try:
         backend.decode(data, header)
     except ValueError:

@@ -1,4 +1,4 @@
-"""Constants of the data path: ImageNet statistics and the image file suffixes read."""
+"""Constants of the data path: ImageNet statistics, the image file suffixes read, and the entries no walk lists."""
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -11,3 +11,15 @@ JPEG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg")
 
 #: Depths of the image-file check (see ``cltrain.data.check``).
 CHECK_MODES: tuple[str, ...] = ("quick", "full", "off")
+
+#: Files and folders that operating systems and tools leave beside the data (lower case): Windows'
+#: thumbnail caches and folder settings, the folder macOS adds to zip archives.
+JUNK_NAMES: frozenset[str] = frozenset({"thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini", "__macosx"})
+
+
+def is_hidden(name: str) -> bool:
+    """Whether a folder entry named ``name`` is hidden or left by the system, and so never a class,
+    a sample or a clip: a dot name (``.ipynb_checkpoints``, ``.DS_Store``, AppleDouble ``._photo.jpg``,
+    ``.git``) or one of ``JUNK_NAMES``. The one rule of every walk (the index, the app's layout check,
+    the packer, the data check, the clip folders)."""
+    return name.startswith(".") or name.lower() in JUNK_NAMES

@@ -14,15 +14,17 @@ filtering, mirror it, HWC uint8 out):
   (corrupt, truncated, empty: Pillow then reports them with its own message), and
   machines without a back end (or ``decoder="pillow"``).
 
-Both decode a crop at least twice the output at a reduced size (libjpeg's DCT
-scaling) when that cannot lower the output's resolution: 1/2, 1/4 or 1/8, see
-``decode_factor`` (the M/8 scales in between run slower generic IDCTs). The fast
-path then rounds the box to the reduced image's pixels (Pillow takes the exact float
-box): the crop moves by up to half a decoded pixel, at most half an output pixel, like
-torchvision's own whole-pixel crop boxes. Decoding is accurate (no ``fastdct`` /
-``fastupsample``), so the evaluation path equals torchvision's decode + ``Resize`` +
-``CenterCrop`` on tensors pixel for pixel. Measurements behind these choices:
-docs/performance.md.
+With ``reduce`` (the training transform's setting) both decode a crop at least twice the
+output at a reduced size (libjpeg's DCT scaling) when that cannot lower the output's
+resolution: 1/2, 1/4 or 1/8, see ``decode_factor`` (the M/8 scales in between run slower
+generic IDCTs). The fast path then rounds the box to the reduced image's pixels (Pillow takes
+the exact float box): the crop moves by up to half a decoded pixel, at most half an output
+pixel, like torchvision's own whole-pixel crop boxes. A DCT-scaled decode is a different
+picture from a full decode then resized (up to ~100 levels apart at an edge), so the
+evaluation transform decodes whole by default (``reduce=False``): decoding is accurate (no
+``fastdct`` / ``fastupsample``), and the evaluation path equals torchvision's decode +
+``Resize`` + ``CenterCrop`` within one level per pixel, for every kind of file.
+Measurements behind these choices: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -73,22 +75,22 @@ def to_mode(img: Image.Image, mode: str) -> Image.Image:
 
 def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size: tuple[int, int],
                  channels: int = 3, flip: bool = False, resize: tuple[int, int] | None = None,
-                 interpolation: str = "bilinear") -> np.ndarray:
+                 interpolation: str = "bilinear", reduce: bool = True) -> np.ndarray:
     """Crop ``box`` (left, top, right, bottom in ``img``'s pixels) and resize it to
     ``size`` = (height, width) in one antialiased bilinear resample; HWC uint8 out.
 
     With ``resize`` = (height, width), ``box`` is in the pixels of the image resized to
     that size and is mapped back to ``img``'s, so the samples are those of resizing
-    then cropping. When ``img`` is a JPEG not decoded yet and the crop is at least
-    twice the output, ``Image.draft`` makes libjpeg decode at 1/2, 1/4 or 1/8 scale and
-    the box is scaled to match; the output has the same size either way.
+    then cropping. With ``reduce``, when ``img`` is a JPEG not decoded yet and the crop is
+    at least twice the output, ``Image.draft`` makes libjpeg decode at 1/2, 1/4 or 1/8 scale
+    and the box is scaled to match; the output has the same size either way.
     """
     mode = "RGB" if channels == 3 else "L"
     width, height = img.size
     if resize is not None:
         sx, sy = width / resize[1], height / resize[0]
         box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-    factor = decode_factor(box, size)
+    factor = decode_factor(box, size) if reduce else 1
     # draft only acts on a JPEG that is not loaded yet (it returns None otherwise);
     # asking for "L" there makes libjpeg output luma only.
     drafted = img.draft(mode, (width // factor, height // factor) if factor > 1 else None)

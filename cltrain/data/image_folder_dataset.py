@@ -4,45 +4,29 @@ A transform that takes paths (``takes_paths``, as cltrain's do) is handed each
 sample's path, so it reads the bytes and decodes JPEGs with libjpeg-turbo; any
 other transform gets the image opened lazily with Pillow, undecoded, so it can
 still ask for reduced-size JPEG decoding. A file that cannot be read
-(zero bytes, not an image, truncated, an unsupported mode) either raises
+(zero bytes, not an image, truncated, an unsupported mode, a dangling link) either raises
 ``BadImageError`` naming the file and the reason (``bad_files="raise"``),
-or is replaced by the next readable sample and reported (``bad_files="skip"``):
-one ``split<TAB>path<TAB>reason`` line appended to ``skip_log`` (from whichever
-worker process met it) and a warning once per file and process.
+or is replaced by the next readable sample and reported (``bad_files="skip"``;
+``cltrain.data.bad_samples``).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image
-from torch.utils.data import Dataset
 
-from cltrain.data.loader_threads import start_batch
-
-if TYPE_CHECKING:
-    from cltrain.data.collate import NHWCCollate
+from cltrain.data.bad_samples import BAD_FILE_POLICIES, SkipsBadSamples, check_bad_files
+from cltrain.data.errors import BadImageError
+from cltrain.data.image_samples import ImageSamples
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
 __all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "check_bad_files", "find_classes",
            "find_samples", "read_file_list"]
-
-log = logging.getLogger(__name__)
-
-BAD_FILE_POLICIES: tuple[str, ...] = ("raise", "skip")
-_MAX_SKIPS_IN_A_ROW = 50
-
-
-class BadImageError(RuntimeError):
-    """A file of the image folder cannot be read as an image."""
 
 
 def find_samples(split_dir: str | os.PathLike, classes: Sequence[str], require_all: bool = True) -> list[tuple[str, int]]:
@@ -74,66 +58,7 @@ def read_file_list(path: str | os.PathLike) -> set[str]:
     return out
 
 
-def check_bad_files(bad_files: str, owner: str = "") -> str:
-    """``bad_files`` if it is a policy of ``BAD_FILE_POLICIES``; else ``ValueError`` (prefixed by ``owner``)."""
-    if bad_files not in BAD_FILE_POLICIES:
-        raise ValueError(f"{owner + ': ' if owner else ''}bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
-    return bad_files
-
-
-class SkipsBadSamples:
-    """The bad-file policy of a folder Dataset whose ``samples`` start with a path and whose
-    ``load(i)`` raises ``BadImageError`` (its ``__cause__`` the reason): ``bad_files="raise"``
-    passes it on; ``"skip"`` reports the sample (``skip``) and returns the next readable one
-    (at most 50 in a row). The Dataset sets ``split_dir`` and calls ``_set_policy``;
-    ``what`` names a sample in the warning."""
-
-    what = "image"
-    split_dir: Path
-    samples: Sequence[tuple]
-    bad_files: str
-    skip_log: str | None
-    _warned: set[str]
-
-    def _set_policy(self, bad_files: str, skip_log: str | os.PathLike | None) -> None:
-        self.bad_files = check_bad_files(bad_files)
-        self.skip_log = None if skip_log is None else str(skip_log)
-        self._warned = set()
-
-    def load(self, index: int) -> tuple[np.ndarray, int]:  # pragma: no cover - the Dataset's
-        raise NotImplementedError
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        return self.fetch(index)
-
-    def fetch(self, index: int, out: Any = None) -> tuple[Any, ...]:
-        """The sample at ``index`` (its image written into ``out`` when given), or under
-        ``bad_files="skip"`` the next readable one."""
-        load = self.load if out is None else functools.partial(self.load, out=out)
-        if self.bad_files == "raise":
-            return load(index)
-        for attempt in range(min(_MAX_SKIPS_IN_A_ROW, len(self.samples))):
-            i = (index + attempt) % len(self.samples)
-            try:
-                return load(i)
-            except BadImageError as err:
-                cause = err.__cause__
-                self.skip(self.samples[i][0], f"{type(cause).__name__}: {cause}")
-        raise BadImageError(f"{self.split_dir}: {_MAX_SKIPS_IN_A_ROW} unreadable files in a row from index {index}; "
-                            "the folder is not usable as it is (see the skipped-files log).")
-
-    def skip(self, path: str, reason: str) -> None:
-        """Report ``path`` as skipped: a line in ``skip_log`` and a warning once per file and process."""
-        reason = reason.replace("\t", " ").replace("\n", " ")
-        if self.skip_log is not None:
-            with open(self.skip_log, "a", encoding="utf-8") as f:  # one short line per write: atomic with O_APPEND
-                f.write(f"{self.split_dir.name}\t{path}\t{reason}\n")
-        if path not in self._warned:
-            self._warned.add(path)
-            log.warning("skipping unreadable %s %s (%s)", self.what, path, reason)
-
-
-class ImageFolderDataset(SkipsBadSamples, Dataset):
+class ImageFolderDataset(ImageSamples):
     """``(transform(image), class index)`` for each image under ``split_dir/<class>/``.
 
     Args:
@@ -191,54 +116,11 @@ class ImageFolderDataset(SkipsBadSamples, Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[np.ndarray, int]]:
-        """The samples of a batch, decoded on ``threads`` threads (see ``cltrain.data.loader_threads``)."""
-        return self.start_items(indices)()
+    def source(self, index: int) -> tuple[str, int]:
+        """The path and class index of sample ``index``."""
+        return self.samples[index]
 
-    def start_items(self, indices: Sequence[int], collate: NHWCCollate | None = None) -> Callable[[], list[tuple]]:
-        """``__getitems__`` begun: with ``threads > 1`` the batch is decoding on the pool's threads when
-        this returns, and calling the result waits for it. With ``collate``, each image is written
-        straight into its slot of one batch buffer (normalised there if ``collate`` normalises) and the
-        samples hold ``BatchSlot``s, which ``collate`` hands on without copying."""
-        augment = getattr(self.transform, "augment", None)
-        size = getattr(self.transform, "size", None)
-        # A subclass's own __getitem__ (extra fields) or load (no out=) is what its samples are made by.
-        own_getitem = type(self).__getitem__ is not SkipsBadSamples.__getitem__
-        own_load = type(self).load is not ImageFolderDataset.load
-        if own_getitem:
-            return start_batch(self.__getitem__, indices, self.threads, augment)
-        if (collate is None or own_load or augment is not None or size is None
-                or not getattr(self.transform, "takes_paths", False)):
-            return start_batch(self.load, indices, self.threads, augment, retry=BadImageError,
-                               fallback=self.__getitem__ if self.bad_files == "skip" else None)
-        buffer = collate.new_batch(len(indices), (*size, self.transform.channels))
-
-        def write(k: int, fetch: Callable[..., tuple]) -> tuple:
-            sample = None
-
-            def make(dest: torch.Tensor) -> Any:
-                nonlocal sample
-                sample = fetch(indices[k], out=dest)
-                return sample[0]
-
-            slot = collate.write(buffer, k, make)
-            return (slot, *sample[1:])
-
-        return start_batch(lambda k: write(k, self.load), range(len(indices)), self.threads, retry=BadImageError,
-                           fallback=(lambda k: write(k, self.fetch)) if self.bad_files == "skip" else None)
-
-    def load(self, index: int, out: torch.Tensor | None = None) -> tuple[Any, int]:
-        """The sample at ``index`` (its image written into ``out`` when given, see the transforms);
-        raises ``BadImageError`` for an unreadable file."""
-        path, target = self.samples[index]
-        try:
-            if out is not None:
-                return self.transform(path, out=out), target
-            if getattr(self.transform, "takes_paths", False):
-                return self.transform(path), target
-            with Image.open(path) as img:
-                return self.transform(img), target
-        except Exception as err:  # any failure of decoding or converting this one file
-            raise BadImageError(f"{path}: cannot be read as an image ({type(err).__name__}: {err}). "
-                                "Replace or remove the file, or pass bad_files='skip' to skip such files.") from err
-
+    def unreadable_message(self, index: int, reason: str) -> str:
+        """The one line of ``BadImageError`` for sample ``index``: the file, why, what to do."""
+        return (f"{self.samples[index][0]}: cannot be read as an image ({reason}). "
+                "Replace or remove the file, or pass bad_files='skip' to skip such files.")

@@ -1,8 +1,10 @@
 """The file index of an image folder split (``split/<class>/<image>``), built once and cached.
 
-A walk counts each image file once, by its real path (a symlink loop is walked once, a second
-link to a listed file is dropped; hard links are not recognised), and counts the files whose
-suffix is not in ``IMG_EXTENSIONS`` (torchvision's ``ImageFolder`` list) as ``ignored``.
+A walk skips hidden and system entries (``cltrain.data.constants.is_hidden``: dot names such as
+``.ipynb_checkpoints`` and ``.DS_Store``, ``Thumbs.db``, ``desktop.ini``), counts each image file
+once, by its real path (a symlink loop is walked once, a second link to a listed file is dropped;
+hard links are not recognised), and counts the files whose suffix is not in ``IMG_EXTENSIONS``
+(torchvision's ``ImageFolder`` list) as ``ignored``.
 
 ``index_split`` stores what one walk found as one JSON file per split in
 ``default_cache_dir()`` (or ``cache_dir``), keyed by the split's real path, written atomically;
@@ -27,7 +29,8 @@ from pathlib import Path
 from filelock import FileLock
 
 from cltrain.atomic import atomic_write_bytes, atomic_write_json, remove_leftovers, removed_line
-from cltrain.data.constants import IMG_EXTENSIONS
+from cltrain.data.constants import IMG_EXTENSIONS, is_hidden
+from cltrain.data.errors import DataError
 
 __all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "scan_split"]
 
@@ -46,7 +49,7 @@ class SplitIndex:
     Attributes:
         classes: class folder names, in label order.
         samples: ``(path, class index)`` of every image file, each real file once.
-        ignored: count of non-hidden files not loaded, by lower-case suffix (``""``: none).
+        ignored: count of files not loaded (hidden and system files aside), by lower-case suffix (``""``: none).
         duplicates: image paths dropped because their real file was already listed.
         signature: modification time (ns) of every folder walked, by real path.
     """
@@ -73,15 +76,15 @@ def find_classes(split_dir: str | os.PathLike) -> list[str]:
 
     Raises:
         FileNotFoundError: ``split_dir`` is missing.
-        ValueError: it holds no class folders.
+        DataError: it holds no class folders (hidden and system folders are not classes).
     """
     split_dir = Path(split_dir)
     if not split_dir.is_dir():
         raise FileNotFoundError(f"{split_dir} is not a folder. Expected the ImageNet layout: "
                                 f"{split_dir.parent}/train/<class>/<image> and {split_dir.parent}/val/<class>/<image>.")
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+    classes = sorted(e.name for e in os.scandir(split_dir) if not is_hidden(e.name) and e.is_dir())
     if not classes:
-        raise ValueError(f"{split_dir} holds no class folders; put each class's images in {split_dir}/<class>/.")
+        raise DataError(f"{split_dir} holds no class folders; put each class's images in {split_dir}/<class>/.")
     return classes
 
 
@@ -92,7 +95,7 @@ def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: set[str], ind
     subdirs = []
     with os.scandir(folder) as entries:
         for e in sorted(entries, key=lambda e: e.name):
-            if e.name.startswith("."):
+            if is_hidden(e.name):
                 continue
             if e.is_dir():
                 sub_real = os.path.realpath(e.path) if e.is_symlink() else os.path.join(real, e.name)
@@ -127,7 +130,7 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
 
     Raises:
         FileNotFoundError: ``split_dir`` is missing.
-        ValueError: no class folders, an empty class folder, a class folder not in
+        DataError: no class folders, a class folder without images, a class folder not in
             ``classes``, or (unless ``allow_missing``) a class of ``classes`` with no folder.
     """
     split_dir = Path(split_dir)
@@ -135,11 +138,11 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
     classes = list(present if classes is None else classes)
     unknown = sorted(set(present) - set(classes))
     if unknown:
-        raise ValueError(f"{split_dir} has class folders {unknown} that the training split does not have; "
+        raise DataError(f"{split_dir} has class folders {unknown} that the training split does not have; "
                          "remove them or add them to the training split.")
     missing = [c for c in classes if c not in set(present)]
     if missing and not allow_missing:
-        raise ValueError(f"{split_dir} lacks the class folders {missing} that the training split has; add them, "
+        raise DataError(f"{split_dir} lacks the class folders {missing} that the training split has; add them, "
                          f"or allow it explicitly with allow_missing_val_classes=True.")
     index = SplitIndex(classes=classes, samples=[])
     seen_dirs = {os.path.realpath(split_dir)}
@@ -154,10 +157,21 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
         if real not in seen_dirs:
             _walk(str(folder), real, seen_dirs, seen_files, index, found)
         if not found:
-            raise ValueError(f"class folder {folder} has no images (suffixes {', '.join(IMG_EXTENSIONS)}); "
-                             "add images or remove the folder.")
+            raise DataError(f"class folder {folder} has no images (suffixes {', '.join(IMG_EXTENSIONS)}"
+                            f"{_only(folder)}); add images or remove the folder.")
         index.samples += [(p, label) for p in found]
     return index
+
+
+def _only(folder: Path) -> str:
+    """``"; it holds only .DS_Store, Thumbs.db"``: what a class folder without images holds (up to 3 names)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return ""
+    if not names:
+        return "; it is empty"
+    return "; it holds only " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def default_cache_dir() -> Path:

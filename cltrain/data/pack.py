@@ -6,24 +6,35 @@
 
 ``ROOT/{train,val}/<class>/<image>`` becomes::
 
-    OUT/train/shard-000000.tar        # WebDataset tar: <key>.jpg (the file's own bytes), <key>.cls (label)
-    OUT/train/shard-000000.idx.npy    # int64 (n, 3): data offset, size, label of each image in the tar
+    OUT/train/shard-000000.tar        # WebDataset tar: <key>.jpg (the file's own bytes), <key>.cls (label),
+                                      #   <key>.path (the path of the file it was packed from)
+    OUT/train/shard-000000.idx.npy    # int64 (n, 5): image offset, size, label, path offset, size in the tar
+    OUT/train/shard-000000.skipped.tsv  # the shard's files the check found unreadable (only if any)
     OUT/val/...
+    OUT/skipped_files.tsv             # every file left out: split<TAB>path<TAB>reason (as cltrain-data-check)
     OUT/shards.json                   # written last: classes, shards and counts per split
-    OUT/.cltrain_pack.json            # what is being packed (root, shard size, seed, a fingerprint of the tree)
+    OUT/.cltrain_pack.json            # what is being packed (root, shard size, seed, check, a fingerprint of the tree)
+
+Every file is checked as it is packed, by the check of ``cltrain-data-check`` (``--check full``, the
+default: decoded whole with the loader's ``--decoder``; ``quick``: headers and end markers; ``off``),
+on ``--workers`` processes that read each file once and hand its bytes on. A file that fails (empty,
+not an image, truncated, over Pillow's pixel limit, a link to nothing) is left out and listed with
+its path and reason. Hidden and system entries (``.DS_Store``, ``.ipynb_checkpoints``, ``Thumbs.db``)
+are not packed; links are followed (each real file once).
 
 The image bytes are stored as they are on disk (no re-encoding), so decoding a
 shard gives the same pixels as decoding the file. The samples of a split are
 shuffled once (``--seed``) before packing, so every shard holds every class.
 The tars are plain WebDataset shards (``webdataset.WebDataset(urls)`` reads
 them); the ``.idx.npy`` files let the reader fetch any sample directly, which is
-how it gives each sample exactly once per epoch under DDP x workers.
+how it gives each sample exactly once per epoch under DDP x workers, and name a bad
+sample by the file it came from.
 
 Resumable: every file is written atomically (a temporary file renamed when complete), and a
-shard's index after its tar, so a killed pack, run again with the same arguments, keeps every
-finished shard, removes the killed one's temporary files and continues with the next shard. It never overwrites:
-a non-empty ``OUT`` that is not this pack's own (unfinished or finished) output is
-refused, and so is a tree that changed since the pack started.
+shard's index after its tar and its list of skipped files, so a killed pack, run again with the
+same arguments, keeps every finished shard (checked), removes the killed one's temporary files and
+continues with the next shard. It never overwrites: a non-empty ``OUT`` that is not this pack's own
+(unfinished or finished) output is refused, and so is a tree that changed since the pack started.
 """
 
 from __future__ import annotations
@@ -34,21 +45,26 @@ import json
 import os
 import random
 import sys
-import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from cltrain.atomic import atomic_open, atomic_write_json, remove_leftovers, removed_line
+from cltrain.data.constants import CHECK_MODES, is_hidden
+from cltrain.data.decoders import DECODER_NAMES, get_decoder
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.shard_dataset import MANIFEST
+from cltrain.data.shard_writer import CheckedReader, write_shard
 
-__all__ = ["MANIFEST", "PACK_STATE", "PackError", "pack", "shard_name"]
+__all__ = ["MANIFEST", "PACK_STATE", "SKIPPED_LIST", "PackError", "pack", "shard_name"]
 
 #: Written first: marks ``OUT`` as this pack's own, with what it packs.
 PACK_STATE = ".cltrain_pack.json"
-FORMAT_VERSION = 1
+#: Every file the check left out, ``split<TAB>path<TAB>reason`` (written before the manifest).
+SKIPPED_LIST = "skipped_files.tsv"
+#: 2: each sample's source path stored, files checked as packed. Packs of version 1 are still read.
+FORMAT_VERSION = 2
 
 
 class PackError(RuntimeError):
@@ -60,18 +76,25 @@ def shard_name(index: int) -> str:
     return f"shard-{index:06d}"
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # a link to nothing: the check lists it
+        return -1
+
+
 def _fingerprint(root: Path, samples: Sequence[tuple[str, int]]) -> str:
     """A hash of the relative paths, sizes and labels: a tree that changed gives another one."""
     h = hashlib.sha256()
     for path, label in samples:
-        h.update(f"{os.path.relpath(path, root)}\0{os.path.getsize(path)}\0{label}\n".encode())
+        h.update(f"{os.path.relpath(path, root)}\0{_size(path)}\0{label}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
 
 
 def _plan(root: Path, splits: Sequence[str], seed: int) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
     missing = [s for s in splits if not (root / s).is_dir()]
     if missing:
-        have = sorted(p.name for p in root.iterdir() if p.is_dir())
+        have = sorted(p.name for p in root.iterdir() if not is_hidden(p.name) and p.is_dir())
         raise FileNotFoundError(f"pack: ROOT {root} has no split folder {', '.join(missing)}; it has {have}. "
                                 "Pass the ones to pack with --splits.")
     classes = find_classes(root / splits[0])
@@ -110,87 +133,109 @@ def _remove_leftovers(folders: Sequence[Path]) -> None:
             print(f"pack: {removed_line(removed, 'a pack that was stopped')}", file=sys.stderr)
 
 
-def _write_shard(path: Path, samples: Sequence[tuple[str, int]], first_key: int) -> np.ndarray:
-    """Write one tar (atomically) and return its index: (data offset, size, label) per image."""
-    import webdataset as wds  # the `shards` extra; only packing needs it
-
-    with atomic_open(path) as f:
-        writer = wds.TarWriter(f, mtime=0.0)
-        for i, (src, label) in enumerate(samples):
-            ext = Path(src).suffix.lower().lstrip(".") or "img"
-            with open(src, "rb") as img:
-                writer.write({"__key__": f"{first_key + i:09d}", ext: img.read(), "cls": str(label).encode()})
-        writer.close()
-    index = np.zeros((len(samples), 3), np.int64)
-    with tarfile.open(path) as tar:  # read the offsets back from the tar itself; the shard counts once its index exists
-        members = [m for m in tar.getmembers() if not m.name.endswith(".cls")]
-    if len(members) != len(samples):
-        raise PackError(f"pack: {path} has {len(members)} images, expected {len(samples)}; delete it and run again.")
-    for i, (m, (_, label)) in enumerate(zip(members, samples)):
-        index[i] = (m.offset_data, m.size, label)
-    return index
+def _skip_lines(split: str, skipped: Sequence[tuple[str, str]]) -> str:
+    return "".join(f"{split}\t{p}\t{r}\n" for p, r in skipped)
 
 
 def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000, splits: Sequence[str] = ("train", "val"),
-         seed: int = 0, progress: bool = True) -> Path:
+         seed: int = 0, progress: bool = True, check: str = "full", workers: int = 0, decoder: str = "auto") -> Path:
     """Pack ``root``'s splits into shards under ``out`` (see the module docstring); returns the manifest's path.
+
+    Args:
+        check: ``"full"``, ``"quick"`` or ``"off"``: the check every file gets as it is packed.
+        workers: processes that read and check the files (0: this one).
+        decoder: the JPEG decoder the full check decodes with (the loader's, ``cltrain.data.decoders``).
 
     Raises:
         PackError: ``out`` is not empty and not this pack's own, or was started with other
             arguments or on a tree that changed since.
-        FileNotFoundError, ValueError: ``root`` is not an ImageNet-layout folder.
+        FileNotFoundError, ValueError: ``root`` is not an ImageNet-layout folder, or a bad argument.
     """
     from tqdm.auto import tqdm
 
     if not (isinstance(shard_size, int) and shard_size >= 1):
         raise ValueError(f"pack: shard_size={shard_size!r} must be an int >= 1.")
+    if check not in CHECK_MODES:
+        raise ValueError(f"pack: check={check!r} must be one of {CHECK_MODES}.")
+    if not (isinstance(workers, int) and workers >= 0):
+        raise ValueError(f"pack: workers={workers!r} must be an int >= 0.")
+    get_decoder(decoder)  # an unknown or missing back end: a one-line ValueError now
     root, out = Path(root).resolve(), Path(out)
     if not root.is_dir():
         raise FileNotFoundError(f"pack: ROOT {root} is not a folder; pass an ImageNet-layout folder (train/<class>/...).")
     classes, plan = _plan(root, list(splits), seed)
     state = {"version": FORMAT_VERSION, "root": str(root), "shard_size": shard_size, "splits": list(splits), "seed": seed,
+             "check": check, "decoder": decoder if check == "full" else None,
              "fingerprint": {s: _fingerprint(root, plan[s]) for s in splits}}
     _remove_leftovers([out, *(out / s for s in splits)])
     if _claim(out, state):
         return out / MANIFEST
-    manifest: dict = {"format": "webdataset", "version": FORMAT_VERSION, "classes": classes, "splits": {}}
-    for split, samples in plan.items():
-        folder = out / split
-        folder.mkdir(exist_ok=True)
-        chunks = [samples[i:i + shard_size] for i in range(0, len(samples), shard_size)]
-        done = [(folder / f"{shard_name(k)}.idx.npy").is_file() and (folder / f"{shard_name(k)}.tar").is_file()
-                for k in range(len(chunks))]
-        with tqdm(total=len(samples), initial=sum(len(c) for c, d in zip(chunks, done) if d), unit="img",
-                  desc=f"pack {split}", disable=not progress) as bar:
-            for k, chunk in enumerate(chunks):
-                if done[k]:
-                    continue
-                index = _write_shard(folder / f"{shard_name(k)}.tar", chunk, k * shard_size)
-                with atomic_open(folder / f"{shard_name(k)}.idx.npy") as f:  # last: marks the shard finished
-                    np.save(f, index, allow_pickle=False)
-                bar.update(len(chunk))
-        manifest["splits"][split] = {"count": len(samples), "shards": [f"{split}/{shard_name(k)}.tar" for k in range(len(chunks))]}
+    manifest: dict = {"format": "webdataset", "version": FORMAT_VERSION, "classes": classes, "check": check, "splits": {}}
+    skipped_lines = []
+    reader = CheckedReader(check, decoder, workers)
+    try:
+        for split, samples in plan.items():
+            folder = out / split
+            folder.mkdir(exist_ok=True)
+            chunks = [samples[i:i + shard_size] for i in range(0, len(samples), shard_size)]
+            stems = [folder / shard_name(k) for k in range(len(chunks))]
+            done = [stem.with_suffix(".idx.npy").is_file() and stem.with_suffix(".tar").is_file() for stem in stems]
+            todo = [k for k in range(len(chunks)) if not done[k]]
+            started = {}
+            with tqdm(total=len(samples), initial=sum(len(c) for c, d in zip(chunks, done) if d), unit="img",
+                      desc=f"pack {split}", disable=not progress) as bar:
+                for n, k in enumerate(todo):
+                    for ahead in todo[n:n + 2]:  # the next shard's files are read while this one is written
+                        if ahead not in started:
+                            started[ahead] = reader.start([p for p, _ in chunks[ahead]])
+                    index, skipped = write_shard(stems[k].with_suffix(".tar"), chunks[k], k * shard_size, started.pop(k))
+                    if skipped:  # before the index, which marks the shard finished
+                        with atomic_open(stems[k].with_suffix(".skipped.tsv"), "w") as f:
+                            f.write(_skip_lines(split, skipped))
+                    with atomic_open(stems[k].with_suffix(".idx.npy")) as f:
+                        np.save(f, index, allow_pickle=False)
+                    bar.update(len(chunks[k]))
+            counts = [len(np.load(stem.with_suffix(".idx.npy"), mmap_mode="r")) for stem in stems]
+            lines = "".join(stem.with_suffix(".skipped.tsv").read_text(encoding="utf-8")
+                            for stem in stems if stem.with_suffix(".skipped.tsv").is_file())
+            skipped_lines.append(lines)
+            manifest["splits"][split] = {"count": sum(counts), "skipped": lines.count("\n"),
+                                         "shards": [f"{split}/{stem.name}.tar" for stem in stems]}
+    finally:
+        reader.close()
+    with atomic_open(out / SKIPPED_LIST, "w") as f:
+        f.write("# split\tpath\treason\n" + "".join(skipped_lines))
     return atomic_write_json(out / MANIFEST, manifest, indent=1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cltrain.data.pack ROOT OUT [--shard-size N] [--splits train val] [--seed S]``."""
+    """``python -m cltrain.data.pack ROOT OUT [--shard-size N] [--splits train val] [--seed S] [--check full]
+    [--workers N]``."""
     parser = argparse.ArgumentParser(prog="python -m cltrain.data.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", help="ImageNet-layout folder: ROOT/<split>/<class>/<image>")
     parser.add_argument("out", help="new (or empty) folder for the shards; run again with the same arguments to resume")
     parser.add_argument("--shard-size", type=int, default=1000, help="images per shard (default 1000)")
     parser.add_argument("--splits", nargs="+", default=["train", "val"], help="splits to pack; the first one names the classes")
     parser.add_argument("--seed", type=int, default=0, help="seed of the order the samples are packed in")
+    parser.add_argument("--check", choices=CHECK_MODES, default="full",
+                        help="the check of every file as it is packed, as cltrain-data-check's (default: %(default)s)")
+    parser.add_argument("--decoder", choices=DECODER_NAMES, default="auto",
+                        help="the JPEG decoder of the loader, which the full check decodes with (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="processes that read and check the files (default: all CPUs)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        manifest = pack(args.root, args.out, args.shard_size, args.splits, args.seed, progress=not args.no_progress)
+        manifest = pack(args.root, args.out, args.shard_size, args.splits, args.seed, progress=not args.no_progress,
+                        check=args.check, workers=args.workers, decoder=args.decoder)
     except (PackError, FileNotFoundError, ValueError) as err:
         print(str(err), file=sys.stderr)
         return 2
     counts = json.loads(manifest.read_text())["splits"]
+    skipped = sum(c.get("skipped", 0) for c in counts.values())
+    left_out = f"; {skipped} unreadable file(s) left out, listed in {manifest.parent / SKIPPED_LIST}" if skipped else ""
     print(f"pack: {manifest.parent} complete: " + ", ".join(f"{s} {c['count']} images in {len(c['shards'])} shards"
-                                                           for s, c in counts.items()))
+                                                           for s, c in counts.items()) + left_out)
     return 0
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
 
@@ -118,13 +118,17 @@ class PrefetchDataLoader(DataLoader):
 
     With no worker processes and a dataset that decodes on threads (``ImageFolderDataset(threads=2)``),
     the next batch decodes while the current one is used, and an ``NHWCCollate``'s images are written
-    straight into the batch (``decode_ahead=False``: batch by batch, as a plain ``DataLoader``)."""
+    straight into the batch (``decode_ahead=False``: batch by batch, as a plain ``DataLoader``).
+
+    An iterable dataset with a ``set_epoch`` (a stream, ``HFStreamingDataset``) is told each new
+    iteration's epoch (0, 1, ...) before its workers start, so every epoch has its own order."""
 
     def __init__(self, *args: Any, prefetch_device: str | torch.device | None = None, decode_ahead: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prefetch_device, self.decode_ahead = prefetch_device, decode_ahead
         self._prefetcher: _CudaPrefetcher | None = None
+        self._epochs = 0
 
     def _cuda_device(self) -> torch.device | None:
         device = None if self.prefetch_device is None else torch.device(self.prefetch_device)
@@ -133,6 +137,10 @@ class PrefetchDataLoader(DataLoader):
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def __iter__(self) -> Iterator[Any]:
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if isinstance(self.dataset, IterableDataset) and callable(set_epoch):
+            set_epoch(self._epochs)
+            self._epochs += 1
         if self.decode_ahead and _decodes_ahead(self):
             # A DataLoader's iterator draws its workers' base seed from the global RNG when it is made:
             # so does this one, so that a seeded epoch gives a plain DataLoader's batches.

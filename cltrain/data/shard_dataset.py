@@ -1,9 +1,12 @@
 """One split of a shard pack (``cltrain.data.pack``) as a Dataset: samples read by offset, batches built in the worker.
 
-A pack is WebDataset tar shards, an ``.idx.npy`` index beside each (offset, size, label per sample),
-and ``shards.json`` (the manifest, written last). ``ShardsDataset`` reads only the bytes of the
-samples it is asked for (``os.pread`` on one descriptor per shard and process); with an index list
-it decodes a whole batch on its decode threads and collates it, in the worker that reads it.
+A pack is WebDataset tar shards, an ``.idx.npy`` index beside each (offset, size, label per sample,
+and where the path of the file it was packed from is stored), and ``shards.json`` (the manifest,
+written last). ``ShardsDataset`` reads only the bytes of the samples it is asked for (``os.pread``
+on one descriptor per shard and process); with an index list it decodes a whole batch on its decode
+threads and collates it, in the worker that reads it. A sample that cannot be read is named by its
+file (a pack of format 1, which stored no paths: by its shard and place) and handled by the
+``bad_files`` policy of every source (``cltrain.data.bad_samples``).
 ``cltrain.data.datamodules.shards`` wraps it for Lightning; ``cltrain.data.shard_sampler`` orders it.
 """
 
@@ -19,9 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.collate import NHWCCollate
+from cltrain.data.errors import BadImageError
 from cltrain.data.loader_threads import load_batch
-from cltrain.data.image_folder_dataset import BadImageError
 
 __all__ = ["MANIFEST", "ShardsDataset", "read_manifest"]
 
@@ -29,7 +33,7 @@ __all__ = ["MANIFEST", "ShardsDataset", "read_manifest"]
 MANIFEST = "shards.json"
 
 
-class ShardsDataset(Dataset):
+class ShardsDataset(SkipsBadSamples, Dataset):
     """One split of a pack (``cltrain.data.pack``): ``dataset[i]`` is ``(HWC uint8, label)``,
     ``dataset[[i, j, ...]]`` a collated batch ``(images, targets)`` (or ``(images, targets, ids)``
     with ``with_ids``), built in the worker that reads it.
@@ -43,6 +47,10 @@ class ShardsDataset(Dataset):
         with_ids: batches also carry the int64 sample indices.
         threads: decode the samples of a batch on this many threads of the reading process
             (``cltrain.data.loader_threads``); 1 decodes them one by one.
+        bad_files: ``"raise"``: an unreadable sample raises ``BadImageError`` naming its file;
+            ``"skip"``: the next readable sample is returned instead and the file listed in
+            ``skip_log`` (``cltrain.data.bad_samples``).
+        skip_log: file the skipped samples are appended to (``"skip"`` only); ``None``: none.
 
     Raises:
         FileNotFoundError: no complete pack at ``root``.
@@ -50,9 +58,11 @@ class ShardsDataset(Dataset):
     """
 
     def __init__(self, root: str | os.PathLike, split: str, transform: Callable[[bytes], np.ndarray],
-                 collate: Callable[[list], Any] | None = None, with_ids: bool = False, threads: int = 1) -> None:
+                 collate: Callable[[list], Any] | None = None, with_ids: bool = False, threads: int = 1,
+                 bad_files: str = "raise", skip_log: str | os.PathLike | None = None) -> None:
         if not (isinstance(threads, int) and threads >= 1):
             raise ValueError(f"ShardsDataset: threads={threads!r} must be an int >= 1.")
+        self._set_policy(bad_files, skip_log)
         self.root, self.split, self.threads = Path(root), split, threads
         manifest = read_manifest(self.root)
         if split not in manifest["splits"]:
@@ -60,9 +70,11 @@ class ShardsDataset(Dataset):
         self.classes: list[str] = manifest["classes"]
         self.shards = [str(self.root / s) for s in manifest["splits"][split]["shards"]]
         indexes = [np.load(Path(s).with_suffix(".idx.npy"), allow_pickle=False) for s in self.shards]  # no pickle
-        self.index = np.concatenate(indexes) if indexes else np.zeros((0, 3), np.int64)  # offset, size, label
+        # offset, size, label (, path offset, path size: packs of format 2; cltrain.data.shard_writer.INDEX_COLUMNS)
+        self.index = np.concatenate(indexes) if indexes else np.zeros((0, 3), np.int64)
         self.shard_sizes = [len(i) for i in indexes]
         self.shard_of = np.repeat(np.arange(len(indexes)), self.shard_sizes)
+        self._shard_start = np.concatenate([[0], np.cumsum(self.shard_sizes)[:-1]]).astype(np.int64)
         self.transform, self.with_ids = transform, with_ids
         self.collate = collate if collate is not None else NHWCCollate()
         self._files: dict[int, int] = {}
@@ -79,28 +91,56 @@ class ShardsDataset(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def read(self, i: int) -> bytes:
-        """The stored bytes of sample ``i`` (the image file as it was packed)."""
+    def _pread(self, i: int, offset: int, size: int) -> bytes:
         shard = int(self.shard_of[i])
         fd = self._files.get(shard)
         if fd is None:
             fd = self._files[shard] = os.open(self.shards[shard], os.O_RDONLY)
-        offset, size, _ = self.index[i]
         return os.pread(fd, int(size), int(offset))
 
+    def read(self, i: int) -> bytes:
+        """The stored bytes of sample ``i`` (the image file as it was packed)."""
+        return self._pread(i, self.index[i, 0], self.index[i, 1])
+
+    def _place(self, i: int) -> str:
+        shard = int(self.shard_of[i])
+        return f"{self.shards[shard]} sample {i - int(self._shard_start[shard])}"
+
+    def sample_name(self, i: int) -> str:
+        """The path of the file sample ``i`` was packed from (a pack of format 1: its shard and place)."""
+        if self.index.shape[1] < 5:
+            return self._place(i)
+        try:
+            return os.fsdecode(self._pread(i, self.index[i, 3], self.index[i, 4]))
+        except OSError:
+            return self._place(i)
+
+    @property
+    def split_name(self) -> str:
+        """The split, as the skipped-files list names it."""
+        return self.split
+
+    @property
+    def source_name(self) -> str:
+        """The pack and split, for errors."""
+        return f"{self.root} ({self.split})"
+
     def load(self, i: int) -> tuple[np.ndarray, int]:
-        """``(HWC uint8, label)`` of sample ``i``; ``BadImageError`` names the shard and sample."""
+        """``(HWC uint8, label)`` of sample ``i``; ``BadImageError`` names the file it was packed from."""
         try:
             return self.transform(self.read(i)), int(self.index[i, 2])
         except Exception as err:
-            raise BadImageError(f"{self.shards[int(self.shard_of[i])]}: sample {i} of {self.split!r} cannot be read as an image "
-                                f"({type(err).__name__}: {err}); pack the folder again.") from err
+            name, reason = self.sample_name(i), unreadable(err)
+            where = "" if self.index.shape[1] < 5 else f" (in {self._place(i)})"
+            raise BadImageError(f"{name}{where}: cannot be read as an image ({reason}). Pass bad_files='skip' to leave "
+                                "such samples out, or replace the file and pack the folder again.", reason) from err
 
     def __getitem__(self, index: int | Sequence[int]) -> Any:
         if isinstance(index, (int, np.integer)):
-            return self.load(int(index))
+            return self.fetch(int(index))
         # each sample's crop from a seed of its own, whatever the number of threads (as ImageFolderDataset)
-        samples = load_batch(self.load, index, self.threads, getattr(self.transform, "augment", None))
+        samples = load_batch(self.load, index, self.threads, getattr(self.transform, "augment", None), retry=BadImageError,
+                             fallback=self.fetch if self.bad_files == "skip" else None)
         batch = self.collate(samples)
         return (*batch, torch.as_tensor(index, dtype=torch.int64)) if self.with_ids else batch
 

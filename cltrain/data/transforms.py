@@ -120,6 +120,8 @@ class _Transform:
     decoder: str = "auto"
     #: With ``decoder="auto"``, decode only the crop's region where a back end can (False: whole images).
     region = True
+    #: Decode a JPEG at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling) when the crop is at least twice the output.
+    reduce = True
 
     def _backend(self) -> Decoder | None:
         return get_decoder("simplejpeg" if self.decoder == "auto" and not self.region else self.decoder)
@@ -128,7 +130,8 @@ class _Transform:
         raise NotImplementedError
 
     def _pillow(self, img: Image.Image, params: CropParams) -> np.ndarray:
-        return resized_crop(img, params.box, self.size, self.channels, params.flip, params.resize, self.interpolation)
+        return resized_crop(img, params.box, self.size, self.channels, params.flip, params.resize, self.interpolation,
+                            self.reduce)
 
     def _upright(self, img: Image.Image) -> Image.Image:
         # exif_transpose decodes the whole image (no draft) and copies even an upright one:
@@ -157,7 +160,7 @@ class _Transform:
     def _apply_jpeg(self, img: ImageSource, data: bytes, params: CropParams, out: torch.Tensor | None,
                     backend: Decoder, header: JpegHeader) -> np.ndarray | torch.Tensor:
         try:
-            return jpeg_resized_crop(data, params.box, self.size, self.channels, params.flip, params.resize,
+            return jpeg_resized_crop(data, params.box, self.size, self.channels, params.flip, params.resize, self.reduce,
                                      interpolation=self.interpolation, out=out, decoder=backend, header=header)
         except ValueError:  # corrupt or truncated: Pillow reads it, or raises saying what is wrong
             with _open(img, data) as opened:
@@ -267,9 +270,12 @@ class RandomResizedCropFlip(_Transform):
 class ResizeCenterCrop(_Transform):
     """torchvision's ``Resize(resize_size)`` + ``CenterCrop(size)``.
 
-    A JPEG file is resized whole and the centre box sliced out, exactly torchvision's
-    ``Resize`` + ``CenterCrop`` on the decoded tensor; a PIL image has the box mapped back to
-    source pixels and resampled alone (the same samples).
+    A JPEG file is decoded whole, resized and the centre box sliced out, exactly torchvision's
+    ``Resize`` + ``CenterCrop`` on the decoded tensor; any other file (and a PIL image) has the box
+    mapped back to source pixels and resampled alone by Pillow (the same samples, within one level).
+    ``reduce=True`` decodes a JPEG at least twice the resize target at 1/2, 1/4 or 1/8 scale instead
+    (libjpeg's DCT scaling, as the training transform does): faster on large photos, but no longer
+    torchvision's pixels (docs/guides/data.md).
 
     Args:
         size: output (height, width), or one int for a square.
@@ -279,11 +285,14 @@ class ResizeCenterCrop(_Transform):
         interpolation: ``"bilinear"`` or ``"bicubic"`` (antialiased).
         exif_transpose: turn photos upright by their EXIF orientation first.
         decoder: the JPEG back end (``cltrain.data.decoders``), as ``RandomResizedCropFlip``.
+        reduce: DCT-scaled decoding of large JPEGs (faster, not torchvision's pixels); off by default.
     """
 
     def __init__(self, size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3,
-                 interpolation: str = "bilinear", exif_transpose: bool = False, decoder: str = "auto") -> None:
+                 interpolation: str = "bilinear", exif_transpose: bool = False, decoder: str = "auto",
+                 reduce: bool = False) -> None:
         self.size = size_pair(size, "size")
+        self.reduce = bool(reduce)
         self.interpolation = _check_interpolation(interpolation)
         self.exif_transpose = bool(exif_transpose)
         self.decoder = _check_decoder(decoder)
@@ -309,7 +318,8 @@ class ResizeCenterCrop(_Transform):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(size={self.size}, resize_size={self.resize_size}, channels={self.channels}, "
-                f"interpolation={self.interpolation!r}, exif_transpose={self.exif_transpose}, decoder={self.decoder!r})")
+                f"interpolation={self.interpolation!r}, exif_transpose={self.exif_transpose}, decoder={self.decoder!r}, "
+                f"reduce={self.reduce})")
 
 
 def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
@@ -328,7 +338,8 @@ def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float
 
 
 def eval_transform(size: int | tuple[int, int] = 224, resize_size: int | None = 256, channels: int = 3,
-                   interpolation: str = "bilinear", exif_transpose: bool = False, decoder: str = "auto") -> ResizeCenterCrop:
-    """The evaluation transform: resize the shorter side, centre crop, PIL image -> HWC uint8.
-    See ``ResizeCenterCrop``."""
-    return ResizeCenterCrop(size, resize_size, channels, interpolation, exif_transpose, decoder)
+                   interpolation: str = "bilinear", exif_transpose: bool = False, decoder: str = "auto",
+                   reduce: bool = False) -> ResizeCenterCrop:
+    """The evaluation transform: resize the shorter side, centre crop, HWC uint8 out; torchvision's
+    pixels unless ``reduce``. See ``ResizeCenterCrop``."""
+    return ResizeCenterCrop(size, resize_size, channels, interpolation, exif_transpose, decoder, reduce)

@@ -105,7 +105,7 @@ def test_config_yaml_only_chooses() -> None:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_group_option_composes_into_the_schema(group: str, option: str, tmp_path: Path) -> None:
-    cfg = compose_config([f"{group}={option}", f"data.root={tmp_path}"] if option in ("imagenet", "main_amp", "shards")
+    cfg = compose_config([f"{group}={option}", f"data.root={tmp_path}"] if option in ("imagenet", "main_amp", "shards", "hf")
                          else [f"{group}={option}"])
     assert isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema.TrainConfig
     assert isinstance(OmegaConf.to_object(cfg), schema.TrainConfig)  # every node converts to its dataclass

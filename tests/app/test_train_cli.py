@@ -98,3 +98,20 @@ def test_a_diverged_run_stops_says_so_and_keeps_the_finite_last_checkpoint(demo_
     assert state["global_step"] == steps_per_epoch and state["epoch"] == 0
     assert steps_per_epoch < metrics["global_step"] < 2 * steps_per_epoch  # stopped inside epoch 1
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
+
+
+def test_a_bad_file_met_in_a_worker_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
+    # The data errors of setup (an empty class folder, check_val's list) take the same path, in-process.
+    from tests.helpers.data_fixtures import write_user_folder
+
+    root = tmp_path / "images"
+    write_user_folder(root, size=(40, 40))  # train/c0 holds every quirk, 5 of them unreadable; junk everywhere
+    result = run("experiment=smoke", "data=imagenet", f"data.root={root}", "data.batch_size=4", "device=cpu",
+                 "data.num_workers=2", "data.decode_threads=1", "trainer.limit_train_batches=null",
+                 f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Caught BadImageError" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]  # the worker's error, as a worker process raised it
+    assert line.startswith(f"cltrain: error: {root / 'train' / 'c0'}/") and ": cannot be read as an image (" in line, line
+    assert line.endswith("Replace or remove the file, or pass bad_files='skip' to skip such files."), line
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"

@@ -102,7 +102,7 @@ def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp
     victim.unlink()
     os.mkfifo(victim)
     out, train = tmp_path / "out", tmp_path / "out" / "train"
-    cmd = [sys.executable, "-m", "cltrain.data.pack", str(folder), str(out), "--shard-size", "7"]
+    cmd = [sys.executable, "-m", "cltrain.data.pack", str(folder), str(out), "--shard-size", "7", "--workers", "0"]
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for([train / "shard-000001.idx.npy", train / f"{TEMP_PREFIX}*-shard-000002.tar"], first)
     first.send_signal(signal.SIGKILL)

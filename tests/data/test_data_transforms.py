@@ -161,7 +161,7 @@ def test_fast_path_agrees_with_pillow_path(jpegs, big_jpeg, channels):
                 fast = tr.apply(path, params)
                 # A path (or bytes) of a JPEG really goes through libjpeg-turbo + torch.
                 np.testing.assert_array_equal(fast, jpeg_resized_crop(data, params.box, tr.size, channels, params.flip,
-                                                                      params.resize))
+                                                                      params.resize, tr.reduce))
                 np.testing.assert_array_equal(fast, tr.apply(data, params))
                 slow = _pillow(tr, path, params)
                 assert fast.shape == slow.shape == (48, 48, channels) and fast.dtype == slow.dtype == np.uint8

@@ -24,15 +24,17 @@ import pytest
 import torch
 from PIL import Image
 
-from cltrain.data import Augmentation, ImageFolderDataModule, ShardsDataModule
+from cltrain.data import Augmentation, HFImageDataModule, ImageFolderDataModule, ShardsDataModule
 from cltrain.data.pack import pack
 from cltrain.data.video import ClipFolderDataModule, make_demo_videos
 from tests.helpers.data_fixtures import write_image_folder, write_jpegs
 
-DATAMODULES = {"images": ImageFolderDataModule, "shards": ShardsDataModule, "clips": ClipFolderDataModule}
+DATAMODULES = {"images": ImageFolderDataModule, "shards": ShardsDataModule, "hf": HFImageDataModule,
+               "clips": ClipFolderDataModule}
 BASE = {  # small and in-process: every probe loads one batch in the main process
     "images": dict(batch_size=4, num_workers=0, decode_threads=1, image_size=16, val_resize_size=18),
     "shards": dict(batch_size=4, num_workers=0, decode_threads=1, image_size=16, val_resize_size=18),
+    "hf": dict(batch_size=4, num_workers=0, decode_threads=1, image_size=16, val_resize_size=18),
     "clips": dict(batch_size=2, num_workers=0, image_size=16, val_resize_size=18, num_frames=3),
 }
 
@@ -55,7 +57,37 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for frame in sorted((bad_clips / "val").glob("*/*/"))[0].iterdir():  # the first validation clip: unreadable
         frame.write_text("not an image\n")
     return dict(images=images, bad=bad, bad_list=tmp / "bad.tsv", missing=missing, index_cache=tmp / "index",
-                shards=pack(images, tmp / "pack", shard_size=3, progress=False).parent, clips=clips, bad_clips=bad_clips)
+                shards=pack(images, tmp / "pack", shard_size=3, progress=False).parent, clips=clips, bad_clips=bad_clips,
+                bad_shards=pack(bad, tmp / "bad_pack", shard_size=3, progress=False, check="off").parent,
+                hf=_hf_dataset(images, tmp / "hf"), bad_hf=_hf_dataset(bad, tmp / "bad_hf"))
+
+
+def _hf_dataset(folder: Path, out: Path) -> Path:
+    """The folder's files as a Hugging Face dataset written by ``save_to_disk`` (the rows hold the files' bytes),
+    with a second image column (mirrored) and a second ClassLabel (one class) for the column arguments."""
+    datasets = pytest.importorskip("datasets")
+    import io
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["c0", "c1"]),
+                                  "mirrored": datasets.Image(), "coarse": datasets.ClassLabel(names=["any"])})
+    splits = {}
+    for split, name in (("train", "train"), ("val", "validation")):
+        files = sorted((folder / split).glob("*/*.jpg"))
+        mirrored = []
+        for f in files:
+            buf = io.BytesIO()
+            try:
+                with Image.open(f) as img:
+                    img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(buf, format="JPEG", quality=85)
+            except OSError:  # the bad folder's unreadable file: unreadable in both columns
+                buf.write(f.read_bytes())
+            mirrored.append({"bytes": buf.getvalue(), "path": None})
+        images = [{"bytes": f.read_bytes(), "path": f.name} for f in files]
+        labels = [int(f.parent.name[1]) for f in files]
+        splits[name] = datasets.Dataset.from_dict(
+            {"image": images, "label": labels, "mirrored": mirrored, "coarse": [0] * len(files)}, features=features)
+    datasets.DatasetDict(splits).save_to_disk(str(out))
+    return out
 
 
 # --- what a probe observes -------------------------------------------------------------------------
@@ -122,6 +154,12 @@ def decode_threads_used(dm: Any) -> bool:
     return True in names
 
 
+def dataset_kind(dm: Any) -> str:
+    """The class of the validation Dataset set-up builds."""
+    dm.setup("fit")
+    return type(dm.val_set).__name__
+
+
 def index_written(roots: dict[str, Path]) -> Callable[[Any], bool]:
     def probe(dm: Any) -> bool:
         dm.setup("fit")
@@ -159,6 +197,7 @@ def probes(roots: dict[str, Path]) -> dict[str, Probe]:
         "exif_transpose": Probe(True, val_batch),
         "decode_threads": Probe(2, decode_threads_used),
         "decoder": Probe("pillow", train_batch),  # Pillow crops the float box, the JPEG path whole pixels
+        "val_reduce": Probe(True, val_batch),  # 48 px high, resized to 18: decoded at 1/2
         "augmentation": Probe(Augmentation(scale=(1.0, 1.0), hflip=0.0), train_batch),
         "scale": Probe((1.0, 1.0), train_batch),
         "ratio": Probe((0.5, 0.5), train_batch),
@@ -179,10 +218,18 @@ def probes(roots: dict[str, Path]) -> dict[str, Probe]:
         "num_frames": Probe(2, val_batch),
         "frame_stride": Probe(2, val_batch),
         "val_temporal": Probe("uniform", val_batch),
+        "streaming": Probe(True, dataset_kind),
+        "train_split": Probe("validation", train_batch),
+        "val_split": Probe("train", val_batch),
+        "image_column": Probe("mirrored", val_batch),
+        "label_column": Probe("coarse", val_batch),
+        "shuffle_buffer": Probe(1, train_batch, dict(streaming=True)),
+        "shuffle_seed": Probe(1, train_batch, dict(streaming=True)),
     }
 
 
-VIDEO_ROOTS = {"bad": "bad_clips"}  # the clip DataModule's counterpart of a folder with a bad file
+# each DataModule's counterpart of a folder with a bad file (a pack made without the check holds it)
+BAD_ROOTS = {"clips": {"bad": "bad_clips"}, "shards": {"bad": "bad_shards"}, "hf": {"bad": "bad_hf"}}
 ALL_NAMES = sorted({p.name for cls in DATAMODULES.values() for p in inspect.signature(cls).parameters.values()
                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"root"})
 CASES = [(kind, name) for kind in DATAMODULES for name in ALL_NAMES]
@@ -191,7 +238,7 @@ CASES = [(kind, name) for kind in DATAMODULES for name in ALL_NAMES]
 @pytest.mark.parametrize(("kind", "name"), CASES, ids=[f"{k}-{n}" for k, n in CASES])
 def test_each_argument_is_acted_on_or_refused_in_one_line(kind: str, name: str, roots: dict[str, Path]) -> None:
     cls, probe = DATAMODULES[kind], probes(roots)[name]
-    root = roots[(VIDEO_ROOTS.get(probe.root, probe.root) if kind == "clips" else probe.root) or kind]
+    root = roots[BAD_ROOTS.get(kind, {}).get(probe.root, probe.root) or kind]
     base = {**BASE[kind], **probe.base}
     if name not in inspect.signature(cls).parameters:
         try:
@@ -210,16 +257,20 @@ def test_signatures_name_every_argument(cls: type) -> None:
     assert not var, f"{cls.__name__} takes {var}: what it does with them is not in its signature"
 
 
-@pytest.mark.parametrize("cls", [ImageFolderDataModule, ShardsDataModule], ids=["images", "shards"])
+OWN_FLAG = {ImageFolderDataModule: ("check_val", "off", "off"), ShardsDataModule: ("seed", "3", 3),
+            HFImageDataModule: ("streaming", "true", True)}
+
+
+@pytest.mark.parametrize("cls", list(OWN_FLAG), ids=["images", "shards", "hf"])
 def test_lightning_cli_reads_every_argument_with_its_type(cls: type) -> None:
     jsonargparse = pytest.importorskip("jsonargparse")  # what LightningCLI reads a DataModule's arguments with
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls, "data")
     assert set(vars(parser.get_defaults().data)) == set(inspect.signature(cls).parameters)
-    own = ["--data.seed=3"] if cls is ShardsDataModule else ["--data.check_val=off"]
-    data = parser.parse_args(["--data.root=/x", "--data.batch_size=8", "--data.scale=[0.5, 1.0]", *own]).data
-    assert (data.batch_size, data.scale) == (8, [0.5, 1.0]) and (data.seed == 3 if cls is ShardsDataModule
-                                                                 else data.check_val == "off")
+    name, text, value = OWN_FLAG[cls]
+    flags = ["--data.root=/x", "--data.batch_size=8", "--data.scale=[0.5, 1.0]", f"--data.{name}={text}"]
+    data = parser.parse_args(flags).data
+    assert (data.batch_size, data.scale, getattr(data, name)) == (8, [0.5, 1.0], value)
     with pytest.raises(jsonargparse.ArgumentError):
         parser.parse_args(["--data.root=/x", "--data.batch_size=eight"])
 

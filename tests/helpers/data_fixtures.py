@@ -8,6 +8,11 @@ import numpy as np
 from PIL import Image
 
 from cltrain.data.demo import draw_demo_image
+from scripts.bench import quirk_files
+from scripts.bench.quirk_files import QUIRKS_BAD, QUIRKS_READABLE
+
+__all__ = ["BAD", "QUIRKS_BAD", "QUIRKS_READABLE", "READABLE", "add_junk", "photo", "write_format1_pack",
+           "write_image_folder", "write_jpegs", "write_odd_files", "write_quirks", "write_user_folder"]
 
 
 def photo(rng: np.random.Generator, size: tuple[int, int] = (96, 72), k: int = 0) -> Image.Image:
@@ -72,3 +77,65 @@ def write_odd_files(folder: Path, size: tuple[int, int] = (96, 72)) -> dict[str,
 
 BAD = ("truncated", "empty", "text")
 READABLE = ("good", "cmyk", "gray16", "rgba", "gray", "palette", "la")
+
+
+def write_quirks(folder: Path, size: tuple[int, int] = (96, 72), seed: int = 7) -> dict[str, Path]:
+    """One file of each kind a real image folder holds (``scripts.bench.quirk_files``), from a demo picture."""
+    return quirk_files.write_quirks(folder, photo(np.random.default_rng(seed), size))
+
+
+def add_junk(folder: Path) -> list[Path]:
+    """What copies from laptops, notebooks and zip files leave in a folder: never classes, never samples."""
+    junk = [folder / ".DS_Store", folder / "Thumbs.db", folder / "desktop.ini", folder / "._n01_0001.JPEG",
+            folder / ".ipynb_checkpoints" / "n01_0001-checkpoint.JPEG", folder / "__MACOSX" / "._n01_0001.JPEG"]
+    for path in junk:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x00\x05\x16\x07junk")
+    return junk
+
+
+def write_user_folder(root: Path, size: tuple[int, int] = (96, 72)) -> dict[str, dict[str, Path]]:
+    """``root/{train,val}/<class>/`` as users have it: real JPEGs, every quirk in ``train/c0`` (``write_quirks``),
+    a link to a file of another class, and OS junk in every folder (``.ipynb_checkpoints`` beside the classes
+    too). Returns the quirk files of ``train/c0`` under ``"quirks"`` and the plain images under ``"plain"``."""
+    write_image_folder(root, classes=2, train=3, val=2, size=size)
+    quirks = write_quirks(root / "train" / "c0", size)
+    link = root / "train" / "c1" / "linked.jpg"
+    link.symlink_to(root / "train" / "c0" / "0_000.jpg")  # the same real file: counted once
+    for folder in (root / "train", root / "val", *(root / s / c for s in ("train", "val") for c in ("c0", "c1"))):
+        add_junk(folder)
+    plain = {p.relative_to(root).as_posix(): p for p in root.glob("*/c*/[01]_*.jpg")}
+    return {"quirks": quirks, "plain": plain}
+
+
+def write_format1_pack(root: Path, out: Path, shard_size: int = 5) -> Path:
+    """``root``'s train/ and val/ packed as ``cltrain.data.pack`` wrote packs of format 1: tars of
+    ``<key>.<ext>`` + ``<key>.cls``, an (n, 3) index (offset, size, label), no source paths, no
+    check (an unreadable file is packed as it is). Written here with the standard library and numpy."""
+    import io
+    import json
+    import tarfile
+
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    manifest = {"format": "webdataset", "version": 1, "classes": classes, "splits": {}}
+    for split in ("train", "val"):
+        (out / split).mkdir(parents=True)
+        samples = [(p, classes.index(p.parent.name)) for p in sorted((root / split).glob("*/*")) if p.is_file()]
+        shards = []
+        for k in range(0, len(samples), shard_size):
+            name = f"{split}/shard-{k // shard_size:06d}.tar"
+            with tarfile.open(out / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for i, (path, label) in enumerate(samples[k:k + shard_size]):
+                    for ext, data in ((path.suffix.lower().lstrip("."), path.read_bytes()), ("cls", str(label).encode())):
+                        info = tarfile.TarInfo(f"{k + i:09d}.{ext}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+            with tarfile.open(out / name) as tar:
+                members = [m for m in tar.getmembers() if not m.name.endswith(".cls")]
+            index = np.array([(m.offset_data, m.size, label) for m, (_, label) in zip(members, samples[k:k + shard_size])],
+                             np.int64)
+            np.save((out / name).with_suffix(".idx.npy"), index, allow_pickle=False)
+            shards.append(name)
+        manifest["splits"][split] = {"count": len(samples), "shards": shards}
+    (out / "shards.json").write_text(json.dumps(manifest))
+    return out

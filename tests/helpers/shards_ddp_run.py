@@ -36,13 +36,16 @@ class TaggedShardsDataModule(ShardsDataModule):
 
 
 class Recorder(LightningModule):
-    def __init__(self):
+    """Records, per step, the epoch, the sample ids (a batch's third field; without one, its targets) and the worker."""
+
+    def __init__(self, classes: int = 3):
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, classes))
         self.seen = {"train": [], "val": []}
 
     def _record(self, split, batch):
-        images, targets, ids, worker = batch
+        images, targets, *tags = batch
+        ids, worker = tags if tags else (targets, torch.tensor(-1))
         assert images.is_contiguous(memory_format=torch.channels_last) and images.dtype == torch.float32
         self.seen[split].append({"epoch": self.current_epoch, "ids": ids.tolist(), "worker": int(worker)})
         return nn.functional.cross_entropy(self.net(images), targets)
@@ -58,16 +61,20 @@ class Recorder(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def main(pack: Path, out: Path, epochs: int) -> None:
-    torch.manual_seed(0)
-    dm = TaggedShardsDataModule(pack, batch_size=4, num_workers=2, image_size=32, val_resize_size=36, seed=3)
-    module = Recorder()
+def fit_and_record(dm, module: Recorder, out: Path, epochs: int) -> None:
+    """Fit on 2 CPU processes (DDP, gloo) and write each rank's record to ``out/rank<N>.json``."""
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0)
     trainer.fit(module, datamodule=dm)
     result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "steps": trainer.global_step, **module.seen}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main(pack: Path, out: Path, epochs: int) -> None:
+    torch.manual_seed(0)
+    dm = TaggedShardsDataModule(pack, batch_size=4, num_workers=2, image_size=32, val_resize_size=36, seed=3)
+    fit_and_record(dm, Recorder(), out, epochs)
 
 
 if __name__ == "__main__":

@@ -26,18 +26,20 @@ from cltrain.app.config.rules import (
     NON_NEGATIVE,
     OPT_PATH,
     OPT_POSITIVE,
+    OPT_TEXT,
     POSITIVE,
     POSITIVE_OR_AUTO,
     RATIO,
     SCALE,
     SEED,
+    TEXT,
     UNIT_CLOSED,
     choices,
     key,
 )
 from cltrain.data.augment_ops import AUGMENT_POLICIES
 from cltrain.data.constants import CHECK_MODES
-from cltrain.data.image_folder_dataset import BAD_FILE_POLICIES
+from cltrain.data.bad_samples import BAD_FILE_POLICIES
 from cltrain.data.crop_kernels import INTERPOLATIONS
 from cltrain.data.decoders import DECODER_NAMES
 
@@ -46,6 +48,7 @@ __all__ = [
     "ClipFolderConfig",
     "ClipFolderDemoConfig",
     "DataConfig",
+    "HFConfig",
     "ImageDemoConfig",
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
@@ -108,11 +111,13 @@ class _ImageCrops(DataConfig):
     num_workers: Any = key("auto", COUNT_OR_AUTO)
     decode_threads: Any = key("auto", POSITIVE_OR_AUTO)  # threads decoding each batch inside each loading process
     decoder: str = key("auto", choices(*DECODER_NAMES))  # the JPEG back end (cltrain.data.decoders), or pillow
+    val_reduce: bool = False                  # true: large validation JPEGs decoded at 1/2-1/8 scale (not torchvision's)
 
     scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
     ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
     hflip: float = key(0.5, UNIT_CLOSED)      # horizontal flip probability
     interpolation: str = key("bilinear", choices(*INTERPOLATIONS))  # antialiased, training and evaluation
+    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
     exif_transpose: bool = False              # turn photos upright by their EXIF orientation (off, as torchvision)
     augment: str = key("none", choices(*AUGMENT_POLICIES))  # on the HWC crop in the workers
     random_erasing: float = key(0.0, UNIT_CLOSED)  # probability, timm's per-image erasing on the device batch
@@ -127,7 +132,6 @@ class ImageFolderConfig(_ImageCrops):
     """``schema/data/images``: an ImageNet-layout folder, ``<root>/{train,val}/<class>/<image>``."""
 
     _target_: str = "cltrain.data.ImageFolderDataModule"
-    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
     allow_missing_val_classes: bool = False   # true: accept classes with train/ images but no val/ folder
     check_val: str = key("quick", choices(*CHECK_MODES))  # check the validation files before the first epoch
     exclude_files: str | None = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
@@ -149,6 +153,21 @@ class ShardsConfig(_ImageCrops):
     _target_: str = "cltrain.data.ShardsDataModule"
     seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
     shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
+
+
+@dataclass
+class HFConfig(_ImageCrops):
+    """``schema/data/hf``: a Hugging Face image dataset: a Hub id, a ``save_to_disk`` folder or a folder of
+    Parquet files (``pip install 'cltrain[hf]'``); a local ``root`` is a folder, anything else a Hub id."""
+
+    _target_: str = "cltrain.data.HFImageDataModule"
+    streaming: bool = False                   # read the splits as streams (nothing downloaded or converted first)
+    train_split: str = key("train", TEXT)
+    val_split: str | None = key(None, OPT_TEXT)  # null: the first of validation, val, valid, test
+    image_column: str | None = key(None, OPT_TEXT)  # null: the first Image feature
+    label_column: str | None = key(None, OPT_TEXT)  # null: the first ClassLabel feature
+    shuffle_buffer: int | None = key(10000, OPT_POSITIVE)  # streaming: rows shuffled together for training
+    shuffle_seed: int = key(0, SEED)          # streaming: epoch e's order is shuffled with shuffle_seed + e (every rank)
 
 
 @dataclass

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.config.data_schema import demo_home
+from cltrain.app.config.data_schema import HFConfig, demo_home
 from cltrain.app.config.errors import ConfigError
 
 __all__ = ["check_checkpoint", "check_paths"]
+
+_HUB_ROOTS = "a folder written by save_to_disk, a folder of Parquet files, or a Hub id <owner>/<name>"
 
 
 def check_paths(cfg: DictConfig) -> None:
@@ -28,23 +30,19 @@ def check_paths(cfg: DictConfig) -> None:
     """
     data = cfg.data
     root = data.get("root")
+    hub = _takes_hub_ids(data)
     if root is None:
-        raise ConfigError("data.root", root, "not set; an ImageNet-layout folder is needed",
-                          "a directory with train/ and val/ class folders")
+        what = "a dataset" if hub else "an ImageNet-layout folder"
+        raise ConfigError("data.root", root, f"not set; {what} is needed",
+                          _HUB_ROOTS if hub else "a directory with train/ and val/ class folders")
     where = Path(str(root)).expanduser()
-    if where.exists() and not where.is_dir():
-        raise ConfigError("data.root", str(root), "is a file, not a directory", "a directory with train/ and val/ class folders")
-    demo = data.get("demo")
-    if demo is None and not where.is_dir():
-        raise ConfigError("data.root", str(root), "no such directory",
-                          "a directory with train/ and val/ class folders")
-    home = demo_home(data)
-    if demo is not None and not where.exists() and not demo.any_root \
-            and (home is None or where.resolve() != Path(home).resolve()):
-        # A typo'd path would otherwise get a freshly generated demo set and train on it without a word.
-        raise ConfigError("data.root", str(root), "no such directory; the demo set is generated only at its default "
-                          f"location {home}", "data=imagenet data.root=<your folder> for your own "
-                          "data; or leave data.root unset for the demo set")
+    if hub:
+        from cltrain.data.hf_source import is_hub_id
+
+        if not where.is_dir() and not is_hub_id(root):
+            raise ConfigError("data.root", str(root), "no such directory, and not a Hub id", _HUB_ROOTS)
+    else:
+        _check_folder(data, str(root), where)
     for key in ("ckpt_path", "model.pretrained"):
         path = cfg.get("ckpt_path") if key == "ckpt_path" else cfg.model.get("pretrained")
         if path is not None and not Path(str(path)).expanduser().is_file():
@@ -52,6 +50,28 @@ def check_paths(cfg: DictConfig) -> None:
     if cfg.evaluate_only and cfg.get("ckpt_path") is None and cfg.model.get("pretrained") is None:
         raise ConfigError("evaluate_only", True, "nothing to evaluate",
                           "with ckpt_path=<checkpoint> or model.pretrained=<weights file>")
+
+
+def _check_folder(data: DictConfig, root: str, where: Path) -> None:
+    """``data.root`` is a folder, or the one place the data option's demo set is generated."""
+    if where.exists() and not where.is_dir():
+        raise ConfigError("data.root", root, "is a file, not a directory", "a directory with train/ and val/ class folders")
+    demo = data.get("demo")
+    if demo is None and not where.is_dir():
+        raise ConfigError("data.root", root, "no such directory", "a directory with train/ and val/ class folders")
+    home = demo_home(data)
+    if demo is not None and not where.exists() and not demo.any_root \
+            and (home is None or where.resolve() != Path(home).resolve()):
+        # A typo'd path would otherwise get a freshly generated demo set and train on it without a word.
+        raise ConfigError("data.root", root, "no such directory; the demo set is generated only at its default "
+                          f"location {home}", "data=imagenet data.root=<your folder> for your own "
+                          "data; or leave data.root unset for the demo set")
+
+
+def _takes_hub_ids(data: DictConfig) -> bool:
+    """Whether the data option's ``root`` may be a Hub id (``data=hf``)."""
+    schema = OmegaConf.get_type(data)
+    return isinstance(schema, type) and issubclass(schema, HFConfig)
 
 
 def check_checkpoint(path: str, cfg: DictConfig) -> None:

@@ -67,6 +67,7 @@ GT_ZERO = Rule(lambda v: _number(v) and v > 0, "must be a number > 0")
 UNIT = Rule(lambda v: _number(v) and 0.0 <= v < 1.0, "must be a number in [0, 1)", "0 <= value < 1")
 UNIT_CLOSED = Rule(lambda v: _number(v) and 0.0 <= v <= 1.0, "must be a number in [0, 1]", "0 <= value <= 1")
 TEXT = Rule(lambda v: isinstance(v, str) and v != "", "must be a non-empty string")
+OPT_TEXT = Rule(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a non-empty string", "or null")
 OPT_PATH = Rule(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a path", "a path, or null")
 TOP_K = Rule(lambda v: _int(v) and v >= -1, "must be a whole number >= -1", "-1 keeps all, 0 none, k the best k")
 DEVICES = Rule(lambda v: v == "auto" or (_int(v) and v > 0) or (_list(v) and len(v) > 0 and all(_int(i) and i >= 0 for i in v)),

@@ -8,7 +8,7 @@ schema per shape under ``schema/<group>`` that each option's yaml extends
 (``conf/data/demo.yaml``: ``defaults: [/schema/data/images_demo@_here_, _self_]``):
 
 * ``schema/data``: ``images`` (``ImageFolderConfig``), ``images_demo``, ``shards``
-  (``ShardsConfig``), ``video`` (``ClipFolderConfig``), ``video_demo``;
+  (``ShardsConfig``), ``hf`` (``HFConfig``), ``video`` (``ClipFolderConfig``), ``video_demo``;
 * ``schema/optim``: ``sgd`` (``SGDConfig``), ``adamw`` (``AdamWConfig``).
 
 The data group's schemas are in ``cltrain.app.config.data_schema`` (and importable from here).
@@ -44,6 +44,7 @@ from cltrain.app.config.data_schema import (
     ClipFolderConfig,
     ClipFolderDemoConfig,
     DataConfig,
+    HFConfig,
     ImageDemoConfig,
     ImageFolderConfig,
     ImageFolderDemoConfig,
@@ -92,6 +93,7 @@ __all__ = [
     "CompileConfig",
     "DataConfig",
     "EMAConfig",
+    "HFConfig",
     "ImageDemoConfig",
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
@@ -269,7 +271,7 @@ SCHEMA_NAME = "cltrain_schema"
 #: ``schema/<group>/<name>`` -> the schema a group option's yaml extends.
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"images": ImageFolderConfig, "images_demo": ImageFolderDemoConfig, "shards": ShardsConfig,
-             "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
+             "hf": HFConfig, "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
     "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
 }
 

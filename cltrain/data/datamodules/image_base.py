@@ -62,6 +62,10 @@ class ImageDataModule(BatchDataModule):
         decoder: the JPEG decoder of both transforms (``cltrain.data.decoders``): ``"auto"`` (the
             first back end installed), ``"turbojpeg"``, ``"simplejpeg"``, or ``"pillow"`` (every file
             through Pillow).
+        val_reduce: decode evaluation JPEGs at least twice the resize target at 1/2, 1/4 or 1/8
+            scale (libjpeg's DCT scaling, as training crops are): faster on large photos, but not
+            torchvision's pixels. Off: evaluation equals torchvision's decode + ``Resize`` +
+            ``CenterCrop`` within one level (``ResizeCenterCrop``).
         augmentation: the training augmentation as one group (``Augmentation``), or ``None``
             and its fields as the keywords below (not both).
         scale: with ``ratio``, ``hflip``, ``augment``, ``random_erasing``, ``mixup_alpha``,
@@ -79,7 +83,7 @@ class ImageDataModule(BatchDataModule):
                  mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                  dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
                  interpolation: str = "bilinear", exif_transpose: bool = False, decode_threads: int | str = "auto",
-                 decoder: str = "auto", augmentation: Augmentation | None = None,
+                 decoder: str = "auto", val_reduce: bool = False, augmentation: Augmentation | None = None,
                  scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), hflip: float = 0.5,
                  augment: str = "none", random_erasing: float = 0.0, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0, mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5) -> None:
@@ -106,7 +110,8 @@ class ImageDataModule(BatchDataModule):
         self.train_transform = augmentation.train_transform(self.image_size, self.channels, interpolation, exif_transpose,
                                                             decoder)
         self.eval_transform = eval_transform(self.image_size, val_resize_size, channels=self.channels,
-                                             interpolation=interpolation, exif_transpose=exif_transpose, decoder=decoder)
+                                             interpolation=interpolation, exif_transpose=exif_transpose, decoder=decoder,
+                                             reduce=val_reduce)
         self.random_erasing = augmentation.erasing()
         self._mixup: MixupCutmix | None = None
 

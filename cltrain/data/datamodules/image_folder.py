@@ -32,7 +32,8 @@ from cltrain.data.constants import CHECK_MODES
 from cltrain.data.datamodules.base import takes_arguments_of
 from cltrain.data.datamodules.class_folders import ClassFolderDataModule
 from cltrain.data.datamodules.image_base import ImageDataModule
-from cltrain.data.image_folder_dataset import BadImageError, ImageFolderDataset, read_file_list
+from cltrain.data.errors import BadImageError, DataError
+from cltrain.data.image_folder_dataset import ImageFolderDataset, read_file_list
 from cltrain.data.prefetch import PrefetchDataLoader
 
 __all__ = ["ImageFolderDataModule"]
@@ -69,9 +70,9 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
             keeps it there instead; ``False`` walks the tree every run.
 
     Raises:
-        ValueError: a bad argument (at construction); a split without class
-            folders, an empty class folder, or classes that differ (in ``setup``);
-            ``mean``/``std`` in 0-255 units.
+        ValueError: a bad argument (at construction); ``mean``/``std`` in 0-255 units.
+        DataError: a split without class folders, a class folder without images, or classes
+            that differ (in ``setup``); fewer training images than ``batch_size``.
         TypeError: an argument it does not take (a one-line error naming it).
         BadImageError: a bad validation file found by ``check_val`` (``bad_files="raise"``).
         FileNotFoundError: a missing root or split (in ``setup``, or on reading
@@ -135,6 +136,6 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
         if self.train_set is not None and len(self.train_set) < self.batch_size:
-            raise ValueError(f"ImageFolderDataModule: {self.train_set.split_dir} has {len(self.train_set)} images, fewer than "
+            raise DataError(f"ImageFolderDataModule: {self.train_set.split_dir} has {len(self.train_set)} images, fewer than "
                              f"batch_size={self.batch_size}; the training loader drops partial batches, so it would be empty.")
         return self._loader(self.train_set, train=True)

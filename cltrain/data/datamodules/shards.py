@@ -7,9 +7,10 @@ Pack an ImageNet-layout folder once (``cltrain.data.pack``), then train from the
 
 ``ShardsDataModule`` and ``ImageFolderDataModule`` are both ``ImageDataModule``s: the same
 transforms (the JPEG bytes go to ``train_transform`` / ``eval_transform`` as they are), the same
-``NHWCCollate`` batches built in the workers, the same normalisation and augmentation on the device.
-The folder's own arguments (``bad_files``, ``check_val``, ``exclude_files``, ``index_cache``,
-``allow_missing_val_classes``) are not taken: ``cltrain.data.pack`` checks every file when it packs.
+``NHWCCollate`` batches built in the workers, the same normalisation and augmentation on the device,
+the same ``bad_files`` policy (a bad sample named by the file it was packed from). The folder's own
+arguments (``check_val``, ``exclude_files``, ``index_cache``, ``allow_missing_val_classes``) are not
+taken: ``cltrain.data.pack`` checks every file when it packs.
 
 Every epoch all ranks draw the same permutation of the sample indices (``seed + epoch``); rank
 ``r`` takes the ``r``-th of ``world_size`` contiguous slices and cuts it into batches
@@ -27,22 +28,26 @@ from typing_extensions import override
 
 from cltrain.data.datamodules.base import takes_arguments_of
 from cltrain.data.datamodules.image_base import ImageDataModule
+from cltrain.data.datamodules.skipped_files import TakesBadFiles
 from cltrain.data.shard_dataset import ShardsDataset, read_manifest
 from cltrain.data.shard_sampler import ShardBatchSampler, check_window
 
 __all__ = ["ShardsDataModule"]
 
 
-class ShardsDataModule(ImageDataModule):
+class ShardsDataModule(TakesBadFiles, ImageDataModule):
     """A pack of WebDataset shards (``cltrain.data.pack``) as normalised channels_last batches.
 
     Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments,
     with ``root`` the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``), then
-    these. The folder's own arguments (those a pack settles when it is made: ``bad_files``,
-    ``check_val``, ``exclude_files``, ``index_cache``, ``allow_missing_val_classes``) are refused
-    with a one-line ``TypeError``; a bad sample raises ``BadImageError`` naming its shard.
+    these. The folder's own arguments (those a pack settles when it is made: ``check_val``,
+    ``exclude_files``, ``index_cache``, ``allow_missing_val_classes``) are refused with a one-line
+    ``TypeError``.
 
     Args:
+        bad_files: ``"raise"``: a sample that cannot be read stops with an error naming the file it
+            was packed from; ``"skip"``: it is replaced by the next readable one, listed in the run
+            directory's ``skipped_files.tsv`` and counted per epoch (as ``ImageFolderDataModule``).
         seed: seed of the per-epoch training order (the same on every rank).
         shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
             ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
@@ -64,8 +69,9 @@ class ShardsDataModule(ImageDataModule):
     """
 
     @takes_arguments_of(ImageDataModule)
-    def __init__(self, *args: Any, seed: int = 0, shuffle_window: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, bad_files: str = "raise", seed: int = 0, shuffle_window: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, bad_files=bad_files, **kwargs)
         self.seed, self.shuffle_window = seed, check_window(shuffle_window, "ShardsDataModule")
         self.train_set: ShardsDataset | None = None
         self.val_set: ShardsDataset | None = None
@@ -82,14 +88,16 @@ class ShardsDataModule(ImageDataModule):
     @override
     def setup(self, stage: str) -> None:
         self._choose_device()
+        self._open_skip_log()
         trainer = self.trainer
         self._world = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         # The dataset collates its batch in the worker that reads it; workers: the loader pins.
         collate = self._collate(pin_memory=self._pin and self.num_workers == 0)
+        policy = dict(threads=self.decode_threads, bad_files=self.bad_files, skip_log=self._skip_log)
         if stage == "fit" and self.train_set is None:
-            self.train_set = ShardsDataset(self.root, "train", self.train_transform, collate, threads=self.decode_threads)
+            self.train_set = ShardsDataset(self.root, "train", self.train_transform, collate, **policy)
         if self.val_set is None:
-            self.val_set = ShardsDataset(self.root, "val", self.eval_transform, collate, threads=self.decode_threads)
+            self.val_set = ShardsDataset(self.root, "val", self.eval_transform, collate, **policy)
 
     @override
     def _batching(self, dataset: ShardsDataset, train: bool, drop_last: bool | None) -> dict[str, Any]:  # type: ignore[override]

@@ -19,8 +19,10 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
-from cltrain.data.constants import IMG_EXTENSIONS
-from cltrain.data.image_folder_dataset import BadImageError, SkipsBadSamples, find_classes
+from cltrain.data.constants import IMG_EXTENSIONS, is_hidden
+from cltrain.data.bad_samples import SkipsBadSamples, unreadable
+from cltrain.data.errors import BadImageError, DataError
+from cltrain.data.image_folder_dataset import find_classes
 
 __all__ = ["VIDEO_EXTENSIONS", "ClipFolderDataset", "find_clips", "read_video"]
 
@@ -71,27 +73,27 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
     """``(clip path, frame file names or None for a video file, class index)`` of every clip under ``split_dir/<class>``.
 
     Raises:
-        ValueError: a class folder with no clips, a clip folder with no frames, a class
-            folder not in ``classes`` or a class of ``classes`` with no folder, or a video
-            file when OpenCV is not installed.
+        DataError: a class folder with no clips, a clip folder with no frames, a class
+            folder not in ``classes`` or a class of ``classes`` with no folder.
+        ValueError: a video file when OpenCV is not installed.
     """
     split_dir = Path(split_dir)
     present = set(find_classes(split_dir))
     if present != set(classes):
-        raise ValueError(f"{split_dir} has class folders {sorted(present)} but the training split has {sorted(classes)}; "
+        raise DataError(f"{split_dir} has class folders {sorted(present)} but the training split has {sorted(classes)}; "
                          "both splits need the same classes.")
     samples: list[tuple[str, tuple[str, ...] | None, int]] = []
     for index, name in enumerate(classes):
         class_dir = split_dir / name
         found = 0
         for entry in sorted(os.scandir(class_dir), key=lambda e: _natural(e.name)):
-            if entry.name.startswith("."):
+            if is_hidden(entry.name):
                 continue
             if entry.is_dir():
-                frames = tuple(sorted((f for f in os.listdir(entry.path) if not f.startswith(".")
+                frames = tuple(sorted((f for f in os.listdir(entry.path) if not is_hidden(f)
                                        and f.lower().endswith(IMG_EXTENSIONS)), key=_natural))
                 if not frames:
-                    raise ValueError(f"clip folder {entry.path} has no frames (suffixes {', '.join(IMG_EXTENSIONS)}); "
+                    raise DataError(f"clip folder {entry.path} has no frames (suffixes {', '.join(IMG_EXTENSIONS)}); "
                                      "add its frames or remove the folder.")
                 samples.append((entry.path, frames, index))
             elif entry.name.lower().endswith(VIDEO_EXTENSIONS):
@@ -103,7 +105,7 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
                 continue
             found += 1
         if not found:
-            raise ValueError(f"class folder {class_dir} has no clips (a folder of frames per clip, or video files "
+            raise DataError(f"class folder {class_dir} has no clips (a folder of frames per clip, or video files "
                              f"{', '.join(VIDEO_EXTENSIONS)}); add clips or remove the folder.")
     return samples
 
@@ -147,5 +149,6 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
         except ImportError:
             raise
         except Exception as err:  # any failure of reading or decoding this one clip
-            raise BadImageError(f"{path}: cannot be read as a clip ({type(err).__name__}: {err}). "
-                                "Replace or remove it, or pass bad_files='skip' to skip such clips.") from err
+            reason = unreadable(err, path)
+            raise BadImageError(f"{path}: cannot be read as a clip ({reason}). "
+                                "Replace or remove it, or pass bad_files='skip' to skip such clips.", reason) from err

@@ -1,0 +1,111 @@
+"""The bad-file policy every Dataset of the data path shares: ``bad_files="raise"`` or ``"skip"``.
+
+A sample that cannot be read (an image file, a sample of a pack, a row of a Hugging Face dataset,
+a clip) raises ``BadImageError`` naming it and the fix under ``bad_files="raise"``; under ``"skip"``
+it is replaced by the next readable sample and reported: one ``split<TAB>name<TAB>reason`` line
+appended to ``skip_log`` (the run directory's ``skipped_files.tsv``, from whichever worker process
+met it) and a warning once per sample and process. A sample's name is its file's path (in a pack:
+the path of the file it was packed from) or, in a dataset of rows, ``row <index>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from typing import Any
+
+from cltrain.data.errors import BadImageError
+
+__all__ = ["BAD_FILE_POLICIES", "SkipsBadSamples", "check_bad_files", "unreadable"]
+
+log = logging.getLogger(__name__)
+
+#: What ``bad_files=`` accepts, in every source.
+BAD_FILE_POLICIES: tuple[str, ...] = ("raise", "skip")
+_MAX_SKIPS_IN_A_ROW = 50
+_IN_MEMORY = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
+def check_bad_files(bad_files: str, owner: str = "") -> str:
+    """``bad_files`` if it is a policy of ``BAD_FILE_POLICIES``; else ``ValueError`` (prefixed by ``owner``)."""
+    if bad_files not in BAD_FILE_POLICIES:
+        raise ValueError(f"{owner + ': ' if owner else ''}bad_files={bad_files!r} must be one of {BAD_FILE_POLICIES}.")
+    return bad_files
+
+
+def unreadable(err: BaseException, path: str | os.PathLike | None = None) -> str:
+    """Why a sample could not be read, in one line (no tabs): a dangling symbolic link says where it points."""
+    if path is not None and os.path.islink(path) and not os.path.exists(path):
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    text = _IN_MEMORY.sub("(bytes)", f"{type(err).__name__}: {err}")  # Pillow names a BytesIO by its address
+    return text.replace("\t", " ").replace("\n", " ")
+
+
+class SkipsBadSamples:
+    """The bad-file policy (see the module docstring) of a Dataset whose ``load(i)`` raises
+    ``BadImageError`` for an unreadable sample (its ``reason``, else its ``__cause__``, says why):
+    ``"raise"`` passes it on; ``"skip"`` reports the sample (``skip``) and returns the next readable
+    one (at most 50 in a row). The Dataset calls ``_set_policy`` and says what its samples are
+    called (``sample_name``), which split it is (``split_name``) and where (``source_name``);
+    ``what`` names a sample in the warning."""
+
+    what = "image"
+    bad_files: str
+    skip_log: str | None
+    _warned: set[str]
+
+    def _set_policy(self, bad_files: str, skip_log: str | os.PathLike | None) -> None:
+        self.bad_files = check_bad_files(bad_files)
+        self.skip_log = None if skip_log is None else str(skip_log)
+        self._warned = set()
+
+    def __len__(self) -> int:  # pragma: no cover - the Dataset's
+        raise NotImplementedError
+
+    def load(self, index: int) -> tuple[Any, ...]:  # pragma: no cover - the Dataset's
+        raise NotImplementedError
+
+    def sample_name(self, index: int) -> str:
+        """How the skipped-files list names sample ``index`` (a folder Dataset: its path)."""
+        return str(self.samples[index][0])  # type: ignore[attr-defined]
+
+    @property
+    def split_name(self) -> str:
+        """The split column of the skipped-files list (a folder Dataset: its folder's name)."""
+        return self.split_dir.name  # type: ignore[attr-defined]
+
+    @property
+    def source_name(self) -> str:
+        """Where the samples are, for errors (a folder Dataset: its folder)."""
+        return str(self.split_dir)  # type: ignore[attr-defined]
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        return self.fetch(index)
+
+    def fetch(self, index: int, out: Any = None) -> tuple[Any, ...]:
+        """The sample at ``index`` (its image written into ``out`` when given), or under
+        ``bad_files="skip"`` the next readable one."""
+        load = self.load if out is None else functools.partial(self.load, out=out)
+        if self.bad_files == "raise":
+            return load(index)
+        n = len(self)
+        for attempt in range(min(_MAX_SKIPS_IN_A_ROW, n)):
+            i = (index + attempt) % n
+            try:
+                return load(i)
+            except BadImageError as err:
+                self.skip(self.sample_name(i), getattr(err, "reason", None) or unreadable(err.__cause__ or err))
+        raise BadImageError(f"{self.source_name}: {_MAX_SKIPS_IN_A_ROW} unreadable {self.what}s in a row from index {index}; "
+                            "the data is not usable as it is (see the skipped-files list).")
+
+    def skip(self, name: str, reason: str) -> None:
+        """Report sample ``name`` as skipped: a line in ``skip_log`` and a warning once per sample and process."""
+        reason = reason.replace("\t", " ").replace("\n", " ")
+        if self.skip_log is not None:
+            with open(self.skip_log, "a", encoding="utf-8") as f:  # one short line per write: atomic with O_APPEND
+                f.write(f"{self.split_name}\t{name}\t{reason}\n")
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("skipping unreadable %s %s (%s)", self.what, name, reason)

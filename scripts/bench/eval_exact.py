@@ -1,0 +1,115 @@
+"""The evaluation transform against torchvision's, per kind of file, and what DCT-scaled decoding buys.
+
+Pixels: each readable kind of file of ``scripts.bench.quirk_files`` (CMYK, grey, progressive,
+EXIF-rotated JPEGs, a PNG named ``.JPEG``, 16-bit, palette and RGBA PNGs, WebP, BMP, TIFF, ...), made
+from each photograph bundled with scikit-image and scikit-learn resized to ImageNet's usual 500x375,
+goes through cltrain's ``eval_transform`` and through torchvision's decode + ``Resize`` + ``CenterCrop``
+(``torchvision_eval``); the largest and the mean difference per pixel are printed per kind, at
+224/256 and 64/73 px, with ``reduce`` off (the default) and on (libjpeg's DCT scaling).
+
+Speed: ``eval_transform`` on the JPEGs of a photo folder (``scripts/bench/photo_folder.py``), one
+thread, images per second with ``reduce`` off and on, interleaved repeats, the median of each.
+
+    python -m scripts.bench.eval_exact --photos /tmp/cltrain-photos
+    python -m scripts.bench.eval_exact --photos /tmp/p --repeats 1 --images 8     # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from cltrain.data import eval_transform
+from scripts.bench.photo_folder import bundled_photos, make_photo_folder
+from scripts.bench.quirk_files import QUIRKS_READABLE, write_quirks
+from scripts.machine import machine, machine_line
+
+SIZES = ((224, 256), (64, 73))
+
+
+def torchvision_eval(path: str | os.PathLike, size: int, resize_size: int) -> np.ndarray:
+    """torchvision's evaluation of an image file, HWC uint8: ``torchvision.io.decode_image`` (RGB; Pillow
+    for the formats it does not decode, BMP and TIFF), then ``Resize(resize_size)`` (antialiased) and
+    ``CenterCrop(size)`` on the tensor; a 16-bit image is scaled to 8 bits (``to_dtype(scale=True)``)."""
+    import torchvision.transforms.v2.functional as F
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        img = decode_image(str(path), mode=ImageReadMode.RGB)
+    except RuntimeError:  # a format torchvision.io does not read
+        with Image.open(path) as opened:
+            img = F.pil_to_tensor(opened.convert("RGB"))
+    if img.dtype != torch.uint8:
+        img = F.to_dtype(img, torch.uint8, scale=True)
+    return F.center_crop(F.resize(img, [resize_size], antialias=True), [size, size]).permute(1, 2, 0).numpy()
+
+
+def differences(folder: Path, pictures: list[Image.Image]) -> dict[tuple[str, int, bool], tuple[int, float]]:
+    """``(kind, size, reduce) -> (largest, mean)`` difference per pixel against ``torchvision_eval``, over ``pictures``."""
+    out: dict[tuple[str, int, bool], list[np.ndarray]] = {}
+    for n, picture in enumerate(pictures):
+        files = write_quirks(folder / str(n), picture.resize((500, 375), Image.Resampling.LANCZOS))
+        for kind in QUIRKS_READABLE:
+            if kind == "one_pixel":  # smaller than any crop
+                continue
+            for size, resize_size in SIZES:
+                ref = torchvision_eval(files[kind], size, resize_size).astype(int)
+                for reduce in (False, True):
+                    ours = eval_transform(size, resize_size, reduce=reduce)(files[kind]).astype(int)
+                    out.setdefault((kind, size, reduce), []).append(np.abs(ours - ref))
+    return {key: (int(max(d.max() for d in ds)), float(np.mean([d.mean() for d in ds]))) for key, ds in out.items()}
+
+
+def speed(paths: list[str], size: int, resize_size: int, repeats: int) -> dict[bool, float]:
+    """Images per second of ``eval_transform`` with ``reduce`` off and on (interleaved, median of ``repeats``)."""
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    transforms = {reduce: eval_transform(size, resize_size, reduce=reduce) for reduce in rates}
+    for t in transforms.values():
+        t(paths[0])  # warm-up
+    for _ in range(repeats):
+        for reduce, t in transforms.items():
+            start = time.perf_counter()
+            for p in paths:
+                t(p)
+            rates[reduce].append(len(paths) / (time.perf_counter() - start))
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--photos", type=Path, default=Path(tempfile.gettempdir()) / "cltrain-photos",
+                   help="the photo folder (made once from the bundled photographs)")
+    p.add_argument("--images", type=int, default=200, help="JPEGs of the photo folder to time")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    print(f"Machine: {machine_line(machine())}")
+    with tempfile.TemporaryDirectory() as tmp:
+        diffs = differences(Path(tmp), bundled_photos())
+    print("Difference per pixel against torchvision's decode + Resize + CenterCrop (largest / mean), "
+          "per kind of file, over the bundled photographs at 500x375:")
+    print(f"{'kind':16s}" + "".join(f"  {s}/{r} reduce={'on ' if red else 'off'}" for s, r in SIZES for red in (False, True)))
+    for kind in QUIRKS_READABLE:
+        if (kind, SIZES[0][0], False) in diffs:
+            print(f"{kind:16s}" + "".join(f"  {diffs[(kind, s, red)][0]:10d} / {diffs[(kind, s, red)][1]:5.3f}"
+                                          for s, _ in SIZES for red in (False, True)))
+    root = make_photo_folder(args.photos)
+    paths = sorted(str(q) for q in root.glob("*/*/*.jpg"))[: args.images]
+    for size, resize_size in SIZES:
+        rates = speed(paths, size, resize_size, args.repeats)
+        print(f"eval_transform({size}, {resize_size}) on {len(paths)} photographs (333-800 px), 1 thread: "
+              f"reduce off {rates[False]:.0f} img/s, reduce on {rates[True]:.0f} img/s ({rates[True] / rates[False]:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
