@@ -60,7 +60,8 @@ class PrecisionTrial:
 
 
 def time_precisions(step_for: Callable[[str], Callable[[], torch.Tensor]], flags: Sequence[str], *,
-                    device: torch.device | str, warmup: int = 2, steps: int = 5, rounds: int = 3) -> list[PrecisionTrial]:
+                    device: torch.device | str, warmup: int = 2, steps: int = 5,
+                    rounds: int = 3) -> list[PrecisionTrial]:
     """Each of ``flags`` trained by its own step: ``warmup`` untimed steps, then ``rounds`` rounds of
     ``steps`` timed steps each, the order of the candidates alternating from round to round.
 
@@ -81,7 +82,8 @@ def time_precisions(step_for: Callable[[str], Callable[[], torch.Tensor]], flags
         ValueError: ``steps`` or ``rounds`` < 1, or ``warmup`` < 0.
     """
     if steps < 1 or rounds < 1 or warmup < 0:
-        raise ValueError(f"time_precisions: need steps >= 1, rounds >= 1, warmup >= 0; got {steps}, {rounds}, {warmup}.")
+        raise ValueError(f"time_precisions: need steps >= 1, rounds >= 1, warmup >= 0; "
+                         f"got {steps}, {rounds}, {warmup}.")
     device = torch.device(device)
     errors: dict[str, str] = {}
     losses: dict[str, list[torch.Tensor]] = {flag: [] for flag in flags}
@@ -112,7 +114,8 @@ def time_precisions(step_for: Callable[[str], Callable[[], torch.Tensor]], flags
     trials = []
     for flag in flags:
         kept = losses[flag]
-        finite = bool(torch.stack([t.float().reshape(()) for t in kept]).isfinite().all()) if kept else False  # one read
+        # one read of all the losses on the host, after every step
+        finite = bool(torch.stack([t.float().reshape(()) for t in kept]).isfinite().all()) if kept else False
         median = statistics.median(seconds[flag]) if seconds[flag] and flag not in errors else None
         trials.append(PrecisionTrial(flag, median, finite, len(kept), errors.get(flag, "")))
     return trials
@@ -143,8 +146,8 @@ def choose_precision(trials: Sequence[PrecisionTrial], *, prefer: str = "bf16-mi
         base = fallback or PrecisionChoice("32-true", "")
         return PrecisionChoice(base.flag, "; ".join(filter(None, [f"measured: {failed}", base.reason])))
     fastest = min(trained, key=lambda t: t.seconds_per_step)
-    chosen = next((t for t in trained if t.flag == prefer and t.seconds_per_step <= fastest.seconds_per_step * (1 + margin)),
-                  fastest)
+    close = [t for t in trained if t.flag == prefer and t.seconds_per_step <= fastest.seconds_per_step * (1 + margin)]
+    chosen = close[0] if close else fastest
     timings = ", ".join(f"{describe_precision(t.flag)} {1e3 * t.seconds_per_step:.1f} ms/step" for t in trained)
     others = [t for t in trained if t is not chosen]
     if not others:

@@ -19,10 +19,11 @@ own time is put under the first kind its name, or the name of a range around it,
 
 On CUDA the kinds are device time (each op's kernels, ``self_device_time_total``) and idle is the time the GPU
 ran no kernel; on a CPU they are the ops' own CPU time, and idle is host time outside any op (Python, hooks,
-waiting for loader workers; ops on other threads, such as the loader's decode threads, count too). They add up to the step's wall time. Apart from them, ``data wait`` is the host's
-wall time between one step's end and the next one's start (mostly waiting for the next batch): on a GPU it
-overlaps kernels still queued, and it is the share to watch (above 5% of the step, the loader holds the GPU
-back). The profiled steps slow down; put them in the run's warm-up (``throughput_warmup``).
+waiting for loader workers; ops on other threads, such as the loader's decode threads, count too). They add up
+to the step's wall time. Apart from them, ``data wait`` is the host's wall time between one step's end and the
+next one's start (mostly waiting for the next batch): on a GPU it overlaps kernels still queued, and it is the
+share to watch (above 5% of the step, the loader holds the GPU back). The profiled steps slow down; put them in
+the run's warm-up (``throughput_warmup``).
 
     python train.py experiment=smoke +callbacks.profile._target_=scripts.bench.step_profile.StepProfile \\
         +callbacks.profile.path=/tmp/profile.json

@@ -33,8 +33,8 @@ def _step_for(slow: torch.dtype | None, lr: dict[str, float] | None = None):
         if flag not in ("bf16-mixed", "32-true"):
             raise ValueError(f"no CPU step for {flag}")
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), SlowUnder(slow), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                              nn.Flatten(), nn.Linear(8, 4))
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), SlowUnder(slow), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
         optimizer = torch.optim.SGD(model.parameters(), lr=(lr or {}).get(flag, 0.01), momentum=0.9)
         x, y = torch.randn(4, 3, 12, 12), torch.tensor([0, 1, 2, 3])
 
