@@ -4,19 +4,31 @@
     python -m scripts.gpu_check --wheels .whl --out $OUT     # the same, installing the app's wheels first
     python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
 
-Each part runs in its own subprocess under its own time limit (``--limits``, seconds):
+With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``: amp by
+measurement, compiled fp16 and bf16, the largest batch, CUDA graphs, the loader, the step by kind), the matrix
+among its runs; ``OUT/mark.md`` holds its tables. A lent GPU with 15 minutes runs everything in one call that
+stops itself within ``--budget`` seconds and leaves minutes to rerun a part::
+
+    timeout 560 python -m scripts.gpu_check --mark --budget 520 --wheels .whl --out $OUT   # (device timeout_s 570)
+    python -m scripts.gpu_check --mark --parts e2e --mark-only largest_batch loader --budget 150 --wheels .whl \
+        --out $OUT/rerun                                                                # a part again, by name
+    python -m scripts.gpu_check --tiny --mark --parts e2e --out /tmp/mark   # any CPU: every task at CI sizes
+
+Each part runs in its own subprocess under its own time limit (``--limits``, seconds; ``--budget`` caps each at
+what is left of the whole; ``--parts`` picks them); ``gpu_check.md`` is written again after each part:
 
 (a) ``python -m pytest -m cuda tests/``: the tests marked ``cuda`` (conftest.py pins every other test to the CPU).
 (b) ``python train.py`` as a newcomer types it, in an empty folder: its ``metrics.json`` (status, precision,
     images/s, step time) and how many of the training losses its CSV log holds are finite.
 (c) apex's main_amp recipe (``experiment=main_amp``: ResNet-50, batch 256, 224 px) end to end on 5,120 + 10
-    ImageNet-size JPEGs drawn by ``cltrain.data.demo``; channels_last and contiguous in fp16, bf16 and fp32, then
+    ImageNet-size JPEGs drawn by ``cltrain.data.demo`` (10,240 + 10 with ``--mark``); channels_last and contiguous in fp16, bf16 and fp32, then
     channels_last with ``compile.enabled=true``, in one process, in turn: images/s and step time over 60 steps
     after 8 warm-up steps (train.py's meter), the finite losses among all steps, and host syncs per step: ATen
     ops that read a device value on the host (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6,
     which neither print nor log.
 (d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
-    runs' ``metrics.json`` files and logs; data, checkpoints and run folders stay in ``--work``.
+    runs' ``metrics.json`` files and logs (the cuda tests' with short tracebacks); data, checkpoints and run
+    folders stay in ``--work``.
 
 ``--tiny``: 12 JPEGs of 64x48, ResNet-18 at 32 px, 3 steps per configuration, the smoke experiment for (b); what
 needs CUDA, bf16 where the CPU lacks it, and compile are rows saying "skipped" and why.
@@ -301,6 +313,7 @@ def mark_part(work: Path, root: Path, limit: float, log: Path, size: dict, out: 
     run_workers = int(next(o for o in base["common"] if o.startswith("data.num_workers=")).split("=")[1])
     spec = {**base, **size["mark"], "results": str(results), "out": str(out), "tiny": tiny, "tasks": chosen,
             "deadline": time.time() + limit - 5, "needs_scale": 0 if tiny else 1, "warmup": size["warmup"],
+            "steps": size["steps"],
             "device": "cuda" if torch.cuda.is_available() else "cpu", "batch": size["batch"], "header": header}
     spec["loader"] = {**spec["loader"], "splits": loader_splits(run_workers, tiny)}
     (work / "mark.json").write_text(json.dumps(spec, indent=1))
@@ -427,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + (args.budget if args.budget is not None else math.inf)
     args.out.mkdir(parents=True, exist_ok=True)
     size = TINY if args.tiny else FULL
+    if args.mark and not args.tiny:
+        size = {**size, "per_class": 1024}  # 40 batches of 256 an epoch, 5 of 2,048 at the largest batches tried
     limits = args.limits or ([150, 90, math.inf] if args.mark else [180, 100, 220])
     with tempfile.TemporaryDirectory(prefix="cltrain-gpu-check-") as tmp:
         work = args.work or Path(tmp)

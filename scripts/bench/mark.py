@@ -11,12 +11,16 @@ ResNet-50, 224 px, SGD) through ``train(cfg)`` in one worker process, task after
    fp16, channels_last fp16 compiled, channels_last ``amp=auto`` compiled; the eager and default-compiled
    channels_last runs profiled over two warm-up steps (``scripts.bench.step_profile``);
 3. the rest of the layouts x precisions (bf16, fp32), once; the loader alone, at the runs' split of the cores
-   and at others (images/s of the batches the GPU gets, no training); round 2, in reverse order;
+   and at others (images/s of the batches the GPU gets, no training);
 4. the largest batch that fits (the eager step on synthetic batches, doubling from 256, then halving the
    interval between the last that fit and the first that did not; out of memory is a size that does not fit),
-   then channels_last fp16 compiled at that batch end to end;
+   then channels_last fp16 compiled at that batch end to end; round 2, in reverse order;
 5. channels_last fp16 compiled with ``compile.mode=reduce-overhead`` (CUDA graphs: the row says how many graphs
    inductor skipped, pytorch#139207); round 3; last, ``max-autotune-no-cudagraphs`` (minutes of autotuning).
+
+Each compiled run starts from ``torch._dynamo.reset()``: a new model's ``forward`` is the same code, and past
+dynamo's ``cache_size_limit`` recompiles it would run uncompiled, and a second batch size would compile a graph
+with a dynamic batch dimension.
 
 A task starts only while the budget allows what it usually takes (``NEEDS``; ``--tiny``: while any is left); the
 others are records saying why they did not run. Each record is appended to ``mark.jsonl`` and ``mark.md`` is
@@ -70,8 +74,8 @@ def tasks(tiny: bool) -> list[dict[str, Any]]:
     first, second, third = e2e[:len(key)], e2e[len(key):2 * len(key)], e2e[2 * len(key):]
     rest = [dict(kind="e2e", name=n, round=0) for n in CONFIGS if n not in key and "largest" not in n
             and "reduce-overhead" not in n and "max-autotune" not in n]
-    return [dict(kind="amp"), *first, *rest, dict(kind="loader"), *second, dict(kind="largest_batch"),
-            dict(kind="e2e", name="channels_last fp16 compile, largest batch", round=0),
+    return [dict(kind="amp"), *first, *rest, dict(kind="loader"), dict(kind="largest_batch"),
+            dict(kind="e2e", name="channels_last fp16 compile, largest batch", round=0), *second,
             dict(kind="e2e", name="channels_last fp16 compile reduce-overhead", round=0), *third,
             dict(kind="e2e", name="channels_last fp16 compile max-autotune-no-cudagraphs", round=0)]
 
@@ -163,6 +167,7 @@ def run_largest_batch(spec: dict, records: list[dict]) -> dict:
     errors: dict[int, str] = {}
 
     def fits(n: int) -> bool:
+        _free(device)  # the last try's model, optimizer and batch went with its frame
         try:
             step = _plain_step(s["model"], flag, device, n, s["size"])
             for _ in range(2):
@@ -177,11 +182,9 @@ def run_largest_batch(spec: dict, records: list[dict]) -> dict:
                 raise
             errors[n] = str(err).splitlines()[0][:120]
             return False
-        finally:
-            step = None
-            _free(device)
 
     largest, tried = largest_batch(fits, search["start"], search["cap"], search["granularity"])
+    _free(device)
     return {"status": "completed", "largest": largest, "precision": flag, "cap": search["cap"],
             "tried": [[n, ok] for n, ok in tried.items()], "errors": errors}
 
@@ -237,7 +240,8 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
         if found is None:
             return {"status": "not run: no largest batch was found"}
         batch = found["largest"]
-        overrides.append(f"data.batch_size={batch}")
+        steps = max(10, spec["steps"] * spec["batch"] // batch)  # about as many images as a run at the recipe's batch
+        overrides += [f"data.batch_size={batch}", f"++trainer.max_steps={spec['warmup'] + steps}"]
     slug = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}-r{task['round']}"
     profile = Path(spec["runs"]) / f"{slug}.profile.json"
     extra = []
@@ -251,6 +255,8 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
         from torch._dynamo.utils import counters
 
         skips_before = counters["inductor"].get("cudagraph_skips", 0)
+    if "compile.enabled=true" in overrides:
+        torch._dynamo.reset()  # a fresh compile (the module docstring says why); inductor's caches on disk stay
     record = run_config(spec, name, overrides, slug, extra)
     record["batch"] = batch
     if profile.is_file():
