@@ -8,7 +8,7 @@ own time is put under the first kind its name, or the name of a range around it,
 ==========================  ==========================================================================
 ``convolution backward``    ``convolution_backward`` ops (cuDNN dgrad/wgrad kernels), ``ConvolutionBackward``
 ``BatchNorm``               ``batch_norm`` ops forward and backward, and compiled kernels fused with one
-``convolution forward``     other ops with ``conv`` in their name (``cudnn_convolution``, ``mkldnn_convolution``)
+``convolution forward``     other ops with ``conv`` in their name (``cudnn_convolution``; not ``convert``)
 ``optimizer``               ``Optimizer.zero_grad``, and what ``Optimizer.step`` runs after its closure's
                             backward (Lightning runs forward and backward inside the step's closure)
 ``between steps``           ops between one step's end and the next step's start: the batch's copy to the
@@ -32,6 +32,7 @@ the run's warm-up (``throughput_warmup``).
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -48,19 +49,21 @@ KINDS = ("convolution forward", "convolution backward", "BatchNorm", "elementwis
 #: The host's wall time between steps, apart from ``KINDS`` (on a GPU it overlaps them).
 DATA_WAIT = "data wait"
 BETWEEN_STEPS = "cltrain: between steps"
-#: (what a name holds, the kind), the first that matches wins; names are compared in lower case.
-_RULES = (("optimizer.zero_grad", "optimizer"),
-          ("convolution_backward", "convolution backward"), ("convolutionbackward", "convolution backward"),
-          ("batch_norm", "BatchNorm"), ("batchnorm", "BatchNorm"), ("conv", "convolution forward"),
-          (BETWEEN_STEPS, "between steps"))
+#: (a pattern a name holds, the kind), the first that matches wins; names are compared in lower case. Compiled
+#: kernels are named after the ops they fuse ("triton_red_fused__native_batch_norm_legit_functional_relu_3"),
+#: "convert_element_type" among them.
+_RULES = tuple((re.compile(pattern), kind) for pattern, kind in (
+    (r"optimizer\.zero_grad", "optimizer"), (r"convolution_?backward", "convolution backward"),
+    (r"batch_?norm", "BatchNorm"), (r"conv(?!ert)", "convolution forward"),
+    (re.escape(BETWEEN_STEPS), "between steps")))
 
 
 def kind_of(event: Any) -> str:
     """The kind of a profiler event: the first rule matched by its name or, going outwards, a range around it."""
     while event is not None:
         name = event.name.lower()
-        for part, kind in _RULES:
-            if part in name:
+        for pattern, kind in _RULES:
+            if pattern.search(name):
                 return kind
         event = event.cpu_parent
     return "elementwise and other"

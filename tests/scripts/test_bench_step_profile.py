@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from scripts.bench.step_profile import DATA_WAIT, KINDS, StepProfile, breakdown_table
+from scripts.bench.step_profile import DATA_WAIT, KINDS, StepProfile, breakdown_table, kind_of
 
 FETCH_S = 0.05  # the loader's wait for each batch
 PAUSE_S = 0.04  # host time in the step outside any op
@@ -68,3 +68,20 @@ def pytest_approx(value: float):
     import pytest
 
     return pytest.approx(value, rel=0.02)
+
+
+class _Event:
+    def __init__(self, name: str, parent: _Event | None = None) -> None:
+        self.name, self.cpu_parent = name, parent
+
+
+def test_compiled_kernels_are_told_apart_by_the_ops_they_fuse() -> None:
+    backward = _Event("autograd::engine::evaluate_function: CompiledFunctionBackward")
+    zero_grad = _Event("Optimizer.zero_grad#SGD.zero_grad")
+    assert kind_of(_Event("triton_red_fused__native_batch_norm_legit_functional_convert_element_type_1")) == \
+        "BatchNorm"
+    assert kind_of(_Event("triton_poi_fused__to_copy_convert_element_type_0")) == "elementwise and other"
+    assert kind_of(_Event("triton_poi_fused_add_threshold_backward_7", backward)) == "elementwise and other"
+    assert kind_of(_Event("aten::convolution_backward", backward)) == "convolution backward"
+    assert kind_of(_Event("aten::empty", _Event("aten::convolution"))) == "convolution forward"
+    assert kind_of(_Event("aten::zero_", zero_grad)) == "optimizer"
