@@ -21,11 +21,11 @@ what is left of the whole; ``--parts`` picks them); ``gpu_check.md`` is written 
 (b) ``python train.py`` as a newcomer types it, in an empty folder: its ``metrics.json`` (status, precision,
     images/s, step time) and how many of the training losses its CSV log holds are finite.
 (c) apex's main_amp recipe (``experiment=main_amp``: ResNet-50, batch 256, 224 px) end to end on 5,120 + 10
-    ImageNet-size JPEGs drawn by ``cltrain.data.demo`` (10,240 + 10 with ``--mark``); channels_last and contiguous in fp16, bf16 and fp32, then
-    channels_last with ``compile.enabled=true``, in one process, in turn: images/s and step time over 60 steps
-    after 8 warm-up steps (train.py's meter), the finite losses among all steps, and host syncs per step: ATen
-    ops that read a device value on the host (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6,
-    which neither print nor log.
+    ImageNet-size JPEGs drawn by ``cltrain.data.demo`` (10,240 + 10 with ``--mark``); channels_last and
+    contiguous in fp16, bf16 and fp32, then channels_last with ``compile.enabled=true``, in one process, in turn:
+    images/s and step time over 60 steps after 8 warm-up steps (train.py's meter), the finite losses among all
+    steps, and host syncs per step: ATen ops that read a device value on the host
+    (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6, which neither print nor log.
 (d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
     runs' ``metrics.json`` files and logs (the cuda tests' with short tracebacks); data, checkpoints and run
     folders stay in ``--work``.
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             if name not in args.parts:
                 rows.append(row(label, "", "skipped: --parts"))
             elif limit < 10:
-                rows.append(row(label, "", f"not run: {args.budget:.0f} s budget spent"))
+                rows.append(row(label, "", "not run: less than 10 s of --budget left"))
             else:
                 rows += run(limit)
                 print(f"gpu_check: {label}: {rows[-1]['status']} ({time.perf_counter() - started:.0f} s)", flush=True)
