@@ -9,7 +9,8 @@ optimizer is safe under loss scaling.
   bf16 autocast where bf16 is native (on the CPU: ``cltrain.platform.cpu_bf16_support``, which
   ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and ``DNNL_MAX_CPU_ISA`` can turn off on a CPU
   that has AVX512-BF16), fp16 with loss scaling on CUDA GPUs without bf16, fp32 elsewhere;
-  with the reason, in words.
+  with the reason, in words. ``cltrain.timing.precision`` picks by running the recipe's step in each
+  instead (``python -m scripts.gpu_check --mark`` reports its pick; not the default).
 * ``loss_scaling_safe``: one overflowed step of an optimizer under a ``GradScaler``
   on scratch tensors, compared with the unfused optimizer. A fused optimizer gets the
   overflow check handed to its kernel; ``SGD(fused=True, momentum>0)`` writes an

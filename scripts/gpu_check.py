@@ -4,19 +4,31 @@
     python -m scripts.gpu_check --wheels .whl --out $OUT     # the same, installing the app's wheels first
     python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
 
-Each part runs in its own subprocess under its own time limit (``--limits``, seconds):
+With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``: amp by
+measurement, compiled fp16 and bf16, the largest batch, CUDA graphs, the loader, the step by kind), the matrix
+among its runs; ``OUT/mark.md`` holds its tables. A lent GPU with 15 minutes runs everything in one call that
+stops itself within ``--budget`` seconds and leaves minutes to rerun a part::
+
+    timeout 560 python -m scripts.gpu_check --mark --budget 520 --wheels .whl --out $OUT   # (device timeout_s 570)
+    python -m scripts.gpu_check --mark --parts e2e --mark-only largest_batch loader --budget 150 --wheels .whl \
+        --out $OUT/rerun                                                                # a part again, by name
+    python -m scripts.gpu_check --tiny --mark --parts e2e --out /tmp/mark   # any CPU: every task at CI sizes
+
+Each part runs in its own subprocess under its own time limit (``--limits``, seconds; ``--budget`` caps each at
+what is left of the whole; ``--parts`` picks them); ``gpu_check.md`` is written again after each part:
 
 (a) ``python -m pytest -m cuda tests/``: the tests marked ``cuda`` (conftest.py pins every other test to the CPU).
 (b) ``python train.py`` as a newcomer types it, in an empty folder: its ``metrics.json`` (status, precision,
     images/s, step time) and how many of the training losses its CSV log holds are finite.
 (c) apex's main_amp recipe (``experiment=main_amp``: ResNet-50, batch 256, 224 px) end to end on 5,120 + 10
-    ImageNet-size JPEGs drawn by ``cltrain.data.demo``; channels_last and contiguous in fp16, bf16 and fp32, then
-    channels_last with ``compile.enabled=true``, in one process, in turn: images/s and step time over 60 steps
-    after 8 warm-up steps (train.py's meter), the finite losses among all steps, and host syncs per step: ATen
-    ops that read a device value on the host (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6,
-    which neither print nor log.
+    ImageNet-size JPEGs drawn by ``cltrain.data.demo`` (10,240 + 10 with ``--mark``); channels_last and
+    contiguous in fp16, bf16 and fp32, then channels_last with ``compile.enabled=true``, in one process, in turn:
+    images/s and step time over 60 steps after 8 warm-up steps (train.py's meter), the finite losses among all
+    steps, and host syncs per step: ATen ops that read a device value on the host
+    (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6, which neither print nor log.
 (d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
-    runs' ``metrics.json`` files and logs; data, checkpoints and run folders stay in ``--work``.
+    runs' ``metrics.json`` files and logs (the cuda tests' with short tracebacks); data, checkpoints and run
+    folders stay in ``--work``.
 
 ``--tiny``: 12 JPEGs of 64x48, ResNet-18 at 32 px, 3 steps per configuration, the smoke experiment for (b); what
 needs CUDA, bf16 where the CPU lacks it, and compile are rows saying "skipped" and why.
@@ -76,9 +88,15 @@ MATRIX = [(f"{layout} {name}", [f"channels_last={str(layout == 'channels_last').
           for layout in ("channels_last", "contiguous")]
 MATRIX.append(("channels_last compile", ["channels_last=true", "amp=auto", "compile.enabled=true"]))
 FULL = {"classes": 10, "per_class": 512, "size": (500, 375), "warmup": 8, "steps": 60, "count": (3, 4),
-        "overrides": []}  # 20 batches of 256 an epoch
+        "overrides": [], "batch": 256,  # 20 batches of 256 an epoch
+        "mark": {"synthetic": {"model": "resnet50", "batch": 256, "size": 224, "warmup": 3, "steps": 5, "rounds": 3},
+                 "search": {"start": 256, "cap": 2048, "granularity": 256}, "loader": {"batches": 19, "rounds": 2}}}
 TINY = {"classes": 2, "per_class": 6, "size": (64, 48), "warmup": 2, "steps": 1, "count": (1, 1),
-        "overrides": ["model.name=resnet18", "data.batch_size=4", "data.image_size=32", "data.val_resize_size=36"]}
+        "overrides": ["model.name=resnet18", "data.batch_size=4", "data.image_size=32", "data.val_resize_size=36"],
+        "batch": 4,
+        "mark": {"synthetic": {"model": "resnet18", "batch": 4, "size": 32, "warmup": 1, "steps": 1, "rounds": 2},
+                 "search": {"start": 4, "cap": 8, "granularity": 4}, "loader": {"batches": 2, "rounds": 2}}}
+PARTS = ("tests", "newcomer", "e2e")
 TINY_NEWCOMER = ["experiment=smoke", "data.demo.num_classes=2", "data.demo.train_per_class=8",
                  "data.demo.val_per_class=1", "data.demo.image_size=[64,48]"]
 
@@ -122,31 +140,37 @@ class StepProbe(Callback):
         self.on_train_end(trainer, pl_module)
 
 
-def run_matrix(spec_file: Path) -> int:
-    """Part (c)'s worker: each configuration of the spec through ``train(cfg)`` in this process, one JSON line each."""
+def run_config(spec: dict, name: str, overrides: list[str], slug: str, extra: list[str] | tuple = ()) -> dict:
+    """One configuration through ``train(cfg)`` in this process: ``train``'s metrics with the ``StepProbe``'s counts
+    (``status`` "failed" and the error's first line when it raised), the run in ``spec["runs"]/slug``."""
     from cltrain.app import compose_config
     from cltrain.app.train import train
 
-    spec = json.loads(spec_file.read_text())
     runs, (first, count) = Path(spec["runs"]), spec["count"]
+    probe, record = runs / f"{slug}.probe.json", {"name": name}
+    print(f"gpu_check: {name}: {' '.join([*overrides, *extra])}", flush=True)
+    try:
+        record.update(train(compose_config([
+            *spec["common"], *overrides, f"run_dir={runs / slug}",
+            "+callbacks.probe._target_=scripts.gpu_check.StepProbe", f"+callbacks.probe.path={probe}",
+            f"+callbacks.probe.count_from={first}", f"+callbacks.probe.count_steps={count}", *extra])))
+    except Exception as err:  # noqa: BLE001 - one configuration failing must not stop the others
+        record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
+    record.update(json.loads(probe.read_text()) if probe.is_file() else {})
+    record.pop("config", None)
+    gc.collect()  # the finished run's loader workers and tensors, before the next run starts
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return record
+
+
+def run_matrix(spec_file: Path) -> int:
+    """Part (c)'s worker: each configuration of the spec through ``run_config``, one JSON line each."""
+    spec = json.loads(spec_file.read_text())
     for name, overrides in spec["configs"]:
-        slug = re.sub(r"\W+", "-", name)
-        probe, record = runs / f"{slug}.probe.json", {"name": name}
-        print(f"gpu_check: {name}: {' '.join(overrides)}", flush=True)
-        try:
-            record.update(train(compose_config([
-                *spec["common"], *overrides, f"run_dir={runs / slug}", "+callbacks.probe._target_=scripts.gpu_check.StepProbe",
-                f"+callbacks.probe.path={probe}", f"+callbacks.probe.count_from={first}",
-                f"+callbacks.probe.count_steps={count}"])))
-        except Exception as err:  # noqa: BLE001 - one configuration failing must not stop the others
-            record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
-        record.update(json.loads(probe.read_text()) if probe.is_file() else {})
-        record.pop("config", None)
+        record = run_config(spec, name, overrides, re.sub(r"\W+", "-", name))
         with open(spec["results"], "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
-        gc.collect()  # the finished run's loader workers and tensors, before the next run starts
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return 0
 
 
@@ -206,7 +230,7 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
         return row("cuda tests", shown, "skipped: pytest is not installed")
     started = time.perf_counter()
     # -v: one line per test as it ends, so a run cut short by its limit still says which failed
-    code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-v", "--tb=line", "-rfE", "-p",
+    code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-v", "--tb=short", "-rfE", "-p",
                      "no:cacheprovider"], REPO, limit, log)
     text = log.read_text(errors="replace")
     ended = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.MULTILINE)
@@ -253,22 +277,71 @@ def _skip(overrides: list[str], tiny: bool) -> str | None:
     return "skipped: --tiny (compiling takes minutes on a CPU)" if tiny and "compile.enabled=true" in overrides else None
 
 
-def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool) -> list[dict[str, str]]:
-    runs, results = work / "runs", work / "matrix.jsonl"
-    runs.mkdir(parents=True)
+def e2e_spec(work: Path, root: Path, size: dict, tiny: bool) -> dict:
+    """What every end-to-end run shares: the recipe on ``root``, its sizes, where runs and results go."""
+    runs = work / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
     workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))
+    return {"runs": str(runs), "count": size["count"], "common": [
+        "experiment=main_amp", f"data.root={root}", f"data.num_workers={workers}", *size["overrides"],
+        f"++trainer.max_steps={size['warmup'] + size['steps']}", "trainer.max_epochs=-1",
+        "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
+
+
+def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool) -> list[dict[str, str]]:
+    results = work / "matrix.jsonl"
     skips = {name: _skip(o, tiny) for name, o in MATRIX}
-    spec = {"configs": [(n, o) for n, o in MATRIX if not skips[n]], "runs": str(runs), "results": str(results),
-            "count": size["count"], "common": [
-                "experiment=main_amp", f"data.root={root}", f"data.num_workers={workers}", *size["overrides"],
-                f"++trainer.max_steps={size['warmup'] + size['steps']}", "trainer.max_epochs=-1",
-                "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
+    spec = {**e2e_spec(work, root, size, tiny), "configs": [(n, o) for n, o in MATRIX if not skips[n]],
+            "results": str(results)}
     (work / "matrix.json").write_text(json.dumps(spec, indent=1))
     code = run_part([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "matrix.json")], REPO, limit,
                     log) if spec["configs"] else 0
     done = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())} if results.is_file() else {}
+    copy_metrics(Path(spec["runs"]), out)
+    return matrix_rows(done, skips, code, limit, log)
+
+
+def mark_part(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool,
+              header: dict[str, str], only: list[str] | None = None) -> list[dict[str, str]]:
+    """Part (c) with ``--mark``: ``scripts.bench.mark``'s tasks (those whose kind or configuration ``only`` names,
+    when given) in one worker under ``limit``, the matrix's configurations among them; the matrix's rows from
+    their first runs, and a row for ``OUT/mark.md``."""
+    from scripts.bench.mark import loader_splits, tasks
+
+    results, base = work / "mark.jsonl", e2e_spec(work, root, size, tiny)
+    chosen = [t for t in tasks(tiny) if not only or t["kind"] in only or t.get("name") in only]
+    run_workers = int(next(o for o in base["common"] if o.startswith("data.num_workers=")).split("=")[1])
+    spec = {**base, **size["mark"], "results": str(results), "out": str(out), "tiny": tiny, "tasks": chosen,
+            "deadline": time.time() + limit - 5, "needs_scale": 0 if tiny else 1, "warmup": size["warmup"],
+            "steps": size["steps"],
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "batch": size["batch"], "header": header}
+    spec["loader"] = {**spec["loader"], "splits": loader_splits(run_workers, tiny)}
+    (work / "mark.json").write_text(json.dumps(spec, indent=1))
+    code = run_part([sys.executable, "-m", "scripts.gpu_check", "--mark-worker", str(work / "mark.json")], REPO, limit,
+                    log)
+    records = list(map(json.loads, results.read_text().splitlines())) if results.is_file() else []
+    copy_metrics(Path(spec["runs"]), out)
+    first: dict[str, dict] = {}
+    for r in records:
+        if r["kind"] == "e2e" and r.get("status") in ("completed", "failed"):
+            first.setdefault(r["name"], r)
+    done = sum(r.get("status") == "completed" for r in records)
+    status = (f"timed out after {limit:.0f} s" if code is None else "completed" if code == 0
+              else f"failed (exit {code})") + f": {done} of {len(spec['tasks'])} tasks completed"
+    names = {t.get("name") for t in chosen}
+    skips = {name: _skip(o, tiny) or (None if name in names else "skipped: --mark-only") for name, o in MATRIX}
+    return [*matrix_rows(first, skips, code, limit, log), row("mark", "`--mark`", status, notes=f"mark.md; {log.name}")]
+
+
+def copy_metrics(runs: Path, out: Path) -> None:
+    """Each run's ``metrics.json``, beside the table as ``<run>.metrics.json``."""
     for path in runs.glob("*/metrics.json"):
         (out / f"{path.parent.name}.metrics.json").write_text(path.read_text())
+
+
+def matrix_rows(done: dict[str, dict], skips: dict[str, str | None], code: int | None, limit: float,
+                log: Path) -> list[dict[str, str]]:
+    """Part (c)'s rows, one per ``MATRIX`` configuration, from its run's record (``done``, by name)."""
     rows = []
     for name, overrides in MATRIX:
         shown, r = "`" + " ".join(overrides) + "`", done.get(name)
@@ -294,7 +367,8 @@ def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Pat
     return rows
 
 
-def machine_rows(command: str, seconds: float, data: str) -> list[dict[str, str]]:
+def describe_machine() -> tuple[str, str]:
+    """The GPU (name, driver, CUDA, cuDNN) or "no CUDA device", and the host (CPU, cores, Python, versions)."""
     m, device = machine(), "no CUDA device"
     if torch.cuda.is_available():
         try:
@@ -306,6 +380,11 @@ def machine_rows(command: str, seconds: float, data: str) -> list[dict[str, str]
                   f"cuDNN {torch.backends.cudnn.version()}")
     host = (f"{m['cpu']}, {m['logical_cpus']} logical cores; Python {sys.version.split()[0]}; "
             + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    return device, host
+
+
+def machine_rows(command: str, seconds: float, data: str, machine_: tuple[str, str]) -> list[dict[str, str]]:
+    device, host = machine_
     return [row("machine", device, "", notes=host), row("command", f"`{command}`", f"finished in {seconds:.0f} s",
                                                         notes=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
             row("data", data, "")]
@@ -337,15 +416,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=None, help="data and runs (default: a temporary folder)")
     parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (see the docstring)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the script on any CPU")
-    parser.add_argument("--limits", type=float, nargs=3, default=[180, 100, 220], metavar=("A", "B", "C"),
-                        help="seconds for (a) the cuda tests, (b) the default train.py, (c) the matrix")
+    parser.add_argument("--mark", action="store_true", help="(c) runs scripts/bench/mark.py's tasks: OUT/mark.md")
+    parser.add_argument("--mark-only", nargs="+", default=None, metavar="TASK",
+                        help="with --mark: only these tasks, by kind (amp, loader, largest_batch, e2e) or by "
+                             "configuration")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="which parts run: (a) tests, (b) newcomer, (c) e2e (the matrix, or --mark)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole command; each part gets "
+                        "at most what is left, less 15 s to write the tables")
+    parser.add_argument("--limits", type=float, nargs=3, default=None, metavar=("A", "B", "C"),
+                        help="seconds for (a) the cuda tests, (b) the default train.py, (c) the matrix or the mark "
+                             "(default 180 100 220; with --mark 150 90 and (c) what the budget leaves)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--mark-worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return run_matrix(args.worker)
+    if args.mark_worker:
+        from scripts.bench.mark import run_tasks
+
+        return run_tasks(args.mark_worker)
     started, command = time.perf_counter(), "python -m scripts.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
+    deadline = started + (args.budget if args.budget is not None else math.inf)
     args.out.mkdir(parents=True, exist_ok=True)
-    size, (limit_a, limit_b, limit_c) = TINY if args.tiny else FULL, args.limits
+    size = TINY if args.tiny else FULL
+    if args.mark and not args.tiny:
+        size = {**size, "per_class": 1024}  # 40 batches of 256 an epoch, 5 of 2,048 at the largest batches tried
+    limits = args.limits or ([150, 90, math.inf] if args.mark else [180, 100, 220])
     with tempfile.TemporaryDirectory(prefix="cltrain-gpu-check-") as tmp:
         work = args.work or Path(tmp)
         if args.wheels:
@@ -359,11 +456,28 @@ def main(argv: list[str] | None = None) -> int:
         data = (f"{size['classes'] * size['per_class']:,} + {size['classes']} JPEGs of {size['size'][0]}x"
                 f"{size['size'][1]} drawn by cltrain.data.demo in {time.perf_counter() - t:.0f} s")
         stamp = work / time.strftime("%Y%m%d-%H%M%S")
-        rows = [cuda_tests(limit_a, args.out / "cuda_tests.log"),
-                newcomer(stamp / "newcomer", limit_b, args.out / "default_train.log", args.tiny, args.out),
-                *matrix(stamp, root, limit_c, args.out / "matrix.log", size, args.out, args.tiny)]
-    text = gpu_results_table(machine_rows(command, time.perf_counter() - started, data) + rows)
-    (args.out / "gpu_check.md").write_text(text)
+        device, host = describe_machine()
+        parts = {
+            "tests": ("cuda tests", lambda limit: [cuda_tests(limit, args.out / "cuda_tests.log")]),
+            "newcomer": ("default train.py", lambda limit: [
+                newcomer(stamp / "newcomer", limit, args.out / "default_train.log", args.tiny, args.out)]),
+            "e2e": (E2E, lambda limit: mark_part(
+                stamp, root, limit, args.out / "mark.log", size, args.out, args.tiny,
+                {"device": device, "host": host, "command": command}, args.mark_only) if args.mark
+                else matrix(stamp, root, limit, args.out / "matrix.log", size, args.out, args.tiny)),
+        }
+        rows: list[dict[str, str]] = []
+        for (name, (label, run)), wanted in zip(parts.items(), limits):
+            limit = min(wanted, deadline - time.perf_counter() - 15)
+            if name not in args.parts:
+                rows.append(row(label, "", "skipped: --parts"))
+            elif limit < 10:
+                rows.append(row(label, "", "not run: less than 10 s of --budget left"))
+            else:
+                rows += run(limit)
+                print(f"gpu_check: {label}: {rows[-1]['status']} ({time.perf_counter() - started:.0f} s)", flush=True)
+            text = gpu_results_table(machine_rows(command, time.perf_counter() - started, data, (device, host)) + rows)
+            (args.out / "gpu_check.md").write_text(text)  # after every part: a run cut short keeps what it has
     print(text, end="")
     return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0
 

@@ -49,7 +49,7 @@ def prepare_model(cfg: DictConfig, resolved: Resolved, model: torch.nn.Module) -
     for record in records:
         rank_zero_info(f"cltrain: worked around a known kernel fault: {record.line()}")
     if cfg.compile.enabled:
-        model.compile(backend=cfg.compile.backend)
+        model.compile(backend=cfg.compile.backend, mode=cfg.compile.get("mode"))
     return records
 
 

@@ -36,7 +36,7 @@ from cltrain.guardrails import apply_guardrails
 from cltrain.layout import to_channels_last, to_channels_last_1d, to_contiguous
 from cltrain.precision import autocast_for
 
-__all__ = ["LAYOUTS", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts"]
+__all__ = ["LAYOUTS", "choose_layout", "model_in_layout", "scalar_loss", "synchronize", "time_layouts", "timed"]
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def _input_in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     return to_channels_last_1d(x) if x.dim() == 3 else to_channels_last(x)
 
 
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Wall seconds of ``fn()``, the device synchronised before and after (so queued kernels count)."""
     synchronize(device)
     start = time.perf_counter()
     fn()
@@ -191,7 +192,7 @@ def time_layouts(
     samples: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     for i in range(steps):
         for layout in LAYOUTS if i % 2 == 0 else LAYOUTS[::-1]:
-            samples[layout].append(_timed(lambda: step(layout), device))
+            samples[layout].append(timed(lambda: step(layout), device))
     return {layout: statistics.median(samples[layout]) for layout in ("channels_last", "contiguous")}
 
 

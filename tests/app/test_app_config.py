@@ -70,6 +70,7 @@ def _error(overrides: list[str]) -> ConfigError:
         (["label_smoothing=1.5"], "label_smoothing", "0 <= value < 1"),
         (["trainer.sync_batchnorm=true", "device=cpu"], "trainer.sync_batchnorm", "device=cuda"),
         (["compile.enabled=true", "channels_last_mode=auto"], "channels_last_mode", "full, conv"),
+        (["compile.mode=fast"], "compile.mode", "reduce-overhead"),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(overrides: list[str], key: str, allowed: str | None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,15 @@ def tiny(demo_root: Path, run_dir: Path, *overrides: str) -> dict:
     cfg = compose_config(["experiment=smoke", f"data.root={demo_root}", *demo, f"run_dir={run_dir}", "device=cpu",
                           "trainer.enable_progress_bar=false", *overrides])
     return train(cfg)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _state(ckpt: str | Path) -> dict:
@@ -100,7 +110,14 @@ def test_evaluate_only_from_a_checkpoint_and_from_weights(demo_root: Path, tmp_p
 
 
 def test_compile_after_the_layout_conversion(demo_root: Path, tmp_path: Path) -> None:
-    metrics = tiny(demo_root, tmp_path / "run", "compile.enabled=true", "compile.backend=eager")
+    seen = _Records()  # the eager backend names the compile options it was handed and ignores
+    logging.getLogger("torch._dynamo.backends.debugging").addHandler(seen)
+    try:
+        metrics = tiny(demo_root, tmp_path / "run", "compile.enabled=true", "compile.backend=eager",
+                       "compile.mode=max-autotune-no-cudagraphs")
+    finally:
+        logging.getLogger("torch._dynamo.backends.debugging").removeHandler(seen)
+    assert "{'mode': 'max-autotune-no-cudagraphs'}" in " ".join(seen.messages)
     assert metrics["global_step"] == 4 and metrics["compile"] is True
     state = _state(metrics["last_checkpoint"])["state_dict"]
     assert not any("_orig_mod" in k for k in state)  # compiled in place: checkpoints load into a plain model

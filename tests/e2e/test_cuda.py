@@ -42,13 +42,26 @@ def test_tests_not_marked_cuda_are_pinned_to_the_cpu() -> None:
 
 
 # --- pinned batches, one pinned host-to-device copy per tensor -----------------------------------------------
+def _prefetching_datamodule(root: Path, num_workers: int) -> ImageFolderDataModule:
+    # cuda_prefetch is opt-in: without it the loader hands over host batches and Lightning copies them
+    return ImageFolderDataModule(root, batch_size=4, num_workers=num_workers, persistent_workers=False,
+                                 image_size=32, val_resize_size=36, cuda_prefetch=True)
+
+
 def _fit_ready_datamodule(root: Path, num_workers: int) -> ImageFolderDataModule:
-    dm = ImageFolderDataModule(root, batch_size=4, num_workers=num_workers, persistent_workers=False,
-                               image_size=32, val_resize_size=36)
+    dm = _prefetching_datamodule(root, num_workers)
     dm.trainer = pl.Trainer(accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False)
     dm.setup("fit")
     return dm
+
+
+def test_the_pinned_copy_test_gets_the_side_stream_loader(tmp_path: Path) -> None:
+    # On CUDA the test below takes the loader's batches as already on the GPU: only the prefetcher makes them so.
+    dm = _prefetching_datamodule(write_image_folder(tmp_path / "data", classes=2, train=4, val=1), num_workers=0)
+    dm.setup("fit")
+    dm._device = torch.device("cuda", 0)  # as _choose_device sets it under a GPU trainer
+    assert dm.train_dataloader().prefetch_device == torch.device("cuda", 0)
 
 
 @pytest.mark.cuda

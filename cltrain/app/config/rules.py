@@ -87,6 +87,9 @@ VAL_CHECK_INTERVAL = Rule(lambda v: v is None or (_int(v) and v > 0) or (_number
                           "must be a number of batches, a fraction of the epoch or a time",
                           "a whole number > 0, 0.0 < fraction <= 1.0, 'DD:HH:MM:SS', or null")
 CLIP_ALGORITHM = Rule(lambda v: v is None or v in ("norm", "value"), "unknown value", "norm, value, or null")
+#: torch.compile's modes (null: torch's default)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODE = Rule(lambda v: v is None or v in COMPILE_MODES, "unknown value", ", ".join(COMPILE_MODES) + ", or null")
 #: An autocast dtype ``amp`` can name -> its Lightning precision flag.
 AMP_DTYPE_FLAGS: dict[str, str] = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
 #: What ``amp`` may be: ``"auto"`` (the device's fastest), true (mixed precision), false (fp32), or a dtype.

@@ -55,6 +55,7 @@ from cltrain.app.config.rules import (
     AMP,
     BETAS,
     CLIP_ALGORITHM,
+    COMPILE_MODE,
     COUNT,
     DETERMINISTIC,
     DEVICES,
@@ -217,6 +218,9 @@ class CompileConfig:
 
     enabled: bool = False
     backend: str = key("inductor", TEXT)
+    # torch.compile's mode; null: torch's default. reduce-overhead adds CUDA graphs (skipped where the
+    # compiled graph mutates BatchNorm's buffers in training: pytorch#139207)
+    mode: Any = key(None, COMPILE_MODE)
 
 
 @dataclass

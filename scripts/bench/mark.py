@@ -1,0 +1,308 @@
+"""Toward the MLPerf per-GPU rate: the configurations of apex's recipe that ``python -m scripts.gpu_check --mark`` runs.
+
+MLPerf Training v4.0 trained ResNet-50 at about 7,150 img/s per H100 and 7,950 per H200 (MXNet, DALI decoding on
+the GPU, fused NHWC BatchNorm, CUDA graphs). This part runs apex's main_amp recipe (``experiment=main_amp``:
+ResNet-50, 224 px, SGD) through ``train(cfg)`` in one worker process, task after task, in this order:
+
+1. ``amp``: the recipe's own step (``scripts.bench.train.PlainStep``) on a synthetic channels_last batch, bf16
+   against fp16 + loss scaling on a GPU (bf16 against fp32 on a CPU), in interleaved rounds
+   (``cltrain.timing.precision``): what a measured ``amp=auto`` would pick, and why;
+2. end to end from the JPEGs, round 1 of the key configurations: contiguous fp16 (the baseline), channels_last
+   fp16, channels_last fp16 compiled, channels_last ``amp=auto`` compiled; the eager and default-compiled
+   channels_last runs profiled over two warm-up steps (``scripts.bench.step_profile``);
+3. the rest of the layouts x precisions (bf16, fp32), once; the loader alone, at the runs' split of the cores
+   and at others (images/s of the batches the GPU gets, no training);
+4. the largest batch that fits (the eager step on synthetic batches, doubling from 256, then halving the
+   interval between the last that fit and the first that did not; out of memory is a size that does not fit),
+   then channels_last fp16 compiled at that batch end to end; round 2, in reverse order;
+5. channels_last fp16 compiled with ``compile.mode=reduce-overhead`` (CUDA graphs: the row says how many graphs
+   inductor skipped, pytorch#139207); round 3; last, ``max-autotune-no-cudagraphs`` (minutes of autotuning).
+
+Each compiled run starts from ``torch._dynamo.reset()``: a new model's ``forward`` is the same code, and past
+dynamo's ``cache_size_limit`` recompiles it would run uncompiled, and a second batch size would compile a graph
+with a dynamic batch dimension.
+
+A task starts only while the budget allows what it usually takes (``NEEDS``; ``--tiny``: while any is left); the
+others are records saying why they did not run. Each record is appended to ``mark.jsonl`` and ``mark.md`` is
+written again after each (``scripts.bench.mark_table``), so a run cut short still leaves its table. ``--tiny`` (on
+any CPU) gives every task CI sizes; what needs CUDA or a compile is a record saying "skipped" and why, and the
+rounds repeat the fp32 pair instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
+CONFIGS: dict[str, list[str]] = {
+    "contiguous fp16": ["channels_last=false", "amp=fp16"],
+    "channels_last fp16": ["channels_last=true", "amp=fp16"],
+    "channels_last fp16 compile": ["channels_last=true", "amp=fp16", "compile.enabled=true"],
+    "channels_last compile": ["channels_last=true", "amp=auto", "compile.enabled=true"],
+    "contiguous bf16": ["channels_last=false", "amp=bf16"],
+    "channels_last bf16": ["channels_last=true", "amp=bf16"],
+    "contiguous fp32": ["channels_last=false", "amp=false"],
+    "channels_last fp32": ["channels_last=true", "amp=false"],
+    "channels_last fp16 compile, largest batch": ["channels_last=true", "amp=fp16", "compile.enabled=true"],
+    "channels_last fp16 compile reduce-overhead": ["channels_last=true", "amp=fp16", "compile.enabled=true",
+                                                   "compile.mode=reduce-overhead"],
+    "channels_last fp16 compile max-autotune-no-cudagraphs": ["channels_last=true", "amp=fp16", "compile.enabled=true",
+                                                              "compile.mode=max-autotune-no-cudagraphs"],
+}
+#: Repeated in every round; on a CPU (``--tiny``) the fp32 pair instead.
+KEY = ["contiguous fp16", "channels_last fp16", "channels_last fp16 compile", "channels_last compile"]
+KEY_CPU = ["contiguous fp32", "channels_last fp32"]
+#: Profiled over two warm-up steps (CUDA graphs hide their kernels from the profiler: not those).
+PROFILED = {"channels_last fp16", "channels_last fp16 compile", "channels_last fp32"}
+#: Seconds a task usually takes on one H100 (compiles included); a task starts only with this much budget left.
+NEEDS = {"amp": 30, "e2e": 20, "compile": 90, "max-autotune": 300, "largest_batch": 60, "loader": 40}
+
+
+def tasks(tiny: bool) -> list[dict[str, Any]]:
+    """The tasks in the order they run (the module docstring)."""
+    key = KEY_CPU if tiny else KEY
+    e2e = [dict(kind="e2e", name=n, round=r) for r in range(3) for n in (key if r % 2 == 0 else key[::-1])]
+    first, second, third = e2e[:len(key)], e2e[len(key):2 * len(key)], e2e[2 * len(key):]
+    rest = [dict(kind="e2e", name=n, round=0) for n in CONFIGS if n not in key and "largest" not in n
+            and "reduce-overhead" not in n and "max-autotune" not in n]
+    return [dict(kind="amp"), *first, *rest, dict(kind="loader"), dict(kind="largest_batch"),
+            dict(kind="e2e", name="channels_last fp16 compile, largest batch", round=0), *second,
+            dict(kind="e2e", name="channels_last fp16 compile reduce-overhead", round=0), *third,
+            dict(kind="e2e", name="channels_last fp16 compile max-autotune-no-cudagraphs", round=0)]
+
+
+def needs(task: dict[str, Any]) -> float:
+    """What ``task`` usually takes, in seconds (``NEEDS``)."""
+    if task["kind"] != "e2e":
+        return NEEDS[task["kind"]]
+    name = task["name"]
+    return NEEDS["max-autotune" if "max-autotune" in name else "compile" if "compile" in name else "e2e"]
+
+
+# --- the largest batch ---------------------------------------------------------------------------------------
+def largest_batch(fits: Callable[[int], bool], start: int, cap: int, granularity: int) -> tuple[int | None, dict]:
+    """The largest batch ``fits`` accepts, by trying: doubling from ``start`` up to ``cap``, then halving the
+    interval between the last size that fit and the first that did not, down to ``granularity``.
+
+    Returns:
+        ``(largest or None when not even the smallest tried fits, {size: fits} in the order tried)``.
+    """
+    tried: dict[int, bool] = {}
+
+    def ok(n: int) -> bool:
+        tried[n] = fits(n)
+        return tried[n]
+
+    low, high, n = 0, None, start
+    while n <= cap:
+        if not ok(n):
+            high = n
+            break
+        low, n = n, 2 * n
+    if high is None:
+        return low, tried
+    while high - low > granularity:
+        mid = (low + high) // 2 // granularity * granularity
+        if mid <= low:
+            break
+        if ok(mid):
+            low = mid
+        else:
+            high = mid
+    return low or None, tried
+
+
+def _synthetic(n: int, size: int, device: torch.device, classes: int = 1000) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, size, size, generator=gen).to(device, memory_format=torch.channels_last)
+    return [(x, torch.randint(0, classes, (n,), generator=gen).to(device))]
+
+
+def _plain_step(model_name: str, flag: str, device: torch.device, batch: int, size: int) -> Callable[[], torch.Tensor]:
+    """The recipe's step (``PlainStep``: the app's optimizer, autocast, loss scaling) on one synthetic batch."""
+    from cltrain import to_channels_last
+    from cltrain.app import build_classifier
+    from scripts.bench.train import PlainStep
+
+    batches = _synthetic(batch, size, device)
+    step = PlainStep(to_channels_last(build_classifier(model_name, num_classes=1000).to(device)), flag, device, batches)
+    x, y = batches[0]
+    return lambda: step(x, y)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- the tasks -------------------------------------------------------------------------------------------------
+def run_amp(spec: dict, records: list[dict]) -> dict:
+    from cltrain.precision import auto_precision
+    from cltrain.timing.precision import choose_precision, time_precisions
+
+    s, device = spec["synthetic"], torch.device(spec["device"])
+    flags = ["bf16-mixed", "16-mixed"] if device.type == "cuda" else ["bf16-mixed", "32-true"]
+    trials = time_precisions(lambda flag: _plain_step(s["model"], flag, device, s["batch"], s["size"]), flags,
+                             device=device, warmup=s["warmup"], steps=s["steps"], rounds=s["rounds"])
+    _free(device)
+    auto = auto_precision(device)
+    choice = choose_precision(trials, fallback=auto)
+    return {"status": "completed", "trials": [asdict(t) for t in trials], "batch": s["batch"], "rounds": s["rounds"],
+            "choice": asdict(choice), "auto": asdict(auto)}
+
+
+def run_largest_batch(spec: dict, records: list[dict]) -> dict:
+    s, search, device = spec["synthetic"], spec["search"], torch.device(spec["device"])
+    flag = "16-mixed" if device.type == "cuda" else "32-true"
+    errors: dict[int, str] = {}
+
+    def fits(n: int) -> bool:
+        _free(device)  # the last try's model, optimizer and batch went with its frame
+        try:
+            step = _plain_step(s["model"], flag, device, n, s["size"])
+            for _ in range(2):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        except RuntimeError as err:  # some kernels report running out of memory as a plain RuntimeError
+            if "out of memory" not in str(err).lower():
+                raise
+            errors[n] = str(err).splitlines()[0][:120]
+            return False
+
+    largest, tried = largest_batch(fits, search["start"], search["cap"], search["granularity"])
+    _free(device)
+    return {"status": "completed", "largest": largest, "precision": flag, "cap": search["cap"],
+            "tried": [[n, ok] for n, ok in tried.items()], "errors": errors}
+
+
+def _loader_rate(spec: dict, workers: Any, threads: Any, batches: int) -> dict:
+    import lightning.pytorch as pl
+
+    from cltrain.app import compose_config
+    from cltrain.app.datasource import build_datamodule
+
+    cfg = compose_config([*spec["common"], f"data.num_workers={workers}", f"data.decode_threads={threads}"])
+    dm = build_datamodule(cfg)
+    dm.trainer = pl.Trainer(accelerator=spec["device"], devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False)  # the loader as a run on this device gets it (pinned, uint8)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    it, seen, started = iter(loader), 0, 0.0
+    for i in range(batches + 1):
+        try:
+            images = next(it)[0]
+        except StopIteration:
+            break
+        if i == 0:
+            started = time.perf_counter()  # worker start-up and the first batch are not timed
+        else:
+            seen += images.shape[0]
+    seconds = time.perf_counter() - started
+    threads_used = getattr(loader.dataset, "threads", 1)
+    del it
+    return {"workers": loader.num_workers, "threads": threads_used, "images": seen,
+            "img_s": seen / seconds if seen and seconds > 0 else None}
+
+
+def run_loader(spec: dict, records: list[dict]) -> dict:
+    splits, rates = spec["loader"]["splits"], []
+    for r in range(spec["loader"]["rounds"]):
+        for workers, threads in splits if r % 2 == 0 else splits[::-1]:
+            rate = _loader_rate(spec, workers, threads, spec["loader"]["batches"])
+            rates.append({**rate, "asked": [workers, threads]})
+    return {"status": "completed", "rates": rates, "batch": spec["batch"]}
+
+
+def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
+    from scripts.gpu_check import _skip, run_config
+
+    name, overrides = task["name"], list(CONFIGS[task["name"]])
+    skipped = _skip(overrides, tiny)
+    if skipped:
+        return {"status": skipped}
+    batch = spec["batch"]
+    if "largest" in name:
+        found = next((r for r in reversed(records) if r["kind"] == "largest_batch" and r.get("largest")), None)
+        if found is None:
+            return {"status": "not run: no largest batch was found"}
+        batch = found["largest"]
+        steps = max(10, spec["steps"] * spec["batch"] // batch)  # about as many images as a run at the recipe's batch
+        overrides += [f"data.batch_size={batch}", f"++trainer.max_steps={spec['warmup'] + steps}"]
+    slug = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}-r{task['round']}"
+    profile = Path(spec["runs"]) / f"{slug}.profile.json"
+    extra = []
+    if name in PROFILED and task["round"] == 0:
+        first = max(1, spec["warmup"] - 3)  # two steps ending before the last warm-up step: the timed window is clean
+        extra = ["+callbacks.profile._target_=scripts.bench.step_profile.StepProfile",
+                 f"+callbacks.profile.path={profile}", f"+callbacks.profile.first={first}",
+                 "+callbacks.profile.steps=2"]
+    graphs = "compile.mode=reduce-overhead" in overrides
+    if graphs:
+        from torch._dynamo.utils import counters
+
+        skips_before = counters["inductor"].get("cudagraph_skips", 0)
+    if "compile.enabled=true" in overrides:
+        torch._dynamo.reset()  # a fresh compile (the module docstring says why); inductor's caches on disk stay
+    record = run_config(spec, name, overrides, slug, extra)
+    record["batch"] = batch
+    if profile.is_file():
+        record["profile"] = json.loads(profile.read_text())
+    if graphs:
+        record["cudagraph_skips"] = counters["inductor"].get("cudagraph_skips", 0) - skips_before
+    return record
+
+
+def run_tasks(spec_file: Path) -> int:
+    """The worker: every task of the spec in order, each record appended to ``spec["results"]`` as it ends and
+    ``mark.md`` written again after it."""
+    from scripts.bench.mark_table import mark_markdown
+
+    spec = json.loads(spec_file.read_text())
+    tiny, records = spec["tiny"], []
+    torch.backends.cudnn.benchmark = True  # as the app, apex and timm run: the synthetic steps too
+    runners = {"amp": run_amp, "largest_batch": run_largest_batch, "loader": run_loader}
+    for task in spec["tasks"]:
+        left = spec["deadline"] - time.time()
+        record = {"kind": task["kind"], "name": task.get("name", task["kind"]), "round": task.get("round", 0)}
+        started = time.perf_counter()
+        if left < needs(task) * spec["needs_scale"]:
+            record["status"] = f"not run: {left:.0f} s of the budget left, it needs about {needs(task):.0f} s"
+        else:
+            print(f"mark: {record['name']} (round {record['round'] + 1})", flush=True)
+            try:
+                record.update(run_e2e(spec, task, records, tiny) if task["kind"] == "e2e"
+                              else runners[task["kind"]](spec, records))
+            except Exception as err:  # noqa: BLE001 - one task failing must not stop the others
+                record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
+        record["seconds"] = round(time.perf_counter() - started, 1)
+        records.append(record)
+        with open(spec["results"], "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        Path(spec["out"], "mark.md").write_text(mark_markdown(records, spec["header"]))
+        print(f"mark: {record['name']}: {record.get('status')} in {record['seconds']} s", flush=True)
+    return 0
+
+
+def loader_splits(run_workers: int, tiny: bool) -> list[list[Any]]:
+    """(workers, decode threads) to time the loader at: the runs' own split, the app's ``auto``, and 2 threads in
+    half as many workers (``--tiny``: in this process, and one worker)."""
+    from cltrain.data.loader_threads import usable_cores
+
+    if tiny:
+        return [[0, 1], [1, 1]]
+    splits = [[run_workers, "auto"], ["auto", "auto"], [max(1, usable_cores() // 2), 2]]
+    return [s for i, s in enumerate(splits) if s not in splits[:i]]

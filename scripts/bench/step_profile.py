@@ -1,0 +1,191 @@
+"""Where a training step's time goes, by kind: a ``torch.profiler`` window over a few steps of a real run.
+
+``StepProfile`` is a Lightning callback (``+callbacks.profile._target_=scripts.bench.step_profile.StepProfile``
+on a ``train.py`` run) that profiles training steps ``first`` .. ``first + steps - 1``, each from the end of the
+step before (so the wait for its batch is inside), and writes the breakdown to ``path`` as JSON. Every op's
+own time is put under the first kind its name, or the name of a range around it, says:
+
+==========================  ==========================================================================
+``convolution backward``    ``convolution_backward`` ops (cuDNN dgrad/wgrad kernels), ``ConvolutionBackward``
+``BatchNorm``               ``batch_norm`` ops forward and backward, and compiled kernels fused with one
+``convolution forward``     other ops with ``conv`` in their name (``cudnn_convolution``; not ``convert``)
+``optimizer``               ``Optimizer.zero_grad``, and what ``Optimizer.step`` runs after its closure's
+                            backward (Lightning runs forward and backward inside the step's closure)
+``between steps``           ops between one step's end and the next step's start: the batch's copy to the
+                            device and normalisation there, the loader's collate when it runs in this process
+``elementwise and other``   the rest: ReLU, adds, pooling, the loss, the classifier's matmul, copies
+``idle and launch gaps``    the window's wall time that no op's own time covers
+==========================  ==========================================================================
+
+On CUDA the kinds are device time (each op's kernels, ``self_device_time_total``) and idle is the time the GPU
+ran no kernel; on a CPU they are the ops' own CPU time, and idle is host time outside any op (Python, hooks,
+waiting for loader workers; ops on other threads, such as the loader's decode threads, count too). They add up
+to the step's wall time. Apart from them, ``data wait`` is the host's wall time between one step's end and the
+next one's start (mostly waiting for the next batch): on a GPU it overlaps kernels still queued, and it is the
+share to watch (above 5% of the step, the loader holds the GPU back). The profiled steps slow down; put them in
+the run's warm-up (``throughput_warmup``).
+
+    python train.py experiment=smoke +callbacks.profile._target_=scripts.bench.step_profile.StepProfile \\
+        +callbacks.profile.path=/tmp/profile.json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.profiler import ProfilerActivity, profile, record_function
+
+__all__ = ["DATA_WAIT", "KINDS", "StepProfile", "breakdown", "breakdown_table", "kind_of"]
+
+#: The kinds, in the order a table lists them.
+KINDS = ("convolution forward", "convolution backward", "BatchNorm", "elementwise and other", "optimizer",
+         "between steps", "idle and launch gaps")
+#: The host's wall time between steps, apart from ``KINDS`` (on a GPU it overlaps them).
+DATA_WAIT = "data wait"
+BETWEEN_STEPS = "cltrain: between steps"
+#: (a pattern a name holds, the kind), the first that matches wins; names are compared in lower case. Compiled
+#: kernels are named after the ops they fuse ("triton_red_fused__native_batch_norm_legit_functional_relu_3"),
+#: "convert_element_type" among them.
+_RULES = tuple((re.compile(pattern), kind) for pattern, kind in (
+    (r"optimizer\.zero_grad", "optimizer"), (r"convolution_?backward", "convolution backward"),
+    (r"batch_?norm", "BatchNorm"), (r"conv(?!ert)", "convolution forward"),
+    (re.escape(BETWEEN_STEPS), "between steps")))
+
+
+def kind_of(event: Any) -> str:
+    """The kind of a profiler event: the first rule matched by its name or, going outwards, a range around it."""
+    while event is not None:
+        name = event.name.lower()
+        for pattern, kind in _RULES:
+            if pattern.search(name):
+                return kind
+        event = event.cpu_parent
+    return "elementwise and other"
+
+
+def _closure_ends(events: list[Any]) -> dict[int, float]:
+    """For each ``Optimizer.step`` range, when the last backward inside its time span ended (its start if none):
+    what the step runs after that is the update. Backward may run on another thread (CUDA), so by time."""
+    backward = [e.time_range.end for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    ends = {}
+    for e in events:
+        if e.name.startswith("Optimizer.step"):
+            inside = [end for end in backward if e.time_range.start <= end <= e.time_range.end]
+            ends[id(e)] = max(inside, default=e.time_range.start)
+    return ends
+
+
+def _in_update(event: Any, closure_ends: dict[int, float]) -> bool:
+    start, parent = event.time_range.start, event.cpu_parent
+    while parent is not None:
+        if id(parent) in closure_ends:
+            return start >= closure_ends[id(parent)]
+        parent = parent.cpu_parent
+    return False
+
+
+def breakdown(events: Any, wall_s: float, steps: int, device_type: str) -> dict[str, float]:
+    """Milliseconds per step of each kind in ``KINDS``, and of ``DATA_WAIT``, from a profiler's ``events()``
+    over ``steps`` steps that took ``wall_s`` seconds.
+
+    ``device_type``: ``"cuda"`` sums each op's own kernel time, anything else its own CPU time; the rest of
+    ``wall_s`` (never below zero) is ``idle and launch gaps``.
+    """
+    ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]  # kernels count through their op
+    closure_ends = _closure_ends(ops)
+    ms = dict.fromkeys(KINDS, 0.0)
+    wait = 0.0
+    for event in ops:
+        if event.name == BETWEEN_STEPS:
+            wait += event.cpu_time_total / 1e3
+        # a range's own CPU time (Optimizer.step's, Lightning's closure in it, the wait between steps) is host time
+        own = event.self_device_time_total if device_type == "cuda" else (
+            0 if event.is_user_annotation else event.self_cpu_time_total)
+        if own > 0:
+            ms["optimizer" if _in_update(event, closure_ends) else kind_of(event)] += own / 1e3
+    ms["idle and launch gaps"] = max(0.0, 1e3 * wall_s - sum(ms.values()))
+    return {**{kind: value / steps for kind, value in ms.items()}, DATA_WAIT: wait / steps}
+
+
+class StepProfile(Callback):
+    """Profile training steps ``first`` .. ``first + steps - 1`` (each from the previous step's end) and write
+    ``{"device", "steps", "wall_ms", "kinds": {kind: ms per step}}`` to ``path``.
+
+    Args:
+        path: where the JSON goes.
+        first: the first profiled step (>= 1: the window opens at the end of the step before).
+        steps: how many steps.
+
+    Raises:
+        ValueError: ``first`` < 1 or ``steps`` < 1.
+    """
+
+    def __init__(self, path: str, first: int = 1, steps: int = 2) -> None:
+        if first < 1 or steps < 1:
+            raise ValueError(f"StepProfile: first must be >= 1 and steps >= 1, got first={first}, steps={steps}")
+        self.path, self.first, self.last = Path(path), first, first + steps - 1
+        self.prof: profile | None = None
+        self.between: record_function | None = None
+        self.started = 0.0
+
+    def _sync(self, trainer: Trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.between is not None:
+            self.between.__exit__(None, None, None)
+            self.between = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step - 1  # this step's index (global_step counts the steps taken)
+        if step == self.first - 1 and self.prof is None:
+            cuda = trainer.strategy.root_device.type == "cuda"
+            self._sync(trainer)
+            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self.prof.__enter__()
+            self.started = time.perf_counter()
+        elif step == self.last and self.prof is not None:
+            self._sync(trainer)
+            wall = time.perf_counter() - self.started
+            self.prof.__exit__(None, None, None)
+            device = trainer.strategy.root_device.type
+            kinds = breakdown(self.prof.events(), wall, self.last - self.first + 1, device)
+            self.path.write_text(json.dumps({"device": device, "steps": self.last - self.first + 1,
+                                             "wall_ms": 1e3 * wall / (self.last - self.first + 1), "kinds": kinds}))
+            self.prof = None
+            return
+        if self.prof is not None:
+            self.between = record_function(BETWEEN_STEPS)
+            self.between.__enter__()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.between is not None:
+            self.between.__exit__(None, None, None)
+            self.between = None
+        if self.prof is not None:  # the run ended inside the window: nothing to report
+            self.prof.__exit__(None, None, None)
+            self.prof = None
+
+
+def breakdown_table(profiles: dict[str, dict[str, Any]]) -> str:
+    """One Markdown table: a row per kind, then the data wait and the step's wall time; a column per profiled
+    configuration (ms per step, share of the step)."""
+    names = list(profiles)
+    lines = ["| kind | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for kind in (*KINDS, DATA_WAIT):
+        cells = []
+        for name in names:
+            ms, wall = profiles[name]["kinds"].get(kind, 0.0), profiles[name]["wall_ms"]
+            cells.append(f"{ms:.1f} ms ({100 * ms / wall:.0f}%)" if wall > 0 else f"{ms:.1f} ms")
+        label = f"{kind} (host, apart)" if kind == DATA_WAIT else kind
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| step (wall) | " + " | ".join(f"{profiles[n]['wall_ms']:.1f} ms" for n in names) + " |")
+    return "\n".join(lines) + "\n"
