@@ -203,7 +203,7 @@ class ChannelsLast(Callback):
 
     @property
     def guardrails(self) -> list[GuardRecord] | None:
-        """The ``GuardRecord`` of each known fault worked around (``None`` before ``setup`` and with ``guard=False``)."""
+        """The ``GuardRecord`` of each known fault worked around (``None`` before ``setup``, with ``guard=False``)."""
         return self.session.guardrails
 
     @property
@@ -390,7 +390,8 @@ class ChannelsLast(Callback):
     # Lightning passes ``dataloader_idx`` to these hooks and to the step only with several data loaders.
     @override
     def on_validation_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None = None
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int | None = None,
     ) -> None:
         self._batch_start(trainer, pl_module, batch, batch_idx, "validation", dataloader_idx)
 
@@ -401,7 +402,8 @@ class ChannelsLast(Callback):
 
     @override
     def on_test_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None = None
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int | None = None,
     ) -> None:
         self._batch_start(trainer, pl_module, batch, batch_idx, "test", dataloader_idx)
 
@@ -412,7 +414,8 @@ class ChannelsLast(Callback):
 
     @override
     def on_predict_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int | None = None
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int | None = None,
     ) -> None:
         self._batch_start(trainer, pl_module, batch, batch_idx, "predict", dataloader_idx)
 

@@ -102,7 +102,8 @@ def convert_model(
             raise ValueError(f"convert_model({name}={value!r}): expected True or False.")
     engine = sharding_of(model)
     session = LayoutSession(mode, guard=guard, say=_say)
-    session.convert(model, device=device, dtype=dtype, sharding=engine if engine is not None else "" if sharded else None)
+    engine = engine if engine is not None else "" if sharded else None  # "": an engine not named yet
+    session.convert(model, device=device, dtype=dtype, sharding=engine)
     session.report_conversion(f"convert_model(mode={mode!r})", model)
     return model
 

@@ -33,7 +33,8 @@ from torch import nn
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.result import LayoutCheck
 from cltrain.guardrails import GuardRecord, apply_guardrails
-from cltrain.layout import CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d, to_contiguous
+from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d,
+                            to_contiguous)
 from cltrain.layout.conv_reach import ConvReach
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.tensors import is_compiled

@@ -1,5 +1,5 @@
 """The first-batch layout check on a Lightning step, for ``ChannelsLast``: the step called as Lightning calls it, on
-copies of the LightningModule that see the real trainer, in which precision; and the fallbacks on averaged copies.
+copies of the LightningModule that see the real trainer, in which precision.
 
 A copy (``lightning_copy``) reads every value of the real trainer (``current_epoch``, ``global_step``, ``datamodule``,
 ``gradient_clip_val``, ``accumulate_grad_batches``, ``estimated_stepping_batches``, the strategy's devices, ...)
@@ -24,14 +24,14 @@ from torch import nn
 
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import copy_optimizer, copy_schedulers, eager_copy, elementwise
-from cltrain.check.fallback import Fallback, apply_fallbacks, map_images
+from cltrain.check.fallback import map_images
 from cltrain.check.result import COPY_LIMIT, MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, restride_batch
 from cltrain.layout.stacks import to_input_layout
 from cltrain.lightning_access import is_lightning_module, lightning_package, overrides, step_arguments, step_target
 from cltrain.precision import autocast_dtype
 
-__all__ = ["STEPS", "TrainerView", "apply_to_copy", "check_lightning_step", "lightning_copy"]
+__all__ = ["STEPS", "TrainerView", "check_lightning_step", "lightning_copy"]
 
 #: The step method of each stage.
 STEPS = {"train": "training_step", "validation": "validation_step", "test": "test_step", "predict": "predict_step"}
@@ -284,13 +284,3 @@ def _model_alone(step_result: LayoutCheck, pl_module: nn.Module, model_only: Cal
     on = "the inputs the step gave it" if fed else "the batch's image tensor"
     return dataclasses.replace(alone, notes=(f"{MODEL_ALONE}, on {on}: {STEP_RAISED} {why}",
                                              *alone.notes))
-
-
-def apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
-    """The fallbacks on an averaged copy, whose names may sit under ``module.`` (``AveragedModel``)."""
-    names = {name for name, _ in copy_.named_modules()}
-    wanted = [f for f in fallbacks if f.kind != "model"]
-    for prefix in ("", "module."):
-        if all(f"{prefix}{f.module}".rstrip(".") in names for f in wanted):
-            apply_fallbacks(copy_, [Fallback(f.kind, f"{prefix}{f.module}".rstrip(".")) for f in wanted])
-            return

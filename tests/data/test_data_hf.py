@@ -142,7 +142,7 @@ def test_ddp_two_ranks_two_workers_read_each_streamed_row_once_per_epoch(tmp_pat
     cells, _ = image_rows(24, 24, seed=2)  # each row its own class: a batch's targets are its row ids
     root = write_hf_dataset(tmp_path / "rows", {"train": (cells, list(range(24))), "validation": (cells[:8], list(range(8)))},
                             [f"r{i}" for i in range(24)])["saved"]
-    command = ["-m", "tests.helpers.hf_ddp_run", str(root), str(tmp_path), "1", "2"]
+    command = ["-m", "tests.helpers.hf_data_ddp_run", str(root), str(tmp_path), "1", "2"]
     proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -1,26 +1,44 @@
-"""Run by test_data_hf.py: a real two-process DDP fit on CPU (gloo) from a Hugging Face dataset, 2 workers per rank.
+"""Two Hugging Face ``Trainer`` runs of a model whose head assumes NCHW, in one DDP process group (gloo, CPU):
+without cltrain, then with ``ChannelsLastCallback``. Each rank writes ``rank<N>.json`` into OUTDIR.
 
-    python -m tests.helpers.hf_ddp_run ROOT OUT_DIR STREAMING [EPOCHS]
-
-Each row of the dataset is its own class, so the targets of a batch are its row ids. Every rank writes
-OUT_DIR/rank<N>.json with, per training and validation step, the epoch and the row ids of the batch
-(``tests.helpers.shards_ddp_run.Recorder``). Run from the repository's root (``-m``).
+Run as ``python -m torch.distributed.run --nproc_per_node 2 -m tests.helpers.hf_ddp_run OUTDIR``.
 """
 
+from __future__ import annotations
+
+import json
+import os
 import sys
 from pathlib import Path
 
-from lightning.pytorch import seed_everything
+import torch
 
-from cltrain.data import HFImageDataModule
-from tests.helpers.shards_ddp_run import Recorder, fit_and_record
+from cltrain.integrations.transformers import ChannelsLastCallback
+from tests.helpers.hf_trainer_run import Probe, trainer
+from tests.integrations.test_transformers import FlattenWithView
 
 
-def main(root: Path, out: Path, streaming: bool, epochs: int) -> None:
-    seed_everything(0)
-    dm = HFImageDataModule(root, batch_size=3, num_workers=2, image_size=24, val_resize_size=28, streaming=streaming)
-    fit_and_record(dm, Recorder(dm.num_classes), out, epochs)
+def run(out: Path, callbacks: list) -> dict:
+    torch.manual_seed(0)
+    model = FlattenWithView()
+    probe = Probe(model)
+    fitted = trainer("resnet", out, model, callbacks, ddp_backend="gloo", max_steps=2)
+    fitted.train()
+    return {"losses": probe.losses, "wrapped": type(fitted.model_wrapped).__name__,
+            "weights": [p.detach().tolist() for p in model.parameters()]}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    nchw = run(out / "nchw", [])
+    callback = ChannelsLastCallback()
+    checked = run(out / "checked", [callback])
+    check = callback.layout_checks["train"]
+    result = {"nchw": nchw, "checked": checked, "verdict": check.verdict,
+              "fallbacks": [str(f) for f in check.fallbacks]}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]) if len(sys.argv) > 4 else 2)
+    main()
