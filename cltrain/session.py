@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from cltrain.check.fallback import Fallback, apply_fallbacks
+from cltrain.check.localise import first_line
 from cltrain.check.result import LayoutCheck
 from cltrain.guardrails import GuardRecord, apply_guardrails
 from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d,
@@ -38,7 +39,7 @@ from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channel
 from cltrain.layout.conv_reach import ConvReach
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.tensors import is_compiled
-from cltrain.sharding import sharded_line, sharding_of
+from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 
 __all__ = ["InputTrace", "LayoutSession"]
 
@@ -178,15 +179,12 @@ class LayoutSession:
         in one line. A failure of the check itself is reported as not checked: it never ends the run."""
         result = None
         if self.sharding is not None:
-            from cltrain.sharding import not_checked_reason
-
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
         elif run is not None:
             try:
                 result = run()
             except Exception as error:  # noqa: BLE001 - the check failing must not end the run
-                result = LayoutCheck("not checked", reason=f"the check itself failed ({type(error).__name__}: "
-                                     f"{str(error).strip().splitlines()[0][:160] if str(error).strip() else ''})")
+                result = LayoutCheck("not checked", reason=f"the check itself failed ({first_line(error)})")
         if broadcast is not None:
             result = broadcast(result)
         if result is None:
