@@ -64,7 +64,8 @@ class LayoutSession:
         one_d: Conv1d weights and rank-3 inputs get channels-last 1-D strides too (``mode="auto"`` timed it faster).
         sharding: the engine holding the parameters (``cltrain.sharding``), which then stay contiguous, or ``None``.
         guardrails: the ``GuardRecord`` of each known fault worked around (``None`` with ``guard=False``).
-        fallbacks: the ``Fallback``s the checks chose, applied to the model and its copies.
+        fallbacks: the ``Fallback``s the checks chose, applied to the model and its copies (a ``"contiguous"``
+            verdict is ``Fallback("module", "")``: the model runs in NCHW, its inputs put in NCHW at its entry).
         layout_checks: the ``LayoutCheck`` of each kind of batch checked (``"train"``, ``"eval"``).
         summary: ``cltrain.layout_summary`` of the model's parameters and buffers once converted.
         device: where the model trains; dtype: the dtype its convolutions compute in (``None``: float32).
@@ -146,8 +147,6 @@ class LayoutSession:
         for copy_ in copies:
             self._put_in_layout(copy_)
             _apply_to_copy(copy_, self.fallbacks)
-            if self.layout == "contiguous":
-                _apply_to_copy(copy_, [Fallback("module", "")])
 
     def has_convolutions(self, model: nn.Module) -> bool:
         """Whether ``model`` has a layer channels_last speeds up."""
@@ -199,19 +198,19 @@ class LayoutSession:
               optimizers: Iterable[Any] = ()) -> None:
         """What ``result`` chose, on ``model`` and its ``copies`` (see the module docstring), and the optimizer state
         in its parameters' strides."""
-        copies = list(copies)
         if result.verdict == "fallback":
-            self.fallbacks += [f for f in result.fallbacks if f not in self.fallbacks]
-            apply_fallbacks(model, self.fallbacks)
-        elif result.verdict == "contiguous":
+            chosen = list(result.fallbacks)
+        elif result.verdict == "contiguous":  # the whole model, its inputs put in NCHW at its entry
             self.layout = "contiguous"
             records = self._put_in_layout(model)
             if self.guard:
                 self.guardrails = records
-            apply_fallbacks(model, [Fallback("module", "")])
-            self.summary = layout_summary(model, buffers=True)
+            chosen = [Fallback("module", "")]
         else:
             return
+        self.fallbacks += [f for f in chosen if f not in self.fallbacks]
+        apply_fallbacks(model, self.fallbacks)
+        self.summary = layout_summary(model, buffers=True)
         self.convert_copies(copies)
         restride_optimizer_state(list(optimizers))
 
