@@ -11,8 +11,9 @@ training and the first evaluation forward are traced (not a compiled one): an ar
 convolution in channels_last is left as it arrives from then on (``left_as_is``), and one line says so.
 
 On the first training call (the model in train mode, gradients on) and the first evaluation call, the hook
-runs ``cltrain.loops.verify_layout`` on that batch: the model's forward, and the loss it computes from
-``labels``, in both layouts on copies of the model, in float32 outside the loop's autocast. Where the model's
+checks that batch (``cltrain.loops.check_batch``, through its ``cltrain.session.LayoutSession``): the model's
+forward, and the loss it computes from ``labels``, in both layouts on copies of the model, in float32 outside the
+loop's autocast. Where the model's
 code assumes NCHW, that part is put in NCHW (one log line names it and the fix); nothing of the real run
 changes. In a distributed run, rank 0 checks its batch and every rank applies what it chose (a model with
 ``SyncBatchNorm`` is not checked: its copies would wait for the other ranks).
@@ -100,7 +101,7 @@ class ChannelsLastInputs:
         names: the keyword arguments holding images (``"pixel_values"``, or what the model's forward calls
             them); a name or a list of names.
         positional: also convert the first positional argument (``model(x)``).
-        verify: run ``cltrain.loops.verify_layout`` on the first training and the first evaluation batch.
+        verify: run the layout check (``cltrain.loops.check_batch``) on the first training and evaluation batch.
         autocast_dtype: the loop's autocast dtype (``torch.bfloat16``, ``torch.float16``, ``None``); the check
             uses it only where the step cannot run in float32.
         logger: where the check's result and hints go (default: this module's logger).
