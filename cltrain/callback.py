@@ -273,8 +273,7 @@ class ChannelsLast(Callback):
         layout = self.session.layout
         if layout is None:  # a sharded model cannot be copied to time it
             layout = "channels_last" if self.mode != "auto" or sharding else self._choose(trainer, pl_module, device)
-        hazards = self._hazards_on_every_rank(trainer, pl_module, device, dtype, layout) \
-            if self.guard and sharding is None else None
+        hazards = self._hazards_on_every_rank(trainer, pl_module, device, dtype, layout) if self.guard else None
         self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding, layout=layout, hazards=hazards)
         self.session.convert_copies(model_copies(trainer, pl_module, exclude=self))
         if not self._warned_no_conv and not self.session.has_convolutions(pl_module):
