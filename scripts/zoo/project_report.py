@@ -55,7 +55,7 @@ def row_cells(row: dict[str, Any]) -> list[str]:
     if worst and worst != "val_loss" and "val_loss" in diffs:  # a count-based metric flips in steps; the loss not
         metric_cell += f"; `val_loss` {diffs['val_loss']:.1e}"
     kept = cl.get("layout_kept") or ""
-    if cl.get("fallbacks"):
+    if cl.get("fallbacks") and kept != "contiguous":  # a contiguous model's one fallback is the whole model
         kept += f" + {cl['fallbacks']} NCHW fallback(s)"
     checks = "; ".join(f"{k}: {v['verdict']}" for k, v in (cl.get("layout_checks") or {}).items())
     lines = "<br>".join(_shorten(line) for line in cl.get("lines", []) if not any(s in line for s in _ROUTINE))
