@@ -229,7 +229,7 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
                    update_owner=optimizers[0] if optimizers else None)
     fed: list[Any] = []  # what the step gave the model at its first call, in the reference run
     result = None
-    for context in contexts:
+    for context in contexts:  # the step in float32 first, then in the training precision
 
         def step_code(clone: nn.Module, layout: str, context: Any = context) -> Any:
             copied = batch_in(layout, clone)
@@ -246,26 +246,29 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
                 handle.remove()
             return None if manual else result  # a manual step has run its own backward
 
-        def model_only(clone: nn.Module, layout: str, context: Any = context) -> Any:
-            if fed:
-                args, kwargs = map_images(fed[0], torch.Tensor.clone, ranks=None)
-                if layout == "channels_last":
-                    args, kwargs = map_images((args, kwargs), lambda t: to_input_layout(t, clone))
-            else:
-                args, kwargs = (first_image_tensor(batch_in(layout, clone), inputs),), {}
-            with grad(), context():
-                out = step_target(clone)(*args, **kwargs)
-            return projection_loss(out) if train else out
-
-        fed.clear()
         result = check_layout(pl_module, step_code, **options)
-        if result.verdict == "not checked" and result.reason and result.reason.startswith(STEP_RAISED):
-            result = _model_alone(result, pl_module, model_only, copy_model, trainer, fed, batch, inputs)
         if result.verdict != "not checked":
             break
+    if result.verdict == "not checked" and result.reason and result.reason.startswith(STEP_RAISED):
+        for context in contexts:  # the step cannot run on the copies in any precision: the model alone
+
+            def model_only(clone: nn.Module, layout: str, context: Any = context) -> Any:
+                if fed:
+                    args, kwargs = map_images(fed[0], torch.Tensor.clone, ranks=None)
+                    if layout == "channels_last":
+                        args, kwargs = map_images((args, kwargs), lambda t: to_input_layout(t, clone))
+                else:
+                    args, kwargs = (first_image_tensor(batch_in(layout, clone), inputs),), {}
+                with grad(), context():
+                    out = step_target(clone)(*args, **kwargs)
+                return projection_loss(out) if train else out
+
+            alone = _model_alone(result, pl_module, model_only, copy_model, trainer, fed, batch, inputs)
+            if alone.verdict != "not checked" or context is contexts[-1]:
+                result = alone
+                break
     notes = [f"the optimizer step of {name} was not checked ({why})" for name, why in uncopied.items()]
     return dataclasses.replace(result, notes=(*result.notes, *notes)) if notes else result
-
 
 
 def _model_alone(step_result: LayoutCheck, pl_module: nn.Module, model_only: Callable[[nn.Module, str], Any],

@@ -295,3 +295,33 @@ def test_a_manual_step_with_two_optimizers_and_schedulers_is_checked_and_steps_n
     # the real schedulers stepped once per real step only (two optimizer steps per training step)
     assert [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs] == [1, 1]
     assert [o.param_groups[0]["lr"] for o in trainer.optimizers] == [5e-4, 5e-4]
+
+
+class _Bf16Head(pl.LightningModule):
+    """A step whose own code needs the Trainer's autocast: a bfloat16 head applied in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Parameter(torch.randn(5, 8, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(F.linear(self(batch[0]), self.head).float(), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_step_that_needs_autocast_is_checked_whole_in_the_training_precision() -> None:
+    # float32 first; where the step raises there, the step again under the Trainer's bf16 autocast, and only where
+    # that raises too the model alone.
+    callback = ChannelsLast()
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", precision="bf16-mixed", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])
+    trainer.fit(_Bf16Head(), _loader())
+    check = callback.layout_checks["train"]
+    assert check.verdict == "passed" and "model alone" not in check.line(), check.line()
