@@ -16,7 +16,8 @@ from cltrain.check.fallback import Fallback
 from cltrain.check.lightning_step import check_lightning_step
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, find_hazards
 from cltrain.layout import to_contiguous
-from cltrain.layout.batches import check_inputs, describe_batch, first_image_tensor, image_inputs, restride_batch
+from cltrain.layout.batches import (check_inputs, describe_batch, first_image_tensor, image_inputs, restore_batch,
+                                    restride_batch)
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.stacks import in_input_layout
 from cltrain.lightning_access import model_copies, overrides, run_after, step_target, undo_run_after
@@ -193,6 +194,8 @@ class ChannelsLast(Callback):
         self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a stage, to trace
         self._audited = False
         self._told_inputs = False
+        #: the converted inputs' data as the loader made them, given back when the batch ends
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._checked_inputs = False
         self._warned_no_conv = False
 
@@ -328,7 +331,7 @@ class ChannelsLast(Callback):
             traced = {p: t for p, t in image_inputs(batch, self.inputs, one_d).items()
                       if not in_input_layout(t, pl_module)}
         converted = restride_batch(batch, self.layout, one_d=one_d, inputs=self.inputs,
-                                   skip=self._trace.left_as_is.get(stage, ()), model=pl_module)
+                                   skip=self._trace.left_as_is.get(stage, ()), model=pl_module, kept=self._kept)
         if not self._checked_inputs:
             self._checked_inputs = True
             if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
@@ -384,7 +387,7 @@ class ChannelsLast(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._end_trace()
+        self._batch_end()
 
     # Lightning passes ``dataloader_idx`` to these hooks and to the step only with several data loaders.
     @override
@@ -397,7 +400,7 @@ class ChannelsLast(Callback):
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._end_trace()
+        self._batch_end()
 
     @override
     def on_test_batch_start(
@@ -409,7 +412,7 @@ class ChannelsLast(Callback):
     @override
     def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._end_trace()
+        self._batch_end()
 
     @override
     def on_predict_batch_start(
@@ -421,7 +424,7 @@ class ChannelsLast(Callback):
     @override
     def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                              batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._end_trace()
+        self._batch_end()
 
     def _batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, stage: str,
                      dataloader_idx: int | None) -> None:
@@ -429,9 +432,14 @@ class ChannelsLast(Callback):
         self._check_first_batch(trainer, pl_module, batch, batch_idx, stage, dataloader_idx)
         self._start_trace(pl_module)
 
+    def _batch_end(self) -> None:
+        self._end_trace()
+        restore_batch(self._kept)  # the loader's tensors as it made them: it may hand the same ones out again
+
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end_trace(completed=False)
+        restore_batch(self._kept)
 
     # ---- the first-batch layout check ------------------------------------------------------------
 
@@ -452,7 +460,7 @@ class ChannelsLast(Callback):
                                     copies=model_copies(trainer, pl_module, exclude=self),
                                     optimizers=trainer.optimizers)
         if result.verdict == "contiguous":
-            restride_batch(batch, "contiguous", one_d=self.session.one_d, inputs=self.inputs)
+            restride_batch(batch, "contiguous", one_d=self.session.one_d, inputs=self.inputs, kept=self._kept)
 
     # ---- resume and audit ----------------------------------------------------------------------
 

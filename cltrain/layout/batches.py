@@ -43,7 +43,7 @@ from cltrain.layout.tensors import is_channels_last_1d, to_channels_last_1d
 
 __all__ = [
     "IMAGE_KEYS", "Inputs", "check_inputs", "describe_batch", "first_image_tensor", "image_inputs", "model_inputs",
-    "restride_batch",
+    "restore_batch", "restride_batch",
 ]
 
 #: Dict keys (and namedtuple/dataclass field names) read as the model's image input: albumentations,
@@ -129,12 +129,15 @@ def image_inputs(batch: Any, inputs: Inputs = None, one_d: bool = False) -> dict
 
 
 def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs = None,
-                   skip: Collection[int] = (), model: nn.Module | None = None) -> int:
+                   skip: Collection[int] = (), model: nn.Module | None = None,
+                   kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
     """Put the floating rank-4/5 (and with ``one_d``, rank-3) tensors of ``batch`` that ``inputs``
     selects in ``layout`` (``"channels_last"`` or ``"contiguous"``), in place; returns how many
     tensors it copied (0 when they already arrive in the layout: nothing is copied then). The
     positions in ``skip`` (``image_inputs``' keys) are left as they are. A 5-D tensor is a clip or a stack
-    of images by ``cltrain.layout.stacks.channel_dim`` (``model``: the model that reads it).
+    of images by ``cltrain.layout.stacks.channel_dim`` (``model``: the model that reads it). ``kept``
+    collects each changed tensor's data as it was (by ``id``, the first time only): ``restore_batch(kept)``
+    puts it back.
 
     Raises:
         ValueError: a key or index named in ``inputs`` is not in ``batch``.
@@ -144,6 +147,7 @@ def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs 
     for position, t in image_inputs(batch, inputs, one_d).items():
         if position in skip:
             continue
+        before = t.data
         if want_cl and t.dim() == 3:
             if is_channels_last_1d(t):
                 continue
@@ -154,8 +158,19 @@ def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs 
             t.data = t.data.contiguous()
         else:
             continue
+        if kept is not None:
+            kept.setdefault(id(t), (t, before))
         converted += 1
     return converted
+
+
+def restore_batch(kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give the tensors ``restride_batch`` changed their data back as it was, and empty ``kept``: a loader
+    that hands out the same tensor objects again (a cached batch, a dataset already on the device) finds
+    them as it made them."""
+    for t, data in kept.values():
+        t.data = data
+    kept.clear()
 
 
 def first_image_tensor(batch: Any, inputs: Inputs = None) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -287,3 +287,35 @@ def test_inputs_all_converts_on_every_batch(tmp_path, caplog):
     seen = _reach_run(tmp_path, caplog, (3, 8, 8), copies=True, inputs="all")
     assert seen == [cl_strides(2, 3, 8, 8)] * 3
     assert "reaches no convolution" not in caplog.text
+
+
+class _Cached:
+    """A loader that hands out the same tensor objects every step (a cached batch, a dataset on the device)."""
+
+    def __init__(self, batch, steps):
+        self.batch, self.steps = batch, steps
+
+    def __iter__(self):
+        return iter([self.batch] * self.steps)
+
+    def __len__(self):
+        return self.steps
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_the_loaders_own_tensors_keep_their_layout_after_each_step(tmp_path, kind):
+    # the step sees its input channels_last; the tensor objects the loader holds are as it made them between
+    # steps and after the fit, so a later NCHW run of the same batch is NCHW (without restore_batch: channels_last)
+    image, heatmap = torch.randn(2, 3, 16, 16), torch.rand(2, KEYPOINTS, 16, 16)
+    batch = {"image": image, "heatmap": heatmap} if kind == "dict" else (image, heatmap)
+    model, between = HeatmapModel(), []
+
+    class Between(Callback):  # runs after ChannelsLast's batch end
+        def on_train_batch_end(self, *args):
+            between.append(image.stride())
+
+    Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path, max_steps=3,
+            callbacks=[ChannelsLast(), Between()]).fit(model, _Cached(batch, 3))
+    assert [s[0] for s in model.seen] == [channels_last_strides(image.shape)] * 3
+    assert between == [contiguous_strides(image)] * 3 and image.is_contiguous() and heatmap.is_contiguous()
