@@ -23,8 +23,9 @@ Example (what an adapter does; ``cltrain.loops`` is the shortest one)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -50,6 +51,19 @@ Say = Callable[[str, bool], None]
 def _logged(message: str, warn: bool) -> None:
     logging.getLogger("cltrain").log(logging.WARNING if warn else logging.INFO, message)
 
+
+
+@contextlib.contextmanager
+def no_autotune() -> Iterator[None]:
+    """``cudnn.benchmark`` off inside: the check's runs are once-only, at the check's batch size, in float32 and
+    both layouts, so autotuning each of their convolutions only adds to the check's time; the run's own steps
+    autotune as the user set."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
 
 class LayoutSession:
     """A model's layout for one run: see the module docstring.
@@ -181,7 +195,8 @@ class LayoutSession:
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
         elif run is not None:
             try:
-                result = run()
+                with no_autotune():
+                    result = run()
             except Exception as error:  # noqa: BLE001 - the check failing must not end the run
                 result = LayoutCheck("not checked", reason=f"the check itself failed ({first_line(error)})")
         if broadcast is not None:

@@ -329,3 +329,24 @@ def test_timm_model_in_a_plain_module(tmp_path):
     for stage in ("train", "val", "test", "predict"):
         assert_all_channels_last(model.seen[stage])
     assert "contiguous" not in layout_summary(model.net)
+
+
+def test_the_check_runs_without_cudnn_autotuning_and_the_run_keeps_it(tmp_path, monkeypatch):
+    # the check's once-only runs (float32, both layouts, its own batch size) would each autotune every convolution
+    # under cudnn.benchmark; the user's steps keep the setting (Trainer(benchmark=True) sets it on any device)
+    from cltrain.check.copies import checking
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)  # restored after the test
+    flags = []  # outside the module: the check's copies are deep copies
+
+    class Records(Classifier):
+        def training_step(self, batch, batch_idx):
+            flags.append((checking(), torch.backends.cudnn.benchmark))
+            return super().training_step(batch, batch_idx)
+
+    model = Records(torchvision.models.resnet18(num_classes=4))
+    Trainer(accelerator="cpu", max_steps=2, benchmark=True, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+            callbacks=[ChannelsLast()]).fit(model, loader(n=8))
+    assert (True, False) in flags and (True, True) not in flags
+    assert [f for f in flags if not f[0]] == [(False, True)] * 2 and torch.backends.cudnn.benchmark
