@@ -27,8 +27,8 @@ what is left of the whole; ``--parts`` picks them); ``gpu_check.md`` is written 
     steps, and host syncs per step: ATen ops that read a device value on the host
     (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6, which neither print nor log.
 (d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
-    runs' ``metrics.json`` files and logs (the cuda tests' with short tracebacks); data, checkpoints and run
-    folders stay in ``--work``.
+    runs' ``metrics.json`` files (one line each in ``runs.metrics.jsonl``) and logs (the cuda tests' with short
+    tracebacks); data, checkpoints and run folders stay in ``--work``.
 
 ``--tiny``: 12 JPEGs of 64x48, ResNet-18 at 32 px, 3 steps per configuration, the smoke experiment for (b); what
 needs CUDA, bf16 where the CPU lacks it, and compile are rows saying "skipped" and why.
@@ -334,9 +334,11 @@ def mark_part(work: Path, root: Path, limit: float, log: Path, size: dict, out: 
 
 
 def copy_metrics(runs: Path, out: Path) -> None:
-    """Each run's ``metrics.json``, beside the table as ``<run>.metrics.json``."""
-    for path in runs.glob("*/metrics.json"):
-        (out / f"{path.parent.name}.metrics.json").write_text(path.read_text())
+    """Every run's ``metrics.json`` beside the table, one line each in ``runs.metrics.jsonl`` (``"run"``: its
+    folder): one file, so the device tool's eight returned files keep room for the tables and logs."""
+    lines = [json.dumps({"run": p.parent.name, **json.loads(p.read_text())}) for p in sorted(runs.glob("*/metrics.json"))]
+    if lines:
+        (out / "runs.metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def matrix_rows(done: dict[str, dict], skips: dict[str, str | None], code: int | None, limit: float,

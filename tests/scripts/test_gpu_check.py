@@ -3,6 +3,7 @@ need CUDA skipped with the reason, and the runs this CPU can make trained with f
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -60,8 +61,9 @@ def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None
             assert float(r["img/s"].replace(",", "")) > 0 and float(r["step (ms)"].replace(",", "")) > 0
             trained += 1
     assert trained >= 2  # fp32 in both layouts, everywhere
-    metrics = sorted(p.name for p in tmp_path.glob("*.metrics.json"))  # each run's, copied beside the table
-    assert "default_train.metrics.json" in metrics and len(metrics) == trained + 1
+    runs = (tmp_path / "runs.metrics.jsonl").read_text().splitlines()  # each run's, one line beside the table
+    assert (tmp_path / "default_train.metrics.json").is_file() and len(runs) == trained
+    assert all(json.loads(line)["status"] == "completed" for line in runs)
 
 
 # --- --mark: the configurations toward the MLPerf per-GPU rate (scripts/bench/mark.py) -------------------------
