@@ -20,7 +20,8 @@ from cltrain.layout.batches import (check_inputs, describe_batch, first_image_te
                                     restride_batch)
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.stacks import in_input_layout
-from cltrain.lightning_access import model_copies, overrides, run_after, step_target, undo_run_after
+from cltrain.lightning_access import model_copies, overrides, overrides_hook, run_after, step_target, undo_run_after
+from cltrain.nchw_code import UPSTREAM, flat_parameters, guard_pruning, unguard_pruning
 from cltrain.precision import autocast_dtype, compute_dtype
 from cltrain.session import InputTrace, LayoutSession
 from cltrain.sharding import sharding_of
@@ -194,6 +195,9 @@ class ChannelsLast(Callback):
         self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a stage, to trace
         self._audited = False
         self._told_inputs = False
+        self._flat = flat_parameters()  # held from setup to teardown
+        self._due: str | None = None  # what ran since the last step that may have moved the parameters
+        self._expecting = False
         #: the converted inputs' data as the loader made them, given back when the batch ends
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._checked_inputs = False
@@ -247,10 +251,35 @@ class ChannelsLast(Callback):
         # is complete only then, and the strategy moves and wraps it right after.
         last = "configure_model" if overrides("configure_model", pl_module) else "setup"
         run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
+        self._flat.__enter__()
+        guard_pruning(trainer.callbacks, pl_module, lambda what, aliases: self.session.keep(
+            pl_module, trainer.optimizers, aliases=aliases, line=f"ChannelsLast: {what.partition('.')[0]} prunes the weights in NCHW "
+            f"(torch's pruning calls view on channels_last ones: {UPSTREAM}); they and their masks go back to "
+            f"{self.layout} after each of its calls, with their optimizer state."))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         undo_run_after(pl_module)
+        if self.mode == "off":
+            return
+        self.session.keep(pl_module, trainer.optimizers, after="by the end of the run")
+        unguard_pruning(trainer.callbacks)
+        self._flat.__exit__(None, None, None)
+
+    # ---- the layout for the whole run: put back after whatever may have moved it, never every step ------------
+
+    def _keep_due(self, trainer: Trainer, hook: str, when: str) -> None:
+        ran = [type(c).__name__ for c in trainer.callbacks if c is not self and overrides_hook(c, hook)]
+        self._due = f"{when}{' (' + ', '.join(ran) + ' ran then)' if ran else ''}"
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._keep_due(trainer, "on_train_epoch_end", f"after epoch {trainer.current_epoch}'s end")
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            self._keep_due(trainer, "on_validation_end", f"after validation at step {trainer.global_step}")
 
     def _hazards_on_every_rank(self, trainer: Trainer, pl_module: LightningModule, device: torch.device,
                                dtype: torch.dtype | None, layout: str) -> dict[str, list[str]]:
@@ -373,8 +402,14 @@ class ChannelsLast(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._due is not None:
+            self.session.keep(pl_module, trainer.optimizers, after=self._due)
+            self._due = None
         self._convert_batch(batch, "train", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "train")
+        if not self._expecting and self.mode != "off":
+            self._expecting = True
+            self.session.expect(pl_module)
         if self.audit and not self._audited:
             self._audited = True
             self._run_audit(trainer, pl_module, batch)

@@ -12,8 +12,8 @@ from typing import Any
 from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 
-__all__ = ["is_lightning_module", "lightning_package", "model_copies", "overrides", "run_after", "step_arguments",
-           "step_target", "undo_run_after"]
+__all__ = ["is_lightning_module", "lightning_package", "model_copies", "overrides", "overrides_hook", "run_after",
+           "step_arguments", "step_target", "undo_run_after"]
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -40,6 +40,13 @@ def overrides(method: str, pl_module: nn.Module) -> bool:
     package)."""
     base = _lightning_base(pl_module)
     return base is not None and is_overridden(method, pl_module, base)
+
+
+def overrides_hook(callback: Any, hook: str) -> bool:
+    """Whether ``callback``'s class (a Callback of either package) defines ``hook`` over the base Callback's."""
+    base = next((cls for cls in type(callback).__mro__ if cls.__name__ == "Callback"
+                 and cls.__module__ in tuple(f"{p}.callbacks.callback" for p in _PACKAGES)), None)
+    return base is not None and getattr(type(callback), hook, None) is not getattr(base, hook, None)
 
 
 def step_target(pl_module: nn.Module) -> nn.Module:

@@ -39,7 +39,8 @@ from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channel
                             to_contiguous)
 from cltrain.layout.conv_reach import ConvReach
 from cltrain.layout.optimizer_state import restride_optimizer_state
-from cltrain.layout.tensors import is_compiled
+from cltrain.layout.tensors import is_compiled, memory_format_for
+from cltrain.nchw_code import relayout
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 
 __all__ = ["InputTrace", "LayoutSession"]
@@ -98,6 +99,8 @@ class LayoutSession:
         self.summary: dict[str, int] | None = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
+        self._expected: dict[str, torch.memory_format | None] | None = None
+        self._kept_told: set[str] = set()
 
     @classmethod
     def of(cls, model: nn.Module, *, dtype: torch.dtype | None = None, guard: bool = True, say: Say | None = None,
@@ -230,6 +233,51 @@ class LayoutSession:
         restride_optimizer_state(list(optimizers))
 
 
+    # ---- the layout for the whole run ------------------------------------------------------------------------------
+
+    def expect(self, model: nn.Module) -> None:
+        """Remember the layout of ``model``'s 4-D/5-D parameters and buffers as they are now (converted, guarded,
+        the verdict applied), by name: what ``keep`` puts back."""
+        self._expected = {_stands_for(name): _layout_of(t) for name, t in _named_tensors(model)}
+
+    def keep(self, model: nn.Module, optimizers: Iterable[Any] = (), *, after: str = "",
+             line: str | None = None, aliases: Iterable[torch.Tensor] = ()) -> list[str]:
+        """Put back in their expected layout (``expect``) the parameters and buffers that something moved since,
+        in place, and the ``optimizers``' state in its parameters' strides; one line the first time, naming them
+        and ``after`` (what ran), or ``line`` where given. A pruning's ``weight_orig`` and ``weight_mask`` and a parametrization's
+        ``original`` are kept as the weight they stand for; a tensor of ``aliases`` that shares a moved tensor's
+        data shares its new data (``cltrain.nchw_code.relayout``). Returns the names put back.
+
+        It walks the parameters once a call: its callers call it where something may have moved them (an epoch's
+        or a validation's end, a pruning), never every step.
+
+        Example::
+
+            >>> session = LayoutSession()
+            >>> model = session.convert(torch.nn.Conv2d(3, 8, 3))
+            >>> session.expect(model)
+            >>> model.weight.data = model.weight.data.contiguous()   # a hook writes .data in NCHW
+            >>> session.keep(model, after="a test"), model.weight.is_contiguous(memory_format=torch.channels_last)
+            (['weight'], True)
+        """
+        expected = self._expected
+        if expected is None or self.sharding is not None:
+            return []
+        moved, aliases = [], list(aliases)
+        for name, t in _named_tensors(model):
+            want = expected.get(_stands_for(name))
+            if want is not None and not t.is_contiguous(memory_format=want):
+                relayout(t, want, aliases)
+                moved.append(name)
+        restride_optimizer_state(list(optimizers))
+        if moved and (line or "") not in self._kept_told:
+            self._kept_told.add(line or "")
+            shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+            self.say(line or f"ChannelsLast: {len(moved)} parameter(s) and buffer(s) left their layout"
+                     f"{after and ' ' + after} ({shown}); put back in {self.layout} with their optimizer state.", False)
+        return moved
+
+
 def _apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
     """The fallbacks on a copy of the model, whose names may sit under ``module.`` (``AveragedModel``)."""
     names = {name for name, _ in copy_.named_modules()}
@@ -287,3 +335,34 @@ class InputTrace:
                          "reshapes or permutes it, or other code replaces it, first), so converting it is a copy that "
                          "helps nothing: it is left as it arrives from now on.", False)
         return left
+
+
+_STANDS_FOR = ("_orig", "_mask")  # torch.nn.utils.prune's reparametrisation of a weight
+
+
+def _stands_for(name: str) -> str:
+    """The parameter a reparametrised tensor stands for: ``conv.weight_orig`` -> ``conv.weight``,
+    ``conv.parametrizations.weight.original`` -> ``conv.weight``."""
+    head, _, last = name.rpartition(".")
+    for suffix in _STANDS_FOR:
+        if last.endswith(suffix):
+            return f"{head}.{last[:-len(suffix)]}" if head else last[:-len(suffix)]
+    if last == "original" and ".parametrizations." in f".{head}":
+        owner, _, weight = head.rpartition(".")
+        owner = owner[:-len("parametrizations")].rstrip(".")
+        return f"{owner}.{weight}" if owner else weight
+    return name
+
+
+def _layout_of(t: torch.Tensor) -> torch.memory_format | None:
+    """The format ``t`` is in where it tells (``None`` where channels_last and NCHW strides coincide)."""
+    fmt = memory_format_for(t)
+    if fmt is None or (t.is_contiguous() and t.is_contiguous(memory_format=fmt)):
+        return None
+    return fmt if t.is_contiguous(memory_format=fmt) else torch.contiguous_format if t.is_contiguous() else None
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.dim() in (4, 5) and t.is_floating_point():
+            yield name, t

@@ -1,0 +1,192 @@
+"""Torch code that assumes NCHW strides on a parameter, and the workaround for each (pytorch#96743).
+
+The kernels' faults are ``cltrain.guardrails``'; these are Python utilities that call ``view`` on a weight, which
+raises ``view size is not compatible with input tensor's size and stride`` on a channels_last one:
+
+* ``torch.nn.utils.parameters_to_vector`` (``param.view(-1)``) and ``vector_to_parameters`` (``view_as``, which
+  would also leave the parameter in NCHW): ``flat_parameters()`` puts versions in place that read a channels_last
+  parameter in its logical order (the vector is the one an NCHW model gives) and write it back in its own strides,
+  and hand every other parameter to torch's own code. ``ChannelsLast`` holds it for its runs.
+* ``torch.nn.utils.prune``: ``l1_unstructured``'s ``view(-1)``, global pruning's ``parameters_to_vector``, and
+  ``random_unstructured``'s ``rand_like``, which draws in memory order (another mask than an NCHW model's):
+  ``in_nchw(model)`` runs pruning on NCHW weights, and the caller puts the layout back after it
+  (``LayoutSession.keep``). ``ChannelsLast`` does this around Lightning's ``ModelPruning``.
+
+``python -m scripts.repro.prune_channels_last`` shows both faults on torch as installed.
+
+Example::
+
+    >>> import torch
+    >>> conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    >>> with flat_parameters():
+    ...     vector = torch.nn.utils.parameters_to_vector(conv.parameters())
+    ...     torch.nn.utils.vector_to_parameters(vector * 2, conv.parameters())
+    >>> vector.shape, conv.weight.is_contiguous(memory_format=torch.channels_last)
+    (torch.Size([112]), True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.utils as utils
+import torch.nn.utils.convert_parameters as convert
+from torch import nn
+
+__all__ = ["flat_parameters", "guard_pruning", "in_nchw", "pruning_aliases", "relayout", "unguard_pruning"]
+
+UPSTREAM = "pytorch#96743"
+_original = (convert.parameters_to_vector, convert.vector_to_parameters)
+_lock = threading.Lock()
+_holders = 0
+_told = False
+
+
+def _breaks_view(t: torch.Tensor) -> bool:
+    return t.dim() >= 2 and not t.is_contiguous()
+
+
+def _tell() -> None:
+    global _told
+    if not _told:
+        _told = True
+        logging.getLogger("cltrain").info(
+            "ChannelsLast: torch.nn.utils.parameters_to_vector / vector_to_parameters read and wrote channels_last "
+            f"parameters in their logical order and kept their strides ({UPSTREAM}: torch's own call view on them).")
+
+
+def parameters_to_vector(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """torch's ``parameters_to_vector``, reading a non-contiguous parameter in its logical order."""
+    parameters = list(parameters)
+    if not any(map(_breaks_view, parameters)):
+        return _original[0](parameters)
+    _tell()
+    device = None
+    vec = []
+    for param in parameters:
+        device = convert._check_param_device(param, device)
+        vec.append(param.reshape(-1))
+    return torch.cat(vec)
+
+
+def vector_to_parameters(vec: torch.Tensor, parameters: Iterable[torch.Tensor]) -> None:
+    """torch's ``vector_to_parameters``, a non-contiguous parameter written back in its own strides."""
+    parameters = list(parameters)
+    if not any(map(_breaks_view, parameters)):
+        return _original[1](vec, parameters)
+    if not isinstance(vec, torch.Tensor):
+        raise TypeError(f"expected torch.Tensor, but got: {torch.typename(vec)}")
+    _tell()
+    device, pointer = None, 0
+    for param in parameters:
+        device = convert._check_param_device(param, device)
+        part = vec[pointer:pointer + param.numel()].view_as(param)
+        param.data = part.data if not _breaks_view(param) else torch.empty_like(param).copy_(part)
+        pointer += param.numel()
+    return None
+
+
+@contextlib.contextmanager
+def flat_parameters() -> Iterator[None]:
+    """``torch.nn.utils.parameters_to_vector`` / ``vector_to_parameters`` that take channels_last parameters,
+    inside (nested and concurrent holders share one install; torch's own are back when the last leaves)."""
+    global _holders
+    with _lock:
+        _holders += 1
+        if _holders == 1:
+            for where in (utils, convert):
+                where.parameters_to_vector, where.vector_to_parameters = parameters_to_vector, vector_to_parameters
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                for where in (utils, convert):
+                    where.parameters_to_vector, where.vector_to_parameters = _original
+
+
+def relayout(t: torch.Tensor, memory_format: torch.memory_format, aliases: Iterable[torch.Tensor] = ()) -> None:
+    """``t``'s data in ``memory_format``, in place, and every tensor of ``aliases`` that shares its data shares the
+    new data too (a copy written with ``.data =`` that training then updates through the weight stays so)."""
+    new = t.data.contiguous(memory_format=memory_format)
+    for alias in aliases:
+        if alias is not t and alias.shape == t.shape and alias.stride() == t.stride() \
+                and alias.data_ptr() == t.data_ptr():
+            alias.data = new
+    t.data = new
+
+
+def in_nchw(model: nn.Module, aliases: Iterable[torch.Tensor] = ()) -> None:
+    """Every 4-D/5-D parameter and buffer of ``model`` in NCHW (contiguous), in place (``aliases`` as in
+    ``relayout``): what torch's pruning assumes. Put the layout back afterwards with ``LayoutSession.keep``."""
+    aliases = list(aliases)
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.dim() in (4, 5) and not t.is_contiguous():
+            relayout(t, torch.contiguous_format, aliases)
+
+
+def pruning_aliases(callbacks: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors of the layer copies ``ModelPruning`` keeps for its lottery-ticket reset: the reset writes them
+    into the weights with ``.data =``, so they share data with the weights from then on, and training updates
+    both; a change of layout keeps that sharing (``relayout``), or the next reset would start elsewhere."""
+    found: list[torch.Tensor] = []
+    for callback in callbacks:
+        layers = getattr(callback, "_original_layers", None) if is_pruning_callback(callback) else None
+        for ref in (layers or {}).values():
+            copy_ = ref.get("data") if isinstance(ref, dict) else None
+            if isinstance(copy_, nn.Module):
+                found += [*copy_.parameters(), *copy_.buffers()]
+    return found
+
+
+#: ModelPruning's methods that call torch's pruning or write weights from copies taken before the conversion.
+PRUNING_METHODS = ("apply_pruning", "apply_lottery_ticket_hypothesis", "make_pruning_permanent")
+
+
+def is_pruning_callback(callback: Any) -> bool:
+    """Lightning's ``ModelPruning`` (either package) or a subclass, told by class name."""
+    return any(c.__name__ == "ModelPruning" for c in type(callback).__mro__)
+
+
+def guard_pruning(callbacks: Iterable[Any], model: nn.Module, keep: Callable[[str, list[torch.Tensor]], Any]) -> list[Any]:
+    """Run the pruning methods of every ``ModelPruning`` among ``callbacks`` on ``model`` in NCHW (``in_nchw``)
+    and call ``keep(what_ran, aliases)`` after each, which puts the layout back (``aliases``: ``pruning_aliases``); returns the callbacks wrapped (for
+    ``unguard_pruning``). The wrappers are set on the instances: the class and other instances are untouched."""
+    wrapped = []
+    for callback in callbacks:
+        if not is_pruning_callback(callback) or "_cltrain_unguarded" in vars(callback):
+            continue
+        callback._cltrain_unguarded = {name: vars(callback).get(name) for name in PRUNING_METHODS}
+        for name in PRUNING_METHODS:
+            setattr(callback, name, _in_nchw(getattr(callback, name), callback, model, keep,
+                                             f"{type(callback).__name__}.{name}"))
+        wrapped.append(callback)
+    return wrapped
+
+
+def _in_nchw(method: Callable, callback: Any, model: nn.Module, keep: Callable[[str, list[torch.Tensor]], Any],
+             what: str) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        in_nchw(model, pruning_aliases([callback]))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            keep(what, pruning_aliases([callback]))
+    return run
+
+
+def unguard_pruning(callbacks: Iterable[Any]) -> None:
+    """Undo ``guard_pruning`` on ``callbacks``."""
+    for callback in callbacks:
+        saved = vars(callback).pop("_cltrain_unguarded", None)
+        for name, method in (saved or {}).items():
+            if method is None:
+                vars(callback).pop(name, None)
+            else:
+                setattr(callback, name, method)

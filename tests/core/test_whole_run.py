@@ -1,0 +1,179 @@
+"""The layout for the whole run: what touches the model after the first batch (Lightning's ModelPruning, a hook
+writing ``.data``, torch's flat-parameter utilities) keeps both the numbers of the run without cltrain and the
+layout, under ``lightning`` and ``pytorch_lightning``."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from cltrain import ChannelsLast
+from cltrain.check.copies import checking
+
+PACKAGES = ["lightning.pytorch", "pytorch_lightning"]
+
+
+def _pl(package: str):
+    return importlib.import_module(package)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1),
+                         nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 4))
+
+
+def _module(package: str, optimizer: str = "sgd", nudge: float = 0.0, record: list | None = None):
+    pl = _pl(package)
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+            with torch.no_grad():
+                for p in self.net.parameters():
+                    p.add_(nudge)
+
+        def training_step(self, batch, batch_idx):
+            if record is not None and not checking():  # the real steps, not the check's copies
+                convs = [m for m in self.net if isinstance(m, nn.Conv2d)]
+                opt = self.optimizers().optimizer
+                weights = [getattr(c, "weight_orig", c.weight) for c in convs]
+                record.append([(w.is_contiguous(memory_format=torch.channels_last),
+                                all(v.stride() == w.stride() for v in opt.state.get(w, {}).values()
+                                    if torch.is_tensor(v) and v.shape == w.shape)) for w in weights])
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            if optimizer == "adamw":
+                return torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    return Net()
+
+
+def _fit(package: str, callbacks: list, module, epochs: int = 3):
+    pl = _pl(package)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+    torch.manual_seed(2)
+    pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+               num_sanity_val_steps=0).fit(module, DataLoader(data, batch_size=4))
+    return module
+
+
+def _weights(module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def _pruning(package: str, method: str, module=None, **kwargs):
+    if module is not None and method == "ln_structured":  # structured pruning takes the convolutions' weights
+        kwargs["parameters_to_prune"] = [(m, "weight") for m in module.net if isinstance(m, nn.Conv2d)]
+    return getattr(_pl(package), "callbacks").ModelPruning(method, amount=0.3, verbose=0, **kwargs)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("method,optimizer,kwargs", [
+    ("l1_unstructured", "sgd", {}),  # ModelPruning's defaults: global, lottery ticket reset, permanent at the end
+    ("random_unstructured", "adamw", {}),
+    ("ln_structured", "adamw", {"pruning_dim": 0, "pruning_norm": 1, "use_global_unstructured": False}),
+], ids=["l1-defaults", "random-global", "ln-structured"])
+def test_model_pruning_trains_with_the_numbers_of_the_run_without_cltrain_and_keeps_the_layout(
+        package, method, optimizer, kwargs, caplog):
+    runs = {}
+    for name, module in (("plain", _module(package, optimizer)), ("nudged", _module(package, optimizer, nudge=1e-7))):
+        runs[name] = _fit(package, [_pruning(package, method, module, **kwargs)], module)
+    plain, nudged, seen = runs["plain"], runs["nudged"], []
+    module = _module(package, optimizer, record=seen)
+    with caplog.at_level(logging.INFO, logger="cltrain"):
+        ours = _fit(package, [_pruning(package, method, module, **kwargs), ChannelsLast()], module)
+    # the same weights pruned: the zeros where the run without cltrain has them
+    assert torch.equal(_weights(ours) == 0, _weights(plain) == 0)
+    noise = (_weights(nudged) - _weights(plain)).abs().max()
+    assert (_weights(ours) - _weights(plain)).abs().max() <= 10 * noise + 1e-6
+    # every step in channels_last, the optimizer state in its parameters' strides; channels_last at the end
+    assert len(seen) == 6 and all(all(cl and state for cl, state in step) for step in seen), seen
+    assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in ours.net if isinstance(m, nn.Conv2d))
+    said = [r.getMessage() for r in caplog.records if "prunes the weights in NCHW" in r.getMessage()]
+    assert len(said) == 1 and "pytorch#96743" in said[0]
+
+
+def test_model_pruning_fails_without_the_workaround(monkeypatch):
+    # the negative control: torch's pruning on channels_last weights, as ChannelsLast would hand it over
+    import contextlib
+
+    import cltrain.callback
+
+    monkeypatch.setattr(cltrain.callback, "guard_pruning", lambda *args: [])
+    monkeypatch.setattr(cltrain.callback, "flat_parameters", contextlib.nullcontext)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        _fit("lightning.pytorch", [_pruning("lightning.pytorch", "l1_unstructured"), ChannelsLast()],
+             _module("lightning.pytorch"), epochs=2)
+
+
+def _drifts(package: str):
+    pl = _pl(package)
+
+    class WritesData(pl.Callback):
+        """A hook that writes weights through ``.data`` in NCHW (as a user's re-initialisation does)."""
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            for m in pl_module.net:
+                if isinstance(m, nn.Conv2d):
+                    m.weight.data = m.weight.data.contiguous()
+
+    return WritesData()
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_weights_a_hook_puts_in_nchw_are_back_in_channels_last_before_the_next_step(package, caplog):
+    seen: list = []
+    with caplog.at_level(logging.INFO, logger="cltrain"):
+        _fit(package, [_drifts(package), ChannelsLast()], _module(package, record=seen))
+    assert all(all(cl and state for cl, state in step) for step in seen), seen
+    said = [r.getMessage() for r in caplog.records if "left their layout" in r.getMessage()]
+    assert len(said) == 1 and "after epoch 0's end (WritesData ran then)" in said[0], said
+
+
+def test_without_the_watch_a_hook_leaves_the_weights_in_nchw(monkeypatch):
+    from cltrain.session import LayoutSession
+
+    monkeypatch.setattr(LayoutSession, "keep", lambda *args, **kwargs: [])
+    seen: list = []
+    _fit("lightning.pytorch", [_drifts("lightning.pytorch"), ChannelsLast()],
+         _module("lightning.pytorch", record=seen))
+    assert not any(cl for cl, _ in seen[-1])
+
+
+def test_parameters_to_vector_and_back_take_channels_last_weights_in_a_run():
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    pl = _pl("lightning.pytorch")
+    reference = parameters_to_vector(_net().parameters())
+    seen = []
+
+    class Flat(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0 and trainer.current_epoch == 0:
+                vector = torch.nn.utils.parameters_to_vector(pl_module.parameters())
+                seen.append(torch.equal(vector, reference))
+                torch.nn.utils.vector_to_parameters(vector, pl_module.parameters())
+                seen.append(all(m.weight.is_contiguous(memory_format=torch.channels_last)
+                                for m in pl_module.net if isinstance(m, nn.Conv2d)))
+
+    _fit("lightning.pytorch", [ChannelsLast(), Flat()], _module("lightning.pytorch"), epochs=1)
+    assert seen == [True, True]
+    assert parameters_to_vector is torch.nn.utils.parameters_to_vector  # torch's own again after the run
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="view size"):
+        parameters_to_vector(conv.parameters())
+    vector_to_parameters(torch.zeros(112), conv.parameters())  # torch's own leaves the weight in NCHW
+    assert not conv.weight.is_contiguous(memory_format=torch.channels_last)
