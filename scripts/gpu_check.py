@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import importlib.util
 import json
 import math
@@ -71,10 +70,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback
 
+from scripts.bench.config_run import run_config, skip_reason
 from scripts.machine import machine
-from tests.helpers.trainer_probes import SyncOps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,69 +97,6 @@ TINY = {"classes": 2, "per_class": 6, "size": (64, 48), "warmup": 2, "steps": 1,
 PARTS = ("tests", "newcomer", "e2e")
 TINY_NEWCOMER = ["experiment=smoke", "data.demo.num_classes=2", "data.demo.train_per_class=8",
                  "data.demo.val_per_class=1", "data.demo.image_size=[64,48]"]
-
-
-class StepProbe(Callback):
-    """Keeps every training step's loss on the device and counts host-sync ops over ``count_steps`` steps.
-
-    Added to a run with ``+callbacks.probe._target_=gpu_check.StepProbe +callbacks.probe.path=FILE ...``;
-    writes ``{"finite", "steps", "counted", "sync_ops"}`` to ``path`` as JSON when training ends or fails.
-    A step is everything from one training batch start to the next (hooks, logging, the next fetch).
-    """
-
-    def __init__(self, path: str, count_from: int, count_steps: int) -> None:
-        self.path, self.first, self.stop = Path(path), count_from, count_from + count_steps
-        self.losses: list[torch.Tensor] = []
-        self.mode: SyncOps | None = None
-        self.ops: Counter = Counter()
-
-    def _close(self) -> None:
-        if self.mode is not None:
-            self.mode.__exit__(None, None, None)
-            self.ops, self.mode = sum(self.mode.counts.values(), Counter()), None
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if len(self.losses) == self.stop:
-            self._close()
-        if len(self.losses) == self.first:
-            self.mode = SyncOps().__enter__()
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append((outputs["loss"] if isinstance(outputs, dict) else outputs).detach())  # no sync
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._close()
-        finite = int(torch.stack(self.losses).float().isfinite().sum()) if self.losses else 0
-        counted = max(0, min(self.stop, len(self.losses)) - self.first)
-        self.path.write_text(json.dumps({"finite": finite, "steps": len(self.losses), "counted": counted,
-                                         "sync_ops": self.ops}))
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
-
-
-def run_config(spec: dict, name: str, overrides: list[str], slug: str, extra: list[str] | tuple = ()) -> dict:
-    """One configuration through ``train(cfg)`` in this process: ``train``'s metrics with the ``StepProbe``'s counts
-    (``status`` "failed" and the error's first line when it raised), the run in ``spec["runs"]/slug``."""
-    from cltrain.app import compose_config
-    from cltrain.app.train import train
-
-    runs, (first, count) = Path(spec["runs"]), spec["count"]
-    probe, record = runs / f"{slug}.probe.json", {"name": name}
-    print(f"gpu_check: {name}: {' '.join([*overrides, *extra])}", flush=True)
-    try:
-        record.update(train(compose_config([
-            *spec["common"], *overrides, f"run_dir={runs / slug}",
-            "+callbacks.probe._target_=scripts.gpu_check.StepProbe", f"+callbacks.probe.path={probe}",
-            f"+callbacks.probe.count_from={first}", f"+callbacks.probe.count_steps={count}", *extra])))
-    except Exception as err:  # noqa: BLE001 - one configuration failing must not stop the others
-        record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
-    record.update(json.loads(probe.read_text()) if probe.is_file() else {})
-    record.pop("config", None)
-    gc.collect()  # the finished run's loader workers and tensors, before the next run starts
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return record
 
 
 def run_matrix(spec_file: Path) -> int:
@@ -266,17 +201,6 @@ def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> di
                      f"{m['precision_reason']}")
 
 
-def _skip(overrides: list[str], tiny: bool) -> str | None:
-    from cltrain.platform import cpu_bf16_support
-
-    cuda = torch.cuda.is_available()
-    if "amp=fp16" in overrides and not cuda:
-        return "skipped: no CUDA"
-    if "amp=bf16" in overrides and not (torch.cuda.is_bf16_supported() if cuda else cpu_bf16_support()[0]):
-        return f"skipped: no bf16 on this {'GPU' if cuda else 'CPU'}"
-    return "skipped: --tiny (compiling takes minutes on a CPU)" if tiny and "compile.enabled=true" in overrides else None
-
-
 def e2e_spec(work: Path, root: Path, size: dict, tiny: bool) -> dict:
     """What every end-to-end run shares: the recipe on ``root``, its sizes, where runs and results go."""
     runs = work / "runs"
@@ -290,7 +214,7 @@ def e2e_spec(work: Path, root: Path, size: dict, tiny: bool) -> dict:
 
 def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool) -> list[dict[str, str]]:
     results = work / "matrix.jsonl"
-    skips = {name: _skip(o, tiny) for name, o in MATRIX}
+    skips = {name: skip_reason(o, tiny) for name, o in MATRIX}
     spec = {**e2e_spec(work, root, size, tiny), "configs": [(n, o) for n, o in MATRIX if not skips[n]],
             "results": str(results)}
     (work / "matrix.json").write_text(json.dumps(spec, indent=1))
@@ -329,7 +253,7 @@ def mark_part(work: Path, root: Path, limit: float, log: Path, size: dict, out: 
     status = (f"timed out after {limit:.0f} s" if code is None else "completed" if code == 0
               else f"failed (exit {code})") + f": {done} of {len(spec['tasks'])} tasks completed"
     names = {t.get("name") for t in chosen}
-    skips = {name: _skip(o, tiny) or (None if name in names else "skipped: --mark-only") for name, o in MATRIX}
+    skips = {name: skip_reason(o, tiny) or (None if name in names else "skipped: --mark-only") for name, o in MATRIX}
     return [*matrix_rows(first, skips, code, limit, log), row("mark", "`--mark`", status, notes=f"mark.md; {log.name}")]
 
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from PIL import Image
 from torch.utils.data import default_collate
 
 from cltrain.data.loader_threads import run_each, thread_scratch
 from cltrain.data.normalize import ImageNormalizer
+from cltrain.layout.batches import map_tensors
 
 __all__ = ["BatchSlot", "NHWCCollate", "as_hwc", "nhwc_collate"]
 
@@ -123,7 +123,7 @@ def _uses(batch: torch.Tensor) -> int:
 
 
 def _pin(obj: Any) -> Any:
-    return apply_to_collection(obj, torch.Tensor, lambda t: t if t.is_pinned() else t.pin_memory())
+    return map_tensors(obj, lambda t: t if t.is_pinned() else t.pin_memory())
 
 
 class NHWCCollate:

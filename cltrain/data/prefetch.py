@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
+from cltrain.layout.batches import map_tensors
 
 __all__ = ["PrefetchDataLoader"]
 
@@ -52,14 +52,14 @@ class _CudaPrefetcher:
         """Start copying ``batch`` on the side stream, after the work already queued on the compute stream."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            return apply_to_collection(batch, torch.Tensor, self._copy)
+            return map_tensors(batch, self._copy)
 
     def take(self, batch: Any) -> Any:
         """Make the compute stream wait for ``batch``'s copy; hand it over."""
         compute = torch.cuda.current_stream(self.device)
         compute.wait_stream(self.stream)
         # The caching allocator must not reuse these blocks while the compute stream reads them.
-        apply_to_collection(batch, torch.Tensor, lambda t: t.record_stream(compute) if t.is_cuda else None)
+        map_tensors(batch, lambda t: t.record_stream(compute) if t.is_cuda else None)
         return batch
 
     def iterate(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -105,7 +105,7 @@ def _one_batch_ahead(loader: DataLoader) -> Iterator[Any]:
 def _finish(loader: DataLoader, pending: Any) -> Any:
     batch = loader.collate_fn(pending())
     if loader.pin_memory and torch.cuda.is_available():
-        batch = apply_to_collection(batch, torch.Tensor, lambda t: t if t.is_pinned() else t.pin_memory())
+        batch = map_tensors(batch, lambda t: t if t.is_pinned() else t.pin_memory())
     return batch
 
 

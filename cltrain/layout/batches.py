@@ -30,20 +30,22 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Union
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
 from cltrain.layout.stacks import in_input_layout, to_input_layout
 from cltrain.layout.tensors import is_channels_last_1d, to_channels_last_1d
 
 __all__ = [
-    "IMAGE_KEYS", "Inputs", "check_inputs", "describe_batch", "first_image_tensor", "image_inputs", "model_inputs",
-    "restore_batch", "restride_batch",
+    "IMAGE_KEYS", "Inputs", "check_inputs", "describe_batch", "first_image_tensor", "image_inputs", "map_tensors",
+    "model_inputs", "restore_batch", "restride_batch",
 ]
 
 #: Dict keys (and namedtuple/dataclass field names) read as the model's image input: albumentations,
@@ -274,15 +276,52 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 
 def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
     """Call ``fn`` on every tensor of ``batch`` (tensors, mappings, sequences, namedtuples,
-    dataclasses, nested), by Lightning's ``apply_to_collection``: the batch types Lightning can
-    move to the device are exactly the ones visited. The rebuilt collection it returns is
-    dropped; ``fn`` works on the tensor objects the step will see."""
+    dataclasses, nested), by ``map_tensors``: the batch types Lightning can move to the device
+    are exactly the ones visited. The rebuilt collection it returns is dropped; ``fn`` works on
+    the tensor objects the step will see."""
 
     def call(t: torch.Tensor) -> torch.Tensor:
         fn(t)
         return t
 
-    apply_to_collection(batch, torch.Tensor, call)
+    map_tensors(batch, call)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn(t)`` in place of each tensor ``t`` in it, at any depth: mappings, sequences
+    (namedtuples included) and dataclass instances are rebuilt as their own type around the new
+    values; anything else (strings, numbers, other objects) is kept as it is. These are the
+    collections Lightning's ``apply_to_collection`` walks to move a batch to the device, without
+    importing Lightning (the layout and data layers are torch-only).
+
+    Example::
+
+        >>> out = map_tensors({"image": torch.zeros(2), "name": "a", "boxes": [torch.ones(1)]}, lambda t: t + 1)
+        >>> out["image"].tolist(), out["name"], out["boxes"][0].tolist()
+        ([1.0, 1.0], 'a', [2.0])
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            if field.init:  # a field ``__init__`` does not take is derived state: kept, as Lightning keeps it
+                # object.__setattr__, as a frozen dataclass's own __init__ sets its fields
+                object.__setattr__(out, field.name, map_tensors(getattr(obj, field.name), fn))
+        # a cached_property worked out from the old tensors would be stale on the copy
+        cached = getattr(out, "__dict__", {})
+        for name, attr in vars(type(obj)).items():
+            if isinstance(attr, functools.cached_property):
+                cached.pop(name, None)
+        return out
+    if isinstance(obj, Mapping):
+        values = {k: map_tensors(v, fn) for k, v in obj.items()}
+        return type(obj)(obj.default_factory, values) if isinstance(obj, defaultdict) else type(obj)(values)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        return type(obj)([map_tensors(v, fn) for v in obj])
+    return obj
 
 
 def describe_batch(batch: Any) -> str:

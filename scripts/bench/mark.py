@@ -228,10 +228,10 @@ def run_loader(spec: dict, records: list[dict]) -> dict:
 
 
 def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
-    from scripts.gpu_check import _skip, run_config
+    from scripts.bench.config_run import run_config, skip_reason
 
     name, overrides = task["name"], list(CONFIGS[task["name"]])
-    skipped = _skip(overrides, tiny)
+    skipped = skip_reason(overrides, tiny)
     if skipped:
         return {"status": skipped}
     batch = spec["batch"]

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from cltrain import ChannelsLast, is_channels_last
-from cltrain.layout.batches import model_inputs, restride_batch
+from cltrain.layout.batches import map_tensors, model_inputs, restride_batch
 from tests.helpers.plain_modules import channels_last_strides
 
 KEYPOINTS = 5
@@ -219,6 +219,37 @@ def test_restride_batch_counts_copies_and_skips_what_is_already_channels_last():
     assert restride_batch(batch, "channels_last") == 0
     assert restride_batch(batch, "contiguous") == 1 and batch["image"].is_contiguous()
 
+
+
+def test_map_tensors_rebuilds_each_collection_as_its_own_type_and_leaves_other_objects_alone():
+    Pair = namedtuple("Pair", "image label")
+
+    @dataclass
+    class Sample:
+        pair: Pair
+        crops: list
+        meta: dict
+
+    @dataclass(frozen=True)
+    class Frozen:
+        x: torch.Tensor
+
+    class Opaque:  # not a collection: kept as the same object, its tensor not looked into
+        def __init__(self):
+            self.t = torch.zeros(1)
+
+    opaque = Opaque()
+    batch = Sample(Pair(torch.zeros(2), 3), [torch.zeros(1), (torch.zeros(1), "a")],
+                   {"id": "x", "mask": torch.zeros(1), "other": opaque, "frozen": Frozen(torch.zeros(1))})
+    out = map_tensors(batch, lambda t: t + 1)
+    assert type(out) is Sample and out is not batch and type(out.pair) is Pair
+    assert out.pair.image.tolist() == [1.0, 1.0] and out.pair.label == 3
+    assert type(out.crops) is list and out.crops[0].item() == 1 and type(out.crops[1]) is tuple
+    assert out.crops[1][0].item() == 1 and out.crops[1][1] == "a"
+    assert type(out.meta) is dict and out.meta["id"] == "x" and out.meta["mask"].item() == 1
+    assert out.meta["other"] is opaque and opaque.t.item() == 0
+    assert type(out.meta["frozen"]) is Frozen and out.meta["frozen"].x.item() == 1
+    assert batch.pair.image.tolist() == [0.0, 0.0]  # the input is not changed
 
 # ---- an input is converted only where its converted layout reaches a convolution ------------------
 
