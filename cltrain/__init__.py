@@ -10,11 +10,12 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``layout``: tensors, modules and batches put in channels_last (``to_channels_last``, ``to_contiguous``);
 * ``sharding``: which sharding engine (FSDP2, FSDP, DeepSpeed) holds a model, and the layout it keeps;
 * ``guardrails``: workarounds for backend kernels known to fail in channels_last on this device;
+* ``nchw_code``: workarounds for torch code that calls ``view`` on a weight (pruning, flat-parameter utilities);
 * ``timing``: a model timed in both layouts (``mode="auto"``), in a child process;
 * ``audit``: the ops that lose channels_last in a model (``cltrain-audit`` on the command line);
 * ``model_names``: torchvision and timm models by name, with random weights;
 * ``check``: the first-batch layout check and the NCHW fallbacks it chooses, and how a Lightning step is run for it;
-* ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs):
+* ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs, keep):
   the core the three adapters below hand their framework's step and broadcast to;
 * ``lightning_access``: what cltrain reads of a LightningModule, for ``lightning`` and ``pytorch_lightning``;
 * ``callback``: ``ChannelsLast``, the Lightning adapter;

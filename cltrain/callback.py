@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from typing_extensions import override
 
 from cltrain.check.budget import DEFAULT_SAMPLES, check_within_budget
 from cltrain.check.compare import LayoutCheck
+from cltrain.check.resume import restored_check, run_fingerprint, saved_check
 from cltrain.check.fallback import Fallback
 from cltrain.check.lightning_step import check_lightning_step
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, find_hazards
@@ -197,6 +199,8 @@ class ChannelsLast(Callback):
         self._told_inputs = False
         self._flat = flat_parameters()  # held from setup to teardown
         self._due: str | None = None  # what ran since the last step that may have moved the parameters
+        self._restored: dict[str, Any] | None = None  # the checks of the checkpoint resumed from
+        self._fingerprint: str | None = None
         self._expecting = False
         #: the converted inputs' data as the loader made them, given back when the batch ends
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -484,12 +488,20 @@ class ChannelsLast(Callback):
         if not self.verify or self.mode == "off" or self.layout != "channels_last" or kind in self.layout_checks:
             return
 
+        saved = (self._restored or {}).get("layout_checks", {}).get(kind)
+        same = saved is not None and self._restored.get("fingerprint") == run_fingerprint(trainer, pl_module)
+
         def run() -> LayoutCheck:
-            return check_within_budget(
+            if same:  # the verdict of the checkpoint's run, for the same model and step: not paid again
+                return restored_check(saved)
+            result = check_within_budget(
                 lambda part: check_lightning_step(trainer, pl_module, part, batch_idx, stage, inputs=self.inputs,
                                                   one_d=self.session.one_d, dataloader_idx=dataloader_idx),
                 batch, self.check_samples, inputs=self.inputs)
+            changed = "checked again: the model, its step or the precision changed since the checkpoint"
+            return dataclasses.replace(result, notes=(*result.notes, changed)) if saved is not None else result
 
+        self._fingerprint = run_fingerprint(trainer, pl_module)
         result = self.session.check(kind, pl_module, run if trainer.is_global_zero else None,
                                     broadcast=lambda found: trainer.strategy.broadcast(found, src=0),
                                     copies=model_copies(trainer, pl_module, exclude=self),
@@ -498,6 +510,17 @@ class ChannelsLast(Callback):
             restride_batch(batch, "contiguous", one_d=self.session.one_d, inputs=self.inputs, kept=self._kept)
 
     # ---- resume and audit ----------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if not self.layout_checks:
+            return {}
+        return {"layout_checks": {k: saved_check(r) for k, r in self.layout_checks.items()},
+                "fingerprint": self._fingerprint}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict or None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -177,3 +177,38 @@ def test_parameters_to_vector_and_back_take_channels_last_weights_in_a_run():
         parameters_to_vector(conv.parameters())
     vector_to_parameters(torch.zeros(112), conv.parameters())  # torch's own leaves the weight in NCHW
     assert not conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def _resumable_fit(tmp_path, module, callback, epochs: int, ckpt_path=None):
+    pl = _pl("lightning.pytorch")
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback],
+                         num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_resumed_run_applies_the_checkpoints_verdict_and_checks_again_when_the_step_changed(tmp_path, caplog):
+    first = _resumable_fit(tmp_path, _module("lightning.pytorch"), ChannelsLast(), epochs=1)
+    ckpt = first.checkpoint_callback.best_model_path
+    assert first.callbacks[0].layout_checks["train"].verdict == "passed"
+    with caplog.at_level(logging.INFO, logger="cltrain"):
+        same = ChannelsLast()
+        _resumable_fit(tmp_path, _module("lightning.pytorch"), same, epochs=2, ckpt_path=ckpt)
+    resumed = same.layout_checks["train"]
+    assert resumed.verdict == "passed" and "verdict of the checkpoint" in resumed.line() and resumed.seconds == 0
+    assert [r for r in caplog.records if "verdict of the checkpoint" in r.getMessage()]
+
+    changed_module = _module("lightning.pytorch")
+    step = type(changed_module).training_step
+
+    class Changed(type(changed_module)):
+        def training_step(self, batch, batch_idx):  # another step: the verdict does not carry over
+            return step(self, batch, batch_idx) * 2
+
+    changed_module.__class__ = Changed
+    again = ChannelsLast()
+    _resumable_fit(tmp_path, changed_module, again, epochs=2, ckpt_path=ckpt)
+    assert again.layout_checks["train"].seconds > 0 and "checked again" in again.layout_checks["train"].line()
