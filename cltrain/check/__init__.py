@@ -10,8 +10,8 @@
   code with side effects;
 * ``cltrain.check.untouched``: what a copy still reaches of the real model, and the real model's tensors put back;
 * ``cltrain.check.budget``: the check on a slice of the batch; an out-of-memory error is never a verdict;
-* ``cltrain.check.lightning_step``: the check on a Lightning step, for ``cltrain.ChannelsLast``.
-* ``cltrain.check.resume``: the verdict carried in a checkpoint, applied again for the same model and step;
+* ``cltrain.check.lightning_step``: the check on a Lightning step, for ``cltrain.ChannelsLast``;
+* ``cltrain.check.resume``: the verdict carried in a checkpoint, applied again for the same model and step.
 
 ``cltrain.loops.verify_layout`` is the entry point for Fabric and plain loops.
 """
