@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.errors import BadImageError
 from cltrain.data.loader_threads import start_batch
+from cltrain.data.resume_state import SeededIndex
 
 if TYPE_CHECKING:
     from cltrain.data.collate import NHWCCollate
@@ -83,7 +84,9 @@ class ImageSamples(SkipsBadSamples, Dataset):
             slot = collate.write(buffer, k, make)
             return (slot, *sample[1:])
 
-        return start_batch(lambda k: write(k, self.load), range(len(indices)), self.threads, retry=BadImageError,
+        # slot k of the batch draws from sample k's seed where the sampler gave one (ResumableSampler)
+        slots = [SeededIndex(k, i.seed) if isinstance(i, SeededIndex) else k for k, i in enumerate(indices)]
+        return start_batch(lambda k: write(k, self.load), slots, self.threads, retry=BadImageError,
                            fallback=(lambda k: write(k, self.fetch)) if self.bad_files == "skip" else None)
 
     def load(self, index: int, out: torch.Tensor | None = None) -> tuple[Any, Any]:

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cltrain.data.resume_state import SeededIndex
+
 __all__ = ["augment_deferred", "load_batch", "one_thread", "run_each", "sample_generator", "loading_plan", "start_batch", "thread_scratch", "usable_cores"]
 
 _LOCAL = threading.local()
@@ -172,7 +174,10 @@ def start_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int
     them (and runs ``augment`` and ``fallback`` in the calling thread). The random seeds are drawn
     here, one per sample, so batches started one after another draw in that order and a seeded run
     gives the same samples whatever the number of threads."""
-    seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # from the global RNG: reproducible per worker seed
+    if indices and all(isinstance(i, SeededIndex) for i in indices):  # a ResumableSampler's: the same in any worker
+        seeds = [i.seed for i in indices]
+    else:
+        seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # from the global RNG: reproducible per worker seed
     defer = augment is not None  # a transform whose augmentation the caller cannot see applies it itself
     samples: list[Any] = [None] * len(indices)
     # One task per thread, each taking the next sample until none is left (``next`` on a builtin

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
+from cltrain.data.resume_state import STATE_FORMAT, ResumableSampler, loader_state_mismatch
 from cltrain.layout.batches import map_tensors
 
 __all__ = ["PrefetchDataLoader"]
@@ -129,6 +130,44 @@ class PrefetchDataLoader(DataLoader):
         self.prefetch_device, self.decode_ahead = prefetch_device, decode_ahead
         self._prefetcher: _CudaPrefetcher | None = None
         self._epochs = 0
+        self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
+        self._resume: dict[str, Any] | None = None
+
+    # ---- Lightning's stateful-loader protocol (cltrain.data.resume_state) -----------------------------------------
+
+    def note_taken(self) -> None:
+        """A training step took this epoch's next batch (``BatchDataModule`` calls it as the batch reaches the
+        device: Lightning fetches a batch ahead, so the batches handed out are one more than those trained on)."""
+        self.taken += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch is, for the checkpoint; empty without a ``ResumableSampler``."""
+        sampler = self.sampler
+        if not isinstance(sampler, ResumableSampler):
+            return {}
+        return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": self.batch_size,
+                "drop_last": self.drop_last, "seed": sampler.seed, "epoch": sampler.epoch, "taken": self.taken,
+                "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Go on from ``state_dict``'s batch: the epoch's remaining samples, in its order, with its randomness, and
+        the torch RNG as it was; a state that no longer fits the data is one line, and its epoch starts again."""
+        sampler = self.sampler
+        if not state_dict or not isinstance(sampler, ResumableSampler):
+            return
+        changed = loader_state_mismatch(state_dict, sampler.n, self.batch_size, self.drop_last)
+        if changed:
+            warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
+                          "it stopped in starts again from its first batch.", stacklevel=2)
+            return
+        sampler.seed = state_dict["seed"]
+        # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
+        sampler.epoch = state_dict["epoch"] + (state_dict["taken"] >= len(self))
+        torch.set_rng_state(state_dict["rng"])
+        if state_dict.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state_dict["cuda_rng"])
+        self._resume = {"epoch": state_dict["epoch"], "taken": state_dict["taken"]}
 
     def _cuda_device(self) -> torch.device | None:
         device = None if self.prefetch_device is None else torch.device(self.prefetch_device)
@@ -137,6 +176,20 @@ class PrefetchDataLoader(DataLoader):
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def __iter__(self) -> Iterator[Any]:
+        self.taken, resume, self._resume = 0, self._resume, None
+        sampler = self.sampler
+        if resume is not None and isinstance(sampler, ResumableSampler) and resume["taken"] < len(self):
+            # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
+            # and the RNG as at the save (this iterator draws no seed)
+            sampler.epoch, self.taken = resume["epoch"], resume["taken"]
+            sampler.start = min(sampler.n, self.taken * (self.batch_size or 1))
+            rng = torch.get_rng_state()
+            it = self._new_iterator()
+            torch.set_rng_state(rng)
+            return it
+        return self._new_iterator()
+
+    def _new_iterator(self) -> Iterator[Any]:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if isinstance(self.dataset, IterableDataset) and callable(set_epoch):
             set_epoch(self._epochs)

@@ -40,6 +40,7 @@ from typing_extensions import override
 from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.resume_state import ResumableSampler
 
 __all__ = ["BatchDataModule", "takes_arguments_of"]
 
@@ -152,17 +153,24 @@ class BatchDataModule(L.LightningDataModule):
     def _batching(self, dataset: Dataset, train: bool, drop_last: bool | None) -> dict[str, Any]:
         """How the loader makes batches: shuffled and cut to whole batches for training (unless
         ``drop_last`` says), every sample kept for validation, test and predict."""
-        return dict(batch_size=self.batch_size, shuffle=train, drop_last=train if drop_last is None else drop_last,
-                    collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0))  # workers: the loader pins
+        order: dict[str, Any] = {"shuffle": train}
+        if train and (self.trainer is None or self.trainer.world_size == 1):  # the epoch's order travels in checkpoints
+            order = {"sampler": ResumableSampler(len(dataset))}
+        return dict(batch_size=self.batch_size, drop_last=train if drop_last is None else drop_last,
+                    collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0), **order)  # workers: pinned
 
     def _loader(self, dataset: Dataset | None, train: bool, drop_last: bool | None = None) -> PrefetchDataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() (the Trainer does) before asking for a dataloader.")
         workers = self.num_workers
         cuda = self.cuda_prefetch and self._device is not None and self._device.type == "cuda"
-        return PrefetchDataLoader(dataset, num_workers=workers, pin_memory=self._pin and workers > 0,
-                                  persistent_workers=self.persistent_workers and workers > 0,
-                                  prefetch_device=self._device if cuda else None, **self._batching(dataset, train, drop_last))
+        loader = PrefetchDataLoader(dataset, num_workers=workers, pin_memory=self._pin and workers > 0,
+                                    persistent_workers=self.persistent_workers and workers > 0,
+                                    prefetch_device=self._device if cuda else None,
+                                    **self._batching(dataset, train, drop_last))
+        if train:
+            self._train_loader = loader  # counts the batches its training steps take (on_after_batch_transfer)
+        return loader
 
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
@@ -182,7 +190,12 @@ class BatchDataModule(L.LightningDataModule):
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Normalise the uint8 images (or clips) of ``(images, targets, ...)`` on their device."""
+        """Normalise the uint8 images (or clips) of ``(images, targets, ...)`` on their device; a training batch is
+        counted as taken (``PrefetchDataLoader.note_taken``: where a resumed epoch goes on)."""
+        trainer = self.trainer
+        loader = getattr(self, "_train_loader", None)
+        if loader is not None and trainer is not None and trainer.training:
+            loader.note_taken()
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() in (4, 5):
             images = batch[0]
             if images.dtype == torch.uint8:

@@ -1,0 +1,112 @@
+"""A stopped run continues exactly: cltrain's DataModules carry where the epoch stopped in the checkpoint
+(Lightning's stateful-loader protocol), so a run resumed from any step's checkpoint ends bit for bit where the
+uninterrupted run ends: the same samples in the same order with the same augmentation, and the torch RNG."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+
+from cltrain import ChannelsLast
+from cltrain.data import ImageFolderDataModule, make_demo_dataset
+from cltrain.data.resume_state import ResumableSampler, SeededIndex
+
+STEPS_PER_EPOCH = 3
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_demo_dataset(tmp_path_factory.mktemp("data") / "demo", num_classes=2, train_per_class=6,
+                             val_per_class=1, image_size=(40, 32))
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0):
+    pl.seed_everything(7, verbose=False)
+    module, data = Net(), ImageFolderDataModule(folder, batch_size=4, num_workers=workers, image_size=24,
+                                                val_resize_size=28, persistent_workers=False)
+    saves = [ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")] if every else []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                             enable_checkpointing=bool(every), callbacks=[ChannelsLast(), *saves],
+                             default_root_dir=root)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return module, trainer, [str(w.message) for w in caught]
+
+
+def _state(module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in module.state_dict().values()]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_resumed_from_any_steps_checkpoint_ends_where_the_uninterrupted_run_ends(folder, tmp_path, workers):
+    whole, trainer, _ = _run(folder, tmp_path / "whole", workers, every=1)
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    for step in (1, 2, 3, 4):  # mid epoch 0, the end of epoch 0, mid epoch 1
+        resumed, again, said = _run(folder, tmp_path / f"from{step}", workers,
+                                    ckpt_path=str(tmp_path / "whole" / f"step={step}.ckpt"))
+        assert again.global_step == 2 * STEPS_PER_EPOCH
+        assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed))), f"from step {step}"
+        assert not [m for m in said if "not resumable" in m]
+        assert "verdict of the checkpoint" in again.callbacks[0].layout_checks["train"].line()
+
+
+def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder,
+                                                                                                   tmp_path):
+    whole, _, _ = _run(folder, tmp_path / "whole", 0, every=1)
+    resumed, _, _ = _run(folder, tmp_path / "from2", 2, ckpt_path=str(tmp_path / "whole" / "step=2.ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))  # per-sample seeds: exact too
+
+
+def test_without_the_loaders_state_the_resumed_run_ends_elsewhere(folder, tmp_path):
+    # the negative control: the same checkpoint with its loader state taken out
+    whole, _, _ = _run(folder, tmp_path / "whole", 0, every=1)
+    ckpt = torch.load(tmp_path / "whole" / "step=2.ckpt", weights_only=False)
+    ckpt["loops"]["fit_loop"]["state_dict"].pop("combined_loader")
+    torch.save(ckpt, tmp_path / "stripped.ckpt")
+    resumed, _, said = _run(folder, tmp_path / "stripped", 0, ckpt_path=str(tmp_path / "stripped.ckpt"))
+    assert not all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+
+
+def test_a_saved_state_that_no_longer_fits_the_data_is_one_line_and_the_epoch_starts_again(folder, tmp_path):
+    _run(folder, tmp_path / "whole", 0, every=1)
+    ckpt = torch.load(tmp_path / "whole" / "step=2.ckpt", weights_only=False)
+    ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] = 99
+    torch.save(ckpt, tmp_path / "other.ckpt")
+    _, trainer, said = _run(folder, tmp_path / "other", 0, ckpt_path=str(tmp_path / "other.ckpt"))
+    lines = [m for m in said if "loader state does not fit" in m]
+    assert len(lines) == 1 and "samples 99 -> 12" in lines[0] and trainer.global_step >= 2 * STEPS_PER_EPOCH - 1
+
+
+def test_the_sampler_draws_order_and_seeds_from_the_seed_and_epoch_alone():
+    a, b = ResumableSampler(10, seed=5), ResumableSampler(10, seed=5)
+    first = list(a)
+    assert [(int(i), i.seed) for i in first] == [(int(i), i.seed) for i in b] and sorted(first) == list(range(10))
+    a.set_epoch(1)
+    assert list(a) != first
+    import pickle
+
+    index = pickle.loads(pickle.dumps(SeededIndex(3, 42)))  # as it reaches a worker
+    assert index == 3 and index.seed == 42
