@@ -45,7 +45,7 @@ def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop
     run's own, then the ``callbacks=`` group's (a ``LearningRateMonitor`` only when ``has_logger``)."""
     bar = cfg.trainer.get("enable_progress_bar", False)  # one progress display: the bar or main_amp's lines
     progress = MainAmpProgress(print_freq=cfg.print_freq, warmup=cfg.throughput_warmup, lines=not bar)
-    callbacks: list[Callback] = [progress, stop]
+    callbacks: list[Callback] = [progress]
     parts: dict[str, Any] = {}
     if cfg.channels_last:
         from cltrain.callback import ChannelsLast
@@ -77,4 +77,7 @@ def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop
         callbacks.append(StopOnNonFinite(every=cfg.print_freq, hint=f"; {checkpoints / 'last.ckpt'} (if written) keeps the "
                                                                      f"latest finite state. Try a lower optim.lr{try_amp}"))
     callbacks += build_callbacks(cfg.get("callbacks"), run_dir, has_logger=has_logger).values()
+    # Last: a signal stops the run after every other callback's batch-end hook (the EMA's update among them),
+    # so the state saved is the whole step's and a resumed run continues exactly.
+    callbacks.append(stop)
     return RunCallbacks(callbacks, progress, parts)

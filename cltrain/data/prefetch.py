@@ -156,6 +156,10 @@ class PrefetchDataLoader(DataLoader):
         sampler = self.sampler
         if not state_dict or not isinstance(sampler, ResumableSampler):
             return
+        key = tuple(state_dict.get(k) for k in ("samples", "batch_size", "seed", "epoch", "taken"))
+        if key == getattr(self, "_loaded", None):  # the DataModule's copy and Lightning's loop both hand it over
+            return
+        self._loaded = key
         changed = loader_state_mismatch(state_dict, sampler.n, self.batch_size, self.drop_last)
         if changed:
             warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
@@ -164,10 +168,7 @@ class PrefetchDataLoader(DataLoader):
         sampler.seed = state_dict["seed"]
         # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
         sampler.epoch = state_dict["epoch"] + (state_dict["taken"] >= len(self))
-        torch.set_rng_state(state_dict["rng"])
-        if state_dict.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state_dict["cuda_rng"])
-        self._resume = {"epoch": state_dict["epoch"], "taken": state_dict["taken"]}
+        self._resume = dict(state_dict)  # applied by the next iterator: the RNG as it was there
 
     def _cuda_device(self) -> torch.device | None:
         device = None if self.prefetch_device is None else torch.device(self.prefetch_device)
@@ -178,6 +179,10 @@ class PrefetchDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         self.taken, resume, self._resume = 0, self._resume, None
         sampler = self.sampler
+        if resume is not None:  # the torch RNG where the stopped run was when this iterator was made
+            torch.set_rng_state(resume["rng"])
+            if resume.get("cuda_rng") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(resume["cuda_rng"])
         if resume is not None and isinstance(sampler, ResumableSampler) and resume["taken"] < len(self):
             # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
             # and the RNG as at the save (this iterator draws no seed)

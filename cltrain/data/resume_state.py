@@ -56,9 +56,20 @@ class ResumableSampler(Sampler[int]):
 
     def __init__(self, n: int, seed: int | None = None, shuffle: bool = True) -> None:
         self.n, self.shuffle = n, shuffle
-        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
+        self._seed = None if seed is None else int(seed)
         self.epoch = 0
         self.start = 0
+
+    @property
+    def seed(self) -> int:
+        """The run's seed: drawn from the torch RNG when first needed, unless given or restored."""
+        if self._seed is None:
+            self._seed = int(torch.randint(0, 2**62, ()).item())
+        return self._seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._seed = int(value)
 
     def set_epoch(self, epoch: int) -> None:
         """Lightning calls this before every epoch."""

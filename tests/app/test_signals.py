@@ -92,3 +92,30 @@ def test_sigint_exits_130_with_last_checkpoint(demo_args: list[str], tmp_path: P
     assert step == metrics["global_step"] >= 2
     assert sum("resume with:" in line for line in out.splitlines()) == 1 and "interrupted by SIGINT" in out
     assert "Traceback" not in out
+
+
+def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    return {**ckpt["state_dict"], **{f"ema.{k}": v for k, v in (ckpt.get("callbacks") or {}).items()
+                                     if isinstance(v, torch.Tensor)}}
+
+
+def test_a_run_stopped_mid_epoch_by_sigterm_and_resumed_ends_bit_for_bit_where_the_whole_run_ends(
+        demo_args: list[str], tmp_path: Path) -> None:
+    args = ["experiment=smoke", *demo_args, "device=cpu", "amp=false", "trainer.max_epochs=2", "ema.enabled=true",
+            "trainer.enable_progress_bar=false", "print_freq=1", "data.num_workers=2"]
+    whole = subprocess.run([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path / 'whole'}"],
+                           capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+    assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-2000:]
+    status, out = run_until_signalled([*args, f"hydra.run.dir={tmp_path / 'stopped'}"], signal.SIGTERM,
+                                      "Epoch: [1][1/")
+    assert status == 143, out[-3000:]
+    ckpt = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    resumed = subprocess.run([sys.executable, str(REPO / "train.py"), *args, f"ckpt_path={ckpt}",
+                              f"hydra.run.dir={tmp_path / 'resumed'}"], capture_output=True, text=True, cwd=REPO,
+                             env=_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "not resumable" not in resumed.stdout + resumed.stderr
+    a, b = _final_state(tmp_path / "whole"), _final_state(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())

@@ -85,6 +85,7 @@ def test_without_the_loaders_state_the_resumed_run_ends_elsewhere(folder, tmp_pa
     whole, _, _ = _run(folder, tmp_path / "whole", 0, every=1)
     ckpt = torch.load(tmp_path / "whole" / "step=2.ckpt", weights_only=False)
     ckpt["loops"]["fit_loop"]["state_dict"].pop("combined_loader")
+    ckpt.pop("ImageFolderDataModule")  # the DataModule's copy of it
     torch.save(ckpt, tmp_path / "stripped.ckpt")
     resumed, _, said = _run(folder, tmp_path / "stripped", 0, ckpt_path=str(tmp_path / "stripped.ckpt"))
     assert not all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
@@ -94,6 +95,7 @@ def test_a_saved_state_that_no_longer_fits_the_data_is_one_line_and_the_epoch_st
     _run(folder, tmp_path / "whole", 0, every=1)
     ckpt = torch.load(tmp_path / "whole" / "step=2.ckpt", weights_only=False)
     ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] = 99
+    ckpt["ImageFolderDataModule"]["train_loader"]["samples"] = 99
     torch.save(ckpt, tmp_path / "other.ckpt")
     _, trainer, said = _run(folder, tmp_path / "other", 0, ckpt_path=str(tmp_path / "other.ckpt"))
     lines = [m for m in said if "loader state does not fit" in m]

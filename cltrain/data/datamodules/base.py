@@ -170,7 +170,29 @@ class BatchDataModule(L.LightningDataModule):
                                     **self._batching(dataset, train, drop_last))
         if train:
             self._train_loader = loader  # counts the batches its training steps take (on_after_batch_transfer)
+            if getattr(self, "_loader_state", None):
+                loader.load_state_dict(self._loader_state)
+                self._loader_state = None
         return loader
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training epoch is (``PrefetchDataLoader.state_dict``), also in the DataModule's own entry of
+        the checkpoint: Lightning restores it before anything can build the loader (``estimated_stepping_batches``
+        in ``configure_optimizers`` builds it before the loop's own loader state is read, and then never reads it)."""
+        loader = getattr(self, "_train_loader", None)
+        state = loader.state_dict() if loader is not None else {}
+        return {"train_loader": state} if state else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Hand ``state_dict``'s place in the epoch to the training loader, now or when it is built."""
+        state = (state_dict or {}).get("train_loader")
+        loader = getattr(self, "_train_loader", None)
+        if state and loader is not None:
+            loader.load_state_dict(state)
+        else:
+            self._loader_state = state
 
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
