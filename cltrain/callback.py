@@ -197,7 +197,7 @@ class ChannelsLast(Callback):
         self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a stage, to trace
         self._audited = False
         self._told_inputs = False
-        self._flat = flat_parameters()  # held from setup to teardown
+        self._flat: Any = None  # flat_parameters(), held from setup to teardown
         self._due: str | None = None  # what ran since the last step that may have moved the parameters
         self._restored: dict[str, Any] | None = None  # the checks of the checkpoint resumed from
         self._fingerprint: str | None = None
@@ -255,6 +255,7 @@ class ChannelsLast(Callback):
         # is complete only then, and the strategy moves and wraps it right after.
         last = "configure_model" if overrides("configure_model", pl_module) else "setup"
         run_after(pl_module, last, lambda: self._convert_model(trainer, pl_module))
+        self._flat = flat_parameters()
         self._flat.__enter__()
         guard_pruning(trainer.callbacks, pl_module, lambda what, aliases: self.session.keep(
             pl_module, trainer.optimizers, aliases=aliases, line=f"ChannelsLast: {what.partition('.')[0]} prunes the weights in NCHW "
@@ -268,7 +269,9 @@ class ChannelsLast(Callback):
             return
         self.session.keep(pl_module, trainer.optimizers, after="by the end of the run")
         unguard_pruning(trainer.callbacks)
-        self._flat.__exit__(None, None, None)
+        if self._flat is not None:
+            self._flat.__exit__(None, None, None)
+            self._flat = None
 
     # ---- the layout for the whole run: put back after whatever may have moved it, never every step ------------
 

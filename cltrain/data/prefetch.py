@@ -30,7 +30,7 @@ from cltrain.data.collate import NHWCCollate
 from cltrain.data.resume_state import STATE_FORMAT, ResumableSampler, loader_state_mismatch
 from cltrain.layout.batches import map_tensors
 
-__all__ = ["PrefetchDataLoader"]
+__all__ = ["PrefetchDataLoader", "ResumableLoader"]
 
 
 class _CudaPrefetcher:
@@ -130,45 +130,6 @@ class PrefetchDataLoader(DataLoader):
         self.prefetch_device, self.decode_ahead = prefetch_device, decode_ahead
         self._prefetcher: _CudaPrefetcher | None = None
         self._epochs = 0
-        self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
-        self._resume: dict[str, Any] | None = None
-
-    # ---- Lightning's stateful-loader protocol (cltrain.data.resume_state) -----------------------------------------
-
-    def note_taken(self) -> None:
-        """A training step took this epoch's next batch (``BatchDataModule`` calls it as the batch reaches the
-        device: Lightning fetches a batch ahead, so the batches handed out are one more than those trained on)."""
-        self.taken += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the epoch is, for the checkpoint; empty without a ``ResumableSampler``."""
-        sampler = self.sampler
-        if not isinstance(sampler, ResumableSampler):
-            return {}
-        return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": self.batch_size,
-                "drop_last": self.drop_last, "seed": sampler.seed, "epoch": sampler.epoch, "taken": self.taken,
-                "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Go on from ``state_dict``'s batch: the epoch's remaining samples, in its order, with its randomness, and
-        the torch RNG as it was; a state that no longer fits the data is one line, and its epoch starts again."""
-        sampler = self.sampler
-        if not state_dict or not isinstance(sampler, ResumableSampler):
-            return
-        key = tuple(state_dict.get(k) for k in ("samples", "batch_size", "seed", "epoch", "taken"))
-        if key == getattr(self, "_loaded", None):  # the DataModule's copy and Lightning's loop both hand it over
-            return
-        self._loaded = key
-        changed = loader_state_mismatch(state_dict, sampler.n, self.batch_size, self.drop_last)
-        if changed:
-            warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
-                          "it stopped in starts again from its first batch.", stacklevel=2)
-            return
-        sampler.seed = state_dict["seed"]
-        # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
-        sampler.epoch = state_dict["epoch"] + (state_dict["taken"] >= len(self))
-        self._resume = dict(state_dict)  # applied by the next iterator: the RNG as it was there
 
     def _cuda_device(self) -> torch.device | None:
         device = None if self.prefetch_device is None else torch.device(self.prefetch_device)
@@ -177,24 +138,6 @@ class PrefetchDataLoader(DataLoader):
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def __iter__(self) -> Iterator[Any]:
-        self.taken, resume, self._resume = 0, self._resume, None
-        sampler = self.sampler
-        if resume is not None:  # the torch RNG where the stopped run was when this iterator was made
-            torch.set_rng_state(resume["rng"])
-            if resume.get("cuda_rng") is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(resume["cuda_rng"])
-        if resume is not None and isinstance(sampler, ResumableSampler) and resume["taken"] < len(self):
-            # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
-            # and the RNG as at the save (this iterator draws no seed)
-            sampler.epoch, self.taken = resume["epoch"], resume["taken"]
-            sampler.start = min(sampler.n, self.taken * (self.batch_size or 1))
-            rng = torch.get_rng_state()
-            it = self._new_iterator()
-            torch.set_rng_state(rng)
-            return it
-        return self._new_iterator()
-
-    def _new_iterator(self) -> Iterator[Any]:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if isinstance(self.dataset, IterableDataset) and callable(set_epoch):
             set_epoch(self._epochs)
@@ -212,3 +155,72 @@ class PrefetchDataLoader(DataLoader):
         if self._prefetcher is None or self._prefetcher.device != device:
             self._prefetcher = _CudaPrefetcher(device)
         return self._prefetcher.iterate(it)
+
+
+class ResumableLoader(PrefetchDataLoader):
+    """A ``PrefetchDataLoader`` over a ``ResumableSampler`` that keeps its place in the epoch for Lightning's
+    stateful-loader protocol (``cltrain.data.resume_state``): a run resumed from a checkpoint saved anywhere in an
+    epoch reads the epoch's remaining samples, in its order, with their augmentation, and the torch RNG goes on
+    from where it was. Any other loader is a plain ``PrefetchDataLoader``, which Lightning calls not resumable."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: False where Lightning rebuilt it around another sampler (a DistributedSampler): no state then
+        self.resumable = isinstance(self.sampler, ResumableSampler)
+        self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
+        self._resume: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        self.taken, resume, self._resume = 0, self._resume, None
+        sampler = self.sampler
+        if resume is not None:  # the torch RNG where the stopped run was when this iterator was made
+            torch.set_rng_state(resume["rng"])
+            if resume.get("cuda_rng") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(resume["cuda_rng"])
+        if resume is not None and self.resumable and resume["taken"] < len(self):
+            # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
+            # and the RNG as at the save (this iterator draws no seed)
+            sampler.epoch, self.taken = resume["epoch"], resume["taken"]
+            sampler.start = min(sampler.n, self.taken * (self.batch_size or 1))
+            rng = torch.get_rng_state()
+            it = super().__iter__()
+            torch.set_rng_state(rng)
+            return it
+        return super().__iter__()
+
+    # ---- Lightning's stateful-loader protocol (cltrain.data.resume_state) -----------------------------------------
+
+    def note_taken(self) -> None:
+        """A training step took this epoch's next batch (``BatchDataModule`` calls it as the batch reaches the
+        device: Lightning fetches a batch ahead, so the batches handed out are one more than those trained on)."""
+        self.taken += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch is, for the checkpoint (empty where it is not ``resumable``)."""
+        sampler = self.sampler
+        if not self.resumable:
+            return {}
+        return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": self.batch_size,
+                "drop_last": self.drop_last, "seed": sampler.seed, "epoch": sampler.epoch, "taken": self.taken,
+                "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Go on from ``state_dict``'s batch: the epoch's remaining samples, in its order, with its randomness, and
+        the torch RNG as it was; a state that no longer fits the data is one line, and its epoch starts again."""
+        sampler = self.sampler
+        if not state_dict or not self.resumable:
+            return
+        key = tuple(state_dict.get(k) for k in ("samples", "batch_size", "seed", "epoch", "taken"))
+        if key == getattr(self, "_loaded", None):  # the DataModule's copy and Lightning's loop both hand it over
+            return
+        self._loaded = key
+        changed = loader_state_mismatch(state_dict, sampler.n, self.batch_size, self.drop_last)
+        if changed:
+            warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
+                          "it stopped in starts again from its first batch.", stacklevel=2)
+            return
+        sampler.seed = state_dict["seed"]
+        # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
+        sampler.epoch = state_dict["epoch"] + (state_dict["taken"] >= len(self))
+        self._resume = dict(state_dict)  # applied by the next iterator: the RNG as it was there

@@ -34,12 +34,12 @@ from typing import Any, TypeVar
 
 import lightning as L
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 from typing_extensions import override
 
 from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
-from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
 from cltrain.data.resume_state import ResumableSampler
 
 __all__ = ["BatchDataModule", "takes_arguments_of"]
@@ -154,8 +154,9 @@ class BatchDataModule(L.LightningDataModule):
         """How the loader makes batches: shuffled and cut to whole batches for training (unless
         ``drop_last`` says), every sample kept for validation, test and predict."""
         order: dict[str, Any] = {"shuffle": train}
-        if train and (self.trainer is None or self.trainer.world_size == 1):  # the epoch's order travels in checkpoints
-            order = {"sampler": ResumableSampler(len(dataset))}
+        if train and not isinstance(dataset, IterableDataset) and getattr(self.trainer, "world_size", 1) == 1:
+            # the epoch's order travels in checkpoints
+            order = {"sampler": ResumableSampler(len(dataset))}  # (DDP: Lightning's DistributedSampler, not resumable)
         return dict(batch_size=self.batch_size, drop_last=train if drop_last is None else drop_last,
                     collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0), **order)  # workers: pinned
 
@@ -164,13 +165,14 @@ class BatchDataModule(L.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}: call setup() (the Trainer does) before asking for a dataloader.")
         workers = self.num_workers
         cuda = self.cuda_prefetch and self._device is not None and self._device.type == "cuda"
-        loader = PrefetchDataLoader(dataset, num_workers=workers, pin_memory=self._pin and workers > 0,
-                                    persistent_workers=self.persistent_workers and workers > 0,
-                                    prefetch_device=self._device if cuda else None,
-                                    **self._batching(dataset, train, drop_last))
+        batching = self._batching(dataset, train, drop_last)
+        kind = ResumableLoader if isinstance(batching.get("sampler"), ResumableSampler) else PrefetchDataLoader
+        loader = kind(dataset, num_workers=workers, pin_memory=self._pin and workers > 0,
+                      persistent_workers=self.persistent_workers and workers > 0,
+                      prefetch_device=self._device if cuda else None, **batching)
         if train:
             self._train_loader = loader  # counts the batches its training steps take (on_after_batch_transfer)
-            if getattr(self, "_loader_state", None):
+            if getattr(self, "_loader_state", None) and isinstance(loader, ResumableLoader):
                 loader.load_state_dict(self._loader_state)
                 self._loader_state = None
         return loader
@@ -181,7 +183,7 @@ class BatchDataModule(L.LightningDataModule):
         the checkpoint: Lightning restores it before anything can build the loader (``estimated_stepping_batches``
         in ``configure_optimizers`` builds it before the loop's own loader state is read, and then never reads it)."""
         loader = getattr(self, "_train_loader", None)
-        state = loader.state_dict() if loader is not None else {}
+        state = loader.state_dict() if isinstance(loader, ResumableLoader) else {}
         return {"train_loader": state} if state else {}
 
     @override
@@ -189,7 +191,7 @@ class BatchDataModule(L.LightningDataModule):
         """Hand ``state_dict``'s place in the epoch to the training loader, now or when it is built."""
         state = (state_dict or {}).get("train_loader")
         loader = getattr(self, "_train_loader", None)
-        if state and loader is not None:
+        if state and isinstance(loader, ResumableLoader):
             loader.load_state_dict(state)
         else:
             self._loader_state = state
@@ -216,7 +218,7 @@ class BatchDataModule(L.LightningDataModule):
         counted as taken (``PrefetchDataLoader.note_taken``: where a resumed epoch goes on)."""
         trainer = self.trainer
         loader = getattr(self, "_train_loader", None)
-        if loader is not None and trainer is not None and trainer.training:
+        if isinstance(loader, ResumableLoader) and getattr(trainer, "training", False):
             loader.note_taken()
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() in (4, 5):
             images = batch[0]

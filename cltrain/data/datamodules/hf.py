@@ -139,7 +139,8 @@ class HFImageDataModule(TakesBadFiles, ImageDataModule):
     def _batching(self, dataset: Any, train: bool, drop_last: bool | None) -> dict[str, Any]:
         batching = super()._batching(dataset, train, drop_last)
         if isinstance(dataset, HFStreamingDataset):
-            batching.pop("shuffle")  # a stream is shuffled in its buffer, by the dataset
+            batching.pop("shuffle", None)  # a stream is shuffled in its buffer, by the dataset
+            batching.pop("sampler", None)
         return batching
 
     @override
