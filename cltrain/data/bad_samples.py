@@ -16,7 +16,10 @@ import os
 import re
 from typing import Any
 
+import torch
+
 from cltrain.data.errors import BadImageError
+from cltrain.data.resume_state import SeededIndex
 
 __all__ = ["BAD_FILE_POLICIES", "SkipsBadSamples", "check_bad_files", "unreadable"]
 
@@ -82,6 +85,10 @@ class SkipsBadSamples:
         return str(self.split_dir)  # type: ignore[attr-defined]
 
     def __getitem__(self, index: int) -> tuple[Any, ...]:
+        if isinstance(index, SeededIndex):  # a ResumableSampler's: the sample's randomness from its own seed
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(index.seed)
+                return self.fetch(index)
         return self.fetch(index)
 
     def fetch(self, index: int, out: Any = None) -> tuple[Any, ...]:

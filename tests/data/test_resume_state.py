@@ -27,12 +27,22 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
                              val_per_class=1, image_size=(40, 32))
 
 
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cltrain.data.video.demo import make_demo_videos
+
+    return make_demo_videos(tmp_path_factory.mktemp("clips") / "demo", num_classes=2, train_per_class=6,
+                            val_per_class=1, num_frames=6, frame_size=32)
+
+
 class Net(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, video: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3),
-                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+        conv, norm, pool = (nn.Conv3d, nn.BatchNorm3d, nn.AdaptiveAvgPool3d) if video else \
+            (nn.Conv2d, nn.BatchNorm2d, nn.AdaptiveAvgPool2d)
+        self.net = nn.Sequential(conv(3, 8, 3, padding=1), norm(8), nn.ReLU(), nn.Dropout(0.3), pool(1),
+                                 nn.Flatten(), nn.Linear(8, 2))
 
     def training_step(self, batch, batch_idx):
         return F.cross_entropy(self.net(batch[0]), batch[1])
@@ -41,10 +51,16 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0):
+def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
+         video: bool = False):
     pl.seed_everything(7, verbose=False)
-    module, data = Net(), ImageFolderDataModule(folder, batch_size=4, num_workers=workers, image_size=24,
-                                                val_resize_size=28, persistent_workers=False)
+    options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False)
+    if video:
+        from cltrain.data.video import ClipFolderDataModule
+
+        module, data = Net(video=True), ClipFolderDataModule(folder, num_frames=3, frame_stride=1, **options)
+    else:
+        module, data = Net(), ImageFolderDataModule(folder, **options)
     saves = [ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1, filename="{step}")] if every else []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -71,6 +87,13 @@ def test_a_run_resumed_from_any_steps_checkpoint_ends_where_the_uninterrupted_ru
         assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed))), f"from step {step}"
         assert not [m for m in said if "not resumable" in m]
         assert "verdict of the checkpoint" in again.callbacks[0].layout_checks["train"].line()
+
+
+def test_a_clip_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(clips, tmp_path):
+    # clips draw their segment and crop from the torch RNG: under the sample's own seed in any worker
+    whole, _, _ = _run(clips, tmp_path / "whole", 2, every=1, video=True)
+    resumed, _, _ = _run(clips, tmp_path / "from4", 2, ckpt_path=str(tmp_path / "whole" / "step=4.ckpt"), video=True)
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
 
 
 def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder,
