@@ -168,10 +168,12 @@ class ResumableLoader(PrefetchDataLoader):
         #: False where Lightning rebuilt it around another sampler (a DistributedSampler): no state then
         self.resumable = isinstance(self.sampler, ResumableSampler)
         self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
+        self.resumed = False  # this epoch's iterator went on from a checkpoint's state
         self._resume: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         self.taken, resume, self._resume = 0, self._resume, None
+        self.resumed = resume is not None
         sampler = self.sampler
         if resume is not None:  # the torch RNG where the stopped run was when this iterator was made
             torch.set_rng_state(resume["rng"])

@@ -103,7 +103,7 @@ def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample
     assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))  # per-sample seeds: exact too
 
 
-def test_without_the_loaders_state_the_resumed_run_ends_elsewhere(folder, tmp_path):
+def test_without_the_loaders_state_the_resumed_run_ends_elsewhere_and_says_so(folder, tmp_path):
     # the negative control: the same checkpoint with its loader state taken out
     whole, _, _ = _run(folder, tmp_path / "whole", 0, every=1)
     ckpt = torch.load(tmp_path / "whole" / "step=2.ckpt", weights_only=False)
@@ -112,6 +112,9 @@ def test_without_the_loaders_state_the_resumed_run_ends_elsewhere(folder, tmp_pa
     torch.save(ckpt, tmp_path / "stripped.ckpt")
     resumed, _, said = _run(folder, tmp_path / "stripped", 0, ckpt_path=str(tmp_path / "stripped.ckpt"))
     assert not all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    # as a checkpoint written before the loader kept its place: it still resumes, and says what it cannot restore
+    lines = [m for m in said if "holds no place in epoch 0" in m]
+    assert len(lines) == 1 and "read again from its first batch, after 2 batches" in lines[0], said
 
 
 def test_a_saved_state_that_no_longer_fits_the_data_is_one_line_and_the_epoch_starts_again(folder, tmp_path):

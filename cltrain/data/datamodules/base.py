@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -219,6 +220,8 @@ class BatchDataModule(L.LightningDataModule):
         trainer = self.trainer
         loader = getattr(self, "_train_loader", None)
         if isinstance(loader, ResumableLoader) and getattr(trainer, "training", False):
+            if loader.taken == 0 and not loader.resumed:
+                _say_if_resumed_without_state(trainer)
             loader.note_taken()
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() in (4, 5):
             images = batch[0]
@@ -234,3 +237,14 @@ class BatchDataModule(L.LightningDataModule):
         """``batch`` with its first fields replaced by ``head``, of the same type."""
         fields = [*head, *batch[len(head):]]
         return tuple(fields) if isinstance(batch, tuple) else fields
+
+
+def _say_if_resumed_without_state(trainer: Any) -> None:
+    """One line where a run resumes in the middle of an epoch from a checkpoint that holds no place in it (one
+    written before cltrain kept it, or by another loader): the epoch is read again from its first batch."""
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    done = getattr(getattr(progress, "current", None), "completed", 0)
+    if getattr(trainer, "ckpt_path", None) and isinstance(done, int) and done > 0:
+        warnings.warn(f"cltrain: {trainer.ckpt_path} holds no place in epoch {trainer.current_epoch} for this loader "
+                      f"(written before cltrain kept one): the epoch is read again from its first batch, after "
+                      f"{done} batches of it were trained on.", stacklevel=2)
