@@ -1,0 +1,91 @@
+"""What keeping the layout and the loader's place costs: the layout watch against a training step, in one run.
+
+``ChannelsLast`` walks the parameters once after each epoch's end and each validation (``LayoutSession.keep``),
+never per step; the training loader counts each batch a step takes (``ResumableLoader.note_taken``) and builds its
+state only when a checkpoint is saved (``state_dict``). This times, in one process on one model, interleaved::
+
+    python -m scripts.bench.whole_run_cost                     # ResNet-50, batch 8 at 224 px, 5 rounds
+    python -m scripts.bench.whole_run_cost --model resnet18 --batch 4 --size 64 --rounds 3   # seconds
+
+* a training step (forward, cross-entropy, backward, SGD) of the channels_last model;
+* ``keep`` on that model with nothing moved (what every epoch's end costs), and with every weight moved;
+* ``note_taken`` and ``state_dict`` of a training loader;
+
+and prints each as a median with the ratio to the step, then the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import torchvision
+
+from cltrain.data.prefetch import ResumableLoader
+from cltrain.data.resume_state import ResumableSampler
+from cltrain.session import LayoutSession
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    session = LayoutSession()
+    model = session.convert(getattr(torchvision.models, args.model)(num_classes=10))
+    session.expect(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (args.batch,))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def moved() -> None:
+        for p in model.parameters():
+            if p.dim() == 4:
+                p.data = p.data.contiguous()
+        session.keep(model, [opt])
+
+    loader = ResumableLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=8,
+                             sampler=ResumableSampler(64, seed=0))
+    step()  # warm-up: kernels chosen, momentum buffers made
+    rows: dict[str, list[float]] = {"step": [], "keep, nothing moved": [], "keep, every weight moved": [],
+                                    "note_taken": [], "loader state_dict": []}
+    for _ in range(args.rounds):  # interleaved: each figure from the same stretch of the run
+        rows["step"].append(_median_seconds(step, 1))
+        rows["keep, nothing moved"].append(_median_seconds(lambda: session.keep(model, [opt]), 20))
+        rows["keep, every weight moved"].append(_median_seconds(moved, 3))
+        rows["note_taken"].append(_median_seconds(loader.note_taken, 1000))
+        rows["loader state_dict"].append(_median_seconds(loader.state_dict, 100))
+    step_s = statistics.median(rows["step"])
+    print(f"{args.model}, batch {args.batch} at {args.size} px, channels_last, SGD; medians of {args.rounds} rounds")
+    for name, values in rows.items():
+        value = statistics.median(values)
+        print(f"{name:<26}{value * 1e3:>12.4f} ms{value / step_s:>12.2e} of a step")
+    from scripts.machine import machine, machine_line
+
+    print(machine_line(machine()))
+    return {name: statistics.median(values) for name, values in rows.items()}
+
+
+if __name__ == "__main__":
+    main()
