@@ -183,7 +183,7 @@ class ResumableLoader(PrefetchDataLoader):
             # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
             # and the RNG as at the save (this iterator draws no seed)
             sampler.epoch, self.taken = resume["epoch"], resume["taken"]
-            sampler.start = min(sampler.n, self.taken * (self.batch_size or 1))
+            sampler.start = min(len(sampler), self.taken * (self.batch_size or 1))
             rng = torch.get_rng_state()
             it = super().__iter__()
             torch.set_rng_state(rng)
@@ -203,7 +203,7 @@ class ResumableLoader(PrefetchDataLoader):
         if not self.resumable:
             return {}
         return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": self.batch_size,
-                "drop_last": self.drop_last, "seed": sampler.seed, "epoch": sampler.epoch, "taken": self.taken,
+                "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed, "epoch": sampler.epoch, "taken": self.taken,
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 
@@ -217,7 +217,7 @@ class ResumableLoader(PrefetchDataLoader):
         if key == getattr(self, "_loaded", None):  # the DataModule's copy and Lightning's loop both hand it over
             return
         self._loaded = key
-        changed = loader_state_mismatch(state_dict, sampler.n, self.batch_size, self.drop_last)
+        changed = loader_state_mismatch(state_dict, sampler.n, self.batch_size, self.drop_last, sampler.num_replicas)
         if changed:
             warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
                           "it stopped in starts again from its first batch.", stacklevel=2)

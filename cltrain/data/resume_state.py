@@ -18,11 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 __all__ = ["ResumableSampler", "SeededIndex", "loader_state_mismatch"]
 
@@ -44,20 +45,29 @@ class SeededIndex(int):
         return SeededIndex, (int(self), self.seed)
 
 
-class ResumableSampler(Sampler[int]):
-    """The samples ``0..n-1`` of one epoch, shuffled (or in order) by ``(seed, epoch)`` alone, each with its own
-    seed; ``start`` skips the first ones once (a resumed epoch), then is back to 0.
+class ResumableSampler(DistributedSampler):
+    """The samples ``0..n-1`` of one epoch for one rank, shuffled (or in order) by ``(seed, epoch)`` alone, each with
+    its own seed; ``start`` skips this rank's first ones once (a resumed epoch), then is back to 0.
+
+    Under DDP every rank draws the same order and takes every ``num_replicas``-th sample from ``rank`` on, the order
+    padded with its first samples to a multiple of the ranks, as ``DistributedSampler(drop_last=False)`` does; it is
+    a ``DistributedSampler``, so Lightning keeps it and calls ``set_epoch``.
 
     Args:
         n: how many samples.
-        seed: the run's seed; ``None`` draws one from the torch RNG (``seed_everything`` repeats it).
+        seed: the run's seed; ``None`` draws one from the torch RNG when first needed (``seed_everything`` repeats it),
+            or under DDP takes ``seed_everything``'s (``PL_GLOBAL_SEED``, else 0): every rank must draw the same.
         shuffle: a new order each epoch; ``False``: ``0..n-1``.
+        num_replicas: the DDP world size; rank: this process's rank.
     """
 
-    def __init__(self, n: int, seed: int | None = None, shuffle: bool = True) -> None:
-        self.n, self.shuffle = n, shuffle
+    def __init__(self, n: int, seed: int | None = None, shuffle: bool = True, num_replicas: int = 1,
+                 rank: int = 0) -> None:
+        super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=shuffle, drop_last=False)
+        self.n = n
+        if seed is None and num_replicas > 1:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self._seed = None if seed is None else int(seed)
-        self.epoch = 0
         self.start = 0
 
     @property
@@ -71,27 +81,28 @@ class ResumableSampler(Sampler[int]):
     def seed(self, value: int) -> None:
         self._seed = int(value)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning calls this before every epoch."""
-        self.epoch = epoch
-
     def __len__(self) -> int:
-        return self.n
+        return self.num_samples
 
     def __iter__(self) -> Iterator[SeededIndex]:
         g = torch.Generator().manual_seed(self.seed + 1_000_003 * self.epoch)
         order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
         seeds = torch.randint(0, 2**62, (self.n,), generator=g).tolist()
+        pad = self.total_size - self.n
+        order, seeds = order + (order * (pad // max(self.n, 1) + 1))[:pad], seeds + (seeds * (pad // max(self.n, 1) + 1))[:pad]
+        mine = range(self.rank, self.total_size, self.num_replicas)
         start, self.start = self.start, 0
-        for k in range(start, self.n):
+        for k in mine[start:]:
             yield SeededIndex(order[k], seeds[k])
 
 
-def loader_state_mismatch(state: dict[str, Any], samples: int, batch_size: int | None, drop_last: bool) -> str | None:
+def loader_state_mismatch(state: dict[str, Any], samples: int, batch_size: int | None, drop_last: bool,
+                          ranks: int = 1) -> str | None:
     """What changed since ``state`` was saved (``None``: nothing that moves the samples), in a few words."""
     if state.get("format") != STATE_FORMAT:
         return f"its format {state.get('format')!r}, this version reads {STATE_FORMAT}"
-    changed = [f"{name} {state.get(key)!r} -> {now!r}" for name, key, now in
+    changed = [f"{name} {state.get(key, 1 if key == 'ranks' else None)!r} -> {now!r}" for name, key, now in
                (("samples", "samples", samples), ("batch size", "batch_size", batch_size),
-                ("drop_last", "drop_last", drop_last)) if state.get(key) != now]
+                ("drop_last", "drop_last", drop_last), ("ranks", "ranks", ranks))
+               if state.get(key, 1 if key == "ranks" else None) != now]
     return ", ".join(changed) or None

@@ -138,3 +138,33 @@ def test_the_sampler_draws_order_and_seeds_from_the_seed_and_epoch_alone():
 
     index = pickle.loads(pickle.dumps(SeededIndex(3, 42)))  # as it reaches a worker
     assert index == 3 and index.seed == 42
+
+
+@pytest.mark.slow
+def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folder, tmp_path):
+    # two ranks (gloo): every rank draws the same order and takes its share; the place in the epoch is rank 0's
+    # (the ranks step together)
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE"))}
+
+    def ddp(out: Path, *ckpt: str) -> dict:
+        out.mkdir()
+        done = subprocess.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(out), str(folder), *ckpt],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((out / "said.json").read_text())
+
+    whole = ddp(tmp_path / "whole")
+    state = torch.load(tmp_path / "whole" / "step=4.ckpt", weights_only=False)["ImageFolderDataModule"]["train_loader"]
+    assert (state["ranks"], state["epoch"], state["taken"]) == (2, 1, 1)  # one batch of epoch 1 taken on each rank
+    resumed = ddp(tmp_path / "resumed", str(tmp_path / "whole" / "step=4.ckpt"))
+    assert whole["steps"] == resumed["steps"] == 6
+    a, b = torch.load(tmp_path / "whole" / "final.pt"), torch.load(tmp_path / "resumed" / "final.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not [m for m in resumed["said"] if "not resumable" in m]

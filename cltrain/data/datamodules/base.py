@@ -155,9 +155,9 @@ class BatchDataModule(L.LightningDataModule):
         """How the loader makes batches: shuffled and cut to whole batches for training (unless
         ``drop_last`` says), every sample kept for validation, test and predict."""
         order: dict[str, Any] = {"shuffle": train}
-        if train and not isinstance(dataset, IterableDataset) and getattr(self.trainer, "world_size", 1) == 1:
-            # the epoch's order travels in checkpoints
-            order = {"sampler": ResumableSampler(len(dataset))}  # (DDP: Lightning's DistributedSampler, not resumable)
+        if train and not isinstance(dataset, IterableDataset):  # the epoch's order travels in checkpoints
+            order = {"sampler": ResumableSampler(len(dataset), num_replicas=getattr(self.trainer, "world_size", 1),
+                                                 rank=getattr(self.trainer, "global_rank", 0))}
         return dict(batch_size=self.batch_size, drop_last=train if drop_last is None else drop_last,
                     collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0), **order)  # workers: pinned
 
