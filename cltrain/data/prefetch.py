@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
-from cltrain.data.resume_state import STATE_FORMAT, ResumableSampler, loader_state_mismatch
+from cltrain.data.resume_state import STATE_FORMAT, is_resumable, loader_state_mismatch
 from cltrain.layout.batches import map_tensors
 
 __all__ = ["PrefetchDataLoader", "ResumableLoader"]
@@ -158,7 +158,8 @@ class PrefetchDataLoader(DataLoader):
 
 
 class ResumableLoader(PrefetchDataLoader):
-    """A ``PrefetchDataLoader`` over a ``ResumableSampler`` that keeps its place in the epoch for Lightning's
+    """A ``PrefetchDataLoader`` over a ``ResumableSampler`` (or shards' ``ShardBatchSampler``) that keeps its place in
+    the epoch for Lightning's
     stateful-loader protocol (``cltrain.data.resume_state``): a run resumed from a checkpoint saved anywhere in an
     epoch reads the epoch's remaining samples, in its order, with their augmentation, and the torch RNG goes on
     from where it was. Any other loader is a plain ``PrefetchDataLoader``, which Lightning calls not resumable."""
@@ -166,7 +167,7 @@ class ResumableLoader(PrefetchDataLoader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: False where Lightning rebuilt it around another sampler (a DistributedSampler): no state then
-        self.resumable = isinstance(self.sampler, ResumableSampler)
+        self.resumable = is_resumable(self.sampler)
         self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
         self.resumed = False  # this epoch's iterator went on from a checkpoint's state
         self._resume: dict[str, Any] | None = None
@@ -183,7 +184,7 @@ class ResumableLoader(PrefetchDataLoader):
             # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
             # and the RNG as at the save (this iterator draws no seed)
             sampler.epoch, self.taken = resume["epoch"], resume["taken"]
-            sampler.start = min(len(sampler), self.taken * (self.batch_size or 1))
+            sampler.skip(self.taken, self.batch_size)
             rng = torch.get_rng_state()
             it = super().__iter__()
             torch.set_rng_state(rng)
@@ -202,7 +203,7 @@ class ResumableLoader(PrefetchDataLoader):
         sampler = self.sampler
         if not self.resumable:
             return {}
-        return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": self.batch_size,
+        return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": _batch_size(self),
                 "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed, "epoch": sampler.epoch, "taken": self.taken,
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
@@ -217,7 +218,7 @@ class ResumableLoader(PrefetchDataLoader):
         if key == getattr(self, "_loaded", None):  # the DataModule's copy and Lightning's loop both hand it over
             return
         self._loaded = key
-        changed = loader_state_mismatch(state_dict, sampler.n, self.batch_size, self.drop_last, sampler.num_replicas)
+        changed = loader_state_mismatch(state_dict, sampler.n, _batch_size(self), self.drop_last, sampler.num_replicas)
         if changed:
             warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
                           "it stopped in starts again from its first batch.", stacklevel=2)
@@ -226,3 +227,8 @@ class ResumableLoader(PrefetchDataLoader):
         # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
         sampler.epoch = state_dict["epoch"] + (state_dict["taken"] >= len(self))
         self._resume = dict(state_dict)  # applied by the next iterator: the RNG as it was there
+
+
+def _batch_size(loader: DataLoader) -> int | None:
+    """Samples per batch: the loader's, or its batch-yielding sampler's (shards)."""
+    return loader.batch_size if loader.batch_size is not None else getattr(loader.sampler, "batch_size", None)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-__all__ = ["ResumableSampler", "SeededIndex", "loader_state_mismatch"]
+__all__ = ["ResumableSampler", "SeededIndex", "is_resumable", "loader_state_mismatch"]
 
 #: The version of ``PrefetchDataLoader.state_dict``'s layout.
 STATE_FORMAT = 1
@@ -81,6 +81,10 @@ class ResumableSampler(DistributedSampler):
     def seed(self, value: int) -> None:
         self._seed = int(value)
 
+    def skip(self, batches: int, batch_size: int | None) -> None:
+        """Leave out this rank's first ``batches`` batches of the next epoch served (``ResumableLoader``)."""
+        self.start = min(len(self), batches * (batch_size or 1))
+
     def __len__(self) -> int:
         return self.num_samples
 
@@ -94,6 +98,12 @@ class ResumableSampler(DistributedSampler):
         start, self.start = self.start, 0
         for k in mine[start:]:
             yield SeededIndex(order[k], seeds[k])
+
+
+def is_resumable(sampler: Any) -> bool:
+    """Whether ``sampler`` can serve an epoch from a place in it: a ``ResumableSampler``, or a batch sampler with the
+    same ``skip``, ``seed``, ``epoch``, ``n`` and ``num_replicas`` (``cltrain.data.shard_sampler.ShardBatchSampler``)."""
+    return all(hasattr(sampler, a) for a in ("skip", "seed", "epoch", "n", "num_replicas"))
 
 
 def loader_state_mismatch(state: dict[str, Any], samples: int, batch_size: int | None, drop_last: bool,

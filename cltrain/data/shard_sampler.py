@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
+from cltrain.data.resume_state import SeededIndex
+
 __all__ = ["ShardBatchSampler", "check_window", "rank_batch_sizes"]
 
 
@@ -79,6 +81,12 @@ class ShardBatchSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         self.batch_size, self.shuffle_window = batch_size, check_window(shuffle_window, "ShardBatchSampler")
         self.sizes = rank_batch_sizes(len(dataset), batch_size, num_replicas, rank)  # fails here, not in the loop
+        self.n = len(dataset)
+        self.start = 0  # batches of this rank to skip once (a resumed epoch)
+
+    def skip(self, batches: int, batch_size: int | None = None) -> None:
+        """Leave out this rank's first ``batches`` batches of the next epoch served (``ResumableLoader``)."""
+        self.start = min(batches, len(self.sizes))
 
     def order(self) -> np.ndarray:
         """This epoch's order of all sample indices (the same on every rank)."""
@@ -100,10 +108,15 @@ class ShardBatchSampler(DistributedSampler):
     def __iter__(self) -> Iterator[list[int]]:
         n = len(self.dataset)
         order = self.order()
+        # one seed per sample from (seed, epoch) alone: its augmentation is the same in any worker or resumed run
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 1)
+        seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
         base, extra = divmod(n, self.num_replicas)
         start = self.rank * base + min(self.rank, extra)
-        for size in self.sizes:
-            yield order[start:start + size].tolist()
+        skip, self.start = self.start, 0
+        for k, size in enumerate(self.sizes):
+            if k >= skip:
+                yield [SeededIndex(i, seeds[i]) for i in order[start:start + size].tolist()]
             start += size
 
     def __len__(self) -> int:

@@ -52,10 +52,14 @@ class Net(pl.LightningModule):
 
 
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
-         video: bool = False):
+         video: bool = False, shards: bool = False):
     pl.seed_everything(7, verbose=False)
     options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False)
-    if video:
+    if shards:
+        from cltrain.data import ShardsDataModule
+
+        module, data = Net(), ShardsDataModule(folder, **options)
+    elif video:
         from cltrain.data.video import ClipFolderDataModule
 
         module, data = Net(video=True), ClipFolderDataModule(folder, num_frames=3, frame_stride=1, **options)
@@ -94,6 +98,18 @@ def test_a_clip_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(clip
     whole, _, _ = _run(clips, tmp_path / "whole", 2, every=1, video=True)
     resumed, _, _ = _run(clips, tmp_path / "from4", 2, ckpt_path=str(tmp_path / "whole" / "step=4.ckpt"), video=True)
     assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+
+
+def test_a_shards_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folder, tmp_path):
+    from cltrain.data.pack import pack
+
+    packed = tmp_path / "pack"
+    pack(folder, packed, shard_size=5, progress=False)
+    whole, _, _ = _run(packed, tmp_path / "whole", 2, every=1, shards=True)
+    resumed, _, said = _run(packed, tmp_path / "from4", 2, ckpt_path=str(tmp_path / "whole" / "step=4.ckpt"),
+                            shards=True)
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    assert not [m for m in said if "not resumable" in m]
 
 
 def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder,
