@@ -52,13 +52,13 @@ class Net(pl.LightningModule):
 
 
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
-         video: bool = False, shards: bool = False):
+         video: bool = False, shards: bool = False, hf: bool = False):
     pl.seed_everything(7, verbose=False)
     options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False)
-    if shards:
-        from cltrain.data import ShardsDataModule
+    if shards or hf:
+        from cltrain.data import HFImageDataModule, ShardsDataModule
 
-        module, data = Net(), ShardsDataModule(folder, **options)
+        module, data = Net(), (ShardsDataModule if shards else HFImageDataModule)(folder, **options)
     elif video:
         from cltrain.data.video import ClipFolderDataModule
 
@@ -110,6 +110,17 @@ def test_a_shards_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(fo
                             shards=True)
     assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
     assert not [m for m in said if "not resumable" in m]
+
+
+def test_a_hugging_face_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(tmp_path):
+    pytest.importorskip("datasets")
+    from tests.helpers.hf_data import image_rows, write_hf_dataset
+
+    saved = write_hf_dataset(tmp_path / "hf", {"train": image_rows(12, 2), "validation": image_rows(2, 2, seed=1)},
+                             ["cat", "dog"], parquet_files=1)["saved"]
+    whole, _, _ = _run(saved, tmp_path / "whole", 2, every=1, hf=True)
+    resumed, _, _ = _run(saved, tmp_path / "from4", 2, ckpt_path=str(tmp_path / "whole" / "step=4.ckpt"), hf=True)
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
 
 
 def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder,
