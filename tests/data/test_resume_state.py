@@ -76,6 +76,14 @@ def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, e
     return module, trainer, [str(w.message) for w in caught]
 
 
+@pytest.fixture(scope="module")
+def whole0(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[torch.Tensor], Path]:
+    """The uninterrupted run with no workers: its final state, and the folder of its checkpoint after every step."""
+    root = tmp_path_factory.mktemp("whole0")
+    module, _, _ = _run(folder, root, 0, every=1)
+    return _state(module), root
+
+
 def _state(module) -> list[torch.Tensor]:
     return [t.detach().clone() for t in module.state_dict().values()]
 
@@ -123,30 +131,28 @@ def test_a_hugging_face_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_e
     assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
 
 
-def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder,
+def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder, whole0,
                                                                                                    tmp_path):
-    whole, _, _ = _run(folder, tmp_path / "whole", 0, every=1)
-    resumed, _, _ = _run(folder, tmp_path / "from2", 2, ckpt_path=str(tmp_path / "whole" / "step=2.ckpt"))
-    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))  # per-sample seeds: exact too
+    resumed, _, _ = _run(folder, tmp_path / "from2", 2, ckpt_path=str(whole0[1] / "step=2.ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))  # per-sample seeds: exact too
 
 
-def test_without_the_loaders_state_the_resumed_run_ends_elsewhere_and_says_so(folder, tmp_path):
+def test_without_the_loaders_state_the_resumed_run_ends_elsewhere_and_says_so(folder, whole0, tmp_path):
     # the negative control: the same checkpoint with its loader state taken out
-    whole, _, _ = _run(folder, tmp_path / "whole", 0, every=1)
-    ckpt = torch.load(tmp_path / "whole" / "step=2.ckpt", weights_only=False)
+    ckpt = torch.load(whole0[1] / "step=2.ckpt", weights_only=False)
     ckpt["loops"]["fit_loop"]["state_dict"].pop("combined_loader")
     ckpt.pop("ImageFolderDataModule")  # the DataModule's copy of it
     torch.save(ckpt, tmp_path / "stripped.ckpt")
     resumed, _, said = _run(folder, tmp_path / "stripped", 0, ckpt_path=str(tmp_path / "stripped.ckpt"))
-    assert not all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    assert not all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))
     # as a checkpoint written before the loader kept its place: it still resumes, and says what it cannot restore
     lines = [m for m in said if "holds no place in epoch 0" in m]
     assert len(lines) == 1 and "read again from its first batch, after 2 batches" in lines[0], said
 
 
-def test_a_saved_state_that_no_longer_fits_the_data_is_one_line_and_the_epoch_starts_again(folder, tmp_path):
-    _run(folder, tmp_path / "whole", 0, every=1)
-    ckpt = torch.load(tmp_path / "whole" / "step=2.ckpt", weights_only=False)
+def test_a_saved_state_that_no_longer_fits_the_data_is_one_line_and_the_epoch_starts_again(folder, whole0,
+                                                                                            tmp_path):
+    ckpt = torch.load(whole0[1] / "step=2.ckpt", weights_only=False)
     ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] = 99
     ckpt["ImageFolderDataModule"]["train_loader"]["samples"] = 99
     torch.save(ckpt, tmp_path / "other.ckpt")
