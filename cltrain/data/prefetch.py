@@ -20,7 +20,7 @@ warned about once (its ``non_blocking`` copy is synchronous).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -169,6 +169,8 @@ class ResumableLoader(PrefetchDataLoader):
         #: False where Lightning rebuilt it around another sampler (a DistributedSampler): no state then
         self.resumable = is_resumable(self.sampler)
         self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
+        #: how many taken batches' steps have not ended (a step that raised): ``BatchDataModule`` reads Lightning's
+        self.unfinished: Callable[[], int] = lambda: 0
         self.resumed = False  # this epoch's iterator went on from a checkpoint's state
         self._resume: dict[str, Any] | None = None
 
@@ -204,7 +206,8 @@ class ResumableLoader(PrefetchDataLoader):
         if not self.resumable:
             return {}
         return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": _batch_size(self),
-                "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed, "epoch": sampler.epoch, "taken": self.taken,
+                "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed,
+                "epoch": sampler.epoch, "taken": self.taken - self.unfinished(),
                 "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 

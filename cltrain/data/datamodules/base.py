@@ -173,6 +173,8 @@ class BatchDataModule(L.LightningDataModule):
                       prefetch_device=self._device if cuda else None, **batching)
         if train:
             self._train_loader = loader  # counts the batches its training steps take (on_after_batch_transfer)
+            if isinstance(loader, ResumableLoader):
+                loader.unfinished = functools.partial(_unfinished_steps, self)
             if getattr(self, "_loader_state", None) and isinstance(loader, ResumableLoader):
                 loader.load_state_dict(self._loader_state)
                 self._loader_state = None
@@ -248,3 +250,12 @@ def _say_if_resumed_without_state(trainer: Any) -> None:
         warnings.warn(f"cltrain: {trainer.ckpt_path} holds no place in epoch {trainer.current_epoch} for this loader "
                       f"(written before cltrain kept one): the epoch is read again from its first batch, after "
                       f"{done} batches of it were trained on.", stacklevel=2)
+
+
+def _unfinished_steps(datamodule: Any) -> int:
+    """Training batches of this epoch that reached the device but whose step did not end (it raised): Lightning's
+    progress counts a batch started before its step and processed after it."""
+    progress = getattr(getattr(getattr(datamodule.trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    current = getattr(progress, "current", None)
+    started, processed = getattr(current, "started", 0), getattr(current, "processed", 0)
+    return max(0, started - processed) if isinstance(started, int) and isinstance(processed, int) else 0
