@@ -172,6 +172,7 @@ class ResumableLoader(PrefetchDataLoader):
         #: how many taken batches' steps have not ended (a step that raised): ``BatchDataModule`` reads Lightning's
         self.unfinished: Callable[[], int] = lambda: 0
         self.resumed = False  # this epoch's iterator went on from a checkpoint's state
+        self._rng_at_take: torch.Tensor | None = None
         self._resume: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -199,16 +200,18 @@ class ResumableLoader(PrefetchDataLoader):
         """A training step took this epoch's next batch (``BatchDataModule`` calls it as the batch reaches the
         device: Lightning fetches a batch ahead, so the batches handed out are one more than those trained on)."""
         self.taken += 1
+        self._rng_at_take = torch.get_rng_state()  # the RNG a step that raises started from (about 1 us)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch is, for the checkpoint (empty where it is not ``resumable``)."""
         sampler = self.sampler
         if not self.resumable:
             return {}
+        unfinished = self.unfinished()  # its batch is read again on resume, from the RNG it started from
         return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": _batch_size(self),
                 "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed,
-                "epoch": sampler.epoch, "taken": self.taken - self.unfinished(),
-                "rng": torch.get_rng_state(),
+                "epoch": sampler.epoch, "taken": self.taken - unfinished,
+                "rng": self._rng_at_take if unfinished and self._rng_at_take is not None else torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

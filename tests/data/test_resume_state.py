@@ -201,3 +201,48 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
     a, b = torch.load(tmp_path / "whole" / "final.pt"), torch.load(tmp_path / "resumed" / "final.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not [m for m in resumed["said"] if "not resumable" in m]
+
+
+class _Batches(pl.Callback):
+    """Each training step's batch as it reaches the step (its sum and labels) and the RNG there."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((trainer.global_step, round(float(batch[0].double().sum()), 6), batch[1].tolist(),
+                          int(torch.get_rng_state().sum())))
+
+
+def test_a_run_that_crashed_in_a_step_reads_that_batch_again_with_its_augmentation_and_rng(folder, tmp_path):
+    # the step of batch 2 raises after its forward and backward (its dropout drew): the exception checkpoint holds
+    # the batch as not taken and the RNG from before it. (Buffers that forward updated, BatchNorm's statistics,
+    # stay updated: a crash inside a step is exact for the data, the RNG and the weights, not for those.)
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    class Crash(Exception):
+        pass
+
+    class CrashInStep(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:
+                raise Crash
+
+    def fit(*callbacks, ckpt_path=None):
+        pl.seed_everything(7, verbose=False)
+        data = ImageFolderDataModule(folder, batch_size=4, num_workers=0, image_size=24, val_resize_size=28)
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                             enable_checkpointing=ckpt_path is None and len(callbacks) > 1,
+                             callbacks=[ChannelsLast(), *callbacks], default_root_dir=tmp_path)
+        trainer.fit(Net(), datamodule=data, ckpt_path=ckpt_path)
+        return trainer
+
+    whole, crashed, resumed = _Batches(), _Batches(), _Batches()
+    fit(whole)
+    with pytest.raises(Crash):
+        fit(crashed, CrashInStep(), OnExceptionCheckpoint(tmp_path, "crashed"))
+    trainer = fit(resumed, ckpt_path=str(tmp_path / "crashed.ckpt"))
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    assert resumed.seen == whole.seen[2:] and crashed.seen == whole.seen[:3]
+
