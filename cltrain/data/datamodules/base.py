@@ -253,9 +253,9 @@ def _say_if_resumed_without_state(trainer: Any) -> None:
 
 
 def _unfinished_steps(datamodule: Any) -> int:
-    """Training batches of this epoch that reached the device but whose step did not end (it raised): Lightning's
-    progress counts a batch started before its step and processed after it."""
+    """Training batches of this epoch that reached the device but whose step did not end (a batch-start hook or the
+    step raised): Lightning's progress counts a batch ready before its transfer and processed after its step."""
     progress = getattr(getattr(getattr(datamodule.trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
     current = getattr(progress, "current", None)
-    started, processed = getattr(current, "started", 0), getattr(current, "processed", 0)
-    return max(0, started - processed) if isinstance(started, int) and isinstance(processed, int) else 0
+    ready, processed = getattr(current, "ready", 0), getattr(current, "processed", 0)
+    return max(0, ready - processed) if isinstance(ready, int) and isinstance(processed, int) else 0
