@@ -85,6 +85,10 @@ class _Unloadable(Exception):
     """The child process could not load the model; the message says why."""
 
 
+#: Seconds the probe process may take to start and load the model before its first step (``timeout`` applies
+#: from then on).
+STARTUP_S = 120.0
+
 def probe_layout(
     model: nn.Module,
     input_shape: tuple[int, ...],
@@ -242,7 +246,9 @@ def _run_child(folder: Path, timeout: float) -> tuple[dict[str, float] | None, s
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    where, limit, slowest, last = "loading the model", timeout, 0.0, time.perf_counter()
+    # Starting Python, importing torch and loading the model is no step of the model: on a slow or busy machine it
+    # took longer than a 12 s timeout, which then read as a hang; it gets STARTUP_S at least.
+    where, limit, slowest, last = "loading the model", max(timeout, STARTUP_S), 0.0, time.perf_counter()
     try:
         while True:
             try:
@@ -259,6 +265,8 @@ def _run_child(folder: Path, timeout: float) -> tuple[dict[str, float] | None, s
             except ValueError:
                 continue
             kind, value, now = message["kind"], message["value"], time.perf_counter()
+            if kind == "step" and where == "loading the model":
+                limit = timeout
             if kind == "step":
                 if where.startswith("timing"):
                     slowest = max(slowest, now - last)
