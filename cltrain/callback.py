@@ -13,9 +13,9 @@ from typing_extensions import override
 
 from cltrain.check.budget import DEFAULT_SAMPLES, check_within_budget
 from cltrain.check.compare import LayoutCheck
-from cltrain.check.resume import restored_check, run_fingerprint, saved_check
 from cltrain.check.fallback import Fallback
 from cltrain.check.lightning_step import check_lightning_step
+from cltrain.check.resume import restored_check, run_fingerprint, saved_check
 from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, find_hazards
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import (check_inputs, describe_batch, first_image_tensor, image_inputs, restore_batch,
@@ -258,9 +258,10 @@ class ChannelsLast(Callback):
         self._flat = flat_parameters()
         self._flat.__enter__()
         guard_pruning(trainer.callbacks, pl_module, lambda what, aliases: self.session.keep(
-            pl_module, trainer.optimizers, aliases=aliases, line=f"ChannelsLast: {what.partition('.')[0]} prunes the weights in NCHW "
-            f"(torch's pruning calls view on channels_last ones: {UPSTREAM}); they and their masks go back to "
-            f"{self.layout} after each of its calls, with their optimizer state."))
+            pl_module, trainer.optimizers, aliases=aliases,
+            line=f"ChannelsLast: {what.partition('.')[0]} prunes the weights in NCHW (torch's pruning calls view on "
+                 f"channels_last ones: {UPSTREAM}); they and their masks go back to {self.layout} after each of its "
+                 "calls, with their optimizer state."))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -482,6 +483,10 @@ class ChannelsLast(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end_trace(completed=False)
         restore_batch(self._kept)
+        unguard_pruning(trainer.callbacks)
+        if self._flat is not None:  # an exception ends the run without teardown: torch's own utilities back
+            self._flat.__exit__(None, None, None)
+            self._flat = None
 
     # ---- the first-batch layout check ------------------------------------------------------------
 

@@ -154,10 +154,11 @@ def is_pruning_callback(callback: Any) -> bool:
     return any(c.__name__ == "ModelPruning" for c in type(callback).__mro__)
 
 
-def guard_pruning(callbacks: Iterable[Any], model: nn.Module, keep: Callable[[str, list[torch.Tensor]], Any]) -> list[Any]:
+def guard_pruning(callbacks: Iterable[Any], model: nn.Module,
+                  keep: Callable[[str, list[torch.Tensor]], Any]) -> list[Any]:
     """Run the pruning methods of every ``ModelPruning`` among ``callbacks`` on ``model`` in NCHW (``in_nchw``)
-    and call ``keep(what_ran, aliases)`` after each, which puts the layout back (``aliases``: ``pruning_aliases``); returns the callbacks wrapped (for
-    ``unguard_pruning``). The wrappers are set on the instances: the class and other instances are untouched."""
+    and call ``keep(what_ran, aliases)`` after each, which puts the layout back (``aliases``: ``pruning_aliases``);
+    returns the callbacks wrapped (for ``unguard_pruning``). The wrappers are set on the instances: the class and other instances are untouched."""
     wrapped = []
     for callback in callbacks:
         if not is_pruning_callback(callback) or "_cltrain_unguarded" in vars(callback):

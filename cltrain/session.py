@@ -244,8 +244,8 @@ class LayoutSession:
              line: str | None = None, aliases: Iterable[torch.Tensor] = ()) -> list[str]:
         """Put back in their expected layout (``expect``) the parameters and buffers that something moved since,
         in place, and the ``optimizers``' state in its parameters' strides; one line the first time, naming them
-        and ``after`` (what ran), or ``line`` where given. A pruning's ``weight_orig`` and ``weight_mask`` and a parametrization's
-        ``original`` are kept as the weight they stand for; a tensor of ``aliases`` that shares a moved tensor's
+        and ``after`` (what ran), or ``line`` where given. A pruning's ``weight_orig`` and ``weight_mask`` and a
+        parametrization's ``original`` are kept as the weight they stand for; a tensor of ``aliases`` that shares a moved tensor's
         data shares its new data (``cltrain.nchw_code.relayout``). Returns the names put back.
 
         It walks the parameters once a call: its callers call it where something may have moved them (an epoch's

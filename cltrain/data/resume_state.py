@@ -92,9 +92,9 @@ class ResumableSampler(DistributedSampler):
         g = torch.Generator().manual_seed(self.seed + 1_000_003 * self.epoch)
         order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
         seeds = torch.randint(0, 2**62, (self.n,), generator=g).tolist()
-        pad = self.total_size - self.n
-        order, seeds = order + (order * (pad // max(self.n, 1) + 1))[:pad], seeds + (seeds * (pad // max(self.n, 1) + 1))[:pad]
-        mine = range(self.rank, self.total_size, self.num_replicas)
+        # padded with the first samples to a multiple of the ranks, as DistributedSampler pads
+        padded = [k % self.n for k in range(self.total_size)] if self.n else []
+        mine = [padded[k] for k in range(self.rank, self.total_size, self.num_replicas)]
         start, self.start = self.start, 0
         for k in mine[start:]:
             yield SeededIndex(order[k], seeds[k])
@@ -102,7 +102,7 @@ class ResumableSampler(DistributedSampler):
 
 def is_resumable(sampler: Any) -> bool:
     """Whether ``sampler`` can serve an epoch from a place in it: a ``ResumableSampler``, or a batch sampler with the
-    same ``skip``, ``seed``, ``epoch``, ``n`` and ``num_replicas`` (``cltrain.data.shard_sampler.ShardBatchSampler``)."""
+    same ``skip``, ``seed``, ``epoch``, ``n`` and ``num_replicas`` (``shard_sampler.ShardBatchSampler``)."""
     return all(hasattr(sampler, a) for a in ("skip", "seed", "epoch", "n", "num_replicas"))
 
 

@@ -159,7 +159,8 @@ class BatchDataModule(L.LightningDataModule):
             order = {"sampler": ResumableSampler(len(dataset), num_replicas=getattr(self.trainer, "world_size", 1),
                                                  rank=getattr(self.trainer, "global_rank", 0))}
         return dict(batch_size=self.batch_size, drop_last=train if drop_last is None else drop_last,
-                    collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0), **order)  # workers: pinned
+                    collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0),  # workers: the loader pins
+                    **order)
 
     def _loader(self, dataset: Dataset | None, train: bool, drop_last: bool | None = None) -> PrefetchDataLoader:
         if dataset is None:
@@ -255,7 +256,7 @@ def _say_if_resumed_without_state(trainer: Any) -> None:
 def _unfinished_steps(datamodule: Any) -> int:
     """Training batches of this epoch that reached the device but whose step did not end (a batch-start hook or the
     step raised): Lightning's progress counts a batch ready before its transfer and processed after its step."""
-    progress = getattr(getattr(getattr(datamodule.trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
-    current = getattr(progress, "current", None)
+    loop = getattr(getattr(datamodule.trainer, "fit_loop", None), "epoch_loop", None)
+    current = getattr(getattr(loop, "batch_progress", None), "current", None)
     ready, processed = getattr(current, "ready", 0), getattr(current, "processed", 0)
     return max(0, ready - processed) if isinstance(ready, int) and isinstance(processed, int) else 0
