@@ -25,7 +25,7 @@ what is left of the whole; ``--parts`` picks them); ``gpu_check.md`` is written 
     contiguous in fp16, bf16 and fp32, then channels_last with ``compile.enabled=true``, in one process, in turn:
     images/s and step time over 60 steps after 8 warm-up steps (train.py's meter), the finite losses among all
     steps, and host syncs per step: ATen ops that read a device value on the host
-    (``tests.helpers.trainer_probes.SyncOps``) in warm-up steps 3-6, which neither print nor log.
+    (``cltrain.timing.host_syncs.SyncOps``) in warm-up steps 3-6, which neither print nor log.
 (d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
     runs' ``metrics.json`` files (one line each in ``runs.metrics.jsonl``) and logs (the cuda tests' with short
     tracebacks); data, checkpoints and run folders stay in ``--work``.
@@ -168,7 +168,11 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
     code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-v", "--tb=short", "-rfE", "-p",
                      "no:cacheprovider"], REPO, limit, log)
     text = log.read_text(errors="replace")
-    ended = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.MULTILINE)
+    # one line per test: "path::name OUTCOME", or under pytest-xdist "[gw0] [ 1%] OUTCOME path::name"
+    outcomes = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+    ended = re.findall(rf"^(\S+::\S+) ({outcomes})", text, re.MULTILINE) + [
+        (name, outcome) for outcome, name in re.findall(rf"^\[gw\d+\] \[\s*\d+%\] ({outcomes}) (\S+::\S+)", text,
+                                                          re.MULTILINE)]
     failed = [name.rpartition("::")[2] for name, outcome in ended if outcome in ("FAILED", "ERROR")]
     reasons = dict(re.findall(r"^(?:FAILED|ERROR) \S+::(\S+) - (.{0,160})", text, re.MULTILINE))
     notes = "; ".join([log.name] + [f"{n}: {reasons[n]}" if n in reasons else n for n in failed])

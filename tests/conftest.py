@@ -9,10 +9,14 @@
 * Tests marked ``cuda`` are skipped where CUDA is not available.
 * The file-index cache (``CLTRAIN_CACHE_DIR``) is a session temporary folder, not the user's.
 * ``demo_root`` / ``demo_args``: the tiny demo set (:data:`tests.helpers.TINY_DEMO`), made once per session.
+* Under pytest-xdist (``-n auto`` in pyproject.toml, one worker per core, a test module per worker), each worker
+  and the processes its tests start use an equal share of the CPUs: two workers each running torch on every core
+  make both many times slower. ``-n 0`` runs the tests in one process.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +29,17 @@ from tests.helpers import TINY_DEMO, demo_overrides
 # the fixture below hides the GPU from subprocesses, so this process keeps seeing it for the
 # tests marked `cuda` whatever order the tests run in.
 HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        from cltrain.data.loader_threads import usable_cores
+
+        share = max(1, usable_cores() // workers)
+        torch.set_num_threads(share)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the train.py, DDP and probe processes a test starts
+            os.environ[name] = str(share)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
-from cltrain.data.resume_state import STATE_FORMAT, is_resumable, loader_state_mismatch
+from cltrain.data.resume_state import STATE_FORMAT, consumed_samples, is_resumable, loader_state_mismatch
 from cltrain.layout.batches import map_tensors
 
 __all__ = ["PrefetchDataLoader", "ResumableLoader"]
@@ -174,20 +174,44 @@ class ResumableLoader(PrefetchDataLoader):
         self.resumed = False  # this epoch's iterator went on from a checkpoint's state
         self._rng_at_take: torch.Tensor | None = None
         self._resume: dict[str, Any] | None = None
+        # the state the last iterator went on from while none of its batches is taken: Lightning can make an
+        # iterator it never reads (a fit resumed inside a validation makes one at setup, then one for the next epoch),
+        # and the one it reads must start from the saved RNG too
+        self._unread: dict[str, Any] | None = None
+        self._offset = 0  # samples of the epoch's order taken before ``taken`` began counting (another rank count)
+
+    def _splits(self) -> bool:
+        """Whether the sampler splits the rest of an epoch over any number of ranks (``ResumableSampler``)."""
+        return hasattr(self.sampler, "skip_samples")
+
+    def _epoch_left(self, state: dict[str, Any]) -> bool:
+        """Whether the epoch ``state`` stopped in has batches left for this loader."""
+        if not self._splits():
+            return state["taken"] < len(self)
+        samples, size = self.sampler.remaining(consumed_samples(state)), _batch_size(self) or 1
+        return (samples // size if self.drop_last else -(-samples // size)) > 0
 
     def __iter__(self) -> Iterator[Any]:
-        self.taken, resume, self._resume = 0, self._resume, None
+        resume = self._resume if self._resume is not None else self._unread
+        self.taken, self._offset, self._resume, self._unread = 0, 0, None, resume
         self.resumed = resume is not None
         sampler = self.sampler
         if resume is not None:  # the torch RNG where the stopped run was when this iterator was made
             torch.set_rng_state(resume["rng"])
             if resume.get("cuda_rng") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(resume["cuda_rng"])
-        if resume is not None and self.resumable and resume["taken"] < len(self):
+        if resume is not None and self.resumable and self._epoch_left(resume):
             # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
             # and the RNG as at the save (this iterator draws no seed)
-            sampler.epoch, self.taken = resume["epoch"], resume["taken"]
-            sampler.skip(self.taken, self.batch_size)
+            sampler.epoch = resume["epoch"]
+            if self._splits():
+                consumed, ranks = consumed_samples(resume), sampler.num_replicas
+                self.taken = resume["taken"] if resume.get("ranks") == ranks else 0
+                self._offset = consumed - self.taken * (_batch_size(self) or 1) * ranks
+                sampler.skip_samples(consumed)
+            else:
+                self.taken = resume["taken"]
+                sampler.skip(self.taken, self.batch_size)
             rng = torch.get_rng_state()
             it = super().__iter__()
             torch.set_rng_state(rng)
@@ -200,6 +224,7 @@ class ResumableLoader(PrefetchDataLoader):
         """A training step took this epoch's next batch (``BatchDataModule`` calls it as the batch reaches the
         device: Lightning fetches a batch ahead, so the batches handed out are one more than those trained on)."""
         self.taken += 1
+        self._unread = None
         self._rng_at_take = torch.get_rng_state()  # the RNG a step that raises started from (about 1 us)
 
     def state_dict(self) -> dict[str, Any]:
@@ -208,11 +233,15 @@ class ResumableLoader(PrefetchDataLoader):
         if not self.resumable:
             return {}
         unfinished = self.unfinished()  # its batch is read again on resume, from the RNG it started from
-        return {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": _batch_size(self),
-                "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed,
-                "epoch": sampler.epoch, "taken": self.taken - unfinished,
-                "rng": self._rng_at_take if unfinished and self._rng_at_take is not None else torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+        taken, size = self.taken - unfinished, _batch_size(self)
+        state = {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": size,
+                 "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed,
+                 "epoch": sampler.epoch, "taken": taken,
+                 "rng": self._rng_at_take if unfinished and self._rng_at_take is not None else torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+        if self._splits():  # the samples of the epoch's order taken on all ranks: resumable on any rank count
+            state["consumed"] = self._offset + taken * (size or 1) * sampler.num_replicas
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Go on from ``state_dict``'s batch: the epoch's remaining samples, in its order, with its randomness, and
@@ -224,14 +253,22 @@ class ResumableLoader(PrefetchDataLoader):
         if key == getattr(self, "_loaded", None):  # the DataModule's copy and Lightning's loop both hand it over
             return
         self._loaded = key
-        changed = loader_state_mismatch(state_dict, sampler.n, _batch_size(self), self.drop_last, sampler.num_replicas)
+        changed = loader_state_mismatch(state_dict, sampler.n, _batch_size(self), self.drop_last,
+                                        None if self._splits() else sampler.num_replicas)
         if changed:
             warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
                           "it stopped in starts again from its first batch.", stacklevel=2)
             return
+        ranks, left = state_dict.get("ranks"), self._epoch_left(state_dict)
+        if ranks != sampler.num_replicas and left:
+            warnings.warn(f"cltrain: resumed on {sampler.num_replicas} rank(s) from a run on {ranks}: the "
+                          f"{sampler.n - min(consumed_samples(state_dict), sampler.n)} samples left in epoch "
+                          f"{state_dict['epoch']} are split over the {sampler.num_replicas}, each read once with its "
+                          "own augmentation; the batches, so the weights, are not the uninterrupted run's.",
+                          stacklevel=2)
         sampler.seed = state_dict["seed"]
         # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
-        sampler.epoch = state_dict["epoch"] + (state_dict["taken"] >= len(self))
+        sampler.epoch = state_dict["epoch"] + (not left)
         self._resume = dict(state_dict)  # applied by the next iterator: the RNG as it was there
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from tests.helpers.trainer_probes import SyncOps
+from cltrain.timing.host_syncs import SyncOps
 
 __all__ = ["StepProbe", "run_config", "skip_reason"]
 

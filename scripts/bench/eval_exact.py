@@ -1,6 +1,6 @@
 """The evaluation transform against torchvision's, per kind of file, and what DCT-scaled decoding buys.
 
-Pixels: each readable kind of file of ``scripts.bench.quirk_files`` (CMYK, grey, progressive,
+Pixels: each readable kind of file of ``cltrain.data.quirk_files`` (CMYK, grey, progressive,
 EXIF-rotated JPEGs, a PNG named ``.JPEG``, 16-bit, palette and RGBA PNGs, WebP, BMP, TIFF, ...), made
 from each photograph bundled with scikit-image and scikit-learn resized to ImageNet's usual 500x375,
 goes through cltrain's ``eval_transform`` and through torchvision's decode + ``Resize`` + ``CenterCrop``
@@ -30,7 +30,7 @@ from PIL import Image
 
 from cltrain.data import eval_transform
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
-from scripts.bench.quirk_files import QUIRKS_READABLE, write_quirks
+from cltrain.data.quirk_files import QUIRKS_READABLE, write_quirks
 from scripts.machine import machine, machine_line
 
 SIZES = ((224, 256), (64, 73))

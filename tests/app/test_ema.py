@@ -56,7 +56,7 @@ def test_the_update_reads_nothing_back_to_the_host() -> None:
     """Lightning's EMAWeightAveraging model (AveragedModel + an EMA avg_fn) tests n_averaged twice per update."""
     from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
-    from tests.helpers.trainer_probes import SyncOps
+    from cltrain.timing.host_syncs import SyncOps
 
     model = _net()
     ours, lightnings = EMAModel(model, decay=0.9), AveragedModel(model, avg_fn=get_ema_avg_fn(0.9), use_buffers=True)

@@ -30,7 +30,8 @@ from lightning.pytorch import Callback
 from cltrain.app.cli import compose_config
 from cltrain.app.train import train
 from cltrain.data import make_demo_dataset
-from tests.helpers.trainer_probes import CountingTrainer, SyncOps
+from cltrain.timing.host_syncs import SyncOps
+from tests.helpers.trainer_probes import CountingTrainer
 
 DEMO = {"num_classes": 4, "train_per_class": 16, "val_per_class": 2, "image_size": [48, 40]}
 PRINT_FREQ = 4  # = log_every_n_steps: batches 3 and 7 print and log

@@ -4,20 +4,18 @@ Trainer; and it leaves no trace in the real optimizer or a compiled module."""
 
 from __future__ import annotations
 
-import copy
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cltrain import ChannelsLast
 from cltrain.check import checking, is_check_copy
-from cltrain.check.result import MAX_LINE
-from tests.helpers.user_code import STEP_PATTERNS, Heatmaps, run_variants
+from tests.helpers.user_code import (STEP_PATTERNS, FirstBatchSnapshot, Heatmaps, assert_trains_like_nchw,
+                                     run_variants)
 
 
 # pattern -> (what the line must name, the fix it must give, how the unchecked run fails)
@@ -35,50 +33,11 @@ EXPECTED = {
 @pytest.mark.parametrize("pattern", sorted(EXPECTED))
 def test_code_around_the_step_that_assumes_nchw_trains_like_nchw_under_the_callback(pattern: str) -> None:
     assert set(EXPECTED) == set(STEP_PATTERNS)
-    runs = run_variants(pattern)
-    nchw, checked, unchecked = runs["nchw"], runs["checked"], runs["unchecked"]
-    assert nchw["error"] is None and len(nchw["losses"]) == 3
-    assert checked["error"] is None, checked["error"]
-    torch.testing.assert_close(torch.tensor(checked["losses"]), torch.tensor(nchw["losses"]), rtol=1e-5, atol=1e-6)
-    # No step ran on the real module: the same BatchNorm statistics as the run without the callback.
-    assert checked["statistics"].keys() == nchw["statistics"].keys()
-    for key, value in nchw["statistics"].items():
-        torch.testing.assert_close(torch.tensor(checked["statistics"][key]), torch.tensor(value), rtol=1e-4,
-                                   atol=1e-6, msg=key)
-    subject, fix, failure = EXPECTED[pattern]
-    line = checked["line"]["train"]
-    assert subject in line and fix in line and "py:" in line, line
-    assert len(line) <= MAX_LINE and line.count("view size is not compatible") <= 1, line
-    assert checked["check"]["train"]["verdict"] in ("fallback", "contiguous")
-    # The negative control: without the check the same code raises or trains on other numbers.
-    assert unchecked["check"] == {}
-    if failure == "raises":
-        assert unchecked["error"] is not None
-    else:
-        assert unchecked["error"] is None
-        gap = max(abs(a - b) for a, b in zip(unchecked["losses"], nchw["losses"]))
-        assert gap > 1e-5, (unchecked["losses"], nchw["losses"])
+    # no step ran on the real module: the same BatchNorm statistics as the run without the callback
+    assert_trains_like_nchw(run_variants(pattern), *EXPECTED[pattern], statistics=True)
 
 
 # ---- no trace in the real optimizer and a compiled module; what the copies see ----------------------------------
-
-
-class _Snapshot(Callback):
-    """The run's state at the first training batch, taken before and after ChannelsLast's hook."""
-
-    def __init__(self) -> None:
-        self.state: dict | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.state is None:
-            module = getattr(pl_module, "_orig_mod", pl_module)
-            self.state = {
-                "rng": torch.get_rng_state().clone(),
-                "tensors": {k: v.clone() for k, v in module.state_dict().items()},
-                "grads": [p.grad for p in module.parameters()],
-                "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
-                "calls": dict(module.calls),
-            }
 
 
 _COPIES: list[bool] = []  # checking() in each step run on a check copy
@@ -130,7 +89,7 @@ def _fit(module, callbacks, max_steps: int = 1) -> pl.Trainer:
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_check_leaves_no_trace_in_the_optimizer_or_a_compiled_module(compiled: bool) -> None:
-    before, after, callback = _Snapshot(), _Snapshot(), ChannelsLast()
+    before, after, callback = FirstBatchSnapshot(), FirstBatchSnapshot(), ChannelsLast()
     torch.manual_seed(0)
     module = _BNNet()
     _COPIES.clear()

@@ -8,14 +8,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cltrain import ChannelsLast
 from cltrain.check.compare import check_layout
 from cltrain.loops import convert_batch, convert_model, verify_layout
-from tests.helpers.user_code import PATTERNS, RawMemory, ViewHead, run_variants
+from tests.helpers.user_code import (PATTERNS, FirstBatchSnapshot, RawMemory, ViewHead, assert_trains_like_nchw,
+                                     run_variants)
 
 
 # pattern -> (the module the line must name, the fix it must give, how the unchecked run fails)
@@ -32,43 +32,7 @@ EXPECTED = {
 @pytest.mark.parametrize("pattern", sorted(EXPECTED))
 def test_user_code_that_assumes_nchw_trains_like_nchw_under_the_callback(pattern: str) -> None:
     assert set(EXPECTED) == set(PATTERNS)
-    runs = run_variants(pattern)
-    nchw, checked, unchecked = runs["nchw"], runs["checked"], runs["unchecked"]
-    assert nchw["error"] is None and len(nchw["losses"]) == 3
-    assert checked["error"] is None, checked["error"]
-    torch.testing.assert_close(torch.tensor(checked["losses"]), torch.tensor(nchw["losses"]), rtol=1e-5, atol=1e-6)
-    module, fix, failure = EXPECTED[pattern]
-    line = checked["line"]["train"]
-    assert module in line and fix in line, line
-    assert checked["check"]["train"]["verdict"] in ("fallback", "contiguous")
-    assert "py:" in line  # the user's file and line
-    # The negative control: without the check the same code raises or trains on other numbers.
-    assert unchecked["check"] == {}
-    if failure == "raises":
-        assert unchecked["error"] is not None
-    else:
-        assert unchecked["error"] is None
-        gap = max(abs(a - b) for a, b in zip(unchecked["losses"], nchw["losses"]))
-        assert gap > 1e-5, (unchecked["losses"], nchw["losses"])
-
-
-class _Snapshot(Callback):
-    """What the run's state is at the first training batch: taken before and after ChannelsLast's hook."""
-
-    def __init__(self) -> None:
-        self.state: dict | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.state is None:
-            self.state = {
-                "rng": torch.get_rng_state().clone(),
-                "buffers": {k: v.clone() for k, v in pl_module.state_dict().items()},
-                "grads": [p.grad for p in pl_module.parameters()],
-                "optimizer": trainer.optimizers[0].state_dict(),
-                "logged": dict(trainer.callback_metrics),
-                "losses": list(pl_module.losses),
-                "step": trainer.global_step,
-            }
+    assert_trains_like_nchw(run_variants(pattern), *EXPECTED[pattern])
 
 
 class _DropoutNet(pl.LightningModule):
@@ -100,7 +64,7 @@ def _loader() -> DataLoader:
 
 
 def test_the_check_leaves_no_trace_and_dropout_does_not_count_as_a_finding() -> None:
-    before, after, callback = _Snapshot(), _Snapshot(), ChannelsLast()
+    before, after, callback = FirstBatchSnapshot(), FirstBatchSnapshot(), ChannelsLast()
     torch.manual_seed(0)
     module = _DropoutNet()
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -110,8 +74,8 @@ def test_the_check_leaves_no_trace_and_dropout_does_not_count_as_a_finding() -> 
     assert callback.layout == "channels_last" and callback.fallbacks == []
     a, b = before.state, after.state
     assert torch.equal(a["rng"], b["rng"])
-    for key, value in a["buffers"].items():
-        assert torch.equal(value, b["buffers"][key]), key  # BatchNorm statistics and weights
+    for key, value in a["tensors"].items():
+        assert torch.equal(value, b["tensors"][key]), key  # BatchNorm statistics and weights
     assert all(g is None for g in b["grads"])
     assert a["optimizer"] == b["optimizer"] and a["logged"] == b["logged"] == {}
     assert a["losses"] == b["losses"] == [] and a["step"] == b["step"] == 0

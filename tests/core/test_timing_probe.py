@@ -113,13 +113,16 @@ def test_auto_survives_a_native_crash_and_keeps_contiguous():
     if result["failure"] is None:
         pytest.skip(f"the unguarded stem did not crash on this machine: {result['timings']}")
     assert result["layout"] == "contiguous" and result["timings"] is None
-    assert "crashed (SIG" in result["failure"] and "channels_last step" in result["failure"]
+    # the fault kills the child (AVX-512) or hangs it (AVX2): either is the probe's verdict
+    assert ("crashed (SIG" in result["failure"] or "(a hang)" in result["failure"]) and \
+        "channels_last step" in result["failure"], result["failure"]
 
 
 @needs_x86_onednn
 def test_in_process_auto_trial_is_killed_by_the_same_fault():
     # The negative control: the timing of cltrain.timing.layouts run in the caller's process, as mode="auto" did.
-    proc = run([str(HERE / "guard_cases.py"), "inprocess_auto"], timeout=120)
+    # a hang (the fault on AVX2) is past the probe's own limit of 30 s without progress
+    proc = run([str(HERE / "guard_cases.py"), "inprocess_auto"], timeout=60)
     if proc is not None and proc.returncode == 0:
         pytest.skip("the unguarded stem did not crash on this machine")
     assert proc is None or proc.returncode < 0 or proc.returncode >= 128

@@ -47,12 +47,15 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         return F.cross_entropy(self.net(batch[0]), batch[1])
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
-         video: bool = False, shards: bool = False, hf: bool = False):
+         video: bool = False, shards: bool = False, hf: bool = False, val: bool = False, callbacks: tuple = ()):
     pl.seed_everything(7, verbose=False)
     options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False)
     if shards or hf:
@@ -69,8 +72,8 @@ def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, e
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                             enable_checkpointing=bool(every), callbacks=[ChannelsLast(), *saves],
+                             enable_model_summary=False, limit_val_batches=1.0 if val else 0, num_sanity_val_steps=0,
+                             enable_checkpointing=bool(every or callbacks), callbacks=[ChannelsLast(), *saves, *callbacks],
                              default_root_dir=root)
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return module, trainer, [str(w.message) for w in caught]
@@ -202,6 +205,19 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not [m for m in resumed["said"] if "not resumable" in m]
 
+    # the same checkpoint on one rank: the 8 samples epoch 1 had left are 4 batches of 2 (the 2 ranks read 4)
+    pl.seed_everything(7, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                             enable_checkpointing=False, default_root_dir=tmp_path)
+        trainer.fit(Net(), datamodule=ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24,
+                                                            val_resize_size=28),
+                    ckpt_path=str(tmp_path / "whole" / "step=4.ckpt"))
+    said = [str(w.message) for w in caught]
+    assert trainer.global_step == 4 + 4 and len([m for m in said if "8 samples left in epoch 1" in m]) == 1, said
+
 
 class _Batches(pl.Callback):
     """Each training step's batch as it reaches the step (its sum and labels) and the RNG there."""
@@ -211,7 +227,7 @@ class _Batches(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.seen.append((trainer.global_step, round(float(batch[0].double().sum()), 6), batch[1].tolist(),
-                          int(torch.get_rng_state().sum())))
+                          hash(torch.get_rng_state().numpy().tobytes())))  # a sum misses the position in the state
 
 
 def test_a_run_that_crashed_in_a_step_reads_that_batch_again_with_its_augmentation_and_rng(folder, tmp_path):
@@ -246,3 +262,70 @@ def test_a_run_that_crashed_in_a_step_reads_that_batch_again_with_its_augmentati
     assert trainer.global_step == 2 * STEPS_PER_EPOCH
     assert resumed.seen == whole.seen[2:] and crashed.seen == whole.seen[:3]
 
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_stopped_during_validation_ends_where_the_uninterrupted_run_ends(folder, tmp_path, workers):
+    # stopped inside epoch 0's validation (its checkpoint is saved there): Lightning finishes that validation on
+    # resume, and the next epoch reads its samples with the augmentation and RNG of the run that was never stopped
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    class Stop(Exception):
+        pass
+
+    class StopInValidation(pl.Callback):
+        def on_validation_batch_end(self, trainer, *args, **kwargs):
+            if trainer.current_epoch == 0:
+                raise Stop
+
+    whole, _, _ = _run(folder, tmp_path / "whole", workers, val=True)
+    with pytest.raises(Stop):
+        _run(folder, tmp_path / "stopped", workers, val=True,
+             callbacks=(StopInValidation(), OnExceptionCheckpoint(tmp_path, "stopped")))
+    resumed, trainer, said = _run(folder, tmp_path / "resumed", workers, val=True,
+                                  ckpt_path=str(tmp_path / "stopped.ckpt"))
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    assert not [m for m in said if "not resumable" in m or "read again" in m], said
+
+
+class _Ids(torch.utils.data.Dataset):
+    """Each sample is its index and its seed, as the sampler hands them over."""
+
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, index):
+        return torch.tensor([int(index), index.seed % 1_000_003])
+
+
+def _loaders(ranks: int, drop_last: bool = False):
+    from cltrain.data.prefetch import ResumableLoader
+
+    return [ResumableLoader(_Ids(), batch_size=3, drop_last=drop_last,
+                            sampler=ResumableSampler(23, seed=11, num_replicas=ranks, rank=r)) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 3), (3, 3)])
+def test_resumed_on_another_rank_count_each_remaining_sample_is_read_once_with_its_seed(before, after):
+    epoch = {int(i): i.seed % 1_000_003 for i in ResumableSampler(23, seed=11)}  # the epoch's samples and seeds
+    taken = []
+    for loader in _loaders(before):  # two steps on every rank, then the stop (the ranks' states are alike)
+        it = iter(loader)
+        for _ in range(2):
+            taken += [tuple(row) for row in next(it).tolist()]
+            loader.note_taken()
+    state = loader.state_dict()
+    rest = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for loader in _loaders(after):
+            loader.load_state_dict(state)
+            rest += [tuple(row) for batch in loader for row in batch.tolist()]
+    said = [str(w.message) for w in caught]
+    left = set(epoch.items()) - set(taken)
+    assert len(taken) == len(set(taken)) == 6 * before and set(taken) <= set(epoch.items())  # seeds: the epoch's
+    # each remaining sample once with its seed; the split padded to a multiple of the ranks with the epoch's first
+    assert set(rest) - set(taken) == left and len(rest) - len(left) == (-len(left)) % after
+    assert len([r for r in rest if r in left]) == len(left)
+    assert len([m for m in said if "split over" in m]) == (after if before != after else 0), said

@@ -8,8 +8,8 @@ import numpy as np
 from PIL import Image
 
 from cltrain.data.demo import draw_demo_image
-from scripts.bench import quirk_files
-from scripts.bench.quirk_files import QUIRKS_BAD, QUIRKS_READABLE
+from cltrain.data import quirk_files
+from cltrain.data.quirk_files import QUIRKS_BAD, QUIRKS_READABLE
 
 __all__ = ["BAD", "QUIRKS_BAD", "QUIRKS_READABLE", "READABLE", "add_junk", "photo", "write_format1_pack",
            "write_image_folder", "write_jpegs", "write_odd_files", "write_quirks", "write_user_folder"]
@@ -80,7 +80,7 @@ READABLE = ("good", "cmyk", "gray16", "rgba", "gray", "palette", "la")
 
 
 def write_quirks(folder: Path, size: tuple[int, int] = (96, 72), seed: int = 7) -> dict[str, Path]:
-    """One file of each kind a real image folder holds (``scripts.bench.quirk_files``), from a demo picture."""
+    """One file of each kind a real image folder holds (``cltrain.data.quirk_files``), from a demo picture."""
     return quirk_files.write_quirks(folder, photo(np.random.default_rng(seed), size))
 
 

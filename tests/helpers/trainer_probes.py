@@ -7,31 +7,11 @@ so ``train(cfg)`` runs unchanged: each only adds a callback to the ones it is gi
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch.utils._python_dispatch import TorchDispatchMode
 
-#: ATen ops that copy a device value to the host (or need its value to decide a shape): each one
-#: drains the GPU queue. ``.item()``/``float(t)``/``bool(t)`` all reach ``_local_scalar_dense``.
-SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select",
-                      "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive"})
-
-
-class SyncOps(TorchDispatchMode):
-    """Counts :data:`SYNC_OPS` by phase; ``phase`` is set by :class:`StepSyncCounter`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase: Any = "setup"
-        self.counts: dict[Any, Counter] = defaultdict(Counter)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNC_OPS:
-            self.counts[self.phase][name] += 1
-        return func(*args, **(kwargs or {}))
+from cltrain.timing.host_syncs import SyncOps
 
 
 class StepSyncCounter(Callback):

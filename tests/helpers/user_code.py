@@ -346,6 +346,61 @@ def main(pattern: str, variant: str) -> None:
     print(json.dumps(report))
 
 
+def assert_trains_like_nchw(runs: dict[str, dict], subject: str, fix: str, failure: str,
+                            statistics: bool = False) -> None:
+    """``run_variants``' reports: the checked run trains on the numbers of the run without the callback and its
+    line names ``subject`` and ``fix`` at the user's file; without the check the run ``failure``s ("raises" or
+    "diverges"), the negative control. ``statistics``: the BatchNorm statistics match too (no step ran on the
+    real module)."""
+    from cltrain.check.result import MAX_LINE
+
+    nchw, checked, unchecked = runs["nchw"], runs["checked"], runs["unchecked"]
+    assert nchw["error"] is None and len(nchw["losses"]) == 3
+    assert checked["error"] is None, checked["error"]
+    torch.testing.assert_close(torch.tensor(checked["losses"]), torch.tensor(nchw["losses"]), rtol=1e-5, atol=1e-6)
+    if statistics:
+        assert checked["statistics"].keys() == nchw["statistics"].keys()
+        for key, value in nchw["statistics"].items():
+            torch.testing.assert_close(torch.tensor(checked["statistics"][key]), torch.tensor(value), rtol=1e-4,
+                                       atol=1e-6, msg=key)
+    line = checked["line"]["train"]
+    assert subject in line and fix in line and "py:" in line, line  # "py:": the user's file and line
+    assert len(line) <= MAX_LINE and line.count("view size is not compatible") <= 1, line
+    assert checked["check"]["train"]["verdict"] in ("fallback", "contiguous")
+    assert unchecked["check"] == {}
+    if failure == "raises":
+        assert unchecked["error"] is not None
+    else:
+        assert unchecked["error"] is None
+        gap = max(abs(a - b) for a, b in zip(unchecked["losses"], nchw["losses"]))
+        assert gap > 1e-5, (unchecked["losses"], nchw["losses"])
+
+
+class FirstBatchSnapshot(pl.Callback):
+    """The run's state at the first training batch (put one before and one after ``ChannelsLast`` to see what its
+    hook changed): the RNG, the module's tensors and gradients, the optimizer's state, what was logged, the step,
+    and the module's ``calls`` and ``losses`` where it counts them."""
+
+    def __init__(self) -> None:
+        self.state: dict | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.state is None:
+            import copy
+
+            module = getattr(pl_module, "_orig_mod", pl_module)
+            self.state = {
+                "rng": torch.get_rng_state().clone(),
+                "tensors": {k: v.clone() for k, v in module.state_dict().items()},
+                "grads": [p.grad for p in module.parameters()],
+                "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+                "logged": dict(trainer.callback_metrics),
+                "step": trainer.global_step,
+                "calls": dict(getattr(module, "calls", {})),
+                "losses": list(getattr(module, "losses", [])),
+            }
+
+
 def run_variants(pattern: str) -> dict[str, dict]:
     """``pattern`` trained in a subprocess without the callback, with it, and with ``verify=False``: each
     variant's report by name (``"nchw"``, ``"checked"``, ``"unchecked"``)."""

@@ -2,8 +2,8 @@
 (CMYK JPEGs, a PNG named ``.JPEG``, grey JPEGs, upper-case suffixes) and what users' copies add
 (progressive and EXIF-rotated JPEGs, 16-bit, palette and RGBA PNGs, WebP, BMP, TIFF, a 1x1 image,
 a unicode name; truncated, empty, HTML saved as ``.jpg``, a PNG whose header claims a bomb's size,
-a link to nothing). ``scripts.bench.eval_exact`` measures the evaluation transform on them; the
-tests make them from small pictures.
+a link to nothing): to try what a loader makes of a real folder. ``scripts.bench.eval_exact`` measures the
+evaluation transform on them; the tests make them from small pictures.
 
     >>> from PIL import Image
     >>> files = write_quirks(Path("/tmp/quirks"), Image.new("RGB", (96, 72)))  # doctest: +SKIP
