@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not HAS_CUDA and item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+    # the modules with the most slow tests first: xdist hands a module to a free worker in this order, so the long
+    # ones start early and the short ones fill in at the end (the order within a module stays)
+    slow = Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(scope="session")
