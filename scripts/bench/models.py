@@ -227,10 +227,10 @@ def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace
         steps_of(layout, args.warmup)
     steps = args.steps
     if args.min_window > 0:  # calibrate on the faster layout, so both layouts' windows last >= --min-window
-        # per step in a 3-step probe (as a round runs), the faster layout, with a 25% margin: a round that
-        # happens to run faster than its probe still lasts >= --min-window
+        # per step in a 3-step probe (as a round runs), the faster layout, with a 50% margin: a round that
+        # happens to run faster than its probe (a machine whose other load drops) still lasts >= --min-window
         fastest = min(_seconds(lambda: steps_of(layout, 3), device) / 3 for layout in LAYOUTS)
-        steps = max(steps, min(args.max_steps, math.ceil(1.25 * args.min_window / max(fastest, 1e-9))))
+        steps = max(steps, min(args.max_steps, math.ceil(1.5 * args.min_window / max(fastest, 1e-9))))
     rates: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     for r in range(args.repeats):
         for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:

@@ -90,9 +90,8 @@ def test_auto_steps_fill_the_minimum_window():
                              "--repeats", "2", "--min-window", "0.5", "--max-steps", "1000000"])
     rates, steps = bench.bench_cell(bench.tinycnn(), (2, 3, 16, 16), args, torch.device("cpu"), None)
     assert steps > args.steps
-    for layout_rates in rates.values():  # the calibration has a 25% margin; a loaded machine (another test beside
-        # this one) can eat it and more: rounds of two steps last milliseconds, lengthened ones a good part of the window
-        assert max(2 * steps / rate for rate in layout_rates) >= 0.35 and min(2 * steps / rate for rate in layout_rates) >= 0.2
+    for layout_rates in rates.values():  # the calibration has a 50% margin; a loaded machine can eat part of it
+        assert max(2 * steps / rate for rate in layout_rates) >= 0.5 and min(2 * steps / rate for rate in layout_rates) >= 0.3
 
 
 def test_defaults_fit_the_device_and_quick_shrinks_them():
