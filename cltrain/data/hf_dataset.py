@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
@@ -37,6 +38,8 @@ from cltrain.data.errors import BadImageError
 from cltrain.data.hf_source import columns, row_name, row_source, undecoded
 from cltrain.data.image_samples import ImageSamples
 from cltrain.data.loader_threads import load_batch
+from cltrain.data.resume_state import SeededIndex
+from cltrain.data.stream_place import Place, row_seed
 
 __all__ = ["HFImageDataset", "HFStreamingDataset", "rank_of"]
 
@@ -155,13 +158,21 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
         self._open_split(dataset, image_column, label_column, split, where)
         self.rank, self.world_size, self.equal = rank, world_size, equal
         self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
+        #: the seed of every sample's randomness (``None``: drawn from the torch RNG as an iteration starts;
+        #: ``ResumableLoader`` draws it once and keeps it in the checkpoint)
+        self.sample_seed: int | None = None
+        #: this process's place in its part of the stream, after the sample it yielded last (``stream_place.Place``)
+        self.position: Place | None = None
+        #: worker id -> the place the next iteration of that worker starts after (``ResumableLoader`` sets it)
+        self.resume_at: dict[int, tuple] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next iteration gives (``PrefetchDataLoader`` sets it)."""
         self.epoch = epoch
 
-    def _rows(self) -> Iterator[tuple[str, Mapping[str, Any]]]:
-        """This rank's ``(name, row)`` pairs of this worker's part of the stream."""
+    def _rows(self) -> Iterator[tuple[int, int, str, Mapping[str, Any]]]:
+        """This rank's ``(row, next, name, row's cells)`` of this worker's part of the stream: ``row`` its position
+        there, ``next`` the position the stream goes on from after it."""
         stream = self.dataset
         if self.shuffle_buffer:
             stream = stream.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
@@ -172,17 +183,17 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
         mine = None
         for j, row in enumerate(stream):
             if world == 1:
-                yield row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row
+                yield j, j + 1, row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row
                 continue
             if j % world == rank:
-                mine = (row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row)
+                mine = (j, j + 1, row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row)
                 if not self.equal:
                     yield mine
-            if self.equal and j % world == world - 1:  # the group is whole: every rank has its row
-                yield mine
+            if self.equal and j % world == world - 1 and mine is not None:  # the group is whole: every rank has its row
+                yield mine[0], j + 1, mine[2], mine[3]
 
-    def _load(self, item: tuple[str, Mapping[str, Any]]) -> tuple[Any, int]:
-        name, row = item
+    def _load(self, item: tuple[int, int, str, Mapping[str, Any]]) -> tuple[Any, int]:
+        name, row = item[2], item[3]
         try:
             data, target = row_source(row, self.image_column, self.label_column)
             return self.transform(data), target
@@ -191,9 +202,41 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
             raise BadImageError(self._unreadable(name, reason), reason) from err
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        start = (self.resume_at or {}).get(worker)  # taken now: the loader clears it once its workers have it
+        seed = self.sample_seed if self.sample_seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.position = None if start is None else Place(*start)
+        return self._samples(self.position, lambda *key: row_seed(seed, self.epoch, worker, *key))
+
+    def _samples(self, start: Place | None, seed_of: Callable[..., int]) -> Iterator[tuple[Any, int]]:
+        """The samples after ``start`` (from the stream's first row: ``None``); ``seed_of(row, copy, tail)`` seeds
+        each one. ``position`` is set before each yield."""
         augment = getattr(self.transform, "augment", None)
+
+        def one(item: tuple, copy: int, tail: int = 0) -> tuple[Any, int]:
+            return load_batch(lambda _: self._load(item), [SeededIndex(0, seed_of(item[0], copy, tail))], 1,
+                              augment)[0]
+
         owed, last = 0, None  # bad rows skipped since the last good one, which stands in for them
         rows = self._rows()
+        if start is not None:  # the rows read before the stop, not decoded again
+            for item in rows:
+                last = item
+                if item[1] >= start.next:  # this rank's row at the place (under DDP: every rank stops at the same)
+                    break
+            copies = start.copies if last is not None and last[1] == start.next else 0
+            for copy in range(copies - 1, -1, -1):  # the stand-ins the stop left owed
+                try:
+                    sample = one(last, copy, start.tail)
+                except BadImageError:  # another rank's place: this rank's row there is bad, the next good one owes
+                    owed = copy + 1
+                    break
+                self.position = Place(last[0], copy, start.next, start.tail)
+                yield sample
+            if start.tail:
+                return
+            last = None if owed else last
         while True:
             chunk = [item for _, item in zip(range(self.threads * 8), rows)]
             if not chunk:
@@ -207,21 +250,27 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
                     errors[k] = err
                     raise
 
-            samples = load_batch(load, range(len(chunk)), self.threads, augment, retry=BadImageError,
-                                 fallback=lambda k: None)  # each sample's crop from a seed of its own, augmented in order
+            indices = [SeededIndex(k, seed_of(item[0], 0, 0)) for k, item in enumerate(chunk)]
+            samples = load_batch(load, indices, self.threads, augment, retry=BadImageError,
+                                 fallback=lambda k: None)  # each sample's crop and augmentation from its own seed
             for k, sample in enumerate(samples):
+                item = chunk[k]
                 if k in errors:
                     if self.bad_files == "raise":
                         raise errors[k]
-                    self.skip(chunk[k][0], errors[k].reason or str(errors[k]))
+                    self.skip(item[2], errors[k].reason or str(errors[k]))
                     owed += 1
                     continue
-                for _ in range(owed):  # the next readable sample stands in for the bad ones before it
-                    yield self._load(chunk[k])
-                owed, last = 0, chunk[k]
+                for copy in range(owed, 0, -1):  # the next readable sample stands in for the bad ones before it
+                    self.position = Place(item[0], copy, item[1])
+                    yield one(item, copy)
+                owed, last = 0, item
+                self.position = Place(item[0], 0, item[1])
                 yield sample
-        for _ in range(owed if last is not None else 0):
-            yield self._load(last)
+        if last is not None:
+            for copy in range(owed - 1, -1, -1):
+                self.position = Place(last[0], copy, last[1], 1)
+                yield one(last, copy, 1)
 
     def __len__(self) -> int:
         raise TypeError("a streamed dataset has no length")

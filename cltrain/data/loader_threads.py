@@ -174,7 +174,8 @@ def start_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int
     them (and runs ``augment`` and ``fallback`` in the calling thread). The random seeds are drawn
     here, one per sample, so batches started one after another draw in that order and a seeded run
     gives the same samples whatever the number of threads."""
-    if indices and all(isinstance(i, SeededIndex) for i in indices):  # a ResumableSampler's: the same in any worker
+    seeded = bool(indices) and all(isinstance(i, SeededIndex) for i in indices)
+    if seeded:  # a ResumableSampler's (or a stream's): the same in any worker
         seeds = [i.seed for i in indices]
     else:
         seeds = torch.randint(0, 2**62, (len(indices),)).tolist()  # from the global RNG: reproducible per worker seed
@@ -208,11 +209,21 @@ def start_batch(load: Callable[[int], Any], indices: Sequence[int], threads: int
                     raise sample.error
                 sample = _seeded(fallback, index, seed, (), False)  # its replacement draws from the sample's seed too
             elif augment is not None:
-                sample = (augment(sample[0]), *sample[1:])
+                sample = (_augmented(augment, sample[0], seed if seeded else None), *sample[1:])
             out.append(sample)
         return out
 
     return finish
+
+
+def _augmented(augment: Callable[[Any], Any], image: Any, seed: int | None) -> Any:
+    """``augment(image)``: from the global RNG in order, or with a sample's own seed from that seed (the same
+    whichever worker or place in the epoch draws it: an exact resume), the global RNG left as it was."""
+    if seed is None:
+        return augment(image)
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed ^ 0x5EED)
+        return augment(image)
 
 
 def run_each(fn: Callable[[Any], None], items: Sequence[Any], threads: int) -> None:

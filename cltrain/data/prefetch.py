@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.resume_state import STATE_FORMAT, consumed_samples, is_resumable, loader_state_mismatch
+from cltrain.data.stream_place import StreamPlaces, TaggedCollate, is_stream
 from cltrain.layout.batches import map_tensors
 
 __all__ = ["PrefetchDataLoader", "ResumableLoader"]
@@ -138,6 +139,10 @@ class PrefetchDataLoader(DataLoader):
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def __iter__(self) -> Iterator[Any]:
+        return self._on_device(self._batches())
+
+    def _batches(self) -> Iterator[Any]:
+        """This epoch's batches, on the CPU."""
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if isinstance(self.dataset, IterableDataset) and callable(set_epoch):
             set_epoch(self._epochs)
@@ -146,9 +151,11 @@ class PrefetchDataLoader(DataLoader):
             # A DataLoader's iterator draws its workers' base seed from the global RNG when it is made:
             # so does this one, so that a seeded epoch gives a plain DataLoader's batches.
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-            it = _one_batch_ahead(self)
-        else:
-            it = super().__iter__()
+            return _one_batch_ahead(self)
+        return super().__iter__()
+
+    def _on_device(self, it: Iterator[Any]) -> Iterator[Any]:
+        """``it``'s batches, copied ahead to the CUDA ``prefetch_device`` (as they are on any other)."""
         device = self._cuda_device()
         if device is None:
             return it
@@ -158,16 +165,22 @@ class PrefetchDataLoader(DataLoader):
 
 
 class ResumableLoader(PrefetchDataLoader):
-    """A ``PrefetchDataLoader`` over a ``ResumableSampler`` (or shards' ``ShardBatchSampler``) that keeps its place in
-    the epoch for Lightning's
-    stateful-loader protocol (``cltrain.data.resume_state``): a run resumed from a checkpoint saved anywhere in an
-    epoch reads the epoch's remaining samples, in its order, with their augmentation, and the torch RNG goes on
-    from where it was. Any other loader is a plain ``PrefetchDataLoader``, which Lightning calls not resumable."""
+    """A ``PrefetchDataLoader`` over a ``ResumableSampler`` (or shards' ``ShardBatchSampler``), or over a stream that
+    publishes its place (``HFStreamingDataset``: ``cltrain.data.stream_place``), that keeps its place in the epoch for
+    Lightning's stateful-loader protocol (``cltrain.data.resume_state``): a run resumed from a checkpoint saved
+    anywhere in an epoch reads the epoch's remaining samples, in its order, with their augmentation, and the torch RNG
+    goes on from where it was. Any other loader is a plain ``PrefetchDataLoader``, which Lightning calls not
+    resumable."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: a stream: each worker's place in its part of it is the epoch's place
+        self.stream = isinstance(self.dataset, IterableDataset) and is_stream(self.dataset)
         #: False where Lightning rebuilt it around another sampler (a DistributedSampler): no state then
-        self.resumable = is_resumable(self.sampler)
+        self.resumable = self.stream or is_resumable(self.sampler)
+        if self.stream and not isinstance(self.collate_fn, TaggedCollate):
+            self.collate_fn = TaggedCollate(self.collate_fn, self.dataset)
+        self._places = StreamPlaces()
         self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
         #: how many taken batches' steps have not ended (a step that raised): ``BatchDataModule`` reads Lightning's
         self.unfinished: Callable[[], int] = lambda: 0
@@ -186,6 +199,8 @@ class ResumableLoader(PrefetchDataLoader):
 
     def _epoch_left(self, state: dict[str, Any]) -> bool:
         """Whether the epoch ``state`` stopped in has batches left for this loader."""
+        if self.stream:
+            return not state["finished"]
         if not self._splits():
             return state["taken"] < len(self)
         samples, size = self.sampler.remaining(consumed_samples(state)), _batch_size(self) or 1
@@ -195,11 +210,13 @@ class ResumableLoader(PrefetchDataLoader):
         resume = self._resume if self._resume is not None else self._unread
         self.taken, self._offset, self._resume, self._unread = 0, 0, None, resume
         self.resumed = resume is not None
-        sampler = self.sampler
         if resume is not None:  # the torch RNG where the stopped run was when this iterator was made
             torch.set_rng_state(resume["rng"])
             if resume.get("cuda_rng") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(resume["cuda_rng"])
+        if self.stream:
+            return self._stream_iter(resume)
+        sampler = self.sampler
         if resume is not None and self.resumable and self._epoch_left(resume):
             # the stopped epoch (stopped after its last batch: the next starts as usual): its remaining batches,
             # and the RNG as at the save (this iterator draws no seed)
@@ -218,6 +235,25 @@ class ResumableLoader(PrefetchDataLoader):
             return it
         return super().__iter__()
 
+    def _stream_iter(self, resume: dict[str, Any] | None) -> Iterator[Any]:
+        """A stream's epoch: from the first row, or each worker from its place in ``resume``'s epoch."""
+        dataset = self.dataset
+        if dataset.sample_seed is None:  # drawn once, as a sampler draws its seed: seed_everything repeats it
+            dataset.sample_seed = int(torch.randint(0, 2**62, ()).item())
+        if resume is None or resume["finished"]:
+            self._places = StreamPlaces()
+            return self._on_device(self._places.batches(self._batches()))
+        self._epochs, self.taken = resume["epoch"], resume["taken"]
+        self._places = StreamPlaces(resume["positions"], resume["last_worker"])
+        dataset.resume_at = dict(resume["positions"])
+        rng = torch.get_rng_state()
+        try:
+            batches = self._batches()  # its workers (or this process's iterator) take their places now
+        finally:
+            dataset.resume_at = None
+        torch.set_rng_state(rng)
+        return self._on_device(self._places.batches(batches, resume["last_worker"] + 1, self.num_workers))
+
     # ---- Lightning's stateful-loader protocol (cltrain.data.resume_state) -----------------------------------------
 
     def note_taken(self) -> None:
@@ -226,19 +262,26 @@ class ResumableLoader(PrefetchDataLoader):
         self.taken += 1
         self._unread = None
         self._rng_at_take = torch.get_rng_state()  # the RNG a step that raises started from (about 1 us)
+        if self.stream:
+            self._places.fold(self.taken)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch is, for the checkpoint (empty where it is not ``resumable``)."""
-        sampler = self.sampler
         if not self.resumable:
             return {}
         unfinished = self.unfinished()  # its batch is read again on resume, from the RNG it started from
         taken, size = self.taken - unfinished, _batch_size(self)
-        state = {"format": STATE_FORMAT, "samples": sampler.n, "batch_size": size,
-                 "drop_last": self.drop_last, "ranks": sampler.num_replicas, "seed": sampler.seed,
-                 "epoch": sampler.epoch, "taken": taken,
+        state = {"format": STATE_FORMAT, "batch_size": size, "drop_last": self.drop_last, "taken": taken,
                  "rng": self._rng_at_take if unfinished and self._rng_at_take is not None else torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+        if self.stream:  # each worker's place in its part of the stream
+            dataset = self.dataset
+            return {**state, "samples": "stream", "workers": self.num_workers, "ranks": dataset.world_size,
+                    "seed": dataset.sample_seed, "epoch": max(self._epochs - 1, 0),
+                    "positions": self._places.taken_positions(taken), "last_worker": self._places.last_worker(taken),
+                    "finished": self._places.finished(taken)}
+        sampler = self.sampler
+        state.update(samples=sampler.n, ranks=sampler.num_replicas, seed=sampler.seed, epoch=sampler.epoch)
         if self._splits():  # the samples of the epoch's order taken on all ranks: resumable on any rank count
             state["consumed"] = self._offset + taken * (size or 1) * sampler.num_replicas
         return state
@@ -246,13 +289,16 @@ class ResumableLoader(PrefetchDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Go on from ``state_dict``'s batch: the epoch's remaining samples, in its order, with its randomness, and
         the torch RNG as it was; a state that no longer fits the data is one line, and its epoch starts again."""
-        sampler = self.sampler
         if not state_dict or not self.resumable:
             return
-        key = tuple(state_dict.get(k) for k in ("samples", "batch_size", "seed", "epoch", "taken"))
+        key = tuple(repr(state_dict.get(k)) for k in ("samples", "batch_size", "seed", "epoch", "taken", "positions"))
         if key == getattr(self, "_loaded", None):  # the DataModule's copy and Lightning's loop both hand it over
             return
         self._loaded = key
+        if self.stream:
+            self._load_stream_state(state_dict)
+            return
+        sampler = self.sampler
         changed = loader_state_mismatch(state_dict, sampler.n, _batch_size(self), self.drop_last,
                                         None if self._splits() else sampler.num_replicas)
         if changed:
@@ -270,6 +316,23 @@ class ResumableLoader(PrefetchDataLoader):
         # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
         sampler.epoch = state_dict["epoch"] + (not left)
         self._resume = dict(state_dict)  # applied by the next iterator: the RNG as it was there
+
+    def _load_stream_state(self, state: dict[str, Any]) -> None:
+        """A stream's place: each worker goes on from its own, with the same workers and ranks; else the epoch
+        starts again (one line)."""
+        dataset = self.dataset
+        changed = loader_state_mismatch(state, "stream", _batch_size(self), self.drop_last, dataset.world_size)
+        if not changed and state.get("workers") != self.num_workers:
+            changed = f"workers {state.get('workers')!r} -> {self.num_workers!r}"
+        dataset.sample_seed = state.get("seed", dataset.sample_seed)
+        self._epochs = int(state.get("epoch", 0))
+        if changed:
+            warnings.warn(f"cltrain: the checkpoint's loader state does not fit this stream ({changed}): epoch "
+                          f"{self._epochs} starts again from its first row (a stream's place is each worker's part "
+                          "of it, which another number of workers or ranks splits otherwise).", stacklevel=2)
+            return
+        self._epochs += bool(state["finished"])  # stopped after the epoch's last batch: the next starts as usual
+        self._resume = dict(state)  # applied by the next iterator: the RNG as it was there
 
 
 def _batch_size(loader: DataLoader) -> int | None:

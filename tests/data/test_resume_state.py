@@ -55,9 +55,11 @@ class Net(pl.LightningModule):
 
 
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
-         video: bool = False, shards: bool = False, hf: bool = False, val: bool = False, callbacks: tuple = ()):
+         video: bool = False, shards: bool = False, hf: bool = False, val: bool = False, callbacks: tuple = (),
+         **data_options):
     pl.seed_everything(7, verbose=False)
-    options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False)
+    options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False,
+                   **data_options)
     if shards or hf:
         from cltrain.data import HFImageDataModule, ShardsDataModule
 
@@ -134,6 +136,36 @@ def test_a_hugging_face_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_e
     assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
 
 
+@pytest.mark.parametrize("workers,shuffle_buffer,odd", [(0, None, {3: b"<html>"}), (2, 5, {})],
+                         ids=["0 workers, a bad row", "2 workers, shuffled"])
+def test_a_streamed_hugging_face_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(tmp_path, workers,
+                                                                                            shuffle_buffer, odd):
+    pytest.importorskip("datasets")
+    from tests.helpers.hf_data import image_rows, write_hf_dataset
+
+    # 15 rows: two workers get 8 and 7 (batches from worker 0, 1, 0); one worker, the bad row 3: row 4 stands in for
+    # it, the stop after the first batch leaves that copy owed
+    rows = image_rows(15, 2, odd=odd)
+    saved = write_hf_dataset(tmp_path / "hf", {"train": rows, "validation": image_rows(2, 2, seed=1)},
+                             ["cat", "dog"], parquet_files=1)["saved"]
+    stream = dict(hf=True, streaming=True, shuffle_buffer=shuffle_buffer, bad_files="skip")
+    whole, trainer, _ = _run(saved, tmp_path / "whole", workers, every=1, **stream)
+    steps = trainer.global_step
+    assert steps == 6
+    for step in (1, 2, 3, 5):  # mid epoch 0, after worker 1's last batch, the epoch's end, mid epoch 1
+        resumed, again, said = _run(saved, tmp_path / f"from{step}", workers,
+                                    ckpt_path=str(tmp_path / "whole" / f"step={step}.ckpt"), **stream)
+        assert again.global_step == steps, f"from step {step}"
+        assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed))), f"from step {step}"
+        assert not [m for m in said if "resumable" in m or "read again" in m or "does not fit" in m], said
+    # another number of workers splits the stream otherwise: one line, and the stopped epoch starts again
+    _, again, said = _run(saved, tmp_path / "other", 2 - workers, ckpt_path=str(tmp_path / "whole" / "step=1.ckpt"),
+                          **stream)
+    lines = [m for m in said if "does not fit this stream" in m]
+    assert len(lines) == 1 and f"workers {workers} -> {2 - workers}" in lines[0] and "epoch 0 starts again" in lines[0]
+    assert again.global_step == 1 + steps
+
+
 def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder, whole0,
                                                                                                    tmp_path):
     resumed, _, _ = _run(folder, tmp_path / "from2", 2, ckpt_path=str(whole0[1] / "step=2.ckpt"))
@@ -189,21 +221,36 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE"))}
 
-    def ddp(out: Path, *ckpt: str) -> dict:
+    def ddp(out: Path, source: Path, *ckpt: str) -> dict:
         out.mkdir()
-        done = subprocess.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(out), str(folder), *ckpt],
+        done = subprocess.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(out), str(source), *ckpt],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((out / "said.json").read_text())
 
-    whole = ddp(tmp_path / "whole")
+    whole = ddp(tmp_path / "whole", folder)
     state = torch.load(tmp_path / "whole" / "step=4.ckpt", weights_only=False)["ImageFolderDataModule"]["train_loader"]
     assert (state["ranks"], state["epoch"], state["taken"]) == (2, 1, 1)  # one batch of epoch 1 taken on each rank
-    resumed = ddp(tmp_path / "resumed", str(tmp_path / "whole" / "step=4.ckpt"))
+    resumed = ddp(tmp_path / "resumed", folder, str(tmp_path / "whole" / "step=4.ckpt"))
     assert whole["steps"] == resumed["steps"] == 6
     a, b = torch.load(tmp_path / "whole" / "final.pt"), torch.load(tmp_path / "resumed" / "final.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not [m for m in resumed["said"] if "not resumable" in m]
+
+    # the same on a streamed Hugging Face dataset (2 workers per rank): each rank goes on from rank 0's place
+    pytest.importorskip("datasets")
+    from tests.helpers.hf_data import image_rows, write_hf_dataset
+
+    saved = write_hf_dataset(tmp_path / "hf", {"train": image_rows(17, 2), "validation": image_rows(2, 2, seed=1)},
+                             ["cat", "dog"], parquet_files=1)["saved"]
+    whole = ddp(tmp_path / "stream", saved)
+    state = torch.load(tmp_path / "stream" / "step=3.ckpt", weights_only=False)["HFImageDataModule"]["train_loader"]
+    assert (state["workers"], state["ranks"], state["epoch"], state["finished"]) == (2, 2, 0, False)
+    resumed = ddp(tmp_path / "stream-resumed", saved, str(tmp_path / "stream" / "step=3.ckpt"))
+    assert whole["steps"] == resumed["steps"] == 8, (whole, resumed)
+    a, b = torch.load(tmp_path / "stream" / "final.pt"), torch.load(tmp_path / "stream-resumed" / "final.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not [m for m in resumed["said"] if "does not fit" in m]
 
     # the same checkpoint on one rank: the 8 samples epoch 1 had left are 4 batches of 2 (the 2 ranks read 4)
     pl.seed_everything(7, verbose=False)

@@ -1,5 +1,6 @@
-"""Run by tests/data/test_resume_state.py: a two-process DDP fit (gloo) of ImageFolderDataModule with a checkpoint
-after every step, or resumed from one.
+"""Run by tests/data/test_resume_state.py: a two-process DDP fit (gloo) of ImageFolderDataModule (or, for a folder
+written by ``save_to_disk``, of HFImageDataModule streaming it with 2 workers per rank) with a checkpoint after every
+step, or resumed from one.
 
     python -m tests.helpers.resume_ddp_run OUT_DIR FOLDER [CKPT]
 
@@ -17,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
-from cltrain.data import ImageFolderDataModule
+from cltrain.data import HFImageDataModule, ImageFolderDataModule
 
 
 class Net(pl.LightningModule):
@@ -36,7 +37,11 @@ class Net(pl.LightningModule):
 
 def main(out: Path, folder: Path, ckpt: str | None) -> None:
     pl.seed_everything(7, verbose=False)
-    data = ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24, val_resize_size=28)
+    if (folder / "dataset_dict.json").exists():  # a Hugging Face dataset: streamed, each rank's 2 workers share it
+        data = HFImageDataModule(folder, batch_size=2, num_workers=2, image_size=24, val_resize_size=28, streaming=True,
+                                 shuffle_buffer=4)
+    else:
+        data = ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24, val_resize_size=28)
     saves = [] if ckpt else [ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -42,6 +42,7 @@ from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
 from cltrain.data.resume_state import ResumableSampler, is_resumable
+from cltrain.data.stream_place import is_stream
 
 __all__ = ["BatchDataModule", "takes_arguments_of"]
 
@@ -168,7 +169,8 @@ class BatchDataModule(L.LightningDataModule):
         workers = self.num_workers
         cuda = self.cuda_prefetch and self._device is not None and self._device.type == "cuda"
         batching = self._batching(dataset, train, drop_last)
-        kind = ResumableLoader if train and is_resumable(batching.get("sampler")) else PrefetchDataLoader
+        resumable = is_resumable(batching.get("sampler")) or is_stream(dataset)
+        kind = ResumableLoader if train and resumable else PrefetchDataLoader
         loader = kind(dataset, num_workers=workers, pin_memory=self._pin and workers > 0,
                       persistent_workers=self.persistent_workers and workers > 0,
                       prefetch_device=self._device if cuda else None, **batching)
