@@ -184,6 +184,8 @@ class ResumableLoader(PrefetchDataLoader):
         self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
         #: how many taken batches' steps have not ended (a step that raised): ``BatchDataModule`` reads Lightning's
         self.unfinished: Callable[[], int] = lambda: 0
+        #: the batches an epoch takes (``limit_train_batches`` ends it before the loader's end): the DataModule's Trainer
+        self.epoch_batches: Callable[[], float] = lambda: float("inf")
         self.resumed = False  # this epoch's iterator went on from a checkpoint's state
         self._rng_at_take: torch.Tensor | None = None
         self._resume: dict[str, Any] | None = None
@@ -199,8 +201,8 @@ class ResumableLoader(PrefetchDataLoader):
 
     def _epoch_left(self, state: dict[str, Any]) -> bool:
         """Whether the epoch ``state`` stopped in has batches left for this loader."""
-        if self.stream:
-            return not state["finished"]
+        if state.get("finished"):
+            return False
         if not self._splits():
             return state["taken"] < len(self)
         samples, size = self.sampler.remaining(consumed_samples(state)), _batch_size(self) or 1
@@ -273,13 +275,14 @@ class ResumableLoader(PrefetchDataLoader):
         taken, size = self.taken - unfinished, _batch_size(self)
         state = {"format": STATE_FORMAT, "batch_size": size, "drop_last": self.drop_last, "taken": taken,
                  "rng": self._rng_at_take if unfinished and self._rng_at_take is not None else torch.get_rng_state(),
-                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+                 "finished": taken >= self.epoch_batches()}  # the epoch's last batch: the next epoch starts as usual
         if self.stream:  # each worker's place in its part of the stream
             dataset = self.dataset
             return {**state, "samples": "stream", "workers": self.num_workers, "ranks": dataset.world_size,
                     "seed": dataset.sample_seed, "epoch": max(self._epochs - 1, 0),
                     "positions": self._places.taken_positions(taken), "last_worker": self._places.last_worker(taken),
-                    "finished": self._places.finished(taken)}
+                    "finished": state["finished"] or self._places.finished(taken)}
         sampler = self.sampler
         state.update(samples=sampler.n, ranks=sampler.num_replicas, seed=sampler.seed, epoch=sampler.epoch)
         if self._splits():  # the samples of the epoch's order taken on all ranks: resumable on any rank count

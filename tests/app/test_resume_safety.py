@@ -292,13 +292,19 @@ def test_kill_9_at_random_moments_leaves_a_last_ckpt_that_resumes(demo_args: lis
 
     step = load_checkpoint_file(source / "checkpoints" / "last.ckpt")["global_step"]
     leftover = _temps(source / "checkpoints")
-    final = _train_py(_smoke(demo_args, f"ckpt_path={source / 'checkpoints' / 'last.ckpt'}",
-                             f"trainer.max_epochs={step + 1}", "trainer.limit_train_batches=1",
+    until = [f"trainer.max_epochs={step + 1}", "trainer.limit_train_batches=1"]
+    final = _train_py(_smoke(demo_args, f"ckpt_path={source / 'checkpoints' / 'last.ckpt'}", *until,
                              f"hydra.run.dir={tmp_path / 'final'}"), env=_env(TMPDIR=str(other_fs_tmpdir)))
     assert final.returncode == 0, final.stderr[-3000:]
     metrics = json.loads((tmp_path / "final" / "metrics.json").read_text())
     assert metrics["status"] == "completed" and metrics["global_step"] == step + 1
     assert _first_step(tmp_path / "final") == step
+    # killed twice (once inside a save) and resumed, it ends bit for bit where the run never killed ends
+    whole = _train_py(_smoke(demo_args, *until, f"hydra.run.dir={tmp_path / 'whole'}"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    a, b = (load_checkpoint_file(tmp_path / r / "checkpoints" / "last.ckpt") for r in ("final", "whole"))
+    assert a["global_step"] == b["global_step"] == step + 1
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in b["state_dict"])
     for run in tmp_path.glob("run*"):  # each killed run's temporary file, removed by the run resuming from it
         assert _temps(run / "checkpoints") == []
     if leftover:

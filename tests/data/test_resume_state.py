@@ -56,7 +56,7 @@ class Net(pl.LightningModule):
 
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
          video: bool = False, shards: bool = False, hf: bool = False, val: bool = False, callbacks: tuple = (),
-         **data_options):
+         limit_train_batches: int | float = 1.0, **data_options):
     pl.seed_everything(7, verbose=False)
     options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False,
                    **data_options)
@@ -75,6 +75,7 @@ def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, e
         warnings.simplefilter("always")
         trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=1.0 if val else 0, num_sanity_val_steps=0,
+                             limit_train_batches=limit_train_batches,
                              enable_checkpointing=bool(every or callbacks), callbacks=[ChannelsLast(), *saves, *callbacks],
                              default_root_dir=root)
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -164,6 +165,18 @@ def test_a_streamed_hugging_face_run_resumed_mid_epoch_ends_where_the_uninterrup
     lines = [m for m in said if "does not fit this stream" in m]
     assert len(lines) == 1 and f"workers {workers} -> {2 - workers}" in lines[0] and "epoch 0 starts again" in lines[0]
     assert again.global_step == 1 + steps
+
+
+def test_an_epoch_ended_by_limit_train_batches_resumes_with_the_next_epoch(folder, tmp_path):
+    # Lightning ends each epoch after 2 of the loader's 3 batches: a checkpoint at an epoch's end goes on with the
+    # next epoch's order, not with the batch the limit left
+    whole, trainer, _ = _run(folder, tmp_path / "whole", 0, epochs=3, every=1, limit_train_batches=2)
+    assert trainer.global_step == 6
+    for step in (1, 2, 4):
+        resumed, again, _ = _run(folder, tmp_path / f"from{step}", 0, epochs=3, limit_train_batches=2,
+                                 ckpt_path=str(tmp_path / "whole" / f"step={step}.ckpt"))
+        assert again.global_step == 6
+        assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed))), f"from step {step}"
 
 
 def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder, whole0,

@@ -178,6 +178,7 @@ class BatchDataModule(L.LightningDataModule):
             self._train_loader = loader  # counts the batches its training steps take (on_after_batch_transfer)
             if isinstance(loader, ResumableLoader):
                 loader.unfinished = functools.partial(_unfinished_steps, self)
+                loader.epoch_batches = functools.partial(_epoch_batches, self)
             if getattr(self, "_loader_state", None) and isinstance(loader, ResumableLoader):
                 loader.load_state_dict(self._loader_state)
                 self._loader_state = None
@@ -262,3 +263,9 @@ def _unfinished_steps(datamodule: Any) -> int:
     current = getattr(getattr(loop, "batch_progress", None), "current", None)
     ready, processed = getattr(current, "ready", 0), getattr(current, "processed", 0)
     return max(0, ready - processed) if isinstance(ready, int) and isinstance(processed, int) else 0
+
+
+def _epoch_batches(datamodule: Any) -> float:
+    """The batches Lightning takes from the training loader per epoch (``limit_train_batches`` ends it early)."""
+    batches = getattr(getattr(datamodule, "trainer", None), "num_training_batches", float("inf"))
+    return batches if isinstance(batches, (int, float)) and batches > 0 else float("inf")
