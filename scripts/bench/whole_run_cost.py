@@ -10,6 +10,8 @@ state only when a checkpoint is saved (``state_dict``). This times, in one proce
 * a training step (forward, cross-entropy, backward, SGD) of the channels_last model;
 * ``keep`` on that model with nothing moved (what every epoch's end costs), and with every weight moved;
 * ``note_taken`` and ``state_dict`` of a training loader;
+* for a stream (``cltrain.data.stream_place``): a sample's seed from its place (``row_seed``, once per sample) and
+  noting a batch's worker and place (``StreamPlaces.fetched``, once per batch);
 
 and prints each as a median with the ratio to the step, then the machine.
 """
@@ -27,6 +29,7 @@ import torchvision
 
 from cltrain.data.prefetch import ResumableLoader
 from cltrain.data.resume_state import ResumableSampler
+from cltrain.data.stream_place import Place, StreamPlaces, Tagged, row_seed
 from cltrain.session import LayoutSession
 
 
@@ -69,13 +72,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                              sampler=ResumableSampler(64, seed=0))
     step()  # warm-up: kernels chosen, momentum buffers made
     rows: dict[str, list[float]] = {"step": [], "keep, nothing moved": [], "keep, every weight moved": [],
-                                    "note_taken": [], "loader state_dict": []}
+                                    "note_taken": [], "loader state_dict": [], "stream: a sample's seed": [],
+                                    "stream: a batch's place": []}
+    places, tagged = StreamPlaces(), Tagged(0, Place(row=7, copies=0, next=8), None)
     for _ in range(args.rounds):  # interleaved: each figure from the same stretch of the run
         rows["step"].append(_median_seconds(step, 1))
         rows["keep, nothing moved"].append(_median_seconds(lambda: session.keep(model, [opt]), 20))
         rows["keep, every weight moved"].append(_median_seconds(moved, 3))
         rows["note_taken"].append(_median_seconds(loader.note_taken, 1000))
         rows["loader state_dict"].append(_median_seconds(loader.state_dict, 100))
+        rows["stream: a sample's seed"].append(_median_seconds(lambda: row_seed(2**61, 3, 1, 12345, 0, 0), 1000))
+        rows["stream: a batch's place"].append(_median_seconds(lambda: places.fetched(tagged), 1000))
     step_s = statistics.median(rows["step"])
     print(f"{args.model}, batch {args.batch} at {args.size} px, channels_last, SGD; medians of {args.rounds} rounds")
     for name, values in rows.items():
