@@ -223,47 +223,39 @@ def test_the_sampler_draws_order_and_seeds_from_the_seed_and_epoch_alone():
 
 @pytest.mark.slow
 def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folder, tmp_path):
-    # two ranks (gloo): every rank draws the same order and takes its share; the place in the epoch is rank 0's
-    # (the ranks step together)
+    # two ranks (gloo), in one launch: a folder, a pack of shards and a stream (2 workers per rank); every rank goes
+    # on from rank 0's place (the ranks step together)
     import json
     import os
     import subprocess
     import sys
 
-    from tests.helpers import REPO
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE"))}
-
-    def ddp(out: Path, source: Path, *ckpt: str) -> dict:
-        out.mkdir()
-        done = subprocess.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(out), str(source), *ckpt],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads((out / "said.json").read_text())
-
-    whole = ddp(tmp_path / "whole", folder)
-    state = torch.load(tmp_path / "whole" / "step=4.ckpt", weights_only=False)["ImageFolderDataModule"]["train_loader"]
-    assert (state["ranks"], state["epoch"], state["taken"]) == (2, 1, 1)  # one batch of epoch 1 taken on each rank
-    resumed = ddp(tmp_path / "resumed", folder, str(tmp_path / "whole" / "step=4.ckpt"))
-    assert whole["steps"] == resumed["steps"] == 6
-    a, b = torch.load(tmp_path / "whole" / "final.pt"), torch.load(tmp_path / "resumed" / "final.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not [m for m in resumed["said"] if "not resumable" in m]
-
-    # the same on a streamed Hugging Face dataset (2 workers per rank): each rank goes on from rank 0's place
     pytest.importorskip("datasets")
+    from cltrain.data.pack import pack
+    from tests.helpers import REPO
     from tests.helpers.hf_data import image_rows, write_hf_dataset
 
+    pack(folder, tmp_path / "pack", shard_size=5, progress=False)
     saved = write_hf_dataset(tmp_path / "hf", {"train": image_rows(17, 2), "validation": image_rows(2, 2, seed=1)},
                              ["cat", "dog"], parquet_files=1)["saved"]
-    whole = ddp(tmp_path / "stream", saved)
-    state = torch.load(tmp_path / "stream" / "step=3.ckpt", weights_only=False)["HFImageDataModule"]["train_loader"]
-    assert (state["workers"], state["ranks"], state["epoch"], state["finished"]) == (2, 2, 0, False)
-    resumed = ddp(tmp_path / "stream-resumed", saved, str(tmp_path / "stream" / "step=3.ckpt"))
-    assert whole["steps"] == resumed["steps"] == 8, (whole, resumed)
-    a, b = torch.load(tmp_path / "stream" / "final.pt"), torch.load(tmp_path / "stream-resumed" / "final.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not [m for m in resumed["said"] if "does not fit" in m]
+    runs = {"folder": (folder, 4), "shards": (tmp_path / "pack", 4), "stream": (saved, 3)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE"))}
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(tmp_path / "out"),
+                           *(f"{kind}={source}={step}" for kind, (source, step) in runs.items())],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kind, (_, step) in runs.items():
+        where = tmp_path / "out" / kind
+        said = json.loads((where / "said.json").read_text())
+        state = torch.load(where / "steps" / f"step={step}.ckpt", weights_only=False)
+        state = next(v["train_loader"] for k, v in state.items() if k.endswith("DataModule"))
+        assert state["ranks"] == 2 and not state["finished"], kind  # stopped mid-epoch
+        assert said["steps"][0] == said["steps"][1] > step, kind
+        a, b = torch.load(where / "whole.pt"), torch.load(where / "resumed.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a), kind
+        assert not [m for m in said["said"] if "resumable" in m or "does not fit" in m or "read again" in m], kind
+    folder_state = torch.load(tmp_path / "out" / "folder" / "steps" / "step=4.ckpt", weights_only=False)
+    assert folder_state["ImageFolderDataModule"]["train_loader"]["epoch"] == 1  # one batch of epoch 1 on each rank
 
     # the same checkpoint on one rank: the 8 samples epoch 1 had left are 4 batches of 2 (the 2 ranks read 4)
     pl.seed_everything(7, verbose=False)
@@ -274,7 +266,7 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
                              enable_checkpointing=False, default_root_dir=tmp_path)
         trainer.fit(Net(), datamodule=ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24,
                                                             val_resize_size=28),
-                    ckpt_path=str(tmp_path / "whole" / "step=4.ckpt"))
+                    ckpt_path=str(tmp_path / "out" / "folder" / "steps" / "step=4.ckpt"))
     said = [str(w.message) for w in caught]
     assert trainer.global_step == 4 + 4 and len([m for m in said if "8 samples left in epoch 1" in m]) == 1, said
 

@@ -1,10 +1,13 @@
-"""Run by tests/data/test_resume_state.py: a two-process DDP fit (gloo) of ImageFolderDataModule (or, for a folder
-written by ``save_to_disk``, of HFImageDataModule streaming it with 2 workers per rank) with a checkpoint after every
-step, or resumed from one.
+"""Run by tests/data/test_resume_state.py: two-process DDP fits (gloo), in one launch, for each data source given: the
+uninterrupted fit with a checkpoint after every step, then a fresh Trainer, model and DataModule resumed from one of
+those checkpoints.
 
-    python -m tests.helpers.resume_ddp_run OUT_DIR FOLDER [CKPT]
+    python -m tests.helpers.resume_ddp_run OUT_DIR KIND=SOURCE=STEP [KIND=SOURCE=STEP ...]
 
-Rank 0 writes OUT_DIR/final.pt (the model's state) and OUT_DIR/said.json (the warnings it saw).
+KIND: ``folder`` (ImageFolderDataModule, no workers), ``shards`` (ShardsDataModule over a pack, 2 workers per rank) or
+``stream`` (HFImageDataModule streaming a ``save_to_disk`` folder, 2 workers per rank). Rank 0 writes, per KIND,
+OUT_DIR/KIND/whole.pt and resumed.pt (the models' states), the checkpoints in OUT_DIR/KIND/steps/, and
+OUT_DIR/KIND/said.json (the step counts and the warnings of the resumed fit).
 """
 
 import json
@@ -18,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
-from cltrain.data import HFImageDataModule, ImageFolderDataModule
+from cltrain.data import HFImageDataModule, ImageFolderDataModule, ShardsDataModule
 
 
 class Net(pl.LightningModule):
@@ -35,26 +38,40 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def main(out: Path, folder: Path, ckpt: str | None) -> None:
+def _data(kind: str, source: Path) -> pl.LightningDataModule:
+    common = dict(batch_size=2, image_size=24, val_resize_size=28)
+    if kind == "stream":  # each rank's 2 workers share the stream
+        return HFImageDataModule(source, num_workers=2, streaming=True, shuffle_buffer=4, **common)
+    if kind == "shards":
+        return ShardsDataModule(source, num_workers=2, persistent_workers=False, **common)
+    return ImageFolderDataModule(source, num_workers=0, **common)
+
+
+def _fit(kind: str, source: Path, steps: Path, ckpt: str | None) -> tuple[pl.Trainer, Net, list[str]]:
     pl.seed_everything(7, verbose=False)
-    if (folder / "dataset_dict.json").exists():  # a Hugging Face dataset: streamed, each rank's 2 workers share it
-        data = HFImageDataModule(folder, batch_size=2, num_workers=2, image_size=24, val_resize_size=28, streaming=True,
-                                 shuffle_buffer=4)
-    else:
-        data = ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24, val_resize_size=28)
-    saves = [] if ckpt else [ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1, filename="{step}")]
+    saves = [] if ckpt else [ModelCheckpoint(dirpath=steps, every_n_train_steps=1, save_top_k=-1, filename="{step}")]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, enable_checkpointing=not ckpt, callbacks=saves)
     module = Net()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
-    if trainer.global_rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, out / "final.pt")
-        (out / "said.json").write_text(json.dumps({"steps": trainer.global_step,
-                                                   "said": [str(w.message) for w in seen]}))
+        trainer.fit(module, datamodule=_data(kind, source), ckpt_path=ckpt)
+    return trainer, module, [str(w.message) for w in seen]
+
+
+def main(out: Path, runs: list[str]) -> None:
+    for run in runs:
+        kind, source, step = run.split("=")
+        where = out / kind
+        whole, whole_module, _ = _fit(kind, Path(source), where / "steps", None)
+        resumed, module, said = _fit(kind, Path(source), where / "steps", str(where / "steps" / f"step={step}.ckpt"))
+        if resumed.global_rank == 0:
+            for name, m in (("whole", whole_module), ("resumed", module)):
+                torch.save({k: v.detach().cpu() for k, v in m.state_dict().items()}, where / f"{name}.pt")
+            (where / "said.json").write_text(json.dumps({"steps": [whole.global_step, resumed.global_step],
+                                                         "said": said}))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    main(Path(sys.argv[1]), sys.argv[2:])
