@@ -1,6 +1,10 @@
 """The first-batch layout check: one step in both layouts on copies, and the NCHW fallbacks it chooses.
 
 * ``cltrain.check.record``: one step run with every module's inputs, outputs, gradients and updates recorded;
+* ``cltrain.check.events``: ``Event``, what a recorded value is and where (the key runs are compared by);
+* ``cltrain.check.signature``: a tensor's norm and projections, and the relative difference of two;
+* ``cltrain.check.randomness``: the same random draws and RNG state in both layouts;
+* ``cltrain.check.gradient_tape``: the reference's gradients given to every run's code after the backward;
 * ``cltrain.check.compare``: ``check_layout``, the two runs compared and the fallback chosen;
 * ``cltrain.check.localise``: where a fault is, and the fallbacks to try for it;
 * ``cltrain.check.isolation``: every module run on the reference run's values (rounding carried to a kink);

@@ -33,7 +33,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from cltrain.check import LayoutCheck
-from cltrain.check.result import COPY_LIMIT, MODEL_ALONE, STEP_RAISED
+from cltrain.check.result import COPY_LIMIT
 from cltrain.layout.batches import Inputs, first_image_tensor
 
 __all__ = ["DEFAULT_SAMPLES", "MIN_SAMPLES", "check_within_budget", "free_memory", "is_out_of_memory", "slice_batch"]
@@ -76,9 +76,9 @@ def _oom_in(result: LayoutCheck) -> str | None:
 def _whole_batch_may_help(result: LayoutCheck) -> bool:
     """The step raised on the part's NCHW copy (the model may have been checked alone), and not at something the
     check's copy cannot reach (a collective, ...): code that may be written for the whole batch."""
-    text = " ".join([result.reason or "", *result.notes]) if result.verdict == "not checked" else \
-        " ".join(n for n in result.notes if n.startswith(MODEL_ALONE))
-    return STEP_RAISED in text and COPY_LIMIT not in text
+    if result.step_raised is None:
+        return False
+    return COPY_LIMIT not in (result.step_raised + (result.reason or "" if result.verdict == "not checked" else ""))
 
 
 def check_within_budget(run: Callable[[Any], LayoutCheck], batch: Any, samples: int | None = DEFAULT_SAMPLES, *,

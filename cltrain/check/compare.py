@@ -9,7 +9,7 @@ raises only in channels_last, or differs beyond the layouts' own rounding noise,
 The noise is measured on the same batch: an NCHW run whose every module output, and the gradient
 arriving at it, is perturbed by a few units in the last place of its dtype. The runs compute float32 in full
 float32 (no TF32, ``cltrain.precision.full_float32``), and the code after the backward starts from the NCHW
-run's gradient values in every run (``cltrain.check.record.GradientTape``), so updates are compared on
+run's gradient values in every run (``cltrain.check.gradient_tape.GradientTape``), so updates are compared on
 identical gradients. A finding is then fixed by the smallest ``cltrain.check.fallback``
 that makes the channels_last copy agree, tried in order (the outputs of the module just before the
 faulty code, the module holding it, its parents, the weights, the whole model), each verified by running the step
@@ -48,18 +48,11 @@ from torch import nn
 from cltrain.check.copies import mark_copy, running
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import candidates, class_wide, first_line, method_source, source_of, user_frame
-from cltrain.check.record import (
-    GradientTape,
-    Run,
-    SameRandomness,
-    Vectors,
-    distance,
-    execute,
-    loss_of,
-    projection_loss,
-    rng_state,
-    set_rng_state,
-)
+from cltrain.check.events import Event
+from cltrain.check.gradient_tape import GradientTape
+from cltrain.check.randomness import SameRandomness, rng_state, set_rng_state
+from cltrain.check.record import Run, execute, loss_of
+from cltrain.check.signature import Vectors, distance, projection_loss
 from cltrain.check.result import STEP_RAISED, Finding, LayoutCheck
 from cltrain.check.isolation import ReferenceOutputs
 from cltrain.check.untouched import RealState, describe, reaching_path
@@ -80,27 +73,27 @@ _ISOLATE = True  # a difference is judged again with every module on the referen
 
 
 
-def _upstream(key: tuple, z: dict[tuple, float], previous: float, index: dict[str, Any]) -> float:
+def _upstream(key: Event, z: dict[Event, float], previous: float, index: dict[str, Any]) -> float:
     """The largest difference already present in what ``key``'s value is computed from: a module's
     inputs for its outputs; the gradients arriving at its outputs (and its inputs) for its input and
     parameter gradients; otherwise the event just before."""
-    kind = key[0]
+    kind = key.kind
     if kind == "update":
         return 0.0  # every run's code after the backward starts from the reference's gradients (GradientTape)
     if kind == "forward-out":
-        return z.get(("forward-in", key[1]), 0.0)
+        return z.get(Event("forward-in", key.name), 0.0)
     if kind == "grad-in":
-        calls = [key[1]]
+        calls = [key.name]
     elif kind == "param":
-        calls = index["calls"].get(key[1].rpartition(".")[0], [])
+        calls = index["calls"].get(key.module, [])
     else:
         return previous
-    found = [z.get(("forward-in", c), 0.0) for c in calls]
+    found = [z.get(Event("forward-in", c), 0.0) for c in calls]
     found += [z.get(k, 0.0) for c in calls for k in index["grad-out"].get(c, ())]
     return max(found, default=previous)
 
 
-def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, tuple, float, float] | None:
+def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, Event, float, float] | None:
     """The first event (position, key, difference, noise) where ``run`` differs from ``ref``, or ``None``.
 
     An event differs when its difference is above ``floor``, above ``RATIO`` times the noise there, and above
@@ -109,10 +102,10 @@ def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, 
     z = {key: distance(ref.signatures[key], run.signatures[key]) for key in ref.keys if key in run.signatures}
     index: dict[str, Any] = {"calls": {}, "grad-out": {}}
     for key in ref.keys:
-        if key[0] == "forward-in":
-            index["calls"].setdefault(key[1].rpartition("#")[0], []).append(key[1])
-        elif key[0] == "grad-out":
-            index["grad-out"].setdefault(key[1], []).append(key)
+        if key.kind == "forward-in":
+            index["calls"].setdefault(key.module, []).append(key.name)
+        elif key.kind == "grad-out":
+            index["grad-out"].setdefault(key.name, []).append(key)
     previous = 0.0
     for position, key in enumerate(ref.keys):
         if key not in z:
@@ -124,7 +117,7 @@ def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, 
             continue
         if noise is None:
             return position, key, here, float("nan")  # the caller measures the noise and asks again
-        if key[0] == "update":  # every run's update starts from the same gradients: no noise to measure
+        if key.kind == "update":  # every run's update starts from the same gradients: no noise to measure
             z_noise = 0.0
         else:
             z_noise = distance(ref.signatures[key], noise.signatures[key]) if key in noise.signatures else float("inf")
@@ -213,9 +206,10 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     ref = run_on(ref_model, "contiguous")
     tape.recording = False
     if ref.raised is not None:
-        return LayoutCheck("not checked", reason=f"{STEP_RAISED} ({first_line(ref.raised.error)})",
-                           seconds=time.perf_counter() - start)
-    top_level = {key[1].rpartition("#")[0] for key in ref.keys if key[0] == "forward-out"
+        error = first_line(ref.raised.error)
+        return LayoutCheck("not checked", reason=f"{STEP_RAISED} ({error})", seconds=time.perf_counter() - start,
+                           step_raised=error)
+    top_level = {key.module for key in ref.keys if key.kind == "forward-out"
                  and ref.contexts[key][0] is None}  # modules the step code calls directly
     noise: Run | None = None
     # Once a difference shows, every module of a channels_last run computes from the reference's values
@@ -256,8 +250,7 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
         elif first is not None:
             position, key, z, z_noise = first
             context = run.contexts[key]
-            phase = {"forward-in": "forward", "forward-out": "forward", "grad-in": "backward",
-                     "grad-out": "backward", "param": "backward", "update": "update"}.get(key[0], "step")
+            phase = key.phase
             if phase == "update":
                 context = (None, None)
                 where, package = (method_source(update_owner, "step") if update_owner is not None else None) \
@@ -265,11 +258,10 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
             else:
                 phase = phase if context[0] is not None else "step"
                 where, package = source_of(model, context[0], step_owner) or (None, None)
-            at = key[1].rpartition("#")[0] if key[0] != "param" else key[1].rpartition(".")[0]
+            at = key.module if key.kind != "update" else None  # an update's guard is its step's, not a module's
             finding = Finding("diverged", phase, context[0], where,
-                              f"{z:.2g} relative difference at {key[0]} of {key[1] if len(key) > 1 else 'the result'}, "
-                              f"noise {z_noise:.2g}",
-                              guard=_guard_at(model, [context[0], at if len(key) > 1 else None]), package=package)
+                              f"{z:.2g} relative difference at {key.describe()}, noise {z_noise:.2g}",
+                              guard=_guard_at(model, [context[0], at]), package=package)
         else:
             worst = _worst(ref, noise, run)
             if not fallbacks:

@@ -249,7 +249,7 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
         result = check_layout(pl_module, step_code, **options)
         if result.verdict != "not checked":
             break
-    if result.verdict == "not checked" and result.reason and result.reason.startswith(STEP_RAISED):
+    if result.verdict == "not checked" and result.step_raised is not None:
         for context in contexts:  # the step cannot run on the copies in any precision: the model alone
 
             def model_only(clone: nn.Module, layout: str, context: Any = context) -> Any:
@@ -276,7 +276,7 @@ def _model_alone(step_result: LayoutCheck, pl_module: nn.Module, model_only: Cal
                  inputs: Inputs) -> LayoutCheck:
     """The model's forward checked alone, on what the step gave it (or the batch's image tensor), where the step
     could not run on the copies; the line says which was checked."""
-    why = step_result.reason[len(STEP_RAISED):].strip()
+    why = f"({step_result.step_raised})"
     if not fed and first_image_tensor(batch, inputs) is None:
         return dataclasses.replace(step_result, reason=f"{STEP_RAISED} {why}, before it called the model, and the "
                                    "batch holds no floating image tensor to check the model alone on")
@@ -285,5 +285,5 @@ def _model_alone(step_result: LayoutCheck, pl_module: nn.Module, model_only: Cal
     if alone.verdict == "not checked":
         return dataclasses.replace(step_result, reason=f"{STEP_RAISED} {why}; the model alone: {alone.reason}")
     on = "the inputs the step gave it" if fed else "the batch's image tensor"
-    return dataclasses.replace(alone, notes=(f"{MODEL_ALONE}, on {on}: {STEP_RAISED} {why}",
-                                             *alone.notes))
+    return dataclasses.replace(alone, notes=(f"{MODEL_ALONE}, on {on}: {STEP_RAISED} {why}", *alone.notes),
+                               step_raised=step_result.step_raised)

@@ -115,6 +115,8 @@ class LayoutCheck:
             fallback and of the contiguous model, ``{"channels_last": s, "contiguous": s}``: the faster
             was kept.
         notes: what the check could not run on its copies (an optimizer it could not copy, LR schedulers).
+        step_raised: the first line of the error the step raised on the check's NCHW copy (``None``: it ran); the
+            verdict is then ``"not checked"``, or the model's checked alone (``notes`` says on what).
     """
 
     verdict: str
@@ -125,6 +127,7 @@ class LayoutCheck:
     worst: tuple[float, float] | None = None
     timings: dict[str, float] | None = None
     notes: tuple[str, ...] = ()
+    step_raised: str | None = None
 
     def line(self) -> str:
         """One log line (at most ``MAX_LINE`` characters): what was found, where, the fix, what was done; the

@@ -1,15 +1,37 @@
 """Optimizer state in its parameter's layout: a momentum buffer or Adam moment restored from a checkpoint keeps the
-strides it was saved with, and a check's verdict can change a parameter's layout after the state was made."""
+strides it was saved with, and a check's verdict can change a parameter's layout after the state was made (a fused
+or foreach kernel requires the state in its parameter's strides)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from cltrain.layout.tensors import memory_format_for
 
-__all__ = ["restride_optimizer_state"]
+__all__ = ["restride_optimizer_state", "state_in_param_strides"]
+
+
+def _restride(optimizer: torch.optim.Optimizer, params: set[int] | None) -> None:
+    """Every state tensor of ``optimizer`` (of the parameters ``params`` by id, or all) with its parameter's shape, in
+    its parameter's strides where the parameter is dense in its own layout (NCHW or channels-last)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param) if params is None or id(param) in params else None
+            if not state or not param.is_contiguous(memory_format=_layout_of(param)):
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype, device=value.device).copy_(value)
+
+
+def _layout_of(t: torch.Tensor) -> torch.memory_format:
+    fmt = memory_format_for(t)
+    return fmt if fmt is not None and t.is_contiguous(memory_format=fmt) else torch.contiguous_format
 
 
 def restride_optimizer_state(optimizers: list[Any]) -> None:
@@ -26,11 +48,11 @@ def restride_optimizer_state(optimizers: list[Any]) -> None:
         True
     """
     for optimizer in optimizers:
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                state = optimizer.state.get(param, {})
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and memory_format_for(param) is not None \
-                            and value.shape == param.shape and value.stride() != param.stride():
-                        state[key] = torch.empty_like(param, dtype=value.dtype, device=value.device).copy_(value)
+        _restride(getattr(optimizer, "optimizer", optimizer), None)
+
+
+def state_in_param_strides(params: Iterable[torch.Tensor]) -> RemovableHandle:
+    """A global optimizer pre-step hook (remove it with the handle): before any optimizer steps, the state of
+    ``params`` takes their strides, as the same run in their layout would have built it (the check's copies)."""
+    own = {id(p) for p in params}
+    return register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _restride(optimizer, own))

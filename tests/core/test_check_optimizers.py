@@ -105,9 +105,9 @@ def test_a_segmentation_model_with_adam_passes() -> None:
 def test_without_identical_gradients_adam_turns_rounding_into_a_false_alarm(monkeypatch: pytest.MonkeyPatch) -> None:
     # The negative control of the test above: each layout's optimizer fed its own backward's gradients, and the
     # modules on their own values (rounding at a kink reaches the gradients, and Adam makes it a full step).
-    from cltrain.check import compare, record
+    from cltrain.check import compare, gradient_tape, record
 
-    class OwnGradients(record.GradientTape):
+    class OwnGradients(gradient_tape.GradientTape):
         def hooks(self, model: nn.Module, recorder: record.Recorder) -> list:
             return []
 
@@ -206,8 +206,8 @@ def test_a_copied_optimizers_state_takes_its_parameters_strides(monkeypatch: pyt
     # the negative control: copies whose state keeps the real strides, and the step "raises without channels_last"
     from cltrain.check import record
 
-    monkeypatch.setattr(record, "_state_in_param_strides",
-                        lambda model: register_optimizer_step_pre_hook(lambda *a: None))
+    monkeypatch.setattr(record, "state_in_param_strides",
+                        lambda params: register_optimizer_step_pre_hook(lambda *a: None))
     result = verify_layout(model, _cls_batch(), _cls_loss, optimizer=optimizer, report=False)
     assert result.verdict == "not checked" and "check_fast_path_restrictions" in result.line(), result.line()
 

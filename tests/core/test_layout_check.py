@@ -187,7 +187,7 @@ def test_verify_layout_on_a_scripted_view_keeps_a_converting_loop_right() -> Non
 
 @pytest.mark.parametrize("shape", [(2, 8, 5, 7), (2, 3, 4, 5, 6), (6, 5), (7,)])
 def test_the_fingerprint_of_a_tensor_ignores_its_memory_layout_and_sees_a_moved_value(shape):
-    from cltrain.check.record import Vectors, project
+    from cltrain.check.signature import Vectors, project
 
     vectors, x = Vectors(), torch.randn(shape, generator=torch.Generator().manual_seed(0))
     others = [x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else None,
