@@ -134,11 +134,14 @@ def _info_lines() -> Iterator[list[str]]:
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level  # another test in the same process may have raised it (the info line would be dropped)
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         yield lines
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _dead_pid() -> int:
