@@ -73,6 +73,7 @@ import torch
 
 from scripts.bench.config_run import run_config, skip_reason
 from scripts.machine import machine
+from scripts.timing import Stopwatch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,7 +164,7 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
         return row("cuda tests", shown, "skipped: no CUDA")
     if importlib.util.find_spec("pytest") is None:
         return row("cuda tests", shown, "skipped: pytest is not installed")
-    started = time.perf_counter()
+    watch = Stopwatch().start()
     # -v: one line per test as it ends, so a run cut short by its limit still says which failed
     code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-v", "--tb=short", "-rfE", "-p",
                      "no:cacheprovider"], REPO, limit, log)
@@ -182,7 +183,7 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
                    f"{counts['FAILED']} failed, {counts['ERROR']} errors", notes=notes)
     summary = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", text.strip().splitlines()[-1])
     status = ("completed" if code == 0 else f"failed (exit {code})") + ": " + ", ".join(map(" ".join, summary))
-    return row("cuda tests", shown, f"{status} in {time.perf_counter() - started:.0f} s", notes=notes)
+    return row("cuda tests", shown, f"{status} in {watch.elapsed():.0f} s", notes=notes)
 
 
 def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> dict[str, str]:
@@ -366,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.bench.mark import run_tasks
 
         return run_tasks(args.mark_worker)
-    started, command = time.perf_counter(), "python -m scripts.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
-    deadline = started + (args.budget if args.budget is not None else math.inf)
+    started, command = Stopwatch().start(), "python -m scripts.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
+    budget = args.budget if args.budget is not None else math.inf
     args.out.mkdir(parents=True, exist_ok=True)
     size = TINY if args.tiny else FULL
     if args.mark and not args.tiny:
@@ -380,11 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
         if importlib.util.find_spec("cltrain.conf") is None:  # a source tree, not installed
             os.environ.setdefault("CLTRAIN_CONFIG_DIR", str(REPO / "conf"))
-        t = time.perf_counter()
-        root = jpeg_folder(work / f"jpegs-{size['classes']}x{size['per_class']}", size["classes"], size["per_class"],
-                           size["size"])
+        with Stopwatch() as drawing:
+            root = jpeg_folder(work / f"jpegs-{size['classes']}x{size['per_class']}", size["classes"],
+                               size["per_class"], size["size"])
         data = (f"{size['classes'] * size['per_class']:,} + {size['classes']} JPEGs of {size['size'][0]}x"
-                f"{size['size'][1]} drawn by cltrain.data.demo in {time.perf_counter() - t:.0f} s")
+                f"{size['size'][1]} drawn by cltrain.data.demo in {drawing.seconds:.0f} s")
         stamp = work / time.strftime("%Y%m%d-%H%M%S")
         device, host = describe_machine()
         parts = {
@@ -398,15 +399,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows: list[dict[str, str]] = []
         for (name, (label, run)), wanted in zip(parts.items(), limits):
-            limit = min(wanted, deadline - time.perf_counter() - 15)
+            limit = min(wanted, budget - started.elapsed() - 15)
             if name not in args.parts:
                 rows.append(row(label, "", "skipped: --parts"))
             elif limit < 10:
                 rows.append(row(label, "", "not run: less than 10 s of --budget left"))
             else:
                 rows += run(limit)
-                print(f"gpu_check: {label}: {rows[-1]['status']} ({time.perf_counter() - started:.0f} s)", flush=True)
-            text = gpu_results_table(machine_rows(command, time.perf_counter() - started, data, (device, host)) + rows)
+                print(f"gpu_check: {label}: {rows[-1]['status']} ({started.elapsed():.0f} s)", flush=True)
+            text = gpu_results_table(machine_rows(command, started.elapsed(), data, (device, host)) + rows)
             (args.out / "gpu_check.md").write_text(text)  # after every part: a run cut short keeps what it has
     print(text, end="")
     return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torchvision
 
 from cltrain.timing import choose_layout, probe_layout
 from scripts.machine import machine, machine_line
+from scripts.timing import interleaved, timed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,23 +36,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'model':<12}{'in-process':>12}{'(cold)':>8}{'child':>10}{'cost':>9}{'ratio':>8}  auto's choice (child)")
     for name in ["tiny", *args.models]:  # tiny: one 3x3 conv, so its row is the isolation's fixed cost
         model = torch.nn.Conv2d(3, 8, 3) if name == "tiny" else getattr(torchvision.models, name)(num_classes=10)
-        samples: dict[str, list[float]] = {"in-process": [], "child": []}
-        chosen = None
-        for i in range(args.rounds):
-            for how in ("in-process", "child") if i % 2 == 0 else ("child", "in-process"):
-                start = time.perf_counter()
-                if how == "child":
-                    result = probe_layout(model, shape, steps=args.steps)
-                    if result.failure is not None:
-                        raise SystemExit(f"{name}: the probe failed: {result.failure}")
-                    chosen = result.layout
-                else:
-                    choose_layout(model, shape, steps=args.steps)
-                samples[how].append(time.perf_counter() - start)
+        chosen: dict[str, str] = {}
+
+        def probe() -> None:
+            result = probe_layout(model, shape, steps=args.steps)
+            if result.failure is not None:
+                raise SystemExit(f"{name}: the probe failed: {result.failure}")
+            chosen["layout"] = result.layout
+
+        samples = interleaved(args.rounds, {
+            "in-process": lambda: timed(lambda: choose_layout(model, shape, steps=args.steps)),
+            "child": lambda: timed(probe)}, rotate=True)
         inproc, child = (statistics.median(samples[k]) for k in ("in-process", "child"))
         cold = samples["in-process"][0]  # this process's first trial of the model: kernels created, as in a run
         print(f"{name:<12}{inproc:>12.1f}{cold:>8.1f}{child:>10.1f}{child - inproc:>9.1f}{child / inproc:>8.2f}  "
-              f"{chosen}", flush=True)
+              f"{chosen.get('layout')}", flush=True)
     print(f"Machine: {machine_line(machine())}")
 
 

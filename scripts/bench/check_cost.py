@@ -26,11 +26,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from scripts.timing import Stopwatch
 
 #: ``--models`` names: torchvision builders, ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer) and
 #: ``unet_resnet18`` (segmentation_models_pytorch's U-Net, one output channel, trained with Dice + BCE).
@@ -108,14 +109,15 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
     class StepTimes(pl.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.watch = Stopwatch()
 
         def on_train_batch_start(self, *args: Any) -> None:
-            self._start = time.perf_counter()
+            self.watch.start()
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.strategy.root_device.type == "cuda":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self._start)
+                torch.cuda.synchronize()  # the step's kernels, at the end only (the start is not synchronised)
+            self.times.append(self.watch.elapsed())
 
     torch.manual_seed(0)
     options = {} if samples is None else {"check_samples": samples or None}

@@ -44,7 +44,6 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,6 +57,7 @@ from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.prefetch import PrefetchDataLoader
 from scripts.bench.loader import loader_machine_line, methods, time_loader
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
+from scripts.timing import Stopwatch, rotated, timed
 
 SIZE = 224
 _DONE = ".complete"
@@ -132,11 +132,11 @@ class Dali:
     def __call__(self, batches: int) -> float:
         pipe = self._build()
         pipe.run()  # its first batch, as each loader's first, is not timed
-        start = time.perf_counter()
-        for _ in range(batches):
-            images, _ = pipe.run()
-            images.as_tensor()  # the dense (N, H, W, C) batch
-        rate = batches * self.batch_size / (time.perf_counter() - start)
+        with Stopwatch() as watch:
+            for _ in range(batches):
+                images, _ = pipe.run()
+                images.as_tensor()  # the dense (N, H, W, C) batch
+        rate = batches * self.batch_size / watch.seconds
         del pipe, images
         gc.collect()
         return rate
@@ -156,11 +156,11 @@ def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, bat
     finish = normalize if output == "after" else (lambda x: x)
     it = iter(loader)
     finish(next(it)[0])
-    start = time.perf_counter()
     images = 0
-    for x, _ in it:
-        images += finish(x).shape[0]
-    return images / (time.perf_counter() - start)
+    with Stopwatch() as watch:
+        for x, _ in it:
+            images += finish(x).shape[0]
+    return images / watch.seconds
 
 
 def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed: int) -> float:
@@ -173,16 +173,15 @@ def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed:
         with open(path, "rb") as f:
             return simplejpeg.decode_jpeg(f.read()).shape[0]
 
-    if threads == 1:
-        start = time.perf_counter()
+    def each() -> None:
         for p in paths:
             one(p)
-        return images / (time.perf_counter() - start)
+
+    if threads == 1:
+        return images / timed(each)
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, paths[:threads]))
-        start = time.perf_counter()
-        list(pool.map(one, paths))
-        return images / (time.perf_counter() - start)
+        return images / timed(lambda: list(pool.map(one, paths)))
 
 
 def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali: bool, levers: bool) -> dict:
@@ -225,11 +224,9 @@ def cpu_flags() -> str:
 
 
 def measure(rows: dict, repeats: int) -> dict[str, list[float]]:
-    names = list(rows)
-    rates: dict[str, list[float]] = {n: [] for n in names}
+    rates: dict[str, list[float]] = {n: [] for n in rows}
     for r in range(repeats):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:  # interleaved: each loader in every position once in a while
+        for name in rotated(list(rows), r):  # interleaved: each loader in every position once in a while
             rates[name].append(rows[name](r))
     return rates
 

@@ -41,11 +41,12 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from scripts.timing import Stopwatch, rotated
 
 #: One family after another first, so a run cut short by ``--budget`` still covers the most families.
 MODELS = ("resnet50", "convnext_tiny", "mobilenet_v3_large", "ghostnet_100", "densenet121", "vit_b_16", "efficientnet_b0",
@@ -107,15 +108,16 @@ def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, targe
     class Window(pl.Callback):
         """One sync when the window opens and one when it closes: the steps between run as they would."""
 
+        def __init__(self) -> None:
+            self.watch = Stopwatch(sync)
+
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step == warmup:
-                sync()
-                self.start = time.perf_counter()
+                self.watch.start()
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step == warmup + steps:
-                sync()
-                self.seconds = time.perf_counter() - self.start
+                self.seconds = self.watch.elapsed()
 
     torch.manual_seed(0)
     window = Window()
@@ -125,17 +127,14 @@ def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, targe
     trainer = pl.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,
                          max_steps=warmup + steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    sync()
-    started = time.perf_counter()
-    trainer.fit(Module(), train_dataloaders=_Repeat((batch, target), warmup + steps))
-    sync()
-    whole = time.perf_counter() - started
+    with Stopwatch(sync) as whole:
+        trainer.fit(Module(), train_dataloaders=_Repeat((batch, target), warmup + steps))
     module = trainer.lightning_module
     check = callbacks[-1].layout_checks.get("train") if variant == "channels_last" else None
     convs = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
     nhwc = sum(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
     layout = "channels_last" if nhwc == len(convs) else f"{nhwc}/{len(convs)} convs channels_last"
-    return {"fit_s": whole, "step_s": window.seconds / steps, "verdict": check.verdict if check else None,
+    return {"fit_s": whole.seconds, "step_s": window.seconds / steps, "verdict": check.verdict if check else None,
             "check_s": check.seconds if check else None, "layout": layout}
 
 
@@ -153,7 +152,7 @@ def child(args: argparse.Namespace) -> None:
     for precision in args.precisions:
         try:
             for r in range(args.rounds):
-                for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+                for variant in rotated(VARIANTS, r):
                     fit = fit_once(name, variant, precision, batch, target, args.warmup, args.steps, args.optimizer)
                     if not batch.is_contiguous():  # the next fit would not be the one it says
                         raise RuntimeError(f"the {variant} fit left the loader's batch in strides {batch.stride()}")
@@ -236,9 +235,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"{args.steps} timed steps a fit, {args.rounds} rounds (medians); amp=auto: {auto.flag} ({auto.reason})."
               f"\n\n{machine_line(machine())}")
     records: list[dict[str, Any]] = []
-    started = time.perf_counter()
+    started = Stopwatch().start()
     for name in args.models:
-        if args.budget is not None and time.perf_counter() - started > args.budget:
+        if args.budget is not None and started.elapsed() > args.budget:
             records += [{"model": name, "precision": p, "error": "not run: --budget spent"} for p in args.precisions]
             continue
         cmd = [sys.executable, "-m", "scripts.bench.default_speed", "--child", "--models", name, "--batch",

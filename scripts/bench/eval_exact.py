@@ -20,8 +20,9 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from cltrain.data import eval_transform
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 from cltrain.data.quirk_files import QUIRKS_READABLE, write_quirks
 from scripts.machine import machine, machine_line
+from scripts.timing import interleaved, timed
 
 SIZES = ((224, 256), (64, 73))
 
@@ -71,16 +73,18 @@ def differences(folder: Path, pictures: list[Image.Image]) -> dict[tuple[str, in
 
 def speed(paths: list[str], size: int, resize_size: int, repeats: int) -> dict[bool, float]:
     """Images per second of ``eval_transform`` with ``reduce`` off and on (interleaved, median of ``repeats``)."""
-    rates: dict[bool, list[float]] = {False: [], True: []}
-    transforms = {reduce: eval_transform(size, resize_size, reduce=reduce) for reduce in rates}
+    transforms = {reduce: eval_transform(size, resize_size, reduce=reduce) for reduce in (False, True)}
     for t in transforms.values():
         t(paths[0])  # warm-up
-    for _ in range(repeats):
-        for reduce, t in transforms.items():
-            start = time.perf_counter()
+
+    def rate(t: Callable[[str], object]) -> float:
+        def run() -> None:
             for p in paths:
                 t(p)
-            rates[reduce].append(len(paths) / (time.perf_counter() - start))
+
+        return len(paths) / timed(run)
+
+    rates = interleaved(repeats, {reduce: partial(rate, t) for reduce, t in transforms.items()})
     return {k: statistics.median(v) for k, v in rates.items()}
 
 

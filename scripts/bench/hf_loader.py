@@ -27,7 +27,6 @@ import argparse
 import io
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from cltrain.data.loader_threads import loading_plan
 from cltrain.data.normalize import ImageNormalizer
 from scripts.bench.loader import loader_machine_line
 from scripts.bench.photo_folder import make_photo_folder
+from scripts.timing import Stopwatch
 
 
 def save_as_hf(samples: list[tuple[str, int]], classes: list[str], out: Path) -> Path:
@@ -86,10 +86,11 @@ def rate(dataset: Dataset, collate: Callable, finish: Callable, batch_size: int,
     torch.manual_seed(seed)
     it = iter(loader)
     finish(next(it))
-    start, images = time.perf_counter(), 0
-    for batch in it:
-        images += finish(batch).shape[0]
-    return images / (time.perf_counter() - start)
+    images = 0
+    with Stopwatch() as watch:
+        for batch in it:
+            images += finish(batch).shape[0]
+    return images / watch.seconds
 
 
 def main(argv: list[str] | None = None) -> None:

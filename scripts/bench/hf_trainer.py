@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 import warnings
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from scripts.machine import machine, machine_line
+from scripts.timing import Stopwatch, rotated
 
 #: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
 MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -89,11 +89,14 @@ def step_timer() -> tuple[Any, list[float]]:
     seconds: list[float] = []
 
     class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.watch = Stopwatch()
+
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.start = time.perf_counter()
+            self.watch.start()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            seconds.append(time.perf_counter() - self.start)
+            seconds.append(self.watch.elapsed())
 
     return StepTimer(), seconds
 
@@ -130,7 +133,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             model.load_state_dict(base.state_dict())
             trainers[layout] = (make_trainer(model, data, [*extra, timer], args, out), seconds)
         for r in range(args.repeats):
-            for layout in (list(timed) if r % 2 == 0 else list(reversed(list(timed)))):
+            for layout in rotated(list(timed), r):
                 trainer, seconds = trainers[layout]
                 seconds.clear()
                 trainer.train()

@@ -34,7 +34,6 @@ import argparse
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import PIL
@@ -49,6 +48,7 @@ from cltrain.data.decoders import jpeg_roi
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
 from scripts.bench.photo_folder import make_photo_folder
+from scripts.timing import Stopwatch
 
 
 class Files(Dataset):
@@ -146,16 +146,12 @@ def time_loader(samples, fn, collate, finish, batch_size, workers, batches, seed
     torch.manual_seed(seed)  # the same crops for each loader with workers=0
     it = iter(loader)
     finish(next(it))  # worker start-up is not timed
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
     images = 0
-    for batch in it:
-        out = finish(batch)
-        images += out if isinstance(out, int) else out.shape[0]
-    if cuda:
-        torch.cuda.synchronize(device)  # the copies and kernels are done, not just queued
-    return images / (time.perf_counter() - start)
+    with Stopwatch(sync=device) as watch:  # on CUDA: the copies and kernels are done, not just queued
+        for batch in it:
+            out = finish(batch)
+            images += out if isinstance(out, int) else out.shape[0]
+    return images / watch.seconds
 
 
 def loader_machine_line(device):

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from scripts.timing import Stopwatch
+
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
     "contiguous fp16": ["channels_last=false", "amp=fp16"],
@@ -201,17 +203,17 @@ def _loader_rate(spec: dict, workers: Any, threads: Any, batches: int) -> dict:
                             enable_progress_bar=False)  # the loader as a run on this device gets it (pinned, uint8)
     dm.setup("fit")
     loader = dm.train_dataloader()
-    it, seen, started = iter(loader), 0, 0.0
+    it, seen, watch = iter(loader), 0, Stopwatch()
     for i in range(batches + 1):
         try:
             images = next(it)[0]
         except StopIteration:
             break
         if i == 0:
-            started = time.perf_counter()  # worker start-up and the first batch are not timed
+            watch.start()  # worker start-up and the first batch are not timed
         else:
             seen += images.shape[0]
-    seconds = time.perf_counter() - started
+    seconds = watch.elapsed()
     threads_used = getattr(loader.dataset, "threads", 1)
     del it
     return {"workers": loader.num_workers, "threads": threads_used, "images": seen,
@@ -278,7 +280,7 @@ def run_tasks(spec_file: Path) -> int:
     for task in spec["tasks"]:
         left = spec["deadline"] - time.time()
         record = {"kind": task["kind"], "name": task.get("name", task["kind"]), "round": task.get("round", 0)}
-        started = time.perf_counter()
+        watch = Stopwatch().start()
         if left < needs(task) * spec["needs_scale"]:
             record["status"] = f"not run: {left:.0f} s of the budget left, it needs about {needs(task):.0f} s"
         else:
@@ -288,7 +290,7 @@ def run_tasks(spec_file: Path) -> int:
                               else runners[task["kind"]](spec, records))
             except Exception as err:  # noqa: BLE001 - one task failing must not stop the others
                 record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
-        record["seconds"] = round(time.perf_counter() - started, 1)
+        record["seconds"] = round(watch.elapsed(), 1)
         records.append(record)
         with open(spec["results"], "a") as f:
             f.write(json.dumps(record, default=str) + "\n")

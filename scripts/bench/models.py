@@ -65,7 +65,7 @@ import platform
 import statistics
 import sys
 import textwrap
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,9 +74,10 @@ import torchvision
 from torch import nn
 
 from cltrain.precision import autocast_for
-from cltrain.timing.layouts import LAYOUTS, choose_layout, model_in_layout, synchronize
+from cltrain.timing.layouts import LAYOUTS, choose_layout, model_in_layout
 from cltrain.layout import to_channels_last, to_channels_last_1d
 from cltrain.model_names import build_untrained_model
+from scripts.timing import interleaved, timed
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -199,14 +200,6 @@ def _in_layout(base: nn.Module, x: torch.Tensor, layout: str, device: torch.devi
     return model_in_layout(base, layout, device), to_channels_last(x) if layout == "channels_last" else x.contiguous()
 
 
-def _seconds(fn, device: torch.device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
 def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
                dtype: torch.dtype | None) -> tuple[dict[str, list[float]], int]:
     """Samples/second per round for each layout, timed interleaved, and the steps per round."""
@@ -229,12 +222,13 @@ def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace
     if args.min_window > 0:  # calibrate on the faster layout, so both layouts' windows last >= --min-window
         # per step in a 3-step probe (as a round runs), the faster layout, with a 50% margin: a round that
         # happens to run faster than its probe (a machine whose other load drops) still lasts >= --min-window
-        fastest = min(_seconds(lambda: steps_of(layout, 3), device) / 3 for layout in LAYOUTS)
+        fastest = min(timed(lambda: steps_of(layout, 3), sync=device) / 3 for layout in LAYOUTS)
         steps = max(steps, min(args.max_steps, math.ceil(1.5 * args.min_window / max(fastest, 1e-9))))
-    rates: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
-    for r in range(args.repeats):
-        for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
-            rates[layout].append(shape[0] * steps / _seconds(lambda: steps_of(layout, steps), device))
+
+    def rate(layout: str) -> float:
+        return shape[0] * steps / timed(lambda: steps_of(layout, steps), sync=device)
+
+    rates = interleaved(args.repeats, {layout: partial(rate, layout) for layout in LAYOUTS}, rotate=True)
     return rates, steps
 
 

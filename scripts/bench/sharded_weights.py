@@ -30,8 +30,8 @@ import contextlib
 import copy
 import os
 import statistics
-import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,8 +41,8 @@ from torch import nn
 from cltrain.layout import to_channels_last
 from cltrain.model_names import build_untrained_model
 from cltrain.precision import autocast_for
-from cltrain.timing.layouts import synchronize
 from scripts.machine import machine, machine_line
+from scripts.timing import interleaved, timed
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
 SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
@@ -120,17 +120,17 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
     for n, (m, opt, xi) in runs.items():
         for _ in range(args.warmup):
             step(m, opt, xi, y, dtype)
-    synchronize(device)
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]  # each variant goes first in turn
-        for n in order:
-            m, opt, xi = runs[n]
-            start = time.perf_counter()
+
+    def rate(n: str) -> float:
+        m, opt, xi = runs[n]
+
+        def steps() -> None:
             for _ in range(args.steps):
                 step(m, opt, xi, y, dtype)
-            synchronize(device)
-            rates[n].append(args.steps * args.batch_size / (time.perf_counter() - start))
+
+        return args.steps * args.batch_size / timed(steps, sync=device)
+
+    rates = interleaved(args.repeats, {n: partial(rate, n) for n in names}, rotate=True)  # each goes first in turn
     base_rate = statistics.median(rates["contiguous"])
     return [{"model": name, "variant": n, "img_s": statistics.median(v), "min": min(v), "max": max(v),
              "ratio": statistics.median(v) / base_rate, "first_conv_out": layouts[n]} for n, v in rates.items()]

@@ -21,7 +21,6 @@ import hashlib
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch
 
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, make_demo_dataset
 from scripts.bench.loader import loader_machine_line
+from scripts.timing import Stopwatch, rotated
 
 #: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
 FILES_ONLY = {"check_val": "off"}
@@ -36,15 +36,15 @@ FILES_ONLY = {"check_val": "off"}
 
 def images_per_second(datamodule: ImageFolderDataModule, batches: int) -> float:
     datamodule.setup("fit")
-    seen, start = 0, None
+    seen, watch = 0, Stopwatch()
     for k, (images, _) in enumerate(datamodule.train_dataloader()):
         if k == 0:
-            start = time.perf_counter()  # after the first batch: workers are up
+            watch.start()  # after the first batch: workers are up
             continue
         seen += images.shape[0]
         if k == batches:
             break
-    return seen / (time.perf_counter() - start)
+    return seen / watch.elapsed()
 
 
 def paired_ratio(root: Path, pack: Path, settings: dict, batches: int) -> tuple[float, float, float]:
@@ -69,11 +69,11 @@ def paired_ratio(root: Path, pack: Path, settings: dict, batches: int) -> tuple[
     try:
         for b in range(batches):
             idx, seed, out, took = rng.choice(len(hs), settings["batch_size"], replace=False).tolist(), b, {}, {}
-            for kind in ("files", "shards") if b % 2 == 0 else ("shards", "files"):
+            for kind in rotated(("files", "shards"), b):
                 torch.manual_seed(seed)
-                start = time.perf_counter()
-                out[kind] = hs.collate(fs.__getitems__([same[i] for i in idx])) if kind == "files" else hs[idx]
-                took[kind] = time.perf_counter() - start
+                with Stopwatch() as watch:
+                    out[kind] = hs.collate(fs.__getitems__([same[i] for i in idx])) if kind == "files" else hs[idx]
+                took[kind] = watch.seconds
             if not torch.equal(out["files"][0], out["shards"][0]):
                 raise SystemExit(f"bench_shards: the pack {pack} does not hold the folder's images ({root}: a batch differs); "
                                  "pack the folder again to another --pack.")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios = []
     for r in range(args.rounds):
         rate = {}
-        for kind in ("files", "shards") if r % 2 == 0 else ("shards", "files"):
+        for kind in rotated(("files", "shards"), r):
             module = (ImageFolderDataModule(root, **settings, **FILES_ONLY) if kind == "files"
                       else ShardsDataModule(pack, **settings))
             rate[kind] = images_per_second(module, args.batches)

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from scripts.timing import Stopwatch
 
 __all__ = ["DATA_WAIT", "KINDS", "StepProfile", "breakdown", "breakdown_table", "kind_of"]
 
@@ -132,7 +133,7 @@ class StepProfile(Callback):
         self.path, self.first, self.last = Path(path), first, first + steps - 1
         self.prof: profile | None = None
         self.between: record_function | None = None
-        self.started = 0.0
+        self.watch = Stopwatch()
 
     def _sync(self, trainer: Trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -151,10 +152,10 @@ class StepProfile(Callback):
             self._sync(trainer)
             self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             self.prof.__enter__()
-            self.started = time.perf_counter()
+            self.watch.start()
         elif step == self.last and self.prof is not None:
             self._sync(trainer)
-            wall = time.perf_counter() - self.started
+            wall = self.watch.elapsed()
             self.prof.__exit__(None, None, None)
             device = trainer.strategy.root_device.type
             kinds = breakdown(self.prof.events(), wall, self.last - self.first + 1, device)

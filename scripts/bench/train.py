@@ -43,7 +43,6 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,7 @@ from cltrain.app import (
 from cltrain.app.train import train
 from cltrain.platform import cpu_bf16_support
 from cltrain.precision import autocast_dtype
+from scripts.timing import Stopwatch, interleaved
 
 
 def describe_host(accelerator: str) -> str:
@@ -190,14 +190,10 @@ def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict
     plain_model = copy.deepcopy(base).to(device)
     if channels_last:
         to_channels_last(plain_model)
-    speeds: dict[str, list[float]] = {"plain": [], "lightning": []}
-    for r in range(args.rounds):
-        for path in (("plain", "lightning") if r % 2 == 0 else ("lightning", "plain")):
-            if path == "plain":
-                speeds[path].append(plain_loop(plain_model, batches, precision, device, args.warmup))
-            else:
-                speeds[path].append(lightning_path(copy.deepcopy(base), batches, precision, accelerator,
-                                                   channels_last, 1000, args.warmup))
+    speeds = interleaved(args.rounds, {
+        "plain": lambda: plain_loop(plain_model, batches, precision, device, args.warmup),
+        "lightning": lambda: lightning_path(copy.deepcopy(base), batches, precision, accelerator, channels_last, 1000,
+                                            args.warmup)}, rotate=True)
     plain, light = statistics.median(speeds["plain"]), statistics.median(speeds["lightning"])
     ratios = [lt / pl for lt, pl in zip(speeds["lightning"], speeds["plain"])]  # each round's pair ran back to back
     return {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size, "layout": args.layout,
@@ -295,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     desc = describe_host(accelerator)
     print(f"machine: {desc}; load average {os.getloadavg()[0]:.2f}")
 
-    started = time.perf_counter()
+    started = Stopwatch().start()
     part1 = overhead(args, accelerator, precision)
     print(f"\n## Lightning path vs plain PyTorch loop ({args.model}, batch {args.batch_size}, {args.image_size} px, "
           f"{args.layout}, {precision}; synthetic tensors; median of {args.rounds} interleaved rounds of {args.steps} steps)\n")
@@ -330,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"rounds, each pair against the plain pair run next to it; spread {lo:.0%}-{hi:.0%}; medians: "
               f"{e2e:.2f}x vs {reference['speedup']:.2f}x) [goal >= 98%]")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-    result = {"machine": desc, "overhead": part1, "end_to_end": part2, "plain_step_reference": reference, "seconds": round(time.perf_counter() - started, 1)}
+    result = {"machine": desc, "overhead": part1, "end_to_end": part2, "plain_step_reference": reference, "seconds": round(started.elapsed(), 1)}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

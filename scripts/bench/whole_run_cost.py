@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,15 +29,7 @@ from cltrain.data.prefetch import ResumableLoader
 from cltrain.data.resume_state import ResumableSampler
 from cltrain.data.stream_place import Place, StreamPlaces, Tagged, row_seed
 from cltrain.session import LayoutSession
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from scripts.timing import interleaved, median_seconds
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -71,18 +61,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loader = ResumableLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=8,
                              sampler=ResumableSampler(64, seed=0))
     step()  # warm-up: kernels chosen, momentum buffers made
-    rows: dict[str, list[float]] = {"step": [], "keep, nothing moved": [], "keep, every weight moved": [],
-                                    "note_taken": [], "loader state_dict": [], "stream: a sample's seed": [],
-                                    "stream: a batch's place": []}
     places, tagged = StreamPlaces(), Tagged(0, Place(row=7, copies=0, next=8), None)
-    for _ in range(args.rounds):  # interleaved: each figure from the same stretch of the run
-        rows["step"].append(_median_seconds(step, 1))
-        rows["keep, nothing moved"].append(_median_seconds(lambda: session.keep(model, [opt]), 20))
-        rows["keep, every weight moved"].append(_median_seconds(moved, 3))
-        rows["note_taken"].append(_median_seconds(loader.note_taken, 1000))
-        rows["loader state_dict"].append(_median_seconds(loader.state_dict, 100))
-        rows["stream: a sample's seed"].append(_median_seconds(lambda: row_seed(2**61, 3, 1, 12345, 0, 0), 1000))
-        rows["stream: a batch's place"].append(_median_seconds(lambda: places.fetched(tagged), 1000))
+    rows = interleaved(args.rounds, {  # interleaved: each figure from the same stretch of the run
+        "step": lambda: median_seconds(step, 1),
+        "keep, nothing moved": lambda: median_seconds(lambda: session.keep(model, [opt]), 20),
+        "keep, every weight moved": lambda: median_seconds(moved, 3),
+        "note_taken": lambda: median_seconds(loader.note_taken, 1000),
+        "loader state_dict": lambda: median_seconds(loader.state_dict, 100),
+        "stream: a sample's seed": lambda: median_seconds(lambda: row_seed(2**61, 3, 1, 12345, 0, 0), 1000),
+        "stream: a batch's place": lambda: median_seconds(lambda: places.fetched(tagged), 1000)})
     step_s = statistics.median(rows["step"])
     print(f"{args.model}, batch {args.batch} at {args.size} px, channels_last, SGD; medians of {args.rounds} rounds")
     for name, values in rows.items():

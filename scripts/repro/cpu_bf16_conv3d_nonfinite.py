@@ -12,12 +12,12 @@ with float64 and maps the shapes (an input shallower than the kernel); docs/trou
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from scripts.machine import machine, machine_line
+from scripts.timing import Stopwatch
 
 
 def count(dtype: torch.dtype, channels_last: bool, calls: int, shape: tuple[int, ...]) -> tuple[int, int, float]:
@@ -29,17 +29,17 @@ def count(dtype: torch.dtype, channels_last: bool, calls: int, shape: tuple[int,
     if channels_last:
         x, grad_out, weight = (t.to(memory_format=torch.channels_last_3d) for t in (x, grad_out, weight))
     bad, differ, first = 0, 0, None
-    start = time.perf_counter()
-    for _ in range(calls):
-        w = weight.clone().requires_grad_(True)
-        F.conv3d(x, w, None, 1, 1).backward(grad_out)
-        if not bool(torch.isfinite(w.grad).all()):
-            bad += 1
-        elif first is None:
-            first = w.grad
-        elif not torch.equal(w.grad, first):
-            differ += 1
-    return bad, differ, (time.perf_counter() - start) / calls * 1e3
+    with Stopwatch() as watch:
+        for _ in range(calls):
+            w = weight.clone().requires_grad_(True)
+            F.conv3d(x, w, None, 1, 1).backward(grad_out)
+            if not bool(torch.isfinite(w.grad).all()):
+                bad += 1
+            elif first is None:
+                first = w.grad
+            elif not torch.equal(w.grad, first):
+                differ += 1
+    return bad, differ, watch.seconds / calls * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import time
 from collections.abc import Iterator
 
 import torch
@@ -27,6 +26,7 @@ import torchvision
 from torch import nn
 
 from cltrain.layout import to_channels_last
+from scripts.timing import Stopwatch
 
 
 @contextlib.contextmanager
@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                            ("AdamW", lambda params: torch.optim.AdamW(params, lr=1e-3))):
             model = to_channels_last(copy.deepcopy(base))
             opt = make(model.parameters())
-            start = time.perf_counter()
-            result = verify_layout(model, (to_channels_last(xs.clone()), y),
-                                   lambda m, b: F.cross_entropy(m(b[0]), b[1]), optimizer=opt, report=False)
+            with Stopwatch() as watch:
+                result = verify_layout(model, (to_channels_last(xs.clone()), y),
+                                       lambda m, b: F.cross_entropy(m(b[0]), b[1]), optimizer=opt, report=False)
             print(f"check at {size} px, {name}, tf32 {torch.backends.cudnn.allow_tf32}: {result.line()} "
-                  f"[worst {result.worst}] ({time.perf_counter() - start:.1f} s)", flush=True)
+                  f"[worst {result.worst}] ({watch.seconds:.1f} s)", flush=True)
     return 0
 
 

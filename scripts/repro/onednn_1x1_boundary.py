@@ -19,9 +19,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
+
+from scripts.timing import Stopwatch
 
 REPRO = Path(__file__).resolve().parent / "onednn_1x1_strided_conv.py"
 BASE = dict(op="conv2d", cin=3, cout=32, kernel=1, stride=2, padding=0, groups=1, size=96, batch=8, dtype="fp32",
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = subprocess.run([args.python, str(REPRO), "--repeats", "0"], capture_output=True, text=True,
                              env={**os.environ, "PYTHONWARNINGS": "ignore"}).stdout.splitlines()[0]
     print(machine, flush=True)
-    start = time.perf_counter()
+    watch = Stopwatch().start()
     for sweep in args.sweeps:
         print(f"\n### {sweep}\n\n| case | " + " | ".join(args.isas) + " |\n|---|" + "---|" * len(args.isas), flush=True)
         for case in SWEEPS[sweep]:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                 outcomes = Counter(run_case(case, isa, args.python, args.timeout, args.repeats) for _ in range(args.runs))
                 cells.append(", ".join(k if n == args.runs else f"{k} {n}/{args.runs}" for k, n in outcomes.items()))
             print(f"| {describe(case)} | " + " | ".join(cells) + " |", flush=True)
-    print(f"\n{time.perf_counter() - start:.0f} s", flush=True)
+    print(f"\n{watch.elapsed():.0f} s", flush=True)
 
 
 if __name__ == "__main__":

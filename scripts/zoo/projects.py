@@ -38,13 +38,13 @@ import logging
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 from scripts.machine import machine, machine_line
+from scripts.timing import Stopwatch
 from scripts.zoo.project_cases import CASES, Case
 from scripts.zoo.project_report import REPO, write_outputs
 
@@ -161,7 +161,7 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
     if case.library and importlib.util.find_spec(case.library) is None:
         return {**row, "status": f"skipped: {case.library} is not installed"}
     row["version"] = importlib.metadata.version(case.library) if case.library else ""
-    start = time.perf_counter()
+    watch = Stopwatch().start()
     for layout in LAYOUTS:
         log = log_dir / f"{case.key.replace(':', '_')}.{layout}.log"
         cmd = [sys.executable, "-m", "scripts.zoo.projects", "--child", json.dumps(dataclasses.asdict(case)),
@@ -185,7 +185,7 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
             run["status"] = "raised" if "error" in run else "ok"
         row[layout] = {**run, "log": str(log)}
     row["status"] = "ok" if all(row[k]["status"] == "ok" for k in LAYOUTS) else "see runs"
-    row["seconds"] = round(time.perf_counter() - start, 1)
+    row["seconds"] = round(watch.elapsed(), 1)
     return row
 
 
@@ -198,11 +198,11 @@ def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: 
     m = machine()
     print(machine_line(m), flush=True)
     order = [c.key for c in CASES]  # the others (a test's own cases) stay in the order they first ran
-    start = time.perf_counter()
+    watch = Stopwatch().start()
     for case in cases:
         rows[case.key] = run_case(case, log_dir, timeout)
         print(f"{case.key}: {rows[case.key]['status']} ({rows[case.key].get('seconds', 0)} s)", flush=True)
-        runs[-1]["seconds"] = round(time.perf_counter() - start, 1)
+        runs[-1]["seconds"] = round(watch.elapsed(), 1)
         write_outputs(out, _in_order(rows, order), m, runs)
     return _in_order(rows, order)
 

@@ -68,7 +68,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ import torch
 
 from cltrain.atomic import atomic_write_text
 from scripts.machine import machine, machine_line
+from scripts.timing import Stopwatch, interleaved, timed
 from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, find, image_of, make_batch, quiet_random_layers, training_loss,
@@ -133,23 +134,26 @@ def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dty
 
     def steps(key: str, n: int) -> float:
         net, batch = runs[key]
-        start = time.perf_counter()
-        for _ in range(n):
-            optimizers[key].zero_grad(set_to_none=True)
-            with autocast_for("cpu", dtype):
-                loss = training_loss(net, batch, spec)
-            loss.backward()
-            optimizers[key].step()
-        return time.perf_counter() - start
+
+        def run() -> None:
+            for _ in range(n):
+                optimizers[key].zero_grad(set_to_none=True)
+                with autocast_for("cpu", dtype):
+                    loss = training_loss(net, batch, spec)
+                loss.backward()
+                optimizers[key].step()
+
+        return timed(run)
 
     # The first steps build oneDNN primitives and grow the allocator's pools (a small model's first step
     # can take 20x its later ones): time only after `warmup` steps, and size the rounds by the last one.
     per_step = min([steps(key, 1) for _ in range(warmup)][-1] for key in runs)
     n = max(1, math.ceil(min_window / max(per_step, 1e-9)))
-    rates: dict[str, list[float]] = {k: [] for k in runs}
-    for r in range(rounds):
-        for key in runs if r % 2 == 0 else reversed(list(runs)):
-            rates[key].append(n / steps(key, n))
+
+    def rate(key: str) -> float:
+        return n / steps(key, n)
+
+    rates = interleaved(rounds, {key: partial(rate, key) for key in runs}, rotate=True)
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
@@ -175,10 +179,10 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
             convert_model(net)
         nets[layout] = torch.compile(net)
         batch = clone_batch(batches[0])
-        start = time.perf_counter()
-        batch = convert_batch(batch) if layout == "channels_last" else batch
-        grads[layout], losses[layout] = _step_grads(nets[layout], spec, batch)
-        result[f"compile_seconds_{layout}"] = round(time.perf_counter() - start, 1)
+        with Stopwatch() as watch:
+            batch = convert_batch(batch) if layout == "channels_last" else batch
+            grads[layout], losses[layout] = _step_grads(nets[layout], spec, batch)
+        result[f"compile_seconds_{layout}"] = round(watch.seconds, 1)
     for key, value in (exact or {}).items():
         grads[key], losses[key] = value
     parity(result, grads, losses, prefix="compile_")
@@ -196,12 +200,12 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
 
     warnings.filterwarnings("ignore")
     result: dict[str, Any] = {"key": spec.key, "family": spec.family, "size": spec.size, "note": spec.note}
-    clock = [time.perf_counter()]
+    clock = Stopwatch().start()
 
     def phase(name: str) -> None:
         if "phase" in result:  # seconds spent in the phase that ends here
-            result.setdefault("phase_seconds", {})[result["phase"]] = round(time.perf_counter() - clock[0], 1)
-        clock[0] = time.perf_counter()
+            result.setdefault("phase_seconds", {})[result["phase"]] = round(clock.elapsed(), 1)
+        clock.start()
         result["phase"] = name
         atomic_write_text(out, json.dumps(result, default=str))
 
@@ -315,7 +319,7 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "scripts.zoo.sweep", "--child", spec.key, "--result", str(out),
                *_child_options(args), *(["--optimizer", optimizer] if optimizer else [])]
-        start = time.perf_counter()
+        watch = Stopwatch().start()
         with open(log, "w") as log_file:
             try:
                 proc = subprocess.run(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
@@ -324,7 +328,7 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
             except subprocess.TimeoutExpired:
                 code = None
         result = json.loads(out.read_text()) if out.exists() else {"key": spec.key, "family": spec.family}
-    result["seconds"] = round(time.perf_counter() - start, 1)
+    result["seconds"] = round(watch.elapsed(), 1)
     if optimizer:
         result["optimizer"] = optimizer
     phase = result.get("phase", "start")
