@@ -6,6 +6,7 @@
 * ``cltrain.check.randomness``: the same random draws and RNG state in both layouts;
 * ``cltrain.check.gradient_tape``: the reference's gradients given to every run's code after the backward;
 * ``cltrain.check.compare``: ``check_layout``, the two runs compared and the fallback chosen;
+* ``cltrain.check.search``: ``FallbackSearch``, what each run found and the fallback to try next;
 * ``cltrain.check.localise``: where a fault is, and the fallbacks to try for it;
 * ``cltrain.check.isolation``: every module run on the reference run's values (rounding carried to a kink);
 * ``cltrain.check.result``: ``Finding`` and ``LayoutCheck``, and the one log line;

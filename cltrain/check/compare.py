@@ -37,7 +37,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,13 +46,14 @@ from torch import nn
 
 from cltrain.check.copies import mark_copy, running
 from cltrain.check.fallback import Fallback, apply_fallbacks
-from cltrain.check.localise import candidates, class_wide, first_line, method_source, source_of, user_frame
+from cltrain.check.localise import first_line, method_source, source_of, user_frame
 from cltrain.check.events import Event
 from cltrain.check.gradient_tape import GradientTape
 from cltrain.check.randomness import SameRandomness, rng_state, set_rng_state
 from cltrain.check.record import Run, execute, loss_of
 from cltrain.check.signature import Vectors, distance, projection_loss
 from cltrain.check.result import STEP_RAISED, Finding, LayoutCheck
+from cltrain.check.search import FallbackSearch
 from cltrain.check.isolation import ReferenceOutputs
 from cltrain.check.untouched import RealState, describe, reaching_path
 from cltrain.guardrails import guard_of
@@ -216,20 +216,14 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     # (cltrain.check.isolation): rounding carried to a kink anywhere upstream is then no longer a difference.
     isolated: ReferenceOutputs | None = None
 
-    def channels_last_run() -> Run:
+    def channels_last_run(fallbacks: list[Fallback]) -> Run:
         trial = fresh()
         apply_fallbacks(trial, fallbacks)
         return run_on(trial, "channels_last", outputs=isolated)
 
-    fallbacks: list[Fallback] = []
-    findings: list[Finding] = []
-    pending: list[Fallback] = []
-    widened: list[Fallback] = []  # the instances of a class just given the verified fallback
-    classes_done: set[str] = set()
-    last_position = -1
-    worst: tuple[float, float] | None = None
+    search = FallbackSearch(model)
     for _ in range(_ATTEMPTS):
-        run = channels_last_run()
+        run = channels_last_run(search.fallbacks)
         first = _compare(ref, noise, run, floor)
         if first is not None and noise is None:
             noise = run_on(to_contiguous(fresh()) if updates else ref_model, "contiguous", perturb=True)
@@ -239,74 +233,56 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
             isolated = ReferenceOutputs()
             run_on(to_contiguous(fresh()), "contiguous", outputs=isolated)
             isolated.recording = False
-            run = channels_last_run()
+            run = channels_last_run(search.fallbacks)
             first = _compare(ref, noise, run, floor)
-        if run.raised is not None and (first is None or run.raised.position <= first[0]):
-            position, context = run.raised.position, run.raised.context
-            phase = "step" if run.raised.phase == "forward" and context[0] is None else run.raised.phase
-            where, package = user_frame(run.raised.error) or (None, None)
-            finding = Finding("raised", phase, context[0], where, first_line(run.raised.error),
-                              guard=_guard_at(model, [context[0]]), package=package)
-        elif first is not None:
-            position, key, z, z_noise = first
-            context = run.contexts[key]
-            phase = key.phase
-            if phase == "update":
-                context = (None, None)
-                where, package = (method_source(update_owner, "step") if update_owner is not None else None) \
-                    or (None, None)
-            else:
-                phase = phase if context[0] is not None else "step"
-                where, package = source_of(model, context[0], step_owner) or (None, None)
-            at = key.module if key.kind != "update" else None  # an update's guard is its step's, not a module's
-            finding = Finding("diverged", phase, context[0], where,
-                              f"{z:.2g} relative difference at {key.describe()}, noise {z_noise:.2g}",
-                              guard=_guard_at(model, [context[0], at]), package=package)
-        else:
-            worst = _worst(ref, noise, run)
-            if not fallbacks:
-                return LayoutCheck("passed", seconds=time.perf_counter() - start, worst=worst)
-            timings = None
-            if time_fallbacks and any(f.module == "" or f.module in top_level or f.group for f in fallbacks):
-                # Not isolated inside the model, or in every instance of a class: keep whichever costs less.
-                trial = fresh()
-                apply_fallbacks(trial, fallbacks)
-                timings = {"channels_last": _time_step(trial, step, "channels_last", rng),
-                           "contiguous": _time_step(ref_model, step, "contiguous", rng)}
-                if timings["contiguous"] < timings["channels_last"]:
-                    return LayoutCheck("contiguous", tuple(findings), (Fallback("model", ""),),
-                                       seconds=time.perf_counter() - start, worst=worst, timings=timings)
-            return LayoutCheck("fallback", tuple(findings), tuple(fallbacks), seconds=time.perf_counter() - start,
-                               worst=worst, timings=timings)
-        if position > last_position:  # the last fallback moved the fault (or this is the first fault)
-            wide = class_wide(model, fallbacks[-1], findings[-1].module) if fallbacks and not widened else []
-            if wide and wide[0].group not in classes_done:
-                # Verified on one instance: every instance of its class at once, verified by one more run.
-                classes_done.add(wide[0].group)
-                fallbacks[-1] = dataclasses.replace(fallbacks[-1], group=wide[0].group)
-                findings[-1] = dataclasses.replace(findings[-1], others=len(wide), module_type=wide[0].group)
-                widened = wide
-                fallbacks += wide
-                continue
-            widened = []
-            findings.append(finding)
-            pending = [c for c in candidates(context, phase) if c not in fallbacks]
-            last_position = position
-        elif widened:  # the class-wide fallback did worse than the one instance's: keep that one
-            fallbacks = [f for f in fallbacks if f not in widened]
-            fallbacks[-1] = dataclasses.replace(fallbacks[-1], group="")
-            findings[-1] = dataclasses.replace(findings[-1], others=0, module_type=None)
-            widened = []
+        fault = _fault(model, run, first, step_owner, update_owner)
+        if fault is not None:
+            if not search.learn(*fault):
+                break
             continue
-        elif fallbacks:  # the last fallback did not move the fault: try the next candidate instead
-            fallbacks.pop()
-        if not pending:
-            break
-        choice = pending.pop(0)
-        if choice.kind == "model":
-            break
-        fallbacks.append(choice)
-    return LayoutCheck("contiguous", tuple(findings), (Fallback("model", ""),), seconds=time.perf_counter() - start)
+        worst, fallbacks = _worst(ref, noise, run), tuple(search.fallbacks)
+        if not fallbacks:
+            return LayoutCheck("passed", seconds=time.perf_counter() - start, worst=worst)
+        timings = None
+        if time_fallbacks and any(f.module == "" or f.module in top_level or f.group for f in fallbacks):
+            # Not isolated inside the model, or in every instance of a class: keep whichever costs less.
+            trial = fresh()
+            apply_fallbacks(trial, list(fallbacks))
+            timings = {"channels_last": _time_step(trial, step, "channels_last", rng),
+                       "contiguous": _time_step(ref_model, step, "contiguous", rng)}
+            if timings["contiguous"] < timings["channels_last"]:
+                return LayoutCheck("contiguous", tuple(search.findings), (Fallback("model", ""),),
+                                   seconds=time.perf_counter() - start, worst=worst, timings=timings)
+        return LayoutCheck("fallback", tuple(search.findings), fallbacks, seconds=time.perf_counter() - start,
+                           worst=worst, timings=timings)
+    return LayoutCheck("contiguous", tuple(search.findings), (Fallback("model", ""),),
+                       seconds=time.perf_counter() - start)
+
+
+def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | None, step_owner: Any,
+           update_owner: Any) -> tuple[Finding, int, tuple[str | None, str | None], str] | None:
+    """The first fault of ``run`` (it raised, or its first event that differs: ``first``) as ``(finding, position,
+    context, phase)``, or ``None`` where it agrees with the reference."""
+    if run.raised is not None and (first is None or run.raised.position <= first[0]):
+        context = run.raised.context
+        phase = "step" if run.raised.phase == "forward" and context[0] is None else run.raised.phase
+        where, package = user_frame(run.raised.error) or (None, None)
+        return (Finding("raised", phase, context[0], where, first_line(run.raised.error),
+                        guard=_guard_at(model, [context[0]]), package=package), run.raised.position, context, phase)
+    if first is None:
+        return None
+    position, key, z, z_noise = first
+    context, phase = run.contexts[key], key.phase
+    if phase == "update":
+        context = (None, None)
+        where, package = (method_source(update_owner, "step") if update_owner is not None else None) or (None, None)
+    else:
+        phase = phase if context[0] is not None else "step"
+        where, package = source_of(model, context[0], step_owner) or (None, None)
+    at = key.module if key.kind != "update" else None  # an update's guard is its step's, not a module's
+    return (Finding("diverged", phase, context[0], where,
+                    f"{z:.2g} relative difference at {key.describe()}, noise {z_noise:.2g}",
+                    guard=_guard_at(model, [context[0], at]), package=package), position, context, phase)
 
 
 def _guard_at(model: nn.Module, names: list[str | None]) -> str | None:

@@ -9,15 +9,20 @@ gradient's memory as NCHW still moves values.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from cltrain.check.record import Recorder
 from cltrain.check.events import Event
 
 __all__ = ["GradientTape"]
+
+
+class Records(Protocol):
+    """What keeps a run's values (``cltrain.check.record.Recorder``)."""
+
+    def record(self, key: Event, obj: Any, context: tuple[str | None, str | None]) -> None: ...
 
 
 class GradientTape:
@@ -28,7 +33,7 @@ class GradientTape:
         self.grads: dict[tuple[str, int], torch.Tensor] = {}
         self.recording = True
 
-    def hooks(self, model: nn.Module, recorder: Recorder) -> list[Any]:
+    def hooks(self, model: nn.Module, recorder: Records) -> list[Any]:
         """Post-accumulate-grad hooks on ``model``'s parameters: record the gradient, then keep or take the tape's."""
         fires: dict[str, int] = {}
 

@@ -20,20 +20,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from cltrain.check.events import Event
 from cltrain.check.fallback import map_images
+from cltrain.check.gradient_tape import GradientTape
 from cltrain.check.isolation import ReferenceOutputs
 from cltrain.check.randomness import SameRandomness, set_rng_state
 from cltrain.check.signature import Vectors, floats, noise_scale, signature
 from cltrain.layout.optimizer_state import state_in_param_strides
-
-if TYPE_CHECKING:
-    from cltrain.check.gradient_tape import GradientTape
 
 __all__ = ["Raise", "Recorder", "Run", "execute", "loss_of"]
 

@@ -133,15 +133,21 @@ def _info_lines() -> Iterator[list[str]]:
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    level = logger.level  # another test in the same process may have raised it (the info line would be dropped)
+    # another test in the same process can leave the level higher, the logger disabled (a logging dictConfig) or
+    # this process's rank other than 0: each drops the info line
+    saved = logger.level, logger.disabled, getattr(rank_zero_only, "rank", 0)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.disabled, rank_zero_only.rank = False, 0
     try:
         yield lines
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(level)
+        logger.setLevel(saved[0])
+        logger.disabled, rank_zero_only.rank = saved[1], saved[2]
 
 
 def _dead_pid() -> int:
