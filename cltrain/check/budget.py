@@ -30,11 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 
 from cltrain.check import LayoutCheck
 from cltrain.check.result import COPY_LIMIT
-from cltrain.layout.batches import Inputs, first_image_tensor
+from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors
 
 __all__ = ["DEFAULT_SAMPLES", "MIN_SAMPLES", "check_within_budget", "free_memory", "is_out_of_memory", "slice_batch"]
 
@@ -63,8 +62,7 @@ def free_memory() -> None:
 
 def slice_batch(batch: Any, samples: int, size: int) -> Any:
     """``batch`` rebuilt with every tensor whose leading dim is ``size`` cut to its first ``samples`` rows (views)."""
-    return apply_to_collection(batch, torch.Tensor,
-                               lambda t: t[:samples] if t.dim() >= 1 and t.shape[0] == size else t)
+    return map_tensors(batch, lambda t: t[:samples] if t.dim() >= 1 and t.shape[0] == size else t)
 
 
 def _oom_in(result: LayoutCheck) -> str | None:

@@ -222,9 +222,9 @@ def test_the_sampler_draws_order_and_seeds_from_the_seed_and_epoch_alone():
 
 
 @pytest.mark.slow
-def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folder, tmp_path):
-    # two ranks (gloo), in one launch: a folder, a pack of shards and a stream (2 workers per rank); every rank goes
-    # on from rank 0's place (the ranks step together)
+def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folder, clips, tmp_path):
+    # two ranks (gloo), in one launch: a folder, clips, a pack of shards and a stream (2 workers per rank for all but
+    # the folder); every rank goes on from rank 0's place (the ranks step together)
     import json
     import os
     import subprocess
@@ -238,7 +238,7 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
     pack(folder, tmp_path / "pack", shard_size=5, progress=False)
     saved = write_hf_dataset(tmp_path / "hf", {"train": image_rows(17, 2), "validation": image_rows(2, 2, seed=1)},
                              ["cat", "dog"], parquet_files=1)["saved"]
-    runs = {"folder": (folder, 4), "shards": (tmp_path / "pack", 4), "stream": (saved, 3)}
+    runs = {"folder": (folder, 4), "clips": (clips, 4), "shards": (tmp_path / "pack", 4), "stream": (saved, 3)}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE"))}
     done = subprocess.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(tmp_path / "out"),
                            *(f"{kind}={source}={step}" for kind, (source, step) in runs.items())],

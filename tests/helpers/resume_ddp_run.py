@@ -4,8 +4,9 @@ those checkpoints.
 
     python -m tests.helpers.resume_ddp_run OUT_DIR KIND=SOURCE=STEP [KIND=SOURCE=STEP ...]
 
-KIND: ``folder`` (ImageFolderDataModule, no workers), ``shards`` (ShardsDataModule over a pack, 2 workers per rank) or
-``stream`` (HFImageDataModule streaming a ``save_to_disk`` folder, 2 workers per rank). Rank 0 writes, per KIND,
+KIND: ``folder`` (ImageFolderDataModule, no workers), ``clips`` (ClipFolderDataModule, 2 workers per rank), ``shards``
+(ShardsDataModule over a pack, 2 workers per rank) or ``stream`` (HFImageDataModule streaming a ``save_to_disk``
+folder, 2 workers per rank). Rank 0 writes, per KIND,
 OUT_DIR/KIND/whole.pt and resumed.pt (the models' states), the checkpoints in OUT_DIR/KIND/steps/, and
 OUT_DIR/KIND/said.json (the step counts and the warnings of the resumed fit).
 """
@@ -25,11 +26,13 @@ from cltrain.data import HFImageDataModule, ImageFolderDataModule, ShardsDataMod
 
 
 class Net(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, video: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3),
-                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+        conv, norm, pool = (nn.Conv3d, nn.BatchNorm3d, nn.AdaptiveAvgPool3d) if video else \
+            (nn.Conv2d, nn.BatchNorm2d, nn.AdaptiveAvgPool2d)
+        self.net = nn.Sequential(conv(3, 8, 3, padding=1), norm(8), nn.ReLU(), nn.Dropout(0.3), pool(1),
+                                 nn.Flatten(), nn.Linear(8, 2))
 
     def training_step(self, batch, batch_idx):
         return F.cross_entropy(self.net(batch[0]), batch[1])
@@ -42,6 +45,11 @@ def _data(kind: str, source: Path) -> pl.LightningDataModule:
     common = dict(batch_size=2, image_size=24, val_resize_size=28)
     if kind == "stream":  # each rank's 2 workers share the stream
         return HFImageDataModule(source, num_workers=2, streaming=True, shuffle_buffer=4, **common)
+    if kind == "clips":
+        from cltrain.data.video import ClipFolderDataModule
+
+        return ClipFolderDataModule(source, num_workers=2, persistent_workers=False, num_frames=3, frame_stride=1,
+                                    **common)
     if kind == "shards":
         return ShardsDataModule(source, num_workers=2, persistent_workers=False, **common)
     return ImageFolderDataModule(source, num_workers=0, **common)
@@ -53,7 +61,7 @@ def _fit(kind: str, source: Path, steps: Path, ckpt: str | None) -> tuple[pl.Tra
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, enable_checkpointing=not ckpt, callbacks=saves)
-    module = Net()
+    module = Net(video=kind == "clips")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.fit(module, datamodule=_data(kind, source), ckpt_path=ckpt)
