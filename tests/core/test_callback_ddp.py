@@ -5,22 +5,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BUCKET_WARNING = "Grad strides do not match bucket view strides"
+TOGETHER = ("callback", "user:raw_memory", "user:loss_view")  # fits of one launch (torch warns of buckets once)
 
 
-def run_ddp(tmp_path, how):
+def run_ddp(tmp_path, *fits):
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.ddp_run", str(tmp_path), how], capture_output=True, text=True, timeout=600,
-        cwd=REPO,
+        [sys.executable, "-m", "tests.helpers.ddp_run", str(tmp_path), *fits], capture_output=True, text=True,
+        timeout=600, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return ranks, proc.stdout + proc.stderr
+    return {fit: [json.loads((tmp_path / fit.replace(":", "-") / f"rank{r}.json").read_text()) for r in (0, 1)]
+            for fit in fits}, proc.stdout + proc.stderr
 
 
-def test_ddp_two_processes_channels_last_on_every_rank(tmp_path):
-    ranks, output = run_ddp(tmp_path, "callback")
+@pytest.fixture(scope="module")
+def together(tmp_path_factory):
+    return run_ddp(tmp_path_factory.mktemp("ddp"), *TOGETHER)
+
+
+def test_ddp_two_processes_channels_last_on_every_rank(together):
+    ranks, output = together[0]["callback"], together[1]
     for r in ranks:
         assert r["world_size"] == 2 and r["steps"] == 3
         assert r["params_cl"] == [True] * 3, r
@@ -32,16 +40,17 @@ def test_ddp_two_processes_channels_last_on_every_rank(tmp_path):
 def test_ddp_check_catches_conversion_after_wrapping(tmp_path):
     # The negative control: converting after DDP built its buckets is what the callback avoids.
     ranks, output = run_ddp(tmp_path, "late")
+    ranks = ranks["late"]
     # DDP's bucket views keep the strides the parameters had when it wrapped them, so the
     # reducer warns even though each grad matches its (restrided) parameter.
     assert any(BUCKET_WARNING in w for r in ranks for w in r["warnings"]), "late conversion went unnoticed\n" + output[-2000:]
 
 
-def test_ddp_every_rank_applies_the_layout_checks_fallback(tmp_path):
+def test_ddp_every_rank_applies_the_layout_checks_fallback(together):
     # Rank zero checks its first batch; every rank must apply the same fallback (or the same layout).
     # The loss's view gets the model's outputs in NCHW, not a contiguous model: DDP's buckets keep their layout.
     for pattern, verdicts in (("raw_memory", {"fallback"}), ("loss_view", {"fallback"})):
-        ranks, output = run_ddp(tmp_path, f"user:{pattern}")
+        ranks, output = together[0][f"user:{pattern}"], together[1]
         assert ranks[0]["steps"] == ranks[1]["steps"] == 3, output[-2000:]
         assert ranks[0]["checks"] == ranks[1]["checks"] and ranks[0]["checks"]["train"] in verdicts, ranks
         assert ranks[0]["fallbacks"] == ranks[1]["fallbacks"] and ranks[0]["layout"] == ranks[1]["layout"]

@@ -1,9 +1,9 @@
 """Run by test_callback_ddp.py: a real two-process DDP fit on CPU (gloo) through Lightning.
 
-    python -m tests.helpers.ddp_run OUT_DIR [callback|late|user:PATTERN]
+    python -m tests.helpers.ddp_run OUT_DIR callback|late|user:PATTERN [...]
 
-Every rank writes OUT_DIR/rank<N>.json with the layout of its parameters and gradients and the
-warnings it saw. "late" converts only after DDP has wrapped the model (the pitfall of
+Each fit (one after another in the same two processes) has every rank write OUT_DIR/<fit>/rank<N>.json (``:``
+as ``-`` in the folder's name) with the layout of its parameters and gradients and the warnings it saw. "late" converts only after DDP has wrapped the model (the pitfall of
 pytorch#47163), to show the check can fail. "user:PATTERN" trains one of ``tests.helpers.user_code``'s
 projects whose code assumes NCHW, under ``ChannelsLast()``.
 """
@@ -39,6 +39,8 @@ class LateConversion(Callback):
 def main(out: Path, how: str) -> None:
     from tests.helpers import user_code
 
+    out = out / how.replace(":", "-")
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     probe = Probe()
     callbacks = [ChannelsLast() if how != "late" else LateConversion(), probe]
@@ -70,4 +72,5 @@ def main(out: Path, how: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "callback")
+    for fit in sys.argv[2:] or ["callback"]:
+        main(Path(sys.argv[1]), fit)
