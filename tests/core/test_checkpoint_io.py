@@ -133,11 +133,12 @@ def _info_lines() -> Iterator[list[str]]:
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_module, rank_zero_only
 
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    # another test in the same process can leave the level higher, the logger disabled (a logging dictConfig) or
-    # this process's rank other than 0: each drops the info line
+    # rank_zero_info writes to the logger the last imported Lightning package named (pytorch_lightning, imported by
+    # another test in this process, renames it); another test can also leave its level higher, it disabled (a logging
+    # dictConfig) or this process's rank other than 0: each would drop the info line
+    logger = rank_zero_module.log
     saved = logger.level, logger.disabled, getattr(rank_zero_only, "rank", 0)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
