@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,11 +17,12 @@ from cltrain.app.metrics_file import write_metrics
 from cltrain.tools.sweep_report import write_report
 from cltrain.atomic import TEMP_PREFIX, _host_tag
 from cltrain.data.index import index_split
+from tests.helpers import warm
 
 
 def _leftover(folder: Path, name: str) -> Path:
     """A temporary file as a writer killed mid-write leaves it (its process is gone)."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc = warm.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     path = folder / f"{TEMP_PREFIX}{proc.pid}-{_host_tag()}-0000-{name}"
     path.write_text('{"half": ')

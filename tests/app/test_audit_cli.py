@@ -8,11 +8,12 @@ import pytest
 
 from cltrain.audit import AuditReport
 from cltrain.tools.audit import main
+from tests.helpers import warm
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cltrain.tools.audit", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env})
+    return warm.run([sys.executable, "-m", "cltrain.tools.audit", *args], capture_output=True, text=True,
+                    timeout=300, env={**os.environ, **env})
 
 
 def test_unknown_model_is_one_line_with_close_names_and_exit_2():

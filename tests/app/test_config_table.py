@@ -16,6 +16,7 @@ from cltrain.app.config import ConfigError, validate
 from cltrain.app.rundir import claim_run_dir
 from cltrain.app.train import train
 from cltrain.data import make_demo_dataset
+from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,8 +180,8 @@ def test_data_layout_mistakes_are_config_errors(demo_root: Path, tmp_path: Path)
 def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=env)
+    return warm.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                    timeout=300, cwd=cwd, env=env)
 
 
 @pytest.mark.slow

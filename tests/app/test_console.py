@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from cltrain.app.console import LIBRARY_NOTICES
 from tests.helpers import REPO
+from tests.helpers import warm
 
 #: Lines a first run must not print: the notices filtered by text, the fit() warnings the app avoids,
 #: and a second progress display (Rich's or tqdm's bar).
@@ -19,7 +19,7 @@ NOISE = (*(start for _, start in LIBRARY_NOTICES), "ckpt_path", "LeafSpec", "━
 
 
 def _run(tmp_path: Path, demo_args: list[str], *overrides: str, env: dict[str, str] | None = None) -> list[str]:
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(REPO / "train.py"), "experiment=smoke", *demo_args, "device=cpu",
          f"hydra.run.dir={tmp_path / 'run'}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},

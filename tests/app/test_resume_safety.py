@@ -26,6 +26,7 @@ from cltrain.app.config import ConfigError, validate
 from cltrain.app.train import train
 from cltrain.atomic import TEMP_PREFIX
 from cltrain.checkpoint_io import load_checkpoint_file
+from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 POLLER = Path(__file__).resolve().parents[1] / "helpers" / "checkpoint_poller.py"
@@ -58,8 +59,8 @@ def _train_py(args: list[str], env: dict[str, str] | None = None, file_size_limi
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write (EFBIG), not a killed process
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO,
-                          env=env or _env(), timeout=timeout, preexec_fn=limit if file_size_limit else None)
+    return warm.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO,
+                    env=env or _env(), timeout=timeout, preexec_fn=limit if file_size_limit else None)
 
 
 def _temps(directory: Path) -> list[Path]:
@@ -109,8 +110,8 @@ def test_a_payload_checkpoint_does_not_run_through_train_py(demo_args: list[str]
         "by train.py holds; unpickling it could run code (allowed: a .ckpt file written by train.py)")
     assert "Traceback" not in done.stderr and not marker.exists()
     # Negative control: loaded as the app's pre-check did before (weights_only=False), the payload runs.
-    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(payload)!r}, weights_only=False)"],
-                   check=True, capture_output=True)
+    warm.run([sys.executable, "-c", f"import torch; torch.load({str(payload)!r}, weights_only=False)"],
+             check=True, capture_output=True)
     assert marker.exists()
 
 
@@ -218,7 +219,7 @@ _WITH_LIGHTNINGS_IO = ("import sys; import cltrain.app.train as t; from lightnin
 def _poll_app(demo_args: list[str], run: Path, tmpdir: Path, lightnings_io: bool, epochs: int = 6) -> dict:
     """train.py saving last.ckpt every epoch (one step each) with $TMPDIR on ``tmpdir``; a poller watches it."""
     last, stop = run / "checkpoints" / "last.ckpt", run.parent / f"{run.name}.stop"
-    poller = subprocess.Popen([sys.executable, str(POLLER), str(last), str(stop)], stdout=subprocess.PIPE, text=True)
+    poller = warm.Popen([sys.executable, str(POLLER), str(last), str(stop)], stdout=subprocess.PIPE, text=True)
     try:
         assert poller.stdout.readline().strip() == "polling"
         command = [sys.executable, "-c", _WITH_LIGHTNINGS_IO] if lightnings_io else [sys.executable, str(REPO / "train.py")]
@@ -248,11 +249,11 @@ def test_train_py_never_shows_an_empty_or_partial_last_ckpt(demo_args: list[str]
 
 
 def _start(demo_args: list[str], run: Path, tmpdir: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"),
-                             *_smoke(demo_args, f"hydra.run.dir={run}", "trainer.max_epochs=1000",
-                                     "trainer.limit_train_batches=1", *overrides)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=_env(TMPDIR=str(tmpdir)))
+    return warm.Popen([sys.executable, str(REPO / "train.py"),
+                       *_smoke(demo_args, f"hydra.run.dir={run}", "trainer.max_epochs=1000",
+                               "trainer.limit_train_batches=1", *overrides)],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                      env=_env(TMPDIR=str(tmpdir)))
 
 
 def _kill_at_some_moment(proc: subprocess.Popen, checkpoints: Path, mid_save: bool, rng: random.Random) -> None:

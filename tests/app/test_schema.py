@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir, data_schema, schema, validate
 from tests.helpers import REPO
+from tests.helpers import warm
 
 CONFIG_DIR = config_dir()
 
@@ -281,8 +282,8 @@ def test_problems_that_are_not_about_keys_are_left_to_hydra() -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=env)
+    return warm.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                    timeout=300, cwd=REPO, env=env)
 
 
 def _assert_one_line_exit_2(result: subprocess.CompletedProcess, message: str) -> None:

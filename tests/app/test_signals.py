@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers import warm
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +32,8 @@ def _env() -> dict[str, str]:
 
 def run_until_signalled(args: list[str], signum: int, wait_for: str, timeout: float = 240) -> tuple[int, str]:
     """Start train.py, wait for a line containing ``wait_for``, send ``signum``; (exit status, output)."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env())
+    proc = warm.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env())
     lines, deadline = [], time.monotonic() + timeout
     try:
         for line in proc.stdout:
@@ -81,15 +82,15 @@ def test_sigterm_saves_last_state_and_the_printed_command_resumes_at_that_step(d
     assert command[:2] == ["python", str(REPO / "train.py")] or command[1].endswith("train.py")
     command = [a.replace("trainer.max_epochs=50", "trainer.max_epochs=2") for a in command[2:]]
     command = [a for a in command if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={tmp_path / 'resumed'}"]
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), *command], capture_output=True, text=True,
-                          cwd=REPO, env=_env(), timeout=300)
+    done = warm.run([sys.executable, str(REPO / "train.py"), *command], capture_output=True, text=True,
+                    cwd=REPO, env=_env(), timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
     assert resumed["status"] == "completed" and resumed["global_step"] == 8
     assert "not resumable" not in done.stdout + done.stderr
     # bit for bit where the run that was never stopped ends (the same samples, augmentation, EMA, RNG)
-    whole = subprocess.run([sys.executable, str(REPO / "train.py"), *_args(demo_args, tmp_path / "whole", epochs=2)],
-                           capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+    whole = warm.run([sys.executable, str(REPO / "train.py"), *_args(demo_args, tmp_path / "whole", epochs=2)],
+                     capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
     assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-2000:]
     a, b = _final_state(tmp_path / "whole"), _final_state(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

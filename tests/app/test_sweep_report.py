@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from cltrain.app.metrics_file import write_metrics
 from cltrain.tools.sweep_report import markdown_table, write_report
 from cltrain.data import make_demo_dataset
 from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,20 +48,20 @@ def test_report_from_a_real_multirun(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     args = ["experiment=smoke", f"data.root={root}", *(f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()),
             "device=cpu", "trainer.enable_progress_bar=false", "print_freq=0", f"hydra.sweep.dir={sweep}"]
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "channels_last=true,false", "amp=true,false",
-                             *args], capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    result = warm.run([sys.executable, str(REPO / "train.py"), "-m", "channels_last=true,false", "amp=true,false",
+                       *args], capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     configs = {(m["channels_last"], m["precision"]) for m in
                (json.loads(p.read_text()) for p in sweep.glob("*/metrics.json"))}
     assert configs == {(True, "bf16-mixed"), (True, "32-true"), (False, "bf16-mixed"), (False, "32-true")}
 
-    report = subprocess.run([sys.executable, "-m", "cltrain.tools.sweep_report", str(sweep)],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    report = warm.run([sys.executable, "-m", "cltrain.tools.sweep_report", str(sweep)],
+                      capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr
     table = (sweep / "report.md").read_text()
     assert table.count("| resnet18 |") == 4 and "1.00x" in table
     assert (sweep / "report.png").stat().st_size > 1000
 
-    again = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "amp=true", *args],
-                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    again = warm.run([sys.executable, str(REPO / "train.py"), "-m", "amp=true", *args],
+                     capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert again.returncode == 2 and "hydra.sweep.dir=" in again.stderr  # the sweep is never overwritten

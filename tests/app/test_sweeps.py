@@ -17,6 +17,7 @@ import yaml
 
 from cltrain.data import make_demo_dataset
 from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,15 +34,15 @@ def demo_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def _sweep(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", *args], capture_output=True, text=True,
-                            timeout=timeout, cwd=REPO, env=env)
+    result = warm.run([sys.executable, str(REPO / "train.py"), "-m", *args], capture_output=True, text=True,
+                      timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
 def _report(sweep: Path) -> str:
-    report = subprocess.run([sys.executable, "-m", "cltrain.tools.sweep_report", str(sweep)],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    report = warm.run([sys.executable, "-m", "cltrain.tools.sweep_report", str(sweep)],
+                      capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr
     return (sweep / "report.md").read_text()
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import warm
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
+    return warm.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                    timeout=timeout, cwd=REPO, env=env)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import torch
 
 from cltrain.atomic import (TEMP_PREFIX, DiskFullError, atomic_open, atomic_torch_save, atomic_write_bytes,
                             atomic_write_json, atomic_write_text, remove_leftovers)
+from tests.helpers import warm
 
 
 def _temps(directory: Path) -> list[str]:
@@ -105,7 +106,7 @@ except DiskFullError as err:
 
 
 def _run_limited(call: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", _FSIZE.format(call=call)], capture_output=True, text=True, timeout=120)
+    done = warm.run([sys.executable, "-c", _FSIZE.format(call=call)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines()
 
@@ -179,7 +180,7 @@ def test_kill_9_at_random_moments_leaves_a_complete_file_and_a_removable_leftove
     rng = random.Random(0)
     leftovers = 0
     for kill in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(target)], stdout=subprocess.PIPE, text=True)
+        proc = warm.Popen([sys.executable, "-c", _SAVER, str(target)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip()  # one save finished
         if kill % 2 == 0:  # a random moment
             time.sleep(rng.uniform(0.0, 0.3))
@@ -201,7 +202,7 @@ def test_kill_9_at_random_moments_leaves_a_complete_file_and_a_removable_leftove
 def test_remove_leftovers_keeps_files_of_running_writers(tmp_path: Path) -> None:
     from cltrain.atomic import _host_tag
 
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper = warm.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         live = tmp_path / f"{TEMP_PREFIX}{sleeper.pid}-{_host_tag()}-0000-last.ckpt"
         mine = tmp_path / f"{TEMP_PREFIX}{os.getpid()}-{_host_tag()}-0000-last.ckpt"

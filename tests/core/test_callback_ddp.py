@@ -1,11 +1,12 @@
 """ChannelsLast under real DDP: two processes on CPU (gloo), launched by Lightning's ddp strategy."""
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKET_WARNING = "Grad strides do not match bucket view strides"
@@ -13,9 +14,9 @@ TOGETHER = ("callback", "user:raw_memory", "user:loss_view")  # fits of one laun
 
 
 def run_ddp(tmp_path, *fits):
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "tests.helpers.ddp_run", str(tmp_path), *fits], capture_output=True, text=True,
-        timeout=600, cwd=REPO,
+        timeout=600, cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # a module fixture: conftest's is later
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {fit: [json.loads((tmp_path / fit.replace(":", "-") / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None, reason="pytorch_lightning is not installed")
 def test_the_check_finds_the_view_and_training_matches_nchw_under_pytorch_lightning():
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.pl_standalone_run"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = warm.run([sys.executable, "-m", "tests.helpers.pl_standalone_run"], cwd=REPO, capture_output=True,
+                    text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(proc.stdout.strip().splitlines()[-1])
     assert run["verdict"] in ("fallback", "contiguous") and "`net`" in run["line"] and "view" in run["line"], run

@@ -24,6 +24,7 @@ from tests.helpers.plain_modules import Classifier, loader
 from cltrain.atomic import TEMP_PREFIX, _host_tag
 from cltrain.checkpoint_io import (AtomicCheckpointIO, UnreadableCheckpointError, UnsafeCheckpointError,
                                    load_checkpoint_file)
+from tests.helpers import warm
 
 POLLER = Path(__file__).resolve().parents[1] / "helpers" / "checkpoint_poller.py"
 OTHER_FS = Path("/dev/shm")
@@ -92,7 +93,7 @@ def _poll_while_saving(tmp_path: Path, io: object | None, monkeypatch: pytest.Mo
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))  # what Lightning's fsspec transaction stages in
     last, stop = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "stop"
-    poller = subprocess.Popen([sys.executable, str(POLLER), str(last), str(stop)], stdout=subprocess.PIPE, text=True)
+    poller = warm.Popen([sys.executable, str(POLLER), str(last), str(stop)], stdout=subprocess.PIPE, text=True)
     try:
         assert poller.stdout.readline().strip() == "polling"
         checkpoint = ModelCheckpoint(dirpath=last.parent, filename="last", every_n_train_steps=1,
@@ -152,7 +153,7 @@ def _info_lines() -> Iterator[list[str]]:
 
 
 def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc = warm.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
 
@@ -194,8 +195,8 @@ def test_a_payload_checkpoint_is_refused_and_does_not_run(tmp_path: Path) -> Non
     assert err.value.types == ["posix.system"] and "\n" not in str(err.value)
     assert not marker.exists()
     # Negative control: the same file loaded as the app's pre-check used to (weights_only=False) runs the payload.
-    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(path)!r}, weights_only=False)"], check=True,
-                   capture_output=True)
+    warm.run([sys.executable, "-c", f"import torch; torch.load({str(path)!r}, weights_only=False)"], check=True,
+             capture_output=True)
     assert marker.exists()
 
 

@@ -29,6 +29,7 @@ from cltrain.guardrails import (
     current_platform,
     find_hazards,
 )
+from tests.helpers import warm
 
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 REPRO = Path(__file__).resolve().parents[2] / "scripts" / "repro"  # standalone files, run by path
@@ -43,7 +44,7 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 120
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
                "PYTHONWARNINGS": "ignore", **(env or {})}
     try:
-        return subprocess.run([sys.executable, *args], env=environ, capture_output=True, text=True, timeout=timeout)
+        return warm.run([sys.executable, *args], env=environ, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
 

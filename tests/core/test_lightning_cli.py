@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import warm
 
 pytestmark = pytest.mark.slow
 
@@ -14,8 +14,8 @@ APP = Path(__file__).resolve().parents[1] / "helpers" / "lightning_cli_app.py"
 
 
 def _fit(*args: str, cwd: Path) -> str:
-    result = subprocess.run([sys.executable, str(APP), "fit", "--trainer.max_steps=2", *args],
-                            capture_output=True, text=True, timeout=300, cwd=cwd)
+    result = warm.run([sys.executable, str(APP), "fit", "--trainer.max_steps=2", *args],
+                      capture_output=True, text=True, timeout=300, cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 

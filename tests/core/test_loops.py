@@ -3,7 +3,6 @@ model trained channels_last (torch.export, TorchScript, ONNX)."""
 
 import json
 import logging
-import subprocess
 import sys
 import warnings
 
@@ -18,6 +17,7 @@ from cltrain import is_channels_last, layout_summary
 from cltrain.loops import contiguous_copy, convert_batch, convert_model
 from tests.helpers import REPO
 from tests.helpers.plain_modules import channels_last_strides, loader
+from tests.helpers import warm
 
 BUCKET_WARNING = "Grad strides do not match bucket view strides"
 
@@ -92,8 +92,8 @@ def test_bad_arguments_name_the_value():
 
 
 def run_fabric_ddp(tmp_path, when):
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.fabric_ddp_run", str(tmp_path), when],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = warm.run([sys.executable, "-m", "tests.helpers.fabric_ddp_run", str(tmp_path), when],
+                    capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -6,7 +6,6 @@ import copy
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from cltrain.precision import (
     loss_scaling_safe,
     zero_momentum_buffers,
 )
+from tests.helpers import warm
 
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
@@ -188,8 +188,8 @@ def test_a_checkpoint_of_the_unfused_sgd_resumes_fused_in_a_real_fp16_trainer(tm
 
 
 def _in_a_fresh_process(code: str, env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                         timeout=120)
+    out = warm.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                   timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -252,11 +252,11 @@ def test_precision_asks_cltrain_platform() -> None:
 
 def _smoke_precision(tmp_path: Path, env: dict[str, str]) -> tuple[dict, str]:
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, str(REPO / "train.py"), "experiment=smoke", f"run_dir={run}", "device=cpu",
-                          "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
-                          f"data.root={tmp_path / 'data' / 'demo'}", "data.demo.any_root=true",
-                          "data.demo.train_per_class=2", "data.demo.val_per_class=1", "data.demo.image_size=[48,40]"],
-                         cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    out = warm.run([sys.executable, str(REPO / "train.py"), "experiment=smoke", f"run_dir={run}", "device=cpu",
+                    "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
+                    f"data.root={tmp_path / 'data' / 'demo'}", "data.demo.any_root=true",
+                    "data.demo.train_per_class=2", "data.demo.val_per_class=1", "data.demo.image_size=[48,40]"],
+                   cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads((run / "metrics.json").read_text()), out.stdout + out.stderr
 

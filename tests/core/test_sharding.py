@@ -5,7 +5,6 @@ Lightning's ``ModelParallelStrategy``), each against the same engine's NCHW run;
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from torch import nn
 from cltrain.loops import convert_model
 from cltrain.sharding import sharded_line, sharding_of
 from tests.helpers import REPO
+from tests.helpers import warm
 
 #: What every step of a sharded cltrain run gives the first convolution: channels_last input, the contiguous
 #: (all-gathered, plain) weight the line promises, and an NHWC output (the NHWC kernel ran).
@@ -26,9 +26,9 @@ LINE = sharded_line("FSDP2")
 
 
 def run_engine(tmp_path: Path, engine: str) -> list[dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "tests.helpers.fsdp_run", str(tmp_path), engine],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     "-m", "tests.helpers.fsdp_run", str(tmp_path), engine],
+                    cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -16,6 +16,7 @@ from torch import nn
 from cltrain import ChannelsLast, is_channels_last
 from cltrain.timing.probe import probe_layout
 from tests.core.test_guardrails import HERE, case, needs_x86_onednn, run
+from tests.helpers import warm
 
 
 class Small(nn.Module):
@@ -99,9 +100,9 @@ def test_auto_survives_a_native_crash_and_keeps_contiguous():
     # memory corruption: when the child's steps happen to survive it, "auto" keeps channels_last and the unguarded
     # real run may then crash as a plain run would, which is what guard=False asks for.
     try:  # the run's own output up to a hang: where the probe survived, the unguarded real run can hang (#6035)
-        proc = subprocess.run([sys.executable, str(HERE / "guard_cases.py"), "auto", "0"], capture_output=True,
-                              text=True, timeout=90, env={**os.environ, "PYTHONWARNINGS": "ignore",
-                                                          "PYTHONPATH": str(HERE.parent)})
+        proc = warm.run([sys.executable, str(HERE / "guard_cases.py"), "auto", "0"], capture_output=True,
+                        text=True, timeout=90, env={**os.environ, "PYTHONWARNINGS": "ignore",
+                                                    "PYTHONPATH": str(HERE.parent)})
     except subprocess.TimeoutExpired as hung:
         said = hung.stderr.decode() if isinstance(hung.stderr, bytes) else hung.stderr or ""
         assert "keeping channels_last" in said, f"guard_cases.py auto 0 hung before the probe kept a layout:\n{said}"
@@ -234,7 +235,7 @@ def test_auto_times_a_model_from_an_unimportable_main_in_process(tmp_path, how, 
     script = tmp_path / "train.py"
     script.write_text(TRAIN_WITHOUT_GUARD)
     args = [str(script)] if how == "script" else ["-c", TRAIN_WITHOUT_GUARD]
-    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result["timings"]) == {"channels_last", "contiguous"} and result["auto_failure"] is None
@@ -257,7 +258,7 @@ print(probe_layout(model, (2, 3, 8, 8), steps=1, warmup=0).method)
 def test_a_probe_leaves_no_file_open_in_either_process():
     # PYTHONWARNINGS reaches the child too; its stderr is the caller's
     env = {**os.environ, "PYTHONWARNINGS": "always::ResourceWarning"}
-    proc = subprocess.run([sys.executable, "-c", PROBE_ONLY], env=env, capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, "-c", PROBE_ONLY], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "child process"
     assert "ResourceWarning" not in proc.stderr, proc.stderr[-3000:]

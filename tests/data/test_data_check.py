@@ -5,7 +5,6 @@ import os
 import struct
 import zlib
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from cltrain.data.check import check_file, check_files, main
 from cltrain.data.image_folder_dataset import BadImageError
 from cltrain.data.decoders import DECODER_NAMES
 from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
+from tests.helpers import warm
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def test_command_lists_bad_files_exits_1_and_the_datamodule_leaves_them_out(odd,
     shutil.copy(odd["text"], root / "val" / "c1" / "text.jpg")
     out = tmp_path / "bad.tsv"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-m", "cltrain.data.check", str(root), "--workers", "2", "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = warm.run([sys.executable, "-m", "cltrain.data.check", str(root), "--workers", "2", "--out", str(out)],
+                   capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 1, run.stderr
     assert "it/s" in run.stderr or "file/s" in run.stderr  # the progress bar
     assert "10 files checked (full)" in run.stdout and "2 bad" in run.stdout

@@ -11,6 +11,7 @@ from PIL import Image
 
 from cltrain.data import ImageFolderDataModule, make_demo_dataset
 from cltrain.data.demo import MARKER
+from tests.helpers import warm
 
 
 def _digest(root):
@@ -70,7 +71,7 @@ def test_a_killed_generation_leaves_nothing_behind_for_long(tmp_path):
     # A real generation, killed with SIGKILL mid-way, leaves its temporary folder ...
     code = "import sys; from cltrain.data import make_demo_dataset; make_demo_dataset(sys.argv[1], train_per_class=400)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "demo")], env=env)
+    proc = warm.Popen([sys.executable, "-c", code, str(tmp_path / "demo")], env=env)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".demo.tmp-*/train/*/*.jpg")) and time.time() < deadline:
         time.sleep(0.2)

@@ -5,8 +5,6 @@ Pillow, bad rows skipped and listed by index or raised in one line, 0 and 2 work
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from tests.helpers.plain_modules import Classifier
 
 pytest.importorskip("datasets")
 from tests.helpers.hf_data import HUB_ID, image_rows, png_bytes, write_hf_dataset  # noqa: E402 - needs datasets
+from tests.helpers import warm
 
 NAMES = ["cat", "dog", "fox"]
 BAD_ROWS = {7: "truncated", 11: "html"}
@@ -143,7 +142,7 @@ def test_ddp_two_ranks_two_workers_read_each_streamed_row_once_per_epoch(tmp_pat
     root = write_hf_dataset(tmp_path / "rows", {"train": (cells, list(range(24))), "validation": (cells[:8], list(range(8)))},
                             [f"r{i}" for i in range(24)])["saved"]
     command = ["-m", "tests.helpers.hf_data_ddp_run", str(root), str(tmp_path), "1", "2"]
-    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = warm.run([sys.executable, *command], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 for r in ranks) and ranks[0]["steps"] == ranks[1]["steps"]

@@ -21,8 +21,9 @@ from cltrain.data import ImageFolderDataModule, NHWCCollate, ShardsDataModule, S
 from cltrain.data.pack import MANIFEST, PackError, _plan, main, pack
 from cltrain.data.shard_sampler import ShardBatchSampler, rank_batch_sizes
 from tests.helpers.data_fixtures import write_image_folder, write_jpegs
+from tests.helpers import warm
 
-DDP_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "shards_ddp_run.py"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -234,8 +235,8 @@ def test_app_builds_shards_from_data_shards(folder: Path, tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_ddp_two_ranks_two_workers_every_sample_exactly_once_per_epoch(folder: Path, tmp_path: Path) -> None:
     pack(folder, tmp_path / "out", shard_size=7, progress=False)  # 33 train in 5 shards, 15 val
-    proc = subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path / "out"), str(tmp_path), "2"],
-                          capture_output=True, text=True, timeout=600)
+    proc = warm.run([sys.executable, "-m", "tests.helpers.shards_ddp_run", str(tmp_path / "out"), str(tmp_path), "2"],
+                    cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 for r in ranks) and ranks[0]["steps"] == ranks[1]["steps"] == 2 * 5

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from cltrain import ChannelsLast
 from cltrain.data import ImageFolderDataModule, make_demo_dataset
 from cltrain.data.resume_state import ResumableSampler, SeededIndex
+from tests.helpers import warm
 
 STEPS_PER_EPOCH = 3
 
@@ -227,7 +228,6 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
     # the folder); every rank goes on from rank 0's place (the ranks step together)
     import json
     import os
-    import subprocess
     import sys
 
     pytest.importorskip("datasets")
@@ -240,9 +240,9 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
                              ["cat", "dog"], parquet_files=1)["saved"]
     runs = {"folder": (folder, 4), "clips": (clips, 4), "shards": (tmp_path / "pack", 4), "stream": (saved, 3)}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE"))}
-    done = subprocess.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(tmp_path / "out"),
-                           *(f"{kind}={source}={step}" for kind, (source, step) in runs.items())],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    done = warm.run([sys.executable, "-m", "tests.helpers.resume_ddp_run", str(tmp_path / "out"),
+                     *(f"{kind}={source}={step}" for kind, (source, step) in runs.items())],
+                    cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     for kind, (_, step) in runs.items():
         where = tmp_path / "out" / kind

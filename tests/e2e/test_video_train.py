@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from cltrain.app.cli import compose_config
 from cltrain.app.module import ImageClassifier
 from cltrain.app.train import train
 from cltrain.check import checking
+from tests.helpers import warm
 
 CL3D = torch.channels_last_3d
 REPO = Path(__file__).resolve().parents[2]
@@ -99,8 +99,8 @@ def test_the_video_demo_learns_motion_well_above_chance(tmp_path: Path) -> None:
     this test fails on it (checked)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), "experiment=video", "device=cpu", "run_dir=run",
-                           "trainer.enable_progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    done = warm.run([sys.executable, str(REPO / "train.py"), "experiment=video", "device=cpu", "run_dir=run",
+                     "trainer.enable_progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["model"] == "r3d_18" and metrics["layout"] == "channels_last" and metrics["epochs"] == 5

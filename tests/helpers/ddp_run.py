@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, Trainer
 
 from cltrain import ChannelsLast, is_channels_last, to_channels_last
 from tests.helpers.plain_modules import Classifier, loader
+from tests.helpers import warm
 
 
 class Probe(Callback):
@@ -72,5 +73,6 @@ def main(out: Path, how: str) -> None:
 
 
 if __name__ == "__main__":
+    warm.lightning_ranks_forked()
     for fit in sys.argv[2:] or ["callback"]:
         main(Path(sys.argv[1]), fit)

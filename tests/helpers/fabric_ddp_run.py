@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from cltrain import is_channels_last, to_channels_last
 from cltrain.loops import convert_batch, convert_model
 from tests.helpers.plain_modules import loader
+from tests.helpers import warm
 
 
 def main(out: Path, when: str) -> None:
@@ -54,4 +55,5 @@ def main(out: Path, when: str) -> None:
 
 
 if __name__ == "__main__":
+    warm.lightning_ranks_forked()
     main(Path(sys.argv[1]), sys.argv[2])

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 from cltrain.layout import is_channels_last
 from cltrain.loops import contiguous_copy, convert_batch, convert_model, verify_layout
+from tests.helpers import warm
 
 STEPS = 3
 
@@ -223,4 +224,5 @@ def main(out: Path, engine: str) -> None:
 
 
 if __name__ == "__main__":
+    warm.lightning_ranks_forked()
     main(Path(sys.argv[1]), sys.argv[2])

@@ -14,6 +14,7 @@ from lightning.pytorch import seed_everything
 
 from cltrain.data import HFImageDataModule
 from tests.helpers.shards_ddp_run import Recorder, fit_and_record
+from tests.helpers import warm
 
 
 def main(root: Path, out: Path, streaming: bool, epochs: int) -> None:
@@ -23,4 +24,5 @@ def main(root: Path, out: Path, streaming: bool, epochs: int) -> None:
 
 
 if __name__ == "__main__":
+    warm.lightning_ranks_forked()
     main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]) if len(sys.argv) > 4 else 2)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cltrain.data import HFImageDataModule, ImageFolderDataModule, ShardsDataModule
+from tests.helpers import warm
 
 
 class Net(pl.LightningModule):
@@ -82,4 +83,5 @@ def main(out: Path, runs: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    warm.lightning_ranks_forked()
     main(Path(sys.argv[1]), sys.argv[2:])

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import get_worker_info
 
 from cltrain.data import ShardsDataModule, ShardsDataset
+from tests.helpers import warm
 
 
 class TaggedShards(ShardsDataset):
@@ -78,4 +79,5 @@ def main(pack: Path, out: Path, epochs: int) -> None:
 
 
 if __name__ == "__main__":
+    warm.lightning_ranks_forked()
     main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2)

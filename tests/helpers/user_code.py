@@ -9,7 +9,6 @@ the BatchNorm statistics.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from tests.helpers import warm
 
 
 class ViewHead(nn.Module):
@@ -405,8 +405,8 @@ def run_variants(pattern: str) -> dict[str, dict]:
     """``pattern`` trained in a subprocess without the callback, with it, and with ``verify=False``: each
     variant's report by name (``"nchw"``, ``"checked"``, ``"unchecked"``)."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.user_code", pattern, "nchw", "checked", "unchecked"],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, "-m", "tests.helpers.user_code", pattern, "nchw", "checked", "unchecked"],
+                    cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {r["variant"]: r for r in reports}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from tests.helpers import warm
 
 pl = importlib.import_module("pytorch_lightning" if "pytorch_lightning" in sys.argv else "lightning.pytorch")
 
@@ -270,8 +270,8 @@ def main(project: str, variant: str) -> dict:
 def run_project(project: str, package: str) -> dict[str, dict]:
     """``project`` trained in a subprocess in every variant: each variant's report by name."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.user_projects", project, package], cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, "-m", "tests.helpers.user_projects", project, package], cwd=root,
+                    capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {r["variant"]: r for r in reports}

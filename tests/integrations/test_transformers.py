@@ -21,6 +21,7 @@ from cltrain.integrations.transformers import ChannelsLastCallback  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 from tests.helpers.hf_models import build  # noqa: E402
 from tests.helpers.hf_trainer_run import Probe, conv_weights, trainer  # noqa: E402
+from tests.helpers import warm
 
 # transformers 5.24 saves Segformer under its legacy key names and Trainer's resume loads them with
 # load_state_dict(strict=False): the resumed Segformer starts from its own weights, with or without cltrain.
@@ -28,8 +29,8 @@ RESUMES_WEIGHTS = {"convnext", "resnet", "regnet", "timm"}
 
 
 def _run_model(name: str, tmp_path: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.hf_trainer_run", name, str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, "-m", "tests.helpers.hf_trainer_run", name, str(tmp_path)],
+                    cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -179,9 +180,9 @@ def test_import_cltrain_imports_neither_transformers_nor_accelerate():
 
 @pytest.mark.slow
 def test_ddp_rank_0_checks_and_every_rank_applies_its_choice(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "tests.helpers.hf_ddp_run", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = warm.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     "-m", "tests.helpers.hf_ddp_run", str(tmp_path)],
+                    cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["checked"]["wrapped"] for r in ranks] == ["DistributedDataParallel"] * 2

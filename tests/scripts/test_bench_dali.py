@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 @pytest.mark.slow
@@ -16,9 +16,9 @@ def test_bench_dali_prints_every_loader_and_the_ratios(tmp_path):
     pytest.importorskip("sklearn")
     pytest.importorskip("skimage")
     pytest.importorskip("nvidia.dali", reason="pip install nvidia-dali-cuda130")
-    out = subprocess.run([sys.executable, "-m", "scripts.bench.dali", "--quick", "--work", str(tmp_path),
-                          "--sets", "photos", "500x375", "--levers"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = warm.run([sys.executable, "-m", "scripts.bench.dali", "--quick", "--work", str(tmp_path),
+                    "--sets", "photos", "500x375", "--levers"],
+                   cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     for row in ("| DALI |", "| cltrain float |", "| cltrain uint8 |", "| cltrain 2 proc |", "| torchvision |", "| timm |",
                 "| decode |", "| lever: normalize() after |", "| lever: whole-image decode |"):

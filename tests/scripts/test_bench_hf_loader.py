@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 def test_bench_hf_loader_prints_the_three_loaders_and_the_ratios(tmp_path):
     pytest.importorskip("datasets")
     pytest.importorskip("sklearn")  # the bundled photographs
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-m", "scripts.bench.hf_loader", "--photos", str(tmp_path / "photos"),
-                          "--photos-count", "16", "--batch-size", "4", "--batches", "1", "--repeats", "1", "--size", "32",
-                          "--workers", "0"], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    out = warm.run([sys.executable, "-m", "scripts.bench.hf_loader", "--photos", str(tmp_path / "photos"),
+                    "--photos-count", "16", "--batch-size", "4", "--batches", "1", "--repeats", "1", "--size", "32",
+                    "--workers", "0"], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     for row in ("0 workers (all)                         (a) HF docs", "(b) cltrain hf", "(c) cltrain dir",
                 "cltrain's plan ("):

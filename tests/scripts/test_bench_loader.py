@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import pytest
 from PIL import Image, JpegImagePlugin
 
 from scripts.bench.photo_folder import make_photo_folder
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 def test_photo_folder_is_real_photographs_in_imagenet_layout(tmp_path):
@@ -34,10 +34,10 @@ def test_photo_folder_is_real_photographs_in_imagenet_layout(tmp_path):
 def test_bench_loader_prints_the_ratios(tmp_path):
     pytest.importorskip("timm")
     pytest.importorskip("sklearn")
-    out = subprocess.run([sys.executable, "-m", "scripts.bench.loader", "--photos", str(tmp_path / "p"),
-                          "--photos-count", "12", "--batches", "1", "--batch-size", "4", "--workers", "0",
-                          "--size", "32", "--whole", "--augment"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = warm.run([sys.executable, "-m", "scripts.bench.loader", "--photos", str(tmp_path / "p"),
+                    "--photos-count", "12", "--batches", "1", "--batch-size", "4", "--workers", "0",
+                    "--size", "32", "--whole", "--augment"],
+                   cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     for row in ("(a) cltrain", "(b) torchvision", "(c) timm", "(d) decode only", "(a0) cltrain whole", "(e) cltrain+aug"):
         assert row in out.stdout

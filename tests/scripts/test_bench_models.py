@@ -1,7 +1,6 @@
 """scripts.bench.models: runs in quick mode on tiny models and writes sane CSV, markdown and PNG."""
 
 import csv
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from scripts.bench import models as bench
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 def _check_rows(rows: list[dict]) -> None:
@@ -24,7 +24,7 @@ def _check_rows(rows: list[dict]) -> None:
 
 def test_quick_run_writes_checked_csv_markdown_and_png(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, "-m", "scripts.bench.models", "--quick", "--device", "cpu", "--models", "tinycnn", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
     )

@@ -3,20 +3,20 @@ computes in (channels_last activations with NCHW weights run the NHWC kernel; th
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers import warm
 
 VARIANTS = ["contiguous", "channels_last", "cl_activations", "fsdp2 contiguous", "fsdp2 cl_activations"]
 
 
 @pytest.mark.slow
 def test_quick_prints_every_variant_and_cl_activations_runs_nhwc():
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench.sharded_weights", "--quick", "--fsdp"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = warm.run([sys.executable, "-m", "scripts.bench.sharded_weights", "--quick", "--fsdp"],
+                    cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = proc.stdout.rstrip().split("\n\n")[-1].splitlines()  # the whole run's table, printed last
     assert final[0].startswith("| model | weights / input | img/s (median) |")

@@ -13,13 +13,14 @@ import pytest
 from cltrain.data import make_demo_dataset
 from cltrain.data.pack import pack
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "scripts.bench.shards", "--batch-size", "4", "--batches", "2",
-                           "--rounds", "2", "--paired", "4", "--size", "32", *args],
-                          cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    return warm.run([sys.executable, "-m", "scripts.bench.shards", "--batch-size", "4", "--batches", "2",
+                     "--rounds", "2", "--paired", "4", "--size", "32", *args],
+                    cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_bench_shards_prints_paired_and_loader_ratios(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers import warm
 COLUMNS = ["part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
            "notes"]
 E2E = {"`channels_last=true amp=fp16`": "16-mixed", "`channels_last=false amp=fp16`": "16-mixed",
@@ -27,8 +28,8 @@ def _cells(line: str) -> list[str]:
 @pytest.mark.long  # train.py and the main_amp matrix end to end (about 40 s): run it before a GPU session
 def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None:
     # conftest hides the GPU from this subprocess: what needs CUDA must be a "skipped" row, not a failure
-    result = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--out", str(tmp_path)], cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
+    result = warm.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--out", str(tmp_path)], cwd=REPO,
+                      capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = (tmp_path / "gpu_check.md").read_text()
     assert text in result.stdout
@@ -142,9 +143,9 @@ def test_the_mark_table_gives_medians_and_each_rounds_ratio_to_its_contiguous_ru
 
 
 def _mark(tmp_path: Path, *only: str) -> tuple[subprocess.CompletedProcess, str, dict[str, list[str]]]:
-    result = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--mark", "--parts", "e2e",
-                             "--out", str(tmp_path), *(["--mark-only", *only] if only else [])], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
+    result = warm.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--mark", "--parts", "e2e",
+                       "--out", str(tmp_path), *(["--mark-only", *only] if only else [])], cwd=REPO,
+                      capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = (tmp_path / "mark.md").read_text()
     return result, text, {c[0]: c for c in (_cells(line) for line in text.splitlines() if line.startswith("| "))}

@@ -4,15 +4,15 @@ the repro's own output, not a test's)."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 def test_cpu_bf16_conv3d_counts_each_dtype_and_layout() -> None:
-    out = subprocess.run([sys.executable, "-m", "scripts.repro.cpu_bf16_conv3d_nonfinite", "--calls", "3",
-                          "--shape", "2", "8", "2", "4", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = warm.run([sys.executable, "-m", "scripts.repro.cpu_bf16_conv3d_nonfinite", "--calls", "3",
+                    "--shape", "2", "8", "2", "4", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = re.findall(r"^(bfloat16|float32) (contiguous|channels_last_3d): (\d) of 3 calls non-finite", out.stdout, re.M)
     assert [r[:2] for r in rows] == [("bfloat16", "contiguous"), ("bfloat16", "channels_last_3d"), ("float32", "contiguous")]

@@ -6,7 +6,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -16,11 +15,12 @@ from torch import nn
 from scripts.zoo import check_report, confirm, miss_check, models, parity
 from scripts.zoo import sweep as zoo_sweep
 from tests.helpers import REPO
+from tests.helpers import warm
 
 
 def sweep(tmp_path, *args, timeout=900):
-    proc = subprocess.run([sys.executable, "-m", "scripts.zoo.sweep", "--out", str(tmp_path / "zoo"), "--log-dir",
-                           str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = warm.run([sys.executable, "-m", "scripts.zoo.sweep", "--out", str(tmp_path / "zoo"), "--log-dir",
+                     str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["key"]: r for r in json.loads((tmp_path / "zoo.json").read_text())["rows"]}
     return rows, proc.stdout
@@ -133,9 +133,9 @@ def test_miss_check_tells_a_right_kernel_from_one_that_is_off_alone():
 
 def check_rows(tmp_path, *args):
     """``--check-only`` through the script: its rows by (model, optimizer), its table and its output."""
-    proc = subprocess.run([sys.executable, "-m", "scripts.zoo.sweep", "--check-only", "--out", str(tmp_path / "zoo"),
-                           "--log-dir", str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    proc = warm.run([sys.executable, "-m", "scripts.zoo.sweep", "--check-only", "--out", str(tmp_path / "zoo"),
+                     "--log-dir", str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True,
+                    timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {(r["key"], r["optimizer"]): r for r in json.loads((tmp_path / "zoo.json").read_text())["rows"]}
     return rows, (tmp_path / "zoo.md").read_text(), proc.stdout

@@ -1,0 +1,75 @@
+"""The forked interpreter of :mod:`tests.helpers.warm` behaves as ``python`` started afresh, each call compared with a
+real start of the same command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, warm
+
+SELF = """
+import json, os, random, sys
+import __main__
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "env": os.environ.get("WARM_PROBE"),
+                  "spec": getattr(__main__.__spec__, "name", None), "file": getattr(__main__, "__file__", None),
+                  "stdin": sys.stdin.read(), "extra_path": sys.path[1], "random": random.random(),
+                  "lightning": "lightning" in sys.modules}))
+sys.exit(int(sys.argv[-1]))
+"""
+
+
+def _both(args: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    return (warm.run([sys.executable, *args], capture_output=True, text=True, timeout=120, **kwargs),
+            subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, **kwargs))
+
+
+@pytest.mark.parametrize("how", ["-c", "script", "-m"])
+def test_a_warm_child_sees_what_a_started_python_sees(tmp_path: Path, how: str) -> None:
+    (tmp_path / "probe_mod.py").write_text(SELF)
+    args = {"-c": ["-c", SELF], "script": [str(tmp_path / "probe_mod.py")], "-m": ["-m", "probe_mod"]}[how]
+    env = {**os.environ, "WARM_PROBE": "yes", "PYTHONPATH": str(tmp_path / "extra")}
+    warm_done, fresh = _both([*args, "a b", "3"], cwd=tmp_path, env=env, input="stdin text")
+    assert warm_done.returncode == fresh.returncode == 3, warm_done.stderr[-2000:]
+    seen, expected = json.loads(warm_done.stdout), json.loads(fresh.stdout)
+    assert seen.pop("random") != expected.pop("random")
+    assert seen.pop("lightning") and not expected.pop("lightning")  # the one difference: what is already imported
+    assert seen == expected and seen["env"] == "yes" and seen["stdin"] == "stdin text"
+
+
+def test_each_warm_child_draws_its_own_random_numbers() -> None:
+    code = "import random, numpy; print(random.random(), numpy.random.rand())"
+    first, second = (warm.run([sys.executable, "-c", code], capture_output=True, text=True) for _ in range(2))
+    assert first.stdout.split() and set(first.stdout.split()).isdisjoint(second.stdout.split())
+
+
+def test_an_uncaught_exception_a_signal_and_a_timeout_end_a_warm_child_as_they_end_python() -> None:
+    raised, fresh = _both(["-c", "raise ValueError('the message')"])
+    assert raised.returncode == fresh.returncode == 1
+    assert raised.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1] == "ValueError: the message"
+    proc = warm.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                      stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n" and proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == -signal.SIGTERM
+    proc.stdout.close()
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    assert time.monotonic() - started < 30
+
+
+def test_an_import_time_variable_gets_a_real_start(tmp_path: Path) -> None:
+    code = "import sys; print('lightning' in sys.modules)"
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2"}
+    assert warm.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout == "False\n"
+    assert warm.run([sys.executable, "-c", code], capture_output=True, text=True, fresh=True).stdout == "False\n"
+    # the control: the same call without the variable is served warm
+    assert warm.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout == "True\n"
