@@ -73,3 +73,10 @@ def test_an_import_time_variable_gets_a_real_start(tmp_path: Path) -> None:
     assert warm.run([sys.executable, "-c", code], capture_output=True, text=True, fresh=True).stdout == "False\n"
     # the control: the same call without the variable is served warm
     assert warm.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout == "True\n"
+
+
+def test_poll_and_wait_after_the_end_keep_the_status() -> None:
+    proc = warm.Popen([sys.executable, "-c", "import sys; sys.exit(5)"])
+    while proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() == proc.wait() == proc.returncode == 5

@@ -26,7 +26,7 @@ LINE = sharded_line("FSDP2")
 
 
 def run_engine(tmp_path: Path, engine: str) -> list[dict[str, Any]]:
-    proc = warm.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = warm.run([sys.executable, "-m", "tests.helpers.torchrun", "--standalone", "--nproc_per_node", "2",
                      "-m", "tests.helpers.fsdp_run", str(tmp_path), engine],
                     cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

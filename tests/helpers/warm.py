@@ -44,14 +44,15 @@ _HANDLED = {"stdin", "stdout", "stderr", "capture_output", "text", "universal_ne
 
 # read at start too, and applied by the child as Python would have
 APPLIED = ("PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "TMPDIR")
-# read when used, not at import, or by libraries the server has not loaded (Intel's OpenMP); libraries in the test
-# process set them (torch's compile, Lightning's CUDA count, scikit-learn, OpenCV extends LD_LIBRARY_PATH for its own)
+# (prefixes) read when used, not at import, or by libraries the server has not loaded (Intel's OpenMP): libraries in
+# the test process set them (torch's compile, Lightning's CUDA count, scikit-learn, OpenCV extends LD_LIBRARY_PATH for
+# its own), and torch.distributed.run for each worker
 LATE = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_HOME", "KMP_DUPLICATE_LIB_OK",
-        "KMP_INIT_AT_FORK", "LD_LIBRARY_PATH")
+        "KMP_INIT_AT_FORK", "LD_LIBRARY_PATH", "TORCHELASTIC_", "TORCH_NCCL_")
 
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in APPLIED + LATE}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in APPLIED and not k.startswith(LATE)}
 
 
 class _Server:
@@ -146,7 +147,8 @@ class WarmPopen:
         self.stdin, self.stdout, self.stderr = stdio.parent
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.connect(server.path)
-        request = {"argv": [str(a) for a in args[1:]], "cwd": os.path.abspath(cwd if cwd is not None else "."),
+        unbuffered = str(args[1]) == "-u"
+        request = {"argv": [str(a) for a in args[1 + unbuffered:]], "unbuffered": unbuffered, "cwd": os.path.abspath(cwd if cwd is not None else "."),
                    "env": dict(os.environ if env is None else env), "new_session": start_new_session,
                    "socket": server.path}
         socket.send_fds(self._sock, [json.dumps(request).encode()], stdio.child)
@@ -157,11 +159,11 @@ class WarmPopen:
         if self.returncode is None:
             self._sock.setblocking(False)
             try:
-                self._status(self._sock.recv(64))
+                data = self._sock.recv(64)
             except BlockingIOError:
-                pass
-            finally:
                 self._sock.setblocking(True)
+                return None
+            self._status(data)
         return self.returncode
 
     def _status(self, data: bytes) -> None:
@@ -226,7 +228,10 @@ class WarmPopen:
 def _server_for(args: Any, kwargs: dict[str, Any], fresh: bool) -> _Server | None:
     if fresh or set(kwargs) - _HANDLED or not isinstance(args, (list, tuple)) or len(args) < 2:
         return None
-    if str(args[0]) != sys.executable or str(args[1]).startswith("-") and str(args[1]) not in ("-m", "-c"):
+    first = 2 if str(args[1]) == "-u" else 1  # -u: unbuffered streams, as torch.distributed.run starts its workers
+    if str(args[0]) != sys.executable or len(args) <= first:
+        return None
+    if str(args[first]).startswith("-") and str(args[first]) not in ("-m", "-c"):
         return None
     server = _Server.get()
     env = os.environ if kwargs.get("env") is None else kwargs["env"]
@@ -278,6 +283,15 @@ def lightning_ranks_forked() -> None:
         from lightning.fabric.strategies.launchers import subprocess_script
 
         subprocess_script.subprocess = _ForkingSubprocess()
+
+
+def torchrun_workers_forked() -> None:
+    """``torch.distributed.run`` (imported after this) starts its workers with :func:`Popen` when this process is one
+    the server forked."""
+    if os.environ.get(SOCKET):
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+        subprocess_handler.Popen = Popen
 
 
 class _ForkingSubprocess:
@@ -432,7 +446,7 @@ def _become(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     os.environ[SOCKET] = request["socket"]
     old = sys.stdout, sys.stderr
-    unbuffered = bool(request["env"].get("PYTHONUNBUFFERED"))
+    unbuffered = request["unbuffered"] or bool(request["env"].get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
                                                    line_buffering=os.isatty(1), write_through=unbuffered)

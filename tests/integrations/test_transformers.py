@@ -180,7 +180,7 @@ def test_import_cltrain_imports_neither_transformers_nor_accelerate():
 
 @pytest.mark.slow
 def test_ddp_rank_0_checks_and_every_rank_applies_its_choice(tmp_path):
-    proc = warm.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = warm.run([sys.executable, "-m", "tests.helpers.torchrun", "--standalone", "--nproc_per_node", "2",
                      "-m", "tests.helpers.hf_ddp_run", str(tmp_path)],
                     cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
