@@ -12,6 +12,9 @@
 * Under pytest-xdist (``-n auto`` in pyproject.toml, one worker per core, a test module per worker), each worker
   and the processes its tests start use an equal share of the CPUs: two workers each running torch on every core
   make both many times slower. ``-n 0`` runs the tests in one process.
+* A test starts Python with ``tests.helpers.warm.run`` / ``Popen`` (``subprocess``'s arguments): a fork of a server
+  that imported torch and Lightning once, unless the test is about a start (``subprocess`` itself) or sets a variable
+  read at import (``warm`` then starts Python).
 """
 
 from __future__ import annotations
