@@ -16,7 +16,7 @@ from cltrain.check.compare import LayoutCheck
 from cltrain.check.fallback import Fallback
 from cltrain.check.lightning_step import check_lightning_step
 from cltrain.check.resume import restored_check, run_fingerprint, saved_check
-from cltrain.guardrails import KNOWN_FAULTS, GuardRecord, find_hazards
+from cltrain.guardrails import GuardRecord
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import (check_inputs, describe_batch, first_image_tensor, image_inputs, restore_batch,
                                     restride_batch)
@@ -289,32 +289,18 @@ class ChannelsLast(Callback):
         if trainer.state.fn == "fit":
             self._keep_due(trainer, "on_validation_end", f"after validation at step {trainer.global_step}")
 
-    def _hazards_on_every_rank(self, trainer: Trainer, pl_module: LightningModule, device: torch.device,
-                               dtype: torch.dtype | None, layout: str) -> dict[str, list[str]]:
-        """The modules any rank finds hazardous (the oneDNN ISA may differ between machines): every
-        rank guards the same modules, so parameter layouts, and DDP's buckets, agree."""
-        local = find_hazards(pl_module, device=device, dtype=dtype, layout=layout)
-        if trainer.world_size == 1:
-            return local
-        names = [name for name, _ in pl_module.named_modules()]
-        index = {name: j for j, name in enumerate(names)}
-        flags = torch.zeros(len(KNOWN_FAULTS), len(names), device=device)
-        for i, fault in enumerate(KNOWN_FAULTS):
-            for name in local.get(fault.key, ()):
-                flags[i, index[name]] = 1
-        flags = trainer.strategy.reduce(flags, reduce_op="sum").cpu()
-        union = {fault.key: [names[j] for j in flags[i].nonzero().flatten().tolist()]
-                 for i, fault in enumerate(KNOWN_FAULTS)}
-        return {key: found for key, found in union.items() if found}
-
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
         sharding = sharding_of(pl_module, trainer.strategy)
         layout = self.session.layout
         if layout is None:  # a sharded model cannot be copied to time it
             layout = "channels_last" if self.mode != "auto" or sharding else self._choose(trainer, pl_module, device)
-        hazards = self._hazards_on_every_rank(trainer, pl_module, device, dtype, layout) if self.guard else None
-        self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding, layout=layout, hazards=hazards)
+        total = None
+        if trainer.world_size > 1:  # every rank guards the modules any rank finds hazardous
+            def total(flags: torch.Tensor) -> torch.Tensor:
+                return trainer.strategy.reduce(flags.to(device), reduce_op="sum")
+        self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding, layout=layout,
+                             sum_over_ranks=total)
         self.session.convert_copies(model_copies(trainer, pl_module, exclude=self))
         if not self._warned_no_conv and not self.session.has_convolutions(pl_module):
             self._warned_no_conv = True

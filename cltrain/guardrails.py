@@ -46,6 +46,7 @@ __all__ = [
     "SubsampledConv2d",
     "apply_guardrails",
     "find_hazards",
+    "hazards_over_ranks",
     "guard_of",
 ]
 
@@ -304,6 +305,24 @@ def find_hazards(
         if names:
             found[fault.key] = names
     return found
+
+
+def hazards_over_ranks(model: nn.Module, found: dict[str, list[str]],
+                       sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, list[str]]:
+    """``found`` (``find_hazards`` on this rank) united with every other rank's: the oneDNN ISA, so the channel block,
+    can differ between machines, and every rank must guard the same modules for its parameters to keep the layouts
+    the others' do (DDP's buckets). ``sum_over_ranks`` sums a float tensor over the ranks (an all-reduce); every rank
+    calls this at the same point."""
+    names = [name for name, _ in model.named_modules()]
+    index = {name: j for j, name in enumerate(names)}
+    flags = torch.zeros(len(KNOWN_FAULTS), len(names))
+    for i, fault in enumerate(KNOWN_FAULTS):
+        for name in found.get(fault.key, ()):
+            flags[i, index[name]] = 1
+    flags = sum_over_ranks(flags).cpu()
+    union = {fault.key: [names[j] for j in flags[i].nonzero().flatten().tolist()]
+             for i, fault in enumerate(KNOWN_FAULTS)}
+    return {key: modules for key, modules in union.items() if modules}
 
 
 def apply_guardrails(

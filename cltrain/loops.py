@@ -45,7 +45,7 @@ from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import copy_optimizer, eager_copy, elementwise
 from cltrain.layout import MODES, to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
-from cltrain.session import LayoutSession
+from cltrain.session import LayoutSession, process_group_sum
 from cltrain.sharding import sharding_of
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
@@ -79,7 +79,9 @@ def convert_model(
         dtype: the dtype its convolutions will compute in: the autocast dtype
             (``torch.bfloat16``, ``torch.float16``), or ``None`` for fp32.
         guard: apply ``cltrain.guardrails.apply_guardrails`` (one log line per known
-            kernel fault worked around); ``False`` trains the bare kernels.
+            kernel fault worked around); ``False`` trains the bare kernels. Where a ``torch.distributed`` group
+            of several ranks is initialised (``fabric.launch()``), the guardrails cover the modules any rank finds
+            hazardous, so every rank calls ``convert_model`` (as every rank builds its model).
 
     Returns:
         ``model`` itself (its ``Parameter`` objects are kept: an optimizer made before still works).
@@ -103,7 +105,7 @@ def convert_model(
     engine = sharding_of(model)
     session = LayoutSession(mode, guard=guard, say=_say)
     engine = engine if engine is not None else "" if sharded else None  # "": an engine not named yet
-    session.convert(model, device=device, dtype=dtype, sharding=engine)
+    session.convert(model, device=device, dtype=dtype, sharding=engine, sum_over_ranks=process_group_sum())
     session.report_conversion(f"convert_model(mode={mode!r})", model)
     return model
 

@@ -34,7 +34,7 @@ from torch import nn
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
 from cltrain.check.result import LayoutCheck
-from cltrain.guardrails import GuardRecord, apply_guardrails
+from cltrain.guardrails import GuardRecord, apply_guardrails, find_hazards, hazards_over_ranks
 from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d,
                             to_contiguous)
 from cltrain.layout.conv_reach import ConvReach
@@ -118,7 +118,7 @@ class LayoutSession:
 
     def convert(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                 sharding: str | None = None, layout: str | None = None,
-                hazards: dict[str, list[str]] | None = None) -> nn.Module:
+                sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
         """Put ``model`` in the session's layout, in place, with the guardrails and the fallbacks chosen so far.
 
         Args:
@@ -126,7 +126,8 @@ class LayoutSession:
             dtype: the dtype its convolutions compute in (the autocast dtype, or ``None`` for float32).
             sharding: the engine that shards it or will (``cltrain.sharding.sharding_of``): parameters contiguous.
             layout: ``"channels_last"`` or ``"contiguous"`` (default: the session's, else channels_last).
-            hazards: the modules to guard, the union over ranks (``apply_guardrails``; default: this process's).
+            sum_over_ranks: in a distributed run, a sum over the ranks (an all-reduce every rank calls here): the
+                guardrails then cover the modules any rank finds hazardous (``hazards_over_ranks``).
         """
         if device is None:
             device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
@@ -134,6 +135,10 @@ class LayoutSession:
         held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
         self.sharding = sharding if sharding is not None else held
         self.layout = layout or self.layout or "channels_last"
+        hazards = None
+        if self.guard and sum_over_ranks is not None:
+            found = find_hazards(model, device=self.device, dtype=dtype, layout=self.layout)
+            hazards = hazards_over_ranks(model, found, sum_over_ranks)
         records = self._put_in_layout(model, hazards, held is not None)
         if self.guard:
             self.guardrails = records
@@ -366,3 +371,22 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.dim() in (4, 5) and t.is_floating_point():
             yield name, t
+
+
+def process_group_sum() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A sum over ``torch.distributed``'s default group where one of more than one rank is initialised (every rank
+    must then call it at the same point), else ``None``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    backend = str(dist.get_backend())
+    on_gpu = "gloo" not in backend and torch.cuda.is_available()  # NCCL reduces CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(device)
+        dist.all_reduce(tensor)
+        return tensor
+
+    return total

@@ -17,7 +17,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from cltrain import layout_summary
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.layout import is_channels_last
-from cltrain.session import LayoutSession
+from cltrain.session import LayoutSession, process_group_sum
 from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLastCallback"]
@@ -172,7 +172,7 @@ class ChannelsLastCallback(TrainerCallback):
         session = LayoutSession(self.mode, guard=self.guard, say=_say)
         # Accelerate shards it in `prepare`; FSDP2 refuses channels_last parameters
         session.convert(model, device=args.device, dtype=_compute_dtype(args),
-                        sharding=sharding_of(model, _accelerator_state()))
+                        sharding=sharding_of(model, _accelerator_state()), sum_over_ranks=process_group_sum())
         self._attach(model, args, session)
 
     def _attach(self, model: nn.Module, args: TrainingArguments, session: LayoutSession) -> None:

@@ -113,6 +113,17 @@ def test_fabric_ddp_check_catches_conversion_after_setup(tmp_path):
     assert any(BUCKET_WARNING in w for r in ranks for w in r["warnings"])
 
 
+@pytest.mark.slow
+def test_fabric_ddp_ranks_on_different_isas_guard_the_same_modules(tmp_path):
+    ranks = run_fabric_ddp(tmp_path, "united")
+    assert [r["guarded"] for r in ranks] == [["stem"], ["stem"]]  # rank 1 (block 8) alone finds nothing
+    assert ranks[0]["strides"] == ranks[1]["strides"]
+    # the negative control: each rank guarding what it finds gives the stem's weight other strides on each rank
+    alone = warm.run([sys.executable, "-m", "tests.helpers.fabric_ddp_run", str(tmp_path), "alone"],
+                     capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert alone.returncode != 0 and "appears not to match strides" in alone.stderr, alone.stderr[-3000:]
+
+
 # ---- export --------------------------------------------------------------------------------------
 
 

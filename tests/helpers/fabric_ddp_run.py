@@ -1,11 +1,16 @@
 """Run by test_loops.py: a real two-process DDP loop on CPU (gloo) through Lightning Fabric.
 
-    python -m tests.helpers.fabric_ddp_run OUT_DIR [before|after]     # from the repository root
+    python -m tests.helpers.fabric_ddp_run OUT_DIR [before|after|united|alone]     # from the repository root
 
 ``before`` converts with :func:`cltrain.loops.convert_model` before ``fabric.setup`` (the way it
 is meant to be used); ``after`` restrides once Fabric has wrapped the model in DDP (the pitfall of
 pytorch#47163), to show the check can fail. Every rank writes OUT_DIR/rank<N>.json with the
 layout of its parameters and gradients and the warnings it saw.
+
+``united`` trains an 8-channel 1x1 stride-2 stem (a Conv2d subclass: its guard puts its weight in NCHW) where rank 0
+sees oneDNN's AVX-512 channel block (16) and rank 1 its AVX2 one (8), as on two kinds of machine: only rank 0 finds
+the stem hazardous, and ``convert_model`` guards it on both. ``alone``, the negative control, guards what each rank
+finds: the ranks' weight strides differ and DDP refuses them.
 """
 
 import json
@@ -24,7 +29,56 @@ from tests.helpers.plain_modules import loader
 from tests.helpers import warm
 
 
+class UserConv2d(torch.nn.Conv2d):
+    """A user's Conv2d subclass (its own forward): the guard keeps it and puts its weight and input in NCHW."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+class EightChannelStem(torch.nn.Module):
+    """8 input channels into a 1x1 stride-2 conv: below oneDNN's AVX-512 channel block (16), not its AVX2 one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = UserConv2d(8, 16, 1, stride=2)
+        self.body = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)).mean((2, 3)))
+
+
+def stems(out: Path, united: bool) -> None:
+    import cltrain.session
+    from cltrain.guardrails import guard_of
+    from cltrain.platform import Platform
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    if fabric.global_rank == 0:  # the machine with AVX-512
+        Platform.channel_block = property(lambda self: 16)
+    if not united:
+        cltrain.session.hazards_over_ranks = lambda model, found, total: found
+    torch.manual_seed(0)
+    model = convert_model(EightChannelStem())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    g = torch.Generator().manual_seed(fabric.global_rank)
+    for _ in range(2):
+        x, y = convert_batch((torch.randn(4, 8, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)))
+        fabric.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    inner = model.module
+    result = {"rank": fabric.global_rank, "guarded": sorted(n for n, m in inner.named_modules() if guard_of(m)),
+              "strides": {n: list(p.stride()) for n, p in inner.named_parameters() if p.dim() == 4}}
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
+
+
 def main(out: Path, when: str) -> None:
+    if when in ("united", "alone"):
+        return stems(out, when == "united")
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
     torch.manual_seed(0)
