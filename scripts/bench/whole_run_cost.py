@@ -9,7 +9,8 @@ state only when a checkpoint is saved (``state_dict``). This times, in one proce
 
 * a training step (forward, cross-entropy, backward, SGD) of the channels_last model;
 * ``keep`` on that model with nothing moved (what every epoch's end costs), and with every weight moved;
-* ``note_taken`` and ``state_dict`` of a training loader;
+* ``note_taken`` and ``state_dict`` of a training loader, and the copy of the BatchNorm statistics before each step
+  (``cltrain.data.running_stats.RunningStats.hold``);
 * for a stream (``cltrain.data.stream_place``): a sample's seed from its place (``row_seed``, once per sample) and
   noting a batch's worker and place (``StreamPlaces.fetched``, once per batch);
 
@@ -27,6 +28,7 @@ import torchvision
 
 from cltrain.data.prefetch import ResumableLoader
 from cltrain.data.resume_state import ResumableSampler
+from cltrain.data.running_stats import RunningStats
 from cltrain.data.stream_place import Place, StreamPlaces, Tagged, row_seed
 from cltrain.session import LayoutSession
 from scripts.timing import interleaved, median_seconds
@@ -62,12 +64,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                              sampler=ResumableSampler(64, seed=0))
     step()  # warm-up: kernels chosen, momentum buffers made
     places, tagged = StreamPlaces(), Tagged(0, Place(row=7, copies=0, next=8), None)
+    stats = RunningStats()
+    stats.hold(model)
     rows = interleaved(args.rounds, {  # interleaved: each figure from the same stretch of the run
         "step": lambda: median_seconds(step, 1),
         "keep, nothing moved": lambda: median_seconds(lambda: session.keep(model, [opt]), 20),
         "keep, every weight moved": lambda: median_seconds(moved, 3),
         "note_taken": lambda: median_seconds(loader.note_taken, 1000),
         "loader state_dict": lambda: median_seconds(loader.state_dict, 100),
+        "BatchNorm statistics held": lambda: median_seconds(lambda: stats.hold(model), 100),
         "stream: a sample's seed": lambda: median_seconds(lambda: row_seed(2**61, 3, 1, 12345, 0, 0), 1000),
         "stream: a batch's place": lambda: median_seconds(lambda: places.fetched(tagged), 1000)})
     step_s = statistics.median(rows["step"])

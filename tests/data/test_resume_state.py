@@ -283,9 +283,9 @@ class _Batches(pl.Callback):
 
 
 def test_a_run_that_crashed_in_a_step_reads_that_batch_again_with_its_augmentation_and_rng(folder, tmp_path):
-    # the step of batch 2 raises after its forward and backward (its dropout drew): the exception checkpoint holds
-    # the batch as not taken and the RNG from before it. (Buffers that forward updated, BatchNorm's statistics,
-    # stay updated: a crash inside a step is exact for the data, the RNG and the weights, not for those.)
+    # the step of batch 2 raises after its forward and backward (its dropout drew, its BatchNorm updated its running
+    # statistics): the exception checkpoint holds the batch as not taken, the RNG and the BatchNorm statistics from
+    # before it, and the resumed run ends bit for bit where the uninterrupted one does
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
     class Crash(Exception):
@@ -307,12 +307,15 @@ def test_a_run_that_crashed_in_a_step_reads_that_batch_again_with_its_augmentati
         return trainer
 
     whole, crashed, resumed = _Batches(), _Batches(), _Batches()
-    fit(whole)
+    ended = fit(whole).lightning_module.state_dict()
     with pytest.raises(Crash):
         fit(crashed, CrashInStep(), OnExceptionCheckpoint(tmp_path, "crashed"))
     trainer = fit(resumed, ckpt_path=str(tmp_path / "crashed.ckpt"))
     assert trainer.global_step == 2 * STEPS_PER_EPOCH
     assert resumed.seen == whole.seen[2:] and crashed.seen == whole.seen[:3]
+    state = trainer.lightning_module.state_dict()
+    assert state.keys() == ended.keys()
+    assert [k for k in state if not torch.equal(state[k], ended[k])] == []
 
 
 

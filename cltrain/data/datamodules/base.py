@@ -42,6 +42,7 @@ from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
 from cltrain.data.resume_state import ResumableSampler, is_resumable
+from cltrain.data.running_stats import RunningStats
 from cltrain.data.stream_place import is_stream
 
 __all__ = ["BatchDataModule", "takes_arguments_of"]
@@ -191,12 +192,18 @@ class BatchDataModule(L.LightningDataModule):
         in ``configure_optimizers`` builds it before the loop's own loader state is read, and then never reads it)."""
         loader = getattr(self, "_train_loader", None)
         state = loader.state_dict() if isinstance(loader, ResumableLoader) else {}
-        return {"train_loader": state} if state else {}
+        if not state:
+            return {}
+        stats = getattr(self, "_running_stats", None)
+        if stats is not None and loader.unfinished():  # a step raised: its forward's statistics are not kept
+            return {"train_loader": state, "running_stats": stats.held()}
+        return {"train_loader": state}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Hand ``state_dict``'s place in the epoch to the training loader, now or when it is built."""
         state = (state_dict or {}).get("train_loader")
+        self._stats_to_put_back = (state_dict or {}).get("running_stats")  # at the first batch, once all is restored
         loader = getattr(self, "_train_loader", None)
         if state and isinstance(loader, ResumableLoader):
             loader.load_state_dict(state)
@@ -229,6 +236,9 @@ class BatchDataModule(L.LightningDataModule):
             if loader.taken == 0 and not loader.resumed:
                 _say_if_resumed_without_state(trainer)
             loader.note_taken()
+            model = getattr(trainer, "lightning_module", None)
+            if isinstance(model, torch.nn.Module):
+                self._hold_running_stats(model)
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() in (4, 5):
             images = batch[0]
             if images.dtype == torch.uint8:
@@ -237,6 +247,16 @@ class BatchDataModule(L.LightningDataModule):
                 images = normalize(images, self.mean, self.std, self.dtype, memory_format=fmt)
                 return self._replace_head(batch, images)
         return batch
+
+    def _hold_running_stats(self, model: torch.nn.Module) -> None:
+        """Put back the statistics a checkpoint saved in an unfinished step, then copy them before this step."""
+        held = getattr(self, "_stats_to_put_back", None)
+        if held:
+            RunningStats.put_back(model, held)
+            self._stats_to_put_back = None
+        if getattr(self, "_running_stats", None) is None:
+            self._running_stats = RunningStats()
+        self._running_stats.hold(model)
 
     @staticmethod
     def _replace_head(batch: tuple | list, *head: Any) -> tuple | list:
