@@ -223,9 +223,9 @@ def _poll_app(demo_args: list[str], run: Path, tmpdir: Path, lightnings_io: bool
     try:
         assert poller.stdout.readline().strip() == "polling"
         command = [sys.executable, "-c", _WITH_LIGHTNINGS_IO] if lightnings_io else [sys.executable, str(REPO / "train.py")]
-        done = subprocess.run([*command, *_smoke(demo_args, f"hydra.run.dir={run}", f"trainer.max_epochs={epochs}",
-                                                 "trainer.limit_train_batches=1")],
-                              capture_output=True, text=True, cwd=REPO, env=_env(TMPDIR=str(tmpdir)), timeout=600)
+        done = warm.run([*command, *_smoke(demo_args, f"hydra.run.dir={run}", f"trainer.max_epochs={epochs}",
+                                           "trainer.limit_train_batches=1")],
+                        capture_output=True, text=True, cwd=REPO, env=_env(TMPDIR=str(tmpdir)), timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     finally:
         stop.touch()

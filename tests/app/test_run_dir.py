@@ -17,6 +17,7 @@ from cltrain.app.config import ConfigError
 from cltrain.app.rundir import CLAIM, claim_run_dir
 from cltrain.data import make_demo_dataset
 from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,8 +60,8 @@ def test_concurrent_runs_from_one_folder_get_their_own_directories(tmp_path: Pat
     # The same time pattern for every run (day resolution, so they surely collide), from the same cwd.
     args = [sys.executable, str(REPO / "train.py"), "experiment=smoke", f"data.root={root}", *demo, "device=cpu",
             "amp=false", "trainer.enable_progress_bar=false", "print_freq=0", "hydra.run.dir=outputs/${now:%Y-%m-%d}"]
-    procs = [subprocess.Popen([*args, f"seed={i}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [warm.Popen([*args, f"seed={i}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = [p.communicate(timeout=400)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
 

@@ -104,7 +104,7 @@ def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp
     os.mkfifo(victim)
     out, train = tmp_path / "out", tmp_path / "out" / "train"
     cmd = [sys.executable, "-m", "cltrain.data.pack", str(folder), str(out), "--shard-size", "7", "--workers", "0"]
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = warm.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for([train / "shard-000001.idx.npy", train / f"{TEMP_PREFIX}*-shard-000002.tar"], first)
     first.send_signal(signal.SIGKILL)
     assert first.wait(timeout=60) == -signal.SIGKILL
@@ -112,7 +112,7 @@ def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp
     with pytest.raises(FileNotFoundError, match="not a complete cltrain pack"):
         ShardsDataset(out, "train", eval_transform(32, 36))
     kept = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in train.glob("shard-00000[01].*")}
-    second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = warm.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with open(victim, "wb") as fifo:  # blocks until the resumed packer opens it
         fifo.write(data)
     stdout, stderr = second.communicate(timeout=120)
