@@ -5,12 +5,14 @@ Lightning, Hydra and cltrain once and has run nothing since. The child takes the
 environment, standard streams, ``sys.argv`` and ``sys.path[0]``, a fresh ``__main__``, fresh ``random`` and numpy
 seeds, and runs ``-m MODULE``, ``-c CODE`` or ``SCRIPT`` as Python would; its exit status, a signal included, is the
 call's. Starting ``python`` costs about 9 s on a 2-core machine, nearly all of it importing Lightning; a fork costs
-milliseconds.
+milliseconds. What Lightning decides at import (a console handler of its own where the root logger has none) is
+decided at its logger's first record instead. ``lightning_ranks_forked`` and ``torchrun_workers_forked`` make the DDP
+ranks a helper starts forks too.
 
 A call goes to a real interpreter start instead (the same arguments to :mod:`subprocess`) when the test is about
 what a start does (``fresh=True``), when its environment differs from the server's in a variable read at import
 (thread counts, ISA limits, ``PYTHON*``, ``HF_*`` ...), when its first argument is not this interpreter or carries
-interpreter options, or when it passes an argument this module does not handle. ``WARM_LOG=FILE`` appends a line
+interpreter options other than ``-u``, or when it passes an argument this module does not handle. ``WARM_LOG=FILE`` appends a line
 naming the test and the variables for each call that a server could have taken but that started Python.
 """
 
