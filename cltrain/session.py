@@ -373,12 +373,19 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, t
 
 
+def several_ranks() -> bool:
+    """Whether ``torch.distributed``'s default group is initialised with more than one rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def process_group_sum() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A sum over ``torch.distributed``'s default group where one of more than one rank is initialised (every rank
     must then call it at the same point), else ``None``."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not several_ranks():
         return None
     backend = str(dist.get_backend())
     on_gpu = "gloo" not in backend and torch.cuda.is_available()  # NCCL reduces CUDA tensors only

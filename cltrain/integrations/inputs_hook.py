@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cltrain.layout.stacks import to_input_layout
-from cltrain.session import InputTrace, LayoutSession
+from cltrain.session import InputTrace, LayoutSession, several_ranks
 
 __all__ = ["IMAGE_ARGUMENTS", "ChannelsLastInputs", "argument_names"]
 
@@ -254,8 +254,7 @@ class ChannelsLastInputs:
         from cltrain.loops import check_batch
 
         found = self._found(args, kwargs)
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1
+        distributed = several_ranks()
         rank = torch.distributed.get_rank() if distributed else 0
 
         def run() -> LayoutCheck:
