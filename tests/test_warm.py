@@ -80,3 +80,17 @@ def test_poll_and_wait_after_the_end_keep_the_status() -> None:
     while proc.poll() is None:
         time.sleep(0.05)
     assert proc.poll() == proc.wait() == proc.returncode == 5
+
+
+def test_nested_makes_the_childs_own_python_processes_forks_too() -> None:
+    # the child starts a grandchild as a script that runs each case in a process of its own would
+    code = ("import subprocess, sys\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import sys; sys.exit(3 if \"lightning\" in sys.modules else 4)'])\n"
+            "status = p.wait(timeout=float('inf'))\n"
+            "done = subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True, text=True, timeout=60)\n"
+            "print(status, done.returncode, done.stdout.strip())")
+    nested = warm.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, nested=True)
+    assert nested.stdout.split() == ["3", "0", "7"], nested.stderr  # 3: a fork of the server, which holds Lightning
+    # the control: without nested=True the grandchild is a real start
+    plain = warm.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert plain.stdout.split() == ["4", "0", "7"], plain.stderr

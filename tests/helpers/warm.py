@@ -40,6 +40,8 @@ PRELOAD = ("torch", "torchvision", "lightning", "hydra", "omegaconf", "cltrain",
 IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH_", "CUDA_",
                "NCCL_", "LD_", "MALLOC_", "HF_", "TRANSFORMERS_", "HUGGINGFACE_", "XDG_", "TMPDIR", "LC_", "LANG")
 SOCKET = "CLTRAIN_TEST_WARM_SOCKET"  # in a forked child: the server's socket, for the processes it starts
+NESTED = "CLTRAIN_TEST_WARM_NESTED"  # set by ``nested=True``: the child's own ``[sys.executable, ...]`` are forks too
+_REAL_POPEN, _REAL_RUN = subprocess.Popen, subprocess.run  # what a call the server does not take goes to
 _HANDLED = {"stdin", "stdout", "stderr", "capture_output", "text", "universal_newlines", "cwd", "env", "timeout",
             "check", "input", "start_new_session"}
 
@@ -78,7 +80,7 @@ class _Server:
         # CUDA; children given CUDA_VISIBLE_DEVICES="" (conftest's default) are served, others start Python
         self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         Path(self.dir, "env.json").write_text(json.dumps(self.env))
-        self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdin=DEVNULL, stdout=PIPE, text=True,
+        self.proc = _REAL_POPEN([sys.executable, __file__, self.path], stdin=DEVNULL, stdout=PIPE, text=True,
                                      env=self.env)
         ready = self.proc.stdout.readline().strip()
         self.ok = ready == "ready"
@@ -173,6 +175,7 @@ class WarmPopen:
         self._sock.close()
 
     def wait(self, timeout: float | None = None) -> int:
+        timeout = None if timeout is None or timeout == float("inf") else timeout  # subprocess takes inf too
         if self.returncode is None:
             self._sock.settimeout(timeout)
             try:
@@ -247,18 +250,23 @@ def _server_for(args: Any, kwargs: dict[str, Any], fresh: bool) -> _Server | Non
     return server
 
 
-def Popen(args: Any, fresh: bool = False, **kwargs: Any) -> Any:  # noqa: N802 - subprocess's name
+def Popen(args: Any, fresh: bool = False, nested: bool = False, **kwargs: Any) -> Any:  # noqa: N802 - subprocess's name
+    kwargs = _nested(kwargs) if nested else kwargs
     server = _server_for(args, {k: v for k, v in kwargs.items() if k != "capture_output"}, fresh)
     if server is None:
-        return subprocess.Popen(args, **kwargs)
+        return _REAL_POPEN(args, **kwargs)
     text = bool(kwargs.pop("text", False) or kwargs.pop("universal_newlines", False))
     return WarmPopen(server, list(args), text=text, **kwargs)
 
 
-def run(args: Any, fresh: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:
+def run(args: Any, fresh: bool = False, nested: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run`, forked from the server where it can be (module docstring); ``nested=True``: the
+    ``[sys.executable, ...]`` processes the child starts through :mod:`subprocess` are forks of the server too (a
+    script that runs each case in a process of its own)."""
+    kwargs = _nested(kwargs) if nested else kwargs
     server = _server_for(args, kwargs, fresh)
     if server is None:
-        return subprocess.run(args, **kwargs)
+        return _REAL_RUN(args, **kwargs)
     timeout, check, given = kwargs.pop("timeout", None), kwargs.pop("check", False), kwargs.pop("input", None)
     if kwargs.pop("capture_output", False):
         kwargs["stdout"] = kwargs["stderr"] = PIPE
@@ -278,13 +286,23 @@ def run(args: Any, fresh: bool = False, **kwargs: Any) -> subprocess.CompletedPr
     return done
 
 
+def _nested(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**kwargs, "env": {**(os.environ if kwargs.get("env") is None else kwargs["env"]), NESTED: "1"}}
+
+
+def _subprocess_forked() -> None:
+    """In a child started with ``nested=True``: :mod:`subprocess`'s ``Popen`` (so ``run``, ``call`` ...) takes the
+    calls the server can take and passes the others on."""
+    subprocess.Popen = Popen  # type: ignore[misc] - a function where a class was: called only, in this child
+
+
 def lightning_ranks_forked() -> None:
     """Lightning's DDP launcher starts ranks above 0 with :func:`Popen` (forks of the server) when this process is one
     the server forked; elsewhere it keeps starting Python. Each rank is still its own process, its own gloo peer."""
     if os.environ.get(SOCKET):
         from lightning.fabric.strategies.launchers import subprocess_script
 
-        subprocess_script.subprocess = _ForkingSubprocess()
+        subprocess_script.subprocess = forking_subprocess
 
 
 def torchrun_workers_forked() -> None:
@@ -297,10 +315,14 @@ def torchrun_workers_forked() -> None:
 
 
 class _ForkingSubprocess:
-    """:mod:`subprocess` with :func:`Popen` from here."""
+    """:mod:`subprocess` with :func:`Popen` and :func:`run` from here: put in place of a module's ``subprocess``
+    (``monkeypatch.setattr(module, "subprocess", warm.forking_subprocess)``), its Python processes are forks."""
 
     def __getattr__(self, name: str) -> Any:
-        return Popen if name == "Popen" else getattr(subprocess, name)
+        return {"Popen": Popen, "run": run}.get(name) or getattr(subprocess, name)
+
+
+forking_subprocess = _ForkingSubprocess()
 
 
 # ---- the server -------------------------------------------------------------------------------------------------
@@ -447,6 +469,8 @@ def _become(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[SOCKET] = request["socket"]
+    if os.environ.get(NESTED):
+        _subprocess_forked()
     old = sys.stdout, sys.stderr
     unbuffered = request["unbuffered"] or bool(request["env"].get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))

@@ -29,7 +29,7 @@ def _cells(line: str) -> list[str]:
 def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None:
     # conftest hides the GPU from this subprocess: what needs CUDA must be a "skipped" row, not a failure
     result = warm.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--out", str(tmp_path)], cwd=REPO,
-                      capture_output=True, text=True, timeout=600)
+                      capture_output=True, text=True, timeout=600, nested=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = (tmp_path / "gpu_check.md").read_text()
     assert text in result.stdout
@@ -145,7 +145,7 @@ def test_the_mark_table_gives_medians_and_each_rounds_ratio_to_its_contiguous_ru
 def _mark(tmp_path: Path, *only: str) -> tuple[subprocess.CompletedProcess, str, dict[str, list[str]]]:
     result = warm.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--mark", "--parts", "e2e",
                        "--out", str(tmp_path), *(["--mark-only", *only] if only else [])], cwd=REPO,
-                      capture_output=True, text=True, timeout=900)
+                      capture_output=True, text=True, timeout=900, nested=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = (tmp_path / "mark.md").read_text()
     return result, text, {c[0]: c for c in (_cells(line) for line in text.splitlines() if line.startswith("| "))}

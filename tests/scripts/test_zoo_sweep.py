@@ -20,7 +20,8 @@ from tests.helpers import warm
 
 def sweep(tmp_path, *args, timeout=900):
     proc = warm.run([sys.executable, "-m", "scripts.zoo.sweep", "--out", str(tmp_path / "zoo"), "--log-dir",
-                     str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+                     str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                    nested=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {r["key"]: r for r in json.loads((tmp_path / "zoo.json").read_text())["rows"]}
     return rows, proc.stdout
@@ -135,7 +136,7 @@ def check_rows(tmp_path, *args):
     """``--check-only`` through the script: its rows by (model, optimizer), its table and its output."""
     proc = warm.run([sys.executable, "-m", "scripts.zoo.sweep", "--check-only", "--out", str(tmp_path / "zoo"),
                      "--log-dir", str(tmp_path / "logs"), *args], cwd=REPO, capture_output=True, text=True,
-                    timeout=600)
+                    timeout=600, nested=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {(r["key"], r["optimizer"]): r for r in json.loads((tmp_path / "zoo.json").read_text())["rows"]}
     return rows, (tmp_path / "zoo.md").read_text(), proc.stdout
