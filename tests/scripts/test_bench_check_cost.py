@@ -14,7 +14,7 @@ from tests.helpers import warm
 def test_tiny_prints_the_memory_ratio_the_check_in_steps_and_the_machine(tmp_path):
     out = tmp_path / "rows.json"
     proc = warm.run([sys.executable, "-m", "scripts.bench.check_cost", "--tiny", "--json", str(out)],
-                    cwd=REPO, capture_output=True, text=True, timeout=600)
+                    cwd=REPO, capture_output=True, text=True, timeout=600, nested=True)  # the children fork too
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["model"] == "resnet18" and row["verdict"] == "passed"
