@@ -12,7 +12,7 @@ from cltrain.app.cli import compose_config
 from cltrain.app.groups import build_callbacks, build_loggers
 from cltrain.app.config import ConfigError
 from cltrain.app.train import train
-from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import SMOKE, TINY_DEMO as DEMO
 
 
 
@@ -21,7 +21,7 @@ from tests.helpers import TINY_DEMO as DEMO
 
 def _smoke(demo_root: Path, tmp_path: Path, *overrides: str):
     demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
-    return compose_config(["experiment=smoke", "device=cpu", f"run_dir={tmp_path / 'run'}", f"data.root={demo_root}",
+    return compose_config([*SMOKE, "device=cpu", f"run_dir={tmp_path / 'run'}", f"data.root={demo_root}",
                            *demo, "trainer.enable_progress_bar=false", *overrides])
 
 

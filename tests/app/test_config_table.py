@@ -16,7 +16,7 @@ from cltrain.app.config import ConfigError, validate
 from cltrain.app.rundir import claim_run_dir
 from cltrain.app.train import train
 from cltrain.data import make_demo_dataset
-from tests.helpers import warm
+from tests.helpers import SMOKE, warm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,7 +137,7 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _smoke(root: Path, run_dir: Path, *overrides: str):
-    return compose_config(["experiment=smoke", "data=imagenet", f"data.root={root}", f"run_dir={run_dir}",
+    return compose_config([*SMOKE, "data=imagenet", f"data.root={root}", f"run_dir={run_dir}",
                            "device=cpu", *overrides])
 
 
@@ -191,7 +191,7 @@ def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 ])
 def test_cli_exit_2_one_line_and_the_directory_stays_usable(tmp_path: Path, override: str, message: str) -> None:
     run_dir = tmp_path / "run"
-    result = _cli("experiment=smoke", "device=cpu", override, f"hydra.run.dir={run_dir}")
+    result = _cli(*SMOKE, "device=cpu", override, f"hydra.run.dir={run_dir}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (run_dir / "csv").exists() and not (run_dir / "checkpoints").exists()
@@ -201,6 +201,6 @@ def test_cli_exit_2_one_line_and_the_directory_stays_usable(tmp_path: Path, over
 @pytest.mark.slow
 def test_cli_run_dir_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("x")
-    result = _cli("experiment=smoke", "device=cpu", f"hydra.run.dir={tmp_path / 'taken'}")
+    result = _cli(*SMOKE, "device=cpu", f"hydra.run.dir={tmp_path / 'taken'}")
     assert result.returncode == 2 and "is a file, not a directory" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

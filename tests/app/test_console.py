@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cltrain.app.console import LIBRARY_NOTICES
-from tests.helpers import REPO
+from tests.helpers import REPO, SMOKE
 from tests.helpers import warm
 
 #: Lines a first run must not print: the notices filtered by text, the fit() warnings the app avoids,
@@ -20,7 +20,7 @@ NOISE = (*(start for _, start in LIBRARY_NOTICES), "ckpt_path", "LeafSpec", "━
 
 def _run(tmp_path: Path, demo_args: list[str], *overrides: str, env: dict[str, str] | None = None) -> list[str]:
     proc = warm.run(
-        [sys.executable, str(REPO / "train.py"), "experiment=smoke", *demo_args, "device=cpu",
+        [sys.executable, str(REPO / "train.py"), *SMOKE, *demo_args, "device=cpu",
          f"hydra.run.dir={tmp_path / 'run'}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )

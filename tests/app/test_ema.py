@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torchvision
+import timm
 from torch import nn
 
 from cltrain import is_channels_last
@@ -17,6 +17,7 @@ from cltrain.app.config import ConfigError
 from cltrain.app.ema import EMA, EMAModel
 from cltrain.app.train import train
 from cltrain.data import make_demo_dataset
+from tests.helpers import SMOKE
 
 DEMO = {"num_classes": 4, "train_per_class": 8, "val_per_class": 4, "image_size": [48, 40]}
 
@@ -86,7 +87,7 @@ def test_bad_ema_values_are_refused() -> None:
     with pytest.raises(ValueError, match="decay must be in"):
         EMA(decay=1.0)
     with pytest.raises(ConfigError, match=r"ema.decay=1.5: must be a number in \[0, 1\)"):
-        train(compose_config(["experiment=smoke", "ema.enabled=true", "ema.decay=1.5", "run_dir=/nonexistent"]))
+        train(compose_config([*SMOKE, "ema.enabled=true", "ema.decay=1.5", "run_dir=/nonexistent"]))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def ema_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("ema")
     make_demo_dataset(root / "demo", **DEMO)
     demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
-    common = ["experiment=smoke", f"data.root={root / 'demo'}", *demo, "device=cpu", "amp=false",
+    common = [*SMOKE, f"data.root={root / 'demo'}", *demo, "device=cpu", "amp=false",
               "trainer.enable_progress_bar=false", "print_freq=0"]
     fit = train(compose_config([*common, f"run_dir={root / 'fit'}", "ema.enabled=true", "ema.decay=0.5",
                                 "trainer.max_epochs=2", "channels_last=true"]))
@@ -109,9 +110,9 @@ def test_validation_checkpoint_and_metrics_use_the_ema_weights(ema_run: dict) ->
     assert fit["weights"] == "ema" and json.loads((Path(fit["run_dir"]) / "metrics.json").read_text())["weights"] == "ema"
     checkpoint = torch.load(fit["best_checkpoint"], map_location="cpu", weights_only=True)
     averaged, live = checkpoint["state_dict"], checkpoint["current_model_state"]
-    assert not torch.equal(averaged["model.conv1.weight"], live["model.conv1.weight"])
-    # portable: the averaged weights load into a plain torchvision model, no EMA code needed
-    plain = torchvision.models.resnet18(num_classes=4)
+    assert not torch.equal(averaged["model.conv1.0.weight"], live["model.conv1.0.weight"])
+    # portable: the averaged weights load into a plain timm model, no EMA code needed
+    plain = timm.create_model("test_resnet", num_classes=4)
     plain.load_state_dict({k.removeprefix("model."): v for k, v in averaged.items() if k.startswith("model.")})
     # the best score was measured on the averaged weights: evaluating them alone gives the same figure
     evaluated = ema_run["eval"]
@@ -121,7 +122,7 @@ def test_validation_checkpoint_and_metrics_use_the_ema_weights(ema_run: dict) ->
 @pytest.mark.slow
 def test_the_averaged_copy_is_channels_last_with_channels_last(ema_run: dict) -> None:
     averaged = torch.load(ema_run["fit"]["best_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
-    assert is_channels_last(averaged["model.conv1.weight"]) and is_channels_last(averaged["model.layer1.0.conv1.weight"])
+    assert is_channels_last(averaged["model.conv1.0.weight"]) and is_channels_last(averaged["model.layer1.0.conv1.weight"])
 
 
 @pytest.mark.slow
@@ -130,7 +131,7 @@ def test_an_ema_checkpoint_resumes_only_with_ema(ema_run: dict, tmp_path: Path) 
     # and the run would go on from the average without a word. Refused before anything is built.
     fit = ema_run["fit"]
     cfg = fit["config"]
-    common = ["experiment=smoke", f"data.root={cfg['data']['root']}", "data.demo=null", "device=cpu", "amp=false", "trainer.enable_progress_bar=false",
+    common = [*SMOKE, f"data.root={cfg['data']['root']}", "data.demo=null", "device=cpu", "amp=false", "trainer.enable_progress_bar=false",
               "print_freq=0", f"ckpt_path={fit['last_checkpoint']}", "trainer.max_epochs=3"]
     with pytest.raises(ConfigError, match=r"ema.enabled=false: the checkpoint .*last.ckpt was trained with ema.enabled=true"
                                           r".*resuming needs ema.enabled=true"):

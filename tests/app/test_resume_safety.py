@@ -26,7 +26,7 @@ from cltrain.app.config import ConfigError, validate
 from cltrain.app.train import train
 from cltrain.atomic import TEMP_PREFIX
 from cltrain.checkpoint_io import load_checkpoint_file
-from tests.helpers import warm
+from tests.helpers import SMOKE, warm
 
 REPO = Path(__file__).resolve().parents[2]
 POLLER = Path(__file__).resolve().parents[1] / "helpers" / "checkpoint_poller.py"
@@ -36,8 +36,8 @@ OTHER_FS = Path("/dev/shm")
 
 
 def _smoke(demo_args: list[str], *overrides: str) -> list[str]:
-    """The smoke experiment (ResNet-18 at 32 px: an 89 MB checkpoint) on the tiny demo set, on the CPU."""
-    return ["experiment=smoke", *demo_args, "device=cpu", "amp=false", "trainer.enable_progress_bar=false",
+    """The smoke experiment (on timm's test_resnet at 32 px: a 5 MB checkpoint) on the tiny demo set, on the CPU."""
+    return [*SMOKE, *demo_args, "device=cpu", "amp=false", "trainer.enable_progress_bar=false",
             "print_freq=0", *overrides]
 
 
@@ -145,12 +145,12 @@ def test_resuming_from_a_truncated_checkpoint_names_the_ones_that_load(demo_args
 @pytest.mark.slow
 def test_a_file_size_limit_ends_the_run_with_one_line(demo_args: list[str], tmp_path: Path) -> None:
     run = tmp_path / "run"
-    done = _train_py(_smoke(demo_args, f"hydra.run.dir={run}"), file_size_limit=20_000_000)  # below the 89 MB checkpoint
+    done = _train_py(_smoke(demo_args, f"hydra.run.dir={run}"), file_size_limit=1_000_000)  # below the 3 MB checkpoint
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"cltrain: error: cannot write best-epoch000.ckpt in {run / 'checkpoints'}: the file is "
                            "larger than the filesystem or this process's file size limit allows (ulimit -f: "
-                           "20,000,000 bytes); it needs 89,")
+                           "1,000,000 bytes); it needs 3,")
     assert last.endswith("free; no best-epoch000.ckpt was written") and "Traceback" not in done.stderr
     assert list((run / "checkpoints").iterdir()) == []  # the temporary file went with the error
     assert json.loads((run / "metrics.json").read_text())["status"] == "failed"
@@ -183,7 +183,7 @@ def test_a_full_disk_keeps_the_previous_last_ckpt_and_it_resumes(demo_args: list
     last = done.stderr.strip().splitlines()[-1]
     print(f"\n{last}")
     assert last.startswith(f"cltrain: error: cannot write last.ckpt in {run / 'checkpoints'}: no space left on the "
-                           "device; it needs 89,")
+                           "device; it needs 3,")
     assert last.endswith("free; last.ckpt keeps its previous content") and "Traceback" not in done.stderr
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["last.ckpt"]
     assert load_checkpoint_file(run / "checkpoints" / "last.ckpt")["global_step"] == 1  # epoch 0's, whole

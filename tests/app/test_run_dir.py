@@ -16,7 +16,7 @@ import torch
 from cltrain.app.config import ConfigError
 from cltrain.app.rundir import CLAIM, claim_run_dir
 from cltrain.data import make_demo_dataset
-from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import SMOKE, TINY_DEMO as DEMO
 from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_concurrent_runs_from_one_folder_get_their_own_directories(tmp_path: Pat
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
     # The same time pattern for every run (day resolution, so they surely collide), from the same cwd.
-    args = [sys.executable, str(REPO / "train.py"), "experiment=smoke", f"data.root={root}", *demo, "device=cpu",
+    args = [sys.executable, str(REPO / "train.py"), *SMOKE, f"data.root={root}", *demo, "device=cpu",
             "amp=false", "trainer.enable_progress_bar=false", "print_freq=0", "hydra.run.dir=outputs/${now:%Y-%m-%d}"]
     procs = [warm.Popen([*args, f"seed={i}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True) for i in range(2)]

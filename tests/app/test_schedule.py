@@ -20,6 +20,7 @@ from cltrain.app.train import train
 from cltrain.data import make_demo_dataset
 from tests.helpers.plain_modules import loader
 from tests.helpers.trainer_probes import Crash
+from tests.helpers import SMOKE
 
 DEMO = {"num_classes": 4, "train_per_class": 8, "val_per_class": 2, "image_size": [48, 40]}
 
@@ -83,7 +84,7 @@ def _lr_rows(run_dir: Path) -> dict[int, float]:
 
 def _cfg(demo_root: Path, run_dir: Path, *overrides: str):
     demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
-    return compose_config(["experiment=smoke", f"data.root={demo_root}", *demo, f"run_dir={run_dir}", "device=cpu",
+    return compose_config([*SMOKE, f"data.root={demo_root}", *demo, f"run_dir={run_dir}", "device=cpu",
                            "amp=false", "trainer.enable_progress_bar=false", "print_freq=0", *overrides])
 
 

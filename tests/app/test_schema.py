@@ -18,7 +18,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir, data_schema, schema, validate
-from tests.helpers import REPO
+from tests.helpers import REPO, SMOKE
 from tests.helpers import warm
 
 CONFIG_DIR = config_dir()
@@ -214,7 +214,7 @@ def test_plain_max_steps_and_gradient_clip_val_reach_a_real_run(demo_args: list[
         return clip(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     monkeypatch.setattr(ImageClassifier, "configure_gradient_clipping", spy)
-    metrics = train(compose_config(["experiment=smoke", *demo_args, f"run_dir={tmp_path / 'run'}", "device=cpu",
+    metrics = train(compose_config([*SMOKE, *demo_args, f"run_dir={tmp_path / 'run'}", "device=cpu",
                                     "trainer.max_steps=3", "trainer.gradient_clip_val=1.0"]))
     assert metrics["status"] == "completed" and metrics["global_step"] == 3  # trainer=debug alone runs 4
     assert clipped == [(1.0, None)] * 3  # Lightning clips by norm (its default algorithm) at every step
@@ -299,7 +299,7 @@ def test_cli_refuses_a_misspelt_key_with_the_closest_one(tmp_path: Path) -> None
 
 
 def test_cli_refuses_a_bad_value_in_a_sweep_before_any_job(tmp_path: Path) -> None:
-    result = _cli("-m", "experiment=smoke", "ema.decay=0.9,1.5", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    result = _cli("-m", *SMOKE, "ema.decay=0.9,1.5", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     _assert_one_line_exit_2(result, "ema.decay=1.5: must be a number in [0, 1)")
     assert not (tmp_path / "sweep").exists()
 

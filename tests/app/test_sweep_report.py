@@ -12,7 +12,7 @@ import pytest
 from cltrain.app.metrics_file import write_metrics
 from cltrain.tools.sweep_report import markdown_table, write_report
 from cltrain.data import make_demo_dataset
-from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import SMOKE, TINY_DEMO as DEMO
 from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_report_from_a_real_multirun(tmp_path: Path) -> None:
     root = make_demo_dataset(tmp_path / "demo", **DEMO)
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    args = ["experiment=smoke", f"data.root={root}", *(f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()),
+    args = [*SMOKE, f"data.root={root}", *(f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()),
             "device=cpu", "trainer.enable_progress_bar=false", "print_freq=0", f"hydra.sweep.dir={sweep}"]
     result = warm.run([sys.executable, str(REPO / "train.py"), "-m", "channels_last=true,false", "amp=true,false",
                        *args], capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
@@ -59,7 +59,7 @@ def test_report_from_a_real_multirun(tmp_path: Path) -> None:
                       capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr
     table = (sweep / "report.md").read_text()
-    assert table.count("| resnet18 |") == 4 and "1.00x" in table
+    assert table.count("| test_resnet |") == 4 and "1.00x" in table
     assert (sweep / "report.png").stat().st_size > 1000
 
     again = warm.run([sys.executable, str(REPO / "train.py"), "-m", "amp=true", *args],

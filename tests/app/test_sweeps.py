@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from cltrain.data import make_demo_dataset
-from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import SMOKE, TINY_DEMO as DEMO
 from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def demo_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root = make_demo_dataset(tmp_path_factory.mktemp("data") / "demo", **DEMO)
-    return ["experiment=smoke", f"data.root={root}", *(f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()),
+    return [*SMOKE, f"data.root={root}", *(f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()),
             "device=cpu", "trainer.enable_progress_bar=false", "print_freq=0", "trainer.limit_train_batches=2",
             "trainer.limit_val_batches=1"]
 
@@ -63,7 +63,7 @@ def test_optuna_search_maximises_val_top1(demo_args: list[str], tmp_path: Path) 
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_value"] == max(r["val_top1"] for r in runs)  # the value train.py returned
     table = _report(sweep)
-    assert table.count("| resnet18 |") == 2 and "Optuna best" in table
+    assert table.count("| test_resnet |") == 2 and "Optuna best" in table
 
 
 def test_joblib_launcher_runs_jobs_in_parallel_processes(demo_args: list[str], tmp_path: Path) -> None:
@@ -74,7 +74,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(demo_args: list[str], t
     runs = _runs(sweep)
     assert {r["channels_last"] for r in runs} == {True, False}
     assert len({r["run_dir"] for r in runs}) == 2
-    assert _report(sweep).count("| resnet18 |") == 2
+    assert _report(sweep).count("| test_resnet |") == 2
 
 
 def test_submitit_local_executor_runs_the_job(demo_args: list[str], tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_submitit_local_executor_runs_the_job(demo_args: list[str], tmp_path: Pa
     runs = _runs(sweep)
     assert [r["precision"] for r in runs] == ["32-true"]
     assert list((sweep / ".submitit").glob("*/*_result.pkl")), "submitit ran the job and kept its result"
-    assert _report(sweep).count("| resnet18 |") == 1
+    assert _report(sweep).count("| test_resnet |") == 1
 
 
 def test_slurm_preset_composes_for_the_trainer_shape() -> None:

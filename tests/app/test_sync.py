@@ -32,6 +32,7 @@ from cltrain.app.train import train
 from cltrain.data import make_demo_dataset
 from cltrain.timing.host_syncs import SyncOps
 from tests.helpers.trainer_probes import CountingTrainer
+from tests.helpers import SMOKE
 
 DEMO = {"num_classes": 4, "train_per_class": 16, "val_per_class": 2, "image_size": [48, 40]}
 PRINT_FREQ = 4  # = log_every_n_steps: batches 3 and 7 print and log
@@ -48,7 +49,7 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _config(demo_root: Path, run_dir: Path, *overrides: str):
     demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
     return compose_config([
-        "experiment=smoke", f"data.root={demo_root}", *demo, f"run_dir={run_dir}",
+        *SMOKE, f"data.root={demo_root}", *demo, f"run_dir={run_dir}",
         "trainer._target_=tests.helpers.trainer_probes.CountingTrainer", f"trainer.limit_train_batches={BATCHES}",
         f"trainer.log_every_n_steps={PRINT_FREQ}", f"print_freq={PRINT_FREQ}", "data.num_workers=1",
         "trainer.enable_progress_bar=true", *overrides,

@@ -1,6 +1,6 @@
 """train(cfg) end to end, in process, on a tiny demo folder: toggles, resume, evaluate-only, compile, seeds.
 
-The configs are the real ones (``experiment=smoke``: ResNet-18 at 32 px, 4 training batches of 8),
+The configs are the real ones (``experiment=smoke`` on timm's ``test_resnet`` at 32 px, 4 training batches of 8),
 composed with Hydra's compose API and shrunk further with overrides.
 """
 
@@ -21,7 +21,7 @@ from cltrain.app.module import ImageClassifier
 from cltrain.app.schedule import lr_at
 from cltrain.app.train import train
 from cltrain.check import checking
-from tests.helpers import TINY_DEMO as DEMO
+from tests.helpers import SMOKE, TINY_DEMO as DEMO
 
 
 
@@ -30,7 +30,7 @@ from tests.helpers import TINY_DEMO as DEMO
 def tiny(demo_root: Path, run_dir: Path, *overrides: str) -> dict:
     """Compose the smoke experiment on the tiny demo folder and train it."""
     demo = [f"data.demo.{k}={v}".replace(" ", "") for k, v in DEMO.items()]
-    cfg = compose_config(["experiment=smoke", f"data.root={demo_root}", *demo, f"run_dir={run_dir}", "device=cpu",
+    cfg = compose_config([*SMOKE, f"data.root={demo_root}", *demo, f"run_dir={run_dir}", "device=cpu",
                           "trainer.enable_progress_bar=false", *overrides])
     return train(cfg)
 
@@ -121,7 +121,7 @@ def test_compile_after_the_layout_conversion(demo_root: Path, tmp_path: Path) ->
     assert metrics["global_step"] == 4 and metrics["compile"] is True
     state = _state(metrics["last_checkpoint"])["state_dict"]
     assert not any("_orig_mod" in k for k in state)  # compiled in place: checkpoints load into a plain model
-    assert is_channels_last(state["model.conv1.weight"])
+    assert is_channels_last(state["model.conv1.0.weight"])
 
 
 def test_seed_and_deterministic_runs_repeat(demo_root: Path, tmp_path: Path) -> None:
@@ -139,7 +139,7 @@ def test_an_existing_run_directory_is_never_overwritten(demo_root: Path, tmp_pat
 
 def test_a_missing_split_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "data" / "val" / "a").mkdir(parents=True)
-    cfg = compose_config(["experiment=smoke", "data=imagenet", f"data.root={tmp_path / 'data'}",
+    cfg = compose_config([*SMOKE, "data=imagenet", f"data.root={tmp_path / 'data'}",
                           f"run_dir={tmp_path / 'run'}", "device=cpu"])
     with pytest.raises(ConfigError, match=r"data.root=.*train"):
         train(cfg)
@@ -179,7 +179,7 @@ def test_an_exception_mid_epoch_leaves_a_resumable_last_checkpoint(demo_root: Pa
 
 def test_auto_mode_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -> None:
     metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "trainer.max_steps=3")
-    weight = _state(metrics["last_checkpoint"])["state_dict"]["model.conv1.weight"]
+    weight = _state(metrics["last_checkpoint"])["state_dict"]["model.conv1.0.weight"]
     kept = "channels_last" if is_channels_last(weight) else "contiguous"
     assert metrics["layout"] == kept and metrics["channels_last"] is (kept == "channels_last")
     on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())

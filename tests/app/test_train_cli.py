@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import warm
+from tests.helpers import SMOKE, warm
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def test_unknown_group_option_lists_the_options(tmp_path: Path) -> None:
 def test_a_run_directory_with_a_run_in_it_is_refused(tmp_path: Path) -> None:
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "last.ckpt").write_bytes(b"old")
-    result = run("experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}")
+    result = run(*SMOKE, f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert "hydra.run.dir=" in result.stderr and "holds an earlier run (checkpoints)" in result.stderr
     assert not (tmp_path / "run" / ".hydra").exists()  # refused before Hydra wrote anything
@@ -58,7 +58,7 @@ def test_a_run_directory_with_a_run_in_it_is_refused(tmp_path: Path) -> None:
 
 def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "ddp"
-    result = run("experiment=smoke", *demo_args, "device=cpu", "trainer=ddp", "trainer.devices=2",
+    result = run(*SMOKE, *demo_args, "device=cpu", "trainer=ddp", "trainer.devices=2",
                  "trainer.max_epochs=2", "trainer.accumulate_grad_batches=2", "trainer.enable_progress_bar=false",
                  f"hydra.run.dir={run_dir}", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -73,7 +73,7 @@ def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str],
 
 
 def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:
-    result = run("-m", "experiment=smoke", "trainer=ddp", "device=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    result = run("-m", *SMOKE, "trainer=ddp", "device=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert result.returncode == 2
     assert "cltrain: error: trainer.devices=2: more than one process cannot be launched inside a -m sweep" in result.stderr
 
@@ -83,7 +83,7 @@ def test_a_diverged_run_stops_says_so_and_keeps_the_finite_last_checkpoint(demo_
     # inf/NaN within the epoch. The run must stop there (not train on and end "completed"), exit 1 with one
     # line, say "failed" in metrics.json, and leave epoch 0's last.ckpt as it was (finite), not NaN weights.
     run_dir = tmp_path / "run"
-    done = run("experiment=smoke", *demo_args, f"run_dir={run_dir}", "device=cpu", "amp=false", "trainer.max_epochs=4",
+    done = run(*SMOKE, *demo_args, f"run_dir={run_dir}", "device=cpu", "amp=false", "trainer.max_epochs=4",
                "optim.milestones=[1]", "optim.gamma=1e30", "optim.warmup_epochs=0", "print_freq=1",
                "trainer.enable_progress_bar=false")
     assert done.returncode == 1, done.stderr[-3000:]
@@ -107,7 +107,7 @@ def test_a_bad_file_met_in_a_worker_is_one_line_and_exit_status_2(tmp_path: Path
 
     root = tmp_path / "images"
     write_user_folder(root, size=(40, 40))  # train/c0 holds every quirk, 5 of them unreadable; junk everywhere
-    result = run("experiment=smoke", "data=imagenet", f"data.root={root}", "data.batch_size=4", "device=cpu",
+    result = run(*SMOKE, "data=imagenet", f"data.root={root}", "data.batch_size=4", "device=cpu",
                  "data.num_workers=2", "data.decode_threads=1", "trainer.limit_train_batches=null",
                  f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr[-3000:]

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
-PRELOAD = ("torch", "torchvision", "lightning", "hydra", "omegaconf", "cltrain", "cltrain.app.train",
+PRELOAD = ("torch", "torchvision", "timm", "lightning", "hydra", "omegaconf", "cltrain", "cltrain.app.train",
            "cltrain.callback")
 # read once, when Python, torch, oneDNN, OpenMP, CUDA or the Hugging Face libraries start: a change needs a real start
 IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH_", "CUDA_",
