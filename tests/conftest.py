@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY_DEMO, demo_overrides
+from tests.helpers import TINY_DEMO, demo_overrides, warm
 
 # The CUDA runtime reads CUDA_VISIBLE_DEVICES once, at its first call: make that call now, before
 # the fixture below hides the GPU from subprocesses, so this process keeps seeing it for the
@@ -70,6 +70,16 @@ def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.
         monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     yield
+
+
+@pytest.fixture(autouse=True)
+def _probe_forked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timing probe's child (``python -c``) is a fork of the warm server (``tests.helpers.warm``), still a process
+    of its own, except in tests marked ``probe_starts_python``."""
+    if request.node.get_closest_marker("probe_starts_python") is None:
+        from cltrain.timing import probe
+
+        monkeypatch.setattr(probe, "subprocess", warm.forking_subprocess)
 
 
 @pytest.fixture(scope="session")
