@@ -199,10 +199,18 @@ class ResumableLoader(PrefetchDataLoader):
         """Whether the sampler splits the rest of an epoch over any number of ranks (``ResumableSampler``)."""
         return hasattr(self.sampler, "skip_samples")
 
+    def _reads(self) -> bool:
+        """Whether the sampler serves the part of an epoch a stop left unread on any number of ranks (shards)."""
+        return hasattr(self.sampler, "read_after")
+
     def _epoch_left(self, state: dict[str, Any]) -> bool:
         """Whether the epoch ``state`` stopped in has batches left for this loader."""
         if state.get("finished"):
             return False
+        if self._reads() and "read" in state:
+            if state.get("ranks") != self.sampler.num_replicas:
+                return sum(stop - start for start, stop in state["read"]) < self.sampler.n
+            return state["taken"] < self.sampler.batches([tuple(run) for run in state["read_before"]])
         if not self._splits():
             return state["taken"] < len(self)
         samples, size = self.sampler.remaining(consumed_samples(state)), _batch_size(self) or 1
@@ -228,8 +236,13 @@ class ResumableLoader(PrefetchDataLoader):
                 self.taken = resume["taken"] if resume.get("ranks") == ranks else 0
                 self._offset = consumed - self.taken * (_batch_size(self) or 1) * ranks
                 sampler.skip_samples(consumed)
+            elif self._reads() and resume.get("ranks") != sampler.num_replicas:  # another rank count: what is left
+                self.taken = 0
+                sampler.resume(resume["read"], resume["epoch"])
             else:
                 self.taken = resume["taken"]
+                if self._reads():  # the stopped run's own split (itself of what a resume had left)
+                    sampler.resume(resume.get("read_before", []), resume["epoch"])
                 sampler.skip(self.taken, self.batch_size)
             rng = torch.get_rng_state()
             it = super().__iter__()
@@ -287,6 +300,8 @@ class ResumableLoader(PrefetchDataLoader):
         state.update(samples=sampler.n, ranks=sampler.num_replicas, seed=sampler.seed, epoch=sampler.epoch)
         if self._splits():  # the samples of the epoch's order taken on all ranks: resumable on any rank count
             state["consumed"] = self._offset + taken * (size or 1) * sampler.num_replicas
+        if self._reads():  # the runs of the epoch's order read on all ranks, and those read before this run took it up
+            state["read"], state["read_before"] = sampler.read_after(taken), [list(run) for run in sampler.read_before()]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -303,15 +318,17 @@ class ResumableLoader(PrefetchDataLoader):
             return
         sampler = self.sampler
         changed = loader_state_mismatch(state_dict, sampler.n, _batch_size(self), self.drop_last,
-                                        None if self._splits() else sampler.num_replicas)
+                                        None if self._splits() or "read" in state_dict else sampler.num_replicas)
         if changed:
             warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
                           "it stopped in starts again from its first batch.", stacklevel=2)
             return
         ranks, left = state_dict.get("ranks"), self._epoch_left(state_dict)
         if ranks != sampler.num_replicas and left:
+            read = (sum(stop - start for start, stop in state_dict["read"]) if "read" in state_dict
+                    else min(consumed_samples(state_dict), sampler.n))
             warnings.warn(f"cltrain: resumed on {sampler.num_replicas} rank(s) from a run on {ranks}: the "
-                          f"{sampler.n - min(consumed_samples(state_dict), sampler.n)} samples left in epoch "
+                          f"{sampler.n - read} samples left in epoch "
                           f"{state_dict['epoch']} are split over the {sampler.num_replicas}, each read once with its "
                           "own augmentation; the batches, so the weights, are not the uninterrupted run's.",
                           stacklevel=2)

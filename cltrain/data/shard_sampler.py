@@ -12,6 +12,10 @@ Example::
     >>> s = ShardBatchSampler(range(33), batch_size=4, num_replicas=2, rank=1)
     >>> [len(b) for b in s]
     [4, 4, 4, 2, 2]
+
+A resumed epoch serves the positions of its order that the stopped run had not read (``read``): on the same number
+of ranks that is the stopped run's own split, skipped to its place; on another number, the positions left are split
+anew over the ranks, each sample once with its own seed (``read_after`` says what a stop leaves read).
 """
 
 from __future__ import annotations
@@ -83,10 +87,62 @@ class ShardBatchSampler(DistributedSampler):
         self.sizes = rank_batch_sizes(len(dataset), batch_size, num_replicas, rank)  # fails here, not in the loop
         self.n = len(dataset)
         self.start = 0  # batches of this rank to skip once (a resumed epoch)
+        #: ``[start, stop)`` runs of epoch ``read_epoch``'s order read before this run took it up (a resumed epoch)
+        self.read: list[tuple[int, int]] = []
+        self.read_epoch: int | None = None
+
+    def resume(self, read: list[tuple[int, int]], epoch: int) -> None:
+        """Serve what epoch ``epoch`` has left once ``read`` (runs of its order) were read (``ResumableLoader``)."""
+        self.read, self.read_epoch = [(int(a), int(b)) for a, b in read], epoch
+
+    def read_before(self) -> list[tuple[int, int]]:
+        """The runs of this epoch's order read before this run took it up."""
+        return self.read if self.read_epoch == self.epoch else []
 
     def skip(self, batches: int, batch_size: int | None = None) -> None:
         """Leave out this rank's first ``batches`` batches of the next epoch served (``ResumableLoader``)."""
-        self.start = min(batches, len(self.sizes))
+        self.start = min(batches, self.batches(self.read_before()))
+
+    def batches(self, read: list[tuple[int, int]]) -> int:
+        """This rank's batches in an epoch whose runs ``read`` were read before."""
+        return len(self._parts(self._left(read))[self.rank][1]) if read else len(self.sizes)
+
+    def _left(self, read: list[tuple[int, int]]) -> np.ndarray:
+        """The positions of the order not in ``read``, in order."""
+        keep = np.ones(self.n, dtype=bool)
+        for start, stop in read:
+            keep[start:stop] = False
+        return np.flatnonzero(keep)
+
+    def _parts(self, left: np.ndarray) -> list[tuple[np.ndarray, list[int]]]:
+        """Each rank's contiguous part of ``left`` and its batch sizes; ``left`` padded with its first positions,
+        as ``DistributedSampler`` pads, where the ranks could not stay in step otherwise (fewer left than ranks)."""
+        ranks = self.num_replicas
+        try:
+            sizes = [rank_batch_sizes(len(left), self.batch_size, ranks, r) for r in range(ranks)]
+        except ValueError:
+            count = max(ranks, -(-len(left) // ranks) * ranks)
+            left = np.resize(left, count)  # repeats its first positions
+            sizes = [rank_batch_sizes(count, self.batch_size, ranks, r) for r in range(ranks)]
+        parts, start = [], 0
+        for rank_sizes in sizes:
+            parts.append((left[start:start + sum(rank_sizes)], rank_sizes))
+            start += sum(rank_sizes)
+        return parts
+
+    def read_after(self, batches: int) -> list[tuple[int, int]]:
+        """The runs of this epoch's order read once every rank has taken ``batches`` batches of the iterator last
+        made, with those read before this run took the epoch up: what a checkpoint saved there has read, on any number
+        of ranks."""
+        before = self.read_before()
+        taken = [part[:sum(sizes[:batches])] for part, sizes in self._parts(self._left(before))]
+        done = np.zeros(self.n, dtype=bool)
+        for start, stop in before:
+            done[start:stop] = True
+        for positions in taken:
+            done[positions] = True
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], done.astype(np.int8), [0]])))
+        return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
     def order(self) -> np.ndarray:
         """This epoch's order of all sample indices (the same on every rank)."""
@@ -111,12 +167,12 @@ class ShardBatchSampler(DistributedSampler):
         # one seed per sample from (seed, epoch) alone: its augmentation is the same in any worker or resumed run
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 1)
         seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
-        base, extra = divmod(n, self.num_replicas)
-        start = self.rank * base + min(self.rank, extra)
         skip, self.start = self.start, 0
-        for k, size in enumerate(self.sizes):
+        mine, sizes = self._parts(self._left(self.read_before()))[self.rank]
+        mine, start = order[mine], 0
+        for k, size in enumerate(sizes):
             if k >= skip:
-                yield [SeededIndex(i, seeds[i]) for i in order[start:start + size].tolist()]
+                yield [SeededIndex(i, seeds[i]) for i in mine[start:start + size].tolist()]
             start += size
 
     def __len__(self) -> int:

@@ -257,18 +257,23 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
     folder_state = torch.load(tmp_path / "out" / "folder" / "steps" / "step=4.ckpt", weights_only=False)
     assert folder_state["ImageFolderDataModule"]["train_loader"]["epoch"] == 1  # one batch of epoch 1 on each rank
 
-    # the same checkpoint on one rank: the 8 samples epoch 1 had left are 4 batches of 2 (the 2 ranks read 4)
-    pl.seed_everything(7, verbose=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                             enable_checkpointing=False, default_root_dir=tmp_path)
-        trainer.fit(Net(), datamodule=ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24,
-                                                            val_resize_size=28),
-                    ckpt_path=str(tmp_path / "out" / "folder" / "steps" / "step=4.ckpt"))
-    said = [str(w.message) for w in caught]
-    assert trainer.global_step == 4 + 4 and len([m for m in said if "8 samples left in epoch 1" in m]) == 1, said
+    # the same checkpoints on one rank: the 8 samples epoch 1 had left are 4 batches of 2 (the 2 ranks read 4)
+    from cltrain.data import ShardsDataModule
+
+    for kind, data in (("folder", ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24,
+                                                        val_resize_size=28)),
+                       ("shards", ShardsDataModule(tmp_path / "pack", batch_size=2, num_workers=0, image_size=24,
+                                                   val_resize_size=28))):
+        pl.seed_everything(7, verbose=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                                 enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                                 enable_checkpointing=False, default_root_dir=tmp_path)
+            trainer.fit(Net(), datamodule=data, ckpt_path=str(tmp_path / "out" / kind / "steps" / "step=4.ckpt"))
+        said = [str(w.message) for w in caught]
+        assert trainer.global_step == 4 + 4 and len([m for m in said if "8 samples left in epoch 1" in m]) == 1, \
+            (kind, said)
 
 
 class _Batches(pl.Callback):
@@ -384,3 +389,75 @@ def test_resumed_on_another_rank_count_each_remaining_sample_is_read_once_with_i
     assert set(rest) - set(taken) == left and len(rest) - len(left) == (-len(left)) % after
     assert len([r for r in rest if r in left]) == len(left)
     assert len([m for m in said if "split over" in m]) == (after if before != after else 0), said
+
+
+class _ShardIds(torch.utils.data.Dataset):
+    """A pack's stand-in: each index list is a batch of (index, seed) rows, as ``ShardsDataset`` reads a batch."""
+
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, indices):
+        return torch.tensor([[int(i), i.seed % 1_000_003] for i in indices])
+
+
+def _shard_loaders(ranks: int):
+    from cltrain.data.prefetch import ResumableLoader
+    from cltrain.data.shard_sampler import ShardBatchSampler
+
+    return [ResumableLoader(_ShardIds(), batch_size=None, sampler=ShardBatchSampler(_ShardIds(), 3, ranks, r, seed=11))
+            for r in range(ranks)]
+
+
+def _take(loaders, steps: int | None, state: dict | None = None) -> tuple[list[tuple], dict, list[str]]:
+    """``steps`` batches on every rank (all of them: None) from ``state``; the rows, the last rank's state, the
+    warnings."""
+    rows = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+            for k, batch in enumerate(loader):
+                if steps is not None and k == steps:
+                    break
+                rows += [tuple(row) for row in batch.tolist()]
+                loader.note_taken()
+    return rows, loader.state_dict(), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("counts", [(2, 1), (1, 2), (2, 3), (3, 2), (3, 3), (2, 3, 1), (2, 1, 2)])
+def test_shards_resumed_on_another_rank_count_read_each_remaining_sample_once_with_its_seed(counts):
+    from cltrain.data.shard_sampler import ShardBatchSampler
+
+    epoch = {(int(i), i.seed % 1_000_003) for batch in ShardBatchSampler(_ShardIds(), 23, seed=11) for i in batch}
+    rows, state, said = _take(_shard_loaders(counts[0]), 2)  # two steps on every rank, then a stop
+    for before, after in zip(counts[:-1], counts[1:-1]):  # resumed on another count, stopped again after a step
+        more, state, told = _take(_shard_loaders(after), 1, state)
+        rows, said = rows + more, said + told
+    rest, _, told = _take(_shard_loaders(counts[-1]), None, state)
+    said += told
+    assert len(rows) == len(set(rows)) and set(rows) <= epoch  # the stopped runs read each sample once, with its seed
+    left = epoch - set(rows)
+    # every remaining sample once with its seed (padded with the first ones where fewer are left than ranks)
+    assert set(rest) == left and len(rest) == len(left)
+    # one line on each rank of each resume on another count
+    assert len([m for m in said if "split over" in m]) == sum(b for a, b in zip(counts[:-1], counts[1:]) if a != b), said
+
+
+def test_shards_resumed_on_the_same_rank_count_serve_the_stopped_runs_batches():
+    whole = [[tuple(r) for r in b.tolist()] for loader in _shard_loaders(2) for b in loader]
+    _, state, _ = _take(_shard_loaders(2), 2)
+    rest = []
+    for loader in _shard_loaders(2):
+        loader.load_state_dict(state)
+        rest += [[tuple(r) for r in b.tolist()] for b in loader]
+    per_rank = len(whole) // 2
+    assert rest == whole[2:per_rank] + whole[per_rank + 2:]  # each rank's own batches from its third on
+
+
+def test_shards_with_fewer_samples_left_than_ranks_pad_as_distributed_sampler_pads():
+    rows, state, _ = _take(_shard_loaders(1), 7)  # 21 of 23 read: 2 left for 3 ranks
+    rest, _, said = _take(_shard_loaders(3), None, state)
+    assert len(rows) == 21 and len(rest) == 3 and len(set(rest)) == 2 and not set(rest) & set(rows)
+    assert len([m for m in said if "split over" in m]) == 3
