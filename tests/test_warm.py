@@ -94,3 +94,15 @@ def test_nested_makes_the_childs_own_python_processes_forks_too() -> None:
     # the control: without nested=True the grandchild is a real start
     plain = warm.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert plain.stdout.split() == ["4", "0", "7"], plain.stderr
+
+
+def test_a_file_size_limit_holds_in_a_warm_child_as_in_a_started_python(tmp_path: Path) -> None:
+    code = ("import sys\ntry:\n    open(sys.argv[1], 'wb').write(bytes(2_000_000))\nexcept OSError as e:\n"
+            "    print(e.errno)\nelse:\n    print('written')")
+    for fresh in (False, True):
+        out = warm.run([sys.executable, "-c", code, str(tmp_path / f"{fresh}.bin")], capture_output=True, text=True,
+                       file_size_limit=1_000_000, fresh=fresh)
+        assert (out.returncode, out.stdout.strip()) == (0, "27"), (fresh, out.stderr)  # EFBIG, not SIGXFSZ
+    # the control: without the limit the write succeeds
+    assert warm.run([sys.executable, "-c", code, str(tmp_path / "free.bin")], capture_output=True,
+                    text=True).stdout.strip() == "written"

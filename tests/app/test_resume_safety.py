@@ -10,7 +10,6 @@ import csv
 import json
 import os
 import random
-import resource
 import signal
 import subprocess
 import sys
@@ -55,12 +54,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _train_py(args: list[str], env: dict[str, str] | None = None, file_size_limit: int | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:
-    def limit() -> None:  # in the child, before exec: both survive it
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write (EFBIG), not a killed process
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
     return warm.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO,
-                    env=env or _env(), timeout=timeout, preexec_fn=limit if file_size_limit else None)
+                    env=env or _env(), timeout=timeout, file_size_limit=file_size_limit)
 
 
 def _temps(directory: Path) -> list[Path]:

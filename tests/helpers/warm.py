@@ -14,6 +14,8 @@ what a start does (``fresh=True``), when its environment differs from the server
 (thread counts, ISA limits, ``PYTHON*``, ``HF_*`` ...), when its first argument is not this interpreter or carries
 interpreter options other than ``-u``, or when it passes an argument this module does not handle. ``WARM_LOG=FILE`` appends a line
 naming the test and the variables for each call that a server could have taken but that started Python.
+``file_size_limit=N`` sets ``RLIMIT_FSIZE`` in the child either way (SIGXFSZ ignored: a write past it fails with
+EFBIG).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ SOCKET = "CLTRAIN_TEST_WARM_SOCKET"  # in a forked child: the server's socket, f
 NESTED = "CLTRAIN_TEST_WARM_NESTED"  # set by ``nested=True``: the child's own ``[sys.executable, ...]`` are forks too
 _REAL_POPEN, _REAL_RUN = subprocess.Popen, subprocess.run  # what a call the server does not take goes to
 _HANDLED = {"stdin", "stdout", "stderr", "capture_output", "text", "universal_newlines", "cwd", "env", "timeout",
-            "check", "input", "start_new_session"}
+            "check", "input", "start_new_session", "file_size_limit"}
 
 
 # read at start too, and applied by the child as Python would have
@@ -145,7 +147,7 @@ class WarmPopen:
 
     def __init__(self, server: _Server, args: list[str], stdin: Any = None, stdout: Any = None, stderr: Any = None,
                  text: bool = False, cwd: Any = None, env: dict[str, str] | None = None,
-                 start_new_session: bool = False) -> None:
+                 start_new_session: bool = False, file_size_limit: int | None = None) -> None:
         self.args, self.returncode = args, None
         stdio = _Stdio(stdin, stdout, stderr, text)
         self.stdin, self.stdout, self.stderr = stdio.parent
@@ -154,7 +156,7 @@ class WarmPopen:
         unbuffered = str(args[1]) == "-u"
         request = {"argv": [str(a) for a in args[1 + unbuffered:]], "unbuffered": unbuffered, "cwd": os.path.abspath(cwd if cwd is not None else "."),
                    "env": dict(os.environ if env is None else env), "new_session": start_new_session,
-                   "socket": server.path}
+                   "file_size_limit": file_size_limit, "socket": server.path}
         socket.send_fds(self._sock, [json.dumps(request).encode()], stdio.child)
         stdio.close_child_ends()
         self.pid = int(self._sock.recv(64).decode())
@@ -254,7 +256,7 @@ def Popen(args: Any, fresh: bool = False, nested: bool = False, **kwargs: Any) -
     kwargs = _nested(kwargs) if nested else kwargs
     server = _server_for(args, {k: v for k, v in kwargs.items() if k != "capture_output"}, fresh)
     if server is None:
-        return _REAL_POPEN(args, **kwargs)
+        return _REAL_POPEN(args, **_started(kwargs))
     text = bool(kwargs.pop("text", False) or kwargs.pop("universal_newlines", False))
     return WarmPopen(server, list(args), text=text, **kwargs)
 
@@ -266,7 +268,7 @@ def run(args: Any, fresh: bool = False, nested: bool = False, **kwargs: Any) -> 
     kwargs = _nested(kwargs) if nested else kwargs
     server = _server_for(args, kwargs, fresh)
     if server is None:
-        return _REAL_RUN(args, **kwargs)
+        return _REAL_RUN(args, **_started(kwargs))
     timeout, check, given = kwargs.pop("timeout", None), kwargs.pop("check", False), kwargs.pop("input", None)
     if kwargs.pop("capture_output", False):
         kwargs["stdout"] = kwargs["stderr"] = PIPE
@@ -284,6 +286,21 @@ def run(args: Any, fresh: bool = False, nested: bool = False, **kwargs: Any) -> 
     if check:
         done.check_returncode()
     return done
+
+
+def _limit_file_size(limit: int) -> None:
+    """``RLIMIT_FSIZE`` at ``limit`` bytes, with SIGXFSZ ignored: a write past it fails with EFBIG instead of killing."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def _started(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for :mod:`subprocess`: ``file_size_limit`` applied in the child before it starts Python."""
+    limit = kwargs.get("file_size_limit")
+    rest = {k: v for k, v in kwargs.items() if k != "file_size_limit"}
+    return rest if limit is None else {**rest, "preexec_fn": lambda: _limit_file_size(limit)}
 
 
 def _nested(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -464,6 +481,8 @@ def _become(request: dict, fds: list[int]) -> None:
             os.close(fd)
     if request["new_session"]:
         os.setsid()
+    if request.get("file_size_limit") is not None:
+        _limit_file_size(request["file_size_limit"])
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.chdir(request["cwd"])
     os.environ.clear()
