@@ -17,20 +17,21 @@ from cltrain.check.fallback import Fallback
 from cltrain.check.lightning_step import check_lightning_step
 from cltrain.check.resume import restored_check, run_fingerprint, saved_check
 from cltrain.guardrails import GuardRecord
-from cltrain.layout import to_contiguous
+from cltrain.layout import MODES, to_contiguous
 from cltrain.layout.batches import (check_inputs, describe_batch, first_image_tensor, image_inputs, restore_batch,
                                     restride_batch)
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.stacks import in_input_layout
 from cltrain.lightning_access import model_copies, overrides, overrides_hook, run_after, step_target, undo_run_after
 from cltrain.nchw_code import UPSTREAM, flat_parameters, guard_pruning, unguard_pruning
+from cltrain.options import check_flags, check_mode, check_positive
 from cltrain.precision import autocast_dtype, compute_dtype
 from cltrain.session import InputTrace, LayoutSession
 from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLast"]
 
-_MODES = ("full", "conv", "off", "auto")
+_MODES = (*MODES, "off", "auto")
 
 
 class ChannelsLast(Callback):
@@ -154,12 +155,8 @@ class ChannelsLast(Callback):
         verify: bool = True,
         check_samples: int | None = DEFAULT_SAMPLES,
     ) -> None:
-        if mode not in _MODES:
-            raise ValueError(f"ChannelsLast(mode={mode!r}): expected one of {_MODES}.")
-        if not isinstance(convert_inputs, bool):
-            raise ValueError(f"ChannelsLast(convert_inputs={convert_inputs!r}): expected True or False.")
-        if not isinstance(audit, bool):
-            raise ValueError(f"ChannelsLast(audit={audit!r}): expected True or False.")
+        check_mode("ChannelsLast", mode, _MODES)
+        check_flags("ChannelsLast", convert_inputs=convert_inputs, audit=audit)
         inputs = check_inputs(inputs, owner="ChannelsLast")
         if input_shape is not None and (
             len(input_shape) not in (3, 4, 5) or not all(isinstance(s, int) and s > 0 for s in input_shape)
@@ -168,17 +165,10 @@ class ChannelsLast(Callback):
                 f"ChannelsLast(input_shape={input_shape!r}): expected (N, C, H, W), (N, C, D, H, W) or, for a 1-D "
                 "model, (N, C, L) positive ints."
             )
-        if not isinstance(auto_steps, int) or auto_steps < 1:
-            raise ValueError(f"ChannelsLast(auto_steps={auto_steps!r}): expected an int >= 1.")
-        if not isinstance(guard, bool):
-            raise ValueError(f"ChannelsLast(guard={guard!r}): expected True or False.")
-        if not isinstance(verify, bool):
-            raise ValueError(f"ChannelsLast(verify={verify!r}): expected True or False.")
-        if check_samples is not None and (not isinstance(check_samples, int) or isinstance(check_samples, bool)
-                                          or check_samples < 1):
-            raise ValueError(f"ChannelsLast(check_samples={check_samples!r}): expected None or an int >= 1.")
-        if not isinstance(auto_timeout, (int, float)) or auto_timeout <= 0:
-            raise ValueError(f"ChannelsLast(auto_timeout={auto_timeout!r}): expected seconds > 0.")
+        check_positive("ChannelsLast", "auto_steps", auto_steps)
+        check_flags("ChannelsLast", guard=guard, verify=verify)
+        check_positive("ChannelsLast", "check_samples", check_samples, optional=True)
+        check_positive("ChannelsLast", "auto_timeout", auto_timeout, whole=False)
         self.mode = mode
         self.convert_inputs = convert_inputs
         self.inputs = inputs

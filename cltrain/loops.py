@@ -43,8 +43,9 @@ from torch import nn
 
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import copy_optimizer, eager_copy, elementwise
-from cltrain.layout import MODES, to_contiguous
+from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
+from cltrain.options import check_flags, check_mode
 from cltrain.session import LayoutSession, process_group_sum
 from cltrain.sharding import sharding_of
 
@@ -97,11 +98,8 @@ def convert_model(
         >>> convert_model(torch.nn.Conv2d(3, 8, 3), sharded=True).weight.is_contiguous()  # then fully_shard
         True
     """
-    if mode not in MODES:
-        raise ValueError(f"convert_model(mode={mode!r}): expected one of {MODES}.")
-    for name, value in (("guard", guard), ("sharded", sharded)):
-        if not isinstance(value, bool):
-            raise ValueError(f"convert_model({name}={value!r}): expected True or False.")
+    check_mode("convert_model", mode)
+    check_flags("convert_model", guard=guard, sharded=sharded)
     engine = sharding_of(model)
     session = LayoutSession(mode, guard=guard, say=_say)
     engine = engine if engine is not None else "" if sharded else None  # "": an engine not named yet

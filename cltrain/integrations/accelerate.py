@@ -34,6 +34,7 @@ from torch import nn
 
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.loops import convert_model
+from cltrain.options import check_flags, check_mode
 from cltrain.sharding import sharding_of
 
 if TYPE_CHECKING:
@@ -74,11 +75,8 @@ def prepare_channels_last(
         ValueError: a bad ``mode``, ``inputs``, ``guard`` or ``verify``.
     """
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
-    if mode not in ("full", "conv"):
-        raise ValueError(f"prepare_channels_last(mode={mode!r}): expected 'full' or 'conv'.")
-    for name, value in (("guard", guard), ("verify", verify)):
-        if not isinstance(value, bool):
-            raise ValueError(f"prepare_channels_last({name}={value!r}): expected True or False.")
+    check_mode("prepare_channels_last", mode)
+    check_flags("prepare_channels_last", guard=guard, verify=verify)
     dtype = _AUTOCAST.get(str(accelerator.mixed_precision))
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
     # FSDP and DeepSpeed (GPU only in Accelerate) keep parameters contiguous: then only the inputs go channels_last.

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cltrain.layout.stacks import to_input_layout
+from cltrain.options import check_flags
 from cltrain.session import InputTrace, LayoutSession, several_ranks
 
 __all__ = ["IMAGE_ARGUMENTS", "ChannelsLastInputs", "argument_names"]
@@ -134,10 +135,7 @@ class ChannelsLastInputs:
         logger: logging.Logger | None = None,
     ) -> None:
         names = argument_names(names, f"ChannelsLastInputs(names={names!r})")
-        if not isinstance(positional, bool):
-            raise ValueError(f"ChannelsLastInputs(positional={positional!r}): expected True or False.")
-        if not isinstance(verify, bool):
-            raise ValueError(f"ChannelsLastInputs(verify={verify!r}): expected True or False.")
+        check_flags("ChannelsLastInputs", positional=positional, verify=verify)
         self.names = names
         self.positional = positional
         self.verify = verify

@@ -17,6 +17,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from cltrain import layout_summary
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.layout import is_channels_last
+from cltrain.options import check_flags, check_mode
 from cltrain.session import LayoutSession, process_group_sum
 from cltrain.sharding import sharding_of
 
@@ -24,8 +25,6 @@ __all__ = ["ChannelsLastCallback"]
 
 # The Trainer's own logger: its `log_level` / `log_level_replica` apply (info on the main process only by default).
 logger = logging.get_logger("transformers.trainer")
-
-_MODES = ("full", "conv")
 
 
 def _compute_dtype(args: TrainingArguments) -> torch.dtype | None:
@@ -108,13 +107,9 @@ class ChannelsLastCallback(TrainerCallback):
         guard: bool = True,
         verify: bool = True,
     ) -> None:
-        if mode not in _MODES:
-            raise ValueError(f"ChannelsLastCallback(mode={mode!r}): expected one of {_MODES}.")
+        check_mode("ChannelsLastCallback", mode)
         names = argument_names(inputs, f"ChannelsLastCallback(inputs={inputs!r})")
-        if not isinstance(guard, bool):
-            raise ValueError(f"ChannelsLastCallback(guard={guard!r}): expected True or False.")
-        if not isinstance(verify, bool):
-            raise ValueError(f"ChannelsLastCallback(verify={verify!r}): expected True or False.")
+        check_flags("ChannelsLastCallback", guard=guard, verify=verify)
         self.mode = mode
         self.guard = guard
         self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger)

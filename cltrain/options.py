@@ -1,0 +1,42 @@
+"""The front doors' arguments, checked alike: a bad one is a ``ValueError`` of one line naming the call, the argument
+and what it takes, the same words from ``ChannelsLast``, ``convert_model``, the Hugging Face callback and hook and
+``prepare_channels_last``.
+
+Example::
+
+    >>> check_flags("convert_model", guard=True, sharded="yes")
+    Traceback (most recent call last):
+    ...
+    ValueError: convert_model(sharded='yes'): expected True or False.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cltrain.layout.tensors import MODES
+
+__all__ = ["check_flags", "check_mode", "check_positive"]
+
+
+def check_mode(call: str, mode: Any, modes: tuple[str, ...] = MODES) -> None:
+    """``mode`` is one of ``modes`` (what every front door converts with, unless it adds its own)."""
+    if mode not in modes:
+        raise ValueError(f"{call}(mode={mode!r}): expected one of {modes}.")
+
+
+def check_flags(call: str, **flags: Any) -> None:
+    """Each of ``flags`` is ``True`` or ``False``."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{call}({name}={value!r}): expected True or False.")
+
+
+def check_positive(call: str, name: str, value: Any, whole: bool = True, optional: bool = False) -> None:
+    """``value`` is an int >= 1 (``whole``) or a number of seconds > 0; ``optional``: or ``None``."""
+    if optional and value is None:
+        return
+    if whole and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{call}({name}={value!r}): expected {'None or ' if optional else ''}an int >= 1.")
+    if not whole and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{call}({name}={value!r}): expected seconds > 0.")

@@ -1,0 +1,48 @@
+"""cltrain.options: every front door refuses a bad argument in the same words, before it touches anything."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cltrain import ChannelsLast
+from cltrain.loops import convert_model
+from cltrain.options import check_flags, check_mode, check_positive
+
+
+def _front_doors() -> dict:
+    doors = {"ChannelsLast": lambda **kw: ChannelsLast(**kw),
+             "convert_model": lambda **kw: convert_model(__import__("torch").nn.Conv2d(3, 4, 3), **kw)}
+    try:
+        from cltrain.integrations.transformers import ChannelsLastCallback
+    except ImportError:
+        return doors
+    from cltrain.integrations.accelerate import prepare_channels_last
+
+    doors["ChannelsLastCallback"] = lambda **kw: ChannelsLastCallback(**kw)
+    doors["prepare_channels_last"] = lambda **kw: prepare_channels_last(None, None, **kw)
+    return doors
+
+
+@pytest.mark.parametrize("door", sorted(_front_doors()))
+def test_each_front_door_says_a_bad_mode_and_a_bad_flag_alike(door):
+    make = _front_doors()[door]
+    with pytest.raises(ValueError, match=rf"^{door}\(mode='nhwc'\): expected one of \('full', 'conv'"):
+        make(mode="nhwc")
+    with pytest.raises(ValueError, match=rf"^{re.escape(door)}\(guard='yes'\): expected True or False\.$"):
+        make(guard="yes")
+
+
+def test_the_checks_name_the_call_the_argument_and_what_it_takes():
+    check_mode("f", "full") or check_flags("f", a=True, b=False) or check_positive("f", "n", 3)
+    check_positive("f", "n", None, optional=True) or check_positive("f", "t", 0.5, whole=False)
+    for call, message in [(lambda: check_positive("f", "n", 0), "f(n=0): expected an int >= 1."),
+                          (lambda: check_positive("f", "n", True), "f(n=True): expected an int >= 1."),
+                          (lambda: check_positive("f", "n", 0, optional=True), "f(n=0): expected None or an int >= 1."),
+                          (lambda: check_positive("f", "t", 0, whole=False), "f(t=0): expected seconds > 0."),
+                          (lambda: check_mode("f", "auto", ("full", "conv", "off")),
+                           "f(mode='auto'): expected one of ('full', 'conv', 'off').")]:
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert str(raised.value) == message
