@@ -17,6 +17,7 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``check``: the first-batch layout check and the NCHW fallbacks it chooses, and how a Lightning step is run for it;
 * ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs, keep):
   the core the three adapters below hand their framework's step and broadcast to;
+* ``options``: the adapters' arguments, checked alike (one line naming the call, the argument and what it takes);
 * ``lightning_access``: what cltrain reads of a LightningModule, for ``lightning`` and ``pytorch_lightning``;
 * ``callback``: ``ChannelsLast``, the Lightning adapter;
 * ``loops``: the adapter for Lightning Fabric, Accelerate and plain loops; a contiguous copy for export;
