@@ -20,7 +20,6 @@ from cltrain.guardrails import GuardRecord
 from cltrain.layout import MODES, to_contiguous
 from cltrain.layout.batches import (check_inputs, describe_batch, first_image_tensor, image_inputs, restore_batch,
                                     restride_batch)
-from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.stacks import in_input_layout
 from cltrain.lightning_access import model_copies, overrides, overrides_hook, run_after, step_target, undo_run_after
 from cltrain.nchw_code import UPSTREAM, flat_parameters, guard_pruning, unguard_pruning
@@ -510,10 +509,8 @@ class ChannelsLast(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Runs after the optimizer state is restored from a checkpoint: momentum buffers keep the
         # strides they were saved with, which may be another layout than their parameter's.
-        if self.mode == "off" or self.sharding is not None:  # the engine owns the optimizer state's layout
-            return
-        self.session.convert_copies(model_copies(trainer, pl_module, exclude=self))  # made later than setup
-        restride_optimizer_state(trainer.optimizers)
+        if self.mode != "off":
+            self.session.resume(trainer.optimizers, model_copies(trainer, pl_module, exclude=self))
 
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         from cltrain.audit import audit_model

@@ -170,6 +170,15 @@ class LayoutSession:
             self._put_in_layout(copy_)
             _apply_to_copy(copy_, self.fallbacks)
 
+    def resume(self, optimizers: Iterable[Any], copies: Iterable[nn.Module] = ()) -> None:
+        """After a checkpoint's optimizer state is restored, which keeps the strides it was saved with: every state
+        tensor takes its parameter's strides, and the model's copies made since the conversion (an EMA's, SWA's) join
+        its layout. A sharding engine owns both."""
+        if self.layout is None or self.sharding is not None:
+            return
+        self.convert_copies(copies)
+        restride_optimizer_state(list(optimizers))
+
     def has_convolutions(self, model: nn.Module) -> bool:
         """Whether ``model`` has a layer channels_last speeds up."""
         convs = CONV_TYPES + CONV1D_TYPES if self.one_d else CONV_TYPES

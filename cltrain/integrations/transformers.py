@@ -157,10 +157,7 @@ class ChannelsLastCallback(TrainerCallback):
                     "to convert; in distributed runs return cltrain.loops.convert_model(model) from model_init."
                 )
         if optimizer is not None:
-            from cltrain.layout.optimizer_state import restride_optimizer_state
-
-            # A resumed optimizer state keeps the strides it was saved with.
-            restride_optimizer_state([getattr(optimizer, "optimizer", optimizer)])
+            self.inputs_hook.session.resume([optimizer])  # a resumed state keeps the strides it was saved with
             self.inputs_hook.optimizers = [optimizer]
 
     def _convert(self, model: nn.Module, args: TrainingArguments) -> None:

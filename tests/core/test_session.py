@@ -81,3 +81,22 @@ def test_a_contiguous_verdict_puts_the_model_in_nchw_and_a_rank_without_a_result
     shared.convert(_stem(), device="cpu")
     assert shared.check("train", model, None, broadcast=lambda mine: LayoutCheck("passed"), report=False).verdict == \
         "passed"
+
+
+def test_resume_restrides_the_restored_optimizer_state_and_puts_copies_in_the_layout() -> None:
+    model, session = nn.Conv2d(3, 4, 3), LayoutSession()
+    session.convert(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.weight.grad = torch.randn_like(model.weight)
+    optimizer.step()
+    optimizer.state[model.weight]["momentum_buffer"] = optimizer.state[model.weight]["momentum_buffer"].contiguous()
+    average = torch.optim.swa_utils.AveragedModel(nn.Conv2d(3, 4, 3))  # an EMA's copy, made after the conversion
+    session.resume([optimizer], [average])
+    assert optimizer.state[model.weight]["momentum_buffer"].stride() == model.weight.stride()
+    assert is_channels_last(average.module.weight)
+    # a sharding engine owns both: nothing moves
+    sharded = LayoutSession()
+    sharded.convert(nn.Conv2d(3, 4, 3), sharding="FSDP2")
+    other = torch.optim.swa_utils.AveragedModel(nn.Conv2d(3, 4, 3))
+    sharded.resume([], [other])
+    assert not is_channels_last(other.module.weight)
