@@ -80,8 +80,8 @@ class _Clips(Dataset):
 
 
 def test_channels_last_3d_survives_worker_processes() -> None:
-    loader = DataLoader(_Clips(), batch_size=4, num_workers=2, collate_fn=ndhwc_collate,
-                        multiprocessing_context="spawn")
+    # the default start method: a batch crosses from a worker by the same pickling whichever method started it
+    loader = DataLoader(_Clips(), batch_size=4, num_workers=2, collate_fn=ndhwc_collate)
     batches = list(loader)
     assert len(batches) == 2
     for x, y in batches:
