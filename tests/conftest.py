@@ -13,8 +13,8 @@
   and the processes its tests start use an equal share of the CPUs: two workers each running torch on every core
   make both many times slower. ``-n 0`` runs the tests in one process.
 * A test starts Python with ``tests.helpers.warm.run`` / ``Popen`` (``subprocess``'s arguments): a fork of a server
-  that imported torch and Lightning once (under the variables read at import that the call sets), unless the test is
-  about a start (``subprocess`` itself). The timing probe's child is such a fork too, except in tests marked
+  that imported torch and Lightning once, unless the test is about a start (``subprocess`` itself) or sets a variable
+  read at import (``warm`` then starts Python). The timing probe's child is such a fork too, except in tests marked
   ``probe_starts_python``.
 """
 

@@ -9,13 +9,11 @@ milliseconds. What Lightning decides at import (a console handler of its own whe
 decided at its logger's first record instead. ``lightning_ranks_forked`` and ``torchrun_workers_forked`` make the DDP
 ranks a helper starts forks too.
 
-A call whose environment sets variables read at import (thread counts, ISA limits, ``PYTHON*``, ``HF_*`` ...) other
-than the first server's gets a server of its own that imported everything under them (at most ``_Server.most`` per
-process). A call goes to a real interpreter start instead (the same arguments to :mod:`subprocess`) when the test is
-about what a start does (``fresh=True``), when it sees a GPU, when no server is left for its variables, when its first
-argument is not this interpreter or carries interpreter options other than ``-u``, or when it passes an argument this
-module does not handle. ``WARM_LOG=FILE`` appends a line naming the test and the variables for each call that
-started Python.
+A call goes to a real interpreter start instead (the same arguments to :mod:`subprocess`) when the test is about
+what a start does (``fresh=True``), when its environment differs from the server's in a variable read at import
+(thread counts, ISA limits, ``PYTHON*``, ``HF_*`` ...), when its first argument is not this interpreter or carries
+interpreter options other than ``-u``, or when it passes an argument this module does not handle. ``WARM_LOG=FILE`` appends a line
+naming the test and the variables for each call that a server could have taken but that started Python.
 ``file_size_limit=N`` sets ``RLIMIT_FSIZE`` in the child either way (SIGXFSZ ignored: a write past it fails with
 EFBIG).
 """
@@ -64,17 +62,14 @@ def _import_time(env: dict[str, str]) -> dict[str, str]:
 
 
 class _Server:
-    """A forking server this process talks to: one per set of import-time variables (a call with
-    ``ONEDNN_MAX_CPU_ISA=AVX2`` gets a server that imported everything under it), started on first use and stopped
-    at exit; in a process a server forked (a DDP rank 0 starting rank 1), the server that forked it."""
+    """The forking server this process talks to: started on first use and stopped at exit, or, in a process the
+    server forked (a DDP rank 0 starting rank 1), the server that forked it."""
 
     lock = threading.Lock()
-    instance: _Server | None = None  # in a forked process: the server that forked it
-    servers: dict[str, _Server] = {}  # elsewhere: by the import-time variables they started with
-    most = 3  # servers a process starts (each holds about 1 GB); a call beyond them starts Python
+    instance: _Server | None = None
     env_at_start: dict[str, str] = {}  # in the server: its environment when it started
 
-    def __init__(self, path: str | None = None, variables: dict[str, str] | None = None) -> None:
+    def __init__(self, path: str | None = None) -> None:
         self.proc = None
         if path is not None:
             self.path = path
@@ -83,10 +78,9 @@ class _Server:
             return
         self.dir = tempfile.mkdtemp(prefix="cltrain-warm-")
         self.path = os.path.join(self.dir, "sock")
-        # os.environ with the call's import-time variables, and no GPU (``get`` serves only CUDA_VISIBLE_DEVICES=""): a
-        # fork of a process that has counted CUDA devices cannot use CUDA
-        self.env = {**{k: v for k, v in os.environ.items() if k not in _import_time(dict(os.environ))},
-                    **(variables or {}), "CUDA_VISIBLE_DEVICES": ""}
+        # no GPU in the server, whichever test starts it: a fork of a process that has counted CUDA devices cannot use
+        # CUDA; children given CUDA_VISIBLE_DEVICES="" (conftest's default) are served, others start Python
+        self.env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         Path(self.dir, "env.json").write_text(json.dumps(self.env))
         self.proc = _REAL_POPEN([sys.executable, __file__, self.path], stdin=DEVNULL, stdout=PIPE, text=True,
                                      env=self.env)
@@ -108,24 +102,12 @@ class _Server:
             os.rmdir(self.dir)
 
     @classmethod
-    def get(cls, variables: dict[str, str]) -> _Server | None:
-        """The server for a call with these import-time ``variables`` (``_import_time``), or ``None``."""
+    def get(cls) -> _Server | None:
         with cls.lock:
-            forked_by = os.environ.get(SOCKET)
-            if forked_by:  # only the server that forked this process: another would be one more per process
-                if cls.instance is None or not cls.instance.alive():
-                    cls.instance = cls(forked_by) if os.path.exists(forked_by) else None
-                server = cls.instance
-                return server if server is not None and _import_time(server.env) == variables else None
-            if variables.get("CUDA_VISIBLE_DEVICES") != "":
-                return None
-            key = json.dumps(variables, sort_keys=True)
-            server = cls.servers.get(key)
-            if server is None or not server.alive():
-                if server is None and len(cls.servers) >= cls.most:
-                    return None
-                server = cls.servers[key] = cls(variables=variables)
-            return server if server.ok else None
+            if cls.instance is None or not cls.instance.alive():
+                forked_by = os.environ.get(SOCKET)
+                cls.instance = cls(forked_by) if forked_by and os.path.exists(forked_by) else cls()
+            return cls.instance if cls.instance.ok else None
 
 
 class _Stdio:
@@ -258,12 +240,15 @@ def _server_for(args: Any, kwargs: dict[str, Any], fresh: bool) -> _Server | Non
         return None
     if str(args[first]).startswith("-") and str(args[first]) not in ("-m", "-c"):
         return None
+    server = _Server.get()
     env = os.environ if kwargs.get("env") is None else kwargs["env"]
-    variables = _import_time(dict(env))
-    server = _Server.get(variables)
-    if server is None and os.environ.get("WARM_LOG"):
-        with open(os.environ["WARM_LOG"], "a") as log:
-            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: a real start: no server for {variables}\n")
+    if server is None or _import_time(dict(env)) != _import_time(server.env):
+        if os.environ.get("WARM_LOG"):
+            mine, its = _import_time(dict(env)), _import_time(server.env) if server else {}
+            why = {k: mine.get(k) for k in set(mine) | set(its) if mine.get(k) != its.get(k)} if server else "no server"
+            with open(os.environ["WARM_LOG"], "a") as log:
+                log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: a real start: {why}\n")
+        return None
     return server
 
 
