@@ -223,7 +223,7 @@ class LayoutSession:
         self.layout_checks[kind] = result
         self.apply(result, model, copies, optimizers)
         if report:
-            self.say(f"ChannelsLast {result.line()}", result.verdict in ("fallback", "contiguous"))
+            self.say(f"ChannelsLast {result.line(kind)}", result.verdict in ("fallback", "contiguous"))
         return result
 
     def apply(self, result: LayoutCheck, model: nn.Module, copies: Iterable[nn.Module] = (),

@@ -129,15 +129,18 @@ class LayoutCheck:
     notes: tuple[str, ...] = ()
     step_raised: str | None = None
 
-    def line(self) -> str:
+    def line(self, kind: str = "train") -> str:
         """One log line (at most ``MAX_LINE`` characters): what was found, where, the fix, what was done; the
-        error or the difference last, where there is room."""
+        error or the difference last, where there is room. ``kind`` (``"train"``, ``"eval"``) names the step
+        checked, so the two checks of a run never print the same line."""
         notes = "".join(f"; {note}" for note in self.notes)
+        check = "layout check" if kind == "train" else f"layout check of the {kind} step"
         if self.verdict == "passed":
-            text = (f"layout check passed: the first batch computes the same in channels_last as in NCHW"
+            batch = "the first batch" if kind == "train" else f"the first {kind} batch"
+            text = (f"{check} passed: {batch} computes the same in channels_last as in NCHW"
                     f"{notes} ({self.seconds:.1f} s)")
         elif self.verdict == "not checked":
-            text = f"layout check skipped: {self.reason}{notes}"
+            text = f"{check} skipped: {self.reason}{notes}"
         else:
             parts: list[str] = []
             details: list[str] = []
@@ -153,12 +156,12 @@ class LayoutCheck:
                 done += (f" ({1e3 * self.timings['channels_last']:.0f} ms/step, "
                          f"{1e3 * self.timings['contiguous']:.0f} contiguous)")
             found, tail = " | ".join(parts), f" -> {done}{notes} ({self.seconds:.1f} s)"
-            room = MAX_LINE - len("layout check: ") - len(tail)
+            room = MAX_LINE - len(f"{check}: ") - len(tail)
             if len(found) > room:  # shorten what was found, keep what was done
                 found = _shorten(found, max(room, 40))
             elif room - len(found) > 30:
                 found += f" [{_shorten(' | '.join(details), room - len(found) - 3)}]"
-            text = f"layout check: {found}{tail}"
+            text = f"{check}: {found}{tail}"
         return _shorten(text, MAX_LINE)
 
     def as_dict(self) -> dict[str, Any]:

@@ -83,6 +83,20 @@ def test_a_contiguous_verdict_puts_the_model_in_nchw_and_a_rank_without_a_result
         "passed"
 
 
+def test_the_train_and_eval_checks_say_different_lines_whatever_they_took() -> None:
+    """A run checks its training and its evaluation step; equal timings must not print one line twice."""
+    session = LayoutSession()
+    model = session.convert(_stem(), device="cpu")
+    said = []
+    session.say = lambda line, warn: said.append(line)
+    for kind in ("train", "eval"):
+        session.check(kind, model, lambda: LayoutCheck("passed", seconds=0.2))
+    assert len(set(said)) == 2, said
+    assert "the first eval batch" in said[1] and "the first batch" in said[0]
+    skipped = LayoutCheck("not checked", reason="planted")
+    assert skipped.line("train") != skipped.line("eval")
+
+
 def test_resume_restrides_the_restored_optimizer_state_and_puts_copies_in_the_layout() -> None:
     model, session = nn.Conv2d(3, 4, 3), LayoutSession()
     session.convert(model)
