@@ -125,7 +125,9 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
     stream's order (shuffled within ``shuffle_buffer`` rows, a new order each epoch, ``set_epoch``). A
     stream has no row index: a bad row is named by its place in the epoch's stream and its file name.
 
-    The DataLoader's workers share the stream's shards (``datasets`` gives each worker its own). With
+    An epoch's stream is split into parts (``Dataset.shard(parts, p, contiguous=False)``, each shuffled alike): as
+    many as the DataLoader has workers (at most the stream's shards), worker ``w`` reading parts ``w, w + workers,
+    ...`` in turn; an epoch resumed with another number of workers keeps the parts it began with. With
     ``world_size > 1`` every rank reads the whole stream and keeps one row of every ``world_size``;
     for training (``equal=True``) only whole groups of ``world_size`` rows count, so every rank gets
     the same number of samples from every worker (the same step count under DDP; at most
@@ -161,35 +163,49 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
         #: the seed of every sample's randomness (``None``: drawn from the torch RNG as an iteration starts;
         #: ``ResumableLoader`` draws it once and keeps it in the checkpoint)
         self.sample_seed: int | None = None
-        #: this process's place in its part of the stream, after the sample it yielded last (``stream_place.Place``)
-        self.position: Place | None = None
-        #: worker id -> the place the next iteration of that worker starts after (``ResumableLoader`` sets it)
+        #: part -> this process's place in that part of the stream, after the sample it yielded last from it
+        #: (``stream_place.Place``)
+        self.position: dict[int, Place] = {}
+        #: part -> the place the next iteration starts that part after (``ResumableLoader`` sets it, with
+        #: ``resume_parts``, the parts of the epoch it resumes, and ``split_from``, part -> the row from which the
+        #: part's rows are split over the ranks: where a stop on another number of ranks left it)
         self.resume_at: dict[int, tuple] | None = None
+        self.resume_parts: int | None = None
+        self.split_from: dict[int, int] = {}
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next iteration gives (``PrefetchDataLoader`` sets it)."""
         self.epoch = epoch
 
-    def _rows(self) -> Iterator[tuple[int, int, str, Mapping[str, Any]]]:
-        """This rank's ``(row, next, name, row's cells)`` of this worker's part of the stream: ``row`` its position
-        there, ``next`` the position the stream goes on from after it."""
-        stream = self.dataset
+    def parts_for(self, workers: int) -> int:
+        """The parts an epoch read by ``workers`` DataLoader workers (0: the main process) splits the stream into."""
+        return max(1, min(workers, self.dataset.num_shards))
+
+    def _rows(self, part: int, parts: int, base: int) -> Iterator[tuple[int, int, str, Mapping[str, Any]]]:
+        """This rank's ``(row, next, name, row's cells)`` of ``part`` of ``parts`` of the epoch's stream: ``row`` its
+        position there, ``next`` the position the stream goes on from after it; the rows before ``base`` are not
+        read, and the rows from there are split over the ranks."""
+        stream = self.dataset if parts == 1 else self.dataset.shard(num_shards=parts, index=part, contiguous=False)
         if self.shuffle_buffer:
             stream = stream.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
-        info = get_worker_info()
-        # a stream has no row index: its position in this worker's part of this epoch's order, and the file name
-        part = "" if info is None or info.num_workers == 1 else f" of worker {info.id}"
+        # a stream has no row index: its position in this part of this epoch's order, and the file name
+        where = "" if parts == 1 else f" of part {part}"
         world, rank = self.world_size, self.rank
         mine = None
-        for j, row in enumerate(stream):
-            if world == 1:
-                yield j, j + 1, row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row
+        # ``iter``, not ``for row in stream``: in a DataLoader worker ``datasets`` would split the part again
+        for j, batch in enumerate(stream.iter(batch_size=1)):
+            if j < base:
                 continue
-            if j % world == rank:
-                mine = (j, j + 1, row_name(f"{j}{part} of epoch {self.epoch}'s stream", row, self.image_column), row)
+            row = {key: values[0] for key, values in batch.items()}
+            name = f"{j}{where} of epoch {self.epoch}'s stream"
+            if world == 1:
+                yield j, j + 1, row_name(name, row, self.image_column), row
+                continue
+            if (j - base) % world == rank:
+                mine = (j, j + 1, row_name(name, row, self.image_column), row)
                 if not self.equal:
                     yield mine
-            if self.equal and j % world == world - 1 and mine is not None:  # the group is whole: every rank has its row
+            if self.equal and (j - base) % world == world - 1 and mine is not None:  # the group is whole
                 yield mine[0], j + 1, mine[2], mine[3]
 
     def _load(self, item: tuple[int, int, str, Mapping[str, Any]]) -> tuple[Any, int]:
@@ -203,15 +219,26 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
         info = get_worker_info()
-        worker = 0 if info is None else info.id
-        start = (self.resume_at or {}).get(worker)  # taken now: the loader clears it once its workers have it
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        # taken now: the loader clears them once its workers have them
+        resume_at, split_from = dict(self.resume_at or {}), dict(self.split_from)
+        parts = self.resume_parts or self.parts_for(workers)
         seed = self.sample_seed if self.sample_seed is not None else int(torch.randint(0, 2**62, ()).item())
-        self.position = None if start is None else Place(*start)
-        return self._samples(self.position, lambda *key: row_seed(seed, self.epoch, worker, *key))
+        self.position = {}
 
-    def _samples(self, start: Place | None, seed_of: Callable[..., int]) -> Iterator[tuple[Any, int]]:
-        """The samples after ``start`` (from the stream's first row: ``None``); ``seed_of(row, copy, tail)`` seeds
-        each one. ``position`` is set before each yield."""
+        def samples() -> Iterator[tuple[Any, int]]:
+            for part in range(worker, parts, workers):
+                start = resume_at.get(part)
+                yield from self._samples(part, parts, None if start is None else Place(*start),
+                                         split_from.get(part, 0),
+                                         lambda *key, part=part: row_seed(seed, self.epoch, part, *key))
+
+        return samples()
+
+    def _samples(self, part: int, parts: int, start: Place | None, base: int,
+                 seed_of: Callable[..., int]) -> Iterator[tuple[Any, int]]:
+        """The samples of ``part`` after ``start`` (from its first row, or row ``base``: ``None``);
+        ``seed_of(row, copy, tail)`` seeds each one. ``position[part]`` is set before each yield."""
         augment = getattr(self.transform, "augment", None)
 
         def one(item: tuple, copy: int, tail: int = 0) -> tuple[Any, int]:
@@ -219,7 +246,7 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
                               augment)[0]
 
         owed, last = 0, None  # bad rows skipped since the last good one, which stands in for them
-        rows = self._rows()
+        rows = self._rows(part, parts, base)
         if start is not None:  # the rows read before the stop, not decoded again
             for item in rows:
                 last = item
@@ -232,7 +259,7 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
                 except BadImageError:  # another rank's place: this rank's row there is bad, the next good one owes
                     owed = copy + 1
                     break
-                self.position = Place(last[0], copy, start.next, start.tail)
+                self.position[part] = Place(last[0], copy, start.next, start.tail)
                 yield sample
             if start.tail:
                 return
@@ -262,14 +289,14 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
                     owed += 1
                     continue
                 for copy in range(owed, 0, -1):  # the next readable sample stands in for the bad ones before it
-                    self.position = Place(item[0], copy, item[1])
+                    self.position[part] = Place(item[0], copy, item[1])
                     yield one(item, copy)
                 owed, last = 0, item
-                self.position = Place(item[0], 0, item[1])
+                self.position[part] = Place(item[0], 0, item[1])
                 yield sample
         if last is not None:
             for copy in range(owed - 1, -1, -1):
-                self.position = Place(last[0], copy, last[1], 1)
+                self.position[part] = Place(last[0], copy, last[1], 1)
                 yield one(last, copy, 1)
 
     def __len__(self) -> int:

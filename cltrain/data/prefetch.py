@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.resume_state import STATE_FORMAT, consumed_samples, is_resumable, loader_state_mismatch
-from cltrain.data.stream_place import StreamPlaces, TaggedCollate, is_stream
+from cltrain.data.stream_place import Place, StreamPlaces, TaggedCollate, is_stream
 from cltrain.layout.batches import map_tensors
 
 __all__ = ["PrefetchDataLoader", "ResumableLoader"]
@@ -181,6 +181,7 @@ class ResumableLoader(PrefetchDataLoader):
         if self.stream and not isinstance(self.collate_fn, TaggedCollate):
             self.collate_fn = TaggedCollate(self.collate_fn, self.dataset)
         self._places = StreamPlaces()
+        self._parts, self._split_from = 1, {}  # a stream's epoch: its parts, and where each is split over the ranks
         self.taken = 0  # batches of this epoch its training steps took (``note_taken``)
         #: how many taken batches' steps have not ended (a step that raised): ``BatchDataModule`` reads Lightning's
         self.unfinished: Callable[[], int] = lambda: 0
@@ -251,23 +252,28 @@ class ResumableLoader(PrefetchDataLoader):
         return super().__iter__()
 
     def _stream_iter(self, resume: dict[str, Any] | None) -> Iterator[Any]:
-        """A stream's epoch: from the first row, or each worker from its place in ``resume``'s epoch."""
+        """A stream's epoch: from the first row, or each part from its place in ``resume``'s epoch."""
         dataset = self.dataset
         if dataset.sample_seed is None:  # drawn once, as a sampler draws its seed: seed_everything repeats it
             dataset.sample_seed = int(torch.randint(0, 2**62, ()).item())
         if resume is None or resume["finished"]:
+            self._parts, self._split_from = dataset.parts_for(self.num_workers), {}
             self._places = StreamPlaces()
             return self._on_device(self._places.batches(self._batches()))
         self._epochs, self.taken = resume["epoch"], resume["taken"]
+        self._parts, self._split_from = resume["parts"], dict(resume["split_from"])
         self._places = StreamPlaces(resume["positions"], resume["last_worker"])
-        dataset.resume_at = dict(resume["positions"])
+        dataset.resume_at, dataset.resume_parts, dataset.split_from = (dict(resume["positions"]), self._parts,
+                                                                       self._split_from)
         rng = torch.get_rng_state()
         try:
             batches = self._batches()  # its workers (or this process's iterator) take their places now
         finally:
-            dataset.resume_at = None
+            dataset.resume_at, dataset.resume_parts, dataset.split_from = None, None, {}
         torch.set_rng_state(rng)
-        return self._on_device(self._places.batches(batches, resume["last_worker"] + 1, self.num_workers))
+        # the stopped run's turns go on with the worker after the last batch's, with the same workers
+        first = resume["last_worker"] + 1 if resume["workers"] == self.num_workers else 0
+        return self._on_device(self._places.batches(batches, first, self.num_workers))
 
     # ---- Lightning's stateful-loader protocol (cltrain.data.resume_state) -----------------------------------------
 
@@ -290,11 +296,12 @@ class ResumableLoader(PrefetchDataLoader):
                  "rng": self._rng_at_take if unfinished and self._rng_at_take is not None else torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
                  "finished": taken >= self.epoch_batches()}  # the epoch's last batch: the next epoch starts as usual
-        if self.stream:  # each worker's place in its part of the stream
+        if self.stream:  # each part's place in the stream
             dataset = self.dataset
             return {**state, "samples": "stream", "workers": self.num_workers, "ranks": dataset.world_size,
-                    "seed": dataset.sample_seed, "epoch": max(self._epochs - 1, 0),
-                    "positions": self._places.taken_positions(taken), "last_worker": self._places.last_worker(taken),
+                    "seed": dataset.sample_seed, "epoch": max(self._epochs - 1, 0), "parts": self._parts,
+                    "split_from": dict(self._split_from), "positions": self._places.taken_positions(taken),
+                    "last_worker": self._places.last_worker(taken),
                     "finished": state["finished"] or self._places.finished(taken)}
         sampler = self.sampler
         state.update(samples=sampler.n, ranks=sampler.num_replicas, seed=sampler.seed, epoch=sampler.epoch)
@@ -338,21 +345,38 @@ class ResumableLoader(PrefetchDataLoader):
         self._resume = dict(state_dict)  # applied by the next iterator: the RNG as it was there
 
     def _load_stream_state(self, state: dict[str, Any]) -> None:
-        """A stream's place: each worker goes on from its own, with the same workers and ranks; else the epoch
-        starts again (one line)."""
+        """A stream's place: each part goes on from its own. With another number of workers the epoch keeps its
+        parts; with another number of ranks the rows each part has left are split over the new ranks (one line).
+        A state that does not fit is one line, and the epoch starts again."""
         dataset = self.dataset
-        changed = loader_state_mismatch(state, "stream", _batch_size(self), self.drop_last, dataset.world_size)
-        if not changed and state.get("workers") != self.num_workers:
-            changed = f"workers {state.get('workers')!r} -> {self.num_workers!r}"
+        changed = loader_state_mismatch(state, "stream", _batch_size(self), self.drop_last, None)
+        if not changed and "parts" not in state:
+            changed = "it was written before a stream's epoch was split into parts"
         dataset.sample_seed = state.get("seed", dataset.sample_seed)
         self._epochs = int(state.get("epoch", 0))
         if changed:
             warnings.warn(f"cltrain: the checkpoint's loader state does not fit this stream ({changed}): epoch "
-                          f"{self._epochs} starts again from its first row (a stream's place is each worker's part "
-                          "of it, which another number of workers or ranks splits otherwise).", stacklevel=2)
+                          f"{self._epochs} starts again from its first row.", stacklevel=2)
             return
         self._epochs += bool(state["finished"])  # stopped after the epoch's last batch: the next starts as usual
-        self._resume = dict(state)  # applied by the next iterator: the RNG as it was there
+        state = dict(state, split_from={int(p): int(row) for p, row in state["split_from"].items()})
+        ranks, workers = state["ranks"], state["workers"]
+        if not state["finished"] and ranks != dataset.world_size:
+            # every rank stopped at the end of a group of rows: what each part has left is split anew from there
+            split = state["split_from"]
+            for part, place in state["positions"].items():
+                split[int(part)] = _DONE if Place(*place).tail else Place(*place).next
+            state["positions"] = {}
+        if not state["finished"] and (ranks, workers) != (dataset.world_size, self.num_workers):
+            warnings.warn(f"cltrain: resumed with {self.num_workers} worker(s) on {dataset.world_size} rank(s) from "
+                          f"{workers} on {ranks}: the rows left in epoch {self._epochs} of the stream's "
+                          f"{state['parts']} parts are read once each, with their own augmentation; the batches, so "
+                          "the weights, are not the uninterrupted run's.", stacklevel=2)
+        self._resume = state  # applied by the next iterator: the RNG as it was there
+
+
+#: ``split_from`` of a part read to its end: no row of it is read again
+_DONE = 2**62
 
 
 def _batch_size(loader: DataLoader) -> int | None:

@@ -1,16 +1,16 @@
-"""Where a stream's epoch is, for an exact resume: each loading process's place in its part of the stream.
+"""Where a stream's epoch is, for an exact resume: the place reached in each part of the stream.
 
-A streamed dataset (``HFStreamingDataset``) has no index to skip to: each DataLoader worker reads its own part of the
-stream in order. It publishes, before each sample it yields, its place there (``Place``); ``TaggedCollate`` hands each
-batch to the main process with the place of the worker that made it, and ``StreamPlaces`` keeps, per worker, the
-place of the last batch a training step took. Resumed with the same workers and ranks, each worker reads its part
-again up to its place without decoding it and goes on from there; every sample's randomness comes from
-``sample_seed`` and the sample's place (``row_seed``), never from the order of draws.
+A streamed dataset (``HFStreamingDataset``) has no index to skip to: its epoch is split into parts, each DataLoader
+worker reading its own parts in order. A worker publishes, before each sample it yields, its place in each part it has
+read (``Place``); ``TaggedCollate`` hands each batch to the main process with those places and the worker that made
+it, and ``StreamPlaces`` keeps the place of each part after the last batch a training step took. Resumed, each part is
+read again up to its place without decoding it and goes on from there, whatever worker reads it; every sample's
+randomness comes from ``sample_seed`` and the sample's part and place (``row_seed``), never from the order of draws.
 
 Example::
 
     >>> places = StreamPlaces()
-    >>> places.fetched(Tagged(1, Place(row=7, copies=0, next=8), "batch"))
+    >>> places.fetched(Tagged(1, {1: Place(row=7, copies=0, next=8)}, "batch"))
     'batch'
     >>> places.taken_positions(1)
     {1: (7, 0, 8, 0)}
@@ -30,9 +30,9 @@ __all__ = ["Place", "StreamPlaces", "Tagged", "TaggedCollate", "is_stream", "row
 
 
 class Place(NamedTuple):
-    """A worker's place in its part of an epoch's stream, after the sample it yielded last.
+    """A place in a part of an epoch's stream, after the sample yielded last from it.
 
-    ``row``: that sample's row (its position in the worker's part of the stream); ``copies``: how many more times the
+    ``row``: that sample's row (its position in the part); ``copies``: how many more times the
     row is yielded (stand-ins for unreadable rows before it); ``next``: the position the stream goes on from after
     them; ``tail``: the copies stand in for unreadable rows at the stream's end (nothing is read after them).
     """
@@ -47,7 +47,7 @@ _MASK = (1 << 64) - 1
 
 
 def row_seed(*key: int) -> int:
-    """A 62-bit seed from ints (a sample's ``(sample_seed, epoch, worker, row, copy, tail)``): splitmix64 over the
+    """A 62-bit seed from ints (a sample's ``(sample_seed, epoch, part, row, copy, tail)``): splitmix64 over the
     key, about 3 us a row here where ``numpy.random.SeedSequence`` took 18 us."""
     h = 0x243F6A8885A308D3
     for k in key:
@@ -64,30 +64,31 @@ def is_stream(dataset: Any) -> bool:
 
 
 class Tagged:
-    """A batch on its way from a worker, with the worker's id and place after it."""
+    """A batch on its way from a worker, with the worker's id and its place in each part it has read (part ->
+    ``Place``)."""
 
-    def __init__(self, worker: int, place: Place | None, batch: Any) -> None:
-        self.worker, self.place, self.batch = worker, place, batch
+    def __init__(self, worker: int, places: dict[int, Place], batch: Any) -> None:
+        self.worker, self.places, self.batch = worker, places, batch
 
     def pin_memory(self) -> Tagged:
         """The DataLoader's pin thread calls this: the batch pinned, the tag kept."""
-        return Tagged(self.worker, self.place, map_tensors(self.batch, lambda t: t.pin_memory()))
+        return Tagged(self.worker, self.places, map_tensors(self.batch, lambda t: t.pin_memory()))
 
 
 class TaggedCollate:
-    """``collate`` whose batch carries the id and place of the worker that made it (``Tagged``)."""
+    """``collate`` whose batch carries the id and places of the worker that made it (``Tagged``)."""
 
     def __init__(self, collate: Callable[[list], Any], dataset: Any) -> None:
         self.collate, self.dataset = collate, dataset
 
     def __call__(self, samples: list) -> Tagged:
         info = get_worker_info()
-        dataset = self.dataset if info is None else info.dataset  # a worker's own copy publishes its place
-        return Tagged(0 if info is None else info.id, dataset.position, self.collate(samples))
+        dataset = self.dataset if info is None else info.dataset  # a worker's own copy publishes its places
+        return Tagged(0 if info is None else info.id, dict(dataset.position), self.collate(samples))
 
 
 class StreamPlaces:
-    """The places of the batches an epoch's iterator handed out, in order, and each worker's place after the batches
+    """The places of the batches an epoch's iterator handed out, in order, and each part's place after the batches
     the training steps took (``taken_positions``).
 
     A DataLoader takes its workers' batches in turn from worker 0, skipping a worker whose part has ended; an epoch
@@ -95,14 +96,14 @@ class StreamPlaces:
 
     def __init__(self, start: dict[int, tuple] | None = None, last_worker: int = -1) -> None:
         self.start = {int(w): tuple(p) for w, p in (start or {}).items()}  # places the epoch went on from
-        self._tags: list[tuple[int, tuple | None]] = []
+        self._tags: list[tuple[int, dict[int, tuple]]] = []
         self._folded = 0  # tags folded into ``start`` (batches taken long ago)
         self._last_worker = last_worker  # the worker of the last folded batch (-1: none)
         self.ended = False  # the iterator has handed out its last batch
 
     def fetched(self, tagged: Tagged) -> Any:
         """Note ``tagged``'s worker and place; its batch."""
-        self._tags.append((tagged.worker, None if tagged.place is None else tuple(tagged.place)))
+        self._tags.append((tagged.worker, {int(p): tuple(place) for p, place in tagged.places.items()}))
         return tagged.batch
 
     def batches(self, tagged: Iterator[Tagged], first: int = 0, workers: int = 1) -> Iterator[Any]:
@@ -124,11 +125,10 @@ class StreamPlaces:
             self._folded += keep
 
     def taken_positions(self, taken: int) -> dict[int, tuple]:
-        """Each worker's place after the first ``taken`` batches of the epoch (those it made)."""
+        """Each part's place after the first ``taken`` batches of the epoch."""
         places = dict(self.start)
-        for worker, place in self._tags[: max(taken - self._folded, 0)]:
-            if place is not None:
-                places[worker] = place
+        for _, parts in self._tags[: max(taken - self._folded, 0)]:
+            places.update(parts)
         return places
 
     def last_worker(self, taken: int) -> int:

@@ -96,7 +96,7 @@ def test_bad_rows_are_skipped_and_listed_by_index_or_raised_in_one_line(hf, tmp_
     names = {name for _, name, _ in lines}
     if streaming:  # no index in a shuffled stream: the place in the epoch's stream, and the file name
         assert {n.split(" (")[1] for n in names} == {"img_0007.jpg)", "img_0011.jpg)"}
-        assert all(n.startswith("row ") and " of worker " in n and " of epoch 0's stream (" in n for n in names), names
+        assert all(n.startswith("row ") and " of part " in n and " of epoch 0's stream (" in n for n in names), names
     else:
         assert names == {f"row {i} (img_{i:04d}.jpg)" for i in BAD_ROWS}
     assert {split for split, _, _ in lines} == {"train"}

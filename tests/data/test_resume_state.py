@@ -160,12 +160,12 @@ def test_a_streamed_hugging_face_run_resumed_mid_epoch_ends_where_the_uninterrup
         assert again.global_step == steps, f"from step {step}"
         assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed))), f"from step {step}"
         assert not [m for m in said if "resumable" in m or "read again" in m or "does not fit" in m], said
-    # another number of workers splits the stream otherwise: one line, and the stopped epoch starts again
+    # another number of workers reads the stopped epoch's parts: one line (each row once: the loader-level test)
     _, again, said = _run(saved, tmp_path / "other", 2 - workers, ckpt_path=str(tmp_path / "whole" / "step=1.ckpt"),
                           **stream)
-    lines = [m for m in said if "does not fit this stream" in m]
-    assert len(lines) == 1 and f"workers {workers} -> {2 - workers}" in lines[0] and "epoch 0 starts again" in lines[0]
-    assert again.global_step == 1 + steps
+    lines = [m for m in said if "are read once each" in m]
+    assert len(lines) == 1 and f"with {2 - workers} worker(s) on 1 rank(s) from {workers} on 1" in lines[0], said
+    assert again.current_epoch == 2 and not [m for m in said if "does not fit" in m]
 
 
 def test_an_epoch_ended_by_limit_train_batches_resumes_with_the_next_epoch(folder, tmp_path):
@@ -461,3 +461,81 @@ def test_shards_with_fewer_samples_left_than_ranks_pad_as_distributed_sampler_pa
     rest, _, said = _take(_shard_loaders(3), None, state)
     assert len(rows) == 21 and len(rest) == 3 and len(set(rest)) == 2 and not set(rest) & set(rows)
     assert len([m for m in said if "split over" in m]) == 3
+
+
+def _row_hashes(samples: list) -> torch.Tensor:
+    """A batch as each sample's pixel hash (its row and its crop) and label."""
+    import hashlib
+
+    return torch.tensor([[int(hashlib.sha1(bytes(memoryview(image))).hexdigest()[:15], 16), int(label)]
+                         for image, label in samples])
+
+
+def _stream_loaders(saved: Path, workers: int, ranks: int):
+    from cltrain.data import train_transform
+    from cltrain.data.hf_dataset import HFStreamingDataset
+    from cltrain.data.hf_source import open_dataset
+    from cltrain.data.prefetch import ResumableLoader
+
+    split = open_dataset(saved, streaming=True)["train"]
+    loaders = [ResumableLoader(HFStreamingDataset(split, train_transform(16), rank=r, world_size=ranks, equal=True,
+                                               shuffle_buffer=5, seed=3), batch_size=2, num_workers=workers,
+                            collate_fn=_row_hashes) for r in range(ranks)]
+    for loader in loaders:  # as seed_everything gives every rank: the seed of each sample's randomness
+        loader.dataset.sample_seed = 7
+    return loaders
+
+
+@pytest.fixture(scope="module")
+def stream15(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("datasets")
+    from tests.helpers.hf_data import image_rows, write_hf_dataset
+
+    return write_hf_dataset(tmp_path_factory.mktemp("stream"), {"train": image_rows(15, 3)}, ["a", "b", "c"],
+                            parquet_files=1)["saved"]
+
+
+@pytest.mark.parametrize("before,after,steps", [((2, 1), (0, 1), 2), ((0, 1), (2, 1), 2), ((2, 2), (0, 1), 2),
+                                                ((2, 1), (3, 3), 2), ((2, 3), (2, 2), 1)],
+                         ids=["2 workers to 0", "0 workers to 2", "2 ranks to 1", "1 rank to 3, 3 workers",
+                              "3 ranks to 2"])
+def test_a_stream_resumed_with_other_workers_or_ranks_reads_each_remaining_row_once_with_its_crop(stream15, before,
+                                                                                                  after, steps):
+    # (workers, ranks). Every row with its crop: the stopped run's parts read on one rank (a row's crop comes from
+    # its part and place, whatever rank reads it)
+    every, _, _ = _take(_stream_loaders(stream15, before[0], 1), None)
+    whole, _, _ = _take(_stream_loaders(stream15, *before), None)  # the uninterrupted run
+    taken, state, _ = _take(_stream_loaders(stream15, *before), steps)  # steps on every rank, then the stop
+    assert not state["finished"]
+    rest, _, said = _take(_stream_loaders(stream15, *after), None, state)
+    assert len(every) == 15 and len(set(every)) == 15 and set(whole) <= set(every)
+    assert len(taken) == 2 * steps * before[1] and set(taken) <= set(whole)
+    read = taken + rest
+    assert len(set(read)) == len(read) and set(read) <= set(every)  # each row at most once, with its own crop
+    if before[1] == after[1]:  # the same ranks: the uninterrupted run's samples exactly
+        assert sorted(read) == sorted(whole)
+    else:  # another rank count leaves out only the incomplete last group of rows of each part
+        parts = min(max(before[0], 1), 15)
+        assert len(every) - len(read) <= parts * (after[1] - 1), (len(every), len(read))
+    assert len([m for m in said if "are read once each" in m]) == after[1], said
+
+
+def test_a_stream_stopped_again_after_a_resume_on_other_ranks_still_reads_each_row_once(stream15):
+    every, _, _ = _take(_stream_loaders(stream15, 2, 1), None)
+    taken, state, _ = _take(_stream_loaders(stream15, 2, 2), 1)
+    more, state, _ = _take(_stream_loaders(stream15, 2, 3), 1, state)  # resumed on 3 ranks, stopped after a step
+    assert state["split_from"] and not state["finished"]
+    rest, _, said = _take(_stream_loaders(stream15, 0, 1), None, state)
+    read = taken + more + rest
+    assert len(set(read)) == len(read) and set(read) <= set(every) and len(every) - len(read) <= 2 * 2
+    assert len(read) > len(taken) + len(more) and len([m for m in said if "are read once each" in m]) == 1
+
+
+def test_a_stream_state_saved_before_parts_existed_is_one_line_and_the_epoch_starts_again(stream15):
+    whole, _, _ = _take(_stream_loaders(stream15, 2, 1), None)
+    _, state, _ = _take(_stream_loaders(stream15, 2, 1), 2)
+    state.pop("parts")
+    rest, _, said = _take(_stream_loaders(stream15, 2, 1), None, state)
+    assert sorted(rest) == sorted(whole)  # the whole epoch again, with its crops
+    lines = [m for m in said if "does not fit this stream" in m]
+    assert len(lines) == 1 and "written before a stream's epoch was split into parts" in lines[0], said
