@@ -258,7 +258,7 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
     assert folder_state["ImageFolderDataModule"]["train_loader"]["epoch"] == 1  # one batch of epoch 1 on each rank
 
     # the same checkpoints on one rank: the 8 samples epoch 1 had left are 4 batches of 2 (the 2 ranks read 4)
-    from cltrain.data import ShardsDataModule
+    from cltrain.data import HFImageDataModule, ShardsDataModule
 
     for kind, data in (("folder", ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24,
                                                         val_resize_size=28)),
@@ -274,6 +274,21 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
         said = [str(w.message) for w in caught]
         assert trainer.global_step == 4 + 4 and len([m for m in said if "8 samples left in epoch 1" in m]) == 1, \
             (kind, said)
+    # the stream's checkpoint (step 3 of epoch 0) on one rank: its 2 parts read from their places
+    pl.seed_everything(7, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                             enable_checkpointing=False, default_root_dir=tmp_path)
+        trainer.fit(Net(), datamodule=HFImageDataModule(saved, batch_size=2, num_workers=0, image_size=24,
+                                                        val_resize_size=28, streaming=True, shuffle_buffer=4),
+                    ckpt_path=str(tmp_path / "out" / "stream" / "steps" / "step=3.ckpt"))
+    said = [str(w.message) for w in caught]
+    assert len([m for m in said if "from 2 on 2: the rows left in epoch 0 of the stream's 2 parts" in m]) == 1, said
+    # 17 rows in 2 parts of 9 and 8; each rank's 3 steps took 6 whole groups of 2 rows (part 0 to row 8, part 1 to
+    # row 4): the 5 rows left are 2 batches of 2 (drop_last), epoch 1 on one rank 8 (the epoch again would be 8 more)
+    assert trainer.global_step == 3 + 2 + 8, trainer.global_step
 
 
 class _Batches(pl.Callback):
