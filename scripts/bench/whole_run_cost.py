@@ -12,7 +12,7 @@ state only when a checkpoint is saved (``state_dict``). This times, in one proce
 * ``note_taken`` and ``state_dict`` of a training loader, and the copy of the BatchNorm statistics before each step
   (``cltrain.data.running_stats.RunningStats.hold``);
 * for a stream (``cltrain.data.stream_place``): a sample's seed from its place (``row_seed``, once per sample) and
-  noting a batch's worker and place (``StreamPlaces.fetched``, once per batch);
+  noting a batch's worker and its places in the parts (``StreamPlaces.fetched``, once per batch);
 
 and prints each as a median with the ratio to the step, then the machine.
 """
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loader = ResumableLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=8,
                              sampler=ResumableSampler(64, seed=0))
     step()  # warm-up: kernels chosen, momentum buffers made
-    places, tagged = StreamPlaces(), Tagged(0, Place(row=7, copies=0, next=8), None)
+    places, tagged = StreamPlaces(), Tagged(0, {0: Place(row=7, copies=0, next=8)}, None)
     stats = RunningStats()
     stats.hold(model)
     rows = interleaved(args.rounds, {  # interleaved: each figure from the same stretch of the run
