@@ -14,7 +14,8 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``timing``: a model timed in both layouts (``mode="auto"``), in a child process;
 * ``audit``: the ops that lose channels_last in a model (``cltrain-audit`` on the command line);
 * ``model_names``: torchvision and timm models by name, with random weights;
-* ``check``: the first-batch layout check and the NCHW fallbacks it chooses, and how a Lightning step is run for it;
+* ``check``: the first-batch layout check and the NCHW fallbacks it chooses, and how a Lightning step and a plain
+  step are run for it;
 * ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs, keep):
   the core the three adapters below hand their framework's step and broadcast to;
 * ``options``: the adapters' arguments, checked alike (one line naming the call, the argument and what it takes);

@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import copy
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer, eager_copy, elementwise
+from cltrain.check.compare import LayoutCheck
+from cltrain.check.plain_step import check_plain_step
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.options import check_flags, check_mode
@@ -187,72 +186,13 @@ def verify_layout(
     """
     inputs = check_inputs(inputs, owner="verify_layout")
     session = LayoutSession.of(model, dtype=autocast_dtype, say=_say)
-    run = lambda: check_batch(model, batch, step, inputs=inputs, autocast_dtype=autocast_dtype,  # noqa: E731
-                              optimizer=optimizer, samples=samples)
+    run = lambda: check_plain_step(model, batch, step, inputs=inputs,  # noqa: E731
+                                   autocast_dtype=autocast_dtype, optimizer=optimizer, samples=samples)
     return session.check("train", model, run, optimizers=[optimizer] if optimizer is not None else [], report=report)
-
-
-def check_batch(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], Any] | None = None, *,
-                inputs: Inputs = None, autocast_dtype: torch.dtype | None = None,
-                optimizer: torch.optim.Optimizer | None = None, samples: int | None = 4) -> LayoutCheck:
-    """``verify_layout``'s check without applying its verdict (the arguments are ``verify_layout``'s)."""
-    from cltrain.check.budget import check_within_budget
-    from cltrain.layout.batches import first_image_tensor
-    from cltrain.precision import autocast_for
-
-    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-
-    def run_in(part: Any, dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
-        def run(clone: nn.Module, layout: str) -> Any:
-            copied = _clone_tensors(part)
-            restride_batch(copied, layout, inputs=inputs, model=clone)
-            with autocast_for(device, dtype):
-                if step is not None:
-                    return step(clone, copied)
-                return projection_loss(clone(first_image_tensor(copied, inputs)))
-
-        return run
-
-    optimizers: weakref.WeakKeyDictionary[nn.Module, torch.optim.Optimizer] = weakref.WeakKeyDictionary()
-
-    # torch's elementwise optimizers give the same update in any layout: their step is not re-run.
-    stepped = optimizer if optimizer is not None and not elementwise([optimizer]) else None
-
-    def copy_model(original: nn.Module) -> nn.Module:
-        memo: dict[int, Any] = {}
-        clone = eager_copy(original, memo)
-        if stepped is not None:
-            optimizers[clone] = copy_optimizer(stepped, memo)
-        return clone
-
-    options: dict[str, Any] = {"copy_model": copy_model}
-    if stepped is not None:
-        options["after_backward"] = lambda clone: optimizers[clone].step()
-
-    def check(part: Any) -> LayoutCheck:
-        # float32 first: mixed precision's rounding would hide a wrong op in noise.
-        result = check_layout(model, run_in(part, None), **options)
-        if result.verdict == "not checked" and autocast_dtype is not None:
-            result = check_layout(model, run_in(part, autocast_dtype), **options)
-        return result
-
-    return check_within_budget(check, batch, samples, inputs=inputs)
-
-
-def apply_check(model: nn.Module, result: LayoutCheck) -> None:
-    """Apply what a ``verify_layout`` result chose to ``model`` (another rank's copy of the same model): the
-    fallbacks, or the whole model in NCHW with its inputs put in NCHW at its entry."""
-    LayoutSession.of(model, say=_say).apply(result, model)
 
 
 def _say(message: str, warn: bool) -> None:
     log.log(logging.WARNING if warn else logging.INFO, message)
-
-
-def _clone_tensors(batch: Any) -> Any:
-    from lightning_utilities.core.apply_func import apply_to_collection
-
-    return apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
 
 
 def contiguous_copy(model: nn.Module) -> nn.Module:

@@ -16,6 +16,8 @@
 * ``cltrain.check.untouched``: what a copy still reaches of the real model, and the real model's tensors put back;
 * ``cltrain.check.budget``: the check on a slice of the batch; an out-of-memory error is never a verdict;
 * ``cltrain.check.lightning_step``: the check on a Lightning step, for ``cltrain.ChannelsLast``;
+* ``cltrain.check.plain_step``: the check on a plain step (a model, a loop's loss code, an optimizer), for Fabric
+  and plain loops and the Hugging Face hook;
 * ``cltrain.check.resume``: the verdict carried in a checkpoint, applied again for the same model and step.
 
 ``cltrain.loops.verify_layout`` is the entry point for Fabric and plain loops.

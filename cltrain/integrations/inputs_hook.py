@@ -11,7 +11,7 @@ training and the first evaluation forward are traced (not a compiled one): an ar
 convolution in channels_last is left as it arrives from then on (``left_as_is``), and one line says so.
 
 On the first training call (the model in train mode, gradients on) and the first evaluation call, the hook
-checks that batch (``cltrain.loops.check_batch``, through its ``cltrain.session.LayoutSession``): the model's
+checks that batch (``cltrain.check.plain_step``, through its ``cltrain.session.LayoutSession``): the model's
 forward, and the loss it computes from ``labels``, in both layouts on copies of the model, in float32 outside the
 loop's autocast. Where the model's
 code assumes NCHW, that part is put in NCHW (one log line names it and the fix); nothing of the real run
@@ -102,7 +102,7 @@ class ChannelsLastInputs:
         names: the keyword arguments holding images (``"pixel_values"``, or what the model's forward calls
             them); a name or a list of names.
         positional: also convert the first positional argument (``model(x)``).
-        verify: run the layout check (``cltrain.loops.check_batch``) on the first training and evaluation batch.
+        verify: run the layout check (``cltrain.check.plain_step``) on the first training and evaluation batch.
         autocast_dtype: the loop's autocast dtype (``torch.bfloat16``, ``torch.float16``, ``None``); the check
             uses it only where the step cannot run in float32.
         logger: where the check's result and hints go (default: this module's logger).
@@ -249,7 +249,7 @@ class ChannelsLastInputs:
 
     def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str) -> None:
         from cltrain.check import LayoutCheck
-        from cltrain.loops import check_batch
+        from cltrain.check.plain_step import check_plain_step
 
         found = self._found(args, kwargs)
         distributed = several_ranks()
@@ -266,8 +266,8 @@ class ChannelsLastInputs:
             _state.checking = True
             try:  # positional: the first argument alone; the check restrides only what `inputs` names
                 with torch.autocast(device.type, enabled=False), grad:  # float32: the loop's autocast is outside
-                    return check_batch(module, (args[:1], args[1:], kwargs), _call, inputs=found,
-                                       autocast_dtype=self.autocast_dtype)
+                    return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found,
+                                            autocast_dtype=self.autocast_dtype)
             finally:
                 _state.checking = False
 

@@ -59,7 +59,7 @@ class ChannelsLastCallback(TrainerCallback):
       the optimizer, made just before, keeps its parameters; ``torch_compile`` has not traced yet); a checkpoint
       loaded by ``resume_from_checkpoint`` keeps the layout, and its optimizer state is given its parameters'
       strides.
-    * the first training forward and the first evaluation forward: the layout check (``cltrain.loops.check_batch``)
+    * the first training forward and the first evaluation forward: the layout check (``cltrain.check.plain_step``)
       runs the model's forward, and the loss it computes from ``labels``, in both layouts on copies; where the model's
       code assumes NCHW, that part runs in NCHW and one log line names it. The run itself is not changed.
 

@@ -1,0 +1,66 @@
+"""The first-batch layout check on a plain step, for Fabric and plain loops and the Hugging Face hook: the model (and,
+when given, the loop's forward-and-loss code and its optimizer) run in both layouts on copies.
+
+``check_lightning_step`` is the same check on a Lightning step (``cltrain.check.lightning_step``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cltrain.check.budget import check_within_budget
+from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
+from cltrain.check.copies import copy_optimizer, eager_copy, elementwise
+from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors, restride_batch
+from cltrain.precision import autocast_for
+
+__all__ = ["check_plain_step"]
+
+
+def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], Any] | None = None, *,
+                     inputs: Inputs = None, autocast_dtype: torch.dtype | None = None,
+                     optimizer: torch.optim.Optimizer | None = None, samples: int | None = 4) -> LayoutCheck:
+    """One step on ``batch`` in both layouts on copies of ``model``, its verdict not applied (the arguments are
+    ``cltrain.loops.verify_layout``'s)."""
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+
+    def run_in(part: Any, dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
+        def run(clone: nn.Module, layout: str) -> Any:
+            copied = map_tensors(part, torch.Tensor.clone)
+            restride_batch(copied, layout, inputs=inputs, model=clone)
+            with autocast_for(device, dtype):
+                if step is not None:
+                    return step(clone, copied)
+                return projection_loss(clone(first_image_tensor(copied, inputs)))
+
+        return run
+
+    optimizers: weakref.WeakKeyDictionary[nn.Module, torch.optim.Optimizer] = weakref.WeakKeyDictionary()
+
+    # torch's elementwise optimizers give the same update in any layout: their step is not re-run.
+    stepped = optimizer if optimizer is not None and not elementwise([optimizer]) else None
+
+    def copy_model(original: nn.Module) -> nn.Module:
+        memo: dict[int, Any] = {}
+        clone = eager_copy(original, memo)
+        if stepped is not None:
+            optimizers[clone] = copy_optimizer(stepped, memo)
+        return clone
+
+    options: dict[str, Any] = {"copy_model": copy_model}
+    if stepped is not None:
+        options["after_backward"] = lambda clone: optimizers[clone].step()
+
+    def check(part: Any) -> LayoutCheck:
+        # float32 first: mixed precision's rounding would hide a wrong op in noise.
+        result = check_layout(model, run_in(part, None), **options)
+        if result.verdict == "not checked" and autocast_dtype is not None:
+            result = check_layout(model, run_in(part, autocast_dtype), **options)
+        return result
+
+    return check_within_budget(check, batch, samples, inputs=inputs)
