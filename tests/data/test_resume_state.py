@@ -260,35 +260,31 @@ def test_a_ddp_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(folde
     # the same checkpoints on one rank: the 8 samples epoch 1 had left are 4 batches of 2 (the 2 ranks read 4)
     from cltrain.data import HFImageDataModule, ShardsDataModule
 
-    for kind, data in (("folder", ImageFolderDataModule(folder, batch_size=2, num_workers=0, image_size=24,
-                                                        val_resize_size=28)),
-                       ("shards", ShardsDataModule(tmp_path / "pack", batch_size=2, num_workers=0, image_size=24,
-                                                   val_resize_size=28))):
-        pl.seed_everything(7, verbose=False)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                                 enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                                 enable_checkpointing=False, default_root_dir=tmp_path)
-            trainer.fit(Net(), datamodule=data, ckpt_path=str(tmp_path / "out" / kind / "steps" / "step=4.ckpt"))
-        said = [str(w.message) for w in caught]
+    common = dict(batch_size=2, num_workers=0, image_size=24, val_resize_size=28)
+    for kind, data in (("folder", ImageFolderDataModule(folder, **common)),
+                       ("shards", ShardsDataModule(tmp_path / "pack", **common))):
+        trainer, said = _fit_on_one_rank(data, tmp_path / "out" / kind / "steps" / "step=4.ckpt", tmp_path)
         assert trainer.global_step == 4 + 4 and len([m for m in said if "8 samples left in epoch 1" in m]) == 1, \
             (kind, said)
     # the stream's checkpoint (step 3 of epoch 0) on one rank: its 2 parts read from their places
+    trainer, said = _fit_on_one_rank(HFImageDataModule(saved, streaming=True, shuffle_buffer=4, **common),
+                                     tmp_path / "out" / "stream" / "steps" / "step=3.ckpt", tmp_path)
+    assert len([m for m in said if "from 2 on 2: the rows left in epoch 0 of the stream's 2 parts" in m]) == 1, said
+    # 17 rows in 2 parts of 9 and 8; each rank's 3 steps took 6 whole groups of 2 rows (part 0 to row 8, part 1 to
+    # row 4): the 5 rows left are 2 batches of 2 (drop_last), epoch 1 on one rank 8 (the epoch again would be 8 more)
+    assert trainer.global_step == 3 + 2 + 8, trainer.global_step
+
+
+def _fit_on_one_rank(data: pl.LightningDataModule, ckpt: Path, root: Path) -> tuple[pl.Trainer, list[str]]:
+    """Two epochs of ``Net`` on ``data`` on one CPU process, resumed from ``ckpt``; the trainer and its warnings."""
     pl.seed_everything(7, verbose=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                             enable_checkpointing=False, default_root_dir=tmp_path)
-        trainer.fit(Net(), datamodule=HFImageDataModule(saved, batch_size=2, num_workers=0, image_size=24,
-                                                        val_resize_size=28, streaming=True, shuffle_buffer=4),
-                    ckpt_path=str(tmp_path / "out" / "stream" / "steps" / "step=3.ckpt"))
-    said = [str(w.message) for w in caught]
-    assert len([m for m in said if "from 2 on 2: the rows left in epoch 0 of the stream's 2 parts" in m]) == 1, said
-    # 17 rows in 2 parts of 9 and 8; each rank's 3 steps took 6 whole groups of 2 rows (part 0 to row 8, part 1 to
-    # row 4): the 5 rows left are 2 batches of 2 (drop_last), epoch 1 on one rank 8 (the epoch again would be 8 more)
-    assert trainer.global_step == 3 + 2 + 8, trainer.global_step
+                             enable_checkpointing=False, default_root_dir=root)
+        trainer.fit(Net(), datamodule=data, ckpt_path=str(ckpt))
+    return trainer, [str(w.message) for w in caught]
 
 
 class _Batches(pl.Callback):
