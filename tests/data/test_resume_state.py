@@ -482,7 +482,7 @@ def _row_hashes(samples: list) -> torch.Tensor:
                          for image, label in samples])
 
 
-def _stream_loaders(saved: Path, workers: int, ranks: int):
+def _stream_loaders(saved: Path, workers: int, ranks: int, bad_files: str = "raise", shuffle_buffer: int | None = 5):
     from cltrain.data import train_transform
     from cltrain.data.hf_dataset import HFStreamingDataset
     from cltrain.data.hf_source import open_dataset
@@ -490,8 +490,8 @@ def _stream_loaders(saved: Path, workers: int, ranks: int):
 
     split = open_dataset(saved, streaming=True)["train"]
     loaders = [ResumableLoader(HFStreamingDataset(split, train_transform(16), rank=r, world_size=ranks, equal=True,
-                                               shuffle_buffer=5, seed=3), batch_size=2, num_workers=workers,
-                            collate_fn=_row_hashes) for r in range(ranks)]
+                                               shuffle_buffer=shuffle_buffer, seed=3, bad_files=bad_files),
+                               batch_size=2, num_workers=workers, collate_fn=_row_hashes) for r in range(ranks)]
     for loader in loaders:  # as seed_everything gives every rank: the seed of each sample's randomness
         loader.dataset.sample_seed = 7
     return loaders
@@ -550,3 +550,43 @@ def test_a_stream_state_saved_before_parts_existed_is_one_line_and_the_epoch_sta
     assert sorted(rest) == sorted(whole)  # the whole epoch again, with its crops
     lines = [m for m in said if "does not fit this stream" in m]
     assert len(lines) == 1 and "written before a stream's epoch was split into parts" in lines[0], said
+
+
+def _rank_batches(loaders, steps: int | None = None, state: dict | None = None) -> tuple[list[list], dict]:
+    """Each rank's batches (``steps`` of them, or all) from ``state``, and rank 0's state after them."""
+    batches, saved = [], None
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+        mine = []
+        for k, batch in enumerate(loader):
+            if k == steps:
+                break
+            mine.append([tuple(row) for row in batch.tolist()])
+            loader.note_taken()
+        batches.append(mine)
+        saved = saved or loader.state_dict()  # rank 0's: the checkpoint's
+    return batches, saved
+
+
+@pytest.mark.parametrize("ranks,workers,odd", [(2, 0, (2,)), (2, 0, (3,)), (2, 0, (2, 3)), (2, 0, (2, 5)),
+                                               (3, 0, (5, 7)), (2, 0, (12, 13)), (3, 2, (4,))])
+def test_a_ddp_stream_with_bad_rows_resumes_every_rank_exactly_from_rank_0s_place(tmp_path, ranks, workers, odd):
+    # a bad row's stand-in (the rank's next readable row) can be owed across the stop on one rank only: every rank
+    # goes on from rank 0's place and still serves the batches of the uninterrupted run (in stream order: the rows
+    # named are where the stops fall)
+    pytest.importorskip("datasets")
+    from tests.helpers.hf_data import image_rows, write_hf_dataset
+
+    saved = write_hf_dataset(tmp_path / "hf", {"train": image_rows(15, 3, odd={i: b"<html>" for i in odd})},
+                             ["a", "b", "c"], parquet_files=1)["saved"]
+
+    def loaders():
+        return _stream_loaders(saved, workers, ranks, bad_files="skip", shuffle_buffer=None)
+
+    whole, _ = _rank_batches(loaders())
+    assert sum(len(b) for b in whole[0]) < 15 // ranks + 1 and len({len(b) for b in whole}) == 1
+    for stop in range(1, len(whole[0])):
+        _, state = _rank_batches(loaders(), stop)
+        rest, _ = _rank_batches(loaders(), None, state)
+        assert rest == [mine[stop:] for mine in whole], f"stopped after {stop} steps"
