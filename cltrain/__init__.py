@@ -18,6 +18,8 @@ Packages and modules, bottom up (lower ones never import higher ones):
   step are run for it;
 * ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs, keep):
   the core the three adapters below hand their framework's step and broadcast to;
+* ``batch_inputs``: ``BatchInputs``, a batch's model inputs put in the model's layout and traced through the first
+  forward of each stage (for ``ChannelsLast``);
 * ``options``: the adapters' arguments, checked alike (one line naming the call, the argument and what it takes);
 * ``lightning_access``: what cltrain reads of a LightningModule, for ``lightning`` and ``pytorch_lightning``;
 * ``callback``: ``ChannelsLast``, the Lightning adapter;

@@ -18,14 +18,13 @@ from cltrain.check.lightning_step import check_lightning_step
 from cltrain.check.resume import restored_check, run_fingerprint, saved_check
 from cltrain.guardrails import GuardRecord
 from cltrain.layout import MODES, to_contiguous
-from cltrain.layout.batches import (check_inputs, describe_batch, first_image_tensor, image_inputs, restore_batch,
-                                    restride_batch)
-from cltrain.layout.stacks import in_input_layout
+from cltrain.batch_inputs import BatchInputs
+from cltrain.layout.batches import check_inputs, first_image_tensor
 from cltrain.lightning_access import model_copies, overrides, overrides_hook, run_after, step_target, undo_run_after
 from cltrain.nchw_code import UPSTREAM, flat_parameters, guard_pruning, unguard_pruning
 from cltrain.options import check_flags, check_mode, check_positive
 from cltrain.precision import autocast_dtype, compute_dtype
-from cltrain.session import InputTrace, LayoutSession
+from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLast"]
@@ -124,6 +123,8 @@ class ChannelsLast(Callback):
             model's parameters, which then stay contiguous; ``None`` when none does.
         audit_report: with ``audit=True``, the ``cltrain.audit.AuditReport`` of the
             first training batch.
+        batch_inputs: the ``cltrain.batch_inputs.BatchInputs`` that converts each batch's model inputs
+            (``batch_inputs.trace.left_as_is``: the inputs left as they arrive, by stage).
 
     Raises:
         ValueError: an unknown ``mode``, a non-bool ``convert_inputs``, ``guard`` or ``verify``, a ``check_samples``
@@ -182,18 +183,13 @@ class ChannelsLast(Callback):
         self.auto_failure: str | None = None
         self.audit_report: Any = None
         self.session = LayoutSession("conv" if mode == "conv" else "full", guard=guard, say=_say)
-        self._trace = InputTrace(say=_say)
-        self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a stage, to trace
+        self.batch_inputs = BatchInputs(self.session, inputs)
         self._audited = False
-        self._told_inputs = False
         self._flat: Any = None  # flat_parameters(), held from setup to teardown
         self._due: str | None = None  # what ran since the last step that may have moved the parameters
         self._restored: dict[str, Any] | None = None  # the checks of the checkpoint resumed from
         self._fingerprint: str | None = None
         self._expecting = False
-        #: the converted inputs' data as the loader made them, given back when the batch ends
-        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._checked_inputs = False
         self._warned_no_conv = False
 
     @property
@@ -335,53 +331,8 @@ class ChannelsLast(Callback):
     # ---- batches -------------------------------------------------------------------------------
 
     def _convert_batch(self, batch: Any, stage: str, pl_module: LightningModule) -> None:
-        if self.mode == "off" or not self.convert_inputs or self.layout is None:
-            return
-        one_d = self.session.one_d
-        traced = None
-        if not self._trace.traced(stage) and self.layout == "channels_last" and self.inputs != "all" and not one_d:
-            traced = {p: t for p, t in image_inputs(batch, self.inputs, one_d).items()
-                      if not in_input_layout(t, pl_module)}
-        converted = restride_batch(batch, self.layout, one_d=one_d, inputs=self.inputs,
-                                   skip=self._trace.left_as_is.get(stage, ()), model=pl_module, kept=self._kept)
-        if not self._checked_inputs:
-            self._checked_inputs = True
-            if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
-                rank_zero_info(
-                    f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
-                    "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX."
-                )
-        if traced is not None:  # traced through this batch's forward, after the check
-            self._pending = (stage, traced)
-            return
-        self._tell_converting(converted)
-
-    def _tell_converting(self, converted: int) -> None:
-        if converted and not self._told_inputs:
-            self._told_inputs = True
-            rank_zero_info(
-                f"ChannelsLast: batches arrive in another layout; converting {converted} tensor(s) per batch "
-                f"to {self.layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary."
-            )
-
-    def _start_trace(self, pl_module: LightningModule) -> None:
-        if self._pending is None:
-            return
-        stage, traced = self._pending
-        if self.layout != "channels_last":  # the check put the model in NCHW, and the batch with it
-            self._pending = None
-            self._trace.start(stage, {}, pl_module)
-        elif not self._trace.start(stage, traced, pl_module):  # compiled: convert as before
-            self._pending = None
-            self._tell_converting(len(traced))
-
-    def _end_trace(self, completed: bool = True) -> None:
-        if self._pending is None:
-            return
-        traced = self._pending[1]
-        self._pending = None
-        left = self._trace.end(completed)
-        self._tell_converting(len(traced) - len(left or ()))
+        if self.mode != "off" and self.convert_inputs and self.layout is not None:
+            self.batch_inputs.convert(batch, stage, pl_module)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -396,11 +347,11 @@ class ChannelsLast(Callback):
         if self.audit and not self._audited:
             self._audited = True
             self._run_audit(trainer, pl_module, batch)
-        self._start_trace(pl_module)
+        self.batch_inputs.start_trace(pl_module)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        self._end_trace()
+        self.batch_inputs.end_trace()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -448,16 +399,16 @@ class ChannelsLast(Callback):
                      dataloader_idx: int | None) -> None:
         self._convert_batch(batch, stage, pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, stage, dataloader_idx)
-        self._start_trace(pl_module)
+        self.batch_inputs.start_trace(pl_module)
 
     def _batch_end(self) -> None:
-        self._end_trace()
-        restore_batch(self._kept)  # the loader's tensors as it made them: it may hand the same ones out again
+        self.batch_inputs.end_trace()
+        self.batch_inputs.restore()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._end_trace(completed=False)
-        restore_batch(self._kept)
+        self.batch_inputs.end_trace(completed=False)
+        self.batch_inputs.restore()
         unguard_pruning(trainer.callbacks)
         if self._flat is not None:  # an exception ends the run without teardown: torch's own utilities back
             self._flat.__exit__(None, None, None)
@@ -490,7 +441,7 @@ class ChannelsLast(Callback):
                                     copies=model_copies(trainer, pl_module, exclude=self),
                                     optimizers=trainer.optimizers)
         if result.verdict == "contiguous":
-            restride_batch(batch, "contiguous", one_d=self.session.one_d, inputs=self.inputs, kept=self._kept)
+            self.batch_inputs.put_contiguous(batch)
 
     # ---- resume and audit ----------------------------------------------------------------------
 
