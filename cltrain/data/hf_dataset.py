@@ -39,7 +39,7 @@ from cltrain.data.hf_source import columns, row_name, row_source, undecoded
 from cltrain.data.image_samples import ImageSamples
 from cltrain.data.loader_threads import load_batch
 from cltrain.data.resume_state import SeededIndex
-from cltrain.data.stream_place import Place, row_seed
+from cltrain.data.stream_place import READ_TO_END, Place, row_seed
 
 __all__ = ["HFImageDataset", "HFStreamingDataset", "rank_of"]
 
@@ -183,8 +183,8 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
 
     def _rows(self, part: int, parts: int, base: int) -> Iterator[tuple[int, int, str, Mapping[str, Any]]]:
         """This rank's ``(row, next, name, row's cells)`` of ``part`` of ``parts`` of the epoch's stream: ``row`` its
-        position there, ``next`` the position the stream goes on from after it; the rows before ``base`` are not
-        read, and the rows from there are split over the ranks."""
+        position there, ``next`` the position the stream goes on from after it; the rows before ``base`` are passed
+        over (not decoded), and the rows from there are split over the ranks."""
         stream = self.dataset if parts == 1 else self.dataset.shard(num_shards=parts, index=part, contiguous=False)
         if self.shuffle_buffer:
             stream = stream.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
@@ -228,9 +228,11 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
 
         def samples() -> Iterator[tuple[Any, int]]:
             for part in range(worker, parts, workers):
-                start = resume_at.get(part)
-                yield from self._samples(part, parts, None if start is None else Place(*start),
-                                         split_from.get(part, 0),
+                start = Place(*resume_at[part]) if part in resume_at else None
+                base = split_from.get(part, 0)
+                if base == READ_TO_END:
+                    continue  # read to its end before a stop on another number of ranks: not read again
+                yield from self._samples(part, parts, start, base,
                                          lambda *key, part=part: row_seed(seed, self.epoch, part, *key))
 
         return samples()

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.resume_state import STATE_FORMAT, consumed_samples, is_resumable, loader_state_mismatch
-from cltrain.data.stream_place import Place, StreamPlaces, TaggedCollate, is_stream
+from cltrain.data.stream_place import READ_TO_END, Place, StreamPlaces, TaggedCollate, is_stream
 from cltrain.layout.batches import map_tensors
 
 __all__ = ["PrefetchDataLoader", "ResumableLoader"]
@@ -365,7 +365,7 @@ class ResumableLoader(PrefetchDataLoader):
             # every rank stopped at the end of a group of rows: what each part has left is split anew from there
             split = state["split_from"]
             for part, place in state["positions"].items():
-                split[int(part)] = _DONE if Place(*place).tail else Place(*place).next
+                split[int(part)] = READ_TO_END if Place(*place).tail else Place(*place).next
             state["positions"] = {}
         if not state["finished"] and (ranks, workers) != (dataset.world_size, self.num_workers):
             warnings.warn(f"cltrain: resumed with {self.num_workers} worker(s) on {dataset.world_size} rank(s) from "
@@ -373,10 +373,6 @@ class ResumableLoader(PrefetchDataLoader):
                           f"{state['parts']} parts are read once each, with their own augmentation; the batches, so "
                           "the weights, are not the uninterrupted run's.", stacklevel=2)
         self._resume = state  # applied by the next iterator: the RNG as it was there
-
-
-#: ``split_from`` of a part read to its end: no row of it is read again
-_DONE = 2**62
 
 
 def _batch_size(loader: DataLoader) -> int | None:

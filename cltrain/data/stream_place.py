@@ -26,7 +26,7 @@ from torch.utils.data import get_worker_info
 
 from cltrain.layout.batches import map_tensors
 
-__all__ = ["Place", "StreamPlaces", "Tagged", "TaggedCollate", "is_stream", "row_seed"]
+__all__ = ["READ_TO_END", "Place", "StreamPlaces", "Tagged", "TaggedCollate", "is_stream", "row_seed"]
 
 
 class Place(NamedTuple):
@@ -42,6 +42,10 @@ class Place(NamedTuple):
     next: int
     tail: int = 0
 
+
+#: A part's ``split_from`` once it was read to its end before a stop on another number of ranks: nothing of it is
+#: read again.
+READ_TO_END = 2**62
 
 _MASK = (1 << 64) - 1
 

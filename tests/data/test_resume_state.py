@@ -590,3 +590,18 @@ def test_a_ddp_stream_with_bad_rows_resumes_every_rank_exactly_from_rank_0s_plac
         _, state = _rank_batches(loaders(), stop)
         rest, _ = _rank_batches(loaders(), None, state)
         assert rest == [mine[stop:] for mine in whole], f"stopped after {stop} steps"
+
+
+def test_a_part_read_to_its_end_before_a_stop_on_other_ranks_is_not_read_again(stream15, monkeypatch):
+    from cltrain.data.hf_dataset import HFStreamingDataset
+    from cltrain.data.stream_place import READ_TO_END
+
+    opened = []
+    rows = HFStreamingDataset._rows
+    monkeypatch.setattr(HFStreamingDataset, "_rows", lambda self, part, *a: opened.append(part) or rows(self, part, *a))
+    dataset = _stream_loaders(stream15, 0, 1)[0].dataset
+    dataset.resume_parts, dataset.split_from = 2, {0: READ_TO_END, 1: 6}
+    rest = list(dataset)
+    assert opened == [1] and len(rest) == 7 - 6  # part 1 (7 rows of 15) from its row 6; part 0 never opened
+    dataset.split_from = {1: 6}  # the control: part 0 from its first row
+    assert len(list(dataset)) == 8 + 1 and opened == [1, 0, 1]
