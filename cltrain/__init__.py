@@ -16,8 +16,10 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``model_names``: torchvision and timm models by name, with random weights;
 * ``check``: the first-batch layout check and the NCHW fallbacks it chooses, and how a Lightning step and a plain
   step are run for it;
+* ``host``: ``Host``, what an adapter lends the session (say a line, which rank decides, a broadcast and a sum over the
+  ranks, the optimizers and the model's copies), for one process or ``torch.distributed``'s group;
 * ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs, keep):
-  the core the three adapters below hand their framework's step and broadcast to;
+  the core the three adapters below lend their host and hand their framework's step to;
 * ``batch_inputs``: ``BatchInputs``, a batch's model inputs put in the model's layout and traced through the first
   forward of each stage (for ``ChannelsLast``);
 * ``options``: the adapters' arguments, checked alike (one line naming the call, the argument and what it takes);

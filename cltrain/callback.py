@@ -20,7 +20,8 @@ from cltrain.guardrails import GuardRecord
 from cltrain.layout import MODES, to_contiguous
 from cltrain.batch_inputs import BatchInputs
 from cltrain.layout.batches import check_inputs, first_image_tensor
-from cltrain.lightning_access import model_copies, overrides, overrides_hook, run_after, step_target, undo_run_after
+from cltrain.host import Host
+from cltrain.lightning_access import LightningHost, overrides, overrides_hook, run_after, step_target, undo_run_after
 from cltrain.nchw_code import UPSTREAM, flat_parameters, guard_pruning, unguard_pruning
 from cltrain.options import check_flags, check_mode, check_positive
 from cltrain.precision import autocast_dtype, compute_dtype
@@ -182,7 +183,7 @@ class ChannelsLast(Callback):
         self.timings: dict[str, float] | None = None
         self.auto_failure: str | None = None
         self.audit_report: Any = None
-        self.session = LayoutSession("conv" if mode == "conv" else "full", guard=guard, say=_say)
+        self.session = LayoutSession("conv" if mode == "conv" else "full", guard=guard, host=Host(_say))
         self.batch_inputs = BatchInputs(self.session, inputs)
         self._audited = False
         self._flat: Any = None  # flat_parameters(), held from setup to teardown
@@ -190,7 +191,6 @@ class ChannelsLast(Callback):
         self._restored: dict[str, Any] | None = None  # the checks of the checkpoint resumed from
         self._fingerprint: str | None = None
         self._expecting = False
-        self._warned_no_conv = False
 
     @property
     def layout(self) -> str | None:
@@ -228,6 +228,7 @@ class ChannelsLast(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.mode == "off":
             return
+        self.session.host = LightningHost(trainer, pl_module, _say, exclude=self)
         if self.mode == "auto" and self.layout is None and self._shape(trainer) is None:
             raise ValueError(
                 "ChannelsLast(mode='auto') needs the shape of a training batch to time: pass "
@@ -243,7 +244,7 @@ class ChannelsLast(Callback):
         self._flat = flat_parameters()
         self._flat.__enter__()
         guard_pruning(trainer.callbacks, pl_module, lambda what, aliases: self.session.keep(
-            pl_module, trainer.optimizers, aliases=aliases,
+            pl_module, aliases=aliases,
             line=f"ChannelsLast: {what.partition('.')[0]} prunes the weights in NCHW (torch's pruning calls view on "
                  f"channels_last ones: {UPSTREAM}); they and their masks go back to {self.layout} after each of its "
                  "calls, with their optimizer state."))
@@ -253,7 +254,7 @@ class ChannelsLast(Callback):
         undo_run_after(pl_module)
         if self.mode == "off":
             return
-        self.session.keep(pl_module, trainer.optimizers, after="by the end of the run")
+        self.session.keep(pl_module, after="by the end of the run")
         unguard_pruning(trainer.callbacks)
         if self._flat is not None:
             self._flat.__exit__(None, None, None)
@@ -280,21 +281,9 @@ class ChannelsLast(Callback):
         layout = self.session.layout
         if layout is None:  # a sharded model cannot be copied to time it
             layout = "channels_last" if self.mode != "auto" or sharding else self._choose(trainer, pl_module, device)
-        total = None
-        if trainer.world_size > 1:  # every rank guards the modules any rank finds hazardous
-            def total(flags: torch.Tensor) -> torch.Tensor:
-                return trainer.strategy.reduce(flags.to(device), reduce_op="sum")
-        self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding, layout=layout,
-                             sum_over_ranks=total)
-        self.session.convert_copies(model_copies(trainer, pl_module, exclude=self))
-        if not self._warned_no_conv and not self.session.has_convolutions(pl_module):
-            self._warned_no_conv = True
-            rank_zero_warn(
-                f"ChannelsLast: {type(pl_module).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
-                "channels_last has nothing to speed up; remove the callback or keep it for the layout checks."
-            )
         untimed = " (not timed: a sharded model cannot be copied)" if self.mode == "auto" and sharding else ""
-        self.session.report_conversion(f"ChannelsLast(mode={self.mode!r}){untimed}", pl_module, self.convert_inputs)
+        self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding, layout=layout,
+                             owner=f"ChannelsLast(mode={self.mode!r}){untimed}", inputs=self.convert_inputs)
 
     def _shape(self, trainer: Trainer) -> tuple[int, ...] | None:
         if self.input_shape is not None:
@@ -337,7 +326,7 @@ class ChannelsLast(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._due is not None:
-            self.session.keep(pl_module, trainer.optimizers, after=self._due)
+            self.session.keep(pl_module, after=self._due)
             self._due = None
         self._convert_batch(batch, "train", pl_module)
         self._check_first_batch(trainer, pl_module, batch, batch_idx, "train")
@@ -436,11 +425,7 @@ class ChannelsLast(Callback):
             return dataclasses.replace(result, notes=(*result.notes, changed)) if saved is not None else result
 
         self._fingerprint = run_fingerprint(trainer, pl_module)
-        result = self.session.check(kind, pl_module, run if trainer.is_global_zero else None,
-                                    broadcast=lambda found: trainer.strategy.broadcast(found, src=0),
-                                    copies=model_copies(trainer, pl_module, exclude=self),
-                                    optimizers=trainer.optimizers)
-        if result.verdict == "contiguous":
+        if self.session.check(kind, pl_module, run).verdict == "contiguous":
             self.batch_inputs.put_contiguous(batch)
 
     # ---- resume and audit ----------------------------------------------------------------------
@@ -461,7 +446,7 @@ class ChannelsLast(Callback):
         # Runs after the optimizer state is restored from a checkpoint: momentum buffers keep the
         # strides they were saved with, which may be another layout than their parameter's.
         if self.mode != "off":
-            self.session.resume(trainer.optimizers, model_copies(trainer, pl_module, exclude=self))
+            self.session.resume()
 
     def _run_audit(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         from cltrain.audit import audit_model

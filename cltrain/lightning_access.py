@@ -9,11 +9,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 
-__all__ = ["is_lightning_module", "lightning_package", "model_copies", "overrides", "overrides_hook", "run_after",
-           "step_arguments", "step_target", "undo_run_after"]
+from cltrain.host import Host, Say
+
+__all__ = ["LightningHost", "is_lightning_module", "lightning_package", "model_copies", "overrides", "overrides_hook",
+           "run_after", "step_arguments", "step_target", "undo_run_after"]
 
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -128,3 +131,26 @@ def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> lis
             if [p.shape for p in theirs] == shapes and not any(id(p) in own for p in theirs):
                 found.append(value)
     return found
+
+
+class LightningHost(Host):
+    """A Lightning ``Trainer`` as the session's host: rank 0 decides, its strategy broadcasts and sums, and the
+    optimizers and the copies of ``pl_module`` (``model_copies``, leaving out ``exclude``) are the trainer's."""
+
+    def __init__(self, trainer: Any, pl_module: nn.Module, say: Say, exclude: Any = None) -> None:
+        super().__init__(say, optimizers=lambda: trainer.optimizers,
+                         copies=lambda: model_copies(trainer, pl_module, exclude=exclude))
+        self.trainer = trainer
+
+    def several(self) -> bool:
+        return self.trainer.world_size > 1
+
+    def deciding(self) -> bool:
+        return self.trainer.is_global_zero
+
+    def broadcast(self, value: Any) -> Any:
+        return self.trainer.strategy.broadcast(value, src=0)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        strategy = self.trainer.strategy
+        return strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum")

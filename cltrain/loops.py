@@ -45,7 +45,8 @@ from cltrain.check.plain_step import check_plain_step
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.options import check_flags, check_mode
-from cltrain.session import LayoutSession, process_group_sum
+from cltrain.host import Host
+from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
 
 __all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
@@ -100,11 +101,9 @@ def convert_model(
     check_mode("convert_model", mode)
     check_flags("convert_model", guard=guard, sharded=sharded)
     engine = sharding_of(model)
-    session = LayoutSession(mode, guard=guard, say=_say)
     engine = engine if engine is not None else "" if sharded else None  # "": an engine not named yet
-    session.convert(model, device=device, dtype=dtype, sharding=engine, sum_over_ranks=process_group_sum())
-    session.report_conversion(f"convert_model(mode={mode!r})", model)
-    return model
+    return LayoutSession(mode, guard=guard, host=Host(_say)).convert(model, device=device, dtype=dtype, sharding=engine,
+                                                                     owner=f"convert_model(mode={mode!r})")
 
 
 def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last", model: nn.Module | None = None) -> B:
@@ -161,7 +160,9 @@ def verify_layout(
     smallest part holding it runs in NCHW (``cltrain.check.fallback``); where that is the whole model, the
     model runs in NCHW (its inputs are put in NCHW on the way in, so the loop may keep converting batches).
     One log line says what was found and done. The model's weights, gradients and BatchNorm statistics
-    and the RNG state are not changed.
+    and the RNG state are not changed. Where a ``torch.distributed`` group of several ranks is initialised
+    (``fabric.launch()``), every rank calls it: rank 0 checks its batch and every rank applies what rank 0 chose
+    (a model with ``SyncBatchNorm`` is then not checked: its copies would wait for the other ranks).
 
     Args:
         model: the model, converted by ``convert_model``.
@@ -185,10 +186,10 @@ def verify_layout(
         The ``cltrain.check.compare.LayoutCheck``.
     """
     inputs = check_inputs(inputs, owner="verify_layout")
-    session = LayoutSession.of(model, dtype=autocast_dtype, say=_say)
+    host = Host(_say, optimizers=lambda: [optimizer] if optimizer is not None else [])
     run = lambda: check_plain_step(model, batch, step, inputs=inputs,  # noqa: E731
                                    autocast_dtype=autocast_dtype, optimizer=optimizer, samples=samples)
-    return session.check("train", model, run, optimizers=[optimizer] if optimizer is not None else [], report=report)
+    return LayoutSession.of(model, dtype=autocast_dtype, host=host).check("train", model, run, report=report)
 
 
 def _say(message: str, warn: bool) -> None:

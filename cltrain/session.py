@@ -1,9 +1,12 @@
 """A model's channels_last layout for one run, whatever runs it: the core behind ``ChannelsLast`` (Lightning),
 ``cltrain.loops`` (Fabric, plain loops) and the Hugging Face hook.
 
-``LayoutSession`` decides and converts (the channels-last format of each parameter's rank, contiguous weights under a
-sharding engine, channels-last 1-D where timed faster), applies the kernel guardrails, runs the first-batch check
-with the step runner and the broadcast its adapter hands it, and applies the verdict with one meaning each:
+Each front door lends the session a host (``cltrain.host``: say a line, which rank decides, a broadcast and a sum over
+the ranks, the optimizers and the model's copies). ``LayoutSession`` decides and converts (the channels-last format of
+each parameter's rank, contiguous weights under a sharding engine, channels-last 1-D where timed faster), applies the
+kernel guardrails (the modules any rank finds hazardous), says what it did, runs the first-batch check on the
+deciding rank with the step runner it is handed, shares the result with every rank, and applies the verdict with one
+meaning each:
 
 * ``"passed"`` / ``"not checked"``: nothing changes;
 * ``"fallback"``: the named parts run in NCHW (``cltrain.check.fallback``), in the model and in its copies;
@@ -14,19 +17,17 @@ Every change of a parameter's layout gives the optimizer state its parameter's s
 first forward of each kind of batch: a converted input that reaches no convolution in channels_last is left as it
 arrives from then on. Every line starts with ``ChannelsLast`` and is the same from every adapter.
 
-Example (what an adapter does; ``cltrain.loops`` is the shortest one)::
+Example (what a front door does; ``cltrain.loops`` is the shortest one)::
 
-    session = LayoutSession()
-    session.convert(model, device=torch.device("cpu"))
-    session.check("train", model, lambda: check_layout(model, step))
+    session = LayoutSession(host=Host(optimizers=lambda: [optimizer]))
+    session.convert(model, device=torch.device("cpu"), owner="convert_model(mode='full')")
+    session.check("train", model, lambda: check_plain_step(model, batch, step))
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
 from cltrain.check.result import LayoutCheck
 from cltrain.guardrails import GuardRecord, apply_guardrails, find_hazards, hazards_over_ranks
+from cltrain.host import Host, Say
 from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d,
                             to_contiguous)
 from cltrain.layout.conv_reach import ConvReach
@@ -44,14 +46,6 @@ from cltrain.nchw_code import relayout
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 
 __all__ = ["InputTrace", "LayoutSession"]
-
-#: ``say(message, warn)``: how an adapter reports (Lightning's rank-zero log, the Trainer's logger, ...).
-Say = Callable[[str, bool], None]
-
-
-def _logged(message: str, warn: bool) -> None:
-    logging.getLogger("cltrain").log(logging.WARNING if warn else logging.INFO, message)
-
 
 
 @contextlib.contextmanager
@@ -72,7 +66,7 @@ class LayoutSession:
     Args:
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
         guard: apply ``cltrain.guardrails.apply_guardrails`` after every conversion.
-        say: ``say(message, warn)`` reports one line (default: the ``cltrain`` logger).
+        host: what the front door lends (``cltrain.host``; default: one process or ``torch.distributed``'s group).
 
     Attributes:
         layout: ``"channels_last"`` or ``"contiguous"``; ``None`` before ``convert``.
@@ -86,10 +80,10 @@ class LayoutSession:
         device: where the model trains; dtype: the dtype its convolutions compute in (``None``: float32).
     """
 
-    def __init__(self, mode: str = "full", *, guard: bool = True, say: Say | None = None) -> None:
+    def __init__(self, mode: str = "full", *, guard: bool = True, host: Host | None = None) -> None:
         self.mode = mode
         self.guard = guard
-        self.say: Say = say or _logged
+        self.host = host or Host()
         self.layout: str | None = None
         self.one_d = False
         self.sharding: str | None = None
@@ -100,34 +94,42 @@ class LayoutSession:
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self._expected: dict[str, torch.memory_format | None] | None = None
-        self._kept_told: set[str] = set()
+        self._told: set[str] = set()
+
+    def say(self, message: str, warn: bool = False) -> None:
+        """One line, through the host."""
+        self.host.say(message, warn)
 
     @classmethod
-    def of(cls, model: nn.Module, *, dtype: torch.dtype | None = None, guard: bool = True, say: Say | None = None,
+    def of(cls, model: nn.Module, *, dtype: torch.dtype | None = None, guard: bool = True, host: Host | None = None,
            sharding: str | None = None) -> LayoutSession:
         """A session for ``model`` as it is (converted already, by ``convert_model`` or by hand): its layout is
         channels_last, its engine ``sharding`` or the one that shards it already, if any."""
-        session = cls(guard=guard, say=say)
+        session = cls(guard=guard, host=host)
         session.layout = "channels_last"
         session.device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
         session.dtype = dtype
         session.sharding = sharding if sharding is not None else sharding_of(model)
+        session.summary = layout_summary(model, buffers=True)
         return session
 
     # ---- decide and convert ----------------------------------------------------------------------------------------
 
     def convert(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                sharding: str | None = None, layout: str | None = None,
-                sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
-        """Put ``model`` in the session's layout, in place, with the guardrails and the fallbacks chosen so far.
+                sharding: str | None = None, layout: str | None = None, owner: str | None = None,
+                inputs: bool = True) -> nn.Module:
+        """Put ``model`` in the session's layout, in place, with the guardrails and the fallbacks chosen so far, and
+        the host's copies of it; in a run of several ranks (every rank calls here) the guardrails cover the modules
+        any rank finds hazardous (``hazards_over_ranks``).
 
         Args:
             device: where it trains (default: its parameters' device); the guardrails depend on the backend.
             dtype: the dtype its convolutions compute in (the autocast dtype, or ``None`` for float32).
             sharding: the engine that shards it or will (``cltrain.sharding.sharding_of``): parameters contiguous.
             layout: ``"channels_last"`` or ``"contiguous"`` (default: the session's, else channels_last).
-            sum_over_ranks: in a distributed run, a sum over the ranks (an all-reduce every rank calls here): the
-                guardrails then cover the modules any rank finds hazardous (``hazards_over_ranks``).
+            owner: the front door, as the line names it (``"ChannelsLast(mode='full')"``): the session says what it
+                did (``report_conversion``); ``None``: nothing is said.
+            inputs: the front door converts the model's inputs (said under a sharding engine).
         """
         if device is None:
             device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
@@ -136,14 +138,17 @@ class LayoutSession:
         self.sharding = sharding if sharding is not None else held
         self.layout = layout or self.layout or "channels_last"
         hazards = None
-        if self.guard and sum_over_ranks is not None:
+        if self.guard and self.host.several():
             found = find_hazards(model, device=self.device, dtype=dtype, layout=self.layout)
-            hazards = hazards_over_ranks(model, found, sum_over_ranks)
+            hazards = hazards_over_ranks(model, found, self.host.sum)
         records = self._put_in_layout(model, hazards, held is not None)
         if self.guard:
             self.guardrails = records
         apply_fallbacks(model, self.fallbacks)  # a later fit: the conversion restrided their weights
         self.summary = layout_summary(model, buffers=True)
+        self.convert_copies(self.host.copies())
+        if owner is not None:
+            self.report_conversion(owner, model, inputs)
         return model
 
     def _put_in_layout(self, model: nn.Module, hazards: dict[str, list[str]] | None = None,
@@ -170,14 +175,14 @@ class LayoutSession:
             self._put_in_layout(copy_)
             _apply_to_copy(copy_, self.fallbacks)
 
-    def resume(self, optimizers: Iterable[Any], copies: Iterable[nn.Module] = ()) -> None:
+    def resume(self) -> None:
         """After a checkpoint's optimizer state is restored, which keeps the strides it was saved with: every state
-        tensor takes its parameter's strides, and the model's copies made since the conversion (an EMA's, SWA's) join
-        its layout. A sharding engine owns both."""
+        tensor of the host's optimizers takes its parameter's strides, and the model's copies made since the
+        conversion (an EMA's, SWA's) join its layout. A sharding engine owns both."""
         if self.layout is None or self.sharding is not None:
             return
-        self.convert_copies(copies)
-        restride_optimizer_state(list(optimizers))
+        self.convert_copies(self.host.copies())
+        restride_optimizer_state(self.host.optimizers())
 
     def has_convolutions(self, model: nn.Module) -> bool:
         """Whether ``model`` has a layer channels_last speeds up."""
@@ -192,7 +197,12 @@ class LayoutSession:
         return f"{owner}: model layout is {self.layout}; parameters and buffers: {counts}."
 
     def report_conversion(self, owner: str, model: nn.Module, inputs: bool = True) -> None:
-        """Say the conversion line, the guardrails applied, and that a model without convolutions gains nothing."""
+        """Say the conversion line, the guardrails applied, and (once) that a model without convolutions gains
+        nothing."""
+        if not self.has_convolutions(model) and "no convolutions" not in self._told:
+            self._told.add("no convolutions")
+            self.say(f"{owner.partition('(')[0]}: {type(model).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
+                     "channels_last has nothing to speed up; remove it or keep it for the layout checks.", True)
         self.say(self.conversion_line(owner, model, inputs), self.sharding is not None and not inputs)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
@@ -200,36 +210,34 @@ class LayoutSession:
 
     # ---- the first-batch check -------------------------------------------------------------------------------------
 
-    def check(self, kind: str, model: nn.Module, run: Callable[[], LayoutCheck] | None, *,
-              broadcast: Callable[[LayoutCheck | None], LayoutCheck] | None = None, copies: Iterable[nn.Module] = (),
-              optimizers: Iterable[Any] = (), report: bool = True) -> LayoutCheck:
-        """The first-batch check of ``kind`` (once per kind): ``run()`` where it is given (the deciding rank;
-        ``None`` on the others), its result shared by ``broadcast`` (every rank then applies the same, or DDP's
-        parameter layouts disagree), applied to ``model``, its ``copies`` and the ``optimizers``' state, and said
-        in one line. A failure of the check itself is reported as not checked: it never ends the run."""
+    def check(self, kind: str, model: nn.Module, run: Callable[[], LayoutCheck], *, report: bool = True) -> LayoutCheck:
+        """The first-batch check of ``kind`` (once per kind): ``run()`` (a step runner: ``cltrain.check.plain_step``,
+        ``cltrain.check.lightning_step``) on the host's deciding rank, its result shared with every rank (each then
+        applies the same, or DDP's parameter layouts disagree), applied to ``model``, the host's copies and its
+        optimizers' state, and said in one line (``report``). A failure of the check itself is reported as not
+        checked: it never ends the run."""
         result = None
         if self.sharding is not None:
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
-        elif run is not None:
+        elif self.host.several() and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+            result = LayoutCheck("not checked", reason="SyncBatchNorm in a run of several ranks: its copies would wait "
+                                 "for the other ranks (check the model once in a single process)")
+        elif self.host.deciding():
             try:
                 with no_autotune():
                     result = run()
             except Exception as error:  # noqa: BLE001 - the check failing must not end the run
                 result = LayoutCheck("not checked", reason=f"the check itself failed ({first_line(error)})")
-        if broadcast is not None:
-            result = broadcast(result)
-        if result is None:
-            raise ValueError("LayoutSession.check: no result on this rank and no broadcast to receive one.")
+        result = self.host.broadcast(result)
         self.layout_checks[kind] = result
-        self.apply(result, model, copies, optimizers)
+        self.apply(result, model)
         if report:
             self.say(f"ChannelsLast {result.line(kind)}", result.verdict in ("fallback", "contiguous"))
         return result
 
-    def apply(self, result: LayoutCheck, model: nn.Module, copies: Iterable[nn.Module] = (),
-              optimizers: Iterable[Any] = ()) -> None:
-        """What ``result`` chose, on ``model`` and its ``copies`` (see the module docstring), and the optimizer state
-        in its parameters' strides."""
+    def apply(self, result: LayoutCheck, model: nn.Module) -> None:
+        """What ``result`` chose, on ``model`` and the host's copies (see the module docstring), and the host's
+        optimizers' state in its parameters' strides."""
         if result.verdict == "fallback":
             chosen = list(result.fallbacks)
         elif result.verdict == "contiguous":  # the whole model, its inputs put in NCHW at its entry
@@ -243,8 +251,8 @@ class LayoutSession:
         self.fallbacks += [f for f in chosen if f not in self.fallbacks]
         apply_fallbacks(model, self.fallbacks)
         self.summary = layout_summary(model, buffers=True)
-        self.convert_copies(copies)
-        restride_optimizer_state(list(optimizers))
+        self.convert_copies(self.host.copies())
+        restride_optimizer_state(self.host.optimizers())
 
 
     # ---- the layout for the whole run ------------------------------------------------------------------------------
@@ -254,10 +262,10 @@ class LayoutSession:
         the verdict applied), by name: what ``keep`` puts back."""
         self._expected = {_stands_for(name): _layout_of(t) for name, t in _named_tensors(model)}
 
-    def keep(self, model: nn.Module, optimizers: Iterable[Any] = (), *, after: str = "",
-             line: str | None = None, aliases: Iterable[torch.Tensor] = ()) -> list[str]:
+    def keep(self, model: nn.Module, *, after: str = "", line: str | None = None,
+             aliases: Iterable[torch.Tensor] = ()) -> list[str]:
         """Put back in their expected layout (``expect``) the parameters and buffers that something moved since,
-        in place, and the ``optimizers``' state in its parameters' strides; one line the first time, naming them
+        in place, and the host's optimizers' state in its parameters' strides; one line the first time, naming them
         and ``after`` (what ran), or ``line`` where given. A pruning's ``weight_orig`` and ``weight_mask`` and a
         parametrization's ``original`` are kept as the weight they stand for; a tensor of ``aliases`` that shares a moved tensor's
         data shares its new data (``cltrain.nchw_code.relayout``). Returns the names put back.
@@ -283,9 +291,9 @@ class LayoutSession:
             if want is not None and not t.is_contiguous(memory_format=want):
                 relayout(t, want, aliases)
                 moved.append(name)
-        restride_optimizer_state(list(optimizers))
-        if moved and (line or "") not in self._kept_told:
-            self._kept_told.add(line or "")
+        restride_optimizer_state(self.host.optimizers())
+        if moved and (line or "") not in self._told:
+            self._told.add(line or "")
             shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
             self.say(line or f"ChannelsLast: {len(moved)} parameter(s) and buffer(s) left their layout"
                      f"{after and ' ' + after} ({shown}); put back in {self.layout} with their optimizer state.", False)
@@ -311,8 +319,8 @@ class InputTrace:
     that helps nothing, and one line says so, once per input shape.
     """
 
-    def __init__(self, say: Say | None = None) -> None:
-        self.say: Say = say or _logged
+    def __init__(self, say: Say) -> None:
+        self.say = say
         self.left_as_is: dict[str, frozenset[Hashable]] = {}
         self._active: tuple[str, ConvReach, dict[Hashable, torch.Tensor]] | None = None
         self._told: set[str] = set()
@@ -380,29 +388,3 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.dim() in (4, 5) and t.is_floating_point():
             yield name, t
-
-
-def several_ranks() -> bool:
-    """Whether ``torch.distributed``'s default group is initialised with more than one rank."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def process_group_sum() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A sum over ``torch.distributed``'s default group where one of more than one rank is initialised (every rank
-    must then call it at the same point), else ``None``."""
-    import torch.distributed as dist
-
-    if not several_ranks():
-        return None
-    backend = str(dist.get_backend())
-    on_gpu = "gloo" not in backend and torch.cuda.is_available()  # NCCL reduces CUDA tensors only
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-
-    def total(tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.to(device)
-        dist.all_reduce(tensor)
-        return tensor
-
-    return total

@@ -45,7 +45,8 @@ from torch.utils.hooks import RemovableHandle
 
 from cltrain.layout.stacks import to_input_layout
 from cltrain.options import check_flags
-from cltrain.session import InputTrace, LayoutSession, several_ranks
+from cltrain.host import Host
+from cltrain.session import InputTrace, LayoutSession
 
 __all__ = ["IMAGE_ARGUMENTS", "ChannelsLastInputs", "argument_names"]
 
@@ -143,13 +144,16 @@ class ChannelsLastInputs:
         self.log = logger or logging.getLogger(__name__)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.model: nn.Module | None = None
-        self.session = LayoutSession(say=self._say)
+        self.session = LayoutSession(host=self._host())
         self._trace = InputTrace(say=self._say)
         self._handles: list[RemovableHandle] = []
         self._hinted = False
 
     def _say(self, message: str, warn: bool) -> None:
         self.log.log(logging.WARNING if warn else logging.INFO, message)
+
+    def _host(self) -> Host:
+        return Host(self._say, optimizers=lambda: self.optimizers)
 
     @property
     def layout(self) -> str:
@@ -172,7 +176,7 @@ class ChannelsLastInputs:
         ``session``: the ``LayoutSession`` that converted it (default: one for the model as it is)."""
         self.detach()
         self.model = model
-        self.session = session or LayoutSession.of(model, dtype=self.autocast_dtype, say=self._say)
+        self.session = session or LayoutSession.of(model, dtype=self.autocast_dtype, host=self._host())
         self._handles = [model.register_forward_pre_hook(self, with_kwargs=True, prepend=True),
                          model.register_forward_hook(self._end_trace, always_call=True)]
         return self
@@ -252,13 +256,8 @@ class ChannelsLastInputs:
         from cltrain.check.plain_step import check_plain_step
 
         found = self._found(args, kwargs)
-        distributed = several_ranks()
-        rank = torch.distributed.get_rank() if distributed else 0
 
-        def run() -> LayoutCheck:
-            if distributed and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
-                return LayoutCheck("not checked", reason="SyncBatchNorm in a distributed run: its copies would wait "
-                                   "for the other ranks (check it once in a single process)")
+        def run() -> LayoutCheck:  # on rank 0; every rank applies what it chose
             if not found:
                 return LayoutCheck("not checked", reason="the model's forward got no image argument to check")
             device = next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
@@ -271,10 +270,4 @@ class ChannelsLastInputs:
             finally:
                 _state.checking = False
 
-        def broadcast(result: LayoutCheck | None) -> LayoutCheck:  # rank 0 checks; every rank applies what it chose
-            shared = [result]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            return shared[0]
-
-        self.session.check(kind, module, run if rank == 0 else None, broadcast=broadcast if distributed else None,
-                           optimizers=self.optimizers, report=rank == 0)
+        self.session.check(kind, module, run)

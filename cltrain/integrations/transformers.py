@@ -14,11 +14,11 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("cltrain.integrations.transformers needs transformers: pip install 'cltrain[hf]'.") from error
 
-from cltrain import layout_summary
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.layout import is_channels_last
 from cltrain.options import check_flags, check_mode
-from cltrain.session import LayoutSession, process_group_sum
+from cltrain.host import Host
+from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLastCallback"]
@@ -149,34 +149,33 @@ class ChannelsLastCallback(TrainerCallback):
             if args.world_size == 1:
                 self._convert(model, args)
             elif _convs_channels_last(model) or sharding:  # converted by the user's model_init, or sharded
-                self._attach(model, args, LayoutSession.of(model, dtype=_compute_dtype(args), guard=self.guard,
-                                                           say=_say, sharding=sharding))
+                session = LayoutSession.of(model, dtype=_compute_dtype(args), guard=self.guard, host=self._host(),
+                                           sharding=sharding)
+                self._attach(model, args, session)
+                session.report_conversion(f"ChannelsLastCallback(mode={self.mode!r})", model)
             else:
                 raise ValueError(
                     "ChannelsLastCallback: Trainer(model_init=...) built the model after DDP/FSDP wrapped it, too late "
                     "to convert; in distributed runs return cltrain.loops.convert_model(model) from model_init."
                 )
         if optimizer is not None:
-            self.inputs_hook.session.resume([optimizer])  # a resumed state keeps the strides it was saved with
             self.inputs_hook.optimizers = [optimizer]
+            self.inputs_hook.session.resume()  # a resumed state keeps the strides it was saved with
+
+    def _host(self) -> Host:
+        return Host(_say, optimizers=lambda: self.inputs_hook.optimizers)
 
     def _convert(self, model: nn.Module, args: TrainingArguments) -> None:
-        session = LayoutSession(self.mode, guard=self.guard, say=_say)
+        session = LayoutSession(self.mode, guard=self.guard, host=self._host())
         # Accelerate shards it in `prepare`; FSDP2 refuses channels_last parameters
         session.convert(model, device=args.device, dtype=_compute_dtype(args),
-                        sharding=sharding_of(model, _accelerator_state()), sum_over_ranks=process_group_sum())
+                        sharding=sharding_of(model, _accelerator_state()),
+                        owner=f"ChannelsLastCallback(mode={self.mode!r})")
         self._attach(model, args, session)
 
     def _attach(self, model: nn.Module, args: TrainingArguments, session: LayoutSession) -> None:
         self.inputs_hook.autocast_dtype = _compute_dtype(args)
         self.inputs_hook.attach(model, session)
-        session.summary = layout_summary(model, buffers=True)
-        if not session.has_convolutions(model):
-            logger.warning(
-                f"ChannelsLastCallback: {type(model).__name__} has no Conv2d/Conv3d layer, so channels_last has "
-                "nothing to speed up; remove the callback."
-            )
-        session.report_conversion(f"ChannelsLastCallback(mode={self.mode!r})", model)
 
 
 def _say(message: str, warn: bool) -> None:

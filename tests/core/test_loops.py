@@ -114,9 +114,10 @@ def test_fabric_ddp_check_catches_conversion_after_setup(tmp_path):
 
 
 @pytest.mark.slow
-def test_fabric_ddp_ranks_on_different_isas_guard_the_same_modules(tmp_path):
+def test_fabric_ddp_ranks_on_different_isas_guard_the_same_modules_and_apply_rank_0s_check(tmp_path):
     ranks = run_fabric_ddp(tmp_path, "united")
     assert [r["guarded"] for r in ranks] == [["stem"], ["stem"]]  # rank 1 (block 8) alone finds nothing
+    assert [r["check"] for r in ranks] == ["passed", "passed"]  # rank 0 checked; rank 1's planted raise never ran
     assert ranks[0]["strides"] == ranks[1]["strides"]
     # the negative control: each rank guarding what it finds gives the stem's weight other strides on each rank
     alone = warm.run([sys.executable, "-m", "tests.helpers.fabric_ddp_run", str(tmp_path), "alone"],

@@ -10,7 +10,9 @@ layout of its parameters and gradients and the warnings it saw.
 ``united`` trains an 8-channel 1x1 stride-2 stem (a Conv2d subclass: its guard puts its weight in NCHW) where rank 0
 sees oneDNN's AVX-512 channel block (16) and rank 1 its AVX2 one (8), as on two kinds of machine: only rank 0 finds
 the stem hazardous, and ``convert_model`` guards it on both. ``alone``, the negative control, guards what each rank
-finds: the ranks' weight strides differ and DDP refuses them.
+finds: the ranks' weight strides differ and DDP refuses them. Both first call ``verify_layout`` on their own batch
+with a step that raises in channels_last on rank 1 alone: rank 0's verdict (passed) must be every rank's, or the
+ranks' strides differ again.
 """
 
 import json
@@ -24,7 +26,7 @@ from lightning.fabric import Fabric
 from torch.nn import functional as F
 
 from cltrain import is_channels_last, to_channels_last
-from cltrain.loops import convert_batch, convert_model
+from cltrain.loops import convert_batch, convert_model, verify_layout
 from tests.helpers.plain_modules import loader
 from tests.helpers import warm
 
@@ -62,16 +64,23 @@ def stems(out: Path, united: bool) -> None:
         cltrain.session.hazards_over_ranks = lambda model, found, total: found
     torch.manual_seed(0)
     model = convert_model(EightChannelStem())
+    g = torch.Generator().manual_seed(fabric.global_rank)
+
+    def step(m: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if fabric.global_rank == 1 and is_channels_last(batch[0]):
+            raise RuntimeError("planted: rank 1's batch takes a path written for NCHW")
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    check = verify_layout(model, (torch.randn(4, 8, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)), step)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = fabric.setup(model, optimizer)
-    g = torch.Generator().manual_seed(fabric.global_rank)
     for _ in range(2):
         x, y = convert_batch((torch.randn(4, 8, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)))
         fabric.backward(F.cross_entropy(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
     inner = model.module
-    result = {"rank": fabric.global_rank, "guarded": sorted(n for n, m in inner.named_modules() if guard_of(m)),
+    result = {"rank": fabric.global_rank, "check": check.verdict, "guarded": sorted(n for n, m in inner.named_modules() if guard_of(m)),
               "strides": {n: list(p.stride()) for n, p in inner.named_parameters() if p.dim() == 4}}
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))
 
