@@ -43,7 +43,8 @@ class ChannelsLast(Callback):
     tensors); targets and masks keep their layout, and a tensor already channels_last is not
     copied; a (B, T, C, H, W) stack of images gets each frame channels_last (``cltrain.layout.stacks``). At each
     stage's first batch the model's forward is traced: an input whose converted layout reaches no convolution
-    (the model makes it contiguous first) is left as it arrives from then on, and one line says so. Averaged copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
+    (the model makes it contiguous first) is left as it arrives from then on, and one line says so. Averaged
+    copies held by other callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
     ``StochasticWeightAveraging``) join the model's layout, and on resume the optimizer state is
     restrided to its parameter's layout. A channels_last model's 4-D/5-D outputs are
     channels_last: flatten them with ``reshape``, not ``view``. The guide:
@@ -180,8 +181,6 @@ class ChannelsLast(Callback):
         self.verify = verify
         self.check_samples = check_samples
         self.auto_timeout = float(auto_timeout)
-        self.timings: dict[str, float] | None = None
-        self.auto_failure: str | None = None
         self.audit_report: Any = None
         self.session = LayoutSession("conv" if mode == "conv" else "full", guard=guard, host=Host(_say))
         self.batch_inputs = BatchInputs(self.session, inputs)
@@ -196,6 +195,16 @@ class ChannelsLast(Callback):
     def layout(self) -> str | None:
         """``"channels_last"`` or ``"contiguous"``; ``None`` before ``setup`` and with ``mode="off"``."""
         return self.session.layout
+
+    @property
+    def timings(self) -> dict[str, float] | None:
+        """With ``mode="auto"``, the median seconds per timed step of each layout (``None`` where the timing failed)."""
+        return self.session.probe.timings if self.session.probe is not None else None
+
+    @property
+    def auto_failure(self) -> str | None:
+        """With ``mode="auto"``, why the timing gave no result; else ``None``."""
+        return self.session.probe.failure if self.session.probe is not None else None
 
     @property
     def guardrails(self) -> list[GuardRecord] | None:
@@ -278,11 +287,12 @@ class ChannelsLast(Callback):
     def _convert_model(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device, dtype = trainer.strategy.root_device, compute_dtype(trainer.precision)
         sharding = sharding_of(pl_module, trainer.strategy)
-        layout = self.session.layout
-        if layout is None:  # a sharded model cannot be copied to time it
-            layout = "channels_last" if self.mode != "auto" or sharding else self._choose(trainer, pl_module, device)
+        if self.mode == "auto" and self.layout is None and not sharding:  # a sharded model cannot be copied to time
+            self.session.choose(step_target(pl_module), self._shape(trainer), steps=self.auto_steps, device=device,
+                                autocast_dtype=autocast_dtype(trainer.precision), timeout=self.auto_timeout,
+                                owner="ChannelsLast(mode='auto')")
         untimed = " (not timed: a sharded model cannot be copied)" if self.mode == "auto" and sharding else ""
-        self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding, layout=layout,
+        self.session.convert(pl_module, device=device, dtype=dtype, sharding=sharding,
                              owner=f"ChannelsLast(mode={self.mode!r}){untimed}", inputs=self.convert_inputs)
 
     def _shape(self, trainer: Trainer) -> tuple[int, ...] | None:
@@ -290,32 +300,6 @@ class ChannelsLast(Callback):
             return self.input_shape
         shape = getattr(trainer.datamodule, "input_shape", None)
         return tuple(shape) if shape is not None else None
-
-    def _choose(self, trainer: Trainer, pl_module: LightningModule, device: torch.device) -> str:
-        from cltrain.timing.probe import probe_layout
-
-        decision: list[Any] = [None, None, None, None]
-        self.session.one_d = len(self._shape(trainer)) == 3
-        if trainer.is_global_zero:
-            # In a child process: a native crash in either layout's kernels must not end the run.
-            result = probe_layout(
-                step_target(pl_module),
-                self._shape(trainer),
-                steps=self.auto_steps,
-                device=device,
-                autocast_dtype=autocast_dtype(trainer.precision),
-                guardrails=self.guard,
-                timeout=self.auto_timeout,
-            )
-            decision = [result.layout, result.timings, result.failure, result.method]
-        # Every rank must take the same layout or DDP's buckets disagree between ranks.
-        layout, self.timings, self.auto_failure, method = trainer.strategy.broadcast(decision, src=0)
-        if self.auto_failure is not None:
-            rank_zero_warn(f"ChannelsLast(mode='auto'): {self.auto_failure}; keeping contiguous.")
-            return layout
-        per_img = ", ".join(f"{k} {v * 1e3:.1f} ms/step" for k, v in sorted(self.timings.items()))
-        rank_zero_info(f"ChannelsLast(mode='auto'), timed {method}: {per_img} -> keeping {layout}.")
-        return layout
 
     # ---- batches -------------------------------------------------------------------------------
 

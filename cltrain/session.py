@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,6 +45,9 @@ from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.tensors import is_compiled, memory_format_for
 from cltrain.nchw_code import relayout
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
+
+if TYPE_CHECKING:
+    from cltrain.timing.probe import ProbeResult
 
 __all__ = ["InputTrace", "LayoutSession"]
 
@@ -73,6 +77,7 @@ class LayoutSession:
         one_d: Conv1d weights and rank-3 inputs get channels-last 1-D strides too (``mode="auto"`` timed it faster).
         sharding: the engine holding the parameters (``cltrain.sharding``), which then stay contiguous, or ``None``.
         guardrails: the ``GuardRecord`` of each known fault worked around (``None`` with ``guard=False``).
+        probe: the ``cltrain.timing.probe.ProbeResult`` that ``choose`` kept (the same on every rank), or ``None``.
         fallbacks: the ``Fallback``s the checks chose, applied to the model and its copies (a ``"contiguous"``
             verdict is ``Fallback("module", "")``: the model runs in NCHW, its inputs put in NCHW at its entry).
         layout_checks: the ``LayoutCheck`` of each kind of batch checked (``"train"``, ``"eval"``).
@@ -88,6 +93,7 @@ class LayoutSession:
         self.one_d = False
         self.sharding: str | None = None
         self.guardrails: list[GuardRecord] | None = None
+        self.probe: ProbeResult | None = None
         self.fallbacks: list[Fallback] = []
         self.layout_checks: dict[str, LayoutCheck] = {}
         self.summary: dict[str, int] | None = None
@@ -114,6 +120,29 @@ class LayoutSession:
         return session
 
     # ---- decide and convert ----------------------------------------------------------------------------------------
+
+    def choose(self, model: nn.Module, shape: tuple[int, ...], *, steps: int, device: torch.device,
+               autocast_dtype: torch.dtype | None, timeout: float, owner: str) -> str:
+        """Time a few steps of ``model`` in both layouts on a synthetic batch of ``shape`` on the deciding rank, in a
+        child process (``cltrain.timing.probe.probe_layout``: a native crash in either layout's kernels must not end
+        the run), and keep the faster on every rank (DDP's buckets must agree); rank-3 ``(N, C, L)`` times
+        channels-last 1-D (``one_d``). One line says what was timed and kept, under ``owner``
+        (``"ChannelsLast(mode='auto')"``). Returns the layout kept (``"contiguous"`` where the timing failed)."""
+        from cltrain.timing.probe import probe_layout
+
+        self.one_d = len(shape) == 3
+        found = None
+        if self.host.deciding():
+            found = probe_layout(model, shape, steps=steps, device=device, autocast_dtype=autocast_dtype,
+                                 guardrails=self.guard, timeout=timeout)
+        self.probe = self.host.broadcast(found)
+        self.layout = self.probe.layout
+        if self.probe.failure is not None:
+            self.say(f"{owner}: {self.probe.failure}; keeping contiguous.", True)
+        else:
+            timed = ", ".join(f"{k} {v * 1e3:.1f} ms/step" for k, v in sorted(self.probe.timings.items()))
+            self.say(f"{owner}, timed {self.probe.method}: {timed} -> keeping {self.layout}.", False)
+        return self.layout
 
     def convert(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                 sharding: str | None = None, layout: str | None = None, owner: str | None = None,
@@ -267,8 +296,8 @@ class LayoutSession:
         """Put back in their expected layout (``expect``) the parameters and buffers that something moved since,
         in place, and the host's optimizers' state in its parameters' strides; one line the first time, naming them
         and ``after`` (what ran), or ``line`` where given. A pruning's ``weight_orig`` and ``weight_mask`` and a
-        parametrization's ``original`` are kept as the weight they stand for; a tensor of ``aliases`` that shares a moved tensor's
-        data shares its new data (``cltrain.nchw_code.relayout``). Returns the names put back.
+        parametrization's ``original`` are kept as the weight they stand for; a tensor of ``aliases`` that shares a
+        moved tensor's data shares its new data (``cltrain.nchw_code.relayout``). Returns the names put back.
 
         It walks the parameters once a call: its callers call it where something may have moved them (an epoch's
         or a validation's end, a pruning), never every step.
