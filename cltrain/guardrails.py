@@ -333,6 +333,7 @@ def apply_guardrails(
     layout: str = "channels_last",
     faults: tuple[KnownFault, ...] = KNOWN_FAULTS,
     hazards: dict[str, list[str]] | None = None,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[GuardRecord]:
     """Apply each known fault's workaround to the modules of ``model`` that match it, in place.
 
@@ -347,8 +348,10 @@ def apply_guardrails(
         layout: as for ``find_hazards``.
         faults: as for ``find_hazards``.
         hazards: the modules to guard, as ``find_hazards`` returns them (default: what it finds on
-            this process's platform). In distributed training pass the union over ranks, so that every
-            rank's parameters keep the same layouts (``ChannelsLast`` does).
+            this process's platform).
+        sum_over_ranks: in distributed training, a sum over the ranks (an all-reduce; every rank calls
+            ``apply_guardrails`` at the same point): ``hazards`` are then united with every other rank's
+            (``hazards_over_ranks``), so that every rank's parameters keep the same layouts.
 
     Returns:
         One ``GuardRecord`` per fault that matched (an empty list: nothing to do here).
@@ -366,6 +369,8 @@ def apply_guardrails(
     """
     if hazards is None:
         hazards = find_hazards(model, device=device, dtype=dtype, layout=layout, faults=faults)
+    if sum_over_ranks is not None:
+        hazards = hazards_over_ranks(model, hazards, sum_over_ranks)
     modules = dict(model.named_modules())
     records = []
     for fault in faults:

@@ -36,7 +36,7 @@ from torch import nn
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
 from cltrain.check.result import LayoutCheck
-from cltrain.guardrails import GuardRecord, apply_guardrails, find_hazards, hazards_over_ranks
+from cltrain.guardrails import GuardRecord, apply_guardrails
 from cltrain.host import Host, Say
 from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d,
                             to_contiguous)
@@ -166,11 +166,7 @@ class LayoutSession:
         held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
         self.sharding = sharding if sharding is not None else held
         self.layout = layout or self.layout or "channels_last"
-        hazards = None
-        if self.guard and self.host.several():
-            found = find_hazards(model, device=self.device, dtype=dtype, layout=self.layout)
-            hazards = hazards_over_ranks(model, found, self.host.sum)
-        records = self._put_in_layout(model, hazards, held is not None)
+        records = self._put_in_layout(model, united=True, held=held is not None)
         if self.guard:
             self.guardrails = records
         apply_fallbacks(model, self.fallbacks)  # a later fit: the conversion restrided their weights
@@ -180,8 +176,9 @@ class LayoutSession:
             self.report_conversion(owner, model, inputs)
         return model
 
-    def _put_in_layout(self, model: nn.Module, hazards: dict[str, list[str]] | None = None,
-                       held: bool = False) -> list[GuardRecord]:
+    def _put_in_layout(self, model: nn.Module, united: bool = False, held: bool = False) -> list[GuardRecord]:
+        """``model`` in the session's layout, guarded; ``united``: every rank calls here at the same point, and the
+        guardrails cover the modules any rank finds hazardous."""
         if self.sharding is not None:
             if not held:  # FSDP2 refuses channels_last parameters; the others flatten them contiguous
                 to_contiguous(model)
@@ -194,7 +191,8 @@ class LayoutSession:
         if not self.guard:
             return []
         # After every conversion: converting again would undo a guarded weight's layout.
-        return apply_guardrails(model, device=self.device, dtype=self.dtype, layout=self.layout, hazards=hazards)
+        return apply_guardrails(model, device=self.device, dtype=self.dtype, layout=self.layout,
+                                sum_over_ranks=self.host.sum if united and self.host.several() else None)
 
     def convert_copies(self, copies: Iterable[nn.Module]) -> None:
         """Put copies of the model (an EMA's ``AveragedModel``, SWA's) in its layout, with its fallbacks."""
@@ -271,7 +269,7 @@ class LayoutSession:
             chosen = list(result.fallbacks)
         elif result.verdict == "contiguous":  # the whole model, its inputs put in NCHW at its entry
             self.layout = "contiguous"
-            records = self._put_in_layout(model)
+            records = self._put_in_layout(model, united=True)  # every rank applies the verdict here
             if self.guard:
                 self.guardrails = records
             chosen = [Fallback("module", "")]

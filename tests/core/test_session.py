@@ -80,6 +80,17 @@ def test_the_guardrails_cover_what_any_rank_found(monkeypatch: pytest.MonkeyPatc
     assert not unguarded.guardrails
 
 
+def test_a_contiguous_verdict_guards_again_what_any_rank_finds() -> None:
+    """Every rank applies the verdict at the same point: the guardrails of the NCHW model are united too."""
+    model = nn.Sequential(nn.Conv3d(4, 8, 3, padding=1), nn.Conv3d(8, 8, 3, padding=1))
+    flags = torch.zeros(len(KNOWN_FAULTS), len(list(model.named_modules())))
+    flags[1, 2] = 1  # another rank finds the bf16 Conv3d fault (a hazard in both layouts) on module "1"
+    session = LayoutSession(host=OtherRank(rank0=LayoutCheck("contiguous", reason="planted"), flags=flags))
+    session.convert(model, device="cpu")  # float32: this rank finds nothing itself
+    session.check("train", model, lambda: LayoutCheck("passed"))
+    assert session.layout == "contiguous" and [r.modules for r in session.guardrails] == [("1",)]
+
+
 def test_a_process_group_of_one_rank_decides_and_keeps_its_own_values(tmp_path) -> None:
     import torch.distributed as dist
 

@@ -52,7 +52,7 @@ class EightChannelStem(torch.nn.Module):
 
 
 def stems(out: Path, united: bool) -> None:
-    import cltrain.session
+    import cltrain.guardrails
     from cltrain.guardrails import guard_of
     from cltrain.platform import Platform
 
@@ -61,7 +61,7 @@ def stems(out: Path, united: bool) -> None:
     if fabric.global_rank == 0:  # the machine with AVX-512
         Platform.channel_block = property(lambda self: 16)
     if not united:
-        cltrain.session.hazards_over_ranks = lambda model, found, total: found
+        cltrain.guardrails.hazards_over_ranks = lambda model, found, total: found
     torch.manual_seed(0)
     model = convert_model(EightChannelStem())
     g = torch.Generator().manual_seed(fabric.global_rank)
