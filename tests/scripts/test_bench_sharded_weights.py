@@ -1,5 +1,6 @@
-"""scripts.bench.sharded_weights --quick --fsdp: the table's rows, and the layout each variant's first convolution
-computes in (channels_last activations with NCHW weights run the NHWC kernel; the NCHW rows are the control)."""
+"""scripts.bench.sharded_weights --quick --fsdp --dtype fp32: the table's rows, and the layout each variant's first
+convolution computes in (channels_last activations with NCHW weights run the NHWC kernel; the NCHW rows are the
+control)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ VARIANTS = ["contiguous", "channels_last", "cl_activations", "fsdp2 contiguous",
 
 @pytest.mark.slow
 def test_quick_prints_every_variant_and_cl_activations_runs_nhwc():
-    proc = warm.run([sys.executable, "-m", "scripts.bench.sharded_weights", "--quick", "--fsdp"],
+    # fp32: what is checked is each variant's layout, and bf16 is emulated (slow) on CPUs without native bf16
+    proc = warm.run([sys.executable, "-m", "scripts.bench.sharded_weights", "--quick", "--fsdp", "--dtype", "fp32"],
                     cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = proc.stdout.rstrip().split("\n\n")[-1].splitlines()  # the whole run's table, printed last
