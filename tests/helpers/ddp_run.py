@@ -5,10 +5,12 @@
 Each fit (one after another in the same two processes) has every rank write OUT_DIR/<fit>/rank<N>.json (``:``
 as ``-`` in the folder's name) with the layout of its parameters and gradients and the warnings it saw. "late" converts only after DDP has wrapped the model (the pitfall of
 pytorch#47163), to show the check can fail. "user:PATTERN" trains one of ``tests.helpers.user_code``'s
-projects whose code assumes NCHW, under ``ChannelsLast()``.
+projects whose code assumes NCHW, under ``ChannelsLast()``. "auto" times the layouts under
+``ChannelsLast(mode="auto")`` on rank 0 (the probe's child a fork of the warm server) and every rank keeps its choice.
 """
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -44,7 +46,8 @@ def main(out: Path, how: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     probe = Probe()
-    callbacks = [ChannelsLast() if how != "late" else LateConversion(), probe]
+    first = {"late": LateConversion(), "auto": ChannelsLast(mode="auto", input_shape=(4, 3, 16, 16), auto_steps=1)}
+    callbacks = [first.get(how) or ChannelsLast(), probe]
     module, data = Classifier(), loader(24, 4)
     if how.startswith("user:"):
         pattern = how.split(":", 1)[1]
@@ -68,11 +71,16 @@ def main(out: Path, how: str) -> None:
         "layout": callbacks[0].layout if how != "late" else None,
         "fallbacks": [f.as_dict() for f in callbacks[0].fallbacks] if how != "late" else None,
         "checks": {k: c.verdict for k, c in callbacks[0].layout_checks.items()} if how != "late" else None,
+        "timings": callbacks[0].timings if how == "auto" else None,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
     warm.lightning_ranks_forked()
+    if os.environ.get(warm.SOCKET):  # mode="auto"'s timing child, a fork too
+        from cltrain.timing import probe as layout_probe
+
+        layout_probe.subprocess = warm.forking_subprocess
     for fit in sys.argv[2:] or ["callback"]:
         main(Path(sys.argv[1]), fit)
