@@ -44,6 +44,13 @@ class OtherRank(Host):
         return tensor + self.flags if self.flags is not None else tensor
 
 
+@pytest.fixture(autouse=True)
+def _avx2_channel_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stem's 8-channel 1x1 stride-2 conv is safe where oneDNN's channel block is 8 (AVX2) and guarded where it is
+    16 (AVX-512, AMX): every test here runs as on an AVX2 machine, whatever this CPU is."""
+    monkeypatch.setattr(Platform, "channel_block", property(lambda self: 8))
+
+
 def _stem() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(UserConv2d(8, 16, 1, stride=2), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 3, padding=1))
@@ -61,10 +68,9 @@ def test_convert_puts_the_model_in_its_layout_and_a_sharded_one_in_nchw() -> Non
     assert back[2].weight.is_contiguous()
 
 
-def test_the_guardrails_cover_what_any_rank_found(monkeypatch: pytest.MonkeyPatch) -> None:
-    # this rank's channel block is 8 (AVX2): its 8-channel stem is safe here; another rank (AVX-512, block 16)
-    # finds it hazardous, and its flag arrives in the sum over the ranks
-    monkeypatch.setattr(Platform, "channel_block", property(lambda self: 8))
+def test_the_guardrails_cover_what_any_rank_found() -> None:
+    # this rank's channel block is 8 (AVX2, the fixture): its 8-channel stem is safe here; another rank (AVX-512,
+    # block 16) finds it hazardous, and its flag arrives in the sum over the ranks
     alone = LayoutSession()
     alone.convert(_stem(), device="cpu")
     assert alone.guardrails == []
