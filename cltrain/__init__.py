@@ -3,7 +3,7 @@
 Packages and modules, bottom up (lower ones never import higher ones):
 
 * ``platform``: what this machine's CPU and backends can do (bf16, oneDNN ISA);
-* ``devices``: device names as users type them, checked against this machine;
+* ``devices``: a module's device, and device names as users type them, checked against this machine;
 * ``precision``: the dtype a precision computes in, ``amp="auto"``'s choice, loss-scaling safety;
 * ``atomic``: files written atomically (same-folder temp file, fsync, rename);
 * ``checkpoint_io``: ``AtomicCheckpointIO``, Lightning checkpoints saved atomically, loaded ``weights_only``;
@@ -11,22 +11,23 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``sharding``: which sharding engine (FSDP2, FSDP, DeepSpeed) holds a model, and the layout it keeps;
 * ``guardrails``: workarounds for backend kernels known to fail in channels_last on this device;
 * ``nchw_code``: workarounds for torch code that calls ``view`` on a weight (pruning, flat-parameter utilities);
-* ``timing``: a model timed in both layouts (``mode="auto"``), in a child process;
+* ``timing``: the race of the layouts on a run's own training steps (``LayoutRace``), and models timed on copies;
 * ``audit``: the ops that lose channels_last in a model (``cltrain-audit`` on the command line);
 * ``model_names``: torchvision and timm models by name, with random weights;
 * ``check``: the first-batch layout check and the NCHW fallbacks it chooses, and how a Lightning step and a plain
   step are run for it;
-* ``host``: ``Host``, what an adapter lends the session (say a line, which rank decides, a broadcast and a sum over the
-  ranks, the optimizers and the model's copies), for one process or ``torch.distributed``'s group;
-* ``session``: ``LayoutSession``, a model's layout for one run (convert, guard, check, apply, trace the inputs, keep):
-  the core the three adapters below lend their host and hand their framework's step to;
+* ``host``: ``Host``, what a front door lends the session (say a line, which rank decides, a broadcast and a sum over
+  the ranks, a logger, the optimizers and the model's copies), for one process or ``torch.distributed``'s group;
 * ``batch_inputs``: ``BatchInputs``, a batch's model inputs put in the model's layout and traced through the first
-  forward of each stage (for ``ChannelsLast``);
-* ``options``: the adapters' arguments, checked alike (one line naming the call, the argument and what it takes);
+  forward of each kind: the one input path of every door;
+* ``session``: ``LayoutSession``, a model's channels_last run (start, each batch and step, boundaries, save and
+  resume, end): every feature lives here, and the front doors below map their framework's events onto it;
+* ``options``: the front doors' arguments, checked alike (one line naming the call, the argument and what it takes);
 * ``lightning_access``: what cltrain reads of a LightningModule, for ``lightning`` and ``pytorch_lightning``;
-* ``callback``: ``ChannelsLast``, the Lightning adapter;
-* ``loops``: the adapter for Lightning Fabric, Accelerate and plain loops; a contiguous copy for export;
-* ``integrations``: the Hugging Face ``Trainer`` adapter and the Accelerate helper;
+* ``callback``: ``ChannelsLast``, the Lightning door;
+* ``loops``: ``ChannelsLastRun``, the door for plain and Fabric loops; the same steps by hand; a contiguous copy for
+  export;
+* ``integrations``: the Hugging Face ``Trainer`` door and the Accelerate door;
 * ``data``: the NHWC data path (decoding, transforms, collate, normalisation, DataModules, demo data);
 * ``app``: the Hydra training application behind ``train.py``;
 * ``tools``: the console scripts (``cltrain-train``, ``cltrain-audit``, ...).

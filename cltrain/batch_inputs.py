@@ -1,75 +1,127 @@
-"""A batch's model inputs in the model's layout, for an adapter that gets each batch before the step (``ChannelsLast``).
+"""A batch's model inputs in the model's layout: the one input path of every front door.
 
-``BatchInputs.convert`` restrides the inputs in place (``cltrain.layout.batches``: targets and masks keep their
-layout; the loader's tensors are given back when the batch ends, ``restore``); on the first batch of each stage it
-holds the inputs it converted for ``cltrain.session.InputTrace``, which follows that forward (``start_trace`` as the
+``BatchInputs.convert(batch, kind, model, layout)`` finds the model's inputs in a batch (``cltrain.layout.batches``:
+targets and masks keep their layout) and puts them in ``layout``, either in place (a Lightning callback or a loop
+cannot replace the batch object: the tensors' ``.data`` is swapped and given back when the batch ends, ``restore``) or
+into a new structure (a forward pre-hook returns new arguments, the caller's tensors untouched). On the first batch of
+each kind it holds the inputs it converted for ``InputTrace``, which follows that forward (``start_trace`` as the
 step starts, ``end_trace`` at its backward or end): an input that reaches no convolution in channels_last is left as
 it arrives from then on. It says once that batches arrive in another layout, and once that a batch holds no model
-input it can find.
+input it can find while other tensors look like images.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch import nn
 
-from cltrain.layout.batches import (Inputs, describe_batch, first_image_tensor, image_inputs, restore_batch,
-                                    restride_batch)
-from cltrain.layout.stacks import in_input_layout
-from cltrain.session import InputTrace, LayoutSession
+from cltrain.host import Say
+from cltrain.layout.batches import (Inputs, describe_batch, first_image_tensor, image_inputs, map_tensors,
+                                    restore_batch, restride_batch)
+from cltrain.layout.conv_reach import ConvReach
+from cltrain.layout.stacks import in_input_layout, to_input_layout
+from cltrain.layout.tensors import is_compiled
 
-__all__ = ["BatchInputs"]
+__all__ = ["BatchInputs", "InputTrace"]
+
+
+class InputTrace:
+    """Which converted inputs of the first forward of each kind of batch reach a convolution in channels_last.
+
+    ``start(kind, converted, model)`` holds a ``cltrain.layout.conv_reach.ConvReach`` around that forward (not
+    around a compiled one: a ``TorchFunctionMode`` would change what Dynamo compiles); ``end()`` leaves it and keeps
+    the keys of the inputs no convolution took in channels_last in ``left_as_is[kind]``: converting them is a copy
+    that helps nothing, and one line says so, once per input shape.
+    """
+
+    def __init__(self, say: Say) -> None:
+        self.say = say
+        self.left_as_is: dict[str, frozenset[Hashable]] = {}
+        self._active: tuple[str, ConvReach, dict[Hashable, torch.Tensor]] | None = None
+        self._told: set[str] = set()
+
+    def traced(self, kind: str) -> bool:
+        """Whether the first forward of ``kind`` was traced (or is being traced)."""
+        return kind in self.left_as_is
+
+    def start(self, kind: str, converted: dict[Hashable, torch.Tensor], model: nn.Module) -> bool:
+        """Trace this forward of ``kind``; ``False`` where it is not traced (nothing converted, or compiled)."""
+        self.left_as_is[kind] = frozenset()
+        if not converted or is_compiled(model):
+            return False
+        self._active = (kind, ConvReach(converted), converted)
+        self._active[1].__enter__()
+        return True
+
+    def end(self, completed: bool = True) -> list[Hashable] | None:
+        """Leave the trace; the keys left as they arrive from now on (``None``: nothing was traced or judged)."""
+        if self._active is None:
+            return None
+        kind, reach, converted = self._active
+        self._active = None
+        reach.__exit__(None, None, None)
+        if not completed or reach.convolutions == 0:  # nothing seen to judge by: keep converting
+            return None
+        left = sorted(set(converted) - reach.reached, key=str)
+        if left:
+            self.left_as_is[kind] = frozenset(left)
+            shapes = ", ".join(str(tuple(converted[k].shape)) for k in left)
+            if shapes not in self._told:
+                self._told.add(shapes)
+                self.say(f"ChannelsLast: the input {shapes} reaches no convolution in channels_last (the model "
+                         "reshapes or permutes it, or other code replaces it, first), so converting it is a copy that "
+                         "helps nothing: it is left as it arrives from now on.", False)
+        return left
 
 
 class BatchInputs:
-    """The inputs of ``session``'s model in each batch (see the module docstring); ``inputs`` names them
-    (``cltrain.layout.batches``)."""
+    """The model's inputs in each batch (see the module docstring); ``inputs`` names them
+    (``cltrain.layout.batches``); ``say`` tells the lines."""
 
-    def __init__(self, session: LayoutSession, inputs: Inputs = None) -> None:
-        self.session, self.inputs = session, inputs
-        self.trace = InputTrace(say=session.say)
+    def __init__(self, say: Say, inputs: Inputs = None) -> None:
+        self.say, self.inputs = say, inputs
+        self.trace = InputTrace(say=say)
         #: the converted inputs' data as the loader made them, given back when the batch ends
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a stage, to trace
+        self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a kind, to trace
         self._told = self._looked = False
 
-    def convert(self, batch: Any, stage: str, model: nn.Module) -> None:
-        """Put ``batch``'s model inputs in the session's layout, in place; the first batch of ``stage`` is traced
+    def convert(self, batch: Any, kind: str, model: nn.Module, layout: str, *, in_place: bool = True) -> Any:
+        """``batch`` with its model inputs in ``layout``: the same object, its tensors restrided in place, or (not
+        ``in_place``) a new structure holding new tensors. The first batch of ``kind`` in channels_last is traced
         once its step starts (``start_trace``)."""
-        layout, one_d = self.session.layout, self.session.one_d
         traced = None
-        if not self.trace.traced(stage) and layout == "channels_last" and self.inputs != "all" and not one_d:
-            traced = {p: t for p, t in image_inputs(batch, self.inputs, one_d).items() if not in_input_layout(t, model)}
-        converted = restride_batch(batch, layout, one_d=one_d, inputs=self.inputs,
-                                   skip=self.trace.left_as_is.get(stage, ()), model=model, kept=self.kept)
-        if not self._looked:
-            self._looked = True
-            if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
-                self.session.say(
-                    f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
-                    "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX.", False)
+        if not self.trace.traced(kind) and layout == "channels_last" and self.inputs != "all":
+            traced = {p: t for p, t in image_inputs(batch, self.inputs).items() if not in_input_layout(t, model)}
+        skip = self.trace.left_as_is.get(kind, ())
+        if in_place:
+            converted = restride_batch(batch, layout, inputs=self.inputs, skip=skip, model=model, kept=self.kept)
+        else:
+            batch, new = _restrided_copy(batch, layout, self.inputs, skip, model)
+            converted = len(new)
+            if traced is not None:
+                traced = {p: new[p] for p in traced if p in new}
+        self._look(batch)
         if traced is not None:  # traced through this batch's forward, after the check
-            self._pending = (stage, traced)
-            return
-        self._tell(converted)
+            self._pending = (kind, traced)
+        else:
+            self._tell(converted, layout)
+        return batch
 
-    def put_contiguous(self, batch: Any) -> None:
-        """The batch's inputs in NCHW (a check kept the whole model contiguous)."""
-        restride_batch(batch, "contiguous", one_d=self.session.one_d, inputs=self.inputs, kept=self.kept)
-
-    def start_trace(self, model: nn.Module) -> None:
-        """Follow this step's forward, where its batch is the first of its stage."""
+    def start_trace(self, model: nn.Module, layout: str) -> None:
+        """Follow this step's forward, where its batch is the first of its kind."""
         if self._pending is None:
             return
-        stage, traced = self._pending
-        if self.session.layout != "channels_last":  # the check put the model in NCHW, and the batch with it
+        kind, traced = self._pending
+        if layout != "channels_last":  # the model runs in NCHW, and the batch with it
             self._pending = None
-            self.trace.start(stage, {}, model)
-        elif not self.trace.start(stage, traced, model):  # compiled: convert as before
+            self.trace.start(kind, {}, model)
+        elif not self.trace.start(kind, traced, model):  # compiled: convert as before
             self._pending = None
-            self._tell(len(traced))
+            self._tell(len(traced), layout)
 
     def end_trace(self, completed: bool = True) -> None:
         """Leave the trace (at the backward, or the batch's end)."""
@@ -78,16 +130,44 @@ class BatchInputs:
         traced = self._pending[1]
         self._pending = None
         left = self.trace.end(completed)
-        self._tell(len(traced) - len(left or ()))
+        self._tell(len(traced) - len(left or ()), "channels_last")
 
     def restore(self) -> None:
         """The loader's tensors as it made them (it may hand the same ones out again)."""
         restore_batch(self.kept)
 
-    def _tell(self, converted: int) -> None:
-        if converted and not self._told:
+    def _look(self, batch: Any) -> None:
+        if self._looked:
+            return
+        self._looked = True
+        if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
+            self.say(f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
+                     "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX.",
+                     False)
+
+    def _tell(self, converted: int, layout: str) -> None:
+        if converted and not self._told and layout == "channels_last":
             self._told = True
-            self.session.say(
-                f"ChannelsLast: batches arrive in another layout; converting {converted} tensor(s) per batch "
-                f"to {self.session.layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary.",
-                False)
+            self.say(f"ChannelsLast: batches arrive in another layout; converting {converted} tensor(s) per batch "
+                     f"to {layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary.", False)
+
+
+def _restrided_copy(batch: Any, layout: str, inputs: Inputs, skip: Any,
+                    model: nn.Module) -> tuple[Any, dict[int, torch.Tensor]]:
+    """``batch`` rebuilt with its selected inputs in ``layout`` (new tensors, autograd followed), and the new tensors
+    by position; the caller's tensors are untouched."""
+    new: dict[int, torch.Tensor] = {}
+    by_id: dict[int, torch.Tensor] = {}
+    for position, t in image_inputs(batch, inputs).items():
+        if position in skip:
+            continue
+        if layout == "channels_last" and not in_input_layout(t, model):
+            changed = to_input_layout(t, model)
+        elif layout != "channels_last" and not t.is_contiguous():
+            changed = t.contiguous()
+        else:
+            continue
+        new[position] = by_id[id(t)] = changed
+    if not new:
+        return batch, new
+    return map_tensors(batch, lambda t: by_id.get(id(t), t)), new

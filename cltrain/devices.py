@@ -1,4 +1,4 @@
-"""Device names as users type them (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``), checked against this machine.
+"""Devices: a module's device, and device names as users type them (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``), checked against this machine.
 
 Example::
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
 
-__all__ = ["DEVICES", "DeviceError", "resolve_device"]
+__all__ = ["DEVICES", "DeviceError", "device_of", "resolve_device"]
 
 #: The device names ``resolve_device`` takes.
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
@@ -25,6 +26,11 @@ class DeviceError(ValueError):
     def __init__(self, name: object, reason: str, allowed: str) -> None:
         self.name, self.reason, self.allowed = name, reason, allowed
         super().__init__(f"device {name!r}: {reason} (allowed: {allowed})")
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where ``module`` lives: its first parameter's or buffer's device (the CPU for a module without either)."""
+    return next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
 
 
 def resolve_device(name: object) -> torch.device:

@@ -1,8 +1,9 @@
 """What a front door lends ``cltrain.session.LayoutSession`` to run the run through: the host.
 
 A host says a line, tells whether this process decides (the only process, or rank 0 of several), hands the deciding
-rank's value to every rank, sums a tensor over the ranks, and names the run's optimizers and the model's copies (an
-EMA's, SWA's) as they are at the moment the session asks. ``Host`` is one process or ``torch.distributed``'s default
+rank's value to every rank, sums a tensor over the ranks, logs metrics (both layouts' step times) to the run's
+logger, and names the run's optimizers and the model's copies (an EMA's, SWA's) as they are at the moment the session
+asks. ``Host`` is one process or ``torch.distributed``'s default
 group (Fabric, plain loops, the Hugging Face Trainer); ``cltrain.lightning_access.LightningHost`` is a Lightning
 ``Trainer`` and its strategy.
 
@@ -48,11 +49,19 @@ class Host:
         say: ``say(message, warn)`` (default: the ``cltrain`` logger); in a group of several ranks only rank 0 says.
         optimizers: the run's optimizers, whose state takes its parameters' strides whenever these change.
         copies: the model's copies (an EMA's ``AveragedModel``), which join its layout and its fallbacks.
+        log: ``log(metrics)`` hands ``{name: value}`` to the run's logger (default: none); only the deciding rank
+            logs.
+        aliases: tensors outside the model that share a parameter's data and must keep sharing it when the
+            parameter changes layout (the layer copies of Lightning's ``ModelPruning``, which its lottery-ticket
+            reset writes into the weights with ``.data =``).
     """
 
     def __init__(self, say: Say | None = None, *, optimizers: Callable[[], Iterable[Any]] = tuple,
-                 copies: Callable[[], Iterable[nn.Module]] = tuple) -> None:
-        self._say, self._optimizers, self._copies = say or _logged, optimizers, copies
+                 copies: Callable[[], Iterable[nn.Module]] = tuple,
+                 log: Callable[[dict[str, float]], Any] | None = None,
+                 aliases: Callable[[], Iterable[torch.Tensor]] = tuple) -> None:
+        self._say, self._optimizers, self._copies, self._log = say or _logged, optimizers, copies, log
+        self._aliases = aliases
 
     def several(self) -> bool:
         """Whether the run has more than one rank."""
@@ -85,8 +94,16 @@ class Host:
         dist.all_reduce(tensor)
         return tensor
 
+    def log(self, metrics: dict[str, float]) -> None:
+        """``metrics`` to the run's logger, from the deciding rank."""
+        if self._log is not None and self.deciding():
+            self._log(metrics)
+
     def optimizers(self) -> list[Any]:
         return list(self._optimizers())
 
     def copies(self) -> list[nn.Module]:
         return list(self._copies())
+
+    def aliases(self) -> list[torch.Tensor]:
+        return list(self._aliases())

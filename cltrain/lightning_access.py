@@ -14,6 +14,7 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 
 from cltrain.host import Host, Say
+from cltrain.nchw_code import pruning_aliases
 
 __all__ = ["LightningHost", "is_lightning_module", "lightning_package", "model_copies", "overrides", "overrides_hook",
            "run_after", "step_arguments", "step_target", "undo_run_after"]
@@ -134,12 +135,16 @@ def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> lis
 
 
 class LightningHost(Host):
-    """A Lightning ``Trainer`` as the session's host: rank 0 decides, its strategy broadcasts and sums, and the
-    optimizers and the copies of ``pl_module`` (``model_copies``, leaving out ``exclude``) are the trainer's."""
+    """A Lightning ``Trainer`` as the session's host: rank 0 decides, its strategy broadcasts and sums, its loggers
+    log, and the optimizers and the copies of ``pl_module`` (``model_copies``, leaving out ``exclude``) are the
+    trainer's."""
 
     def __init__(self, trainer: Any, pl_module: nn.Module, say: Say, exclude: Any = None) -> None:
         super().__init__(say, optimizers=lambda: trainer.optimizers,
-                         copies=lambda: model_copies(trainer, pl_module, exclude=exclude))
+                         copies=lambda: model_copies(trainer, pl_module, exclude=exclude),
+                         log=lambda metrics: [logger.log_metrics(metrics, step=trainer.global_step)
+                                              for logger in trainer.loggers],
+                         aliases=lambda: pruning_aliases(trainer.callbacks))
         self.trainer = trainer
 
     def several(self) -> bool:

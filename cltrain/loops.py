@@ -1,59 +1,212 @@
-"""Channels_last in a Lightning Fabric or plain PyTorch loop, and a contiguous copy for export.
+"""Channels_last in a plain PyTorch loop or a Lightning Fabric loop, and a contiguous copy for export.
 
-``convert_model`` does to a model what ``cltrain.ChannelsLast`` does at setup (the
-channels-last format of each parameter's rank, and the kernel guardrails); ``convert_batch``
-puts a batch's model inputs in that layout by the same rules as the callback (only the inputs:
-targets and masks keep their layout, see ``cltrain.layout.batches``). Convert before
-``fabric.setup`` / DDP / ``torch.compile``, so every rank wraps and compiles the final layout.
-``verify_layout`` runs one step in both layouts on copies of the model (``cltrain.check.compare``) and
-puts the part of the model whose code assumes NCHW in NCHW, as the callback does on its first batch.
-A model that FSDP2 (``fully_shard``) will shard is converted with ``convert_model(model, sharded=True)``: its
-weights stay NCHW, which FSDP2 requires, and ``convert_batch`` still feeds the convolutions channels_last
-inputs (``cltrain.sharding``); call ``verify_layout`` on it before ``fully_shard``.
-``contiguous_copy`` gives an NCHW copy of a trained model for ``torch.onnx.export``,
-``torch.export`` and TorchScript, whose graphs should not depend on how training strided the weights.
+``ChannelsLastRun`` is the door for a loop you write yourself: everything the Lightning callback does, mapped onto
+the loop's own events (``cltrain.session.LayoutSession`` runs it). Made before ``fabric.setup`` / DDP /
+``torch.compile``, it converts the model (the channels-last format of each parameter's rank, the kernel guardrails);
+``run.batches(loader)`` hands out each batch with the model's inputs converted (targets and masks keep their
+layout), checks the first batch in both layouts with your step (where your code assumes NCHW, that part runs in
+NCHW, in one line), times the first steps in both layouts and keeps the faster, and puts back at each epoch's end
+what moved a parameter's layout (a pruning, a hook writing ``.data``), with the optimizer state.
+``run.state_dict()`` goes into your checkpoint (``fabric.save`` takes the run itself), and ``run.load_state_dict``
+on resume keeps the check's verdict and the race's decision and gives the restored optimizer state its parameters'
+strides. Under several ranks (``fabric.launch()``, ``torchrun``) every rank makes the run; rank 0 checks and times,
+every rank applies the same.
+
+The same steps by hand, for a loop that prefers to call each: ``convert_model`` (what the run does first),
+``verify_layout`` (the first-batch check), ``convert_batch`` (a batch's inputs). ``contiguous_copy`` gives an NCHW
+copy of a trained model for ``torch.onnx.export``, ``torch.export`` and TorchScript, whose graphs should not depend on
+how training strided the weights.
 
 Example (Fabric; a plain loop is the same without the ``fabric`` lines)::
 
     from lightning.fabric import Fabric
-    from cltrain.loops import convert_batch, convert_model
+    from cltrain.loops import ChannelsLastRun
 
-    fabric = Fabric(accelerator="cpu")
-    model = convert_model(torchvision.models.resnet18())
-    verify_layout(model, next(iter(loader)), step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    fabric = Fabric(accelerator="cpu", precision="bf16-mixed")
+    model = torchvision.models.resnet18()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), dtype=torch.bfloat16,
+                          log=fabric.log_dict)
     model, optimizer = fabric.setup(model, optimizer)
-    for batch in fabric.setup_dataloaders(loader):
-        x, y = convert_batch(batch)
-        fabric.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    for epoch in range(epochs):
+        for x, y in run.batches(fabric.setup_dataloaders(loader)):
+            fabric.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.save("last.ckpt", {"model": model, "optimizer": optimizer, "cltrain": run})
+    run.end()
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.compare import LayoutCheck
 from cltrain.check.plain_step import check_plain_step
+from cltrain.check.resume import run_fingerprint
+from cltrain.host import Host
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
-from cltrain.options import check_flags, check_mode
-from cltrain.host import Host
+from cltrain.options import check_flags, check_layout_choice, check_mode, check_positive
 from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
+from cltrain.timing.layout_race import LayoutDecision
 
-__all__ = ["contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
+__all__ = ["ChannelsLastRun", "contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
 log = logging.getLogger(__name__)
 B = TypeVar("B")
 M = TypeVar("M", bound=nn.Module)
+
+
+def _say(message: str, warn: bool) -> None:
+    log.log(logging.WARNING if warn else logging.INFO, message)
+
+
+def _engine(model: nn.Module, sharded: bool) -> str | None:
+    engine = sharding_of(model)
+    return engine if engine is not None else "" if sharded else None  # "": an engine not named yet
+
+
+class ChannelsLastRun:
+    """A plain or Fabric training loop in channels_last, with every feature of the Lightning callback.
+
+    Args:
+        model: the model, before ``fabric.setup``, DDP, ``fully_shard`` or ``torch.compile`` wrap it; converted in
+            place (its ``Parameter`` objects are kept: an optimizer made before still works).
+        optimizer: the loop's optimizer(s) (or later: ``run.optimizers = [...]``): their state follows every change
+            of a parameter's layout, and the check runs your step's optimizer on copies.
+        step: ``step(model, batch) -> loss`` (or the outputs): the loop's forward and loss code, for the first-batch
+            check (its backward is run for you); default: the model on the batch's input, its outputs reduced by a
+            fixed random projection.
+        mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
+        layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
+            ``"channels_last"`` or ``"contiguous"`` pins one (the run's line says how to pin what it chose).
+        device: where the model trains (default: where its parameters are); the guardrails depend on it.
+        dtype: the loop's autocast dtype (``torch.bfloat16``, ``torch.float16``) or ``None`` for float32.
+        guard: apply the kernel guardrails (``cltrain.guardrails``).
+        verify: check the first training batch (and the first evaluation batch) in both layouts.
+        inputs: which tensors of a batch are the model's inputs (``cltrain.layout.batches``).
+        check_samples: the check runs on this many samples of the batch; ``None``: the whole batch.
+        sharded: the model will be sharded (``fully_shard``, FSDP, DeepSpeed), which keeps the weights NCHW: only the
+            inputs are channels_last (``cltrain.sharding``); a model sharded already is treated so.
+        log: ``log(metrics)``: where both layouts' step times go (``fabric.log_dict``, a logger's ``log_metrics``).
+        copies: ``copies()`` gives the model's copies that should follow its layout (an EMA's ``AveragedModel``).
+
+    Attributes:
+        session: the ``cltrain.session.LayoutSession`` that runs it all (its ``layout``, ``layout_checks``,
+            ``decisions``, ``guardrails``).
+
+    Raises:
+        ValueError: a bad ``mode``, ``layout``, ``inputs``, ``check_samples`` or flag.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+        >>> run = ChannelsLastRun(model, layout="channels_last", verify=False)
+        >>> for x, y in run.batches([(torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))]):
+        ...     x.is_contiguous(memory_format=torch.channels_last)
+        True
+        >>> run.end()
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+                 *, step: Callable[[nn.Module, Any], Any] | None = None, mode: str = "full", layout: str = "auto",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, guard: bool = True,
+                 verify: bool = True, inputs: Inputs = None, check_samples: int | None = DEFAULT_SAMPLES,
+                 sharded: bool = False, log: Callable[[dict[str, float]], Any] | None = None,
+                 copies: Callable[[], Iterable[nn.Module]] = tuple) -> None:
+        check_mode("ChannelsLastRun", mode)
+        check_layout_choice("ChannelsLastRun", layout)
+        check_flags("ChannelsLastRun", guard=guard, verify=verify, sharded=sharded)
+        check_positive("ChannelsLastRun", "check_samples", check_samples, optional=True)
+        self.model, self.step, self.dtype, self.verify = model, step, dtype, verify
+        self.inputs, self.check_samples = check_inputs(inputs, owner="ChannelsLastRun"), check_samples
+        self.optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) \
+            else list(optimizer)
+        host = Host(_say, optimizers=lambda: self.optimizers, copies=copies, log=log)
+        self.session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, inputs=self.inputs,
+                                     check_samples=check_samples, host=host)
+        self.session.fingerprint = lambda: run_fingerprint(
+            model, precision=str(dtype), device=str(self.session.device.type), code=[step])
+        self.session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
+                           owner=f"ChannelsLastRun(mode={mode!r})")
+        self._resumed = False
+
+    @property
+    def layout(self) -> str | None:
+        """The layout the model is in now."""
+        return self.session.layout
+
+    @property
+    def decision(self) -> LayoutDecision | None:
+        """The race's decision for the batches trained on last (``None``: not decided, or not raced)."""
+        return self.session.decision
+
+    @property
+    def layout_checks(self) -> dict[str, LayoutCheck]:
+        """The ``LayoutCheck`` of the first batch of each kind checked (``"train"``, ``"eval"``)."""
+        return self.session.layout_checks
+
+    def batches(self, loader: Iterable[B], *, train: bool = True) -> Iterator[B]:
+        """Each batch of ``loader`` (on the model's device) with its model inputs in the model's layout, in place;
+        the step you run on it ends when you ask for the next one. The first batch of training (``train``) and of
+        evaluation is checked; training steps are timed while the layouts race; at the end of the loader, whatever
+        moved a parameter's layout is put back."""
+        kind = "train" if train else "eval"
+        if train and self._resumed:
+            self._resumed = False
+            self.session.resume()
+        for batch in loader:
+            batch = self.session.batch(kind, batch, self.model, (lambda b=batch: self._check(b, train))
+                                       if self.verify else None)
+            try:
+                yield batch
+            except GeneratorExit:  # the loop broke out: the step is not counted
+                self.session.batch_end(completed=False)
+                self.session.step_end(self.model, completed=False)
+                raise
+            self.session.batch_end()
+            self.session.step_end(self.model)
+        self.session.boundary(self.model, after="after a pass over the loader")
+
+    def _check(self, batch: Any, train: bool) -> LayoutCheck:
+        optimizer = self.optimizers[0] if train and len(self.optimizers) == 1 else None
+        grad = torch.enable_grad() if train else torch.no_grad()
+        with grad:
+            return check_plain_step(self.model, batch, self.step, inputs=self.inputs, autocast_dtype=self.dtype,
+                                    optimizer=optimizer, samples=self.check_samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the run: the checks' verdicts (with what they hold for) and the race's
+        decisions; ``fabric.save`` calls it for a run in its state."""
+        return self.session.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the verdicts apply without checking again (same model, step and precision), the decisions are
+        not raced again, and the optimizer state takes its parameters' strides at the next training batch."""
+        self.session.load_state_dict(state, model=self.model)
+        self._resumed = True
+
+    def end(self) -> None:
+        """The run ends: the layout kept a last time, torch's own utilities given back."""
+        self.session.end(self.model)
+
+    def __enter__(self) -> ChannelsLastRun:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.end()
+        else:
+            self.session.close()
 
 
 def convert_model(
@@ -65,7 +218,7 @@ def convert_model(
     guard: bool = True,
     sharded: bool = False,
 ) -> M:
-    """Put ``model`` in channels_last, in place, with the kernel guardrails, as ``ChannelsLast`` does.
+    """Put ``model`` in channels_last, in place, with the kernel guardrails: the first thing ``ChannelsLastRun`` does.
 
     Args:
         model: the model, before ``fabric.setup``, DDP, ``fully_shard`` or ``torch.compile`` wrap it.
@@ -100,10 +253,11 @@ def convert_model(
     """
     check_mode("convert_model", mode)
     check_flags("convert_model", guard=guard, sharded=sharded)
-    engine = sharding_of(model)
-    engine = engine if engine is not None else "" if sharded else None  # "": an engine not named yet
-    return LayoutSession(mode, guard=guard, host=Host(_say)).convert(model, device=device, dtype=dtype, sharding=engine,
-                                                                     owner=f"convert_model(mode={mode!r})")
+    session = LayoutSession(mode, layout="channels_last", guard=guard, host=Host(_say))
+    session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
+                  owner=f"convert_model(mode={mode!r})")
+    session.close()  # nothing of the run is held: the hand-wired loop calls each step itself
+    return model
 
 
 def convert_batch(batch: B, inputs: Inputs = None, layout: str = "channels_last", model: nn.Module | None = None) -> B:
@@ -151,7 +305,8 @@ def verify_layout(
     samples: int | None = 4,
     report: bool = True,
 ) -> LayoutCheck:
-    """Check one step in both layouts and apply what the check chooses to ``model``, in place.
+    """Check one step in both layouts and apply what the check chooses to ``model``, in place: the first-batch check
+    ``ChannelsLastRun`` runs, by hand.
 
     Call it once, after ``convert_model`` and before ``fabric.setup`` / DDP / ``fully_shard`` / ``torch.compile``,
     with a real batch; for a sharded run, on the model ``convert_model(model, sharded=True)`` gave (NCHW
@@ -162,7 +317,7 @@ def verify_layout(
     One log line says what was found and done. The model's weights, gradients and BatchNorm statistics
     and the RNG state are not changed. Where a ``torch.distributed`` group of several ranks is initialised
     (``fabric.launch()``), every rank calls it: rank 0 checks its batch and every rank applies what rank 0 chose
-    (a model with ``SyncBatchNorm`` is then not checked: its copies would wait for the other ranks).
+    (the check's copies of ``SyncBatchNorm`` layers then compute their statistics on the checked samples alone).
 
     Args:
         model: the model, converted by ``convert_model``.
@@ -187,13 +342,11 @@ def verify_layout(
     """
     inputs = check_inputs(inputs, owner="verify_layout")
     host = Host(_say, optimizers=lambda: [optimizer] if optimizer is not None else [])
+    session = LayoutSession(layout="channels_last", inputs=inputs, host=host)
+    session.layout, session.dtype, session.sharding = "channels_last", autocast_dtype, sharding_of(model)
     run = lambda: check_plain_step(model, batch, step, inputs=inputs,  # noqa: E731
                                    autocast_dtype=autocast_dtype, optimizer=optimizer, samples=samples)
-    return LayoutSession.of(model, dtype=autocast_dtype, host=host).check("train", model, run, report=report)
-
-
-def _say(message: str, warn: bool) -> None:
-    log.log(logging.WARNING if warn else logging.INFO, message)
+    return session.check("train", model, run, report=report)
 
 
 def contiguous_copy(model: nn.Module) -> nn.Module:

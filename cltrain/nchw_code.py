@@ -6,21 +6,27 @@ raises ``view size is not compatible with input tensor's size and stride`` on a 
 * ``torch.nn.utils.parameters_to_vector`` (``param.view(-1)``) and ``vector_to_parameters`` (``view_as``, which
   would also leave the parameter in NCHW): ``flat_parameters()`` puts versions in place that read a channels_last
   parameter in its logical order (the vector is the one an NCHW model gives) and write it back in its own strides,
-  and hand every other parameter to torch's own code. ``ChannelsLast`` holds it for its runs.
-* ``torch.nn.utils.prune``: ``l1_unstructured``'s ``view(-1)``, global pruning's ``parameters_to_vector``, and
-  ``random_unstructured``'s ``rand_like``, which draws in memory order (another mask than an NCHW model's):
-  ``in_nchw(model)`` runs pruning on NCHW weights, and the caller puts the layout back after it
-  (``LayoutSession.keep``). ``ChannelsLast`` does this around Lightning's ``ModelPruning``.
+  and hand every other parameter to torch's own code. A module that bound torch's own functions by name before the
+  run (``from torch.nn.utils import parameters_to_vector`` at its top) gets these for the run too, and one line names
+  it (``bound_by_name``).
+* ``torch.nn.utils.prune``: ``l1_unstructured``'s ``view(-1)`` and ``random_unstructured``'s ``rand_like`` (which draws
+  in memory order, another mask than an NCHW model's): ``pruning_in_logical_order()`` computes their masks on the
+  weight's NCHW values, so a channels_last weight gets the mask an NCHW model gets, in the weight's own layout;
+  global pruning goes through ``parameters_to_vector``. ``in_nchw(model)`` runs pruning code on NCHW weights and the
+  caller puts the layout back after it (``LayoutSession.boundary``): what ``ChannelsLast`` does around Lightning's
+  ``ModelPruning``, whose lottery-ticket reset writes weights from copies taken before the conversion.
 
+``torch_utilities()`` holds all of these for a run (every front door's session does, from ``start`` to ``end``).
 ``python -m scripts.repro.prune_channels_last`` shows both faults on torch as installed.
 
 Example::
 
     >>> import torch
     >>> conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-    >>> with flat_parameters():
+    >>> with torch_utilities():
     ...     vector = torch.nn.utils.parameters_to_vector(conv.parameters())
     ...     torch.nn.utils.vector_to_parameters(vector * 2, conv.parameters())
+    ...     _ = torch.nn.utils.prune.l1_unstructured(conv, "weight", amount=0.5)
     >>> vector.shape, conv.weight.is_contiguous(memory_format=torch.channels_last)
     (torch.Size([112]), True)
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -36,9 +43,13 @@ from typing import Any
 import torch
 import torch.nn.utils as utils
 import torch.nn.utils.convert_parameters as convert
+import torch.nn.utils.prune as prune
 from torch import nn
 
-__all__ = ["flat_parameters", "guard_pruning", "in_nchw", "pruning_aliases", "relayout", "unguard_pruning"]
+from cltrain.layout.tensors import is_channels_last, nchw, to_channels_last
+
+__all__ = ["aliases_follow", "bound_by_name", "flat_parameters", "guard_pruning", "in_nchw", "pruning_aliases",
+           "pruning_in_logical_order", "relayout", "torch_utilities", "unguard_pruning"]
 
 UPSTREAM = "pytorch#96743"
 _original = (convert.parameters_to_vector, convert.vector_to_parameters)
@@ -111,15 +122,105 @@ def flat_parameters() -> Iterator[None]:
                     where.parameters_to_vector, where.vector_to_parameters = _original
 
 
+@contextlib.contextmanager
+def aliases_follow(model: nn.Module, aliases: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside, ``model``'s parameters and buffers may change layout (``.data =``); each tensor of ``aliases`` that
+    shared one's data before shares its new data after (``relayout`` does the same for one tensor)."""
+    aliases = list(aliases)
+    own = [*model.parameters(), *model.buffers()]
+    pairs = [(a, t) for a in aliases for t in own if a is not t and a.shape == t.shape and a.stride() == t.stride()
+             and a.data_ptr() == t.data_ptr()] if aliases else []
+    yield
+    for alias, t in pairs:
+        alias.data = t.data
+
+
 def relayout(t: torch.Tensor, memory_format: torch.memory_format, aliases: Iterable[torch.Tensor] = ()) -> None:
-    """``t``'s data in ``memory_format``, in place, and every tensor of ``aliases`` that shares its data shares the
-    new data too (a copy written with ``.data =`` that training then updates through the weight stays so)."""
-    new = t.data.contiguous(memory_format=memory_format)
+    """``t``'s data in ``memory_format`` (canonical strides, size-1 dims included), in place, and every tensor of
+    ``aliases`` that shares its data shares the new data too (a copy written with ``.data =`` that training then
+    updates through the weight stays so)."""
+    new = nchw(t.data) if memory_format == torch.contiguous_format else to_channels_last(t.data)
     for alias in aliases:
         if alias is not t and alias.shape == t.shape and alias.stride() == t.stride() \
                 and alias.data_ptr() == t.data_ptr():
             alias.data = new
     t.data = new
+
+
+_MASKED = (prune.L1Unstructured, prune.RandomUnstructured)  # their compute_mask views (or draws over) the tensor
+_compute_mask = {cls: cls.compute_mask for cls in _MASKED}
+_pruning_holders = 0
+
+
+def _in_logical_order(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def compute_mask(self: Any, t: torch.Tensor, default_mask: torch.Tensor) -> torch.Tensor:
+        if t.dim() < 2 or t.is_contiguous():
+            return original(self, t, default_mask)
+        mask = original(self, nchw(t), nchw(default_mask))  # the mask an NCHW model gets
+        return to_channels_last(mask) if is_channels_last(t) else mask
+
+    compute_mask.__doc__ = original.__doc__
+    return compute_mask
+
+
+@contextlib.contextmanager
+def pruning_in_logical_order() -> Iterator[None]:
+    """``torch.nn.utils.prune``'s ``L1Unstructured`` and ``RandomUnstructured`` masks computed on a channels_last
+    weight's NCHW values (the mask an NCHW model gets, in the weight's layout), inside (shared by nested holders)."""
+    global _pruning_holders
+    with _lock:
+        _pruning_holders += 1
+        if _pruning_holders == 1:
+            for cls in _MASKED:
+                cls.compute_mask = _in_logical_order(_compute_mask[cls])
+    try:
+        yield
+    finally:
+        with _lock:
+            _pruning_holders -= 1
+            if _pruning_holders == 0:
+                for cls in _MASKED:
+                    cls.compute_mask = _compute_mask[cls]
+
+
+@contextlib.contextmanager
+def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[list[str]]:
+    """Inside, a module outside torch that bound torch's ``parameters_to_vector`` / ``vector_to_parameters`` by name
+    (``from torch.nn.utils import parameters_to_vector`` at its top, before the run) calls ``flat_parameters``'
+    versions; ``say`` names those modules in one line. Yields their names."""
+    ours = {id(_original[0]): parameters_to_vector, id(_original[1]): vector_to_parameters}
+    rebound: list[tuple[Any, str, Any]] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] in ("torch", "cltrain"):
+            continue
+        try:
+            items = list(vars(module).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            if id(value) in ours and value in _original:
+                rebound.append((module, attr, value))
+    for module, attr, value in rebound:
+        setattr(module, attr, ours[id(value)])
+    names = sorted({m.__name__ for m, _, _ in rebound})
+    if names and say is not None:
+        say(f"ChannelsLast: {', '.join(names)} bound torch.nn.utils.parameters_to_vector or vector_to_parameters by "
+            f"name; during the run they read and write channels_last parameters in their logical order ({UPSTREAM}).",
+            False)
+    try:
+        yield names
+    finally:
+        for module, attr, value in rebound:
+            if vars(module).get(attr) is ours[id(value)]:
+                setattr(module, attr, value)
+
+
+@contextlib.contextmanager
+def torch_utilities(say: Callable[[str, bool], None] | None = None) -> Iterator[None]:
+    """Every fix of this module held at once: ``flat_parameters``, ``pruning_in_logical_order`` and
+    ``bound_by_name`` (``say`` names the modules it rebinds)."""
+    with flat_parameters(), pruning_in_logical_order(), bound_by_name(say):
+        yield
 
 
 def in_nchw(model: nn.Module, aliases: Iterable[torch.Tensor] = ()) -> None:

@@ -16,13 +16,26 @@ from typing import Any
 
 from cltrain.layout.tensors import MODES
 
-__all__ = ["check_flags", "check_mode", "check_positive"]
+__all__ = ["check_flags", "check_layout_choice", "check_mode", "check_positive"]
+
+#: What every front door's ``layout=`` takes: ``"auto"`` races the layouts on the run's own steps, the others pin one.
+LAYOUT_CHOICES = ("auto", "channels_last", "contiguous")
 
 
 def check_mode(call: str, mode: Any, modes: tuple[str, ...] = MODES) -> None:
     """``mode`` is one of ``modes`` (what every front door converts with, unless it adds its own)."""
+    if mode == "auto":
+        raise ValueError(f"{call}(mode='auto'): the layout is chosen by layout= ('auto', the default, races both "
+                         f"layouts on the run's first training steps); mode takes {modes}.")
     if mode not in modes:
         raise ValueError(f"{call}(mode={mode!r}): expected one of {modes}.")
+
+
+def check_layout_choice(call: str, layout: Any) -> None:
+    """``layout`` is one of ``LAYOUT_CHOICES``."""
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"{call}(layout={layout!r}): expected one of {LAYOUT_CHOICES} ('auto', the default, times "
+                         "both on the run's first training steps and keeps the faster).")
 
 
 def check_flags(call: str, **flags: Any) -> None:

@@ -1,55 +1,73 @@
-"""A model's channels_last layout for one run, whatever runs it: the core behind ``ChannelsLast`` (Lightning),
-``cltrain.loops`` (Fabric, plain loops) and the Hugging Face hook.
+"""A model's channels_last run, whatever runs it: the core behind every front door (the Lightning callback
+``ChannelsLast``, ``cltrain.loops`` for plain loops and Fabric, the Hugging Face callback and the Accelerate helper).
 
-Each front door lends the session a host (``cltrain.host``: say a line, which rank decides, a broadcast and a sum over
-the ranks, the optimizers and the model's copies). ``LayoutSession`` decides and converts (the channels-last format of
-each parameter's rank, contiguous weights under a sharding engine, channels-last 1-D where timed faster), applies the
-kernel guardrails (the modules any rank finds hazardous), says what it did, runs the first-batch check on the
-deciding rank with the step runner it is handed, shares the result with every rank, and applies the verdict with one
-meaning each:
+A front door lends the session a host (``cltrain.host``: say a line, which rank decides, a broadcast and a sum over
+the ranks, the optimizers, the model's copies, a logger) and maps its framework's events onto the session's
+lifecycle; every feature lives here, so every door has it:
 
-* ``"passed"`` / ``"not checked"``: nothing changes;
-* ``"fallback"``: the named parts run in NCHW (``cltrain.check.fallback``), in the model and in its copies;
-* ``"contiguous"``: the whole model in NCHW (its parameters, buffers and guardrails) and its inputs put in NCHW at
-  its entry, in the model and in its copies.
+* ``start(model)``: choose the layout (pinned, or raced), convert the model and its copies (the channels-last format
+  of each parameter's rank; contiguous weights under a sharding engine), apply the kernel guardrails (the modules any
+  rank finds hazardous), say what was done, and hold the fixes for torch's utilities that ``view`` a channels_last
+  weight (``cltrain.nchw_code.torch_utilities``);
+* ``batch(kind, batch, model, check)`` / ``batch_end()`` / ``step_end(model)``: one batch, one training step. The
+  model's inputs in the layout (``cltrain.batch_inputs``); the first batch of each kind checked on the deciding rank
+  (``check`` is the door's step runner) and the verdict applied on every rank; each training step (from its first
+  batch to ``step_end``, after the optimizer step) timed while the layouts race (``cltrain.timing.layout_race``): the
+  faster is kept, in one line, and both step times go to the host's logger;
+* ``boundary(model, what)``: put back what moved the layout (a pruning, a hook writing ``.data``), with the optimizer
+  state;
+* ``state_dict`` / ``load_state_dict`` / ``resume``: the checks' verdicts (with the fingerprint that says whether they
+  still hold) and the race's decisions travel in the checkpoint; the optimizer state takes its parameters' strides;
+* ``end(model)``: the layout kept a last time, torch's utilities given back.
 
-Every change of a parameter's layout gives the optimizer state its parameter's strides. ``InputTrace`` follows the
-first forward of each kind of batch: a converted input that reaches no convolution in channels_last is left as it
-arrives from then on. Every line starts with ``ChannelsLast`` and is the same from every adapter.
+A verdict has one meaning each: ``"passed"`` / ``"not checked"`` change nothing; ``"fallback"``: the named parts run in
+NCHW (``cltrain.check.fallback``), in the model and in its copies; ``"contiguous"``: the whole model in NCHW, its
+inputs put in NCHW at its entry. Every change of a parameter's layout gives the optimizer state its parameter's
+strides. Every line starts with ``ChannelsLast`` and is the same from every door.
 
-Example (what a front door does; ``cltrain.loops`` is the shortest one)::
+Example (what a front door does; ``cltrain.loops.ChannelsLastRun`` is the shortest one)::
 
     session = LayoutSession(host=Host(optimizers=lambda: [optimizer]))
-    session.convert(model, device=torch.device("cpu"), owner="convert_model(mode='full')")
-    session.check("train", model, lambda: check_plain_step(model, batch, step))
+    session.start(model, owner="ChannelsLastRun")
+    for batch in loader:
+        session.batch("train", batch, model, check=lambda: check_plain_step(model, batch, step))
+        step(model, batch)
+        session.batch_end()
+        session.step_end(model)
+    session.end(model)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from cltrain.batch_inputs import BatchInputs
+from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
 from cltrain.check.result import LayoutCheck
-from cltrain.guardrails import GuardRecord, apply_guardrails
-from cltrain.host import Host, Say
-from cltrain.layout import (CONV1D_TYPES, CONV_TYPES, layout_summary, to_channels_last, to_channels_last_1d,
-                            to_contiguous)
-from cltrain.layout.conv_reach import ConvReach
+from cltrain.check.resume import restored_check, saved_check
+from cltrain.devices import device_of
+from cltrain.guardrails import GuardRecord, apply_guardrails, find_hazards, hazards_over_ranks
+from cltrain.host import Host
+from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last, \
+    to_contiguous
+from cltrain.layout.batches import Inputs, first_image_tensor
 from cltrain.layout.optimizer_state import restride_optimizer_state
-from cltrain.layout.tensors import is_compiled, memory_format_for
-from cltrain.nchw_code import relayout
+from cltrain.layout.tensors import is_compiled, nchw
+from cltrain.nchw_code import aliases_follow, relayout, torch_utilities
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
+from cltrain.timing.layout_race import LayoutDecision, LayoutRace, Stopwatch
 
-if TYPE_CHECKING:
-    from cltrain.timing.probe import ProbeResult
+__all__ = ["LayoutSession"]
 
-__all__ = ["InputTrace", "LayoutSession"]
+_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
 
 
 @contextlib.contextmanager
@@ -64,197 +82,322 @@ def no_autotune() -> Iterator[None]:
     finally:
         torch.backends.cudnn.benchmark = before
 
+
 class LayoutSession:
-    """A model's layout for one run: see the module docstring.
+    """A model's channels_last run: see the module docstring.
 
     Args:
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
+        layout: ``"auto"`` (the default) races channels_last and NCHW on the run's first training steps and keeps
+            the faster; ``"channels_last"`` or ``"contiguous"`` pins one (no race: two runs pinned alike are
+            bit for bit equal).
         guard: apply ``cltrain.guardrails.apply_guardrails`` after every conversion.
+        verify: run the first-batch check of each kind of batch (``"train"``, ``"eval"``).
+        inputs: which tensors of a batch are the model's inputs (``cltrain.layout.batches``).
+        check_samples: the check runs on this many samples of the batch (``cltrain.check.budget``).
+        convert_inputs: put the model's inputs in its layout (``False``: the first convolution converts them).
         host: what the front door lends (``cltrain.host``; default: one process or ``torch.distributed``'s group).
+        race: the ``LayoutRace`` that decides ``layout="auto"`` (default: its defaults).
 
     Attributes:
-        layout: ``"channels_last"`` or ``"contiguous"``; ``None`` before ``convert``.
-        one_d: Conv1d weights and rank-3 inputs get channels-last 1-D strides too (``mode="auto"`` timed it faster).
+        layout: the layout the model is in now (``"channels_last"`` or ``"contiguous"``; during a race, the step's);
+            ``None`` before ``start``.
+        decisions: the race's ``LayoutDecision`` of each kind of batch (``race.decisions``).
         sharding: the engine holding the parameters (``cltrain.sharding``), which then stay contiguous, or ``None``.
         guardrails: the ``GuardRecord`` of each known fault worked around (``None`` with ``guard=False``).
-        probe: the ``cltrain.timing.probe.ProbeResult`` that ``choose`` kept (the same on every rank), or ``None``.
-        fallbacks: the ``Fallback``s the checks chose, applied to the model and its copies (a ``"contiguous"``
-            verdict is ``Fallback("module", "")``: the model runs in NCHW, its inputs put in NCHW at its entry).
+        fallbacks: the ``Fallback``s the checks chose (a ``"contiguous"`` verdict is ``Fallback("module", "")``).
         layout_checks: the ``LayoutCheck`` of each kind of batch checked (``"train"``, ``"eval"``).
         summary: ``cltrain.layout_summary`` of the model's parameters and buffers once converted.
         device: where the model trains; dtype: the dtype its convolutions compute in (``None``: float32).
+        untimed: why the layouts are not raced (a pinned layout, a sharded or compiled model, a verdict), or ``None``.
     """
 
-    def __init__(self, mode: str = "full", *, guard: bool = True, host: Host | None = None) -> None:
-        self.mode = mode
-        self.guard = guard
+    def __init__(self, mode: str = "full", *, layout: str = "auto", guard: bool = True, verify: bool = True,
+                 inputs: Inputs = None, check_samples: int | None = DEFAULT_SAMPLES, convert_inputs: bool = True,
+                 host: Host | None = None, race: LayoutRace | None = None) -> None:
+        self.mode, self.pinned, self.convert_inputs = mode, None if layout == "auto" else layout, convert_inputs
+        self.guard, self.verify, self.check_samples = guard, verify, check_samples
         self.host = host or Host()
+        self.race = race or LayoutRace()
+        self.inputs = BatchInputs(self.say, inputs)
         self.layout: str | None = None
-        self.one_d = False
         self.sharding: str | None = None
         self.guardrails: list[GuardRecord] | None = None
-        self.probe: ProbeResult | None = None
         self.fallbacks: list[Fallback] = []
         self.layout_checks: dict[str, LayoutCheck] = {}
         self.summary: dict[str, int] | None = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
+        self.untimed: str | None = None
+        self.fingerprint: Callable[[], str] | None = None
+        self._hazards: dict[str, dict[str, list[str]]] = {}
         self._expected: dict[str, torch.memory_format | None] | None = None
+        self._restored: dict[str, Any] = {}
         self._told: set[str] = set()
+        self._utilities: contextlib.ExitStack | None = None
+        self._step: tuple[tuple[Any, ...], int, Stopwatch] | None = None
+        self._key: tuple[Any, ...] | None = None
 
     def say(self, message: str, warn: bool = False) -> None:
         """One line, through the host."""
         self.host.say(message, warn)
 
-    @classmethod
-    def of(cls, model: nn.Module, *, dtype: torch.dtype | None = None, guard: bool = True, host: Host | None = None,
-           sharding: str | None = None) -> LayoutSession:
-        """A session for ``model`` as it is (converted already, by ``convert_model`` or by hand): its layout is
-        channels_last, its engine ``sharding`` or the one that shards it already, if any."""
-        session = cls(guard=guard, host=host)
-        session.layout = "channels_last"
-        session.device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-        session.dtype = dtype
-        session.sharding = sharding if sharding is not None else sharding_of(model)
-        session.summary = layout_summary(model, buffers=True)
-        return session
+    @property
+    def decisions(self) -> dict[Any, LayoutDecision]:
+        """The race's decision of each kind of batch."""
+        return self.race.decisions
 
-    # ---- decide and convert ----------------------------------------------------------------------------------------
+    @property
+    def decision(self) -> LayoutDecision | None:
+        """The decision for the kind of batch trained on last (``None``: not decided)."""
+        return self.race.decisions.get(self._key) if self._key is not None else None
 
-    def choose(self, model: nn.Module, shape: tuple[int, ...], *, steps: int, device: torch.device,
-               autocast_dtype: torch.dtype | None, timeout: float, owner: str) -> str:
-        """Time a few steps of ``model`` in both layouts on a synthetic batch of ``shape`` on the deciding rank, in a
-        child process (``cltrain.timing.probe.probe_layout``: a native crash in either layout's kernels must not end
-        the run), and keep the faster on every rank (DDP's buckets must agree); rank-3 ``(N, C, L)`` times
-        channels-last 1-D (``one_d``). One line says what was timed and kept, under ``owner``
-        (``"ChannelsLast(mode='auto')"``). Returns the layout kept (``"contiguous"`` where the timing failed)."""
-        from cltrain.timing.probe import probe_layout
+    # ---- start -----------------------------------------------------------------------------------------------------
 
-        self.one_d = len(shape) == 3
-        found = None
-        if self.host.deciding():
-            found = probe_layout(model, shape, steps=steps, device=device, autocast_dtype=autocast_dtype,
-                                 guardrails=self.guard, timeout=timeout)
-        self.probe = self.host.broadcast(found)
-        self.layout = self.probe.layout
-        if self.probe.failure is not None:
-            self.say(f"{owner}: {self.probe.failure}; keeping contiguous.", True)
-        else:
-            timed = ", ".join(f"{k} {v * 1e3:.1f} ms/step" for k, v in sorted(self.probe.timings.items()))
-            self.say(f"{owner}, timed {self.probe.method}: {timed} -> keeping {self.layout}.", False)
-        return self.layout
-
-    def convert(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                sharding: str | None = None, layout: str | None = None, owner: str | None = None,
-                inputs: bool = True) -> nn.Module:
-        """Put ``model`` in the session's layout, in place, with the guardrails and the fallbacks chosen so far, and
-        the host's copies of it; in a run of several ranks (every rank calls here) the guardrails cover the modules
-        any rank finds hazardous (``hazards_over_ranks``).
+    def start(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+              sharding: str | None = None, owner: str | None = None, inputs: bool = True) -> nn.Module:
+        """Put ``model`` in the session's layout, in place, with the guardrails, the fallbacks chosen so far and the
+        host's copies of it; hold torch's utilities that take channels_last weights until ``end``. In a run of several
+        ranks (every rank calls here) the guardrails cover the modules any rank finds hazardous.
 
         Args:
             device: where it trains (default: its parameters' device); the guardrails depend on the backend.
             dtype: the dtype its convolutions compute in (the autocast dtype, or ``None`` for float32).
             sharding: the engine that shards it or will (``cltrain.sharding.sharding_of``): parameters contiguous.
-            layout: ``"channels_last"`` or ``"contiguous"`` (default: the session's, else channels_last).
-            owner: the front door, as the line names it (``"ChannelsLast(mode='full')"``): the session says what it
-                did (``report_conversion``); ``None``: nothing is said.
+            owner: the front door, as the line names it (``"ChannelsLast(mode='full')"``); ``None``: nothing said.
             inputs: the front door converts the model's inputs (said under a sharding engine).
         """
-        if device is None:
-            device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype = torch.device(device) if device is not None else device_of(model), dtype
         held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
         self.sharding = sharding if sharding is not None else held
-        self.layout = layout or self.layout or "channels_last"
-        records = self._put_in_layout(model, united=True, held=held is not None)
+        if self.layout is None:
+            self.layout = self.pinned or "channels_last"
+        self.untimed = self._why_untimed(model)
+        self._hazards.clear()
+        records = self._put_in_layout(model, self.layout, held=held is not None)
         if self.guard:
             self.guardrails = records
         apply_fallbacks(model, self.fallbacks)  # a later fit: the conversion restrided their weights
         self.summary = layout_summary(model, buffers=True)
         self.convert_copies(self.host.copies())
+        if self._utilities is None:
+            self._utilities = contextlib.ExitStack()
+            self._utilities.enter_context(torch_utilities(self.say))
         if owner is not None:
             self.report_conversion(owner, model, inputs)
         return model
 
-    def _put_in_layout(self, model: nn.Module, united: bool = False, held: bool = False) -> list[GuardRecord]:
-        """``model`` in the session's layout, guarded; ``united``: every rank calls here at the same point, and the
-        guardrails cover the modules any rank finds hazardous."""
+    def _why_untimed(self, model: nn.Module) -> str | None:
+        if self.pinned is not None:
+            return f"pinned to {self.pinned}"
+        if self.sharding is not None:
+            return f"{self.sharding} keeps the weights NCHW"
+        if is_compiled(model):
+            return "torch.compile would compile both layouts"
+        return None
+
+    def _put_in_layout(self, model: nn.Module, layout: str, held: bool = False) -> list[GuardRecord]:
+        """``model`` in ``layout``, guarded: the guardrails cover what any rank finds (every rank calls here at the
+        same point; each layout's hazards are found once)."""
         if self.sharding is not None:
             if not held:  # FSDP2 refuses channels_last parameters; the others flatten them contiguous
                 to_contiguous(model)
-        elif self.layout == "channels_last":
+        elif layout == "channels_last":
             to_channels_last(model, mode="conv" if self.mode == "conv" else "full")
-            if self.one_d:
-                to_channels_last_1d(model)
         else:  # NCHW, even for a model that arrived channels_last
             to_contiguous(model)
+            for p in model.parameters():  # a gradient kept across the switch (accumulation) follows its parameter
+                if p.grad is not None and p.grad.dim() in (4, 5) and not p.grad.is_contiguous():
+                    p.grad = nchw(p.grad)
         if not self.guard:
             return []
+        key = "held" if self.sharding is not None else layout
+        if key not in self._hazards:
+            found = find_hazards(model, device=self.device, dtype=self.dtype,
+                                 layout="contiguous" if self.sharding is not None else layout)
+            if self.host.several():
+                found = hazards_over_ranks(model, found, self.host.sum)
+            self._hazards[key] = found
         # After every conversion: converting again would undo a guarded weight's layout.
-        return apply_guardrails(model, device=self.device, dtype=self.dtype, layout=self.layout,
-                                sum_over_ranks=self.host.sum if united and self.host.several() else None)
+        return apply_guardrails(model, device=self.device, dtype=self.dtype, hazards=self._hazards[key])
 
     def convert_copies(self, copies: Iterable[nn.Module]) -> None:
         """Put copies of the model (an EMA's ``AveragedModel``, SWA's) in its layout, with its fallbacks."""
         if self.layout is None or self.sharding is not None:
             return
         for copy_ in copies:
-            self._put_in_layout(copy_)
+            if self.layout == "channels_last":
+                to_channels_last(copy_, mode="conv" if self.mode == "conv" else "full")
+            else:
+                to_contiguous(copy_)
+            if self.guard:
+                apply_guardrails(copy_, device=self.device, dtype=self.dtype, layout=self.layout)
             _apply_to_copy(copy_, self.fallbacks)
-
-    def resume(self) -> None:
-        """After a checkpoint's optimizer state is restored, which keeps the strides it was saved with: every state
-        tensor of the host's optimizers takes its parameter's strides, and the model's copies made since the
-        conversion (an EMA's, SWA's) join its layout. A sharding engine owns both."""
-        if self.layout is None or self.sharding is not None:
-            return
-        self.convert_copies(self.host.copies())
-        restride_optimizer_state(self.host.optimizers())
-
-    def has_convolutions(self, model: nn.Module) -> bool:
-        """Whether ``model`` has a layer channels_last speeds up."""
-        convs = CONV_TYPES + CONV1D_TYPES if self.one_d else CONV_TYPES
-        return any(isinstance(m, convs) for m in model.modules())
-
-    def conversion_line(self, owner: str, model: nn.Module, inputs: bool = True) -> str:
-        """The one line that says what ``convert`` did (``owner``: ``"ChannelsLast(mode='full')"``)."""
-        if self.sharding is not None:
-            return f"{owner}: {sharded_line(self.sharding, inputs)}"
-        counts = ", ".join(f"{n} {k}" for k, n in (self.summary or {}).items())
-        return f"{owner}: model layout is {self.layout}; parameters and buffers: {counts}."
 
     def report_conversion(self, owner: str, model: nn.Module, inputs: bool = True) -> None:
         """Say the conversion line, the guardrails applied, and (once) that a model without convolutions gains
         nothing."""
-        if not self.has_convolutions(model) and "no convolutions" not in self._told:
+        if not any(isinstance(m, CONV_TYPES) for m in model.modules()) and "no convolutions" not in self._told:
             self._told.add("no convolutions")
             self.say(f"{owner.partition('(')[0]}: {type(model).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
                      "channels_last has nothing to speed up; remove it or keep it for the layout checks.", True)
-        self.say(self.conversion_line(owner, model, inputs), self.sharding is not None and not inputs)
+        if self.sharding is not None:
+            self.say(f"{owner}: {sharded_line(self.sharding, inputs)}", not inputs)
+        else:
+            counts = ", ".join(f"{n} {k}" for k, n in (self.summary or {}).items())
+            raced = "" if self.untimed else "; the first training steps race it against NCHW"
+            self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
                      + "; ".join(r.line() for r in self.guardrails), False)
 
+    # ---- a step ----------------------------------------------------------------------------------------------------
+
+    def batch(self, kind: str, batch: Any, model: nn.Module, check: Callable[[], LayoutCheck] | None = None, *,
+              in_place: bool = True) -> Any:
+        """A step of ``kind`` (``"train"`` or ``"eval"``) starts on ``batch``: the model in the step's layout (a race
+        may switch it), the model's inputs in that layout (in place, or in a new structure that is returned), the
+        first batch of ``kind`` checked with ``check()`` (the door's step runner on this batch) and its verdict
+        applied, the forward traced; a training step's clock started. Returns the batch to run."""
+        if self.layout is None:
+            return batch
+        if kind == "train":
+            if self._step is None:
+                self._begin_training_step(batch, model)
+        elif self.layout != self._settled():  # an evaluation in the middle of a race runs in the default
+            self._switch(model, self._settled())
+        if check is not None:
+            self.check(kind, model, check)  # a "contiguous" verdict puts the model, and so its inputs, in NCHW
+        if self.convert_inputs:
+            batch = self.inputs.convert(batch, kind, model, self.layout, in_place=in_place)
+        if kind == "train" and self._expected is None:
+            self.expect(model)
+        self.inputs.start_trace(model, self.layout)
+        return batch
+
+    def forward_done(self, completed: bool = True) -> None:
+        """The traced forward ended (at the backward, or the forward's own end)."""
+        self.inputs.end_trace(completed)
+
+    def batch_end(self, *, restore: bool = True, completed: bool = True) -> None:
+        """A batch's forward and backward ended: the trace left (judged where ``completed``) and the loader's tensors
+        given back (``restore``; not where the door handed the model new tensors)."""
+        self.inputs.end_trace(completed)
+        if restore:
+            self.inputs.restore()
+
+    def step_end(self, model: nn.Module, *, completed: bool = True) -> None:
+        """The training step opened by the first training ``batch`` since the last ``step_end`` ended (its
+        optimizer step included; several batches under gradient accumulation): its time recorded (not where it did
+        not complete). Where a round of the race ends, the deciding rank judges, every rank applies the same, one
+        line says it and the host logs both step times."""
+        if self._step is None:
+            return
+        key, size, clock = self._step
+        self._step = None
+        if not completed:
+            return
+        self.race.record(key, size, self.layout, clock.stop())
+        if not self.race.due():
+            return
+        decision = self.host.broadcast(self.race.judge() if self.host.deciding() else None)
+        if decision is not None:
+            self.race.settle(decision)
+            self._decided(model, decision)
+
+    def _begin_training_step(self, batch: Any, model: nn.Module) -> None:
+        """The race's layout for this step (a switch where it differs) and the step's clock."""
+        image = first_image_tensor(batch, self.inputs.inputs)
+        if image is None:
+            return
+        key = (tuple(image.shape[1:]), _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
+        self._key = key
+        if key in self.race.decisions:
+            want = self.race.decisions[key].layout
+        elif self.untimed is not None:
+            want = self.layout  # nothing to race: pinned, sharded, compiled, or the check kept the model in NCHW
+        else:
+            want = self.race.next_layout(key)
+        if want != self.layout:
+            self._switch(model, want)
+        if key not in self.race.decisions and self.untimed is None:
+            self._step = (key, int(image.shape[0]), Stopwatch(self.device))
+            self._step[2].start()  # the inputs' conversion is part of the step: NCHW pays it with NHWC batches
+
+    def _settled(self) -> str:
+        decided = self.decision
+        return decided.layout if decided is not None else self.pinned or "channels_last"
+
+    def _switch(self, model: nn.Module, layout: str) -> None:
+        """The model (its parameters, gradients and buffers, with the guardrails and fallbacks), its optimizer state
+        in ``layout``; every rank switches at the same step."""
+        self.layout = layout
+        with aliases_follow(model, self.host.aliases()):
+            records = self._put_in_layout(model, layout)
+        if self.guard:
+            self.guardrails = records
+        if layout == "channels_last":
+            apply_fallbacks(model, self.fallbacks)
+        restride_optimizer_state(self.host.optimizers())
+        if self._expected is not None:
+            self.expect(model)
+
+    def _decided(self, model: nn.Module, decision: LayoutDecision) -> None:
+        if decision.layout != self.layout:
+            self._switch(model, decision.layout)
+        self.convert_copies(self.host.copies())
+        self.summary = layout_summary(model, buffers=True)
+        self.say(self.decision_line(decision), False)
+        self.host.log({f"channels_last/step_seconds_{k}": v for k, v in decision.seconds.items()})
+
+    def decision_line(self, decision: LayoutDecision) -> str:
+        """The one line that says what the race kept, by how much, and how to pin it."""
+        shape, precision, device = decision.key
+        where = f"({precision}, {device}, {'x'.join(map(str, shape[1:]))} px)"
+        timed = ", ".join(f"{n} step(s) in {'NCHW' if k == 'contiguous' else k}" for k, n in decision.samples.items())
+        cost = f"; the race cost {decision.extra_seconds:.2f} s" if decision.extra_seconds > 0 else ""
+        pin = f"pin it with layout={decision.layout!r}"
+        if decision.how == "tie":
+            head = f"channels_last and NCHW within {100 * self.race.margin:.0f}% here {where}: kept channels_last"
+        elif decision.layout == "channels_last":
+            head = f"channels_last {decision.ratio:.2f}x faster here {where}: kept"
+        elif decision.how == "noisy" and decision.ratio < 1:
+            head = f"channels_last {decision.ratio:.2f}x here {where}, too noisy to tell: kept"
+        else:
+            head = f"NCHW {decision.ratio:.2f}x faster here {where}: switched, the model and its optimizer state " \
+                   "moved once"
+        noisy = "; the steps' times were noisy" if decision.how == "noisy" else ""
+        return f"ChannelsLast: {head}{noisy} (timed {timed}{cost}; {pin})."
+
     # ---- the first-batch check -------------------------------------------------------------------------------------
 
     def check(self, kind: str, model: nn.Module, run: Callable[[], LayoutCheck], *, report: bool = True) -> LayoutCheck:
-        """The first-batch check of ``kind`` (once per kind): ``run()`` (a step runner: ``cltrain.check.plain_step``,
-        ``cltrain.check.lightning_step``) on the host's deciding rank, its result shared with every rank (each then
-        applies the same, or DDP's parameter layouts disagree), applied to ``model``, the host's copies and its
-        optimizers' state, and said in one line (``report``). A failure of the check itself is reported as not
-        checked: it never ends the run."""
+        """The first-batch check of ``kind``, once per kind: ``run()`` (a step runner: ``cltrain.check.plain_step``,
+        ``cltrain.check.lightning_step``) on the host's deciding rank, its result shared with every rank, applied to
+        ``model``, the host's copies and its optimizers' state, and said in one line (``report``). A checkpoint's
+        verdict for the same model, step and precision (``fingerprint``) is applied without running it. A failure of
+        the check itself is reported as not checked: it never ends the run."""
+        if kind in self.layout_checks:
+            return self.layout_checks[kind]
+        if not self.verify or self.layout != "channels_last":
+            return LayoutCheck("not checked", reason="not asked" if not self.verify else "the model runs in NCHW")
+        saved = self._restored.get("layout_checks", {}).get(kind)
+        same = saved is not None and self.fingerprint is not None \
+            and self._restored.get("fingerprint") == self.fingerprint()
         result = None
         if self.sharding is not None:
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
-        elif self.host.several() and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
-            result = LayoutCheck("not checked", reason="SyncBatchNorm in a run of several ranks: its copies would wait "
-                                 "for the other ranks (check the model once in a single process)")
+        elif same:
+            result = restored_check(saved)
         elif self.host.deciding():
             try:
-                with no_autotune():
+                with no_autotune(), _sync_batchnorm_alone(model, self.host.several()):
                     result = run()
             except Exception as error:  # noqa: BLE001 - the check failing must not end the run
                 result = LayoutCheck("not checked", reason=f"the check itself failed ({first_line(error)})")
+            if saved is not None:
+                note = "checked again: the model, its step or the precision changed since the checkpoint"
+                result = dataclasses.replace(result, notes=(*result.notes, note))
         result = self.host.broadcast(result)
         self.layout_checks[kind] = result
         self.apply(result, model)
@@ -268,8 +411,9 @@ class LayoutSession:
         if result.verdict == "fallback":
             chosen = list(result.fallbacks)
         elif result.verdict == "contiguous":  # the whole model, its inputs put in NCHW at its entry
-            self.layout = "contiguous"
-            records = self._put_in_layout(model, united=True)  # every rank applies the verdict here
+            self.pinned = self.layout = "contiguous"
+            self.untimed = "the check keeps the model in NCHW"
+            records = self._put_in_layout(model, "contiguous")  # every rank applies the verdict here
             if self.guard:
                 self.guardrails = records
             chosen = [Fallback("module", "")]
@@ -280,33 +424,34 @@ class LayoutSession:
         self.summary = layout_summary(model, buffers=True)
         self.convert_copies(self.host.copies())
         restride_optimizer_state(self.host.optimizers())
-
+        if self._expected is not None:
+            self.expect(model)
 
     # ---- the layout for the whole run ------------------------------------------------------------------------------
 
     def expect(self, model: nn.Module) -> None:
         """Remember the layout of ``model``'s 4-D/5-D parameters and buffers as they are now (converted, guarded,
-        the verdict applied), by name: what ``keep`` puts back."""
+        the verdict applied), by name: what ``boundary`` puts back."""
         self._expected = {_stands_for(name): _layout_of(t) for name, t in _named_tensors(model)}
 
-    def keep(self, model: nn.Module, *, after: str = "", line: str | None = None,
-             aliases: Iterable[torch.Tensor] = ()) -> list[str]:
+    def boundary(self, model: nn.Module, *, after: str = "", line: str | None = None,
+                 aliases: Iterable[torch.Tensor] = ()) -> list[str]:
         """Put back in their expected layout (``expect``) the parameters and buffers that something moved since,
         in place, and the host's optimizers' state in its parameters' strides; one line the first time, naming them
         and ``after`` (what ran), or ``line`` where given. A pruning's ``weight_orig`` and ``weight_mask`` and a
         parametrization's ``original`` are kept as the weight they stand for; a tensor of ``aliases`` that shares a
         moved tensor's data shares its new data (``cltrain.nchw_code.relayout``). Returns the names put back.
 
-        It walks the parameters once a call: its callers call it where something may have moved them (an epoch's
-        or a validation's end, a pruning), never every step.
+        It walks the parameters once a call: doors call it where something may have moved them (an epoch's or a
+        validation's end, a pruning), never every step.
 
         Example::
 
-            >>> session = LayoutSession()
-            >>> model = session.convert(torch.nn.Conv2d(3, 8, 3))
+            >>> session = LayoutSession(layout="channels_last")
+            >>> model = session.start(torch.nn.Conv2d(3, 8, 1))
             >>> session.expect(model)
             >>> model.weight.data = model.weight.data.contiguous()   # a hook writes .data in NCHW
-            >>> session.keep(model, after="a test"), model.weight.is_contiguous(memory_format=torch.channels_last)
+            >>> session.boundary(model, after="a test"), is_channels_last(model.weight)
             (['weight'], True)
         """
         expected = self._expected
@@ -315,7 +460,7 @@ class LayoutSession:
         moved, aliases = [], list(aliases)
         for name, t in _named_tensors(model):
             want = expected.get(_stands_for(name))
-            if want is not None and not t.is_contiguous(memory_format=want):
+            if want is not None and _layout_of(t) != want:
                 relayout(t, want, aliases)
                 moved.append(name)
         restride_optimizer_state(self.host.optimizers())
@@ -326,6 +471,79 @@ class LayoutSession:
                      f"{after and ' ' + after} ({shown}); put back in {self.layout} with their optimizer state.", False)
         return moved
 
+    def end(self, model: nn.Module) -> None:
+        """The run ends: a race not decided leaves the model in the default layout, the layout is kept a last time,
+        and torch's utilities are given back."""
+        self._step = None
+        if self.layout is not None and self.sharding is None and self.layout != self._settled():
+            self._switch(model, self._settled())
+        self.boundary(model, after="by the end of the run")
+        self.close()
+
+    def close(self) -> None:
+        """Give torch's utilities back (``end`` does; a run that stopped on an exception calls this)."""
+        self.inputs.end_trace(completed=False)
+        self.inputs.restore()
+        if self._utilities is not None:
+            self._utilities.close()
+            self._utilities = None
+
+    # ---- a checkpoint ----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint carries: the checks' verdicts and the fingerprint they hold for, and the race's
+        decisions (plain types)."""
+        state: dict[str, Any] = {}
+        if self.layout_checks:
+            state["layout_checks"] = {k: saved_check(r) for k, r in self.layout_checks.items()}
+            state["fingerprint"] = self.fingerprint() if self.fingerprint is not None else None
+        if self.race.decisions:
+            state["decisions"] = self.race.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any] | None, model: nn.Module | None = None) -> None:
+        """A checkpoint's state: its verdicts apply at the first batch of each kind where the fingerprint matches,
+        its decisions are not raced again; where the model is given and one decision is held, it takes that layout
+        now (before DDP wraps it, where the door restores this early)."""
+        self._restored = dict(state or {})
+        self.race.load_state_dict(self._restored.get("decisions", []))
+        decided = {d.layout for d in self.race.decisions.values()}
+        if model is not None and len(decided) == 1 and self.layout is not None and self.untimed is None:
+            (layout,) = decided
+            if layout != self.layout:
+                self._switch(model, layout)
+
+    def resume(self) -> None:
+        """After a checkpoint's optimizer state is restored, which keeps the strides it was saved with: every state
+        tensor of the host's optimizers takes its parameter's strides, and the model's copies made since the
+        conversion (an EMA's, SWA's) join its layout. A sharding engine owns both."""
+        if self.layout is None or self.sharding is not None:
+            return
+        self.convert_copies(self.host.copies())
+        restride_optimizer_state(self.host.optimizers())
+
+
+@contextlib.contextmanager
+def _sync_batchnorm_alone(model: nn.Module, several: bool) -> Iterator[None]:
+    """In a run of several ranks, the check's copies of ``SyncBatchNorm`` layers compute their statistics on the
+    checked samples alone (as ``BatchNorm``, both layouts alike): a copy must not wait for ranks that do not run it."""
+    layers = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)] if several else []
+    forwards = [m.__dict__.get("forward") for m in layers]
+    for m in layers:
+        m.forward = _batchnorm_forward.__get__(m)  # copied with the module: the copies run it
+    try:
+        yield
+    finally:
+        for m, saved in zip(layers, forwards):
+            if saved is None:
+                del m.forward
+            else:
+                m.forward = saved
+
+
+def _batchnorm_forward(self: nn.SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
+    return nn.modules.batchnorm._BatchNorm.forward(self, x)
+
 
 def _apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
     """The fallbacks on a copy of the model, whose names may sit under ``module.`` (``AveragedModel``)."""
@@ -335,55 +553,6 @@ def _apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
         if all(f"{prefix}{f.module}".rstrip(".") in names for f in wanted):
             apply_fallbacks(copy_, [Fallback(f.kind, f"{prefix}{f.module}".rstrip(".")) for f in wanted])
             return
-
-
-class InputTrace:
-    """Which converted inputs of the first forward of each kind of batch reach a convolution in channels_last.
-
-    ``start(kind, converted, model)`` holds a ``cltrain.layout.conv_reach.ConvReach`` around that forward (not
-    around a compiled one: a ``TorchFunctionMode`` would change what Dynamo compiles); ``end()`` leaves it and keeps
-    the keys of the inputs no convolution took in channels_last in ``left_as_is[kind]``: converting them is a copy
-    that helps nothing, and one line says so, once per input shape.
-    """
-
-    def __init__(self, say: Say) -> None:
-        self.say = say
-        self.left_as_is: dict[str, frozenset[Hashable]] = {}
-        self._active: tuple[str, ConvReach, dict[Hashable, torch.Tensor]] | None = None
-        self._told: set[str] = set()
-
-    def traced(self, kind: str) -> bool:
-        """Whether the first forward of ``kind`` was traced (or is being traced)."""
-        return kind in self.left_as_is
-
-    def start(self, kind: str, converted: dict[Hashable, torch.Tensor], model: nn.Module) -> bool:
-        """Trace this forward of ``kind``; ``False`` where it is not traced (nothing converted, or compiled)."""
-        self.left_as_is[kind] = frozenset()
-        if not converted or is_compiled(model):
-            return False
-        self._active = (kind, ConvReach(converted), converted)
-        self._active[1].__enter__()
-        return True
-
-    def end(self, completed: bool = True) -> list[Hashable] | None:
-        """Leave the trace; the keys left as they arrive from now on (``None``: nothing was traced or judged)."""
-        if self._active is None:
-            return None
-        kind, reach, converted = self._active
-        self._active = None
-        reach.__exit__(None, None, None)
-        if not completed or reach.convolutions == 0:  # nothing seen to judge by: keep converting
-            return None
-        left = sorted(set(converted) - reach.reached, key=str)
-        if left:
-            self.left_as_is[kind] = frozenset(left)
-            shapes = ", ".join(str(tuple(converted[k].shape)) for k in left)
-            if shapes not in self._told:
-                self._told.add(shapes)
-                self.say(f"ChannelsLast: the input {shapes} reaches no convolution in channels_last (the model "
-                         "reshapes or permutes it, or other code replaces it, first), so converting it is a copy that "
-                         "helps nothing: it is left as it arrives from now on.", False)
-        return left
 
 
 _STANDS_FOR = ("_orig", "_mask")  # torch.nn.utils.prune's reparametrisation of a weight
@@ -404,14 +573,19 @@ def _stands_for(name: str) -> str:
 
 
 def _layout_of(t: torch.Tensor) -> torch.memory_format | None:
-    """The format ``t`` is in where it tells (``None`` where channels_last and NCHW strides coincide)."""
+    """The format ``t`` is in, judged strictly (``cltrain.layout.is_channels_last``, canonical NCHW strides);
+    ``None`` where the two coincide (C == H == W == 1) or ``t`` is in neither."""
     fmt = memory_format_for(t)
-    if fmt is None or (t.is_contiguous() and t.is_contiguous(memory_format=fmt)):
+    if fmt is None:
         return None
-    return fmt if t.is_contiguous(memory_format=fmt) else torch.contiguous_format if t.is_contiguous() else None
+    channels_last, contiguous = is_channels_last(t), nchw(t) is t
+    if channels_last == contiguous:
+        return None
+    return fmt if channels_last else torch.contiguous_format
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.dim() in (4, 5) and t.is_floating_point():
             yield name, t
+

@@ -14,8 +14,7 @@
   make both many times slower. ``-n 0`` runs the tests in one process.
 * A test starts Python with ``tests.helpers.warm.run`` / ``Popen`` (``subprocess``'s arguments): a fork of a server
   that imported torch and Lightning once, unless the test is about a start (``subprocess`` itself) or sets a variable
-  read at import (``warm`` then starts Python). The timing probe's child is such a fork too, except in tests marked
-  ``probe_starts_python``.
+  read at import (``warm`` then starts Python).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         share = max(1, usable_cores() // workers)
         torch.set_num_threads(share)
-        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the train.py, DDP and probe processes a test starts
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the train.py and DDP processes a test starts
             os.environ[name] = str(share)
 
 
@@ -72,15 +71,6 @@ def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     yield
 
-
-@pytest.fixture(autouse=True)
-def _probe_forked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The timing probe's child (``python -c``) is a fork of the warm server (``tests.helpers.warm``), still a process
-    of its own, except in tests marked ``probe_starts_python``."""
-    if request.node.get_closest_marker("probe_starts_python") is None:
-        from cltrain.timing import probe
-
-        monkeypatch.setattr(probe, "subprocess", warm.forking_subprocess)
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,16 @@
 """The first-batch check's verdict carried in a checkpoint: a resumed run with the same model, step and precision
 applies it without paying the check again; anything else is checked again.
 
-What decides "the same" (``run_fingerprint``): the LightningModule's class, every parameter's name, shape and dtype,
-the code of the module's ``forward`` and step methods (their bytecode and constants, so an edit to the step shows),
-the Trainer's precision, the device type and torch's version. A checkpoint written before this carried nothing,
-and its run is checked as a new one.
+What decides "the same" (``run_fingerprint``): the model's class, every parameter's name, shape and dtype, the code of
+the model's ``forward`` and of the step code the front door names (a LightningModule's step methods, a loop's
+``step`` function: their bytecode and constants, so an edit to the step shows), the precision, the device type and
+torch's version. A checkpoint that carries nothing is checked as a new run.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,9 +18,8 @@ import torch
 from cltrain.check.fallback import Fallback
 from cltrain.check.result import LayoutCheck
 
-__all__ = ["restored_check", "run_fingerprint", "saved_check"]
+__all__ = ["RESTORED", "restored_check", "run_fingerprint", "saved_check"]
 
-_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 RESTORED = "the verdict of the checkpoint resumed from (the same model, step and precision)"
 
 
@@ -35,12 +35,12 @@ def _code_of(code: Any) -> str:
     return code.co_code.hex() + repr([c for c in code.co_consts if not hasattr(c, "co_code")])
 
 
-def run_fingerprint(trainer: Any, pl_module: torch.nn.Module) -> str:
-    """A digest of what the check's verdict depends on (the module docstring)."""
-    parts = [type(pl_module).__module__, type(pl_module).__qualname__, str(trainer.precision),
-             trainer.strategy.root_device.type, torch.__version__]
-    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in pl_module.named_parameters()]
-    parts += [_code(getattr(type(pl_module), m, None)) for m in _METHODS]
+def run_fingerprint(model: torch.nn.Module, *, precision: str, device: str, code: Iterable[Any] = ()) -> str:
+    """A digest of what the check's verdict depends on (the module docstring): ``model``, the ``precision`` it trains
+    in, the ``device`` type, and the step ``code`` (functions or methods) around it."""
+    parts = [type(model).__module__, type(model).__qualname__, str(precision), str(device), torch.__version__]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters()]
+    parts += [_code(getattr(type(model), "forward", None))] + [_code(c) for c in code]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -1,13 +1,15 @@
 """``prepare_channels_last``: channels_last training in a hand-written Accelerate loop, in one line.
 
 ``accelerator.prepare`` places the model, wraps it (DDP, FSDP) and compiles it last: the layout must be
-final before it. ``prepare_channels_last(model, accelerator)`` converts the model for the accelerator's device
-and mixed precision (``cltrain.loops.convert_model``: the channels-last format of each parameter's rank and the
-kernel guardrails) and attaches ``cltrain.integrations.inputs_hook.ChannelsLastInputs``: the loop's
-``model(**batch)`` / ``model(x)`` then gets its images in channels_last, and the first training and evaluation
-batch is checked (``cltrain.loops.verify_layout``), with no ``convert_batch`` or ``verify_layout`` in the loop.
-The same by hand, for a loop that prefers to see each step: ``convert_model`` before ``prepare``,
-``verify_layout`` on the first batch, ``convert_batch`` on every batch (docs/guides/huggingface.md).
+final before it. ``prepare_channels_last(model, accelerator)`` is a front door of ``cltrain.session.LayoutSession``:
+it converts the model for the accelerator's device and mixed precision (the channels-last format of each
+parameter's rank and the kernel guardrails) and attaches ``cltrain.integrations.inputs_hook.ChannelsLastInputs``: the
+loop's ``model(**batch)`` / ``model(x)`` then gets its images in the model's layout, the first training and
+evaluation batch is checked, the first training steps race the layouts (a step ends where the next training
+forward starts) and keep the faster, whatever moved a parameter's layout is put back when the loop turns to
+evaluation, and ``accelerator.save_state`` / ``load_state`` carry the verdicts and the decision (the hook is
+registered for checkpointing) and give the restored optimizer state its parameters' strides. The same by hand, for a
+loop that prefers to see each step: ``cltrain.loops.ChannelsLastRun`` (docs/guides/huggingface.md).
 
 Example::
 
@@ -27,14 +29,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from torch import nn
 
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
-from cltrain.loops import convert_model
-from cltrain.options import check_flags, check_mode
+from cltrain.options import check_flags, check_layout_choice, check_mode
+from cltrain.precision import autocast_dtype
+from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
 
 if TYPE_CHECKING:
@@ -44,9 +46,6 @@ __all__ = ["prepare_channels_last"]
 
 M = TypeVar("M", bound=nn.Module)
 
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def prepare_channels_last(
     model: M,
     accelerator: Accelerator,
@@ -55,32 +54,66 @@ def prepare_channels_last(
     inputs: str | Sequence[str] = IMAGE_ARGUMENTS,
     guard: bool = True,
     verify: bool = True,
+    layout: str = "auto",
 ) -> M:
-    """Put ``model`` in channels_last for ``accelerator``, in place, and convert its image inputs on every call.
+    """Put ``model`` in channels_last for ``accelerator``, in place, and run its calls through a layout session.
 
     Args:
         model: the model, before ``accelerator.prepare``.
         accelerator: the ``accelerate.Accelerator`` that will prepare it (its ``device`` and ``mixed_precision``
-            choose the guardrails and the check's autocast dtype).
+            choose the guardrails and the check's autocast dtype; its optimizers' state follows every change of a
+            parameter's layout; ``accelerator.log`` gets both layouts' step times).
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
         inputs: the forward arguments holding images (the first positional argument is converted too).
         guard: apply ``cltrain.guardrails.apply_guardrails``.
         verify: check the first training and evaluation batch (``ChannelsLastInputs.of(model).layout_checks``).
+        layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
+            ``"channels_last"`` or ``"contiguous"`` pins one.
 
     Returns:
         ``model`` itself (its parameters are kept). Under FSDP or DeepSpeed its weights stay NCHW, as those
         engines require, and only its image inputs are channels_last (``cltrain.sharding``).
 
     Raises:
-        ValueError: a bad ``mode``, ``inputs``, ``guard`` or ``verify``.
+        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify`` or ``layout``.
     """
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
     check_mode("prepare_channels_last", mode)
     check_flags("prepare_channels_last", guard=guard, verify=verify)
-    dtype = _AUTOCAST.get(str(accelerator.mixed_precision))
+    check_layout_choice("prepare_channels_last", layout)
+    dtype = autocast_dtype({"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(str(accelerator.mixed_precision), ""))
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
+    hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
+    host = hook.host(log=lambda metrics: accelerator.log(metrics))
+    session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host)
     # FSDP and DeepSpeed (GPU only in Accelerate) keep parameters contiguous: then only the inputs go channels_last.
-    convert_model(model, mode, device=accelerator.device, dtype=dtype, guard=guard,
-                  sharded=sharding_of(model, accelerator) is not None)
-    hook.attach(model)
+    session.start(model, device=accelerator.device, dtype=dtype, sharding=sharding_of(model, accelerator),
+                  owner=f"prepare_channels_last(mode={mode!r})")
+    hook.attach(model, session)
+    accelerator.register_for_checkpointing(_Checkpointed(hook))
     return model
+
+
+class _Prepared:
+    """The optimizers an ``Accelerator`` has prepared, as they are when asked."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(getattr(self.accelerator, "_optimizers", ()))
+
+
+class _Checkpointed:
+    """What ``accelerator.save_state`` / ``load_state`` keep of the hook's session."""
+
+    def __init__(self, hook: ChannelsLastInputs) -> None:
+        self.hook = hook
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.hook.session.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # load_state restores the optimizers before the registered objects: their state is there to restride
+        self.hook.session.load_state_dict(state, model=self.hook.model)
+        self.hook.session.resume()

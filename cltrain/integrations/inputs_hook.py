@@ -10,20 +10,20 @@ modified) and runs outside ``torch.compile``'s graph, so a compiled model sees a
 training and the first evaluation forward are traced (not a compiled one): an argument that reaches no
 convolution in channels_last is left as it arrives from then on (``left_as_is``), and one line says so.
 
-On the first training call (the model in train mode, gradients on) and the first evaluation call, the hook
-checks that batch (``cltrain.check.plain_step``, through its ``cltrain.session.LayoutSession``): the model's
-forward, and the loss it computes from ``labels``, in both layouts on copies of the model, in float32 outside the
-loop's autocast. Where the model's
-code assumes NCHW, that part is put in NCHW (one log line names it and the fix); nothing of the real run
-changes. In a distributed run, rank 0 checks its batch and every rank applies what it chose (a model with
-``SyncBatchNorm`` is not checked: its copies would wait for the other ranks).
+The hook is a front door of ``cltrain.session.LayoutSession``, which runs the rest: on the first training call (the
+model in train mode, gradients on) and the first evaluation call, the check of that batch (``cltrain.check.plain_step``:
+the model's forward, and the loss it computes from ``labels``, in both layouts on copies of the model, in float32
+outside the loop's autocast; where the model's code assumes NCHW, that part is put in NCHW and one line names it and
+the fix); the race of the layouts on the first training steps (a step ends where the next training call starts, or
+where the door says, ``session.step_end``: the Hugging Face callback does at each optimizer step's end). In a
+distributed run, rank 0 checks its batch and times, and every rank applies what it chose.
 
 Example::
 
     >>> import torch
     >>> from cltrain.integrations.inputs_hook import ChannelsLastInputs
     >>> model = torch.nn.Conv2d(3, 8, 3)
-    >>> hook = ChannelsLastInputs(verify=False).attach(model)
+    >>> hook = ChannelsLastInputs(verify=False, layout="channels_last").attach(model)
     >>> seen = []
     >>> _ = model.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
     >>> _ = model(torch.randn(2, 3, 8, 8))
@@ -43,10 +43,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from cltrain.layout.stacks import to_input_layout
-from cltrain.options import check_flags
+from cltrain.check.result import LayoutCheck
+from cltrain.devices import device_of
 from cltrain.host import Host
-from cltrain.session import InputTrace, LayoutSession
+from cltrain.layout.stacks import to_input_layout
+from cltrain.options import check_flags, check_layout_choice
+from cltrain.session import LayoutSession
 
 __all__ = ["IMAGE_ARGUMENTS", "ChannelsLastInputs", "argument_names"]
 
@@ -86,18 +88,13 @@ def _to_channels_last(value: Any, model: nn.Module) -> Any:
     return value
 
 
-def _images(value: Any) -> list[torch.Tensor]:
-    return [value] if _is_image(value) else [v for v in value if _is_image(v)] if isinstance(value, (list, tuple)) \
-        else []
-
-
 def _call(model: nn.Module, batch: tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]) -> Any:
     first, rest, kwargs = batch
     return model(*first, *rest, **kwargs)
 
 
 class ChannelsLastInputs:
-    """Put a model's image arguments in channels_last on every call, and check its first batches.
+    """Put a model's image arguments in its layout on every call, and run its first batches through the session.
 
     Args:
         names: the keyword arguments holding images (``"pixel_values"``, or what the model's forward calls
@@ -106,15 +103,19 @@ class ChannelsLastInputs:
         verify: run the layout check (``cltrain.check.plain_step``) on the first training and evaluation batch.
         autocast_dtype: the loop's autocast dtype (``torch.bfloat16``, ``torch.float16``, ``None``); the check
             uses it only where the step cannot run in float32.
-        logger: where the check's result and hints go (default: this module's logger).
+        logger: where the lines go (default: this module's logger).
+        layout: for a hook attached without a session: ``"auto"`` (race the layouts), ``"channels_last"`` or
+            ``"contiguous"``.
+        steps: ``"forward"``: a training step ends where the next training call starts (a hand-written loop);
+            ``"door"``: the door ends each step itself (``session.step_end``).
 
     Attributes:
-        layout: ``"channels_last"``, or ``"contiguous"`` once a check put the whole model in NCHW (the hook
-            then stops converting).
+        layout: the layout the model runs in now (``"channels_last"`` or ``"contiguous"``).
         layout_checks: the ``LayoutCheck`` of the first batch of each kind, ``"train"`` and ``"eval"``.
-        optimizers: optimizers whose state is restrided to its parameters' strides when a check changes them.
+        optimizers: optimizers whose state follows every change of a parameter's layout.
         left_as_is: the arguments (``0`` for the first positional one, or names) left as they arrive because the
             traced forward took them to no convolution in channels_last.
+        session: the ``cltrain.session.LayoutSession`` the hook runs through.
 
     Raises:
         ValueError: ``names`` is not a name or a list of names, or ``positional`` / ``verify`` is not a bool.
@@ -134,30 +135,33 @@ class ChannelsLastInputs:
         verify: bool = True,
         autocast_dtype: torch.dtype | None = None,
         logger: logging.Logger | None = None,
+        layout: str = "auto",
+        steps: str = "forward",
     ) -> None:
         names = argument_names(names, f"ChannelsLastInputs(names={names!r})")
         check_flags("ChannelsLastInputs", positional=positional, verify=verify)
-        self.names = names
-        self.positional = positional
-        self.verify = verify
+        check_layout_choice("ChannelsLastInputs", layout)
+        self.names, self.positional, self.verify, self.steps = names, positional, verify, steps
         self.autocast_dtype = autocast_dtype
         self.log = logger or logging.getLogger(__name__)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.model: nn.Module | None = None
-        self.session = LayoutSession(host=self._host())
-        self._trace = InputTrace(say=self._say)
+        self.session = LayoutSession(layout=layout, verify=verify, host=self.host())
         self._handles: list[RemovableHandle] = []
+        self._keys: dict[int, str | int] = {}
         self._hinted = False
+        self._last: str | None = None
 
     def _say(self, message: str, warn: bool) -> None:
         self.log.log(logging.WARNING if warn else logging.INFO, message)
 
-    def _host(self) -> Host:
-        return Host(self._say, optimizers=lambda: self.optimizers)
+    def host(self, **kwargs: Any) -> Host:
+        """The host this hook lends its session: its logger, its ``optimizers``."""
+        return Host(self._say, optimizers=lambda: self.optimizers, **kwargs)
 
     @property
     def layout(self) -> str:
-        """``"channels_last"``, or ``"contiguous"`` once a check put the whole model in NCHW."""
+        """The layout the model runs in now."""
         return self.session.layout or "channels_last"
 
     @property
@@ -169,16 +173,24 @@ class ChannelsLastInputs:
     def left_as_is(self) -> set[str | int]:
         """The arguments (``0``: the first positional one, or names) left as they arrive: the traced forward took
         them to no convolution in channels_last."""
-        return {key for keys in self._trace.left_as_is.values() for key, _ in keys}
+        left = self.session.inputs.trace.left_as_is.values()
+        return {self._keys[p] for positions in left for p in positions if p in self._keys}
 
     def attach(self, model: nn.Module, session: LayoutSession | None = None) -> ChannelsLastInputs:
-        """Register the hook on ``model`` (first among its pre-hooks), leaving the model it was on before;
-        ``session``: the ``LayoutSession`` that converted it (default: one for the model as it is)."""
+        """Register the hook on ``model`` (first among its pre-hooks), leaving the model it was on before and any
+        other ``ChannelsLastInputs`` on ``model``; ``session``: the door's ``LayoutSession`` that converted it
+        (default: this hook's own, which converts ``model`` now)."""
         self.detach()
+        other = ChannelsLastInputs.of(model)
+        if other is not None:
+            other.detach()
         self.model = model
-        self.session = session or LayoutSession.of(model, dtype=self.autocast_dtype, host=self._host())
+        if session is not None:
+            self.session = session
+        elif self.session.layout is None:
+            self.session.start(model, dtype=self.autocast_dtype)
         self._handles = [model.register_forward_pre_hook(self, with_kwargs=True, prepend=True),
-                         model.register_forward_hook(self._end_trace, always_call=True)]
+                         model.register_forward_hook(self._forward_done, always_call=True)]
         return self
 
     def detach(self) -> None:
@@ -198,42 +210,37 @@ class ChannelsLastInputs:
 
     @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if getattr(_state, "checking", False) or self.layout != "channels_last":
+        if getattr(_state, "checking", False) or self.session.layout is None:
             return None
-        left = self.left_as_is
-        convert = self.positional and args and 0 not in left
-        new_args = (_to_channels_last(args[0], module), *args[1:]) if convert else args
-        new_kwargs = {k: _to_channels_last(v, module) if k in self.names and k not in left else v
-                      for k, v in kwargs.items()}
+        if module is not self.model:  # a copy: its inputs in the layout, nothing else
+            if self.layout != "channels_last":
+                return None
+            first = (_to_channels_last(args[0], module), *args[1:]) if self.positional and args else args
+            return first, {k: _to_channels_last(v, module) if k in self.names else v for k, v in kwargs.items()}
+        kind = "train" if module.training and torch.is_grad_enabled() else "eval"
+        if self.steps == "forward":  # a hand-written loop: its calls are all the events there are
+            # the previous training step ended where this call starts (not timed where the loop turns to evaluation)
+            self.session.step_end(module, completed=kind == "train")
+            if kind == "eval" and self._last == "train":
+                self.session.boundary(module, after="before an evaluation")
+        self._last = kind
+        if not self._hinted:
+            self._hinted = True
+            self._hint(args, kwargs)
+        found = self._found(args, kwargs)
+        arguments = {("args[0]" if k == 0 else k): (args[0] if k == 0 else kwargs[k]) for k in found}
+        self._keys = {p: k for p, k in enumerate(k for k in found for _ in _image_count(arguments, k))}
+        check = (lambda: self._check(module, args, kwargs, kind, found)) if self.verify else None
+        self.session.inputs.inputs = tuple(arguments) or None
+        new = self.session.batch(kind, arguments, module, check, in_place=False)
+        if new is arguments:
+            return None
+        new_args = (new["args[0]"], *args[1:]) if "args[0]" in new else args
+        return new_args, {**kwargs, **{k: v for k, v in new.items() if k != "args[0]"}}
+
+    def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if module is self.model:
-            if not self._hinted:
-                self._hinted = True
-                self._hint(args, kwargs)
-            kind = "train" if module.training and torch.is_grad_enabled() else "eval"
-            if self.verify and kind not in self.layout_checks:
-                self._check(module, args, kwargs, kind)
-                if self.layout != "channels_last":  # the whole model stays NCHW: so do its inputs
-                    return None
-            if not self._trace.traced(kind):
-                self._start_trace(kind, module, args, kwargs, new_args, new_kwargs)
-        return new_args, new_kwargs
-
-    def _start_trace(self, kind: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     new_args: tuple[Any, ...], new_kwargs: dict[str, Any]) -> None:
-        """Trace this forward (``cltrain.session.InputTrace``): each converted input that reaches no convolution in
-        its layout is left as it arrives from then on (a stack the model makes contiguous first)."""
-        converted: dict[Any, torch.Tensor] = {}
-        left = self.left_as_is
-        pairs = [(0, args[0], new_args[0])] if self.positional and args and 0 not in left else []
-        pairs += [(k, kwargs[k], new_kwargs[k]) for k in self.names if k in kwargs and k not in left]
-        for key, old, new in pairs:
-            for i, (a, b) in enumerate(zip(_images(old), _images(new))):
-                if a is not b:
-                    converted[(key, i)] = b
-        self._trace.start(kind, converted, module)
-
-    def _end_trace(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self._trace.end(completed=sys.exc_info()[0] is None)
+            self.session.batch_end(restore=False, completed=sys.exc_info()[0] is None)
 
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str | int]:
         """What the hook converts in this call: ``0`` for the first positional argument, and names."""
@@ -251,23 +258,23 @@ class ChannelsLastInputs:
                 list(self.names), others, others,
             )
 
-    def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str) -> None:
-        from cltrain.check import LayoutCheck
+    def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str,
+               found: list[str | int]) -> LayoutCheck:
+        """The door's step runner: the model's forward (and its loss) on this call's arguments, in both layouts."""
         from cltrain.check.plain_step import check_plain_step
 
-        found = self._found(args, kwargs)
+        if not found:
+            return LayoutCheck("not checked", reason="the model's forward got no image argument to check")
+        grad = torch.enable_grad() if kind == "train" else torch.no_grad()
+        _state.checking = True
+        try:  # positional: the first argument alone; the check restrides only what `found` names
+            with torch.autocast(device_of(module).type, enabled=False), grad:  # float32: the loop's autocast is outside
+                return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found,
+                                        autocast_dtype=self.autocast_dtype)
+        finally:
+            _state.checking = False
 
-        def run() -> LayoutCheck:  # on rank 0; every rank applies what it chose
-            if not found:
-                return LayoutCheck("not checked", reason="the model's forward got no image argument to check")
-            device = next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
-            grad = torch.enable_grad() if kind == "train" else torch.no_grad()
-            _state.checking = True
-            try:  # positional: the first argument alone; the check restrides only what `inputs` names
-                with torch.autocast(device.type, enabled=False), grad:  # float32: the loop's autocast is outside
-                    return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found,
-                                            autocast_dtype=self.autocast_dtype)
-            finally:
-                _state.checking = False
 
-        self.session.check(kind, module, run)
+def _image_count(arguments: dict[str, Any], key: str | int) -> list[torch.Tensor]:
+    value = arguments["args[0]" if key == 0 else key]
+    return [value] if _is_image(value) else [v for v in value if _is_image(v)]

@@ -10,14 +10,15 @@ from torch import nn
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import ExportableState
     from transformers.utils import logging
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("cltrain.integrations.transformers needs transformers: pip install 'cltrain[hf]'.") from error
 
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
+from cltrain.check.resume import run_fingerprint
 from cltrain.layout import is_channels_last
-from cltrain.options import check_flags, check_mode
-from cltrain.host import Host
+from cltrain.options import check_flags, check_layout_choice, check_mode
 from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
 
@@ -44,32 +45,36 @@ def _convs_channels_last(model: nn.Module) -> bool:
     return bool(weights) and all(is_channels_last(w) for w in weights)
 
 
-class ChannelsLastCallback(TrainerCallback):
-    r"""Train, evaluate and predict a ``transformers.Trainer``'s model in channels_last (NHWC).
+class ChannelsLastCallback(TrainerCallback, ExportableState):
+    r"""Train, evaluate and predict a ``transformers.Trainer``'s model in channels_last (NHWC), in the faster layout.
 
-    What it does at each event:
+    A front door of ``cltrain.session.LayoutSession``, which runs everything; at each of the Trainer's events:
 
     * ``on_init_end`` (the end of ``Trainer.__init__``: before the optimizer, DDP/FSDP wrapping and
       ``torch_compile``): converts the model in place (the channels-last format of each 4-D/5-D parameter and
       buffer) and applies ``cltrain.guardrails`` for the device and the ``bf16``/``fp16`` autocast dtype; attaches
       a forward pre-hook (``cltrain.integrations.inputs_hook.ChannelsLastInputs``) that gives the model its image
-      arguments (``pixel_values``) in channels_last, in training, ``evaluate`` and ``predict``, without a change to
+      arguments (``pixel_values``) in its layout, in training, ``evaluate`` and ``predict``, without a change to
       the collator; ``labels`` and masks keep their layout.
     * ``on_train_begin``: a model built by ``model_init`` inside ``train()`` is converted the same way (in place:
-      the optimizer, made just before, keeps its parameters; ``torch_compile`` has not traced yet); a checkpoint
-      loaded by ``resume_from_checkpoint`` keeps the layout, and its optimizer state is given its parameters'
-      strides.
+      the optimizer, made just before, keeps its parameters); a checkpoint resumed by ``resume_from_checkpoint``
+      brings the check's verdict and the race's decision back (no second check, no second race) and its optimizer
+      state takes its parameters' strides.
     * the first training forward and the first evaluation forward: the layout check (``cltrain.check.plain_step``)
-      runs the model's forward, and the loss it computes from ``labels``, in both layouts on copies; where the model's
-      code assumes NCHW, that part runs in NCHW and one log line names it. The run itself is not changed.
+      runs the model's forward, and the loss it computes from ``labels``, in both layouts on copies; where the
+      model's code assumes NCHW, that part runs in NCHW and one log line names it.
+    * ``on_step_end``: the optimizer step's time, while the layouts race on the first steps; the faster is kept in
+      one line, and both step times go to ``state.log_history`` (``trainer_state.json``).
+    * ``on_epoch_end``: whatever moved a parameter's layout (a pruning, a hook writing ``.data``) is put back.
+    * a save (``save_steps``, ``save_model``): the model's state dict holds contiguous tensors, which safetensors
+      requires (for a model that is not a ``PreTrainedModel`` too); the verdicts and decisions go into
+      ``trainer_state.json`` (this callback is ``ExportableState``).
 
     Under FSDP (``fsdp_config={"version": 2}``) or DeepSpeed, which need a GPU in Accelerate, the weights stay
-    contiguous, as the engine requires, and only the image arguments are channels_last: the convolutions still
-    run NHWC kernels (``cltrain.sharding``; docs/guides/scaling.md). A model sharded before its first batch is not
-    checked (it cannot be copied); the line says how to check it instead.
+    contiguous, as the engine requires, and only the image arguments are channels_last (``cltrain.sharding``;
+    docs/guides/scaling.md); the check and the race do not run on a sharded model.
 
     It logs through the Trainer's logger (``transformers.utils.logging``) and never changes ``TrainerControl``.
-    Checkpoints (``save_pretrained``) hold ordinary tensors: they load into a model without this callback.
 
     Args:
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
@@ -77,18 +82,17 @@ class ChannelsLastCallback(TrainerCallback):
             ``pixel_values_videos``); the first positional argument is converted too.
         guard: apply ``cltrain.guardrails.apply_guardrails`` (workarounds for known-bad kernels on this device).
         verify: run the layout check on the first training and evaluation batch.
+        layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
+            ``"channels_last"`` or ``"contiguous"`` pins one.
 
     Attributes:
-        inputs_hook: the ``ChannelsLastInputs`` on the model (its ``layout_checks``: the checks' results).
-        guardrails: the ``GuardRecord`` of each known kernel fault worked around (``[]``: none).
-        sharding: the engine that shards the model (``"FSDP2"``, ``"FSDP"``, ``"DeepSpeed"``), whose weights then
-            stay contiguous; ``None`` when none does.
-        summary: ``cltrain.layout_summary`` of the model's parameters and buffers once converted.
+        inputs_hook: the ``ChannelsLastInputs`` on the model.
+        session: the ``cltrain.session.LayoutSession`` (its ``layout_checks``, ``decisions``, ``guardrails``).
 
     Raises:
-        ValueError: an unknown ``mode``, an ``inputs`` that is not a name or a list of names, a non-bool
-            ``guard`` or ``verify``; in ``on_train_begin``, a model rebuilt by ``model_init`` in a distributed run
-            (DDP/FSDP wrapped it before any callback could convert it).
+        ValueError: an unknown ``mode`` or ``layout``, an ``inputs`` that is not a name or a list of names, a
+            non-bool ``guard`` or ``verify``; in ``on_train_begin``, a model rebuilt by ``model_init`` in a
+            distributed run (DDP/FSDP wrapped it before any callback could convert it).
 
     Example::
 
@@ -106,33 +110,57 @@ class ChannelsLastCallback(TrainerCallback):
         inputs: str | Sequence[str] = IMAGE_ARGUMENTS,
         guard: bool = True,
         verify: bool = True,
+        layout: str = "auto",
     ) -> None:
         check_mode("ChannelsLastCallback", mode)
         names = argument_names(inputs, f"ChannelsLastCallback(inputs={inputs!r})")
         check_flags("ChannelsLastCallback", guard=guard, verify=verify)
-        self.mode = mode
-        self.guard = guard
-        self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger)
+        check_layout_choice("ChannelsLastCallback", layout)
+        self.mode, self.names, self.guard, self.verify, self.layout = mode, names, guard, verify, layout
+        self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger, steps="door")
+        self.session = self._session()
+        self.saved: dict[str, Any] | None = None  # the session's state, as a checkpoint's trainer_state.json holds it
+        self._state: TrainerState | None = None
+        self._contiguous_save: Any = None
+
+    def _session(self) -> LayoutSession:
+        host = self.inputs_hook.host(log=lambda metrics: self._log(metrics))
+        return LayoutSession(self.mode, layout=self.layout, guard=self.guard, verify=self.verify, host=host)
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self._state is not None:
+            self._state.log_history.append({**metrics, "step": self._state.global_step})
 
     @property
     def guardrails(self) -> list[Any] | None:
         """The ``GuardRecord`` of each known kernel fault worked around (``[]``: none)."""
-        return self.inputs_hook.session.guardrails
+        return self.session.guardrails
 
     @property
     def sharding(self) -> str | None:
         """The engine that shards the model, whose weights then stay contiguous; ``None`` when none does."""
-        return self.inputs_hook.session.sharding
+        return self.session.sharding
 
     @property
     def summary(self) -> dict[str, int] | None:
         """``cltrain.layout_summary`` of the model's parameters and buffers once converted."""
-        return self.inputs_hook.session.summary
+        return self.session.summary
 
     @property
     def layout_checks(self) -> dict[str, Any]:
         """The ``LayoutCheck`` of the first batch of each kind checked, ``"train"`` and ``"eval"``."""
-        return self.inputs_hook.layout_checks
+        return self.session.layout_checks
+
+    @property
+    def decision(self) -> Any:
+        """The race's ``LayoutDecision`` for the batches trained on last (``None``: not decided, or not raced)."""
+        return self.session.decision
+
+    def state(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` keeps (``ExportableState``): the arguments, and the session's state."""
+        return {"args": {"mode": self.mode, "inputs": list(self.names), "guard": self.guard, "verify": self.verify,
+                         "layout": self.layout},
+                "attributes": {"saved": self.session.state_dict()}}
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: nn.Module | None = None, **kwargs: Any) -> None:
@@ -142,41 +170,77 @@ class ChannelsLastCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                        **kwargs: Any) -> None:
+        self._state = state
+        self._unarm()
         if model is None:
             return
-        if model is not self.inputs_hook.model:  # built by model_init inside train(), after on_init_end
+        if model is not self.inputs_hook.model:  # built by model_init inside train(), or a restored callback
             sharding = sharding_of(model, _accelerator_state())
-            if args.world_size == 1:
-                self._convert(model, args)
-            elif _convs_channels_last(model) or sharding:  # converted by the user's model_init, or sharded
-                session = LayoutSession.of(model, dtype=_compute_dtype(args), guard=self.guard, host=self._host(),
-                                           sharding=sharding)
-                self._attach(model, args, session)
-                session.report_conversion(f"ChannelsLastCallback(mode={self.mode!r})", model)
-            else:
+            if args.world_size > 1 and not (_convs_channels_last(model) or sharding):
                 raise ValueError(
                     "ChannelsLastCallback: Trainer(model_init=...) built the model after DDP/FSDP wrapped it, too late "
                     "to convert; in distributed runs return cltrain.loops.convert_model(model) from model_init."
                 )
+            self._convert(model, args)
         if optimizer is not None:
             self.inputs_hook.optimizers = [optimizer]
-            self.inputs_hook.session.resume()  # a resumed state keeps the strides it was saved with
+        saved = self.saved or _saved_in(state)
+        if saved:  # resumed: the verdicts and decisions of the checkpoint
+            self.session.load_state_dict(saved, model=model)
+        self.session.resume()  # a resumed state keeps the strides it was saved with
 
-    def _host(self) -> Host:
-        return Host(_say, optimizers=lambda: self.inputs_hook.optimizers)
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            self.session.step_end(model)
+            if control.should_save:  # the Trainer saves right after this event
+                self._arm(model)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            self.session.boundary(model, after=f"after epoch {state.epoch:g}")
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._unarm()
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            self.session.end(model)
+            self._arm(model)  # trainer.save_model() usually follows
+
+    def _arm(self, model: nn.Module) -> None:
+        """The model's next state dicts hold contiguous tensors (safetensors refuses others), until the save ends."""
+        if self._contiguous_save is None:
+            self._contiguous_save = model.register_state_dict_post_hook(_contiguous_tensors)
+
+    def _unarm(self) -> None:
+        if self._contiguous_save is not None:
+            self._contiguous_save.remove()
+            self._contiguous_save = None
 
     def _convert(self, model: nn.Module, args: TrainingArguments) -> None:
-        session = LayoutSession(self.mode, guard=self.guard, host=self._host())
+        dtype = _compute_dtype(args)
+        self.inputs_hook.autocast_dtype = dtype
+        session = self.session
+        session.fingerprint = lambda: run_fingerprint(model, precision=str(dtype), device=args.device.type)
         # Accelerate shards it in `prepare`; FSDP2 refuses channels_last parameters
-        session.convert(model, device=args.device, dtype=_compute_dtype(args),
-                        sharding=sharding_of(model, _accelerator_state()),
-                        owner=f"ChannelsLastCallback(mode={self.mode!r})")
-        self._attach(model, args, session)
-
-    def _attach(self, model: nn.Module, args: TrainingArguments, session: LayoutSession) -> None:
-        self.inputs_hook.autocast_dtype = _compute_dtype(args)
+        session.start(model, device=args.device, dtype=dtype, sharding=sharding_of(model, _accelerator_state()),
+                      owner=f"ChannelsLastCallback(mode={self.mode!r})")
         self.inputs_hook.attach(model, session)
 
 
-def _say(message: str, warn: bool) -> None:
-    (logger.warning if warn else logger.info)(message)
+def _contiguous_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """A state dict's channels_last tensors as contiguous copies (its parameters themselves, ``keep_vars``, kept)."""
+    for key, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.is_contiguous():
+            state_dict[key] = value.contiguous()
+
+
+def _saved_in(state: TrainerState) -> dict[str, Any] | None:
+    """The session's state a resumed checkpoint's ``trainer_state.json`` holds for this callback."""
+    entry = (state.stateful_callbacks or {}).get("ChannelsLastCallback")
+    entry = entry[0] if isinstance(entry, list) and entry else entry
+    return (entry or {}).get("attributes", {}).get("saved") if isinstance(entry, dict) else None
+

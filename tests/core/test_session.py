@@ -1,19 +1,24 @@
-"""``cltrain.session.LayoutSession`` on its own: what every front door's session converts, guards, decides and keeps.
-The front doors' own tests (the callback, the loops, the Hugging Face hook) run it inside real training."""
+"""``cltrain.session.LayoutSession`` on its own: what every front door's session starts, guards, checks, races, keeps,
+saves and resumes. The doors' own tests (the callback, the loops, the Hugging Face hook) run it inside real training;
+``tests/core/test_doors.py`` runs every feature through every door."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 from torch import nn
 
 from cltrain.check.fallback import Fallback
+from cltrain.check.plain_step import check_plain_step
 from cltrain.check.result import LayoutCheck
 from cltrain.guardrails import KNOWN_FAULTS
+from cltrain.host import Host
 from cltrain.layout import is_channels_last
 from cltrain.platform import Platform
-from cltrain.host import Host
 from cltrain.session import LayoutSession
+from cltrain.timing import layout_race
 
 
 class UserConv2d(nn.Conv2d):
@@ -56,34 +61,38 @@ def _stem() -> nn.Module:
     return nn.Sequential(UserConv2d(8, 16, 1, stride=2), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 3, padding=1))
 
 
-def test_convert_puts_the_model_in_its_layout_and_a_sharded_one_in_nchw() -> None:
-    session = LayoutSession()
-    model = session.convert(_stem(), device="cpu")
-    assert session.layout == "channels_last" and is_channels_last(model[2].weight)
-    assert session.conversion_line("owner", model).startswith("owner: model layout is channels_last; ")
+def _started(model: nn.Module, **kwargs) -> tuple[LayoutSession, nn.Module]:
+    session = LayoutSession(**kwargs)
+    return session, session.start(model, device="cpu")
+
+
+def test_start_puts_the_model_in_its_layout_a_pinned_one_in_nchw_and_a_sharded_one_in_nchw() -> None:
+    session, model = _started(_stem())
+    assert session.layout == "channels_last" and is_channels_last(model[2].weight) and session.untimed is None
+    session.close()
+    pinned, model = _started(_stem(), layout="contiguous")
+    assert pinned.layout == "contiguous" and model[2].weight.is_contiguous() and pinned.untimed == "pinned to contiguous"
+    pinned.close()
     sharded = LayoutSession()
-    model = sharded.convert(_stem(), device="cpu", sharding="FSDP2")
-    assert model[2].weight.is_contiguous() and not is_channels_last(model[2].weight)
-    back = LayoutSession().convert(LayoutSession().convert(_stem(), device="cpu"), device="cpu", layout="contiguous")
-    assert back[2].weight.is_contiguous()
+    model = sharded.start(_stem(), device="cpu", sharding="FSDP2")
+    assert model[2].weight.is_contiguous() and not is_channels_last(model[2].weight) and sharded.untimed
+    sharded.close()
 
 
 def test_the_guardrails_cover_what_any_rank_found() -> None:
     # this rank's channel block is 8 (AVX2, the fixture): its 8-channel stem is safe here; another rank (AVX-512,
     # block 16) finds it hazardous, and its flag arrives in the sum over the ranks
-    alone = LayoutSession()
-    alone.convert(_stem(), device="cpu")
+    alone, _ = _started(_stem())
     assert alone.guardrails == []
-
     flags = torch.zeros(len(KNOWN_FAULTS), len(list(_stem().named_modules())))
     flags[0, 1] = 1  # fault 0 (the 1x1 stride-2 one) on module 1 ("0", the stem) of named_modules()
-    united = LayoutSession(host=OtherRank(flags=flags))
-    model = united.convert(_stem(), device="cpu")
+    united, model = _started(_stem(), host=OtherRank(flags=flags))
     assert [r.modules for r in united.guardrails] == [("0",)]
     assert model[0].weight.is_contiguous() and is_channels_last(model[2].weight)  # the guarded weight in NCHW
-    unguarded = LayoutSession(guard=False, host=OtherRank(flags=flags))
-    unguarded.convert(_stem(), device="cpu")
+    unguarded, _ = _started(_stem(), guard=False, host=OtherRank(flags=flags))
     assert not unguarded.guardrails
+    for session in (alone, united, unguarded):
+        session.close()
 
 
 def test_a_contiguous_verdict_guards_again_what_any_rank_finds() -> None:
@@ -91,10 +100,11 @@ def test_a_contiguous_verdict_guards_again_what_any_rank_finds() -> None:
     model = nn.Sequential(nn.Conv3d(4, 8, 3, padding=1), nn.Conv3d(8, 8, 3, padding=1))
     flags = torch.zeros(len(KNOWN_FAULTS), len(list(model.named_modules())))
     flags[1, 2] = 1  # another rank finds the bf16 Conv3d fault (a hazard in both layouts) on module "1"
-    session = LayoutSession(host=OtherRank(rank0=LayoutCheck("contiguous", reason="planted"), flags=flags))
-    session.convert(model, device="cpu")  # float32: this rank finds nothing itself
-    session.check("train", model, lambda: LayoutCheck("passed"))
+    session, model = _started(model, host=OtherRank(rank0=LayoutCheck("contiguous", reason="planted"), flags=flags))
+    session.check("train", model, lambda: LayoutCheck("passed"))  # float32: this rank finds nothing itself
     assert session.layout == "contiguous" and [r.modules for r in session.guardrails] == [("1",)]
+    assert session.untimed == "the check keeps the model in NCHW"  # nothing left to race
+    session.close()
 
 
 def test_a_process_group_of_one_rank_decides_and_keeps_its_own_values(tmp_path) -> None:
@@ -115,31 +125,33 @@ def test_a_contiguous_verdict_puts_the_model_and_the_hosts_copies_and_optimizer_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     average = torch.optim.swa_utils.AveragedModel(model)  # an EMA's copy, held by the host
     said = []
-    session = LayoutSession(host=Host(lambda line, warn: said.append((line, warn)), optimizers=lambda: [optimizer],
-                                      copies=lambda: [average]))
-    session.convert(model, device="cpu")
+    host = Host(lambda line, warn: said.append((line, warn)), optimizers=lambda: [optimizer], copies=lambda: [average])
+    session, model = _started(model, host=host)
     assert is_channels_last(average.module[2].weight)
     model(torch.randn(2, 8, 6, 6)).sum().backward()
     optimizer.step()
     session.check("train", model, lambda: LayoutCheck("contiguous", reason="planted"))
     assert session.layout == "contiguous" and model[2].weight.is_contiguous() and said[-1][1] is True
     assert average.module[2].weight.is_contiguous()
-    assert optimizer.state[model[2].weight]["momentum_buffer"].stride() == model[2].weight.stride()
+    assert optimizer.state[model[2].weight]["momentum_buffer"].is_contiguous()
+    session.close()
 
 
 def test_a_rank_that_does_not_decide_applies_rank_0s_verdict_without_running_the_check() -> None:
     ran = []
-    session = LayoutSession(host=OtherRank(rank0=LayoutCheck("fallback", fallbacks=(Fallback("module", "2"),))))
-    model = session.convert(_stem(), device="cpu")
+    session, model = _started(_stem(), host=OtherRank(rank0=LayoutCheck("fallback", fallbacks=(Fallback("module", "2"),))))
     result = session.check("train", model, lambda: ran.append(1) or LayoutCheck("passed"))
     assert ran == [] and result.verdict == "fallback" and model[2].weight.is_contiguous()
     assert is_channels_last(model[0].weight)
+    session.close()
 
 
-def test_a_model_with_syncbatchnorm_is_not_checked_on_several_ranks() -> None:
-    """Its copies would call the other ranks' collectives from rank 0 alone (a hang under NCCL)."""
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(_stem())
-    ran = []
+def test_a_model_with_syncbatchnorm_is_checked_on_several_ranks_with_local_statistics(tmp_path) -> None:
+    """On several ranks the check runs on rank 0 alone: its copies of SyncBatchNorm compute their statistics on the
+    checked samples (a copy waiting for ranks that never run it would hang under NCCL). A process group of one rank on
+    the CPU shows it: SyncBatchNorm in training refuses CPU tensors there, so without the substitution the check fails
+    instead of passing."""
+    import torch.distributed as dist
 
     class Deciding(OtherRank):
         def deciding(self) -> bool:
@@ -148,46 +160,57 @@ def test_a_model_with_syncbatchnorm_is_not_checked_on_several_ranks() -> None:
         def broadcast(self, value: object) -> object:
             return value
 
-    session = LayoutSession(host=Deciding())
-    session.convert(model, device="cpu")
-    result = session.check("train", model, lambda: ran.append(1) or LayoutCheck("passed"))
-    assert ran == [] and result.verdict == "not checked" and "SyncBatchNorm" in result.reason
-    alone = LayoutSession()  # one process: SyncBatchNorm runs as BatchNorm, and the check runs
-    assert alone.check("train", alone.convert(model, device="cpu"), lambda: LayoutCheck("passed")).verdict == "passed"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(_stem())
+        session, model = _started(model, host=Deciding())
+        batch = (torch.randn(4, 8, 8, 8),)
+        result = session.check("train", model, lambda: check_plain_step(model, batch))
+        assert result.verdict == "passed", result.line()
+        assert "forward" not in vars(model[1])  # the real layer is left as it was
+        alone, model = _started(nn.SyncBatchNorm.convert_sync_batchnorm(_stem()))  # one rank: no substitution
+        control = alone.check("train", model, lambda: check_plain_step(model, batch))
+        assert control.verdict == "not checked" and "GPU" in control.reason, control.line()
+        session.close()
+        alone.close()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_model_without_convolutions_is_said_once_whatever_the_front_door() -> None:
     said = []
     session = LayoutSession(host=Host(lambda line, warn: said.append((line, warn))))
-    for _ in range(2):  # a second fit converts again
-        session.convert(nn.Sequential(nn.Linear(4, 4)), owner="ChannelsLast(mode='full')")
+    for _ in range(2):  # a second fit starts again
+        session.start(nn.Sequential(nn.Linear(4, 4)), owner="ChannelsLast(mode='full')")
     warned = [line for line, warn in said if warn]
     assert warned == ["ChannelsLast: Sequential has no Conv2d/Conv3d/ConvTranspose layer, so channels_last has "
                       "nothing to speed up; remove it or keep it for the layout checks."]
     quiet = []
-    LayoutSession(host=Host(lambda line, warn: quiet.append(warn))).convert(_stem(), owner="convert_model")
+    other = LayoutSession(host=Host(lambda line, warn: quiet.append(warn)))
+    other.start(_stem(), owner="convert_model")
     assert quiet == [False]
+    session.close()
+    other.close()
 
 
 def test_the_train_and_eval_checks_say_different_lines_whatever_they_took() -> None:
     """A run checks its training and its evaluation step; equal timings must not print one line twice."""
-    session = LayoutSession()
-    model = session.convert(_stem(), device="cpu")
     said = []
-    session.say = lambda line, warn: said.append(line)
+    session, model = _started(_stem(), host=Host(lambda line, warn: said.append(line)))
+    said.clear()
     for kind in ("train", "eval"):
         session.check(kind, model, lambda: LayoutCheck("passed", seconds=0.2))
     assert len(set(said)) == 2, said
     assert "the first eval batch" in said[1] and "the first batch" in said[0]
     skipped = LayoutCheck("not checked", reason="planted")
     assert skipped.line("train") != skipped.line("eval")
+    session.close()
 
 
 def test_resume_restrides_the_restored_optimizer_state_and_puts_copies_in_the_layout() -> None:
     model, copies = nn.Conv2d(3, 4, 3), []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    session = LayoutSession(host=Host(optimizers=lambda: [optimizer], copies=lambda: copies))
-    session.convert(model)
+    session, model = _started(model, host=Host(optimizers=lambda: [optimizer], copies=lambda: copies))
     model.weight.grad = torch.randn_like(model.weight)
     optimizer.step()
     optimizer.state[model.weight]["momentum_buffer"] = optimizer.state[model.weight]["momentum_buffer"].contiguous()
@@ -198,6 +221,125 @@ def test_resume_restrides_the_restored_optimizer_state_and_puts_copies_in_the_la
     # a sharding engine owns both: nothing moves
     other = [torch.optim.swa_utils.AveragedModel(nn.Conv2d(3, 4, 3))]
     sharded = LayoutSession(host=Host(copies=lambda: other))
-    sharded.convert(nn.Conv2d(3, 4, 3), sharding="FSDP2")
+    sharded.start(nn.Conv2d(3, 4, 3), sharding="FSDP2")
     sharded.resume()
     assert not is_channels_last(other[0].module.weight)
+    session.close()
+    sharded.close()
+
+
+def test_a_boundary_judges_a_1x1_weight_strictly_and_puts_it_back_with_to() -> None:
+    """A 1x1 kernel that something left in NCHW (``make_pruning_permanent``, ``.data =``) counts as channels_last
+    for torch's loose ``is_contiguous(memory_format=...)`` and ``contiguous(memory_format=...)`` leaves it: judged by
+    ``is_channels_last``, it is restrided for real, with its optimizer state."""
+    model = nn.Sequential(nn.Conv2d(8, 16, 1), nn.Conv2d(16, 16, 3))
+    optimizer = torch.optim.Adam(model.parameters())
+    session, model = _started(model, layout="channels_last", host=Host(optimizers=lambda: [optimizer]))
+    session.expect(model)
+    model(torch.randn(2, 8, 6, 6)).sum().backward()
+    optimizer.step()
+    model[0].weight.data = model[0].weight.data.clone(memory_format=torch.contiguous_format)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)  # torch's loose judgement: "fine"
+    assert not is_channels_last(model[0].weight)
+    assert session.boundary(model, after="a test") == ["0.weight"]
+    assert is_channels_last(model[0].weight)
+    assert optimizer.state[model[0].weight]["exp_avg"].stride() == model[0].weight.stride()
+    session.close()
+
+
+# ---- the race -------------------------------------------------------------------------------------------------------
+
+
+class ScriptedClock:
+    """Stands in for ``layout_race.Stopwatch``: each step takes the seconds scripted for its layout (a real clock's
+    decision is a benchmark's business; here the session's handling of a decision is under test)."""
+
+    times = {"channels_last": 0.3, "contiguous": 0.2}
+    session: LayoutSession | None = None
+
+    def __init__(self, device: object) -> None:
+        pass
+
+    def start(self) -> None:
+        self.layout = ScriptedClock.session.layout
+
+    def stop(self) -> float:
+        return ScriptedClock.times[self.layout]
+
+
+def _race_run(monkeypatch, host: Host, times: dict[str, float], steps: int = 12):
+    monkeypatch.setattr(layout_race, "Stopwatch", ScriptedClock)
+    import cltrain.session
+
+    monkeypatch.setattr(cltrain.session, "Stopwatch", ScriptedClock)
+    monkeypatch.setattr(ScriptedClock, "times", times)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    host._optimizers = lambda: [optimizer]
+    session = LayoutSession(host=host)
+    ScriptedClock.session = session
+    session.start(model, device="cpu")
+    layouts = []
+    for _ in range(steps):
+        batch = (torch.randn(4, 3, 8, 8),)
+        batch = session.batch("train", batch, model)
+        layouts.append((session.layout, is_channels_last(model[0].weight), is_channels_last(batch[0])))
+        model(batch[0]).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        session.batch_end()
+        session.step_end(model)
+    session.end(model)
+    return session, model, optimizer, layouts
+
+
+def test_the_race_switches_to_the_faster_nchw_with_the_optimizer_state_and_logs_both_times(monkeypatch) -> None:
+    said, logged = [], []
+    host = Host(lambda line, warn: said.append(line), log=logged.append)
+    session, model, optimizer, layouts = _race_run(monkeypatch, host, {"channels_last": 0.3, "contiguous": 0.2})
+    # 3 warm-up steps and two rounds of 2 channels_last, 2 NCHW (a switch wants two): then NCHW for good
+    assert [layout for layout, _, _ in layouts] == ["channels_last"] * 5 + ["contiguous"] * 2 + ["channels_last"] * 2 \
+        + ["contiguous"] * 3
+    assert all(weight == batch == (layout == "channels_last") for layout, weight, batch in layouts)
+    decision = session.decision
+    assert decision.layout == "contiguous" and decision.how == "timed" and round(decision.ratio, 2) == 1.5
+    assert model[0].weight.is_contiguous() and all(
+        v.stride() == p.stride() for p, s in optimizer.state.items() for v in s.values() if v.dim() == 4)
+    line = [s for s in said if "faster here" in s]
+    assert line == ["ChannelsLast: NCHW 1.50x faster here (fp32, cpu, 8x8 px): switched, the model and its optimizer "
+                    "state moved once (timed 4 step(s) in channels_last, 3 step(s) in NCHW; the race cost 0.40 s; pin "
+                    "it with layout='contiguous')."]
+    assert logged == [{"channels_last/step_seconds_channels_last": 0.3, "channels_last/step_seconds_contiguous": 0.2}]
+    # the decision travels in the checkpoint: a resumed session takes the layout at once and never races again
+    fresh = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    resumed = LayoutSession()
+    resumed.start(fresh, device="cpu")
+    resumed.load_state_dict(session.state_dict(), model=fresh)
+    assert resumed.layout == "contiguous" and fresh[0].weight.is_contiguous()
+    resumed.batch("train", (torch.randn(4, 3, 8, 8),), fresh)
+    assert resumed._step is None and resumed.decision.how == "restored"
+    resumed.close()
+
+
+def test_the_race_keeps_channels_last_where_it_is_faster_and_a_pinned_layout_never_races(monkeypatch) -> None:
+    session, model, _, layouts = _race_run(monkeypatch, Host(), {"channels_last": 0.2, "contiguous": 0.3})
+    assert [layout for layout, _, _ in layouts] == ["channels_last"] * 5 + ["contiguous"] * 2 + ["channels_last"] * 5
+    assert session.decision.layout == "channels_last" and is_channels_last(model[0].weight)
+
+
+def test_a_rank_that_does_not_decide_follows_rank_0s_decision(monkeypatch) -> None:
+    rank0 = layout_race.LayoutDecision(((3, 8, 8), "fp32", "cpu"), "contiguous", "timed",
+                                       {"channels_last": 0.3, "contiguous": 0.2}, {"channels_last": 2, "contiguous": 1})
+    # this rank's own times say channels_last; rank 0's decision arrives by the broadcast and is applied
+    session, model, _, layouts = _race_run(monkeypatch, OtherRank(rank0=rank0), {"channels_last": 0.1, "contiguous": 0.9})
+    assert session.decision is rank0 and [layout for layout, _, _ in layouts][-1] == "contiguous"
+    assert model[0].weight.is_contiguous()
+
+
+def test_an_undecided_race_leaves_the_model_in_channels_last_at_the_end(monkeypatch, caplog) -> None:
+    with caplog.at_level(logging.INFO):
+        session, model, _, layouts = _race_run(monkeypatch, Host(), {"channels_last": 0.2, "contiguous": 0.3},
+                                               steps=6)
+    assert layouts[-1][0] == "contiguous" and session.decision is None
+    assert session.layout == "channels_last" and is_channels_last(model[0].weight)

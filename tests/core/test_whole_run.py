@@ -95,7 +95,9 @@ def test_model_pruning_trains_with_the_numbers_of_the_run_without_cltrain_and_ke
     plain, nudged, seen = runs["plain"], runs["nudged"], []
     module = _module(package, optimizer, record=seen)
     with caplog.at_level(logging.INFO, logger="cltrain"):
-        ours = _fit(package, [_pruning(package, method, module, **kwargs), ChannelsLast()], module)
+        # pinned: every step is recorded in channels_last (the default's race runs a few steps in NCHW)
+        ours = _fit(package, [_pruning(package, method, module, **kwargs), ChannelsLast(layout="channels_last")],
+                    module)
     # the same weights pruned: the zeros where the run without cltrain has them
     assert torch.equal(_weights(ours) == 0, _weights(plain) == 0)
     noise = (_weights(nudged) - _weights(plain)).abs().max()
@@ -112,9 +114,10 @@ def test_model_pruning_fails_without_the_workaround(monkeypatch):
     import contextlib
 
     import cltrain.callback
+    import cltrain.session
 
     monkeypatch.setattr(cltrain.callback, "guard_pruning", lambda *args: [])
-    monkeypatch.setattr(cltrain.callback, "flat_parameters", contextlib.nullcontext)
+    monkeypatch.setattr(cltrain.session, "torch_utilities", lambda say=None: contextlib.nullcontext())
     with pytest.raises(RuntimeError, match="view size is not compatible"):
         _fit("lightning.pytorch", [_pruning("lightning.pytorch", "l1_unstructured"), ChannelsLast()],
              _module("lightning.pytorch"), epochs=2)
@@ -138,7 +141,7 @@ def _drifts(package: str):
 def test_weights_a_hook_puts_in_nchw_are_back_in_channels_last_before_the_next_step(package, caplog):
     seen: list = []
     with caplog.at_level(logging.INFO, logger="cltrain"):
-        _fit(package, [_drifts(package), ChannelsLast()], _module(package, record=seen))
+        _fit(package, [_drifts(package), ChannelsLast(layout="channels_last")], _module(package, record=seen))
     assert all(all(cl and state for cl, state in step) for step in seen), seen
     said = [r.getMessage() for r in caplog.records if "left their layout" in r.getMessage()]
     assert len(said) == 1 and "after epoch 0's end (WritesData ran then)" in said[0], said
@@ -147,9 +150,9 @@ def test_weights_a_hook_puts_in_nchw_are_back_in_channels_last_before_the_next_s
 def test_without_the_watch_a_hook_leaves_the_weights_in_nchw(monkeypatch):
     from cltrain.session import LayoutSession
 
-    monkeypatch.setattr(LayoutSession, "keep", lambda *args, **kwargs: [])
+    monkeypatch.setattr(LayoutSession, "boundary", lambda *args, **kwargs: [])
     seen: list = []
-    _fit("lightning.pytorch", [_drifts("lightning.pytorch"), ChannelsLast()],
+    _fit("lightning.pytorch", [_drifts("lightning.pytorch"), ChannelsLast(layout="channels_last")],
          _module("lightning.pytorch", record=seen))
     assert not any(cl for cl, _ in seen[-1])
 

@@ -52,7 +52,7 @@ class EightChannelStem(torch.nn.Module):
 
 
 def stems(out: Path, united: bool) -> None:
-    import cltrain.guardrails
+    import cltrain.session
     from cltrain.guardrails import guard_of
     from cltrain.platform import Platform
 
@@ -61,7 +61,7 @@ def stems(out: Path, united: bool) -> None:
     # rank 0 as on a machine with AVX-512 (block 16), rank 1 as on one with AVX2 only (block 8), whatever this CPU is
     Platform.channel_block = property(lambda self: 16 if fabric.global_rank == 0 else 8)
     if not united:
-        cltrain.guardrails.hazards_over_ranks = lambda model, found, total: found
+        cltrain.session.hazards_over_ranks = lambda model, found, total: found
     torch.manual_seed(0)
     model = convert_model(EightChannelStem())
     g = torch.Generator().manual_seed(fabric.global_rank)

@@ -176,9 +176,9 @@ def ddp(out: str, union: bool) -> dict:
 
     callback = ChannelsLast()
     if not union:  # the negative control: each rank guards only what it finds itself
-        import cltrain.guardrails
+        import cltrain.session
 
-        cltrain.guardrails.hazards_over_ranks = lambda model, found, total: found
+        cltrain.session.hazards_over_ranks = lambda model, found, total: found
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 8, 32, 32, generator=g), torch.randint(0, 5, (16,), generator=g))
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,

@@ -131,7 +131,7 @@ def test_the_callback_gives_a_stack_the_same_layout() -> None:
     batch = videomae()[1]
     trainer.fit(task, DataLoader([batch, batch], batch_size=None))
     assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"].line()
-    assert callback.batch_inputs.trace.left_as_is.get("train") == frozenset() and seen[-1][0]
+    assert callback.session.inputs.trace.left_as_is.get("train") == frozenset() and seen[-1][0]
 
 
 def test_the_loops_helper_and_the_rule() -> None:

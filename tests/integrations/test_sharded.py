@@ -85,7 +85,9 @@ def test_prepare_channels_last_keeps_the_weights_nchw_for_fsdp2(fsdp):
 
     accelerator = Accelerator(cpu=True)
     if fsdp:  # the Accelerator as it is on a GPU with FSDP2: its device and precision stay this machine's
-        accelerator = SimpleNamespace(device=accelerator.device, mixed_precision="no", **vars(fsdp2_state()))
+        accelerator = SimpleNamespace(device=accelerator.device, mixed_precision="no", log=accelerator.log,
+                                      register_for_checkpointing=accelerator.register_for_checkpointing,
+                                      **vars(fsdp2_state()))
     model = prepare_channels_last(build("resnet"), accelerator)
     probe = Probe(model)
     with torch.no_grad():
@@ -101,7 +103,7 @@ def test_a_model_init_model_sharded_before_train_begins_is_not_an_error(fsdp, mo
     if fsdp:
         monkeypatch.setattr(hf, "_accelerator_state", fsdp2_state)
     callback, model = hf.ChannelsLastCallback(verify=False), build("resnet")
-    args = SimpleNamespace(world_size=2, bf16=False, fp16=False)  # a two-process run's arguments
+    args = SimpleNamespace(world_size=2, bf16=False, fp16=False, device=torch.device("cpu"))  # two processes' arguments
     if not fsdp:  # DDP wrapped an NCHW model: too late, and said so
         with pytest.raises(ValueError, match="model_init"):
             callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)

@@ -1,0 +1,305 @@
+"""Which layout trains faster here, decided from the run's own training steps: what the default layout runs.
+
+Kernels change with the torch version, the machine, the precision and the model (pytorch#183815: bf16 convolutions
+on the CPU 4-16x slower in 2.13 nightlies; Ultralytics #26105: a 3.24x slowdown on one OS). Only the user's run knows
+which layout is faster there, so ``LayoutRace`` times it: the real training steps, on the real batches, in both
+layouts, and keeps the faster. The first-batch check has shown the two layouts compute the same, so a step in the
+slower layout is still a real step: the decision costs only that step's extra time.
+
+The schedule, for one kind of batch (``key``: the input's shape without the batch size, the precision and the device;
+a new key, as progressive resizing makes, is decided again):
+
+* ``warmup`` steps in channels_last, not timed (the first-batch check, lazy initialisation, autotuning);
+* then rounds of ``[channels_last, channels_last, NCHW, NCHW]``; the very first NCHW step is a warm-up of its own
+  (cuDNN autotunes, oneDNN makes its primitives), not timed. The layouts alternate, so a machine getting busier or
+  quieter drifts both alike;
+* after each round, ``judge`` compares the medians. With ``r`` the NCHW step over the channels_last step and ``h``
+  a ``z``-sigma bound on ``log r`` (the spread measured on the steps themselves, at least 1%):
+
+  - NCHW clearly slower (``log r - h > 0``): channels_last, kept;
+  - NCHW clearly faster by more than ``margin`` (``log r + h < -margin``): NCHW;
+  - both within ``margin`` (``|log r| + h < margin``): a tie, channels_last;
+  - else another round, until the steps in the slower layout have cost ``budget`` steps of the faster one, or
+    ``max_rounds`` rounds: then NCHW only where it is faster by more than ``margin`` with a 2-sigma bound, so noise
+    on a shared machine ends in the default, never in a flip.
+
+A key is decided once and never flips back. Only samples with the race's batch size count (a last, smaller batch is
+not a sample). ``judge`` runs on the deciding rank and ``settle`` on every rank, at the same step: the schedule is a
+function of the step count alone.
+
+Example::
+
+    >>> race = LayoutRace(warmup=1)
+    >>> key = ((3, 224, 224), "bf16", "cpu")
+    >>> for step, seconds in enumerate([9.0, 1.0, 1.0, 9.0, 1.5]):  # a warm-up, 2 channels_last, 2 NCHW steps
+    ...     layout = race.next_layout(key)
+    ...     race.record(key, 32, layout, seconds)
+    >>> decision = race.judge()
+    >>> race.settle(decision).layout, round(decision.ratio, 2)
+    ('channels_last', 1.5)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["LAYOUTS", "LayoutDecision", "LayoutRace", "Stopwatch"]
+
+#: The two layouts raced: the default, and NCHW.
+LAYOUTS: tuple[str, str] = ("channels_last", "contiguous")
+
+_ROUND = ("channels_last", "channels_last", "contiguous", "contiguous")
+
+
+@dataclass(frozen=True)
+class LayoutDecision:
+    """What a race decided for one key.
+
+    Attributes:
+        key: the kind of batch: ``(shape without the batch size, precision, device)``.
+        layout: ``"channels_last"`` or ``"contiguous"``, the layout kept.
+        how: ``"timed"``, ``"tie"`` (within the margin), ``"noisy"`` (the budget ran out: the default kept unless
+            NCHW was faster beyond doubt), or ``"restored"`` (from a checkpoint).
+        seconds: the median seconds per step of each layout.
+        samples: the steps timed in each layout.
+        extra_seconds: what the steps in the slower layout cost over the faster one's time.
+    """
+
+    key: tuple[Any, ...]
+    layout: str
+    how: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=dict)
+    extra_seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """The slower layout's step over the faster's (1.0 where not timed)."""
+        if len(self.seconds) < 2 or min(self.seconds.values()) <= 0:
+            return 1.0
+        return max(self.seconds.values()) / min(self.seconds.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain types, for a checkpoint and ``metrics.json``."""
+        return {"key": _plain(self.key), "layout": self.layout, "how": self.how, "seconds": dict(self.seconds),
+                "samples": dict(self.samples), "extra_seconds": self.extra_seconds}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> LayoutDecision:
+        """The decision ``as_dict`` wrote, as restored from a checkpoint."""
+        return cls(_key(saved["key"]), saved["layout"], "restored", dict(saved.get("seconds", {})),
+                   dict(saved.get("samples", {})), float(saved.get("extra_seconds", 0.0)))
+
+
+def _plain(obj: Any) -> Any:
+    return [_plain(o) for o in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _key(obj: Any) -> Any:
+    return tuple(_key(o) for o in obj) if isinstance(obj, list) else obj
+
+
+class Stopwatch:
+    """One step's wall time on ``device``: ``time.perf_counter`` on the CPU; CUDA events on a GPU, read only when the
+    race judges (``float(reading)`` waits for that event alone), so a step never waits for the device."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._start: Any = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> float | _EventReading:
+        """The time since ``start``: seconds, or a reading that gives them when asked."""
+        if not self.cuda:
+            return time.perf_counter() - self._start
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return _EventReading(self._start, end)
+
+
+class _EventReading:
+    """Seconds between two CUDA events, worked out when first asked."""
+
+    def __init__(self, start: Any, end: Any) -> None:
+        self.start, self.end, self.seconds = start, end, None
+
+    def __float__(self) -> float:
+        if self.seconds is None:
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        return self.seconds
+
+
+@dataclass
+class _Heat:
+    """One key's race in progress."""
+
+    key: Hashable
+    batch: int | None = None
+    position: int = 0
+    times: dict[str, list[Any]] = field(default_factory=lambda: {layout: [] for layout in LAYOUTS})
+    warm: list[Any] = field(default_factory=list)  # the warm-up's later channels_last steps: for the spread only
+    first_nchw: Any = None  # the NCHW warm-up step: no steady NCHW step should be slower
+    untimed: dict[str, int] = field(default_factory=lambda: {layout: 0 for layout in LAYOUTS})
+
+
+class LayoutRace:
+    """Times the run's training steps in both layouts and keeps the faster, per kind of batch (the module docstring).
+
+    Args:
+        warmup: the first steps of a key, in channels_last, not timed.
+        margin: how much faster NCHW must be to be kept (a relative difference; a tie goes to channels_last).
+        budget: the most the steps in the slower layout may cost, in steps of the faster one, before the race ends.
+        max_rounds: the most rounds of four steps.
+        z: the confidence bound, in sigmas, for a clear decision.
+        max_keys: the most kinds of batch raced; beyond, new kinds keep channels_last (inputs whose shape changes
+            from step to step: multi-scale training).
+
+    Raises:
+        ValueError: a negative ``warmup`` or ``margin``, a ``budget`` or ``max_rounds`` below 1.
+    """
+
+    def __init__(self, *, warmup: int = 3, margin: float = 0.02, budget: float = 1.0, max_rounds: int = 8,
+                 z: float = 3.0, max_keys: int = 4) -> None:
+        if warmup < 0 or margin < 0 or budget <= 0 or max_rounds < 1:
+            raise ValueError(f"LayoutRace(warmup={warmup}, margin={margin}, budget={budget}, max_rounds={max_rounds}):"
+                             " expected warmup >= 0, margin >= 0, budget > 0 and max_rounds >= 1.")
+        self.warmup, self.margin, self.budget, self.max_rounds, self.z = warmup, margin, budget, max_rounds, z
+        self.max_keys = max_keys
+        self.decisions: dict[Hashable, LayoutDecision] = {}
+        self._heat: _Heat | None = None
+        self._raced = 0
+
+    # ---- the schedule ----------------------------------------------------------------------------------------------
+
+    def next_layout(self, key: Hashable) -> str:
+        """The layout the coming training step of ``key`` runs in."""
+        if key in self.decisions:
+            return self.decisions[key].layout
+        heat = self._heat
+        if heat is None or heat.key != key:
+            if self._raced >= self.max_keys:
+                return "channels_last"
+            heat = self._heat = _Heat(key)
+            self._raced += 1
+        if heat.position < self.warmup:
+            return "channels_last"
+        return _ROUND[(heat.position - self.warmup) % len(_ROUND)]
+
+    def record(self, key: Hashable, batch: int, layout: str, seconds: float | Any) -> None:
+        """The training step of ``key`` that just ran, with ``batch`` samples, in ``layout``, took ``seconds``."""
+        heat = self._heat
+        if key in self.decisions or heat is None or heat.key != key:
+            return
+        position = heat.position - self.warmup
+        heat.position += 1
+        if position < 0:
+            if heat.position > 1 and layout == "channels_last":  # the race's first step is the check's: not even that
+                heat.warm.append(seconds)
+            return
+        if heat.batch is None:
+            heat.batch = batch
+        first_nchw = position == _ROUND.index("contiguous")  # the very first NCHW step warms its kernels up
+        if first_nchw:
+            heat.first_nchw = seconds
+        if first_nchw or batch != heat.batch or layout != _ROUND[position % len(_ROUND)]:
+            heat.untimed[layout] += 1
+            return
+        heat.times[layout].append(seconds)
+
+    def due(self) -> bool:
+        """Whether the step just recorded ended a round: ``judge`` on the deciding rank, then ``settle`` everywhere."""
+        heat = self._heat
+        if heat is None or heat.key in self.decisions:
+            return False
+        position = heat.position - self.warmup
+        return position > 0 and position % len(_ROUND) == 0
+
+    # ---- the decision ----------------------------------------------------------------------------------------------
+
+    def judge(self) -> LayoutDecision | None:
+        """The decision at the end of a round (``None``: another round), from the times recorded on this rank."""
+        heat = self._heat
+        if heat is None or not all(len(heat.times[layout]) for layout in LAYOUTS):
+            return None
+        cl, nchw = [float(t) for t in heat.times["channels_last"]], [float(t) for t in heat.times["contiguous"]]
+        med = {"channels_last": statistics.median(cl), "contiguous": statistics.median(nchw)}
+        log_r = math.log(med["contiguous"] / med["channels_last"])
+        # the spread of the steps' log-times around their layout's mean (the warm-up's later steps with channels_last:
+        # a slower warm-up only widens the bound), pooled, with the degrees of freedom the means took
+        groups = [[math.log(t) for t in cl + [float(t) for t in heat.warm]], [math.log(t) for t in nchw]]
+        df = sum(len(g) - 1 for g in groups)
+        pooled = math.sqrt(sum((x - statistics.fmean(g)) ** 2 for g in groups for x in g) / df) if df > 0 else 0.0
+        width = max(0.01, pooled) * math.sqrt(1 / len(cl) + 1 / len(nchw))
+        t999, t975 = _t(df, 0.999), _t(df, 0.975)
+        slower, faster = ("contiguous", "channels_last") if log_r > 0 else ("channels_last", "contiguous")
+        extra = (len(heat.times[slower]) + heat.untimed[slower]) * (med[slower] - med[faster])
+        spent = extra >= self.budget * med[faster]
+        rounds = (heat.position - self.warmup) // len(_ROUND)
+        # after one round, one NCHW step says it all: trusted only where it is not slower than NCHW's warm-up step
+        # (which a disturbance, not the layout, would explain)
+        steady = rounds >= 2 or heat.first_nchw is not None and max(nchw) <= 1.05 * float(heat.first_nchw)
+        if log_r - self.z * width > 0 and steady:  # the default, clearly faster: kept
+            layout, how = "channels_last", "timed"
+        elif rounds >= 2 and log_r + t999 * width < -self.margin:  # a switch wants two rounds and a t-bound
+            layout, how = "contiguous", "timed"
+        elif rounds >= 2 and abs(log_r) + t999 * width < self.margin:
+            layout, how = "channels_last", "tie"
+        elif rounds >= self.max_rounds or spent and (rounds >= 2 or log_r >= 0):
+            layout = "contiguous" if log_r < -self.margin and log_r + t975 * width < 0 else "channels_last"
+            how = "noisy"
+        else:
+            return None
+        return LayoutDecision(heat.key, layout, how, med, {k: len(v) for k, v in heat.times.items()}, extra)
+
+    def settle(self, decision: LayoutDecision) -> LayoutDecision:
+        """Keep ``decision`` for its key (the deciding rank's, on every rank) and end that key's race."""
+        self.decisions[decision.key] = decision
+        if self._heat is not None and self._heat.key == decision.key:
+            self._heat = None
+        return decision
+
+    def racing(self) -> bool:
+        """Whether a race is under way (a key seen and not yet decided)."""
+        return self._heat is not None
+
+    # ---- a checkpoint ----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The decisions made so far (a race in progress starts again on resume)."""
+        return [d.as_dict() for d in self.decisions.values()]
+
+    def load_state_dict(self, saved: list[dict[str, Any]]) -> None:
+        """Keep the decisions of a checkpoint: their keys are not timed again."""
+        for entry in saved or ():
+            decision = LayoutDecision.from_dict(entry)
+            self.decisions[decision.key] = decision
+
+
+#: Student's t quantiles (one-sided) by degrees of freedom: few steps make a wide bound.
+_T = {0.999: (318.3, 22.33, 10.21, 7.173, 5.893, 5.208, 4.785, 4.501, 4.297, 4.144, 4.025, 3.930, 3.852, 3.787, 3.733),
+      0.975: (12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)}
+_T_LIMIT = {0.999: 3.09, 0.975: 1.96}
+
+
+def _t(df: int, level: float) -> float:
+    """The one-sided ``level`` quantile of Student's t with ``df`` degrees of freedom (the normal's beyond 30)."""
+    table = _T[level]
+    if df < 1:
+        return table[0] * 10
+    if df <= len(table):
+        return table[df - 1]
+    return table[-1] + (_T_LIMIT[level] - table[-1]) * min(1.0, (df - len(table)) / 15)

@@ -1,0 +1,106 @@
+"""``cltrain.timing.layout_race.LayoutRace``: the schedule and the rule that decides from the run's own step times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cltrain.timing.layout_race import LayoutDecision, LayoutRace
+
+KEY = ((3, 224, 224), "bf16", "cpu")
+
+
+def run(race: LayoutRace, seconds, key=KEY, batch: int = 32, steps: int = 60) -> tuple[LayoutDecision | None, list]:
+    """Feed ``race`` steps whose time is ``seconds(layout, step)`` until it decides; the layouts it asked for."""
+    layouts = []
+    for step in range(steps):
+        layout = race.next_layout(key)
+        layouts.append(layout)
+        race.record(key, batch, layout, seconds(layout, step))
+        if race.due():
+            decision = race.judge()
+            if decision is not None:
+                return race.settle(decision), layouts
+    return None, layouts
+
+
+def test_the_schedule_warms_up_then_alternates_in_rounds_and_a_clear_winner_ends_it_after_one() -> None:
+    decision, layouts = run(LayoutRace(warmup=3), lambda layout, step: {"channels_last": 1.0, "contiguous": 1.45}[layout])
+    assert layouts == ["channels_last"] * 5 + ["contiguous"] * 2
+    assert decision.layout == "channels_last" and decision.how == "timed" and decision.ratio == pytest.approx(1.45)
+    # the first NCHW step warms its kernels up: not a sample; both NCHW steps count in the cost
+    assert decision.samples == {"channels_last": 2, "contiguous": 1}
+    assert decision.extra_seconds == pytest.approx(2 * 0.45)
+
+
+def test_nchw_faster_beyond_the_margin_is_kept() -> None:
+    decision, _ = run(LayoutRace(), lambda layout, step: {"channels_last": 1.12, "contiguous": 1.0}[layout])
+    assert decision.layout == "contiguous" and decision.how == "timed"
+
+
+def test_within_the_margin_is_a_tie_that_goes_to_channels_last() -> None:
+    rng = random.Random(0)
+    decision, _ = run(LayoutRace(), lambda layout, step: (1.0 if layout == "channels_last" else 0.995)
+                      * (1 + rng.uniform(-0.001, 0.001)))
+    assert decision.layout == "channels_last" and decision.how == "tie"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_noise_on_a_shared_machine_never_flips_to_nchw(seed) -> None:
+    """Equal layouts, each step 30% off at random (another process on the cores): the default stays."""
+    rng = random.Random(seed)
+    decision, layouts = run(LayoutRace(), lambda layout, step: rng.uniform(0.7, 1.3))
+    assert decision is not None and decision.layout == "channels_last"
+    assert len(layouts) <= 3 + 4 * 8  # the rounds are bounded
+
+
+def test_a_small_real_gain_under_mild_noise_is_found() -> None:
+    rng = random.Random(1)
+    decision, _ = run(LayoutRace(), lambda layout, step: (1.0 if layout == "channels_last" else 0.95)
+                      * rng.uniform(0.99, 1.01))
+    assert decision.layout == "contiguous"
+
+
+def test_the_budget_ends_a_race_whose_slower_steps_cost_a_step_of_the_faster() -> None:
+    rng = random.Random(2)
+    race = LayoutRace(budget=0.3)
+    decision, layouts = run(race, lambda layout, step: (1.0 if layout == "channels_last" else 1.1)
+                            * rng.uniform(0.8, 1.2))
+    assert decision is not None and decision.layout == "channels_last"
+    assert decision.extra_seconds <= 0.3 * 1.0 + 0.25  # within a round of the budget
+
+
+def test_a_smaller_last_batch_is_no_sample_and_other_kinds_of_batch_are_raced_apart() -> None:
+    race = LayoutRace(warmup=1)
+    other = ((3, 256, 256), "bf16", "cpu")
+    for size, seconds in [(32, 9.0), (32, 1.0), (7, 0.1), (32, 9.0), (32, 1.2)]:  # the 9 s NCHW step warms up
+        race.record(KEY, size, race.next_layout(KEY), seconds)
+    assert race.due()
+    decision = race.settle(race.judge())
+    assert decision.samples == {"channels_last": 1, "contiguous": 1}  # the batch of 7 was not timed
+    assert race.next_layout(KEY) == "channels_last" and race.next_layout(other) == "channels_last"
+    assert race.racing() and other not in race.decisions  # progressive resizing: decided again
+
+
+def test_inputs_whose_shape_changes_every_step_stop_being_raced() -> None:
+    race = LayoutRace(max_keys=2)
+    for step in range(10):
+        key = ((3, 224 + 32 * step, 224), "fp32", "cpu")
+        assert race.next_layout(key) == "channels_last"
+        race.record(key, 32, "channels_last", 1.0)
+    assert not race.decisions
+
+
+def test_decisions_travel_in_a_checkpoint_and_are_not_raced_again() -> None:
+    race = LayoutRace(warmup=0)
+    decision, _ = run(race, lambda layout, step: {"channels_last": 1.0, "contiguous": 0.8}[layout])
+    restored = LayoutRace()
+    restored.load_state_dict(race.state_dict())
+    assert restored.next_layout(KEY) == "contiguous" and not restored.racing()
+    assert restored.decisions[KEY].how == "restored" and restored.decisions[KEY].seconds == decision.seconds
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="budget=0"):
+        LayoutRace(budget=0)
