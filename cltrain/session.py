@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -68,6 +69,8 @@ from cltrain.timing.layout_race import LayoutDecision, LayoutRace, Stopwatch
 __all__ = ["LayoutSession"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+#: What torch's DDP reducer warns when a gradient's strides differ from its bucket view's.
+BUCKET_WARNING = "Grad strides do not match bucket view strides"
 
 
 @contextlib.contextmanager
@@ -332,6 +335,8 @@ class LayoutSession:
         """The model (its parameters, gradients and buffers, with the guardrails and fallbacks), its optimizer state
         in ``layout``; every rank switches at the same step."""
         self.layout = layout
+        if self.host.several():  # DDP's buckets keep the strides they were built with: a copy per step, timed
+            warnings.filterwarnings("ignore", message=BUCKET_WARNING)
         with aliases_follow(model, self.host.aliases()):
             records = self._put_in_layout(model, layout)
         if self.guard:
@@ -348,6 +353,10 @@ class LayoutSession:
         self.convert_copies(self.host.copies())
         self.summary = layout_summary(model, buffers=True)
         self.say(self.decision_line(decision), False)
+        if decision.layout == "contiguous" and self.host.several():
+            self.say("ChannelsLast: DDP built its gradient buckets in channels_last strides; each NCHW step copies its "
+                     "gradients into them (the race timed that copy; a run resumed from a checkpoint builds them in "
+                     "NCHW); torch's warning that gradient and bucket view strides differ is silenced for this.", False)
         self.host.log({f"channels_last/step_seconds_{k}": v for k, v in decision.seconds.items()})
 
     def decision_line(self, decision: LayoutDecision) -> str:
@@ -492,21 +501,21 @@ class LayoutSession:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint carries: the checks' verdicts and the fingerprint they hold for, and the race's
-        decisions (plain types)."""
+        decisions and progress (plain types)."""
         state: dict[str, Any] = {}
         if self.layout_checks:
             state["layout_checks"] = {k: saved_check(r) for k, r in self.layout_checks.items()}
             state["fingerprint"] = self.fingerprint() if self.fingerprint is not None else None
-        if self.race.decisions:
-            state["decisions"] = self.race.state_dict()
+        if self.race.decisions or self.race.racing():
+            state["race"] = self.race.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any] | None, model: nn.Module | None = None) -> None:
         """A checkpoint's state: its verdicts apply at the first batch of each kind where the fingerprint matches,
-        its decisions are not raced again; where the model is given and one decision is held, it takes that layout
-        now (before DDP wraps it, where the door restores this early)."""
+        its decisions are not raced again and a race under way goes on where it stopped; where the model is given and
+        one decision is held, it takes that layout now (before DDP wraps it, where the door restores this early)."""
         self._restored = dict(state or {})
-        self.race.load_state_dict(self._restored.get("decisions", []))
+        self.race.load_state_dict(self._restored.get("race", {}))
         decided = {d.layout for d in self.race.decisions.values()}
         if model is not None and len(decided) == 1 and self.layout is not None and self.untimed is None:
             (layout,) = decided

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TINY_DEMO, demo_overrides, warm
+from tests.helpers import TINY_DEMO, demo_overrides
 
 # The CUDA runtime reads CUDA_VISIBLE_DEVICES once, at its first call: make that call now, before
 # the fixture below hides the GPU from subprocesses, so this process keeps seeing it for the

@@ -56,6 +56,8 @@ class RunResults:
         metrics["guardrails"] = [r.as_dict() for r in (*self.guarded, *callback_records)]
         checks = getattr(parts.get("channels_last"), "layout_checks", None) or {}
         metrics["layout_check"] = {kind: check.as_dict() for kind, check in checks.items()}
+        decisions = getattr(parts.get("channels_last"), "decisions", None) or {}
+        metrics["layout_decisions"] = [decision.as_dict() for decision in decisions.values()]
         metrics["status"] = status
         # which weights val_* and the best checkpoint are of ("ema" | "live"; pretrained weights: "live")
         if cfg.evaluate_only:
@@ -87,7 +89,7 @@ def _percent(metrics: dict[str, Any], key: str) -> float | None:
 
 
 def _kept_layout(cfg: DictConfig, parts: dict[str, Any], model: torch.nn.Module) -> str:
-    """The layout the model trained in: ``mode="auto"`` may have kept contiguous."""
+    """The layout the model trained in: the race of the layouts may have kept contiguous."""
     if not cfg.channels_last:
         return "contiguous"
     layout = getattr(parts.get("channels_last"), "layout", None)

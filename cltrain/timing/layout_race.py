@@ -258,7 +258,7 @@ class LayoutRace:
             layout, how = "contiguous", "timed"
         elif rounds >= 2 and abs(log_r) + t999 * width < self.margin:
             layout, how = "channels_last", "tie"
-        elif rounds >= self.max_rounds or spent and (rounds >= 2 or log_r >= 0):
+        elif rounds >= self.max_rounds or spent and (rounds >= 2 or log_r >= 0 and steady):
             layout = "contiguous" if log_r < -self.margin and log_r + t975 * width < 0 else "channels_last"
             how = "noisy"
         else:
@@ -278,15 +278,28 @@ class LayoutRace:
 
     # ---- a checkpoint ----------------------------------------------------------------------------------------------
 
-    def state_dict(self) -> list[dict[str, Any]]:
-        """The decisions made so far (a race in progress starts again on resume)."""
-        return [d.as_dict() for d in self.decisions.values()]
+    def state_dict(self) -> dict[str, Any]:
+        """The decisions made so far, and the race under way (its place in the schedule and its times), so a run
+        resumed from a checkpoint goes on where it stopped."""
+        heat = self._heat
+        racing = None if heat is None else {
+            "key": _plain(heat.key), "batch": heat.batch, "position": heat.position,
+            "times": {k: [float(t) for t in v] for k, v in heat.times.items()}, "untimed": dict(heat.untimed),
+            "warm": [float(t) for t in heat.warm],
+            "first_nchw": None if heat.first_nchw is None else float(heat.first_nchw)}
+        return {"decisions": [d.as_dict() for d in self.decisions.values()], "racing": racing, "raced": self._raced}
 
-    def load_state_dict(self, saved: list[dict[str, Any]]) -> None:
-        """Keep the decisions of a checkpoint: their keys are not timed again."""
-        for entry in saved or ():
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """A checkpoint's decisions (their keys are not timed again) and its race under way."""
+        for entry in saved.get("decisions", ()):
             decision = LayoutDecision.from_dict(entry)
             self.decisions[decision.key] = decision
+        racing = saved.get("racing")
+        if racing is not None:
+            self._heat = _Heat(key=_key(racing["key"]), batch=racing["batch"], position=racing["position"],
+                               times=racing["times"], untimed=racing["untimed"], warm=racing["warm"],
+                               first_nchw=racing["first_nchw"])
+        self._raced = max(self._raced, saved.get("raced", 0))
 
 
 #: Student's t quantiles (one-sided) by degrees of freedom: few steps make a wide bound.

@@ -24,7 +24,6 @@ median; the first batch of each loader (worker start-up) is not timed.
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import Dataset, RandomSampler
 from torchvision import transforms as T
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, PrefetchDataLoader, train_transform

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model = getattr(torchvision.models, args.model)(num_classes=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     session = LayoutSession(host=Host(optimizers=lambda: [opt]))
-    session.convert(model)
+    session.start(model)
     session.expect(model)
     x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,))
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for p in model.parameters():
             if p.dim() == 4:
                 p.data = p.data.contiguous()
-        session.keep(model)
+        session.boundary(model)
 
     loader = ResumableLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=8,
                              sampler=ResumableSampler(64, seed=0))
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     stats.hold(model)
     rows = interleaved(args.rounds, {  # interleaved: each figure from the same stretch of the run
         "step": lambda: median_seconds(step, 1),
-        "keep, nothing moved": lambda: median_seconds(lambda: session.keep(model), 20),
+        "keep, nothing moved": lambda: median_seconds(lambda: session.boundary(model), 20),
         "keep, every weight moved": lambda: median_seconds(moved, 3),
         "note_taken": lambda: median_seconds(loader.note_taken, 1000),
         "loader state_dict": lambda: median_seconds(loader.state_dict, 100),

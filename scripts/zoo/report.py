@@ -40,7 +40,7 @@ def _fmt_grad(grad: dict[str, Any]) -> str:
 
 
 def _auto(r: dict[str, Any], key: str) -> str:
-    """What ``mode="auto"`` kept; "not timed" where its probe recorded no timings (it then keeps contiguous)."""
+    """What the race of the layouts kept; "not timed" where it recorded no timings (it then keeps channels_last)."""
     return (r[key] or "?") if r.get(f"{key}_ms") else "not timed"
 
 
@@ -102,7 +102,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         picks = [r[f"auto_{label}"] for r in ran if r.get(f"auto_{label}") and r.get(f"auto_{label}_ms")]
         untimed = sum(1 for r in ran if r.get(f"auto_{label}") and not r.get(f"auto_{label}_ms"))
         if picks or untimed:
-            lines.append(f"- mode=\"auto\" ({label}) kept channels_last for {picks.count('channels_last')} of "
+            lines.append(f"- the race ({label}) kept channels_last for {picks.count('channels_last')} of "
                          f"{len(picks)} models it timed, contiguous for {picks.count('contiguous')}"
                          + (f"; {untimed} not timed (the probe could not pickle the sweep's module class)" if untimed else "") + ".")
     return lines
@@ -154,7 +154,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         "against float64 (`scripts/zoo/sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
         f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
         f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
-        "process; ratio = CL / NCHW. auto = what `ChannelsLast(mode=\"auto\")` kept.",
+        "process; ratio = CL / NCHW. auto = what the default `ChannelsLast()` kept after its race of the layouts.",
     ], {"Summary": summary(rows), "Every model": table(HEADER, [_row_cells(r) for r in rows])})
 
 

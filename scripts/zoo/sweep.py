@@ -28,8 +28,9 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    many conv weights are channels_last and which guardrail the callback applied.
 4. **speed**: training steps/s (forward, cross-entropy, backward, SGD step) of the two trained
    models, in interleaved rounds (median), fp32 and, where the CPU has native bf16, bf16 autocast.
-5. **auto**: what ``ChannelsLast(mode="auto")`` keeps, in a one-step ``Trainer`` run (fp32, and
-   ``bf16-mixed`` where native).
+5. **auto**: what the default ``ChannelsLast()`` keeps when its race of the layouts on the run's first
+   training steps decides (a ``Trainer`` run of 11 steps: 3 of warm-up and two rounds; fp32, and ``bf16-mixed``
+   where native).
 6. **compile** (tv ``resnet50``, timm ``convnext_atto``, timm ``efficientnet_b0``): the parity and
    speed checks again under ``torch.compile``, the model converted with
    ``cltrain.loops.convert_model`` before compiling.
@@ -256,14 +257,14 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     del nets
 
     image = image_of(speed_batch, spec)
-    # mode="auto" times a synthetic batch of one image tensor: not a detector's list, not a (B, T, C, H, W) stack
+    # the race of the layouts keys on one image tensor: not a detector's list, not a (B, T, C, H, W) stack
     if not args.no_auto and isinstance(image, torch.Tensor) and image.dim() == 4:
         for label, dtype in dtypes:
             phase(f"auto {label}")
-            callback = ChannelsLast(mode="auto", input_shape=tuple(image.shape), auto_steps=2 if args.quick else 3)
-            fit(copy.deepcopy(net0), spec, batches, callback, max_steps=1,
+            callback = ChannelsLast()
+            fit(copy.deepcopy(net0), spec, batches, callback, max_steps=11,
                 precision="32-true" if dtype is None else "bf16-mixed")
-            result[f"auto_{label}"] = callback.layout
+            result[f"auto_{label}"] = callback.decision.layout if callback.decision else callback.layout
             result[f"auto_{label}_ms"] = {k: round(v * 1e3, 1) for k, v in (callback.timings or {}).items()}
 
     if spec.compile and not args.no_compile:

@@ -66,7 +66,7 @@ TABLE = [
     (["checkpoint.save_top_k=-2"], "checkpoint.save_top_k", "-1 keeps all"),
     (["tf32=maybe"], "tf32", "true, false"),
     (["amp=fast"], "amp", "auto, true, false, bf16, fp16"),
-    (["channels_last_mode=half"], "channels_last_mode", "full, conv, auto"),
+    (["channels_last_mode=half"], "channels_last_mode", "full, conv"),
     (["compile=yes"], "compile", "compile.enabled=true"),
     (["compile.enabled=maybe"], "compile.enabled", "true, false"),
     (["ema=true"], "ema", "ema.enabled=true"),

@@ -86,7 +86,7 @@ def test_a_requeued_slurm_job_may_come_back_to_its_directory(tmp_path: Path, mon
     run = tmp_path / "slurm-77"
     (run / "checkpoints").mkdir(parents=True)
     (run / "metrics.json").write_text("{}")
-    (run / CLAIM).write_text(f"1 another-node\n")  # the first attempt ran elsewhere
+    (run / CLAIM).write_text("1 another-node\n")  # the first attempt ran elsewhere
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     with pytest.raises(ConfigError, match="holds an earlier run"):

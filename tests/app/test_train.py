@@ -177,11 +177,11 @@ def test_an_exception_mid_epoch_leaves_a_resumable_last_checkpoint(demo_root: Pa
     assert state["global_step"] == metrics["global_step"] >= 1 and state["optimizer_states"]
 
 
-def test_auto_mode_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -> None:
-    metrics = tiny(demo_root, tmp_path / "run", "channels_last_mode=auto", "trainer.max_steps=3")
+def test_a_pinned_nchw_layout_reports_the_layout_it_kept(demo_root: Path, tmp_path: Path) -> None:
+    metrics = tiny(demo_root, tmp_path / "run", "channels_last_layout=contiguous", "trainer.max_steps=3")
     weight = _state(metrics["last_checkpoint"])["state_dict"]["model.conv1.0.weight"]
     kept = "channels_last" if is_channels_last(weight) else "contiguous"
-    assert metrics["layout"] == kept and metrics["channels_last"] is (kept == "channels_last")
+    assert kept == "contiguous" and metrics["layout"] == kept and metrics["layout_decisions"] == []
     on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert on_disk["layout"] == kept
 

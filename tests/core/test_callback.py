@@ -220,9 +220,8 @@ def test_convert_inputs_false_leaves_batches(tmp_path):
         ({"inputs": []}, r"ChannelsLast\(inputs=\[\]\)"),
         ({"inputs": ["all", 0]}, r"ChannelsLast\(inputs=\['all', 0\]\)"),
         ({"inputs": True}, r"ChannelsLast\(inputs=True\)"),
-        ({"input_shape": (32, 32)}, r"input_shape=\(32, 32\)"),
-        ({"input_shape": (2, 3, 0, 32)}, r"input_shape=\(2, 3, 0, 32\)"),
-        ({"auto_steps": 0}, "auto_steps=0"),
+        ({"layout": "nhwc"}, "layout='nhwc'"),
+        ({"check_samples": 0}, "check_samples=0"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_value(kwargs, match):

@@ -1,7 +1,6 @@
 """The default race of the layouts (``layout="auto"``) and ``ChannelsLast(audit=True)`` on a real Trainer."""
 
 import logging
-import time
 
 import pytest
 import torch
@@ -10,23 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cltrain import ChannelsLast, is_channels_last, is_channels_last_1d, to_channels_last
-from tests.helpers.plain_modules import Classifier, loader
-
-
-class SlowIn(nn.Module):
-    """A small conv net that wastes 100 ms per forward when its input is in ``slow_layout``: which layout is faster
-    is then beyond the noise of a busy machine (a real model's is a benchmark's business: scripts/bench)."""
-
-    def __init__(self, slow_layout: str):
-        super().__init__()
-        self.slow_layout = slow_layout
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-
-    def forward(self, x):
-        layout = "channels_last" if is_channels_last(x) else "contiguous"
-        if layout == self.slow_layout:
-            time.sleep(0.1)
-        return self.body(x)
+from tests.helpers.plain_modules import Classifier, SlowIn, loader
 
 
 def fit(tmp_path, model, callback, steps=2, **kw):
@@ -41,9 +24,9 @@ def test_the_race_keeps_the_faster_layout(tmp_path, caplog, slow, expected):
     model = Classifier(net=SlowIn(slow))
     callback = ChannelsLast()
     with caplog.at_level(logging.INFO):
-        fit(tmp_path, model, callback, steps=14)
+        fit(tmp_path, model, callback, steps=12)
     assert callback.layout == expected and callback.decision.layout == expected
-    assert callback.timings[slow] > callback.timings[expected] + 0.08
+    assert callback.timings[slow] > callback.timings[expected] + 0.25
     line = [r.getMessage() for r in caplog.records if "faster here" in r.getMessage()]
     name = "NCHW" if expected == "contiguous" else "channels_last"
     assert len(line) == 1 and line[0].startswith(f"ChannelsLast: {name} ") and f"layout={expected!r}" in line[0]
@@ -56,10 +39,10 @@ def test_the_race_keeps_the_faster_layout(tmp_path, caplog, slow, expected):
 
 
 def test_a_pinned_layout_is_not_raced(tmp_path, caplog):
-    model = Classifier(net=SlowIn("channels_last"))
+    model = Classifier(net=SlowIn("none"))
     callback = ChannelsLast(layout="channels_last")
     with caplog.at_level(logging.INFO):
-        fit(tmp_path, model, callback, steps=14)
+        fit(tmp_path, model, callback, steps=12)
     assert callback.layout == "channels_last" and callback.decision is None and "faster here" not in caplog.text
     assert all(tuple(s[:-1]) == torch.empty(s[-1], memory_format=torch.channels_last).stride()
                for s in model.seen["train"])
@@ -121,7 +104,7 @@ def test_a_race_keeping_nchw_makes_a_model_that_arrived_channels_last_contiguous
     model = Classifier(net=to_channels_last(SlowIn("channels_last")))
     assert is_channels_last(model.net.body[0].weight)
     callback = ChannelsLast()
-    fit(tmp_path, model, callback, steps=14)
+    fit(tmp_path, model, callback, steps=12)
     assert callback.layout == "contiguous" and set(callback.timings) == {"channels_last", "contiguous"}
     assert model.net.body[0].weight.is_contiguous() and not is_channels_last(model.net.body[0].weight)
     assert callback.summary == {"contiguous": 1, "rank1": 2, "rank2": 1}

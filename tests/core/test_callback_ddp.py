@@ -10,7 +10,7 @@ from tests.helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKET_WARNING = "Grad strides do not match bucket view strides"
-TOGETHER = ("callback", "user:raw_memory", "user:loss_view", "auto")  # fits of one launch (torch warns of buckets once)
+TOGETHER = ("callback", "user:raw_memory", "user:loss_view", "race")  # fits of one launch (torch warns of buckets once)
 
 
 def run_ddp(tmp_path, *fits):
@@ -59,10 +59,12 @@ def test_ddp_every_rank_applies_the_layout_checks_fallback(together):
         assert BUCKET_WARNING not in output
 
 
-def test_ddp_mode_auto_times_on_rank_0_and_every_rank_keeps_its_choice(together):
-    ranks, output = together[0]["auto"], together[1]
-    assert [r["steps"] for r in ranks] == [3, 3], output[-2000:]
-    # the same median seconds on both ranks: one timing, broadcast (two ranks timing alone would not agree)
-    assert ranks[0]["timings"] is not None and set(ranks[0]["timings"]) == {"channels_last", "contiguous"}
-    assert ranks[0]["timings"] == ranks[1]["timings"] and ranks[0]["layout"] == ranks[1]["layout"]
-    assert output.count("ChannelsLast(mode='auto'), timed") == 1, output[-3000:]  # said by rank 0 alone
+def test_ddp_the_race_is_decided_on_rank_0_and_every_rank_keeps_its_choice(together):
+    ranks, output = together[0]["race"], together[1]
+    assert [r["steps"] for r in ranks] == [12, 12], output[-2000:]
+    assert [r["layout"] for r in ranks] == ["contiguous", "contiguous"] and all(r["params_nchw_at_end"] for r in ranks)
+    assert ranks[0]["params_cl"] == ranks[1]["params_cl"]  # the same layout at every step, on every rank
+    assert ranks[0]["timings"] == ranks[1]["timings"] and ranks[0]["timings"]["channels_last"] > 0.15
+    assert output.count("ChannelsLast: NCHW ") == 1, output[-3000:]  # said by rank 0 alone
+    # DDP built its buckets in channels_last: NCHW steps copy each gradient into them (timed in the race), said once
+    assert BUCKET_WARNING not in output and output.count("gradient buckets") == 1, output[-3000:]

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import lightning.pytorch as pl
-import torch
 from torch import nn
 
 from cltrain.check.fallback import Fallback
@@ -13,8 +10,8 @@ from cltrain.check.resume import RESTORED, restored_check, run_fingerprint, save
 from cltrain.check.result import LayoutCheck
 
 
-def _trainer(precision: str = "32-true") -> SimpleNamespace:
-    return SimpleNamespace(precision=precision, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+def _fingerprint(module: pl.LightningModule, precision: str = "32-true") -> str:
+    return run_fingerprint(module, precision=precision, device="cpu", code=[type(module).training_step])
 
 
 def _module(width: int = 4, edited: bool = False) -> pl.LightningModule:
@@ -34,11 +31,11 @@ def _module(width: int = 4, edited: bool = False) -> pl.LightningModule:
 
 
 def test_the_fingerprint_is_the_same_for_the_same_run_and_changes_with_the_model_step_or_precision() -> None:
-    same = run_fingerprint(_trainer(), _module())
-    assert run_fingerprint(_trainer(), _module()) == same
-    assert run_fingerprint(_trainer("bf16-mixed"), _module()) != same
-    assert run_fingerprint(_trainer(), _module(width=8)) != same
-    assert run_fingerprint(_trainer(), _module(edited=True)) != same  # an edit to the step's code
+    same = _fingerprint(_module())
+    assert _fingerprint(_module()) == same
+    assert _fingerprint(_module(), "bf16-mixed") != same
+    assert _fingerprint(_module(width=8)) != same
+    assert _fingerprint(_module(edited=True)) != same  # an edit to the step's code
 
 
 def test_a_saved_verdict_comes_back_with_its_fallbacks_and_says_where_it_came_from() -> None:

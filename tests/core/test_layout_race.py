@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -96,9 +97,26 @@ def test_decisions_travel_in_a_checkpoint_and_are_not_raced_again() -> None:
     race = LayoutRace(warmup=0)
     decision, _ = run(race, lambda layout, step: {"channels_last": 1.0, "contiguous": 0.8}[layout])
     restored = LayoutRace()
-    restored.load_state_dict(race.state_dict())
+    restored.load_state_dict(json.loads(json.dumps(race.state_dict())))  # plain types, as a checkpoint holds them
     assert restored.next_layout(KEY) == "contiguous" and not restored.racing()
     assert restored.decisions[KEY].how == "restored" and restored.decisions[KEY].seconds == decision.seconds
+
+
+@pytest.mark.parametrize("stop", range(1, 11))
+def test_a_race_stopped_at_any_step_goes_on_where_it_was(stop) -> None:
+    def seconds(layout, step):
+        return {"channels_last": 1.0, "contiguous": 0.9}[layout] * (1 + 0.001 * (step % 3))
+
+    whole, layouts = run(LayoutRace(), seconds)
+    first = LayoutRace()
+    _, before = run(first, seconds, steps=stop)
+    second = LayoutRace()
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    decided = whole if len(before) == len(layouts) else None
+    if decided is None:
+        decided, after = run(second, lambda layout, step: seconds(layout, step + stop))
+        before += after
+    assert before == layouts and decided.layout == whole.layout == "contiguous"
 
 
 def test_bad_settings_are_named() -> None:

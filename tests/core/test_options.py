@@ -8,7 +8,7 @@ import pytest
 
 from cltrain import ChannelsLast
 from cltrain.loops import convert_model
-from cltrain.options import check_flags, check_mode, check_positive
+from cltrain.options import check_flags, check_layout_choice, check_mode, check_positive
 
 
 def _front_doors() -> dict:
@@ -41,8 +41,14 @@ def test_the_checks_name_the_call_the_argument_and_what_it_takes():
                           (lambda: check_positive("f", "n", True), "f(n=True): expected an int >= 1."),
                           (lambda: check_positive("f", "n", 0, optional=True), "f(n=0): expected None or an int >= 1."),
                           (lambda: check_positive("f", "t", 0, whole=False), "f(t=0): expected seconds > 0."),
-                          (lambda: check_mode("f", "auto", ("full", "conv", "off")),
-                           "f(mode='auto'): expected one of ('full', 'conv', 'off').")]:
+                          (lambda: check_mode("f", "fast", ("full", "conv", "off")),
+                           "f(mode='fast'): expected one of ('full', 'conv', 'off')."),
+                          (lambda: check_mode("f", "auto", ("full", "conv")),
+                           "f(mode='auto'): the layout is chosen by layout= ('auto', the default, races both layouts on "
+                           "the run's first training steps); mode takes ('full', 'conv')."),
+                          (lambda: check_layout_choice("f", "nhwc"),
+                           "f(layout='nhwc'): expected one of ('auto', 'channels_last', 'contiguous') ('auto', the "
+                           "default, times both on the run's first training steps and keeps the faster).")]:
         with pytest.raises(ValueError) as raised:
             call()
         assert str(raised.value) == message

@@ -216,3 +216,33 @@ def test_a_resumed_run_applies_the_checkpoints_verdict_and_checks_again_when_the
     again = ChannelsLast()
     _resumable_fit(tmp_path, changed_module, again, epochs=2, ckpt_path=ckpt)
     assert again.layout_checks["train"].seconds > 0 and "checked again" in again.layout_checks["train"].line()
+
+
+@pytest.mark.parametrize("stop", [6, 12], ids=["mid-race", "decided"])
+def test_a_run_stopped_during_or_after_the_race_resumes_bit_for_bit(tmp_path, stop, caplog):
+    """The race's decision and its progress travel in the checkpoint: stopped in the middle of the race, the resumed
+    run runs the same layouts at the same steps; stopped after it, the decision is kept (not raced again). The
+    model's channels_last steps are slow (``SlowIn``), so every run decides alike; epochs of two steps, so each stop is
+    at an epoch's end (a plain DataLoader does not resume within one)."""
+    from tests.helpers.plain_modules import Classifier, SlowIn, loader
+
+    pl = _pl("lightning.pytorch")
+
+    def fit(folder, steps, ckpt_path=None, every=0):
+        torch.manual_seed(0)
+        module = Classifier(net=SlowIn("channels_last", seconds=0.15))
+        saves = [pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_top_k=-1,
+                                              filename="{step}")] if every else []
+        callback = ChannelsLast()
+        pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=bool(every), callbacks=[callback, *saves],
+                   num_sanity_val_steps=0, limit_val_batches=0).fit(module, loader(4, 2), ckpt_path=ckpt_path)
+        return module, callback
+
+    whole, decided = fit(tmp_path / "whole", 16, every=stop)
+    assert decided.decision.layout == "contiguous"
+    with caplog.at_level(logging.INFO, logger="cltrain"):
+        resumed, again = fit(tmp_path / "again", 16, ckpt_path=str(tmp_path / "whole" / f"step={stop}.ckpt"))
+    assert again.decision.layout == "contiguous" and again.decision.how == ("restored" if stop == 12 else "timed")
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+    assert resumed.seen["train"][-1][:4] == torch.empty(2, 3, 32, 32).stride()

@@ -11,8 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from cltrain import is_channels_last
 from cltrain.callback import ChannelsLast
-from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, ImageFolderDataModule, ImageFolderDataset, PrefetchDataLoader,
-                          eval_transform)
+from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, ImageFolderDataModule, ImageFolderDataset, eval_transform)
 from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_jpegs, write_odd_files
 
 SIZE = 32

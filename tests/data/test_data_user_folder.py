@@ -11,7 +11,7 @@ from cltrain.data import ShardsDataset, eval_transform
 from cltrain.data.check import main as check_main
 from cltrain.data.index import scan_split
 from cltrain.data.pack import SKIPPED_LIST, main as pack_main
-from tests.helpers.data_fixtures import QUIRKS_BAD, QUIRKS_READABLE, add_junk, write_image_folder, write_user_folder
+from tests.helpers.data_fixtures import QUIRKS_BAD, add_junk, write_image_folder, write_user_folder
 
 
 @pytest.fixture(scope="module")

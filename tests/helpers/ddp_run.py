@@ -5,12 +5,12 @@
 Each fit (one after another in the same two processes) has every rank write OUT_DIR/<fit>/rank<N>.json (``:``
 as ``-`` in the folder's name) with the layout of its parameters and gradients and the warnings it saw. "late" converts only after DDP has wrapped the model (the pitfall of
 pytorch#47163), to show the check can fail. "user:PATTERN" trains one of ``tests.helpers.user_code``'s
-projects whose code assumes NCHW, under ``ChannelsLast()``. "auto" times the layouts under
-``ChannelsLast(mode="auto")`` on rank 0 (the probe's child a fork of the warm server) and every rank keeps its choice.
+projects whose code assumes NCHW, under ``ChannelsLast()``. "race" races the layouts on 12 steps of a model whose
+channels_last steps are slow (DDP's all-reduce gives every rank the slowest rank's step): every rank switches to NCHW at
+the same step, on rank 0's decision.
 """
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from cltrain import ChannelsLast, is_channels_last, to_channels_last
-from tests.helpers.plain_modules import Classifier, loader
+from tests.helpers.plain_modules import Classifier, SlowIn, loader
 from tests.helpers import warm
 
 
@@ -46,14 +46,17 @@ def main(out: Path, how: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     probe = Probe()
-    first = {"late": LateConversion(), "auto": ChannelsLast(mode="auto", input_shape=(4, 3, 16, 16), auto_steps=1)}
+    first = {"late": LateConversion()}
     callbacks = [first.get(how) or ChannelsLast(), probe]
     module, data = Classifier(), loader(24, 4)
+    if how == "race":
+        module, data = Classifier(net=SlowIn("channels_last", seconds=0.2)), loader(48, 2)
     if how.startswith("user:"):
         pattern = how.split(":", 1)[1]
         module, data = user_code.PATTERNS[pattern](), user_code.data(pattern)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=12 if how == "race" else 3, logger=False,
+        enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )
     with warnings.catch_warnings(record=True) as seen:
@@ -71,16 +74,13 @@ def main(out: Path, how: str) -> None:
         "layout": callbacks[0].layout if how != "late" else None,
         "fallbacks": [f.as_dict() for f in callbacks[0].fallbacks] if how != "late" else None,
         "checks": {k: c.verdict for k, c in callbacks[0].layout_checks.items()} if how != "late" else None,
-        "timings": callbacks[0].timings if how == "auto" else None,
+        "timings": callbacks[0].timings if how == "race" else None,
+        "params_nchw_at_end": all(p.is_contiguous() for p in module.parameters() if p.dim() == 4),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
     warm.lightning_ranks_forked()
-    if os.environ.get(warm.SOCKET):  # mode="auto"'s timing child, a fork too
-        from cltrain.timing import probe as layout_probe
-
-        layout_probe.subprocess = warm.forking_subprocess
     for fit in sys.argv[2:] or ["callback"]:
         main(Path(sys.argv[1]), fit)

@@ -5,6 +5,8 @@ They only record what reaches them (input strides, weight strides) so tests can 
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torchvision
 from lightning.pytorch import LightningModule
@@ -46,6 +48,25 @@ def tiny_video_net(classes: int = 4) -> nn.Module:
         nn.Conv3d(3, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(), nn.Conv3d(8, 8, (1, 3, 3), padding=(0, 1, 1)),
         nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(8, classes),
     )
+
+
+class SlowIn(nn.Module):
+    """A small conv net (or ``net``) that wastes ``seconds`` per forward when its input is in ``slow_layout``
+    (``"channels_last"``, ``"contiguous"``, or a callable giving it at the call): which layout trains faster is then
+    beyond the noise of a busy machine. A real model's speed is a benchmark's business (scripts/bench)."""
+
+    def __init__(self, slow_layout, net: nn.Module | None = None, seconds: float = 0.3):
+        super().__init__()
+        self.slow_layout, self.seconds = slow_layout, seconds
+        self.body = net or nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        from cltrain import is_channels_last
+
+        slow = self.slow_layout() if callable(self.slow_layout) else self.slow_layout
+        if ("channels_last" if is_channels_last(x) else "contiguous") == slow:
+            time.sleep(self.seconds)
+        return self.body(x)
 
 
 class Classifier(LightningModule):

@@ -135,9 +135,6 @@ def validate(cfg: DictConfig) -> Resolved:
         ConfigError: on the first bad value, naming the key, the value and what is allowed.
     """
     check(cfg)  # names, types, ranges and choices of every key (the schema); what follows checks meanings
-    if cfg.compile.enabled and cfg.channels_last and cfg.channels_last_mode == "auto":
-        raise ConfigError("channels_last_mode", "auto", "cannot be combined with compile.enabled=true (the layout is "
-                          "fixed before compiling)", "full, conv")
 
 
     check_model_name(cfg.model.name, cfg.model.source)
