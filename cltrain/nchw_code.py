@@ -207,6 +207,7 @@ def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[li
         say(f"ChannelsLast: {', '.join(names)} bound torch.nn.utils.parameters_to_vector or vector_to_parameters by "
             f"name; during the run they read and write channels_last parameters in their logical order ({UPSTREAM}).",
             False)
+    say = None  # held no longer than needed: it may hold the run that holds this context
     try:
         yield names
     finally:
@@ -220,6 +221,7 @@ def torch_utilities(say: Callable[[str, bool], None] | None = None) -> Iterator[
     """Every fix of this module held at once: ``flat_parameters``, ``pruning_in_logical_order`` and
     ``bound_by_name`` (``say`` names the modules it rebinds)."""
     with flat_parameters(), pruning_in_logical_order(), bound_by_name(say):
+        say = None  # as in bound_by_name
         yield
 
 

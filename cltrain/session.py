@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -186,6 +187,7 @@ class LayoutSession:
         if self._utilities is None:
             self._utilities = contextlib.ExitStack()
             self._utilities.enter_context(torch_utilities(self.say))
+            weakref.finalize(self, self._utilities.close)  # a run that ended in an exception gives them back too
         if owner is not None:
             self.report_conversion(owner, model, inputs)
         return model
@@ -388,11 +390,11 @@ class LayoutSession:
         the check itself is reported as not checked: it never ends the run."""
         if kind in self.layout_checks:
             return self.layout_checks[kind]
-        if not self.verify or self.layout != "channels_last":
-            return LayoutCheck("not checked", reason="not asked" if not self.verify else "the model runs in NCHW")
         saved = self._restored.get("layout_checks", {}).get(kind)
         same = saved is not None and self.fingerprint is not None \
             and self._restored.get("fingerprint") == self.fingerprint()
+        if not same and (not self.verify or self.layout != "channels_last"):
+            return LayoutCheck("not checked", reason="not asked" if not self.verify else "the model runs in NCHW")
         result = None
         if self.sharding is not None:
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))

@@ -159,9 +159,9 @@ class LayoutCheck:
             room = MAX_LINE - len(f"{check}: ") - len(tail)
             if len(found) > room:  # shorten what was found, keep what was done
                 found = _shorten(found, max(room, 40))
-            elif room - len(found) > 30:
+            elif room - len(found) > 30 and details:
                 found += f" [{_shorten(' | '.join(details), room - len(found) - 3)}]"
-            text = f"{check}: {found}{tail}"
+            text = f"{check}: {found}{tail}" if found else f"{check}: {done}{notes} ({self.seconds:.1f} s)"
         return _shorten(text, MAX_LINE)
 
     def as_dict(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
+from cltrain.check.resume import run_fingerprint
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.options import check_flags, check_layout_choice, check_mode
 from cltrain.precision import autocast_dtype
@@ -86,6 +87,8 @@ def prepare_channels_last(
     hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
     host = hook.host(log=lambda metrics: accelerator.log(metrics))
     session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host)
+    session.fingerprint = lambda: run_fingerprint(model, precision=str(accelerator.mixed_precision),
+                                                  device=accelerator.device.type)
     # FSDP and DeepSpeed (GPU only in Accelerate) keep parameters contiguous: then only the inputs go channels_last.
     session.start(model, device=accelerator.device, dtype=dtype, sharding=sharding_of(model, accelerator),
                   owner=f"prepare_channels_last(mode={mode!r})")

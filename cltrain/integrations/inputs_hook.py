@@ -219,8 +219,8 @@ class ChannelsLastInputs:
             return first, {k: _to_channels_last(v, module) if k in self.names else v for k, v in kwargs.items()}
         kind = "train" if module.training and torch.is_grad_enabled() else "eval"
         if self.steps == "forward":  # a hand-written loop: its calls are all the events there are
-            # the previous training step ended where this call starts (not timed where the loop turns to evaluation)
-            self.session.step_end(module, completed=kind == "train")
+            # the previous training step ended where this call starts (its optimizer step done, evaluation or not)
+            self.session.step_end(module)
             if kind == "eval" and self._last == "train":
                 self.session.boundary(module, after="before an evaluation")
         self._last = kind

@@ -246,3 +246,34 @@ def test_a_run_stopped_during_or_after_the_race_resumes_bit_for_bit(tmp_path, st
     assert again.decision.layout == "contiguous" and again.decision.how == ("restored" if stop == 12 else "timed")
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
     assert resumed.seen["train"][-1][:4] == torch.empty(2, 3, 32, 32).stride()
+
+
+def test_parameters_to_vector_bound_by_name_before_the_run_works_during_it_and_is_named(tmp_path, monkeypatch,
+                                                                                       caplog):
+    """A module that did ``from torch.nn.utils import parameters_to_vector`` at its top holds torch's own function,
+    which raises on channels_last weights: the run rebinds it for its duration, and one line names the module."""
+    (tmp_path / "user_flat.py").write_text("from torch.nn.utils import parameters_to_vector\n\n\n"
+                                           "def flat(module):\n    return parameters_to_vector(module.parameters())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_flat
+
+    pl = _pl("lightning.pytorch")
+    reference = user_flat.flat(_net())
+    seen = []
+
+    class Flat(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(torch.equal(user_flat.flat(pl_module.net), reference))
+
+    with caplog.at_level(logging.INFO, logger="cltrain"):
+        _fit("lightning.pytorch", [ChannelsLast(layout="channels_last"), Flat()], _module("lightning.pytorch"),
+             epochs=1)
+    assert seen[0] is True  # the first batch: the weights as built, read in their logical order
+    said = [r.getMessage() for r in caplog.records if "bound torch.nn.utils.parameters_to_vector" in r.getMessage()]
+    assert len(said) == 1 and "user_flat" in said[0]
+    from torch.nn.utils import convert_parameters
+
+    assert user_flat.parameters_to_vector is convert_parameters.parameters_to_vector  # torch's own again after it
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="view size"):  # the control: torch's own, outside a run
+        user_flat.flat(conv)

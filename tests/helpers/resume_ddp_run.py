@@ -6,9 +6,10 @@ those checkpoints.
 
 KIND: ``folder`` (ImageFolderDataModule, no workers), ``clips`` (ClipFolderDataModule, 2 workers per rank), ``shards``
 (ShardsDataModule over a pack, 2 workers per rank) or ``stream`` (HFImageDataModule streaming a ``save_to_disk``
-folder, 2 workers per rank). Rank 0 writes, per KIND,
-OUT_DIR/KIND/whole.pt and resumed.pt (the models' states), the checkpoints in OUT_DIR/KIND/steps/, and
-OUT_DIR/KIND/said.json (the step counts and the warnings of the resumed fit).
+folder, 2 workers per rank). Every fit trains under ``ChannelsLast`` (its layout pinned: two fresh runs are equal bit
+for bit in one layout). Every rank writes, per KIND, OUT_DIR/KIND/whole<R>.pt and resumed<R>.pt (its model's state,
+its optimizer's state tensors); rank 0 the checkpoints in OUT_DIR/KIND/steps/ and OUT_DIR/KIND/said.json (the step
+counts and the warnings of the resumed fit).
 """
 
 import json
@@ -22,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
+from cltrain import ChannelsLast
 from cltrain.data import HFImageDataModule, ImageFolderDataModule, ShardsDataModule
 from tests.helpers import warm
 
@@ -61,7 +63,8 @@ def _fit(kind: str, source: Path, steps: Path, ckpt: str | None) -> tuple[pl.Tra
     saves = [] if ckpt else [ModelCheckpoint(dirpath=steps, every_n_train_steps=1, save_top_k=-1, filename="{step}")]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, enable_checkpointing=not ckpt, callbacks=saves)
+                         num_sanity_val_steps=0, enable_checkpointing=not ckpt,
+                         callbacks=[ChannelsLast(layout="channels_last"), *saves])
     module = Net(video=kind == "clips")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -75,9 +78,14 @@ def main(out: Path, runs: list[str]) -> None:
         where = out / kind
         whole, whole_module, _ = _fit(kind, Path(source), where / "steps", None)
         resumed, module, said = _fit(kind, Path(source), where / "steps", str(where / "steps" / f"step={step}.ckpt"))
-        if resumed.global_rank == 0:
-            for name, m in (("whole", whole_module), ("resumed", module)):
-                torch.save({k: v.detach().cpu() for k, v in m.state_dict().items()}, where / f"{name}.pt")
+        rank = resumed.global_rank
+        for name, (m, t) in (("whole", (whole_module, whole)), ("resumed", (module, resumed))):
+            state = {k: v.detach().cpu() for k, v in m.state_dict().items()}
+            state.update({f"optimizer.{i}.{k}": v for i, s in enumerate(t.optimizers[0].state.values())
+                          for k, v in s.items() if torch.is_tensor(v)})
+            state["strides"] = [list(p.stride()) for p in m.parameters()]
+            torch.save(state, where / f"{name}{rank}.pt")
+        if rank == 0:
             (where / "said.json").write_text(json.dumps({"steps": [whole.global_step, resumed.global_step],
                                                          "said": said}))
 
