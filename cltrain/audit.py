@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cltrain.precision import autocast_for
-from cltrain.timing.layouts import scalar_loss
+from cltrain.timing.steps import scalar_loss
 from cltrain.layout import is_channels_last, layout_summary, to_channels_last
 
 __all__ = ["AuditReport", "AuditRow", "audit_model"]
@@ -286,7 +286,7 @@ def audit_model(
         model: the model, normally already converted with ``cltrain.to_channels_last``
             (the audit does not convert it). Its train/eval mode is used as is.
         example_input: a batch tensor, or a tuple of positional arguments for ``model``.
-        loss_fn: maps the model output to a scalar; default ``cltrain.timing.layouts.scalar_loss``.
+        loss_fn: maps the model output to a scalar; default ``cltrain.timing.steps.scalar_loss``.
         autocast_dtype: run the step under ``torch.autocast`` in this dtype (as training would).
         convert_input: put rank-4/5 input tensors in channels_last first (default), so the
             report is about the model and not about the data path.

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["Platform", "cpu_bf16_support", "current_platform", "onednn_max_isa"]
+__all__ = ["Platform", "cpu_bf16_support", "cpu_model", "current_platform", "onednn_max_isa"]
 
 # platform.machine() in lower case; Windows says AMD64, FreeBSD amd64.
 _X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
@@ -87,6 +87,20 @@ def _cpu_flags() -> frozenset[str] | None:
     except OSError:
         pass
     return None
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), else ``platform.processor()`` or the
+    architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or _platform.machine()
 
 
 @lru_cache(maxsize=4)

@@ -22,14 +22,13 @@ Example::
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cltrain.precision import PrecisionChoice
-from cltrain.timing.layouts import timed
+from cltrain.timing.rounds import time_steps
 
 __all__ = ["PrecisionTrial", "choose_precision", "describe_precision", "time_precisions"]
 
@@ -63,7 +62,8 @@ def time_precisions(step_for: Callable[[str], Callable[[], torch.Tensor]], flags
                     device: torch.device | str, warmup: int = 2, steps: int = 5,
                     rounds: int = 3) -> list[PrecisionTrial]:
     """Each of ``flags`` trained by its own step: ``warmup`` untimed steps, then ``rounds`` rounds of
-    ``steps`` timed steps each, the order of the candidates alternating from round to round.
+    ``steps`` timed steps each, the order of the candidates alternating from round to round
+    (``cltrain.timing.rounds.time_steps``).
 
     Args:
         step_for: builds the step for a precision flag (its own model copy, optimizer and, for
@@ -84,39 +84,27 @@ def time_precisions(step_for: Callable[[str], Callable[[], torch.Tensor]], flags
     if steps < 1 or rounds < 1 or warmup < 0:
         raise ValueError(f"time_precisions: need steps >= 1, rounds >= 1, warmup >= 0; "
                          f"got {steps}, {rounds}, {warmup}.")
-    device = torch.device(device)
+    # torch.OutOfMemoryError is a RuntimeError
+    failures = (RuntimeError, ValueError, TypeError)
     errors: dict[str, str] = {}
     losses: dict[str, list[torch.Tensor]] = {flag: [] for flag in flags}
-    seconds: dict[str, list[float]] = {flag: [] for flag in flags}
-    runners: dict[str, Callable[[], torch.Tensor]] = {}
-
-    def run(flag: str, n: int) -> None:
-        try:
-            for _ in range(n):
-                losses[flag].append(runners[flag]().detach())
-        except (RuntimeError, ValueError, TypeError) as err:  # torch.OutOfMemoryError is a RuntimeError
-            errors[flag] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-            del runners[flag]
-
+    runners: dict[str, Callable[[], None]] = {}
     for flag in flags:
         try:
-            runners[flag] = step_for(flag)
-        except (RuntimeError, ValueError, TypeError) as err:
+            step = step_for(flag)
+        except failures as err:
             errors[flag] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-    for flag in list(runners):
-        run(flag, warmup)
-    for r in range(rounds):
-        for flag in flags if r % 2 == 0 else flags[::-1]:
-            if flag in runners:
-                elapsed = timed(lambda: run(flag, steps), device)
-                if flag in runners:
-                    seconds[flag].append(elapsed / steps)
+            continue
+        runners[flag] = lambda step=step, kept=losses[flag]: kept.append(step().detach())
+    timing = time_steps(runners, rounds=rounds, warmup=warmup, min_steps=steps, max_steps=steps, sync=device,
+                        catch=failures)
+    errors.update(timing.errors)
     trials = []
     for flag in flags:
         kept = losses[flag]
         # one read of all the losses on the host, after every step
         finite = bool(torch.stack([t.float().reshape(()) for t in kept]).isfinite().all()) if kept else False
-        median = statistics.median(seconds[flag]) if seconds[flag] and flag not in errors else None
+        median = timing.per_step()[flag].median if timing.seconds.get(flag) and flag not in errors else None
         trials.append(PrecisionTrial(flag, median, finite, len(kept), errors.get(flag, "")))
     return trials
 

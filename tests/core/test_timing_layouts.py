@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from cltrain import is_channels_last_1d, layout_of, layout_summary, to_channels_last
-from cltrain.timing.layouts import choose_layout, model_in_layout, scalar_loss, time_layouts
+from cltrain.timing.layouts import choose_layout, time_layouts
+from cltrain.timing.steps import model_in_layout, scalar_loss
 
 
 class SlowIn(nn.Module):
