@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from scripts.timing import Stopwatch
+from cltrain.timing.clock import Stopwatch
 
 #: ``--models`` names: torchvision builders, ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer) and
 #: ``unet_resnet18`` (segmentation_models_pytorch's U-Net, one output channel, trained with Dice + BCE).
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             ["resnet18"], 4, 32, "32-true", 2, 1
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the plain step time is read from steps 2..)")
-    from scripts.machine import machine, machine_line
+    from cltrain.timing.machine import machine, machine_line
 
     samples = {None: "default", 0: "the whole batch"}.get(args.check_samples, args.check_samples)
     points = [(m, z) for m in GRID[0] for z in GRID[1]] if args.grid else [(m, args.size) for m in args.models]

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         child(args)
         return []
     from cltrain.precision import auto_precision
-    from scripts.machine import machine, machine_line
+    from cltrain.timing.machine import machine, machine_line
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
     args.precisions = [auto.flag if p == "auto" else p for p in (args.precisions or ["auto", "32-true"])]

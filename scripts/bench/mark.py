@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from scripts.timing import Stopwatch
+from cltrain.timing.clock import Stopwatch
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {

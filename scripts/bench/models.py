@@ -10,12 +10,13 @@ channels-last / contiguous. It also runs ``cltrain.timing.layouts.choose_layout`
 (what ``ChannelsLast(mode="auto")`` does) per model and dtype and says whether
 it picked the measured winner.
 
-Timed windows: after ``--warmup`` untimed steps per layout, one more step per
-layout is timed to calibrate, and every round then runs
-``max(--steps, ceil(--min-window / that step time))`` steps, so each timed
-window lasts at least ``--min-window`` seconds (0.1 s by default: on a fast GPU
-two steps are 20-50 ms, too short to time). On a CPU the models' steps are
-longer than that, so the rounds stay at ``--steps`` (2). On CUDA
+The cases are ``cltrain.timing.steps.layout_steps`` (a copy of the model and the
+batch in each layout), timed by ``cltrain.timing.rounds.time_steps``: after
+``--warmup`` untimed steps per layout, every round runs at least ``--steps``
+steps and as many as make the faster layout's window last ``--min-window``
+seconds (0.1 s by default: on a fast GPU two steps are 20-50 ms, too short to
+time). On a CPU the models' steps are longer than that, so the rounds stay at
+``--steps`` (2). On CUDA
 ``cudnn.benchmark`` is on (as apex, timm and FFCV set it; the warm-up of 5
 steps covers its tuning) and the machine line says whether fp32 ran as TF32.
 
@@ -58,14 +59,8 @@ to ``--out`` (default ``bench_out/models``); every output names the machine.
 from __future__ import annotations
 
 import argparse
-import csv
-import math
-import os
-import platform
-import statistics
 import sys
 import textwrap
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,11 +68,12 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from cltrain.precision import autocast_for
-from cltrain.timing.layouts import LAYOUTS, choose_layout, model_in_layout
-from cltrain.layout import to_channels_last, to_channels_last_1d
 from cltrain.model_names import build_untrained_model
-from scripts.timing import interleaved, timed
+from cltrain.timing.layouts import choose_layout
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table, write_report
+from cltrain.timing.rounds import time_steps
+from cltrain.timing.steps import LAYOUTS, layout_steps
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -159,77 +155,18 @@ def amp_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "cuda" else torch.bfloat16
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def describe_machine(device: torch.device) -> str:
-    """One line naming the hardware and software the figures come from."""
-    parts = [f"CPU {cpu_name()} ({os.cpu_count()} logical cores, torch threads {torch.get_num_threads()})"]
-    if device.type == "cpu":
-        bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        parts.append(f"bf16 kernels {'yes' if bf16 else 'no (AVX512-BF16/AMX missing: bf16 runs emulated, slower)'}")
-    else:
-        tf32 = torch.backends.cudnn.allow_tf32
-        parts.append(f"GPU {torch.cuda.get_device_name(device)}; cudnn.benchmark {torch.backends.cudnn.benchmark}, "
-                     f"fp32 convolutions {'TF32' if tf32 else 'full fp32'} (cudnn.allow_tf32={tf32}), "
-                     f"matmul precision {torch.get_float32_matmul_precision()}")
-    parts.append(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {platform.system()} {platform.release()}")
-    return "; ".join(parts)
-
-
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> None:
-    opt.zero_grad(set_to_none=True)
-    with autocast_for(device, dtype):
-        out = model(x)
-    logits = out if isinstance(out, torch.Tensor) else out[0]
-    F.cross_entropy(logits.float(), y).backward()
-    opt.step()
-
-
-def _in_layout(base: nn.Module, x: torch.Tensor, layout: str, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
-    if x.dim() == 3:  # 1-D: model_in_layout / to_channels_last leave rank 3 alone
-        model = model_in_layout(base, "contiguous", device)
-        return (to_channels_last_1d(model), to_channels_last_1d(x)) if layout == "channels_last" else (model, x.contiguous())
-    return model_in_layout(base, layout, device), to_channels_last(x) if layout == "channels_last" else x.contiguous()
-
-
 def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
-               dtype: torch.dtype | None) -> tuple[dict[str, list[float]], int]:
-    """Samples/second per round for each layout, timed interleaved, and the steps per round."""
+               dtype: torch.dtype | None):
+    """Both layouts' training steps (forward, cross-entropy, backward, SGD) on one random batch, timed in
+    interleaved rounds (``cltrain.timing.rounds.StepTimes``)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen).to(device)
     y = torch.randint(0, NUM_CLASSES, (shape[0],), generator=gen).to(device)
-    models, inputs = {}, {}
-    for layout in LAYOUTS:
-        models[layout], inputs[layout] = _in_layout(base, x, layout, device)
-        models[layout].train()
-    opts = {layout: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4) for layout, m in models.items()}
-
-    def steps_of(layout: str, n: int) -> None:
-        for _ in range(n):
-            _train_step(models[layout], opts[layout], inputs[layout], y, device, dtype)
-
-    for layout in LAYOUTS:
-        steps_of(layout, args.warmup)
-    steps = args.steps
-    if args.min_window > 0:  # calibrate on the faster layout, so both layouts' windows last >= --min-window
-        # per step in a 3-step probe (as a round runs), the faster layout, with a 50% margin: a round that
-        # happens to run faster than its probe (a machine whose other load drops) still lasts >= --min-window
-        fastest = min(timed(lambda: steps_of(layout, 3), sync=device) / 3 for layout in LAYOUTS)
-        steps = max(steps, min(args.max_steps, math.ceil(1.5 * args.min_window / max(fastest, 1e-9))))
-
-    def rate(layout: str) -> float:
-        return shape[0] * steps / timed(lambda: steps_of(layout, steps), sync=device)
-
-    rates = interleaved(args.repeats, {layout: partial(rate, layout) for layout in LAYOUTS}, rotate=True)
-    return rates, steps
+    steps = layout_steps(base.train(), x, targets=y, device=device, autocast_dtype=dtype,
+                         loss=lambda out, y: F.cross_entropy((out if isinstance(out, torch.Tensor) else out[0]).float(), y),
+                         optimizer=lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=1e-4))
+    return time_steps(steps, rounds=args.repeats, warmup=args.warmup, min_steps=args.steps, min_window=args.min_window,
+                      max_steps=args.max_steps, sync=device)
 
 
 def _auto_pick(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
@@ -255,8 +192,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
     rows = []
     for dtype_name in args.dtypes:
         dtype = None if dtype_name == "fp32" else amp_dtype(device)
-        rates, steps = bench_cell(base, shape, args, device, dtype)
-        med = {layout: statistics.median(v) for layout, v in rates.items()}
+        timing = bench_cell(base, shape, args, device, dtype)
+        rates, steps = timing.rates(units=shape[0]), timing.steps["contiguous"]
+        med = {layout: rates[layout].median for layout in LAYOUTS}
         shown = {layout: _sig(med[layout]) for layout in LAYOUTS}
         # the winner as the table shows the rates: where they round alike, the default layout
         winner = "channels_last" if shown["channels_last"] > shown["contiguous"] else "contiguous"
@@ -266,8 +204,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
             "model": name, "kind": kind_of(name), "dtype": label, "batch_size": shape[0],
             "input_shape": "x".join(map(str, shape)), "device": device.type, "machine": machine, "steps": steps,
             **{f"{layout}_img_s": shown[layout] for layout in LAYOUTS},
-            **{f"{layout}_min": _sig(min(rates[layout])) for layout in LAYOUTS},
-            **{f"{layout}_max": _sig(max(rates[layout])) for layout in LAYOUTS},
+            **{f"{layout}_min": _sig(rates[layout].low) for layout in LAYOUTS},
+            **{f"{layout}_max": _sig(rates[layout].high) for layout in LAYOUTS},
             "speedup": round(med["channels_last"] / med["contiguous"], 3),
             "measured_winner": winner, "auto_pick": pick,
             **{f"auto_{layout}_ms": round(1e3 * seconds[layout], 1) if seconds else "" for layout in LAYOUTS},
@@ -305,19 +243,13 @@ def to_markdown(rows: list[dict], machine: str, args: argparse.Namespace) -> str
     ]
     for kind, (heading, unit, layout_name) in KINDS.items():
         group = [r for r in rows if r["kind"] == kind]
-        if not group:
-            continue
-        lines += [
-            "", f"#### {heading}", "",
-            f"| model | input | dtype | contiguous {unit}/s | {layout_name} {unit}/s | speed-up | auto picks | matches winner |",
-            "|---|---|---|---:|---:|---:|---|---|",
-        ]
-        for r in group:
-            note = f" ({r['note']})" if r["note"] else ""
-            lines.append(
-                f"| {r['model']}{note} | {r['input_shape']} | {r['dtype']} | {_cell(r, 'contiguous')} | "
-                f"{_cell(r, 'channels_last')} | **{r['speedup']:.2f}x** | {r['auto_pick']} | {_matches(r)} |"
-            )
+        if group:
+            lines += ["", f"#### {heading}", "", table(
+                ["model", "input", "dtype", f"contiguous {unit}/s", f"{layout_name} {unit}/s", "speed-up", "auto picks",
+                 "matches winner"],
+                [[f"{r['model']}{f' ({n})' if (n := r['note']) else ''}", r["input_shape"], r["dtype"],
+                  _cell(r, "contiguous"), _cell(r, "channels_last"), f"**{r['speedup']:.2f}x**", r["auto_pick"],
+                  _matches(r)] for r in group], align="lllrrrll")]
     timed = [r for r in rows if r["auto_matches"] != ""]
     matched = sum(bool(r["auto_matches"]) for r in timed)
     lines += ["", f"Auto mode picked the measured winner in {matched} of {len(timed)} cases it timed."]
@@ -413,23 +345,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_flush_denormal(True)  # a few SGD steps on random data must not wander into slow denormals
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as apex, timm and FFCV run; the warm-up covers the tuning
-    machine = describe_machine(device)
-    print(f"Machine: {machine}\nimages {args.batch_size}x{args.image_size}px, clips {args.clip_batch_size}x{args.frames}x"
+    described = machine_line(machine(device, packages=("torch", "torchvision")))
+    print(f"Machine: {described}\nimages {args.batch_size}x{args.image_size}px, clips {args.clip_batch_size}x{args.frames}x"
           f"{args.clip_size}px, waveforms {args.audio_batch_size}x{args.audio_length}, dtypes {args.dtypes}, "
           f"models {len(args.models)}, timed windows >= {args.min_window:g} s", flush=True)
     rows = []
     for name in args.models:
-        rows += bench_model(name, args, device, machine)
+        rows += bench_model(name, args, device, described)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    markdown = to_markdown(rows, machine, args)
-    (args.out / "results.md").write_text(markdown)
-    plot_speedups(rows, machine, args.out / "speedup.png")
+    markdown = to_markdown(rows, described, args)
+    write_report(args.out / "results", markdown=markdown, csv_rows=rows, csv_fields=CSV_FIELDS)
+    plot_speedups(rows, described, args.out / "speedup.png")
     print(markdown)
     print(f"wrote {args.out / 'results.csv'}, {args.out / 'results.md'}, {args.out / 'speedup.png'}")
     return rows

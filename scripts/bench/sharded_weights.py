@@ -13,8 +13,9 @@ one training step (forward, cross-entropy, backward, SGD with momentum) on one f
   convolution-bearing child and the root, in a one-process group (gloo on CPU, nccl on CUDA), so the all-gather's
   copies are in the step too.
 
-Each variant has its own copy of the model and optimizer; rounds alternate which variant goes first
-(``--repeats`` rounds, ``--steps`` steps each after ``--warmup``); the table gives median images/s over rounds,
+Each variant has its own copy of the model and optimizer (``cltrain.timing.steps.training_step``); rounds rotate
+which variant goes first (``cltrain.timing.rounds.time_steps``: ``--repeats`` rounds, ``--steps`` steps each after
+``--warmup``); the table gives median images/s over rounds,
 the min-max spread, and each variant's ratio to ``contiguous`` measured in the same run. A hook confirms the
 layout the first convolution's output has in each variant (``NHWC`` when the NHWC kernel ran).
 
@@ -29,9 +30,7 @@ import argparse
 import contextlib
 import copy
 import os
-import statistics
 from collections.abc import Iterator
-from functools import partial
 from typing import Any
 
 import torch
@@ -41,8 +40,10 @@ from torch import nn
 from cltrain.layout import to_channels_last
 from cltrain.model_names import build_untrained_model
 from cltrain.precision import autocast_for
-from scripts.machine import machine, machine_line
-from scripts.timing import interleaved, timed
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
+from cltrain.timing.rounds import time_steps
+from cltrain.timing.steps import training_step
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
 SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
@@ -94,15 +95,6 @@ def first_conv_output_layout(model: nn.Module, x: torch.Tensor, dtype: torch.dty
     return seen[0]
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-         dtype: torch.dtype | None) -> None:
-    opt.zero_grad(set_to_none=True)
-    with autocast_for(x.device, dtype):
-        out = model(x)
-    F.cross_entropy(out.float(), y).backward()
-    opt.step()
-
-
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype | None,
                 names: tuple[str, ...]) -> list[dict[str, Any]]:
     """One row per variant of model ``name``: median images/s over rounds, spread, first-conv output layout."""
@@ -111,37 +103,24 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     y = torch.randint(0, 1000, (args.batch_size,), device=device)
     inputs = {"contiguous": x.contiguous(), "channels_last": to_channels_last(x.clone())}
-    runs = {}
+    steps, layouts = {}, {}
     for n in names:
-        model = variant(base, n, device)
-        runs[n] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                   inputs["contiguous" if n.endswith("contiguous") else "channels_last"])
-    layouts = {n: first_conv_output_layout(m, xi, dtype) for n, (m, _, xi) in runs.items()}
-    for n, (m, opt, xi) in runs.items():
-        for _ in range(args.warmup):
-            step(m, opt, xi, y, dtype)
-
-    def rate(n: str) -> float:
-        m, opt, xi = runs[n]
-
-        def steps() -> None:
-            for _ in range(args.steps):
-                step(m, opt, xi, y, dtype)
-
-        return args.steps * args.batch_size / timed(steps, sync=device)
-
-    rates = interleaved(args.repeats, {n: partial(rate, n) for n in names}, rotate=True)  # each goes first in turn
-    base_rate = statistics.median(rates["contiguous"])
-    return [{"model": name, "variant": n, "img_s": statistics.median(v), "min": min(v), "max": max(v),
-             "ratio": statistics.median(v) / base_rate, "first_conv_out": layouts[n]} for n, v in rates.items()]
+        model, xi = variant(base, n, device), inputs["contiguous" if n.endswith("contiguous") else "channels_last"]
+        layouts[n] = first_conv_output_layout(model, xi, dtype)
+        steps[n] = training_step(model, lambda model=model, xi=xi: F.cross_entropy(model(xi).float(), y),
+                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                 autocast_dtype=dtype, device=device)
+    rates = time_steps(steps, rounds=args.repeats, warmup=args.warmup, min_steps=args.steps, max_steps=args.steps,
+                       sync=device).rates(units=args.batch_size)
+    base_rate = rates["contiguous"].median
+    return [{"model": name, "variant": n, "img_s": r.median, "min": r.low, "max": r.high,
+             "ratio": r.median / base_rate, "first_conv_out": layouts[n]} for n, r in rates.items()]
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | weights / input | img/s (median) | min-max | vs contiguous | first conv output |",
-             "|---|---|---:|---:|---:|---|"]
-    lines += [f"| {r['model']} | {r['variant']} | {r['img_s']:,.1f} | {r['min']:,.1f}-{r['max']:,.1f} | "
-              f"{r['ratio']:.2f}x | {r['first_conv_out']} |" for r in rows]
-    return "\n".join(lines)
+def rows_table(rows: list[dict[str, Any]]) -> str:
+    return table(["model", "weights / input", "img/s (median)", "min-max", "vs contiguous", "first conv output"],
+                 [[r["model"], r["variant"], f"{r['img_s']:,.1f}", f"{r['min']:,.1f}-{r['max']:,.1f}",
+                   f"{r['ratio']:.2f}x", r["first_conv_out"]] for r in rows], align="llrrrl")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,19 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     names = PLAIN + (SHARDED if args.fsdp else ())
-    print(machine_line(machine()))
-    if device.type == "cuda":
-        print(f"GPU {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, "
-              f"cuDNN {torch.backends.cudnn.version()}")
+    print(machine_line(machine(device)))
     print(f"batch {args.batch_size} at {args.image_size} px, autocast {args.dtype}, {args.warmup} warm-up steps, "
           f"{args.repeats} interleaved rounds of {args.steps} steps")
     rows: list[dict[str, Any]] = []
     with one_process_group(device) if args.fsdp else contextlib.nullcontext():
         for name in args.models:
             rows += bench_model(name, args, device, dtype, names)
-            print(table([r for r in rows if r["model"] == name]), flush=True)
+            print(rows_table([r for r in rows if r["model"] == name]), flush=True)
     print()
-    print(table(rows))
+    print(rows_table(rows))
     return 0
 
 

@@ -40,7 +40,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from scripts.timing import Stopwatch
+from cltrain.timing.clock import Stopwatch
 
 __all__ = ["DATA_WAIT", "KINDS", "StepProfile", "breakdown", "breakdown_table", "kind_of"]
 

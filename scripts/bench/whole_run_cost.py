@@ -14,13 +14,13 @@ state only when a checkpoint is saved (``state_dict``). This times, in one proce
 * for a stream (``cltrain.data.stream_place``): a sample's seed from its place (``row_seed``, once per sample) and
   noting a batch's worker and its places in the parts (``StreamPlaces.fetched``, once per batch);
 
-and prints each as a median with the ratio to the step, then the machine.
+and prints each as a median with the ratio to the step, then the machine. Each figure is a window of calls lasting
+``--min-window`` seconds (``cltrain.timing.rounds.time_steps``, each sized on its own cost), the figures interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,9 @@ from cltrain.data.running_stats import RunningStats
 from cltrain.data.stream_place import Place, StreamPlaces, Tagged, row_seed
 from cltrain.host import Host
 from cltrain.session import LayoutSession
-from scripts.timing import interleaved, median_seconds
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.rounds import time_steps
+from cltrain.timing.steps import training_step
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--min-window", type=float, default=0.05, help="seconds of calls per figure and round")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.model)(num_classes=10)
@@ -51,10 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,))
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    step = training_step(model, lambda: F.cross_entropy(model(x), y), optimizer=opt)
 
     def moved() -> None:
         for p in model.parameters():
@@ -64,28 +64,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     loader = ResumableLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=8,
                              sampler=ResumableSampler(64, seed=0))
-    step()  # warm-up: kernels chosen, momentum buffers made
     places, tagged = StreamPlaces(), Tagged(0, {0: Place(row=7, copies=0, next=8)}, None)
     stats = RunningStats()
-    stats.hold(model)
-    rows = interleaved(args.rounds, {  # interleaved: each figure from the same stretch of the run
-        "step": lambda: median_seconds(step, 1),
-        "keep, nothing moved": lambda: median_seconds(lambda: session.boundary(model), 20),
-        "keep, every weight moved": lambda: median_seconds(moved, 3),
-        "note_taken": lambda: median_seconds(loader.note_taken, 1000),
-        "loader state_dict": lambda: median_seconds(loader.state_dict, 100),
-        "BatchNorm statistics held": lambda: median_seconds(lambda: stats.hold(model), 100),
-        "stream: a sample's seed": lambda: median_seconds(lambda: row_seed(2**61, 3, 1, 12345, 0, 0), 1000),
-        "stream: a batch's place": lambda: median_seconds(lambda: places.fetched(tagged), 1000)})
-    step_s = statistics.median(rows["step"])
+    timing = time_steps({  # interleaved: each figure from the same stretch of the run
+        "step": step,
+        "keep, nothing moved": lambda: session.boundary(model),
+        "keep, every weight moved": moved,
+        "note_taken": loader.note_taken,
+        "loader state_dict": loader.state_dict,
+        "BatchNorm statistics held": lambda: stats.hold(model),
+        "stream: a sample's seed": lambda: row_seed(2**61, 3, 1, 12345, 0, 0),
+        "stream: a batch's place": lambda: places.fetched(tagged)},
+        rounds=args.rounds, warmup=1, min_window=args.min_window, max_steps=100_000, size_each=True)
+    figures = {name: s.median for name, s in timing.per_step().items()}
     print(f"{args.model}, batch {args.batch} at {args.size} px, channels_last, SGD; medians of {args.rounds} rounds")
-    for name, values in rows.items():
-        value = statistics.median(values)
-        print(f"{name:<26}{value * 1e3:>12.4f} ms{value / step_s:>12.2e} of a step")
-    from scripts.machine import machine, machine_line
-
+    for name, value in figures.items():
+        print(f"{name:<26}{value * 1e3:>12.4f} ms{value / figures['step']:>12.2e} of a step")
     print(machine_line(machine()))
-    return {name: statistics.median(values) for name, values in rows.items()}
+    return figures
 
 
 if __name__ == "__main__":

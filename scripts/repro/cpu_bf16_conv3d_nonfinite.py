@@ -16,8 +16,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from scripts.machine import machine, machine_line
-from scripts.timing import Stopwatch
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.clock import Stopwatch
 
 
 def count(dtype: torch.dtype, channels_last: bool, calls: int, shape: tuple[int, ...]) -> tuple[int, int, float]:

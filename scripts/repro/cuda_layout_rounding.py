@@ -26,7 +26,7 @@ import torchvision
 from torch import nn
 
 from cltrain.layout import to_channels_last
-from scripts.timing import Stopwatch
+from cltrain.timing.clock import Stopwatch
 
 
 @contextlib.contextmanager

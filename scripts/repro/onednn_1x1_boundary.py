@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from scripts.timing import Stopwatch
+from cltrain.timing.clock import Stopwatch
 
 REPRO = Path(__file__).resolve().parent / "onednn_1x1_strided_conv.py"
 BASE = dict(op="conv2d", cin=3, cout=32, kernel=1, stride=2, padding=0, groups=1, size=96, batch=8, dtype="fp32",

@@ -5,15 +5,13 @@ optimizer, each confirmation (``scripts/zoo/confirm.py``), the false-alarm summa
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from cltrain.atomic import atomic_write_text
-from scripts.machine import machine_line
+from cltrain.timing.machine import machine_line
+from cltrain.timing.report import page, table, write_report
 from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, JUDGED, MIN_GAP, NUDGE, numerics
-from scripts.zoo.report import page, table
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZER_SETTINGS
 
 VERDICTS = ("passed", "fallback", "contiguous", "not checked")
@@ -169,12 +167,12 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         "Every model": [
             "Each optimizer's verdict (its confirmation); the largest relative difference between the layouts where "
             "they agreed and the noise measured there (`nan`: no noise run was needed); the check's seconds.", "",
-            *table(["model", "family", "px", "params (M)", *names, "largest agreeing difference (noise)", "check s",
+            table(["model", "family", "px", "params (M)", *names, "largest agreeing difference (noise)", "check s",
                     "layout kept"], _model_rows(rows, optimizers))],
         "Confirmations": [
             "Gaps from the NCHW run, of the channels_last run and of the nudged run (the noise); where the "
             "channels_last run diverged, how far each fp32 run is from the float64 run (loss / update).", "",
-            *table(["model", "optimizer", "verdict", "confirmation", "loss gap / noise", "update gap / noise",
+            table(["model", "optimizer", "verdict", "confirmation", "loss gap / noise", "update gap / noise",
                     "off float64 (loss / update)", "channels_last run", "the check's line"], _confirm_rows(rows))],
     })
 
@@ -187,7 +185,5 @@ def _confirm_scope(args: argparse.Namespace) -> str:
 
 def write_check_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str,
                         args: argparse.Namespace, optimizers: list[str]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out.with_suffix(".md"), markdown(rows, m, command, args, optimizers))
-    atomic_write_text(out.with_suffix(".json"), json.dumps({"command": command, "machine": m, "optimizers": optimizers,
-                                                            "rows": rows}, indent=1, default=str))
+    write_report(out, markdown=markdown(rows, m, command, args, optimizers),
+                 data={"command": command, "machine": m, "optimizers": optimizers, "rows": rows})

@@ -11,12 +11,13 @@ fallbacks, the largest agreeing difference and the check's seconds, as a markdow
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from typing import Any
 
 import torch
+
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
+from scripts.harness import emit, python_module, run_child
 
 
 def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
@@ -45,10 +46,10 @@ def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
     return row
 
 
-def _cell(run: dict[str, Any]) -> str:
+def _cells(run: dict[str, Any]) -> list[Any]:
     found = "; ".join(f"{k} {p} {m!r}" for k, p, m in run["findings"]) or "-"
     worst = f"{run['worst'][0]:.2g} ({run['worst'][1]:.2g})" if run.get("worst") else "-"
-    return f"{run['verdict']} | {found} | {worst} | {run['seconds']}"
+    return [run["verdict"], found, worst, run["seconds"]]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -61,31 +62,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.batch, args.samples, args.precision)))
+        emit(child(args.child, args.batch, args.samples, args.precision))
         return []
-    from scripts.machine import machine, machine_line
-
     print(f"batch {args.batch}, slice of {args.samples} samples, {args.precision}\n")
-    print("| model | same | slice: verdict | findings | largest agreeing difference (noise) | s "
-          "| whole batch: verdict | findings | largest agreeing difference (noise) | s |")
-    print("|---|---|---|---|---|---:|---|---|---|---:|")
-    rows = []
+    rows, cells = [], []
     for key in args.models.split(","):
-        cmd = [sys.executable, "-m", "scripts.zoo.check_slice", "--child", key, "--batch", str(args.batch),
-               "--samples", str(args.samples), "--precision", args.precision, "--models", key]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            row = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
-            error = None if row else (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:120]
-        except subprocess.TimeoutExpired:
-            row, error = None, f"timed out after {args.timeout} s"
-        if row is None:
-            print(f"| {key} | error: {error} |||||||||", flush=True)
+        run = run_child(python_module("scripts.zoo.check_slice", "--child", key, "--batch", args.batch, "--samples",
+                                      args.samples, "--precision", args.precision, "--models", key), timeout=args.timeout)
+        found = run.results()
+        if not found:
+            error = run.status() if run.code is None else run.last_error()[:120]
+            cells.append([key, f"error: {error}", *[""] * 8])
             continue
+        row = found[-1]
         rows.append(row)
         same = all(row["slice"][k] == row["whole"][k] for k in ("verdict", "findings", "fallbacks", "layout"))
-        print(f"| {row['model']} | {'yes' if same else 'NO'} | {_cell(row['slice'])} | {_cell(row['whole'])} |",
-              flush=True)
+        cells.append([row["model"], "yes" if same else "NO", *_cells(row["slice"]), *_cells(row["whole"])])
+        print(f"{key}: {cells[-1][1]}", flush=True)
+    print(table(["model", "same", "slice: verdict", "findings", "largest agreeing difference (noise)", "s",
+                 "whole batch: verdict", "findings", "largest agreeing difference (noise)", "s"], cells,
+                align="lllllrlllr"))
     print("\n" + machine_line(machine()))
     return rows
 

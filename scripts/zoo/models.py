@@ -24,8 +24,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from scripts.zoo import tasks
 from scripts.zoo.spec import NUM_CLASSES, SIZE, Spec
 
-__all__ = ["NUM_CLASSES", "SIZE", "Spec", "all_specs", "batch_to", "build", "clone_batch", "find", "logits_of",
-           "image_of", "make_batch", "quiet_random_layers", "training_loss"]
+__all__ = ["NUM_CLASSES", "SIZE", "Spec", "all_specs", "batch_to", "build", "clone_batch", "conv_weights_cl", "find",
+           "logits_of", "image_of", "make_batch", "quiet_random_layers", "training_loss"]
 
 def _timm(name: str, family: str, **kw: Any) -> Spec:
     return Spec(f"timm:{name}", family, **kw)
@@ -295,3 +295,11 @@ def quiet_random_layers(net: nn.Module) -> nn.Module:
         if isinstance(module, nn.modules.dropout._DropoutNd) or "Drop" in name or "StochasticDepth" in name:
             module.eval()
     return net
+
+
+def conv_weights_cl(net: nn.Module) -> str:
+    """``"n/m"``: how many of ``net``'s 2-D and 3-D convolution weights are channels_last."""
+    from cltrain.layout import CONV_TYPES, is_channels_last
+
+    weights = [m.weight for m in net.modules() if isinstance(m, CONV_TYPES) and m.weight.dim() in (4, 5)]
+    return f"{sum(is_channels_last(w) for w in weights)}/{len(weights)}"

@@ -4,16 +4,14 @@ the check's lines), the machine and library versions, the notes on the cases; an
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-from cltrain.atomic import atomic_write_text
-from scripts.machine import machine_line
+from cltrain.timing.machine import machine_line
+from cltrain.timing.report import table, write_report
+from scripts.harness import REPO
 from scripts.zoo.project_cases import NOTES
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def rel_diff(a: float | None, b: float | None) -> float | None:
@@ -74,7 +72,6 @@ HEADER = ["library", "task", "trains NCHW / CL", "first loss NCHW / CL: rel. dif
 def markdown(rows: list[dict[str, Any]], m: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """The page: the commands that made it (``runs``: ``{"command", "seconds"}``), the machine and versions, a
     summary, the table and the notes on the cases."""
-    escape = lambda c: str(c).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     ran = [r for r in rows if "contiguous" in r]
     both = [r["key"] for r in ran if r["contiguous"].get("trained") and r["channels_last"].get("trained")]
     broken = [r["key"] for r in ran if r["status"] != "ok"]
@@ -101,9 +98,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], runs: list[dict[str,
         + (f"; a run that crashed, raised or timed out: {', '.join(broken)}" if broken else "") + ".",
         f"- The layout check worked around the user code in: {', '.join(found) or 'none'}.",
         "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-        *["| " + " | ".join(escape(c) for c in row_cells(r)) + " |" for r in rows],
+        table(HEADER, [row_cells(r) for r in rows]),
         "",
         "## Notes on the cases",
         "",
@@ -114,7 +109,4 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], runs: list[dict[str,
 
 def write_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], runs: list[dict[str, Any]]) -> None:
     """``<out>.md`` (the page) and ``<out>.json`` (every run's record, for ``--only`` reruns), atomically."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out.with_suffix(".json"), json.dumps({"runs": runs, "machine": m, "rows": rows},
-                                                           indent=1, default=str))
-    atomic_write_text(out.with_suffix(".md"), markdown(rows, m, runs))
+    write_report(out, markdown=markdown(rows, m, runs), data={"runs": runs, "machine": m, "rows": rows})

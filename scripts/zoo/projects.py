@@ -35,7 +35,6 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -43,14 +42,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from scripts.machine import machine, machine_line
-from scripts.timing import Stopwatch
+from cltrain.timing.clock import Stopwatch
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import command_line
+from scripts.harness import REPO, emit, python_module, run_child
+from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
-from scripts.zoo.project_report import REPO, write_outputs
+from scripts.zoo.project_report import write_outputs
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
 LAYOUTS = ("contiguous", "channels_last")
-MARK = "PROJECTS-RESULT "  # the child's result line on stdout
 
 
 # ---- one run, in the child process ----------------------------------------------------------------
@@ -110,7 +111,6 @@ def child(case: Case, layout: str) -> dict[str, Any]:
     from lightning.pytorch import seed_everything
 
     from cltrain import ChannelsLast
-    from scripts.zoo.sweep import _conv_layout
 
     seed_everything(0, workers=True)
     handler = _ChannelsLastLines()
@@ -143,7 +143,7 @@ def child(case: Case, layout: str) -> dict[str, Any]:
             result.update(error=f"{type(error).__name__}: {error}"[:400], at=f"{frame.filename}:{frame.lineno}")
             traceback.print_exc()
     result.update(first_loss=recorder.first_loss, val_outputs=recorder.val_outputs, lines=handler.lines,
-                  conv_weights_cl=_conv_layout(module) if isinstance(module, torch.nn.Module) else "")
+                  conv_weights_cl=conv_weights_cl(module) if isinstance(module, torch.nn.Module) else "")
     if callback is not None:
         result.update(layout_kept=callback.layout, fallbacks=len(callback.fallbacks),
                       layout_checks={kind: check.as_dict() for kind, check in callback.layout_checks.items()})
@@ -155,8 +155,6 @@ def child(case: Case, layout: str) -> dict[str, Any]:
 
 def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
     """Both layouts of one case, each in its own subprocess; a crash or a timeout is that run's ``status``."""
-    from scripts.zoo.sweep import _last_error, _signal_name
-
     row: dict[str, Any] = {"key": case.key, "library": case.library, "task": case.task}
     if case.library and importlib.util.find_spec(case.library) is None:
         return {**row, "status": f"skipped: {case.library} is not installed"}
@@ -164,23 +162,14 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
     watch = Stopwatch().start()
     for layout in LAYOUTS:
         log = log_dir / f"{case.key.replace(':', '_')}.{layout}.log"
-        cmd = [sys.executable, "-m", "scripts.zoo.projects", "--child", json.dumps(dataclasses.asdict(case)),
-               "--layout", layout]
-        with open(log, "w") as log_file:
-            try:
-                code: int | None = subprocess.run(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
-                                                  timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                code = None
-        text = log.read_text(errors="replace")
-        found = [json.loads(line[len(MARK):]) for line in text.splitlines() if line.startswith(MARK)]
+        child = run_child(python_module("scripts.zoo.projects", "--child", json.dumps(dataclasses.asdict(case)),
+                                        "--layout", layout), log=log, timeout=timeout)
+        found = child.results()
         run = found[-1] if found else {"trained": False}
-        if code is None:
-            run["status"] = f"timeout after {timeout:g} s"
-        elif code < 0:
-            run["status"] = f"crashed ({_signal_name(code)}): {_last_error(log)}"
-        elif code or not found:
-            run["status"] = f"exited {code}: {_last_error(log)}"
+        if child.code is None:
+            run["status"] = child.status()
+        elif child.code or not found:
+            run["status"] = f"{child.status() if child.code else 'exited 0'}: {child.last_error()}"
         else:
             run["status"] = "raised" if "error" in run else "ok"
         row[layout] = {**run, "log": str(log)}
@@ -223,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(MARK + json.dumps(child(Case(**json.loads(args.child)), args.layout), default=str), flush=True)
+        emit(child(Case(**json.loads(args.child)), args.layout))
         return 0
     if args.list:
         for case in CASES:
@@ -233,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CASES if c.key in wanted or c.library in wanted]
     if unknown := wanted - {c.key for c in cases} - {c.library for c in cases}:
         p.error(f"unknown case(s) {sorted(unknown)}; --list shows them")
-    command = "python -m scripts.zoo.projects" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_line("scripts.zoo.projects", argv)
     rows = sweep(cases, args.out, args.log_dir, args.timeout, command, keep=args.only is not None)
     print(f"wrote {args.out} ({sum(r.get('seconds', 0) for r in rows if r['key'] in {c.key for c in cases}):.0f} s)")
     return 0

@@ -4,17 +4,14 @@ the CSV; every file written atomically (``cltrain.atomic``)."""
 from __future__ import annotations
 
 import argparse
-import csv
-import io
-import json
 import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from cltrain.atomic import atomic_write_text
-from scripts.machine import machine_line
+from cltrain.timing.machine import machine_line
+from cltrain.timing.report import page, table, write_report
 from scripts.zoo.parity import OK_BELOW
 
 
@@ -123,27 +120,6 @@ def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M")
 
 
-def escape_cell(cell: Any) -> str:
-    """``cell`` as the text of one markdown table cell."""
-    return str(cell).replace("|", "\\|").replace("\n", " ")
-
-
-def table(header: list[str], cells: list[list[Any]]) -> list[str]:
-    """A markdown table's lines."""
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(escape_cell(c) for c in row) + " |" for row in cells])
-
-
-def page(title: str, intro: list[str], sections: dict[str, list[str]]) -> str:
-    """A markdown page: ``# title``, the ``intro`` paragraphs, then each ``## section`` with its lines."""
-    lines = [f"# {title}", ""]
-    for paragraph in intro:
-        lines += [paragraph, ""]
-    for name, body in sections.items():
-        lines += [f"## {name}", "", *body, ""]
-    return "\n".join(lines)
-
-
 def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace) -> str:
     return page("Model zoo under ChannelsLast", [
         f"Made by `{command}` ({time.strftime('%Y-%m-%d')}).",
@@ -155,37 +131,30 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
         f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
         "process; ratio = CL / NCHW. auto = what the default `ChannelsLast()` kept after its race of the layouts.",
-    ], {"Summary": summary(rows), "Every model": table(HEADER, [_row_cells(r) for r in rows])})
+    ], {"Summary": summary(rows), "Every model": [table(HEADER, [_row_cells(r) for r in rows])]})
 
 
-def _csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf)
-    writer.writerow(["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl", "loss_noise",
-                     "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "layout_err_f64", "worst_param", "conv_weights_cl", "guardrails",
-                     "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw", "auto_fp32", "auto_bf16", "compile_grad_verdict",
-                     "compile_fp32_cl", "compile_fp32_nchw", "seconds", "note"])
-    for r in rows:
-        grad = r.get("grad") or {}
-        speed = lambda k, layout: (r.get(k) or {}).get(layout, "")  # noqa: E731
-        writer.writerow([r["key"], r.get("family", ""), r.get("params_m", ""), r.get("status", ""),
-                         r.get("trains_contiguous", ""), r.get("trains_channels_last", ""), r.get("loss_err_cl", ""),
-                         r.get("loss_noise", ""),
-                         grad.get("verdict", ""), grad.get("why", ""), grad.get("err_cl", ""), grad.get("err_nc", ""),
-                         grad.get("grad_scale", ""), grad.get("layout_err_f64", ""),
-                         grad.get("worst_param", ""), r.get("conv_weights_cl", ""), r.get("guardrails", ""),
-                         speed("speed_fp32", "channels_last"), speed("speed_fp32", "contiguous"),
-                         speed("speed_bf16", "channels_last"), speed("speed_bf16", "contiguous"),
-                         r.get("auto_fp32", ""), r.get("auto_bf16", ""), (r.get("compile_grad") or {}).get("verdict", ""),
-                         speed("compile_speed_fp32", "channels_last"), speed("compile_speed_fp32", "contiguous"),
-                         r.get("seconds", ""), r.get("note", "")])
-    return buf.getvalue()
+CSV_FIELDS = ["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl",
+              "loss_noise", "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "layout_err_f64",
+              "worst_param", "conv_weights_cl", "guardrails", "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw", "auto_fp32",
+              "auto_bf16", "compile_grad_verdict", "compile_fp32_cl", "compile_fp32_nchw", "seconds", "note"]
+_GRAD = {"grad_verdict": "verdict", "grad_why": "why", "grad_err_cl": "err_cl", "grad_noise": "err_nc",
+         "grad_scale": "grad_scale", "layout_err_f64": "layout_err_f64", "worst_param": "worst_param"}
+_SPEED = {"fp32_cl": ("speed_fp32", "channels_last"), "fp32_nchw": ("speed_fp32", "contiguous"),
+          "bf16_cl": ("speed_bf16", "channels_last"), "bf16_nchw": ("speed_bf16", "contiguous"),
+          "compile_fp32_cl": ("compile_speed_fp32", "channels_last"),
+          "compile_fp32_nchw": ("compile_speed_fp32", "contiguous")}
+
+
+def csv_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``<out>.csv``."""
+    grad = r.get("grad") or {}
+    return {**{k: r.get(k, "") for k in CSV_FIELDS}, **{k: grad.get(v, "") for k, v in _GRAD.items()},
+            **{k: (r.get(key) or {}).get(layout, "") for k, (key, layout) in _SPEED.items()},
+            "compile_grad_verdict": (r.get("compile_grad") or {}).get("verdict", "")}
 
 
 def write_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str,
                   args: argparse.Namespace) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": m, "command": command, "rows": rows}, indent=1,
-                                                           default=str))
-    atomic_write_text(out.with_suffix(".csv"), _csv(rows))
-    atomic_write_text(out.with_suffix(".md"), markdown(rows, m, command, args))
+    write_report(out, markdown=markdown(rows, m, command, args), data={"machine": m, "command": command, "rows": rows},
+                 csv_rows=[csv_row(r) for r in rows], csv_fields=CSV_FIELDS)

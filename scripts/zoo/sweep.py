@@ -27,7 +27,8 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    that cannot run in float64) the Trainer's NCHW run is the reference. The table also says how
    many conv weights are channels_last and which guardrail the callback applied.
 4. **speed**: training steps/s (forward, cross-entropy, backward, SGD step) of the two trained
-   models, in interleaved rounds (median), fp32 and, where the CPU has native bf16, bf16 autocast.
+   models, in interleaved rounds (``cltrain.timing.rounds.time_steps``, median), fp32 and, where the CPU has
+   native bf16, bf16 autocast.
 5. **auto**: what the default ``ChannelsLast()`` keeps when its race of the layouts on the run's first
    training steps decides (a ``Trainer`` run of 11 steps: 3 of warm-up and two rounds; fp32, and ``bf16-mixed``
    where native).
@@ -64,31 +65,29 @@ import dataclasses
 import json
 import math
 import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from cltrain.atomic import atomic_write_text
-from scripts.machine import machine, machine_line
-from scripts.timing import Stopwatch, interleaved, timed
+from cltrain.timing.clock import Stopwatch
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.rounds import time_steps
+from cltrain.timing.steps import training_step
+from scripts.harness import REPO, python_module, run_child
 from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
 from scripts.zoo.models import (
-    FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, find, image_of, make_batch, quiet_random_layers, training_loss,
+    FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
+    quiet_random_layers, training_loss,
 )
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
 from scripts.zoo.report import now, summary, write_outputs
 from scripts.zoo.training import OPTIMIZERS, fit
 
-#: The repository root: each model's child process runs ``python -m scripts.zoo.sweep --child`` from there.
-REPO = Path(__file__).resolve().parents[2]
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
 FAST = ["timm:repvgg_a0", "timm:resnet26d", "timm:vit_tiny_patch16_224", "tv:googlenet", "hf:resnet_small"]
 
@@ -118,44 +117,16 @@ def _guardrails_of(callback: Any) -> str:
     return "; ".join(f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)" for r in records)
 
 
-def _conv_layout(net: torch.nn.Module) -> str:
-    from cltrain.layout import CONV_TYPES, is_channels_last
-
-    weights = [m.weight for m in net.modules() if isinstance(m, CONV_TYPES) and m.weight.dim() in (4, 5)]
-    return f"{sum(is_channels_last(w) for w in weights)}/{len(weights)}"
-
-
 def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dtype: torch.dtype | None,
                    rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
-    """Median training steps/s of each ``(net, batch)``, timed in interleaved rounds of the same
-    number of steps (enough for ``min_window`` seconds on the faster one)."""
-    from cltrain.precision import autocast_for
-
-    optimizers = {k: torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9) for k, (net, _) in runs.items()}
-
-    def steps(key: str, n: int) -> float:
-        net, batch = runs[key]
-
-        def run() -> None:
-            for _ in range(n):
-                optimizers[key].zero_grad(set_to_none=True)
-                with autocast_for("cpu", dtype):
-                    loss = training_loss(net, batch, spec)
-                loss.backward()
-                optimizers[key].step()
-
-        return timed(run)
-
-    # The first steps build oneDNN primitives and grow the allocator's pools (a small model's first step
-    # can take 20x its later ones): time only after `warmup` steps, and size the rounds by the last one.
-    per_step = min([steps(key, 1) for _ in range(warmup)][-1] for key in runs)
-    n = max(1, math.ceil(min_window / max(per_step, 1e-9)))
-
-    def rate(key: str) -> float:
-        return n / steps(key, n)
-
-    rates = interleaved(rounds, {key: partial(rate, key) for key in runs}, rotate=True)
-    return {k: statistics.median(v) for k, v in rates.items()}
+    """Median training steps/s of each ``(net, batch)`` (SGD with momentum), in interleaved rounds of as many steps
+    as fill ``min_window`` seconds on the faster one. The first steps build oneDNN primitives and grow the
+    allocator's pools (a small model's first step can take 20x its later ones): ``warmup`` steps are not timed."""
+    steps = {key: training_step(net, lambda net=net, batch=batch: training_loss(net, batch, spec),
+                                optimizer=torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9), autocast_dtype=dtype)
+             for key, (net, batch) in runs.items()}
+    timing = time_steps(steps, rounds=rounds, warmup=warmup, min_window=min_window, max_steps=100_000)
+    return {key: s.median for key, s in timing.rates().items()}
 
 
 def _speed_runs(nets: dict[str, torch.nn.Module], batch: Any, dtype: torch.dtype | None):
@@ -240,7 +211,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
         result[f"losses_{layout}"] = [float(v) for v in module.losses]
         result[f"trains_{layout}"] = len(module.losses) == 2 and all(math.isfinite(v) for v in result[f"losses_{layout}"])
         if callback is not None:
-            result["conv_weights_cl"] = _conv_layout(module.net)
+            result["conv_weights_cl"] = conv_weights_cl(module.net)
             result["guardrails"] = _guardrails_of(callback)
             record_check(result, callback)
     parity(result, grads, losses)
@@ -305,42 +276,28 @@ def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> 
 # ---- the sweep, in the parent process -----------------------------------------------------------
 
 
-def _signal_name(returncode: int) -> str:
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
 def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str | None = None) -> dict[str, Any]:
     """One model in a subprocess (with ``optimizer``: its ``--check-only`` run with that optimizer); a crash, a
     raise or a timeout comes back as the row's ``status``."""
     log = log_dir / f"{spec.key.replace(':', '_')}{'_' + optimizer if optimizer else ''}.log"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "scripts.zoo.sweep", "--child", spec.key, "--result", str(out),
-               *_child_options(args), *(["--optimizer", optimizer] if optimizer else [])]
-        watch = Stopwatch().start()
-        with open(log, "w") as log_file:
-            try:
-                proc = subprocess.run(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
-                                      timeout=_timeout(spec, args))
-                code: int | None = proc.returncode
-            except subprocess.TimeoutExpired:
-                code = None
+        child_run = run_child(python_module("scripts.zoo.sweep", "--child", spec.key, "--result", out,
+                                            *_child_options(args), *(["--optimizer", optimizer] if optimizer else [])),
+                              log=log, timeout=_timeout(spec, args))
         result = json.loads(out.read_text()) if out.exists() else {"key": spec.key, "family": spec.family}
-    result["seconds"] = round(watch.elapsed(), 1)
+    result["seconds"] = round(child_run.seconds, 1)
     if optimizer:
         result["optimizer"] = optimizer
-    phase = result.get("phase", "start")
+    phase, code = result.get("phase", "start"), child_run.code
     if code == 0 and phase == "done":
         result["status"] = "skipped" if "skipped" in result else "ok"
     elif code is None:
         result["status"] = f"timeout after {_timeout(spec, args)}s in {phase}"
     elif code < 0:
-        result["status"] = f"crashed ({_signal_name(code)}) in {phase}"
+        result["status"] = f"{child_run.status()} in {phase}"
     else:
-        result["status"] = f"raised in {phase}: {_last_error(log)}"
+        result["status"] = f"raised in {phase}: {child_run.last_error()}"
     settle_confirmation(result, phase, crashed=code is not None and code < 0)
     result["log"] = str(log)
     return result
@@ -350,12 +307,6 @@ def _timeout(spec: Spec, args: argparse.Namespace) -> int:
     if args.check_only:
         return args.timeout
     return args.timeout * (3 if spec.compile and not args.no_compile else 1)  # 4 compilations: minutes each on a CPU
-
-
-def _last_error(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "Exception" in line.split(":", 1)[0]]
-    return (errors or lines or ["(no output)"])[-1][:200]
 
 
 def _child_options(args: argparse.Namespace) -> list[str]:

@@ -78,7 +78,7 @@ def test_the_stopwatch_keeps_running_and_a_block_keeps_its_seconds(log: list[str
 def test_time_steps_warms_up_untimed_then_times_one_window_per_case_and_round(log: list[str]) -> None:
     timing = time_steps({"a": step_taking(1.0, log, "a"), "b": step_taking(3.0, log, "b")}, rounds=3, warmup=2,
                         min_steps=2, sync=lambda: log.append("sync"))
-    assert timing.steps == 2 and timing.seconds == {"a": [1.0] * 3, "b": [3.0] * 3}
+    assert timing.steps == {"a": 2, "b": 2} and timing.seconds == {"a": [1.0] * 3, "b": [3.0] * 3}
     steps = [e for e in log if e in "ab"]
     assert "".join(steps) == "aabb" + "aabb" + "bbaa" + "aabb"  # warm-up, then the rounds in rotating order
     # one sync and one clock read at each end of a window, none between its steps
@@ -90,10 +90,13 @@ def test_a_window_is_sized_to_last_the_minimum_on_the_fastest_case(log: list[str
     fast = 1 / 64  # exact in binary: the fake clock's sums stay exact
     timing = time_steps({"fast": step_taking(fast), "slow": step_taking(4 * fast)}, rounds=2, warmup=0, min_window=0.5,
                         max_steps=10_000)
-    assert timing.steps == 48  # 1.5 x 0.5 s / (1/64 s): the margin keeps a quicker round above the minimum
-    assert min(s * timing.steps for v in timing.seconds.values() for s in v) >= 0.5
+    assert timing.steps == {"fast": 48, "slow": 48}  # 1.5 x 0.5 s / (1/64 s): the margin keeps a quicker round long
+    assert min(s * 48 for v in timing.seconds.values() for s in v) >= 0.5
+    each = time_steps({"fast": step_taking(fast), "slow": step_taking(4 * fast)}, rounds=1, warmup=0, min_window=0.5,
+                      size_each=True)
+    assert each.steps == {"fast": 48, "slow": 12} and each.per_step()["slow"].median == 4 * fast
     capped = time_steps({"fast": step_taking(fast)}, rounds=1, warmup=0, min_window=0.5, max_steps=20)
-    assert capped.steps == 20
+    assert capped.steps == {"fast": 20}
 
 
 def test_a_case_that_raises_is_dropped_with_its_error_and_the_others_go_on(log: list[str]) -> None:

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from cltrain.layout import to_channels_last_1d
 from scripts.bench import models as bench
 from tests.helpers import REPO
 from tests.helpers import warm
@@ -70,28 +71,18 @@ def test_quick_run_times_a_video_model_and_the_1d_model(tmp_path):
 def test_channels_last_1d_strides_for_activations_and_conv1d_weights():
     for shape in [(2, 1, 7), (2, 5, 7), (1, 5, 7)]:  # C == 1 and N == 1 too: `transpose().contiguous()` misses C == 1
         x = torch.randn(shape)
-        y = bench.to_channels_last_1d(x)
+        y = to_channels_last_1d(x)
         n, c, length = shape
         assert y.stride() == (c * length, 1, c) and torch.equal(x, y)
-        assert bench.to_channels_last_1d(y) is y and bench.to_channels_last_1d(x).stride() == y.stride()
-    model = bench.to_channels_last_1d(bench.m5(num_classes=10, channels=4))
+        assert to_channels_last_1d(y) is y and to_channels_last_1d(x).stride() == y.stride()
+    model = to_channels_last_1d(bench.m5(num_classes=10, channels=4))
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
     assert len(convs) == 4
     for conv in convs:
         out_c, in_c, k = conv.weight.shape
         assert conv.weight.stride() == (in_c * k, 1, in_c)
-    x = bench.to_channels_last_1d(torch.randn(2, 1, 8000))
+    x = to_channels_last_1d(torch.randn(2, 1, 8000))
     assert model(x).shape == (2, 10)
-
-
-def test_auto_steps_fill_the_minimum_window():
-    # Two steps of a fast model on a GPU last 20-50 ms: rounds are lengthened until each lasts >= --min-window.
-    args = bench.parse_args(["--device", "cpu", "--models", "tinycnn", "--batch-size", "2", "--image-size", "16",
-                             "--repeats", "2", "--min-window", "0.5", "--max-steps", "1000000"])
-    rates, steps = bench.bench_cell(bench.tinycnn(), (2, 3, 16, 16), args, torch.device("cpu"), None)
-    assert steps > args.steps
-    for layout_rates in rates.values():  # the calibration has a 50% margin; a loaded machine can eat part of it
-        assert max(2 * steps / rate for rate in layout_rates) >= 0.5 and min(2 * steps / rate for rate in layout_rates) >= 0.3
 
 
 def test_defaults_fit_the_device_and_quick_shrinks_them():

@@ -12,6 +12,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from scripts import harness
 from scripts.zoo import project_report, projects
 from scripts.zoo.project_cases import CASES, Built, Case
 from tests.helpers import warm
@@ -51,7 +52,7 @@ MISSING = Case("test:missing", "no_such_library_for_cltrain", "a library that is
 
 @pytest.mark.slow  # 4 child processes, each importing torch and Lightning: ~35 s of CPU
 def test_runs_in_subprocesses_and_a_crash_or_a_missing_library_is_a_row(tmp_path, monkeypatch):
-    monkeypatch.setattr(projects, "subprocess", warm.forking_subprocess)  # each run still a process of its own
+    monkeypatch.setattr(harness, "subprocess", warm.forking_subprocess)  # each run still a process of its own
     out = tmp_path / "projects.md"
     rows = {r["key"]: r for r in projects.sweep([FLATTEN, ABORT, MISSING], out, tmp_path / "logs", timeout=120,
                                                  command="python -m scripts.zoo.projects --test")}

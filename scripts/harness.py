@@ -1,0 +1,100 @@
+"""What the scripts share beyond ``cltrain.timing`` (the clock, the rounds, the machine, the report): a case run in a
+child process of its own, so a native crash, a raise or a hang is a row of the table, not the end of the run.
+
+The child is ``python -m scripts.<...>`` (or any command) in a session of its own, from the repository root, its
+output in a log; past ``timeout`` its whole process group is killed (DataLoader workers, a test's subprocesses).
+What it measured comes back as lines :func:`emit` printed, which :meth:`Child.results` reads::
+
+    child = run_child(python_module("scripts.bench.default_speed", "--child", ...), timeout=600)
+    child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"
+    child.results()       # every object the child emitted
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cltrain.timing.clock import Stopwatch
+
+__all__ = ["REPO", "Child", "emit", "python_module", "run_child", "signal_name"]
+
+#: The repository root: children run from there (``python -m scripts...`` needs no install).
+REPO = Path(__file__).resolve().parents[1]
+#: What starts a line of a child's result.
+RESULT = "SCRIPTS-RESULT "
+
+
+def emit(result: Any) -> None:
+    """Print ``result`` (JSON-ready; anything else as ``str``) as one result line for the parent."""
+    print(RESULT + json.dumps(result, default=str), flush=True)
+
+
+def signal_name(code: int) -> str:
+    """The name of the signal a negative exit status stands for (``-11`` -> ``SIGSEGV``)."""
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def python_module(module: str, *args: Any) -> list[str]:
+    """``[python, -m, module, *args]`` with this interpreter, every argument as a string."""
+    return [sys.executable, "-m", module, *map(str, args)]
+
+
+@dataclass(frozen=True)
+class Child:
+    """A finished child: its exit status (``None``: killed at its time limit), its output, its seconds."""
+
+    code: int | None
+    output: str
+    seconds: float
+    limit: float | None
+
+    def status(self) -> str:
+        """``"ok"``, ``"timeout after N s"``, ``"crashed (SIGNAL)"`` or ``"exited N"``."""
+        if self.code is None:
+            return f"timeout after {self.limit:g} s"
+        if self.code < 0:
+            return f"crashed ({signal_name(self.code)})"
+        return "ok" if self.code == 0 else f"exited {self.code}"
+
+    def last_error(self) -> str:
+        """The last line naming an error or exception (else the last line), cut to 200 characters."""
+        lines = [line.strip() for line in self.output.splitlines() if line.strip() and not line.startswith(RESULT)]
+        errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "Exception" in line.split(":", 1)[0]]
+        return (errors or lines or ["(no output)"])[-1][:200]
+
+    def results(self) -> list[Any]:
+        """Every object the child :func:`emit`-ted, in order."""
+        return [json.loads(line[len(RESULT):]) for line in self.output.splitlines() if line.startswith(RESULT)]
+
+
+def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | None = None, cwd: Path = REPO,
+              env: dict[str, str] | None = None) -> Child:
+    """Run ``cmd`` in a session of its own, standard output and error into ``log`` (a temporary file when
+    ``None``); past ``timeout`` seconds its process group is killed."""
+    watch = Stopwatch().start()
+    with open(log, "w+") if log is not None else tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            code = None
+        out.seek(0)
+        return Child(code, out.read(), watch.elapsed(), timeout)
