@@ -7,7 +7,8 @@ each case gave is kept per round, and :func:`spread` says its median and its ran
 * :func:`interleaved`: each case a callable that makes one measurement (a loader pass, a whole fit, a child
   process) and returns it; ``warmup`` rounds first, not kept.
 * :func:`time_steps`: each case a step (one training step, one call); ``warmup`` untimed steps per case, then
-  the steps of a round sized so that the fastest case's window lasts ``min_window`` seconds, each window timed
+  the steps of a round sized so that the fastest case's window lasts ``min_window`` seconds (every case the same
+  number of steps; ``size_each``: each case's own window that long, for cases of very different cost), each window timed
   by :mod:`cltrain.timing.clock` with the device synchronised at both ends. A case whose step raises one of
   ``catch`` is dropped with its error, the others go on.
 * :func:`rate_after_first`: items per second of an iterator after its first item (a loader's workers start
@@ -18,7 +19,7 @@ Example, two steps compared::
     >>> from cltrain.timing.rounds import time_steps
     >>> timing = time_steps({"a": lambda: sum(range(100)), "b": lambda: sum(range(200))}, rounds=3)
     >>> sorted(timing.seconds), timing.steps, len(timing.seconds["a"])
-    (['a', 'b'], 1, 3)
+    (['a', 'b'], {'a': 1, 'b': 1}, 3)
     >>> timing.per_step()["a"].median > 0
     True
 """
@@ -85,10 +86,11 @@ def rotated(items: Sequence[K], r: int) -> list[K]:
     return [*items[k:], *items[:k]]
 
 
-def interleaved(cases: Mapping[K, Callable[[], T]], rounds: int, *, warmup: int = 0,
-                rotate: bool = True) -> dict[K, list[T]]:
+def interleaved(cases: Mapping[K, Callable[..., T]], rounds: int, *, warmup: int = 0, rotate: bool = True,
+                with_round: bool = False) -> dict[K, list[T]]:
     """What each case returns, one call per case per round, the order :func:`rotated` (``rotate=False``: the
-    order of ``cases``); ``warmup`` rounds run first and are not kept.
+    order of ``cases``); ``warmup`` rounds run first and are not kept. ``with_round``: each case is called with the
+    round's index (0, 1, ..., the warm-up rounds first), e.g. the seed that gives every case the same samples.
 
     Raises:
         ValueError: ``rounds`` < 1 or ``warmup`` < 0.
@@ -96,21 +98,21 @@ def interleaved(cases: Mapping[K, Callable[[], T]], rounds: int, *, warmup: int 
     if rounds < 1 or warmup < 0:
         raise ValueError(f"interleaved: need rounds >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}.")
     out: dict[K, list[T]] = {key: [] for key in cases}
-    for r in range(-warmup, rounds):
-        for key in rotated(list(cases), r) if rotate else list(cases):
-            value = cases[key]()
-            if r >= 0:
+    for r in range(warmup + rounds):
+        for key in rotated(list(cases), r - warmup) if rotate else list(cases):
+            value = cases[key](r) if with_round else cases[key]()
+            if r >= warmup:
                 out[key].append(value)
     return out
 
 
 @dataclass
 class StepTimes(Generic[K]):
-    """What :func:`time_steps` measured: per case, seconds per step of each round it ran; the steps in a round;
-    the first line of the error that dropped a case."""
+    """What :func:`time_steps` measured: per case, seconds per step of each round it ran, and the steps in its
+    window; the first line of the error that dropped a case."""
 
     seconds: dict[K, list[float]]
-    steps: int
+    steps: dict[K, int]
     errors: dict[K, str] = field(default_factory=dict)
 
     def per_step(self) -> dict[K, Spread]:
@@ -123,7 +125,7 @@ class StepTimes(Generic[K]):
 
 
 def time_steps(steps: Mapping[K, Callable[[], object]], *, rounds: int = 3, warmup: int = 1, min_steps: int = 1,
-               min_window: float = 0.0, max_steps: int = 1000, sync: Sync = None,
+               min_window: float = 0.0, max_steps: int = 1000, size_each: bool = False, sync: Sync = None,
                catch: tuple[type[BaseException], ...] = ()) -> StepTimes[K]:
     """Each case's step timed in interleaved rounds (the module docstring says how).
 
@@ -135,6 +137,7 @@ def time_steps(steps: Mapping[K, Callable[[], object]], *, rounds: int = 3, warm
         min_window: seconds a window lasts, at least: the steps of a round are sized on the fastest case
             (``PROBE_STEPS`` timed steps each, ``WINDOW_MARGIN`` on top), up to ``max_steps``; 0: ``min_steps``.
         max_steps: steps in a window, at most.
+        size_each: size each case's window on its own steps (cases of very different cost), not on the fastest.
         sync: run before each clock read (:data:`cltrain.timing.clock.Sync`: the device).
         catch: exceptions that drop a case (its error kept, the other cases go on); any other propagates.
 
@@ -161,16 +164,17 @@ def time_steps(steps: Mapping[K, Callable[[], object]], *, rounds: int = 3, warm
     for key in list(live):
         if warmup:
             window(key, warmup)
-    n = min_steps
+    n = dict.fromkeys(steps, min_steps)
     if min_window > 0 and live:
-        probes = [s / PROBE_STEPS for s in (window(key, PROBE_STEPS) for key in list(live)) if s is not None]
-        if probes:
-            n = max(min_steps, min(max_steps, math.ceil(WINDOW_MARGIN * min_window / max(min(probes), 1e-9))))
+        probes = {key: s / PROBE_STEPS for key in list(live) if (s := window(key, PROBE_STEPS)) is not None}
+        for key in probes:
+            per_step = probes[key] if size_each else min(probes.values())
+            n[key] = max(min_steps, min(max_steps, math.ceil(WINDOW_MARGIN * min_window / max(per_step, 1e-9))))
     seconds: dict[K, list[float]] = {key: [] for key in steps}
     for r in range(rounds):
         for key in rotated(list(steps), r):
-            if key in live and (took := window(key, n)) is not None:
-                seconds[key].append(took / n)
+            if key in live and (took := window(key, n[key])) is not None:
+                seconds[key].append(took / n[key])
     return StepTimes(seconds, n, errors)
 
 

@@ -12,7 +12,7 @@ this process's memory:
                   normalised (float32) straight into its slot of the channels_last batch
                   (NHWCCollate(normalize=ImageNormalizer())), the next batch decoding meanwhile
   cltrain uint8   the same, uint8: the batch the loader hands a GPU (normalised there)
-  cltrain 2 proc  (T = 2 only) cltrain float in 2 worker processes of 1 thread each
+  cltrain N proc  (T > 1) cltrain float in T worker processes of 1 thread each
   torchvision     RandomResizedCrop + flip + ToTensor + Normalize, default_collate, then
                   .contiguous(channels_last); T = 1: in this process, T = 2: two worker processes
   timm            RandomResizedCrop + flip + PILToTensor + fast_collate, float().sub_().div_(),
@@ -24,9 +24,11 @@ on three folders: real photographs (333-800 px, made from the images bundled wit
 scikit-image and scikit-learn, see ``scripts/bench/photo_folder.py``), and generated
 ImageNet-sized JPEGs of 500x375 and 2000x1500 (mosaics of 500x375 crops of the same
 photographs, so they hold as much detail as a photograph: quality 75-95, 4:2:0). Each
-loader runs ``--repeats`` times, interleaved (the order rotates each round); the table
-gives the median images/second and the spread (lowest-highest), and the ratios of
-cltrain's median to DALI's and to the bare decode. ``--levers`` adds rows for the choices
+loader runs ``--repeats`` times, interleaved (``cltrain.timing.rounds.interleaved``: the order
+rotates each round, every loader the same samples in a round); the first table (the one in
+docs/performance.md) gives a row per folder and thread count, the median images/second and the
+spread (lowest-highest) of each loader, the second the ratios of cltrain's median to DALI's and
+to the bare decode. ``--levers`` adds rows for the choices
 the default path makes (normalize() on the whole uint8 batch afterwards; whole-image
 decoding instead of the crop's region; batch by batch, no batch decoding ahead). The CPU model, its SIMD flags and
 the load average before and after are printed: figures from a busy machine say so.
@@ -42,7 +44,6 @@ import argparse
 import gc
 import os
 import random
-import statistics
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,12 +56,17 @@ from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCo
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.timing.clock import timed
+from cltrain.timing.report import table
+from cltrain.timing.rounds import interleaved, rate_after_first, spread
 from scripts.bench.loader import loader_machine_line, methods, time_loader
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
-from scripts.timing import Stopwatch, rotated, timed
 
 SIZE = 224
 _DONE = ".complete"
+#: The loaders, in the order the table gives them.
+LOADERS = ("DALI", "cltrain float", "cltrain uint8", "cltrain N proc", "torchvision", "timm", "decode",
+           "lever: normalize() after", "lever: whole-image decode", "lever: batch by batch")
 
 
 # --- the folders -----------------------------------------------------------------------------------
@@ -131,13 +137,9 @@ class Dali:
 
     def __call__(self, batches: int) -> float:
         pipe = self._build()
-        pipe.run()  # its first batch, as each loader's first, is not timed
-        with Stopwatch() as watch:
-            for _ in range(batches):
-                images, _ = pipe.run()
-                images.as_tensor()  # the dense (N, H, W, C) batch
-        rate = batches * self.batch_size / watch.seconds
-        del pipe, images
+        # its first batch, as each loader's first, is not timed; each batch as the dense (N, H, W, C) tensor
+        rate = rate_after_first((pipe.run()[0].as_tensor() for _ in range(batches + 1)), lambda t: t.shape()[0]).per_second
+        del pipe
         gc.collect()
         return rate
 
@@ -154,13 +156,7 @@ def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, bat
     loader = PrefetchDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
                                 decode_ahead=ahead)
     finish = normalize if output == "after" else (lambda x: x)
-    it = iter(loader)
-    finish(next(it)[0])
-    images = 0
-    with Stopwatch() as watch:
-        for x, _ in it:
-            images += finish(x).shape[0]
-    return images / watch.seconds
+    return rate_after_first(loader, lambda batch: finish(batch[0]).shape[0]).per_second
 
 
 def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed: int) -> float:
@@ -196,7 +192,7 @@ def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali:
     rows["cltrain float"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "float")
     rows["cltrain uint8"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "uint8")
     if threads > 1:
-        rows[f"cltrain {threads} proc"] = lambda seed: cltrain_loader(split, 1, threads, batch_size, batches, seed, "float")
+        rows["cltrain N proc"] = lambda seed: cltrain_loader(split, 1, threads, batch_size, batches, seed, "float")
     if levers:  # what each choice of the default path is worth, measured beside it
         rows["lever: normalize() after"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed, "after")
         rows["lever: whole-image decode"] = lambda seed: cltrain_loader(split, threads, 0, batch_size, batches, seed,
@@ -213,31 +209,12 @@ def rows_for(split: Path, threads: int, batch_size: int, batches: int, has_dali:
 
 
 # --- the run ------------------------------------------------------------------------------------------
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "flags unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return "flags: " + " ".join(f for f in wanted if f in flags) + f" (torch: {torch.backends.cpu.get_cpu_capability()})"
-
-
-def measure(rows: dict, repeats: int) -> dict[str, list[float]]:
-    rates: dict[str, list[float]] = {n: [] for n in rows}
-    for r in range(repeats):
-        for name in rotated(list(rows), r):  # interleaved: each loader in every position once in a while
-            rates[name].append(rows[name](r))
-    return rates
-
-
-def report(title: str, rates: dict[str, list[float]]) -> dict:
-    med = {n: statistics.median(v) for n, v in rates.items()}
-    print(f"\n### {title}\n\n| loader | img/s (median) | spread | vs DALI | vs decode |\n|---|---:|---:|---:|---:|")
-    for name, v in rates.items():
-        vs_dali = f"{med[name] / med['DALI']:.2f}x" if "DALI" in med else "-"
-        print(f"| {name} | {med[name]:.0f} | {min(v):.0f}-{max(v):.0f} | {vs_dali} | {med[name] / med['decode']:.2f}x |")
-    return med
+def pivot(results: dict[tuple[str, int], dict[str, list[float]]]) -> str:
+    """A row per folder and thread count, a column per loader: median images/s (lowest-highest)."""
+    names = [n for n in LOADERS if any(n in rates for rates in results.values())]
+    return table(["folder", "threads", *names],
+                 [[folder, threads, *(spread(rates[n]).cell(0) if n in rates else "-" for n in names)]
+                  for (folder, threads), rates in results.items()], align="lr" + "r" * len(names))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -265,31 +242,30 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sets:
         sets = {k: v for k, v in sets.items() if any(s in k for s in args.sets)}
     print(loader_machine_line(torch.device("cpu")))
-    print(cpu_flags())
     if has_dali:
         print(f"NVIDIA DALI {nvidia.dali.__version__} (CPU only)")
     print(f"batch {args.batch_size}, {args.batches} timed batches per measurement, {args.repeats} interleaved repeats")
-    results: dict = {}
+    results: dict[tuple[str, int], dict[str, list[float]]] = {}
     for set_name, split in sets.items():
         batches = max(1, args.batches // 4) if set_name.startswith("2000") else args.batches
         for threads in args.threads:
-            rates = measure(rows_for(split, threads, args.batch_size, batches, has_dali, args.levers), args.repeats)
-            results[(set_name, threads)] = report(f"{set_name}, {threads} thread(s)", rates)
-    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+            rows = rows_for(split, threads, args.batch_size, batches, has_dali, args.levers)
+            results[(set_name, threads)] = interleaved(rows, args.repeats, with_round=True)
+            print(f"{set_name}, {threads} thread(s): done", flush=True)
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}\n\nMedian images/second (lowest-highest):\n")
+    print(pivot(results))
     print("\n### cltrain against DALI, against the bare decode, and what more threads add\n")
-    print("| folder | threads | float / DALI | uint8 / decode | float / decode | float vs 1 thread | uint8 vs 1 thread "
-          "| DALI vs 1 thread |\n|---|---:|---:|---:|---:|---:|---:|---:|")
-    for set_name in sets:
-        one = results.get((set_name, 1))
-        for t in args.threads:
-            r = results[(set_name, t)]
-            gain = (lambda k: f"{r[k] / one[k] - 1:+.0%}" if one and k in one and k in r else "-")
-            vs_dali = f"{r['cltrain float'] / r['DALI']:.2f}x" if "DALI" in r else "-"
-            print(f"| {set_name} | {t} | {vs_dali} | {r['cltrain uint8'] / r['decode']:.2f}x "
-                  f"| {r['cltrain float'] / r['decode']:.2f}x | {gain('cltrain float')} | {gain('cltrain uint8')} "
-                  f"| {gain('DALI')} |")
-    return {f"{k[0]}, {k[1]} thread(s)": v for k, v in results.items()}
-
+    med = {key: {n: spread(v).median for n, v in rates.items()} for key, rates in results.items()}
+    cells = []
+    for (set_name, t), r in med.items():
+        one = med.get((set_name, 1))
+        gain = (lambda k: f"{r[k] / one[k] - 1:+.0%}" if one and k in one and k in r else "-")
+        cells.append([set_name, t, f"{r['cltrain float'] / r['DALI']:.2f}x" if "DALI" in r else "-",
+                      f"{r['cltrain uint8'] / r['decode']:.2f}x", f"{r['cltrain float'] / r['decode']:.2f}x",
+                      gain("cltrain float"), gain("cltrain uint8"), gain("DALI")])
+    print(table(["folder", "threads", "float / DALI", "uint8 / decode", "float / decode", "float vs 1 thread",
+                 "uint8 vs 1 thread", "DALI vs 1 thread"], cells, align="lrrrrrrr"))
+    return {f"{k[0]}, {k[1]} thread(s)": v for k, v in med.items()}
 
 if __name__ == "__main__":
     main()

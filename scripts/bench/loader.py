@@ -13,7 +13,9 @@ order, measured one after the other in one run:
   (d) decode      read the file + simplejpeg.decode_jpeg of the whole image (libjpeg-turbo,
                   accurate DCT and upsampling) and nothing else: the bar to beat
 
-The first batch of each loader (worker start-up) is not timed. ``--photos DIR`` times
+The first batch of each loader (worker start-up) is not timed (``cltrain.timing.rounds.rate_after_first``);
+``--repeats`` rounds run the loaders in turn, the order rotating, each round the same samples for every
+loader. ``--photos DIR`` times
 a folder of real photographs (333-800 px, quality 75-95, 4:2:0 and 4:4:4; made once
 from the images bundled with scikit-image and scikit-learn, see
 ``scripts/bench/photo_folder.py``: ``pip install 'cltrain[bench]'``); without it and
@@ -31,14 +33,9 @@ synchronised before the clock stops.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 from pathlib import Path
 
-import PIL
 import torch
-import torchvision
 from PIL import Image, features
 from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
 from torchvision import transforms as T
@@ -47,8 +44,9 @@ from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, NHWCCollate, make_demo_dat
 from cltrain.data.decoders import jpeg_roi
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.rounds import interleaved, rate_after_first, spread
 from scripts.bench.photo_folder import make_photo_folder
-from scripts.timing import Stopwatch
 
 
 class Files(Dataset):
@@ -144,38 +142,17 @@ def time_loader(samples, fn, collate, finish, batch_size, workers, batches, seed
     loader = DataLoader(Files(samples, fn), batch_size=batch_size, sampler=sampler, num_workers=workers,
                         collate_fn=collate, persistent_workers=False, pin_memory=cuda)
     torch.manual_seed(seed)  # the same crops for each loader with workers=0
-    it = iter(loader)
-    finish(next(it))  # worker start-up is not timed
-    images = 0
-    with Stopwatch(sync=device) as watch:  # on CUDA: the copies and kernels are done, not just queued
-        for batch in it:
-            out = finish(batch)
-            images += out if isinstance(out, int) else out.shape[0]
-    return images / watch.seconds
+    # on CUDA the clock waits for the copies and kernels, not just their launch
+    return rate_after_first(loader, lambda b: out if isinstance(out := finish(b), int) else out.shape[0],
+                            sync=device).per_second
 
 
-def loader_machine_line(device):
-    """The CPU, its load, the GPU, and the versions of the libraries a loader figure depends on (Pillow, simplejpeg,
-    libturbojpeg)."""
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f"; GPU {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    return (f"{cpu}; {os.cpu_count()} logical CPUs, load avg {os.getloadavg()[0]:.1f}{gpu}; torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), torchvision {torchvision.__version__}, Pillow {PIL.__version__} "
-            f"(libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}), simplejpeg {_simplejpeg_version()}, "
-            f"region decode {'libturbojpeg ' + str(jpeg_roi.library_path()) if jpeg_roi.available() else 'off (no libturbojpeg 3)'}")
-
-
-def _simplejpeg_version():
-    try:
-        import simplejpeg
-    except ImportError:
-        return "not installed (cltrain falls back to Pillow)"
-    return simplejpeg.__version__
+def loader_machine_line(device: torch.device) -> str:
+    """The machine (``cltrain.timing.machine``) with what a loader figure depends on: Pillow, its libjpeg-turbo,
+    simplejpeg, and the region decoder."""
+    region = f"libturbojpeg {jpeg_roi.library_path()}" if jpeg_roi.available() else "off (no libturbojpeg 3)"
+    return (machine_line(machine(device, packages=("torch", "torchvision", "Pillow", "simplejpeg", "datasets")))
+            + f"; Pillow's libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}; region decode {region}")
 
 
 def print_ratios(title, med):
@@ -222,19 +199,17 @@ def main(argv=None):
     print(loader_machine_line(device))
     devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
     for dev in devices:
-        rates: dict[str, list[float]] = {}
-        for r in range(args.repeats):
-            for name, (fn, collate, finish) in methods(args.size, dev, args.augment, len(classes), args.whole).items():
-                rates.setdefault(name, []).append(
-                    time_loader(samples, fn, collate, finish, args.batch_size, args.workers, args.batches, args.seed + r, dev))
-        med = {k: statistics.median(v) for k, v in rates.items()}
+        loaders = methods(args.size, dev, args.augment, len(classes), args.whole)
+        rates = interleaved({name: (lambda r, m=m: time_loader(samples, *m, args.batch_size, args.workers, args.batches,
+                                                                args.seed + r, dev)) for name, m in loaders.items()},
+                            args.repeats, with_round=True)
+        med = {k: spread(v).median for k, v in rates.items()}
         if dev.type == "cuda":  # decode-only has no GPU path: carry the CPU figure for the ratio
             med["(d) decode only"] = cpu_decode
         else:
             cpu_decode = med["(d) decode only"]
         print_ratios(f"to {dev} (normalised channels_last float32 {'on the GPU' if dev.type == 'cuda' else 'in this process'})",
                      med)
-
 
 if __name__ == "__main__":
     main()

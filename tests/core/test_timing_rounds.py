@@ -49,6 +49,7 @@ def test_interleaved_rotates_the_order_and_leaves_the_warmup_rounds_out() -> Non
     assert out == {"A": [4, 9, 11], "B": [5, 7, 12], "C": [6, 8, 10]}
     calls.clear()
     assert interleaved({n: (lambda n=n: calls.append(n)) for n in "AB"}, 2, rotate=False) and calls == list("ABAB")
+    assert interleaved({"A": lambda r: r}, 2, warmup=1, with_round=True) == {"A": [1, 2]}  # a seed per round
     with pytest.raises(ValueError, match="rounds >= 1"):
         interleaved({"A": lambda: 1}, 0)
 
