@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -34,6 +33,8 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
+
+from cltrain.timing.clock import Stopwatch
 
 __all__ = ["MainAmpProgress", "MainAmpProgressBar", "Meter", "main_amp_progress_bar"]
 
@@ -47,23 +48,25 @@ class Meter:
         self.seconds = 0.0
         self.images = 0
         self.intervals = 0
-        self._last: float | None = None
+        self._watch: Stopwatch | None = None  # running from the last batch end (cltrain.timing's clock)
 
     def restart(self) -> None:
         """Forget the last timestamp: the next interval (epoch start, after validation) is not counted."""
-        self._last = None
+        self._watch = None
 
     def tick(self, images: int) -> float | None:
         """Record a batch end; returns the interval it closed (seconds), if counted."""
-        now = time.perf_counter()
-        last, self._last = self._last, now
-        self.seen += 1
-        if last is None or self.seen <= self.warmup:
+        first, self.seen = self._watch is None, self.seen + 1
+        if first:
+            self._watch = Stopwatch().start()
             return None
-        self.seconds += now - last
+        interval = self._watch.lap()
+        if self.seen <= self.warmup:
+            return None
+        self.seconds += interval
         self.images += images
         self.intervals += 1
-        return now - last
+        return interval
 
     @property
     def images_per_second(self) -> float | None:

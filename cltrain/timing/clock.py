@@ -68,6 +68,15 @@ class Stopwatch:
             self.sync()
         return time.perf_counter() - self.began
 
+    def lap(self) -> float:
+        """Seconds since the start or the last lap, and the watch restarted at that same reading (back-to-back
+        intervals, none of the time between them lost)."""
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        seconds, self.began = now - self.began, now
+        return seconds
+
     def __enter__(self) -> Stopwatch:
         return self.start()
 

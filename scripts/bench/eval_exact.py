@@ -8,7 +8,8 @@ goes through cltrain's ``eval_transform`` and through torchvision's decode + ``R
 224/256 and 64/73 px, with ``reduce`` off (the default) and on (libjpeg's DCT scaling).
 
 Speed: ``eval_transform`` on the JPEGs of a photo folder (``scripts/bench/photo_folder.py``), one
-thread, images per second with ``reduce`` off and on, interleaved repeats, the median of each.
+thread, images per second with ``reduce`` off and on, interleaved repeats (``cltrain.timing.rounds.time_steps``:
+one warm-up image, each window the whole folder), the median of each.
 
     python -m scripts.bench.eval_exact --photos /tmp/cltrain-photos
     python -m scripts.bench.eval_exact --photos /tmp/p --repeats 1 --images 8     # a quick check
@@ -17,12 +18,10 @@ thread, images per second with ``reduce`` off and on, interleaved repeats, the m
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import statistics
 import tempfile
 import warnings
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +31,8 @@ from PIL import Image
 from cltrain.data import eval_transform
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 from cltrain.data.quirk_files import QUIRKS_READABLE, write_quirks
-from scripts.machine import machine, machine_line
-from scripts.timing import interleaved, timed
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.rounds import time_steps
 
 SIZES = ((224, 256), (64, 73))
 
@@ -74,18 +73,11 @@ def differences(folder: Path, pictures: list[Image.Image]) -> dict[tuple[str, in
 def speed(paths: list[str], size: int, resize_size: int, repeats: int) -> dict[bool, float]:
     """Images per second of ``eval_transform`` with ``reduce`` off and on (interleaved, median of ``repeats``)."""
     transforms = {reduce: eval_transform(size, resize_size, reduce=reduce) for reduce in (False, True)}
-    for t in transforms.values():
-        t(paths[0])  # warm-up
-
-    def rate(t: Callable[[str], object]) -> float:
-        def run() -> None:
-            for p in paths:
-                t(p)
-
-        return len(paths) / timed(run)
-
-    rates = interleaved(repeats, {reduce: partial(rate, t) for reduce, t in transforms.items()})
-    return {k: statistics.median(v) for k, v in rates.items()}
+    # each step the next image, round after round: a window is the whole folder
+    timing = time_steps({reduce: (lambda t=t, images=itertools.cycle(paths): t(next(images)))
+                         for reduce, t in transforms.items()},
+                        rounds=repeats, warmup=1, min_steps=len(paths), max_steps=len(paths))
+    return {k: r.median for k, r in timing.rates().items()}
 
 
 def main(argv: list[str] | None = None) -> None:

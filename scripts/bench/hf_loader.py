@@ -14,8 +14,9 @@ process), the same sample order and batch size for every loader:
 
 Each configuration is timed with the same worker processes for all three (``--workers``), and (b)
 and (c) also with cltrain's own plan for this machine (``loading_plan``: on 2 cores no worker
-process and 2 decode threads, the next batch decoding while one is used). Interleaved repeats, the
-median; the first batch of each loader (worker start-up) is not timed.
+process and 2 decode threads, the next batch decoding while one is used). Interleaved repeats
+(``cltrain.timing.rounds.interleaved``: the order rotating, the same samples for every loader in a
+round), the median; the first batch of each loader (worker start-up) is not timed.
 
     python -m scripts.bench.hf_loader --photos /tmp/cltrain-photos --workers 2 --repeats 5
     python -m scripts.bench.hf_loader --photos /tmp/p --photos-count 64 --batches 2 --repeats 1   # a quick check
@@ -24,7 +25,6 @@ median; the first batch of each loader (worker start-up) is not timed.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +39,9 @@ from cltrain.data.hf_dataset import HFImageDataset
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.loader_threads import loading_plan
 from cltrain.data.normalize import ImageNormalizer
+from cltrain.timing.rounds import interleaved, rate_after_first, spread
 from scripts.bench.loader import loader_machine_line
 from scripts.bench.photo_folder import make_photo_folder
-from scripts.timing import Stopwatch
 
 
 def save_as_hf(samples: list[tuple[str, int]], classes: list[str], out: Path) -> Path:
@@ -83,13 +83,7 @@ def rate(dataset: Dataset, collate: Callable, finish: Callable, batch_size: int,
     loader = PrefetchDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
                                 persistent_workers=False)
     torch.manual_seed(seed)
-    it = iter(loader)
-    finish(next(it))
-    images = 0
-    with Stopwatch() as watch:
-        for batch in it:
-            images += finish(batch).shape[0]
-    return images / watch.seconds
+    return rate_after_first(loader, lambda batch: finish(batch).shape[0]).per_second
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,18 +115,15 @@ def main(argv: list[str] | None = None) -> None:
 
     configs = {f"{args.workers} workers (all)": (args.workers, 1),
                f"cltrain's plan ({plan[0]} workers x {plan[1]} threads)": plan}
-    rates: dict[tuple[str, str], list[float]] = {}
-    for r in range(args.repeats):
-        for config, (workers, threads) in configs.items():
-            rows: dict[str, tuple] = {}
-            if workers == args.workers:
-                doc, collate, finish = hf_documented(split, args.size)
-                rows["(a) HF docs"] = (doc, collate, finish)
-            rows.update({k: (*v, lambda b: b[0]) for k, v in cltrain_rows(workers, threads).items()})
-            for name, (dataset, collate, finish) in rows.items():
-                rates.setdefault((config, name), []).append(
-                    rate(dataset, collate, finish, args.batch_size, workers, args.batches, seed=r))
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    cases = {}
+    for config, (workers, threads) in configs.items():
+        rows = {"(a) HF docs": hf_documented(split, args.size)} if workers == args.workers else {}
+        rows.update({k: (*v, lambda b: b[0]) for k, v in cltrain_rows(workers, threads).items()})
+        cases.update({(config, name): (lambda r, row=row, workers=workers: rate(*row, args.batch_size, workers,
+                                                                                 args.batches, seed=r))
+                      for name, row in rows.items()})
+    rates = interleaved(cases, args.repeats, with_round=True)
+    med = {k: spread(v).median for k, v in rates.items()}
     hf_docs = med[(next(iter(configs)), "(a) HF docs")]
     print(f"\n{'configuration':<40}{'loader':<18}{'img/s':>8}{'vs (a)':>9}{'vs (c)':>9}")
     for (config, name), value in med.items():

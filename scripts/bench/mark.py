@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from cltrain.timing.clock import Stopwatch
+from cltrain.timing.rounds import interleaved, rate_after_first
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
@@ -203,30 +204,16 @@ def _loader_rate(spec: dict, workers: Any, threads: Any, batches: int) -> dict:
                             enable_progress_bar=False)  # the loader as a run on this device gets it (pinned, uint8)
     dm.setup("fit")
     loader = dm.train_dataloader()
-    it, seen, watch = iter(loader), 0, Stopwatch()
-    for i in range(batches + 1):
-        try:
-            images = next(it)[0]
-        except StopIteration:
-            break
-        if i == 0:
-            watch.start()  # worker start-up and the first batch are not timed
-        else:
-            seen += images.shape[0]
-    seconds = watch.elapsed()
-    threads_used = getattr(loader.dataset, "threads", 1)
-    del it
-    return {"workers": loader.num_workers, "threads": threads_used, "images": seen,
-            "img_s": seen / seconds if seen and seconds > 0 else None}
+    rate = rate_after_first(loader, lambda b: b[0].shape[0], limit=batches)  # worker start-up and the first batch untimed
+    return {"workers": loader.num_workers, "threads": getattr(loader.dataset, "threads", 1), "images": rate.items,
+            "img_s": rate.per_second}
 
 
 def run_loader(spec: dict, records: list[dict]) -> dict:
-    splits, rates = spec["loader"]["splits"], []
-    for r in range(spec["loader"]["rounds"]):
-        for workers, threads in splits if r % 2 == 0 else splits[::-1]:
-            rate = _loader_rate(spec, workers, threads, spec["loader"]["batches"])
-            rates.append({**rate, "asked": [workers, threads]})
-    return {"status": "completed", "rates": rates, "batch": spec["batch"]}
+    splits = spec["loader"]["splits"]
+    rates = interleaved({i: (lambda w=w, t=t: {**_loader_rate(spec, w, t, spec["loader"]["batches"]), "asked": [w, t]})
+                         for i, (w, t) in enumerate(splits)}, spec["loader"]["rounds"])
+    return {"status": "completed", "rates": [r for values in zip(*rates.values()) for r in values], "batch": spec["batch"]}
 
 
 def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:

@@ -27,24 +27,18 @@ import numpy as np
 import torch
 
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, make_demo_dataset
+from cltrain.timing.clock import timed
+from cltrain.timing.rounds import interleaved, rate_after_first
 from scripts.bench.loader import loader_machine_line
-from scripts.timing import Stopwatch, rotated
 
 #: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
 FILES_ONLY = {"check_val": "off"}
 
 
 def images_per_second(datamodule: ImageFolderDataModule, batches: int) -> float:
+    """Images per second of the training loader over ``batches`` batches, after the first (workers are up)."""
     datamodule.setup("fit")
-    seen, watch = 0, Stopwatch()
-    for k, (images, _) in enumerate(datamodule.train_dataloader()):
-        if k == 0:
-            watch.start()  # after the first batch: workers are up
-            continue
-        seen += images.shape[0]
-        if k == batches:
-            break
-    return seen / watch.elapsed()
+    return rate_after_first(datamodule.train_dataloader(), lambda b: b[0].shape[0], limit=batches).per_second
 
 
 def paired_ratio(root: Path, pack: Path, settings: dict, batches: int) -> tuple[float, float, float]:
@@ -63,23 +57,28 @@ def paired_ratio(root: Path, pack: Path, settings: dict, batches: int) -> tuple[
     if None in same:
         raise SystemExit(f"bench_shards: the pack {pack} does not hold the folder's images ({root}: sample "
                          f"{same.index(None)} of its train split is not there); pack the folder again to another --pack.")
+    rng, pending = np.random.default_rng(0), {}
+    chosen = [rng.choice(len(hs), settings["batch_size"], replace=False).tolist() for _ in range(batches)]
+
+    def read(kind: str, b: int) -> float:
+        torch.manual_seed(b)  # the same crops from both
+        out = {}
+        seconds = timed(lambda: out.setdefault("batch", hs.collate(fs.__getitems__([same[i] for i in chosen[b]]))
+                                               if kind == "files" else hs[chosen[b]]))
+        pending.setdefault(b, {})[kind] = out["batch"][0]
+        if len(pending[b]) == 2 and not torch.equal(*pending.pop(b).values()):
+            raise SystemExit(f"bench_shards: the pack {pack} does not hold the folder's images ({root}: a batch differs); "
+                             "pack the folder again to another --pack.")
+        return seconds
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rng, ratios = np.random.default_rng(0), []
-    try:
-        for b in range(batches):
-            idx, seed, out, took = rng.choice(len(hs), settings["batch_size"], replace=False).tolist(), b, {}, {}
-            for kind in rotated(("files", "shards"), b):
-                torch.manual_seed(seed)
-                with Stopwatch() as watch:
-                    out[kind] = hs.collate(fs.__getitems__([same[i] for i in idx])) if kind == "files" else hs[idx]
-                took[kind] = watch.seconds
-            if not torch.equal(out["files"][0], out["shards"][0]):
-                raise SystemExit(f"bench_shards: the pack {pack} does not hold the folder's images ({root}: a batch differs); "
-                                 "pack the folder again to another --pack.")
-            ratios.append(took["files"] / took["shards"])
+    try:  # a pair per batch, which goes first alternating
+        took = interleaved({kind: (lambda b, kind=kind: read(kind, b)) for kind in ("files", "shards")}, batches,
+                           with_round=True)
     finally:
         torch.set_num_threads(threads)
+    ratios = [f / h for f, h in zip(took["files"], took["shards"])]
     q1, median, q3 = statistics.quantiles(ratios, n=4)
     return median, q1, q3
 
@@ -104,16 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     median, q1, q3 = paired_ratio(root, pack, settings, args.paired)
     print(f"paired, same images and crops, {args.paired} batches in one thread: shards/files {median:.3f}x "
           f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
-    ratios = []
-    for r in range(args.rounds):
-        rate = {}
-        for kind in rotated(("files", "shards"), r):
-            module = (ImageFolderDataModule(root, **settings, **FILES_ONLY) if kind == "files"
-                      else ShardsDataModule(pack, **settings))
-            rate[kind] = images_per_second(module, args.batches)
-        ratios.append(rate["shards"] / rate["files"])
-        print(f"round {r} ({'files' if r % 2 == 0 else 'shards'} first): files {rate['files']:.0f} img/s, "
-              f"shards {rate['shards']:.0f} img/s, shards/files {ratios[-1]:.2f}x", flush=True)
+    modules = {"files": lambda: ImageFolderDataModule(root, **settings, **FILES_ONLY),
+               "shards": lambda: ShardsDataModule(pack, **settings)}
+    rates = interleaved({kind: (lambda make=make: images_per_second(make(), args.batches))
+                         for kind, make in modules.items()}, args.rounds)
+    ratios = [h / f for f, h in zip(rates["files"], rates["shards"])]
+    for r, (f, h) in enumerate(zip(rates["files"], rates["shards"])):
+        print(f"round {r} ({'files' if r % 2 == 0 else 'shards'} first): files {f:.0f} img/s, shards {h:.0f} img/s, "
+              f"shards/files {h / f:.2f}x")
     print(f"median shards/files: {statistics.median(ratios):.2f}x ({args.rounds} rounds, batch {args.batch_size}, "
           f"{args.workers} worker(s), {args.size} px)\nMachine: {loader_machine_line(torch.device('cpu'))}")
 

@@ -10,7 +10,7 @@ batch, precision and layout trained by
   schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
   the ``ChannelsLast`` callback and Lightning's precision plugin,
 
-in ``--rounds`` interleaved rounds (the order alternates) of ``--warmup`` +
+in ``--rounds`` interleaved rounds (``cltrain.timing.rounds.interleaved``: the order alternates) of ``--warmup`` +
 ``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
 rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over the
 wall time between step ends after the warm-up (the same meter train.py reports);
@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
-import platform
 import statistics
 import tempfile
 import warnings
@@ -62,25 +60,11 @@ from cltrain.app import (
     resolve_precision,
 )
 from cltrain.app.train import train
-from cltrain.platform import cpu_bf16_support
 from cltrain.precision import autocast_dtype
-from scripts.timing import Stopwatch, interleaved
-
-
-def describe_host(accelerator: str) -> str:
-    """The CPU (native bf16 or not), the GPU when training on one, torch and Lightning."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    parts = [f"CPU {cpu} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads, "
-             f"native bf16: {'yes' if cpu_bf16_support()[0] else 'no'})"]
-    if accelerator == "cuda":
-        parts.append(f"GPU {torch.cuda.get_device_name()}")
-    parts.append(f"torch {torch.__version__}, lightning {pl.__version__}")
-    return "; ".join(parts)
+from cltrain.timing.clock import Stopwatch
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table, write_report
+from cltrain.timing.rounds import interleaved
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
@@ -190,10 +174,10 @@ def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict
     plain_model = copy.deepcopy(base).to(device)
     if channels_last:
         to_channels_last(plain_model)
-    speeds = interleaved(args.rounds, {
+    speeds = interleaved({
         "plain": lambda: plain_loop(plain_model, batches, precision, device, args.warmup),
         "lightning": lambda: lightning_path(copy.deepcopy(base), batches, precision, accelerator, channels_last, 1000,
-                                            args.warmup)}, rotate=True)
+                                            args.warmup)}, args.rounds)
     plain, light = statistics.median(speeds["plain"]), statistics.median(speeds["lightning"])
     ratios = [lt / pl for lt, pl in zip(speeds["lightning"], speeds["plain"])]  # each round's pair ran back to back
     return {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size, "layout": args.layout,
@@ -202,63 +186,47 @@ def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict
 
 
 # --- part 2: end to end on JPEGs -----------------------------------------------------------------
-def plain_step_round(args: argparse.Namespace, accelerator: str, precision: str, r: int) -> dict[str, float]:
-    """One round of the plain loop's contiguous fp32 and channels_last + AMP, for the same model, batch and
-    size as part 2: the speed-up the end-to-end one is held against, measured between its rounds."""
-    device = torch.device(accelerator)
-    base = build_classifier(args.model, num_classes=1000)
-    configs = {"contiguous fp32": (False, "32-true"), "channels_last + AMP": (True, precision)}
-    speeds = {}
-    for name in configs if r % 2 == 0 else reversed(list(configs)):
-        channels_last, prec = configs[name]
-        model = copy.deepcopy(base).to(device)
-        if channels_last:
-            to_channels_last(model)
-        batches = synthetic_batches(args, device, channels_last, args.e2e_steps)
-        speeds[name] = plain_loop(model, batches, prec, device, args.warmup)
-    return speeds
+CONFIGS = {"contiguous fp32": (False, ["channels_last=false", "amp=false"]),
+           "channels_last + AMP": (True, ["channels_last=true", "amp=true"])}
 
 
-def end_to_end_round(args: argparse.Namespace, work: Path, r: int) -> dict[str, dict]:
-    """One round of ``train(cfg)`` on JPEG files, contiguous fp32 and channels_last + AMP (order alternating)."""
+def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision: str) -> tuple[list[dict], dict]:
+    """``--e2e-rounds`` interleaved rounds of ``train(cfg)`` on JPEG files, contiguous fp32 and channels_last + AMP,
+    and of the plain loop's pair for the same two configs on synthetic tensors: the rows, and the reference with
+    the share of the plain step's speed-up kept end to end (median over rounds, each round's pair against the
+    plain pair of the same round)."""
     common = [f"model={args.model}" if args.model in ("resnet18", "resnet50") else f"model.name={args.model}",
               f"device={args.device}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
               f"data.val_resize_size={int(args.image_size * 8 / 7)}", f"data.num_workers={args.num_workers}",
               f"trainer.max_steps={args.warmup + args.e2e_steps}", "trainer.max_epochs=-1",
               "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "print_freq=0",
               f"throughput_warmup={args.warmup}", *args.data]
-    configs = {"contiguous fp32": ["channels_last=false", "amp=false"],
-               "channels_last + AMP": ["channels_last=true", "amp=true"]}
-    out = {}
-    for i, (name, toggles) in enumerate(configs.items() if r % 2 == 0 else reversed(configs.items())):
-        cfg = compose_config([*common, *toggles, f"run_dir={work / f'e2e-{r}-{i}'}"])
-        out[name] = train(cfg)
-    return out
+    device, base = torch.device(accelerator), build_classifier(args.model, num_classes=1000)
 
+    def e2e(r: int, name: str) -> dict:
+        run_dir = work / f"e2e-{r}-{name.split()[0]}"
+        return train(compose_config([*common, *CONFIGS[name][1], f"run_dir={run_dir}"]))
 
-def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision: str) -> tuple[list[dict], dict]:
-    """``--e2e-rounds`` rounds, each an end-to-end pair then a plain-loop pair: the rows, and the reference
-    with the share of the plain step's speed-up kept end to end (median over rounds)."""
-    e2e: dict[str, list[dict]] = {"contiguous fp32": [], "channels_last + AMP": []}
-    plain: dict[str, list[float]] = {"contiguous fp32": [], "channels_last + AMP": []}
-    kept = []
-    for r in range(args.e2e_rounds):
-        runs, ref = end_to_end_round(args, work, r), plain_step_round(args, accelerator, precision, r)
-        for name in e2e:
-            e2e[name].append(runs[name])
-            plain[name].append(ref[name])
-        speedup = runs["channels_last + AMP"]["images_per_second"] / runs["contiguous fp32"]["images_per_second"]
-        kept.append(speedup / (ref["channels_last + AMP"] / ref["contiguous fp32"]))
-    rows = []
-    for name, runs in e2e.items():
-        rows.append({"config": name, "precision": runs[0]["precision"],
-                     "images_per_second": statistics.median(m["images_per_second"] for m in runs),
-                     "step_time_s": statistics.median(m["step_time_s"] for m in runs)})
+    def plain(name: str) -> float:
+        channels_last = CONFIGS[name][0]
+        model = copy.deepcopy(base).to(device)
+        if channels_last:
+            to_channels_last(model)
+        batches = synthetic_batches(args, device, channels_last, args.e2e_steps)
+        return plain_loop(model, batches, precision if channels_last else "32-true", device, args.warmup)
+
+    runs = interleaved({**{("e2e", n): (lambda r, n=n: e2e(r, n)) for n in CONFIGS},
+                        **{("plain", n): (lambda r, n=n: plain(n)) for n in CONFIGS}}, args.e2e_rounds, with_round=True)
+    c, cl = CONFIGS
+    kept = [(runs[("e2e", cl)][r]["images_per_second"] / runs[("e2e", c)][r]["images_per_second"])
+            / (runs[("plain", cl)][r] / runs[("plain", c)][r]) for r in range(args.e2e_rounds)]
+    rows = [{"config": n, "precision": runs[("e2e", n)][0]["precision"],
+             "images_per_second": statistics.median(m["images_per_second"] for m in runs[("e2e", n)]),
+             "step_time_s": statistics.median(m["step_time_s"] for m in runs[("e2e", n)])} for n in CONFIGS]
     for row in rows:
         row["speedup"] = row["images_per_second"] / rows[0]["images_per_second"]
-    med = {name: statistics.median(v) for name, v in plain.items()}
-    reference = {**{f"{k} images_per_second": v for k, v in med.items()},
-                 "speedup": med["channels_last + AMP"] / med["contiguous fp32"],
+    med = {n: statistics.median(runs[("plain", n)]) for n in CONFIGS}
+    reference = {**{f"{k} images_per_second": v for k, v in med.items()}, "speedup": med[cl] / med[c],
                  "kept": statistics.median(kept), "kept_spread": (min(kept), max(kept))}
     return rows, reference
 
@@ -288,16 +256,16 @@ def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", module="lightning")
     accelerator, _ = resolve_accelerator(args.device)
     precision, _ = resolve_precision({"auto": True, "off": False}.get(args.amp, args.amp), accelerator)
-    desc = describe_host(accelerator)
-    print(f"machine: {desc}; load average {os.getloadavg()[0]:.2f}")
+    desc = machine(accelerator)
+    print(f"machine: {machine_line(desc)}")
 
     started = Stopwatch().start()
     part1 = overhead(args, accelerator, precision)
     print(f"\n## Lightning path vs plain PyTorch loop ({args.model}, batch {args.batch_size}, {args.image_size} px, "
           f"{args.layout}, {precision}; synthetic tensors; median of {args.rounds} interleaved rounds of {args.steps} steps)\n")
-    print("| path | images/s |\n|---|---:|")
-    print(f"| plain PyTorch loop | {part1['plain_images_per_second']:.2f} |")
-    print(f"| train.py (Lightning + ChannelsLast + ImageClassifier) | {part1['lightning_images_per_second']:.2f} |")
+    print(table(["path", "images/s"], [["plain PyTorch loop", f"{part1['plain_images_per_second']:.2f}"],
+                                       ["train.py (Lightning + ChannelsLast + ImageClassifier)",
+                                        f"{part1['lightning_images_per_second']:.2f}"]], align="lr"))
     lo, hi = part1["ratio_spread"]
     print(f"\nratio Lightning / plain: **{part1['ratio']:.3f}** (median of the {args.rounds} rounds' ratios, each "
           f"pair run back to back; spread {lo:.3f}-{hi:.3f}) [goal >= 0.98]")
@@ -313,10 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
             part2, reference = end_to_end(args, Path(tmp), accelerator, precision)
         print(f"\n## End to end on JPEG files ({args.model}, batch {args.batch_size}, {args.image_size} px, "
               f"{args.num_workers} loader workers, median step after {args.warmup} warm-up steps)\n")
-        print("| config | precision | images/s | step (s) | speed-up |\n|---|---|---:|---:|---:|")
-        for row in part2:
-            print(f"| {row['config']} | {row['precision']} | {row['images_per_second']:.2f} | "
-                  f"{row['step_time_s']:.3f} | {row['speedup']:.2f}x |")
+        print(table(["config", "precision", "images/s", "step (s)", "speed-up"],
+                    [[r["config"], r["precision"], f"{r['images_per_second']:.2f}", f"{r['step_time_s']:.3f}",
+                      f"{r['speedup']:.2f}x"] for r in part2], align="llrrr"))
         e2e = part2[-1]["speedup"]
         print(f"\nplain loop on synthetic tensors, same model/batch/size: contiguous fp32 "
               f"{reference['contiguous fp32 images_per_second']:.2f} img/s, channels_last + AMP "
@@ -328,8 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     result = {"machine": desc, "overhead": part1, "end_to_end": part2, "plain_step_reference": reference, "seconds": round(started.elapsed(), 1)}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_report(args.out.with_suffix(""), data=result)
     return result
 
 

@@ -74,6 +74,10 @@ def test_the_stopwatch_keeps_running_and_a_block_keeps_its_seconds(log: list[str
         clock().now += 7.0
     clock().now += 1.0
     assert block.seconds == 7.0 and watch.elapsed() == 10.0
+    clock().now += 1.0
+    assert watch.lap() == 11.0 and log.count("clock") == 6  # one reading ends a lap and starts the next
+    clock().now += 2.0
+    assert watch.lap() == 2.0
 
 
 def test_time_steps_warms_up_untimed_then_times_one_window_per_case_and_round(log: list[str]) -> None:
