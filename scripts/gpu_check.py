@@ -59,8 +59,6 @@ import math
 import multiprocessing
 import os
 import re
-import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -71,11 +69,11 @@ from typing import Any
 
 import torch
 
+from cltrain.timing.clock import Stopwatch
+from cltrain.timing.machine import machine
+from cltrain.timing.report import command_line, table
 from scripts.bench.config_run import run_config, skip_reason
-from scripts.machine import machine
-from scripts.timing import Stopwatch
-
-REPO = Path(__file__).resolve().parents[1]
+from scripts.harness import REPO, run_child
 
 COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
            "notes")
@@ -138,14 +136,7 @@ def jpeg_folder(root: Path, classes: int, per_class: int, size: tuple[int, int])
 
 def run_part(cmd: list[str], cwd: Path, limit: float, log: Path) -> int | None:
     """``cmd``'s exit status, its output in ``log``; ``None`` when it ran past ``limit`` (its process group is killed)."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its DataLoader workers and the tests' subprocesses too
-            proc.wait()
-            return None
+    return run_child(cmd, timeout=limit, log=log, cwd=cwd).code
 
 
 def row(part: str, configuration: str, status: str, **cells: Any) -> dict[str, str]:
@@ -300,16 +291,11 @@ def matrix_rows(done: dict[str, dict], skips: dict[str, str | None], code: int |
 
 def describe_machine() -> tuple[str, str]:
     """The GPU (name, driver, CUDA, cuDNN) or "no CUDA device", and the host (CPU, cores, Python, versions)."""
-    m, device = machine(), "no CUDA device"
-    if torch.cuda.is_available():
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30).stdout.split()
-        except (OSError, subprocess.SubprocessError):
-            smi = []
-        device = (f"{torch.cuda.get_device_name()}, driver {smi[0] if smi else 'unknown'}, CUDA {torch.version.cuda}, "
-                  f"cuDNN {torch.backends.cudnn.version()}")
-    host = (f"{m['cpu']}, {m['logical_cpus']} logical cores; Python {sys.version.split()[0]}; "
+    m = machine()
+    gpu = m.get("gpu")
+    device = (f"{gpu['name']}, driver {gpu['driver']}, CUDA {gpu['cuda']}, cuDNN {gpu['cudnn']}" if gpu
+              else "no CUDA device")
+    host = (f"{m['cpu']}, {m['logical_cpus']} logical cores; Python {m['python']}; "
             + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     return device, host
 
@@ -323,11 +309,8 @@ def machine_rows(command: str, seconds: float, data: str, machine_: tuple[str, s
 
 def gpu_results_table(rows: list[dict[str, str]]) -> str:
     """The rows as one Markdown table, numbers right-aligned."""
-    def line(cells: Any) -> str:
-        return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
-
-    align = "|" + "|".join("---:" if c in CELLS.values() else "---" for c in COLUMNS) + "|"
-    return "\n".join([line(COLUMNS), align, *(line(r[c] for c in COLUMNS) for r in rows)]) + "\n"
+    return table(COLUMNS, [[r[c] for c in COLUMNS] for r in rows],
+                 align="".join("r" if c in CELLS.values() else "l" for c in COLUMNS)) + "\n"
 
 
 def install_wheels(folder: Path, target: Path) -> None:
@@ -367,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.bench.mark import run_tasks
 
         return run_tasks(args.mark_worker)
-    started, command = Stopwatch().start(), "python -m scripts.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
+    started, command = Stopwatch().start(), command_line("scripts.gpu_check", argv)
     budget = args.budget if args.budget is not None else math.inf
     args.out.mkdir(parents=True, exist_ok=True)
     size = TINY if args.tiny else FULL

@@ -2,7 +2,8 @@
 
 For each model, a real ``lightning.Trainer`` trains ``--steps`` steps on synthetic data (a torchvision
 model with random weights, SGD) with ``ChannelsLast(verify=False)`` and with ``ChannelsLast()``, each run
-in its own fresh process, the two alternating over ``--repeats`` rounds (medians). Prints per model:
+in its own fresh process (``scripts.harness.run_child``), the two alternating over ``--repeats`` rounds
+(``cltrain.timing.rounds.interleaved``; medians). Prints per model:
 
 * the peak memory ratio: the process's peak RSS (``VmHWM``) with the check over without it, and on CUDA
   ``torch.cuda.max_memory_allocated``'s ratio;
@@ -22,16 +23,16 @@ resnet18 encoder, Dice + BCE on binary masks) at 64, 128 and 224 px and prints o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from cltrain.timing.clock import Stopwatch
+from cltrain.timing.report import write_report
+from cltrain.timing.rounds import interleaved
+from scripts.harness import emit, python_module, run_child
 
 #: ``--models`` names: torchvision builders, ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer) and
 #: ``unet_resnet18`` (segmentation_models_pytorch's U-Net, one output channel, trained with Dice + BCE).
@@ -137,20 +138,16 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
 def measure(model_name: str, batch: int, size: int, precision: str, steps: int, repeats: int,
             samples: int | None = None, optimizer: str = "adamw") -> dict[str, Any]:
     """``repeats`` alternating rounds of a run without and with the check, each in a fresh process."""
-    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-    for r in range(repeats):
-        for verify in (False, True) if r % 2 == 0 else (True, False):
-            cmd = [sys.executable, "-m", "scripts.bench.check_cost", "--child", "--models", model_name,
-                   "--batch", str(batch), "--size", str(size), "--precision", precision, "--steps", str(steps),
-                   "--optimizer", optimizer]
-            if verify:
-                cmd.append("--verify")
-            if samples is not None:
-                cmd += ["--check-samples", str(samples)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                raise RuntimeError(f"check_cost child failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
-            runs[verify].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    def run(verify: bool) -> dict[str, Any]:
+        cmd = python_module("scripts.bench.check_cost", "--child", "--models", model_name, "--batch", batch, "--size",
+                            size, "--precision", precision, "--steps", steps, "--optimizer", optimizer,
+                            *(["--verify"] if verify else []), *(["--check-samples", samples] if samples is not None else []))
+        child = run_child(cmd)
+        if child.code != 0 or not child.results():
+            raise RuntimeError(f"check_cost child failed ({' '.join(cmd)}): {child.status()}\n{child.output[-3000:]}")
+        return child.results()[-1]
+
+    runs = interleaved({False: lambda: run(False), True: lambda: run(True)}, repeats)
     med = statistics.median
     plain_step = med(t for run in runs[False] for t in run["steps"][1:])
     step_with_check = med(t for run in runs[True] for t in run["steps"][1:])
@@ -187,8 +184,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify,
-                               args.check_samples, args.optimizer)))
+        emit(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify,
+                   args.check_samples, args.optimizer))
         return []
     if args.tiny:
         args.models, args.batch, args.size, args.precision, args.steps, args.repeats = \
@@ -216,7 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"{cuda}", flush=True)
     print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line(machine()))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_report(args.json.with_suffix(""), data=rows)
     return rows
 
 

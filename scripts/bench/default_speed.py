@@ -1,9 +1,9 @@
 """The default's speed: ``ChannelsLast()`` against the same fit without cltrain (NCHW), model family by family.
 
-For each model, one process (a crash is a row, not the end of the run) builds it with random weights and runs real
-``lightning.Trainer`` fits on one fixed synthetic batch already on the device, alternately without cltrain and with
-``ChannelsLast()`` at its defaults (conversion, the first-batch check), for ``--rounds`` rounds that alternate which
-goes first, in each precision asked: by default the one ``amp=auto`` picks on the device
+For each model, one process (``scripts.harness.run_child``: a crash is a row, not the end of the run) builds it with
+random weights and runs real ``lightning.Trainer`` fits on one fixed synthetic batch already on the device,
+alternately without cltrain and with ``ChannelsLast()`` at its defaults (conversion, the first-batch check), for
+``--rounds`` rounds that alternate which goes first (``cltrain.timing.rounds.interleaved``), in each precision asked: by default the one ``amp=auto`` picks on the device
 (``cltrain.precision.auto_precision``) and ``32-true`` (TF32 on CUDA, as the app sets it: ``tf32=true``).
 
 Per model and precision:
@@ -37,16 +37,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from scripts.timing import Stopwatch, rotated
+from cltrain.timing.clock import Stopwatch
+from cltrain.timing.report import command_line, table
+from cltrain.timing.rounds import interleaved
+from scripts.harness import emit, python_module, run_child
 
 #: One family after another first, so a run cut short by ``--budget`` still covers the most families.
 MODELS = ("resnet50", "convnext_tiny", "mobilenet_v3_large", "ghostnet_100", "densenet121", "vit_b_16", "efficientnet_b0",
@@ -83,11 +83,7 @@ def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, targe
 
     from cltrain import ChannelsLast
 
-    cuda = batch.device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
+    cuda, sync = batch.device.type == "cuda", batch.device
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -149,18 +145,19 @@ def child(args: argparse.Namespace) -> None:
     batch = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(device)
     target = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
     name = args.models[0]
+
+    def fit(precision: str, variant: str, r: int) -> None:
+        fit = fit_once(name, variant, precision, batch, target, args.warmup, args.steps, args.optimizer)
+        if not batch.is_contiguous():  # the next fit would not be the one it says
+            raise RuntimeError(f"the {variant} fit left the loader's batch in strides {batch.stride()}")
+        emit({"model": name, "precision": precision, "variant": variant, "round": r, "device": str(device), **fit})
+
     for precision in args.precisions:
         try:
-            for r in range(args.rounds):
-                for variant in rotated(VARIANTS, r):
-                    fit = fit_once(name, variant, precision, batch, target, args.warmup, args.steps, args.optimizer)
-                    if not batch.is_contiguous():  # the next fit would not be the one it says
-                        raise RuntimeError(f"the {variant} fit left the loader's batch in strides {batch.stride()}")
-                    print(json.dumps({"model": name, "precision": precision, "variant": variant, "round": r,
-                                      "device": str(device), **fit}), flush=True)
+            interleaved({v: (lambda r, v=v: fit(precision, v, r)) for v in VARIANTS}, args.rounds, with_round=True)
         except Exception as error:  # a model that cannot train here is a row saying so
-            print(json.dumps({"model": name, "precision": precision,
-                              "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}), flush=True)
+            emit({"model": name, "precision": precision,
+                  "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
 
 
 def summarise(name: str, precision: str, fits: list[dict[str, Any]], why: str | None) -> dict[str, Any]:
@@ -179,21 +176,21 @@ def summarise(name: str, precision: str, fits: list[dict[str, Any]], why: str | 
             "check_s": cl["check_s"], "layout": cl["layout"], "note": error or "", "fits": fits}
 
 
-def table(records: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "", "| model | precision | step NCHW (ms) | step default (ms) | step ratio | fit NCHW (s) | "
-             "fit default (s) | fit ratio | check | trained in |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+def records_table(records: list[dict[str, Any]], header: str) -> str:
+    cells = []
     for r in records:
         if "error" in r:
             done = ", ".join(f"{f['variant']} {f['step_s'] * 1000:.1f} ms/step, fit {f['fit_s']:.1f} s"
                              for f in r.get("fits", []) if "variant" in f)
-            lines.append(f"| {r['model']} | {r['precision']} | {r['error']}{'; ended: ' + done if done else ''} "
-                         "|  |  |  |  |  |  |  |")
+            cells.append([r["model"], r["precision"], f"{r['error']}{'; ended: ' + done if done else ''}", *[""] * 7])
             continue
         check = f"{r['verdict']} ({r['check_s']:.1f} s)" if r["check_s"] is not None else str(r["verdict"])
-        lines.append(f"| {r['model']} | {r['precision']} | {1000 * r['nchw_step_s']:.1f} | {1000 * r['cl_step_s']:.1f}"
-                     f" | {r['step_ratio']:.2f}x | {r['nchw_fit_s']:.1f} | {r['cl_fit_s']:.1f} | {r['fit_ratio']:.2f}x"
-                     f" | {check} | {r['layout']}{'; ' + r['note'] if r['note'] else ''} |")
-    return "\n".join(lines) + "\n"
+        cells.append([r["model"], r["precision"], f"{1000 * r['nchw_step_s']:.1f}", f"{1000 * r['cl_step_s']:.1f}",
+                      f"{r['step_ratio']:.2f}x", f"{r['nchw_fit_s']:.1f}", f"{r['cl_fit_s']:.1f}", f"{r['fit_ratio']:.2f}x",
+                      check, f"{r['layout']}{'; ' + r['note'] if r['note'] else ''}"])
+    return "\n".join([header, "", table(["model", "precision", "step NCHW (ms)", "step default (ms)", "step ratio",
+                                          "fit NCHW (s)", "fit default (s)", "fit ratio", "check", "trained in"],
+                                         cells, align="llrrrrrr")]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -225,12 +222,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return []
     from cltrain.precision import auto_precision
     from cltrain.timing.machine import machine, machine_line
+    from cltrain.timing.report import write_report
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
     args.precisions = [auto.flag if p == "auto" else p for p in (args.precisions or ["auto", "32-true"])]
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m scripts.bench.default_speed " + " ".join(map(shlex.quote, argv if argv is not None
-                                                                         else sys.argv[1:]))
+    command = command_line("scripts.bench.default_speed", argv)
     header = (f"`{command}`: batch {args.batch} at {args.size} px, {args.optimizer}, {args.warmup} warm-up + "
               f"{args.steps} timed steps a fit, {args.rounds} rounds (medians); amp=auto: {auto.flag} ({auto.reason})."
               f"\n\n{machine_line(machine())}")
@@ -240,27 +237,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.budget is not None and started.elapsed() > args.budget:
             records += [{"model": name, "precision": p, "error": "not run: --budget spent"} for p in args.precisions]
             continue
-        cmd = [sys.executable, "-m", "scripts.bench.default_speed", "--child", "--models", name, "--batch",
-               str(args.batch), "--size", str(args.size), "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--rounds", str(args.rounds), "--optimizer", args.optimizer, "--precisions", *args.precisions,
-               *(["--cpu"] if args.cpu else [])]
-        why = None
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-            stdout = out.stdout
-            if out.returncode:
-                why = f"exit {out.returncode}: " + (out.stderr.strip().splitlines() or [""])[-1][:200]
-        except subprocess.TimeoutExpired as expired:
-            stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout or ""
-            why = f"timed out after {args.timeout:.0f} s"
-        fits = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
-        lines = [summarise(name, p, [f for f in fits if f["precision"] == p], why) for p in args.precisions]
+        run = run_child(python_module(
+            "scripts.bench.default_speed", "--child", "--models", name, "--batch", args.batch, "--size", args.size,
+            "--warmup", args.warmup, "--steps", args.steps, "--rounds", args.rounds, "--optimizer", args.optimizer,
+            "--precisions", *args.precisions, *(["--cpu"] if args.cpu else [])), timeout=args.timeout)
+        why = None if run.code == 0 else (f"timed out after {args.timeout:.0f} s" if run.code is None
+                                           else f"exit {run.code}: {run.last_error()}")
+        lines = [summarise(name, p, [f for f in run.results() if f["precision"] == p], why) for p in args.precisions]
         records += lines
         for r in lines:
-            print(table([r], "").splitlines()[-1], flush=True)
+            print(records_table([r], "").splitlines()[-1], flush=True)
+        write_report(args.out / "default_speed", markdown=records_table(records, header))
         (args.out / "default_speed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        (args.out / "default_speed.md").write_text(table(records, header))
-    print(table(records, header))
+    print(records_table(records, header))
     return records
 
 

@@ -12,7 +12,10 @@ thread, images per second with ``reduce`` off and on, interleaved repeats (``clt
 one warm-up image, each window the whole folder), the median of each.
 
     python -m scripts.bench.eval_exact --photos /tmp/cltrain-photos
-    python -m scripts.bench.eval_exact --photos /tmp/p --repeats 1 --images 8     # a quick check
+    python -m scripts.bench.eval_exact --photos /tmp/p --quick     # seconds: two photographs, 8 images, one round
+
+Prints the two tables of docs/performance.md (the differences per kind of file, then a row of speeds) and the
+machine.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from cltrain.data import eval_transform
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 from cltrain.data.quirk_files import QUIRKS_READABLE, write_quirks
 from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
 from cltrain.timing.rounds import time_steps
 
 SIZES = ((224, 256), (64, 73))
@@ -86,26 +90,30 @@ def main(argv: list[str] | None = None) -> None:
                    help="the photo folder (made once from the bundled photographs)")
     p.add_argument("--images", type=int, default=200, help="JPEGs of the photo folder to time")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="two photographs, 8 images of a small folder, one round")
     args = p.parse_args(argv)
+    if args.quick:
+        args.images, args.repeats = 8, 1
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     print(f"Machine: {machine_line(machine())}")
     with tempfile.TemporaryDirectory() as tmp:
-        diffs = differences(Path(tmp), bundled_photos())
-    print("Difference per pixel against torchvision's decode + Resize + CenterCrop (largest / mean), "
-          "per kind of file, over the bundled photographs at 500x375:")
-    print(f"{'kind':16s}" + "".join(f"  {s}/{r} reduce={'on ' if red else 'off'}" for s, r in SIZES for red in (False, True)))
-    for kind in QUIRKS_READABLE:
-        if (kind, SIZES[0][0], False) in diffs:
-            print(f"{kind:16s}" + "".join(f"  {diffs[(kind, s, red)][0]:10d} / {diffs[(kind, s, red)][1]:5.3f}"
-                                          for s, _ in SIZES for red in (False, True)))
-    root = make_photo_folder(args.photos)
+        diffs = differences(Path(tmp), bundled_photos()[:2] if args.quick else bundled_photos())
+    columns = [f"{s}/{r}, {'`reduce=True`' if red else 'default'}" for s, r in SIZES for red in (False, True)]
+    print("Difference per pixel against torchvision's decode + Resize + CenterCrop (largest / mean), per kind of file, "
+          "over the bundled photographs at 500x375:\n")
+    print(table(["kind", *columns], [[kind, *(f"{diffs[(kind, s, red)][0]} / {diffs[(kind, s, red)][1]:.3f}"
+                                              for s, _ in SIZES for red in (False, True))]
+                                     for kind in QUIRKS_READABLE if (kind, SIZES[0][0], False) in diffs]))
+    root = make_photo_folder(args.photos, **({"train": 8, "val": 1} if args.quick else {}))
     paths = sorted(str(q) for q in root.glob("*/*/*.jpg"))[: args.images]
+    cells = []
     for size, resize_size in SIZES:
         rates = speed(paths, size, resize_size, args.repeats)
-        print(f"eval_transform({size}, {resize_size}) on {len(paths)} photographs (333-800 px), 1 thread: "
-              f"reduce off {rates[False]:.0f} img/s, reduce on {rates[True]:.0f} img/s ({rates[True] / rates[False]:.2f}x)")
-
+        cells += [f"{rates[False]:.0f} img/s", f"{rates[True]:.0f} ({rates[True] / rates[False]:.2f}x)"]
+    print(f"\neval_transform on the JPEGs of the photo folder (333-800 px), one thread:\n")
+    print(table(["run", *(c.replace(",", "") for c in columns)],
+                [[f"{len(paths)} photos x {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}", *cells]]))
 
 if __name__ == "__main__":
     main()

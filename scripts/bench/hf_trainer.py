@@ -7,8 +7,8 @@ segmentation head). Two Trainers train it on a generated dataset (``pixel_values
 an image processor's output is): one as it comes, one with ``Trainer(callbacks=[ChannelsLastCallback()])``
 (``verify=False``: the first-batch check runs once, before the first step, and is not timed here).
 A step is timed from ``on_step_begin`` to ``on_step_end`` (forward, loss, backward, optimizer step; not the data
-loader). Rounds alternate which layout goes first; each round is one ``trainer.train()`` of ``--steps`` steps
-after one untimed warm-up step. The table gives the median steps/second over every timed step, the min-max
+loader). Rounds alternate which layout goes first (``cltrain.timing.rounds.interleaved``); each round is one
+``trainer.train()`` of ``--steps`` steps after one untimed warm-up step. The table gives the median steps/second over every timed step, the min-max
 over rounds, and channels_last / NCHW.
 
 Usage::
@@ -32,8 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from scripts.machine import machine, machine_line
-from scripts.timing import Stopwatch, rotated
+from cltrain.timing.clock import Stopwatch
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
+from cltrain.timing.rounds import interleaved
 
 #: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
 MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -122,40 +124,37 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     base = build(name, args.image_size, args.tiny)
     data = Images(args.batch_size * (args.steps + 1), args.image_size, segmentation="Segformer" in type(base).__name__)
     trainers: dict[str, tuple[Any, list[float]]] = {}
-    timed: dict[str, list[float]] = {"contiguous": [], "channels_last": []}
-    rounds: dict[str, list[float]] = {"contiguous": [], "channels_last": []}
     with tempfile.TemporaryDirectory() as out:
-        for layout in timed:
+        for layout in ("contiguous", "channels_last"):
             timer, seconds = step_timer()
             # verify=False: the first-batch check is a one-off before the first step, not part of a step's time
             extra = [ChannelsLastCallback(verify=False)] if layout == "channels_last" else []
             model = build(name, args.image_size, args.tiny)
             model.load_state_dict(base.state_dict())
             trainers[layout] = (make_trainer(model, data, [*extra, timer], args, out), seconds)
-        for r in range(args.repeats):
-            for layout in rotated(list(timed), r):
-                trainer, seconds = trainers[layout]
-                seconds.clear()
-                trainer.train()
-                steps = seconds[1:] or seconds  # the first step of a train() call warms up
-                timed[layout] += steps
-                rounds[layout].append(1 / statistics.median(steps))
-    rate = {layout: 1 / statistics.median(s) for layout, s in timed.items()}
+
+        def train(layout: str) -> list[float]:
+            trainer, seconds = trainers[layout]
+            seconds.clear()
+            trainer.train()
+            return seconds[1:] or list(seconds)  # the first step of a train() call warms up
+
+        timed = interleaved({layout: (lambda layout=layout: train(layout)) for layout in trainers}, args.repeats)
+    rate = {layout: 1 / statistics.median(s for steps in rounds for s in steps) for layout, rounds in timed.items()}
     return {"model": name, "params_m": sum(p.numel() for p in base.parameters()) / 1e6, "rate": rate,
-            "rounds": rounds, "ratio": rate["channels_last"] / rate["contiguous"]}
+            "rounds": {layout: [1 / statistics.median(steps) for steps in rounds] for layout, rounds in timed.items()},
+            "ratio": rate["channels_last"] / rate["contiguous"]}
 
 
 def to_markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """The results table."""
-    lines = [f"{args.device}, {args.precision}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
-             f"{args.repeats} rounds of {args.steps} timed steps per layout", "",
-             "| model | params (M) | NCHW steps/s | channels_last steps/s | channels_last / NCHW |",
-             "|---|---:|---:|---:|---:|"]
-    for row in rows:
-        cells = [f"{row['rate'][k]:.2f} ({min(row['rounds'][k]):.2f}-{max(row['rounds'][k]):.2f})"
-                 for k in ("contiguous", "channels_last")]
-        lines.append(f"| {row['model']} | {row['params_m']:.1f} | {cells[0]} | {cells[1]} | {row['ratio']:.2f}x |")
-    return "\n".join(lines)
+    return "\n".join([
+        f"{args.device}, {args.precision}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+        f"{args.repeats} rounds of {args.steps} timed steps per layout", "",
+        table(["model", "params (M)", "NCHW steps/s", "channels_last steps/s", "channels_last / NCHW"],
+              [[row["model"], f"{row['params_m']:.1f}",
+                *(f"{row['rate'][k]:.2f} ({min(row['rounds'][k]):.2f}-{max(row['rounds'][k]):.2f})"
+                  for k in ("contiguous", "channels_last")), f"{row['ratio']:.2f}x"] for row in rows], align="lrrrr")])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ ResNet-50, 224 px, SGD) through ``train(cfg)`` in one worker process, task after
    and at others (images/s of the batches the GPU gets, no training);
 4. the largest batch that fits (the eager step on synthetic batches, doubling from 256, then halving the
    interval between the last that fit and the first that did not; out of memory is a size that does not fit),
-   then channels_last fp16 compiled at that batch end to end; round 2, in reverse order;
+   then channels_last fp16 compiled at that batch end to end; round 2, the order rotated (each first in turn);
 5. channels_last fp16 compiled with ``compile.mode=reduce-overhead`` (CUDA graphs: the row says how many graphs
    inductor skipped, pytorch#139207); round 3; last, ``max-autotune-no-cudagraphs`` (minutes of autotuning).
 
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from cltrain.timing.clock import Stopwatch
-from cltrain.timing.rounds import interleaved, rate_after_first
+from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
@@ -73,7 +73,7 @@ NEEDS = {"amp": 30, "e2e": 20, "compile": 90, "max-autotune": 300, "largest_batc
 def tasks(tiny: bool) -> list[dict[str, Any]]:
     """The tasks in the order they run (the module docstring)."""
     key = KEY_CPU if tiny else KEY
-    e2e = [dict(kind="e2e", name=n, round=r) for r in range(3) for n in (key if r % 2 == 0 else key[::-1])]
+    e2e = [dict(kind="e2e", name=n, round=r) for r in range(3) for n in rotated(key, r)]
     first, second, third = e2e[:len(key)], e2e[len(key):2 * len(key)], e2e[2 * len(key):]
     rest = [dict(kind="e2e", name=n, round=0) for n in CONFIGS if n not in key and "largest" not in n
             and "reduce-overhead" not in n and "max-autotune" not in n]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from cltrain.timing.report import table
 from scripts.bench.step_profile import DATA_WAIT, breakdown_table
 
 __all__ = ["MLPERF", "mark_markdown"]
@@ -43,7 +44,7 @@ def _ratios(records: list[dict], runs: list[dict]) -> list[float]:
     return out
 
 
-def _e2e_rows(records: list[dict]) -> list[str]:
+def _e2e_rows(records: list[dict]) -> list[list[Any]]:
     rows, names = [], list(dict.fromkeys(r["name"] for r in records if r["kind"] == "e2e"))
     for name in names:
         mine = [r for r in records if r["kind"] == "e2e" and r["name"] == name]
@@ -51,7 +52,7 @@ def _e2e_rows(records: list[dict]) -> list[str]:
         notes = [f"{r['status']}{': ' + r['error'] if r.get('error') else ''}" for r in mine
                  if r.get("status") != "completed"]
         if not runs:
-            rows.append(f"| {name} | | | | | 0 | | | | {'; '.join(dict.fromkeys(notes))} |")
+            rows.append([name, "", "", "", "", 0, "", "", "", "; ".join(dict.fromkeys(notes))])
             continue
         speeds = [r["images_per_second"] for r in runs]
         ratios = _ratios(records, runs)
@@ -66,10 +67,9 @@ def _e2e_rows(records: list[dict]) -> list[str]:
         notes += [f"CUDA graphs skipped {r['cudagraph_skips']} times" for r in runs[:1] if r.get("cudagraph_skips")]
         notes += [f"{op} x{n} host syncs" for op, n in runs[0].get("sync_ops", {}).items()]
         spread = f"{min(speeds):,.0f}-{max(speeds):,.0f}" if len(speeds) > 1 else ""
-        rows.append(f"| {name} | {runs[0].get('precision', '')} | {runs[0].get('batch', '')} | "
-                    f"{_num(statistics.median(speeds))} | {spread} | {len(runs)} | {ratio} | "
-                    f"{_num(1e3 * statistics.median(r['step_time_s'] for r in runs))} | {finite} | "
-                    f"{'; '.join(notes)} |")
+        rows.append([name, runs[0].get("precision", ""), runs[0].get("batch", ""), _num(statistics.median(speeds)),
+                     spread, len(runs), ratio, _num(1e3 * statistics.median(r["step_time_s"] for r in runs)), finite,
+                     "; ".join(notes)])
     return rows
 
 
@@ -78,16 +78,16 @@ def _baseline_batch(records: list[dict]) -> Any:
                  and r.get("batch")), None)
 
 
-def _step_rows(amp: dict | None) -> list[str]:
+def _step_rows(amp: dict | None) -> list[list[Any]]:
     if not amp or amp.get("status") != "completed":
         return []
     rows = []
     for t in amp["trials"]:
         rate = amp["batch"] / t["seconds_per_step"] if t["seconds_per_step"] else None
         note = t["error"] or ("" if t["finite"] else "a loss was not finite")
-        rows.append(f"| recipe step only, channels_last {SHORT.get(t['flag'], t['flag'])} (synthetic batch) | "
-                    f"{t['flag']} | {amp['batch']} | {_num(rate)} | | {amp['rounds']} | | "
-                    f"{_num(1e3 * t['seconds_per_step']) if t['seconds_per_step'] else ''} | | {note} |")
+        rows.append([f"recipe step only, channels_last {SHORT.get(t['flag'], t['flag'])} (synthetic batch)", t["flag"],
+                     amp["batch"], _num(rate), "", amp["rounds"], "",
+                     _num(1e3 * t["seconds_per_step"]) if t["seconds_per_step"] else "", "", note])
     return rows
 
 
@@ -124,24 +124,23 @@ def _loader_table(records: list[dict]) -> list[str]:
     found = next((r for r in records if r["kind"] == "loader" and r.get("status") == "completed"), None)
     if not found:
         return []
-    lines = ["", f"The loader alone (the batches of {found['batch']} a run on this device gets; no training):", "",
-             "| workers x decode threads (asked) | img/s (median) | min-max | runs |", "|---|---:|---|---:|"]
     by_split: dict[str, list[float]] = {}
     for rate in found["rates"]:
         asked = f"{rate['workers']} x {rate['threads']} ({rate['asked'][0]}, {rate['asked'][1]})"
         by_split.setdefault(asked, []).append(rate["img_s"] or 0.0)
-    for split, speeds in by_split.items():
-        lines.append(f"| {split} | {_num(statistics.median(speeds))} | {min(speeds):,.0f}-{max(speeds):,.0f} | "
-                     f"{len(speeds)} |")
-    return lines
+    return ["", f"The loader alone (the batches of {found['batch']} a run on this device gets; no training):", "",
+            table(["workers x decode threads (asked)", "img/s (median)", "min-max", "runs"],
+                  [[split, _num(statistics.median(v)), f"{min(v):,.0f}-{max(v):,.0f}", len(v)]
+                   for split, v in by_split.items()], align="lrlr")]
 
 
 def mark_markdown(records: list[dict], header: dict[str, str]) -> str:
     """``mark.md`` from the records so far; ``header``: ``device``, ``host``, ``command``."""
     lines = [f"GPU: {header['device']}; host: {header['host']}", "", f"`{header['command']}`", "",
-             "| configuration | precision | batch | img/s (median) | min-max | runs | vs contiguous | step (ms) | "
-             "finite losses | notes |", "|---|---|---:|---:|---|---:|---:|---:|---:|---|",
-             *_e2e_rows(records), *_step_rows(next((r for r in records if r["kind"] == "amp"), None))]
+             table(["configuration", "precision", "batch", "img/s (median)", "min-max", "runs", "vs contiguous",
+                    "step (ms)", "finite losses", "notes"],
+                   [*_e2e_rows(records), *_step_rows(next((r for r in records if r["kind"] == "amp"), None))],
+                   align="llrrlrrrrl")]
     notes = _lines(records, header["device"])
     lines += ["", *notes] if notes else []
     lines += _loader_table(records)

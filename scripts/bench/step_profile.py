@@ -41,6 +41,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cltrain.timing.clock import Stopwatch
+from cltrain.timing.report import table
 
 __all__ = ["DATA_WAIT", "KINDS", "StepProfile", "breakdown", "breakdown_table", "kind_of"]
 
@@ -180,13 +181,12 @@ def breakdown_table(profiles: dict[str, dict[str, Any]]) -> str:
     """One Markdown table: a row per kind, then the data wait and the step's wall time; a column per profiled
     configuration (ms per step, share of the step)."""
     names = list(profiles)
-    lines = ["| kind | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for kind in (*KINDS, DATA_WAIT):
-        cells = []
-        for name in names:
-            ms, wall = profiles[name]["kinds"].get(kind, 0.0), profiles[name]["wall_ms"]
-            cells.append(f"{ms:.1f} ms ({100 * ms / wall:.0f}%)" if wall > 0 else f"{ms:.1f} ms")
-        label = f"{kind} (host, apart)" if kind == DATA_WAIT else kind
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("| step (wall) | " + " | ".join(f"{profiles[n]['wall_ms']:.1f} ms" for n in names) + " |")
-    return "\n".join(lines) + "\n"
+
+    def cell(name: str, kind: str) -> str:
+        ms, wall = profiles[name]["kinds"].get(kind, 0.0), profiles[name]["wall_ms"]
+        return f"{ms:.1f} ms ({100 * ms / wall:.0f}%)" if wall > 0 else f"{ms:.1f} ms"
+
+    rows = [[f"{kind} (host, apart)" if kind == DATA_WAIT else kind, *(cell(n, kind) for n in names)]
+            for kind in (*KINDS, DATA_WAIT)]
+    rows.append(["step (wall)", *(f"{profiles[n]['wall_ms']:.1f} ms" for n in names)])
+    return table(["kind", *names], rows, align="l" + "r" * len(names)) + "\n"

@@ -27,6 +27,7 @@ from torch import nn
 
 from cltrain.layout import to_channels_last
 from cltrain.timing.clock import Stopwatch
+from cltrain.timing.machine import machine, machine_line
 
 
 @contextlib.contextmanager
@@ -71,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     base = torchvision.models.resnet50(num_classes=10).to(device)
     x = torch.randn(args.batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
-    if device.type == "cuda":
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print(machine_line(machine(device, packages=("torch", "torchvision"))))
     ref_out, ref_grad = conv_step(copy.deepcopy(base).double(), x.double(), y, None)
     precisions = [("fp32 tf32", None, True), ("fp32 strict", None, False), ("bf16", torch.bfloat16, False),
                   ("fp16", torch.float16, False)] if device.type == "cuda" else [("fp32", None, False),

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             row["examined"] = examine(find([row["key"]])[0], row)
             print(f"{row['key']} {row['examined']['param']}: {row['examined']['verdict']}: {row['examined']['why']}",
                   flush=True)
-    sweep_args = parse_args(shlex.split(data["command"])[2:])
+    sweep_args = parse_args(shlex.split(data["command"])[3:])  # after "python -m scripts.zoo.sweep"
     write_outputs(args.out, data["rows"], data["machine"], data["command"], sweep_args)  # the table, re-rendered
     kernel = [r["key"] for r in data["rows"] if (r.get("examined") or {}).get("verdict") == "kernel"]
     print(f"kernel faults: {', '.join(kernel) or 'none'}; wrote {args.out.with_suffix('.md')}")

@@ -29,3 +29,15 @@ def test_eval_is_torchvision_within_one_level_for_every_kind_of_file(quirks, kin
     assert np.abs(eval_transform(56, 64)(quirks[kind]).astype(int) - ref).max() <= 1
     reduced = np.abs(eval_transform(56, 64, reduce=True)(quirks[kind]).astype(int) - ref).max()
     assert (reduced > 1) == (kind in JPEGS)  # DCT scaling applies to JPEGs only, and changes their pixels
+
+
+def test_quick_run_prints_both_tables_of_the_docs(tmp_path, capsys):
+    pytest.importorskip("sklearn")  # the bundled photographs
+    from scripts.bench.eval_exact import main
+
+    main(["--quick", "--photos", str(tmp_path / "photos")])
+    out = capsys.readouterr().out
+    assert "| kind | 224/256, default | 224/256, `reduce=True` | 64/73, default | 64/73, `reduce=True` |" in out
+    assert "| jpeg | 0 / 0.000 | 0 / 0.000 | 0 / 0.000 | " in out and "| bmp | 1 / " in out  # exact for JPEGs
+    assert "| run | 224/256 default | 224/256 `reduce=True` | 64/73 default | 64/73 `reduce=True` |" in out
+    assert "| 8 photos x 1 repeats, load average " in out and out.startswith("Machine: CPU ")

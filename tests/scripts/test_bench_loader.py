@@ -6,7 +6,7 @@ import sys
 import pytest
 from PIL import Image, JpegImagePlugin
 
-from scripts.bench.photo_folder import make_photo_folder
+from scripts.bench.photo_folder import main, make_photo_folder
 from tests.helpers import REPO
 from tests.helpers import warm
 
@@ -28,6 +28,8 @@ def test_photo_folder_is_real_photographs_in_imagenet_layout(tmp_path):
     (tmp_path / "other" / "x").write_text("x")
     with pytest.raises(FileExistsError, match="other"):
         make_photo_folder(tmp_path / "other", train=2, val=1)
+    main([str(tmp_path / "cli"), "--train", "2", "--val", "1"])  # the command makes one too
+    assert len(list((tmp_path / "cli").glob("*/*/*.jpg"))) == 3
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(scripts.__path__, "script
 
 
 def test_the_groups_are_there():
-    assert {"scripts.bench", "scripts.repro", "scripts.zoo", "scripts.gpu_check", "scripts.machine"} <= set(MODULES)
+    assert {"scripts.bench", "scripts.repro", "scripts.zoo", "scripts.gpu_check", "scripts.harness"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

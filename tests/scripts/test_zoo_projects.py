@@ -53,9 +53,11 @@ MISSING = Case("test:missing", "no_such_library_for_cltrain", "a library that is
 @pytest.mark.slow  # 4 child processes, each importing torch and Lightning: ~35 s of CPU
 def test_runs_in_subprocesses_and_a_crash_or_a_missing_library_is_a_row(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "subprocess", warm.forking_subprocess)  # each run still a process of its own
+    monkeypatch.setattr(projects, "CASES", [FLATTEN, ABORT, MISSING])
     out = tmp_path / "projects.md"
-    rows = {r["key"]: r for r in projects.sweep([FLATTEN, ABORT, MISSING], out, tmp_path / "logs", timeout=120,
-                                                 command="python -m scripts.zoo.projects --test")}
+    common = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), "--timeout", "120"]
+    assert projects.main(common) == 0  # every case, as the whole sweep runs them
+    rows = {r["key"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     flat = rows["test:flatten_head"]
     nc, cl = flat["contiguous"], flat["channels_last"]
     assert flat["status"] == "ok" and nc["trained"] and cl["trained"], (nc, cl)
@@ -72,15 +74,14 @@ def test_runs_in_subprocesses_and_a_crash_or_a_missing_library_is_a_row(tmp_path
     page = out.read_text()
     assert "| test | " not in page and "`flatten_head` a conv and a view-flattening head | yes / yes | " in page
     assert "NO (crashed (SIGABRT)" in page and "skipped: no_such_library_for_cltrain" in page
-    assert "python -m scripts.zoo.projects --test" in page and "3 cases: 2 ran, 1 skipped" in page
+    assert f"python -m scripts.zoo.projects {' '.join(common)}" in page and "3 cases: 2 ran, 1 skipped" in page
 
     # a rerun of some cases keeps the other rows and both commands
-    projects.sweep([MISSING], out, tmp_path / "logs", timeout=120, command="python -m scripts.zoo.projects --again",
-                   keep=True)
+    assert projects.main(["--only", "test:missing", *common]) == 0
     saved = json.loads(out.with_suffix(".json").read_text())
     assert [r["key"] for r in saved["rows"]] == ["test:flatten_head", "test:abort", "test:missing"]
-    assert [r["command"] for r in saved["runs"]] == ["python -m scripts.zoo.projects --test",
-                                                     "python -m scripts.zoo.projects --again"]
+    assert [r["command"] for r in saved["runs"]] == [f"python -m scripts.zoo.projects {' '.join(common)}",
+                                                     f"python -m scripts.zoo.projects --only test:missing {' '.join(common)}"]
 
 
 def test_row_cells_shorten_paths_and_compare_metrics():

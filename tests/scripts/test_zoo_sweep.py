@@ -92,6 +92,13 @@ def test_planted_faults_are_found_and_a_crash_is_a_row(tmp_path):
     rows, out = sweep(tmp_path / "check", "--check-only", "--optimizers", "sgd", "--models", "planted:wrong_grad")
     checked = rows["planted:wrong_grad"]
     assert checked["layout_check"] == "fallback" and "`net.conv`" in checked["layout_check_line"], checked
+    # scripts.zoo.miss_check on the MISS row: the planted conv is off alone too, a kernel fault (exit 1)
+    proc = warm.run([sys.executable, "-m", "scripts.zoo.miss_check", "--out", str(tmp_path / "zoo")], cwd=REPO,
+                    capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "kernel faults: planted:wrong_grad" in proc.stdout
+    examined = {r["key"]: r for r in json.loads((tmp_path / "zoo.json").read_text())["rows"]}["planted:wrong_grad"]
+    assert examined["examined"]["verdict"] == "kernel" and "MISS, examined: kernel" in (tmp_path / "zoo.md").read_text()
 
 
 def _guardrails_present() -> bool:

@@ -1,0 +1,111 @@
+"""scripts/ measures through one harness: no clock, rotation or machine description of its own, no private imports
+between scripts, every benchmark's quick mode run by a test; and ``scripts.harness`` runs a case in a child process
+whose crash, hang or error is a status, not the end of the run."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import harness
+from scripts.harness import emit, python_module, run_child
+from tests.helpers import REPO, warm
+
+SCRIPTS = sorted((REPO / "scripts").rglob("*.py"))
+#: Upstream repros import nothing from this repository, so a file can go to an upstream report as it is
+#: (scripts/repro/__init__.py): they keep their own machine line.
+PLAIN_PYTORCH = {"scripts/repro/onednn_1x1_strided_conv.py", "scripts/repro/cpu_bf16_conv3d_grad.py",
+                 "scripts/repro/cpu_bn_channels_last_accuracy.py"}
+#: Runnable benchmarks no test runs: the auto probe's, retired with ``cltrain.timing.probe``.
+UNTESTED = {"scripts.bench.auto_probe"}
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+
+
+def _hand_rotation(node: ast.AST) -> bool:
+    """``a if r % 2 == 0 else reversed(a)`` (or ``a[::-1]``, or another literal order): a rotation written by hand."""
+    if not isinstance(node, ast.IfExp) or "% 2" not in ast.unparse(node.test):
+        return False
+    other = node.orelse
+    return (isinstance(other, (ast.Tuple, ast.List)) or "[::-1]" in ast.unparse(other)
+            or isinstance(other, ast.Call) and ast.unparse(other.func) == "reversed")
+
+
+def test_no_clock_rotation_or_machine_description_of_their_own() -> None:
+    found = []
+    for path in SCRIPTS:
+        if _rel(path) in PLAIN_PYTORCH:
+            continue
+        text = path.read_text()
+        found += [f"{_rel(path)}: {what}" for what in ("perf_counter", "monotonic", "/proc/cpuinfo", "get_device_name")
+                  if what in text]
+        found += [f"{_rel(path)}:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(text)) if _hand_rotation(n)]
+    assert found == []
+
+
+def test_the_rotation_check_finds_a_hand_written_one() -> None:  # the negative control of the test above
+    for source in ("x = a if r % 2 == 0 else a[::-1]", "x = (1, 2) if r % 2 == 0 else (2, 1)",
+                   "x = a if r % 2 == 0 else reversed(a)"):
+        assert any(_hand_rotation(n) for n in ast.walk(ast.parse(source))), source
+    assert not any(_hand_rotation(n) for n in ast.walk(ast.parse("q = 2 if i % 2 == 0 else 0")))
+
+
+def test_no_private_imports_between_scripts() -> None:
+    private = [f"{_rel(path)}: from {n.module} import {a.name}" for path in SCRIPTS
+               for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").startswith("scripts") for a in n.names if a.name.startswith("_")]
+    assert private == []
+
+
+def _runnable() -> set[str]:
+    return {_module(p) for p in SCRIPTS if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M)
+            and not _rel(p).startswith("scripts/repro/")}
+
+
+def _run_by_tests() -> set[str]:
+    """Modules a test runs: ``"-m", "scripts...."``, or the ``main`` of an imported module called."""
+    run = set()
+    for path in (REPO / "tests" / "scripts").glob("test_*.py"):
+        text = path.read_text()
+        run |= set(re.findall(r'"-m", "(scripts[\w.]*)"', text))
+        for module, names in re.findall(r"^\s*from (scripts[\w.]*) import ([\w ,]+?)\s*(?:#.*)?$", text, re.M):
+            for name, _, alias in (part.strip().partition(" as ") for part in names.split(",")):
+                if name == "main" and re.search(r"\bmain\(", text):
+                    run.add(module)
+                elif re.search(rf"\b{alias or name}\.main\(", text):
+                    run.add(f"{module}.{name}")
+    return run
+
+
+def test_every_benchmark_has_its_quick_mode_run_by_a_test() -> None:
+    assert _runnable() - _run_by_tests() == UNTESTED
+
+
+def test_a_child_that_crashes_hangs_or_raises_is_a_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(harness, "subprocess", warm.forking_subprocess)  # each child a process, forked warm
+    code = ("import os, sys, time; from scripts.harness import emit; emit({'argv': sys.argv[1:]}); "
+            "{'crash': lambda: os.abort(), 'hang': lambda: time.sleep(60), 'raise': lambda: 1 / 0, 'ok': int}"
+            "[sys.argv[1]]()")
+    runs = {how: run_child([sys.executable, "-c", code, how], timeout=5, log=tmp_path / f"{how}.log")
+            for how in ("ok", "crash", "hang", "raise")}
+    assert {how: run.status() for how, run in runs.items()} == {
+        "ok": "ok", "crash": "crashed (SIGABRT)", "hang": "timeout after 5 s", "raise": "exited 1"}
+    assert runs["ok"].results() == [{"argv": ["ok"]}] and runs["hang"].results() == [{"argv": ["hang"]}]
+    assert runs["raise"].last_error() == "ZeroDivisionError: division by zero"
+    assert (tmp_path / "raise.log").read_text() == runs["raise"].output and runs["hang"].seconds < 30
+
+
+def test_emit_prints_one_line_the_parent_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    emit({"path": Path("/x"), "n": 1})
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and python_module("scripts.x", 1)[1:] == ["-m", "scripts.x", "1"]
