@@ -23,7 +23,8 @@ from cltrain.timing.layout_race import LayoutDecision, LayoutRace
 from cltrain.timing.layouts import choose_layout, time_layouts
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.precision import PrecisionTrial, choose_precision, time_precisions
-from cltrain.timing.rounds import interleaved, spread, time_steps
+from cltrain.timing.rounds import interleaved, time_steps
+from cltrain.timing.stats import spread
 from cltrain.timing.steps import layout_steps, training_step
 
 __all__ = ["LayoutDecision", "LayoutRace", "PrecisionTrial", "Stopwatch", "choose_layout", "choose_precision",

@@ -1,8 +1,10 @@
-"""The one clock of cltrain's timing and of every benchmark: wall seconds, the device synchronised at each read.
+"""The one clock of cltrain's timing and of every benchmark: wall seconds, read two ways.
 
-``sync`` says what runs before each clock read: ``None`` (nothing), a device (``torch.cuda.synchronize`` on a CUDA
-device, nothing on another), or any callable. On CUDA a step returns once its kernels are queued; without the sync
-a window would time the launches, not the work.
+* ``Stopwatch`` / ``timed`` (benchmarks, a timed window): ``sync`` says what runs before each clock read: ``None``
+  (nothing), a device (``torch.cuda.synchronize`` on a CUDA device, nothing on another), or any callable. On CUDA
+  a step returns once its kernels are queued; without the sync a window would time the launches, not the work.
+* ``StepTimer`` (a run's own steps, the hot loop): never waits for the device; on CUDA the step is bracketed by
+  events whose time is read only when asked, long after.
 
 Example::
 
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Union
+from typing import Any, Union
 
 import torch
 
-__all__ = ["Stopwatch", "Sync", "sync_hook", "synchronize", "timed"]
+__all__ = ["EventReading", "StepTimer", "Stopwatch", "Sync", "sync_hook", "synchronize", "timed"]
 
 #: What runs before each clock read: nothing, a device's synchronisation, or a callable.
 Sync = Union[Callable[[], object], torch.device, str, None]
@@ -89,3 +91,41 @@ def timed(fn: Callable[[], object], sync: Sync = None) -> float:
     with Stopwatch(sync) as watch:
         fn()
     return watch.seconds
+
+
+class StepTimer:
+    """One step's wall time on ``device`` without waiting for it: ``time.perf_counter`` on the CPU; CUDA events on a
+    GPU, read only when asked (``float(reading)`` waits for that event alone), so a step never waits for the device."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._start: Any = None
+
+    def start(self) -> None:
+        """Mark the step's start (an event queued behind the work already launched, on CUDA)."""
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> float | EventReading:
+        """The time since ``start``: seconds, or a reading that gives them when asked."""
+        if not self.cuda:
+            return time.perf_counter() - self._start
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return EventReading(self._start, end)
+
+
+class EventReading:
+    """Seconds between two CUDA events, worked out when first asked (``float(reading)``)."""
+
+    def __init__(self, start: Any, end: Any) -> None:
+        self.start, self.end, self.seconds = start, end, None
+
+    def __float__(self) -> float:
+        if self.seconds is None:
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        return self.seconds

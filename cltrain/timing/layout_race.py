@@ -41,16 +41,17 @@ Example::
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from cltrain.timing.clock import StepTimer
+from cltrain.timing.stats import log_ratio, t_quantile
 
 __all__ = ["LAYOUTS", "LayoutDecision", "LayoutRace", "Stopwatch"]
+
+#: One step's time without waiting for the device (``cltrain.timing.clock.StepTimer``), by the name the session uses.
+Stopwatch = StepTimer
 
 #: The two layouts raced: the default, and NCHW.
 LAYOUTS: tuple[str, str] = ("channels_last", "contiguous")
@@ -104,43 +105,6 @@ def _plain(obj: Any) -> Any:
 
 def _key(obj: Any) -> Any:
     return tuple(_key(o) for o in obj) if isinstance(obj, list) else obj
-
-
-class Stopwatch:
-    """One step's wall time on ``device``: ``time.perf_counter`` on the CPU; CUDA events on a GPU, read only when the
-    race judges (``float(reading)`` waits for that event alone), so a step never waits for the device."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.cuda = torch.device(device).type == "cuda"
-        self._start: Any = None
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> float | _EventReading:
-        """The time since ``start``: seconds, or a reading that gives them when asked."""
-        if not self.cuda:
-            return time.perf_counter() - self._start
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        return _EventReading(self._start, end)
-
-
-class _EventReading:
-    """Seconds between two CUDA events, worked out when first asked."""
-
-    def __init__(self, start: Any, end: Any) -> None:
-        self.start, self.end, self.seconds = start, end, None
-
-    def __float__(self) -> float:
-        if self.seconds is None:
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        return self.seconds
 
 
 @dataclass
@@ -236,15 +200,11 @@ class LayoutRace:
         if heat is None or not all(len(heat.times[layout]) for layout in LAYOUTS):
             return None
         cl, nchw = [float(t) for t in heat.times["channels_last"]], [float(t) for t in heat.times["contiguous"]]
-        med = {"channels_last": statistics.median(cl), "contiguous": statistics.median(nchw)}
-        log_r = math.log(med["contiguous"] / med["channels_last"])
         # the spread of the steps' log-times around their layout's mean (the warm-up's later steps with channels_last:
         # a slower warm-up only widens the bound), pooled, with the degrees of freedom the means took
-        groups = [[math.log(t) for t in cl + [float(t) for t in heat.warm]], [math.log(t) for t in nchw]]
-        df = sum(len(g) - 1 for g in groups)
-        pooled = math.sqrt(sum((x - statistics.fmean(g)) ** 2 for g in groups for x in g) / df) if df > 0 else 0.0
-        width = max(0.01, pooled) * math.sqrt(1 / len(cl) + 1 / len(nchw))
-        t999, t975 = _t(df, 0.999), _t(df, 0.975)
+        ratio = log_ratio(cl, nchw, spread_only=[float(t) for t in heat.warm])
+        med = dict(zip(("channels_last", "contiguous"), ratio.medians))
+        log_r, width, t999, t975 = ratio.log, ratio.width, t_quantile(ratio.df, 0.999), t_quantile(ratio.df, 0.975)
         slower, faster = ("contiguous", "channels_last") if log_r > 0 else ("channels_last", "contiguous")
         extra = (len(heat.times[slower]) + heat.untimed[slower]) * (med[slower] - med[faster])
         spent = extra >= self.budget * med[faster]
@@ -300,19 +260,3 @@ class LayoutRace:
                                times=racing["times"], untimed=racing["untimed"], warm=racing["warm"],
                                first_nchw=racing["first_nchw"])
         self._raced = max(self._raced, saved.get("raced", 0))
-
-
-#: Student's t quantiles (one-sided) by degrees of freedom: few steps make a wide bound.
-_T = {0.999: (318.3, 22.33, 10.21, 7.173, 5.893, 5.208, 4.785, 4.501, 4.297, 4.144, 4.025, 3.930, 3.852, 3.787, 3.733),
-      0.975: (12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)}
-_T_LIMIT = {0.999: 3.09, 0.975: 1.96}
-
-
-def _t(df: int, level: float) -> float:
-    """The one-sided ``level`` quantile of Student's t with ``df`` degrees of freedom (the normal's beyond 30)."""
-    table = _T[level]
-    if df < 1:
-        return table[0] * 10
-    if df <= len(table):
-        return table[df - 1]
-    return table[-1] + (_T_LIMIT[level] - table[-1]) * min(1.0, (df - len(table)) / 15)

@@ -2,7 +2,7 @@
 
 A machine gets busier or quieter while it measures; running the cases in turn, round after round, the order
 rotating (A B, B A, ... for two; A B C, B C A, C A B for three), lets the drift fall on every case alike. What
-each case gave is kept per round, and :func:`spread` says its median and its range.
+each case gave is kept per round, and :func:`cltrain.timing.stats.spread` says its median and its range.
 
 * :func:`interleaved`: each case a callable that makes one measurement (a loader pass, a whole fit, a child
   process) and returns it; ``warmup`` rounds first, not kept.
@@ -27,14 +27,14 @@ Example, two steps compared::
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from cltrain.timing.clock import Stopwatch, Sync, sync_hook, timed
+from cltrain.timing.stats import Spread, spread
 
-__all__ = ["Spread", "StepTimes", "Throughput", "interleaved", "rate_after_first", "rotated", "spread", "time_steps"]
+__all__ = ["StepTimes", "Throughput", "interleaved", "rate_after_first", "rotated", "time_steps"]
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -42,42 +42,6 @@ T = TypeVar("T")
 #: Steps timed per case to size the rounds, and the margin on the window they give: a round that runs faster than
 #: its probe (the machine's other load drops) still lasts ``min_window``.
 PROBE_STEPS, WINDOW_MARGIN = 3, 1.5
-
-
-@dataclass(frozen=True)
-class Spread:
-    """A case's values over rounds: the median to quote, the lowest and highest beside it."""
-
-    values: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    @property
-    def low(self) -> float:
-        return min(self.values)
-
-    @property
-    def high(self) -> float:
-        return max(self.values)
-
-    def cell(self, digits: int = 1, thousands: bool = False) -> str:
-        """``"median (low-high)"`` with ``digits`` decimals (``thousands``: with a comma every three digits)."""
-        f = f"{{:{',' if thousands else ''}.{digits}f}}".format
-        return f"{f(self.median)} ({f(self.low)}-{f(self.high)})"
-
-
-def spread(values: Iterable[float]) -> Spread:
-    """The :class:`Spread` of ``values``.
-
-    Raises:
-        ValueError: no values.
-    """
-    kept = tuple(float(v) for v in values)
-    if not kept:
-        raise ValueError("spread: no values (no round was kept)")
-    return Spread(kept)
 
 
 def rotated(items: Sequence[K], r: int) -> list[K]:

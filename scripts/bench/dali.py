@@ -58,7 +58,8 @@ from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.timing.clock import timed
 from cltrain.timing.report import table
-from cltrain.timing.rounds import interleaved, rate_after_first, spread
+from cltrain.timing.rounds import interleaved, rate_after_first
+from cltrain.timing.stats import spread
 from scripts.bench.loader import loader_machine_line, methods, time_loader
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 

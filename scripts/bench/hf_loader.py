@@ -39,7 +39,8 @@ from cltrain.data.hf_dataset import HFImageDataset
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.loader_threads import loading_plan
 from cltrain.data.normalize import ImageNormalizer
-from cltrain.timing.rounds import interleaved, rate_after_first, spread
+from cltrain.timing.rounds import interleaved, rate_after_first
+from cltrain.timing.stats import spread
 from scripts.bench.loader import loader_machine_line
 from scripts.bench.photo_folder import make_photo_folder
 

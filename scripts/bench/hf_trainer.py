@@ -5,7 +5,8 @@ Each model is built from its config at its published size (random weights, nothi
 (``MobileNetV2Config()``), EfficientNet-B0 and SegFormer-B0 (``SegformerForSemanticSegmentation``, a
 segmentation head). Two Trainers train it on a generated dataset (``pixel_values`` and labels, collated NCHW as
 an image processor's output is): one as it comes, one with ``Trainer(callbacks=[ChannelsLastCallback()])``
-(``verify=False``: the first-batch check runs once, before the first step, and is not timed here).
+(``verify=False``: the first-batch check runs once, before the first step, and is not timed here;
+``layout="channels_last"``: no race of the layouts, whose NCHW steps would count as channels_last ones).
 A step is timed from ``on_step_begin`` to ``on_step_end`` (forward, loss, backward, optimizer step; not the data
 loader). Rounds alternate which layout goes first (``cltrain.timing.rounds.interleaved``); each round is one
 ``trainer.train()`` of ``--steps`` steps after one untimed warm-up step. The table gives the median steps/second over every timed step, the min-max
@@ -128,7 +129,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         for layout in ("contiguous", "channels_last"):
             timer, seconds = step_timer()
             # verify=False: the first-batch check is a one-off before the first step, not part of a step's time
-            extra = [ChannelsLastCallback(verify=False)] if layout == "channels_last" else []
+            extra = [ChannelsLastCallback(verify=False, layout="channels_last")] if layout == "channels_last" else []
             model = build(name, args.image_size, args.tiny)
             model.load_state_dict(base.state_dict())
             trainers[layout] = (make_trainer(model, data, [*extra, timer], args, out), seconds)

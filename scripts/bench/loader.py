@@ -45,7 +45,8 @@ from cltrain.data.decoders import jpeg_roi
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.rounds import interleaved, rate_after_first, spread
+from cltrain.timing.rounds import interleaved, rate_after_first
+from cltrain.timing.stats import spread
 from scripts.bench.photo_folder import make_photo_folder
 
 

@@ -7,7 +7,7 @@ CUDA, autocast without a GradScaler), the two layouts are timed in rounds that
 alternate which goes first (``--repeats`` rounds); the table gives the median
 samples/second with the min-max spread over rounds, and the speed-up
 channels-last / contiguous. It also runs ``cltrain.timing.layouts.choose_layout``
-(what ``ChannelsLast(mode="auto")`` does) per model and dtype and says whether
+(a few steps of copies in each layout) per model and dtype and says whether
 it picked the measured winner.
 
 The cases are ``cltrain.timing.steps.layout_steps`` (a copy of the model and the
@@ -236,7 +236,7 @@ def to_markdown(rows: list[dict], machine: str, args: argparse.Namespace) -> str
     lines = [
         f"Training step (forward, backward, SGD step) samples/second, median (min-max) of {args.repeats} interleaved "
         f"rounds, each timing at least {args.steps} steps and {args.min_window:g} s (steps per round: `results.csv`); "
-        f"speed-up = channels-last / contiguous; auto = what `ChannelsLast(mode=\"auto\")` picks "
+        f"speed-up = channels-last / contiguous; auto = what `cltrain.timing.layouts.choose_layout` picks "
         f"({args.auto_steps} timed forward+backward steps per layout).",
         "",
         f"Machine: {machine}",

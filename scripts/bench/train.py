@@ -8,7 +8,8 @@ batch, precision and layout trained by
   and loss, ``zero_grad(set_to_none=True)``, backward, and under ``16-mixed`` a ``GradScaler``;
 * train.py's path: ``cltrain.app.module.ImageClassifier`` (per-step
   schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
-  the ``ChannelsLast`` callback and Lightning's precision plugin,
+  the ``ChannelsLast`` callback (``layout`` pinned to part 1's: no race of the layouts in the window) and
+  Lightning's precision plugin,
 
 in ``--rounds`` interleaved rounds (``cltrain.timing.rounds.interleaved``: the order alternates) of ``--warmup`` +
 ``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
@@ -152,7 +153,7 @@ def lightning_path(model: torch.nn.Module, batches: list, precision: str, accele
                    num_classes: int, warmup: int) -> float:
     module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
     progress = MainAmpProgress(print_freq=0, warmup=warmup)  # syncs after the last step, like the plain loop
-    callbacks = [_WarmupSync(warmup), progress] + ([ChannelsLast()] if channels_last else [])
+    callbacks = [_WarmupSync(warmup), progress] + ([ChannelsLast(layout="channels_last")] if channels_last else [])
     trainer = _quiet_trainer(accelerator, precision, len(batches), callbacks)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     return progress.summary()["images_per_second"]

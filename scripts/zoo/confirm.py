@@ -6,7 +6,8 @@ From one initialisation, the same seed, the same batches and the same optimizer,
 1. **nchw**: NCHW, no callback: the reference;
 2. **nudged**: NCHW with every parameter nudged by a relative 1e-7 (``p.mul_(1 + 1e-7 * randn_like(p))``): how far
    rounding alone moves the run (the noise reference: Adam's first steps amplify it);
-3. **channels_last**: ``ChannelsLast(verify=False)``: channels_last without the check's fallbacks.
+3. **channels_last**: ``ChannelsLast(layout="channels_last", verify=False)``: channels_last without the check's
+   fallbacks (and without the race of the layouts, which would run steps in NCHW).
 
 ``gap`` is how far a run is from **nchw**: the largest relative difference of its losses (per step), and the
 relative difference of its parameter updates over the whole model (``|u - u_nchw| / |u_nchw|``, ``u`` = final
@@ -169,7 +170,7 @@ def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: st
 
     run("nchw")
     run("nudged")
-    run("channels_last", ChannelsLast(verify=False))
+    run("channels_last", ChannelsLast(layout="channels_last", verify=False))
     if not all(name in updates for name in RUNS):
         return result
     for key, name in (("gap", "channels_last"), ("noise", "nudged")):

@@ -101,7 +101,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         if picks or untimed:
             lines.append(f"- the race ({label}) kept channels_last for {picks.count('channels_last')} of "
                          f"{len(picks)} models it timed, contiguous for {picks.count('contiguous')}"
-                         + (f"; {untimed} not timed (the probe could not pickle the sweep's module class)" if untimed else "") + ".")
+                         + (f"; {untimed} not timed (the race did not decide)" if untimed else "") + ".")
     return lines
 
 

@@ -202,7 +202,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
 
     nets = {}
     # The kernels and the guardrails, without the first-batch check's fallbacks (``--check-only`` measures those).
-    for layout, callback in (("contiguous", None), ("channels_last", ChannelsLast(verify=False))):
+    for layout, callback in (("contiguous", None), ("channels_last", ChannelsLast(layout="channels_last", verify=False))):
         phase(layout)
         module = fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2)
         nets[layout] = module.train().net

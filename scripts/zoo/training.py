@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,8 +24,7 @@ class ZooModule(LightningModule):
     """Any zoo model with its spec's loss and an optimizer of ``OPTIMIZERS``; keeps the step-0 gradients and the
     losses.
 
-    At the top level of a module: ``mode="auto"`` times the model in a child process, which must
-    be able to import its class (a class made inside a function does not pickle)."""
+    At the top level of a module, so a child process can import its class."""
 
     def __init__(self, net: torch.nn.Module, spec: Spec, optimizer: str = "sgd"):
         super().__init__()

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from cltrain.timing.clock import Stopwatch, timed
-from cltrain.timing.rounds import interleaved, rate_after_first, rotated, spread, time_steps
+from cltrain.timing.rounds import interleaved, rate_after_first, rotated, time_steps
+from cltrain.timing.stats import log_ratio, spread, t_quantile
 
 
 class FakeClock:
@@ -137,3 +138,16 @@ def test_spread_quotes_the_median_and_the_range() -> None:
     assert (s.median, s.low, s.high) == (2.5, 1.0, 10.0) and spread([1234.5]).cell(0, thousands=True) == "1,234 (1,234-1,234)"
     with pytest.raises(ValueError, match="no values"):
         spread([])
+
+
+def test_a_ratio_beyond_the_noise_of_its_own_samples_has_a_bound_that_excludes_one() -> None:
+    a, b = [1.0, 1.02, 0.98, 1.0, 1.01], [1.5, 1.52, 1.49, 1.5, 1.51]
+    clear = log_ratio(a, b)
+    assert clear.medians == (1.0, 1.5) and clear.factor == pytest.approx(1.5) and clear.df == 8
+    assert clear.log - clear.bound(0.999) > 0  # b slower beyond doubt
+    noisy = log_ratio(a, [0.7, 2.2, 1.1, 1.9, 1.05])  # the same median ratio would not be believed from these
+    assert noisy.log - noisy.bound(0.999) < 0 < noisy.log
+    widened = log_ratio(a, b, spread_only=[3.0])  # a slow warm-up step widens the bound, not the medians
+    assert widened.medians == clear.medians and widened.width > clear.width
+    assert log_ratio([1.0], [1.0]).width == pytest.approx(0.01 * 2 ** 0.5)  # the floor: never certain of nothing
+    assert t_quantile(1, 0.999) == 318.3 and t_quantile(100, 0.975) == 1.96 and t_quantile(0, 0.975) == pytest.approx(127.1)

@@ -20,8 +20,6 @@ SCRIPTS = sorted((REPO / "scripts").rglob("*.py"))
 #: (scripts/repro/__init__.py): they keep their own machine line.
 PLAIN_PYTORCH = {"scripts/repro/onednn_1x1_strided_conv.py", "scripts/repro/cpu_bf16_conv3d_grad.py",
                  "scripts/repro/cpu_bn_channels_last_accuracy.py"}
-#: Runnable benchmarks no test runs: the auto probe's, retired with ``cltrain.timing.probe``.
-UNTESTED = {"scripts.bench.auto_probe"}
 
 
 def _rel(path: Path) -> str:
@@ -88,7 +86,7 @@ def _run_by_tests() -> set[str]:
 
 
 def test_every_benchmark_has_its_quick_mode_run_by_a_test() -> None:
-    assert _runnable() - _run_by_tests() == UNTESTED
+    assert _runnable() - _run_by_tests() == set()
 
 
 def test_a_child_that_crashes_hangs_or_raises_is_a_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
