@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.clock import Stopwatch
 from cltrain.timing.report import write_report
 from cltrain.timing.rounds import interleaved
 from scripts.harness import emit, python_module, run_child
@@ -69,11 +68,13 @@ def peak_rss_mb() -> float:
 def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool,
           samples: int | None = None, optimizer: str = "adamw") -> dict[str, Any]:
     """One training run in this process; returns its figures."""
-    import lightning.pytorch as pl
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, Dataset
 
     from cltrain import ChannelsLast
+    from scripts.fits import NetModule, StepClock, quiet_trainer
+
+    segmentation = model_name.startswith("unet")
 
     class Images(Dataset):
         def __len__(self) -> int:
@@ -84,52 +85,26 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
             image = torch.randn(3, size, size, generator=g)
             return (image, (image[:1] > 0).float()) if segmentation else (image, i % 10)
 
-    segmentation = model_name.startswith("unet")
+    def loss(out: torch.Tensor, b: Any) -> torch.Tensor:
+        if not segmentation:
+            return F.cross_entropy(out, b[1])
+        probs = out.sigmoid()
+        dice = 1 - (2 * (probs * b[1]).sum() + 1) / (probs.sum() + b[1].sum() + 1)
+        return dice + F.binary_cross_entropy_with_logits(out, b[1])
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = build(model_name, size)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net(x)
-
-        def training_step(self, b: Any, i: int) -> torch.Tensor:
-            out = self(b[0])
-            if not segmentation:
-                return F.cross_entropy(out, b[1])
-            probs = out.sigmoid()
-            dice = 1 - (2 * (probs * b[1]).sum() + 1) / (probs.sum() + b[1].sum() + 1)
-            return dice + F.binary_cross_entropy_with_logits(out, b[1])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            if optimizer == "sgd":
-                return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    class StepTimes(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.watch = Stopwatch()
-
-        def on_train_batch_start(self, *args: Any) -> None:
-            self.watch.start()
-
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.strategy.root_device.type == "cuda":
-                torch.cuda.synchronize()  # the step's kernels, at the end only (the start is not synchronised)
-            self.times.append(self.watch.elapsed())
+    def make_optimizer(params: Any) -> torch.optim.Optimizer:
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        return torch.optim.AdamW(params, lr=1e-3)
 
     torch.manual_seed(0)
     options = {} if samples is None else {"check_samples": samples or None}
-    timer, callback = StepTimes(), ChannelsLast(verify=verify, **options)
-    trainer = pl.Trainer(max_steps=steps, precision=precision, callbacks=[timer, callback], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(Module(), DataLoader(Images(), batch_size=batch))
+    timer, callback = StepClock(), ChannelsLast(verify=verify, **options)
+    trainer = quiet_trainer(max_steps=steps, precision=precision, callbacks=[timer, callback])
+    trainer.fit(NetModule(build(model_name, size), loss, make_optimizer), DataLoader(Images(), batch_size=batch))
     check = callback.layout_checks.get("train")
     cuda = torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"
-    return {"steps": timer.times, "peak_rss_mb": peak_rss_mb(),
+    return {"steps": timer.steps, "peak_rss_mb": peak_rss_mb(),
             "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "check_s": check.seconds if check else None, "verdict": check.verdict if check else None,
             "device": str(trainer.strategy.root_device)}

@@ -50,17 +50,15 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from torch.utils.data import RandomSampler
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
-from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.timing.clock import timed
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved, rate_after_first
 from cltrain.timing.stats import spread
-from scripts.bench.loader import loader_machine_line, methods, time_loader
+from scripts.bench.loader import loader_machine_line, loader_rate, methods, time_loader
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 
 SIZE = 224
@@ -149,15 +147,11 @@ def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, bat
                    output: str = "float", decoder: str = "auto", ahead: bool = True) -> float:
     """``output``: ``"float"`` normalised by the collate, image by image on the loader's threads;
     ``"after"``: a uint8 batch, then normalize() on the whole batch; ``"uint8"``: the uint8 batch."""
-    transform = train_transform(SIZE, decoder=decoder)
-    dataset = ImageFolderDataset(split, transform, threads=threads, index_cache=False)
-    sampler = RandomSampler(dataset, replacement=True, num_samples=batch_size * (batches + 1),
-                            generator=torch.Generator().manual_seed(seed))
+    dataset = ImageFolderDataset(split, train_transform(SIZE, decoder=decoder), threads=threads, index_cache=False)
     collate = NHWCCollate(normalize=ImageNormalizer() if output == "float" else None, threads=threads)
-    loader = PrefetchDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
-                                decode_ahead=ahead)
     finish = normalize if output == "after" else (lambda x: x)
-    return rate_after_first(loader, lambda batch: finish(batch[0]).shape[0]).per_second
+    return loader_rate(dataset, collate, lambda batch: finish(batch[0]), batch_size, workers, batches, seed,
+                       decode_ahead=ahead)
 
 
 def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed: int) -> float:

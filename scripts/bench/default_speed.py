@@ -78,54 +78,24 @@ class _Repeat:
 def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, target: torch.Tensor, warmup: int,
              steps: int, optimizer: str) -> dict[str, Any]:
     """One fit of ``warmup + steps`` steps; its whole wall time and its steady-state step."""
-    import lightning.pytorch as pl
     import torch.nn.functional as F
 
     from cltrain import ChannelsLast
+    from scripts.fits import NetModule, StepClock, quiet_trainer
 
-    cuda, sync = batch.device.type == "cuda", batch.device
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _build(name, batch.shape[-1])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net(x)
-
-        def training_step(self, b: Any, i: int) -> torch.Tensor:
-            return F.cross_entropy(self(b[0]), b[1])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            if optimizer == "adamw":
-                return torch.optim.AdamW(self.parameters(), lr=1e-4)
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-
-    class Window(pl.Callback):
-        """One sync when the window opens and one when it closes: the steps between run as they would."""
-
-        def __init__(self) -> None:
-            self.watch = Stopwatch(sync)
-
-        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.global_step == warmup:
-                self.watch.start()
-
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.global_step == warmup + steps:
-                self.seconds = self.watch.elapsed()
+    def make_optimizer(params: Any) -> torch.optim.Optimizer:
+        if optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=1e-4)
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4)
 
     torch.manual_seed(0)
-    window = Window()
-    callbacks: list[pl.Callback] = [window]
-    if variant == "channels_last":
-        callbacks.append(ChannelsLast())
-    trainer = pl.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, precision=precision,
-                         max_steps=warmup + steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    with Stopwatch(sync) as whole:
-        trainer.fit(Module(), train_dataloaders=_Repeat((batch, target), warmup + steps))
-    module = trainer.lightning_module
+    window = StepClock(window=(warmup, warmup + steps - 1))  # one device sync at each end, none between
+    callbacks: list[Any] = [window] + ([ChannelsLast()] if variant == "channels_last" else [])
+    trainer = quiet_trainer(accelerator=batch.device.type, precision=precision, max_steps=warmup + steps,
+                            callbacks=callbacks)
+    module = NetModule(_build(name, batch.shape[-1]), lambda out, b: F.cross_entropy(out, b[1]), make_optimizer)
+    with Stopwatch(batch.device) as whole:
+        trainer.fit(module, train_dataloaders=_Repeat((batch, target), warmup + steps))
     check = callbacks[-1].layout_checks.get("train") if variant == "channels_last" else None
     convs = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
     nhwc = sum(w.is_contiguous(memory_format=torch.channels_last) for w in convs)

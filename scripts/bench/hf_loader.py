@@ -31,17 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, RandomSampler
+from torch.utils.data import Dataset
 from torchvision import transforms as T
 
-from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, PrefetchDataLoader, train_transform
+from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, train_transform
 from cltrain.data.hf_dataset import HFImageDataset
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.loader_threads import loading_plan
 from cltrain.data.normalize import ImageNormalizer
-from cltrain.timing.rounds import interleaved, rate_after_first
+from cltrain.timing.rounds import interleaved
 from cltrain.timing.stats import spread
-from scripts.bench.loader import loader_machine_line
+from scripts.bench.loader import loader_machine_line, loader_rate
 from scripts.bench.photo_folder import make_photo_folder
 
 
@@ -73,18 +73,6 @@ def hf_documented(dataset: Any, size: int) -> tuple[Dataset, Callable, Callable]
         return torch.stack([r["pixel_values"] for r in rows]), torch.tensor([r["label"] for r in rows])
 
     return dataset, collate, lambda b: b[0].contiguous(memory_format=torch.channels_last)
-
-
-def rate(dataset: Dataset, collate: Callable, finish: Callable, batch_size: int, workers: int, batches: int,
-         seed: int) -> float:
-    """Images per second over ``batches`` batches after an untimed first one."""
-    n = batch_size * (batches + 1)
-    sampler = RandomSampler(range(len(dataset)), replacement=True, num_samples=n,
-                            generator=torch.Generator().manual_seed(seed))
-    loader = PrefetchDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
-                                persistent_workers=False)
-    torch.manual_seed(seed)
-    return rate_after_first(loader, lambda batch: finish(batch).shape[0]).per_second
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     for config, (workers, threads) in configs.items():
         rows = {"(a) HF docs": hf_documented(split, args.size)} if workers == args.workers else {}
         rows.update({k: (*v, lambda b: b[0]) for k, v in cltrain_rows(workers, threads).items()})
-        cases.update({(config, name): (lambda r, row=row, workers=workers: rate(*row, args.batch_size, workers,
-                                                                                 args.batches, seed=r))
+        cases.update({(config, name): (lambda r, row=row, workers=workers: loader_rate(
+            *row, args.batch_size, workers, args.batches, seed=r, decode_ahead=True))
                       for name, row in rows.items()})
     rates = interleaved(cases, args.repeats, with_round=True)
     med = {k: spread(v).median for k, v in rates.items()}

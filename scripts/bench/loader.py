@@ -44,6 +44,7 @@ from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, NHWCCollate, make_demo_dat
 from cltrain.data.decoders import jpeg_roi
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
+from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.rounds import interleaved, rate_after_first
 from cltrain.timing.stats import spread
@@ -135,17 +136,24 @@ def methods(size, device, augment=False, num_classes=1000, whole=False):
     return rows
 
 
-def time_loader(samples, fn, collate, finish, batch_size, workers, batches, seed, device):
-    """Images per second of one loader over ``batches`` batches after an untimed first one."""
-    n = batch_size * (batches + 1)
-    cuda = device.type == "cuda"
-    sampler = RandomSampler(samples, replacement=True, num_samples=n, generator=torch.Generator().manual_seed(seed))
-    loader = DataLoader(Files(samples, fn), batch_size=batch_size, sampler=sampler, num_workers=workers,
-                        collate_fn=collate, persistent_workers=False, pin_memory=cuda)
+def loader_rate(dataset, collate, finish, batch_size, workers, batches, seed, device=torch.device("cpu"), **options):
+    """Images per second of one pass of a loader over ``dataset`` (``batches`` batches after an untimed first one,
+    samples drawn with ``seed``); ``finish(batch)`` does what the step would (images or a count). ``options`` go to
+    the loader: with any, cltrain's ``PrefetchDataLoader`` (``decode_ahead=``), else torch's ``DataLoader``."""
+    sampler = RandomSampler(range(len(dataset)), replacement=True, num_samples=batch_size * (batches + 1),
+                            generator=torch.Generator().manual_seed(seed))
+    loader = (PrefetchDataLoader if options else DataLoader)(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
+        persistent_workers=False, pin_memory=device.type == "cuda", **options)
     torch.manual_seed(seed)  # the same crops for each loader with workers=0
     # on CUDA the clock waits for the copies and kernels, not just their launch
     return rate_after_first(loader, lambda b: out if isinstance(out := finish(b), int) else out.shape[0],
                             sync=device).per_second
+
+
+def time_loader(samples, fn, collate, finish, batch_size, workers, batches, seed, device):
+    """Images per second of one loader of ``methods`` over the files ``samples``."""
+    return loader_rate(Files(samples, fn), collate, finish, batch_size, workers, batches, seed, device)
 
 
 def loader_machine_line(device: torch.device) -> str:
@@ -199,6 +207,7 @@ def main(argv=None):
           f"{args.batches} timed batches x {args.repeats} repeat(s), crop {args.size}")
     print(loader_machine_line(device))
     devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
+    cpu_decode = None
     for dev in devices:
         loaders = methods(args.size, dev, args.augment, len(classes), args.whole)
         rates = interleaved({name: (lambda r, m=m: time_loader(samples, *m, args.batch_size, args.workers, args.batches,

@@ -193,15 +193,13 @@ def run_largest_batch(spec: dict, records: list[dict]) -> dict:
 
 
 def _loader_rate(spec: dict, workers: Any, threads: Any, batches: int) -> dict:
-    import lightning.pytorch as pl
-
     from cltrain.app import compose_config
     from cltrain.app.datasource import build_datamodule
+    from scripts.fits import quiet_trainer
 
     cfg = compose_config([*spec["common"], f"data.num_workers={workers}", f"data.decode_threads={threads}"])
     dm = build_datamodule(cfg)
-    dm.trainer = pl.Trainer(accelerator=spec["device"], devices=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False)  # the loader as a run on this device gets it (pinned, uint8)
+    dm.trainer = quiet_trainer(accelerator=spec["device"])  # the loader as a run on this device gets it (pinned, uint8)
     dm.setup("fit")
     loader = dm.train_dataloader()
     rate = rate_after_first(loader, lambda b: b[0].shape[0], limit=batches)  # worker start-up and the first batch untimed

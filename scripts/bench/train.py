@@ -66,15 +66,10 @@ from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table, write_report
 from cltrain.timing.rounds import interleaved
+from scripts.fits import quiet_trainer
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
-def _quiet_trainer(accelerator: str, precision: str, max_steps: int, callbacks: list | None = None) -> pl.Trainer:
-    return pl.Trainer(accelerator=accelerator, devices=1, precision=precision, max_steps=max_steps,
-                      callbacks=callbacks or [], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
-
-
 class PlainStep:
     """One training step as Lightning's automatic optimisation and precision plugin run it, without Lightning.
 
@@ -90,7 +85,7 @@ class PlainStep:
     def __init__(self, model: torch.nn.Module, precision: str, device: torch.device, batches: list,
                  num_classes: int = 1000) -> None:
         self.module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
-        trainer = _quiet_trainer(device.type, precision, max_steps=0)
+        trainer = quiet_trainer(accelerator=device.type, precision=precision, max_steps=0)
         trainer.fit(self.module, train_dataloaders=DataLoader(batches, batch_size=None))  # configures, steps nothing
         self.module.to(device).train()
         self.optimizer = trainer.optimizers[0]
@@ -154,7 +149,7 @@ def lightning_path(model: torch.nn.Module, batches: list, precision: str, accele
     module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
     progress = MainAmpProgress(print_freq=0, warmup=warmup)  # syncs after the last step, like the plain loop
     callbacks = [_WarmupSync(warmup), progress] + ([ChannelsLast(layout="channels_last")] if channels_last else [])
-    trainer = _quiet_trainer(accelerator, precision, len(batches), callbacks)
+    trainer = quiet_trainer(accelerator=accelerator, precision=precision, max_steps=len(batches), callbacks=callbacks)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     return progress.summary()["images_per_second"]
 

@@ -22,10 +22,10 @@ from scripts.harness import emit, python_module, run_child
 
 def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
     """Both checks of one model in this process."""
-    from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
     from cltrain import ChannelsLast
+    from scripts.fits import quiet_trainer
     from scripts.zoo.models import build, find, make_batch
     from scripts.zoo.training import ZooModule
 
@@ -35,10 +35,8 @@ def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
         torch.manual_seed(0)
         data = [make_batch(spec, batch, torch.Generator().manual_seed(0))]
         callback = ChannelsLast(check_samples=k)
-        trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, precision=precision, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback])
-        trainer.fit(ZooModule(build(spec), spec).train(), DataLoader(data, batch_size=None))
+        quiet_trainer(accelerator="cpu", max_steps=1, precision=precision, callbacks=[callback]).fit(
+            ZooModule(build(spec), spec).train(), DataLoader(data, batch_size=None))
         check = callback.layout_checks["train"]
         row[name] = {"verdict": check.verdict, "findings": [(f.kind, f.phase, f.module) for f in check.findings],
                      "fallbacks": [f.describe() for f in check.fallbacks], "worst": check.worst,

@@ -77,7 +77,7 @@ from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
-from scripts.harness import REPO, python_module, run_child
+from scripts.harness import python_module, run_child
 from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,

@@ -58,13 +58,13 @@ def fit(net: torch.nn.Module, spec: Spec, batches: list[Any], callback: Any, max
         precision: str = "32-true", optimizer: str = "sgd", seed: int = 0) -> ZooModule:
     """``net`` trained for ``max_steps`` on ``batches`` (copies, in order) by a Trainer with ``callback``; the
     global RNG seeded with ``seed`` first (a detector's samplers draw from it)."""
-    from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
+    from scripts.fits import quiet_trainer
+
     module = ZooModule(net, spec, optimizer).train()  # Lightning keeps each submodule's mode: quiet them here
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=max_steps, precision=precision, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback] if callback else [])
+    trainer = quiet_trainer(accelerator="cpu", max_steps=max_steps, precision=precision,
+                            callbacks=[callback] if callback else [])
     torch.manual_seed(seed)
     trainer.fit(module, DataLoader([clone_batch(b) for b in batches], batch_size=None))
     return module

@@ -1,0 +1,71 @@
+"""A model fitted by a quiet Lightning ``Trainer``, its steps on the harness's clock: what the benchmarks that time
+whole fits share (``scripts.bench.default_speed``, ``scripts.bench.check_cost``, ``scripts.bench.train``, the zoo).
+
+* ``quiet_trainer``: a ``Trainer`` with no logger, checkpoint, progress bar, summary or sanity check;
+* ``NetModule``: a network with a loss and an optimizer, nothing else;
+* ``StepClock``: each training step's seconds, or one window of steps (``cltrain.timing.clock.Stopwatch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from cltrain.timing.clock import Stopwatch, synchronize
+
+__all__ = ["NetModule", "StepClock", "quiet_trainer"]
+
+
+def quiet_trainer(**options: Any) -> Trainer:
+    """A ``Trainer`` of ``options`` that writes and prints nothing of its own and validates only when asked."""
+    return Trainer(**{"devices": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                      "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0, **options})
+
+
+class NetModule(LightningModule):
+    """``net`` trained on ``loss(output, batch)`` with the optimizer ``optimizer(parameters)`` makes."""
+
+    def __init__(self, net: torch.nn.Module, loss: Callable[[Any, Any], torch.Tensor],
+                 optimizer: Callable[[Any], torch.optim.Optimizer]) -> None:
+        super().__init__()
+        self.net, self.loss, self.make_optimizer = net, loss, optimizer
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(self(batch[0]), batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.make_optimizer(self.parameters())
+
+
+class StepClock(Callback):
+    """The training steps' seconds on the harness's clock.
+
+    Args:
+        window: ``(first, last)`` step indices: one window from the start of ``first`` to the end of ``last``, the
+            device synchronised at those two points only (the steps between run as they would): ``seconds``.
+            ``None``: every step from its start to its end, the device synchronised at the end: ``steps``.
+    """
+
+    def __init__(self, window: tuple[int, int] | None = None) -> None:
+        self.window, self.steps, self.seconds = window, [], None
+        self.watch: Stopwatch | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if self.window is None or trainer.global_step == self.window[0]:
+            # a window opens on a synchronised device; a single step's start is not synchronised
+            self.watch = Stopwatch(trainer.strategy.root_device if self.window else None).start()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self.window is None or trainer.global_step == self.window[1] + 1:  # global_step: the steps taken
+            synchronize(trainer.strategy.root_device)  # the steps' kernels, done
+            seconds = self.watch.elapsed()
+            if self.window is None:
+                self.steps.append(seconds)
+            else:
+                self.seconds = seconds
