@@ -1,4 +1,5 @@
-"""Pick the faster memory layout for a model by timing it: what ``ChannelsLast(mode="auto")`` runs.
+"""Pick the faster memory layout for a model by timing copies of it, before training (a run decides on its own
+steps instead: ``cltrain.timing.layout_race``).
 
 Whether channels_last pays depends on the model, the dtype and the device
 (pytorch#50549, #50036): depthwise-heavy or non-convolutional models can lose
@@ -23,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,7 +46,6 @@ def time_layouts(
     device: torch.device | str | None = None,
     autocast_dtype: torch.dtype | None = None,
     guardrails: bool = False,
-    on_step: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds per forward+backward step of ``model`` in each layout.
 
@@ -69,8 +68,6 @@ def time_layouts(
             fp16 on CUDA, as in training), or ``None`` for the model's own dtype.
         guardrails: apply ``cltrain.guardrails.apply_guardrails`` to each copy for its
             layout, as ``ChannelsLast`` does to the model it trains.
-        on_step: called with the layout's name before every step (warm-up ones too): progress
-            for a caller watching from another process (``cltrain.timing.probe.probe_layout``).
 
     Returns:
         ``{"channels_last": seconds, "contiguous": seconds}``.
@@ -88,8 +85,6 @@ def time_layouts(
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     batch = torch.randn(shape, device=device, dtype=dtype)
     cases = layout_steps(model, batch, device=device, autocast_dtype=autocast_dtype, guardrails=guardrails)
-    if on_step is not None:
-        cases = {layout: (lambda layout=layout, step=step: (on_step(layout), step())) for layout, step in cases.items()}
     # one step per round, the layouts alternating which goes first
     per_step = time_steps(cases, rounds=steps, warmup=warmup, sync=device).per_step()
     return {layout: per_step[layout].median for layout in ("channels_last", "contiguous")}

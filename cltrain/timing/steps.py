@@ -2,7 +2,7 @@
 
 ``training_step`` makes one step (zero the gradients, the loss under autocast, backward, the optimizer's step)
 and returns it as a callable that leaves the loss on the device. ``layout_steps`` makes one per layout from deep
-copies of a model, each fed the batch's input in that layout: what ``time_layouts`` (``mode="auto"``) and the
+copies of a model, each fed the batch's input in that layout: what ``time_layouts`` and the
 benchmarks of ``scripts/`` hand :func:`cltrain.timing.rounds.time_steps`. The given model is never touched.
 
 Example::
