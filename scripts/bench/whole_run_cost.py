@@ -1,6 +1,6 @@
 """What keeping the layout and the loader's place costs: the layout watch against a training step, in one run.
 
-``ChannelsLast`` walks the parameters once after each epoch's end and each validation (``LayoutSession.keep``),
+``ChannelsLast`` walks the parameters once after each epoch's end and each validation (``LayoutSession.boundary``),
 never per step; the training loader counts each batch a step takes (``ResumableLoader.note_taken``) and builds its
 state only when a checkpoint is saved (``state_dict``). This times, in one process on one model, interleaved::
 
@@ -8,7 +8,7 @@ state only when a checkpoint is saved (``state_dict``). This times, in one proce
     python -m scripts.bench.whole_run_cost --model resnet18 --batch 4 --size 64 --rounds 3   # seconds
 
 * a training step (forward, cross-entropy, backward, SGD) of the channels_last model;
-* ``keep`` on that model with nothing moved (what every epoch's end costs), and with every weight moved;
+* ``boundary`` on that model with nothing moved (what every epoch's end costs), and with every weight moved;
 * ``note_taken`` and ``state_dict`` of a training loader, and the copy of the BatchNorm statistics before each step
   (``cltrain.data.running_stats.RunningStats.hold``);
 * for a stream (``cltrain.data.stream_place``): a sample's seed from its place (``row_seed``, once per sample) and
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.model)(num_classes=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    session = LayoutSession(host=Host(optimizers=lambda: [opt]))
+    session = LayoutSession(layout="channels_last", host=Host(optimizers=lambda: [opt]))
     session.start(model)
     session.expect(model)
     x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=torch.channels_last)
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     stats = RunningStats()
     timing = time_steps({  # interleaved: each figure from the same stretch of the run
         "step": step,
-        "keep, nothing moved": lambda: session.boundary(model),
-        "keep, every weight moved": moved,
+        "boundary, nothing moved": lambda: session.boundary(model),
+        "boundary, every weight moved": moved,
         "note_taken": loader.note_taken,
         "loader state_dict": loader.state_dict,
         "BatchNorm statistics held": lambda: stats.hold(model),

@@ -7,7 +7,7 @@ from scripts.bench.whole_run_cost import main
 
 def test_a_short_run_times_each_cost_against_the_step(capsys) -> None:
     figures = main(["--model", "resnet18", "--batch", "2", "--size", "32", "--rounds", "1"])
-    assert set(figures) == {"step", "keep, nothing moved", "keep, every weight moved", "note_taken",
+    assert set(figures) == {"step", "boundary, nothing moved", "boundary, every weight moved", "note_taken",
                             "loader state_dict", "BatchNorm statistics held", "stream: a sample's seed",
                             "stream: a batch's place"}
     assert all(seconds > 0 for seconds in figures.values()), figures
