@@ -94,10 +94,10 @@ def test_a_child_that_crashes_hangs_or_raises_is_a_status(tmp_path: Path, monkey
     code = ("import os, sys, time; from scripts.harness import emit; emit({'argv': sys.argv[1:]}); "
             "{'crash': lambda: os.abort(), 'hang': lambda: time.sleep(60), 'raise': lambda: 1 / 0, 'ok': int}"
             "[sys.argv[1]]()")
-    runs = {how: run_child([sys.executable, "-c", code, how], timeout=5, log=tmp_path / f"{how}.log")
+    runs = {how: run_child([sys.executable, "-c", code, how], timeout=3, log=tmp_path / f"{how}.log")
             for how in ("ok", "crash", "hang", "raise")}
     assert {how: run.status() for how, run in runs.items()} == {
-        "ok": "ok", "crash": "crashed (SIGABRT)", "hang": "timeout after 5 s", "raise": "exited 1"}
+        "ok": "ok", "crash": "crashed (SIGABRT)", "hang": "timeout after 3 s", "raise": "exited 1"}
     assert runs["ok"].results() == [{"argv": ["ok"]}] and runs["hang"].results() == [{"argv": ["hang"]}]
     assert runs["raise"].last_error() == "ZeroDivisionError: division by zero"
     assert (tmp_path / "raise.log").read_text() == runs["raise"].output and runs["hang"].seconds < 30
