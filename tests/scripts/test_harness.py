@@ -13,7 +13,7 @@ import pytest
 
 from scripts import harness
 from scripts.harness import emit, python_module, run_child
-from tests.helpers import REPO, warm
+from tests.helpers import REPO
 
 SCRIPTS = sorted((REPO / "scripts").rglob("*.py"))
 #: Upstream repros import nothing from this repository, so a file can go to an upstream report as it is
@@ -89,21 +89,22 @@ def test_every_benchmark_has_its_quick_mode_run_by_a_test() -> None:
     assert _runnable() - _run_by_tests() == set()
 
 
-def test_a_child_that_crashes_hangs_or_raises_is_a_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(harness, "subprocess", warm.forking_subprocess)  # each child a process, forked warm
-    code = ("import os, sys, time; from scripts.harness import emit; emit({'argv': sys.argv[1:]}); "
+def test_a_child_that_crashes_hangs_or_raises_is_a_status(tmp_path: Path) -> None:
+    code = ("import json, os, sys, time; print('SCRIPTS-RESULT ' + json.dumps({'argv': sys.argv[1:]}), flush=True); "
             "{'crash': lambda: os.abort(), 'hang': lambda: time.sleep(60), 'raise': lambda: 1 / 0, 'ok': int}"
             "[sys.argv[1]]()")
-    runs = {how: run_child([sys.executable, "-c", code, how], timeout=3, log=tmp_path / f"{how}.log")
-            for how in ("ok", "crash", "hang", "raise")}
+    runs = {how: run_child([sys.executable, "-S", "-c", code, how], timeout=1 if how == "hang" else 60,
+                           log=tmp_path / f"{how}.log") for how in ("ok", "crash", "hang", "raise")}
     assert {how: run.status() for how, run in runs.items()} == {
-        "ok": "ok", "crash": "crashed (SIGABRT)", "hang": "timeout after 3 s", "raise": "exited 1"}
+        "ok": "ok", "crash": "crashed (SIGABRT)", "hang": "timeout after 1 s", "raise": "exited 1"}
     assert runs["ok"].results() == [{"argv": ["ok"]}] and runs["hang"].results() == [{"argv": ["hang"]}]
     assert runs["raise"].last_error() == "ZeroDivisionError: division by zero"
     assert (tmp_path / "raise.log").read_text() == runs["raise"].output and runs["hang"].seconds < 30
 
 
-def test_emit_prints_one_line_the_parent_reads(capsys: pytest.CaptureFixture[str]) -> None:
+def test_emit_prints_the_line_a_parent_reads(capsys: pytest.CaptureFixture[str]) -> None:
     emit({"path": Path("/x"), "n": 1})
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and python_module("scripts.x", 1)[1:] == ["-m", "scripts.x", "1"]
+    assert out == 'SCRIPTS-RESULT {"path": "/x", "n": 1}\n'
+    assert harness.Child(0, out + "a line\n", 1.0, None).results() == [{"path": "/x", "n": 1}]
+    assert python_module("scripts.x", 1)[1:] == ["-m", "scripts.x", "1"]
