@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     for size, resize_size in SIZES:
         rates = speed(paths, size, resize_size, args.repeats)
         cells += [f"{rates[False]:.0f} img/s", f"{rates[True]:.0f} ({rates[True] / rates[False]:.2f}x)"]
-    print(f"\neval_transform on the JPEGs of the photo folder (333-800 px), one thread:\n")
+    print("\neval_transform on the JPEGs of the photo folder (333-800 px), one thread:\n")
     print(table(["run", *(c.replace(",", "") for c in columns)],
                 [[f"{len(paths)} photos x {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}", *cells]]))
 
