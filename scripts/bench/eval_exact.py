@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         args.images, args.repeats = 8, 1
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torchvision\.io")  # the reference's decode
     print(f"Machine: {machine_line(machine())}")
     with tempfile.TemporaryDirectory() as tmp:
         diffs = differences(Path(tmp), bundled_photos()[:1] if args.quick else bundled_photos())
