@@ -33,14 +33,17 @@ class Spread:
 
     @property
     def median(self) -> float:
+        """The median value: the figure to quote."""
         return statistics.median(self.values)
 
     @property
     def low(self) -> float:
+        """The lowest value."""
         return min(self.values)
 
     @property
     def high(self) -> float:
+        """The highest value."""
         return max(self.values)
 
     def cell(self, digits: int = 1, thousands: bool = False) -> str:
