@@ -235,25 +235,20 @@ class ShardCache:
         if size is None:
             size = _retried(lambda: int(self.fs.size(url)), url)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with ExitStack() as stack:
-            with self._locked(""):  # room made and reserved under one lock: concurrent fetches add up
-                self._make_room(size, name)
-                try:
+        try:
+            with ExitStack() as stack:
+                with self._locked(""):  # room made and reserved under one lock: concurrent fetches add up
+                    self._make_room(size, name)
                     f = stack.enter_context(atomic_open(path))
                     if size and hasattr(os, "posix_fallocate"):
                         os.posix_fallocate(f.fileno(), 0, size)
-                except OSError as err:
-                    if not isinstance(err, DiskFullError) and err.errno not in _FULL:
-                        raise
-                    raise self._full(name, size, err) from None
-            try:
                 for start in range(0, size, CHUNK):
                     f.write(self.read_range(name, start, min(CHUNK, size - start)))
                 f.truncate(size)
-            except OSError as err:
-                if isinstance(err, DiskFullError) or err.errno in _FULL:
-                    raise self._full(name, size, err) from None
-                raise
+        except OSError as err:  # atomic_open removed the temporary file; a full disk is a DiskFullError
+            if isinstance(err, DiskFullError) or err.errno in _FULL:
+                raise self._full(name, size, err) from None
+            raise
         self.fetched += 1
 
     def _full(self, name: str, size: int, err: BaseException) -> CacheFullError:

@@ -163,9 +163,16 @@ class RemotePack(LocalPack):
         self.cache.open()
         from concurrent.futures import ThreadPoolExecutor
 
+        def load(shard: str) -> np.ndarray:
+            for _ in range(3):
+                try:
+                    return np.load(self.cache.get(_index_name(shard)), allow_pickle=False)
+                except FileNotFoundError:  # evicted between its fetch and its load (a cache smaller than the pack)
+                    continue
+            return np.load(self.cache.get(_index_name(shard)), allow_pickle=False)
+
         with ThreadPoolExecutor(max(1, min(self.threads * 4, len(shards)))) as pool:
-            paths = list(pool.map(lambda s: self.cache.get(_index_name(s)), shards))
-        return [np.load(p, allow_pickle=False) for p in paths]
+            return list(pool.map(load, shards))
 
     def pread(self, shard: str, offset: int, size: int) -> bytes:
         """``size`` bytes of ``shard`` from ``offset``: from the cached shard (fetched now if need be), or a range."""

@@ -163,6 +163,20 @@ def test_an_unreachable_endpoint_is_one_line_within_seconds(env, monkeypatch):
     assert time.monotonic() - started < 10 and "\n" not in str(caught.value)
 
 
+def test_a_full_cache_disk_is_one_line_and_leaves_no_temporary_file(url, env):
+    # a file size limit (EFBIG, as ENOSPC: the write fails part-way) stands in for a full disk
+    code = ("import sys; from cltrain.data import ShardsDataset, eval_transform\n"
+            "try: ShardsDataset(sys.argv[1], 'train', eval_transform(24, 28))[list(range(8))]\n"
+            "except Exception as e: print(type(e).__name__, e); sys.exit(2)")
+    done = warm.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=120,
+                    file_size_limit=8192)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stdout.strip()
+    assert line.startswith("CacheFullError shard cache") and "no room for train/shard-" in line, line
+    assert "CLTRAIN_SHARD_CACHE" in line and "\n" not in line
+    assert not [p for p in env.rglob("*") if p.name.startswith(TEMP_PREFIX)]
+
+
 def test_secrets_are_never_in_a_message():
     os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
     try:

@@ -26,6 +26,7 @@ from cltrain.app.config.rules import (
     NON_NEGATIVE,
     OPT_PATH,
     OPT_POSITIVE,
+    OPT_SIZE,
     OPT_TEXT,
     POSITIVE,
     POSITIVE_OR_AUTO,
@@ -42,6 +43,7 @@ from cltrain.data.constants import CHECK_MODES
 from cltrain.data.bad_samples import BAD_FILE_POLICIES
 from cltrain.data.crop_kernels import INTERPOLATIONS
 from cltrain.data.decoders import DECODER_NAMES
+from cltrain.data.shard_source import FETCH_MODES
 
 __all__ = [
     "DEMO_GENERATORS",
@@ -153,6 +155,10 @@ class ShardsConfig(_ImageCrops):
     _target_: str = "cltrain.data.ShardsDataModule"
     seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
     shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
+    # root may be a URL (s3://bucket/pack, gs://, az://, https://): docs/guides/object-storage.md
+    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache (null: $CLTRAIN_SHARD_CACHE, else $TMPDIR)
+    cache_limit: Any = key(None, OPT_SIZE)    # most bytes it holds (200GB, ...; null: half the disk's free space)
+    fetch: str = key("shards", choices(*FETCH_MODES))  # shards: whole, ahead, cached; ranges: per sample, uncached
 
 
 @dataclass
