@@ -186,6 +186,26 @@ def test_secrets_are_never_in_a_message():
     assert "pw" not in text and "abc" not in text and "def" not in text and SECRET not in text and "ok=1" in text
 
 
+@pytest.mark.slow
+def test_ddp_two_ranks_two_workers_read_a_two_shard_bucket_pack_each_sample_once(server, env, tmp_path):
+    # 2 training shards for 2 ranks x 2 workers: no hang, no repeat; each rank builds its dataset in setup, after the
+    # ranks exist (LitData #250 duplicated samples when the dataset was built before)
+    folder = write_image_folder(tmp_path / "images", classes=3, train=7, val=2, size=(40, 32))
+    pack(folder, tmp_path / "two", shard_size=12, progress=False)  # 21 train in 2 shards, 6 val in 1
+    two = server.upload(tmp_path / "two", "bucket", "two-shards")
+    proc = warm.run([sys.executable, "-m", "tests.helpers.shards_ddp_run", two, str(tmp_path), "2"], cwd=REPO,
+                    capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    for split, n in (("train", 21), ("val", 6)):
+        for epoch in (0, 1):
+            ids = [i for r in ranks for s in r[split] if s["epoch"] == epoch for i in s["ids"]]
+            assert sorted(ids) == list(range(n)), (split, epoch, Counter(ids))
+    assert {s["worker"] for r in ranks for s in r["train"]} == {0, 1}
+    assert len(list(env.rglob("*.tar"))) == 3  # the node fetched each shard once, for both ranks and all workers
+
+
 def test_sizes_and_urls_are_checked_where_they_are_given(local_pack):
     assert parse_size("1.5GiB") == int(1.5 * 2**30) and parse_size(10) == 10 and parse_size("auto") is None
     for bad in ("lots", -1, "0GB"):
