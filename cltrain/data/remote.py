@@ -2,7 +2,7 @@
 
 A root such as ``s3://bucket/imagenet-shards`` (also ``gs://``, ``az://`` / ``abfs://``, ``https://``, any
 protocol fsspec knows) is read through fsspec: ``s3fs``, ``gcsfs``, ``adlfs`` or fsspec's own HTTP
-filesystem (``pip install 'cltrain[cloud]'``). Credentials and endpoints come from each library's standard
+filesystem (``pip install 'cltrain[s3]'``, ``[gcs]``, ``[azure]``, or all three: ``[cloud]``). Credentials and endpoints come from each library's standard
 chain: for S3, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE`` / an instance role, and
 ``AWS_ENDPOINT_URL`` for MinIO, Cloudflare R2 or Ceph (a plain ``http://`` endpoint works as it is);
 ``GOOGLE_APPLICATION_CREDENTIALS`` for GCS; ``AZURE_STORAGE_ACCOUNT_NAME`` with a key, a SAS token or

@@ -54,6 +54,7 @@ __all__ = [
     "ImageDemoConfig",
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
+    "LitDataConfig",
     "ShardsConfig",
     "VideoDemoConfig",
     "demo_home",
@@ -159,6 +160,21 @@ class ShardsConfig(_ImageCrops):
     cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache (null: $CLTRAIN_SHARD_CACHE, else $TMPDIR)
     cache_limit: Any = key(None, OPT_SIZE)    # most bytes it holds (200GB, ...; null: half the disk's free space)
     fetch: str = key("shards", choices(*FETCH_MODES))  # shards: whole, ahead, cached; ranges: per sample, uncached
+
+
+@dataclass
+class LitDataConfig(_ImageCrops):
+    """``schema/data/litdata``: LitData optimized datasets (``litdata.optimize``), ``<root>/train`` and ``<root>/val``,
+    a folder or a URL (``pip install 'cltrain[litdata]'``); the images' file bytes go to cltrain's decoder."""
+
+    _target_: str = "cltrain.data.datamodules.engines.LitDataModule"
+    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
+    train_split: str = key("train", TEXT)     # the folder of each split's optimized dataset under root
+    val_split: str = key("val", TEXT)
+    image_key: str | None = key(None, OPT_TEXT)  # null: the items' first bytes field
+    label_key: str | None = key(None, OPT_TEXT)  # null: their first int field
+    cache_dir: str | None = key(None, OPT_PATH)  # LitData's chunk cache (null: LitData's default)
+    max_cache_size: str = key("50GB", TEXT)   # its limit
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""The datasets other streaming engines wrote, as NHWC batches: ``LitDataModule`` (``litdata.optimize``).
+
+::
+
+    python train.py data=litdata data.root=s3://bucket/imagenet-litdata data.num_classes=1000
+
+``root`` holds one dataset per split (``root/train``, ``root/val``: ``train_split`` / ``val_split``), a local folder
+or a URL. Each item's image file bytes go to the loader's decoder undecoded (``cltrain.data.litdata_source``), and
+the items are read by index, so these are ``ImageDataModule``s like the others: the same transforms,
+``NHWCCollate`` batches, normalisation and augmentation on the device, the same ``bad_files`` policy, and the same
+sampler (``cltrain.data.resume_state.ResumableSampler``): each sample once per epoch over the ranks (padded to a
+multiple of the ranks, as ``DistributedSampler`` pads), built in ``setup`` once the ranks exist, and an exact resume
+mid-epoch from the checkpoint, also on another number of ranks. The engine's own downloader and chunk cache fetch
+the bytes. These formats hold no class names: ``num_classes`` says how many.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from cltrain.data.datamodules.base import takes_arguments_of
+from cltrain.data.datamodules.image_base import ImageDataModule
+from cltrain.data.datamodules.skipped_files import TakesBadFiles
+from cltrain.data.errors import DataError
+from cltrain.data.remote import join
+
+__all__ = ["LitDataModule"]
+
+
+class LitDataModule(TakesBadFiles, ImageDataModule):
+    """LitData optimized datasets (``root/<train_split>``, ``root/<val_split>``) as normalised channels_last batches.
+
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
+    folder or a URL (``s3://``, ``gs://``, ``azure://``), then these. Needs ``pip install 'cltrain[litdata]'``.
+
+    Args:
+        num_classes: how many classes the labels (``0 .. num_classes - 1``) name.
+        bad_files: ``"raise"`` or ``"skip"`` (a bad item named by its index).
+        train_split: the folder of the training dataset under ``root``.
+        val_split: the folder of the evaluation dataset (also test and predict).
+        image_key: the items' image field (``None``: the first bytes field); label_key: their label field (``None``:
+            the first int field).
+        cache_dir: LitData's chunk cache (``None``: LitData's default); max_cache_size: its limit.
+
+    Raises:
+        ValueError: a bad argument (at construction).
+        DataError: ``litdata`` missing, a split that is not an optimized dataset, items without an image file or a
+            label (in ``setup``).
+
+    Example::
+
+        >>> from cltrain.data.datamodules.engines import LitDataModule
+        >>> dm = LitDataModule("s3://bucket/imagenet-litdata", num_classes=1000, batch_size=256)  # doctest: +SKIP
+    """
+
+    takes_urls = True
+
+    @takes_arguments_of(ImageDataModule)
+    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
+                 val_split: str = "val", image_key: str | int | None = None, label_key: str | int | None = None,
+                 cache_dir: str | None = None, max_cache_size: str | int = "50GB", **kwargs: Any) -> None:
+        super().__init__(*args, bad_files=bad_files, **kwargs)
+        if not (isinstance(num_classes, int) and num_classes >= 1):
+            raise ValueError(f"{type(self).__name__}: num_classes={num_classes!r} must be an int >= 1.")
+        self._classes = [str(k) for k in range(num_classes)]
+        self.train_split, self.val_split = train_split, val_split
+        self.image_key, self.label_key = image_key, label_key
+        self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+
+    @property
+    @override
+    def classes(self) -> list[str]:
+        """``"0" .. str(num_classes - 1)``: the format keeps no class names."""
+        return self._classes  # type: ignore[return-value]
+
+    def _open(self, split: str, transform: Any) -> Any:
+        from cltrain.data.litdata_source import LitDataImages
+
+        return LitDataImages(join(str(self.root), split), transform, self.image_key, self.label_key, split=split,
+                             cache_dir=self.cache_dir, max_cache_size=self.max_cache_size, bad_files=self.bad_files,
+                             skip_log=self._skip_log, threads=self.decode_threads)
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._choose_device()
+        self._open_skip_log()
+        if stage == "fit" and self.train_set is None:
+            self.train_set = self._open(self.train_split, self.train_transform)
+        if self.val_set is None:
+            self.val_set = self._open(self.val_split, self.eval_transform)
+
+    @override
+    def train_dataloader(self) -> Any:
+        if self.train_set is not None and len(self.train_set) < self.batch_size:
+            raise DataError(f"{type(self).__name__}: {self.train_set.source_name} has {len(self.train_set)} items, fewer "
+                            f"than batch_size={self.batch_size}; the training loader drops partial batches.")
+        return self._loader(self.train_set, train=True)

@@ -1,0 +1,105 @@
+"""Datasets other engines wrote, read from a real S3 server (moto's, on 127.0.0.1) into NHWC batches: LitData's
+optimized chunks give the folder's pixels (the JPEG bytes decoded by cltrain's decoder, never LitData's), each
+sample once per epoch, and a run resumed mid-epoch ends where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cltrain.data import ImageFolderDataModule
+from cltrain.data.errors import DataError
+from tests.helpers.data_fixtures import write_image_folder
+from tests.helpers.s3 import S3Server, s3_env
+
+pytest.importorskip("s3fs", reason="the object-storage tests need s3fs and moto: pip install -e '.[test]'")
+pytest.importorskip("moto.server", reason="the object-storage tests need moto[server]: pip install -e '.[test]'")
+litdata = pytest.importorskip("litdata", reason="the LitData source needs litdata: pip install -e '.[litdata]'")
+
+KW = dict(batch_size=4, num_workers=2, image_size=24, val_resize_size=28, persistent_workers=False)
+
+
+class _Item:
+    """What LitData's README optimizes: the image opened from its file (stored as the file's bytes) and its class."""
+
+    def __call__(self, path: str) -> dict:
+        from PIL import Image
+
+        return {"image": Image.open(path), "class": int(Path(path).parent.name[1:])}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("images") / "f", classes=2, train=6, val=3, size=(48, 40))
+
+
+@pytest.fixture(scope="module")
+def server() -> S3Server:
+    s3 = S3Server()
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture()
+def env(server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for k, v in s3_env(server.endpoint).items():
+        monkeypatch.setenv(k, v)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def lit_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("litdata")
+    for split in ("train", "val"):
+        files = sorted(str(p) for p in (folder / split).rglob("*.jpg"))
+        litdata.optimize(fn=_Item(), inputs=files, output_dir=str(out / split), chunk_bytes="20KB", num_workers=1,
+                         mode="overwrite")  # several chunks per split
+    return server.upload(out, "bucket", "litdata")
+
+
+def test_litdata_chunks_give_the_folders_pixels_through_cltrains_decoder(folder, lit_url, env):
+    from cltrain.data.datamodules.engines import LitDataModule
+
+    lit = LitDataModule(lit_url, num_classes=2, cache_dir=str(env / "lit"), **KW)
+    files = ImageFolderDataModule(folder, **KW)
+    lit.setup("fit")
+    files.setup("fit")
+    assert len(lit.train_set) == 12 and len(lit.val_set) == 6
+    by_bytes = {hashlib.sha1(Path(p).read_bytes()).digest(): (p, y) for p, y in files.val_set.samples}
+    for i in range(len(lit.val_set)):
+        data, label = lit.val_set.source(i)
+        path, expected = by_bytes[hashlib.sha1(data).digest()]  # the file's own bytes, undecoded by LitData
+        assert label == expected
+        assert np.array_equal(lit.val_set.load(i)[0], files.eval_transform(path))  # cltrain's decode, pixel for pixel
+    batches = list(lit.val_dataloader())  # two workers, normalised in them (a CPU run)
+    assert sum(len(t) for _, t in batches) == 6
+    assert all(x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last) for x, _ in batches)
+    x, _ = next(iter(lit.train_dataloader()))
+    assert x.shape == (4, 3, 24, 24) and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_litdata_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(lit_url, env):
+    from tests.data.test_resume_state import _run, _state
+
+    from cltrain.data.datamodules import engines
+
+    options = dict(lit=True, num_classes=2, cache_dir=str(env / "lit"))
+    whole, trainer, _ = _run(lit_url, env / "whole", 2, every=1, **options)
+    assert trainer.global_step == 2 * 3
+    resumed, again, said = _run(lit_url, env / "from4", 2, ckpt_path=str(env / "whole" / "step=4.ckpt"), **options)
+    assert again.global_step == trainer.global_step
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    assert not [m for m in said if "not resumable" in m]
+    assert engines.LitDataModule.takes_urls
+
+
+def test_not_a_litdata_dataset_is_one_line(env, server):
+    from cltrain.data.datamodules.engines import LitDataModule
+
+    with pytest.raises(DataError, match="is not a LitData optimized dataset") as caught:
+        LitDataModule("s3://bucket/nothing-here", num_classes=2, **KW).setup("fit")
+    assert "\n" not in str(caught.value)
