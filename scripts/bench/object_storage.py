@@ -155,24 +155,38 @@ def _litdata_write(root: Path, out: Path) -> str:
     from litdata import optimize
 
     if not (out / "index.json").is_file():
+        import multiprocessing
+
+        method = multiprocessing.get_start_method()
         files = sorted((root / "train").rglob("*.jpg"))
-        optimize(fn=_LitItem(sorted({p.parent.name for p in files})), inputs=[str(p) for p in files],
-                 output_dir=str(out), chunk_bytes="16MB", num_workers=2, mode="overwrite")
+        try:
+            optimize(fn=_LitItem(sorted({p.parent.name for p in files})), inputs=[str(p) for p in files],
+                     output_dir=str(out), chunk_bytes="16MB", num_workers=2, mode="overwrite")
+        finally:  # optimize() sets the process's start method to spawn: every loader here would start so
+            multiprocessing.set_start_method(method, force=True)
     return _upload(out, "bench", "litdata")
 
 
-def _litdata(url: str, cache: Path) -> float:
-    from litdata import StreamingDataLoader, StreamingDataset
+def _lit_images():
+    """LitData's README ImageNet pipeline: its StreamingDataset (a JPEG decoded to a CHW tensor) + torchvision v2."""
+    from litdata import StreamingDataset
     from torchvision.transforms import v2 as T
 
-    tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(), T.ToDtype(torch.float32, scale=True),
-                    T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-
     class Images(StreamingDataset):
+        tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
+                        T.ToDtype(torch.float32, scale=True), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+
         def __getitem__(self, index):
             item = super().__getitem__(index)
-            return tf(item["image"]), item["class"]
+            return self.tf(item["image"]), item["class"]
 
+    return Images
+
+
+def _litdata(url: str, cache: Path) -> float:
+    from litdata import StreamingDataLoader
+
+    Images = _lit_images()
     import litdata.streaming.downloader as downloader
 
     downloader._OBSTORE_AVAILABLE = False  # its boto3 path: obstore's client refuses http (see _litdata_write)

@@ -53,11 +53,16 @@ def env(server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
 
 @pytest.fixture(scope="module")
 def lit_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("litdata")
-    for split in ("train", "val"):
-        files = sorted(str(p) for p in (folder / split).rglob("*.jpg"))
-        litdata.optimize(fn=_Item(), inputs=files, output_dir=str(out / split), chunk_bytes="20KB", num_workers=1,
-                         mode="overwrite")  # several chunks per split
+    import multiprocessing
+
+    out, method = tmp_path_factory.mktemp("litdata"), multiprocessing.get_start_method()
+    try:
+        for split in ("train", "val"):
+            files = sorted(str(p) for p in (folder / split).rglob("*.jpg"))
+            litdata.optimize(fn=_Item(), inputs=files, output_dir=str(out / split), chunk_bytes="20KB", num_workers=1,
+                             mode="overwrite")  # several chunks per split
+    finally:  # optimize() makes spawn the start method of the whole process: every later test's workers would spawn
+        multiprocessing.set_start_method(method, force=True)
     return server.upload(out, "bucket", "litdata")
 
 
@@ -103,3 +108,62 @@ def test_not_a_litdata_dataset_is_one_line(env, server):
     with pytest.raises(DataError, match="is not a LitData optimized dataset") as caught:
         LitDataModule("s3://bucket/nothing-here", num_classes=2, **KW).setup("fit")
     assert "\n" not in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def wds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder as WebDataset's own ShardWriter writes it: 2 training shards, 1 validation shard."""
+    wds = pytest.importorskip("webdataset")
+    out = tmp_path_factory.mktemp("wds")
+    for split, per_shard in (("train", 6), ("val", 100)):
+        (out / split).mkdir()
+        with wds.ShardWriter(str(out / split / "shard-%04d.tar"), maxcount=per_shard, verbose=0) as sink:
+            for p in sorted((folder / split).rglob("*.jpg")):
+                sink.write({"__key__": f"{p.parent.name}_{p.stem}", "jpg": p.read_bytes(),
+                            "cls": str(int(p.parent.name[1:])).encode()})
+    return server.upload(out, "bucket", "wds")
+
+
+def _pixels(samples) -> list[tuple[bytes, int]]:
+    return sorted((hashlib.sha1(np.ascontiguousarray(x).tobytes()).digest(), int(y)) for x, y in samples)
+
+
+def test_webdataset_shards_give_the_folders_pixels_through_cltrains_decoder(folder, wds_url, env):
+    from cltrain.data import eval_transform
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    tf = eval_transform(24, 28)
+    val = WebDatasetImages(wds_url, "val", tf, shuffle_buffer=None, cache_dir=str(env / "c"))
+    expected = [(tf(str(p)), int(p.parent.name[1:])) for p in (folder / "val").rglob("*.jpg")]
+    assert _pixels(val) == _pixels(expected)  # every sample once, decoded by cltrain from the stored bytes
+
+
+def test_webdataset_ranks_stay_in_step_with_fewer_shards_than_ranks_times_workers(folder, wds_url, env):
+    from torch.utils.data import DataLoader
+
+    from cltrain.data import train_transform
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    seen = []
+    for rank in (0, 1):  # 2 shards for 2 ranks x 2 workers
+        ds = WebDatasetImages(wds_url, "train", train_transform(24), rank=rank, world_size=2, shuffle_buffer=4,
+                              cache_dir=str(env / "c"))
+        ds.set_epoch(1)
+        seen.append([y for _, y in DataLoader(ds, batch_size=None, num_workers=2)])
+    assert len(seen[0]) == len(seen[1]) == 6  # each worker's shard of 6 split over 2 ranks: as many on each
+    assert len(list((env / "c").rglob("*.tar"))) == 2  # the shards came once into the node's cache
+
+
+def test_a_webdataset_run_trains_and_says_it_starts_a_stopped_epoch_again(wds_url, env):
+    from cltrain.data.datamodules.engines import WebDatasetModule
+
+    dm = WebDatasetModule(wds_url, num_classes=2, cache_dir=str(env / "c"), **KW)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    # each of the 2 workers reads one shard of 6: a batch of 4 and a partial one, dropped in training (drop_last)
+    assert [len(t) for _, t in batches] == [4, 4]
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x, _ in batches)
+    from cltrain.data.resume_state import is_resumable
+    from cltrain.data.stream_place import is_stream
+
+    assert not is_stream(dm.train_set) and not is_resumable(None)  # no place kept: Lightning restarts the epoch

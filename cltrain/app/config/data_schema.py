@@ -57,6 +57,7 @@ __all__ = [
     "LitDataConfig",
     "ShardsConfig",
     "VideoDemoConfig",
+    "WebDatasetConfig",
     "demo_home",
 ]
 
@@ -175,6 +176,21 @@ class LitDataConfig(_ImageCrops):
     label_key: str | None = key(None, OPT_TEXT)  # null: their first int field
     cache_dir: str | None = key(None, OPT_PATH)  # LitData's chunk cache (null: LitData's default)
     max_cache_size: str = key("50GB", TEXT)   # its limit
+
+
+@dataclass
+class WebDatasetConfig(_ImageCrops):
+    """``schema/data/webdataset``: WebDataset tar shards (``<root>/train/*.tar``, ``<root>/val/*.tar``: ``<key>.jpg``
+    and ``<key>.cls``), a folder or a URL; streamed, no mid-epoch resume (WebDataset keeps no place)."""
+
+    _target_: str = "cltrain.data.datamodules.engines.WebDatasetModule"
+    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
+    train_split: str = key("train", TEXT)
+    val_split: str = key("val", TEXT)
+    shuffle_buffer: int | None = key(1000, OPT_POSITIVE)  # training samples shuffled together
+    seed: int = key(0, SEED)                  # epoch e's shards permuted with seed + e (every rank the same)
+    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache for a URL (as data=shards)
+    cache_limit: Any = key(None, OPT_SIZE)
 
 
 @dataclass

@@ -8,7 +8,7 @@ schema per shape under ``schema/<group>`` that each option's yaml extends
 (``conf/data/demo.yaml``: ``defaults: [/schema/data/images_demo@_here_, _self_]``):
 
 * ``schema/data``: ``images`` (``ImageFolderConfig``), ``images_demo``, ``shards``
-  (``ShardsConfig``), ``litdata`` (``LitDataConfig``), ``hf`` (``HFConfig``), ``video`` (``ClipFolderConfig``),
+  (``ShardsConfig``), ``litdata`` (``LitDataConfig``), ``webdataset`` (``WebDatasetConfig``), ``hf`` (``HFConfig``), ``video`` (``ClipFolderConfig``),
   ``video_demo``;
 * ``schema/optim``: ``sgd`` (``SGDConfig``), ``adamw`` (``AdamWConfig``).
 
@@ -52,6 +52,7 @@ from cltrain.app.config.data_schema import (
     LitDataConfig,
     ShardsConfig,
     VideoDemoConfig,
+    WebDatasetConfig,
 )
 from cltrain.app.config.rules import (
     AMP,
@@ -108,6 +109,7 @@ __all__ = [
     "TrainConfig",
     "TrainerConfig",
     "VideoDemoConfig",
+    "WebDatasetConfig",
     "register",
 ]
 
@@ -280,7 +282,7 @@ SCHEMA_NAME = "cltrain_schema"
 #: ``schema/<group>/<name>`` -> the schema a group option's yaml extends.
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"images": ImageFolderConfig, "images_demo": ImageFolderDemoConfig, "shards": ShardsConfig,
-             "litdata": LitDataConfig, "hf": HFConfig, "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
+             "litdata": LitDataConfig, "webdataset": WebDatasetConfig, "hf": HFConfig, "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
     "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
 }
 

@@ -1,8 +1,10 @@
-"""The datasets other streaming engines wrote, as NHWC batches: ``LitDataModule`` (``litdata.optimize``).
+"""The datasets other streaming engines wrote, as NHWC batches: ``LitDataModule`` (``litdata.optimize``) and
+``WebDatasetModule`` (WebDataset tar shards of any writer).
 
 ::
 
     python train.py data=litdata data.root=s3://bucket/imagenet-litdata data.num_classes=1000
+    python train.py data=webdataset data.root=s3://bucket/imagenet-wds data.num_classes=1000
 
 ``root`` holds one dataset per split (``root/train``, ``root/val``: ``train_split`` / ``val_split``), a local folder
 or a URL. Each item's image file bytes go to the loader's decoder undecoded (``cltrain.data.litdata_source``), and
@@ -12,6 +14,10 @@ sampler (``cltrain.data.resume_state.ResumableSampler``): each sample once per e
 multiple of the ranks, as ``DistributedSampler`` pads), built in ``setup`` once the ranks exist, and an exact resume
 mid-epoch from the checkpoint, also on another number of ranks. The engine's own downloader and chunk cache fetch
 the bytes. These formats hold no class names: ``num_classes`` says how many.
+
+WebDataset shards have no index: ``WebDatasetModule`` streams them (``cltrain.data.webdataset_source``), every rank in
+step whatever the number of shards; WebDataset keeps no place in an epoch, so a run resumed mid-epoch starts that
+epoch again from its first batch.
 """
 
 from __future__ import annotations
@@ -26,10 +32,42 @@ from cltrain.data.datamodules.skipped_files import TakesBadFiles
 from cltrain.data.errors import DataError
 from cltrain.data.remote import join
 
-__all__ = ["LitDataModule"]
+__all__ = ["LitDataModule", "WebDatasetModule"]
 
 
-class LitDataModule(TakesBadFiles, ImageDataModule):
+class _SplitsDataModule(TakesBadFiles, ImageDataModule):
+    """What the engines' DataModules share: ``root/<train_split>`` and ``root/<val_split>``, ``num_classes``, a URL."""
+
+    takes_urls = True
+
+    def __init__(self, *args: Any, num_classes: int, train_split: str = "train", val_split: str = "val",
+                 cache_dir: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not (isinstance(num_classes, int) and num_classes >= 1):
+            raise ValueError(f"{type(self).__name__}: num_classes={num_classes!r} must be an int >= 1.")
+        self._classes = [str(k) for k in range(num_classes)]
+        self.train_split, self.val_split, self.cache_dir = train_split, val_split, cache_dir
+
+    @property
+    @override
+    def classes(self) -> list[str]:
+        """``"0" .. str(num_classes - 1)``: the format keeps no class names."""
+        return self._classes  # type: ignore[return-value]
+
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
+        raise NotImplementedError
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._choose_device()
+        self._open_skip_log()
+        if stage == "fit" and self.train_set is None:
+            self.train_set = self._open(self.train_split, self.train_transform, True)
+        if self.val_set is None:
+            self.val_set = self._open(self.val_split, self.eval_transform, False)
+
+
+class LitDataModule(_SplitsDataModule):
     """LitData optimized datasets (``root/<train_split>``, ``root/<val_split>``) as normalised channels_last batches.
 
     Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
@@ -55,27 +93,15 @@ class LitDataModule(TakesBadFiles, ImageDataModule):
         >>> dm = LitDataModule("s3://bucket/imagenet-litdata", num_classes=1000, batch_size=256)  # doctest: +SKIP
     """
 
-    takes_urls = True
-
     @takes_arguments_of(ImageDataModule)
     def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
                  val_split: str = "val", image_key: str | int | None = None, label_key: str | int | None = None,
                  cache_dir: str | None = None, max_cache_size: str | int = "50GB", **kwargs: Any) -> None:
-        super().__init__(*args, bad_files=bad_files, **kwargs)
-        if not (isinstance(num_classes, int) and num_classes >= 1):
-            raise ValueError(f"{type(self).__name__}: num_classes={num_classes!r} must be an int >= 1.")
-        self._classes = [str(k) for k in range(num_classes)]
-        self.train_split, self.val_split = train_split, val_split
-        self.image_key, self.label_key = image_key, label_key
-        self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
+                         val_split=val_split, cache_dir=cache_dir, **kwargs)
+        self.image_key, self.label_key, self.max_cache_size = image_key, label_key, max_cache_size
 
-    @property
-    @override
-    def classes(self) -> list[str]:
-        """``"0" .. str(num_classes - 1)``: the format keeps no class names."""
-        return self._classes  # type: ignore[return-value]
-
-    def _open(self, split: str, transform: Any) -> Any:
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
         from cltrain.data.litdata_source import LitDataImages
 
         return LitDataImages(join(str(self.root), split), transform, self.image_key, self.label_key, split=split,
@@ -83,17 +109,55 @@ class LitDataModule(TakesBadFiles, ImageDataModule):
                              skip_log=self._skip_log, threads=self.decode_threads)
 
     @override
-    def setup(self, stage: str) -> None:
-        self._choose_device()
-        self._open_skip_log()
-        if stage == "fit" and self.train_set is None:
-            self.train_set = self._open(self.train_split, self.train_transform)
-        if self.val_set is None:
-            self.val_set = self._open(self.val_split, self.eval_transform)
-
-    @override
     def train_dataloader(self) -> Any:
         if self.train_set is not None and len(self.train_set) < self.batch_size:
             raise DataError(f"{type(self).__name__}: {self.train_set.source_name} has {len(self.train_set)} items, fewer "
                             f"than batch_size={self.batch_size}; the training loader drops partial batches.")
         return self._loader(self.train_set, train=True)
+
+
+class WebDatasetModule(_SplitsDataModule):
+    """WebDataset tar shards (``root/<train_split>/*.tar``, ``root/<val_split>/*.tar``: ``<key>.jpg`` and
+    ``<key>.cls``) streamed as normalised channels_last batches (see the module docstring).
+
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
+    folder or a URL, then these. Needs ``pip install 'cltrain[shards]'`` (webdataset).
+
+    Args:
+        num_classes: how many classes the ``cls`` labels name.
+        bad_files: ``"raise"`` or ``"skip"`` (the last readable sample stands in for a bad one).
+        train_split: the training shards' folder under ``root``; val_split: the evaluation shards' folder.
+        shuffle_buffer: training samples shuffled together (``None``: in the shards' order).
+        seed: the order's seed: epoch ``e``'s shards permuted with ``seed + e`` (every rank the same).
+        cache_dir: the node's shard cache for a URL; cache_limit: its size (``"200GB"``).
+
+    Example::
+
+        >>> from cltrain.data.datamodules.engines import WebDatasetModule
+        >>> dm = WebDatasetModule("s3://bucket/imagenet-wds", num_classes=1000, batch_size=256)  # doctest: +SKIP
+    """
+
+    @takes_arguments_of(ImageDataModule)
+    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
+                 val_split: str = "val", shuffle_buffer: int | None = 1000, seed: int = 0,
+                 cache_dir: str | None = None, cache_limit: int | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
+                         val_split=val_split, cache_dir=cache_dir, **kwargs)
+        self.shuffle_buffer, self.seed, self.cache_limit = shuffle_buffer, seed, cache_limit
+        self.persistent_workers = False  # each epoch's workers take the loader's new epoch (its order)
+
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
+        from cltrain.data.hf_dataset import rank_of
+        from cltrain.data.webdataset_source import WebDatasetImages
+
+        rank, world = rank_of(self.trainer) if train else (0, 1)
+        return WebDatasetImages(str(self.root), split, transform, rank=rank, world_size=world,
+                                shuffle_buffer=self.shuffle_buffer if train else None, seed=self.seed,
+                                cache_dir=self.cache_dir, cache_limit=self.cache_limit, bad_files=self.bad_files,
+                                skip_log=self._skip_log, threads=self.decode_threads)
+
+    @override
+    def _batching(self, dataset: Any, train: bool, drop_last: bool | None) -> dict[str, Any]:
+        batching = super()._batching(dataset, train, drop_last)
+        batching.pop("shuffle", None)  # a stream is shuffled by the dataset
+        return batching
