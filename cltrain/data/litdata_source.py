@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from cltrain.data.bad_samples import NamedSplit
 from cltrain.data.errors import DataError
 from cltrain.data.image_samples import ImageSamples
 from cltrain.data.remote import is_url, join, open_fs, redact, remote_error
@@ -78,7 +79,7 @@ def _plain_http_endpoint() -> None:
         downloader._OBSTORE_AVAILABLE = False
 
 
-class LitDataImages(ImageSamples):
+class LitDataImages(NamedSplit, ImageSamples):
     """One split of a LitData optimized dataset as ``(transform(image), label)`` samples (see the module docstring).
 
     Args:
@@ -88,7 +89,7 @@ class LitDataImages(ImageSamples):
         label_key: the item's label field; ``None``: the first int field.
         split: the split's name (in the skipped-files list).
         cache_dir: LitData's chunk cache (``None``: LitData's default); max_cache_size: its limit (``"50GB"``).
-        bad_files: ``"raise"`` or ``"skip"`` (``cltrain.data.bad_samples``); a sample is named by its index.
+        bad_files: ``"raise"`` or ``"skip"`` (``cltrain.data.bad_samples``); an item is named by its index.
         skip_log: file the skipped samples are appended to (``"skip"`` only).
         threads: decode threads per loading process (``cltrain.data.loader_threads``).
 
@@ -106,6 +107,7 @@ class LitDataImages(ImageSamples):
             raise DataError("LitData datasets need the litdata package: pip install 'cltrain[litdata]'.") from None
         self._set_policy(bad_files, skip_log)
         self.root, self.split, self.transform, self.threads = str(root), split, transform, max(1, threads)
+        self.where, self.what = redact(self.root), "item"
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
         index = litdata_index(self.root)
         self.count = sum(int(c["chunk_size"]) for c in index["chunks"])
@@ -155,22 +157,3 @@ class LitDataImages(ImageSamples):
         """The image file bytes of item ``index`` and its label."""
         item = self._item(index)
         return bytes(item[self.image_key]), int(item[self.label_key])
-
-    def unreadable_message(self, index: int, reason: str) -> str:
-        """The one line of ``BadImageError`` for item ``index``."""
-        return (f"{redact(self.root)} ({self.split}) item {index}: cannot be read as an image ({reason}). "
-                "Pass bad_files='skip' to leave such items out, or optimize the dataset again.")
-
-    def sample_name(self, index: int) -> str:
-        """``item <index>``."""
-        return f"item {index}"
-
-    @property
-    def split_name(self) -> str:
-        """The split, as the skipped-files list names it."""
-        return self.split
-
-    @property
-    def source_name(self) -> str:
-        """The dataset and split, for errors."""
-        return f"{redact(self.root)} ({self.split})"

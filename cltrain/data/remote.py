@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from cltrain.data.errors import DataError
+from cltrain.data.errors import StorageError
 
 __all__ = ["RemoteError", "is_url", "join", "open_fs", "redact", "remote_error", "root_of"]
 
@@ -47,7 +47,7 @@ _USERINFO = re.compile(r"(://)[^/@\s'\"]+@")
 S3_ATTEMPTS = 6
 
 
-class RemoteError(DataError):
+class RemoteError(StorageError):
     """A root in object storage cannot be read: the message names the URL, why, and what to do."""
 
 

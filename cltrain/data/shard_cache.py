@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cltrain.atomic import TEMP_PREFIX, DiskFullError, atomic_open, remove_leftovers
-from cltrain.data.errors import DataError
+from cltrain.data.errors import DataError, StorageError
 from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error
 
 __all__ = ["CacheFullError", "ShardCache", "default_cache_dir", "parse_size"]
@@ -59,7 +59,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-class CacheFullError(DataError):
+class CacheFullError(StorageError):
     """The cache's disk cannot take a file, even with every other file of the cache removed."""
 
 

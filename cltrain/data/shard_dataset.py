@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.collate import NHWCCollate
-from cltrain.data.errors import BadImageError
+from cltrain.data.errors import BadImageError, StorageError
 from cltrain.data.loader_threads import load_batch
 from cltrain.data.shard_source import MANIFEST, LocalPack, open_pack
 
@@ -130,6 +130,8 @@ class ShardsDataset(SkipsBadSamples, Dataset):
         """``(HWC uint8, label)`` of sample ``i``; ``BadImageError`` names the file it was packed from."""
         try:
             return self.transform(self.read(i)), int(self.index[i, 2])
+        except StorageError:  # the bucket or the cache failed, not this sample: never skipped
+            raise
         except Exception as err:
             name, reason = self.sample_name(i), unreadable(err)
             where = "" if self.index.shape[1] < 5 else f" (in {self._place(i)})"

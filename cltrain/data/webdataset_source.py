@@ -23,11 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from cltrain.data.bad_samples import SkipsBadSamples, unreadable
-from cltrain.data.errors import BadImageError, DataError
+from cltrain.data.bad_samples import NamedSplit, SkipsBadSamples, unreadable
+from cltrain.data.errors import BadImageError, DataError, StorageError
 from cltrain.data.loader_threads import load_batch
 from cltrain.data.remote import is_url, open_fs, redact, remote_error
 from cltrain.data.resume_state import SeededIndex
@@ -62,7 +61,7 @@ def list_shards(root: str, split: str) -> list[str]:
     return names
 
 
-class WebDatasetImages(SkipsBadSamples, IterableDataset):
+class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
     """One split of WebDataset shards as ``(transform(image), label)`` samples (see the module docstring).
 
     Args:
@@ -78,14 +77,13 @@ class WebDatasetImages(SkipsBadSamples, IterableDataset):
         threads: decode threads: samples are decoded ``threads * 8`` at a time.
     """
 
-    what = "sample"
-
     def __init__(self, root: str | os.PathLike, split: str, transform: Callable[..., Any], rank: int = 0,
                  world_size: int = 1, shuffle_buffer: int | None = 1000, seed: int = 0,
                  cache_dir: str | None = None, cache_limit: int | str | None = None, bad_files: str = "raise",
                  skip_log: str | os.PathLike | None = None, threads: int = 1) -> None:
         self._set_policy(bad_files, skip_log)
         self.root, self.split, self.transform = str(root).rstrip("/"), split, transform
+        self.where = redact(self.root)
         self.rank, self.world_size, self.shuffle_buffer, self.seed = rank, world_size, shuffle_buffer, seed
         self.threads, self.epoch = max(1, threads), 0
         self.shards = list_shards(self.root, split)
@@ -94,16 +92,6 @@ class WebDatasetImages(SkipsBadSamples, IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next iteration gives (``PrefetchDataLoader`` sets it)."""
         self.epoch = epoch
-
-    @property
-    def split_name(self) -> str:
-        """The split, as the skipped-files list names it."""
-        return self.split
-
-    @property
-    def source_name(self) -> str:
-        """The shards, for errors."""
-        return f"{redact(self.root)} ({self.split})"
 
     def _open(self, shard: str) -> Any:
         if self.cache is None:
@@ -129,6 +117,8 @@ class WebDatasetImages(SkipsBadSamples, IterableDataset):
             if label is None:
                 raise ValueError("no cls field (the class index)")
             return self.transform(bytes(data)), label
+        except StorageError:
+            raise
         except Exception as err:  # any failure of this one sample
             reason = unreadable(err)
             raise BadImageError(f"{self.source_name} {shard} sample {place} ({sample.get('__key__')}): cannot be read "

@@ -167,31 +167,35 @@ def _litdata_write(root: Path, out: Path) -> str:
     return _upload(out, "bench", "litdata")
 
 
-def _lit_images():
-    """LitData's README ImageNet pipeline: its StreamingDataset (a JPEG decoded to a CHW tensor) + torchvision v2."""
-    from litdata import StreamingDataset
-    from torchvision.transforms import v2 as T
+try:
+    from litdata import StreamingDataset as _Streaming
+except ImportError:  # the `litdata` case needs it
+    _Streaming = object
 
-    class Images(StreamingDataset):
-        tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
-                        T.ToDtype(torch.float32, scale=True), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
 
-        def __getitem__(self, index):
-            item = super().__getitem__(index)
-            return self.tf(item["image"]), item["class"]
+class _LitImages(_Streaming):  # type: ignore[misc, valid-type]
+    """LitData's README ImageNet pipeline: its StreamingDataset (a JPEG decoded to a CHW tensor) + torchvision v2
+    (at module level: LitData's loader may start its workers with spawn, which pickles the dataset by name)."""
 
-    return Images
+    def __getitem__(self, index):
+        from torchvision.transforms import v2 as T
+
+        if not hasattr(self, "tf"):
+            self.tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
+                                 T.ToDtype(torch.float32, scale=True),
+                                 T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+        item = super().__getitem__(index)
+        return self.tf(item["image"]), item["class"]
 
 
 def _litdata(url: str, cache: Path) -> float:
+    import litdata.streaming.downloader as downloader
     from litdata import StreamingDataLoader
 
-    Images = _lit_images()
-    import litdata.streaming.downloader as downloader
 
     downloader._OBSTORE_AVAILABLE = False  # its boto3 path: obstore's client refuses http (see _litdata_write)
     shutil.rmtree(cache, ignore_errors=True)
-    ds = Images(url, shuffle=True, cache_dir=str(cache))
+    ds = _LitImages(url, shuffle=True, cache_dir=str(cache))
     return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=2))
 
 
@@ -212,11 +216,16 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
              "fsspec ranges": lambda: sum(len(fs.cat_file(f"{url}/{names[0]}", start=o, end=o + s)) for o, s in sizes),
              "obstore ranges": lambda: sum(len(obstore.get_range(store, f"{prefix}/{names[0]}", start=o, end=o + s))
                                            for o, s in sizes)}
-    timed = {k: (lambda f=f: (lambda w: (f(), w.elapsed()))(Stopwatch().start())) for k, f in cases.items()}
-    got = interleaved(5, timed, rotate=True)
+    def timed(f):  # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
+        cpu, watch = time.process_time(), Stopwatch().start()
+        n = f()
+        return n, watch.elapsed(), time.process_time() - cpu
+
+    got = interleaved(5, {k: (lambda f=f: timed(f)) for k, f in cases.items()}, rotate=True)
     for k, runs in got.items():
         mb = runs[0][0] / 2**20
-        print(f"  {k:15s} {mb / statistics.median(t for _, t in runs):7.1f} MiB/s "
+        print(f"  {k:15s} {mb / statistics.median(t for _, t, _ in runs):7.1f} MiB/s, client CPU "
+              f"{1000 * statistics.median(c for _, _, c in runs) / mb:6.1f} ms/MiB "
               f"({len(sizes) if 'ranges' in k else len(names)} requests, median of 5)")
 
 

@@ -19,17 +19,10 @@ from cltrain.atomic import TEMP_PREFIX
 from cltrain.data.pack import pack
 from tests.app.test_signals import _final_state, run_until_signalled
 from tests.helpers import REPO, warm
-from tests.helpers.s3 import SECRET, S3Server, free_port, s3_env
+from tests.helpers.s3 import S3Server, SECRET, free_port, s3_env, s3_server_fixture  # noqa: F401 - the fixtures server and env
 
 pytest.importorskip("s3fs", reason="the object-storage tests need s3fs and moto: pip install -e '.[test]'")
 pytest.importorskip("moto.server", reason="the object-storage tests need moto[server]: pip install -e '.[test]'")
-
-
-@pytest.fixture(scope="module")
-def server() -> S3Server:
-    s3 = S3Server()
-    yield s3
-    s3.stop()
 
 
 @pytest.fixture(scope="module")

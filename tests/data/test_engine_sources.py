@@ -14,7 +14,7 @@ import torch
 from cltrain.data import ImageFolderDataModule
 from cltrain.data.errors import DataError
 from tests.helpers.data_fixtures import write_image_folder
-from tests.helpers.s3 import S3Server, s3_env
+from tests.helpers.s3 import S3Server, s3_env, s3_env_fixture, s3_server_fixture  # noqa: F401 - the fixtures server and env
 
 pytest.importorskip("s3fs", reason="the object-storage tests need s3fs and moto: pip install -e '.[test]'")
 pytest.importorskip("moto.server", reason="the object-storage tests need moto[server]: pip install -e '.[test]'")
@@ -35,20 +35,6 @@ class _Item:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_image_folder(tmp_path_factory.mktemp("images") / "f", classes=2, train=6, val=3, size=(48, 40))
-
-
-@pytest.fixture(scope="module")
-def server() -> S3Server:
-    s3 = S3Server()
-    yield s3
-    s3.stop()
-
-
-@pytest.fixture()
-def env(server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for k, v in s3_env(server.endpoint).items():
-        monkeypatch.setenv(k, v)
-    return tmp_path
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +153,55 @@ def test_a_webdataset_run_trains_and_says_it_starts_a_stopped_epoch_again(wds_ur
     from cltrain.data.stream_place import is_stream
 
     assert not is_stream(dm.train_set) and not is_resumable(None)  # no place kept: Lightning restarts the epoch
+
+
+@pytest.fixture(scope="module")
+def mds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder as Mosaic's MDSWriter writes it (its README's columns: a PIL JPEG opened from the file, an int)."""
+    streaming = pytest.importorskip("streaming", reason="the MDS source needs mosaicml-streaming (the mds extra; not in "
+                                                        "test: it pins numpy<2.2 and transformers<5)")
+    from PIL import Image
+
+    out = tmp_path_factory.mktemp("mds")
+    for split in ("train", "val"):
+        with streaming.MDSWriter(out=str(out / split), columns={"image": "jpeg", "class": "int"},
+                                 size_limit=20_000) as sink:  # several shards per split
+            for p in sorted((folder / split).rglob("*.jpg")):
+                sink.write({"image": Image.open(p), "class": int(p.parent.name[1:])})
+    return server.upload(out, "bucket", "mds")
+
+
+def test_mds_shards_give_the_folders_pixels_and_a_resumed_run_ends_where_the_whole_run_ends(folder, mds_url, env):
+    from cltrain.data import eval_transform
+    from cltrain.data.mds_source import MDSImages
+    from tests.data.test_resume_state import _run, _state
+
+    tf = eval_transform(24, 28)
+    val = MDSImages(mds_url, "val", tf, cache_dir=str(env / "c"))
+    assert len(val.readers) > 1 and len(val) == 6
+    expected = [(tf(str(p)), int(p.parent.name[1:])) for p in (folder / "val").rglob("*.jpg")]
+    assert _pixels(val[i] for i in range(len(val))) == _pixels(expected)
+    options = dict(mds=True, num_classes=2, cache_dir=str(env / "c"))
+    whole, trainer, _ = _run(mds_url, env / "whole", 2, every=1, **options)
+    resumed, _, said = _run(mds_url, env / "from4", 2, ckpt_path=str(env / "whole" / "step=4.ckpt"), **options)
+    assert trainer.global_step == 6 and all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    assert not [m for m in said if "not resumable" in m]
+
+
+def test_a_storage_failure_is_never_skipped_as_a_bad_sample(server, env, monkeypatch, tmp_path):
+    from cltrain.data import ShardsDataset, eval_transform
+    from cltrain.data.pack import pack
+    from cltrain.data.remote import RemoteError
+    from tests.helpers.s3 import free_port
+
+    import fsspec.config
+
+    pack(write_image_folder(tmp_path / "f", classes=2, train=3, val=1), tmp_path / "p", shard_size=3, progress=False)
+    url = server.upload(tmp_path / "p", "bucket", "skip-pack")
+    monkeypatch.setenv("CLTRAIN_SHARD_CACHE", str(tmp_path / "cache"))
+    ds = ShardsDataset(url, "train", eval_transform(24, 28), bad_files="skip")  # manifest and indexes read
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # then the store goes away
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"retries": {"max_attempts": 1}}})
+    with pytest.raises(RemoteError, match="cannot be reached"):
+        ds[[0, 1]]
+    assert not ds._warned  # nothing was listed as a bad sample

@@ -12,32 +12,22 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from cltrain.atomic import TEMP_PREFIX
-from cltrain.data import ShardsDataModule, ShardsDataset, eval_transform
-from cltrain.data.errors import DataError
+from cltrain.data import ShardsDataModule
 from cltrain.data.pack import pack
 from cltrain.data.remote import RemoteError, redact
 from cltrain.data.shard_cache import CacheFullError, ShardCache, parse_size
-from cltrain.data.shard_source import RemotePack
 from tests.helpers import REPO, warm
 from tests.helpers.data_fixtures import write_image_folder
-from tests.helpers.s3 import SECRET, Fault, FaultProxy, S3Server, s3_env
+from tests.helpers.s3 import Fault, FaultProxy, S3Server, SECRET, s3_env, s3_env_fixture, s3_server_fixture  # noqa: F401 - the fixtures server and env
 
 pytest.importorskip("s3fs", reason="the object-storage tests need s3fs and moto: pip install -e '.[test]'")
 pytest.importorskip("moto.server", reason="the object-storage tests need moto[server]: pip install -e '.[test]'")
 
 KW = dict(batch_size=4, num_workers=2, image_size=24, val_resize_size=28, persistent_workers=False)
-
-
-@pytest.fixture(scope="module")
-def server() -> S3Server:
-    s3 = S3Server()
-    yield s3
-    s3.stop()
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +42,6 @@ def local_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def url(server: S3Server, local_pack: Path) -> str:
     return server.upload(local_pack, "bucket", "data/pack")
-
-
-@pytest.fixture()
-def env(server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The standard S3 variables pointing at the server (every process sees them), and a cache of this test's own."""
-    for k, v in s3_env(server.endpoint).items():
-        monkeypatch.setenv(k, v)
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("CLTRAIN_SHARD_CACHE", str(cache))
-    return cache
 
 
 def _batches(dm: ShardsDataModule, train: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

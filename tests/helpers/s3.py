@@ -8,6 +8,9 @@ and a key pair, as a MinIO user would set them.
     server = S3Server()              # started; server.stop() at the end
     server.upload(pack_folder, "bucket", "pack")
     os.environ.update(server.env())  # s3://bucket/pack now reads from it, in every process
+
+A test module takes the fixtures ``server`` (one server for the module) and ``env`` (the standard variables pointing
+at it, and a shard cache of the test's own) by importing ``s3_server_fixture`` and ``s3_env_fixture``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import pytest
 
 #: The secret key the tests use: a test checks it never appears in any output or file.
 SECRET = "cltrainTestSecretKey0123456789abcdef"
@@ -169,3 +174,22 @@ class FaultProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+@pytest.fixture(scope="module", name="server")
+def s3_server_fixture() -> S3Server:
+    """One S3 server for the test module."""
+    s3 = S3Server()
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture(name="env")
+def s3_env_fixture(server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The standard S3 variables pointing at ``server`` (every process the test starts sees them), and a shard cache
+    of the test's own (``CLTRAIN_SHARD_CACHE``), whose folder is returned."""
+    for k, v in s3_env(server.endpoint).items():
+        monkeypatch.setenv(k, v)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CLTRAIN_SHARD_CACHE", str(cache))
+    return cache

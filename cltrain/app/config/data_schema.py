@@ -55,6 +55,7 @@ __all__ = [
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
     "LitDataConfig",
+    "MDSConfig",
     "ShardsConfig",
     "VideoDemoConfig",
     "WebDatasetConfig",
@@ -176,6 +177,21 @@ class LitDataConfig(_ImageCrops):
     label_key: str | None = key(None, OPT_TEXT)  # null: their first int field
     cache_dir: str | None = key(None, OPT_PATH)  # LitData's chunk cache (null: LitData's default)
     max_cache_size: str = key("50GB", TEXT)   # its limit
+
+
+@dataclass
+class MDSConfig(_ImageCrops):
+    """``schema/data/mds``: Mosaic MDS datasets (``<root>/train/index.json``, ``<root>/val/index.json``, uncompressed
+    shards), a folder or a URL (``pip install 'cltrain[mds]'``); the image column's bytes go to cltrain's decoder."""
+
+    _target_: str = "cltrain.data.datamodules.engines.MDSModule"
+    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
+    train_split: str = key("train", TEXT)
+    val_split: str = key("val", TEXT)
+    image_key: str | None = key(None, OPT_TEXT)  # null: the first jpeg, png or bytes column
+    label_key: str | None = key(None, OPT_TEXT)  # null: the first integer column
+    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache for a URL (as data=shards)
+    cache_limit: Any = key(None, OPT_SIZE)
 
 
 @dataclass

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.config.data_schema import HFConfig, LitDataConfig, ShardsConfig, WebDatasetConfig, demo_home
+from cltrain.app.config.data_schema import (HFConfig, LitDataConfig, MDSConfig, ShardsConfig, WebDatasetConfig,
+                                            demo_home)
 from cltrain.app.config.errors import ConfigError
 from cltrain.data.remote import is_url, redact
 
@@ -76,9 +77,9 @@ def _check_folder(data: DictConfig, root: str, where: Path) -> None:
 
 
 def _takes_urls(data: DictConfig) -> bool:
-    """Whether the data option's ``root`` may be a URL in object storage (``data=shards``, ``litdata``, ``webdataset``)."""
+    """Whether the data option's ``root`` may be a URL in object storage (``data=shards``, ``litdata``, ``mds``, ``webdataset``)."""
     schema = OmegaConf.get_type(data)
-    return isinstance(schema, type) and issubclass(schema, (ShardsConfig, LitDataConfig, WebDatasetConfig))
+    return isinstance(schema, type) and issubclass(schema, (ShardsConfig, LitDataConfig, MDSConfig, WebDatasetConfig))
 
 
 def _takes_hub_ids(data: DictConfig) -> bool:

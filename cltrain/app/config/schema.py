@@ -8,7 +8,7 @@ schema per shape under ``schema/<group>`` that each option's yaml extends
 (``conf/data/demo.yaml``: ``defaults: [/schema/data/images_demo@_here_, _self_]``):
 
 * ``schema/data``: ``images`` (``ImageFolderConfig``), ``images_demo``, ``shards``
-  (``ShardsConfig``), ``litdata`` (``LitDataConfig``), ``webdataset`` (``WebDatasetConfig``), ``hf`` (``HFConfig``), ``video`` (``ClipFolderConfig``),
+  (``ShardsConfig``), ``litdata`` (``LitDataConfig``), ``mds`` (``MDSConfig``), ``webdataset`` (``WebDatasetConfig``), ``hf`` (``HFConfig``), ``video`` (``ClipFolderConfig``),
   ``video_demo``;
 * ``schema/optim``: ``sgd`` (``SGDConfig``), ``adamw`` (``AdamWConfig``).
 
@@ -50,6 +50,7 @@ from cltrain.app.config.data_schema import (
     ImageFolderConfig,
     ImageFolderDemoConfig,
     LitDataConfig,
+    MDSConfig,
     ShardsConfig,
     VideoDemoConfig,
     WebDatasetConfig,
@@ -102,6 +103,7 @@ __all__ = [
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
     "LitDataConfig",
+    "MDSConfig",
     "ModelConfig",
     "OptimConfig",
     "SGDConfig",
@@ -282,7 +284,8 @@ SCHEMA_NAME = "cltrain_schema"
 #: ``schema/<group>/<name>`` -> the schema a group option's yaml extends.
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"images": ImageFolderConfig, "images_demo": ImageFolderDemoConfig, "shards": ShardsConfig,
-             "litdata": LitDataConfig, "webdataset": WebDatasetConfig, "hf": HFConfig, "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
+             "litdata": LitDataConfig, "mds": MDSConfig,
+             "webdataset": WebDatasetConfig, "hf": HFConfig, "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
     "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
 }
 

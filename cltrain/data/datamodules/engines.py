@@ -1,19 +1,20 @@
-"""The datasets other streaming engines wrote, as NHWC batches: ``LitDataModule`` (``litdata.optimize``) and
-``WebDatasetModule`` (WebDataset tar shards of any writer).
+"""The datasets other streaming engines wrote, as NHWC batches: ``LitDataModule`` (``litdata.optimize``),
+``MDSModule`` (Mosaic's ``MDSWriter``) and ``WebDatasetModule`` (WebDataset tar shards of any writer).
 
 ::
 
     python train.py data=litdata data.root=s3://bucket/imagenet-litdata data.num_classes=1000
+    python train.py data=mds data.root=s3://bucket/imagenet-mds data.num_classes=1000
     python train.py data=webdataset data.root=s3://bucket/imagenet-wds data.num_classes=1000
 
 ``root`` holds one dataset per split (``root/train``, ``root/val``: ``train_split`` / ``val_split``), a local folder
-or a URL. Each item's image file bytes go to the loader's decoder undecoded (``cltrain.data.litdata_source``), and
-the items are read by index, so these are ``ImageDataModule``s like the others: the same transforms,
+or a URL. Each item's image file bytes go to the loader's decoder undecoded (``cltrain.data.litdata_source``,
+``cltrain.data.mds_source``), and the items are read by index, so these are ``ImageDataModule``s like the others: the same transforms,
 ``NHWCCollate`` batches, normalisation and augmentation on the device, the same ``bad_files`` policy, and the same
 sampler (``cltrain.data.resume_state.ResumableSampler``): each sample once per epoch over the ranks (padded to a
 multiple of the ranks, as ``DistributedSampler`` pads), built in ``setup`` once the ranks exist, and an exact resume
-mid-epoch from the checkpoint, also on another number of ranks. The engine's own downloader and chunk cache fetch
-the bytes. These formats hold no class names: ``num_classes`` says how many.
+mid-epoch from the checkpoint, also on another number of ranks. LitData's own downloader and chunk cache fetch its
+bytes; MDS shards come through the node's shard cache (``cltrain.data.shard_cache``). These formats hold no class names: ``num_classes`` says how many.
 
 WebDataset shards have no index: ``WebDatasetModule`` streams them (``cltrain.data.webdataset_source``), every rank in
 step whatever the number of shards; WebDataset keeps no place in an epoch, so a run resumed mid-epoch starts that
@@ -32,7 +33,7 @@ from cltrain.data.datamodules.skipped_files import TakesBadFiles
 from cltrain.data.errors import DataError
 from cltrain.data.remote import join
 
-__all__ = ["LitDataModule", "WebDatasetModule"]
+__all__ = ["LitDataModule", "MDSModule", "WebDatasetModule"]
 
 
 class _SplitsDataModule(TakesBadFiles, ImageDataModule):
@@ -114,6 +115,45 @@ class LitDataModule(_SplitsDataModule):
             raise DataError(f"{type(self).__name__}: {self.train_set.source_name} has {len(self.train_set)} items, fewer "
                             f"than batch_size={self.batch_size}; the training loader drops partial batches.")
         return self._loader(self.train_set, train=True)
+
+
+class MDSModule(_SplitsDataModule):
+    """Mosaic MDS datasets (``root/<train_split>/index.json``, ``root/<val_split>/index.json``, uncompressed shards)
+    as normalised channels_last batches (see the module docstring).
+
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
+    folder or a URL, then these. Needs ``pip install 'cltrain[mds]'`` (mosaicml-streaming).
+
+    Args:
+        num_classes: how many classes the labels name.
+        bad_files: ``"raise"`` or ``"skip"`` (a bad sample named by its index).
+        train_split: the training dataset's folder under ``root``; val_split: the evaluation dataset's.
+        image_key: the image column (``None``: the first ``jpeg``, ``png`` or ``bytes`` column); label_key: the label
+            column (``None``: the first integer column).
+        cache_dir: the node's shard cache for a URL; cache_limit: its size (``"200GB"``).
+
+    Example::
+
+        >>> from cltrain.data.datamodules.engines import MDSModule
+        >>> dm = MDSModule("s3://bucket/imagenet-mds", num_classes=1000, batch_size=256)  # doctest: +SKIP
+    """
+
+    @takes_arguments_of(ImageDataModule)
+    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
+                 val_split: str = "val", image_key: str | None = None, label_key: str | None = None,
+                 cache_dir: str | None = None, cache_limit: int | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
+                         val_split=val_split, cache_dir=cache_dir, **kwargs)
+        self.image_key, self.label_key, self.cache_limit = image_key, label_key, cache_limit
+
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
+        from cltrain.data.mds_source import MDSImages
+
+        return MDSImages(str(self.root), split, transform, self.image_key, self.label_key, cache_dir=self.cache_dir,
+                         cache_limit=self.cache_limit, bad_files=self.bad_files, skip_log=self._skip_log,
+                         threads=self.decode_threads)
+
+    train_dataloader = LitDataModule.train_dataloader
 
 
 class WebDatasetModule(_SplitsDataModule):
