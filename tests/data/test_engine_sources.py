@@ -165,7 +165,7 @@ def mds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFac
     out = tmp_path_factory.mktemp("mds")
     for split in ("train", "val"):
         with streaming.MDSWriter(out=str(out / split), columns={"image": "jpeg", "class": "int"},
-                                 size_limit=20_000) as sink:  # several shards per split
+                                 size_limit=6_000) as sink:  # several shards per split
             for p in sorted((folder / split).rglob("*.jpg")):
                 sink.write({"image": Image.open(p), "class": int(p.parent.name[1:])})
     return server.upload(out, "bucket", "mds")
@@ -189,19 +189,47 @@ def test_mds_shards_give_the_folders_pixels_and_a_resumed_run_ends_where_the_who
 
 
 def test_a_storage_failure_is_never_skipped_as_a_bad_sample(server, env, monkeypatch, tmp_path):
+    import fsspec.config
+
     from cltrain.data import ShardsDataset, eval_transform
     from cltrain.data.pack import pack
     from cltrain.data.remote import RemoteError
-    from tests.helpers.s3 import free_port
-
-    import fsspec.config
+    from tests.helpers.s3 import FaultProxy
 
     pack(write_image_folder(tmp_path / "f", classes=2, train=3, val=1), tmp_path / "p", shard_size=3, progress=False)
     url = server.upload(tmp_path / "p", "bucket", "skip-pack")
-    monkeypatch.setenv("CLTRAIN_SHARD_CACHE", str(tmp_path / "cache"))
-    ds = ShardsDataset(url, "train", eval_transform(24, 28), bad_files="skip")  # manifest and indexes read
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # then the store goes away
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"retries": {"max_attempts": 1}}})
+    ds = ShardsDataset(url, "train", eval_transform(24, 28), bad_files="skip")  # manifest and indexes read
+    proxy.stop()  # then the store goes away
     with pytest.raises(RemoteError, match="cannot be reached"):
         ds[[0, 1]]
     assert not ds._warned  # nothing was listed as a bad sample
+
+
+def test_the_sources_pass_a_storage_failure_on_under_bad_files_skip(tmp_path):
+    # what the engines' sources (LitData, MDS) raise when their store or cache fails: never skipped as bad items
+    from cltrain.data import eval_transform
+    from cltrain.data.image_samples import ImageSamples
+    from cltrain.data.remote import RemoteError
+
+    class Lost(ImageSamples):
+        transform = eval_transform(24, 28)
+
+        def __init__(self) -> None:
+            self._set_policy("skip", tmp_path / "skipped.tsv")
+
+        def __len__(self) -> int:
+            return 4
+
+        def source(self, index: int):
+            raise RemoteError(f"s3://bucket/data item {index}: the storage endpoint cannot be reached")
+
+        def unreadable_message(self, index: int, reason: str) -> str:
+            return f"item {index}: {reason}"
+
+    lost = Lost()
+    with pytest.raises(RemoteError, match="cannot be reached"):
+        lost.__getitems__([0, 1])
+    assert not lost._warned and not (tmp_path / "skipped.tsv").exists()

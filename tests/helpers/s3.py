@@ -104,11 +104,17 @@ class FaultProxy:
         host, port = target.split("//", 1)[1].split(":")
         self.faults: list[Fault] = []
         self.seen: list[tuple[str, str]] = []
+        self.connections: list[socket.socket] = []
         self.lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy.lock:
+                    proxy.connections.append(self.connection)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -172,8 +178,15 @@ class FaultProxy:
             return sum(1 for m, p in self.seen if m == "GET" and part in p)
 
     def stop(self) -> None:
+        """Stop listening and drop the open connections (as a server that went away)."""
         self.server.shutdown()
         self.server.server_close()
+        with self.lock:
+            for conn in self.connections:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 @pytest.fixture(scope="module", name="server")
