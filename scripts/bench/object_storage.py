@@ -22,6 +22,7 @@ Mosaic Streaming is not measured: mosaicml-streaming 0.13 requires numpy<2.2 and
 environment's other extras exceed (docs/guides/object-storage.md).
 
     python -m scripts.bench.object_storage                    # 2,400 photographs in 24 shards, 3 rounds
+    python -m scripts.bench.object_storage --workers 1        # one worker per loader (decode threads: the loading plan)
     python -m scripts.bench.object_storage --clients          # fsspec (s3fs) against obstore: whole shards, ranges
 """
 
@@ -116,7 +117,7 @@ def _webdataset(urls: list[str]) -> float:
     tf = _torchvision_transform()
     ds = (wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).shuffle(1000)
           .decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int).batched(64))
-    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=2))
+    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
 
 
 def _fsspec_streams(shards):
@@ -134,7 +135,7 @@ def _webdataset_fsspec(urls: list[str]) -> float:
     ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
                           tar_file_expander, group_by_keys, wds.shuffle(1000), wds.decode("pil"),
                           wds.to_tuple("jpg", "cls"), wds.map_tuple(_torchvision_transform(), int), wds.batched(64))
-    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=2))
+    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
 
 
 class _LitItem:
@@ -196,7 +197,7 @@ def _litdata(url: str, cache: Path) -> float:
     downloader._OBSTORE_AVAILABLE = False  # its boto3 path: obstore's client refuses http (see _litdata_write)
     shutil.rmtree(cache, ignore_errors=True)
     ds = _LitImages(url, shuffle=True, cache_dir=str(cache))
-    return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=2))
+    return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=KW["num_workers"]))
 
 
 def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
@@ -236,8 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", nargs="+",
                    default=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"])
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers of every loader")
     p.add_argument("--clients", action="store_true", help="only fsspec against obstore on the pack's objects")
     args = p.parse_args(argv)
+    KW["num_workers"] = args.workers
     from cltrain.data.pack import pack
 
     photos = make_photo_folder(OUT / f"photos-{args.train}", train=args.train, val=20)
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         rates = interleaved(args.rounds, {k: with_server_cpu(k, cases[k]) for k in args.cases}, rotate=True)
         base = statistics.median(rates["local"]) if "local" in rates else None
         n = len(list((photos / "train").rglob("*.jpg")))
-        print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, 2 workers, "
+        print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
+              f"{args.workers} workers, "
               f"shuffle_window 4; {args.rounds} rounds, median images/s (each round)")
         for k, r in rates.items():
             ratio = f"  {statistics.median(r) / base:.2f}x local" if base else ""
