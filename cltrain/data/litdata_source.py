@@ -88,7 +88,8 @@ class LitDataImages(NamedSplit, ImageSamples):
         image_key: the item's image field (a dict key, or a position in a tuple); ``None``: the first bytes field.
         label_key: the item's label field; ``None``: the first int field.
         split: the split's name (in the skipped-files list).
-        cache_dir: LitData's chunk cache (``None``: LitData's default); max_cache_size: its limit (``"50GB"``).
+        cache_dir: LitData's chunk cache (``None``: LitData's default).
+        max_cache_size: its limit (``"50GB"``).
         bad_files: ``"raise"`` or ``"skip"`` (``cltrain.data.bad_samples``); an item is named by its index.
         skip_log: file the skipped samples are appended to (``"skip"`` only).
         threads: decode threads per loading process (``cltrain.data.loader_threads``).

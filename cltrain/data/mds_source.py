@@ -58,8 +58,10 @@ class MDSImages(NamedSplit, ImageSamples):
         transform: bytes -> HWC uint8.
         image_key: the image column (``None``: the first ``jpeg``, ``png`` or ``bytes`` column).
         label_key: the label column (``None``: the first integer column).
-        cache_dir, cache_limit: the node's shard cache for a URL (as ``ShardsDataModule``'s).
-        bad_files: ``"raise"`` or ``"skip"``; skip_log: the skipped-files list.
+        cache_dir: the node's shard cache for a URL (as ``ShardsDataModule``'s).
+        cache_limit: its size.
+        bad_files: ``"raise"`` or ``"skip"``.
+        skip_log: the skipped-files list.
         threads: decode threads per loading process.
 
     Raises:

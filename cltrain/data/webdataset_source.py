@@ -68,12 +68,14 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
         root: a folder or a URL holding ``<split>/*.tar``.
         split: the split's folder.
         transform: bytes -> HWC uint8.
-        rank: this process's rank; world_size: the number of ranks.
+        rank: this process's rank.
+        world_size: the number of ranks.
         shuffle_buffer: samples shuffled together (``None``: the shards' order, unshuffled).
         seed: the order's seed (every rank the same).
-        cache_dir: the node's shard cache for a URL (``None``: ``shard_cache.default_cache_dir()``);
-            cache_limit: its size.
-        bad_files: ``"raise"`` or ``"skip"``; skip_log: the skipped-files list.
+        cache_dir: the node's shard cache for a URL (``None``: ``shard_cache.default_cache_dir()``).
+        cache_limit: its size.
+        bad_files: ``"raise"`` or ``"skip"``.
+        skip_log: the skipped-files list.
         threads: decode threads: samples are decoded ``threads * 8`` at a time.
     """
 

@@ -79,9 +79,11 @@ class LitDataModule(_SplitsDataModule):
         bad_files: ``"raise"`` or ``"skip"`` (a bad item named by its index).
         train_split: the folder of the training dataset under ``root``.
         val_split: the folder of the evaluation dataset (also test and predict).
-        image_key: the items' image field (``None``: the first bytes field); label_key: their label field (``None``:
+        image_key: the items' image field (``None``: the first bytes field).
+        label_key: their label field (``None``:
             the first int field).
-        cache_dir: LitData's chunk cache (``None``: LitData's default); max_cache_size: its limit.
+        cache_dir: LitData's chunk cache (``None``: LitData's default).
+        max_cache_size: its limit.
 
     Raises:
         ValueError: a bad argument (at construction).
@@ -127,10 +129,13 @@ class MDSModule(_SplitsDataModule):
     Args:
         num_classes: how many classes the labels name.
         bad_files: ``"raise"`` or ``"skip"`` (a bad sample named by its index).
-        train_split: the training dataset's folder under ``root``; val_split: the evaluation dataset's.
-        image_key: the image column (``None``: the first ``jpeg``, ``png`` or ``bytes`` column); label_key: the label
+        train_split: the training dataset's folder under ``root``.
+        val_split: the evaluation dataset's.
+        image_key: the image column (``None``: the first ``jpeg``, ``png`` or ``bytes`` column).
+        label_key: the label
             column (``None``: the first integer column).
-        cache_dir: the node's shard cache for a URL; cache_limit: its size (``"200GB"``).
+        cache_dir: the node's shard cache for a URL.
+        cache_limit: its size (``"200GB"``).
 
     Example::
 
@@ -166,10 +171,12 @@ class WebDatasetModule(_SplitsDataModule):
     Args:
         num_classes: how many classes the ``cls`` labels name.
         bad_files: ``"raise"`` or ``"skip"`` (the last readable sample stands in for a bad one).
-        train_split: the training shards' folder under ``root``; val_split: the evaluation shards' folder.
+        train_split: the training shards' folder under ``root``.
+        val_split: the evaluation shards' folder.
         shuffle_buffer: training samples shuffled together (``None``: in the shards' order).
         seed: the order's seed: epoch ``e``'s shards permuted with ``seed + e`` (every rank the same).
-        cache_dir: the node's shard cache for a URL; cache_limit: its size (``"200GB"``).
+        cache_dir: the node's shard cache for a URL.
+        cache_limit: its size (``"200GB"``).
 
     Example::
 
