@@ -3,9 +3,10 @@
 :func:`quiet_console` wraps a run. Lightning gives its top-level ``lightning`` logger a
 console handler of its own and also lets records propagate to the root logger, where
 Hydra's console handler prints them a second time; while Hydra's handler is there,
-Lightning's is set aside. Two notices no run can avoid are dropped by exact text: the
-LitLogger advert every ``Trainer`` without a LitLogger logs, and the ``LeafSpec``
-deprecation that Lightning's own ``_pytree`` helper triggers in torch. Everything else,
+Lightning's is set aside. Notices no run can avoid are dropped by exact text: the
+LitLogger advert every ``Trainer`` without a LitLogger logs, the ``LeafSpec``
+deprecation that Lightning's own ``_pytree`` helper triggers in torch, and where the S3
+client found its credentials and endpoint (said again by every process that opens one). Everything else,
 warnings included, shows as before.
 
 Example::
@@ -28,6 +29,10 @@ __all__ = ["LIBRARY_NOTICES", "quiet_console"]
 LIBRARY_NOTICES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
     ("warning", "`isinstance(treespec, LeafSpec)` is deprecated"),
+    # said by every S3 client each process opens (data.root=s3://...: the workers' too)
+    ("botocore.credentials", "Found credentials in"),
+    ("aiobotocore.credentials", "Found credentials in"),
+    ("botocore.configprovider", "Found endpoint for"),
 )
 
 

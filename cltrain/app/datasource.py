@@ -22,6 +22,7 @@ from cltrain.app.config.errors import ConfigError
 from cltrain.app.config.data_schema import DEMO_GENERATORS
 from cltrain.data.constants import is_hidden
 from cltrain.data.hf_source import is_hub_id
+from cltrain.data.remote import RemoteError, is_url, redact
 
 __all__ = ["absolute", "build_datamodule"]
 
@@ -35,7 +36,8 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     """The configured DataModule (``data._target_``), with the demo set generated first when configured."""
     data = OmegaConf.to_container(cfg.data, resolve=True)
     demo = data.pop("demo", None)
-    if not (data["_target_"].endswith("HFImageDataModule") and is_hub_id(data["root"])):  # a Hub id is not a path
+    keep = is_url(data["root"]) or (data["_target_"].endswith("HFImageDataModule") and is_hub_id(data["root"]))
+    if not keep:  # a URL or a Hub id is not a path
         data["root"] = absolute(data["root"])
     if demo is not None:
         from hydra.utils import get_method
@@ -58,6 +60,8 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     try:
         datamodule.num_classes  # reads the class folders (or the dataset's labels): a missing split fails here
     except (FileNotFoundError, NotADirectoryError, ValueError) as err:
+        if isinstance(err, RemoteError):  # it names the URL and the fix itself
+            raise ConfigError("data.root", redact(data["root"]), str(err).split(": ", 1)[-1]) from None
         hint = getattr(datamodule, "root_hint", "an ImageNet-layout folder: train/<class>/, val/<class>/")
         raise ConfigError("data.root", data["root"], str(err).splitlines()[0], hint) from None
     return datamodule

@@ -21,7 +21,7 @@ import torch
 from cltrain.data.errors import BadImageError
 from cltrain.data.resume_state import SeededIndex
 
-__all__ = ["BAD_FILE_POLICIES", "SkipsBadSamples", "check_bad_files", "unreadable"]
+__all__ = ["BAD_FILE_POLICIES", "NamedSplit", "SkipsBadSamples", "check_bad_files", "unreadable"]
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +116,32 @@ class SkipsBadSamples:
         if name not in self._warned:
             self._warned.add(name)
             log.warning("skipping unreadable %s %s (%s)", self.what, name, reason)
+
+
+class NamedSplit:
+    """How a split of a dataset in rows (an engine's items, an MDS dataset, a stream of shards) names itself and its
+    samples: ``where`` (the dataset, without secrets) and ``split`` set by the Dataset; a sample is ``<what>
+    <index>``."""
+
+    where: str
+    split: str
+    what = "sample"
+
+    def sample_name(self, index: int) -> str:
+        """``<what> <index>``."""
+        return f"{self.what} {index}"
+
+    @property
+    def split_name(self) -> str:
+        """The split, as the skipped-files list names it."""
+        return self.split
+
+    @property
+    def source_name(self) -> str:
+        """The dataset and split, for errors."""
+        return f"{self.where} ({self.split})"
+
+    def unreadable_message(self, index: int, reason: str) -> str:
+        """The one line of ``BadImageError`` for sample ``index``."""
+        return (f"{self.source_name} {self.sample_name(index)}: cannot be read as an image ({reason}). Pass "
+                f"bad_files='skip' to leave such {self.what}s out, or write the dataset again.")

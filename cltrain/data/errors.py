@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BadImageError", "DataError", "error_line"]
+__all__ = ["BadImageError", "DataError", "StorageError", "error_line"]
 
 
 class DataError(ValueError):
@@ -29,6 +29,11 @@ class BadImageError(DataError, RuntimeError):
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class StorageError(DataError):
+    """The storage failed (a bucket that cannot be reached or read, a full cache disk), not a sample: never a bad
+    sample to skip, whatever ``bad_files`` says."""
 
 
 def error_line(err: BaseException) -> str:

@@ -22,7 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
-from cltrain.data.errors import BadImageError
+from cltrain.data.errors import BadImageError, StorageError
 from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
@@ -101,6 +101,8 @@ class ImageSamples(SkipsBadSamples, Dataset):
                 return self.transform(src), target
             with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as img:
                 return self.transform(img), target
+        except StorageError:  # the bucket or the cache failed, not this sample: never skipped
+            raise
         except Exception as err:  # any failure of reading, decoding or converting this one sample
             reason = unreadable(err, src if isinstance(src, (str, os.PathLike)) else None)
             raise BadImageError(self.unreadable_message(index, reason), reason) from err

@@ -169,11 +169,13 @@ class ShardBatchSampler(DistributedSampler):
         seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
         skip, self.start = self.start, 0
         mine, sizes = self._parts(self._left(self.read_before()))[self.rank]
-        mine, start = order[mine], 0
-        for k, size in enumerate(sizes):
-            if k >= skip:
-                yield [SeededIndex(i, seeds[i]) for i in mine[start:start + size].tolist()]
-            start += size
+        mine, starts = order[mine], np.cumsum([0, *sizes])
+        plan = getattr(self.dataset, "plan_reads", None)  # a pack in object storage fetches its shards ahead
+        reached = plan([mine[starts[k]:starts[k + 1]] for k in range(skip, len(sizes))]) if plan else None
+        for k in range(skip, len(sizes)):
+            if reached is not None:
+                reached(k - skip)
+            yield [SeededIndex(i, seeds[i]) for i in mine[starts[k]:starts[k + 1]].tolist()]
 
     def __len__(self) -> int:
         return len(self.sizes)

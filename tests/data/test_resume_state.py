@@ -59,15 +59,17 @@ class Net(pl.LightningModule):
 
 
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
-         video: bool = False, shards: bool = False, hf: bool = False, val: bool = False, callbacks: tuple = (),
-         limit_train_batches: int | float = 1.0, **data_options):
+         video: bool = False, shards: bool = False, hf: bool = False, lit: bool = False, mds: bool = False,
+         val: bool = False, callbacks: tuple = (), limit_train_batches: int | float = 1.0, **data_options):
     pl.seed_everything(7, verbose=False)
     options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False,
                    **data_options)
-    if shards or hf:
+    if shards or hf or lit or mds:
         from cltrain.data import HFImageDataModule, ShardsDataModule
+        from cltrain.data.datamodules.engines import LitDataModule, MDSModule
 
-        module, data = Net(), (ShardsDataModule if shards else HFImageDataModule)(folder, **options)
+        kind = ShardsDataModule if shards else HFImageDataModule if hf else LitDataModule if lit else MDSModule
+        module, data = Net(), kind(folder, **options)
     elif video:
         from cltrain.data.video import ClipFolderDataModule
 

@@ -1,6 +1,6 @@
 """Run by test_data_shards.py: a real two-process DDP fit on CPU (gloo) from a pack, 2 workers per rank.
 
-    python -m tests.helpers.shards_ddp_run PACK OUT_DIR [EPOCHS]
+    python -m tests.helpers.shards_ddp_run PACK OUT_DIR [EPOCHS]        # PACK: a folder or a URL (s3://...)
 
 Every rank writes OUT_DIR/rank<N>.json with, per training and validation step, the epoch,
 the sample ids of the batch and the worker process that read it.
@@ -72,7 +72,7 @@ def fit_and_record(dm, module: Recorder, out: Path, epochs: int) -> None:
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def main(pack: Path, out: Path, epochs: int) -> None:
+def main(pack: str, out: Path, epochs: int) -> None:
     torch.manual_seed(0)
     dm = TaggedShardsDataModule(pack, batch_size=4, num_workers=2, image_size=32, val_resize_size=36, seed=3)
     fit_and_record(dm, Recorder(), out, epochs)
@@ -80,4 +80,4 @@ def main(pack: Path, out: Path, epochs: int) -> None:
 
 if __name__ == "__main__":
     warm.lightning_ranks_forked()
-    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2)

@@ -26,6 +26,7 @@ from cltrain.app.config.rules import (
     NON_NEGATIVE,
     OPT_PATH,
     OPT_POSITIVE,
+    OPT_SIZE,
     OPT_TEXT,
     POSITIVE,
     POSITIVE_OR_AUTO,
@@ -42,6 +43,7 @@ from cltrain.data.constants import CHECK_MODES
 from cltrain.data.bad_samples import BAD_FILE_POLICIES
 from cltrain.data.crop_kernels import INTERPOLATIONS
 from cltrain.data.decoders import DECODER_NAMES
+from cltrain.data.shard_source import FETCH_MODES
 
 __all__ = [
     "DEMO_GENERATORS",
@@ -52,8 +54,11 @@ __all__ = [
     "ImageDemoConfig",
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
+    "LitDataConfig",
+    "MDSConfig",
     "ShardsConfig",
     "VideoDemoConfig",
+    "WebDatasetConfig",
     "demo_home",
 ]
 
@@ -153,6 +158,55 @@ class ShardsConfig(_ImageCrops):
     _target_: str = "cltrain.data.ShardsDataModule"
     seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
     shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
+    # root may be a URL (s3://bucket/pack, gs://, az://, https://): docs/guides/object-storage.md
+    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache (null: $CLTRAIN_SHARD_CACHE, else $TMPDIR)
+    cache_limit: Any = key(None, OPT_SIZE)    # most bytes it holds (200GB, ...; null: half the disk's free space)
+    fetch: str = key("shards", choices(*FETCH_MODES))  # shards: whole, ahead, cached; ranges: per sample, uncached
+
+
+@dataclass
+class LitDataConfig(_ImageCrops):
+    """``schema/data/litdata``: LitData optimized datasets (``litdata.optimize``), ``<root>/train`` and ``<root>/val``,
+    a folder or a URL (``pip install 'cltrain[litdata]'``); the images' file bytes go to cltrain's decoder."""
+
+    _target_: str = "cltrain.data.datamodules.engines.LitDataModule"
+    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
+    train_split: str = key("train", TEXT)     # the folder of each split's optimized dataset under root
+    val_split: str = key("val", TEXT)
+    image_key: str | None = key(None, OPT_TEXT)  # null: the items' first bytes field
+    label_key: str | None = key(None, OPT_TEXT)  # null: their first int field
+    cache_dir: str | None = key(None, OPT_PATH)  # LitData's chunk cache (null: LitData's default)
+    max_cache_size: str = key("50GB", TEXT)   # its limit
+
+
+@dataclass
+class MDSConfig(_ImageCrops):
+    """``schema/data/mds``: Mosaic MDS datasets (``<root>/train/index.json``, ``<root>/val/index.json``, uncompressed
+    shards), a folder or a URL (``pip install 'cltrain[mds]'``); the image column's bytes go to cltrain's decoder."""
+
+    _target_: str = "cltrain.data.datamodules.engines.MDSModule"
+    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
+    train_split: str = key("train", TEXT)
+    val_split: str = key("val", TEXT)
+    image_key: str | None = key(None, OPT_TEXT)  # null: the first jpeg, png or bytes column
+    label_key: str | None = key(None, OPT_TEXT)  # null: the first integer column
+    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache for a URL (as data=shards)
+    cache_limit: Any = key(None, OPT_SIZE)
+
+
+@dataclass
+class WebDatasetConfig(_ImageCrops):
+    """``schema/data/webdataset``: WebDataset tar shards (``<root>/train/*.tar``, ``<root>/val/*.tar``: ``<key>.jpg``
+    and ``<key>.cls``), a folder or a URL; streamed, no mid-epoch resume (WebDataset keeps no place)."""
+
+    _target_: str = "cltrain.data.datamodules.engines.WebDatasetModule"
+    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
+    train_split: str = key("train", TEXT)
+    val_split: str = key("val", TEXT)
+    shuffle_buffer: int | None = key(1000, OPT_POSITIVE)  # training samples shuffled together
+    seed: int = key(0, SEED)                  # epoch e's shards permuted with seed + e (every rank the same)
+    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache for a URL (as data=shards)
+    cache_limit: Any = key(None, OPT_SIZE)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What the paths of a config must name on this machine: the data folder, the checkpoint, the weights.
 
-``check_paths`` refuses a ``data.root`` that is not a folder (a demo option's set is generated only
+``check_paths`` refuses a ``data.root`` that is not a folder (a URL, ``s3://...``, where the option reads one:
+``data=shards``) (a demo option's set is generated only
 at its own default root, ``demo_home``), a missing ``ckpt_path`` or ``model.pretrained`` file, and
 ``evaluate_only`` without either; ``check_checkpoint`` opens ``ckpt_path`` without running anything
 in it and refuses one the run cannot resume from (another optimizer, weights only, EMA state
@@ -13,8 +14,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from cltrain.app.config.data_schema import HFConfig, demo_home
+from cltrain.app.config.data_schema import (HFConfig, LitDataConfig, MDSConfig, ShardsConfig, WebDatasetConfig,
+                                            demo_home)
 from cltrain.app.config.errors import ConfigError
+from cltrain.data.remote import is_url, redact
 
 __all__ = ["check_checkpoint", "check_paths"]
 
@@ -36,7 +39,12 @@ def check_paths(cfg: DictConfig) -> None:
         raise ConfigError("data.root", root, f"not set; {what} is needed",
                           _HUB_ROOTS if hub else "a directory with train/ and val/ class folders")
     where = Path(str(root)).expanduser()
-    if hub:
+    if is_url(str(root)):
+        if not _takes_urls(data):
+            raise ConfigError("data.root", redact(str(root)), "a URL; this data option reads a local folder",
+                              "a local path; for a bucket, a pack (cltrain-pack ROOT OUT, OUT uploaded as it is) with "
+                              "data=shards data.root=<URL of OUT>")
+    elif hub:
         from cltrain.data.hf_source import is_hub_id
 
         if not where.is_dir() and not is_hub_id(root):
@@ -66,6 +74,12 @@ def _check_folder(data: DictConfig, root: str, where: Path) -> None:
         raise ConfigError("data.root", root, "no such directory; the demo set is generated only at its default "
                           f"location {home}", "data=imagenet data.root=<your folder> for your own "
                           "data; or leave data.root unset for the demo set")
+
+
+def _takes_urls(data: DictConfig) -> bool:
+    """Whether the data option's ``root`` may be a URL in object storage (``data=shards``, ``litdata``, ``mds``, ``webdataset``)."""
+    schema = OmegaConf.get_type(data)
+    return isinstance(schema, type) and issubclass(schema, (ShardsConfig, LitDataConfig, MDSConfig, WebDatasetConfig))
 
 
 def _takes_hub_ids(data: DictConfig) -> bool:

@@ -69,6 +69,17 @@ UNIT_CLOSED = Rule(lambda v: _number(v) and 0.0 <= v <= 1.0, "must be a number i
 TEXT = Rule(lambda v: isinstance(v, str) and v != "", "must be a non-empty string")
 OPT_TEXT = Rule(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a non-empty string", "or null")
 OPT_PATH = Rule(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a path", "a path, or null")
+def _size(v: Any) -> bool:
+    from cltrain.data.shard_cache import parse_size
+
+    try:
+        parse_size(v)
+    except ValueError:
+        return False
+    return True
+
+
+OPT_SIZE = Rule(lambda v: v is None or _size(v), "must be a size", "e.g. 200GB, 500GiB, a number of bytes, or null")
 TOP_K = Rule(lambda v: _int(v) and v >= -1, "must be a whole number >= -1", "-1 keeps all, 0 none, k the best k")
 DEVICES = Rule(lambda v: v == "auto" or (_int(v) and v > 0) or (_list(v) and len(v) > 0 and all(_int(i) and i >= 0 for i in v)),
                "must be a number of devices", "a whole number > 0, auto, or [0, 1, ...]")

@@ -8,7 +8,8 @@ schema per shape under ``schema/<group>`` that each option's yaml extends
 (``conf/data/demo.yaml``: ``defaults: [/schema/data/images_demo@_here_, _self_]``):
 
 * ``schema/data``: ``images`` (``ImageFolderConfig``), ``images_demo``, ``shards``
-  (``ShardsConfig``), ``hf`` (``HFConfig``), ``video`` (``ClipFolderConfig``), ``video_demo``;
+  (``ShardsConfig``), ``litdata`` (``LitDataConfig``), ``mds`` (``MDSConfig``), ``webdataset`` (``WebDatasetConfig``), ``hf`` (``HFConfig``), ``video`` (``ClipFolderConfig``),
+  ``video_demo``;
 * ``schema/optim``: ``sgd`` (``SGDConfig``), ``adamw`` (``AdamWConfig``).
 
 The data group's schemas are in ``cltrain.app.config.data_schema`` (and importable from here).
@@ -48,8 +49,11 @@ from cltrain.app.config.data_schema import (
     ImageDemoConfig,
     ImageFolderConfig,
     ImageFolderDemoConfig,
+    LitDataConfig,
+    MDSConfig,
     ShardsConfig,
     VideoDemoConfig,
+    WebDatasetConfig,
 )
 from cltrain.app.config.rules import (
     AMP,
@@ -98,6 +102,8 @@ __all__ = [
     "ImageDemoConfig",
     "ImageFolderConfig",
     "ImageFolderDemoConfig",
+    "LitDataConfig",
+    "MDSConfig",
     "ModelConfig",
     "OptimConfig",
     "SGDConfig",
@@ -105,6 +111,7 @@ __all__ = [
     "TrainConfig",
     "TrainerConfig",
     "VideoDemoConfig",
+    "WebDatasetConfig",
     "register",
 ]
 
@@ -277,7 +284,8 @@ SCHEMA_NAME = "cltrain_schema"
 #: ``schema/<group>/<name>`` -> the schema a group option's yaml extends.
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"images": ImageFolderConfig, "images_demo": ImageFolderDemoConfig, "shards": ShardsConfig,
-             "hf": HFConfig, "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
+             "litdata": LitDataConfig, "mds": MDSConfig,
+             "webdataset": WebDatasetConfig, "hf": HFConfig, "video": ClipFolderConfig, "video_demo": ClipFolderDemoConfig},
     "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
 }
 

@@ -30,7 +30,6 @@ import inspect
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning as L
@@ -41,6 +40,7 @@ from typing_extensions import override
 from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
 from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
+from cltrain.data.remote import is_url, redact, root_of
 from cltrain.data.resume_state import ResumableSampler, is_resumable
 from cltrain.data.running_stats import RunningStats
 from cltrain.data.stream_place import is_stream
@@ -103,6 +103,9 @@ class BatchDataModule(L.LightningDataModule):
         ValueError: a bad argument, quoted (also ``mean``/``std`` in 0-255 units).
     """
 
+    #: Whether ``root`` may be a URL (``s3://...``, ``cltrain.data.remote``).
+    takes_urls: bool = False
+
     def __init__(self, root: str | os.PathLike, *, batch_size: int, num_workers: int | str, persistent_workers: bool,
                  pin_memory: bool | None, channels: int, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype,
                  channels_last: bool, cuda_prefetch: bool) -> None:
@@ -121,7 +124,12 @@ class BatchDataModule(L.LightningDataModule):
         if len(mean) not in (1, channels) or len(std) not in (1, channels):
             raise ValueError(f"{owner}: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
         check_statistics(mean, std, owner)
-        self.root = Path(root)
+        if is_url(str(root)) and not self.takes_urls:
+            raise ValueError(f"{owner}: root={redact(str(root))!r} is a URL; this DataModule reads local folders. An "
+                             "image folder in a bucket would be read one request per image: pack it (cltrain-pack ROOT "
+                             "OUT), upload OUT as it is, and read that with ShardsDataModule (data=shards data.root=<URL "
+                             "of OUT>).")
+        self.root = root_of(root)  # a URL (s3://...) is kept as given: the DataModules that read one say so
         self.batch_size, self.num_workers = batch_size, num_workers
         self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
         self.channels, self.mean, self.std, self.dtype = channels, tuple(mean), tuple(std), dtype

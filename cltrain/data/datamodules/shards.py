@@ -1,9 +1,11 @@
 """``ShardsDataModule``: WebDataset shards as NHWC batches, each sample exactly once per epoch under DDP x workers.
 
-Pack an ImageNet-layout folder once (``cltrain.data.pack``), then train from the shards::
+Pack an ImageNet-layout folder once (``cltrain.data.pack``), then train from the shards, on a local disk or
+from object storage (the pack uploaded as it is; docs/guides/object-storage.md)::
 
     python -m cltrain.data.pack /data/imagenet /data/imagenet-shards
     python train.py data=shards data.root=/data/imagenet-shards
+    python train.py data=shards data.root=s3://bucket/imagenet-shards data.shuffle_window=16
 
 ``ShardsDataModule`` and ``ImageFolderDataModule`` are both ``ImageDataModule``s: the same
 transforms (the JPEG bytes go to ``train_transform`` / ``eval_transform`` as they are), the same
@@ -24,13 +26,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from cltrain.data.datamodules.base import takes_arguments_of
 from cltrain.data.datamodules.image_base import ImageDataModule
 from cltrain.data.datamodules.skipped_files import TakesBadFiles
-from cltrain.data.shard_dataset import ShardsDataset, read_manifest
+from cltrain.data.shard_cache import parse_size
+from cltrain.data.shard_dataset import ShardsDataset
 from cltrain.data.shard_sampler import ShardBatchSampler, check_window
+from cltrain.data.shard_source import FETCH_MODES, LocalPack, RemotePack, open_pack
 
 __all__ = ["ShardsDataModule"]
 
@@ -39,7 +44,8 @@ class ShardsDataModule(TakesBadFiles, ImageDataModule):
     """A pack of WebDataset shards (``cltrain.data.pack``) as normalised channels_last batches.
 
     Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments,
-    with ``root`` the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``), then
+    with ``root`` the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``) or its URL in
+    object storage (``s3://bucket/pack``, ``gs://``, ``az://``, ``https://``: ``cltrain.data.shard_source``), then
     these. The folder's own arguments (those a pack settles when it is made: ``check_val``,
     ``exclude_files``, ``index_cache``, ``allow_missing_val_classes``) are refused with a one-line
     ``TypeError``.
@@ -51,7 +57,13 @@ class ShardsDataModule(TakesBadFiles, ImageDataModule):
         seed: seed of the per-epoch training order (the same on every rank).
         shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
             ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
-            files per rank per epoch; see ``ShardBatchSampler``).
+            files per rank per epoch; see ``ShardBatchSampler``). From object storage, ``k`` lets the first epoch
+            start after ``k`` shards, where a full permutation needs every shard in the first batches.
+        cache_dir: a URL's node-local shard cache (``None``: ``$CLTRAIN_SHARD_CACHE``, else ``cltrain-shards`` in
+            ``$TMPDIR``), shared by the node's ranks and workers (``cltrain.data.shard_cache``).
+        cache_limit: most bytes that cache holds (``"200GB"``, bytes, or ``None``: half the disk's free space).
+        fetch: ``"shards"``: a URL's shards fetched whole into the cache, ahead of the batches; ``"ranges"``: each
+            sample read with a ranged request, nothing cached.
 
     Under DDP (``trainer.world_size`` ranks) each rank reads its own slice of every
     epoch's permutation: each sample exactly once per epoch, the same step count on
@@ -70,19 +82,34 @@ class ShardsDataModule(TakesBadFiles, ImageDataModule):
 
     @takes_arguments_of(ImageDataModule)
     def __init__(self, *args: Any, bad_files: str = "raise", seed: int = 0, shuffle_window: int | None = None,
+                 cache_dir: str | None = None, cache_limit: int | str | None = None, fetch: str = "shards",
                  **kwargs: Any) -> None:
         super().__init__(*args, bad_files=bad_files, **kwargs)
         self.seed, self.shuffle_window = seed, check_window(shuffle_window, "ShardsDataModule")
+        if fetch not in FETCH_MODES:
+            raise ValueError(f"ShardsDataModule: fetch={fetch!r} must be one of {FETCH_MODES}.")
+        parse_size(cache_limit, "ShardsDataModule: cache_limit")
+        self.cache_dir, self.cache_limit, self.fetch = cache_dir, cache_limit, fetch
+        self._pack: LocalPack | None = None
         self.train_set: ShardsDataset | None = None
         self.val_set: ShardsDataset | None = None
         self._world = (1, 0)
+
+    takes_urls = True
+
+    @property
+    def pack(self) -> LocalPack:
+        """Where the pack's bytes come from (``cltrain.data.shard_source``)."""
+        if self._pack is None:
+            self._pack = open_pack(self.root, self.cache_dir, self.cache_limit, self.fetch)
+        return self._pack
 
     @property
     @override
     def classes(self) -> list[str]:
         """Class names of the pack, in label order."""
         if self._classes is None:
-            self._classes = list(read_manifest(self.root)["classes"])
+            self._classes = list(self.pack.manifest()["classes"])
         return self._classes
 
     @override
@@ -93,11 +120,26 @@ class ShardsDataModule(TakesBadFiles, ImageDataModule):
         self._world = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         # The dataset collates its batch in the worker that reads it; workers: the loader pins.
         collate = self._collate(pin_memory=self._pin and self.num_workers == 0)
-        policy = dict(threads=self.decode_threads, bad_files=self.bad_files, skip_log=self._skip_log)
+        policy = dict(threads=self.decode_threads, bad_files=self.bad_files, skip_log=self._skip_log, source=self.pack)
+        # built here, once the trainer's ranks exist: each rank's sampler takes its own part (LitData #250)
         if stage == "fit" and self.train_set is None:
             self.train_set = ShardsDataset(self.root, "train", self.train_transform, collate, **policy)
+            self._warn_if_cache_too_small(self.train_set)
         if self.val_set is None:
             self.val_set = ShardsDataset(self.root, "val", self.eval_transform, collate, **policy)
+
+    def _warn_if_cache_too_small(self, dataset: ShardsDataset) -> None:
+        """A full permutation reads every shard in every stretch of batches: with a cache smaller than the split,
+        shards are fetched again and again."""
+        pack = self.pack
+        if not (isinstance(pack, RemotePack) and pack.fetch == "shards" and self.shuffle_window is None):
+            return
+        size = int((dataset.index[:, 0] + dataset.index[:, 1]).max(initial=0)) * len(dataset.shard_names)
+        if size > pack.cache.limit:
+            rank_zero_warn(f"ShardsDataModule: {pack.where} ({dataset.split}, about {size / 2**30:.1f} GiB) does not fit "
+                           f"the shard cache ({pack.cache.limit / 2**30:.1f} GiB in {pack.cache.folder}) and "
+                           "shuffle_window=None reads every shard in every stretch of batches: shards will be fetched "
+                           "more than once per epoch. Set shuffle_window (e.g. 16), a larger cache_limit, or fetch='ranges'.")
 
     @override
     def _batching(self, dataset: ShardsDataset, train: bool, drop_last: bool | None) -> dict[str, Any]:  # type: ignore[override]

@@ -1,0 +1,210 @@
+"""The datasets other streaming engines wrote, as NHWC batches: ``LitDataModule`` (``litdata.optimize``),
+``MDSModule`` (Mosaic's ``MDSWriter``) and ``WebDatasetModule`` (WebDataset tar shards of any writer).
+
+::
+
+    python train.py data=litdata data.root=s3://bucket/imagenet-litdata data.num_classes=1000
+    python train.py data=mds data.root=s3://bucket/imagenet-mds data.num_classes=1000
+    python train.py data=webdataset data.root=s3://bucket/imagenet-wds data.num_classes=1000
+
+``root`` holds one dataset per split (``root/train``, ``root/val``: ``train_split`` / ``val_split``), a local folder
+or a URL. Each item's image file bytes go to the loader's decoder undecoded (``cltrain.data.litdata_source``,
+``cltrain.data.mds_source``), and the items are read by index, so these are ``ImageDataModule``s like the others: the same transforms,
+``NHWCCollate`` batches, normalisation and augmentation on the device, the same ``bad_files`` policy, and the same
+sampler (``cltrain.data.resume_state.ResumableSampler``): each sample once per epoch over the ranks (padded to a
+multiple of the ranks, as ``DistributedSampler`` pads), built in ``setup`` once the ranks exist, and an exact resume
+mid-epoch from the checkpoint, also on another number of ranks. LitData's own downloader and chunk cache fetch its
+bytes; MDS shards come through the node's shard cache (``cltrain.data.shard_cache``). These formats hold no class names: ``num_classes`` says how many.
+
+WebDataset shards have no index: ``WebDatasetModule`` streams them (``cltrain.data.webdataset_source``), every rank in
+step whatever the number of shards; WebDataset keeps no place in an epoch, so a run resumed mid-epoch starts that
+epoch again from its first batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from cltrain.data.datamodules.base import takes_arguments_of
+from cltrain.data.datamodules.image_base import ImageDataModule
+from cltrain.data.datamodules.skipped_files import TakesBadFiles
+from cltrain.data.errors import DataError
+from cltrain.data.remote import join
+
+__all__ = ["LitDataModule", "MDSModule", "WebDatasetModule"]
+
+
+class _SplitsDataModule(TakesBadFiles, ImageDataModule):
+    """What the engines' DataModules share: ``root/<train_split>`` and ``root/<val_split>``, ``num_classes``, a URL."""
+
+    takes_urls = True
+
+    def __init__(self, *args: Any, num_classes: int, train_split: str = "train", val_split: str = "val",
+                 cache_dir: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not (isinstance(num_classes, int) and num_classes >= 1):
+            raise ValueError(f"{type(self).__name__}: num_classes={num_classes!r} must be an int >= 1.")
+        self._classes = [str(k) for k in range(num_classes)]
+        self.train_split, self.val_split, self.cache_dir = train_split, val_split, cache_dir
+
+    @property
+    @override
+    def classes(self) -> list[str]:
+        """``"0" .. str(num_classes - 1)``: the format keeps no class names."""
+        return self._classes  # type: ignore[return-value]
+
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
+        raise NotImplementedError
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._choose_device()
+        self._open_skip_log()
+        if stage == "fit" and self.train_set is None:
+            self.train_set = self._open(self.train_split, self.train_transform, True)
+        if self.val_set is None:
+            self.val_set = self._open(self.val_split, self.eval_transform, False)
+
+
+class LitDataModule(_SplitsDataModule):
+    """LitData optimized datasets (``root/<train_split>``, ``root/<val_split>``) as normalised channels_last batches.
+
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
+    folder or a URL (``s3://``, ``gs://``, ``azure://``), then these. Needs ``pip install 'cltrain[litdata]'``.
+
+    Args:
+        num_classes: how many classes the labels (``0 .. num_classes - 1``) name.
+        bad_files: ``"raise"`` or ``"skip"`` (a bad item named by its index).
+        train_split: the folder of the training dataset under ``root``.
+        val_split: the folder of the evaluation dataset (also test and predict).
+        image_key: the items' image field (``None``: the first bytes field).
+        label_key: their label field (``None``:
+            the first int field).
+        cache_dir: LitData's chunk cache (``None``: LitData's default).
+        max_cache_size: its limit.
+
+    Raises:
+        ValueError: a bad argument (at construction).
+        DataError: ``litdata`` missing, a split that is not an optimized dataset, items without an image file or a
+            label (in ``setup``).
+
+    Example::
+
+        >>> from cltrain.data.datamodules.engines import LitDataModule
+        >>> dm = LitDataModule("s3://bucket/imagenet-litdata", num_classes=1000, batch_size=256)  # doctest: +SKIP
+    """
+
+    @takes_arguments_of(ImageDataModule)
+    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
+                 val_split: str = "val", image_key: str | int | None = None, label_key: str | int | None = None,
+                 cache_dir: str | None = None, max_cache_size: str | int = "50GB", **kwargs: Any) -> None:
+        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
+                         val_split=val_split, cache_dir=cache_dir, **kwargs)
+        self.image_key, self.label_key, self.max_cache_size = image_key, label_key, max_cache_size
+
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
+        from cltrain.data.litdata_source import LitDataImages
+
+        return LitDataImages(join(str(self.root), split), transform, self.image_key, self.label_key, split=split,
+                             cache_dir=self.cache_dir, max_cache_size=self.max_cache_size, bad_files=self.bad_files,
+                             skip_log=self._skip_log, threads=self.decode_threads)
+
+    @override
+    def train_dataloader(self) -> Any:
+        if self.train_set is not None and len(self.train_set) < self.batch_size:
+            raise DataError(f"{type(self).__name__}: {self.train_set.source_name} has {len(self.train_set)} items, fewer "
+                            f"than batch_size={self.batch_size}; the training loader drops partial batches.")
+        return self._loader(self.train_set, train=True)
+
+
+class MDSModule(_SplitsDataModule):
+    """Mosaic MDS datasets (``root/<train_split>/index.json``, ``root/<val_split>/index.json``, uncompressed shards)
+    as normalised channels_last batches (see the module docstring).
+
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
+    folder or a URL, then these. Needs ``pip install 'cltrain[mds]'`` (mosaicml-streaming).
+
+    Args:
+        num_classes: how many classes the labels name.
+        bad_files: ``"raise"`` or ``"skip"`` (a bad sample named by its index).
+        train_split: the training dataset's folder under ``root``.
+        val_split: the evaluation dataset's.
+        image_key: the image column (``None``: the first ``jpeg``, ``png`` or ``bytes`` column).
+        label_key: the label
+            column (``None``: the first integer column).
+        cache_dir: the node's shard cache for a URL.
+        cache_limit: its size (``"200GB"``).
+
+    Example::
+
+        >>> from cltrain.data.datamodules.engines import MDSModule
+        >>> dm = MDSModule("s3://bucket/imagenet-mds", num_classes=1000, batch_size=256)  # doctest: +SKIP
+    """
+
+    @takes_arguments_of(ImageDataModule)
+    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
+                 val_split: str = "val", image_key: str | None = None, label_key: str | None = None,
+                 cache_dir: str | None = None, cache_limit: int | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
+                         val_split=val_split, cache_dir=cache_dir, **kwargs)
+        self.image_key, self.label_key, self.cache_limit = image_key, label_key, cache_limit
+
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
+        from cltrain.data.mds_source import MDSImages
+
+        return MDSImages(str(self.root), split, transform, self.image_key, self.label_key, cache_dir=self.cache_dir,
+                         cache_limit=self.cache_limit, bad_files=self.bad_files, skip_log=self._skip_log,
+                         threads=self.decode_threads)
+
+    train_dataloader = LitDataModule.train_dataloader
+
+
+class WebDatasetModule(_SplitsDataModule):
+    """WebDataset tar shards (``root/<train_split>/*.tar``, ``root/<val_split>/*.tar``: ``<key>.jpg`` and
+    ``<key>.cls``) streamed as normalised channels_last batches (see the module docstring).
+
+    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
+    folder or a URL, then these. Needs ``pip install 'cltrain[shards]'`` (webdataset).
+
+    Args:
+        num_classes: how many classes the ``cls`` labels name.
+        bad_files: ``"raise"`` or ``"skip"`` (the last readable sample stands in for a bad one).
+        train_split: the training shards' folder under ``root``.
+        val_split: the evaluation shards' folder.
+        shuffle_buffer: training samples shuffled together (``None``: in the shards' order).
+        seed: the order's seed: epoch ``e``'s shards permuted with ``seed + e`` (every rank the same).
+        cache_dir: the node's shard cache for a URL.
+        cache_limit: its size (``"200GB"``).
+
+    Example::
+
+        >>> from cltrain.data.datamodules.engines import WebDatasetModule
+        >>> dm = WebDatasetModule("s3://bucket/imagenet-wds", num_classes=1000, batch_size=256)  # doctest: +SKIP
+    """
+
+    @takes_arguments_of(ImageDataModule)
+    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
+                 val_split: str = "val", shuffle_buffer: int | None = 1000, seed: int = 0,
+                 cache_dir: str | None = None, cache_limit: int | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
+                         val_split=val_split, cache_dir=cache_dir, **kwargs)
+        self.shuffle_buffer, self.seed, self.cache_limit = shuffle_buffer, seed, cache_limit
+        self.persistent_workers = False  # each epoch's workers take the loader's new epoch (its order)
+
+    def _open(self, split: str, transform: Any, train: bool) -> Any:
+        from cltrain.data.hf_dataset import rank_of
+        from cltrain.data.webdataset_source import WebDatasetImages
+
+        rank, world = rank_of(self.trainer) if train else (0, 1)
+        return WebDatasetImages(str(self.root), split, transform, rank=rank, world_size=world,
+                                shuffle_buffer=self.shuffle_buffer if train else None, seed=self.seed,
+                                cache_dir=self.cache_dir, cache_limit=self.cache_limit, bad_files=self.bad_files,
+                                skip_log=self._skip_log, threads=self.decode_threads)
+
+    @override
+    def _batching(self, dataset: Any, train: bool, drop_last: bool | None) -> dict[str, Any]:
+        batching = super()._batching(dataset, train, drop_last)
+        batching.pop("shuffle", None)  # a stream is shuffled by the dataset
+        return batching

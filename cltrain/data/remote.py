@@ -1,0 +1,143 @@
+"""Object-storage URLs as data roots: what is one, the filesystem that reaches it, its failures in one line.
+
+A root such as ``s3://bucket/imagenet-shards`` (also ``gs://``, ``az://`` / ``abfs://``, ``https://``, any
+protocol fsspec knows) is read through fsspec: ``s3fs``, ``gcsfs``, ``adlfs`` or fsspec's own HTTP
+filesystem (``pip install 'cltrain[s3]'``, ``[gcs]``, ``[azure]``, or all three: ``[cloud]``). Credentials and endpoints come from each library's standard
+chain: for S3, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE`` / an instance role, and
+``AWS_ENDPOINT_URL`` for MinIO, Cloudflare R2 or Ceph (a plain ``http://`` endpoint works as it is);
+``GOOGLE_APPLICATION_CREDENTIALS`` for GCS; ``AZURE_STORAGE_ACCOUNT_NAME`` with a key, a SAS token or
+``az login`` for Azure. cltrain holds no client and no HTTP code of its own.
+
+Why fsspec and not obstore (both measured, ``python -m scripts.bench.object_storage --clients``, numbers in
+docs/guides/object-storage.md): on whole-shard reads both are bound by the server, and fsspec gives one
+interface for every store, the standard credential chains of boto, google-auth and azure-identity, and is
+already installed with Hugging Face ``datasets``.
+
+A failure is said in one line naming the URL and the fix (``remote_error``), with no secret in it (``redact``).
+
+Example::
+
+    >>> is_url("s3://bucket/pack"), is_url("/data/pack"), is_url("C:/data")
+    (True, False, False)
+    >>> redact("https://user:hunter2@host/p?sig=abc&x=1")
+    'https://***@host/p?sig=***&x=1'
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from cltrain.data.errors import StorageError
+
+__all__ = ["RemoteError", "is_url", "join", "open_fs", "redact", "remote_error", "root_of"]
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
+#: The environment variables whose values are secrets: never printed, even inside a library's message.
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY",
+                    "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
+                    "GOOGLE_OAUTH_ACCESS_TOKEN", "HF_TOKEN")
+_QUERY_SECRETS = re.compile(r"(?i)([?&](?:sig|signature|x-amz-signature|x-amz-security-token|x-goog-signature|"
+                            r"token|sv|se|sp|skoid|sktid|code)=)[^&\s'\"]+")
+_USERINFO = re.compile(r"(://)[^/@\s'\"]+@")
+#: Per-request retries of the S3 client (botocore's "standard" mode: exponential backoff with jitter on 5xx,
+#: SlowDown/throttling, reset connections and timeouts); a whole shard is also retried (``shard_cache``).
+S3_ATTEMPTS = 6
+
+
+class RemoteError(StorageError):
+    """A root in object storage cannot be read: the message names the URL, why, and what to do."""
+
+
+def is_url(root: Any) -> bool:
+    """Whether ``root`` is a URL (``scheme://...``, the scheme longer than one letter: not a Windows drive)."""
+    return isinstance(root, str) and _SCHEME.match(root) is not None and not root.startswith("file://")
+
+
+def root_of(root: str | os.PathLike) -> str | Path:
+    """A data root as the DataModules keep it: a URL as given (without a trailing ``/``), anything else a ``Path``."""
+    return str(root).rstrip("/") if is_url(root) else Path(root)
+
+
+def join(url: str, *parts: str) -> str:
+    """``url`` with ``parts`` appended, ``/``-separated."""
+    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def redact(text: str) -> str:
+    """``text`` without secrets: the user part of URLs, signature and token query values, and the value of any
+    secret environment variable (``SECRET_VARIABLES``) that appears in it."""
+    text = _USERINFO.sub(r"\1***@", _QUERY_SECRETS.sub(r"\1***", text))
+    for name in SECRET_VARIABLES:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
+    """``(filesystem, path)`` of ``url`` through fsspec; ``quick``: few retries and short timeouts (a root's first
+    read, so that an unreachable endpoint is said within seconds).
+
+    Raises:
+        RemoteError: the URL's protocol needs a package that is not installed (which one, and the extra).
+    """
+    import fsspec  # `cloud` extra (with s3fs; Hugging Face datasets brings it too)
+    from fsspec.registry import known_implementations
+
+    from fsspec.config import conf
+
+    protocol = _SCHEME.match(url).group(1).lower()  # type: ignore[union-attr]
+    options: dict[str, Any] = {}
+    attempts = 2 if quick else S3_ATTEMPTS
+    if protocol in ("s3", "s3a"):  # fsspec's own config (FSSPEC_S3='{...}', ~/.config/fsspec/) wins over these
+        user = conf.get(protocol, {})
+        options = {**user, "config_kwargs": {"retries": {"max_attempts": attempts, "mode": "standard"},
+                                             "connect_timeout": 3 if quick else 20, "read_timeout": 10 if quick else 60,
+                                             **user.get("config_kwargs", {})}}
+    try:
+        # a filesystem of our own (fsspec would hand out one cached by its arguments alone, whatever the environment
+        # says now); ShardCache keeps one per process
+        fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    except (ImportError, ValueError) as err:
+        known = known_implementations.get(protocol)
+        if known is None:
+            raise RemoteError(f"{redact(url)}: {protocol}:// is not a storage protocol fsspec knows; use s3://, gs://, "
+                              "az://, abfs:// or https://, or a local path.") from None
+        package = known["class"].split(".")[0]  # s3fs, gcsfs, adlfs, fsspec (HTTP: aiohttp)
+        raise RemoteError(f"{redact(url)}: reading {protocol}:// needs {package}: pip install 'cltrain[cloud]' "
+                          f"({' '.join(str(err).split())[:160]}).") from None
+    if protocol in ("s3", "s3a"):
+        fs.retries = attempts  # s3fs's own retries of a request and its body (a class attribute, not an argument)
+    return fs, path
+
+
+def remote_error(err: BaseException, url: str, what: str = "") -> RemoteError:
+    """``err`` met while reading ``url`` as one line: the URL, what went wrong, and the fix.
+
+    ``what`` says what was being read (``"the pack's manifest"``)."""
+    if isinstance(err, RemoteError):
+        return err
+    shown = redact(url)
+    reason = redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240]
+    reading = f" ({what})" if what else ""
+    name = type(err).__name__
+    text = str(err)
+    if isinstance(err, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text:
+        fix = ("check the bucket and prefix (e.g. `aws s3 ls` on it), or make a pack with "
+               "`cltrain-pack IMAGEFOLDER OUT` and upload OUT there as it is")
+        return RemoteError(f"{shown}{reading}: not found ({reason}); {fix}.")
+    if isinstance(err, PermissionError) or any(k in text for k in ("AccessDenied", "InvalidAccessKeyId",
+                                                                   "SignatureDoesNotMatch", "Forbidden", "403")):
+        return RemoteError(f"{shown}{reading}: access denied ({reason}); check the credentials (for S3: "
+                           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and AWS_ENDPOINT_URL for "
+                           "MinIO, R2 or Ceph) and that they may read this bucket.")
+    if "EndpointConnectionError" in name or "Connect" in name or "Timeout" in name or isinstance(err, (ConnectionError,
+                                                                                                       TimeoutError)):
+        endpoint = redact(os.environ.get("AWS_ENDPOINT_URL", "")) if url.startswith("s3") else ""
+        at = f" at {endpoint}" if endpoint else ""
+        return RemoteError(f"{shown}{reading}: the storage endpoint{at} cannot be reached ({reason}); check the "
+                           "network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible server).")
+    return RemoteError(f"{shown}{reading}: cannot be read ({reason}).")

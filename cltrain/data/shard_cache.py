@@ -1,0 +1,344 @@
+"""A bounded node-local cache of remote files (a pack's shards and indexes), shared by every process of a node.
+
+``ShardCache(url, folder, limit)`` keeps the files of one remote root under ``folder/<key of url>/``, each under
+its name in the root. ``get(name)`` returns the local path, fetching the file first when it is not there:
+
+* **once per node**: a fetch holds a lock on the file's name (a byte-range ``fcntl`` lock in one lock file, so a
+  killed process never leaves a stale lock), so the ranks and DataLoader workers of a node that want the same shard
+  wait for one download instead of making their own; another epoch, run or rank finds it there.
+* **atomic**: written to a temporary file in the same folder (``cltrain.atomic``), renamed when complete and of the
+  listed size; a reader sees a whole file or none.
+* **bounded**: before a download, files unused longest (their modification time is set when used) are removed
+  until the cache holds at most ``limit`` bytes with the new file, and the disk keeps ``RESERVE`` free; the space
+  is then reserved (``posix_fallocate``) under the same lock, so concurrent downloads never overshoot. A reader that
+  has a file open keeps reading it when it is removed (POSIX). A file larger than the limit, or a disk full even
+  after eviction, is one line (``CacheFullError``).
+* **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
+  already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times.
+* **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
+  processes that are gone when a cache is opened or a process using it exits.
+
+Example::
+
+    >>> cache = ShardCache("s3://bucket/pack", "/tmp/cltrain-shards", limit=20 * 2**30)   # doctest: +SKIP
+    >>> path = cache.get("train/shard-000000.tar")                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from cltrain.atomic import TEMP_PREFIX, DiskFullError, atomic_open, remove_leftovers
+from cltrain.data.errors import DataError, StorageError
+from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error
+
+__all__ = ["CacheFullError", "ShardCache", "default_cache_dir", "parse_size"]
+
+#: Bytes fetched per request when a whole file is fetched.
+CHUNK = 16 * 2**20
+#: Tries of one range before the fetch fails (each try is itself retried by the client).
+ATTEMPTS = 4
+#: Bytes the cache always leaves free on its disk.
+RESERVE = 2**30
+_LOCKS = ".cltrain-locks"
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class CacheFullError(StorageError):
+    """The cache's disk cannot take a file, even with every other file of the cache removed."""
+
+
+def parse_size(value: int | str | None, owner: str = "cache_limit") -> int | None:
+    """Bytes of ``value``: an int, or a string such as ``"200GB"`` / ``"1.5TiB"``; ``None`` / ``"auto"``: ``None``.
+
+    Raises:
+        ValueError: anything else, quoted.
+    """
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{owner}={value!r} must be a size such as 200GB, 500GiB or a number of bytes, or 'auto'.")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def default_cache_dir() -> Path:
+    """``$CLTRAIN_SHARD_CACHE``, else ``cltrain-shards`` in the temporary folder (``$TMPDIR``: on a cluster, the
+    node's own disk), shared by the node's processes."""
+    own = os.environ.get("CLTRAIN_SHARD_CACHE")
+    return Path(own) if own else Path(tempfile.gettempdir()) / "cltrain-shards"
+
+
+_thread_locks: dict[tuple[str, str], threading.Lock] = {}
+_guard = threading.Lock()
+_lock_files: dict[str, int] = {}  # folder -> this process's descriptor of its lock file (never closed: see _locked)
+_folders: set[str] = set()
+
+
+def _own_temps(folder: str) -> None:
+    """Remove this process's temporary files and those of processes that are gone (at exit)."""
+    prefix = f"{TEMP_PREFIX}{os.getpid()}-"
+    try:
+        for entry in os.scandir(folder):
+            if entry.name.startswith(prefix):
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+    except OSError:
+        return
+    remove_leftovers(folder, stale_after_s=float("inf"))
+
+
+def _at_exit() -> None:
+    for folder in list(_folders):
+        _own_temps(folder)
+
+
+atexit.register(_at_exit)
+
+
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) starts with fresh thread locks: one held by a thread of the parent at the
+    fork would never be released there."""
+    global _guard
+    _guard = threading.Lock()
+    _thread_locks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _in_worker_exit(folder: str) -> None:
+    """DataLoader workers (multiprocessing children) leave through ``os._exit``: its finalizers, not atexit, run."""
+    try:
+        from multiprocessing import parent_process, util
+
+        if parent_process() is not None:
+            util.Finalize(None, _own_temps, args=(folder,), exitpriority=100)
+    except (ImportError, AttributeError):
+        pass
+
+
+class ShardCache:
+    """The node-local cache of the files of the remote root ``url`` (see the module docstring).
+
+    Args:
+        url: the remote root (``s3://bucket/pack``).
+        folder: where caches live (``default_cache_dir()`` when ``None``); this root's files go in a folder of
+            their own under it.
+        limit: most bytes the cache holds (an int, or a size such as ``"200GB"``); ``None``: half the free space
+            of ``folder``'s disk when first opened, plus what the cache holds already.
+    """
+
+    def __init__(self, url: str, folder: str | os.PathLike | None = None, limit: int | str | None = None) -> None:
+        self.url = url.rstrip("/")
+        base = Path(folder) if folder is not None else default_cache_dir()
+        key = hashlib.sha1(self.url.encode()).hexdigest()[:12]
+        self.folder = base / f"{re.sub(r'[^A-Za-z0-9._-]', '_', self.url.rsplit('/', 1)[-1])[:40]}-{key}"
+        self._limit = parse_size(limit)
+        self._fs: Any = None
+        self._pid = -1
+        self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_fs"], state["_pid"] = None, -1  # a filesystem is opened again in each process
+        return state
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem of ``url`` (opened in each process: after a fork the client starts anew)."""
+        if self._fs is None or self._pid != os.getpid():
+            self._fs, _ = open_fs(self.url)
+            self._pid = os.getpid()
+        return self._fs
+
+    def remote(self, name: str) -> str:
+        """The URL of ``name``."""
+        return join(self.url, name)
+
+    def local(self, name: str) -> Path:
+        """Where ``name`` is (or would be) in the cache."""
+        return self.folder / name
+
+    def open(self) -> None:
+        """Create the cache's folder, remove what killed processes left there, fix the limit."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CacheFullError(f"shard cache {self.folder}: cannot be created ({err}); set data.cache_dir "
+                                 "(or CLTRAIN_SHARD_CACHE) to a writable folder on the node's disk.") from None
+        if str(self.folder) not in _folders:
+            _folders.add(str(self.folder))
+            for sub in [self.folder, *(p for p in self.folder.rglob("*") if p.is_dir())]:
+                remove_leftovers(sub, stale_after_s=float("inf"))
+            _in_worker_exit(str(self.folder))
+        if self._limit is None:
+            self._limit = self._used() + _free(self.folder) // 2
+
+    @property
+    def limit(self) -> int:
+        """Most bytes the cache holds."""
+        if self._limit is None:
+            self.open()
+        return int(self._limit)  # type: ignore[arg-type]
+
+    def get(self, name: str, size: int | None = None) -> Path:
+        """The local path of ``name``, fetched first (once per node) when the cache does not hold it.
+
+        Raises:
+            RemoteError: the file cannot be read (one line: the URL and the fix).
+            CacheFullError: the cache's disk cannot take it.
+        """
+        path = self.local(name)
+        if _touch(path):
+            return path
+        if str(self.folder) not in _folders or self._limit is None:
+            self.open()
+        with self._locked(name):
+            if _touch(path):  # another process fetched it meanwhile
+                return path
+            self._fetch(name, path, size)
+        return path
+
+    def read_range(self, name: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``name`` from ``offset``, read from the store (not cached), retried."""
+        return _retried(lambda: self._range(self.remote(name), offset, size), self.remote(name))
+
+    def _range(self, url: str, offset: int, size: int) -> bytes:
+        data = self.fs.cat_file(url, start=offset, end=offset + size)
+        if len(data) != size:
+            raise ConnectionError(f"got {len(data)} of {size} bytes")
+        return data
+
+    def _fetch(self, name: str, path: Path, size: int | None) -> None:
+        url = self.remote(name)
+        if size is None:
+            size = _retried(lambda: int(self.fs.size(url)), url)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with ExitStack() as stack:
+                with self._locked(""):  # room made and reserved under one lock: concurrent fetches add up
+                    self._make_room(size, name)
+                    f = stack.enter_context(atomic_open(path))
+                    if size and hasattr(os, "posix_fallocate"):
+                        os.posix_fallocate(f.fileno(), 0, size)
+                for start in range(0, size, CHUNK):
+                    f.write(self.read_range(name, start, min(CHUNK, size - start)))
+                f.truncate(size)
+        except OSError as err:  # atomic_open removed the temporary file; a full disk is a DiskFullError
+            if isinstance(err, DiskFullError) or err.errno in _FULL:
+                raise self._full(name, size, err) from None
+            raise
+        self.fetched += 1
+
+    def _full(self, name: str, size: int, err: BaseException) -> CacheFullError:
+        return CacheFullError(f"shard cache {self.folder}: no room for {name} ({size / 2**20:.1f} MiB; "
+                              f"{_free(self.folder) / 2**20:.0f} MiB free on its disk, limit {self.limit / 2**20:.0f} "
+                              f"MiB; {' '.join(str(err).split())[:120]}); set data.cache_dir (or CLTRAIN_SHARD_CACHE) "
+                              "to a disk with room, or data.cache_limit lower.")
+
+    def _files(self) -> list[tuple[float, int, Path]]:
+        """``(last use, bytes, path)`` of every cached file and temporary file (in-flight, reserved) of the cache."""
+        found = []
+        for root, _, names in os.walk(self.folder):
+            for n in names:
+                if n == _LOCKS:
+                    continue
+                p = Path(root) / n
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime, max(st.st_size, st.st_blocks * 512), p))
+        return found
+
+    def _used(self) -> int:
+        return sum(size for _, size, _ in self._files()) if self.folder.is_dir() else 0
+
+    def _make_room(self, size: int, name: str) -> None:
+        """Remove the files unused longest until ``size`` more bytes fit the limit and the disk's reserve."""
+        if size > self.limit:
+            raise CacheFullError(f"shard cache {self.folder}: {name} ({size / 2**20:.1f} MiB) is larger than the "
+                                 f"cache's limit ({self.limit / 2**20:.1f} MiB); set data.cache_limit higher.")
+        files = sorted(self._files())
+        used = sum(s for _, s, _ in files)
+        free = _free(self.folder)
+        for _, bytes_, p in files:
+            if used + size <= self.limit and free - size >= RESERVE:
+                break
+            if p.name.startswith(TEMP_PREFIX):
+                continue  # another process's download in flight
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                continue
+            used, free = used - bytes_, free + bytes_
+        if free - size < RESERVE and free < size + RESERVE:
+            raise self._full(name, size, OSError(errno.ENOSPC, "fewer free bytes than the file and the reserve"))
+
+    @contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        """Exclusive use of ``name`` (``""``: of the cache's accounting) among the threads and processes of the node:
+        a byte-range lock (per process; released by the kernel when a process dies), and a thread lock (record
+        locks do not exclude threads of one process)."""
+        key = (str(self.folder), name)
+        with _guard:
+            lock = _thread_locks.setdefault(key, threading.Lock())
+            fd = _lock_files.get(str(self.folder))
+            if fd is None:  # never closed: closing any descriptor of the file drops all of this process's locks
+                fd = _lock_files[str(self.folder)] = os.open(self.folder / _LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
+        offset = zlib.crc32(name.encode()) + 1 if name else 0
+        with lock:
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+            try:
+                yield
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
+
+
+def _touch(path: Path) -> bool:
+    """Mark ``path`` used now (what eviction orders by); ``False`` if it is not there."""
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _free(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def _retried(read: Callable[[], Any], url: str) -> Any:
+    """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return read()
+        except (FileNotFoundError, PermissionError, RemoteError, DataError) as err:
+            raise remote_error(err, url) from None
+        except Exception as err:  # noqa: BLE001 - a reset, a timeout, a 5xx the client gave up on, a short body
+            if attempt == ATTEMPTS - 1 or "AccessDenied" in str(err) or "NoSuch" in str(err):
+                raise remote_error(err, url) from None
+            time.sleep(min(0.2 * 2 ** attempt, 5.0))
+    raise AssertionError(redact(url))  # not reached

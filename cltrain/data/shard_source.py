@@ -1,0 +1,247 @@
+"""Where a pack's bytes come from: a local folder, or a bucket through the node's shard cache.
+
+``open_pack(root)`` gives a ``LocalPack`` for a folder and a ``RemotePack`` for a URL (``s3://bucket/pack``,
+``cltrain.data.remote``). Both give the manifest, each shard's index and ``pread(shard, offset, size)``, the bytes
+of one sample; ``ShardsDataset`` reads through them and is otherwise the same for both. A ``RemotePack`` reads:
+
+* ``fetch="shards"`` (default): whole shards, into the node-local ``ShardCache`` (once per node, bounded, shared by
+  ranks and workers), then by offset from the local file as from a local pack. The sampler hands each epoch's
+  batches to ``plan`` before it serves them, and a few threads of the main process fetch the shards in the order
+  the batches will first need them, ``ahead`` shards in front of the batches served; a worker that needs a shard
+  not yet there fetches it itself (the cache's lock makes it one download).
+* ``fetch="ranges"``: each sample's bytes with a ranged GET, nothing cached (a pack too large for the node's disk
+  read in a full shuffle); every epoch pays for every sample again.
+
+Which is faster, measured: ``python -m scripts.bench.object_storage`` (docs/guides/object-storage.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cltrain.data.remote import RemoteError, is_url, join, open_fs, redact, remote_error
+from cltrain.data.shard_cache import ShardCache, parse_size
+
+__all__ = ["FETCH_MODES", "MANIFEST", "LocalPack", "RemotePack", "open_pack"]
+
+log = logging.getLogger(__name__)
+
+#: Written last into a complete pack (by ``cltrain.data.pack``): classes, shards and counts per split.
+MANIFEST = "shards.json"
+#: How a remote pack's bytes are read (see the module docstring).
+FETCH_MODES = ("shards", "ranges")
+_OPEN_FILES = 16  # shard files each process keeps open
+
+
+def _index_name(shard: str) -> str:
+    return shard[: -len(".tar")] + ".idx.npy" if shard.endswith(".tar") else shard + ".idx.npy"
+
+
+class LocalPack:
+    """A pack in a local folder: files read with ``os.pread`` on one descriptor per shard and process."""
+
+    #: Whether ``plan`` fetches anything ahead.
+    fetches_ahead = False
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._files: dict[str, int] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": {}}  # file descriptors are per process
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_files", {}).values():
+            os.close(fd)
+
+    @property
+    def where(self) -> str:
+        """The pack, for messages."""
+        return str(self.root)
+
+    def shard_url(self, shard: str) -> str:
+        """Where shard ``shard`` (its name in the manifest) is, for messages."""
+        return str(self.root / shard)
+
+    def manifest(self) -> dict:
+        """The pack's ``shards.json``; ``FileNotFoundError`` saying how to make one."""
+        path = self.root / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: {self.root} is not a complete cltrain pack. Make one with "
+                                    f"`python -m cltrain.data.pack IMAGEFOLDER {self.root}` (run it again to finish an "
+                                    "interrupted one).")
+        return json.loads(path.read_text())
+
+    def indexes(self, shards: Sequence[str]) -> list[np.ndarray]:
+        """The ``.idx.npy`` of each shard (no pickle)."""
+        return [np.load(self.root / _index_name(s), allow_pickle=False) for s in shards]
+
+    def _path(self, shard: str) -> str:
+        return str(self.root / shard)
+
+    def pread(self, shard: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``shard`` from ``offset``."""
+        fd = self._files.get(shard)
+        if fd is None:
+            fd = self._files[shard] = os.open(self._path(shard), os.O_RDONLY)
+        return os.pread(fd, int(size), int(offset))
+
+    def plan(self, shards: Sequence[str]) -> Callable[[int], None] | None:
+        """Nothing to fetch ahead on a local disk."""
+        return None
+
+
+class RemotePack(LocalPack):
+    """A pack at a URL (see the module docstring).
+
+    Args:
+        url: the pack's root (``s3://bucket/imagenet-shards``).
+        cache_dir: where the node's shard caches are (``None``: ``shard_cache.default_cache_dir()``).
+        cache_limit: most bytes the cache holds (``"200GB"``; ``None``: half the disk's free space).
+        fetch: ``"shards"`` or ``"ranges"``.
+        ahead: shards fetched in front of the batches served (``fetch="shards"``).
+        threads: fetches at once in the main process.
+    """
+
+    def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                 fetch: str = "shards", ahead: int = 8, threads: int = 4) -> None:
+        if fetch not in FETCH_MODES:
+            raise ValueError(f"RemotePack: fetch={fetch!r} must be one of {FETCH_MODES}.")
+        super().__init__(url)
+        self.root: str = url.rstrip("/")  # type: ignore[assignment]  # a URL, not a Path
+        self.url, self.fetch, self.ahead, self.threads = url.rstrip("/"), fetch, ahead, threads
+        self.cache = ShardCache(self.url, cache_dir, parse_size(cache_limit))
+        self._files: OrderedDict[str, int] = OrderedDict()  # type: ignore[assignment]
+        self._ahead: _FetchAhead | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": OrderedDict(), "_ahead": None}
+
+    @property
+    def fetches_ahead(self) -> bool:  # type: ignore[override]
+        """Whether ``plan`` fetches whole shards ahead (``fetch="shards"``)."""
+        return self.fetch == "shards"
+
+    @property
+    def where(self) -> str:
+        """The pack's URL (without secrets), for messages."""
+        return redact(self.url)
+
+    def shard_url(self, shard: str) -> str:
+        """The URL of shard ``shard``, for messages."""
+        return redact(join(self.url, shard))
+
+    def manifest(self) -> dict:
+        """The pack's ``shards.json``, read from the store (few retries: a wrong URL or endpoint is said quickly).
+
+        Raises:
+            RemoteError: one line naming the URL and the fix.
+        """
+        url = join(self.url, MANIFEST)
+        try:
+            fs, path = open_fs(url, quick=True)
+            return json.loads(fs.cat_file(path))
+        except Exception as err:  # noqa: BLE001 - every failure of the first read is one line
+            if isinstance(err, FileNotFoundError):
+                raise RemoteError(f"{redact(url)}: not found: {self.where} is not a complete cltrain pack (no bucket, "
+                                  "prefix or manifest there). Check the URL, or make a pack with `cltrain-pack "
+                                  "IMAGEFOLDER OUT` and upload OUT there as it is (shards.json last).") from None
+            raise remote_error(err, url, "the pack's manifest") from None
+
+    def indexes(self, shards: Sequence[str]) -> list[np.ndarray]:
+        """The shards' indexes, through the cache (once per node), fetched on ``threads`` threads."""
+        self.cache.open()
+        from concurrent.futures import ThreadPoolExecutor
+
+        def load(shard: str) -> np.ndarray:
+            for _ in range(3):
+                try:
+                    return np.load(self.cache.get(_index_name(shard)), allow_pickle=False)
+                except FileNotFoundError:  # evicted between its fetch and its load (a cache smaller than the pack)
+                    continue
+            return np.load(self.cache.get(_index_name(shard)), allow_pickle=False)
+
+        with ThreadPoolExecutor(max(1, min(self.threads * 4, len(shards)))) as pool:
+            return list(pool.map(load, shards))
+
+    def pread(self, shard: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``shard`` from ``offset``: from the cached shard (fetched now if need be), or a range."""
+        if self.fetch == "ranges":
+            return self.cache.read_range(shard, int(offset), int(size))
+        fd = self._files.get(shard)
+        if fd is None:
+            try:
+                fd = os.open(self.cache.get(shard), os.O_RDONLY)
+            except FileNotFoundError:  # evicted between its fetch and this open: fetched again
+                fd = os.open(self.cache.get(shard), os.O_RDONLY)
+            self._files[shard] = fd
+            while len(self._files) > _OPEN_FILES:  # an open shard stays readable once evicted, so few stay open
+                os.close(self._files.popitem(last=False)[1])
+        else:
+            self._files.move_to_end(shard)
+        return os.pread(fd, int(size), int(offset))
+
+    def plan(self, shards: Sequence[str]) -> Callable[[int], None] | None:
+        """Fetch ``shards`` (the shard of each batch's samples, in the order the batches come) ahead; the result is
+        told the number of each batch as it is served."""
+        if self.fetch != "shards":
+            return None
+        if self._ahead is None:
+            self._ahead = _FetchAhead(self.cache, self.threads)
+        return self._ahead.plan(shards, self.ahead)
+
+
+class _FetchAhead:
+    """Daemon threads that fetch the shards a plan names, ``ahead`` in front of the batch served."""
+
+    def __init__(self, cache: ShardCache, threads: int) -> None:
+        self.cache, self.jobs = cache, queue.Queue()
+        self.generation = 0
+        for _ in range(threads):
+            threading.Thread(target=self._work, daemon=True, name="cltrain-fetch-ahead").start()
+
+    def _work(self) -> None:
+        while True:
+            generation, name = self.jobs.get()
+            if generation != self.generation:
+                continue  # an older plan's (the epoch ended or was left)
+            try:
+                self.cache.get(name)
+            except Exception as err:  # noqa: BLE001 - the reader fetches it again and says what is wrong
+                log.debug("fetch ahead of %s failed: %s", name, redact(str(err)))
+
+    def plan(self, batches: Sequence[Sequence[str]], ahead: int) -> Callable[[int], None]:
+        self.generation += 1
+        generation, first = self.generation, {}  # shard -> the first batch that reads it
+        for k, shards in enumerate(batches):
+            for s in shards:
+                first.setdefault(s, k)
+        order = sorted(first, key=first.__getitem__)  # shards in the order the batches first need them
+        sent = 0
+
+        def reached(k: int) -> None:
+            nonlocal sent
+            done = sum(1 for s in order[:sent] if first[s] <= k)
+            while sent < len(order) and (sent - done < ahead or first[order[sent]] <= k):
+                self.jobs.put((generation, order[sent]))
+                done += first[order[sent]] <= k
+                sent += 1
+
+        return reached
+
+
+def open_pack(root: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+              cache_limit: int | str | None = None, fetch: str = "shards") -> LocalPack:
+    """A ``RemotePack`` for a URL, else a ``LocalPack``."""
+    if is_url(str(root)):
+        return RemotePack(str(root), cache_dir, cache_limit, fetch)
+    return LocalPack(root)

@@ -1,0 +1,309 @@
+"""Training from object storage: images/s into normalised NHWC batches from an S3 endpoint against the local disk,
+and against the documented image pipelines of WebDataset and LitData on the same images and endpoint.
+
+The endpoint is moto's S3 server started here in a process of its own on 127.0.0.1 (its CPU time is counted and
+printed: on a 2-core machine it shares the cores with the loader). The images are real photographs
+(``scripts.bench.photo_folder``) packed once (``cltrain-pack``) and uploaded as they are. Each case makes one pass
+over the training split with 2 DataLoader workers, batch 64, 224 px crops, normalised float32, timed from asking
+for the first batch (worker start-up and the first shards' fetch included) to the last. Cases, interleaved in rounds (``scripts.timing.interleaved``), medians printed:
+
+* ``local``: ``ShardsDataModule`` on the local pack (the baseline);
+* ``s3-cold``: the same from ``s3://``, an empty node cache each round (shards fetched ahead as batches are read);
+* ``s3-warm``: from ``s3://`` with the shards already in the cache (a later epoch, another rank of the node);
+* ``s3-ranges``: from ``s3://`` with ``fetch="ranges"`` (one ranged GET per sample, nothing cached);
+* ``webdataset``: ``wds.WebDataset(urls).shuffle().decode("pil").to_tuple("jpg", "cls")`` + torchvision's
+  ``RandomResizedCrop``, flip, ``ToTensor``, ``Normalize``, batched in ``WebLoader`` (its README's pipeline; each
+  tar through ``pipe:``, as ``pipe:aws s3 cp URL -``, with Python and s3fs in place of the AWS CLI);
+* ``wds-fsspec``: the same pipeline with each tar opened in the worker through fsspec (no program per shard);
+* ``litdata``: the images ``optimize``-d to the bucket (PIL images, LitData's JPEG serializer), read by
+  ``StreamingDataset`` + ``StreamingDataLoader``, the same torchvision transforms (its README's ImageNet pipeline).
+
+Mosaic Streaming is not measured: mosaicml-streaming 0.13 requires numpy<2.2 and transformers<5, which this
+environment's other extras exceed (docs/guides/object-storage.md).
+
+    python -m scripts.bench.object_storage                    # 2,400 photographs in 24 shards, 3 rounds
+    python -m scripts.bench.object_storage --workers 1        # one worker per loader (decode threads: the loading plan)
+    python -m scripts.bench.object_storage --clients          # fsspec (s3fs) against obstore: whole shards, ranges
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from scripts.bench.photo_folder import make_photo_folder
+from scripts.machine import machine, machine_line
+from scripts.timing import Stopwatch, interleaved
+
+OUT = Path("bench_out/object_storage")
+KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
+
+
+def _server() -> subprocess.Popen:
+    """moto's S3 server in a process of its own on a free port, and the standard variables pointing at it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:  # not up yet
+            time.sleep(0.1)
+    return proc
+
+
+def _upload(folder: Path, bucket: str, prefix: str) -> str:
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=bucket)
+    for q in sorted(folder.rglob("*"), key=lambda q: q.name == "shards.json"):  # the manifest last
+        if q.is_file():
+            client.upload_file(str(q), bucket, f"{prefix}/{q.relative_to(folder).as_posix()}")
+    return f"s3://{bucket}/{prefix}"
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rate(loader, finish=lambda b: b[0].shape[0]) -> float:
+    """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last."""
+    seen, watch = 0, Stopwatch().start()
+    for batch in loader:
+        seen += finish(batch)
+    return seen / watch.elapsed()
+
+
+def _ours(root: str, **options) -> float:
+    from cltrain.data import ShardsDataModule
+
+    dm = ShardsDataModule(root, **KW, **options)
+    dm.setup("fit")
+    return _rate(dm.train_dataloader())
+
+
+def _torchvision_transform():
+    from torchvision import transforms as T
+
+    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                      T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+
+
+def _webdataset(urls: list[str]) -> float:
+    import webdataset as wds
+
+    # its README's S3 recipe is `pipe:aws s3 cp <url> -` (a program per shard); the AWS CLI is not installed here,
+    # so the same pipe runs Python with s3fs, which reads the same standard variables
+    cat = f"{sys.executable} -c 'import sys, fsspec; sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'"
+    tf = _torchvision_transform()
+    ds = (wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).shuffle(1000)
+          .decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int).batched(64))
+    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
+
+
+def _fsspec_streams(shards):
+    import fsspec
+
+    for shard in shards:
+        yield {**shard, "stream": fsspec.open(shard["url"]).open()}
+
+
+def _webdataset_fsspec(urls: list[str]) -> float:
+    """The same pipeline with each tar opened in the worker through fsspec: no program started per shard."""
+    import webdataset as wds
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
+                          tar_file_expander, group_by_keys, wds.shuffle(1000), wds.decode("pil"),
+                          wds.to_tuple("jpg", "cls"), wds.map_tuple(_torchvision_transform(), int), wds.batched(64))
+    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
+
+
+class _LitItem:
+    """One optimize() item: the photograph as a PIL image (LitData stores a JPEG's own bytes) and its class."""
+
+    def __init__(self, classes: list[str]) -> None:
+        self.classes = classes
+
+    def __call__(self, path: str) -> dict:
+        from PIL import Image
+
+        return {"image": Image.open(path), "class": self.classes.index(Path(path).parent.name)}
+
+
+def _litdata_write(root: Path, out: Path) -> str:
+    """The photographs ``optimize``-d into ``out`` (written locally and uploaded: LitData 0.2.76 writes to S3 through
+    obstore, whose client it builds without ``allow_http``, so a plain-http endpoint is refused)."""
+    from litdata import optimize
+
+    if not (out / "index.json").is_file():
+        import multiprocessing
+
+        method = multiprocessing.get_start_method()
+        files = sorted((root / "train").rglob("*.jpg"))
+        try:
+            optimize(fn=_LitItem(sorted({p.parent.name for p in files})), inputs=[str(p) for p in files],
+                     output_dir=str(out), chunk_bytes="16MB", num_workers=2, mode="overwrite")
+        finally:  # optimize() sets the process's start method to spawn: every loader here would start so
+            multiprocessing.set_start_method(method, force=True)
+    return _upload(out, "bench", "litdata")
+
+
+try:
+    from litdata import StreamingDataset as _Streaming
+except ImportError:  # the `litdata` case needs it
+    _Streaming = object
+
+
+class _LitImages(_Streaming):  # type: ignore[misc, valid-type]
+    """LitData's README ImageNet pipeline: its StreamingDataset (a JPEG decoded to a CHW tensor) + torchvision v2
+    (at module level: LitData's loader may start its workers with spawn, which pickles the dataset by name)."""
+
+    def __getitem__(self, index):
+        from torchvision.transforms import v2 as T
+
+        if not hasattr(self, "tf"):
+            self.tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
+                                 T.ToDtype(torch.float32, scale=True),
+                                 T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+        item = super().__getitem__(index)
+        return self.tf(item["image"]), item["class"]
+
+
+def _litdata(url: str, cache: Path) -> float:
+    import litdata.streaming.downloader as downloader
+    from litdata import StreamingDataLoader
+
+
+    downloader._OBSTORE_AVAILABLE = False  # its boto3 path: obstore's client refuses http (see _litdata_write)
+    shutil.rmtree(cache, ignore_errors=True)
+    ds = _LitImages(url, shuffle=True, cache_dir=str(cache))
+    return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=KW["num_workers"]))
+
+
+def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
+    """GET throughput of the shard objects through s3fs and obstore: whole shards, then each sample's range."""
+    import obstore
+    from obstore.store import S3Store
+
+    from cltrain.data.remote import open_fs
+
+    fs, _ = open_fs(url)
+    bucket, prefix = url[5:].split("/", 1)
+    store = S3Store(bucket, endpoint=os.environ["AWS_ENDPOINT_URL"], region="us-east-1",
+                    access_key_id=os.environ["AWS_ACCESS_KEY_ID"], secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+                    client_options={"allow_http": True})
+    cases = {"fsspec whole": lambda: sum(len(fs.cat_file(f"{url}/{n}")) for n in names),
+             "obstore whole": lambda: sum(len(obstore.get(store, f"{prefix}/{n}").bytes()) for n in names),
+             "fsspec ranges": lambda: sum(len(fs.cat_file(f"{url}/{names[0]}", start=o, end=o + s)) for o, s in sizes),
+             "obstore ranges": lambda: sum(len(obstore.get_range(store, f"{prefix}/{names[0]}", start=o, end=o + s))
+                                           for o, s in sizes)}
+    def timed(f):  # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
+        cpu, watch = time.process_time(), Stopwatch().start()
+        n = f()
+        return n, watch.elapsed(), time.process_time() - cpu
+
+    got = interleaved(5, {k: (lambda f=f: timed(f)) for k, f in cases.items()}, rotate=True)
+    for k, runs in got.items():
+        mb = runs[0][0] / 2**20
+        print(f"  {k:15s} {mb / statistics.median(t for _, t, _ in runs):7.1f} MiB/s, client CPU "
+              f"{1000 * statistics.median(c for _, _, c in runs) / mb:6.1f} ms/MiB "
+              f"({len(sizes) if 'ranges' in k else len(names)} requests, median of 5)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--train", type=int, default=2400, help="photographs in the training split")
+    p.add_argument("--shard-size", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cases", nargs="+",
+                   default=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"])
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers of every loader")
+    p.add_argument("--clients", action="store_true", help="only fsspec against obstore on the pack's objects")
+    args = p.parse_args(argv)
+    KW["num_workers"] = args.workers
+    from cltrain.data.pack import pack
+
+    photos = make_photo_folder(OUT / f"photos-{args.train}", train=args.train, val=20)
+    local = OUT / f"pack-{args.train}-{args.shard_size}"
+    if not (local / "shards.json").is_file():
+        pack(photos, local, shard_size=args.shard_size, progress=False)
+    server = _server()
+    try:
+        url = _upload(local, "bench", "pack")
+        names = sorted(str(q.relative_to(local)) for q in (local / "train").glob("*.tar"))
+        if args.clients:
+            import numpy as np
+
+            index = np.load(local / names[0].replace(".tar", ".idx.npy"))
+            _clients(url, names, [(int(o), int(s)) for o, s in index[:, :2]])
+            print(machine_line(machine()))
+            return
+        cache = Path(tempfile.mkdtemp(prefix="cltrain-bench-cache-"))
+        warm = cache / "warm"
+        _ours(url, cache_dir=str(warm))  # fills the warm cache once
+        lit = _litdata_write(photos, OUT / f"litdata-{args.train}") if "litdata" in args.cases else ""
+        cases = {"local": lambda: _ours(str(local)),
+                 "s3-cold": lambda: (shutil.rmtree(cache / "cold", ignore_errors=True), _ours(url, cache_dir=str(cache / "cold")))[1],
+                 "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
+                 "s3-ranges": lambda: _ours(url, fetch="ranges", cache_dir=str(cache / "r")),
+                 "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
+                 "wds-fsspec": lambda: _webdataset_fsspec([f"{url}/{n}" for n in names]),
+                 "litdata": lambda: _litdata(lit, cache / "litdata")}
+        cpu = {}
+
+        def with_server_cpu(name, fn):
+            def run():
+                before = _cpu_seconds(server.pid)
+                rate = fn()
+                cpu.setdefault(name, []).append(_cpu_seconds(server.pid) - before)
+                return rate
+            return run
+
+        rates = interleaved(args.rounds, {k: with_server_cpu(k, cases[k]) for k in args.cases}, rotate=True)
+        base = statistics.median(rates["local"]) if "local" in rates else None
+        n = len(list((photos / "train").rglob("*.jpg")))
+        print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
+              f"{args.workers} workers, "
+              f"shuffle_window 4; {args.rounds} rounds, median images/s (each round)")
+        for k, r in rates.items():
+            ratio = f"  {statistics.median(r) / base:.2f}x local" if base else ""
+            print(f"  {k:11s} {statistics.median(r):7.1f} img/s{ratio}  ({', '.join(f'{x:.0f}' for x in r)}); "
+                  f"S3 server CPU {statistics.median(cpu[k]):.1f} s per pass")
+        ours = statistics.median(rates.get("s3-cold", [float("nan")]))
+        for peer in ("webdataset", "wds-fsspec", "litdata"):
+            if peer in rates:
+                print(f"  s3-cold / {peer}: {ours / statistics.median(rates[peer]):.2f}x")
+        held = sum(q.stat().st_size for q in warm.rglob("*") if q.is_file())
+        print(f"  the cache on disk: {held / 2**20:.1f} MiB (the pack: "
+              f"{sum(q.stat().st_size for q in local.rglob('*') if q.is_file()) / 2**20:.1f} MiB); peak RSS: this process "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB, largest worker "
+              f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10:.0f} MiB")
+        print(machine_line(machine()))
+        shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()

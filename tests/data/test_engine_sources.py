@@ -1,0 +1,235 @@
+"""Datasets other engines wrote, read from a real S3 server (moto's, on 127.0.0.1) into NHWC batches: LitData's
+optimized chunks give the folder's pixels (the JPEG bytes decoded by cltrain's decoder, never LitData's), each
+sample once per epoch, and a run resumed mid-epoch ends where the uninterrupted run ends."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cltrain.data import ImageFolderDataModule
+from cltrain.data.errors import DataError
+from tests.helpers.data_fixtures import write_image_folder
+from tests.helpers.s3 import S3Server, s3_env, s3_env_fixture, s3_server_fixture  # noqa: F401 - the fixtures server and env
+
+pytest.importorskip("s3fs", reason="the object-storage tests need s3fs and moto: pip install -e '.[test]'")
+pytest.importorskip("moto.server", reason="the object-storage tests need moto[server]: pip install -e '.[test]'")
+litdata = pytest.importorskip("litdata", reason="the LitData source needs litdata: pip install -e '.[litdata]'")
+
+KW = dict(batch_size=4, num_workers=2, image_size=24, val_resize_size=28, persistent_workers=False)
+
+
+class _Item:
+    """What LitData's README optimizes: the image opened from its file (stored as the file's bytes) and its class."""
+
+    def __call__(self, path: str) -> dict:
+        from PIL import Image
+
+        return {"image": Image.open(path), "class": int(Path(path).parent.name[1:])}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("images") / "f", classes=2, train=6, val=3, size=(48, 40))
+
+
+@pytest.fixture(scope="module")
+def lit_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    import multiprocessing
+
+    out, method = tmp_path_factory.mktemp("litdata"), multiprocessing.get_start_method()
+    try:
+        for split in ("train", "val"):
+            files = sorted(str(p) for p in (folder / split).rglob("*.jpg"))
+            litdata.optimize(fn=_Item(), inputs=files, output_dir=str(out / split), chunk_bytes="20KB", num_workers=1,
+                             mode="overwrite")  # several chunks per split
+    finally:  # optimize() makes spawn the start method of the whole process: every later test's workers would spawn
+        multiprocessing.set_start_method(method, force=True)
+    return server.upload(out, "bucket", "litdata")
+
+
+def test_litdata_chunks_give_the_folders_pixels_through_cltrains_decoder(folder, lit_url, env):
+    from cltrain.data.datamodules.engines import LitDataModule
+
+    lit = LitDataModule(lit_url, num_classes=2, cache_dir=str(env / "lit"), **KW)
+    files = ImageFolderDataModule(folder, **KW)
+    lit.setup("fit")
+    files.setup("fit")
+    assert len(lit.train_set) == 12 and len(lit.val_set) == 6
+    by_bytes = {hashlib.sha1(Path(p).read_bytes()).digest(): (p, y) for p, y in files.val_set.samples}
+    for i in range(len(lit.val_set)):
+        data, label = lit.val_set.source(i)
+        path, expected = by_bytes[hashlib.sha1(data).digest()]  # the file's own bytes, undecoded by LitData
+        assert label == expected
+        assert np.array_equal(lit.val_set.load(i)[0], files.eval_transform(path))  # cltrain's decode, pixel for pixel
+    batches = list(lit.val_dataloader())  # two workers, normalised in them (a CPU run)
+    assert sum(len(t) for _, t in batches) == 6
+    assert all(x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last) for x, _ in batches)
+    x, _ = next(iter(lit.train_dataloader()))
+    assert x.shape == (4, 3, 24, 24) and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_litdata_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(lit_url, env):
+    from tests.data.test_resume_state import _run, _state
+
+    from cltrain.data.datamodules import engines
+
+    options = dict(lit=True, num_classes=2, cache_dir=str(env / "lit"))
+    whole, trainer, _ = _run(lit_url, env / "whole", 2, every=1, **options)
+    assert trainer.global_step == 2 * 3
+    resumed, again, said = _run(lit_url, env / "from4", 2, ckpt_path=str(env / "whole" / "step=4.ckpt"), **options)
+    assert again.global_step == trainer.global_step
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    assert not [m for m in said if "not resumable" in m]
+    assert engines.LitDataModule.takes_urls
+
+
+def test_not_a_litdata_dataset_is_one_line(env, server):
+    from cltrain.data.datamodules.engines import LitDataModule
+
+    with pytest.raises(DataError, match="is not a LitData optimized dataset") as caught:
+        LitDataModule("s3://bucket/nothing-here", num_classes=2, **KW).setup("fit")
+    assert "\n" not in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def wds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder as WebDataset's own ShardWriter writes it: 2 training shards, 1 validation shard."""
+    wds = pytest.importorskip("webdataset")
+    out = tmp_path_factory.mktemp("wds")
+    for split, per_shard in (("train", 6), ("val", 100)):
+        (out / split).mkdir()
+        with wds.ShardWriter(str(out / split / "shard-%04d.tar"), maxcount=per_shard, verbose=0) as sink:
+            for p in sorted((folder / split).rglob("*.jpg")):
+                sink.write({"__key__": f"{p.parent.name}_{p.stem}", "jpg": p.read_bytes(),
+                            "cls": str(int(p.parent.name[1:])).encode()})
+    return server.upload(out, "bucket", "wds")
+
+
+def _pixels(samples) -> list[tuple[bytes, int]]:
+    return sorted((hashlib.sha1(np.ascontiguousarray(x).tobytes()).digest(), int(y)) for x, y in samples)
+
+
+def test_webdataset_shards_give_the_folders_pixels_through_cltrains_decoder(folder, wds_url, env):
+    from cltrain.data import eval_transform
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    tf = eval_transform(24, 28)
+    val = WebDatasetImages(wds_url, "val", tf, shuffle_buffer=None, cache_dir=str(env / "c"))
+    expected = [(tf(str(p)), int(p.parent.name[1:])) for p in (folder / "val").rglob("*.jpg")]
+    assert _pixels(val) == _pixels(expected)  # every sample once, decoded by cltrain from the stored bytes
+
+
+def test_webdataset_ranks_stay_in_step_with_fewer_shards_than_ranks_times_workers(folder, wds_url, env):
+    from torch.utils.data import DataLoader
+
+    from cltrain.data import train_transform
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    seen = []
+    for rank in (0, 1):  # 2 shards for 2 ranks x 2 workers
+        ds = WebDatasetImages(wds_url, "train", train_transform(24), rank=rank, world_size=2, shuffle_buffer=4,
+                              cache_dir=str(env / "c"))
+        ds.set_epoch(1)
+        seen.append([y for _, y in DataLoader(ds, batch_size=None, num_workers=2)])
+    assert len(seen[0]) == len(seen[1]) == 6  # each worker's shard of 6 split over 2 ranks: as many on each
+    assert len(list((env / "c").rglob("*.tar"))) == 2  # the shards came once into the node's cache
+
+
+def test_a_webdataset_run_trains_and_says_it_starts_a_stopped_epoch_again(wds_url, env):
+    from cltrain.data.datamodules.engines import WebDatasetModule
+
+    dm = WebDatasetModule(wds_url, num_classes=2, cache_dir=str(env / "c"), **KW)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    # each of the 2 workers reads one shard of 6: a batch of 4 and a partial one, dropped in training (drop_last)
+    assert [len(t) for _, t in batches] == [4, 4]
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for x, _ in batches)
+    from cltrain.data.resume_state import is_resumable
+    from cltrain.data.stream_place import is_stream
+
+    assert not is_stream(dm.train_set) and not is_resumable(None)  # no place kept: Lightning restarts the epoch
+
+
+@pytest.fixture(scope="module")
+def mds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder as Mosaic's MDSWriter writes it (its README's columns: a PIL JPEG opened from the file, an int)."""
+    streaming = pytest.importorskip("streaming", reason="the MDS source needs mosaicml-streaming (the mds extra; not in "
+                                                        "test: it pins numpy<2.2 and transformers<5)")
+    from PIL import Image
+
+    out = tmp_path_factory.mktemp("mds")
+    for split in ("train", "val"):
+        with streaming.MDSWriter(out=str(out / split), columns={"image": "jpeg", "class": "int"},
+                                 size_limit=6_000) as sink:  # several shards per split
+            for p in sorted((folder / split).rglob("*.jpg")):
+                sink.write({"image": Image.open(p), "class": int(p.parent.name[1:])})
+    return server.upload(out, "bucket", "mds")
+
+
+def test_mds_shards_give_the_folders_pixels_and_a_resumed_run_ends_where_the_whole_run_ends(folder, mds_url, env):
+    from cltrain.data import eval_transform
+    from cltrain.data.mds_source import MDSImages
+    from tests.data.test_resume_state import _run, _state
+
+    tf = eval_transform(24, 28)
+    val = MDSImages(mds_url, "val", tf, cache_dir=str(env / "c"))
+    assert len(val.readers) > 1 and len(val) == 6
+    expected = [(tf(str(p)), int(p.parent.name[1:])) for p in (folder / "val").rglob("*.jpg")]
+    assert _pixels(val[i] for i in range(len(val))) == _pixels(expected)
+    options = dict(mds=True, num_classes=2, cache_dir=str(env / "c"))
+    whole, trainer, _ = _run(mds_url, env / "whole", 2, every=1, **options)
+    resumed, _, said = _run(mds_url, env / "from4", 2, ckpt_path=str(env / "whole" / "step=4.ckpt"), **options)
+    assert trainer.global_step == 6 and all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+    assert not [m for m in said if "not resumable" in m]
+
+
+def test_a_storage_failure_is_never_skipped_as_a_bad_sample(server, env, monkeypatch, tmp_path):
+    import fsspec.config
+
+    from cltrain.data import ShardsDataset, eval_transform
+    from cltrain.data.pack import pack
+    from cltrain.data.remote import RemoteError
+    from tests.helpers.s3 import FaultProxy
+
+    pack(write_image_folder(tmp_path / "f", classes=2, train=3, val=1), tmp_path / "p", shard_size=3, progress=False)
+    url = server.upload(tmp_path / "p", "bucket", "skip-pack")
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"retries": {"max_attempts": 1}}})
+    ds = ShardsDataset(url, "train", eval_transform(24, 28), bad_files="skip")  # manifest and indexes read
+    proxy.stop()  # then the store goes away
+    with pytest.raises(RemoteError, match="cannot be reached"):
+        ds[[0, 1]]
+    assert not ds._warned  # nothing was listed as a bad sample
+
+
+def test_the_sources_pass_a_storage_failure_on_under_bad_files_skip(tmp_path):
+    # what the engines' sources (LitData, MDS) raise when their store or cache fails: never skipped as bad items
+    from cltrain.data import eval_transform
+    from cltrain.data.image_samples import ImageSamples
+    from cltrain.data.remote import RemoteError
+
+    class Lost(ImageSamples):
+        transform = eval_transform(24, 28)
+
+        def __init__(self) -> None:
+            self._set_policy("skip", tmp_path / "skipped.tsv")
+
+        def __len__(self) -> int:
+            return 4
+
+        def source(self, index: int):
+            raise RemoteError(f"s3://bucket/data item {index}: the storage endpoint cannot be reached")
+
+        def unreadable_message(self, index: int, reason: str) -> str:
+            return f"item {index}: {reason}"
+
+    lost = Lost()
+    with pytest.raises(RemoteError, match="cannot be reached"):
+        lost.__getitems__([0, 1])
+    assert not lost._warned and not (tmp_path / "skipped.tsv").exists()

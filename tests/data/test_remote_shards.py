@@ -1,0 +1,199 @@
+"""A pack in object storage (``s3://``) read through a real S3 server (moto's, on a free port of 127.0.0.1): the same
+batches and the same run as the local pack, each shard fetched once per node into a bounded cache, faults retried
+without losing or repeating a sample, bad URLs and full disks said in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from cltrain.atomic import TEMP_PREFIX
+from cltrain.data import ShardsDataModule
+from cltrain.data.pack import pack
+from cltrain.data.remote import RemoteError, redact
+from cltrain.data.shard_cache import CacheFullError, ShardCache, parse_size
+from tests.helpers import REPO, warm
+from tests.helpers.data_fixtures import write_image_folder
+from tests.helpers.s3 import Fault, FaultProxy, S3Server, SECRET, s3_env, s3_env_fixture, s3_server_fixture  # noqa: F401 - the fixtures server and env
+
+pytest.importorskip("s3fs", reason="the object-storage tests need s3fs and moto: pip install -e '.[test]'")
+pytest.importorskip("moto.server", reason="the object-storage tests need moto[server]: pip install -e '.[test]'")
+
+KW = dict(batch_size=4, num_workers=2, image_size=24, val_resize_size=28, persistent_workers=False)
+
+
+@pytest.fixture(scope="module")
+def local_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 3 classes: 33 train in 5 shards (uneven over 2 ranks), 15 val in 3
+    folder = write_image_folder(tmp_path_factory.mktemp("images") / "f", classes=3, train=11, val=5, size=(48, 40))
+    out = tmp_path_factory.mktemp("pack") / "pack"
+    pack(folder, out, shard_size=7, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def url(server: S3Server, local_pack: Path) -> str:
+    return server.upload(local_pack, "bucket", "data/pack")
+
+
+def _batches(dm: ShardsDataModule, train: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    dm.setup("fit")
+    loader = dm.train_dataloader() if train else dm.val_dataloader()
+    return [(x.clone(), y.clone()) for x, y, *_ in loader]
+
+
+def test_a_bucket_gives_the_local_packs_batches_and_fetches_each_shard_once_per_node(url, local_pack, env):
+    for train in (True, False):  # shuffled with augmentation, and in order
+        here, there = ShardsDataModule(local_pack, **KW), ShardsDataModule(url, **KW)
+        a, b = _batches(here, train), _batches(there, train)
+        assert len(a) == len(b) > 1
+        assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
+    cache = there.pack.cache
+    files = sorted(p.relative_to(cache.folder).as_posix() for p in cache.folder.rglob("*") if p.is_file())
+    manifest = json.loads((local_pack / "shards.json").read_text())
+    shards = [s for split in manifest["splits"].values() for s in split["shards"]]
+    assert [f for f in files if f.endswith(".tar")] == sorted(shards)  # every shard once, nothing else but indexes
+    for s in shards:
+        assert (cache.folder / s).read_bytes() == (local_pack / s).read_bytes()
+    assert not [f for f in files if TEMP_PREFIX in f]
+    # a second DataModule on the node (another rank, run or epoch) fetches nothing again
+    again = ShardsDataModule(url, **KW)
+    before = {p: p.stat().st_ino for p in cache.folder.rglob("*.tar")}
+    _batches(again, True)
+    assert {p: p.stat().st_ino for p in cache.folder.rglob("*.tar")} == before
+
+
+def test_ranges_read_the_same_bytes_and_cache_nothing(url, local_pack, env):
+    here, there = ShardsDataModule(local_pack, **KW), ShardsDataModule(url, fetch="ranges", **KW)
+    a, b = _batches(here, True), _batches(there, True)
+    assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
+    assert not list(there.pack.cache.folder.rglob("*.tar"))
+
+
+def test_the_cache_keeps_its_limit_evicting_the_shards_unused_longest(url, local_pack, env, tmp_path):
+    sizes = {p.name: p.stat().st_size for p in (local_pack / "train").glob("*.tar")}
+    limit = max(sizes.values()) * 2 + 4096  # two shards (and the indexes, which are small)
+    cache = ShardCache(url, tmp_path / "small", limit)
+    for name in sorted(sizes):
+        cache.get(f"train/{name}")
+        time.sleep(0.01)  # a distinct time of use
+        held = sum(p.stat().st_size for p in cache.folder.rglob("*") if p.is_file())
+        assert held <= limit
+    kept = sorted(p.name for p in cache.folder.rglob("*.tar"))
+    assert kept == sorted(sizes)[-2:]  # the two used last
+    with pytest.raises(CacheFullError, match="larger than the cache's limit"):
+        ShardCache(url, tmp_path / "tiny", 1000).get("train/shard-000000.tar")
+
+
+def test_processes_on_a_node_fetch_a_shard_once(url, server, env, tmp_path):
+    proxy = FaultProxy(server.endpoint)
+    try:
+        code = ("import sys; from cltrain.data.shard_cache import ShardCache; "
+                "c = ShardCache(sys.argv[1], sys.argv[2]); [c.get(f'train/shard-00000{k}.tar') for k in range(5)]")
+        run_env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint}
+        procs = [warm.Popen([sys.executable, "-c", code, url, str(tmp_path / "shared")], env=run_env,
+                            stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        assert all(p.wait(timeout=120) == 0 for p in procs), [p.stderr.read() for p in procs]
+        assert [proxy.gets(f"shard-00000{k}.tar") for k in range(5)] == [1] * 5  # one GET each (one range: < 16 MiB)
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "reset", "stall"])
+def test_transient_faults_are_retried_and_no_sample_is_lost_or_read_twice(url, local_pack, server, env, fault,
+                                                                          monkeypatch):
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    import fsspec.config
+
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 1, "connect_timeout": 1}})
+    proxy.faults = [Fault(fault, path="shard-00000", times=3, seconds=2.5)]
+    try:
+        a = _batches(ShardsDataModule(local_pack, **{**KW, "num_workers": 0}), True)
+        b = _batches(ShardsDataModule(url, **{**KW, "num_workers": 0}), True)
+        assert proxy.faults[0].hit == 3  # the faults happened
+        assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b)) and len(a) == len(b)
+    finally:
+        proxy.stop()
+
+
+def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, server):
+    for bad in ("s3://no-such-bucket/pack", url.rsplit("/", 1)[0] + "/nopack", url + "/train"):
+        with pytest.raises(RemoteError) as caught:
+            ShardsDataModule(bad, **KW).num_classes
+        line = str(caught.value)
+        assert "\n" not in line and bad in line and "not a complete cltrain pack" in line and "cltrain-pack" in line
+
+
+def test_an_unreachable_endpoint_is_one_line_within_seconds(env, monkeypatch):
+    from tests.helpers.s3 import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="cannot be reached.*AWS_ENDPOINT_URL") as caught:
+        ShardsDataModule("s3://bucket/data/pack", **KW).num_classes
+    assert time.monotonic() - started < 10 and "\n" not in str(caught.value)
+
+
+def test_a_full_cache_disk_is_one_line_and_leaves_no_temporary_file(url, env):
+    # a file size limit (EFBIG, as ENOSPC: the write fails part-way) stands in for a full disk
+    code = ("import sys; from cltrain.data import ShardsDataset, eval_transform\n"
+            "try: ShardsDataset(sys.argv[1], 'train', eval_transform(24, 28))[list(range(8))]\n"
+            "except Exception as e: print(type(e).__name__, e); sys.exit(2)")
+    done = warm.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=120,
+                    file_size_limit=8192)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stdout.strip()
+    assert line.startswith("CacheFullError shard cache") and "no room for train/shard-" in line, line
+    assert "CLTRAIN_SHARD_CACHE" in line and "\n" not in line
+    assert not [p for p in env.rglob("*") if p.name.startswith(TEMP_PREFIX)]
+
+
+def test_secrets_are_never_in_a_message():
+    os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
+    try:
+        text = redact(f"https://u:pw@h/x?X-Amz-Signature=abc&sig=def&ok=1 key {SECRET}")
+    finally:
+        del os.environ["AWS_SECRET_ACCESS_KEY"]
+    assert "pw" not in text and "abc" not in text and "def" not in text and SECRET not in text and "ok=1" in text
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_two_workers_read_a_two_shard_bucket_pack_each_sample_once(server, env, tmp_path):
+    # 2 training shards for 2 ranks x 2 workers: no hang, no repeat; each rank builds its dataset in setup, after the
+    # ranks exist (LitData #250 duplicated samples when the dataset was built before)
+    folder = write_image_folder(tmp_path / "images", classes=3, train=7, val=2, size=(40, 32))
+    pack(folder, tmp_path / "two", shard_size=12, progress=False)  # 21 train in 2 shards, 6 val in 1
+    two = server.upload(tmp_path / "two", "bucket", "two-shards")
+    proc = warm.run([sys.executable, "-m", "tests.helpers.shards_ddp_run", two, str(tmp_path), "2"], cwd=REPO,
+                    capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    for split, n in (("train", 21), ("val", 6)):
+        for epoch in (0, 1):
+            ids = [i for r in ranks for s in r[split] if s["epoch"] == epoch for i in s["ids"]]
+            assert sorted(ids) == list(range(n)), (split, epoch, Counter(ids))
+    assert {s["worker"] for r in ranks for s in r["train"]} == {0, 1}
+    assert len(list(env.rglob("*.tar"))) == 3  # the node fetched each shard once, for both ranks and all workers
+
+
+def test_sizes_and_urls_are_checked_where_they_are_given(local_pack):
+    assert parse_size("1.5GiB") == int(1.5 * 2**30) and parse_size(10) == 10 and parse_size("auto") is None
+    for bad in ("lots", -1, "0GB"):
+        with pytest.raises(ValueError, match="cache_limit"):
+            ShardsDataModule(local_pack, cache_limit=bad, **KW)
+    with pytest.raises(ValueError, match="fetch='all'"):
+        ShardsDataModule(local_pack, fetch="all", **KW)
+    from cltrain.data import ImageFolderDataModule
+
+    with pytest.raises(ValueError, match="is a URL; .*cltrain-pack ROOT OUT.*data=shards"):
+        ImageFolderDataModule("s3://bucket/imagenet", **KW)
