@@ -65,7 +65,8 @@ from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.tensors import is_compiled, nchw
 from cltrain.nchw_code import aliases_follow, relayout, torch_utilities
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
-from cltrain.timing.layout_race import LayoutDecision, LayoutRace, Stopwatch
+from cltrain.timing.clock import StepTimer
+from cltrain.timing.layout_race import LayoutDecision, LayoutRace
 
 __all__ = ["LayoutSession"]
 
@@ -139,7 +140,7 @@ class LayoutSession:
         self._restored: dict[str, Any] = {}
         self._told: set[str] = set()
         self._utilities: contextlib.ExitStack | None = None
-        self._step: tuple[tuple[Any, ...], int, Stopwatch] | None = None
+        self._step: tuple[tuple[Any, ...], int, StepTimer] | None = None
         self._key: tuple[Any, ...] | None = None
 
     def say(self, message: str, warn: bool = False) -> None:
@@ -326,7 +327,7 @@ class LayoutSession:
         if want != self.layout:
             self._switch(model, want)
         if key not in self.race.decisions and self.untimed is None:
-            self._step = (key, int(image.shape[0]), Stopwatch(self.device))
+            self._step = (key, int(image.shape[0]), StepTimer(self.device))
             self._step[2].start()  # the inputs' conversion is part of the step: NCHW pays it with NHWC batches
 
     def _settled(self) -> str:

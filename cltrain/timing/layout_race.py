@@ -45,13 +45,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cltrain.timing.clock import StepTimer
 from cltrain.timing.stats import log_ratio, t_quantile
 
-__all__ = ["LAYOUTS", "LayoutDecision", "LayoutRace", "Stopwatch"]
+__all__ = ["LAYOUTS", "LayoutDecision", "LayoutRace"]
 
-#: One step's time without waiting for the device (``cltrain.timing.clock.StepTimer``), by the name the session uses.
-Stopwatch = StepTimer
 
 #: The two layouts raced: the default, and NCHW.
 LAYOUTS: tuple[str, str] = ("channels_last", "contiguous")

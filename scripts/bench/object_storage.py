@@ -5,7 +5,7 @@ The endpoint is moto's S3 server started here in a process of its own on 127.0.0
 printed: on a 2-core machine it shares the cores with the loader). The images are real photographs
 (``scripts.bench.photo_folder``) packed once (``cltrain-pack``) and uploaded as they are. Each case makes one pass
 over the training split with 2 DataLoader workers, batch 64, 224 px crops, normalised float32, timed from asking
-for the first batch (worker start-up and the first shards' fetch included) to the last. Cases, interleaved in rounds (``scripts.timing.interleaved``), medians printed:
+for the first batch (worker start-up and the first shards' fetch included) to the last. Cases, interleaved in rounds (``cltrain.timing.interleaved``), medians printed:
 
 * ``local``: ``ShardsDataModule`` on the local pack (the baseline);
 * ``s3-cold``: the same from ``s3://``, an empty node cache each round (shards fetched ahead as batches are read);
@@ -43,8 +43,9 @@ from pathlib import Path
 import torch
 
 from scripts.bench.photo_folder import make_photo_folder
-from scripts.machine import machine, machine_line
-from scripts.timing import Stopwatch, interleaved
+from cltrain.timing.clock import Stopwatch
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.rounds import interleaved
 
 OUT = Path("bench_out/object_storage")
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
@@ -222,7 +223,7 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
         n = f()
         return n, watch.elapsed(), time.process_time() - cpu
 
-    got = interleaved(5, {k: (lambda f=f: timed(f)) for k, f in cases.items()}, rotate=True)
+    got = interleaved({k: (lambda f=f: timed(f)) for k, f in cases.items()}, 5)
     for k, runs in got.items():
         mb = runs[0][0] / 2**20
         print(f"  {k:15s} {mb / statistics.median(t for _, t, _ in runs):7.1f} MiB/s, client CPU "
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                 return rate
             return run
 
-        rates = interleaved(args.rounds, {k: with_server_cpu(k, cases[k]) for k in args.cases}, rotate=True)
+        rates = interleaved({k: with_server_cpu(k, cases[k]) for k in args.cases}, args.rounds)
         base = statistics.median(rates["local"]) if "local" in rates else None
         n = len(list((photos / "train").rglob("*.jpg")))
         print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "

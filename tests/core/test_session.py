@@ -251,7 +251,7 @@ def test_a_boundary_judges_a_1x1_weight_strictly_and_puts_it_back_with_to() -> N
 
 
 class ScriptedClock:
-    """Stands in for ``layout_race.Stopwatch``: each step takes the seconds scripted for its layout (a real clock's
+    """Stands in for ``cltrain.timing.clock.StepTimer``: each step takes the seconds scripted for its layout (a real clock's
     decision is a benchmark's business; here the session's handling of a decision is under test)."""
 
     times = {"channels_last": 0.3, "contiguous": 0.2}
@@ -268,10 +268,9 @@ class ScriptedClock:
 
 
 def _race_run(monkeypatch, host: Host, times: dict[str, float], steps: int = 12):
-    monkeypatch.setattr(layout_race, "Stopwatch", ScriptedClock)
     import cltrain.session
 
-    monkeypatch.setattr(cltrain.session, "Stopwatch", ScriptedClock)
+    monkeypatch.setattr(cltrain.session, "StepTimer", ScriptedClock)
     monkeypatch.setattr(ScriptedClock, "times", times)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))

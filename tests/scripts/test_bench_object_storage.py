@@ -1,0 +1,23 @@
+"""scripts.bench.object_storage at tiny settings: a real S3 server, the local pack and the bucket, the peers' lines."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests.helpers import REPO, warm
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_each_case_against_the_local_pack() -> None:
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    out = warm.run([sys.executable, "-m", "scripts.bench.object_storage", "--train", "24", "--shard-size", "8",
+                    "--rounds", "1", "--workers", "0", "--cases", "local", "s3-cold", "s3-warm", "wds-fsspec"],
+                   cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    for case in ("local", "s3-cold", "s3-warm", "wds-fsspec"):
+        assert f"  {case}" in out.stdout, out.stdout
+    assert "x local" in out.stdout and "s3-cold / wds-fsspec" in out.stdout and "CPU " in out.stdout
