@@ -19,9 +19,10 @@ a new key, as progressive resizing makes, is decided again):
   - NCHW clearly slower (``log r - h > 0``): channels_last, kept;
   - NCHW clearly faster by more than ``margin`` (``log r + h < -margin``): NCHW;
   - both within ``margin`` (``|log r| + h < margin``): a tie, channels_last;
-  - else another round, until the steps in the slower layout have cost ``budget`` steps of the faster one, or
-    ``max_rounds`` rounds: then NCHW only where it is faster by more than ``margin`` with a 2-sigma bound, so noise
-    on a shared machine ends in the default, never in a flip.
+  - else another round: where NCHW looks slower, until its steps have cost ``budget`` steps of channels_last; where
+    it looks faster (more rounds then cost only the default's own steps), up to ``max_rounds`` rounds; then NCHW only
+    where it is faster by more than ``margin`` with a 97.5% t-bound, so noise on a shared machine ends in the
+    default, never in a flip.
 
 A key is decided once and never flips back. Only samples with the race's batch size count (a last, smaller batch is
 not a sample). ``judge`` runs on the deciding rank and ``settle`` on every rank, at the same step: the schedule is a
@@ -215,8 +216,9 @@ class LayoutRace:
             layout, how = "contiguous", "timed"
         elif rounds >= 2 and abs(log_r) + t999 * width < self.margin:
             layout, how = "channels_last", "tie"
-        elif rounds >= self.max_rounds or spent and (rounds >= 2 or log_r >= 0 and steady):
-            layout = "contiguous" if log_r < -self.margin and log_r + t975 * width < 0 else "channels_last"
+        elif rounds >= self.max_rounds or spent and log_r >= 0 and (rounds >= 2 or steady):
+            # the budget bounds what NCHW's trials cost; where NCHW looks faster, more rounds cost only the default's
+            layout = "contiguous" if log_r < -self.margin and log_r + t999 * width < 0 else "channels_last"
             how = "noisy"
         else:
             return None
