@@ -12,26 +12,23 @@ from typing_extensions import override
 
 from cltrain.check.budget import DEFAULT_SAMPLES, check_within_budget
 from cltrain.check.compare import LayoutCheck
-from cltrain.check.fallback import Fallback
 from cltrain.check.lightning_step import STEPS, check_lightning_step
 from cltrain.check.resume import run_fingerprint
-from cltrain.guardrails import GuardRecord
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import check_inputs, first_image_tensor
 from cltrain.lightning_access import LightningHost, overrides, overrides_hook, run_after, step_target, undo_run_after
 from cltrain.nchw_code import UPSTREAM, guard_pruning, unguard_pruning
 from cltrain.options import check_flags, check_layout_choice, check_mode, check_positive
 from cltrain.precision import autocast_dtype, compute_dtype
-from cltrain.session import LayoutSession
+from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
-from cltrain.timing.layout_race import LayoutDecision
 
 __all__ = ["ChannelsLast"]
 
 _MODES = ("full", "conv", "off")
 
 
-class ChannelsLast(Callback):
+class ChannelsLast(SessionResults, Callback):
     r"""Train, validate, test and predict in channels_last (NHWC) memory format, in the faster of the two layouts.
 
     The model is converted once it is complete (after the LightningModule's ``setup`` or ``configure_model``), before
@@ -129,52 +126,6 @@ class ChannelsLast(Callback):
         self._audited = False
         self._module: LightningModule | None = None
         self._due: str | None = None  # what ran since the last step that may have moved the parameters
-
-    @property
-    def layout(self) -> str | None:
-        """The layout the model is in now; ``None`` before ``setup`` and with ``mode="off"``."""
-        return self.session.layout
-
-    @property
-    def decision(self) -> LayoutDecision | None:
-        """The race's decision for the batches trained on last (``None``: not decided, or not raced)."""
-        return self.session.decision
-
-    @property
-    def decisions(self) -> dict[Any, LayoutDecision]:
-        """The race's decision of each kind of batch."""
-        return self.session.decisions
-
-    @property
-    def timings(self) -> dict[str, float] | None:
-        """The decision's median seconds per step of each layout (``None``: not timed)."""
-        decision = self.session.decision
-        return dict(decision.seconds) if decision is not None and decision.seconds else None
-
-    @property
-    def guardrails(self) -> list[GuardRecord] | None:
-        """The ``GuardRecord`` of each known fault worked around (``None`` before ``setup``, with ``guard=False``)."""
-        return self.session.guardrails
-
-    @property
-    def layout_checks(self) -> dict[str, LayoutCheck]:
-        """The ``LayoutCheck`` of each first batch checked, by kind (``"train"``, ``"eval"``)."""
-        return self.session.layout_checks
-
-    @property
-    def fallbacks(self) -> list[Fallback]:
-        """The ``Fallback``s the checks applied to the model."""
-        return self.session.fallbacks
-
-    @property
-    def summary(self) -> dict[str, int] | None:
-        """``cltrain.layout_summary`` of the model's parameters and buffers once converted."""
-        return self.session.summary
-
-    @property
-    def sharding(self) -> str | None:
-        """The engine holding the model's parameters (which then stay contiguous), or ``None``."""
-        return self.session.sharding
 
     # ---- the model -----------------------------------------------------------------------------
 

@@ -55,9 +55,8 @@ from cltrain.host import Host
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.options import check_flags, check_layout_choice, check_mode, check_positive
-from cltrain.session import LayoutSession
+from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
-from cltrain.timing.layout_race import LayoutDecision
 
 __all__ = ["ChannelsLastRun", "contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
 
@@ -75,7 +74,7 @@ def _engine(model: nn.Module, sharded: bool) -> str | None:
     return engine if engine is not None else "" if sharded else None  # "": an engine not named yet
 
 
-class ChannelsLastRun:
+class ChannelsLastRun(SessionResults):
     """A plain or Fabric training loop in channels_last, with every feature of the Lightning callback.
 
     Args:
@@ -101,8 +100,8 @@ class ChannelsLastRun:
         copies: ``copies()`` gives the model's copies that should follow its layout (an EMA's ``AveragedModel``).
 
     Attributes:
-        session: the ``cltrain.session.LayoutSession`` that runs it all (its ``layout``, ``layout_checks``,
-            ``decisions``, ``guardrails``).
+        session: the ``cltrain.session.LayoutSession`` that runs it all; its results are the run's attributes too
+            (``cltrain.session.SessionResults``: ``layout``, ``decision``, ``layout_checks``, ``guardrails``, ...).
 
     Raises:
         ValueError: a bad ``mode``, ``layout``, ``inputs``, ``check_samples`` or flag.
@@ -139,21 +138,6 @@ class ChannelsLastRun:
         self.session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                            owner=f"ChannelsLastRun(mode={mode!r})")
         self._resumed = False
-
-    @property
-    def layout(self) -> str | None:
-        """The layout the model is in now."""
-        return self.session.layout
-
-    @property
-    def decision(self) -> LayoutDecision | None:
-        """The race's decision for the batches trained on last (``None``: not decided, or not raced)."""
-        return self.session.decision
-
-    @property
-    def layout_checks(self) -> dict[str, LayoutCheck]:
-        """The ``LayoutCheck`` of the first batch of each kind checked (``"train"``, ``"eval"``)."""
-        return self.session.layout_checks
 
     def batches(self, loader: Iterable[B], *, train: bool = True) -> Iterator[B]:
         """Each batch of ``loader`` (on the model's device) with its model inputs in the model's layout, in place;

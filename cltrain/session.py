@@ -68,7 +68,7 @@ from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 from cltrain.timing.clock import StepTimer
 from cltrain.timing.layout_race import LayoutDecision, LayoutRace
 
-__all__ = ["LayoutSession"]
+__all__ = ["LayoutSession", "SessionResults"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
 #: What torch's DDP reducer warns when a gradient's strides differ from its bucket view's.
@@ -601,3 +601,54 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if t.dim() in (4, 5) and t.is_floating_point():
             yield name, t
 
+
+class SessionResults:
+    """What a front door's session did, as the door's own attributes (every door has ``session``)."""
+
+    session: LayoutSession
+
+    @property
+    def layout(self) -> str | None:
+        """The layout the model is in now (``"channels_last"`` or ``"contiguous"``); ``None`` before it starts."""
+        return self.session.layout
+
+    @property
+    def decision(self) -> LayoutDecision | None:
+        """The race's decision for the batches trained on last (``None``: not decided, or not raced)."""
+        return self.session.decision
+
+    @property
+    def decisions(self) -> dict[Any, LayoutDecision]:
+        """The race's decision of each kind of batch."""
+        return self.session.decisions
+
+    @property
+    def timings(self) -> dict[str, float] | None:
+        """The decision's median seconds per step of each layout (``None``: not timed)."""
+        decision = self.session.decision
+        return dict(decision.seconds) if decision is not None and decision.seconds else None
+
+    @property
+    def layout_checks(self) -> dict[str, LayoutCheck]:
+        """The ``LayoutCheck`` of the first batch of each kind checked (``"train"``, ``"eval"``)."""
+        return self.session.layout_checks
+
+    @property
+    def fallbacks(self) -> list[Fallback]:
+        """The ``Fallback``s the checks applied to the model."""
+        return self.session.fallbacks
+
+    @property
+    def guardrails(self) -> list[GuardRecord] | None:
+        """The ``GuardRecord`` of each known fault worked around (``None`` before the start, with ``guard=False``)."""
+        return self.session.guardrails
+
+    @property
+    def summary(self) -> dict[str, int] | None:
+        """``cltrain.layout_summary`` of the model's parameters and buffers once converted."""
+        return self.session.summary
+
+    @property
+    def sharding(self) -> str | None:
+        """The engine holding the model's parameters (which then stay contiguous), or ``None``."""
+        return self.session.sharding

@@ -19,7 +19,7 @@ from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs
 from cltrain.check.resume import run_fingerprint
 from cltrain.layout import is_channels_last
 from cltrain.options import check_flags, check_layout_choice, check_mode
-from cltrain.session import LayoutSession
+from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLastCallback"]
@@ -45,7 +45,7 @@ def _convs_channels_last(model: nn.Module) -> bool:
     return bool(weights) and all(is_channels_last(w) for w in weights)
 
 
-class ChannelsLastCallback(TrainerCallback, ExportableState):
+class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
     r"""Train, evaluate and predict a ``transformers.Trainer``'s model in channels_last (NHWC), in the faster layout.
 
     A front door of ``cltrain.session.LayoutSession``, which runs everything; at each of the Trainer's events:
@@ -87,7 +87,8 @@ class ChannelsLastCallback(TrainerCallback, ExportableState):
 
     Attributes:
         inputs_hook: the ``ChannelsLastInputs`` on the model.
-        session: the ``cltrain.session.LayoutSession`` (its ``layout_checks``, ``decisions``, ``guardrails``).
+        session: the ``cltrain.session.LayoutSession``; its results are this callback's attributes too
+            (``cltrain.session.SessionResults``: ``layout``, ``decision``, ``layout_checks``, ``guardrails``, ...).
 
     Raises:
         ValueError: an unknown ``mode`` or ``layout``, an ``inputs`` that is not a name or a list of names, a
@@ -116,7 +117,7 @@ class ChannelsLastCallback(TrainerCallback, ExportableState):
         names = argument_names(inputs, f"ChannelsLastCallback(inputs={inputs!r})")
         check_flags("ChannelsLastCallback", guard=guard, verify=verify)
         check_layout_choice("ChannelsLastCallback", layout)
-        self.mode, self.names, self.guard, self.verify, self.layout = mode, names, guard, verify, layout
+        self.mode, self.names, self.guard, self.verify, self.choice = mode, names, guard, verify, layout
         self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger, steps="door")
         self.session = self._session()
         self.saved: dict[str, Any] | None = None  # the session's state, as a checkpoint's trainer_state.json holds it
@@ -125,41 +126,16 @@ class ChannelsLastCallback(TrainerCallback, ExportableState):
 
     def _session(self) -> LayoutSession:
         host = self.inputs_hook.host(log=lambda metrics: self._log(metrics))
-        return LayoutSession(self.mode, layout=self.layout, guard=self.guard, verify=self.verify, host=host)
+        return LayoutSession(self.mode, layout=self.choice, guard=self.guard, verify=self.verify, host=host)
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self._state is not None:
             self._state.log_history.append({**metrics, "step": self._state.global_step})
 
-    @property
-    def guardrails(self) -> list[Any] | None:
-        """The ``GuardRecord`` of each known kernel fault worked around (``[]``: none)."""
-        return self.session.guardrails
-
-    @property
-    def sharding(self) -> str | None:
-        """The engine that shards the model, whose weights then stay contiguous; ``None`` when none does."""
-        return self.session.sharding
-
-    @property
-    def summary(self) -> dict[str, int] | None:
-        """``cltrain.layout_summary`` of the model's parameters and buffers once converted."""
-        return self.session.summary
-
-    @property
-    def layout_checks(self) -> dict[str, Any]:
-        """The ``LayoutCheck`` of the first batch of each kind checked, ``"train"`` and ``"eval"``."""
-        return self.session.layout_checks
-
-    @property
-    def decision(self) -> Any:
-        """The race's ``LayoutDecision`` for the batches trained on last (``None``: not decided, or not raced)."""
-        return self.session.decision
-
     def state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` keeps (``ExportableState``): the arguments, and the session's state."""
         return {"args": {"mode": self.mode, "inputs": list(self.names), "guard": self.guard, "verify": self.verify,
-                         "layout": self.layout},
+                         "layout": self.choice},
                 "attributes": {"saved": self.session.state_dict()}}
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

@@ -21,7 +21,7 @@ a new key, as progressive resizing makes, is decided again):
   - both within ``margin`` (``|log r| + h < margin``): a tie, channels_last;
   - else another round: where NCHW looks slower, until its steps have cost ``budget`` steps of channels_last; where
     it looks faster (more rounds then cost only the default's own steps), up to ``max_rounds`` rounds; then NCHW only
-    where it is faster by more than ``margin`` with a 97.5% t-bound, so noise on a shared machine ends in the
+    where it is faster by more than ``margin``, and faster with a 99.9% t-bound, so noise on a shared machine ends in the
     default, never in a flip.
 
 A key is decided once and never flips back. Only samples with the race's batch size count (a last, smaller batch is
@@ -202,7 +202,7 @@ class LayoutRace:
         # a slower warm-up only widens the bound), pooled, with the degrees of freedom the means took
         ratio = log_ratio(cl, nchw, spread_only=[float(t) for t in heat.warm])
         med = dict(zip(("channels_last", "contiguous"), ratio.medians))
-        log_r, width, t999, t975 = ratio.log, ratio.width, t_quantile(ratio.df, 0.999), t_quantile(ratio.df, 0.975)
+        log_r, width, t999 = ratio.log, ratio.width, t_quantile(ratio.df, 0.999)
         slower, faster = ("contiguous", "channels_last") if log_r > 0 else ("channels_last", "contiguous")
         extra = (len(heat.times[slower]) + heat.untimed[slower]) * (med[slower] - med[faster])
         spent = extra >= self.budget * med[faster]
