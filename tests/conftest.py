@@ -15,6 +15,9 @@
 * A test starts Python with ``tests.helpers.warm.run`` / ``Popen`` (``subprocess``'s arguments): a fork of a server
   that imported torch and Lightning once, unless the test is about a start (``subprocess`` itself) or sets a variable
   read at import (``warm`` then starts Python).
+* Each test starts with torch's own ``parameters_to_vector``, ``vector_to_parameters`` and pruning masks: a session
+  that an earlier test in the same worker started and never ended (the Hugging Face callback's, Accelerate's, a run
+  that raised) holds ``cltrain.nchw_code``'s versions, which a later test's negative control must not meet.
 """
 
 from __future__ import annotations
@@ -55,6 +58,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # ones start early and the short ones fill in at the end (the order within a module stays)
     slow = Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
+
+
+@pytest.fixture(autouse=True)
+def torchs_own_utilities() -> None:
+    from cltrain import nchw_code
+
+    with nchw_code._lock:
+        nchw_code._holders = nchw_code._pruning_holders = 0
+        for where in (nchw_code.utils, nchw_code.convert):
+            where.parameters_to_vector, where.vector_to_parameters = nchw_code._original
+        for cls in nchw_code._MASKED:
+            cls.compute_mask = nchw_code._compute_mask[cls]
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@ The harness, bottom up:
 
 * ``cltrain.timing.clock``: ``Stopwatch`` and ``timed``, the one clock, the device synchronised at each read;
 * ``cltrain.timing.rounds``: ``interleaved`` and ``time_steps``, cases run in rotating rounds with warm-up and a
-  minimum window; ``spread`` (median, lowest, highest); ``rate_after_first`` for loaders;
+  minimum window; ``rate_after_first`` for loaders;
+* ``cltrain.timing.stats``: ``spread`` (median, lowest, highest), ``log_ratio`` and Student's ``t_quantile``: how
+  sure a ratio of two timings is;
 * ``cltrain.timing.steps``: ``training_step`` and ``layout_steps``, "a training step in each layout";
 * ``cltrain.timing.machine``: ``machine`` / ``machine_line``, the machine a figure was taken on;
 * ``cltrain.timing.report``: ``table``, ``page`` and ``write_report``, the one report writer.

@@ -45,6 +45,12 @@ def _schemas() -> list[type]:
     return found
 
 
+#: What a config must say because nothing else knows it: how many classes the labels of a format without class
+#: names count.
+USERS_OWN = {(schema.LitDataConfig, "num_classes"), (schema.MDSConfig, "num_classes"),
+             (schema.WebDatasetConfig, "num_classes")}
+
+
 # --- the schema ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", _schemas(), ids=lambda c: c.__name__)
 def test_every_key_is_typed_and_has_a_default(cls: type) -> None:
@@ -54,9 +60,10 @@ def test_every_key_is_typed_and_has_a_default(cls: type) -> None:
             assert f.metadata.get("rule") is not None, f"{cls.__name__}.{f.name}: Any without a rule"
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         assert has_default, f"{cls.__name__}.{f.name} has no default"
-        if f.default == "???":  # left to a group option: what the option chooses, and only in a base schema
+        if f.default == "???":  # left to a group option (only in a base schema), or to the user: what only they know
             concrete = {c for options in schema.GROUP_SCHEMAS.values() for c in options.values()}
-            assert f.name in ("data", "optim", "name", "_target_") and cls not in concrete, f"{cls.__name__}.{f.name}"
+            assert (f.name in ("data", "optim", "name", "_target_") and cls not in concrete) or \
+                (cls, f.name) in USERS_OWN, f"{cls.__name__}.{f.name}"
 
 
 def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -98,6 +105,14 @@ def test_an_experiment_sets_only_what_differs_from_its_choices(option: str) -> N
         assert value != default, f"conf/experiment/{option}.yaml: {key}: {value!r} is already the value of its choices"
 
 
+@pytest.mark.parametrize("option", ["litdata", "mds", "webdataset"])
+def test_a_value_only_the_user_knows_left_out_is_one_line_naming_it(option: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate(compose_config([f"data={option}", "data.root=s3://bucket/pack"]))
+    assert str(error.value).splitlines() == [str(error.value)] and "data.num_classes='???': not set" in str(error.value)
+    assert "whole number > 0" in str(error.value)
+
+
 def test_config_yaml_only_chooses() -> None:
     raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))
     assert set(raw) == {"defaults", "hydra"}
@@ -107,6 +122,8 @@ def test_config_yaml_only_chooses() -> None:
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_group_option_composes_into_the_schema(group: str, option: str, tmp_path: Path) -> None:
     cfg = compose_config([f"{group}={option}", f"data.root={tmp_path}"] if option in ("imagenet", "main_amp", "shards", "hf")
+                         else [f"{group}={option}", f"data.root={tmp_path}", "data.num_classes=3"]
+                         if option in ("litdata", "mds", "webdataset")
                          else [f"{group}={option}"])
     assert isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema.TrainConfig
     assert isinstance(OmegaConf.to_object(cfg), schema.TrainConfig)  # every node converts to its dataclass

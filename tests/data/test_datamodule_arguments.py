@@ -59,7 +59,17 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dict(images=images, bad=bad, bad_list=tmp / "bad.tsv", missing=missing, index_cache=tmp / "index",
                 shards=pack(images, tmp / "pack", shard_size=3, progress=False).parent, clips=clips, bad_clips=bad_clips,
                 bad_shards=pack(bad, tmp / "bad_pack", shard_size=3, progress=False, check="off").parent,
-                hf=_hf_dataset(images, tmp / "hf"), bad_hf=_hf_dataset(bad, tmp / "bad_hf"))
+                hf=_hf_dataset(images, tmp / "hf"), bad_hf=_hf_dataset(bad, tmp / "bad_hf"),
+                remote=_in_memory(tmp / "pack", tmp.name), cache=tmp / "cache")
+
+
+def _in_memory(folder: Path, name: str) -> str:
+    """The pack at a URL (fsspec's in-process ``memory://`` file system): what a bucket's pack goes through, the
+    node's shard cache included, without a server."""
+    import fsspec
+
+    fsspec.filesystem("memory").put(str(folder), f"/{name}", recursive=True)
+    return f"memory://{name}"
 
 
 def _hf_dataset(folder: Path, out: Path) -> Path:
@@ -167,6 +177,25 @@ def index_written(roots: dict[str, Path]) -> Callable[[Any], bool]:
     return probe
 
 
+def cached_shards(roots: dict[str, Path]) -> Callable[[Any], tuple[str, ...]]:
+    """The shard files a validation batch left in the cache folder of ``roots``."""
+    def probe(dm: Any) -> tuple[str, ...]:
+        shutil.rmtree(roots["cache"], ignore_errors=True)
+        val_batch(dm)
+        return tuple(sorted(p.name for p in roots["cache"].rglob("*.tar")))
+    return probe
+
+
+def warned(dm: Any) -> list[str]:
+    """What a set-up warns about."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.setup("fit")
+    return [str(w.message).split(":")[0] for w in caught]
+
+
 @dataclass
 class Probe:
     """Change an argument to ``value`` on top of ``base`` and observe it with ``observe``."""
@@ -225,6 +254,11 @@ def probes(roots: dict[str, Path]) -> dict[str, Probe]:
         "label_column": Probe("coarse", val_batch),
         "shuffle_buffer": Probe(1, train_batch, dict(streaming=True)),
         "shuffle_seed": Probe(1, train_batch, dict(streaming=True)),
+        # a pack at a URL: its node-local shard cache
+        "cache_dir": Probe(roots["cache"].parent / "elsewhere", cached_shards(roots), dict(cache_dir=roots["cache"]),
+                           root="remote"),
+        "fetch": Probe("ranges", cached_shards(roots), dict(cache_dir=roots["cache"]), root="remote"),
+        "cache_limit": Probe(10, warned, dict(cache_dir=roots["cache"]), root="remote"),
     }
 
 
