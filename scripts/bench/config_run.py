@@ -1,6 +1,5 @@
 """One configuration of train.py run in this process, with the probe that counts its finite losses and host syncs:
-what ``scripts.gpu_check``'s matrix and ``scripts.bench.mark``'s end-to-end tasks share (so the driver imports mark,
-and mark never imports the driver)."""
+each end-to-end task of ``scripts.bench.mark`` (``scripts.gpu_check``'s matrix and its ``--mark``)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.clock import Stopwatch
+from cltrain.timing.clock import Stopwatch, synchronize
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
@@ -68,6 +68,12 @@ KEY_CPU = ["contiguous fp32", "channels_last fp32"]
 PROFILED = {"channels_last fp16", "channels_last fp16 compile", "channels_last fp32"}
 #: Seconds a task usually takes on one H100 (compiles included); a task starts only with this much budget left.
 NEEDS = {"amp": 30, "e2e": 20, "compile": 90, "max-autotune": 300, "largest_batch": 60, "loader": 40}
+SHORT = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
+
+
+def num(v: float | None, scale: float = 1) -> str:
+    """A figure as the tables give it (``1,234.5``); "" for none."""
+    return "" if v is None else f"{scale * v:,.1f}"
 
 
 def tasks(tiny: bool) -> list[dict[str, Any]]:
@@ -175,8 +181,7 @@ def run_largest_batch(spec: dict, records: list[dict]) -> dict:
             step = _plain_step(s["model"], flag, device, n, s["size"])
             for _ in range(2):
                 step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)  # an allocation that fails does so by now
             return True
         except torch.OutOfMemoryError:
             return False
@@ -232,7 +237,7 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
     slug = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}-r{task['round']}"
     profile = Path(spec["runs"]) / f"{slug}.profile.json"
     extra = []
-    if name in PROFILED and task["round"] == 0:
+    if name in PROFILED and task["round"] == 0 and spec["header"]:  # the mark's, not the plain matrix's runs
         first = max(1, spec["warmup"] - 3)  # two steps ending before the last warm-up step: the timed window is clean
         extra = ["+callbacks.profile._target_=scripts.bench.step_profile.StepProfile",
                  f"+callbacks.profile.path={profile}", f"+callbacks.profile.first={first}",
@@ -254,8 +259,8 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
 
 
 def run_tasks(spec_file: Path) -> int:
-    """The worker: every task of the spec in order, each record appended to ``spec["results"]`` as it ends and
-    ``mark.md`` written again after it."""
+    """The worker (``python -m scripts.gpu_check --worker SPEC``): every task of the spec in order, each record
+    appended to ``spec["results"]`` as it ends and, for ``--mark`` (``spec["header"]``), ``mark.md`` written again."""
     from scripts.bench.mark_table import mark_markdown
 
     spec = json.loads(spec_file.read_text())
@@ -279,7 +284,8 @@ def run_tasks(spec_file: Path) -> int:
         records.append(record)
         with open(spec["results"], "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
-        Path(spec["out"], "mark.md").write_text(mark_markdown(records, spec["header"]))
+        if spec["header"]:
+            Path(spec["out"], "mark.md").write_text(mark_markdown(records, spec["header"]))
         print(f"mark: {record['name']}: {record.get('status')} in {record['seconds']} s", flush=True)
     return 0
 

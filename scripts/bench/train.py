@@ -62,7 +62,7 @@ from cltrain.app import (
 )
 from cltrain.app.train import train
 from cltrain.precision import autocast_dtype
-from cltrain.timing.clock import Stopwatch
+from cltrain.timing.clock import Stopwatch, synchronize
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table, write_report
 from cltrain.timing.rounds import interleaved
@@ -127,8 +127,8 @@ class _WarmupSync(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if batch_idx == self.index and trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
+        if batch_idx == self.index:
+            synchronize(trainer.strategy.root_device)
 
 
 def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
@@ -138,8 +138,8 @@ def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: to
     syncs = _sync_points(len(batches), warmup)
     for i, (x, y) in enumerate(batches):
         step(x, y)
-        if i in syncs and device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if i in syncs:
+            synchronize(device)
         meter.tick(x.shape[0])
     return meter.images_per_second
 
