@@ -91,8 +91,9 @@ def _cpu_seconds(pid: int) -> float:
 
 def _rate(loader) -> float:
     """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last."""
-    seen = []
-    return sum(seen) / timed(lambda: seen.extend(b[0].shape[0] for b in loader))
+    seen: list[int] = []
+    seconds = timed(lambda: seen.extend(b[0].shape[0] for b in loader))
+    return sum(seen) / seconds
 
 
 def _ours(root: str, **options) -> float:
