@@ -154,18 +154,18 @@ def lightning_path(model: torch.nn.Module, batches: list, precision: str, accele
     return progress.summary()["images_per_second"]
 
 
-def synthetic_batches(args: argparse.Namespace, device: torch.device, channels_last: bool, steps: int) -> list:
+def synthetic_batches(count: int, batch: int, size: int, device: torch.device, channels_last: bool = True) -> list:
+    """``count`` random ``(images, labels)`` batches of ``batch`` images at ``size`` px for 1000 classes, seeded."""
     gen = torch.Generator().manual_seed(0)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return [(torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
-             .to(device, memory_format=fmt), torch.randint(0, 1000, (args.batch_size,), generator=gen).to(device))
-            for _ in range(args.warmup + steps)]
+    return [(torch.randn(batch, 3, size, size, generator=gen).to(device, memory_format=fmt),
+             torch.randint(0, 1000, (batch,), generator=gen).to(device)) for _ in range(count)]
 
 
 def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
     device = torch.device(accelerator)
     channels_last = args.layout == "channels_last"
-    batches = synthetic_batches(args, device, channels_last, args.steps)
+    batches = synthetic_batches(args.warmup + args.steps, args.batch_size, args.image_size, device, channels_last)
     base = build_classifier(args.model, num_classes=1000)
     plain_model = copy.deepcopy(base).to(device)
     if channels_last:
@@ -208,7 +208,8 @@ def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision
         model = copy.deepcopy(base).to(device)
         if channels_last:
             to_channels_last(model)
-        batches = synthetic_batches(args, device, channels_last, args.e2e_steps)
+        batches = synthetic_batches(args.warmup + args.e2e_steps, args.batch_size, args.image_size, device,
+                                    channels_last)
         return plain_loop(model, batches, precision if channels_last else "32-true", device, args.warmup)
 
     runs = interleaved({**{("e2e", n): (lambda r, n=n: e2e(r, n)) for n in CONFIGS},
