@@ -50,7 +50,6 @@ from cltrain.timing.stats import spread
 from scripts.bench.loader import torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
 
-OUT = Path("bench_out/object_storage")
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
 
 
@@ -234,12 +233,14 @@ def main(argv: list[str] | None = None) -> None:
                    default=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"])
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers of every loader")
     p.add_argument("--clients", action="store_true", help="only fsspec against obstore on the pack's objects")
+    p.add_argument("--work", type=Path, default=Path("bench_out/object_storage"),
+                   help="where the photographs, their pack and LitData's copy are made (once) and reused")
     args = p.parse_args(argv)
     KW["num_workers"] = args.workers
     from cltrain.data.pack import pack
 
-    photos = make_photo_folder(OUT / f"photos-{args.train}", train=args.train, val=20)
-    local = OUT / f"pack-{args.train}-{args.shard_size}"
+    photos = make_photo_folder(args.work / f"photos-{args.train}", train=args.train, val=20)
+    local = args.work / f"pack-{args.train}-{args.shard_size}"
     if not (local / "shards.json").is_file():
         pack(photos, local, shard_size=args.shard_size, progress=False)
     server = _server()
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         cache = Path(tempfile.mkdtemp(prefix="cltrain-bench-cache-"))
         warm = cache / "warm"
         _ours(url, cache_dir=str(warm))  # fills the warm cache once
-        lit = _litdata_write(photos, OUT / f"litdata-{args.train}") if "litdata" in args.cases else ""
+        lit = _litdata_write(photos, args.work / f"litdata-{args.train}") if "litdata" in args.cases else ""
         cases = {"local": lambda: _ours(str(local)),
                  "s3-cold": lambda: (shutil.rmtree(cache / "cold", ignore_errors=True), _ours(url, cache_dir=str(cache / "cold")))[1],
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
