@@ -59,7 +59,7 @@ from cltrain.timing.clock import timed
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved, rate_after_first
 from cltrain.timing.stats import spread
-from scripts.bench.loader import loader_machine_line, loader_rate, methods, time_loader
+from scripts.bench.loader import DecodeWhole, loader_machine_line, loader_rate, methods, time_loader
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 
 SIZE = 224
@@ -156,21 +156,12 @@ def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, bat
 
 
 def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed: int) -> float:
-    import simplejpeg
-
-    rng = random.Random(seed)
+    """Images/second of ``scripts.bench.loader.DecodeWhole`` (read the file, decode it whole) on ``threads``."""
+    rng, decode = random.Random(seed), DecodeWhole()
     paths = [samples[rng.randrange(len(samples))][0] for _ in range(images)]
-
-    def one(path: str) -> int:
-        with open(path, "rb") as f:
-            return simplejpeg.decode_jpeg(f.read()).shape[0]
-
-    def each() -> None:
-        for p in paths:
-            one(p)
-
+    one = lambda path: decode(path).shape[0]  # noqa: E731 - the rows: no image kept
     if threads == 1:
-        return images / timed(each)
+        return images / timed(lambda: [one(p) for p in paths])
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, paths[:threads]))
         return images / timed(lambda: list(pool.map(one, paths)))
