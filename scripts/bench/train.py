@@ -13,11 +13,10 @@ batch, precision and layout trained by
 
 in ``--rounds`` interleaved rounds (``cltrain.timing.rounds.interleaved``: the order alternates) of ``--warmup`` +
 ``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
-rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over the
-wall time between step ends after the warm-up (the same meter train.py reports);
-both paths synchronise the device at the same two points (end of warm-up, last
-step), so on CUDA the window holds the GPU's work. The table gives per-path
-medians and the ratio Lightning / plain, measured in the same run.
+rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over one window from
+the start of the first step after the warm-up to the end of the last, the device synchronised at both ends
+(``cltrain.timing.clock``; ``scripts.fits.StepClock`` in the Trainer), so on CUDA the window holds the GPU's work.
+The table gives per-path medians and the ratio Lightning / plain, measured in the same run.
 
 Part 2, end to end on JPEG files (the demo data, generated on first use):
 ``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
@@ -44,29 +43,19 @@ import statistics
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
 from cltrain import ChannelsLast, to_channels_last
-from cltrain.app import (
-    ImageClassifier,
-    MainAmpProgress,
-    Meter,
-    build_classifier,
-    compose_config,
-    resolve_accelerator,
-    resolve_precision,
-)
+from cltrain.app import ImageClassifier, build_classifier, compose_config, resolve_accelerator, resolve_precision
 from cltrain.app.train import train
 from cltrain.precision import autocast_dtype
-from cltrain.timing.clock import Stopwatch, synchronize
+from cltrain.timing.clock import Stopwatch, timed
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table, write_report
 from cltrain.timing.rounds import interleaved
-from scripts.fits import quiet_trainer
+from scripts.fits import StepClock, quiet_trainer
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
@@ -113,45 +102,27 @@ class PlainStep:
         return loss
 
 
-def _sync_points(steps: int, warmup: int) -> tuple[int, int]:
-    # The step indices after which both paths synchronise: where the meter's timed window opens (the
-    # warm-up's last tick) and the last step, so on CUDA each window holds the GPU work, not launches.
-    return max(warmup, 1) - 1, steps - 1
-
-
-class _WarmupSync(pl.Callback):
-    """Synchronises the device at the end of the warm-up, before the meter (listed after it) opens its window."""
-
-    def __init__(self, warmup: int) -> None:
-        self.index = _sync_points(1, warmup)[0]
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if batch_idx == self.index:
-            synchronize(trainer.strategy.root_device)
-
-
 def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
-    """Images/second of ``PlainStep`` over ``batches``, timed by the meter train.py uses."""
-    step = PlainStep(model, precision, device, batches)
-    meter = Meter(warmup)
-    syncs = _sync_points(len(batches), warmup)
-    for i, (x, y) in enumerate(batches):
+    """Images/second of ``PlainStep`` over ``batches``: the steps after ``warmup`` (at least one) in one window, the
+    device synchronised at both ends (``cltrain.timing.clock.timed``)."""
+    step, first = PlainStep(model, precision, device, batches), max(warmup, 1)
+    for x, y in batches[:first]:
         step(x, y)
-        if i in syncs:
-            synchronize(device)
-        meter.tick(x.shape[0])
-    return meter.images_per_second
+    return sum(x.shape[0] for x, _ in batches[first:]) / timed(lambda: [step(x, y) for x, y in batches[first:]],
+                                                               sync=device)
 
 
 def lightning_path(model: torch.nn.Module, batches: list, precision: str, accelerator: str, channels_last: bool,
                    num_classes: int, warmup: int) -> float:
+    """Images/second of ``ImageClassifier`` in a ``Trainer`` over ``batches``: the same window as ``plain_loop``'s
+    (``scripts.fits.StepClock``)."""
+    first = max(warmup, 1)
     module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
-    progress = MainAmpProgress(print_freq=0, warmup=warmup)  # syncs after the last step, like the plain loop
-    callbacks = [_WarmupSync(warmup), progress] + ([ChannelsLast(layout="channels_last")] if channels_last else [])
+    clock = StepClock(window=(first, len(batches) - 1))
+    callbacks = [clock] + ([ChannelsLast(layout="channels_last")] if channels_last else [])
     trainer = quiet_trainer(accelerator=accelerator, precision=precision, max_steps=len(batches), callbacks=callbacks)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
-    return progress.summary()["images_per_second"]
+    return sum(x.shape[0] for x, _ in batches[first:]) / clock.seconds
 
 
 def synthetic_batches(count: int, batch: int, size: int, device: torch.device, channels_last: bool = True) -> list:
