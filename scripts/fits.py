@@ -19,9 +19,10 @@ from cltrain.timing.clock import Stopwatch, synchronize
 __all__ = ["NetModule", "StepClock", "quiet_trainer"]
 
 
-def quiet_trainer(**options: Any) -> Trainer:
-    """A ``Trainer`` of ``options`` that writes and prints nothing of its own and validates only when asked."""
-    return Trainer(**{"devices": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+def quiet_trainer(trainer: Callable[..., Any] = Trainer, **options: Any) -> Trainer:
+    """A ``trainer`` (Lightning's ``Trainer`` class, or ``pytorch_lightning``'s) of ``options`` that writes and prints
+    nothing of its own and validates only when asked."""
+    return trainer(**{"devices": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
                       "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0, **options})
 
 

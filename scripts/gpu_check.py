@@ -4,13 +4,12 @@
     python -m scripts.gpu_check --wheels .whl --out $OUT     # the same, installing the app's wheels first
     python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
 
-With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``: amp by
-measurement, compiled fp16 and bf16, the largest batch, CUDA graphs, the loader, the step by kind), the matrix
-among its runs; ``OUT/mark.md`` holds its tables. A lent GPU with 15 minutes runs everything in one call that
+With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``), the matrix
+among its runs, and ``OUT/mark.md`` holds its tables. A lent GPU with 15 minutes runs everything in one call that
 stops itself within ``--budget`` seconds and leaves minutes to rerun a part::
 
     timeout 560 python -m scripts.gpu_check --mark --budget 520 --wheels .whl --out $OUT   # (device timeout_s 570)
-    python -m scripts.gpu_check --mark --parts e2e --mark-only largest_batch loader --budget 150 --wheels .whl \
+    python -m scripts.gpu_check --mark --parts e2e --mark-only largest_batch loader --budget 150 --wheels .whl \\
         --out $OUT/rerun                                                                # a part again, by name
     python -m scripts.gpu_check --tiny --mark --parts e2e --out /tmp/mark   # any CPU: every task at CI sizes
 
@@ -22,13 +21,13 @@ what is left of the whole; ``--parts`` picks them); ``gpu_check.md`` is written 
     images/s, step time) and how many of the training losses its CSV log holds are finite.
 (c) apex's main_amp recipe (``experiment=main_amp``: ResNet-50, batch 256, 224 px) end to end on 5,120 + 10
     ImageNet-size JPEGs drawn by ``cltrain.data.demo`` (10,240 + 10 with ``--mark``); channels_last and
-    contiguous in fp16, bf16 and fp32, then channels_last with ``compile.enabled=true``, in one process, in turn:
-    images/s and step time over 60 steps after 8 warm-up steps (train.py's meter), the finite losses among all
-    steps, and host syncs per step: ATen ops that read a device value on the host
-    (``cltrain.timing.host_syncs.SyncOps``) in warm-up steps 3-6, which neither print nor log.
+    contiguous in fp16, bf16 and fp32, then channels_last with ``compile.enabled=true``, in one worker process
+    (``scripts.bench.mark.run_tasks``), in turn: images/s and step time over 60 steps after 8 warm-up steps
+    (train.py's meter), the finite losses among all steps, and host syncs per step (ATen ops that read a device
+    value on the host, ``cltrain.timing.host_syncs.SyncOps``, in warm-up steps 3-6).
 (d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
-    runs' ``metrics.json`` files (one line each in ``runs.metrics.jsonl``) and logs (the cuda tests' with short
-    tracebacks); data, checkpoints and run folders stay in ``--work``.
+    runs' ``metrics.json`` files (one line each in ``runs.metrics.jsonl``) and logs; data, checkpoints and run
+    folders stay in ``--work``.
 
 ``--tiny``: 12 JPEGs of 64x48, ResNet-18 at 32 px, 3 steps per configuration, the smoke experiment for (b); what
 needs CUDA, bf16 where the CPU lacks it, and compile are rows saying "skipped" and why.
@@ -43,10 +42,9 @@ Where hydra-core, omegaconf, antlr4-python3-runtime, simplejpeg and turbojpeg ar
     pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 
 ``--wheels .whl`` then runs ``python -m pip install -q --no-index --no-deps --target <work>/site .whl/*.whl``
-first and puts that folder first on ``sys.path`` and the subprocesses' ``PYTHONPATH`` (by hand: ``python3 -m pip
-install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site``). Run from the
-repository root, which needs no install: ``-m`` puts it on ``sys.path``, the subprocesses get it on ``PYTHONPATH``,
-and its ``conf/`` becomes ``$CLTRAIN_CONFIG_DIR``.
+first and puts that folder first on ``sys.path`` and the subprocesses' ``PYTHONPATH``. Run from the repository
+root, which needs no install: ``-m`` puts it on ``sys.path``, the subprocesses get it on ``PYTHONPATH``, and its
+``conf/`` becomes ``$CLTRAIN_CONFIG_DIR``.
 """
 
 from __future__ import annotations
@@ -70,20 +68,19 @@ from typing import Any
 import torch
 
 from cltrain.timing.clock import Stopwatch
-from cltrain.timing.machine import machine
+from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line, table
-from scripts.bench.config_run import run_config, skip_reason
+from scripts.bench.mark import CONFIGS, SHORT, loader_splits, num, tasks
 from scripts.harness import REPO, run_child
 
 COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
            "notes")
 CELLS = {"img_s": "img/s", "step_ms": "step (ms)", "finite": "finite losses", "syncs": "host syncs/step"}
-E2E, SHORT = "main_amp e2e", {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
-#: (configuration, train.py overrides); compile last: the slowest to start, the first a time limit drops.
-MATRIX = [(f"{layout} {name}", [f"channels_last={str(layout == 'channels_last').lower()}", f"amp={amp}"])
-          for name, amp in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "false"))
-          for layout in ("channels_last", "contiguous")]
-MATRIX.append(("channels_last compile", ["channels_last=true", "amp=auto", "compile.enabled=true"]))
+E2E = "main_amp e2e"
+#: The matrix of part (c): each layout in each precision, then channels_last compiled (the slowest to start, the
+#: first a time limit drops); the names and overrides of ``scripts.bench.mark.CONFIGS``.
+MATRIX = [f"{layout} {p}" for p in ("fp16", "bf16", "fp32") for layout in ("channels_last", "contiguous")] + [
+    "channels_last compile"]
 FULL = {"classes": 10, "per_class": 512, "size": (500, 375), "warmup": 8, "steps": 60, "count": (3, 4),
         "overrides": [], "batch": 256,  # 20 batches of 256 an epoch
         "mark": {"synthetic": {"model": "resnet50", "batch": 256, "size": 224, "warmup": 3, "steps": 5, "rounds": 3},
@@ -96,16 +93,6 @@ TINY = {"classes": 2, "per_class": 6, "size": (64, 48), "warmup": 2, "steps": 1,
 PARTS = ("tests", "newcomer", "e2e")
 TINY_NEWCOMER = ["experiment=smoke", "data.demo.num_classes=2", "data.demo.train_per_class=8",
                  "data.demo.val_per_class=1", "data.demo.image_size=[64,48]"]
-
-
-def run_matrix(spec_file: Path) -> int:
-    """Part (c)'s worker: each configuration of the spec through ``run_config``, one JSON line each."""
-    spec = json.loads(spec_file.read_text())
-    for name, overrides in spec["configs"]:
-        record = run_config(spec, name, overrides, re.sub(r"\W+", "-", name))
-        with open(spec["results"], "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
-    return 0
 
 
 def _draw(job: tuple[str, int, list[int], tuple[int, int]]) -> None:
@@ -134,19 +121,10 @@ def jpeg_folder(root: Path, classes: int, per_class: int, size: tuple[int, int])
     return write_once(root, {"classes": classes, "per_class": per_class, "size": list(size)}, fill, "gpu_check")
 
 
-def run_part(cmd: list[str], cwd: Path, limit: float, log: Path) -> int | None:
-    """``cmd``'s exit status, its output in ``log``; ``None`` when it ran past ``limit`` (its process group is killed)."""
-    return run_child(cmd, timeout=limit, log=log, cwd=cwd).code
-
-
 def row(part: str, configuration: str, status: str, **cells: Any) -> dict[str, str]:
     """A table row; ``cells`` by column, the numbers by the names in ``CELLS``."""
     return {**dict.fromkeys(COLUMNS, ""), "part": part, "configuration": configuration, "status": status,
             **{CELLS.get(k, k): "" if v is None else str(v) for k, v in cells.items()}}
-
-
-def _num(v: float | None, scale: float = 1) -> str:
-    return "" if v is None else f"{scale * v:,.1f}"
 
 
 def cuda_tests(limit: float, log: Path) -> dict[str, str]:
@@ -155,11 +133,10 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
         return row("cuda tests", shown, "skipped: no CUDA")
     if importlib.util.find_spec("pytest") is None:
         return row("cuda tests", shown, "skipped: pytest is not installed")
-    watch = Stopwatch().start()
     # -v: one line per test as it ends, so a run cut short by its limit still says which failed
-    code = run_part([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-v", "--tb=short", "-rfE", "-p",
-                     "no:cacheprovider"], REPO, limit, log)
-    text = log.read_text(errors="replace")
+    child = run_child([sys.executable, "-m", "pytest", "-m", "cuda", "tests/", "-v", "--tb=short", "-rfE", "-p",
+                       "no:cacheprovider"], timeout=limit, log=log)
+    text = child.output
     # one line per test: "path::name OUTCOME", or under pytest-xdist "[gw0] [ 1%] OUTCOME path::name"
     outcomes = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
     ended = re.findall(rf"^(\S+::\S+) ({outcomes})", text, re.MULTILINE) + [
@@ -168,20 +145,20 @@ def cuda_tests(limit: float, log: Path) -> dict[str, str]:
     failed = [name.rpartition("::")[2] for name, outcome in ended if outcome in ("FAILED", "ERROR")]
     reasons = dict(re.findall(r"^(?:FAILED|ERROR) \S+::(\S+) - (.{0,160})", text, re.MULTILINE))
     notes = "; ".join([log.name] + [f"{n}: {reasons[n]}" if n in reasons else n for n in failed])
-    if code is None:
+    if child.code is None:
         counts = Counter(outcome for _, outcome in ended)
         return row("cuda tests", shown, f"timed out after {limit:.0f} s with {counts['PASSED']} passed, "
                    f"{counts['FAILED']} failed, {counts['ERROR']} errors", notes=notes)
     summary = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", text.strip().splitlines()[-1])
-    status = ("completed" if code == 0 else f"failed (exit {code})") + ": " + ", ".join(map(" ".join, summary))
-    return row("cuda tests", shown, f"{status} in {watch.elapsed():.0f} s", notes=notes)
+    status = ("completed" if child.code == 0 else f"failed (exit {child.code})") + ": " + ", ".join(map(" ".join, summary))
+    return row("cuda tests", shown, f"{status} in {child.seconds:.0f} s", notes=notes)
 
 
 def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> dict[str, str]:
     overrides = TINY_NEWCOMER if tiny else []
     shown = "`" + " ".join(["python train.py", *overrides]) + "`"
     folder.mkdir(parents=True)
-    code = run_part([sys.executable, str(REPO / "train.py"), *overrides], folder, limit, log)
+    code = run_child([sys.executable, str(REPO / "train.py"), *overrides], timeout=limit, log=log, cwd=folder).code
     found = sorted(folder.glob("outputs/*/*/metrics.json"))
     if not found:
         return row("default train.py", shown, "timed out" if code is None else f"failed (exit {code})", notes=log.name)
@@ -191,126 +168,74 @@ def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> di
         with open(path) as f:
             losses += [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
     return row("default train.py", shown, m["status"] if code == 0 else f"{m['status']} (exit {code})",
-               precision=m["precision"], img_s=_num(m.get("images_per_second")),
-               step_ms=_num(m.get("step_time_s"), 1000), finite=f"{sum(map(math.isfinite, losses))}/{len(losses)} logged",
+               precision=m["precision"], img_s=num(m.get("images_per_second")),
+               step_ms=num(m.get("step_time_s"), 1000), finite=f"{sum(map(math.isfinite, losses))}/{len(losses)} logged",
                notes=f"{m['device']}, {m['layout']}, {m['global_step']} steps, val top-1 {m.get('val_top1')}%; "
                      f"{m['precision_reason']}")
 
 
-def e2e_spec(work: Path, root: Path, size: dict, tiny: bool) -> dict:
-    """What every end-to-end run shares: the recipe on ``root``, its sizes, where runs and results go."""
-    runs = work / "runs"
+def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool,
+        header: dict[str, str] | None, only: list[str] | None = None) -> list[dict[str, str]]:
+    """Part (c): in one worker under ``limit`` (``scripts.bench.mark.run_tasks``), the ``MATRIX`` configurations
+    end to end, or with ``header`` (``--mark``) the mark's tasks (those whose kind or configuration ``only`` names,
+    when given), the matrix's configurations among them; a row per matrix configuration from its first run, and
+    with ``--mark`` a row for ``OUT/mark.md``."""
+    runs, results = work / "runs", work / "e2e.jsonl"
     runs.mkdir(parents=True, exist_ok=True)
     workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))
-    return {"runs": str(runs), "count": size["count"], "common": [
-        "experiment=main_amp", f"data.root={root}", f"data.num_workers={workers}", *size["overrides"],
-        f"++trainer.max_steps={size['warmup'] + size['steps']}", "trainer.max_epochs=-1",
-        "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
-
-
-def matrix(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool) -> list[dict[str, str]]:
-    results = work / "matrix.jsonl"
-    skips = {name: skip_reason(o, tiny) for name, o in MATRIX}
-    spec = {**e2e_spec(work, root, size, tiny), "configs": [(n, o) for n, o in MATRIX if not skips[n]],
-            "results": str(results)}
-    (work / "matrix.json").write_text(json.dumps(spec, indent=1))
-    code = run_part([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "matrix.json")], REPO, limit,
-                    log) if spec["configs"] else 0
-    done = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())} if results.is_file() else {}
-    copy_metrics(Path(spec["runs"]), out)
-    return matrix_rows(done, skips, code, limit, log)
-
-
-def mark_part(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool,
-              header: dict[str, str], only: list[str] | None = None) -> list[dict[str, str]]:
-    """Part (c) with ``--mark``: ``scripts.bench.mark``'s tasks (those whose kind or configuration ``only`` names,
-    when given) in one worker under ``limit``, the matrix's configurations among them; the matrix's rows from
-    their first runs, and a row for ``OUT/mark.md``."""
-    from scripts.bench.mark import loader_splits, tasks
-
-    results, base = work / "mark.jsonl", e2e_spec(work, root, size, tiny)
-    chosen = [t for t in tasks(tiny) if not only or t["kind"] in only or t.get("name") in only]
-    run_workers = int(next(o for o in base["common"] if o.startswith("data.num_workers=")).split("=")[1])
-    spec = {**base, **size["mark"], "results": str(results), "out": str(out), "tiny": tiny, "tasks": chosen,
-            "deadline": time.time() + limit - 5, "needs_scale": 0 if tiny else 1, "warmup": size["warmup"],
-            "steps": size["steps"],
-            "device": "cuda" if torch.cuda.is_available() else "cpu", "batch": size["batch"], "header": header}
-    spec["loader"] = {**spec["loader"], "splits": loader_splits(run_workers, tiny)}
-    (work / "mark.json").write_text(json.dumps(spec, indent=1))
-    code = run_part([sys.executable, "-m", "scripts.gpu_check", "--mark-worker", str(work / "mark.json")], REPO, limit,
-                    log)
+    chosen = ([t for t in tasks(tiny) if not only or t["kind"] in only or t.get("name") in only] if header
+              else [dict(kind="e2e", name=name, round=0) for name in MATRIX])
+    spec = {**size["mark"], "runs": str(runs), "count": size["count"], "results": str(results), "out": str(out),
+            "tiny": tiny, "tasks": chosen, "deadline": time.time() + limit - 5, "needs_scale": 0 if tiny or not header else 1,
+            "warmup": size["warmup"], "steps": size["steps"], "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "batch": size["batch"], "header": header, "common": [
+                "experiment=main_amp", f"data.root={root}", f"data.num_workers={workers}", *size["overrides"],
+                f"++trainer.max_steps={size['warmup'] + size['steps']}", "trainer.max_epochs=-1",
+                "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
+    spec["loader"] = {**spec["loader"], "splits": loader_splits(workers, tiny)}
+    (work / "e2e.json").write_text(json.dumps(spec, indent=1))
+    code = run_child([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "e2e.json")], timeout=limit,
+                     log=log).code
     records = list(map(json.loads, results.read_text().splitlines())) if results.is_file() else []
-    copy_metrics(Path(spec["runs"]), out)
-    first: dict[str, dict] = {}
-    for r in records:
-        if r["kind"] == "e2e" and r.get("status") in ("completed", "failed"):
-            first.setdefault(r["name"], r)
-    done = sum(r.get("status") == "completed" for r in records)
-    status = (f"timed out after {limit:.0f} s" if code is None else "completed" if code == 0
-              else f"failed (exit {code})") + f": {done} of {len(spec['tasks'])} tasks completed"
-    names = {t.get("name") for t in chosen}
-    skips = {name: skip_reason(o, tiny) or (None if name in names else "skipped: --mark-only") for name, o in MATRIX}
-    return [*matrix_rows(first, skips, code, limit, log), row("mark", "`--mark`", status, notes=f"mark.md; {log.name}")]
-
-
-def copy_metrics(runs: Path, out: Path) -> None:
-    """Every run's ``metrics.json`` beside the table, one line each in ``runs.metrics.jsonl`` (``"run"``: its
-    folder): one file, so the device tool's eight returned files keep room for the tables and logs."""
+    # every run's metrics.json beside the table, in one file: the device tool's eight returned files keep room
     lines = [json.dumps({"run": p.parent.name, **json.loads(p.read_text())}) for p in sorted(runs.glob("*/metrics.json"))]
     if lines:
         (out / "runs.metrics.jsonl").write_text("\n".join(lines) + "\n")
-
-
-def matrix_rows(done: dict[str, dict], skips: dict[str, str | None], code: int | None, limit: float,
-                log: Path) -> list[dict[str, str]]:
-    """Part (c)'s rows, one per ``MATRIX`` configuration, from its run's record (``done``, by name)."""
+    ran = lambda r: r.get("status") in ("completed", "failed")  # noqa: E731
+    first: dict[str, dict] = {}  # a configuration's first run that ran, else its first record (skipped, not run)
+    for r in (r for r in records if r["kind"] == "e2e"):
+        if r["name"] not in first or ran(r) and not ran(first[r["name"]]):
+            first[r["name"]] = r
+    names = {t.get("name") for t in chosen}
+    why = f"time limit ({limit:.0f} s) reached" if code is None else f"the worker exited with {code}"
     rows = []
-    for name, overrides in MATRIX:
-        shown, r = "`" + " ".join(overrides) + "`", done.get(name)
+    for name in MATRIX:
+        shown, r = "`" + " ".join(CONFIGS[name]) + "`", first.get(name)
         if r is None:
-            why = f"time limit ({limit:.0f} s) reached" if code is None else f"the worker exited with {code}"
-            rows.append(row(E2E, shown, skips[name] or f"not run: {why}", notes="" if skips[name] else log.name))
+            rows.append(row(E2E, shown, f"not run: {why}" if name in names else "skipped: --mark-only",
+                            notes=log.name if name in names else ""))
             continue
         notes = [f"{r['error']} ({log.name})"] if r.get("error") else []
         notes += ["TF32"] if r.get("precision") == "32-true" and r.get("tf32") and r.get("device") == "cuda" else []
         notes += [f"{op} x{n}" for op, n in r.get("sync_ops", {}).items()]
-        rows.append(row(E2E, shown, r["status"], precision=r.get("precision"), img_s=_num(r.get("images_per_second")),
-                        step_ms=_num(r.get("step_time_s"), 1000), finite=f"{r['finite']}/{r['steps']}" if "steps" in r
+        rows.append(row(E2E, shown, r["status"], precision=r.get("precision"), img_s=num(r.get("images_per_second")),
+                        step_ms=num(r.get("step_time_s"), 1000), finite=f"{r['finite']}/{r['steps']}" if "steps" in r
                         else None, syncs=f"{sum(r['sync_ops'].values()) / r['counted']:g}" if r.get("counted") else None,
                         notes="; ".join(notes)))
-    speed = {name: (r.get("precision"), r.get("images_per_second")) for name, r in done.items()}
-    for (name, _), r in zip(MATRIX, rows):  # channels_last against contiguous, compile against eager
+    speed = {name: (r.get("precision"), r.get("images_per_second")) for name, r in first.items()}
+    for name, r in zip(MATRIX, rows):  # channels_last against contiguous, compile against eager
         precision, mine = speed.get(name, (None, None))
         if mine and name.startswith("channels_last") and precision in SHORT:
             base, what = ((f"channels_last {SHORT[precision]}", "eager") if "compile" in name
                           else (f"contiguous {SHORT[precision]}", "contiguous"))
             if speed.get(base, (None, None))[1]:
                 r["notes"] = "; ".join(filter(None, [f"{mine / speed[base][1]:.2f}x {what}", r["notes"]]))
-    return rows
-
-
-def describe_machine() -> tuple[str, str]:
-    """The GPU (name, driver, CUDA, cuDNN) or "no CUDA device", and the host (CPU, cores, Python, versions)."""
-    m = machine()
-    gpu = m.get("gpu")
-    device = (f"{gpu['name']}, driver {gpu['driver']}, CUDA {gpu['cuda']}, cuDNN {gpu['cudnn']}" if gpu
-              else "no CUDA device")
-    host = (f"{m['cpu']}, {m['logical_cpus']} logical cores; Python {m['python']}; "
-            + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
-    return device, host
-
-
-def machine_rows(command: str, seconds: float, data: str, machine_: tuple[str, str]) -> list[dict[str, str]]:
-    device, host = machine_
-    return [row("machine", device, "", notes=host), row("command", f"`{command}`", f"finished in {seconds:.0f} s",
-                                                        notes=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-            row("data", data, "")]
-
-
-def gpu_results_table(rows: list[dict[str, str]]) -> str:
-    """The rows as one Markdown table, numbers right-aligned."""
-    return table(COLUMNS, [[r[c] for c in COLUMNS] for r in rows],
-                 align="".join("r" if c in CELLS.values() else "l" for c in COLUMNS)) + "\n"
+    if header is None:
+        return rows
+    done = sum(r.get("status") == "completed" for r in records)
+    status = (f"timed out after {limit:.0f} s" if code is None else "completed" if code == 0
+              else f"failed (exit {code})") + f": {done} of {len(chosen)} tasks completed"
+    return [*rows, row("mark", "`--mark`", status, notes=f"mark.md; {log.name}")]
 
 
 def install_wheels(folder: Path, target: Path) -> None:
@@ -342,14 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds for (a) the cuda tests, (b) the default train.py, (c) the matrix or the mark "
                              "(default 180 100 220; with --mark 150 90 and (c) what the budget leaves)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--mark-worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return run_matrix(args.worker)
-    if args.mark_worker:
         from scripts.bench.mark import run_tasks
 
-        return run_tasks(args.mark_worker)
+        return run_tasks(args.worker)
     started, command = Stopwatch().start(), command_line("scripts.gpu_check", argv)
     budget = args.budget if args.budget is not None else math.inf
     args.out.mkdir(parents=True, exist_ok=True)
@@ -370,15 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         data = (f"{size['classes'] * size['per_class']:,} + {size['classes']} JPEGs of {size['size'][0]}x"
                 f"{size['size'][1]} drawn by cltrain.data.demo in {drawing.seconds:.0f} s")
         stamp = work / time.strftime("%Y%m%d-%H%M%S")
-        device, host = describe_machine()
+        m = machine()
+        gpu = (m.get("gpu") or {}).get("name", "no CUDA device")
+        header = {"gpu": gpu, "machine": machine_line(m), "command": command} if args.mark else None
         parts = {
             "tests": ("cuda tests", lambda limit: [cuda_tests(limit, args.out / "cuda_tests.log")]),
             "newcomer": ("default train.py", lambda limit: [
                 newcomer(stamp / "newcomer", limit, args.out / "default_train.log", args.tiny, args.out)]),
-            "e2e": (E2E, lambda limit: mark_part(
-                stamp, root, limit, args.out / "mark.log", size, args.out, args.tiny,
-                {"device": device, "host": host, "command": command}, args.mark_only) if args.mark
-                else matrix(stamp, root, limit, args.out / "matrix.log", size, args.out, args.tiny)),
+            "e2e": (E2E, lambda limit: e2e(stamp, root, limit, args.out / ("mark.log" if args.mark else "matrix.log"),
+                                           size, args.out, args.tiny, header, args.mark_only)),
         }
         rows: list[dict[str, str]] = []
         for (name, (label, run)), wanted in zip(parts.items(), limits):
@@ -390,9 +312,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 rows += run(limit)
                 print(f"gpu_check: {label}: {rows[-1]['status']} ({started.elapsed():.0f} s)", flush=True)
-            text = gpu_results_table(machine_rows(command, started.elapsed(), data, (device, host)) + rows)
-            (args.out / "gpu_check.md").write_text(text)  # after every part: a run cut short keeps what it has
-    print(text, end="")
+            text = table(COLUMNS, [[r[c] for c in COLUMNS] for r in [
+                row("machine", gpu, "", notes=machine_line(m)),
+                row("command", f"`{command}`", f"finished in {started.elapsed():.0f} s",
+                    notes=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+                row("data", data, ""), *rows]], align="".join("r" if c in CELLS.values() else "l" for c in COLUMNS))
+            (args.out / "gpu_check.md").write_text(text + "\n")  # after every part: a run cut short keeps what it has
+    print(text)
     return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0
 
 

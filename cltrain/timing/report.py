@@ -24,7 +24,7 @@ from typing import Any
 
 from cltrain.atomic import atomic_write_text
 
-__all__ = ["command_line", "escape_cell", "page", "table", "write_report"]
+__all__ = ["command_line", "escape_cell", "page", "table", "table_row", "write_report"]
 
 
 def escape_cell(cell: Any) -> str:
@@ -32,14 +32,17 @@ def escape_cell(cell: Any) -> str:
     return str(cell).replace("|", "\\|").replace("\n", " ")
 
 
+def table_row(cells: Iterable[Any]) -> str:
+    """One line of a Markdown table (cells escaped): what a long run prints as each row is measured, below
+    ``table(header, [])``."""
+    return "| " + " | ".join(escape_cell(c) for c in cells) + " |"
+
+
 def table(header: Sequence[Any], rows: Iterable[Sequence[Any]], align: str = "") -> str:
     """A Markdown table: the ``header``, then a line per row (cells escaped). ``align``: a letter per column, ``l``
     (``---``) or ``r`` (``---:``), the columns past its end ``l``."""
-    def line(cells: Iterable[Any]) -> str:
-        return "| " + " | ".join(escape_cell(c) for c in cells) + " |"
-
     rule = "|" + "".join("---:|" if align[i:i + 1] == "r" else "---|" for i in range(len(header)))
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+    return "\n".join([table_row(header), rule, *(table_row(r) for r in rows)])
 
 
 def page(title: str, intro: Sequence[str], sections: Mapping[str, Sequence[str]]) -> str:

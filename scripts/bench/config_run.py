@@ -1,10 +1,8 @@
 """One configuration of train.py run in this process, with the probe that counts its finite losses and host syncs:
-what ``scripts.gpu_check``'s matrix and ``scripts.bench.mark``'s end-to-end tasks share (so the driver imports mark,
-and mark never imports the driver)."""
+each end-to-end task of ``scripts.bench.mark`` (``scripts.gpu_check``'s matrix and its ``--mark``)."""
 
 from __future__ import annotations
 
-import gc
 import json
 from collections import Counter
 from pathlib import Path
@@ -13,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
+from cltrain.check.budget import free_memory
 from cltrain.timing.host_syncs import SyncOps
 
 __all__ = ["StepProbe", "run_config", "skip_reason"]
@@ -75,9 +74,7 @@ def run_config(spec: dict, name: str, overrides: list[str], slug: str, extra: li
         record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
     record.update(json.loads(probe.read_text()) if probe.is_file() else {})
     record.pop("config", None)
-    gc.collect()  # the finished run's loader workers and tensors, before the next run starts
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()  # the finished run's loader workers and tensors, before the next run starts
     return record
 
 

@@ -52,17 +52,17 @@ import torch
 from PIL import Image
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
+from cltrain.data.demo import write_once
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.timing.clock import timed
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved, rate_after_first
 from cltrain.timing.stats import spread
-from scripts.bench.loader import loader_machine_line, loader_rate, methods, time_loader
+from scripts.bench.loader import DecodeWhole, loader_machine_line, loader_rate, methods, time_loader
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 
 SIZE = 224
-_DONE = ".complete"
 #: The loaders, in the order the table gives them.
 LOADERS = ("DALI", "cltrain float", "cltrain uint8", "cltrain N proc", "torchvision", "timm", "decode",
            "lever: normalize() after", "lever: whole-image decode", "lever: batch by batch")
@@ -72,25 +72,26 @@ LOADERS = ("DALI", "cltrain float", "cltrain uint8", "cltrain N proc", "torchvis
 def make_sized_folder(root: Path, size: tuple[int, int], count: int, classes: int = 4, seed: int = 0) -> Path:
     """``root/train/<class>/*.jpg``: ``count`` JPEGs of exactly ``size`` = (width, height), each a mosaic of
     500x375 random crops of the bundled photographs (one tile when ``size`` is that small); made once."""
-    if (root / _DONE).is_file():
-        return root
-    photos, rng = bundled_photos(), random.Random(seed)
-    tile_w, tile_h = min(500, size[0]), min(375, size[1])
-    for i in range(count):
-        canvas = Image.new("RGB", size)
-        for top in range(0, size[1], tile_h):
-            for left in range(0, size[0], tile_w):
-                photo = photos[rng.randrange(len(photos))]
-                w, h = photo.size
-                scale = max(tile_w / w, tile_h / h) * rng.uniform(1.0, 1.6)  # some enlarged, never stretched
-                big = photo.resize((max(tile_w, round(w * scale)), max(tile_h, round(h * scale))), Image.Resampling.LANCZOS)
-                x, y = rng.randint(0, big.width - tile_w), rng.randint(0, big.height - tile_h)
-                canvas.paste(big.crop((x, y, x + tile_w, y + tile_h)), (left, top))
-        folder = root / "train" / f"class_{i % classes}"
-        folder.mkdir(parents=True, exist_ok=True)
-        canvas.save(folder / f"{i:05d}.jpg", quality=rng.randint(75, 95), subsampling=2)
-    (root / _DONE).write_text(f"{count} images of {size[0]}x{size[1]}, seed {seed}\n")
-    return root
+    def fill(tmp: Path) -> None:
+        photos, rng = bundled_photos(), random.Random(seed)
+        tile_w, tile_h = min(500, size[0]), min(375, size[1])
+        for i in range(count):
+            canvas = Image.new("RGB", size)
+            for top in range(0, size[1], tile_h):
+                for left in range(0, size[0], tile_w):
+                    photo = photos[rng.randrange(len(photos))]
+                    w, h = photo.size
+                    scale = max(tile_w / w, tile_h / h) * rng.uniform(1.0, 1.6)  # some enlarged, never stretched
+                    big = photo.resize((max(tile_w, round(w * scale)), max(tile_h, round(h * scale))),
+                                       Image.Resampling.LANCZOS)
+                    x, y = rng.randint(0, big.width - tile_w), rng.randint(0, big.height - tile_h)
+                    canvas.paste(big.crop((x, y, x + tile_w, y + tile_h)), (left, top))
+            folder = tmp / "train" / f"class_{i % classes}"
+            folder.mkdir(parents=True, exist_ok=True)
+            canvas.save(folder / f"{i:05d}.jpg", quality=rng.randint(75, 95), subsampling=2)
+
+    return write_once(root, {"mosaic": list(size), "count": count, "classes": classes, "seed": seed}, fill,
+                      "make_sized_folder")
 
 
 def folders(work: Path, quick: bool) -> dict[str, Path]:
@@ -155,21 +156,12 @@ def cltrain_loader(split: Path, threads: int, workers: int, batch_size: int, bat
 
 
 def bare_decode(samples: list[tuple[str, int]], threads: int, images: int, seed: int) -> float:
-    import simplejpeg
-
-    rng = random.Random(seed)
+    """Images/second of ``scripts.bench.loader.DecodeWhole`` (read the file, decode it whole) on ``threads``."""
+    rng, decode = random.Random(seed), DecodeWhole()
     paths = [samples[rng.randrange(len(samples))][0] for _ in range(images)]
-
-    def one(path: str) -> int:
-        with open(path, "rb") as f:
-            return simplejpeg.decode_jpeg(f.read()).shape[0]
-
-    def each() -> None:
-        for p in paths:
-            one(p)
-
+    one = lambda path: decode(path).shape[0]  # noqa: E731 - the rows: no image kept
     if threads == 1:
-        return images / timed(each)
+        return images / timed(lambda: [one(p) for p in paths])
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, paths[:threads]))
         return images / timed(lambda: list(pool.map(one, paths)))

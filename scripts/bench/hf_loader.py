@@ -32,16 +32,16 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from torchvision import transforms as T
 
-from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, train_transform
+from cltrain.data import ImageFolderDataset, NHWCCollate, train_transform
 from cltrain.data.hf_dataset import HFImageDataset
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.loader_threads import loading_plan
 from cltrain.data.normalize import ImageNormalizer
+from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved
 from cltrain.timing.stats import spread
-from scripts.bench.loader import loader_machine_line, loader_rate
+from scripts.bench.loader import loader_machine_line, loader_rate, torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
 
 
@@ -59,8 +59,7 @@ def save_as_hf(samples: list[tuple[str, int]], classes: list[str], out: Path) ->
 
 def hf_documented(dataset: Any, size: int) -> tuple[Dataset, Callable, Callable]:
     """Hugging Face's image-classification recipe: ``set_transform`` with torchvision transforms on Pillow images."""
-    tv = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    tv = torchvision_train(size)
 
     def transform(batch: dict) -> dict:
         batch["pixel_values"] = [tv(img.convert("RGB")) for img in batch["image"]]
@@ -114,10 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     rates = interleaved(cases, args.repeats, with_round=True)
     med = {k: spread(v).median for k, v in rates.items()}
     hf_docs = med[(next(iter(configs)), "(a) HF docs")]
-    print(f"\n{'configuration':<40}{'loader':<18}{'img/s':>8}{'vs (a)':>9}{'vs (c)':>9}")
-    for (config, name), value in med.items():
-        folder = med[(config, "(c) cltrain dir")]
-        print(f"{config:<40}{name:<18}{value:>8.0f}{value / hf_docs:>9.2f}{value / folder:>9.2f}")
+    print("\n" + table(["configuration", "loader", "img/s", "vs (a)", "vs (c)"],
+                       [[config, name, f"{v:.0f}", f"{v / hf_docs:.2f}", f"{v / med[(config, '(c) cltrain dir')]:.2f}"]
+                        for (config, name), v in med.items()], align="llrrr"))
     best_hf = max(v for (c, n), v in med.items() if n == "(b) cltrain hf")
     same = med[(next(iter(configs)), "(b) cltrain hf")]
     print(f"cltrain hf: {same / hf_docs:.2f}x the HF pipeline with the same workers, {best_hf / hf_docs:.2f}x with its "

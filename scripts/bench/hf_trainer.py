@@ -69,20 +69,12 @@ def build(name: str, image_size: int, tiny: bool) -> nn.Module:
     return getattr(transformers, model_class)(config)
 
 
-class Images(torch.utils.data.Dataset):
+def images(n: int, image_size: int, segmentation: bool) -> list[dict[str, torch.Tensor]]:
     """``n`` generated samples: ``pixel_values`` (3, H, W) and a class (a class map for segmentation)."""
-
-    def __init__(self, n: int, image_size: int, segmentation: bool) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.images = torch.randn(n, 3, image_size, image_size, generator=g)
-        shape = (n, image_size, image_size) if segmentation else (n,)
-        self.labels = torch.randint(0, NUM_LABELS, shape, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"pixel_values": self.images[i], "labels": self.labels[i]}
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(n, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, NUM_LABELS, (n, image_size, image_size) if segmentation else (n,), generator=g)
+    return [{"pixel_values": x, "labels": y} for x, y in zip(pixels, labels)]
 
 
 def step_timer() -> tuple[Any, list[float]]:
@@ -104,7 +96,7 @@ def step_timer() -> tuple[Any, list[float]]:
     return StepTimer(), seconds
 
 
-def make_trainer(model: nn.Module, data: Images, callbacks: list[Any], args: argparse.Namespace, out: str) -> Any:
+def make_trainer(model: nn.Module, data: list[dict[str, torch.Tensor]], callbacks: list[Any], args: argparse.Namespace, out: str) -> Any:
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
     options = TrainingArguments(
@@ -123,7 +115,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     base = build(name, args.image_size, args.tiny)
-    data = Images(args.batch_size * (args.steps + 1), args.image_size, segmentation="Segformer" in type(base).__name__)
+    data = images(args.batch_size * (args.steps + 1), args.image_size, segmentation="Segformer" in type(base).__name__)
     trainers: dict[str, tuple[Any, list[float]]] = {}
     with tempfile.TemporaryDirectory() as out:
         for layout in ("contiguous", "channels_last"):

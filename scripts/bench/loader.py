@@ -1,29 +1,22 @@
 """Loader throughput: cltrain's NHWC path against torchvision's, timm's and plain decoding.
 
-Images per second on the same JPEG folder, batch size, worker count and sample
-order, measured one after the other in one run:
+Images per second on the same JPEG folder, batch size, worker count and sample order:
 
-  (a) cltrain     train_transform (given the path: libjpeg-turbo + torch resize) + NHWCCollate
-                  normalising each image into the channels_last float32 batch (for a GPU:
-                  uint8 batches, normalize() on the device)
-  (b) torchvision RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize,
-                  default_collate, then .contiguous(memory_format=torch.channels_last)
+  (a) cltrain     train_transform (given the path: libjpeg-turbo + torch resize) + NHWCCollate normalising each
+                  image into the channels_last float32 batch (for a GPU: uint8 batches, normalize() on the device)
+  (b) torchvision RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize, default_collate, then
+                  .contiguous(memory_format=torch.channels_last)
   (c) timm        RandomResizedCrop, flip, PILToTensor + timm.data.fast_collate, then
                   float().sub_(mean).div_(std) and .contiguous(memory_format=channels_last)
-  (d) decode      read the file + simplejpeg.decode_jpeg of the whole image (libjpeg-turbo,
-                  accurate DCT and upsampling) and nothing else: the bar to beat
+  (d) decode      read the file + simplejpeg.decode_jpeg of the whole image and nothing else: the bar to beat
 
 The first batch of each loader (worker start-up) is not timed (``cltrain.timing.rounds.rate_after_first``);
-``--repeats`` rounds run the loaders in turn, the order rotating, each round the same samples for every
-loader. ``--photos DIR`` times
-a folder of real photographs (333-800 px, quality 75-95, 4:2:0 and 4:4:4; made once
-from the images bundled with scikit-image and scikit-learn, see
-``scripts/bench/photo_folder.py``: ``pip install 'cltrain[bench]'``); without it and
-without --root, the demo folder (synthetic 500x375 JPEGs). ``--augment`` adds a
-cltrain row with TrivialAugmentWide in the workers and random erasing + mixup on the
-batch; ``--whole`` a cltrain row decoding whole images (the path before region decoding). ``--device cuda`` also times each loader's whole path to the GPU: pinned
-batches, one non-blocking host-to-device copy, normalisation and layout on the GPU,
-synchronised before the clock stops.
+``--repeats`` rounds run the loaders in turn, the order rotating, each round the same samples for every loader.
+``--photos DIR`` times a folder of real photographs (``scripts/bench/photo_folder.py``: ``pip install
+'cltrain[bench]'``); without it and without --root, the demo folder. ``--augment`` adds a cltrain row with
+TrivialAugmentWide in the workers and random erasing + mixup on the batch; ``--whole`` a cltrain row decoding whole
+images. ``--device cuda`` also times each loader's whole path to the GPU (pinned batches, one non-blocking copy,
+normalisation and layout on the GPU, synchronised before the clock stops).
 
     python -m scripts.bench.loader --photos /tmp/cltrain-photos       # batch 64, 1 worker
     python -m scripts.bench.loader --root /data/imagenet --workers 4 --batches 50
@@ -46,6 +39,7 @@ from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved, rate_after_first
 from cltrain.timing.stats import spread
 from scripts.bench.photo_folder import make_photo_folder
@@ -81,19 +75,10 @@ class DecodeWhole:
             return simplejpeg.decode_jpeg(f.read())
 
 
-def count_only(batch):
-    return len(batch)
-
-
-def _mean_std_255(device="cpu"):
-    m = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-    s = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
-    return m, s
-
-
-def _to(batch, device):
-    """One non-blocking copy per tensor of an (images, targets) batch (pinned by the loader)."""
-    return [t.to(device, non_blocking=True) for t in batch]
+def torchvision_train(size: int) -> T.Compose:
+    """torchvision's documented training transform: RandomResizedCrop, flip, ToTensor, Normalize."""
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                      T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
 def methods(size, device, augment=False, num_classes=1000, whole=False):
@@ -102,23 +87,21 @@ def methods(size, device, augment=False, num_classes=1000, whole=False):
     from timm.data.loader import fast_collate
 
     cuda = device.type == "cuda"
-    m255, s255 = _mean_std_255(device)
-    tv = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    timm_t = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()])
-    move = (lambda b: _to(b, device)) if cuda else (lambda b: b)
+    m255, s255 = (torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
+    move = (lambda b: [t.to(device, non_blocking=True) for t in b]) if cuda else (lambda b: b)  # pinned by the loader
     # On the CPU the collate normalises each image into the batch (as ImageFolderDataModule does there);
     # for a GPU the loader hands over uint8 and normalize() runs on the device.
     cltrain_row = ((train_transform(size), NHWCCollate(), lambda b: normalize(move(b)[0])) if cuda
                    else (train_transform(size), NHWCCollate(normalize=ImageNormalizer()), lambda b: b[0]))
     rows = {
         "(a) cltrain": cltrain_row,
-        "(b) torchvision": (tv, default_collate, lambda b: move(b)[0].contiguous(memory_format=torch.channels_last)),
-        "(c) timm": (timm_t, fast_collate,
+        "(b) torchvision": (torchvision_train(size), default_collate,
+                            lambda b: move(b)[0].contiguous(memory_format=torch.channels_last)),
+        "(c) timm": (T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()]), fast_collate,
                      lambda b: move(b)[0].float().sub_(m255).div_(s255).contiguous(memory_format=torch.channels_last)),
     }
     if not cuda:
-        rows["(d) decode only"] = (DecodeWhole(), count_only, lambda b: b)
+        rows["(d) decode only"] = (DecodeWhole(), len, lambda b: b)
     if whole:  # the same loader decoding whole images (cltrain before region decoding)
         t = train_transform(size)
         t.region = False
@@ -164,18 +147,12 @@ def loader_machine_line(device: torch.device) -> str:
             + f"; Pillow's libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}; region decode {region}")
 
 
-def print_ratios(title, med):
-    """Print each loader's median images/second and its ratio to the reference loaders."""
-    names = list(med)
-    refs = [n for n in names if n[:3] in ("(b)", "(c)", "(d)")]
-    print(f"\n{title}\n{'loader':<18}{'img/s':>9}" + "".join(f"{'vs ' + n.split()[0]:>9}" for n in refs))
-    for name in names:
-        print(f"{name:<18}{med[name]:>9.0f}" + "".join(f"{med[name] / med[o]:>9.2f}" for o in refs))
-    a = med["(a) cltrain"]
-    line = f"cltrain: {a / med['(b) torchvision']:.2f}x torchvision [target 2.5], {a / med['(c) timm']:.2f}x timm"
-    if "(d) decode only" in med:
-        line += f", {a / med['(d) decode only']:.2f}x whole-image simplejpeg decode [target 0.9, stretch 1.0]"
-    print(line)
+def ratio_table(med: dict[str, float]) -> str:
+    """Each loader's median images/second and its ratio to the reference loaders (b), (c) and (d)."""
+    refs = [n for n in med if n[:3] in ("(b)", "(c)", "(d)")]
+    return table(["loader", "img/s", *(f"vs {n.split()[0]}" for n in refs)],
+                 [[n, f"{v:.0f}", *(f"{v / med[o]:.2f}" for o in refs)] for n, v in med.items()],
+                 align="l" + "r" * (1 + len(refs)))
 
 
 def main(argv=None):
@@ -206,20 +183,21 @@ def main(argv=None):
     print(f"{len(samples)} images under {split}; batch {args.batch_size}, {args.workers} worker(s), "
           f"{args.batches} timed batches x {args.repeats} repeat(s), crop {args.size}")
     print(loader_machine_line(device))
-    devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
     cpu_decode = None
-    for dev in devices:
+    for dev in [torch.device("cpu")] + ([device] if device.type == "cuda" else []):
         loaders = methods(args.size, dev, args.augment, len(classes), args.whole)
         rates = interleaved({name: (lambda r, m=m: time_loader(samples, *m, args.batch_size, args.workers, args.batches,
                                                                 args.seed + r, dev)) for name, m in loaders.items()},
                             args.repeats, with_round=True)
         med = {k: spread(v).median for k, v in rates.items()}
-        if dev.type == "cuda":  # decode-only has no GPU path: carry the CPU figure for the ratio
-            med["(d) decode only"] = cpu_decode
-        else:
-            cpu_decode = med["(d) decode only"]
-        print_ratios(f"to {dev} (normalised channels_last float32 {'on the GPU' if dev.type == 'cuda' else 'in this process'})",
-                     med)
+        # decode-only has no GPU path: the CPU figure stands for it in the ratios
+        cpu_decode = med.setdefault("(d) decode only", cpu_decode)
+        a = med["(a) cltrain"]
+        print(f"\nto {dev} (normalised channels_last float32 {'on the GPU' if dev.type == 'cuda' else 'in this process'})"
+              f"\n\n{ratio_table(med)}\n\ncltrain: {a / med['(b) torchvision']:.2f}x torchvision [target 2.5], "
+              f"{a / med['(c) timm']:.2f}x timm, {a / med['(d) decode only']:.2f}x whole-image simplejpeg decode "
+              "[target 0.9, stretch 1.0]")
+
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,6 @@ rounds repeat the fp32 pair instead.
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 import time
@@ -42,7 +41,8 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.clock import Stopwatch
+from cltrain.check.budget import free_memory, is_out_of_memory
+from cltrain.timing.clock import Stopwatch, synchronize
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
@@ -68,6 +68,12 @@ KEY_CPU = ["contiguous fp32", "channels_last fp32"]
 PROFILED = {"channels_last fp16", "channels_last fp16 compile", "channels_last fp32"}
 #: Seconds a task usually takes on one H100 (compiles included); a task starts only with this much budget left.
 NEEDS = {"amp": 30, "e2e": 20, "compile": 90, "max-autotune": 300, "largest_batch": 60, "loader": 40}
+SHORT = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
+
+
+def num(v: float | None, scale: float = 1) -> str:
+    """A figure as the tables give it (``1,234.5``); "" for none."""
+    return "" if v is None else f"{scale * v:,.1f}"
 
 
 def tasks(tiny: bool) -> list[dict[str, Any]]:
@@ -124,28 +130,16 @@ def largest_batch(fits: Callable[[int], bool], start: int, cap: int, granularity
     return low or None, tried
 
 
-def _synthetic(n: int, size: int, device: torch.device, classes: int = 1000) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 3, size, size, generator=gen).to(device, memory_format=torch.channels_last)
-    return [(x, torch.randint(0, classes, (n,), generator=gen).to(device))]
-
-
 def _plain_step(model_name: str, flag: str, device: torch.device, batch: int, size: int) -> Callable[[], torch.Tensor]:
     """The recipe's step (``PlainStep``: the app's optimizer, autocast, loss scaling) on one synthetic batch."""
     from cltrain import to_channels_last
     from cltrain.app import build_classifier
-    from scripts.bench.train import PlainStep
+    from scripts.bench.train import PlainStep, synthetic_batches
 
-    batches = _synthetic(batch, size, device)
+    batches = synthetic_batches(1, batch, size, device)
     step = PlainStep(to_channels_last(build_classifier(model_name, num_classes=1000).to(device)), flag, device, batches)
     x, y = batches[0]
     return lambda: step(x, y)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # --- the tasks -------------------------------------------------------------------------------------------------
@@ -157,7 +151,7 @@ def run_amp(spec: dict, records: list[dict]) -> dict:
     flags = ["bf16-mixed", "16-mixed"] if device.type == "cuda" else ["bf16-mixed", "32-true"]
     trials = time_precisions(lambda flag: _plain_step(s["model"], flag, device, s["batch"], s["size"]), flags,
                              device=device, warmup=s["warmup"], steps=s["steps"], rounds=s["rounds"])
-    _free(device)
+    free_memory()
     auto = auto_precision(device)
     choice = choose_precision(trials, fallback=auto)
     return {"status": "completed", "trials": [asdict(t) for t in trials], "batch": s["batch"], "rounds": s["rounds"],
@@ -170,24 +164,22 @@ def run_largest_batch(spec: dict, records: list[dict]) -> dict:
     errors: dict[int, str] = {}
 
     def fits(n: int) -> bool:
-        _free(device)  # the last try's model, optimizer and batch went with its frame
+        free_memory()  # the last try's model, optimizer and batch went with its frame
         try:
             step = _plain_step(s["model"], flag, device, n, s["size"])
             for _ in range(2):
                 step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)  # an allocation that fails does so by now
             return True
-        except torch.OutOfMemoryError:
-            return False
-        except RuntimeError as err:  # some kernels report running out of memory as a plain RuntimeError
-            if "out of memory" not in str(err).lower():
+        except RuntimeError as err:  # torch.OutOfMemoryError, or a kernel's plain RuntimeError saying so
+            if not is_out_of_memory(err):
                 raise
-            errors[n] = str(err).splitlines()[0][:120]
+            if not isinstance(err, torch.OutOfMemoryError):
+                errors[n] = str(err).splitlines()[0][:120]
             return False
 
     largest, tried = largest_batch(fits, search["start"], search["cap"], search["granularity"])
-    _free(device)
+    free_memory()
     return {"status": "completed", "largest": largest, "precision": flag, "cap": search["cap"],
             "tried": [[n, ok] for n, ok in tried.items()], "errors": errors}
 
@@ -232,7 +224,7 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
     slug = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}-r{task['round']}"
     profile = Path(spec["runs"]) / f"{slug}.profile.json"
     extra = []
-    if name in PROFILED and task["round"] == 0:
+    if name in PROFILED and task["round"] == 0 and spec["header"]:  # the mark's, not the plain matrix's runs
         first = max(1, spec["warmup"] - 3)  # two steps ending before the last warm-up step: the timed window is clean
         extra = ["+callbacks.profile._target_=scripts.bench.step_profile.StepProfile",
                  f"+callbacks.profile.path={profile}", f"+callbacks.profile.first={first}",
@@ -254,8 +246,8 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
 
 
 def run_tasks(spec_file: Path) -> int:
-    """The worker: every task of the spec in order, each record appended to ``spec["results"]`` as it ends and
-    ``mark.md`` written again after it."""
+    """The worker (``python -m scripts.gpu_check --worker SPEC``): every task of the spec in order, each record
+    appended to ``spec["results"]`` as it ends and, for ``--mark`` (``spec["header"]``), ``mark.md`` written again."""
     from scripts.bench.mark_table import mark_markdown
 
     spec = json.loads(spec_file.read_text())
@@ -279,7 +271,8 @@ def run_tasks(spec_file: Path) -> int:
         records.append(record)
         with open(spec["results"], "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
-        Path(spec["out"], "mark.md").write_text(mark_markdown(records, spec["header"]))
+        if spec["header"]:
+            Path(spec["out"], "mark.md").write_text(mark_markdown(records, spec["header"]))
         print(f"mark: {record['name']}: {record.get('status')} in {record['seconds']} s", flush=True)
     return 0
 

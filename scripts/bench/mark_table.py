@@ -12,18 +12,14 @@ import statistics
 from typing import Any
 
 from cltrain.timing.report import table
+from scripts.bench.mark import SHORT, num
 from scripts.bench.step_profile import DATA_WAIT, breakdown_table
 
 __all__ = ["MLPERF", "mark_markdown"]
 
 #: MLPerf Training v4.0, ResNet-50, NVIDIA's 8-GPU entries (MXNet + DALI): images/s per GPU.
 MLPERF = {"H200": 7950, "H100": 7150}
-SHORT = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
 DATA_WAIT_LIMIT = 0.05  # above this share of the step, the loader holds the GPU back
-
-
-def _num(v: float | None) -> str:
-    return "" if v is None else f"{v:,.1f}"
 
 
 def _completed(records: list[dict], name: str) -> list[dict]:
@@ -67,8 +63,8 @@ def _e2e_rows(records: list[dict]) -> list[list[Any]]:
         notes += [f"CUDA graphs skipped {r['cudagraph_skips']} times" for r in runs[:1] if r.get("cudagraph_skips")]
         notes += [f"{op} x{n} host syncs" for op, n in runs[0].get("sync_ops", {}).items()]
         spread = f"{min(speeds):,.0f}-{max(speeds):,.0f}" if len(speeds) > 1 else ""
-        rows.append([name, runs[0].get("precision", ""), runs[0].get("batch", ""), _num(statistics.median(speeds)),
-                     spread, len(runs), ratio, _num(1e3 * statistics.median(r["step_time_s"] for r in runs)), finite,
+        rows.append([name, runs[0].get("precision", ""), runs[0].get("batch", ""), num(statistics.median(speeds)),
+                     spread, len(runs), ratio, num(1e3 * statistics.median(r["step_time_s"] for r in runs)), finite,
                      "; ".join(notes)])
     return rows
 
@@ -86,8 +82,8 @@ def _step_rows(amp: dict | None) -> list[list[Any]]:
         rate = amp["batch"] / t["seconds_per_step"] if t["seconds_per_step"] else None
         note = t["error"] or ("" if t["finite"] else "a loss was not finite")
         rows.append([f"recipe step only, channels_last {SHORT.get(t['flag'], t['flag'])} (synthetic batch)", t["flag"],
-                     amp["batch"], _num(rate), "", amp["rounds"], "",
-                     _num(1e3 * t["seconds_per_step"]) if t["seconds_per_step"] else "", "", note])
+                     amp["batch"], num(rate), "", amp["rounds"], "",
+                     num(1e3 * t["seconds_per_step"]) if t["seconds_per_step"] else "", "", note])
     return rows
 
 
@@ -108,7 +104,7 @@ def _lines(records: list[dict], device: str) -> list[str]:
                 and r.get("images_per_second")), key=lambda r: r["images_per_second"], default=None)
     mark = next((rate for gpu, rate in MLPERF.items() if gpu in device), None)
     if best and mark:
-        out.append(f"- **Against the mark**: the best run, {best['name']} at {_num(best['images_per_second'])} img/s, "
+        out.append(f"- **Against the mark**: the best run, {best['name']} at {num(best['images_per_second'])} img/s, "
                    f"is {best['images_per_second'] / mark:.0%} of MLPerf Training v4.0's ~{mark:,} img/s per GPU.")
     for r in records:
         wait = r.get("profile", {}).get("kinds", {}).get(DATA_WAIT)
@@ -130,18 +126,18 @@ def _loader_table(records: list[dict]) -> list[str]:
         by_split.setdefault(asked, []).append(rate["img_s"] or 0.0)
     return ["", f"The loader alone (the batches of {found['batch']} a run on this device gets; no training):", "",
             table(["workers x decode threads (asked)", "img/s (median)", "min-max", "runs"],
-                  [[split, _num(statistics.median(v)), f"{min(v):,.0f}-{max(v):,.0f}", len(v)]
+                  [[split, num(statistics.median(v)), f"{min(v):,.0f}-{max(v):,.0f}", len(v)]
                    for split, v in by_split.items()], align="lrlr")]
 
 
 def mark_markdown(records: list[dict], header: dict[str, str]) -> str:
-    """``mark.md`` from the records so far; ``header``: ``device``, ``host``, ``command``."""
-    lines = [f"GPU: {header['device']}; host: {header['host']}", "", f"`{header['command']}`", "",
+    """``mark.md`` from the records so far; ``header``: ``gpu`` (its name), ``machine`` (its line), ``command``."""
+    lines = [f"Machine: {header['machine']}", "", f"`{header['command']}`", "",
              table(["configuration", "precision", "batch", "img/s (median)", "min-max", "runs", "vs contiguous",
                     "step (ms)", "finite losses", "notes"],
                    [*_e2e_rows(records), *_step_rows(next((r for r in records if r["kind"] == "amp"), None))],
                    align="llrrlrrrrl")]
-    notes = _lines(records, header["device"])
+    notes = _lines(records, header["gpu"])
     lines += ["", *notes] if notes else []
     lines += _loader_table(records)
     profiles = {r["name"]: r["profile"] for r in records if r.get("profile")}

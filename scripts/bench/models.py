@@ -1,50 +1,28 @@
 """Training-step throughput of torchvision models, contiguous vs channels-last, for 2-D, 3-D and 1-D models.
 
-One training step = forward, cross-entropy loss, backward, SGD(momentum) step,
-on one fixed random batch (no data loading: this measures the model). For each
-model and each dtype (fp32, and the device's AMP dtype: bf16 on CPU, fp16 on
-CUDA, autocast without a GradScaler), the two layouts are timed in rounds that
-alternate which goes first (``--repeats`` rounds); the table gives the median
-samples/second with the min-max spread over rounds, and the speed-up
-channels-last / contiguous. It also runs ``cltrain.timing.layouts.choose_layout``
-(a few steps of copies in each layout) per model and dtype and says whether
-it picked the measured winner.
+One training step = forward, cross-entropy loss, backward, SGD(momentum) step, on one fixed random batch (no data
+loading: this measures the model). For each model and each dtype (fp32, and the device's AMP dtype: bf16 on CPU,
+fp16 on CUDA, autocast without a GradScaler), the two layouts are ``cltrain.timing.steps.layout_steps`` (a copy of
+the model and the batch in each), timed by ``cltrain.timing.rounds.time_steps``: ``--warmup`` untimed steps per
+layout, then ``--repeats`` rounds, the order rotating, each at least ``--steps`` steps and ``--min-window`` seconds.
+The table gives the median samples/second with the min-max over rounds and the speed-up channels-last /
+contiguous; ``cltrain.timing.layouts.choose_layout`` (a few steps of copies in each layout) runs per model and dtype,
+and the table says whether it picked the measured winner. On CUDA ``cudnn.benchmark`` is on (the warm-up covers its
+tuning) and the machine line says whether fp32 ran as TF32.
 
-The cases are ``cltrain.timing.steps.layout_steps`` (a copy of the model and the
-batch in each layout), timed by ``cltrain.timing.rounds.time_steps``: after
-``--warmup`` untimed steps per layout, every round runs at least ``--steps``
-steps and as many as make the faster layout's window last ``--min-window``
-seconds (0.1 s by default: on a fast GPU two steps are 20-50 ms, too short to
-time). On a CPU the models' steps are longer than that, so the rounds stay at
-``--steps`` (2). On CUDA
-``cudnn.benchmark`` is on (as apex, timm and FFCV set it; the warm-up of 5
-steps covers its tuning) and the machine line says whether fp32 ran as TF32.
+The models, by rank (all ``weights=None``; ``tinycnn`` is a small 2-D test model):
 
-The models, by rank:
+* images, 4-D ``(N, 3, H, W)`` in ``channels_last``: the 16 of PyTorch's channels_last tutorial, three newer
+  convnets (convnext_tiny, efficientnet_b0, regnet_y_400mf) and vit_b_16 as a non-convolutional control;
+* video, 5-D ``(N, 3, T, H, W)`` clips in ``channels_last_3d``: r3d_18, mc3_18, r2plus1d_18, s3d (its fixed
+  pooling needs at least 16x224x224 clips: it gets them);
+* audio, 3-D ``(N, 1, L)`` waveforms: ``m5``, an M5 1-D CNN (Dai et al., 2017), in the only channels-last 1-D layout
+  stock PyTorch can express, strides ``(C*L, 1, C)`` for the activations and the Conv1d weights (pytorch#66681).
 
-* images, 4-D ``(N, 3, H, W)`` in ``channels_last``: the 16 of PyTorch's
-  channels_last tutorial, three newer convnets (convnext_tiny, efficientnet_b0,
-  regnet_y_400mf) and vit_b_16 as a non-convolutional control;
-* video, 5-D ``(N, 3, T, H, W)`` clips in ``channels_last_3d``: r3d_18, mc3_18,
-  r2plus1d_18, s3d (s3d's fixed pooling needs at least 16x224x224 clips: it gets them);
-* audio, 3-D ``(N, 1, L)`` waveforms: ``m5``, an M5 1-D CNN (Dai et al., 2017), in
-  the only channels-last 1-D layout stock PyTorch can express, strides ``(C*L, 1, C)``
-  for the activations and the Conv1d weights (pytorch#66681). Where cltrain's auto
-  mode does not time rank 3, its "auto picks" reads n/a.
-
-``tinycnn`` is a small 2-D test model. All are built with ``weights=None``
-(nothing is downloaded).
-
-Defaults fit the device: on CPU batch 16 images at 160x160, 4 clips of
-8x112x112, 16 waveforms of 16000 samples; on CUDA 256 images at 224x224 (the
-batch of apex's main_amp.py and of ``scripts/bench/train.py``: at batch 64 a
-ResNet-50 step on an H100 is bound by kernel launches, and the layouts time alike),
-16 clips of 16x112x112, 128 waveforms. On CUDA the auto-mode pick is off unless
-``--auto-steps`` is given (it builds two more copies of each model). On a 2-core CPU the 20 image models take
-30-50 minutes. ``--quick`` shrinks everything to check the script works (batch 2,
-64x64 images, 4x32x32 clips, 8000-sample waveforms, one step per round).
-
-Usage::
+Defaults fit the device (``SIZES``): on CPU batch 16 images at 160x160, 4 clips of 8x112x112, 16 waveforms of
+16000 samples; on CUDA 256 images at 224x224 (apex's main_amp.py batch: at 64 a ResNet-50 step on an H100 is bound
+by kernel launches), 16 clips of 16x112x112, 128 waveforms, and no auto-mode pick unless ``--auto-steps`` is given.
+``--quick`` shrinks everything to check the script works.
 
     python -m scripts.bench.models                              # all models, default sizes
     python -m scripts.bench.models --models resnet50,mobilenet_v2 --batch-size 32 --image-size 224
@@ -52,8 +30,8 @@ Usage::
     python -m scripts.bench.models --device cuda --models resnet50 --batch-size 256
     python -m scripts.bench.models --quick --models tinycnn,r3d_18,m5 --out /tmp/bench
 
-Writes ``results.csv``, ``results.md`` (one table per rank) and ``speedup.png``
-to ``--out`` (default ``bench_out/models``); every output names the machine.
+Writes ``results.csv``, ``results.md`` (one table per rank) and ``speedup.png`` to ``--out`` (default
+``bench_out/models``); every output names the machine.
 """
 
 from __future__ import annotations
@@ -93,11 +71,12 @@ KINDS = {
     "video": ("Video clips, 5-D (N, 3, T, H, W)", "clips", "channels_last_3d"),
     "audio": ("Audio, 1-D (N, 1, L): channels-last-1-D strides (C*L, 1, C), stock PyTorch", "clips", "channels-last-1-D"),
 }
-CSV_FIELDS = [
-    "model", "kind", "dtype", "batch_size", "input_shape", "device", "machine", "steps",
-    "contiguous_img_s", "contiguous_min", "contiguous_max", "channels_last_img_s", "channels_last_min", "channels_last_max",
-    "speedup", "measured_winner", "auto_pick", "auto_contiguous_ms", "auto_channels_last_ms", "auto_matches", "note",
-]
+#: The defaults per device, and ``--quick``'s sizes (a field given on the command line wins).
+SIZES = {"cpu": dict(batch_size=16, image_size=160, clip_batch_size=4, frames=8, audio_batch_size=16, warmup=1,
+                     auto_steps=2),
+         "cuda": dict(batch_size=256, image_size=224, clip_batch_size=16, frames=16, audio_batch_size=128, warmup=5,
+                      auto_steps=0),
+         "quick": dict(batch_size=2, image_size=64, clip_batch_size=2, frames=4, audio_batch_size=2)}
 
 
 def tinycnn(num_classes: int = NUM_CLASSES) -> nn.Module:
@@ -200,12 +179,11 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
         winner = "channels_last" if shown["channels_last"] > shown["contiguous"] else "contiguous"
         pick, seconds = _auto_pick(base, shape, args, device, dtype)
         label = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-        rows.append({
+        rows.append({  # the columns of results.csv, in order
             "model": name, "kind": kind_of(name), "dtype": label, "batch_size": shape[0],
             "input_shape": "x".join(map(str, shape)), "device": device.type, "machine": machine, "steps": steps,
-            **{f"{layout}_img_s": shown[layout] for layout in LAYOUTS},
-            **{f"{layout}_min": _sig(rates[layout].low) for layout in LAYOUTS},
-            **{f"{layout}_max": _sig(rates[layout].high) for layout in LAYOUTS},
+            **{f"{layout}_{k}": v for layout in LAYOUTS
+               for k, v in (("img_s", shown[layout]), ("min", _sig(rates[layout].low)), ("max", _sig(rates[layout].high)))},
             "speedup": round(med["channels_last"] / med["contiguous"], 3),
             "measured_winner": winner, "auto_pick": pick,
             **{f"auto_{layout}_ms": round(1e3 * seconds[layout], 1) if seconds else "" for layout in LAYOUTS},
@@ -308,20 +286,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device = device
-    cuda = device.type == "cuda"
     if args.quick:
-        args.batch_size = args.batch_size or 2
-        args.image_size = args.image_size or 64
-        args.clip_batch_size, args.audio_batch_size = args.clip_batch_size or 2, args.audio_batch_size or 2
-        args.frames, args.clip_size, args.audio_length = args.frames or 4, 32, 8000
+        args.clip_size, args.audio_length = 32, 8000
         args.warmup, args.steps, args.repeats, args.auto_steps, args.min_window = 1, 1, 2, 1, 0.0
-    args.batch_size = args.batch_size or (256 if cuda else 16)
-    args.auto_steps = args.auto_steps if args.auto_steps is not None else (0 if cuda else 2)
-    args.image_size = args.image_size or (224 if cuda else 160)
-    args.clip_batch_size = args.clip_batch_size or (16 if cuda else 4)
-    args.frames = args.frames or (16 if cuda else 8)
-    args.audio_batch_size = args.audio_batch_size or (128 if cuda else 16)
-    args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+    defaults = {**SIZES["cuda" if device.type == "cuda" else "cpu"], **(SIZES["quick"] if args.quick else {})}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.models = ALL_MODELS if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in ("fp32", "amp")]
@@ -355,7 +326,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     markdown = to_markdown(rows, described, args)
-    write_report(args.out / "results", markdown=markdown, csv_rows=rows, csv_fields=CSV_FIELDS)
+    write_report(args.out / "results", markdown=markdown, csv_rows=rows)
     plot_speedups(rows, described, args.out / "speedup.png")
     print(markdown)
     print(f"wrote {args.out / 'results.csv'}, {args.out / 'results.md'}, {args.out / 'speedup.png'}")

@@ -5,7 +5,8 @@ The endpoint is moto's S3 server started here in a process of its own on 127.0.0
 printed: on a 2-core machine it shares the cores with the loader). The images are real photographs
 (``scripts.bench.photo_folder``) packed once (``cltrain-pack``) and uploaded as they are. Each case makes one pass
 over the training split with 2 DataLoader workers, batch 64, 224 px crops, normalised float32, timed from asking
-for the first batch (worker start-up and the first shards' fetch included) to the last. Cases, interleaved in rounds (``cltrain.timing.interleaved``), medians printed:
+for the first batch (worker start-up and the first shards' fetch included) to the last (``cltrain.timing.clock.timed``).
+Cases, interleaved in rounds (``cltrain.timing.rounds.interleaved``), one table of medians:
 
 * ``local``: ``ShardsDataModule`` on the local pack (the baseline);
 * ``s3-cold``: the same from ``s3://``, an empty node cache each round (shards fetched ahead as batches are read);
@@ -33,7 +34,6 @@ import os
 import resource
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,12 +42,14 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench.photo_folder import make_photo_folder
-from cltrain.timing.clock import Stopwatch
+from cltrain.timing.clock import timed
 from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved
+from cltrain.timing.stats import spread
+from scripts.bench.loader import torchvision_train
+from scripts.bench.photo_folder import make_photo_folder
 
-OUT = Path("bench_out/object_storage")
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
 
 
@@ -86,12 +88,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _rate(loader, finish=lambda b: b[0].shape[0]) -> float:
+def _rate(loader) -> float:
     """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last."""
-    seen, watch = 0, Stopwatch().start()
-    for batch in loader:
-        seen += finish(batch)
-    return seen / watch.elapsed()
+    seen: list[int] = []
+    seconds = timed(lambda: seen.extend(b[0].shape[0] for b in loader))
+    return sum(seen) / seconds
 
 
 def _ours(root: str, **options) -> float:
@@ -102,20 +103,13 @@ def _ours(root: str, **options) -> float:
     return _rate(dm.train_dataloader())
 
 
-def _torchvision_transform():
-    from torchvision import transforms as T
-
-    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
-                      T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-
-
 def _webdataset(urls: list[str]) -> float:
     import webdataset as wds
 
     # its README's S3 recipe is `pipe:aws s3 cp <url> -` (a program per shard); the AWS CLI is not installed here,
     # so the same pipe runs Python with s3fs, which reads the same standard variables
     cat = f"{sys.executable} -c 'import sys, fsspec; sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'"
-    tf = _torchvision_transform()
+    tf = torchvision_train(224)
     ds = (wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).shuffle(1000)
           .decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int).batched(64))
     return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
@@ -135,7 +129,7 @@ def _webdataset_fsspec(urls: list[str]) -> float:
 
     ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
                           tar_file_expander, group_by_keys, wds.shuffle(1000), wds.decode("pil"),
-                          wds.to_tuple("jpg", "cls"), wds.map_tuple(_torchvision_transform(), int), wds.batched(64))
+                          wds.to_tuple("jpg", "cls"), wds.map_tuple(torchvision_train(224), int), wds.batched(64))
     return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
 
 
@@ -218,17 +212,16 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
              "fsspec ranges": lambda: sum(len(fs.cat_file(f"{url}/{names[0]}", start=o, end=o + s)) for o, s in sizes),
              "obstore ranges": lambda: sum(len(obstore.get_range(store, f"{prefix}/{names[0]}", start=o, end=o + s))
                                            for o, s in sizes)}
-    def timed(f):  # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
-        cpu, watch = time.process_time(), Stopwatch().start()
-        n = f()
-        return n, watch.elapsed(), time.process_time() - cpu
+    def measured(f):  # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
+        cpu, got = time.process_time(), []
+        seconds = timed(lambda: got.append(f()))
+        return got[0], seconds, time.process_time() - cpu
 
-    got = interleaved({k: (lambda f=f: timed(f)) for k, f in cases.items()}, 5)
-    for k, runs in got.items():
-        mb = runs[0][0] / 2**20
-        print(f"  {k:15s} {mb / statistics.median(t for _, t, _ in runs):7.1f} MiB/s, client CPU "
-              f"{1000 * statistics.median(c for _, _, c in runs) / mb:6.1f} ms/MiB "
-              f"({len(sizes) if 'ranges' in k else len(names)} requests, median of 5)")
+    got = interleaved({k: (lambda f=f: measured(f)) for k, f in cases.items()}, 5)
+    print(table(["client", "MiB/s (median of 5)", "client CPU ms/MiB", "requests"], [
+        [k, f"{mb / spread(t for _, t, _ in runs).median:.1f}", f"{1000 * spread(c for _, _, c in runs).median / mb:.1f}",
+         len(sizes) if "ranges" in k else len(names)] for k, runs in got.items() if (mb := runs[0][0] / 2**20)],
+        align="lrrr"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,12 +233,14 @@ def main(argv: list[str] | None = None) -> None:
                    default=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"])
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers of every loader")
     p.add_argument("--clients", action="store_true", help="only fsspec against obstore on the pack's objects")
+    p.add_argument("--work", type=Path, default=Path("bench_out/object_storage"),
+                   help="where the photographs, their pack and LitData's copy are made (once) and reused")
     args = p.parse_args(argv)
     KW["num_workers"] = args.workers
     from cltrain.data.pack import pack
 
-    photos = make_photo_folder(OUT / f"photos-{args.train}", train=args.train, val=20)
-    local = OUT / f"pack-{args.train}-{args.shard_size}"
+    photos = make_photo_folder(args.work / f"photos-{args.train}", train=args.train, val=20)
+    local = args.work / f"pack-{args.train}-{args.shard_size}"
     if not (local / "shards.json").is_file():
         pack(photos, local, shard_size=args.shard_size, progress=False)
     server = _server()
@@ -262,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         cache = Path(tempfile.mkdtemp(prefix="cltrain-bench-cache-"))
         warm = cache / "warm"
         _ours(url, cache_dir=str(warm))  # fills the warm cache once
-        lit = _litdata_write(photos, OUT / f"litdata-{args.train}") if "litdata" in args.cases else ""
+        lit = _litdata_write(photos, args.work / f"litdata-{args.train}") if "litdata" in args.cases else ""
         cases = {"local": lambda: _ours(str(local)),
                  "s3-cold": lambda: (shutil.rmtree(cache / "cold", ignore_errors=True), _ours(url, cache_dir=str(cache / "cold")))[1],
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
@@ -281,21 +276,19 @@ def main(argv: list[str] | None = None) -> None:
             return run
 
         rates = interleaved({k: with_server_cpu(k, cases[k]) for k in args.cases}, args.rounds)
-        base = statistics.median(rates["local"]) if "local" in rates else None
+        med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
         print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
-              f"{args.workers} workers, "
-              f"shuffle_window 4; {args.rounds} rounds, median images/s (each round)")
-        for k, r in rates.items():
-            ratio = f"  {statistics.median(r) / base:.2f}x local" if base else ""
-            print(f"  {k:11s} {statistics.median(r):7.1f} img/s{ratio}  ({', '.join(f'{x:.0f}' for x in r)}); "
-                  f"S3 server CPU {statistics.median(cpu[k]):.1f} s per pass")
-        ours = statistics.median(rates.get("s3-cold", [float("nan")]))
+              f"{args.workers} workers, shuffle_window 4; {args.rounds} rounds, median images/s\n")
+        print(table(["case", "img/s", "vs local", "each round", "S3 server CPU s per pass"],
+                    [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
+                      ", ".join(f"{x:.0f}" for x in r), f"{spread(cpu[k]).median:.1f}"] for k, r in rates.items()],
+                    align="lrrlr"))
         for peer in ("webdataset", "wds-fsspec", "litdata"):
-            if peer in rates:
-                print(f"  s3-cold / {peer}: {ours / statistics.median(rates[peer]):.2f}x")
+            if peer in med and "s3-cold" in med:
+                print(f"s3-cold / {peer}: {med['s3-cold'] / med[peer]:.2f}x")
         held = sum(q.stat().st_size for q in warm.rglob("*") if q.is_file())
-        print(f"  the cache on disk: {held / 2**20:.1f} MiB (the pack: "
+        print(f"the cache on disk: {held / 2**20:.1f} MiB (the pack: "
               f"{sum(q.stat().st_size for q in local.rglob('*') if q.is_file()) / 2**20:.1f} MiB); peak RSS: this process "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB, largest worker "
               f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10:.0f} MiB")

@@ -7,7 +7,8 @@ the photographs bundled with scikit-image (``skimage/data``: only the files in t
 wheel, never its pooch downloads) and scikit-learn (``load_sample_images``). Each
 output is a random crop (30-100 % of the area) of one of them, resized to a
 333-800 px side, saved at a random quality in 75-95 with 4:2:0 or 4:4:4 chroma,
-as ``ROOT/{train,val}/<class>/<n>.jpg``. Made once: a finished folder is reused.
+as ``ROOT/{train,val}/<class>/<n>.jpg``. Made once (``cltrain.data.demo.write_once``): a finished folder made with the
+same arguments is reused.
 
     python -m scripts.bench.photo_folder /tmp/cltrain-photos --train 400
 """
@@ -17,16 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 from PIL import Image
 
+from cltrain.data.demo import write_once
+
 #: skimage/data files that are photographs (colour and grey); all ship in the wheel.
 SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "motorcycle_left.png", "motorcycle_right.png",
                   "rocket.jpg", "retina.jpg", "hubble_deep_field.jpg", "ihc.png", "camera.png", "moon.png")
-_DONE = ".complete"
 
 
 def bundled_photos() -> list[Image.Image]:
@@ -69,29 +69,17 @@ def _one(photo: Image.Image, rng: random.Random) -> Image.Image:
 def make_photo_folder(root: str | os.PathLike, train: int = 400, val: int = 40, classes: int = 10,
                       seed: int = 0) -> Path:
     """``root`` holding ``train`` + ``val`` JPEG photographs in ImageNet layout (made once; reused when complete)."""
-    root = Path(root)
-    if (root / _DONE).is_file():
-        return root
-    if root.exists() and any(root.iterdir()):
-        raise FileExistsError(f"{root} exists and is not a finished photo folder; remove it or pick another path.")
-    photos, rng = bundled_photos(), random.Random(seed)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-    try:
+    def fill(tmp: Path) -> None:
+        photos, rng = bundled_photos(), random.Random(seed)
         for split, count in (("train", train), ("val", val)):
             for i in range(count):
                 cls = tmp / split / f"class_{i % classes:02d}"
                 cls.mkdir(parents=True, exist_ok=True)
                 img = _one(photos[rng.randrange(len(photos))], rng)
                 img.save(cls / f"{i:06d}.jpg", quality=rng.randint(75, 95), subsampling=2 if i % 2 == 0 else 0)
-        (tmp / _DONE).write_text(f"{train} train, {val} val, seed {seed}\n")
-        if root.exists():
-            root.rmdir()
-        tmp.rename(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+
+    return write_once(root, {"photos": "bundled", "train": train, "val": val, "classes": classes, "seed": seed}, fill,
+                      "make_photo_folder")
 
 
 def main(argv: list[str] | None = None) -> None:

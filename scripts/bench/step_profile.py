@@ -40,7 +40,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from cltrain.timing.clock import Stopwatch
+from cltrain.timing.clock import Stopwatch, synchronize
 from cltrain.timing.report import table
 
 __all__ = ["DATA_WAIT", "KINDS", "StepProfile", "breakdown", "breakdown_table", "kind_of"]
@@ -136,10 +136,6 @@ class StepProfile(Callback):
         self.between: record_function | None = None
         self.watch = Stopwatch()
 
-    def _sync(self, trainer: Trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.between is not None:
             self.between.__exit__(None, None, None)
@@ -150,12 +146,12 @@ class StepProfile(Callback):
         step = trainer.global_step - 1  # this step's index (global_step counts the steps taken)
         if step == self.first - 1 and self.prof is None:
             cuda = trainer.strategy.root_device.type == "cuda"
-            self._sync(trainer)
+            synchronize(trainer.strategy.root_device)  # the window opens on an idle device
             self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             self.prof.__enter__()
             self.watch.start()
         elif step == self.last and self.prof is not None:
-            self._sync(trainer)
+            synchronize(trainer.strategy.root_device)
             wall = self.watch.elapsed()
             self.prof.__exit__(None, None, None)
             device = trainer.strategy.root_device.type

@@ -13,11 +13,10 @@ batch, precision and layout trained by
 
 in ``--rounds`` interleaved rounds (``cltrain.timing.rounds.interleaved``: the order alternates) of ``--warmup`` +
 ``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
-rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over the
-wall time between step ends after the warm-up (the same meter train.py reports);
-both paths synchronise the device at the same two points (end of warm-up, last
-step), so on CUDA the window holds the GPU's work. The table gives per-path
-medians and the ratio Lightning / plain, measured in the same run.
+rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over one window from
+the start of the first step after the warm-up to the end of the last, the device synchronised at both ends
+(``cltrain.timing.clock``; ``scripts.fits.StepClock`` in the Trainer), so on CUDA the window holds the GPU's work.
+The table gives per-path medians and the ratio Lightning / plain, measured in the same run.
 
 Part 2, end to end on JPEG files (the demo data, generated on first use):
 ``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
@@ -44,29 +43,19 @@ import statistics
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
 from cltrain import ChannelsLast, to_channels_last
-from cltrain.app import (
-    ImageClassifier,
-    MainAmpProgress,
-    Meter,
-    build_classifier,
-    compose_config,
-    resolve_accelerator,
-    resolve_precision,
-)
+from cltrain.app import ImageClassifier, build_classifier, compose_config, resolve_accelerator, resolve_precision
 from cltrain.app.train import train
 from cltrain.precision import autocast_dtype
-from cltrain.timing.clock import Stopwatch
+from cltrain.timing.clock import Stopwatch, timed
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table, write_report
 from cltrain.timing.rounds import interleaved
-from scripts.fits import quiet_trainer
+from scripts.fits import StepClock, quiet_trainer
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
@@ -113,59 +102,41 @@ class PlainStep:
         return loss
 
 
-def _sync_points(steps: int, warmup: int) -> tuple[int, int]:
-    # The step indices after which both paths synchronise: where the meter's timed window opens (the
-    # warm-up's last tick) and the last step, so on CUDA each window holds the GPU work, not launches.
-    return max(warmup, 1) - 1, steps - 1
-
-
-class _WarmupSync(pl.Callback):
-    """Synchronises the device at the end of the warm-up, before the meter (listed after it) opens its window."""
-
-    def __init__(self, warmup: int) -> None:
-        self.index = _sync_points(1, warmup)[0]
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if batch_idx == self.index and trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-
-
 def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
-    """Images/second of ``PlainStep`` over ``batches``, timed by the meter train.py uses."""
-    step = PlainStep(model, precision, device, batches)
-    meter = Meter(warmup)
-    syncs = _sync_points(len(batches), warmup)
-    for i, (x, y) in enumerate(batches):
+    """Images/second of ``PlainStep`` over ``batches``: the steps after ``warmup`` (at least one) in one window, the
+    device synchronised at both ends (``cltrain.timing.clock.timed``)."""
+    step, first = PlainStep(model, precision, device, batches), max(warmup, 1)
+    for x, y in batches[:first]:
         step(x, y)
-        if i in syncs and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        meter.tick(x.shape[0])
-    return meter.images_per_second
+    return sum(x.shape[0] for x, _ in batches[first:]) / timed(lambda: [step(x, y) for x, y in batches[first:]],
+                                                               sync=device)
 
 
 def lightning_path(model: torch.nn.Module, batches: list, precision: str, accelerator: str, channels_last: bool,
                    num_classes: int, warmup: int) -> float:
+    """Images/second of ``ImageClassifier`` in a ``Trainer`` over ``batches``: the same window as ``plain_loop``'s
+    (``scripts.fits.StepClock``)."""
+    first = max(warmup, 1)
     module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
-    progress = MainAmpProgress(print_freq=0, warmup=warmup)  # syncs after the last step, like the plain loop
-    callbacks = [_WarmupSync(warmup), progress] + ([ChannelsLast(layout="channels_last")] if channels_last else [])
+    clock = StepClock(window=(first, len(batches) - 1))
+    callbacks = [clock] + ([ChannelsLast(layout="channels_last")] if channels_last else [])
     trainer = quiet_trainer(accelerator=accelerator, precision=precision, max_steps=len(batches), callbacks=callbacks)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
-    return progress.summary()["images_per_second"]
+    return sum(x.shape[0] for x, _ in batches[first:]) / clock.seconds
 
 
-def synthetic_batches(args: argparse.Namespace, device: torch.device, channels_last: bool, steps: int) -> list:
+def synthetic_batches(count: int, batch: int, size: int, device: torch.device, channels_last: bool = True) -> list:
+    """``count`` random ``(images, labels)`` batches of ``batch`` images at ``size`` px for 1000 classes, seeded."""
     gen = torch.Generator().manual_seed(0)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return [(torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
-             .to(device, memory_format=fmt), torch.randint(0, 1000, (args.batch_size,), generator=gen).to(device))
-            for _ in range(args.warmup + steps)]
+    return [(torch.randn(batch, 3, size, size, generator=gen).to(device, memory_format=fmt),
+             torch.randint(0, 1000, (batch,), generator=gen).to(device)) for _ in range(count)]
 
 
 def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
     device = torch.device(accelerator)
     channels_last = args.layout == "channels_last"
-    batches = synthetic_batches(args, device, channels_last, args.steps)
+    batches = synthetic_batches(args.warmup + args.steps, args.batch_size, args.image_size, device, channels_last)
     base = build_classifier(args.model, num_classes=1000)
     plain_model = copy.deepcopy(base).to(device)
     if channels_last:
@@ -208,7 +179,8 @@ def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision
         model = copy.deepcopy(base).to(device)
         if channels_last:
             to_channels_last(model)
-        batches = synthetic_batches(args, device, channels_last, args.e2e_steps)
+        batches = synthetic_batches(args.warmup + args.e2e_steps, args.batch_size, args.image_size, device,
+                                    channels_last)
         return plain_loop(model, batches, precision if channels_last else "32-true", device, args.warmup)
 
     runs = interleaved({**{("e2e", n): (lambda r, n=n: e2e(r, n)) for n in CONFIGS},

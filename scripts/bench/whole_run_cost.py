@@ -33,6 +33,7 @@ from cltrain.data.stream_place import Place, StreamPlaces, Tagged, row_seed
 from cltrain.host import Host
 from cltrain.session import LayoutSession
 from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 
@@ -66,20 +67,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                              sampler=ResumableSampler(64, seed=0))
     places, tagged = StreamPlaces(), Tagged(0, {0: Place(row=7, copies=0, next=8)}, None)
     stats = RunningStats()
-    timing = time_steps({  # interleaved: each figure from the same stretch of the run
-        "step": step,
-        "boundary, nothing moved": lambda: session.boundary(model),
-        "boundary, every weight moved": moved,
-        "note_taken": loader.note_taken,
-        "loader state_dict": loader.state_dict,
-        "BatchNorm statistics held": lambda: stats.hold(model),
-        "stream: a sample's seed": lambda: row_seed(2**61, 3, 1, 12345, 0, 0),
-        "stream: a batch's place": lambda: places.fetched(tagged)},
-        rounds=args.rounds, warmup=1, min_window=args.min_window, max_steps=100_000, size_each=True)
+    cases = {  # name: (when it runs, the call)
+        "step": ("every step", step),
+        "boundary, nothing moved": ("each epoch's end and each validation", lambda: session.boundary(model)),
+        "boundary, every weight moved": ("the same, after a hook moved them", moved),
+        "note_taken": ("every step", loader.note_taken),
+        "loader state_dict": ("each checkpoint", loader.state_dict),
+        "BatchNorm statistics held": ("every step", lambda: stats.hold(model)),
+        "stream: a sample's seed": ("every sample of a stream", lambda: row_seed(2**61, 3, 1, 12345, 0, 0)),
+        "stream: a batch's place": ("every batch of a stream", lambda: places.fetched(tagged))}
+    timing = time_steps({name: call for name, (_, call) in cases.items()},  # each figure from the same stretch
+                        rounds=args.rounds, warmup=1, min_window=args.min_window, max_steps=100_000, size_each=True)
     figures = {name: s.median for name, s in timing.per_step().items()}
-    print(f"{args.model}, batch {args.batch} at {args.size} px, channels_last, SGD; medians of {args.rounds} rounds")
-    for name, value in figures.items():
-        print(f"{name:<26}{value * 1e3:>12.4f} ms{value / figures['step']:>12.2e} of a step")
+    print(f"{args.model}, batch {args.batch} at {args.size} px, channels_last, SGD; medians of {args.rounds} rounds\n")
+    print(table(["what", "when", "ms", "of one step"], [[name, cases[name][0], f"{value * 1e3:.4g}",
+                                                        f"{value / figures['step']:.2g}"] for name, value in figures.items()],
+                align="llrr"))
     print(machine_line(machine()))
     return figures
 

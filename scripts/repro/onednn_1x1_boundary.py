@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from cltrain.timing.clock import Stopwatch
+from cltrain.timing.report import table, table_row
 
 REPRO = Path(__file__).resolve().parent / "onednn_1x1_strided_conv.py"
 BASE = dict(op="conv2d", cin=3, cout=32, kernel=1, stride=2, padding=0, groups=1, size=96, batch=8, dtype="fp32",
@@ -111,13 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     print(machine, flush=True)
     watch = Stopwatch().start()
     for sweep in args.sweeps:
-        print(f"\n### {sweep}\n\n| case | " + " | ".join(args.isas) + " |\n|---|" + "---|" * len(args.isas), flush=True)
+        print(f"\n### {sweep}\n\n{table(['case', *args.isas], [])}", flush=True)
         for case in SWEEPS[sweep]:
             cells = []
             for isa in args.isas:
                 outcomes = Counter(run_case(case, isa, args.python, args.timeout, args.repeats) for _ in range(args.runs))
                 cells.append(", ".join(k if n == args.runs else f"{k} {n}/{args.runs}" for k, n in outcomes.items()))
-            print(f"| {describe(case)} | " + " | ".join(cells) + " |", flush=True)
+            print(table_row([describe(case), *cells]), flush=True)
     print(f"\n{watch.elapsed():.0f} s", flush=True)
 
 

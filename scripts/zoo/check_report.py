@@ -5,13 +5,13 @@ optimizer, each confirmation (``scripts/zoo/confirm.py``), the false-alarm summa
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
 from cltrain.timing.machine import machine_line
 from cltrain.timing.report import page, table, write_report
 from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, JUDGED, MIN_GAP, NUDGE, numerics
+from scripts.zoo.report import fmt_err
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZER_SETTINGS
 
 VERDICTS = ("passed", "fallback", "contiguous", "not checked")
@@ -66,12 +66,8 @@ def summary(rows: list[dict[str, Any]], optimizers: list[str]) -> list[str]:
     return lines
 
 
-def _fmt(value: Any) -> str:
-    return "" if value is None else "inf" if value == math.inf else f"{value:.1e}"
-
-
 def _pair(a: Any, b: Any) -> str:
-    return "" if a is None and b is None else f"{_fmt(a)} / {_fmt(b)}"
+    return "" if a is None and b is None else f"{fmt_err(a)} / {fmt_err(b)}"
 
 
 def _cell(r: dict[str, Any] | None) -> str:

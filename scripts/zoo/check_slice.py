@@ -22,21 +22,17 @@ from scripts.harness import emit, python_module, run_child
 
 def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
     """Both checks of one model in this process."""
-    from torch.utils.data import DataLoader
-
     from cltrain import ChannelsLast
-    from scripts.fits import quiet_trainer
     from scripts.zoo.models import build, find, make_batch
-    from scripts.zoo.training import ZooModule
+    from scripts.zoo.training import fit
 
     spec = find([key])[0]
     row: dict[str, Any] = {"model": spec.key}
     for name, k in (("slice", samples), ("whole", None)):
         torch.manual_seed(0)
-        data = [make_batch(spec, batch, torch.Generator().manual_seed(0))]
         callback = ChannelsLast(check_samples=k)
-        quiet_trainer(accelerator="cpu", max_steps=1, precision=precision, callbacks=[callback]).fit(
-            ZooModule(build(spec), spec).train(), DataLoader(data, batch_size=None))
+        fit(build(spec), spec, [make_batch(spec, batch, torch.Generator().manual_seed(0))], callback, max_steps=1,
+            precision=precision)
         check = callback.layout_checks["train"]
         row[name] = {"verdict": check.verdict, "findings": [(f.kind, f.phase, f.module) for f in check.findings],
                      "fallbacks": [f.describe() for f in check.fallbacks], "worst": check.worst,

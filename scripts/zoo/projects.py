@@ -45,6 +45,7 @@ from typing import Any
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
+from scripts.fits import quiet_trainer
 from scripts.harness import REPO, emit, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
@@ -128,12 +129,9 @@ def child(case: Case, layout: str) -> dict[str, Any]:
             module_name, function = case.build.split(":")
             built = getattr(importlib.import_module(module_name), function)(Path(tmp))
             module = built.module
-            options = dict(accelerator="cpu", devices=1, precision="32-true", max_steps=2, limit_val_batches=1,
-                           num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                           enable_model_summary=False, default_root_dir=tmp)
-            trainer_class = importlib.import_module(built.package).Trainer
-            trainer = trainer_class(**{**options, **built.trainer},
-                                    callbacks=[recorder] + ([callback] if callback else []))
+            trainer = quiet_trainer(importlib.import_module(built.package).Trainer, **{
+                **dict(accelerator="cpu", precision="32-true", max_steps=2, limit_val_batches=1, default_root_dir=tmp),
+                **built.trainer}, callbacks=[recorder] + ([callback] if callback else []))
             trainer.fit(module, datamodule=built.datamodule, train_dataloaders=built.train_dataloaders,
                         val_dataloaders=built.val_dataloaders)
             result.update(trained=trainer.global_step > 0, steps=trainer.global_step,

@@ -15,7 +15,8 @@ from cltrain.timing.report import page, table, write_report
 from scripts.zoo.parity import OK_BELOW
 
 
-def _fmt_err(value: Any) -> str:
+def fmt_err(value: Any) -> str:
+    """An error or a gap as the zoo's tables give it (``1.2e-03``, ``inf``); "" for none."""
     if value is None:
         return ""
     return "inf" if value == math.inf else f"{value:.1e}"
@@ -30,7 +31,7 @@ def _fmt_speed(speed: dict[str, float] | None) -> str:
 def _fmt_grad(grad: dict[str, Any]) -> str:
     if not grad:
         return ""
-    cell = f"{_fmt_err(grad.get('err_cl'))} / {_fmt_err(grad.get('err_nc'))}"
+    cell = f"{fmt_err(grad.get('err_cl'))} / {fmt_err(grad.get('err_nc'))}"
     if grad.get("verdict") != "ok" and grad.get("grad_scale") is not None:
         cell += f" (its gradient {grad['grad_scale']:.0e} of the largest)"
     return cell + (f": {grad['why']}" if grad.get("why") else "")
@@ -63,7 +64,7 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     auto = " / ".join(_auto(r, k) for k in ("auto_fp32", "auto_bf16") if k in r)
     return [
         f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), status if status != "ok" else "ok", trains,
-        f"{_fmt_err(r['loss_err_cl'])} / {_fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
+        f"{fmt_err(r['loss_err_cl'])} / {fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
         f"`{grad.get('worst_param', '')}`" if grad.get("worst_param") else "", verdict, r.get("conv_weights_cl", ""),
         r.get("guardrails", ""), speed, bf16, auto, "; ".join(filter(None, [note, (r.get("examined") or {}).get("why", "")])),
     ]

@@ -8,9 +8,6 @@ from typing import Any
 NUM_CLASSES = 5
 SIZE = 128
 
-#: What ``Spec.loss`` may name; the loss also decides the batch's targets (``scripts/zoo/models.py``).
-LOSSES = ("cross_entropy", "dice_bce", "detection")
-
 
 @dataclass(frozen=True)
 class Spec:

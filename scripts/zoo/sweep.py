@@ -54,7 +54,8 @@ Usage::
 
 Outputs (each written atomically after every model, so an interrupted sweep keeps its rows):
 ``<out>.md`` (the table, the command, the CPU and its flags), ``<out>.json`` (every measurement,
-per-parameter worst errors included) and ``<out>.csv``; child logs under ``--log-dir``.
+per-parameter worst errors included) and ``<out>.csv``; child logs under ``--log-dir``. A model's process prints
+its row after every phase (``scripts.harness.emit``): a crash leaves what was done and the phase it died in.
 """
 
 from __future__ import annotations
@@ -66,18 +67,17 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cltrain.atomic import atomic_write_text
+from cltrain.platform import cpu_bf16_support
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
-from scripts.harness import python_module, run_child
+from scripts.harness import emit, python_module, run_child
 from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
@@ -103,12 +103,6 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
 
 
 # ---- one model, in the child process ------------------------------------------------------------
-
-
-def _native_bf16() -> bool:
-    from cltrain.platform import cpu_bf16_support
-
-    return cpu_bf16_support()[0]
 
 
 def _guardrails_of(callback: Any) -> str:
@@ -163,9 +157,9 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
                                                           args.rounds, args.min_window, warmup=4)
 
 
-def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
-    """Measure one model; ``out`` (JSON) is rewritten after every phase, so a crash leaves what was done
-    and the phase it died in."""
+def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
+    """Measure one model; its row is emitted after every phase (``scripts.harness.emit``), so a crash leaves what
+    was done and the phase it died in. Returns the row."""
     import warnings
 
     from cltrain import ChannelsLast
@@ -174,12 +168,13 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     result: dict[str, Any] = {"key": spec.key, "family": spec.family, "size": spec.size, "note": spec.note}
     clock = Stopwatch().start()
 
-    def phase(name: str) -> None:
+    def phase(name: str) -> dict[str, Any]:
         if "phase" in result:  # seconds spent in the phase that ends here
             result.setdefault("phase_seconds", {})[result["phase"]] = round(clock.elapsed(), 1)
         clock.start()
         result["phase"] = name
-        atomic_write_text(out, json.dumps(result, default=str))
+        emit(result)
+        return result
 
     phase("build")
     torch.manual_seed(0)
@@ -218,7 +213,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     del grads, losses
 
     dtypes: list[tuple[str, torch.dtype | None]] = [("fp32", None)] if "fp32" in args.dtypes else []
-    if "bf16" in args.dtypes and _native_bf16():
+    if "bf16" in args.dtypes and cpu_bf16_support()[0]:
         dtypes.append(("bf16", torch.bfloat16))
     speed_batch = batches[0] if args.quick else make_batch(spec, args.speed_batch, torch.Generator().manual_seed(1))
     for label, dtype in dtypes if not args.no_speed else []:
@@ -241,7 +236,7 @@ def child(spec: Spec, args: argparse.Namespace, out: Path) -> None:
     if spec.compile and not args.no_compile:
         phase("compile")
         _compile_phase(spec, net0, batches, speed_batch, exact, dtypes, args, result)
-    phase("done")
+    return phase("done")
 
 
 def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> dict[str, tuple[dict, float]]:
@@ -277,15 +272,14 @@ def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> 
 
 
 def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str | None = None) -> dict[str, Any]:
-    """One model in a subprocess (with ``optimizer``: its ``--check-only`` run with that optimizer); a crash, a
-    raise or a timeout comes back as the row's ``status``."""
+    """One model in a subprocess (with ``optimizer``: its ``--check-only`` run with that optimizer), given this
+    sweep's own arguments; a crash, a raise or a timeout comes back as the row's ``status``."""
     log = log_dir / f"{spec.key.replace(':', '_')}{'_' + optimizer if optimizer else ''}.log"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        child_run = run_child(python_module("scripts.zoo.sweep", "--child", spec.key, "--result", out,
-                                            *_child_options(args), *(["--optimizer", optimizer] if optimizer else [])),
-                              log=log, timeout=_timeout(spec, args))
-        result = json.loads(out.read_text()) if out.exists() else {"key": spec.key, "family": spec.family}
+    timeout = args.timeout * (3 if spec.compile and not (args.no_compile or args.check_only) else 1)  # 4 compiles
+    child_run = run_child(python_module("scripts.zoo.sweep", *args.argv, "--child", spec.key,
+                                        *(["--optimizer", optimizer] if optimizer else [])), log=log, timeout=timeout)
+    found = child_run.results()
+    result = found[-1] if found else {"key": spec.key, "family": spec.family}
     result["seconds"] = round(child_run.seconds, 1)
     if optimizer:
         result["optimizer"] = optimizer
@@ -293,7 +287,7 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
     if code == 0 and phase == "done":
         result["status"] = "skipped" if "skipped" in result else "ok"
     elif code is None:
-        result["status"] = f"timeout after {_timeout(spec, args)}s in {phase}"
+        result["status"] = f"timeout after {timeout}s in {phase}"
     elif code < 0:
         result["status"] = f"{child_run.status()} in {phase}"
     else:
@@ -301,22 +295,6 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
     settle_confirmation(result, phase, crashed=code is not None and code < 0)
     result["log"] = str(log)
     return result
-
-
-def _timeout(spec: Spec, args: argparse.Namespace) -> int:
-    if args.check_only:
-        return args.timeout
-    return args.timeout * (3 if spec.compile and not args.no_compile else 1)  # 4 compilations: minutes each on a CPU
-
-
-def _child_options(args: argparse.Namespace) -> list[str]:
-    opts = ["--batch", str(args.batch), "--speed-batch", str(args.speed_batch), "--rounds", str(args.rounds),
-            "--min-window", str(args.min_window), "--max-params", str(args.max_params), "--dtypes", args.dtypes]
-    opts += ["--size", str(args.size)] if args.size else []
-    flags = ("quick", "no_speed", "no_auto", "no_compile", "check_only")
-    opts += ["--check-precision", args.check_precision, "--confirm-passes", args.confirm_passes,
-             "--confirm-steps", str(args.confirm_steps)]
-    return opts + [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag)]
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -360,8 +338,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--confirm-steps", type=int, default=4, help="--check-only: steps of each confirmation run (4)")
     p.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what each model's process is given, its key added
     unknown = [o for o in args.optimizers.split(",") if o not in OPTIMIZERS]
     if unknown or not args.optimizers:
         p.error(f"--optimizers {args.optimizers!r}: each of {', '.join(OPTIMIZERS)}, comma-separated")
@@ -379,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         spec = find([args.child])[0]
-        child(dataclasses.replace(spec, size=args.size) if args.size else spec, args, args.result)
+        child(dataclasses.replace(spec, size=args.size) if args.size else spec, args)
         return 0
     try:
         keys = (args.models.split(",") if args.models else []) + (FAMILY_SUBSET + [s.key for s in TASK_SPECS]

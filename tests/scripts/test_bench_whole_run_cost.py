@@ -12,4 +12,4 @@ def test_a_short_run_times_each_cost_against_the_step(capsys) -> None:
                             "stream: a batch's place"}
     assert all(seconds > 0 for seconds in figures.values()), figures
     printed = capsys.readouterr().out
-    assert "of a step" in printed and "CPU " in printed  # each ratio to the step, and the machine
+    assert "| what | when | ms | of one step |" in printed and "CPU " in printed  # each ratio to the step, the machine

@@ -40,7 +40,8 @@ def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None
     assert [r["part"] for r in rows] == ["machine", "command", "data", "cuda tests", "default train.py",
                                          *["main_amp e2e"] * len(E2E)]
     machine, command, _, cuda_tests, newcomer, *e2e = rows
-    assert "logical cores" in machine["notes"] and "torch " in machine["notes"]
+    assert machine["configuration"] == "no CUDA device" and machine["notes"].startswith("CPU ")
+    assert "logical" in machine["notes"] and "torch " in machine["notes"]
     assert "python -m scripts.gpu_check --tiny --out" in command["configuration"]
     assert cuda_tests["status"] == "skipped: no CUDA"
 
@@ -122,8 +123,9 @@ def test_the_mark_table_gives_medians_and_each_rounds_ratio_to_its_contiguous_ru
         {"kind": "e2e", "name": "channels_last fp16 compile max-autotune-no-cudagraphs", "round": 0,
          "status": "not run: 12 s of the budget left, it needs about 300 s"},
     ]
-    text = mark_markdown(records, {"device": "NVIDIA H100 80GB HBM3, driver 580", "host": "16 cores", "command": "c"})
-    assert text.startswith("GPU: NVIDIA H100 80GB HBM3, driver 580; host: 16 cores")
+    text = mark_markdown(records, {"gpu": "NVIDIA H100 80GB HBM3", "machine": "CPU x; GPU NVIDIA H100 80GB HBM3",
+                                   "command": "c"})
+    assert text.startswith("Machine: CPU x; GPU NVIDIA H100 80GB HBM3\n\n`c`")
     rows = {cells[0]: cells for cells in (_cells(line) for line in text.splitlines() if line.startswith("| "))}
     assert rows["contiguous fp16"][3:8] == ["1,000.0", "900-1,200", "3", "1.00x", "256.0"]
     assert rows["channels_last fp16"][3:7] == ["2,000.0", "2,000-2,100", "3", "2.00x (3 rounds)"]

@@ -166,13 +166,12 @@ def test_check_only_confirms_a_planted_fallback_with_each_optimizer(tmp_path):
 @pytest.mark.parametrize(("key", "optimizer", "size", "confirms"), [("smp:unet_resnet18", "adam", 64, False),
                                                                    ("tv-det:fcos_resnet18_fpn", "sgd", 64, False),
                                                                    ("hf:timesformer", "adamw", 32, True)])
-def test_segmentation_detection_and_video_models_run_the_check(tmp_path, key, optimizer, size, confirms):
+def test_segmentation_detection_and_video_models_run_the_check(key, optimizer, size, confirms):
     # the child's own path, in this process, at a tiny size: the check, and for the video model the three
     # confirmation runs (--confirm-passes)
     args = zoo_sweep.parse_args(["--check-only", "--optimizer", optimizer, "--confirm-steps", "2", "--size", str(size),
                                  *(["--confirm-passes", key.split(":")[0] + ":"] if confirms else [])])
-    zoo_sweep.child(dataclasses.replace(models.find([key])[0], size=size), args, tmp_path / "row.json")
-    row = json.loads((tmp_path / "row.json").read_text())
+    row = zoo_sweep.child(dataclasses.replace(models.find([key])[0], size=size), args)
     assert row["phase"] == "done" and row["layout_check"] in check_report.VERDICTS, row
     assert row["optimizer"] == optimizer and len(row["losses_channels_last"]) == 2, row
     if not confirms:
