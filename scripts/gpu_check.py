@@ -70,7 +70,8 @@ import torch
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line, table
-from scripts.bench.mark import CONFIGS, SHORT, loader_splits, num, tasks
+from scripts.bench.mark import CONFIGS, loader_splits, tasks
+from scripts.bench.mark_table import SHORT, num
 from scripts.harness import REPO, run_child
 
 COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",

@@ -44,6 +44,7 @@ import torch
 from cltrain.check.budget import free_memory, is_out_of_memory
 from cltrain.timing.clock import Stopwatch, synchronize
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
+from scripts.bench.mark_table import mark_markdown
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
@@ -68,12 +69,6 @@ KEY_CPU = ["contiguous fp32", "channels_last fp32"]
 PROFILED = {"channels_last fp16", "channels_last fp16 compile", "channels_last fp32"}
 #: Seconds a task usually takes on one H100 (compiles included); a task starts only with this much budget left.
 NEEDS = {"amp": 30, "e2e": 20, "compile": 90, "max-autotune": 300, "largest_batch": 60, "loader": 40}
-SHORT = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
-
-
-def num(v: float | None, scale: float = 1) -> str:
-    """A figure as the tables give it (``1,234.5``); "" for none."""
-    return "" if v is None else f"{scale * v:,.1f}"
 
 
 def tasks(tiny: bool) -> list[dict[str, Any]]:
@@ -248,7 +243,6 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
 def run_tasks(spec_file: Path) -> int:
     """The worker (``python -m scripts.gpu_check --worker SPEC``): every task of the spec in order, each record
     appended to ``spec["results"]`` as it ends and, for ``--mark`` (``spec["header"]``), ``mark.md`` written again."""
-    from scripts.bench.mark_table import mark_markdown
 
     spec = json.loads(spec_file.read_text())
     tiny, records = spec["tiny"], []

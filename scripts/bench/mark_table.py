@@ -12,8 +12,14 @@ import statistics
 from typing import Any
 
 from cltrain.timing.report import table
-from scripts.bench.mark import SHORT, num
 from scripts.bench.step_profile import DATA_WAIT, breakdown_table
+
+SHORT = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
+
+
+def num(v: float | None, scale: float = 1) -> str:
+    """A figure as the tables give it (``1,234.5``); "" for none."""
+    return "" if v is None else f"{scale * v:,.1f}"
 
 __all__ = ["MLPERF", "mark_markdown"]
 
