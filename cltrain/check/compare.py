@@ -36,9 +36,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -164,9 +166,10 @@ def check_layout(
     start = time.perf_counter()
     real = RealState(model)
     try:
-        result = _check_layout(model, step, start, step_owner=step_owner, copy_model=copy_model, floor=floor,
-                               time_fallbacks=time_fallbacks, after_backward=after_backward, updates=updates,
-                               update_owner=update_owner)
+        with _old_objects_frozen():
+            result = _check_layout(model, step, start, step_owner=step_owner, copy_model=copy_model, floor=floor,
+                                   time_fallbacks=time_fallbacks, after_backward=after_backward, updates=updates,
+                                   update_owner=update_owner)
     finally:
         changed = real.restore()
     if changed:
@@ -174,6 +177,24 @@ def check_layout(
                            f"shares with it ({describe(changed)}; put back as it was)",
                            seconds=time.perf_counter() - start)
     return result
+
+
+@contextlib.contextmanager
+def _old_objects_frozen() -> Iterator[None]:
+    """The objects that exist before the check are left out of the garbage collections inside it (``gc.freeze``): a
+    full collection set off by the copies scanned the whole process (half a million objects in a Lightning run, a
+    sixth of the check's time on a small model). The check's own garbage (copies held in cycles) is collected at
+    the end, before the step's activations need the memory: a collection of what the check made alone. Not where
+    something else froze objects already (``gc.unfreeze`` would undo its freeze too)."""
+    if gc.get_freeze_count() > 0:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.unfreeze()
 
 
 def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start: float, *, step_owner: Any,

@@ -30,7 +30,7 @@ from cltrain.check.fallback import map_images
 from cltrain.check.gradient_tape import GradientTape
 from cltrain.check.isolation import ReferenceOutputs
 from cltrain.check.randomness import SameRandomness, set_rng_state
-from cltrain.check.signature import Vectors, floats, noise_scale, signature
+from cltrain.check.signature import Vectors, floats, noise_scale, numbers, signature
 from cltrain.layout.optimizer_state import state_in_param_strides
 
 __all__ = ["Raise", "Recorder", "Run", "execute", "loss_of"]
@@ -227,9 +227,7 @@ def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str
     run.seconds = time.perf_counter() - start
     # One transfer of all the numbers, after the run.
     keys = list(run.signatures)
-    flat = [s for key in keys for _, s in run.signatures[key]]
-    values = torch.stack(flat).double().cpu().tolist() if flat else []
-    it = iter(values)
+    it = iter(numbers([s for key in keys for _, s in run.signatures[key]]))
     for key in keys:
         run.signatures[key] = [(shape, next(it)) for shape, _ in run.signatures[key]]
     for pname, param in model.named_parameters():

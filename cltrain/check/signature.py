@@ -5,9 +5,10 @@ Example::
 
     >>> x = torch.arange(24.0).reshape(2, 3, 2, 2)
     >>> vectors = Vectors()
-    >>> a = signature(x, vectors)
-    >>> b = signature(x.contiguous(memory_format=torch.channels_last), vectors)  # the same values, other strides
-    >>> distance([(s, v.tolist()) for s, v in a], [(s, v.tolist()) for s, v in b]) < 1e-6
+    >>> def values(t):
+    ...     found = signature(t, vectors)
+    ...     return [(shape, v) for (shape, _), v in zip(found, numbers([s for _, s in found]))]
+    >>> distance(values(x), values(x.contiguous(memory_format=torch.channels_last))) < 1e-6  # the same values, other strides
     True
 """
 
@@ -18,23 +19,50 @@ from typing import Any
 
 import torch
 
-__all__ = ["Vectors", "distance", "floats", "noise_scale", "project", "projection_loss", "signature"]
+__all__ = ["Vectors", "distance", "floats", "noise_scale", "numbers", "project", "projection_loss", "signature"]
 
 _PROJECTIONS = 3
+#: The most elements a cached product of a tensor's leading dims' vectors holds (4 MiB of float32); a tensor with
+#: more rows contracts its leading dims one at a time instead.
+_WEIGHTS_MAX = 1 << 20
 
 
 class Vectors:
-    """Fixed random vectors per (size, device): the same in every run."""
+    """Fixed random vectors per (size, dim, device): the same in every run; and per tensor shape, strides and device,
+    how ``project`` contracts it (``plan``)."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._plans: dict[tuple[Any, ...], tuple[list[int], int, torch.Tensor, torch.Tensor | None]] = {}
 
     def get(self, size: int, dim: int, device: torch.device) -> torch.Tensor:
-        key = (size, dim, str(device))
+        key = (size, dim, device)
         if key not in self._cache:
             g = torch.Generator().manual_seed(1_000_003 * size + dim)
             self._cache[key] = torch.randn(size, _PROJECTIONS, generator=g).to(device)
         return self._cache[key]
+
+    def plan(self, x: torch.Tensor) -> tuple[list[int], int, torch.Tensor, torch.Tensor | None]:
+        """``(order, rows, last, weights)`` for a tensor of ``x``'s shape and strides: its dims in memory order, the
+        stride-1 dim last (size-1 dims first: their stride says nothing, and one taken for the stride-1 dim would make
+        the first product as large as ``x``); the product of the leading dims' sizes; the last dim's vectors
+        ``(size, P)``; and the leading dims' vectors multiplied out, ``(rows, P)`` in the order ``x.permute(order)``
+        holds its rows (``None`` where that is larger than ``_WEIGHTS_MAX``)."""
+        key = (x.shape, x.stride(), x.device)
+        found = self._plans.get(key)
+        if found is None:
+            order = sorted(range(x.dim()), key=lambda d: (x.shape[d] > 1, -x.stride(d), d))
+            rows = 1
+            for d in order[:-1]:
+                rows *= x.shape[d]
+            weights = None
+            if rows * _PROJECTIONS <= _WEIGHTS_MAX:
+                weights = torch.ones(1, _PROJECTIONS, device=x.device)
+                for d in order[:-1]:
+                    v = self.get(x.shape[d], d, x.device)
+                    weights = (weights[:, None, :] * v[None, :, :]).reshape(-1, _PROJECTIONS)
+            found = self._plans[key] = (order, rows, self.get(x.shape[order[-1]], order[-1], x.device), weights)
+        return found
 
 
 def project(x: torch.Tensor, vectors: Vectors) -> torch.Tensor:
@@ -43,12 +71,15 @@ def project(x: torch.Tensor, vectors: Vectors) -> torch.Tensor:
     Each is ``sum(x[i, j, ...] * a[i] * b[j] * ...)``; a value moved to another index changes it, a
     permutation-invariant statistic (sum, norm) would not."""
     if x.dim() == 0:
-        return x.reshape(1).expand(_PROJECTIONS)
+        return x.reshape(1).repeat(_PROJECTIONS)
     # Contract in memory order, the stride-1 dim first: in the logical order the first matmul strides through
-    # a channels_last tensor's memory (measured in the check's cost: docs/performance.md). Size-1 dims go first:
-    # their stride says nothing, and one taken for the stride-1 dim makes the first product as large as x.
-    order = sorted(range(x.dim()), key=lambda d: (x.shape[d] > 1, -x.stride(d), d))
-    y = x.permute(order) @ vectors.get(x.shape[order[-1]], order[-1], x.device)  # (..., P)
+    # a channels_last tensor's memory (measured in the check's cost: docs/performance.md); then every other dim at
+    # once, against the product of their vectors (two ops, where one per dim made small tensors cost their Python).
+    order, rows, last, weights = vectors.plan(x)
+    y = x.permute(order)
+    if weights is not None:
+        return ((y.reshape(rows, y.shape[-1]) @ last) * weights).sum(0)
+    y = y @ last  # (..., P)
     for d in order[:-1]:
         v = vectors.get(x.shape[d], d, x.device)  # (size, P): contracts the leading dim
         y = (y * v.view(v.shape[0], *([1] * (y.dim() - 2)), _PROJECTIONS)).sum(0)
@@ -86,25 +117,38 @@ def floats(obj: Any) -> list[torch.Tensor]:
     return found
 
 
-def signature(obj: Any, vectors: Vectors, seen: dict[int, tuple[Any, int, torch.Tensor]] | None = None,
-               ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """Per floating tensor: its shape and ``[norm, projections...]`` (a device tensor: no sync here).
+def signature(obj: Any, vectors: Vectors, seen: dict[int, tuple[Any, int, Any]] | None = None,
+              ) -> list[tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]]:
+    """Per floating tensor: its shape and ``(norm, projections)`` (device tensors: no sync here; ``numbers`` turns
+    them into floats).
 
-    ``seen`` caches by tensor (and its version): a module's input is mostly the previous one's output."""
+    ``seen`` caches by tensor (and its version): a module's input is mostly the previous one's output. The torch
+    function modes around the step (``cltrain.check.randomness.SameRandomness``, the user's own) do not see these
+    ops: they are the check's arithmetic, a dozen small ops per tensor that each mode would add its Python to."""
     out = []
-    for t in floats(obj):
-        cache = seen if not t.is_inference() else None  # inference tensors have no version counter
-        version = t._version if cache is not None else -1
-        hit = cache.get(id(t)) if cache is not None else None
-        if hit is not None and hit[0]() is t and hit[1] == version:
-            out.append((tuple(t.shape), hit[2]))
-            continue
-        x = t.detach().float()
-        sig = torch.cat([torch.linalg.vector_norm(x).reshape(1), project(x, vectors)])
-        if cache is not None:
-            cache[id(t)] = (weakref.ref(t), version, sig)
-        out.append((tuple(t.shape), sig))
+    with torch._C.DisableTorchFunction():
+        for t in floats(obj):
+            cache = seen if not t.is_inference() else None  # inference tensors have no version counter
+            version = t._version if cache is not None else -1
+            hit = cache.get(id(t)) if cache is not None else None
+            if hit is not None and hit[0]() is t and hit[1] == version:
+                out.append((tuple(t.shape), hit[2]))
+                continue
+            x = t.detach().float()
+            sig = (torch.linalg.vector_norm(x), project(x, vectors))
+            if cache is not None:
+                cache[id(t)] = (weakref.ref(t), version, sig)
+            out.append((tuple(t.shape), sig))
     return out
+
+
+def numbers(signatures: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[float]]:
+    """``[norm, projections...]`` of each ``(norm, projections)`` that ``signature`` gave, in one transfer."""
+    if not signatures:
+        return []
+    norms = torch.stack([n for n, _ in signatures]).unsqueeze(1)
+    projections = torch.stack([p for _, p in signatures])
+    return torch.cat([norms, projections], 1).double().cpu().tolist()
 
 
 def distance(a: list[tuple[tuple[int, ...], list[float]]], b: list[tuple[tuple[int, ...], list[float]]]) -> float:
