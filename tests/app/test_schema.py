@@ -46,6 +46,13 @@ def _schemas() -> list[type]:
 
 
 # --- the schema ------------------------------------------------------------------------------------
+#: Keys only the user can set: LitData, MDS and WebDataset datasets keep no class names.
+REQUIRED = {"num_classes"}
+#: What the data options that read a dataset need on the command line.
+NEEDS = {"imagenet": ["data.root={tmp}"], "main_amp": ["data.root={tmp}"], "shards": ["data.root={tmp}"],
+         "hf": ["data.root={tmp}"], **{o: ["data.root={tmp}", "data.num_classes=10"] for o in ("litdata", "mds", "webdataset")}}
+
+
 @pytest.mark.parametrize("cls", _schemas(), ids=lambda c: c.__name__)
 def test_every_key_is_typed_and_has_a_default(cls: type) -> None:
     hints = typing.get_type_hints(cls)
@@ -54,7 +61,7 @@ def test_every_key_is_typed_and_has_a_default(cls: type) -> None:
             assert f.metadata.get("rule") is not None, f"{cls.__name__}.{f.name}: Any without a rule"
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         assert has_default, f"{cls.__name__}.{f.name} has no default"
-        if f.default == "???":  # left to a group option: what the option chooses, and only in a base schema
+        if f.default == "???" and f.name not in REQUIRED:  # left to a group option, and only in a base schema
             concrete = {c for options in schema.GROUP_SCHEMAS.values() for c in options.values()}
             assert f.name in ("data", "optim", "name", "_target_") and cls not in concrete, f"{cls.__name__}.{f.name}"
 
@@ -106,8 +113,7 @@ def test_config_yaml_only_chooses() -> None:
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_group_option_composes_into_the_schema(group: str, option: str, tmp_path: Path) -> None:
-    cfg = compose_config([f"{group}={option}", f"data.root={tmp_path}"] if option in ("imagenet", "main_amp", "shards", "hf")
-                         else [f"{group}={option}"])
+    cfg = compose_config([f"{group}={option}", *(o.format(tmp=tmp_path) for o in NEEDS.get(option, []))])
     assert isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema.TrainConfig
     assert isinstance(OmegaConf.to_object(cfg), schema.TrainConfig)  # every node converts to its dataclass
     assert validate(cfg).accelerator in ("cpu", "cuda")
@@ -128,6 +134,44 @@ def test_a_data_schema_takes_only_its_datamodules_arguments(name: str, cls: type
     target = get_class(cls._target_)
     keys = {f.name for f in dataclasses.fields(cls)} - {"_target_", "demo"}
     assert keys <= _arguments(target), f"schema/data/{name}: not arguments of {target.__name__}: {keys - _arguments(target)}"
+
+
+def _drift(cls: type) -> dict[str, tuple[Any, Any]]:
+    """key -> (the schema's default, its DataModule's) for every data key whose defaults differ."""
+    from hydra.utils import get_class
+
+    params = inspect.signature(get_class(cls._target_)).parameters
+    config = OmegaConf.to_container(OmegaConf.structured(cls))  # as the app composes it
+    drift = {}
+    for name, value in config.items():
+        if name in ("_target_", "root", "demo"):
+            continue
+        default = params[name].default
+        default = "???" if default is inspect.Parameter.empty else list(default) if isinstance(default, tuple) else default
+        if value != default or type(value) is not type(default):
+            drift[name] = (value, default)
+    return drift
+
+
+#: DataModule arguments that are not data.* keys: the app sets channels_last from its toggle; the others
+#: are what a batch's pixels are (the model's input), and augmentation is its fields.
+NOT_KEYS = {"root", "augmentation", "channels", "mean", "std", "dtype", "channels_last"}
+
+
+@pytest.mark.parametrize("name,cls", sorted(schema.GROUP_SCHEMAS["data"].items()))
+def test_every_data_default_is_its_datamodules_own(name: str, cls: type) -> None:
+    from hydra.utils import get_class
+
+    assert _drift(cls) == {}, f"schema/data/{name}: key: (the app's default, {cls._target_}'s)"
+    keys = {f.name for f in dataclasses.fields(cls)} - {"_target_", "demo"}
+    assert set(inspect.signature(get_class(cls._target_)).parameters) - NOT_KEYS == keys - {"root"}  # every setting a key
+
+
+def test_a_default_that_differs_from_the_datamodules_is_found() -> None:  # the control
+    drifted = dataclasses.make_dataclass("Drifted", [("batch_size", int, 256), ("scale", list[float],
+                                         dataclasses.field(default_factory=lambda: [0.5, 1.0]))],
+                                         bases=(data_schema.ImageFolderConfig,))
+    assert _drift(drifted) == {"batch_size": (256, 64), "scale": ([0.5, 1.0], [0.08, 1.0])}
 
 
 def test_a_demo_schema_takes_only_its_generators_arguments() -> None:

@@ -187,11 +187,11 @@ def _check_node(node: DictConfig, prefix: str) -> None:
             raise _unknown(str(name), node.get(name), list(fields), prefix)
     for name, f in fields.items():
         key = prefix + name
-        if name not in node:
-            raise ConfigError(key, None, "removed from the config, but the app needs it", f"leave {key} in (drop ~{key})")
-        if OmegaConf.is_missing(node, name):
+        if OmegaConf.is_missing(node, name):  # before `in`, which is false for a value left unset
             reason, allowed = _describe(schema, f)
             raise ConfigError(key, "???", f"not set; {reason}", allowed)
+        if name not in node:
+            raise ConfigError(key, None, "removed from the config, but the app needs it", f"leave {key} in (drop ~{key})")
         value = node[name]
         if isinstance(value, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(value)):
             _check_node(value, key + ".")
