@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, IterableDataset
 from typing_extensions import override
 
+from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
 from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import normalize
@@ -97,6 +98,7 @@ class BatchDataModule(L.LightningDataModule):
         self._pin = False
         self._device: torch.device | None = None
         self._skip_log: Path | None = None
+        self.folders: ClassFolders | None = None  # the class folders, where the data is in them
 
     def _auto_workers(self) -> int:
         """``num_workers="auto"``: a worker process per core."""
@@ -104,8 +106,12 @@ class BatchDataModule(L.LightningDataModule):
 
     @property
     def classes(self) -> list[str]:
-        """Class names, in label order."""
-        raise NotImplementedError
+        """Class names, in label order: of the class folders (``folders``), unless the source says otherwise."""
+        if self._classes is None:
+            if self.folders is None:
+                raise NotImplementedError(f"{type(self).__name__} has no class folders: it defines classes itself")
+            self._classes = self.folders.classes
+        return self._classes
 
     @property
     def num_classes(self) -> int:

@@ -74,14 +74,6 @@ class ImageFolderDataModule(ImageDataModule):
         self.train_set: ImageFolderDataset | None = None
         self.val_set: ImageFolderDataset | None = None
 
-    @property
-    @override
-    def classes(self) -> list[str]:
-        """Class folder names of ``root/train``, in label order."""
-        if self._classes is None:
-            self._classes = self.folders.classes
-        return self._classes
-
     @override
     def setup(self, stage: str) -> None:
         self._choose_device()

@@ -90,14 +90,6 @@ class ClipFolderDataModule(BatchDataModule):
         self.val_set: ClipFolderDataset | None = None
 
     @property
-    @override
-    def classes(self) -> list[str]:
-        """Class folder names of ``root/train``, in label order."""
-        if self._classes is None:
-            self._classes = self.folders.classes
-        return self._classes
-
-    @property
     def input_shape(self) -> tuple[int, int, int, int, int]:
         """``(batch_size, channels, num_frames, height, width)`` of a training batch."""
         return (self.batch_size, self.channels, self.num_frames, *self.image_size)
