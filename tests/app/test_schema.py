@@ -174,12 +174,14 @@ def test_a_default_that_differs_from_the_datamodules_is_found() -> None:  # the 
     assert _drift(drifted) == {"batch_size": (256, 64), "scale": ([0.5, 1.0], [0.08, 1.0])}
 
 
-def test_a_demo_schema_takes_only_its_generators_arguments() -> None:
+def test_a_demo_schema_is_its_generators_arguments_and_defaults() -> None:
     from hydra.utils import get_method
 
     for cls, generator in schema.DEMO_GENERATORS.items():
-        keys = {f.name for f in dataclasses.fields(cls)} - {"any_root"}
-        assert keys <= set(inspect.signature(get_method(generator)).parameters), cls.__name__
+        defaults = OmegaConf.to_container(OmegaConf.structured(cls))
+        defaults.pop("any_root")
+        params = {n: p.default for n, p in inspect.signature(get_method(generator)).parameters.items() if n != "root"}
+        assert defaults == {n: list(d) if isinstance(d, tuple) else d for n, d in params.items()}, cls.__name__
 
 
 def test_the_schema_choices_are_the_data_layers() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import inspect
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from cltrain.data.shard_source import FETCH_MODES
 __all__ = [
     "DATA_RULES",
     "DEMO_GENERATORS",
+    "DEMO_RULES",
     "ClipFolderConfig",
     "ClipFolderDemoConfig",
     "DataConfig",
@@ -89,38 +91,6 @@ DATA_RULES: dict[str, Rule] = {
     "shuffle_seed": SEED, "num_classes": POSITIVE, "image_key": FIELD, "label_key": FIELD, "max_cache_size": TEXT,
     "num_frames": POSITIVE, "frame_stride": POSITIVE, "val_temporal": choices("center", "uniform"),
 }
-
-@dataclass
-class ImageDemoConfig:
-    """``data.demo``: the generated image demo set (``cltrain.data.make_demo_dataset``'s arguments)."""
-
-    num_classes: int = key(10, POSITIVE)
-    train_per_class: int = key(100, POSITIVE)
-    val_per_class: int = key(20, POSITIVE)
-    image_size: list[int] = key([500, 375], IMAGE_SIZE_WH)  # width, height of the JPEGs (ImageNet-like)
-    seed: int = key(0, SEED)
-    any_root: bool = False                    # true: generate it at any data.root (else only at the option's own root)
-
-
-@dataclass
-class VideoDemoConfig:
-    """``data.demo``: the generated clip demo set (``cltrain.data.video.make_demo_videos``'s arguments)."""
-
-    num_classes: int = key(6, POSITIVE)
-    train_per_class: int = key(48, POSITIVE)
-    val_per_class: int = key(16, POSITIVE)
-    num_frames: int = key(16, POSITIVE)
-    frame_size: int = key(64, POSITIVE)
-    seed: int = key(0, SEED)
-    any_root: bool = False
-
-
-#: The generator of each demo schema (``data.demo``'s type).
-DEMO_GENERATORS: dict[type, str] = {
-    ImageDemoConfig: "cltrain.data.make_demo_dataset",
-    VideoDemoConfig: "cltrain.data.video.make_demo_videos",
-}
-
 
 @dataclass
 class DataConfig:
@@ -171,6 +141,36 @@ def _schema(name: str, target: str, doc: str, base: type = DataConfig, **extra: 
     schema.__module__ = __name__
     return schema
 
+
+def _demo_schema(name: str, generator: str, doc: str) -> type:
+    """The ``data.demo`` schema of a demo set: ``generator``'s arguments and their defaults (its signature, one
+    place), with ``DEMO_RULES``; then ``any_root``: true generates it at any ``data.root``, else only at the
+    option's own root."""
+    from hydra.utils import get_method
+
+    params = list(inspect.signature(get_method(generator)).parameters.values())[1:]  # after root
+    hints = typing.get_type_hints(get_method(generator))
+    fields = [(p.name, _config_type(hints[p.name]),
+               key(list(p.default) if isinstance(p.default, tuple) else p.default, DEMO_RULES[p.name])) for p in params]
+    schema = dataclasses.make_dataclass(name, [*fields, ("any_root", bool, field(default=False))],
+                                        namespace={"__doc__": doc})
+    schema.__module__ = __name__
+    DEMO_GENERATORS[schema] = generator
+    return schema
+
+
+#: The generator of each demo schema (``data.demo``'s type).
+DEMO_GENERATORS: dict[type, str] = {}
+
+
+#: What each ``data.demo.*`` key allows beyond its type.
+DEMO_RULES: dict[str, Rule] = {"num_classes": POSITIVE, "train_per_class": POSITIVE, "val_per_class": POSITIVE,
+                               "image_size": IMAGE_SIZE_WH, "num_frames": POSITIVE, "frame_size": POSITIVE, "seed": SEED}
+ImageDemoConfig = _demo_schema("ImageDemoConfig", "cltrain.data.make_demo_dataset",
+                               "``data.demo``: the generated image demo set (``cltrain.data.make_demo_dataset``'s arguments).")
+VideoDemoConfig = _demo_schema("VideoDemoConfig", "cltrain.data.video.make_demo_videos",
+                               "``data.demo``: the generated clip demo set (``cltrain.data.video.make_demo_videos``'s "
+                               "arguments).")
 
 ImageFolderConfig = _schema(
     "ImageFolderConfig", "cltrain.data.ImageFolderDataModule",

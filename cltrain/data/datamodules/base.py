@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, IterableDataset
 from typing_extensions import override
 
+from cltrain.data.datamodules.arguments import bind_settings, signature_of
 from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
 from cltrain.data.loader_threads import usable_cores
@@ -43,7 +44,6 @@ from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
 from cltrain.data.remote import is_url, redact, root_of
 from cltrain.data.resume_state import ResumableSampler, is_resumable
 from cltrain.data.running_stats import RunningStats
-from cltrain.data.settings import bind_settings, signature_of
 from cltrain.data.stream_place import is_stream
 
 __all__ = ["BatchDataModule"]
