@@ -3,9 +3,9 @@
 Hydra composes ``conf/config.yaml`` with the command-line overrides and calls
 ``cltrain.app.train.train``. The overrides are composed and checked against
 the schema first (``cltrain.app.config.check_command_line``, every value of
-a ``-m`` sweep): an unknown key or a bad value ends the run with one line on
-stderr and exit status 2 before anything starts; an unknown group option
-(``model=nope``) is Hydra's own one-paragraph error listing the options (exit status 1).
+a ``-m`` sweep): an unknown key, a bad value or an unknown group option (``model=resnet5``:
+``did you mean model=resnet50?``) ends the run with one line on stderr and exit status 2 before
+anything starts.
 A problem with the data found once the run has started (an empty class folder, an unreadable
 image under ``data.bad_files=raise``, in ``setup`` or in a DataLoader worker: a
 ``cltrain.data.DataError``) ends it with one line naming the file or folder and the fix, exit status 2.

@@ -53,9 +53,7 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it
         raise ConfigError("data", data.get("_target_"), str(err.__cause__ or err).splitlines()[0]) from None
-    from cltrain.data.datamodules import ClassFolderDataModule
-
-    if isinstance(datamodule, ClassFolderDataModule):  # a pack or a dataset of rows says what it holds itself
+    if getattr(datamodule, "folders", None) is not None:  # class folders (ClassFolders); a pack or a dataset of rows says what it holds itself
         _check_layout(Path(data["root"]), bool(data.get("allow_missing_val_classes", False)), cfg.evaluate_only)
     try:
         datamodule.num_classes  # reads the class folders (or the dataset's labels): a missing split fails here

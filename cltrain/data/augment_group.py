@@ -1,8 +1,10 @@
-"""``Augmentation``: the training augmentation of the image DataModules, as one group.
+"""``RandomCrop`` and ``Augmentation``: the training augmentation of the DataModules, as one group.
 
-The random crop and flip and the HWC augmentation policy run on each training image in the
-loader (``train_transform``); random erasing and mixup/cutmix run on the normalised training
-batch on its device (``RandomErasing``, ``MixupCutmix``). Evaluation is never augmented.
+``RandomCrop`` is what every training sample gets, image or clip: the random-resized crop and a
+horizontal flip. ``Augmentation``, the image DataModules' group, adds to it: the random crop and
+flip and the HWC augmentation policy run on each training image in the loader
+(``train_transform``); random erasing and mixup/cutmix run on the normalised training batch on its
+device (``RandomErasing``, ``MixupCutmix``). Evaluation is never augmented.
 The settings are checked when the group is made, so a bad value fails in the constructor,
 not in a worker.
 
@@ -16,21 +18,51 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 from cltrain.data.augment_ops import HWCAugment, MixupCutmix, RandomErasing
+from cltrain.data.constants import CROP_RATIO, CROP_SCALE
 from cltrain.data.transforms import RandomResizedCropFlip, train_transform
 
-__all__ = ["Augmentation"]
+__all__ = ["Augmentation", "RandomCrop"]
 
 
 @dataclass(frozen=True)
-class Augmentation:
-    """What the training images go through beyond decoding; the defaults are torchvision's
-    ImageNet recipe (random-resized crop, flip, nothing more).
+class RandomCrop:
+    """The random-resized crop and flip of every training sample (the clip DataModule's augmentation);
+    the defaults are torchvision's ImageNet recipe.
+
+    Args:
+        scale: the random-resized crop's range of area (fractions of the image).
+        ratio: its range of aspect ratio (width / height).
+        hflip: the probability of a horizontal flip (0 for data whose label depends on left and right).
+
+    Raises:
+        ValueError: a value out of its range (the message quotes it).
+    """
+
+    #: The DataModule attribute that holds this group, and the argument that takes it whole.
+    key: ClassVar[str] = "augmentation"
+
+    scale: Sequence[float] = CROP_SCALE  # two numbers; kept as a tuple
+    ratio: Sequence[float] = CROP_RATIO
+    hflip: float = 0.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scale", tuple(self.scale))  # lists from a config compare equal to the defaults
+        object.__setattr__(self, "ratio", tuple(self.ratio))
+        try:
+            RandomResizedCropFlip(8, self.scale, self.ratio, self.hflip)  # checks scale, ratio and hflip
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+
+
+@dataclass(frozen=True)
+class Augmentation(RandomCrop):
+    """What the training images go through beyond decoding: ``RandomCrop``'s crop and flip, then the
+    policies below, all off by default (torchvision's ImageNet recipe: crop, flip, nothing more).
 
     Args:
         scale: the random-resized crop's range of area (fractions of the image).
@@ -50,9 +82,6 @@ class Augmentation:
         ValueError: a value out of its range, or an unknown policy (the message quotes it).
     """
 
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: float = 0.5
     augment: str = "none"
     random_erasing: float = 0.0
     mixup_alpha: float = 0.0
@@ -61,9 +90,7 @@ class Augmentation:
     mixup_switch_prob: float = 0.5
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "scale", tuple(self.scale))  # lists from a config compare equal to the defaults
-        object.__setattr__(self, "ratio", tuple(self.ratio))
-        RandomResizedCropFlip(8, self.scale, self.ratio, self.hflip)  # checks scale, ratio and hflip
+        super().__post_init__()
         if self.augment != "none":
             HWCAugment(self.augment)
         if not 0 <= self.random_erasing <= 1:
@@ -76,20 +103,6 @@ class Augmentation:
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"Augmentation: {name}={getattr(self, name)!r} must be a probability in [0, 1].")
         self.mixup(2)
-
-    @classmethod
-    def build(cls, augmentation: Augmentation | None, owner: str, **fields: Any) -> Augmentation:
-        """``augmentation``, or one made of ``fields`` (the same names as keywords of a DataModule);
-        ``ValueError`` when both are given (``owner`` names the DataModule)."""
-        if augmentation is None:
-            return cls(**fields)
-        if not isinstance(augmentation, Augmentation):
-            raise TypeError(f"{owner}: augmentation={augmentation!r} must be a cltrain.data.Augmentation.")
-        changed = sorted(name for name, value in fields.items() if _differs(value, _DEFAULTS[name]))
-        if changed:
-            raise ValueError(f"{owner}: pass {', '.join(changed)} inside augmentation=Augmentation(...), "
-                             "or leave augmentation out; not both.")
-        return augmentation
 
     def train_transform(self, size: int | tuple[int, int], channels: int = 3, interpolation: str = "bilinear",
                         exif_transpose: bool = False, decoder: str = "auto") -> RandomResizedCropFlip:
@@ -108,11 +121,3 @@ class Augmentation:
         return MixupCutmix(num_classes, mixup_alpha=self.mixup_alpha, cutmix_alpha=self.cutmix_alpha,
                            prob=self.mixup_prob, switch_prob=self.mixup_switch_prob)
 
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Augmentation)}
-
-
-def _differs(value: Any, default: Any) -> bool:
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return tuple(value) != tuple(default)
-    return value != default

@@ -6,6 +6,11 @@ it is replaced by the next readable sample and reported: one ``split<TAB>name<TA
 appended to ``skip_log`` (the run directory's ``skipped_files.tsv``, from whichever worker process
 met it) and a warning once per sample and process. A sample's name is its file's path (in a pack:
 the path of the file it was packed from) or, in a dataset of rows, ``row <index>``.
+
+The policy is applied here, for every source: ``SkipsBadSamples.fetch`` for one sample,
+``SkipsBadSamples.start_batch`` for the samples of a batch decoded on threads (folders, packs,
+rows, clips); a stream, which has no next index to fetch, reports what ``start_batch`` let through
+(``skip``) and puts its own stand-in in its place.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import functools
 import logging
 import os
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from cltrain.data.errors import BadImageError
+from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
 __all__ = ["BAD_FILE_POLICIES", "NamedSplit", "SkipsBadSamples", "check_bad_files", "unreadable"]
@@ -106,6 +113,17 @@ class SkipsBadSamples:
                 self.skip(self.sample_name(i), getattr(err, "reason", None) or unreadable(err.__cause__ or err))
         raise BadImageError(f"{self.source_name}: {_MAX_SKIPS_IN_A_ROW} unreadable {self.what}s in a row from index {index}; "
                             "the data is not usable as it is (see the skipped-files list).")
+
+    threads: int = 1
+
+    def start_batch(self, load: Callable[..., Any], indices: Sequence[Any], augment: Callable[[Any], Any] | None = None,
+                    refetch: Callable[[Any], Any] | None = None) -> Callable[[], list[Any]]:
+        """``load`` each of ``indices`` on ``threads`` decode threads (``cltrain.data.loader_threads.start_batch``;
+        calling the result waits for them) under the policy: a sample whose ``load`` raises ``BadImageError``
+        raises it under ``"raise"``; under ``"skip"`` it is fetched again in the calling thread by ``refetch``
+        (default ``fetch``: the next readable sample, reported)."""
+        fallback = (refetch or self.fetch) if self.bad_files == "skip" else None
+        return start_batch(load, indices, self.threads, augment, retry=BadImageError, fallback=fallback)
 
     def skip(self, name: str, reason: str) -> None:
         """Report sample ``name`` as skipped: a line in ``skip_log`` and a warning once per sample and process."""

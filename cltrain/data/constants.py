@@ -1,7 +1,17 @@
-"""Constants of the data path: ImageNet statistics, the image file suffixes read, and the entries no walk lists."""
+"""Constants of the data path: ImageNet and Kinetics statistics, the random crop's ranges, the image file
+suffixes read, and the entries no walk lists."""
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+#: The statistics torchvision's Kinetics-400 video models were trained with.
+KINETICS_MEAN: tuple[float, float, float] = (0.43216, 0.394666, 0.37645)
+KINETICS_STD: tuple[float, float, float] = (0.22803, 0.22145, 0.216989)
+
+#: The random-resized crop's ranges of area (a fraction of the image's) and of aspect ratio (width / height):
+#: torchvision's ``RandomResizedCrop`` defaults, the ImageNet recipe's.
+CROP_SCALE: tuple[float, float] = (0.08, 1.0)
+CROP_RATIO: tuple[float, float] = (3 / 4, 4 / 3)
 
 #: Suffixes (lower case) of the files an image folder is made of; anything else is ignored.
 IMG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

@@ -125,7 +125,7 @@ def _params(num_classes: int, train_per_class: int, val_per_class: int, image_si
             "image_size": list(image_size), "seed": seed, "version": 1}
 
 
-def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_class: int = 80,
+def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_class: int = 100,
                       val_per_class: int = 20, image_size: tuple[int, int] = (500, 375), seed: int = 0) -> Path:
     """Write (once) a demo folder ``root/{train,val}/<class>/<n>.jpg`` and return ``Path(root)``.
 

@@ -280,13 +280,11 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
                     raise
 
             indices = [SeededIndex(k, seed_of(item[0], 0, 0)) for k, item in enumerate(chunk)]
-            samples = load_batch(load, indices, self.threads, augment, retry=BadImageError,
-                                 fallback=lambda k: None)  # each sample's crop and augmentation from its own seed
+            # each sample's crop and augmentation from its own seed; a bad row is None here under "skip"
+            samples = self.start_batch(load, indices, augment, refetch=lambda k: None)()
             for k, sample in enumerate(samples):
                 item = chunk[k]
                 if k in errors:
-                    if self.bad_files == "raise":
-                        raise errors[k]
                     self.skip(item[2], errors[k].reason or str(errors[k]))
                     owed += 1
                     continue

@@ -69,8 +69,7 @@ class ImageSamples(SkipsBadSamples, Dataset):
             return start_batch(self.__getitem__, indices, self.threads, augment)
         if (collate is None or own_load or augment is not None or size is None
                 or not getattr(self.transform, "takes_paths", False)):
-            return start_batch(self.load, indices, self.threads, augment, retry=BadImageError,
-                               fallback=self.__getitem__ if self.bad_files == "skip" else None)
+            return self.start_batch(self.load, indices, augment, refetch=self.__getitem__)
         buffer = collate.new_batch(len(indices), (*size, self.transform.channels))
 
         def write(k: int, fetch: Callable[..., tuple]) -> tuple:
@@ -86,8 +85,7 @@ class ImageSamples(SkipsBadSamples, Dataset):
 
         # slot k of the batch draws from sample k's seed where the sampler gave one (ResumableSampler)
         slots = [SeededIndex(k, i.seed) if isinstance(i, SeededIndex) else k for k, i in enumerate(indices)]
-        return start_batch(lambda k: write(k, self.load), slots, self.threads, retry=BadImageError,
-                           fallback=(lambda k: write(k, self.fetch)) if self.bad_files == "skip" else None)
+        return self.start_batch(lambda k: write(k, self.load), slots, refetch=lambda k: write(k, self.fetch))
 
     def load(self, index: int, out: torch.Tensor | None = None) -> tuple[Any, Any]:
         """The sample at ``index`` (its image written into ``out`` when given, see the transforms);

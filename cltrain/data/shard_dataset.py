@@ -24,7 +24,6 @@ from torch.utils.data import Dataset
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.errors import BadImageError, StorageError
-from cltrain.data.loader_threads import load_batch
 from cltrain.data.shard_source import MANIFEST, LocalPack, open_pack
 
 __all__ = ["MANIFEST", "ShardsDataset", "read_manifest"]
@@ -142,8 +141,7 @@ class ShardsDataset(SkipsBadSamples, Dataset):
         if isinstance(index, (int, np.integer)):
             return self.fetch(int(index))
         # each sample's crop from a seed of its own, whatever the number of threads (as ImageFolderDataset)
-        samples = load_batch(self.load, index, self.threads, getattr(self.transform, "augment", None), retry=BadImageError,
-                             fallback=self.fetch if self.bad_files == "skip" else None)
+        samples = self.start_batch(self.load, index, getattr(self.transform, "augment", None))()
         batch = self.collate(samples)
         return (*batch, torch.as_tensor(index, dtype=torch.int64)) if self.with_ids else batch
 

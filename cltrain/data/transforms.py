@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from cltrain.data.constants import CROP_RATIO, CROP_SCALE
 from cltrain.data.crop_kernels import INTERPOLATIONS, check_pixels, jpeg_resized_crop, resized_crop
 from cltrain.data.decoders import Decoder, JpegHeader, get_decoder
 from cltrain.data.loader_threads import augment_deferred, sample_generator
@@ -214,8 +215,8 @@ class RandomResizedCropFlip(_Transform):
             ``"simplejpeg"`` or ``"pillow"``.
     """
 
-    def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, channels: int = 3,
+    def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = CROP_SCALE,
+                 ratio: tuple[float, float] = CROP_RATIO, hflip: float = 0.5, channels: int = 3,
                  interpolation: str = "bilinear", exif_transpose: bool = False,
                  augment: Callable[[np.ndarray], np.ndarray] | None = None, decoder: str = "auto") -> None:
         self.size = size_pair(size, "size")
@@ -322,8 +323,8 @@ class ResizeCenterCrop(_Transform):
                 f"reduce={self.reduce})")
 
 
-def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
-                    ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, channels: int = 3,
+def train_transform(size: int | tuple[int, int] = 224, scale: tuple[float, float] = CROP_SCALE,
+                    ratio: tuple[float, float] = CROP_RATIO, hflip: float = 0.5, channels: int = 3,
                     interpolation: str = "bilinear", exif_transpose: bool = False,
                     augment: str | Callable[[np.ndarray], np.ndarray] | None = None,
                     decoder: str = "auto") -> RandomResizedCropFlip:

@@ -27,7 +27,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from cltrain.data.bad_samples import NamedSplit, SkipsBadSamples, unreadable
 from cltrain.data.errors import BadImageError, DataError, StorageError
-from cltrain.data.loader_threads import load_batch
 from cltrain.data.remote import is_url, open_fs, redact, remote_error
 from cltrain.data.resume_state import SeededIndex
 from cltrain.data.shard_cache import ShardCache
@@ -169,11 +168,9 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
                         errors[k] = err
                         raise
 
-                done = load_batch(load, seeds, self.threads, augment, retry=BadImageError, fallback=lambda k: None)
+                done = self.start_batch(load, seeds, augment, refetch=lambda k: None)()  # "skip": a bad one is None
                 for k, sample in enumerate(done):
                     if k in errors:
-                        if self.bad_files == "raise":
-                            raise errors[k]
                         self.skip(f"{chunk[k][0]} sample {chunk[k][1]}", errors[k].reason or str(errors[k]))
                         if last is None:
                             continue

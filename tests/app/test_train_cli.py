@@ -1,4 +1,4 @@
-"""`python train.py ...` as a user runs it: short errors with exit status 2, Hydra's option list, real DDP."""
+"""`python train.py ...` as a user runs it: short errors with exit status 2 (a mistyped group option too), real DDP."""
 
 from __future__ import annotations
 
@@ -39,11 +39,21 @@ def test_bad_config_is_one_line_and_exit_status_2(tmp_path: Path, override: str,
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_unknown_group_option_lists_the_options(tmp_path: Path) -> None:
-    result = run("model=nope", f"hydra.run.dir={tmp_path / 'run'}")
-    assert result.returncode == 1
-    assert "Could not find 'model/nope'" in result.stderr and "Available options in 'model'" in result.stderr
-    assert "\tresnet50" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.parametrize("override,message", [
+    ("model=resnet5", "cltrain: error: model='resnet5': no model option of that name; did you mean model=resnet50"),
+    ("+logger=cvs", "cltrain: error: logger='cvs': no logger option of that name; did you mean logger=csv?"),
+])
+def test_unknown_group_option_is_one_line_with_the_closest_and_exit_status_2(tmp_path: Path, override: str,
+                                                                             message: str) -> None:
+    result = run(override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().startswith(message), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+    # the control: a group option that exists composes and reaches the checks after composition
+    good = run(override.lstrip("+").replace("resnet5", "resnet50").replace("cvs", "csv"), "data.batch_size=0",
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert good.returncode == 2 and good.stderr.startswith("cltrain: error: data.batch_size=0:"), good.stderr
 
 
 def test_a_run_directory_with_a_run_in_it_is_refused(tmp_path: Path) -> None:

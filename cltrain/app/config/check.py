@@ -6,6 +6,9 @@ One pass over what a user can get wrong about keys and values:
   ``optim.lrr=0.1``) or a value of the wrong type (``seed=abc``, ``ema=true``) with a
   multi-line message; ``config_error`` turns each into one line naming the key, the
   value and what is allowed (the closest key names, the field's ``Rule``);
+* at composition, Hydra refuses a group option it cannot find (``model=resnet5``,
+  ``+logger=cvs``) with a list of every option; ``config_error`` turns it into one line
+  naming the group, the value and the closest options (``model=resnet50``);
 * after composition, ``check`` walks the config against the dataclasses of
   ``cltrain.app.config.schema``: keys added with ``+`` that the schema does not have
   (``+chanels_last=false``), keys removed with ``~``, and every field's rule
@@ -184,7 +187,7 @@ def _check_node(node: DictConfig, prefix: str) -> None:
             raise _unknown(str(name), node.get(name), list(fields), prefix)
     for name, f in fields.items():
         key = prefix + name
-        if name in node.keys() and OmegaConf.is_missing(node, name):  # `in` alone calls a missing value absent
+        if OmegaConf.is_missing(node, name):  # before `in`, which is false for a value left unset
             reason, allowed = _describe(schema, f)
             raise ConfigError(key, "???", f"not set; {reason}", allowed)
         if name not in node:
@@ -218,11 +221,14 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
 
 
 def config_error(exc: BaseException) -> ConfigError | None:
-    """The one-line ``ConfigError`` for a Hydra / OmegaConf composition error about a key or a value;
-    None for other errors (an unknown group option, a syntax error), which Hydra's own message explains."""
+    """The one-line ``ConfigError`` for a Hydra / OmegaConf composition error about a key, a value or a
+    group option; None for other errors (a syntax error), which Hydra's own message explains."""
     if isinstance(exc, ConfigError):
         return exc
     message = str(exc)
+    missing = _missing_option(exc)
+    if missing is not None:
+        return missing
     if message.startswith("Could not append to config. An item is already at '"):
         key = message.split("'")[1]
         value = _override(message.split("Either remove + prefix: '", 1)[-1].split("'")[0])[1]
@@ -249,6 +255,25 @@ def config_error(exc: BaseException) -> ConfigError | None:
         return ConfigError(key, value, "is a group of keys, not a value", _group_hint(key, schema))
     reason, allowed = _describe(owner, f)
     return ConfigError(key, value, reason, allowed)
+
+
+def _missing_option(exc: BaseException) -> ConfigError | None:
+    """``model=resnet5``: the group, the value, the closest options (difflib) and every option, in one line."""
+    from hydra.errors import MissingConfigException
+
+    cause = next((c for c in _causes(exc) if isinstance(c, MissingConfigException)), None)
+    if cause is None or not cause.options or not cause.missing_cfg_file or "/" not in cause.missing_cfg_file:
+        return None  # not a group option (config.yaml itself, a file named in a defaults list)
+    group, _, value = cause.missing_cfg_file.rpartition("/")
+    options = sorted(map(str, cause.options))
+    close = difflib.get_close_matches(value, options, n=3, cutoff=0.5)
+    reason = f"no {group} option of that name"
+    where = re.match(r"In '([^']+)':", str(cause))
+    if where and where.group(1) not in ("config", "hydra/config"):  # named in a file's defaults list, not typed
+        reason += f" (named in {where.group(1)}.yaml)"
+    if close:
+        reason += "; did you mean " + " or ".join(f"{group}={c}" for c in close) + "?"
+    return ConfigError(group, value, reason, ", ".join(options))
 
 
 def _not_a_key(key: str, value: Any, schema: type | None, line: str | None) -> ConfigError:

@@ -4,8 +4,8 @@ starts the run.
 ``config_dir`` is where the configs are: the package's own (``conf/`` in the source tree, installed as
 ``cltrain.conf``), found with ``importlib.resources`` and never the current folder;
 ``$CLTRAIN_CONFIG_DIR`` replaces them with a folder of the user's, and Hydra's ``--config-dir`` adds
-one beside them. ``compose_config`` is Hydra's compose API with one-line errors for bad keys and
-values (``cltrain.app.config.check.config_error``); ``check_command_line`` composes and
+one beside them. ``compose_config`` is Hydra's compose API with one-line errors for bad keys,
+values and group options (``cltrain.app.config.check.config_error``); ``check_command_line`` composes and
 checks (``cltrain.app.config.check.check``) what a command line would run, every value of a
 ``-m`` sweep included (``-m ema.decay=0.9,1.5``), so that a bad value stops the sweep before its
 first job.
@@ -102,8 +102,8 @@ def _variants(overrides: Sequence[str]) -> list[list[str]]:
 
 def check_command_line(argv: Sequence[str]) -> None:
     """Compose and ``check`` what ``python train.py <argv>`` would run (every value of a ``-m``
-    sweep) before Hydra starts: a bad key or value raises one ``ConfigError``. Problems that are
-    not about a key or a value (an unknown group option, a syntax error) are left to Hydra's own message.
+    sweep) before Hydra starts: a bad key, value or group option (``model=resnet5``) raises one
+    ``ConfigError``. Problems that are not about a key or a value (a syntax error) are left to Hydra's own message.
 
     Raises:
         ConfigError: the first bad key or value.
@@ -116,7 +116,8 @@ def check_command_line(argv: Sequence[str]) -> None:
         return
     if args.hydra_help or args.shell_completion or args.info or args.experimental_rerun or args.config_path:
         return  # --config-path is relative to cli.py: Hydra composes that one itself
-    overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+    # Hydra's own keys (hydra.run.dir=...) are Hydra's to check; its groups (hydra/launcher=slurm) compose here
+    overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra") or o.lstrip("+~").startswith("hydra/")]
     if args.config_dir:
         overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
     try:

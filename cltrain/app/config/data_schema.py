@@ -1,52 +1,68 @@
-"""The ``data`` group's schemas: what every DataModule the app builds takes, and each option's shape.
+"""The ``data`` group's schemas, built from the DataModules' own settings groups.
 
-``DataConfig`` is the group's type in ``cltrain.app.config.schema.TrainConfig``; each option's yaml
-extends one of its subclasses (``conf/data/demo.yaml`` extends ``ImageFolderDemoConfig``). A demo
-option's schema carries the demo set's generator arguments (``data.demo``) and the one ``root`` at
-which the set is generated (``demo_home``).
+Each data option's schema is its DataModule's settings (``cltrain.data.settings.DATAMODULE_SETTINGS``):
+the same fields, types and defaults, so a default is written once, in ``cltrain.data.settings``,
+for the library and the app; ``Pixels`` is left out (the app sets ``channels_last`` from its
+toggle). What a value may be beyond its type is the rule of its name (``DATA_RULES``; a key that
+may be null takes null too). ``DataConfig`` is the group's type in
+``cltrain.app.config.schema.TrainConfig``; each option's yaml extends one of its subclasses
+(``conf/data/demo.yaml`` extends ``ImageFolderDemoConfig``). A demo option's schema carries the demo
+set's generator arguments (``data.demo``) and the one ``root`` at which the set is generated
+(``demo_home``).
 
 Example::
 
     >>> from omegaconf import OmegaConf
     >>> demo_home(OmegaConf.structured(ImageFolderDemoConfig))
     'data/demo'
+    >>> OmegaConf.structured(ImageFolderConfig).batch_size
+    64
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import inspect
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from cltrain.app.config.rules import (
-    COUNT_OR_AUTO,
+    FIELD,
     IMAGE_SIZE_WH,
+    INDEX_CACHE,
     NON_NEGATIVE,
     OPT_PATH,
-    OPT_POSITIVE,
-    OPT_SIZE,
-    OPT_TEXT,
+    PATH,
     POSITIVE,
     POSITIVE_OR_AUTO,
+    COUNT_OR_AUTO,
     RATIO,
     SCALE,
     SEED,
+    SIZE,
     TEXT,
     UNIT_CLOSED,
+    Rule,
     choices,
     key,
 )
 from cltrain.data.augment_ops import AUGMENT_POLICIES
-from cltrain.data.constants import CHECK_MODES
 from cltrain.data.bad_samples import BAD_FILE_POLICIES
+from cltrain.data.constants import CHECK_MODES
 from cltrain.data.crop_kernels import INTERPOLATIONS
 from cltrain.data.decoders import DECODER_NAMES
+from cltrain.data.settings import DATAMODULE_SETTINGS, Pixels
 from cltrain.data.shard_source import FETCH_MODES
 
 __all__ = [
+    "DATA_RULES",
     "DEMO_GENERATORS",
+    "DEMO_RULES",
     "ClipFolderConfig",
     "ClipFolderDemoConfig",
     "DataConfig",
@@ -62,89 +78,128 @@ __all__ = [
     "demo_home",
 ]
 
-
-@dataclass
-class ImageDemoConfig:
-    """``data.demo``: the generated image demo set (``cltrain.data.make_demo_dataset``'s arguments)."""
-
-    num_classes: int = key(10, POSITIVE)
-    train_per_class: int = key(100, POSITIVE)
-    val_per_class: int = key(20, POSITIVE)
-    image_size: list[int] = key([500, 375], IMAGE_SIZE_WH)  # width, height of the JPEGs (ImageNet-like)
-    seed: int = key(0, SEED)
-    any_root: bool = False                    # true: generate it at any data.root (else only at the option's own root)
-
-
-@dataclass
-class VideoDemoConfig:
-    """``data.demo``: the generated clip demo set (``cltrain.data.video.make_demo_videos``'s arguments)."""
-
-    num_classes: int = key(6, POSITIVE)
-    train_per_class: int = key(48, POSITIVE)
-    val_per_class: int = key(16, POSITIVE)
-    num_frames: int = key(16, POSITIVE)
-    frame_size: int = key(64, POSITIVE)
-    seed: int = key(0, SEED)
-    any_root: bool = False
-
-
-#: The generator of each demo schema (``data.demo``'s type).
-DEMO_GENERATORS: dict[type, str] = {
-    ImageDemoConfig: "cltrain.data.make_demo_dataset",
-    VideoDemoConfig: "cltrain.data.video.make_demo_videos",
+#: What each ``data.*`` key allows beyond its type, by name (booleans need none).
+DATA_RULES: dict[str, Rule] = {
+    "batch_size": POSITIVE, "num_workers": COUNT_OR_AUTO, "image_size": POSITIVE, "val_resize_size": POSITIVE,
+    "interpolation": choices(*INTERPOLATIONS), "decode_threads": POSITIVE_OR_AUTO, "decoder": choices(*DECODER_NAMES),
+    "scale": SCALE, "ratio": RATIO, "hflip": UNIT_CLOSED, "augment": choices(*AUGMENT_POLICIES),
+    "random_erasing": UNIT_CLOSED, "mixup_alpha": NON_NEGATIVE, "cutmix_alpha": NON_NEGATIVE,
+    "mixup_prob": UNIT_CLOSED, "mixup_switch_prob": UNIT_CLOSED, "bad_files": choices(*BAD_FILE_POLICIES),
+    "exclude_files": PATH, "check_val": choices(*CHECK_MODES), "index_cache": INDEX_CACHE,
+    "seed": SEED, "shuffle_window": POSITIVE, "fetch": choices(*FETCH_MODES), "cache_dir": PATH, "cache_limit": SIZE,
+    "train_split": TEXT, "val_split": TEXT, "image_column": TEXT, "label_column": TEXT, "shuffle_buffer": POSITIVE,
+    "shuffle_seed": SEED, "num_classes": POSITIVE, "image_key": FIELD, "label_key": FIELD, "max_cache_size": TEXT,
+    "num_frames": POSITIVE, "frame_stride": POSITIVE, "val_temporal": choices("center", "uniform"),
 }
-
 
 @dataclass
 class DataConfig:
-    """``data``: what every DataModule the app builds takes; the options' schemas extend it."""
+    """``data``: what every data option has; each option's schema extends it with its DataModule's settings."""
 
     _target_: str = MISSING                   # the DataModule class
-    root: str | None = key(None, OPT_PATH)  # relative to the directory you start from; required unless a demo
-    batch_size: int = key(256, POSITIVE)       # per device (global batch = batch_size x devices x nodes x accumulation)
-    num_workers: Any = key(8, COUNT_OR_AUTO)  # DataLoader worker processes; auto: see the image options
-    image_size: int = key(224, POSITIVE)      # training crop; centre crop for validation
-    val_resize_size: int | None = key(256, OPT_POSITIVE)  # validation resize before the centre crop
+    root: str | None = key(None, OPT_PATH)    # relative to the directory you start from; required unless a demo
+
+
+_PRIMITIVE = (int, float, str, bool, type(None))
+_UNIONS = (Union, types.UnionType)
+
+
+def _config_type(hint: Any) -> Any:
+    """The type a settings field has in the config: its primitive part (``int | tuple[int, int]`` -> ``int``,
+    ``str | os.PathLike | None`` -> ``str | None``), a list for a sequence (``scale``)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in _UNIONS else (hint,)
+    kept = [t for t in options if t in _PRIMITIVE]
+    if not kept:
+        sequence = next((t for t in options if typing.get_origin(t) in (tuple, list, collections.abc.Sequence)), None)
+        return list[typing.get_args(sequence)[0]] if sequence is not None else Any
+    return kept[0] if len(kept) == 1 else Union[tuple(kept)]  # noqa: UP007 - a Union built from a list
+
+
+def _rule(name: str, tp: Any) -> Rule | None:
+    """``DATA_RULES[name]``, taking null too where the type does."""
+    rule = DATA_RULES.get(name)
+    if rule is None or type(None) not in typing.get_args(tp):
+        return rule
+    return Rule(lambda v, test=rule.test: v is None or test(v), rule.reason,
+                f"{rule.allowed}, or null" if rule.allowed else "or null")
+
+
+def _schema(name: str, target: str, doc: str, base: type = DataConfig, **extra: Any) -> type:
+    """The schema of the data option whose DataModule is ``target``: ``base``, then every field of its
+    settings groups (but ``Pixels``) with its default, then ``extra`` (name -> (type, field))."""
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, field(default=target))]
+    for group in DATAMODULE_SETTINGS[target]:
+        if issubclass(group, Pixels):
+            continue
+        hints = typing.get_type_hints(group)
+        for f in dataclasses.fields(group):
+            tp = _config_type(hints[f.name])
+            default = MISSING if f.default is dataclasses.MISSING else f.default
+            fields.append((f.name, tp, key(list(default) if isinstance(default, tuple) else default, _rule(f.name, tp))))
+    fields += [(k, tp, f) for k, (tp, f) in extra.items()]
+    schema = dataclasses.make_dataclass(name, fields, bases=(base,), namespace={"__doc__": doc})
+    schema.__module__ = __name__
+    return schema
+
+
+def _demo_schema(name: str, generator: str, doc: str) -> type:
+    """The ``data.demo`` schema of a demo set: ``generator``'s arguments and their defaults (its signature, one
+    place), with ``DEMO_RULES``; then ``any_root``: true generates it at any ``data.root``, else only at the
+    option's own root."""
+    from hydra.utils import get_method
+
+    params = list(inspect.signature(get_method(generator)).parameters.values())[1:]  # after root
+    hints = typing.get_type_hints(get_method(generator))
+    fields = [(p.name, _config_type(hints[p.name]),
+               key(list(p.default) if isinstance(p.default, tuple) else p.default, DEMO_RULES[p.name])) for p in params]
+    schema = dataclasses.make_dataclass(name, [*fields, ("any_root", bool, field(default=False))],
+                                        namespace={"__doc__": doc})
+    schema.__module__ = __name__
+    DEMO_GENERATORS[schema] = generator
+    return schema
+
+
+#: The generator of each demo schema (``data.demo``'s type).
+DEMO_GENERATORS: dict[type, str] = {}
+
+
+#: What each ``data.demo.*`` key allows beyond its type.
+DEMO_RULES: dict[str, Rule] = {"num_classes": POSITIVE, "train_per_class": POSITIVE, "val_per_class": POSITIVE,
+                               "image_size": IMAGE_SIZE_WH, "num_frames": POSITIVE, "frame_size": POSITIVE, "seed": SEED}
+ImageDemoConfig = _demo_schema("ImageDemoConfig", "cltrain.data.make_demo_dataset",
+                               "``data.demo``: the generated image demo set (``cltrain.data.make_demo_dataset``'s arguments).")
+VideoDemoConfig = _demo_schema("VideoDemoConfig", "cltrain.data.video.make_demo_videos",
+                               "``data.demo``: the generated clip demo set (``cltrain.data.video.make_demo_videos``'s "
+                               "arguments).")
+
+ImageFolderConfig = _schema(
+    "ImageFolderConfig", "cltrain.data.ImageFolderDataModule",
+    "``schema/data/images``: an ImageNet-layout folder, ``<root>/{train,val}/<class>/<image>``.",
+    demo=(ImageDemoConfig | None, field(default=None)))  # set: generate the demo set at root when it is missing
+ShardsConfig = _schema(
+    "ShardsConfig", "cltrain.data.ShardsDataModule",
+    "``schema/data/shards``: WebDataset shards packed by ``cltrain-pack``; ``root`` a folder or a URL "
+    "(docs/guides/object-storage.md).")
+LitDataConfig = _schema(
+    "LitDataConfig", "cltrain.data.datamodules.engines.LitDataModule",
+    "``schema/data/litdata``: LitData optimized datasets (``litdata.optimize``), ``<root>/train`` and ``<root>/val``.")
+MDSConfig = _schema(
+    "MDSConfig", "cltrain.data.datamodules.engines.MDSModule",
+    "``schema/data/mds``: Mosaic MDS datasets, ``<root>/train/index.json`` and ``<root>/val/index.json``.")
+WebDatasetConfig = _schema(
+    "WebDatasetConfig", "cltrain.data.datamodules.engines.WebDatasetModule",
+    "``schema/data/webdataset``: WebDataset tar shards, ``<root>/train/*.tar`` and ``<root>/val/*.tar``, streamed.")
+HFConfig = _schema(
+    "HFConfig", "cltrain.data.HFImageDataModule",
+    "``schema/data/hf``: a Hugging Face image dataset: a Hub id, a ``save_to_disk`` folder or Parquet files.")
+ClipFolderConfig = _schema(
+    "ClipFolderConfig", "cltrain.data.video.ClipFolderDataModule",
+    "``schema/data/video``: clips as folders of frames, ``<root>/{train,val}/<class>/<clip>/<frame>``.",
+    demo=(VideoDemoConfig | None, field(default=None)))
 
 
 @dataclass
-class _ImageCrops(DataConfig):
-    """What the image DataModules (``ImageFolderDataModule``, ``ShardsDataModule``) take beyond
-    ``DataConfig``: loading, decoding, the training crop and augmentation (docs/guides/data.md)."""
-
-    # auto: cltrain.data.loader_threads.loading_plan, the fastest measured split of the cores (docs/performance.md)
-    num_workers: Any = key("auto", COUNT_OR_AUTO)
-    decode_threads: Any = key("auto", POSITIVE_OR_AUTO)  # threads decoding each batch inside each loading process
-    decoder: str = key("auto", choices(*DECODER_NAMES))  # the JPEG back end (cltrain.data.decoders), or pillow
-    val_reduce: bool = False                  # true: large validation JPEGs decoded at 1/2-1/8 scale (not torchvision's)
-
-    scale: list[float] = key([0.08, 1.0], SCALE)  # RandomResizedCrop's area range
-    ratio: list[float] = key([0.75, 1.3333333333333333], RATIO)  # and aspect-ratio range (w / h)
-    hflip: float = key(0.5, UNIT_CLOSED)      # horizontal flip probability
-    interpolation: str = key("bilinear", choices(*INTERPOLATIONS))  # antialiased, training and evaluation
-    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))  # an unreadable image stops the run, or is skipped
-    exif_transpose: bool = False              # turn photos upright by their EXIF orientation (off, as torchvision)
-    augment: str = key("none", choices(*AUGMENT_POLICIES))  # on the HWC crop in the workers
-    random_erasing: float = key(0.0, UNIT_CLOSED)  # probability, timm's per-image erasing on the device batch
-    mixup_alpha: float = key(0.0, NON_NEGATIVE)  # timm's mixup / cutmix on the device batch (0 and 0: off);
-    cutmix_alpha: float = key(0.0, NON_NEGATIVE)  # targets become probabilities, accuracy reads their argmax
-    mixup_prob: float = key(1.0, UNIT_CLOSED)
-    mixup_switch_prob: float = key(0.5, UNIT_CLOSED)
-
-
-@dataclass
-class ImageFolderConfig(_ImageCrops):
-    """``schema/data/images``: an ImageNet-layout folder, ``<root>/{train,val}/<class>/<image>``."""
-
-    _target_: str = "cltrain.data.ImageFolderDataModule"
-    allow_missing_val_classes: bool = False   # true: accept classes with train/ images but no val/ folder
-    check_val: str = key("quick", choices(*CHECK_MODES))  # check the validation files before the first epoch
-    exclude_files: str | None = key(None, OPT_PATH)  # a bad-files list (cltrain-data-check ROOT --out bad.tsv)
-    demo: ImageDemoConfig | None = None    # set: generate the demo set at root when it is missing
-
-
-@dataclass
-class ImageFolderDemoConfig(ImageFolderConfig):
+class ImageFolderDemoConfig(ImageFolderConfig):  # type: ignore[valid-type,misc]
     """``schema/data/images_demo``: the image demo set, generated at ``root`` (its only place) on first use."""
 
     root: str | None = key("data/demo", OPT_PATH)
@@ -152,97 +207,7 @@ class ImageFolderDemoConfig(ImageFolderConfig):
 
 
 @dataclass
-class ShardsConfig(_ImageCrops):
-    """``schema/data/shards``: WebDataset shards packed by ``cltrain-pack`` (checked when packed)."""
-
-    _target_: str = "cltrain.data.ShardsDataModule"
-    seed: int = key(0, SEED)                  # epoch e's training order is permutation(seed + e), the same on every rank
-    shuffle_window: int | None = key(None, OPT_POSITIVE)  # null: all samples permuted; k: shards, mixed in runs of k
-    # root may be a URL (s3://bucket/pack, gs://, az://, https://): docs/guides/object-storage.md
-    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache (null: $CLTRAIN_SHARD_CACHE, else $TMPDIR)
-    cache_limit: Any = key(None, OPT_SIZE)    # most bytes it holds (200GB, ...; null: half the disk's free space)
-    fetch: str = key("shards", choices(*FETCH_MODES))  # shards: whole, ahead, cached; ranges: per sample, uncached
-
-
-@dataclass
-class LitDataConfig(_ImageCrops):
-    """``schema/data/litdata``: LitData optimized datasets (``litdata.optimize``), ``<root>/train`` and ``<root>/val``,
-    a folder or a URL (``pip install 'cltrain[litdata]'``); the images' file bytes go to cltrain's decoder."""
-
-    _target_: str = "cltrain.data.datamodules.engines.LitDataModule"
-    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
-    train_split: str = key("train", TEXT)     # the folder of each split's optimized dataset under root
-    val_split: str = key("val", TEXT)
-    image_key: str | None = key(None, OPT_TEXT)  # null: the items' first bytes field
-    label_key: str | None = key(None, OPT_TEXT)  # null: their first int field
-    cache_dir: str | None = key(None, OPT_PATH)  # LitData's chunk cache (null: LitData's default)
-    max_cache_size: str = key("50GB", TEXT)   # its limit
-
-
-@dataclass
-class MDSConfig(_ImageCrops):
-    """``schema/data/mds``: Mosaic MDS datasets (``<root>/train/index.json``, ``<root>/val/index.json``, uncompressed
-    shards), a folder or a URL (``pip install 'cltrain[mds]'``); the image column's bytes go to cltrain's decoder."""
-
-    _target_: str = "cltrain.data.datamodules.engines.MDSModule"
-    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
-    train_split: str = key("train", TEXT)
-    val_split: str = key("val", TEXT)
-    image_key: str | None = key(None, OPT_TEXT)  # null: the first jpeg, png or bytes column
-    label_key: str | None = key(None, OPT_TEXT)  # null: the first integer column
-    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache for a URL (as data=shards)
-    cache_limit: Any = key(None, OPT_SIZE)
-
-
-@dataclass
-class WebDatasetConfig(_ImageCrops):
-    """``schema/data/webdataset``: WebDataset tar shards (``<root>/train/*.tar``, ``<root>/val/*.tar``: ``<key>.jpg``
-    and ``<key>.cls``), a folder or a URL; streamed, no mid-epoch resume (WebDataset keeps no place)."""
-
-    _target_: str = "cltrain.data.datamodules.engines.WebDatasetModule"
-    num_classes: int = key(MISSING, POSITIVE)  # the format keeps no class names: how many classes the labels name
-    train_split: str = key("train", TEXT)
-    val_split: str = key("val", TEXT)
-    shuffle_buffer: int | None = key(1000, OPT_POSITIVE)  # training samples shuffled together
-    seed: int = key(0, SEED)                  # epoch e's shards permuted with seed + e (every rank the same)
-    cache_dir: str | None = key(None, OPT_PATH)  # the node's shard cache for a URL (as data=shards)
-    cache_limit: Any = key(None, OPT_SIZE)
-
-
-@dataclass
-class HFConfig(_ImageCrops):
-    """``schema/data/hf``: a Hugging Face image dataset: a Hub id, a ``save_to_disk`` folder or a folder of
-    Parquet files (``pip install 'cltrain[hf]'``); a local ``root`` is a folder, anything else a Hub id."""
-
-    _target_: str = "cltrain.data.HFImageDataModule"
-    streaming: bool = False                   # read the splits as streams (nothing downloaded or converted first)
-    train_split: str = key("train", TEXT)
-    val_split: str | None = key(None, OPT_TEXT)  # null: the first of validation, val, valid, test
-    image_column: str | None = key(None, OPT_TEXT)  # null: the first Image feature
-    label_column: str | None = key(None, OPT_TEXT)  # null: the first ClassLabel feature
-    shuffle_buffer: int | None = key(10000, OPT_POSITIVE)  # streaming: rows shuffled together for training
-    shuffle_seed: int = key(0, SEED)          # streaming: epoch e's order is shuffled with shuffle_seed + e (every rank)
-
-
-@dataclass
-class ClipFolderConfig(DataConfig):
-    """``schema/data/video``: clips as folders of frames, ``<root>/{train,val}/<class>/<clip>/<frame>``."""
-
-    _target_: str = "cltrain.data.video.ClipFolderDataModule"
-    batch_size: int = key(8, POSITIVE)        # clips per device
-    num_workers: Any = key(2, COUNT_OR_AUTO)  # auto: a worker per core
-    image_size: int = key(112, POSITIVE)
-    val_resize_size: int | None = key(128, OPT_POSITIVE)
-    num_frames: int = key(16, POSITIVE)       # frames per clip (T)
-    frame_stride: int = key(1, POSITIVE)      # every n-th frame
-    scale: list[float] = key([0.08, 1.0], SCALE)  # crop area range
-    hflip: float = key(0.5, UNIT_CLOSED)
-    bad_files: str = key("raise", choices(*BAD_FILE_POLICIES))
-    demo: VideoDemoConfig | None = None
-
-
-@dataclass
-class ClipFolderDemoConfig(ClipFolderConfig):
+class ClipFolderDemoConfig(ClipFolderConfig):  # type: ignore[valid-type,misc]
     """``schema/data/video_demo``: the moving-shapes clip demo, generated at ``root`` on first use."""
 
     root: str | None = key("data/video_demo", OPT_PATH)

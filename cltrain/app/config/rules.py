@@ -20,6 +20,8 @@ from typing import Any
 
 from omegaconf import ListConfig
 
+from cltrain.data.constants import CROP_SCALE
+
 
 __all__ = ["OPTIMIZERS", "Rule", "choices", "key", "optimizer_name"]
 
@@ -67,8 +69,12 @@ GT_ZERO = Rule(lambda v: _number(v) and v > 0, "must be a number > 0")
 UNIT = Rule(lambda v: _number(v) and 0.0 <= v < 1.0, "must be a number in [0, 1)", "0 <= value < 1")
 UNIT_CLOSED = Rule(lambda v: _number(v) and 0.0 <= v <= 1.0, "must be a number in [0, 1]", "0 <= value <= 1")
 TEXT = Rule(lambda v: isinstance(v, str) and v != "", "must be a non-empty string")
-OPT_TEXT = Rule(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a non-empty string", "or null")
+PATH = Rule(lambda v: isinstance(v, str) and v != "", "must be a path", "a path")
 OPT_PATH = Rule(lambda v: v is None or (isinstance(v, str) and v != ""), "must be a path", "a path, or null")
+FIELD = Rule(lambda v: (isinstance(v, str) and v != "") or _int(v), "must be a field's name or index")
+INDEX_CACHE = Rule(lambda v: isinstance(v, bool) or (isinstance(v, str) and v != ""), "must be true, false or a path")
+
+
 def _size(v: Any) -> bool:
     from cltrain.data.shard_cache import parse_size
 
@@ -79,7 +85,7 @@ def _size(v: Any) -> bool:
     return True
 
 
-OPT_SIZE = Rule(lambda v: v is None or _size(v), "must be a size", "e.g. 200GB, 500GiB, a number of bytes, or null")
+SIZE = Rule(_size, "must be a size", "e.g. 200GB, 500GiB, a number of bytes")
 TOP_K = Rule(lambda v: _int(v) and v >= -1, "must be a whole number >= -1", "-1 keeps all, 0 none, k the best k")
 DEVICES = Rule(lambda v: v == "auto" or (_int(v) and v > 0) or (_list(v) and len(v) > 0 and all(_int(i) and i >= 0 for i in v)),
                "must be a number of devices", "a whole number > 0, auto, or [0, 1, ...]")
@@ -87,7 +93,7 @@ MILESTONES = Rule(lambda v: _list(v) and all(_int(i) and i >= 0 for i in v), "mu
 BETAS = Rule(lambda v: _list(v) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
              "must be two numbers in [0, 1)", "e.g. [0.9, 0.999]")
 SCALE = Rule(lambda v: _list(v) and len(v) == 2 and all(_number(s) for s in v) and 0 < v[0] <= v[1] <= 1,
-             "must be two numbers 0 < min <= max <= 1", "e.g. [0.08, 1.0]")
+             "must be two numbers 0 < min <= max <= 1", f"e.g. {list(CROP_SCALE)}")
 RATIO = Rule(lambda v: _list(v) and len(v) == 2 and all(_number(s) for s in v) and 0 < v[0] <= v[1],
              "must be two numbers 0 < min <= max", "e.g. [0.75, 1.3333]")
 IMAGE_SIZE_WH = Rule(lambda v: _list(v) and len(v) == 2 and all(_int(s) and s > 0 for s in v),

@@ -1,85 +1,52 @@
 """``BatchDataModule``: what every cltrain DataModule shares, once.
 
-The loader (batch size, worker processes, pinning, the opt-in CUDA prefetch), the device
-chosen at ``setup``, and the normalisation of the uint8 batch on that device in
+A DataModule is made of settings groups (``cltrain.data.settings``): its class lists them
+(``settings``), its arguments are their fields, and it holds each group, checked when it is made
+(``dm.loading``, ``dm.crop``, ``dm.pixels``, ``dm.bad_file_policy``, ...) and each field by its
+name (``dm.batch_size``). Here: the loader (batch size, worker processes, pinning, the opt-in CUDA
+prefetch), the device chosen at ``setup``, the normalisation of the uint8 batch on that device in
 ``on_after_batch_transfer`` (images ``(N, C, H, W)`` channels_last, clips ``(N, C, T, H, W)``
-channels_last_3d; contiguous with ``channels_last=False``). The arguments are checked here,
-in the constructor, for every DataModule.
+channels_last_3d; contiguous with ``channels_last=False``), and the bad-file policy's list of
+skipped samples in the run directory (``bad_files="skip"`` under a Trainer).
 
-A subclass sets ``train_set`` / ``val_set`` in its ``setup`` (after ``_choose_device``),
-defines ``classes`` and ``input_shape``, and says how a batch is collated (``_collate``), or
-how a loader batches altogether (``_batching``).
+A subclass sets ``settings``, sets ``train_set`` / ``val_set`` in its ``setup`` (after
+``_choose_device`` and ``_open_skip_log``), defines ``classes`` and ``input_shape``, and says how a
+batch is collated (``_collate``), or how a loader batches altogether (``_batching``).
 
-========================  ===============================================
-``BatchDataModule``       loader, device, normalisation
-``ImageDataModule``       + image crops, ``Augmentation``, ``decode_threads``
-``ShardsDataModule``      + a pack of shards (``seed``, ``shuffle_window``)
-``ImageFolderDataModule`` + class folders, ``bad_files``, the folder checks
-``ClipFolderDataModule``  + class folders, ``bad_files``, clip sampling
-========================  ===============================================
-
-A subclass that only adds arguments writes them alone: ``takes_arguments_of(Base)`` gives its
-``__init__(self, *args, <its own keyword-only arguments>, **kwargs)`` the signature of ``Base``
-followed by its own, the one that ``inspect``, ``help``, Hydra's users and LightningCLI read.
+==========================  =======================================================
+``BatchDataModule``         loader, device, normalisation, bad-file list
+``ImageDataModule``         + crops, decoding, ``Augmentation``: the image DataModules' base
+``ImageFolderDataModule``,  each an ``ImageDataModule`` with its source's own group
+``ShardsDataModule``, ...
+``ClipFolderDataModule``    + clip sampling, ``RandomCrop``
+==========================  =======================================================
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import os
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, IterableDataset
 from typing_extensions import override
 
+from cltrain.data.datamodules.arguments import bind_settings, signature_of
+from cltrain.data.datamodules.class_folders import ClassFolders
+from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
 from cltrain.data.loader_threads import usable_cores
-from cltrain.data.normalize import NORMALIZE_DTYPES, check_statistics, normalize
+from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
 from cltrain.data.remote import is_url, redact, root_of
 from cltrain.data.resume_state import ResumableSampler, is_resumable
 from cltrain.data.running_stats import RunningStats
 from cltrain.data.stream_place import is_stream
 
-__all__ = ["BatchDataModule", "takes_arguments_of"]
-
-Init = TypeVar("Init", bound=Callable[..., None])
-
-
-def takes_arguments_of(base: type) -> Callable[[Init], Init]:
-    """Decorator of ``__init__(self, *args, <own keyword-only arguments>, **kwargs)`` that hands ``*args,
-    **kwargs`` on to ``base``: its signature becomes ``base``'s arguments, then its own, so shared arguments
-    are written once (in ``base``) and still named in every subclass's signature; an argument neither
-    takes is a one-line ``TypeError`` naming the subclass.
-
-    Example::
-
-        class ShardsDataModule(ImageDataModule):
-            @takes_arguments_of(ImageDataModule)
-            def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                self.seed = seed
-    """
-    def decorate(init: Init) -> Init:
-        inherited = list(inspect.signature(base.__init__, eval_str=True).parameters.values())
-        own = [p for p in inspect.signature(init, eval_str=True).parameters.values() if p.kind is p.KEYWORD_ONLY]
-        signature = inspect.Signature([*inherited, *own])
-
-        @functools.wraps(init)
-        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
-            try:
-                signature.bind(self, *args, **kwargs)
-            except TypeError as err:  # Python's message names the base's __init__: name the class called
-                raise TypeError(f"{type(self).__name__}: {err}") from None
-            init(self, *args, **kwargs)
-
-        checked.__signature__ = signature  # type: ignore[attr-defined]
-        return checked  # type: ignore[return-value]
-    return decorate
+__all__ = ["BatchDataModule"]
 
 
 class BatchDataModule(L.LightningDataModule):
@@ -87,63 +54,64 @@ class BatchDataModule(L.LightningDataModule):
 
     Args:
         root: where the data is.
-        batch_size: samples per batch.
-        num_workers: DataLoader worker processes (0: load in the main process).
-        persistent_workers: keep workers between epochs (when ``num_workers > 0``).
-        pin_memory: ``None`` pins only when the trainer runs on a GPU.
-        channels: 3 (RGB) or 1 (grayscale).
-        mean: per-channel normalisation mean (0-1 units).
-        std: per-channel normalisation standard deviation (0-1 units).
-        dtype: dtype of the normalised batch (float32, bfloat16 or float16).
-        channels_last: ``False`` gives contiguous batches (the baseline).
-        cuda_prefetch: on a CUDA device, copy the next batch on a side stream
-            (``PrefetchDataLoader``); off: Lightning copies each batch when its step starts.
+        **settings: the fields of its ``settings`` groups, by name (``cltrain.data.settings``).
 
     Raises:
         ValueError: a bad argument, quoted (also ``mean``/``std`` in 0-255 units).
+        TypeError: an argument it does not take (one line naming it).
     """
 
+    #: The settings groups it is made of (``cltrain.data.settings``): its arguments after ``root``, in order.
+    settings: ClassVar[tuple[type, ...]] = ()
     #: Whether ``root`` may be a URL (``s3://...``, ``cltrain.data.remote``).
-    takes_urls: bool = False
+    takes_urls: ClassVar[bool] = False
 
-    def __init__(self, root: str | os.PathLike, *, batch_size: int, num_workers: int | str, persistent_workers: bool,
-                 pin_memory: bool | None, channels: int, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype,
-                 channels_last: bool, cuda_prefetch: bool) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:  # its own function: the signature is its settings'
+            def __init__(self: Any, *args: Any, **kw: Any) -> None:
+                super(cls, self).__init__(*args, **kw)
+            cls.__init__ = __init__  # type: ignore[method-assign]
+        cls.__init__.__signature__ = signature_of(cls.settings)  # what inspect, help and LightningCLI read
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
         owner = type(self).__name__
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"{owner}: batch_size={batch_size!r} must be an int >= 1.")
-        if num_workers == "auto":
-            num_workers = usable_cores()  # a worker process per core (the image DataModules plan threads too)
-        if not (isinstance(num_workers, int) and num_workers >= 0):
-            raise ValueError(f"{owner}: num_workers={num_workers!r} must be an int >= 0 or 'auto'.")
-        if channels not in (1, 3):
-            raise ValueError(f"{owner}: channels={channels!r} must be 1 (grayscale) or 3 (RGB).")
-        if dtype not in NORMALIZE_DTYPES:
-            raise ValueError(f"{owner}: dtype={dtype!r} must be one of {NORMALIZE_DTYPES}.")
-        if len(mean) not in (1, channels) or len(std) not in (1, channels):
-            raise ValueError(f"{owner}: mean={tuple(mean)} and std={tuple(std)} need 1 or {channels} values each.")
-        check_statistics(mean, std, owner)
+        root, values, groups = bind_settings(owner, self.settings, args, kwargs)
+        for key, group in groups.items():
+            setattr(self, key, group)
+        for name, value in values.items():
+            if not hasattr(type(self), name):  # num_classes stays the property
+                setattr(self, name, value)
+        if self.num_workers == "auto":
+            self.num_workers = self._auto_workers()
         if is_url(str(root)) and not self.takes_urls:
             raise ValueError(f"{owner}: root={redact(str(root))!r} is a URL; this DataModule reads local folders. An "
                              "image folder in a bucket would be read one request per image: pack it (cltrain-pack ROOT "
                              "OUT), upload OUT as it is, and read that with ShardsDataModule (data=shards data.root=<URL "
                              "of OUT>).")
+        self.root_name = str(root)  # as given: a URL or a Hub id is not a path
         self.root = root_of(root)  # a URL (s3://...) is kept as given: the DataModules that read one say so
-        self.batch_size, self.num_workers = batch_size, num_workers
-        self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
-        self.channels, self.mean, self.std, self.dtype = channels, tuple(mean), tuple(std), dtype
-        self.channels_last, self.cuda_prefetch = channels_last, cuda_prefetch
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self._classes: list[str] | None = None
         self._pin = False
         self._device: torch.device | None = None
+        self._skip_log: Path | None = None
+        self.folders: ClassFolders | None = None  # the class folders, where the data is in them
+
+    def _auto_workers(self) -> int:
+        """``num_workers="auto"``: a worker process per core."""
+        return usable_cores()
 
     @property
     def classes(self) -> list[str]:
-        """Class names, in label order."""
-        raise NotImplementedError
+        """Class names, in label order: of the class folders (``folders``), unless the source says otherwise."""
+        if self._classes is None:
+            if self.folders is None:
+                raise NotImplementedError(f"{type(self).__name__} has no class folders: it defines classes itself")
+            self._classes = self.folders.classes
+        return self._classes
 
     @property
     def num_classes(self) -> int:
@@ -156,6 +124,25 @@ class BatchDataModule(L.LightningDataModule):
         self._device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
         self._pin = self._device.type == "cuda" if self.pin_memory is None else bool(self.pin_memory)
         return self._device
+
+    @property
+    def skipped_files_path(self) -> Path | None:
+        """With ``bad_files="skip"`` under a Trainer: the list the workers append skipped samples to
+        (``SkippedFilesReport`` counts and reports them); else ``None``."""
+        return self._skip_log
+
+    def _open_skip_log(self) -> None:
+        """With ``bad_files="skip"`` under a Trainer: the skipped-files list in the run directory (one per rank)."""
+        trainer = self.trainer
+        if self.bad_files != "skip" or trainer is None:
+            return
+        run_dir = Path(trainer.default_root_dir)  # the run directory, not the logger's folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+        name = SKIPPED_FILES_NAME if trainer.world_size == 1 else f"rank{trainer.global_rank}.{SKIPPED_FILES_NAME}"
+        self._skip_log = run_dir / name
+        if not any(isinstance(cb, SkippedFilesReport) for cb in trainer.callbacks):
+            rank_zero_warn(f"{type(self).__name__}(bad_files='skip'): skipped files are listed in {self._skip_log}; "
+                           "add cltrain.data.SkippedFilesReport() to the Trainer's callbacks to count them per epoch.")
 
     def _collate(self, pin_memory: bool) -> Any:
         """The ``collate_fn`` that builds a batch in the loader."""

@@ -27,27 +27,22 @@ from typing import Any
 
 from typing_extensions import override
 
-from cltrain.data.datamodules.base import takes_arguments_of
 from cltrain.data.datamodules.image_base import ImageDataModule
-from cltrain.data.datamodules.skipped_files import TakesBadFiles
 from cltrain.data.errors import DataError
 from cltrain.data.remote import join
+from cltrain.data.settings import LITDATA, MDS, WEBDATASET
 
 __all__ = ["LitDataModule", "MDSModule", "WebDatasetModule"]
 
 
-class _SplitsDataModule(TakesBadFiles, ImageDataModule):
-    """What the engines' DataModules share: ``root/<train_split>`` and ``root/<val_split>``, ``num_classes``, a URL."""
+class _SplitsDataModule(ImageDataModule):
+    """What the engines' DataModules share: ``root/<train_split>`` and ``root/<val_split>`` (``Splits``), a URL."""
 
     takes_urls = True
 
-    def __init__(self, *args: Any, num_classes: int, train_split: str = "train", val_split: str = "val",
-                 cache_dir: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not (isinstance(num_classes, int) and num_classes >= 1):
-            raise ValueError(f"{type(self).__name__}: num_classes={num_classes!r} must be an int >= 1.")
-        self._classes = [str(k) for k in range(num_classes)]
-        self.train_split, self.val_split, self.cache_dir = train_split, val_split, cache_dir
+        self._classes = [str(k) for k in range(self.splits.num_classes)]
 
     @property
     @override
@@ -71,19 +66,11 @@ class _SplitsDataModule(TakesBadFiles, ImageDataModule):
 class LitDataModule(_SplitsDataModule):
     """LitData optimized datasets (``root/<train_split>``, ``root/<val_split>``) as normalised channels_last batches.
 
-    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
-    folder or a URL (``s3://``, ``gs://``, ``azure://``), then these. Needs ``pip install 'cltrain[litdata]'``.
-
-    Args:
-        num_classes: how many classes the labels (``0 .. num_classes - 1``) name.
-        bad_files: ``"raise"`` or ``"skip"`` (a bad item named by its index).
-        train_split: the folder of the training dataset under ``root``.
-        val_split: the folder of the evaluation dataset (also test and predict).
-        image_key: the items' image field (``None``: the first bytes field).
-        label_key: their label field (``None``:
-            the first int field).
-        cache_dir: LitData's chunk cache (``None``: LitData's default).
-        max_cache_size: its limit.
+    Made of ``cltrain.data.settings.LITDATA``: the image groups of
+    [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule], then ``Splits``
+    (``num_classes``, ``train_split``, ``val_split``) and ``LitDataSource`` (``image_key``,
+    ``label_key``, ``cache_dir``, ``max_cache_size``), with ``root`` a folder or a URL (``s3://``,
+    ``gs://``, ``azure://``). Needs ``pip install 'cltrain[litdata]'``.
 
     Raises:
         ValueError: a bad argument (at construction).
@@ -96,13 +83,7 @@ class LitDataModule(_SplitsDataModule):
         >>> dm = LitDataModule("s3://bucket/imagenet-litdata", num_classes=1000, batch_size=256)  # doctest: +SKIP
     """
 
-    @takes_arguments_of(ImageDataModule)
-    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
-                 val_split: str = "val", image_key: str | int | None = None, label_key: str | int | None = None,
-                 cache_dir: str | None = None, max_cache_size: str | int = "50GB", **kwargs: Any) -> None:
-        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
-                         val_split=val_split, cache_dir=cache_dir, **kwargs)
-        self.image_key, self.label_key, self.max_cache_size = image_key, label_key, max_cache_size
+    settings = LITDATA
 
     def _open(self, split: str, transform: Any, train: bool) -> Any:
         from cltrain.data.litdata_source import LitDataImages
@@ -123,19 +104,10 @@ class MDSModule(_SplitsDataModule):
     """Mosaic MDS datasets (``root/<train_split>/index.json``, ``root/<val_split>/index.json``, uncompressed shards)
     as normalised channels_last batches (see the module docstring).
 
-    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
-    folder or a URL, then these. Needs ``pip install 'cltrain[mds]'`` (mosaicml-streaming).
-
-    Args:
-        num_classes: how many classes the labels name.
-        bad_files: ``"raise"`` or ``"skip"`` (a bad sample named by its index).
-        train_split: the training dataset's folder under ``root``.
-        val_split: the evaluation dataset's.
-        image_key: the image column (``None``: the first ``jpeg``, ``png`` or ``bytes`` column).
-        label_key: the label
-            column (``None``: the first integer column).
-        cache_dir: the node's shard cache for a URL.
-        cache_limit: its size (``"200GB"``).
+    Made of ``cltrain.data.settings.MDS``: the image groups of
+    [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule], then ``Splits``,
+    ``MDSColumns`` (``image_key``, ``label_key``) and ``ShardCache`` (``cache_dir``, ``cache_limit``),
+    with ``root`` a folder or a URL. Needs ``pip install 'cltrain[mds]'`` (mosaicml-streaming).
 
     Example::
 
@@ -143,13 +115,7 @@ class MDSModule(_SplitsDataModule):
         >>> dm = MDSModule("s3://bucket/imagenet-mds", num_classes=1000, batch_size=256)  # doctest: +SKIP
     """
 
-    @takes_arguments_of(ImageDataModule)
-    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
-                 val_split: str = "val", image_key: str | None = None, label_key: str | None = None,
-                 cache_dir: str | None = None, cache_limit: int | str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
-                         val_split=val_split, cache_dir=cache_dir, **kwargs)
-        self.image_key, self.label_key, self.cache_limit = image_key, label_key, cache_limit
+    settings = MDS
 
     def _open(self, split: str, transform: Any, train: bool) -> Any:
         from cltrain.data.mds_source import MDSImages
@@ -165,18 +131,10 @@ class WebDatasetModule(_SplitsDataModule):
     """WebDataset tar shards (``root/<train_split>/*.tar``, ``root/<val_split>/*.tar``: ``<key>.jpg`` and
     ``<key>.cls``) streamed as normalised channels_last batches (see the module docstring).
 
-    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with ``root`` a
-    folder or a URL, then these. Needs ``pip install 'cltrain[shards]'`` (webdataset).
-
-    Args:
-        num_classes: how many classes the ``cls`` labels name.
-        bad_files: ``"raise"`` or ``"skip"`` (the last readable sample stands in for a bad one).
-        train_split: the training shards' folder under ``root``.
-        val_split: the evaluation shards' folder.
-        shuffle_buffer: training samples shuffled together (``None``: in the shards' order).
-        seed: the order's seed: epoch ``e``'s shards permuted with ``seed + e`` (every rank the same).
-        cache_dir: the node's shard cache for a URL.
-        cache_limit: its size (``"200GB"``).
+    Made of ``cltrain.data.settings.WEBDATASET``: the image groups of
+    [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule], then ``Splits``,
+    ``StreamOrder`` (``shuffle_buffer``, ``seed``) and ``ShardCache`` (``cache_dir``, ``cache_limit``),
+    with ``root`` a folder or a URL. Needs ``pip install 'cltrain[shards]'`` (webdataset).
 
     Example::
 
@@ -184,13 +142,10 @@ class WebDatasetModule(_SplitsDataModule):
         >>> dm = WebDatasetModule("s3://bucket/imagenet-wds", num_classes=1000, batch_size=256)  # doctest: +SKIP
     """
 
-    @takes_arguments_of(ImageDataModule)
-    def __init__(self, *args: Any, num_classes: int, bad_files: str = "raise", train_split: str = "train",
-                 val_split: str = "val", shuffle_buffer: int | None = 1000, seed: int = 0,
-                 cache_dir: str | None = None, cache_limit: int | str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, num_classes=num_classes, bad_files=bad_files, train_split=train_split,
-                         val_split=val_split, cache_dir=cache_dir, **kwargs)
-        self.shuffle_buffer, self.seed, self.cache_limit = shuffle_buffer, seed, cache_limit
+    settings = WEBDATASET
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.persistent_workers = False  # each epoch's workers take the loader's new epoch (its order)
 
     def _open(self, split: str, transform: Any, train: bool) -> Any:

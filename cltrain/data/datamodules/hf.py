@@ -20,40 +20,28 @@ from typing import Any
 
 from typing_extensions import override
 
-from cltrain.data.datamodules.base import takes_arguments_of
 from cltrain.data.datamodules.image_base import ImageDataModule
-from cltrain.data.datamodules.skipped_files import TakesBadFiles
 from cltrain.data.errors import DataError
 from cltrain.data.hf_dataset import HFImageDataset, HFStreamingDataset, rank_of
 from cltrain.data.hf_source import columns, open_dataset, split_names
 from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.settings import HF
 
 __all__ = ["HFImageDataModule"]
 
 
-class HFImageDataModule(TakesBadFiles, ImageDataModule):
+class HFImageDataModule(ImageDataModule):
     """A Hugging Face image dataset as normalised channels_last batches.
 
-    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments, with
-    ``root`` a folder written by ``save_to_disk``, a folder of Parquet files (any folder
-    ``datasets.load_dataset`` reads: the splits by file name), or a Hub id (downloaded into the
-    Hugging Face cache on first use; offline, ``HF_HUB_OFFLINE=1``, from that cache), then these.
-    Needs ``pip install 'cltrain[hf]'``.
-
-    Args:
-        bad_files: ``"raise"``: a row whose image cannot be read stops with an error naming its index;
-            ``"skip"``: the next readable row stands in for it, and the row is listed in the run
-            directory's ``skipped_files.tsv`` and counted per epoch (as ``ImageFolderDataModule``).
-        streaming: read the splits as streams (``load_dataset(..., streaming=True)``): nothing is
-            downloaded or converted first; samples come in the stream's order, shuffled in a buffer.
-        train_split: the split trained on.
-        val_split: the split evaluated on (also for test and predict); ``None``: the first of
-            ``validation``, ``val``, ``valid``, ``test`` the dataset has.
-        image_column: the image column; ``None``: the first ``datasets.Image`` feature.
-        label_column: the label column; ``None``: the first ``datasets.ClassLabel`` feature.
-        shuffle_buffer: with ``streaming``, rows shuffled together for training (``None``: stream order).
-        shuffle_seed: with ``streaming``, the seed of the training order: epoch ``e`` shuffles with
-            ``shuffle_seed + e``, the same on every rank.
+    Made of ``cltrain.data.settings.HF``: the image groups of
+    [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule], then ``HFSource``
+    (``streaming``, ``train_split``, ``val_split``, ``image_column``, ``label_column``,
+    ``shuffle_buffer``, ``shuffle_seed``); each argument is documented in its group. ``root`` is a
+    folder written by ``save_to_disk``, a folder of Parquet files (any folder ``datasets.load_dataset``
+    reads: the splits by file name), or a Hub id (downloaded into the Hugging Face cache on first
+    use; offline, ``HF_HUB_OFFLINE=1``, from that cache). Needs ``pip install 'cltrain[hf]'``. With
+    ``bad_files="skip"`` a row whose image cannot be read (named by its index) is replaced by the
+    next readable row, as in ``ImageFolderDataModule``.
 
     Raises:
         ValueError: a bad argument (at construction).
@@ -71,24 +59,10 @@ class HFImageDataModule(TakesBadFiles, ImageDataModule):
     #: What ``root`` may be, for the app's error when it cannot be opened.
     root_hint = "a folder written by save_to_disk, a folder of Parquet files, or a Hub id <owner>/<name>"
 
-    @takes_arguments_of(ImageDataModule)
-    def __init__(self, *args: Any, bad_files: str = "raise", streaming: bool = False, train_split: str = "train",
-                 val_split: str | None = None, image_column: str | None = None, label_column: str | None = None,
-                 shuffle_buffer: int | None = 10_000, shuffle_seed: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, bad_files=bad_files, **kwargs)
-        owner = type(self).__name__
-        if shuffle_buffer is not None and not (isinstance(shuffle_buffer, int) and shuffle_buffer >= 1):
-            raise ValueError(f"{owner}: shuffle_buffer={shuffle_buffer!r} must be an int >= 1 or None.")
-        if not (isinstance(shuffle_seed, int) and 0 <= shuffle_seed < 2**32):
-            raise ValueError(f"{owner}: shuffle_seed={shuffle_seed!r} must be an int in [0, 2**32).")
-        for name, value in (("train_split", train_split), ("val_split", val_split), ("image_column", image_column),
-                            ("label_column", label_column)):
-            if value is not None and not (isinstance(value, str) and value):
-                raise ValueError(f"{owner}: {name}={value!r} must be a name (or None).")
-        self.root_name = str(args[0] if args else kwargs.get("root"))  # a Hub id is not a path: kept as given
-        self.streaming, self.train_split, self.val_split = bool(streaming), train_split, val_split
-        self.image_column, self.label_column = image_column, label_column
-        self.shuffle_buffer, self.shuffle_seed = shuffle_buffer, shuffle_seed
+    settings = HF
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         if self.streaming:
             self.persistent_workers = False  # each epoch's workers take the loader's new epoch (its shuffle seed)
         self._splits: Any = None

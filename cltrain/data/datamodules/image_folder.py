@@ -21,53 +21,36 @@ Example::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from cltrain.data.constants import CHECK_MODES
-from cltrain.data.datamodules.base import takes_arguments_of
-from cltrain.data.datamodules.class_folders import ClassFolderDataModule
+from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.image_base import ImageDataModule
 from cltrain.data.errors import BadImageError, DataError
 from cltrain.data.image_folder_dataset import ImageFolderDataset, read_file_list
 from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.settings import IMAGE_FOLDER
 
 __all__ = ["ImageFolderDataModule"]
 
 
-class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
+class ImageFolderDataModule(ImageDataModule):
     """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
 
-    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments
-    (``root``, ``batch_size``, ``num_workers``, the crops, the decoder and the ``Augmentation``: see
-    it), then these. ``root`` holds ``train/`` and ``val/``, each ``<class>/<image>``. The training
-    loader drops the last partial batch (as timm and torchvision's references do: no batch of 1
-    reaches BatchNorm, and shapes stay fixed for ``cudnn.benchmark`` and ``torch.compile``);
-    validation, test and predict keep every image.
-
-    Args:
-        bad_files: ``"raise"``: an unreadable file stops with an error naming it;
-            ``"skip"``: it is replaced by the next readable sample, the count is
-            logged each epoch (``data/skipped_train``, ``data/skipped_val``) and the
-            paths are appended to ``<run dir>/skipped_files.tsv`` (the trainer's
-            ``default_root_dir``).
-        allow_missing_val_classes: accept training classes with no folder in ``val/``
-            (by default that is an error naming them).
-        exclude_files: a list of files to leave out from the start: the output of
-            ``python -m cltrain.data.check ROOT``, or a ``skipped_files.tsv``.
-        check_val: check the validation files in ``setup`` before training starts:
-            ``"quick"`` (headers and JPEG end markers),
-            ``"full"`` (decode every file, with ``decoder``) or ``"off"`` (see ``cltrain.data.check``).
-            Bad files stop the run (``bad_files="raise"``) or are left out and listed
-            (``"skip"``).
-        index_cache: reuse the file index of an unchanged tree between runs and
-            ranks (``cltrain.data.index``), kept in the user cache folder
-            (``cltrain.data.index.default_cache_dir``), never in ``root``; a path
-            keeps it there instead; ``False`` walks the tree every run.
+    Made of ``cltrain.data.settings.IMAGE_FOLDER``: the image groups of
+    [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule] (``batch_size``,
+    ``num_workers``, the crops, the decoder, the ``Augmentation``, ``bad_files``), then
+    ``FolderChecks`` (``allow_missing_val_classes``, ``exclude_files``, ``check_val``,
+    ``index_cache``); each argument is documented in its group. ``root`` holds ``train/`` and
+    ``val/``, each ``<class>/<image>``. The training loader drops the last partial batch (as timm and
+    torchvision's references do: no batch of 1 reaches BatchNorm, and shapes stay fixed for
+    ``cudnn.benchmark`` and ``torch.compile``); validation, test and predict keep every image.
+    With ``bad_files="skip"`` an unreadable file is replaced by the next readable sample, counted
+    each epoch (``data/skipped_train``, ``data/skipped_val``) and listed in
+    ``<run dir>/skipped_files.tsv`` (the trainer's ``default_root_dir``).
 
     Raises:
         ValueError: a bad argument (at construction); ``mean``/``std`` in 0-255 units.
@@ -82,15 +65,12 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
     layout_hint = ("a folder with train/ and val/ (ImageNet layout), or make one with "
                    "cltrain.data.make_demo_dataset(root)")
 
-    @takes_arguments_of(ImageDataModule)
-    def __init__(self, *args: Any, bad_files: str = "raise", allow_missing_val_classes: bool = False,
-                 exclude_files: str | os.PathLike | None = None, check_val: str = "quick",
-                 index_cache: bool | str | os.PathLike = True, **kwargs: Any) -> None:
-        if check_val not in CHECK_MODES:
-            raise ValueError(f"ImageFolderDataModule: check_val={check_val!r} must be one of {CHECK_MODES}.")
-        super().__init__(*args, bad_files=bad_files, **kwargs)
-        self.allow_missing_val_classes, self.check_val, self.index_cache = allow_missing_val_classes, check_val, index_cache
-        self.exclude_files = None if exclude_files is None else Path(exclude_files)
+    settings = IMAGE_FOLDER
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.exclude_files = None if self.exclude_files is None else Path(self.exclude_files)
+        self.folders = ClassFolders(self.root, type(self).__name__, self.layout_hint)
         self.train_set: ImageFolderDataset | None = None
         self.val_set: ImageFolderDataset | None = None
 
@@ -101,12 +81,12 @@ class ImageFolderDataModule(ClassFolderDataModule, ImageDataModule):
         # Everything is checked here, before the first step: root, splits, classes, images.
         exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
         if stage == "fit" and self.train_set is None:
-            self.train_set = ImageFolderDataset(self._split_dir("train"), self.train_transform, None, self.bad_files,
+            self.train_set = ImageFolderDataset(self.folders.split("train"), self.train_transform, None, self.bad_files,
                                                 self._skip_log, exclude=exclude, index_cache=self.index_cache,
                                                 threads=self.decode_threads)
             self._classes = self.train_set.classes
         if self.val_set is None:
-            self.val_set = ImageFolderDataset(self._split_dir("val"), self.eval_transform, self.classes, self.bad_files,
+            self.val_set = ImageFolderDataset(self.folders.split("val"), self.eval_transform, self.classes, self.bad_files,
                                               self._skip_log, self.allow_missing_val_classes, exclude, self.index_cache,
                                               threads=self.decode_threads)
             if stage == "fit":

@@ -29,41 +29,28 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from cltrain.data.datamodules.base import takes_arguments_of
 from cltrain.data.datamodules.image_base import ImageDataModule
-from cltrain.data.datamodules.skipped_files import TakesBadFiles
-from cltrain.data.shard_cache import parse_size
+from cltrain.data.settings import SHARDS
 from cltrain.data.shard_dataset import ShardsDataset
-from cltrain.data.shard_sampler import ShardBatchSampler, check_window
-from cltrain.data.shard_source import FETCH_MODES, LocalPack, RemotePack, open_pack
+from cltrain.data.shard_sampler import ShardBatchSampler
+from cltrain.data.shard_source import LocalPack, RemotePack, open_pack
 
 __all__ = ["ShardsDataModule"]
 
 
-class ShardsDataModule(TakesBadFiles, ImageDataModule):
+class ShardsDataModule(ImageDataModule):
     """A pack of WebDataset shards (``cltrain.data.pack``) as normalised channels_last batches.
 
-    Takes [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule]'s arguments,
-    with ``root`` the pack's folder (``OUT`` of ``python -m cltrain.data.pack ROOT OUT``) or its URL in
-    object storage (``s3://bucket/pack``, ``gs://``, ``az://``, ``https://``: ``cltrain.data.shard_source``), then
-    these. The folder's own arguments (those a pack settles when it is made: ``check_val``,
-    ``exclude_files``, ``index_cache``, ``allow_missing_val_classes``) are refused with a one-line
-    ``TypeError``.
-
-    Args:
-        bad_files: ``"raise"``: a sample that cannot be read stops with an error naming the file it
-            was packed from; ``"skip"``: it is replaced by the next readable one, listed in the run
-            directory's ``skipped_files.tsv`` and counted per epoch (as ``ImageFolderDataModule``).
-        seed: seed of the per-epoch training order (the same on every rank).
-        shuffle_window: ``None`` (default): each epoch is one permutation of all samples;
-            ``k``: shards permuted, samples shuffled within runs of ``k`` shards (fewer
-            files per rank per epoch; see ``ShardBatchSampler``). From object storage, ``k`` lets the first epoch
-            start after ``k`` shards, where a full permutation needs every shard in the first batches.
-        cache_dir: a URL's node-local shard cache (``None``: ``$CLTRAIN_SHARD_CACHE``, else ``cltrain-shards`` in
-            ``$TMPDIR``), shared by the node's ranks and workers (``cltrain.data.shard_cache``).
-        cache_limit: most bytes that cache holds (``"200GB"``, bytes, or ``None``: half the disk's free space).
-        fetch: ``"shards"``: a URL's shards fetched whole into the cache, ahead of the batches; ``"ranges"``: each
-            sample read with a ranged request, nothing cached.
+    Made of ``cltrain.data.settings.SHARDS``: the image groups of
+    [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule], then ``PackReading``
+    (``seed``, ``shuffle_window``, ``fetch``) and ``ShardCache`` (``cache_dir``, ``cache_limit``); each
+    argument is documented in its group. ``root`` is the pack's folder (``OUT`` of
+    ``python -m cltrain.data.pack ROOT OUT``) or its URL in object storage (``s3://bucket/pack``,
+    ``gs://``, ``az://``, ``https://``: ``cltrain.data.shard_source``). The folder's own arguments
+    (those a pack settles when it is made: ``check_val``, ``exclude_files``, ``index_cache``,
+    ``allow_missing_val_classes``) are refused with a one-line ``TypeError``. With
+    ``bad_files="skip"`` a sample that cannot be read (named by the file it was packed from) is
+    replaced by the next readable one, as in ``ImageFolderDataModule``.
 
     Under DDP (``trainer.world_size`` ranks) each rank reads its own slice of every
     epoch's permutation: each sample exactly once per epoch, the same step count on
@@ -80,22 +67,15 @@ class ShardsDataModule(TakesBadFiles, ImageDataModule):
         (10, (32, 3, 224, 224))
     """
 
-    @takes_arguments_of(ImageDataModule)
-    def __init__(self, *args: Any, bad_files: str = "raise", seed: int = 0, shuffle_window: int | None = None,
-                 cache_dir: str | None = None, cache_limit: int | str | None = None, fetch: str = "shards",
-                 **kwargs: Any) -> None:
-        super().__init__(*args, bad_files=bad_files, **kwargs)
-        self.seed, self.shuffle_window = seed, check_window(shuffle_window, "ShardsDataModule")
-        if fetch not in FETCH_MODES:
-            raise ValueError(f"ShardsDataModule: fetch={fetch!r} must be one of {FETCH_MODES}.")
-        parse_size(cache_limit, "ShardsDataModule: cache_limit")
-        self.cache_dir, self.cache_limit, self.fetch = cache_dir, cache_limit, fetch
+    settings = SHARDS
+    takes_urls = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._pack: LocalPack | None = None
         self.train_set: ShardsDataset | None = None
         self.val_set: ShardsDataset | None = None
         self._world = (1, 0)
-
-    takes_urls = True
 
     @property
     def pack(self) -> LocalPack:

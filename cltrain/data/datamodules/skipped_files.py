@@ -1,10 +1,9 @@
-"""``bad_files`` for every DataModule, and ``SkippedFilesReport``, which counts what ``bad_files="skip"`` left out.
+"""``SkippedFilesReport``, which counts what ``bad_files="skip"`` left out, and the list it reads.
 
-``TakesBadFiles`` gives a DataModule (folders, clips, packs, Hugging Face datasets) the
-``bad_files`` argument and, under a Trainer with ``bad_files="skip"``, the list in the run
-directory that its workers append one ``split<TAB>name<TAB>reason`` line per skipped sample to
-(``SKIPPED_FILES_NAME``, ``datamodule.skipped_files_path``; ``cltrain.data.bad_samples``). The
-callback reads the new lines at each epoch's end.
+Every DataModule takes ``bad_files`` (``cltrain.data.settings.BadFilePolicy``); under a Trainer with
+``bad_files="skip"`` its workers append one ``split<TAB>name<TAB>reason`` line per skipped sample to
+a list in the run directory (``SKIPPED_FILES_NAME``, ``datamodule.skipped_files_path``;
+``cltrain.data.bad_samples``). The callback reads the new lines at each epoch's end.
 """
 
 from __future__ import annotations
@@ -17,45 +16,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from cltrain.data.bad_samples import check_bad_files
 
-__all__ = ["SKIPPED_FILES_NAME", "SkippedFilesReport", "TakesBadFiles"]
+__all__ = ["SKIPPED_FILES_NAME", "SkippedFilesReport"]
 
 #: The list of skipped files in the run directory (``rank<r>.skipped_files.tsv`` per rank under DDP).
 SKIPPED_FILES_NAME = "skipped_files.tsv"
-
-
-class TakesBadFiles:
-    """The ``bad_files`` argument of a DataModule (a base listed before the ``BatchDataModule``):
-    ``"raise"``: an unreadable sample stops the run with an error naming it; ``"skip"``: it is
-    replaced by the next readable one and, under a Trainer, listed in the run directory's
-    ``skipped_files.tsv`` (``SkippedFilesReport`` counts them per epoch). The DataModule calls
-    ``_open_skip_log`` in ``setup`` and hands ``self.bad_files`` and ``self._skip_log`` to its Datasets.
-    """
-
-    def __init__(self, *args: Any, bad_files: str = "raise", **kwargs: Any) -> None:
-        self.bad_files = check_bad_files(bad_files, type(self).__name__)
-        self._skip_log: Path | None = None
-        super().__init__(*args, **kwargs)
-
-    @property
-    def skipped_files_path(self) -> Path | None:
-        """With ``bad_files="skip"`` under a Trainer: the list the workers append skipped samples to
-        (``SkippedFilesReport`` counts and reports them); else ``None``."""
-        return self._skip_log
-
-    def _open_skip_log(self) -> None:
-        """With ``bad_files="skip"`` under a Trainer: the skipped-files list in the run directory (one per rank)."""
-        trainer = self.trainer  # type: ignore[attr-defined]
-        if self.bad_files != "skip" or trainer is None:
-            return
-        run_dir = Path(trainer.default_root_dir)  # the run directory, not the logger's folder
-        run_dir.mkdir(parents=True, exist_ok=True)
-        name = SKIPPED_FILES_NAME if trainer.world_size == 1 else f"rank{trainer.global_rank}.{SKIPPED_FILES_NAME}"
-        self._skip_log = run_dir / name
-        if not any(isinstance(cb, SkippedFilesReport) for cb in trainer.callbacks):
-            rank_zero_warn(f"{type(self).__name__}(bad_files='skip'): skipped files are listed in {self._skip_log}; "
-                           "add cltrain.data.SkippedFilesReport() to the Trainer's callbacks to count them per epoch.")
 
 
 class SkippedFilesReport(L.Callback):

@@ -20,12 +20,27 @@ Example::
     torch.Size([4, 3, 8, 56, 56])
 """
 
-from cltrain.data.video.collate import NDHWCCollate, ndhwc_collate
-from cltrain.data.video.datamodule import KINETICS_MEAN, KINETICS_STD, ClipFolderDataModule, normalize_clips
-from cltrain.data.video.dataset import VIDEO_EXTENSIONS, ClipFolderDataset, find_clips, read_video
-from cltrain.data.video.demo import make_demo_videos
-from cltrain.data.video.transforms import (TEMPORAL_MODES, ClipParams, ClipTransform, TemporalSample, eval_clip_transform,
-                                           train_clip_transform)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cltrain.data.video.collate import NDHWCCollate, ndhwc_collate
+    from cltrain.data.video.datamodule import KINETICS_MEAN, KINETICS_STD, ClipFolderDataModule, normalize_clips
+    from cltrain.data.video.dataset import VIDEO_EXTENSIONS, ClipFolderDataset, find_clips, read_video
+    from cltrain.data.video.demo import make_demo_videos
+    from cltrain.data.video.transforms import (TEMPORAL_MODES, ClipParams, ClipTransform, TemporalSample,
+                                               eval_clip_transform, train_clip_transform)
+
+#: name -> the module it comes from: imported on first use (PEP 562), so that ``make_demo_videos`` and the
+#: transforms come without Lightning.
+_MODULES = {
+    "NDHWCCollate": "collate", "ndhwc_collate": "collate",
+    "KINETICS_MEAN": "datamodule", "KINETICS_STD": "datamodule", "ClipFolderDataModule": "datamodule",
+    "normalize_clips": "datamodule",
+    "VIDEO_EXTENSIONS": "dataset", "ClipFolderDataset": "dataset", "find_clips": "dataset", "read_video": "dataset",
+    "make_demo_videos": "demo",
+    "TEMPORAL_MODES": "transforms", "ClipParams": "transforms", "ClipTransform": "transforms",
+    "TemporalSample": "transforms", "eval_clip_transform": "transforms", "train_clip_transform": "transforms",
+}
 
 __all__ = [
     "KINETICS_MEAN",
@@ -46,3 +61,16 @@ __all__ = [
     "read_video",
     "train_clip_transform",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULES])

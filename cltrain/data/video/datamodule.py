@@ -20,25 +20,25 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from typing_extensions import override
 
-from cltrain.data.datamodules.class_folders import ClassFolderDataModule
+from cltrain.data.augment_group import RandomCrop
+from cltrain.data.constants import KINETICS_MEAN, KINETICS_STD
+from cltrain.data.datamodules.base import BatchDataModule
+from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.data.settings import CLIPS
 from cltrain.data.transforms import size_pair
 from cltrain.data.video.collate import NDHWCCollate
 from cltrain.data.video.dataset import ClipFolderDataset
-from cltrain.data.video.transforms import TEMPORAL_MODES, eval_clip_transform, train_clip_transform
+from cltrain.data.video.transforms import eval_clip_transform, train_clip_transform
 
 __all__ = ["KINETICS_MEAN", "KINETICS_STD", "ClipFolderDataModule", "normalize_clips"]
-
-#: The statistics torchvision's Kinetics-400 video models were trained with.
-KINETICS_MEAN: tuple[float, float, float] = (0.43216, 0.394666, 0.37645)
-KINETICS_STD: tuple[float, float, float] = (0.22803, 0.22145, 0.216989)
 
 
 def normalize_clips(clips: torch.Tensor, mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
@@ -53,32 +53,16 @@ def normalize_clips(clips: torch.Tensor, mean: Sequence[float] = KINETICS_MEAN, 
     return normalize(clips, mean, std, dtype, memory_format=fmt)
 
 
-class ClipFolderDataModule(ClassFolderDataModule):
+class ClipFolderDataModule(BatchDataModule):
     """Train/val clip folders as normalised channels_last_3d ``(N, C, T, H, W)`` batches.
 
-    Args:
-        root: folder holding ``train/`` and ``val/``, each ``<class>/<clip>/<frame>``.
-        batch_size: clips per batch.
-        num_workers: DataLoader worker processes (0: load in the main process).
-        persistent_workers: keep workers between epochs (when ``num_workers > 0``).
-        pin_memory: ``None`` pins only when the trainer runs on a GPU.
-        num_frames: frames per clip (T).
-        frame_stride: step between the sampled frames.
-        image_size: training crop and evaluation crop (int or (height, width)).
-        val_resize_size: shorter side before the evaluation centre crop (``None``: no resize).
-        scale: area range of the training random-resized-crop.
-        hflip: flip probability in training (0 for data whose label depends on left/right).
-        val_temporal: ``"center"`` segment or ``"uniform"`` frames over the clip for evaluation.
-        channels: 3 (RGB) or 1 (grayscale).
-        mean: per-channel normalisation mean (0-1 units); torchvision's Kinetics one by default.
-        std: per-channel normalisation standard deviation (0-1 units); Kinetics' by default.
-        dtype: dtype of the normalised clips (float32, bfloat16 or float16).
-        channels_last: ``False`` gives contiguous NCTHW batches (the baseline).
-        cuda_prefetch: on a CUDA device, copy the next batch on a side stream (as
-            ``ImageFolderDataModule``).
-        bad_files: ``"raise"``: a clip that cannot be read stops with an error naming it;
-            ``"skip"``: it is replaced by the next readable clip, listed in the run directory's
-            ``skipped_files.tsv`` and counted per epoch (``data/skipped_<split>``), as images are.
+    Made of ``cltrain.data.settings.CLIPS``: ``ClipLoading`` (``batch_size``: 8 clips, ``num_workers``,
+    ...), ``ClipCrop`` (``image_size``: 112, ``val_resize_size``: 128), ``ClipPixels`` (Kinetics'
+    ``mean`` and ``std``, ``channels_last``, ...), ``ClipSampling`` (``num_frames``, ``frame_stride``,
+    ``val_temporal``), ``RandomCrop`` (``scale``, ``ratio``, ``hflip``: 0 for data whose label depends
+    on left and right) and ``BadFilePolicy`` (``bad_files``: a clip that cannot be read stops the run,
+    or is replaced by the next readable clip and listed, as images are); each argument is documented
+    in its group. ``root`` holds ``train/`` and ``val/``, each ``<class>/<clip>/<frame>``.
 
     Raises:
         ValueError: a bad argument (at construction); a split without class folders, a
@@ -88,26 +72,20 @@ class ClipFolderDataModule(ClassFolderDataModule):
 
     layout_hint = ("a folder with train/<class>/<clip>/ and val/<class>/<clip>/, or make one with "
                    "cltrain.data.video.make_demo_videos(root)")
+    settings = CLIPS
+    augmentation: RandomCrop
 
-    def __init__(self, root: str | os.PathLike, batch_size: int = 8, num_workers: int = 2, persistent_workers: bool = True,
-                 pin_memory: bool | None = None, num_frames: int = 16, frame_stride: int = 1,
-                 image_size: int | tuple[int, int] = 112, val_resize_size: int | None = 128,
-                 scale: Sequence[float] = (0.08, 1.0), hflip: float = 0.5, val_temporal: str = "center", channels: int = 3,
-                 mean: Sequence[float] = KINETICS_MEAN, std: Sequence[float] = KINETICS_STD,
-                 dtype: torch.dtype = torch.float32, channels_last: bool = True, cuda_prefetch: bool = False,
-                 bad_files: str = "raise") -> None:
-        if val_temporal not in TEMPORAL_MODES[1:]:
-            raise ValueError(f"ClipFolderDataModule: val_temporal={val_temporal!r} must be one of {TEMPORAL_MODES[1:]}.")
-        super().__init__(root, batch_size=batch_size, num_workers=num_workers, persistent_workers=persistent_workers,
-                         pin_memory=pin_memory, channels=channels, mean=mean, std=std, dtype=dtype,
-                         channels_last=channels_last, cuda_prefetch=cuda_prefetch, bad_files=bad_files)
-        self.num_frames, self.frame_stride = num_frames, frame_stride
-        self.image_size = size_pair(image_size, "image_size")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.folders = ClassFolders(self.root, type(self).__name__, self.layout_hint)
+        self.image_size = size_pair(self.image_size, "image_size")
         # Built now so that bad sizes, frame counts or channels fail here, not in a worker.
-        self.train_transform = train_clip_transform(num_frames, frame_stride, self.image_size, tuple(scale),
-                                                    hflip=hflip, channels=channels)
-        eval_stride = frame_stride if val_temporal == "center" else 1
-        self.eval_transform = eval_clip_transform(num_frames, eval_stride, self.image_size, val_resize_size, channels, val_temporal)
+        crop = self.augmentation
+        self.train_transform = train_clip_transform(self.num_frames, self.frame_stride, self.image_size, crop.scale,
+                                                    crop.ratio, crop.hflip, self.channels)
+        eval_stride = self.frame_stride if self.val_temporal == "center" else 1
+        self.eval_transform = eval_clip_transform(self.num_frames, eval_stride, self.image_size, self.val_resize_size,
+                                                  self.channels, self.val_temporal)
         self.train_set: ClipFolderDataset | None = None
         self.val_set: ClipFolderDataset | None = None
 
@@ -122,10 +100,10 @@ class ClipFolderDataModule(ClassFolderDataModule):
         self._open_skip_log()
         # Everything is listed and checked here, before the first step.
         if stage == "fit" and self.train_set is None:
-            self.train_set = ClipFolderDataset(self._split_dir("train"), self.train_transform, self.classes, self.bad_files,
+            self.train_set = ClipFolderDataset(self.folders.split("train"), self.train_transform, self.classes, self.bad_files,
                                                self._skip_log)
         if self.val_set is None:
-            self.val_set = ClipFolderDataset(self._split_dir("val"), self.eval_transform, self.classes, self.bad_files,
+            self.val_set = ClipFolderDataset(self.folders.split("val"), self.eval_transform, self.classes, self.bad_files,
                                              self._skip_log)
 
     @override

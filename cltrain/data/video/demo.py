@@ -76,7 +76,7 @@ def draw_demo_clip(k: int, rng: np.random.Generator, num_frames: int = 16, size:
     return frames
 
 
-def make_demo_videos(root: str | os.PathLike, num_classes: int = 6, train_per_class: int = 60, val_per_class: int = 20,
+def make_demo_videos(root: str | os.PathLike, num_classes: int = 6, train_per_class: int = 48, val_per_class: int = 16,
                      num_frames: int = 16, frame_size: int = 64, seed: int = 0) -> Path:
     """Write (once) a demo clip folder ``root/{train,val}/<class>/<clip>/<frame>.jpg`` and return ``Path(root)``.
 

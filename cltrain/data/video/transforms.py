@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from cltrain.data.constants import CROP_RATIO, CROP_SCALE
 from cltrain.data.crop_kernels import jpeg_size
 from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, _Transform
 
@@ -186,7 +187,7 @@ class ClipTransform:
 
 
 def train_clip_transform(num_frames: int = 16, stride: int = 1, size: int | tuple[int, int] = 112,
-                         scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
+                         scale: tuple[float, float] = CROP_SCALE, ratio: tuple[float, float] = CROP_RATIO,
                          hflip: float = 0.5, channels: int = 3) -> ClipTransform:
     """Training: a random segment of ``num_frames`` frames every ``stride``, one random-resized-crop + flip for the clip."""
     return ClipTransform(RandomResizedCropFlip(size, scale, ratio, hflip, channels), TemporalSample(num_frames, stride, "random"))
