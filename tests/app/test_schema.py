@@ -105,6 +105,14 @@ def test_an_experiment_sets_only_what_differs_from_its_choices(option: str) -> N
         assert value != default, f"conf/experiment/{option}.yaml: {key}: {value!r} is already the value of its choices"
 
 
+@pytest.mark.parametrize("option", ["litdata", "mds", "webdataset"])
+def test_a_value_only_the_user_knows_left_out_is_one_line_naming_it(option: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate(compose_config([f"data={option}", "data.root=s3://bucket/pack"]))
+    assert str(error.value).splitlines() == [str(error.value)] and "data.num_classes='???': not set" in str(error.value)
+    assert "whole number > 0" in str(error.value)
+
+
 def test_config_yaml_only_chooses() -> None:
     raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))
     assert set(raw) == {"defaults", "hydra"}
