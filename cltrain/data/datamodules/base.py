@@ -52,9 +52,8 @@ __all__ = ["BatchDataModule"]
 class BatchDataModule(L.LightningDataModule):
     """Base of cltrain's DataModules (see the module docstring); not used on its own.
 
-    Args:
-        root: where the data is.
-        **settings: the fields of its ``settings`` groups, by name (``cltrain.data.settings``).
+    A DataModule takes ``root`` (where the data is), then the fields of its ``settings`` groups by name
+    (``cltrain.data.settings``): its signature is made from them.
 
     Raises:
         ValueError: a bad argument, quoted (also ``mean``/``std`` in 0-255 units).
