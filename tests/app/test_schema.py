@@ -305,6 +305,9 @@ BAD = [
                                  "callbacks=early_stopping?"),
     ("hydra/launcher=slurmm", "hydra/launcher='slurmm': no hydra/launcher option of that name; did you mean "
                               "hydra/launcher=slurm"),
+    ("+model=resnet50", "model='resnet50': already chosen in the defaults list; choose it without the + "
+                        "(allowed: model=resnet50)"),
+    ("+callbacks=early_stopping", "callbacks='early_stopping': already chosen in the defaults list"),
 ]
 
 

@@ -7,8 +7,9 @@ One pass over what a user can get wrong about keys and values:
   multi-line message; ``config_error`` turns each into one line naming the key, the
   value and what is allowed (the closest key names, the field's ``Rule``);
 * at composition, Hydra refuses a group option it cannot find (``model=resnet5``,
-  ``+logger=cvs``) with a list of every option; ``config_error`` turns it into one line
-  naming the group, the value and the closest options (``model=resnet50``);
+  ``+logger=cvs``) with a list of every option, and a group chosen twice (``+model=resnet50``);
+  ``config_error`` turns each into one line naming the group, the value and what to type
+  (the closest options: ``model=resnet50``);
 * after composition, ``check`` walks the config against the dataclasses of
   ``cltrain.app.config.schema``: keys added with ``+`` that the schema does not have
   (``+chanels_last=false``), keys removed with ``~``, and every field's rule
@@ -220,15 +221,23 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         exc = exc.__cause__ or (exc.__context__ if not exc.__suppress_context__ else None)
 
 
-def config_error(exc: BaseException) -> ConfigError | None:
+def config_error(exc: BaseException, overrides: Sequence[str] = ()) -> ConfigError | None:
     """The one-line ``ConfigError`` for a Hydra / OmegaConf composition error about a key, a value or a
-    group option; None for other errors (a syntax error), which Hydra's own message explains."""
+    group option (``overrides``: the command line's, which name a group added twice with ``+``); None for
+    other errors (a syntax error), which Hydra's own message explains."""
     if isinstance(exc, ConfigError):
         return exc
     message = str(exc)
     missing = _missing_option(exc)
     if missing is not None:
         return missing
+    twice = re.match(r"Multiple values for (\S+)\.|(\S+) appears more than once in the final defaults list", message)
+    group = twice and (twice.group(1) or twice.group(2))
+    added = [o for o in overrides if group and o.startswith("+") and o.lstrip("+").partition("=")[0] == group]
+    if added:  # +model=resnet50: the defaults list chooses a model already
+        value = _override(added[0])[1]
+        return ConfigError(group, value, "already chosen in the defaults list; choose it without the +",
+                           f"{group}={added[0].partition('=')[2]}")
     if message.startswith("Could not append to config. An item is already at '"):
         key = message.split("'")[1]
         value = _override(message.split("Either remove + prefix: '", 1)[-1].split("'")[0])[1]

@@ -62,7 +62,7 @@ def _compose(overrides: Sequence[str], config_name: str = "config") -> DictConfi
     try:
         return compose(config_name, overrides=list(overrides))
     except Exception as exc:
-        error = config_error(exc)
+        error = config_error(exc, overrides)
         if error is None:
             raise
         raise error from None
