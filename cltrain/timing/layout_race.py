@@ -13,16 +13,25 @@ a new key, as progressive resizing makes, is decided again):
 * then rounds of ``[channels_last, channels_last, NCHW, NCHW]``; the very first NCHW step is a warm-up of its own
   (cuDNN autotunes, oneDNN makes its primitives), not timed. The layouts alternate, so a machine getting busier or
   quieter drifts both alike;
-* after each round, ``judge`` compares the medians. With ``r`` the NCHW step over the channels_last step and ``h``
-  a ``z``-sigma bound on ``log r`` (the spread measured on the steps themselves, at least 1%):
+* after each round, ``judge`` decides or asks for another round. After the first round only a clear channels_last
+  win ends the race (a ``z``-sigma bound from the steps' pooled spread, where no NCHW step is slower than NCHW's
+  warm-up step), or NCHW's steps having cost ``budget`` steps already. From the second round on, ``r`` is the NCHW
+  step over the channels_last step, each round's NCHW steps against the channels_last steps on both sides of them,
+  a step or two apart (``cltrain.timing.stats.paired_log_ratio``): a machine that drifts over the race (another
+  process, the clock; seen here as +-10% swings lasting 20 steps, and early steps getting faster) moves both sides
+  alike, where pooling the steps would blur the layouts' difference into the spread. With ``h(p)`` Student's ``p`` bound on ``log r`` from the rounds' spread:
 
-  - NCHW clearly slower (``log r - h > 0``): channels_last, kept;
-  - NCHW clearly faster by more than ``margin`` (``log r + h < -margin``): NCHW;
-  - both within ``margin`` (``|log r| + h < margin``): a tie, channels_last;
+  - NCHW slower (``log r - h(0.975) > 0``): channels_last, kept;
+  - NCHW faster by more than ``margin`` (``log r + h(0.99) < -margin``): NCHW;
+  - both within ``margin`` (``|log r| + h(0.975) < margin``): a tie, channels_last;
   - else another round: where NCHW looks slower, until its steps have cost ``budget`` steps of channels_last; where
-    it looks faster (more rounds then cost only the default's own steps), up to ``max_rounds`` rounds; then NCHW only
-    where it is faster by more than ``margin``, and faster with a 99.9% t-bound, so noise on a shared machine ends in the
-    default, never in a flip.
+    it looks faster (more rounds then cost the default's own, slower, steps: a few percent of a step each), up to
+    ``max_rounds`` rounds; then NCHW only where it is faster by more than ``margin`` beyond a 99.9% bound, so noise on
+    a shared machine ends in the default.
+
+  ``scripts/bench/race_rule.py`` plays the rule against a model of this machine's noise: with steps 12% apart at
+  random and drifting, the default's steady step is within 3.5% of the faster layout's on average, whatever the
+  layouts' true difference, and equal layouts switch in about 1 race in 100.
 
 A key is decided once and never flips back. Only samples with the race's batch size count (a last, smaller batch is
 not a sample). ``judge`` runs on the deciding rank and ``settle`` on every rank, at the same step: the schedule is a
@@ -42,11 +51,12 @@ Example::
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cltrain.timing.stats import log_ratio, t_quantile
+from cltrain.timing.stats import log_ratio, paired_log_ratio
 
 __all__ = ["LAYOUTS", "LayoutDecision", "LayoutRace"]
 
@@ -101,6 +111,15 @@ def _plain(obj: Any) -> Any:
     return [_plain(o) for o in obj] if isinstance(obj, (tuple, list)) else obj
 
 
+def _float(t: Any) -> float | None:
+    return None if t is None else float(t)
+
+
+def _timed(i: int, entry: Any) -> tuple[int, float]:
+    """A checkpoint's ``[round, seconds]`` (a bare time: its round from its place, two steps of a layout a round)."""
+    return (int(entry[0]), float(entry[1])) if isinstance(entry, (list, tuple)) else (i // 2, float(entry))
+
+
 def _key(obj: Any) -> Any:
     return tuple(_key(o) for o in obj) if isinstance(obj, list) else obj
 
@@ -112,7 +131,7 @@ class _Heat:
     key: Hashable
     batch: int | None = None
     position: int = 0
-    times: dict[str, list[Any]] = field(default_factory=lambda: {layout: [] for layout in LAYOUTS})
+    times: dict[str, list[tuple[int, Any]]] = field(default_factory=lambda: {layout: [] for layout in LAYOUTS})  # (round, s)
     warm: list[Any] = field(default_factory=list)  # the warm-up's later channels_last steps: for the spread only
     first_nchw: Any = None  # the NCHW warm-up step: no steady NCHW step should be slower
     untimed: dict[str, int] = field(default_factory=lambda: {layout: 0 for layout in LAYOUTS})
@@ -134,7 +153,7 @@ class LayoutRace:
         ValueError: a negative ``warmup`` or ``margin``, a ``budget`` or ``max_rounds`` below 1.
     """
 
-    def __init__(self, *, warmup: int = 3, margin: float = 0.02, budget: float = 1.0, max_rounds: int = 8,
+    def __init__(self, *, warmup: int = 3, margin: float = 0.02, budget: float = 1.0, max_rounds: int = 24,
                  z: float = 3.0, max_keys: int = 4) -> None:
         if warmup < 0 or margin < 0 or budget <= 0 or max_rounds < 1:
             raise ValueError(f"LayoutRace(warmup={warmup}, margin={margin}, budget={budget}, max_rounds={max_rounds}):"
@@ -180,7 +199,7 @@ class LayoutRace:
         if first_nchw or batch != heat.batch or layout != _ROUND[position % len(_ROUND)]:
             heat.untimed[layout] += 1
             return
-        heat.times[layout].append(seconds)
+        heat.times[layout].append((position // len(_ROUND), seconds))
 
     def due(self) -> bool:
         """Whether the step just recorded ended a round: ``judge`` on the deciding rank, then ``settle`` everywhere."""
@@ -197,32 +216,48 @@ class LayoutRace:
         heat = self._heat
         if heat is None or not all(len(heat.times[layout]) for layout in LAYOUTS):
             return None
-        cl, nchw = [float(t) for t in heat.times["channels_last"]], [float(t) for t in heat.times["contiguous"]]
-        # the spread of the steps' log-times around their layout's mean (the warm-up's later steps with channels_last:
-        # a slower warm-up only widens the bound), pooled, with the degrees of freedom the means took
-        ratio = log_ratio(cl, nchw, spread_only=[float(t) for t in heat.warm])
-        med = dict(zip(("channels_last", "contiguous"), ratio.medians))
-        log_r, width, t999 = ratio.log, ratio.width, t_quantile(ratio.df, 0.999)
-        slower, faster = ("contiguous", "channels_last") if log_r > 0 else ("channels_last", "contiguous")
+        heat.times = {k: [(r, float(t)) for r, t in v] for k, v in heat.times.items()}  # a device's lazy times, read
+        heat.warm, heat.first_nchw = [float(t) for t in heat.warm], _float(heat.first_nchw)
+        cl, nchw = [t for _, t in heat.times["channels_last"]], [t for _, t in heat.times["contiguous"]]
+        med = {"channels_last": statistics.median(cl), "contiguous": statistics.median(nchw)}
+        slower, faster = ("contiguous", "channels_last") if med["contiguous"] > med["channels_last"] else \
+            ("channels_last", "contiguous")
         extra = (len(heat.times[slower]) + heat.untimed[slower]) * (med[slower] - med[faster])
         spent = extra >= self.budget * med[faster]
         rounds = (heat.position - self.warmup) // len(_ROUND)
-        # after one round, one NCHW step says it all: trusted only where it is not slower than NCHW's warm-up step
-        # (which a disturbance, not the layout, would explain)
-        steady = rounds >= 2 or heat.first_nchw is not None and max(nchw) <= 1.05 * float(heat.first_nchw)
-        if log_r - self.z * width > 0 and steady:  # the default, clearly faster: kept
+        if rounds < 2:
+            # one round: a clear channels_last win ends it (the pooled spread of the steps, the warm-up's later
+            # steps included), trusted only where no NCHW step is slower than NCHW's warm-up step (which a
+            # disturbance, not the layout, would explain)
+            ratio = log_ratio(cl, nchw, spread_only=heat.warm)
+            steady = heat.first_nchw is not None and max(nchw) <= 1.05 * heat.first_nchw
+            if not steady or ratio.log < 0 or ratio.log - self.z * ratio.width <= 0 and not spent:
+                return None
+            how = "timed" if ratio.log - self.z * ratio.width > 0 else "noisy"  # else NCHW's trials spent the budget
+            return LayoutDecision(heat.key, "channels_last", how, med, self._samples(heat), extra)
+        # two rounds on: each round's NCHW steps against its own channels_last steps, a step or two apart, so a
+        # machine getting busier or quieter over the race cancels out (paired_log_ratio)
+        ratio = paired_log_ratio(heat.times["channels_last"], heat.times["contiguous"], around=True)
+        log_r, t975, t999 = ratio.log, ratio.bound(0.975), ratio.bound(0.999)
+        if log_r - t975 > 0:  # the default faster: kept
             layout, how = "channels_last", "timed"
-        elif rounds >= 2 and log_r + t999 * width < -self.margin:  # a switch wants two rounds and a t-bound
+        elif log_r + ratio.bound(0.99) < -self.margin:  # a switch wants a 99% bound beyond the margin
             layout, how = "contiguous", "timed"
-        elif rounds >= 2 and abs(log_r) + t999 * width < self.margin:
+        elif abs(log_r) + t975 < self.margin:
             layout, how = "channels_last", "tie"
-        elif rounds >= self.max_rounds or spent and log_r >= 0 and (rounds >= 2 or steady):
-            # the budget bounds what NCHW's trials cost; where NCHW looks faster, more rounds cost only the default's
-            layout = "contiguous" if log_r < -self.margin and log_r + t999 * width < 0 else "channels_last"
+        elif rounds >= self.max_rounds or spent and log_r >= 0:
+            # NCHW's trials have cost the budget, or the rounds are out (where NCHW looks faster, more rounds cost
+            # only the default's own steps): NCHW only where its whole lead is beyond the margin and beyond the
+            # noise (a 99% bound), so noise on a shared machine ends in the default, never in a flip
+            layout = "contiguous" if log_r < -self.margin and log_r + t999 < 0 else "channels_last"
             how = "noisy"
         else:
             return None
-        return LayoutDecision(heat.key, layout, how, med, {k: len(v) for k, v in heat.times.items()}, extra)
+        return LayoutDecision(heat.key, layout, how, med, self._samples(heat), extra)
+
+    @staticmethod
+    def _samples(heat: _Heat) -> dict[str, int]:
+        return {layout: len(times) for layout, times in heat.times.items()}
 
     def settle(self, decision: LayoutDecision) -> LayoutDecision:
         """Keep ``decision`` for its key (the deciding rank's, on every rank) and end that key's race."""
@@ -243,7 +278,7 @@ class LayoutRace:
         heat = self._heat
         racing = None if heat is None else {
             "key": _plain(heat.key), "batch": heat.batch, "position": heat.position,
-            "times": {k: [float(t) for t in v] for k, v in heat.times.items()}, "untimed": dict(heat.untimed),
+            "times": {k: [[r, float(t)] for r, t in v] for k, v in heat.times.items()}, "untimed": dict(heat.untimed),
             "warm": [float(t) for t in heat.warm],
             "first_nchw": None if heat.first_nchw is None else float(heat.first_nchw)}
         return {"decisions": [d.as_dict() for d in self.decisions.values()], "racing": racing, "raced": self._raced}
@@ -256,6 +291,7 @@ class LayoutRace:
         racing = saved.get("racing")
         if racing is not None:
             self._heat = _Heat(key=_key(racing["key"]), batch=racing["batch"], position=racing["position"],
-                               times=racing["times"], untimed=racing["untimed"], warm=racing["warm"],
+                               times={k: [_timed(i, t) for i, t in enumerate(v)] for k, v in racing["times"].items()},
+                               untimed=racing["untimed"], warm=racing["warm"],
                                first_nchw=racing["first_nchw"])
         self._raced = max(self._raced, saved.get("raced", 0))

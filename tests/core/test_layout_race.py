@@ -8,11 +8,12 @@ import random
 import pytest
 
 from cltrain.timing.layout_race import LayoutDecision, LayoutRace
+from cltrain.timing.stats import log_ratio, paired_log_ratio
 
 KEY = ((3, 224, 224), "bf16", "cpu")
 
 
-def run(race: LayoutRace, seconds, key=KEY, batch: int = 32, steps: int = 60) -> tuple[LayoutDecision | None, list]:
+def run(race: LayoutRace, seconds, key=KEY, batch: int = 32, steps: int = 3 + 4 * 24) -> tuple[LayoutDecision | None, list]:
     """Feed ``race`` steps whose time is ``seconds(layout, step)`` until it decides; the layouts it asked for."""
     layouts = []
     for step in range(steps):
@@ -53,7 +54,7 @@ def test_noise_on_a_shared_machine_never_flips_to_nchw(seed) -> None:
     rng = random.Random(seed)
     decision, layouts = run(LayoutRace(), lambda layout, step: rng.uniform(0.7, 1.3))
     assert decision is not None and decision.layout == "channels_last"
-    assert len(layouts) <= 3 + 4 * 8  # the rounds are bounded
+    assert len(layouts) <= 3 + 4 * 24  # the rounds are bounded
 
 
 def test_a_small_real_gain_under_mild_noise_is_found() -> None:
@@ -61,6 +62,24 @@ def test_a_small_real_gain_under_mild_noise_is_found() -> None:
     decision, _ = run(LayoutRace(), lambda layout, step: (1.0 if layout == "channels_last" else 0.95)
                       * rng.uniform(0.99, 1.01))
     assert decision.layout == "contiguous"
+
+
+def test_a_machine_slowing_down_over_the_race_does_not_hide_a_lead() -> None:
+    """Each step 1.5% slower than the last (a process starting beside the run), NCHW 6% faster: each NCHW step is
+    compared with the channels_last steps on both sides of it."""
+    def seconds(layout, step):
+        return (0.94 if layout == "contiguous" else 1.0) * 1.015 ** step
+
+    decision, layouts = run(LayoutRace(), seconds)
+    assert decision.layout == "contiguous" and decision.how == "timed" and decision.samples["contiguous"] <= 9
+    # negative controls: the same steps pooled cannot tell the layouts apart; paired within a round only, the NCHW
+    # steps, two steps later, take the drift for the layout
+    timed = [(i, layout, seconds(layout, i)) for i, layout in enumerate(layouts)][3:]
+    pooled = log_ratio([t for _, la, t in timed if la == "channels_last"], [t for _, la, t in timed if la != "channels_last"])
+    assert pooled.log + pooled.bound(0.99) > -0.02
+    within = paired_log_ratio([((i - 3) // 4, t) for i, la, t in timed if la == "channels_last"],
+                              [((i - 3) // 4, t) for i, la, t in timed if la != "channels_last"])
+    assert within.log > -0.04  # a 6% lead read as under 4%
 
 
 def test_the_budget_ends_a_race_whose_slower_steps_cost_a_step_of_the_faster() -> None:

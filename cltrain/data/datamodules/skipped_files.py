@@ -9,7 +9,6 @@ a list in the run directory (``SKIPPED_FILES_NAME``, ``datamodule.skipped_files_
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 from lightning.pytorch.trainer.states import TrainerFn

@@ -1,0 +1,92 @@
+"""How well the race of the layouts (``cltrain.timing.layout_race``) decides on a noisy machine: its rule played
+against step times drawn from a model of that noise, for NCHW/channels_last ratios from 0.78 to 1.22.
+
+A real benchmark cannot tell the rule's error from the machine's, and needs an hour per model; this plays thousands
+of races in seconds. The noise is what a 2-core VM gave ResNet-50's steps here (64 px, batch 8, one layout, 200
+steps): the log step time drifts (AR(1), coefficient 0.92 a step, 9.7% standard deviation), each step jitters
+(7%), and 3% of the steps are 35% slower (another process). ``--noise`` scales all three.
+
+Per true ratio: how often the race keeps NCHW, the default's steady step over the faster layout's (mean and 90th
+percentile), the race's length and what its slower steps cost (in steps of the faster layout), and a 200-step fit's
+time over the faster layout's.
+
+Usage::
+
+    python -m scripts.bench.race_rule                 # 400 races per ratio, this machine's noise
+    python -m scripts.bench.race_rule --noise 0.5     # a quieter machine
+    python -m scripts.bench.race_rule --quick         # 40 races per ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from cltrain.timing.layout_race import LayoutRace
+from cltrain.timing.report import command_line, table, write_report
+
+RATIOS = (0.78, 0.86, 0.90, 0.93, 0.95, 0.97, 1.0, 1.03, 1.05, 1.10, 1.22)
+
+
+def noise(rng: random.Random, steps: int, scale: float) -> list[float]:
+    """Log-time offsets of ``steps`` steps: a drift, a jitter and rare slow steps."""
+    phi, drift_sd, jitter, slow, slow_by = 0.92, 0.097 * scale, 0.07 * scale, 0.03, 0.3 * scale
+    x, out = rng.gauss(0, drift_sd), []
+    for _ in range(steps):
+        x = phi * x + rng.gauss(0, drift_sd * math.sqrt(1 - phi * phi))
+        out.append(x + rng.gauss(0, jitter) + (slow_by if rng.random() < slow else 0.0))
+    return out
+
+
+def play(ratio: float, seed: int, scale: float, fit: int = 200) -> dict[str, Any]:
+    """One race, with NCHW's steps ``ratio`` times channels_last's, to its decision or the end of a fit."""
+    rng, race, key = random.Random(seed), LayoutRace(), ("race",)
+    offsets, slow_steps, step = noise(rng, fit, scale), 0, 0
+    for step in range(fit):
+        layout = race.next_layout(key)
+        if key in race.decisions:
+            break
+        slow_steps += layout == ("contiguous" if ratio > 1 else "channels_last")
+        race.record(key, 8, layout, (ratio if layout == "contiguous" else 1.0) * math.exp(offsets[step]))
+        if race.due() and (decision := race.judge()) is not None:
+            race.settle(decision)
+    kept = race.decisions[key].layout if key in race.decisions else "channels_last"
+    loss = (ratio if kept == "contiguous" else 1.0) / min(1.0, ratio) - 1
+    cost = slow_steps * (max(ratio, 1 / ratio) - 1)
+    return {"nchw": kept == "contiguous", "loss": loss, "steps": step, "cost": cost,
+            "fit": (cost + (fit - step) * loss) / fit}
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--races", type=int, default=400, help="races per ratio")
+    parser.add_argument("--noise", type=float, default=1.0, help="scales the drift, the jitter and the slow steps")
+    parser.add_argument("--quick", action="store_true", help="40 races per ratio")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/race_rule"))
+    args = parser.parse_args(argv)
+    races = 40 if args.quick else args.races
+    rows = []
+    for ratio in RATIOS:
+        played = [play(ratio, seed, args.noise) for seed in range(races)]
+        losses = sorted(p["loss"] for p in played)
+        rows.append([f"{ratio:.2f}", f"{sum(p['nchw'] for p in played) / races:.2f}",
+                     f"{1 + statistics.fmean(losses):.3f}", f"{1 + losses[int(0.9 * (races - 1))]:.3f}",
+                     f"{statistics.fmean(p['steps'] for p in played):.0f}",
+                     f"{statistics.fmean(p['cost'] for p in played):.2f}",
+                     f"{1 + statistics.fmean(p['fit'] for p in played):.3f}"])
+    markdown = "\n".join([
+        f"`{command_line('scripts.bench.race_rule', argv)}`: {races} races per ratio, noise x{args.noise}.", "",
+        table(["NCHW / CL step", "races keeping NCHW", "default / faster step", "p90", "race steps",
+               "race cost (steps)", "200-step fit / faster"], rows, align="rrrrrrr")]) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_report(args.out / "race_rule", markdown=markdown)
+    print(markdown)
+    return markdown
+
+
+if __name__ == "__main__":
+    main()
