@@ -13,7 +13,7 @@ in interleaved rounds with warm-up and a minimum window, the device synchronised
 
 Each module's docstring holds its exact command, e.g.::
 
-    python -m scripts.bench.loader --photos /tmp/cltrain-photos
+    python -m scripts.bench.loaders --quick --no-dali
     python -m scripts.zoo.sweep --list
 
 Tests: ``tests/scripts/``.

@@ -30,7 +30,7 @@ by kernel launches), 16 clips of 16x112x112, 128 waveforms, and no auto-mode pic
     python -m scripts.bench.models --device cuda --models resnet50 --batch-size 256
     python -m scripts.bench.models --quick --models tinycnn,r3d_18,m5 --out /tmp/bench
 
-Writes ``results.csv``, ``results.md`` (one table per rank) and ``speedup.png`` to ``--out`` (default
+Writes ``results.csv`` and ``results.md`` (one table per rank) to ``--out`` (default
 ``bench_out/models``); every output names the machine.
 """
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 from pathlib import Path
 
 import torch
@@ -234,33 +233,6 @@ def to_markdown(rows: list[dict], machine: str, args: argparse.Namespace) -> str
     return "\n".join(lines) + "\n"
 
 
-def plot_speedups(rows: list[dict], machine: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
-    width = 0.8 / len(dtypes)
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(models) + 2), 4.5))
-    for i, dtype in enumerate(dtypes):
-        by_model = {r["model"]: r for r in rows if r["dtype"] == dtype}
-        xs = [j + (i - (len(dtypes) - 1) / 2) * width for j, m in enumerate(models) if m in by_model]
-        ys = [by_model[m]["speedup"] for m in models if m in by_model]
-        ax.bar(xs, ys, width, label=dtype)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ranks = {"image": "2-D", "video": "3-D", "audio": "1-D"}
-    labels = [f"{m} ({ranks[kind_of(m)]})" if kind_of(m) != "image" else m for m in models]
-    ax.set_xticks(range(len(models)), labels, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("speed-up, channels-last / contiguous")
-    ax.set_title("\n".join(textwrap.wrap(machine, 120)), fontsize=7)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Defaults: CPU batch 16 at 160x160, CUDA batch 256 at 224x224.")
     p.add_argument("--models", default="all", help=f"comma-separated names, or 'all' (= {','.join(ALL_MODELS)}); 'tinycnn' for tests")
@@ -327,9 +299,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             torch.cuda.empty_cache()
     markdown = to_markdown(rows, described, args)
     write_report(args.out / "results", markdown=markdown, csv_rows=rows)
-    plot_speedups(rows, described, args.out / "speedup.png")
     print(markdown)
-    print(f"wrote {args.out / 'results.csv'}, {args.out / 'results.md'}, {args.out / 'speedup.png'}")
+    print(f"wrote {args.out / 'results.csv'}, {args.out / 'results.md'}")
     return rows
 
 

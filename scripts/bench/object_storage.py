@@ -47,7 +47,7 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved
 from cltrain.timing.stats import spread
-from scripts.bench.loader import torchvision_train
+from scripts.bench.loaders import torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
 
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)

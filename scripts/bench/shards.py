@@ -29,7 +29,7 @@ import torch
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, make_demo_dataset
 from cltrain.timing.clock import timed
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
-from scripts.bench.loader import loader_machine_line
+from scripts.bench.loaders import loader_machine_line
 
 #: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
 FILES_ONLY = {"check_val": "off"}
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {r} ({rotated(list(modules), r)[0]} first): files {f:.0f} img/s, shards {h:.0f} img/s, "
               f"shards/files {h / f:.2f}x")
     print(f"median shards/files: {statistics.median(ratios):.2f}x ({args.rounds} rounds, batch {args.batch_size}, "
-          f"{args.workers} worker(s), {args.size} px)\nMachine: {loader_machine_line(torch.device('cpu'))}")
+          f"{args.workers} worker(s), {args.size} px)\nMachine: {loader_machine_line()}")
 
 
 if __name__ == "__main__":

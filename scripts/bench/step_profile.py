@@ -71,25 +71,19 @@ def kind_of(event: Any) -> str:
     return "elementwise and other"
 
 
-def _closure_ends(events: list[Any]) -> dict[int, float]:
+def _update_starts(events: list[Any]) -> dict[int, float]:
     """For each ``Optimizer.step`` range, when the last backward inside its time span ended (its start if none):
     what the step runs after that is the update. Backward may run on another thread (CUDA), so by time."""
     backward = [e.time_range.end for e in events if e.name.startswith("autograd::engine::evaluate_function")]
-    ends = {}
-    for e in events:
-        if e.name.startswith("Optimizer.step"):
-            inside = [end for end in backward if e.time_range.start <= end <= e.time_range.end]
-            ends[id(e)] = max(inside, default=e.time_range.start)
-    return ends
+    return {id(e): max((end for end in backward if e.time_range.start <= end <= e.time_range.end),
+                       default=e.time_range.start) for e in events if e.name.startswith("Optimizer.step")}
 
 
-def _in_update(event: Any, closure_ends: dict[int, float]) -> bool:
-    start, parent = event.time_range.start, event.cpu_parent
-    while parent is not None:
-        if id(parent) in closure_ends:
-            return start >= closure_ends[id(parent)]
+def _in_update(event: Any, starts: dict[int, float]) -> bool:
+    parent = event.cpu_parent
+    while parent is not None and id(parent) not in starts:
         parent = parent.cpu_parent
-    return False
+    return parent is not None and event.time_range.start >= starts[id(parent)]
 
 
 def breakdown(events: Any, wall_s: float, steps: int, device_type: str) -> dict[str, float]:
@@ -100,7 +94,7 @@ def breakdown(events: Any, wall_s: float, steps: int, device_type: str) -> dict[
     ``wall_s`` (never below zero) is ``idle and launch gaps``.
     """
     ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]  # kernels count through their op
-    closure_ends = _closure_ends(ops)
+    starts = _update_starts(ops)
     ms = dict.fromkeys(KINDS, 0.0)
     wait = 0.0
     for event in ops:
@@ -110,7 +104,7 @@ def breakdown(events: Any, wall_s: float, steps: int, device_type: str) -> dict[
         own = event.self_device_time_total if device_type == "cuda" else (
             0 if event.is_user_annotation else event.self_cpu_time_total)
         if own > 0:
-            ms["optimizer" if _in_update(event, closure_ends) else kind_of(event)] += own / 1e3
+            ms["optimizer" if _in_update(event, starts) else kind_of(event)] += own / 1e3
     ms["idle and launch gaps"] = max(0.0, 1e3 * wall_s - sum(ms.values()))
     return {**{kind: value / steps for kind, value in ms.items()}, DATA_WAIT: wait / steps}
 
@@ -136,38 +130,35 @@ class StepProfile(Callback):
         self.between: record_function | None = None
         self.watch = Stopwatch()
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def _close_between(self) -> None:
         if self.between is not None:
             self.between.__exit__(None, None, None)
             self.between = None
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step - 1  # this step's index (global_step counts the steps taken)
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self._close_between()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        step, device = trainer.global_step - 1, trainer.strategy.root_device  # global_step counts the steps taken
         if step == self.first - 1 and self.prof is None:
-            cuda = trainer.strategy.root_device.type == "cuda"
-            synchronize(trainer.strategy.root_device)  # the window opens on an idle device
-            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            synchronize(device)  # the window opens on an idle device
+            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                                                      else []))
             self.prof.__enter__()
             self.watch.start()
         elif step == self.last and self.prof is not None:
-            synchronize(trainer.strategy.root_device)
-            wall = self.watch.elapsed()
+            synchronize(device)
+            wall, steps = self.watch.elapsed(), self.last - self.first + 1
             self.prof.__exit__(None, None, None)
-            device = trainer.strategy.root_device.type
-            kinds = breakdown(self.prof.events(), wall, self.last - self.first + 1, device)
-            self.path.write_text(json.dumps({"device": device, "steps": self.last - self.first + 1,
-                                             "wall_ms": 1e3 * wall / (self.last - self.first + 1), "kinds": kinds}))
+            self.path.write_text(json.dumps({"device": device.type, "steps": steps, "wall_ms": 1e3 * wall / steps,
+                                             "kinds": breakdown(self.prof.events(), wall, steps, device.type)}))
             self.prof = None
-            return
         if self.prof is not None:
             self.between = record_function(BETWEEN_STEPS)
             self.between.__enter__()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.between is not None:
-            self.between.__exit__(None, None, None)
-            self.between = None
+        self._close_between()
         if self.prof is not None:  # the run ended inside the window: nothing to report
             self.prof.__exit__(None, None, None)
             self.prof = None

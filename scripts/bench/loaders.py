@@ -1,0 +1,404 @@
+"""Loaders on the same JPEGs: cltrain's NHWC path against NVIDIA DALI's CPU pipeline, torchvision, timm, a bare
+decode and Hugging Face's documented ``datasets`` pipeline. One case table (``CASES``); each table a set of cases.
+
+The work, for every loader: random-resized crop (area 0.08-1, aspect 3/4-4/3), antialiased bilinear resize to 224,
+random horizontal flip, and a normalised float32 NHWC batch of 64 in this process's memory:
+
+  DALI            readers.file + decoders.image_random_crop (libjpeg-turbo, decodes only the crop's region) + resize
+                  (antialias) + crop_mirror_normalize (mirror, float, HWC); ``num_threads`` = T, no GPU
+  cltrain float   ImageFolderDataset(train_transform(224), threads=T) in the DataModules' loader (PrefetchDataLoader)
+                  with no worker process: each image decoded and written normalised straight into its slot of the
+                  channels_last batch (NHWCCollate(normalize=ImageNormalizer())), the next batch decoding meanwhile
+  cltrain uint8   the same, uint8: the batch the loader hands a GPU (normalised there)
+  cltrain N proc  (T > 1) cltrain float in T worker processes of 1 thread each
+  torchvision     RandomResizedCrop + flip + ToTensor + Normalize, default_collate, then .contiguous(channels_last);
+                  T = 1: in this process, T > 1: T worker processes
+  timm            RandomResizedCrop + flip + PILToTensor + fast_collate, float().sub_().div_(), .contiguous(channels_last)
+  decode          read the file and decode the whole image (simplejpeg, accurate defaults) on T threads: the bar
+  lever: ...      (``--levers``) cltrain float with one choice of the default path undone: normalize() on the whole
+                  uint8 batch afterwards; whole-image decoding instead of the crop's region; no batch decoding ahead
+  cltrain+aug     (``--augment``) TrivialAugmentWide in the loader, random erasing + mixup on the batch
+
+``--tables folders`` (the docs/performance.md table): three folders, real photographs (333-800 px, made from the
+images bundled with scikit-image and scikit-learn, ``scripts/bench/photo_folder.py``) and generated ImageNet-sized
+JPEGs of 500x375 and 2000x1500 (mosaics of 500x375 crops of the same photographs: quality 75-95, 4:2:0), or
+``--root DIR``; a row per folder and thread count, the median images/second and the spread (lowest-highest), then the
+ratios of cltrain's median to DALI's and to the bare decode. ``--tables hf``: the photographs as a folder and as a
+``datasets`` dataset (``save_to_disk``, each row the file's bytes and a ``ClassLabel``): (a) Hugging Face's documented
+pipeline (``set_transform`` with Pillow + torchvision, stacked NCHW, ``.contiguous(channels_last)``), (b) cltrain's
+``HFImageDataset`` (``data=hf``) and (c) its ``ImageFolderDataset`` (``data=imagenet``), with ``--workers`` worker
+processes each, then (b) and (c) with cltrain's own plan (``loading_plan``). Every measurement runs ``--repeats``
+times, interleaved (``cltrain.timing.rounds.interleaved``: the order rotating, every loader the same samples in a
+round); the first batch of each (worker start-up) is not timed. The machine and the load average are printed.
+
+    pip install 'cltrain[bench]'                      # DALI, timm, datasets, scikit-image, scikit-learn
+    python -m scripts.bench.loaders --levers --threads 1 2 4 --batches 15 --repeats 3    # docs/performance.md
+    python -m scripts.bench.loaders --tables hf --workers 2 --repeats 5 --batches 10
+    python -m scripts.bench.loaders --root /data/imagenet --threads 4 --no-dali
+    python -m scripts.bench.loaders --quick --tables folders hf   # seconds: checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, features
+from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
+from torchvision import transforms as T
+
+from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
+from cltrain.data.decoders import jpeg_roi
+from cltrain.data.demo import write_once
+from cltrain.data.image_folder_dataset import find_classes, find_samples
+from cltrain.data.loader_threads import loading_plan
+from cltrain.data.normalize import ImageNormalizer
+from cltrain.data.prefetch import PrefetchDataLoader
+from cltrain.timing.clock import timed
+from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import table
+from cltrain.timing.rounds import interleaved, rate_after_first
+from cltrain.timing.stats import spread
+from scripts.bench.photo_folder import bundled_photos, make_photo_folder
+
+__all__ = ["CASES", "loader_machine_line", "loader_rate", "torchvision_train"]
+
+
+# --- the folders -----------------------------------------------------------------------------------
+def make_sized_folder(root: Path, size: tuple[int, int], count: int, classes: int = 4, seed: int = 0) -> Path:
+    """``root/train/<class>/*.jpg``: ``count`` JPEGs of exactly ``size`` = (width, height), each a mosaic of
+    500x375 random crops of the bundled photographs (one tile when ``size`` is that small); made once."""
+    def fill(tmp: Path) -> None:
+        photos, rng = bundled_photos(), random.Random(seed)
+        tile_w, tile_h = min(500, size[0]), min(375, size[1])
+        for i in range(count):
+            canvas = Image.new("RGB", size)
+            for top in range(0, size[1], tile_h):
+                for left in range(0, size[0], tile_w):
+                    big = photos[rng.randrange(len(photos))]
+                    x, y = rng.randint(0, max(0, big.width - tile_w)), rng.randint(0, max(0, big.height - tile_h))
+                    canvas.paste(big.crop((x, y, x + tile_w, y + tile_h)), (left, top))
+            folder = tmp / "train" / f"class_{i % classes}"
+            folder.mkdir(parents=True, exist_ok=True)
+            canvas.save(folder / f"{i:05d}.jpg", quality=rng.randint(75, 95), subsampling=2)
+
+    return write_once(root, {"mosaic": list(size), "count": count, "classes": classes, "seed": seed}, fill,
+                      "make_sized_folder")
+
+
+def folders(work: Path, quick: bool, names: list[str] | None = None) -> dict[str, Path]:
+    """The training splits of the three folders (those whose name holds one of ``names``), made once under ``work``
+    (an eighth as many images when ``quick``)."""
+    n, tag = (8, "-quick") if quick else (1, "")
+    makers = {"photos 333-800 px": lambda: make_photo_folder(work / f"photos{tag}", train=400 // n, val=max(1, 40 // n)),
+              "500x375": lambda: make_sized_folder(work / f"500x375{tag}", (500, 375), 256 // n),
+              "2000x1500": lambda: make_sized_folder(work / f"2000x1500{tag}", (2000, 1500), 96 // n)}
+    return {k: make() / "train" for k, make in makers.items() if not names or any(s in k for s in names)}
+
+
+# --- the pieces of the loaders ---------------------------------------------------------------------
+class Files(Dataset):
+    """(fn(PIL image), target) for each (path, target) of ``samples``."""
+
+    def __init__(self, samples: list[tuple[str, int]], fn: Callable) -> None:
+        self.samples, self.fn = samples, fn
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        path, target = self.samples[i]
+        with Image.open(path) as img:
+            return self.fn(img), target
+
+
+def decode_whole(path: str) -> Any:
+    """Read the file and decode the whole image with simplejpeg (accurate defaults): the bar."""
+    import simplejpeg
+
+    with open(path, "rb") as f:
+        return simplejpeg.decode_jpeg(f.read())
+
+
+def torchvision_train(size: int) -> T.Compose:
+    """torchvision's documented training transform: RandomResizedCrop, flip, ToTensor, Normalize."""
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                      T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+def loader_rate(dataset: Any, collate: Callable, finish: Callable, batch_size: int, workers: int, batches: int,
+                seed: int, **options: Any) -> float:
+    """Images per second of one pass of a loader over ``dataset`` (``batches`` batches after an untimed first one,
+    samples drawn with ``seed``); ``finish(batch)`` does what the step would and returns the images. ``options`` go
+    to the loader: with any, cltrain's ``PrefetchDataLoader`` (``decode_ahead=``), else torch's ``DataLoader``."""
+    sampler = RandomSampler(range(len(dataset)), replacement=True, num_samples=batch_size * (batches + 1),
+                            generator=torch.Generator().manual_seed(seed))
+    loader = (PrefetchDataLoader if options else DataLoader)(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate,
+        persistent_workers=False, **options)
+    torch.manual_seed(seed)  # the same crops for each loader with workers=0
+    return rate_after_first(loader, lambda b: finish(b).shape[0]).per_second
+
+
+def loader_machine_line() -> str:
+    """The machine (``cltrain.timing.machine``) with what a loader figure depends on: Pillow, its libjpeg-turbo,
+    simplejpeg, and the region decoder."""
+    region = f"libturbojpeg {jpeg_roi.library_path()}" if jpeg_roi.available() else "off (no libturbojpeg 3)"
+    return (machine_line(machine(packages=("torch", "torchvision", "Pillow", "simplejpeg", "datasets")))
+            + f"; Pillow's libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}; region decode {region}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every case of a measurement shares: the files, T threads (or worker processes), the batches."""
+
+    split: Path
+    threads: int
+    batch_size: int
+    batches: int
+    size: int = 224
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        return find_samples(self.split, find_classes(self.split))
+
+
+def cltrain(s: Setting, seed: int, output: str = "float", *, threads: int | None = None, workers: int = 0,
+            ahead: bool = True, **transform: Any) -> float:
+    """cltrain's folder loader. ``output``: ``"float"`` normalised by the collate, image by image on the loader's
+    threads; ``"after"``: a uint8 batch, then normalize() on the whole batch; ``"uint8"``: the uint8 batch."""
+    threads = s.threads if threads is None else threads
+    dataset = ImageFolderDataset(s.split, train_transform(s.size, **transform), threads=threads, index_cache=False)
+    collate = NHWCCollate(normalize=ImageNormalizer() if output == "float" else None, threads=threads)
+    finish = normalize if output == "after" else (lambda x: x)
+    return loader_rate(dataset, collate, lambda b: finish(b[0]), s.batch_size, workers, s.batches, seed,
+                       decode_ahead=ahead)
+
+
+def augmented(s: Setting, seed: int) -> float:
+    """cltrain with TrivialAugmentWide in the loader, then random erasing and mixup/cutmix on the batch."""
+    from cltrain.data.augment_ops import MixupCutmix, RandomErasing
+
+    erase, mix = RandomErasing(0.25), MixupCutmix(len(find_classes(s.split)), mixup_alpha=0.8, cutmix_alpha=1.0)
+    dataset = ImageFolderDataset(s.split, train_transform(s.size, augment="trivialaugment"), threads=s.threads,
+                                 index_cache=False)
+    return loader_rate(dataset, NHWCCollate(threads=s.threads), lambda b: mix(erase(normalize(b[0])), b[1])[0],
+                       s.batch_size, 0, s.batches, seed, decode_ahead=True)
+
+
+def plain(s: Setting, seed: int, library: str) -> float:
+    """torchvision's or timm's standard pipeline, in this process at one thread, else in T worker processes."""
+    if library == "torchvision":
+        fn, collate = torchvision_train(s.size), default_collate
+        finish = lambda b: b[0].contiguous(memory_format=torch.channels_last)  # noqa: E731
+    else:
+        from timm.data.loader import fast_collate
+
+        fn, collate = T.Compose([T.RandomResizedCrop(s.size), T.RandomHorizontalFlip(), T.PILToTensor()]), fast_collate
+        m255, s255 = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
+        finish = lambda b: b[0].float().sub_(m255).div_(s255).contiguous(memory_format=torch.channels_last)  # noqa: E731
+    return loader_rate(Files(s.samples, fn), collate, finish, s.batch_size, 0 if s.threads == 1 else s.threads,
+                       s.batches, seed)
+
+
+def bare_decode(s: Setting, seed: int) -> float:
+    """Images/second of ``decode_whole`` on T threads, nothing else."""
+    samples, rng = s.samples, random.Random(seed)
+    paths = [samples[rng.randrange(len(samples))][0] for _ in range(s.batch_size * s.batches)]
+    one = lambda path: decode_whole(path).shape[0]  # noqa: E731 - no image kept
+    if s.threads == 1:
+        return len(paths) / timed(lambda: [one(p) for p in paths])
+    with ThreadPoolExecutor(s.threads) as pool:
+        list(pool.map(one, paths[:s.threads]))
+        return len(paths) / timed(lambda: list(pool.map(one, paths)))
+
+
+def dali(s: Setting, seed: int) -> float:
+    """DALI's CPU pipeline, built anew for each measurement and deleted after it: a pipeline kept alive computes
+    batches ahead (its prefetch queue) while the next loader is timed."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=s.batch_size, num_threads=s.threads, device_id=None, seed=1)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=str(s.split), random_shuffle=True, name="reader")
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0],
+                                               random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10)
+        images = fn.resize(images, resize_x=s.size, resize_y=s.size, antialias=True, interp_type=types.INTERP_LINEAR)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="HWC",
+                                          mean=[m * 255 for m in IMAGENET_MEAN], std=[v * 255 for v in IMAGENET_STD],
+                                          mirror=fn.random.coin_flip(probability=0.5))
+        return images, labels
+
+    built = pipe()
+    built.build()
+    # its first batch, as each loader's first, is not timed; each batch as the dense (N, H, W, C) tensor
+    rate = rate_after_first((built.run()[0].as_tensor() for _ in range(s.batches + 1)), lambda t: t.shape()[0])
+    del built
+    gc.collect()
+    return rate.per_second
+
+
+#: The loaders of ``--tables folders``, in the table's order: name -> (f(setting, seed) -> images/s, whether it runs
+#: at ``threads``, the option that adds it).
+CASES: dict[str, tuple[Callable[[Setting, int], float], Callable[[int], bool], str | None]] = {
+    "DALI": (dali, lambda t: True, "dali"),
+    "cltrain float": (cltrain, lambda t: True, None),
+    "cltrain uint8": (lambda s, seed: cltrain(s, seed, "uint8"), lambda t: True, None),
+    "cltrain N proc": (lambda s, seed: cltrain(s, seed, threads=1, workers=s.threads), lambda t: t > 1, None),
+    "torchvision": (lambda s, seed: plain(s, seed, "torchvision"), lambda t: True, None),
+    "timm": (lambda s, seed: plain(s, seed, "timm"), lambda t: True, None),
+    "decode": (bare_decode, lambda t: True, None),
+    "lever: normalize() after": (lambda s, seed: cltrain(s, seed, "after"), lambda t: True, "levers"),
+    "lever: whole-image decode": (lambda s, seed: cltrain(s, seed, decoder="simplejpeg"), lambda t: True, "levers"),
+    "lever: batch by batch": (lambda s, seed: cltrain(s, seed, ahead=False), lambda t: t > 1, "levers"),
+    "cltrain+aug": (augmented, lambda t: True, "augment"),
+}
+
+
+# --- the tables ------------------------------------------------------------------------------------
+def folders_tables(sets: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Every case of ``CASES`` asked for, per folder and thread count: the pivot table and the ratios."""
+    chosen = {"dali": not args.no_dali, "levers": args.levers, "augment": args.augment, None: True}
+    results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for name, split in sets.items():
+        batches = max(1, args.batches // 4) if name.startswith("2000") else args.batches
+        for threads in args.threads:
+            s = Setting(split, threads, args.batch_size, batches)
+            cases = {k: (lambda seed, f=f: f(s, seed)) for k, (f, runs, opt) in CASES.items() if chosen[opt] and runs(threads)}
+            results[(name, threads)] = interleaved(cases, args.repeats, with_round=True)
+            print(f"{name}, {threads} thread(s): done", flush=True)
+    names = [n for n in CASES if any(n in rates for rates in results.values())]
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}\n\nMedian images/second (lowest-highest):\n")
+    print(table(["folder", "threads", *names],
+                [[folder, t, *(spread(rates[n]).cell(0) if n in rates else "-" for n in names)]
+                 for (folder, t), rates in results.items()], align="lr" + "r" * len(names)))
+    print("\n### cltrain against DALI, against the bare decode, and what more threads add\n")
+    med = {key: {n: spread(v).median for n, v in rates.items()} for key, rates in results.items()}
+    cells = []
+    for (name, t), r in med.items():
+        one = med.get((name, 1))
+        gain = (lambda k: f"{r[k] / one[k] - 1:+.0%}" if one and k in one and k in r else "-")
+        cells.append([name, t, f"{r['cltrain float'] / r['DALI']:.2f}x" if "DALI" in r else "-",
+                      f"{r['cltrain uint8'] / r['decode']:.2f}x", f"{r['cltrain float'] / r['decode']:.2f}x",
+                      gain("cltrain float"), gain("cltrain uint8"), gain("DALI")])
+    print(table(["folder", "threads", "float / DALI", "uint8 / decode", "float / decode", "float vs 1 thread",
+                 "uint8 vs 1 thread", "DALI vs 1 thread"], cells, align="lrrrrrrr"))
+    return {f"{k[0]}, {k[1]} thread(s)": v for k, v in med.items()}
+
+
+def save_as_hf(split: Path, out: Path) -> Path:
+    """The files of ``split`` as a ``datasets`` dataset (``save_to_disk``): each row the file's bytes and its label."""
+    import datasets
+
+    if not (out / "dataset_dict.json").is_file():
+        classes = find_classes(split)
+        samples = find_samples(split, classes)
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+        rows = {"image": [{"bytes": Path(p).read_bytes(), "path": Path(p).name} for p, _ in samples],
+                "label": [y for _, y in samples]}
+        datasets.DatasetDict(train=datasets.Dataset.from_dict(rows, features=features)).save_to_disk(str(out))
+    return out
+
+
+def hf_documented(dataset: Any, size: int) -> tuple[Any, Callable, Callable]:
+    """Hugging Face's image-classification recipe: ``set_transform`` with torchvision transforms on Pillow images."""
+    tv = torchvision_train(size)
+
+    def transform(batch: dict) -> dict:
+        batch["pixel_values"] = [tv(img.convert("RGB")) for img in batch["image"]]
+        del batch["image"]
+        return batch
+
+    def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([r["pixel_values"] for r in rows]), torch.tensor([r["label"] for r in rows])
+
+    return dataset.with_transform(transform), collate, lambda b: b[0].contiguous(memory_format=torch.channels_last)
+
+
+def hf_table(split: Path, args: argparse.Namespace) -> dict[tuple[str, str], float]:
+    """(a) Hugging Face's documented pipeline, (b) cltrain's ``HFImageDataset`` and (c) its folder loader on the same
+    photographs, with ``--workers`` worker processes each, then (b) and (c) with cltrain's own plan."""
+    import datasets
+
+    from cltrain.data.hf_dataset import HFImageDataset
+
+    saved = save_as_hf(split, split.parent.parent / f"{split.parent.name}-hf")
+    rows_of = datasets.load_from_disk(str(saved))["train"]
+    plan = loading_plan()
+    print(f"\n{split} as a datasets dataset in {saved}; cltrain's plan here: {plan[0]} workers x {plan[1]} threads")
+    configs = {f"{args.workers} workers (all)": (args.workers, 1),
+               f"cltrain's plan ({plan[0]} workers x {plan[1]} threads)": plan}
+    cases = {}
+    for config, (workers, threads) in configs.items():
+        collate = NHWCCollate(normalize=ImageNormalizer(), threads=threads)
+        rows = {"(a) HF docs": hf_documented(rows_of, 224)} if workers == args.workers else {}
+        rows["(b) cltrain hf"] = (HFImageDataset(rows_of, train_transform(224), threads=threads), collate, lambda b: b[0])
+        rows["(c) cltrain dir"] = (ImageFolderDataset(split, train_transform(224), threads=threads), collate,
+                                   lambda b: b[0])
+        cases.update({(config, name): (lambda r, row=row, workers=workers: loader_rate(
+            *row, args.batch_size, workers, args.batches, seed=r, decode_ahead=True)) for name, row in rows.items()})
+    med = {k: spread(v).median for k, v in interleaved(cases, args.repeats, with_round=True).items()}
+    first = next(iter(configs))
+    hf_docs = med[(first, "(a) HF docs")]
+    print("\n" + table(["configuration", "loader", "img/s", "vs (a)", "vs (c)"],
+                       [[config, name, f"{v:.0f}", f"{v / hf_docs:.2f}", f"{v / med[(config, '(c) cltrain dir')]:.2f}"]
+                        for (config, name), v in med.items()], align="llrrr"))
+    best_hf = max(v for (c, n), v in med.items() if n == "(b) cltrain hf")
+    print(f"cltrain hf: {med[(first, '(b) cltrain hf')] / hf_docs:.2f}x the HF pipeline with the same workers, "
+          f"{best_hf / hf_docs:.2f}x with its own plan [target 2]; "
+          f"{min(med[(c, '(b) cltrain hf')] / med[(c, '(c) cltrain dir')] for c in configs):.2f}x "
+          "the folder loader at worst [target 0.9]")
+    return med
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tables", nargs="+", choices=("folders", "hf"), default=["folders"])
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cltrain-bench-dali",
+                   help="where the JPEG folders are made (once) and reused")
+    p.add_argument("--root", type=Path, help="time this folder (train/<class>/<image>) instead of the three")
+    p.add_argument("--sets", nargs="+", default=None, help="folder names to run (default: all three)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="--tables folders: threads (or workers)")
+    p.add_argument("--workers", type=int, default=2, help="--tables hf: worker processes of every loader")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batches", type=int, default=10, help="timed batches per measurement (a quarter for 2000x1500)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-dali", action="store_true", help="leave DALI out (it is not installed here)")
+    p.add_argument("--levers", action="store_true", help="add rows for the default path's choices")
+    p.add_argument("--augment", action="store_true", help="add a cltrain row with TrivialAugment, erasing and mixup")
+    p.add_argument("--quick", action="store_true", help="tiny folders and runs: checks that the script works")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.batches, args.repeats = 8, 1, 1
+    if not args.no_dali and "folders" in args.tables:
+        try:
+            import nvidia.dali
+        except ImportError:
+            p.error("NVIDIA DALI is not installed: pip install nvidia-dali-cuda130 (or pass --no-dali).")
+    if args.root is not None:
+        sets = {str(args.root): args.root / "train" if (args.root / "train").is_dir() else args.root}
+    else:
+        sets = folders(args.work, args.quick, args.sets)
+    print(loader_machine_line())
+    if "folders" in args.tables and not args.no_dali:
+        print(f"NVIDIA DALI {nvidia.dali.__version__} (CPU only)")
+    print(f"batch {args.batch_size}, {args.batches} timed batches per measurement, {args.repeats} interleaved repeats")
+    out: dict = {}
+    if "folders" in args.tables:
+        out["folders"] = folders_tables(sets, args)
+    if "hf" in args.tables:
+        out["hf"] = hf_table(next(iter(sets.values())), args)
+    return out
+
+
+if __name__ == "__main__":
+    main()
