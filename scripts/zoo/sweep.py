@@ -36,11 +36,9 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    speed checks again under ``torch.compile``, the model converted with
    ``cltrain.loops.convert_model`` before compiling.
 
-``--check-only`` measures the first-batch layout check's false alarms instead (``scripts/zoo/check_sweep.py``): each
-model once per optimizer (``--optimizers``, default SGD, Adam and AdamW; ``scripts/zoo/training.py``), each in its
-own process, a real ``Trainer`` with ``ChannelsLast()`` for 2 steps; where the check falls back (or keeps the model
-contiguous), and for the passes of ``--confirm-passes``, the same process confirms the verdict with three short
-trainings (``scripts/zoo/confirm.py``), and ``<out>.md`` counts the false fallbacks (``scripts/zoo/check_report.py``).
+``--check-only`` measures the first-batch layout check's false alarms instead: each model once per optimizer
+(``--optimizers``), confirmed by three short trainings where the check falls back (``scripts/zoo/confirm.py``, the
+model's process; ``scripts/zoo/check_report.py``, the sweep and its outputs; the method: docs/zoo_check.md).
 
 Usage::
 
@@ -78,7 +76,8 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 from scripts.harness import emit, python_module, run_child
-from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
+from scripts.zoo.check_report import check_sweep
+from scripts.zoo.confirm import check_child, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
     quiet_random_layers, training_loss,
