@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from cltrain.timing.machine import machine_line
@@ -138,6 +137,8 @@ def _confirm_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
 def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace,
              optimizers: list[str]) -> str:
     names = [OPTIMIZER_NAMES[o] for o in optimizers]
+    scope = "every model" if args.confirm_passes == "all" else ", ".join(
+        f"`{p}`" for p in args.confirm_passes.split(",") if p) or "no model"
     return page("The first-batch layout check over the zoo", [
         "Made by " + ", then ".join(f"`{c}`" for c in [*m.get("earlier_commands", []), command])
         + f" (resumed: the rows already made kept), {m.get('started', '?')} to {m.get('ended', '?')}."
@@ -151,7 +152,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         f"{f'{args.size} px' if args.size else 'its size (px in the table)'}, {args.check_precision}, and the "
         "first-batch layout check's verdict. Where "
         "the verdict is fallback or contiguous (and for the passes of "
-        f"{_confirm_scope(args)}), the same process trains {args.confirm_steps} steps three more times from the same "
+        f"{scope}), the same process trains {args.confirm_steps} steps three more times from the same "
         "initialisation, seed, batches and optimizer: NCHW without the callback; NCHW with every parameter nudged by "
         f"a relative {NUDGE:g} (the noise reference); channels_last with `ChannelsLast(verify=False)`. Gaps are the "
         "largest relative difference from the NCHW run of the losses (per step), and the relative difference of the "
@@ -175,18 +176,6 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
             table(["model", "optimizer", "verdict", "confirmation", "loss gap / noise", "update gap / noise",
                     "off float64 (loss / update)", "channels_last run", "the check's line"], _confirm_rows(rows))],
     })
-
-
-def _confirm_scope(args: argparse.Namespace) -> str:
-    if args.confirm_passes == "all":
-        return "every model"
-    return ", ".join(f"`{p}`" for p in args.confirm_passes.split(",") if p) or "no model"
-
-
-def write_check_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str,
-                        args: argparse.Namespace, optimizers: list[str]) -> None:
-    write_report(out, markdown=markdown(rows, m, command, args, optimizers),
-                 data={"command": command, "machine": m, "optimizers": optimizers, "rows": rows})
 
 
 def check_sweep(ordered: list[Spec], specs: list[Spec], rows: list[dict[str, Any]], args: argparse.Namespace,
@@ -216,7 +205,8 @@ def check_sweep(ordered: list[Spec], specs: list[Spec], rows: list[dict[str, Any
             m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), now()
             rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", "sgd"))
                                      if r.get("optimizer", "sgd") in optimizers else len(optimizers)))
-            write_check_outputs(args.out, rows, m, command, args, optimizers)
+            write_report(args.out, markdown=markdown(rows, m, command, args, optimizers),
+                         data={"command": command, "machine": m, "optimizers": optimizers, "rows": rows})
     print("\n".join(summary(rows, optimizers)))
     print(f"wrote {args.out.with_suffix('.md')}, .json")
     return 0

@@ -106,10 +106,6 @@ def died(row: dict[str, Any], phase: str, crash: str | None) -> str:
     return f"unfinished: {row.get('status', phase)}"
 
 
-def _updates(module: torch.nn.Module, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: p.detach() - initial[n].to(p.dtype) for n, p in module.named_parameters()}
-
-
 def numerics(result: dict[str, Any]) -> bool | None:
     """Is a diverging channels_last run as close to the float64 run as an NCHW fp32 run is (the farther of NCHW with
     and without oneDNN, within ``FACTOR``)? Then the fp32 runs differ by their kernels' rounding, not by a fault.
@@ -152,7 +148,7 @@ def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: st
             result[f"error_{name}"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
             return
         result[f"losses_{name}"] = [float(v) for v in module.losses]
-        updates[name] = _updates(module.net, initial)
+        updates[name] = {n: p.detach() - initial[n].to(p.dtype) for n, p in module.net.named_parameters()}
 
     run("nchw")
     run("nudged")
@@ -198,15 +194,12 @@ def check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: arg
     result.update(optimizer=args.optimizer, check_precision=args.check_precision, batch=args.batch,
                   losses_channels_last=[float(v) for v in module.losses])
     record_check(result, callback)
-    if result.get("layout_check") in FALLBACK_VERDICTS or _confirms_passes(spec, args.confirm_passes):
+    scope = args.confirm_passes  # "all", or comma-separated key prefixes whose passes are confirmed too
+    if result.get("layout_check") in FALLBACK_VERDICTS or scope == "all" or any(
+            spec.key.startswith(p) for p in scope.split(",") if p):
         runs = result["confirm"] = {}
         confirm(spec, net0, batches, args.optimizer, args.confirm_steps, phase, runs, precision=args.check_precision)
         runs["verdict"] = judge(result["layout_check"], runs)
-
-
-def _confirms_passes(spec: Spec, scope: str) -> bool:
-    """Whether ``--confirm-passes`` (``all`` or comma-separated key prefixes) takes in ``spec``'s passing runs."""
-    return scope == "all" or any(spec.key.startswith(p) for p in scope.split(",") if p)
 
 
 def settle_confirmation(result: dict[str, Any], phase: str, crashed: bool) -> None:

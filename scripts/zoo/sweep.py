@@ -104,12 +104,6 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
 # ---- one model, in the child process ------------------------------------------------------------
 
 
-def _guardrails_of(callback: Any) -> str:
-    """Which known-fault workarounds the callback applied (its ``guardrails`` records), in a few words."""
-    records = getattr(callback, "guardrails", None) or []
-    return "; ".join(f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)" for r in records)
-
-
 def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dtype: torch.dtype | None,
                    rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
     """Median training steps/s of each ``(net, batch)`` (SGD with momentum), in interleaved rounds of as many steps
@@ -206,7 +200,9 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
         result[f"trains_{layout}"] = len(module.losses) == 2 and all(math.isfinite(v) for v in result[f"losses_{layout}"])
         if callback is not None:
             result["conv_weights_cl"] = conv_weights_cl(module.net)
-            result["guardrails"] = _guardrails_of(callback)
+            result["guardrails"] = "; ".join(  # the known-fault workarounds the callback applied, in a few words
+                f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)"
+                for r in getattr(callback, "guardrails", None) or [])
             record_check(result, callback)
     parity(result, grads, losses)
     del grads, losses
