@@ -184,7 +184,7 @@ def record_check(result: dict[str, Any], callback: Any) -> None:
 def check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: argparse.Namespace,
                 result: dict[str, Any], phase: Callable[[str], None]) -> None:
     """``--check-only``: ``ChannelsLast()``'s check with ``args.optimizer`` on ``batches[:2]``, and where it fell back
-    (or the spec is in ``--confirm-passes``) the three runs of ``scripts/zoo/confirm.py`` on ``batches``."""
+    (or the spec is in ``--confirm-passes``) the three runs of :func:`confirm` on ``batches``."""
     from cltrain import ChannelsLast
 
     phase("channels_last")
