@@ -1,5 +1,6 @@
 """A model fitted by a quiet Lightning ``Trainer``, its steps on the harness's clock: what the benchmarks that time
-whole fits share (``scripts.bench.default_speed``, ``scripts.bench.check_cost``, ``scripts.bench.train``, the zoo).
+whole fits share (``scripts.bench.default_speed``, ``scripts.bench.check_cost``, ``scripts.bench.train``,
+``scripts.bench.hf_trainer``, the zoo).
 
 * ``quiet_trainer``: a ``Trainer`` with no logger, checkpoint, progress bar, summary or sanity check;
 * ``NetModule``: a network with a loss and an optimizer, nothing else;
@@ -45,7 +46,8 @@ class NetModule(LightningModule):
 
 
 class StepClock(Callback):
-    """The training steps' seconds on the harness's clock.
+    """The training steps' seconds on the harness's clock: a Lightning callback, and :meth:`begin` / :meth:`end` for
+    another trainer's hooks (``scripts.bench.hf_trainer``).
 
     Args:
         window: ``(first, last)`` step indices: one window from the start of ``first`` to the end of ``last``, the
@@ -57,16 +59,24 @@ class StepClock(Callback):
         self.window, self.steps, self.seconds = window, [], None
         self.watch: Stopwatch | None = None
 
-    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
-        if self.window is None or trainer.global_step == self.window[0]:
+    def begin(self, step: int, device: torch.device | str) -> None:
+        """A step starts; ``step``: the steps taken before it."""
+        if self.window is None or step == self.window[0]:
             # a window opens on a synchronised device; a single step's start is not synchronised
-            self.watch = Stopwatch(trainer.strategy.root_device if self.window else None).start()
+            self.watch = Stopwatch(device if self.window else None).start()
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if self.window is None or trainer.global_step == self.window[1] + 1:  # global_step: the steps taken
-            synchronize(trainer.strategy.root_device)  # the steps' kernels, done
+    def end(self, steps: int, device: torch.device | str) -> None:
+        """A step ends; ``steps``: the steps taken with it."""
+        if self.window is None or steps == self.window[1] + 1:
+            synchronize(device)  # the steps' kernels, done
             seconds = self.watch.elapsed()
             if self.window is None:
                 self.steps.append(seconds)
             else:
                 self.seconds = seconds
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self.begin(trainer.global_step, trainer.strategy.root_device)
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.end(trainer.global_step, trainer.strategy.root_device)  # global_step: the steps taken

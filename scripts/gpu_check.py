@@ -4,33 +4,20 @@
     python -m scripts.gpu_check --wheels .whl --out $OUT     # the same, installing the app's wheels first
     python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
 
-With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``), the matrix
-among its runs, and ``OUT/mark.md`` holds its tables. A lent GPU with 15 minutes runs everything in one call that
-stops itself within ``--budget`` seconds and leaves minutes to rerun a part::
+With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``) within
+``--budget`` seconds::
 
     timeout 560 python -m scripts.gpu_check --mark --budget 520 --wheels .whl --out $OUT   # (device timeout_s 570)
     python -m scripts.gpu_check --mark --parts e2e --mark-only largest_batch loader --budget 150 --wheels .whl \\
         --out $OUT/rerun                                                                # a part again, by name
     python -m scripts.gpu_check --tiny --mark --parts e2e --out /tmp/mark   # any CPU: every task at CI sizes
 
-Each part runs in its own subprocess under its own time limit (``--limits``, seconds; ``--budget`` caps each at
-what is left of the whole; ``--parts`` picks them); ``gpu_check.md`` is written again after each part:
-
-(a) ``python -m pytest -m cuda tests/``: the tests marked ``cuda`` (conftest.py pins every other test to the CPU).
-(b) ``python train.py`` as a newcomer types it, in an empty folder: its ``metrics.json`` (status, precision,
-    images/s, step time) and how many of the training losses its CSV log holds are finite.
-(c) apex's main_amp recipe (``experiment=main_amp``: ResNet-50, batch 256, 224 px) end to end on 5,120 + 10
-    ImageNet-size JPEGs drawn by ``cltrain.data.demo`` (10,240 + 10 with ``--mark``); channels_last and
-    contiguous in fp16, bf16 and fp32, then channels_last with ``compile.enabled=true``, in one worker process
-    (``scripts.bench.mark.run_tasks``), in turn: images/s and step time over 60 steps after 8 warm-up steps
-    (train.py's meter), the finite losses among all steps, and host syncs per step (ATen ops that read a device
-    value on the host, ``cltrain.timing.host_syncs.SyncOps``, in warm-up steps 3-6).
-(d) one Markdown table (the machine, the command, every figure) in OUT/gpu_check.md, also printed, with the
-    runs' ``metrics.json`` files (one line each in ``runs.metrics.jsonl``) and logs; data, checkpoints and run
-    folders stay in ``--work``.
-
-``--tiny``: 12 JPEGs of 64x48, ResNet-18 at 32 px, 3 steps per configuration, the smoke experiment for (b); what
-needs CUDA, bf16 where the CPU lacks it, and compile are rows saying "skipped" and why.
+Parts, each in its own subprocess under its own limit (``--limits``, ``--parts``): (a) the tests marked ``cuda``;
+(b) ``python train.py`` as a newcomer types it; (c) apex's main_amp recipe end to end in each layout and precision;
+(d) the table. It writes ``OUT/gpu_check.md`` (again after each part; also printed), ``OUT/mark.md`` with
+``--mark``, the runs' ``metrics.json`` (``runs.metrics.jsonl``) and logs; data, checkpoints and run folders stay in
+``--work``. ``--tiny``: 12 small JPEGs, ResNet-18 at 32 px, 3 steps; what needs CUDA is a "skipped" row. What each
+part measures, and the tables: docs/performance.md, "The GPU path".
 
 Where hydra-core, omegaconf, antlr4-python3-runtime, simplejpeg and turbojpeg are missing, fetch their wheels
 (CPython 3.12, x86-64 Linux; antlr4-python3-runtime 4.9.3 is an sdist only: ``pip wheel`` builds it)::

@@ -7,10 +7,11 @@ segmentation head). Two Trainers train it on a generated dataset (``pixel_values
 an image processor's output is): one as it comes, one with ``Trainer(callbacks=[ChannelsLastCallback()])``
 (``verify=False``: the first-batch check runs once, before the first step, and is not timed here;
 ``layout="channels_last"``: no race of the layouts, whose NCHW steps would count as channels_last ones).
-A step is timed from ``on_step_begin`` to ``on_step_end`` (forward, loss, backward, optimizer step; not the data
-loader). Rounds alternate which layout goes first (``cltrain.timing.rounds.interleaved``); each round is one
-``trainer.train()`` of ``--steps`` steps after one untimed warm-up step. The table gives the median steps/second over every timed step, the min-max
-over rounds, and channels_last / NCHW.
+A step is timed from ``on_step_begin`` to ``on_step_end`` on ``scripts.fits.StepClock`` (forward, loss, backward,
+optimizer step, the device synchronised at its end; not the data loader). Rounds alternate which layout goes first
+(``cltrain.timing.rounds.interleaved``); each round is one ``trainer.train()`` of ``--steps`` steps after one
+untimed warm-up step. The table gives the median steps/second over every timed step, the min-max over rounds, and
+channels_last / NCHW.
 
 Usage::
 
@@ -33,10 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved
+from scripts.fits import StepClock
 
 #: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
 MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -77,23 +78,20 @@ def images(n: int, image_size: int, segmentation: bool) -> list[dict[str, torch.
     return [{"pixel_values": x, "labels": y} for x, y in zip(pixels, labels)]
 
 
-def step_timer() -> tuple[Any, list[float]]:
-    """A ``TrainerCallback`` that appends each step's seconds to the returned list."""
+def step_clock() -> tuple[Any, StepClock]:
+    """A ``TrainerCallback`` that times each step on a ``scripts.fits.StepClock``, and that clock."""
     from transformers import TrainerCallback
 
-    seconds: list[float] = []
+    clock = StepClock()
 
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.watch = Stopwatch()
-
+    class Steps(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.watch.start()
+            clock.begin(state.global_step, args.device)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            seconds.append(self.watch.elapsed())
+            clock.end(state.global_step, args.device)
 
-    return StepTimer(), seconds
+    return Steps(), clock
 
 
 def make_trainer(model: nn.Module, data: list[dict[str, torch.Tensor]], callbacks: list[Any], args: argparse.Namespace, out: str) -> Any:
@@ -116,21 +114,21 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     base = build(name, args.image_size, args.tiny)
     data = images(args.batch_size * (args.steps + 1), args.image_size, segmentation="Segformer" in type(base).__name__)
-    trainers: dict[str, tuple[Any, list[float]]] = {}
+    trainers: dict[str, tuple[Any, StepClock]] = {}
     with tempfile.TemporaryDirectory() as out:
         for layout in ("contiguous", "channels_last"):
-            timer, seconds = step_timer()
+            timer, clock = step_clock()
             # verify=False: the first-batch check is a one-off before the first step, not part of a step's time
             extra = [ChannelsLastCallback(verify=False, layout="channels_last")] if layout == "channels_last" else []
             model = build(name, args.image_size, args.tiny)
             model.load_state_dict(base.state_dict())
-            trainers[layout] = (make_trainer(model, data, [*extra, timer], args, out), seconds)
+            trainers[layout] = (make_trainer(model, data, [*extra, timer], args, out), clock)
 
         def train(layout: str) -> list[float]:
-            trainer, seconds = trainers[layout]
-            seconds.clear()
+            trainer, clock = trainers[layout]
+            clock.steps.clear()
             trainer.train()
-            return seconds[1:] or list(seconds)  # the first step of a train() call warms up
+            return clock.steps[1:] or list(clock.steps)  # the first step of a train() call warms up
 
         timed = interleaved({layout: (lambda layout=layout: train(layout)) for layout in trainers}, args.repeats)
     rate = {layout: 1 / statistics.median(s for steps in rounds for s in steps) for layout, rounds in timed.items()}

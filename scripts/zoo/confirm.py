@@ -1,31 +1,17 @@
-"""Was the first-batch check's verdict right? Three short trainings of the same model tell.
+"""Was the first-batch check's verdict right? Three short trainings of the same model tell; the model's process of
+``python -m scripts.zoo.sweep --check-only``.
 
-From one initialisation, the same seed, the same batches and the same optimizer, ``steps`` training steps each
-(``scripts.zoo.training.fit``, a real ``Trainer``):
-
-1. **nchw**: NCHW, no callback: the reference;
-2. **nudged**: NCHW with every parameter nudged by a relative 1e-7 (``p.mul_(1 + 1e-7 * randn_like(p))``): how far
-   rounding alone moves the run (the noise reference: Adam's first steps amplify it);
-3. **channels_last**: ``ChannelsLast(layout="channels_last", verify=False)``: channels_last without the check's
-   fallbacks (and without the race of the layouts, which would run steps in NCHW).
-
-``gap`` is how far a run is from **nchw**: the largest relative difference of its losses (per step), and the
-relative difference of its parameter updates over the whole model (``|u - u_nchw| / |u_nchw|``, ``u`` = final
-minus initial parameters as one vector, so the nudge itself does not count). The channels_last run **diverges**
-where it raised or crashed, or where a gap is above ``FACTOR`` x the nudged run's gap and above ``MIN_GAP``. A
-fallback or contiguous verdict is then **confirmed**, else **FALSE** (a false fallback); a passing verdict is
-**right**, or **MISSED** where the channels_last run diverges (a fault the check let through). Where the NCHW runs themselves raise there is no
-reference, and nothing is judged.
-
-Where the channels_last run trained and diverges, two more runs tell rounding from a fault: NCHW in float64 (the
-exact run) and NCHW fp32 with oneDNN disabled (other correct fp32 kernels). Where channels_last fp32 is as close to
-float64 as the farther of the two NCHW fp32 runs (within ``FACTOR``), the gap is fp32 kernels rounding differently
-(an ill-conditioned gradient, as BatchNorm at a small batch makes them, amplified by Adam), not a fault; the verdict
-stays, and ``numerics`` says so beside it.
+From one initialisation, seed, batches and optimizer, ``steps`` steps each (``scripts.zoo.training.fit``): **nchw**
+(the reference), **nudged** (every parameter times ``1 + NUDGE * randn``: the noise reference) and **channels_last**
+(``ChannelsLast(layout="channels_last", verify=False)``). ``judge`` calls a fallback **confirmed** or **FALSE**, a
+pass **right** or **MISSED**, from the gaps of the losses and of the updates against ``FACTOR`` x the noise and
+``MIN_GAP``; a diverging run gets a float64 and a no-oneDNN NCHW run (``numerics``: rounding or a fault). The
+method at length, and the table it makes: docs/zoo_check.md (written by ``scripts/zoo/check_report.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
 from collections.abc import Callable
@@ -120,10 +106,6 @@ def died(row: dict[str, Any], phase: str, crash: str | None) -> str:
     return f"unfinished: {row.get('status', phase)}"
 
 
-def _updates(module: torch.nn.Module, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: p.detach() - initial[n].to(p.dtype) for n, p in module.named_parameters()}
-
-
 def numerics(result: dict[str, Any]) -> bool | None:
     """Is a diverging channels_last run as close to the float64 run as an NCHW fp32 run is (the farther of NCHW with
     and without oneDNN, within ``FACTOR``)? Then the fp32 runs differ by their kernels' rounding, not by a fault.
@@ -166,7 +148,7 @@ def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: st
             result[f"error_{name}"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
             return
         result[f"losses_{name}"] = [float(v) for v in module.losses]
-        updates[name] = _updates(module.net, initial)
+        updates[name] = {n: p.detach() - initial[n].to(p.dtype) for n, p in module.net.named_parameters()}
 
     run("nchw")
     run("nudged")
@@ -186,3 +168,43 @@ def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: st
                        "update": update_gap({n: u.double() for n, u in updates[name].items()}, updates["float64"])[0]}
                 for name in ("nchw", "nchw_native", "channels_last") if name in updates}
     return result
+
+
+def record_check(result: dict[str, Any], callback: Any) -> None:
+    """The first-batch layout check's verdict, line, the layout kept, and the largest agreeing difference."""
+    check = callback.layout_checks.get("train")
+    if check is not None:
+        result["layout_check"] = check.verdict
+        result["layout_check_line"] = check.line()
+        result["layout_check_worst"] = check.worst
+        result["layout_check_seconds"] = round(check.seconds, 2)
+    result["layout_kept"] = callback.layout
+
+
+def check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: argparse.Namespace,
+                result: dict[str, Any], phase: Callable[[str], None]) -> None:
+    """``--check-only``: ``ChannelsLast()``'s check with ``args.optimizer`` on ``batches[:2]``, and where it fell back
+    (or the spec is in ``--confirm-passes``) the three runs of :func:`confirm` on ``batches``."""
+    from cltrain import ChannelsLast
+
+    phase("channels_last")
+    callback = ChannelsLast()
+    module = fit(copy.deepcopy(net0), spec, batches[:2], callback, max_steps=2, precision=args.check_precision,
+                 optimizer=args.optimizer)
+    result.update(optimizer=args.optimizer, check_precision=args.check_precision, batch=args.batch,
+                  losses_channels_last=[float(v) for v in module.losses])
+    record_check(result, callback)
+    scope = args.confirm_passes  # "all", or comma-separated key prefixes whose passes are confirmed too
+    if result.get("layout_check") in FALLBACK_VERDICTS or scope == "all" or any(
+            spec.key.startswith(p) for p in scope.split(",") if p):
+        runs = result["confirm"] = {}
+        confirm(spec, net0, batches, args.optimizer, args.confirm_steps, phase, runs, precision=args.check_precision)
+        runs["verdict"] = judge(result["layout_check"], runs)
+
+
+def settle_confirmation(result: dict[str, Any], phase: str, crashed: bool) -> None:
+    """A row whose process died in a confirmation run (``phase``): a native crash (``crashed``) in the channels_last
+    run is that run's result and the row is ``ok``; anything else leaves the confirmation unjudged."""
+    if "confirm" in result and "verdict" not in result["confirm"]:
+        result["confirm"]["verdict"] = died(result, phase, result["status"] if crashed else None)
+        result["status"] = "ok" if result["confirm"]["verdict"] in JUDGED else result["status"]

@@ -36,11 +36,9 @@ the end of the sweep. In it, from one seeded initialisation and the same two bat
    speed checks again under ``torch.compile``, the model converted with
    ``cltrain.loops.convert_model`` before compiling.
 
-``--check-only`` measures the first-batch layout check's false alarms instead (``scripts/zoo/check_sweep.py``): each
-model once per optimizer (``--optimizers``, default SGD, Adam and AdamW; ``scripts/zoo/training.py``), each in its
-own process, a real ``Trainer`` with ``ChannelsLast()`` for 2 steps; where the check falls back (or keeps the model
-contiguous), and for the passes of ``--confirm-passes``, the same process confirms the verdict with three short
-trainings (``scripts/zoo/confirm.py``), and ``<out>.md`` counts the false fallbacks (``scripts/zoo/check_report.py``).
+``--check-only`` measures the first-batch layout check's false alarms instead: each model once per optimizer
+(``--optimizers``), confirmed by three short trainings where the check falls back (``scripts/zoo/confirm.py``, the
+model's process; ``scripts/zoo/check_report.py``, the sweep and its outputs; the method: docs/zoo_check.md).
 
 Usage::
 
@@ -78,7 +76,8 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 from scripts.harness import emit, python_module, run_child
-from scripts.zoo.check_sweep import check_child, check_sweep, record_check, settle_confirmation
+from scripts.zoo.check_report import check_sweep
+from scripts.zoo.confirm import check_child, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
     quiet_random_layers, training_loss,
@@ -103,12 +102,6 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
 
 
 # ---- one model, in the child process ------------------------------------------------------------
-
-
-def _guardrails_of(callback: Any) -> str:
-    """Which known-fault workarounds the callback applied (its ``guardrails`` records), in a few words."""
-    records = getattr(callback, "guardrails", None) or []
-    return "; ".join(f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)" for r in records)
 
 
 def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dtype: torch.dtype | None,
@@ -207,7 +200,9 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
         result[f"trains_{layout}"] = len(module.losses) == 2 and all(math.isfinite(v) for v in result[f"losses_{layout}"])
         if callback is not None:
             result["conv_weights_cl"] = conv_weights_cl(module.net)
-            result["guardrails"] = _guardrails_of(callback)
+            result["guardrails"] = "; ".join(  # the known-fault workarounds the callback applied, in a few words
+                f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)"
+                for r in getattr(callback, "guardrails", None) or [])
             record_check(result, callback)
     parity(result, grads, losses)
     del grads, losses
