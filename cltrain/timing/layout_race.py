@@ -19,10 +19,13 @@ a new key, as progressive resizing makes, is decided again):
   step over the channels_last step, each round's NCHW steps against the channels_last steps on both sides of them,
   a step or two apart (``cltrain.timing.stats.paired_log_ratio``): a machine that drifts over the race (another
   process, the clock; seen here as +-10% swings lasting 20 steps, and early steps getting faster) moves both sides
-  alike, where pooling the steps would blur the layouts' difference into the spread. With ``h(p)`` Student's ``p`` bound on ``log r`` from the rounds' spread:
+  alike, where pooling the steps would blur the layouts' difference into the spread. With ``h(p)`` Student's ``p``
+  bound on ``log r`` from the rounds' spread:
 
   - NCHW slower (``log r - h(0.975) > 0``): channels_last, kept;
   - NCHW faster by more than ``margin`` (``log r + h(0.99) < -margin``): NCHW;
+  - in the second and third rounds, the steps pooled as well (more degrees of freedom, the drift in their spread):
+    a 99.9% bound beyond the margin switches, a ``z``-sigma one keeps, where the paired ratio agrees;
   - both within ``margin`` (``|log r| + h(0.975) < margin``): a tie, channels_last;
   - else another round: where NCHW looks slower, until its steps have cost ``budget`` steps of channels_last; where
     it looks faster (more rounds then cost the default's own, slower, steps: a few percent of a step each), up to
@@ -30,8 +33,8 @@ a new key, as progressive resizing makes, is decided again):
     a shared machine ends in the default.
 
   ``scripts/bench/race_rule.py`` plays the rule against a model of this machine's noise: with steps 12% apart at
-  random and drifting, the default's steady step is within 3.5% of the faster layout's on average, whatever the
-  layouts' true difference, and equal layouts switch in about 1 race in 100.
+  random and drifting, the default's steady step is within 3% of the faster layout's on average, whatever the
+  layouts' true difference, and equal layouts switch in about 3 races in 100 (where switching costs nothing).
 
 A key is decided once and never flips back. Only samples with the race's batch size count (a last, smaller batch is
 not a sample). ``judge`` runs on the deciding rank and ``settle`` on every rank, at the same step: the schedule is a
@@ -131,7 +134,8 @@ class _Heat:
     key: Hashable
     batch: int | None = None
     position: int = 0
-    times: dict[str, list[tuple[int, Any]]] = field(default_factory=lambda: {layout: [] for layout in LAYOUTS})  # (round, s)
+    # each layout's timed steps: (round, seconds)
+    times: dict[str, list[tuple[int, Any]]] = field(default_factory=lambda: {layout: [] for layout in LAYOUTS})
     warm: list[Any] = field(default_factory=list)  # the warm-up's later channels_last steps: for the spread only
     first_nchw: Any = None  # the NCHW warm-up step: no steady NCHW step should be slower
     untimed: dict[str, int] = field(default_factory=lambda: {layout: 0 for layout in LAYOUTS})
@@ -235,13 +239,18 @@ class LayoutRace:
                 return None
             how = "timed" if ratio.log - self.z * ratio.width > 0 else "noisy"  # else NCHW's trials spent the budget
             return LayoutDecision(heat.key, "channels_last", how, med, self._samples(heat), extra)
-        # two rounds on: each round's NCHW steps against its own channels_last steps, a step or two apart, so a
-        # machine getting busier or quieter over the race cancels out (paired_log_ratio)
+        # two rounds on: each round's NCHW steps against the channels_last steps around them, a step or two apart,
+        # so a machine getting busier or quieter over the race cancels out (paired_log_ratio); the steps pooled
+        # (more degrees of freedom, the drift in their spread) end a race that is clear in its first rounds (only
+        # then: looked at every round, their medians would meet a 99.9% bound by chance in a long race)
         ratio = paired_log_ratio(heat.times["channels_last"], heat.times["contiguous"], around=True)
+        pooled = log_ratio(cl, nchw, spread_only=heat.warm)
         log_r, t975, t999 = ratio.log, ratio.bound(0.975), ratio.bound(0.999)
-        if log_r - t975 > 0:  # the default faster: kept
+        early = rounds <= 3
+        if log_r - t975 > 0 or early and pooled.log - self.z * pooled.width > 0 and log_r > 0:  # the default, faster
             layout, how = "channels_last", "timed"
-        elif log_r + ratio.bound(0.99) < -self.margin:  # a switch wants a 99% bound beyond the margin
+        elif log_r + ratio.bound(0.99) < -self.margin or \
+                early and pooled.log + pooled.bound(0.999) < -self.margin and log_r < -self.margin:
             layout, how = "contiguous", "timed"
         elif abs(log_r) + t975 < self.margin:
             layout, how = "channels_last", "tie"
