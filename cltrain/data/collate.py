@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from torch.utils.data import default_collate
 
-from cltrain.data.loader_threads import run_each, thread_scratch
+from cltrain.data.loader_threads import run_each, scratch_tensor
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.layout.batches import map_tensors
 
@@ -181,11 +181,10 @@ class NHWCCollate:
         if self.normalize is None:
             dest = slot
         else:  # this thread's scratch image: normalised into the slot at once, while in the CPU cache
-            n = slot.numel()
-            dest = torch.from_numpy(thread_scratch("normalise", n)[:n]).view(tuple(slot.shape))
+            dest = scratch_tensor("normalise", tuple(slot.shape))
         image = make(dest)
         if self.normalize is not None:
-            self.normalize(torch.as_tensor(as_hwc(image, index)), slot)
+            self.normalize(image if image is dest else torch.as_tensor(as_hwc(image, index)), slot)
         elif image is not slot:
             slot.copy_(torch.as_tensor(as_hwc(image, index)))
         return BatchSlot(buffer, index)

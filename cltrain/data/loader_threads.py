@@ -34,7 +34,8 @@ import torch
 
 from cltrain.data.resume_state import SeededIndex
 
-__all__ = ["augment_deferred", "load_batch", "one_thread", "run_each", "sample_generator", "loading_plan", "start_batch", "thread_scratch", "usable_cores"]
+__all__ = ["augment_deferred", "load_batch", "one_thread", "run_each", "sample_generator", "loading_plan", "scratch_tensor",
+           "start_batch", "thread_scratch", "usable_cores"]
 
 _LOCAL = threading.local()
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
@@ -83,11 +84,26 @@ def thread_scratch(name: str, nbytes: int) -> np.ndarray:
     Each image's decoded pixels, their dense copy and (for a normalised batch) the resized image go here, not into new arrays: a new
     multi-megabyte array is a fresh mapping, faulted in page by page, and threads of one
     process doing that serialise on the kernel's memory-map lock (docs/performance.md)."""
-    buf = getattr(_SCRATCH, name, None)
-    if buf is None or buf.size < nbytes:
+    return _scratch(name, nbytes)[0]
+
+
+def scratch_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``thread_scratch(name, ...)`` as a dense uint8 tensor of ``shape`` (one strided view of the buffer: no
+    numpy slice and ``from_numpy`` per image, each a few microseconds under the GIL)."""
+    strides, nbytes = [], 1
+    for size in reversed(shape):
+        strides.append(nbytes)
+        nbytes *= size
+    return _scratch(name, nbytes)[1].as_strided(shape, strides[::-1])
+
+
+def _scratch(name: str, nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
+    found = getattr(_SCRATCH, name, None)
+    if found is None or found[0].size < nbytes:
         buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-        setattr(_SCRATCH, name, buf)
-    return buf
+        found = (buf, torch.from_numpy(buf))
+        setattr(_SCRATCH, name, found)
+    return found
 
 
 def usable_cores() -> int:
@@ -137,7 +153,12 @@ class _Failed:
 
 
 def _seeded(load: Callable[[int], Any], index: int, seed: int, catch: type[BaseException], defer: bool) -> Any:
-    _LOCAL.generator, _LOCAL.defer_augment = torch.Generator().manual_seed(seed), defer
+    # one generator per thread, seeded anew for each sample: ``manual_seed`` resets its whole state (a fresh
+    # generator's draws), half the cost of making one
+    generator = getattr(_LOCAL, "own", None)
+    if generator is None:
+        generator = _LOCAL.own = torch.Generator()
+    _LOCAL.generator, _LOCAL.defer_augment = generator.manual_seed(seed), defer
     try:
         return load(index)
     except catch as err:

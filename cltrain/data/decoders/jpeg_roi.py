@@ -97,19 +97,29 @@ _LIB = _load()
 _LOCAL = threading.local()  # a TurboJPEG handle is not thread-safe: one per thread (and per worker process)
 
 
+def _forget_handles() -> None:
+    """In a forked child (a DataLoader worker): the parent's handles are not this process's to use."""
+    global _LOCAL
+    _LOCAL = threading.local()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
+    os.register_at_fork(after_in_child=_forget_handles)
+
+
 def available() -> bool:
     """Whether region decoding is possible here (a libturbojpeg 3.x was found)."""
     return _LIB is not None
 
 
 def _handle() -> ctypes.c_void_p:
-    pid, handle = getattr(_LOCAL, "owner", None), getattr(_LOCAL, "handle", None)
-    if handle is None or pid != os.getpid():  # a forked worker makes its own
+    handle = getattr(_LOCAL, "handle", None)
+    if handle is None:  # this thread's first (a forked worker starts without its parent's: ``_forget_handles``)
         handle = _LIB.tj3Init(_TJINIT_DECOMPRESS)
         if not handle:
             raise RuntimeError("tj3Init failed: libturbojpeg could not make a decompressor.")
         _LIB.tj3Set(handle, _TJPARAM_STOPONWARNING, 1)  # truncated data is an error, as with simplejpeg
-        _LOCAL.handle, _LOCAL.owner = handle, os.getpid()
+        _LOCAL.handle = handle
     return handle
 
 
