@@ -243,6 +243,8 @@ class LayoutRace:
         # so a machine getting busier or quieter over the race cancels out (paired_log_ratio); the steps pooled
         # (more degrees of freedom, the drift in their spread) end a race that is clear in its first rounds (only
         # then: looked at every round, their medians would meet a 99.9% bound by chance in a long race)
+        if not {r for r, _ in heat.times["channels_last"]} & {r for r, _ in heat.times["contiguous"]}:
+            return None  # no round holds both layouts' samples yet (other batch sizes in between): another round
         ratio = paired_log_ratio(heat.times["channels_last"], heat.times["contiguous"], around=True)
         pooled = log_ratio(cl, nchw, spread_only=heat.warm)
         log_r, t975, t999 = ratio.log, ratio.bound(0.975), ratio.bound(0.999)

@@ -103,6 +103,16 @@ def test_a_smaller_last_batch_is_no_sample_and_other_kinds_of_batch_are_raced_ap
     assert race.racing() and other not in race.decisions  # progressive resizing: decided again
 
 
+def test_rounds_without_both_layouts_are_no_pair_and_the_race_goes_on() -> None:
+    race = LayoutRace(warmup=0)
+    # round 0: channels_last timed, NCHW's warm-up and a smaller batch; round 1: channels_last on smaller batches
+    for size, seconds in [(32, 1.0), (32, 1.0), (32, 9.0), (7, 0.3), (7, 0.3), (7, 0.3), (32, 0.8), (32, 0.8)]:
+        race.record(KEY, size, race.next_layout(KEY), seconds)
+    assert race.due() and race.judge() is None and race.racing()
+    decision, _ = run(race, lambda layout, step: {"channels_last": 1.0, "contiguous": 0.8}[layout])
+    assert decision.layout == "contiguous"
+
+
 def test_inputs_whose_shape_changes_every_step_stop_being_raced() -> None:
     race = LayoutRace(max_keys=2)
     for step in range(10):
