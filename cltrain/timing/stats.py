@@ -111,9 +111,10 @@ def paired_log_ratio(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, floa
     both of ``mean log b - mean log a`` within the round, its standard error from the rounds' spread (never below
     ``floor`` per round), ``df`` one less than the rounds; ``medians`` of all of ``a`` and ``b``. A slow drift of
     the machine (another process starting, the clock changing) moves both sides of a round alike: it widens
-    neither the ratio nor its bound, as it does where the samples are pooled. ``around``: each round takes its
-    ``a`` samples before its ``b`` samples, so the next round's ``a`` samples join the reference where there are
-    (``a a b b | a a``: ``b`` in the middle), and a steady drift cancels too.
+    neither the ratio nor its bound, as it does where the samples are pooled. ``around``: the rounds run
+    ``a a b b``, one after another, so a round's ``b`` samples are compared with its own ``a`` samples and the
+    following round's together (``a a b b | a a``: ``b`` in the middle; the last round's with its own alone), and a
+    steady drift cancels too.
 
     Raises:
         ValueError: no round holds samples of both.
