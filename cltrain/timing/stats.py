@@ -113,8 +113,8 @@ def paired_log_ratio(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, floa
     the machine (another process starting, the clock changing) moves both sides of a round alike: it widens
     neither the ratio nor its bound, as it does where the samples are pooled. ``around``: the rounds run
     ``a a b b``, one after another, so a round's ``b`` samples are compared with its own ``a`` samples and the
-    following round's together (``a a b b | a a``: ``b`` in the middle; a round with none after it, with its own alone), and a
-    steady drift cancels too.
+    following round's together (``a a b b | a a``: ``b`` in the middle; a round with none after it, with its own
+    alone), and a steady drift cancels too.
 
     Raises:
         ValueError: no round holds samples of both.
