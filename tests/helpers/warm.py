@@ -44,6 +44,7 @@ IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "ONEDNN_", "DNNL_", "A
 SOCKET = "CLTRAIN_TEST_WARM_SOCKET"  # in a forked child: the server's socket, for the processes it starts
 NESTED = "CLTRAIN_TEST_WARM_NESTED"  # set by ``nested=True``: the child's own ``[sys.executable, ...]`` are forks too
 _REAL_POPEN, _REAL_RUN = subprocess.Popen, subprocess.run  # what a call the server does not take goes to
+_TMP = tempfile.gettempdir()  # the server's socket stays out of a $TMPDIR that a test sets and empties
 _HANDLED = {"stdin", "stdout", "stderr", "capture_output", "text", "universal_newlines", "cwd", "env", "timeout",
             "check", "input", "start_new_session", "file_size_limit"}
 
@@ -76,7 +77,7 @@ class _Server:
             self.env = json.loads(Path(path).with_name("env.json").read_text())
             self.ok = True
             return
-        self.dir = tempfile.mkdtemp(prefix="cltrain-warm-")
+        self.dir = tempfile.mkdtemp(prefix="cltrain-warm-", dir=_TMP)
         self.path = os.path.join(self.dir, "sock")
         # no GPU in the server, whichever test starts it: a fork of a process that has counted CUDA devices cannot use
         # CUDA; children given CUDA_VISIBLE_DEVICES="" (conftest's default) are served, others start Python
