@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -95,12 +96,10 @@ def _upstream(key: Event, z: dict[Event, float], previous: float, index: dict[st
     return max(found, default=previous)
 
 
-def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, Event, float, float] | None:
-    """The first event (position, key, difference, noise) where ``run`` differs from ``ref``, or ``None``.
-
-    An event differs when its difference is above ``floor``, above ``RATIO`` times the noise there, and above
-    ``JUMP`` times the difference already in what it is computed from (an ill-conditioned gradient grows
-    step by step; a layout fault appears at once)."""
+def _over_bar(ref: Run, run: Run, floor: float) -> Iterator[tuple[int, Event, float, float]]:
+    """``(position, key, difference, bar)`` of every event where ``run`` differs from ``ref`` by more than ``floor``
+    and by more than ``JUMP`` times the difference already in what it is computed from (an ill-conditioned gradient
+    grows step by step; a layout fault appears at once)."""
     z = {key: distance(ref.signatures[key], run.signatures[key]) for key in ref.keys if key in run.signatures}
     index: dict[str, Any] = {"calls": {}, "grad-out": {}}
     for key in ref.keys:
@@ -115,17 +114,35 @@ def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, 
         here = z[key]
         bar = max(floor, JUMP * _upstream(key, z, previous, index))
         previous = here
-        if here <= bar:
-            continue
-        if noise is None:
-            return position, key, here, float("nan")  # the caller measures the noise and asks again
+        if here > bar:
+            yield position, key, here, bar
+
+
+def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, Event, float, float] | None:
+    """The first event (position, key, difference, noise) where ``run`` differs from ``ref``, or ``None``.
+
+    An event differs when it is over the bar (``_over_bar``) and above ``RATIO`` times the noise there. The noise is
+    ``nan`` where the noise run has not measured it (no noise run yet, or one that measured other events): the
+    caller measures it there and asks again."""
+    for position, key, here, bar in _over_bar(ref, run, floor):
         if key.kind == "update":  # every run's update starts from the same gradients: no noise to measure
             z_noise = 0.0
+        elif noise is None or noise.only is not None and key not in noise.only:
+            return position, key, here, float("nan")
         else:
             z_noise = distance(ref.signatures[key], noise.signatures[key]) if key in noise.signatures else float("inf")
         if here > max(RATIO * z_noise, bar):
             return position, key, here, z_noise
     return None
+
+
+def _wanted(ref: Run, run: Run, floor: float) -> set[Event]:
+    """The events a noise run measures for comparing ``run``: those over the bar, and the largest difference."""
+    wanted = {key for _, key, _, _ in _over_bar(ref, run, floor) if key.kind != "update"}
+    z = {key: distance(ref.signatures[key], run.signatures[key]) for key in ref.keys if key in run.signatures}
+    if z:
+        wanted.add(max(z, key=z.__getitem__))
+    return wanted
 
 
 def check_layout(
@@ -204,15 +221,16 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     vectors = Vectors()
     rng = rng_state()
     updates = after_backward is not None if updates is None else updates
-    tape = GradientTape()
+    tape = GradientTape(keep=updates)
 
-    def run_on(trial: nn.Module, layout: str, perturb: bool = False, outputs: ReferenceOutputs | None = None) -> Run:
+    def run_on(trial: nn.Module, layout: str, perturb: bool = False, outputs: ReferenceOutputs | None = None,
+               only: set[Event] | None = None) -> Run:
         # The noise run stops at the gradients: the code after the backward starts from the reference's gradients
         # in every run (the tape), so its updates would be the reference's.
         with running(), full_float32():
             return execute(trial, step, layout, rng, vectors, perturb=perturb,
                            after_backward=None if perturb else after_backward, updates=updates and not perturb,
-                           tape=tape, outputs=outputs)
+                           tape=tape, outputs=outputs, only=only)
 
     def fresh() -> nn.Module:
         with running():
@@ -237,6 +255,10 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     # (cltrain.check.isolation): rounding carried to a kink anywhere upstream is then no longer a difference.
     isolated: ReferenceOutputs | None = None
 
+    def measure_noise(wanted: set[Event]) -> Run:
+        # Only where a difference is over the bar: the run stops once it has measured them all.
+        return run_on(to_contiguous(fresh()) if updates else ref_model, "contiguous", perturb=True, only=wanted)
+
     def channels_last_run(fallbacks: list[Fallback]) -> Run:
         trial = fresh()
         apply_fallbacks(trial, fallbacks)
@@ -246,8 +268,8 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     for _ in range(_ATTEMPTS):
         run = channels_last_run(search.fallbacks)
         first = _compare(ref, noise, run, floor)
-        if first is not None and noise is None:
-            noise = run_on(to_contiguous(fresh()) if updates else ref_model, "contiguous", perturb=True)
+        if first is not None and math.isnan(first[3]):
+            noise = measure_noise(_wanted(ref, run, floor) | (noise.only or set() if noise else set()))
             first = _compare(ref, noise, run, floor)
         if first is not None and isolated is None and _ISOLATE \
                 and (run.raised is None or run.raised.position > first[0]):
@@ -256,6 +278,9 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
             isolated.recording = False
             run = channels_last_run(search.fallbacks)
             first = _compare(ref, noise, run, floor)
+            if first is not None and math.isnan(first[3]):
+                noise = measure_noise(_wanted(ref, run, floor) | (noise.only or set()))
+                first = _compare(ref, noise, run, floor)
         fault = _fault(model, run, first, step_owner, update_owner)
         if fault is not None:
             if not search.learn(*fault):

@@ -27,11 +27,13 @@ class Records(Protocol):
 
 class GradientTape:
     """Each parameter's gradient after each backward of the reference run (``recording``), given to the
-    same parameter at the same point of every later run."""
+    same parameter at the same point of every later run; with ``keep=False`` (no update is compared, so nothing
+    after the backward counts) the hooks only record each gradient where it is accumulated."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         self.grads: dict[tuple[str, int], torch.Tensor] = {}
         self.recording = True
+        self.keep = keep
 
     def hooks(self, model: nn.Module, recorder: Records) -> list[Any]:
         """Post-accumulate-grad hooks on ``model``'s parameters: record the gradient, then keep or take the tape's."""
@@ -42,7 +44,7 @@ class GradientTape:
                 k = fires[name] = fires.get(name, -1) + 1
                 key = Event("param", name)
                 recorder.record(key, param.grad, (key.module, None))
-                if param.grad is None:
+                if param.grad is None or not self.keep:
                     return
                 if self.recording:
                     self.grads[(name, k)] = param.grad.detach().clone()

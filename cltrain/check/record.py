@@ -51,6 +51,11 @@ class Run:
     contexts: dict[Event, tuple[str | None, str | None]] = field(default_factory=dict)
     raised: Raise | None = None
     seconds: float = 0.0
+    only: set[Event] | None = None  # the events this run was asked to measure (None: every event)
+
+
+class _Measured(Exception):
+    """Raised by a run asked for some events only, once it has measured them all: the rest is not run."""
 
 
 class Recorder:
@@ -58,8 +63,9 @@ class Recorder:
     the code was when something raised."""
 
     def __init__(self, model: nn.Module, vectors: Vectors, perturb: bool,
-                 outputs: ReferenceOutputs | None = None) -> None:
-        self.run = Run()
+                 outputs: ReferenceOutputs | None = None, only: set[Event] | None = None) -> None:
+        self.run = Run(only=None if only is None else set(only))
+        self.remaining = None if only is None else set(only)
         self.outputs = outputs
         self.vectors = vectors
         self.seen: dict[int, tuple[Any, int, torch.Tensor]] = {}
@@ -83,11 +89,15 @@ class Recorder:
             handle.remove()
 
     def record(self, key: Event, obj: Any, context: tuple[str | None, str | None]) -> None:
-        if key in self.run.signatures:
+        if key in self.run.signatures or self.remaining is not None and key not in self.remaining:
             return
         self.run.keys.append(key)
         self.run.signatures[key] = signature(obj, self.vectors, self.seen)
         self.run.contexts[key] = context
+        if self.remaining is not None:
+            self.remaining.discard(key)
+            if not self.remaining:
+                raise _Measured
 
     def _noisy(self, t: torch.Tensor) -> torch.Tensor:
         key = (tuple(t.shape), t.dtype, str(t.device))
@@ -171,16 +181,17 @@ def loss_of(result: Any) -> torch.Tensor | None:
 
 def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str, rng: dict[str, Any],
             vectors: Vectors, perturb: bool = False, after_backward: Callable[[nn.Module], Any] | None = None,
-            updates: bool = False, tape: GradientTape | None = None, outputs: ReferenceOutputs | None = None) -> Run:
+            updates: bool = False, tape: GradientTape | None = None, outputs: ReferenceOutputs | None = None,
+            only: set[Event] | None = None) -> Run:
     """One recorded run of ``step`` on ``model`` (see the module docstring); ``after_backward(model)`` runs
     after the loss's backward; ``updates`` records each parameter's change over the whole run; ``tape``
     records the gradients (while ``tape.recording``) or gives its values to this run's parameters; ``outputs``
     keeps every module call's outputs (while ``outputs.recording``) or hands on its values in their place
-    (``cltrain.check.isolation``)."""
+    (``cltrain.check.isolation``); ``only`` measures those events alone and stops the run once it has them all."""
     for param in model.parameters():
         param.grad = None
     before = {name: p.detach().clone() for name, p in model.named_parameters()} if updates else {}
-    recorder = Recorder(model, vectors, perturb, outputs)
+    recorder = Recorder(model, vectors, perturb, outputs, only)
     run = recorder.run
     handles = tape.hooks(model, recorder) if tape is not None else []
     handles.append(state_in_param_strides(model.parameters()))
@@ -209,6 +220,8 @@ def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str
                     if pname in before:
                         key = Event("update", pname)
                         recorder.record(key, param.detach() - before[pname], (key.module, None))
+    except _Measured:
+        pass
     except Exception as error:  # noqa: BLE001 - the user's code raising is a result
         propagated = True
         if run.raised is None or run.raised.error is not error:

@@ -22,8 +22,12 @@ import torch
 __all__ = ["Vectors", "distance", "floats", "noise_scale", "numbers", "project", "projection_loss", "signature"]
 
 _PROJECTIONS = 3
-#: The most elements a cached product of a tensor's leading dims' vectors holds (4 MiB of float32); a tensor with
-#: more rows contracts its leading dims one at a time instead.
+#: The most elements a cached product of a tensor's trailing dims' vectors covers (384 KiB of float32 per shape): a
+#: tensor up to this size is one matrix-vector product; a larger one a matrix product against its trailing dims'
+#: vectors, then its leading dims'.
+_TRAILING_MAX = 1 << 15
+#: The most elements a cached product of the leading dims' vectors holds (4 MiB of float32); past both limits a
+#: tensor contracts its dims one at a time.
 _WEIGHTS_MAX = 1 << 20
 
 
@@ -33,7 +37,7 @@ class Vectors:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-        self._plans: dict[tuple[Any, ...], tuple[list[int], int, torch.Tensor, torch.Tensor | None]] = {}
+        self._plans: dict[tuple[Any, ...], tuple[list[int], int, torch.Tensor | None, torch.Tensor | None]] = {}
 
     def get(self, size: int, dim: int, device: torch.device) -> torch.Tensor:
         key = (size, dim, device)
@@ -42,26 +46,34 @@ class Vectors:
             self._cache[key] = torch.randn(size, _PROJECTIONS, generator=g).to(device)
         return self._cache[key]
 
-    def plan(self, x: torch.Tensor) -> tuple[list[int], int, torch.Tensor, torch.Tensor | None]:
-        """``(order, rows, last, weights)`` for a tensor of ``x``'s shape and strides: its dims in memory order, the
-        stride-1 dim last (size-1 dims first: their stride says nothing, and one taken for the stride-1 dim would make
-        the first product as large as ``x``); the product of the leading dims' sizes; the last dim's vectors
-        ``(size, P)``; and the leading dims' vectors multiplied out, ``(rows, P)`` in the order ``x.permute(order)``
-        holds its rows (``None`` where that is larger than ``_WEIGHTS_MAX``)."""
+    def _product(self, x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+        """The vectors of ``dims`` multiplied out: ``(prod of their sizes, P)``, row-major over ``dims``."""
+        weights = torch.ones(1, _PROJECTIONS, device=x.device)
+        for d in dims:
+            v = self.get(x.shape[d], d, x.device)
+            weights = (weights[:, None, :] * v[None, :, :]).reshape(-1, _PROJECTIONS)
+        return weights
+
+    def plan(self, x: torch.Tensor) -> tuple[list[int], int, torch.Tensor | None, torch.Tensor | None]:
+        """``(order, rows, trailing, leading)`` for a tensor of ``x``'s shape and strides: its dims in memory order,
+        the stride-1 dim last (size-1 dims first: their stride says nothing); ``x.permute(order)`` seen as ``(rows,
+        columns)``, the columns the largest run of trailing dims up to ``_TRAILING_MAX`` elements; their vectors
+        multiplied out, ``(P, columns)``; the leading dims' ``(rows, P)`` (``None`` for one row). ``trailing`` is
+        ``None`` where the limits leave no such split: ``project`` then contracts one dim at a time."""
         key = (x.shape, x.stride(), x.device)
         found = self._plans.get(key)
         if found is None:
             order = sorted(range(x.dim()), key=lambda d: (x.shape[d] > 1, -x.stride(d), d))
-            rows = 1
-            for d in order[:-1]:
-                rows *= x.shape[d]
-            weights = None
-            if rows * _PROJECTIONS <= _WEIGHTS_MAX:
-                weights = torch.ones(1, _PROJECTIONS, device=x.device)
-                for d in order[:-1]:
-                    v = self.get(x.shape[d], d, x.device)
-                    weights = (weights[:, None, :] * v[None, :, :]).reshape(-1, _PROJECTIONS)
-            found = self._plans[key] = (order, rows, self.get(x.shape[order[-1]], order[-1], x.device), weights)
+            split, columns = len(order), 1
+            while split > 0 and columns * x.shape[order[split - 1]] <= _TRAILING_MAX:
+                split -= 1
+                columns *= x.shape[order[split]]
+            rows = x.numel() // columns if columns else 0
+            trailing = leading = None
+            if split < len(order) and rows * _PROJECTIONS <= _WEIGHTS_MAX:
+                trailing = self._product(x, order[split:]).t().contiguous()
+                leading = self._product(x, order[:split]) if rows > 1 else None
+            found = self._plans[key] = (order, rows, trailing, leading)
         return found
 
 
@@ -72,14 +84,16 @@ def project(x: torch.Tensor, vectors: Vectors) -> torch.Tensor:
     permutation-invariant statistic (sum, norm) would not."""
     if x.dim() == 0:
         return x.reshape(1).repeat(_PROJECTIONS)
-    # Contract in memory order, the stride-1 dim first: in the logical order the first matmul strides through
-    # a channels_last tensor's memory (measured in the check's cost: docs/performance.md); then every other dim at
-    # once, against the product of their vectors (two ops, where one per dim made small tensors cost their Python).
-    order, rows, last, weights = vectors.plan(x)
+    # Contract in memory order: in the logical order the product strides through a channels_last tensor's memory
+    # (measured in the check's cost: docs/performance.md); one product over the trailing dims, where one op per dim
+    # made small tensors cost their Python and large ones a pass over memory per dim.
+    order, rows, trailing, leading = vectors.plan(x)
     y = x.permute(order)
-    if weights is not None:
-        return ((y.reshape(rows, y.shape[-1]) @ last) * weights).sum(0)
-    y = y @ last  # (..., P)
+    if trailing is not None:
+        if leading is None:
+            return torch.mv(trailing, y.reshape(-1))
+        return ((y.reshape(rows, -1) @ trailing.t()) * leading).sum(0)
+    y = y @ vectors.get(x.shape[order[-1]], order[-1], x.device)  # (..., P)
     for d in order[:-1]:
         v = vectors.get(x.shape[d], d, x.device)  # (size, P): contracts the leading dim
         y = (y * v.view(v.shape[0], *([1] * (y.dim() - 2)), _PROJECTIONS)).sum(0)

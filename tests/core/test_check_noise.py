@@ -1,0 +1,57 @@
+"""The noise reference (an NCHW run with nudged weights) measures only the events the check needs: a second fault
+after the first one's fallback still gets its own noise measured and is found, not passed as noise."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cltrain.check.compare as compare
+from cltrain import to_channels_last
+from tests.helpers.user_code import SpaceToDepth
+
+
+class TwoFaults(nn.Module):
+    """Two hand-written NCHW readers, one after the other: the second shows only once the first runs in NCHW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.a = SpaceToDepth()
+        self.mid = nn.Conv2d(32, 8, 3, padding=1)
+        self.b = SpaceToDepth()
+        self.body = nn.Conv2d(32, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b(self.mid(self.a(self.stem(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.body(x)), 1), 1))
+
+
+def test_each_fault_gets_its_noise_and_the_noise_runs_measure_only_what_is_compared(monkeypatch) -> None:
+    torch.manual_seed(0)
+    model = to_channels_last(TwoFaults())
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    runs: list[tuple[bool, int | None, int]] = []
+    execute = compare.execute
+
+    def counted(*args, **kwargs):
+        run = execute(*args, **kwargs)
+        only = kwargs.get("only")
+        runs.append((bool(kwargs.get("perturb")), None if only is None else len(only), len(run.signatures)))
+        return run
+
+    monkeypatch.setattr(compare, "execute", counted)
+
+    def step(m: nn.Module, layout: str) -> torch.Tensor:
+        inputs = x if layout == "contiguous" else x.contiguous(memory_format=torch.channels_last)
+        return F.cross_entropy(m(inputs), y)
+
+    result = compare.check_layout(model, step, time_fallbacks=False)
+    assert result.verdict == "fallback"
+    assert {f.module for f in result.fallbacks} == {"a", "b"}, [f.describe() for f in result.fallbacks]
+    full = max(events for perturbed, _, events in runs if not perturbed)
+    noise = [(only, events) for perturbed, only, events in runs if perturbed]
+    assert len(noise) >= 2  # the second fault asked for its own noise
+    assert all(only is not None and events < full for only, events in noise), (noise, full)
