@@ -1,37 +1,11 @@
-"""One command that proves and measures the GPU path, and writes the table for docs/performance.md.
+"""One command that proves and measures the GPU path, and writes the table for docs/performance.md (its parts and the
+wheels it needs offline: docs/benchmarks.md#gpu-check).
 
     python -m scripts.gpu_check --out gpu-check              # a CUDA machine: about 8 minutes on one H100
     python -m scripts.gpu_check --wheels .whl --out $OUT     # the same, installing the app's wheels first
     python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
-
-With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``) within
-``--budget`` seconds::
-
     timeout 560 python -m scripts.gpu_check --mark --budget 520 --wheels .whl --out $OUT   # (device timeout_s 570)
-    python -m scripts.gpu_check --mark --parts e2e --mark-only largest_batch loader --budget 150 --wheels .whl \\
-        --out $OUT/rerun                                                                # a part again, by name
     python -m scripts.gpu_check --tiny --mark --parts e2e --out /tmp/mark   # any CPU: every task at CI sizes
-
-Parts, each in its own subprocess under its own limit (``--limits``, ``--parts``): (a) the tests marked ``cuda``;
-(b) ``python train.py`` as a newcomer types it; (c) apex's main_amp recipe end to end in each layout and precision;
-(d) the table. It writes ``OUT/gpu_check.md`` (again after each part; also printed), ``OUT/mark.md`` with
-``--mark``, the runs' ``metrics.json`` (``runs.metrics.jsonl``) and logs; data, checkpoints and run folders stay in
-``--work``. ``--tiny``: 12 small JPEGs, ResNet-18 at 32 px, 3 steps; what needs CUDA is a "skipped" row. What each
-part measures, and the tables: docs/performance.md, "The GPU path".
-
-Where hydra-core, omegaconf, antlr4-python3-runtime, simplejpeg and turbojpeg are missing, fetch their wheels
-(CPython 3.12, x86-64 Linux; antlr4-python3-runtime 4.9.3 is an sdist only: ``pip wheel`` builds it)::
-
-    pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl hydra-core==1.3.8 omegaconf==2.3.1
-    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl simplejpeg==1.9.0 turbojpeg==0.0.2
-    pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
-
-``--wheels .whl`` then runs ``python -m pip install -q --no-index --no-deps --target <work>/site .whl/*.whl``
-first and puts that folder first on ``sys.path`` and the subprocesses' ``PYTHONPATH``. Run from the repository
-root, which needs no install: ``-m`` puts it on ``sys.path``, the subprocesses get it on ``PYTHONPATH``, and its
-``conf/`` becomes ``$CLTRAIN_CONFIG_DIR``.
 """
 
 from __future__ import annotations
@@ -241,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="gpu_check.md, metrics.json files, logs")
     parser.add_argument("--work", type=Path, default=None, help="data and runs (default: a temporary folder)")
-    parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (see the docstring)")
+    parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (docs/benchmarks.md#gpu-check)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the script on any CPU")
     parser.add_argument("--mark", action="store_true", help="(c) runs scripts/bench/mark.py's tasks: OUT/mark.md")
     parser.add_argument("--mark-only", nargs="+", default=None, metavar="TASK",

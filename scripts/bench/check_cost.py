@@ -1,18 +1,5 @@
-"""What ChannelsLast's first-batch layout check costs: peak memory and wall time against a run without it.
-
-For each model, a real ``lightning.Trainer`` trains ``--steps`` steps on synthetic data (a torchvision
-model with random weights, SGD) with ``ChannelsLast(verify=False)`` and with ``ChannelsLast()``, each run
-in its own fresh process (``scripts.harness.run_child``), the two alternating over ``--repeats`` rounds
-(``cltrain.timing.rounds.interleaved``; medians). Prints per model:
-
-* the peak memory ratio: the process's peak RSS (``VmHWM``) with the check over without it, and on CUDA
-  ``torch.cuda.max_memory_allocated``'s ratio;
-* the check in plain steps: the check's own seconds over the median plain step of the same run (its steps
-  2..); and, across runs, (the first step with the check - the first step without it) over the median plain
-  step of the run without it (first steps also build kernels: noisier); the verdict;
-
-then the machine. ``--grid`` measures ResNet-50, EfficientNet-B0 and a U-Net (segmentation_models_pytorch, a
-resnet18 encoder, Dice + BCE on binary masks) at 64, 128 and 224 px and prints one table::
+"""What ChannelsLast's first-batch layout check costs: peak memory and wall time against a run without it (the
+method: docs/benchmarks.md#check-cost).
 
     python -m scripts.bench.check_cost                          # resnet50, convnext_tiny, vit_s_16; batch 32, 224 px
     python -m scripts.bench.check_cost --models resnet50 --batch 32 --size 224 --precision bf16-mixed

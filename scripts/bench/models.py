@@ -1,37 +1,11 @@
-"""Training-step throughput of torchvision models, contiguous vs channels-last, for 2-D, 3-D and 1-D models.
-
-One training step = forward, cross-entropy loss, backward, SGD(momentum) step, on one fixed random batch (no data
-loading: this measures the model). For each model and each dtype (fp32, and the device's AMP dtype: bf16 on CPU,
-fp16 on CUDA, autocast without a GradScaler), the two layouts are ``cltrain.timing.steps.layout_steps`` (a copy of
-the model and the batch in each), timed by ``cltrain.timing.rounds.time_steps``: ``--warmup`` untimed steps per
-layout, then ``--repeats`` rounds, the order rotating, each at least ``--steps`` steps and ``--min-window`` seconds.
-The table gives the median samples/second with the min-max over rounds and the speed-up channels-last /
-contiguous; ``cltrain.timing.layouts.choose_layout`` (a few steps of copies in each layout) runs per model and dtype,
-and the table says whether it picked the measured winner. On CUDA ``cudnn.benchmark`` is on (the warm-up covers its
-tuning) and the machine line says whether fp32 ran as TF32.
-
-The models, by rank (all ``weights=None``; ``tinycnn`` is a small 2-D test model):
-
-* images, 4-D ``(N, 3, H, W)`` in ``channels_last``: the 16 of PyTorch's channels_last tutorial, three newer
-  convnets (convnext_tiny, efficientnet_b0, regnet_y_400mf) and vit_b_16 as a non-convolutional control;
-* video, 5-D ``(N, 3, T, H, W)`` clips in ``channels_last_3d``: r3d_18, mc3_18, r2plus1d_18, s3d (its fixed
-  pooling needs at least 16x224x224 clips: it gets them);
-* audio, 3-D ``(N, 1, L)`` waveforms: ``m5``, an M5 1-D CNN (Dai et al., 2017), in the only channels-last 1-D layout
-  stock PyTorch can express, strides ``(C*L, 1, C)`` for the activations and the Conv1d weights (pytorch#66681).
-
-Defaults fit the device (``SIZES``): on CPU batch 16 images at 160x160, 4 clips of 8x112x112, 16 waveforms of
-16000 samples; on CUDA 256 images at 224x224 (apex's main_amp.py batch: at 64 a ResNet-50 step on an H100 is bound
-by kernel launches), 16 clips of 16x112x112, 128 waveforms, and no auto-mode pick unless ``--auto-steps`` is given.
-``--quick`` shrinks everything to check the script works.
+"""Training-step throughput of torchvision models, contiguous vs channels-last, for 2-D, 3-D and 1-D models (the
+method and the models: docs/benchmarks.md#models). Writes ``results.csv`` and ``results.md`` to ``--out``.
 
     python -m scripts.bench.models                              # all models, default sizes
     python -m scripts.bench.models --models resnet50,mobilenet_v2 --batch-size 32 --image-size 224
     python -m scripts.bench.models --models r3d_18,mc3_18,r2plus1d_18,s3d,m5
     python -m scripts.bench.models --device cuda --models resnet50 --batch-size 256
     python -m scripts.bench.models --quick --models tinycnn,r3d_18,m5 --out /tmp/bench
-
-Writes ``results.csv`` and ``results.md`` (one table per rank) to ``--out`` (default
-``bench_out/models``); every output names the machine.
 """
 
 from __future__ import annotations

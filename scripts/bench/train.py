@@ -1,36 +1,9 @@
-"""What train.py's Lightning path costs, and what channels_last + AMP buys end to end.
-
-Part 1, framework overhead (synthetic tensors, no data loading): the same model,
-batch, precision and layout trained by
-
-* a plain PyTorch loop (``PlainStep``) doing what Lightning does in a step: the optimizer
-  Lightning makes from ``ImageClassifier.configure_optimizers``, autocast (``cache_enabled=False``) around forward
-  and loss, ``zero_grad(set_to_none=True)``, backward, and under ``16-mixed`` a ``GradScaler``;
-* train.py's path: ``cltrain.app.module.ImageClassifier`` (per-step
-  schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
-  the ``ChannelsLast`` callback (``layout`` pinned to part 1's: no race of the layouts in the window) and
-  Lightning's precision plugin,
-
-in ``--rounds`` interleaved rounds (``cltrain.timing.rounds.interleaved``: the order alternates) of ``--warmup`` +
-``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
-rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over one window from
-the start of the first step after the warm-up to the end of the last, the device synchronised at both ends
-(``cltrain.timing.clock``; ``scripts.fits.StepClock`` in the Trainer), so on CUDA the window holds the GPU's work.
-The table gives per-path medians and the ratio Lightning / plain, measured in the same run.
-
-Part 2, end to end on JPEG files (the demo data, generated on first use):
-``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
-channels_last + AMP against contiguous fp32, ``--e2e-steps`` measured steps each,
-each round followed by the plain loop's pair for the same two configs on synthetic tensors:
-the speed-up the end-to-end one is held against (median over ``--e2e-rounds`` rounds).
-
-Usage::
+"""What train.py's Lightning path costs against a plain loop, and what channels_last + AMP buys end to end (the
+method: docs/benchmarks.md#train). Prints markdown tables naming the machine; ``--out`` also writes them as JSON.
 
     python -m scripts.bench.train                      # ResNet-50, batch 32, 224 px
     python -m scripts.bench.train --device cuda --batch-size 256
     python -m scripts.bench.train --quick              # seconds: checks the script works
-
-Prints markdown tables naming the machine; ``--out`` also writes them as JSON.
 """
 
 from __future__ import annotations

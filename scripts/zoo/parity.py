@@ -1,5 +1,5 @@
 """How ``scripts/zoo/sweep.py`` judges channels_last's gradients: elementwise against float64, with the
-noise of other correct fp32 kernels as the yardstick (see that script's docstring for the rules).
+noise of other correct fp32 kernels as the yardstick (the rules: docs/benchmarks.md#zoo-sweep).
 
 Pure functions on ``{parameter name: gradient}`` dicts; torch only.
 """

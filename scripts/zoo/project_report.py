@@ -88,11 +88,10 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], runs: list[dict[str,
         "",
         "Each case: the library's own LightningModule at 64 px, resnet18-sized, random weights, generated images, "
         "batch 4-8, 2 training steps (anomalib: its one epoch, then validation), a real Lightning Trainer on the "
-        "CPU in fp32, seeded, in its own process, without and with `ChannelsLast()` (`scripts/zoo/projects.py` "
-        "says how; the cases: `scripts/zoo/project_cases.py`). Metrics: `trainer.callback_metrics` after `fit` and "
+        "CPU in fp32, seeded, in its own process, without and with `ChannelsLast()` ([how](benchmarks.md#projects); the cases: `scripts/zoo/project_cases.py`). Metrics: `trainer.callback_metrics` after `fit` and "
         "the sums of the first validation outputs' float tensors. The libraries are installed by "
-        "`pip install -c constraints.txt -e \".[projects]\"` in a virtual environment of their own (the steps: the "
-        "docstring of `scripts/zoo/projects.py`).",
+        "`pip install -c constraints.txt -e \".[projects]\"` in a virtual environment of their own (the steps: "
+        "[how](benchmarks.md#projects)).",
         "",
         f"- {len(rows)} cases: {len(ran)} ran, {len(rows) - len(ran)} skipped; trained both ways: {len(both)}"
         + (f"; a run that crashed, raised or timed out: {', '.join(broken)}" if broken else "") + ".",

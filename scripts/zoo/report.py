@@ -128,7 +128,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         f"Load average at the start: {m.get('load_start', '?')}, at the end: {m.get('load_end', '?')}.",
         f"Parity: batch {args.batch} at each model's size (128 px unless noted), one initialisation, the same two "
         "batches, a real Lightning Trainer with and without `ChannelsLast()`; step-0 gradients of every parameter "
-        "against float64 (`scripts/zoo/sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
+        "against float64 ([how](benchmarks.md#zoo-sweep); MISS = O(1) off where NCHW fp32 is not). Speed: "
         f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
         f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
         "process; ratio = CL / NCHW. auto = what the default `ChannelsLast()` kept after its race of the layouts.",

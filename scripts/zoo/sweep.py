@@ -1,46 +1,5 @@
-"""Which real models train correctly, and faster, under ``ChannelsLast``: a sweep of timm, torchvision
-and Hugging Face models (the list: ``scripts/zoo/models.py``; random weights, nothing downloaded).
-
-Every model runs in its own subprocess with a timeout, so a native crash or a hang is a row, not
-the end of the sweep. In it, from one seeded initialisation and the same two batches:
-
-1. **references**, on batch 0: one forward + backward in float64 (NCHW): the exact gradient; in
-   float64 channels_last: the layout's own kernels must give the same numbers (per parameter within
-   1e-8, else MISS: a kernel computing something else); and in fp32 with oneDNN disabled, NCHW and
-   channels_last: more correct fp32 kernels, to gauge fp32 noise in each layout.
-2. **contiguous**: a real Lightning ``Trainer``, 2 SGD steps, no callback.
-3. **channels_last**: the same with ``ChannelsLast(verify=False)`` (the kernels and the guardrails; the
-   first-batch layout check is measured by ``--check-only``). The step-0 loss and *every* parameter's
-   gradient are compared elementwise with the float64 ones: per parameter
-   ``err = max|g - g64| / max|g64|`` (the denominator floored at 1e-7 of the model's largest
-   gradient). A wrong-gradient kernel can leave the gradient's norm close; it cannot hide from a
-   max over elements. fp32 noise per parameter is the largest error of the three other fp32 runs
-   (NCHW with oneDNN, NCHW and channels_last without). Verdict: **MISS** where
-   ``err_CL > 0.1`` and ``err_CL > 10 * max(noise, 1e-3)`` (O(1) off where correct fp32 kernels
-   are not: a wrong oneDNN kernel, as oneDNN #6035's silent case); **ok** where
-   ``err_CL <= 1e-3``; **numerics** otherwise, with the noise of the same parameter and how small
-   its exact gradient is beside it (ill-conditioned gradients, as BatchNorm at batch 2 makes them,
-   are as far off in other fp32 kernels; CPU BatchNorm in channels_last sums its statistics less
-   accurately, see ``scripts/repro/cpu_bn_channels_last_accuracy.py``, so channels_last runs are further
-   off there whatever the convolution kernels). The step-0 loss is judged the same way (MISS
-   where it is > 1e-3 off and 10x the fp32 runs' error). Without a float64 reference (a model
-   that cannot run in float64) the Trainer's NCHW run is the reference. The table also says how
-   many conv weights are channels_last and which guardrail the callback applied.
-4. **speed**: training steps/s (forward, cross-entropy, backward, SGD step) of the two trained
-   models, in interleaved rounds (``cltrain.timing.rounds.time_steps``, median), fp32 and, where the CPU has
-   native bf16, bf16 autocast.
-5. **auto**: what the default ``ChannelsLast()`` keeps when its race of the layouts on the run's first
-   training steps decides (a ``Trainer`` run of 11 steps: 3 of warm-up and two rounds; fp32, and ``bf16-mixed``
-   where native).
-6. **compile** (tv ``resnet50``, timm ``convnext_atto``, timm ``efficientnet_b0``): the parity and
-   speed checks again under ``torch.compile``, the model converted with
-   ``cltrain.loops.convert_model`` before compiling.
-
-``--check-only`` measures the first-batch layout check's false alarms instead: each model once per optimizer
-(``--optimizers``), confirmed by three short trainings where the check falls back (``scripts/zoo/confirm.py``, the
-model's process; ``scripts/zoo/check_report.py``, the sweep and its outputs; the method: docs/zoo_check.md).
-
-Usage::
+"""Which real models train correctly, and faster, under ``ChannelsLast``: timm, torchvision and Hugging Face models
+(``scripts/zoo/models.py``), each in its own process. The method: docs/benchmarks.md#zoo-sweep.
 
     python -m scripts.zoo.sweep                            # the whole zoo -> docs/zoo.md, docs/zoo.json, docs/zoo.csv
     python -m scripts.zoo.sweep --resume                   # go on after an interruption (rows already in the JSON kept)
@@ -49,11 +8,6 @@ Usage::
     python -m scripts.zoo.sweep --list
     python -m scripts.zoo.sweep --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check
     python -m scripts.zoo.sweep --check-only --families --batch 4 --confirm-passes smp:,tv-video: --out /tmp/zoo_check
-
-Outputs (each written atomically after every model, so an interrupted sweep keeps its rows):
-``<out>.md`` (the table, the command, the CPU and its flags), ``<out>.json`` (every measurement,
-per-parameter worst errors included) and ``<out>.csv``; child logs under ``--log-dir``. A model's process prints
-its row after every phase (``scripts.harness.emit``): a crash leaves what was done and the phase it died in.
 """
 
 from __future__ import annotations
