@@ -138,10 +138,8 @@ def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> di
 
 def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool,
         header: dict[str, str] | None, only: list[str] | None = None) -> list[dict[str, str]]:
-    """Part (c): in one worker under ``limit`` (``scripts.bench.mark.run_tasks``), the ``MATRIX`` configurations
-    end to end, or with ``header`` (``--mark``) the mark's tasks (those whose kind or configuration ``only`` names,
-    when given), the matrix's configurations among them; a row per matrix configuration from its first run, and
-    with ``--mark`` a row for ``OUT/mark.md``."""
+    """Part (c) in one worker under ``limit``: the ``MATRIX`` configurations, or with ``header`` (``--mark``) the
+    mark's tasks (``only``: by kind or name); a row per matrix configuration, and with ``--mark`` one for mark.md."""
     runs, results = work / "runs", work / "e2e.jsonl"
     runs.mkdir(parents=True, exist_ok=True)
     workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))

@@ -29,9 +29,8 @@ SIZES = ((224, 256), (64, 73))
 
 
 def torchvision_eval(path: str | os.PathLike, size: int, resize_size: int) -> np.ndarray:
-    """torchvision's evaluation of an image file, HWC uint8: ``torchvision.io.decode_image`` (RGB; Pillow
-    for the formats it does not decode, BMP and TIFF), then ``Resize(resize_size)`` (antialiased) and
-    ``CenterCrop(size)`` on the tensor; a 16-bit image is scaled to 8 bits (``to_dtype(scale=True)``)."""
+    """torchvision's evaluation of an image file, HWC uint8: ``decode_image`` (Pillow for BMP and TIFF), ``Resize``,
+    ``CenterCrop``; 16-bit images scaled to 8 bits."""
     import torchvision.transforms.v2.functional as F
     from torchvision.io import ImageReadMode, decode_image
 

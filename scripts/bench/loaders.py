@@ -107,9 +107,8 @@ def torchvision_train(size: int) -> T.Compose:
 
 def loader_rate(dataset: Any, collate: Callable, finish: Callable, batch_size: int, workers: int, batches: int,
                 seed: int, **options: Any) -> float:
-    """Images per second of one pass of a loader over ``dataset`` (``batches`` batches after an untimed first one,
-    samples drawn with ``seed``); ``finish(batch)`` does what the step would and returns the images. ``options`` go
-    to the loader: with any, cltrain's ``PrefetchDataLoader`` (``decode_ahead=``), else torch's ``DataLoader``."""
+    """Images per second of one pass over ``dataset`` after an untimed first batch; ``finish(batch)`` returns the
+    images. With ``options``, cltrain's ``PrefetchDataLoader``, else torch's ``DataLoader``."""
     sampler = RandomSampler(range(len(dataset)), replacement=True, num_samples=batch_size * (batches + 1),
                             generator=torch.Generator().manual_seed(seed))
     loader = (PrefetchDataLoader if options else DataLoader)(

@@ -67,12 +67,8 @@ def needs(task: dict[str, Any]) -> float:
 
 # --- the largest batch ---------------------------------------------------------------------------------------
 def largest_batch(fits: Callable[[int], bool], start: int, cap: int, granularity: int) -> tuple[int | None, dict]:
-    """The largest batch ``fits`` accepts, by trying: doubling from ``start`` up to ``cap``, then halving the
-    interval between the last size that fit and the first that did not, down to ``granularity``.
-
-    Returns:
-        ``(largest or None when not even the smallest tried fits, {size: fits} in the order tried)``.
-    """
+    """The largest batch ``fits`` accepts (doubling from ``start`` up to ``cap``, then bisecting down to
+    ``granularity``; ``None`` when none fits), and ``{size: fits}`` in the order tried."""
     tried: dict[int, bool] = {}
 
     def ok(n: int) -> bool:

@@ -63,12 +63,8 @@ def _in_update(event: Any, starts: dict[int, float]) -> bool:
 
 
 def breakdown(events: Any, wall_s: float, steps: int, device_type: str) -> dict[str, float]:
-    """Milliseconds per step of each kind in ``KINDS``, and of ``DATA_WAIT``, from a profiler's ``events()``
-    over ``steps`` steps that took ``wall_s`` seconds.
-
-    ``device_type``: ``"cuda"`` sums each op's own kernel time, anything else its own CPU time; the rest of
-    ``wall_s`` (never below zero) is ``idle and launch gaps``.
-    """
+    """Milliseconds per step of each kind in ``KINDS`` and of ``DATA_WAIT`` from a profiler's ``events()`` over
+    ``steps`` steps of ``wall_s`` seconds (device time on ``"cuda"``, else CPU time; the rest is idle)."""
     ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]  # kernels count through their op
     starts = _update_starts(ops)
     ms = dict.fromkeys(KINDS, 0.0)

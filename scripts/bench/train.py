@@ -33,16 +33,8 @@ from scripts.fits import StepClock, quiet_trainer
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
 class PlainStep:
-    """One training step as Lightning's automatic optimisation and precision plugin run it, without Lightning.
-
-    The optimizer and per-step LR scheduler are the ones Lightning itself makes from
-    ``ImageClassifier.configure_optimizers`` (a ``fit`` with ``max_steps=0`` on the same batches: same
-    class, fused or not, same settings, whatever the module asks of its trainer);
-    ``torch.autocast(..., cache_enabled=False)`` around forward and loss as ``MixedPrecision`` does;
-    ``zero_grad(set_to_none=True)`` after the forward and before backward (Lightning's closure order);
-    under ``16-mixed`` a ``GradScaler``: scale, backward, ``unscale_``, ``step``, ``update``. What is left
-    between the two paths is the framework: hooks, metrics, logging, the loop.
-    """
+    """One training step as Lightning's automatic optimisation and precision plugin run it, without Lightning
+    (docs/benchmarks.md#train): Lightning's own optimizer and scheduler, autocast, zero_grad, backward, a GradScaler."""
 
     def __init__(self, model: torch.nn.Module, precision: str, device: torch.device, batches: list,
                  num_classes: int = 1000) -> None:
@@ -131,10 +123,8 @@ CONFIGS = {"contiguous fp32": (False, ["channels_last=false", "amp=false"]),
 
 
 def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision: str) -> tuple[list[dict], dict]:
-    """``--e2e-rounds`` interleaved rounds of ``train(cfg)`` on JPEG files, contiguous fp32 and channels_last + AMP,
-    and of the plain loop's pair for the same two configs on synthetic tensors: the rows, and the reference with
-    the share of the plain step's speed-up kept end to end (median over rounds, each round's pair against the
-    plain pair of the same round)."""
+    """``--e2e-rounds`` interleaved rounds of ``train(cfg)`` on JPEG files (contiguous fp32, channels_last + AMP) and
+    of the plain loop's pair on synthetic tensors: the rows, and the share of the plain speed-up kept end to end."""
     common = [f"model={args.model}" if args.model in ("resnet18", "resnet50") else f"model.name={args.model}",
               f"device={args.device}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
               f"data.val_resize_size={int(args.image_size * 8 / 7)}", f"data.num_workers={args.num_workers}",

@@ -180,9 +180,8 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
 
 def check_sweep(ordered: list[Spec], specs: list[Spec], rows: list[dict[str, Any]], args: argparse.Namespace,
                 m: dict[str, Any], command: str, run_one: Callable[..., dict[str, Any]]) -> int:
-    """Every model of ``ordered`` once per optimizer, each by ``run_one(spec, args, log_dir, optimizer)`` (its own
-    process), beside the ``rows`` already done (``--resume``); a model over ``--max-params`` is built once and its
-    row stands for every optimizer. The outputs are written after every run, in the order of ``specs``."""
+    """Every model of ``ordered`` once per optimizer, each by ``run_one`` in its own process, beside the ``rows``
+    already done; the outputs written after every run, in the order of ``specs``."""
     optimizers = args.optimizers.split(",")
     done = {(r["key"], r.get("optimizer")) for r in rows}
     order = {s.key: i for i, s in enumerate(specs)}

@@ -1,9 +1,5 @@
-"""The cases of ``python -m scripts.zoo.projects``: third-party Lightning libraries' own tasks, built tiny.
-
-Each builder runs in the case's child process and returns the library's own ``LightningModule``, its data
-(generated here: nothing is downloaded, no pretrained weights) and the ``Trainer`` arguments that differ from
-the sweep's defaults. The libraries are imported inside the builders only, so this module (and the sweep's
-parent) imports without them.
+"""The cases of ``python -m scripts.zoo.projects``: third-party Lightning libraries' own tasks, built tiny in the
+case's child process (the libraries imported inside the builders only).
 """
 
 from __future__ import annotations

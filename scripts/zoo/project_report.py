@@ -1,6 +1,4 @@
-"""The page of ``python -m scripts.zoo.projects``: a row per case (trains, first-loss parity, metrics, layout kept,
-the check's lines), the machine and library versions, the notes on the cases; and its JSON record, which
-``--only`` reruns keep the other rows from. Every file written atomically (``cltrain.atomic``)."""
+"""The page and JSON record of ``python -m scripts.zoo.projects`` (``--only`` reruns keep the other rows)."""
 
 from __future__ import annotations
 

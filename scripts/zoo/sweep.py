@@ -60,9 +60,8 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
 
 def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dtype: torch.dtype | None,
                    rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
-    """Median training steps/s of each ``(net, batch)`` (SGD with momentum), in interleaved rounds of as many steps
-    as fill ``min_window`` seconds on the faster one. The first steps build oneDNN primitives and grow the
-    allocator's pools (a small model's first step can take 20x its later ones): ``warmup`` steps are not timed."""
+    """Median training steps/s of each ``(net, batch)``, interleaved rounds filling ``min_window``; ``warmup``
+    untimed steps first (oneDNN primitives, allocator pools)."""
     steps = {key: training_step(net, lambda net=net, batch=batch: training_loss(net, batch, spec),
                                 optimizer=torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9), autocast_dtype=dtype)
              for key, (net, batch) in runs.items()}
@@ -189,11 +188,8 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> dict[str, tuple[dict, float]]:
-    """Step-0 gradients and loss of ``net0`` on ``batch`` beside the Trainer's runs: ``"native"`` and
-    ``"native_cl"`` (fp32 with oneDNN disabled, NCHW and channels_last: other correct fp32 kernels, to
-    gauge fp32 noise in each layout), ``"float64"`` (the exact ones) and ``"float64_cl"`` (float64 in
-    channels_last: the layout's own kernels must give the same numbers). A model that cannot run in
-    float64 gets no float64 entries; why goes in ``result``."""
+    """Step-0 gradients and loss of ``net0``: ``native``/``native_cl`` (fp32 without oneDNN) and ``float64``/
+    ``float64_cl`` (none where float64 fails; why goes in ``result``)."""
     from cltrain.layout import to_channels_last
     from cltrain.loops import convert_batch
 
