@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -114,6 +115,11 @@ def _examined(ran: list[dict[str, Any]]) -> str:
     return (f" ({len(misses) - found.count(None)} examined by scripts/zoo/miss_check.py: {found.count('numerics')} "
             f"numerics (the layer alone is exact in both layouts; the gradient is ill-conditioned at batch 2), "
             f"{found.count('kernel')} kernel faults)")
+
+
+def load() -> str:
+    """The load averages, as the outputs give them."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def now() -> str:

@@ -17,7 +17,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 from scripts.harness import emit, python_module, run_child
-from scripts.zoo.check_report import check_sweep
+from scripts.zoo.check_report import summary as check_summary, write_check_outputs
 from scripts.zoo.confirm import check_child, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
@@ -38,8 +37,8 @@ from scripts.zoo.models import (
 )
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
-from scripts.zoo.report import now, summary, write_outputs
-from scripts.zoo.training import OPTIMIZERS, fit
+from scripts.zoo.report import load, now, summary, write_outputs
+from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit
 
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
 FAST = ["timm:repvgg_a0", "timm:resnet26d", "timm:vit_tiny_patch16_224", "tv:googlenet", "hf:resnet_small"]
@@ -257,8 +256,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("docs/zoo"), help="output stem: <out>.md, .json, .csv")
     p.add_argument("--log-dir", type=Path, default=Path("bench_out/zoo/logs"), help="one log per model")
     p.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run the others")
-    p.add_argument("--run-first", default="", help="comma-separated key prefixes run before the others (hf:,tv:); "
-                                                   "the table keeps the zoo's order")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per model, 3x with torch.compile (default 1200)")
     p.add_argument("--batch", type=int, default=2, help="parity (and --check-only) batch size (default 2)")
     p.add_argument("--size", type=int, default=None,
@@ -317,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = "python -m scripts.zoo.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     m = machine()
-    m["load_start"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    m["started"] = now()
+    m["load_start"], m["started"] = load(), now()
     print(machine_line(m), flush=True)
     previous = json.loads(args.out.with_suffix(".json").read_text()) if args.resume and \
         args.out.with_suffix(".json").exists() else {}
@@ -328,23 +324,32 @@ def main(argv: list[str] | None = None) -> int:
         m["resumed"] = now()
     rows = [r for r in previous.get("rows", []) if r["key"] in {s.key for s in specs}]
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    first = tuple(p for p in args.run_first.split(",") if p)
-    ordered = sorted(specs, key=lambda s: not (first and s.key.startswith(first)))
-    if args.check_only:
-        return check_sweep(ordered, specs, rows, args, m, command, run_one)
-    done = {r["key"] for r in rows}
-    for spec in (s for s in ordered if s.key not in done):
-        result = run_one(spec, args, args.log_dir)
+    optimizers = args.optimizers.split(",") if args.check_only else [None]
+    done = {(r["key"], r.get("optimizer", optimizers[0])) for r in rows}
+    order = {s.key: i for i, s in enumerate(specs)}
+    for spec, optimizer in ((s, o) for s in specs for o in optimizers if (s.key, o) not in done):
+        result = run_one(spec, args, args.log_dir, optimizer)
         rows.append(result)
-        grad = (result.get("grad") or {}).get("verdict", "")
-        print(f"[{len(rows)}/{len(specs)}] {spec.key}: {result['status']} {grad} {result['seconds']}s", flush=True)
-        m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), now()
-        rows.sort(key=lambda r: [s.key for s in specs].index(r["key"]))
-        write_outputs(args.out, rows, m, command, args)
-    print("\n".join(summary(rows)))
-    print(f"wrote {args.out.with_suffix('.md')}, .json, .csv")
+        done.add((spec.key, optimizer))
+        if optimizer and result["status"] == "skipped":  # built once: its row stands for every optimizer
+            for other in (o for o in optimizers if (spec.key, o) not in done):
+                rows.append(dict(result, optimizer=other))
+                done.add((spec.key, other))
+        confirmed = (result.get("confirm") or {}).get("verdict")
+        said = (f" {OPTIMIZER_NAMES[optimizer]}: {result['status']} {result.get('layout_check', '')}"
+                f"{f' ({confirmed})' if confirmed else ''}" if optimizer
+                else f": {result['status']} {(result.get('grad') or {}).get('verdict', '')}")
+        print(f"[{len(done)}/{len(specs) * len(optimizers)}] {spec.key}{said} {result['seconds']}s", flush=True)
+        m["load_end"], m["ended"] = load(), now()
+        rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", optimizers[0]))
+                                 if r.get("optimizer", optimizers[0]) in optimizers else len(optimizers)))
+        if args.check_only:
+            write_check_outputs(args.out, rows, m, command, args, optimizers)
+        else:
+            write_outputs(args.out, rows, m, command, args)
+    print("\n".join(check_summary(rows, optimizers) if args.check_only else summary(rows)))
+    print(f"wrote {args.out.with_suffix('.md')}, .json" + ("" if args.check_only else ", .csv"))
     return 0
-
 
 
 if __name__ == "__main__":
