@@ -30,7 +30,7 @@ import torch
 
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import command_line, table
+from cltrain.timing.report import command_line, table, write_report
 from scripts.bench.mark import CONFIGS, loader_splits, tasks
 from scripts.bench.mark_table import SHORT, num
 from scripts.harness import REPO, run_child
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 row("command", f"`{command}`", f"finished in {started.elapsed():.0f} s",
                     notes=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
                 row("data", data, ""), *rows]], align="".join("r" if c in CELLS.values() else "l" for c in COLUMNS))
-            (args.out / "gpu_check.md").write_text(text + "\n")  # after every part: a run cut short keeps what it has
+            write_report(args.out / "gpu_check", markdown=text + "\n")  # after every part: a run cut short keeps it
     print(text)
     return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0
 

@@ -16,6 +16,7 @@ import torch
 
 from cltrain.check.budget import free_memory, is_out_of_memory
 from cltrain.timing.clock import Stopwatch, synchronize
+from cltrain.timing.report import write_report
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 from scripts.bench.mark_table import mark_markdown
 
@@ -235,7 +236,7 @@ def run_tasks(spec_file: Path) -> int:
         with open(spec["results"], "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
         if spec["header"]:
-            Path(spec["out"], "mark.md").write_text(mark_markdown(records, spec["header"]))
+            write_report(Path(spec["out"], "mark"), markdown=mark_markdown(records, spec["header"]))
         print(f"mark: {record['name']}: {record.get('status')} in {record['seconds']} s", flush=True)
     return 0
 

@@ -26,6 +26,7 @@ import torch
 from cltrain.platform import cpu_bf16_support
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import command_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 from scripts.harness import emit, python_module, run_child
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in specs:
             print(f"{s.key:40s} {s.family:26s} {s.size:4d}px {s.note}")
         return 0
-    command = "python -m scripts.zoo.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("scripts.zoo.sweep", argv)
     m = machine()
     m["load_start"], m["started"] = load(), now()
     print(machine_line(m), flush=True)
