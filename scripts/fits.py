@@ -1,10 +1,5 @@
-"""A model fitted by a quiet Lightning ``Trainer``, its steps on the harness's clock: what the benchmarks that time
-whole fits share (``scripts.bench.default_speed``, ``scripts.bench.check_cost``, ``scripts.bench.train``,
-``scripts.bench.hf_trainer``, the zoo).
-
-* ``quiet_trainer``: a ``Trainer`` with no logger, checkpoint, progress bar, summary or sanity check;
-* ``NetModule``: a network with a loss and an optimizer, nothing else;
-* ``StepClock``: each training step's seconds, or one window of steps (``cltrain.timing.clock.Stopwatch``).
+"""What the benchmarks that time whole Lightning fits share: ``quiet_trainer`` (no logger, checkpoint, progress bar,
+summary or sanity check), ``NetModule`` (a network, a loss, an optimizer) and ``StepClock`` (the steps' seconds).
 """
 
 from __future__ import annotations

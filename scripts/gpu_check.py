@@ -1,37 +1,11 @@
-"""One command that proves and measures the GPU path, and writes the table for docs/performance.md.
+"""One command that proves and measures the GPU path, and writes the table for docs/performance.md (its parts and the
+wheels it needs offline: docs/benchmarks.md#gpu-check).
 
     python -m scripts.gpu_check --out gpu-check              # a CUDA machine: about 8 minutes on one H100
     python -m scripts.gpu_check --wheels .whl --out $OUT     # the same, installing the app's wheels first
     python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
-
-With ``--mark``, part (c) runs apex's recipe toward the MLPerf per-GPU rate (``scripts/bench/mark.py``) within
-``--budget`` seconds::
-
     timeout 560 python -m scripts.gpu_check --mark --budget 520 --wheels .whl --out $OUT   # (device timeout_s 570)
-    python -m scripts.gpu_check --mark --parts e2e --mark-only largest_batch loader --budget 150 --wheels .whl \\
-        --out $OUT/rerun                                                                # a part again, by name
     python -m scripts.gpu_check --tiny --mark --parts e2e --out /tmp/mark   # any CPU: every task at CI sizes
-
-Parts, each in its own subprocess under its own limit (``--limits``, ``--parts``): (a) the tests marked ``cuda``;
-(b) ``python train.py`` as a newcomer types it; (c) apex's main_amp recipe end to end in each layout and precision;
-(d) the table. It writes ``OUT/gpu_check.md`` (again after each part; also printed), ``OUT/mark.md`` with
-``--mark``, the runs' ``metrics.json`` (``runs.metrics.jsonl``) and logs; data, checkpoints and run folders stay in
-``--work``. ``--tiny``: 12 small JPEGs, ResNet-18 at 32 px, 3 steps; what needs CUDA is a "skipped" row. What each
-part measures, and the tables: docs/performance.md, "The GPU path".
-
-Where hydra-core, omegaconf, antlr4-python3-runtime, simplejpeg and turbojpeg are missing, fetch their wheels
-(CPython 3.12, x86-64 Linux; antlr4-python3-runtime 4.9.3 is an sdist only: ``pip wheel`` builds it)::
-
-    pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl hydra-core==1.3.8 omegaconf==2.3.1
-    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl simplejpeg==1.9.0 turbojpeg==0.0.2
-    pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
-
-``--wheels .whl`` then runs ``python -m pip install -q --no-index --no-deps --target <work>/site .whl/*.whl``
-first and puts that folder first on ``sys.path`` and the subprocesses' ``PYTHONPATH``. Run from the repository
-root, which needs no install: ``-m`` puts it on ``sys.path``, the subprocesses get it on ``PYTHONPATH``, and its
-``conf/`` becomes ``$CLTRAIN_CONFIG_DIR``.
 """
 
 from __future__ import annotations
@@ -56,7 +30,7 @@ import torch
 
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import command_line, table
+from cltrain.timing.report import command_line, table, write_report
 from scripts.bench.mark import CONFIGS, loader_splits, tasks
 from scripts.bench.mark_table import SHORT, num
 from scripts.harness import REPO, run_child
@@ -164,10 +138,8 @@ def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> di
 
 def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool,
         header: dict[str, str] | None, only: list[str] | None = None) -> list[dict[str, str]]:
-    """Part (c): in one worker under ``limit`` (``scripts.bench.mark.run_tasks``), the ``MATRIX`` configurations
-    end to end, or with ``header`` (``--mark``) the mark's tasks (those whose kind or configuration ``only`` names,
-    when given), the matrix's configurations among them; a row per matrix configuration from its first run, and
-    with ``--mark`` a row for ``OUT/mark.md``."""
+    """Part (c) in one worker under ``limit``: the ``MATRIX`` configurations, or with ``header`` (``--mark``) the
+    mark's tasks (``only``: by kind or name); a row per matrix configuration, and with ``--mark`` one for mark.md."""
     runs, results = work / "runs", work / "e2e.jsonl"
     runs.mkdir(parents=True, exist_ok=True)
     workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))
@@ -241,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="gpu_check.md, metrics.json files, logs")
     parser.add_argument("--work", type=Path, default=None, help="data and runs (default: a temporary folder)")
-    parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (see the docstring)")
+    parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (docs/benchmarks.md#gpu-check)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the script on any CPU")
     parser.add_argument("--mark", action="store_true", help="(c) runs scripts/bench/mark.py's tasks: OUT/mark.md")
     parser.add_argument("--mark-only", nargs="+", default=None, metavar="TASK",
@@ -305,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 row("command", f"`{command}`", f"finished in {started.elapsed():.0f} s",
                     notes=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
                 row("data", data, ""), *rows]], align="".join("r" if c in CELLS.values() else "l" for c in COLUMNS))
-            (args.out / "gpu_check.md").write_text(text + "\n")  # after every part: a run cut short keeps what it has
+            write_report(args.out / "gpu_check", markdown=text + "\n")  # after every part: a run cut short keeps it
     print(text)
     return 1 if any(r["status"].startswith(("failed", "timed out", "not run")) for r in rows) else 0
 

@@ -1,9 +1,5 @@
-"""What the scripts share beyond ``cltrain.timing`` (the clock, the rounds, the machine, the report): a case run in a
-child process of its own, so a native crash, a raise or a hang is a row of the table, not the end of the run.
-
-The child is ``python -m scripts.<...>`` (or any command) in a session of its own, from the repository root, its
-output in a log; past ``timeout`` its whole process group is killed (DataLoader workers, a test's subprocesses).
-What it measured comes back as lines :func:`emit` printed, which :meth:`Child.results` reads::
+"""A case run in a child process of its own (``run_child``), so a native crash, a raise or a hang is a row of the
+table, not the end of the run; what it measured comes back as lines it printed with ``emit``::
 
     child = run_child(python_module("scripts.bench.default_speed", "--child", ...), timeout=600)
     child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"

@@ -1,18 +1,5 @@
-"""What ChannelsLast's first-batch layout check costs: peak memory and wall time against a run without it.
-
-For each model, a real ``lightning.Trainer`` trains ``--steps`` steps on synthetic data (a torchvision
-model with random weights, SGD) with ``ChannelsLast(verify=False)`` and with ``ChannelsLast()``, each run
-in its own fresh process (``scripts.harness.run_child``), the two alternating over ``--repeats`` rounds
-(``cltrain.timing.rounds.interleaved``; medians). Prints per model:
-
-* the peak memory ratio: the process's peak RSS (``VmHWM``) with the check over without it, and on CUDA
-  ``torch.cuda.max_memory_allocated``'s ratio;
-* the check in plain steps: the check's own seconds over the median plain step of the same run (its steps
-  2..); and, across runs, (the first step with the check - the first step without it) over the median plain
-  step of the run without it (first steps also build kernels: noisier); the verdict;
-
-then the machine. ``--grid`` measures ResNet-50, EfficientNet-B0 and a U-Net (segmentation_models_pytorch, a
-resnet18 encoder, Dice + BCE on binary masks) at 64, 128 and 224 px and prints one table::
+"""What ChannelsLast's first-batch layout check costs: peak memory and wall time against a run without it (the
+method: docs/benchmarks.md#check-cost).
 
     python -m scripts.bench.check_cost                          # resnet50, convnext_tiny, vit_s_16; batch 32, 224 px
     python -m scripts.bench.check_cost --models resnet50 --batch 32 --size 224 --precision bf16-mixed
@@ -29,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.report import write_report
+from cltrain.timing.report import table, table_row, write_report
 from cltrain.timing.rounds import interleaved
 from scripts.harness import emit, python_module, run_child
 
@@ -173,19 +160,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     points = [(m, z) for m in GRID[0] for z in GRID[1]] if args.grid else [(m, args.size) for m in args.models]
     print(f"batch {args.batch}, {args.precision}, {args.optimizer}, {args.steps} steps per run, {args.repeats} "
           f"rounds, each run in its own process; medians; check_samples {samples}")
-    print(f"{'model':<16}{'px':>5}{'peak RSS':>10}{'with check':>12}{'ratio':>7}{'step s':>8}{'check s':>9}"
-          f"{'check in steps':>16}{'first step +':>14}  verdict")
+    print(table([f"model, batch {args.batch}", "px", "peak RSS without / with the check", "memory ratio", "step",
+                 "check", "check in steps", "first step +", "verdict"], [], align="lrrrrrrrl"))
     rows = []
     for name, size in points:
         row = measure(name, args.batch, size, args.precision, args.steps, args.repeats, args.check_samples,
                       args.optimizer)
         rows.append(row)
-        cuda = (f"  CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB "
-                f"({row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")
-        print(f"{name:<16}{size:>5}{row['rss_plain_mb']:>8.0f}MB{row['rss_check_mb']:>10.0f}MB"
-              f"{row['memory_ratio']:>6.2f}x{row['step_with_check_s']:>8.3f}{row['check_s']:>9.2f}"
-              f"{row['check_in_steps']:>16.1f}{row['first_step_extra_in_steps']:>14.1f}  {row['verdict']}"
-              f"{cuda}", flush=True)
+        cuda = (f" (CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB, "
+                f"{row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")
+        print(table_row([name, size, f"{row['rss_plain_mb']:.0f} / {row['rss_check_mb']:.0f} MB",
+                         f"{row['memory_ratio']:.2f}x{cuda}", f"{row['step_with_check_s']:.2f} s",
+                         f"{row['check_s']:.2f} s", f"{row['check_in_steps']:.1f}",
+                         f"{row['first_step_extra_in_steps']:.1f}", row["verdict"]]), flush=True)
     print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line(machine()))
     if args.json:
         write_report(args.json.with_suffix(""), data=rows)

@@ -18,12 +18,8 @@ __all__ = ["StepProbe", "run_config", "skip_reason"]
 
 
 class StepProbe(Callback):
-    """Keeps every training step's loss on the device and counts host-sync ops over ``count_steps`` steps.
-
-    Added to a run with ``+callbacks.probe._target_=scripts.bench.config_run.StepProbe +callbacks.probe.path=FILE
-    ...``; writes ``{"finite", "steps", "counted", "sync_ops"}`` to ``path`` as JSON when training ends or fails.
-    A step is everything from one training batch start to the next (hooks, logging, the next fetch).
-    """
+    """Keeps every training step's loss on the device and counts host-sync ops over ``count_steps`` steps; writes
+    ``{"finite", "steps", "counted", "sync_ops"}`` to ``path`` as JSON when training ends or fails."""
 
     def __init__(self, path: str, count_from: int, count_steps: int) -> None:
         self.path, self.first, self.stop = Path(path), count_from, count_from + count_steps

@@ -1,40 +1,9 @@
 """Never slower by default: ``ChannelsLast()``, which races the layouts on the run's first steps, against both layouts
-pinned, model family by family, in two precisions and two image sizes.
-
-For each model, one process (``scripts.harness.run_child``: a crash is a row, not the end of the run) builds it with
-random weights and runs real ``lightning.Trainer`` fits of ``--fit-steps`` steps on one fixed synthetic batch already
-on the device, in interleaved rounds (``cltrain.timing.rounds.interleaved``), for each precision (by default the one
-``amp=auto`` picks on the device, ``cltrain.precision.auto_precision``, and ``32-true``) and each size:
-
-* ``nchw``: without cltrain (the batch is made NCHW, as most users' loaders make it);
-* ``channels_last``: ``ChannelsLast(layout="channels_last", verify=False)``: the layout pinned, nothing else;
-* ``default``: ``ChannelsLast()``: the first-batch check, the race, and the layout it keeps.
-
-Per model, precision and size:
-
-* **step**: the steady state, the mean step over the last ``--steps`` steps of each fit (one device sync at each end
-  of the window, none between), median over rounds; **default / faster**: the default's step over the faster pinned
-  layout's (the goal: at most 1.02);
-* **fit**: the wall time of the whole ``trainer.fit`` (conversion, the check, the race, the steps), median over
-  rounds; **default / faster fit**: the default's over the faster pinned layout's (the goal: at most 1.05);
-* the race's decision (the layout, how, the ratio it measured, what its slower steps cost) and the check's seconds.
-
-The SGD optimizer with momentum is apex's recipe; ``--optimizer adamw`` for the other. The families::
-
-    residual       resnet18, resnet50               ConvNeXt   convnext_tiny
-    depthwise      mobilenet_v3_large, efficientnet_b0, regnet_y_1_6gf
-    ghost modules  ghostnet_100 (timm)              dense      densenet121
-    shuffle        shufflenet_v2_x1_0               inception  googlenet
-    fire modules   squeezenet1_1                    ViT        vit_b_16 (a 16x16 patch conv)
-
-Usage::
+pinned, model family by family (the method: docs/benchmarks.md#default-speed).
 
     python -m scripts.bench.default_speed --out bench_out/default_speed                        # the dozen, 64 and 128 px
     python -m scripts.bench.default_speed --models resnet50 --sizes 224 --batch 16 --fit-steps 40  # the race at 224 px
     python -m scripts.bench.default_speed --tiny --out /tmp/ds                                 # any CPU, seconds
-
-Writes ``default_speed.md`` (the table, the machine, the command) and ``default_speed.jsonl`` (one record per model,
-precision and size, rewritten as each ends) to ``--out``; ``--budget`` seconds stops starting models past it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""The evaluation transform against torchvision's, per kind of file, and what DCT-scaled decoding buys.
-
-Pixels: each readable kind of file of ``cltrain.data.quirk_files`` (CMYK, grey, progressive,
-EXIF-rotated JPEGs, a PNG named ``.JPEG``, 16-bit, palette and RGBA PNGs, WebP, BMP, TIFF, ...), made
-from each photograph bundled with scikit-image and scikit-learn resized to ImageNet's usual 500x375,
-goes through cltrain's ``eval_transform`` and through torchvision's decode + ``Resize`` + ``CenterCrop``
-(``torchvision_eval``); the largest and the mean difference per pixel are printed per kind, at
-224/256 and 64/73 px, with ``reduce`` off (the default) and on (libjpeg's DCT scaling).
-
-Speed: ``eval_transform`` on the JPEGs of a photo folder (``scripts/bench/photo_folder.py``), one
-thread, images per second with ``reduce`` off and on, interleaved repeats (``cltrain.timing.rounds.time_steps``:
-one warm-up image, each window the whole folder), the median of each.
+"""The evaluation transform against torchvision's, per kind of file, and what DCT-scaled decoding buys (the method:
+docs/benchmarks.md#eval-exact).
 
     python -m scripts.bench.eval_exact --photos /tmp/cltrain-photos
     python -m scripts.bench.eval_exact --photos /tmp/p --quick     # seconds: one photograph, 8 images, one round
-
-Prints the two tables of docs/performance.md (the differences per kind of file, then a row of speeds) and the
-machine.
 """
 
 from __future__ import annotations
@@ -42,9 +29,8 @@ SIZES = ((224, 256), (64, 73))
 
 
 def torchvision_eval(path: str | os.PathLike, size: int, resize_size: int) -> np.ndarray:
-    """torchvision's evaluation of an image file, HWC uint8: ``torchvision.io.decode_image`` (RGB; Pillow
-    for the formats it does not decode, BMP and TIFF), then ``Resize(resize_size)`` (antialiased) and
-    ``CenterCrop(size)`` on the tensor; a 16-bit image is scaled to 8 bits (``to_dtype(scale=True)``)."""
+    """torchvision's evaluation of an image file, HWC uint8: ``decode_image`` (Pillow for BMP and TIFF), ``Resize``,
+    ``CenterCrop``; 16-bit images scaled to 8 bits."""
     import torchvision.transforms.v2.functional as F
     from torchvision.io import ImageReadMode, decode_image
 

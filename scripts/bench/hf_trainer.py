@@ -1,26 +1,10 @@
-"""Training steps/second of Hugging Face image models under a real ``transformers.Trainer``, NCHW vs channels_last.
-
-Each model is built from its config at its published size (random weights, nothing downloaded): ConvNeXt-T
-(``ConvNextConfig()``), ResNet-50 (``ResNetConfig()``), RegNetY-4GF (``RegNetConfig()``), MobileNetV2 1.0
-(``MobileNetV2Config()``), EfficientNet-B0 and SegFormer-B0 (``SegformerForSemanticSegmentation``, a
-segmentation head). Two Trainers train it on a generated dataset (``pixel_values`` and labels, collated NCHW as
-an image processor's output is): one as it comes, one with ``Trainer(callbacks=[ChannelsLastCallback()])``
-(``verify=False``: the first-batch check runs once, before the first step, and is not timed here;
-``layout="channels_last"``: no race of the layouts, whose NCHW steps would count as channels_last ones).
-A step is timed from ``on_step_begin`` to ``on_step_end`` on ``scripts.fits.StepClock`` (forward, loss, backward,
-optimizer step, the device synchronised at its end; not the data loader). Rounds alternate which layout goes first
-(``cltrain.timing.rounds.interleaved``); each round is one ``trainer.train()`` of ``--steps`` steps after one
-untimed warm-up step. The table gives the median steps/second over every timed step, the min-max over rounds, and
-channels_last / NCHW.
-
-Usage::
+"""Training steps/second of Hugging Face image models under a real ``transformers.Trainer``, NCHW vs channels_last
+(the models and the method: docs/benchmarks.md#hf-trainer).
 
     python -m scripts.bench.hf_trainer                                  # bf16, batch 8 at 128 px, 3 rounds
     python -m scripts.bench.hf_trainer --models resnet,convnext --image-size 224 --precision fp32
     python -m scripts.bench.hf_trainer --device cuda --batch-size 64 --image-size 224
     python -m scripts.bench.hf_trainer --tiny                           # tiny configs: checks the script works
-
-bf16 on a CPU without AVX512-BF16/AMX runs far slower than fp32 (the machine line says which this CPU has).
 """
 
 from __future__ import annotations

@@ -1,35 +1,5 @@
 """Loaders on the same JPEGs: cltrain's NHWC path against NVIDIA DALI's CPU pipeline, torchvision, timm, a bare
-decode and Hugging Face's documented ``datasets`` pipeline. One case table (``CASES``); each table a set of cases.
-
-The work, for every loader: random-resized crop (area 0.08-1, aspect 3/4-4/3), antialiased bilinear resize to 224,
-random horizontal flip, and a normalised float32 NHWC batch of 64 in this process's memory:
-
-  DALI            readers.file + decoders.image_random_crop (libjpeg-turbo, decodes only the crop's region) + resize
-                  (antialias) + crop_mirror_normalize (mirror, float, HWC); ``num_threads`` = T, no GPU
-  cltrain float   ImageFolderDataset(train_transform(224), threads=T) in the DataModules' loader (PrefetchDataLoader)
-                  with no worker process: each image decoded and written normalised straight into its slot of the
-                  channels_last batch (NHWCCollate(normalize=ImageNormalizer())), the next batch decoding meanwhile
-  cltrain uint8   the same, uint8: the batch the loader hands a GPU (normalised there)
-  cltrain N proc  (T > 1) cltrain float in T worker processes of 1 thread each
-  torchvision     RandomResizedCrop + flip + ToTensor + Normalize, default_collate, then .contiguous(channels_last);
-                  T = 1: in this process, T > 1: T worker processes
-  timm            RandomResizedCrop + flip + PILToTensor + fast_collate, float().sub_().div_(), .contiguous(channels_last)
-  decode          read the file and decode the whole image (simplejpeg, accurate defaults) on T threads: the bar
-  lever: ...      (``--levers``) cltrain float with one choice of the default path undone: normalize() on the whole
-                  uint8 batch afterwards; whole-image decoding instead of the crop's region; no batch decoding ahead
-  cltrain+aug     (``--augment``) TrivialAugmentWide in the loader, random erasing + mixup on the batch
-
-``--tables folders`` (the docs/performance.md table): three folders, real photographs (333-800 px, made from the
-images bundled with scikit-image and scikit-learn, ``scripts/bench/photo_folder.py``) and generated ImageNet-sized
-JPEGs of 500x375 and 2000x1500 (mosaics of 500x375 crops of the same photographs: quality 75-95, 4:2:0), or
-``--root DIR``; a row per folder and thread count, the median images/second and the spread (lowest-highest), then the
-ratios of cltrain's median to DALI's and to the bare decode. ``--tables hf``: the photographs as a folder and as a
-``datasets`` dataset (``save_to_disk``, each row the file's bytes and a ``ClassLabel``): (a) Hugging Face's documented
-pipeline (``set_transform`` with Pillow + torchvision, stacked NCHW, ``.contiguous(channels_last)``), (b) cltrain's
-``HFImageDataset`` (``data=hf``) and (c) its ``ImageFolderDataset`` (``data=imagenet``), with ``--workers`` worker
-processes each, then (b) and (c) with cltrain's own plan (``loading_plan``). Every measurement runs ``--repeats``
-times, interleaved (``cltrain.timing.rounds.interleaved``: the order rotating, every loader the same samples in a
-round); the first batch of each (worker start-up) is not timed. The machine and the load average are printed.
+decode and Hugging Face's documented ``datasets`` pipeline (the cases: docs/benchmarks.md#loaders).
 
     pip install 'cltrain[bench]'                      # DALI, timm, datasets, scikit-image, scikit-learn
     python -m scripts.bench.loaders --levers --threads 1 2 4 --batches 15 --repeats 3    # docs/performance.md
@@ -137,9 +107,8 @@ def torchvision_train(size: int) -> T.Compose:
 
 def loader_rate(dataset: Any, collate: Callable, finish: Callable, batch_size: int, workers: int, batches: int,
                 seed: int, **options: Any) -> float:
-    """Images per second of one pass of a loader over ``dataset`` (``batches`` batches after an untimed first one,
-    samples drawn with ``seed``); ``finish(batch)`` does what the step would and returns the images. ``options`` go
-    to the loader: with any, cltrain's ``PrefetchDataLoader`` (``decode_ahead=``), else torch's ``DataLoader``."""
+    """Images per second of one pass over ``dataset`` after an untimed first batch; ``finish(batch)`` returns the
+    images. With ``options``, cltrain's ``PrefetchDataLoader``, else torch's ``DataLoader``."""
     sampler = RandomSampler(range(len(dataset)), replacement=True, num_samples=batch_size * (batches + 1),
                             generator=torch.Generator().manual_seed(seed))
     loader = (PrefetchDataLoader if options else DataLoader)(

@@ -1,32 +1,5 @@
-"""Toward the MLPerf per-GPU rate: the configurations of apex's recipe that ``python -m scripts.gpu_check --mark`` runs.
-
-MLPerf Training v4.0 trained ResNet-50 at about 7,150 img/s per H100 and 7,950 per H200 (MXNet, DALI decoding on
-the GPU, fused NHWC BatchNorm, CUDA graphs). This part runs apex's main_amp recipe (``experiment=main_amp``:
-ResNet-50, 224 px, SGD) through ``train(cfg)`` in one worker process, task after task, in this order:
-
-1. ``amp``: the recipe's own step (``scripts.bench.train.PlainStep``) on a synthetic channels_last batch, bf16
-   against fp16 + loss scaling on a GPU (bf16 against fp32 on a CPU), in interleaved rounds
-   (``cltrain.timing.precision``): what a measured ``amp=auto`` would pick, and why;
-2. end to end from the JPEGs, round 1 of the key configurations: contiguous fp16 (the baseline), channels_last
-   fp16, channels_last fp16 compiled, channels_last ``amp=auto`` compiled; the eager and default-compiled
-   channels_last runs profiled over two warm-up steps (``scripts.bench.step_profile``);
-3. the rest of the layouts x precisions (bf16, fp32), once; the loader alone, at the runs' split of the cores
-   and at others (images/s of the batches the GPU gets, no training);
-4. the largest batch that fits (the eager step on synthetic batches, doubling from 256, then halving the
-   interval between the last that fit and the first that did not; out of memory is a size that does not fit),
-   then channels_last fp16 compiled at that batch end to end; round 2, the order rotated (each first in turn);
-5. channels_last fp16 compiled with ``compile.mode=reduce-overhead`` (CUDA graphs: the row says how many graphs
-   inductor skipped, pytorch#139207); round 3; last, ``max-autotune-no-cudagraphs`` (minutes of autotuning).
-
-Each compiled run starts from ``torch._dynamo.reset()``: a new model's ``forward`` is the same code, and past
-dynamo's ``cache_size_limit`` recompiles it would run uncompiled, and a second batch size would compile a graph
-with a dynamic batch dimension.
-
-A task starts only while the budget allows what it usually takes (``NEEDS``; ``--tiny``: while any is left); the
-others are records saying why they did not run. Each record is appended to ``mark.jsonl`` and ``mark.md`` is
-written again after each (``scripts.bench.mark_table``), so a run cut short still leaves its table. ``--tiny`` (on
-any CPU) gives every task CI sizes; what needs CUDA or a compile is a record saying "skipped" and why, and the
-rounds repeat the fp32 pair instead.
+"""Toward the MLPerf per-GPU rate: the tasks of apex's recipe that ``python -m scripts.gpu_check --mark`` runs, in one
+worker process, each within the budget (the tasks and their order: docs/benchmarks.md#mark).
 """
 
 from __future__ import annotations
@@ -43,6 +16,7 @@ import torch
 
 from cltrain.check.budget import free_memory, is_out_of_memory
 from cltrain.timing.clock import Stopwatch, synchronize
+from cltrain.timing.report import write_report
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 from scripts.bench.mark_table import mark_markdown
 
@@ -72,7 +46,7 @@ NEEDS = {"amp": 30, "e2e": 20, "compile": 90, "max-autotune": 300, "largest_batc
 
 
 def tasks(tiny: bool) -> list[dict[str, Any]]:
-    """The tasks in the order they run (the module docstring)."""
+    """The tasks in the order they run (docs/benchmarks.md#mark)."""
     key = KEY_CPU if tiny else KEY
     e2e = [dict(kind="e2e", name=n, round=r) for r in range(3) for n in rotated(key, r)]
     first, second, third = e2e[:len(key)], e2e[len(key):2 * len(key)], e2e[2 * len(key):]
@@ -94,12 +68,8 @@ def needs(task: dict[str, Any]) -> float:
 
 # --- the largest batch ---------------------------------------------------------------------------------------
 def largest_batch(fits: Callable[[int], bool], start: int, cap: int, granularity: int) -> tuple[int | None, dict]:
-    """The largest batch ``fits`` accepts, by trying: doubling from ``start`` up to ``cap``, then halving the
-    interval between the last size that fit and the first that did not, down to ``granularity``.
-
-    Returns:
-        ``(largest or None when not even the smallest tried fits, {size: fits} in the order tried)``.
-    """
+    """The largest batch ``fits`` accepts (doubling from ``start`` up to ``cap``, then bisecting down to
+    ``granularity``; ``None`` when none fits), and ``{size: fits}`` in the order tried."""
     tried: dict[int, bool] = {}
 
     def ok(n: int) -> bool:
@@ -230,7 +200,7 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
 
         skips_before = counters["inductor"].get("cudagraph_skips", 0)
     if "compile.enabled=true" in overrides:
-        torch._dynamo.reset()  # a fresh compile (the module docstring says why); inductor's caches on disk stay
+        torch._dynamo.reset()  # a fresh compile (docs/benchmarks.md#mark says why); inductor's caches on disk stay
     record = run_config(spec, name, overrides, slug, extra)
     record["batch"] = batch
     if profile.is_file():
@@ -266,7 +236,7 @@ def run_tasks(spec_file: Path) -> int:
         with open(spec["results"], "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
         if spec["header"]:
-            Path(spec["out"], "mark.md").write_text(mark_markdown(records, spec["header"]))
+            write_report(Path(spec["out"], "mark"), markdown=mark_markdown(records, spec["header"]))
         print(f"mark: {record['name']}: {record.get('status')} in {record['seconds']} s", flush=True)
     return 0
 

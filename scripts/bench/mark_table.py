@@ -1,10 +1,4 @@
-"""``mark.md``: the records of ``scripts.bench.mark``'s tasks as the tables docs/performance.md takes as they are.
-
-One table of the end-to-end configurations (median images/s over their interleaved runs, the spread, the
-median of each round's ratio to the contiguous run of the same precision in that round) and of the recipe's
-step alone on a synthetic batch; then what a measured ``amp=auto`` would pick, the largest batch, the loader
-alone, the step's breakdown by kind, the share of MLPerf's per-GPU rate, and what did not run.
-"""
+"""``mark.md``: the records of ``scripts.bench.mark``'s tasks as the tables docs/performance.md takes."""
 
 from __future__ import annotations
 

@@ -1,37 +1,11 @@
-"""Training-step throughput of torchvision models, contiguous vs channels-last, for 2-D, 3-D and 1-D models.
-
-One training step = forward, cross-entropy loss, backward, SGD(momentum) step, on one fixed random batch (no data
-loading: this measures the model). For each model and each dtype (fp32, and the device's AMP dtype: bf16 on CPU,
-fp16 on CUDA, autocast without a GradScaler), the two layouts are ``cltrain.timing.steps.layout_steps`` (a copy of
-the model and the batch in each), timed by ``cltrain.timing.rounds.time_steps``: ``--warmup`` untimed steps per
-layout, then ``--repeats`` rounds, the order rotating, each at least ``--steps`` steps and ``--min-window`` seconds.
-The table gives the median samples/second with the min-max over rounds and the speed-up channels-last /
-contiguous; ``cltrain.timing.layouts.choose_layout`` (a few steps of copies in each layout) runs per model and dtype,
-and the table says whether it picked the measured winner. On CUDA ``cudnn.benchmark`` is on (the warm-up covers its
-tuning) and the machine line says whether fp32 ran as TF32.
-
-The models, by rank (all ``weights=None``; ``tinycnn`` is a small 2-D test model):
-
-* images, 4-D ``(N, 3, H, W)`` in ``channels_last``: the 16 of PyTorch's channels_last tutorial, three newer
-  convnets (convnext_tiny, efficientnet_b0, regnet_y_400mf) and vit_b_16 as a non-convolutional control;
-* video, 5-D ``(N, 3, T, H, W)`` clips in ``channels_last_3d``: r3d_18, mc3_18, r2plus1d_18, s3d (its fixed
-  pooling needs at least 16x224x224 clips: it gets them);
-* audio, 3-D ``(N, 1, L)`` waveforms: ``m5``, an M5 1-D CNN (Dai et al., 2017), in the only channels-last 1-D layout
-  stock PyTorch can express, strides ``(C*L, 1, C)`` for the activations and the Conv1d weights (pytorch#66681).
-
-Defaults fit the device (``SIZES``): on CPU batch 16 images at 160x160, 4 clips of 8x112x112, 16 waveforms of
-16000 samples; on CUDA 256 images at 224x224 (apex's main_amp.py batch: at 64 a ResNet-50 step on an H100 is bound
-by kernel launches), 16 clips of 16x112x112, 128 waveforms, and no auto-mode pick unless ``--auto-steps`` is given.
-``--quick`` shrinks everything to check the script works.
+"""Training-step throughput of torchvision models, contiguous vs channels-last, for 2-D, 3-D and 1-D models (the
+method and the models: docs/benchmarks.md#models). Writes ``results.csv`` and ``results.md`` to ``--out``.
 
     python -m scripts.bench.models                              # all models, default sizes
     python -m scripts.bench.models --models resnet50,mobilenet_v2 --batch-size 32 --image-size 224
     python -m scripts.bench.models --models r3d_18,mc3_18,r2plus1d_18,s3d,m5
     python -m scripts.bench.models --device cuda --models resnet50 --batch-size 256
     python -m scripts.bench.models --quick --models tinycnn,r3d_18,m5 --out /tmp/bench
-
-Writes ``results.csv`` and ``results.md`` (one table per rank) to ``--out`` (default
-``bench_out/models``); every output names the machine.
 """
 
 from __future__ import annotations
@@ -71,11 +45,13 @@ KINDS = {
     "audio": ("Audio, 1-D (N, 1, L): channels-last-1-D strides (C*L, 1, C), stock PyTorch", "clips", "channels-last-1-D"),
 }
 #: The defaults per device, and ``--quick``'s sizes (a field given on the command line wins).
-SIZES = {"cpu": dict(batch_size=16, image_size=160, clip_batch_size=4, frames=8, audio_batch_size=16, warmup=1,
-                     auto_steps=2),
-         "cuda": dict(batch_size=256, image_size=224, clip_batch_size=16, frames=16, audio_batch_size=128, warmup=5,
-                      auto_steps=0),
-         "quick": dict(batch_size=2, image_size=64, clip_batch_size=2, frames=4, audio_batch_size=2)}
+SIZES = {"cpu": dict(batch_size=16, image_size=160, clip_batch_size=4, frames=8, clip_size=112, audio_batch_size=16,
+                     audio_length=16000, warmup=1, auto_steps=2),
+         "cuda": dict(batch_size=256, image_size=224, clip_batch_size=16, frames=16, clip_size=112,
+                      audio_batch_size=128, audio_length=16000, warmup=5, auto_steps=0),
+         "quick": dict(batch_size=2, image_size=64, clip_batch_size=2, frames=4, clip_size=32, audio_batch_size=2,
+                       audio_length=8000)}
+MAX_STEPS = 1000  #: timed steps per round, at most
 
 
 def tinycnn(num_classes: int = NUM_CLASSES) -> nn.Module:
@@ -144,7 +120,7 @@ def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace
                          loss=lambda out, y: F.cross_entropy((out if isinstance(out, torch.Tensor) else out[0]).float(), y),
                          optimizer=lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=1e-4))
     return time_steps(steps, rounds=args.repeats, warmup=args.warmup, min_steps=args.steps, min_window=args.min_window,
-                      max_steps=args.max_steps, sync=device)
+                      max_steps=MAX_STEPS, sync=device)
 
 
 def _auto_pick(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
@@ -238,16 +214,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="all", help=f"comma-separated names, or 'all' (= {','.join(ALL_MODELS)}); 'tinycnn' for tests")
     p.add_argument("--batch-size", type=int, default=None, help="images per batch: default 16 on CPU, 256 on CUDA")
     p.add_argument("--image-size", type=int, default=None, help="default 160 on CPU, 224 on CUDA (vit_b_16 needs a multiple of 16)")
-    p.add_argument("--clip-batch-size", type=int, default=None, help="video clips per batch: default 4 on CPU, 16 on CUDA")
     p.add_argument("--frames", type=int, default=None, help="frames per clip: default 8 on CPU, 16 on CUDA")
-    p.add_argument("--clip-size", type=int, default=112, help="clip height and width")
-    p.add_argument("--audio-batch-size", type=int, default=None, help="waveforms per batch: default 16 on CPU, 128 on CUDA")
-    p.add_argument("--audio-length", type=int, default=16000, help="samples per waveform (1 s at 16 kHz)")
     p.add_argument("--dtypes", default="fp32,amp", help="comma-separated from fp32, amp (amp = bf16 on CPU, fp16 on CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per layout and dtype: default 1 on CPU, 5 on CUDA")
     p.add_argument("--steps", type=int, default=2, help="timed steps per round, at least")
     p.add_argument("--min-window", type=float, default=0.1, help="seconds each timed round lasts, at least")
-    p.add_argument("--max-steps", type=int, default=1000, help="timed steps per round, at most")
     p.add_argument("--repeats", type=int, default=3, help="rounds per layout (layouts alternate)")
     p.add_argument("--auto-steps", type=int, default=None,
                    help="timed steps per layout for the auto-mode pick; 0: skip it (default 2 on CPU, 0 on CUDA)")
@@ -259,20 +230,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device = device
     if args.quick:
-        args.clip_size, args.audio_length = 32, 8000
         args.warmup, args.steps, args.repeats, args.auto_steps, args.min_window = 1, 1, 2, 1, 0.0
     defaults = {**SIZES["cuda" if device.type == "cuda" else "cpu"], **(SIZES["quick"] if args.quick else {})}
     for key, value in defaults.items():
-        if getattr(args, key) is None:
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.models = ALL_MODELS if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in args.dtypes if d not in ("fp32", "amp")]
     if bad:
         p.error(f"--dtypes: {bad} not in fp32, amp")
-    if args.steps < 1 or args.max_steps < args.steps or args.min_window < 0 or args.warmup < 0:
-        p.error(f"--steps {args.steps}, --max-steps {args.max_steps}, --min-window {args.min_window}, --warmup "
-                f"{args.warmup}: need 1 <= steps <= max-steps, min-window >= 0, warmup >= 0")
+    if not 1 <= args.steps <= MAX_STEPS or args.min_window < 0 or args.warmup < 0:
+        p.error(f"--steps {args.steps}, --min-window {args.min_window}, --warmup {args.warmup}: need 1 <= steps <= "
+                f"{MAX_STEPS}, min-window >= 0, warmup >= 0")
     known = set(ALL_MODELS) | {"tinycnn"} | set(torchvision.models.list_models(torchvision.models))
     unknown = [m for m in args.models if m not in known]
     if unknown:

@@ -1,26 +1,5 @@
-"""Training from object storage: images/s into normalised NHWC batches from an S3 endpoint against the local disk,
-and against the documented image pipelines of WebDataset and LitData on the same images and endpoint.
-
-The endpoint is moto's S3 server started here in a process of its own on 127.0.0.1 (its CPU time is counted and
-printed: on a 2-core machine it shares the cores with the loader). The images are real photographs
-(``scripts.bench.photo_folder``) packed once (``cltrain-pack``) and uploaded as they are. Each case makes one pass
-over the training split with 2 DataLoader workers, batch 64, 224 px crops, normalised float32, timed from asking
-for the first batch (worker start-up and the first shards' fetch included) to the last (``cltrain.timing.clock.timed``).
-Cases, interleaved in rounds (``cltrain.timing.rounds.interleaved``), one table of medians:
-
-* ``local``: ``ShardsDataModule`` on the local pack (the baseline);
-* ``s3-cold``: the same from ``s3://``, an empty node cache each round (shards fetched ahead as batches are read);
-* ``s3-warm``: from ``s3://`` with the shards already in the cache (a later epoch, another rank of the node);
-* ``s3-ranges``: from ``s3://`` with ``fetch="ranges"`` (one ranged GET per sample, nothing cached);
-* ``webdataset``: ``wds.WebDataset(urls).shuffle().decode("pil").to_tuple("jpg", "cls")`` + torchvision's
-  ``RandomResizedCrop``, flip, ``ToTensor``, ``Normalize``, batched in ``WebLoader`` (its README's pipeline; each
-  tar through ``pipe:``, as ``pipe:aws s3 cp URL -``, with Python and s3fs in place of the AWS CLI);
-* ``wds-fsspec``: the same pipeline with each tar opened in the worker through fsspec (no program per shard);
-* ``litdata``: the images ``optimize``-d to the bucket (PIL images, LitData's JPEG serializer), read by
-  ``StreamingDataset`` + ``StreamingDataLoader``, the same torchvision transforms (its README's ImageNet pipeline).
-
-Mosaic Streaming is not measured: mosaicml-streaming 0.13 requires numpy<2.2 and transformers<5, which this
-environment's other extras exceed (docs/guides/object-storage.md).
+"""Training from object storage: images/s into normalised NHWC batches from a local S3 endpoint (moto) against the
+local disk, WebDataset and LitData (the cases: docs/benchmarks.md#object-storage).
 
     python -m scripts.bench.object_storage                    # 2,400 photographs in 24 shards, 3 rounds
     python -m scripts.bench.object_storage --workers 1        # one worker per loader (decode threads: the loading plan)

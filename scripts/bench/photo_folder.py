@@ -1,14 +1,5 @@
-"""A folder of real photographs for measuring loaders, made from images that ship inside packages.
-
-ImageNet's JPEGs are real photographs, mostly 333-800 px on a side, quality 75-95,
-mostly 4:2:0 chroma subsampling. Synthetic images decode at different speeds
-(smooth gradients compress to few bits), so loader figures are taken on crops of
-the photographs bundled with scikit-image (``skimage/data``: only the files in the
-wheel, never its pooch downloads) and scikit-learn (``load_sample_images``). Each
-output is a random crop (30-100 % of the area) of one of them, resized to a
-333-800 px side, saved at a random quality in 75-95 with 4:2:0 or 4:4:4 chroma,
-as ``ROOT/{train,val}/<class>/<n>.jpg``. Made once (``cltrain.data.demo.write_once``): a finished folder made with the
-same arguments is reused.
+"""A folder of real photographs for measuring loaders, made once from images that ship inside scikit-image and
+scikit-learn (why and how: docs/benchmarks.md#photo-folder).
 
     python -m scripts.bench.photo_folder /tmp/cltrain-photos --train 400
 """

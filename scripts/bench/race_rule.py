@@ -1,16 +1,5 @@
 """How well the race of the layouts (``cltrain.timing.layout_race``) decides on a noisy machine: its rule played
-against step times drawn from a model of that noise, for NCHW/channels_last ratios from 0.78 to 1.22.
-
-A real benchmark cannot tell the rule's error from the machine's, and needs an hour per model; this plays thousands
-of races in seconds. The noise is what a 2-core VM gave ResNet-50's steps here (64 px, batch 8, one layout, 200
-steps): the log step time drifts (AR(1), coefficient 0.92 a step, 9.7% standard deviation), each step jitters
-(7%), and 3% of the steps are 35% slower (another process). ``--noise`` scales all three.
-
-Per true ratio: how often the race keeps NCHW, the default's steady step over the faster layout's (mean and 90th
-percentile), the race's length and what its slower steps cost (in steps of the faster layout), and a 200-step fit's
-time over the faster layout's.
-
-Usage::
+against step times drawn from a model of that noise (the model: docs/benchmarks.md#race-rule).
 
     python -m scripts.bench.race_rule                 # 400 races per ratio, this machine's noise
     python -m scripts.bench.race_rule --noise 0.5     # a quieter machine

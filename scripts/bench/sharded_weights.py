@@ -1,23 +1,5 @@
-"""What sharding costs channels_last: a training step with channels_last activations and contiguous weights.
-
-FSDP2 (``fully_shard``) keeps every parameter contiguous: it refuses channels_last ones, and the weights it
-all-gathers for a layer's forward are contiguous views of its gather buffer. A convolution still runs its NHWC
-kernel when its *input* is channels_last (cuDNN's and oneDNN's layout choice reads input or weight), so a sharded
-model fed channels_last batches computes in NHWC and pays for restriding each weight on every call. This times
-one training step (forward, cross-entropy, backward, SGD with momentum) on one fixed random batch in:
-
-* ``contiguous``: NCHW weights, NCHW input (the plain run);
-* ``channels_last``: channels_last weights and input (what ``ChannelsLast`` gives an unsharded model);
-* ``cl_activations``: NCHW weights, channels_last input (what ``ChannelsLast`` gives a sharded model);
-* with ``--fsdp``, ``fsdp2 contiguous`` and ``fsdp2 cl_activations``: the same two after ``fully_shard`` on every
-  convolution-bearing child and the root, in a one-process group (gloo on CPU, nccl on CUDA), so the all-gather's
-  copies are in the step too.
-
-Each variant has its own copy of the model and optimizer (``cltrain.timing.steps.training_step``); rounds rotate
-which variant goes first (``cltrain.timing.rounds.time_steps``: ``--repeats`` rounds, ``--steps`` steps each after
-``--warmup``); the table gives median images/s over rounds,
-the min-max spread, and each variant's ratio to ``contiguous`` measured in the same run. A hook confirms the
-layout the first convolution's output has in each variant (``NHWC`` when the NHWC kernel ran).
+"""What sharding costs channels_last: a training step with channels_last activations and contiguous weights, as FSDP2
+keeps them (the variants: docs/benchmarks.md#sharded-weights).
 
     python -m scripts.bench.sharded_weights                                   # CPU: resnet50, convnext_tiny, bf16
     python -m scripts.bench.sharded_weights --device cuda --batch-size 256 --fsdp

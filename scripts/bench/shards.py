@@ -1,14 +1,5 @@
-"""Shards against the same images as files: the training loader's images/second, one run.
-
-The same ``ImageFolderDataModule`` settings (batch, workers, crop) read the folder and its
-WebDataset pack (``python -m cltrain.data.pack``), one pass each per round, the one that goes
-first alternating between rounds; the first batch of each pass (worker start-up) is not
-timed. On a shared 2-core machine one pass varies by +-10%, more than the difference looked
-for, so a paired measurement comes first: in this process, with one thread as a worker has,
-the same samples of each batch with the same crops (the same torch seed), read, decoded and
-collated from the files and from the shards, alternately, the batches checked equal. Prints
-its median per-batch ratio, then each loader round, the median ratio shards / files, and the
-machine.
+"""Shards against the same images as files: the training loader's images/second, one run (the method:
+docs/benchmarks.md#shards).
 
     python -m scripts.bench.shards                          # a 3000-image demo folder, packed once under bench_out/
     python -m scripts.bench.shards --root /data/imagenet-subset --pack /data/imagenet-subset-shards

@@ -1,29 +1,5 @@
-"""Where a training step's time goes, by kind: a ``torch.profiler`` window over a few steps of a real run.
-
-``StepProfile`` is a Lightning callback (``+callbacks.profile._target_=scripts.bench.step_profile.StepProfile``
-on a ``train.py`` run) that profiles training steps ``first`` .. ``first + steps - 1``, each from the end of the
-step before (so the wait for its batch is inside), and writes the breakdown to ``path`` as JSON. Every op's
-own time is put under the first kind its name, or the name of a range around it, says:
-
-==========================  ==========================================================================
-``convolution backward``    ``convolution_backward`` ops (cuDNN dgrad/wgrad kernels), ``ConvolutionBackward``
-``BatchNorm``               ``batch_norm`` ops forward and backward, and compiled kernels fused with one
-``convolution forward``     other ops with ``conv`` in their name (``cudnn_convolution``; not ``convert``)
-``optimizer``               ``Optimizer.zero_grad``, and what ``Optimizer.step`` runs after its closure's
-                            backward (Lightning runs forward and backward inside the step's closure)
-``between steps``           ops between one step's end and the next step's start: the batch's copy to the
-                            device and normalisation there, the loader's collate when it runs in this process
-``elementwise and other``   the rest: ReLU, adds, pooling, the loss, the classifier's matmul, copies
-``idle and launch gaps``    the window's wall time that no op's own time covers
-==========================  ==========================================================================
-
-On CUDA the kinds are device time (each op's kernels, ``self_device_time_total``) and idle is the time the GPU
-ran no kernel; on a CPU they are the ops' own CPU time, and idle is host time outside any op (Python, hooks,
-waiting for loader workers; ops on other threads, such as the loader's decode threads, count too). They add up
-to the step's wall time. Apart from them, ``data wait`` is the host's wall time between one step's end and the
-next one's start (mostly waiting for the next batch): on a GPU it overlaps kernels still queued, and it is the
-share to watch (above 5% of the step, the loader holds the GPU back). The profiled steps slow down; put them in
-the run's warm-up (``throughput_warmup``).
+"""Where a training step's time goes, by kind: ``StepProfile``, a Lightning callback that writes a ``torch.profiler``
+window over a few steps of a real run as JSON (the kinds: docs/benchmarks.md#step-profile).
 
     python train.py experiment=smoke +callbacks.profile._target_=scripts.bench.step_profile.StepProfile \\
         +callbacks.profile.path=/tmp/profile.json
@@ -87,12 +63,8 @@ def _in_update(event: Any, starts: dict[int, float]) -> bool:
 
 
 def breakdown(events: Any, wall_s: float, steps: int, device_type: str) -> dict[str, float]:
-    """Milliseconds per step of each kind in ``KINDS``, and of ``DATA_WAIT``, from a profiler's ``events()``
-    over ``steps`` steps that took ``wall_s`` seconds.
-
-    ``device_type``: ``"cuda"`` sums each op's own kernel time, anything else its own CPU time; the rest of
-    ``wall_s`` (never below zero) is ``idle and launch gaps``.
-    """
+    """Milliseconds per step of each kind in ``KINDS`` and of ``DATA_WAIT`` from a profiler's ``events()`` over
+    ``steps`` steps of ``wall_s`` seconds (device time on ``"cuda"``, else CPU time; the rest is idle)."""
     ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]  # kernels count through their op
     starts = _update_starts(ops)
     ms = dict.fromkeys(KINDS, 0.0)

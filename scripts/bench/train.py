@@ -1,36 +1,9 @@
-"""What train.py's Lightning path costs, and what channels_last + AMP buys end to end.
-
-Part 1, framework overhead (synthetic tensors, no data loading): the same model,
-batch, precision and layout trained by
-
-* a plain PyTorch loop (``PlainStep``) doing what Lightning does in a step: the optimizer
-  Lightning makes from ``ImageClassifier.configure_optimizers``, autocast (``cache_enabled=False``) around forward
-  and loss, ``zero_grad(set_to_none=True)``, backward, and under ``16-mixed`` a ``GradScaler``;
-* train.py's path: ``cltrain.app.module.ImageClassifier`` (per-step
-  schedule, torchmetrics top-1/top-5, logging) in a Lightning ``Trainer`` with
-  the ``ChannelsLast`` callback (``layout`` pinned to part 1's: no race of the layouts in the window) and
-  Lightning's precision plugin,
-
-in ``--rounds`` interleaved rounds (``cltrain.timing.rounds.interleaved``: the order alternates) of ``--warmup`` +
-``--steps`` steps, both fed the same pre-made batches; the ratio is the median of the
-rounds' ratios (each pair ran back to back, so a busy machine slows both). Speed is images over one window from
-the start of the first step after the warm-up to the end of the last, the device synchronised at both ends
-(``cltrain.timing.clock``; ``scripts.fits.StepClock`` in the Trainer), so on CUDA the window holds the GPU's work.
-The table gives per-path medians and the ratio Lightning / plain, measured in the same run.
-
-Part 2, end to end on JPEG files (the demo data, generated on first use):
-``train(cfg)`` itself, decoding and augmenting with DataLoader workers,
-channels_last + AMP against contiguous fp32, ``--e2e-steps`` measured steps each,
-each round followed by the plain loop's pair for the same two configs on synthetic tensors:
-the speed-up the end-to-end one is held against (median over ``--e2e-rounds`` rounds).
-
-Usage::
+"""What train.py's Lightning path costs against a plain loop, and what channels_last + AMP buys end to end (the
+method: docs/benchmarks.md#train). Prints markdown tables naming the machine; ``--out`` also writes them as JSON.
 
     python -m scripts.bench.train                      # ResNet-50, batch 32, 224 px
     python -m scripts.bench.train --device cuda --batch-size 256
     python -m scripts.bench.train --quick              # seconds: checks the script works
-
-Prints markdown tables naming the machine; ``--out`` also writes them as JSON.
 """
 
 from __future__ import annotations
@@ -60,16 +33,8 @@ from scripts.fits import StepClock, quiet_trainer
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
 class PlainStep:
-    """One training step as Lightning's automatic optimisation and precision plugin run it, without Lightning.
-
-    The optimizer and per-step LR scheduler are the ones Lightning itself makes from
-    ``ImageClassifier.configure_optimizers`` (a ``fit`` with ``max_steps=0`` on the same batches: same
-    class, fused or not, same settings, whatever the module asks of its trainer);
-    ``torch.autocast(..., cache_enabled=False)`` around forward and loss as ``MixedPrecision`` does;
-    ``zero_grad(set_to_none=True)`` after the forward and before backward (Lightning's closure order);
-    under ``16-mixed`` a ``GradScaler``: scale, backward, ``unscale_``, ``step``, ``update``. What is left
-    between the two paths is the framework: hooks, metrics, logging, the loop.
-    """
+    """One training step as Lightning's automatic optimisation and precision plugin run it, without Lightning
+    (docs/benchmarks.md#train): Lightning's own optimizer and scheduler, autocast, zero_grad, backward, a GradScaler."""
 
     def __init__(self, model: torch.nn.Module, precision: str, device: torch.device, batches: list,
                  num_classes: int = 1000) -> None:
@@ -158,10 +123,8 @@ CONFIGS = {"contiguous fp32": (False, ["channels_last=false", "amp=false"]),
 
 
 def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision: str) -> tuple[list[dict], dict]:
-    """``--e2e-rounds`` interleaved rounds of ``train(cfg)`` on JPEG files, contiguous fp32 and channels_last + AMP,
-    and of the plain loop's pair for the same two configs on synthetic tensors: the rows, and the reference with
-    the share of the plain step's speed-up kept end to end (median over rounds, each round's pair against the
-    plain pair of the same round)."""
+    """``--e2e-rounds`` interleaved rounds of ``train(cfg)`` on JPEG files (contiguous fp32, channels_last + AMP) and
+    of the plain loop's pair on synthetic tensors: the rows, and the share of the plain speed-up kept end to end."""
     common = [f"model={args.model}" if args.model in ("resnet18", "resnet50") else f"model.name={args.model}",
               f"device={args.device}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
               f"data.val_resize_size={int(args.image_size * 8 / 7)}", f"data.num_workers={args.num_workers}",

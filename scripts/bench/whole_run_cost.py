@@ -1,21 +1,8 @@
-"""What keeping the layout and the loader's place costs: the layout watch against a training step, in one run.
-
-``ChannelsLast`` walks the parameters once after each epoch's end and each validation (``LayoutSession.boundary``),
-never per step; the training loader counts each batch a step takes (``ResumableLoader.note_taken``) and builds its
-state only when a checkpoint is saved (``state_dict``). This times, in one process on one model, interleaved::
+"""What keeping the layout and the loader's place costs: the layout watch and the loader's bookkeeping against a
+training step, in one run (what is timed: docs/benchmarks.md#whole-run-cost).
 
     python -m scripts.bench.whole_run_cost                     # ResNet-50, batch 8 at 224 px, 5 rounds
     python -m scripts.bench.whole_run_cost --model resnet18 --batch 4 --size 64 --rounds 3   # seconds
-
-* a training step (forward, cross-entropy, backward, SGD) of the channels_last model;
-* ``boundary`` on that model with nothing moved (what every epoch's end costs), and with every weight moved;
-* ``note_taken`` and ``state_dict`` of a training loader, and the copy of the BatchNorm statistics before each step
-  (``cltrain.data.running_stats.RunningStats.hold``);
-* for a stream (``cltrain.data.stream_place``): a sample's seed from its place (``row_seed``, once per sample) and
-  noting a batch's worker and its places in the parts (``StreamPlaces.fetched``, once per batch);
-
-and prints each as a median with the ratio to the step, then the machine. Each figure is a window of calls lasting
-``--min-window`` seconds (``cltrain.timing.rounds.time_steps``, each sized on its own cost), the figures interleaved.
 """
 
 from __future__ import annotations

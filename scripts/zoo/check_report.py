@@ -6,15 +6,13 @@ atomically."""
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from cltrain.timing.machine import machine_line
 from cltrain.timing.report import page, table, write_report
 from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, JUDGED, MIN_GAP, NUDGE, numerics
-from scripts.zoo.models import Spec
-from scripts.zoo.report import fmt_err, now
+from scripts.zoo.report import fmt_err
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZER_SETTINGS
 
 VERDICTS = ("passed", "fallback", "contiguous", "not checked")
@@ -178,35 +176,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
     })
 
 
-def check_sweep(ordered: list[Spec], specs: list[Spec], rows: list[dict[str, Any]], args: argparse.Namespace,
-                m: dict[str, Any], command: str, run_one: Callable[..., dict[str, Any]]) -> int:
-    """Every model of ``ordered`` once per optimizer, each by ``run_one(spec, args, log_dir, optimizer)`` (its own
-    process), beside the ``rows`` already done (``--resume``); a model over ``--max-params`` is built once and its
-    row stands for every optimizer. The outputs are written after every run, in the order of ``specs``."""
-    optimizers = args.optimizers.split(",")
-    done = {(r["key"], r.get("optimizer")) for r in rows}
-    order = {s.key: i for i, s in enumerate(specs)}
-    total = len(specs) * len(optimizers)
-    for spec in ordered:
-        for optimizer in optimizers:
-            if (spec.key, optimizer) in done:
-                continue
-            result = run_one(spec, args, args.log_dir, optimizer)
-            rows.append(result)
-            done.add((spec.key, optimizer))
-            if result["status"] == "skipped":
-                for other in (o for o in optimizers if (spec.key, o) not in done):
-                    rows.append(dict(result, optimizer=other))
-                    done.add((spec.key, other))
-            confirmed = (result.get("confirm") or {}).get("verdict")
-            print(f"[{len(done)}/{total}] {spec.key} {OPTIMIZER_NAMES[optimizer]}: {result['status']} "
-                  f"{result.get('layout_check', '')}{f' ({confirmed})' if confirmed else ''} {result['seconds']}s",
-                  flush=True)
-            m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), now()
-            rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", "sgd"))
-                                     if r.get("optimizer", "sgd") in optimizers else len(optimizers)))
-            write_report(args.out, markdown=markdown(rows, m, command, args, optimizers),
-                         data={"command": command, "machine": m, "optimizers": optimizers, "rows": rows})
-    print("\n".join(summary(rows, optimizers)))
-    print(f"wrote {args.out.with_suffix('.md')}, .json")
-    return 0
+def write_check_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], command: str,
+                        args: argparse.Namespace, optimizers: list[str]) -> None:
+    write_report(out, markdown=markdown(rows, m, command, args, optimizers),
+                 data={"command": command, "machine": m, "optimizers": optimizers, "rows": rows})

@@ -1,9 +1,5 @@
-"""Does the first-batch layout check on a slice of the batch find what it finds on the whole batch? Zoo models.
-
-Each model (``scripts/zoo/models.py``, random weights, its size) in its own process: one batch of ``--batch``
-samples, a real ``Trainer`` step with ``ChannelsLast(check_samples=K)`` and again with
-``ChannelsLast(check_samples=None)`` (the whole batch); prints per model both verdicts, their findings and
-fallbacks, the largest agreeing difference and the check's seconds, as a markdown table, then the machine::
+"""Does the first-batch layout check on a slice of the batch find what it finds on the whole batch? Each zoo model in
+its own process, a ``Trainer`` step with ``ChannelsLast(check_samples=K)`` and with ``check_samples=None``::
 
     python -m scripts.zoo.check_slice --models timm:repvgg_a0,timm:mobileone_s0,tv:resnet50 --batch 16 --samples 4
 """

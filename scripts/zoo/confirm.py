@@ -1,12 +1,5 @@
-"""Was the first-batch check's verdict right? Three short trainings of the same model tell; the model's process of
-``python -m scripts.zoo.sweep --check-only``.
-
-From one initialisation, seed, batches and optimizer, ``steps`` steps each (``scripts.zoo.training.fit``): **nchw**
-(the reference), **nudged** (every parameter times ``1 + NUDGE * randn``: the noise reference) and **channels_last**
-(``ChannelsLast(layout="channels_last", verify=False)``). ``judge`` calls a fallback **confirmed** or **FALSE**, a
-pass **right** or **MISSED**, from the gaps of the losses and of the updates against ``FACTOR`` x the noise and
-``MIN_GAP``; a diverging run gets a float64 and a no-oneDNN NCHW run (``numerics``: rounding or a fault). The
-method at length, and the table it makes: docs/zoo_check.md (written by ``scripts/zoo/check_report.py``).
+"""Was the first-batch check's verdict right? Three short trainings of the same model tell (nchw, nudged,
+channels_last); the model's process of ``python -m scripts.zoo.sweep --check-only``. The method: docs/zoo_check.md.
 """
 
 from __future__ import annotations
@@ -54,10 +47,8 @@ def loss_gap(losses: list[float], reference: list[float]) -> float:
 
 
 def update_gap(updates: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str | None]:
-    """The relative difference between two runs' parameter updates over the whole model (the norm of the difference
-    over the norm of the reference's, all parameters as one vector), and the parameter whose own relative
-    difference is the largest (one ill-conditioned parameter, a BatchNorm weight at batch 2, is far off in any two
-    fp32 runs: it names where to look, it does not decide)."""
+    """The relative difference of two runs' parameter updates over the whole model, and the parameter whose own
+    relative difference is the largest (it names where to look; it does not decide)."""
     diff2, scale2, worst, where = 0.0, 0.0, -1.0, None
     for name, ref in reference.items():
         update = updates[name]
@@ -96,9 +87,8 @@ def judge(verdict: str, result: dict[str, Any]) -> str:
 
 
 def died(row: dict[str, Any], phase: str, crash: str | None) -> str:
-    """The confirmation's verdict where its process died in ``phase`` (``crash``: how, for a native crash; ``None``
-    for a timeout or a raise outside the runs): a native crash in the channels_last run is that run's result, as a
-    raise would be; anything else leaves it unjudged."""
+    """The confirmation's verdict where its process died in ``phase``: a native crash in the channels_last run is its
+    result; anything else leaves it unjudged."""
     runs = row["confirm"]
     if phase == "confirm channels_last" and crash:
         runs["error_channels_last"] = crash
@@ -107,8 +97,7 @@ def died(row: dict[str, Any], phase: str, crash: str | None) -> str:
 
 
 def numerics(result: dict[str, Any]) -> bool | None:
-    """Is a diverging channels_last run as close to the float64 run as an NCHW fp32 run is (the farther of NCHW with
-    and without oneDNN, within ``FACTOR``)? Then the fp32 runs differ by their kernels' rounding, not by a fault.
+    """Is a diverging channels_last run as close to float64 as the farther NCHW fp32 run (within ``FACTOR``)?
     ``None``: no float64 run."""
     exact = result.get("float64")
     if not exact or "nchw" not in exact:
@@ -121,15 +110,8 @@ def numerics(result: dict[str, Any]) -> bool | None:
 def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: str, steps: int,
             phase: Callable[[str], None] = lambda name: None, result: dict[str, Any] | None = None,
             precision: str = "32-true") -> dict[str, Any]:
-    """The three runs of ``net0`` (copies) for ``steps`` steps on ``batches`` with ``optimizer``, and their gaps.
-
-    ``phase(name)`` is called before each run (``"confirm nchw"``, ...) and ``result`` filled as the runs end, so
-    what a native crash leaves says which run it was in. Returns ``result``: the losses of each run, ``gap``
-    (channels_last against nchw) and ``noise`` (nudged against nchw), each ``{"loss", "update", "update_param"}``,
-    and ``error_<run>`` for a run that raised. Where the channels_last run trained and diverges, a fourth run in
-    float64 (NCHW) says how far each fp32 run is from it (``float64``: ``{"nchw": gaps, "channels_last": gaps}``;
-    ``numerics`` reads it).
-    """
+    """The nchw, nudged and channels_last runs of ``net0`` (copies) and their gaps into ``result``, ``phase(name)``
+    called before each; a float64 run where channels_last diverges (docs/zoo_check.md)."""
     from cltrain import ChannelsLast
 
     result = {} if result is None else result

@@ -1,13 +1,5 @@
-"""Examine the zoo sweep's MISS rows: is the layer's kernel wrong, or is the gradient ill-conditioned?
-
-For each MISS row of ``docs/zoo.json``, the worst parameter's layer is run alone, in NCHW and in
-channels_last (oneDNN on, fp32), on well-conditioned random inputs of the shape it sees in the
-sweep, and its weight gradient compared with float64 (elementwise, as the sweep does). A kernel
-that is right alone (errors at fp32 rounding, ~1e-6) while the model's gradient is off points at
-conditioning: in the sweep's batch of 2 that parameter's gradient is a small difference of large
-terms (its scale and the other fp32 kernels' spread are in the row). A kernel that is off alone
-is a fault to report and guard. Adds the finding to each row of ``<out>.json`` and renders the
-table again (atomically).
+"""Examine the zoo sweep's MISS rows: is the layer's kernel wrong, or is the gradient ill-conditioned? (the method:
+docs/benchmarks.md#miss-check). Adds the finding to each row of ``<out>.json`` and renders the table again.
 
     python -m scripts.zoo.miss_check                 # every MISS in docs/zoo.json
     python -m scripts.zoo.miss_check --models tv:resnet34

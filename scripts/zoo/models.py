@@ -1,14 +1,5 @@
-"""The models of ``scripts/zoo/sweep.py``: which ones, how each is built (random weights, nothing
-downloaded), the batch it takes and its loss.
-
-Sources: timm architectures (small variants, one or more per family), every torchvision
-classification model (those over ``--max-params`` are rows that say so), Hugging Face
-transformers models built from their config objects (dict batches ``{"pixel_values", "labels"}``),
-the segmentation, detection and video models of ``scripts/zoo/tasks.py``, and planted models that only
-the tests name: ``planted:wrong_grad`` (a conv whose weight gradient is 3.4x off under channels_last
-with oneDNN in fp32, as #6035's silent case), ``planted:crash`` (a segfault there) and
-``planted:view_head`` (a head that flattens with ``x.view(x.size(0), -1)``: it raises on a channels_last
-feature map), so the sweep's checks can be seen to fail.
+"""The models of ``scripts/zoo/sweep.py`` (timm, torchvision, Hugging Face, ``scripts/zoo/tasks.py``'s, and planted
+ones only the tests name): how each is built (random weights, nothing downloaded), its batch and its loss.
 """
 
 from __future__ import annotations
@@ -145,11 +136,7 @@ def all_specs() -> list[Spec]:
 
 
 def find(keys: list[str]) -> list[Spec]:
-    """Specs by key (``timm:resnet50``) or bare name (``resnet50``: every source that has it).
-
-    Raises:
-        ValueError: a name no source has.
-    """
+    """Specs by key (``timm:resnet50``) or bare name (every source that has it); ``ValueError`` for an unknown one."""
     specs = all_specs() + PLANTED
     found: list[Spec] = []
     for key in keys:
@@ -292,10 +279,8 @@ def training_loss(net: nn.Module, batch: Any, spec: Spec) -> torch.Tensor:
 
 
 def quiet_random_layers(net: nn.Module) -> nn.Module:
-    """Put dropout, drop-path and stochastic-depth layers in eval mode (the rest stays as it is).
-
-    Random ops fill their masks in memory order, so the same seed drops different units in the
-    two layouts: parity needs them off. Found by class name, to catch every library's own."""
+    """Dropout, drop-path and stochastic-depth layers (by class name) in eval mode: their masks follow memory
+    order, so the same seed drops different units in the two layouts."""
     for module in net.modules():
         name = type(module).__name__
         if isinstance(module, nn.modules.dropout._DropoutNd) or "Drop" in name or "StochasticDepth" in name:

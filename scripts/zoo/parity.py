@@ -1,5 +1,5 @@
 """How ``scripts/zoo/sweep.py`` judges channels_last's gradients: elementwise against float64, with the
-noise of other correct fp32 kernels as the yardstick (see that script's docstring for the rules).
+noise of other correct fp32 kernels as the yardstick (the rules: docs/benchmarks.md#zoo-sweep).
 
 Pure functions on ``{parameter name: gradient}`` dicts; torch only.
 """
@@ -18,9 +18,8 @@ LAYOUT_F64_MAX = 1e-8  # float64 channels_last vs float64 NCHW, per parameter: o
 
 
 def grad_errors(grads: dict[str, torch.Tensor | None], exact: dict[str, torch.Tensor | None]) -> dict[str, float]:
-    """Per parameter, ``max|g - exact| / max(max|exact|, FLOOR * largest exact gradient)``.
-
-    A parameter with a gradient on one side and none on the other is ``inf``; none on both is left out."""
+    """Per parameter, ``max|g - exact| / max(max|exact|, FLOOR * largest exact gradient)``; ``inf`` where one side
+    has no gradient."""
     scale = max((float(g.abs().max()) for g in exact.values() if g is not None and g.numel()), default=0.0)
     floor = max(FLOOR * scale, torch.finfo(torch.float64).tiny)
     errors: dict[str, float] = {}
@@ -38,9 +37,8 @@ def grad_errors(grads: dict[str, torch.Tensor | None], exact: dict[str, torch.Te
 
 
 def judge(err_cl: dict[str, float], noise: dict[str, float] | None) -> dict[str, Any]:
-    """The row's gradient verdict from per-parameter errors of channels_last and of correct fp32
-    kernels (``noise``: NCHW fp32 with and without oneDNN, the larger), both against the same
-    reference; ``noise`` ``None`` counts as none."""
+    """The gradient verdict from per-parameter errors of channels_last and of correct fp32 kernels (``noise``, the
+    larger of NCHW with and without oneDNN), both against the same reference."""
     if not err_cl:
         return {"verdict": "ok", "worst_param": "", "err_cl": 0.0, "err_nc": None, "misses": 0}
     floor = noise or {}
@@ -75,9 +73,8 @@ def why(verdict: dict[str, Any]) -> str:
 
 
 def parity(result: dict[str, Any], grads: dict[str, dict], losses: dict[str, float], prefix: str = "") -> None:
-    """Loss and gradient verdict of ``grads["channels_last"]`` into ``result``: against ``"float64"``, with
-    ``"contiguous"`` and ``"native"`` (NCHW fp32 with and without oneDNN) as the fp32 noise; or, without
-    float64, against ``"contiguous"`` with ``"native"`` as the noise."""
+    """Loss and gradient verdict of ``grads["channels_last"]`` into ``result``: against float64 (else NCHW), fp32
+    noise from the other NCHW runs."""
     reference = "float64" if "float64" in grads else "contiguous"  # without float64, the Trainer's NCHW run
     exact, base = grads[reference], losses[reference]
     err_cl = grad_errors(grads["channels_last"], exact)

@@ -1,14 +1,11 @@
-"""The cases of ``python -m scripts.zoo.projects``: third-party Lightning libraries' own tasks, built tiny.
-
-Each builder runs in the case's child process and returns the library's own ``LightningModule``, its data
-(generated here: nothing is downloaded, no pretrained weights) and the ``Trainer`` arguments that differ from
-the sweep's defaults. The libraries are imported inside the builders only, so this module (and the sweep's
-parent) imports without them.
+"""The cases of ``python -m scripts.zoo.projects``: third-party Lightning libraries' own tasks, built tiny in the
+case's child process (the libraries imported inside the builders only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,30 +74,20 @@ def _anomalib_folder(tmp: Path):
                   eval_batch_size=4, num_workers=0, seed=0)
 
 
-def _anomalib(model_class: Any, tmp: Path, **kwargs: Any) -> Built:
+def _anomalib(model: str, tmp: Path) -> Built:
+    import anomalib.models
+
+    model_class = getattr(anomalib.models, model)
     module = model_class(backbone="resnet18", pre_trained=False, visualizer=False,
-                         pre_processor=model_class.configure_pre_processor((SIZE, SIZE)), **kwargs)
+                         pre_processor=model_class.configure_pre_processor((SIZE, SIZE)))
     # anomalib's own trainer_arguments (one epoch: memory-bank models fit at its end, then validate)
     overrides = {k: v for k, v in module.trainer_arguments.items() if k in ("gradient_clip_val", "max_epochs")}
     return Built(module, datamodule=_anomalib_folder(tmp), trainer={"max_epochs": 1, **overrides})
 
 
-def anomalib_padim(tmp: Path) -> Built:
-    from anomalib.models import Padim
-
-    return _anomalib(Padim, tmp)
-
-
-def anomalib_patchcore(tmp: Path) -> Built:
-    from anomalib.models import Patchcore
-
-    return _anomalib(Patchcore, tmp)
-
-
-def anomalib_reverse_distillation(tmp: Path) -> Built:
-    from anomalib.models import ReverseDistillation
-
-    return _anomalib(ReverseDistillation, tmp)
+anomalib_padim = partial(_anomalib, "Padim")
+anomalib_patchcore = partial(_anomalib, "Patchcore")
+anomalib_reverse_distillation = partial(_anomalib, "ReverseDistillation")
 
 
 # ---- lightly: SimCLR as in its examples/pytorch_lightning/simclr.py; MoCo as in its CIFAR-10 benchmark --------

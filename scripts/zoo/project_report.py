@@ -1,6 +1,4 @@
-"""The page of ``python -m scripts.zoo.projects``: a row per case (trains, first-loss parity, metrics, layout kept,
-the check's lines), the machine and library versions, the notes on the cases; and its JSON record, which
-``--only`` reruns keep the other rows from. Every file written atomically (``cltrain.atomic``)."""
+"""The page and JSON record of ``python -m scripts.zoo.projects`` (``--only`` reruns keep the other rows)."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cltrain.timing.machine import machine_line
-from cltrain.timing.report import table, write_report
+from cltrain.timing.report import page, table, write_report
 from scripts.harness import REPO
 from scripts.zoo.project_cases import NOTES
 
@@ -79,32 +77,21 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], runs: list[dict[str,
                                            for c in (r["channels_last"].get("layout_checks") or {}).values())]
     libraries = {r["library"]: r["version"] for r in ran if r["library"]}
     versions = ", ".join(f"{name} {version}" for name, version in libraries.items())
-    return "\n".join([
-        "# Lightning libraries' own tasks under ChannelsLast",
-        "",
+    return page("Lightning libraries' own tasks under ChannelsLast", [
         "Made by " + ", then ".join(f"`{r['command']}` ({r['seconds'] / 60:.1f} min)" for r in runs) + ".",
-        "",
         f"Machine: {machine_line(m)}; {versions or 'no library installed'}.",
-        "",
         "Each case: the library's own LightningModule at 64 px, resnet18-sized, random weights, generated images, "
         "batch 4-8, 2 training steps (anomalib: its one epoch, then validation), a real Lightning Trainer on the "
-        "CPU in fp32, seeded, in its own process, without and with `ChannelsLast()` (`scripts/zoo/projects.py` "
-        "says how; the cases: `scripts/zoo/project_cases.py`). Metrics: `trainer.callback_metrics` after `fit` and "
+        "CPU in fp32, seeded, in its own process, without and with `ChannelsLast()` ([how](benchmarks.md#projects); "
+        "the cases: `scripts/zoo/project_cases.py`). Metrics: `trainer.callback_metrics` after `fit` and "
         "the sums of the first validation outputs' float tensors. The libraries are installed by "
-        "`pip install -c constraints.txt -e \".[projects]\"` in a virtual environment of their own (the steps: the "
-        "docstring of `scripts/zoo/projects.py`).",
-        "",
+        "`pip install -c constraints.txt -e \".[projects]\"` in a virtual environment of their own (the steps: "
+        "[how](benchmarks.md#projects)).",
         f"- {len(rows)} cases: {len(ran)} ran, {len(rows) - len(ran)} skipped; trained both ways: {len(both)}"
-        + (f"; a run that crashed, raised or timed out: {', '.join(broken)}" if broken else "") + ".",
+        + (f"; a run that crashed, raised or timed out: {', '.join(broken)}" if broken else "") + ".\n"
         f"- The layout check worked around the user code in: {', '.join(found) or 'none'}.",
-        "",
         table(HEADER, [row_cells(r) for r in rows]),
-        "",
-        "## Notes on the cases",
-        "",
-        *[f"- {note}" for note in NOTES],
-        "",
-    ])
+    ], {"Notes on the cases": [f"- {note}" for note in NOTES]})
 
 
 def write_outputs(out: Path, rows: list[dict[str, Any]], m: dict[str, Any], runs: list[dict[str, Any]]) -> None:

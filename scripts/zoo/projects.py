@@ -1,29 +1,10 @@
 """Third-party Lightning libraries' own tasks under ``ChannelsLast``: anomalib, lightly, torchgeo (the cases:
-``scripts/zoo/project_cases.py``; tiny sizes, random weights, generated images, nothing downloaded).
-
-Every case runs twice, each run in its own subprocess with a timeout (a native crash or a hang is a row, not the
-end of the sweep): a real Lightning ``Trainer`` (the case's package) on the CPU, fp32, seeded, 2 training steps
-(anomalib: its one epoch of 2 steps, then validation), without and with ``ChannelsLast()``. Each run records
-whether it trained, the first training loss, the metrics after ``fit``, how many conv weights are channels_last
-after training, the callback's ``layout_checks`` and every log line it wrote that starts with "ChannelsLast".
-
-The libraries pull many packages: install them in a virtual environment of their own, pinned to the torch,
-torchvision and Lightning the project is tested with::
-
-    python -m venv /root/venv-projects && source /root/venv-projects/bin/activate
-    pip install "torch==2.14.1" "torchvision==0.29.1" && pip install -e .
-    printf 'torch==2.14.1\\ntorchvision==0.29.1\\nlightning==2.6.6\\npytorch-lightning==2.6.6\\n' > /tmp/constraints.txt
-    pip install -c /tmp/constraints.txt -e ".[projects]"
-
-Usage::
+``scripts/zoo/project_cases.py``; the method and the install: docs/benchmarks.md#projects).
 
     python -m scripts.zoo.projects                              # every case -> docs/projects.md, docs/projects.json
     python -m scripts.zoo.projects --only lightly:moco anomalib   # rerun some (keys or libraries); other rows kept
     python -m scripts.zoo.projects --fast --out /tmp/projects     # one case per library
     python -m scripts.zoo.projects --list
-
-A case whose library is not installed is a "skipped" row. Child logs go to ``--log-dir``. On a shared 2-core CPU
-the whole sweep took 11 minutes, one case 1-2 (most of it imports and the check's own timing).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -116,6 +117,11 @@ def _examined(ran: list[dict[str, Any]]) -> str:
             f"{found.count('kernel')} kernel faults)")
 
 
+def load() -> str:
+    """The load averages, as the outputs give them."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def now() -> str:
     """The date and time, to the minute, as the outputs give them."""
     return time.strftime("%Y-%m-%d %H:%M")
@@ -128,7 +134,7 @@ def markdown(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: 
         f"Load average at the start: {m.get('load_start', '?')}, at the end: {m.get('load_end', '?')}.",
         f"Parity: batch {args.batch} at each model's size (128 px unless noted), one initialisation, the same two "
         "batches, a real Lightning Trainer with and without `ChannelsLast()`; step-0 gradients of every parameter "
-        "against float64 (`scripts/zoo/sweep.py` says how; MISS = O(1) off where NCHW fp32 is not). Speed: "
+        "against float64 ([how](benchmarks.md#zoo-sweep); MISS = O(1) off where NCHW fp32 is not). Speed: "
         f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
         f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
         "process; ratio = CL / NCHW. auto = what the default `ChannelsLast()` kept after its race of the layouts.",

@@ -1,46 +1,5 @@
-"""Which real models train correctly, and faster, under ``ChannelsLast``: a sweep of timm, torchvision
-and Hugging Face models (the list: ``scripts/zoo/models.py``; random weights, nothing downloaded).
-
-Every model runs in its own subprocess with a timeout, so a native crash or a hang is a row, not
-the end of the sweep. In it, from one seeded initialisation and the same two batches:
-
-1. **references**, on batch 0: one forward + backward in float64 (NCHW): the exact gradient; in
-   float64 channels_last: the layout's own kernels must give the same numbers (per parameter within
-   1e-8, else MISS: a kernel computing something else); and in fp32 with oneDNN disabled, NCHW and
-   channels_last: more correct fp32 kernels, to gauge fp32 noise in each layout.
-2. **contiguous**: a real Lightning ``Trainer``, 2 SGD steps, no callback.
-3. **channels_last**: the same with ``ChannelsLast(verify=False)`` (the kernels and the guardrails; the
-   first-batch layout check is measured by ``--check-only``). The step-0 loss and *every* parameter's
-   gradient are compared elementwise with the float64 ones: per parameter
-   ``err = max|g - g64| / max|g64|`` (the denominator floored at 1e-7 of the model's largest
-   gradient). A wrong-gradient kernel can leave the gradient's norm close; it cannot hide from a
-   max over elements. fp32 noise per parameter is the largest error of the three other fp32 runs
-   (NCHW with oneDNN, NCHW and channels_last without). Verdict: **MISS** where
-   ``err_CL > 0.1`` and ``err_CL > 10 * max(noise, 1e-3)`` (O(1) off where correct fp32 kernels
-   are not: a wrong oneDNN kernel, as oneDNN #6035's silent case); **ok** where
-   ``err_CL <= 1e-3``; **numerics** otherwise, with the noise of the same parameter and how small
-   its exact gradient is beside it (ill-conditioned gradients, as BatchNorm at batch 2 makes them,
-   are as far off in other fp32 kernels; CPU BatchNorm in channels_last sums its statistics less
-   accurately, see ``scripts/repro/cpu_bn_channels_last_accuracy.py``, so channels_last runs are further
-   off there whatever the convolution kernels). The step-0 loss is judged the same way (MISS
-   where it is > 1e-3 off and 10x the fp32 runs' error). Without a float64 reference (a model
-   that cannot run in float64) the Trainer's NCHW run is the reference. The table also says how
-   many conv weights are channels_last and which guardrail the callback applied.
-4. **speed**: training steps/s (forward, cross-entropy, backward, SGD step) of the two trained
-   models, in interleaved rounds (``cltrain.timing.rounds.time_steps``, median), fp32 and, where the CPU has
-   native bf16, bf16 autocast.
-5. **auto**: what the default ``ChannelsLast()`` keeps when its race of the layouts on the run's first
-   training steps decides (a ``Trainer`` run of 11 steps: 3 of warm-up and two rounds; fp32, and ``bf16-mixed``
-   where native).
-6. **compile** (tv ``resnet50``, timm ``convnext_atto``, timm ``efficientnet_b0``): the parity and
-   speed checks again under ``torch.compile``, the model converted with
-   ``cltrain.loops.convert_model`` before compiling.
-
-``--check-only`` measures the first-batch layout check's false alarms instead: each model once per optimizer
-(``--optimizers``), confirmed by three short trainings where the check falls back (``scripts/zoo/confirm.py``, the
-model's process; ``scripts/zoo/check_report.py``, the sweep and its outputs; the method: docs/zoo_check.md).
-
-Usage::
+"""Which real models train correctly, and faster, under ``ChannelsLast``: timm, torchvision and Hugging Face models
+(``scripts/zoo/models.py``), each in its own process. The method: docs/benchmarks.md#zoo-sweep.
 
     python -m scripts.zoo.sweep                            # the whole zoo -> docs/zoo.md, docs/zoo.json, docs/zoo.csv
     python -m scripts.zoo.sweep --resume                   # go on after an interruption (rows already in the JSON kept)
@@ -49,11 +8,6 @@ Usage::
     python -m scripts.zoo.sweep --list
     python -m scripts.zoo.sweep --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check
     python -m scripts.zoo.sweep --check-only --families --batch 4 --confirm-passes smp:,tv-video: --out /tmp/zoo_check
-
-Outputs (each written atomically after every model, so an interrupted sweep keeps its rows):
-``<out>.md`` (the table, the command, the CPU and its flags), ``<out>.json`` (every measurement,
-per-parameter worst errors included) and ``<out>.csv``; child logs under ``--log-dir``. A model's process prints
-its row after every phase (``scripts.harness.emit``): a crash leaves what was done and the phase it died in.
 """
 
 from __future__ import annotations
@@ -63,7 +17,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,10 +26,11 @@ import torch
 from cltrain.platform import cpu_bf16_support
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
+from cltrain.timing.report import command_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 from scripts.harness import emit, python_module, run_child
-from scripts.zoo.check_report import check_sweep
+from scripts.zoo.check_report import summary as check_summary, write_check_outputs
 from scripts.zoo.confirm import check_child, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
@@ -84,8 +38,8 @@ from scripts.zoo.models import (
 )
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
-from scripts.zoo.report import now, summary, write_outputs
-from scripts.zoo.training import OPTIMIZERS, fit
+from scripts.zoo.report import load, now, summary, write_outputs
+from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit
 
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
 FAST = ["timm:repvgg_a0", "timm:resnet26d", "timm:vit_tiny_patch16_224", "tv:googlenet", "hf:resnet_small"]
@@ -106,9 +60,8 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
 
 def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dtype: torch.dtype | None,
                    rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
-    """Median training steps/s of each ``(net, batch)`` (SGD with momentum), in interleaved rounds of as many steps
-    as fill ``min_window`` seconds on the faster one. The first steps build oneDNN primitives and grow the
-    allocator's pools (a small model's first step can take 20x its later ones): ``warmup`` steps are not timed."""
+    """Median training steps/s of each ``(net, batch)``, interleaved rounds filling ``min_window``; ``warmup``
+    untimed steps first (oneDNN primitives, allocator pools)."""
     steps = {key: training_step(net, lambda net=net, batch=batch: training_loss(net, batch, spec),
                                 optimizer=torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9), autocast_dtype=dtype)
              for key, (net, batch) in runs.items()}
@@ -235,11 +188,8 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> dict[str, tuple[dict, float]]:
-    """Step-0 gradients and loss of ``net0`` on ``batch`` beside the Trainer's runs: ``"native"`` and
-    ``"native_cl"`` (fp32 with oneDNN disabled, NCHW and channels_last: other correct fp32 kernels, to
-    gauge fp32 noise in each layout), ``"float64"`` (the exact ones) and ``"float64_cl"`` (float64 in
-    channels_last: the layout's own kernels must give the same numbers). A model that cannot run in
-    float64 gets no float64 entries; why goes in ``result``."""
+    """Step-0 gradients and loss of ``net0``: ``native``/``native_cl`` (fp32 without oneDNN) and ``float64``/
+    ``float64_cl`` (none where float64 fails; why goes in ``result``)."""
     from cltrain.layout import to_channels_last
     from cltrain.loops import convert_batch
 
@@ -307,8 +257,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("docs/zoo"), help="output stem: <out>.md, .json, .csv")
     p.add_argument("--log-dir", type=Path, default=Path("bench_out/zoo/logs"), help="one log per model")
     p.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run the others")
-    p.add_argument("--run-first", default="", help="comma-separated key prefixes run before the others (hf:,tv:); "
-                                                   "the table keeps the zoo's order")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per model, 3x with torch.compile (default 1200)")
     p.add_argument("--batch", type=int, default=2, help="parity (and --check-only) batch size (default 2)")
     p.add_argument("--size", type=int, default=None,
@@ -365,10 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in specs:
             print(f"{s.key:40s} {s.family:26s} {s.size:4d}px {s.note}")
         return 0
-    command = "python -m scripts.zoo.sweep " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("scripts.zoo.sweep", argv)
     m = machine()
-    m["load_start"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    m["started"] = now()
+    m["load_start"], m["started"] = load(), now()
     print(machine_line(m), flush=True)
     previous = json.loads(args.out.with_suffix(".json").read_text()) if args.resume and \
         args.out.with_suffix(".json").exists() else {}
@@ -378,23 +325,32 @@ def main(argv: list[str] | None = None) -> int:
         m["resumed"] = now()
     rows = [r for r in previous.get("rows", []) if r["key"] in {s.key for s in specs}]
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    first = tuple(p for p in args.run_first.split(",") if p)
-    ordered = sorted(specs, key=lambda s: not (first and s.key.startswith(first)))
-    if args.check_only:
-        return check_sweep(ordered, specs, rows, args, m, command, run_one)
-    done = {r["key"] for r in rows}
-    for spec in (s for s in ordered if s.key not in done):
-        result = run_one(spec, args, args.log_dir)
+    optimizers = args.optimizers.split(",") if args.check_only else [None]
+    done = {(r["key"], r.get("optimizer", optimizers[0])) for r in rows}
+    order = {s.key: i for i, s in enumerate(specs)}
+    for spec, optimizer in ((s, o) for s in specs for o in optimizers if (s.key, o) not in done):
+        result = run_one(spec, args, args.log_dir, optimizer)
         rows.append(result)
-        grad = (result.get("grad") or {}).get("verdict", "")
-        print(f"[{len(rows)}/{len(specs)}] {spec.key}: {result['status']} {grad} {result['seconds']}s", flush=True)
-        m["load_end"], m["ended"] = " ".join(f"{x:.1f}" for x in os.getloadavg()), now()
-        rows.sort(key=lambda r: [s.key for s in specs].index(r["key"]))
-        write_outputs(args.out, rows, m, command, args)
-    print("\n".join(summary(rows)))
-    print(f"wrote {args.out.with_suffix('.md')}, .json, .csv")
+        done.add((spec.key, optimizer))
+        if optimizer and result["status"] == "skipped":  # built once: its row stands for every optimizer
+            for other in (o for o in optimizers if (spec.key, o) not in done):
+                rows.append(dict(result, optimizer=other))
+                done.add((spec.key, other))
+        confirmed = (result.get("confirm") or {}).get("verdict")
+        said = (f" {OPTIMIZER_NAMES[optimizer]}: {result['status']} {result.get('layout_check', '')}"
+                f"{f' ({confirmed})' if confirmed else ''}" if optimizer
+                else f": {result['status']} {(result.get('grad') or {}).get('verdict', '')}")
+        print(f"[{len(done)}/{len(specs) * len(optimizers)}] {spec.key}{said} {result['seconds']}s", flush=True)
+        m["load_end"], m["ended"] = load(), now()
+        rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", optimizers[0]))
+                                 if r.get("optimizer", optimizers[0]) in optimizers else len(optimizers)))
+        if args.check_only:
+            write_check_outputs(args.out, rows, m, command, args, optimizers)
+        else:
+            write_outputs(args.out, rows, m, command, args)
+    print("\n".join(check_summary(rows, optimizers) if args.check_only else summary(rows)))
+    print(f"wrote {args.out.with_suffix('.md')}, .json" + ("" if args.check_only else ", .csv"))
     return 0
-
 
 
 if __name__ == "__main__":

@@ -1,17 +1,5 @@
-"""Segmentation, detection and video models of the zoo: which ones, how each is built (random weights, nothing
-downloaded), the batch it takes and its loss.
-
-* segmentation (``smp:``): segmentation_models_pytorch architectures on a resnet18 encoder
-  (``encoder_weights=None``), one output channel, trained with Dice + BCE on binary masks
-  (``loss="dice_bce"``); the batch is ``(images, masks)``, and ``ChannelsLast`` converts the images only.
-* detection (``tv-det:``): torchvision detectors in training mode (``weights=None, weights_backbone=None``);
-  the batch is ``(images, targets)``, a list of (3, H, W) images and a list of ``{"boxes", "labels"}`` dicts
-  (nothing in it is 4-D: the model batches the images itself), and the loss is the sum of the loss dict the
-  model returns (``loss="detection"``). RetinaNet and FCOS are torchvision's on a resnet18 FPN backbone
-  (their resnet50 ones are over 30M parameters); the two-stage and one-stage detectors keep the images at
-  their size (``min_size = max_size = size``), SSDlite resizes them to its fixed 320 px.
-* video: torchvision's video ResNets (``tv-video:``) on (N, 3, T, H, W) clips, and Hugging Face VideoMAE and
-  TimeSformer built from tiny configs on (B, T, C, H, W) ``pixel_values``: classifiers, cross-entropy.
+"""Segmentation (``smp:``), detection (``tv-det:``) and video (``tv-video:``, ``hf:``) models of the zoo: how each is
+built, its batch and its loss (docs/benchmarks.md#zoo-tasks).
 """
 
 from __future__ import annotations

@@ -22,10 +22,7 @@ OPTIMIZER_SETTINGS = {"sgd": "momentum 0.9, lr 0.01", "adam": "lr 1e-3", "adamw"
 
 
 class ZooModule(LightningModule):
-    """Any zoo model with its spec's loss and an optimizer of ``OPTIMIZERS``; keeps the step-0 gradients and the
-    losses.
-
-    At the top level of a module, so a child process can import its class."""
+    """A zoo model with its spec's loss and an ``OPTIMIZERS`` optimizer; keeps the step-0 gradients and the losses."""
 
     def __init__(self, net: torch.nn.Module, spec: Spec, optimizer: str = "sgd"):
         super().__init__()

@@ -23,6 +23,6 @@ def test_tiny_prints_the_memory_ratio_the_check_in_steps_and_the_machine(tmp_pat
     assert math.isclose(row["check_in_steps"], row["check_s"] / row["step_with_check_s"])
     assert math.isfinite(row["first_step_extra_in_steps"])
     lines = proc.stdout.splitlines()
-    assert any(line.startswith("resnet18") and f"{row['memory_ratio']:.2f}x" in line for line in lines), proc.stdout
+    assert any(line.startswith("| resnet18 | 32 |") and f"{row['memory_ratio']:.2f}x" in line for line in lines), proc.stdout
     assert row["optimizer"] == "adamw" and "adamw" in lines[0]
     assert "CPU" in lines[-1] and "torch" in lines[-1]
