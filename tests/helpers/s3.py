@@ -1,6 +1,6 @@
 """A real S3 server for the tests (moto's ``ThreadedMotoServer``: real HTTP on 127.0.0.1, a free port, no Docker, no
 mock of any client), and ``FaultProxy``, our own small HTTP proxy in front of it that answers chosen requests with a
-503 SlowDown, a connection reset half-way through the body, or a delay past the client's read timeout.
+503 SlowDown, a 403 AccessDenied, a connection reset half-way through the body, or a delay past the client's read timeout.
 
 Every process a test starts sees the server through the standard variables alone (``s3_env``): ``AWS_ENDPOINT_URL``
 and a key pair, as a MinIO user would set them.
@@ -85,8 +85,8 @@ class S3Server:
 @dataclass
 class Fault:
     """Answer the next ``times`` requests whose method is ``method`` and whose path holds ``path`` with ``kind``:
-    ``"slowdown"`` (503 SlowDown), ``"reset"`` (the headers and half the body, then a TCP reset) or ``"stall"``
-    (nothing for ``seconds``, then the answer)."""
+    ``"slowdown"`` (503 SlowDown), ``"denied"`` (403 AccessDenied), ``"reset"`` (the headers and half the body,
+    then a TCP reset) or ``"stall"`` (nothing for ``seconds``, then the answer)."""
 
     kind: str
     path: str = ""
@@ -127,6 +127,15 @@ class FaultProxy:
                     text = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>" \
                            b"<Message>Please reduce your request rate.</Message></Error>"
                     self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(text)))
+                    self.end_headers()
+                    self.wfile.write(text)
+                    return
+                if fault is not None and fault.kind == "denied":
+                    text = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>" \
+                           b"<Message>Access Denied</Message></Error>"
+                    self.send_response(403)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(text)))
                     self.end_headers()
