@@ -6,6 +6,8 @@ printed: on a 2-core machine it shares the cores with the loader). The images ar
 (``scripts.bench.photo_folder``) packed once (``cltrain-pack``) and uploaded as they are. Each case makes one pass
 over the training split with 2 DataLoader workers, batch 64, 224 px crops, normalised float32, timed from asking
 for the first batch (worker start-up and the first shards' fetch included) to the last (``cltrain.timing.clock.timed``).
+The CPU seconds of each pass are printed beside its rate: this process (the DataModule's setup, the fetches ahead,
+the batches received), its DataLoader workers (the decoding) and the S3 server.
 Cases, interleaved in rounds (``cltrain.timing.rounds.interleaved``), one table of medians:
 
 * ``local``: ``ShardsDataModule`` on the local pack (the baseline);
@@ -86,6 +88,12 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended children (DataLoader workers, once the pass has joined them)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _rate(loader) -> float:
@@ -265,25 +273,28 @@ def main(argv: list[str] | None = None) -> None:
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
                  "wds-fsspec": lambda: _webdataset_fsspec([f"{url}/{n}" for n in names]),
                  "litdata": lambda: _litdata(lit, cache / "litdata")}
-        cpu = {}
+        cpu: dict[str, list[tuple[float, float, float]]] = {}
 
-        def with_server_cpu(name, fn):
-            def run():
-                before = _cpu_seconds(server.pid)
+        def with_cpu(name, fn):
+            def run():  # CPU seconds of the pass: this process (fetches ahead, batches in), its workers, the server
+                own, kids, server_before = time.process_time(), _children_cpu(), _cpu_seconds(server.pid)
                 rate = fn()
-                cpu.setdefault(name, []).append(_cpu_seconds(server.pid) - before)
+                cpu.setdefault(name, []).append((time.process_time() - own, _children_cpu() - kids,
+                                                 _cpu_seconds(server.pid) - server_before))
                 return rate
             return run
 
-        rates = interleaved({k: with_server_cpu(k, cases[k]) for k in args.cases}, args.rounds)
+        rates = interleaved({k: with_cpu(k, cases[k]) for k in args.cases}, args.rounds)
         med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
         print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
               f"{args.workers} workers, shuffle_window 4; {args.rounds} rounds, median images/s\n")
-        print(table(["case", "img/s", "vs local", "each round", "S3 server CPU s per pass"],
+        print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers",
+                     "S3 server"],
                     [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
-                      ", ".join(f"{x:.0f}" for x in r), f"{spread(cpu[k]).median:.1f}"] for k, r in rates.items()],
-                    align="lrrlr"))
+                      ", ".join(f"{x:.0f}" for x in r),
+                      *(f"{spread(c[j] for c in cpu[k]).median:.2f}" for j in range(3))] for k, r in rates.items()],
+                    align="lrrlrrr"))
         for peer in ("webdataset", "wds-fsspec", "litdata"):
             if peer in med and "s3-cold" in med:
                 print(f"s3-cold / {peer}: {med['s3-cold'] / med[peer]:.2f}x")
