@@ -13,6 +13,8 @@ its name in the root. ``get(name)`` returns the local path, fetching the file fi
   is then reserved (``posix_fallocate``) under the same lock, so concurrent downloads never overshoot. A reader that
   has a file open keeps reading it when it is removed (POSIX). A file larger than the limit, or a disk full even
   after eviction, is one line (``CacheFullError``).
+* **few requests**: a file's size (the room made for it) comes from one listing of its folder per process, not a
+  request per file; a store or a key that may not list (no ``ListBucket``) is asked per file.
 * **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
   already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of

@@ -6,8 +6,8 @@ printed: on a 2-core machine it shares the cores with the loader). The images ar
 (``scripts.bench.photo_folder``) packed once (``cltrain-pack``) and uploaded as they are. Each case makes one pass
 over the training split with 2 DataLoader workers, batch 64, 224 px crops, normalised float32, timed from asking
 for the first batch (worker start-up and the first shards' fetch included) to the last (``cltrain.timing.clock.timed``).
-The CPU seconds of each pass are printed beside its rate: this process (the DataModule's setup, the fetches ahead,
-the batches received), its DataLoader workers (the decoding) and the S3 server.
+The CPU seconds of that time are printed beside each rate: this process (the fetches ahead, the batches received),
+its DataLoader workers (the decoding) and the S3 server.
 Cases, interleaved in rounds (``cltrain.timing.rounds.interleaved``), one table of medians:
 
 * ``local``: ``ShardsDataModule`` on the local pack (the baseline);
@@ -96,10 +96,19 @@ def _children_cpu() -> float:
     return used.ru_utime + used.ru_stime
 
 
+_SERVER: list[int] = []  # the S3 server's process
+_PASS_CPU: list[tuple[float, float, float]] = []  # each pass's CPU seconds: this process, its workers, the server
+
+
 def _rate(loader) -> float:
-    """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last."""
+    """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last;
+    the CPU seconds of that time go to ``_PASS_CPU``: this process (fetches ahead, batches in), its workers (decoding;
+    joined when the pass ends), the server."""
     seen: list[int] = []
+    server = (lambda: _cpu_seconds(_SERVER[0])) if _SERVER else (lambda: 0.0)
+    own, kids, served = time.process_time(), _children_cpu(), server()
     seconds = timed(lambda: seen.extend(b[0].shape[0] for b in loader))
+    _PASS_CPU.append((time.process_time() - own, _children_cpu() - kids, server() - served))
     return sum(seen) / seconds
 
 
@@ -276,14 +285,13 @@ def main(argv: list[str] | None = None) -> None:
         cpu: dict[str, list[tuple[float, float, float]]] = {}
 
         def with_cpu(name, fn):
-            def run():  # CPU seconds of the pass: this process (fetches ahead, batches in), its workers, the server
-                own, kids, server_before = time.process_time(), _children_cpu(), _cpu_seconds(server.pid)
+            def run():
                 rate = fn()
-                cpu.setdefault(name, []).append((time.process_time() - own, _children_cpu() - kids,
-                                                 _cpu_seconds(server.pid) - server_before))
+                cpu.setdefault(name, []).append(_PASS_CPU[-1])
                 return rate
             return run
 
+        _SERVER.append(server.pid)
         rates = interleaved({k: with_cpu(k, cases[k]) for k in args.cases}, args.rounds)
         med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
