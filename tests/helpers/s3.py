@@ -123,19 +123,13 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 fault = proxy._take(self.command, self.path)
-                if fault is not None and fault.kind == "slowdown":
-                    text = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>" \
-                           b"<Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(text)))
-                    self.end_headers()
-                    self.wfile.write(text)
-                    return
-                if fault is not None and fault.kind == "denied":
-                    text = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>" \
-                           b"<Message>Access Denied</Message></Error>"
-                    self.send_response(403)
+                errors = {"slowdown": (503, "SlowDown", "Please reduce your request rate."),
+                          "denied": (403, "AccessDenied", "Access Denied")}
+                if fault is not None and fault.kind in errors:
+                    status, code, message = errors[fault.kind]
+                    text = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                            f"<Message>{message}</Message></Error>").encode()
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(text)))
                     self.end_headers()
