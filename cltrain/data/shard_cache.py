@@ -13,6 +13,8 @@ its name in the root. ``get(name)`` returns the local path, fetching the file fi
   is then reserved (``posix_fallocate``) under the same lock, so concurrent downloads never overshoot. A reader that
   has a file open keeps reading it when it is removed (POSIX). A file larger than the limit, or a disk full even
   after eviction, is one line (``CacheFullError``).
+* **few requests**: a file's size (the room made for it) comes from one listing of its folder per process, not a
+  request per file; a store or a key that may not list (no ``ListBucket``) is asked per file.
 * **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
   already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
@@ -30,6 +32,7 @@ import atexit
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -46,6 +49,8 @@ from cltrain.data.errors import DataError, StorageError
 from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error
 
 __all__ = ["CacheFullError", "ShardCache", "default_cache_dir", "parse_size"]
+
+log = logging.getLogger(__name__)
 
 #: Bytes fetched per request when a whole file is fetched.
 CHUNK = 16 * 2**20
@@ -157,6 +162,7 @@ class ShardCache:
         self._limit = parse_size(limit)
         self._fs: Any = None
         self._pid = -1
+        self._sizes: dict[str, dict[str, int]] = {}  # folder of the root -> its files' sizes, listed once
         self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
 
     def __getstate__(self) -> dict:
@@ -220,6 +226,32 @@ class ShardCache:
             self._fetch(name, path, size)
         return path
 
+    def size(self, name: str) -> int:
+        """Bytes of ``name`` in the store: from one listing of its folder per process (one request for a folder of
+        shards, where a size asked per file is a request per file: a HEAD costs the client about as much CPU as
+        2 MiB of a shard, and the server as much again), else asked alone (a store or a key that may not list)."""
+        folder = name.rpartition("/")[0]
+        with _thread_lock((str(self.folder), f"\0ls {folder}")):  # the fetch threads start at once: one listing
+            sizes = self._sizes.get(folder)
+            if sizes is None:
+                sizes = self._sizes[folder] = self._listed(folder)
+        if name in sizes:
+            return sizes[name]
+        url = self.remote(name)
+        return _retried(lambda: int(self.fs.size(url)), url)
+
+    def _listed(self, folder: str) -> dict[str, int]:
+        """``{name: bytes}`` of the files directly in ``folder`` (names relative to the root); ``{}`` when the
+        folder cannot be listed (no ``ListBucket`` permission, an HTTP root, a transient error)."""
+        try:
+            entries = self.fs.ls(self.remote(folder) if folder else self.url, detail=True)
+        except Exception as err:  # noqa: BLE001 - sizes are then asked per file, which says what is wrong
+            log.debug("listing %s failed: %s", redact(self.remote(folder)), redact(str(err)))
+            return {}
+        prefix = f"{folder}/" if folder else ""
+        return {prefix + e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in entries
+                if e.get("type") == "file" and isinstance(e.get("size"), int)}
+
     def read_range(self, name: str, offset: int, size: int) -> bytes:
         """``size`` bytes of ``name`` from ``offset``, read from the store (not cached), retried."""
         return _retried(lambda: self._range(self.remote(name), offset, size), self.remote(name))
@@ -231,9 +263,8 @@ class ShardCache:
         return data
 
     def _fetch(self, name: str, path: Path, size: int | None) -> None:
-        url = self.remote(name)
         if size is None:
-            size = _retried(lambda: int(self.fs.size(url)), url)
+            size = self.size(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with ExitStack() as stack:
@@ -301,9 +332,8 @@ class ShardCache:
         """Exclusive use of ``name`` (``""``: of the cache's accounting) among the threads and processes of the node:
         a byte-range lock (per process; released by the kernel when a process dies), and a thread lock (record
         locks do not exclude threads of one process)."""
-        key = (str(self.folder), name)
+        lock = _thread_lock((str(self.folder), name))
         with _guard:
-            lock = _thread_locks.setdefault(key, threading.Lock())
             fd = _lock_files.get(str(self.folder))
             if fd is None:  # never closed: closing any descriptor of the file drops all of this process's locks
                 fd = _lock_files[str(self.folder)] = os.open(self.folder / _LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
@@ -314,6 +344,12 @@ class ShardCache:
                 yield
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
+
+
+def _thread_lock(key: tuple[str, str]) -> threading.Lock:
+    """The process's lock of ``key`` (fresh in a forked child: see ``_after_fork``)."""
+    with _guard:
+        return _thread_locks.setdefault(key, threading.Lock())
 
 
 def _touch(path: Path) -> bool:

@@ -122,6 +122,7 @@ class RemotePack(LocalPack):
         self.cache = ShardCache(self.url, cache_dir, parse_size(cache_limit))
         self._files: OrderedDict[str, int] = OrderedDict()  # type: ignore[assignment]
         self._ahead: _FetchAhead | None = None
+        self._manifest: dict | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": OrderedDict(), "_ahead": None}
@@ -141,15 +142,19 @@ class RemotePack(LocalPack):
         return redact(join(self.url, shard))
 
     def manifest(self) -> dict:
-        """The pack's ``shards.json``, read from the store (few retries: a wrong URL or endpoint is said quickly).
+        """The pack's ``shards.json``, read from the store once (few retries: a wrong URL or endpoint is said
+        quickly); a complete pack's manifest does not change, and each split's dataset asks for it.
 
         Raises:
             RemoteError: one line naming the URL and the fix.
         """
+        if self._manifest is not None:
+            return self._manifest
         url = join(self.url, MANIFEST)
         try:
             fs, path = open_fs(url, quick=True)
-            return json.loads(fs.cat_file(path))
+            self._manifest = json.loads(fs.cat_file(path, start=0))  # a range: s3fs asks no size first (a HEAD)
+            return self._manifest
         except Exception as err:  # noqa: BLE001 - every failure of the first read is one line
             if isinstance(err, FileNotFoundError):
                 raise RemoteError(f"{redact(url)}: not found: {self.where} is not a complete cltrain pack (no bucket, "

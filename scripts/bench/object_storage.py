@@ -67,10 +67,25 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended children (DataLoader workers, once the pass has joined them)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+_SERVER: list[int] = []  # the S3 server's process
+_PASS_CPU: list[tuple[float, float, float]] = []  # each pass's CPU seconds: this process, its workers, the server
+
+
 def _rate(loader) -> float:
-    """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last."""
+    """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last;
+    the CPU seconds of that time go to ``_PASS_CPU``: this process (fetches ahead, batches in), its workers (decoding;
+    joined when the pass ends), the server."""
     seen: list[int] = []
+    server = (lambda: _cpu_seconds(_SERVER[0])) if _SERVER else (lambda: 0.0)
+    own, kids, served = time.process_time(), _children_cpu(), server()
     seconds = timed(lambda: seen.extend(b[0].shape[0] for b in loader))
+    _PASS_CPU.append((time.process_time() - own, _children_cpu() - kids, server() - served))
     return sum(seen) / seconds
 
 
@@ -244,25 +259,27 @@ def main(argv: list[str] | None = None) -> None:
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
                  "wds-fsspec": lambda: _webdataset_fsspec([f"{url}/{n}" for n in names]),
                  "litdata": lambda: _litdata(lit, cache / "litdata")}
-        cpu = {}
+        cpu: dict[str, list[tuple[float, float, float]]] = {}
 
-        def with_server_cpu(name, fn):
+        def with_cpu(name, fn):
             def run():
-                before = _cpu_seconds(server.pid)
                 rate = fn()
-                cpu.setdefault(name, []).append(_cpu_seconds(server.pid) - before)
+                cpu.setdefault(name, []).append(_PASS_CPU[-1])
                 return rate
             return run
 
-        rates = interleaved({k: with_server_cpu(k, cases[k]) for k in args.cases}, args.rounds)
+        _SERVER.append(server.pid)
+        rates = interleaved({k: with_cpu(k, cases[k]) for k in args.cases}, args.rounds)
         med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
         print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
               f"{args.workers} workers, shuffle_window 4; {args.rounds} rounds, median images/s\n")
-        print(table(["case", "img/s", "vs local", "each round", "S3 server CPU s per pass"],
+        print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers",
+                     "S3 server"],
                     [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
-                      ", ".join(f"{x:.0f}" for x in r), f"{spread(cpu[k]).median:.1f}"] for k, r in rates.items()],
-                    align="lrrlr"))
+                      ", ".join(f"{x:.0f}" for x in r),
+                      *(f"{spread(c[j] for c in cpu[k]).median:.2f}" for j in range(3))] for k, r in rates.items()],
+                    align="lrrlrrr"))
         for peer in ("webdataset", "wds-fsspec", "litdata"):
             if peer in med and "s3-cold" in med:
                 print(f"s3-cold / {peer}: {med['s3-cold'] / med[peer]:.2f}x")

@@ -107,6 +107,50 @@ def test_processes_on_a_node_fetch_a_shard_once(url, server, env, tmp_path):
         proxy.stop()
 
 
+def test_a_cold_pass_asks_the_store_once_per_file_and_once_per_folder(url, server, env, monkeypatch):
+    # sizes come from one listing of each folder (a HEAD per file costs the client and the server about as much
+    # CPU as 2 MiB of a shard), the manifest is read once for both splits
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        dm = ShardsDataModule(url, **KW)
+        _batches(dm, True)
+        _batches(dm, False)
+        seen = list(proxy.seen)
+    finally:
+        proxy.stop()
+    names = [p for m, p in seen if m == "GET" and "list-type" not in p]
+    assert not [p for m, p in seen if m == "HEAD"], seen
+    assert len([p for m, p in seen if "list-type" in p]) == 2, seen  # train/ and val/
+    assert sorted(names) == sorted(set(names)) and sum("shards.json" in p for p in names) == 1, names
+    assert len([p for p in names if p.split("?")[0].endswith(".tar")]) == 8  # 5 train + 3 val shards
+
+
+def test_a_store_that_does_not_list_is_read_with_a_size_per_file(url, local_pack, server, env, monkeypatch):
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.faults = [Fault("denied", path="list-type", times=100)]  # a key with GetObject but no ListBucket
+    try:
+        a = _batches(ShardsDataModule(local_pack, **KW), True)
+        b = _batches(ShardsDataModule(url, **KW), True)
+        heads = len([p for m, p in proxy.seen if m == "HEAD"])
+    finally:
+        proxy.stop()
+    assert proxy.faults[0].hit >= 1 and heads >= 5
+    assert len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
+
+
+def test_the_s3_filesystems_of_a_process_share_botocores_parsed_models(url, env):
+    from cltrain.data.remote import open_fs
+
+    # parsed once per process (about 0.1 s of CPU per filesystem otherwise), each with its own session: the
+    # variables of the moment (endpoint, keys) are read by each
+    one, two = open_fs(url)[0], open_fs(url, quick=True)[0]
+    assert one.session is not two.session
+    assert one.session.get_component("data_loader") is two.session.get_component("data_loader")
+    assert two.cat_file(url + "/shards.json") == one.cat_file(url + "/shards.json")
+
+
 @pytest.mark.parametrize("fault", ["slowdown", "reset", "stall"])
 def test_transient_faults_are_retried_and_no_sample_is_lost_or_read_twice(url, local_pack, server, env, fault,
                                                                           monkeypatch):

@@ -1,6 +1,6 @@
 """A real S3 server for the tests (moto's ``ThreadedMotoServer``: real HTTP on 127.0.0.1, a free port, no Docker, no
 mock of any client), and ``FaultProxy``, our own small HTTP proxy in front of it that answers chosen requests with a
-503 SlowDown, a connection reset half-way through the body, or a delay past the client's read timeout.
+503 SlowDown, a 403 AccessDenied, a connection reset half-way through the body, or a delay past the client's read timeout.
 
 Every process a test starts sees the server through the standard variables alone (``s3_env``): ``AWS_ENDPOINT_URL``
 and a key pair, as a MinIO user would set them.
@@ -85,8 +85,8 @@ class S3Server:
 @dataclass
 class Fault:
     """Answer the next ``times`` requests whose method is ``method`` and whose path holds ``path`` with ``kind``:
-    ``"slowdown"`` (503 SlowDown), ``"reset"`` (the headers and half the body, then a TCP reset) or ``"stall"``
-    (nothing for ``seconds``, then the answer)."""
+    ``"slowdown"`` (503 SlowDown), ``"denied"`` (403 AccessDenied), ``"reset"`` (the headers and half the body,
+    then a TCP reset) or ``"stall"`` (nothing for ``seconds``, then the answer)."""
 
     kind: str
     path: str = ""
@@ -123,10 +123,13 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 fault = proxy._take(self.command, self.path)
-                if fault is not None and fault.kind == "slowdown":
-                    text = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>" \
-                           b"<Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
+                errors = {"slowdown": (503, "SlowDown", "Please reduce your request rate."),
+                          "denied": (403, "AccessDenied", "Access Denied")}
+                if fault is not None and fault.kind in errors:
+                    status, code, message = errors[fault.kind]
+                    text = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                            f"<Message>{message}</Message></Error>").encode()
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(text)))
                     self.end_headers()

@@ -18,7 +18,8 @@ def test_the_benchmark_prints_each_case_against_the_local_pack(tmp_path) -> None
                     "--rounds", "1", "--workers", "0", "--work", str(tmp_path), "--cases", "local", "s3-cold", "s3-warm", "wds-fsspec"],
                    cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "| case | img/s | vs local | each round | S3 server CPU s per pass |" in out.stdout, out.stdout
+    assert "| case | img/s | vs local | each round | CPU s per pass: main process | workers | S3 server |" in out.stdout, \
+        out.stdout
     for case in ("local", "s3-cold", "s3-warm", "wds-fsspec"):
         assert f"| {case} | " in out.stdout, out.stdout
     assert "| local | " in out.stdout and "| 1.00x |" in out.stdout and "s3-cold / wds-fsspec: " in out.stdout
