@@ -30,7 +30,7 @@ from scripts.fits import quiet_trainer
 from scripts.harness import REPO, emit, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
-from scripts.zoo.project_report import write_outputs
+from scripts.zoo.pages import write_projects
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
 LAYOUTS = ("contiguous", "channels_last")
@@ -171,7 +171,7 @@ def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: 
         rows[case.key] = run_case(case, log_dir, timeout)
         print(f"{case.key}: {rows[case.key]['status']} ({rows[case.key].get('seconds', 0)} s)", flush=True)
         runs[-1]["seconds"] = round(watch.elapsed(), 1)
-        write_outputs(out, _in_order(rows, order), m, runs)
+        write_projects(out, _in_order(rows, order), m, runs)
     return _in_order(rows, order)
 
 

@@ -30,15 +30,14 @@ from cltrain.timing.report import command_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 from scripts.harness import emit, python_module, run_child
-from scripts.zoo.check_report import summary as check_summary, write_check_outputs
 from scripts.zoo.confirm import check_child, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
     quiet_random_layers, training_loss,
 )
+from scripts.zoo.pages import check_summary, load, now, sweep_summary, write_check, write_sweep
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
-from scripts.zoo.report import load, now, summary, write_outputs
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit
 
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
@@ -345,10 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", optimizers[0]))
                                  if r.get("optimizer", optimizers[0]) in optimizers else len(optimizers)))
         if args.check_only:
-            write_check_outputs(args.out, rows, m, command, args, optimizers)
+            write_check(args.out, rows, m, command, args, optimizers)
         else:
-            write_outputs(args.out, rows, m, command, args)
-    print("\n".join(check_summary(rows, optimizers) if args.check_only else summary(rows)))
+            write_sweep(args.out, rows, m, command, args)
+    print("\n".join(check_summary(rows, optimizers) if args.check_only else sweep_summary(rows)))
     print(f"wrote {args.out.with_suffix('.md')}, .json" + ("" if args.check_only else ", .csv"))
     return 0
 
