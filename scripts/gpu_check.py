@@ -31,7 +31,7 @@ import torch
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line, table, write_report
-from scripts.bench.mark import CONFIGS, loader_splits, tasks
+from scripts.bench.mark import CONFIGS, MATRIX, loader_splits, tasks
 from scripts.bench.mark_table import SHORT, num
 from scripts.harness import REPO, run_child
 
@@ -39,10 +39,6 @@ COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)",
            "notes")
 CELLS = {"img_s": "img/s", "step_ms": "step (ms)", "finite": "finite losses", "syncs": "host syncs/step"}
 E2E = "main_amp e2e"
-#: The matrix of part (c): each layout in each precision, then channels_last compiled (the slowest to start, the
-#: first a time limit drops); the names and overrides of ``scripts.bench.mark.CONFIGS``.
-MATRIX = [f"{layout} {p}" for p in ("fp16", "bf16", "fp32") for layout in ("channels_last", "contiguous")] + [
-    "channels_last compile"]
 FULL = {"classes": 10, "per_class": 512, "size": (500, 375), "warmup": 8, "steps": 60, "count": (3, 4),
         "overrides": [], "batch": 256,  # 20 batches of 256 an epoch
         "mark": {"synthetic": {"model": "resnet50", "batch": 256, "size": 224, "warmup": 3, "steps": 5, "rounds": 3},
@@ -143,8 +139,7 @@ def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, 
     runs, results = work / "runs", work / "e2e.jsonl"
     runs.mkdir(parents=True, exist_ok=True)
     workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))
-    chosen = ([t for t in tasks(tiny) if not only or t["kind"] in only or t.get("name") in only] if header
-              else [dict(kind="e2e", name=name, round=0) for name in MATRIX])
+    chosen = [t for t in tasks(tiny, matrix=header is None) if not only or t["kind"] in only or t.get("name") in only]
     spec = {**size["mark"], "runs": str(runs), "count": size["count"], "results": str(results), "out": str(out),
             "tiny": tiny, "tasks": chosen, "deadline": time.time() + limit - 5, "needs_scale": 0 if tiny or not header else 1,
             "warmup": size["warmup"], "steps": size["steps"], "device": "cuda" if torch.cuda.is_available() else "cpu",

@@ -3,6 +3,7 @@ table, not the end of the run; what it measured comes back as lines it printed w
 
     child = run_child(python_module("scripts.bench.default_speed", "--child", ...), timeout=600)
     child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"
+    child.failure()       # None, or the status with the last error line: "exited 1: ValueError: ..."
     child.results()       # every object the child emitted
 """
 
@@ -63,6 +64,12 @@ class Child:
         if self.code < 0:
             return f"crashed ({signal_name(self.code)})"
         return "ok" if self.code == 0 else f"exited {self.code}"
+
+    def failure(self) -> str | None:
+        """``None`` where it exited 0; else its :meth:`status`, after a raise or a crash with its :meth:`last_error`."""
+        if self.code == 0:
+            return None
+        return self.status() if self.code is None else f"{self.status()}: {self.last_error()}"
 
     def last_error(self) -> str:
         """The last line naming an error or exception (else the last line), cut to 200 characters."""

@@ -207,8 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "--sizes", ",".join(map(str, args.sizes)), "--fit-steps", args.fit_steps, "--steps", args.steps,
             "--rounds", args.rounds, "--optimizer", args.optimizer,
             "--precisions", *args.precisions, *(["--cpu"] if args.cpu else [])), timeout=args.timeout)
-        why = None if run.code == 0 else (f"timed out after {args.timeout:.0f} s" if run.code is None
-                                           else f"exit {run.code}: {run.last_error()}")
+        why = run.failure()
         lines = [summarise(name, p, size, [f for f in run.results() if f["precision"] == p and f["size"] == size], why)
                  for size in args.sizes for p in args.precisions]
         records += lines

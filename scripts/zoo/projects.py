@@ -145,12 +145,8 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
                                         "--layout", layout), log=log, timeout=timeout)
         found = child.results()
         run = found[-1] if found else {"trained": False}
-        if child.code is None:
-            run["status"] = child.status()
-        elif child.code or not found:
-            run["status"] = f"{child.status() if child.code else 'exited 0'}: {child.last_error()}"
-        else:
-            run["status"] = "raised" if "error" in run else "ok"
+        run["status"] = child.failure() or (f"exited 0: {child.last_error()}" if not found
+                                            else "raised" if "error" in run else "ok")
         row[layout] = {**run, "log": str(log)}
     row["status"] = "ok" if all(row[k]["status"] == "ok" for k in LAYOUTS) else "see runs"
     row["seconds"] = round(watch.elapsed(), 1)

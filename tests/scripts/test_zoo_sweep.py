@@ -219,10 +219,14 @@ def test_a_gap_counts_above_ten_times_the_noise_and_the_least_gap():
 def test_a_native_crash_in_the_channels_last_run_confirms_and_elsewhere_is_unjudged():
     row = {"layout_check": "contiguous", "status": "crashed (SIGSEGV) in confirm channels_last",
            "confirm": {"losses_nchw": [1.0], "losses_nudged": [1.0]}}
-    assert confirm.died(row, "confirm channels_last", row["status"]) == "confirmed"
-    assert row["confirm"]["error_channels_last"] == row["status"]
+    crash = row["status"]
+    confirm.settle_confirmation(row, "confirm channels_last", crashed=True)
+    assert row["confirm"]["verdict"] == "confirmed" and row["status"] == "ok"
+    assert row["confirm"]["error_channels_last"] == crash
     row = {"layout_check": "fallback", "status": "timeout after 60s in confirm nudged", "confirm": {}}
-    assert confirm.died(row, "confirm nudged", None) == "unfinished: timeout after 60s in confirm nudged"
+    confirm.settle_confirmation(row, "confirm nudged", crashed=False)
+    assert row["confirm"]["verdict"] == "unfinished: timeout after 60s in confirm nudged"
+    assert row["status"] == "timeout after 60s in confirm nudged"
 
 
 def test_the_summary_counts_each_optimizer_and_names_each_false_fallback():
