@@ -136,11 +136,11 @@ def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, 
         header: dict[str, str] | None, only: list[str] | None = None) -> list[dict[str, str]]:
     """Part (c) in one worker under ``limit``: the ``MATRIX`` configurations, or with ``header`` (``--mark``) the
     mark's tasks (``only``: by kind or name); a row per matrix configuration, and with ``--mark`` one for mark.md."""
-    runs, results = work / "runs", work / "e2e.jsonl"
+    runs = work / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))
     chosen = [t for t in tasks(tiny, matrix=header is None) if not only or t["kind"] in only or t.get("name") in only]
-    spec = {**size["mark"], "runs": str(runs), "count": size["count"], "results": str(results), "out": str(out),
+    spec = {**size["mark"], "runs": str(runs), "count": size["count"], "out": str(out),
             "tiny": tiny, "tasks": chosen, "deadline": time.time() + limit - 5, "needs_scale": 0 if tiny or not header else 1,
             "warmup": size["warmup"], "steps": size["steps"], "device": "cuda" if torch.cuda.is_available() else "cpu",
             "batch": size["batch"], "header": header, "common": [
@@ -149,9 +149,9 @@ def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, 
                 "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
     spec["loader"] = {**spec["loader"], "splits": loader_splits(workers, tiny)}
     (work / "e2e.json").write_text(json.dumps(spec, indent=1))
-    code = run_child([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "e2e.json")], timeout=limit,
-                     log=log).code
-    records = list(map(json.loads, results.read_text().splitlines())) if results.is_file() else []
+    worker = run_child([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "e2e.json")], timeout=limit,
+                       log=log)
+    code, records = worker.code, worker.results()
     # every run's metrics.json beside the table, in one file: the device tool's eight returned files keep room
     lines = [json.dumps({"run": p.parent.name, **json.loads(p.read_text())}) for p in sorted(runs.glob("*/metrics.json"))]
     if lines:

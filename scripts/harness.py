@@ -73,13 +73,14 @@ class Child:
 
     def last_error(self) -> str:
         """The last line naming an error or exception (else the last line), cut to 200 characters."""
-        lines = [line.strip() for line in self.output.splitlines() if line.strip() and not line.startswith(RESULT)]
+        lines = [line.strip() for line in self.output.splitlines() if line.strip() and RESULT not in line]
         errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "Exception" in line.split(":", 1)[0]]
         return (errors or lines or ["(no output)"])[-1][:200]
 
     def results(self) -> list[Any]:
         """Every object the child :func:`emit`-ted, in order."""
-        return [json.loads(line[len(RESULT):]) for line in self.output.splitlines() if line.startswith(RESULT)]
+        # split, not startswith: a progress bar's unfinished line on stderr may stand before it
+        return [json.loads(line.split(RESULT, 1)[1]) for line in self.output.splitlines() if RESULT in line]
 
 
 def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | None = None, cwd: Path = REPO,

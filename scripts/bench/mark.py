@@ -19,6 +19,7 @@ from cltrain.timing.clock import Stopwatch, synchronize
 from cltrain.timing.report import write_report
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 from scripts.bench.mark_table import mark_markdown
+from scripts.harness import emit
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
@@ -218,7 +219,7 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
 
 def run_tasks(spec_file: Path) -> int:
     """The worker (``python -m scripts.gpu_check --worker SPEC``): every task of the spec in order, each record
-    appended to ``spec["results"]`` as it ends and, for ``--mark`` (``spec["header"]``), ``mark.md`` written again."""
+    emitted (``scripts.harness.emit``) as it ends and, for ``--mark`` (``spec["header"]``), ``mark.md`` written again."""
 
     spec = json.loads(spec_file.read_text())
     tiny, records = spec["tiny"], []
@@ -239,8 +240,7 @@ def run_tasks(spec_file: Path) -> int:
                 record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
         record["seconds"] = round(watch.elapsed(), 1)
         records.append(record)
-        with open(spec["results"], "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        emit(record)
         if spec["header"]:
             write_report(Path(spec["out"], "mark"), markdown=mark_markdown(records, spec["header"]))
         print(f"mark: {record['name']}: {record.get('status')} in {record['seconds']} s", flush=True)
