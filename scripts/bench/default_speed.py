@@ -9,7 +9,6 @@ pinned, model family by family (the method: docs/benchmarks.md#default-speed).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -190,7 +189,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
     args.precisions = [auto.flag if p == "auto" else p for p in (args.precisions or ["auto", "32-true"])]
-    args.out.mkdir(parents=True, exist_ok=True)
     command = command_line("scripts.bench.default_speed", argv)
     header = (f"`{command}`: batch {args.batch}, {args.optimizer}, fits of {args.fit_steps} steps timed whole and in "
               f"their last {args.steps} steps, {args.rounds} round(s) (medians); amp=auto: {auto.flag} ({auto.reason})."
@@ -213,8 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         records += lines
         for r in lines:
             print(records_table([r], "").splitlines()[-1], flush=True)
-        write_report(args.out / "default_speed", markdown=records_table(records, header))
-        (args.out / "default_speed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_report(args.out / "default_speed", markdown=records_table(records, header), data=records)
     print(records_table(records, header))
     return records
 
