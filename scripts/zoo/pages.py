@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -30,6 +31,12 @@ def load() -> str:
 def now() -> str:
     """The date and time, to the minute, as the pages give them."""
     return time.strftime("%Y-%m-%d %H:%M")
+
+
+def record(out: Path, keep: bool = True) -> dict[str, Any]:
+    """``<out>.json``, the record a rerun keeps rows from; ``{}`` where there is none or ``keep`` is off."""
+    path = out.with_suffix(".json")
+    return json.loads(path.read_text()) if keep and path.exists() else {}
 
 
 def fmt_err(value: Any) -> str:

@@ -30,7 +30,7 @@ from scripts.fits import quiet_trainer
 from scripts.harness import REPO, emit, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
-from scripts.zoo.pages import write_projects
+from scripts.zoo.pages import record, write_projects
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
 LAYOUTS = ("contiguous", "channels_last")
@@ -156,7 +156,7 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
 def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: str, keep: bool = False) -> list[dict]:
     """Run ``cases`` and write the outputs after each; with ``keep``, rows of other cases stay from ``<out>.json``."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    old = json.loads(out.with_suffix(".json").read_text()) if keep and out.with_suffix(".json").exists() else {}
+    old = record(out, keep)
     rows = {r["key"]: r for r in old.get("rows", [])}
     runs = (old.get("runs", []) if keep else []) + [{"command": command, "seconds": 0.0}]
     m = machine()
