@@ -1,7 +1,7 @@
 """Never slower by default: ``ChannelsLast()``, which races the layouts on the run's first steps, against both layouts
 pinned, model family by family (the method: docs/benchmarks.md#default-speed).
 
-    python -m scripts.bench.default_speed --out bench_out/default_speed                        # the dozen, 64 and 128 px
+    python -m scripts.bench.default_speed --out bench_out/default_speed                       # the dozen, 64 and 128 px
     python -m scripts.bench.default_speed --models resnet50 --sizes 224 --batch 16 --fit-steps 40  # the race at 224 px
     python -m scripts.bench.default_speed --tiny --out /tmp/ds                                 # any CPU, seconds
 """
@@ -152,12 +152,13 @@ def records_table(records: list[dict[str, Any]], header: str) -> str:
         cells.append([r["model"], r["precision"], str(r["size"]), f"{1000 * r['nchw_step_s']:.1f}",
                       f"{1000 * r['channels_last_step_s']:.1f}", f"{1000 * r['default_step_s']:.1f}",
                       f"{r['step_ratio']:.3f}",
-                      "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}", f"{r['nchw_fit_s']:.1f}", f"{r['channels_last_fit_s']:.1f}",
+                      "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}", f"{r['nchw_fit_s']:.1f}",
+                      f"{r['channels_last_fit_s']:.1f}",
                       f"{r['default_fit_s']:.1f}", f"{r['fit_ratio']:.3f}", _decided(r)])
     return "\n".join([header, "", table(["model", "precision", "px", "step NCHW (ms)", "step CL (ms)",
                                           "step default (ms)", "default / faster step", "kept / faster step",
-                                          "fit NCHW (s)", "fit CL (s)",
-                                          "fit default (s)", "default / faster fit", "the race kept"],
+                                          "fit NCHW (s)", "fit CL (s)", "fit default (s)", "default / faster fit",
+                                          "the race kept"],
                                          cells, align="lllrrrrrrrrrl")]) + "\n"
 
 
