@@ -31,7 +31,7 @@ import torch
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line, table, write_report
-from scripts.bench.mark import CONFIGS, loader_splits, tasks
+from scripts.bench.mark import CONFIGS, MATRIX, loader_splits, tasks
 from scripts.bench.mark_table import SHORT, num
 from scripts.harness import REPO, run_child
 
@@ -39,10 +39,6 @@ COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)",
            "notes")
 CELLS = {"img_s": "img/s", "step_ms": "step (ms)", "finite": "finite losses", "syncs": "host syncs/step"}
 E2E = "main_amp e2e"
-#: The matrix of part (c): each layout in each precision, then channels_last compiled (the slowest to start, the
-#: first a time limit drops); the names and overrides of ``scripts.bench.mark.CONFIGS``.
-MATRIX = [f"{layout} {p}" for p in ("fp16", "bf16", "fp32") for layout in ("channels_last", "contiguous")] + [
-    "channels_last compile"]
 FULL = {"classes": 10, "per_class": 512, "size": (500, 375), "warmup": 8, "steps": 60, "count": (3, 4),
         "overrides": [], "batch": 256,  # 20 batches of 256 an epoch
         "mark": {"synthetic": {"model": "resnet50", "batch": 256, "size": 224, "warmup": 3, "steps": 5, "rounds": 3},
@@ -140,12 +136,11 @@ def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, 
         header: dict[str, str] | None, only: list[str] | None = None) -> list[dict[str, str]]:
     """Part (c) in one worker under ``limit``: the ``MATRIX`` configurations, or with ``header`` (``--mark``) the
     mark's tasks (``only``: by kind or name); a row per matrix configuration, and with ``--mark`` one for mark.md."""
-    runs, results = work / "runs", work / "e2e.jsonl"
+    runs = work / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     workers = 0 if tiny else max(1, min(16, (os.cpu_count() or 2) - 2))
-    chosen = ([t for t in tasks(tiny) if not only or t["kind"] in only or t.get("name") in only] if header
-              else [dict(kind="e2e", name=name, round=0) for name in MATRIX])
-    spec = {**size["mark"], "runs": str(runs), "count": size["count"], "results": str(results), "out": str(out),
+    chosen = [t for t in tasks(tiny, matrix=header is None) if not only or t["kind"] in only or t.get("name") in only]
+    spec = {**size["mark"], "runs": str(runs), "count": size["count"], "out": str(out),
             "tiny": tiny, "tasks": chosen, "deadline": time.time() + limit - 5, "needs_scale": 0 if tiny or not header else 1,
             "warmup": size["warmup"], "steps": size["steps"], "device": "cuda" if torch.cuda.is_available() else "cpu",
             "batch": size["batch"], "header": header, "common": [
@@ -154,9 +149,9 @@ def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, 
                 "trainer.limit_val_batches=0", "print_freq=20", f"throughput_warmup={size['warmup']}"]}
     spec["loader"] = {**spec["loader"], "splits": loader_splits(workers, tiny)}
     (work / "e2e.json").write_text(json.dumps(spec, indent=1))
-    code = run_child([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "e2e.json")], timeout=limit,
-                     log=log).code
-    records = list(map(json.loads, results.read_text().splitlines())) if results.is_file() else []
+    worker = run_child([sys.executable, "-m", "scripts.gpu_check", "--worker", str(work / "e2e.json")], timeout=limit,
+                       log=log)
+    code, records = worker.code, worker.results()
     # every run's metrics.json beside the table, in one file: the device tool's eight returned files keep room
     lines = [json.dumps({"run": p.parent.name, **json.loads(p.read_text())}) for p in sorted(runs.glob("*/metrics.json"))]
     if lines:

@@ -3,6 +3,7 @@ table, not the end of the run; what it measured comes back as lines it printed w
 
     child = run_child(python_module("scripts.bench.default_speed", "--child", ...), timeout=600)
     child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"
+    child.failure()       # None, or the status with the last error line: "exited 1: ValueError: ..."
     child.results()       # every object the child emitted
 """
 
@@ -64,15 +65,22 @@ class Child:
             return f"crashed ({signal_name(self.code)})"
         return "ok" if self.code == 0 else f"exited {self.code}"
 
+    def failure(self) -> str | None:
+        """``None`` where it exited 0; else its :meth:`status`, after a raise or a crash with its :meth:`last_error`."""
+        if self.code == 0:
+            return None
+        return self.status() if self.code is None else f"{self.status()}: {self.last_error()}"
+
     def last_error(self) -> str:
         """The last line naming an error or exception (else the last line), cut to 200 characters."""
-        lines = [line.strip() for line in self.output.splitlines() if line.strip() and not line.startswith(RESULT)]
+        lines = [line.strip() for line in self.output.splitlines() if line.strip() and RESULT not in line]
         errors = [line for line in lines if "Error" in line.split(":", 1)[0] or "Exception" in line.split(":", 1)[0]]
         return (errors or lines or ["(no output)"])[-1][:200]
 
     def results(self) -> list[Any]:
         """Every object the child :func:`emit`-ted, in order."""
-        return [json.loads(line[len(RESULT):]) for line in self.output.splitlines() if line.startswith(RESULT)]
+        # split, not startswith: a progress bar's unfinished line on stderr may stand before it
+        return [json.loads(line.split(RESULT, 1)[1]) for line in self.output.splitlines() if RESULT in line]
 
 
 def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | None = None, cwd: Path = REPO,

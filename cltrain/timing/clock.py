@@ -5,6 +5,8 @@
   a step returns once its kernels are queued; without the sync a window would time the launches, not the work.
 * ``StepTimer`` (a run's own steps, the hot loop): never waits for the device; on CUDA the step is bracketed by
   events whose time is read only when asked, long after.
+* ``cpu_seconds``: CPU seconds (user + system) used so far by this process, its ended children or another process:
+  what a window cost the cores, beside its wall seconds.
 
 Example::
 
@@ -18,13 +20,15 @@ Example::
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 from collections.abc import Callable
 from typing import Any, Union
 
 import torch
 
-__all__ = ["EventReading", "StepTimer", "Stopwatch", "Sync", "sync_hook", "synchronize", "timed"]
+__all__ = ["EventReading", "StepTimer", "Stopwatch", "Sync", "cpu_seconds", "sync_hook", "synchronize", "timed"]
 
 #: What runs before each clock read: nothing, a device's synchronisation, or a callable.
 Sync = Union[Callable[[], object], torch.device, str, None]
@@ -91,6 +95,17 @@ def timed(fn: Callable[[], object], sync: Sync = None) -> float:
     with Stopwatch(sync) as watch:
         fn()
     return watch.seconds
+
+
+def cpu_seconds(of: int | str = "self") -> float:
+    """CPU seconds (user + system) used so far by ``of``: ``"self"`` (this process), ``"children"`` (its children
+    that have ended and been waited for, DataLoader workers once joined) or a process id (Linux ``/proc``)."""
+    if isinstance(of, int):
+        with open(f"/proc/{of}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    used = resource.getrusage({"self": resource.RUSAGE_SELF, "children": resource.RUSAGE_CHILDREN}[of])
+    return used.ru_utime + used.ru_stime
 
 
 class StepTimer:

@@ -1,7 +1,7 @@
 """Never slower by default: ``ChannelsLast()``, which races the layouts on the run's first steps, against both layouts
 pinned, model family by family (the method: docs/benchmarks.md#default-speed).
 
-    python -m scripts.bench.default_speed --out bench_out/default_speed                        # the dozen, 64 and 128 px
+    python -m scripts.bench.default_speed --out bench_out/default_speed                       # the dozen, 64 and 128 px
     python -m scripts.bench.default_speed --models resnet50 --sizes 224 --batch 16 --fit-steps 40  # the race at 224 px
     python -m scripts.bench.default_speed --tiny --out /tmp/ds                                 # any CPU, seconds
 """
@@ -9,7 +9,6 @@ pinned, model family by family (the method: docs/benchmarks.md#default-speed).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -153,12 +152,13 @@ def records_table(records: list[dict[str, Any]], header: str) -> str:
         cells.append([r["model"], r["precision"], str(r["size"]), f"{1000 * r['nchw_step_s']:.1f}",
                       f"{1000 * r['channels_last_step_s']:.1f}", f"{1000 * r['default_step_s']:.1f}",
                       f"{r['step_ratio']:.3f}",
-                      "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}", f"{r['nchw_fit_s']:.1f}", f"{r['channels_last_fit_s']:.1f}",
+                      "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}", f"{r['nchw_fit_s']:.1f}",
+                      f"{r['channels_last_fit_s']:.1f}",
                       f"{r['default_fit_s']:.1f}", f"{r['fit_ratio']:.3f}", _decided(r)])
     return "\n".join([header, "", table(["model", "precision", "px", "step NCHW (ms)", "step CL (ms)",
                                           "step default (ms)", "default / faster step", "kept / faster step",
-                                          "fit NCHW (s)", "fit CL (s)",
-                                          "fit default (s)", "default / faster fit", "the race kept"],
+                                          "fit NCHW (s)", "fit CL (s)", "fit default (s)", "default / faster fit",
+                                          "the race kept"],
                                          cells, align="lllrrrrrrrrrl")]) + "\n"
 
 
@@ -195,7 +195,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
     args.precisions = [auto.flag if p == "auto" else p for p in (args.precisions or ["auto", "32-true"])]
-    args.out.mkdir(parents=True, exist_ok=True)
     command = command_line("scripts.bench.default_speed", argv)
     header = (f"`{command}`: batch {args.batch}, {args.optimizer}, fits of {args.fit_steps} steps timed whole and in "
               f"their last {args.steps} steps, {args.rounds} round(s) (medians); amp=auto: {auto.flag} ({auto.reason})."
@@ -212,15 +211,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "--sizes", ",".join(map(str, args.sizes)), "--fit-steps", args.fit_steps, "--steps", args.steps,
             "--rounds", args.rounds, "--optimizer", args.optimizer,
             "--precisions", *args.precisions, *(["--cpu"] if args.cpu else [])), timeout=args.timeout)
-        why = None if run.code == 0 else (f"timed out after {args.timeout:.0f} s" if run.code is None
-                                           else f"exit {run.code}: {run.last_error()}")
+        why = run.failure()
         lines = [summarise(name, p, size, [f for f in run.results() if f["precision"] == p and f["size"] == size], why)
                  for size in args.sizes for p in args.precisions]
         records += lines
         for r in lines:
             print(records_table([r], "").splitlines()[-1], flush=True)
-        write_report(args.out / "default_speed", markdown=records_table(records, header))
-        (args.out / "default_speed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_report(args.out / "default_speed", markdown=records_table(records, header), data=records)
     print(records_table(records, header))
     return records
 

@@ -19,6 +19,7 @@ from cltrain.timing.clock import Stopwatch, synchronize
 from cltrain.timing.report import write_report
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 from scripts.bench.mark_table import mark_markdown
+from scripts.harness import emit
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
@@ -36,6 +37,10 @@ CONFIGS: dict[str, list[str]] = {
     "channels_last fp16 compile max-autotune-no-cudagraphs": ["channels_last=true", "amp=fp16", "compile.enabled=true",
                                                               "compile.mode=max-autotune-no-cudagraphs"],
 }
+#: ``scripts.gpu_check``'s matrix (without ``--mark``): each layout in each precision, then channels_last compiled
+#: (the slowest to start, the first a time limit drops).
+MATRIX = [f"{layout} {p}" for p in ("fp16", "bf16", "fp32") for layout in ("channels_last", "contiguous")] + [
+    "channels_last compile"]
 #: Repeated in every round; on a CPU (``--tiny``) the fp32 pair instead.
 KEY = ["contiguous fp16", "channels_last fp16", "channels_last fp16 compile", "channels_last compile"]
 KEY_CPU = ["contiguous fp32", "channels_last fp32"]
@@ -45,8 +50,10 @@ PROFILED = {"channels_last fp16", "channels_last fp16 compile", "channels_last f
 NEEDS = {"amp": 30, "e2e": 20, "compile": 90, "max-autotune": 300, "largest_batch": 60, "loader": 40}
 
 
-def tasks(tiny: bool) -> list[dict[str, Any]]:
-    """The tasks in the order they run (docs/benchmarks.md#mark)."""
+def tasks(tiny: bool, matrix: bool = False) -> list[dict[str, Any]]:
+    """The tasks in the order they run (docs/benchmarks.md#mark); ``matrix``: the ``MATRIX``'s, once each."""
+    if matrix:
+        return [dict(kind="e2e", name=name, round=0) for name in MATRIX]
     key = KEY_CPU if tiny else KEY
     e2e = [dict(kind="e2e", name=n, round=r) for r in range(3) for n in rotated(key, r)]
     first, second, third = e2e[:len(key)], e2e[len(key):2 * len(key)], e2e[2 * len(key):]
@@ -212,7 +219,7 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
 
 def run_tasks(spec_file: Path) -> int:
     """The worker (``python -m scripts.gpu_check --worker SPEC``): every task of the spec in order, each record
-    appended to ``spec["results"]`` as it ends and, for ``--mark`` (``spec["header"]``), ``mark.md`` written again."""
+    emitted (``scripts.harness.emit``) as it ends and, for ``--mark`` (``spec["header"]``), ``mark.md`` written again."""
 
     spec = json.loads(spec_file.read_text())
     tiny, records = spec["tiny"], []
@@ -233,8 +240,7 @@ def run_tasks(spec_file: Path) -> int:
                 record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
         record["seconds"] = round(watch.elapsed(), 1)
         records.append(record)
-        with open(spec["results"], "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        emit(record)
         if spec["header"]:
             write_report(Path(spec["out"], "mark"), markdown=mark_markdown(records, spec["header"]))
         print(f"mark: {record['name']}: {record.get('status')} in {record['seconds']} s", flush=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cltrain.timing.clock import timed
+from cltrain.timing.clock import cpu_seconds, timed
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved
@@ -61,18 +61,6 @@ def _upload(folder: Path, bucket: str, prefix: str) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children_cpu() -> float:
-    """CPU seconds of this process's ended children (DataLoader workers, once the pass has joined them)."""
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return used.ru_utime + used.ru_stime
-
-
 _SERVER: list[int] = []  # the S3 server's process
 _PASS_CPU: list[tuple[float, float, float]] = []  # each pass's CPU seconds: this process, its workers, the server
 
@@ -82,10 +70,11 @@ def _rate(loader) -> float:
     the CPU seconds of that time go to ``_PASS_CPU``: this process (fetches ahead, batches in), its workers (decoding;
     joined when the pass ends), the server."""
     seen: list[int] = []
-    server = (lambda: _cpu_seconds(_SERVER[0])) if _SERVER else (lambda: 0.0)
-    own, kids, served = time.process_time(), _children_cpu(), server()
+    whose = ("self", "children", *_SERVER)  # the server's column is 0 where none runs
+    before = [cpu_seconds(of) for of in whose]
     seconds = timed(lambda: seen.extend(b[0].shape[0] for b in loader))
-    _PASS_CPU.append((time.process_time() - own, _children_cpu() - kids, server() - served))
+    used = [cpu_seconds(of) - b for of, b in zip(whose, before)]
+    _PASS_CPU.append((*used, *[0.0] * (3 - len(used))))
     return sum(seen) / seconds
 
 
@@ -207,9 +196,9 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
              "obstore ranges": lambda: sum(len(obstore.get_range(store, f"{prefix}/{names[0]}", start=o, end=o + s))
                                            for o, s in sizes)}
     def measured(f):  # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
-        cpu, got = time.process_time(), []
+        cpu, got = cpu_seconds(), []
         seconds = timed(lambda: got.append(f()))
-        return got[0], seconds, time.process_time() - cpu
+        return got[0], seconds, cpu_seconds() - cpu
 
     got = interleaved({k: (lambda f=f: measured(f)) for k, f in cases.items()}, 5)
     print(table(["client", "MiB/s (median of 5)", "client CPU ms/MiB", "requests"], [

@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                       args.samples, "--precision", args.precision, "--models", key), timeout=args.timeout)
         found = run.results()
         if not found:
-            error = run.status() if run.code is None else run.last_error()[:120]
-            cells.append([key, f"error: {error}", *[""] * 8])
+            cells.append([key, f"error: {run.failure() or run.last_error()}"[:127], *[""] * 8])
             continue
         row = found[-1]
         rows.append(row)

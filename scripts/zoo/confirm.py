@@ -86,16 +86,6 @@ def judge(verdict: str, result: dict[str, Any]) -> str:
     return "MISSED" if apart else "right"
 
 
-def died(row: dict[str, Any], phase: str, crash: str | None) -> str:
-    """The confirmation's verdict where its process died in ``phase``: a native crash in the channels_last run is its
-    result; anything else leaves it unjudged."""
-    runs = row["confirm"]
-    if phase == "confirm channels_last" and crash:
-        runs["error_channels_last"] = crash
-        return judge(row["layout_check"], runs)
-    return f"unfinished: {row.get('status', phase)}"
-
-
 def numerics(result: dict[str, Any]) -> bool | None:
     """Is a diverging channels_last run as close to float64 as the farther NCHW fp32 run (within ``FACTOR``)?
     ``None``: no float64 run."""
@@ -187,6 +177,12 @@ def check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: arg
 def settle_confirmation(result: dict[str, Any], phase: str, crashed: bool) -> None:
     """A row whose process died in a confirmation run (``phase``): a native crash (``crashed``) in the channels_last
     run is that run's result and the row is ``ok``; anything else leaves the confirmation unjudged."""
-    if "confirm" in result and "verdict" not in result["confirm"]:
-        result["confirm"]["verdict"] = died(result, phase, result["status"] if crashed else None)
-        result["status"] = "ok" if result["confirm"]["verdict"] in JUDGED else result["status"]
+    runs = result.get("confirm")
+    if runs is None or "verdict" in runs:
+        return
+    if phase == "confirm channels_last" and crashed:
+        runs["error_channels_last"] = result["status"]
+        runs["verdict"] = judge(result["layout_check"], runs)
+        result["status"] = "ok" if runs["verdict"] in JUDGED else result["status"]
+    else:
+        runs["verdict"] = f"unfinished: {result.get('status', phase)}"

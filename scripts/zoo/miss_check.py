@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-
 from scripts.zoo.models import build, find, logits_of, make_batch
 from scripts.zoo.parity import grad_errors
-from scripts.zoo.report import write_outputs
+from scripts.zoo.pages import write_sweep
 from scripts.zoo.sweep import parse_args
 
 #: The layer alone is "right" when both layouts' weight gradients are within this of float64.
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['key']} {row['examined']['param']}: {row['examined']['verdict']}: {row['examined']['why']}",
                   flush=True)
     sweep_args = parse_args(shlex.split(data["command"])[3:])  # after "python -m scripts.zoo.sweep"
-    write_outputs(args.out, data["rows"], data["machine"], data["command"], sweep_args)  # the table, re-rendered
+    write_sweep(args.out, data["rows"], data["machine"], data["command"], sweep_args)  # the table, re-rendered
     kernel = [r["key"] for r in data["rows"] if (r.get("examined") or {}).get("verdict") == "kernel"]
     print(f"kernel faults: {', '.join(kernel) or 'none'}; wrote {args.out.with_suffix('.md')}")
     return 1 if kernel else 0

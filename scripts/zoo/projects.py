@@ -30,7 +30,7 @@ from scripts.fits import quiet_trainer
 from scripts.harness import REPO, emit, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
-from scripts.zoo.project_report import write_outputs
+from scripts.zoo.pages import record, write_projects
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
 LAYOUTS = ("contiguous", "channels_last")
@@ -145,12 +145,8 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
                                         "--layout", layout), log=log, timeout=timeout)
         found = child.results()
         run = found[-1] if found else {"trained": False}
-        if child.code is None:
-            run["status"] = child.status()
-        elif child.code or not found:
-            run["status"] = f"{child.status() if child.code else 'exited 0'}: {child.last_error()}"
-        else:
-            run["status"] = "raised" if "error" in run else "ok"
+        run["status"] = child.failure() or (f"exited 0: {child.last_error()}" if not found
+                                            else "raised" if "error" in run else "ok")
         row[layout] = {**run, "log": str(log)}
     row["status"] = "ok" if all(row[k]["status"] == "ok" for k in LAYOUTS) else "see runs"
     row["seconds"] = round(watch.elapsed(), 1)
@@ -160,7 +156,7 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
 def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: str, keep: bool = False) -> list[dict]:
     """Run ``cases`` and write the outputs after each; with ``keep``, rows of other cases stay from ``<out>.json``."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    old = json.loads(out.with_suffix(".json").read_text()) if keep and out.with_suffix(".json").exists() else {}
+    old = record(out, keep)
     rows = {r["key"]: r for r in old.get("rows", [])}
     runs = (old.get("runs", []) if keep else []) + [{"command": command, "seconds": 0.0}]
     m = machine()
@@ -171,7 +167,7 @@ def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: 
         rows[case.key] = run_case(case, log_dir, timeout)
         print(f"{case.key}: {rows[case.key]['status']} ({rows[case.key].get('seconds', 0)} s)", flush=True)
         runs[-1]["seconds"] = round(watch.elapsed(), 1)
-        write_outputs(out, _in_order(rows, order), m, runs)
+        write_projects(out, _in_order(rows, order), m, runs)
     return _in_order(rows, order)
 
 

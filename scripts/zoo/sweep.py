@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
@@ -30,16 +29,15 @@ from cltrain.timing.report import command_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
 from scripts.harness import emit, python_module, run_child
-from scripts.zoo.check_report import summary as check_summary, write_check_outputs
 from scripts.zoo.confirm import check_child, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
     quiet_random_layers, training_loss,
 )
+from scripts.zoo.pages import check_summary, load, now, record, sweep_summary, write_check, write_sweep
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
-from scripts.zoo.report import load, now, summary, write_outputs
-from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit
+from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit, grads_of
 
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
 FAST = ["timm:repvgg_a0", "timm:resnet26d", "timm:vit_tiny_patch16_224", "tv:googlenet", "hf:resnet_small"]
@@ -49,8 +47,7 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
     torch.manual_seed(0)  # as ``fit`` does: a detector's samplers draw from the global RNG
     loss = training_loss(net, batch, spec)
     loss.backward()
-    grads = {n.removeprefix("_orig_mod."): None if p.grad is None else p.grad.detach().clone()  # torch.compile's wrapper
-             for n, p in net.named_parameters()}
+    grads = grads_of(net)
     net.zero_grad(set_to_none=True)
     return grads, float(loss)
 
@@ -317,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     m = machine()
     m["load_start"], m["started"] = load(), now()
     print(machine_line(m), flush=True)
-    previous = json.loads(args.out.with_suffix(".json").read_text()) if args.resume and \
-        args.out.with_suffix(".json").exists() else {}
+    previous = record(args.out, args.resume)
     if previous:
         m["started"] = previous.get("machine", {}).get("started", m["started"])
         m["earlier_commands"] = previous.get("machine", {}).get("earlier_commands", []) + [previous["command"]]
@@ -345,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", optimizers[0]))
                                  if r.get("optimizer", optimizers[0]) in optimizers else len(optimizers)))
         if args.check_only:
-            write_check_outputs(args.out, rows, m, command, args, optimizers)
+            write_check(args.out, rows, m, command, args, optimizers)
         else:
-            write_outputs(args.out, rows, m, command, args)
-    print("\n".join(check_summary(rows, optimizers) if args.check_only else summary(rows)))
+            write_sweep(args.out, rows, m, command, args)
+    print("\n".join(check_summary(rows, optimizers) if args.check_only else sweep_summary(rows)))
     print(f"wrote {args.out.with_suffix('.md')}, .json" + ("" if args.check_only else ", .csv"))
     return 0
 

@@ -21,6 +21,12 @@ OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
 OPTIMIZER_SETTINGS = {"sgd": "momentum 0.9, lr 0.01", "adam": "lr 1e-3", "adamw": "lr 1e-3"}  #: as above, in words
 
 
+def grads_of(net: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """A copy of each parameter's gradient by name (``None``: none), ``torch.compile``'s ``_orig_mod.`` left out."""
+    return {n.removeprefix("_orig_mod."): None if p.grad is None else p.grad.detach().clone()
+            for n, p in net.named_parameters()}
+
+
 class ZooModule(LightningModule):
     """A zoo model with its spec's loss and an ``OPTIMIZERS`` optimizer; keeps the step-0 gradients and the losses."""
 
@@ -45,8 +51,7 @@ class ZooModule(LightningModule):
 
     def on_after_backward(self) -> None:
         if self.step0_grads is None:
-            self.step0_grads = {n: None if p.grad is None else p.grad.detach().clone()
-                                for n, p in self.net.named_parameters()}
+            self.step0_grads = grads_of(self.net)
 
     def configure_optimizers(self):
         return OPTIMIZERS[self.optimizer_name](self.parameters())

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cltrain.timing.clock import Stopwatch, timed
+from cltrain.timing.clock import Stopwatch, cpu_seconds, timed
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated, time_steps
 from cltrain.timing.stats import log_ratio, spread, t_quantile
 
@@ -79,6 +79,18 @@ def test_the_stopwatch_keeps_running_and_a_block_keeps_its_seconds(log: list[str
     assert watch.lap() == 11.0 and log.count("clock") == 6  # one reading ends a lap and starts the next
     clock().now += 2.0
     assert watch.lap() == 2.0
+
+
+def test_cpu_seconds_count_this_process_its_ended_children_and_another_process() -> None:
+    import os
+    import subprocess
+    import sys
+
+    own, kids = cpu_seconds(), cpu_seconds("children")
+    sum(i * i for i in range(300_000))  # busy, not asleep
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(300_000))"], check=True)
+    assert cpu_seconds() > own and cpu_seconds("children") > kids
+    assert 0 < cpu_seconds(os.getpid()) <= cpu_seconds() + 0.05  # /proc counts in clock ticks
 
 
 def test_time_steps_warms_up_untimed_then_times_one_window_per_case_and_round(log: list[str]) -> None:

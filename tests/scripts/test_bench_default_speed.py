@@ -17,7 +17,7 @@ def test_tiny_fits_the_three_variants_of_each_model_and_writes_the_table(tmp_pat
     proc = warm.run([sys.executable, "-m", "scripts.bench.default_speed", "--tiny", "--models", "resnet18",
                      "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600, nested=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "default_speed.jsonl").read_text().splitlines()]
+    records = json.loads((tmp_path / "default_speed.json").read_text())
     assert [(r["model"], r["precision"], r["size"]) for r in records] == [("resnet18", "32-true", 32)]
     for r in records:
         assert "error" not in r, r

@@ -104,6 +104,9 @@ def test_a_child_that_crashes_hangs_or_raises_is_a_status(tmp_path: Path) -> Non
         "ok": "ok", "crash": "crashed (SIGABRT)", "hang": "timeout after 1 s", "raise": "exited 1"}
     assert runs["ok"].results() == [{"argv": ["ok"]}] and runs["hang"].results() == [{"argv": ["hang"]}]
     assert runs["raise"].last_error() == "ZeroDivisionError: division by zero"
+    assert {how: run.failure() for how, run in runs.items()} == {
+        "ok": None, "crash": f"crashed (SIGABRT): {runs['crash'].last_error()}", "hang": "timeout after 1 s",
+        "raise": "exited 1: ZeroDivisionError: division by zero"}
     assert (tmp_path / "raise.log").read_text() == runs["raise"].output and runs["hang"].seconds < 30
 
 
