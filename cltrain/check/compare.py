@@ -96,11 +96,14 @@ def _upstream(key: Event, z: dict[Event, float], previous: float, index: dict[st
     return max(found, default=previous)
 
 
-def _over_bar(ref: Run, run: Run, floor: float) -> Iterator[tuple[int, Event, float, float]]:
-    """``(position, key, difference, bar)`` of every event where ``run`` differs from ``ref`` by more than ``floor``
-    and by more than ``JUMP`` times the difference already in what it is computed from (an ill-conditioned gradient
-    grows step by step; a layout fault appears at once)."""
-    z = {key: distance(ref.signatures[key], run.signatures[key]) for key in ref.keys if key in run.signatures}
+def _distances(ref: Run, run: Run) -> dict[Event, float]:
+    return {key: distance(ref.signatures[key], run.signatures[key]) for key in ref.keys if key in run.signatures}
+
+
+def _over_bar(ref: Run, z: dict[Event, float], floor: float) -> Iterator[tuple[int, Event, float, float]]:
+    """``(position, key, difference, bar)`` of every event whose difference ``z`` (``_distances``) is above ``floor``
+    and above ``JUMP`` times the difference already in what it is computed from (an ill-conditioned gradient grows
+    step by step; a layout fault appears at once)."""
     index: dict[str, Any] = {"calls": {}, "grad-out": {}}
     for key in ref.keys:
         if key.kind == "forward-in":
@@ -124,7 +127,7 @@ def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, 
     An event differs when it is over the bar (``_over_bar``) and above ``RATIO`` times the noise there. The noise is
     ``nan`` where the noise run has not measured it (no noise run yet, or one that measured other events): the
     caller measures it there and asks again."""
-    for position, key, here, bar in _over_bar(ref, run, floor):
+    for position, key, here, bar in _over_bar(ref, _distances(ref, run), floor):
         if key.kind == "update":  # every run's update starts from the same gradients: no noise to measure
             z_noise = 0.0
         elif noise is None or noise.only is not None and key not in noise.only:
@@ -136,13 +139,14 @@ def _compare(ref: Run, noise: Run | None, run: Run, floor: float) -> tuple[int, 
     return None
 
 
-def _wanted(ref: Run, run: Run, floor: float) -> set[Event]:
-    """The events a noise run measures for comparing ``run``: those over the bar, and the largest difference."""
-    wanted = {key for _, key, _, _ in _over_bar(ref, run, floor) if key.kind != "update"}
-    z = {key: distance(ref.signatures[key], run.signatures[key]) for key in ref.keys if key in run.signatures}
+def _wanted(ref: Run, run: Run, floor: float, noise: Run | None) -> set[Event]:
+    """The events a noise run measures for comparing ``run``: those over the bar, the largest difference, and those
+    the previous noise run ``noise`` measured (the runs before still compare against them)."""
+    z = _distances(ref, run)
+    wanted = {key for _, key, _, _ in _over_bar(ref, z, floor) if key.kind != "update"}
     if z:
         wanted.add(max(z, key=z.__getitem__))
-    return wanted
+    return wanted | (noise.only or set() if noise is not None else set())
 
 
 def check_layout(
@@ -255,9 +259,10 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     # (cltrain.check.isolation): rounding carried to a kink anywhere upstream is then no longer a difference.
     isolated: ReferenceOutputs | None = None
 
-    def measure_noise(wanted: set[Event]) -> Run:
+    def measure_noise(run: Run, noise: Run | None) -> Run:
         # Only where a difference is over the bar: the run stops once it has measured them all.
-        return run_on(to_contiguous(fresh()) if updates else ref_model, "contiguous", perturb=True, only=wanted)
+        return run_on(to_contiguous(fresh()) if updates else ref_model, "contiguous", perturb=True,
+                      only=_wanted(ref, run, floor, noise))
 
     def channels_last_run(fallbacks: list[Fallback]) -> Run:
         trial = fresh()
@@ -269,7 +274,7 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
         run = channels_last_run(search.fallbacks)
         first = _compare(ref, noise, run, floor)
         if first is not None and math.isnan(first[3]):
-            noise = measure_noise(_wanted(ref, run, floor) | (noise.only or set() if noise else set()))
+            noise = measure_noise(run, noise)
             first = _compare(ref, noise, run, floor)
         if first is not None and isolated is None and _ISOLATE \
                 and (run.raised is None or run.raised.position > first[0]):
@@ -279,7 +284,7 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
             run = channels_last_run(search.fallbacks)
             first = _compare(ref, noise, run, floor)
             if first is not None and math.isnan(first[3]):
-                noise = measure_noise(_wanted(ref, run, floor) | (noise.only or set()))
+                noise = measure_noise(run, noise)
                 first = _compare(ref, noise, run, floor)
         fault = _fault(model, run, first, step_owner, update_owner)
         if fault is not None:
