@@ -10,6 +10,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,9 +203,7 @@ def other_fs_tmpdir(tmp_path: Path):
         pytest.skip(f"{OTHER_FS} and {tmp_path} are one filesystem: a save there is a rename anyway")
     tmpdir = Path(tempfile.mkdtemp(dir=OTHER_FS, prefix="cltrain-tmpdir-"))
     yield tmpdir
-    for p in tmpdir.iterdir():
-        p.unlink()
-    tmpdir.rmdir()
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 _WITH_LIGHTNINGS_IO = ("import sys; import cltrain.app.train as t; from lightning.fabric.plugins import TorchCheckpointIO; "

@@ -18,7 +18,7 @@ import torch
 from cltrain.atomic import TEMP_PREFIX
 from cltrain.data.pack import pack
 from tests.app.test_signals import _final_state, run_until_signalled
-from tests.helpers import REPO, warm
+from tests.helpers import REPO, shm_entries, shm_left_behind, warm
 from tests.helpers.s3 import S3Server, SECRET, free_port, s3_env, s3_server_fixture  # noqa: F401 - the fixtures server and env
 
 pytest.importorskip("s3fs", reason="the object-storage tests need s3fs and moto: pip install -e '.[test]'")
@@ -60,13 +60,12 @@ def test_sigterm_mid_epoch_and_a_resume_from_the_bucket_end_where_the_local_pack
                                                                                           tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setattr(os, "environ", _env(server, cache))  # run_until_signalled passes os.environ on
-    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    shm = shm_entries()
     status, out = run_until_signalled(_args(url, tmp_path / "run", epochs=50), signal.SIGTERM, "Epoch: [1][2/")
     assert status == 143, out[-3000:]
     assert "Traceback" not in out
     assert not [p for p in _files(cache) if p.name.startswith(TEMP_PREFIX)]  # nothing half-fetched left behind
-    if shm or os.path.isdir("/dev/shm"):
-        assert set(os.listdir("/dev/shm")) <= shm  # and no shared memory
+    assert not shm_left_behind(shm)  # and no shared memory
     resume = [line for line in out.splitlines() if "resume with:" in line]
     command = shlex.split(resume[0].split("resume with: ", 1)[1])[2:]
     command = [a.replace("trainer.max_epochs=50", "trainer.max_epochs=2") for a in command]

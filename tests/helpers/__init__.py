@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,3 +22,41 @@ SMOKE: list[str] = ["experiment=smoke", "model=timm", "model.name=test_resnet"]
 def demo_overrides(root: Path, demo: dict[str, Any] = TINY_DEMO) -> list[str]:
     """The ``data.root`` / ``data.demo.*`` overrides that point ``train.py`` at a demo set made with ``demo``."""
     return [f"data.root={root}", *(f"data.demo.{k}={v}".replace(" ", "") for k, v in demo.items())]
+
+
+def shm_entries() -> set[str]:
+    """The names in ``/dev/shm`` now (empty where there is none)."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def shm_left_behind(before: set[str], settle: float = 10.0) -> set[str]:
+    """The ``/dev/shm`` entries made since ``before`` that no live process maps or holds open: what a finished run
+    left behind. Another test running beside this one (pytest-xdist) makes its own entries, which it still maps;
+    Python's resource tracker unlinks a killed process's semaphores a moment after the process ends, so entries get
+    ``settle`` seconds to go."""
+    deadline = time.monotonic() + settle
+    while True:
+        new = shm_entries() - before
+        if not new:
+            return new
+        inodes = {}
+        for name in new:
+            try:
+                inodes[os.stat(f"/dev/shm/{name}").st_ino] = name
+            except OSError:  # gone meanwhile
+                continue
+        used: set[str] = set()  # by inode: glibc's sem_open maps its temporary name, since deleted, not the entry's
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                held = {int(line.split()[4]) for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line}
+                held.update(os.stat(fd).st_ino for fd in (proc / "fd").iterdir() if os.readlink(fd).startswith("/dev/shm/"))
+            except OSError:  # the process ended, or is not ours to read
+                continue
+            used.update(inodes[i] for i in held if i in inodes)
+        new &= shm_entries()
+        orphans = new - used
+        if not orphans or time.monotonic() > deadline:
+            return orphans
+        time.sleep(0.2)
