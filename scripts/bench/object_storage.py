@@ -3,6 +3,7 @@ local disk, WebDataset and LitData (the cases: docs/benchmarks.md#object-storage
 
     python -m scripts.bench.object_storage                    # 2,400 photographs in 24 shards, 3 rounds
     python -m scripts.bench.object_storage --workers 1        # one worker per loader (decode threads: the loading plan)
+    python -m scripts.bench.object_storage --workers auto     # each loader's default: ours the loading plan, peers a worker per core
     python -m scripts.bench.object_storage --clients          # fsspec (s3fs) against obstore: whole shards, ranges
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cltrain.data.loader_threads import usable_cores
 from cltrain.timing.clock import cpu_seconds, timed
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
@@ -30,6 +32,7 @@ from scripts.bench.loaders import torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
 
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
+PEER_WORKERS = [2]  # WebDataset's and LitData's DataLoader workers: ours, or a worker per core for ours "auto"
 
 
 def _server() -> subprocess.Popen:
@@ -95,7 +98,7 @@ def _webdataset(urls: list[str]) -> float:
     tf = torchvision_train(224)
     ds = (wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).shuffle(1000)
           .decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int).batched(64))
-    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
+    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
 
 
 def _fsspec_streams(shards):
@@ -113,7 +116,7 @@ def _webdataset_fsspec(urls: list[str]) -> float:
     ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
                           tar_file_expander, group_by_keys, wds.shuffle(1000), wds.decode("pil"),
                           wds.to_tuple("jpg", "cls"), wds.map_tuple(torchvision_train(224), int), wds.batched(64))
-    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=KW["num_workers"]))
+    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
 
 
 class _LitItem:
@@ -175,7 +178,7 @@ def _litdata(url: str, cache: Path) -> float:
     downloader._OBSTORE_AVAILABLE = False  # its boto3 path: obstore's client refuses http (see _litdata_write)
     shutil.rmtree(cache, ignore_errors=True)
     ds = _LitImages(url, shuffle=True, cache_dir=str(cache))
-    return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=KW["num_workers"]))
+    return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=PEER_WORKERS[0]))
 
 
 def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
@@ -214,12 +217,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", nargs="+",
                    default=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"])
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers of every loader")
+    p.add_argument("--workers", type=lambda v: v if v == "auto" else int(v), default=2,
+                   help="DataLoader workers of every loader; auto: ours the loading plan, the others one per core")
     p.add_argument("--clients", action="store_true", help="only fsspec against obstore on the pack's objects")
     p.add_argument("--work", type=Path, default=Path("bench_out/object_storage"),
                    help="where the photographs, their pack and LitData's copy are made (once) and reused")
     args = p.parse_args(argv)
     KW["num_workers"] = args.workers
+    PEER_WORKERS[0] = usable_cores() if args.workers == "auto" else args.workers
     from cltrain.data.pack import pack
 
     photos = make_photo_folder(args.work / f"photos-{args.train}", train=args.train, val=20)
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
         print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
-              f"{args.workers} workers, shuffle_window 4; {args.rounds} rounds, median images/s\n")
+              f"{args.workers} workers (others {PEER_WORKERS[0]}), shuffle_window 4; {args.rounds} rounds, median images/s\n")
         print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers",
                      "S3 server"],
                     [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
