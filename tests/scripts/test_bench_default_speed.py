@@ -27,6 +27,11 @@ def test_tiny_fits_the_three_variants_of_each_model_and_writes_the_table(tmp_pat
         assert r["fits"][1]["layout"] == "channels_last" and r["fits"][0]["decision"] is None
         decided = r["decisions"][0]  # 14 tiny steps may not settle the race: then the default keeps channels_last
         assert r["layout"] == (decided["layout"] if decided else "channels_last")
+        steady = r["interleaved_s"]  # both layouts timed in alternating blocks after the default's fit
+        assert steady.keys() == {"channels_last", "nchw"} and all(t > 0 for t in steady.values())
+        kept = "nchw" if r["layout"] == "contiguous" else "channels_last"
+        assert r["kept_interleaved_ratio"] == pytest.approx(steady[kept] / min(steady.values()))
     table = (tmp_path / "default_speed.md").read_text()
     assert "| model | precision | px | step NCHW (ms) | step CL (ms) | step default (ms) | default / faster step |" in table
+    assert "| interleaved CL / NCHW step | kept / faster, interleaved |" in table
     assert "| resnet18 | 32-true | 32 | " in table and "; flags " in table and table in proc.stdout
