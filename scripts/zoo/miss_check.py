@@ -19,7 +19,7 @@ import torch
 
 from scripts.zoo.models import build, find, logits_of, make_batch
 from scripts.zoo.parity import grad_errors
-from scripts.zoo.pages import write_sweep
+from scripts.zoo.sweep_page import write_sweep
 from scripts.zoo.sweep import parse_args
 
 #: The layer alone is "right" when both layouts' weight gradients are within this of float64.

@@ -34,7 +34,9 @@ from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
     quiet_random_layers, training_loss,
 )
-from scripts.zoo.pages import check_summary, load, now, record, sweep_summary, write_check, write_sweep
+from scripts.zoo.check_page import check_summary, write_check
+from scripts.zoo.pages import load, now, record
+from scripts.zoo.sweep_page import sweep_summary, write_sweep
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit, grads_of
