@@ -141,8 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
-    unknown = [m for m in args.models.split(",") if m not in MODELS]
-    if unknown:
+    if unknown := [m for m in args.models.split(",") if m not in MODELS]:
         parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
     if args.tiny:
         args.batch_size, args.image_size, args.steps, args.repeats = 2, 32, 1, 1
