@@ -33,7 +33,7 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line, table, write_report
 from scripts.bench.mark import CONFIGS, MATRIX, loader_splits, tasks
 from scripts.bench.mark_table import SHORT, num
-from scripts.harness import REPO, run_child
+from scripts.harness import REPO, options, run_child
 
 COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
            "notes")
@@ -205,12 +205,11 @@ def install_wheels(folder: Path, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="gpu_check.md, metrics.json files, logs")
+    parser = options(__doc__, out=(Path("gpu-check"), "gpu_check.md, metrics.json files, logs"),
+                     tiny=(False, "tiny sizes: checks the script on any CPU"),
+                     mark=(False, "(c) runs scripts/bench/mark.py's tasks: OUT/mark.md"))
     parser.add_argument("--work", type=Path, default=None, help="data and runs (default: a temporary folder)")
     parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (docs/benchmarks.md#gpu-check)")
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the script on any CPU")
-    parser.add_argument("--mark", action="store_true", help="(c) runs scripts/bench/mark.py's tasks: OUT/mark.md")
     parser.add_argument("--mark-only", nargs="+", default=None, metavar="TASK",
                         help="with --mark: only these tasks, by kind (amp, loader, largest_batch, e2e) or by "
                              "configuration")

@@ -1,5 +1,6 @@
 """A case run in a child process of its own (``run_child``), so a native crash, a raise or a hang is a row of the
-table, not the end of the run; what it measured comes back as lines it printed with ``emit``::
+table, not the end of the run; what it measured comes back as lines it printed with ``emit``. ``options``: a
+script's command line from its defaults::
 
     child = run_child(python_module("scripts.bench.default_speed", "--child", ...), timeout=600)
     child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"
@@ -9,6 +10,7 @@ table, not the end of the run; what it measured comes back as lines it printed w
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -22,12 +24,28 @@ from typing import Any
 
 from cltrain.timing.clock import Stopwatch
 
-__all__ = ["REPO", "Child", "emit", "python_module", "run_child", "signal_name"]
+__all__ = ["REPO", "Child", "emit", "options", "python_module", "run_child", "signal_name"]
 
 #: The repository root: children run from there (``python -m scripts...`` needs no install).
 REPO = Path(__file__).resolve().parents[1]
 #: What starts a line of a child's result.
 RESULT = "SCRIPTS-RESULT "
+
+
+def options(doc: str, **defaults: Any) -> argparse.ArgumentParser:
+    """A parser described by ``doc``'s first line, with an option per keyword (``batch_size``: ``--batch-size``) whose
+    value is its default, or ``(default, help)``. The type is the default's: ``False`` makes a flag, a list takes one
+    or more values of its first item's type. Options of other kinds are added to the parser returned."""
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    for name, value in defaults.items():
+        default, help_ = value if isinstance(value, tuple) else (value, None)
+        flag, kind = "--" + name.replace("_", "-"), type(default[0] if isinstance(default, list) else default)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=help_)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=help_,
+                                nargs="+" if isinstance(default, list) else None)
+    return parser
 
 
 def emit(result: Any) -> None:

@@ -9,7 +9,6 @@ method: docs/benchmarks.md#check-cost).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 
 from cltrain.timing.report import table, table_row, write_report
 from cltrain.timing.rounds import interleaved
-from scripts.harness import emit, python_module, run_child
+from scripts.harness import emit, options, python_module, run_child
 
 #: ``--models`` names: torchvision builders, ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer) and
 #: ``unet_resnet18`` (segmentation_models_pytorch's U-Net, one output channel, trained with Dice + BCE).
@@ -43,10 +42,7 @@ def build(name: str, size: int, classes: int = 10) -> torch.nn.Module:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory (MiB)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+    """This process's peak resident memory (MiB; Linux's ``VmHWM``)."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -80,9 +76,8 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
         return dice + F.binary_cross_entropy_with_logits(out, b[1])
 
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
-        if optimizer == "sgd":
-            return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-        return torch.optim.AdamW(params, lr=1e-3)
+        return (torch.optim.SGD(params, lr=0.01, momentum=0.9) if optimizer == "sgd"
+                else torch.optim.AdamW(params, lr=1e-3))
 
     torch.manual_seed(0)
     options = {} if samples is None else {"check_samples": samples or None}
@@ -129,29 +124,22 @@ def measure(model_name: str, batch: int, size: int, precision: str, steps: int, 
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options(__doc__, batch=32, size=224, precision="bf16-mixed", steps=(3, "training steps per run (>= 2)"),
+                     repeats=(2, "rounds of (without, with) the check"),
+                     grid=(False, "resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px"),
+                     tiny=(False, "resnet18, batch 4 at 32 px, fp32, one round"), child=(False, "(a run's process)"),
+                     verify=(False, "(a run's process: with the check)"))
     parser.add_argument("--models", nargs="*", default=["resnet50", "convnext_tiny", "vit_s_16"], choices=MODELS)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per run (>= 2)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) the check")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    parser.add_argument("--grid", action="store_true",
-                        help="resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px")
-    parser.add_argument("--tiny", action="store_true", help="resnet18, batch 4 at 32 px, fp32, one round")
     parser.add_argument("--check-samples", type=int, help="ChannelsLast(check_samples=...); 0: the whole batch")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         emit(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify,
                    args.check_samples, args.optimizer))
         return []
     if args.tiny:
-        args.models, args.batch, args.size, args.precision, args.steps, args.repeats = \
-            ["resnet18"], 4, 32, "32-true", 2, 1
+        vars(args).update(models=["resnet18"], batch=4, size=32, precision="32-true", steps=2, repeats=1)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the plain step time is read from steps 2..)")
     from cltrain.timing.machine import machine, machine_line

@@ -18,7 +18,7 @@ import torch
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.report import command_line, table
 from cltrain.timing.rounds import interleaved
-from scripts.harness import emit, python_module, run_child
+from scripts.harness import emit, options, python_module, run_child
 
 #: One family after another first, so a run cut short by ``--budget`` still covers the most families.
 MODELS = ("resnet50", "mobilenet_v3_large", "ghostnet_100", "efficientnet_b0", "convnext_tiny", "densenet121",
@@ -34,32 +34,19 @@ def _build(name: str, size: int) -> torch.nn.Module:
     return build_untrained_model(name, num_classes=1000, **kwargs)
 
 
-class _Repeat:
-    """One batch, ``times`` times: a loader with nothing to load (a list would be a list of loaders to Lightning)."""
-
-    def __init__(self, batch: tuple[torch.Tensor, torch.Tensor], times: int) -> None:
-        self.batch, self.times = batch, times
-
-    def __iter__(self) -> Any:
-        return iter([self.batch] * self.times)
-
-    def __len__(self) -> int:
-        return self.times
-
-
 def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, target: torch.Tensor, fit_steps: int,
              steps: int, optimizer: str) -> dict[str, Any]:
     """One fit of ``fit_steps`` steps; its whole wall time, its steady-state step (the last ``steps``), the race's
     decision."""
     import torch.nn.functional as F
+    from torch.utils.data import DataLoader
 
     from cltrain import ChannelsLast, is_channels_last
     from scripts.fits import NetModule, StepClock, quiet_trainer
 
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
-        if optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=1e-4)
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4)
+        return (torch.optim.AdamW(params, lr=1e-4) if optimizer == "adamw"
+                else torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4))
 
     torch.manual_seed(0)
     window = StepClock(window=(fit_steps - steps, fit_steps - 1))  # one device sync at each end, none between
@@ -69,7 +56,7 @@ def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, targe
                             callbacks=[window, *door])
     module = NetModule(_build(name, batch.shape[-1]), lambda out, b: F.cross_entropy(out, b[1]), make_optimizer)
     with Stopwatch(batch.device) as whole:
-        trainer.fit(module, train_dataloaders=_Repeat((batch, target), fit_steps))
+        trainer.fit(module, train_dataloaders=DataLoader([(batch, target)] * fit_steps, batch_size=None))
     check = door[0].layout_checks.get("train") if door else None
     decision = door[0].decision if door else None
     convs = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
@@ -191,14 +178,10 @@ def records_table(records: list[dict[str, Any]], header: str) -> str:
         if "error" in r:
             cells.append([r["model"], r["precision"], str(r["size"]), r["error"], *[""] * 11])
             continue
-        cells.append([r["model"], r["precision"], str(r["size"]), f"{1000 * r['nchw_step_s']:.1f}",
-                      f"{1000 * r['channels_last_step_s']:.1f}", f"{1000 * r['default_step_s']:.1f}",
-                      f"{r['step_ratio']:.3f}",
-                      "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}",
+        cells.append([r["model"], r["precision"], str(r["size"]), *(f"{1000 * r[f'{v}_step_s']:.1f}" for v in VARIANTS),
+                      f"{r['step_ratio']:.3f}", "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}",
                       _steady(r), "" if r.get("kept_interleaved_ratio") is None else f"{r['kept_interleaved_ratio']:.3f}",
-                      f"{r['nchw_fit_s']:.1f}",
-                      f"{r['channels_last_fit_s']:.1f}",
-                      f"{r['default_fit_s']:.1f}", f"{r['fit_ratio']:.3f}", _decided(r)])
+                      *(f"{r[f'{v}_fit_s']:.1f}" for v in VARIANTS), f"{r['fit_ratio']:.3f}", _decided(r)])
     return "\n".join([header, "", table(["model", "precision", "px", "step NCHW (ms)", "step CL (ms)",
                                           "step default (ms)", "default / faster step", "kept / faster step",
                                           "interleaved CL / NCHW step", "kept / faster, interleaved",
@@ -208,22 +191,19 @@ def records_table(records: list[dict[str, Any]], header: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options(__doc__, fit_steps=(200, "steps of each fit"), rounds=1,
+                     steps=(50, "the last steps of a fit: its steady state"),
+                     timeout=(3600.0, "seconds one model's process may take"),
+                     tiny=(False, "two small models, batch 2 at 32 px, fp32, 14-step fits"),
+                     cpu=(False, "the CPU even where CUDA is"), out=Path("bench_out/default_speed"),
+                     child=(False, "(a model's process)"))
     parser.add_argument("--models", type=lambda s: s.split(","), default=None, help="comma-separated")
     parser.add_argument("--precisions", nargs="*", default=None,
                         help="Lightning precision flags; 'auto' is amp=auto's pick (default: auto 32-true)")
     parser.add_argument("--batch", type=int, default=None, help="default: 256 on CUDA, 8 on a CPU")
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
-    parser.add_argument("--fit-steps", type=int, default=200, help="steps of each fit")
-    parser.add_argument("--steps", type=int, default=50, help="the last steps of a fit: its steady state")
-    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     parser.add_argument("--budget", type=float, default=None, help="seconds; no model starts past them")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds one model's process may take")
-    parser.add_argument("--tiny", action="store_true", help="two small models, batch 2 at 32 px, fp32, 14-step fits")
-    parser.add_argument("--cpu", action="store_true", help="the CPU even where CUDA is")
-    parser.add_argument("--out", type=Path, default=Path("bench_out/default_speed"))
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     if args.tiny:

@@ -7,7 +7,6 @@ docs/benchmarks.md#eval-exact).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import tempfile
@@ -24,6 +23,7 @@ from cltrain.data.quirk_files import QUIRKS_READABLE, write_quirks
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import time_steps
+from scripts.harness import options
 
 SIZES = ((224, 256), (64, 73))
 
@@ -71,13 +71,10 @@ def speed(paths: list[str], size: int, resize_size: int, repeats: int) -> dict[b
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--photos", type=Path, default=Path(tempfile.gettempdir()) / "cltrain-photos",
-                   help="the photo folder (made once from the bundled photographs)")
-    p.add_argument("--images", type=int, default=200, help="JPEGs of the photo folder to time")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="one photograph, 8 images of a small folder, one round")
-    args = p.parse_args(argv)
+    args = options(__doc__, photos=(Path(tempfile.gettempdir()) / "cltrain-photos",
+                                    "the photo folder (made once from the bundled photographs)"),
+                   images=(200, "JPEGs of the photo folder to time"), repeats=5,
+                   quick=(False, "one photograph, 8 images of a small folder, one round")).parse_args(argv)
     if args.quick:
         args.images, args.repeats = 8, 1
     torch.set_num_threads(1)

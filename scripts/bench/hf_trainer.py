@@ -22,6 +22,7 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved
 from scripts.fits import StepClock
+from scripts.harness import options
 
 #: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
 MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -133,18 +134,14 @@ def to_markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
+    parser = options(__doc__, models=(",".join(MODELS), "comma-separated, from: " + ", ".join(MODELS)), batch_size=8,
+                     image_size=128, steps=(3, "timed steps per round and layout"),
+                     repeats=(3, "rounds, alternating which layout goes first"),
+                     tiny=(False, "tiny configs, batch 2 at 32 px, 1 round of 1 step"))
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--image-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per round and layout")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds, alternating which layout goes first")
-    parser.add_argument("--tiny", action="store_true", help="tiny configs, batch 2 at 32 px, 1 round of 1 step")
     args = parser.parse_args(argv)
-    unknown = [m for m in args.models.split(",") if m not in MODELS]
-    if unknown:
+    if unknown := [m for m in args.models.split(",") if m not in MODELS]:
         parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
     if args.tiny:
         args.batch_size, args.image_size, args.steps, args.repeats = 2, 32, 1, 1

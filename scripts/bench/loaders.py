@@ -39,6 +39,7 @@ from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved, rate_after_first
 from cltrain.timing.stats import spread
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
+from scripts.harness import options
 
 __all__ = ["CASES", "loader_machine_line", "loader_rate", "torchvision_train"]
 
@@ -330,21 +331,18 @@ def hf_table(split: Path, args: argparse.Namespace) -> dict[tuple[str, str], flo
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = options(__doc__, work=(Path(tempfile.gettempdir()) / "cltrain-bench-dali",
+                               "where the JPEG folders are made (once) and reused"),
+                threads=([1, 2], "--tables folders: threads (or workers)"),
+                workers=(2, "--tables hf: worker processes of every loader"), batch_size=64,
+                batches=(10, "timed batches per measurement (a quarter for 2000x1500)"), repeats=3,
+                no_dali=(False, "leave DALI out (it is not installed here)"),
+                levers=(False, "add rows for the default path's choices"),
+                augment=(False, "add a cltrain row with TrivialAugment, erasing and mixup"),
+                quick=(False, "tiny folders and runs: checks that the script works"))
     p.add_argument("--tables", nargs="+", choices=("folders", "hf"), default=["folders"])
-    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cltrain-bench-dali",
-                   help="where the JPEG folders are made (once) and reused")
     p.add_argument("--root", type=Path, help="time this folder (train/<class>/<image>) instead of the three")
     p.add_argument("--sets", nargs="+", default=None, help="folder names to run (default: all three)")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="--tables folders: threads (or workers)")
-    p.add_argument("--workers", type=int, default=2, help="--tables hf: worker processes of every loader")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--batches", type=int, default=10, help="timed batches per measurement (a quarter for 2000x1500)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-dali", action="store_true", help="leave DALI out (it is not installed here)")
-    p.add_argument("--levers", action="store_true", help="add rows for the default path's choices")
-    p.add_argument("--augment", action="store_true", help="add a cltrain row with TrivialAugment, erasing and mixup")
-    p.add_argument("--quick", action="store_true", help="tiny folders and runs: checks that the script works")
     args = p.parse_args(argv)
     if args.quick:
         args.batch_size, args.batches, args.repeats = 8, 1, 1

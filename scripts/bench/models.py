@@ -232,20 +232,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.warmup, args.steps, args.repeats, args.auto_steps, args.min_window = 1, 1, 2, 1, 0.0
     defaults = {**SIZES["cuda" if device.type == "cuda" else "cpu"], **(SIZES["quick"] if args.quick else {})}
-    for key, value in defaults.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    vars(args).update({k: v for k, v in defaults.items() if getattr(args, k, None) is None})
     args.models = ALL_MODELS if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in args.dtypes if d not in ("fp32", "amp")]
-    if bad:
+    if bad := [d for d in args.dtypes if d not in ("fp32", "amp")]:
         p.error(f"--dtypes: {bad} not in fp32, amp")
     if not 1 <= args.steps <= MAX_STEPS or args.min_window < 0 or args.warmup < 0:
         p.error(f"--steps {args.steps}, --min-window {args.min_window}, --warmup {args.warmup}: need 1 <= steps <= "
                 f"{MAX_STEPS}, min-window >= 0, warmup >= 0")
     known = set(ALL_MODELS) | {"tinycnn"} | set(torchvision.models.list_models(torchvision.models))
-    unknown = [m for m in args.models if m not in known]
-    if unknown:
+    if unknown := [m for m in args.models if m not in known]:
         p.error(f"--models: unknown {unknown}")
     if any(m.startswith("vit_") for m in args.models) and args.image_size % 16:
         p.error(f"--image-size {args.image_size}: vit models need a multiple of 16")

@@ -9,7 +9,6 @@ local disk, WebDataset and LitData (the cases: docs/benchmarks.md#object-storage
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import shutil
@@ -30,6 +29,7 @@ from cltrain.timing.rounds import interleaved
 from cltrain.timing.stats import spread
 from scripts.bench.loaders import torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
+from scripts.harness import options
 
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
 PEER_WORKERS = [2]  # WebDataset's and LitData's DataLoader workers: ours, or a worker per core for ours "auto"
@@ -64,24 +64,22 @@ def _upload(folder: Path, bucket: str, prefix: str) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
-_SERVER: list[int] = []  # the S3 server's process
-_PASS_CPU: list[tuple[float, float, float]] = []  # each pass's CPU seconds: this process, its workers, the server
+_SERVER: list[int] = []  # the S3 server's process, once it runs
 
 
-def _rate(loader) -> float:
-    """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last;
-    the CPU seconds of that time go to ``_PASS_CPU``: this process (fetches ahead, batches in), its workers (decoding;
-    joined when the pass ends), the server."""
+def _rate(loader) -> tuple[float, list[float]]:
+    """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last,
+    and the CPU seconds of that time: this process (fetches ahead, batches in), its workers (decoding; joined when
+    the pass ends), the server (0 where none runs)."""
     seen: list[int] = []
-    whose = ("self", "children", *_SERVER)  # the server's column is 0 where none runs
+    whose = ("self", "children", *_SERVER)
     before = [cpu_seconds(of) for of in whose]
     seconds = timed(lambda: seen.extend(b[0].shape[0] for b in loader))
     used = [cpu_seconds(of) - b for of, b in zip(whose, before)]
-    _PASS_CPU.append((*used, *[0.0] * (3 - len(used))))
-    return sum(seen) / seconds
+    return sum(seen) / seconds, used + [0.0] * (3 - len(used))
 
 
-def _ours(root: str, **options) -> float:
+def _ours(root: str, **options) -> tuple[float, list[float]]:
     from cltrain.data import ShardsDataModule
 
     dm = ShardsDataModule(root, **KW, **options)
@@ -89,7 +87,7 @@ def _ours(root: str, **options) -> float:
     return _rate(dm.train_dataloader())
 
 
-def _webdataset(urls: list[str]) -> float:
+def _webdataset(urls: list[str]) -> tuple[float, list[float]]:
     import webdataset as wds
 
     # its README's S3 recipe is `pipe:aws s3 cp <url> -` (a program per shard); the AWS CLI is not installed here,
@@ -108,7 +106,7 @@ def _fsspec_streams(shards):
         yield {**shard, "stream": fsspec.open(shard["url"]).open()}
 
 
-def _webdataset_fsspec(urls: list[str]) -> float:
+def _webdataset_fsspec(urls: list[str]) -> tuple[float, list[float]]:
     """The same pipeline with each tar opened in the worker through fsspec: no program started per shard."""
     import webdataset as wds
     from webdataset.tariterators import group_by_keys, tar_file_expander
@@ -170,10 +168,9 @@ class _LitImages(_Streaming):  # type: ignore[misc, valid-type]
         return self.tf(item["image"]), item["class"]
 
 
-def _litdata(url: str, cache: Path) -> float:
+def _litdata(url: str, cache: Path) -> tuple[float, list[float]]:
     import litdata.streaming.downloader as downloader
     from litdata import StreamingDataLoader
-
 
     downloader._OBSTORE_AVAILABLE = False  # its boto3 path: obstore's client refuses http (see _litdata_write)
     shutil.rmtree(cache, ignore_errors=True)
@@ -211,17 +208,13 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", type=int, default=2400, help="photographs in the training split")
-    p.add_argument("--shard-size", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--cases", nargs="+",
-                   default=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"])
+    p = options(__doc__, train=(2400, "photographs in the training split"), shard_size=100, rounds=3,
+                cases=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"],
+                clients=(False, "only fsspec against obstore on the pack's objects"),
+                work=(Path("bench_out/object_storage"),
+                      "where the photographs, their pack and LitData's copy are made (once) and reused"))
     p.add_argument("--workers", type=lambda v: v if v == "auto" else int(v), default=2,
                    help="DataLoader workers of every loader; auto: ours the loading plan, the others one per core")
-    p.add_argument("--clients", action="store_true", help="only fsspec against obstore on the pack's objects")
-    p.add_argument("--work", type=Path, default=Path("bench_out/object_storage"),
-                   help="where the photographs, their pack and LitData's copy are made (once) and reused")
     args = p.parse_args(argv)
     KW["num_workers"] = args.workers
     PEER_WORKERS[0] = usable_cores() if args.workers == "auto" else args.workers
@@ -253,17 +246,9 @@ def main(argv: list[str] | None = None) -> None:
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
                  "wds-fsspec": lambda: _webdataset_fsspec([f"{url}/{n}" for n in names]),
                  "litdata": lambda: _litdata(lit, cache / "litdata")}
-        cpu: dict[str, list[tuple[float, float, float]]] = {}
-
-        def with_cpu(name, fn):
-            def run():
-                rate = fn()
-                cpu.setdefault(name, []).append(_PASS_CPU[-1])
-                return rate
-            return run
-
         _SERVER.append(server.pid)
-        rates = interleaved({k: with_cpu(k, cases[k]) for k in args.cases}, args.rounds)
+        runs = interleaved({k: cases[k] for k in args.cases}, args.rounds)
+        rates = {k: [rate for rate, _ in v] for k, v in runs.items()}
         med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
         print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
@@ -272,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                      "S3 server"],
                     [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
                       ", ".join(f"{x:.0f}" for x in r),
-                      *(f"{spread(c[j] for c in cpu[k]).median:.2f}" for j in range(3))] for k, r in rates.items()],
+                      *(f"{spread(cpu[j] for _, cpu in runs[k]).median:.2f}" for j in range(3))]
+                     for k, r in rates.items()],
                     align="lrrlrrr"))
         for peer in ("webdataset", "wds-fsspec", "litdata"):
             if peer in med and "s3-cold" in med:

@@ -6,7 +6,6 @@ scikit-learn (why and how: docs/benchmarks.md#photo-folder).
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from PIL import Image
 
 from cltrain.data.demo import write_once
+from scripts.harness import options
 
 #: skimage/data files that are photographs (colour and grey); all ship in the wheel.
 SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "motorcycle_left.png", "motorcycle_right.png",
@@ -74,11 +74,8 @@ def make_photo_folder(root: str | os.PathLike, train: int = 400, val: int = 40, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = options(__doc__, train=400, val=40, seed=0)
     p.add_argument("root", type=Path)
-    p.add_argument("--train", type=int, default=400)
-    p.add_argument("--val", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(make_photo_folder(args.root, args.train, args.val, seed=args.seed))
 

@@ -8,7 +8,6 @@ against step times drawn from a model of that noise (the model: docs/benchmarks.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import statistics
@@ -17,6 +16,7 @@ from typing import Any
 
 from cltrain.timing.layout_race import LayoutRace
 from cltrain.timing.report import command_line, table, write_report
+from scripts.harness import options
 
 RATIOS = (0.78, 0.86, 0.90, 0.93, 0.95, 0.97, 1.0, 1.03, 1.05, 1.10, 1.22)
 
@@ -51,12 +51,9 @@ def play(ratio: float, seed: int, scale: float, fit: int = 200) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--races", type=int, default=400, help="races per ratio")
-    parser.add_argument("--noise", type=float, default=1.0, help="scales the drift, the jitter and the slow steps")
-    parser.add_argument("--quick", action="store_true", help="40 races per ratio")
-    parser.add_argument("--out", type=Path, default=Path("bench_out/race_rule"))
-    args = parser.parse_args(argv)
+    args = options(__doc__, races=(400, "races per ratio"), quick=(False, "40 races per ratio"),
+                   noise=(1.0, "scales the drift, the jitter and the slow steps"),
+                   out=Path("bench_out/race_rule")).parse_args(argv)
     races = 40 if args.quick else args.races
     rows = []
     for ratio in RATIOS:
@@ -71,7 +68,6 @@ def main(argv: list[str] | None = None) -> str:
         f"`{command_line('scripts.bench.race_rule', argv)}`: {races} races per ratio, noise x{args.noise}.", "",
         table(["NCHW / CL step", "races keeping NCHW", "default / faster step", "p90", "race steps",
                "race cost (steps)", "200-step fit / faster"], rows, align="rrrrrrr")]) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
     write_report(args.out / "race_rule", markdown=markdown)
     print(markdown)
     return markdown

@@ -26,6 +26,7 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
+from scripts.harness import options
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
 SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
@@ -106,17 +107,11 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--models", nargs="+", default=["resnet50", "convnext_tiny"])
+    parser = options(__doc__, device="cpu", models=["resnet50", "convnext_tiny"], image_size=224, warmup=3, steps=3,
+                     repeats=5, fsdp=(False, "add the two fully_shard variants (one-process group)"),
+                     quick=(False, "resnet18, batch 2, 64 px, one step per round"))
     parser.add_argument("--batch-size", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
-    parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="autocast dtype")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--fsdp", action="store_true", help="add the two fully_shard variants (one-process group)")
-    parser.add_argument("--quick", action="store_true", help="resnet18, batch 2, 64 px, one step per round")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:

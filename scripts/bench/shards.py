@@ -7,7 +7,6 @@ docs/benchmarks.md#shards).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ from cltrain.data import ImageFolderDataModule, ShardsDataModule, make_demo_data
 from cltrain.timing.clock import timed
 from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 from scripts.bench.loaders import loader_machine_line
+from scripts.harness import options
 
 #: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
 FILES_ONLY = {"check_val": "off"}
@@ -75,15 +75,11 @@ def paired_ratio(root: Path, pack: Path, settings: dict, batches: int) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options(__doc__, batch_size=64, workers=1, batches=(40, "timed batches per pass"),
+                     rounds=(3, "loader rounds (one pass each)"), paired=(60, "batches of the paired measurement"),
+                     size=224)
     parser.add_argument("--root", type=Path, default=None, help="ImageNet-layout folder (default: a 3000-image demo folder)")
     parser.add_argument("--pack", type=Path, default=None, help="its pack (made with cltrain.data.pack when missing)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--batches", type=int, default=40, help="timed batches per pass")
-    parser.add_argument("--rounds", type=int, default=3, help="loader rounds (one pass each)")
-    parser.add_argument("--paired", type=int, default=60, help="batches of the paired measurement")
-    parser.add_argument("--size", type=int, default=224)
     args = parser.parse_args(argv)
     root = args.root or make_demo_dataset(Path("bench_out/shards-demo-3k"), train_per_class=300, val_per_class=10)
     pack = args.pack or Path(f"{root}-pack")

@@ -29,6 +29,7 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table, write_report
 from cltrain.timing.rounds import interleaved
 from scripts.fits import StepClock, quiet_trainer
+from scripts.harness import options
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
@@ -163,27 +164,19 @@ def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--device", default="auto")
+    parser = options(__doc__, model="resnet50", batch_size=32, image_size=224, device="auto", warmup=3,
+                     steps=(10, "measured steps per round, part 1"), rounds=(5, "interleaved rounds, part 1"),
+                     e2e_steps=(15, "measured steps per run, part 2 (0: skip part 2)"),
+                     e2e_rounds=(3, "interleaved rounds, part 2"), num_workers=2,
+                     quick=(False, "tiny sizes: check that the script works"))
     parser.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto", help="part 1 precision")
     parser.add_argument("--layout", choices=["channels_last", "contiguous"], default="channels_last", help="part 1 layout")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per round, part 1")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds, part 1")
-    parser.add_argument("--e2e-steps", type=int, default=15, help="measured steps per run, part 2 (0: skip part 2)")
-    parser.add_argument("--e2e-rounds", type=int, default=3, help="interleaved rounds, part 2")
-    parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--data", nargs="*", default=[], help="extra train.py overrides for part 2, e.g. data.root=...")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the script works")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.batch_size, args.image_size = "resnet18", 4, 32
-        args.warmup, args.steps, args.rounds, args.e2e_steps, args.num_workers = 1, 2, 1, 2, 0
-        args.e2e_rounds = 1
+        vars(args).update(model="resnet18", batch_size=4, image_size=32, warmup=1, steps=2, rounds=1, e2e_steps=2,
+                          num_workers=0, e2e_rounds=1)
     warnings.filterwarnings("ignore", module="lightning")
     accelerator, _ = resolve_accelerator(args.device)
     precision, _ = resolve_precision({"auto": True, "off": False}.get(args.amp, args.amp), accelerator)

@@ -7,8 +7,6 @@ training step, in one run (what is timed: docs/benchmarks.md#whole-run-cost).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -23,16 +21,12 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
+from scripts.harness import options
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--min-window", type=float, default=0.05, help="seconds of calls per figure and round")
-    args = parser.parse_args(argv)
+    args = options(__doc__, model="resnet50", batch=8, size=224, rounds=5,
+                   min_window=(0.05, "seconds of calls per figure and round")).parse_args(argv)
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.model)(num_classes=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -1,2 +1,3 @@
 """The zoo sweep (``python -m scripts.zoo.sweep``): ``models`` (which and how built), ``parity`` (the gradient
-verdict), ``pages`` (the pages and files of the sweep, its ``--check-only`` and ``projects``), ``miss_check`` (a MISS row's layer run alone)."""
+verdict), ``sweep_page`` and ``check_page`` (its pages, docs/zoo.md and its ``--check-only``'s), ``projects`` and
+``projects_page`` (the libraries' own tasks, docs/projects.md), ``miss_check`` (a MISS row's layer run alone)."""

@@ -6,14 +6,13 @@ its own process, a ``Trainer`` step with ``ChannelsLast(check_samples=K)`` and w
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
-from scripts.harness import emit, python_module, run_child
+from scripts.harness import emit, options, python_module, run_child
 
 
 def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
@@ -43,13 +42,9 @@ def _cells(run: dict[str, Any]) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options(__doc__, batch=16, samples=(4, "check_samples of the sliced check"), precision="32-true",
+                     timeout=(1800, "seconds per model"), child=("", "(a model's process)"))
     parser.add_argument("--models", required=True, help="comma-separated zoo keys (timm:resnet50, tv:vit_b_16)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=4, help="check_samples of the sliced check")
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per model")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         emit(child(args.child, args.batch, args.samples, args.precision))

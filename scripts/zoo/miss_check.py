@@ -7,7 +7,6 @@ docs/benchmarks.md#miss-check). Adds the finding to each row of ``<out>.json`` a
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shlex
@@ -17,9 +16,10 @@ from typing import Any
 
 import torch
 
+from scripts.harness import options
 from scripts.zoo.models import build, find, logits_of, make_batch
 from scripts.zoo.parity import grad_errors
-from scripts.zoo.pages import write_sweep
+from scripts.zoo.sweep_page import write_sweep
 from scripts.zoo.sweep import parse_args
 
 #: The layer alone is "right" when both layouts' weight gradients are within this of float64.
@@ -83,10 +83,8 @@ def examine(spec: Any, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("docs/zoo"), help="the sweep's output stem")
-    p.add_argument("--models", default="", help="comma-separated keys; default: every MISS row")
-    args = p.parse_args(argv)
+    args = options(__doc__, out=(Path("docs/zoo"), "the sweep's output stem"),
+                   models=("", "comma-separated keys; default: every MISS row")).parse_args(argv)
     data = json.loads(args.out.with_suffix(".json").read_text())
     keys = set(args.models.split(",")) if args.models else set()
     for row in data["rows"]:

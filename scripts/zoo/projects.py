@@ -30,7 +30,8 @@ from scripts.fits import quiet_trainer
 from scripts.harness import REPO, emit, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
-from scripts.zoo.pages import record, write_projects
+from scripts.zoo.pages import record
+from scripts.zoo.projects_page import write_projects
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
 LAYOUTS = ("contiguous", "channels_last")

@@ -28,13 +28,15 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import training_step
-from scripts.harness import emit, python_module, run_child
+from scripts.harness import emit, options, python_module, run_child
 from scripts.zoo.confirm import check_child, record_check, settle_confirmation
 from scripts.zoo.models import (
     FAMILY_SUBSET, Spec, all_specs, batch_to, build, clone_batch, conv_weights_cl, find, image_of, make_batch,
     quiet_random_layers, training_loss,
 )
-from scripts.zoo.pages import check_summary, load, now, record, sweep_summary, write_check, write_sweep
+from scripts.zoo.check_page import check_summary, write_check
+from scripts.zoo.pages import load, now, record
+from scripts.zoo.sweep_page import sweep_summary, write_sweep
 from scripts.zoo.parity import parity
 from scripts.zoo.tasks import SPECS as TASK_SPECS
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS, fit, grads_of
@@ -190,9 +192,7 @@ def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> 
     from cltrain.layout import to_channels_last
     from cltrain.loops import convert_batch
 
-    def cl(net: torch.nn.Module) -> torch.nn.Module:  # no guardrails: none of these runs reaches oneDNN
-        return to_channels_last(net)
-
+    cl = to_channels_last  # no guardrails: none of these runs reaches oneDNN
     refs = {}
     with torch.backends.mkldnn.flags(enabled=False):
         for key, layout in (("native", lambda n: n), ("native_cl", cl)):
@@ -243,41 +243,34 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=None, help="comma-separated keys (timm:resnet50) or names (resnet50); default all")
-    p.add_argument("--families", action="store_true",
-                   help="one classifier per family (scripts/zoo/models.py FAMILY_SUBSET) and every segmentation, "
-                        "detection and video model, beside the models of --models")
-    p.add_argument("--fast", action="store_true", help=f"the quick subset: {', '.join(FAST)} (--quick, --no-speed, fp32 only)")
-    p.add_argument("--quick", action="store_true", help="speed timed on the parity batch, 1 round, no compile")
-    p.add_argument("--list", action="store_true", help="print the zoo and exit")
-    p.add_argument("--out", type=Path, default=Path("docs/zoo"), help="output stem: <out>.md, .json, .csv")
-    p.add_argument("--log-dir", type=Path, default=Path("bench_out/zoo/logs"), help="one log per model")
-    p.add_argument("--resume", action="store_true", help="keep the rows already in <out>.json and run the others")
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per model, 3x with torch.compile (default 1200)")
-    p.add_argument("--batch", type=int, default=2, help="parity (and --check-only) batch size (default 2)")
+    p = options(
+        __doc__, models=("", "comma-separated keys (timm:resnet50) or names (resnet50); default all"),
+        families=(False, "one classifier per family (scripts/zoo/models.py FAMILY_SUBSET) and every segmentation, "
+                         "detection and video model, beside the models of --models"),
+        fast=(False, f"the quick subset: {', '.join(FAST)} (--quick, --no-speed, fp32 only)"),
+        quick=(False, "speed timed on the parity batch, 1 round, no compile"), list=(False, "print the zoo and exit"),
+        out=(Path("docs/zoo"), "output stem: <out>.md, .json, .csv"),
+        log_dir=(Path("bench_out/zoo/logs"), "one log per model"),
+        resume=(False, "keep the rows already in <out>.json and run the others"),
+        timeout=(1200, "seconds per model, 3x with torch.compile (default 1200)"),
+        batch=(2, "parity (and --check-only) batch size (default 2)"),
+        speed_batch=(8, "speed batch size (default 8)"), rounds=(5, "interleaved timing rounds per layout (default 5)"),
+        min_window=(0.5, "seconds per timed round, at least (default 0.5)"),
+        max_params=(150.0, "skip models larger than this, millions (150)"),
+        dtypes=("fp32,bf16", "speed and auto in these (bf16 only where native; default fp32,bf16)"),
+        no_speed=(False, "do not time training steps"), no_auto=(False, "do not run mode='auto'"),
+        no_compile=(False, "do not run the torch.compile rows"),
+        check_only=(False, "only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict "
+                           "count"),
+        check_precision=("32-true", "the Trainer's precision for --check-only (bf16-mixed, ...)"),
+        optimizers=(",".join(OPTIMIZERS), f"--check-only: each model checked once per optimizer, each in its own "
+                                          f"process (default {','.join(OPTIMIZERS)})"),
+        confirm_passes=("", "--check-only: also confirm the passes of models whose key starts with one of these "
+                            "comma-separated prefixes (smp:,tv-video:), or 'all' (fallbacks are always confirmed)"),
+        confirm_steps=(4, "--check-only: steps of each confirmation run (4)"),
+        optimizer=("sgd", "(a model's process: its optimizer)"), child=("", "(a model's process: its key)"))
     p.add_argument("--size", type=int, default=None,
                    help="every model's input size, pixels (tiny runs for the tests); default each model's own")
-    p.add_argument("--speed-batch", type=int, default=8, help="speed batch size (default 8)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per layout (default 5)")
-    p.add_argument("--min-window", type=float, default=0.5, help="seconds per timed round, at least (default 0.5)")
-    p.add_argument("--max-params", type=float, default=150.0, help="skip models larger than this, millions (150)")
-    p.add_argument("--dtypes", default="fp32,bf16", help="speed and auto in these (bf16 only where native; default fp32,bf16)")
-    p.add_argument("--no-speed", action="store_true", help="do not time training steps")
-    p.add_argument("--no-auto", action="store_true", help="do not run mode='auto'")
-    p.add_argument("--no-compile", action="store_true", help="do not run the torch.compile rows")
-    p.add_argument("--check-only", action="store_true",
-                   help="only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict count")
-    p.add_argument("--check-precision", default="32-true", help="the Trainer's precision for --check-only (bf16-mixed, ...)")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                   help=f"--check-only: each model checked once per optimizer, each in its own process "
-                        f"(default {','.join(OPTIMIZERS)})")
-    p.add_argument("--confirm-passes", default="", metavar="PREFIXES",
-                   help="--check-only: also confirm the passes of models whose key starts with one of these "
-                        "comma-separated prefixes (smp:,tv-video:), or 'all' (fallbacks are always confirmed)")
-    p.add_argument("--confirm-steps", type=int, default=4, help="--check-only: steps of each confirmation run (4)")
-    p.add_argument("--optimizer", default="sgd", help=argparse.SUPPRESS)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what each model's process is given, its key added
     unknown = [o for o in args.optimizers.split(",") if o not in OPTIMIZERS]

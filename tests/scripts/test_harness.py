@@ -116,3 +116,13 @@ def test_emit_prints_the_line_a_parent_reads(capsys: pytest.CaptureFixture[str])
     assert out == 'SCRIPTS-RESULT {"path": "/x", "n": 1}\n'
     assert harness.Child(0, out + "a line\n", 1.0, None).results() == [{"path": "/x", "n": 1}]
     assert python_module("scripts.x", 1)[1:] == ["-m", "scripts.x", "1"]
+
+
+def test_options_makes_each_option_of_its_default_type() -> None:
+    parser = harness.options("A script.\n\nMore.", batch_size=(8, "images"), window=0.5, out=Path("x"),
+                             quick=False, threads=[1, 2])
+    assert vars(parser.parse_args([])) == {"batch_size": 8, "window": 0.5, "out": Path("x"), "quick": False,
+                                           "threads": [1, 2]}
+    args = parser.parse_args(["--batch-size", "4", "--window", "1", "--out", "/y", "--quick", "--threads", "3", "4"])
+    assert (args.batch_size, args.window, args.out, args.quick, args.threads) == (4, 1.0, Path("/y"), True, [3, 4])
+    assert parser.description == "A script." and "images" in parser.format_help()
