@@ -28,7 +28,6 @@ from torchvision import transforms as T
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
 from cltrain.data.decoders import jpeg_roi
-from cltrain.data.demo import write_once
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.loader_threads import loading_plan
 from cltrain.data.normalize import ImageNormalizer
@@ -38,42 +37,10 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table
 from cltrain.timing.rounds import interleaved, rate_after_first
 from cltrain.timing.stats import spread
-from scripts.bench.photo_folder import bundled_photos, make_photo_folder
+from scripts.bench.photo_folder import folders, save_as_hf
 from scripts.harness import options
 
 __all__ = ["CASES", "loader_machine_line", "loader_rate", "torchvision_train"]
-
-
-# --- the folders -----------------------------------------------------------------------------------
-def make_sized_folder(root: Path, size: tuple[int, int], count: int, classes: int = 4, seed: int = 0) -> Path:
-    """``root/train/<class>/*.jpg``: ``count`` JPEGs of exactly ``size`` = (width, height), each a mosaic of
-    500x375 random crops of the bundled photographs (one tile when ``size`` is that small); made once."""
-    def fill(tmp: Path) -> None:
-        photos, rng = bundled_photos(), random.Random(seed)
-        tile_w, tile_h = min(500, size[0]), min(375, size[1])
-        for i in range(count):
-            canvas = Image.new("RGB", size)
-            for top in range(0, size[1], tile_h):
-                for left in range(0, size[0], tile_w):
-                    big = photos[rng.randrange(len(photos))]
-                    x, y = rng.randint(0, max(0, big.width - tile_w)), rng.randint(0, max(0, big.height - tile_h))
-                    canvas.paste(big.crop((x, y, x + tile_w, y + tile_h)), (left, top))
-            folder = tmp / "train" / f"class_{i % classes}"
-            folder.mkdir(parents=True, exist_ok=True)
-            canvas.save(folder / f"{i:05d}.jpg", quality=rng.randint(75, 95), subsampling=2)
-
-    return write_once(root, {"mosaic": list(size), "count": count, "classes": classes, "seed": seed}, fill,
-                      "make_sized_folder")
-
-
-def folders(work: Path, quick: bool, names: list[str] | None = None) -> dict[str, Path]:
-    """The training splits of the three folders (those whose name holds one of ``names``), made once under ``work``
-    (an eighth as many images when ``quick``)."""
-    n, tag = (8, "-quick") if quick else (1, "")
-    makers = {"photos 333-800 px": lambda: make_photo_folder(work / f"photos{tag}", train=400 // n, val=max(1, 40 // n)),
-              "500x375": lambda: make_sized_folder(work / f"500x375{tag}", (500, 375), 256 // n),
-              "2000x1500": lambda: make_sized_folder(work / f"2000x1500{tag}", (2000, 1500), 96 // n)}
-    return {k: make() / "train" for k, make in makers.items() if not names or any(s in k for s in names)}
 
 
 # --- the pieces of the loaders ---------------------------------------------------------------------
@@ -263,20 +230,6 @@ def folders_tables(sets: dict[str, Path], args: argparse.Namespace) -> dict[str,
     print(table(["folder", "threads", "float / DALI", "uint8 / decode", "float / decode", "float vs 1 thread",
                  "uint8 vs 1 thread", "DALI vs 1 thread"], cells, align="lrrrrrrr"))
     return {f"{k[0]}, {k[1]} thread(s)": v for k, v in med.items()}
-
-
-def save_as_hf(split: Path, out: Path) -> Path:
-    """The files of ``split`` as a ``datasets`` dataset (``save_to_disk``): each row the file's bytes and its label."""
-    import datasets
-
-    if not (out / "dataset_dict.json").is_file():
-        classes = find_classes(split)
-        samples = find_samples(split, classes)
-        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-        rows = {"image": [{"bytes": Path(p).read_bytes(), "path": Path(p).name} for p, _ in samples],
-                "label": [y for _, y in samples]}
-        datasets.DatasetDict(train=datasets.Dataset.from_dict(rows, features=features)).save_to_disk(str(out))
-    return out
 
 
 def hf_documented(dataset: Any, size: int) -> tuple[Any, Callable, Callable]:

@@ -1,5 +1,7 @@
-"""A folder of real photographs for measuring loaders, made once from images that ship inside scikit-image and
-scikit-learn (why and how: docs/benchmarks.md#photo-folder).
+"""The JPEG folders the loader benchmarks read, made once from photographs that ship inside scikit-image and
+scikit-learn (why and how: docs/benchmarks.md#photo-folder): ``make_photo_folder`` (real photographs, 333-800 px),
+``make_sized_folder`` (mosaics of exactly one size), ``folders`` (the three sets ``scripts.bench.loaders`` times)
+and ``save_as_hf`` (a folder's files as a Hugging Face ``datasets`` dataset).
 
     python -m scripts.bench.photo_folder /tmp/cltrain-photos --train 400
 """
@@ -13,6 +15,7 @@ from pathlib import Path
 from PIL import Image
 
 from cltrain.data.demo import write_once
+from cltrain.data.image_folder_dataset import find_classes, find_samples
 from scripts.harness import options
 
 #: skimage/data files that are photographs (colour and grey); all ship in the wheel.
@@ -71,6 +74,51 @@ def make_photo_folder(root: str | os.PathLike, train: int = 400, val: int = 40, 
 
     return write_once(root, {"photos": "bundled", "train": train, "val": val, "classes": classes, "seed": seed}, fill,
                       "make_photo_folder")
+
+
+def make_sized_folder(root: Path, size: tuple[int, int], count: int, classes: int = 4, seed: int = 0) -> Path:
+    """``root/train/<class>/*.jpg``: ``count`` JPEGs of exactly ``size`` = (width, height), each a mosaic of
+    500x375 random crops of the bundled photographs (one tile when ``size`` is that small); made once."""
+    def fill(tmp: Path) -> None:
+        photos, rng = bundled_photos(), random.Random(seed)
+        tile_w, tile_h = min(500, size[0]), min(375, size[1])
+        for i in range(count):
+            canvas = Image.new("RGB", size)
+            for top in range(0, size[1], tile_h):
+                for left in range(0, size[0], tile_w):
+                    big = photos[rng.randrange(len(photos))]
+                    x, y = rng.randint(0, max(0, big.width - tile_w)), rng.randint(0, max(0, big.height - tile_h))
+                    canvas.paste(big.crop((x, y, x + tile_w, y + tile_h)), (left, top))
+            folder = tmp / "train" / f"class_{i % classes}"
+            folder.mkdir(parents=True, exist_ok=True)
+            canvas.save(folder / f"{i:05d}.jpg", quality=rng.randint(75, 95), subsampling=2)
+
+    return write_once(root, {"mosaic": list(size), "count": count, "classes": classes, "seed": seed}, fill,
+                      "make_sized_folder")
+
+
+def folders(work: Path, quick: bool, names: list[str] | None = None) -> dict[str, Path]:
+    """The training splits of the three folders (those whose name holds one of ``names``), made once under ``work``
+    (an eighth as many images when ``quick``)."""
+    n, tag = (8, "-quick") if quick else (1, "")
+    makers = {"photos 333-800 px": lambda: make_photo_folder(work / f"photos{tag}", train=400 // n, val=max(1, 40 // n)),
+              "500x375": lambda: make_sized_folder(work / f"500x375{tag}", (500, 375), 256 // n),
+              "2000x1500": lambda: make_sized_folder(work / f"2000x1500{tag}", (2000, 1500), 96 // n)}
+    return {k: make() / "train" for k, make in makers.items() if not names or any(s in k for s in names)}
+
+
+def save_as_hf(split: Path, out: Path) -> Path:
+    """The files of ``split`` as a ``datasets`` dataset (``save_to_disk``): each row the file's bytes and its label."""
+    import datasets
+
+    if not (out / "dataset_dict.json").is_file():
+        classes = find_classes(split)
+        samples = find_samples(split, classes)
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+        rows = {"image": [{"bytes": Path(p).read_bytes(), "path": Path(p).name} for p, _ in samples],
+                "label": [y for _, y in samples]}
+        datasets.DatasetDict(train=datasets.Dataset.from_dict(rows, features=features)).save_to_disk(str(out))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from scripts.harness import options
 from scripts.zoo.models import build, find, logits_of, make_batch
 from scripts.zoo.parity import grad_errors
 from scripts.zoo.sweep_page import write_sweep
-from scripts.zoo.sweep import parse_args
+from scripts.zoo.sweep import recorded_args
 
 #: The layer alone is "right" when both layouts' weight gradients are within this of float64.
 RIGHT_ALONE = 1e-4
@@ -92,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             row["examined"] = examine(find([row["key"]])[0], row)
             print(f"{row['key']} {row['examined']['param']}: {row['examined']['verdict']}: {row['examined']['why']}",
                   flush=True)
-    sweep_args = parse_args(shlex.split(data["command"])[3:])  # after "python -m scripts.zoo.sweep"
-    write_sweep(args.out, data["rows"], data["machine"], data["command"], sweep_args)  # the table, re-rendered
+    # the table, re-rendered
+    write_sweep(args.out, data["rows"], data["machine"], data["command"], recorded_args(data["command"]))
     kernel = [r["key"] for r in data["rows"] if (r.get("examined") or {}).get("verdict") == "kernel"]
     print(f"kernel faults: {', '.join(kernel) or 'none'}; wrote {args.out.with_suffix('.md')}")
     return 1 if kernel else 0

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from cltrain.timing.report import page, table, write_report
-from scripts.zoo.pages import fmt_err, machine_lines
+from scripts.zoo.pages import fmt_err, machine_lines, now
 from scripts.zoo.parity import OK_BELOW
 
 
@@ -27,11 +26,6 @@ def _fmt_grad(grad: dict[str, Any]) -> str:
     if grad.get("verdict") != "ok" and grad.get("grad_scale") is not None:
         cell += f" (its gradient {grad['grad_scale']:.0e} of the largest)"
     return cell + (f": {grad['why']}" if grad.get("why") else "")
-
-
-def _auto(r: dict[str, Any], key: str) -> str:
-    """What the race of the layouts kept; "not timed" where it recorded no timings (it then keeps channels_last)."""
-    return (r[key] or "?") if r.get(f"{key}_ms") else "not timed"
 
 
 def _row_cells(r: dict[str, Any]) -> list[str]:
@@ -53,22 +47,21 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     if "compile_speed_fp32" in r:
         speed += f"<br>compiled {_fmt_speed(r['compile_speed_fp32'])}"
         bf16 += f"<br>compiled {_fmt_speed(r.get('compile_speed_bf16'))}" if r.get("compile_speed_bf16") else ""
-    auto = " / ".join(_auto(r, k) for k in ("auto_fp32", "auto_bf16") if k in r)
     return [
         f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), status if status != "ok" else "ok", trains,
         f"{fmt_err(r['loss_err_cl'])} / {fmt_err(r.get('loss_noise'))}" if "loss_err_cl" in r else "", _fmt_grad(grad),
         f"`{grad.get('worst_param', '')}`" if grad.get("worst_param") else "", verdict, r.get("conv_weights_cl", ""),
-        r.get("guardrails", ""), speed, bf16, auto, "; ".join(filter(None, [note, (r.get("examined") or {}).get("why", "")])),
+        r.get("guardrails", ""), speed, bf16, "; ".join(filter(None, [note, (r.get("examined") or {}).get("why", "")])),
     ]
 
 
 SWEEP_HEADER = ["model", "family", "params (M)", "run", "trains NCHW / CL", "step-0 loss err CL / fp32 noise",
           "worst grad err CL / fp32 noise (vs float64)", "worst parameter", "gradients", "conv weights CL", "guardrail",
-          "fp32 steps/s CL / NCHW", "bf16 steps/s CL / NCHW", "auto fp32 / bf16", "note"]
+          "fp32 steps/s CL / NCHW", "bf16 steps/s CL / NCHW", "note"]
 
 
 def sweep_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """A few lines: how many ran, crashed, raised, missed; the speed ratios; auto's choices."""
+    """A few lines: how many ran, crashed, raised, missed; the speed ratios."""
     ran = [r for r in rows if r.get("status") != "skipped"]
     crashed = [r["key"] for r in ran if r.get("status", "").startswith(("crashed", "timeout"))]
     raised = [r["key"] for r in ran if r.get("status", "").startswith("raised")]
@@ -89,12 +82,6 @@ def sweep_summary(rows: list[dict[str, Any]]) -> list[str]:
             faster = sum(x > 1.0 for x in ratios)
             lines.append(f"- {label} CL / NCHW training steps/s: median {statistics.median(ratios):.2f}x "
                          f"(range {min(ratios):.2f}-{max(ratios):.2f}); CL faster for {faster} of {len(ratios)}.")
-        picks = [r[f"auto_{label}"] for r in ran if r.get(f"auto_{label}") and r.get(f"auto_{label}_ms")]
-        untimed = sum(1 for r in ran if r.get(f"auto_{label}") and not r.get(f"auto_{label}_ms"))
-        if picks or untimed:
-            lines.append(f"- the race ({label}) kept channels_last for {picks.count('channels_last')} of "
-                         f"{len(picks)} models it timed, contiguous for {picks.count('contiguous')}"
-                         + (f"; {untimed} not timed (the race did not decide)" if untimed else "") + ".")
     return lines
 
 
@@ -109,16 +96,18 @@ def _examined(ran: list[dict[str, Any]]) -> str:
 
 
 def sweep_page(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args: argparse.Namespace) -> str:
-    """docs/zoo.md: how it was made, the summary and a row per model."""
+    """docs/zoo.md: how it was made (the day from ``m["ended"]``), the summary and a row per model."""
     return page("Model zoo under ChannelsLast", [
-        f"Made by `{command}` ({time.strftime('%Y-%m-%d')}).",
+        f"Made by `{command}` ({m.get('ended', now())[:10]}).",
         machine_lines(m),
         f"Parity: batch {args.batch} at each model's size (128 px unless noted), one initialisation, the same two "
         "batches, a real Lightning Trainer with and without `ChannelsLast()`; step-0 gradients of every parameter "
         "against float64 ([how](benchmarks.md#zoo-sweep); MISS = O(1) off where NCHW fp32 is not). Speed: "
         f"training steps/s (forward, cross-entropy, backward, SGD) at batch "
         f"{args.batch if args.quick else args.speed_batch}, median of {args.rounds} interleaved rounds in one "
-        "process; ratio = CL / NCHW. auto = what the default `ChannelsLast()` kept after its race of the layouts.",
+        "process; ratio = CL / NCHW. The layout the default keeps on each model is not on this page: its race of the "
+        "layouts is measured on a dozen models by `python -m scripts.bench.default_speed` "
+        "([performance](performance.md)).",
     ], {"Summary": sweep_summary(rows), "Every model": [table(SWEEP_HEADER, [_row_cells(r) for r in rows])]})
 
 

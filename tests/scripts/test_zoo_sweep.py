@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from scripts.zoo import check_page, confirm, miss_check, models, parity
+from scripts.zoo import check_page, confirm, miss_check, models, parity, sweep_child
 from scripts.zoo import sweep as zoo_sweep
 from tests.helpers import REPO
 from tests.helpers import warm
@@ -171,7 +171,7 @@ def test_segmentation_detection_and_video_models_run_the_check(key, optimizer, s
     # confirmation runs (--confirm-passes)
     args = zoo_sweep.parse_args(["--check-only", "--optimizer", optimizer, "--confirm-steps", "2", "--size", str(size),
                                  *(["--confirm-passes", key.split(":")[0] + ":"] if confirms else [])])
-    row = zoo_sweep.child(dataclasses.replace(models.find([key])[0], size=size), args)
+    row = sweep_child.child(dataclasses.replace(models.find([key])[0], size=size), args)
     assert row["phase"] == "done" and row["layout_check"] in check_page.VERDICTS, row
     assert row["optimizer"] == optimizer and len(row["losses_channels_last"]) == 2, row
     if not confirms:
