@@ -74,7 +74,7 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """The trained model's steady step in each layout, timed in blocks that alternate within this process (the first
     step after each switch untimed): the reference the race is judged by, which the pinned fits, minutes apart on a
     machine that drifts, cannot give. Every module goes to the layout (a check's fallback is not kept): a case whose
-    check fell back says so in its verdict column."""
+    check fell back has that verdict in its record."""
     import torch.nn.functional as F
 
     from cltrain.layout.optimizer_state import restride_optimizer_state
