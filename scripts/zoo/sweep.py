@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         speed_batch=(8, "speed batch size (default 8)"), rounds=(5, "interleaved timing rounds per layout (default 5)"),
         min_window=(0.5, "seconds per timed round, at least (default 0.5)"),
         max_params=(150.0, "skip models larger than this, millions (150)"),
-        dtypes=("fp32,bf16", "speed and auto in these (bf16 only where native; default fp32,bf16)"),
-        no_speed=(False, "do not time training steps"), no_auto=(False, "do not run mode='auto'"),
+        dtypes=("fp32,bf16", "speed in these (bf16 only where native; default fp32,bf16)"),
+        no_speed=(False, "do not time training steps"),
         no_compile=(False, "do not run the torch.compile rows"),
         check_only=(False, "only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict "
                            "count"),

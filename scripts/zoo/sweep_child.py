@@ -1,6 +1,6 @@
 """What one model's process of ``python -m scripts.zoo.sweep`` measures (``child``): float64 and oneDNN-free
 references, a real ``Trainer`` with and without ``ChannelsLast``, the gradients' verdict (``scripts/zoo/parity.py``),
-training steps/s in each layout, the default's race and ``torch.compile``-d copies. ``scripts/zoo/sweep.py`` starts
+training steps/s in each layout and ``torch.compile``-d copies. ``scripts/zoo/sweep.py`` starts
 it with ``--child KEY``; ``--check-only``'s process is ``scripts/zoo/confirm.py``'s ``check_child``."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cltrain.timing.steps import training_step
 from scripts.harness import emit
 from scripts.zoo.confirm import check_child, record_check
 from scripts.zoo.models import (
-    Spec, batch_to, build, clone_batch, conv_weights_cl, image_of, make_batch, quiet_random_layers, training_loss,
+    Spec, batch_to, build, clone_batch, conv_weights_cl, make_batch, quiet_random_layers, training_loss,
 )
 from scripts.zoo.parity import parity
 from scripts.zoo.training import fit, grads_of
@@ -147,17 +147,6 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
         result[f"speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec, dtype,
                                                   args.rounds, args.min_window)
     del nets
-
-    image = image_of(speed_batch, spec)
-    # the race of the layouts keys on one image tensor: not a detector's list, not a (B, T, C, H, W) stack
-    if not args.no_auto and isinstance(image, torch.Tensor) and image.dim() == 4:
-        for label, dtype in dtypes:
-            phase(f"auto {label}")
-            callback = ChannelsLast()
-            fit(copy.deepcopy(net0), spec, batches, callback, max_steps=11,
-                precision="32-true" if dtype is None else "bf16-mixed")
-            result[f"auto_{label}"] = callback.decision.layout if callback.decision else callback.layout
-            result[f"auto_{label}_ms"] = {k: round(v * 1e3, 1) for k, v in (callback.timings or {}).items()}
 
     if spec.compile and not args.no_compile:
         phase("compile")

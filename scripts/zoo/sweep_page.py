@@ -111,6 +111,7 @@ def sweep_page(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args
     ], {"Summary": sweep_summary(rows), "Every model": [table(SWEEP_HEADER, [_row_cells(r) for r in rows])]})
 
 
+# auto_fp32 and auto_bf16: the layout the default kept, in the records of sweeps that ran it (docs/zoo.json)
 CSV_FIELDS = ["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl",
               "loss_noise", "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "layout_err_f64",
               "worst_param", "conv_weights_cl", "guardrails", "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw", "auto_fp32",
