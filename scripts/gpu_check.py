@@ -207,20 +207,19 @@ def install_wheels(folder: Path, target: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = options(__doc__, out=(Path("gpu-check"), "gpu_check.md, metrics.json files, logs"),
                      tiny=(False, "tiny sizes: checks the script on any CPU"),
-                     mark=(False, "(c) runs scripts/bench/mark.py's tasks: OUT/mark.md"))
-    parser.add_argument("--work", type=Path, default=None, help="data and runs (default: a temporary folder)")
-    parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (docs/benchmarks.md#gpu-check)")
+                     mark=(False, "(c) runs scripts/bench/mark.py's tasks: OUT/mark.md"),
+                     work=(Path, "data and runs (default: a temporary folder)"),
+                     wheels=(Path, "install these wheels first (docs/benchmarks.md#gpu-check)"),
+                     budget=(float, "seconds for the whole command; each part gets at most what is left, less 15 s "
+                                    "to write the tables"), worker=(Path, argparse.SUPPRESS))
     parser.add_argument("--mark-only", nargs="+", default=None, metavar="TASK",
                         help="with --mark: only these tasks, by kind (amp, loader, largest_batch, e2e) or by "
                              "configuration")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which parts run: (a) tests, (b) newcomer, (c) e2e (the matrix, or --mark)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole command; each part gets "
-                        "at most what is left, less 15 s to write the tables")
     parser.add_argument("--limits", type=float, nargs=3, default=None, metavar=("A", "B", "C"),
                         help="seconds for (a) the cuda tests, (b) the default train.py, (c) the matrix or the mark "
                              "(default 180 100 220; with --mark 150 90 and (c) what the budget leaves)")
-    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         from scripts.bench.mark import run_tasks

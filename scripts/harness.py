@@ -35,16 +35,24 @@ RESULT = "SCRIPTS-RESULT "
 def options(doc: str, **defaults: Any) -> argparse.ArgumentParser:
     """A parser described by ``doc``'s first line, with an option per keyword (``batch_size``: ``--batch-size``) whose
     value is its default, or ``(default, help)``. The type is the default's: ``False`` makes a flag, a list takes one
-    or more values of its first item's type. Options of other kinds are added to the parser returned."""
+    or more values of its first item's type (any number of strings when empty), a tuple is the choices (the first the
+    default; always inside ``(choices, help)``), a callable (``int``, ``Path``, a parser of the text) an option it
+    parses that defaults to ``None``. Options of other kinds are added to the parser returned."""
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     for name, value in defaults.items():
         default, help_ = value if isinstance(value, tuple) else (value, None)
-        flag, kind = "--" + name.replace("_", "-"), type(default[0] if isinstance(default, list) else default)
+        flag = "--" + name.replace("_", "-")
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=help_)
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, choices=default, default=default[0], help=help_)
+        elif callable(default):
+            parser.add_argument(flag, type=default, default=None, help=help_)
+        elif isinstance(default, list):
+            parser.add_argument(flag, type=type(default[0]) if default else str, default=default, help=help_,
+                                nargs="+" if default else "*")
         else:
-            parser.add_argument(flag, type=kind, default=default, help=help_,
-                                nargs="+" if isinstance(default, list) else None)
+            parser.add_argument(flag, type=type(default), default=default, help=help_)
     return parser
 
 

@@ -128,11 +128,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      repeats=(2, "rounds of (without, with) the check"),
                      grid=(False, "resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px"),
                      tiny=(False, "resnet18, batch 4 at 32 px, fp32, one round"), child=(False, "(a run's process)"),
-                     verify=(False, "(a run's process: with the check)"))
+                     verify=(False, "(a run's process: with the check)"), optimizer=(("adamw", "sgd"), None),
+                     check_samples=(int, "ChannelsLast(check_samples=...); 0: the whole batch"),
+                     json=(Path, "also write the rows here"))
     parser.add_argument("--models", nargs="*", default=["resnet50", "convnext_tiny", "vit_s_16"], choices=MODELS)
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    parser.add_argument("--check-samples", type=int, help="ChannelsLast(check_samples=...); 0: the whole batch")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.child:
         emit(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify,

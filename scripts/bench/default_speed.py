@@ -196,14 +196,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      timeout=(3600.0, "seconds one model's process may take"),
                      tiny=(False, "two small models, batch 2 at 32 px, fp32, 14-step fits"),
                      cpu=(False, "the CPU even where CUDA is"), out=Path("bench_out/default_speed"),
-                     child=(False, "(a model's process)"))
-    parser.add_argument("--models", type=lambda s: s.split(","), default=None, help="comma-separated")
-    parser.add_argument("--precisions", nargs="*", default=None,
-                        help="Lightning precision flags; 'auto' is amp=auto's pick (default: auto 32-true)")
-    parser.add_argument("--batch", type=int, default=None, help="default: 256 on CUDA, 8 on a CPU")
+                     child=(False, "(a model's process)"), models=(lambda s: s.split(","), "comma-separated"),
+                     precisions=([], "Lightning precision flags; 'auto' is amp=auto's pick (default: auto 32-true)"),
+                     batch=(int, "default: 256 on CUDA, 8 on a CPU"), optimizer=(("sgd", "adamw"), None),
+                     budget=(float, "seconds; no model starts past them"))
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    parser.add_argument("--budget", type=float, default=None, help="seconds; no model starts past them")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     if args.tiny:

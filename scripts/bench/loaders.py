@@ -240,10 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
                 no_dali=(False, "leave DALI out (it is not installed here)"),
                 levers=(False, "add rows for the default path's choices"),
                 augment=(False, "add a cltrain row with TrivialAugment, erasing and mixup"),
-                quick=(False, "tiny folders and runs: checks that the script works"))
+                quick=(False, "tiny folders and runs: checks that the script works"),
+                root=(Path, "time this folder (train/<class>/<image>) instead of the three"),
+                sets=([], "folder names to run (default: all three)"))
     p.add_argument("--tables", nargs="+", choices=("folders", "hf"), default=["folders"])
-    p.add_argument("--root", type=Path, help="time this folder (train/<class>/<image>) instead of the three")
-    p.add_argument("--sets", nargs="+", default=None, help="folder names to run (default: all three)")
     args = p.parse_args(argv)
     if args.quick:
         args.batch_size, args.batches, args.repeats = 8, 1, 1

@@ -25,6 +25,7 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import table, write_report
 from cltrain.timing.rounds import time_steps
 from cltrain.timing.steps import LAYOUTS, layout_steps
+from scripts.harness import options
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -210,22 +211,18 @@ def to_markdown(rows: list[dict], machine: str, args: argparse.Namespace) -> str
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Defaults: CPU batch 16 at 160x160, CUDA batch 256 at 224x224.")
-    p.add_argument("--models", default="all", help=f"comma-separated names, or 'all' (= {','.join(ALL_MODELS)}); 'tinycnn' for tests")
-    p.add_argument("--batch-size", type=int, default=None, help="images per batch: default 16 on CPU, 256 on CUDA")
-    p.add_argument("--image-size", type=int, default=None, help="default 160 on CPU, 224 on CUDA (vit_b_16 needs a multiple of 16)")
-    p.add_argument("--frames", type=int, default=None, help="frames per clip: default 8 on CPU, 16 on CUDA")
-    p.add_argument("--dtypes", default="fp32,amp", help="comma-separated from fp32, amp (amp = bf16 on CPU, fp16 on CUDA)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per layout and dtype: default 1 on CPU, 5 on CUDA")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per round, at least")
-    p.add_argument("--min-window", type=float, default=0.1, help="seconds each timed round lasts, at least")
-    p.add_argument("--repeats", type=int, default=3, help="rounds per layout (layouts alternate)")
-    p.add_argument("--auto-steps", type=int, default=None,
-                   help="timed steps per layout for the auto-mode pick; 0: skip it (default 2 on CPU, 0 on CUDA)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--out", type=Path, default=Path("bench_out/models"), help="output folder")
-    p.add_argument("--quick", action="store_true",
-                   help="check it runs: batch 2, 64x64 images, 4x32x32 clips, 8000 samples, 1 step per round, 2 rounds")
+    p = options(
+        __doc__, models=("all", f"comma-separated names, or 'all' (= {','.join(ALL_MODELS)}); 'tinycnn' for tests"),
+        batch_size=(int, "images per batch: default 16 on CPU, 256 on CUDA"),
+        image_size=(int, "default 160 on CPU, 224 on CUDA (vit_b_16 needs a multiple of 16)"),
+        frames=(int, "frames per clip: default 8 on CPU, 16 on CUDA"),
+        dtypes=("fp32,amp", "comma-separated from fp32, amp (amp = bf16 on CPU, fp16 on CUDA)"),
+        warmup=(int, "untimed steps per layout and dtype: default 1 on CPU, 5 on CUDA"),
+        steps=(2, "timed steps per round, at least"), min_window=(0.1, "seconds each timed round lasts, at least"),
+        repeats=(3, "rounds per layout (layouts alternate)"),
+        auto_steps=(int, "timed steps per layout for the auto-mode pick; 0: skip it (default 2 on CPU, 0 on CUDA)"),
+        device=(str, "cpu or cuda (default: cuda when available)"), out=(Path("bench_out/models"), "output folder"),
+        quick=(False, "check it runs: batch 2, 64x64 images, 4x32x32 clips, 8000 samples, 1 step per round, 2 rounds"))
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device = device

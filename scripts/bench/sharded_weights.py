@@ -109,9 +109,9 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = options(__doc__, device="cpu", models=["resnet50", "convnext_tiny"], image_size=224, warmup=3, steps=3,
                      repeats=5, fsdp=(False, "add the two fully_shard variants (one-process group)"),
-                     quick=(False, "resnet18, batch 2, 64 px, one step per round"))
-    parser.add_argument("--batch-size", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="autocast dtype")
+                     quick=(False, "resnet18, batch 2, 64 px, one step per round"),
+                     batch_size=(int, "default: 256 on CUDA, 32 on CPU"),
+                     dtype=(("bf16", "fp16", "fp32"), "autocast dtype"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:

@@ -168,11 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
                      steps=(10, "measured steps per round, part 1"), rounds=(5, "interleaved rounds, part 1"),
                      e2e_steps=(15, "measured steps per run, part 2 (0: skip part 2)"),
                      e2e_rounds=(3, "interleaved rounds, part 2"), num_workers=2,
-                     quick=(False, "tiny sizes: check that the script works"))
-    parser.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto", help="part 1 precision")
-    parser.add_argument("--layout", choices=["channels_last", "contiguous"], default="channels_last", help="part 1 layout")
-    parser.add_argument("--data", nargs="*", default=[], help="extra train.py overrides for part 2, e.g. data.root=...")
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+                     quick=(False, "tiny sizes: check that the script works"),
+                     amp=(("auto", "bf16", "fp16", "off"), "part 1 precision"),
+                     layout=(("channels_last", "contiguous"), "part 1 layout"),
+                     data=([], "extra train.py overrides for part 2, e.g. data.root=..."),
+                     out=(Path, "also write the results as JSON here"))
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(model="resnet18", batch_size=4, image_size=32, warmup=1, steps=2, rounds=1, e2e_steps=2,

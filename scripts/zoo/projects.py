@@ -27,7 +27,7 @@ from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from scripts.fits import quiet_trainer
-from scripts.harness import REPO, emit, python_module, run_child
+from scripts.harness import REPO, emit, options, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
 from scripts.zoo.pages import record
@@ -177,15 +177,12 @@ def _in_order(rows: dict[str, dict[str, Any]], order: list[str]) -> list[dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="+", default=None, help="case keys (lightly:moco) or libraries (anomalib)")
-    p.add_argument("--fast", action="store_true", help=f"one case per library: {', '.join(FAST)}")
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "projects.md", help="the page; its .json beside it")
-    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "projects_logs")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run (one case, one layout)")
-    p.add_argument("--list", action="store_true", help="print the cases and exit")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--layout", choices=LAYOUTS, help=argparse.SUPPRESS)
+    p = options(__doc__, only=([], "case keys (lightly:moco) or libraries (anomalib)"),
+                fast=(False, f"one case per library: {', '.join(FAST)}"),
+                out=(REPO / "docs" / "projects.md", "the page; its .json beside it"),
+                log_dir=Path(tempfile.gettempdir()) / "projects_logs",
+                timeout=(600.0, "seconds per run (one case, one layout)"), list=(False, "print the cases and exit"),
+                child=("", argparse.SUPPRESS), layout=(LAYOUTS, argparse.SUPPRESS))
     args = p.parse_args(argv)
     if args.child:
         emit(child(Case(**json.loads(args.child)), args.layout))
@@ -199,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := wanted - {c.key for c in cases} - {c.library for c in cases}:
         p.error(f"unknown case(s) {sorted(unknown)}; --list shows them")
     command = command_line("scripts.zoo.projects", argv)
-    rows = sweep(cases, args.out, args.log_dir, args.timeout, command, keep=args.only is not None)
+    rows = sweep(cases, args.out, args.log_dir, args.timeout, command, keep=bool(args.only))
     print(f"wrote {args.out} ({sum(r.get('seconds', 0) for r in rows if r['key'] in {c.key for c in cases}):.0f} s)")
     return 0
 

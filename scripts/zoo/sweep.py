@@ -91,9 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         confirm_passes=("", "--check-only: also confirm the passes of models whose key starts with one of these "
                             "comma-separated prefixes (smp:,tv-video:), or 'all' (fallbacks are always confirmed)"),
         confirm_steps=(4, "--check-only: steps of each confirmation run (4)"),
-        optimizer=("sgd", "(a model's process: its optimizer)"), child=("", "(a model's process: its key)"))
-    p.add_argument("--size", type=int, default=None,
-                   help="every model's input size, pixels (tiny runs for the tests); default each model's own")
+        optimizer=("sgd", "(a model's process: its optimizer)"), child=("", "(a model's process: its key)"),
+        size=(int, "every model's input size, pixels (tiny runs for the tests); default each model's own"))
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what each model's process is given, its key added
     unknown = [o for o in args.optimizers.split(",") if o not in OPTIMIZERS]

@@ -126,3 +126,13 @@ def test_options_makes_each_option_of_its_default_type() -> None:
     args = parser.parse_args(["--batch-size", "4", "--window", "1", "--out", "/y", "--quick", "--threads", "3", "4"])
     assert (args.batch_size, args.window, args.out, args.quick, args.threads) == (4, 1.0, Path("/y"), True, [3, 4])
     assert parser.description == "A script." and "images" in parser.format_help()
+
+
+def test_options_makes_choices_and_options_without_a_default() -> None:
+    parser = harness.options("A script.", optimizer=(("sgd", "adamw"), None), batch=(int, "default: per device"),
+                             sizes=lambda s: [int(x) for x in s.split(",")], data=[])
+    assert vars(parser.parse_args([])) == {"optimizer": "sgd", "batch": None, "sizes": None, "data": []}
+    args = parser.parse_args(["--optimizer", "adamw", "--batch", "4", "--sizes", "32,64", "--data", "a=1", "b=2"])
+    assert (args.optimizer, args.batch, args.sizes, args.data) == ("adamw", 4, [32, 64], ["a=1", "b=2"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--optimizer", "adam"])
