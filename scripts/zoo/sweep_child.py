@@ -36,24 +36,20 @@ def _step_grads(net: torch.nn.Module, spec: Spec, batch: Any) -> tuple[dict[str,
     return grads, float(loss)
 
 
-def _time_training(runs: dict[str, tuple[torch.nn.Module, Any]], spec: Spec, dtype: torch.dtype | None,
-                   rounds: int, min_window: float, warmup: int = 3) -> dict[str, float]:
-    """Median training steps/s of each ``(net, batch)``, interleaved rounds filling ``min_window``; ``warmup``
-    untimed steps first (oneDNN primitives, allocator pools)."""
-    steps = {key: training_step(net, lambda net=net, batch=batch: training_loss(net, batch, spec),
-                                optimizer=torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9), autocast_dtype=dtype)
-             for key, (net, batch) in runs.items()}
-    timing = time_steps(steps, rounds=rounds, warmup=warmup, min_window=min_window, max_steps=100_000)
-    return {key: s.median for key, s in timing.rates().items()}
-
-
-def _speed_runs(nets: dict[str, torch.nn.Module], batch: Any, dtype: torch.dtype | None):
-    """Each layout's net with its own copy of ``batch`` (in ``dtype``), the channels_last one converted."""
+def _time_training(nets: dict[str, torch.nn.Module], spec: Spec, batch: Any, dtype: torch.dtype | None,
+                   args: argparse.Namespace, warmup: int = 3) -> dict[str, float]:
+    """Median training steps/s of each layout's net on its own copy of ``batch`` (in ``dtype``; the channels_last
+    one converted), interleaved rounds filling ``--min-window``; ``warmup`` untimed steps first (oneDNN primitives,
+    allocator pools)."""
     from cltrain.loops import convert_batch
 
     cast = batch_to(batch, dtype) if dtype is not None else batch
-    return {"contiguous": (nets["contiguous"], clone_batch(cast)),
-            "channels_last": (nets["channels_last"], convert_batch(clone_batch(cast)))}
+    batches = {"contiguous": clone_batch(cast), "channels_last": convert_batch(clone_batch(cast))}
+    steps = {key: training_step(net, lambda net=net, batch=batches[key]: training_loss(net, batch, spec),
+                                optimizer=torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9), autocast_dtype=dtype)
+             for key, net in nets.items()}
+    timing = time_steps(steps, rounds=args.rounds, warmup=warmup, min_window=args.min_window, max_steps=100_000)
+    return {key: s.median for key, s in timing.rates().items()}
 
 
 def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_batch: Any,
@@ -77,8 +73,7 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
         grads[key], losses[key] = value
     parity(result, grads, losses, prefix="compile_")
     for label, dtype in dtypes:
-        result[f"compile_speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec, dtype,
-                                                          args.rounds, args.min_window, warmup=4)
+        result[f"compile_speed_{label}"] = _time_training(nets, spec, speed_batch, dtype, args, warmup=4)
 
 
 def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
@@ -144,8 +139,7 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     speed_batch = batches[0] if args.quick else make_batch(spec, args.speed_batch, torch.Generator().manual_seed(1))
     for label, dtype in dtypes if not args.no_speed else []:
         phase(f"speed {label}")
-        result[f"speed_{label}"] = _time_training(_speed_runs(nets, speed_batch, dtype), spec, dtype,
-                                                  args.rounds, args.min_window)
+        result[f"speed_{label}"] = _time_training(nets, spec, speed_batch, dtype, args)
     del nets
 
     if spec.compile and not args.no_compile:
