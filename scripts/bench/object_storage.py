@@ -5,6 +5,7 @@ local disk, WebDataset, LitData and Mosaic Streaming (the cases: docs/benchmarks
     python -m scripts.bench.object_storage --workers 1        # one worker per loader (decode threads: the loading plan)
     python -m scripts.bench.object_storage --workers auto     # each loader's default: ours the loading plan, peers a worker per core
     python -m scripts.bench.object_storage --clients          # fsspec (s3fs) against obstore: whole shards, ranges
+    python -m scripts.bench.object_storage --cases local s3-cold litdata mosaic   # ours against LitData's and Mosaic's
 """
 
 from __future__ import annotations
