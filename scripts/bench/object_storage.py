@@ -1,14 +1,16 @@
 """Training from object storage: images/s into normalised NHWC batches from a local S3 endpoint (moto) against the
-local disk, WebDataset and LitData (the cases: docs/benchmarks.md#object-storage).
+local disk, WebDataset, LitData and Mosaic Streaming (the cases: docs/benchmarks.md#object-storage).
 
     python -m scripts.bench.object_storage                    # 2,400 photographs in 24 shards, 3 rounds
     python -m scripts.bench.object_storage --workers 1        # one worker per loader (decode threads: the loading plan)
     python -m scripts.bench.object_storage --workers auto     # each loader's default: ours the loading plan, peers a worker per core
     python -m scripts.bench.object_storage --clients          # fsspec (s3fs) against obstore: whole shards, ranges
+    python -m scripts.bench.object_storage --cases local s3-cold litdata mosaic   # ours against LitData's and Mosaic's
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import shutil
@@ -32,7 +34,7 @@ from scripts.bench.photo_folder import make_photo_folder
 from scripts.harness import options
 
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
-PEER_WORKERS = [2]  # WebDataset's and LitData's DataLoader workers: ours, or a worker per core for ours "auto"
+PEER_WORKERS = [2]  # WebDataset's, LitData's and Mosaic's DataLoader workers: ours, or a worker per core for ours "auto"
 
 
 def _server() -> subprocess.Popen:
@@ -42,8 +44,9 @@ def _server() -> subprocess.Popen:
         port = sock.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    endpoint = f"http://127.0.0.1:{port}"  # S3_ENDPOINT_URL: the variable Mosaic's S3 downloader reads
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, S3_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -178,6 +181,48 @@ def _litdata(url: str, cache: Path) -> tuple[float, list[float]]:
     return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=PEER_WORKERS[0]))
 
 
+def _mosaic_write(root: Path, out: Path) -> str:
+    """The photographs written by ``MDSWriter`` into ``out/train`` (columns ``x``: jpeg, ``y``: int, as Mosaic's
+    ImageNet converter writes them; a PIL JPEG is stored as its file's own bytes; uncompressed, 16 MB shards like
+    LitData's chunks), uploaded."""
+    from PIL import Image
+    from streaming import MDSWriter
+
+    if not (out / "train" / "index.json").is_file():
+        files = sorted((root / "train").rglob("*.jpg"))
+        classes = sorted({p.parent.name for p in files})
+        with MDSWriter(out=str(out / "train"), columns={"x": "jpeg", "y": "int"}, size_limit="16MB") as writer:
+            for path in files:
+                writer.write({"x": Image.open(path), "y": classes.index(path.parent.name)})
+    return _upload(out, "bench", "mosaic")
+
+
+def _mosaic(url: str, cache: Path) -> tuple[float, list[float]]:
+    """Mosaic's ImageNet pipeline: ``StreamingImageNet`` (its ``StreamingDataset`` subclass: the jpeg column decoded
+    by PIL) with torchvision's transforms, in a plain DataLoader; a fresh local cache each pass. Its shared memory
+    (``/dev/shm``) and its file locks (in the temporary folder) are removed after the pass."""
+    import gc
+
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+    from streaming.base.shared.prefix import _get_path
+    from streaming.base.util import clean_stale_shared_memory
+    from streaming.vision import StreamingImageNet
+    from torch.utils.data import DataLoader
+
+    shutil.rmtree(cache, ignore_errors=True)
+    ds = StreamingImageNet(remote=url, local=str(cache), split="train", shuffle=True, batch_size=64,
+                           transform=torchvision_train(224))
+    locks = [os.path.join(ds._filelock_root, _get_path(ds._shm_prefix_int, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK)]
+    try:
+        return _rate(DataLoader(ds, batch_size=64, num_workers=PEER_WORKERS[0]))
+    finally:
+        del ds
+        gc.collect()
+        clean_stale_shared_memory()
+        for lock in locks:
+            Path(lock).unlink(missing_ok=True)
+
+
 def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
     """GET throughput of the shard objects through s3fs and obstore: whole shards, then each sample's range."""
     import obstore
@@ -209,13 +254,17 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = options(__doc__, train=(2400, "photographs in the training split"), shard_size=100, rounds=3,
-                cases=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata"],
+                cases=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata", "mosaic"],
                 clients=(False, "only fsspec against obstore on the pack's objects"),
                 work=(Path("bench_out/object_storage"),
-                      "where the photographs, their pack and LitData's copy are made (once) and reused"))
+                      "where the photographs, their pack and LitData's and Mosaic's copies are made (once) and reused"))
     p.add_argument("--workers", type=lambda v: v if v == "auto" else int(v), default=2,
                    help="DataLoader workers of every loader; auto: ours the loading plan, the others one per core")
     args = p.parse_args(argv)
+    if "mosaic" in args.cases and importlib.util.find_spec("streaming") is None:
+        print("mosaic: skipped: mosaicml-streaming is not installed (pip install --no-deps mosaicml-streaming brotli "
+              "python-snappy cramjam zstd catalogue)")
+        args.cases = [c for c in args.cases if c != "mosaic"]
     KW["num_workers"] = args.workers
     PEER_WORKERS[0] = usable_cores() if args.workers == "auto" else args.workers
     from cltrain.data.pack import pack
@@ -239,13 +288,16 @@ def main(argv: list[str] | None = None) -> None:
         warm = cache / "warm"
         _ours(url, cache_dir=str(warm))  # fills the warm cache once
         lit = _litdata_write(photos, args.work / f"litdata-{args.train}") if "litdata" in args.cases else ""
+        mds = _mosaic_write(photos, args.work / f"mosaic-{args.train}") if "mosaic" in args.cases else ""
+        shm = set(os.listdir("/dev/shm"))
         cases = {"local": lambda: _ours(str(local)),
                  "s3-cold": lambda: (shutil.rmtree(cache / "cold", ignore_errors=True), _ours(url, cache_dir=str(cache / "cold")))[1],
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
                  "s3-ranges": lambda: _ours(url, fetch="ranges", cache_dir=str(cache / "r")),
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
                  "wds-fsspec": lambda: _webdataset_fsspec([f"{url}/{n}" for n in names]),
-                 "litdata": lambda: _litdata(lit, cache / "litdata")}
+                 "litdata": lambda: _litdata(lit, cache / "litdata"),
+                 "mosaic": lambda: _mosaic(mds, cache / "mosaic")}
         _SERVER.append(server.pid)
         runs = interleaved({k: cases[k] for k in args.cases}, args.rounds)
         rates = {k: [rate for rate, _ in v] for k, v in runs.items()}
@@ -260,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                       *(f"{spread(cpu[j] for _, cpu in runs[k]).median:.2f}" for j in range(3))]
                      for k, r in rates.items()],
                     align="lrrlrrr"))
-        for peer in ("webdataset", "wds-fsspec", "litdata"):
+        for peer in ("webdataset", "wds-fsspec", "litdata", "mosaic"):
             if peer in med and "s3-cold" in med:
                 print(f"s3-cold / {peer}: {med['s3-cold'] / med[peer]:.2f}x")
         held = sum(q.stat().st_size for q in warm.rglob("*") if q.is_file())
@@ -268,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{sum(q.stat().st_size for q in local.rglob('*') if q.is_file()) / 2**20:.1f} MiB); peak RSS: this process "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB, largest worker "
               f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10:.0f} MiB")
+        left = sorted(set(os.listdir("/dev/shm")) - shm)
+        print(f"left in /dev/shm by the passes: {', '.join(left) if left else 'nothing'}")
         print(machine_line(machine()))
         shutil.rmtree(cache, ignore_errors=True)
     finally:
