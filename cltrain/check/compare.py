@@ -252,7 +252,7 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
     ref = run_on(ref_model, "contiguous", outputs=isolated)
     tape.recording = False
     if isolated is not None:
-        isolated.recording = False
+        isolated.replay()
     if ref.raised is not None:
         error = first_line(ref.raised.error)
         return LayoutCheck("not checked", reason=f"{STEP_RAISED} ({error})", seconds=time.perf_counter() - start,

@@ -57,6 +57,11 @@ class ReferenceOutputs:
         self.recording = True
         self._kept: dict[int, tuple[Any, int, torch.Tensor]] = {}  # a tensor kept once (a parent's output is a child's)
 
+    def replay(self) -> None:
+        """Recording ends: from now on each call gets the reference's values."""
+        self.recording = False
+        self._kept.clear()
+
     def keep(self, call: str, output: Any) -> None:
         """Record ``call``'s outputs (detached copies)."""
         values = []

@@ -11,7 +11,7 @@ def test_a_later_call_hands_on_the_reference_values_in_its_own_strides_and_passe
     outputs = ReferenceOutputs()
     reference = torch.arange(24.0).reshape(1, 2, 3, 4)
     assert outputs.pass_on("conv#0", reference) is reference  # recording: its own output, kept
-    outputs.recording = False
+    outputs.replay()
     mine = (reference + 0.5).contiguous(memory_format=torch.channels_last).requires_grad_()
     handed = outputs.pass_on("conv#0", mine)
     assert torch.equal(handed, reference) and handed.is_contiguous(memory_format=torch.channels_last)
