@@ -5,9 +5,10 @@ backward and, given ``after_backward``, the hooks, clipping and optimizer step o
 on an NCHW copy and a channels_last copy of ``model``, with the same RNG state and with
 random ops (dropout) drawn in the same logical order in both. Every module's inputs, outputs and output
 gradients, the loss, every parameter's gradient and its update are compared as they happen; the first place that
-raises only in channels_last, or differs beyond the layouts' own rounding noise, is the finding.
-The noise is measured on the same batch: an NCHW run whose every module output, and the gradient
-arriving at it, is perturbed by a few units in the last place of its dtype. The runs compute float32 in full
+raises only in channels_last, or differs beyond the layouts' own rounding noise, is the finding. Every module of a
+channels_last run computes from the values the NCHW run recorded (``cltrain.check.isolation``): rounding carried
+to a kink (a ReLU, a max) upstream is no difference. The noise is measured on the same batch: an NCHW run whose
+every module output, and the gradient arriving at it, is perturbed by a few units in the last place of its dtype. The runs compute float32 in full
 float32 (no TF32, ``cltrain.precision.full_float32``), and the code after the backward starts from the NCHW
 run's gradient values in every run (``cltrain.check.gradient_tape.GradientTape``), so updates are compared on
 identical gradients. A finding is then fixed by the smallest ``cltrain.check.fallback``
