@@ -8,10 +8,10 @@ gradients, the loss, every parameter's gradient and its update are compared as t
 raises only in channels_last, or differs beyond the layouts' own rounding noise, is the finding. Every module of a
 channels_last run computes from the values the NCHW run recorded (``cltrain.check.isolation``): rounding carried
 to a kink (a ReLU, a max) upstream is no difference. The noise is measured on the same batch: an NCHW run whose
-every module output, and the gradient arriving at it, is perturbed by a few units in the last place of its dtype. The runs compute float32 in full
-float32 (no TF32, ``cltrain.precision.full_float32``), and the code after the backward starts from the NCHW
-run's gradient values in every run (``cltrain.check.gradient_tape.GradientTape``), so updates are compared on
-identical gradients. A finding is then fixed by the smallest ``cltrain.check.fallback``
+every module output, and the gradient arriving at it, is perturbed by a few units in the last place of its dtype.
+The runs compute float32 in full float32 (no TF32, ``cltrain.precision.full_float32``), and the code after the
+backward starts from the NCHW run's gradient values in every run (``cltrain.check.gradient_tape.GradientTape``),
+so updates are compared on identical gradients. A finding is then fixed by the smallest ``cltrain.check.fallback``
 that makes the channels_last copy agree, tried in order (the outputs of the module just before the
 faulty code, the module holding it, its parents, the weights, the whole model), each verified by running the step
 again; a fault in a class's code is fixed in every instance of the class at once. The model itself, its gradients, BatchNorm statistics, optimizer and RNG state are not touched.
