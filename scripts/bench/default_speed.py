@@ -15,10 +15,8 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.clock import Stopwatch
-from cltrain.timing.report import command_line, table
-from cltrain.timing.rounds import interleaved
-from scripts.harness import emit, options, python_module, run_child
+from scripts.harness import (Stopwatch, command_line, emit, interleaved, machine_line, options, python_module,
+                             run_child, table, timed, write_report)
 
 #: One family after another first, so a run cut short by ``--budget`` still covers the most families.
 MODELS = ("resnet50", "mobilenet_v3_large", "ghostnet_100", "efficientnet_b0", "convnext_tiny", "densenet121",
@@ -79,7 +77,6 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     from cltrain.layout.optimizer_state import restride_optimizer_state
     from cltrain.precision import autocast_dtype, autocast_for
-    from cltrain.timing.clock import timed
 
     dtype = autocast_dtype(precision)
 
@@ -212,15 +209,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         child(args)
         return []
     from cltrain.precision import auto_precision
-    from cltrain.timing.machine import machine, machine_line
-    from cltrain.timing.report import write_report
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
     args.precisions = [auto.flag if p == "auto" else p for p in (args.precisions or ["auto", "32-true"])]
     command = command_line("scripts.bench.default_speed", argv)
     header = (f"`{command}`: batch {args.batch}, {args.optimizer}, fits of {args.fit_steps} steps timed whole and in "
               f"their last {args.steps} steps, {args.rounds} round(s) (medians); amp=auto: {auto.flag} ({auto.reason})."
-              f"\n\n{machine_line(machine())}")
+              f"\n\n{machine_line()}")
     records: list[dict[str, Any]] = []
     started = Stopwatch().start()
     for name in args.models:

@@ -20,10 +20,7 @@ from PIL import Image
 from cltrain.data import eval_transform
 from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 from cltrain.data.quirk_files import QUIRKS_READABLE, write_quirks
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import time_steps
-from scripts.harness import options
+from scripts.harness import machine_line, options, table, time_steps
 
 SIZES = ((224, 256), (64, 73))
 
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torchvision\.io")  # the reference's decode
-    print(f"Machine: {machine_line(machine())}")
+    print(f"Machine: {machine_line()}")
     with tempfile.TemporaryDirectory() as tmp:
         diffs = differences(Path(tmp), bundled_photos()[:1] if args.quick else bundled_photos())
     columns = [f"{s}/{r}, {'`reduce=True`' if red else 'default'}" for s, r in SIZES for red in (False, True)]

@@ -18,11 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import interleaved
 from scripts.fits import StepClock
-from scripts.harness import options
+from scripts.harness import interleaved, machine_line, options, table
 
 #: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
 MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -153,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    print(f"Machine: {machine_line(machine())}", flush=True)
+    print(f"Machine: {machine_line()}", flush=True)
     rows = []
     for name in args.models.split(","):
         rows.append(bench_model(name, args))

@@ -21,11 +21,7 @@ from torch import nn
 
 from cltrain.model_names import build_untrained_model
 from cltrain.timing.layouts import choose_layout
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table, write_report
-from cltrain.timing.rounds import time_steps
-from cltrain.timing.steps import LAYOUTS, layout_steps
-from scripts.harness import options
+from scripts.harness import LAYOUTS, layout_steps, machine_line, options, table, time_steps, write_report
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -251,7 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_flush_denormal(True)  # a few SGD steps on random data must not wander into slow denormals
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as apex, timm and FFCV run; the warm-up covers the tuning
-    described = machine_line(machine(device, packages=("torch", "torchvision")))
+    described = machine_line(device, packages=("torch", "torchvision"))
     print(f"Machine: {described}\nimages {args.batch_size}x{args.image_size}px, clips {args.clip_batch_size}x{args.frames}x"
           f"{args.clip_size}px, waveforms {args.audio_batch_size}x{args.audio_length}, dtypes {args.dtypes}, "
           f"models {len(args.models)}, timed windows >= {args.min_window:g} s", flush=True)

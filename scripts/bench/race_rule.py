@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cltrain.timing.layout_race import LayoutRace
-from cltrain.timing.report import command_line, table, write_report
-from scripts.harness import options
+from scripts.harness import command_line, options, table, write_report
 
 RATIOS = (0.78, 0.86, 0.90, 0.93, 0.95, 0.97, 1.0, 1.03, 1.05, 1.10, 1.22)
 

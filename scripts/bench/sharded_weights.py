@@ -22,11 +22,7 @@ from torch import nn
 from cltrain.layout import to_channels_last
 from cltrain.model_names import build_untrained_model
 from cltrain.precision import autocast_for
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import time_steps
-from cltrain.timing.steps import training_step
-from scripts.harness import options
+from scripts.harness import machine_line, options, table, time_steps, training_step
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
 SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
@@ -122,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     names = PLAIN + (SHARDED if args.fsdp else ())
-    print(machine_line(machine(device)))
+    print(machine_line(device))
     print(f"batch {args.batch_size} at {args.image_size} px, autocast {args.dtype}, {args.warmup} warm-up steps, "
           f"{args.repeats} interleaved rounds of {args.steps} steps")
     rows: list[dict[str, Any]] = []
