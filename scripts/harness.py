@@ -1,6 +1,6 @@
 """The harness every script measures through, in one import: ``cltrain.timing``'s clock (``Stopwatch``, ``timed``,
-``cpu_seconds``), its rounds (``interleaved``, ``time_steps``, ``rate_after_first``), its steps (``training_step``, ``layout_steps``
-in each of the ``LAYOUTS``), ``spread`` and its report
+``cpu_seconds``), its rounds (``interleaved``, ``time_steps``, ``rate_after_first``), its steps (``training_step``,
+``layout_steps`` in each of the ``LAYOUTS``), ``spread`` and its report
 (``table``, ``write_report``, ``command_line``); ``machine_line``, the machine a figure was taken on; ``options``, a
 script's command line from its defaults. A case may run in a child process of its own (``run_child``), so a native
 crash, a raise or a hang is a row of the table, not the end of the run; what it measured comes back as lines it

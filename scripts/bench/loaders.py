@@ -257,7 +257,8 @@ def hf_table(sets: dict[str, Path], args: argparse.Namespace) -> dict[tuple[str,
     for config, (workers, threads) in configs.items():
         collate = NHWCCollate(normalize=ImageNormalizer(), threads=threads)
         rows = {"(a) HF docs": hf_documented(rows_of, 224)} if workers == args.workers else {}
-        rows["(b) cltrain hf"] = (HFImageDataset(rows_of, train_transform(224), threads=threads), collate, lambda b: b[0])
+        rows["(b) cltrain hf"] = (HFImageDataset(rows_of, train_transform(224), threads=threads), collate,
+                                  lambda b: b[0])
         rows["(c) cltrain dir"] = (ImageFolderDataset(split, train_transform(224), threads=threads), collate,
                                    lambda b: b[0])
         cases.update({(config, name): (lambda r, row=row, workers=workers: loader_rate(
@@ -303,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "folders" in args.tables and not args.no_dali:
         print(f"NVIDIA DALI {nvidia.dali.__version__} (CPU only)")
     print(f"batch {args.batch_size}, {args.batches} timed batches per measurement, {args.repeats} interleaved repeats")
-    return {name: run(sets, args) for name, run in (("folders", folders_tables), ("hf", hf_table)) if name in args.tables}
+    tables = {"folders": folders_tables, "hf": hf_table}
+    return {name: run(sets, args) for name, run in tables.items() if name in args.tables}
 
 
 if __name__ == "__main__":
