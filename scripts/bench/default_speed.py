@@ -100,7 +100,7 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def child(args: argparse.Namespace) -> None:
     """Every precision, size and round of one model, in this process; one JSON line per fit, as it ends."""
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.backends.cudnn.allow_tf32 = True
@@ -192,14 +192,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      steps=(50, "the last steps of a fit: its steady state"),
                      timeout=(3600.0, "seconds one model's process may take"),
                      tiny=(False, "two small models, batch 2 at 32 px, fp32, 14-step fits"),
-                     cpu=(False, "the CPU even where CUDA is"), out=Path("bench_out/default_speed"),
+                     out=Path("bench_out/default_speed"),
                      child=(False, "(a model's process)"), models=(lambda s: s.split(","), "comma-separated"),
                      precisions=([], "Lightning precision flags; 'auto' is amp=auto's pick (default: auto 32-true)"),
                      batch=(int, "default: 256 on CUDA, 8 on a CPU"), optimizer=(("sgd", "adamw"), None),
                      budget=(float, "seconds; no model starts past them"))
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available()
     if args.tiny:
         args.models, args.batch, args.sizes, args.precisions = args.models or list(TINY_MODELS), 2, [32], ["32-true"]
         args.fit_steps, args.steps, args.rounds = 14, 2, 1
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "scripts.bench.default_speed", "--child", "--models", name, "--batch", args.batch,
             "--sizes", ",".join(map(str, args.sizes)), "--fit-steps", args.fit_steps, "--steps", args.steps,
             "--rounds", args.rounds, "--optimizer", args.optimizer,
-            "--precisions", *args.precisions, *(["--cpu"] if args.cpu else [])), timeout=args.timeout)
+            "--precisions", *args.precisions), timeout=args.timeout)
         why = run.failure()
         lines = [summarise(name, p, size, [f for f in run.results() if f["precision"] == p and f["size"] == size], why)
                  for size in args.sizes for p in args.precisions]
