@@ -50,10 +50,10 @@ def play(ratio: float, seed: int, scale: float, fit: int = 200) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = options(__doc__, races=(400, "races per ratio"), quick=(False, "40 races per ratio"),
+    args = options(__doc__, races=(400, "races per ratio"), quick=(dict(races=40), "40 races per ratio"),
                    noise=(1.0, "scales the drift, the jitter and the slow steps"),
                    out=Path("bench_out/race_rule")).parse_args(argv)
-    races = 40 if args.quick else args.races
+    races = args.races
     rows = []
     for ratio in RATIOS:
         played = [play(ratio, seed, args.noise) for seed in range(races)]
