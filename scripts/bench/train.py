@@ -24,9 +24,9 @@ from cltrain import ChannelsLast, to_channels_last
 from cltrain.app import ImageClassifier, build_classifier, compose_config, resolve_accelerator, resolve_precision
 from cltrain.app.train import train
 from cltrain.precision import autocast_dtype
-from cltrain.timing.machine import machine
+from cltrain.timing.machine import machine, machine_line
 from scripts.fits import StepClock, quiet_trainer
-from scripts.harness import Stopwatch, interleaved, machine_line, options, table, timed, write_report
+from scripts.harness import Stopwatch, interleaved, options, table, timed, write_report
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
