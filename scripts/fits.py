@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from cltrain.timing.clock import Stopwatch, synchronize
+from scripts.harness import Stopwatch, synchronize
 
 __all__ = ["NetModule", "StepClock", "quiet_trainer"]
 

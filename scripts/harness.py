@@ -1,6 +1,10 @@
-"""A case run in a child process of its own (``run_child``), so a native crash, a raise or a hang is a row of the
-table, not the end of the run; what it measured comes back as lines it printed with ``emit``. ``options``: a
-script's command line from its defaults::
+"""The harness every script measures through, in one import: ``cltrain.timing``'s clock (``Stopwatch``, ``timed``,
+``cpu_seconds``), its rounds (``interleaved``, ``time_steps``, ``rate_after_first``), its steps (``training_step``,
+``layout_steps`` in each of the ``LAYOUTS``), ``spread`` and its report
+(``table``, ``write_report``, ``command_line``); ``machine_line``, the machine a figure was taken on; ``options``, a
+script's command line from its defaults. A case may run in a child process of its own (``run_child``), so a native
+crash, a raise or a hang is a row of the table, not the end of the run; what it measured comes back as lines it
+printed with ``emit``::
 
     child = run_child(python_module("scripts.bench.default_speed", "--child", ...), timeout=600)
     child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"
@@ -22,9 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cltrain.timing.clock import Stopwatch
+from cltrain.timing.clock import Stopwatch, cpu_seconds, synchronize, timed
+from cltrain.timing.machine import PACKAGES, machine
+from cltrain.timing.machine import machine_line as line_of
+from cltrain.timing.report import command_line, table, table_row, write_report
+from cltrain.timing.rounds import interleaved, rate_after_first, rotated, time_steps
+from cltrain.timing.stats import spread
+from cltrain.timing.steps import LAYOUTS, layout_steps, training_step
 
-__all__ = ["REPO", "Child", "emit", "options", "python_module", "run_child", "signal_name"]
+__all__ = ["LAYOUTS", "REPO", "Child", "Stopwatch", "command_line", "cpu_seconds", "emit", "interleaved",
+           "layout_steps", "machine_line", "options", "python_module", "rate_after_first", "rotated", "run_child",
+           "signal_name", "spread", "synchronize", "table", "table_row", "time_steps", "timed", "training_step",
+           "write_report"]
 
 #: The repository root: children run from there (``python -m scripts...`` needs no install).
 REPO = Path(__file__).resolve().parents[1]
@@ -32,17 +45,40 @@ REPO = Path(__file__).resolve().parents[1]
 RESULT = "SCRIPTS-RESULT "
 
 
+def machine_line(device: Any = None, packages: Sequence[str] = PACKAGES) -> str:
+    """The machine (``cltrain.timing.machine``; ``device`` default CUDA where there is one) as one line."""
+    return line_of(machine(device, packages=packages))
+
+
+class _Parser(argparse.ArgumentParser):
+    """Applies its presets after parsing: a preset's flag given, its values replace those parsed."""
+
+    presets: dict[str, dict[str, Any]]
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        parsed = super().parse_args(*args, **kwargs)
+        for name, values in self.presets.items():
+            if getattr(parsed, name):
+                vars(parsed).update(values)
+        return parsed
+
+
 def options(doc: str, **defaults: Any) -> argparse.ArgumentParser:
     """A parser described by ``doc``'s first line, with an option per keyword (``batch_size``: ``--batch-size``) whose
-    value is its default, or ``(default, help)``. The type is the default's: ``False`` makes a flag, a list takes one
-    or more values of its first item's type (any number of strings when empty), a tuple is the choices (the first the
-    default; always inside ``(choices, help)``), a callable (``int``, ``Path``, a parser of the text) an option it
-    parses that defaults to ``None``. Options of other kinds are added to the parser returned."""
-    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    value is its default, or ``(default, help)``. The type is the default's: ``False`` makes a flag, a dict a flag
+    whose values replace the parsed ones when given (``quick={"batch_size": 2}``), a list takes one or more values of
+    its first item's type (any number of strings when empty), a tuple is the choices (the first the default; always
+    inside ``(choices, help)``), a callable (``int``, ``Path``, a parser of the text) an option it parses that
+    defaults to ``None``. Options of other kinds are added to the parser returned."""
+    parser = _Parser(description=doc.strip().splitlines()[0])
+    parser.presets = {}
     for name, value in defaults.items():
         default, help_ = value if isinstance(value, tuple) else (value, None)
         flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
+        if isinstance(default, dict):
+            parser.presets[name] = default
+            parser.add_argument(flag, action="store_true", help=help_)
+        elif isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=help_)
         elif isinstance(default, tuple):
             parser.add_argument(flag, choices=default, default=default[0], help=help_)

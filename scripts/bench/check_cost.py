@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.report import table, table_row, write_report
-from cltrain.timing.rounds import interleaved
-from scripts.harness import emit, options, python_module, run_child
+from scripts.harness import (emit, interleaved, machine_line, options, python_module, run_child, table, table_row,
+                             write_report)
 
 #: ``--models`` names: torchvision builders, ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer) and
 #: ``unet_resnet18`` (segmentation_models_pytorch's U-Net, one output channel, trained with Dice + BCE).
@@ -41,16 +40,11 @@ def build(name: str, size: int, classes: int = 10) -> torch.nn.Module:
     return getattr(torchvision.models, name)(num_classes=classes)
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (MiB; Linux's ``VmHWM``)."""
+def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool,
+          optimizer: str = "adamw") -> dict[str, Any]:
+    """One training run in this process; returns its figures (``peak_rss_mb``: Linux's ``VmHWM``)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool,
-          samples: int | None = None, optimizer: str = "adamw") -> dict[str, Any]:
-    """One training run in this process; returns its figures."""
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, Dataset
 
@@ -80,25 +74,24 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
                 else torch.optim.AdamW(params, lr=1e-3))
 
     torch.manual_seed(0)
-    options = {} if samples is None else {"check_samples": samples or None}
-    timer, callback = StepClock(), ChannelsLast(verify=verify, **options)
+    timer, callback = StepClock(), ChannelsLast(verify=verify)
     trainer = quiet_trainer(max_steps=steps, precision=precision, callbacks=[timer, callback])
     trainer.fit(NetModule(build(model_name, size), loss, make_optimizer), DataLoader(Images(), batch_size=batch))
     check = callback.layout_checks.get("train")
     cuda = torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"
-    return {"steps": timer.steps, "peak_rss_mb": peak_rss_mb(),
+    return {"steps": timer.steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "check_s": check.seconds if check else None, "verdict": check.verdict if check else None,
             "device": str(trainer.strategy.root_device)}
 
 
 def measure(model_name: str, batch: int, size: int, precision: str, steps: int, repeats: int,
-            samples: int | None = None, optimizer: str = "adamw") -> dict[str, Any]:
+            optimizer: str = "adamw") -> dict[str, Any]:
     """``repeats`` alternating rounds of a run without and with the check, each in a fresh process."""
     def run(verify: bool) -> dict[str, Any]:
         cmd = python_module("scripts.bench.check_cost", "--child", "--models", model_name, "--batch", batch, "--size",
                             size, "--precision", precision, "--steps", steps, "--optimizer", optimizer,
-                            *(["--verify"] if verify else []), *(["--check-samples", samples] if samples is not None else []))
+                            *(["--verify"] if verify else []))
         child = run_child(cmd)
         if child.code != 0 or not child.results():
             raise RuntimeError(f"check_cost child failed ({' '.join(cmd)}): {child.status()}\n{child.output[-3000:]}")
@@ -127,32 +120,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = options(__doc__, batch=32, size=224, precision="bf16-mixed", steps=(3, "training steps per run (>= 2)"),
                      repeats=(2, "rounds of (without, with) the check"),
                      grid=(False, "resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px"),
-                     tiny=(False, "resnet18, batch 4 at 32 px, fp32, one round"), child=(False, "(a run's process)"),
+                     tiny=(dict(models=["resnet18"], batch=4, size=32, precision="32-true", steps=2, repeats=1),
+                           "resnet18, batch 4 at 32 px, fp32, one round"), child=(False, "(a run's process)"),
                      verify=(False, "(a run's process: with the check)"), optimizer=(("adamw", "sgd"), None),
-                     check_samples=(int, "ChannelsLast(check_samples=...); 0: the whole batch"),
                      json=(Path, "also write the rows here"))
     parser.add_argument("--models", nargs="*", default=["resnet50", "convnext_tiny", "vit_s_16"], choices=MODELS)
     args = parser.parse_args(argv)
     if args.child:
-        emit(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify,
-                   args.check_samples, args.optimizer))
+        emit(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify, args.optimizer))
         return []
-    if args.tiny:
-        vars(args).update(models=["resnet18"], batch=4, size=32, precision="32-true", steps=2, repeats=1)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the plain step time is read from steps 2..)")
-    from cltrain.timing.machine import machine, machine_line
-
-    samples = {None: "default", 0: "the whole batch"}.get(args.check_samples, args.check_samples)
     points = [(m, z) for m in GRID[0] for z in GRID[1]] if args.grid else [(m, args.size) for m in args.models]
     print(f"batch {args.batch}, {args.precision}, {args.optimizer}, {args.steps} steps per run, {args.repeats} "
-          f"rounds, each run in its own process; medians; check_samples {samples}")
+          "rounds, each run in its own process; medians")
     print(table([f"model, batch {args.batch}", "px", "peak RSS without / with the check", "memory ratio", "step",
                  "check", "check in steps", "first step +", "verdict"], [], align="lrrrrrrrl"))
     rows = []
     for name, size in points:
-        row = measure(name, args.batch, size, args.precision, args.steps, args.repeats, args.check_samples,
-                      args.optimizer)
+        row = measure(name, args.batch, size, args.precision, args.steps, args.repeats, args.optimizer)
         rows.append(row)
         cuda = (f" (CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB, "
                 f"{row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")
@@ -160,7 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          f"{row['memory_ratio']:.2f}x{cuda}", f"{row['step_with_check_s']:.2f} s",
                          f"{row['check_s']:.2f} s", f"{row['check_in_steps']:.1f}",
                          f"{row['first_step_extra_in_steps']:.1f}", row["verdict"]]), flush=True)
-    print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line(machine()))
+    print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line())
     if args.json:
         write_report(args.json.with_suffix(""), data=rows)
     return rows

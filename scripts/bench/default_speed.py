@@ -15,10 +15,8 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.clock import Stopwatch
-from cltrain.timing.report import command_line, table
-from cltrain.timing.rounds import interleaved
-from scripts.harness import emit, options, python_module, run_child
+from scripts.harness import (Stopwatch, command_line, emit, interleaved, machine_line, options, python_module,
+                             run_child, table, timed, write_report)
 
 #: One family after another first, so a run cut short by ``--budget`` still covers the most families.
 MODELS = ("resnet50", "mobilenet_v3_large", "ghostnet_100", "efficientnet_b0", "convnext_tiny", "densenet121",
@@ -79,7 +77,6 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     from cltrain.layout.optimizer_state import restride_optimizer_state
     from cltrain.precision import autocast_dtype, autocast_for
-    from cltrain.timing.clock import timed
 
     dtype = autocast_dtype(precision)
 
@@ -103,7 +100,7 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def child(args: argparse.Namespace) -> None:
     """Every precision, size and round of one model, in this process; one JSON line per fit, as it ends."""
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.backends.cudnn.allow_tf32 = True
@@ -195,14 +192,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      steps=(50, "the last steps of a fit: its steady state"),
                      timeout=(3600.0, "seconds one model's process may take"),
                      tiny=(False, "two small models, batch 2 at 32 px, fp32, 14-step fits"),
-                     cpu=(False, "the CPU even where CUDA is"), out=Path("bench_out/default_speed"),
+                     out=Path("bench_out/default_speed"),
                      child=(False, "(a model's process)"), models=(lambda s: s.split(","), "comma-separated"),
                      precisions=([], "Lightning precision flags; 'auto' is amp=auto's pick (default: auto 32-true)"),
                      batch=(int, "default: 256 on CUDA, 8 on a CPU"), optimizer=(("sgd", "adamw"), None),
                      budget=(float, "seconds; no model starts past them"))
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available()
     if args.tiny:
         args.models, args.batch, args.sizes, args.precisions = args.models or list(TINY_MODELS), 2, [32], ["32-true"]
         args.fit_steps, args.steps, args.rounds = 14, 2, 1
@@ -212,15 +209,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         child(args)
         return []
     from cltrain.precision import auto_precision
-    from cltrain.timing.machine import machine, machine_line
-    from cltrain.timing.report import write_report
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
     args.precisions = [auto.flag if p == "auto" else p for p in (args.precisions or ["auto", "32-true"])]
     command = command_line("scripts.bench.default_speed", argv)
     header = (f"`{command}`: batch {args.batch}, {args.optimizer}, fits of {args.fit_steps} steps timed whole and in "
               f"their last {args.steps} steps, {args.rounds} round(s) (medians); amp=auto: {auto.flag} ({auto.reason})."
-              f"\n\n{machine_line(machine())}")
+              f"\n\n{machine_line()}")
     records: list[dict[str, Any]] = []
     started = Stopwatch().start()
     for name in args.models:
@@ -232,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "scripts.bench.default_speed", "--child", "--models", name, "--batch", args.batch,
             "--sizes", ",".join(map(str, args.sizes)), "--fit-steps", args.fit_steps, "--steps", args.steps,
             "--rounds", args.rounds, "--optimizer", args.optimizer,
-            "--precisions", *args.precisions, *(["--cpu"] if args.cpu else [])), timeout=args.timeout)
+            "--precisions", *args.precisions), timeout=args.timeout)
         why = run.failure()
         lines = [summarise(name, p, size, [f for f in run.results() if f["precision"] == p and f["size"] == size], why)
                  for size in args.sizes for p in args.precisions]

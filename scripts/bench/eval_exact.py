@@ -18,12 +18,9 @@ import torch
 from PIL import Image
 
 from cltrain.data import eval_transform
-from scripts.bench.photo_folder import bundled_photos, make_photo_folder
 from cltrain.data.quirk_files import QUIRKS_READABLE, write_quirks
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import time_steps
-from scripts.harness import options
+from scripts.bench.photo_folder import bundled_photos, make_photo_folder
+from scripts.harness import machine_line, options, table, time_steps
 
 SIZES = ((224, 256), (64, 73))
 
@@ -74,13 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     args = options(__doc__, photos=(Path(tempfile.gettempdir()) / "cltrain-photos",
                                     "the photo folder (made once from the bundled photographs)"),
                    images=(200, "JPEGs of the photo folder to time"), repeats=5,
-                   quick=(False, "one photograph, 8 images of a small folder, one round")).parse_args(argv)
-    if args.quick:
-        args.images, args.repeats = 8, 1
+                   quick=(dict(images=8, repeats=1), "one photograph, 8 images of a small folder, one round"),
+                   ).parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torchvision\.io")  # the reference's decode
-    print(f"Machine: {machine_line(machine())}")
+    print(f"Machine: {machine_line()}")
     with tempfile.TemporaryDirectory() as tmp:
         diffs = differences(Path(tmp), bundled_photos()[:1] if args.quick else bundled_photos())
     columns = [f"{s}/{r}, {'`reduce=True`' if red else 'default'}" for s, r in SIZES for red in (False, True)]

@@ -18,11 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import interleaved
 from scripts.fits import StepClock
-from scripts.harness import options
+from scripts.harness import interleaved, machine_line, options, table
 
 #: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
 MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -137,13 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = options(__doc__, models=(",".join(MODELS), "comma-separated, from: " + ", ".join(MODELS)), batch_size=8,
                      image_size=128, steps=(3, "timed steps per round and layout"),
                      repeats=(3, "rounds, alternating which layout goes first"),
-                     tiny=(False, "tiny configs, batch 2 at 32 px, 1 round of 1 step"),
+                     tiny=(dict(batch_size=2, image_size=32, steps=1, repeats=1),
+                           "tiny configs, batch 2 at 32 px, 1 round of 1 step"),
                      precision=(("bf16", "fp32"), None), device=(("cpu", "cuda"), None))
     args = parser.parse_args(argv)
     if unknown := [m for m in args.models.split(",") if m not in MODELS]:
         parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
-    if args.tiny:
-        args.batch_size, args.image_size, args.steps, args.repeats = 2, 32, 1, 1
     return args
 
 
@@ -153,7 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    print(f"Machine: {machine_line(machine())}", flush=True)
+    print(f"Machine: {machine_line()}", flush=True)
     rows = []
     for name in args.models.split(","):
         rows.append(bench_model(name, args))

@@ -29,17 +29,13 @@ from torchvision import transforms as T
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
 from cltrain.data.decoders import jpeg_roi
 from cltrain.data.image_folder_dataset import find_classes, find_samples
+from cltrain.data.loader_threads import loading_plan
 from cltrain.data.normalize import ImageNormalizer
 from cltrain.data.prefetch import PrefetchDataLoader
-from cltrain.timing.clock import timed
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import interleaved, rate_after_first
-from cltrain.timing.stats import spread
-from scripts.bench.photo_folder import folders
-from scripts.harness import options
+from scripts.bench.photo_folder import folders, save_as_hf
+from scripts.harness import interleaved, machine_line, options, rate_after_first, spread, table, timed
 
-__all__ = ["CASES", "loader_machine_line", "loader_rate", "torchvision_train"]
+__all__ = ["CASES", "hf_table", "loader_machine_line", "loader_rate", "torchvision_train"]
 
 
 # --- the pieces of the loaders ---------------------------------------------------------------------
@@ -56,14 +52,6 @@ class Files(Dataset):
         path, target = self.samples[i]
         with Image.open(path) as img:
             return self.fn(img), target
-
-
-def decode_whole(path: str) -> Any:
-    """Read the file and decode the whole image with simplejpeg (accurate defaults): the bar."""
-    import simplejpeg
-
-    with open(path, "rb") as f:
-        return simplejpeg.decode_jpeg(f.read())
 
 
 def torchvision_train(size: int) -> T.Compose:
@@ -89,7 +77,7 @@ def loader_machine_line() -> str:
     """The machine (``cltrain.timing.machine``) with what a loader figure depends on: Pillow, its libjpeg-turbo,
     simplejpeg, and the region decoder."""
     region = f"libturbojpeg {jpeg_roi.library_path()}" if jpeg_roi.available() else "off (no libturbojpeg 3)"
-    return (machine_line(machine(packages=("torch", "torchvision", "Pillow", "simplejpeg", "datasets")))
+    return (machine_line(packages=("torch", "torchvision", "Pillow", "simplejpeg", "datasets"))
             + f"; Pillow's libjpeg-turbo {features.version('libjpeg_turbo') or 'no'}; region decode {region}")
 
 
@@ -147,10 +135,13 @@ def plain(s: Setting, seed: int, library: str) -> float:
 
 
 def bare_decode(s: Setting, seed: int) -> float:
-    """Images/second of ``decode_whole`` on T threads, nothing else."""
+    """Images/second of reading each file and decoding the whole image with simplejpeg (accurate defaults) on T
+    threads, nothing else: the bar."""
+    import simplejpeg
+
     samples, rng = s.samples, random.Random(seed)
     paths = [samples[rng.randrange(len(samples))][0] for _ in range(s.batch_size * s.batches)]
-    one = lambda path: decode_whole(path).shape[0]  # noqa: E731 - no image kept
+    one = lambda path: simplejpeg.decode_jpeg(Path(path).read_bytes()).shape[0]  # noqa: E731 - no image kept
     if s.threads == 1:
         return len(paths) / timed(lambda: [one(p) for p in paths])
     with ThreadPoolExecutor(s.threads) as pool:
@@ -231,6 +222,61 @@ def folders_tables(sets: dict[str, Path], args: argparse.Namespace) -> dict[str,
     return {f"{k[0]}, {k[1]} thread(s)": v for k, v in med.items()}
 
 
+# --- Hugging Face's documented pipeline against cltrain's (--tables hf) ------------------------------
+def hf_documented(dataset: Any, size: int) -> tuple[Any, Callable, Callable]:
+    """Hugging Face's image-classification recipe: ``set_transform`` with torchvision transforms on Pillow images."""
+    tv = torchvision_train(size)
+
+    def transform(batch: dict) -> dict:
+        batch["pixel_values"] = [tv(img.convert("RGB")) for img in batch["image"]]
+        del batch["image"]
+        return batch
+
+    def collate(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([r["pixel_values"] for r in rows]), torch.tensor([r["label"] for r in rows])
+
+    return dataset.with_transform(transform), collate, lambda b: b[0].contiguous(memory_format=torch.channels_last)
+
+
+def hf_table(sets: dict[str, Path], args: argparse.Namespace) -> dict[tuple[str, str], float]:
+    """(a) Hugging Face's documented pipeline, (b) cltrain's ``HFImageDataset`` and (c) its folder loader on the
+    photographs of the first folder, with ``--workers`` worker processes each, then (b) and (c) with cltrain's own
+    plan."""
+    import datasets
+
+    from cltrain.data.hf_dataset import HFImageDataset
+
+    split = next(iter(sets.values()))
+    saved = save_as_hf(split, split.parent.parent / f"{split.parent.name}-hf")
+    rows_of = datasets.load_from_disk(str(saved))["train"]
+    plan = loading_plan()
+    print(f"\n{split} as a datasets dataset in {saved}; cltrain's plan here: {plan[0]} workers x {plan[1]} threads")
+    configs = {f"{args.workers} workers (all)": (args.workers, 1),
+               f"cltrain's plan ({plan[0]} workers x {plan[1]} threads)": plan}
+    cases = {}
+    for config, (workers, threads) in configs.items():
+        collate = NHWCCollate(normalize=ImageNormalizer(), threads=threads)
+        rows = {"(a) HF docs": hf_documented(rows_of, 224)} if workers == args.workers else {}
+        rows["(b) cltrain hf"] = (HFImageDataset(rows_of, train_transform(224), threads=threads), collate,
+                                  lambda b: b[0])
+        rows["(c) cltrain dir"] = (ImageFolderDataset(split, train_transform(224), threads=threads), collate,
+                                   lambda b: b[0])
+        cases.update({(config, name): (lambda r, row=row, workers=workers: loader_rate(
+            *row, args.batch_size, workers, args.batches, seed=r, decode_ahead=True)) for name, row in rows.items()})
+    med = {k: spread(v).median for k, v in interleaved(cases, args.repeats, with_round=True).items()}
+    first = next(iter(configs))
+    hf_docs = med[(first, "(a) HF docs")]
+    print("\n" + table(["configuration", "loader", "img/s", "vs (a)", "vs (c)"],
+                       [[config, name, f"{v:.0f}", f"{v / hf_docs:.2f}", f"{v / med[(config, '(c) cltrain dir')]:.2f}"]
+                        for (config, name), v in med.items()], align="llrrr"))
+    best_hf = max(v for (c, n), v in med.items() if n == "(b) cltrain hf")
+    print(f"cltrain hf: {med[(first, '(b) cltrain hf')] / hf_docs:.2f}x the HF pipeline with the same workers, "
+          f"{best_hf / hf_docs:.2f}x with its own plan [target 2]; "
+          f"{min(med[(c, '(b) cltrain hf')] / med[(c, '(c) cltrain dir')] for c in configs):.2f}x "
+          "the folder loader at worst [target 0.9]")
+    return med
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = options(__doc__, work=(Path(tempfile.gettempdir()) / "cltrain-bench-dali",
                                "where the JPEG folders are made (once) and reused"),
@@ -240,13 +286,11 @@ def main(argv: list[str] | None = None) -> dict:
                 no_dali=(False, "leave DALI out (it is not installed here)"),
                 levers=(False, "add rows for the default path's choices"),
                 augment=(False, "add a cltrain row with TrivialAugment, erasing and mixup"),
-                quick=(False, "tiny folders and runs: checks that the script works"),
+                quick=(dict(batch_size=8, batches=1, repeats=1), "tiny folders and runs: checks that the script works"),
                 root=(Path, "time this folder (train/<class>/<image>) instead of the three"),
                 sets=([], "folder names to run (default: all three)"))
     p.add_argument("--tables", nargs="+", choices=("folders", "hf"), default=["folders"])
     args = p.parse_args(argv)
-    if args.quick:
-        args.batch_size, args.batches, args.repeats = 8, 1, 1
     if not args.no_dali and "folders" in args.tables:
         try:
             import nvidia.dali
@@ -260,14 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "folders" in args.tables and not args.no_dali:
         print(f"NVIDIA DALI {nvidia.dali.__version__} (CPU only)")
     print(f"batch {args.batch_size}, {args.batches} timed batches per measurement, {args.repeats} interleaved repeats")
-    out: dict = {}
-    if "folders" in args.tables:
-        out["folders"] = folders_tables(sets, args)
-    if "hf" in args.tables:
-        from scripts.bench.hf_loaders import hf_table  # it times with this module's loader_rate
-
-        out["hf"] = hf_table(next(iter(sets.values())), args)
-    return out
+    tables = {"folders": folders_tables, "hf": hf_table}
+    return {name: run(sets, args) for name, run in tables.items() if name in args.tables}
 
 
 if __name__ == "__main__":

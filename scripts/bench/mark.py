@@ -1,5 +1,7 @@
 """Toward the MLPerf per-GPU rate: the tasks of apex's recipe that ``python -m scripts.gpu_check --mark`` runs, in one
-worker process, each within the budget (the tasks and their order: docs/benchmarks.md#mark).
+worker process, each within the budget (the tasks and their order: docs/benchmarks.md#mark). An end-to-end task is a
+configuration of train.py run in this process (``run_config``) with ``StepProbe``, which counts its finite losses
+and host syncs: ``scripts.gpu_check``'s matrix and its ``--mark``.
 """
 
 from __future__ import annotations
@@ -7,19 +9,19 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback
 
 from cltrain.check.budget import free_memory, is_out_of_memory
-from cltrain.timing.clock import Stopwatch, synchronize
-from cltrain.timing.report import write_report
-from cltrain.timing.rounds import interleaved, rate_after_first, rotated
+from cltrain.timing.host_syncs import SyncOps
 from scripts.bench.mark_table import mark_markdown
-from scripts.harness import emit
+from scripts.harness import Stopwatch, emit, interleaved, rate_after_first, rotated, synchronize, write_report
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
@@ -178,8 +180,62 @@ def run_loader(spec: dict, records: list[dict]) -> dict:
     return {"status": "completed", "rates": [r for values in zip(*rates.values()) for r in values], "batch": spec["batch"]}
 
 
+# --- one configuration of train.py ---------------------------------------------------------------------------
+class StepProbe(Callback):
+    """Keeps every training step's loss on the device and counts host-sync ops over ``count_steps`` steps; writes
+    ``{"finite", "steps", "counted", "sync_ops"}`` to ``path`` as JSON when training ends or fails."""
+
+    def __init__(self, path: str, count_from: int, count_steps: int) -> None:
+        self.path, self.first, self.stop = Path(path), count_from, count_from + count_steps
+        self.losses: list[torch.Tensor] = []
+        self.mode: SyncOps | None = None
+        self.ops: Counter = Counter()
+
+    def _close(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.ops, self.mode = sum(self.mode.counts.values(), Counter()), None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if len(self.losses) == self.stop:
+            self._close()
+        if len(self.losses) == self.first:
+            self.mode = SyncOps().__enter__()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append((outputs["loss"] if isinstance(outputs, dict) else outputs).detach())  # no sync
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+        finite = int(torch.stack(self.losses).float().isfinite().sum()) if self.losses else 0
+        counted = max(0, min(self.stop, len(self.losses)) - self.first)
+        self.path.write_text(json.dumps({"finite": finite, "steps": len(self.losses), "counted": counted,
+                                         "sync_ops": self.ops}))
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
+
+
+def skip_reason(overrides: list[str], tiny: bool) -> str | None:
+    """Why the configuration ``overrides`` cannot run on this machine ("skipped: ..."), or ``None``: fp16 needs
+    CUDA, bf16 a device that has it, and ``--tiny`` (``tiny``) leaves out compiling."""
+    from cltrain.platform import cpu_bf16_support
+
+    cuda = torch.cuda.is_available()
+    if "amp=fp16" in overrides and not cuda:
+        return "skipped: no CUDA"
+    if "amp=bf16" in overrides and not (torch.cuda.is_bf16_supported() if cuda else cpu_bf16_support()[0]):
+        return f"skipped: no bf16 on this {'GPU' if cuda else 'CPU'}"
+    if tiny and "compile.enabled=true" in overrides:
+        return "skipped: --tiny (compiling takes minutes on a CPU)"
+    return None
+
+
 def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
-    from scripts.bench.config_run import run_config, skip_reason
+    """One configuration through ``train(cfg)`` in this process: ``train``'s metrics with the ``StepProbe``'s counts
+    (``status`` "failed" and the error's first line when it raised), the run in ``spec["runs"]/slug``."""
+    from cltrain.app import compose_config
+    from cltrain.app.train import train
 
     name, overrides = task["name"], list(CONFIGS[task["name"]])
     skipped = skip_reason(overrides, tiny)
@@ -193,13 +249,14 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
         batch = found["largest"]
         steps = max(10, spec["steps"] * spec["batch"] // batch)  # about as many images as a run at the recipe's batch
         overrides += [f"data.batch_size={batch}", f"++trainer.max_steps={spec['warmup'] + steps}"]
+    runs, (first, count) = Path(spec["runs"]), spec["count"]
     slug = f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}-r{task['round']}"
-    profile = Path(spec["runs"]) / f"{slug}.profile.json"
+    profile, probe = runs / f"{slug}.profile.json", runs / f"{slug}.probe.json"
     extra = []
     if name in PROFILED and task["round"] == 0 and spec["header"]:  # the mark's, not the plain matrix's runs
-        first = max(1, spec["warmup"] - 3)  # two steps ending before the last warm-up step: the timed window is clean
+        # two steps ending before the last warm-up step: the timed window is clean
         extra = ["+callbacks.profile._target_=scripts.bench.step_profile.StepProfile",
-                 f"+callbacks.profile.path={profile}", f"+callbacks.profile.first={first}",
+                 f"+callbacks.profile.path={profile}", f"+callbacks.profile.first={max(1, spec['warmup'] - 3)}",
                  "+callbacks.profile.steps=2"]
     graphs = "compile.mode=reduce-overhead" in overrides
     if graphs:
@@ -208,7 +265,18 @@ def run_e2e(spec: dict, task: dict, records: list[dict], tiny: bool) -> dict:
         skips_before = counters["inductor"].get("cudagraph_skips", 0)
     if "compile.enabled=true" in overrides:
         torch._dynamo.reset()  # a fresh compile (docs/benchmarks.md#mark says why); inductor's caches on disk stay
-    record = run_config(spec, name, overrides, slug, extra)
+    record: dict[str, Any] = {"name": name}
+    print(f"gpu_check: {name}: {' '.join([*overrides, *extra])}", flush=True)
+    try:
+        record.update(train(compose_config([
+            *spec["common"], *overrides, f"run_dir={runs / slug}",
+            "+callbacks.probe._target_=scripts.bench.mark.StepProbe", f"+callbacks.probe.path={probe}",
+            f"+callbacks.probe.count_from={first}", f"+callbacks.probe.count_steps={count}", *extra])))
+    except Exception as err:  # noqa: BLE001 - one configuration failing must not stop the others
+        record.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
+    record.update(json.loads(probe.read_text()) if probe.is_file() else {})
+    record.pop("config", None)
+    free_memory()  # the finished run's loader workers and tensors, before the next run starts
     record["batch"] = batch
     if profile.is_file():
         record["profile"] = json.loads(profile.read_text())

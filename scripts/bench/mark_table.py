@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from cltrain.timing.report import table
 from scripts.bench.step_profile import DATA_WAIT, breakdown_table
+from scripts.harness import table
 
 SHORT = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32"}
 

@@ -11,7 +11,6 @@ method and the models: docs/benchmarks.md#models). Writes ``results.csv`` and ``
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -21,11 +20,7 @@ from torch import nn
 
 from cltrain.model_names import build_untrained_model
 from cltrain.timing.layouts import choose_layout
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table, write_report
-from cltrain.timing.rounds import time_steps
-from cltrain.timing.steps import LAYOUTS, layout_steps
-from scripts.harness import options
+from scripts.harness import LAYOUTS, layout_steps, machine_line, options, table, time_steps, write_report
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -81,16 +76,14 @@ def kind_of(name: str) -> str:
 
 
 def build_bench_model(name: str, image_size: int) -> tuple[nn.Module, str]:
-    """The model ``name`` (random weights) for ``image_size`` inputs, and a note ("" if none)."""
-    if name == "tinycnn":
-        return tinycnn(), ""
-    if name == "m5":
-        return m5(), ""
-    if name == "googlenet":  # no aux heads: the step trains the main head only, as in eval
-        return torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True), "no aux heads"
-    if name.startswith("vit_"):
-        return build_untrained_model(name, source="torchvision", image_size=image_size), ""
-    return build_untrained_model(name, NUM_CLASSES, source="torchvision"), ""  # video models default to 400
+    """The model ``name`` (random weights; video models too with ``NUM_CLASSES``) for ``image_size`` inputs, and a
+    note ("" if none). GoogLeNet without its aux heads: the step trains the main head only, as in eval."""
+    if name in ("tinycnn", "m5"):
+        return {"tinycnn": tinycnn, "m5": m5}[name](), ""
+    extra = {"image_size": image_size} if name.startswith("vit_") else {}
+    extra = {"aux_logits": False, "init_weights": True} if name == "googlenet" else extra
+    note = "no aux heads" if name == "googlenet" else ""
+    return build_untrained_model(name, NUM_CLASSES, source="torchvision", **extra), note
 
 
 def input_shape(name: str, args: argparse.Namespace) -> tuple[tuple[int, ...], str]:
@@ -106,54 +99,42 @@ def input_shape(name: str, args: argparse.Namespace) -> tuple[tuple[int, ...], s
     return (args.batch_size, 3, args.image_size, args.image_size), ""
 
 
-def amp_dtype(device: torch.device) -> torch.dtype:
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
-
-
-def bench_cell(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
-               dtype: torch.dtype | None):
-    """Both layouts' training steps (forward, cross-entropy, backward, SGD) on one random batch, timed in
-    interleaved rounds (``cltrain.timing.rounds.StepTimes``)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=gen).to(device)
-    y = torch.randint(0, NUM_CLASSES, (shape[0],), generator=gen).to(device)
-    steps = layout_steps(base.train(), x, targets=y, device=device, autocast_dtype=dtype,
-                         loss=lambda out, y: F.cross_entropy((out if isinstance(out, torch.Tensor) else out[0]).float(), y),
-                         optimizer=lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=1e-4))
-    return time_steps(steps, rounds=args.repeats, warmup=args.warmup, min_steps=args.steps, min_window=args.min_window,
-                      max_steps=MAX_STEPS, sync=device)
-
-
-def _auto_pick(base: nn.Module, shape: tuple[int, ...], args: argparse.Namespace, device: torch.device,
-               dtype: torch.dtype | None) -> tuple[str, dict[str, float] | None]:
-    if args.auto_steps < 1:
-        return "n/a", None
-    try:
-        return choose_layout(base, shape, steps=args.auto_steps, warmup=1, device=device, autocast_dtype=dtype)
-    except ValueError:  # a rank choose_layout does not time (3-D, until cltrain's 1-D support lands)
-        return "n/a", None
-
-
 def _sig(value: float) -> float:
     return float(f"{value:.4g}")  # four significant digits: slow 3-D/1-D cells run below 1 sample/s on a CPU
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, machine: str) -> list[dict]:
+    """Both layouts' training steps (forward, cross-entropy, backward, SGD) on one random batch, timed in
+    interleaved rounds, a row per dtype."""
     torch.manual_seed(0)
     base, note = build_bench_model(name, args.image_size)
     shape, shape_note = input_shape(name, args)
     note = "; ".join(n for n in (note, shape_note) if n)
     base.to(device).train()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(device)
+    y = torch.randint(0, NUM_CLASSES, (shape[0],), generator=gen).to(device)
     rows = []
     for dtype_name in args.dtypes:
-        dtype = None if dtype_name == "fp32" else amp_dtype(device)
-        timing = bench_cell(base, shape, args, device, dtype)
+        dtype = None if dtype_name == "fp32" else torch.float16 if device.type == "cuda" else torch.bfloat16
+        steps = layout_steps(
+            base, x, targets=y, device=device, autocast_dtype=dtype,
+            loss=lambda out, y: F.cross_entropy((out if isinstance(out, torch.Tensor) else out[0]).float(), y),
+            optimizer=lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=1e-4))
+        timing = time_steps(steps, rounds=args.repeats, warmup=args.warmup, min_steps=args.steps,
+                            min_window=args.min_window, max_steps=MAX_STEPS, sync=device)
         rates, steps = timing.rates(units=shape[0]), timing.steps["contiguous"]
         med = {layout: rates[layout].median for layout in LAYOUTS}
         shown = {layout: _sig(med[layout]) for layout in LAYOUTS}
         # the winner as the table shows the rates: where they round alike, the default layout
         winner = "channels_last" if shown["channels_last"] > shown["contiguous"] else "contiguous"
-        pick, seconds = _auto_pick(base, shape, args, device, dtype)
+        pick, seconds = "n/a", None
+        if args.auto_steps > 0:
+            try:
+                pick, seconds = choose_layout(base, shape, steps=args.auto_steps, warmup=1, device=device,
+                                              autocast_dtype=dtype)
+            except ValueError:  # a rank choose_layout does not time
+                pass
         label = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rows.append({  # the columns of results.csv, in order
             "model": name, "kind": kind_of(name), "dtype": label, "batch_size": shape[0],
@@ -222,21 +203,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         repeats=(3, "rounds per layout (layouts alternate)"),
         auto_steps=(int, "timed steps per layout for the auto-mode pick; 0: skip it (default 2 on CPU, 0 on CUDA)"),
         device=(str, "cpu or cuda (default: cuda when available)"), out=(Path("bench_out/models"), "output folder"),
-        quick=(False, "check it runs: batch 2, 64x64 images, 4x32x32 clips, 8000 samples, 1 step per round, 2 rounds"))
+        quick=(dict(warmup=1, steps=1, repeats=2, auto_steps=1, min_window=0.0),
+               "check it runs: batch 2, 64x64 images, 4x32x32 clips, 8000 samples, 1 step per round, 2 rounds"))
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device = device
-    if args.quick:
-        args.warmup, args.steps, args.repeats, args.auto_steps, args.min_window = 1, 1, 2, 1, 0.0
     defaults = {**SIZES["cuda" if device.type == "cuda" else "cpu"], **(SIZES["quick"] if args.quick else {})}
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k, None) is None})
     args.models = ALL_MODELS if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if bad := [d for d in args.dtypes if d not in ("fp32", "amp")]:
         p.error(f"--dtypes: {bad} not in fp32, amp")
-    if not 1 <= args.steps <= MAX_STEPS or args.min_window < 0 or args.warmup < 0:
-        p.error(f"--steps {args.steps}, --min-window {args.min_window}, --warmup {args.warmup}: need 1 <= steps <= "
-                f"{MAX_STEPS}, min-window >= 0, warmup >= 0")
     known = set(ALL_MODELS) | {"tinycnn"} | set(torchvision.models.list_models(torchvision.models))
     if unknown := [m for m in args.models if m not in known]:
         p.error(f"--models: unknown {unknown}")
@@ -251,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_flush_denormal(True)  # a few SGD steps on random data must not wander into slow denormals
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as apex, timm and FFCV run; the warm-up covers the tuning
-    described = machine_line(machine(device, packages=("torch", "torchvision")))
+    described = machine_line(device, packages=("torch", "torchvision"))
     print(f"Machine: {described}\nimages {args.batch_size}x{args.image_size}px, clips {args.clip_batch_size}x{args.frames}x"
           f"{args.clip_size}px, waveforms {args.audio_batch_size}x{args.audio_length}, dtypes {args.dtypes}, "
           f"models {len(args.models)}, timed windows >= {args.min_window:g} s", flush=True)
@@ -268,4 +245,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

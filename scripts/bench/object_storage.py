@@ -24,14 +24,9 @@ from pathlib import Path
 import torch
 
 from cltrain.data.loader_threads import usable_cores
-from cltrain.timing.clock import cpu_seconds, timed
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import interleaved
-from cltrain.timing.stats import spread
 from scripts.bench.loaders import torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
-from scripts.harness import options
+from scripts.harness import cpu_seconds, interleaved, machine_line, options, spread, table, timed
 
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
 PEER_WORKERS = [2]  # WebDataset's, LitData's and Mosaic's DataLoader workers: ours, or a worker per core for ours "auto"
@@ -282,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
 
             index = np.load(local / names[0].replace(".tar", ".idx.npy"))
             _clients(url, names, [(int(o), int(s)) for o, s in index[:, :2]])
-            print(machine_line(machine()))
+            print(machine_line())
             return
         cache = Path(tempfile.mkdtemp(prefix="cltrain-bench-cache-"))
         warm = cache / "warm"
@@ -322,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10:.0f} MiB")
         left = sorted(set(os.listdir("/dev/shm")) - shm)
         print(f"left in /dev/shm by the passes: {', '.join(left) if left else 'nothing'}")
-        print(machine_line(machine()))
+        print(machine_line())
         shutil.rmtree(cache, ignore_errors=True)
     finally:
         server.terminate()

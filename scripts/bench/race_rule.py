@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cltrain.timing.layout_race import LayoutRace
-from cltrain.timing.report import command_line, table, write_report
-from scripts.harness import options
+from scripts.harness import command_line, options, table, write_report
 
 RATIOS = (0.78, 0.86, 0.90, 0.93, 0.95, 0.97, 1.0, 1.03, 1.05, 1.10, 1.22)
 
@@ -51,10 +50,10 @@ def play(ratio: float, seed: int, scale: float, fit: int = 200) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = options(__doc__, races=(400, "races per ratio"), quick=(False, "40 races per ratio"),
+    args = options(__doc__, races=(400, "races per ratio"), quick=(dict(races=40), "40 races per ratio"),
                    noise=(1.0, "scales the drift, the jitter and the slow steps"),
                    out=Path("bench_out/race_rule")).parse_args(argv)
-    races = 40 if args.quick else args.races
+    races = args.races
     rows = []
     for ratio in RATIOS:
         played = [play(ratio, seed, args.noise) for seed in range(races)]

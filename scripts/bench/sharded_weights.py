@@ -22,11 +22,7 @@ from torch import nn
 from cltrain.layout import to_channels_last
 from cltrain.model_names import build_untrained_model
 from cltrain.precision import autocast_for
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import time_steps
-from cltrain.timing.steps import training_step
-from scripts.harness import options
+from scripts.harness import machine_line, options, table, time_steps, training_step
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
 SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
@@ -109,20 +105,18 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = options(__doc__, device="cpu", models=["resnet50", "convnext_tiny"], image_size=224, warmup=3, steps=3,
                      repeats=5, fsdp=(False, "add the two fully_shard variants (one-process group)"),
-                     quick=(False, "resnet18, batch 2, 64 px, one step per round"),
+                     quick=(dict(models=["resnet18"], batch_size=2, image_size=64, warmup=1, steps=1, repeats=3),
+                            "resnet18, batch 2, 64 px, one step per round"),
                      batch_size=(int, "default: 256 on CUDA, 32 on CPU"),
                      dtype=(("bf16", "fp16", "fp32"), "autocast dtype"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if args.quick:
-        args.models, args.batch_size, args.image_size, args.warmup, args.steps, args.repeats = (
-            ["resnet18"], 2, 64, 1, 1, 3)
     args.batch_size = args.batch_size or (256 if device.type == "cuda" else 32)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     names = PLAIN + (SHARDED if args.fsdp else ())
-    print(machine_line(machine(device)))
+    print(machine_line(device))
     print(f"batch {args.batch_size} at {args.image_size} px, autocast {args.dtype}, {args.warmup} warm-up steps, "
           f"{args.repeats} interleaved rounds of {args.steps} steps")
     rows: list[dict[str, Any]] = []

@@ -17,10 +17,8 @@ import numpy as np
 import torch
 
 from cltrain.data import ImageFolderDataModule, ShardsDataModule, make_demo_dataset
-from cltrain.timing.clock import timed
-from cltrain.timing.rounds import interleaved, rate_after_first, rotated
 from scripts.bench.loaders import loader_machine_line
-from scripts.harness import options
+from scripts.harness import interleaved, options, rate_after_first, rotated, timed
 
 #: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
 FILES_ONLY = {"check_val": "off"}

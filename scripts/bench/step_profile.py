@@ -16,8 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from cltrain.timing.clock import Stopwatch, synchronize
-from cltrain.timing.report import table
+from scripts.harness import Stopwatch, synchronize, table
 
 __all__ = ["DATA_WAIT", "KINDS", "StepProfile", "breakdown", "breakdown_table", "kind_of"]
 

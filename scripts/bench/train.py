@@ -24,12 +24,9 @@ from cltrain import ChannelsLast, to_channels_last
 from cltrain.app import ImageClassifier, build_classifier, compose_config, resolve_accelerator, resolve_precision
 from cltrain.app.train import train
 from cltrain.precision import autocast_dtype
-from cltrain.timing.clock import Stopwatch, timed
 from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table, write_report
-from cltrain.timing.rounds import interleaved
 from scripts.fits import StepClock, quiet_trainer
-from scripts.harness import options
+from scripts.harness import Stopwatch, interleaved, options, table, timed, write_report
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
@@ -78,15 +75,14 @@ def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: to
                                                                sync=device)
 
 
-def lightning_path(model: torch.nn.Module, batches: list, precision: str, accelerator: str, channels_last: bool,
-                   num_classes: int, warmup: int) -> float:
-    """Images/second of ``ImageClassifier`` in a ``Trainer`` over ``batches``: the same window as ``plain_loop``'s
-    (``scripts.fits.StepClock``)."""
+def lightning_path(model: torch.nn.Module, batches: list, precision: str, accelerator: str, warmup: int) -> float:
+    """Images/second of ``ImageClassifier`` (1000 classes) under ``ChannelsLast`` in a ``Trainer`` over ``batches``:
+    the same window as ``plain_loop``'s (``scripts.fits.StepClock``)."""
     first = max(warmup, 1)
-    module = ImageClassifier(model, num_classes, lr=0.01, warmup_epochs=0, milestones=())
+    module = ImageClassifier(model, 1000, lr=0.01, warmup_epochs=0, milestones=())
     clock = StepClock(window=(first, len(batches) - 1))
-    callbacks = [clock] + ([ChannelsLast(layout="channels_last")] if channels_last else [])
-    trainer = quiet_trainer(accelerator=accelerator, precision=precision, max_steps=len(batches), callbacks=callbacks)
+    trainer = quiet_trainer(accelerator=accelerator, precision=precision, max_steps=len(batches),
+                            callbacks=[clock, ChannelsLast(layout="channels_last")])
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     return sum(x.shape[0] for x, _ in batches[first:]) / clock.seconds
 
@@ -100,20 +96,18 @@ def synthetic_batches(count: int, batch: int, size: int, device: torch.device, c
 
 
 def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
+    """The plain loop and the Lightning path, channels_last, in ``--rounds`` interleaved rounds."""
     device = torch.device(accelerator)
-    channels_last = args.layout == "channels_last"
-    batches = synthetic_batches(args.warmup + args.steps, args.batch_size, args.image_size, device, channels_last)
+    batches = synthetic_batches(args.warmup + args.steps, args.batch_size, args.image_size, device)
     base = build_classifier(args.model, num_classes=1000)
-    plain_model = copy.deepcopy(base).to(device)
-    if channels_last:
-        to_channels_last(plain_model)
+    plain_model = to_channels_last(copy.deepcopy(base).to(device))
     speeds = interleaved({
         "plain": lambda: plain_loop(plain_model, batches, precision, device, args.warmup),
-        "lightning": lambda: lightning_path(copy.deepcopy(base), batches, precision, accelerator, channels_last, 1000,
-                                            args.warmup)}, args.rounds)
+        "lightning": lambda: lightning_path(copy.deepcopy(base), batches, precision, accelerator, args.warmup)},
+        args.rounds)
     plain, light = statistics.median(speeds["plain"]), statistics.median(speeds["lightning"])
     ratios = [lt / pl for lt, pl in zip(speeds["lightning"], speeds["plain"])]  # each round's pair ran back to back
-    return {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size, "layout": args.layout,
+    return {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size, "layout": "channels_last",
             "precision": precision, "plain_images_per_second": plain, "lightning_images_per_second": light,
             "ratio": statistics.median(ratios), "ratio_spread": (min(ratios), max(ratios)), "rounds": speeds}
 
@@ -168,25 +162,21 @@ def main(argv: list[str] | None = None) -> dict:
                      steps=(10, "measured steps per round, part 1"), rounds=(5, "interleaved rounds, part 1"),
                      e2e_steps=(15, "measured steps per run, part 2 (0: skip part 2)"),
                      e2e_rounds=(3, "interleaved rounds, part 2"), num_workers=2,
-                     quick=(False, "tiny sizes: check that the script works"),
-                     amp=(("auto", "bf16", "fp16", "off"), "part 1 precision"),
-                     layout=(("channels_last", "contiguous"), "part 1 layout"),
+                     quick=(dict(model="resnet18", batch_size=4, image_size=32, warmup=1, steps=2, rounds=1, e2e_steps=2,
+                                 num_workers=0, e2e_rounds=1), "tiny sizes: check that the script works"),
                      data=([], "extra train.py overrides for part 2, e.g. data.root=..."),
                      out=(Path, "also write the results as JSON here"))
     args = parser.parse_args(argv)
-    if args.quick:
-        vars(args).update(model="resnet18", batch_size=4, image_size=32, warmup=1, steps=2, rounds=1, e2e_steps=2,
-                          num_workers=0, e2e_rounds=1)
     warnings.filterwarnings("ignore", module="lightning")
     accelerator, _ = resolve_accelerator(args.device)
-    precision, _ = resolve_precision({"auto": True, "off": False}.get(args.amp, args.amp), accelerator)
+    precision, _ = resolve_precision(True, accelerator)  # amp=auto
     desc = machine(accelerator)
     print(f"machine: {machine_line(desc)}")
 
     started = Stopwatch().start()
     part1 = overhead(args, accelerator, precision)
     print(f"\n## Lightning path vs plain PyTorch loop ({args.model}, batch {args.batch_size}, {args.image_size} px, "
-          f"{args.layout}, {precision}; synthetic tensors; median of {args.rounds} interleaved rounds of {args.steps} steps)\n")
+          f"channels_last, {precision}; synthetic tensors; median of {args.rounds} interleaved rounds of {args.steps} steps)\n")
     print(table(["path", "images/s"], [["plain PyTorch loop", f"{part1['plain_images_per_second']:.2f}"],
                                        ["train.py (Lightning + ChannelsLast + ImageClassifier)",
                                         f"{part1['lightning_images_per_second']:.2f}"]], align="lr"))
@@ -217,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"rounds, each pair against the plain pair run next to it; spread {lo:.0%}-{hi:.0%}; medians: "
               f"{e2e:.2f}x vs {reference['speedup']:.2f}x) [goal >= 98%]")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-    result = {"machine": desc, "overhead": part1, "end_to_end": part2, "plain_step_reference": reference, "seconds": round(started.elapsed(), 1)}
+    result = {"machine": desc, "overhead": part1, "end_to_end": part2, "plain_step_reference": reference,
+              "seconds": round(started.elapsed(), 1)}
     if args.out:
         write_report(args.out.with_suffix(""), data=result)
     return result

@@ -17,11 +17,7 @@ from cltrain.data.running_stats import RunningStats
 from cltrain.data.stream_place import Place, StreamPlaces, Tagged, row_seed
 from cltrain.host import Host
 from cltrain.session import LayoutSession
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from cltrain.timing.rounds import time_steps
-from cltrain.timing.steps import training_step
-from scripts.harness import options
+from scripts.harness import machine_line, options, table, time_steps, training_step
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -64,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(table(["what", "when", "ms", "of one step"], [[name, cases[name][0], f"{value * 1e3:.4g}",
                                                         f"{value / figures['step']:.2g}"] for name, value in figures.items()],
                 align="llrr"))
-    print(machine_line(machine()))
+    print(machine_line())
     return figures
 
 
