@@ -214,6 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if bad := [d for d in args.dtypes if d not in ("fp32", "amp")]:
         p.error(f"--dtypes: {bad} not in fp32, amp")
+    if not 1 <= args.steps <= MAX_STEPS or args.min_window < 0 or args.warmup < 0:
+        p.error(f"--steps {args.steps}, --min-window {args.min_window}, --warmup {args.warmup}: need 1 <= steps <= "
+                f"{MAX_STEPS}, min-window >= 0, warmup >= 0")
     known = set(ALL_MODELS) | {"tinycnn"} | set(torchvision.models.list_models(torchvision.models))
     if unknown := [m for m in args.models if m not in known]:
         p.error(f"--models: unknown {unknown}")
