@@ -30,8 +30,7 @@ from scripts.fits import quiet_trainer
 from scripts.harness import REPO, emit, options, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
-from scripts.zoo.pages import record
-from scripts.zoo.projects_page import write_projects
+from scripts.zoo.pages import record, write_page
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
 LAYOUTS = ("contiguous", "channels_last")
@@ -168,7 +167,7 @@ def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: 
         rows[case.key] = run_case(case, log_dir, timeout)
         print(f"{case.key}: {rows[case.key]['status']} ({rows[case.key].get('seconds', 0)} s)", flush=True)
         runs[-1]["seconds"] = round(watch.elapsed(), 1)
-        write_projects(out, _in_order(rows, order), m, runs)
+        write_page(out, {"runs": runs, "machine": m, "rows": _in_order(rows, order)})
     return _in_order(rows, order)
 
 

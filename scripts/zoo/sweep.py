@@ -23,12 +23,10 @@ from typing import Any
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from scripts.harness import options, python_module, run_child
-from scripts.zoo.check_page import check_summary, write_check
 from scripts.zoo.confirm import settle_confirmation
 from scripts.zoo.models import FAMILY_SUBSET, Spec, all_specs, find
-from scripts.zoo.pages import load, now, record
+from scripts.zoo.pages import check_summary, load, now, record, sweep_summary, write_page
 from scripts.zoo.sweep_child import child
-from scripts.zoo.sweep_page import sweep_summary, write_sweep
 from scripts.zoo.tasks import SPECS as TASK_SPECS
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS
 
@@ -162,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         m["load_end"], m["ended"] = load(), now()
         rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", optimizers[0]))
                                  if r.get("optimizer", optimizers[0]) in optimizers else len(optimizers)))
-        if args.check_only:
-            write_check(args.out, rows, m, command, args, optimizers)
-        else:
-            write_sweep(args.out, rows, m, command, args)
+        write_page(args.out, {"command": command, "machine": m, "optimizers": optimizers, "rows": rows}
+                   if args.check_only else {"machine": m, "command": command, "rows": rows}, args)
     print("\n".join(check_summary(rows, optimizers) if args.check_only else sweep_summary(rows)))
     print(f"wrote {args.out.with_suffix('.md')}, .json" + ("" if args.check_only else ", .csv"))
     return 0
