@@ -181,7 +181,8 @@ def sweep_page(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args
 CSV_FIELDS = ["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl",
               "loss_noise", "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "layout_err_f64",
               "worst_param", "conv_weights_cl", "guardrails", "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw",
-              "auto_fp32", "auto_bf16", "compile_grad_verdict", "compile_fp32_cl", "compile_fp32_nchw", "seconds", "note"]
+              "auto_fp32", "auto_bf16", "compile_grad_verdict", "compile_fp32_cl", "compile_fp32_nchw", "seconds",
+              "note"]
 _GRAD = {"grad_verdict": "verdict", "grad_why": "why", "grad_err_cl": "err_cl", "grad_noise": "err_nc",
          "grad_scale": "grad_scale", "layout_err_f64": "layout_err_f64", "worst_param": "worst_param"}
 _SPEED = {"fp32_cl": ("speed_fp32", "channels_last"), "fp32_nchw": ("speed_fp32", "contiguous"),

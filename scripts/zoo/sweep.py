@@ -24,10 +24,9 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from scripts.harness import options, python_module, run_child
 from scripts.zoo.confirm import settle_confirmation
-from scripts.zoo.models import FAMILY_SUBSET, Spec, all_specs, find
+from scripts.zoo.models import FAMILY_SUBSET, TASK_SPECS, Spec, all_specs, find
 from scripts.zoo.pages import check_summary, load, now, record, sweep_summary, write_page
 from scripts.zoo.sweep_child import child
-from scripts.zoo.tasks import SPECS as TASK_SPECS
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS
 
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
