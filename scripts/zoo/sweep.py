@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         __doc__, models=("", "comma-separated keys (timm:resnet50) or names (resnet50); default all"),
         families=(False, "one classifier per family (scripts/zoo/models.py FAMILY_SUBSET) and every segmentation, "
                          "detection and video model, beside the models of --models"),
-        fast=(False, f"the quick subset: {', '.join(FAST)} (--quick, --no-speed, fp32 only)"),
+        fast=(False, f"the quick subset: {', '.join(FAST)} (--quick, --no-speed)"),
         quick=(False, "speed timed on the parity batch, 1 round, no compile"), list=(False, "print the zoo and exit"),
         out=(Path("docs/zoo"), "output stem: <out>.md, .json, .csv"),
         log_dir=(Path("bench_out/zoo/logs"), "one log per model"),
@@ -77,8 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         speed_batch=(8, "speed batch size (default 8)"), rounds=(5, "interleaved timing rounds per layout (default 5)"),
         min_window=(0.5, "seconds per timed round, at least (default 0.5)"),
         max_params=(150.0, "skip models larger than this, millions (150)"),
-        dtypes=("fp32,bf16", "speed in these (bf16 only where native; default fp32,bf16)"),
-        no_speed=(False, "do not time training steps"),
+        no_speed=(False, "do not time training steps (else fp32, and bf16 where the CPU has it natively)"),
         no_compile=(False, "do not run the torch.compile rows"),
         check_only=(False, "only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict "
                            "count"),
@@ -98,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.confirm_steps < 1:
         p.error(f"--confirm-steps {args.confirm_steps}: at least 1")
     if args.fast:
-        args.quick, args.dtypes, args.no_speed = True, "fp32", True
+        args.quick, args.no_speed = True, True
         args.models = args.models or ",".join(FAST)
     if args.quick:
         args.rounds, args.min_window, args.no_compile = 1, 0.0, True
