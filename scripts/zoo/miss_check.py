@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from scripts.harness import options
-from scripts.zoo.models import build, find, logits_of, make_batch
+from scripts.zoo.models import build, find, image_of, logits_of, make_batch
 from scripts.zoo.parity import grad_errors
 from scripts.zoo.pages import write_page
 from scripts.zoo.sweep import recorded_args
@@ -33,7 +33,7 @@ def _layer_input_shape(spec: Any, module_name: str) -> tuple[tuple[int, ...], to
     shapes: list[tuple[int, ...]] = []
     handle = module.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     with torch.no_grad():
-        logits_of(net, batch["pixel_values"] if spec.dict_batch else batch[0], spec.dict_batch)
+        logits_of(net, image_of(batch, spec), spec.dict_batch)
     handle.remove()
     return shapes[0], module
 

@@ -48,9 +48,7 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
     phase, code = result.get("phase", "start"), child_run.code
     if code == 0 and phase == "done":
         result["status"] = "skipped" if "skipped" in result else "ok"
-    elif code is None:
-        result["status"] = f"timeout after {timeout}s in {phase}"
-    elif code < 0:
+    elif code is None or code < 0:  # the time limit or a native crash
         result["status"] = f"{child_run.status()} in {phase}"
     else:
         result["status"] = f"raised in {phase}: {child_run.last_error()}"
