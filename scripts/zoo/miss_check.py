@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from scripts.harness import options
-from scripts.zoo.models import build, find, logits_of, make_batch
+from scripts.zoo.models import build, find, image_of, logits_of, make_batch
 from scripts.zoo.parity import grad_errors
-from scripts.zoo.sweep_page import write_sweep
+from scripts.zoo.pages import write_page
 from scripts.zoo.sweep import recorded_args
 
 #: The layer alone is "right" when both layouts' weight gradients are within this of float64.
@@ -33,7 +33,7 @@ def _layer_input_shape(spec: Any, module_name: str) -> tuple[tuple[int, ...], to
     shapes: list[tuple[int, ...]] = []
     handle = module.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     with torch.no_grad():
-        logits_of(net, batch["pixel_values"] if spec.dict_batch else batch[0], spec.dict_batch)
+        logits_of(net, image_of(batch, spec), spec.dict_batch)
     handle.remove()
     return shapes[0], module
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['key']} {row['examined']['param']}: {row['examined']['verdict']}: {row['examined']['why']}",
                   flush=True)
     # the table, re-rendered
-    write_sweep(args.out, data["rows"], data["machine"], data["command"], recorded_args(data["command"]))
+    write_page(args.out, data, recorded_args(data["command"]))
     kernel = [r["key"] for r in data["rows"] if (r.get("examined") or {}).get("verdict") == "kernel"]
     print(f"kernel faults: {', '.join(kernel) or 'none'}; wrote {args.out.with_suffix('.md')}")
     return 1 if kernel else 0

@@ -1,10 +1,12 @@
-"""The models of ``scripts/zoo/sweep.py`` (timm, torchvision, Hugging Face, ``scripts/zoo/tasks.py``'s, and planted
-ones only the tests name): how each is built (random weights, nothing downloaded), its batch and its loss.
+"""The models of ``python -m scripts.zoo.sweep``: timm, torchvision and Hugging Face classifiers, segmentation
+(``smp:``), detection (``tv-det:``) and video (``tv-video:``, ``hf:``) models (docs/benchmarks.md#zoo-tasks), and
+planted ones only the tests name; how each is built (random weights, nothing downloaded), its batch and its loss.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,11 +14,37 @@ from torch import nn
 from torch.nn import functional as F
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from scripts.zoo import tasks
-from scripts.zoo.spec import NUM_CLASSES, SIZE, Spec
+NUM_CLASSES = 5
+SIZE = 128
 
-__all__ = ["NUM_CLASSES", "SIZE", "Spec", "all_specs", "batch_to", "build", "clone_batch", "conv_weights_cl", "find",
-           "logits_of", "image_of", "make_batch", "quiet_random_layers", "training_loss"]
+
+@dataclass(frozen=True)
+class Spec:
+    """One row of the sweep."""
+
+    key: str                      #: ``source:name``, unique
+    family: str
+    size: int = SIZE              #: square input size, pixels
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    note: str = ""
+    compile: bool = False         #: also measured under torch.compile
+    #: ``"cross_entropy"`` on class labels, ``"dice_bce"`` (Dice + BCE) on binary masks, ``"detection"``: the sum
+    #: of the loss dict a torchvision detector returns in training mode for its list of images and of targets
+    loss: str = "cross_entropy"
+    frames: int = 0               #: frames of a video clip; 0: images
+
+    @property
+    def source(self) -> str:
+        return self.key.split(":", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.key.split(":", 1)[1]
+
+    @property
+    def dict_batch(self) -> bool:
+        return self.source == "hf"
+
 
 def _timm(name: str, family: str, **kw: Any) -> Spec:
     return Spec(f"timm:{name}", family, **kw)
@@ -123,6 +151,31 @@ FAMILY_SUBSET = [
     *(f"hf:{n}" for n in ("resnet_small", "convnext", "convnextv2", "regnet", "swin", "mobilevit")),
 ]
 
+_SMP = ("Unet", "UnetPlusPlus", "DeepLabV3Plus", "FPN", "Linknet", "PSPNet", "PAN", "MAnet")
+SEGMENTATION = [Spec(f"smp:{a.lower()}_resnet18", f"SMP {a}", loss="dice_bce", note="Dice + BCE, binary masks")
+                for a in _SMP]
+DETECTION = [Spec(f"tv-det:{name}", family, loss="detection", note=note) for name, family, note in (
+    ("fasterrcnn_mobilenet_v3_large_320_fpn", "Faster R-CNN", "RPN and RoI samplers draw at random"),
+    ("ssdlite320_mobilenet_v3_large", "SSD", "images resized to 320 px by the model"),
+    ("retinanet_resnet18_fpn", "RetinaNet", "torchvision's RetinaNet on a resnet18 FPN"),
+    ("fcos_resnet18_fpn", "FCOS", "torchvision's FCOS on a resnet18 FPN"))]
+
+_CLIP = {"size": 64, "frames": 8}
+_TINY_VIT = {"patch_size": 16, "num_frames": 4, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "intermediate_size": 128}
+#: Hugging Face video classifiers: (config class, model class, config kwargs).
+HF_VIDEO: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "videomae": ("VideoMAEConfig", "VideoMAEForVideoClassification", {**_TINY_VIT, "tubelet_size": 2}),
+    "timesformer": ("TimesformerConfig", "TimesformerForVideoClassification", _TINY_VIT),
+}
+VIDEO = [Spec(f"tv-video:{n}", "Video ResNet", **_CLIP, note="(N, 3, T, H, W) clips")
+         for n in ("r3d_18", "mc3_18", "r2plus1d_18")]
+VIDEO += [Spec(f"hf:{n}", f"HF {n}", size=64, frames=4, note="dict batch {pixel_values (B, T, C, H, W), labels}")
+          for n in HF_VIDEO]
+
+TASK_SPECS = SEGMENTATION + DETECTION + VIDEO
+
+
 PLANTED = [
     Spec("planted:wrong_grad", "planted", size=32, note="weight gradient 3.4x off under channels_last"),
     Spec("planted:crash", "planted", size=32, note="segfaults under channels_last"),
@@ -132,7 +185,7 @@ PLANTED = [
 
 def all_specs() -> list[Spec]:
     """The sweep's rows, planted models excluded (they run only when named)."""
-    return TIMM + torchvision_specs() + HF + tasks.SPECS
+    return TIMM + torchvision_specs() + HF + TASK_SPECS
 
 
 def find(keys: list[str]) -> list[Spec]:
@@ -150,14 +203,19 @@ def find(keys: list[str]) -> list[Spec]:
 # ---- building and running one model -------------------------------------------------------------
 
 
+def _faulty_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` is channels_last fp32 with oneDNN on: where the planted faults show."""
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return channels_last and torch.backends.mkldnn.enabled and x.dtype == torch.float32
+
+
 class _WrongGradUnderChannelsLast(torch.autograd.Function):
     """Identity on the weight, whose gradient comes back 3.4x too large when the input is channels_last
     and oneDNN is on: a wrong oneDNN kernel, as #6035's silent case."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        ctx.scale = 3.4 if channels_last and torch.backends.mkldnn.enabled and x.dtype == torch.float32 else 1.0
+        ctx.scale = 3.4 if _faulty_path(x) else 1.0
         return weight.clone()
 
     @staticmethod
@@ -173,18 +231,20 @@ class _WrongGradConv(nn.Conv2d):
 
 
 class _Planted(nn.Module):
-    def __init__(self, kind: str):
+    """A conv and a head with a planted fault under channels_last: ``wrong_grad`` (the conv's weight gradient),
+    ``crash`` (a native crash in the forward), ``view_head`` (``_ViewHead`` after 4x4 average pooling)."""
+
+    def __init__(self, kind: str, size: int):
         super().__init__()
         self.kind = kind
         self.conv = (_WrongGradConv if kind == "wrong_grad" else nn.Conv2d)(3, 8, 3, padding=1)
-        self.head = nn.Linear(8, NUM_CLASSES)
+        self.head = _ViewHead(8 * (size // 4) ** 2) if kind == "view_head" else nn.Linear(8, NUM_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        onednn_fp32 = torch.backends.mkldnn.enabled and x.dtype == torch.float32
-        if self.kind == "crash" and channels_last and onednn_fp32 and torch.is_grad_enabled():
+        if self.kind == "crash" and _faulty_path(x) and torch.is_grad_enabled():
             ctypes.string_at(0)  # a native crash, as a bad oneDNN kernel's
-        return self.head(self.conv(x).relu().mean((2, 3)))
+        h = self.conv(x).relu()
+        return self.head(F.avg_pool2d(h, 4) if self.kind == "view_head" else h.mean((2, 3)))
 
 
 class _ViewHead(nn.Module):
@@ -198,21 +258,8 @@ class _ViewHead(nn.Module):
         return self.fc(x.view(x.size(0), -1))
 
 
-class _PlantedViewHead(nn.Module):
-    def __init__(self, size: int):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.pool = nn.AvgPool2d(4)
-        self.head = _ViewHead(8 * (size // 4) ** 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.pool(self.conv(x).relu()))
-
-
 def build(spec: Spec) -> nn.Module:
     """``spec``'s model with random weights and ``NUM_CLASSES`` outputs (one mask channel for segmentation)."""
-    if tasks.is_task_model(spec):
-        return tasks.build_task_model(spec)
     if spec.source in ("timm", "tv"):
         from cltrain.model_names import build_untrained_model
 
@@ -221,25 +268,63 @@ def build(spec: Spec) -> nn.Module:
     if spec.source == "hf":
         import transformers
 
-        config_cls, model_cls, kwargs = HF_MODELS[spec.name]
-        config = getattr(transformers, config_cls)(num_labels=NUM_CLASSES, **kwargs)
+        config_cls, model_cls, kwargs = HF_MODELS.get(spec.name) or HF_VIDEO[spec.name]
+        video = {"image_size": spec.size} if spec.name in HF_VIDEO else {}  # a video config follows --size
+        config = getattr(transformers, config_cls)(num_labels=NUM_CLASSES, **kwargs, **video)
         return getattr(transformers, model_cls)(config)
-    if spec.key == "planted:view_head":
-        return _PlantedViewHead(spec.size)
+    if spec.source == "smp":
+        import segmentation_models_pytorch as smp
+
+        arch = next(a for a in _SMP if spec.name == f"{a.lower()}_resnet18")
+        return getattr(smp, arch)(encoder_name="resnet18", encoder_weights=None, classes=1)
+    if spec.source == "tv-det":
+        return _detector(spec)
+    if spec.source == "tv-video":
+        from torchvision.models import video
+
+        return getattr(video, spec.name)(weights=None, num_classes=NUM_CLASSES)
     if spec.source == "planted":
-        return _Planted(spec.name)
+        return _Planted(spec.name, spec.size)
     raise ValueError(f"unknown source in {spec.key!r}")
+
+
+def _detector(spec: Spec) -> nn.Module:
+    from torchvision.models import detection
+    from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+    same_size = {"min_size": spec.size, "max_size": spec.size}
+    if spec.name == "ssdlite320_mobilenet_v3_large":
+        return detection.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=NUM_CLASSES)
+    if spec.name == "fasterrcnn_mobilenet_v3_large_320_fpn":
+        return detection.fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None,
+                                                               num_classes=NUM_CLASSES, **same_size)
+    arch = {"retinanet_resnet18_fpn": detection.RetinaNet, "fcos_resnet18_fpn": detection.FCOS}[spec.name]
+    backbone = resnet_fpn_backbone(backbone_name="resnet18", weights=None, trainable_layers=5,
+                                   returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256))
+    return arch(backbone, num_classes=NUM_CLASSES, **same_size)
+
+
 
 
 def make_batch(spec: Spec, n: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> Any:
     """A random NCHW-contiguous batch of ``n`` with the targets of ``spec.loss``: ``(images, labels)`` (a dict
     for Hugging Face models; clips of ``spec.frames``), ``(images, masks)`` or ``(images, targets)``."""
-    if spec.loss != "cross_entropy":
-        return tasks.task_batch(spec, n, generator, dtype)
+    if spec.loss == "detection":
+        images = [torch.rand(3, spec.size, spec.size, generator=generator).to(dtype) for _ in range(n)]
+        targets = []
+        for _ in range(n):  # two boxes an image, 8 px to a third of the image wide, class 1 .. NUM_CLASSES - 1
+            corner = torch.rand(2, 2, generator=generator) * spec.size * 0.6
+            extent = 8 + torch.rand(2, 2, generator=generator) * spec.size / 3
+            targets.append({"boxes": torch.cat([corner, corner + extent], 1).to(dtype),
+                            "labels": torch.randint(1, NUM_CLASSES, (2,), generator=generator)})
+        return images, targets
     frames = () if not spec.frames else (spec.frames,)
     # a clip is (N, C, T, H, W); a Hugging Face image stack is (B, T, C, H, W)
     shape = (n, *frames, 3) if spec.dict_batch else (n, 3, *frames)
     x = torch.randn(*shape, spec.size, spec.size, generator=generator).to(dtype)
+    if spec.loss == "dice_bce":
+        return x, (torch.rand(n, 1, spec.size, spec.size, generator=generator) > 0.5).to(dtype)
     y = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
     return {"pixel_values": x, "labels": y} if spec.dict_batch else (x, y)
 
@@ -269,13 +354,17 @@ def logits_of(net: nn.Module, x: torch.Tensor, dict_batch: bool) -> torch.Tensor
 
 def training_loss(net: nn.Module, batch: Any, spec: Spec) -> torch.Tensor:
     """``spec.loss`` of ``net`` on ``batch`` (in float32 or the batch's dtype, whichever is wider)."""
-    if spec.loss == "dice_bce":
-        return tasks.dice_bce(net, batch)
-    if spec.loss == "detection":
-        return tasks.detection_loss(net, batch)
+    if spec.loss == "detection":  # the sum of the loss dict a torchvision detector returns in training mode
+        images, targets = batch
+        return sum(net(list(images), list(targets)).values())
     x, y = (batch["pixel_values"], batch["labels"]) if spec.dict_batch else batch
     logits = logits_of(net, x, spec.dict_batch)
-    return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), y)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    if spec.loss == "dice_bce":  # on the masks, as segmentation_models_pytorch's examples train
+        from segmentation_models_pytorch.losses import DiceLoss
+
+        return DiceLoss("binary", from_logits=True)(logits, y) + F.binary_cross_entropy_with_logits(logits, y)
+    return F.cross_entropy(logits, y)
 
 
 def quiet_random_layers(net: nn.Module) -> nn.Module:

@@ -229,25 +229,17 @@ def _torchgeo_datamodule(kind: str):
     return GeneratedDataModule()
 
 
-def torchgeo_classification(tmp: Path) -> Built:
-    from torchgeo.trainers import ClassificationTask
+def _torchgeo(trainer_task: str, kind: str, tmp: Path, **kwargs: Any) -> Built:
+    import torchgeo.trainers
 
-    task = ClassificationTask(model="resnet18", weights=None, in_channels=3, num_classes=2)
-    return Built(task, datamodule=_torchgeo_datamodule("classification"))
-
-
-def torchgeo_segmentation(tmp: Path) -> Built:
-    from torchgeo.trainers import SemanticSegmentationTask
-
-    task = SemanticSegmentationTask(model="unet", backbone="resnet18", weights=None, in_channels=3, num_classes=2)
-    return Built(task, datamodule=_torchgeo_datamodule("segmentation"))
+    task = getattr(torchgeo.trainers, trainer_task)(weights=None, in_channels=3, **kwargs)
+    return Built(task, datamodule=_torchgeo_datamodule(kind))
 
 
-def torchgeo_change(tmp: Path) -> Built:
-    from torchgeo.trainers import ChangeDetectionTask
-
-    task = ChangeDetectionTask(model="unet", backbone="resnet18", weights=None, in_channels=3, task="binary")
-    return Built(task, datamodule=_torchgeo_datamodule("change"))
+torchgeo_classification = partial(_torchgeo, "ClassificationTask", "classification", model="resnet18", num_classes=2)
+torchgeo_segmentation = partial(_torchgeo, "SemanticSegmentationTask", "segmentation", model="unet",
+                                backbone="resnet18", num_classes=2)
+torchgeo_change = partial(_torchgeo, "ChangeDetectionTask", "change", model="unet", backbone="resnet18", task="binary")
 
 
 def _case(key: str, task: str) -> Case:

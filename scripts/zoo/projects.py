@@ -23,6 +23,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+from lightning.pytorch import Callback, seed_everything
+
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
@@ -30,8 +33,7 @@ from scripts.fits import quiet_trainer
 from scripts.harness import REPO, emit, options, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
-from scripts.zoo.pages import record
-from scripts.zoo.projects_page import write_projects
+from scripts.zoo.pages import record, write_page
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
 LAYOUTS = ("contiguous", "channels_last")
@@ -61,38 +63,30 @@ class _ChannelsLastLines(logging.Handler):
         print(f"{filename}:{lineno}: {category.__name__}: {message}", file=sys.stderr)
 
 
-def _first_outputs():
-    from lightning.pytorch import Callback
+class _FirstOutputs(Callback):
+    """The first training loss and a fingerprint of the first validation outputs (their float tensors' sums)."""
 
-    class FirstOutputs(Callback):
-        """The first training loss and a fingerprint of the first validation outputs (their float tensors' sums)."""
+    def __init__(self) -> None:
+        self.first_loss: float | None = None
+        self.val_outputs: dict[str, float] = {}
 
-        def __init__(self) -> None:
-            self.first_loss: float | None = None
-            self.val_outputs: dict[str, float] = {}
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self.first_loss is None and loss is not None:
+            self.first_loss = float(loss)
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            if self.first_loss is None and loss is not None:
-                self.first_loss = float(loss)
-
-        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-            if not self.val_outputs and outputs is not None:
-                fields = outputs if isinstance(outputs, dict) else (
-                    {f.name: getattr(outputs, f.name) for f in dataclasses.fields(outputs)}
-                    if dataclasses.is_dataclass(outputs) else {"output": outputs})
-                self.val_outputs = {f"val output {k}": float(v.detach().double().abs().sum())
-                                    for k, v in fields.items() if k != "image" and hasattr(v, "is_floating_point")
-                                    and v.is_floating_point()}
-
-    return FirstOutputs()
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if not self.val_outputs and outputs is not None:
+            fields = outputs if isinstance(outputs, dict) else (
+                {f.name: getattr(outputs, f.name) for f in dataclasses.fields(outputs)}
+                if dataclasses.is_dataclass(outputs) else {"output": outputs})
+            self.val_outputs = {f"val output {k}": float(v.detach().double().abs().sum())
+                                for k, v in fields.items() if k != "image" and hasattr(v, "is_floating_point")
+                                and v.is_floating_point()}
 
 
 def child(case: Case, layout: str) -> dict[str, Any]:
     """Build the case, fit it with or without ``ChannelsLast()``, and say what happened."""
-    import torch
-    from lightning.pytorch import seed_everything
-
     from cltrain import ChannelsLast
 
     seed_everything(0, workers=True)
@@ -102,7 +96,7 @@ def child(case: Case, layout: str) -> dict[str, Any]:
     logging.getLogger("cltrain").setLevel(logging.INFO)
     result: dict[str, Any] = {"key": case.key, "layout": layout, "trained": False}
     callback = ChannelsLast() if layout == "channels_last" else None
-    recorder = _first_outputs()
+    recorder = _FirstOutputs()
     module = None
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -168,7 +162,7 @@ def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: 
         rows[case.key] = run_case(case, log_dir, timeout)
         print(f"{case.key}: {rows[case.key]['status']} ({rows[case.key].get('seconds', 0)} s)", flush=True)
         runs[-1]["seconds"] = round(watch.elapsed(), 1)
-        write_projects(out, _in_order(rows, order), m, runs)
+        write_page(out, {"runs": runs, "machine": m, "rows": _in_order(rows, order)})
     return _in_order(rows, order)
 
 

@@ -23,13 +23,10 @@ from typing import Any
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from scripts.harness import options, python_module, run_child
-from scripts.zoo.check_page import check_summary, write_check
 from scripts.zoo.confirm import settle_confirmation
-from scripts.zoo.models import FAMILY_SUBSET, Spec, all_specs, find
-from scripts.zoo.pages import load, now, record
+from scripts.zoo.models import FAMILY_SUBSET, TASK_SPECS, Spec, all_specs, find
+from scripts.zoo.pages import check_summary, load, now, record, sweep_summary, write_page
 from scripts.zoo.sweep_child import child
-from scripts.zoo.sweep_page import sweep_summary, write_sweep
-from scripts.zoo.tasks import SPECS as TASK_SPECS
 from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS
 
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
@@ -51,9 +48,7 @@ def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str 
     phase, code = result.get("phase", "start"), child_run.code
     if code == 0 and phase == "done":
         result["status"] = "skipped" if "skipped" in result else "ok"
-    elif code is None:
-        result["status"] = f"timeout after {timeout}s in {phase}"
-    elif code < 0:
+    elif code is None or code < 0:  # the time limit or a native crash
         result["status"] = f"{child_run.status()} in {phase}"
     else:
         result["status"] = f"raised in {phase}: {child_run.last_error()}"
@@ -70,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         __doc__, models=("", "comma-separated keys (timm:resnet50) or names (resnet50); default all"),
         families=(False, "one classifier per family (scripts/zoo/models.py FAMILY_SUBSET) and every segmentation, "
                          "detection and video model, beside the models of --models"),
-        fast=(False, f"the quick subset: {', '.join(FAST)} (--quick, --no-speed, fp32 only)"),
+        fast=(False, f"the quick subset: {', '.join(FAST)} (--quick, --no-speed)"),
         quick=(False, "speed timed on the parity batch, 1 round, no compile"), list=(False, "print the zoo and exit"),
         out=(Path("docs/zoo"), "output stem: <out>.md, .json, .csv"),
         log_dir=(Path("bench_out/zoo/logs"), "one log per model"),
@@ -80,8 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         speed_batch=(8, "speed batch size (default 8)"), rounds=(5, "interleaved timing rounds per layout (default 5)"),
         min_window=(0.5, "seconds per timed round, at least (default 0.5)"),
         max_params=(150.0, "skip models larger than this, millions (150)"),
-        dtypes=("fp32,bf16", "speed in these (bf16 only where native; default fp32,bf16)"),
-        no_speed=(False, "do not time training steps"),
+        no_speed=(False, "do not time training steps (else fp32, and bf16 where the CPU has it natively)"),
         no_compile=(False, "do not run the torch.compile rows"),
         check_only=(False, "only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict "
                            "count"),
@@ -101,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.confirm_steps < 1:
         p.error(f"--confirm-steps {args.confirm_steps}: at least 1")
     if args.fast:
-        args.quick, args.dtypes, args.no_speed = True, "fp32", True
+        args.quick, args.no_speed = True, True
         args.models = args.models or ",".join(FAST)
     if args.quick:
         args.rounds, args.min_window, args.no_compile = 1, 0.0, True
@@ -162,10 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         m["load_end"], m["ended"] = load(), now()
         rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", optimizers[0]))
                                  if r.get("optimizer", optimizers[0]) in optimizers else len(optimizers)))
-        if args.check_only:
-            write_check(args.out, rows, m, command, args, optimizers)
-        else:
-            write_sweep(args.out, rows, m, command, args)
+        write_page(args.out, {"command": command, "machine": m, "optimizers": optimizers, "rows": rows}
+                   if args.check_only else {"machine": m, "command": command, "rows": rows}, args)
     print("\n".join(check_summary(rows, optimizers) if args.check_only else sweep_summary(rows)))
     print(f"wrote {args.out.with_suffix('.md')}, .json" + ("" if args.check_only else ", .csv"))
     return 0

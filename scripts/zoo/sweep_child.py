@@ -133,9 +133,7 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     parity(result, grads, losses)
     del grads, losses
 
-    dtypes: list[tuple[str, torch.dtype | None]] = [("fp32", None)] if "fp32" in args.dtypes else []
-    if "bf16" in args.dtypes and cpu_bf16_support()[0]:
-        dtypes.append(("bf16", torch.bfloat16))
+    dtypes = [("fp32", None), *([("bf16", torch.bfloat16)] if cpu_bf16_support()[0] else [])]
     speed_batch = batches[0] if args.quick else make_batch(spec, args.speed_batch, torch.Generator().manual_seed(1))
     for label, dtype in dtypes if not args.no_speed else []:
         phase(f"speed {label}")
@@ -154,19 +152,21 @@ def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> 
     from cltrain.layout import to_channels_last
     from cltrain.loops import convert_batch
 
-    cl = to_channels_last  # no guardrails: none of these runs reaches oneDNN
     refs = {}
-    with torch.backends.mkldnn.flags(enabled=False):
-        for key, layout in (("native", lambda n: n), ("native_cl", cl)):
-            b = clone_batch(batch)
-            refs[key] = _step_grads(layout(quiet_random_layers(copy.deepcopy(net0).train())), spec,
-                                    convert_batch(b) if key.endswith("_cl") else b)
-    try:
-        for key, layout in (("float64", lambda n: n), ("float64_cl", cl)):
-            b = batch_to(batch, torch.float64)
-            refs[key] = _step_grads(layout(quiet_random_layers(copy.deepcopy(net0).double().train())), spec,
-                                    convert_batch(b) if key.endswith("_cl") else b)
-    except Exception as err:  # noqa: BLE001 - some models hard-code float32 somewhere: CL is compared with NCHW then
-        result["float64_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-        refs.pop("float64", None)
+    for key in ("native", "native_cl", "float64", "float64_cl"):
+        exact = key.startswith("float64")
+        try:
+            net = copy.deepcopy(net0)
+            net = quiet_random_layers((net.double() if exact else net).train())
+            b = batch_to(batch, torch.float64) if exact else clone_batch(batch)
+            if key.endswith("_cl"):  # no guardrails: none of these runs reaches oneDNN
+                net, b = to_channels_last(net), convert_batch(b)
+            with torch.backends.mkldnn.flags(enabled=exact):  # fp32 without oneDNN; float64 never reaches it
+                refs[key] = _step_grads(net, spec, b)
+        except Exception as err:  # noqa: BLE001 - some models hard-code float32 somewhere: CL is compared with NCHW
+            if not exact:
+                raise
+            result["float64_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            refs.pop("float64", None)
+            break
     return refs

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from scripts import harness
-from scripts.zoo import projects, projects_page
+from scripts.zoo import pages, projects
 from scripts.zoo.project_cases import CASES, Built, Case
 from tests.helpers import warm
 
@@ -61,7 +61,7 @@ def test_runs_in_subprocesses_and_a_crash_or_a_missing_library_is_a_row(tmp_path
     flat = rows["test:flatten_head"]
     nc, cl = flat["contiguous"], flat["channels_last"]
     assert flat["status"] == "ok" and nc["trained"] and cl["trained"], (nc, cl)
-    assert projects_page.rel_diff(nc["first_loss"], cl["first_loss"]) < 1e-5
+    assert pages.rel_diff(nc["first_loss"], cl["first_loss"]) < 1e-5
     assert nc["conv_weights_cl"] == "0/1" and "layout_checks" not in nc
     assert cl["layout_checks"]["train"]["verdict"] in ("fallback", "contiguous")
     assert any("test_zoo_projects.py" in line for line in cl["lines"])  # the check names the user's line
@@ -86,14 +86,14 @@ def test_runs_in_subprocesses_and_a_crash_or_a_missing_library_is_a_row(tmp_path
 
 def test_row_cells_shorten_paths_and_compare_metrics():
     run = {"trained": True, "first_loss": 2.0, "metrics": {"val_loss": 1.0}, "conv_weights_cl": "1/1", "lines": []}
-    repo = projects_page.REPO
+    repo = pages.REPO
     row = {"key": "lib:task", "library": "lib", "task": "a task", "status": "ok",
            "contiguous": run, "channels_last": {**run, "first_loss": 2.002, "metrics": {"val_loss": 1.1},
                                                 "layout_kept": "channels_last", "fallbacks": 1,
                                                 "layout_checks": {"train": {"verdict": "fallback"}},
                                                 "lines": [f"ChannelsLast layout check: x at {repo}/lib/a.py:3 "
                                                           "and /venv/lib/python3.11/site-packages/lib/b.py:9"]}}
-    cells = projects_page.project_cells(row)
+    cells = pages.project_cells(row)
     assert cells[2:5] == ["yes / yes", "2 / 2.002: 1.0e-03", "9.1e-02 (`val_loss`, 1 compared)"]
     assert cells[5].startswith("channels_last + 1 NCHW fallback(s)") and cells[6] == "train: fallback"
     assert cells[7] == "ChannelsLast layout check: x at lib/a.py:3 and lib/b.py:9"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from scripts.zoo import check_page, confirm, miss_check, models, parity, sweep_child
+from scripts.zoo import confirm, miss_check, models, pages, parity, sweep_child
 from scripts.zoo import sweep as zoo_sweep
 from tests.helpers import REPO
 from tests.helpers import warm
@@ -171,7 +171,7 @@ def test_segmentation_detection_and_video_models_run_the_check(key, optimizer, s
     args = zoo_sweep.parse_args(["--check-only", "--optimizer", optimizer, "--confirm-steps", "2", "--size", str(size),
                                  *(["--confirm-passes", key.split(":")[0] + ":"] if confirms else [])])
     row = sweep_child.child(dataclasses.replace(models.find([key])[0], size=size), args)
-    assert row["phase"] == "done" and row["layout_check"] in check_page.VERDICTS, row
+    assert row["phase"] == "done" and row["layout_check"] in pages.VERDICTS, row
     assert row["optimizer"] == optimizer and len(row["losses_channels_last"]) == 2, row
     if not confirms:
         assert "confirm" not in row or row["layout_check"] in confirm.FALLBACK_VERDICTS
@@ -237,7 +237,7 @@ def test_the_summary_counts_each_optimizer_and_names_each_false_fallback():
     rows = [row("a", "sgd", "passed"), row("a", "adam", "fallback", "FALSE"),
             row("b", "sgd", "contiguous", "confirmed"), row("b", "adam", "passed", "MISSED"), {"key": "c", "optimizer": "sgd", "status": "skipped"},
             {"key": "c", "optimizer": "adam", "status": "skipped"}]
-    lines = check_page.check_summary(rows, ["sgd", "adam"])
+    lines = pages.check_summary(rows, ["sgd", "adam"])
     assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models checked with each optimizer, "
                                "1 skipped")
     assert lines[1] == "- SGD: 2 models; passed 1, fallback 0, contiguous 1, not checked 0."
