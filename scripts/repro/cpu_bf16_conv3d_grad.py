@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +32,13 @@ import torch.nn.functional as F
 warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # from mkldnn.flags()
 TOLERANCE = 5e-2  # bf16 weight gradients land near 4e-3 here; the faulty ones at 1 to 1e37, or inf/nan
 MODES = ("bf16", "autocast", "fp32-in-autocast")
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def _machine() -> str:
     """The CPU's vector flags, torch, oneDNN and the threads."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        pass
-    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    flags = re.findall(r"^flags\s*: (.*)$", CPUINFO.read_text(), re.M) if CPUINFO.exists() else []
+    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in " ".join(flags[:1]).split())
     onednn = re.search(r"MKL-DNN v([\d.]+)", torch.__config__.show())
     return (f"[{vector}] {os.cpu_count()} cpus; torch {torch.__version__}, oneDNN {onednn.group(1) if onednn else '?'}, "
             f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, {torch.get_num_threads()} threads")

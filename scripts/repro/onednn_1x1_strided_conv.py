@@ -25,34 +25,36 @@ import platform
 import re
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 # mkldnn.flags() sets allow_tf32 too, which warns on builds without Intel GPU support.
 warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+CPUINFO = Path("/proc/cpuinfo")
 
 #: Relative error above which a gradient counts as wrong: fp32 kernels land near 1e-6 here, bf16 near 4e-3.
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
+#: One case: an option per field (``input_layout``: ``--input-layout``) with its default; ``size`` is the height, width
+#: (and depth for conv3d), ``dtype`` bf16 is ``torch.autocast("cpu", torch.bfloat16)``, ``threads`` 0 torch's default.
+CASE = dict(op="conv2d", cin=3, cout=48, kernel=1, stride=2, padding=0, groups=1, size=128, batch=8, dtype="fp32",
+            threads=0, input_layout="channels_last", weight_layout="channels_last")
+LAYOUTS = ("channels_last", "contiguous")
+CHOICES = {"op": ("conv2d", "conv3d", "conv_transpose2d"), "dtype": tuple(TOLERANCE), "input_layout": LAYOUTS,
+           "weight_layout": LAYOUTS}
 
 
 def _machine() -> str:
     """The CPU model, its vector flags, torch, oneDNN and the ISA torch dispatches to."""
-    model, flags = platform.processor() or "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("?", "x86_64", ""):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    info = CPUINFO.read_text() if CPUINFO.exists() else ""
+    field = lambda name: (re.findall(rf"^{name}\s*: (.*)$", info, re.M) or [""])[0]  # noqa: E731
+    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in field("flags").split())
     onednn = re.search(r"MKL-DNN v([\d.]+)", torch.__config__.show())
-    return (f"{model} [{vector}], {os.cpu_count()} cpus; torch {torch.__version__}, oneDNN "
-            f"{onednn.group(1) if onednn else '?'}, ATen {torch.backends.cpu.get_cpu_capability()}, "
-            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, {torch.get_num_threads()} threads")
+    return (f"{field('model name') or platform.processor() or '?'} [{vector}], {os.cpu_count()} cpus; torch "
+            f"{torch.__version__}, oneDNN {onednn.group(1) if onednn else '?'}, ATen "
+            f"{torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, "
+            f"{torch.get_num_threads()} threads")
 
 
 def _layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
@@ -100,19 +102,8 @@ def case_tensors(args: argparse.Namespace):
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=("conv2d", "conv3d", "conv_transpose2d"), default="conv2d")
-    p.add_argument("--cin", type=int, default=3)
-    p.add_argument("--cout", type=int, default=48)
-    p.add_argument("--kernel", type=int, default=1)
-    p.add_argument("--stride", type=int, default=2)
-    p.add_argument("--padding", type=int, default=0)
-    p.add_argument("--groups", type=int, default=1)
-    p.add_argument("--size", type=int, default=128, help="height = width (= depth for conv3d)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--dtype", choices=tuple(TOLERANCE), default="fp32", help="bf16 = torch.autocast('cpu', bfloat16)")
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    p.add_argument("--input-layout", choices=("channels_last", "contiguous"), default="channels_last")
-    p.add_argument("--weight-layout", choices=("channels_last", "contiguous"), default="channels_last")
+    for name, default in CASE.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, choices=CHOICES.get(name))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--timeout", type=float, default=0, help="exit 1 after this many seconds (a hang)")
     p.add_argument("--json", action="store_true")
