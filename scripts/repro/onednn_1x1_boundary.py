@@ -13,7 +13,6 @@ Prints a markdown table per sweep (the ones in docs/troubleshooting.md) and the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.report import table, table_row
-from scripts.harness import run_child, signal_name
+from scripts.harness import options, run_child, signal_name
 from scripts.repro.onednn_1x1_strided_conv import CASE
 
 REPRO = Path(__file__).resolve().parent / "onednn_1x1_strided_conv.py"
@@ -96,13 +95,11 @@ def describe(case: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options(__doc__, python=(sys.executable, "the interpreter (another torch) that runs each case"),
+                     runs=(1, "processes per case (the outcome can vary per run)"),
+                     repeats=(3, "backward calls per process"), timeout=60.0)
     parser.add_argument("--sweeps", nargs="*", default=[s for s in SWEEPS if s != "versions"], choices=tuple(SWEEPS))
     parser.add_argument("--isas", nargs="*", default=list(ISAS), choices=tuple(ISAS))
-    parser.add_argument("--python", default=sys.executable, help="the interpreter (another torch) that runs each case")
-    parser.add_argument("--runs", type=int, default=1, help="processes per case (the outcome can vary per run)")
-    parser.add_argument("--repeats", type=int, default=3, help="backward calls per process")
-    parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
     machine = run_child([args.python, str(REPRO), "--repeats", "0"], env={**os.environ, "PYTHONWARNINGS": "ignore"})
     print(next(line for line in machine.output.splitlines() if line.startswith("Machine:")), flush=True)

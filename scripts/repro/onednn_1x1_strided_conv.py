@@ -41,7 +41,8 @@ TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
 CASE = dict(op="conv2d", cin=3, cout=48, kernel=1, stride=2, padding=0, groups=1, size=128, batch=8, dtype="fp32",
             threads=0, input_layout="channels_last", weight_layout="channels_last")
 LAYOUTS = ("channels_last", "contiguous")
-CHOICES = {"op": ("conv2d", "conv3d", "conv_transpose2d"), "dtype": tuple(TOLERANCE), "input_layout": LAYOUTS,
+CONVS = {"conv2d": F.conv2d, "conv3d": F.conv3d, "conv_transpose2d": F.conv_transpose2d}
+CHOICES = {"op": tuple(CONVS), "dtype": tuple(TOLERANCE), "input_layout": LAYOUTS,
            "weight_layout": LAYOUTS}
 
 
@@ -70,11 +71,10 @@ def grads(args: argparse.Namespace, x: torch.Tensor, w: torch.Tensor, gy: torch.
     else:
         x, w = _layout(x, args.input_layout == "channels_last"), _layout(w, args.weight_layout == "channels_last")
     x, w = x.requires_grad_(True), w.requires_grad_(True)
-    conv = F.conv_transpose2d if args.op == "conv_transpose2d" else F.conv3d if x.dim() == 5 else F.conv2d
     bf16 = args.dtype == "bf16" and not reference
     with torch.backends.mkldnn.flags(enabled=not reference):
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            y = conv(x, w, None, args.stride, args.padding, groups=args.groups)
+            y = CONVS[args.op](x, w, None, args.stride, args.padding, groups=args.groups)
         y.backward(gy.to(y.dtype))
     return w.grad.float(), x.grad.float()
 
@@ -89,14 +89,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def case_tensors(args: argparse.Namespace):
     gen = torch.Generator().manual_seed(0)
     dims = 3 if args.op == "conv3d" else 2
-    spatial = (args.size,) * dims
-    x = torch.randn(args.batch, args.cin, *spatial, generator=gen)
-    if args.op == "conv_transpose2d":
-        w = torch.randn(args.cin, args.cout // args.groups, *(args.kernel,) * dims, generator=gen) * 0.1
-        out = F.conv_transpose2d(x, w, None, args.stride, args.padding, groups=args.groups)
-    else:
-        w = torch.randn(args.cout, args.cin // args.groups, *(args.kernel,) * dims, generator=gen) * 0.1
-        out = (F.conv3d if dims == 3 else F.conv2d)(x, w, None, args.stride, args.padding, groups=args.groups)
+    x = torch.randn(args.batch, args.cin, *(args.size,) * dims, generator=gen)
+    io = (args.cin, args.cout // args.groups) if args.op == "conv_transpose2d" else (args.cout, args.cin // args.groups)
+    w = torch.randn(*io, *(args.kernel,) * dims, generator=gen) * 0.1
+    out = CONVS[args.op](x, w, None, args.stride, args.padding, groups=args.groups)
     return x, w, torch.randn(out.shape, generator=gen)
 
 
