@@ -106,16 +106,15 @@ def sweep(calls: int) -> int:
     return bad
 
 
-def count(args: argparse.Namespace) -> None:
+def count(case: tuple, calls: int) -> None:
     """Per dtype and layout: the calls whose weight gradient is not finite, and the finite ones unlike the first."""
     for mode, dtype, channels_last in (("bf16", "bfloat16", False), ("bf16", "bfloat16", True),
                                        ("fp32-in-autocast", "float32", False)):
-        _, grads = weight_grads(tuple(args.shape), args.cout or args.shape[1], tuple(args.kernel), args.stride,
-                                args.padding, channels_last, mode, args.calls)
+        _, grads = weight_grads(*case, channels_last, mode, calls)
         finite = [g for g in grads if bool(torch.isfinite(g).all())]
         differ = sum(not torch.equal(g, finite[0]) for g in finite)
         print(f"{dtype} {'channels_last_3d' if channels_last else 'contiguous'}: {len(grads) - len(finite)} of "
-              f"{args.calls} calls non-finite, {differ} finite ones differ from the first", flush=True)
+              f"{calls} calls non-finite, {differ} finite ones differ from the first", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,14 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", action="store_true", help="count non-finite and differing calls (exits 0)")
     args = p.parse_args(argv)
     print(f"Machine: {_machine()}", flush=True)
+    case = (tuple(args.shape), args.cout or args.shape[1], tuple(args.kernel), args.stride, args.padding)
     if args.count:
-        count(args)
+        count(case, args.calls)
         return 0
     if args.sweep:
-        bad = sweep(args.calls)
-        return 1 if bad else 0
-    err = weight_error(tuple(args.shape), args.cout or args.shape[1], tuple(args.kernel), args.stride, args.padding,
-                       args.channels_last, args.mode, args.calls)
+        return 1 if sweep(args.calls) else 0
+    err = weight_error(*case, args.channels_last, args.mode, args.calls)
     print(f"{args.mode}: worst weight-gradient error {err:.2e} over {args.calls} calls "
           f"({'FAULT' if not err <= TOLERANCE else 'ok'}, tolerance {TOLERANCE:g})", flush=True)
     return 1 if not err <= TOLERANCE else 0
