@@ -15,7 +15,6 @@ import csv
 import importlib.util
 import json
 import math
-import multiprocessing
 import os
 import re
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from cltrain.data.demo import draw_demo_folder, write_once
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line, table, write_report
@@ -51,32 +51,6 @@ TINY = {"classes": 2, "per_class": 6, "size": (64, 48), "warmup": 2, "steps": 1,
 PARTS = ("tests", "newcomer", "e2e")
 TINY_NEWCOMER = ["experiment=smoke", "data.demo.num_classes=2", "data.demo.train_per_class=8",
                  "data.demo.val_per_class=1", "data.demo.image_size=[64,48]"]
-
-
-def _draw(job: tuple[str, int, list[int], tuple[int, int]]) -> None:
-    import numpy as np
-
-    from cltrain.data.demo import draw_demo_image
-
-    path, k, seed, size = job
-    rng = np.random.default_rng(seed)
-    draw_demo_image(k, rng, size).save(path, quality=int(rng.integers(75, 96)))
-
-
-def jpeg_folder(root: Path, classes: int, per_class: int, size: tuple[int, int]) -> Path:
-    """An ImageNet-layout folder of ``cltrain.data.demo``'s images (``per_class`` train, 1 val), drawn on every core."""
-    from cltrain.data.demo import class_names, write_once
-
-    def fill(tmp: Path) -> None:
-        jobs = []
-        for s, (split, n) in enumerate((("train", per_class), ("val", 1))):
-            for k, name in enumerate(class_names(classes)):
-                (tmp / split / name).mkdir(parents=True)
-                jobs += [(str(tmp / split / name / f"{i:05d}.jpg"), k, [0, s, k, i], size) for i in range(n)]
-        with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:  # they draw, they never touch CUDA
-            pool.map(_draw, jobs, chunksize=16)
-
-    return write_once(root, {"classes": classes, "per_class": per_class, "size": list(size)}, fill, "gpu_check")
 
 
 def row(part: str, configuration: str, status: str, **cells: Any) -> dict[str, str]:
@@ -240,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec("cltrain.conf") is None:  # a source tree, not installed
             os.environ.setdefault("CLTRAIN_CONFIG_DIR", str(REPO / "conf"))
         with Stopwatch() as drawing:
-            root = jpeg_folder(work / f"jpegs-{size['classes']}x{size['per_class']}", size["classes"],
-                               size["per_class"], size["size"])
-        data = (f"{size['classes'] * size['per_class']:,} + {size['classes']} JPEGs of {size['size'][0]}x"
-                f"{size['size'][1]} drawn by cltrain.data.demo in {drawing.seconds:.0f} s")
+            c, n, wh = size["classes"], size["per_class"], size["size"]  # n train images a class, 1 val
+            root = write_once(work / f"jpegs-{c}x{n}", {"classes": c, "per_class": n, "size": list(wh)}, lambda tmp:
+                              draw_demo_folder(tmp, c, n, 1, wh, workers=os.cpu_count() or 1), "gpu_check")  # no CUDA
+        data = f"{c * n:,} + {c} JPEGs of {wh[0]}x{wh[1]} drawn by cltrain.data.demo in {drawing.seconds:.0f} s"
         stamp = work / time.strftime("%Y%m%d-%H%M%S")
         m = machine()
         gpu = (m.get("gpu") or {}).get("name", "no CUDA device")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import colorsys
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import socket
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["MARKER", "hsv_to_rgb255", "make_demo_dataset", "shape_polygon", "write_once"]
+__all__ = ["MARKER", "draw_demo_folder", "hsv_to_rgb255", "make_demo_dataset", "shape_polygon", "write_once"]
 
 #: Written last into a complete demo folder; holds the parameters it was made with.
 MARKER = ".cltrain_demo.json"
@@ -151,18 +152,32 @@ def make_demo_dataset(root: str | os.PathLike, num_classes: int = 10, train_per_
         raise ValueError(f"make_demo_dataset: image_size={image_size!r} must be (width, height), each >= 16.")
     params = _params(num_classes, train_per_class, val_per_class, tuple(image_size), seed)
 
-    def fill(tmp: Path) -> None:
-        names = class_names(num_classes)
-        for split, per_class in (("train", train_per_class), ("val", val_per_class)):
-            for k, name in enumerate(names):
-                folder = tmp / split / name
-                folder.mkdir(parents=True)
-                for i in range(per_class):
-                    rng = np.random.default_rng([seed, _SPLITS[split], k, i])
-                    img = draw_demo_image(k, rng, tuple(image_size))
-                    img.save(folder / f"{i:05d}.jpg", quality=int(rng.integers(75, 96)))
+    return write_once(root, params, lambda tmp: draw_demo_folder(tmp, num_classes, train_per_class, val_per_class,
+                                                                 tuple(image_size), seed), "make_demo_dataset")
 
-    return write_once(root, params, fill, "make_demo_dataset")
+
+def _draw_into(job: tuple[Path, int, list[int], tuple[int, int]]) -> None:
+    path, k, seed, size = job
+    rng = np.random.default_rng(seed)
+    draw_demo_image(k, rng, size).save(path, quality=int(rng.integers(75, 96)))
+
+
+def draw_demo_folder(folder: Path, num_classes: int, train_per_class: int, val_per_class: int,
+                     image_size: tuple[int, int], seed: int = 0, workers: int = 0) -> None:
+    """Draw the files of :func:`make_demo_dataset` into ``folder`` (not checked, not written once), in ``workers``
+    forked processes (0: in this one; fork before CUDA is initialised): the same files either way."""
+    jobs = []
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for k, name in enumerate(class_names(num_classes)):
+            (folder / split / name).mkdir(parents=True)
+            jobs += [(folder / split / name / f"{i:05d}.jpg", k, [seed, _SPLITS[split], k, i], tuple(image_size))
+                     for i in range(per_class)]
+    if workers > 0:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            pool.map(_draw_into, jobs, chunksize=16)
+    else:
+        for job in jobs:
+            _draw_into(job)
 
 
 def _alive(pid: int) -> bool:

@@ -7,10 +7,13 @@ reference computed with oneDNN disabled::
     python -m scripts.repro.cpu_bf16_conv3d_grad                 # (8, 256, 2, 4, 4), 3x3x3, the r3d_18 layer3 case
     python -m scripts.repro.cpu_bf16_conv3d_grad --mode fp32-in-autocast
     python -m scripts.repro.cpu_bf16_conv3d_grad --sweep         # the table in docs/troubleshooting.md
+    python -m scripts.repro.cpu_bf16_conv3d_grad --count --calls 100
 
 Prints the machine and the worst relative error over ``--calls`` calls (bf16 kernels land near 4e-3);
 exits 1 when a weight gradient is wrong or not finite. ``--mode fp32-in-autocast`` runs the same conv
-with autocast turned off for it and fp32 inputs: what cltrain's guardrail does to such a layer.
+with autocast turned off for it and fp32 inputs: what cltrain's guardrail does to such a layer. ``--count``
+prints, for bf16 (contiguous and channels_last_3d) and fp32, how many calls on the same tensors gave a
+non-finite weight gradient and how many finite ones differ from the first (exits 0).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import re
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,24 +32,21 @@ import torch.nn.functional as F
 warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # from mkldnn.flags()
 TOLERANCE = 5e-2  # bf16 weight gradients land near 4e-3 here; the faulty ones at 1 to 1e37, or inf/nan
 MODES = ("bf16", "autocast", "fp32-in-autocast")
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def _machine() -> str:
     """The CPU's vector flags, torch, oneDNN and the threads."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        pass
-    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    flags = re.findall(r"^flags\s*: (.*)$", CPUINFO.read_text(), re.M) if CPUINFO.exists() else []
+    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in " ".join(flags[:1]).split())
     onednn = re.search(r"MKL-DNN v([\d.]+)", torch.__config__.show())
     return (f"[{vector}] {os.cpu_count()} cpus; torch {torch.__version__}, oneDNN {onednn.group(1) if onednn else '?'}, "
             f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, {torch.get_num_threads()} threads")
 
 
-def weight_error(shape, cout, kernel, stride, padding, channels_last, mode, calls) -> float:
-    """The worst max|g - ref| / max|ref| of the weight gradient over ``calls`` calls (inf when not finite)."""
+def weight_grads(shape, cout, kernel, stride, padding, channels_last, mode, calls):
+    """The float64 reference's weight gradient (oneDNN off), and the weight gradients of ``calls`` calls in ``mode``
+    on the same tensors."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen)
     w = torch.randn(cout, shape[1], *kernel, generator=gen) * 0.02
@@ -68,14 +69,16 @@ def weight_error(shape, cout, kernel, stride, padding, channels_last, mode, call
             y.backward(gg.to(y.dtype))
         return ww.grad.double()
 
-    want = grad(torch.float64, reference=True)
-    worst = 0.0
-    for _ in range(calls):
-        got = grad(torch.bfloat16 if mode == "bf16" else torch.float32)
-        if not bool(torch.isfinite(got).all()):
-            return float("inf")
-        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-    return worst
+    return grad(torch.float64, reference=True), [grad(torch.bfloat16 if mode == "bf16" else torch.float32)
+                                                 for _ in range(calls)]
+
+
+def weight_error(*case) -> float:
+    """The worst max|g - ref| / max|ref| of the weight gradient over the calls (inf when one is not finite)."""
+    want, grads = weight_grads(*case)
+    if not all(bool(torch.isfinite(g).all()) for g in grads):
+        return float("inf")
+    return max((float((g - want).abs().max() / want.abs().max()) for g in grads), default=0.0)
 
 
 def sweep(calls: int) -> int:
@@ -103,6 +106,17 @@ def sweep(calls: int) -> int:
     return bad
 
 
+def count(case: tuple, calls: int) -> None:
+    """Per dtype and layout: the calls whose weight gradient is not finite, and the finite ones unlike the first."""
+    for mode, dtype, channels_last in (("bf16", "bfloat16", False), ("bf16", "bfloat16", True),
+                                       ("fp32-in-autocast", "float32", False)):
+        _, grads = weight_grads(*case, channels_last, mode, calls)
+        finite = [g for g in grads if bool(torch.isfinite(g).all())]
+        differ = sum(not torch.equal(g, finite[0]) for g in finite)
+        print(f"{dtype} {'channels_last_3d' if channels_last else 'contiguous'}: {len(grads) - len(finite)} of "
+              f"{calls} calls non-finite, {differ} finite ones differ from the first", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=5, default=[8, 256, 2, 4, 4], metavar=("N", "C", "D", "H", "W"))
@@ -114,13 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=MODES, default="bf16")
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--count", action="store_true", help="count non-finite and differing calls (exits 0)")
     args = p.parse_args(argv)
     print(f"Machine: {_machine()}", flush=True)
+    case = (tuple(args.shape), args.cout or args.shape[1], tuple(args.kernel), args.stride, args.padding)
+    if args.count:
+        count(case, args.calls)
+        return 0
     if args.sweep:
-        bad = sweep(args.calls)
-        return 1 if bad else 0
-    err = weight_error(tuple(args.shape), args.cout or args.shape[1], tuple(args.kernel), args.stride, args.padding,
-                       args.channels_last, args.mode, args.calls)
+        return 1 if sweep(args.calls) else 0
+    err = weight_error(*case, args.channels_last, args.mode, args.calls)
     print(f"{args.mode}: worst weight-gradient error {err:.2e} over {args.calls} calls "
           f"({'FAULT' if not err <= TOLERANCE else 'ok'}, tolerance {TOLERANCE:g})", flush=True)
     return 1 if not err <= TOLERANCE else 0

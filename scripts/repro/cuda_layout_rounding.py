@@ -15,7 +15,6 @@ fused SGD whose momentum buffers start channels_last, and with AdamW, at 224 and
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 from collections.abc import Iterator
@@ -26,8 +25,10 @@ import torchvision
 from torch import nn
 
 from cltrain.layout import to_channels_last
+from cltrain.precision import autocast_for
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
+from scripts.harness import options
 
 
 @contextlib.contextmanager
@@ -46,7 +47,7 @@ def conv_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.d
     outs: dict[str, torch.Tensor] = {}
     handles = [m.register_forward_hook(lambda m, i, o, n=n: outs.__setitem__(n, o.detach().double().contiguous()))
                for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-    with torch.autocast(x.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+    with autocast_for(x.device, dtype):
         loss = F.cross_entropy(model(x).double(), y)
     loss.backward()
     for h in handles:
@@ -60,12 +61,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--no-check", action="store_true", help="skip the check's verdicts")
-    args = parser.parse_args(argv)
+    args = options(__doc__, device="cuda", batch=4, size=224, no_check=(False, "skip the check's verdicts")).parse_args(argv)
     device = torch.device(args.device)
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)

@@ -13,21 +13,19 @@ Prints a markdown table per sweep (the ones in docs/troubleshooting.md) and the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.report import table, table_row
+from scripts.harness import options, run_child, signal_name
+from scripts.repro.onednn_1x1_strided_conv import CASE
 
 REPRO = Path(__file__).resolve().parent / "onednn_1x1_strided_conv.py"
-BASE = dict(op="conv2d", cin=3, cout=32, kernel=1, stride=2, padding=0, groups=1, size=96, batch=8, dtype="fp32",
-            threads=2, input_layout="channels_last", weight_layout="channels_last")
+BASE = {**CASE, "cout": 32, "size": 96, "threads": 2}
 ISAS = {"AVX512": {}, "AVX2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 FEW = (3, 8, 15)  # below the block on both ISAs; 8 == the AVX2 block; 15 == the AVX-512 block - 1
 
@@ -68,17 +66,15 @@ def run_case(case: dict, isa: str, python: str, timeout: float, repeats: int) ->
     cmd = [python, str(REPRO), "--json", "--repeats", str(repeats)]
     for key, value in case.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    env = {**os.environ, **ISAS[isa], "PYTHONWARNINGS": "ignore"}
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    child = run_child(cmd, timeout=timeout, env={**os.environ, **ISAS[isa], "PYTHONWARNINGS": "ignore"})
+    if child.code is None:
         return "HANG"
-    if proc.returncode < 0:
-        return f"CRASH ({signal.Signals(-proc.returncode).name})"
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if child.code < 0:
+        return f"CRASH ({signal_name(child.code)})"
+    lines = [line for line in child.output.splitlines() if line.startswith("{")]
     if not lines:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return "CRASH (abort)" if "free()" in proc.stderr or "corrupted" in proc.stderr else f"error: {tail[:80]}"
+        crashed = "free()" in child.output or "corrupted" in child.output
+        return "CRASH (abort)" if crashed else f"error: {child.last_error()[:80]}"
     result = json.loads(lines[-1])
     if not result["wrong"]:
         return "ok"
@@ -99,17 +95,14 @@ def describe(case: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options(__doc__, python=(sys.executable, "the interpreter (another torch) that runs each case"),
+                     runs=(1, "processes per case (the outcome can vary per run)"),
+                     repeats=(3, "backward calls per process"), timeout=60.0)
     parser.add_argument("--sweeps", nargs="*", default=[s for s in SWEEPS if s != "versions"], choices=tuple(SWEEPS))
     parser.add_argument("--isas", nargs="*", default=list(ISAS), choices=tuple(ISAS))
-    parser.add_argument("--python", default=sys.executable, help="the interpreter (another torch) that runs each case")
-    parser.add_argument("--runs", type=int, default=1, help="processes per case (the outcome can vary per run)")
-    parser.add_argument("--repeats", type=int, default=3, help="backward calls per process")
-    parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
-    machine = subprocess.run([args.python, str(REPRO), "--repeats", "0"], capture_output=True, text=True,
-                             env={**os.environ, "PYTHONWARNINGS": "ignore"}).stdout.splitlines()[0]
-    print(machine, flush=True)
+    machine = run_child([args.python, str(REPRO), "--repeats", "0"], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    print(next(line for line in machine.output.splitlines() if line.startswith("Machine:")), flush=True)
     watch = Stopwatch().start()
     for sweep in args.sweeps:
         print(f"\n### {sweep}\n\n{table(['case', *args.isas], [])}", flush=True)

@@ -25,34 +25,37 @@ import platform
 import re
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 # mkldnn.flags() sets allow_tf32 too, which warns on builds without Intel GPU support.
 warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+CPUINFO = Path("/proc/cpuinfo")
 
 #: Relative error above which a gradient counts as wrong: fp32 kernels land near 1e-6 here, bf16 near 4e-3.
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
+#: One case: an option per field (``input_layout``: ``--input-layout``) with its default; ``size`` is the height, width
+#: (and depth for conv3d), ``dtype`` bf16 is ``torch.autocast("cpu", torch.bfloat16)``, ``threads`` 0 torch's default.
+CASE = dict(op="conv2d", cin=3, cout=48, kernel=1, stride=2, padding=0, groups=1, size=128, batch=8, dtype="fp32",
+            threads=0, input_layout="channels_last", weight_layout="channels_last")
+LAYOUTS = ("channels_last", "contiguous")
+CONVS = {"conv2d": F.conv2d, "conv3d": F.conv3d, "conv_transpose2d": F.conv_transpose2d}
+CHOICES = {"op": tuple(CONVS), "dtype": tuple(TOLERANCE), "input_layout": LAYOUTS,
+           "weight_layout": LAYOUTS}
 
 
 def _machine() -> str:
     """The CPU model, its vector flags, torch, oneDNN and the ISA torch dispatches to."""
-    model, flags = platform.processor() or "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("?", "x86_64", ""):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    info = CPUINFO.read_text() if CPUINFO.exists() else ""
+    field = lambda name: (re.findall(rf"^{name}\s*: (.*)$", info, re.M) or [""])[0]  # noqa: E731
+    vector = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in field("flags").split())
     onednn = re.search(r"MKL-DNN v([\d.]+)", torch.__config__.show())
-    return (f"{model} [{vector}], {os.cpu_count()} cpus; torch {torch.__version__}, oneDNN "
-            f"{onednn.group(1) if onednn else '?'}, ATen {torch.backends.cpu.get_cpu_capability()}, "
-            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, {torch.get_num_threads()} threads")
+    return (f"{field('model name') or platform.processor() or '?'} [{vector}], {os.cpu_count()} cpus; torch "
+            f"{torch.__version__}, oneDNN {onednn.group(1) if onednn else '?'}, ATen "
+            f"{torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, "
+            f"{torch.get_num_threads()} threads")
 
 
 def _layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
@@ -68,11 +71,10 @@ def grads(args: argparse.Namespace, x: torch.Tensor, w: torch.Tensor, gy: torch.
     else:
         x, w = _layout(x, args.input_layout == "channels_last"), _layout(w, args.weight_layout == "channels_last")
     x, w = x.requires_grad_(True), w.requires_grad_(True)
-    conv = F.conv_transpose2d if args.op == "conv_transpose2d" else F.conv3d if x.dim() == 5 else F.conv2d
     bf16 = args.dtype == "bf16" and not reference
     with torch.backends.mkldnn.flags(enabled=not reference):
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            y = conv(x, w, None, args.stride, args.padding, groups=args.groups)
+            y = CONVS[args.op](x, w, None, args.stride, args.padding, groups=args.groups)
         y.backward(gy.to(y.dtype))
     return w.grad.float(), x.grad.float()
 
@@ -87,32 +89,17 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def case_tensors(args: argparse.Namespace):
     gen = torch.Generator().manual_seed(0)
     dims = 3 if args.op == "conv3d" else 2
-    spatial = (args.size,) * dims
-    x = torch.randn(args.batch, args.cin, *spatial, generator=gen)
-    if args.op == "conv_transpose2d":
-        w = torch.randn(args.cin, args.cout // args.groups, *(args.kernel,) * dims, generator=gen) * 0.1
-        out = F.conv_transpose2d(x, w, None, args.stride, args.padding, groups=args.groups)
-    else:
-        w = torch.randn(args.cout, args.cin // args.groups, *(args.kernel,) * dims, generator=gen) * 0.1
-        out = (F.conv3d if dims == 3 else F.conv2d)(x, w, None, args.stride, args.padding, groups=args.groups)
+    x = torch.randn(args.batch, args.cin, *(args.size,) * dims, generator=gen)
+    io = (args.cin, args.cout // args.groups) if args.op == "conv_transpose2d" else (args.cout, args.cin // args.groups)
+    w = torch.randn(*io, *(args.kernel,) * dims, generator=gen) * 0.1
+    out = CONVS[args.op](x, w, None, args.stride, args.padding, groups=args.groups)
     return x, w, torch.randn(out.shape, generator=gen)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=("conv2d", "conv3d", "conv_transpose2d"), default="conv2d")
-    p.add_argument("--cin", type=int, default=3)
-    p.add_argument("--cout", type=int, default=48)
-    p.add_argument("--kernel", type=int, default=1)
-    p.add_argument("--stride", type=int, default=2)
-    p.add_argument("--padding", type=int, default=0)
-    p.add_argument("--groups", type=int, default=1)
-    p.add_argument("--size", type=int, default=128, help="height = width (= depth for conv3d)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--dtype", choices=tuple(TOLERANCE), default="fp32", help="bf16 = torch.autocast('cpu', bfloat16)")
-    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    p.add_argument("--input-layout", choices=("channels_last", "contiguous"), default="channels_last")
-    p.add_argument("--weight-layout", choices=("channels_last", "contiguous"), default="channels_last")
+    for name, default in CASE.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, choices=CHOICES.get(name))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--timeout", type=float, default=0, help="exit 1 after this many seconds (a hang)")
     p.add_argument("--json", action="store_true")

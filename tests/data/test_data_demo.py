@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from cltrain.data import ImageFolderDataModule, make_demo_dataset
-from cltrain.data.demo import MARKER
+from cltrain.data.demo import MARKER, draw_demo_folder
 from tests.helpers import warm
 
 
@@ -32,6 +32,8 @@ def test_layout_real_jpegs_and_determinism(tmp_path):
         assert img.format == "JPEG" and img.size == (160, 120) and img.mode == "RGB"
     again = make_demo_dataset(tmp_path / "b", num_classes=10, train_per_class=2, val_per_class=1, image_size=(160, 120), seed=3)
     assert _digest(root) == _digest(again)
+    draw_demo_folder(tmp_path / "e", 10, 2, 1, (160, 120), seed=3, workers=2)  # in two processes: the same files
+    assert _digest(root) == _digest(tmp_path / "e")
     other = make_demo_dataset(tmp_path / "c", num_classes=10, train_per_class=2, val_per_class=1, image_size=(160, 120), seed=4)
     assert _digest(root) != _digest(other)
 

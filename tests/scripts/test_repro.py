@@ -11,7 +11,7 @@ from tests.helpers import warm
 
 
 def test_cpu_bf16_conv3d_counts_each_dtype_and_layout() -> None:
-    out = warm.run([sys.executable, "-m", "scripts.repro.cpu_bf16_conv3d_nonfinite", "--calls", "3",
+    out = warm.run([sys.executable, "-m", "scripts.repro.cpu_bf16_conv3d_grad", "--count", "--calls", "3",
                     "--shape", "2", "8", "2", "4", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = re.findall(r"^(bfloat16|float32) (contiguous|channels_last_3d): (\d) of 3 calls non-finite", out.stdout, re.M)
