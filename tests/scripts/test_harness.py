@@ -136,3 +136,9 @@ def test_options_makes_choices_and_options_without_a_default() -> None:
     assert (args.optimizer, args.batch, args.sizes, args.data) == ("adamw", 4, [32, 64], ["a=1", "b=2"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--optimizer", "adam"])
+
+
+def test_an_options_preset_replaces_the_parsed_values_only_when_given() -> None:
+    parser = harness.options("A script.", batch=8, rounds=(3, "rounds"), quick=({"batch": 2, "rounds": 1}, "quick"))
+    assert vars(parser.parse_args(["--batch", "16"])) == {"batch": 16, "rounds": 3, "quick": False}
+    assert vars(parser.parse_args(["--batch", "16", "--quick"])) == {"batch": 2, "rounds": 1, "quick": True}
