@@ -4,12 +4,15 @@
 (``table``, ``write_report``, ``command_line``); ``machine_line``, the machine a figure was taken on; ``options``, a
 script's command line from its defaults. A case may run in a child process of its own (``run_child``), so a native
 crash, a raise or a hang is a row of the table, not the end of the run; what it measured comes back as lines it
-printed with ``emit``::
+printed with ``emit``. A script hands its child the case whole (``run_case``: ``--case JSON``, which the child's
+``options(..., case=CASE)`` parses back)::
 
-    child = run_child(python_module("scripts.bench.default_speed", "--child", ...), timeout=600)
+    child = run_case("scripts.bench.default_speed", {"model": "resnet50", ...}, timeout=600)
     child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"
     child.failure()       # None, or the status with the last error line: "exited 1: ValueError: ..."
     child.results()       # every object the child emitted
+
+``random_batches`` makes the seeded random batches the benchmarks' steps train on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cltrain.timing.clock import Stopwatch, cpu_seconds, synchronize, timed
 from cltrain.timing.machine import PACKAGES, machine
 from cltrain.timing.machine import machine_line as line_of
@@ -34,15 +39,17 @@ from cltrain.timing.rounds import interleaved, rate_after_first, rotated, time_s
 from cltrain.timing.stats import spread
 from cltrain.timing.steps import LAYOUTS, layout_steps, training_step
 
-__all__ = ["LAYOUTS", "REPO", "Child", "Stopwatch", "command_line", "cpu_seconds", "emit", "interleaved",
-           "layout_steps", "machine_line", "options", "python_module", "rate_after_first", "rotated", "run_child",
-           "signal_name", "spread", "synchronize", "table", "table_row", "time_steps", "timed", "training_step",
-           "write_report"]
+__all__ = ["CASE", "LAYOUTS", "REPO", "Child", "Stopwatch", "command_line", "cpu_seconds", "emit", "interleaved",
+           "layout_steps", "machine_line", "options", "python_module", "random_batches", "rate_after_first", "rotated",
+           "run_case", "run_child", "signal_name", "spread", "synchronize", "table", "table_row", "time_steps", "timed",
+           "training_step", "write_report"]
 
 #: The repository root: children run from there (``python -m scripts...`` needs no install).
 REPO = Path(__file__).resolve().parents[1]
 #: What starts a line of a child's result.
 RESULT = "SCRIPTS-RESULT "
+#: A script's ``--case`` option (``options(..., case=CASE)``): the case its child runs, as :func:`run_case` gives it.
+CASE = (json.loads, "(a child's process: its case, as JSON)")
 
 
 def machine_line(device: Any = None, packages: Sequence[str] = PACKAGES) -> str:
@@ -164,3 +171,17 @@ def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | N
             code = None
         out.seek(0)
         return Child(code, out.read(), watch.elapsed(), timeout)
+
+
+def run_case(module: str, case: dict[str, Any], *, timeout: float | None = None) -> Child:
+    """``python -m module --case JSON`` in a child (:func:`run_child`): the case whole, one option for its fields."""
+    return run_child(python_module(module, "--case", json.dumps(case)), timeout=timeout)
+
+
+def random_batches(count: int, shape: Sequence[int], *, classes: int = 1000, device: torch.device | str = "cpu",
+                   memory_format: torch.memory_format = torch.contiguous_format) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` ``(inputs, labels)`` batches: random inputs of ``shape`` on ``device`` in ``memory_format``, labels
+    below ``classes``, all drawn from one generator seeded 0."""
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randn(*shape, generator=gen).to(device, memory_format=memory_format),
+             torch.randint(0, classes, (shape[0],), generator=gen).to(device)) for _ in range(count)]

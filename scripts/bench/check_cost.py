@@ -15,33 +15,15 @@ from typing import Any
 
 import torch
 
-from scripts.harness import (emit, interleaved, machine_line, options, python_module, run_child, table, table_row,
-                             write_report)
+from scripts.harness import CASE, emit, interleaved, machine_line, options, run_case, table, table_row, write_report
 
-#: ``--models`` names: torchvision builders, ``vit_s_16`` (a ViT-S/16 from torchvision's VisionTransformer) and
-#: ``unet_resnet18`` (segmentation_models_pytorch's U-Net, one output channel, trained with Dice + BCE).
+#: ``--models`` names (``scripts.bench.models.build_model``; ``unet_resnet18`` is trained with Dice + BCE).
 MODELS = ("resnet18", "resnet50", "efficientnet_b0", "convnext_tiny", "vit_s_16", "unet_resnet18")
 GRID = (("resnet50", "efficientnet_b0", "unet_resnet18"), (64, 128, 224))
 
 
-def build(name: str, size: int, classes: int = 10) -> torch.nn.Module:
-    """One of ``MODELS`` with random weights (no download)."""
-    import torchvision
-
-    if name == "vit_s_16":
-        return torchvision.models.VisionTransformer(image_size=size, patch_size=16, num_layers=12, num_heads=6,
-                                                    hidden_dim=384, mlp_dim=1536, num_classes=classes)
-    if name == "unet_resnet18":
-        import segmentation_models_pytorch as smp
-
-        return smp.Unet(encoder_name="resnet18", encoder_weights=None, classes=1)
-    if name not in MODELS:
-        raise ValueError(f"check_cost: unknown model {name!r}; expected one of {MODELS}.")
-    return getattr(torchvision.models, name)(num_classes=classes)
-
-
-def child(model_name: str, batch: int, size: int, precision: str, steps: int, verify: bool,
-          optimizer: str = "adamw") -> dict[str, Any]:
+def child(model: str, batch: int, size: int, precision: str, steps: int, optimizer: str,
+          verify: bool) -> dict[str, Any]:
     """One training run in this process; returns its figures (``peak_rss_mb``: Linux's ``VmHWM``)."""
     import resource
 
@@ -49,9 +31,10 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
     from torch.utils.data import DataLoader, Dataset
 
     from cltrain import ChannelsLast
+    from scripts.bench.models import build_model
     from scripts.fits import NetModule, StepClock, quiet_trainer
 
-    segmentation = model_name.startswith("unet")
+    segmentation = model.startswith("unet")
 
     class Images(Dataset):
         def __len__(self) -> int:
@@ -76,7 +59,8 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
     torch.manual_seed(0)
     timer, callback = StepClock(), ChannelsLast(verify=verify)
     trainer = quiet_trainer(max_steps=steps, precision=precision, callbacks=[timer, callback])
-    trainer.fit(NetModule(build(model_name, size), loss, make_optimizer), DataLoader(Images(), batch_size=batch))
+    trainer.fit(NetModule(build_model(model, size, classes=10), loss, make_optimizer),
+                DataLoader(Images(), batch_size=batch))
     check = callback.layout_checks.get("train")
     cuda = torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"
     return {"steps": timer.steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -85,16 +69,13 @@ def child(model_name: str, batch: int, size: int, precision: str, steps: int, ve
             "device": str(trainer.strategy.root_device)}
 
 
-def measure(model_name: str, batch: int, size: int, precision: str, steps: int, repeats: int,
-            optimizer: str = "adamw") -> dict[str, Any]:
-    """``repeats`` alternating rounds of a run without and with the check, each in a fresh process."""
+def measure(case: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """``repeats`` alternating rounds of a run of ``case`` without and with the check, each in a fresh process."""
     def run(verify: bool) -> dict[str, Any]:
-        cmd = python_module("scripts.bench.check_cost", "--child", "--models", model_name, "--batch", batch, "--size",
-                            size, "--precision", precision, "--steps", steps, "--optimizer", optimizer,
-                            *(["--verify"] if verify else []))
-        child = run_child(cmd)
+        child = run_case("scripts.bench.check_cost", {**case, "verify": verify})
         if child.code != 0 or not child.results():
-            raise RuntimeError(f"check_cost child failed ({' '.join(cmd)}): {child.status()}\n{child.output[-3000:]}")
+            raise RuntimeError(f"check_cost child failed ({case}, verify={verify}): {child.status()}\n"
+                               f"{child.output[-3000:]}")
         return child.results()[-1]
 
     runs = interleaved({False: lambda: run(False), True: lambda: run(True)}, repeats)
@@ -103,11 +84,10 @@ def measure(model_name: str, batch: int, size: int, precision: str, steps: int, 
     step_with_check = med(t for run in runs[True] for t in run["steps"][1:])
     first_plain, first_check = (med(run["steps"][0] for run in runs[v]) for v in (False, True))
     rss_plain, rss_check = (med(run["peak_rss_mb"] for run in runs[v]) for v in (False, True))
-    row = {"model": model_name, "batch": batch, "size": size, "precision": precision, "optimizer": optimizer,
-           "device": runs[True][0]["device"], "rss_plain_mb": rss_plain, "rss_check_mb": rss_check,
+    check_s = med(run["check_s"] for run in runs[True])
+    row = {**case, "device": runs[True][0]["device"], "rss_plain_mb": rss_plain, "rss_check_mb": rss_check,
            "memory_ratio": rss_check / rss_plain, "plain_step_s": plain_step, "step_with_check_s": step_with_check,
-           "check_s": med(run["check_s"] for run in runs[True]),
-           "check_in_steps": med(run["check_s"] for run in runs[True]) / step_with_check,
+           "check_s": check_s, "check_in_steps": check_s / step_with_check,
            "first_step_extra_in_steps": (first_check - first_plain) / plain_step, "verdict": runs[True][0]["verdict"],
            "runs": {"plain": runs[False], "check": runs[True]}}
     if runs[True][0]["cuda_peak_mb"] is not None:
@@ -121,13 +101,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      repeats=(2, "rounds of (without, with) the check"),
                      grid=(False, "resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px"),
                      tiny=(dict(models=["resnet18"], batch=4, size=32, precision="32-true", steps=2, repeats=1),
-                           "resnet18, batch 4 at 32 px, fp32, one round"), child=(False, "(a run's process)"),
-                     verify=(False, "(a run's process: with the check)"), optimizer=(("adamw", "sgd"), None),
-                     json=(Path, "also write the rows here"))
+                           "resnet18, batch 4 at 32 px, fp32, one round"), case=CASE,
+                     optimizer=(("adamw", "sgd"), None), json=(Path, "also write the rows here"))
     parser.add_argument("--models", nargs="*", default=["resnet50", "convnext_tiny", "vit_s_16"], choices=MODELS)
     args = parser.parse_args(argv)
-    if args.child:
-        emit(child(args.models[0], args.batch, args.size, args.precision, args.steps, args.verify, args.optimizer))
+    if args.case:
+        emit(child(**args.case))
         return []
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the plain step time is read from steps 2..)")
@@ -138,7 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                  "check", "check in steps", "first step +", "verdict"], [], align="lrrrrrrrl"))
     rows = []
     for name, size in points:
-        row = measure(name, args.batch, size, args.precision, args.steps, args.repeats, args.optimizer)
+        row = measure(dict(model=name, batch=args.batch, size=size, precision=args.precision, steps=args.steps,
+                           optimizer=args.optimizer), args.repeats)
         rows.append(row)
         cuda = (f" (CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB, "
                 f"{row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")

@@ -8,28 +8,20 @@ pinned, model family by family (the method: docs/benchmarks.md#default-speed).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from scripts.harness import (Stopwatch, command_line, emit, interleaved, machine_line, options, python_module,
-                             run_child, table, timed, write_report)
+from scripts.harness import (CASE, Stopwatch, command_line, emit, interleaved, machine_line, options, random_batches,
+                             run_case, table, timed, write_report)
 
 #: One family after another first, so a run cut short by ``--budget`` still covers the most families.
 MODELS = ("resnet50", "mobilenet_v3_large", "ghostnet_100", "efficientnet_b0", "convnext_tiny", "densenet121",
           "resnet18", "regnet_y_1_6gf", "shufflenet_v2_x1_0", "googlenet", "squeezenet1_1", "vit_b_16")
 TINY_MODELS = ("resnet18", "mobilenet_v3_small")
 VARIANTS = ("nchw", "channels_last", "default")
-
-
-def _build(name: str, size: int) -> torch.nn.Module:
-    from cltrain.model_names import build_untrained_model
-
-    kwargs = {"image_size": size} if name.startswith("vit_") else {"aux_logits": False} if name == "googlenet" else {}
-    return build_untrained_model(name, num_classes=1000, **kwargs)
 
 
 def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, target: torch.Tensor, fit_steps: int,
@@ -40,6 +32,7 @@ def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, targe
     from torch.utils.data import DataLoader
 
     from cltrain import ChannelsLast, is_channels_last
+    from scripts.bench.models import build_model
     from scripts.fits import NetModule, StepClock, quiet_trainer
 
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -52,7 +45,7 @@ def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, targe
             "default": [ChannelsLast()]}[variant]
     trainer = quiet_trainer(accelerator=batch.device.type, precision=precision, max_steps=fit_steps,
                             callbacks=[window, *door])
-    module = NetModule(_build(name, batch.shape[-1]), lambda out, b: F.cross_entropy(out, b[1]), make_optimizer)
+    module = NetModule(build_model(name, batch.shape[-1]), lambda out, b: F.cross_entropy(out, b[1]), make_optimizer)
     with Stopwatch(batch.device) as whole:
         trainer.fit(module, train_dataloaders=DataLoader([(batch, target)] * fit_steps, batch_size=None))
     check = door[0].layout_checks.get("train") if door else None
@@ -98,32 +91,29 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def child(args: argparse.Namespace) -> None:
+def child(model: str, batch: int, sizes: list[int], precisions: list[str], fit_steps: int, steps: int, rounds: int,
+          optimizer: str) -> None:
     """Every precision, size and round of one model, in this process; one JSON line per fit, as it ends."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         torch.backends.cudnn.allow_tf32 = True
         torch.set_float32_matmul_precision("high")
-    name = args.models[0]
-    for size in args.sizes:
-        g = torch.Generator().manual_seed(0)
-        batch = torch.randn(args.batch, 3, size, size, generator=g).to(device)
-        target = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
+    for size in sizes:
+        ((images, target),) = random_batches(1, (batch, 3, size, size), device=device)
 
         def fit(precision: str, variant: str, r: int) -> None:
-            fit = fit_once(name, variant, precision, batch, target, args.fit_steps, args.steps, args.optimizer)
-            if not batch.is_contiguous():  # the next fit would not be the one it says
-                raise RuntimeError(f"the {variant} fit left the loader's batch in strides {batch.stride()}")
-            emit({"model": name, "precision": precision, "size": size, "variant": variant, "round": r,
+            fit = fit_once(model, variant, precision, images, target, fit_steps, steps, optimizer)
+            if not images.is_contiguous():  # the next fit would not be the one it says
+                raise RuntimeError(f"the {variant} fit left the loader's batch in strides {images.stride()}")
+            emit({"model": model, "precision": precision, "size": size, "variant": variant, "round": r,
                   "device": str(device), **fit})
 
-        for precision in args.precisions:
+        for precision in precisions:
             try:
-                interleaved({v: (lambda r, v=v: fit(precision, v, r)) for v in VARIANTS}, args.rounds,
-                            with_round=True)
+                interleaved({v: (lambda r, v=v: fit(precision, v, r)) for v in VARIANTS}, rounds, with_round=True)
             except Exception as error:  # a model that cannot train here is a row saying so
-                emit({"model": name, "precision": precision, "size": size,
+                emit({"model": model, "precision": precision, "size": size,
                       "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
 
 
@@ -191,23 +181,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = options(__doc__, fit_steps=(200, "steps of each fit"), rounds=1,
                      steps=(50, "the last steps of a fit: its steady state"),
                      timeout=(3600.0, "seconds one model's process may take"),
-                     tiny=(False, "two small models, batch 2 at 32 px, fp32, 14-step fits"),
-                     out=Path("bench_out/default_speed"),
-                     child=(False, "(a model's process)"), models=(lambda s: s.split(","), "comma-separated"),
+                     tiny=(dict(batch=2, sizes=[32], precisions=["32-true"], fit_steps=14, steps=2, rounds=1),
+                           "two small models, batch 2 at 32 px, fp32, 14-step fits"),
+                     out=Path("bench_out/default_speed"), case=CASE, models=(lambda s: s.split(","), "comma-separated"),
                      precisions=([], "Lightning precision flags; 'auto' is amp=auto's pick (default: auto 32-true)"),
                      batch=(int, "default: 256 on CUDA, 8 on a CPU"), optimizer=(("sgd", "adamw"), None),
                      budget=(float, "seconds; no model starts past them"))
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if args.tiny:
-        args.models, args.batch, args.sizes, args.precisions = args.models or list(TINY_MODELS), 2, [32], ["32-true"]
-        args.fit_steps, args.steps, args.rounds = 14, 2, 1
-    args.models = args.models or list(MODELS)
-    args.batch = args.batch or (256 if cuda else 8)
-    if args.child:
-        child(args)
+    if args.case:
+        child(**args.case)
         return []
+    cuda = torch.cuda.is_available()
+    args.models = args.models or list(TINY_MODELS if args.tiny else MODELS)
+    args.batch = args.batch or (256 if cuda else 8)
     from cltrain.precision import auto_precision
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
@@ -223,11 +210,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             records += [{"model": name, "precision": p, "size": size, "error": "not run: --budget spent"}
                         for size in args.sizes for p in args.precisions]
             continue
-        run = run_child(python_module(
-            "scripts.bench.default_speed", "--child", "--models", name, "--batch", args.batch,
-            "--sizes", ",".join(map(str, args.sizes)), "--fit-steps", args.fit_steps, "--steps", args.steps,
-            "--rounds", args.rounds, "--optimizer", args.optimizer,
-            "--precisions", *args.precisions), timeout=args.timeout)
+        run = run_case("scripts.bench.default_speed", {"model": name, **{k: vars(args)[k] for k in (
+            "batch", "sizes", "precisions", "fit_steps", "steps", "rounds", "optimizer")}}, timeout=args.timeout)
         why = run.failure()
         lines = [summarise(name, p, size, [f for f in run.results() if f["precision"] == p and f["size"] == size], why)
                  for size in args.sizes for p in args.precisions]

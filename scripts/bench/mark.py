@@ -21,7 +21,8 @@ from lightning.pytorch import Callback
 from cltrain.check.budget import free_memory, is_out_of_memory
 from cltrain.timing.host_syncs import SyncOps
 from scripts.bench.mark_table import mark_markdown
-from scripts.harness import Stopwatch, emit, interleaved, rate_after_first, rotated, synchronize, write_report
+from scripts.harness import (Stopwatch, emit, interleaved, random_batches, rate_after_first, rotated, synchronize,
+                             write_report)
 
 #: The end-to-end configurations: name -> train.py overrides (the matrix's names and overrides where shared).
 CONFIGS: dict[str, list[str]] = {
@@ -108,9 +109,9 @@ def _plain_step(model_name: str, flag: str, device: torch.device, batch: int, si
     """The recipe's step (``PlainStep``: the app's optimizer, autocast, loss scaling) on one synthetic batch."""
     from cltrain import to_channels_last
     from cltrain.app import build_classifier
-    from scripts.bench.train import PlainStep, synthetic_batches
+    from scripts.bench.train import PlainStep
 
-    batches = synthetic_batches(1, batch, size, device)
+    batches = random_batches(1, (batch, 3, size, size), device=device, memory_format=torch.channels_last)
     step = PlainStep(to_channels_last(build_classifier(model_name, num_classes=1000).to(device)), flag, device, batches)
     x, y = batches[0]
     return lambda: step(x, y)

@@ -20,7 +20,8 @@ from torch import nn
 
 from cltrain.model_names import build_untrained_model
 from cltrain.timing.layouts import choose_layout
-from scripts.harness import LAYOUTS, layout_steps, machine_line, options, table, time_steps, write_report
+from scripts.harness import (LAYOUTS, layout_steps, machine_line, options, random_batches, table, time_steps,
+                             write_report)
 
 TUTORIAL_MODELS = [
     "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
@@ -75,15 +76,23 @@ def kind_of(name: str) -> str:
     return "video" if name in VIDEO_MODELS else "audio" if name in AUDIO_MODELS else "image"
 
 
-def build_bench_model(name: str, image_size: int) -> tuple[nn.Module, str]:
-    """The model ``name`` (random weights; video models too with ``NUM_CLASSES``) for ``image_size`` inputs, and a
-    note ("" if none). GoogLeNet without its aux heads: the step trains the main head only, as in eval."""
+def build_model(name: str, size: int = 224, classes: int = NUM_CLASSES) -> nn.Module:
+    """The model ``name`` with random weights for ``size`` px inputs, the one builder of the benchmarks: ``tinycnn``,
+    ``m5``, ``vit_s_16`` (a ViT-S/16 of torchvision's ``VisionTransformer``), ``unet_resnet18``
+    (segmentation_models_pytorch's U-Net, one output channel), else ``cltrain.model_names.build_untrained_model`` (a
+    ViT at ``size``; GoogLeNet without its aux heads: the step trains the main head only, as in eval)."""
     if name in ("tinycnn", "m5"):
-        return {"tinycnn": tinycnn, "m5": m5}[name](), ""
-    extra = {"image_size": image_size} if name.startswith("vit_") else {}
-    extra = {"aux_logits": False, "init_weights": True} if name == "googlenet" else extra
-    note = "no aux heads" if name == "googlenet" else ""
-    return build_untrained_model(name, NUM_CLASSES, source="torchvision", **extra), note
+        return {"tinycnn": tinycnn, "m5": m5}[name](classes)
+    if name == "vit_s_16":
+        return torchvision.models.VisionTransformer(image_size=size, patch_size=16, num_layers=12, num_heads=6,
+                                                    hidden_dim=384, mlp_dim=1536, num_classes=classes)
+    if name == "unet_resnet18":
+        import segmentation_models_pytorch as smp
+
+        return smp.Unet(encoder_name="resnet18", encoder_weights=None, classes=1)
+    extra = {"image_size": size} if name.startswith("vit_") else {}
+    return build_untrained_model(name, classes, **({"aux_logits": False, "init_weights": True} if name == "googlenet"
+                                                   else extra))
 
 
 def input_shape(name: str, args: argparse.Namespace) -> tuple[tuple[int, ...], str]:
@@ -107,13 +116,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
     """Both layouts' training steps (forward, cross-entropy, backward, SGD) on one random batch, timed in
     interleaved rounds, a row per dtype."""
     torch.manual_seed(0)
-    base, note = build_bench_model(name, args.image_size)
+    base = build_model(name, args.image_size).to(device).train()
     shape, shape_note = input_shape(name, args)
-    note = "; ".join(n for n in (note, shape_note) if n)
-    base.to(device).train()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=gen).to(device)
-    y = torch.randint(0, NUM_CLASSES, (shape[0],), generator=gen).to(device)
+    note = "; ".join(n for n in ("no aux heads" if name == "googlenet" else "", shape_note) if n)
+    ((x, y),) = random_batches(1, shape, device=device)
     rows = []
     for dtype_name in args.dtypes:
         dtype = None if dtype_name == "fp32" else torch.float16 if device.type == "cuda" else torch.bfloat16

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cltrain.layout import to_channels_last
-from cltrain.model_names import build_untrained_model
 from cltrain.precision import autocast_for
-from scripts.harness import machine_line, options, table, time_steps, training_step
+from scripts.bench.models import build_model
+from scripts.harness import machine_line, options, random_batches, table, time_steps, training_step
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
 SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
@@ -78,9 +78,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
                 names: tuple[str, ...]) -> list[dict[str, Any]]:
     """One row per variant of model ``name``: median images/s over rounds, spread, first-conv output layout."""
     torch.manual_seed(0)
-    base = build_untrained_model(name, 1000, source="torchvision")
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
-    y = torch.randint(0, 1000, (args.batch_size,), device=device)
+    base = build_model(name, args.image_size)
+    ((x, y),) = random_batches(1, (args.batch_size, 3, args.image_size, args.image_size), device=device)
     inputs = {"contiguous": x.contiguous(), "channels_last": to_channels_last(x.clone())}
     steps, layouts = {}, {}
     for n in names:

@@ -26,7 +26,7 @@ from cltrain.app.train import train
 from cltrain.precision import autocast_dtype
 from cltrain.timing.machine import machine, machine_line
 from scripts.fits import StepClock, quiet_trainer
-from scripts.harness import Stopwatch, interleaved, options, table, timed, write_report
+from scripts.harness import Stopwatch, interleaved, options, random_batches, table, timed, write_report
 
 
 # --- part 1: plain loop vs the Lightning path ---------------------------------------------------
@@ -65,10 +65,13 @@ class PlainStep:
         return loss
 
 
-def plain_loop(model: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int) -> float:
-    """Images/second of ``PlainStep`` over ``batches``: the steps after ``warmup`` (at least one) in one window, the
-    device synchronised at both ends (``cltrain.timing.clock.timed``)."""
-    step, first = PlainStep(model, precision, device, batches), max(warmup, 1)
+def plain_loop(base: torch.nn.Module, batches: list, precision: str, device: torch.device, warmup: int,
+               channels_last: bool = True) -> float:
+    """Images/second of ``PlainStep`` on a copy of ``base`` (channels_last unless not) over ``batches``: the steps
+    after ``warmup`` (at least one) in one window, the device synchronised at both ends (``timed``)."""
+    model = copy.deepcopy(base).to(device)
+    step = PlainStep(to_channels_last(model) if channels_last else model, precision, device, batches)
+    first = max(warmup, 1)
     for x, y in batches[:first]:
         step(x, y)
     return sum(x.shape[0] for x, _ in batches[first:]) / timed(lambda: [step(x, y) for x, y in batches[first:]],
@@ -87,22 +90,14 @@ def lightning_path(model: torch.nn.Module, batches: list, precision: str, accele
     return sum(x.shape[0] for x, _ in batches[first:]) / clock.seconds
 
 
-def synthetic_batches(count: int, batch: int, size: int, device: torch.device, channels_last: bool = True) -> list:
-    """``count`` random ``(images, labels)`` batches of ``batch`` images at ``size`` px for 1000 classes, seeded."""
-    gen = torch.Generator().manual_seed(0)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return [(torch.randn(batch, 3, size, size, generator=gen).to(device, memory_format=fmt),
-             torch.randint(0, 1000, (batch,), generator=gen).to(device)) for _ in range(count)]
-
-
 def overhead(args: argparse.Namespace, accelerator: str, precision: str) -> dict:
     """The plain loop and the Lightning path, channels_last, in ``--rounds`` interleaved rounds."""
     device = torch.device(accelerator)
-    batches = synthetic_batches(args.warmup + args.steps, args.batch_size, args.image_size, device)
+    batches = random_batches(args.warmup + args.steps, (args.batch_size, 3, args.image_size, args.image_size),
+                             device=device, memory_format=torch.channels_last)
     base = build_classifier(args.model, num_classes=1000)
-    plain_model = to_channels_last(copy.deepcopy(base).to(device))
     speeds = interleaved({
-        "plain": lambda: plain_loop(plain_model, batches, precision, device, args.warmup),
+        "plain": lambda: plain_loop(base, batches, precision, device, args.warmup),
         "lightning": lambda: lightning_path(copy.deepcopy(base), batches, precision, accelerator, args.warmup)},
         args.rounds)
     plain, light = statistics.median(speeds["plain"]), statistics.median(speeds["lightning"])
@@ -133,13 +128,10 @@ def end_to_end(args: argparse.Namespace, work: Path, accelerator: str, precision
         return train(compose_config([*common, *CONFIGS[name][1], f"run_dir={run_dir}"]))
 
     def plain(name: str) -> float:
-        channels_last = CONFIGS[name][0]
-        model = copy.deepcopy(base).to(device)
-        if channels_last:
-            to_channels_last(model)
-        batches = synthetic_batches(args.warmup + args.e2e_steps, args.batch_size, args.image_size, device,
-                                    channels_last)
-        return plain_loop(model, batches, precision if channels_last else "32-true", device, args.warmup)
+        cl = CONFIGS[name][0]
+        batches = random_batches(args.warmup + args.e2e_steps, (args.batch_size, 3, args.image_size, args.image_size),
+                                 device=device, memory_format=torch.channels_last if cl else torch.contiguous_format)
+        return plain_loop(base, batches, precision if cl else "32-true", device, args.warmup, channels_last=cl)
 
     runs = interleaved({**{("e2e", n): (lambda r, n=n: e2e(r, n)) for n in CONFIGS},
                         **{("plain", n): (lambda r, n=n: plain(n)) for n in CONFIGS}}, args.e2e_rounds, with_round=True)

@@ -105,5 +105,5 @@ def test_rejects_unknown_models_and_vit_sizes(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--models", "vit_b_16", "--image-size", "100"])
     assert "multiple of 16" in capsys.readouterr().err
-    model, _ = bench.build_bench_model("vit_b_16", 64)
+    model = bench.build_model("vit_b_16", 64)
     assert model.image_size == 64
