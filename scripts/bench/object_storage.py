@@ -134,18 +134,6 @@ def paired_ratio(root: Path, pack: Path, batches: int) -> tuple[float, float, fl
     return median, q1, q3
 
 
-def _webdataset(urls: list[str]) -> tuple[float, list[float]]:
-    import webdataset as wds
-
-    # its README's S3 recipe is `pipe:aws s3 cp <url> -` (a program per shard); the AWS CLI is not installed here,
-    # so the same pipe runs Python with s3fs, which reads the same standard variables
-    cat = f"{sys.executable} -c 'import sys, fsspec; sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'"
-    tf = torchvision_train(224)
-    ds = (wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).shuffle(1000)
-          .decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int).batched(KW["batch_size"]))
-    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
-
-
 def _fsspec_streams(shards):
     import fsspec
 
@@ -153,14 +141,21 @@ def _fsspec_streams(shards):
         yield {**shard, "stream": fsspec.open(shard["url"]).open()}
 
 
-def _webdataset_fsspec(urls: list[str]) -> tuple[float, list[float]]:
-    """The same pipeline with each tar opened in the worker through fsspec: no program started per shard."""
+def _webdataset(urls: list[str], fsspec: bool = False) -> tuple[float, list[float]]:
+    """Its README's pipeline, ``WebDataset(urls).shuffle().decode("pil").to_tuple("jpg", "cls")`` + torchvision,
+    batched in ``WebLoader``, each tar through ``pipe:``; ``fsspec``: each tar opened in the worker through fsspec
+    (no program started per shard)."""
     import webdataset as wds
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
-    ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
-                          tar_file_expander, group_by_keys, wds.shuffle(1000), wds.decode("pil"),
-                          wds.to_tuple("jpg", "cls"), wds.map_tuple(torchvision_train(224), int), wds.batched(KW["batch_size"]))
+    tail = (wds.shuffle(1000), wds.decode("pil"), wds.to_tuple("jpg", "cls"), wds.map_tuple(torchvision_train(224), int),
+            wds.batched(KW["batch_size"]))
+    if fsspec:
+        ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
+                              tar_file_expander, group_by_keys, *tail)
+    else:  # its S3 recipe is `pipe:aws s3 cp <url> -`; no AWS CLI here: the pipe runs Python with s3fs (same variables)
+        cat = f"{sys.executable} -c 'import sys, fsspec; sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'"
+        ds = wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).compose(*tail)
     return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
 
 
@@ -348,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
                  "s3-ranges": lambda: _ours(url, fetch="ranges", cache_dir=str(cache / "r")),
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
-                 "wds-fsspec": lambda: _webdataset_fsspec([f"{url}/{n}" for n in names]),
+                 "wds-fsspec": lambda: _webdataset([f"{url}/{n}" for n in names], fsspec=True),
                  "litdata": lambda: _litdata(lit, cache / "litdata"),
                  "mosaic": lambda: _mosaic(mds, cache / "mosaic")}
         _SERVER.extend([server.pid] if server else [])
