@@ -97,14 +97,19 @@ class Setting:
 
 
 def cltrain(s: Setting, seed: int, output: str = "float", *, threads: int | None = None, workers: int = 0,
-            ahead: bool = True, **transform: Any) -> float:
-    """cltrain's folder loader. ``output``: ``"float"`` normalised by the collate, image by image on the loader's
-    threads; ``"after"``: a uint8 batch, then normalize() on the whole batch; ``"uint8"``: the uint8 batch."""
+            ahead: bool = True, rows: Any = None, mix: Callable | None = None, **transform: Any) -> float:
+    """cltrain's folder loader (``rows``: its ``HFImageDataset`` on these ``datasets`` rows). ``output``: ``"float"``
+    normalised by the collate, image by image on the loader's threads; ``"after"``: a uint8 batch, then normalize()
+    on the whole batch; ``"uint8"``: the uint8 batch. ``mix(images, targets)``: then applied to the batch."""
+    from cltrain.data.hf_dataset import HFImageDataset
+
     threads = s.threads if threads is None else threads
-    dataset = ImageFolderDataset(s.split, train_transform(s.size, **transform), threads=threads, index_cache=False)
+    tf = train_transform(s.size, **transform)
+    dataset = (ImageFolderDataset(s.split, tf, threads=threads, index_cache=False) if rows is None
+               else HFImageDataset(rows, tf, threads=threads))
     collate = NHWCCollate(normalize=ImageNormalizer() if output == "float" else None, threads=threads)
-    finish = normalize if output == "after" else (lambda x: x)
-    return loader_rate(dataset, collate, lambda b: finish(b[0]), s.batch_size, workers, s.batches, seed,
+    finish, then = normalize if output == "after" else (lambda x: x), mix or (lambda x, y: x)
+    return loader_rate(dataset, collate, lambda b: then(finish(b[0]), b[1]), s.batch_size, workers, s.batches, seed,
                        decode_ahead=ahead)
 
 
@@ -113,10 +118,7 @@ def augmented(s: Setting, seed: int) -> float:
     from cltrain.data.augment_ops import MixupCutmix, RandomErasing
 
     erase, mix = RandomErasing(0.25), MixupCutmix(len(find_classes(s.split)), mixup_alpha=0.8, cutmix_alpha=1.0)
-    dataset = ImageFolderDataset(s.split, train_transform(s.size, augment="trivialaugment"), threads=s.threads,
-                                 index_cache=False)
-    return loader_rate(dataset, NHWCCollate(threads=s.threads), lambda b: mix(erase(normalize(b[0])), b[1])[0],
-                       s.batch_size, 0, s.batches, seed, decode_ahead=True)
+    return cltrain(s, seed, "after", mix=lambda x, y: mix(erase(x), y)[0], augment="trivialaugment")
 
 
 def plain(s: Setting, seed: int, library: str) -> float:
@@ -244,8 +246,6 @@ def hf_table(sets: dict[str, Path], args: argparse.Namespace) -> dict[tuple[str,
     plan."""
     import datasets
 
-    from cltrain.data.hf_dataset import HFImageDataset
-
     split = next(iter(sets.values()))
     saved = save_as_hf(split, split.parent.parent / f"{split.parent.name}-hf")
     rows_of = datasets.load_from_disk(str(saved))["train"]
@@ -253,18 +253,14 @@ def hf_table(sets: dict[str, Path], args: argparse.Namespace) -> dict[tuple[str,
     print(f"\n{split} as a datasets dataset in {saved}; cltrain's plan here: {plan[0]} workers x {plan[1]} threads")
     configs = {f"{args.workers} workers (all)": (args.workers, 1),
                f"cltrain's plan ({plan[0]} workers x {plan[1]} threads)": plan}
-    cases = {}
-    for config, (workers, threads) in configs.items():
-        collate = NHWCCollate(normalize=ImageNormalizer(), threads=threads)
-        rows = {"(a) HF docs": hf_documented(rows_of, 224)} if workers == args.workers else {}
-        rows["(b) cltrain hf"] = (HFImageDataset(rows_of, train_transform(224), threads=threads), collate,
-                                  lambda b: b[0])
-        rows["(c) cltrain dir"] = (ImageFolderDataset(split, train_transform(224), threads=threads), collate,
-                                   lambda b: b[0])
-        cases.update({(config, name): (lambda r, row=row, workers=workers: loader_rate(
-            *row, args.batch_size, workers, args.batches, seed=r, decode_ahead=True)) for name, row in rows.items()})
-    med = {k: spread(v).median for k, v in interleaved(cases, args.repeats, with_round=True).items()}
     first = next(iter(configs))
+    cases = {(first, "(a) HF docs"): lambda r: loader_rate(*hf_documented(rows_of, 224), args.batch_size,
+                                                            args.workers, args.batches, seed=r, decode_ahead=True)}
+    for config, (workers, threads) in configs.items():
+        s = Setting(split, threads, args.batch_size, args.batches)
+        cases[(config, "(b) cltrain hf")] = lambda r, s=s, w=workers: cltrain(s, r, workers=w, rows=rows_of)
+        cases[(config, "(c) cltrain dir")] = lambda r, s=s, w=workers: cltrain(s, r, workers=w)
+    med = {k: spread(v).median for k, v in interleaved(cases, args.repeats, with_round=True).items()}
     hf_docs = med[(first, "(a) HF docs")]
     print("\n" + table(["configuration", "loader", "img/s", "vs (a)", "vs (c)"],
                        [[config, name, f"{v:.0f}", f"{v / hf_docs:.2f}", f"{v / med[(config, '(c) cltrain dir')]:.2f}"]

@@ -1,34 +1,43 @@
 """Training from object storage: images/s into normalised NHWC batches from a local S3 endpoint (moto) against the
-local disk, WebDataset, LitData and Mosaic Streaming (the cases: docs/benchmarks.md#object-storage).
+local disk, WebDataset, LitData and Mosaic Streaming; and shards against the same images as files (the cases:
+docs/benchmarks.md#object-storage).
 
     python -m scripts.bench.object_storage                    # 2,400 photographs in 24 shards, 3 rounds
     python -m scripts.bench.object_storage --workers 1        # one worker per loader (decode threads: the loading plan)
     python -m scripts.bench.object_storage --workers auto     # each loader's default: ours the loading plan, peers a worker per core
     python -m scripts.bench.object_storage --clients          # fsspec (s3fs) against obstore: whole shards, ranges
     python -m scripts.bench.object_storage --cases local s3-cold litdata mosaic   # ours against LitData's and Mosaic's
+    python -m scripts.bench.object_storage --cases files local --paired 60        # shards against files
+    python -m scripts.bench.object_storage --cases files local --paired 60 --root /data/imagenet-subset --pack /data/pack
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from cltrain.data import ImageFolderDataModule, ShardsDataModule
 from cltrain.data.loader_threads import usable_cores
 from scripts.bench.loaders import torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
 from scripts.harness import cpu_seconds, interleaved, machine_line, options, spread, table, timed
 
-KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False, shuffle_window=4)
+KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False)
+#: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
+FILES_ONLY = {"check_val": "off"}
 PEER_WORKERS = [2]  # WebDataset's, LitData's and Mosaic's DataLoader workers: ours, or a worker per core for ours "auto"
 
 
@@ -77,24 +86,52 @@ def _rate(loader) -> tuple[float, list[float]]:
     return sum(seen) / seconds, used + [0.0] * (3 - len(used))
 
 
-def _ours(root: str, **options) -> tuple[float, list[float]]:
-    from cltrain.data import ShardsDataModule
-
-    dm = ShardsDataModule(root, **KW, **options)
+def _ours(root: str | Path, files: bool = False, **options) -> tuple[float, list[float]]:
+    """A pass of cltrain's training loader: ``ShardsDataModule`` on a pack, or with ``files`` ``ImageFolderDataModule``
+    on its folder."""
+    dm = ImageFolderDataModule(root, **KW, **FILES_ONLY) if files else ShardsDataModule(root, **KW, shuffle_window=4,
+                                                                                         **options)
     dm.setup("fit")
     return _rate(dm.train_dataloader())
 
 
-def _webdataset(urls: list[str]) -> tuple[float, list[float]]:
-    import webdataset as wds
+def paired_ratio(root: Path, pack: Path, batches: int) -> tuple[float, float, float]:
+    """Median, lower and upper quartile of per-batch (files seconds / shards seconds): in this process at one thread,
+    the same samples of each batch with the same crops read, decoded and collated from the folder and from its pack,
+    alternately, the batches checked equal (the loaders' workers and a shared machine's noise aside)."""
+    settings = {**KW, "num_workers": 0}
+    files, shards = ImageFolderDataModule(root, **settings, **FILES_ONLY), ShardsDataModule(pack, **settings)
+    files.setup("fit")
+    shards.setup("fit")
+    fs, hs = files.train_set, shards.train_set
+    by_bytes = {hashlib.sha1(Path(path).read_bytes()).digest(): k for k, (path, _) in enumerate(fs.samples)}
+    same = [by_bytes.get(hashlib.sha1(hs.read(i)).digest()) for i in range(len(hs))]  # shard sample -> its file
+    differs = f"the pack {pack} does not hold the folder's images ({root}"
+    if None in same:
+        raise SystemExit(f"object_storage: {differs}: sample {same.index(None)} of its train split is not there); "
+                         "pack the folder again to another --pack.")
+    rng, pending = np.random.default_rng(0), {}
+    chosen = [rng.choice(len(hs), KW["batch_size"], replace=False).tolist() for _ in range(batches)]
 
-    # its README's S3 recipe is `pipe:aws s3 cp <url> -` (a program per shard); the AWS CLI is not installed here,
-    # so the same pipe runs Python with s3fs, which reads the same standard variables
-    cat = f"{sys.executable} -c 'import sys, fsspec; sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'"
-    tf = torchvision_train(224)
-    ds = (wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).shuffle(1000)
-          .decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int).batched(64))
-    return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
+    def read(kind: str, b: int) -> float:
+        torch.manual_seed(b)  # the same crops from both
+        out = {}
+        seconds = timed(lambda: out.setdefault("batch", hs.collate(fs.__getitems__([same[i] for i in chosen[b]]))
+                                               if kind == "files" else hs[chosen[b]]))
+        pending.setdefault(b, {})[kind] = out["batch"][0]
+        if len(pending[b]) == 2 and not torch.equal(*pending.pop(b).values()):
+            raise SystemExit(f"object_storage: {differs}: a batch differs); pack the folder again to another --pack.")
+        return seconds
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # a pair per batch, which goes first alternating
+        took = interleaved({kind: (lambda b, kind=kind: read(kind, b)) for kind in ("files", "shards")}, batches,
+                           with_round=True)
+    finally:
+        torch.set_num_threads(threads)
+    q1, median, q3 = statistics.quantiles([f / h for f, h in zip(took["files"], took["shards"])], n=4)
+    return median, q1, q3
 
 
 def _fsspec_streams(shards):
@@ -104,14 +141,21 @@ def _fsspec_streams(shards):
         yield {**shard, "stream": fsspec.open(shard["url"]).open()}
 
 
-def _webdataset_fsspec(urls: list[str]) -> tuple[float, list[float]]:
-    """The same pipeline with each tar opened in the worker through fsspec: no program started per shard."""
+def _webdataset(urls: list[str], fsspec: bool = False) -> tuple[float, list[float]]:
+    """Its README's pipeline, ``WebDataset(urls).shuffle().decode("pil").to_tuple("jpg", "cls")`` + torchvision,
+    batched in ``WebLoader``, each tar through ``pipe:``; ``fsspec``: each tar opened in the worker through fsspec
+    (no program started per shard)."""
     import webdataset as wds
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
-    ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
-                          tar_file_expander, group_by_keys, wds.shuffle(1000), wds.decode("pil"),
-                          wds.to_tuple("jpg", "cls"), wds.map_tuple(torchvision_train(224), int), wds.batched(64))
+    tail = (wds.shuffle(1000), wds.decode("pil"), wds.to_tuple("jpg", "cls"), wds.map_tuple(torchvision_train(224), int),
+            wds.batched(KW["batch_size"]))
+    if fsspec:
+        ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
+                              tar_file_expander, group_by_keys, *tail)
+    else:  # its S3 recipe is `pipe:aws s3 cp <url> -`; no AWS CLI here: the pipe runs Python with s3fs (same variables)
+        cat = f"{sys.executable} -c 'import sys, fsspec; sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'"
+        ds = wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).compose(*tail)
     return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
 
 
@@ -173,7 +217,7 @@ def _litdata(url: str, cache: Path) -> tuple[float, list[float]]:
     downloader._OBSTORE_AVAILABLE = False  # its boto3 path: obstore's client refuses http (see _litdata_write)
     shutil.rmtree(cache, ignore_errors=True)
     ds = _LitImages(url, shuffle=True, cache_dir=str(cache))
-    return _rate(StreamingDataLoader(ds, batch_size=64, num_workers=PEER_WORKERS[0]))
+    return _rate(StreamingDataLoader(ds, batch_size=KW["batch_size"], num_workers=PEER_WORKERS[0]))
 
 
 def _mosaic_write(root: Path, out: Path) -> str:
@@ -205,11 +249,11 @@ def _mosaic(url: str, cache: Path) -> tuple[float, list[float]]:
     from torch.utils.data import DataLoader
 
     shutil.rmtree(cache, ignore_errors=True)
-    ds = StreamingImageNet(remote=url, local=str(cache), split="train", shuffle=True, batch_size=64,
+    ds = StreamingImageNet(remote=url, local=str(cache), split="train", shuffle=True, batch_size=KW["batch_size"],
                            transform=torchvision_train(224))
     locks = [os.path.join(ds._filelock_root, _get_path(ds._shm_prefix_int, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK)]
     try:
-        return _rate(DataLoader(ds, batch_size=64, num_workers=PEER_WORKERS[0]))
+        return _rate(DataLoader(ds, batch_size=KW["batch_size"], num_workers=PEER_WORKERS[0]))
     finally:
         del ds
         gc.collect()
@@ -248,11 +292,15 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = options(__doc__, train=(2400, "photographs in the training split"), shard_size=100, rounds=3,
-                cases=["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata", "mosaic"],
+    p = options(__doc__, train=(2400, "photographs in the training split"), shard_size=100, rounds=3, batch_size=64,
+                cases=(["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata", "mosaic"],
+                       "the table's rows (also: files, the pack's images as files)"),
+                paired=(0, "first, this many batches of the paired measurement of shards against files"),
                 clients=(False, "only fsspec against obstore on the pack's objects"),
                 work=(Path("bench_out/object_storage"),
-                      "where the photographs, their pack and LitData's and Mosaic's copies are made (once) and reused"))
+                      "where the photographs, their pack and LitData's and Mosaic's copies are made (once) and reused"),
+                root=(Path, "an ImageNet-layout folder instead of the photographs"),
+                pack=(Path, "its pack (made when missing; default ROOT-pack)"))
     p.add_argument("--workers", type=lambda v: v if v == "auto" else int(v), default=2,
                    help="DataLoader workers of every loader; auto: ours the loading plan, the others one per core")
     args = p.parse_args(argv)
@@ -260,46 +308,52 @@ def main(argv: list[str] | None = None) -> None:
         print("mosaic: skipped: mosaicml-streaming is not installed (pip install --no-deps mosaicml-streaming brotli "
               "python-snappy cramjam zstd catalogue)")
         args.cases = [c for c in args.cases if c != "mosaic"]
-    KW["num_workers"] = args.workers
+    KW.update(batch_size=args.batch_size, num_workers=args.workers)
     PEER_WORKERS[0] = usable_cores() if args.workers == "auto" else args.workers
     from cltrain.data.pack import pack
 
-    photos = make_photo_folder(args.work / f"photos-{args.train}", train=args.train, val=20)
-    local = args.work / f"pack-{args.train}-{args.shard_size}"
+    photos = args.root or make_photo_folder(args.work / f"photos-{args.train}", train=args.train, val=20)
+    local = args.pack or (Path(f"{args.root}-pack") if args.root else args.work / f"pack-{args.train}-{args.shard_size}")
     if not (local / "shards.json").is_file():
         pack(photos, local, shard_size=args.shard_size, progress=False)
-    server = _server()
+    if args.paired:
+        median, q1, q3 = paired_ratio(photos, local, args.paired)
+        print(f"paired, same images and crops, {args.paired} batches in one thread: shards/files {median:.3f}x "
+              f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
+    remote = args.clients or bool(set(args.cases) - {"files", "local"})
+    server = _server() if remote else None
     try:
-        url = _upload(local, "bench", "pack")
+        url = _upload(local, "bench", "pack") if remote else ""
         names = sorted(str(q.relative_to(local)) for q in (local / "train").glob("*.tar"))
         if args.clients:
-            import numpy as np
-
             index = np.load(local / names[0].replace(".tar", ".idx.npy"))
             _clients(url, names, [(int(o), int(s)) for o, s in index[:, :2]])
             print(machine_line())
             return
         cache = Path(tempfile.mkdtemp(prefix="cltrain-bench-cache-"))
         warm = cache / "warm"
-        _ours(url, cache_dir=str(warm))  # fills the warm cache once
+        if "s3-warm" in args.cases:
+            _ours(url, cache_dir=str(warm))  # fills the warm cache once
         lit = _litdata_write(photos, args.work / f"litdata-{args.train}") if "litdata" in args.cases else ""
         mds = _mosaic_write(photos, args.work / f"mosaic-{args.train}") if "mosaic" in args.cases else ""
         shm = set(os.listdir("/dev/shm"))
-        cases = {"local": lambda: _ours(str(local)),
+        cases = {"files": lambda: _ours(photos, files=True),
+                 "local": lambda: _ours(str(local)),
                  "s3-cold": lambda: (shutil.rmtree(cache / "cold", ignore_errors=True), _ours(url, cache_dir=str(cache / "cold")))[1],
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
                  "s3-ranges": lambda: _ours(url, fetch="ranges", cache_dir=str(cache / "r")),
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
-                 "wds-fsspec": lambda: _webdataset_fsspec([f"{url}/{n}" for n in names]),
+                 "wds-fsspec": lambda: _webdataset([f"{url}/{n}" for n in names], fsspec=True),
                  "litdata": lambda: _litdata(lit, cache / "litdata"),
                  "mosaic": lambda: _mosaic(mds, cache / "mosaic")}
-        _SERVER.append(server.pid)
+        _SERVER.extend([server.pid] if server else [])
         runs = interleaved({k: cases[k] for k in args.cases}, args.rounds)
         rates = {k: [rate for rate, _ in v] for k, v in runs.items()}
         med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
-        print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch 64, 224 px, "
-              f"{args.workers} workers (others {PEER_WORKERS[0]}), shuffle_window 4; {args.rounds} rounds, median images/s\n")
+        print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch {args.batch_size}, "
+              f"224 px, {args.workers} workers (others {PEER_WORKERS[0]}), shuffle_window 4; {args.rounds} rounds, "
+              "median images/s\n")
         print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers",
                      "S3 server"],
                     [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
@@ -307,10 +361,10 @@ def main(argv: list[str] | None = None) -> None:
                       *(f"{spread(cpu[j] for _, cpu in runs[k]).median:.2f}" for j in range(3))]
                      for k, r in rates.items()],
                     align="lrrlrrr"))
-        for peer in ("webdataset", "wds-fsspec", "litdata", "mosaic"):
-            if peer in med and "s3-cold" in med:
-                print(f"s3-cold / {peer}: {med['s3-cold'] / med[peer]:.2f}x")
-        held = sum(q.stat().st_size for q in warm.rglob("*") if q.is_file())
+        for ours, other in [("local", "files")] + [("s3-cold", p) for p in ("webdataset", "wds-fsspec", "litdata", "mosaic")]:
+            if ours in med and other in med:
+                print(f"{ours} / {other}: {med[ours] / med[other]:.2f}x")
+        held = sum(q.stat().st_size for q in warm.rglob("*") if q.is_file()) if warm.is_dir() else 0
         print(f"the cache on disk: {held / 2**20:.1f} MiB (the pack: "
               f"{sum(q.stat().st_size for q in local.rglob('*') if q.is_file()) / 2**20:.1f} MiB); peak RSS: this process "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB, largest worker "
@@ -320,8 +374,9 @@ def main(argv: list[str] | None = None) -> None:
         print(machine_line())
         shutil.rmtree(cache, ignore_errors=True)
     finally:
-        server.terminate()
-        server.wait()
+        if server is not None:
+            server.terminate()
+            server.wait()
 
 
 if __name__ == "__main__":
