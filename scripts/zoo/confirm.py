@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from cltrain import ChannelsLast
 from scripts.zoo.models import Spec
 from scripts.zoo.training import fit
 
@@ -102,8 +103,6 @@ def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: st
             precision: str = "32-true") -> dict[str, Any]:
     """The nchw, nudged and channels_last runs of ``net0`` (copies) and their gaps into ``result``, ``phase(name)``
     called before each; a float64 run where channels_last diverges (docs/zoo_check.md)."""
-    from cltrain import ChannelsLast
-
     result = {} if result is None else result
     result["steps"] = steps
     updates: dict[str, dict[str, torch.Tensor]] = {}
@@ -157,8 +156,6 @@ def check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: arg
                 result: dict[str, Any], phase: Callable[[str], None]) -> None:
     """``--check-only``: ``ChannelsLast()``'s check with ``args.optimizer`` on ``batches[:2]``, and where it fell back
     (or the spec is in ``--confirm-passes``) the three runs of :func:`confirm` on ``batches``."""
-    from cltrain import ChannelsLast
-
     phase("channels_last")
     callback = ChannelsLast()
     module = fit(copy.deepcopy(net0), spec, batches[:2], callback, max_steps=2, precision=args.check_precision,

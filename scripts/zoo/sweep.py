@@ -65,8 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         __doc__, models=("", "comma-separated keys (timm:resnet50) or names (resnet50); default all"),
         families=(False, "one classifier per family (scripts/zoo/models.py FAMILY_SUBSET) and every segmentation, "
                          "detection and video model, beside the models of --models"),
-        fast=(False, f"the quick subset: {', '.join(FAST)} (--quick, --no-speed)"),
-        quick=(False, "speed timed on the parity batch, 1 round, no compile"), list=(False, "print the zoo and exit"),
+        fast=({"quick": True, "no_speed": True}, f"the quick subset: {', '.join(FAST)} (--quick, --no-speed)"),
+        quick=({"rounds": 1, "min_window": 0.0, "no_compile": True},
+               "speed timed on the parity batch, 1 round, no compile"),
+        list=(False, "print the zoo and exit"),
         out=(Path("docs/zoo"), "output stem: <out>.md, .json, .csv"),
         log_dir=(Path("bench_out/zoo/logs"), "one log per model"),
         resume=(False, "keep the rows already in <out>.json and run the others"),
@@ -95,10 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.confirm_steps < 1:
         p.error(f"--confirm-steps {args.confirm_steps}: at least 1")
     if args.fast:
-        args.quick, args.no_speed = True, True
         args.models = args.models or ",".join(FAST)
-    if args.quick:
-        args.rounds, args.min_window, args.no_compile = 1, 0.0, True
     return args
 
 

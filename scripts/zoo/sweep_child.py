@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import warnings
 from typing import Any
 
 import torch
 
+from cltrain import ChannelsLast
+from cltrain.layout import to_channels_last
+from cltrain.loops import convert_batch, convert_model
 from cltrain.platform import cpu_bf16_support
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.rounds import time_steps
@@ -41,8 +45,6 @@ def _time_training(nets: dict[str, torch.nn.Module], spec: Spec, batch: Any, dty
     """Median training steps/s of each layout's net on its own copy of ``batch`` (in ``dtype``; the channels_last
     one converted), interleaved rounds filling ``--min-window``; ``warmup`` untimed steps first (oneDNN primitives,
     allocator pools)."""
-    from cltrain.loops import convert_batch
-
     cast = batch_to(batch, dtype) if dtype is not None else batch
     batches = {"contiguous": clone_batch(cast), "channels_last": convert_batch(clone_batch(cast))}
     steps = {key: training_step(net, lambda net=net, batch=batches[key]: training_loss(net, batch, spec),
@@ -56,8 +58,6 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
                    exact: dict[str, tuple[dict, float]], dtypes: list[tuple[str, torch.dtype | None]],
                    args: argparse.Namespace, result: dict) -> None:
     """Parity and speed of ``torch.compile``-d copies, NCHW and converted by ``cltrain.loops.convert_model``."""
-    from cltrain.loops import convert_batch, convert_model
-
     nets, grads, losses = {}, {}, {}
     for layout in ("contiguous", "channels_last"):
         net = quiet_random_layers(copy.deepcopy(net0).train())
@@ -79,10 +79,6 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
 def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     """Measure one model; its row is emitted after every phase (``scripts.harness.emit``), so a crash leaves what
     was done and the phase it died in. Returns the row."""
-    import warnings
-
-    from cltrain import ChannelsLast
-
     warnings.filterwarnings("ignore")
     result: dict[str, Any] = {"key": spec.key, "family": spec.family, "size": spec.size, "note": spec.note}
     clock = Stopwatch().start()
@@ -149,9 +145,6 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
 def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> dict[str, tuple[dict, float]]:
     """Step-0 gradients and loss of ``net0``: ``native``/``native_cl`` (fp32 without oneDNN) and ``float64``/
     ``float64_cl`` (none where float64 fails; why goes in ``result``)."""
-    from cltrain.layout import to_channels_last
-    from cltrain.loops import convert_batch
-
     refs = {}
     for key in ("native", "native_cl", "float64", "float64_cl"):
         exact = key.startswith("float64")

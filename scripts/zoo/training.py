@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader
 
+from scripts.fits import quiet_trainer
 from scripts.zoo.models import Spec, clone_batch, logits_of, quiet_random_layers, training_loss
 
 #: The optimizers the check is swept with, by name: SGD with momentum, Adam and AdamW.
@@ -61,10 +63,6 @@ def fit(net: torch.nn.Module, spec: Spec, batches: list[Any], callback: Any, max
         precision: str = "32-true", optimizer: str = "sgd", seed: int = 0) -> ZooModule:
     """``net`` trained for ``max_steps`` on ``batches`` (copies, in order) by a Trainer with ``callback``; the
     global RNG seeded with ``seed`` first (a detector's samplers draw from it)."""
-    from torch.utils.data import DataLoader
-
-    from scripts.fits import quiet_trainer
-
     module = ZooModule(net, spec, optimizer).train()  # Lightning keeps each submodule's mode: quiet them here
     trainer = quiet_trainer(accelerator="cpu", max_steps=max_steps, precision=precision,
                             callbacks=[callback] if callback else [])
