@@ -21,6 +21,8 @@ from scripts.harness import (CASE, Stopwatch, command_line, emit, interleaved, m
 MODELS = ("resnet50", "mobilenet_v3_large", "ghostnet_100", "efficientnet_b0", "convnext_tiny", "densenet121",
           "resnet18", "regnet_y_1_6gf", "shufflenet_v2_x1_0", "googlenet", "squeezenet1_1", "vit_b_16")
 TINY_MODELS = ("resnet18", "mobilenet_v3_small")
+#: What --precisions takes: Lightning's precision flags the fits run, and "auto" (amp=auto's pick here).
+PRECISIONS = ("auto", "bf16-mixed", "16-mixed", "32-true", "bf16-true", "16-true")
 VARIANTS = ("nchw", "channels_last", "default")
 
 
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      tiny=(dict(batch=2, sizes=[32], precisions=["32-true"], fit_steps=14, steps=2, rounds=1),
                            "two small models, batch 2 at 32 px, fp32, 14-step fits"),
                      out=Path("bench_out/default_speed"), case=CASE, models=(lambda s: s.split(","), "comma-separated"),
-                     precisions=([], "Lightning precision flags; 'auto' is amp=auto's pick (default: auto 32-true)"),
+                     precisions=([], "Lightning precision flags, space- or comma-separated; 'auto' is amp=auto's pick "
+                                     "(default: auto 32-true)"),
                      batch=(int, "default: 256 on CUDA, 8 on a CPU"), optimizer=(("sgd", "adamw"), None),
                      budget=(float, "seconds; no model starts past them"))
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128])
@@ -198,7 +201,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from cltrain.precision import auto_precision
 
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
-    args.precisions = [auto.flag if p == "auto" else p for p in (args.precisions or ["auto", "32-true"])]
+    given = [p for item in args.precisions or ["auto", "32-true"] for p in item.split(",") if p]
+    if bad := [p for p in given if p not in PRECISIONS]:
+        parser.error(f"--precisions {bad[0]!r}: not a precision; expected some of {', '.join(PRECISIONS)} "
+                     "(space- or comma-separated)")
+    args.precisions = [auto.flag if p == "auto" else p for p in given]
     command = command_line("scripts.bench.default_speed", argv)
     header = (f"`{command}`: batch {args.batch}, {args.optimizer}, fits of {args.fit_steps} steps timed whole and in "
               f"their last {args.steps} steps, {args.rounds} round(s) (medians); amp=auto: {auto.flag} ({auto.reason})."

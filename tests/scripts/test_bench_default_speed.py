@@ -35,3 +35,14 @@ def test_tiny_fits_the_three_variants_of_each_model_and_writes_the_table(tmp_pat
     assert "| model | precision | px | step NCHW (ms) | step CL (ms) | step default (ms) | default / faster step |" in table
     assert "| interleaved CL / NCHW step | kept / faster, interleaved |" in table
     assert "| resnet18 | 32-true | 32 | " in table and "; flags " in table and table in proc.stdout
+
+
+def test_a_precision_that_is_not_one_is_refused_in_one_line_before_any_fit(capsys):
+    from scripts.bench import default_speed
+
+    with pytest.raises(SystemExit) as exit_:
+        default_speed.main(["--models", "resnet18", "--precisions", "bf16-mixed,fp8", "--out", "/nonexistent/x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert err[-1].endswith("--precisions 'fp8': not a precision; expected some of auto, bf16-mixed, 16-mixed, "
+                            "32-true, bf16-true, 16-true (space- or comma-separated)"), err
