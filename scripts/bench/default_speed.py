@@ -206,6 +206,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error(f"--precisions {bad[0]!r}: not a precision; expected some of {', '.join(PRECISIONS)} "
                      "(space- or comma-separated)")
     args.precisions = [auto.flag if p == "auto" else p for p in given]
+    from scripts.bench.models import unknown_model
+
+    if why := unknown_model(args.models):
+        parser.error(why)
     command = command_line("scripts.bench.default_speed", argv)
     header = (f"`{command}`: batch {args.batch}, {args.optimizer}, fits of {args.fit_steps} steps timed whole and in "
               f"their last {args.steps} steps, {args.rounds} round(s) (medians); amp=auto: {auto.flag} ({auto.reason})."

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from cltrain.model_names import build_untrained_model
+from cltrain.model_names import build_untrained_model, closest_model_names, model_source
 from cltrain.timing.layouts import choose_layout
 from scripts.harness import (LAYOUTS, layout_steps, machine_line, options, random_batches, table, time_steps,
                              write_report)
@@ -76,6 +76,10 @@ def kind_of(name: str) -> str:
     return "video" if name in VIDEO_MODELS else "audio" if name in AUDIO_MODELS else "image"
 
 
+#: What :func:`build_model` builds itself; every other name is torchvision's or timm's.
+OWN_MODELS = ("tinycnn", "m5", "vit_s_16", "unet_resnet18")
+
+
 def build_model(name: str, size: int = 224, classes: int = NUM_CLASSES) -> nn.Module:
     """The model ``name`` with random weights for ``size`` px inputs, the one builder of the benchmarks: ``tinycnn``,
     ``m5``, ``vit_s_16`` (a ViT-S/16 of torchvision's ``VisionTransformer``), ``unet_resnet18``
@@ -93,6 +97,15 @@ def build_model(name: str, size: int = 224, classes: int = NUM_CLASSES) -> nn.Mo
     extra = {"image_size": size} if name.startswith("vit_") else {}
     return build_untrained_model(name, classes, **({"aux_logits": False, "init_weights": True} if name == "googlenet"
                                                    else extra))
+
+
+def unknown_model(names: list[str]) -> str | None:
+    """The first of ``names`` that :func:`build_model` cannot build, with the closest names, as one line; ``None``."""
+    for name in names:
+        if name not in OWN_MODELS and model_source(name) is None:
+            close, _ = closest_model_names(name)
+            return f"--models {name!r}: no such model; closest: {', '.join(close) or 'none'}"
+    return None
 
 
 def input_shape(name: str, args: argparse.Namespace) -> tuple[tuple[int, ...], str]:
@@ -223,9 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.steps <= MAX_STEPS or args.min_window < 0 or args.warmup < 0:
         p.error(f"--steps {args.steps}, --min-window {args.min_window}, --warmup {args.warmup}: need 1 <= steps <= "
                 f"{MAX_STEPS}, min-window >= 0, warmup >= 0")
-    known = set(ALL_MODELS) | {"tinycnn"} | set(torchvision.models.list_models(torchvision.models))
-    if unknown := [m for m in args.models if m not in known]:
-        p.error(f"--models: unknown {unknown}")
+    if why := unknown_model(args.models):
+        p.error(why)
     if any(m.startswith("vit_") for m in args.models) and args.image_size % 16:
         p.error(f"--image-size {args.image_size}: vit models need a multiple of 16")
     return args

@@ -21,7 +21,7 @@ from torch import nn
 
 from cltrain.layout import to_channels_last
 from cltrain.precision import autocast_for
-from scripts.bench.models import build_model
+from scripts.bench.models import build_model, unknown_model
 from scripts.harness import machine_line, options, random_batches, table, time_steps, training_step
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                      batch_size=(int, "default: 256 on CUDA, 32 on CPU"),
                      dtype=(("bf16", "fp16", "fp32"), "autocast dtype"))
     args = parser.parse_args(argv)
+    if why := unknown_model(args.models):
+        parser.error(why)
     device = torch.device(args.device)
     args.batch_size = args.batch_size or (256 if device.type == "cuda" else 32)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]

@@ -46,3 +46,16 @@ def test_a_precision_that_is_not_one_is_refused_in_one_line_before_any_fit(capsy
     assert exit_.value.code == 2
     assert err[-1].endswith("--precisions 'fp8': not a precision; expected some of auto, bf16-mixed, 16-mixed, "
                             "32-true, bf16-true, 16-true (space- or comma-separated)"), err
+
+
+@pytest.mark.parametrize("script, argv", [("default_speed", ["--models", "resnet18,resnet5", "--out", "/nonexistent/x"]),
+                                          ("sharded_weights", ["--models", "resnet18", "resnet5"]),
+                                          ("models", ["--device", "cpu", "--models", "resnet18,resnet5"])])
+def test_a_model_name_that_is_not_one_is_refused_in_one_line_before_any_fit(capsys, script, argv):
+    from importlib import import_module
+
+    with pytest.raises(SystemExit) as exit_:
+        import_module(f"scripts.bench.{script}").main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert err[-1].split("error: ")[-1].startswith("--models 'resnet5': no such model; closest: resnet50"), err
