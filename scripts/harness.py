@@ -18,13 +18,15 @@ printed with ``emit``. A script hands its child the case whole (``run_case``: ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,22 +157,46 @@ class Child:
 def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | None = None, cwd: Path = REPO,
               env: dict[str, str] | None = None) -> Child:
     """Run ``cmd`` in a session of its own, standard output and error into ``log`` (a temporary file when
-    ``None``); past ``timeout`` seconds its process group is killed."""
+    ``None``); past ``timeout`` seconds, or when this process is stopped meanwhile (Ctrl-C, SIGTERM), its process
+    group is killed: a stopped benchmark leaves no child busy on the cores the next measurement needs."""
     watch = Stopwatch().start()
     with open(log, "w+") if log is not None else tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True)  # its own group: a timeout kills what it started too
+        code: int | None = None
         try:
-            code: int | None = proc.wait(timeout=timeout)
+            with _sigterm_raises():
+                code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            code = None
+            pass
+        finally:
+            if code is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
         out.seek(0)
         return Child(code, out.read(), watch.elapsed(), timeout)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM as ``SystemExit(143)`` while waiting for a child, so ``finally`` runs (Python's default ends the
+    process on the spot); a handler the caller set, or a thread other than the main one, is left alone."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_case(module: str, case: dict[str, Any], *, timeout: float | None = None) -> Child:

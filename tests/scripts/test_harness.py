@@ -5,8 +5,12 @@ Markdown table of its own, no private imports between scripts, every benchmark's
 from __future__ import annotations
 
 import ast
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +112,41 @@ def test_a_child_that_crashes_hangs_or_raises_is_a_status(tmp_path: Path) -> Non
         "ok": None, "crash": f"crashed (SIGABRT): {runs['crash'].last_error()}", "hang": "timeout after 1 s",
         "raise": "exited 1: ZeroDivisionError: division by zero"}
     assert (tmp_path / "raise.log").read_text() == runs["raise"].output and runs["hang"].seconds < 30
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (one whose parent is gone may wait here for a reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stopped_benchmark_leaves_no_child_running(tmp_path: Path, signum: int) -> None:
+    pids = tmp_path / "pids"
+    # the child starts a process of its own (as a DataLoader worker would), then both sleep
+    child = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-S', '-c', "
+             "'import time; time.sleep(120)']); open(sys.argv[1], 'w').write(f'{os.getpid()} {p.pid}'); "
+             "time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from scripts.harness import run_child; "
+                               f"run_child([sys.executable, '-S', '-c', {child!r}, {str(pids)!r}], timeout=120)"],
+                              cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and len(pids.read_text().split()) == 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = [int(p) for p in pids.read_text().split()]
+    assert all(map(_running, started))
+    parent.send_signal(signum)
+    assert parent.wait(timeout=30) != 0
+    deadline = time.monotonic() + 10
+    while any(map(_running, started)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in started if _running(p)]
+    for p in left:  # the control's cleanup: the test fails either way
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"still running after the parent stopped: {left}"
 
 
 def test_emit_prints_the_line_a_parent_reads(capsys: pytest.CaptureFixture[str]) -> None:
