@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from cltrain.model_names import build_untrained_model, closest_model_names, model_source
+from cltrain.model_names import UnknownModelError, build_untrained_model, closest_model_names, model_source
 from cltrain.timing.layouts import choose_layout
 from scripts.harness import (LAYOUTS, layout_steps, machine_line, options, random_batches, table, time_steps,
                              write_report)
@@ -103,8 +103,7 @@ def unknown_model(names: list[str]) -> str | None:
     """The first of ``names`` that :func:`build_model` cannot build, with the closest names, as one line; ``None``."""
     for name in names:
         if name not in OWN_MODELS and model_source(name) is None:
-            close, _ = closest_model_names(name)
-            return f"--models {name!r}: no such model; closest: {', '.join(close) or 'none'}"
+            return f"--models {UnknownModelError(name, 'auto', *closest_model_names(name))}"  # the app's own line
     return None
 
 

@@ -58,4 +58,5 @@ def test_a_model_name_that_is_not_one_is_refused_in_one_line_before_any_fit(caps
         import_module(f"scripts.bench.{script}").main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2
-    assert err[-1].split("error: ")[-1].startswith("--models 'resnet5': no such model; closest: resnet50"), err
+    assert err[-1].split("error: ")[-1].startswith("--models 'resnet5' is not in torchvision.models.list_models() or "
+                                                   "timm.list_models(); closest: resnet50"), err
