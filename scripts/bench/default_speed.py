@@ -74,6 +74,9 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     from cltrain.precision import autocast_dtype, autocast_for
 
     dtype = autocast_dtype(precision)
+    module.to(batch.device)  # Lightning's teardown left the model and its optimizer's state on the CPU
+    for state in optimizer.state.values():  # (a scalar "step" stays where the optimizer keeps it)
+        state.update({k: v.to(batch.device) for k, v in state.items() if torch.is_tensor(v) and v.dim()})
 
     def step(fmt: torch.memory_format) -> None:
         with autocast_for(batch.device, dtype):

@@ -13,7 +13,10 @@ from tests.helpers import warm
 
 
 @pytest.mark.slow  # a process of its own, three real fits
-def test_tiny_fits_the_three_variants_of_each_model_and_writes_the_table(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_tiny_fits_the_three_variants_of_each_model_and_writes_the_table(tmp_path, device):
+    """On CUDA too: Lightning's teardown leaves the model on the CPU, and the interleaved steps after the fit must
+    bring it back to the batch's device."""
     proc = warm.run([sys.executable, "-m", "scripts.bench.default_speed", "--tiny", "--models", "resnet18",
                      "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600, nested=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -21,6 +24,7 @@ def test_tiny_fits_the_three_variants_of_each_model_and_writes_the_table(tmp_pat
     assert [(r["model"], r["precision"], r["size"]) for r in records] == [("resnet18", "32-true", 32)]
     for r in records:
         assert "error" not in r, r
+        assert r["device"].startswith(device)
         assert [(f["variant"], f["round"]) for f in r["fits"]] == [("nchw", 0), ("channels_last", 0), ("default", 0)]
         faster = min(r["nchw_step_s"], r["channels_last_step_s"])
         assert r["step_ratio"] == pytest.approx(r["default_step_s"] / faster) and r["verdict"] == "passed"
