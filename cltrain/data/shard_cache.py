@@ -339,11 +339,27 @@ class ShardCache:
                 fd = _lock_files[str(self.folder)] = os.open(self.folder / _LOCKS, os.O_RDWR | os.O_CREAT, 0o666)
         offset = zlib.crc32(name.encode()) + 1 if name else 0
         with lock:
-            fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+            _lock_range(fd, offset)
             try:
                 yield
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
+
+
+def _lock_range(fd: int, offset: int) -> None:
+    """Wait for the byte at ``offset``. Record locks belong to a process, so where threads of two processes wait on
+    each other's bytes the kernel sees a cycle and answers EDEADLK, though none is possible here (a thread takes a
+    file's byte, then the accounting's, never the reverse, and lets both go): ask again after a pause."""
+    pause = 0.001
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, offset)
+            return
+        except OSError as err:
+            if err.errno != errno.EDEADLK:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def _thread_lock(key: tuple[str, str]) -> threading.Lock:
