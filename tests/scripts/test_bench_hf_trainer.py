@@ -9,8 +9,9 @@ pytest.importorskip("transformers")
 from scripts.bench import hf_trainer as bench  # noqa: E402
 
 
-def test_tiny_run_times_both_layouts_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = bench.main(["--tiny", "--models", "resnet", "--precision", "fp32"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_tiny_run_times_both_layouts_and_prints_the_table(capsys: pytest.CaptureFixture[str], device: str) -> None:
+    rows = bench.main(["--tiny", "--models", "resnet", "--precision", "fp32", "--device", device])
     assert [row["model"] for row in rows] == ["resnet"]
     rate = rows[0]["rate"]
     assert rate["contiguous"] > 0 and rate["channels_last"] > 0
@@ -18,6 +19,7 @@ def test_tiny_run_times_both_layouts_and_prints_the_table(capsys: pytest.Capture
     assert all(len(r) == 1 for r in rows[0]["rounds"].values())
     out = capsys.readouterr().out
     assert out.startswith("Machine: CPU") and "| resnet |" in out and "channels_last / NCHW" in out
+    assert f"\n{device}, fp32, batch " in out or f" {device}, fp32, batch " in out, out
 
 
 def test_unknown_models_are_refused() -> None:

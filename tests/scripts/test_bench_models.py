@@ -23,17 +23,19 @@ def _check_rows(rows: list[dict]) -> None:
         assert r["measured_winner"] == winner
 
 
-def test_quick_run_writes_checked_csv_and_markdown(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_quick_run_writes_checked_csv_and_markdown(tmp_path, device):
     out = tmp_path / "bench"
+    amp = "fp16" if device == "cuda" else "bf16"
     proc = warm.run(
-        [sys.executable, "-m", "scripts.bench.models", "--quick", "--device", "cpu", "--models", "tinycnn", "--out", str(out)],
+        [sys.executable, "-m", "scripts.bench.models", "--quick", "--device", device, "--models", "tinycnn", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
     )
     assert "Machine: CPU" in proc.stdout and "torch " in proc.stdout
 
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["model"], r["kind"], r["dtype"]) for r in rows] == [("tinycnn", "image", "fp32"), ("tinycnn", "image", "bf16")]
+    assert [(r["model"], r["kind"], r["dtype"]) for r in rows] == [("tinycnn", "image", "fp32"), ("tinycnn", "image", amp)]
     _check_rows(rows)
     for r in rows:
         assert r["batch_size"] == "2" and r["input_shape"] == "2x3x64x64" and r["steps"] == "1"

@@ -15,9 +15,10 @@ VARIANTS = ["contiguous", "channels_last", "cl_activations", "fsdp2 contiguous",
 
 
 @pytest.mark.slow
-def test_quick_prints_every_variant_and_cl_activations_runs_nhwc():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_quick_prints_every_variant_and_cl_activations_runs_nhwc(device):
     # fp32: what is checked is each variant's layout, and bf16 is emulated (slow) on CPUs without native bf16
-    proc = warm.run([sys.executable, "-m", "scripts.bench.sharded_weights", "--quick", "--fsdp", "--dtype", "fp32"],
+    proc = warm.run([sys.executable, "-m", "scripts.bench.sharded_weights", "--quick", "--fsdp", "--dtype", "fp32", "--device", device],
                     cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = proc.stdout.rstrip().split("\n\n")[-1].splitlines()  # the whole run's table, printed last
