@@ -6,6 +6,7 @@ wheels it needs offline: docs/benchmarks.md#gpu-check).
     python -m scripts.gpu_check --tiny --out /tmp/gpu-check  # any CPU, about a minute: checks the script works
     timeout 560 python -m scripts.gpu_check --mark --budget 520 --wheels .whl --out $OUT   # (device timeout_s 570)
     python -m scripts.gpu_check --tiny --mark --parts e2e --out /tmp/mark   # any CPU: every task at CI sizes
+    python -m scripts.gpu_check --parts default --wheels .whl --out $OUT   # the default's race and check, 224 px
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from cltrain.data.demo import draw_demo_folder, write_once
 from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line, table, write_report
+from scripts.bench.default_speed import race_kept
 from scripts.bench.mark import CONFIGS, MATRIX, loader_splits, tasks
 from scripts.bench.mark_table import SHORT, num
 from scripts.harness import REPO, options, run_child
@@ -48,7 +50,10 @@ TINY = {"classes": 2, "per_class": 6, "size": (64, 48), "warmup": 2, "steps": 1,
         "batch": 4,
         "mark": {"synthetic": {"model": "resnet18", "batch": 4, "size": 32, "warmup": 1, "steps": 1, "rounds": 2},
                  "search": {"start": 4, "cap": 8, "granularity": 4}, "loader": {"batches": 2, "rounds": 2}}}
-PARTS = ("tests", "newcomer", "e2e")
+PARTS = ("tests", "newcomer", "e2e", "default")
+#: Part (d): models whose layout the race decides at 224 px, the most contested first (docs/performance.md).
+DEFAULT_MODELS = ("resnet50", "mobilenet_v3_large", "efficientnet_b0", "densenet121", "convnext_tiny", "ghostnet_100")
+LAYOUT_DEFAULT = "layout default"
 TINY_NEWCOMER = ["experiment=smoke", "data.demo.num_classes=2", "data.demo.train_per_class=8",
                  "data.demo.val_per_class=1", "data.demo.image_size=[64,48]"]
 
@@ -104,6 +109,36 @@ def newcomer(folder: Path, limit: float, log: Path, tiny: bool, out: Path) -> di
                step_ms=num(m.get("step_time_s"), 1000), finite=f"{sum(map(math.isfinite, losses))}/{len(losses)} logged",
                notes=f"{m['device']}, {m['layout']}, {m['global_step']} steps, val top-1 {m.get('val_top1')}%; "
                      f"{m['precision_reason']}")
+
+
+def layout_default(limit: float, log: Path, out: Path, tiny: bool) -> list[dict[str, str]]:
+    """Part (d): ``ChannelsLast()`` at its defaults against both layouts pinned, a model per process
+    (``scripts.bench.default_speed``, batch 256 at 224 px in amp=auto's precision): a row per model."""
+    timeout = 30 if tiny else 120  # one model's process; none starts where it could not end within ``limit``
+    sizes = ["--tiny"] if tiny else ["--models", ",".join(DEFAULT_MODELS), "--sizes", "224", "--precisions", "auto",
+                                     "--fit-steps", "60", "--steps", "20"]
+    child = run_child([sys.executable, "-m", "scripts.bench.default_speed", *sizes, "--timeout", str(timeout),
+                       "--budget", f"{max(limit - timeout - 10, 1):.0f}", "--out", str(out / "default_speed")],
+                      timeout=limit, log=log)
+    found = out / "default_speed" / "default_speed.json"
+    records = json.loads(found.read_text()) if found.exists() else []
+    if not records:
+        return [row(LAYOUT_DEFAULT, "`scripts.bench.default_speed`",
+                    "timed out" if child.code is None else f"failed (exit {child.code})", notes=log.name)]
+    rows = []
+    for r in records:
+        shown = f"`{r['model']}` {r['size']} px"
+        if "error" in r:
+            rows.append(row(LAYOUT_DEFAULT, shown, r["error"][:160], precision=r["precision"], notes=log.name))
+            continue
+        step = r["default_step_s"]
+        batch = 2 if tiny else 256
+        rows.append(row(LAYOUT_DEFAULT, shown, "completed", precision=r["precision"], img_s=num(batch / step),
+                        step_ms=num(step, 1000), notes=(
+                            f"race: {race_kept(r)}; NCHW {1000 * r['nchw_step_s']:.1f} ms, CL "
+                            f"{1000 * r['channels_last_step_s']:.1f} ms; check {r['verdict']}, {r['check_s']:.2f} s "
+                            f"({r['check_s'] / step:.1f} steps); default_speed/default_speed.md")))
+    return rows
 
 
 def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, tiny: bool,
@@ -189,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mark-only", nargs="+", default=None, metavar="TASK",
                         help="with --mark: only these tasks, by kind (amp, loader, largest_batch, e2e) or by "
                              "configuration")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
-                        help="which parts run: (a) tests, (b) newcomer, (c) e2e (the matrix, or --mark)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS[:3]),
+                        help="which parts run: (a) tests, (b) newcomer, (c) e2e (the matrix, or --mark), (d) "
+                             "default (the layout race and check at 224 px; not run unless named)")
     parser.add_argument("--limits", type=float, nargs=3, default=None, metavar=("A", "B", "C"),
                         help="seconds for (a) the cuda tests, (b) the default train.py, (c) the matrix or the mark "
                              "(default 180 100 220; with --mark 150 90 and (c) what the budget leaves)")
@@ -205,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     size = TINY if args.tiny else FULL
     if args.mark and not args.tiny:
         size = {**size, "per_class": 1024}  # 40 batches of 256 an epoch, 5 of 2,048 at the largest batches tried
-    limits = args.limits or ([150, 90, math.inf] if args.mark else [180, 100, 220])
+    limits = [*(args.limits or ([150, 90, math.inf] if args.mark else [180, 100, 220])), 300]
     with tempfile.TemporaryDirectory(prefix="cltrain-gpu-check-") as tmp:
         work = args.work or Path(tmp)
         if args.wheels:
@@ -228,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
                 newcomer(stamp / "newcomer", limit, args.out / "default_train.log", args.tiny, args.out)]),
             "e2e": (E2E, lambda limit: e2e(stamp, root, limit, args.out / ("mark.log" if args.mark else "matrix.log"),
                                            size, args.out, args.tiny, header, args.mark_only)),
+            "default": (LAYOUT_DEFAULT, lambda limit: layout_default(limit, args.out / "default_speed.log", args.out,
+                                                                     args.tiny)),
         }
         rows: list[dict[str, str]] = []
         for (name, (label, run)), wanted in zip(parts.items(), limits):
             limit = min(wanted, budget - started.elapsed() - 15)
             if name not in args.parts:
-                rows.append(row(label, "", "skipped: --parts"))
+                if name != "default":  # (d) runs only where named
+                    rows.append(row(label, "", "skipped: --parts"))
             elif limit < 10:
                 rows.append(row(label, "", "not run: less than 10 s of --budget left"))
             else:

@@ -147,7 +147,8 @@ def summarise(name: str, precision: str, size: int, fits: list[dict[str, Any]], 
             "decisions": [f["decision"] for f in runs["default"]], "note": error or "", "fits": fits}
 
 
-def _decided(r: dict[str, Any]) -> str:
+def race_kept(r: dict[str, Any]) -> str:
+    """What the race kept, by how much, how it decided and what it cost (``*``: the fits did not all agree)."""
     picks = [d for d in r["decisions"] if d]
     if not picks:
         return "not decided"
@@ -173,7 +174,7 @@ def records_table(records: list[dict[str, Any]], header: str) -> str:
         cells.append([r["model"], r["precision"], str(r["size"]), *(f"{1000 * r[f'{v}_step_s']:.1f}" for v in VARIANTS),
                       f"{r['step_ratio']:.3f}", "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}",
                       _steady(r), "" if r.get("kept_interleaved_ratio") is None else f"{r['kept_interleaved_ratio']:.3f}",
-                      *(f"{r[f'{v}_fit_s']:.1f}" for v in VARIANTS), f"{r['fit_ratio']:.3f}", _decided(r)])
+                      *(f"{r[f'{v}_fit_s']:.1f}" for v in VARIANTS), f"{r['fit_ratio']:.3f}", race_kept(r)])
     return "\n".join([header, "", table(["model", "precision", "px", "step NCHW (ms)", "step CL (ms)",
                                           "step default (ms)", "default / faster step", "kept / faster step",
                                           "interleaved CL / NCHW step", "kept / faster, interleaved",

@@ -69,6 +69,24 @@ def test_tiny_gpu_check_writes_one_table_with_every_part(tmp_path: Path) -> None
 
 
 # --- --mark: the configurations toward the MLPerf per-GPU rate (scripts/bench/mark.py) -------------------------
+@pytest.mark.slow  # two models' three fits each, in processes of their own
+def test_the_default_part_races_each_model_and_says_what_it_kept_and_what_the_check_cost(tmp_path: Path) -> None:
+    result = warm.run([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--parts", "default", "--out",
+                       str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600, nested=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [dict(zip(COLUMNS, _cells(line))) for line in (tmp_path / "gpu_check.md").read_text().splitlines()[2:]]
+    assert [(r["part"], r["status"]) for r in rows[3:6]] == [
+        ("cuda tests", "skipped: --parts"), ("default train.py", "skipped: --parts"), ("main_amp e2e", "skipped: --parts")]
+    models = rows[6:]
+    assert [r["configuration"] for r in models] == ["`resnet18` 32 px", "`mobilenet_v3_small` 32 px"]
+    records = json.loads((tmp_path / "default_speed" / "default_speed.json").read_text())
+    for r, record in zip(models, records):
+        assert r["part"] == "layout default" and r["status"] == "completed" and r["precision"] == "32-true", r
+        assert r["step (ms)"] == f"{1000 * record['default_step_s']:.1f}"
+        assert re.search(r"race: (CL|NCHW) [\d.]+x \(\w+, [\d.]+ s\)|race: not decided", r["notes"]), r
+        assert f"check passed, {record['check_s']:.2f} s (" in r["notes"], r
+
+
 def test_the_largest_batch_is_found_by_doubling_then_halving_the_interval() -> None:
     from scripts.bench.mark import largest_batch
 
