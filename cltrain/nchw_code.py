@@ -54,7 +54,8 @@ __all__ = ["aliases_follow", "bound_by_name", "flat_parameters", "guard_pruning"
 UPSTREAM = "pytorch#96743"
 _original = (convert.parameters_to_vector, convert.vector_to_parameters)
 _lock = threading.Lock()
-_holders = 0
+#: A token per hold: a hold given back late (a session the collector finds during another run) ends only itself.
+_holders: set[object] = set()
 _told = False
 
 
@@ -106,20 +107,21 @@ def vector_to_parameters(vec: torch.Tensor, parameters: Iterable[torch.Tensor]) 
 def flat_parameters() -> Iterator[None]:
     """``torch.nn.utils.parameters_to_vector`` / ``vector_to_parameters`` that take channels_last parameters,
     inside (nested and concurrent holders share one install; torch's own are back when the last leaves)."""
-    global _holders
+    token = object()
     with _lock:
-        _holders += 1
-        if _holders == 1:
+        if not _holders:
             for where in (utils, convert):
                 where.parameters_to_vector, where.vector_to_parameters = parameters_to_vector, vector_to_parameters
+        _holders.add(token)
     try:
         yield
     finally:
         with _lock:
-            _holders -= 1
-            if _holders == 0:
-                for where in (utils, convert):
-                    where.parameters_to_vector, where.vector_to_parameters = _original
+            if token in _holders:
+                _holders.remove(token)
+                if not _holders:
+                    for where in (utils, convert):
+                        where.parameters_to_vector, where.vector_to_parameters = _original
 
 
 @contextlib.contextmanager
@@ -149,7 +151,7 @@ def relayout(t: torch.Tensor, memory_format: torch.memory_format, aliases: Itera
 
 _MASKED = (prune.L1Unstructured, prune.RandomUnstructured)  # their compute_mask views (or draws over) the tensor
 _compute_mask = {cls: cls.compute_mask for cls in _MASKED}
-_pruning_holders = 0
+_pruning_holders: set[object] = set()  # as _holders
 
 
 def _in_logical_order(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -167,20 +169,21 @@ def _in_logical_order(original: Callable[..., torch.Tensor]) -> Callable[..., to
 def pruning_in_logical_order() -> Iterator[None]:
     """``torch.nn.utils.prune``'s ``L1Unstructured`` and ``RandomUnstructured`` masks computed on a channels_last
     weight's NCHW values (the mask an NCHW model gets, in the weight's layout), inside (shared by nested holders)."""
-    global _pruning_holders
+    token = object()
     with _lock:
-        _pruning_holders += 1
-        if _pruning_holders == 1:
+        if not _pruning_holders:
             for cls in _MASKED:
                 cls.compute_mask = _in_logical_order(_compute_mask[cls])
+        _pruning_holders.add(token)
     try:
         yield
     finally:
         with _lock:
-            _pruning_holders -= 1
-            if _pruning_holders == 0:
-                for cls in _MASKED:
-                    cls.compute_mask = _compute_mask[cls]
+            if token in _pruning_holders:
+                _pruning_holders.remove(token)
+                if not _pruning_holders:
+                    for cls in _MASKED:
+                        cls.compute_mask = _compute_mask[cls]
 
 
 @contextlib.contextmanager

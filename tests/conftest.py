@@ -60,16 +60,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
 
 
-@pytest.fixture(autouse=True)
-def torchs_own_utilities() -> None:
+def reset_torch_utilities() -> None:
+    """torch's own ``parameters_to_vector`` and pruning masks, whatever an earlier test left holding cltrain's (a hold
+    of a session the collector finds later then gives back nothing: ``cltrain.nchw_code``)."""
     from cltrain import nchw_code
 
     with nchw_code._lock:
-        nchw_code._holders = nchw_code._pruning_holders = 0
+        nchw_code._holders.clear()
+        nchw_code._pruning_holders.clear()
         for where in (nchw_code.utils, nchw_code.convert):
             where.parameters_to_vector, where.vector_to_parameters = nchw_code._original
         for cls in nchw_code._MASKED:
             cls.compute_mask = nchw_code._compute_mask[cls]
+
+
+@pytest.fixture(autouse=True)
+def torchs_own_utilities() -> None:
+    reset_torch_utilities()
 
 
 @pytest.fixture(scope="session")
