@@ -186,26 +186,47 @@ def pruning_in_logical_order() -> Iterator[None]:
                         cls.compute_mask = _compute_mask[cls]
 
 
+#: ``(id(module), attr)`` -> ``(module, torch's function, holds)``: what ``bound_by_name`` rebound, shared by every
+#: hold (a module rebound by one run stays so while another holds it, as ``_holders``).
+_rebound: dict[tuple[int, str], tuple[Any, Any, set[object]]] = {}
+
+
+def _unbind(token: object | None) -> None:
+    """Give back the hold ``token`` of ``bound_by_name`` (``None``: every hold): a module none holds any more gets
+    torch's function back, where it still has ours."""
+    with _lock:
+        for key, (module, original, holders) in list(_rebound.items()):
+            if token is None:
+                holders.clear()
+            holders.discard(token)
+            if not holders:
+                if vars(module).get(key[1]) in (parameters_to_vector, vector_to_parameters):
+                    setattr(module, key[1], original)
+                del _rebound[key]
+
+
 @contextlib.contextmanager
 def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[list[str]]:
     """Inside, a module outside torch that bound torch's ``parameters_to_vector`` / ``vector_to_parameters`` by name
     (``from torch.nn.utils import parameters_to_vector`` at its top, before the run) calls ``flat_parameters``'
     versions; ``say`` names those modules in one line. Yields their names."""
     ours = {id(_original[0]): parameters_to_vector, id(_original[1]): vector_to_parameters}
-    rebound: list[tuple[Any, str, Any]] = []
-    for name, module in list(sys.modules.items()):
-        if module is None or name.split(".")[0] in ("torch", "cltrain"):
-            continue
-        try:
-            items = list(vars(module).items())
-        except TypeError:
-            continue
-        for attr, value in items:
-            if id(value) in ours and value in _original:
-                rebound.append((module, attr, value))
-    for module, attr, value in rebound:
-        setattr(module, attr, ours[id(value)])
-    names = sorted({m.__name__ for m, _, _ in rebound})
+    token = object()
+    with _lock:
+        for name, module in list(sys.modules.items()):
+            if module is None or name.split(".")[0] in ("torch", "cltrain"):
+                continue
+            try:
+                items = list(vars(module).items())
+            except TypeError:
+                continue
+            for attr, value in items:
+                if id(value) in ours and value in _original:
+                    setattr(module, attr, ours[id(value)])
+                    _rebound[(id(module), attr)] = (module, value, set())
+        for module, _, holders in _rebound.values():
+            holders.add(token)
+        names = sorted({module.__name__ for module, _, _ in _rebound.values()})
     if names and say is not None:
         say(f"ChannelsLast: {', '.join(names)} bound torch.nn.utils.parameters_to_vector or vector_to_parameters by "
             f"name; during the run they read and write channels_last parameters in their logical order ({UPSTREAM}).",
@@ -214,9 +235,7 @@ def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[li
     try:
         yield names
     finally:
-        for module, attr, value in rebound:
-            if vars(module).get(attr) is ours[id(value)]:
-                setattr(module, attr, value)
+        _unbind(token)
 
 
 @contextlib.contextmanager

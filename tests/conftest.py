@@ -72,6 +72,7 @@ def reset_torch_utilities() -> None:
             where.parameters_to_vector, where.vector_to_parameters = nchw_code._original
         for cls in nchw_code._MASKED:
             cls.compute_mask = nchw_code._compute_mask[cls]
+    nchw_code._unbind(None)  # modules that bound torch's functions by name: torch's again
 
 
 @pytest.fixture(autouse=True)

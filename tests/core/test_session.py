@@ -5,6 +5,7 @@ saves and resumes. The doors' own tests (the callback, the loops, the Hugging Fa
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -344,15 +345,19 @@ def test_an_undecided_race_leaves_the_model_in_channels_last_at_the_end(monkeypa
     assert session.layout == "channels_last" and is_channels_last(model[0].weight)
 
 
-def test_a_session_collected_late_gives_back_its_own_hold_only() -> None:
+def test_a_session_collected_late_gives_back_its_own_hold_only(monkeypatch: pytest.MonkeyPatch) -> None:
     # A session an earlier run left unclosed, in a reference cycle (a Trainer's), gives torch's utilities back when
     # the collector finds it: at any later moment, perhaps in another run that holds them too. conftest resets the
     # holds before each test, as the second run here starts after that reset.
     import gc
+    import types
 
     from cltrain import nchw_code
     from tests.conftest import reset_torch_utilities
 
+    user = types.ModuleType("user_flat_late")  # did `from torch.nn.utils import parameters_to_vector` at its top
+    user.parameters_to_vector = nchw_code._original[0]
+    monkeypatch.setitem(sys.modules, user.__name__, user)
     gc.collect()
     gc.disable()  # the earlier session lives until the collect below, as in a run between two collections
     try:
@@ -362,10 +367,12 @@ def test_a_session_collected_late_gives_back_its_own_hold_only() -> None:
         reset_torch_utilities()  # between two tests
         session, model = _started(_stem())
         assert torch.nn.utils.parameters_to_vector is nchw_code.parameters_to_vector
+        assert user.parameters_to_vector is nchw_code.parameters_to_vector
         gc.collect()  # the earlier session's finalizer gives back its hold
         assert torch.nn.utils.parameters_to_vector is nchw_code.parameters_to_vector
+        assert user.parameters_to_vector is nchw_code.parameters_to_vector
         assert torch.nn.utils.parameters_to_vector(model.parameters()).numel() == sum(p.numel() for p in model.parameters())
         session.close()
-        assert torch.nn.utils.parameters_to_vector is nchw_code._original[0]
+        assert torch.nn.utils.parameters_to_vector is user.parameters_to_vector is nchw_code._original[0]
     finally:
         gc.enable()
