@@ -53,8 +53,10 @@ __all__ = ["aliases_follow", "bound_by_name", "flat_parameters", "guard_pruning"
 
 UPSTREAM = "pytorch#96743"
 _original = (convert.parameters_to_vector, convert.vector_to_parameters)
-_lock = threading.Lock()
-#: A token per hold: a hold given back late (a session the collector finds during another run) ends only itself.
+# A token per hold: a hold given back late (a session the collector finds during another run) ends only itself. The
+# collector runs such a session's finalizer at any allocation, also on a thread inside one of the sections below: the
+# lock is reentrant, and each section ends by making what is installed match the holds (``_sync``).
+_lock = threading.RLock()
 _holders: set[object] = set()
 _told = False
 
@@ -107,21 +109,36 @@ def vector_to_parameters(vec: torch.Tensor, parameters: Iterable[torch.Tensor]) 
 def flat_parameters() -> Iterator[None]:
     """``torch.nn.utils.parameters_to_vector`` / ``vector_to_parameters`` that take channels_last parameters,
     inside (nested and concurrent holders share one install; torch's own are back when the last leaves)."""
+    with _hold(_holders):
+        yield
+
+
+@contextlib.contextmanager
+def _hold(holders: set[object]) -> Iterator[None]:
     token = object()
     with _lock:
-        if not _holders:
-            for where in (utils, convert):
-                where.parameters_to_vector, where.vector_to_parameters = parameters_to_vector, vector_to_parameters
-        _holders.add(token)
+        holders.add(token)
+        _sync()
     try:
         yield
     finally:
         with _lock:
-            if token in _holders:
-                _holders.remove(token)
-                if not _holders:
-                    for where in (utils, convert):
-                        where.parameters_to_vector, where.vector_to_parameters = _original
+            holders.discard(token)
+            _sync()
+
+
+def _sync() -> None:
+    """Under the lock: ours where a hold asks for them, else torch's (again, where a finalizer changed the holds
+    meanwhile)."""
+    while True:
+        held = bool(_holders), bool(_pruning_holders)
+        flat = (parameters_to_vector, vector_to_parameters) if held[0] else _original
+        for where in (utils, convert):
+            where.parameters_to_vector, where.vector_to_parameters = flat
+        for cls in _MASKED:
+            cls.compute_mask = _logical[cls] if held[1] else _compute_mask[cls]
+        if held == (bool(_holders), bool(_pruning_holders)):
+            return
 
 
 @contextlib.contextmanager
@@ -165,25 +182,15 @@ def _in_logical_order(original: Callable[..., torch.Tensor]) -> Callable[..., to
     return compute_mask
 
 
+_logical = {cls: _in_logical_order(_compute_mask[cls]) for cls in _MASKED}
+
+
 @contextlib.contextmanager
 def pruning_in_logical_order() -> Iterator[None]:
     """``torch.nn.utils.prune``'s ``L1Unstructured`` and ``RandomUnstructured`` masks computed on a channels_last
     weight's NCHW values (the mask an NCHW model gets, in the weight's layout), inside (shared by nested holders)."""
-    token = object()
-    with _lock:
-        if not _pruning_holders:
-            for cls in _MASKED:
-                cls.compute_mask = _in_logical_order(_compute_mask[cls])
-        _pruning_holders.add(token)
-    try:
+    with _hold(_pruning_holders):
         yield
-    finally:
-        with _lock:
-            if token in _pruning_holders:
-                _pruning_holders.remove(token)
-                if not _pruning_holders:
-                    for cls in _MASKED:
-                        cls.compute_mask = _compute_mask[cls]
 
 
 #: ``(id(module), attr)`` -> ``(module, torch's function, holds)``: what ``bound_by_name`` rebound, shared by every
@@ -199,10 +206,9 @@ def _unbind(token: object | None) -> None:
             if token is None:
                 holders.clear()
             holders.discard(token)
-            if not holders:
+            if not holders and _rebound.pop(key, None) is not None:
                 if vars(module).get(key[1]) in (parameters_to_vector, vector_to_parameters):
                     setattr(module, key[1], original)
-                del _rebound[key]
 
 
 @contextlib.contextmanager
@@ -213,7 +219,9 @@ def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[li
     ours = {id(_original[0]): parameters_to_vector, id(_original[1]): vector_to_parameters}
     token = object()
     with _lock:
-        for name, module in list(sys.modules.items()):
+        for _, _, holders in list(_rebound.values()):  # first: a late finalizer cannot undo these from here on
+            holders.add(token)
+        for name, module in list(sys.modules.items()):  # then what is torch's (what such a finalizer gave back too)
             if module is None or name.split(".")[0] in ("torch", "cltrain"):
                 continue
             try:
@@ -223,10 +231,8 @@ def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[li
             for attr, value in items:
                 if id(value) in ours and value in _original:
                     setattr(module, attr, ours[id(value)])
-                    _rebound[(id(module), attr)] = (module, value, set())
-        for module, _, holders in _rebound.values():
-            holders.add(token)
-        names = sorted({module.__name__ for module, _, _ in _rebound.values()})
+                    _rebound.setdefault((id(module), attr), (module, value, set()))[2].add(token)
+        names = sorted({module.__name__ for module, _, holders in list(_rebound.values()) if token in holders})
     if names and say is not None:
         say(f"ChannelsLast: {', '.join(names)} bound torch.nn.utils.parameters_to_vector or vector_to_parameters by "
             f"name; during the run they read and write channels_last parameters in their logical order ({UPSTREAM}).",

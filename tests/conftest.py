@@ -68,10 +68,7 @@ def reset_torch_utilities() -> None:
     with nchw_code._lock:
         nchw_code._holders.clear()
         nchw_code._pruning_holders.clear()
-        for where in (nchw_code.utils, nchw_code.convert):
-            where.parameters_to_vector, where.vector_to_parameters = nchw_code._original
-        for cls in nchw_code._MASKED:
-            cls.compute_mask = nchw_code._compute_mask[cls]
+        nchw_code._sync()
     nchw_code._unbind(None)  # modules that bound torch's functions by name: torch's again
 
 

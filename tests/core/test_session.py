@@ -20,6 +20,7 @@ from cltrain.layout import is_channels_last
 from cltrain.platform import Platform
 from cltrain.session import LayoutSession
 from cltrain.timing import layout_race
+from tests.helpers import warm
 
 
 class UserConv2d(nn.Conv2d):
@@ -376,3 +377,27 @@ def test_a_session_collected_late_gives_back_its_own_hold_only(monkeypatch: pyte
         assert torch.nn.utils.parameters_to_vector is user.parameters_to_vector is nchw_code._original[0]
     finally:
         gc.enable()
+
+
+LATE_INSIDE_A_HELD_SECTION = """
+import gc
+from torch import nn
+from cltrain import nchw_code
+from cltrain.session import LayoutSession
+gc.collect()
+gc.disable()
+earlier = LayoutSession()
+earlier.start(nn.Sequential(nn.Conv2d(3, 4, 3)), device="cpu")
+earlier.cycle = earlier
+del earlier
+with nchw_code._lock:  # what an allocation inside any of nchw_code's held sections may do: collect
+    gc.collect()
+print(nchw_code.convert.parameters_to_vector is nchw_code._original[0], not nchw_code._holders)
+"""
+
+
+def test_a_session_the_collector_finds_inside_a_held_section_gives_its_hold_back_without_a_deadlock() -> None:
+    # the collector runs the late session's finalizer on the thread that holds the lock (a deadlock with a plain
+    # lock: the CI's workers waited forever); in a process of its own, so a deadlock fails by the timeout
+    proc = warm.run([sys.executable, "-c", LATE_INSIDE_A_HELD_SECTION], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"], proc.stdout + proc.stderr[-2000:]
