@@ -217,7 +217,7 @@ def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[li
     (``from torch.nn.utils import parameters_to_vector`` at its top, before the run) calls ``flat_parameters``'
     versions; ``say`` names those modules in one line. Yields their names."""
     ours = {id(_original[0]): parameters_to_vector, id(_original[1]): vector_to_parameters}
-    token = object()
+    token, rebound = object(), set()
     with _lock:
         for _, _, holders in list(_rebound.values()):  # first: a late finalizer cannot undo these from here on
             holders.add(token)
@@ -232,7 +232,8 @@ def bound_by_name(say: Callable[[str, bool], None] | None = None) -> Iterator[li
                 if id(value) in ours and value in _original:
                     setattr(module, attr, ours[id(value)])
                     _rebound.setdefault((id(module), attr), (module, value, set()))[2].add(token)
-        names = sorted({module.__name__ for module, _, holders in list(_rebound.values()) if token in holders})
+                    rebound.add(module.__name__)
+    names = sorted(rebound)  # said by the hold that rebound them (another run's holds leave them rebound)
     if names and say is not None:
         say(f"ChannelsLast: {', '.join(names)} bound torch.nn.utils.parameters_to_vector or vector_to_parameters by "
             f"name; during the run they read and write channels_last parameters in their logical order ({UPSTREAM}).",
