@@ -132,9 +132,7 @@ def layout_default(limit: float, log: Path, out: Path, tiny: bool) -> list[dict[
             rows.append(row(LAYOUT_DEFAULT, shown, r["error"][:160], precision=r["precision"], notes=log.name))
             continue
         step = r["default_step_s"]
-        batch = 2 if tiny else 256
-        rows.append(row(LAYOUT_DEFAULT, shown, "completed", precision=r["precision"], img_s=num(batch / step),
-                        step_ms=num(step, 1000), notes=(
+        rows.append(row(LAYOUT_DEFAULT, shown, "completed", precision=r["precision"], step_ms=num(step, 1000), notes=(
                             f"race: {race_kept(r)}; NCHW {1000 * r['nchw_step_s']:.1f} ms, CL "
                             f"{1000 * r['channels_last_step_s']:.1f} ms; check {r['verdict']}, {r['check_s']:.2f} s "
                             f"({r['check_s'] / step:.1f} steps); default_speed/default_speed.md")))
