@@ -18,7 +18,7 @@ import torch
 from scripts.harness import CASE, emit, interleaved, machine_line, options, run_case, table, table_row, write_report
 
 #: ``--models`` names (``scripts.bench.models.build_model``; ``unet_resnet18`` is trained with Dice + BCE).
-MODELS = ("resnet18", "resnet50", "efficientnet_b0", "convnext_tiny", "vit_s_16", "unet_resnet18")
+MODELS = ("resnet18", "resnet50", "efficientnet_b0", "mobilenet_v3_large", "convnext_tiny", "vit_s_16", "unet_resnet18")
 GRID = (("resnet50", "efficientnet_b0", "unet_resnet18"), (64, 128, 224))
 
 

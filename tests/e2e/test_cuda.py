@@ -246,7 +246,7 @@ def test_lightning_gets_batches_already_on_the_gpu_from_the_prefetcher(tmp_path:
     assert all(seen == ("cuda", torch.float32, True) for seen in module.in_step), module.in_step
 
 
-# --- train.py on CUDA: every precision, both layouts, compile, auto mode ------------------------------------
+# --- train.py on CUDA: every precision, both layouts, compile, conv mode ------------------------------------
 @pytest.fixture(scope="module")
 def demo_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     if not HAS_CUDA:
@@ -264,10 +264,10 @@ def demo_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     (["amp=false"], "32-true"),
     (["channels_last=false", "amp=fp16"], "16-mixed"),
     (["channels_last=false", "amp=false"], "32-true"),
-    (["channels_last_mode=auto"], "amp-auto"),
+    (["channels_last_mode=conv"], "amp-auto"),
     ([], "amp-auto"),
     pytest.param(["compile.enabled=true"], "amp-auto", marks=pytest.mark.slow),
-], ids=["fp16", "bf16", "fp32", "nchw-fp16", "nchw-fp32", "auto", "default", "compile"])
+], ids=["fp16", "bf16", "fp32", "nchw-fp16", "nchw-fp32", "conv", "default", "compile"])
 def test_train_py_runs_on_cuda(demo_args: list[str], tmp_path: Path, overrides: list[str], precision: str) -> None:
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -289,14 +289,11 @@ def test_train_py_runs_on_cuda(demo_args: list[str], tmp_path: Path, overrides: 
     assert metrics["config"]["channels_last"] is channels_last
     state = torch.load(metrics["last_checkpoint"], map_location="cpu", weights_only=True)["state_dict"]
     weight = state["model.layer1.0.conv1.weight"]
-    if channels_last and "channels_last_mode=auto" not in overrides:
-        assert is_channels_last(weight)
-    elif not channels_last:
-        assert weight.is_contiguous()
-    if "channels_last_mode=auto" in overrides:
+    assert is_channels_last(weight) if channels_last else weight.is_contiguous()
+    if "channels_last_mode=conv" in overrides:
         log = run_dir / "train.log"
         text = result.stdout + result.stderr + (log.read_text() if log.is_file() else "")
-        assert "ChannelsLast(mode='auto')" in text
+        assert "ChannelsLast(mode='conv')" in text
 
 
 # --- the audit on CUDA ---------------------------------------------------------------------------------------

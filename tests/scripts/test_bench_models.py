@@ -12,9 +12,9 @@ from tests.helpers import REPO
 from tests.helpers import warm
 
 
-def _check_rows(rows: list[dict]) -> None:
+def _check_rows(rows: list[dict], device: str = "cpu") -> None:
     for r in rows:
-        assert r["device"] == "cpu" and "CPU" in r["machine"] and int(r["steps"]) >= 1
+        assert r["device"] == device and "CPU" in r["machine"] and int(r["steps"]) >= 1
         for layout in ("contiguous", "channels_last"):
             median, low, high = (float(r[f"{layout}_{k}"]) for k in ("img_s", "min", "max"))
             assert 0 < low <= median <= high
@@ -36,7 +36,7 @@ def test_quick_run_writes_checked_csv_and_markdown(tmp_path, device):
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["model"], r["kind"], r["dtype"]) for r in rows] == [("tinycnn", "image", "fp32"), ("tinycnn", "image", amp)]
-    _check_rows(rows)
+    _check_rows(rows, device)
     for r in rows:
         assert r["batch_size"] == "2" and r["input_shape"] == "2x3x64x64" and r["steps"] == "1"
         for layout in ("contiguous", "channels_last"):
