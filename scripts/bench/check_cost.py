@@ -5,6 +5,7 @@ method: docs/benchmarks.md#check-cost).
     python -m scripts.bench.check_cost --models resnet50 --batch 32 --size 224 --precision bf16-mixed
     python -m scripts.bench.check_cost --grid --batch 32 --optimizer adamw
     python -m scripts.bench.check_cost --tiny                   # seconds: resnet18, batch 4 at 32 px (the test)
+    python -m scripts.bench.check_cost --models resnet50 --batch 256 --warm   # + the check of a 2nd fit in the process
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ GRID = (("resnet50", "efficientnet_b0", "unet_resnet18"), (64, 128, 224))
 
 
 def child(model: str, batch: int, size: int, precision: str, steps: int, optimizer: str,
-          verify: bool) -> dict[str, Any]:
-    """One training run in this process; returns its figures (``peak_rss_mb``: Linux's ``VmHWM``)."""
+          verify: bool, warm: bool = False) -> dict[str, Any]:
+    """One training run in this process; returns its figures (``peak_rss_mb``: Linux's ``VmHWM``). ``warm``: then
+    a second run with the check in the same process, whose check's seconds are ``warm_check_s`` (its kernels'
+    first use already paid)."""
     import resource
 
     import torch.nn.functional as F
@@ -56,23 +59,28 @@ def child(model: str, batch: int, size: int, precision: str, steps: int, optimiz
         return (torch.optim.SGD(params, lr=0.01, momentum=0.9) if optimizer == "sgd"
                 else torch.optim.AdamW(params, lr=1e-3))
 
-    torch.manual_seed(0)
-    timer, callback = StepClock(), ChannelsLast(verify=verify)
-    trainer = quiet_trainer(max_steps=steps, precision=precision, callbacks=[timer, callback])
-    trainer.fit(NetModule(build_model(model, size, classes=10), loss, make_optimizer),
-                DataLoader(Images(), batch_size=batch))
+    def fit(verify: bool) -> tuple[Any, StepClock, ChannelsLast]:
+        torch.manual_seed(0)
+        timer, callback = StepClock(), ChannelsLast(verify=verify)
+        trainer = quiet_trainer(max_steps=steps, precision=precision, callbacks=[timer, callback])
+        trainer.fit(NetModule(build_model(model, size, classes=10), loss, make_optimizer),
+                    DataLoader(Images(), batch_size=batch))
+        return trainer, timer, callback
+
+    trainer, timer, callback = fit(verify)
     check = callback.layout_checks.get("train")
     cuda = torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"
-    return {"steps": timer.steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    warm_check = fit(True)[2].layout_checks["train"].seconds if warm and verify else None
+    return {"warm_check_s": warm_check, "steps": timer.steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "check_s": check.seconds if check else None, "verdict": check.verdict if check else None,
             "device": str(trainer.strategy.root_device)}
 
 
-def measure(case: dict[str, Any], repeats: int) -> dict[str, Any]:
+def measure(case: dict[str, Any], repeats: int, warm: bool = False) -> dict[str, Any]:
     """``repeats`` alternating rounds of a run of ``case`` without and with the check, each in a fresh process."""
     def run(verify: bool) -> dict[str, Any]:
-        child = run_case("scripts.bench.check_cost", {**case, "verify": verify})
+        child = run_case("scripts.bench.check_cost", {**case, "verify": verify, "warm": warm})
         if child.code != 0 or not child.results():
             raise RuntimeError(f"check_cost child failed ({case}, verify={verify}): {child.status()}\n"
                                f"{child.output[-3000:]}")
@@ -85,9 +93,10 @@ def measure(case: dict[str, Any], repeats: int) -> dict[str, Any]:
     first_plain, first_check = (med(run["steps"][0] for run in runs[v]) for v in (False, True))
     rss_plain, rss_check = (med(run["peak_rss_mb"] for run in runs[v]) for v in (False, True))
     check_s = med(run["check_s"] for run in runs[True])
+    warm_s = med(run["warm_check_s"] for run in runs[True]) if warm else None
     row = {**case, "device": runs[True][0]["device"], "rss_plain_mb": rss_plain, "rss_check_mb": rss_check,
            "memory_ratio": rss_check / rss_plain, "plain_step_s": plain_step, "step_with_check_s": step_with_check,
-           "check_s": check_s, "check_in_steps": check_s / step_with_check,
+           "check_s": check_s, "warm_check_s": warm_s, "check_in_steps": check_s / step_with_check,
            "first_step_extra_in_steps": (first_check - first_plain) / plain_step, "verdict": runs[True][0]["verdict"],
            "runs": {"plain": runs[False], "check": runs[True]}}
     if runs[True][0]["cuda_peak_mb"] is not None:
@@ -102,7 +111,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      grid=(False, "resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px"),
                      tiny=(dict(models=["resnet18"], batch=4, size=32, precision="32-true", steps=2, repeats=1),
                            "resnet18, batch 4 at 32 px, fp32, one round"), case=CASE,
-                     optimizer=(("adamw", "sgd"), None), json=(Path, "also write the rows here"))
+                     optimizer=(("adamw", "sgd"), None), json=(Path, "also write the rows here"),
+                     warm=(False, "also the check of a second fit in each process, with its kernels' first use paid"))
     parser.add_argument("--models", nargs="*", default=["resnet50", "convnext_tiny", "vit_s_16"], choices=MODELS)
     args = parser.parse_args(argv)
     if args.case:
@@ -118,13 +128,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for name, size in points:
         row = measure(dict(model=name, batch=args.batch, size=size, precision=args.precision, steps=args.steps,
-                           optimizer=args.optimizer), args.repeats)
+                           optimizer=args.optimizer), args.repeats, args.warm)
         rows.append(row)
         cuda = (f" (CUDA max_memory_allocated {row['cuda_plain_mb']:.0f} -> {row['cuda_check_mb']:.0f} MiB, "
                 f"{row['cuda_memory_ratio']:.2f}x)" if "cuda_memory_ratio" in row else "")
         print(table_row([name, size, f"{row['rss_plain_mb']:.0f} / {row['rss_check_mb']:.0f} MB",
                          f"{row['memory_ratio']:.2f}x{cuda}", f"{row['step_with_check_s']:.2f} s",
-                         f"{row['check_s']:.2f} s", f"{row['check_in_steps']:.1f}",
+                         f"{row['check_s']:.2f} s" + (f" (2nd fit {row['warm_check_s']:.2f} s)" if args.warm else ""),
+                         f"{row['check_in_steps']:.1f}",
                          f"{row['first_step_extra_in_steps']:.1f}", row["verdict"]]), flush=True)
     print(f"device {rows[0]['device'] if rows else '?'}; " + machine_line())
     if args.json:
