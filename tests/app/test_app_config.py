@@ -69,7 +69,7 @@ def _error(overrides: list[str]) -> ConfigError:
         (["model.pretrained=/no/such.pth"], "model.pretrained", "local file"),
         (["label_smoothing=1.5"], "label_smoothing", "0 <= value < 1"),
         (["trainer.sync_batchnorm=true", "device=cpu"], "trainer.sync_batchnorm", "device=cuda"),
-        (["channels_last_mode=auto"], "channels_last_mode", "full, conv"),
+        (["channels_last_mode=auto"], "channels_last_mode", "full, conv; the layout is channels_last_layout's: auto"),
         (["channels_last_layout=nhwc"], "channels_last_layout", "auto, channels_last, contiguous"),
         (["compile.mode=fast"], "compile.mode", "reduce-overhead"),
     ],

@@ -22,8 +22,7 @@ from omegaconf import ListConfig
 
 from cltrain.data.constants import CROP_SCALE
 
-
-__all__ = ["OPTIMIZERS", "Rule", "choices", "key", "optimizer_name"]
+__all__ = ["MODE", "OPTIMIZERS", "Rule", "choices", "key", "optimizer_name"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,9 @@ def choices(*values: Any) -> Rule:
     return Rule(lambda v: any(v is c or (type(v) is type(c) and v == c) for c in values), "unknown value", shown)
 
 
+#: ``channels_last_mode``: what is converted; the layout itself is ``channels_last_layout``'s (``mode=auto`` once was).
+MODE = Rule(choices("full", "conv").test, "unknown value",
+            "full, conv; the layout is channels_last_layout's: auto (races both), channels_last, contiguous")
 POSITIVE = Rule(lambda v: _int(v) and v > 0, "must be a whole number > 0")
 COUNT = Rule(lambda v: _int(v) and v >= 0, "must be a whole number >= 0")
 COUNT_OR_AUTO = Rule(lambda v: v == "auto" or (_int(v) and v >= 0), "must be a whole number >= 0", "or auto")

@@ -67,6 +67,7 @@ from cltrain.app.config.rules import (
     GT_ZERO,
     MAX_STEPS,
     MILESTONES,
+    MODE,
     NON_NEGATIVE,
     OPT_NON_NEGATIVE,
     OPT_PATH,
@@ -259,7 +260,7 @@ class TrainConfig:
     callbacks: dict[str, Any] = key({})       # named entries, each {_target_: <Lightning callback>, ...}: conf/callbacks/
     # the toggles
     channels_last: bool = True                # true: ChannelsLast callback + NHWC batches; false: contiguous NCHW baseline
-    channels_last_mode: str = key("full", choices("full", "conv"))  # what the ChannelsLast callback converts
+    channels_last_mode: str = key("full", MODE)  # what the ChannelsLast callback converts
     # auto: the first training steps race channels_last and NCHW and keep the faster; or pin one (bit-for-bit reruns)
     channels_last_layout: str = key("auto", choices("auto", "channels_last", "contiguous"))
     amp: Any = key("auto", AMP)               # auto: bf16 where native, fp16 on older GPUs, else fp32 | true | false | bf16 | fp16
