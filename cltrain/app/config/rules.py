@@ -52,7 +52,7 @@ def choices(*values: Any) -> Rule:
     return Rule(lambda v: any(v is c or (type(v) is type(c) and v == c) for c in values), "unknown value", shown)
 
 
-#: ``channels_last_mode``: what is converted; the layout itself is ``channels_last_layout``'s (``mode=auto`` once was).
+#: ``channels_last_mode``: what is converted; its error names ``channels_last_layout``, which chooses the layout.
 MODE = Rule(choices("full", "conv").test, "unknown value",
             "full, conv; the layout is channels_last_layout's: auto (races both), channels_last, contiguous")
 POSITIVE = Rule(lambda v: _int(v) and v > 0, "must be a whole number > 0")
