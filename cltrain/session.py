@@ -369,12 +369,15 @@ class LayoutSession:
         timed = ", ".join(f"{n} step(s) in {'NCHW' if k == 'contiguous' else k}" for k, n in decision.samples.items())
         cost = f"; the race cost {decision.extra_seconds:.2f} s" if decision.extra_seconds > 0 else ""
         pin = f"pin it with layout={decision.layout!r}"
+        seconds = decision.seconds
+        nchw_ahead = len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"]
         if decision.how == "tie":
             head = f"channels_last and NCHW within {100 * self.race.margin:.0f}% here {where}: kept channels_last"
+        elif decision.layout == "channels_last" and nchw_ahead:  # noisy: NCHW's lead not beyond doubt
+            head = (f"NCHW {decision.ratio:.2f}x faster by the medians here {where}, too noisy to tell: "
+                    "kept channels_last")
         elif decision.layout == "channels_last":
             head = f"channels_last {decision.ratio:.2f}x faster here {where}: kept"
-        elif decision.how == "noisy" and decision.ratio < 1:
-            head = f"channels_last {decision.ratio:.2f}x here {where}, too noisy to tell: kept"
         else:
             head = f"NCHW {decision.ratio:.2f}x faster here {where}: switched, the model and its optimizer state " \
                    "moved once"

@@ -156,7 +156,10 @@ def race_kept(r: dict[str, Any]) -> str:
     seconds = d["seconds"]
     ratio = max(seconds.values()) / min(seconds.values()) if len(seconds) == 2 else 1.0
     kept = "NCHW" if d["layout"] == "contiguous" else "CL"
-    return f"{kept} {ratio:.2f}x ({d['how']}, {d['extra_seconds']:.2f} s)" + (" *" if len(picks) > 1 and any(
+    faster = "NCHW" if len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"] else "CL"
+    # a noisy race keeps channels_last where NCHW's lead is not beyond doubt: then both are said
+    said = f"{kept} {ratio:.2f}x" if faster == kept else f"{kept}, {faster} {ratio:.2f}x faster"
+    return f"{said} ({d['how']}, {d['extra_seconds']:.2f} s)" + (" *" if len(picks) > 1 and any(
         p["layout"] != d["layout"] for p in picks) else "")
 
 

@@ -103,7 +103,9 @@ def test_the_video_demo_learns_motion_well_above_chance(tmp_path: Path) -> None:
                      "trainer.enable_progress_bar=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["model"] == "r3d_18" and metrics["layout"] == "channels_last" and metrics["epochs"] == 5
+    raced = metrics["layout_decisions"]  # the layout is the race's choice on this machine (channels_last untimed)
+    assert metrics["model"] == "r3d_18" and metrics["epochs"] == 5
+    assert metrics["layout"] == (raced[-1]["layout"] if raced else "channels_last"), (metrics["layout"], raced)
     assert metrics["val_top1"] >= 3 * 100 / 6, metrics["val_top1"]  # at least 3x chance
 
 

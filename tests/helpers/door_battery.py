@@ -10,6 +10,9 @@ DOOR is ``lightning``, ``plain``, ``fabric``, ``hf`` or ``accelerate``. The feat
   training goes on;
 * ``auto``: a model whose channels_last steps are slow (``SlowIn``) is switched to NCHW by the race, and its inputs
   follow;
+* ``accumulated``: under gradient accumulation (2 batches a step, in the door's own way), the race times whole
+  steps, each with its optimizer step: a model faster in channels_last whose optimizer step is slow keeps
+  channels_last;
 * ``kept``: the user's own ``torch.nn.utils.prune.l1_unstructured`` on a channels_last conv, and a 1x1 weight written
   back in NCHW with ``.data =``, between epochs: the weights, the pruning's mask and the optimizer state are
   channels_last again by the next epoch's end;
@@ -18,8 +21,8 @@ DOOR is ``lightning``, ``plain``, ``fabric``, ``hf`` or ``accelerate``. The feat
   decision, with the optimizer state in its parameters' strides.
 
 ``--control`` runs the same code with each feature's mechanism taken away (no door, ``verify=False``, the layout
-pinned, no boundary and torch's own pruning, the door's state not restored: the last only where the door takes it
-apart from the rest, a plain or Fabric loop): every cell must fail.
+pinned, every batch a step, no boundary and torch's own pruning, the door's state not restored: the last only where
+the door takes it apart from the rest, a plain or Fabric loop): every cell must fail.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import gc
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,7 @@ from cltrain.check.copies import checking
 from cltrain.layout import is_channels_last
 from tests.helpers.plain_modules import SlowIn
 
-FEATURES = ("converts", "checked", "auto", "kept", "resumed")
+FEATURES = ("converts", "checked", "auto", "accumulated", "kept", "resumed")
 RANKS = 1  # 2: each door runs in two DDP processes (tests.helpers.door_ddp)
 SIZE, CLASSES = 8, 4
 
@@ -67,6 +71,17 @@ class ViewHead(nn.Module):
 
 def slow(net: nn.Module | None = None) -> nn.Module:
     return SlowIn("channels_last", net=net or base(), seconds=0.15)
+
+
+PAUSE = 0.2  # SlowStep's step: a large model's optimizer step, beside a small batch's forward and backward
+
+
+class SlowStep(torch.optim.AdamW):
+    """AdamW whose step takes ``PAUSE`` seconds more (torch's step hooks still run around it)."""
+
+    def step(self, closure=None):
+        time.sleep(PAUSE)
+        return super().step(closure)
 
 
 def images(n: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -108,7 +123,8 @@ def kept_in(model: nn.Module, optimizer: Any, layout: str) -> tuple[bool, str]:
 # ---- run at the end to ``save`` or resume from ``resume``; return the door's session and the optimizer
 
 
-def lightning(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True):
+def lightning(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True, accumulate=1,
+              optimizer=None):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -126,7 +142,7 @@ def lightning(model, steps, *, door, layout, verify, between=None, save=None, re
             return F.cross_entropy(self(batch[0]), batch[1])
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return (optimizer or torch.optim.AdamW)(self.parameters(), lr=1e-2)
 
     class Between(pl.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
@@ -136,6 +152,7 @@ def lightning(model, steps, *, door, layout, verify, between=None, save=None, re
     callback = ChannelsLast(layout=layout, verify=verify)
     ranks = {"devices": 2, "strategy": "ddp"} if RANKS == 2 else {}
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, **ranks,
+                         accumulate_grad_batches=accumulate,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[Between(), *([callback] if door else [])])
     module = Module()
@@ -146,12 +163,13 @@ def lightning(model, steps, *, door, layout, verify, between=None, save=None, re
     return callback.session, trainer.optimizers[0]
 
 
-def _loop(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True, fabric=None):
+def _loop(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True, fabric=None,
+          accumulate=1, optimizer=None):
     from torch.utils.data import DataLoader
 
     from cltrain.loops import ChannelsLastRun
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = (optimizer or torch.optim.AdamW)(model.parameters(), lr=1e-2)
     run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), layout=layout,
                           verify=verify) if door else None
     if resume:
@@ -176,9 +194,11 @@ def _loop(model, steps, *, door, layout, verify, between=None, save=None, resume
         loader = DataLoader(images(), batch_size=2, sampler=DistributedSampler(images(), shuffle=False))
     done, epoch = 0, 0
     while done < steps:
-        for x, y in (run.batches(loader) if door else loader):
-            loss = F.cross_entropy(wrapped(x), y)
+        for i, (x, y) in enumerate(run.batches(loader) if door else loader):
+            loss = F.cross_entropy(wrapped(x), y) / accumulate
             fabric.backward(loss) if fabric is not None else loss.backward()
+            if (i + 1) % accumulate:  # gradient accumulation: the optimizer steps every `accumulate` batches
+                continue
             opt.step()
             opt.zero_grad()
             done += 1
@@ -223,7 +243,8 @@ class HFNet(nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
-def hf(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True):
+def hf(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True, accumulate=1,
+       optimizer=None):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from cltrain.integrations.transformers import ChannelsLastCallback
@@ -239,24 +260,30 @@ def hf(model, steps, *, door, layout, verify, between=None, save=None, resume=No
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-2,
                              save_strategy="steps" if save else "no", save_steps=steps, report_to="none",
                              use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, logging_steps=50,
+                             gradient_accumulation_steps=accumulate,
                              **({"ddp_backend": "gloo"} if RANKS == 2 else {}))
-    trainer = Trainer(model=HFNet(model), args=args, train_dataset=rows,
-                      callbacks=[Between(), *([callback] if door else [])])
+    net = HFNet(model)
+    trainer = Trainer(model=net, args=args, train_dataset=rows, callbacks=[Between(), *([callback] if door else [])],
+                      optimizers=(optimizer(net.parameters(), lr=1e-2) if optimizer else None, None))
     trainer.train(resume_from_checkpoint=str(out / f"checkpoint-{steps - 2}") if resume else None)
     return (callback.session if door else None), trainer.optimizer
 
 
-def accelerate(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True):
+def accelerate(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True,
+               accumulate=1, optimizer=None):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader
 
     from cltrain.integrations.accelerate import prepare_channels_last
     from cltrain.integrations.inputs_hook import ChannelsLastInputs
 
-    accelerator = Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)  # one state per process: each run asks for its own
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     if door:
         prepare_channels_last(model, accelerator, layout=layout, verify=verify)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = (optimizer or torch.optim.AdamW)(model.parameters(), lr=1e-2)
     wrapped, opt, loader = accelerator.prepare(model, optimizer, DataLoader(images(), batch_size=2))
     if resume:
         accelerator.load_state(resume)
@@ -264,10 +291,11 @@ def accelerate(model, steps, *, door, layout, verify, between=None, save=None, r
     while done < steps:
         wrapped.train()
         for x, y in loader:
-            accelerator.backward(F.cross_entropy(wrapped(x), y))
-            opt.step()
-            opt.zero_grad()
-            done += 1
+            with accelerator.accumulate(wrapped):  # the optimizer steps where the gradients sync
+                accelerator.backward(F.cross_entropy(wrapped(x), y))
+                opt.step()
+                opt.zero_grad()
+            done += accelerator.sync_gradients
             if done == steps:
                 break
         if between is not None and epoch == 0:
@@ -319,6 +347,20 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
             and all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Conv2d))
         return ok, session.decision_line(decision) if decision else "not decided"
 
+    def accumulated():
+        # NCHW's forward 0.05 s slower, the optimizer's step slow, 2 batches a step: each timed step must hold one
+        # optimizer step, and channels_last stays (timed batch by batch, NCHW's steps without it would look faster)
+        import cltrain.loops
+
+        model = SlowIn("contiguous", net=base(), seconds=0.05)
+        with contextlib.ExitStack() as stack:
+            if control:  # every batch a step
+                stack.enter_context(_patched(cltrain.loops.ChannelsLastRun, "_cycle_ended", lambda self: True))
+            session, _ = train(model, 12, door=True, layout="auto", verify=True, accumulate=2, optimizer=SlowStep)
+        decision = session.decision
+        ok = decision is not None and decision.layout == "channels_last" and min(decision.seconds.values()) >= PAUSE
+        return ok, f"{session.decision_line(decision) if decision else 'not decided'}; {decision}"
+
     def kept():
         import cltrain.session
         from cltrain.session import LayoutSession
@@ -344,7 +386,7 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
             and decision.how == "restored" and kept_in(model, optimizer, "contiguous")[0]
         return ok, f"{check.line() if check else 'not checked'}; {decision}"
 
-    for name, run in zip(FEATURES, (converts, checked, auto, kept, resumed)):
+    for name, run in zip(FEATURES, (converts, checked, auto, accumulated, kept, resumed)):
         cell(name, run)
     return cells
 

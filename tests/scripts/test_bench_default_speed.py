@@ -64,3 +64,15 @@ def test_a_model_name_that_is_not_one_is_refused_in_one_line_before_any_fit(caps
     assert exit_.value.code == 2
     assert err[-1].split("error: ")[-1].startswith("--models 'resnet5' is not in torchvision.models.list_models() or "
                                                    "timm.list_models(); closest: resnet50"), err
+
+
+def test_the_race_column_names_the_layout_kept_and_the_one_its_medians_put_ahead():
+    from scripts.bench.default_speed import race_kept
+
+    def row(layout, how, cl, nchw):
+        return {"decisions": [{"layout": layout, "how": how, "seconds": {"channels_last": cl, "contiguous": nchw},
+                               "extra_seconds": 0.5}]}
+
+    assert race_kept(row("channels_last", "timed", 0.2, 0.3)) == "CL 1.50x (timed, 0.50 s)"
+    assert race_kept(row("channels_last", "noisy", 0.206, 0.2)) == "CL, NCHW 1.03x faster (noisy, 0.50 s)"
+    assert race_kept(row("contiguous", "timed", 0.3, 0.2)) == "NCHW 1.50x (timed, 0.50 s)"
