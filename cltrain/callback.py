@@ -218,8 +218,12 @@ class ChannelsLast(SessionResults, Callback):
         if self.mode == "off":
             return
         self.session.batch_end()
-        cycle = trainer.accumulate_grad_batches  # a step is a cycle of batches ending in an optimizer step
-        if (batch_idx + 1) % cycle == 0 or batch_idx + 1 == trainer.num_training_batches:
+        last = batch_idx + 1 == trainer.num_training_batches
+        if pl_module.automatic_optimization:  # a step is a cycle of batches ending in an optimizer step
+            due = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or last
+        else:  # manual optimization accumulates as it likes: the step ends at the batch whose optimizer stepped
+            due = self.session.optimizer_stepped() or last
+        if due:
             self.session.step_end(pl_module)
 
     # Lightning passes ``dataloader_idx`` to these hooks and to the step only with several data loaders.

@@ -138,25 +138,6 @@ class ChannelsLastRun(SessionResults):
         self.session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                            owner=f"ChannelsLastRun(mode={mode!r})")
         self._resumed = False
-        self._watched: dict[int, Any] = {}  # id(optimizer) -> its step hook's handle
-        self._optimizer_steps = self._steps_seen = 0
-
-    def _watch(self) -> None:
-        """Count the optimizer steps of ``self.optimizers`` (those given later too): a training step is a cycle of
-        batches ending in an optimizer step, as under gradient accumulation."""
-        for optimizer in self.optimizers:
-            if id(optimizer) not in self._watched and hasattr(optimizer, "register_step_post_hook"):
-                self._watched[id(optimizer)] = optimizer.register_step_post_hook(self._stepped)
-
-    def _stepped(self, optimizer: Any, *args: Any) -> None:
-        if id(optimizer) in self._watched:  # not a copy the check made
-            self._optimizer_steps += 1
-
-    def _cycle_ended(self) -> bool:
-        """An optimizer step ran since the last step ended (every batch ends one where no optimizer is known)."""
-        ended = not self._watched or self._optimizer_steps != self._steps_seen
-        self._steps_seen = self._optimizer_steps
-        return ended
 
     def batches(self, loader: Iterable[B], *, train: bool = True) -> Iterator[B]:
         """Each batch of ``loader`` (on the model's device) with its model inputs in the model's layout, in place;
@@ -168,9 +149,8 @@ class ChannelsLastRun(SessionResults):
         if train and self._resumed:
             self._resumed = False
             self.session.resume()
-        self._steps_seen = self._optimizer_steps  # a step the loop ran after the last pass is not this pass's
+        self.session.optimizer_stepped()  # a step the loop ran after the last pass is not this pass's
         for batch in loader:
-            self._watch()
             batch = self.session.batch(kind, batch, self.model, (lambda b=batch: self._check(b, train))
                                        if self.verify else None)
             try:
@@ -180,7 +160,7 @@ class ChannelsLastRun(SessionResults):
                 self.session.step_end(self.model, completed=False)
                 raise
             self.session.batch_end()
-            if self._cycle_ended():
+            if not train or self.session.optimizer_stepped():
                 self.session.step_end(self.model)
         self.session.step_end(self.model, completed=False)  # a cycle the loader ended before its optimizer step
         self.session.boundary(self.model, after="after a pass over the loader")
@@ -205,9 +185,6 @@ class ChannelsLastRun(SessionResults):
 
     def end(self) -> None:
         """The run ends: the layout kept a last time, torch's own utilities given back."""
-        for handle in self._watched.values():
-            handle.remove()
-        self._watched.clear()
         self.session.end(self.model)
 
     def __enter__(self) -> ChannelsLastRun:

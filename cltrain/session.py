@@ -88,6 +88,25 @@ def no_autotune() -> Iterator[None]:
         torch.backends.cudnn.benchmark = before
 
 
+class _StepCounter:
+    """An optimizer step hook that counts the steps of the optimizers it was registered on. A copy of such an
+    optimizer (the check's, ``copy.deepcopy``, a pickle) carries this counter inert: its steps are not the run's."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.steps = 0
+
+    def __call__(self, optimizer: Any, *args: Any) -> None:
+        if id(optimizer) in self.ids:
+            self.steps += 1
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _StepCounter:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _StepCounter, ()
+
+
 class LayoutSession:
     """A model's channels_last run: see the module docstring.
 
@@ -142,6 +161,8 @@ class LayoutSession:
         self._utilities: contextlib.ExitStack | None = None
         self._step: tuple[tuple[Any, ...], int, StepTimer] | None = None
         self._key: tuple[Any, ...] | None = None
+        self._watched: dict[int, Any] = {}  # id(optimizer) -> its step hook's handle
+        self._counter, self._steps_seen = _StepCounter(), 0
 
     def say(self, message: str, warn: bool = False) -> None:
         """One line, through the host."""
@@ -268,6 +289,7 @@ class LayoutSession:
         if self.layout is None:
             return batch
         if kind == "train":
+            self._watch()
             if self._step is None:
                 self._begin_training_step(batch, model)
         elif self.layout != self._settled():  # an evaluation in the middle of a race runs in the default
@@ -280,6 +302,25 @@ class LayoutSession:
             self.expect(model)
         self.inputs.start_trace(model, self.layout)
         return batch
+
+    def _watch(self) -> None:
+        """Count the steps of the host's optimizers (those that appear later too), for ``optimizer_stepped``."""
+        for optimizer in self.host.optimizers():
+            # a wrapper that is no torch optimizer inside (Accelerate's, Lightning's) steps the one it holds
+            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+            optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+            if id(optimizer) in self._watched or not hasattr(optimizer, "_optimizer_step_post_hooks"):
+                continue
+            self._counter.ids.add(id(optimizer))
+            self._watched[id(optimizer)] = optimizer.register_step_post_hook(self._counter)
+
+    def optimizer_stepped(self) -> bool:
+        """Whether one of the host's optimizers stepped since the last call (always where the host names none): a
+        door whose loop steps the optimizer itself ends a training step there, so under gradient accumulation a step
+        is the batches up to the optimizer's step."""
+        stepped = not self._watched or self._counter.steps != self._steps_seen
+        self._steps_seen = self._counter.steps
+        return stepped
 
     def forward_done(self, completed: bool = True) -> None:
         """The traced forward ended (at the backward, or the forward's own end)."""
@@ -497,6 +538,10 @@ class LayoutSession:
 
     def close(self) -> None:
         """Give torch's utilities back (``end`` does; a run that stopped on an exception calls this)."""
+        for handle in self._watched.values():
+            handle.remove()
+        self._watched.clear()
+        self._counter.ids.clear()
         self.inputs.end_trace(completed=False)
         self.inputs.restore()
         if self._utilities is not None:

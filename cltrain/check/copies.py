@@ -86,8 +86,13 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> to
     except Exception:  # noqa: BLE001 - rebuild from the public constructor instead
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
+        # only what the constructor takes: torch's AdamW keeps `decoupled_weight_decay` in its defaults, not its
+        # arguments
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        anything = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        defaults = {k: v for k, v in optimizer.defaults.items() if anything or k in accepted}
         try:
-            clone = type(optimizer)(groups, **optimizer.defaults)
+            clone = type(optimizer)(groups, **defaults)
             clone.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         except Exception as error:  # noqa: BLE001
             raise TypeError(f"{type(optimizer).__name__} cannot be copied ({type(error).__name__}: {error})") from None

@@ -4,6 +4,8 @@ Trainer; and it leaves no trace in the real optimizer or a compiled module."""
 
 from __future__ import annotations
 
+import pickle
+
 
 import lightning.pytorch as pl
 import pytest
@@ -197,6 +199,54 @@ def test_the_copy_of_an_optimizer_steps_the_copied_parameters_only_also_with_an_
     copied.step()
     assert not torch.equal(clone.weight, weight) and len(copied.state) == 2
     assert torch.equal(model.weight, weight) and len(optimizer.state) == 0 and not getattr(optimizer, "_opt_called", 0)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
+def test_an_optimizer_deepcopy_refuses_is_rebuilt_from_what_its_constructor_takes(kind) -> None:
+    import threading
+
+    from cltrain.check.copies import copy_optimizer
+    from cltrain.check.copies import eager_copy
+
+    model = nn.Conv2d(3, 4, 3)
+    optimizer = kind(model.parameters(), lr=0.1)
+    optimizer.lock = threading.Lock()  # a user's attribute deepcopy cannot copy
+    model.weight.grad, model.bias.grad = torch.ones_like(model.weight), torch.ones_like(model.bias)
+    optimizer.step()
+    memo: dict = {}
+    clone = eager_copy(model, memo)
+    copied = copy_optimizer(optimizer, memo)  # AdamW's defaults hold `decoupled_weight_decay`, its __init__ does not
+    assert type(copied) is kind and copied.param_groups[0]["params"][0] is clone.weight
+    assert copied.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+
+
+def test_an_optimizer_a_session_watches_is_copied_whole_and_its_copy_steps_uncounted() -> None:
+    from cltrain.check.copies import copy_optimizer
+    from cltrain.check.copies import eager_copy
+    from cltrain.host import Host
+    from cltrain.session import LayoutSession
+
+    class Mine(torch.optim.AdamW):  # a user's subclass: rebuilt from its defaults it would not construct
+        pass
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3))
+    optimizer = Mine(model.parameters(), lr=0.1)
+    session = LayoutSession(host=Host(optimizers=lambda: [optimizer]))
+    session.start(model, device="cpu")
+    session.batch("train", (torch.randn(2, 3, 8, 8),), model)
+    memo: dict = {}
+    clone = eager_copy(model, memo)
+    copied = copy_optimizer(optimizer, memo)  # deep-copied with the session's step hook on it
+    for p in clone.parameters():
+        p.grad = torch.ones_like(p)
+    copied.step()
+    assert session.optimizer_stepped() is False  # the copy's step is not the run's
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert session.optimizer_stepped() is True and session.optimizer_stepped() is False
+    session.close()
+    pickle.loads(pickle.dumps(copied.__dict__["_optimizer_step_post_hooks"]))  # the hook pickles, inert
 
 
 class _TwoOptimizers(pl.LightningModule):

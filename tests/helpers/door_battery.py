@@ -350,12 +350,12 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
     def accumulated():
         # NCHW's forward 0.05 s slower, the optimizer's step slow, 2 batches a step: each timed step must hold one
         # optimizer step, and channels_last stays (timed batch by batch, NCHW's steps without it would look faster)
-        import cltrain.loops
+        from cltrain.session import LayoutSession
 
         model = SlowIn("contiguous", net=base(), seconds=0.05)
         with contextlib.ExitStack() as stack:
             if control:  # every batch a step
-                stack.enter_context(_patched(cltrain.loops.ChannelsLastRun, "_cycle_ended", lambda self: True))
+                stack.enter_context(_patched(LayoutSession, "optimizer_stepped", lambda self: True))
             session, _ = train(model, 12, door=True, layout="auto", verify=True, accumulate=2, optimizer=SlowStep)
         decision = session.decision
         ok = decision is not None and decision.layout == "channels_last" and min(decision.seconds.values()) >= PAUSE

@@ -1,0 +1,48 @@
+"""The race under gradient accumulation written by the user: Lightning's manual optimization. (Each door's own
+accumulation is a column of the door table: tests/core/test_doors.py.)"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from cltrain import ChannelsLast
+from tests.helpers.door_battery import PAUSE, SlowStep, base, images
+from tests.helpers.plain_modules import SlowIn
+
+
+class ManualAccumulation(pl.LightningModule):
+    """Manual optimization stepping its (slow) optimizer every second batch, as Lightning's docs show it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = SlowIn("contiguous", net=base(), seconds=0.05)  # NCHW's forward 0.05 s slower
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        self.manual_backward(F.cross_entropy(self(batch[0]), batch[1]) / 2)
+        if (batch_idx + 1) % 2 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return SlowStep(self.parameters(), lr=1e-2)
+
+
+def test_manual_optimization_accumulating_two_batches_is_timed_a_whole_step_at_a_time() -> None:
+    callback = ChannelsLast()
+    trainer = pl.Trainer(max_epochs=5, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[callback])
+    trainer.fit(ManualAccumulation(), DataLoader(images(), batch_size=2))
+    decision = callback.decision
+    # each timed step holds one optimizer step; batch by batch, NCHW's timed batches held none and looked faster
+    assert decision is not None and min(decision.seconds.values()) >= PAUSE, decision
+    assert decision.layout == "channels_last", callback.session.decision_line(decision)
+    check = callback.layout_checks["train"]  # the optimizer, with the race's step hook on it, copied for the check
+    assert check.verdict == "passed" and not check.notes, check.line()
