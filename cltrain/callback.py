@@ -135,6 +135,7 @@ class ChannelsLast(SessionResults, Callback):
             return
         self._module = pl_module
         self.session.host = LightningHost(trainer, pl_module, _say, exclude=self)
+        self.session.watch_optimizers = not pl_module.automatic_optimization  # the step's own optimizer calls
         self.session.fingerprint = lambda: run_fingerprint(
             pl_module, precision=str(trainer.precision), device=trainer.strategy.root_device.type,
             code=[getattr(type(pl_module), method, None) for method in STEPS.values()])

@@ -138,6 +138,7 @@ class ChannelsLastRun(SessionResults):
         self.session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                            owner=f"ChannelsLastRun(mode={mode!r})")
         self._resumed = False
+        self.session.watch_optimizers = True  # a step is the batches up to the loop's optimizer step
 
     def batches(self, loader: Iterable[B], *, train: bool = True) -> Iterator[B]:
         """Each batch of ``loader`` (on the model's device) with its model inputs in the model's layout, in place;

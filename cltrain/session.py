@@ -163,6 +163,8 @@ class LayoutSession:
         self._key: tuple[Any, ...] | None = None
         self._watched: dict[int, Any] = {}  # id(optimizer) -> its step hook's handle
         self._counter, self._steps_seen = _StepCounter(), 0
+        #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
+        self.watch_optimizers = False
 
     def say(self, message: str, warn: bool = False) -> None:
         """One line, through the host."""
@@ -289,7 +291,8 @@ class LayoutSession:
         if self.layout is None:
             return batch
         if kind == "train":
-            self._watch()
+            if self.watch_optimizers:
+                self._watch()
             if self._step is None:
                 self._begin_training_step(batch, model)
         elif self.layout != self._settled():  # an evaluation in the middle of a race runs in the default
@@ -315,9 +318,9 @@ class LayoutSession:
             self._watched[id(optimizer)] = optimizer.register_step_post_hook(self._counter)
 
     def optimizer_stepped(self) -> bool:
-        """Whether one of the host's optimizers stepped since the last call (always where the host names none): a
-        door whose loop steps the optimizer itself ends a training step there, so under gradient accumulation a step
-        is the batches up to the optimizer's step."""
+        """Whether one of the host's optimizers stepped since the last call (always where none is watched: see
+        ``watch_optimizers``): a door whose loop steps the optimizer itself ends a training step there, so under
+        gradient accumulation a step is the batches up to the optimizer's step."""
         stepped = not self._watched or self._counter.steps != self._steps_seen
         self._steps_seen = self._counter.steps
         return stepped

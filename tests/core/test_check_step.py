@@ -232,6 +232,7 @@ def test_an_optimizer_a_session_watches_is_copied_whole_and_its_copy_steps_uncou
     model = nn.Sequential(nn.Conv2d(3, 4, 3))
     optimizer = Mine(model.parameters(), lr=0.1)
     session = LayoutSession(host=Host(optimizers=lambda: [optimizer]))
+    session.watch_optimizers = True
     session.start(model, device="cpu")
     session.batch("train", (torch.randn(2, 3, 8, 8),), model)
     memo: dict = {}

@@ -18,7 +18,7 @@ class ManualAccumulation(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.net = SlowIn("contiguous", net=base(), seconds=0.05)  # NCHW's forward 0.05 s slower
+        self.net = SlowIn("contiguous", net=base(), seconds=0.03)  # NCHW's forward 0.03 s slower
 
     def forward(self, x):
         return self.net(x)
@@ -36,7 +36,7 @@ class ManualAccumulation(pl.LightningModule):
 
 def test_manual_optimization_accumulating_two_batches_is_timed_a_whole_step_at_a_time() -> None:
     callback = ChannelsLast()
-    trainer = pl.Trainer(max_epochs=5, accelerator="cpu", logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[callback])
     trainer.fit(ManualAccumulation(), DataLoader(images(), batch_size=2))

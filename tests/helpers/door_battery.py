@@ -73,7 +73,7 @@ def slow(net: nn.Module | None = None) -> nn.Module:
     return SlowIn("channels_last", net=net or base(), seconds=0.15)
 
 
-PAUSE = 0.2  # SlowStep's step: a large model's optimizer step, beside a small batch's forward and backward
+PAUSE = 0.1  # SlowStep's step: a large model's optimizer step, beside a small batch's forward and backward
 
 
 class SlowStep(torch.optim.AdamW):
@@ -348,15 +348,15 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
         return ok, session.decision_line(decision) if decision else "not decided"
 
     def accumulated():
-        # NCHW's forward 0.05 s slower, the optimizer's step slow, 2 batches a step: each timed step must hold one
+        # NCHW's forward 0.03 s slower, the optimizer's step slow, 2 batches a step: each timed step must hold one
         # optimizer step, and channels_last stays (timed batch by batch, NCHW's steps without it would look faster)
         from cltrain.session import LayoutSession
 
-        model = SlowIn("contiguous", net=base(), seconds=0.05)
+        model = SlowIn("contiguous", net=base(), seconds=0.03)
         with contextlib.ExitStack() as stack:
             if control:  # every batch a step
                 stack.enter_context(_patched(LayoutSession, "optimizer_stepped", lambda self: True))
-            session, _ = train(model, 12, door=True, layout="auto", verify=True, accumulate=2, optimizer=SlowStep)
+            session, _ = train(model, 9, door=True, layout="auto", verify=True, accumulate=2, optimizer=SlowStep)
         decision = session.decision
         ok = decision is not None and decision.layout == "channels_last" and min(decision.seconds.values()) >= PAUSE
         return ok, f"{session.decision_line(decision) if decision else 'not decided'}; {decision}"
