@@ -309,7 +309,7 @@ class LayoutSession:
     def _watch(self) -> None:
         """Count the steps of the host's optimizers (those that appear later too), for ``optimizer_stepped``."""
         for optimizer in self.host.optimizers():
-            # a wrapper that is no torch optimizer inside (Accelerate's, Lightning's) steps the one it holds
+            # a wrapper (Accelerate's, Lightning's) steps the torch optimizer it holds: that one is watched
             inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
             optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
             if id(optimizer) in self._watched or not hasattr(optimizer, "_optimizer_step_post_hooks"):
