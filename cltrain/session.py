@@ -88,6 +88,10 @@ def no_autotune() -> Iterator[None]:
         torch.backends.cudnn.benchmark = before
 
 
+#: Training batches without a step of any watched optimizer, none ever seen, after which a door stops waiting for one.
+UNSTEPPED_BATCHES = 256
+
+
 class _StepCounter:
     """An optimizer step hook that counts the steps of the optimizers it was registered on. A copy of such an
     optimizer (the check's, ``copy.deepcopy``, a pickle) carries this counter inert: its steps are not the run's."""
@@ -162,7 +166,7 @@ class LayoutSession:
         self._step: tuple[tuple[Any, ...], int, StepTimer] | None = None
         self._key: tuple[Any, ...] | None = None
         self._watched: dict[int, Any] = {}  # id(optimizer) -> its step hook's handle
-        self._counter, self._steps_seen = _StepCounter(), 0
+        self._counter, self._steps_seen, self._unstepped = _StepCounter(), 0, 0
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
 
@@ -323,7 +327,19 @@ class LayoutSession:
         gradient accumulation a step is the batches up to the optimizer's step."""
         stepped = not self._watched or self._counter.steps != self._steps_seen
         self._steps_seen = self._counter.steps
+        self._unstepped = 0 if stepped else self._unstepped + 1
+        if self._unstepped >= UNSTEPPED_BATCHES and self._counter.steps == 0:  # not the optimizer the loop steps
+            self.watch_optimizers = False
+            self._unwatch()
+            self.say(f"ChannelsLast: none of the optimizers given stepped in {UNSTEPPED_BATCHES} batches: each "
+                     "batch is timed as a step from here (give the run the optimizer your loop steps)", warn=True)
         return stepped
+
+    def _unwatch(self) -> None:
+        for handle in self._watched.values():
+            handle.remove()
+        self._watched.clear()
+        self._counter.ids.clear()
 
     def forward_done(self, completed: bool = True) -> None:
         """The traced forward ended (at the backward, or the forward's own end)."""
@@ -541,10 +557,7 @@ class LayoutSession:
 
     def close(self) -> None:
         """Give torch's utilities back (``end`` does; a run that stopped on an exception calls this)."""
-        for handle in self._watched.values():
-            handle.remove()
-        self._watched.clear()
-        self._counter.ids.clear()
+        self._unwatch()
         self.inputs.end_trace(completed=False)
         self.inputs.restore()
         if self._utilities is not None:

@@ -4,6 +4,7 @@ accumulation is a column of the door table: tests/core/test_doors.py.)"""
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
@@ -46,3 +47,26 @@ def test_manual_optimization_accumulating_two_batches_is_timed_a_whole_step_at_a
     assert decision.layout == "channels_last", callback.session.decision_line(decision)
     check = callback.layout_checks["train"]  # the optimizer, with the race's step hook on it, copied for the check
     assert check.verdict == "passed" and not check.notes, check.line()
+
+
+def test_a_loop_that_steps_another_optimizer_than_the_one_given_is_timed_batch_by_batch(monkeypatch, caplog) -> None:
+    import logging
+
+    import cltrain.session
+    from cltrain.loops import ChannelsLastRun
+
+    monkeypatch.setattr(cltrain.session, "UNSTEPPED_BATCHES", 8, raising=False)
+    model = SlowIn("channels_last", net=base(), seconds=0.05)  # channels_last's forward 0.05 s slower
+    given = torch.optim.SGD(model.parameters(), lr=0.01)
+    stepped = torch.optim.SGD(model.parameters(), lr=0.01)  # made later, and not given to the run
+    run = ChannelsLastRun(model, given, verify=False)
+    with caplog.at_level(logging.INFO):
+        for _ in range(4):
+            for x, y in run.batches(DataLoader(images(), batch_size=2)):
+                F.cross_entropy(model(x), y).backward()
+                stepped.step()
+                stepped.zero_grad()
+    run.end()
+    assert "none of the optimizers given stepped in 8 batches" in caplog.text
+    # without the fallback every step stays open for good and the race never ends
+    assert run.decision is not None and run.decision.layout == "contiguous", caplog.text
