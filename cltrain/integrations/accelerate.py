@@ -6,9 +6,10 @@ it converts the model for the accelerator's device and mixed precision (the chan
 parameter's rank and the kernel guardrails) and attaches ``cltrain.integrations.inputs_hook.ChannelsLastInputs``: the
 loop's ``model(**batch)`` / ``model(x)`` then gets its images in the model's layout, the first training and
 evaluation batch is checked, the first training steps race the layouts (a step ends where the next training
-forward starts; under ``accelerator.accumulate``, after the forward whose gradients sync) and keep the faster,
-whatever moved a parameter's layout is put back when the loop turns to evaluation, and ``accelerator.save_state`` / ``load_state`` carry the verdicts and the decision (the hook is
-registered for checkpointing) and give the restored optimizer state its parameters' strides. The same by hand, for a
+forward starts after the optimizer's step, so under gradient accumulation a step is the calls up to it) and keep
+the faster, whatever moved a parameter's layout is put back when the loop turns to evaluation, and
+``accelerator.save_state`` / ``load_state`` carry the verdicts and the decision (the hook is registered for
+checkpointing) and give the restored optimizer state its parameters' strides. The same by hand, for a
 loop that prefers to see each step: ``cltrain.loops.ChannelsLastRun`` (docs/guides/huggingface.md).
 
 Example::
@@ -83,11 +84,12 @@ def prepare_channels_last(
     check_flags("prepare_channels_last", guard=guard, verify=verify)
     check_layout_choice("prepare_channels_last", layout)
     dtype = autocast_dtype({"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(str(accelerator.mixed_precision), ""))
-    # under accelerator.accumulate(), a training step is the calls up to the one whose gradients sync
-    hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype, cycle_end=lambda: accelerator.sync_gradients)
+    hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
     hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
     host = hook.host(log=lambda metrics: accelerator.log(metrics))
     session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host)
+    # a step is the calls up to the optimizer's step (under accelerator.accumulate() or a loop's own accumulation)
+    session.watch_optimizers = True
     session.fingerprint = lambda: run_fingerprint(model, precision=str(accelerator.mixed_precision),
                                                   device=accelerator.device.type)
     # FSDP and DeepSpeed (GPU only in Accelerate) keep parameters contiguous: then only the inputs go channels_last.

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -106,11 +106,10 @@ class ChannelsLastInputs:
         logger: where the lines go (default: this module's logger).
         layout: for a hook attached without a session: ``"auto"`` (race the layouts), ``"channels_last"`` or
             ``"contiguous"``.
-        steps: ``"forward"``: a training step ends where the next training call starts (a hand-written loop);
-            ``"door"``: the door ends each step itself (``session.step_end``).
-        cycle_end: with ``steps="forward"``, ``cycle_end()`` at a training call says whether the loop's optimizer
-            steps after it (Accelerate's ``accelerator.sync_gradients``): under gradient accumulation a step is the
-            calls up to that one. ``None``: every call.
+        steps: ``"forward"``: a training step ends where the next training call starts (a hand-written loop; where
+            the session watches the loop's optimizers, the next call after one of them stepped: under gradient
+            accumulation the calls up to the optimizer's step are one step); ``"door"``: the door ends each step
+            itself (``session.step_end``).
 
     Attributes:
         layout: the layout the model runs in now (``"channels_last"`` or ``"contiguous"``).
@@ -140,13 +139,11 @@ class ChannelsLastInputs:
         logger: logging.Logger | None = None,
         layout: str = "auto",
         steps: str = "forward",
-        cycle_end: Callable[[], bool] | None = None,
     ) -> None:
         names = argument_names(names, f"ChannelsLastInputs(names={names!r})")
         check_flags("ChannelsLastInputs", positional=positional, verify=verify)
         check_layout_choice("ChannelsLastInputs", layout)
         self.names, self.positional, self.verify, self.steps = names, positional, verify, steps
-        self.cycle_end, self._cycle_ended = cycle_end, True
         self.autocast_dtype = autocast_dtype
         self.log = logger or logging.getLogger(__name__)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -225,12 +222,10 @@ class ChannelsLastInputs:
         kind = "train" if module.training and torch.is_grad_enabled() else "eval"
         if self.steps == "forward":  # a hand-written loop: its calls are all the events there are
             # the previous training step ended where this call starts (its optimizer step done, evaluation or not)
-            if kind == "eval" or self._cycle_ended:
+            if kind == "eval" or self.session.optimizer_stepped():
                 self.session.step_end(module)
             if kind == "eval" and self._last == "train":
                 self.session.boundary(module, after="before an evaluation")
-            if kind == "train":
-                self._cycle_ended = self.cycle_end is None or bool(self.cycle_end())
         self._last = kind
         if not self._hinted:
             self._hinted = True

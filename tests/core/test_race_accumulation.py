@@ -70,3 +70,30 @@ def test_a_loop_that_steps_another_optimizer_than_the_one_given_is_timed_batch_b
     assert "none of the optimizers given stepped in 8 batches" in caplog.text
     # without the fallback every step stays open for good and the race never ends
     assert run.decision is not None and run.decision.layout == "contiguous", caplog.text
+
+
+def test_an_accelerate_loop_accumulating_by_hand_is_timed_a_whole_step_at_a_time() -> None:
+    import pytest
+
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from cltrain.integrations.accelerate import prepare_channels_last
+    from cltrain.integrations.inputs_hook import ChannelsLastInputs
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)  # no accumulation plugin: the loop counts its own batches
+    model = prepare_channels_last(SlowIn("contiguous", net=base(), seconds=0.03), accelerator)
+    wrapped, optimizer, loader = accelerator.prepare(model, SlowStep(model.parameters(), lr=1e-2),
+                                                     DataLoader(images(), batch_size=2))
+    for _ in range(4):
+        for i, (x, y) in enumerate(loader):
+            accelerator.backward(F.cross_entropy(wrapped(x), y) / 2)
+            if (i + 1) % 2 == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    session = ChannelsLastInputs.of(model).session
+    decision = session.decision
+    assert decision is not None and min(decision.seconds.values()) >= PAUSE, decision
+    assert decision.layout == "channels_last", session.decision_line(decision)
