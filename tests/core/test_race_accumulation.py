@@ -97,3 +97,23 @@ def test_an_accelerate_loop_accumulating_by_hand_is_timed_a_whole_step_at_a_time
     decision = session.decision
     assert decision is not None and min(decision.seconds.values()) >= PAUSE, decision
     assert decision.layout == "channels_last", session.decision_line(decision)
+
+
+def test_a_loop_whose_optimizer_step_is_compiled_is_timed_a_whole_step_at_a_time() -> None:
+    from cltrain.loops import ChannelsLastRun
+
+    model = SlowIn("contiguous", net=base(), seconds=0.03)  # NCHW's forward 0.03 s slower
+    optimizer = SlowStep(model.parameters(), lr=1e-2)
+    step = torch.compile(optimizer.step, backend="eager")  # dynamo traces the step hooks (inductor's compile: alike)
+    run = ChannelsLastRun(model, optimizer)
+    for _ in range(4):
+        for i, (x, y) in enumerate(run.batches(DataLoader(images(), batch_size=2))):
+            (F.cross_entropy(model(x), y) / 2).backward()
+            if (i + 1) % 2 == 0:
+                step()
+                optimizer.zero_grad()
+    run.end()
+    # a hook that dynamo dropped would leave every step open: no decision in these 24 batches
+    assert run.decision is not None and min(run.decision.seconds.values()) >= PAUSE, run.decision
+    assert run.decision.layout == "channels_last", run.session.decision_line(run.decision)
+    assert not optimizer._optimizer_step_post_hooks  # the run's watch is gone with the run

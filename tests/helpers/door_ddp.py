@@ -4,8 +4,9 @@
     python -m tests.helpers.door_ddp lightning|fabric OUT_DIR                   # they start their own processes
     python -m tests.helpers.torchrun --standalone --nproc_per_node 2 -m tests.helpers.door_ddp plain|hf|accelerate OUT
 
-The model's channels_last steps are slow (``SlowIn``: DDP's all-reduce gives every rank the slowest rank's step): the
-race must switch every rank to NCHW at the same step, on rank 0's decision, and the run go on.
+The model's channels_last steps are slow (``SlowIn``: DDP's all-reduce gives every rank the slowest rank's step), and
+each step accumulates 2 batches in the door's own way: the race must switch every rank to NCHW at the same step (a
+step's end is where the optimizer stepped), on rank 0's decision, and the run go on.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main(door: str, out: Path) -> None:
     if door == "plain":  # a plain DDP script starts its process group first
         torch.distributed.init_process_group("gloo")
     model = door_battery.slow()
-    session, _ = door_battery.DOORS[door](model, 14, door=True, layout="auto", verify=True)
+    session, _ = door_battery.DOORS[door](model, 14, door=True, layout="auto", verify=True, accumulate=2)
     rank = int(os.environ.get("RANK", getattr(door_battery.lightning, "rank", 0)))
     if torch.distributed.is_initialized():
         rank = torch.distributed.get_rank()
