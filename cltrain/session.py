@@ -111,6 +111,26 @@ class _StepCounter:
         return _StepCounter, ()
 
 
+#: Where an optimizer wrapper holds the optimizer it steps: Accelerate's and Lightning's wrappers, timm's Lookahead,
+#: SAM's implementations.
+_WRAPPED = ("optimizer", "_optimizer", "_base_optimizer", "base_optimizer")
+
+
+def _stepping(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose step hooks tell that ``optimizer`` stepped: the innermost one it wraps (a wrapper may skip
+    its inner step, as Accelerate's does while gradients accumulate) whose class runs torch's step hooks (a class
+    that does not call ``Optimizer.__init__``, as timm's Lookahead, takes hooks and never runs them); ``None``: none."""
+    found, seen = None, set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        hooked = getattr(getattr(type(optimizer), "step", None), "hooked", False)
+        if hooked and hasattr(optimizer, "_optimizer_step_post_hooks"):
+            found = optimizer
+        optimizer = next((inner for name in _WRAPPED
+                          if isinstance(inner := getattr(optimizer, name, None), torch.optim.Optimizer)), None)
+    return found
+
+
 class LayoutSession:
     """A model's channels_last run: see the module docstring.
 
@@ -166,6 +186,7 @@ class LayoutSession:
         self._step: tuple[tuple[Any, ...], int, StepTimer] | None = None
         self._key: tuple[Any, ...] | None = None
         self._watched: dict[int, Any] = {}  # id(optimizer) -> its step hook's handle
+        self._examined: set[int] = set()  # the host's optimizers looked at by _watch
         self._counter, self._steps_seen, self._unstepped = _StepCounter(), 0, 0
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
@@ -313,13 +334,17 @@ class LayoutSession:
     def _watch(self) -> None:
         """Count the steps of the host's optimizers (those that appear later too), for ``optimizer_stepped``."""
         for optimizer in self.host.optimizers():
-            # a wrapper (Accelerate's, Lightning's) steps the torch optimizer it holds: that one is watched
-            inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-            optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
-            if id(optimizer) in self._watched or not hasattr(optimizer, "_optimizer_step_post_hooks"):
+            if id(optimizer) in self._examined:
                 continue
-            self._counter.ids.add(id(optimizer))
-            self._watched[id(optimizer)] = optimizer.register_step_post_hook(self._counter)
+            self._examined.add(id(optimizer))
+            stepping = _stepping(optimizer)
+            if stepping is None:
+                self.say(f"ChannelsLast: the steps of {type(optimizer).__name__} cannot be watched (its step runs no "
+                         "step hooks): under gradient accumulation each batch is timed as a step")
+                continue
+            if id(stepping) not in self._watched:
+                self._counter.ids.add(id(stepping))
+                self._watched[id(stepping)] = stepping.register_step_post_hook(self._counter)
 
     def optimizer_stepped(self) -> bool:
         """Whether one of the host's optimizers stepped since the last call (always where none is watched: see
@@ -339,6 +364,7 @@ class LayoutSession:
         for handle in self._watched.values():
             handle.remove()
         self._watched.clear()
+        self._examined.clear()
         self._counter.ids.clear()
 
     def forward_done(self, completed: bool = True) -> None:

@@ -3,7 +3,10 @@ accumulation is a column of the door table: tests/core/test_doors.py.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
@@ -73,8 +76,6 @@ def test_a_loop_that_steps_another_optimizer_than_the_one_given_is_timed_batch_b
 
 
 def test_an_accelerate_loop_accumulating_by_hand_is_timed_a_whole_step_at_a_time() -> None:
-    import pytest
-
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -117,3 +118,50 @@ def test_a_loop_whose_optimizer_step_is_compiled_is_timed_a_whole_step_at_a_time
     assert run.decision is not None and min(run.decision.seconds.values()) >= PAUSE, run.decision
     assert run.decision.layout == "channels_last", run.session.decision_line(run.decision)
     assert not optimizer._optimizer_step_post_hooks  # the run's watch is gone with the run
+
+
+class _Unhooked(torch.optim.Optimizer):
+    """A wrapper of the user's own that, as timm's Lookahead, does not call ``Optimizer.__init__`` (so its step runs no
+    hooks) and holds the optimizer it steps under a name of its own: nothing tells when it steps."""
+
+    def __init__(self, params) -> None:
+        self.fast = SlowStep(params, lr=1e-2)
+        self.param_groups, self.state, self.defaults = self.fast.param_groups, self.fast.state, self.fast.defaults
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    def step(self, closure=None):
+        return self.fast.step(closure)
+
+
+def _accumulating_loop(optimizer, model, caplog) -> Any:
+    import logging
+
+    from cltrain.loops import ChannelsLastRun
+
+    run = ChannelsLastRun(model, optimizer, verify=False)  # the check's copy of the optimizer would, too
+    with caplog.at_level(logging.INFO):
+        for _ in range(4):
+            for i, (x, y) in enumerate(run.batches(DataLoader(images(), batch_size=2))):
+                (F.cross_entropy(model(x), y) / 2).backward()
+                if (i + 1) % 2 == 0:
+                    optimizer.step()
+                    model.zero_grad()  # (the optimizer's own zero_grad would have torch patch its class's step)
+    run.end()
+    return run
+
+
+def test_a_wrapping_optimizer_whose_own_step_runs_no_hooks_is_watched_through_the_one_it_wraps(caplog) -> None:
+    timm_optim = pytest.importorskip("timm.optim")
+    model = SlowIn("contiguous", net=base(), seconds=0.03)  # NCHW's forward 0.03 s slower
+    # timm's Lookahead does not call Optimizer.__init__: it takes step hooks and never runs them
+    run = _accumulating_loop(timm_optim.Lookahead(SlowStep(model.parameters(), lr=1e-2)), model, caplog)
+    assert run.decision is not None and min(run.decision.seconds.values()) >= PAUSE, run.decision
+    assert run.decision.layout == "channels_last", run.session.decision_line(run.decision)
+    assert "cannot be watched" not in caplog.text
+
+
+def test_an_optimizer_nothing_can_watch_is_timed_batch_by_batch_and_says_so(caplog) -> None:
+    model = SlowIn("contiguous", net=base(), seconds=0.03)
+    run = _accumulating_loop(_Unhooked(model.parameters()), model, caplog)
+    assert "the steps of _Unhooked cannot be watched" in caplog.text
+    assert run.decision is not None, caplog.text  # batch by batch: the race still ends
