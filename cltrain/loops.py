@@ -54,7 +54,7 @@ from cltrain.check.resume import run_fingerprint
 from cltrain.host import Host
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
-from cltrain.options import check_flags, check_layout_choice, check_mode, check_positive
+from cltrain.options import check_flags, check_layout_choice, check_mode, check_optimizers, check_positive
 from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
 
@@ -104,7 +104,7 @@ class ChannelsLastRun(SessionResults):
             (``cltrain.session.SessionResults``: ``layout``, ``decision``, ``layout_checks``, ``guardrails``, ...).
 
     Raises:
-        ValueError: a bad ``mode``, ``layout``, ``inputs``, ``check_samples`` or flag.
+        ValueError: a bad ``optimizer``, ``mode``, ``layout``, ``inputs``, ``check_samples`` or flag.
 
     Example::
 
@@ -128,8 +128,7 @@ class ChannelsLastRun(SessionResults):
         check_positive("ChannelsLastRun", "check_samples", check_samples, optional=True)
         self.model, self.step, self.dtype, self.verify = model, step, dtype, verify
         self.inputs, self.check_samples = check_inputs(inputs, owner="ChannelsLastRun"), check_samples
-        self.optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) \
-            else list(optimizer)
+        self.optimizers = check_optimizers("ChannelsLastRun", optimizer)
         host = Host(_say, optimizers=lambda: self.optimizers, copies=copies, log=log)
         self.session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, inputs=self.inputs,
                                      check_samples=check_samples, host=host)
@@ -330,6 +329,7 @@ def verify_layout(
         The ``cltrain.check.compare.LayoutCheck``.
     """
     inputs = check_inputs(inputs, owner="verify_layout")
+    check_optimizers("verify_layout", optimizer, several=False)
     host = Host(_say, optimizers=lambda: [optimizer] if optimizer is not None else [])
     session = LayoutSession(layout="channels_last", inputs=inputs, host=host)
     session.layout, session.dtype, session.sharding = "channels_last", autocast_dtype, sharding_of(model)

@@ -12,11 +12,12 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from cltrain.layout.tensors import MODES
 
-__all__ = ["check_flags", "check_layout_choice", "check_mode", "check_positive"]
+__all__ = ["check_flags", "check_layout_choice", "check_mode", "check_optimizers", "check_positive"]
 
 #: What every front door's ``layout=`` takes: ``"auto"`` races the layouts on the run's own steps, the others pin one.
 LAYOUT_CHOICES = ("auto", "channels_last", "contiguous")
@@ -53,3 +54,29 @@ def check_positive(call: str, name: str, value: Any, whole: bool = True, optiona
         raise ValueError(f"{call}({name}={value!r}): expected {'None or ' if optional else ''}an int >= 1.")
     if not whole and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{call}({name}={value!r}): expected seconds > 0.")
+
+
+def check_optimizers(call: str, optimizer: Any, several: bool = True) -> list[Any]:
+    """``optimizer`` as a list: ``None``, an optimizer (anything with ``param_groups`` and a ``step``: torch's, and
+    the wrappers of Fabric, Accelerate and DeepSpeed), or (``several``) an iterable of them."""
+    def optimizer_like(value: Any) -> bool:
+        return hasattr(value, "param_groups") and callable(getattr(value, "step", None))
+
+    def shown(value: Any) -> str:
+        text = repr(value)
+        return text if "\n" not in text and len(text) <= 60 else f"<{type(value).__name__}>"
+
+    if optimizer is None:
+        return []
+    if optimizer_like(optimizer):
+        return [optimizer]
+    name, bad = "optimizer", optimizer
+    if several and isinstance(optimizer, Iterable) and not isinstance(optimizer, (str, bytes, type)):
+        items = list(optimizer)
+        index = next((i for i, o in enumerate(items) if not optimizer_like(o)), None)
+        if index is None:
+            return items
+        name, bad = f"optimizer[{index}]", items[index]
+    takes = "an optimizer or a list of them" if several else "an optimizer"
+    raise ValueError(f"{call}({name}={shown(bad)}): expected {takes}, as the loop steps it "
+                     "(torch.optim.AdamW(model.parameters()), not its name or class).")

@@ -52,3 +52,23 @@ def test_the_checks_name_the_call_the_argument_and_what_it_takes():
         with pytest.raises(ValueError) as raised:
             call()
         assert str(raised.value) == message
+
+
+def test_the_loop_door_refuses_what_is_not_an_optimizer_before_it_touches_the_model():
+    import torch
+
+    from cltrain.loops import ChannelsLastRun, verify_layout
+
+    model = torch.nn.Conv2d(3, 4, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    takes = "expected an optimizer or a list of them, as the loop steps it (torch.optim.AdamW(model.parameters()), " \
+            "not its name or class)."
+    for bad, shown in [("adam", "optimizer='adam'"), (torch.optim.AdamW, "optimizer=<class 'torch.optim.adamw.AdamW'>"),
+                       ([sgd, "x"], "optimizer[1]='x'")]:
+        with pytest.raises(ValueError) as raised:
+            ChannelsLastRun(model, bad)
+        assert str(raised.value) == f"ChannelsLastRun({shown}): {takes}"
+    assert model.weight.is_contiguous()  # refused before the model was converted
+    with pytest.raises(ValueError, match=r"^verify_layout\(optimizer=<list>\): expected an optimizer, "):
+        verify_layout(model, torch.randn(2, 3, 8, 8), optimizer=[sgd])
+    assert ChannelsLastRun(model, iter([sgd]), verify=False).optimizers == [sgd]
