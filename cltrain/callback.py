@@ -221,11 +221,11 @@ class ChannelsLast(SessionResults, Callback):
         self.session.batch_end()
         last = batch_idx + 1 == trainer.num_training_batches
         if pl_module.automatic_optimization:  # a step is a cycle of batches ending in an optimizer step
-            due = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or last
+            completed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or last  # Lightning steps at the end
         else:  # manual optimization accumulates as it likes: the step ends at the batch whose optimizer stepped
-            due = self.session.optimizer_stepped() or last
-        if due:
-            self.session.step_end(pl_module)
+            completed = self.session.optimizer_stepped()
+        if completed or last:  # a cycle the epoch ends before its optimizer step is not timed
+            self.session.step_end(pl_module, completed=completed)
 
     # Lightning passes ``dataloader_idx`` to these hooks and to the step only with several data loaders.
     @override

@@ -165,3 +165,19 @@ def test_an_optimizer_nothing_can_watch_is_timed_batch_by_batch_and_says_so(capl
     run = _accumulating_loop(_Unhooked(model.parameters()), model, caplog)
     assert "the steps of _Unhooked cannot be watched" in caplog.text
     assert run.decision is not None, caplog.text  # batch by batch: the race still ends
+
+
+def test_a_cycle_the_epoch_ends_before_its_optimizer_step_is_not_timed(monkeypatch) -> None:
+    from cltrain.timing.layout_race import LayoutRace
+
+    timed: list[float] = []
+    record = LayoutRace.record
+    monkeypatch.setattr(LayoutRace, "record", lambda self, key, size, layout, seconds:
+                        timed.append(seconds) or record(self, key, size, layout, seconds))
+    callback = ChannelsLast()
+    trainer = pl.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[callback])
+    # 5 batches an epoch, the optimizer stepping every second: each epoch's last batch is a cycle with no step
+    trainer.fit(ManualAccumulation(), DataLoader(images(10), batch_size=2))
+    assert timed and min(timed) >= PAUSE, timed  # every timed step holds an optimizer step
