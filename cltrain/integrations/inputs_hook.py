@@ -221,9 +221,11 @@ class ChannelsLastInputs:
             return first, {k: _to_channels_last(v, module) if k in self.names else v for k, v in kwargs.items()}
         kind = "train" if module.training and torch.is_grad_enabled() else "eval"
         if self.steps == "forward":  # a hand-written loop: its calls are all the events there are
-            # the previous training step ended where this call starts (its optimizer step done, evaluation or not)
-            if kind == "eval" or self.session.optimizer_stepped():
-                self.session.step_end(module)
+            # the previous training step ended where this call starts (its optimizer step done, evaluation or not);
+            # a cycle that an evaluation ends before its optimizer step is not timed
+            stepped = self.session.optimizer_stepped()
+            if kind == "eval" or stepped:
+                self.session.step_end(module, completed=stepped)
             if kind == "eval" and self._last == "train":
                 self.session.boundary(module, after="before an evaluation")
         self._last = kind

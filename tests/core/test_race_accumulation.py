@@ -75,7 +75,20 @@ def test_a_loop_that_steps_another_optimizer_than_the_one_given_is_timed_batch_b
     assert run.decision is not None and run.decision.layout == "contiguous", caplog.text
 
 
-def test_an_accelerate_loop_accumulating_by_hand_is_timed_a_whole_step_at_a_time() -> None:
+@pytest.fixture
+def timed(monkeypatch) -> list[float]:
+    """The seconds of every step the race records."""
+    from cltrain.timing.layout_race import LayoutRace
+
+    found: list[float] = []
+    record = LayoutRace.record
+    monkeypatch.setattr(LayoutRace, "record", lambda self, key, size, layout, seconds:
+                        found.append(seconds) or record(self, key, size, layout, seconds))
+    return found
+
+
+@pytest.mark.parametrize("n", [12, 10])
+def test_an_accelerate_loop_accumulating_by_hand_is_timed_a_whole_step_at_a_time(n, timed) -> None:
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -87,16 +100,20 @@ def test_an_accelerate_loop_accumulating_by_hand_is_timed_a_whole_step_at_a_time
     accelerator = accelerate.Accelerator(cpu=True)  # no accumulation plugin: the loop counts its own batches
     model = prepare_channels_last(SlowIn("contiguous", net=base(), seconds=0.03), accelerator)
     wrapped, optimizer, loader = accelerator.prepare(model, SlowStep(model.parameters(), lr=1e-2),
-                                                     DataLoader(images(), batch_size=2))
+                                                     DataLoader(images(n), batch_size=2))
     for _ in range(4):
+        wrapped.train()
         for i, (x, y) in enumerate(loader):
             accelerator.backward(F.cross_entropy(wrapped(x), y) / 2)
             if (i + 1) % 2 == 0:
                 optimizer.step()
                 optimizer.zero_grad()
+        wrapped.eval()  # the epoch's evaluation: with 10 images it ends a cycle before its optimizer step
+        with torch.no_grad():
+            wrapped(images(2)[0][0][None])
     session = ChannelsLastInputs.of(model).session
     decision = session.decision
-    assert decision is not None and min(decision.seconds.values()) >= PAUSE, decision
+    assert decision is not None and min(timed) >= PAUSE, (decision, timed)  # every timed step holds a step
     assert decision.layout == "channels_last", session.decision_line(decision)
 
 
@@ -167,13 +184,7 @@ def test_an_optimizer_nothing_can_watch_is_timed_batch_by_batch_and_says_so(capl
     assert run.decision is not None, caplog.text  # batch by batch: the race still ends
 
 
-def test_a_cycle_the_epoch_ends_before_its_optimizer_step_is_not_timed(monkeypatch) -> None:
-    from cltrain.timing.layout_race import LayoutRace
-
-    timed: list[float] = []
-    record = LayoutRace.record
-    monkeypatch.setattr(LayoutRace, "record", lambda self, key, size, layout, seconds:
-                        timed.append(seconds) or record(self, key, size, layout, seconds))
+def test_a_cycle_the_epoch_ends_before_its_optimizer_step_is_not_timed(timed) -> None:
     callback = ChannelsLast()
     trainer = pl.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
