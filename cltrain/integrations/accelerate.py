@@ -29,7 +29,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
@@ -57,6 +57,7 @@ def prepare_channels_last(
     guard: bool = True,
     verify: bool = True,
     layout: str = "auto",
+    copies: Callable[[], Iterable[nn.Module]] = tuple,
 ) -> M:
     """Put ``model`` in channels_last for ``accelerator``, in place, and run its calls through a layout session.
 
@@ -71,6 +72,8 @@ def prepare_channels_last(
         verify: check the first training and evaluation batch (``ChannelsLastInputs.of(model).layout_checks``).
         layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
             ``"channels_last"`` or ``"contiguous"`` pins one.
+        copies: ``copies()`` gives the model's copies that should follow its layout (an EMA's ``AveragedModel`` or
+            timm's ``ModelEmaV3``), asked at each change of layout.
 
     Returns:
         ``model`` itself (its parameters are kept). Under FSDP or DeepSpeed its weights stay NCHW, as those
@@ -86,7 +89,7 @@ def prepare_channels_last(
     dtype = autocast_dtype({"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(str(accelerator.mixed_precision), ""))
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
     hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
-    host = hook.host(log=lambda metrics: accelerator.log(metrics))
+    host = hook.host(copies=copies, log=lambda metrics: accelerator.log(metrics))
     session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host)
     # a step is the calls up to the optimizer's step (under accelerator.accumulate() or a loop's own accumulation)
     session.watch_optimizers = True

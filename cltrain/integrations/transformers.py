@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         verify: run the layout check on the first training and evaluation batch.
         layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
             ``"channels_last"`` or ``"contiguous"`` pins one.
+        copies: ``copies()`` gives the model's copies that should follow its layout (an EMA's ``AveragedModel``
+            that a callback of yours updates), asked at each change of layout.
 
     Attributes:
         inputs_hook: the ``ChannelsLastInputs`` on the model.
@@ -112,12 +114,14 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         guard: bool = True,
         verify: bool = True,
         layout: str = "auto",
+        copies: Callable[[], Iterable[nn.Module]] = tuple,
     ) -> None:
         check_mode("ChannelsLastCallback", mode)
         names = argument_names(inputs, f"ChannelsLastCallback(inputs={inputs!r})")
         check_flags("ChannelsLastCallback", guard=guard, verify=verify)
         check_layout_choice("ChannelsLastCallback", layout)
         self.mode, self.names, self.guard, self.verify, self.choice = mode, names, guard, verify, layout
+        self.copies = copies
         self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger, steps="door")
         self.session = self._session()
         self.saved: dict[str, Any] | None = None  # the session's state, as a checkpoint's trainer_state.json holds it
@@ -125,7 +129,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         self._contiguous_save: Any = None
 
     def _session(self) -> LayoutSession:
-        host = self.inputs_hook.host(log=lambda metrics: self._log(metrics))
+        host = self.inputs_hook.host(copies=self.copies, log=lambda metrics: self._log(metrics))
         return LayoutSession(self.mode, layout=self.choice, guard=self.guard, verify=self.verify, host=host)
 
     def _log(self, metrics: dict[str, float]) -> None:

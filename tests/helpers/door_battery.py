@@ -10,6 +10,9 @@ DOOR is ``lightning``, ``plain``, ``fabric``, ``hf`` or ``accelerate``. The feat
   training goes on;
 * ``auto``: a model whose channels_last steps are slow (``SlowIn``) is switched to NCHW by the race, and its inputs
   follow;
+* ``averaged``: an EMA copy of the model (``AveragedModel``, updated after each step; Lightning's
+  ``EMAWeightAveraging``), made channels_last beside it and given to the door as it takes copies, is switched to NCHW
+  with the model by the race;
 * ``accumulated``: under gradient accumulation (2 batches a step, in the door's own way), the race times whole
   steps, each with its optimizer step: a model faster in channels_last whose optimizer step is slow keeps
   channels_last;
@@ -21,7 +24,7 @@ DOOR is ``lightning``, ``plain``, ``fabric``, ``hf`` or ``accelerate``. The feat
   decision, with the optimizer state in its parameters' strides.
 
 ``--control`` runs the same code with each feature's mechanism taken away (no door, ``verify=False``, the layout
-pinned, every batch a step, no boundary and torch's own pruning, the door's state not restored: the last only where
+pinned, no copies given, every batch a step, no boundary and torch's own pruning, the door's state not restored: the last only where
 the door takes it apart from the rest, a plain or Fabric loop): every cell must fail.
 """
 
@@ -44,7 +47,7 @@ from cltrain.check.copies import checking
 from cltrain.layout import is_channels_last
 from tests.helpers.plain_modules import SlowIn
 
-FEATURES = ("converts", "checked", "auto", "accumulated", "kept", "resumed")
+FEATURES = ("converts", "checked", "auto", "averaged", "accumulated", "kept", "resumed")
 RANKS = 1  # 2: each door runs in two DDP processes (tests.helpers.door_ddp)
 SIZE, CLASSES = 8, 4
 
@@ -108,6 +111,12 @@ def prune_and_move(model: nn.Module) -> None:
     one.weight.data = one.weight.data.clone(memory_format=torch.contiguous_format)
 
 
+def average_of(model: nn.Module) -> nn.Module:
+    """An EMA copy of ``model``, as a user makes it after the door converted the model: in its layout."""
+    return torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)).to(memory_format=torch.channels_last)
+
+
 def kept_in(model: nn.Module, optimizer: Any, layout: str) -> tuple[bool, str]:
     """Every 4-D weight, mask and pruning original in ``layout``, and the optimizer state in its parameters'."""
     want = (lambda t: is_channels_last(t)) if layout == "channels_last" else (lambda t: t.is_contiguous())
@@ -124,7 +133,7 @@ def kept_in(model: nn.Module, optimizer: Any, layout: str) -> tuple[bool, str]:
 
 
 def lightning(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True, accumulate=1,
-              optimizer=None):
+              optimizer=None, averaged=None):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -150,13 +159,20 @@ def lightning(model, steps, *, door, layout, verify, between=None, save=None, re
                 between(pl_module.net)
 
     callback = ChannelsLast(layout=layout, verify=verify)
+    averaging = []
+    if averaged is not None:  # the averaged copy is Lightning's: the callback finds it
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        averaging = [EMAWeightAveraging(decay=0.9)]
     ranks = {"devices": 2, "strategy": "ddp"} if RANKS == 2 else {}
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, **ranks,
                          accumulate_grad_batches=accumulate,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[Between(), *([callback] if door else [])])
+                         callbacks=[Between(), *averaging, *([callback] if door else [])])
     module = Module()
     trainer.fit(module, DataLoader(images(), batch_size=2), ckpt_path=resume)
+    if averaged is not None:
+        averaged.append(averaging[0]._average_model)
     lightning.rank = trainer.global_rank
     if save:
         trainer.save_checkpoint(save)
@@ -164,14 +180,17 @@ def lightning(model, steps, *, door, layout, verify, between=None, save=None, re
 
 
 def _loop(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True, fabric=None,
-          accumulate=1, optimizer=None):
+          accumulate=1, optimizer=None, averaged=None):
     from torch.utils.data import DataLoader
 
     from cltrain.loops import ChannelsLastRun
 
     optimizer = (optimizer or torch.optim.AdamW)(model.parameters(), lr=1e-2)
+    copies = (lambda: averaged) if averaged is not None else tuple
     run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), layout=layout,
-                          verify=verify) if door else None
+                          verify=verify, copies=copies) if door else None
+    if averaged is not None:
+        averaged.append(average_of(model))
     if resume:
         state = {"model": model, "optimizer": optimizer, **({"cltrain": run} if door and restore else {})}
         if fabric is not None:
@@ -201,6 +220,8 @@ def _loop(model, steps, *, door, layout, verify, between=None, save=None, resume
                 continue
             opt.step()
             opt.zero_grad()
+            for copy in averaged or ():
+                copy.update_parameters(model)
             done += 1
             if done == steps:
                 break
@@ -244,7 +265,7 @@ class HFNet(nn.Module):
 
 
 def hf(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True, accumulate=1,
-       optimizer=None):
+       optimizer=None, averaged=None):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from cltrain.integrations.transformers import ChannelsLastCallback
@@ -254,8 +275,16 @@ def hf(model, steps, *, door, layout, verify, between=None, save=None, resume=No
             if between is not None and round(state.epoch) == 1:
                 between(model.net)
 
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if averaged is not None:
+                averaged.append(average_of(model.net))
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            for copy in averaged or ():
+                copy.update_parameters(model.net)
+
     rows = [{"pixel_values": x, "labels": y} for x, y in images()]
-    callback = ChannelsLastCallback(layout=layout, verify=verify)
+    callback = ChannelsLastCallback(layout=layout, verify=verify, copies=lambda: averaged or ())
     out = Path(save or resume).parent / "hf" if (save or resume) else Path("hf-out")
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-2,
                              save_strategy="steps" if save else "no", save_steps=steps, report_to="none",
@@ -270,7 +299,7 @@ def hf(model, steps, *, door, layout, verify, between=None, save=None, resume=No
 
 
 def accelerate(model, steps, *, door, layout, verify, between=None, save=None, resume=None, restore=True,
-               accumulate=1, optimizer=None):
+               accumulate=1, optimizer=None, averaged=None):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader
@@ -282,7 +311,9 @@ def accelerate(model, steps, *, door, layout, verify, between=None, save=None, r
     GradientState._reset_state()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     if door:
-        prepare_channels_last(model, accelerator, layout=layout, verify=verify)
+        prepare_channels_last(model, accelerator, layout=layout, verify=verify, copies=lambda: averaged or ())
+    if averaged is not None:
+        averaged.append(average_of(model))
     optimizer = (optimizer or torch.optim.AdamW)(model.parameters(), lr=1e-2)
     wrapped, opt, loader = accelerator.prepare(model, optimizer, DataLoader(images(), batch_size=2))
     if resume:
@@ -295,6 +326,8 @@ def accelerate(model, steps, *, door, layout, verify, between=None, save=None, r
                 accelerator.backward(F.cross_entropy(wrapped(x), y))
                 opt.step()
                 opt.zero_grad()
+            for copy in averaged or ():
+                copy.update_parameters(model)
             done += accelerator.sync_gradients
             if done == steps:
                 break
@@ -347,6 +380,21 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
             and all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Conv2d))
         return ok, session.decision_line(decision) if decision else "not decided"
 
+    def averaged():
+        from cltrain.host import Host
+
+        model, copies = slow(), []
+        with contextlib.ExitStack() as stack:
+            if control:  # no copies given
+                stack.enter_context(_patched(Host, "copies", lambda self: []))
+            session, _ = train(model, 14, door=True, layout="auto", verify=True, averaged=copies)
+        decision = session.decision
+        convs = [m.weight for copy in copies for m in copy.modules() if isinstance(m, nn.Conv2d)]
+        ok = decision is not None and decision.layout == "contiguous" and len(copies) == 1 and convs \
+            and all(w.is_contiguous() for w in convs)
+        return ok, f"{session.decision_line(decision) if decision else 'not decided'}; averaged copy's convs " \
+            f"{[is_channels_last(w) for w in convs]}"
+
     def accumulated():
         # NCHW's forward 0.03 s slower, the optimizer's step slow, 2 batches a step: each timed step must hold one
         # optimizer step, and channels_last stays (timed batch by batch, NCHW's steps without it would look faster)
@@ -386,7 +434,7 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
             and decision.how == "restored" and kept_in(model, optimizer, "contiguous")[0]
         return ok, f"{check.line() if check else 'not checked'}; {decision}"
 
-    for name, run in zip(FEATURES, (converts, checked, auto, accumulated, kept, resumed)):
+    for name, run in zip(FEATURES, (converts, checked, auto, averaged, accumulated, kept, resumed)):
         cell(name, run)
     return cells
 
