@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -54,7 +54,8 @@ from cltrain.check.resume import run_fingerprint
 from cltrain.host import Host
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
-from cltrain.options import check_flags, check_layout_choice, check_mode, check_optimizers, check_positive
+from cltrain.options import (check_copies, check_flags, check_layout_choice, check_mode, check_optimizers,
+                             check_positive)
 from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
 
@@ -97,7 +98,8 @@ class ChannelsLastRun(SessionResults):
         sharded: the model will be sharded (``fully_shard``, FSDP, DeepSpeed), which keeps the weights NCHW: only the
             inputs are channels_last (``cltrain.sharding``); a model sharded already is treated so.
         log: ``log(metrics)``: where both layouts' step times go (``fabric.log_dict``, a logger's ``log_metrics``).
-        copies: ``copies()`` gives the model's copies that should follow its layout (an EMA's ``AveragedModel``).
+        copies: the model's copies that should follow its layout (an EMA's ``AveragedModel``): a module, a list, or a
+            function giving them, asked at each change of layout.
 
     Attributes:
         session: the ``cltrain.session.LayoutSession`` that runs it all; its results are the run's attributes too
@@ -121,7 +123,7 @@ class ChannelsLastRun(SessionResults):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, guard: bool = True,
                  verify: bool = True, inputs: Inputs = None, check_samples: int | None = DEFAULT_SAMPLES,
                  sharded: bool = False, log: Callable[[dict[str, float]], Any] | None = None,
-                 copies: Callable[[], Iterable[nn.Module]] = tuple) -> None:
+                 copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = tuple) -> None:
         check_mode("ChannelsLastRun", mode)
         check_layout_choice("ChannelsLastRun", layout)
         check_flags("ChannelsLastRun", guard=guard, verify=verify, sharded=sharded)
@@ -129,7 +131,7 @@ class ChannelsLastRun(SessionResults):
         self.model, self.step, self.dtype, self.verify = model, step, dtype, verify
         self.inputs, self.check_samples = check_inputs(inputs, owner="ChannelsLastRun"), check_samples
         self.optimizers = check_optimizers("ChannelsLastRun", optimizer)
-        host = Host(_say, optimizers=lambda: self.optimizers, copies=copies, log=log)
+        host = Host(_say, optimizers=lambda: self.optimizers, copies=check_copies("ChannelsLastRun", copies), log=log)
         self.session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, inputs=self.inputs,
                                      check_samples=check_samples, host=host)
         self.session.fingerprint = lambda: run_fingerprint(

@@ -12,12 +12,12 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cltrain.layout.tensors import MODES
 
-__all__ = ["check_flags", "check_layout_choice", "check_mode", "check_optimizers", "check_positive"]
+__all__ = ["check_copies", "check_flags", "check_layout_choice", "check_mode", "check_optimizers", "check_positive"]
 
 #: What every front door's ``layout=`` takes: ``"auto"`` races the layouts on the run's own steps, the others pin one.
 LAYOUT_CHOICES = ("auto", "channels_last", "contiguous")
@@ -80,3 +80,19 @@ def check_optimizers(call: str, optimizer: Any, several: bool = True) -> list[An
     takes = "an optimizer or a list of them" if several else "an optimizer"
     raise ValueError(f"{call}({name}={shown(bad)}): expected {takes}, as the loop steps it "
                      "(torch.optim.AdamW(model.parameters()), not its name or class).")
+
+
+def check_copies(call: str, copies: Any) -> Callable[[], list[Any]]:
+    """``copies`` (the model's copies that follow its layout) as a function giving them: a function as it is, a
+    module or a list of modules as themselves."""
+    import torch.nn as nn
+
+    if isinstance(copies, nn.Module):  # callable too, but the copy itself
+        return lambda: [copies]
+    if isinstance(copies, (list, tuple)) and all(isinstance(c, nn.Module) for c in copies):
+        return lambda: list(copies)
+    if callable(copies):
+        return lambda: list(copies())
+    shown = repr(copies) if len(repr(copies)) <= 60 and "\n" not in repr(copies) else f"<{type(copies).__name__}>"
+    raise ValueError(f"{call}(copies={shown}): expected the model's copies (a module, a list of them, or a function "
+                     "giving them: copies=lambda: [ema]).")

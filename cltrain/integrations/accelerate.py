@@ -36,7 +36,7 @@ from torch import nn
 
 from cltrain.check.resume import run_fingerprint
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
-from cltrain.options import check_flags, check_layout_choice, check_mode
+from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode
 from cltrain.precision import autocast_dtype
 from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
@@ -57,7 +57,7 @@ def prepare_channels_last(
     guard: bool = True,
     verify: bool = True,
     layout: str = "auto",
-    copies: Callable[[], Iterable[nn.Module]] = tuple,
+    copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = tuple,
 ) -> M:
     """Put ``model`` in channels_last for ``accelerator``, in place, and run its calls through a layout session.
 
@@ -72,24 +72,25 @@ def prepare_channels_last(
         verify: check the first training and evaluation batch (``ChannelsLastInputs.of(model).layout_checks``).
         layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
             ``"channels_last"`` or ``"contiguous"`` pins one.
-        copies: ``copies()`` gives the model's copies that should follow its layout (an EMA's ``AveragedModel`` or
-            timm's ``ModelEmaV3``), asked at each change of layout.
+        copies: the model's copies that should follow its layout (an EMA's ``AveragedModel`` or timm's
+            ``ModelEmaV3``): a module, a list, or a function giving them, asked at each change of layout.
 
     Returns:
         ``model`` itself (its parameters are kept). Under FSDP or DeepSpeed its weights stay NCHW, as those
         engines require, and only its image inputs are channels_last (``cltrain.sharding``).
 
     Raises:
-        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify`` or ``layout``.
+        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout`` or ``copies``.
     """
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
     check_mode("prepare_channels_last", mode)
     check_flags("prepare_channels_last", guard=guard, verify=verify)
     check_layout_choice("prepare_channels_last", layout)
+    copied = check_copies("prepare_channels_last", copies)
     dtype = autocast_dtype({"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(str(accelerator.mixed_precision), ""))
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
     hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
-    host = hook.host(copies=copies, log=lambda metrics: accelerator.log(metrics))
+    host = hook.host(copies=copied, log=lambda metrics: accelerator.log(metrics))
     session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host)
     # a step is the calls up to the optimizer's step (under accelerator.accumulate() or a loop's own accumulation)
     session.watch_optimizers = True

@@ -18,7 +18,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.check.resume import run_fingerprint
 from cltrain.layout import is_channels_last
-from cltrain.options import check_flags, check_layout_choice, check_mode
+from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode
 from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
 
@@ -84,8 +84,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         verify: run the layout check on the first training and evaluation batch.
         layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
             ``"channels_last"`` or ``"contiguous"`` pins one.
-        copies: ``copies()`` gives the model's copies that should follow its layout (an EMA's ``AveragedModel``
-            that a callback of yours updates), asked at each change of layout.
+        copies: the model's copies that should follow its layout (an EMA's ``AveragedModel`` that a callback of
+            yours updates): a module, a list, or a function giving them, asked at each change of layout.
 
     Attributes:
         inputs_hook: the ``ChannelsLastInputs`` on the model.
@@ -94,7 +94,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
     Raises:
         ValueError: an unknown ``mode`` or ``layout``, an ``inputs`` that is not a name or a list of names, a
-            non-bool ``guard`` or ``verify``; in ``on_train_begin``, a model rebuilt by ``model_init`` in a
+            non-bool ``guard`` or ``verify``, ``copies`` that are not modules; in ``on_train_begin``, a model rebuilt by ``model_init`` in a
             distributed run (DDP/FSDP wrapped it before any callback could convert it).
 
     Example::
@@ -114,14 +114,14 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         guard: bool = True,
         verify: bool = True,
         layout: str = "auto",
-        copies: Callable[[], Iterable[nn.Module]] = tuple,
+        copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = tuple,
     ) -> None:
         check_mode("ChannelsLastCallback", mode)
         names = argument_names(inputs, f"ChannelsLastCallback(inputs={inputs!r})")
         check_flags("ChannelsLastCallback", guard=guard, verify=verify)
         check_layout_choice("ChannelsLastCallback", layout)
         self.mode, self.names, self.guard, self.verify, self.choice = mode, names, guard, verify, layout
-        self.copies = copies
+        self.copies = check_copies("ChannelsLastCallback", copies)
         self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger, steps="door")
         self.session = self._session()
         self.saved: dict[str, Any] | None = None  # the session's state, as a checkpoint's trainer_state.json holds it

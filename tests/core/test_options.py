@@ -72,3 +72,22 @@ def test_the_loop_door_refuses_what_is_not_an_optimizer_before_it_touches_the_mo
     with pytest.raises(ValueError, match=r"^verify_layout\(optimizer=<list>\): expected an optimizer, "):
         verify_layout(model, torch.randn(2, 3, 8, 8), optimizer=[sgd])
     assert ChannelsLastRun(model, iter([sgd]), verify=False).optimizers == [sgd]
+
+
+def test_the_doors_that_take_copies_take_a_module_a_list_or_a_function_and_refuse_the_rest():
+    import torch
+
+    from cltrain.loops import ChannelsLastRun
+    from cltrain.options import check_copies
+
+    ema = torch.optim.swa_utils.AveragedModel(torch.nn.Conv2d(3, 4, 3))
+    assert check_copies("f", ema)() == [ema] and check_copies("f", [ema])() == [ema]
+    assert check_copies("f", lambda: iter([ema]))() == [ema]
+    doors = {"ChannelsLastRun": lambda **kw: ChannelsLastRun(torch.nn.Conv2d(3, 4, 3), verify=False, **kw)}
+    doors.update({name: make for name, make in _front_doors().items() if name != "ChannelsLast"
+                  and name != "convert_model"})
+    for name, make in doors.items():
+        with pytest.raises(ValueError) as raised:
+            make(copies=3)
+        assert str(raised.value) == f"{name}(copies=3): expected the model's copies (a module, a list of them, or a " \
+                                    "function giving them: copies=lambda: [ema])."
