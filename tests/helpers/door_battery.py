@@ -10,7 +10,7 @@ DOOR is ``lightning``, ``plain``, ``fabric``, ``hf`` or ``accelerate``. The feat
   training goes on;
 * ``auto``: a model whose channels_last steps are slow (``SlowIn``) is switched to NCHW by the race, and its inputs
   follow;
-* ``averaged``: an EMA copy of the model (``AveragedModel``, updated after each step; Lightning's
+* ``averaged``: in ``auto``'s run, an EMA copy of the model (``AveragedModel``, updated after each step; Lightning's
   ``EMAWeightAveraging``), made channels_last beside it and given to the door as it takes copies, is switched to NCHW
   with the model by the race;
 * ``accumulated``: under gradient accumulation (2 batches a step, in the door's own way), the race times whole
@@ -350,6 +350,7 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
     train = DOORS[door]
     on = not control
     cells: dict[str, list[Any]] = {}
+    raced: list[Any] = [None, []]  # auto's run: its session and the averaged copy it was given
 
     def cell(name: str, run: Any) -> None:
         try:
@@ -372,9 +373,10 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
         return check is not None and check.verdict == "fallback", check.line() if check else "not checked"
 
     def auto():
-        model = slow()
+        model, copies = slow(), []
         seen = Seen(model)
-        session, _ = train(model, 14, door=True, layout="auto" if on else "channels_last", verify=True)
+        session, _ = train(model, 14, door=True, layout="auto" if on else "channels_last", verify=True, averaged=copies)
+        raced[:] = [session, copies]  # the averaged copy given to the door is judged by the next cell
         decision = session.decision
         ok = decision is not None and decision.layout == "contiguous" and not seen.inputs[-1] \
             and all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Conv2d))
@@ -383,11 +385,11 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
     def averaged():
         from cltrain.host import Host
 
-        model, copies = slow(), []
-        with contextlib.ExitStack() as stack:
-            if control:  # no copies given
-                stack.enter_context(_patched(Host, "copies", lambda self: []))
-            session, _ = train(model, 14, door=True, layout="auto", verify=True, averaged=copies)
+        session, copies = raced
+        if control:  # the race switches, no copies given (auto's run was pinned)
+            copies = []
+            with _patched(Host, "copies", lambda self: []):
+                session, _ = train(slow(), 14, door=True, layout="auto", verify=True, averaged=copies)
         decision = session.decision
         convs = [m.weight for copy in copies for m in copy.modules() if isinstance(m, nn.Conv2d)]
         ok = decision is not None and decision.layout == "contiguous" and len(copies) == 1 and convs \
