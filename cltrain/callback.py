@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -18,7 +20,7 @@ from cltrain.layout import to_contiguous
 from cltrain.layout.batches import check_inputs, first_image_tensor
 from cltrain.lightning_access import LightningHost, overrides, overrides_hook, run_after, step_target, undo_run_after
 from cltrain.nchw_code import UPSTREAM, guard_pruning, unguard_pruning
-from cltrain.options import check_flags, check_layout_choice, check_mode, check_positive
+from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode, check_positive
 from cltrain.precision import autocast_dtype, compute_dtype
 from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
@@ -71,6 +73,8 @@ class ChannelsLast(SessionResults, Callback):
             fix. Nothing of the real run changes. ``False`` skips the check.
         check_samples: the check runs on the first ``check_samples`` samples of the batch (``cltrain.check.budget``);
             ``None``: the whole batch.
+        copies: copies of the model that should follow its layout besides those other callbacks hold, which are
+            found (an EMA kept by your own code): a module, a list, or a function giving them.
 
     Attributes:
         layout: the layout the model is in now (``"channels_last"`` or ``"contiguous"``); ``None`` before ``setup``
@@ -91,7 +95,8 @@ class ChannelsLast(SessionResults, Callback):
     Raises:
         ValueError: an unknown ``mode`` or ``layout``, a non-bool ``convert_inputs``, ``audit``, ``guard`` or
             ``verify``, a ``check_samples`` that is not ``None`` or an int >= 1, an ``inputs`` that is none of its
-            forms, or a key or index named in ``inputs`` that a batch lacks (raised at that batch).
+            forms, ``copies`` that are not modules, or a key or index named in ``inputs`` that a batch lacks (raised
+            at that batch).
 
     Example::
 
@@ -112,6 +117,7 @@ class ChannelsLast(SessionResults, Callback):
         inputs: str | int | list[str | int] | None = None,
         verify: bool = True,
         check_samples: int | None = DEFAULT_SAMPLES,
+        copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = (),
     ) -> None:
         check_mode("ChannelsLast", mode, _MODES)
         check_layout_choice("ChannelsLast", layout)
@@ -120,6 +126,7 @@ class ChannelsLast(SessionResults, Callback):
         check_positive("ChannelsLast", "check_samples", check_samples, optional=True)
         self.mode, self.convert_inputs, self.inputs, self.audit = mode, convert_inputs, inputs, audit
         self.guard, self.verify, self.check_samples = guard, verify, check_samples
+        self.copies = check_copies("ChannelsLast", copies)
         self.audit_report: Any = None
         self.session = LayoutSession("conv" if mode == "conv" else "full", layout=layout, guard=guard, verify=verify,
                                      inputs=inputs, check_samples=check_samples, convert_inputs=convert_inputs)
@@ -134,7 +141,7 @@ class ChannelsLast(SessionResults, Callback):
         if self.mode == "off":
             return
         self._module = pl_module
-        self.session.host = LightningHost(trainer, pl_module, _say, exclude=self)
+        self.session.host = LightningHost(trainer, pl_module, _say, exclude=self, copies=self.copies)
         self.session.watch_optimizers = not pl_module.automatic_optimization  # the step's own optimizer calls
         self.session.fingerprint = lambda: run_fingerprint(
             pl_module, precision=str(trainer.precision), device=trainer.strategy.root_device.type,

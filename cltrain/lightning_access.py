@@ -137,11 +137,12 @@ def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> lis
 class LightningHost(Host):
     """A Lightning ``Trainer`` as the session's host: rank 0 decides, its strategy broadcasts and sums, its loggers
     log, and the optimizers and the copies of ``pl_module`` (``model_copies``, leaving out ``exclude``) are the
-    trainer's."""
+    trainer's; ``copies()``: the copies the user named besides."""
 
-    def __init__(self, trainer: Any, pl_module: nn.Module, say: Say, exclude: Any = None) -> None:
+    def __init__(self, trainer: Any, pl_module: nn.Module, say: Say, exclude: Any = None,
+                 copies: Callable[[], list[nn.Module]] = list) -> None:
         super().__init__(say, optimizers=lambda: trainer.optimizers,
-                         copies=lambda: model_copies(trainer, pl_module, exclude=exclude),
+                         copies=lambda: [*model_copies(trainer, pl_module, exclude=exclude), *copies()],
                          log=lambda metrics: [logger.log_metrics(metrics, step=trainer.global_step)
                                               for logger in trainer.loggers],
                          aliases=lambda: pruning_aliases(trainer.callbacks))

@@ -1,5 +1,7 @@
-"""The race under gradient accumulation written by the user: Lightning's manual optimization. (Each door's own
-accumulation is a column of the door table: tests/core/test_doors.py.)"""
+"""The race of the layouts around the code users write: gradient accumulation by hand (Lightning's manual
+optimization, a plain or Accelerate loop), optimizers that wrap others or are compiled, epochs that end inside an
+accumulation cycle, and an averaged copy the user's own code keeps. (Each door's own accumulation is a column of the
+door table: tests/core/test_doors.py.)"""
 
 from __future__ import annotations
 
@@ -192,3 +194,33 @@ def test_a_cycle_the_epoch_ends_before_its_optimizer_step_is_not_timed(timed) ->
     # 5 batches an epoch, the optimizer stepping every second: each epoch's last batch is a cycle with no step
     trainer.fit(ManualAccumulation(), DataLoader(images(10), batch_size=2))
     assert timed and min(timed) >= PAUSE, timed  # every timed step holds an optimizer step
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_the_lightning_door_takes_an_averaged_copy_the_users_code_keeps(given) -> None:
+    from tests.helpers.door_battery import average_of, slow
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = slow()  # channels_last's forward slow: the race switches to NCHW
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            kept["ema"].update_parameters(self.net)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    module = Module()
+    kept = {"ema": average_of(module.net)}  # held by the user's code, not by a callback or the module
+    callback = ChannelsLast(copies=(lambda: [kept["ema"]]) if given else ())
+    trainer = pl.Trainer(max_steps=14, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[callback])
+    trainer.fit(module, DataLoader(images(), batch_size=2))
+    assert callback.decision is not None and callback.decision.layout == "contiguous", callback.decision
+    convs = [m.weight for m in kept["ema"].modules() if isinstance(m, torch.nn.Conv2d)]
+    assert all(w.is_contiguous() for w in convs) is given  # not given: the copy stays channels_last
