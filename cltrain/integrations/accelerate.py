@@ -36,7 +36,8 @@ from torch import nn
 
 from cltrain.check.resume import run_fingerprint
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
-from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode
+from cltrain.check.budget import DEFAULT_SAMPLES
+from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode, check_positive
 from cltrain.precision import autocast_dtype
 from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
@@ -58,6 +59,7 @@ def prepare_channels_last(
     verify: bool = True,
     layout: str = "auto",
     copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = tuple,
+    check_samples: int | None = DEFAULT_SAMPLES,
 ) -> M:
     """Put ``model`` in channels_last for ``accelerator``, in place, and run its calls through a layout session.
 
@@ -74,24 +76,27 @@ def prepare_channels_last(
             ``"channels_last"`` or ``"contiguous"`` pins one.
         copies: the model's copies that should follow its layout (an EMA's ``AveragedModel`` or timm's
             ``ModelEmaV3``): a module, a list, or a function giving them, asked at each change of layout.
+        check_samples: the check runs on this many samples of the batch (``cltrain.check.budget``); ``None``: the
+            whole batch.
 
     Returns:
         ``model`` itself (its parameters are kept). Under FSDP or DeepSpeed its weights stay NCHW, as those
         engines require, and only its image inputs are channels_last (``cltrain.sharding``).
 
     Raises:
-        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout`` or ``copies``.
+        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout``, ``copies`` or ``check_samples``.
     """
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
     check_mode("prepare_channels_last", mode)
     check_flags("prepare_channels_last", guard=guard, verify=verify)
     check_layout_choice("prepare_channels_last", layout)
     copied = check_copies("prepare_channels_last", copies)
+    check_positive("prepare_channels_last", "check_samples", check_samples, optional=True)
     dtype = autocast_dtype({"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(str(accelerator.mixed_precision), ""))
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
     hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
     host = hook.host(copies=copied, log=lambda metrics: accelerator.log(metrics))
-    session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host)
+    session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host, check_samples=check_samples)
     # a step is the calls up to the optimizer's step (under accelerator.accumulate() or a loop's own accumulation)
     session.watch_optimizers = True
     session.fingerprint = lambda: run_fingerprint(model, precision=str(accelerator.mixed_precision),

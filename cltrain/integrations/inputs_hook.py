@@ -275,7 +275,7 @@ class ChannelsLastInputs:
         try:  # positional: the first argument alone; the check restrides only what `found` names
             with torch.autocast(device_of(module).type, enabled=False), grad:  # float32: the loop's autocast is outside
                 return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found,
-                                        autocast_dtype=self.autocast_dtype)
+                                        autocast_dtype=self.autocast_dtype, samples=self.session.check_samples)
         finally:
             _state.checking = False
 

@@ -18,7 +18,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.check.resume import run_fingerprint
 from cltrain.layout import is_channels_last
-from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode
+from cltrain.check.budget import DEFAULT_SAMPLES
+from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode, check_positive
 from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
 
@@ -86,6 +87,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
             ``"channels_last"`` or ``"contiguous"`` pins one.
         copies: the model's copies that should follow its layout (an EMA's ``AveragedModel`` that a callback of
             yours updates): a module, a list, or a function giving them, asked at each change of layout.
+        check_samples: the check runs on this many samples of the batch (``cltrain.check.budget``); ``None``: the
+            whole batch.
 
     Attributes:
         inputs_hook: the ``ChannelsLastInputs`` on the model.
@@ -94,7 +97,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
     Raises:
         ValueError: an unknown ``mode`` or ``layout``, an ``inputs`` that is not a name or a list of names, a
-            non-bool ``guard`` or ``verify``, ``copies`` that are not modules; in ``on_train_begin``, a model rebuilt by ``model_init`` in a
+            non-bool ``guard`` or ``verify``, ``copies`` that are not modules, a ``check_samples`` that is not
+            ``None`` or an int >= 1; in ``on_train_begin``, a model rebuilt by ``model_init`` in a
             distributed run (DDP/FSDP wrapped it before any callback could convert it).
 
     Example::
@@ -115,6 +119,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         verify: bool = True,
         layout: str = "auto",
         copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = tuple,
+        check_samples: int | None = DEFAULT_SAMPLES,
     ) -> None:
         check_mode("ChannelsLastCallback", mode)
         names = argument_names(inputs, f"ChannelsLastCallback(inputs={inputs!r})")
@@ -122,6 +127,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         check_layout_choice("ChannelsLastCallback", layout)
         self.mode, self.names, self.guard, self.verify, self.choice = mode, names, guard, verify, layout
         self.copies = check_copies("ChannelsLastCallback", copies)
+        check_positive("ChannelsLastCallback", "check_samples", check_samples, optional=True)
+        self.check_samples = check_samples
         self.inputs_hook = ChannelsLastInputs(names, verify=verify, logger=logger, steps="door")
         self.session = self._session()
         self.saved: dict[str, Any] | None = None  # the session's state, as a checkpoint's trainer_state.json holds it
@@ -130,7 +137,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
     def _session(self) -> LayoutSession:
         host = self.inputs_hook.host(copies=self.copies, log=lambda metrics: self._log(metrics))
-        return LayoutSession(self.mode, layout=self.choice, guard=self.guard, verify=self.verify, host=host)
+        return LayoutSession(self.mode, layout=self.choice, guard=self.guard, verify=self.verify, host=host,
+                             check_samples=self.check_samples)
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self._state is not None:

@@ -157,3 +157,49 @@ def test_check_samples_is_validated():
     for bad in (0, -1, 2.5, True, "4"):
         with pytest.raises(ValueError, match="check_samples"):
             ChannelsLast(check_samples=bad)
+
+
+_CHECKED: list[int] = []  # the batch size of each forward the check ran (a copy's attribute would be a copy)
+
+
+class _SeenInCheck(nn.Module):
+    """A small conv net that notes the batch size of each forward the check runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+
+    def forward(self, pixel_values, labels=None):
+        if checking():
+            _CHECKED.append(pixel_values.shape[0])
+        logits = self.body(pixel_values)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits} if labels is not None else logits
+
+
+@pytest.mark.parametrize("door", ["accelerate", "hf"])
+@pytest.mark.parametrize("samples", [2, None])
+def test_the_hugging_face_doors_check_as_many_samples_as_asked(door, samples, tmp_path):
+    pytest.importorskip("transformers")
+    model, _CHECKED[:] = _SeenInCheck(), []
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 2, (6,))
+    if door == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+
+        from cltrain.integrations.accelerate import prepare_channels_last
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        prepare_channels_last(model, Accelerator(cpu=True), layout="channels_last", check_samples=samples)
+        model(pixel_values=x, labels=y)["loss"].backward()
+    else:
+        from transformers import Trainer, TrainingArguments
+
+        from cltrain.integrations.transformers import ChannelsLastCallback
+
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=6, use_cpu=True,
+                                 report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        rows = [{"pixel_values": x[i], "labels": y[i]} for i in range(6)]
+        Trainer(model=model, args=args, train_dataset=rows,
+                callbacks=[ChannelsLastCallback(layout="channels_last", check_samples=samples)]).train()
+    assert _CHECKED and set(_CHECKED) == {samples or 6}, _CHECKED

@@ -90,3 +90,16 @@ def test_the_doors_that_take_copies_take_a_module_a_list_or_a_function_and_refus
             make(copies=3)
         assert str(raised.value) == f"{name}(copies=3): expected the model's copies (a module, a list of them, or a " \
                                     "function giving them: copies=lambda: [ema])."
+
+
+def test_every_door_that_checks_refuses_a_bad_check_samples_alike():
+    import torch
+
+    from cltrain.loops import ChannelsLastRun
+
+    doors = {"ChannelsLastRun": lambda **kw: ChannelsLastRun(torch.nn.Conv2d(3, 4, 3), verify=False, **kw)}
+    doors.update({name: make for name, make in _front_doors().items() if name != "convert_model"})
+    for name, make in doors.items():
+        with pytest.raises(ValueError) as raised:
+            make(check_samples=0)
+        assert str(raised.value) == f"{name}(check_samples=0): expected None or an int >= 1.", name
