@@ -62,10 +62,6 @@ def check_optimizers(call: str, optimizer: Any, several: bool = True) -> list[An
     def optimizer_like(value: Any) -> bool:
         return hasattr(value, "param_groups") and callable(getattr(value, "step", None))
 
-    def shown(value: Any) -> str:
-        text = repr(value)
-        return text if "\n" not in text and len(text) <= 60 else f"<{type(value).__name__}>"
-
     if optimizer is None:
         return []
     if optimizer_like(optimizer):
@@ -78,7 +74,7 @@ def check_optimizers(call: str, optimizer: Any, several: bool = True) -> list[An
             return items
         name, bad = f"optimizer[{index}]", items[index]
     takes = "an optimizer or a list of them" if several else "an optimizer"
-    raise ValueError(f"{call}({name}={shown(bad)}): expected {takes}, as the loop steps it "
+    raise ValueError(f"{call}({name}={_shown(bad)}): expected {takes}, as the loop steps it "
                      "(torch.optim.AdamW(model.parameters()), not its name or class).")
 
 
@@ -93,6 +89,11 @@ def check_copies(call: str, copies: Any) -> Callable[[], list[Any]]:
         return lambda: list(copies)
     if callable(copies):
         return lambda: list(copies())
-    shown = repr(copies) if len(repr(copies)) <= 60 and "\n" not in repr(copies) else f"<{type(copies).__name__}>"
-    raise ValueError(f"{call}(copies={shown}): expected the model's copies (a module, a list of them, or a function "
-                     "giving them: copies=lambda: [ema]).")
+    raise ValueError(f"{call}(copies={_shown(copies)}): expected the model's copies (a module, a list of them, or a "
+                     "function giving them: copies=lambda: [ema]).")
+
+
+def _shown(value: Any) -> str:
+    """A value as a one-line message names it: its repr, or its type where the repr is long or spans lines."""
+    text = repr(value)
+    return text if "\n" not in text and len(text) <= 60 else f"<{type(value).__name__}>"

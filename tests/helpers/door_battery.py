@@ -24,8 +24,8 @@ DOOR is ``lightning``, ``plain``, ``fabric``, ``hf`` or ``accelerate``. The feat
   decision, with the optimizer state in its parameters' strides.
 
 ``--control`` runs the same code with each feature's mechanism taken away (no door, ``verify=False``, the layout
-pinned, no copies given, every batch a step, no boundary and torch's own pruning, the door's state not restored: the last only where
-the door takes it apart from the rest, a plain or Fabric loop): every cell must fail.
+pinned, no copies given, every batch a step, no boundary and torch's own pruning, the door's state not restored: the
+last only where the door takes it apart from the rest, a plain or Fabric loop): every cell must fail.
 """
 
 from __future__ import annotations
