@@ -123,7 +123,7 @@ class ChannelsLastRun(SessionResults):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, guard: bool = True,
                  verify: bool = True, inputs: Inputs = None, check_samples: int | None = DEFAULT_SAMPLES,
                  sharded: bool = False, log: Callable[[dict[str, float]], Any] | None = None,
-                 copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = tuple) -> None:
+                 copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = ()) -> None:
         check_mode("ChannelsLastRun", mode)
         check_layout_choice("ChannelsLastRun", layout)
         check_flags("ChannelsLastRun", guard=guard, verify=verify, sharded=sharded)

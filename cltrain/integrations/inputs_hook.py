@@ -222,10 +222,12 @@ class ChannelsLastInputs:
         kind = "train" if module.training and torch.is_grad_enabled() else "eval"
         if self.steps == "forward":  # a hand-written loop: its calls are all the events there are
             # the previous training step ended where this call starts (its optimizer step done, evaluation or not);
-            # a cycle that an evaluation ends before its optimizer step is not timed
-            stepped = self.session.optimizer_stepped()
-            if kind == "eval" or stepped:
-                self.session.step_end(module, completed=stepped)
+            # a cycle that an evaluation ends before its optimizer step is not timed; evaluation calls that follow
+            # evaluation calls end nothing (nor count as batches without an optimizer step)
+            if kind == "train" or self._last == "train":
+                stepped = self.session.optimizer_stepped()
+                if kind == "eval" or stepped:
+                    self.session.step_end(module, completed=stepped)
             if kind == "eval" and self._last == "train":
                 self.session.boundary(module, after="before an evaluation")
         self._last = kind

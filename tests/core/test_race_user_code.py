@@ -224,3 +224,36 @@ def test_the_lightning_door_takes_an_averaged_copy_the_users_code_keeps(given) -
     assert callback.decision is not None and callback.decision.layout == "contiguous", callback.decision
     convs = [m.weight for m in kept["ema"].modules() if isinstance(m, torch.nn.Conv2d)]
     assert all(w.is_contiguous() for w in convs) is given  # not given: the copy stays channels_last
+
+
+def test_evaluation_calls_do_not_count_as_batches_without_an_optimizer_step(monkeypatch, caplog, timed) -> None:
+    import logging
+
+    import cltrain.session
+
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from cltrain.integrations.accelerate import prepare_channels_last
+
+    monkeypatch.setattr(cltrain.session, "UNSTEPPED_BATCHES", 8, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = prepare_channels_last(SlowIn("contiguous", net=base(), seconds=0.03), accelerator)
+    wrapped, optimizer = accelerator.prepare(model, SlowStep(model.parameters(), lr=1e-2))
+    with caplog.at_level(logging.INFO):
+        for epoch in range(4):
+            for i, (x, y) in enumerate(DataLoader(images(), batch_size=2)):
+                accelerator.backward(F.cross_entropy(wrapped(x), y) / 2)
+                if epoch == 0 and i == 0:  # an evaluation of more batches than the fallback waits for, before the
+                    wrapped.eval()  # first optimizer step
+                    with torch.no_grad():
+                        for image, _ in images(10):
+                            wrapped(image[None])
+                    wrapped.train()
+                if (i + 1) % 2 == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    assert "none of the optimizers given stepped" not in caplog.text
+    assert timed and min(timed) >= PAUSE, timed  # whole steps, each with its optimizer step
