@@ -62,7 +62,7 @@ from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_
     to_contiguous
 from cltrain.layout.batches import Inputs, first_image_tensor
 from cltrain.layout.optimizer_state import restride_optimizer_state
-from cltrain.layout.tensors import is_compiled, nchw
+from cltrain.layout.tensors import compiled_frames, is_compiled, nchw
 from cltrain.nchw_code import aliases_follow, relayout, torch_utilities
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 from cltrain.timing.clock import StepTimer
@@ -71,6 +71,7 @@ from cltrain.timing.layout_race import LayoutDecision, LayoutRace
 __all__ = ["LayoutSession", "SessionResults"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
+_COMPILED = "torch.compile would compile both layouts"
 #: What torch's DDP reducer warns when a gradient's strides differ from its bucket view's.
 BUCKET_WARNING = "Grad strides do not match bucket view strides"
 
@@ -188,6 +189,7 @@ class LayoutSession:
         self._watched: dict[int, Any] = {}  # id(optimizer) -> its step hook's handle
         self._examined: set[int] = set()  # the host's optimizers looked at by _watch
         self._counter, self._steps_seen, self._unstepped = _StepCounter(), 0, 0
+        self._frames: int | None = None  # torch.compile's count at the start, until the race's first switch
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
 
@@ -226,6 +228,7 @@ class LayoutSession:
         if self.layout is None:
             self.layout = self.pinned or "channels_last"
         self.untimed = self._why_untimed(model)
+        self._frames = compiled_frames()
         self._hazards.clear()
         records = self._put_in_layout(model, self.layout, held=held is not None)
         if self.guard:
@@ -247,7 +250,7 @@ class LayoutSession:
         if self.sharding is not None:
             return f"{self.sharding} keeps the weights NCHW"
         if is_compiled(model):
-            return "torch.compile would compile both layouts"
+            return _COMPILED
         return None
 
     def _put_in_layout(self, model: nn.Module, layout: str, held: bool = False) -> list[GuardRecord]:
@@ -299,7 +302,8 @@ class LayoutSession:
             self.say(f"{owner}: {sharded_line(self.sharding, inputs)}", not inputs)
         else:
             counts = ", ".join(f"{n} {k}" for k, n in (self.summary or {}).items())
-            raced = "" if self.untimed else "; the first training steps race it against NCHW"
+            raced = "; the first training steps race it against NCHW" if not self.untimed else \
+                f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else ""
             self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
@@ -410,11 +414,30 @@ class LayoutSession:
             want = self.layout  # nothing to race: pinned, sharded, compiled, or the check kept the model in NCHW
         else:
             want = self.race.next_layout(key)
+            if want != self.layout and self._compiles():
+                want = self.layout
         if want != self.layout:
             self._switch(model, want)
         if key not in self.race.decisions and self.untimed is None:
             self._step = (key, int(image.shape[0]), StepTimer(self.device))
             self._step[2].start()  # the inputs' conversion is part of the step: NCHW pays it with NHWC batches
+
+    def _compiles(self) -> bool:
+        """Asked once, before the race's first switch: whether code that ``torch.compile`` compiled ran since the start
+        (the deciding rank's view). A model compiled after the door saw it (the Hugging Face ``Trainer``'s
+        ``torch_compile``, Accelerate's ``dynamo_backend``, ``torch.compile`` after ``ChannelsLastRun``), or a compiled
+        optimizer step (it guards on its state tensors, which a switch replaces), would then be compiled again at
+        every switch, and past dynamo's recompile limit run eagerly: the layouts are not raced."""
+        if self._frames is None:
+            return False
+        seen, self._frames = compiled_frames() != self._frames, None
+        if self.host.broadcast(seen if self.host.deciding() else None) is not True:
+            return False
+        self.untimed = "torch.compile compiled the training step"
+        self.race.stop()
+        self.say(f"ChannelsLast: torch.compile compiled code in the training steps, so the layouts are not raced (each "
+                 f"switch would compile it again): {self.layout} kept; layout='contiguous' pins NCHW.")
+        return True
 
     def _settled(self) -> str:
         decided = self.decision

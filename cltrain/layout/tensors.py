@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "compiled_frames",
     "is_compiled",
     "CONV1D_TYPES",
     "CONV_TYPES",
@@ -361,3 +362,10 @@ def is_compiled(module: nn.Module) -> bool:
     optimized = sys.modules["torch._dynamo"].eval_frame.OptimizedModule if "torch._dynamo" in sys.modules else ()
     return any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
                or getattr(m, "_compiler_ctx", None) is not None for m in module.modules())
+
+
+def compiled_frames() -> int:
+    """How many frames ``torch.compile`` has compiled in this process (dynamo's own count; 0 where dynamo was never
+    loaded): compiled code that ran between two readings differs."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.counters["frames"]["ok"] if utils is not None else 0

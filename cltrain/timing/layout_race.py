@@ -277,6 +277,10 @@ class LayoutRace:
             self._heat = None
         return decision
 
+    def stop(self) -> None:
+        """Give up the race under way (its key stays undecided)."""
+        self._heat = None
+
     def racing(self) -> bool:
         """Whether a race is under way (a key seen and not yet decided)."""
         return self._heat is not None

@@ -1,6 +1,6 @@
 """The race of the layouts around the code users write: gradient accumulation by hand (Lightning's manual
-optimization, a plain or Accelerate loop), optimizers that wrap others or are compiled, epochs that end inside an
-accumulation cycle, and an averaged copy the user's own code keeps. (Each door's own accumulation is a column of the
+optimization, a plain or Accelerate loop), optimizers that wrap others, a model or an optimizer step compiled after
+the run converted the model (not raced), epochs that end inside an accumulation cycle, and an averaged copy the user's own code keeps. (Each door's own accumulation is a column of the
 door table: tests/core/test_doors.py.)"""
 
 from __future__ import annotations
@@ -119,24 +119,41 @@ def test_an_accelerate_loop_accumulating_by_hand_is_timed_a_whole_step_at_a_time
     assert decision.layout == "channels_last", session.decision_line(decision)
 
 
-def test_a_loop_whose_optimizer_step_is_compiled_is_timed_a_whole_step_at_a_time() -> None:
+@pytest.mark.parametrize("control", [False, True], ids=["", "control"])
+@pytest.mark.parametrize("compiled", ["model", "optimizer step"])
+def test_a_loop_that_runs_compiled_code_is_not_raced(compiled, control, monkeypatch, caplog) -> None:
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    import cltrain.session
     from cltrain.loops import ChannelsLastRun
 
-    model = SlowIn("contiguous", net=base(), seconds=0.03)  # NCHW's forward 0.03 s slower
-    optimizer = SlowStep(model.parameters(), lr=1e-2)
-    step = torch.compile(optimizer.step, backend="eager")  # dynamo traces the step hooks (inductor's compile: alike)
-    run = ChannelsLastRun(model, optimizer)
-    for _ in range(4):
-        for i, (x, y) in enumerate(run.batches(DataLoader(images(), batch_size=2))):
-            (F.cross_entropy(model(x), y) / 2).backward()
-            if (i + 1) % 2 == 0:
+    if control:  # no count of dynamo's frames: the race switches, and each switch compiles the step again
+        monkeypatch.setattr(cltrain.session, "compiled_frames", lambda: 0)
+    model = base()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    run = ChannelsLastRun(model, optimizer)  # compiled after the run converted it, as the docs say
+    forward = torch.compile(model, backend="eager") if compiled == "model" else model
+    step = torch.compile(optimizer.step, backend="eager") if compiled == "optimizer step" else optimizer.step
+    layouts, frames = [], []
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            for x, y in run.batches(DataLoader(images(), batch_size=2)):
+                layouts.append(run.layout)
+                F.cross_entropy(forward(x), y).backward()
                 step()
                 optimizer.zero_grad()
+                frames.append(counters["frames"]["ok"])
     run.end()
-    # a hook that dynamo dropped would leave every step open: no decision in these 24 batches
-    assert run.decision is not None and min(run.decision.seconds.values()) >= PAUSE, run.decision
-    assert run.decision.layout == "channels_last", run.session.decision_line(run.decision)
-    assert not optimizer._optimizer_step_post_hooks  # the run's watch is gone with the run
+    assert len(layouts) == 12
+    if control:  # the race's first NCHW step is the 6th
+        assert "contiguous" in layouts and frames[-1] > frames[4], (layouts, frames)
+        return
+    assert set(layouts) == {"channels_last"} and frames[-1] == frames[2], (layouts, frames)
+    assert run.decision is None
+    assert run.session.untimed == "torch.compile compiled the training step"
+    assert "torch.compile compiled code in the training steps, so the layouts are not raced" in caplog.text
 
 
 class _Unhooked(torch.optim.Optimizer):

@@ -68,7 +68,7 @@ def _started(model: nn.Module, **kwargs) -> tuple[LayoutSession, nn.Module]:
     return session, session.start(model, device="cpu")
 
 
-def test_start_puts_the_model_in_its_layout_a_pinned_one_in_nchw_and_a_sharded_one_in_nchw() -> None:
+def test_start_puts_the_model_in_its_layout_a_pinned_or_sharded_one_in_nchw_and_races_no_compiled_one(caplog) -> None:
     session, model = _started(_stem())
     assert session.layout == "channels_last" and is_channels_last(model[2].weight) and session.untimed is None
     session.close()
@@ -79,6 +79,13 @@ def test_start_puts_the_model_in_its_layout_a_pinned_one_in_nchw_and_a_sharded_o
     model = sharded.start(_stem(), device="cpu", sharding="FSDP2")
     assert model[2].weight.is_contiguous() and not is_channels_last(model[2].weight) and sharded.untimed
     sharded.close()
+    stem = _stem()
+    compiled, model = _started(torch.compile(stem, backend="eager"))
+    with caplog.at_level(logging.INFO):
+        compiled.report_conversion("ChannelsLast", model)
+    assert is_channels_last(stem[2].weight) and compiled.untimed == "torch.compile would compile both layouts"
+    assert "not raced against NCHW (torch.compile would compile both layouts)" in caplog.text
+    compiled.close()
 
 
 def test_the_guardrails_cover_what_any_rank_found() -> None:

@@ -26,7 +26,7 @@ def _train(model: nn.Module, accelerator: Accelerator, convert: bool = False, st
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(dataset("resnet"), batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    for _, batch in zip(range(steps), loader):
+    for _, batch in zip(range(steps), (batch for _ in range(steps) for batch in loader)):  # epochs, as needed
         if convert:
             convert_batch(batch)
         loss = model(**batch).loss
@@ -84,6 +84,15 @@ def test_prepare_channels_last_under_bf16():
     probe = _train(model, accelerator, steps=1)
     assert ChannelsLastInputs.of(model).autocast_dtype == torch.bfloat16
     assert probe.first_conv_input == [True] and torch.isfinite(torch.tensor(probe.losses)).all()
+
+
+def test_a_model_accelerate_compiles_is_not_raced():
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")  # accelerator.prepare compiles the model
+    model = prepare_channels_last(build("resnet"), accelerator)
+    probe = _train(model, accelerator, steps=6)
+    # the race's first NCHW step would be the 6th: not raced, as each switch would compile the model again
+    assert probe.first_conv_input == [True] * 6
+    assert ChannelsLastInputs.of(model).session.untimed == "torch.compile compiled the training step"
 
 
 @pytest.mark.parametrize("kwargs, named", [

@@ -82,13 +82,15 @@ def test_model_init_builds_the_model_in_train_and_it_is_converted(tmp_path):
 def test_bf16_and_torch_compile(tmp_path):
     model, callback = build("resnet"), ChannelsLastCallback()
     probe = Probe(model)
-    t = trainer("resnet", tmp_path, model, [callback], max_steps=2, bf16=True, torch_compile=True,
+    t = trainer("resnet", tmp_path, model, [callback], max_steps=6, bf16=True, torch_compile=True,
                 torch_compile_backend="eager")
     t.train()
     assert type(t.model_wrapped).__name__ == "OptimizedModule"  # compiled after on_init_end converted the model
-    assert probe.first_conv_input == [True, True] and all(conv_weights(model).values())
+    # the race's first NCHW step would be the 6th: not raced, as each switch would compile the model again
+    assert probe.first_conv_input == [True] * 6 and all(conv_weights(model).values())
+    assert callback.session.untimed == "torch.compile compiled the training step"
     assert callback.inputs_hook.autocast_dtype == torch.bfloat16
-    assert len(probe.losses) == 2 and all(torch.isfinite(torch.tensor(probe.losses)))
+    assert len(probe.losses) == 6 and all(torch.isfinite(torch.tensor(probe.losses)))
 
 
 def test_activation_checkpointing(tmp_path):  # TrainingArguments(gradient_checkpointing=True) is its old name
