@@ -192,6 +192,8 @@ class LayoutSession:
         self._frames: int | None = None  # torch.compile's count at the start, until the race's first switch
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
+        #: how the door's user pins a layout, for the lines that say so (the app: ``"channels_last_layout={}"``)
+        self.pin_format = "layout={!r}"
 
     def say(self, message: str, warn: bool = False) -> None:
         """One line, through the host."""
@@ -436,7 +438,7 @@ class LayoutSession:
         self.untimed = "torch.compile compiled the training step"
         self.race.stop()
         self.say(f"ChannelsLast: torch.compile compiled code in the training steps, so the layouts are not raced (each "
-                 f"switch would compile it again): {self.layout} kept; layout='contiguous' pins NCHW.")
+                 f"switch would compile it again): {self.layout} kept; {self.pin_format.format('contiguous')} pins NCHW.")
         return True
 
     def _settled(self) -> str:
@@ -477,7 +479,7 @@ class LayoutSession:
         where = f"({precision}, {device}, {'x'.join(map(str, shape[1:]))} px)"
         timed = ", ".join(f"{n} step(s) in {'NCHW' if k == 'contiguous' else k}" for k, n in decision.samples.items())
         cost = f"; the race cost {decision.extra_seconds:.2f} s" if decision.extra_seconds > 0 else ""
-        pin = f"pin it with layout={decision.layout!r}"
+        pin = f"pin it with {self.pin_format.format(decision.layout)}"
         seconds = decision.seconds
         nchw_ahead = len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"]
         if decision.how == "tie":
@@ -599,6 +601,10 @@ class LayoutSession:
         """The run ends: a race not decided leaves the model in the default layout, the layout is kept a last time,
         and torch's utilities are given back."""
         self._step = None
+        if self.race.racing() and self.untimed is None:
+            self.say(f"ChannelsLast: training ended before the race of the layouts decided "
+                     f"({self.race.steps_run()} step(s) of it run): {self._settled()} kept; a longer run decides (a race "
+                     "under way goes on in a run resumed from a checkpoint).")
         if self.layout is not None and self.sharding is None and self.layout != self._settled():
             self._switch(model, self._settled())
         self.boundary(model, after="by the end of the run")

@@ -51,6 +51,7 @@ def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop
         from cltrain.callback import ChannelsLast
 
         parts["channels_last"] = ChannelsLast(mode=cfg.channels_last_mode, layout=cfg.channels_last_layout)
+        parts["channels_last"].session.pin_format = "channels_last_layout={}"  # the lines say the app's override
         callbacks.append(parts["channels_last"])
     # A progress bar fed from host values (nothing prog_bar=True per step: no per-step sync); EMA weights
     # when ema.enabled=true. The learning rate is logged by LearningRateMonitor (callbacks/lr_monitor.yaml, a default).

@@ -281,6 +281,10 @@ class LayoutRace:
         """Give up the race under way (its key stays undecided)."""
         self._heat = None
 
+    def steps_run(self) -> int:
+        """The training steps the race under way has run (its warm-up included)."""
+        return self._heat.position if self._heat is not None else 0
+
     def racing(self) -> bool:
         """Whether a race is under way (a key seen and not yet decided)."""
         return self._heat is not None

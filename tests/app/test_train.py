@@ -199,3 +199,22 @@ def test_weights_that_turn_non_finite_in_the_last_step_of_an_epoch_are_not_saved
     assert state["global_step"] == 1 and state["epoch"] == 0
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+
+
+def test_the_races_lines_name_the_apps_own_override(demo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from cltrain.timing.layout_race import LayoutDecision, LayoutRace
+
+    with caplog.at_level(logging.INFO):
+        tiny(demo_root, tmp_path / "short")  # 4 steps: the race has not decided when training ends
+    assert "training ended before the race of the layouts decided (4 step(s) of it run): channels_last kept" \
+        in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(LayoutRace, "judge", lambda self: LayoutDecision(
+        self._heat.key, "contiguous", "timed", {"channels_last": 0.2, "contiguous": 0.1},
+        {"channels_last": 2, "contiguous": 1}))
+    with caplog.at_level(logging.INFO):
+        metrics = tiny(demo_root, tmp_path / "decided", "trainer.max_epochs=2")  # judged after the 7th step
+    assert metrics["layout"] == "contiguous"
+    assert "pin it with channels_last_layout=contiguous)" in caplog.text  # what `python train.py` takes
+    assert "training ended before" not in caplog.text
