@@ -154,6 +154,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
                     model: nn.Module | None = None, **kwargs: Any) -> None:
         if model is not None:
             self._convert(model, args)
+            self._arm(model)  # a save_model before train()
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -188,6 +189,17 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
                      model: nn.Module | None = None, **kwargs: Any) -> None:
         if model is not None:
             self.session.boundary(model, after=f"after epoch {state.epoch:g}")
+            if control.should_save:  # save_strategy="epoch": the Trainer saves right after this event
+                self._arm(model)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is not None:  # a callback after this one may ask for a save (should_save), which follows at once
+            self._arm(model)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        self._unarm()  # an evaluation no save followed
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._unarm()

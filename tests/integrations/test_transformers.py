@@ -15,8 +15,9 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from transformers import TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
+from cltrain import is_channels_last  # noqa: E402
 from cltrain.integrations.transformers import ChannelsLastCallback  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 from tests.helpers.hf_models import build  # noqa: E402
@@ -100,6 +101,45 @@ def test_activation_checkpointing(tmp_path):  # TrainingArguments(gradient_check
     trainer("segformer", tmp_path / "nchw", reference, [], max_steps=2).train()
     assert model.is_activation_checkpointing and probe.first_conv_input == [True, True]
     torch.testing.assert_close(probe.losses, expected.losses, rtol=1e-4, atol=1e-6)
+
+
+class PlainNet(nn.Module):
+    """A plain ``nn.Module`` (no ``save_pretrained``): the Trainer saves it with ``safetensors.torch.save_file``,
+    which refuses a channels_last tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 3)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.head(F.relu(self.conv(pixel_values)).mean((2, 3)))
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+class SaveOnEvaluate(TrainerCallback):
+    """A user's callback that saves after each evaluation (keeping only the best, say), listed after ours."""
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        control.should_save = True
+
+
+@pytest.mark.parametrize("when", ["at each epoch's end", "before train()", "after an evaluation"])
+def test_a_plain_module_is_saved_wherever_the_trainer_saves_it(when, tmp_path):
+    from safetensors.torch import load_file
+
+    model = PlainNet()
+    saves = {"at each epoch's end": dict(save_strategy="epoch"), "before train()": {},
+             "after an evaluation": dict(eval_strategy="steps", eval_steps=2)}[when]
+    callbacks = [ChannelsLastCallback(), *[SaveOnEvaluate()] * (when == "after an evaluation")]
+    t = trainer("resnet", tmp_path, model, callbacks, max_steps=4, **saves)
+    if when == "before train()":
+        t.save_model(str(tmp_path / "init"))
+        assert set(load_file(tmp_path / "init" / "model.safetensors")) == set(model.state_dict())
+    t.train()  # the saves at epoch ends and after evaluations raised "non contiguous tensor" before
+    saved = sorted(tmp_path.glob("checkpoint-*/model.safetensors"))
+    assert bool(saved) == (when != "before train()"), saved
+    assert is_channels_last(model.conv.weight)  # the saves gave contiguous copies; the model kept its layout
 
 
 def test_evaluate_and_predict_get_channels_last_inputs_and_the_same_outputs(tmp_path):
