@@ -98,19 +98,29 @@ _lock_files: dict[str, int] = {}  # folder -> this process's descriptor of its l
 _folders: set[str] = set()
 
 
-def _own_temps(folder: str) -> None:
-    """Remove this process's temporary files and those of processes that are gone (at exit)."""
-    prefix = f"{TEMP_PREFIX}{os.getpid()}-"
+def _folders_of(folder: str | Path) -> list[Path]:
+    """The cache's folder and every folder in it (a pack's splits: the shards' temporary files are there)."""
     try:
-        for entry in os.scandir(folder):
-            if entry.name.startswith(prefix):
-                try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:
-                    pass
+        return [Path(folder), *(p for p in Path(folder).rglob("*") if p.is_dir())]
     except OSError:
-        return
-    remove_leftovers(folder, stale_after_s=float("inf"))
+        return []
+
+
+def _own_temps(folder: str) -> None:
+    """Remove this process's temporary files and those of processes that are gone (at exit), in every folder of the
+    cache."""
+    prefix = f"{TEMP_PREFIX}{os.getpid()}-"
+    for sub in _folders_of(folder):
+        try:
+            for entry in os.scandir(sub):
+                if entry.name.startswith(prefix):
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+        except OSError:
+            continue
+        remove_leftovers(sub, stale_after_s=float("inf"))
 
 
 def _at_exit() -> None:
@@ -195,7 +205,7 @@ class ShardCache:
                                  "(or CLTRAIN_SHARD_CACHE) to a writable folder on the node's disk.") from None
         if str(self.folder) not in _folders:
             _folders.add(str(self.folder))
-            for sub in [self.folder, *(p for p in self.folder.rglob("*") if p.is_dir())]:
+            for sub in _folders_of(self.folder):
                 remove_leftovers(sub, stale_after_s=float("inf"))
             _in_worker_exit(str(self.folder))
         if self._limit is None:

@@ -181,6 +181,27 @@ def test_transient_faults_are_retried_and_no_sample_is_lost_or_read_twice(url, l
         proxy.stop()
 
 
+def test_downloads_under_way_at_exit_or_at_a_kill_leave_no_temporary_file(url, env, server, monkeypatch):
+    # a shard's temporary file is in the pack's split folder (train/), not in the cache's own
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.faults = [Fault("stall", path="shard-00000", times=9, seconds=30)]  # each download hangs
+    temps = lambda: [p for p in env.rglob("*") if p.name.startswith(TEMP_PREFIX)]  # noqa: E731
+    code = ("import sys, threading, time; from cltrain.data.shard_cache import ShardCache\n"
+            "cache = ShardCache(sys.argv[1]); cache.open()\n"
+            "threading.Thread(target=cache.get, args=(sys.argv[2],), daemon=True).start()\n"
+            "while not list(cache.folder.rglob('.cltrain-tmp-*' + sys.argv[2][-10:])): time.sleep(0.05)\n"
+            "if sys.argv[3] == 'killed': __import__('os').kill(__import__('os').getpid(), 9)")
+    try:
+        killed = warm.run([sys.executable, "-c", code, url, "train/shard-000001.tar", "killed"], timeout=60)
+        assert killed.returncode == -9 and len(temps()) == 1  # SIGKILL: nothing of the process ran
+        ended = warm.run([sys.executable, "-c", code, url, "train/shard-000000.tar", "exits"], timeout=60)
+        assert ended.returncode == 0  # its own download (a daemon thread) still under way at exit
+        assert not temps(), temps()  # its own, and the killed process's
+    finally:
+        proxy.stop()
+
+
 def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, server):
     for bad in ("s3://no-such-bucket/pack", url.rsplit("/", 1)[0] + "/nopack", url + "/train"):
         with pytest.raises(RemoteError) as caught:
