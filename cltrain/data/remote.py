@@ -61,9 +61,19 @@ def root_of(root: str | os.PathLike) -> str | Path:
     return str(root).rstrip("/") if is_url(root) else Path(root)
 
 
+def split_query(url: str) -> tuple[str, str]:
+    """``(url without its query, "?query" or "")`` of an ``http(s)://`` URL (a signed URL's, an Azure SAS token's:
+    the credentials, not the place); other URLs whole (a ``?`` may be part of an object's key)."""
+    if url[:8].lower().startswith(("http://", "https://")) and "?" in url:
+        base, query = url.split("?", 1)
+        return base, "?" + query
+    return url, ""
+
+
 def join(url: str, *parts: str) -> str:
-    """``url`` with ``parts`` appended, ``/``-separated."""
-    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
+    """``url`` with ``parts`` appended to its path, ``/``-separated (an ``http(s)://`` URL's query kept at the end)."""
+    base, query = split_query(url)
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)]) + query
 
 
 def redact(text: str) -> str:
@@ -95,7 +105,7 @@ def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
     if protocol in ("s3", "s3a"):  # fsspec's own config (FSSPEC_S3='{...}', ~/.config/fsspec/) wins over these
         user = conf.get(protocol, {})
         options = {**user, "config_kwargs": {"retries": {"max_attempts": attempts, "mode": "standard"},
-                                             "connect_timeout": 3 if quick else 20, "read_timeout": 10 if quick else 60,
+                                             "connect_timeout": 3 if quick else 20, "read_timeout": 5 if quick else 60,
                                              **user.get("config_kwargs", {})}}
     try:
         # a filesystem of our own (fsspec would hand out one cached by its arguments alone, whatever the environment
@@ -110,7 +120,7 @@ def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
         raise RemoteError(f"{redact(url)}: reading {protocol}:// needs {package}: pip install 'cltrain[cloud]' "
                           f"({' '.join(str(err).split())[:160]}).") from None
     if protocol in ("s3", "s3a"):
-        fs.retries = attempts  # s3fs's own retries of a request and its body (a class attribute, not an argument)
+        fs.retries = 1 if quick else attempts  # s3fs's own retries of a request and its body (a class attribute, not an argument)
         if getattr(fs, "session", None) is None:  # not one the user's fsspec config handed in
             fs.session = _s3_session(fs.kwargs)
     return fs, path

@@ -46,7 +46,7 @@ from typing import Any, Iterator
 
 from cltrain.atomic import TEMP_PREFIX, DiskFullError, atomic_open, remove_leftovers
 from cltrain.data.errors import DataError, StorageError
-from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error
+from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error, split_query
 
 __all__ = ["CacheFullError", "ShardCache", "default_cache_dir", "parse_size"]
 
@@ -165,10 +165,13 @@ class ShardCache:
     """
 
     def __init__(self, url: str, folder: str | os.PathLike | None = None, limit: int | str | None = None) -> None:
-        self.url = url.rstrip("/")
+        place, query = split_query(url)
+        place = place.rstrip("/")
+        self.url = place + query
         base = Path(folder) if folder is not None else default_cache_dir()
-        key = hashlib.sha1(self.url.encode()).hexdigest()[:12]
-        self.folder = base / f"{re.sub(r'[^A-Za-z0-9._-]', '_', self.url.rsplit('/', 1)[-1])[:40]}-{key}"
+        # named by the place alone: a signed URL's query (its credentials, renewed) neither names nor splits the cache
+        key = hashlib.sha1(place.encode()).hexdigest()[:12]
+        self.folder = base / f"{re.sub(r'[^A-Za-z0-9._-]', '_', place.rsplit('/', 1)[-1])[:40]}-{key}"
         self._limit = parse_size(limit)
         self._fs: Any = None
         self._pid = -1

@@ -71,16 +71,21 @@ def test_a_bucket_gives_the_local_packs_batches_and_fetches_each_shard_once_per_
     assert {p: p.stat().st_ino for p in cache.folder.rglob("*.tar")} == before
 
 
-def test_an_https_root_a_public_buckets_url_gives_the_local_packs_batches(local_pack, server, env, tmp_path):
+def test_an_https_root_public_or_signed_gives_the_local_packs_batches_and_keeps_no_credential(local_pack, server, env, tmp_path):
     url, client = server.upload(local_pack, "bucket", "public/pack"), server.client()
     for entry in client.list_objects_v2(Bucket="bucket", Prefix="public/pack/")["Contents"]:
         # fsspec's HTTP filesystem sends plain GETs, without credentials: S3 answers 403 to them where not public
         client.put_object_acl(Bucket="bucket", Key=entry["Key"], ACL="public-read")
     web = url.replace("s3://", f"{server.endpoint}/")  # http://127.0.0.1:<port>/bucket/public/pack
-    here, there = ShardsDataModule(local_pack, **KW), ShardsDataModule(web, **KW, cache_dir=str(tmp_path))
+    here = ShardsDataModule(local_pack, **KW)
+    # a signed URL (an Azure SAS token, a presigned prefix): its query is sent with each file's name in the path
+    there = ShardsDataModule(web + "?sv=2022-11-02&sig=first", **KW, cache_dir=str(tmp_path))
     a, b = _batches(here, True), _batches(there, True)
     assert len(a) == len(b) > 1 and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
     assert sorted(p.name for p in tmp_path.rglob("*.tar")) == sorted(p.name for p in (local_pack / "train").glob("*.tar"))
+    assert not [p for p in tmp_path.rglob("*") if "sig" in p.name or "first" in p.name]  # no credential on disk
+    renewed = ShardsDataModule(web + "?sv=2022-11-02&sig=second", **{**KW, "num_workers": 0}, cache_dir=str(tmp_path))
+    assert len(_batches(renewed, True)) == len(a) and renewed.pack.cache.fetched == 0  # a new token: the same cache
 
 
 def test_ranges_read_the_same_bytes_and_cache_nothing(url, local_pack, env):
