@@ -24,10 +24,26 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Host", "Say", "several_ranks"]
+__all__ = ["Host", "Say", "several_ranks", "shown"]
 
 #: ``say(message, warn)``: one line, a warning where ``warn``.
 Say = Callable[[str, bool], None]
+
+
+def shown(logger: logging.Logger) -> logging.Logger:
+    """``logger`` (one of cltrain's), whose lines show where the program set up no logging, as Lightning's do:
+    Python then shows warnings only, and a door's lines (the check's verdict, the race's decision) are information.
+    The ``cltrain`` logger is given a handler that prints each line as it is (and keeps it from the root logger a
+    program may set up later); a level set on it is kept. Where the program has a handler, nothing changes."""
+    ours = logging.getLogger("cltrain")
+    if not logging.getLogger().handlers and not ours.handlers and logger.name.split(".")[0] == "cltrain":
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        ours.addHandler(handler)
+        ours.propagate = False
+        if ours.level == logging.NOTSET:
+            ours.setLevel(logging.INFO)
+    return logger
 
 
 def _logged(message: str, warn: bool) -> None:

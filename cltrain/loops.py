@@ -51,11 +51,11 @@ from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.compare import LayoutCheck
 from cltrain.check.plain_step import check_plain_step
 from cltrain.check.resume import run_fingerprint
-from cltrain.host import Host
+from cltrain.host import Host, shown
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
-from cltrain.options import (check_copies, check_flags, check_layout_choice, check_mode, check_optimizers,
-                             check_positive)
+from cltrain.options import (check_callable, check_copies, check_device, check_dtype, check_flags, check_layout_choice,
+                             check_mode, check_optimizers, check_positive)
 from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
 
@@ -67,7 +67,7 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def _say(message: str, warn: bool) -> None:
-    log.log(logging.WARNING if warn else logging.INFO, message)
+    shown(log).log(logging.WARNING if warn else logging.INFO, message)
 
 
 def _engine(model: nn.Module, sharded: bool) -> str | None:
@@ -106,7 +106,8 @@ class ChannelsLastRun(SessionResults):
             (``cltrain.session.SessionResults``: ``layout``, ``decision``, ``layout_checks``, ``guardrails``, ...).
 
     Raises:
-        ValueError: a bad ``optimizer``, ``mode``, ``layout``, ``inputs``, ``check_samples`` or flag.
+        ValueError: a bad ``optimizer``, ``mode``, ``layout``, ``inputs``, ``check_samples``, ``dtype``, ``device``,
+            ``step``, ``log`` or flag.
 
     Example::
 
@@ -128,6 +129,10 @@ class ChannelsLastRun(SessionResults):
         check_layout_choice("ChannelsLastRun", layout)
         check_flags("ChannelsLastRun", guard=guard, verify=verify, sharded=sharded)
         check_positive("ChannelsLastRun", "check_samples", check_samples, optional=True)
+        check_dtype("ChannelsLastRun", "dtype", dtype)
+        check_device("ChannelsLastRun", device)
+        check_callable("ChannelsLastRun", "step(model, batch) -> loss", step=step)
+        check_callable("ChannelsLastRun", "log(metrics), such as fabric.log_dict", log=log)
         self.model, self.step, self.dtype, self.verify = model, step, dtype, verify
         self.inputs, self.check_samples = check_inputs(inputs, owner="ChannelsLastRun"), check_samples
         self.optimizers = check_optimizers("ChannelsLastRun", optimizer)
@@ -231,7 +236,8 @@ def convert_model(
         ``model`` itself (its ``Parameter`` objects are kept: an optimizer made before still works).
 
     Raises:
-        ValueError: ``mode`` is not ``"full"`` or ``"conv"``, or ``guard`` or ``sharded`` is not a bool.
+        ValueError: ``mode`` is not ``"full"`` or ``"conv"``, ``guard`` or ``sharded`` is not a bool, or a bad
+            ``dtype`` or ``device``.
 
     Example::
 
@@ -243,6 +249,8 @@ def convert_model(
     """
     check_mode("convert_model", mode)
     check_flags("convert_model", guard=guard, sharded=sharded)
+    check_dtype("convert_model", "dtype", dtype)
+    check_device("convert_model", device)
     session = LayoutSession(mode, layout="channels_last", guard=guard, host=Host(_say))
     session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                   owner=f"convert_model(mode={mode!r})")
@@ -332,6 +340,10 @@ def verify_layout(
     """
     inputs = check_inputs(inputs, owner="verify_layout")
     check_optimizers("verify_layout", optimizer, several=False)
+    check_dtype("verify_layout", "autocast_dtype", autocast_dtype)
+    check_callable("verify_layout", "step(model, batch) -> loss", step=step)
+    check_positive("verify_layout", "samples", samples, optional=True)
+    check_flags("verify_layout", report=report)
     host = Host(_say, optimizers=lambda: [optimizer] if optimizer is not None else [])
     session = LayoutSession(layout="channels_last", inputs=inputs, host=host)
     session.layout, session.dtype, session.sharding = "channels_last", autocast_dtype, sharding_of(model)

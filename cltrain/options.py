@@ -17,7 +17,8 @@ from typing import Any
 
 from cltrain.layout.tensors import MODES
 
-__all__ = ["check_copies", "check_flags", "check_layout_choice", "check_mode", "check_optimizers", "check_positive"]
+__all__ = ["check_callable", "check_copies", "check_device", "check_dtype", "check_flags", "check_layout_choice",
+           "check_mode", "check_optimizers", "check_positive"]
 
 #: What every front door's ``layout=`` takes: ``"auto"`` races the layouts on the run's own steps, the others pin one.
 LAYOUT_CHOICES = ("auto", "channels_last", "contiguous")
@@ -54,6 +55,37 @@ def check_positive(call: str, name: str, value: Any, whole: bool = True, optiona
         raise ValueError(f"{call}({name}={value!r}): expected {'None or ' if optional else ''}an int >= 1.")
     if not whole and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{call}({name}={value!r}): expected seconds > 0.")
+
+
+def check_dtype(call: str, name: str, dtype: Any) -> None:
+    """``dtype`` is an autocast dtype: ``torch.bfloat16``, ``torch.float16``, or ``None`` (float32; also
+    ``torch.float32``). The guardrails depend on it: a name ("bf16") would leave the bf16 ones out."""
+    import torch
+
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{call}({name}={_shown(dtype)}): expected torch.bfloat16, torch.float16 or None (float32), "
+                         "the dtype the loop's autocast computes in.")
+
+
+def check_device(call: str, device: Any) -> None:
+    """``device`` is ``None``, a ``torch.device`` or a string torch reads as one (``"cuda:0"``, ``"cpu"``)."""
+    import torch
+
+    if device is None or isinstance(device, torch.device):
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{call}(device={_shown(device)}): expected a device torch knows ('cpu', 'cuda', 'cuda:0', "
+                         "'mps', or a torch.device), or None for the model's own.") from None
+
+
+def check_callable(call: str, takes: str, optional: bool = True, **values: Any) -> None:
+    """Each of ``values`` is a function (``optional``: or ``None``); ``takes`` says what it is called with."""
+    for name, value in values.items():
+        if not (callable(value) or optional and value is None):
+            raise ValueError(f"{call}({name}={_shown(value)}): expected {'None or ' if optional else ''}a function "
+                             f"{takes}.")
 
 
 def check_optimizers(call: str, optimizer: Any, several: bool = True) -> list[Any]:

@@ -237,7 +237,11 @@ class LayoutSession:
             self.guardrails = records
         apply_fallbacks(model, self.fallbacks)  # a later fit: the conversion restrided their weights
         self.summary = layout_summary(model, buffers=True)
-        self.convert_copies(self.host.copies())
+        try:
+            copies = self.host.copies()
+        except Exception:  # noqa: BLE001 - copies=lambda: [ema] with the EMA made after the door: a copy of the
+            copies = []  # converted model then, asked again at the next change of layout
+        self.convert_copies(copies)
         if self._utilities is None:
             self._utilities = contextlib.ExitStack()
             self._utilities.enter_context(torch_utilities(self.say))
@@ -339,7 +343,12 @@ class LayoutSession:
 
     def _watch(self) -> None:
         """Count the steps of the host's optimizers (those that appear later too), for ``optimizer_stepped``."""
-        for optimizer in self.host.optimizers():
+        optimizers = self.host.optimizers()
+        if not optimizers and "no optimizer" not in self._told:
+            self._told.add("no optimizer")
+            self.say("ChannelsLast: no optimizer given: each batch is timed as a step (give the run the optimizer your "
+                     "loop steps: under gradient accumulation a step is then the batches up to its step)")
+        for optimizer in optimizers:
             if id(optimizer) in self._examined:
                 continue
             self._examined.add(id(optimizer))

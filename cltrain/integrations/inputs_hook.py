@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from cltrain.check.result import LayoutCheck
 from cltrain.devices import device_of
-from cltrain.host import Host
+from cltrain.host import Host, shown
 from cltrain.layout.stacks import to_input_layout
 from cltrain.options import check_flags, check_layout_choice
 from cltrain.session import LayoutSession
@@ -155,7 +155,7 @@ class ChannelsLastInputs:
         self._last: str | None = None
 
     def _say(self, message: str, warn: bool) -> None:
-        self.log.log(logging.WARNING if warn else logging.INFO, message)
+        shown(self.log).log(logging.WARNING if warn else logging.INFO, message)
 
     def host(self, **kwargs: Any) -> Host:
         """The host this hook lends its session: its logger, its ``optimizers``."""

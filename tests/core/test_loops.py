@@ -218,3 +218,15 @@ def test_verify_layout_checks_a_slice_of_the_batch_and_the_whole_batch_on_reques
     seen.clear()
     assert verify_layout(model, batch, samples=None).verdict == "passed"
     assert set(seen) == {16}
+
+
+@pytest.mark.parametrize("program", ["sets up no logging", "logs warnings only"])
+def test_the_runs_lines_show_in_a_program_that_sets_up_no_logging(program) -> None:
+    # Python shows warnings only where nothing is set up: the run's lines would not show (its check, its race)
+    code = ("import logging, torch; from cltrain.loops import ChannelsLastRun\n"
+            + ("logging.basicConfig(level=logging.WARNING)\n" if program == "logs warnings only" else "")
+            + "run = ChannelsLastRun(torch.nn.Conv2d(3, 8, 3), layout='channels_last', verify=False); run.end()")
+    done = warm.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = "ChannelsLastRun(mode='full'): model layout is channels_last; parameters and buffers" in done.stderr
+    assert said is (program == "sets up no logging"), done.stderr  # a program's own set-up is kept

@@ -103,3 +103,29 @@ def test_every_door_that_checks_refuses_a_bad_check_samples_alike():
         with pytest.raises(ValueError) as raised:
             make(check_samples=0)
         assert str(raised.value) == f"{name}(check_samples=0): expected None or an int >= 1.", name
+
+
+def test_the_loop_door_refuses_a_dtype_a_device_or_a_function_it_cannot_use():
+    import torch
+
+    from cltrain.loops import ChannelsLastRun, verify_layout
+
+    model = torch.nn.Conv3d(3, 4, 3)
+    # dtype="bf16" was taken as float32: the bf16 guardrails (a Conv3d's weight gradient) were left out, unsaid
+    for door, kwargs, line in [
+        (ChannelsLastRun, {"dtype": "bf16"}, "ChannelsLastRun(dtype='bf16'): expected torch.bfloat16, torch.float16 "
+                                             "or None (float32), the dtype the loop's autocast computes in."),
+        (convert_model, {"dtype": torch.int8}, "convert_model(dtype=torch.int8): expected torch.bfloat16, "),
+        (ChannelsLastRun, {"device": "gpu"}, "ChannelsLastRun(device='gpu'): expected a device torch knows "),
+        (ChannelsLastRun, {"step": 3}, "ChannelsLastRun(step=3): expected None or a function step(model, batch)"),
+        (ChannelsLastRun, {"log": 3}, "ChannelsLastRun(log=3): expected None or a function log(metrics)"),
+        (verify_layout, {"batch": None, "samples": 0}, "verify_layout(samples=0): expected None or an int >= 1."),
+        (verify_layout, {"batch": None, "report": "x"}, "verify_layout(report='x'): expected True or False."),
+    ]:
+        with pytest.raises(ValueError) as raised:
+            door(model, **kwargs)
+        assert str(raised.value).startswith(line) and "\n" not in str(raised.value)
+    assert model.weight.is_contiguous()  # refused before the model was converted
+    run = ChannelsLastRun(model, dtype=torch.bfloat16, device=torch.device("cpu"), verify=False, step=lambda m, b: 0)
+    assert run.session.dtype is torch.bfloat16 and run.session.device == torch.device("cpu")
+    run.end()

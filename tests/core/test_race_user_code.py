@@ -243,6 +243,43 @@ def test_the_lightning_door_takes_an_averaged_copy_the_users_code_keeps(given) -
     assert all(w.is_contiguous() for w in convs) is given  # not given: the copy stays channels_last
 
 
+def test_a_run_given_no_optimizer_says_each_batch_is_timed_as_a_step(caplog) -> None:
+    import logging
+
+    from cltrain.loops import ChannelsLastRun
+
+    for given in (False, True):
+        caplog.clear()
+        model = base()
+        run = ChannelsLastRun(model, [torch.optim.SGD(model.parameters(), lr=0.1)] * given, verify=False)
+        with caplog.at_level(logging.INFO):
+            for _ in run.batches(DataLoader(images(4), batch_size=2)):
+                pass
+        run.end()
+        assert ("no optimizer given: each batch is timed as a step" in caplog.text) is not given, caplog.text
+
+
+def test_a_copy_made_after_the_door_and_named_by_a_function_follows_the_model() -> None:
+    from torch.optim.swa_utils import AveragedModel
+
+    from cltrain.loops import ChannelsLastRun
+    from tests.helpers.door_battery import slow
+
+    model = slow()  # channels_last's forward slow: the race switches to NCHW
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = ChannelsLastRun(model, optimizer, copies=lambda: [ema])  # as the docs write it (a NameError before)
+    ema = AveragedModel(model)  # made after the door converted the model: channels_last
+    for _ in range(3):
+        for x, y in run.batches(DataLoader(images(), batch_size=2)):
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update_parameters(model)
+    run.end()
+    assert run.decision is not None and run.decision.layout == "contiguous", run.decision
+    assert all(m.weight.is_contiguous() for m in ema.modules() if isinstance(m, torch.nn.Conv2d))
+
+
 def test_evaluation_calls_do_not_count_as_batches_without_an_optimizer_step(monkeypatch, caplog, timed) -> None:
     import logging
 
