@@ -66,7 +66,8 @@ def argument_names(value: str | Sequence[str], where: str) -> tuple[str, ...]:
         ValueError: ``value`` is neither; the message starts with ``where`` (``"Owner(argument=...)"``).
     """
     names = (value,) if isinstance(value, str) else value
-    if not isinstance(names, Sequence) or not names or not all(isinstance(n, str) and n for n in names):
+    if not isinstance(names, Sequence) or not names or not all(isinstance(n, str) and n for n in names) \
+            or "all" in names:  # the loop door's 'all' (every tensor of a batch): here a forward argument's name
         raise ValueError(f"{where}: expected the name of the model's image argument (e.g. 'pixel_values') or a list "
                          "of names.")
     return tuple(names)

@@ -77,6 +77,7 @@ def check_inputs(inputs: Any, owner: str = "") -> None | str | tuple[str | int, 
         or not items
         or not all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in items)
         or "all" in items and len(items) > 1
+        or "" in items
     ):
         where = f"{owner}(inputs={inputs!r})" if owner else f"inputs={inputs!r}"
         raise ValueError(

@@ -121,6 +121,7 @@ def test_the_loop_door_refuses_a_dtype_a_device_or_a_function_it_cannot_use():
         (ChannelsLastRun, {"log": 3}, "ChannelsLastRun(log=3): expected None or a function log(metrics)"),
         (verify_layout, {"batch": None, "samples": 0}, "verify_layout(samples=0): expected None or an int >= 1."),
         (verify_layout, {"batch": None, "report": "x"}, "verify_layout(report='x'): expected True or False."),
+        (ChannelsLastRun, {"inputs": ""}, "ChannelsLastRun(inputs=''): expected None (the model's input), 'all', "),
     ]:
         with pytest.raises(ValueError) as raised:
             door(model, **kwargs)

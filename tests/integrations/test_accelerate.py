@@ -97,6 +97,7 @@ def test_a_model_accelerate_compiles_is_not_raced():
 
 @pytest.mark.parametrize("kwargs, named", [
     ({"mode": "auto"}, "mode='auto'"), ({"inputs": 0}, "inputs=0"), ({"guard": 1}, "guard=1"),
+    ({"inputs": "all"}, "inputs='all'"),  # the loop door's word; here it named a forward argument 'all'
 ])
 def test_bad_arguments_are_named(kwargs, named):
     with pytest.raises(ValueError, match=f"prepare_channels_last\\({named}\\)"):
