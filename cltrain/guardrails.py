@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cltrain.layout import nchw
+from cltrain.options import check_device, check_dtype
 
 from cltrain.platform import Platform, current_platform
 
@@ -357,7 +358,8 @@ def apply_guardrails(
         One ``GuardRecord`` per fault that matched (an empty list: nothing to do here).
 
     Raises:
-        ValueError: ``layout`` is not ``"channels_last"`` or ``"contiguous"``.
+        ValueError: ``layout`` is not ``"channels_last"`` or ``"contiguous"``, or a ``dtype`` or ``device`` that is
+            not torch's.
 
     Example::
 
@@ -367,6 +369,8 @@ def apply_guardrails(
         ...     ["onednn-bf16-conv3d-weight-grad"], [])
         True
     """
+    check_dtype("apply_guardrails", "dtype", dtype)  # "bf16" would find no bf16 hazard, and say nothing
+    check_device("apply_guardrails", device)
     if hazards is None:
         hazards = find_hazards(model, device=device, dtype=dtype, layout=layout, faults=faults)
     if sum_over_ranks is not None:

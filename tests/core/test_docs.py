@@ -169,3 +169,14 @@ def test_a_history_phrase_is_found(tmp_path):
     note.write_text("Measured in run 2 of this round, after issue 12.\n")
     hits = history_phrases([note], root=tmp_path)
     assert [hit.rsplit(": ", 1)[1].lower() for hit in hits] == ["run 2", "this round", "issue 12"]
+
+
+def test_the_extras_table_names_every_extra_and_what_all_holds():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    table = (ROOT / "docs" / "index.md").read_text().split("| extra | what it adds |", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([a-z0-9-]+)`", "\n".join(line.split("|")[1] for line in table.splitlines()[2:])))
+    assert set(extras) <= named, sorted(set(extras) - named)
+    inside = re.findall(r"^\| `all` \| (.*) \|$", table, re.M)[0]
+    assert set(re.findall(r"`([a-z0-9-]+)`", inside)) == set(extras["all"][0].split("[")[1].rstrip("]").split(","))

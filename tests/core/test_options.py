@@ -108,6 +108,7 @@ def test_every_door_that_checks_refuses_a_bad_check_samples_alike():
 def test_the_loop_door_refuses_a_dtype_a_device_or_a_function_it_cannot_use():
     import torch
 
+    from cltrain.guardrails import apply_guardrails
     from cltrain.loops import ChannelsLastRun, verify_layout
 
     model = torch.nn.Conv3d(3, 4, 3)
@@ -122,6 +123,8 @@ def test_the_loop_door_refuses_a_dtype_a_device_or_a_function_it_cannot_use():
         (verify_layout, {"batch": None, "samples": 0}, "verify_layout(samples=0): expected None or an int >= 1."),
         (verify_layout, {"batch": None, "report": "x"}, "verify_layout(report='x'): expected True or False."),
         (ChannelsLastRun, {"inputs": ""}, "ChannelsLastRun(inputs=''): expected None (the model's input), 'all', "),
+        (apply_guardrails, {"dtype": "bf16"}, "apply_guardrails(dtype='bf16'): expected torch.bfloat16, "),
+        (apply_guardrails, {"device": "gpu"}, "apply_guardrails(device='gpu'): expected a device torch knows "),
     ]:
         with pytest.raises(ValueError) as raised:
             door(model, **kwargs)
