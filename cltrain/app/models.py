@@ -32,7 +32,7 @@ from cltrain.app.config.errors import ConfigError
 from cltrain.app.config.resolve import check_model_name
 from cltrain.model_names import build_untrained_model
 
-__all__ = ["EMA_KEYS", "build_classifier", "load_pretrained", "read_checkpoint"]
+__all__ = ["EMA_KEYS", "build_classifier", "check_input_size", "load_pretrained", "read_checkpoint"]
 
 #: Keys of a checkpoint dict that hold EMA weights, in order of preference (timm's order).
 EMA_KEYS: tuple[str, ...] = ("state_dict_ema", "model_ema")
@@ -54,6 +54,33 @@ def build_classifier(
     if pretrained is not None:
         load_pretrained(model, pretrained)
     return model
+
+
+def check_input_size(name: str, source: str, image_size: int, num_frames: int | None = None) -> None:
+    """The crop (and a clip's frames) are at least what torchvision's ``name`` takes (its weights' ``min_size`` and
+    ``min_temporal_size``: S3D 224 px and 14 frames, MViT 224 px and 16, Inception v3 75 px): a smaller input fails
+    inside the model's first step.
+
+    Raises:
+        ConfigError: ``data.image_size`` or ``data.num_frames`` below the model's minimum.
+    """
+    from cltrain.model_names import CLASSIFIERS, model_source
+
+    if model_source(name, source, CLASSIFIERS) != "torchvision":
+        return
+    import torchvision
+
+    try:
+        meta = next(iter(torchvision.models.get_model_weights(name))).meta
+    except (ValueError, KeyError, StopIteration):  # a model without published weights states no minimum
+        return
+    side, frames = max(meta.get("min_size", (1, 1))), meta.get("min_temporal_size")
+    if image_size < side:
+        raise ConfigError("data.image_size", image_size, f"model.name={name!r} (torchvision) takes images of at least "
+                          f"{side} px", allowed=f"data.image_size={side} or more, or another model")
+    if num_frames is not None and frames is not None and num_frames < frames:
+        raise ConfigError("data.num_frames", num_frames, f"model.name={name!r} (torchvision) takes clips of at least "
+                          f"{frames} frames", allowed=f"data.num_frames={frames} or more, or another model")
 
 
 def _first_line(err: BaseException) -> str:

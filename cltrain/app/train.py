@@ -36,7 +36,7 @@ from cltrain.app.console import quiet_console
 from cltrain.app.datasource import absolute, build_datamodule
 from cltrain.app.groups import build_loggers
 from cltrain.app.launch import check_launch
-from cltrain.app.models import build_classifier
+from cltrain.app.models import build_classifier, check_input_size
 from cltrain.app.prepare import apply_cuda_math, build_lightning_module, prepare_model
 from cltrain.app.results import RunResults, resume_command, summary_line
 from cltrain.app.rundir import run_dir_of
@@ -79,6 +79,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop, started: float) -> dict[str, Any]:
     apply_cuda_math(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.data.get("image_size") is not None:  # a too small input fails inside the first step, with a traceback
+        check_input_size(cfg.model.name, cfg.model.source, cfg.data.image_size, cfg.data.get("num_frames"))
     datamodule = build_datamodule(cfg)
     kwargs = cfg.model.get("kwargs")
     model = build_classifier(cfg.model.name, datamodule.num_classes, cfg.model.source,

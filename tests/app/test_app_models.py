@@ -69,6 +69,21 @@ def test_torchvision_video_model_by_name(name: str) -> None:
     assert model(torch.randn(1, 3, 4, 32, 32)).shape == (1, 6)
 
 
+def test_an_input_smaller_than_a_torchvision_model_takes_is_one_line_naming_the_key() -> None:
+    from cltrain.app.models import check_input_size
+
+    for name, size, frames, said in [("s3d", 32, 8, "data.image_size=32: model.name='s3d' (torchvision) takes images of "
+                                      "at least 224 px (allowed: data.image_size=224 or more, or another model)"),
+                                     ("s3d", 224, 8, "data.num_frames=8: model.name='s3d' (torchvision) takes clips of "
+                                      "at least 14 frames"),
+                                     ("inception_v3", 64, None, "data.image_size=64: model.name='inception_v3'")]:
+        with pytest.raises(ConfigError) as raised:  # each failed inside the first step, with a traceback
+            check_input_size(name, "auto", size, frames)
+        assert str(raised.value).startswith(said), str(raised.value)
+    for name, size, frames in [("s3d", 224, 16), ("r3d_18", 32, 8), ("resnet18", 8, None), ("resnet18", 8, 4)]:
+        check_input_size(name, "auto", size, frames)
+
+
 def test_unknown_video_model_suggests_the_video_names() -> None:
     with pytest.raises(ConfigError, match=r"model.name='r3d_19': unknown model .*closest: .*r3d_18"):
         check_model_name("r3d_19", "torchvision")
