@@ -218,3 +218,15 @@ def test_the_races_lines_name_the_apps_own_override(demo_root: Path, tmp_path: P
     assert metrics["layout"] == "contiguous"
     assert "pin it with channels_last_layout=contiguous)" in caplog.text  # what `python train.py` takes
     assert "training ended before" not in caplog.text
+
+
+def test_a_max_steps_stop_in_the_middle_of_an_epoch_resumes_there_bit_for_bit(demo_root: Path, tmp_path: Path) -> None:
+    pin = "channels_last_layout=channels_last"  # the race times: two runs could keep different layouts
+    whole = tiny(demo_root, tmp_path / "whole", pin, "trainer.max_epochs=2")
+    stopped = tiny(demo_root, tmp_path / "stopped", pin, "trainer.max_epochs=2", "trainer.max_steps=3")
+    assert stopped["global_step"] == 3 and whole["global_step"] == 8  # 4 batches an epoch
+    resumed = tiny(demo_root, tmp_path / "resumed", pin, "trainer.max_epochs=2", f"ckpt_path={stopped['last_checkpoint']}")
+    # Lightning counted the stopped epoch as processed: the resumed run began epoch 1 and ended at step 7
+    assert resumed["global_step"] == 8
+    ours, theirs = _state(resumed["last_checkpoint"])["state_dict"], _state(whole["last_checkpoint"])["state_dict"]
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
