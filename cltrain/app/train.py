@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.callbacks import build_run_callbacks
 from cltrain.app.config import Resolved, validate
+from cltrain.app.config.paths import check_checkpoint_model
 from cltrain.app.console import quiet_console
 from cltrain.app.datasource import absolute, build_datamodule
 from cltrain.app.groups import build_loggers
@@ -97,6 +98,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     global_batch = cfg.data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
     module, lr = build_lightning_module(cfg, model, datamodule.num_classes, global_batch)
     ckpt_path = absolute(cfg.get("ckpt_path"))
+    if ckpt_path is not None:
+        check_checkpoint_model(ckpt_path, module.state_dict())
     results = RunResults(cfg, resolved, trainer, run, model, run_dir, global_batch, lr, ckpt_path, guarded, started)
 
     rank_zero_info(f"cltrain: precision {resolved.precision} ({resolved.precision_reason})")

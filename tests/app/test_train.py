@@ -230,3 +230,11 @@ def test_a_max_steps_stop_in_the_middle_of_an_epoch_resumes_there_bit_for_bit(de
     assert resumed["global_step"] == 8
     ours, theirs = _state(resumed["last_checkpoint"])["state_dict"], _state(whole["last_checkpoint"])["state_dict"]
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_resuming_with_another_model_is_one_line_before_the_run_starts(demo_root: Path, tmp_path: Path) -> None:
+    written = tiny(demo_root, tmp_path / "first", "trainer.max_steps=1")
+    with pytest.raises(ConfigError) as raised:  # a traceback listing every mismatch from Lightning's load before
+        tiny(demo_root, tmp_path / "second", "model.name=test_efficientnet", f"ckpt_path={written['last_checkpoint']}")
+    assert "holds the weights of another model than model.name builds here (model." in str(raised.value)
+    assert not (tmp_path / "second" / "checkpoints").exists()  # nothing written: the directory can be used again

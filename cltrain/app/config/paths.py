@@ -11,6 +11,7 @@ without ``ema.enabled``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,7 +20,7 @@ from cltrain.app.config.data_schema import (HFConfig, LitDataConfig, MDSConfig, 
 from cltrain.app.config.errors import ConfigError
 from cltrain.data.remote import is_url, redact
 
-__all__ = ["check_checkpoint", "check_paths"]
+__all__ = ["check_checkpoint", "check_checkpoint_model", "check_paths"]
 
 _HUB_ROOTS = "a folder written by save_to_disk, a folder of Parquet files, or a Hub id <owner>/<name>"
 
@@ -120,3 +121,25 @@ def check_checkpoint(path: str, cfg: DictConfig) -> None:
         raise ConfigError("ema.enabled", False, f"the checkpoint {path} was trained with ema.enabled=true (its training "
                           "weights are kept apart from the averaged ones); resuming needs ema.enabled=true",
                           "ema.enabled=true; or model.pretrained=<ckpt> to start anew from the averaged weights")
+
+
+def check_checkpoint_model(path: str, model_state: dict[str, Any]) -> None:
+    """The checkpoint holds the weights of the model the run built (``model_state``: the LightningModule's state
+    dict), key for key and shape for shape: another model failed inside Lightning's load with every mismatch listed,
+    after the run had started.
+
+    Raises:
+        ConfigError: the first few keys that differ, and the fix.
+    """
+    from cltrain.checkpoint_io import load_checkpoint_file
+
+    saved = load_checkpoint_file(path, map_location="cpu", mmap=True)["state_dict"]
+    differ = [f"{k} missing" for k in model_state if k not in saved]
+    differ += [f"{k} not in this model" for k in saved if k not in model_state]
+    differ += [f"{k} {tuple(saved[k].shape)} here {tuple(v.shape)}" for k, v in model_state.items()
+               if k in saved and tuple(saved[k].shape) != tuple(v.shape)]
+    if differ:
+        shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise ConfigError("ckpt_path", path, f"holds the weights of another model than model.name builds here "
+                          f"({shown})", "the model.name (and model.kwargs, data's classes) of the run that wrote it; "
+                          "or model.pretrained=<ckpt> to start anew from the weights that fit")
