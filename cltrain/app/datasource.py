@@ -36,6 +36,11 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
     """The configured DataModule (``data._target_``), with the demo set generated first when configured."""
     data = OmegaConf.to_container(cfg.data, resolve=True)
     demo = data.pop("demo", None)
+    crop, resize = data.get("image_size"), data.get("val_resize_size")
+    if isinstance(crop, int) and isinstance(resize, int) and resize < crop:  # validation: a crop of the resize
+        raise ConfigError("data.val_resize_size", resize, f"smaller than data.image_size={crop}, which validation "
+                          "crops from it", f"data.val_resize_size={round(crop / 0.875)} (the 0.875 crop ratio) or "
+                          f"anything >= {crop}, set with data.image_size")
     keep = is_url(data["root"]) or (data["_target_"].endswith("HFImageDataModule") and is_hub_id(data["root"]))
     if not keep:  # a URL or a Hub id is not a path
         data["root"] = absolute(data["root"])

@@ -30,6 +30,8 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
         ("data.batch_size=0", "cltrain: error: data.batch_size=0: must be a whole number > 0"),
         ("model.name=resnet5", "cltrain: error: model.name='resnet5': unknown model (allowed: a name from"),
         ("amp=fp16", "cltrain: error: amp='fp16': AMP on the CPU is bf16 autocast (allowed: auto, true, bf16"),
+        ("data.image_size=512", "cltrain: error: data.val_resize_size=128: smaller than data.image_size=512, which "
+                                "validation crops from it (allowed: data.val_resize_size=585 (the 0.875 crop ratio)"),
     ],
 )
 def test_bad_config_is_one_line_and_exit_status_2(tmp_path: Path, override: str, message: str) -> None:
