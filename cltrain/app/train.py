@@ -122,7 +122,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         metrics = results.finish("interrupted")
         if trainer.is_global_zero:
             last = metrics.get("last_checkpoint")
-            how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written (stopped before training)"
+            how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written " + (
+                "(a second signal stopped the run at once)" if trainer.global_step else "(stopped before training)")
             print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",
                   file=sys.stderr, flush=True)
         interrupt = RunInterrupted(signum)
