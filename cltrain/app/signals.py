@@ -2,9 +2,9 @@
 
 ``SignalStop`` handles SIGINT and SIGTERM for the whole of ``train()``, chained with
 Lightning's own SIGTERM handler. Outside ``fit`` a signal raises ``RunInterrupted`` at once;
-inside ``fit`` the first signal stops the run at the end of the current batch (a second one at
-once), through Lightning's ``on_exception`` hooks, where ``OnExceptionCheckpoint`` writes
-``last.ckpt``. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same
+inside ``fit`` the first signal stops the run at the end of the current batch, through Lightning's
+``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt`` (signals held while it writes); a second one
+stops it at once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written before. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same
 step). SIGUSR1 (SLURM's requeue) is never touched.
 """
 
@@ -27,8 +27,10 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 class RunInterrupted(BaseException):
     """The run was stopped by ``signum`` (a BaseException: nothing on the way catches it as an error)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, at_once: bool = False) -> None:
         self.signum = signum
+        #: a second signal stopped the run in the middle of a step: its state is not one to save
+        self.at_once = at_once
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
@@ -57,7 +59,7 @@ class SignalStop(Callback):
         again = self.signum == signum
         self.signum = signum
         if not self._defer or again or (signum == signal.SIGINT and self._world_size > 1):
-            raise RunInterrupted(signum)
+            raise RunInterrupted(signum, at_once=self._defer and again)
         # inside fit: stop at the end of the current batch (Lightning also sees SIGTERM itself)
 
     def __enter__(self) -> SignalStop:

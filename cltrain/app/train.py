@@ -122,8 +122,12 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         metrics = results.finish("interrupted")
         if trainer.is_global_zero:
             last = metrics.get("last_checkpoint")
+            at_once = getattr(err, "at_once", False)
             how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written " + (
-                "(a second signal stopped the run at once)" if trainer.global_step else "(stopped before training)")
+                "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
+            if at_once and last:
+                how = f"a second signal stopped it in the middle of a step; {how} (its last.ckpt is the latest " \
+                      "whole state, written before)"
             print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",
                   file=sys.stderr, flush=True)
         interrupt = RunInterrupted(signum)
