@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config.errors import ConfigError
+from cltrain.app.module import FINDER_REFUSAL, FINDERS
 
 __all__ = ["LOGGER_EXTRAS", "build_callbacks", "build_loggers"]
 
@@ -123,6 +124,8 @@ def build_callbacks(group: Any, run_dir: str | Path, has_logger: bool = True, ke
     built = {}
     for name, entry in _entries(group, key).items():
         cls = _class(entry["_target_"], f"{key}.{name}")
+        if isinstance(cls, type) and issubclass(cls, FINDERS):  # refused here, before the run has written anything
+            raise ConfigError(f"{key}.{name}", entry["_target_"], *FINDER_REFUSAL)
         if not has_logger and issubclass(cls, LearningRateMonitor):
             continue
         if "dirpath" in entry and entry["dirpath"] is None:

@@ -42,6 +42,12 @@ from cltrain.app.topk import TopKAccuracy
 from cltrain.app.schedule import make_scheduler
 from cltrain.precision import loss_scaling_safe, zero_momentum_buffers
 
+#: Lightning's tuners, which ``ImageClassifier`` refuses, and why (the reason, the fix).
+FINDERS = (LearningRateFinder, BatchSizeFinder)
+FINDER_REFUSAL = ("not supported by ImageClassifier: the rate is optim.lr scaled for data.batch_size and then scheduled "
+                  "per step by optim.schedule, so a found rate or batch would be overridden or mis-scaled",
+                  "search them with a -m sweep over optim.lr / data.batch_size instead")
+
 __all__ = ["ImageClassifier", "build_optimizer"]
 
 
@@ -112,11 +118,8 @@ class ImageClassifier(LightningModule):
         if stage != "fit":
             return
         for callback in self.trainer.callbacks:
-            if isinstance(callback, (LearningRateFinder, BatchSizeFinder)):
-                raise ConfigError("callbacks", type(callback).__name__, "not supported by ImageClassifier: the rate is "
-                                  "optim.lr scaled for data.batch_size and then scheduled per step by optim.schedule, "
-                                  "so a found rate or batch would be overridden or mis-scaled", "search them with a "
-                                  "-m sweep over optim.lr / data.batch_size instead")
+            if isinstance(callback, FINDERS):
+                raise ConfigError("callbacks", type(callback).__name__, *FINDER_REFUSAL)
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps in one training epoch on this rank."""

@@ -130,3 +130,15 @@ def test_lr_and_batch_size_finders_are_refused(tmp_path: Path, finder: type) -> 
                       enable_progress_bar=False, default_root_dir=tmp_path)
     with pytest.raises(ConfigError, match=rf"callbacks='{finder.__name__}': not supported"):
         trainer.fit(module, datamodule=_Data())
+
+
+@pytest.mark.parametrize("finder", [LearningRateFinder, BatchSizeFinder])
+def test_the_app_refuses_the_finders_before_the_run_writes_anything(tmp_path: Path, finder: type) -> None:
+    from omegaconf import OmegaConf
+
+    from cltrain.app.groups import build_callbacks
+
+    group = OmegaConf.create({"tune": {"_target_": f"lightning.pytorch.callbacks.{finder.__name__}"}})
+    with pytest.raises(ConfigError, match=rf"^callbacks.tune='lightning.pytorch.callbacks.{finder.__name__}': not "):
+        build_callbacks(group, tmp_path)  # inside fit, it left a last.ckpt and a "failed" metrics.json behind
+    assert not list(tmp_path.iterdir())
