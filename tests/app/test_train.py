@@ -206,9 +206,13 @@ def test_the_races_lines_name_the_apps_own_override(demo_root: Path, tmp_path: P
     from cltrain.timing.layout_race import LayoutDecision, LayoutRace
 
     with caplog.at_level(logging.INFO):
-        tiny(demo_root, tmp_path / "short")  # 4 steps: the race has not decided when training ends
+        short = tiny(demo_root, tmp_path / "short")  # 4 steps: the race has not decided when training ends
     assert "training ended before the race of the layouts decided (4 step(s) of it run): channels_last kept" \
         in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # its checkpoint holds the race under way; an evaluation trains nothing
+        tiny(demo_root, tmp_path / "evaluated", "evaluate_only=true", f"ckpt_path={short['last_checkpoint']}")
+    assert "training ended" not in caplog.text
     caplog.clear()
     monkeypatch.setattr(LayoutRace, "judge", lambda self: LayoutDecision(
         self._heat.key, "contiguous", "timed", {"channels_last": 0.2, "contiguous": 0.1},
