@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,7 +22,7 @@ class KeepOnException(Callback):
     for a checkpoint to resume from. A run stopped for a non-finite loss is not saved: its weights
     are NaN, and the ``last.ckpt`` it has is the latest finite state; nor is a run stopped by a full
     disk: the save would fail again, and the ``last.ckpt`` it has is intact; nor is a run a second signal stopped in
-    the middle of a step. SIGINT and SIGTERM wait while the file is written.
+    the middle of a step.
 
     Args:
         dirpath: the checkpoint folder.
@@ -43,19 +40,5 @@ class KeepOnException(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False):
             return  # a second signal: the middle of a step, perhaps of the optimizer's update
-        with _signals_held():  # a signal now would leave no checkpoint: it is handled once the file is whole
-            trainer.save_checkpoint(self.ckpt_path)
+        trainer.save_checkpoint(self.ckpt_path)
 
-
-@contextlib.contextmanager
-def _signals_held():
-    """SIGINT and SIGTERM wait (in the main thread, where Python handles them) until the block ends."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -3,7 +3,7 @@
 ``SignalStop`` handles SIGINT and SIGTERM for the whole of ``train()``, chained with
 Lightning's own SIGTERM handler. Outside ``fit`` a signal raises ``RunInterrupted`` at once;
 inside ``fit`` the first signal stops the run at the end of the current batch, through Lightning's
-``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt`` (signals held while it writes); a second one
+``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt``; a second one
 stops it at once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written before. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same
 step). SIGUSR1 (SLURM's requeue) is never touched.
 """
