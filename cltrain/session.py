@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -132,6 +133,21 @@ def _stepping(optimizer: Any) -> torch.optim.Optimizer | None:
     return found
 
 
+def _outside_inference(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run outside ``torch.inference_mode`` where it moves the model (Lightning validates, tests and
+    predicts inside it): a weight restrided there would be an inference tensor, which no later training step can
+    save for its backward."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+
+    return run
+
+
 class LayoutSession:
     """A model's channels_last run: see the module docstring.
 
@@ -211,6 +227,7 @@ class LayoutSession:
 
     # ---- start -----------------------------------------------------------------------------------------------------
 
+    @_outside_inference
     def start(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
               sharding: str | None = None, owner: str | None = None, inputs: bool = True) -> nn.Module:
         """Put ``model`` in the session's layout, in place, with the guardrails, the fallbacks chosen so far and the
@@ -284,6 +301,7 @@ class LayoutSession:
         # After every conversion: converting again would undo a guarded weight's layout.
         return apply_guardrails(model, device=self.device, dtype=self.dtype, hazards=self._hazards[key])
 
+    @_outside_inference
     def convert_copies(self, copies: Iterable[nn.Module]) -> None:
         """Put copies of the model (an EMA's ``AveragedModel``, SWA's) in its layout, with its fallbacks."""
         if self.layout is None or self.sharding is not None:
@@ -540,6 +558,7 @@ class LayoutSession:
             self.say(f"ChannelsLast {result.line(kind)}", result.verdict in ("fallback", "contiguous"))
         return result
 
+    @_outside_inference
     def apply(self, result: LayoutCheck, model: nn.Module) -> None:
         """What ``result`` chose, on ``model`` and the host's copies (see the module docstring), and the host's
         optimizers' state in its parameters' strides."""
@@ -569,6 +588,7 @@ class LayoutSession:
         the verdict applied), by name: what ``boundary`` puts back."""
         self._expected = {_stands_for(name): _layout_of(t) for name, t in _named_tensors(model)}
 
+    @_outside_inference
     def boundary(self, model: nn.Module, *, after: str = "", line: str | None = None,
                  aliases: Iterable[torch.Tensor] = ()) -> list[str]:
         """Put back in their expected layout (``expect``) the parameters and buffers that something moved since,
@@ -606,6 +626,7 @@ class LayoutSession:
                      f"{after and ' ' + after} ({shown}); put back in {self.layout} with their optimizer state.", False)
         return moved
 
+    @_outside_inference
     def end(self, model: nn.Module) -> None:
         """The run ends: a race not decided leaves the model in the default layout, the layout is kept a last time,
         and torch's utilities are given back."""
@@ -641,6 +662,7 @@ class LayoutSession:
             state["race"] = self.race.state_dict()
         return state
 
+    @_outside_inference
     def load_state_dict(self, state: dict[str, Any] | None, model: nn.Module | None = None) -> None:
         """A checkpoint's state: its verdicts apply at the first batch of each kind where the fingerprint matches,
         its decisions are not raced again and a race under way goes on where it stopped; where the model is given and
@@ -653,6 +675,7 @@ class LayoutSession:
             if layout != self.layout:
                 self._switch(model, layout)
 
+    @_outside_inference
     def resume(self) -> None:
         """After a checkpoint's optimizer state is restored, which keeps the strides it was saved with: every state
         tensor of the host's optimizers takes its parameter's strides, and the model's copies made since the

@@ -34,13 +34,6 @@ class _Substitute(torch.autograd.Function):
         return grad, None
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return -1
-
-
 def _floats(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_images(obj, lambda t: found.append(t) or t, ranks=None)
@@ -66,9 +59,12 @@ class ReferenceOutputs:
         """Record ``call``'s outputs (detached copies)."""
         values = []
         for t in _floats(output):
+            if t.is_inference():  # no version counter says whether an in-place op (ReLU(inplace)) changed it
+                values.append(t.detach().clone())
+                continue
             hit = self._kept.get(id(t))
-            if hit is None or hit[0]() is not t or hit[1] != _version(t):
-                hit = (weakref.ref(t), _version(t), t.detach().clone())
+            if hit is None or hit[0]() is not t or hit[1] != t._version:
+                hit = (weakref.ref(t), t._version, t.detach().clone())
                 self._kept[id(t)] = hit
             values.append(hit[2])
         self.calls[call] = values

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from cltrain import ChannelsLast
 from cltrain.check.compare import check_layout
 from cltrain.loops import convert_batch, convert_model, verify_layout
-from tests.helpers.user_code import (PATTERNS, FirstBatchSnapshot, RawMemory, ViewHead, assert_trains_like_nchw,
-                                     run_variants)
+from tests.helpers.user_code import (PATTERNS, FirstBatchSnapshot, RawMemory, SpaceToDepth, ViewHead,
+                                     assert_trains_like_nchw, run_variants)
 
 
 # pattern -> (the module the line must name, the fix it must give, how the unchecked run fails)
@@ -115,6 +115,54 @@ def test_validate_alone_checks_the_eval_step() -> None:
     trainer.validate(_ViewHeadModule(), data)
     check = callback.layout_checks["eval"]
     assert check.verdict == "fallback" and "`net`" in check.line()
+
+
+class _StemModule(pl.LightningModule):
+    """ResNet's stem (a ReLU in place before a max-pool), trained with AdamW; ``raw_memory``: the model's own forward
+    first reads its input's memory as NCHW (the whole model is then kept in NCHW)."""
+
+    def __init__(self, raw_memory: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(12 if raw_memory else 3, 8, 7, 2, 3), nn.BatchNorm2d(8),
+                                 nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 3, padding=1))
+        self.raw_memory = raw_memory
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.net(SpaceToDepth()(x) if self.raw_memory else x).mean((2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("raw_memory", [False, True], ids=["plain", "raw-memory"])
+def test_validate_first_under_inference_mode_then_fit(raw_memory: bool) -> None:
+    """Lightning validates inside ``torch.inference_mode``: an in-place ReLU there is no fault (its reference value
+    was once kept from before the ReLU), and a model the check puts in NCHW there still trains (restrided inside
+    inference mode, its weights were inference tensors: "Inference tensors cannot be saved for backward")."""
+    callback = ChannelsLast()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         callbacks=[callback])
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)),
+                      batch_size=4)
+    module = _StemModule(raw_memory)
+    trainer.validate(module, data, verbose=False)
+    check = callback.layout_checks["eval"]
+    assert check.verdict == ("contiguous" if raw_memory else "passed"), check.line()
+    trainer.fit(module, data)
+    assert trainer.global_step == 2
+    assert not any(p.is_inference() for p in module.parameters())
+    assert module.net[0].weight.is_contiguous() == raw_memory
+    assert module.net[0].weight.is_contiguous(memory_format=torch.channels_last) != raw_memory
 
 
 def test_verify_layout_in_a_plain_loop_keeps_the_raw_memory_op_right() -> None:
