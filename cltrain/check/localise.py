@@ -69,11 +69,35 @@ def user_frame(error: BaseException) -> tuple[str, str | None] | None:
 
 
 def source_of(model: nn.Module, name: str | None, step_owner: Any) -> tuple[str, str | None] | None:
-    """``place`` of module ``name``'s ``forward`` (``None``: ``step_owner``'s ``training_step``)."""
+    """``place`` of module ``name``'s ``forward`` (``None``: ``step_owner``'s ``training_step``); where that is in an
+    installed package and the module has a hook of the user's own code (a forward or backward hook, registered on
+    it), the hook's: a fault there is the user's to fix, not the package's."""
     target = dict(model.named_modules()).get(name) if name is not None else step_owner
     if target is None:
         return None
-    return method_source(target, "forward" if name is not None else "training_step")
+    found = method_source(target, "forward" if name is not None else "training_step")
+    if name is not None and found is not None and found[1] is not None:
+        hooks = [*target._forward_pre_hooks.values(), *target._forward_hooks.values(),
+                 *target._backward_pre_hooks.values(), *target._backward_hooks.values()]
+        own = [at for at in map(_hook_place, hooks) if at is not None and at[1] is None]
+        found = own[0] if own else found
+    return found
+
+
+def _hook_place(hook: Any) -> tuple[str, str | None] | None:
+    """``place`` of a hook's code (a function, a ``functools.partial``, a method or a callable object), ``None``
+    for cltrain's, torch's or Lightning's own or one without source."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    code = hook if inspect.isfunction(hook) or inspect.ismethod(hook) else getattr(type(hook), "__call__", None)
+    try:
+        code = inspect.unwrap(code)
+        filename = inspect.getsourcefile(code)
+        if filename is None or os.path.realpath(filename).startswith(_framework_dirs()):
+            return None
+        return place(filename, inspect.getsourcelines(code)[1])
+    except (TypeError, OSError, ValueError):
+        return None
 
 
 def method_source(obj: Any, method: str) -> tuple[str, str | None] | None:

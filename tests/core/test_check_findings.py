@@ -1,6 +1,6 @@
 """What a finding blames: a guarded layer is compared as one unit with its guard (a Hugging Face BiT model's
 guarded shortcut passes), a finding at a guardrail names the guard, and code in an installed package is
-named as the package's, with nothing for the user to edit."""
+named as the package's, with nothing for the user to edit (but a hook of the user's own on it)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,26 @@ def test_the_users_code_is_found_by_where_packages_are_not_by_folder_names(tmp_p
         user.Net()(torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last))
     where, package = user_frame(caught.value)
     assert package is None and where.endswith(f"{folder}/models/net.py:6"), where
+
+
+def _reads_nchw(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    n, c, h, w = out.shape  # the user's hook reads the output's memory as NCHW
+    return torch.as_strided(out, (n, c * h * w), (c * h * w, 1)).view(n, c, h, w)
+
+
+def test_a_users_hook_on_a_packages_module_is_the_users_to_fix() -> None:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5)
+    model.layer3.register_forward_hook(_reads_nchw)
+    model = convert_model(model)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g))
+    result = verify_layout(model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+                           optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), report=False)
+    line = _reads_nchw.__code__.co_firstlineno
+    assert result.verdict in ("fallback", "contiguous"), result.line()
+    finding = result.findings[0]
+    assert finding.module == "layer3" and finding.where.endswith(f"test_check_findings.py:{line}"), finding
+    assert finding.package is None and ".contiguous()" in result.line() and "nothing to edit" not in result.line()
