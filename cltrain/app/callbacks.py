@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
+from cltrain.app.checkpoints import RunCheckpoint
 from cltrain.app.config import Resolved
 from cltrain.app.ema import EMA
 from cltrain.app.finite import StopOnNonFinite
@@ -32,7 +33,7 @@ class RunCallbacks:
     """The callbacks, in the Trainer's order, and the ones the run reads back when it reports.
 
     ``parts``: ``"channels_last"`` (the ``ChannelsLast`` callback), ``"best"`` and ``"last"``
-    (the ``ModelCheckpoint`` callbacks), ``"on_exception"``, each present only when built."""
+    (the ``RunCheckpoint`` callbacks, ``cltrain.app.checkpoints``), ``"on_exception"``, each present only when built."""
 
     callbacks: list[Callback]
     progress: MainAmpProgress
@@ -83,10 +84,10 @@ def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop
         checkpoints = run_dir / "checkpoints"
         # The best k by val/top1, apart from last.ckpt: with a monitor, Lightning's save_last only
         # writes last.ckpt when the metric improves, so the latest state has its own checkpoint callback.
-        parts["best"] = ModelCheckpoint(dirpath=checkpoints, filename="best-epoch{epoch:03d}", monitor="val/top1",
-                                        mode="max", save_top_k=cfg.checkpoint.save_top_k, auto_insert_metric_name=False)
-        parts["last"] = ModelCheckpoint(dirpath=checkpoints, filename="last", monitor=None, save_top_k=1,
-                                        every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
+        parts["best"] = RunCheckpoint(dirpath=checkpoints, filename="best-epoch{epoch:03d}", monitor="val/top1",
+                                      mode="max", save_top_k=cfg.checkpoint.save_top_k, auto_insert_metric_name=False)
+        parts["last"] = RunCheckpoint(dirpath=checkpoints, filename="last", monitor=None, save_top_k=1,
+                                      every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
         parts["on_exception"] = KeepOnException(checkpoints, filename="last")  # signal or crash: the latest state
         callbacks += [parts["best"], parts["last"], parts["on_exception"], StoppedMidEpoch()]
         # A NaN loss stops the run (checked where the progress line syncs anyway), before NaN weights are saved.
