@@ -45,7 +45,10 @@ def litdata_index(root: str) -> dict:
             raise DataError(f"{redact(url)}: not found: {redact(str(root))} is not a LitData optimized dataset (made "
                             "by litdata.optimize, with an index.json); check the URL and the split folder.") from None
         raise remote_error(err, url, "LitData's index") from None
-    formats = index.get("config", {}).get("data_format", [])
+    if not index.get("chunks") or not isinstance(index.get("config"), dict):  # what a failed optimize() leaves
+        raise DataError(f"{redact(url)}: an empty LitData dataset (no chunks: litdata.optimize wrote nothing there, "
+                        "or failed); run litdata.optimize again and check its output.")
+    formats = index["config"].get("data_format", [])
     if "pil" in formats and not any(f.split(":")[0] in _FILE_SERIALIZERS for f in formats):
         raise DataError(f"{redact(str(root))}: LitData stored its images as decoded pixels ('pil'), not as image files; "
                         "optimize the files' bytes instead (Image.open(path) of a JPEG, or litdata.Image(path=...)).")

@@ -99,7 +99,10 @@ def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
 
     from fsspec.config import conf
 
-    protocol = _SCHEME.match(url).group(1).lower()  # type: ignore[union-attr]
+    given = _SCHEME.match(url).group(1)  # type: ignore[union-attr]
+    protocol = given.lower()
+    if given != protocol:  # fsspec knows protocols in lowercase only
+        raise RemoteError(f"{redact(url)}: write the scheme in lowercase: {redact(protocol + url[len(given):])}.")
     options: dict[str, Any] = {}
     attempts = 2 if quick else S3_ATTEMPTS
     if protocol in ("s3", "s3a"):  # fsspec's own config (FSSPEC_S3='{...}', ~/.config/fsspec/) wins over these
@@ -161,6 +164,12 @@ def remote_error(err: BaseException, url: str, what: str = "") -> RemoteError:
         fix = ("check the bucket and prefix (e.g. `aws s3 ls` on it), or make a pack with "
                "`cltrain-pack IMAGEFOLDER OUT` and upload OUT there as it is")
         return RemoteError(f"{shown}{reading}: not found ({reason}); {fix}.")
+    if any(k in name for k in ("NoCredentials", "PartialCredentials", "DefaultCredentialsError",
+                               "CredentialUnavailable")) or "Unable to locate credentials" in text:
+        return RemoteError(f"{shown}{reading}: no credentials were found ({reason}); give them the way the store's own "
+                           "tools take them (for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE; for "
+                           "GCS: GOOGLE_APPLICATION_CREDENTIALS; for Azure: AZURE_STORAGE_ACCOUNT_NAME and a key or "
+                           "az login), or read a public pack through its https:// URL.")
     if isinstance(err, PermissionError) or any(k in text for k in ("AccessDenied", "InvalidAccessKeyId",
                                                                    "SignatureDoesNotMatch", "Forbidden", "403")):
         return RemoteError(f"{shown}{reading}: access denied ({reason}); check the credentials (for S3: "

@@ -99,6 +99,10 @@ TABLE = [
     (["+trainer.enable_checkpointing=false"], "trainer.enable_checkpointing", "checkpoint.save_top_k"),
     # a typo'd data.root with the demo data: never a demo set generated there
     (["data.root=/no/such/imagnet"], "data.root", "data=imagenet data.root=<your folder>"),
+    # a pack's root: what a pack is, and a URL with a slash missing
+    (["data=shards", "data.root=/no/such/pack"], "data.root", "a pack (cltrain-pack IMAGEFOLDER OUT) as a folder"),
+    (["data=litdata", "data.num_classes=2", "data.root=/no/such/lit"], "data.root", "LitData optimized datasets, or its URL"),
+    (["data=shards", "data.root=s3:/bucket/pack"], "data.root", "one slash after 's3:') (allowed: s3://bucket/pack)"),
 ]
 
 

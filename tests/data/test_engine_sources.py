@@ -96,6 +96,17 @@ def test_not_a_litdata_dataset_is_one_line(env, server):
     assert "\n" not in str(caught.value)
 
 
+def test_an_empty_litdata_dataset_is_one_line(tmp_path):
+    from cltrain.data.datamodules.engines import LitDataModule
+
+    for split in ("train", "val"):  # what a failed litdata.optimize() leaves
+        (tmp_path / split).mkdir()
+        (tmp_path / split / "index.json").write_text('{"chunks": [], "config": null}')
+    with pytest.raises(DataError, match="an empty LitData dataset .*run litdata.optimize again") as caught:
+        LitDataModule(str(tmp_path), num_classes=2, **KW).setup("fit")
+    assert "\n" not in str(caught.value)
+
+
 @pytest.fixture(scope="module")
 def wds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The folder as WebDataset's own ShardWriter writes it: 2 training shards, 1 validation shard."""

@@ -215,6 +215,21 @@ def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, se
         assert "\n" not in line and bad in line and "not a complete cltrain pack" in line and "cltrain-pack" in line
 
 
+def test_no_credentials_and_an_uppercase_scheme_are_one_line_with_the_fix(url, env, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(RemoteError, match="no credentials were found .*AWS_ACCESS_KEY_ID") as caught:
+        ShardsDataModule(url, **KW).num_classes
+    assert "\n" not in str(caught.value) and url in str(caught.value)
+    upper = "S3" + url[2:]
+    with pytest.raises(RemoteError, match="write the scheme in lowercase") as caught:
+        ShardsDataModule(upper, **KW).num_classes
+    assert f"lowercase: {url}/" in str(caught.value)
+
+
 def test_an_unreachable_endpoint_is_one_line_within_seconds(env, monkeypatch):
     from tests.helpers.s3 import free_port
 

@@ -10,6 +10,8 @@ without ``ema.enabled``).
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +63,29 @@ def check_paths(cfg: DictConfig) -> None:
                           "with ckpt_path=<checkpoint> or model.pretrained=<weights file>")
 
 
+def _wanted(data: DictConfig) -> str:
+    """What the data option's ``root`` holds, in a few words."""
+    schema = OmegaConf.get_type(data)
+    for config, what in ((ShardsConfig, "a pack (cltrain-pack IMAGEFOLDER OUT) as a folder"),
+                         (LitDataConfig, "a folder with train/ and val/ LitData optimized datasets"),
+                         (MDSConfig, "a folder with train/ and val/ Mosaic MDS datasets"),
+                         (WebDatasetConfig, "a folder with train/ and val/ WebDataset .tar shards")):
+        if isinstance(schema, type) and issubclass(schema, config):
+            return f"{what}, or its URL (s3://, gs://, az://, https://)"
+    return "a directory with train/ and val/ class folders"
+
+
 def _check_folder(data: DictConfig, root: str, where: Path) -> None:
     """``data.root`` is a folder, or the one place the data option's demo set is generated."""
     if where.exists() and not where.is_dir():
-        raise ConfigError("data.root", root, "is a file, not a directory", "a directory with train/ and val/ class folders")
+        raise ConfigError("data.root", root, "is a file, not a directory", _wanted(data))
     demo = data.get("demo")
     if demo is None and not where.is_dir():
-        raise ConfigError("data.root", root, "no such directory", "a directory with train/ and val/ class folders")
+        typo = re.match(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(?!/)", root) if _takes_urls(data) else None
+        if typo and not root.startswith(f"{typo.group(1)}://"):  # s3:/bucket/x: a URL with a slash missing
+            raise ConfigError("data.root", redact(root), "no such directory, and not a URL (one slash after "
+                              f"'{typo.group(1)}:')", f"{typo.group(1)}://{root[typo.end():]}")
+        raise ConfigError("data.root", root, "no such directory", _wanted(data))
     home = demo_home(data)
     if demo is not None and not where.exists() and not demo.any_root \
             and (home is None or where.resolve() != Path(home).resolve()):
