@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ContextManager
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -27,18 +30,22 @@ class KeepOnException(Callback):
     Args:
         dirpath: the checkpoint folder.
         filename: the checkpoint's name, without ``.ckpt``.
+        holding: a context the save runs in (``SignalStop.holding``: signals wait for the file).
 
     Example::
 
         trainer = Trainer(callbacks=[KeepOnException("run/checkpoints")])
     """
 
-    def __init__(self, dirpath: str | Path, filename: str = "last") -> None:
+    def __init__(self, dirpath: str | Path, filename: str = "last",
+                 holding: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
+        self.holding = holding
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False):
             return  # a second signal: the middle of a step, perhaps of the optimizer's update
-        trainer.save_checkpoint(self.ckpt_path)
+        with self.holding():  # a signal now waits for the file (``SignalStop.holding``)
+            trainer.save_checkpoint(self.ckpt_path)
 

@@ -2,16 +2,23 @@
 
 ``SignalStop`` handles SIGINT and SIGTERM for the whole of ``train()``, chained with
 Lightning's own SIGTERM handler. Outside ``fit`` a signal raises ``RunInterrupted`` at once;
-inside ``fit`` the first signal stops the run at the end of the current batch, through Lightning's
-``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt``; a second one
-stops it at once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written before. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same
-step). SIGUSR1 (SLURM's requeue) is never touched.
+inside ``fit`` the first signal stops the run at the end of the current batch whose optimizer stepped (with
+gradient accumulation, the batch that ends the accumulation: a half-accumulated gradient is in no checkpoint; after an
+epoch's last batch, once its validation has begun or the next epoch starts, so that a resumed run validates it),
+through Lightning's ``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt``; a second one stops it at
+once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written before. While that file is
+written (``holding``), further signals wait for it: a signal raised inside ``torch.save`` would leave no file and a
+traceback. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same step). SIGUSR1 (SLURM's
+requeue) is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -51,6 +58,8 @@ class SignalStop(Callback):
     def __init__(self) -> None:
         self.signum: int | None = None
         self._defer = False
+        self._holding = False
+        self._stepped = False
         self._world_size = 1
         self._previous: dict[int, Any] = {}
 
@@ -58,9 +67,22 @@ class SignalStop(Callback):
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         again = self.signum == signum
         self.signum = signum
+        if self._holding:  # the latest state is being written: the stop goes on once it is
+            print(f"cltrain: {signal.Signals(signum).name}: last.ckpt is being written; the run stops once it is.",
+                  file=sys.stderr, flush=True)
+            return
         if not self._defer or again or (signum == signal.SIGINT and self._world_size > 1):
             raise RunInterrupted(signum, at_once=self._defer and again)
         # inside fit: stop at the end of the current batch (Lightning also sees SIGTERM itself)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """While active (``KeepOnException``'s save), a signal is noted and does not raise."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
 
     def __enter__(self) -> SignalStop:
         if threading.current_thread() is threading.main_thread():
@@ -90,7 +112,30 @@ class SignalStop(Callback):
         raise RunInterrupted(self.signum)
 
     @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._stepped = False
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._stepped = True
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.signum is None:
+            return
+        stepped = self._stepped or trainer.accumulate_grad_batches == 1  # not in the middle of an accumulation
+        if stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._check(trainer)
+            return
+        # Later: at the end of the accumulation, or after the epoch's last batch at the first validation batch or the
+        # next epoch's start (stopped before the last batch counts as done, a resumed run skipped that validation).
+        # Lightning would stop a single process at this batch's end on SIGTERM: it waits too.
+        connector = getattr(trainer, "_signal_connector", None)
+        if self.signum == signal.SIGTERM and trainer.world_size == 1 and connector is not None:
+            connector.received_sigterm = False
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._check(trainer)
 
     @override

@@ -121,3 +121,88 @@ def test_a_second_signal_that_stops_a_step_in_the_middle_writes_no_checkpoint(tm
     # stopped in the middle of a step (of the optimizer's update, perhaps): that state is not saved
     KeepOnException(tmp_path).on_exception(None, None, RunInterrupted(signal.SIGTERM, at_once=True))
     assert not list(tmp_path.iterdir())
+
+
+class _Signalling:
+    """A LightningModule that sends this process ``signum`` at the start of training step ``at`` and, with
+    ``during_save``, once more while its checkpoint is being saved."""
+
+    def __new__(cls, at: int, signum: int = signal.SIGTERM, during_save: bool = False):
+        import lightning.pytorch as pl
+
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer, self.steps, self.validated = torch.nn.Linear(2, 1), 0, set()
+
+            def training_step(self, batch, batch_idx):
+                if batch_idx == at:
+                    os.kill(os.getpid(), signum)
+                self.steps += 1
+                return self.layer(batch[0]).sum()
+
+            def validation_step(self, batch, batch_idx):
+                self.validated.add(self.current_epoch)
+
+            def on_save_checkpoint(self, checkpoint) -> None:
+                if during_save:
+                    os.kill(os.getpid(), signum)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        return Module()
+
+
+def _fit_stopped(module, tmp_path: Path, holding: bool = True, resume: bool = False, **trainer_args):
+    """``module`` trained under ``SignalStop`` with ``KeepOnException``, as the app runs them (with a validation each
+    epoch); the exception, or ``None`` where the run ended (``resume``: from ``last.ckpt``)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cltrain.app.on_exception import KeepOnException
+    from cltrain.app.signals import RunInterrupted, SignalStop
+
+    stop = SignalStop()
+    keep = KeepOnException(tmp_path, **({"holding": stop.holding} if holding else {}))
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[keep, stop],
+                         **{"max_epochs": 1, **trainer_args})
+    data = DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=2)
+    with stop, stop.deferred():
+        try:
+            trainer.fit(module, data, DataLoader(TensorDataset(torch.randn(2, 2))),
+                        ckpt_path=tmp_path / "last.ckpt" if resume else None)
+        except RunInterrupted as stopped:
+            return trainer, stopped
+    assert resume, "the run was not stopped"
+    return trainer, None
+
+
+def test_a_stop_in_the_middle_of_an_accumulation_waits_for_its_optimizer_step(tmp_path: Path) -> None:
+    # SIGTERM during the third batch of 2-batch accumulations: the run stops after the fourth, which steps
+    module = _Signalling(at=2)
+    trainer, stopped = _fit_stopped(module, tmp_path, accumulate_grad_batches=2)
+    assert module.steps == 4 and trainer.global_step == 2 and not stopped.at_once
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+@pytest.mark.parametrize("holding", [True, False], ids=["held", "control"])
+def test_a_second_signal_while_last_ckpt_is_written_waits_for_it(tmp_path: Path, holding: bool, capfd) -> None:
+    module = _Signalling(at=1, during_save=True)
+    trainer, stopped = _fit_stopped(module, tmp_path, holding=holding)
+    if not holding:  # the control: the signal raised inside the save, and no file was written
+        assert stopped.at_once and not (tmp_path / "last.ckpt").exists()
+        return
+    assert not stopped.at_once and module.steps == 2
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert "last.ckpt is being written; the run stops once it is" in capfd.readouterr().err
+
+
+def test_a_stop_at_an_epochs_last_batch_leaves_that_epochs_validation_to_no_one(tmp_path: Path) -> None:
+    # SIGTERM during the last batch of epoch 0: epoch 0 is validated before the stop, or by the resumed run
+    stopped_module, resumed_module = _Signalling(at=7), _Signalling(at=-1)
+    trainer, stopped = _fit_stopped(stopped_module, tmp_path, max_epochs=2)
+    assert stopped is not None and stopped_module.steps == 8
+    _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=2)
+    assert stopped_module.validated | resumed_module.validated == {0, 1}
