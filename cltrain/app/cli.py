@@ -17,6 +17,8 @@ Hydra's ``--config-dir`` adds a folder of the user's beside them.
 from __future__ import annotations
 
 import sys
+import traceback
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -38,6 +40,7 @@ def _run(cfg: DictConfig) -> float | None:
     from cltrain.checkpoint_io import CheckpointLoadError
     from cltrain.data.errors import DataError, error_line
 
+    _redact_job_files()
     try:
         return train(cfg).get("val_top1")
     except ConfigError as err:
@@ -49,6 +52,30 @@ def _run(cfg: DictConfig) -> float | None:
     except (NonFiniteLossError, DiskFullError, CheckpointLoadError) as err:  # a diverged run, a full disk, a bad
         print(f"cltrain: error: {err}", file=sys.stderr)  # checkpoint: metrics.json says "failed"; one line
         raise SystemExit(1) from None
+    except Exception as err:  # noqa: BLE001 - another library's error (a logger's server, ...): its traceback, but
+        # without the secrets it may carry (a URL's password); Hydra would print it and the command line as they are
+        from cltrain.data.remote import redact
+
+        print(redact("".join(traceback.format_exception(err))), file=sys.stderr, end="")
+        print(f"cltrain: error: {redact(f'{type(err).__name__}: {err}'.splitlines()[0])}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _redact_job_files() -> None:
+    """Hydra's record of the job in the run directory (``.hydra/*.yaml``: the command line, the config) without the
+    secrets a command line may carry (a URL's password, a token's value), as every other file of the run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from cltrain.atomic import atomic_write_text
+    from cltrain.data.remote import redact
+
+    if not HydraConfig.initialized() or HydraConfig.get().output_subdir is None:
+        return
+    folder = Path(HydraConfig.get().runtime.output_dir) / HydraConfig.get().output_subdir
+    for path in sorted(folder.glob("*.yaml")):
+        text = path.read_text()
+        if redact(text) != text:
+            atomic_write_text(path, redact(text))
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from cltrain.app.ema import weights_in_checkpoint
 from cltrain.app.metrics_file import write_metrics
 from cltrain.app.rundir import is_slurm_requeue
 from cltrain.app.callbacks import RunCallbacks
+from cltrain.data.remote import redact, redacted
 
 __all__ = ["RunResults", "resume_command", "summary_line"]
 
@@ -65,7 +66,7 @@ class RunResults:
         else:
             metrics["weights"] = "ema" if cfg.ema.enabled else "live"
         if error is not None and status == "failed":
-            metrics["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+            metrics["error"] = redact(f"{type(error).__name__}: {error}".splitlines()[0])
         metrics["wall_time_s"] = round(time.perf_counter() - self.started, 2)
         if self.trainer.is_global_zero:
             write_metrics(self.run_dir, metrics, replace=is_slurm_requeue())  # a requeued job ends its own run
@@ -157,7 +158,7 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run
             p: round(100.0 * float(v), 3) for p, v in sorted(best_cb.best_k_models.items()) if _checkpoint_path(p, run_dir)},
         "last_checkpoint": str(last) if last.is_file() and not cfg.evaluate_only else None,
         "run_dir": str(run_dir),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": redacted(OmegaConf.to_container(cfg, resolve=True)),  # a URL's password, a token: never on disk
     }
 
 

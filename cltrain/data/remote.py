@@ -38,7 +38,8 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
 #: The environment variables whose values are secrets: never printed, even inside a library's message.
 SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY",
                     "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
-                    "GOOGLE_OAUTH_ACCESS_TOKEN", "HF_TOKEN")
+                    "GOOGLE_OAUTH_ACCESS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_PASSWORD",
+                    "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY")
 _QUERY_SECRETS = re.compile(r"(?i)([?&](?:sig|signature|x-amz-signature|x-amz-security-token|x-goog-signature|"
                             r"token|sv|se|sp|skoid|sktid|code)=)[^&\s'\"]+")
 _USERINFO = re.compile(r"(://)[^/@\s'\"]+@")
@@ -85,6 +86,17 @@ def redact(text: str) -> str:
         if value and len(value) >= 4:
             text = text.replace(value, "***")
     return text
+
+
+def redacted(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists and tuples, as a config's container) with every string ``redact``-ed."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {k: redacted(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redacted(v) for v in obj)
+    return obj
 
 
 def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:

@@ -208,3 +208,23 @@ def test_cli_run_dir_that_is_a_file(tmp_path: Path) -> None:
     result = _cli(*SMOKE, "device=cpu", f"hydra.run.dir={tmp_path / 'taken'}")
     assert result.returncode == 2 and "is a file, not a directory" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_another_librarys_error_keeps_the_secrets_out_of_every_output_and_file(tmp_path: Path) -> None:
+    # an MLflow server that is not there, its password in the tracking URI: MLflow's error names the URI
+    pytest.importorskip("mlflow")
+    from tests.helpers.s3 import free_port
+
+    run_dir = tmp_path / "run"
+    uri = f"http://alice:Pw-in-uri-1234@127.0.0.1:{free_port()}"
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    try:
+        result = _cli(*SMOKE, "device=cpu", "logger=mlflow", f"logger.mlflow.tracking_uri={uri}",
+                      f"hydra.run.dir={run_dir}")
+    finally:
+        del os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("cltrain: error: MlflowException"), result.stderr[-2000:]
+    assert "Pw-in-uri-1234" not in result.stdout + result.stderr and "http://***@127.0.0.1" in result.stderr
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and b"Pw-in-uri-1234" in p.read_bytes()]

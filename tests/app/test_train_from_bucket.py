@@ -109,6 +109,12 @@ def test_a_bad_url_credentials_endpoint_or_full_cache_is_one_line_within_seconds
         line, took = _fails([*args, f"hydra.run.dir={tmp_path / f'run{k}'}"], {**env, **changes})
         assert root in line and reason in line and fix in line, line
         assert took < 30, (line, took)
+    # a password in the URL (the docs say: credentials in the environment): in no output and no file of the run
+    root = f"https://alice:Pw-in-url-1234@127.0.0.1:{free_port()}/pack"
+    args = [a if not a.startswith("data.root=") else f"data.root={root}" for a in base]
+    line, _ = _fails([*args, f"hydra.run.dir={tmp_path / 'userinfo'}"], env)
+    assert "cannot be reached" in line and "https://***@127.0.0.1:" in line and "Pw-in-url-1234" not in line, line
+    assert not [p for p in _files(tmp_path / "userinfo") if b"Pw-in-url-1234" in p.read_bytes()]
     # wrong credentials: the server checks signatures from now on and knows no such key
     monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     line, _ = _fails([*base, f"hydra.run.dir={tmp_path / 'creds'}"], env)
