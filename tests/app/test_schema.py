@@ -336,6 +336,16 @@ def test_every_value_of_a_sweep_is_checked_before_it_starts(sweep: list[str], me
                               for s in sweep)])  # the good values pass
 
 
+@pytest.mark.parametrize("override,message", [
+    ("callbacks=[default,earlystop]", "callbacks='earlystop': no callbacks option of that name; did you mean "
+                                      "callbacks=early_stopping"),
+    ("logger=[csv,tensorbord]", "logger='tensorbord': no logger option of that name; did you mean logger=tensorboard"),
+])
+def test_a_mistyped_option_in_a_groups_list_is_one_line(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[")):
+        check_command_line([override])
+
+
 def test_problems_that_are_not_about_keys_are_left_to_hydra() -> None:
     check_command_line(["seed=[1"])  # a syntax error: Hydra shows where
     check_command_line(["--help", "seed=1"])

@@ -271,10 +271,12 @@ def _missing_option(exc: BaseException) -> ConfigError | None:
     from hydra.errors import MissingConfigException
 
     cause = next((c for c in _causes(exc) if isinstance(c, MissingConfigException)), None)
-    if cause is None or not cause.options or not cause.missing_cfg_file or "/" not in cause.missing_cfg_file:
-        return None  # not a group option (config.yaml itself, a file named in a defaults list)
+    if cause is None or not cause.missing_cfg_file or "/" not in cause.missing_cfg_file:
+        return None  # not a group option (config.yaml itself)
     group, _, value = cause.missing_cfg_file.rpartition("/")
-    options = sorted(map(str, cause.options))
+    options = sorted(map(str, cause.options or _group_options(group)))  # a list (logger=[csv,x]): Hydra names none
+    if not options:
+        return None  # not a group (a file named in a defaults list)
     close = difflib.get_close_matches(value, options, n=3, cutoff=0.5)
     reason = f"no {group} option of that name"
     where = re.match(r"In '([^']+)':", str(cause))
@@ -283,6 +285,15 @@ def _missing_option(exc: BaseException) -> ConfigError | None:
     if close:
         reason += "; did you mean " + " or ".join(f"{group}={c}" for c in close) + "?"
     return ConfigError(group, value, reason, ", ".join(options))
+
+
+def _group_options(group: str) -> list[str]:
+    """The options of config group ``group`` in the config being composed (none outside a composition)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return []
+    return list(GlobalHydra.instance().config_loader().get_group_options(group))
 
 
 def _not_a_key(key: str, value: Any, schema: type | None, line: str | None) -> ConfigError:
