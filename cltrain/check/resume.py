@@ -53,4 +53,5 @@ def saved_check(check: LayoutCheck) -> dict[str, Any]:
 def restored_check(saved: dict[str, Any]) -> LayoutCheck:
     """The ``LayoutCheck`` ``saved_check`` kept, its line saying where it came from."""
     return LayoutCheck(saved["verdict"], fallbacks=tuple(Fallback(*f) for f in saved.get("fallbacks", ())),
-                       reason=saved.get("reason"), notes=(*saved.get("notes", ()), RESTORED))
+                       reason=saved.get("reason"),  # said once, however many resumes the verdict went through
+                       notes=(*(n for n in saved.get("notes", ()) if n != RESTORED), RESTORED))

@@ -43,3 +43,5 @@ def test_a_saved_verdict_comes_back_with_its_fallbacks_and_says_where_it_came_fr
     restored = restored_check(saved_check(check))
     assert restored.verdict == "fallback" and restored.fallbacks == check.fallbacks
     assert restored.notes == ("a note", RESTORED) and RESTORED in restored.line()
+    again = restored_check(saved_check(restored))  # a resumed run's checkpoint, resumed: said once
+    assert again.notes == ("a note", RESTORED) and again.line().count(RESTORED) == 1
