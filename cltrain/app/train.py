@@ -17,12 +17,14 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import os
 import signal
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
@@ -74,7 +76,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             if not getattr(interrupt, "reported", False):
                 print(f"cltrain: interrupted by {signal.Signals(interrupt.signum).name} before training started; "
                       "nothing to resume", file=sys.stderr, flush=True)
+            if interrupt.at_once:
+                _exit_now(code)
     raise SystemExit(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """The exit a second signal asks for: the exit handlers run (temporary files removed, logs flushed), but no
+    thread still busy is waited for (Python joins a thread pool's threads at exit: a shard download in flight in
+    the loader's decode threads would hold the process until it ends)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop, started: float) -> dict[str, Any]:
@@ -130,7 +144,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                       "whole state, written before)"
             print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",
                   file=sys.stderr, flush=True)
-        interrupt = RunInterrupted(signum)
+        interrupt = RunInterrupted(signum, at_once=getattr(err, "at_once", False))
         interrupt.reported = True
         raise interrupt from None
     except Exception as err:

@@ -124,3 +124,39 @@ def test_a_bad_url_credentials_endpoint_or_full_cache_is_one_line_within_seconds
     line, _ = _fails([*base, "data.cache_limit=4096", f"hydra.run.dir={tmp_path / 'full'}"], env)
     assert "shard cache" in line and "larger than the cache's limit" in line and "data.cache_limit" in line, line
     assert not [p for p in _files(tmp_path / "cache") if p.name.startswith(TEMP_PREFIX)]
+
+
+@pytest.mark.slow
+def test_a_second_signal_while_a_download_hangs_stops_the_run_at_once(server, url, tmp_path):
+    # no loader workers: the shard downloads run in this process's decode threads, which Python's exit would wait for
+    import subprocess
+
+    from tests.helpers.s3 import Fault, FaultProxy
+
+    proxy = FaultProxy(server.endpoint)
+    proxy.faults = [Fault("stall", path=".tar", times=100, seconds=50)]
+    args = [a.replace("data.num_workers=2", "data.num_workers=0") for a in _args(url, tmp_path / "run", epochs=1)]
+    proc = warm.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                      env=_env(server, tmp_path / "cache", AWS_ENDPOINT_URL=proxy.endpoint))
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "cltrain: lr" in line:  # fit starts: its first batch waits for a shard that does not come
+                break
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        out = "".join(lines) + proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proxy.stop()
+    assert code == 130 and took < 15, (code, took, out[-2000:])
+    assert "a second signal stopped the run at once" in out and "Traceback" not in out, out[-2000:]
+    assert not [p for p in _files(tmp_path / "cache") if p.name.startswith(TEMP_PREFIX)]
