@@ -104,6 +104,29 @@ def _one_batch_ahead(loader: DataLoader) -> Iterator[Any]:
         yield _finish(loader, pending)
 
 
+def _not_empty(loader: DataLoader, batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches``; where an epoch read from its start gave none, a ``DataError`` at its end: a run would otherwise
+    train on nothing and say it completed (an empty stream of shards, fewer samples than a batch with drop_last)."""
+    given = False
+    for batch in batches:
+        given = True
+        yield batch
+    if not given and not getattr(loader, "resumed", False):  # a resumed epoch may have had nothing left
+        from cltrain.data.errors import DataError
+
+        dataset = loader.dataset
+        name = getattr(dataset, "source_name", None) or type(dataset).__name__
+        try:
+            samples = len(dataset)
+        except TypeError:  # a stream
+            samples = None
+        if samples:
+            raise DataError(f"{name}: its {samples} sample(s) make no whole batch of {loader.batch_size} (the last "
+                            "partial batch is dropped); lower data.batch_size.")
+        raise DataError(f"{name}: no sample to read (every shard or file there is empty); check what was written "
+                        "there.")
+
+
 def _finish(loader: DataLoader, pending: Any) -> Any:
     batch = loader.collate_fn(pending())
     if loader.pin_memory and torch.cuda.is_available():
@@ -151,8 +174,8 @@ class PrefetchDataLoader(DataLoader):
             # A DataLoader's iterator draws its workers' base seed from the global RNG when it is made:
             # so does this one, so that a seeded epoch gives a plain DataLoader's batches.
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-            return _one_batch_ahead(self)
-        return super().__iter__()
+            return _not_empty(self, _one_batch_ahead(self))
+        return _not_empty(self, super().__iter__())
 
     def _on_device(self, it: Iterator[Any]) -> Iterator[Any]:
         """``it``'s batches, copied ahead to the CUDA ``prefetch_device`` (as they are on any other)."""

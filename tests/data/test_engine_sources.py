@@ -107,6 +107,22 @@ def test_an_empty_litdata_dataset_is_one_line(tmp_path):
     assert "\n" not in str(caught.value)
 
 
+def test_an_empty_webdataset_is_one_line_not_a_run_on_nothing(tmp_path):
+    import tarfile
+
+    from cltrain.data.datamodules.engines import WebDatasetModule
+
+    pytest.importorskip("webdataset")
+    for split in ("train", "val"):  # valid tars without a sample
+        (tmp_path / split).mkdir()
+        tarfile.open(tmp_path / split / "shard-0000.tar", "w").close()
+    dm = WebDatasetModule(str(tmp_path), num_classes=2, **{**KW, "num_workers": 0})
+    dm.setup("fit")
+    with pytest.raises(DataError, match="no sample to read") as caught:
+        list(dm.train_dataloader())
+    assert "\n" not in str(caught.value) and "train" in str(caught.value)
+
+
 @pytest.fixture(scope="module")
 def wds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The folder as WebDataset's own ShardWriter writes it: 2 training shards, 1 validation shard."""
@@ -164,6 +180,28 @@ def test_a_webdataset_run_trains_and_says_it_starts_a_stopped_epoch_again(wds_ur
     from cltrain.data.stream_place import is_stream
 
     assert not is_stream(dm.train_set) and not is_resumable(None)  # no place kept: Lightning restarts the epoch
+    # a run stopped after its first step and resumed: one line says the epoch starts again
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.data.test_resume_state import Net
+
+    def fit(ckpt_path: str | None = None) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            saves = ModelCheckpoint(dirpath=env / "wds-run", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+            pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                       callbacks=[saves]).fit(
+                Net(), datamodule=WebDatasetModule(wds_url, num_classes=2, cache_dir=str(env / "c"), **KW),
+                ckpt_path=ckpt_path)
+        return [str(w.message) for w in caught if "WebDataset keeps no place" in str(w.message)]
+
+    assert fit() == []
+    said = fit(str(env / "wds-run" / "step=1.ckpt"))
+    assert len(said) == 1 and "epoch 0 is read again from its first batch, after 1 batch(es)" in said[0], said
 
 
 @pytest.fixture(scope="module")

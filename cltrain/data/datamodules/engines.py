@@ -23,6 +23,7 @@ epoch again from its first batch.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from typing_extensions import override
@@ -147,6 +148,21 @@ class WebDatasetModule(_SplitsDataModule):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.persistent_workers = False  # each epoch's workers take the loader's new epoch (its order)
+        self._started = False
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if not self._started and getattr(trainer, "training", False):
+            self._started = True
+            progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+            done = getattr(getattr(progress, "current", None), "completed", 0)
+            if getattr(trainer, "ckpt_path", None) and isinstance(done, int) and done > 0:
+                warnings.warn(f"cltrain: WebDataset keeps no place in an epoch: epoch {trainer.current_epoch} is read "
+                              f"again from its first batch, after {done} batch(es) of it were trained on (its "
+                              "samples, so the weights, are not the uninterrupted run's; data=shards, litdata and mds "
+                              "resume where they stopped).", stacklevel=2)
+        return super().on_after_batch_transfer(batch, dataloader_idx)
 
     def _open(self, split: str, transform: Any, train: bool) -> Any:
         from cltrain.data.hf_dataset import rank_of
