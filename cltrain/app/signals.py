@@ -4,8 +4,10 @@
 Lightning's own SIGTERM handler. Outside ``fit`` a signal raises ``RunInterrupted`` at once;
 inside ``fit`` the first signal stops the run at the end of the current batch whose optimizer stepped (with
 gradient accumulation, the batch that ends the accumulation: a half-accumulated gradient is in no checkpoint; after an
-epoch's last batch, once its validation has begun or the next epoch starts, so that a resumed run validates it),
-through Lightning's ``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt``; a second one stops it at
+epoch's last batch, once its validation has begun or the next epoch starts, so that a resumed run validates it;
+in a single process, by Lightning's own stop, which comes after the batch's metrics are logged: either signal sets
+Lightning's flag), through Lightning's ``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt``; a
+second one stops it at
 once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written before. While that file is
 written (``holding``), further signals wait for it: a signal raised inside ``torch.save`` would leave no file and a
 traceback. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same step). SIGUSR1 (SLURM's
@@ -124,14 +126,18 @@ class SignalStop(Callback):
         if self.signum is None:
             return
         stepped = self._stepped or trainer.accumulate_grad_batches == 1  # not in the middle of an accumulation
+        connector = getattr(trainer, "_signal_connector", None)
+        single = trainer.world_size == 1 and hasattr(connector, "received_sigterm")
         if stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            if single:  # Lightning's own stop, once this batch is logged (and validated, where it is due)
+                connector.received_sigterm = True
+                return
             self._check(trainer)
             return
         # Later: at the end of the accumulation, or after the epoch's last batch at the first validation batch or the
         # next epoch's start (stopped before the last batch counts as done, a resumed run skipped that validation).
         # Lightning would stop a single process at this batch's end on SIGTERM: it waits too.
-        connector = getattr(trainer, "_signal_connector", None)
-        if self.signum == signal.SIGTERM and trainer.world_size == 1 and connector is not None:
+        if single:
             connector.received_sigterm = False
 
     @override

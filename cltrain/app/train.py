@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -134,6 +135,10 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     except (RunInterrupted, SIGTERMException, KeyboardInterrupt) as err:
         signum = getattr(err, "signum", None) or stop.signum or (signal.SIGTERM if trainer.received_sigterm else signal.SIGINT)
         metrics = results.finish("interrupted")
+        for logger in trainer.loggers:  # Lightning finalized them as "failed"; MLflow has a status for a stopped run
+            if type(logger).__name__ == "MLFlowLogger":
+                with contextlib.suppress(Exception):  # the server gone: the run's own files say it
+                    logger.finalize("KILLED")
         if trainer.is_global_zero:
             last = metrics.get("last_checkpoint")
             at_once = getattr(err, "at_once", False)

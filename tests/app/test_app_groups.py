@@ -78,6 +78,17 @@ def test_mlflow_defaults_to_a_local_sqlite_store_in_the_run_dir(tmp_path: Path) 
     assert logger._tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
+def test_a_run_stopped_by_a_signal_is_killed_in_mlflow_not_failed(demo_root: Path, tmp_path: Path) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    with pytest.raises(SystemExit) as stopped:
+        train(_smoke(demo_root, tmp_path, "logger=mlflow", "+callbacks.stop._target_=tests.helpers.signals.SignalAtStep",
+                     "+callbacks.stop.step=2"))
+    assert stopped.value.code == 143
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "KILLED"
+
+
 def test_callbacks_group_builds_lightning_callbacks(tmp_path: Path) -> None:
     cfg = compose_config(["callbacks=[default,early_stopping]",
                           "+callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging",

@@ -139,7 +139,9 @@ class _Signalling:
                 if batch_idx == at:
                     os.kill(os.getpid(), signum)
                 self.steps += 1
-                return self.layer(batch[0]).sum()
+                loss = self.layer(batch[0]).sum()
+                self.log("loss", loss)
+                return loss
 
             def validation_step(self, batch, batch_idx):
                 self.validated.add(self.current_epoch)
@@ -160,20 +162,22 @@ def _fit_stopped(module, tmp_path: Path, holding: bool = True, resume: bool = Fa
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from cltrain.app.on_exception import KeepOnException
     from cltrain.app.signals import RunInterrupted, SignalStop
 
     stop = SignalStop()
     keep = KeepOnException(tmp_path, **({"holding": stop.holding} if holding else {}))
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[keep, stop],
-                         **{"max_epochs": 1, **trainer_args})
+                         **{"max_epochs": 1, "logger": False, **trainer_args})
     data = DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=2)
     with stop, stop.deferred():
         try:
             trainer.fit(module, data, DataLoader(TensorDataset(torch.randn(2, 2))),
                         ckpt_path=tmp_path / "last.ckpt" if resume else None)
-        except RunInterrupted as stopped:
+        except (RunInterrupted, SIGTERMException) as stopped:  # the app's stops (Lightning's stops a single process)
             return trainer, stopped
     assert resume, "the run was not stopped"
     return trainer, None
@@ -183,7 +187,7 @@ def test_a_stop_in_the_middle_of_an_accumulation_waits_for_its_optimizer_step(tm
     # SIGTERM during the third batch of 2-batch accumulations: the run stops after the fourth, which steps
     module = _Signalling(at=2)
     trainer, stopped = _fit_stopped(module, tmp_path, accumulate_grad_batches=2)
-    assert module.steps == 4 and trainer.global_step == 2 and not stopped.at_once
+    assert module.steps == 4 and trainer.global_step == 2 and not getattr(stopped, "at_once", False)
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
@@ -194,7 +198,7 @@ def test_a_second_signal_while_last_ckpt_is_written_waits_for_it(tmp_path: Path,
     if not holding:  # the control: the signal raised inside the save, and no file was written
         assert stopped.at_once and not (tmp_path / "last.ckpt").exists()
         return
-    assert not stopped.at_once and module.steps == 2
+    assert not getattr(stopped, "at_once", False) and module.steps == 2
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
     assert "last.ckpt is being written; the run stops once it is" in capfd.readouterr().err
 
@@ -206,3 +210,14 @@ def test_a_stop_at_an_epochs_last_batch_leaves_that_epochs_validation_to_no_one(
     assert stopped is not None and stopped_module.steps == 8
     _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=2)
     assert stopped_module.validated | resumed_module.validated == {0, 1}
+
+
+def test_a_stopped_runs_last_step_reaches_its_logger(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = _Signalling(at=4, signum=signal.SIGINT)
+    trainer, stopped = _fit_stopped(module, tmp_path, logger=CSVLogger(tmp_path / "csv"), log_every_n_steps=1)
+    assert stopped is not None and module.steps == 5
+    rows = [r for r in csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))) if r.get("loss")]
+    assert [int(r["step"]) for r in rows] == list(range(5))  # the fifth step's loss too
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 5
