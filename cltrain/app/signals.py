@@ -1,17 +1,20 @@
 """SIGTERM and SIGINT end a run cleanly: the latest state saved, exit status 143 / 130.
 
-``SignalStop`` handles SIGINT and SIGTERM for the whole of ``train()``, chained with
-Lightning's own SIGTERM handler. Outside ``fit`` a signal raises ``RunInterrupted`` at once;
-inside ``fit`` the first signal stops the run at the end of the current batch whose optimizer stepped (with
-gradient accumulation, the batch that ends the accumulation: a half-accumulated gradient is in no checkpoint; after an
-epoch's last batch, once its validation has begun or the next epoch starts, so that a resumed run validates it;
-in a single process, by Lightning's own stop, which comes after the batch's metrics are logged: either signal sets
-Lightning's flag), through Lightning's ``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt``; a
-second one stops it at
-once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written before. While that file is
-written (``holding``), further signals wait for it: a signal raised inside ``torch.save`` would leave no file and a
-traceback. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same step). SIGUSR1 (SLURM's
-requeue) is never touched.
+``SignalStop`` handles SIGINT and SIGTERM for the whole of ``train()``, chained with Lightning's own SIGTERM handler.
+Outside ``fit`` a signal raises ``RunInterrupted`` at once. Inside ``fit`` the first signal stops the run after the
+current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnException`` writes ``last.ckpt``:
+
+* after a batch whose optimizer stepped: with gradient accumulation, the batch that ends the accumulation (a
+  half-accumulated gradient is in no checkpoint);
+* after an epoch's last batch, once its validation has begun or the next epoch starts (stopped before, a resumed run
+  would never validate that epoch);
+* in a single process, by Lightning's own stop (either signal sets its flag), which comes after the batch's metrics
+  reach the loggers.
+
+A second signal stops the run at once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written
+before. While that file is written (``holding``), further signals wait for it: a signal raised inside ``torch.save``
+would leave no file and a traceback. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same
+step). SIGUSR1 (SLURM's requeue) is never touched.
 """
 
 from __future__ import annotations

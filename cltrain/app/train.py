@@ -86,7 +86,7 @@ def _exit_now(code: int) -> NoReturn:
     """The exit a second signal asks for: the exit handlers run (temporary files removed, logs flushed), but no
     thread still busy is waited for (Python joins a thread pool's threads at exit: a shard download in flight in
     the loader's decode threads would hold the process until it ends)."""
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # CPython's own call at exit (multiprocessing's children make it too); no public one
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
