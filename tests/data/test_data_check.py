@@ -13,7 +13,7 @@ from cltrain.data import ImageFolderDataModule
 from cltrain.data.check import check_file, check_files, main
 from cltrain.data.image_folder_dataset import BadImageError
 from cltrain.data.decoders import DECODER_NAMES
-from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_odd_files
+from tests.helpers.data_fixtures import BAD, ENDS_ELSEWHERE, READABLE, write_image_folder, write_odd_files
 from tests.helpers import warm
 
 
@@ -28,6 +28,14 @@ def test_bad_files_are_found_and_readable_ones_pass(odd, full):
         assert check_file(str(odd[kind]), full=full), kind
     for kind in READABLE:
         assert check_file(str(odd[kind]), full=full) is None, kind
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_a_jpegs_own_end_marker_is_found_where_a_quick_look_at_its_end_misses(odd, full):
+    # a Motion Photo (a video after the image's end marker) is readable; a cut camera file whose preview's end marker
+    # lies in its last bytes is not
+    for kind, readable in ENDS_ELSEWHERE.items():
+        assert (check_file(str(odd[kind]), full=full) is None) == readable, (kind, full)
 
 
 def test_what_only_the_full_decode_catches(odd, tmp_path):
@@ -48,7 +56,8 @@ def test_what_only_the_full_decode_catches(odd, tmp_path):
 def test_workers_give_the_same_answer(odd):
     paths = [str(p) for p in odd.values()] * 3
     assert check_files(paths, "quick", workers=2) == check_files(paths, "quick", workers=0)
-    assert set(check_files(paths, "full", workers=2)) == {str(odd[k]) for k in BAD}
+    bad = {str(odd[k]) for k in BAD} | {str(odd[k]) for k, readable in ENDS_ELSEWHERE.items() if not readable}
+    assert set(check_files(paths, "full", workers=2)) == bad
     with pytest.raises(ValueError, match="'deep'"):
         check_files(paths, "deep")
 

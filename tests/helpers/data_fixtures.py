@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -71,12 +73,34 @@ def write_odd_files(folder: Path, size: tuple[int, int] = (96, 72)) -> dict[str,
     out["palette"] = folder / "palette.png"
     rgb.convert("LA").save(folder / "la.png")
     out["la"] = folder / "la.png"
+    # a Motion Photo: a whole JPEG, then a video after its end marker (readers stop at the marker)
+    (folder / "motion.jpg").write_bytes(data + b"\x00\x00\x00\x18ftypmp42" + rng.bytes(20_000))
+    out["motion"] = folder / "motion.jpg"
+    # a camera's JPEG whose EXIF holds a preview JPEG, cut short in its own scan: the preview's end marker is near
+    # the end of the file, the image's own is missing
+    preview = io.BytesIO()
+    rgb.resize((32, 24)).save(preview, "JPEG", quality=75)
+    exif = _exif_with_preview(preview.getvalue())
+    with_preview = data[:2] + b"\xff\xe1" + struct.pack(">H", len(exif) + 2) + exif + data[2:]
+    (folder / "cut_preview.jpg").write_bytes(with_preview[: len(with_preview) - (len(data) - 2) // 2])
+    out["cut_preview"] = folder / "cut_preview.jpg"
     out["good"] = good
     return out
 
 
+def _exif_with_preview(preview: bytes) -> bytes:
+    """An APP1 ``Exif`` body (little-endian TIFF) whose IFD1 points at ``preview``, as cameras write their thumbnail."""
+    ifd0 = struct.pack("<HHHII", 1, 0x0112, 3, 1, 1) + struct.pack("<I", 8 + 18)  # Orientation 1, then IFD1
+    ifd1 = struct.pack("<H", 2) + struct.pack("<HHII", 0x0201, 4, 1, 8 + 18 + 30) \
+        + struct.pack("<HHII", 0x0202, 4, 1, len(preview)) + struct.pack("<I", 0)
+    return b"Exif\0\0" + b"II*\0" + struct.pack("<I", 8) + ifd0 + ifd1 + preview
+
+
 BAD = ("truncated", "empty", "text")
 READABLE = ("good", "cmyk", "gray16", "rgba", "gray", "palette", "la")
+#: JPEGs whose end marker is not where it is usually found: after the image (readable), in a preview only (bad)
+ENDS_ELSEWHERE = {"motion": True, "cut_preview": False}
+
 
 
 def write_quirks(folder: Path, size: tuple[int, int] = (96, 72), seed: int = 7) -> dict[str, Path]:
