@@ -148,14 +148,23 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
     seen_dirs = {os.path.realpath(split_dir)}
     index.signature[os.path.realpath(split_dir)] = os.stat(split_dir).st_mtime_ns
     seen_files: set[str] = set()
+    walked_by: dict[str, str] = {}  # a folder's real path -> the class whose walk listed it
     for label, name in enumerate(classes):
         if name not in present:
             continue
         folder = split_dir / name
         real = os.path.realpath(folder)
         found: list[str] = []
-        if real not in seen_dirs:
-            _walk(str(folder), real, seen_dirs, seen_files, index, found)
+        if real in seen_dirs:  # listed already: its images are another class's (an image belongs to one class)
+            owner = walked_by.get(real)
+            how = f"a link to {real}, whose images" if os.path.islink(folder) else "reached through a link inside " \
+                  f"another class's folder: its images"
+            raise DataError(f"class folder {folder} is {how} are listed under "
+                            f"{f'class {owner!r}' if owner else 'the split'} already; an image belongs to one class: "
+                            "remove the link, or copy the images.")
+        before = set(seen_dirs)
+        _walk(str(folder), real, seen_dirs, seen_files, index, found)
+        walked_by.update(dict.fromkeys(seen_dirs - before, name))
         if not found:
             raise DataError(f"class folder {folder} has no images (suffixes {', '.join(IMG_EXTENSIONS)}"
                             f"{_only(folder)}); add images or remove the folder.")

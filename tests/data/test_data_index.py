@@ -161,3 +161,19 @@ def test_a_cached_index_serves_the_tree_named_from_another_folder(tmp_path, monk
     second = index_split("train")  # the same real folder: the cache is reused, paths as named now
     assert first == [os.path.realpath(p) for p, _ in second.samples]
     assert all(p.startswith("train/") and os.path.isfile(p) for p, _ in second.samples)
+
+
+@pytest.mark.parametrize("where", ["class", "inside"])
+def test_a_class_folder_listed_already_through_a_link_is_one_line_naming_the_class(tmp_path, where):
+    from cltrain.data.errors import DataError
+
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=1, size=(32, 24))
+    train = root / "train"
+    if where == "class":  # c2 -> c0: the same images under a second class
+        (train / "c2").symlink_to(train / "c0", target_is_directory=True)
+        said = r"class folder .*c2 is a link to .*c0, whose images are listed under class 'c0' already"
+    else:  # a link inside c0 reaches c1's folder first
+        (train / "c0" / "more").symlink_to(train / "c1", target_is_directory=True)
+        said = r"class folder .*c1 is reached through a link inside another class's folder: .* class 'c0' already"
+    with pytest.raises(DataError, match=said + ".*remove the link"):
+        scan_split(train)
