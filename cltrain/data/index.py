@@ -165,6 +165,8 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
         before = set(seen_dirs)
         _walk(str(folder), real, seen_dirs, seen_files, index, found)
         walked_by.update(dict.fromkeys(seen_dirs - before, name))
+        # torchvision's order (its folders sorted as strings: sub, sub-x, sub/deeper), so a seed picks the same images
+        found.sort(key=lambda p: (os.path.dirname(p), os.path.basename(p)))
         if not found:
             raise DataError(f"class folder {folder} has no images (suffixes {', '.join(IMG_EXTENSIONS)}"
                             f"{_only(folder)}); add images or remove the folder.")

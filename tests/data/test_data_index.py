@@ -177,3 +177,15 @@ def test_a_class_folder_listed_already_through_a_link_is_one_line_naming_the_cla
         said = r"class folder .*c1 is reached through a link inside another class's folder: .* class 'c0' already"
     with pytest.raises(DataError, match=said + ".*remove the link"):
         scan_split(train)
+
+
+def test_nested_folders_give_torchvisions_order(tmp_path):
+    from torchvision.datasets import ImageFolder
+
+    root = write_image_folder(tmp_path / "data", classes=1, train=1, val=1, size=(32, 24))
+    c0 = root / "train" / "c0"
+    for sub, name in (("sub/deeper", "1.jpg"), ("sub-x", "2.jpg"), ("sub", "3.jpg"), ("a", "4.jpg")):
+        (c0 / sub).mkdir(parents=True, exist_ok=True)
+        (c0 / sub / name).write_bytes((c0 / "0_000.jpg").read_bytes())
+    ours = [(str(p), label) for p, label in scan_split(root / "train").samples]
+    assert ours == ImageFolder(str(root / "train")).samples  # sub-x before sub/deeper: "-" sorts before "/"
