@@ -9,7 +9,8 @@ filtering, mirror it, HWC uint8 out):
   with the crop taken as a slice; then resized by torch's antialiased resampling
   (``F.interpolate(..., antialias=True)``'s op) as a channels_last uint8 tensor (PyTorch's
   AVX2 uint8 kernel, the one torchvision v2's resize uses), into the batch's slot when given one.
-* ``resized_crop``: a PIL image, ``Image.draft`` then one ``resize(box=...)``;
+* ``resized_crop``: a PIL image, ``Image.draft`` then a crop of whole pixels and a ``resize`` (a training crop, as
+  the fast path), or one ``resize(box=...)`` (the evaluation's resize then crop);
   the fallback for every other format, CMYK/YCCK JPEGs, files the back end rejects
   (corrupt, truncated, empty: Pillow then reports them with its own message), and
   machines without a back end (or ``decoder="pillow"``).
@@ -98,7 +99,14 @@ def resized_crop(img: Image.Image, box: tuple[float, float, float, float], size:
         s = drafted[1][2] / width  # the decoded image covers (0, 0, width / scale, height / scale)
         box = (box[0] * s, box[1] * s, box[2] * s, box[3] * s)
     img = to_mode(img, mode)
-    out = img.resize((size[1], size[0]), INTERPOLATIONS[interpolation][1], box=box)
+    resample = INTERPOLATIONS[interpolation][1]
+    if resize is None:  # a training crop: whole pixels cropped, then resized (torchvision's RandomResizedCrop, the
+        # fast path): the resample stops at the crop's edges, where resize(box=...) would read the pixels beyond
+        left, top = round(box[0]), round(box[1])
+        right, bottom = min(max(round(box[2]), left + 1), img.width), min(max(round(box[3]), top + 1), img.height)
+        out = img.crop((left, top, right, bottom)).resize((size[1], size[0]), resample)
+    else:  # resized, then cropped: the resample reads what the whole resized image holds around the box
+        out = img.resize((size[1], size[0]), resample, box=box)
     if flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     arr = np.array(out)  # writable (np.asarray of a PIL image is read-only, which torch warns about)

@@ -262,3 +262,23 @@ def test_the_pillow_decoder_reads_every_file_with_pillow(odd, monkeypatch):
     np.testing.assert_array_equal(t.apply(odd["good"], params), _pillow(t, odd["good"], params))
     with pytest.raises(AssertionError, match="back end was used"):  # the control: "auto" decodes with one
         train_transform(24).apply(odd["good"], params)
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (1900, 17)], ids=["photo", "thin"])
+def test_a_training_crop_read_by_pillow_is_torchvisions_crop_then_resize(shape):
+    # a PNG (or any file Pillow reads): the resample stops at the crop's edges, as torchvision's and the JPEG path's
+    import skimage.data
+
+    from cltrain.data.crop_kernels import resized_crop
+
+    pixels = np.asarray(Image.fromarray(skimage.data.astronaut()).resize(shape[::-1]))
+    tensor = torch.from_numpy(pixels).permute(2, 0, 1)
+    rng = np.random.default_rng(0)
+    worst = 0
+    for _ in range(20):
+        top, left = int(rng.integers(0, shape[0] // 2)), int(rng.integers(0, shape[1] // 2))
+        h, w = int(rng.integers(4, shape[0] - top)), int(rng.integers(4, shape[1] - left))
+        ours = resized_crop(Image.fromarray(pixels), (left, top, left + w, top + h), (32, 32), reduce=False)
+        theirs = TF.resized_crop(tensor, top, left, h, w, [32, 32], antialias=True).permute(1, 2, 0).numpy()
+        worst = max(worst, int(np.abs(ours.astype(int) - theirs).max()))
+    assert worst <= 1, worst
