@@ -143,10 +143,12 @@ def _table(rows: list[AuditRow]) -> str:
 
 def _definite(t: Any) -> str | None:
     """``"cl"`` / ``"nchw"`` for a rank-4/5 strided tensor that is one layout and not also the
-    other (size-1 dims make a shape ambiguous), else ``None``."""
+    other, else ``None``. Both is torch's own test (size-1 dims ignored: a ``(N, C, 1, 1)`` map is
+    the same memory in both, and a kernel's ``.contiguous(memory_format=...)`` of it copies nothing)."""
     if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5) or t.layout is not torch.strided or t.numel() == 0:
         return None
-    cl, nchw = is_channels_last(t), t.is_contiguous()
+    fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    cl, nchw = is_channels_last(t) or t.is_contiguous(memory_format=fmt), t.is_contiguous()
     if cl and not nchw:
         return "cl"
     if nchw and not cl:

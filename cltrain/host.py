@@ -72,6 +72,10 @@ class Host:
             reset writes into the weights with ``.data =``).
     """
 
+    #: whether every rank runs each evaluation (Lightning's loops do; a loop may evaluate on rank 0 alone, where a
+    #: check shared by the ranks would wait for the others)
+    evaluates_together = False
+
     def __init__(self, say: Say | None = None, *, optimizers: Callable[[], Iterable[Any]] = tuple,
                  copies: Callable[[], Iterable[nn.Module]] = tuple,
                  log: Callable[[dict[str, float]], Any] | None = None,

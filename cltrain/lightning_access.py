@@ -139,6 +139,8 @@ class LightningHost(Host):
     log, and the optimizers and the copies of ``pl_module`` (``model_copies``, leaving out ``exclude``) are the
     trainer's; ``copies()``: the copies the user named besides."""
 
+    evaluates_together = True  # the Trainer's validation, test and predict loops run on every rank
+
     def __init__(self, trainer: Any, pl_module: nn.Module, say: Say, exclude: Any = None,
                  copies: Callable[[], list[nn.Module]] = list) -> None:
         super().__init__(say, optimizers=lambda: trainer.optimizers,

@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -73,8 +72,8 @@ __all__ = ["LayoutSession", "SessionResults"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
 _COMPILED = "torch.compile would compile both layouts"
+_RANKS = "several ranks: DDP's gradient buckets keep the strides they were built with"
 #: What torch's DDP reducer warns when a gradient's strides differ from its bucket view's.
-BUCKET_WARNING = "Grad strides do not match bucket view strides"
 
 
 @contextlib.contextmanager
@@ -274,6 +273,8 @@ class LayoutSession:
             return f"{self.sharding} keeps the weights NCHW"
         if is_compiled(model):
             return _COMPILED
+        if self.host.several():
+            return _RANKS
         return None
 
     def _put_in_layout(self, model: nn.Module, layout: str, held: bool = False) -> list[GuardRecord]:
@@ -327,7 +328,7 @@ class LayoutSession:
         else:
             counts = ", ".join(f"{n} {k}" for k, n in (self.summary or {}).items())
             raced = "; the first training steps race it against NCHW" if not self.untimed else \
-                f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else ""
+                f"; not raced against NCHW ({self.untimed})" if self.untimed in (_COMPILED, _RANKS) else ""
             self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
@@ -445,6 +446,8 @@ class LayoutSession:
             want = self.race.next_layout(key)
             if want != self.layout and self._compiles():
                 want = self.layout
+        if want != self.layout and self.host.several():  # ranks made after the start, a decision from a checkpoint
+            want = self._ranks_hold()
         if want != self.layout:
             self._switch(model, want)
         if key not in self.race.decisions and self.untimed is None:
@@ -468,6 +471,18 @@ class LayoutSession:
                  f"switch would compile it again): {self.layout} kept; {self.pin_format.format('contiguous')} pins NCHW.")
         return True
 
+    def _ranks_hold(self) -> str:
+        """Under several ranks the model keeps the layout DDP wrapped it in: restrided under DDP's gradient buckets
+        (built with the parameters' strides then), its gradients come out wrong (``scripts/repro/ddp_restrided_grads.py``;
+        torch warns that this "is not an error"). Says so once; the layout kept."""
+        if self.untimed != _RANKS:
+            self.untimed = _RANKS
+            self.race.stop()
+            self.say(f"ChannelsLast: the layouts are not raced across several ranks (DDP's gradient buckets keep the "
+                     f"parameters' strides from when it wrapped them, and a parameter restrided since gets wrong "
+                     f"gradients): {self.layout} kept; {self.pin_format.format('contiguous')} pins NCHW.")
+        return self.layout
+
     def _settled(self) -> str:
         decided = self.decision
         return decided.layout if decided is not None else self.pinned or "channels_last"
@@ -476,8 +491,6 @@ class LayoutSession:
         """The model (its parameters, gradients and buffers, with the guardrails and fallbacks), its optimizer state
         in ``layout``; every rank switches at the same step."""
         self.layout = layout
-        if self.host.several():  # DDP's buckets keep the strides they were built with: a copy per step, timed
-            warnings.filterwarnings("ignore", message=BUCKET_WARNING)
         with aliases_follow(model, self.host.aliases()):
             records = self._put_in_layout(model, layout)
         if self.guard:
@@ -494,10 +507,6 @@ class LayoutSession:
         self.convert_copies(self.host.copies())
         self.summary = layout_summary(model, buffers=True)
         self.say(self.decision_line(decision), False)
-        if decision.layout == "contiguous" and self.host.several():
-            self.say("ChannelsLast: DDP built its gradient buckets in channels_last strides; each NCHW step copies its "
-                     "gradients into them (the race timed that copy; a run resumed from a checkpoint builds them in "
-                     "NCHW); torch's warning that gradient and bucket view strides differ is silenced for this.", False)
         self.host.log({f"channels_last/step_seconds_{k}": v for k, v in decision.seconds.items()})
 
     def decision_line(self, decision: LayoutDecision) -> str:
@@ -537,9 +546,13 @@ class LayoutSession:
             and self._restored.get("fingerprint") == self.fingerprint()
         if not same and (not self.verify or self.layout != "channels_last"):
             return LayoutCheck("not checked", reason="not asked" if not self.verify else "the model runs in NCHW")
-        result = None
+        result, shared = None, True
         if self.sharding is not None:
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
+        elif kind == "eval" and self.host.several() and not self.host.evaluates_together:
+            result, shared = LayoutCheck("not checked", reason="an evaluation of this loop may run on one rank alone, "
+                                         "and the check's verdict is every rank's; the training step's check covers "
+                                         "the model"), False
         elif same:
             result = restored_check(saved)
         elif self.host.deciding():
@@ -551,7 +564,8 @@ class LayoutSession:
             if saved is not None:
                 note = "checked again: the model, its step or the precision changed since the checkpoint"
                 result = dataclasses.replace(result, notes=(*result.notes, note))
-        result = self.host.broadcast(result)
+        if shared:
+            result = self.host.broadcast(result)
         self.layout_checks[kind] = result
         self.apply(result, model)
         if report:
@@ -666,11 +680,12 @@ class LayoutSession:
     def load_state_dict(self, state: dict[str, Any] | None, model: nn.Module | None = None) -> None:
         """A checkpoint's state: its verdicts apply at the first batch of each kind where the fingerprint matches,
         its decisions are not raced again and a race under way goes on where it stopped; where the model is given and
-        one decision is held, it takes that layout now (before DDP wraps it, where the door restores this early)."""
+        one decision is held, it takes that layout now (one process: several ranks keep the layout DDP wraps)."""
         self._restored = dict(state or {})
         self.race.load_state_dict(self._restored.get("race", {}))
         decided = {d.layout for d in self.race.decisions.values()}
-        if model is not None and len(decided) == 1 and self.layout is not None and self.untimed is None:
+        if model is not None and len(decided) == 1 and self.layout is not None and self.untimed is None \
+                and not self.host.several():
             (layout,) = decided
             if layout != self.layout:
                 self._switch(model, layout)

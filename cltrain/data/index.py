@@ -158,7 +158,7 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
         if real in seen_dirs:  # listed already: its images are another class's (an image belongs to one class)
             owner = walked_by.get(real)
             how = f"a link to {real}, whose images" if os.path.islink(folder) else "reached through a link inside " \
-                  f"another class's folder: its images"
+                  "another class's folder: its images"
             raise DataError(f"class folder {folder} is {how} are listed under "
                             f"{f'class {owner!r}' if owner else 'the split'} already; an image belongs to one class: "
                             "remove the link, or copy the images.")

@@ -116,8 +116,12 @@ def run(args: argparse.Namespace) -> AuditReport:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> AuditReport:
-    """Run the command line (``argv`` defaults to ``sys.argv[1:]``)."""
+def audit(argv: Sequence[str] | None = None) -> AuditReport:
+    """Run the command line (``argv`` defaults to ``sys.argv[1:]``); the report it printed.
+
+    Raises:
+        SystemExit: 2, after one line, for a usage error.
+    """
     args = parser().parse_args(argv)
     try:
         return run(args)
@@ -126,5 +130,11 @@ def main(argv: Sequence[str] | None = None) -> AuditReport:
         raise SystemExit(2) from None
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``cltrain-audit``: :func:`audit`, exit status 0 (the console script exits with what this returns)."""
+    audit(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from cltrain.audit import AuditReport
-from cltrain.tools.audit import main
+from cltrain.tools.audit import audit
 from tests.helpers import warm
 
 
@@ -23,6 +23,14 @@ def test_unknown_model_is_one_line_with_close_names_and_exit_2():
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "'resnt50'" in lines[0] and "resnet50" in lines[0]
     assert proc.stdout == ""
+
+
+def test_the_console_script_exits_0_and_prints_the_report_once():
+    # what the installed cltrain-audit runs: sys.exit(main())
+    proc = warm.run([sys.executable, "-c", "import sys; from cltrain.tools.audit import main; sys.exit(main())",
+                     "resnet18", "--image-size", "32", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert proc.stdout.count("Layout audit of") == 1, proc.stdout
 
 
 def test_batch_size_zero_is_refused_by_a_real_process():
@@ -66,7 +74,7 @@ def test_segmentation_model_runs_without_downloading_backbone_weights(tmp_path):
 )
 def test_every_mistake_is_one_line_and_exit_2(capsys, args, expected):
     with pytest.raises(SystemExit) as exit_info:
-        main(args)
+        audit(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("cltrain-audit: error: "), err
@@ -79,30 +87,30 @@ def test_cuda_device_without_cuda_is_refused(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     with pytest.raises(SystemExit) as exit_info:
-        main(["resnet18", "--device", "cuda"])
+        audit(["resnet18", "--device", "cuda"])
     assert exit_info.value.code == 2 and "no CUDA device on this machine" in capsys.readouterr().err
 
 
 def test_prints_the_report(capsys):
-    report = main(["squeezenet1_1", "--batch-size", "1", "--image-size", "64", "--dtype", "bf16", "--device", "cpu"])
+    report = audit(["squeezenet1_1", "--batch-size", "1", "--image-size", "64", "--dtype", "bf16", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "model=squeezenet1_1" in out and "Layout audit of SqueezeNet" in out and "autocast bfloat16" in out
     assert isinstance(report, AuditReport)
 
 
 def test_video_model_gets_a_5d_clip(capsys):
-    report = main(["r3d_18", "--batch-size", "2", "--image-size", "16", "--frames", "4", "--device", "cpu"])
+    report = audit(["r3d_18", "--batch-size", "2", "--image-size", "16", "--frames", "4", "--device", "cpu"])
     assert report.input_shapes == ((2, 3, 4, 16, 16),) and report.rows == []
     assert report.parameter_layouts.get("channels_last_3d", 0) > 0
 
 
 def test_timm_model_by_name(capsys):
     pytest.importorskip("timm")
-    report = main(["resnet10t", "--source", "timm", "--batch-size", "2", "--image-size", "32", "--device", "cpu"])
+    report = audit(["resnet10t", "--source", "timm", "--batch-size", "2", "--image-size", "32", "--device", "cpu"])
     assert report.model_name == "ResNet" and report.rows == []
 
 
 def test_help_exits_0(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
+        audit(["--help"])
     assert exit_info.value.code == 0 and "cltrain-audit resnet50" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 model trained channels_last (torch.export, TorchScript, ONNX)."""
 
 import json
+import os
 import logging
 import sys
 import warnings
@@ -230,3 +231,15 @@ def test_the_runs_lines_show_in_a_program_that_sets_up_no_logging(program) -> No
     assert done.returncode == 0, done.stderr[-2000:]
     said = "ChannelsLastRun(mode='full'): model layout is channels_last; parameters and buffers" in done.stderr
     assert said is (program == "sets up no logging"), done.stderr  # a program's own set-up is kept
+
+
+@pytest.mark.slow
+def test_ddp_an_evaluation_on_rank_0_alone_does_not_wait_for_the_other_ranks(tmp_path):
+    # the check of an evaluation shares its verdict with every rank: run on rank 0 alone, it waited for the others
+    proc = warm.run([sys.executable, "-m", "tests.helpers.torchrun", "--standalone", "--nproc_per_node", "2", "-m",
+                     "tests.helpers.eval_rank0_ddp", str(tmp_path)], capture_output=True, text=True, timeout=180,
+                    cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["checks"]["train"] == "passed" and ranks[0]["checks"]["eval"] == "not checked", ranks
+    assert "eval" not in ranks[1]["checks"] and all(r["weights_cl"] for r in ranks), ranks

@@ -321,9 +321,9 @@ def test_audit_finds_a_planted_layout_loss_on_a_cuda_model(dtype: torch.dtype | 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_audit_command_line_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     from cltrain.audit import AuditReport
-    from cltrain.tools.audit import main
+    from cltrain.tools.audit import audit
 
-    report = main(["resnet18", "--batch-size", "2", "--image-size", "64", "--dtype", "fp16", "--device", "cuda"])
+    report = audit(["resnet18", "--batch-size", "2", "--image-size", "64", "--dtype", "fp16", "--device", "cuda"])
     out = capsys.readouterr().out
     assert "device=cuda" in out and "Layout audit of ResNet" in out and isinstance(report, AuditReport)
 

@@ -17,3 +17,12 @@ def test_cpu_bf16_conv3d_counts_each_dtype_and_layout() -> None:
     rows = re.findall(r"^(bfloat16|float32) (contiguous|channels_last_3d): (\d) of 3 calls non-finite", out.stdout, re.M)
     assert [r[:2] for r in rows] == [("bfloat16", "contiguous"), ("bfloat16", "channels_last_3d"), ("float32", "contiguous")]
     assert rows[2][2] == "0" and "Machine:" in out.stdout  # fp32 is finite
+
+
+def test_ddp_restrided_grads_gives_each_steps_error_on_two_processes() -> None:
+    out = warm.run([sys.executable, "-m", "scripts.repro.ddp_restrided_grads", "--steps", "3", "--switch", "1"],
+                   cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"^step (\d): (NCHW|channels_last) parameters, .* by (\S+) \(relative\)", out.stdout, re.M)
+    assert [r[:2] for r in rows] == [("0", "channels_last"), ("1", "NCHW"), ("2", "NCHW")], out.stdout
+    assert float(rows[0][2]) < 1e-5  # before the switch DDP's gradient is the ranks' average
