@@ -130,7 +130,13 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    try:
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    except ModuleNotFoundError as err:
+        if (err.name or "").partition(".")[0] not in ("torchvision", "PIL", "simplejpeg", "turbojpeg"):
+            raise
+        raise ModuleNotFoundError(f"cltrain.data.{name} needs {err.name}: pip install 'cltrain[data]'",
+                                  name=err.name) from None
     globals()[name] = value
     return value
 

@@ -153,6 +153,10 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
     """
     from tqdm.auto import tqdm
 
+    try:
+        import webdataset  # noqa: F401 - the shards' writer (the `shards` extra), asked before anything is written
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("pack needs webdataset: pip install 'cltrain[shards]'", name=err.name) from None
     if not (isinstance(shard_size, int) and shard_size >= 1):
         raise ValueError(f"pack: shard_size={shard_size!r} must be an int >= 1.")
     if check not in CHECK_MODES:

@@ -132,7 +132,8 @@ def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
             raise RemoteError(f"{redact(url)}: {protocol}:// is not a storage protocol fsspec knows; use s3://, gs://, "
                               "az://, abfs:// or https://, or a local path.") from None
         package = known["class"].split(".")[0]  # s3fs, gcsfs, adlfs, fsspec (HTTP: aiohttp)
-        raise RemoteError(f"{redact(url)}: reading {protocol}:// needs {package}: pip install 'cltrain[cloud]' "
+        extra = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}.get(package, "cloud")
+        raise RemoteError(f"{redact(url)}: reading {protocol}:// needs {package}: pip install 'cltrain[{extra}]' "
                           f"({' '.join(str(err).split())[:160]}).") from None
     if protocol in ("s3", "s3a"):
         fs.retries = 1 if quick else attempts  # s3fs's own retries of a request and its body (a class attribute, not an argument)

@@ -4,6 +4,13 @@
     cltrain-data-check /data/imagenet --workers 8 --out bad_files.tsv
 """
 
-from cltrain.data.check import main
+from typing import Any
+
+from cltrain.tools import run_script
 
 __all__ = ["main"]
+
+
+def main() -> Any:
+    """``cltrain-data-check``: ``cltrain.data.check.main``, a missing extra said in one line."""
+    return run_script("cltrain-data-check", "cltrain.data.check")

@@ -294,3 +294,13 @@ def test_sizes_and_urls_are_checked_where_they_are_given(local_pack):
 
     with pytest.raises(ValueError, match="is a URL; .*cltrain-pack ROOT OUT.*data=shards"):
         ImageFolderDataModule("s3://bucket/imagenet", **KW)
+
+
+@pytest.mark.parametrize("url,package,extra", [("gs://bucket/pack", "gcsfs", "gcs"), ("az://box/pack", "adlfs", "azure")])
+def test_a_store_whose_package_is_missing_names_its_own_extra(url, package, extra):
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(RemoteError, match=rf"needs {package}: pip install 'cltrain\[{extra}\]'"):
+        ShardsDataModule(url, **KW).num_classes
