@@ -645,7 +645,9 @@ class LayoutSession:
         """The run ends: a race not decided leaves the model in the default layout, the layout is kept a last time,
         and torch's utilities are given back."""
         self._step = None
-        if self.race.racing() and self.untimed is None and self._key is not None:  # trained here, not evaluated only
+        if self.race.racing() and self.untimed is None and self._key is not None \
+                and "race ended" not in self._told:  # trained here (not evaluated only), said once (a validate after)
+            self._told.add("race ended")
             self.say(f"ChannelsLast: training ended before the race of the layouts decided "
                      f"({self.race.steps_run()} step(s) of it run): {self._settled()} kept; a longer run decides (a race "
                      "under way goes on in a run resumed from a checkpoint).")

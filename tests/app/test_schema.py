@@ -346,6 +346,20 @@ def test_a_mistyped_option_in_a_groups_list_is_one_line(override: str, message: 
         check_command_line([override])
 
 
+def test_a_launcher_or_sweeper_not_installed_names_the_sweeps_extra() -> None:
+    code = ("import sys\n"
+            "for m in ('joblib_launcher', 'optuna_sweeper', 'submitit_launcher'): sys.modules['hydra_plugins.hydra_' + m] = None\n"
+            "from cltrain.app.config import ConfigError, check_command_line\n"
+            "for line in (['-m', 'hydra/launcher=joblib'], ['hparams_search=optuna'], ['-m', 'hydra/launcher=slurm']):\n"
+            "    try: check_command_line(line)\n"
+            "    except ConfigError as e: print(e)\n")
+    done = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["hydra/launcher='joblib'", "hydra/sweeper='optuna'",
+                                                      "hydra/launcher='submitit_slurm'"], done.stdout + done.stderr
+    assert all(" is not installed: pip install 'cltrain[sweeps]'" in line for line in lines), lines
+
+
 def test_problems_that_are_not_about_keys_are_left_to_hydra() -> None:
     check_command_line(["seed=[1"])  # a syntax error: Hydra shows where
     check_command_line(["--help", "seed=1"])

@@ -371,6 +371,10 @@ def test_an_undecided_race_leaves_the_model_in_channels_last_at_the_end(monkeypa
                                                steps=6)
     assert layouts[-1][0] == "contiguous" and session.decision is None
     assert session.layout == "channels_last" and is_channels_last(model[0].weight)
+    assert caplog.text.count("training ended before the race") == 1
+    with caplog.at_level(logging.INFO):  # a validate after the fit ends the session again: said once
+        session.end(model)
+    assert caplog.text.count("training ended before the race") == 1
 
 
 def test_a_session_collected_late_gives_back_its_own_hold_only(monkeypatch: pytest.MonkeyPatch) -> None:

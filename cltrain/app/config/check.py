@@ -277,6 +277,9 @@ def _missing_option(exc: BaseException) -> ConfigError | None:
     options = sorted(map(str, cause.options or _group_options(group)))  # a list (logger=[csv,x]): Hydra names none
     if not options:
         return None  # not a group (a file named in a defaults list)
+    if group in ("hydra/launcher", "hydra/sweeper") and value in _SWEEP_PLUGINS:  # a plugin not installed
+        return ConfigError(group, value, f"{_SWEEP_PLUGINS[value]} is not installed: pip install 'cltrain[sweeps]'",
+                           ", ".join(options))
     close = difflib.get_close_matches(value, options, n=3, cutoff=0.5)
     reason = f"no {group} option of that name"
     where = re.match(r"In '([^']+)':", str(cause))
@@ -285,6 +288,11 @@ def _missing_option(exc: BaseException) -> ConfigError | None:
     if close:
         reason += "; did you mean " + " or ".join(f"{group}={c}" for c in close) + "?"
     return ConfigError(group, value, reason, ", ".join(options))
+
+
+#: Hydra's launchers and sweepers the ``sweeps`` extra installs -> their package.
+_SWEEP_PLUGINS = {"joblib": "hydra-joblib-launcher", "submitit_local": "hydra-submitit-launcher",
+                  "submitit_slurm": "hydra-submitit-launcher", "optuna": "hydra-optuna-sweeper"}
 
 
 def _group_options(group: str) -> list[str]:
