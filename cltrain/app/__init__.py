@@ -11,6 +11,7 @@
 * ``ema``: the EMA weights callback;
 * ``finite``: stopping on a non-finite loss;
 * ``on_exception``: ``last.ckpt`` on a crash or a signal;
+* ``checkpoints``: the best checkpoints' record, carried into a resumed run's directory;
 * ``signals``: SIGTERM / SIGINT turned into a clean stop;
 * ``launch``: how this process was started (DDP children, nodes);
 * ``rundir``: the run directory, never shared or overwritten;
