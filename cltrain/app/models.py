@@ -191,7 +191,7 @@ def load_pretrained(model: nn.Module, path: str | Path, use_ema: bool = True) ->
     if not any(k.startswith("model.") for k in own) and any(k.startswith("model.") for k in state):
         state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     skipped = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
-    missing = [k for k in own if k not in state]
+    missing = [k for k in own if k not in state or k in skipped]  # a head of another shape keeps its initial values
     if not set(state) - set(skipped):
         raise ConfigError("model.pretrained", str(path), "no weight in the file matches the model",
                           "weights saved from the same architecture")

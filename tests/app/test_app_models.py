@@ -37,7 +37,8 @@ def test_pretrained_from_a_local_state_dict_skips_a_mismatched_head(tmp_path: Pa
     source = torchvision.models.resnet18(num_classes=1000)
     path = tmp_path / "resnet18.pth"
     torch.save(source.state_dict(), path)
-    with pytest.warns(UserWarning, match="skipped 2 unmatched"):
+    with pytest.warns(UserWarning, match=r"skipped 2 unmatched .*2 model key\(s\) left at their initial values "
+                                         r"\['fc.weight', 'fc.bias'\]"):
         model = build_classifier("resnet18", num_classes=10, pretrained=path)
     assert torch.equal(model.conv1.weight, source.conv1.weight)
     assert model.fc.out_features == 10
