@@ -106,3 +106,15 @@ def test_a_file_size_limit_holds_in_a_warm_child_as_in_a_started_python(tmp_path
     # the control: without the limit the write succeeds
     assert warm.run([sys.executable, "-c", code, str(tmp_path / "free.bin")], capture_output=True,
                     text=True).stdout.strip() == "written"
+
+
+def test_a_timed_out_child_and_what_it_started_are_ended() -> None:
+    # the child starts a process that holds its output open (a DDP rank, a loader worker): on the timeout both end,
+    # and the test goes on (it waited for the child's status forever before)
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            "time.sleep(300)")
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3)
+    assert time.monotonic() - started < 30

@@ -280,13 +280,36 @@ def run(args: Any, fresh: bool = False, nested: bool = False, **kwargs: Any) -> 
         try:
             out, err = proc.communicate(given, timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_tree(proc.pid)
             proc.wait()
             raise
     done = subprocess.CompletedProcess(args, proc.returncode, out, err)
     if check:
         done.check_returncode()
     return done
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process it started (a DDP run's ranks, their loader workers): left alive, they keep
+    the child's output open and its status never comes, so a timed-out run would hang the test past its timeout."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _limit_file_size(limit: int) -> None:
