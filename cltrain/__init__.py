@@ -9,6 +9,7 @@ Packages and modules, bottom up (lower ones never import higher ones):
 * ``checkpoint_io``: ``AtomicCheckpointIO``, Lightning checkpoints saved atomically, loaded ``weights_only``;
 * ``layout``: tensors, modules and batches put in channels_last (``to_channels_last``, ``to_contiguous``);
 * ``sharding``: which sharding engine (FSDP2, FSDP, DeepSpeed) holds a model, and the layout it keeps;
+* ``ddp``: DistributedDataParallel's gradient buckets built again after a parameter changes layout;
 * ``guardrails``: workarounds for backend kernels known to fail in channels_last on this device;
 * ``nchw_code``: workarounds for torch code that calls ``view`` on a weight (pruning, flat-parameter utilities);
 * ``timing``: the race of the layouts on a run's own training steps (``LayoutRace``), and models timed on copies;

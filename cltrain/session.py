@@ -55,6 +55,7 @@ from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
 from cltrain.check.result import LayoutCheck
 from cltrain.check.resume import restored_check, saved_check
+from cltrain.ddp import blocker, rebuild_buckets, wrappers
 from cltrain.devices import device_of
 from cltrain.guardrails import GuardRecord, apply_guardrails, find_hazards, hazards_over_ranks
 from cltrain.host import Host
@@ -72,8 +73,7 @@ __all__ = ["LayoutSession", "SessionResults"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
 _COMPILED = "torch.compile would compile both layouts"
-_RANKS = "several ranks: DDP's gradient buckets keep the strides they were built with"
-#: What torch's DDP reducer warns when a gradient's strides differ from its bucket view's.
+_UNASKED = object()
 
 
 @contextlib.contextmanager
@@ -205,6 +205,8 @@ class LayoutSession:
         self._examined: set[int] = set()  # the host's optimizers looked at by _watch
         self._counter, self._steps_seen, self._unstepped = _StepCounter(), 0, 0
         self._frames: int | None = None  # torch.compile's count at the start, until the race's first switch
+        self._ddp_blocker: Any = _UNASKED  # why DDP's buckets cannot follow a switch (cltrain.ddp), once asked
+        self._ddps: list[weakref.ref] = []  # the DDPs holding the model, once found
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
         #: how the door's user pins a layout, for the lines that say so (the app: ``"channels_last_layout={}"``)
@@ -246,7 +248,7 @@ class LayoutSession:
         if self.layout is None:
             self.layout = self.pinned or "channels_last"
         self.untimed = self._why_untimed(model)
-        self._frames = compiled_frames()
+        self._frames, self._ddp_blocker, self._ddps = compiled_frames(), _UNASKED, []
         self._hazards.clear()
         records = self._put_in_layout(model, self.layout, held=held is not None)
         if self.guard:
@@ -273,8 +275,6 @@ class LayoutSession:
             return f"{self.sharding} keeps the weights NCHW"
         if is_compiled(model):
             return _COMPILED
-        if self.host.several():
-            return _RANKS
         return None
 
     def _put_in_layout(self, model: nn.Module, layout: str, held: bool = False) -> list[GuardRecord]:
@@ -328,7 +328,7 @@ class LayoutSession:
         else:
             counts = ", ".join(f"{n} {k}" for k, n in (self.summary or {}).items())
             raced = "; the first training steps race it against NCHW" if not self.untimed else \
-                f"; not raced against NCHW ({self.untimed})" if self.untimed in (_COMPILED, _RANKS) else ""
+                f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else ""
             self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
@@ -349,8 +349,9 @@ class LayoutSession:
                 self._watch()
             if self._step is None:
                 self._begin_training_step(batch, model)
-        elif self.layout != self._settled():  # an evaluation in the middle of a race runs in the default
-            self._switch(model, self._settled())
+        elif self.layout != self._settled() and (self.host.evaluates_together or not self.host.several()):
+            self._switch(model, self._settled())  # an evaluation in the middle of a race runs in the default (not on
+            # one rank alone: each switch has DDP's buckets built again, which every rank must join)
         if check is not None:
             self.check(kind, model, check)  # a "contiguous" verdict puts the model, and so its inputs, in NCHW
         if self.convert_inputs:
@@ -446,8 +447,8 @@ class LayoutSession:
             want = self.race.next_layout(key)
             if want != self.layout and self._compiles():
                 want = self.layout
-        if want != self.layout and self.host.several():  # ranks made after the start, a decision from a checkpoint
-            want = self._ranks_hold()
+        if want != self.layout and self.host.several():  # DDP's gradient buckets must follow the switch
+            want = self._ranks_hold(model, want)
         if want != self.layout:
             self._switch(model, want)
         if key not in self.race.decisions and self.untimed is None:
@@ -471,17 +472,43 @@ class LayoutSession:
                  f"switch would compile it again): {self.layout} kept; {self.pin_format.format('contiguous')} pins NCHW.")
         return True
 
-    def _ranks_hold(self) -> str:
-        """Under several ranks the model keeps the layout DDP wrapped it in: restrided under DDP's gradient buckets
-        (built with the parameters' strides then), its gradients come out wrong (``scripts/repro/ddp_restrided_grads.py``;
-        torch warns that this "is not an error"). Says so once; the layout kept."""
-        if self.untimed != _RANKS:
-            self.untimed = _RANKS
+    def _ranks_hold(self, model: nn.Module, want: str) -> str:
+        """Under several ranks a switch needs the gradient buckets of the DDP holding the model built again
+        (``cltrain.ddp``: a parameter restrided under buckets built with other strides gets wrong gradients). Where
+        they cannot be, the model keeps its layout, said once, and the race stops; the same answer on every rank
+        (DDP's settings are every rank's)."""
+        if self._ddp_blocker is _UNASKED:
+            self._ddp_blocker = blocker(self._wrappers(model))
+        if self._ddp_blocker is None:
+            return want
+        if self.race.racing() or self.untimed is None:
+            self.untimed = f"several ranks: {self._ddp_blocker}"
             self.race.stop()
-            self.say(f"ChannelsLast: the layouts are not raced across several ranks (DDP's gradient buckets keep the "
-                     f"parameters' strides from when it wrapped them, and a parameter restrided since gets wrong "
-                     f"gradients): {self.layout} kept; {self.pin_format.format('contiguous')} pins NCHW.")
+            self.say(f"ChannelsLast: the layouts are not raced across the ranks ({self._ddp_blocker}; a parameter "
+                     f"restrided under DDP's buckets gets wrong gradients): {self.layout} kept; "
+                     f"{self.pin_format.format('contiguous')} pins NCHW.")
         return self.layout
+
+    def _buckets_follow(self, model: nn.Module, what: str) -> None:
+        """After ``what`` restrided parameters, under several ranks: the DDP holding the model builds its gradient
+        buckets again now (every rank calls here at the same step). Where it cannot, one line."""
+        if not self.host.several():
+            return
+        reason = rebuild_buckets(self._wrappers(model))
+        if reason is not None and "ddp buckets" not in self._told:
+            self._told.add("ddp buckets")
+            self.say(f"ChannelsLast: {what} restrided parameters after DDP wrapped the model, and {reason}: their "
+                     "gradients are permuted (wrong) from here; pin "
+                     f"{self.pin_format.format('contiguous')} so the model is NCHW before DDP wraps it.", True)
+
+    def _wrappers(self, model: nn.Module) -> list[nn.Module]:
+        """The DDPs holding ``model`` (``cltrain.ddp.wrappers``: a garbage collection and a walk), found once a
+        start, at the first change of layout after DDP wrapped it (at the same point on every rank)."""
+        alive = [d for d in (ref() for ref in self._ddps) if d is not None]
+        if not alive:
+            alive = wrappers(model)
+            self._ddps = [weakref.ref(d) for d in alive]
+        return alive
 
     def _settled(self) -> str:
         decided = self.decision
@@ -498,6 +525,7 @@ class LayoutSession:
         if layout == "channels_last":
             apply_fallbacks(model, self.fallbacks)
         restride_optimizer_state(self.host.optimizers())
+        self._buckets_follow(model, "the switch of the layouts")
         if self._expected is not None:
             self.expect(model)
 
@@ -576,6 +604,7 @@ class LayoutSession:
     def apply(self, result: LayoutCheck, model: nn.Module) -> None:
         """What ``result`` chose, on ``model`` and the host's copies (see the module docstring), and the host's
         optimizers' state in its parameters' strides."""
+        strides = [p.stride() for p in model.parameters()]
         if result.verdict == "fallback":
             chosen = list(result.fallbacks)
         elif result.verdict == "contiguous":  # the whole model, its inputs put in NCHW at its entry
@@ -592,6 +621,8 @@ class LayoutSession:
         self.summary = layout_summary(model, buffers=True)
         self.convert_copies(self.host.copies())
         restride_optimizer_state(self.host.optimizers())
+        if strides != [p.stride() for p in model.parameters()]:
+            self._buckets_follow(model, "the check's verdict")
         if self._expected is not None:
             self.expect(model)
 
@@ -633,6 +664,8 @@ class LayoutSession:
                 relayout(t, want, aliases)
                 moved.append(name)
         restride_optimizer_state(self.host.optimizers())
+        if any(name in dict(model.named_parameters()) for name in moved):
+            self._buckets_follow(model, f"putting the layout back{after and ' ' + after}")
         if moved and (line or "") not in self._told:
             self._told.add(line or "")
             shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
@@ -682,7 +715,8 @@ class LayoutSession:
     def load_state_dict(self, state: dict[str, Any] | None, model: nn.Module | None = None) -> None:
         """A checkpoint's state: its verdicts apply at the first batch of each kind where the fingerprint matches,
         its decisions are not raced again and a race under way goes on where it stopped; where the model is given and
-        one decision is held, it takes that layout now (one process: several ranks keep the layout DDP wraps)."""
+        one decision is held, it takes that layout now (one process; several ranks switch at their first training step,
+        the same on every rank)."""
         self._restored = dict(state or {})
         self.race.load_state_dict(self._restored.get("race", {}))
         decided = {d.layout for d in self.race.decisions.values()}

@@ -46,10 +46,12 @@ def _ddp(door: str, out: Path) -> list[dict]:
 
 
 def _ddp_holds(ranks: list[dict]) -> tuple[bool, str]:
-    # a model slower in channels_last, which one process switches to NCHW: under DDP it keeps channels_last, not raced
+    # a model slower in channels_last: every rank switches to NCHW at the same step on rank 0's decision, DDP's
+    # buckets built again (the Hugging Face Trainer's DDP, which finds unused parameters, with a new reducer); each
+    # step's gradient: tests/core/test_ddp_grads.py
     same = ranks[0] == ranks[1]
-    kept = ranks[0]["decision"] is None and ranks[0]["layout"] == "channels_last"
-    return same and kept and ranks[0]["check"] == "passed", json.dumps(ranks[0])[:200]
+    decided = ranks[0]["decision"] is not None and ranks[0]["layout"] == "contiguous"
+    return same and decided and ranks[0]["check"] == "passed", json.dumps(ranks[0])[:200]
 
 
 @pytest.fixture(scope="module")

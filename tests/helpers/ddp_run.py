@@ -6,8 +6,7 @@ Each fit (one after another in the same two processes) has every rank write OUT_
 as ``-`` in the folder's name) with the layout of its parameters and gradients and the warnings it saw. "late" converts only after DDP has wrapped the model (the pitfall of
 pytorch#47163), to show the check can fail. "user:PATTERN" trains one of ``tests.helpers.user_code``'s
 projects whose code assumes NCHW, under ``ChannelsLast()``. "race" trains 12 steps of a model whose channels_last
-steps are slow (one process would switch to NCHW): across ranks the layouts are not raced and every rank keeps
-channels_last.
+steps are slow: every rank switches to NCHW at the same step, on rank 0's decision.
 """
 
 import json

@@ -5,8 +5,8 @@
     python -m tests.helpers.torchrun --standalone --nproc_per_node 2 -m tests.helpers.door_ddp plain|hf|accelerate OUT
 
 The model's channels_last steps are slow (``SlowIn``: DDP's all-reduce gives every rank the slowest rank's step), and
-each step accumulates 2 batches in the door's own way: one process would switch to NCHW; across the ranks the layouts
-are not raced and every rank keeps channels_last (a parameter restrided under DDP's buckets gets wrong gradients).
+each step accumulates 2 batches in the door's own way: every rank switches to NCHW at the same step (a step's end is
+where the optimizer stepped), on rank 0's decision, with DDP's gradient buckets built again.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 from tests.helpers import warm
 
@@ -19,10 +21,13 @@ def test_cpu_bf16_conv3d_counts_each_dtype_and_layout() -> None:
     assert rows[2][2] == "0" and "Machine:" in out.stdout  # fp32 is finite
 
 
-def test_ddp_restrided_grads_gives_each_steps_error_on_two_processes() -> None:
-    out = warm.run([sys.executable, "-m", "scripts.repro.ddp_restrided_grads", "--steps", "3", "--switch", "1"],
-                   cwd=REPO, capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("rebuild", [False, True], ids=["buckets-kept", "buckets-rebuilt"])
+def test_ddp_restrided_grads_gives_each_steps_error_on_two_processes(rebuild: bool) -> None:
+    out = warm.run([sys.executable, "-m", "scripts.repro.ddp_restrided_grads", "--steps", "4", "--switch", "2",
+                    *(["--rebuild"] * rebuild)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = re.findall(r"^step (\d): (NCHW|channels_last) parameters, .* by (\S+) \(relative\)", out.stdout, re.M)
-    assert [r[:2] for r in rows] == [("0", "channels_last"), ("1", "NCHW"), ("2", "NCHW")], out.stdout
+    assert [layout for _, layout, _ in rows] == ["channels_last"] * 2 + ["NCHW"] * 2, out.stdout
     assert float(rows[0][2]) < 1e-5  # before the switch DDP's gradient is the ranks' average
+    # after it: permuted (relative error ~1) under the buckets built in channels_last; right once built again
+    assert all((float(error) < 1e-5) == rebuild for _, _, error in rows[2:]), out.stdout

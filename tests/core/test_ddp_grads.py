@@ -1,0 +1,71 @@
+"""Every step's gradient under DDP is the ranks' average, through a change of layout after DDP wrapped the model:
+the race's switch, a check's verdict (tests/helpers/ddp_grads.py: two gloo processes, an NCHW reference on both
+ranks' batches each step). DDP keeps the strides its gradient buckets were built with; without building them again
+(``--no-rebuild``, the negative control) the gradient after the switch is the average permuted."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from tests.helpers import warm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ddp(tmp_path: Path, scenario: str, *flags: str, run: str = "") -> list[dict]:
+    proc = warm.run([sys.executable, "-m", "tests.helpers.ddp_grads", scenario, str(tmp_path), *flags],
+                    capture_output=True, text=True, timeout=300, cwd=REPO,
+                    env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [{**rank["runs"][run or scenario], "lines": rank["lines"]} for rank in ranks]
+
+
+def _errors(rank: dict, nchw: bool) -> list[float]:
+    return [s["error"] for s in rank["steps"] if s["nchw"] == nchw]
+
+
+@pytest.mark.parametrize("scenario, flags", [("race", ()), ("race", ("--no-rebuild",)), ("unused", ())],
+                         ids=["rebuilt", "negative-control", "find-unused-parameters"])
+def test_the_race_switches_every_rank_to_nchw_with_the_ranks_average_gradient(tmp_path, scenario, flags) -> None:
+    # find_unused_parameters=True: DDP never builds its buckets again by itself, and gets a new reducer
+    ranks = _ddp(tmp_path, scenario, *flags)
+    for rank in ranks:
+        assert rank["decision"] == "contiguous" and rank["steps"][-1]["nchw"], rank
+        assert max(_errors(rank, nchw=False)) < 1e-5  # channels_last steps: DDP built its buckets in it
+        if flags:  # buckets left with channels_last strides: the NCHW steps' gradients permuted
+            assert min(_errors(rank, nchw=True)) > 0.3, rank["steps"]
+        else:
+            assert max(_errors(rank, nchw=True)) < 1e-5, rank["steps"]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+
+
+def test_a_verdict_that_moves_the_weights_after_ddp_wrapped_gives_the_right_first_step(tmp_path) -> None:
+    # the model's own forward reads raw memory: the first batch's check keeps the whole model in NCHW, and the first
+    # step already has the ranks' average (without the rebuild: wrong until DDP's own rebuild after step 1)
+    for rank in _ddp(tmp_path, "verdict"):
+        assert rank["verdict"] == "contiguous" and all(s["nchw"] for s in rank["steps"])
+        assert max(_errors(rank, nchw=True)) < 1e-5, rank["steps"]
+
+
+def test_a_ddp_whose_buckets_cannot_be_built_again_keeps_the_layout_and_says_why(tmp_path) -> None:
+    # a torch whose DDP lacks the private methods cltrain.ddp calls: not raced, channels_last kept, gradients right
+    ranks = _ddp(tmp_path, "unused", "--old-torch")
+    for rank in ranks:
+        assert rank["decision"] is None and not any(s["nchw"] for s in rank["steps"])
+        assert max(_errors(rank, nchw=False)) < 1e-5
+    said = [line for line in ranks[0]["lines"] if "not raced" in line]
+    assert len(said) == 1 and "cannot build its gradient buckets again" in said[0], said
+    assert "layout='contiguous'" in said[0] and not any("not raced" in line for line in ranks[1]["lines"])
+
+
+def test_a_door_that_switches_inside_ddps_forward_gives_the_ranks_average_gradient(tmp_path) -> None:
+    # Accelerate's door converts in a forward hook, inside DDP's forward: the buckets are built again before that
+    # step's backward (its DDP with find_unused_parameters=True gets a new reducer)
+    ranks = _ddp(tmp_path, "accelerate", run="unused=True")
+    again = [json.loads((tmp_path / f"rank{r}.json").read_text())["runs"]["unused=False"] for r in (0, 1)]
+    for rank in [*ranks, *again]:
+        assert rank["decision"] == "contiguous" and rank["steps"][-1]["nchw"], rank
+        assert max(s["error"] for s in rank["steps"]) < 1e-5, rank["steps"]

@@ -1,0 +1,153 @@
+"""Run by tests/core/test_ddp_grads.py: a plain DDP loop through ``ChannelsLastRun``, two processes on the CPU (gloo),
+with every step's gradient compared to the right one: an NCHW reference holding the model's weights of that step,
+stepped on both ranks' batches. Each rank writes ``OUT_DIR/rank<N>.json``: per step, the layout of the first conv's
+weight and its gradient's relative error; the run's lines.
+
+    python -m tests.helpers.ddp_grads race|verdict|unused|accelerate OUT_DIR [--no-rebuild | --old-torch]
+
+* ``race``: a model slower in channels_last: the race switches every rank to NCHW after DDP wrapped it;
+* ``verdict``: a model whose own forward reads its input's memory as NCHW: the first batch's check puts the whole
+  model in NCHW, after DDP wrapped it;
+* ``unused``: the ``race`` model under ``DDP(find_unused_parameters=True)``, which never builds its buckets again by
+  itself (it gets a new reducer).
+* ``accelerate``: the ``race`` model through Accelerate's door (``prepare_channels_last``, then ``accelerator.prepare``),
+  whose forward hook switches the layout inside DDP's forward, under ``find_unused_parameters=True`` (a new reducer
+  there) and without it (``race``'s buckets built again), one after the other.
+
+``--no-rebuild``: DDP's buckets are not built again after a layout change (the negative control: wrong gradients).
+``--old-torch``: a torch whose DDP lacks a private method ``cltrain.ddp`` needs: the layouts are not raced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from tests.helpers.plain_modules import SlowIn
+from tests.helpers.user_code import SpaceToDepth
+
+STEPS, SIZE = 20, 16
+
+
+class _RawStem(nn.Module):
+    """Its own forward reads the input's memory as NCHW (no submodule to blame): the whole model is kept in NCHW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(12, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(SpaceToDepth()(x)).mean((2, 3)))
+
+
+def _model(scenario: str) -> nn.Module:
+    torch.manual_seed(0)
+    if scenario == "verdict":
+        return _RawStem()
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return SlowIn("channels_last", net=net, seconds=0.3)
+
+
+def _rank(rank: int, port: int, scenario: str, out: str, flag: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("cltrain").addHandler(handler)
+    logging.getLogger("cltrain").setLevel(logging.INFO)
+    if flag == "--no-rebuild":
+        import cltrain.session
+
+        cltrain.session.rebuild_buckets = lambda ddps: None  # claims done, builds nothing
+    elif flag == "--old-torch":
+        import cltrain.ddp
+
+        cltrain.ddp._RESET += ("_not_in_this_torch",)
+        cltrain.ddp._NEW += ("_not_in_this_torch",)
+    from cltrain.loops import ChannelsLastRun
+
+    if scenario == "accelerate":
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        runs = {f"unused={unused}": _accelerate(unused) for unused in (True, False)}
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        model = _model(scenario)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=scenario == "unused")
+        steps = _train(scenario, model, ddp, optimizer, run.batches, rank)
+        run.end()
+        runs = {scenario: _summary(steps, run.session)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"runs": runs, "lines": lines}))
+    dist.destroy_process_group()
+
+
+def _summary(steps: list[dict], session) -> dict:
+    decision = session.decision
+    return {"steps": steps, "decision": decision.layout if decision is not None else None,
+            "verdict": session.layout_checks["train"].verdict}
+
+
+def _accelerate(unused: bool) -> dict:
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    from cltrain.integrations.accelerate import prepare_channels_last
+    from cltrain.integrations.inputs_hook import ChannelsLastInputs
+
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=unused)])
+    model = _model("race")
+    prepare_channels_last(model, accelerator)
+    ddp, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.find_unused_parameters == unused
+    steps = _train("race", model, ddp, optimizer, iter, accelerator.process_index)
+    return _summary(steps, ChannelsLastInputs.of(model).session)
+
+
+def _train(scenario: str, model: nn.Module, ddp: nn.Module, optimizer, batches_of, rank: int) -> list[dict]:
+    """``STEPS`` steps of ``ddp`` on this rank's half of each batch, each gradient against the reference's."""
+    reference = _model(scenario)  # NCHW, with no door's hooks; given the model's weights each step
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, SIZE, SIZE, generator=g), torch.randint(0, 4, (4,), generator=g))
+               for _ in range(STEPS)]
+    mine = [(x[2 * rank:2 * rank + 2].clone(), y[2 * rank:2 * rank + 2]) for x, y in batches]
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    ref_conv = next(m for m in reference.modules() if isinstance(m, nn.Conv2d))
+    steps = []
+    for i, (x, y) in enumerate(batches_of(mine)):
+        reference.load_state_dict(model.state_dict())
+        reference.zero_grad()
+        whole_x, whole_y = batches[i]
+        (sum(F.cross_entropy(reference(whole_x[r:r + 2]), whole_y[r:r + 2]) for r in (0, 2)) / 2).backward()
+        F.cross_entropy(ddp(x), y).backward()
+        got, want = conv.weight.grad, ref_conv.weight.grad
+        steps.append({"nchw": conv.weight.is_contiguous(), "error": float((got - want).norm() / want.norm())})
+        optimizer.step()
+        optimizer.zero_grad()
+    return steps
+
+
+def main(scenario: str, out: str, flag: str = "") -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, scenario, out, flag), nprocs=2)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
