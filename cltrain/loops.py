@@ -80,7 +80,9 @@ class ChannelsLastRun(SessionResults):
 
     Args:
         model: the model, before ``fabric.setup``, DDP, ``fully_shard`` or ``torch.compile`` wrap it; converted in
-            place (its ``Parameter`` objects are kept: an optimizer made before still works).
+            place (its ``Parameter`` objects are kept: an optimizer made before still works). A DDP already made
+            (or Fabric's module holding one) is taken for the model inside it, whose DDP builds its gradient buckets
+            again after the conversion.
         optimizer: the loop's optimizer(s) (or later: ``run.optimizers = [...]``): their state follows every change
             of a parameter's layout, and the check runs your step's optimizer on copies.
         step: ``step(model, batch) -> loss`` (or the outputs): the loop's forward and loss code, for the first-batch
@@ -133,6 +135,7 @@ class ChannelsLastRun(SessionResults):
         check_device("ChannelsLastRun", device)
         check_callable("ChannelsLastRun", "step(model, batch) -> loss", step=step)
         check_callable("ChannelsLastRun", "log(metrics), such as fabric.log_dict", log=log)
+        model = _inside_ddp(model)
         self.model, self.step, self.dtype, self.verify = model, step, dtype, verify
         self.inputs, self.check_samples = check_inputs(inputs, owner="ChannelsLastRun"), check_samples
         self.optimizers = check_optimizers("ChannelsLastRun", optimizer)
@@ -387,6 +390,16 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
         for p, g in grads.items():
             p.grad = g
     return to_contiguous(clone)
+
+
+def _inside_ddp(model: nn.Module) -> nn.Module:
+    """The model a ``DistributedDataParallel`` holds (or Fabric's wrapper of one): the door converts and checks it (a
+    check of the wrapper would run DDP's collectives on the deciding rank alone), and the loop goes on calling the
+    wrapper; DDP's buckets follow the conversion (``cltrain.ddp``)."""
+    forward = getattr(model, "_forward_module", model)  # Fabric's _FabricModule
+    if isinstance(forward, nn.parallel.DistributedDataParallel):
+        return forward.module
+    return model
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

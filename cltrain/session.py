@@ -207,6 +207,7 @@ class LayoutSession:
         self._frames: int | None = None  # torch.compile's count at the start, until the race's first switch
         self._ddp_blocker: Any = _UNASKED  # why DDP's buckets cannot follow a switch (cltrain.ddp), once asked
         self._ddps: list[weakref.ref] = []  # the DDPs holding the model, once found
+        self._judging = False  # a step recorded whose round the race has not judged yet (step_end's judge=False)
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
         #: how the door's user pins a layout, for the lines that say so (the app: ``"channels_last_layout={}"``)
@@ -254,6 +255,8 @@ class LayoutSession:
         if self.guard:
             self.guardrails = records
         apply_fallbacks(model, self.fallbacks)  # a later fit: the conversion restrided their weights
+        if self.sharding is None:  # a door made after DDP wrapped the model (its buckets: the strides before)
+            self._buckets_follow(model, "the conversion")
         self.summary = layout_summary(model, buffers=True)
         try:
             copies = self.host.copies()
@@ -413,11 +416,12 @@ class LayoutSession:
         if restore:
             self.inputs.restore()
 
-    def step_end(self, model: nn.Module, *, completed: bool = True) -> None:
+    def step_end(self, model: nn.Module, *, completed: bool = True, judge: bool = True) -> None:
         """The training step opened by the first training ``batch`` since the last ``step_end`` ended (its
         optimizer step included; several batches under gradient accumulation): its time recorded (not where it did
         not complete). Where a round of the race ends, the deciding rank judges, every rank applies the same, one
-        line says it and the host logs both step times."""
+        line says it and the host logs both step times: here, or (``judge=False``: a step that an evaluation on this
+        rank alone ends, where no other rank joins a broadcast) at the start of the next training step."""
         if self._step is None:
             return
         key, size, clock = self._step
@@ -425,6 +429,13 @@ class LayoutSession:
         if not completed:
             return
         self.race.record(key, size, self.layout, clock.stop())
+        self._judging = True
+        if judge:
+            self._judge(model)
+
+    def _judge(self, model: nn.Module) -> None:
+        """Where the step recorded last ended a round of the race: the deciding rank's judgement, on every rank."""
+        self._judging = False
         if not self.race.due():
             return
         decision = self.host.broadcast(self.race.judge() if self.host.deciding() else None)
@@ -434,13 +445,21 @@ class LayoutSession:
 
     def _begin_training_step(self, batch: Any, model: nn.Module) -> None:
         """The race's layout for this step (a switch where it differs) and the step's clock."""
+        if self._judging:
+            self._judge(model)
         image = first_image_tensor(batch, self.inputs.inputs)
         if image is None:
             return
-        key = (tuple(image.shape[1:]), _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
+        # several ranks: one race for every input size, as the ranks' sizes may differ at a step (multi-scale
+        # training) and every rank must switch at the same steps (each switch rebuilds DDP's buckets, with them all)
+        shape = () if self.host.several() else tuple(image.shape[1:])
+        key = (shape, _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
         self._key = key
         if key in self.race.decisions:
             want = self.race.decisions[key].layout
+            if self.race.decisions[key].how == "restored" and ("restored", key) not in self._told:
+                self._told.add(("restored", key))
+                self.say(self.decision_line(self.race.decisions[key]), False)
         elif self.untimed is not None:
             want = self.layout  # nothing to race: pinned, sharded, compiled, or the check kept the model in NCHW
         else:
@@ -540,10 +559,15 @@ class LayoutSession:
     def decision_line(self, decision: LayoutDecision) -> str:
         """The one line that says what the race kept, by how much, and how to pin it."""
         shape, precision, device = decision.key
-        where = f"({precision}, {device}, {'x'.join(map(str, shape[1:]))} px)"
+        size = f"{'x'.join(map(str, shape[1:]))} px" if shape else "every rank's input sizes"
+        where = f"({precision}, {device}, {size})"
         timed = ", ".join(f"{n} step(s) in {'NCHW' if k == 'contiguous' else k}" for k, n in decision.samples.items())
         cost = f"; the race cost {decision.extra_seconds:.2f} s" if decision.extra_seconds > 0 else ""
         pin = f"pin it with {self.pin_format.format(decision.layout)}"
+        if decision.how == "restored":
+            name = "NCHW" if decision.layout == "contiguous" else decision.layout
+            timed = f", {decision.ratio:.2f}x faster when timed" if len(decision.seconds) == 2 else ""
+            return f"ChannelsLast: the checkpoint's race decision holds here {where}: {name}{timed} ({pin})."
         seconds = decision.seconds
         nchw_ahead = len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"]
         if decision.how == "tie":
@@ -618,6 +642,10 @@ class LayoutSession:
             return
         self.fallbacks += [f for f in chosen if f not in self.fallbacks]
         apply_fallbacks(model, self.fallbacks)
+        convs = [m.weight for m in model.modules() if isinstance(m, CONV_TYPES) and m.weight.dim() in (4, 5)]
+        if self.untimed is None and convs and not any(is_channels_last(w) for w in convs):
+            self.untimed = "the check keeps every convolution in NCHW"  # both layouts would time the same model
+            self.race.stop()
         self.summary = layout_summary(model, buffers=True)
         self.convert_copies(self.host.copies())
         restride_optimizer_state(self.host.optimizers())

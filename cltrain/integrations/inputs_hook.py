@@ -224,12 +224,15 @@ class ChannelsLastInputs:
         if self.steps == "forward":  # a hand-written loop: its calls are all the events there are
             # the previous training step ended where this call starts (its optimizer step done, evaluation or not);
             # a cycle that an evaluation ends before its optimizer step is not timed; evaluation calls that follow
-            # evaluation calls end nothing (nor count as batches without an optimizer step)
+            # evaluation calls end nothing (nor count as batches without an optimizer step). An evaluation may run on
+            # one rank alone (`if accelerator.is_main_process:`): what every rank must join (the race's judgement, DDP's
+            # buckets built again) waits for the next training step there
+            alone = self.session.host.several() and not self.session.host.evaluates_together
             if kind == "train" or self._last == "train":
                 stepped = self.session.optimizer_stepped()
                 if kind == "eval" or stepped:
-                    self.session.step_end(module, completed=stepped)
-            if kind == "eval" and self._last == "train":
+                    self.session.step_end(module, completed=stepped, judge=kind == "train" or not alone)
+            if kind == "eval" and self._last == "train" and not alone:
                 self.session.boundary(module, after="before an evaluation")
         self._last = kind
         if not self._hinted:

@@ -321,12 +321,20 @@ def test_the_race_switches_to_the_faster_nchw_with_the_optimizer_state_and_logs_
     assert logged == [{"channels_last/step_seconds_channels_last": 0.3, "channels_last/step_seconds_contiguous": 0.2}]
     # the decision travels in the checkpoint: a resumed session takes the layout at once and never races again
     fresh = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
-    resumed = LayoutSession()
+    resumed_said = []
+    resumed = LayoutSession(host=Host(lambda line, warn: resumed_said.append(line)))
     resumed.start(fresh, device="cpu")
     resumed.load_state_dict(session.state_dict(), model=fresh)
     assert resumed.layout == "contiguous" and fresh[0].weight.is_contiguous()
-    resumed.batch("train", (torch.randn(4, 3, 8, 8),), fresh)
+    for _ in range(2):
+        resumed.batch("train", (torch.randn(4, 3, 8, 8),), fresh)
+        resumed.batch_end()
+        resumed.step_end(fresh)
     assert resumed._step is None and resumed.decision.how == "restored"
+    # the conversion line said the race would run: one line says the checkpoint's decision holds instead
+    assert [line for line in resumed_said if "checkpoint" in line] == [
+        "ChannelsLast: the checkpoint's race decision holds here (fp32, cpu, 8x8 px): NCHW, 1.50x faster when timed "
+        "(pin it with layout='contiguous')."]
     resumed.close()
 
 
@@ -352,12 +360,14 @@ def test_the_line_names_the_layout_the_medians_put_ahead(seconds, how, layout, s
 
 def test_a_rank_that_does_not_decide_follows_rank_0s_decision(monkeypatch) -> None:
     # no DDP holds this model (cltrain.ddp finds none): rank 0's decision arrives by the broadcast and is applied, on
-    # this rank's own times saying the opposite (tests/core/test_ddp_grads.py: under DDP, with its gradients)
-    rank0 = layout_race.LayoutDecision(((3, 8, 8), "fp32", "cpu"), "contiguous", "timed",
+    # this rank's own times saying the opposite (tests/core/test_ddp_grads.py: under DDP, with its gradients); across
+    # ranks one race covers every input size (the ranks' sizes may differ at a step)
+    rank0 = layout_race.LayoutDecision(((), "fp32", "cpu"), "contiguous", "timed",
                                        {"channels_last": 0.3, "contiguous": 0.2}, {"channels_last": 2, "contiguous": 1})
     session, model, _, layouts = _race_run(monkeypatch, OtherRank(rank0=rank0), {"channels_last": 0.1, "contiguous": 0.9})
     assert session.decision is rank0 and [layout for layout, _, _ in layouts][-1] == "contiguous"
     assert model[0].weight.is_contiguous() and session.untimed is None
+    assert "(fp32, cpu, every rank's input sizes)" in session.decision_line(rank0)
 
 
 def test_an_undecided_race_leaves_the_model_in_channels_last_at_the_end(monkeypatch, caplog) -> None:
@@ -427,3 +437,39 @@ def test_a_session_the_collector_finds_inside_a_held_section_gives_its_hold_back
     # lock: the CI's workers waited forever); in a process of its own, so a deadlock fails by the timeout
     proc = warm.run([sys.executable, "-c", LATE_INSIDE_A_HELD_SECTION], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"], proc.stdout + proc.stderr[-2000:]
+
+
+class _RawBody(nn.Module):
+    """Every convolution in one block whose forward reads its input's memory as NCHW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(nn.Conv2d(12, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tests.helpers.user_code import SpaceToDepth
+
+        return self.convs(SpaceToDepth()(x))
+
+
+def test_a_fallback_that_keeps_every_convolution_in_nchw_stops_the_race() -> None:
+    # the check puts `body` (every conv) in NCHW: racing would time the same NCHW model twice and say one layout
+    # "faster" on noise; the race stops, nothing is decided or switched
+    from cltrain.loops import ChannelsLastRun
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("body", _RawBody())
+    model.add_module("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    run = ChannelsLastRun(model, optimizer, step=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(12)]
+    for x, y in run.batches(batches):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    run.end()
+    assert run.layout_checks["train"].verdict == "fallback", run.layout_checks["train"].line("train")
+    assert run.session.untimed == "the check keeps every convolution in NCHW"
+    assert not run.session.race.decisions and not run.session.race.racing()

@@ -3,16 +3,20 @@ with every step's gradient compared to the right one: an NCHW reference holding 
 stepped on both ranks' batches. Each rank writes ``OUT_DIR/rank<N>.json``: per step, the layout of the first conv's
 weight and its gradient's relative error; the run's lines.
 
-    python -m tests.helpers.ddp_grads race|verdict|unused|accelerate OUT_DIR [--no-rebuild | --old-torch]
+    python -m tests.helpers.ddp_grads race|sizes|verdict|unused|late|accelerate OUT_DIR [--no-rebuild | --old-torch]
 
 * ``race``: a model slower in channels_last: the race switches every rank to NCHW after DDP wrapped it;
+* ``sizes``: the ``race`` model, rank 0 on 16 px images and rank 1 on 24 px at every step (multi-scale training);
 * ``verdict``: a model whose own forward reads its input's memory as NCHW: the first batch's check puts the whole
   model in NCHW, after DDP wrapped it;
 * ``unused``: the ``race`` model under ``DDP(find_unused_parameters=True)``, which never builds its buckets again by
   itself (it gets a new reducer).
+* ``late``: the ``race`` model, ``ChannelsLastRun`` given the ``DDP(find_unused_parameters=True)`` already made: the
+  conversion restrides the parameters under DDP's buckets;
 * ``accelerate``: the ``race`` model through Accelerate's door (``prepare_channels_last``, then ``accelerator.prepare``),
   whose forward hook switches the layout inside DDP's forward, under ``find_unused_parameters=True`` (a new reducer
-  there) and without it (``race``'s buckets built again), one after the other.
+  there) and without it (``race``'s buckets built again), one after the other; then with BatchNorm (DDP broadcasts
+  its buffers at each forward) and an evaluation on rank 0 alone after each step.
 
 ``--no-rebuild``: DDP's buckets are not built again after a layout change (the negative control: wrong gradients).
 ``--old-torch``: a torch whose DDP lacks a private method ``cltrain.ddp`` needs: the layouts are not raced.
@@ -56,7 +60,9 @@ def _model(scenario: str) -> nn.Module:
     torch.manual_seed(0)
     if scenario == "verdict":
         return _RawStem()
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+    scenario = "race" if scenario == "sizes" else scenario
+    norm = nn.BatchNorm2d(8) if scenario == "batchnorm" else nn.Identity()
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm, nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
     return SlowIn("channels_last", net=net, seconds=0.3)
 
@@ -84,12 +90,15 @@ def _rank(rank: int, port: int, scenario: str, out: str, flag: str) -> None:
     if scenario == "accelerate":
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
         runs = {f"unused={unused}": _accelerate(unused) for unused in (True, False)}
+        runs["eval0"] = _accelerate(False, "batchnorm")
     else:
         dist.init_process_group("gloo", rank=rank, world_size=2)
         model = _model(scenario)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
-        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=scenario == "unused")
+        late = scenario == "late"  # the door made after DDP, given it; else the door first, as the guide says
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if late else None
+        run = ChannelsLastRun(ddp or model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+        ddp = ddp or nn.parallel.DistributedDataParallel(model, find_unused_parameters=scenario == "unused")
         steps = _train(scenario, model, ddp, optimizer, run.batches, rank)
         run.end()
         runs = {scenario: _summary(steps, run.session)}
@@ -103,41 +112,49 @@ def _summary(steps: list[dict], session) -> dict:
             "verdict": session.layout_checks["train"].verdict}
 
 
-def _accelerate(unused: bool) -> dict:
+def _accelerate(unused: bool, scenario: str = "race") -> dict:
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
     from cltrain.integrations.accelerate import prepare_channels_last
     from cltrain.integrations.inputs_hook import ChannelsLastInputs
 
     accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=unused)])
-    model = _model("race")
+    model = _model(scenario)
     prepare_channels_last(model, accelerator)
     ddp, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.find_unused_parameters == unused
-    steps = _train("race", model, ddp, optimizer, iter, accelerator.process_index)
+    steps = _train(scenario, model, ddp, optimizer, iter, accelerator.process_index,
+                   evaluate=scenario == "batchnorm" and accelerator.is_main_process)
     return _summary(steps, ChannelsLastInputs.of(model).session)
 
 
-def _train(scenario: str, model: nn.Module, ddp: nn.Module, optimizer, batches_of, rank: int) -> list[dict]:
-    """``STEPS`` steps of ``ddp`` on this rank's half of each batch, each gradient against the reference's."""
+def _train(scenario: str, model: nn.Module, ddp: nn.Module, optimizer, batches_of, rank: int,
+           evaluate: bool = False) -> list[dict]:
+    """``STEPS`` steps of ``ddp`` on this rank's half of each batch, each gradient against the reference's; with
+    ``evaluate``, an evaluation of the model on this rank alone after each step."""
     reference = _model(scenario)  # NCHW, with no door's hooks; given the model's weights each step
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(4, 3, SIZE, SIZE, generator=g), torch.randint(0, 4, (4,), generator=g))
+    sizes = (SIZE, SIZE + 8) if scenario == "sizes" else (SIZE, SIZE)  # each rank's image size
+    batches = [[(torch.randn(2, 3, s, s, generator=g), torch.randint(0, 4, (2,), generator=g)) for s in sizes]
                for _ in range(STEPS)]
-    mine = [(x[2 * rank:2 * rank + 2].clone(), y[2 * rank:2 * rank + 2]) for x, y in batches]
+    mine = [(ranks[rank][0].clone(), ranks[rank][1]) for ranks in batches]
     conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
     ref_conv = next(m for m in reference.modules() if isinstance(m, nn.Conv2d))
     steps = []
     for i, (x, y) in enumerate(batches_of(mine)):
         reference.load_state_dict(model.state_dict())
         reference.zero_grad()
-        whole_x, whole_y = batches[i]
-        (sum(F.cross_entropy(reference(whole_x[r:r + 2]), whole_y[r:r + 2]) for r in (0, 2)) / 2).backward()
+        (sum(F.cross_entropy(reference(rx), ry) for rx, ry in batches[i]) / 2).backward()
         F.cross_entropy(ddp(x), y).backward()
         got, want = conv.weight.grad, ref_conv.weight.grad
         steps.append({"nchw": conv.weight.is_contiguous(), "error": float((got - want).norm() / want.norm())})
         optimizer.step()
         optimizer.zero_grad()
+        if evaluate:
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
     return steps
 
 
