@@ -406,7 +406,8 @@ def battery(door: str, out: Path, control: bool) -> dict[str, list[Any]]:
         with contextlib.ExitStack() as stack:
             if control:  # every batch a step
                 stack.enter_context(_patched(LayoutSession, "optimizer_stepped", lambda self: True))
-            session, _ = train(model, 9, door=True, layout="auto", verify=True, accumulate=2, optimizer=SlowStep)
+            # 13 steps: two rounds of the race, where a loaded machine (a full test run) leaves the first in doubt
+            session, _ = train(model, 13, door=True, layout="auto", verify=True, accumulate=2, optimizer=SlowStep)
         decision = session.decision
         ok = decision is not None and decision.layout == "channels_last" and min(decision.seconds.values()) >= PAUSE
         return ok, f"{session.decision_line(decision) if decision else 'not decided'}; {decision}"
