@@ -14,13 +14,22 @@ from tests.helpers import warm
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _ddp(tmp_path: Path, scenario: str, *flags: str, run: str = "") -> list[dict]:
-    proc = warm.run([sys.executable, "-m", "tests.helpers.ddp_grads", scenario, str(tmp_path), *flags],
+def _launch(out: Path, scenarios: str, *flags: str) -> list[dict]:
+    proc = warm.run([sys.executable, "-m", "tests.helpers.ddp_grads", scenarios, str(out), *flags],
                     capture_output=True, text=True, timeout=300, cwd=REPO,
                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return [{**rank["runs"][run or scenario], "lines": rank["lines"]} for rank in ranks]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def together(tmp_path_factory) -> list[dict]:
+    """The scenarios without a patched module, one after another in one launch."""
+    return _launch(tmp_path_factory.mktemp("ddp_grads"), "race,unused,late,sizes,verdict")
+
+
+def _runs(ranks: list[dict], run: str) -> list[dict]:
+    return [{**rank["runs"][run], "lines": rank["lines"]} for rank in ranks]
 
 
 def _errors(rank: dict, nchw: bool) -> list[float]:
@@ -30,12 +39,13 @@ def _errors(rank: dict, nchw: bool) -> list[float]:
 @pytest.mark.parametrize("scenario, flags", [("race", ()), ("race", ("--no-rebuild",)), ("unused", ()), ("late", ()),
                                             ("sizes", ())],
                          ids=["rebuilt", "negative-control", "find-unused-parameters", "door-after-ddp", "rank-sizes"])
-def test_the_race_switches_every_rank_to_nchw_with_the_ranks_average_gradient(tmp_path, scenario, flags) -> None:
+def test_the_race_switches_every_rank_to_nchw_with_the_ranks_average_gradient(together, tmp_path, scenario,
+                                                                             flags) -> None:
     # find_unused_parameters=True: DDP never builds its buckets again by itself, and gets a new reducer; "late": the
     # door is given that DDP, made before it converted the model (the first channels_last steps were permuted);
     # "sizes": the ranks' image sizes differ at every step (one race for all sizes: per size, rank 1 switched alone
     # and waited in the buckets' rebuild for ever)
-    ranks = _ddp(tmp_path, scenario, *flags)
+    ranks = _runs(_launch(tmp_path, scenario, *flags) if flags else together, scenario)
     for rank in ranks:
         assert rank["decision"] == "contiguous" and rank["steps"][-1]["nchw"], rank
         assert max(_errors(rank, nchw=False)) < 1e-5  # channels_last steps: DDP built its buckets in it
@@ -46,17 +56,17 @@ def test_the_race_switches_every_rank_to_nchw_with_the_ranks_average_gradient(tm
     assert ranks[0]["steps"] == ranks[1]["steps"]
 
 
-def test_a_verdict_that_moves_the_weights_after_ddp_wrapped_gives_the_right_first_step(tmp_path) -> None:
+def test_a_verdict_that_moves_the_weights_after_ddp_wrapped_gives_the_right_first_step(together) -> None:
     # the model's own forward reads raw memory: the first batch's check keeps the whole model in NCHW, and the first
     # step already has the ranks' average (without the rebuild: wrong until DDP's own rebuild after step 1)
-    for rank in _ddp(tmp_path, "verdict"):
+    for rank in _runs(together, "verdict"):
         assert rank["verdict"] == "contiguous" and all(s["nchw"] for s in rank["steps"])
         assert max(_errors(rank, nchw=True)) < 1e-5, rank["steps"]
 
 
 def test_a_ddp_whose_buckets_cannot_be_built_again_keeps_the_layout_and_says_why(tmp_path) -> None:
     # a torch whose DDP lacks the private methods cltrain.ddp calls: not raced, channels_last kept, gradients right
-    ranks = _ddp(tmp_path, "unused", "--old-torch")
+    ranks = _runs(_launch(tmp_path, "unused", "--old-torch"), "unused")
     for rank in ranks:
         assert rank["decision"] is None and not any(s["nchw"] for s in rank["steps"])
         assert max(_errors(rank, nchw=False)) < 1e-5
@@ -70,9 +80,7 @@ def test_a_door_that_switches_inside_ddps_forward_gives_the_ranks_average_gradie
     # step's backward (its DDP with find_unused_parameters=True gets a new reducer)
     # and with BatchNorm and an evaluation on rank 0 alone after each step (the race's judgement and DDP's buffer
     # broadcast once met in a different order on the two ranks: gloo's "Received data size doesn't match")
-    ranks = _ddp(tmp_path, "accelerate", run="unused=True")
-    again = [json.loads((tmp_path / f"rank{r}.json").read_text())["runs"][run] for r in (0, 1)
-             for run in ("unused=False", "eval0")]
-    for rank in [*ranks, *again]:
+    ranks = _launch(tmp_path, "accelerate")
+    for rank in [*_runs(ranks, "unused=True"), *_runs(ranks, "unused=False"), *_runs(ranks, "eval0")]:
         assert rank["decision"] == "contiguous" and rank["steps"][-1]["nchw"], rank
         assert max(s["error"] for s in rank["steps"]) < 1e-5, rank["steps"]

@@ -3,7 +3,9 @@ with every step's gradient compared to the right one: an NCHW reference holding 
 stepped on both ranks' batches. Each rank writes ``OUT_DIR/rank<N>.json``: per step, the layout of the first conv's
 weight and its gradient's relative error; the run's lines.
 
-    python -m tests.helpers.ddp_grads race|sizes|verdict|unused|late|accelerate OUT_DIR [--no-rebuild | --old-torch]
+    python -m tests.helpers.ddp_grads SCENARIO[,SCENARIO...] OUT_DIR [--no-rebuild | --old-torch]
+
+The scenarios (run one after another in the same two processes, each with its own model and DDP):
 
 * ``race``: a model slower in channels_last: the race switches every rank to NCHW after DDP wrapped it;
 * ``sizes``: the ``race`` model, rank 0 on 16 px images and rank 1 on 24 px at every step (multi-scale training);
@@ -87,12 +89,14 @@ def _rank(rank: int, port: int, scenario: str, out: str, flag: str) -> None:
         cltrain.ddp._NEW += ("_not_in_this_torch",)
     from cltrain.loops import ChannelsLastRun
 
+    runs = {}
     if scenario == "accelerate":
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
         runs = {f"unused={unused}": _accelerate(unused) for unused in (True, False)}
         runs["eval0"] = _accelerate(False, "batchnorm")
     else:
         dist.init_process_group("gloo", rank=rank, world_size=2)
+    for scenario in [] if scenario == "accelerate" else scenario.split(","):
         model = _model(scenario)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         late = scenario == "late"  # the door made after DDP, given it; else the door first, as the guide says
@@ -101,7 +105,7 @@ def _rank(rank: int, port: int, scenario: str, out: str, flag: str) -> None:
         ddp = ddp or nn.parallel.DistributedDataParallel(model, find_unused_parameters=scenario == "unused")
         steps = _train(scenario, model, ddp, optimizer, run.batches, rank)
         run.end()
-        runs = {scenario: _summary(steps, run.session)}
+        runs[scenario] = _summary(steps, run.session)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"runs": runs, "lines": lines}))
     dist.destroy_process_group()
 
