@@ -20,6 +20,7 @@ step). SIGUSR1 (SLURM's requeue) is never touched.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import sys
 import threading
@@ -108,6 +109,9 @@ class SignalStop(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._world_size = trainer.world_size
+        connector = getattr(trainer, "_signal_connector", None)
+        if trainer.world_size > 1 and hasattr(connector, "_sigterm_notifier_fn"):  # registered after this hook
+            connector._sigterm_notifier_fn = functools.partial(_note_sigterm, connector)
 
     def _check(self, trainer: pl.Trainer) -> None:
         if self.signum is None:
@@ -161,3 +165,15 @@ class _Deferred:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop._defer = False
+
+
+def _note_sigterm(connector: Any, signum: int, frame: FrameType | None) -> None:
+    """Lightning's SIGTERM handler under several ranks, without its broadcast: a collective run inside a signal
+    handler meets whatever collective the interrupted rank was about to run (a callback's reduction, DDP's), and the
+    ranks wait on each other for ever. The flag alone reaches every rank at the next batch, by the broadcast Lightning's
+    training loop makes at each one; the ranks Lightning started get the signal too."""
+    if not connector.received_sigterm:
+        launcher = connector.trainer.strategy.launcher
+        if launcher is not None:
+            launcher.kill(signum)
+    connector.received_sigterm = True

@@ -221,3 +221,19 @@ def test_a_stopped_runs_last_step_reaches_its_logger(tmp_path: Path) -> None:
     rows = [r for r in csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))) if r.get("loss")]
     assert [int(r["step"]) for r in rows] == list(range(5))  # the fifth step's loss too
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 5
+
+
+def test_sigterm_stops_a_two_process_ddp_run_with_the_resume_line(demo_args: list[str], tmp_path: Path) -> None:
+    # Lightning's SIGTERM handler broadcast from inside the signal handler on rank 0, meeting whatever collective the
+    # other rank ran then (the loss check's reduction at each printed step): both ranks waited for ever (3 runs of 3
+    # hung). The flag alone now reaches every rank at the next batch, by Lightning's own per-batch broadcast.
+    run_dir = tmp_path / "ddp"
+    status, output = run_until_signalled(
+        ["experiment=smoke", "model=timm", "model.name=test_resnet", *demo_args, "device=cpu", "trainer=ddp",
+         "trainer.devices=2", "trainer.max_epochs=40", "trainer.enable_progress_bar=false", "print_freq=1",
+         "channels_last_layout=channels_last", f"hydra.run.dir={run_dir}"],
+        signal.SIGTERM, "Epoch: [2][")
+    assert status == 143, output[-3000:]
+    assert output.count("resume with: ") == 1 and "ckpt_path=" in output, output[-3000:]
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "interrupted"
