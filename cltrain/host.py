@@ -87,6 +87,11 @@ class Host:
         """Whether the run has more than one rank."""
         return several_ranks()
 
+    def evaluates_alone(self) -> bool:
+        """Whether an evaluation may run on one rank of several alone (``evaluates_together`` not promised): what
+        every rank must join (a broadcast, DDP's buckets built again) is not done there."""
+        return not self.evaluates_together and self.several()
+
     def deciding(self) -> bool:
         """Whether this process decides for every rank (checks, times)."""
         return not several_ranks() or torch.distributed.get_rank() == 0

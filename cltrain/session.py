@@ -352,7 +352,7 @@ class LayoutSession:
                 self._watch()
             if self._step is None:
                 self._begin_training_step(batch, model)
-        elif self.layout != self._settled() and (self.host.evaluates_together or not self.host.several()):
+        elif self.layout != self._settled() and not self.host.evaluates_alone():
             self._switch(model, self._settled())  # an evaluation in the middle of a race runs in the default (not on
             # one rank alone: each switch has DDP's buckets built again, which every rank must join)
         if check is not None:
@@ -601,7 +601,7 @@ class LayoutSession:
         result, shared = None, True
         if self.sharding is not None:
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
-        elif kind == "eval" and self.host.several() and not self.host.evaluates_together:
+        elif kind == "eval" and self.host.evaluates_alone():
             result, shared = LayoutCheck("not checked", reason="an evaluation of this loop may run on one rank alone, "
                                          "and the check's verdict is every rank's; the training step's check covers "
                                          "the model"), False
@@ -692,7 +692,7 @@ class LayoutSession:
                 relayout(t, want, aliases)
                 moved.append(name)
         restride_optimizer_state(self.host.optimizers())
-        if any(name in dict(model.named_parameters()) for name in moved):
+        if moved and not {name for name, _ in model.named_parameters()}.isdisjoint(moved):
             self._buckets_follow(model, f"putting the layout back{after and ' ' + after}")
         if moved and (line or "") not in self._told:
             self._told.add(line or "")

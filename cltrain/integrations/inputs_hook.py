@@ -227,7 +227,7 @@ class ChannelsLastInputs:
             # evaluation calls end nothing (nor count as batches without an optimizer step). An evaluation may run on
             # one rank alone (`if accelerator.is_main_process:`): what every rank must join (the race's judgement, DDP's
             # buckets built again) waits for the next training step there
-            alone = self.session.host.several() and not self.session.host.evaluates_together
+            alone = self.session.host.evaluates_alone()
             if kind == "train" or self._last == "train":
                 stepped = self.session.optimizer_stepped()
                 if kind == "eval" or stepped:
