@@ -31,6 +31,8 @@ class KeepOnException(Callback):
         dirpath: the checkpoint folder.
         filename: the checkpoint's name, without ``.ckpt``.
         holding: a context the save runs in (``SignalStop.holding``: signals wait for the file).
+        mid_step: whether an exception stopped the run in the middle of a step, as a second signal does
+            (``SignalStop.stopped_by_peer``: another rank's).
 
     Example::
 
@@ -38,13 +40,16 @@ class KeepOnException(Callback):
     """
 
     def __init__(self, dirpath: str | Path, filename: str = "last",
-                 holding: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+                 holding: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+                 mid_step: Callable[[BaseException], bool] = lambda exception: False) -> None:
         self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
         self.holding = holding
+        self.mid_step = mid_step
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False):
+        if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False) \
+                or self.mid_step(exception):
             return  # a second signal: the middle of a step, perhaps of the optimizer's update
         with self.holding():  # a signal now waits for the file (``SignalStop.holding``)
             trainer.save_checkpoint(self.ckpt_path)

@@ -8,19 +8,23 @@ current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnExcepti
   half-accumulated gradient is in no checkpoint);
 * after an epoch's last batch, once its validation has begun or the next epoch starts (stopped before, a resumed run
   would never validate that epoch);
-* in a single process, by Lightning's own stop (either signal sets its flag), which comes after the batch's metrics
-  reach the loggers.
+* by Lightning's own stop (either signal sets its flag, under several ranks on every rank at the same batch), which
+  comes after the batch's metrics reach the loggers.
 
 A second signal stops the run at once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written
 before. While that file is written (``holding``), further signals wait for it: a signal raised inside ``torch.save``
-would leave no file and a traceback. Under DDP SIGTERM is left to Lightning's broadcast (every rank stops at the same
-step). SIGUSR1 (SLURM's requeue) is never touched.
+would leave no file and a traceback. SIGUSR1 (SLURM's requeue) is never touched.
+
+Under several ranks a signal may reach one rank, or each rank at its own moment (Ctrl+C reaches every process of the
+terminal's group): each rank notes it, and at each of the points above the ranks agree (``agreed``: a reduction of
+one integer over a CPU process group, so the device is not waited on), so every rank stops at the same batch and
+meets the others in the checkpoint's collectives. Stopped at different points, a rank's checkpoint barrier met
+another rank's next collective: a gloo error and a traceback, or both ranks waiting for ever.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import signal
 import sys
 import threading
@@ -29,6 +33,8 @@ from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -67,19 +73,20 @@ class SignalStop(Callback):
         self._holding = False
         self._stepped = False
         self._world_size = 1
+        self._group: Any = None  # the CPU process group the ranks agree over; None: the default one, or one process
         self._previous: dict[int, Any] = {}
 
     # --- the handler ----------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         again = self.signum == signum
-        self.signum = signum
+        self.signum = self.signum or signum  # the first (torchrun sends SIGTERM after the terminal's SIGINT)
         if self._holding:  # the latest state is being written: the stop goes on once it is
             print(f"cltrain: {signal.Signals(signum).name}: last.ckpt is being written; the run stops once it is.",
                   file=sys.stderr, flush=True)
             return
-        if not self._defer or again or (signum == signal.SIGINT and self._world_size > 1):
+        if not self._defer or again:
             raise RunInterrupted(signum, at_once=self._defer and again)
-        # inside fit: stop at the end of the current batch (Lightning also sees SIGTERM itself)
+        # inside fit: stop at the end of the current batch (a single process's Lightning also sees SIGTERM itself)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -108,17 +115,37 @@ class SignalStop(Callback):
     # --- the callback ---------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._world_size = trainer.world_size
+        self._world_size = trainer.world_size if dist.is_available() and dist.is_initialized() else 1
+        if self._world_size == 1:
+            return
         connector = getattr(trainer, "_signal_connector", None)
-        if trainer.world_size > 1 and hasattr(connector, "_sigterm_notifier_fn"):  # registered after this hook
-            connector._sigterm_notifier_fn = functools.partial(_note_sigterm, connector)
+        if hasattr(connector, "_sigterm_notifier_fn"):  # registered after this hook
+            connector._sigterm_notifier_fn = _ignore  # the ranks agree at the batch's end (``agreed``)
+        if dist.get_backend() == "gloo":
+            self._group = None
+        elif getattr(self._group, "made_for", None) is not dist.group.WORLD:  # NCCL: the flag stays on the CPU
+            self._group = dist.new_group(backend="gloo")
+            self._group.made_for = dist.group.WORLD
+
+    def agreed(self, trainer: pl.Trainer) -> int | None:
+        """The signal the run stops for: this rank's; under several ranks the one any rank noted, the same on every
+        rank (every rank calls this at the same point)."""
+        if self._world_size == 1 or not dist.is_initialized():
+            return self.signum
+        flag = torch.tensor([self.signum or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.signum = self.signum or int(flag) or None
+        return int(flag) or None
+
+    def stopped_by_peer(self, exception: BaseException) -> bool:
+        """An error under several ranks once a signal was noted: a rank that a second signal stopped in the middle of
+        a step left this one's collective without its peer. Its state is the middle of a step too."""
+        return isinstance(exception, Exception) and self.signum is not None and self._world_size > 1
 
     def _check(self, trainer: pl.Trainer) -> None:
-        if self.signum is None:
-            return
-        if self.signum == signal.SIGTERM and trainer.world_size > 1:
-            return  # Lightning broadcasts SIGTERM from rank 0 and raises on every rank at the same step
-        raise RunInterrupted(self.signum)
+        signum = self.agreed(trainer)
+        if signum is not None:
+            raise RunInterrupted(signum)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -130,21 +157,20 @@ class SignalStop(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if self.signum is None:
+        signum = self.agreed(trainer)
+        if signum is None:
             return
         stepped = self._stepped or trainer.accumulate_grad_batches == 1  # not in the middle of an accumulation
         connector = getattr(trainer, "_signal_connector", None)
-        single = trainer.world_size == 1 and hasattr(connector, "received_sigterm")
         if stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            if single:  # Lightning's own stop, once this batch is logged (and validated, where it is due)
-                connector.received_sigterm = True
+            if hasattr(connector, "received_sigterm"):  # Lightning's own stop, once this batch is logged (and
+                connector.received_sigterm = True       # validated, where it is due): on every rank at this batch
                 return
-            self._check(trainer)
-            return
+            raise RunInterrupted(signum)
         # Later: at the end of the accumulation, or after the epoch's last batch at the first validation batch or the
         # next epoch's start (stopped before the last batch counts as done, a resumed run skipped that validation).
         # Lightning would stop a single process at this batch's end on SIGTERM: it waits too.
-        if single:
+        if hasattr(connector, "received_sigterm"):
             connector.received_sigterm = False
 
     @override
@@ -167,13 +193,7 @@ class _Deferred:
         self.stop._defer = False
 
 
-def _note_sigterm(connector: Any, signum: int, frame: FrameType | None) -> None:
-    """Lightning's SIGTERM handler under several ranks, without its broadcast: a collective run inside a signal
-    handler meets whatever collective the interrupted rank was about to run (a callback's reduction, DDP's), and the
-    ranks wait on each other for ever. The flag alone reaches every rank at the next batch, by the broadcast Lightning's
-    training loop makes at each one; the ranks Lightning started get the signal too."""
-    if not connector.received_sigterm:
-        launcher = connector.trainer.strategy.launcher
-        if launcher is not None:
-            launcher.kill(signum)
-    connector.received_sigterm = True
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """Lightning's SIGTERM handler under several ranks, replaced: it broadcast from inside the signal handler, meeting
+    whatever collective the interrupted rank was about to run, and passed the signal on to the ranks it started, which
+    the terminal's or the scheduler's signal had often reached already (a second signal: a stop at once)."""

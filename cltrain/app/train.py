@@ -128,40 +128,53 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                            if cfg.optim.scale_lr else f"cltrain: lr {lr:.4g}")
             with stop.deferred():
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-            if stop.signum is not None or trainer.received_sigterm:
+            if stop.agreed(trainer) is not None or trainer.received_sigterm:  # a signal after the last agreement
                 raise RunInterrupted(stop.signum or signal.SIGTERM)
             if run.progress.last_val_step != trainer.global_step:  # the final model has not been validated yet
                 trainer.validate(module, datamodule=datamodule, verbose=False)
-    except (RunInterrupted, SIGTERMException, KeyboardInterrupt) as err:
-        signum = getattr(err, "signum", None) or stop.signum or (signal.SIGTERM if trainer.received_sigterm else signal.SIGINT)
-        metrics = results.finish("interrupted")
-        for logger in trainer.loggers:  # Lightning finalized them as "failed"; MLflow has a status for a stopped run
-            if type(logger).__name__ == "MLFlowLogger":
-                with contextlib.suppress(Exception):  # the server gone: the run's own files say it
-                    logger.finalize("KILLED")
-        if trainer.is_global_zero:
-            last = metrics.get("last_checkpoint")
-            at_once = getattr(err, "at_once", False)
-            how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written " + (
-                "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
-            if at_once and last:
-                how = f"a second signal stopped it in the middle of a step; {how} (its last.ckpt is the latest " \
-                      "whole state, written before)"
-            print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",
-                  file=sys.stderr, flush=True)
-        interrupt = RunInterrupted(signum, at_once=getattr(err, "at_once", False))
-        interrupt.reported = True
-        raise interrupt from None
     except Exception as err:
-        if not cfg.evaluate_only:
-            try:  # last.ckpt was written by the on-exception checkpoint; say so in metrics.json
-                results.finish("failed", err)
-            except Exception:  # noqa: BLE001 - the original error is the one to show
-                pass
-        raise
+        if not stop.stopped_by_peer(err):
+            _failed(cfg, results, err)
+            raise
+        _interrupted(trainer, results, run_dir, stop, RunInterrupted(stop.signum, at_once=True))
+    except (RunInterrupted, SIGTERMException, KeyboardInterrupt) as err:
+        _interrupted(trainer, results, run_dir, stop, err)
 
     metrics = results.finish("completed")
     if trainer.is_global_zero:
         unit = "clips" if len(getattr(datamodule, "input_shape", ())) == 5 else "images"  # what a sample is
         print(summary_line(metrics, datamodule.num_classes, unit), flush=True)
     return metrics
+
+
+def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: SignalStop,
+                 err: BaseException) -> NoReturn:
+    """A run a signal stopped: ``metrics.json`` says so, rank 0 prints the resume line; raises the interruption."""
+    signum = getattr(err, "signum", None) or stop.signum or (signal.SIGTERM if trainer.received_sigterm else signal.SIGINT)
+    at_once = getattr(err, "at_once", False)
+    metrics = results.finish("interrupted")
+    for logger in trainer.loggers:  # Lightning finalized them as "failed"; MLflow has a status for a stopped run
+        if type(logger).__name__ == "MLFlowLogger":
+            with contextlib.suppress(Exception):  # the server gone: the run's own files say it
+                logger.finalize("KILLED")
+    if trainer.is_global_zero:
+        last = metrics.get("last_checkpoint")
+        how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written " + (
+            "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
+        if at_once and last:
+            how = f"a second signal stopped it in the middle of a step; {how} (its last.ckpt is the latest " \
+                  "whole state, written before)"
+        print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",
+              file=sys.stderr, flush=True)
+    interrupt = RunInterrupted(signum, at_once=at_once)
+    interrupt.reported = True
+    raise interrupt from None
+
+
+def _failed(cfg: DictConfig, results: RunResults, err: Exception) -> None:
+    """A run an exception stopped: ``metrics.json`` says so (``last.ckpt`` was written by the on-exception save)."""
+    if not cfg.evaluate_only:
+        try:
+            results.finish("failed", err)
+        except Exception:  # noqa: BLE001 - the original error is the one to show
+            pass
