@@ -329,7 +329,8 @@ class LayoutSession:
         if self.sharding is not None:
             self.say(f"{owner}: {sharded_line(self.sharding, inputs)}", not inputs)
         else:
-            counts = ", ".join(f"{n} {k}" for k, n in (self.summary or {}).items())
+            counts = ", ".join(f"{n} {k.replace('rank', '') + '-d' if k.startswith('rank') else k}"  # not a process's rank
+                               for k, n in (self.summary or {}).items())
             raced = "; the first training steps race it against NCHW" if not self.untimed else \
                 f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else ""
             self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
