@@ -51,6 +51,10 @@ class KeepOnException(Callback):
         if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False) \
                 or self.mid_step(exception):
             return  # a second signal: the middle of a step, perhaps of the optimizer's update
+        if trainer.world_size > 1 and isinstance(exception, Exception):
+            # An error on one rank: the save's barrier would meet the other ranks' next collective (DDP's buffer
+            # broadcast) and every rank would wait for ever. The other ranks stop when this one's connections close.
+            return
         with self.holding():  # a signal now waits for the file (``SignalStop.holding``)
             trainer.save_checkpoint(self.ckpt_path)
 

@@ -6,6 +6,7 @@ when given, the loop's forward-and-loss code and its optimizer) run in both layo
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 from cltrain.check.budget import check_within_budget
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import copy_optimizer, eager_copy, elementwise
+from cltrain.check.result import MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors, restride_batch
 from cltrain.precision import autocast_for
 
@@ -29,12 +31,12 @@ def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, An
     ``cltrain.loops.verify_layout``'s)."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
-    def run_in(part: Any, dtype: torch.dtype | None) -> Callable[[nn.Module, str], Any]:
+    def run_in(part: Any, dtype: torch.dtype | None, alone: bool = False) -> Callable[[nn.Module, str], Any]:
         def run(clone: nn.Module, layout: str) -> Any:
             copied = map_tensors(part, torch.Tensor.clone)
             restride_batch(copied, layout, inputs=inputs, model=clone)
             with autocast_for(device, dtype):
-                if step is not None:
+                if step is not None and not alone:
                     return step(clone, copied)
                 return projection_loss(clone(first_image_tensor(copied, inputs)))
 
@@ -61,6 +63,13 @@ def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, An
         result = check_layout(model, run_in(part, None), **options)
         if result.verdict == "not checked" and autocast_dtype is not None:
             result = check_layout(model, run_in(part, autocast_dtype), **options)
-        return result
+        if result.step_raised is None or step is None or first_image_tensor(part, inputs) is None:
+            return result
+        # the step cannot run on the copies (a collective, under several ranks): the model alone, on the batch's images
+        alone = check_layout(model, run_in(part, None, alone=True), copy_model=copy_model)
+        if alone.verdict == "not checked":
+            return dataclasses.replace(result, reason=f"{result.reason}; the model alone: {alone.reason}")
+        return dataclasses.replace(alone, notes=(f"{MODEL_ALONE}, on the batch's image tensor: {STEP_RAISED} "
+                                                 f"({result.step_raised})", *alone.notes), step_raised=result.step_raised)
 
     return check_within_budget(check, batch, samples, inputs=inputs)

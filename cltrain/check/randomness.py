@@ -1,5 +1,7 @@
 """The same randomness in both layouts: random ops draw in the logical (NCHW) order whatever the strides, and every
-RNG the step can read (torch's, CUDA's, Python's, NumPy's) is set before a run and restored after it."""
+RNG the step can read (torch's, CUDA's, Python's, NumPy's) is set before a run and restored after it. Under several
+ranks a ``torch.distributed`` collective the step calls raises in the check's runs: the check runs on rank 0 alone,
+where the collective would wait for ever for the other ranks (a contrastive loss's ``all_gather``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from cltrain.check.result import COPY_LIMIT
 
 __all__ = ["SameRandomness", "rng_state", "set_rng_state"]
 
@@ -32,6 +37,9 @@ class SameRandomness(TorchFunctionMode):
     same dropout mask in both layouts (a kernel fills a mask in memory order)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if "c10d" in (getattr(func, "__module__", None) or "") and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(f"torch.distributed's {getattr(func, '__name__', func)} is a collective, which "
+                               f"{COPY_LIMIT} cannot run: the check runs on rank 0 alone")
         kwargs = kwargs or {}
         x = args[0] if args else kwargs.get("input")
         if (func not in _RANDOM_OUT and func not in _RANDOM_IN_PLACE) or not isinstance(x, torch.Tensor) \

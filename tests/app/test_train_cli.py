@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import SMOKE, warm
+from tests.helpers import SMOKE, demo_overrides, warm
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,6 +85,31 @@ def test_two_process_ddp_on_cpu_with_gradient_accumulation(demo_args: list[str],
     assert metrics["config"]["channels_last"] is True and metrics["val_top1"] is not None
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert "cltrain: val top-1" in result.stdout
+
+
+def test_a_bad_file_on_one_rank_ends_every_rank_with_one_line_each(demo_root: Path, tmp_path: Path) -> None:
+    # One rank's error (here a truncated JPEG under data.bad_files=raise) made that rank save last.ckpt, whose barrier
+    # met the other rank's next collective (DDP's buffer broadcast): both ranks waited, SIGTERM did not end them
+    # (killed after 3 minutes). The failing rank now saves nothing; the other loses its peer and says so in one line.
+    root = shutil.copytree(demo_root, tmp_path / "demo")
+    bad = sorted((root / "train").rglob("*.jpg"))[0]
+    bad.write_bytes(bad.read_bytes()[:300])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    proc = warm.Popen([sys.executable, str(REPO / "train.py"), *SMOKE, *demo_overrides(root), "device=cpu",
+                       "trainer=ddp", "trainer.devices=2", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
+                       "data.bad_files=raise", "channels_last_layout=channels_last", f"hydra.run.dir={tmp_path / 'run'}"],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                      start_new_session=True)
+    try:
+        output = proc.communicate(timeout=150)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the other rank too, whatever the launching process did
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert f"cltrain: error: {bad}: cannot be read as an image" in output, output[-3000:]
+    assert "cltrain: error: another rank stopped first (its error is above)" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
 
 
 def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:

@@ -209,7 +209,8 @@ def test_a_copied_optimizers_state_takes_its_parameters_strides(monkeypatch: pyt
     monkeypatch.setattr(record, "state_in_param_strides",
                         lambda params: register_optimizer_step_pre_hook(lambda *a: None))
     result = verify_layout(model, _cls_batch(), _cls_loss, optimizer=optimizer, report=False)
-    assert result.verdict == "not checked" and "check_fast_path_restrictions" in result.line(), result.line()
+    assert result.step_raised is not None and "check_fast_path_restrictions" in result.line(), result.line()
+    assert "the model alone, on the batch's image tensor: the step raised" in result.line()  # as the Lightning door
 
 
 def test_the_check_computes_in_full_float32_and_gives_back_the_users_settings() -> None:
