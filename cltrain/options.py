@@ -112,15 +112,18 @@ def check_optimizers(call: str, optimizer: Any, several: bool = True) -> list[An
 
 def check_copies(call: str, copies: Any) -> Callable[[], list[Any]]:
     """``copies`` (the model's copies that follow its layout) as a function giving them: a function as it is, a
-    module or a list of modules as themselves."""
+    module or a list of modules as themselves, ``None`` as none. What a function gives may hold ``None``: an EMA made
+    after the door (``copies=lambda: [ema]`` while ``ema`` is still ``None``), which is no copy yet."""
     import torch.nn as nn
 
+    if copies is None:
+        return list
     if isinstance(copies, nn.Module):  # callable too, but the copy itself
         return lambda: [copies]
     if isinstance(copies, (list, tuple)) and all(isinstance(c, nn.Module) for c in copies):
         return lambda: list(copies)
     if callable(copies):
-        return lambda: list(copies())
+        return lambda: [c for c in copies() if c is not None]
     raise ValueError(f"{call}(copies={_shown(copies)}): expected the model's copies (a module, a list of them, or a "
                      "function giving them: copies=lambda: [ema]).")
 

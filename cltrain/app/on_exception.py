@@ -25,7 +25,8 @@ class KeepOnException(Callback):
     for a checkpoint to resume from. A run stopped for a non-finite loss is not saved: its weights
     are NaN, and the ``last.ckpt`` it has is the latest finite state; nor is a run stopped by a full
     disk: the save would fail again, and the ``last.ckpt`` it has is intact; nor is a run a second signal stopped in
-    the middle of a step.
+    the middle of a step; nor, under several ranks, a run an error stopped on one rank (the save's barrier would
+    wait for the other ranks, which are in their next collective).
 
     Args:
         dirpath: the checkpoint folder.

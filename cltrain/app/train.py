@@ -161,9 +161,9 @@ def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: 
         last = metrics.get("last_checkpoint")
         how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written " + (
             "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
-        if at_once and last:
-            how = f"a second signal stopped it in the middle of a step; {how} (its last.ckpt is the latest " \
-                  "whole state, written before)"
+        if at_once and last:  # the command last: a line copied to its end runs
+            how = f"a second signal stopped it in the middle of a step (its last.ckpt is the latest whole state, " \
+                  f"written before); {how}"
         print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",
               file=sys.stderr, flush=True)
     interrupt = RunInterrupted(signum, at_once=at_once)

@@ -15,11 +15,25 @@ compute stream before each copy (so the copy cannot overwrite memory the compute
 stream still reads, nor race it), ``record_stream`` tells the caching allocator
 the compute stream uses the copied tensors, and a batch in pageable memory is
 warned about once (its ``non_blocking`` copy is synchronous).
+
+Its worker processes outlast the first SIGTERM and SIGINT (the second ends them as it would have): a signal sent to
+the whole process group (SLURM's ``scancel``, a preemption, Ctrl+C) reaches the workers too, and a worker killed by
+it was an error in the main process (``DataLoader worker ... is killed by signal: Terminated``), raised from its
+SIGCHLD handler wherever the main process was, a checkpoint's ``torch.save`` included, while the run was stopping
+cleanly at the batch's end. The main process ends its workers when it stops: its loaders shut them down, and at
+exit (before ``multiprocessing``'s own exit handler, whose SIGTERM a worker would let pass while that handler waited
+for it) every worker still alive is shut down as its iterator would, or killed. A worker whose main process is gone
+ends by itself (PyTorch's watchdog).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import multiprocessing.util  # noqa: F401 - its exit handler registered before ours, which then runs first
+import signal
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -134,6 +148,40 @@ def _finish(loader: DataLoader, pending: Any) -> Any:
     return batch
 
 
+def _worker_start(user_init: Callable[[int], Any] | None, worker_id: int) -> None:
+    """The worker's first SIGTERM and SIGINT are noted and let pass (the module docstring); then ``user_init``."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _let_first_pass)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def _let_first_pass(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+
+#: the worker-holding iterators of these loaders, ended at exit (``_end_workers``)
+_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@functools.cache
+def _end_workers_at_exit() -> None:
+    atexit.register(_end_workers)  # after multiprocessing's (imported above): runs before it
+
+
+def _end_workers() -> None:
+    """At exit: the workers still alive (a persistent loader's, an iterator an interrupted run kept) shut down as
+    their iterators would, then any left killed, without PyTorch's SIGCHLD handler calling that a worker's failure."""
+    for iterator in list(_ITERATORS):
+        iterator._shutdown_workers()
+        left = [w for w in iterator._workers if w.is_alive()]
+        if left:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for worker in left:
+            worker.kill()
+            worker.join(5)
+
+
 class PrefetchDataLoader(DataLoader):
     """A ``DataLoader`` whose batches come out already on ``prefetch_device`` when it is a
     CUDA device (copied on a side stream, one batch ahead); any other value, or no
@@ -150,10 +198,20 @@ class PrefetchDataLoader(DataLoader):
 
     def __init__(self, *args: Any, prefetch_device: str | torch.device | None = None, decode_ahead: bool = True,
                  **kwargs: Any) -> None:
+        init = kwargs.get("worker_init_fn")
+        if len(args) <= 10 and getattr(init, "func", None) is not _worker_start:  # not as re-made by Lightning
+            kwargs["worker_init_fn"] = functools.partial(_worker_start, init)
+            _end_workers_at_exit()
         super().__init__(*args, **kwargs)
         self.prefetch_device, self.decode_ahead = prefetch_device, decode_ahead
         self._prefetcher: _CudaPrefetcher | None = None
         self._epochs = 0
+
+    def _get_iterator(self) -> Any:
+        iterator = super()._get_iterator()
+        if getattr(iterator, "_workers", None):
+            _ITERATORS.add(iterator)
+        return iterator
 
     def _cuda_device(self) -> torch.device | None:
         device = None if self.prefetch_device is None else torch.device(self.prefetch_device)

@@ -136,7 +136,9 @@ def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
         raise RemoteError(f"{redact(url)}: reading {protocol}:// needs {package}: pip install 'cltrain[{extra}]' "
                           f"({' '.join(str(err).split())[:160]}).") from None
     if protocol in ("s3", "s3a"):
-        fs.retries = 1 if quick else attempts  # s3fs's own retries of a request and its body (a class attribute, not an argument)
+        # s3fs's own retries of a request (a class attribute, not an argument): none on top of botocore's attempts and
+        # the cache's (nested, they made 144 attempts of a request to an endpoint that had gone: 518 s)
+        fs.retries = 1
         if getattr(fs, "session", None) is None:  # not one the user's fsspec config handed in
             fs.session = _s3_session(fs.kwargs)
     return fs, path

@@ -405,5 +405,7 @@ def _retried(read: Callable[[], Any], url: str) -> Any:
         except Exception as err:  # noqa: BLE001 - a reset, a timeout, a 5xx the client gave up on, a short body
             if attempt == ATTEMPTS - 1 or "AccessDenied" in str(err) or "NoSuch" in str(err):
                 raise remote_error(err, url) from None
+            log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
+                        redact(" ".join(f"{type(err).__name__}: {err}".split()))[:160], attempt + 2, ATTEMPTS)
             time.sleep(min(0.2 * 2 ** attempt, 5.0))
     raise AssertionError(redact(url))  # not reached

@@ -92,6 +92,22 @@ def test_the_doors_that_take_copies_take_a_module_a_list_or_a_function_and_refus
                                     "function giving them: copies=lambda: [ema])."
 
 
+def test_an_ema_made_after_the_door_is_no_copy_until_it_exists():
+    # As the guides say: the EMA made after the door converted the model, given as copies=lambda: [ema]. The door
+    # converted [None] at its start: "to_channels_last expects a torch.Tensor or an nn.Module, got NoneType".
+    import torch
+
+    from cltrain.loops import ChannelsLastRun
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    ema = None
+    run = ChannelsLastRun(model, torch.optim.AdamW(model.parameters()), copies=lambda: [ema], layout="channels_last",
+                          verify=False)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    assert run.session.host.copies() == [ema]
+    assert ChannelsLastRun(torch.nn.Conv2d(3, 4, 3), verify=False, copies=None).session.host.copies() == []
+
+
 def test_every_door_that_checks_refuses_a_bad_check_samples_alike():
     import torch
 

@@ -5,6 +5,10 @@ Real JPEG files, real decode threads, real DataLoaders."""
 
 import hashlib
 import inspect
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,3 +237,38 @@ def test_a_users_dataset_subclass_keeps_its_own_getitem_and_load(folder, threads
     own = _OwnLoad(folder / "train", train_transform(32), threads=threads, index_cache=False)
     _, targets = next(iter(PrefetchDataLoader(own, batch_size=4, collate_fn=collate)))
     assert targets.tolist() == [own.samples[i][1] + 100 for i in range(4)]
+
+
+_SIGNALLED_WORKERS = """
+import os, signal, sys, time, torch
+from cltrain.data import PrefetchDataLoader
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i): time.sleep(0.01); return torch.tensor([i])
+loader = PrefetchDataLoader(Numbers(), batch_size=4, num_workers=2, persistent_workers=True)
+seen = []
+for i, batch in enumerate(loader):
+    seen += batch.flatten().tolist()
+    if i == 2:  # the scheduler's SIGTERM to the whole process group reaches the workers too
+        for worker in loader._iterator._workers:
+            os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+print(sorted(seen) == list(range(64)), flush=True)
+for i, batch in enumerate(loader):  # the persistent workers, alive at exit, with an iterator left half read
+    if i == 1:
+        break
+"""
+
+
+def test_workers_outlast_a_first_sigterm_and_end_at_exit(tmp_path: Path) -> None:
+    # A SIGTERM to the process group killed the workers, and the main process raised "DataLoader worker ... is killed
+    # by signal: Terminated" from its SIGCHLD handler wherever it was (inside a checkpoint's torch.save), while the
+    # run was stopping at the batch's end. Workers that let a first signal pass must still end at exit: a persistent
+    # loader's, left alive, made multiprocessing's exit handler wait for ever on a worker that let its SIGTERM pass.
+    script = tmp_path / "signalled.py"
+    script.write_text(_SIGNALLED_WORKERS)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - started < 30

@@ -186,6 +186,24 @@ def test_transient_faults_are_retried_and_no_sample_is_lost_or_read_twice(url, l
         proxy.stop()
 
 
+def test_a_lasting_fault_is_said_at_each_of_the_caches_attempts(url, local_pack, env, server, monkeypatch, tmp_path,
+                                                                caplog):
+    # A store that went away mid-run was retried in silence for minutes (nested: s3fs's 6 retries of each of
+    # botocore's 6 attempts, each of the cache's 4). Each of the cache's attempts is said now, s3fs adds none.
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    name = "train/" + sorted(p.name for p in (local_pack / "train").glob("*.tar"))[0]
+    proxy.faults = [Fault("reset", path=name, times=1000)]
+    try:
+        with pytest.raises(RemoteError, match=name):
+            ShardCache(url, tmp_path, limit=2**30).get(name)
+        tries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+        assert [t.rpartition("(")[2] for t in tries] == ["2 of 4)", "3 of 4)", "4 of 4)"], tries
+        assert all(f"reading {url}/{name} failed (" in t for t in tries), tries
+    finally:
+        proxy.stop()
+
+
 def test_downloads_under_way_at_exit_or_at_a_kill_leave_no_temporary_file(url, env, server, monkeypatch):
     # a shard's temporary file is in the pack's split folder (train/), not in the cache's own
     proxy = FaultProxy(server.endpoint)
