@@ -10,7 +10,8 @@ its name in the root. ``get(name)`` returns the local path, fetching the file fi
   listed size; a reader sees a whole file or none.
 * **bounded**: before a download, files unused longest (their modification time is set when used) are removed
   until the cache holds at most ``limit`` bytes with the new file, and the disk keeps ``RESERVE`` free; the space
-  is then reserved (``posix_fallocate``) under the same lock, so concurrent downloads never overshoot. A reader that
+  is then reserved (``posix_fallocate``) under the same lock, and a download waits while the node's downloads in flight
+  hold the room, so concurrent downloads never overshoot (after ``IN_FLIGHT_WAIT`` s, one line says so). A reader that
   has a file open keeps reading it when it is removed (POSIX). A file larger than the limit, or a disk full even
   after eviction, is one line (``CacheFullError``).
 * **few requests**: a file's size (the room made for it) comes from one listing of its folder per process, not a
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 CHUNK = 16 * 2**20
 #: Tries of one range before the fetch fails (each try is itself retried by the client).
 ATTEMPTS = 4
+#: Seconds a download waits for the node's downloads in flight to make room under the limit.
+IN_FLIGHT_WAIT = 120
 #: Bytes the cache always leaves free on its disk.
 RESERVE = 2**30
 _LOCKS = ".cltrain-locks"
@@ -281,11 +284,15 @@ class ShardCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with ExitStack() as stack:
-                with self._locked(""):  # room made and reserved under one lock: concurrent fetches add up
-                    self._make_room(size, name)
-                    f = stack.enter_context(atomic_open(path))
-                    if size and hasattr(os, "posix_fallocate"):
-                        os.posix_fallocate(f.fileno(), 0, size)
+                deadline = time.monotonic() + IN_FLIGHT_WAIT
+                while True:
+                    with self._locked(""):  # room made and reserved under one lock: concurrent fetches add up
+                        if self._make_room(size, name, time.monotonic() > deadline):
+                            f = stack.enter_context(atomic_open(path))
+                            if size and hasattr(os, "posix_fallocate"):
+                                os.posix_fallocate(f.fileno(), 0, size)
+                            break
+                    time.sleep(0.05)  # the node's other downloads hold the room: evictable once they are done
                 for start in range(0, size, CHUNK):
                     f.write(self.read_range(name, start, min(CHUNK, size - start)))
                 f.truncate(size)
@@ -319,8 +326,10 @@ class ShardCache:
     def _used(self) -> int:
         return sum(size for _, size, _ in self._files()) if self.folder.is_dir() else 0
 
-    def _make_room(self, size: int, name: str) -> None:
-        """Remove the files unused longest until ``size`` more bytes fit the limit and the disk's reserve."""
+    def _make_room(self, size: int, name: str, late: bool = False) -> bool:
+        """Remove the files unused longest until ``size`` more bytes fit the limit and the disk's reserve; ``False``
+        where only downloads in flight (reserved, not yet evictable) hold the room, unless ``late`` (then one line, and
+        the cache goes over its limit by what is in flight)."""
         if size > self.limit:
             raise CacheFullError(f"shard cache {self.folder}: {name} ({size / 2**20:.1f} MiB) is larger than the "
                                  f"cache's limit ({self.limit / 2**20:.1f} MiB); set data.cache_limit higher.")
@@ -337,8 +346,15 @@ class ShardCache:
             except FileNotFoundError:
                 continue
             used, free = used - bytes_, free + bytes_
+        if used + size > self.limit:  # what is left is in flight
+            if not late:
+                return False
+            log.warning("cltrain: shard cache %s: %s goes over data.cache_limit (%.1f MiB) while other downloads of "
+                        "%.1f MiB have been in flight for %d s", self.folder, name, self.limit / 2**20,
+                        (used - size) / 2**20, IN_FLIGHT_WAIT)
         if free - size < RESERVE and free < size + RESERVE:
             raise self._full(name, size, OSError(errno.ENOSPC, "fewer free bytes than the file and the reserve"))
+        return True
 
     @contextmanager
     def _locked(self, name: str) -> Iterator[None]:

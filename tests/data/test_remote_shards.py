@@ -110,6 +110,41 @@ def test_the_cache_keeps_its_limit_evicting_the_shards_unused_longest(url, local
         ShardCache(url, tmp_path / "tiny", 1000).get("train/shard-000000.tar")
 
 
+def test_concurrent_downloads_wait_for_room_instead_of_going_over_the_limit(url, local_pack, server, env, tmp_path,
+                                                                            monkeypatch):
+    # Downloads in flight could not be evicted, and a download that found only those over the limit went ahead: the
+    # cache of two ranks' fetch threads held 2.5x its limit. Five threads fetch five shards at once through a proxy
+    # that stalls each answer, into a cache of two shards, while its size is sampled.
+    import threading
+
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    names = sorted(p.name for p in (local_pack / "train").glob("*.tar"))
+    limit = max(p.stat().st_size for p in (local_pack / "train").glob("*.tar")) * 2 + 4096
+    proxy.faults = [Fault("stall", path=name, seconds=0.3) for name in names]
+    cache = ShardCache(url, tmp_path / "small", limit)
+    cache.size(f"train/{names[0]}")  # the folder's listing, before the threads
+    held, done = [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            held.append(cache._used())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        threads = [threading.Thread(target=cache.get, args=(f"train/{name}",)) for name in names]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+    finally:
+        done.set()
+        sampler.join()
+        proxy.stop()
+    assert all(f.hit == 1 for f in proxy.faults)  # every shard fetched
+    assert max(held) <= limit, (max(held), limit)
+
+
 def test_processes_on_a_node_fetch_a_shard_once(url, server, env, tmp_path):
     proxy = FaultProxy(server.endpoint)
     try:
