@@ -89,8 +89,7 @@ def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop
         parts["last"] = RunCheckpoint(dirpath=checkpoints, filename="last", monitor=None, save_top_k=1,
                                       every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
         # signal or crash: the latest state (a signal during the save waits for it)
-        parts["on_exception"] = KeepOnException(checkpoints, filename="last", holding=stop.holding,
-                                                   mid_step=stop.stopped_by_peer)
+        parts["on_exception"] = KeepOnException(checkpoints, filename="last", holding=stop.holding)
         callbacks += [parts["best"], parts["last"], parts["on_exception"], StoppedMidEpoch()]
         # A NaN loss stops the run (checked where the progress line syncs anyway), before NaN weights are saved.
         try_amp = ", or amp=false" if resolved.precision != "32-true" else ""

@@ -54,9 +54,10 @@ def _run(cfg: DictConfig) -> float | None:
         raise SystemExit(1) from None
     except Exception as err:  # noqa: BLE001 - another library's error (a logger's server, ...): its traceback, but
         # without the secrets it may carry (a URL's password); Hydra would print it and the command line as they are
+        from cltrain.app.signals import lost_peer
         from cltrain.data.remote import redact
 
-        if _lost_peer(err):
+        if lost_peer(err):
             print("cltrain: error: another rank stopped first (its error is above); this rank's collective lost it: "
                   + redact(str(err).splitlines()[0])[:160], file=sys.stderr)
             raise SystemExit(1) from None
@@ -64,16 +65,6 @@ def _run(cfg: DictConfig) -> float | None:
         print(redact("".join(traceback.format_exception(err))), file=sys.stderr, end="")
         print(f"cltrain: error: {redact(f'{type(err).__name__}: {err}'.splitlines()[0])}", file=sys.stderr)
         raise SystemExit(1) from None
-
-
-def _lost_peer(err: BaseException) -> bool:
-    """Whether ``err`` is a collective's error for a rank that is gone (gloo's closed connection): the rank that
-    failed says why; this one's traceback would only point at DDP's broadcast."""
-    import torch.distributed as dist
-
-    text = str(err)
-    return isinstance(err, getattr(dist, "DistNetworkError", ())) or isinstance(err, RuntimeError) and (
-        "Connection closed by peer" in text or "Connection reset by peer" in text)
 
 
 def _redact_job_files() -> None:

@@ -32,8 +32,6 @@ class KeepOnException(Callback):
         dirpath: the checkpoint folder.
         filename: the checkpoint's name, without ``.ckpt``.
         holding: a context the save runs in (``SignalStop.holding``: signals wait for the file).
-        mid_step: whether an exception stopped the run in the middle of a step, as a second signal does
-            (``SignalStop.stopped_by_peer``: another rank's).
 
     Example::
 
@@ -41,20 +39,18 @@ class KeepOnException(Callback):
     """
 
     def __init__(self, dirpath: str | Path, filename: str = "last",
-                 holding: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 mid_step: Callable[[BaseException], bool] = lambda exception: False) -> None:
+                 holding: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.ckpt_path = str(Path(dirpath) / f"{filename}.ckpt")
         self.holding = holding
-        self.mid_step = mid_step
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False) \
-                or self.mid_step(exception):
+        if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False):
             return  # a second signal: the middle of a step, perhaps of the optimizer's update
         if trainer.world_size > 1 and isinstance(exception, Exception):
             # An error on one rank: the save's barrier would meet the other ranks' next collective (DDP's buffer
-            # broadcast) and every rank would wait for ever. The other ranks stop when this one's connections close.
+            # broadcast) and every rank would wait for ever. The other ranks stop when this one's connections close
+            # (and a rank whose peer a second signal stopped is in the middle of a step).
             return
         with self.holding():  # a signal now waits for the file (``SignalStop.holding``)
             trainer.save_checkpoint(self.ckpt_path)

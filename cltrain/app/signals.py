@@ -38,7 +38,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-__all__ = ["RunInterrupted", "SignalStop"]
+__all__ = ["RunInterrupted", "SignalStop", "lost_peer"]
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -138,9 +138,9 @@ class SignalStop(Callback):
         return int(flag) or None
 
     def stopped_by_peer(self, exception: BaseException) -> bool:
-        """An error under several ranks once a signal was noted: a rank that a second signal stopped in the middle of
-        a step left this one's collective without its peer. Its state is the middle of a step too."""
-        return isinstance(exception, Exception) and self.signum is not None and self._world_size > 1
+        """A lost peer once a signal was noted: a rank that a second signal stopped in the middle of a step left this
+        one's collective without it. Its state is the middle of a step too."""
+        return self.signum is not None and self._world_size > 1 and lost_peer(exception)
 
     def _check(self, trainer: pl.Trainer) -> None:
         signum = self.agreed(trainer)
@@ -197,3 +197,11 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
     """Lightning's SIGTERM handler under several ranks, replaced: it broadcast from inside the signal handler, meeting
     whatever collective the interrupted rank was about to run, and passed the signal on to the ranks it started, which
     the terminal's or the scheduler's signal had often reached already (a second signal: a stop at once)."""
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's error for a rank that is gone (gloo's closed connection): the rank that
+    stopped says why; this one's traceback would only point at DDP's broadcast."""
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistNetworkError", ())) or isinstance(err, RuntimeError) and (
+        "Connection closed by peer" in text or "Connection reset by peer" in text)

@@ -351,7 +351,7 @@ class ShardCache:
                 return False
             log.warning("cltrain: shard cache %s: %s goes over data.cache_limit (%.1f MiB) while other downloads of "
                         "%.1f MiB have been in flight for %d s", self.folder, name, self.limit / 2**20,
-                        (used - size) / 2**20, IN_FLIGHT_WAIT)
+                        used / 2**20, IN_FLIGHT_WAIT)
         if free - size < RESERVE and free < size + RESERVE:
             raise self._full(name, size, OSError(errno.ENOSPC, "fewer free bytes than the file and the reserve"))
         return True
