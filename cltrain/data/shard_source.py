@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cltrain.data.errors import DataError
 from cltrain.data.remote import RemoteError, is_url, join, open_fs, redact, remote_error
 from cltrain.data.shard_cache import ShardCache, parse_size
 
@@ -82,8 +83,35 @@ class LocalPack:
         return json.loads(path.read_text())
 
     def indexes(self, shards: Sequence[str]) -> list[np.ndarray]:
-        """The ``.idx.npy`` of each shard (no pickle)."""
-        return [np.load(self.root / _index_name(s), allow_pickle=False) for s in shards]
+        """The ``.idx.npy`` of each shard (no pickle), each checked against its shard's size (a stat per shard).
+
+        Raises:
+            DataError: a shard or an index the manifest names is missing, unreadable or shorter than its index
+                says (an interrupted copy): one line naming the file and the fix.
+        """
+        return [self._checked_index(s) for s in shards]
+
+    def _checked_index(self, shard: str) -> np.ndarray:
+        fix = (f"the pack at {self.root} is incomplete: copy it again whole, or make it anew with `cltrain-pack "
+               f"IMAGEFOLDER {self.root}`.")
+        path = self.root / _index_name(shard)
+        try:
+            index = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing; {fix}") from None
+        except (OSError, ValueError, EOFError) as err:
+            raise DataError(f"{path}: not a shard index ({type(err).__name__}: {err}); {fix}") from None
+        needs = int((index[:, 0] + index[:, 1]).max()) if len(index) and index.ndim == 2 else 0
+        if index.ndim == 2 and index.shape[1] >= 5 and len(index):
+            needs = max(needs, int((index[:, 3] + index[:, 4]).max()))
+        try:
+            size = os.stat(self.root / shard).st_size
+        except FileNotFoundError:
+            raise DataError(f"{self.root / shard}: missing; {fix}") from None
+        if size < needs:
+            raise DataError(f"{self.root / shard}: {size} bytes where its index reads up to byte {needs} (cut short); "
+                            f"{fix}")
+        return index
 
     def _path(self, shard: str) -> str:
         return str(self.root / shard)

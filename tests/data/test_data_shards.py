@@ -84,6 +84,28 @@ def test_pack_refuses_other_settings_and_a_changed_tree(folder: Path, tmp_path: 
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
+@pytest.mark.parametrize("damage", ["tar missing", "index missing", "tar cut short", "index not an index"])
+def test_an_incomplete_pack_is_one_line_at_setup_naming_the_file(folder: Path, tmp_path: Path, damage: str) -> None:
+    from cltrain.data.errors import DataError
+
+    out = tmp_path / "out"
+    pack(folder, out, shard_size=7, progress=False)
+    tar = out / "train" / "shard-000002.tar"
+    index = tar.with_name("shard-000002.idx.npy")
+    bad = {"tar missing": tar, "index missing": index, "tar cut short": tar, "index not an index": index}[damage]
+    if damage.endswith("missing"):
+        bad.unlink()
+    elif damage == "tar cut short":
+        os.truncate(tar, tar.stat().st_size // 2)  # an interrupted copy
+    else:
+        bad.write_bytes(b"not an index")
+    with pytest.raises(DataError) as caught:
+        ShardsDataset(out, "train", eval_transform(32, 36))  # at setup, before any sample is read
+    line = str(caught.value)
+    assert line.startswith(f"{bad}: ") and "\n" not in line and f"cltrain-pack IMAGEFOLDER {out}" in line
+    ShardsDataset(out, "val", eval_transform(32, 36))  # the other split is whole
+
+
 def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not all(any(p.parent.glob(p.name)) for p in paths):  # a name may be a glob pattern
