@@ -567,7 +567,13 @@ class LayoutSession:
         pin = f"pin it with {self.pin_format.format(decision.layout)}"
         if decision.how == "restored":
             name = "NCHW" if decision.layout == "contiguous" else decision.layout
-            timed = f", {decision.ratio:.2f}x faster when timed" if len(decision.seconds) == 2 else ""
+            timed = ""
+            if len(decision.seconds) == 2:
+                faster = min(decision.seconds, key=decision.seconds.__getitem__)
+                timed = f", {decision.ratio:.2f}x faster when timed" if faster == decision.layout else \
+                    f", when timed within {100 * self.race.margin:.0f}% of NCHW" \
+                    if decision.ratio <= 1 + self.race.margin else \
+                    f", when timed NCHW {decision.ratio:.2f}x faster by the medians, too noisy to tell"
             return f"ChannelsLast: the checkpoint's race decision holds here {where}: {name}{timed} ({pin})."
         seconds = decision.seconds
         nchw_ahead = len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"]

@@ -338,6 +338,21 @@ def test_the_race_switches_to_the_faster_nchw_with_the_optimizer_state_and_logs_
     resumed.close()
 
 
+@pytest.mark.parametrize("seconds, said", [
+    ({"channels_last": 0.2, "contiguous": 0.3}, "channels_last, 1.50x faster when timed"),
+    ({"channels_last": 0.201, "contiguous": 0.2}, "channels_last, when timed within 2% of NCHW"),
+    ({"channels_last": 0.254, "contiguous": 0.2}, "channels_last, when timed NCHW 1.27x faster by the medians, too "
+                                                  "noisy to tell"),
+])
+def test_a_restored_decision_says_which_layout_was_faster_when_timed(seconds, said) -> None:
+    # a noisy race keeps channels_last where NCHW led by the medians: the resumed run's line must not call it faster
+    session = LayoutSession(host=Host())
+    decision = layout_race.LayoutDecision(((3, 32, 32), "bf16", "cpu"), "channels_last", "restored", seconds,
+                                          {"channels_last": 10, "contiguous": 9})
+    assert session.decision_line(decision) == ("ChannelsLast: the checkpoint's race decision holds here (bf16, cpu, "
+                                               f"32x32 px): {said} (pin it with layout='channels_last').")
+
+
 def test_the_race_keeps_channels_last_where_it_is_faster_and_a_pinned_layout_never_races(monkeypatch) -> None:
     session, model, _, layouts = _race_run(monkeypatch, Host(), {"channels_last": 0.2, "contiguous": 0.3})
     assert [layout for layout, _, _ in layouts] == ["channels_last"] * 5 + ["contiguous"] * 2 + ["channels_last"] * 5
