@@ -182,15 +182,13 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
                     model: nn.Module | None = None, **kwargs: Any) -> None:
         if model is not None:
             self.session.step_end(model)
-            if control.should_save:  # the Trainer saves right after this event
-                self._arm(model)
+            self._arm(model)  # a save may follow at once: asked already, or by a callback after this one (a stop)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: nn.Module | None = None, **kwargs: Any) -> None:
         if model is not None:
             self.session.boundary(model, after=f"after epoch {state.epoch:g}")
-            if control.should_save:  # save_strategy="epoch": the Trainer saves right after this event
-                self._arm(model)
+            self._arm(model)  # as at a step's end
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: nn.Module | None = None, **kwargs: Any) -> None:

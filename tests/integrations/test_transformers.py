@@ -117,21 +117,35 @@ class PlainNet(nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
-class SaveOnEvaluate(TrainerCallback):
-    """A user's callback that saves after each evaluation (keeping only the best, say), listed after ours."""
+class SaveOn(TrainerCallback):
+    """A user's callback listed after ours that asks for a save: after each evaluation (keeping only the best, say),
+    at a step's end (as a SIGTERM handler does: save, then stop) or at an epoch's end."""
+
+    def __init__(self, event: str) -> None:
+        self.event = event
 
     def on_evaluate(self, args, state, control, **kwargs):
-        control.should_save = True
+        control.should_save = self.event == "evaluate"
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.event == "step" and state.global_step == 2:
+            control.should_save = control.should_training_stop = True
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        control.should_save = control.should_save or self.event == "epoch"
 
 
-@pytest.mark.parametrize("when", ["at each epoch's end", "before train()", "after an evaluation"])
+@pytest.mark.parametrize("when", ["at each epoch's end", "before train()", "after an evaluation",
+                                  "asked by a later callback at a step's end", "asked by a later callback at an epoch's end"])
 def test_a_plain_module_is_saved_wherever_the_trainer_saves_it(when, tmp_path):
     from safetensors.torch import load_file
 
     model = PlainNet()
-    saves = {"at each epoch's end": dict(save_strategy="epoch"), "before train()": {},
-             "after an evaluation": dict(eval_strategy="steps", eval_steps=2)}[when]
-    callbacks = [ChannelsLastCallback(), *[SaveOnEvaluate()] * (when == "after an evaluation")]
+    saves = {"at each epoch's end": dict(save_strategy="epoch"),
+             "after an evaluation": dict(eval_strategy="steps", eval_steps=2)}.get(when, {})
+    event = {"after an evaluation": "evaluate", "asked by a later callback at a step's end": "step",
+             "asked by a later callback at an epoch's end": "epoch"}.get(when)
+    callbacks = [ChannelsLastCallback(), *[SaveOn(event)] * (event is not None)]
     t = trainer("resnet", tmp_path, model, callbacks, max_steps=4, **saves)
     if when == "before train()":
         t.save_model(str(tmp_path / "init"))
