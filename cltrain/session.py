@@ -607,6 +607,7 @@ class LayoutSession:
             return LayoutCheck("not checked", reason="not asked" if not self.verify else "the model runs in NCHW")
         result, shared = None, True
         if self.sharding is not None:
+            self.sharding = self.sharding or sharding_of(model) or ""  # "": announced (sharded=True), named once it is
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
         elif kind == "eval" and self.host.evaluates_alone():
             result, shared = LayoutCheck("not checked", reason="an evaluation of this loop may run on one rank alone, "

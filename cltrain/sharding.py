@@ -118,4 +118,5 @@ def sharded_line(engine: str | None, inputs: bool = True) -> str:
 
 def not_checked_reason(engine: str) -> str:
     """The first-batch check's ``not checked`` reason for a model ``engine`` has sharded."""
-    return f"the model is sharded by {engine}, which cannot be copied for the check; {_CHECK_INSTEAD}"
+    by = f"by {engine}" if engine else "(sharded=True)"
+    return f"the model is sharded {by}, which cannot be copied for the check; {_CHECK_INSTEAD}"

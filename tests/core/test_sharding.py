@@ -50,6 +50,8 @@ def test_plain_loop_fully_shard_after_convert_model_sharded(tmp_path):
         assert "sharded by FSDP2" in rank["check_after"]["reason"] and "verify_layout(" in rank["check_after"]["reason"]
         assert rank["after_convert"] == [NHWC_WITH_NCHW_WEIGHTS]  # convert_model on a sharded model changes nothing
         assert rank["copy"].startswith("contiguous_copy: the model is sharded by FSDP2")
+        assert rank["run_check"]["verdict"] == "not checked" and rank["run_check"]["sharding"] == "FSDP2"
+        assert rank["run_check"]["reason"].startswith("the model is sharded by FSDP2, which cannot be copied")
     # the old order's convert_model saw an unsharded model; nothing after it claims channels_last weights. Rank 0
     # says each line for every rank.
     lines = ranks[0]["lines"]

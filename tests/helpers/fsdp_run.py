@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from cltrain.layout import is_channels_last
-from cltrain.loops import contiguous_copy, convert_batch, convert_model, verify_layout
+from cltrain.loops import ChannelsLastRun, contiguous_copy, convert_batch, convert_model, verify_layout
 from tests.helpers import warm
 
 STEPS = 3
@@ -132,7 +132,17 @@ def run_loop(rank: int, lines: Lines) -> dict[str, Any]:
         result["copy"] = None
     except ValueError as error:
         result["copy"] = str(error)
-    result["lines"] = lines.lines
+    result["lines"] = list(lines.lines)
+    # a ChannelsLastRun made before fully_shard (sharded=True): its check names the engine that sharded the model
+    model = tiny_net()
+    run = ChannelsLastRun(model, step=step, sharded=True)
+    shard(model)
+    run.optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    for x, y in run.batches(batches(rank)[:1]):
+        step(model, (x, y)).backward()
+        run.optimizers[0].step()
+    result["run_check"] = {"verdict": run.layout_checks["train"].verdict, "reason": run.layout_checks["train"].reason,
+                           "sharding": run.session.sharding}
     return result
 
 
