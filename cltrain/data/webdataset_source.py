@@ -135,7 +135,8 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
         augment = getattr(self.transform, "augment", None)
 
         def kept() -> Iterator[tuple[str, int, dict]]:
-            rng, buffer, group = random.Random(row_seed(seed, epoch, worker)), [], []
+            # the buffer's order is the rank's own: the same on every rank, each global batch held tar neighbours
+            rng, buffer, group = random.Random(row_seed(seed, epoch, worker, self.rank)), [], []
             items = self._samples(mine)
             for item in items:  # one of every world_size, whole groups only: every rank as many
                 group.append(item)
@@ -153,7 +154,7 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
         number = {s: k for k, s in enumerate(self.shards)}
 
         def samples() -> Iterator[tuple[Any, int]]:
-            stream, last = kept(), None
+            stream, last, owed = kept(), None, 0
             while True:
                 chunk = [item for _, item in zip(range(self.threads * 8), stream)]
                 if not chunk:
@@ -172,11 +173,14 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
                 for k, sample in enumerate(done):
                     if k in errors:
                         self.skip(f"{chunk[k][0]} sample {chunk[k][1]}", errors[k].reason or str(errors[k]))
-                        if last is None:
+                        if last is None:  # the first readable one will stand in
+                            owed += 1
                             continue
                         sample = last  # the last readable one stands in: every rank keeps its count (DDP in step)
                     last = sample
-                    yield sample
+                    for _ in range(1 + owed):
+                        yield sample
+                    owed = 0
 
         return samples()
 

@@ -204,6 +204,37 @@ def test_a_webdataset_run_trains_and_says_it_starts_a_stopped_epoch_again(wds_ur
     assert len(said) == 1 and "epoch 0 is read again from its first batch, after 1 batch(es)" in said[0], said
 
 
+def _local_wds(root: Path, images: list[bytes]) -> Path:
+    wds = pytest.importorskip("webdataset")
+    (root / "train").mkdir(parents=True)
+    with wds.TarWriter(str(root / "train" / "shard-0000.tar")) as sink:
+        for k, data in enumerate(images):  # the class is the sample's number: each sample known by its label
+            sink.write({"__key__": f"s{k:03d}", "jpg": data, "cls": str(k).encode()})
+    return root
+
+
+def test_webdataset_ranks_stay_in_step_when_a_bad_sample_comes_first_and_shuffle_apart(folder, tmp_path):
+    from cltrain.data import eval_transform
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    jpegs = [p.read_bytes() for p in sorted((folder / "train").rglob("*.jpg"))][:12]
+    root = _local_wds(tmp_path / "wds", [jpegs[0][:200], *jpegs[1:]])  # the first sample is cut short
+    labels = []
+    for rank in (0, 1):
+        ds = WebDatasetImages(root, "train", eval_transform(24, 28), rank=rank, world_size=2, shuffle_buffer=None,
+                              bad_files="skip", skip_log=tmp_path / f"skipped{rank}.tsv")
+        labels.append([y for _, y in ds])
+    assert len(labels[0]) == len(labels[1]) == 6  # rank 0's first sample is bad: the next readable one stands in
+    assert labels[0][:2] == [2, 2] and sorted(set(labels[0] + labels[1])) == list(range(1, 12))
+    shuffled, whole = [], _local_wds(tmp_path / "whole", jpegs)
+    for rank in (0, 1):
+        ds = WebDatasetImages(whole, "train", eval_transform(24, 28), rank=rank, world_size=2, shuffle_buffer=4)
+        shuffled.append([y for _, y in ds])
+    assert sorted(shuffled[0] + shuffled[1]) == list(range(12))  # every sample once over the ranks
+    # each rank's buffer has its own order: rank 1's samples are not rank 0's tar neighbours, place by place
+    assert [b - a for a, b in zip(*shuffled)] != [1] * 6, shuffled
+
+
 @pytest.fixture(scope="module")
 def mds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The folder as Mosaic's MDSWriter writes it (its README's columns: a PIL JPEG opened from the file, an int)."""
