@@ -16,14 +16,14 @@ stream still reads, nor race it), ``record_stream`` tells the caching allocator
 the compute stream uses the copied tensors, and a batch in pageable memory is
 warned about once (its ``non_blocking`` copy is synchronous).
 
-Its worker processes outlast the first SIGTERM and SIGINT (the second ends them as it would have): a signal sent to
-the whole process group (SLURM's ``scancel``, a preemption, Ctrl+C) reaches the workers too, and a worker killed by
-it was an error in the main process (``DataLoader worker ... is killed by signal: Terminated``), raised from its
-SIGCHLD handler wherever the main process was, a checkpoint's ``torch.save`` included, while the run was stopping
-cleanly at the batch's end. The main process ends its workers when it stops: its loaders shut them down, and at
-exit (before ``multiprocessing``'s own exit handler, whose SIGTERM a worker would let pass while that handler waited
-for it) every worker still alive is shut down as its iterator would, or killed. A worker whose main process is gone
-ends by itself (PyTorch's watchdog).
+Its worker processes let SIGTERM and SIGINT pass (a handler that does nothing, so a program a worker starts gets
+the default again): a signal sent to the whole process group (SLURM's ``scancel``, a preemption, Ctrl+C, a second
+one while the stopping run writes its checkpoint) reaches the workers too, and a worker killed by it was an error in
+the main process (``DataLoader worker ... is killed by signal: Terminated``), raised from its SIGCHLD handler
+wherever the main process was, a checkpoint's ``torch.save`` included. The main process decides: it ends its
+workers when it stops: its loaders shut them down, and at exit (before ``multiprocessing``'s own exit handler, whose
+SIGTERM a worker lets pass while that handler waited for it) every worker still alive is shut down as its iterator
+would, or killed. A worker whose main process is gone ends by itself (PyTorch's watchdog, within seconds).
 """
 
 from __future__ import annotations
@@ -149,15 +149,15 @@ def _finish(loader: DataLoader, pending: Any) -> Any:
 
 
 def _worker_start(user_init: Callable[[int], Any] | None, worker_id: int) -> None:
-    """The worker's first SIGTERM and SIGINT are noted and let pass (the module docstring); then ``user_init``."""
+    """The worker lets SIGTERM and SIGINT pass (the module docstring); then ``user_init``."""
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _let_first_pass)
+        signal.signal(signum, _let_pass)
     if user_init is not None:
         user_init(worker_id)
 
 
-def _let_first_pass(signum: int, frame: Any) -> None:
-    signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+def _let_pass(signum: int, frame: Any) -> None:
+    """Nothing: the main process ends the worker (not ``SIG_IGN``, which a program the worker starts would inherit)."""
 
 
 #: the worker-holding iterators of these loaders, ended at exit (``_end_workers``)

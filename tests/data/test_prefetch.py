@@ -249,10 +249,11 @@ loader = PrefetchDataLoader(Numbers(), batch_size=4, num_workers=2, persistent_w
 seen = []
 for i, batch in enumerate(loader):
     seen += batch.flatten().tolist()
-    if i == 2:  # the scheduler's SIGTERM to the whole process group reaches the workers too
-        for worker in loader._iterator._workers:
-            os.kill(worker.pid, signal.SIGTERM)
-        time.sleep(0.5)
+    if i == 2:  # the scheduler's SIGTERM to the whole process group reaches the workers too, and a second one
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+            for worker in loader._iterator._workers:
+                os.kill(worker.pid, signum)
+            time.sleep(0.3)
 print(sorted(seen) == list(range(64)), flush=True)
 for i, batch in enumerate(loader):  # the persistent workers, alive at exit, with an iterator left half read
     if i == 1:
@@ -260,10 +261,11 @@ for i, batch in enumerate(loader):  # the persistent workers, alive at exit, wit
 """
 
 
-def test_workers_outlast_a_first_sigterm_and_end_at_exit(tmp_path: Path) -> None:
+def test_workers_outlast_sigterms_and_sigints_and_end_at_exit(tmp_path: Path) -> None:
     # A SIGTERM to the process group killed the workers, and the main process raised "DataLoader worker ... is killed
     # by signal: Terminated" from its SIGCHLD handler wherever it was (inside a checkpoint's torch.save), while the
-    # run was stopping at the batch's end. Workers that let a first signal pass must still end at exit: a persistent
+    # run was stopping at the batch's end; a second one, while the run wrote its checkpoint. Workers that let
+    # signals pass must still end at exit: a persistent
     # loader's, left alive, made multiprocessing's exit handler wait for ever on a worker that let its SIGTERM pass.
     script = tmp_path / "signalled.py"
     script.write_text(_SIGNALLED_WORKERS)
