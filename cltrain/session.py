@@ -200,6 +200,7 @@ class LayoutSession:
         self._told: set[str] = set()
         self._utilities: contextlib.ExitStack | None = None
         self._step: tuple[tuple[Any, ...], int, StepTimer] | None = None
+        self._step_layout, self._step_disturbed = "channels_last", False  # the open step's layout; an evaluation in it
         self._key: tuple[Any, ...] | None = None
         self._watched: dict[int, Any] = {}  # id(optimizer) -> its step hook's handle
         self._examined: set[int] = set()  # the host's optimizers looked at by _watch
@@ -353,9 +354,13 @@ class LayoutSession:
                 self._watch()
             if self._step is None:
                 self._begin_training_step(batch, model)
-        elif self.layout != self._settled() and not self.host.evaluates_alone():
-            self._switch(model, self._settled())  # an evaluation in the middle of a race runs in the default (not on
-            # one rank alone: each switch has DDP's buckets built again, which every rank must join)
+            elif self.layout != self._step_layout:  # an evaluation inside the step (gradient accumulation) switched
+                self._switch(model, self._step_layout)
+        else:
+            self._step_disturbed = self._step is not None  # its time holds the evaluation's: not a sample of the race
+            if self.layout != self._settled() and not self.host.evaluates_alone():
+                self._switch(model, self._settled())  # an evaluation in the middle of a race runs in the default
+                # (not on one rank alone: each switch has DDP's buckets built again, which every rank must join)
         if check is not None:
             self.check(kind, model, check)  # a "contiguous" verdict puts the model, and so its inputs, in NCHW
         if self.convert_inputs:
@@ -429,7 +434,7 @@ class LayoutSession:
         self._step = None
         if not completed:
             return
-        self.race.record(key, size, self.layout, clock.stop())
+        self.race.record(key, size, self.layout, clock.stop(), timed=not self._step_disturbed)
         self._judging = True
         if judge:
             self._judge(model)
@@ -473,6 +478,7 @@ class LayoutSession:
             self._switch(model, want)
         if key not in self.race.decisions and self.untimed is None:
             self._step = (key, int(image.shape[0]), StepTimer(self.device))
+            self._step_layout, self._step_disturbed = self.layout, False
             self._step[2].start()  # the inputs' conversion is part of the step: NCHW pays it with NHWC batches
 
     def _compiles(self) -> bool:
@@ -555,7 +561,8 @@ class LayoutSession:
         self.convert_copies(self.host.copies())
         self.summary = layout_summary(model, buffers=True)
         self.say(self.decision_line(decision), False)
-        self.host.log({f"channels_last/step_seconds_{k}": v for k, v in decision.seconds.items()})
+        if decision.seconds:
+            self.host.log({f"channels_last/step_seconds_{k}": v for k, v in decision.seconds.items()})
 
     def decision_line(self, decision: LayoutDecision) -> str:
         """The one line that says what the race kept, by how much, and how to pin it."""
@@ -577,7 +584,10 @@ class LayoutSession:
             return f"ChannelsLast: the checkpoint's race decision holds here {where}: {name}{timed} ({pin})."
         seconds = decision.seconds
         nchw_ahead = len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"]
-        if decision.how == "tie":
+        if len(seconds) < 2:  # "untimed"
+            head = (f"the layouts were not timed apart here {where} in {self.race.max_rounds} rounds (steps of other "
+                    "batch sizes, or evaluations, in each): kept channels_last")
+        elif decision.how == "tie":
             head = f"channels_last and NCHW within {100 * self.race.margin:.0f}% here {where}: kept channels_last"
         elif decision.layout == "channels_last" and nchw_ahead:  # noisy: NCHW's lead not beyond doubt
             head = (f"NCHW {decision.ratio:.2f}x faster by the medians here {where}, too noisy to tell: "

@@ -78,7 +78,8 @@ class LayoutDecision:
         key: the kind of batch: ``(shape without the batch size, precision, device)``.
         layout: ``"channels_last"`` or ``"contiguous"``, the layout kept.
         how: ``"timed"``, ``"tie"`` (within the margin), ``"noisy"`` (the budget ran out: the default kept unless
-            NCHW was faster beyond doubt), or ``"restored"`` (from a checkpoint).
+            NCHW was faster beyond doubt), ``"untimed"`` (the rounds ran out before both layouts had a step to
+            compare: the default kept), or ``"restored"`` (from a checkpoint).
         seconds: the median seconds per step of each layout.
         samples: the steps timed in each layout.
         extra_seconds: what the steps in the slower layout cost over the faster one's time.
@@ -184,8 +185,9 @@ class LayoutRace:
             return "channels_last"
         return _ROUND[(heat.position - self.warmup) % len(_ROUND)]
 
-    def record(self, key: Hashable, batch: int, layout: str, seconds: float | Any) -> None:
-        """The training step of ``key`` that just ran, with ``batch`` samples, in ``layout``, took ``seconds``."""
+    def record(self, key: Hashable, batch: int, layout: str, seconds: float | Any, timed: bool = True) -> None:
+        """The training step of ``key`` that just ran, with ``batch`` samples, in ``layout``, took ``seconds``
+        (``timed=False``: a step whose time is not its own, such as one an evaluation ran inside)."""
         heat = self._heat
         if key in self.decisions or heat is None or heat.key != key:
             return
@@ -195,12 +197,15 @@ class LayoutRace:
             if heat.position > 1 and layout == "channels_last":  # the race's first step is the check's: not even that
                 heat.warm.append(seconds)
             return
-        if heat.batch is None:
+        if heat.batch is None or batch > heat.batch:  # the full batch: a smaller one before was a last, partial one
+            for name, times in heat.times.items():
+                heat.untimed[name] += len(times)
+                times.clear()
             heat.batch = batch
         first_nchw = position == _ROUND.index("contiguous")  # the very first NCHW step warms its kernels up
         if first_nchw:
             heat.first_nchw = seconds
-        if first_nchw or batch != heat.batch or layout != _ROUND[position % len(_ROUND)]:
+        if first_nchw or not timed or batch != heat.batch or layout != _ROUND[position % len(_ROUND)]:
             heat.untimed[layout] += 1
             return
         heat.times[layout].append((position // len(_ROUND), seconds))
@@ -218,8 +223,12 @@ class LayoutRace:
     def judge(self) -> LayoutDecision | None:
         """The decision at the end of a round (``None``: another round), from the times recorded on this rank."""
         heat = self._heat
-        if heat is None or not all(len(heat.times[layout]) for layout in LAYOUTS):
+        if heat is None:
             return None
+        if not all(len(heat.times[layout]) for layout in LAYOUTS):  # steps of other sizes, or evaluations, in between
+            if (heat.position - self.warmup) // len(_ROUND) < self.max_rounds:
+                return None
+            return LayoutDecision(heat.key, "channels_last", "untimed", {}, self._samples(heat))
         heat.times = {k: [(r, float(t)) for r, t in v] for k, v in heat.times.items()}  # a device's lazy times, read
         heat.warm, heat.first_nchw = [float(t) for t in heat.warm], _float(heat.first_nchw)
         cl, nchw = [t for _, t in heat.times["channels_last"]], [t for _, t in heat.times["contiguous"]]

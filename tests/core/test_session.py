@@ -276,7 +276,10 @@ class ScriptedClock:
         return ScriptedClock.times[self.layout]
 
 
-def _race_run(monkeypatch, host: Host, times: dict[str, float], steps: int = 12):
+def _race_run(monkeypatch, host: Host, times: dict[str, float], steps: int = 12, sizes: tuple[int, ...] = (4,),
+              batches: int = 1, evaluate: int = 0):
+    """``steps`` training steps of ``batches`` batches each (gradient accumulation), the batch sizes cycling through
+    ``sizes``; every ``evaluate``-th step (0: none) has an evaluation batch between its batches."""
     import cltrain.session
 
     monkeypatch.setattr(cltrain.session, "StepTimer", ScriptedClock)
@@ -289,14 +292,22 @@ def _race_run(monkeypatch, host: Host, times: dict[str, float], steps: int = 12)
     ScriptedClock.session = session
     session.start(model, device="cpu")
     layouts = []
-    for _ in range(steps):
-        batch = (torch.randn(4, 3, 8, 8),)
-        batch = session.batch("train", batch, model)
-        layouts.append((session.layout, is_channels_last(model[0].weight), is_channels_last(batch[0])))
-        model(batch[0]).sum().backward()
+    for step in range(steps):
+        for k in range(batches):
+            if k and evaluate and step % evaluate == 0:
+                with torch.no_grad():
+                    model(session.batch("eval", (torch.randn(2, 3, 8, 8),), model)[0])
+                session.batch_end()
+            batch = (torch.randn(sizes[step % len(sizes)], 3, 8, 8),)
+            batch = session.batch("train", batch, model)
+            if k == 0:
+                layouts.append((session.layout, is_channels_last(model[0].weight), is_channels_last(batch[0])))
+            else:  # the step's batches all run in its layout
+                assert layouts[-1] == (session.layout, is_channels_last(model[0].weight), is_channels_last(batch[0]))
+            model(batch[0]).sum().backward()
+            session.batch_end()
         optimizer.step()
         optimizer.zero_grad()
-        session.batch_end()
         session.step_end(model)
     session.end(model)
     return session, model, optimizer, layouts
@@ -351,6 +362,26 @@ def test_a_restored_decision_says_which_layout_was_faster_when_timed(seconds, sa
                                           {"channels_last": 10, "contiguous": 9})
     assert session.decision_line(decision) == ("ChannelsLast: the checkpoint's race decision holds here (bf16, cpu, "
                                                f"32x32 px): {said} (pin it with layout='channels_last').")
+
+
+@pytest.mark.parametrize("how", ["a last, smaller batch each epoch", "evaluations inside accumulated steps"])
+def test_the_race_decides_with_partial_batches_and_evaluations_inside_steps(monkeypatch, how) -> None:
+    # a last, smaller batch first timed became the race's batch size and every full one was left out: no decision,
+    # NCHW steps for ever; an evaluation inside a step switched its later batches to channels_last
+    kwargs = {"sizes": (4, 4, 4, 2)} if how.startswith("a last") else {"batches": 2, "evaluate": 3}
+    session, model, _, _ = _race_run(monkeypatch, Host(), {"channels_last": 0.3, "contiguous": 0.2}, steps=40, **kwargs)
+    assert session.decision is not None and session.decision.layout == "contiguous", session.race.state_dict()
+    assert model[0].weight.is_contiguous()
+
+
+def test_a_race_that_cannot_time_both_layouts_ends_at_its_last_round_in_channels_last(monkeypatch) -> None:
+    said = []
+    # an evaluation inside every step: no step's time is its own
+    session, model, _, layouts = _race_run(monkeypatch, Host(lambda line, warn: said.append(line)),
+                                           {"channels_last": 0.3, "contiguous": 0.2}, steps=110, batches=2, evaluate=1)
+    assert session.decision.how == "untimed" and session.decision.layout == "channels_last"
+    assert [layout for layout, _, _ in layouts[-5:]] == ["channels_last"] * 5 and is_channels_last(model[0].weight)
+    assert any("were not timed apart here" in line and "kept channels_last" in line for line in said), said
 
 
 def test_the_race_keeps_channels_last_where_it_is_faster_and_a_pinned_layout_never_races(monkeypatch) -> None:
