@@ -125,10 +125,20 @@ class ImageClassifier(LightningModule):
         """Optimizer steps in one training epoch on this rank."""
         if self.trainer.train_dataloader is None:  # not loaded yet (max_epochs=-1 with max_steps)
             self.trainer.fit_loop.setup_data()
-        batches = self.trainer.num_training_batches
-        if batches == float("inf"):
-            raise RuntimeError("the epoch-based schedule needs a training DataLoader with a length")
-        return max(1, -(-int(batches) // self.trainer.accumulate_grad_batches))
+        trainer = self.trainer
+        batches = trainer.num_training_batches
+        if batches == float("inf"):  # a stream: its epoch in steps from the samples the config says it holds
+            samples = getattr(trainer.datamodule, "samples_per_epoch", None)
+            if samples is None and hasattr(trainer.datamodule, "samples_per_epoch"):
+                raise ConfigError("data.samples_per_epoch", None, "a stream of WebDataset shards has no length, and "
+                                  "the learning-rate schedule counts its epochs in steps: set it to the training "
+                                  "samples of an epoch (1281167 for ImageNet)")
+            if samples is None:
+                raise ConfigError("trainer.limit_train_batches", trainer.limit_train_batches, "a streamed dataset has "
+                                  "no length, and the learning-rate schedule counts its epochs in steps: set it to the "
+                                  "batches of an epoch on each rank (a whole number)")
+            batches = max(1, samples // (trainer.world_size * trainer.datamodule.batch_size))  # whole batches
+        return max(1, -(-int(batches) // trainer.accumulate_grad_batches))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         images, targets = batch

@@ -53,13 +53,13 @@ import torch
 from cltrain.data.augment_group import Augmentation, RandomCrop
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, KINETICS_MEAN, KINETICS_STD
 from cltrain.data.source_settings import (ClipSampling, FolderChecks, HFSource, LitDataSource, MDSColumns,
-                                          PackReading, ShardCache, Splits, StreamOrder, _fail)
+                                          PackReading, ShardCache, Splits, StreamLength, StreamOrder, _fail)
 
 __all__ = [
     "CLIPS", "DATAMODULE_SETTINGS", "HF", "IMAGES", "IMAGE_FOLDER", "LITDATA", "MDS", "SHARDS", "WEBDATASET",
     "Augmentation", "BadFilePolicy", "ClipCrop", "ClipLoading", "ClipPixels", "ClipSampling", "Crop", "Decoding",
     "FolderChecks", "HFSource", "LitDataSource", "Loading", "MDSColumns", "PackReading", "Pixels", "RandomCrop",
-    "ShardCache", "Splits", "StreamOrder",
+    "ShardCache", "Splits", "StreamLength", "StreamOrder",
 ]
 
 
@@ -249,7 +249,7 @@ SHARDS = (*IMAGES, PackReading, ShardCache)
 HF = (*IMAGES, HFSource)
 LITDATA = (*IMAGES, Splits, LitDataSource)
 MDS = (*IMAGES, Splits, MDSColumns, ShardCache)
-WEBDATASET = (*IMAGES, Splits, StreamOrder, ShardCache)
+WEBDATASET = (*IMAGES, Splits, StreamOrder, StreamLength, ShardCache)
 CLIPS = (ClipLoading, ClipCrop, ClipPixels, ClipSampling, RandomCrop, BadFilePolicy)
 
 #: Every DataModule's class path -> its settings groups, in the order of its arguments.

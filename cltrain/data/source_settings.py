@@ -213,6 +213,26 @@ class StreamOrder:
 
 
 @dataclass(frozen=True)
+class StreamLength:
+    """The length of a stream of WebDataset shards (``WebDatasetModule``), which it cannot read.
+
+    Args:
+        samples_per_epoch: the training samples of an epoch, over all ranks, for an epoch-based learning-rate
+            schedule (the app's); ``None``: not given (the app asks for it).
+    """
+
+    key: ClassVar[str] = "length"
+
+    samples_per_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.samples_per_epoch is not None and not (isinstance(self.samples_per_epoch, int)
+                                                       and self.samples_per_epoch >= 1):
+            _fail(self, f"samples_per_epoch={self.samples_per_epoch!r} must be None (null) or a whole number >= 1 (the "
+                  "training samples of an epoch, over all ranks).")
+
+
+@dataclass(frozen=True)
 class ClipSampling:
     """Which frames make a clip (``ClipFolderDataModule``).
 

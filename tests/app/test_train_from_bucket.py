@@ -160,3 +160,21 @@ def test_a_second_signal_while_a_download_hangs_stops_the_run_at_once(server, ur
     assert code == 130 and took < 15, (code, took, out[-2000:])
     assert "a second signal stopped the run at once" in out and "Traceback" not in out, out[-2000:]
     assert not [p for p in _files(tmp_path / "cache") if p.name.startswith(TEMP_PREFIX)]
+
+
+def test_a_webdataset_stream_trains_once_its_epoch_length_is_given(server, local_pack, tmp_path):
+    # a pack's shards are WebDataset tars; a stream has no length, and the schedule counts its epochs in steps: the
+    # app could never train on data=webdataset (a traceback, exit 1); now one line asks for the length, then it trains
+    import json
+
+    classes = len(json.loads((local_pack / "shards.json").read_text())["classes"])
+    args = [a for a in _args(str(local_pack), tmp_path / "run", 1) if not a.startswith(("data=", "data.root"))]
+    args = [*args, "data=webdataset", f"data.root={local_pack}", f"data.num_classes={classes}", "data.num_workers=0",
+            "trainer.limit_train_batches=1.0"]  # the whole stream: no count of batches to take instead
+    line, _ = _fails(args, _env(server, tmp_path / "cache"))
+    assert "data.samples_per_epoch=null" in line and "no length" in line, line
+    done = warm.run([sys.executable, str(REPO / "train.py"), *args, "data.samples_per_epoch=32",
+                     f"hydra.run.dir={tmp_path / 'run2'}"], capture_output=True, text=True, cwd=REPO,
+                    env=_env(server, tmp_path / "cache"), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run2" / "metrics.json").read_text())["status"] == "completed"
