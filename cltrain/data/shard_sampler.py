@@ -12,6 +12,8 @@ Example::
     >>> s = ShardBatchSampler(range(33), batch_size=4, num_replicas=2, rank=1)
     >>> [len(b) for b in s]
     [4, 4, 4, 2, 2]
+    >>> rank_batch_sizes(21, 4, 1, 0)  # no batch of one image (BatchNorm in training) where it can be helped
+    [4, 4, 4, 4, 3, 2]
 
 A resumed epoch serves the positions of its order that the stopped run had not read (``read``): on the same number
 of ranks that is the stopped run's own split, skipped to its place; on another number, the positions left are split
@@ -47,13 +49,17 @@ def rank_batch_sizes(num_samples: int, batch_size: int, num_replicas: int, rank:
     base, extra = divmod(num_samples, num_replicas)
     mine = base + (rank < extra)
     steps = math.ceil((base + (extra > 0)) / batch_size)
-    sizes = [batch_size] * (steps - 1) + [mine - batch_size * (steps - 1)]
-    if sizes[-1] == 0:  # one sample short of a full last batch's worth: the last two batches share it
-        if batch_size == 1:
-            raise ValueError(f"batch_size=1 with {num_samples} samples on {num_replicas} ranks gives the ranks different "
-                             "step counts; use batch_size >= 2 or a sample count divisible by the number of ranks.")
-        sizes[-2:] = [batch_size - batch_size // 2, batch_size // 2]
-    return sizes
+    if mine < steps:  # batch_size=1, a rank one sample short
+        raise ValueError(f"batch_size=1 with {num_samples} samples on {num_replicas} ranks gives the ranks different "
+                         "step counts; use batch_size >= 2 or a sample count divisible by the number of ranks.")
+    # full batches, then the fewest last batches that share the rest with two or more images each (a batch of one
+    # trains BatchNorm on the statistics of one image), or all of them evenly where none can
+    for k in range(1, steps + 1):
+        rest = mine - batch_size * (steps - k)
+        if rest >= 2 * k:
+            break
+    share, more = divmod(rest, k)
+    return [batch_size] * (steps - k) + [share + 1] * more + [share] * (k - more)
 
 
 def check_window(shuffle_window: int | None, owner: str) -> int | None:

@@ -156,6 +156,20 @@ def test_rank_batch_sizes_give_equal_steps_and_every_sample_once(n: int, batch: 
     assert sum(map(sum, sizes)) == n and all(1 <= b <= batch for s in sizes for b in s)
 
 
+def test_rank_batch_sizes_make_no_batch_of_one_where_the_batch_size_allows() -> None:
+    # 21 images in batches of 4 ended in a batch of 1: ResNet's BatchNorm at 32 px raised in training
+    # ("Expected more than 1 value per channel"), where the folder's loader (drop_last) trained
+    for n in range(2, 80):
+        for batch in (3, 4, 5, 8):
+            for world in (1, 2, 3):
+                if n < 2 * world:
+                    continue
+                sizes = [rank_batch_sizes(n, batch, world, r) for r in range(world)]
+                assert len({len(s) for s in sizes}) == 1 and sum(map(sum, sizes)) == n
+                # where a rank's images fill its batches with two or more each
+                assert all(min(s) >= 2 for s in sizes if sum(s) >= 2 * len(s)), (n, batch, world, sizes)
+
+
 def test_rank_batch_sizes_refuse_what_cannot_stay_in_step() -> None:
     with pytest.raises(ValueError, match="batch_size=1"):
         rank_batch_sizes(5, 1, 2, 1)
