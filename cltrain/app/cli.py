@@ -25,13 +25,9 @@ from omegaconf import DictConfig
 
 from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir
 
-__all__ = ["CONFIG_DIR", "compose_config", "main"]
-
-#: The folder Hydra composes from (``cltrain.app.config.config_dir``).
-CONFIG_DIR = config_dir()
+__all__ = ["compose_config", "main"]
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def _run(cfg: DictConfig) -> float | None:
     """One run; returns validation top-1 (%), the value Hydra's sweepers (Optuna) maximise."""
     from cltrain.app.finite import NonFiniteLossError
@@ -87,8 +83,9 @@ def _redact_job_files() -> None:
 def main() -> None:
     """Entry point of ``train.py`` and ``cltrain-train``."""
     try:
+        folder = config_dir()  # here, not at import: a bad $CLTRAIN_CONFIG_DIR is one line too
         check_command_line(sys.argv[1:])
     except ConfigError as err:
         print(f"cltrain: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    _run()
+    hydra.main(version_base="1.3", config_path=str(folder), config_name="config")(_run)()

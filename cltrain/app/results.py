@@ -8,6 +8,7 @@ accuracy, checkpoints, the layout the model trained in, the guardrails and layou
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 import time
@@ -28,7 +29,7 @@ from cltrain.app.rundir import is_slurm_requeue
 from cltrain.app.callbacks import RunCallbacks
 from cltrain.data.remote import redact, redacted
 
-__all__ = ["RunResults", "resume_command", "summary_line"]
+__all__ = ["RunResults", "resume_command", "resume_line", "summary_line"]
 
 
 @dataclass
@@ -74,14 +75,36 @@ class RunResults:
 
 
 def resume_command(run_dir: Path) -> str:
-    """The command that resumes this run from its ``last.ckpt`` (the same overrides, in a new run directory)."""
+    """The command that resumes this run from its ``last.ckpt`` (the same overrides, in a new run directory), with
+    every secret in it shown as ``***`` (``redact``)."""
+    return " ".join(shlex.quote(redact(a)) for a in _resume_args(run_dir))
+
+
+def resume_line(run_dir: Path) -> str:
+    """``resume with: <command>``, after a word on the secrets left out of the command where there were any."""
+    left_out = any(redact(a) != a for a in _resume_args(run_dir))
+    return ("the secrets shown as *** are left out of this command: put them back, then " if left_out else "") + \
+        f"resume with: {resume_command(run_dir)}"
+
+
+def _resume_args(run_dir: Path) -> list[str]:
     overrides: list[str] = []
-    if HydraConfig.initialized():
+    if HydraConfig.initialized():  # as typed: they parsed once, so they parse again
         overrides = [o for o in HydraConfig.get().overrides.task
                      if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "run_dir")]
-    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "train.py"
-    args = [*overrides, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
-    return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in args)])
+    # the console script (cltrain-train) has no train.py of its own to run
+    script = ["python", sys.argv[0]] if sys.argv and sys.argv[0].endswith(".py") else ["cltrain-train"]
+    return [*script, *overrides, f"ckpt_path={_hydra_value(str(run_dir / 'checkpoints' / 'last.ckpt'))}"]
+
+
+def _hydra_value(text: str) -> str:
+    """``text`` as a Hydra override's value: a plain path as it is, else quoted (a space, a non-ASCII letter, a
+    parenthesis or a comma is Hydra syntax or a lexer error unquoted; ``true``, ``1e5`` would not be text)."""
+    if "/" in text and re.fullmatch(r"[A-Za-z0-9_/.+%@:-]+", text):
+        return text
+    # inside quotes Hydra 1.3 reads a backslash as an escape only before a quote or at the end
+    return '"' + re.sub(r'(\\*)("|\Z)', lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""),
+                        text) + '"'
 
 
 def _percent(metrics: dict[str, Any], key: str) -> float | None:
@@ -150,7 +173,7 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run
         "val_top5": _percent(logged, "val/top5"),
         "val_loss": None if logged.get("val/loss") is None else round(float(logged["val/loss"]), 4),
         "best_val_top1": None if best is None else round(100.0 * float(best), 3),
-        "train_top1": _percent(logged, "train/top1_epoch"),
+        "train_top1": _percent(logged, "train/top1"),  # logged per epoch only: no _epoch suffix
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
         "best_checkpoint": _checkpoint_path(best_cb.best_model_path, run_dir) if best_cb is not None else None,

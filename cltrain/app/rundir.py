@@ -126,9 +126,19 @@ def claim_run_dir(run_dir: str | os.PathLike, key: str = "run_dir", next_free: b
 
     Raises:
         ConfigError: ``run_dir`` is a file, holds an earlier run, holds files that are
-            not a run of ours, or is claimed by another running process.
+            not a run of ours, is claimed by another running process, or cannot be created or written.
     """
     path = Path(run_dir).expanduser().absolute()
+    try:
+        return _claim(path, key, next_free)
+    except OSError as err:  # a read-only place, a file where a folder must be: the user's to choose another
+        why = "a file is in the way" if isinstance(err, FileExistsError) else err.strerror or str(err)
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+        raise ConfigError(key, str(path), f"cannot be created or written: {why}{where}",
+                          f"another {key}, in a folder you can write to") from None
+
+
+def _claim(path: Path, key: str, next_free: bool) -> Path:
     if is_launched_child():
         path.mkdir(parents=True, exist_ok=True)
         return path

@@ -42,7 +42,7 @@ from cltrain.app.groups import build_loggers
 from cltrain.app.launch import check_launch
 from cltrain.app.models import build_classifier, check_input_size
 from cltrain.app.prepare import apply_cuda_math, build_lightning_module, prepare_model
-from cltrain.app.results import RunResults, resume_command, summary_line
+from cltrain.app.results import RunResults, resume_command, resume_line, summary_line
 from cltrain.app.rundir import run_dir_of
 from cltrain.app.signals import RunInterrupted, SignalStop
 from cltrain.checkpoint_io import AtomicCheckpointIO
@@ -159,7 +159,7 @@ def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: 
                 logger.finalize("KILLED")
     if trainer.is_global_zero:
         last = metrics.get("last_checkpoint")
-        how = f"resume with: {resume_command(run_dir)}" if last else "no checkpoint was written " + (
+        how = resume_line(run_dir) if last else "no checkpoint was written " + (
             "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
         if at_once and last:  # the command last: a line copied to its end runs
             how = f"a second signal stopped it in the middle of a step (its last.ckpt is the latest whole state, " \

@@ -60,7 +60,7 @@ def _args(demo_args: list[str], run_dir: Path, epochs: int = 50) -> list[str]:
     return ["experiment=smoke", *demo_args, "device=cpu", "amp=false", f"trainer.max_epochs={epochs}",
             "channels_last_layout=channels_last",
             "ema.enabled=true", "data.num_workers=2", "trainer.enable_progress_bar=false", "print_freq=1",
-            f"hydra.run.dir={run_dir}"]
+            f"hydra.run.dir='{run_dir}'"]
 
 
 def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -71,7 +71,7 @@ def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_sigterm_saves_last_state_and_the_printed_command_resumes_at_that_step(demo_args: list[str],
                                                                              tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "run ü (1)"  # the printed command quotes its ckpt_path for Hydra and for the shell
     status, out = run_until_signalled(_args(demo_args, run_dir, epochs=2), signal.SIGTERM, "Epoch: [1][2/")
     assert status == 143, out[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())

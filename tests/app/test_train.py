@@ -127,6 +127,9 @@ def test_compile_after_the_layout_conversion(demo_root: Path, tmp_path: Path) ->
 def test_seed_and_deterministic_runs_repeat(demo_root: Path, tmp_path: Path) -> None:
     runs = [tiny(demo_root, tmp_path / f"run{i}", "trainer.deterministic=true", "seed=7", "amp=false") for i in range(2)]
     assert runs[0]["val_loss"] == runs[1]["val_loss"] and runs[0]["train_top1"] == runs[1]["train_top1"]
+    # a real number, the one the csv logger holds (logged per epoch only: "train/top1", with no "_epoch" suffix)
+    rows = [r for r in csv.DictReader(open(tmp_path / "run0" / "csv" / "metrics.csv")) if r.get("train/top1")]
+    assert 0 <= runs[0]["train_top1"] <= 100 and runs[0]["train_top1"] == round(100 * float(rows[-1]["train/top1"]), 3)
 
 
 def test_an_existing_run_directory_is_never_overwritten(demo_root: Path, tmp_path: Path) -> None:

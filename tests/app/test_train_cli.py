@@ -156,3 +156,38 @@ def test_a_bad_file_met_in_a_worker_is_one_line_and_exit_status_2(tmp_path: Path
     assert line.startswith(f"cltrain: error: {root / 'train' / 'c0'}/") and ": cannot be read as an image (" in line, line
     assert line.endswith("Replace or remove the file, or pass bad_files='skip' to skip such files."), line
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize("key", ["run_dir", "hydra.run.dir"])
+def test_a_run_directory_that_cannot_be_created_is_one_line_and_exit_status_2(tmp_path: Path, key: str) -> None:
+    # a file where a folder must be: as a read-only place, an OSError that was a traceback (exit status 1)
+    (tmp_path / "afile").write_text("")
+    where = tmp_path / "afile" / "run"
+    result = run(*SMOKE, "device=cpu", f"hydra.run.dir={tmp_path / 'hydra'}", f"{key}={where}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (f"cltrain: error: {key}='{where}': cannot be created or written: a file is in "
+                                     f"the way ({tmp_path / 'afile'}) (allowed: another {key}, in a folder you can "
+                                     "write to)"), result.stderr[-3000:]
+
+
+def test_a_bad_config_dir_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CLTRAIN_CONFIG_DIR": str(tmp_path / "none")}
+    env.pop("LOCAL_RANK", None)
+    result = warm.run([sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}"],
+                      capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().startswith(f"cltrain: error: CLTRAIN_CONFIG_DIR='{tmp_path / 'none'}': no config.yaml "
+                                            "in that folder"), result.stderr[-3000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override,shown", [
+    ("model.pretrained='https://u:SECRETPW@h/w.pth'", "model.pretrained='https://***@h/w.pth': no such file"),
+    ("ckpt_path='https://u:SECRETPW@h/w.ckpt'", "ckpt_path='https://***@h/w.ckpt': no such file"),
+    ("+chanels_last='https://h/p?sig=SECRETPW'", "chanels_last='https://h/p?sig=***': unknown key"),
+])
+def test_a_bad_value_holding_a_secret_is_shown_without_it(tmp_path: Path, override: str, shown: str) -> None:
+    result = run(override, "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"cltrain: error: {shown}"), result.stderr[-3000:]
+    assert "SECRETPW" not in result.stderr + result.stdout

@@ -1,6 +1,6 @@
 """``ConfigError``: the one error type the training application shows as one line (exit status 2).
 
-A module of its own, with no imports: every module that raises it (the config checks, ``models``,
+A module of its own, with no imports at load time: every module that raises it (the config checks, ``models``,
 ``datasource``, ``rundir``) imports it without importing Hydra or each other.
 """
 
@@ -27,11 +27,15 @@ class ConfigError(ValueError):
 
         >>> str(ConfigError("seed", "abc", "must be a whole number"))
         "seed='abc': must be a whole number"
+        >>> str(ConfigError("model.pretrained", "https://u:pw@host/w.pth", "no such file"))
+        "model.pretrained='https://***@host/w.pth': no such file"
     """
 
     def __init__(self, key: str, value: Any, reason: str, allowed: str | None = None) -> None:
+        from cltrain.data.remote import redact  # here: a value may be a URL with its password, and errors are printed
+
         self.key, self.value, self.reason, self.allowed = key, value, reason, allowed
         message = f"{key}={show(value)}: {reason}"
         if allowed:
             message += f" (allowed: {allowed})"
-        super().__init__(message)
+        super().__init__(redact(message))
