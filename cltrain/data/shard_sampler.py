@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from cltrain.data.resume_state import SeededIndex
 
-__all__ = ["ShardBatchSampler", "check_window", "rank_batch_sizes"]
+__all__ = ["EveryImageOnce", "ShardBatchSampler", "check_window", "rank_batch_sizes"]
 
 
 def rank_batch_sizes(num_samples: int, batch_size: int, num_replicas: int, rank: int) -> list[int]:
@@ -185,3 +185,36 @@ class ShardBatchSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+
+class EveryImageOnce(BatchSampler):
+    """Evaluation batches of one rank, in order: every sample once over the ranks, each rank as many batches
+    (``rank_batch_sizes``), where Lightning's ``DistributedSampler`` repeats samples to pad the ranks' shares, and
+    so counts them twice in the accuracy. Under DDP Lightning injects its ``DistributedSampler`` as ``sampler``: its
+    ranks and dataset are taken, its padded order left. Where the ranks cannot stay in step so (fewer samples than
+    ranks, batches of one), the injected sampler's batches, as Lightning would make them.
+    """
+
+    def __init__(self, sampler: Sampler | Any, batch_size: int, drop_last: bool = False) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        ranks = isinstance(sampler, DistributedSampler)
+        world, rank = (sampler.num_replicas, sampler.rank) if ranks else (1, 0)
+        n = len(sampler.dataset) if ranks else len(sampler)
+        try:
+            sizes = [rank_batch_sizes(n, batch_size, world, r) for r in range(world)]
+        except ValueError:
+            self.sizes, self.start = None, 0
+            return
+        self.sizes, self.start = sizes[rank], sum(map(sum, sizes[:rank]))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.sizes is None:
+            yield from super().__iter__()
+            return
+        start = self.start
+        for size in self.sizes:
+            yield list(range(start, start + size))
+            start += size
+
+    def __len__(self) -> int:
+        return super().__len__() if self.sizes is None else len(self.sizes)

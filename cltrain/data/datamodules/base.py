@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, SequentialSampler
 from typing_extensions import override
 
 from cltrain.data.datamodules.arguments import bind_settings, signature_of
@@ -44,6 +44,7 @@ from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
 from cltrain.data.remote import is_url, redact, root_of
 from cltrain.data.resume_state import ResumableSampler, is_resumable
 from cltrain.data.running_stats import RunningStats
+from cltrain.data.shard_sampler import EveryImageOnce
 from cltrain.data.stream_place import is_stream
 
 __all__ = ["BatchDataModule"]
@@ -149,14 +150,17 @@ class BatchDataModule(L.LightningDataModule):
 
     def _batching(self, dataset: Dataset, train: bool, drop_last: bool | None) -> dict[str, Any]:
         """How the loader makes batches: shuffled and cut to whole batches for training (unless
-        ``drop_last`` says), every sample kept for validation, test and predict."""
+        ``drop_last`` says), every sample kept once for validation, test and predict (under DDP too:
+        ``EveryImageOnce``)."""
+        collate = self._collate(pin_memory=self._pin and self.num_workers == 0)  # workers: the loader pins
+        if not train and not drop_last and not isinstance(dataset, IterableDataset):
+            return dict(batch_sampler=EveryImageOnce(SequentialSampler(dataset), self.batch_size), collate_fn=collate)
         order: dict[str, Any] = {"shuffle": train}
         if train and not isinstance(dataset, IterableDataset):  # the epoch's order travels in checkpoints
             order = {"sampler": ResumableSampler(len(dataset), num_replicas=getattr(self.trainer, "world_size", 1),
                                                  rank=getattr(self.trainer, "global_rank", 0))}
         return dict(batch_size=self.batch_size, drop_last=train if drop_last is None else drop_last,
-                    collate_fn=self._collate(pin_memory=self._pin and self.num_workers == 0),  # workers: the loader pins
-                    **order)
+                    collate_fn=collate, **order)
 
     def _loader(self, dataset: Dataset | None, train: bool, drop_last: bool | None = None) -> PrefetchDataLoader:
         if dataset is None:

@@ -7,7 +7,8 @@ buffers cross the process boundary and the host-to-device copy; the batch is
 normalised on the device in ``on_after_batch_transfer``, so every step
 (training, validation, test, predict) receives ``(images, targets)`` with
 images normalised float, channels_last (or contiguous NCHW with
-``channels_last=False``). Under DDP Lightning swaps in its DistributedSampler.
+``channels_last=False``). Under DDP the training order is split over the ranks as Lightning's
+DistributedSampler splits it, and evaluation reads every image once (``EveryImageOnce``).
 
 Example::
 
