@@ -360,8 +360,7 @@ def test_a_launcher_or_sweeper_not_installed_names_the_sweeps_extra() -> None:
     assert all(" is not installed: pip install 'cltrain[sweeps]'" in line for line in lines), lines
 
 
-def test_problems_that_are_not_about_keys_are_left_to_hydra() -> None:
-    check_command_line(["seed=[1"])  # a syntax error: Hydra shows where
+def test_help_is_left_to_hydra() -> None:
     check_command_line(["--help", "seed=1"])
 
 
@@ -444,3 +443,19 @@ def _documented_commands() -> list[list[str]]:
 @pytest.mark.parametrize("args", _documented_commands(), ids=lambda a: " ".join(a)[:60])
 def test_every_documented_command_uses_keys_the_schema_has(args: list[str]) -> None:
     check_command_line(args)
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("run_dir=/tmp/dir ü/run", "\"run_dir='/tmp/dir ü/run'\""),
+    ("run_dir=/tmp/runs(1)", "\"run_dir='/tmp/runs(1)'\""),
+    ("seed=[1,2", "check its brackets and quotes (Hydra's override grammar)"),
+])
+def test_an_override_hydra_cannot_read_is_one_line_saying_how_to_quote_it(override: str, fix: str) -> None:
+    # Hydra's own answer: 'LexerNoViableAltException' over three lines, a URL, exit status 1
+    with pytest.raises(ConfigError) as info:
+        check_command_line([override, "device=cpu"])
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(override.split("=")[0] + "=") and "Hydra cannot read" in line, line
+    assert line.endswith(fix), line
+    if fix.startswith('"'):
+        check_command_line([fix.strip('"'), "device=cpu"])  # quoted as the line says: read

@@ -79,6 +79,24 @@ def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None 
         return _compose(overrides)
 
 
+def _check_syntax(overrides: Sequence[str]) -> None:
+    """Each override as Hydra's grammar reads it; one that it cannot read is a ``ConfigError`` saying how to quote
+    it (a path with a space, a non-ASCII letter, a parenthesis or a comma is a lexer error unquoted)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException as err:
+            key, _, value = override.partition("=")
+            where = str(err).splitlines()[0].split(":", 1)[0]  # LexerNoViableAltException, ...
+            fix = "check its brackets and quotes (Hydra's override grammar)" if value[:1] in "[{'\"" else \
+                f"quote it for Hydra inside the shell's quotes: \"{key}='{value}'\""
+            raise ConfigError(key, value, f"Hydra cannot read this value ({where}); {fix}") from None
+
+
 def _variants(overrides: Sequence[str]) -> list[list[str]]:
     """The override lists to check for ``-m``: the first value of every sweep, then each other value
     of each sweep in turn (not their product). Continuous sweeps (``interval(...)``) are left out."""
@@ -103,7 +121,7 @@ def _variants(overrides: Sequence[str]) -> list[list[str]]:
 def check_command_line(argv: Sequence[str]) -> None:
     """Compose and ``check`` what ``python train.py <argv>`` would run (every value of a ``-m``
     sweep) before Hydra starts: a bad key, value or group option (``model=resnet5``) raises one
-    ``ConfigError``. Problems that are not about a key or a value (a syntax error) are left to Hydra's own message.
+    ``ConfigError``, and so does an override Hydra's grammar cannot read (saying how to quote it).
 
     Raises:
         ConfigError: the first bad key or value.
@@ -118,6 +136,7 @@ def check_command_line(argv: Sequence[str]) -> None:
         return  # --config-path is relative to cli.py: Hydra composes that one itself
     # Hydra's own keys (hydra.run.dir=...) are Hydra's to check; its groups (hydra/launcher=slurm) compose here
     overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra") or o.lstrip("+~").startswith("hydra/")]
+    _check_syntax(overrides)
     if args.config_dir:
         overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
     try:
