@@ -9,10 +9,17 @@
     python train.py -m channels_last=true,false amp=true,false                      # a sweep
     python train.py --help                                                          # every option
 
-The options live in conf/ (see conf/config.yaml); the logic in cltrain/app/train.py.
+The options live in conf/ beside this file (see conf/config.yaml: a copy of train.py with its conf/ reads that one;
+without one, cltrain's own); the logic in cltrain/app/train.py.
 """
+
+import os
+from pathlib import Path
 
 from cltrain.app.cli import main
 
 if __name__ == "__main__":
+    beside = Path(__file__).resolve().parent / "conf"
+    if (beside / "config.yaml").is_file():  # the configs a user edits here, not the installed package's copy
+        os.environ.setdefault("CLTRAIN_CONFIG_DIR", str(beside))
     main()

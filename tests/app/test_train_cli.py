@@ -181,6 +181,25 @@ def test_a_bad_config_dir_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_copy_of_train_py_reads_the_conf_folder_beside_it(tmp_path: Path) -> None:
+    # a user's copy of train.py and conf/, edited: the installed package's configs were read instead, in silence
+    import shutil
+
+    shutil.copy(REPO / "train.py", tmp_path / "train.py")
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    smoke = tmp_path / "conf" / "experiment" / "smoke.yaml"
+    smoke.write_text(smoke.read_text().replace("batch_size: 8", "batch_size: 4"))
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(smoke.read_text())
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for name in ("LOCAL_RANK", "CLTRAIN_CONFIG_DIR"):
+        env.pop(name, None)
+    for experiment in ("smoke", "mine"):
+        result = warm.run([sys.executable, "train.py", f"experiment={experiment}", "--cfg", "job"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "  batch_size: 4\n" in result.stdout, result.stdout[:3000]
+
+
 @pytest.mark.parametrize("override,shown", [
     ("model.pretrained='https://u:SECRETPW@h/w.pth'", "model.pretrained='https://***@h/w.pth': no such file"),
     ("ckpt_path='https://u:SECRETPW@h/w.ckpt'", "ckpt_path='https://***@h/w.ckpt': no such file"),
