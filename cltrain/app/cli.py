@@ -43,7 +43,8 @@ def _run(cfg: DictConfig) -> float | None:
         print(f"cltrain: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None  # not an Exception: Hydra lets it through instead of printing a traceback
     except DataError as err:  # raised in setup or a worker: its own line, without the worker's traceback
-        print(f"cltrain: error: {error_line(err)}", file=sys.stderr)
+        line = error_line(err).replace("bad_files='skip'", "data.bad_files=skip")  # the library's name, as a key
+        print(f"cltrain: error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
     except (NonFiniteLossError, DiskFullError, CheckpointLoadError) as err:  # a diverged run, a full disk, a bad
         print(f"cltrain: error: {err}", file=sys.stderr)  # checkpoint: metrics.json says "failed"; one line
