@@ -166,7 +166,8 @@ class LayoutRace:
         self.warmup, self.margin, self.budget, self.max_rounds, self.z = warmup, margin, budget, max_rounds, z
         self.max_keys = max_keys
         self.decisions: dict[Hashable, LayoutDecision] = {}
-        self._heat: _Heat | None = None
+        self._heats: dict[Hashable, _Heat] = {}  # each kind of batch's race under way: sizes that alternate keep theirs
+        self._last: Hashable | None = None  # the kind of the step recorded last
         self._raced = 0
 
     # ---- the schedule ----------------------------------------------------------------------------------------------
@@ -175,11 +176,11 @@ class LayoutRace:
         """The layout the coming training step of ``key`` runs in."""
         if key in self.decisions:
             return self.decisions[key].layout
-        heat = self._heat
-        if heat is None or heat.key != key:
+        heat = self._heats.get(key)
+        if heat is None:
             if self._raced >= self.max_keys:
                 return "channels_last"
-            heat = self._heat = _Heat(key)
+            heat = self._heats[key] = _Heat(key)
             self._raced += 1
         if heat.position < self.warmup:
             return "channels_last"
@@ -188,9 +189,10 @@ class LayoutRace:
     def record(self, key: Hashable, batch: int, layout: str, seconds: float | Any, timed: bool = True) -> None:
         """The training step of ``key`` that just ran, with ``batch`` samples, in ``layout``, took ``seconds``
         (``timed=False``: a step whose time is not its own, such as one an evaluation ran inside)."""
-        heat = self._heat
-        if key in self.decisions or heat is None or heat.key != key:
+        heat = self._heats.get(key)
+        if key in self.decisions or heat is None:
             return
+        self._last = key
         position = heat.position - self.warmup
         heat.position += 1
         if position < 0:
@@ -212,7 +214,7 @@ class LayoutRace:
 
     def due(self) -> bool:
         """Whether the step just recorded ended a round: ``judge`` on the deciding rank, then ``settle`` everywhere."""
-        heat = self._heat
+        heat = self._heats.get(self._last)
         if heat is None or heat.key in self.decisions:
             return False
         position = heat.position - self.warmup
@@ -222,7 +224,7 @@ class LayoutRace:
 
     def judge(self) -> LayoutDecision | None:
         """The decision at the end of a round (``None``: another round), from the times recorded on this rank."""
-        heat = self._heat
+        heat = self._heats.get(self._last)
         if heat is None:
             return None
         if not all(len(heat.times[layout]) for layout in LAYOUTS):  # steps of other sizes, or evaluations, in between
@@ -282,44 +284,46 @@ class LayoutRace:
     def settle(self, decision: LayoutDecision) -> LayoutDecision:
         """Keep ``decision`` for its key (the deciding rank's, on every rank) and end that key's race."""
         self.decisions[decision.key] = decision
-        if self._heat is not None and self._heat.key == decision.key:
-            self._heat = None
+        self._heats.pop(decision.key, None)
         return decision
 
     def stop(self) -> None:
-        """Give up the race under way (its key stays undecided)."""
-        self._heat = None
+        """Give up the races under way (their keys stay undecided)."""
+        self._heats.clear()
 
     def steps_run(self) -> int:
-        """The training steps the race under way has run (its warm-up included)."""
-        return self._heat.position if self._heat is not None else 0
+        """The training steps the races under way have run (their warm-ups included)."""
+        return sum(heat.position for heat in self._heats.values())
 
     def racing(self) -> bool:
         """Whether a race is under way (a key seen and not yet decided)."""
-        return self._heat is not None
+        return bool(self._heats)
 
     # ---- a checkpoint ----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The decisions made so far, and the race under way (its place in the schedule and its times), so a run
-        resumed from a checkpoint goes on where it stopped."""
-        heat = self._heat
-        racing = None if heat is None else {
-            "key": _plain(heat.key), "batch": heat.batch, "position": heat.position,
-            "times": {k: [[r, float(t)] for r, t in v] for k, v in heat.times.items()}, "untimed": dict(heat.untimed),
-            "warm": [float(t) for t in heat.warm],
-            "first_nchw": None if heat.first_nchw is None else float(heat.first_nchw)}
-        return {"decisions": [d.as_dict() for d in self.decisions.values()], "racing": racing, "raced": self._raced}
+        """The decisions made so far, and the races under way (their places in the schedule and their times), so a
+        run resumed from a checkpoint goes on where it stopped."""
+        racing = [{"key": _plain(heat.key), "batch": heat.batch, "position": heat.position,
+                   "times": {k: [[r, float(t)] for r, t in v] for k, v in heat.times.items()},
+                   "untimed": dict(heat.untimed), "warm": [float(t) for t in heat.warm],
+                   "first_nchw": None if heat.first_nchw is None else float(heat.first_nchw)}
+                  for heat in self._heats.values()]
+        return {"decisions": [d.as_dict() for d in self.decisions.values()], "racing": racing,
+                "last": _plain(self._last), "raced": self._raced}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """A checkpoint's decisions (their keys are not timed again) and its race under way."""
         for entry in saved.get("decisions", ()):
             decision = LayoutDecision.from_dict(entry)
             self.decisions[decision.key] = decision
-        racing = saved.get("racing")
-        if racing is not None:
-            self._heat = _Heat(key=_key(racing["key"]), batch=racing["batch"], position=racing["position"],
-                               times={k: [_timed(i, t) for i, t in enumerate(v)] for k, v in racing["times"].items()},
-                               untimed=racing["untimed"], warm=racing["warm"],
-                               first_nchw=racing["first_nchw"])
+        racing = saved.get("racing") or []
+        for entry in [racing] if isinstance(racing, dict) else racing:  # a dict: one race, as older checkpoints hold
+            heat = _Heat(key=_key(entry["key"]), batch=entry["batch"], position=entry["position"],
+                         times={k: [_timed(i, t) for i, t in enumerate(v)] for k, v in entry["times"].items()},
+                         untimed=entry["untimed"], warm=entry["warm"], first_nchw=entry["first_nchw"])
+            self._heats[heat.key] = heat
+            self._last = heat.key
+        if saved.get("last") is not None:
+            self._last = _key(saved["last"])
         self._raced = max(self._raced, saved.get("raced", 0))

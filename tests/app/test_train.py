@@ -218,7 +218,7 @@ def test_the_races_lines_name_the_apps_own_override(demo_root: Path, tmp_path: P
     assert "training ended" not in caplog.text
     caplog.clear()
     monkeypatch.setattr(LayoutRace, "judge", lambda self: LayoutDecision(
-        self._heat.key, "contiguous", "timed", {"channels_last": 0.2, "contiguous": 0.1},
+        self._heats[self._last].key, "contiguous", "timed", {"channels_last": 0.2, "contiguous": 0.1},
         {"channels_last": 2, "contiguous": 1}))
     with caplog.at_level(logging.INFO):
         metrics = tiny(demo_root, tmp_path / "decided", "trainer.max_epochs=2")  # judged after the 7th step

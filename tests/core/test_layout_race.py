@@ -122,6 +122,33 @@ def test_inputs_whose_shape_changes_every_step_stop_being_raced() -> None:
     assert not race.decisions
 
 
+@pytest.mark.parametrize("pattern", ["five of one size, then one of another", "sizes alternating by epoch"])
+def test_sizes_that_alternate_keep_their_own_races_and_both_decide(pattern) -> None:
+    # one race at a time: each change of size started the other again (its warm-up paid again), the four kinds
+    # allowed were used up, and the main size was never decided
+    race, small, large = LayoutRace(), KEY, ((3, 48, 48), "fp32", "cpu")
+    steps = [small] * 5 + [large] if pattern.startswith("five") else [small] * 12 + [large] * 12
+    for step in range(400):
+        key = steps[step % len(steps)]
+        layout = race.next_layout(key)
+        race.record(key, 8, layout, {"channels_last": 1.0, "contiguous": 0.8}[layout] * (2 if key == large else 1))
+        if race.due():
+            decision = race.judge()
+            if decision is not None:
+                race.settle(decision)
+        if small in race.decisions and large in race.decisions:
+            break
+    assert race.decisions[small].layout == race.decisions[large].layout == "contiguous", step
+    # a checkpoint taken with both under way goes on with both
+    half = LayoutRace()
+    for step in range(16):
+        key = steps[step % len(steps)]
+        half.record(key, 8, half.next_layout(key), 1.0)
+    restored = LayoutRace()
+    restored.load_state_dict(json.loads(json.dumps(half.state_dict())))
+    assert restored.state_dict() == half.state_dict() and len(restored.state_dict()["racing"]) == 2
+
+
 def test_decisions_travel_in_a_checkpoint_and_are_not_raced_again() -> None:
     race = LayoutRace(warmup=0)
     decision, _ = run(race, lambda layout, step: {"channels_last": 1.0, "contiguous": 0.8}[layout])

@@ -84,8 +84,8 @@ def timed(monkeypatch) -> list[float]:
 
     found: list[float] = []
     record = LayoutRace.record
-    monkeypatch.setattr(LayoutRace, "record", lambda self, key, size, layout, seconds:
-                        found.append(seconds) or record(self, key, size, layout, seconds))
+    monkeypatch.setattr(LayoutRace, "record", lambda self, key, size, layout, seconds, **kw:
+                        found.append(seconds) or record(self, key, size, layout, seconds, **kw))
     return found
 
 
