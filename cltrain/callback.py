@@ -218,7 +218,8 @@ class ChannelsLast(SessionResults, Callback):
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        self.session.forward_done()
+        if pl_module.automatic_optimization:  # manual optimization may go on with its inputs after a backward (a
+            self.session.forward_done()  # GAN's discriminator on the real images): the trace ends at the batch's end
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,

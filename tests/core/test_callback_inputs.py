@@ -313,6 +313,43 @@ def test_an_image_that_reaches_a_convolution_stays_converted(tmp_path, caplog):
     assert "reaches no convolution" not in caplog.text
 
 
+class TwoBackwards(LightningModule):
+    """A GAN's step under manual optimization: a backward through the generator's loss first, then the discriminator
+    on the real images (the batch's input) and its own backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen, self.disc = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
+        self.seen = []
+        self.disc.register_forward_pre_hook(lambda module, args: self.seen.append(args[0].stride()))
+
+    def training_step(self, batch, batch_idx):
+        x = batch["image"]
+        g, d = self.optimizers()
+        self.manual_backward(self.disc(self.gen(torch.randn(x.shape))).mean())  # noise of the input's shape
+        g.step()
+        g.zero_grad()
+        self.manual_backward(self.disc(x).mean())  # the real images reach a convolution after the first backward
+        d.step()
+        d.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.gen.parameters()), torch.optim.Adam(self.disc.parameters())
+
+
+def test_a_manual_step_that_convolves_its_input_after_a_backward_keeps_it_converted(tmp_path, caplog):
+    # the trace ended at the first backward: "reaches no convolution", and the real images went NCHW from then on
+    model = TwoBackwards()
+    data = DataLoader(range(8), batch_size=2, collate_fn=lambda items: {"image": torch.randn(len(items), 3, 8, 8)})
+    with caplog.at_level(logging.INFO):
+        Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ChannelsLast(layout="channels_last")],
+                max_steps=8).fit(model, data)
+    assert "reaches no convolution" not in caplog.text
+    assert model.seen[-6:] == [cl_strides(2, 3, 8, 8)] * 6  # the generator's output and the real images alike
+
+
 def test_inputs_all_converts_on_every_batch(tmp_path, caplog):
     # The negative control: every tensor converted, untraced, where the user asks for all of them.
     seen = _reach_run(tmp_path, caplog, (3, 8, 8), copies=True, inputs="all")
