@@ -87,6 +87,11 @@ class Host:
         """Whether the run has more than one rank."""
         return several_ranks()
 
+    def grouped(self) -> bool:
+        """Whether ``torch.distributed``'s default group is initialised, of any number of ranks: a DDP may hold the
+        model then (``torchrun --nproc_per_node=1``, ``Fabric(strategy="ddp", devices=1)``)."""
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
     def evaluates_alone(self) -> bool:
         """Whether an evaluation may run on one rank of several alone (``evaluates_together`` not promised): what
         every rank must join (a broadcast, DDP's buckets built again) is not done there."""

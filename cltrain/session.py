@@ -472,7 +472,7 @@ class LayoutSession:
             want = self.race.next_layout(key)
             if want != self.layout and self._compiles():
                 want = self.layout
-        if want != self.layout and self.host.several():  # DDP's gradient buckets must follow the switch
+        if want != self.layout and self.host.grouped():  # DDP's gradient buckets must follow the switch
             want = self._ranks_hold(model, want)
         if want != self.layout:
             self._switch(model, want)
@@ -516,9 +516,10 @@ class LayoutSession:
         return self.layout
 
     def _buckets_follow(self, model: nn.Module, what: str) -> None:
-        """After ``what`` restrided parameters, under several ranks: the DDP holding the model builds its gradient
-        buckets again now (every rank calls here at the same step). Where it cannot, one line."""
-        if not self.host.several():
+        """After ``what`` restrided parameters, in a process group (a DDP of one rank too): the DDP holding the
+        model builds its gradient buckets again now (every rank calls here at the same step). Where it cannot, one
+        line."""
+        if not self.host.grouped():
             return
         reason = rebuild_buckets(self._wrappers(model))
         if reason is not None and "ddp buckets" not in self._told:

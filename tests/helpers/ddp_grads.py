@@ -15,6 +15,8 @@ The scenarios (run one after another in the same two processes, each with its ow
   itself (it gets a new reducer).
 * ``late``: the ``race`` model, ``ChannelsLastRun`` given the ``DDP(find_unused_parameters=True)`` already made: the
   conversion restrides the parameters under DDP's buckets;
+* ``alone``: the ``race`` model in a DDP of one rank (``torchrun --nproc_per_node=1``, ``Fabric(strategy="ddp",
+  devices=1)``): its buckets follow every change of layout too (launched alone, in one process);
 * ``accelerate``: the ``race`` model through Accelerate's door (``prepare_channels_last``, then ``accelerator.prepare``),
   whose forward hook switches the layout inside DDP's forward, under ``find_unused_parameters=True`` (a new reducer
   there) and without it (``race``'s buckets built again), one after the other; then with BatchNorm (DDP broadcasts
@@ -95,7 +97,7 @@ def _rank(rank: int, port: int, scenario: str, out: str, flag: str) -> None:
         runs = {f"unused={unused}": _accelerate(unused) for unused in (True, False)}
         runs["eval0"] = _accelerate(False, "batchnorm")
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        dist.init_process_group("gloo", rank=rank, world_size=_world(scenario))
     for scenario in [] if scenario == "accelerate" else scenario.split(","):
         model = _model(scenario)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -137,6 +139,7 @@ def _train(scenario: str, model: nn.Module, ddp: nn.Module, optimizer, batches_o
     """``STEPS`` steps of ``ddp`` on this rank's half of each batch, each gradient against the reference's; with
     ``evaluate``, an evaluation of the model on this rank alone after each step."""
     reference = _model(scenario)  # NCHW, with no door's hooks; given the model's weights each step
+    world = dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     sizes = (SIZE, SIZE + 8) if scenario == "sizes" else (SIZE, SIZE)  # each rank's image size
     batches = [[(torch.randn(2, 3, s, s, generator=g), torch.randint(0, 4, (2,), generator=g)) for s in sizes]
@@ -148,7 +151,7 @@ def _train(scenario: str, model: nn.Module, ddp: nn.Module, optimizer, batches_o
     for i, (x, y) in enumerate(batches_of(mine)):
         reference.load_state_dict(model.state_dict())
         reference.zero_grad()
-        (sum(F.cross_entropy(reference(rx), ry) for rx, ry in batches[i]) / 2).backward()
+        (sum(F.cross_entropy(reference(rx), ry) for rx, ry in batches[i][:world]) / world).backward()
         F.cross_entropy(ddp(x), y).backward()
         got, want = conv.weight.grad, ref_conv.weight.grad
         steps.append({"nchw": conv.weight.is_contiguous(), "error": float((got - want).norm() / want.norm())})
@@ -167,7 +170,11 @@ def main(scenario: str, out: str, flag: str = "") -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, scenario, out, flag), nprocs=2)
+    mp.spawn(_rank, args=(port, scenario, out, flag), nprocs=_world(scenario))
+
+
+def _world(scenarios: str) -> int:
+    return 1 if scenarios == "alone" else 2
 
 
 if __name__ == "__main__":
