@@ -185,6 +185,7 @@ class ChannelsLastRun(SessionResults):
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run: the checks' verdicts (with what they hold for) and the race's
         decisions; ``fabric.save`` calls it for a run in its state."""
+        self.session.close_stepped(self.model)
         return self.session.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

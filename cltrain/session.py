@@ -439,6 +439,14 @@ class LayoutSession:
         if judge:
             self._judge(model)
 
+    def close_stepped(self, model: nn.Module) -> None:
+        """A checkpoint is taken inside a loop's step, after its optimizer stepped (a loop that saves before it asks
+        for its next batch): the step ends now, so the checkpoint holds it (and the resumed race does not run it
+        again); its judgement waits for the next step's start, where every rank joins it."""
+        if self._step is not None and (not self._watched or self._counter.steps != self._steps_seen):
+            self.optimizer_stepped()
+            self.step_end(model, judge=False)
+
     def _judge(self, model: nn.Module) -> None:
         """Where the step recorded last ended a round of the race: the deciding rank's judgement, on every rank."""
         self._judging = False

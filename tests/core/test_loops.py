@@ -243,3 +243,51 @@ def test_ddp_an_evaluation_on_rank_0_alone_does_not_wait_for_the_other_ranks(tmp
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["checks"]["train"] == "passed" and ranks[0]["checks"]["eval"] == "not checked", ranks
     assert "eval" not in ranks[1]["checks"] and all(r["weights_cl"] for r in ranks), ranks
+
+
+def _raced_loop(monkeypatch, steps: int = 16, stop: int | None = None, state: dict | None = None):
+    """A plain loop through ``ChannelsLastRun(layout="auto")``, NCHW's steps scripted faster; with ``stop``, the
+    loop saves after that batch's optimizer step (before it asks for the next batch) and ends there."""
+    import copy
+
+    import cltrain.session
+    from cltrain.loops import ChannelsLastRun
+    from tests.core.test_session import ScriptedClock
+
+    monkeypatch.setattr(cltrain.session, "StepTimer", ScriptedClock)
+    monkeypatch.setattr(ScriptedClock, "times", {"channels_last": 0.3, "contiguous": 0.2})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = ChannelsLastRun(model, optimizer, step=lambda m, b: m(b[0]).square().mean())
+    ScriptedClock.session = run.session
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        run.load_state_dict(state["run"])
+        start = state["next"]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g),) for _ in range(steps)]
+    layouts = []
+    for i, (x,) in enumerate(run.batches(batches[start:]), start):
+        layouts.append(run.session.layout)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i == stop:  # the state as the loop saves it: run.state_dict() after the step, before the next batch
+            return layouts, {"model": copy.deepcopy(model.state_dict()), "run": copy.deepcopy(run.state_dict()),
+                             "optimizer": copy.deepcopy(optimizer.state_dict()), "next": i + 1}
+    run.end()
+    return layouts, model.state_dict()
+
+
+@pytest.mark.parametrize("stop", [4, 5, 7])
+def test_a_loop_saved_after_its_optimizer_step_in_the_middle_of_the_race_resumes_bit_for_bit(monkeypatch, stop):
+    # the step open at the save was ended only when the loop asked for its next batch: the checkpoint's race lacked
+    # it, and the resumed run ran that step of the schedule again (its layouts one step behind)
+    whole, final = _raced_loop(monkeypatch)
+    first, state = _raced_loop(monkeypatch, stop=stop)
+    rest, resumed = _raced_loop(monkeypatch, state=state)
+    assert first + rest == whole and "contiguous" in whole
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
