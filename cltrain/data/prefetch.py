@@ -160,8 +160,10 @@ def _let_pass(signum: int, frame: Any) -> None:
     """Nothing: the main process ends the worker (not ``SIG_IGN``, which a program the worker starts would inherit)."""
 
 
-#: the worker-holding iterators of these loaders, ended at exit (``_end_workers``)
+#: the worker-holding iterators of these loaders, and their workers (which outlive a collected iterator), ended at
+#: exit (``_end_workers``)
 _ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+_WORKERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @functools.cache
@@ -171,15 +173,16 @@ def _end_workers_at_exit() -> None:
 
 def _end_workers() -> None:
     """At exit: the workers still alive (a persistent loader's, an iterator an interrupted run kept) shut down as
-    their iterators would, then any left killed, without PyTorch's SIGCHLD handler calling that a worker's failure."""
+    their iterators would, then any left killed (an iterator collected before, whose shutdown's SIGTERM the worker let
+    pass), without PyTorch's SIGCHLD handler calling that a worker's failure."""
     for iterator in list(_ITERATORS):
         iterator._shutdown_workers()
-        left = [w for w in iterator._workers if w.is_alive()]
-        if left:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for worker in left:
-            worker.kill()
-            worker.join(5)
+    left = [w for w in list(_WORKERS) if w.is_alive()]
+    if left:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for worker in left:
+        worker.kill()
+        worker.join(5)
 
 
 class PrefetchDataLoader(DataLoader):
@@ -211,6 +214,7 @@ class PrefetchDataLoader(DataLoader):
         iterator = super()._get_iterator()
         if getattr(iterator, "_workers", None):
             _ITERATORS.add(iterator)
+            _WORKERS.update(iterator._workers)
         return iterator
 
     def _cuda_device(self) -> torch.device | None:

@@ -261,6 +261,31 @@ for i, batch in enumerate(loader):  # the persistent workers, alive at exit, wit
 """
 
 
+_ABANDONED_WORKER = """
+import gc, time, torch
+from cltrain.data import PrefetchDataLoader
+class Slow(torch.utils.data.Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i): time.sleep(600 if i >= 8 else 0); return torch.tensor([i])
+iterator = iter(PrefetchDataLoader(Slow(), batch_size=4, num_workers=1))
+next(iterator)
+del iterator  # its shutdown's SIGTERM is let pass by the worker, busy in a sample
+gc.collect()
+print("exiting", flush=True)
+"""
+
+
+def test_a_worker_busy_when_its_iterator_was_collected_is_ended_at_exit(tmp_path: Path) -> None:
+    # multiprocessing's exit handler sends SIGTERM to its daemon children and joins them: a worker that lets it pass
+    # held the process at exit for ever (the loader benchmark's child under gpu_check, in a full test run)
+    script = tmp_path / "abandoned.py"
+    script.write_text(_ABANDONED_WORKER)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "exiting", result.stderr[-2000:]
+    assert time.monotonic() - started < 60
+
+
 def test_workers_outlast_sigterms_and_sigints_and_end_at_exit(tmp_path: Path) -> None:
     # A SIGTERM to the process group killed the workers, and the main process raised "DataLoader worker ... is killed
     # by signal: Terminated" from its SIGCHLD handler wherever it was (inside a checkpoint's torch.save), while the
