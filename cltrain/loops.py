@@ -55,7 +55,7 @@ from cltrain.host import Host, shown
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.options import (check_callable, check_copies, check_device, check_dtype, check_flags, check_layout_choice,
-                             check_mode, check_optimizers, check_positive)
+                             check_mode, check_module, check_optimizers, check_positive)
 from cltrain.session import LayoutSession, SessionResults
 from cltrain.sharding import sharding_of
 
@@ -127,6 +127,7 @@ class ChannelsLastRun(SessionResults):
                  verify: bool = True, inputs: Inputs = None, check_samples: int | None = DEFAULT_SAMPLES,
                  sharded: bool = False, log: Callable[[dict[str, float]], Any] | None = None,
                  copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = ()) -> None:
+        check_module("ChannelsLastRun", model)
         check_mode("ChannelsLastRun", mode)
         check_layout_choice("ChannelsLastRun", layout)
         check_flags("ChannelsLastRun", guard=guard, verify=verify, sharded=sharded)
@@ -139,6 +140,12 @@ class ChannelsLastRun(SessionResults):
         self.model, self.step, self.dtype, self.verify = model, step, dtype, verify
         self.inputs, self.check_samples = check_inputs(inputs, owner="ChannelsLastRun"), check_samples
         self.optimizers = check_optimizers("ChannelsLastRun", optimizer)
+        mine = {id(p) for p in model.parameters()}
+        for optimizer_given in self.optimizers:  # another module's: its steps are not the loop's, in silence
+            if mine and not any(id(p) in mine for group in optimizer_given.param_groups for p in group["params"]):
+                _say(f"ChannelsLastRun: the {type(optimizer_given).__name__} given holds none of the model's "
+                     "parameters, so its steps are not the loop's: give the optimizer your loop steps (made from "
+                     "model.parameters()).", True)
         host = Host(_say, optimizers=lambda: self.optimizers, copies=check_copies("ChannelsLastRun", copies), log=log)
         self.session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, inputs=self.inputs,
                                      check_samples=check_samples, host=host)
@@ -190,7 +197,15 @@ class ChannelsLastRun(SessionResults):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the verdicts apply without checking again (same model, step and precision), the decisions are
-        not raced again, and the optimizer state takes its parameters' strides at the next training batch."""
+        not raced again, and the optimizer state takes its parameters' strides at the next training batch.
+
+        Raises:
+            ValueError: ``state`` is not what ``state_dict`` gave (a whole checkpoint, a model's state dict)."""
+        known = {"layout_checks", "fingerprint", "race"}
+        if not isinstance(state, dict) or set(state) - known:
+            what = sorted(map(str, state))[:4] if isinstance(state, dict) else f"a {type(state).__name__}"
+            raise ValueError(f"ChannelsLastRun.load_state_dict: expected what run.state_dict() gave (keys among "
+                             f"{sorted(known)}), got {what}: pass the run's own entry (checkpoint['run']).")
         self.session.load_state_dict(state, model=self.model)
         self._resumed = True
 
@@ -251,6 +266,7 @@ def convert_model(
         >>> convert_model(torch.nn.Conv2d(3, 8, 3), sharded=True).weight.is_contiguous()  # then fully_shard
         True
     """
+    check_module("convert_model", model)
     check_mode("convert_model", mode)
     check_flags("convert_model", guard=guard, sharded=sharded)
     check_dtype("convert_model", "dtype", dtype)
@@ -342,6 +358,7 @@ def verify_layout(
     Returns:
         The ``cltrain.check.compare.LayoutCheck``.
     """
+    check_module("verify_layout", model)
     inputs = check_inputs(inputs, owner="verify_layout")
     check_optimizers("verify_layout", optimizer, several=False)
     check_dtype("verify_layout", "autocast_dtype", autocast_dtype)
@@ -377,6 +394,7 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
         >>> export_me.weight.is_contiguous(), trained.weight.is_contiguous()
         (True, False)
     """
+    check_module("contiguous_copy", model)
     bare = _unwrap(model)
     engine = sharding_of(bare)
     if engine is not None:

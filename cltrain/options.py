@@ -123,9 +123,28 @@ def check_copies(call: str, copies: Any) -> Callable[[], list[Any]]:
     if isinstance(copies, (list, tuple)) and all(isinstance(c, nn.Module) for c in copies):
         return lambda: list(copies)
     if callable(copies):
-        return lambda: [c for c in copies() if c is not None]
+        def given() -> list[Any]:
+            found = copies()
+            listed = isinstance(found, Iterable) and not isinstance(found, (nn.Module, str, bytes))
+            found = list(found) if listed else [found]
+            bad = next((c for c in found if c is not None and not isinstance(c, nn.Module)), None)
+            if bad is not None:
+                raise ValueError(f"{call}(copies=...): the function gave {_shown(bad)}, not a module: it should give "
+                                 "the model's copies (copies=lambda: [ema]).")
+            return [c for c in found if c is not None]
+
+        return given
     raise ValueError(f"{call}(copies={_shown(copies)}): expected the model's copies (a module, a list of them, or a "
                      "function giving them: copies=lambda: [ema]).")
+
+
+def check_module(call: str, model: Any) -> None:
+    """``model`` is a ``torch.nn.Module``; a ValueError naming ``call`` otherwise."""
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{call}(model={_shown(model)}): expected the model itself, a torch.nn.Module (not its name, "
+                         "class or state_dict).")
 
 
 def _shown(value: Any) -> str:

@@ -291,3 +291,29 @@ def test_a_loop_saved_after_its_optimizer_step_in_the_middle_of_the_race_resumes
     rest, resumed = _raced_loop(monkeypatch, state=state)
     assert first + rest == whole and "contiguous" in whole
     assert all(torch.equal(final[k], resumed[k]) for k in final)
+
+
+def test_a_door_given_the_wrong_thing_says_which_argument_in_one_line(caplog) -> None:
+    from cltrain.loops import ChannelsLastRun, verify_layout
+
+    for call in (lambda m: ChannelsLastRun(m), convert_model, lambda m: verify_layout(m, torch.zeros(1, 3, 4, 4)),
+                 contiguous_copy):
+        for bad in ("resnet18", None, nn.Conv2d(3, 4, 1).state_dict()):
+            with pytest.raises(ValueError, match=r"\(model=.*\): expected the model itself, a torch.nn.Module"):
+                call(bad)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    run = ChannelsLastRun(model, torch.optim.AdamW(model.parameters()))
+    checkpoint = {"model": model.state_dict(), "run": run.state_dict()}
+    for wrong in (checkpoint, model.state_dict(), "x"):  # the whole checkpoint, the model's, a string
+        with pytest.raises(ValueError, match=r"expected what run.state_dict\(\) gave .*checkpoint\['run'\]"):
+            run.load_state_dict(wrong)
+    run.load_state_dict(checkpoint["run"])  # the control: its own entry
+    from cltrain.options import check_copies
+
+    given = check_copies("ChannelsLastRun", lambda: "ema")  # called where the copies follow a change of layout
+    with pytest.raises(ValueError, match=r"ChannelsLastRun\(copies=\.\.\.\): the function gave 'ema', not a module"):
+        given()
+    other = nn.Linear(2, 2)
+    with caplog.at_level(logging.WARNING, logger="cltrain"):
+        ChannelsLastRun(nn.Conv2d(3, 4, 3), torch.optim.Adam(other.parameters()))
+    assert "the Adam given holds none of the model's parameters" in caplog.text
