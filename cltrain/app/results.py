@@ -77,14 +77,19 @@ class RunResults:
 def resume_command(run_dir: Path) -> str:
     """The command that resumes this run from its ``last.ckpt`` (the same overrides, in a new run directory), with
     every secret in it shown as ``***`` (``redact``)."""
-    return " ".join(shlex.quote(redact(a)) for a in _resume_args(run_dir))
+    return _command(_resume_args(run_dir))
 
 
 def resume_line(run_dir: Path) -> str:
     """``resume with: <command>``, after a word on the secrets left out of the command where there were any."""
-    left_out = any(redact(a) != a for a in _resume_args(run_dir))
+    args = _resume_args(run_dir)
+    left_out = any(redact(a) != a for a in args)
     return ("the secrets shown as *** are left out of this command: put them back, then " if left_out else "") + \
-        f"resume with: {resume_command(run_dir)}"
+        f"resume with: {_command(args)}"
+
+
+def _command(args: list[str]) -> str:
+    return " ".join(shlex.quote(redact(a)) for a in args)
 
 
 def _resume_args(run_dir: Path) -> list[str]:

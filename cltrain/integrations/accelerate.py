@@ -126,6 +126,7 @@ class _Checkpointed:
         self.hook = hook
 
     def state_dict(self) -> dict[str, Any]:
+        self.hook.session.close_stepped(self.hook.model)  # saved after the optimizer's step: the step is in it
         return self.hook.session.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -102,3 +102,19 @@ def test_a_model_accelerate_compiles_is_not_raced():
 def test_bad_arguments_are_named(kwargs, named):
     with pytest.raises(ValueError, match=f"prepare_channels_last\\({named}\\)"):
         prepare_channels_last(nn.Conv2d(3, 8, 3), Accelerator(cpu=True), **kwargs)
+
+
+def test_a_state_saved_after_the_optimizers_step_holds_that_step_of_the_race(tmp_path):
+    # save_state in the loop's body, after optimizer.step(), before the next forward: the step ended only at that
+    # forward, so the saved race lacked it and a resumed run was one step behind in the layouts' schedule
+    accelerator = Accelerator(cpu=True)
+    model = prepare_channels_last(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(1)), accelerator)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    session = ChannelsLastInputs.of(accelerator.unwrap_model(model)).session
+    for step in range(5):
+        accelerator.backward(model(torch.randn(2, 3, 8, 8)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.save_state(str(tmp_path / "state"))
+    saved = torch.load(tmp_path / "state" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert [heat["position"] for heat in saved["race"]["racing"]] == [5]  # all five steps, the last one included
