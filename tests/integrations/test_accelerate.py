@@ -110,8 +110,7 @@ def test_a_state_saved_after_the_optimizers_step_holds_that_step_of_the_race(tmp
     accelerator = Accelerator(cpu=True)
     model = prepare_channels_last(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(1)), accelerator)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-    session = ChannelsLastInputs.of(accelerator.unwrap_model(model)).session
-    for step in range(5):
+    for _ in range(5):
         accelerator.backward(model(torch.randn(2, 3, 8, 8)).square().mean())
         optimizer.step()
         optimizer.zero_grad()
