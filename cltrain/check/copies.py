@@ -190,7 +190,7 @@ def _unwrapped(fn: Any) -> Any:
 def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     """A deep copy of ``model`` that runs eagerly and only on itself: methods bound as instance attributes
     (Lightning's rebinding of a compiled module's steps) are bound to the copy, ``module.compile()`` is
-    undone and ``torch.compile``d children run their module eagerly (module names unchanged); closures,
+    undone and a ``torch.compile``d model or child runs its module eagerly (module names unchanged); closures,
     partials, default arguments and hooks that hold the original (a wrapped ``forward``) hold the copy
     (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise."""
     memo = {} if memo is None else memo
@@ -208,13 +208,15 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
         if getattr(parent, "_compiler_ctx", None) is not None:
             parent._compiler_ctx = None
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, torch._dynamo.eval_frame.OptimizedModule if _dynamo_loaded() else ()):
+            if isinstance(child, _compiled_types()):
                 setattr(parent, child_name, _Eager(child._orig_mod))
+    if isinstance(clone, _compiled_types()):  # a model compiled before a door saw it: its copy runs eagerly too
+        clone = memo[id(model)] = _Eager(clone._orig_mod)
     return clone
 
 
-def _dynamo_loaded() -> bool:
-    return "torch._dynamo" in sys.modules
+def _compiled_types() -> tuple[type, ...]:
+    return (torch._dynamo.eval_frame.OptimizedModule,) if "torch._dynamo" in sys.modules else ()
 
 
 def _copy_grad_hooks(original: torch.Tensor | None, param: torch.Tensor, memo: dict[int, Any]) -> None:

@@ -89,6 +89,26 @@ def _fit(module, callbacks, max_steps: int = 1) -> pl.Trainer:
     return trainer
 
 
+def test_a_model_compiled_before_the_loops_door_is_checked_on_eager_copies() -> None:
+    from torch._dynamo.utils import counters
+
+    from cltrain.loops import ChannelsLastRun
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = ChannelsLastRun(torch.compile(model, backend="eager"), optimizer, layout="channels_last",
+                          step=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    frames = counters["frames"]["ok"]
+    batches = run.batches(_loader())
+    next(batches)  # the first batch, checked
+    assert counters["frames"]["ok"] == frames  # the check's copies compiled nothing (dynamo traced the check's hooks)
+    assert run.layout_checks["train"].verdict == "passed"
+    batches.close()
+    run.end()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_check_leaves_no_trace_in_the_optimizer_or_a_compiled_module(compiled: bool) -> None:
     before, after, callback = FirstBatchSnapshot(), FirstBatchSnapshot(), ChannelsLast()
