@@ -8,8 +8,8 @@ C innermost, strides ``(T*H*W*C, H*W*C, 1, W*C, C)``. Then the reshape is a view
 permute gives a ``channels_last_3d`` clip, with no copy; ``channels_last_3d`` on a stack would put T innermost.
 
 ``channel_dim(x, model)`` tells the two apart: the dimension (1 or 2) whose size is the input channels of the
-model's first convolution; by the size alone (1-4 channels) without a model or where both or neither match; 1
-where nothing tells. ``to_input_layout(x, model)`` and ``in_input_layout(x, model)`` apply that to any tensor:
+model's first convolution; where both match (as many frames as channels), 2 if that convolution is 2-D (it reads
+frames); by the size alone (1-4 channels) without a model or where neither matches; 1 where nothing tells. ``to_input_layout(x, model)`` and ``in_input_layout(x, model)`` apply that to any tensor:
 4-D ``channels_last``, 5-D by ``channel_dim``, other ranks unchanged.
 
 Example::
@@ -35,25 +35,26 @@ from cltrain.layout.tensors import CONV_TYPES, is_channels_last, to_channels_las
 __all__ = ["channel_dim", "in_input_layout", "is_frames_last", "to_frames_last", "to_input_layout"]
 
 _FEW_CHANNELS = (1, 2, 3, 4)  # image channels: gray, gray + alpha, RGB, RGBA
-_first_conv: weakref.WeakKeyDictionary[nn.Module, int | None] = weakref.WeakKeyDictionary()
+_first_conv: weakref.WeakKeyDictionary[nn.Module, tuple[int, bool] | None] = weakref.WeakKeyDictionary()
 
 
-def _input_channels(model: nn.Module) -> int | None:
+def _first_conv_of(model: nn.Module) -> tuple[int, bool] | None:
+    """The input channels of the model's first convolution, and whether it is 2-D."""
     if model not in _first_conv:
         conv = next((m for m in model.modules() if isinstance(m, CONV_TYPES)), None)
-        _first_conv[model] = None if conv is None else int(conv.in_channels)
+        _first_conv[model] = None if conv is None else (int(conv.in_channels), conv.weight.dim() == 4)
     return _first_conv[model]
 
 
 def channel_dim(x: torch.Tensor, model: nn.Module | None = None) -> int:
     """Where a 5-D input's channels are: 1 for a clip ``(N, C, T, H, W)``, 2 for a stack ``(B, T, C, H, W)``."""
     sizes = int(x.shape[1]), int(x.shape[2])
-    channels = _input_channels(model) if model is not None else None
-    for known in ((channels,) if channels is not None else ()) + (_FEW_CHANNELS,):
+    first = _first_conv_of(model) if model is not None else None
+    for known in ((first[0],) if first is not None else ()) + (_FEW_CHANNELS,):
         match = [s in known if isinstance(known, tuple) else s == known for s in sizes]
         if match == [True, False]:
             return 1
-        if match == [False, True]:
+        if match == [False, True] or (match == [True, True] and first is not None and known == first[0] and first[1]):
             return 2
     return 1
 

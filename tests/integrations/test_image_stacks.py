@@ -7,6 +7,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -143,3 +144,30 @@ def test_the_loops_helper_and_the_rule() -> None:
     assert is_frames_last(batch["pixel_values"]) and torch.equal(batch["pixel_values"], stack)
     converted = convert_batch((clip.clone(),))[0]
     assert converted.is_contiguous(memory_format=torch.channels_last_3d) and not is_frames_last(converted)
+
+
+class _Frames(pl.LightningModule):
+    """A 2-D network over a stack's frames, written for the contiguous stack: a ``view`` to ``(B*T, C, H, W)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(8, 4))
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        x, y = batch
+        b, t, c, h, w = x.shape
+        return F.cross_entropy(self.net(x.view(b * t, c, h, w)).view(b, t, -1).mean(1), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_stack_of_as_many_frames_as_channels_is_a_stack_for_a_2d_network() -> None:
+    task, ambiguous = _Frames(), torch.randn(2, 3, 3, 8, 8)
+    assert channel_dim(ambiguous, task) == 2 and channel_dim(ambiguous, nn.Conv3d(3, 4, 1)) == 1  # 3-D: a clip
+    callback = ChannelsLast()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(task, DataLoader([(ambiguous, torch.tensor([0, 1]))], batch_size=None))
+    assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"].line()
