@@ -38,7 +38,9 @@ a new key, as progressive resizing makes, is decided again):
 
 A key is decided once and never flips back. Only samples with the race's batch size count (a last, smaller batch is
 not a sample). ``judge`` runs on the deciding rank and ``settle`` on every rank, at the same step: the schedule is a
-function of the step count alone.
+function of the step count alone. A race restored from a checkpoint goes on at its place in the schedule and compares
+only the steps timed since (each layout's first step there warms up, untimed): a resumed process's cold steps against
+the stopped one's warm steps made ratios of 8-109x.
 
 Example::
 
@@ -119,11 +121,6 @@ def _float(t: Any) -> float | None:
     return None if t is None else float(t)
 
 
-def _timed(i: int, entry: Any) -> tuple[int, float]:
-    """A checkpoint's ``[round, seconds]`` (a bare time: its round from its place, two steps of a layout a round)."""
-    return (int(entry[0]), float(entry[1])) if isinstance(entry, (list, tuple)) else (i // 2, float(entry))
-
-
 def _key(obj: Any) -> Any:
     return tuple(_key(o) for o in obj) if isinstance(obj, list) else obj
 
@@ -140,6 +137,7 @@ class _Heat:
     warm: list[Any] = field(default_factory=list)  # the warm-up's later channels_last steps: for the spread only
     first_nchw: Any = None  # the NCHW warm-up step: no steady NCHW step should be slower
     untimed: dict[str, int] = field(default_factory=lambda: {layout: 0 for layout in LAYOUTS})
+    cold: set[str] = field(default_factory=set)  # a resumed race's layouts not yet run in this process
 
 
 class LayoutRace:
@@ -195,8 +193,10 @@ class LayoutRace:
         self._last = key
         position = heat.position - self.warmup
         heat.position += 1
+        cold = layout in heat.cold
+        heat.cold.discard(layout)
         if position < 0:
-            if heat.position > 1 and layout == "channels_last":  # the race's first step is the check's: not even that
+            if heat.position > 1 and layout == "channels_last" and not cold:  # the first step is the check's
                 heat.warm.append(seconds)
             return
         if heat.batch is None or batch > heat.batch:  # the full batch: a smaller one before was a last, partial one
@@ -204,10 +204,11 @@ class LayoutRace:
                 heat.untimed[name] += len(times)
                 times.clear()
             heat.batch = batch
-        first_nchw = position == _ROUND.index("contiguous")  # the very first NCHW step warms its kernels up
+        # the very first NCHW step warms its kernels up, and so does each layout's first step in a resumed process
+        first_nchw = position == _ROUND.index("contiguous") or cold and layout == "contiguous"
         if first_nchw:
             heat.first_nchw = seconds
-        if first_nchw or not timed or batch != heat.batch or layout != _ROUND[position % len(_ROUND)]:
+        if first_nchw or cold or not timed or batch != heat.batch or layout != _ROUND[position % len(_ROUND)]:
             heat.untimed[layout] += 1
             return
         heat.times[layout].append((position // len(_ROUND), seconds))
@@ -313,15 +314,17 @@ class LayoutRace:
                 "last": _plain(self._last), "raced": self._raced}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """A checkpoint's decisions (their keys are not timed again) and its race under way."""
+        """A checkpoint's decisions (their keys are not timed again) and its races under way: each goes on at its
+        place in the schedule, timed afresh (another process, maybe another machine, warming up: its steps are
+        compared with each other, never with the checkpoint's; those count only in what the slower layout cost)."""
         for entry in saved.get("decisions", ()):
             decision = LayoutDecision.from_dict(entry)
             self.decisions[decision.key] = decision
         racing = saved.get("racing") or []
         for entry in [racing] if isinstance(racing, dict) else racing:  # a dict: one race, as older checkpoints hold
-            heat = _Heat(key=_key(entry["key"]), batch=entry["batch"], position=entry["position"],
-                         times={k: [_timed(i, t) for i, t in enumerate(v)] for k, v in entry["times"].items()},
-                         untimed=entry["untimed"], warm=entry["warm"], first_nchw=entry["first_nchw"])
+            untimed = {k: n + len(entry["times"].get(k, ())) for k, n in entry["untimed"].items()}
+            heat = _Heat(key=_key(entry["key"]), batch=entry["batch"], position=entry["position"], untimed=untimed,
+                         cold=set(LAYOUTS))
             self._heats[heat.key] = heat
             self._last = heat.key
         if saved.get("last") is not None:

