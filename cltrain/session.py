@@ -232,7 +232,8 @@ class LayoutSession:
 
     @_outside_inference
     def start(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-              sharding: str | None = None, owner: str | None = None, inputs: bool = True) -> nn.Module:
+              sharding: str | None = None, owner: str | None = None, inputs: bool = True,
+              training: bool = True) -> nn.Module:
         """Put ``model`` in the session's layout, in place, with the guardrails, the fallbacks chosen so far and the
         host's copies of it; hold torch's utilities that take channels_last weights until ``end``. In a run of several
         ranks (every rank calls here) the guardrails cover the modules any rank finds hazardous.
@@ -243,6 +244,7 @@ class LayoutSession:
             sharding: the engine that shards it or will (``cltrain.sharding.sharding_of``): parameters contiguous.
             owner: the front door, as the line names it (``"ChannelsLast(mode='full')"``); ``None``: nothing said.
             inputs: the front door converts the model's inputs (said under a sharding engine).
+            training: the model will train (``False``: it only evaluates, and the line promises no race).
         """
         self.device, self.dtype = torch.device(device) if device is not None else device_of(model), dtype
         held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
@@ -269,7 +271,7 @@ class LayoutSession:
             self._utilities.enter_context(torch_utilities(self.say))
             weakref.finalize(self, self._utilities.close)  # a run that ended in an exception gives them back too
         if owner is not None:
-            self.report_conversion(owner, model, inputs)
+            self.report_conversion(owner, model, inputs, training)
         return model
 
     def _why_untimed(self, model: nn.Module) -> str | None:
@@ -320,7 +322,7 @@ class LayoutSession:
                 apply_guardrails(copy_, device=self.device, dtype=self.dtype, layout=self.layout)
             _apply_to_copy(copy_, self.fallbacks)
 
-    def report_conversion(self, owner: str, model: nn.Module, inputs: bool = True) -> None:
+    def report_conversion(self, owner: str, model: nn.Module, inputs: bool = True, training: bool = True) -> None:
         """Say the conversion line, the guardrails applied, and (once) that a model without convolutions gains
         nothing."""
         if not any(isinstance(m, CONV_TYPES) for m in model.modules()) and "no convolutions" not in self._told:
@@ -332,7 +334,7 @@ class LayoutSession:
         else:
             counts = ", ".join(f"{n} {k.replace('rank', '') + '-d' if k.startswith('rank') else k}"  # not a process's rank
                                for k, n in (self.summary or {}).items())
-            raced = "; the first training steps race it against NCHW" if not self.untimed else \
+            raced = ("; the first training steps race it against NCHW" if training else "") if not self.untimed else \
                 f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else ""
             self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
         if self.guardrails:
@@ -463,6 +465,12 @@ class LayoutSession:
             self._judge(model)
         image = first_image_tensor(batch, self.inputs.inputs)
         if image is None:
+            if self.untimed is None and not self.race.racing() and not self.race.decisions \
+                    and "no image tensor" not in self._told:
+                self._told.add("no image tensor")
+                self.say("ChannelsLast: the training batches hold no 4-D or 5-D image tensor (a list of images, as "
+                         "detection models take, stays as it is), so the layouts are not raced: the model stays "
+                         f"{self.layout}; {self.pin_format.format('contiguous')} pins NCHW.")
             return
         # several ranks: one race for every input size, as the ranks' sizes may differ at a step (multi-scale
         # training) and every rank must switch at the same steps (each switch rebuilds DDP's buckets, with them all)

@@ -244,8 +244,12 @@ def test_logs_what_it_converted(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         make_trainer(tmp_path, [ChannelsLast()]).fit(Classifier(), loader(4, 2))
     text = caplog.text
-    assert "model layout is channels_last" in text and "20 channels_last" in text
+    assert "model layout is channels_last; the first training steps race it" in text and "20 channels_last" in text
     assert "converting 1 tensor(s) per batch" in text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # an evaluation alone: no training step to race
+        make_trainer(tmp_path, [ChannelsLast()]).validate(Classifier(), loader(4, 2))
+    assert "model layout is channels_last; parameters" in caplog.text and "race" not in caplog.text
 
 
 def test_checkpoint_loads_into_a_plain_torchvision_model(tmp_path):

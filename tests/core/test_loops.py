@@ -320,3 +320,31 @@ def test_a_door_given_the_wrong_thing_says_which_argument_in_one_line(caplog) ->
     with caplog.at_level(logging.WARNING, logger="cltrain"):
         ChannelsLastRun(nn.Conv2d(3, 4, 3), torch.optim.Adam(other.parameters()))
     assert "the Adam given holds none of the model's parameters" in caplog.text
+
+
+class _ImageList(nn.Module):
+    """Takes a list of 3-D images, as torchvision's detection models do (which batch them themselves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([self.conv(image[None]).mean() for image in images])
+
+
+def test_batches_without_an_image_tensor_say_that_the_layouts_are_not_raced(caplog) -> None:
+    from cltrain.loops import ChannelsLastRun
+
+    model = _ImageList()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = ChannelsLastRun(model, optimizer, step=lambda m, b: m(b[0]).sum())
+    g = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="cltrain"):
+        for (images,) in run.batches([([torch.randn(3, 8, 8, generator=g) for _ in range(2)],)] * 8):
+            model(images).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    run.end()
+    assert caplog.text.count("hold no 4-D or 5-D image tensor") == 1 and run.decision is None
+    assert is_channels_last(model.conv.weight)
