@@ -1,7 +1,13 @@
 """A bounded node-local cache of remote files (a pack's shards and indexes), shared by every process of a node.
 
 ``ShardCache(url, folder, limit)`` keeps the files of one remote root under ``folder/<key of url>/``, each under
-its name in the root. ``get(name)`` returns the local path, fetching the file first when it is not there:
+its name in the root with its version in the store (``shard-000000~<key of its ETag or time>.tar``). ``get(name)``
+returns the local path, fetching the file first when the cache does not hold that version:
+
+* **current**: a file replaced in the store (a pack uploaded again to the same URL, or the same URL on another
+  endpoint) is another version, fetched anew; the version it replaces is removed then, or evicted in time. The
+  versions come from the listing that gives the sizes (ETag, else modification time; a store without either is
+  trusted by name).
 
 * **once per node**: a fetch holds a lock on the file's name (a byte-range ``fcntl`` lock in one lock file, so a
   killed process never leaves a stale lock), so the ranks and DataLoader workers of a node that want the same shard
@@ -14,8 +20,9 @@ its name in the root. ``get(name)`` returns the local path, fetching the file fi
   hold the room, so concurrent downloads never overshoot (after ``IN_FLIGHT_WAIT`` s, one line says so). A reader that
   has a file open keeps reading it when it is removed (POSIX). A file larger than the limit, or a disk full even
   after eviction, is one line (``CacheFullError``).
-* **few requests**: a file's size (the room made for it) comes from one listing of its folder per process, not a
-  request per file; a store or a key that may not list (no ``ListBucket``) is asked per file.
+* **few requests**: a file's size (the room made for it) and version come from one listing of its folder per
+  process, not a request per file; a store or a key that may not list (no ``ListBucket``) is asked per file, once
+  per process.
 * **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
   already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
@@ -32,6 +39,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import glob
 import hashlib
 import logging
 import os
@@ -178,7 +186,9 @@ class ShardCache:
         self._limit = parse_size(limit)
         self._fs: Any = None
         self._pid = -1
-        self._sizes: dict[str, dict[str, int]] = {}  # folder of the root -> its files' sizes, listed once
+        # folder of the root -> its files' (bytes, version), listed once; a file of a folder that does not list
+        self._listing: dict[str, dict[str, tuple[int, str | None]]] = {}
+        self._asked: dict[str, tuple[int, str | None]] = {}
         self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
 
     def __getstate__(self) -> dict:
@@ -198,9 +208,10 @@ class ShardCache:
         """The URL of ``name``."""
         return join(self.url, name)
 
-    def local(self, name: str) -> Path:
-        """Where ``name`` is (or would be) in the cache."""
-        return self.folder / name
+    def local(self, name: str, version: str | None = None) -> Path:
+        """Where ``name`` (in ``version``, as ``entry`` gives it) is, or would be, in the cache."""
+        path = self.folder / name
+        return path if version is None else path.with_name(f"{path.stem}~{version}{path.suffix}")
 
     def open(self) -> None:
         """Create the cache's folder, remove what killed processes left there, fix the limit."""
@@ -231,7 +242,8 @@ class ShardCache:
             RemoteError: the file cannot be read (one line: the URL and the fix).
             CacheFullError: the cache's disk cannot take it.
         """
-        path = self.local(name)
+        listed, version = self.entry(name)
+        path = self.local(name, version)
         if _touch(path):
             return path
         if str(self.folder) not in _folders or self._limit is None:
@@ -239,33 +251,46 @@ class ShardCache:
         with self._locked(name):
             if _touch(path):  # another process fetched it meanwhile
                 return path
-            self._fetch(name, path, size)
+            self._fetch(name, path, listed if size is None else size)
+            plain = self.local(name)
+            versions = re.compile(re.escape(plain.stem) + r"(~[0-9a-f]{10})?" + re.escape(plain.suffix))
+            for old in path.parent.glob(f"{glob.escape(plain.stem)}*"):  # the versions it replaces
+                if old != path and versions.fullmatch(old.name):
+                    old.unlink(missing_ok=True)
         return path
 
     def size(self, name: str) -> int:
-        """Bytes of ``name`` in the store: from one listing of its folder per process (one request for a folder of
-        shards, where a size asked per file is a request per file: a HEAD costs the client about as much CPU as
-        2 MiB of a shard, and the server as much again), else asked alone (a store or a key that may not list)."""
+        """Bytes of ``name`` in the store (``entry``)."""
+        return self.entry(name)[0]
+
+    def entry(self, name: str) -> tuple[int, str | None]:
+        """Bytes and version of ``name`` in the store: from one listing of its folder per process (one request for a
+        folder of shards, where a size asked per file is a request per file: a HEAD costs the client about as much CPU
+        as 2 MiB of a shard, and the server as much again), else asked alone (a store or a key that may not list),
+        once per process."""
         folder = name.rpartition("/")[0]
         with _thread_lock((str(self.folder), f"\0ls {folder}")):  # the fetch threads start at once: one listing
-            sizes = self._sizes.get(folder)
-            if sizes is None:
-                sizes = self._sizes[folder] = self._listed(folder)
-        if name in sizes:
-            return sizes[name]
-        url = self.remote(name)
-        return _retried(lambda: int(self.fs.size(url)), url)
+            listed = self._listing.get(folder)
+            if listed is None:
+                listed = self._listing[folder] = self._listed(folder)
+        if name in listed:
+            return listed[name]
+        if name not in self._asked:
+            url = self.remote(name)
+            info = _retried(lambda: self.fs.info(url), url)
+            self._asked[name] = int(info["size"]), _version(info)
+        return self._asked[name]
 
-    def _listed(self, folder: str) -> dict[str, int]:
-        """``{name: bytes}`` of the files directly in ``folder`` (names relative to the root); ``{}`` when the
-        folder cannot be listed (no ``ListBucket`` permission, an HTTP root, a transient error)."""
+    def _listed(self, folder: str) -> dict[str, tuple[int, str | None]]:
+        """``{name: (bytes, version)}`` of the files directly in ``folder`` (names relative to the root); ``{}``
+        when the folder cannot be listed (no ``ListBucket`` permission, an HTTP root, a transient error)."""
         try:
             entries = self.fs.ls(self.remote(folder) if folder else self.url, detail=True)
         except Exception as err:  # noqa: BLE001 - sizes are then asked per file, which says what is wrong
             log.debug("listing %s failed: %s", redact(self.remote(folder)), redact(str(err)))
             return {}
         prefix = f"{folder}/" if folder else ""
-        return {prefix + e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in entries
+        return {prefix + e["name"].rstrip("/").rsplit("/", 1)[-1]: (int(e["size"]), _version(e)) for e in entries
                 if e.get("type") == "file" and isinstance(e.get("size"), int)}
 
     def read_range(self, name: str, offset: int, size: int) -> bytes:
@@ -395,6 +420,17 @@ def _thread_lock(key: tuple[str, str]) -> threading.Lock:
     """The process's lock of ``key`` (fresh in a forked child: see ``_after_fork``)."""
     with _guard:
         return _thread_locks.setdefault(key, threading.Lock())
+
+
+#: What names a file's version in fsspec's listings and infos (s3fs, gcsfs, adlfs, HTTP), first found first.
+_VERSION_KEYS = ("ETag", "etag", "md5Hash", "content_md5", "Content-MD5", "Digest", "LastModified", "last_modified",
+                 "updated", "mtime")
+
+
+def _version(entry: dict[str, Any]) -> str | None:
+    """A short key of the version a listing's or an info's entry gives (``None``: it gives none)."""
+    value = next((entry[k] for k in _VERSION_KEYS if entry.get(k)), None)
+    return None if value is None else hashlib.sha1(str(value).encode()).hexdigest()[:10]
 
 
 def _touch(path: Path) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,6 +51,11 @@ def _batches(dm: ShardsDataModule, train: bool) -> list[tuple[torch.Tensor, torc
     return [(x.clone(), y.clone()) for x, y, *_ in loader]
 
 
+def _plain(name: str) -> str:
+    """A cached file's name without its version (``shard-000000~1a2b3c4d5e.tar``: ``shard-000000.tar``)."""
+    return re.sub(r"~[0-9a-f]{10}(?=\.[^./]*$)", "", name)
+
+
 def test_a_bucket_gives_the_local_packs_batches_and_fetches_each_shard_once_per_node(url, local_pack, env):
     for train in (True, False):  # shuffled with augmentation, and in order
         here, there = ShardsDataModule(local_pack, **KW), ShardsDataModule(url, **KW)
@@ -57,18 +63,35 @@ def test_a_bucket_gives_the_local_packs_batches_and_fetches_each_shard_once_per_
         assert len(a) == len(b) > 1
         assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
     cache = there.pack.cache
-    files = sorted(p.relative_to(cache.folder).as_posix() for p in cache.folder.rglob("*") if p.is_file())
+    files = sorted(_plain(p.relative_to(cache.folder).as_posix()) for p in cache.folder.rglob("*") if p.is_file())
     manifest = json.loads((local_pack / "shards.json").read_text())
     shards = [s for split in manifest["splits"].values() for s in split["shards"]]
     assert [f for f in files if f.endswith(".tar")] == sorted(shards)  # every shard once, nothing else but indexes
     for s in shards:
-        assert (cache.folder / s).read_bytes() == (local_pack / s).read_bytes()
+        assert cache.local(s, cache.entry(s)[1]).read_bytes() == (local_pack / s).read_bytes()
     assert not [f for f in files if TEMP_PREFIX in f]
     # a second DataModule on the node (another rank, run or epoch) fetches nothing again
     again = ShardsDataModule(url, **KW)
     before = {p: p.stat().st_ino for p in cache.folder.rglob("*.tar")}
     _batches(again, True)
     assert {p: p.stat().st_ino for p in cache.folder.rglob("*.tar")} == before
+
+
+def test_a_pack_uploaded_again_to_the_same_url_is_fetched_anew(local_pack, server, env, tmp_path):
+    # the cache was named by the URL alone and took any file there as current: the run trained on the old pack
+    other = tmp_path / "other"
+    pack(write_image_folder(tmp_path / "g", classes=3, train=11, val=5, size=(44, 40)), other, shard_size=7,
+         progress=False)
+    url, client = server.upload(local_pack, "again", "pack"), server.client()
+    first = _batches(ShardsDataModule(url, **KW), False)
+    for listed in client.list_objects_v2(Bucket="again")["Contents"]:
+        client.delete_object(Bucket="again", Key=listed["Key"])
+    server.upload(other, "again", "pack")
+    dm = ShardsDataModule(url, **KW)
+    again, expected = _batches(dm, False), _batches(ShardsDataModule(other, **KW), False)
+    assert len(again) == len(expected) and not torch.equal(first[0][0], again[0][0])
+    assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(again, expected))
+    assert len(list(dm.pack.cache.folder.rglob("*.tar"))) == 3  # the 3 val shards: the old versions removed
 
 
 def test_an_https_root_public_or_signed_gives_the_local_packs_batches_and_keeps_no_credential(local_pack, server, env, tmp_path):
@@ -82,7 +105,7 @@ def test_an_https_root_public_or_signed_gives_the_local_packs_batches_and_keeps_
     there = ShardsDataModule(web + "?sv=2022-11-02&sig=first", **KW, cache_dir=str(tmp_path))
     a, b = _batches(here, True), _batches(there, True)
     assert len(a) == len(b) > 1 and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
-    assert sorted(p.name for p in tmp_path.rglob("*.tar")) == sorted(p.name for p in (local_pack / "train").glob("*.tar"))
+    assert sorted(_plain(p.name) for p in tmp_path.rglob("*.tar")) == sorted(p.name for p in (local_pack / "train").glob("*.tar"))
     assert not [p for p in tmp_path.rglob("*") if "sig" in p.name or "first" in p.name]  # no credential on disk
     renewed = ShardsDataModule(web + "?sv=2022-11-02&sig=second", **{**KW, "num_workers": 0}, cache_dir=str(tmp_path))
     assert len(_batches(renewed, True)) == len(a) and renewed.pack.cache.fetched == 0  # a new token: the same cache
@@ -104,7 +127,7 @@ def test_the_cache_keeps_its_limit_evicting_the_shards_unused_longest(url, local
         time.sleep(0.01)  # a distinct time of use
         held = sum(p.stat().st_size for p in cache.folder.rglob("*") if p.is_file())
         assert held <= limit
-    kept = sorted(p.name for p in cache.folder.rglob("*.tar"))
+    kept = sorted(_plain(p.name) for p in cache.folder.rglob("*.tar"))
     assert kept == sorted(sizes)[-2:]  # the two used last
     with pytest.raises(CacheFullError, match="larger than the cache's limit"):
         ShardCache(url, tmp_path / "tiny", 1000).get("train/shard-000000.tar")
@@ -248,7 +271,7 @@ def test_downloads_under_way_at_exit_or_at_a_kill_leave_no_temporary_file(url, e
     code = ("import sys, threading, time; from cltrain.data.shard_cache import ShardCache\n"
             "cache = ShardCache(sys.argv[1]); cache.open()\n"
             "threading.Thread(target=cache.get, args=(sys.argv[2],), daemon=True).start()\n"
-            "while not list(cache.folder.rglob('.cltrain-tmp-*' + sys.argv[2][-10:])): time.sleep(0.05)\n"
+            "while not list(cache.folder.rglob('.cltrain-tmp-*' + sys.argv[2][-10:-4] + '~*')): time.sleep(0.05)\n"
             "if sys.argv[3] == 'killed': __import__('os').kill(__import__('os').getpid(), 9)")
     try:
         killed = warm.run([sys.executable, "-c", code, url, "train/shard-000001.tar", "killed"], timeout=60)
@@ -314,6 +337,9 @@ def test_secrets_are_never_in_a_message():
     finally:
         del os.environ["AWS_SECRET_ACCESS_KEY"]
     assert "pw" not in text and "abc" not in text and "def" not in text and SECRET not in text and "ok=1" in text
+    # any query value named as a secret, not only a fixed list's
+    named = redact("https://h/p?access_token=t1&api_key=t2&client_secret=t3&password=t4&X-Goog-Credential=t5&n=6")
+    assert not [t for t in ("t1", "t2", "t3", "t4", "t5") if t in named] and "n=6" in named, named
 
 
 @pytest.mark.slow
