@@ -40,8 +40,10 @@ SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE
                     "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_CLIENT_SECRET",
                     "GOOGLE_OAUTH_ACCESS_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_PASSWORD",
                     "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY")
-_QUERY_SECRETS = re.compile(r"(?i)([?&](?:sig|signature|x-amz-signature|x-amz-security-token|x-goog-signature|"
-                            r"token|sv|se|sp|skoid|sktid|code)=)[^&\s'\"]+")
+# a query value whose name says secret (sig, signature, token, access_token, key, api_key, client_secret, password,
+# X-Amz-Credential, session, code, auth...) or is one of an Azure SAS token's fields
+_QUERY_SECRETS = re.compile(r"(?i)([?&](?:[\w.-]*(?:sig|token|key|secret|pass|pwd|credential|auth|session|code)[\w.-]*|"
+                            r"sv|se|sp|st|sr|ss|srt|spr|skoid|sktid|skt|ske|sks|skv)=)[^&\s'\"]+")
 _USERINFO = re.compile(r"(://)[^/@\s'\"]+@")
 #: Per-request retries of the S3 client (botocore's "standard" mode: exponential backoff with jitter on 5xx,
 #: SlowDown/throttling, reset connections and timeouts); a whole shard is also retried (``shard_cache``).
@@ -78,7 +80,7 @@ def join(url: str, *parts: str) -> str:
 
 
 def redact(text: str) -> str:
-    """``text`` without secrets: the user part of URLs, signature and token query values, and the value of any
+    """``text`` without secrets: the user part of URLs, the query values named as secrets, and the value of any
     secret environment variable (``SECRET_VARIABLES``) that appears in it."""
     text = _USERINFO.sub(r"\1***@", _QUERY_SECRETS.sub(r"\1***", text))
     for name in SECRET_VARIABLES:
