@@ -122,7 +122,7 @@ def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
     if protocol in ("s3", "s3a"):  # fsspec's own config (FSSPEC_S3='{...}', ~/.config/fsspec/) wins over these
         user = conf.get(protocol, {})
         options = {**user, "config_kwargs": {"retries": {"max_attempts": attempts, "mode": "standard"},
-                                             "connect_timeout": 3 if quick else 20, "read_timeout": 5 if quick else 60,
+                                             "connect_timeout": 3 if quick else 20, "read_timeout": 5 if quick else 20,
                                              **user.get("config_kwargs", {})}}
     try:
         # a filesystem of our own (fsspec would hand out one cached by its arguments alone, whatever the environment

@@ -24,7 +24,8 @@ returns the local path, fetching the file first when the cache does not hold tha
   process, not a request per file; a store or a key that may not list (no ``ListBucket``) is asked per file, once
   per process.
 * **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
-  already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times.
+  already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times
+  within ``RETRY_WINDOW`` seconds of its first try.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
   processes that are gone when a cache is opened or a process using it exits.
 
@@ -65,6 +66,9 @@ log = logging.getLogger(__name__)
 CHUNK = 16 * 2**20
 #: Tries of one range before the fetch fails (each try is itself retried by the client).
 ATTEMPTS = 4
+#: Seconds after which a read that keeps failing is not tried again (an endpoint that stalls: the client's own
+#: attempts, each waiting for its read timeout, already take this long).
+RETRY_WINDOW = 120
 #: Seconds a download waits for the node's downloads in flight to make room under the limit.
 IN_FLIGHT_WAIT = 120
 #: Bytes the cache always leaves free on its disk.
@@ -449,15 +453,17 @@ def _free(folder: Path) -> int:
 
 def _retried(read: Callable[[], Any], url: str) -> Any:
     """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line."""
+    started = time.monotonic()
     for attempt in range(ATTEMPTS):
         try:
             return read()
         except (FileNotFoundError, PermissionError, RemoteError, DataError) as err:
             raise remote_error(err, url) from None
         except Exception as err:  # noqa: BLE001 - a reset, a timeout, a 5xx the client gave up on, a short body
-            if attempt == ATTEMPTS - 1 or "AccessDenied" in str(err) or "NoSuch" in str(err):
+            if attempt == ATTEMPTS - 1 or "AccessDenied" in str(err) or "NoSuch" in str(err) or \
+                    time.monotonic() - started > RETRY_WINDOW:
                 raise remote_error(err, url) from None
             log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
-                        redact(" ".join(f"{type(err).__name__}: {err}".split()))[:160], attempt + 2, ATTEMPTS)
+                        redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240], attempt + 2, ATTEMPTS)
             time.sleep(min(0.2 * 2 ** attempt, 5.0))
     raise AssertionError(redact(url))  # not reached

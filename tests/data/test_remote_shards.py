@@ -262,6 +262,31 @@ def test_a_lasting_fault_is_said_at_each_of_the_caches_attempts(url, local_pack,
         proxy.stop()
 
 
+def test_an_endpoint_that_stalls_is_not_tried_again_past_the_window(url, local_pack, env, server, monkeypatch,
+                                                                     tmp_path, caplog):
+    # each of the cache's 4 tries waited for botocore's 6 attempts, each for its read timeout: 24 minutes
+    import fsspec
+
+    import cltrain.data.shard_cache
+
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {
+        "read_timeout": 1, "connect_timeout": 1, "retries": {"max_attempts": 2, "mode": "standard"}}})
+    monkeypatch.setattr(cltrain.data.shard_cache, "RETRY_WINDOW", 1.5, raising=False)  # less than the client's attempts take
+    name = "train/" + sorted(p.name for p in (local_pack / "train").glob("*.tar"))[0]
+    proxy.faults = [Fault("stall", path=name, times=1000, seconds=4)]
+    try:
+        cache = ShardCache(url, tmp_path, limit=2**30)
+        cache.size(name)  # the folder's listing, not stalled
+        with pytest.raises(RemoteError, match=name):
+            cache.get(name)
+        assert proxy.faults[0].hit >= 2  # the client's own attempts
+        assert not [r for r in caplog.records if "trying again" in r.getMessage()]
+    finally:
+        proxy.stop()
+
+
 def test_downloads_under_way_at_exit_or_at_a_kill_leave_no_temporary_file(url, env, server, monkeypatch):
     # a shard's temporary file is in the pack's split folder (train/), not in the cache's own
     proxy = FaultProxy(server.endpoint)
