@@ -138,9 +138,20 @@ def _own_temps(folder: str) -> None:
         remove_leftovers(sub, stale_after_s=float("inf"))
 
 
+_leaving = threading.Event()  # this process is exiting: no download starts (its temporary file would stay)
+_temps_guard = threading.Lock()  # a download's temporary file is made, or the exit's clean-up begins, not both
+
+
+def _leave(folder: str | None = None) -> None:
+    """At exit: no new download, then this process's temporary files removed (``folder``'s, or every cache's)."""
+    with _temps_guard:
+        _leaving.set()
+    for each in [folder] if folder is not None else list(_folders):
+        _own_temps(each)
+
+
 def _at_exit() -> None:
-    for folder in list(_folders):
-        _own_temps(folder)
+    _leave()
 
 
 atexit.register(_at_exit)
@@ -149,8 +160,8 @@ atexit.register(_at_exit)
 def _after_fork() -> None:
     """A forked child (a DataLoader worker) starts with fresh thread locks: one held by a thread of the parent at the
     fork would never be released there."""
-    global _guard
-    _guard = threading.Lock()
+    global _guard, _temps_guard
+    _guard, _temps_guard = threading.Lock(), threading.Lock()
     _thread_locks.clear()
 
 
@@ -163,7 +174,7 @@ def _in_worker_exit(folder: str) -> None:
         from multiprocessing import parent_process, util
 
         if parent_process() is not None:
-            util.Finalize(None, _own_temps, args=(folder,), exitpriority=100)
+            util.Finalize(None, _leave, args=(folder,), exitpriority=100)
     except (ImportError, AttributeError):
         pass
 
@@ -317,7 +328,10 @@ class ShardCache:
                 while True:
                     with self._locked(""):  # room made and reserved under one lock: concurrent fetches add up
                         if self._make_room(size, name, time.monotonic() > deadline):
-                            f = stack.enter_context(atomic_open(path))
+                            with _temps_guard:  # a fetch-ahead thread at exit: its file would outlive the clean-up
+                                if _leaving.is_set():
+                                    raise StorageError(f"{name}: not fetched, the process is exiting")
+                                f = stack.enter_context(atomic_open(path))
                             if size and hasattr(os, "posix_fallocate"):
                                 os.posix_fallocate(f.fileno(), 0, size)
                             break

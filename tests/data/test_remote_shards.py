@@ -308,6 +308,28 @@ def test_downloads_under_way_at_exit_or_at_a_kill_leave_no_temporary_file(url, e
         proxy.stop()
 
 
+def test_a_download_a_thread_starts_during_the_exit_leaves_no_temporary_file(url, env, server, monkeypatch):
+    # a fetch-ahead thread that began a download after the exit's clean-up had looked left its temporary file
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.faults = [Fault("stall", path="shard-000002", times=9, seconds=30)]
+    code = ("import atexit, sys, threading, time\n"
+            "def late():  # registered before cltrain's clean-up, so it runs after it\n"
+            "    threading.Thread(target=cache.get, args=(sys.argv[2],), daemon=True).start()\n"
+            "    time.sleep(1)\n"
+            "atexit.register(late)\n"
+            "from cltrain.data.shard_cache import ShardCache\n"
+            "cache = ShardCache(sys.argv[1]); cache.open(); cache.size(sys.argv[2])\n")
+    try:
+        # a fresh interpreter (not tests.helpers.warm's, which has cltrain imported: its clean-up would run last)
+        ended = subprocess.run([sys.executable, "-c", code, url, "train/shard-000002.tar"], capture_output=True,
+                               text=True, timeout=60)
+        assert ended.returncode == 0, ended.stderr
+        assert not [p for p in env.rglob("*") if p.name.startswith(TEMP_PREFIX)], list(env.rglob("*"))
+    finally:
+        proxy.stop()
+
+
 def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, server):
     for bad in ("s3://no-such-bucket/pack", url.rsplit("/", 1)[0] + "/nopack", url + "/train"):
         with pytest.raises(RemoteError) as caught:
