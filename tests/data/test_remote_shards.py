@@ -330,6 +330,12 @@ def test_a_download_a_thread_starts_during_the_exit_leaves_no_temporary_file(url
         proxy.stop()
 
 
+def test_a_pack_larger_than_the_cache_under_a_full_shuffle_is_said_in_a_readable_size(url, env):
+    dm = ShardsDataModule(url, cache_limit=30000, shuffle_window=None, **KW)
+    with pytest.warns(UserWarning, match=r"about 0\.\d MiB\) does not fit the shard cache \(0\.0 MiB"):
+        dm.setup("fit")  # a small pack was "about 0.0 GiB"
+
+
 def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, server):
     for bad in ("s3://no-such-bucket/pack", url.rsplit("/", 1)[0] + "/nopack", url + "/train"):
         with pytest.raises(RemoteError) as caught:

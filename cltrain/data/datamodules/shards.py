@@ -116,8 +116,8 @@ class ShardsDataModule(ImageDataModule):
             return
         size = int((dataset.index[:, 0] + dataset.index[:, 1]).max(initial=0)) * len(dataset.shard_names)
         if size > pack.cache.limit:
-            rank_zero_warn(f"ShardsDataModule: {pack.where} ({dataset.split}, about {size / 2**30:.1f} GiB) does not fit "
-                           f"the shard cache ({pack.cache.limit / 2**30:.1f} GiB in {pack.cache.folder}) and "
+            rank_zero_warn(f"ShardsDataModule: {pack.where} ({dataset.split}, about {_size(size)}) does not fit "
+                           f"the shard cache ({_size(pack.cache.limit)} in {pack.cache.folder}) and "
                            "shuffle_window=None reads every shard in every stretch of batches: shards will be fetched "
                            "more than once per epoch. Set shuffle_window (e.g. 16), a larger cache_limit, or fetch='ranges'.")
 
@@ -128,3 +128,8 @@ class ShardsDataModule(ImageDataModule):
         sampler = ShardBatchSampler(dataset, self.batch_size, *self._world, shuffle=train, seed=self.seed,
                                     shuffle_window=self.shuffle_window)
         return dict(batch_size=None, sampler=sampler)
+
+
+def _size(n: int) -> str:
+    """Bytes as the warnings give them: GiB, else MiB (a small pack is not "0.0 GiB")."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
