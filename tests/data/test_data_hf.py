@@ -86,6 +86,13 @@ def _fit(root: Path, run: Path, workers: int, bad_files: str, streaming: bool) -
     return trainer, model
 
 
+def test_a_bad_validation_row_counts_as_the_validation_splits(tmp_path):
+    # the list names the split "validation", as the dataset does: data/skipped_val stayed 0
+    splits = {"train": image_rows(10, 3, seed=0), "validation": image_rows(8, 3, seed=1, odd={3: b"<html>404</html>"})}
+    trainer, _ = _fit(write_hf_dataset(tmp_path / "d", splits, NAMES)["saved"], tmp_path / "run", 0, "skip", False)
+    assert trainer.callback_metrics["data/skipped_val"] == 1 and trainer.callback_metrics["data/skipped_train"] == 0
+
+
 @pytest.mark.parametrize("workers,streaming", [(0, False), (2, False), (2, True)])
 def test_bad_rows_are_skipped_and_listed_by_index_or_raised_in_one_line(hf, tmp_path, workers, streaming):
     root = hf["bad"]["saved"]

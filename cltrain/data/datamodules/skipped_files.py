@@ -60,8 +60,10 @@ class SkippedFilesReport(L.Callback):
             rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
                            f"{trainer.current_epoch}; their paths are in {self.path}.")
         if can_log and not trainer.sanity_checking:
+            stage = _stages(trainer.datamodule)  # the list names a split as its source does ("validation")
             for split in ("train", "val"):
-                pl_module.log(f"data/skipped_{split}", float(counts.get(split, 0)), reduce_fx="sum", sync_dist=True)
+                n = sum(count for name, count in counts.items() if stage.get(name, name) == split)
+                pl_module.log(f"data/skipped_{split}", float(n), reduce_fx="sum", sync_dist=True)
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -79,3 +81,13 @@ class SkippedFilesReport(L.Callback):
     @override
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._report(trainer, pl_module, can_log=False)
+
+
+def _stages(datamodule: object) -> dict[str, str]:
+    """``{split name in the list: "train" or "val"}``: the names the DataModule's training and validation sets give."""
+    stages = {}
+    for stage, attribute in (("train", "train_set"), ("val", "val_set")):
+        name = getattr(getattr(datamodule, attribute, None), "split_name", None)
+        if isinstance(name, str):
+            stages[name] = stage
+    return stages
