@@ -37,7 +37,7 @@ from torch import nn
 from cltrain.check.resume import run_fingerprint
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.check.budget import DEFAULT_SAMPLES
-from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode, check_positive
+from cltrain.options import check_copies, check_flags, check_layout_choice, check_mode, check_module, check_positive
 from cltrain.precision import autocast_dtype
 from cltrain.session import LayoutSession
 from cltrain.sharding import sharding_of
@@ -84,8 +84,15 @@ def prepare_channels_last(
         engines require, and only its image inputs are channels_last (``cltrain.sharding``).
 
     Raises:
-        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout``, ``copies`` or ``check_samples``.
+        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout``, ``copies`` or ``check_samples``; a
+            ``model`` that is not a module, or one ``accelerator.prepare`` wrapped in DDP already.
     """
+    check_module("prepare_channels_last", model)
+    if isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(getattr(model, "_orig_mod", None),
+                                                                          nn.parallel.DistributedDataParallel):
+        # its first-batch check would run DDP's collectives on one rank alone (gloo aborts, NCCL hangs)
+        raise ValueError("prepare_channels_last(model=<DistributedDataParallel>): the model is already prepared; call "
+                         "prepare_channels_last(model, accelerator) before accelerator.prepare(model, ...).")
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
     check_mode("prepare_channels_last", mode)
     check_flags("prepare_channels_last", guard=guard, verify=verify)

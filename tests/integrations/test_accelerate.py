@@ -104,6 +104,25 @@ def test_bad_arguments_are_named(kwargs, named):
         prepare_channels_last(nn.Conv2d(3, 8, 3), Accelerator(cpu=True), **kwargs)
 
 
+def test_a_model_that_is_not_a_module_or_is_prepared_already_is_one_line():
+    import subprocess
+    import sys
+
+    with pytest.raises(ValueError, match=r"prepare_channels_last\(model='resnet'\): expected the model itself"):
+        prepare_channels_last("resnet", Accelerator(cpu=True))
+    # after accelerator.prepare under DDP: the check ran DDP's collectives on rank 0 alone (gloo aborted)
+    code = ("import torch, torch.distributed as dist; from torch import nn; from accelerate import Accelerator\n"
+            "from cltrain.integrations.accelerate import prepare_channels_last\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+            "ddp = nn.parallel.DistributedDataParallel(nn.Conv2d(3, 8, 3))\n"
+            "try:\n    prepare_channels_last(ddp, Accelerator(cpu=True))\n"
+            "except ValueError as err:\n    print(err)\n"
+            "dist.destroy_process_group()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "the model is already prepared; call prepare_channels_last(model, accelerator) before" in done.stdout, \
+        done.stdout + done.stderr
+
+
 def test_a_state_saved_after_the_optimizers_step_holds_that_step_of_the_race(tmp_path):
     # save_state in the loop's body, after optimizer.step(), before the next forward: the step ended only at that
     # forward, so the saved race lacked it and a resumed run was one step behind in the layouts' schedule
