@@ -87,18 +87,18 @@ def prepare_channels_last(
         ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout``, ``copies`` or ``check_samples``; a
             ``model`` that is not a module, or one ``accelerator.prepare`` wrapped in DDP already.
     """
-    check_module("prepare_channels_last", model)
-    if isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(getattr(model, "_orig_mod", None),
-                                                                          nn.parallel.DistributedDataParallel):
-        # its first-batch check would run DDP's collectives on one rank alone (gloo aborts, NCCL hangs)
-        raise ValueError("prepare_channels_last(model=<DistributedDataParallel>): the model is already prepared; call "
-                         "prepare_channels_last(model, accelerator) before accelerator.prepare(model, ...).")
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
     check_mode("prepare_channels_last", mode)
     check_flags("prepare_channels_last", guard=guard, verify=verify)
     check_layout_choice("prepare_channels_last", layout)
     copied = check_copies("prepare_channels_last", copies)
     check_positive("prepare_channels_last", "check_samples", check_samples, optional=True)
+    check_module("prepare_channels_last", model)
+    if isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(getattr(model, "_orig_mod", None),
+                                                                          nn.parallel.DistributedDataParallel):
+        # its first-batch check would run DDP's collectives on one rank alone (gloo aborts, NCCL hangs)
+        raise ValueError("prepare_channels_last(model=<DistributedDataParallel>): the model is already prepared; call "
+                         "prepare_channels_last(model, accelerator) before accelerator.prepare(model, ...).")
     dtype = autocast_dtype({"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(str(accelerator.mixed_precision), ""))
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
     hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
