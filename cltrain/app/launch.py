@@ -17,8 +17,13 @@ __all__ = ["check_launch", "is_launched_child"]
 
 
 def is_launched_child() -> bool:
-    """True in the processes Lightning's DDP launcher starts (LOCAL_RANK > 0) and on nodes > 0."""
-    return any(os.environ.get(var, "0") not in ("", "0") for var in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
+    """True in the processes Lightning's DDP launcher or torchrun starts (LOCAL_RANK > 0), on nodes > 0, and in the
+    SLURM tasks other than task 0 where Lightning takes its ranks from SLURM (``srun``: each task runs this command)."""
+    if any(os.environ.get(var, "0") not in ("", "0") for var in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK")):
+        return True
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return os.environ.get("SLURM_PROCID", "0") not in ("", "0") and SLURMEnvironment.detect()
 
 
 def check_launch(cfg: DictConfig) -> None:

@@ -96,3 +96,17 @@ def test_a_requeued_slurm_job_may_come_back_to_its_directory(tmp_path: Path, mon
         claim_run_dir(run)
     (run / "hpc_ckpt_1.ckpt").write_bytes(b"x")
     assert claim_run_dir(run) == run and (run / CLAIM).read_text().split()[0] == str(os.getpid())
+
+
+def test_the_slurm_tasks_after_the_first_share_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # srun starts every task with this command line: task 1 claimed the fixed directory task 0 held, and stopped
+    run = tmp_path / "r-slurm-4250"
+    run.mkdir()
+    (run / CLAIM).write_text(f"1 {os.uname().nodename}\n")  # task 0's claim (pid 1: alive)
+    for name, value in {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(ConfigError, match="in use by another run"):  # task 0 itself: a second run there
+        claim_run_dir(run)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert claim_run_dir(run) == run and (run / CLAIM).read_text().split()[0] == "1"
