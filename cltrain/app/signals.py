@@ -15,6 +15,11 @@ A second signal stops the run at once, in the middle of a step, and ``last.ckpt`
 before. While that file is written (``holding``), further signals wait for it: a signal raised inside ``torch.save``
 would leave no file and a traceback. SIGUSR1 (SLURM's requeue) is never touched.
 
+A signal the main thread cannot take (it waits inside C++: a rendezvous for a rank that never comes, a collective
+with a rank that is gone, where a Python handler runs only when the call returns) ends the process after
+``STUCK_GRACE`` seconds with one line (exit 128 + the signal's number), as it would end without a handler: a thread
+watches the signals arrive (``signal.set_wakeup_fd``) and the handler taking them.
+
 Under several ranks a signal may reach one rank, or each rank at its own moment (Ctrl+C reaches every process of the
 terminal's group): each rank notes it, and at each of the points above the ranks agree (``agreed``: a reduction of
 one integer over a CPU process group, so the device is not waited on), so every rank stops at the same batch and
@@ -25,9 +30,11 @@ another rank's next collective: a gloo error and a traceback, or both ranks wait
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -41,6 +48,8 @@ from typing_extensions import override
 __all__ = ["RunInterrupted", "SignalStop", "lost_peer"]
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
+#: Seconds a signal may wait for the main thread's handler before the process ends without it.
+STUCK_GRACE = 60.0
 
 
 class RunInterrupted(BaseException):
@@ -75,9 +84,12 @@ class SignalStop(Callback):
         self._world_size = 1
         self._group: Any = None  # the CPU process group the ranks agree over; None: the default one, or one process
         self._previous: dict[int, Any] = {}
+        self._taken = 0  # signals the handler has taken (the watchdog compares them with those that arrived)
+        self._watch: tuple[int, int, int] | None = None  # the wakeup pipe's ends and the wakeup fd before it
 
     # --- the handler ----------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._taken += 1
         again = self.signum == signum
         self.signum = self.signum or signum  # the first (torchrun sends SIGTERM after the terminal's SIGINT)
         if self._holding:  # the latest state is being written: the stop goes on once it is
@@ -101,12 +113,43 @@ class SignalStop(Callback):
         if threading.current_thread() is threading.main_thread():
             for signum in HANDLED:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._watch = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+            threading.Thread(target=self._watchdog, args=(read,), daemon=True, name="cltrain-signals").start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        if self._watch is not None:
+            read, write, before = self._watch
+            self._watch = None
+            signal.set_wakeup_fd(before)
+            os.close(write)  # the watchdog reads the end of the pipe and leaves
+
+    def _watchdog(self, read: int) -> None:
+        """Each handled signal that arrives (a byte on the wakeup pipe) must reach the handler within ``STUCK_GRACE``
+        seconds; one that does not (the main thread waits inside C++) ends the process, as the signal would without
+        a handler."""
+        arrived = 0
+        try:
+            while data := os.read(read, 64):
+                for signum in data:
+                    if signum not in HANDLED:
+                        continue
+                    arrived += 1
+                    deadline = time.monotonic() + STUCK_GRACE
+                    while self._taken < arrived and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    if self._taken < arrived:
+                        print(f"cltrain: {signal.Signals(signum).name}: the run waits inside a call that Python "
+                              f"cannot interrupt (a rendezvous or a collective with a rank that is not there); "
+                              f"stopped after {STUCK_GRACE:.0f} s.", file=sys.stderr, flush=True)
+                        os._exit(128 + signum)
+        finally:
+            os.close(read)
 
     def deferred(self) -> _Deferred:
         """While the returned context is active (``trainer.fit``), a first signal waits for the batch end."""

@@ -263,3 +263,27 @@ def test_a_signal_to_the_process_group_stops_a_ddp_run_at_one_batch_end(demo_arg
     progress = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
     assert progress["ready"] == progress["completed"] == ckpt["global_step"] >= 5, progress
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "interrupted"
+
+
+def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_the_grace() -> None:
+    # a rank waiting at the rendezvous for a rank that never came (SLURM, torchrun) ignored every SIGTERM and SIGINT:
+    # Python runs a handler only between bytecodes, and the wait is inside C++
+    code = ("import datetime, socket, torch.distributed as dist\n"
+            "import cltrain.app.signals as s\n"
+            "s.STUCK_GRACE = 1.0\n"
+            "sock = socket.socket(); sock.bind(('127.0.0.1', 0)); port = sock.getsockname()[1]; sock.close()\n"
+            "with s.SignalStop():\n"
+            "    print('waiting', flush=True)\n"
+            "    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=2,\n"
+            "                            timeout=datetime.timedelta(seconds=120))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(1.0)  # inside the rendezvous
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "waits inside a call that Python cannot interrupt" in out, out
