@@ -8,6 +8,7 @@ accuracy, checkpoints, the layout the model trained in, the guardrails and layou
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -84,8 +85,19 @@ def resume_line(run_dir: Path) -> str:
     """``resume with: <command>``, after a word on the secrets left out of the command where there were any."""
     args = _resume_args(run_dir)
     left_out = any(redact(a) != a for a in args)
+    launcher = _launcher()  # the command alone would start one rank, which waits for the others
     return ("the secrets shown as *** are left out of this command: put them back, then " if left_out else "") + \
+        (f"start the ranks with {launcher} as before, on every node, each to " if launcher else "") + \
         f"resume with: {_command(args)}"
+
+
+def _launcher() -> str | None:
+    """What started this run's ranks where it was not this command (torchrun, srun), else ``None``."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    if os.environ.get("SLURM_PROCID") is not None and int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        return "srun"
+    return None
 
 
 def _command(args: list[str]) -> str:

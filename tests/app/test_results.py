@@ -35,6 +35,20 @@ def test_the_resume_line_leaves_the_secrets_out_and_says_so(monkeypatch: pytest.
         f"resume with: python train.py seed=1 ckpt_path={tmp_path}/checkpoints/last.ckpt"
 
 
+def test_the_resume_line_of_ranks_started_by_torchrun_or_srun_says_to_start_them_so(monkeypatch, tmp_path) -> None:
+    # the command alone, run as printed, started one rank that waited for the others for ever
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    line = _resume_line(monkeypatch, "train.py", tmp_path, "trainer=ddp")
+    assert line == ("start the ranks with torchrun as before, on every node, each to resume with: python train.py "
+                    f"trainer=ddp ckpt_path={tmp_path}/checkpoints/last.ckpt"), line
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert _resume_line(monkeypatch, "train.py", tmp_path, "trainer=ddp").startswith("start the ranks with srun ")
+
+
 @pytest.mark.parametrize("argv0,script", [("/venv/bin/cltrain-train", ["cltrain-train"]),
                                           ("/repo/train.py", ["python", "/repo/train.py"])])
 def test_the_resume_command_runs_as_printed_from_a_folder_with_spaces_unicode_and_parentheses(
