@@ -4,9 +4,11 @@
     cltrain-sweep-report multirun/<date>/<time>                    # -> report.md, report.png there
 
 Every run directory under the sweep directory holds a ``metrics.json`` (written by
-``train(cfg)``); the speed-up column compares each run with the contiguous fp32 run of the
-same model, image size, global batch and device. The chart needs matplotlib
-(``pip install 'cltrain[report]'``).
+``train(cfg)``); a run that stopped before it (a bad value, a crash) is listed as such, and an
+interrupted or failed run is named so. The speed-up column compares each completed run with the
+completed contiguous fp32 run of the same model, image size, global batch and device whose overrides
+differ only in the layout and the precision (the same data, workers and steps). The chart needs
+matplotlib (``pip install 'cltrain[report]'``).
 """
 
 from __future__ import annotations
@@ -21,17 +23,41 @@ from typing import Any
 from cltrain.app.metrics_file import METRICS_FILE, read_metrics
 from cltrain.atomic import atomic_open, atomic_write_text, remove_leftovers, removed_line
 
-__all__ = ["collect", "label", "main", "markdown_table", "plot", "write_report"]
+__all__ = ["collect", "label", "main", "markdown_table", "plot", "summary", "write_report"]
+
+
+#: Overrides a sweep compares: a run's baseline may differ in these alone.
+COMPARED = {"channels_last", "amp", "trainer.precision", "channels_last_layout"}
+#: ``status`` of a run that left a job directory without ``metrics.json``.
+NO_METRICS = "no metrics.json"
 
 
 def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """Every ``metrics.json`` under ``sweep_dir`` (one per run), ordered by run directory."""
+    """Every ``metrics.json`` under ``sweep_dir`` (one per run) with the run's Hydra overrides, and each job
+    directory of Hydra's without one (``status``: ``NO_METRICS``), ordered by run directory."""
     runs = []
-    for path in sorted(Path(sweep_dir).rglob(METRICS_FILE), key=lambda p: (len(p.parts), str(p))):
-        metrics = read_metrics(path)
-        metrics["run"] = str(path.parent.relative_to(sweep_dir)) or "."
+    found = {p.parent for p in Path(sweep_dir).rglob(METRICS_FILE)} | {p.parent for p in Path(sweep_dir).rglob(".hydra")}
+    for folder in sorted(found, key=lambda p: (len(p.parts), str(p))):
+        path = folder / METRICS_FILE
+        metrics = read_metrics(path) if path.is_file() else {"status": NO_METRICS}
+        metrics["run"] = str(folder.relative_to(sweep_dir)) or "."
+        metrics["overrides"] = _overrides(folder)
         runs.append(metrics)
     return runs
+
+
+def _overrides(folder: Path) -> dict[str, str] | None:
+    """``{key: value}`` of the job's ``.hydra/overrides.yaml`` (``None`` where there is none)."""
+    path = folder / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+
+    return dict(str(o).split("=", 1) if "=" in str(o) else (str(o), "") for o in yaml.safe_load(path.read_text()) or [])
+
+
+def _completed(run: dict[str, Any]) -> bool:
+    return run.get("status") in (None, "completed")
 
 
 def label(run: dict[str, Any]) -> str:
@@ -41,21 +67,41 @@ def label(run: dict[str, Any]) -> str:
 
 
 def _baseline(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The contiguous fp32 run with the same model, image size and batch as ``run``."""
+    """The completed contiguous fp32 run with the same model, image size, batch and device as ``run`` and, where both
+    have their overrides, the same ones but for ``COMPARED``."""
     def key(r: dict[str, Any]) -> tuple:
         return r.get("model"), r.get("image_size"), r.get("global_batch"), r.get("device")
 
+    def others(r: dict[str, Any]) -> dict[str, str] | None:
+        given = r.get("overrides")
+        return None if given is None else {k: v for k, v in given.items() if k.lstrip("+~") not in COMPARED}
+
+    mine = others(run)
     for other in runs:
-        if not other.get("channels_last") and other.get("precision") == "32-true" and key(other) == key(run):
+        theirs = others(other)
+        if not other.get("channels_last") and other.get("precision") == "32-true" and key(other) == key(run) \
+                and _completed(other) and (mine is None or theirs is None or mine == theirs):
             return other
     return None
 
 
 def _speedup(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> float | None:
-    base = _baseline(run, runs)
+    base = _baseline(run, runs) if _completed(run) else None
     if base is None or not base.get("images_per_second") or not run.get("images_per_second"):
         return None
     return run["images_per_second"] / base["images_per_second"]
+
+
+def summary(runs: Sequence[dict[str, Any]]) -> str:
+    """One line: how many runs, and how many did not complete (failed, interrupted, or no ``metrics.json``)."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        status = "completed" if _completed(run) else str(run.get("status"))
+        counts[status] = counts.get(status, 0) + 1
+    done = counts.pop("completed", 0)
+    rest = "".join(f", {n} {status}" for status, n in sorted(counts.items()))
+    note = " (not in the speed-ups; a job Hydra never started, after a failed one, has no directory)" if rest else ""
+    return f"{len(runs)} runs: {done} completed{rest}{note}."
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -73,8 +119,9 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     for run in runs:
         step = run.get("step_time_s")
         speedup = _speedup(run, runs)
+        status = "" if _completed(run) else f" ({run.get('status')})"
         lines.append(
-            f"| {run['run']} | {run.get('model', '?')} | {'channels_last' if run.get('channels_last') else 'contiguous'} "
+            f"| {run['run']}{status} | {run.get('model', '?')} | {'channels_last' if run.get('channels_last') else 'contiguous'} "
             f"| {run.get('precision', '?')} | {run.get('device', '?')} | {run.get('global_batch', '-')} "
             f"| {_fmt(run.get('images_per_second'), '.1f')} | {_fmt(step * 1000 if step else None, '.0f')} "
             f"| {_fmt(run.get('val_top1'), '.2f')} | {_fmt(run.get('val_top5'), '.2f')} "
@@ -135,7 +182,8 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
             raise
         png = None
     chart = f"\n![images/second and top-1]({png.name})\n" if png is not None else ""
-    atomic_write_text(md, f"# Sweep report: {sweep_dir}\n\n{markdown_table(runs)}{_optuna_best(Path(sweep_dir))}{chart}")
+    atomic_write_text(md, f"# Sweep report: {sweep_dir}\n\n{summary(runs)}\n\n{markdown_table(runs)}"
+                          f"{_optuna_best(Path(sweep_dir))}{chart}")
     return md, png
 
 
@@ -165,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"cltrain-sweep-report: error: {err}", file=sys.stderr)
         return 2
-    print(markdown_table(collect(args.sweep_dir)))
+    runs = collect(args.sweep_dir)
+    print(summary(runs))
+    print(markdown_table(runs))
     if png is None:
         print(f"wrote {md}; the chart needs matplotlib: pip install 'cltrain[report]'")
     else:

@@ -37,6 +37,32 @@ def test_speedup_is_against_the_contiguous_fp32_run(tmp_path: Path) -> None:
         write_metrics(tmp_path / "0", _run(*runs[0]))
 
 
+def test_runs_that_did_not_complete_are_named_and_a_baseline_differs_only_in_the_layout(tmp_path: Path) -> None:
+    # an interrupted run's speed was compared as if whole, a failed job vanished, and every run was compared with the
+    # first contiguous fp32 run whatever its data workers or steps
+    import yaml
+
+    from cltrain.tools.sweep_report import collect, summary
+
+    def job(i: int, overrides: list[str], status: str | None, channels_last: bool = False, speed: float = 10.0):
+        (tmp_path / str(i) / ".hydra").mkdir(parents=True)
+        (tmp_path / str(i) / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        if status is not None:
+            write_metrics(tmp_path / str(i), {**_run(channels_last, "32-true", speed, 50.0), "status": status})
+
+    job(0, ["channels_last=false", "data.num_workers=0"], "completed", speed=10.0)
+    job(1, ["channels_last=false", "data.num_workers=2"], "completed", speed=20.0)
+    job(2, ["channels_last=true", "data.num_workers=2"], "completed", True, speed=25.0)
+    job(3, ["channels_last=true", "data.num_workers=0"], "interrupted", True, speed=12.0)
+    job(4, ["channels_last=true", "model.name=resnet9x"], None)  # a bad value: no metrics.json
+    runs = collect(tmp_path)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in markdown_table(runs).splitlines()[2:]}
+    assert rows["2"].endswith("| 1.25x |"), rows  # against run 1 (2 workers), not run 0 (2.50x)
+    assert rows["3 (interrupted)"].endswith("| - |") and rows["4 (no metrics.json)"].endswith("| - |"), rows
+    assert summary(runs) == ("5 runs: 3 completed, 1 interrupted, 1 no metrics.json (not in the speed-ups; a job "
+                             "Hydra never started, after a failed one, has no directory).")
+
+
 def test_no_baseline_gives_no_speedup() -> None:
     table = markdown_table([{**_run(True, "bf16-mixed", 20.0, 40.0), "run": "0"}])
     assert table.rstrip().endswith("| - |")
