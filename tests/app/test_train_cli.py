@@ -210,3 +210,10 @@ def test_a_bad_value_holding_a_secret_is_shown_without_it(tmp_path: Path, overri
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.startswith(f"cltrain: error: {shown}"), result.stderr[-3000:]
     assert "SECRETPW" not in result.stderr + result.stdout
+
+
+def test_a_folder_given_as_ckpt_path_is_said_to_be_a_folder(tmp_path: Path) -> None:
+    result = run(f"ckpt_path={tmp_path}", "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"cltrain: error: ckpt_path='{tmp_path}': a folder, not a file"), result.stderr
+    assert "checkpoints/last.ckpt" in result.stderr.splitlines()[0]

@@ -57,7 +57,10 @@ def check_paths(cfg: DictConfig) -> None:
     for key in ("ckpt_path", "model.pretrained"):
         path = cfg.get("ckpt_path") if key == "ckpt_path" else cfg.model.get("pretrained")
         if path is not None and not Path(str(path)).expanduser().is_file():
-            raise ConfigError(key, str(path), "no such file", "a local file path, or null")
+            folder = Path(str(path)).expanduser().is_dir()
+            hint = " (a run's is <run dir>/checkpoints/last.ckpt)" if key == "ckpt_path" else ""
+            raise ConfigError(key, str(path), "a folder, not a file" if folder else "no such file",
+                              f"a local file path{hint}, or null")
     if cfg.evaluate_only and cfg.get("ckpt_path") is None and cfg.model.get("pretrained") is None:
         raise ConfigError("evaluate_only", True, "nothing to evaluate",
                           "with ckpt_path=<checkpoint> or model.pretrained=<weights file>")
