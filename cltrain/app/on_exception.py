@@ -53,5 +53,5 @@ class KeepOnException(Callback):
             # (and a rank whose peer a second signal stopped is in the middle of a step).
             return
         with self.holding():  # a signal now waits for the file (``SignalStop.holding``)
-            trainer.save_checkpoint(self.ckpt_path)
+            trainer.save_checkpoint(self.ckpt_path, weights_only=False)  # the whole state (Lightning logs its default)
 
