@@ -13,7 +13,7 @@ from omegaconf import DictConfig, ListConfig
 
 from cltrain.app.config.errors import ConfigError
 
-__all__ = ["check_launch", "is_launched_child"]
+__all__ = ["check_launch", "is_launched_child", "launcher"]
 
 
 def is_launched_child() -> bool:
@@ -21,9 +21,23 @@ def is_launched_child() -> bool:
     SLURM tasks other than task 0 where Lightning takes its ranks from SLURM (``srun``: each task runs this command)."""
     if any(os.environ.get(var, "0") not in ("", "0") for var in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK")):
         return True
+    return os.environ.get("SLURM_PROCID", "0") not in ("", "0") and _slurm_ranks()
+
+
+def launcher() -> str | None:
+    """What started this run's ranks where it was not this command: ``"torchrun"``, ``"srun"`` (several SLURM tasks
+    whose ranks Lightning takes), else ``None``."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    tasks = os.environ.get("SLURM_NTASKS", "1")
+    return "srun" if tasks.isdigit() and int(tasks) > 1 and _slurm_ranks() else None
+
+
+def _slurm_ranks() -> bool:
+    """Whether Lightning takes the ranks from SLURM's variables (``SLURMEnvironment.detect``)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    return os.environ.get("SLURM_PROCID", "0") not in ("", "0") and SLURMEnvironment.detect()
+    return SLURMEnvironment.detect()
 
 
 def check_launch(cfg: DictConfig) -> None:

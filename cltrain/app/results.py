@@ -8,7 +8,6 @@ accuracy, checkpoints, the layout the model trained in, the guardrails and layou
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
@@ -26,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from cltrain.app.config import Resolved
 from cltrain.app.ema import weights_in_checkpoint
 from cltrain.app.metrics_file import write_metrics
+from cltrain.app.launch import launcher
 from cltrain.app.rundir import is_slurm_requeue
 from cltrain.app.callbacks import RunCallbacks
 from cltrain.data.remote import redact, redacted
@@ -85,19 +85,10 @@ def resume_line(run_dir: Path) -> str:
     """``resume with: <command>``, after a word on the secrets left out of the command where there were any."""
     args = _resume_args(run_dir)
     left_out = any(redact(a) != a for a in args)
-    launcher = _launcher()  # the command alone would start one rank, which waits for the others
+    started_by = launcher()  # the command alone would start one rank, which waits for the others
     return ("the secrets shown as *** are left out of this command: put them back, then " if left_out else "") + \
-        (f"start the ranks with {launcher} as before, on every node, each to " if launcher else "") + \
+        (f"start the ranks with {started_by} as before, on every node, each to " if started_by else "") + \
         f"resume with: {_command(args)}"
-
-
-def _launcher() -> str | None:
-    """What started this run's ranks where it was not this command (torchrun, srun), else ``None``."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return "torchrun"
-    if os.environ.get("SLURM_PROCID") is not None and int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
-        return "srun"
-    return None
 
 
 def _command(args: list[str]) -> str:

@@ -37,7 +37,7 @@ def test_the_resume_line_leaves_the_secrets_out_and_says_so(monkeypatch: pytest.
 
 def test_the_resume_line_of_ranks_started_by_torchrun_or_srun_says_to_start_them_so(monkeypatch, tmp_path) -> None:
     # the command alone, run as printed, started one rank that waited for the others for ever
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     line = _resume_line(monkeypatch, "train.py", tmp_path, "trainer=ddp")
@@ -47,6 +47,8 @@ def test_the_resume_line_of_ranks_started_by_torchrun_or_srun_says_to_start_them
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     assert _resume_line(monkeypatch, "train.py", tmp_path, "trainer=ddp").startswith("start the ranks with srun ")
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # Lightning does not take its ranks from SLURM then
+    assert _resume_line(monkeypatch, "train.py", tmp_path, "trainer=ddp").startswith("resume with: ")
 
 
 @pytest.mark.parametrize("argv0,script", [("/venv/bin/cltrain-train", ["cltrain-train"]),
