@@ -57,8 +57,8 @@ Example::
 from __future__ import annotations
 
 import statistics
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cltrain.timing.stats import log_ratio, paired_log_ratio
@@ -287,6 +287,24 @@ class LayoutRace:
         self.decisions[decision.key] = decision
         self._heats.pop(decision.key, None)
         return decision
+
+    def carry(self, key: Hashable, like: Callable[[Hashable], bool]) -> None:
+        """Let an undecided, unraced ``key`` take the decision (the last made) or else the race under way of the keys
+        ``like`` accepts: a checkpoint's, keyed otherwise (a run resumed on another number of ranks). The races of
+        those keys end: their kind of batch is not seen again."""
+        if key in self.decisions or key in self._heats:
+            return
+        decided = [k for k in self.decisions if like(k)]
+        racing = [k for k in self._heats if like(k)]
+        if decided:
+            self.decisions[key] = replace(self.decisions[decided[-1]], key=key)
+        elif racing:
+            last = self._last if self._last in racing else racing[-1]
+            self._heats[key] = replace(self._heats[last], key=key, batch=None)  # each rank's batch differs now
+            if self._last in racing:
+                self._last = key
+        for old in racing:
+            self._heats.pop(old, None)
 
     def stop(self) -> None:
         """Give up the races under way (their keys stay undecided)."""

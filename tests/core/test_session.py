@@ -416,6 +416,55 @@ def test_a_rank_that_does_not_decide_follows_rank_0s_decision(monkeypatch) -> No
     assert "(fp32, cpu, every rank's input sizes)" in session.decision_line(rank0)
 
 
+class Rank0Of2(Host):
+    """Rank 0 of two ranks: it decides, and its values are every rank's."""
+
+    def several(self) -> bool:
+        return True
+
+
+def _resumed(state: dict, host: Host, steps: int, size: int = 8) -> tuple[LayoutSession, nn.Module, list[str]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    said = []
+    host.say = lambda line, warn=False: said.append(line)
+    session = LayoutSession(host=host)
+    ScriptedClock.session = session
+    session.start(model, device="cpu")
+    session.load_state_dict(state, model=model)
+    for _ in range(steps):
+        session.batch("train", (torch.randn(4, 3, size, size),), model)
+        session.batch_end()
+        session.step_end(model)
+    session.end(model)
+    return session, model, said
+
+
+@pytest.mark.parametrize("saved_by,resumed_by", [("one rank", "two ranks"), ("two ranks", "one rank")])
+def test_a_decision_or_a_race_holds_when_the_run_resumes_on_another_number_of_ranks(monkeypatch, saved_by,
+                                                                                    resumed_by) -> None:
+    # one rank keys a decision by its input's shape, several ranks by every rank's sizes: a checkpoint of one resumed
+    # on the other raced again (and decided the other way), and its race under way was never finished
+    ranks = {"one rank": Host, "two ranks": Rank0Of2}
+    slower_cl = {"channels_last": 0.3, "contiguous": 0.2}
+    decided, _, _, _ = _race_run(monkeypatch, ranks[saved_by](), slower_cl)
+    assert decided.decision.layout == "contiguous"
+    monkeypatch.setattr(ScriptedClock, "times", {"channels_last": 0.2, "contiguous": 0.3})  # another verdict if raced
+    session, model, said = _resumed(decided.state_dict(), ranks[resumed_by](), steps=12)
+    assert session.decision.layout == "contiguous" and session.decision.how == "restored"
+    assert model[0].weight.is_contiguous() and not session.race.racing()
+    assert [line for line in said if "holds here" in line] == [session.decision_line(session.decision)]
+    assert not [line for line in said if "faster here" in line or "ended before" in line], said
+    # stopped mid-race (its warm-up and a round run): the race goes on at its place and decides, nothing left over
+    midway, _, _, _ = _race_run(monkeypatch, ranks[saved_by](), slower_cl, steps=5)
+    assert midway.decision is None and midway.race.steps_run() == 5
+    monkeypatch.setattr(ScriptedClock, "times", slower_cl)
+    session, model, said = _resumed(midway.state_dict(), ranks[resumed_by](), steps=12)
+    assert session.decision is not None and session.decision.layout == "contiguous", said
+    assert not session.race.racing() and not [line for line in said if "ended before" in line], said
+    assert model[0].weight.is_contiguous()
+
+
 def test_an_undecided_race_leaves_the_model_in_channels_last_at_the_end(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.INFO):
         session, model, _, layouts = _race_run(monkeypatch, Host(), {"channels_last": 0.2, "contiguous": 0.3},
