@@ -283,11 +283,7 @@ class ShardCache:
         folder of shards, where a size asked per file is a request per file: a HEAD costs the client about as much CPU
         as 2 MiB of a shard, and the server as much again), else asked alone (a store or a key that may not list),
         once per process."""
-        folder = name.rpartition("/")[0]
-        with _thread_lock((str(self.folder), f"\0ls {folder}")):  # the fetch threads start at once: one listing
-            listed = self._listing.get(folder)
-            if listed is None:
-                listed = self._listing[folder] = self._listed(folder)
+        listed = self.listing(name)
         if name in listed:
             return listed[name]
         if name not in self._asked:
@@ -295,6 +291,27 @@ class ShardCache:
             info = _retried(lambda: self.fs.info(url), url)
             self._asked[name] = int(info["size"]), _version(info)
         return self._asked[name]
+
+    def listing(self, name: str) -> dict[str, tuple[int, str | None]]:
+        """``{name: (bytes, version)}`` of the files beside ``name`` in the store, listed once per process; ``{}``
+        where its folder cannot be listed."""
+        folder = name.rpartition("/")[0]
+        with _thread_lock((str(self.folder), f"\0ls {folder}")):  # the fetch threads start at once: one listing
+            listed = self._listing.get(folder)
+            if listed is None:
+                listed = self._listing[folder] = self._listed(folder)
+        return listed
+
+    def flaw(self, name: str, needs: int) -> str | None:
+        """What the store's listing says is wrong with ``name``, which must hold ``needs`` bytes: ``"missing"``, or
+        ``"N bytes where M are needed (cut short)"``, an interrupted upload; ``None`` where nothing is (or its folder
+        does not list: a missing file is then said when it is read)."""
+        listed = self.listing(name)
+        if not listed:
+            return None
+        if name not in listed:
+            return "missing"
+        return f"{listed[name][0]} bytes where {needs} are needed (cut short)" if listed[name][0] < needs else None
 
     def _listed(self, folder: str) -> dict[str, tuple[int, str | None]]:
         """``{name: (bytes, version)}`` of the files directly in ``folder`` (names relative to the root); ``{}``

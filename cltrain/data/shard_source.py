@@ -47,6 +47,14 @@ def _index_name(shard: str) -> str:
     return shard[: -len(".tar")] + ".idx.npy" if shard.endswith(".tar") else shard + ".idx.npy"
 
 
+def _end(index: np.ndarray) -> int:
+    """The byte of its shard an index reads up to."""
+    needs = int((index[:, 0] + index[:, 1]).max()) if len(index) and index.ndim == 2 else 0
+    if index.ndim == 2 and index.shape[1] >= 5 and len(index):
+        needs = max(needs, int((index[:, 3] + index[:, 4]).max()))
+    return needs
+
+
 class LocalPack:
     """A pack in a local folder: files read with ``os.pread`` on one descriptor per shard and process."""
 
@@ -101,9 +109,7 @@ class LocalPack:
             raise DataError(f"{path}: missing; {fix}") from None
         except (OSError, ValueError, EOFError) as err:
             raise DataError(f"{path}: not a shard index ({type(err).__name__}: {err}); {fix}") from None
-        needs = int((index[:, 0] + index[:, 1]).max()) if len(index) and index.ndim == 2 else 0
-        if index.ndim == 2 and index.shape[1] >= 5 and len(index):
-            needs = max(needs, int((index[:, 3] + index[:, 4]).max()))
+        needs = _end(index)
         try:
             size = os.stat(self.root / shard).st_size
         except FileNotFoundError:
@@ -191,7 +197,22 @@ class RemotePack(LocalPack):
             raise remote_error(err, url, "the pack's manifest") from None
 
     def indexes(self, shards: Sequence[str]) -> list[np.ndarray]:
-        """The shards' indexes, through the cache (once per node), fetched on ``threads`` threads."""
+        """The shards' indexes, through the cache (once per node), fetched on ``threads`` threads, each checked
+        against its shard's size in the folder's listing (where the store lists).
+
+        Raises:
+            RemoteError: a shard the manifest names is missing, or shorter than its index says (an interrupted
+                upload): one line naming the shard and the fix, before the first step, not when it is first read.
+        """
+        indexes = self._fetched_indexes(shards)
+        fix = f"the pack at {self.where} is incomplete: upload it again whole, as cltrain-pack wrote it (shards.json last)"
+        for shard, index in zip(shards, indexes):
+            flaw = self.cache.flaw(shard, _end(index))
+            if flaw:
+                raise RemoteError(f"{self.shard_url(shard)}: {flaw}; {fix}")
+        return indexes
+
+    def _fetched_indexes(self, shards: Sequence[str]) -> list[np.ndarray]:
         self.cache.open()
         from concurrent.futures import ThreadPoolExecutor
 

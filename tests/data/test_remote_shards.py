@@ -344,6 +344,23 @@ def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, se
         assert "\n" not in line and bad in line and "not a complete cltrain pack" in line and "cltrain-pack" in line
 
 
+def test_a_shard_missing_or_cut_short_in_the_bucket_is_one_line_before_the_first_step(local_pack, server, env):
+    # a missing shard was said when first read, after steps of training (hours into a large pack), once per rank
+    client, shard = server.client(), "train/shard-000001.tar"
+    for prefix, body in (("missing", None), ("short", (local_pack / shard).read_bytes()[:3000])):
+        url = server.upload(local_pack, "gaps", prefix)
+        client.delete_object(Bucket="gaps", Key=f"{prefix}/{shard}")
+        if body is not None:
+            client.put_object(Bucket="gaps", Key=f"{prefix}/{shard}", Body=body)
+        dm = ShardsDataModule(url, **KW)
+        with pytest.raises(RemoteError) as caught:
+            dm.setup("fit")
+        line = str(caught.value)
+        assert "\n" not in line and f"{url}/{shard}" in line and "upload it again whole" in line
+        assert ("missing" in line) == (body is None) and ("cut short" in line) == (body is not None)
+        assert not list(dm.pack.cache.folder.rglob("*.tar"))  # said before any shard was fetched
+
+
 def test_no_credentials_and_an_uppercase_scheme_are_one_line_with_the_fix(url, env, monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
