@@ -116,8 +116,9 @@ class ShardsDataModule(ImageDataModule):
             return
         size = int((dataset.index[:, 0] + dataset.index[:, 1]).max(initial=0)) * len(dataset.shard_names)
         if size > pack.cache.limit:
-            rank_zero_warn(f"ShardsDataModule: {pack.where} ({dataset.split}, about {_size(size)}) does not fit "
-                           f"the shard cache ({_size(pack.cache.limit)} in {pack.cache.folder}) and "
+            need, limit = _sizes(size, pack.cache.limit)
+            rank_zero_warn(f"ShardsDataModule: {pack.where} ({dataset.split}, about {need}) does not fit "
+                           f"the shard cache ({limit} in {pack.cache.folder}) and "
                            "shuffle_window=None reads every shard in every stretch of batches: shards will be fetched "
                            "more than once per epoch. Set shuffle_window (e.g. 16), a larger cache_limit, or fetch='ranges'.")
 
@@ -130,6 +131,11 @@ class ShardsDataModule(ImageDataModule):
         return dict(batch_size=None, sampler=sampler)
 
 
-def _size(n: int) -> str:
-    """Bytes as the warnings give them: GiB, else MiB (a small pack is not "0.0 GiB")."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def _sizes(*sizes: int) -> list[str]:
+    """Bytes as the warnings give them: GiB, else MiB (a small pack is not "0.0 GiB"), with the digits that tell
+    them apart (a split larger than the limit is never "0.3 MiB" beside "0.3 MiB")."""
+    for digits in (1, 2, 3):
+        shown = [f"{n / 2**30:.{digits}f} GiB" if n >= 2**30 else f"{n / 2**20:.{digits}f} MiB" for n in sizes]
+        if len(set(shown)) == len(set(sizes)):
+            break
+    return shown
