@@ -119,9 +119,16 @@ def row_source(row: Mapping[str, Any], image: str, label: str) -> tuple[bytes | 
     value, target = row[image], row[label]
     if value is None:
         raise ValueError("the row has no image")
-    data = value.get("bytes") or value.get("path")
-    if not data:
+    data = value.get("bytes")
+    if data is None:  # a path only where no bytes are stored: empty bytes are an empty file, not a cue to a path
+        data = value.get("path")
+    if data is None or data == "":
         raise ValueError("the row's image has neither bytes nor a path")
+    if not data:
+        raise ValueError("the row's image is an empty file (0 bytes)")
+    if isinstance(data, str) and not os.path.isfile(data):  # datasets stores an empty file's bytes as none
+        raise ValueError(f"the row's image has no bytes and its path {data!r} is no file here (an empty image file "
+                         "when the dataset was made, or a path relative to another folder)")
     if target is None or target < 0:
         raise ValueError(f"the row has no label ({target})")
     return data, int(target)

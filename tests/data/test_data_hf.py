@@ -93,6 +93,24 @@ def test_a_bad_validation_row_counts_as_the_validation_splits(tmp_path):
     assert trainer.callback_metrics["data/skipped_val"] == 1 and trainer.callback_metrics["data/skipped_train"] == 0
 
 
+def test_a_row_whose_empty_image_datasets_stored_as_no_bytes_is_said_as_such(tmp_path, monkeypatch):
+    # datasets keeps an empty file's bytes as none and its bare name as the path: the reason was a FileNotFoundError
+    from datasets import ClassLabel, Dataset, Features, Image as HFImage
+
+    from cltrain.data.hf_dataset import HFImageDataset
+
+    cells, labels = image_rows(2, 2)
+    cells[1] = {"bytes": b"", "path": "zero.jpg"}
+    dataset = Dataset.from_dict({"image": cells, "label": labels}, features=Features(
+        {"image": HFImage(decode=False), "label": ClassLabel(names=NAMES[:2])}))
+    monkeypatch.chdir(tmp_path)
+    rows = HFImageDataset(dataset, eval_transform(32, 36), split="train")
+    assert rows[0][0].shape == (32, 32, 3)
+    with pytest.raises(BadImageError, match=r"row 1 \(zero\.jpg\): .*(an empty file \(0 bytes\)|"
+                                            r"no bytes and its path 'zero\.jpg' is no file here)"):
+        rows[1]
+
+
 @pytest.mark.parametrize("workers,streaming", [(0, False), (2, False), (2, True)])
 def test_bad_rows_are_skipped_and_listed_by_index_or_raised_in_one_line(hf, tmp_path, workers, streaming):
     root = hf["bad"]["saved"]
