@@ -15,6 +15,7 @@ group               fields                                                      
 ``Pixels``          channels, mean, std, dtype, channels_last (not ``data.*`` keys:     every DataModule
                     the app sets channels_last from its toggle)
 ``Decoding``        interpolation, exif_transpose, decode_threads, decoder, val_reduce  the image ones
+                    (``HFDecoding``: EXIF-upright, as ``datasets`` decodes)
 ``Augmentation``    scale, ratio, hflip, augment, random_erasing, mixup_alpha, ...      the image ones
 ``RandomCrop``      scale, ratio, hflip                                                 clips
 ``BadFilePolicy``   bad_files                                                           every DataModule
@@ -58,7 +59,7 @@ from cltrain.data.source_settings import (ClipSampling, FolderChecks, HFSource, 
 __all__ = [
     "CLIPS", "DATAMODULE_SETTINGS", "HF", "IMAGES", "IMAGE_FOLDER", "LITDATA", "MDS", "SHARDS", "WEBDATASET",
     "Augmentation", "BadFilePolicy", "ClipCrop", "ClipLoading", "ClipPixels", "ClipSampling", "Crop", "Decoding",
-    "FolderChecks", "HFSource", "LitDataSource", "Loading", "MDSColumns", "PackReading", "Pixels", "RandomCrop",
+    "FolderChecks", "HFDecoding", "HFSource", "LitDataSource", "Loading", "MDSColumns", "PackReading", "Pixels", "RandomCrop",
     "ShardCache", "Splits", "StreamLength", "StreamOrder",
 ]
 
@@ -242,11 +243,19 @@ class Decoding:
             _fail(self, str(err))
 
 
+@dataclass(frozen=True)
+class HFDecoding(Decoding):
+    """``Decoding`` of Hugging Face datasets: photos turned upright by their EXIF orientation, as ``datasets``' own
+    decode turns them (a folder's are not, as torchvision's ``ImageFolder`` leaves them)."""
+
+    exif_transpose: bool = True
+
+
 # --- what each DataModule is made of ---------------------------------------------------------------
 IMAGES = (Loading, Crop, Pixels, Decoding, Augmentation, BadFilePolicy)
 IMAGE_FOLDER = (*IMAGES, FolderChecks)
 SHARDS = (*IMAGES, PackReading, ShardCache)
-HF = (*IMAGES, HFSource)
+HF = (Loading, Crop, Pixels, HFDecoding, Augmentation, BadFilePolicy, HFSource)
 LITDATA = (*IMAGES, Splits, LitDataSource)
 MDS = (*IMAGES, Splits, MDSColumns, ShardCache)
 WEBDATASET = (*IMAGES, Splits, StreamOrder, StreamLength, ShardCache)

@@ -111,6 +111,36 @@ def test_a_row_whose_empty_image_datasets_stored_as_no_bytes_is_said_as_such(tmp
         rows[1]
 
 
+def test_rows_of_turned_photos_come_upright_as_datasets_decodes_them(tmp_path):
+    # datasets turns a photo upright by its EXIF orientation as it decodes: the source's default left it on its side
+    import io
+
+    import numpy as np
+    from datasets import load_from_disk
+    from torchvision.transforms import v2
+
+    rows, labels = image_rows(8, 2, size=(64, 40))
+    for row in rows[:4]:  # stored 64x40, to be shown 40x64
+        with Image.open(io.BytesIO(row["bytes"])) as img:
+            exif, buf = img.getexif(), io.BytesIO()
+            exif[0x0112] = 6
+            img.save(buf, format="JPEG", quality=95, exif=exif)
+        row["bytes"] = buf.getvalue()
+    root = write_hf_dataset(tmp_path / "d", {"train": (rows, labels), "validation": (rows, labels)}, NAMES[:2])["saved"]
+    upright = _dm(root, image_size=(32, 20), val_resize_size=32)
+    upright.setup("fit")
+    theirs = v2.Compose([v2.PILToTensor(), v2.Resize(32, antialias=True), v2.CenterCrop((32, 20))])
+    decoded = load_from_disk(str(root))["validation"]
+    for k in range(8):
+        mine = upright.val_set[k][0]
+        ref = theirs(decoded[k]["image"].convert("RGB")).permute(1, 2, 0).numpy()
+        assert mine.shape == ref.shape == (32, 20, 3)
+        assert np.abs(mine.astype(int) - ref.astype(int)).max() <= 1, k
+    sideways = _dm(root, image_size=(32, 20), val_resize_size=32, exif_transpose=False)
+    sideways.setup("fit")
+    assert not np.array_equal(sideways.val_set[0][0], upright.val_set[0][0])
+
+
 @pytest.mark.parametrize("workers,streaming", [(0, False), (2, False), (2, True)])
 def test_bad_rows_are_skipped_and_listed_by_index_or_raised_in_one_line(hf, tmp_path, workers, streaming):
     root = hf["bad"]["saved"]
