@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the JPEG decoder of the loader, which the full check decodes with (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    root = Path(args.root)
+    root = Path(args.root).absolute()  # the list names each file from /: the run that reads it may start elsewhere
     if not root.is_dir():
         print(f"cltrain.data.check: {root} is not a folder.", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """`python -m cltrain.data.check`: real files, real worker processes, a real subprocess; the full check
 against what a real dataset with each decoder fails on."""
 
+import logging
 import os
 import struct
 import zlib
@@ -87,6 +88,30 @@ def test_command_lists_bad_files_exits_1_and_the_datamodule_leaves_them_out(odd,
     assert main([str(tmp_path / "nowhere")]) == 2 and "nowhere is not a folder" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="exclude_files=.*missing.tsv.*python -m cltrain.data.check"):
         ImageFolderDataModule(root, num_workers=0, exclude_files=tmp_path / "missing.tsv").setup("fit")
+
+
+def test_a_list_written_from_a_relative_root_serves_a_run_started_elsewhere_and_the_run_says_what_it_left_out(
+        odd, tmp_path, monkeypatch, caplog):
+    # the list named files relative to where the check ran: a run started elsewhere matched none of them, silently
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    shutil.copy(odd["truncated"], root / "train" / "c0" / "truncated.jpg")
+    shutil.copy(odd["text"], root / "val" / "c1" / "text.jpg")
+    monkeypatch.chdir(tmp_path)
+    assert main(["data", "--no-progress", "--workers", "0", "--out", "bad.tsv"]) == 1
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    dm = ImageFolderDataModule(root, num_workers=0, exclude_files=tmp_path / "bad.tsv")
+    with caplog.at_level(logging.INFO):
+        dm.setup("fit")
+    assert dm.train_set.excluded == 1 and dm.val_set.excluded == 1
+    assert f"left out 2 of the 2 file(s) listed in {tmp_path / 'bad.tsv'} (train 1, val 1)" in caplog.text
+    # a list of relative paths from elsewhere (written by hand, or by an older check): said, not silently ignored
+    relative = tmp_path / "relative.tsv"
+    relative.write_text("train\tdata/train/c0/truncated.jpg\tcut\n")
+    with pytest.warns(UserWarning, match=r"none of the 1 file\(s\) listed in .*relative\.tsv is under .*data \(a "
+                                         r"relative path in the list is read from the working directory"):
+        with pytest.raises(BadImageError):  # the validation file, not left out, is found before training
+            ImageFolderDataModule(root, num_workers=0, exclude_files=relative).setup("fit")
 
 
 # --- the full check decodes as the loader with its decoder ------------------------------------------

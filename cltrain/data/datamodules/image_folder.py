@@ -22,10 +22,11 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from cltrain.data.datamodules.class_folders import ClassFolders
@@ -74,6 +75,7 @@ class ImageFolderDataModule(ImageDataModule):
         self.folders = ClassFolders(self.root, type(self).__name__, self.layout_hint)
         self.train_set: ImageFolderDataset | None = None
         self.val_set: ImageFolderDataset | None = None
+        self._told_excluded = False
 
     @override
     def setup(self, stage: str) -> None:
@@ -90,8 +92,24 @@ class ImageFolderDataModule(ImageDataModule):
             self.val_set = ImageFolderDataset(self.folders.split("val"), self.eval_transform, self.classes, self.bad_files,
                                               self._skip_log, self.allow_missing_val_classes, exclude, self.index_cache,
                                               threads=self.decode_threads)
+            if exclude and not self._told_excluded:
+                self._told_excluded = True
+                self._tell_excluded(len(exclude))
             if stage == "fit":
                 self._check_val_files(self.val_set)
+
+    def _tell_excluded(self, listed: int) -> None:
+        """How many of the listed files were left out; a warning where none of them is under the root."""
+        sets = [(name, s) for name, s in (("train", self.train_set), ("val", self.val_set)) if s is not None]
+        left = sum(s.excluded for _, s in sets)
+        split = ", ".join(f"{name} {s.excluded}" for name, s in sets)
+        if left:
+            rank_zero_info(f"ImageFolderDataModule: left out {left} of the {listed} file(s) listed in "
+                           f"{self.exclude_files} ({split}).")
+        else:
+            rank_zero_warn(f"ImageFolderDataModule: none of the {listed} file(s) listed in {self.exclude_files} is "
+                           f"under {self.root} (a relative path in the list is read from the working directory, "
+                           f"{os.getcwd()}); write the list again with 'python -m cltrain.data.check {self.root}'.")
 
     def _check_val_files(self, dataset: ImageFolderDataset) -> None:
         """Find bad validation files now, not after a training epoch (every rank checks, so all stop together)."""
