@@ -36,7 +36,7 @@ __all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "sc
 
 log = logging.getLogger(__name__)
 
-_VERSION = 1
+_VERSION = 2  # 2: an image and a link to it in its class listed as the image; links from other classes counted
 _RACY_S = 2.0  # folders modified this recently are not trusted to show a later change
 #: The folder in a dataset root where older versions kept the index (moved out on first use).
 LEGACY_DIR_NAME = ".cltrain_index"
@@ -50,7 +50,8 @@ class SplitIndex:
         classes: class folder names, in label order.
         samples: ``(path, class index)`` of every image file, each real file once.
         ignored: count of files not loaded (hidden and system files aside), by lower-case suffix (``""``: none).
-        duplicates: image paths dropped because their real file was already listed.
+        duplicates: image paths dropped because their real file was already listed in their class.
+        shared: images listed in a class and, through a link, in another class too.
         signature: modification time (ns) of every folder walked, by real path.
     """
 
@@ -58,6 +59,7 @@ class SplitIndex:
     samples: list[tuple[str, int]]
     ignored: dict[str, int] = field(default_factory=dict)
     duplicates: int = 0
+    shared: int = 0
     signature: dict[str, int] = field(default_factory=dict)
 
     def summary(self, split_dir: str | os.PathLike) -> str | None:
@@ -67,7 +69,9 @@ class SplitIndex:
             kinds = ", ".join(f"{k or '(no suffix)'}: {n}" for k, n in sorted(self.ignored.items(), key=lambda kv: -kv[1]))
             parts.append(f"{sum(self.ignored.values())} file(s) not loaded ({kinds}; loaded: {', '.join(IMG_EXTENSIONS)})")
         if self.duplicates:
-            parts.append(f"{self.duplicates} link(s) to an image already listed, counted once")
+            parts.append(f"{self.duplicates} link(s) to an image already listed in its class, counted once")
+        if self.shared:
+            parts.append(f"{self.shared} image(s) linked into another class, listed in each (as torchvision lists them)")
         return f"{split_dir}: " + "; ".join(parts) + "." if parts else None
 
 
@@ -88,8 +92,11 @@ def find_classes(split_dir: str | os.PathLike) -> list[str]:
     return classes
 
 
-def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: set[str], index: SplitIndex, out: list[str]) -> None:
-    """Depth-first, sorted, following folder links once each (by real path)."""
+def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: dict[str, dict[str, str]], index: SplitIndex,
+          out: list[str], name: str) -> None:
+    """Depth-first, sorted, following folder links once each (by real path); an image reached twice in class
+    ``name`` is listed once, as the file itself rather than a link to it (one linked from another class is listed in
+    both, as torchvision's ``ImageFolder`` lists it)."""
     seen_dirs.add(real)
     index.signature[real] = os.stat(real).st_mtime_ns
     subdirs = []
@@ -108,14 +115,18 @@ def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: set[str], ind
                     index.ignored[suffix] = index.ignored.get(suffix, 0) + 1
                 continue
             file_real = os.path.realpath(e.path) if e.is_symlink() else os.path.join(real, e.name)
-            if file_real in seen_files:
+            listed = seen_files.setdefault(file_real, {})
+            if name in listed:
                 index.duplicates += 1
+                if os.path.islink(listed[name]) and not e.is_symlink():  # the file itself kept, not a link to it
+                    out[out.index(listed[name])] = listed[name] = e.path
                 continue
-            seen_files.add(file_real)
+            index.shared += bool(listed)  # linked from another class: listed there too, as torchvision lists it
+            listed[name] = e.path
             out.append(e.path)
     for path, sub_real in subdirs:
         if sub_real not in seen_dirs:  # a sibling may have linked it meanwhile
-            _walk(path, sub_real, seen_dirs, seen_files, index, out)
+            _walk(path, sub_real, seen_dirs, seen_files, index, out, name)
 
 
 def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = None, allow_missing: bool = False,
@@ -147,7 +158,7 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
     index = SplitIndex(classes=classes, samples=[])
     seen_dirs = {os.path.realpath(split_dir)}
     index.signature[os.path.realpath(split_dir)] = os.stat(split_dir).st_mtime_ns
-    seen_files: set[str] = set()
+    seen_files: dict[str, dict[str, str]] = {}  # an image's real path -> its classes' paths listed
     walked_by: dict[str, str] = {}  # a folder's real path -> the class whose walk listed it
     for label, name in enumerate(classes):
         if name not in present:
@@ -163,7 +174,7 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
                             f"{f'class {owner!r}' if owner else 'the split'} already; an image belongs to one class: "
                             "remove the link, or copy the images.")
         before = set(seen_dirs)
-        _walk(str(folder), real, seen_dirs, seen_files, index, found)
+        _walk(str(folder), real, seen_dirs, seen_files, index, found, name)
         walked_by.update(dict.fromkeys(seen_dirs - before, name))
         # torchvision's order (its folders sorted as strings: sub, sub-x, sub/deeper), so a seed picks the same images
         found.sort(key=lambda p: (os.path.dirname(p), os.path.basename(p)))
@@ -238,7 +249,7 @@ def _load(path: Path, key: dict, split_dir: Path) -> SplitIndex | None:
     for label, names in enumerate(data["files"]):
         samples += [(prefix + p, label) for p in names.split("\n")] if names else []
     return SplitIndex(classes=key["classes"], samples=samples, ignored=data["ignored"], duplicates=data["duplicates"],
-                      signature=signature)
+                      shared=data["shared"], signature=signature)
 
 
 def _store(path: Path, key: dict, index: SplitIndex, started: float, split_dir: Path) -> None:
@@ -249,7 +260,7 @@ def _store(path: Path, key: dict, index: SplitIndex, started: float, split_dir: 
     for p, label in index.samples:
         files[label].append(p[skip:])
     data = {"key": key, "signature": index.signature, "ignored": index.ignored, "duplicates": index.duplicates,
-            "files": ["\n".join(f) for f in files]}  # one string per class: loads ~10x faster than a list of paths
+            "shared": index.shared, "files": ["\n".join(f) for f in files]}  # one string per class: loads ~10x faster than a list of paths
     atomic_write_json(path, data)
 
 

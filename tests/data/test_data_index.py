@@ -37,11 +37,34 @@ def test_symlink_loop_and_links_to_the_same_file_count_each_image_once(tmp_path)
     names = sorted(os.path.basename(p) for p, label in index.samples if label == 0)
     assert names == ["0_000.jpg", "0_001.jpg", "0_002.jpg", "hard.jpg"]
     assert sorted(os.path.basename(p) for p, label in index.samples if label == 1) == ["1_000.jpg", "1_001.jpg", "1_002.jpg"]
-    assert index.duplicates == 1 and index.summary(root / "train").endswith("1 link(s) to an image already listed, counted once.")
+    assert index.duplicates == 1 and index.summary(root / "train").endswith("1 link(s) to an image already listed in its class, counted once.")
     # The classic walk this replaces, for the record: it multiplies the images (only "loop" here, or it explodes).
     (c0 / "up").unlink()
     naive = [f for d, _, fs in os.walk(c0, followlinks=True) for f in fs if f.endswith(".jpg")]
     assert len(naive) > 20
+
+
+def test_a_link_is_the_duplicate_of_its_image_and_one_from_another_class_is_listed_in_both(tmp_path):
+    # the link, met first in the sorted walk, was kept and the image itself dropped: in another class the image was
+    # relabelled, in silence (torchvision lists it in both classes)
+    from torchvision.datasets import ImageFolder
+
+    root = write_image_folder(tmp_path / "data", classes=2, train=3, val=1, size=(32, 24))
+    c0, c1 = root / "train" / "c0", root / "train" / "c1"
+    (c0 / "0_000 copy.jpg").symlink_to(c0 / "0_002.jpg")  # sorts before the image it links to
+    index = scan_split(root / "train")
+    assert sorted(os.path.relpath(p, root) for p, label in index.samples if label == 0) == [
+        "train/c0/0_000.jpg", "train/c0/0_001.jpg", "train/c0/0_002.jpg"]
+    assert index.duplicates == 1 and index.shared == 0
+    (c0 / "0_000 copy.jpg").unlink()
+    (c0 / "1_000 from c1.jpg").symlink_to(c1 / "1_000.jpg")
+    (c0 / "1_000 again.jpg").symlink_to(c1 / "1_000.jpg")  # twice in c0: listed once there (the first in order)
+    index = scan_split(root / "train")
+    theirs = ImageFolder(str(root / "train")).samples
+    assert sorted(index.samples) == sorted(s for s in theirs if not s[0].endswith("from c1.jpg"))
+    assert (index.duplicates, index.shared) == (1, 1)
+    assert index.summary("train") == ("train: 1 link(s) to an image already listed in its class, counted once; 1 "
+                                      "image(s) linked into another class, listed in each (as torchvision lists them).")
 
 
 def test_files_that_are_not_loaded_are_counted_and_reported(tmp_path):

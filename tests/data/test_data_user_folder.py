@@ -31,11 +31,12 @@ def test_every_code_path_lists_the_images_and_nothing_hidden(user_folder, tmp_pa
     root, files = user_folder
     quirks = files["quirks"]
     images = {str(p) for p in files["plain"].values()} | {str(p) for p in quirks.values()}
+    images.add(str(root / "train" / "c1" / "linked.jpg"))  # c0's image linked into c1: in both, as torchvision has it
     bad = {str(quirks[k]) for k in QUIRKS_BAD}
 
     train = scan_split(root / "train")  # the index: no hidden folder is a class, no junk file a sample or "not loaded"
     val = scan_split(root / "val", train.classes)
-    assert train.classes == ["c0", "c1"] and train.ignored == {} and val.ignored == {} and train.duplicates == 1
+    assert train.classes == ["c0", "c1"] and train.ignored == {} and val.ignored == {} and train.shared == 1
     assert {p for p, _ in train.samples + val.samples} == images
 
     _check_layout(root, allow_missing_val_classes=False, evaluate_only=False)  # the app's check: no class is missing

@@ -125,7 +125,7 @@ def write_user_folder(root: Path, size: tuple[int, int] = (96, 72)) -> dict[str,
     write_image_folder(root, classes=2, train=3, val=2, size=size)
     quirks = write_quirks(root / "train" / "c0", size)
     link = root / "train" / "c1" / "linked.jpg"
-    link.symlink_to(root / "train" / "c0" / "0_000.jpg")  # the same real file: counted once
+    link.symlink_to(root / "train" / "c0" / "0_000.jpg")  # the same real file in another class: listed in both
     for folder in (root / "train", root / "val", *(root / s / c for s in ("train", "val") for c in ("c0", "c1"))):
         add_junk(folder)
     plain = {p.relative_to(root).as_posix(): p for p in root.glob("*/c*/[01]_*.jpg")}
