@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,8 +150,8 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
     classes = list(present if classes is None else classes)
     unknown = sorted(set(present) - set(classes))
     if unknown:
-        raise DataError(f"{split_dir} has class folders {unknown} that the training split does not have; "
-                         "remove them or add them to the training split.")
+        raise DataError(f"{split_dir} has class folders {unknown} that the training split does not have"
+                        f"{_unicode_twins(unknown, classes)}; remove them or add them to the training split.")
     missing = [c for c in classes if c not in set(present)]
     if missing and not allow_missing:
         raise DataError(f"{split_dir} lacks the class folders {missing} that the training split has; add them, "
@@ -183,6 +184,18 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
                             f"{_only(folder)}); add images or remove the folder.")
         index.samples += [(p, label) for p in found]
     return index
+
+
+def _unicode_twins(names: Sequence[str], others: Sequence[str]) -> str:
+    """Where a name of ``names`` is one of ``others`` written with other Unicode code points (a folder copied
+    between macOS, NFD, and Linux, NFC): `` ('café' there is 'café' here, in other code points: rename one)``."""
+    nfc = {unicodedata.normalize("NFC", o): o for o in others}
+    twins = [(n, nfc[unicodedata.normalize("NFC", n)]) for n in names if unicodedata.normalize("NFC", n) in nfc]
+    if not twins:
+        return ""
+    n, o = twins[0]
+    return (f" ({n!r} is the training split's {o!r} in other Unicode code points, {ascii(n)} against {ascii(o)}: "
+            "rename one)")
 
 
 def _only(folder: Path) -> str:

@@ -8,6 +8,7 @@ from multiprocessing import get_context
 import pytest
 
 from cltrain.data import ImageFolderDataset, eval_transform
+from cltrain.data.errors import DataError
 from cltrain.data.index import LEGACY_DIR_NAME, default_cache_dir, index_split, scan_split
 from tests.helpers.data_fixtures import write_image_folder, write_jpegs
 
@@ -212,3 +213,16 @@ def test_nested_folders_give_torchvisions_order(tmp_path):
         (c0 / sub / name).write_bytes((c0 / "0_000.jpg").read_bytes())
     ours = [(str(p), label) for p, label in scan_split(root / "train").samples]
     assert ours == ImageFolder(str(root / "train")).samples  # sub-x before sub/deeper: "-" sorts before "/"
+
+
+def test_a_class_named_in_other_unicode_code_points_in_val_says_so(tmp_path):
+    # 'café' written NFC in train/ (Linux) and NFD in val/ (copied from macOS): two names that print the same
+    import unicodedata
+
+    nfc = unicodedata.normalize("NFC", "café")
+    nfd = unicodedata.normalize("NFD", "café")
+    write_jpegs(tmp_path / "train" / nfc, 1, (16, 16))
+    write_jpegs(tmp_path / "val" / nfd, 1, (16, 16))
+    with pytest.raises(DataError, match=r"that the training split does not have \('.+' is the training split's "
+                                        r"'.+' in other Unicode code points, 'cafe\\u0301' against 'caf\\xe9': rename one\)"):
+        scan_split(tmp_path / "val", [nfc])
