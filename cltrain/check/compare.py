@@ -179,7 +179,8 @@ def check_layout(
         after_backward: ``after_backward(model_copy)`` runs after the backward: the code between it and the
             update (hooks, clipping) and the optimizer step, on optimizers built for the copy.
         updates: compare every parameter's change over the run too (default: with ``after_backward``).
-        update_owner: the object whose ``step`` runs after the backward (the optimizer), to name its file.
+        update_owner: the object whose ``step`` runs after the backward (the optimizer), or ``(object, method)``:
+            the code a divergence after the backward is in, to name its file.
 
     Returns:
         A ``LayoutCheck``; ``"not checked"`` where a copy would still run the real model (a closure over it that
@@ -319,7 +320,8 @@ def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | 
     context, phase = run.contexts[key], key.phase
     if phase == "update":
         context = (None, None)
-        where, package = (method_source(update_owner, "step") if update_owner is not None else None) or (None, None)
+        owner, method = update_owner if isinstance(update_owner, tuple) else (update_owner, "step")
+        where, package = (method_source(owner, method) if owner is not None else None) or (None, None)
     else:
         phase = phase if context[0] is not None else "step"
         where, package = source_of(model, context[0], step_owner) or (None, None)

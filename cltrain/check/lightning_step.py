@@ -226,7 +226,7 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
     # DDP has wrapped the model by now: its buckets keep the parameters' layout, so keep that layout.
     options = dict(step_owner=pl_module, copy_model=copy_model, time_fallbacks=trainer.world_size == 1,
                    after_backward=after_backward if update and not manual else None, updates=update,
-                   update_owner=optimizers[0] if optimizers else None)
+                   update_owner=_update_owner(pl_module, optimizers, hooks))
     fed: list[Any] = []  # what the step gave the model at its first call, in the reference run
     result = None
     for context in contexts:  # the step in float32 first, then in the training precision
@@ -287,3 +287,12 @@ def _model_alone(step_result: LayoutCheck, pl_module: nn.Module, model_only: Cal
     on = "the inputs the step gave it" if fed else "the batch's image tensor"
     return dataclasses.replace(alone, notes=(f"{MODEL_ALONE}, on {on}: {STEP_RAISED} {why}", *alone.notes),
                                step_raised=step_result.step_raised)
+
+
+def _update_owner(pl_module: Any, optimizers: list[Any], hooks: tuple[str, ...]) -> tuple[Any, str] | None:
+    """Whose code a divergence after the backward is in: the first of the user's hooks there where every optimizer
+    is one of torch's elementwise ones (they update alike in any layout), else the optimizer's ``step``."""
+    mine = [hook for hook in hooks if overrides(hook, pl_module)]
+    if mine and elementwise(optimizers):
+        return pl_module, mine[0]
+    return (optimizers[0], "step") if optimizers else None

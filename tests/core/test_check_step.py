@@ -25,6 +25,8 @@ EXPECTED = {
     "optimizer_view": ("the code after the backward", "torch.flatten(x, 1)", "raises"),
     "optimizer_raw_memory": ("the code after the backward", "p.grad", "diverges"),
     "clipping_view": ("the code after the backward", "torch.flatten(x, 1)", "raises"),
+    # torch's SGD updates alike in any layout: the line names the hook before it (user_code.py), not torch/optim
+    "hook_raw_memory": ("(update at tests/helpers/user_code.py:", "p.grad", "diverges"),
     "compiled_view_head": ("`net`", "torch.flatten(x, 1)", "raises"),
     "compiled_submodule": ("`net._orig_mod`", "torch.flatten(x, 1)", "raises"),
     "class_wide": ("`net.blocks.0.1` and 3 more `SplitNorm`", "torch.flatten(x, 1)", "raises"),

@@ -222,6 +222,19 @@ class FilterClipping(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+class InputChannelScaling(FilterClipping):
+    """A hook before torch's SGD that scales each input channel's gradient through its memory read as NCHW."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):  # noqa: ANN001
+        pass
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # noqa: ANN001
+        for p in self.parameters():
+            if p.grad is not None and p.dim() == 4:
+                o, i, kh, kw = p.grad.shape
+                p.grad.as_strided((o, i, kh * kw), (i * kh * kw, kh * kw, 1)).mul_(torch.linspace(0.1, 1, i)[:, None])
+
+
 class SplitNorm(nn.Module):
     """lightly's SplitBatchNorm: statistics per half batch through ``view(-1, C * 2, H, W)`` on the input."""
 
@@ -291,6 +304,7 @@ STEP_PATTERNS = {
     "optimizer_view": lambda: _with_optimizer(Classifier(ViewHeadFlat()), FilterNormSGD),
     "optimizer_raw_memory": lambda: _with_optimizer(Classifier(ViewHeadFlat()), RawGradSGD),
     "clipping_view": lambda: FilterClipping(ViewHeadFlat()),
+    "hook_raw_memory": lambda: InputChannelScaling(ViewHeadFlat()),
     "compiled_view_head": lambda: torch.compile(Classifier(BNViewHead()), backend="eager"),
     "compiled_submodule": lambda: Classifier(torch.compile(ViewHead(), backend="eager")),
     "class_wide": lambda: Classifier(SplitNormNet()),
