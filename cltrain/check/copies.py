@@ -194,6 +194,7 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     partials, default arguments and hooks that hold the original (a wrapped ``forward``) hold the copy
     (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise."""
     memo = {} if memo is None else memo
+    _pruned_tensors(model, memo)
     clone = copy.deepcopy(model, memo)
     originals = dict(model.named_parameters())
     for name, param in clone.named_parameters():
@@ -213,6 +214,20 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     if isinstance(clone, _compiled_types()):  # a model compiled before a door saw it: its copy runs eagerly too
         clone = memo[id(model)] = _Eager(clone._orig_mod)
     return clone
+
+
+def _pruned_tensors(model: nn.Module, memo: dict[int, Any]) -> None:
+    """The tensors ``torch.nn.utils.prune`` computes (``weight`` from ``weight_orig`` and ``weight_mask``, set again
+    by its hook before every forward) copied as leaves: ``deepcopy`` refuses a tensor that is not one, and a pruned
+    model could not be checked."""
+    from torch.nn.utils import prune
+
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, prune.BasePruningMethod):
+                value = getattr(module, hook._tensor_name, None)
+                if isinstance(value, torch.Tensor) and id(value) not in memo and not value.is_leaf:
+                    memo[id(value)] = value.detach().clone(memory_format=torch.preserve_format)
 
 
 def _compiled_types() -> tuple[type, ...]:

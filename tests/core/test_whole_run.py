@@ -109,6 +109,29 @@ def test_model_pruning_trains_with_the_numbers_of_the_run_without_cltrain_and_ke
     assert len(said) == 1 and "pytorch#96743" in said[0]
 
 
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_model_pruned_before_the_first_batch_is_checked_and_trains_with_the_numbers_of_the_run_without_cltrain(
+        package):
+    # torch.nn.utils.prune's weight (weight_orig * weight_mask) is no leaf: deepcopy refused the check's copy, and the
+    # check was skipped with torch's error cut off mid-word
+    from torch.nn.utils import prune
+
+    def pruned(nudge: float = 0.0):
+        module = _module(package, "adamw", nudge=nudge)
+        for m in module.net:
+            if isinstance(m, nn.Conv2d):
+                prune.l1_unstructured(m, "weight", amount=0.3)
+        return module
+
+    plain, nudged = _fit(package, [], pruned()), _fit(package, [], pruned(1e-7))
+    callback = ChannelsLast(layout="channels_last")
+    ours = _fit(package, [callback], pruned())
+    assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"]
+    noise = (_weights(nudged) - _weights(plain)).abs().max()
+    assert torch.equal(_weights(ours) == 0, _weights(plain) == 0)
+    assert (_weights(ours) - _weights(plain)).abs().max() <= 10 * noise + 1e-6
+
+
 def test_model_pruning_fails_without_the_workaround(monkeypatch):
     # the negative control: torch's pruning on channels_last weights, as ChannelsLast would hand it over
     import contextlib
