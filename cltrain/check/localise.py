@@ -115,7 +115,12 @@ def first_line(error: BaseException) -> str:
     text = [line for line in str(error).strip().splitlines() if line.strip()]
     if text and text[0].startswith("The following operation failed in the TorchScript interpreter"):
         text = [text[-1].split(": ", 1)[-1]]  # TorchScript puts its own traceback first and the error last
-    return f"{type(error).__name__}: {text[0].strip()[:160]}" if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    line = text[0].strip()
+    if len(line) > 160:  # at a word boundary, with an ellipsis: not "this may b"
+        line = line[:159].rsplit(" ", 1)[0].rstrip(" ;,.(") + "…"
+    return f"{type(error).__name__}: {line}"
 
 
 def candidates(context: tuple[str | None, str | None], phase: str) -> list[Fallback]:

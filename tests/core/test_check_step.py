@@ -357,3 +357,14 @@ def test_a_step_that_needs_autocast_is_checked_whole_in_the_training_precision()
     trainer.fit(_Bf16Head(), _loader())
     check = callback.layout_checks["train"]
     assert check.verdict == "passed" and "model alone" not in check.line(), check.line()
+
+
+def test_an_error_in_a_line_is_cut_at_a_word_with_an_ellipsis() -> None:
+    # "... If you were attempting to deepcopy a module, this may b)": torch's message cut at 160 characters
+    from cltrain.check.localise import first_line
+
+    long = ("Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the moment.  If "
+            "you were attempting to deepcopy a module, this may be because of a torch.nn.utils.weight_norm usage")
+    line = first_line(RuntimeError(long + "\nsecond line"))
+    assert line.endswith("this may…") and len(line) <= len("RuntimeError: ") + 160
+    assert first_line(ValueError("short\nmore")) == "ValueError: short"
