@@ -109,28 +109,34 @@ def undo_run_after(module: nn.Module) -> None:
 
 
 def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> list[nn.Module]:
-    """The modules that ``trainer``'s callbacks hold as copies of ``pl_module``.
+    """The modules that ``trainer``'s callbacks hold as copies of ``pl_module`` or of one of its children.
 
-    A copy is an ``nn.Module`` attribute of a callback with the same parameter shapes as
-    ``pl_module`` in the same order, and none of its parameter objects: the
-    ``AveragedModel`` of Lightning's ``WeightAveraging`` / ``EMAWeightAveraging``, the
-    deep-copied LightningModule of ``StochasticWeightAveraging``, or a user's own EMA
-    callback's model. Only public objects are read (``trainer.callbacks`` and each
-    callback's attributes), not the attribute names of any one callback.
+    A copy is an ``nn.Module`` a callback holds (an attribute, or an item of a dict, list or tuple attribute) with
+    the same parameter shapes, in the same order, as ``pl_module`` or as one of its children that holds a
+    convolution's weight (``self.net`` beside a learnable temperature), and none of their parameter objects: the
+    ``AveragedModel`` of Lightning's ``WeightAveraging`` / ``EMAWeightAveraging``, the deep-copied LightningModule
+    of ``StochasticWeightAveraging``, or a user's own EMA callback's model. Only public objects are read
+    (``trainer.callbacks`` and each callback's attributes), not the attribute names of any one callback.
     """
     params = list(pl_module.parameters())
-    shapes = [p.shape for p in params]
     own = {id(p) for p in params}
+    targets = {tuple(p.shape for p in params)}
+    for child in pl_module.children():
+        shapes = tuple(p.shape for p in child.parameters())
+        if any(len(shape) >= 4 for shape in shapes):
+            targets.add(shapes)
     found: list[nn.Module] = []
     for callback in trainer.callbacks:
         if callback is exclude:
             continue
         for value in vars(callback).values():
-            if not isinstance(value, nn.Module) or value is pl_module or any(v is value for v in found):
-                continue
-            theirs = list(value.parameters())
-            if [p.shape for p in theirs] == shapes and not any(id(p) in own for p in theirs):
-                found.append(value)
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if not isinstance(item, nn.Module) or item is pl_module or any(v is item for v in found):
+                    continue
+                theirs = list(item.parameters())
+                if theirs and tuple(p.shape for p in theirs) in targets and not any(id(p) in own for p in theirs):
+                    found.append(item)
     return found
 
 

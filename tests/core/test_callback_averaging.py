@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
 from torch import nn
 
@@ -81,3 +81,35 @@ def test_model_copies_finds_copies_not_the_model_or_strangers(tmp_path):
     ema.other = model.net  # shares the model's parameters: not a copy
     ema.stranger = nn.Conv2d(3, 8, 3)  # other shapes: not a copy
     assert model_copies(trainer, model) == [ema._average_model]
+
+
+class WithTemperature(RecordsValidationWeights):
+    """A learnable temperature beside the network: the model's parameters are no copy's."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.net(x) * self.temperature
+
+
+class HeldEMA(Callback):
+    """A user's EMA of the model's network, held in a dict (made in setup, as Lightning's WeightAveraging does)."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.store = {"ema": torch.optim.swa_utils.AveragedModel(pl_module.net)}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.store["ema"].update_parameters(pl_module.net)
+
+
+def test_a_users_ema_of_the_network_held_in_a_dict_beside_a_temperature_is_channels_last(tmp_path):
+    # only callback attributes shaped as the whole LightningModule counted: this EMA stayed NCHW, copied across layouts
+    model, ema = WithTemperature(), HeldEMA()
+    trainer = fit(tmp_path, model, [ema, ChannelsLast(layout="channels_last")])
+    assert model_copies(trainer, model) == [ema.store["ema"]]
+    assert all(is_channels_last(w) for w in conv_weights(ema.store["ema"])) and conv_weights(ema.store["ema"])
+    assert all(is_channels_last(w) for w in conv_weights(model))
+    ema.stranger = [nn.Conv2d(3, 8, 3)]  # shaped as one of the network's layers, not as the network: no copy
+    assert model_copies(trainer, model) == [ema.store["ema"]]
