@@ -317,7 +317,7 @@ def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | 
     if first is None:
         return None
     position, key, z, z_noise = first
-    context, phase = run.contexts[key], key.phase
+    context, phase = _producer(run, key), key.phase
     if phase == "update":
         context = (None, None)
         owner, method = update_owner if isinstance(update_owner, tuple) else (update_owner, "step")
@@ -329,6 +329,27 @@ def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | 
     return (Finding("diverged", phase, context[0], where,
                     f"{z:.2g} relative difference at {key.describe()}, noise {z_noise:.2g}",
                     guard=_guard_at(model, [context[0], at]), package=package), position, context, phase)
+
+
+def _producer(run: Run, key: Event) -> tuple[str | None, str | None]:
+    """Where the value of ``key`` was made. The gradient arriving at a module's output was made by the backward of
+    the code that took that output, open when the first hook on it fired: a module's own hook opens the module,
+    so the hooks of its inner modules on the same gradient (its last child's output is its output) fire with the
+    module itself open, which would name the module that received a user's bad backward, not the one that made it.
+    Walked back over the hooks of that one gradient (the module's and its ancestors' outputs, the consumers'
+    inputs) to the first."""
+    context = run.contexts[key]
+    if key.kind != "grad-out":
+        return context
+    module = key.module or ""
+    for earlier in reversed(run.keys[:run.keys.index(key)]):
+        if earlier.kind == "grad-in":
+            continue
+        outer = earlier.module or ""
+        if earlier.kind != "grad-out" or not (module == outer or module.startswith(outer + ".")):
+            break
+        context = run.contexts.get(earlier, context)
+    return context
 
 
 def _guard_at(model: nn.Module, names: list[str | None]) -> str | None:

@@ -24,6 +24,8 @@ EXPECTED = {
     "raw_memory": ("`net.s2d`", ".contiguous()", "diverges"),
     "backward_view": ("`net.block`", "torch.flatten(x, 1)", "raises"),
     "backward_raw_memory": ("`net.block`", ".contiguous()", "diverges"),
+    # the block before it received the bad gradient, and was named ("`net.stem`", in torch's Sequential: nothing to edit)
+    "backward_raw_memory_after_a_block": ("`net.block` diverged", ".contiguous()", "diverges"),
     "contiguous_assert": ("`net.block`", ".contiguous()", "raises"),
     "loss_view": ("the step code", "torch.flatten(x, 1)", "raises"),
 }

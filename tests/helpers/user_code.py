@@ -99,6 +99,21 @@ class CustomOp(nn.Module):
         return self.fn.apply(x)
 
 
+class BlockStemNet(nn.Module):
+    """``Net`` whose stem is a block of its own (a Sequential): its last child's output is the block's output, so
+    the gradient arriving there meets the hooks of both."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.block = block
+        self.head = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.head(self.block(self.stem(x))))
+
+
 class ContiguousOnly(nn.Module):
     """The Python wrapper of an extension op that refuses non-contiguous input (``TORCH_CHECK`` style)."""
 
@@ -317,6 +332,7 @@ PATTERNS = {
     "raw_memory": lambda: Classifier(RawMemory()),
     "backward_view": lambda: Classifier(Net(CustomOp(_ScaleFlat))),
     "backward_raw_memory": lambda: Classifier(Net(CustomOp(_RawGrad))),
+    "backward_raw_memory_after_a_block": lambda: Classifier(BlockStemNet(CustomOp(_RawGrad))),
     "contiguous_assert": lambda: Classifier(Net(ContiguousOnly())),
     "loss_view": lambda: Classifier(Heatmaps(), heatmap_loss=True),
 }
