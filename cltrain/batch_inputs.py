@@ -142,7 +142,8 @@ class BatchInputs:
         self._looked = True
         if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
             self.say(f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
-                     "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX.",
+                     "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX (a list "
+                     "for several: inputs=[KEY, KEY]).",
                      False)
 
     def _tell(self, converted: int, layout: str) -> None:

@@ -468,8 +468,10 @@ class LayoutSession:
             if self.untimed is None and not self.race.racing() and not self.race.decisions \
                     and "no image tensor" not in self._told:
                 self._told.add("no image tensor")
-                self.say("ChannelsLast: the training batches hold no 4-D or 5-D image tensor (a list of images, as "
-                         "detection models take, stays as it is), so the layouts are not raced: the model stays "
+                why = ("hold no 4-D or 5-D image tensor (a list of images, as detection models take, stays as it is)"
+                       if first_image_tensor(batch, "all") is None else
+                       "hold no model input cltrain knows (name it with inputs=KEY or inputs=INDEX, a list for several)")
+                self.say(f"ChannelsLast: the training batches {why}, so the layouts are not raced: the model stays "
                          f"{self.layout}; {self.pin_format.format('contiguous')} pins NCHW.")
             return
         # several ranks: one race for every input size, as the ranks' sizes may differ at a step (multi-scale

@@ -185,7 +185,9 @@ def test_a_dict_batch_without_an_image_key_is_left_alone_and_says_so(tmp_path, c
         seen = run(tmp_path, batch, lambda b: b["data"])
     assert seen == {"['data']": plain_strides(2, 3, 8, 8), "['target']": plain_strides(2, 3, 8, 8)}
     assert "no model input found in the batch (dict with keys 'data', 'target')" in caplog.text
-    assert "inputs=KEY" in caplog.text
+    assert "inputs=KEY" in caplog.text and "a list for several" in caplog.text
+    # not "no 4-D or 5-D image tensor": the batch holds two (the race's line said so, and was wrong)
+    assert "hold no 4-D or 5-D" not in caplog.text and "hold no model input cltrain knows" in caplog.text
 
 
 # ---- the selection rules without a Trainer --------------------------------------------------------
