@@ -204,8 +204,11 @@ class ChannelsLastRun(SessionResults):
         known = {"layout_checks", "fingerprint", "race"}
         if not isinstance(state, dict) or set(state) - known:
             what = sorted(map(str, state))[:4] if isinstance(state, dict) else f"a {type(state).__name__}"
+            entries = [k for k, v in state.items() if isinstance(v, dict) and not set(v) - known] \
+                if isinstance(state, dict) else []
+            entry = f"checkpoint[{entries[0]!r}]" if len(entries) == 1 else "the entry you saved run.state_dict() under"
             raise ValueError(f"ChannelsLastRun.load_state_dict: expected what run.state_dict() gave (keys among "
-                             f"{sorted(known)}), got {what}: pass the run's own entry (checkpoint['run']).")
+                             f"{sorted(known)}), got {what}: pass the run's own entry ({entry}).")
         self.session.load_state_dict(state, model=self.model)
         self._resumed = True
 

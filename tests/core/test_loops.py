@@ -306,11 +306,15 @@ def test_a_door_given_the_wrong_thing_says_which_argument_in_one_line(caplog) ->
                 call(bad)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     run = ChannelsLastRun(model, torch.optim.AdamW(model.parameters()))
-    checkpoint = {"model": model.state_dict(), "run": run.state_dict()}
-    for wrong in (checkpoint, model.state_dict(), "x"):  # the whole checkpoint, the model's, a string
-        with pytest.raises(ValueError, match=r"expected what run.state_dict\(\) gave .*checkpoint\['run'\]"):
+    checkpoint = {"model": model.state_dict(), "cltrain": run.state_dict()}
+    # the whole checkpoint: its entry named as the checkpoint names it (the fix said checkpoint['run'], not there)
+    with pytest.raises(ValueError, match=r"expected what run.state_dict\(\) gave .*: pass the run's own entry "
+                                         r"\(checkpoint\['cltrain'\]\)"):
+        run.load_state_dict(checkpoint)
+    for wrong in (model.state_dict(), "x"):  # the model's, a string
+        with pytest.raises(ValueError, match=r"expected what run.state_dict\(\) gave .*the entry you saved"):
             run.load_state_dict(wrong)
-    run.load_state_dict(checkpoint["run"])  # the control: its own entry
+    run.load_state_dict(checkpoint["cltrain"])  # the control: its own entry
     from cltrain.options import check_copies
 
     given = check_copies("ChannelsLastRun", lambda: "ema")  # called where the copies follow a change of layout
