@@ -12,7 +12,7 @@ input it can find while other tensors look like images.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
@@ -88,6 +88,7 @@ class BatchInputs:
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a kind, to trace
         self._told = self._looked = False
+        self._hint = " cltrain.data's NHWC collate makes this copy unnecessary."
 
     def convert(self, batch: Any, kind: str, model: nn.Module, layout: str, *, in_place: bool = True) -> Any:
         """``batch`` with its model inputs in ``layout``: the same object, its tensors restrided in place, or (not
@@ -140,6 +141,8 @@ class BatchInputs:
         if self._looked:
             return
         self._looked = True
+        if isinstance(batch, Mapping) and "pixel_values" in batch:  # an image processor's CHW floats: no collate of ours
+            self._hint = ""
         if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
             self.say(f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
                      "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX (a list "
@@ -150,7 +153,7 @@ class BatchInputs:
         if converted and not self._told and layout == "channels_last":
             self._told = True
             self.say(f"ChannelsLast: batches arrive in another layout; converting {converted} tensor(s) per batch "
-                     f"to {layout} on the device. cltrain.data's NHWC collate makes this copy unnecessary.", False)
+                     f"to {layout} on the device.{self._hint}", False)
 
 
 def _restrided_copy(batch: Any, layout: str, inputs: Inputs, skip: Any,

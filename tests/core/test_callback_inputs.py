@@ -389,3 +389,17 @@ def test_the_loaders_own_tensors_keep_their_layout_after_each_step(tmp_path, kin
             callbacks=[ChannelsLast(), Between()]).fit(model, _Cached(batch, 3))
     assert [s[0] for s in model.seen] == [channels_last_strides(image.shape)] * 3
     assert between == [contiguous_strides(image)] * 3 and image.is_contiguous() and heatmap.is_contiguous()
+
+
+def test_the_copy_line_points_at_the_nhwc_collate_only_where_it_can_serve():
+    # a Hugging Face image processor's batch (CHW floats under pixel_values) cannot come from cltrain's NHWC collate
+    from cltrain.batch_inputs import BatchInputs
+
+    model = nn.Conv2d(3, 4, 3)
+    for batch, hint in (({"pixel_values": torch.randn(2, 3, 8, 8), "labels": torch.zeros(2)}, False),
+                        ((torch.randn(2, 3, 8, 8), torch.zeros(2)), True)):
+        said = []
+        BatchInputs(lambda line, warn=False: said.append(line), inputs="all").convert(batch, "train", model,
+                                                                                    "channels_last")
+        assert len(said) == 1 and "converting 1 tensor(s) per batch" in said[0], said
+        assert ("NHWC collate" in said[0]) == hint, said
