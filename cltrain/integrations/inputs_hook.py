@@ -263,10 +263,13 @@ class ChannelsLastInputs:
             return
         others = [k for k, v in kwargs.items() if _is_image(v)]
         if others:
+            rgb = [k for k in others if kwargs[k].shape[1] == 3]  # a mask or a depth map has one channel
+            named = (rgb or others)[0] if len(rgb or others) == 1 else rgb or others
             self.log.info(
-                "ChannelsLast: the model's forward got no image argument named %s; %s look like images: name them "
-                "with inputs=%r to convert them (the first convolution converts the activations meanwhile).",
-                list(self.names), others, others,
+                "ChannelsLast: the model's forward got no image argument named %s; %s look like images: name the "
+                "images among them with inputs=%r to convert them (a mask or a target stays as the collator built "
+                "it; the first convolution converts the activations meanwhile).",
+                list(self.names), others, named,
             )
 
     def _check(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str,

@@ -171,3 +171,25 @@ def test_a_stack_of_as_many_frames_as_channels_is_a_stack_for_a_2d_network() -> 
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
     trainer.fit(task, DataLoader([(ambiguous, torch.tensor([0, 1]))], batch_size=None))
     assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"].line()
+
+
+def test_the_hint_for_an_unnamed_image_argument_names_the_image_not_the_mask(caplog) -> None:
+    # "images" and a one-channel float "mask": the hint said inputs=['images', 'mask'], converting the mask too
+    import logging
+
+    from cltrain.integrations.inputs_hook import ChannelsLastInputs
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return (self.conv(images) * mask).mean()
+
+    model = Masked()
+    hook = ChannelsLastInputs(verify=False, layout="channels_last").attach(model)
+    with caplog.at_level(logging.INFO):
+        model(images=torch.randn(2, 3, 8, 8), mask=torch.rand(2, 1, 8, 8))
+    hook.detach()
+    assert "['images', 'mask'] look like images: name the images among them with inputs='images'" in caplog.text
