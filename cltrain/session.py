@@ -641,9 +641,9 @@ class LayoutSession:
             self.sharding = self.sharding or sharding_of(model) or ""  # "": announced (sharded=True), named once it is
             result = LayoutCheck("not checked", reason=not_checked_reason(self.sharding))
         elif kind == "eval" and self.host.evaluates_alone():
-            result, shared = LayoutCheck("not checked", reason="an evaluation of this loop may run on one rank alone, "
-                                         "and the check's verdict is every rank's; the training step's check covers "
-                                         "the model"), False
+            result, shared = LayoutCheck("not checked", reason="an evaluation forward may run on one rank alone here (a "
+                                         "loop's or a callback's own), and the check's verdict is every rank's; the "
+                                         "training step's check covers the model"), False
         elif same:
             result = restored_check(saved)
         elif self.host.deciding():
