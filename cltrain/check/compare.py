@@ -336,17 +336,18 @@ def _producer(run: Run, key: Event) -> tuple[str | None, str | None]:
     the code that took that output, open when the first hook on it fired: a module's own hook opens the module,
     so the hooks of its inner modules on the same gradient (its last child's output is its output) fire with the
     module itself open, which would name the module that received a user's bad backward, not the one that made it.
-    Walked back over the hooks of that one gradient (the module's and its ancestors' outputs, the consumers'
-    inputs) to the first."""
+    Walked back over the hooks of that one gradient (the module's and its ancestors' outputs holding the same
+    values, the consumers' inputs) to the first."""
     context = run.contexts[key]
     if key.kind != "grad-out":
         return context
-    module = key.module or ""
+    module, value = key.module or "", run.signatures.get(key)
     for earlier in reversed(run.keys[:run.keys.index(key)]):
         if earlier.kind == "grad-in":
             continue
         outer = earlier.module or ""
-        if earlier.kind != "grad-out" or not (module == outer or module.startswith(outer + ".")):
+        if earlier.kind != "grad-out" or not (module == outer or module.startswith(outer + ".")) \
+                or run.signatures.get(earlier) != value:  # the ancestor's own code after the child made it
             break
         context = run.contexts.get(earlier, context)
     return context

@@ -26,6 +26,8 @@ EXPECTED = {
     "backward_raw_memory": ("`net.block`", ".contiguous()", "diverges"),
     # the block before it received the bad gradient, and was named ("`net.stem`", in torch's Sequential: nothing to edit)
     "backward_raw_memory_after_a_block": ("`net.block` diverged", ".contiguous()", "diverges"),
+    # the bad op is the block's own code after its last child: the block, not the code that took its output
+    "backward_raw_memory_in_a_blocks_own_code": ("`net.stem` diverged", ".contiguous()", "diverges"),
     "contiguous_assert": ("`net.block`", ".contiguous()", "raises"),
     "loss_view": ("the step code", "torch.flatten(x, 1)", "raises"),
 }

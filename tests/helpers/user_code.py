@@ -114,6 +114,17 @@ class BlockStemNet(nn.Module):
         return self.fc(self.head(self.block(self.stem(x))))
 
 
+class RawTail(nn.Module):
+    """A block whose own forward, after its last child, applies an op with a backward that reads memory as NCHW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RawGrad.apply(self.body(x))
+
+
 class ContiguousOnly(nn.Module):
     """The Python wrapper of an extension op that refuses non-contiguous input (``TORCH_CHECK`` style)."""
 
@@ -309,6 +320,11 @@ class ReadsDatamodule(Classifier):
         return loss
 
 
+def _stem(net: nn.Module, stem: nn.Module) -> nn.Module:
+    net.stem = stem
+    return net
+
+
 def _with_optimizer(module: pl.LightningModule, optimizer: type[torch.optim.Optimizer]) -> pl.LightningModule:
     module.configure_optimizers = lambda: optimizer(module.parameters(), lr=0.05)  # type: ignore[method-assign]
     return module
@@ -333,6 +349,7 @@ PATTERNS = {
     "backward_view": lambda: Classifier(Net(CustomOp(_ScaleFlat))),
     "backward_raw_memory": lambda: Classifier(Net(CustomOp(_RawGrad))),
     "backward_raw_memory_after_a_block": lambda: Classifier(BlockStemNet(CustomOp(_RawGrad))),
+    "backward_raw_memory_in_a_blocks_own_code": lambda: Classifier(_stem(BlockStemNet(nn.Identity()), RawTail())),
     "contiguous_assert": lambda: Classifier(Net(ContiguousOnly())),
     "loss_view": lambda: Classifier(Heatmaps(), heatmap_loss=True),
 }
