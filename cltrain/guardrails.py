@@ -103,7 +103,11 @@ def _depth_below_kernel(module: nn.Module, x: Any) -> bool:
     if not isinstance(x, torch.Tensor) or x.dim() != 5:
         return False
     kernel_depth = (module.kernel_size[0] - 1) * module.dilation[0] + 1
-    return x.shape[2] < kernel_depth
+    depth = x.shape[2]
+    if isinstance(module, nn.ConvTranspose3d):  # its weight gradient is a Conv3d's over its output: that depth too
+        padding = module.padding[0] if isinstance(module.padding, tuple) else 0
+        depth = min(depth, (depth - 1) * module.stride[0] - 2 * padding + kernel_depth + module.output_padding[0])
+    return depth < kernel_depth
 
 
 def _fp32_pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -198,7 +202,7 @@ def _kernel_1_strided(module: nn.Module) -> bool:
 
 
 def _is_conv3d_deep_kernel(module: nn.Module, p: Platform) -> bool:
-    return isinstance(module, nn.Conv3d) and (module.kernel_size[0] - 1) * module.dilation[0] + 1 > 1
+    return isinstance(module, (nn.Conv3d, nn.ConvTranspose3d)) and (module.kernel_size[0] - 1) * module.dilation[0] + 1 > 1
 
 
 #: Every known fault the guardrails cover, one entry each.
@@ -228,8 +232,9 @@ KNOWN_FAULTS: tuple[KnownFault, ...] = (
                  "and x86 ISA is guarded",
         description="bf16 Conv3d weight gradients are wrong (up to 1e37) or not finite when the input is "
                     "deeper than 1 and shallower than the kernel (depth 2 under a 3x3x3 kernel, 2-4 under 5x3x3), "
-                    "in both layouts, on AVX-512",
-        workaround="under bf16 autocast, a Conv3d whose input is shallower than its kernel is computed in float32 "
+                    "in both layouts, on AVX-512; a ConvTranspose3d's too, where its input or output is",
+        workaround="under bf16 autocast, a Conv3d (or ConvTranspose3d) whose input (or a transposed one's output) "
+                   "is shallower than its kernel is computed in float32 "
                    "(autocast off for that call); deeper inputs keep bf16; bf16 weights (bf16-true) are not covered",
         layouts=("channels_last", "contiguous"),
         affects=lambda p, dtype: _onednn_cpu_x86(p) and dtype == torch.bfloat16,

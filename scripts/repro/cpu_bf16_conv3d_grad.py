@@ -6,6 +6,7 @@ reference computed with oneDNN disabled::
 
     python -m scripts.repro.cpu_bf16_conv3d_grad                 # (8, 256, 2, 4, 4), 3x3x3, the r3d_18 layer3 case
     python -m scripts.repro.cpu_bf16_conv3d_grad --mode fp32-in-autocast
+    python -m scripts.repro.cpu_bf16_conv3d_grad --transposed     # F.conv_transpose3d: the same fault
     python -m scripts.repro.cpu_bf16_conv3d_grad --sweep         # the table in docs/troubleshooting.md
     python -m scripts.repro.cpu_bf16_conv3d_grad --count --calls 100
 
@@ -44,13 +45,14 @@ def _machine() -> str:
             f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, {torch.get_num_threads()} threads")
 
 
-def weight_grads(shape, cout, kernel, stride, padding, channels_last, mode, calls):
+def weight_grads(shape, cout, kernel, stride, padding, channels_last, mode, calls, transposed=False):
     """The float64 reference's weight gradient (oneDNN off), and the weight gradients of ``calls`` calls in ``mode``
-    on the same tensors."""
+    on the same tensors (``transposed``: ``F.conv_transpose3d``)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen)
-    w = torch.randn(cout, shape[1], *kernel, generator=gen) * 0.02
-    y_shape = F.conv3d(x, w, None, stride, padding).shape
+    conv = F.conv_transpose3d if transposed else F.conv3d
+    w = torch.randn(*((shape[1], cout) if transposed else (cout, shape[1])), *kernel, generator=gen) * 0.02
+    y_shape = conv(x, w, None, stride, padding).shape
     gy = torch.randn(y_shape, generator=gen) * 1e-4
 
     def grad(dtype, reference=False):
@@ -63,9 +65,9 @@ def weight_grads(shape, cout, kernel, stride, padding, channels_last, mode, call
             with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
                 if mode == "fp32-in-autocast" and not reference:
                     with torch.autocast("cpu", enabled=False):
-                        y = F.conv3d(xx.float(), ww, None, stride, padding)
+                        y = conv(xx.float(), ww, None, stride, padding)
                 else:
-                    y = F.conv3d(xx, ww, None, stride, padding)
+                    y = conv(xx, ww, None, stride, padding)
             y.backward(gg.to(y.dtype))
         return ww.grad.double()
 
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stride", type=int, default=1)
     p.add_argument("--padding", type=int, default=1)
     p.add_argument("--channels-last", action="store_true", help="channels_last_3d tensors")
+    p.add_argument("--transposed", action="store_true", help="F.conv_transpose3d (a 3-D decoder's layer)")
     p.add_argument("--mode", choices=MODES, default="bf16")
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--sweep", action="store_true")
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.sweep:
         return 1 if sweep(args.calls) else 0
-    err = weight_error(*case, args.channels_last, args.mode, args.calls)
+    err = weight_error(*case, args.channels_last, args.mode, args.calls, args.transposed)
     print(f"{args.mode}: worst weight-gradient error {err:.2e} over {args.calls} calls "
           f"({'FAULT' if not err <= TOLERANCE else 'ok'}, tolerance {TOLERANCE:g})", flush=True)
     return 1 if not err <= TOLERANCE else 0
