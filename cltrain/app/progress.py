@@ -132,6 +132,8 @@ class MainAmpProgress(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.train.restart()
         self._window.clear()
+        # every average of the line is the epoch's, as apex's meters are (made anew in each train())
+        self._time, self._speed = _Average(), _Average()
         self._loss, self._top1, self._top5 = _Average(), _Average(), _Average()
 
     @staticmethod
@@ -172,7 +174,7 @@ class MainAmpProgress(Callback):
             seconds, count = sum(t for t, _ in self._window), len(self._window)
             batch_time, speed = seconds / count, sum(i for _, i in self._window) / seconds
             self._time.add(batch_time, count)
-            self._speed.add(speed, count)
+            self._speed.add(speed, seconds)  # weighted by time: the average is images / seconds, as apex prints it
             self._window.clear()
             timing = f"Time {batch_time:.3f} ({self._time.avg:.3f})  Speed {speed:.3f} ({self._speed.avg:.3f})  "
         else:

@@ -8,6 +8,7 @@ last validation batch) must have a sync right before its closing timestamp.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,34 @@ def test_the_progress_bar_shows_the_print_step_values(tmp_path: Path) -> None:
     values = bar.get_metrics(trainer, module)
     assert set(values) >= {"loss", "Prec@1", "lr"} and values == {**values, **progress.bar_values}
     assert values["lr"] == pytest.approx(0.1) and isinstance(values["loss"], float)
+
+
+def test_the_lines_average_speed_is_images_over_the_average_time_of_the_epoch(tmp_path: Path) -> None:
+    # the mean of each window's speed overstated it (8.55 img/s where 8 / 1.568 s = 5.10); the times carried across
+    # epochs where the losses did not
+    import time
+
+    from lightning.pytorch import Callback
+
+    lines: list[str] = []
+
+    class Lines(MainAmpProgress):
+        def _emit(self, pl_module, line: str) -> None:
+            lines.append(line)
+
+    class Uneven(Callback):  # steps of 10 and 80 ms: a mean of speeds is far from images over the mean time
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            time.sleep(0.01 if batch_idx % 2 else 0.08)
+
+    trainer = Trainer(callbacks=[Uneven(), Lines(print_freq=1, warmup=0)], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, num_sanity_val_steps=0, default_root_dir=tmp_path, max_epochs=2,
+                      limit_val_batches=0)
+    trainer.fit(_module(), loader(n=40, batch_size=4))
+    pattern = re.compile(r"Epoch: \[(\d)\]\[(\d+)/10\]  Time ([\d.]+) \(([\d.]+)\)  Speed ([\d.]+) \(([\d.]+)\)")
+    rows = [pattern.match(line) for line in lines if line.startswith("Epoch:") and "warm-up" not in line]
+    assert len(rows) == 18 and all(rows), lines  # each epoch's first step starts its clock
+    for row in rows:
+        epoch, step, time_now, time_avg, speed_now, speed_avg = row.groups()
+        assert float(speed_avg) == pytest.approx(4 / float(time_avg), rel=0.03), row.group(0)
+        if step == "2":  # the epoch's first window: its averages are its own
+            assert time_avg == time_now and speed_avg == speed_now, row.group(0)
