@@ -346,8 +346,8 @@ def test_a_run_that_crashed_in_a_step_reads_that_batch_again_with_its_augmentati
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_run_stopped_during_validation_ends_where_the_uninterrupted_run_ends(folder, tmp_path, workers):
-    # stopped inside epoch 0's validation (its checkpoint is saved there): Lightning finishes that validation on
-    # resume, and the next epoch reads its samples with the augmentation and RNG of the run that was never stopped
+    # stopped inside epoch 0's validation (its checkpoint is saved there): the next epoch reads its samples with the
+    # augmentation and RNG of the run that was never stopped (Lightning does not run that validation again)
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
     class Stop(Exception):
