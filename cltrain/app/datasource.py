@@ -52,8 +52,10 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
         try:
             make_demo(data["root"], **demo)
         except FileExistsError as err:  # a different folder already sits at root
-            raise ConfigError("data.root", data["root"], str(err).split(": ", 1)[-1],
-                              "a new path, or the demo folder made with the same data.demo settings") from None
+            mine = "not a cltrain demo folder" in str(err)  # the user's own images: read as an image folder
+            raise ConfigError("data.root", data["root"], str(err).split(": ", 1)[-1].split(" To train on")[0],
+                              f"data=imagenet data.root={data['root']} to train on the images in it" if mine else
+                              "the data.demo settings the demo folder was made with") from None
     try:
         datamodule = instantiate(data, channels_last=cfg.channels_last)
     except InstantiationException as err:  # a bad data.* argument: the DataModule's ValueError names it

@@ -226,9 +226,14 @@ def write_once(root: str | os.PathLike, params: dict, fill: Callable[[Path], Non
         marker = root / MARKER
         if marker.is_file() and json.loads(marker.read_text()) == params:
             return root
-        what = f"a demo folder made with other arguments ({marker.read_text().strip()})" if marker.is_file() else "not a cltrain demo folder"
-        raise FileExistsError(f"{owner}: {root} exists and is {what}; it is left untouched. "
-                              "Pass another root, or delete it to have it written again.")
+        if marker.is_file():
+            raise FileExistsError(f"{owner}: {root} exists and is a demo folder made with other arguments "
+                                  f"({marker.read_text().strip()}); it is left untouched. Pass another root, or delete "
+                                  "it to have it written again.")
+        raise FileExistsError(f"{owner}: {root} exists and is not a cltrain demo folder; it is left untouched. To "
+                              "train on the images in it, read it as an image folder (data=imagenet "
+                              f"data.root={root} in the app, ImageFolderDataModule in code); for the demo, pass a root "
+                              "that does not exist yet.")
     _remove_stale_tmp(root)
     tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

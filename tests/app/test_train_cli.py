@@ -170,6 +170,18 @@ def test_a_run_directory_that_cannot_be_created_is_one_line_and_exit_status_2(tm
                                      "write to)"), result.stderr[-3000:]
 
 
+def test_the_demo_data_pointed_at_a_users_folder_says_how_to_train_on_it(tmp_path: Path) -> None:
+    # the line said "Pass another root, or delete it to have it written again": the user's images, deleted
+    own = tmp_path / "own"
+    for split in ("train", "val"):
+        (own / split / "cat").mkdir(parents=True)
+    result = run(*SMOKE, "device=cpu", f"data.root={own}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.endswith(f"(allowed: data=imagenet data.root={own} to train on the images in it)"), line
+    assert "delete" not in line and (own / "train" / "cat").is_dir()
+
+
 def test_a_bad_config_dir_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CLTRAIN_CONFIG_DIR": str(tmp_path / "none")}
     env.pop("LOCAL_RANK", None)

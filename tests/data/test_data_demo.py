@@ -57,8 +57,10 @@ def test_reused_once_written_and_never_overwrites(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.txt").write_text("precious")
-    with pytest.raises(FileExistsError, match="not a cltrain demo folder"):
+    with pytest.raises(FileExistsError, match="not a cltrain demo folder") as raised:
         make_demo_dataset(mine)
+    # the user's own folder: read it as an image folder; never "delete it to have it written again"
+    assert "delete" not in str(raised.value) and "ImageFolderDataModule" in str(raised.value)
     assert (mine / "thesis.txt").read_text() == "precious" and not list(tmp_path.glob(".*tmp*"))
 
 
