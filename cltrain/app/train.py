@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.callbacks import build_run_callbacks
 from cltrain.app.config import Resolved, validate
-from cltrain.app.config.paths import check_checkpoint_model
+from cltrain.app.config.paths import check_checkpoint_model, check_checkpoint_progress
 from cltrain.app.console import quiet_console
 from cltrain.app.datasource import absolute, build_datamodule
 from cltrain.app.groups import build_loggers
@@ -115,6 +115,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     ckpt_path = absolute(cfg.get("ckpt_path"))
     if ckpt_path is not None:
         check_checkpoint_model(ckpt_path, module.state_dict())
+        if not cfg.evaluate_only:
+            check_checkpoint_progress(ckpt_path, cfg.trainer.get("max_epochs"), cfg.trainer.get("max_steps"))
     results = RunResults(cfg, resolved, trainer, run, model, run_dir, global_batch, lr, ckpt_path, guarded, started)
 
     rank_zero_info(f"cltrain: precision {resolved.precision} ({resolved.precision_reason})")

@@ -171,6 +171,17 @@ def tmpfs_for_one_checkpoint(trained: dict, tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_resuming_a_finished_run_with_the_same_limits_is_one_line_not_a_silent_no_op(demo_args: list[str],
+                                                                                      trained: dict, tmp_path: Path):
+    # the fit trained nothing, wrote no checkpoint, said nothing, and the run's status was "completed"
+    epochs = load_checkpoint_file(trained["last_checkpoint"])["loops"]["fit_loop"]["epoch_progress"]["current"]
+    again = _train_py(_smoke(demo_args, f"ckpt_path={trained['last_checkpoint']}", f"hydra.run.dir={tmp_path / 'a'}"))
+    assert again.returncode == 2, again.stderr[-3000:]
+    line = again.stderr.strip().splitlines()[-1]
+    assert f"has trained {epochs['processed']} epoch(s), trainer.max_epochs={epochs['processed']} already: nothing " \
+           "is left to train" in line and "(allowed: trainer.max_epochs above" in line, line
+
+
 def test_a_full_disk_keeps_the_previous_last_ckpt_and_it_resumes(demo_args: list[str], tmpfs_for_one_checkpoint: Path,
                                                                  tmp_path: Path) -> None:
     run = tmpfs_for_one_checkpoint / "run"

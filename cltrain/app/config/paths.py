@@ -164,3 +164,24 @@ def check_checkpoint_model(path: str, model_state: dict[str, Any]) -> None:
         raise ConfigError("ckpt_path", path, f"holds the weights of another model than model.name builds here "
                           f"({shown})", "the model.name (and model.kwargs, data's classes) of the run that wrote it; "
                           "or model.pretrained=<ckpt> to start anew from the weights that fit")
+
+
+def check_checkpoint_progress(path: str, max_epochs: int | None, max_steps: int | None) -> None:
+    """The checkpoint has training left under ``trainer.max_epochs`` / ``max_steps``: one that reached them already
+    resumed into a fit that trained nothing, wrote no checkpoint and said nothing.
+
+    Raises:
+        ConfigError: the limit reached, and the fix.
+    """
+    from cltrain.checkpoint_io import load_checkpoint_file
+
+    saved = load_checkpoint_file(path, map_location="cpu", mmap=True)
+    epochs = saved.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed")
+    steps = saved.get("global_step")
+    if max_steps is not None and max_steps >= 0 and isinstance(steps, int) and steps >= max_steps:
+        raise ConfigError("ckpt_path", path, f"has trained {steps} step(s), trainer.max_steps={max_steps} already: "
+                          "nothing is left to train", f"trainer.max_steps above {steps} to train on")
+    if max_epochs is not None and max_epochs >= 0 and isinstance(epochs, int) and epochs >= max_epochs:
+        raise ConfigError("ckpt_path", path, f"has trained {epochs} epoch(s), trainer.max_epochs={max_epochs} "
+                          "already: nothing is left to train", f"trainer.max_epochs above {epochs} to train on; "
+                          "evaluate_only=true to validate it")
