@@ -39,11 +39,25 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
     found = {p.parent for p in Path(sweep_dir).rglob(METRICS_FILE)} | {p.parent for p in Path(sweep_dir).rglob(".hydra")}
     for folder in sorted(found, key=lambda p: (len(p.parts), str(p))):
         path = folder / METRICS_FILE
-        metrics = read_metrics(path) if path.is_file() else {"status": NO_METRICS}
+        metrics = read_metrics(path) if path.is_file() else {"status": NO_METRICS, **_composed(folder)}
         metrics["run"] = str(folder.relative_to(sweep_dir)) or "."
         metrics["overrides"] = _overrides(folder)
         runs.append(metrics)
     return runs
+
+
+def _composed(folder: Path) -> dict[str, Any]:
+    """What the job's composed config (``.hydra/config.yaml``) says of its layout, for a job without metrics."""
+    path = folder / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        return {}
+    return {"channels_last": config["channels_last"]} if isinstance(config.get("channels_last"), bool) else {}
 
 
 def _overrides(folder: Path) -> dict[str, str] | None:
@@ -121,13 +135,20 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
         speedup = _speedup(run, runs)
         status = "" if _completed(run) else f" ({run.get('status')})"
         lines.append(
-            f"| {run['run']}{status} | {run.get('model', '?')} | {'channels_last' if run.get('channels_last') else 'contiguous'} "
+            f"| {run['run']}{status} | {run.get('model', '?')} | {_layout(run)} "
             f"| {run.get('precision', '?')} | {run.get('device', '?')} | {run.get('global_batch', '-')} "
             f"| {_fmt(run.get('images_per_second'), '.1f')} | {_fmt(step * 1000 if step else None, '.0f')} "
             f"| {_fmt(run.get('val_top1'), '.2f')} | {_fmt(run.get('val_top5'), '.2f')} "
             f"| {_fmt(speedup, '.2f') + 'x' if speedup else '-'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _layout(run: dict[str, Any]) -> str:
+    """The run's layout; ``?`` where its record does not say (a job that wrote no metrics.json)."""
+    if "channels_last" not in run:
+        return "?"
+    return "channels_last" if run["channels_last"] else "contiguous"
 
 
 def plot(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:

@@ -55,10 +55,12 @@ def test_runs_that_did_not_complete_are_named_and_a_baseline_differs_only_in_the
     job(2, ["channels_last=true", "data.num_workers=2"], "completed", True, speed=25.0)
     job(3, ["channels_last=true", "data.num_workers=0"], "interrupted", True, speed=12.0)
     job(4, ["channels_last=true", "model.name=resnet9x"], None)  # a bad value: no metrics.json
+    (tmp_path / "4" / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"channels_last": True, "amp": "auto"}))
     runs = collect(tmp_path)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in markdown_table(runs).splitlines()[2:]}
     assert rows["2"].endswith("| 1.25x |"), rows  # against run 1 (2 workers), not run 0 (2.50x)
     assert rows["3 (interrupted)"].endswith("| - |") and rows["4 (no metrics.json)"].endswith("| - |"), rows
+    assert " | channels_last | " in rows["4 (no metrics.json)"], rows  # its config's layout, not "contiguous"
     assert summary(runs) == ("5 runs: 3 completed, 1 interrupted, 1 no metrics.json (not in the speed-ups; a job "
                              "Hydra never started, after a failed one, has no directory).")
 
