@@ -103,7 +103,8 @@ def _why_unreadable(path: Path, err: BaseException) -> str:
         return "the file is empty"
     if isinstance(err, EOFError) or any(k in text for k in ("central directory", "EOF", "truncated", "Ran out of input")):
         return "incomplete: the file ends before the checkpoint does"
-    if isinstance(err, KeyError) or "invalid load key" in text:
+    if isinstance(err, KeyError) or any(k in str(err) for k in ("invalid load key", "Unsupported operand")):
+        # (weights_only puts the cause before its advice)
         return "not a file written by torch.save"
     return f"{type(err).__name__}: {text[:200]}"
 
@@ -168,7 +169,12 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", *, 
     if not path.is_file():
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        try:
+            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        except RuntimeError as err:  # not a zip file: a legacy torch.save loads without mmap, anything else says why
+            if not (mmap and "mmap can only be used with files saved with" in str(err)):
+                raise
+            return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         types = _refused_types(path, err) if weights_only else None
         if types:

@@ -216,6 +216,20 @@ def test_a_truncated_checkpoint_names_the_ones_that_load(tmp_path: Path) -> None
         io.load_checkpoint(tmp_path / "best-epoch000.ckpt")
 
 
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_text_file_is_not_a_checkpoint_and_a_legacy_one_loads_mapped_or_not(tmp_path: Path, mmap: bool) -> None:
+    # mapped, torch's line was "mmap can only be used with files saved with torch.save(_use_new_zipfile_...)";
+    # unmapped, the weights_only unpickler's "Unsupported operand 110"
+    from cltrain.checkpoint_io import load_checkpoint_file
+
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(UnreadableCheckpointError, match=r"notes\.txt: not a readable checkpoint \(not a file written by "
+                                                        r"torch\.save\); no other checkpoint"):
+        load_checkpoint_file(tmp_path / "notes.txt", mmap=mmap)
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert torch.equal(load_checkpoint_file(tmp_path / "legacy.pt", mmap=mmap)["w"], torch.ones(2))
+
+
 def test_weights_only_false_is_the_callers_explicit_choice(tmp_path: Path) -> None:
     io = AtomicCheckpointIO()
     io.save_checkpoint({"when": __import__("datetime").date(2025, 1, 1)}, tmp_path / "a.ckpt")
