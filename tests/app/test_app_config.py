@@ -72,6 +72,10 @@ def _error(overrides: list[str]) -> ConfigError:
         (["channels_last_mode=auto"], "channels_last_mode", "full, conv; the layout is channels_last_layout's: auto"),
         (["channels_last_layout=nhwc"], "channels_last_layout", "auto, channels_last, contiguous"),
         (["compile.mode=fast"], "compile.mode", "reduce-overhead"),
+        # an option of a list group not chosen: "+callbacks.early_stopping.patience=3" led to "needs a _target_"
+        (["callbacks.early_stopping.patience=3"], "callbacks.early_stopping.patience",
+         "callbacks=[default,early_stopping] callbacks.early_stopping.patience=3"),
+        (["logger.tensorboard.name=x"], "logger.tensorboard.name", "logger=[csv,tensorboard]"),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(overrides: list[str], key: str, allowed: str | None) -> None:

@@ -251,7 +251,8 @@ def config_error(exc: BaseException, overrides: Sequence[str] = ()) -> ConfigErr
     key, value = _override(line) if line is not None else (re.sub(r"\[\d+\]$", "", str(cause.full_key)), cause.value)
     parent_type = getattr(cause, "object_type", None)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        return _not_a_key(key, value, parent_type if dataclasses.is_dataclass(parent_type) else None, line)
+        return _unchosen_entry(key, value, str(cause.full_key)) or \
+            _not_a_key(key, value, parent_type if dataclasses.is_dataclass(parent_type) else None, line)
     name = key.rpartition(".")[2]
     found = (parent_type, next(f for f in dataclasses.fields(parent_type) if f.name == name)) \
         if dataclasses.is_dataclass(parent_type) and name in {f.name for f in dataclasses.fields(parent_type)} \
@@ -302,6 +303,21 @@ def _group_options(group: str) -> list[str]:
     if not GlobalHydra.instance().is_initialized():
         return []
     return list(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+#: The list groups (several options at once) and the option each run has by default.
+_LIST_GROUPS = {"callbacks": "default", "logger": "csv"}
+
+
+def _unchosen_entry(key: str, value: Any, missing: str) -> ConfigError | None:
+    """``callbacks.early_stopping.patience=3`` where the run's callbacks do not include ``early_stopping``: choose
+    the option first (adding the key with ``+`` led to "needs a _target_" next)."""
+    group, _, rest = key.partition(".")
+    entry = rest.partition(".")[0]
+    if group not in _LIST_GROUPS or missing != f"{group}.{entry}" or entry not in _group_options(group):
+        return None
+    return ConfigError(key, value, f"{group}.{entry} is not among this run's {group}: choose it first",
+                       f"{group}=[{_LIST_GROUPS[group]},{entry}] {key}={value}")
 
 
 def _not_a_key(key: str, value: Any, schema: type | None, line: str | None) -> ConfigError:
