@@ -116,6 +116,7 @@ def test_the_lines_average_speed_is_images_over_the_average_time_of_the_epoch(tm
     assert len(rows) == 18 and all(rows), lines  # each epoch's first step starts its clock
     for row in rows:
         epoch, step, time_now, time_avg, speed_now, speed_avg = row.groups()
-        assert float(speed_avg) == pytest.approx(4 / float(time_avg), rel=0.03), row.group(0)
+        low, high = 4 / (float(time_avg) + 5e-4), 4 / max(float(time_avg) - 5e-4, 1e-9)  # the time shown to 1 ms
+        assert low * 0.999 <= float(speed_avg) <= high * 1.001, row.group(0)
         if step == "2":  # the epoch's first window: its averages are its own
             assert time_avg == time_now and speed_avg == speed_now, row.group(0)
