@@ -479,8 +479,9 @@ class LayoutSession:
         shape = () if self.host.several() else tuple(image.shape[1:])
         key = (shape, _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
         self._key = key
-        # a checkpoint of another number of ranks keys its decision by every rank's sizes, or by one rank's: it holds
-        self.race.carry(key, lambda k: k[1:] == key[1:] and (k[0] == ()) != (shape == ()))
+        if self._restored.get("race"):  # a checkpoint of another number of ranks keys its decision by every rank's
+            # sizes, or by one rank's: it holds
+            self.race.carry(key, lambda k: k[1:] == key[1:] and (k[0] == ()) != (shape == ()))
         if key in self.race.decisions:
             want = self.race.decisions[key].layout
             if self.race.decisions[key].how == "restored" and ("restored", key) not in self._told:

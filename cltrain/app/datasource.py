@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config.errors import ConfigError
+from cltrain.data.demo import NotADemoFolder
 from cltrain.app.config.data_schema import DEMO_GENERATORS
 from cltrain.data.constants import is_hidden
 from cltrain.data.hf_source import is_hub_id
@@ -51,10 +52,12 @@ def build_datamodule(cfg: DictConfig) -> pl.LightningDataModule:
         make_demo = get_method(DEMO_GENERATORS[OmegaConf.get_type(cfg.data.demo)])  # the demo schema names its generator
         try:
             make_demo(data["root"], **demo)
-        except FileExistsError as err:  # a different folder already sits at root
-            mine = "not a cltrain demo folder" in str(err)  # the user's own images: read as an image folder
-            raise ConfigError("data.root", data["root"], str(err).split(": ", 1)[-1].split(" To train on")[0],
-                              f"data=imagenet data.root={data['root']} to train on the images in it" if mine else
+        except NotADemoFolder:  # the user's own images, maybe: read as an image folder
+            raise ConfigError("data.root", data["root"], f"{data['root']} exists and is not a cltrain demo folder; "
+                              "it is left untouched", f"data=imagenet data.root={data['root']} to train on the "
+                              "images in it") from None
+        except FileExistsError as err:  # a demo folder made with other settings
+            raise ConfigError("data.root", data["root"], str(err).split(": ", 1)[-1],
                               "the data.demo settings the demo folder was made with") from None
     try:
         datamodule = instantiate(data, channels_last=cfg.channels_last)

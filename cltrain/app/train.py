@@ -114,9 +114,10 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     module, lr = build_lightning_module(cfg, model, datamodule.num_classes, global_batch)
     ckpt_path = absolute(cfg.get("ckpt_path"))
     if ckpt_path is not None:
-        check_checkpoint_model(ckpt_path, module.state_dict())
+        saved = check_checkpoint_model(ckpt_path, module.state_dict())
         if not cfg.evaluate_only:
-            check_checkpoint_progress(ckpt_path, cfg.trainer.get("max_epochs"), cfg.trainer.get("max_steps"))
+            check_checkpoint_progress(ckpt_path, saved, cfg.trainer.get("max_epochs"), cfg.trainer.get("max_steps"))
+        del saved
     results = RunResults(cfg, resolved, trainer, run, model, run_dir, global_batch, lr, ckpt_path, guarded, started)
 
     rank_zero_info(f"cltrain: precision {resolved.precision} ({resolved.precision_reason})")

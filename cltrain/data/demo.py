@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["MARKER", "draw_demo_folder", "hsv_to_rgb255", "make_demo_dataset", "shape_polygon", "write_once"]
+__all__ = ["MARKER", "NotADemoFolder", "draw_demo_folder", "hsv_to_rgb255", "make_demo_dataset", "shape_polygon", "write_once"]
 
 #: Written last into a complete demo folder; holds the parameters it was made with.
 MARKER = ".cltrain_demo.json"
@@ -48,6 +48,10 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross")
 COLOURS: tuple[tuple[str, float], ...] = (("red", 0.0), ("yellow", 55.0), ("green", 125.0), ("blue", 225.0), ("magenta", 300.0))
 _SPLITS = {"train": 0, "val": 1}
 _STALE_AFTER_S = 24 * 3600  # a temporary folder of another host untouched this long is a dead writer's
+
+
+class NotADemoFolder(FileExistsError):
+    """A demo's root holds a folder the demo did not write (the user's own images, maybe): left untouched."""
 
 
 def _class_spec(k: int) -> tuple[str, int]:
@@ -230,10 +234,10 @@ def write_once(root: str | os.PathLike, params: dict, fill: Callable[[Path], Non
             raise FileExistsError(f"{owner}: {root} exists and is a demo folder made with other arguments "
                                   f"({marker.read_text().strip()}); it is left untouched. Pass another root, or delete "
                                   "it to have it written again.")
-        raise FileExistsError(f"{owner}: {root} exists and is not a cltrain demo folder; it is left untouched. To "
-                              "train on the images in it, read it as an image folder (data=imagenet "
-                              f"data.root={root} in the app, ImageFolderDataModule in code); for the demo, pass a root "
-                              "that does not exist yet.")
+        raise NotADemoFolder(f"{owner}: {root} exists and is not a cltrain demo folder; it is left untouched. To "
+                             "train on the images in it, read it as an image folder (data=imagenet "
+                             f"data.root={root} in the app, ImageFolderDataModule in code); for the demo, pass a root "
+                             "that does not exist yet.")
     _remove_stale_tmp(root)
     tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

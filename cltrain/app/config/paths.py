@@ -144,17 +144,21 @@ def check_checkpoint(path: str, cfg: DictConfig) -> None:
                           "ema.enabled=true; or model.pretrained=<ckpt> to start anew from the averaged weights")
 
 
-def check_checkpoint_model(path: str, model_state: dict[str, Any]) -> None:
+def check_checkpoint_model(path: str, model_state: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint holds the weights of the model the run built (``model_state``: the LightningModule's state
     dict), key for key and shape for shape: another model failed inside Lightning's load with every mismatch listed,
     after the run had started.
+
+    Returns:
+        The checkpoint, mapped (``check_checkpoint_progress`` reads it too).
 
     Raises:
         ConfigError: the first few keys that differ, and the fix.
     """
     from cltrain.checkpoint_io import load_checkpoint_file
 
-    saved = load_checkpoint_file(path, map_location="cpu", mmap=True)["state_dict"]
+    checkpoint = load_checkpoint_file(path, map_location="cpu", mmap=True)
+    saved = checkpoint["state_dict"]
     differ = [f"{k} missing" for k in model_state if k not in saved]
     differ += [f"{k} not in this model" for k in saved if k not in model_state]
     differ += [f"{k} {tuple(saved[k].shape)} here {tuple(v.shape)}" for k, v in model_state.items()
@@ -164,18 +168,17 @@ def check_checkpoint_model(path: str, model_state: dict[str, Any]) -> None:
         raise ConfigError("ckpt_path", path, f"holds the weights of another model than model.name builds here "
                           f"({shown})", "the model.name (and model.kwargs, data's classes) of the run that wrote it; "
                           "or model.pretrained=<ckpt> to start anew from the weights that fit")
+    return checkpoint
 
 
-def check_checkpoint_progress(path: str, max_epochs: int | None, max_steps: int | None) -> None:
+def check_checkpoint_progress(path: str, saved: dict[str, Any], max_epochs: int | None, max_steps: int | None) -> None:
     """The checkpoint has training left under ``trainer.max_epochs`` / ``max_steps``: one that reached them already
-    resumed into a fit that trained nothing, wrote no checkpoint and said nothing.
+    resumed into a fit that trained nothing, wrote no checkpoint and said nothing (``saved``: the checkpoint at
+    ``path``, as ``check_checkpoint_model`` loaded it).
 
     Raises:
         ConfigError: the limit reached, and the fix.
     """
-    from cltrain.checkpoint_io import load_checkpoint_file
-
-    saved = load_checkpoint_file(path, map_location="cpu", mmap=True)
     epochs = saved.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {}).get("processed")
     steps = saved.get("global_step")
     if max_steps is not None and max_steps >= 0 and isinstance(steps, int) and steps >= max_steps:
