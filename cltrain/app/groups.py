@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.config.errors import ConfigError
+from cltrain.app.config.hints import unknown_argument
 from cltrain.app.module import FINDER_REFUSAL, FINDERS
 
 __all__ = ["LOGGER_EXTRAS", "build_callbacks", "build_loggers"]
@@ -73,6 +74,10 @@ def _class(target: str, key: str) -> type:
 
 
 def _build(entry: dict[str, Any], key: str) -> Any:
+    for name, value in entry.items():  # +callbacks.x.patiense=3: the closest argument, before the class's TypeError
+        error = unknown_argument(f"{key}.{name}", value, entry["_target_"])
+        if error is not None:
+            raise error
     try:
         return instantiate(entry, _convert_="all")
     except InstantiationException as err:  # a bad argument: the class's own message, first line

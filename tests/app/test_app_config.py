@@ -76,6 +76,10 @@ def _error(overrides: list[str]) -> ConfigError:
         (["callbacks.early_stopping.patience=3"], "callbacks.early_stopping.patience",
          "callbacks=[default,early_stopping] callbacks.early_stopping.patience=3"),
         (["logger.tensorboard.name=x"], "logger.tensorboard.name", "logger=[csv,tensorboard]"),
+        # a typo in a chosen entry: the argument meant, not "add it with +" (then the class's TypeError)
+        (["callbacks=[default,early_stopping]", "callbacks.early_stopping.patiense=3"],
+         "callbacks.early_stopping.patiense", "did you mean callbacks.early_stopping.patience?"),
+        (["logger.csv.flush_every=5"], "logger.csv.flush_every", "flush_logs_every_n_steps"),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(overrides: list[str], key: str, allowed: str | None) -> None:

@@ -104,6 +104,8 @@ def test_callbacks_group_builds_lightning_callbacks(tmp_path: Path) -> None:
     ({"x": {"_target_": "lightning.pytorch.callbacks.NoSuchCallback"}}, r"callbacks\.x\._target_=.*cannot import"),
     ({"x": {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "mode": "sideways"}}, r"callbacks\.x=.*"),
     (["early_stopping"], r"callbacks=.*group of named entries"),
+    ({"x": {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "patiense": 3}},
+     r"callbacks\.x\.patiense=3: not an argument of EarlyStopping; did you mean callbacks\.x\.patience\?"),
 ])
 def test_bad_callback_entries_are_one_line_errors(tmp_path: Path, group, match) -> None:
     with pytest.raises(ConfigError, match=match) as err:

@@ -46,7 +46,7 @@ from omegaconf.errors import (
 )
 
 from cltrain.app.config.errors import ConfigError
-from cltrain.app.config.hints import constructor_arguments, fits_hint
+from cltrain.app.config.hints import constructor_arguments, fits_hint, unknown_argument
 from cltrain.app.config.schema import (
     APP_SET_TRAINER_KEYS,
     KEYS_ELSEWHERE,
@@ -251,7 +251,9 @@ def config_error(exc: BaseException, overrides: Sequence[str] = ()) -> ConfigErr
     key, value = _override(line) if line is not None else (re.sub(r"\[\d+\]$", "", str(cause.full_key)), cause.value)
     parent_type = getattr(cause, "object_type", None)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        parent = getattr(cause, "parent_node", None)
         return _unchosen_entry(key, value, str(cause.full_key)) or \
+            unknown_argument(key, value, parent.get("_target_") if isinstance(parent, DictConfig) else None) or \
             _not_a_key(key, value, parent_type if dataclasses.is_dataclass(parent_type) else None, line)
     name = key.rpartition(".")[2]
     found = (parent_type, next(f for f in dataclasses.fields(parent_type) if f.name == name)) \
