@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from cltrain.app.callbacks import build_run_callbacks
-from cltrain.app.config import Resolved, validate
+from cltrain.app.config import ConfigError, Resolved, validate
 from cltrain.app.config.paths import check_checkpoint_model, check_checkpoint_progress
 from cltrain.app.console import quiet_console
 from cltrain.app.datasource import absolute, build_datamodule
@@ -138,6 +138,9 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     except Exception as err:
         if not stop.stopped_by_peer(err):
             _failed(cfg, results, err)
+            explained = _explained(cfg, err)
+            if explained is not None:
+                raise explained from None
             raise
         _interrupted(trainer, results, run_dir, stop, RunInterrupted(stop.signum, at_once=True))
     except (RunInterrupted, SIGTERMException, KeyboardInterrupt) as err:
@@ -148,6 +151,20 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         unit = "clips" if len(getattr(datamodule, "input_shape", ())) == 5 else "images"  # what a sample is
         print(summary_line(metrics, datamodule.num_classes, unit), flush=True)
     return metrics
+
+
+#: torch's refusal of a BatchNorm layer in training given one value per channel.
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training, got input size torch.Size("
+
+
+def _explained(cfg: DictConfig, err: Exception) -> ConfigError | None:
+    """The failure as the config value that explains it, where one does: ``data.batch_size=1`` with a BatchNorm layer
+    whose feature map is 1x1 at ``data.image_size`` (one value per channel to normalise)."""
+    if cfg.data.get("batch_size") == 1 and isinstance(err, ValueError) and str(err).startswith(_ONE_VALUE_PER_CHANNEL):
+        shape = str(err)[len(_ONE_VALUE_PER_CHANNEL):].rstrip(")")
+        return ConfigError("data.batch_size", 1, f"a BatchNorm layer of the model got one value per channel to "
+                           f"normalise (its input {shape})", "data.batch_size=2 or more per device")
+    return None
 
 
 def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: SignalStop,

@@ -245,3 +245,12 @@ def test_resuming_with_another_model_is_one_line_before_the_run_starts(demo_root
         tiny(demo_root, tmp_path / "second", "model.name=test_efficientnet", f"ckpt_path={written['last_checkpoint']}")
     assert "holds the weights of another model than model.name builds here (model." in str(raised.value)
     assert not (tmp_path / "second" / "checkpoints").exists()  # nothing written: the directory can be used again
+
+
+def test_a_batch_of_one_that_batchnorm_refuses_is_the_batch_size_s_one_line(demo_root: Path, tmp_path: Path) -> None:
+    # the smoke model at 32 px: its last BatchNorm sees a 1x1 map, one value per channel in a batch of one image
+    with pytest.raises(ConfigError, match=r"^data\.batch_size=1: a BatchNorm layer .* \[1, \d+, 1, 1\].*"
+                                          r"data\.batch_size=2 or more") as info:
+        tiny(demo_root, tmp_path / "run", "data.batch_size=1")
+    assert "\n" not in str(info.value)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
