@@ -595,7 +595,7 @@ class LayoutSession:
         cost = f"; the race cost {decision.extra_seconds:.2f} s" if decision.extra_seconds > 0 else ""
         pin = f"pin it with {self.pin_format.format(decision.layout)}"
         if decision.how == "restored":
-            name = "NCHW" if decision.layout == "contiguous" else decision.layout
+            name = _name(decision.layout)
             timed = ""
             if len(decision.seconds) == 2:
                 faster = min(decision.seconds, key=decision.seconds.__getitem__)
@@ -777,6 +777,8 @@ class LayoutSession:
             state["fingerprint"] = self.fingerprint() if self.fingerprint is not None else None
         if self.race.decisions or self.race.racing():
             state["race"] = self.race.state_dict()
+        elif self.pinned is not None and self._restored.get("race"):  # kept for a later run that does not pin
+            state["race"] = self._restored["race"]
         return state
 
     @_outside_inference
@@ -784,8 +786,15 @@ class LayoutSession:
         """A checkpoint's state: its verdicts apply at the first batch of each kind where the fingerprint matches,
         its decisions are not raced again and a race under way goes on where it stopped; where the model is given and
         one decision is held, it takes that layout now (one process; several ranks switch at their first training step,
-        the same on every rank)."""
+        the same on every rank). A pinned layout wins over the checkpoint's decisions, said in one line where they
+        differ."""
         self._restored = dict(state or {})
+        if self.pinned is not None:
+            held = {LayoutDecision.from_dict(d).layout for d in self._restored.get("race", {}).get("decisions", ())}
+            if held - {self.pinned}:
+                self.say(f"ChannelsLast: the checkpoint's race decision ({', '.join(map(_name, sorted(held)))}) is not "
+                         f"used: {self.pin_format.format(self.pinned)} pins {_name(self.pinned)}.")
+            return
         self.race.load_state_dict(self._restored.get("race", {}))
         decided = {d.layout for d in self.race.decisions.values()}
         if model is not None and len(decided) == 1 and self.layout is not None and self.untimed is None \
@@ -838,6 +847,11 @@ def _apply_to_copy(copy_: nn.Module, fallbacks: list[Fallback]) -> None:
 
 
 _STANDS_FOR = ("_orig", "_mask")  # torch.nn.utils.prune's reparametrisation of a weight
+
+
+def _name(layout: str) -> str:
+    """A layout as the lines name it: ``NCHW`` for ``contiguous``."""
+    return "NCHW" if layout == "contiguous" else layout
 
 
 def _stands_for(name: str) -> str:

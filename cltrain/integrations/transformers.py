@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging as std_logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -25,8 +26,17 @@ from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLastCallback"]
 
-# The Trainer's own logger: its `log_level` / `log_level_replica` apply (info on the main process only by default).
+# The Trainer's own logger: its `log_level` / `log_level_replica` apply where the user set one.
 logger = logging.get_logger("transformers.trainer")
+
+
+def _logger_for(args: TrainingArguments) -> Any:
+    """Where the door's lines go: the Trainer's logger where the user set its level (``log_level``, or transformers'
+    verbosity at info); at the default (``"passive"``, transformers' warning level) cltrain's own, which shows the
+    lines as every other door does (``cltrain.host.shown``)."""
+    if args.log_level != "passive" or logger.isEnabledFor(std_logging.INFO):
+        return logger
+    return std_logging.getLogger(__name__)
 
 
 def _compute_dtype(args: TrainingArguments) -> torch.dtype | None:
@@ -75,7 +85,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
     contiguous, as the engine requires, and only the image arguments are channels_last (``cltrain.sharding``;
     docs/guides/scaling.md); the check and the race do not run on a sharded model.
 
-    It logs through the Trainer's logger (``transformers.utils.logging``) and never changes ``TrainerControl``.
+    Its lines go through the Trainer's logger where its level is set (``log_level``), else they show as every door's do;
+    it never changes ``TrainerControl``.
 
     Args:
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
@@ -152,6 +163,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: nn.Module | None = None, **kwargs: Any) -> None:
+        self.inputs_hook.log = _logger_for(args)
         if model is not None:
             self._convert(model, args)
             self._arm(model)  # a save_model before train()
@@ -160,6 +172,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
                        model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                        **kwargs: Any) -> None:
         self._state = state
+        self.inputs_hook.log = _logger_for(args)
         self._unarm()
         if model is None:
             return

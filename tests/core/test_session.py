@@ -347,6 +347,22 @@ def test_the_race_switches_to_the_faster_nchw_with_the_optimizer_state_and_logs_
         "ChannelsLast: the checkpoint's race decision holds here (fp32, cpu, 8x8 px): NCHW, 1.50x faster when timed "
         "(pin it with layout='contiguous')."]
     resumed.close()
+    # a layout pinned at resume wins over the checkpoint's decision, in one line; the decision stays in the checkpoint
+    pinned_said, pinned_model = [], nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    pinned = LayoutSession(layout="channels_last", host=Host(lambda line, warn: pinned_said.append(line)))
+    pinned.start(pinned_model, device="cpu")
+    pinned.load_state_dict(session.state_dict(), model=pinned_model)
+    for _ in range(2):
+        batch = pinned.batch("train", (torch.randn(4, 3, 8, 8),), pinned_model)
+        assert is_channels_last(batch[0]) and is_channels_last(pinned_model[0].weight)
+        pinned.batch_end()
+        pinned.step_end(pinned_model)
+    pinned.end(pinned_model)
+    assert pinned.layout == "channels_last" and pinned.decision is None
+    assert [line for line in pinned_said if "checkpoint" in line] == [
+        "ChannelsLast: the checkpoint's race decision (NCHW) is not used: layout='channels_last' pins channels_last."]
+    assert pinned.state_dict()["race"] == session.state_dict()["race"]
+    pinned.close()
 
 
 @pytest.mark.parametrize("seconds, said", [

@@ -248,3 +248,28 @@ def test_ddp_rank_0_checks_and_every_rank_applies_its_choice(tmp_path):
         torch.testing.assert_close(rank["checked"]["losses"], rank["nchw"]["losses"], rtol=1e-4, atol=1e-6)
     assert ranks[0]["checked"]["weights"] == ranks[1]["checked"]["weights"]
     assert (proc.stdout + proc.stderr).count("ChannelsLast layout check:") == 1  # one line, from rank 0
+
+
+_LEVELS = """
+import sys
+from cltrain.integrations.transformers import ChannelsLastCallback
+from tests.helpers.hf_models import build
+from tests.helpers.hf_trainer_run import trainer
+
+for level in ("passive", "warning"):  # the Trainer's default, then a level the user set
+    print(f"=== {level}", file=sys.stderr, flush=True)
+    trainer("resnet", f"{sys.argv[1]}/{level}", build("resnet"), [ChannelsLastCallback(layout="channels_last")],
+            max_steps=1, log_level=level).train()
+"""
+
+
+def test_the_lines_show_at_the_trainers_default_level_and_follow_a_level_the_user_set(tmp_path):
+    # transformers' default verbosity is warning: through its logger, every line (the conversion, the check's verdict,
+    # the race's decision) was hidden unless the user asked for info
+    proc = warm.run([sys.executable, "-c", _LEVELS, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                    timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    default, warning = proc.stderr.split("=== passive", 1)[1].split("=== warning", 1)
+    assert "ChannelsLastCallback(mode='full'): model layout is channels_last" in default, default[-2000:]
+    assert "layout check passed" in default, default[-2000:]
+    assert "ChannelsLast" not in warning, warning[-2000:]
