@@ -126,18 +126,15 @@ class ImageClassifier(LightningModule):
         if self.trainer.train_dataloader is None:  # not loaded yet (max_epochs=-1 with max_steps)
             self.trainer.fit_loop.setup_data()
         trainer = self.trainer
-        batches = trainer.num_training_batches
-        if batches == float("inf"):  # a stream: its epoch in steps from the samples the config says it holds
-            samples = getattr(trainer.datamodule, "samples_per_epoch", None)
-            if samples is None and hasattr(trainer.datamodule, "samples_per_epoch"):
+        batches = stream_batches(trainer)
+        if batches is None:
+            if hasattr(trainer.datamodule, "samples_per_epoch"):
                 raise ConfigError("data.samples_per_epoch", None, "a stream of WebDataset shards has no length, and "
                                   "the learning-rate schedule counts its epochs in steps: set it to the training "
                                   "samples of an epoch (1281167 for ImageNet)")
-            if samples is None:
-                raise ConfigError("trainer.limit_train_batches", trainer.limit_train_batches, "a streamed dataset has "
-                                  "no length, and the learning-rate schedule counts its epochs in steps: set it to the "
-                                  "batches of an epoch on each rank (a whole number)")
-            batches = max(1, samples // (trainer.world_size * trainer.datamodule.batch_size))  # whole batches
+            raise ConfigError("trainer.limit_train_batches", trainer.limit_train_batches, "a streamed dataset has "
+                              "no length, and the learning-rate schedule counts its epochs in steps: set it to the "
+                              "batches of an epoch on each rank (a whole number)")
         return max(1, -(-int(batches) // trainer.accumulate_grad_batches))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
@@ -213,3 +210,15 @@ def build_optimizer(params: Any, name: str, device: torch.device, *, fused: bool
     if prepare is not None:
         prepare(optimizer)
     return optimizer, note
+
+
+def stream_batches(trainer: Any) -> int | float | None:
+    """The training batches of an epoch on each rank: Lightning's count, or for a stream (no length) the whole batches
+    of the samples its DataModule says an epoch holds (``samples_per_epoch``); ``None`` where nothing says."""
+    batches = trainer.num_training_batches
+    if batches != float("inf"):
+        return batches
+    samples = getattr(getattr(trainer, "datamodule", None), "samples_per_epoch", None)
+    if samples is None:
+        return None
+    return max(1, samples // (trainer.world_size * trainer.datamodule.batch_size))

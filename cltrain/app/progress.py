@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from cltrain.app.module import stream_batches
 from cltrain.timing.clock import Stopwatch
 
 __all__ = ["MainAmpProgress", "MainAmpProgressBar", "Meter", "main_amp_progress_bar"]
@@ -187,7 +188,7 @@ class MainAmpProgress(Callback):
         if not self.lines:
             return
         self._emit(pl_module,
-                   f"Epoch: [{trainer.current_epoch}][{batch_idx + 1}/{trainer.num_training_batches}]  {timing}"
+                   f"Epoch: [{trainer.current_epoch}][{batch_idx + 1}/{_of_epoch(trainer)}]  {timing}"
                    f"Loss {loss:.4f} ({self._loss.avg:.4f})  Prec@1 {top1:.3f} ({self._top1.avg:.3f})  "
                    f"Prec@5 {top5:.3f} ({self._top5.avg:.3f})")
 
@@ -259,3 +260,12 @@ MainAmpProgressBar = MainAmpRichProgressBar if _RICH_AVAILABLE else MainAmpTQDMP
 def main_amp_progress_bar() -> ProgressBar:
     """The progress bar Lightning would pick (Rich when installed, else tqdm), fed from host values."""
     return MainAmpProgressBar()
+
+
+def _of_epoch(trainer: Trainer) -> str:
+    """The epoch's batches as the progress line gives them: ``~7`` for a stream whose samples per epoch are given (it
+    ends where its shards do), ``?`` for one whose are not."""
+    batches = stream_batches(trainer)
+    if batches is None:
+        return "?"
+    return str(batches) if trainer.num_training_batches != float("inf") else f"~{batches}"

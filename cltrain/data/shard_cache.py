@@ -25,7 +25,7 @@ returns the local path, fetching the file first when the cache does not hold tha
   per process.
 * **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
   already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times
-  within ``RETRY_WINDOW`` seconds of its first try.
+  within ``RETRY_WINDOW`` seconds of its first try (no try starts that would end past it at the last try's pace).
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
   processes that are gone when a cache is opened or a process using it exits.
 
@@ -363,7 +363,7 @@ class ShardCache:
         self.fetched += 1
 
     def _full(self, name: str, size: int, err: BaseException) -> CacheFullError:
-        return CacheFullError(f"shard cache {self.folder}: no room for {name} ({size / 2**20:.1f} MiB; "
+        return CacheFullError(f"shard cache {self.folder}: no room for {name} ({_mib(size)}; "
                               f"{_free(self.folder) / 2**20:.0f} MiB free on its disk, limit {self.limit / 2**20:.0f} "
                               f"MiB; {' '.join(str(err).split())[:120]}); set data.cache_dir (or CLTRAIN_SHARD_CACHE) "
                               "to a disk with room, or data.cache_limit lower.")
@@ -391,8 +391,8 @@ class ShardCache:
         where only downloads in flight (reserved, not yet evictable) hold the room, unless ``late`` (then one line, and
         the cache goes over its limit by what is in flight)."""
         if size > self.limit:
-            raise CacheFullError(f"shard cache {self.folder}: {name} ({size / 2**20:.1f} MiB) is larger than the "
-                                 f"cache's limit ({self.limit / 2**20:.1f} MiB); set data.cache_limit higher.")
+            raise CacheFullError(f"shard cache {self.folder}: {name} ({_mib(size)}) is larger than the "
+                                 f"cache's limit ({_mib(self.limit)}); set data.cache_limit higher.")
         files = sorted(self._files())
         used = sum(s for _, s, _ in files)
         free = _free(self.folder)
@@ -477,6 +477,11 @@ def _touch(path: Path) -> bool:
         return False
 
 
+def _mib(n: int) -> str:
+    """A size as the lines give it: MiB to one decimal, KiB below 1 MiB (a 120 KiB shard against a 100 KB limit)."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def _free(folder: Path) -> int:
     st = os.statvfs(folder)
     return st.f_bavail * st.f_frsize
@@ -486,15 +491,18 @@ def _retried(read: Callable[[], Any], url: str) -> Any:
     """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line."""
     started = time.monotonic()
     for attempt in range(ATTEMPTS):
+        tried = time.monotonic()
         try:
             return read()
         except (FileNotFoundError, PermissionError, RemoteError, DataError) as err:
             raise remote_error(err, url) from None
         except Exception as err:  # noqa: BLE001 - a reset, a timeout, a 5xx the client gave up on, a short body
+            now, pause = time.monotonic(), min(0.2 * 2 ** attempt, 5.0)
+            # the next try, as long as this one (the client's own attempts and backoff in it), must end in the window
             if attempt == ATTEMPTS - 1 or "AccessDenied" in str(err) or "NoSuch" in str(err) or \
-                    time.monotonic() - started > RETRY_WINDOW:
+                    now - started + pause + (now - tried) > RETRY_WINDOW:
                 raise remote_error(err, url) from None
             log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
                         redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240], attempt + 2, ATTEMPTS)
-            time.sleep(min(0.2 * 2 ** attempt, 5.0))
+            time.sleep(pause)
     raise AssertionError(redact(url))  # not reached

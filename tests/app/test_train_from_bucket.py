@@ -178,3 +178,6 @@ def test_a_webdataset_stream_trains_once_its_epoch_length_is_given(server, local
                     env=_env(server, tmp_path / "cache"), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "run2" / "metrics.json").read_text())["status"] == "completed"
+    batch = int(next(a for a in args if a.startswith("data.batch_size=")).split("=")[1])
+    out = done.stdout + done.stderr  # the progress lines: the epoch's batches from its samples, not "/inf"
+    assert f"Epoch: [0][1/~{32 // batch}]" in out and "/inf]" not in out, out[-3000:]

@@ -129,8 +129,8 @@ def test_the_cache_keeps_its_limit_evicting_the_shards_unused_longest(url, local
         assert held <= limit
     kept = sorted(_plain(p.name) for p in cache.folder.rglob("*.tar"))
     assert kept == sorted(sizes)[-2:]  # the two used last
-    with pytest.raises(CacheFullError, match="larger than the cache's limit"):
-        ShardCache(url, tmp_path / "tiny", 1000).get("train/shard-000000.tar")
+    with pytest.raises(CacheFullError, match=r"\(\d+\.\d KiB\) is larger than the cache's limit \(1\.0 KiB\)"):
+        ShardCache(url, tmp_path / "tiny", 1024).get("train/shard-000000.tar")  # once "(0.0 MiB) ... (0.0 MiB)"
 
 
 def test_concurrent_downloads_wait_for_room_instead_of_going_over_the_limit(url, local_pack, server, env, tmp_path,
@@ -283,6 +283,32 @@ def test_an_endpoint_that_stalls_is_not_tried_again_past_the_window(url, local_p
             cache.get(name)
         assert proxy.faults[0].hit >= 2  # the client's own attempts
         assert not [r for r in caplog.records if "trying again" in r.getMessage()]
+    finally:
+        proxy.stop()
+
+
+def test_no_try_starts_that_would_end_past_the_window(url, local_pack, env, server, monkeypatch, tmp_path, caplog):
+    # a dead endpoint's tries each took the client's attempts and backoff (18-50 s): a try started just inside the
+    # 2-minute window ended the run 200 s after the outage
+    import fsspec
+
+    import cltrain.data.shard_cache
+
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {
+        "read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1, "mode": "standard"}}})
+    monkeypatch.setattr(cltrain.data.shard_cache, "RETRY_WINDOW", 12.0, raising=False)  # room for two tries
+    name = "train/" + sorted(p.name for p in (local_pack / "train").glob("*.tar"))[0]
+    proxy.faults = [Fault("stall", path=name, times=1000, seconds=6)]
+    try:
+        cache = ShardCache(url, tmp_path, limit=2**30)
+        cache.size(name)  # the folder's listing, not stalled
+        with pytest.raises(RemoteError, match=name):
+            cache.get(name)
+        # a try is ~5 s here (a request and its read timeouts): tried at 0 s and ~5.2 s; a third from ~10.6 s would
+        # end at ~15.6 s, past the window: not started (it was, as it began inside the window)
+        assert len([r for r in caplog.records if "trying again" in r.getMessage()]) == 1
     finally:
         proxy.stop()
 
