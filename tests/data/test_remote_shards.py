@@ -262,9 +262,12 @@ def test_a_lasting_fault_is_said_at_each_of_the_caches_attempts(url, local_pack,
         proxy.stop()
 
 
-def test_an_endpoint_that_stalls_is_not_tried_again_past_the_window(url, local_pack, env, server, monkeypatch,
-                                                                     tmp_path, caplog):
-    # each of the cache's 4 tries waited for botocore's 6 attempts, each for its read timeout: 24 minutes
+def _stalled_read(url, local_pack, server, monkeypatch, tmp_path, timeout: int, attempts: int, window: float,
+                  stall: int) -> tuple[Fault, list[str]]:
+    """A shard's reads stalled by a proxy (the folder's listing not) under the client's ``timeout`` and ``attempts``
+    and the cache's ``window``: its fault, once the read raised, and the retry lines said."""
+    import logging
+
     import fsspec
 
     import cltrain.data.shard_cache
@@ -272,45 +275,41 @@ def test_an_endpoint_that_stalls_is_not_tried_again_past_the_window(url, local_p
     proxy = FaultProxy(server.endpoint)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {
-        "read_timeout": 1, "connect_timeout": 1, "retries": {"max_attempts": 2, "mode": "standard"}}})
-    monkeypatch.setattr(cltrain.data.shard_cache, "RETRY_WINDOW", 1.5, raising=False)  # less than the client's attempts take
+        "read_timeout": timeout, "connect_timeout": timeout, "retries": {"max_attempts": attempts, "mode": "standard"}}})
+    monkeypatch.setattr(cltrain.data.shard_cache, "RETRY_WINDOW", window, raising=False)
     name = "train/" + sorted(p.name for p in (local_pack / "train").glob("*.tar"))[0]
-    proxy.faults = [Fault("stall", path=name, times=1000, seconds=4)]
+    proxy.faults = [Fault("stall", path=name, times=1000, seconds=stall)]
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cltrain.data.shard_cache").addHandler(handler)
     try:
         cache = ShardCache(url, tmp_path, limit=2**30)
         cache.size(name)  # the folder's listing, not stalled
         with pytest.raises(RemoteError, match=name):
             cache.get(name)
-        assert proxy.faults[0].hit >= 2  # the client's own attempts
-        assert not [r for r in caplog.records if "trying again" in r.getMessage()]
     finally:
+        logging.getLogger("cltrain.data.shard_cache").removeHandler(handler)
         proxy.stop()
+    return proxy.faults[0], [line for line in said if "trying again" in line]
 
 
-def test_no_try_starts_that_would_end_past_the_window(url, local_pack, env, server, monkeypatch, tmp_path, caplog):
+def test_an_endpoint_that_stalls_is_not_tried_again_past_the_window(url, local_pack, env, server, monkeypatch,
+                                                                     tmp_path):
+    # each of the cache's 4 tries waited for botocore's 6 attempts, each for its read timeout: 24 minutes
+    fault, retries = _stalled_read(url, local_pack, server, monkeypatch, tmp_path, timeout=1, attempts=2,
+                                   window=1.5, stall=4)  # a window shorter than the client's attempts take
+    assert fault.hit >= 2 and retries == []  # the client's own attempts, and no try of the cache's after them
+
+
+def test_no_try_starts_that_would_end_past_the_window(url, local_pack, env, server, monkeypatch, tmp_path):
     # a dead endpoint's tries each took the client's attempts and backoff (18-50 s): a try started just inside the
     # 2-minute window ended the run 200 s after the outage
-    import fsspec
-
-    import cltrain.data.shard_cache
-
-    proxy = FaultProxy(server.endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {
-        "read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1, "mode": "standard"}}})
-    monkeypatch.setattr(cltrain.data.shard_cache, "RETRY_WINDOW", 12.0, raising=False)  # room for two tries
-    name = "train/" + sorted(p.name for p in (local_pack / "train").glob("*.tar"))[0]
-    proxy.faults = [Fault("stall", path=name, times=1000, seconds=6)]
-    try:
-        cache = ShardCache(url, tmp_path, limit=2**30)
-        cache.size(name)  # the folder's listing, not stalled
-        with pytest.raises(RemoteError, match=name):
-            cache.get(name)
-        # a try is ~5 s here (a request and its read timeouts): tried at 0 s and ~5.2 s; a third from ~10.6 s would
-        # end at ~15.6 s, past the window: not started (it was, as it began inside the window)
-        assert len([r for r in caplog.records if "trying again" in r.getMessage()]) == 1
-    finally:
-        proxy.stop()
+    _, retries = _stalled_read(url, local_pack, server, monkeypatch, tmp_path, timeout=2, attempts=1, window=12.0,
+                               stall=6)
+    # a try is ~5 s here (a request and its read timeouts): tried at 0 s and ~5.2 s; a third from ~10.6 s would end at
+    # ~15.6 s, past the window: not started (it was, as it began inside the window)
+    assert len(retries) == 1, retries
 
 
 def test_downloads_under_way_at_exit_or_at_a_kill_leave_no_temporary_file(url, env, server, monkeypatch):
