@@ -60,7 +60,8 @@ class Net(pl.LightningModule):
 
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
          video: bool = False, shards: bool = False, hf: bool = False, lit: bool = False, mds: bool = False,
-         val: bool = False, callbacks: tuple = (), limit_train_batches: int | float = 1.0, **data_options):
+         val: bool = False, callbacks: tuple = (), limit_train_batches: int | float = 1.0, max_steps: int = -1,
+         **data_options):
     pl.seed_everything(7, verbose=False)
     options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False,
                    **data_options)
@@ -81,7 +82,7 @@ def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, e
         warnings.simplefilter("always")
         trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=1.0 if val else 0, num_sanity_val_steps=0,
-                             limit_train_batches=limit_train_batches,
+                             limit_train_batches=limit_train_batches, max_steps=max_steps,
                              enable_checkpointing=bool(every or callbacks),
                              callbacks=[ChannelsLast(layout=LAYOUT), *saves, *callbacks],
                              default_root_dir=root)
@@ -184,6 +185,16 @@ def test_an_epoch_ended_by_limit_train_batches_resumes_with_the_next_epoch(folde
                                  ckpt_path=str(tmp_path / "whole" / f"step={step}.ckpt"))
         assert again.global_step == 6
         assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed))), f"from step {step}"
+
+
+def test_an_epoch_ended_by_max_steps_resumes_with_the_whole_next_epoch(folder, tmp_path):
+    # a checkpoint saved at the end of an epoch that max_steps cut short (ModelCheckpoint's last.ckpt): Lightning
+    # resumes with the next epoch, and the loader carried the cut epoch's place into it: 1 of its 3 batches ran
+    last = ModelCheckpoint(dirpath=tmp_path / "cut", save_last=True, save_top_k=0)
+    _, cut, _ = _run(folder, tmp_path / "cut", 0, max_steps=2, callbacks=(last,))
+    assert cut.global_step == 2 and cut.current_epoch == 1  # the epoch ended by max_steps, counted as over
+    _, again, _ = _run(folder, tmp_path / "resumed", 0, ckpt_path=str(tmp_path / "cut" / "last.ckpt"))
+    assert again.global_step == 2 + STEPS_PER_EPOCH
 
 
 def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder, whole0,
