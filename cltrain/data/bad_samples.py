@@ -15,6 +15,7 @@ rows, clips); a stream, which has no next index to fetch, reports what ``start_b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 BAD_FILE_POLICIES: tuple[str, ...] = ("raise", "skip")
 _MAX_SKIPS_IN_A_ROW = 50
 _IN_MEMORY = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+_OPENED = re.compile(r" ?<_io\.Buffered\w+ name=(?:'[^']*'|\"[^\"]*\"|\d+)>")
 
 
 def check_bad_files(bad_files: str, owner: str = "") -> str:
@@ -49,7 +51,11 @@ def unreadable(err: BaseException, path: str | os.PathLike | None = None) -> str
     """Why a sample could not be read, in one line (no tabs): a dangling symbolic link says where it points."""
     if path is not None and os.path.islink(path) and not os.path.exists(path):
         return f"a symbolic link to {os.readlink(path)}, which does not exist"
-    text = _IN_MEMORY.sub("(bytes)", f"{type(err).__name__}: {err}")  # Pillow names a BytesIO by its address
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        if path is not None and os.path.getsize(path) == 0:
+            return "empty file (0 bytes)"  # as cltrain-data-check says it
+    # Pillow names a BytesIO by its address, and a file by the object that read it: the line names the file already
+    text = _OPENED.sub("", _IN_MEMORY.sub("(bytes)", f"{type(err).__name__}: {err}"))
     return text.replace("\t", " ").replace("\n", " ")
 
 
@@ -110,7 +116,8 @@ class SkipsBadSamples:
             try:
                 return load(i)
             except BadImageError as err:
-                self.skip(self.sample_name(i), getattr(err, "reason", None) or unreadable(err.__cause__ or err))
+                name = self.sample_name(i)
+                self.skip(name, getattr(err, "reason", None) or unreadable(err.__cause__ or err, name))
         raise BadImageError(f"{self.source_name}: {_MAX_SKIPS_IN_A_ROW} unreadable {self.what}s in a row from index {index}; "
                             "the data is not usable as it is (see the skipped-files list).")
 

@@ -39,8 +39,10 @@ def find_samples(split_dir: str | os.PathLike, classes: Sequence[str], require_a
 
 
 def read_file_list(path: str | os.PathLike) -> set[str]:
-    """Real paths of the files listed in ``path``: a bad-files list from ``python -m cltrain.data.check``
-    or a ``skipped_files.tsv`` (``split<TAB>path<TAB>reason`` lines), or one path per line.
+    """The files listed in ``path``, each as its real path and as listed (absolute: a symbolic link whose target is
+    gone resolves to that target, and is matched by its own path): a bad-files list from
+    ``python -m cltrain.data.check`` or a ``skipped_files.tsv`` (``split<TAB>path<TAB>reason`` lines), or one path
+    per line.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -53,8 +55,8 @@ def read_file_list(path: str | os.PathLike) -> set[str]:
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        fields = line.split("\t")
-        out.add(os.path.realpath(fields[1] if len(fields) >= 2 else fields[0]))
+        listed = line.split("\t")[1] if "\t" in line else line
+        out.update((os.path.realpath(listed), os.path.abspath(listed)))
     return out
 
 
@@ -70,7 +72,7 @@ class ImageFolderDataset(ImageSamples):
         skip_log: file the skipped paths are appended to (``"skip"`` only); ``None``: none.
         allow_missing_classes: accept classes of ``classes`` without a folder here
             (otherwise a ``ValueError`` names them).
-        exclude: real paths of files to leave out from the start (see ``read_file_list``).
+        exclude: the paths of files to leave out from the start, real or as listed (``read_file_list``).
         index_cache: reuse the file index of an unchanged tree (``cltrain.data.index``): ``True``
             keeps it in the user cache folder, a path keeps it there, ``False`` walks every time.
         threads: decode the samples of a batch on this many threads of the loading process
@@ -102,8 +104,8 @@ class ImageFolderDataset(ImageSamples):
         self.excluded = 0
         if exclude:
             names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
-            kept = [s for s in self.samples
-                    if os.path.basename(s[0]) not in names or os.path.realpath(s[0]) not in exclude]
+            kept = [s for s in self.samples if os.path.basename(s[0]) not in names
+                    or exclude.isdisjoint((os.path.realpath(s[0]), os.path.abspath(s[0])))]
             self.excluded = len(self.samples) - len(kept)
             if not kept:
                 raise ValueError(f"{self.split_dir}: all {len(self.samples)} images are in the exclude list.")

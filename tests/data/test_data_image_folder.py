@@ -147,6 +147,9 @@ def test_skip_policy_replaces_logs_and_lists_the_files(tmp_path):
     lines = (tmp_path / "run" / SKIPPED_FILES_NAME).read_text().splitlines()
     assert {line.split("\t")[0] for line in lines} == {"train", "val"}
     assert {line.split("\t")[1].rsplit("/", 1)[1] for line in lines} == {"truncated.jpg", "empty.jpg", "text.jpg"}
+    # the reasons as cltrain-data-check gives them: not Pillow's "cannot identify image file <_io.BufferedReader ...>"
+    reasons = {line.split("\t")[1].rsplit("/", 1)[1]: line.split("\t")[2] for line in lines}
+    assert reasons["empty.jpg"] == "empty file (0 bytes)" and "<_io" not in "".join(reasons.values()), reasons
 
 
 def test_layout_errors_come_before_training(tmp_path):
