@@ -66,6 +66,16 @@ class BatchDataModule(L.LightningDataModule):
     #: Whether ``root`` may be a URL (``s3://...``, ``cltrain.data.remote``).
     takes_urls: ClassVar[bool] = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return super().__new__(for_loaded_trainers(cls))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        reduced = super().__reduce_ex__(protocol)
+        base = type(self).__dict__.get("_single_package")
+        if base is None:
+            return reduced
+        return (_remade, (base,), *reduced[2:])  # a process that imported no pytorch_lightning gets the plain class
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "__init__" not in cls.__dict__:  # its own function: the signature is its settings'
@@ -273,6 +283,32 @@ def _say_if_resumed_without_state(trainer: Any) -> None:
         warnings.warn(f"cltrain: {trainer.ckpt_path} holds no place in epoch {trainer.current_epoch} for this loader "
                       f"(written before cltrain kept one): the epoch is read again from its first batch, after "
                       f"{done} batches of it were trained on.", stacklevel=2)
+
+
+def for_loaded_trainers(cls: type) -> type:
+    """``cls``, or where the standalone ``pytorch_lightning`` package is imported, ``cls`` made a DataModule of that
+    package's too (its ``Trainer`` asks ``isinstance`` of its own ``LightningDataModule`` and raised "Expected a
+    parent"): a subclass of both, made once. Its hooks are ``cls``'s, so ``lightning``'s ``Trainer`` sees no change;
+    ``pytorch_lightning``'s calls the base hooks cltrain does not override as its own (the same code)."""
+    import sys
+
+    other = sys.modules.get("pytorch_lightning")
+    if other is None or issubclass(cls, other.LightningDataModule):
+        return cls
+    return _both(cls, other.LightningDataModule)
+
+
+@functools.cache
+def _both(cls: type, other: type) -> type:
+    both = type(cls.__name__, (cls, other), {"__module__": cls.__module__, "__doc__": cls.__doc__,
+                                            "_single_package": cls})
+    both.__qualname__ = cls.__qualname__
+    return both
+
+
+def _remade(cls: type) -> Any:
+    """An empty instance of ``cls`` (its state follows), of both packages where ``pytorch_lightning`` is imported."""
+    return object.__new__(for_loaded_trainers(cls))
 
 
 def _unfinished_steps(datamodule: Any) -> int:
