@@ -276,6 +276,7 @@ class ResumableLoader(PrefetchDataLoader):
         #: before its batches did, and a checkpoint saved at its end resumes with the next): the DataModule's Trainer
         self.epoch_over: Callable[[], bool] = lambda: False
         self.resumed = False  # this epoch's iterator went on from a checkpoint's state
+        self.refused = False  # a checkpoint's state did not fit this data (said when it was loaded)
         self._rng_at_take: torch.Tensor | None = None
         self._resume: dict[str, Any] | None = None
         # the state the last iterator went on from while none of its batches is taken: Lightning can make an
@@ -292,12 +293,16 @@ class ResumableLoader(PrefetchDataLoader):
         """Whether the sampler serves the part of an epoch a stop left unread on any number of ranks (shards)."""
         return hasattr(self.sampler, "read_after")
 
+    def _same_split(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` was saved with this loader's ranks and batch size (its batches go on as they were)."""
+        return state.get("ranks") == self.sampler.num_replicas and state.get("batch_size") == _batch_size(self)
+
     def _epoch_left(self, state: dict[str, Any]) -> bool:
         """Whether the epoch ``state`` stopped in has batches left for this loader."""
         if state.get("finished"):
             return False
         if self._reads() and "read" in state:
-            if state.get("ranks") != self.sampler.num_replicas:
+            if not self._same_split(state):
                 return sum(stop - start for start, stop in state["read"]) < self.sampler.n
             return state["taken"] < self.sampler.batches([tuple(run) for run in state["read_before"]])
         if not self._splits():
@@ -322,10 +327,10 @@ class ResumableLoader(PrefetchDataLoader):
             sampler.epoch = resume["epoch"]
             if self._splits():
                 consumed, ranks = consumed_samples(resume), sampler.num_replicas
-                self.taken = resume["taken"] if resume.get("ranks") == ranks else 0
+                self.taken = resume["taken"] if self._same_split(resume) else 0
                 self._offset = consumed - self.taken * (_batch_size(self) or 1) * ranks
                 sampler.skip_samples(consumed)
-            elif self._reads() and resume.get("ranks") != sampler.num_replicas:  # another rank count: what is left
+            elif self._reads() and not self._same_split(resume):  # another rank count or batch size: what is left
                 self.taken = 0
                 sampler.resume(resume["read"], resume["epoch"])
             else:
@@ -412,22 +417,27 @@ class ResumableLoader(PrefetchDataLoader):
         if self.stream:
             self._load_stream_state(state_dict)
             return
-        sampler = self.sampler
-        changed = loader_state_mismatch(state_dict, sampler.n, _batch_size(self), self.drop_last,
-                                        None if self._splits() or "read" in state_dict else sampler.num_replicas)
+        sampler, size = self.sampler, _batch_size(self)
+        anew = self._splits() or "read" in state_dict  # what the epoch has left is split anew: any ranks, any batch
+        changed = loader_state_mismatch(state_dict, sampler.n, state_dict.get("batch_size") if anew else size,
+                                        self.drop_last, None if anew else sampler.num_replicas)
         if changed:
+            self.refused = True  # said here: not "holds no place" again at the first batch
             warnings.warn(f"cltrain: the checkpoint's loader state does not fit this data ({changed}): the epoch "
-                          "it stopped in starts again from its first batch.", stacklevel=2)
+                          "it stopped in is read again from its first batch (Lightning's loop still counts the "
+                          "batches trained before the stop: the epoch ends short of them).", stacklevel=2)
             return
         ranks, left = state_dict.get("ranks"), self._epoch_left(state_dict)
-        if ranks != sampler.num_replicas and left:
+        if not self._same_split(state_dict) and left:
             read = (sum(stop - start for start, stop in state_dict["read"]) if "read" in state_dict
                     else min(consumed_samples(state_dict), sampler.n))
-            warnings.warn(f"cltrain: resumed on {sampler.num_replicas} rank(s) from a run on {ranks}: the "
-                          f"{sampler.n - read} samples left in epoch "
-                          f"{state_dict['epoch']} are split over the {sampler.num_replicas}, each read once with its "
-                          "own augmentation; the batches, so the weights, are not the uninterrupted run's.",
-                          stacklevel=2)
+            now, was = (", ".join(filter(None, [f"{r} rank(s)" if ranks != sampler.num_replicas else "",
+                                                f"batch size {b}" if state_dict.get("batch_size") != size else ""]))
+                        for r, b in ((sampler.num_replicas, size), (ranks, state_dict.get("batch_size"))))
+            warnings.warn(f"cltrain: resumed with {now} from a run with {was}: the {sampler.n - read} samples left "
+                          f"in epoch {state_dict['epoch']} are split over the {sampler.num_replicas} rank(s) in "
+                          f"batches of {size}, each read once with its own augmentation; the batches, so the "
+                          "weights, are not the uninterrupted run's.", stacklevel=2)
         sampler.seed = state_dict["seed"]
         # the epoch the next iterator serves (Lightning may make it before it calls set_epoch on a restart)
         sampler.epoch = state_dict["epoch"] + (not left)

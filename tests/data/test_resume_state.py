@@ -63,8 +63,8 @@ def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, e
          val: bool = False, callbacks: tuple = (), limit_train_batches: int | float = 1.0, max_steps: int = -1,
          **data_options):
     pl.seed_everything(7, verbose=False)
-    options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False,
-                   **data_options)
+    options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False)
+    options.update(data_options)
     if shards or hf or lit or mds:
         from cltrain.data import HFImageDataModule, ShardsDataModule
         from cltrain.data.datamodules.engines import LitDataModule, MDSModule
@@ -195,6 +195,13 @@ def test_an_epoch_ended_by_max_steps_resumes_with_the_whole_next_epoch(folder, t
     assert cut.global_step == 2 and cut.current_epoch == 1  # the epoch ended by max_steps, counted as over
     _, again, _ = _run(folder, tmp_path / "resumed", 0, ckpt_path=str(tmp_path / "cut" / "last.ckpt"))
     assert again.global_step == 2 + STEPS_PER_EPOCH
+
+
+def test_a_fit_resumed_with_another_batch_size_trains_on_what_its_epoch_has_left(folder, whole0, tmp_path):
+    # 4 of epoch 0's 12 samples were trained on: the 8 left, in batches of 2, then epoch 1's 6 (with one line)
+    _, again, said = _run(folder, tmp_path / "from1", 0, ckpt_path=str(whole0[1] / "step=1.ckpt"), batch_size=2)
+    assert again.global_step == 1 + 8 // 2 + 12 // 2
+    assert [m for m in said if "split over" in m] and not [m for m in said if "no place" in m or "fit" in m], said
 
 
 def test_resumed_with_another_worker_count_the_epoch_reads_each_remaining_sample_once_with_its_crop(folder, whole0,
@@ -390,10 +397,10 @@ class _Ids(torch.utils.data.Dataset):
         return torch.tensor([int(index), index.seed % 1_000_003])
 
 
-def _loaders(ranks: int, drop_last: bool = False):
+def _loaders(ranks: int, drop_last: bool = False, batch: int = 3):
     from cltrain.data.prefetch import ResumableLoader
 
-    return [ResumableLoader(_Ids(), batch_size=3, drop_last=drop_last,
+    return [ResumableLoader(_Ids(), batch_size=batch, drop_last=drop_last,
                             sampler=ResumableSampler(23, seed=11, num_replicas=ranks, rank=r)) for r in range(ranks)]
 
 
@@ -432,12 +439,28 @@ class _ShardIds(torch.utils.data.Dataset):
         return torch.tensor([[int(i), i.seed % 1_000_003] for i in indices])
 
 
-def _shard_loaders(ranks: int):
+def _shard_loaders(ranks: int, batch: int = 3):
     from cltrain.data.prefetch import ResumableLoader
     from cltrain.data.shard_sampler import ShardBatchSampler
 
-    return [ResumableLoader(_ShardIds(), batch_size=None, sampler=ShardBatchSampler(_ShardIds(), 3, ranks, r, seed=11))
-            for r in range(ranks)]
+    return [ResumableLoader(_ShardIds(), batch_size=None, sampler=ShardBatchSampler(_ShardIds(), batch, ranks, r,
+                                                                                    seed=11)) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("loaders", [_loaders, _shard_loaders], ids=["folder", "shards"])
+@pytest.mark.parametrize("ranks,batch", [(2, 2), (2, 4), (1, 4)])
+def test_resumed_with_another_batch_size_each_remaining_sample_is_read_once(loaders, ranks, batch):
+    # the state did not fit ("batch size 3 -> 2"): the epoch was read again from its first batch while Lightning's
+    # loop counted on from the stop, so the epoch ended short, and a second line said the checkpoint held no place
+    epoch = set(_take(loaders(1), None)[0])
+    rows, state, _ = _take(loaders(2), 2)  # two steps of 3 on each of 2 ranks, then a stop
+    rest, _, said = _take(loaders(ranks, batch=batch), None, state)
+    left = epoch - set(rows)
+    assert len(rows) == 12 and set(rest) - set(rows) == left  # each sample left, with its seed
+    assert 0 <= len(rest) - len(left) < ranks  # once, padded at most as the ranks need
+    lines = [m for m in said if "split over" in m]
+    assert len(lines) == ranks and f"batch size {batch} from a run with " in lines[0], said
+    assert not [m for m in said if "does not fit" in m], said
 
 
 def _take(loaders, steps: int | None, state: dict | None = None) -> tuple[list[tuple], dict, list[str]]:

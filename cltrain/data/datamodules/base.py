@@ -242,7 +242,7 @@ class BatchDataModule(L.LightningDataModule):
         trainer = self.trainer
         loader = getattr(self, "_train_loader", None)
         if isinstance(loader, ResumableLoader) and getattr(trainer, "training", False):
-            if loader.taken == 0 and not loader.resumed:
+            if loader.taken == 0 and not loader.resumed and not loader.refused:
                 _say_if_resumed_without_state(trainer)
             loader.note_taken()
             model = getattr(trainer, "lightning_module", None)
