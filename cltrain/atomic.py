@@ -8,7 +8,8 @@ over the target with ``os.replace`` (atomic on one filesystem, which the same di
 guarantees) and ``fsync``-s the directory, so the rename survives a power loss too. On
 any error the temporary file is removed and the target is left as it was. A write that
 fails for lack of space (``ENOSPC``, ``EDQUOT``, ``EFBIG``) raises ``DiskFullError``,
-which names the directory and the bytes the file needed.
+which names the directory and the bytes the file needed; one this process may not write (``EACCES``, ``EPERM``,
+``EROFS``) raises ``NotWritableError``, which names the directory.
 
 A process killed in the middle of a write leaves its temporary file behind (nothing
 can remove it then); ``remove_leftovers`` removes those of processes that are gone.
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
-    "TEMP_PREFIX", "DiskFullError", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json",
+    "TEMP_PREFIX", "DiskFullError", "NotWritableError", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json",
     "atomic_write_text", "remove_leftovers", "removed_line",
 ]
 
@@ -84,6 +85,29 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class NotWritableError(OSError):
+    """A write was refused: the folder or the file is not writable (``EACCES``, ``EPERM``, ``EROFS``); the target kept
+    its previous content.
+
+    Attributes:
+        path: the file that was being written.
+        directory: where it was being written.
+    """
+
+    def __init__(self, path: str | os.PathLike, code: int, existed: bool = False) -> None:
+        self.path = Path(path)
+        self.directory = self.path.parent.absolute()
+        kept = f"{self.path.name} keeps its previous content" if existed else f"no {self.path.name} was written"
+        super().__init__(code, f"cannot write {self.path.name} in {self.directory}: {os.strerror(code).lower()} "
+                               f"for this process; {kept}; make the folder writable, or write elsewhere", str(self.path))
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+_REFUSED = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def _size(n: int) -> str:
@@ -195,7 +219,9 @@ def _atomic(path: str | os.PathLike, mode: str, encoding: str | None, overwrite:
     existed = target.exists()
     try:
         fd, tmp = _create_temp(target)
-    except OSError as err:  # no inode left, or a quota on files
+    except OSError as err:  # no inode left, or a quota on files; a folder this process may not write
+        if err.errno in _REFUSED:
+            raise NotWritableError(target, err.errno, existed=existed) from err
         code = _space_errno(err)
         if code is None:
             raise

@@ -32,7 +32,7 @@ def _run(cfg: DictConfig) -> float | None:
     """One run; returns validation top-1 (%), the value Hydra's sweepers (Optuna) maximise."""
     from cltrain.app.finite import NonFiniteLossError
     from cltrain.app.train import train  # after Hydra has parsed the command line: `--help` stays fast
-    from cltrain.atomic import DiskFullError
+    from cltrain.atomic import DiskFullError, NotWritableError
     from cltrain.checkpoint_io import CheckpointLoadError
     from cltrain.data.errors import DataError, error_line
 
@@ -46,8 +46,9 @@ def _run(cfg: DictConfig) -> float | None:
         line = error_line(err).replace("bad_files='skip'", "data.bad_files=skip")  # the library's name, as a key
         print(f"cltrain: error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (NonFiniteLossError, DiskFullError, CheckpointLoadError) as err:  # a diverged run, a full disk, a bad
-        print(f"cltrain: error: {err}", file=sys.stderr)  # checkpoint: metrics.json says "failed"; one line
+    except (NonFiniteLossError, DiskFullError, NotWritableError, CheckpointLoadError) as err:  # a diverged run, a
+        print(f"cltrain: error: {err}", file=sys.stderr)  # full disk or a folder not writable, a bad checkpoint:
+        # metrics.json says "failed"; one line
         raise SystemExit(1) from None
     except Exception as err:  # noqa: BLE001 - another library's error (a logger's server, ...): its traceback, but
         # without the secrets it may carry (a URL's password); Hydra would print it and the command line as they are

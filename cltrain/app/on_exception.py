@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from cltrain.app.finite import NonFiniteLossError
-from cltrain.atomic import DiskFullError
+from cltrain.atomic import DiskFullError, NotWritableError
 
 __all__ = ["KeepOnException"]
 
@@ -45,8 +45,9 @@ class KeepOnException(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, (NonFiniteLossError, DiskFullError)) or getattr(exception, "at_once", False):
-            return  # a second signal: the middle of a step, perhaps of the optimizer's update
+        if isinstance(exception, (NonFiniteLossError, DiskFullError, NotWritableError)) \
+                or getattr(exception, "at_once", False):  # a save would fail again; a second signal: the middle of
+            return  # a step, perhaps of the optimizer's update
         if trainer.world_size > 1 and isinstance(exception, Exception):
             # An error on one rank: the save's barrier would meet the other ranks' next collective (DDP's buffer
             # broadcast) and every rank would wait for ever. The other ranks stop when this one's connections close

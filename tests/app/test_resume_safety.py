@@ -203,6 +203,31 @@ def test_a_full_disk_keeps_the_previous_last_ckpt_and_it_resumes(demo_args: list
     assert metrics["status"] == "completed" and metrics["global_step"] == 2 and _first_step(tmp_path / "resumed") == 1
 
 
+def test_a_checkpoint_folder_made_read_only_mid_run_is_one_line(demo_args: list[str], tmp_path: Path) -> None:
+    # 106 lines: the save's PermissionError, then the exception-time save's into the same folder, chained, the last
+    # line naming that second save's temporary file
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if subprocess.run(["mount", "--bind", str(probe), str(probe)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here (needs the right to mount)")
+    subprocess.run(["umount", str(probe)], check=False)
+    run = tmp_path / "run"
+    try:
+        done = _train_py(_smoke(demo_args, f"hydra.run.dir={run}", "checkpoint.save_top_k=0", "trainer.max_epochs=3",
+                                "trainer.limit_train_batches=1",
+                                "+callbacks.ro._target_=tests.helpers.read_only.ReadOnlyCheckpoints",
+                                f"+callbacks.ro.folder={run / 'checkpoints'}"))
+    finally:
+        subprocess.run(["umount", str(run / "checkpoints")], check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"cltrain: error: cannot write last.ckpt in {run / 'checkpoints'}: read-only file system for this process; "
+        "last.ckpt keeps its previous content; make the folder writable, or write elsewhere")
+    assert load_checkpoint_file(run / "checkpoints" / "last.ckpt")["global_step"] == 1  # epoch 0's, whole
+    assert json.loads((run / "metrics.json").read_text())["status"] == "failed"
+
+
 # --- another filesystem for $TMPDIR, and kill -9 ---------------------------------------------------
 
 

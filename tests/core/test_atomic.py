@@ -3,6 +3,7 @@ a full disk (a real EFBIG from RLIMIT_FSIZE, a real ENOSPC on a small tmpfs) is 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cltrain.atomic import (TEMP_PREFIX, DiskFullError, atomic_open, atomic_torch_save, atomic_write_bytes,
-                            atomic_write_json, atomic_write_text, remove_leftovers)
+from cltrain.atomic import (TEMP_PREFIX, DiskFullError, NotWritableError, atomic_open, atomic_torch_save,
+                            atomic_write_bytes, atomic_write_json, atomic_write_text, remove_leftovers)
 from tests.helpers import warm
 
 
@@ -149,6 +150,19 @@ def small_tmpfs(tmp_path: Path):
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_folder_that_is_not_writable_is_one_line_and_the_previous_file_stays(small_tmpfs: Path) -> None:
+    # a checkpoint folder made read-only mid-run: a PermissionError / OSError naming the temporary file, chained
+    # with the same failure of the exception-time save (two tracebacks, the last line naming the wrong file)
+    target = small_tmpfs / "last.ckpt"
+    atomic_write_bytes(target, b"p" * 1000)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with pytest.raises(NotWritableError) as caught:
+        atomic_write_bytes(target, b"n" * 1000)
+    assert str(caught.value) == (f"cannot write last.ckpt in {small_tmpfs}: read-only file system for this process; "
+                                 "last.ckpt keeps its previous content; make the folder writable, or write elsewhere")
+    assert caught.value.errno == errno.EROFS and target.read_bytes() == b"p" * 1000 and _temps(small_tmpfs) == []
 
 
 def test_a_full_filesystem_is_a_disk_full_error_and_the_previous_file_stays(small_tmpfs: Path) -> None:
