@@ -71,6 +71,10 @@ def _error(overrides: list[str]) -> ConfigError:
         (["trainer.sync_batchnorm=true", "device=cpu"], "trainer.sync_batchnorm", "device=cuda"),
         (["channels_last_mode=auto"], "channels_last_mode", "full, conv; the layout is channels_last_layout's: auto"),
         (["channels_last_layout=nhwc"], "channels_last_layout", "auto, channels_last, contiguous"),
+        # a pin the run would not keep: channels_last=false trains without the callback (it was ignored in silence)
+        (["channels_last=false", "channels_last_layout=channels_last"], "channels_last_layout",
+         "channels_last=true channels_last_layout=channels_last"),
+        (["channels_last=false", "channels_last_mode=conv"], "channels_last_mode", "channels_last=true"),
         (["compile.mode=fast"], "compile.mode", "reduce-overhead"),
         # an option of a list group not chosen: "+callbacks.early_stopping.patience=3" led to "needs a _target_"
         (["callbacks.early_stopping.patience=3"], "callbacks.early_stopping.patience",

@@ -135,8 +135,12 @@ def validate(cfg: DictConfig) -> Resolved:
         ConfigError: on the first bad value, naming the key, the value and what is allowed.
     """
     check(cfg)  # names, types, ranges and choices of every key (the schema); what follows checks meanings
-
-
+    if not cfg.channels_last:  # the callback's keys mean nothing without it: a pin the run would not keep
+        for key, default in (("channels_last_layout", "auto"), ("channels_last_mode", "full")):
+            if cfg.get(key, default) != default:
+                raise ConfigError(key, cfg[key], "channels_last=false trains in NCHW without the ChannelsLast "
+                                  "callback, which this key sets", f"channels_last=true {key}={cfg[key]}; or drop "
+                                  f"{key} (channels_last_layout=contiguous pins NCHW with the callback's checks)")
     check_model_name(cfg.model.name, cfg.model.source)
     check_paths(cfg)
     if cfg.get("ckpt_path") is not None:
