@@ -6,7 +6,8 @@
 
 (time per batch and images/second over the last ``print_freq`` batches, the
 running averages in brackets; loss and accuracy of the latest batch, epoch
-averages in brackets), and ``* Prec@1 ... Prec@5 ...`` after each validation.
+averages in brackets; under several ranks, over every rank's batch, as apex reduces them
+at its print points), and ``* Prec@1 ... Prec@5 ...`` after each validation.
 
 It also measures the steady-state training throughput, data loading included: the wall time
 between consecutive training batch ends, without the first ``warmup`` batches, the first batch
@@ -165,9 +166,14 @@ class MainAmpProgress(Callback):
 
     def _print_line(self, trainer: Trainer, pl_module: LightningModule, outputs: dict, images: int,
                     batch_idx: int) -> None:
+        loss_ = outputs["loss"].detach()
+        values = torch.stack([torch.as_tensor(v, device=loss_.device).detach().float().reshape(())
+                              for v in (loss_, outputs.get("top1", 0.0), outputs.get("top5", 0.0))])
         n = images // trainer.world_size
-        loss = float(outputs["loss"])
-        top1, top5 = 100 * float(outputs.get("top1", 0.0)), 100 * float(outputs.get("top5", 0.0))
+        if trainer.world_size > 1:  # every rank's batch, as apex's reduce_tensor gives them and the logs count them
+            values, n = trainer.strategy.reduce(values, reduce_op="mean"), images
+        loss, top1, top5 = values.tolist()
+        top1, top5 = 100 * top1, 100 * top5
         self._loss.add(loss, n)
         self._top1.add(top1, n)
         self._top5.add(top5, n)
