@@ -253,7 +253,7 @@ def test_a_run_stopped_during_or_after_the_race_resumes_bit_for_bit(tmp_path, st
 
     def fit(folder, steps, ckpt_path=None, every=0):
         torch.manual_seed(0)
-        module = Classifier(net=SlowIn("channels_last", seconds=0.15))
+        module = Classifier(net=SlowIn("channels_last", seconds=0.3))  # far beyond a busy machine's noise
         saves = [pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_top_k=-1,
                                               filename="{step}")] if every else []
         callback = ChannelsLast()
