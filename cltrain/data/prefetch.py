@@ -272,9 +272,6 @@ class ResumableLoader(PrefetchDataLoader):
         self.unfinished: Callable[[], int] = lambda: 0
         #: the batches an epoch takes (``limit_train_batches`` ends it before the loader's end): the DataModule's Trainer
         self.epoch_batches: Callable[[], float] = lambda: float("inf")
-        #: whether the loop that takes the batches counts the epoch as over already (``max_steps`` or a stop ended it
-        #: before its batches did, and a checkpoint saved at its end resumes with the next): the DataModule's Trainer
-        self.epoch_over: Callable[[], bool] = lambda: False
         self.resumed = False  # this epoch's iterator went on from a checkpoint's state
         self.refused = False  # a checkpoint's state did not fit this data (said when it was loaded)
         self._rng_at_take: torch.Tensor | None = None
@@ -388,8 +385,7 @@ class ResumableLoader(PrefetchDataLoader):
         state = {"format": STATE_FORMAT, "batch_size": size, "drop_last": self.drop_last, "taken": taken,
                  "rng": self._rng_at_take if unfinished and self._rng_at_take is not None else torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-                 # the epoch's last batch, or an epoch the loop ended early: the next epoch starts as usual
-                 "finished": taken >= self.epoch_batches() or self.epoch_over()}
+                 "finished": taken >= self.epoch_batches()}  # the epoch's last batch: the next epoch starts as usual
         if self.stream:  # each part's place in the stream
             dataset = self.dataset
             return {**state, "samples": "stream", "workers": self.num_workers, "ranks": dataset.world_size,

@@ -34,7 +34,7 @@ def _logger_for(args: TrainingArguments) -> Any:
     """Where the door's lines go: the Trainer's logger where the user set its level (``log_level``, or transformers'
     verbosity at info); at the default (``"passive"``, transformers' warning level) cltrain's own, which shows the
     lines as every other door does (``cltrain.host.shown``)."""
-    if args.log_level != "passive" or logger.isEnabledFor(std_logging.INFO):
+    if getattr(args, "log_level", "passive") != "passive" or logger.isEnabledFor(std_logging.INFO):
         return logger
     return std_logging.getLogger(__name__)
 

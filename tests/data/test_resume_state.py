@@ -187,16 +187,6 @@ def test_an_epoch_ended_by_limit_train_batches_resumes_with_the_next_epoch(folde
         assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed))), f"from step {step}"
 
 
-def test_an_epoch_ended_by_max_steps_resumes_with_the_whole_next_epoch(folder, tmp_path):
-    # a checkpoint saved at the end of an epoch that max_steps cut short (ModelCheckpoint's last.ckpt): Lightning
-    # resumes with the next epoch, and the loader carried the cut epoch's place into it: 1 of its 3 batches ran
-    last = ModelCheckpoint(dirpath=tmp_path / "cut", save_last=True, save_top_k=0)
-    _, cut, _ = _run(folder, tmp_path / "cut", 0, max_steps=2, callbacks=(last,))
-    assert cut.global_step == 2 and cut.current_epoch == 1  # the epoch ended by max_steps, counted as over
-    _, again, _ = _run(folder, tmp_path / "resumed", 0, ckpt_path=str(tmp_path / "cut" / "last.ckpt"))
-    assert again.global_step == 2 + STEPS_PER_EPOCH
-
-
 def test_a_fit_resumed_with_another_batch_size_trains_on_what_its_epoch_has_left(folder, whole0, tmp_path):
     # 4 of epoch 0's 12 samples were trained on: the 8 left, in batches of 2, then epoch 1's 6 (with one line)
     _, again, said = _run(folder, tmp_path / "from1", 0, ckpt_path=str(whole0[1] / "step=1.ckpt"), batch_size=2)

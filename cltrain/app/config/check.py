@@ -253,7 +253,8 @@ def config_error(exc: BaseException, overrides: Sequence[str] = ()) -> ConfigErr
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         parent = getattr(cause, "parent_node", None)
         return _unchosen_entry(key, value, str(cause.full_key)) or \
-            unknown_argument(key, value, parent.get("_target_") if isinstance(parent, DictConfig) else None) or \
+            unknown_argument(key, value, parent.get("_target_") if isinstance(parent, DictConfig)
+                             and key.partition(".")[0] in _LIST_GROUPS else None) or \
             _not_a_key(key, value, parent_type if dataclasses.is_dataclass(parent_type) else None, line)
     name = key.rpartition(".")[2]
     found = (parent_type, next(f for f in dataclasses.fields(parent_type) if f.name == name)) \

@@ -188,7 +188,6 @@ class BatchDataModule(L.LightningDataModule):
             if isinstance(loader, ResumableLoader):
                 loader.unfinished = functools.partial(_unfinished_steps, self)
                 loader.epoch_batches = functools.partial(_epoch_batches, self)
-                loader.epoch_over = functools.partial(_epoch_over, self)
             if getattr(self, "_loader_state", None) and isinstance(loader, ResumableLoader):
                 loader.load_state_dict(self._loader_state)
                 self._loader_state = None
@@ -318,15 +317,6 @@ def _unfinished_steps(datamodule: Any) -> int:
     current = getattr(getattr(loop, "batch_progress", None), "current", None)
     ready, processed = getattr(current, "ready", 0), getattr(current, "processed", 0)
     return max(0, ready - processed) if isinstance(ready, int) and isinstance(processed, int) else 0
-
-
-def _epoch_over(datamodule: Any) -> bool:
-    """Whether Lightning counts the training epoch as over: its end hooks run (a checkpoint saved there, after
-    ``max_steps`` or a stop ended the epoch early, resumes with the next epoch, as Lightning's own loop does)."""
-    progress = getattr(getattr(getattr(datamodule, "trainer", None), "fit_loop", None), "epoch_progress", None)
-    current = getattr(progress, "current", None)
-    started, processed = getattr(current, "started", 0), getattr(current, "processed", 0)
-    return isinstance(started, int) and isinstance(processed, int) and started > 0 and processed >= started
 
 
 def _epoch_batches(datamodule: Any) -> float:
