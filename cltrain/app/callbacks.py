@@ -40,22 +40,6 @@ class RunCallbacks:
     parts: dict[str, Any] = field(default_factory=dict)
 
 
-class StoppedMidEpoch(Callback):
-    """A checkpoint written where ``max_steps`` stopped the run in the middle of an epoch resumes there. Lightning
-    saves it from the epoch's end hooks, after counting the epoch as processed: a run resumed from it started the
-    next epoch, skipping the rest of this one (its sampler's place, saved with it, said otherwise). Such a
-    checkpoint is written as the mid-epoch state a signal's is."""
-
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        fit = checkpoint.get("loops", {}).get("fit_loop", {})
-        epoch, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
-        if not epoch or not batches or batches.get("is_last_batch", True):
-            return
-        for counts in (epoch["total"], epoch["current"]):
-            if counts["processed"] > counts["completed"]:  # processed at the epoch's end hooks, not finished
-                counts["processed"] = counts["completed"]
-
-
 def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                         has_logger: bool = True) -> RunCallbacks:
     """Every callback of the run for ``cfg`` (checkpoints under ``run_dir/checkpoints``), ``stop`` among them: the
@@ -90,7 +74,7 @@ def build_run_callbacks(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop
                                       every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
         # signal or crash: the latest state (a signal during the save waits for it)
         parts["on_exception"] = KeepOnException(checkpoints, filename="last", holding=stop.holding)
-        callbacks += [parts["best"], parts["last"], parts["on_exception"], StoppedMidEpoch()]
+        callbacks += [parts["best"], parts["last"], parts["on_exception"]]  # the DataModule adds ResumeMidEpoch
         # A NaN loss stops the run (checked where the progress line syncs anyway), before NaN weights are saved.
         try_amp = ", or amp=false" if resolved.precision != "32-true" else ""
         callbacks.append(StopOnNonFinite(every=cfg.print_freq, hint=f"; {checkpoints / 'last.ckpt'} (if written) keeps the "

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, IMG_EXTENSIONS
     from cltrain.data.datamodules.hf import HFImageDataModule
     from cltrain.data.datamodules.image_folder import ImageFolderDataModule
+    from cltrain.data.datamodules.mid_epoch import ResumeMidEpoch
     from cltrain.data.datamodules.shards import ShardsDataModule
     from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
     from cltrain.data.demo import make_demo_dataset
@@ -80,6 +81,7 @@ _MODULES = {
     "ImageFolderDataModule": "datamodules.image_folder",
     "HFImageDataModule": "datamodules.hf",
     "SkippedFilesReport": "datamodules.skipped_files",
+    "ResumeMidEpoch": "datamodules.mid_epoch",
     "BadImageError": "errors",
     "DataError": "errors",
     "ImageFolderDataset": "image_folder_dataset",
@@ -113,6 +115,7 @@ __all__ = [
     "RandomErasing",
     "RandomResizedCropFlip",
     "ResizeCenterCrop",
+    "ResumeMidEpoch",
     "ShardsDataModule",
     "ShardsDataset",
     "SkippedFilesReport",

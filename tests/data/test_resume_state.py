@@ -638,3 +638,16 @@ def test_a_part_read_to_its_end_before_a_stop_on_other_ranks_is_not_read_again(s
     assert opened == [1] and len(rest) == 7 - 6  # part 1 (7 rows of 15) from its row 6; part 0 never opened
     dataset.split_from = {1: 6}  # the control: part 0 from its first row
     assert len(list(dataset)) == 8 + 1 and opened == [1, 0, 1]
+
+
+@pytest.mark.parametrize("top_k", [1, 0])
+def test_a_max_steps_stop_mid_epoch_saved_by_model_checkpoint_resumes_there(folder, whole0, tmp_path, top_k):
+    # After max_steps stopped the fit at batch 1 of epoch 1, Lightning saves last.ckpt from the epoch's end hooks
+    # (top_k=1) or at the fit's end (top_k=0), counting the epoch as processed or completed: the DataModule has the
+    # resumed run finish that epoch, as the uninterrupted run did
+    last = ModelCheckpoint(dirpath=tmp_path / "stopped", save_last=True, save_top_k=top_k)
+    _, stopped, _ = _run(folder, tmp_path / "stopped", 0, max_steps=STEPS_PER_EPOCH + 1, callbacks=(last,))
+    assert stopped.global_step == STEPS_PER_EPOCH + 1
+    resumed, again, _ = _run(folder, tmp_path / "resumed", 0, ckpt_path=str(tmp_path / "stopped" / "last.ckpt"))
+    assert again.global_step == 2 * STEPS_PER_EPOCH
+    assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))

@@ -10,6 +10,7 @@
 ``engines``                               LitData, Mosaic MDS and WebDataset datasets
 ``class_folders.ClassFolders``            the class folders of ``root/train`` and ``root/val``
 ``skipped_files.SkippedFilesReport``      the callback that counts ``bad_files="skip"``'s files
+``mid_epoch.ResumeMidEpoch``              a ``max_steps`` stop's checkpoint resumes in its epoch
 ========================================  =====================================================
 
 Each DataModule is made of settings groups (``cltrain.data.settings``): its arguments are their
@@ -23,6 +24,7 @@ from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.hf import HFImageDataModule
 from cltrain.data.datamodules.image_base import ImageDataModule
 from cltrain.data.datamodules.image_folder import ImageFolderDataModule
+from cltrain.data.datamodules.mid_epoch import ResumeMidEpoch
 from cltrain.data.datamodules.shards import ShardsDataModule
 from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
 
@@ -33,6 +35,7 @@ __all__ = [
     "ClassFolders",
     "ImageDataModule",
     "ImageFolderDataModule",
+    "ResumeMidEpoch",
     "ShardsDataModule",
     "SkippedFilesReport",
 ]

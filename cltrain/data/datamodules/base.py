@@ -10,7 +10,7 @@ channels_last_3d; contiguous with ``channels_last=False``), and the bad-file pol
 skipped samples in the run directory (``bad_files="skip"`` under a Trainer).
 
 A subclass sets ``settings``, sets ``train_set`` / ``val_set`` in its ``setup`` (after
-``_choose_device`` and ``_open_skip_log``), defines ``classes`` and ``input_shape``, and says how a
+``_join_trainer``), defines ``classes`` and ``input_shape``, and says how a
 batch is collated (``_collate``), or how a loader batches altogether (``_batching``).
 
 ==========================  =======================================================
@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from cltrain.data.datamodules.arguments import bind_settings, signature_of
 from cltrain.data.datamodules.class_folders import ClassFolders
+from cltrain.data.datamodules.mid_epoch import ResumeMidEpoch
 from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
 from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import normalize
@@ -127,6 +128,16 @@ class BatchDataModule(L.LightningDataModule):
     def num_classes(self) -> int:
         """Number of classes."""
         return len(self.classes)
+
+    def _join_trainer(self) -> None:
+        """What ``setup`` does first: choose the device, open the skipped-files list, and have the Trainer's
+        checkpoints of a ``max_steps`` stop resume in the stopped epoch (``ResumeMidEpoch``), where this
+        DataModule's place in it is saved."""
+        self._choose_device()
+        self._open_skip_log()
+        trainer = self.trainer
+        if trainer is not None and not any(isinstance(cb, ResumeMidEpoch) for cb in trainer.callbacks):
+            trainer.callbacks.append(ResumeMidEpoch())
 
     def _choose_device(self) -> torch.device:
         """The trainer's device (CPU without one); pin memory only for a GPU unless ``pin_memory`` says."""

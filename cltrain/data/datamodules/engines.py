@@ -56,8 +56,7 @@ class _SplitsDataModule(ImageDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        self._choose_device()
-        self._open_skip_log()
+        self._join_trainer()
         if stage == "fit" and self.train_set is None:
             self.train_set = self._open(self.train_split, self.train_transform, True)
         if self.val_set is None:

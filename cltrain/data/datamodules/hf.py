@@ -86,8 +86,7 @@ class HFImageDataModule(ImageDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        self._choose_device()
-        self._open_skip_log()
+        self._join_trainer()
         splits, (train, val) = self._open()
         common = dict(image_column=self.image_column, label_column=self.label_column, where=self.root_name,
                       bad_files=self.bad_files, skip_log=self._skip_log, threads=self.decode_threads)

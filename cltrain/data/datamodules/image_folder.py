@@ -79,8 +79,7 @@ class ImageFolderDataModule(ImageDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        self._choose_device()
-        self._open_skip_log()
+        self._join_trainer()
         # Everything is checked here, before the first step: root, splits, classes, images.
         exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
         if stage == "fit" and self.train_set is None:

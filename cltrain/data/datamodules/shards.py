@@ -94,8 +94,7 @@ class ShardsDataModule(ImageDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        self._choose_device()
-        self._open_skip_log()
+        self._join_trainer()
         trainer = self.trainer
         self._world = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         # The dataset collates its batch in the worker that reads it; workers: the loader pins.

@@ -96,8 +96,7 @@ class ClipFolderDataModule(BatchDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        self._choose_device()
-        self._open_skip_log()
+        self._join_trainer()
         # Everything is listed here, before the first step (the clips are decoded when read).
         if stage == "fit" and self.train_set is None:
             self.train_set = ClipFolderDataset(self.folders.split("train"), self.train_transform, self.classes, self.bad_files,
