@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 
-from cltrain.app.config.errors import ConfigError
+from cltrain.app.config.check import check_sweep_launch
 
 __all__ = ["check_launch", "is_launched_child", "launcher"]
 
@@ -41,22 +41,14 @@ def _slurm_ranks() -> bool:
 
 
 def check_launch(cfg: DictConfig) -> None:
-    """Refuse more than one process inside a Hydra ``-m`` sweep, unless torchrun or SLURM starts them.
-
-    Lightning's DDP launcher starts the other processes by re-running this command line, which
-    in a ``-m`` sweep would start the whole sweep again; torchrun and SLURM start them themselves.
+    """Inside a Hydra ``-m`` sweep, refuse more than one process unless torchrun or SLURM starts them
+    (``cltrain.app.config.check.check_sweep_launch``; the command line's check refuses it before Hydra starts).
 
     Raises:
         ConfigError: ``trainer.devices`` > 1 or ``trainer.num_nodes`` > 1 in a ``-m`` sweep.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    devices = cfg.trainer.devices
-    many = (len(devices) if isinstance(devices, (list, ListConfig)) else devices if isinstance(devices, int) else 1) > 1
-    started_by_scheduler = "WORLD_SIZE" in os.environ or SLURMEnvironment.detect()  # hydra/launcher=slurm
-    if (many or cfg.trainer.num_nodes > 1) and not started_by_scheduler and HydraConfig.initialized() \
-            and HydraConfig.get().mode == RunMode.MULTIRUN:
-        raise ConfigError("trainer.devices", devices, "more than one process cannot be launched inside a -m sweep",
-                          "1 in a sweep; or run each DDP config on its own, or under torchrun/SLURM")
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        check_sweep_launch(cfg)

@@ -120,6 +120,8 @@ def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:
     result = run("-m", *SMOKE, "trainer=ddp", "device=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert result.returncode == 2
     assert "cltrain: error: trainer.devices=2: more than one process cannot be launched inside a -m sweep" in result.stderr
+    assert not (tmp_path / "sweep").exists()  # refused with the command line's check, before Hydra made the sweep
+    assert "Launching" not in result.stdout + result.stderr
 
 
 def test_a_diverged_run_stops_says_so_and_keeps_the_finite_last_checkpoint(demo_args: list[str], tmp_path: Path) -> None:

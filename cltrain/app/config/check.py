@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -55,7 +56,7 @@ from cltrain.app.config.schema import (
     TrainerConfig,
 )
 
-__all__ = ["check", "config_error"]
+__all__ = ["check", "check_sweep_launch", "config_error"]
 
 _NONE = type(None)
 _UNIONS = (Union, types.UnionType)  # Optional[X] and X | None
@@ -174,6 +175,25 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError("defaults", None, "this config does not start from cltrain's schema",
                           f"a config.yaml whose defaults list starts with {SCHEMA_NAME}")
     _check_node(cfg, "")
+
+
+def check_sweep_launch(cfg: DictConfig) -> None:
+    """Refuse more than one process in a run of a Hydra ``-m`` sweep, unless torchrun or SLURM starts them:
+    Lightning's DDP launcher starts the other processes by running the command line again, which in a sweep starts
+    the whole sweep again.
+
+    Raises:
+        ConfigError: ``trainer.devices`` > 1 or ``trainer.num_nodes`` > 1, naming the key.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    devices = cfg.trainer.devices
+    many = (len(devices) if isinstance(devices, (list, ListConfig)) else devices if isinstance(devices, int) else 1) > 1
+    nodes = cfg.trainer.num_nodes > 1
+    if (many or nodes) and "WORLD_SIZE" not in os.environ and not SLURMEnvironment.detect():  # hydra/launcher=slurm
+        key, value = ("trainer.devices", devices) if many else ("trainer.num_nodes", cfg.trainer.num_nodes)
+        raise ConfigError(key, _plain(value), "more than one process cannot be launched inside a -m sweep",
+                          "1 in a sweep; or run each DDP config on its own, or under torchrun/SLURM")
 
 
 def _check_node(node: DictConfig, prefix: str) -> None:

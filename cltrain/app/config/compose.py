@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from cltrain.app.config.check import check, config_error
+from cltrain.app.config.check import check, check_sweep_launch, config_error
 from cltrain.app.config.errors import ConfigError
 
 __all__ = ["check_command_line", "compose_config", "config_dir"]
@@ -146,7 +146,10 @@ def check_command_line(argv: Sequence[str]) -> None:
     try:
         with _hydra(None):
             for variant in variants:
-                check(_compose(variant, args.config_name or "config"))
+                cfg = _compose(variant, args.config_name or "config")
+                check(cfg)
+                if args.multirun:
+                    check_sweep_launch(cfg)
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 - not about a key or a value: Hydra reports it when it composes
