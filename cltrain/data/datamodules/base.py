@@ -25,6 +25,7 @@ batch is collated (``_collate``), or how a loader batches altogether (``_batchin
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -300,8 +301,6 @@ def for_loaded_trainers(cls: type) -> type:
     package's too (its ``Trainer`` asks ``isinstance`` of its own ``LightningDataModule`` and raised "Expected a
     parent"): a subclass of both, made once. Its hooks are ``cls``'s, so ``lightning``'s ``Trainer`` sees no change;
     ``pytorch_lightning``'s calls the base hooks cltrain does not override as its own (the same code)."""
-    import sys
-
     other = sys.modules.get("pytorch_lightning")
     if other is None or issubclass(cls, other.LightningDataModule):
         return cls
