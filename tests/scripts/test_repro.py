@@ -31,3 +31,22 @@ def test_ddp_restrided_grads_gives_each_steps_error_on_two_processes(rebuild: bo
     assert float(rows[0][2]) < 1e-5  # before the switch DDP's gradient is the ranks' average
     # after it: permuted (relative error ~1) under the buckets built in channels_last; right once built again
     assert all((float(error) < 1e-5) == rebuild for _, _, error in rows[2:]), out.stdout
+
+
+def test_prune_channels_last_names_each_case_and_exits_1_while_one_shows() -> None:
+    out = warm.run([sys.executable, "-m", "scripts.repro.prune_channels_last"], cwd=REPO, capture_output=True,
+                   text=True, timeout=300)
+    rows = dict(re.findall(r"^(l1_unstructured|global_unstructured|vector_to_parameters|random_unstructured) +(.+)$",
+                           out.stdout, re.M))
+    assert list(rows) == ["l1_unstructured", "global_unstructured", "vector_to_parameters", "random_unstructured"]
+    assert out.returncode == (0 if all(v == "as on an NCHW weight" for v in rows.values()) else 1), out.stderr[-2000:]
+
+
+def test_onednn_1x1_boundary_runs_each_case_in_a_process_and_prints_its_table() -> None:
+    out = warm.run([sys.executable, "-m", "scripts.repro.onednn_1x1_boundary", "--sweeps", "padding", "--isas", "AVX2",
+                    "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("Machine:") and "### padding" in out.stdout
+    rows = re.findall(r"^\| (ic\d+ oc32 k1 s2 p1 \S+ .*?) \| (.+?) \|$", out.stdout, re.M)
+    assert [r[0].split()[0] for r in rows] == ["ic3", "ic8", "ic15"], out.stdout
+    assert all(re.fullmatch(r"ok|WRONG \([wx] \S+\)|NON-FINITE|CRASH \(\S+\)|HANG", cell) for _, cell in rows), rows
