@@ -29,13 +29,10 @@ from typing import Any
 import torch
 
 from cltrain.data.demo import draw_demo_folder, write_once
-from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import command_line, table, write_report
 from scripts.bench.default_speed import race_kept
-from scripts.bench.mark import CONFIGS, MATRIX, loader_splits, tasks
-from scripts.bench.mark_table import SHORT, num
-from scripts.harness import REPO, options, run_child
+from scripts.bench.mark import CONFIGS, MATRIX, SHORT, loader_splits, num, run_tasks, tasks
+from scripts.harness import REPO, Stopwatch, command_line, options, run_child, table, write_report
 
 COLUMNS = ("part", "configuration", "status", "precision", "img/s", "step (ms)", "finite losses", "host syncs/step",
            "notes")
@@ -177,21 +174,18 @@ def e2e(work: Path, root: Path, limit: float, log: Path, size: dict, out: Path, 
             rows.append(row(E2E, shown, f"not run: {why}" if name in names else "skipped: --mark-only",
                             notes=log.name if name in names else ""))
             continue
-        notes = [f"{r['error']} ({log.name})"] if r.get("error") else []
+        # channels_last against contiguous, compile against eager
+        short = SHORT.get(r.get("precision"))
+        base, what = (f"channels_last {short}", "eager") if "compile" in name else (f"contiguous {short}", "contiguous")
+        theirs = first.get(base, {}).get("images_per_second") if name.startswith("channels_last") else None
+        notes = [f"{r['images_per_second'] / theirs:.2f}x {what}"] if theirs and r.get("images_per_second") else []
+        notes += [f"{r['error']} ({log.name})"] if r.get("error") else []
         notes += ["TF32"] if r.get("precision") == "32-true" and r.get("tf32") and r.get("device") == "cuda" else []
         notes += [f"{op} x{n}" for op, n in r.get("sync_ops", {}).items()]
         rows.append(row(E2E, shown, r["status"], precision=r.get("precision"), img_s=num(r.get("images_per_second")),
                         step_ms=num(r.get("step_time_s"), 1000), finite=f"{r['finite']}/{r['steps']}" if "steps" in r
                         else None, syncs=f"{sum(r['sync_ops'].values()) / r['counted']:g}" if r.get("counted") else None,
                         notes="; ".join(notes)))
-    speed = {name: (r.get("precision"), r.get("images_per_second")) for name, r in first.items()}
-    for name, r in zip(MATRIX, rows):  # channels_last against contiguous, compile against eager
-        precision, mine = speed.get(name, (None, None))
-        if mine and name.startswith("channels_last") and precision in SHORT:
-            base, what = ((f"channels_last {SHORT[precision]}", "eager") if "compile" in name
-                          else (f"contiguous {SHORT[precision]}", "contiguous"))
-            if speed.get(base, (None, None))[1]:
-                r["notes"] = "; ".join(filter(None, [f"{mine / speed[base][1]:.2f}x {what}", r["notes"]]))
     if header is None:
         return rows
     done = sum(r.get("status") == "completed" for r in records)
@@ -230,8 +224,6 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 180 100 220; with --mark 150 90 and (c) what the budget leaves)")
     args = parser.parse_args(argv)
     if args.worker:
-        from scripts.bench.mark import run_tasks
-
         return run_tasks(args.worker)
     started, command = Stopwatch().start(), command_line("scripts.gpu_check", argv)
     budget = args.budget if args.budget is not None else math.inf

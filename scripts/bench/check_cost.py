@@ -10,12 +10,18 @@ method: docs/benchmarks.md#check-cost).
 
 from __future__ import annotations
 
+import resource
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
 
+from cltrain import ChannelsLast
+from scripts.bench.models import build_model
+from scripts.fits import NetModule, StepClock, quiet_trainer
 from scripts.harness import CASE, emit, interleaved, machine_line, options, run_case, table, table_row, write_report
 
 #: ``--models`` names (``scripts.bench.models.build_model``; ``unet_resnet18`` is trained with Dice + BCE).
@@ -28,15 +34,6 @@ def child(model: str, batch: int, size: int, precision: str, steps: int, optimiz
     """One training run in this process; returns its figures (``peak_rss_mb``: Linux's ``VmHWM``). ``warm``: then
     a second run with the check in the same process, whose check's seconds are ``warm_check_s`` (its kernels'
     first use already paid)."""
-    import resource
-
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, Dataset
-
-    from cltrain import ChannelsLast
-    from scripts.bench.models import build_model
-    from scripts.fits import NetModule, StepClock, quiet_trainer
-
     segmentation = model.startswith("unet")
 
     class Images(Dataset):

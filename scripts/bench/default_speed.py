@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
+from cltrain import ChannelsLast, is_channels_last
+from cltrain.layout.optimizer_state import restride_optimizer_state
+from cltrain.precision import auto_precision, autocast_dtype, autocast_for
+from scripts.bench.models import build_model, unknown_model
+from scripts.fits import NetModule, StepClock, quiet_trainer
 from scripts.harness import (CASE, Stopwatch, command_line, emit, interleaved, machine_line, options, random_batches,
                              run_case, table, timed, write_report)
 
@@ -30,13 +37,6 @@ def fit_once(name: str, variant: str, precision: str, batch: torch.Tensor, targe
              steps: int, optimizer: str) -> dict[str, Any]:
     """One fit of ``fit_steps`` steps; its whole wall time, its steady-state step (the last ``steps``), the race's
     decision."""
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader
-
-    from cltrain import ChannelsLast, is_channels_last
-    from scripts.bench.models import build_model
-    from scripts.fits import NetModule, StepClock, quiet_trainer
-
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
         return (torch.optim.AdamW(params, lr=1e-4) if optimizer == "adamw"
                 else torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4))
@@ -68,11 +68,6 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     step after each switch untimed): the reference the race is judged by, which the pinned fits, minutes apart on a
     machine that drifts, cannot give. Every module goes to the layout (a check's fallback is not kept): a case whose
     check fell back has that verdict in its record."""
-    import torch.nn.functional as F
-
-    from cltrain.layout.optimizer_state import restride_optimizer_state
-    from cltrain.precision import autocast_dtype, autocast_for
-
     dtype = autocast_dtype(precision)
     module.to(batch.device)  # Lightning's teardown left the model and its optimizer's state on the CPU
     for state in optimizer.state.values():  # (a scalar "step" stays where the optimizer keeps it)
@@ -163,27 +158,22 @@ def race_kept(r: dict[str, Any]) -> str:
         p["layout"] != d["layout"] for p in picks) else "")
 
 
-def _steady(r: dict[str, Any]) -> str:
-    t = r.get("interleaved_s")
-    return f"{t['channels_last'] / t['nchw']:.3f}" if t else ""
-
-
 def records_table(records: list[dict[str, Any]], header: str) -> str:
+    """``header``, then a row per record (a failed one: its error)."""
     cells = []
     for r in records:
         if "error" in r:
             cells.append([r["model"], r["precision"], str(r["size"]), r["error"], *[""] * 11])
             continue
+        t = r.get("interleaved_s")
+        kept = ["" if r.get(k) is None else f"{r[k]:.3f}" for k in ("kept_ratio", "kept_interleaved_ratio")]
         cells.append([r["model"], r["precision"], str(r["size"]), *(f"{1000 * r[f'{v}_step_s']:.1f}" for v in VARIANTS),
-                      f"{r['step_ratio']:.3f}", "" if r.get("kept_ratio") is None else f"{r['kept_ratio']:.3f}",
-                      _steady(r), "" if r.get("kept_interleaved_ratio") is None else f"{r['kept_interleaved_ratio']:.3f}",
+                      f"{r['step_ratio']:.3f}", kept[0], f"{t['channels_last'] / t['nchw']:.3f}" if t else "", kept[1],
                       *(f"{r[f'{v}_fit_s']:.1f}" for v in VARIANTS), f"{r['fit_ratio']:.3f}", race_kept(r)])
-    return "\n".join([header, "", table(["model", "precision", "px", "step NCHW (ms)", "step CL (ms)",
-                                          "step default (ms)", "default / faster step", "kept / faster step",
-                                          "interleaved CL / NCHW step", "kept / faster, interleaved",
-                                          "fit NCHW (s)", "fit CL (s)", "fit default (s)", "default / faster fit",
-                                          "the race kept"],
-                                         cells, align="lllrrrrrrrrrrrl")]) + "\n"
+    columns = ["model", "precision", "px", "step NCHW (ms)", "step CL (ms)", "step default (ms)",
+               "default / faster step", "kept / faster step", "interleaved CL / NCHW step", "kept / faster, interleaved",
+               "fit NCHW (s)", "fit CL (s)", "fit default (s)", "default / faster fit", "the race kept"]
+    return f"{header}\n\n{table(columns, cells, align='lllrrrrrrrrrrrl')}\n"
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -205,16 +195,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     cuda = torch.cuda.is_available()
     args.models = args.models or list(TINY_MODELS if args.tiny else MODELS)
     args.batch = args.batch or (256 if cuda else 8)
-    from cltrain.precision import auto_precision
-
     auto = auto_precision(torch.device("cuda" if cuda else "cpu"))
     given = [p for item in args.precisions or ["auto", "32-true"] for p in item.split(",") if p]
     if bad := [p for p in given if p not in PRECISIONS]:
         parser.error(f"--precisions {bad[0]!r}: not a precision; expected some of {', '.join(PRECISIONS)} "
                      "(space- or comma-separated)")
     args.precisions = [auto.flag if p == "auto" else p for p in given]
-    from scripts.bench.models import unknown_model
-
     if why := unknown_model(args.models):
         parser.error(why)
     command = command_line("scripts.bench.default_speed", argv)

@@ -46,9 +46,7 @@ def differences(folder: Path, pictures: list[Image.Image]) -> dict[tuple[str, in
     out: dict[tuple[str, int, bool], list[np.ndarray]] = {}
     for n, picture in enumerate(pictures):
         files = write_quirks(folder / str(n), picture.resize((500, 375), Image.Resampling.LANCZOS))
-        for kind in QUIRKS_READABLE:
-            if kind == "one_pixel":  # smaller than any crop
-                continue
+        for kind in (k for k in QUIRKS_READABLE if k != "one_pixel"):  # one pixel: smaller than any crop
             for size, resize_size in SIZES:
                 ref = torchvision_eval(files[kind], size, resize_size).astype(int)
                 for reduce in (False, True):
@@ -94,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\neval_transform on the JPEGs of the photo folder (333-800 px), one thread:\n")
     print(table(["run", *(c.replace(",", "") for c in columns)],
                 [[f"{len(paths)} photos x {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}", *cells]]))
+
 
 if __name__ == "__main__":
     main()

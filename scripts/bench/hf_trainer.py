@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from scripts.fits import StepClock
-from scripts.harness import interleaved, machine_line, options, table
+from scripts.harness import LAYOUTS, interleaved, machine_line, options, table
 
 #: name -> (model class, config class, config arguments at the published size, config arguments for --tiny)
 MODELS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
@@ -76,21 +76,10 @@ def step_clock() -> tuple[Any, StepClock]:
     return Steps(), clock
 
 
-def make_trainer(model: nn.Module, data: list[dict[str, torch.Tensor]], callbacks: list[Any], args: argparse.Namespace, out: str) -> Any:
-    from transformers import PrinterCallback, Trainer, TrainingArguments
-
-    options = TrainingArguments(
-        output_dir=out, max_steps=args.steps + 1, per_device_train_batch_size=args.batch_size, bf16=args.precision
-        == "bf16", use_cpu=args.device == "cpu", save_strategy="no", report_to="none", logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, optim="sgd", learning_rate=1e-3,
-    )
-    trainer = Trainer(model=model, args=options, train_dataset=data, callbacks=callbacks)
-    trainer.remove_callback(PrinterCallback)  # the end-of-training metrics line, printed at every round
-    return trainer
-
-
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Steps/second of ``name`` in both layouts, rounds interleaved."""
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
     from cltrain.integrations.transformers import ChannelsLastCallback
 
     torch.manual_seed(0)
@@ -98,13 +87,19 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     data = images(args.batch_size * (args.steps + 1), args.image_size, segmentation="Segformer" in type(base).__name__)
     trainers: dict[str, tuple[Any, StepClock]] = {}
     with tempfile.TemporaryDirectory() as out:
-        for layout in ("contiguous", "channels_last"):
+        for layout in LAYOUTS:
             timer, clock = step_clock()
             # verify=False: the first-batch check is a one-off before the first step, not part of a step's time
             extra = [ChannelsLastCallback(verify=False, layout="channels_last")] if layout == "channels_last" else []
             model = build(name, args.image_size, args.tiny)
             model.load_state_dict(base.state_dict())
-            trainers[layout] = (make_trainer(model, data, [*extra, timer], args, out), clock)
+            settings = TrainingArguments(
+                output_dir=out, max_steps=args.steps + 1, per_device_train_batch_size=args.batch_size,
+                bf16=args.precision == "bf16", use_cpu=args.device == "cpu", save_strategy="no", report_to="none",
+                logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, optim="sgd", learning_rate=1e-3)
+            trainer = Trainer(model=model, args=settings, train_dataset=data, callbacks=[*extra, timer])
+            trainer.remove_callback(PrinterCallback)  # the end-of-training metrics line, printed at every round
+            trainers[layout] = (trainer, clock)
 
         def train(layout: str) -> list[float]:
             trainer, clock = trainers[layout]
@@ -127,7 +122,7 @@ def to_markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         table(["model", "params (M)", "NCHW steps/s", "channels_last steps/s", "channels_last / NCHW"],
               [[row["model"], f"{row['params_m']:.1f}",
                 *(f"{row['rate'][k]:.2f} ({min(row['rounds'][k]):.2f}-{max(row['rounds'][k]):.2f})"
-                  for k in ("contiguous", "channels_last")), f"{row['ratio']:.2f}x"] for row in rows], align="lrrrr")])
+                  for k in LAYOUTS), f"{row['ratio']:.2f}x"] for row in rows], align="lrrrr")])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ decode and Hugging Face's documented ``datasets`` pipeline (the cases: docs/benc
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -176,20 +177,20 @@ def dali(s: Setting, seed: int) -> float:
     return rate.per_second
 
 
-#: The loaders of ``--tables folders``, in the table's order: name -> (f(setting, seed) -> images/s, whether it runs
-#: at ``threads``, the option that adds it).
-CASES: dict[str, tuple[Callable[[Setting, int], float], Callable[[int], bool], str | None]] = {
-    "DALI": (dali, lambda t: True, "dali"),
-    "cltrain float": (cltrain, lambda t: True, None),
-    "cltrain uint8": (lambda s, seed: cltrain(s, seed, "uint8"), lambda t: True, None),
-    "cltrain N proc": (lambda s, seed: cltrain(s, seed, threads=1, workers=s.threads), lambda t: t > 1, None),
-    "torchvision": (lambda s, seed: plain(s, seed, "torchvision"), lambda t: True, None),
-    "timm": (lambda s, seed: plain(s, seed, "timm"), lambda t: True, None),
-    "decode": (bare_decode, lambda t: True, None),
-    "lever: normalize() after": (lambda s, seed: cltrain(s, seed, "after"), lambda t: True, "levers"),
-    "lever: whole-image decode": (lambda s, seed: cltrain(s, seed, decoder="simplejpeg"), lambda t: True, "levers"),
-    "lever: batch by batch": (lambda s, seed: cltrain(s, seed, ahead=False), lambda t: t > 1, "levers"),
-    "cltrain+aug": (augmented, lambda t: True, "augment"),
+#: The loaders of ``--tables folders``, in the table's order: name -> (f(setting, seed) -> images/s, the fewest
+#: threads it runs at, the option that adds it).
+CASES: dict[str, tuple[Callable[[Setting, int], float], int, str | None]] = {
+    "DALI": (dali, 1, "dali"),
+    "cltrain float": (cltrain, 1, None),
+    "cltrain uint8": (lambda s, seed: cltrain(s, seed, "uint8"), 1, None),
+    "cltrain N proc": (lambda s, seed: cltrain(s, seed, threads=1, workers=s.threads), 2, None),
+    "torchvision": (lambda s, seed: plain(s, seed, "torchvision"), 1, None),
+    "timm": (lambda s, seed: plain(s, seed, "timm"), 1, None),
+    "decode": (bare_decode, 1, None),
+    "lever: normalize() after": (lambda s, seed: cltrain(s, seed, "after"), 1, "levers"),
+    "lever: whole-image decode": (lambda s, seed: cltrain(s, seed, decoder="simplejpeg"), 1, "levers"),
+    "lever: batch by batch": (lambda s, seed: cltrain(s, seed, ahead=False), 2, "levers"),
+    "cltrain+aug": (augmented, 1, "augment"),
 }
 
 
@@ -202,7 +203,7 @@ def folders_tables(sets: dict[str, Path], args: argparse.Namespace) -> dict[str,
         batches = max(1, args.batches // 4) if name.startswith("2000") else args.batches
         for threads in args.threads:
             s = Setting(split, threads, args.batch_size, batches)
-            cases = {k: (lambda seed, f=f: f(s, seed)) for k, (f, runs, opt) in CASES.items() if chosen[opt] and runs(threads)}
+            cases = {k: functools.partial(f, s) for k, (f, least, opt) in CASES.items() if chosen[opt] and threads >= least}
             results[(name, threads)] = interleaved(cases, args.repeats, with_round=True)
             print(f"{name}, {threads} thread(s): done", flush=True)
     names = [n for n in CASES if any(n in rates for rates in results.values())]
@@ -258,8 +259,8 @@ def hf_table(sets: dict[str, Path], args: argparse.Namespace) -> dict[tuple[str,
                                                             args.workers, args.batches, seed=r, decode_ahead=True)}
     for config, (workers, threads) in configs.items():
         s = Setting(split, threads, args.batch_size, args.batches)
-        cases[(config, "(b) cltrain hf")] = lambda r, s=s, w=workers: cltrain(s, r, workers=w, rows=rows_of)
-        cases[(config, "(c) cltrain dir")] = lambda r, s=s, w=workers: cltrain(s, r, workers=w)
+        cases[(config, "(b) cltrain hf")] = functools.partial(cltrain, s, workers=workers, rows=rows_of)
+        cases[(config, "(c) cltrain dir")] = functools.partial(cltrain, s, workers=workers)
     med = {k: spread(v).median for k, v in interleaved(cases, args.repeats, with_round=True).items()}
     hf_docs = med[(first, "(a) HF docs")]
     print("\n" + table(["configuration", "loader", "img/s", "vs (a)", "vs (c)"],

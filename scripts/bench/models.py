@@ -11,6 +11,7 @@ method and the models: docs/benchmarks.md#models). Writes ``results.csv`` and ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -23,14 +24,10 @@ from cltrain.timing.layouts import choose_layout
 from scripts.harness import (LAYOUTS, layout_steps, machine_line, options, random_batches, table, time_steps,
                              write_report)
 
-TUTORIAL_MODELS = [
-    "alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
-    "resnet101", "resnet152", "resnext50_32x4d", "shufflenet_v2_x1_0", "squeezenet1_1", "vgg11", "vgg16",
-    "wide_resnet50_2",
-]
-NEWER_MODELS = ["convnext_tiny", "efficientnet_b0", "regnet_y_400mf"]
-CONTROL_MODELS = ["vit_b_16"]
-IMAGE_MODELS = TUTORIAL_MODELS + NEWER_MODELS + CONTROL_MODELS
+#: The 16 models of PyTorch's channels_last tutorial, three newer convnets, vit_b_16 as a non-convolutional control.
+IMAGE_MODELS = ["alexnet", "densenet121", "googlenet", "mnasnet1_0", "mobilenet_v2", "resnet18", "resnet34", "resnet50",
+                "resnet101", "resnet152", "resnext50_32x4d", "shufflenet_v2_x1_0", "squeezenet1_1", "vgg11", "vgg16",
+                "wide_resnet50_2", "convnext_tiny", "efficientnet_b0", "regnet_y_400mf", "vit_b_16"]
 VIDEO_MODELS = ["r3d_18", "mc3_18", "r2plus1d_18", "s3d"]
 AUDIO_MODELS = ["m5"]
 ALL_MODELS = IMAGE_MODELS + VIDEO_MODELS + AUDIO_MODELS
@@ -73,6 +70,7 @@ def m5(num_classes: int = NUM_CLASSES, channels: int = 32) -> nn.Module:
 
 
 def kind_of(name: str) -> str:
+    """``"image"``, ``"video"`` or ``"audio"``: what model ``name`` is timed on."""
     return "video" if name in VIDEO_MODELS else "audio" if name in AUDIO_MODELS else "image"
 
 
@@ -86,7 +84,7 @@ def build_model(name: str, size: int = 224, classes: int = NUM_CLASSES) -> nn.Mo
     (segmentation_models_pytorch's U-Net, one output channel), else ``cltrain.model_names.build_untrained_model`` (a
     ViT at ``size``; GoogLeNet without its aux heads: the step trains the main head only, as in eval)."""
     if name in ("tinycnn", "m5"):
-        return {"tinycnn": tinycnn, "m5": m5}[name](classes)
+        return (tinycnn if name == "tinycnn" else m5)(classes)
     if name == "vit_s_16":
         return torchvision.models.VisionTransformer(image_size=size, patch_size=16, num_layers=12, num_heads=6,
                                                     hidden_dim=384, mlp_dim=1536, num_classes=classes)
@@ -135,6 +133,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
     rows = []
     for dtype_name in args.dtypes:
         dtype = None if dtype_name == "fp32" else torch.float16 if device.type == "cuda" else torch.bfloat16
+        label = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         steps = layout_steps(
             base, x, targets=y, device=device, autocast_dtype=dtype,
             loss=lambda out, y: F.cross_entropy((out if isinstance(out, torch.Tensor) else out[0]).float(), y),
@@ -147,13 +146,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
         # the winner as the table shows the rates: where they round alike, the default layout
         winner = "channels_last" if shown["channels_last"] > shown["contiguous"] else "contiguous"
         pick, seconds = "n/a", None
-        if args.auto_steps > 0:
-            try:
+        with contextlib.suppress(ValueError):  # a rank choose_layout does not time
+            if args.auto_steps > 0:
                 pick, seconds = choose_layout(base, shape, steps=args.auto_steps, warmup=1, device=device,
                                               autocast_dtype=dtype)
-            except ValueError:  # a rank choose_layout does not time
-                pass
-        label = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rows.append({  # the columns of results.csv, in order
             "model": name, "kind": kind_of(name), "dtype": label, "batch_size": shape[0],
             "input_shape": "x".join(map(str, shape)), "device": device.type, "machine": machine, "steps": steps,
@@ -224,8 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         quick=(dict(warmup=1, steps=1, repeats=2, auto_steps=1, min_window=0.0),
                "check it runs: batch 2, 64x64 images, 4x32x32 clips, 8000 samples, 1 step per round, 2 rounds"))
     args = p.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    args.device = device
+    device = args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     defaults = {**SIZES["cuda" if device.type == "cuda" else "cpu"], **(SIZES["quick"] if args.quick else {})}
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k, None) is None})
     args.models = ALL_MODELS if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]

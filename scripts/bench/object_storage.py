@@ -13,6 +13,7 @@ docs/benchmarks.md#object-storage).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -24,12 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from cltrain.data import ImageFolderDataModule, ShardsDataModule
+from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataModule, ShardsDataModule
 from cltrain.data.loader_threads import usable_cores
 from scripts.bench.loaders import torchvision_train
 from scripts.bench.photo_folder import make_photo_folder
@@ -39,6 +42,7 @@ KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False
 #: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
 FILES_ONLY = {"check_val": "off"}
 PEER_WORKERS = [2]  # WebDataset's, LitData's and Mosaic's DataLoader workers: ours, or a worker per core for ours "auto"
+_SERVER: list[int] = []  # the S3 server's process, once it runs
 
 
 def _server() -> subprocess.Popen:
@@ -71,22 +75,22 @@ def _upload(folder: Path, bucket: str, prefix: str) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
-_SERVER: list[int] = []  # the S3 server's process, once it runs
+def _costed(fn: Callable[[], Any], whose: tuple = ("self",)) -> tuple[Any, float, list[float]]:
+    """What ``fn()`` returns, its wall seconds, and the CPU seconds each of ``whose`` (``cpu_seconds``) used."""
+    before, got = [cpu_seconds(of) for of in whose], []
+    seconds = timed(lambda: got.append(fn()))
+    return got[0], seconds, [cpu_seconds(of) - b for of, b in zip(whose, before)]
 
 
-def _rate(loader) -> tuple[float, list[float]]:
+def _rate(loader: Any) -> tuple[float, list[float]]:
     """Images/s over a whole pass, from asking for the first batch (workers start, first shards come) to the last,
     and the CPU seconds of that time: this process (fetches ahead, batches in), its workers (decoding; joined when
     the pass ends), the server (0 where none runs)."""
-    seen: list[int] = []
-    whose = ("self", "children", *_SERVER)
-    before = [cpu_seconds(of) for of in whose]
-    seconds = timed(lambda: seen.extend(b[0].shape[0] for b in loader))
-    used = [cpu_seconds(of) - b for of, b in zip(whose, before)]
-    return sum(seen) / seconds, used + [0.0] * (3 - len(used))
+    images, seconds, used = _costed(lambda: sum(b[0].shape[0] for b in loader), ("self", "children", *_SERVER))
+    return images / seconds, used + [0.0] * (3 - len(used))
 
 
-def _ours(root: str | Path, files: bool = False, **options) -> tuple[float, list[float]]:
+def _ours(root: str | Path, files: bool = False, **options: Any) -> tuple[float, list[float]]:
     """A pass of cltrain's training loader: ``ShardsDataModule`` on a pack, or with ``files`` ``ImageFolderDataModule``
     on its folder."""
     dm = ImageFolderDataModule(root, **KW, **FILES_ONLY) if files else ShardsDataModule(root, **KW, shuffle_window=4,
@@ -115,18 +119,18 @@ def paired_ratio(root: Path, pack: Path, batches: int) -> tuple[float, float, fl
 
     def read(kind: str, b: int) -> float:
         torch.manual_seed(b)  # the same crops from both
-        out = {}
-        seconds = timed(lambda: out.setdefault("batch", hs.collate(fs.__getitems__([same[i] for i in chosen[b]]))
-                                               if kind == "files" else hs[chosen[b]]))
-        pending.setdefault(b, {})[kind] = out["batch"][0]
-        if len(pending[b]) == 2 and not torch.equal(*pending.pop(b).values()):
+        batch, seconds, _ = _costed(lambda: hs.collate(fs.__getitems__([same[i] for i in chosen[b]]))
+                                    if kind == "files" else hs[chosen[b]], ())
+        if b not in pending:
+            pending[b] = batch[0]
+        elif not torch.equal(pending.pop(b), batch[0]):
             raise SystemExit(f"object_storage: {differs}: a batch differs); pack the folder again to another --pack.")
         return seconds
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:  # a pair per batch, which goes first alternating
-        took = interleaved({kind: (lambda b, kind=kind: read(kind, b)) for kind in ("files", "shards")}, batches,
+        took = interleaved({kind: functools.partial(read, kind) for kind in ("files", "shards")}, batches,
                            with_round=True)
     finally:
         torch.set_num_threads(threads)
@@ -134,7 +138,7 @@ def paired_ratio(root: Path, pack: Path, batches: int) -> tuple[float, float, fl
     return median, q1, q3
 
 
-def _fsspec_streams(shards):
+def _fsspec_streams(shards: Any) -> Any:
     import fsspec
 
     for shard in shards:
@@ -142,9 +146,7 @@ def _fsspec_streams(shards):
 
 
 def _webdataset(urls: list[str], fsspec: bool = False) -> tuple[float, list[float]]:
-    """Its README's pipeline, ``WebDataset(urls).shuffle().decode("pil").to_tuple("jpg", "cls")`` + torchvision,
-    batched in ``WebLoader``, each tar through ``pipe:``; ``fsspec``: each tar opened in the worker through fsspec
-    (no program started per shard)."""
+    """WebDataset's README pipeline, each tar through ``pipe:`` (``fsspec``: opened in the worker through fsspec)."""
     import webdataset as wds
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
@@ -159,16 +161,18 @@ def _webdataset(urls: list[str], fsspec: bool = False) -> tuple[float, list[floa
     return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
 
 
-class _LitItem:
+def _labelled(root: Path) -> list[tuple[Path, int]]:
+    """The training photographs of ``root`` and their classes' indices."""
+    files = sorted((root / "train").rglob("*.jpg"))
+    classes = sorted({p.parent.name for p in files})
+    return [(p, classes.index(p.parent.name)) for p in files]
+
+
+def _lit_item(labels: dict[str, int], path: str) -> dict:
     """One optimize() item: the photograph as a PIL image (LitData stores a JPEG's own bytes) and its class."""
+    from PIL import Image
 
-    def __init__(self, classes: list[str]) -> None:
-        self.classes = classes
-
-    def __call__(self, path: str) -> dict:
-        from PIL import Image
-
-        return {"image": Image.open(path), "class": self.classes.index(Path(path).parent.name)}
+    return {"image": Image.open(path), "class": labels[path]}
 
 
 def _litdata_write(root: Path, out: Path) -> str:
@@ -180,10 +184,10 @@ def _litdata_write(root: Path, out: Path) -> str:
         import multiprocessing
 
         method = multiprocessing.get_start_method()
-        files = sorted((root / "train").rglob("*.jpg"))
+        labels = {str(p): label for p, label in _labelled(root)}
         try:
-            optimize(fn=_LitItem(sorted({p.parent.name for p in files})), inputs=[str(p) for p in files],
-                     output_dir=str(out), chunk_bytes="16MB", num_workers=2, mode="overwrite")
+            optimize(fn=functools.partial(_lit_item, labels), inputs=list(labels), output_dir=str(out),
+                     chunk_bytes="16MB", num_workers=2, mode="overwrite")
         finally:  # optimize() sets the process's start method to spawn: every loader here would start so
             multiprocessing.set_start_method(method, force=True)
     return _upload(out, "bench", "litdata")
@@ -199,13 +203,12 @@ class _LitImages(_Streaming):  # type: ignore[misc, valid-type]
     """LitData's README ImageNet pipeline: its StreamingDataset (a JPEG decoded to a CHW tensor) + torchvision v2
     (at module level: LitData's loader may start its workers with spawn, which pickles the dataset by name)."""
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         from torchvision.transforms import v2 as T
 
         if not hasattr(self, "tf"):
             self.tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
-                                 T.ToDtype(torch.float32, scale=True),
-                                 T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+                                 T.ToDtype(torch.float32, scale=True), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
         item = super().__getitem__(index)
         return self.tf(item["image"]), item["class"]
 
@@ -221,25 +224,19 @@ def _litdata(url: str, cache: Path) -> tuple[float, list[float]]:
 
 
 def _mosaic_write(root: Path, out: Path) -> str:
-    """The photographs written by ``MDSWriter`` into ``out/train`` (columns ``x``: jpeg, ``y``: int, as Mosaic's
-    ImageNet converter writes them; a PIL JPEG is stored as its file's own bytes; uncompressed, 16 MB shards like
-    LitData's chunks), uploaded."""
+    """The photographs written by ``MDSWriter`` into ``out/train`` as Mosaic's ImageNet converter does, uploaded."""
     from PIL import Image
     from streaming import MDSWriter
 
     if not (out / "train" / "index.json").is_file():
-        files = sorted((root / "train").rglob("*.jpg"))
-        classes = sorted({p.parent.name for p in files})
         with MDSWriter(out=str(out / "train"), columns={"x": "jpeg", "y": "int"}, size_limit="16MB") as writer:
-            for path in files:
-                writer.write({"x": Image.open(path), "y": classes.index(path.parent.name)})
+            for path, label in _labelled(root):
+                writer.write({"x": Image.open(path), "y": label})
     return _upload(out, "bench", "mosaic")
 
 
 def _mosaic(url: str, cache: Path) -> tuple[float, list[float]]:
-    """Mosaic's ImageNet pipeline: ``StreamingImageNet`` (its ``StreamingDataset`` subclass: the jpeg column decoded
-    by PIL) with torchvision's transforms, in a plain DataLoader; a fresh local cache each pass. Its shared memory
-    (``/dev/shm``) and its file locks (in the temporary folder) are removed after the pass."""
+    """Mosaic's ImageNet pipeline, a fresh local cache each pass; its shared memory and file locks removed after."""
     import gc
 
     from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
@@ -279,14 +276,10 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
              "fsspec ranges": lambda: sum(len(fs.cat_file(f"{url}/{names[0]}", start=o, end=o + s)) for o, s in sizes),
              "obstore ranges": lambda: sum(len(obstore.get_range(store, f"{prefix}/{names[0]}", start=o, end=o + s))
                                            for o, s in sizes)}
-    def measured(f):  # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
-        cpu, got = cpu_seconds(), []
-        seconds = timed(lambda: got.append(f()))
-        return got[0], seconds, cpu_seconds() - cpu
-
-    got = interleaved({k: (lambda f=f: measured(f)) for k, f in cases.items()}, 5)
+    # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
+    got = interleaved({k: functools.partial(_costed, f) for k, f in cases.items()}, 5)
     print(table(["client", "MiB/s (median of 5)", "client CPU ms/MiB", "requests"], [
-        [k, f"{mb / spread(t for _, t, _ in runs).median:.1f}", f"{1000 * spread(c for _, _, c in runs).median / mb:.1f}",
+        [k, f"{mb / spread(t for _, t, _ in runs).median:.1f}", f"{1000 * spread(c for _, _, (c,) in runs).median / mb:.1f}",
          len(sizes) if "ranges" in k else len(names)] for k, runs in got.items() if (mb := runs[0][0] / 2**20)],
         align="lrrr"))
 
@@ -337,30 +330,31 @@ def main(argv: list[str] | None = None) -> None:
         lit = _litdata_write(photos, args.work / f"litdata-{args.train}") if "litdata" in args.cases else ""
         mds = _mosaic_write(photos, args.work / f"mosaic-{args.train}") if "mosaic" in args.cases else ""
         shm = set(os.listdir("/dev/shm"))
-        cases = {"files": lambda: _ours(photos, files=True),
-                 "local": lambda: _ours(str(local)),
-                 "s3-cold": lambda: (shutil.rmtree(cache / "cold", ignore_errors=True), _ours(url, cache_dir=str(cache / "cold")))[1],
+
+        def cold() -> tuple[float, list[float]]:
+            shutil.rmtree(cache / "cold", ignore_errors=True)
+            return _ours(url, cache_dir=str(cache / "cold"))
+
+        cases = {"files": lambda: _ours(photos, files=True), "local": lambda: _ours(str(local)), "s3-cold": cold,
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
                  "s3-ranges": lambda: _ours(url, fetch="ranges", cache_dir=str(cache / "r")),
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
                  "wds-fsspec": lambda: _webdataset([f"{url}/{n}" for n in names], fsspec=True),
-                 "litdata": lambda: _litdata(lit, cache / "litdata"),
-                 "mosaic": lambda: _mosaic(mds, cache / "mosaic")}
+                 "litdata": lambda: _litdata(lit, cache / "litdata"), "mosaic": lambda: _mosaic(mds, cache / "mosaic")}
         _SERVER.extend([server.pid] if server else [])
         runs = interleaved({k: cases[k] for k in args.cases}, args.rounds)
-        rates = {k: [rate for rate, _ in v] for k, v in runs.items()}
-        med = {k: spread(r).median for k, r in rates.items()}
         n = len(list((photos / "train").rglob("*.jpg")))
         print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch {args.batch_size}, "
               f"224 px, {args.workers} workers (others {PEER_WORKERS[0]}), shuffle_window 4; {args.rounds} rounds, "
               "median images/s\n")
+        rates = {k: [rate for rate, _ in v] for k, v in runs.items()}
+        med = {k: spread(r).median for k, r in rates.items()}
         print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers",
                      "S3 server"],
                     [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
                       ", ".join(f"{x:.0f}" for x in r),
                       *(f"{spread(cpu[j] for _, cpu in runs[k]).median:.2f}" for j in range(3))]
-                     for k, r in rates.items()],
-                    align="lrrlrrr"))
+                     for k, r in rates.items()], align="lrrlrrr"))
         for ours, other in [("local", "files")] + [("s3-cold", p) for p in ("webdataset", "wds-fsspec", "litdata", "mosaic")]:
             if ours in med and other in med:
                 print(f"{ours} / {other}: {med[ours] / med[other]:.2f}x")

@@ -8,6 +8,7 @@ and ``save_as_hf`` (a folder's files as a Hugging Face ``datasets`` dataset).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from pathlib import Path
@@ -26,7 +27,7 @@ SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "motorcycle_left
 def bundled_photos() -> list[Image.Image]:
     """The packaged photographs as RGB PIL images (a missing package or file is skipped, nothing is downloaded)."""
     photos: list[Image.Image] = []
-    try:
+    with contextlib.suppress(ImportError):
         import skimage
 
         data_dir = Path(skimage.__file__).parent / "data"
@@ -34,14 +35,10 @@ def bundled_photos() -> list[Image.Image]:
             if (data_dir / name).is_file():  # read the file itself: skimage.data.* may fetch with pooch
                 with Image.open(data_dir / name) as img:
                     photos.append(img.convert("RGB"))
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from sklearn.datasets import load_sample_images
 
         photos += [Image.fromarray(a) for a in load_sample_images().images]  # china.jpg, flower.jpg (bundled)
-    except ImportError:
-        pass
     if len(photos) < 2:
         raise RuntimeError("no bundled photographs found: pip install 'cltrain[bench]' (scikit-image, scikit-learn).")
     return photos

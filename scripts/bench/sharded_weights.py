@@ -96,6 +96,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
 
 
 def rows_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as the table the run prints."""
     return table(["model", "weights / input", "img/s (median)", "min-max", "vs contiguous", "first conv output"],
                  [[r["model"], r["variant"], f"{r['img_s']:,.1f}", f"{r['min']:,.1f}-{r['max']:,.1f}",
                    f"{r['ratio']:.2f}x", r["first_conv_out"]] for r in rows], align="llrrrl")

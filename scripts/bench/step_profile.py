@@ -81,17 +81,9 @@ def breakdown(events: Any, wall_s: float, steps: int, device_type: str) -> dict[
 
 
 class StepProfile(Callback):
-    """Profile training steps ``first`` .. ``first + steps - 1`` (each from the previous step's end) and write
-    ``{"device", "steps", "wall_ms", "kinds": {kind: ms per step}}`` to ``path``.
-
-    Args:
-        path: where the JSON goes.
-        first: the first profiled step (>= 1: the window opens at the end of the step before).
-        steps: how many steps.
-
-    Raises:
-        ValueError: ``first`` < 1 or ``steps`` < 1.
-    """
+    """Profile training steps ``first`` (>= 1: the window opens at the end of the step before) .. ``first + steps -
+    1`` and write ``{"device", "steps", "wall_ms", "kinds": {kind: ms per step}}`` to ``path`` as JSON; a ``first`` or
+    ``steps`` below 1 raises ``ValueError``."""
 
     def __init__(self, path: str, first: int = 1, steps: int = 2) -> None:
         if first < 1 or steps < 1:

@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.e2e_steps > 0:
         with tempfile.TemporaryDirectory(prefix="cltrain-bench-") as tmp:
             if args.quick and not args.data:
+                # the demo set in a temporary folder (any_root), not data/demo
                 args.data = [f"data.root={Path(tmp) / 'demo'}", "data.demo.num_classes=4", "data.demo.train_per_class=8",
-                             "data.demo.val_per_class=2", "data.demo.image_size=[96,72]"]
-                args.data.append("data.demo.any_root=true")  # the demo set in a temporary folder, not data/demo
+                             "data.demo.val_per_class=2", "data.demo.image_size=[96,72]", "data.demo.any_root=true"]
             part2, reference = end_to_end(args, Path(tmp), accelerator, precision)
         print(f"\n## End to end on JPEG files ({args.model}, batch {args.batch_size}, {args.image_size} px, "
               f"{args.num_workers} loader workers, median step after {args.warmup} warm-up steps)\n")

@@ -10,16 +10,13 @@ from typing import Any
 
 import torch
 
-from cltrain.timing.machine import machine, machine_line
-from cltrain.timing.report import table
-from scripts.harness import emit, options, python_module, run_child
+from scripts.harness import CASE, emit, machine_line, options, run_case, table
 
 
 def child(key: str, batch: int, samples: int, precision: str) -> dict[str, Any]:
     """Both checks of one model in this process."""
     from cltrain import ChannelsLast
-    from scripts.zoo.models import build, find, make_batch
-    from scripts.zoo.training import fit
+    from scripts.zoo.models import build, find, fit, make_batch
 
     spec = find([key])[0]
     row: dict[str, Any] = {"model": spec.key}
@@ -42,18 +39,20 @@ def _cells(run: dict[str, Any]) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = options(__doc__, batch=16, samples=(4, "check_samples of the sliced check"), precision="32-true",
-                     timeout=(1800, "seconds per model"), child=("", "(a model's process)"))
-    parser.add_argument("--models", required=True, help="comma-separated zoo keys (timm:resnet50, tv:vit_b_16)")
+    parser = options(__doc__, models=("", "comma-separated zoo keys (timm:resnet50, tv:vit_b_16); required"),
+                     batch=16, samples=(4, "check_samples of the sliced check"), precision="32-true",
+                     timeout=(1800, "seconds per model"), case=CASE)
     args = parser.parse_args(argv)
-    if args.child:
-        emit(child(args.child, args.batch, args.samples, args.precision))
+    if args.case:
+        emit(child(**args.case))
         return []
+    if not args.models:
+        parser.error("--models is required")
     print(f"batch {args.batch}, slice of {args.samples} samples, {args.precision}\n")
     rows, cells = [], []
     for key in args.models.split(","):
-        run = run_child(python_module("scripts.zoo.check_slice", "--child", key, "--batch", args.batch, "--samples",
-                                      args.samples, "--precision", args.precision, "--models", key), timeout=args.timeout)
+        run = run_case("scripts.zoo.check_slice", {"key": key, "batch": args.batch, "samples": args.samples,
+                                                   "precision": args.precision}, timeout=args.timeout)
         found = run.results()
         if not found:
             cells.append([key, f"error: {run.failure() or run.last_error()}"[:127], *[""] * 8])
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(table(["model", "same", "slice: verdict", "findings", "largest agreeing difference (noise)", "s",
                  "whole batch: verdict", "findings", "largest agreeing difference (noise)", "s"], cells,
                 align="lllllrlllr"))
-    print("\n" + machine_line(machine()))
+    print("\n" + machine_line())
     return rows
 
 

@@ -14,7 +14,7 @@ import torch
 
 from cltrain import ChannelsLast
 from scripts.zoo.models import Spec
-from scripts.zoo.training import fit
+from scripts.zoo.models import fit
 
 FACTOR = 10.0      #: how many times the nudged run's gap a channels_last gap must exceed to count
 MIN_GAP = 1e-5     #: and the least relative gap that counts

@@ -1,18 +1,24 @@
 """The models of ``python -m scripts.zoo.sweep``: timm, torchvision and Hugging Face classifiers, segmentation
 (``smp:``), detection (``tv-det:``) and video (``tv-video:``, ``hf:``) models (docs/benchmarks.md#zoo-tasks), and
-planted ones only the tests name; how each is built (random weights, nothing downloaded), its batch and its loss.
+planted ones only the tests name; how each is built (random weights, nothing downloaded), its batch and its loss;
+``fit``: a few steps of it under a real Lightning ``Trainer`` (``ZooModule``), with or without a callback.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.nn import functional as F
-from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+
+from scripts.fits import quiet_trainer
 
 NUM_CLASSES = 5
 SIZE = 128
@@ -46,57 +52,49 @@ class Spec:
         return self.source == "hf"
 
 
-def _timm(name: str, family: str, **kw: Any) -> Spec:
-    return Spec(f"timm:{name}", family, **kw)
-
-
-_VIT_SIZE = {"kwargs": {"img_size": SIZE}}  # fixed-size position embeddings / attention: built for 128 px
-TIMM = [
-    _timm("resnet18", "ResNet"), _timm("resnet26d", "ResNet", note="ill-conditioned gradients at batch 2"),
-    _timm("resnet50", "ResNet"), _timm("resnet10t", "ResNet"), _timm("seresnext26d_32x4d", "ResNeXt/SE"),
-    _timm("resnext26ts", "ResNeXt/SE"), _timm("ecaresnet26t", "ResNeXt/SE"), _timm("skresnet18", "ResNeXt/SE"),
-    _timm("regnetx_002", "RegNet"), _timm("regnety_002", "RegNet"), _timm("regnetz_b16", "RegNet"),
-    _timm("efficientnet_b0", "EfficientNet", compile=True), _timm("efficientnet_lite0", "EfficientNet"),
-    _timm("tf_efficientnetv2_b0", "EfficientNet"), _timm("tinynet_a", "EfficientNet"), _timm("mixnet_s", "EfficientNet"),
-    _timm("mobilenetv2_050", "MobileNet"), _timm("mobilenetv3_small_050", "MobileNet"),
-    _timm("mobilenetv3_large_100", "MobileNet"), _timm("mobilenetv4_conv_small", "MobileNet"),
-    _timm("mobilenetv4_hybrid_medium", "MobileNet"), _timm("lcnet_050", "MobileNet"), _timm("fbnetc_100", "MobileNet"),
-    _timm("mnasnet_small", "MobileNet"), _timm("rexnet_100", "MobileNet"),
-    _timm("convnext_atto", "ConvNeXt", compile=True), _timm("convnextv2_atto", "ConvNeXt"),
-    _timm("repvgg_a0", "RepVGG/MobileOne/FastViT", note="1x1 stride-2 conv on the 3-channel stem"),
-    _timm("mobileone_s0", "RepVGG/MobileOne/FastViT", note="1x1 stride-2 conv on the 3-channel stem"),
-    _timm("fastvit_t8", "RepVGG/MobileOne/FastViT", note="1x1 stride-2 conv on the 3-channel stem"),
-    _timm("repghostnet_050", "RepVGG/MobileOne/FastViT"), _timm("repvit_m0_9", "RepVGG/MobileOne/FastViT"),
-    _timm("densenet121", "DenseNet"), _timm("hrnet_w18_small", "HRNet"), _timm("res2net50_14w_8s", "Res2Net/ResNeSt"),
-    _timm("resnest14d", "Res2Net/ResNeSt"), _timm("dla34", "DLA"), _timm("ese_vovnet19b_dw", "VoVNet"),
-    _timm("ghostnet_050", "GhostNet"), _timm("ghostnetv2_100", "GhostNet"), _timm("cspresnet50", "CSP/Darknet"),
-    _timm("cs3darknet_s", "CSP/Darknet"), _timm("darknet17", "CSP/Darknet"), _timm("inception_v3", "Inception"),
-    _timm("inception_next_tiny", "Inception"), _timm("legacy_xception", "Inception"), _timm("nf_resnet26", "NF-ResNet"),
-    _timm("convmixer_768_32", "ConvMixer"), _timm("poolformer_s12", "PoolFormer"), _timm("poolformerv2_s12", "PoolFormer"),
-    _timm("efficientformer_l1", "EfficientFormer", size=224, note="fixed 224 px attention bias"),
-    _timm("efficientformerv2_s0", "EfficientFormer", **_VIT_SIZE), _timm("mobilevit_xxs", "MobileViT"),
-    _timm("mobilevitv2_050", "MobileViT"), _timm("vit_tiny_patch16_224", "ViT/DeiT", **_VIT_SIZE),
-    _timm("deit_tiny_patch16_224", "ViT/DeiT", **_VIT_SIZE), _timm("swin_tiny_patch4_window7_224", "Swin", **_VIT_SIZE),
-    _timm("maxvit_nano_rw_256", "MaxViT/CoAtNet", **_VIT_SIZE), _timm("coatnet_nano_rw_224", "MaxViT/CoAtNet", **_VIT_SIZE),
-    _timm("levit_128s", "LeViT", **_VIT_SIZE), _timm("efficientvit_b0", "EfficientViT"),
-    _timm("efficientvit_m0", "EfficientViT"), _timm("edgenext_xx_small", "EdgeNeXt"), _timm("hgnetv2_b0", "HGNet"),
-    _timm("starnet_s1", "StarNet"), _timm("tiny_vit_5m_224", "TinyViT"), _timm("pvt_v2_b0", "PVT"),
-    _timm("mambaout_femto", "MambaOut"), _timm("xcit_nano_12_p16_224", "XCiT"), _timm("selecsls42b", "SelecSLS"),
-    _timm("dpn48b", "DPN"), _timm("gernet_s", "GENet"), _timm("rdnet_tiny", "RDNet"),
-    _timm("mixer_s32_224", "MLP", **_VIT_SIZE), _timm("resmlp_12_224", "MLP", **_VIT_SIZE),
-]
-
-#: torchvision builders that need more than ``num_classes``.
-_TV_KWARGS: dict[str, dict[str, Any]] = {
-    "googlenet": {"aux_logits": False, "init_weights": True},
-    "inception_v3": {"aux_logits": False, "init_weights": True},
-    **{f"vit_{v}": {"image_size": SIZE} for v in ("b_16", "b_32", "l_16", "l_32")},
-    "vit_h_14": {"image_size": 112},  # patch 14 does not divide 128
+#: timm classifiers by family, in the sweep's order (those built otherwise than at 128 px, or also compiled: ``_TIMM``).
+_TIMM_FAMILIES = {
+    "ResNet": "resnet18 resnet26d resnet50 resnet10t",
+    "ResNeXt/SE": "seresnext26d_32x4d resnext26ts ecaresnet26t skresnet18",
+    "RegNet": "regnetx_002 regnety_002 regnetz_b16",
+    "EfficientNet": "efficientnet_b0 efficientnet_lite0 tf_efficientnetv2_b0 tinynet_a mixnet_s",
+    "MobileNet": "mobilenetv2_050 mobilenetv3_small_050 mobilenetv3_large_100 mobilenetv4_conv_small "
+                 "mobilenetv4_hybrid_medium lcnet_050 fbnetc_100 mnasnet_small rexnet_100",
+    "ConvNeXt": "convnext_atto convnextv2_atto",
+    "RepVGG/MobileOne/FastViT": "repvgg_a0 mobileone_s0 fastvit_t8 repghostnet_050 repvit_m0_9",
+    "DenseNet": "densenet121", "HRNet": "hrnet_w18_small", "Res2Net/ResNeSt": "res2net50_14w_8s resnest14d",
+    "DLA": "dla34", "VoVNet": "ese_vovnet19b_dw", "GhostNet": "ghostnet_050 ghostnetv2_100",
+    "CSP/Darknet": "cspresnet50 cs3darknet_s darknet17", "Inception": "inception_v3 inception_next_tiny legacy_xception",
+    "NF-ResNet": "nf_resnet26", "ConvMixer": "convmixer_768_32", "PoolFormer": "poolformer_s12 poolformerv2_s12",
+    "EfficientFormer": "efficientformer_l1 efficientformerv2_s0", "MobileViT": "mobilevit_xxs mobilevitv2_050",
+    "ViT/DeiT": "vit_tiny_patch16_224 deit_tiny_patch16_224", "Swin": "swin_tiny_patch4_window7_224",
+    "MaxViT/CoAtNet": "maxvit_nano_rw_256 coatnet_nano_rw_224", "LeViT": "levit_128s",
+    "EfficientViT": "efficientvit_b0 efficientvit_m0", "EdgeNeXt": "edgenext_xx_small", "HGNet": "hgnetv2_b0",
+    "StarNet": "starnet_s1", "TinyViT": "tiny_vit_5m_224", "PVT": "pvt_v2_b0", "MambaOut": "mambaout_femto",
+    "XCiT": "xcit_nano_12_p16_224", "SelecSLS": "selecsls42b", "DPN": "dpn48b", "GENet": "gernet_s",
+    "RDNet": "rdnet_tiny", "MLP": "mixer_s32_224 resmlp_12_224",
 }
-_TV_SIZES = {"maxvit_t": 224, "vit_h_14": 112}
-_TV_NOTES = {"googlenet": "no aux heads", "inception_v3": "no aux heads",
-             "maxvit_t": "224 px: its partition size 7 does not divide 128 px maps", "vit_h_14": "112 px: patch 14"}
-_TV_COMPILE = {"resnet50"}
+_STEM = {"note": "1x1 stride-2 conv on the 3-channel stem"}
+_VIT_SIZE = {"kwargs": {"img_size": SIZE}}  # fixed-size position embeddings / attention: built for 128 px
+_TIMM: dict[str, dict[str, Any]] = {
+    "resnet26d": {"note": "ill-conditioned gradients at batch 2"}, "efficientnet_b0": {"compile": True},
+    "convnext_atto": {"compile": True}, "repvgg_a0": _STEM, "mobileone_s0": _STEM, "fastvit_t8": _STEM,
+    "efficientformer_l1": {"size": 224, "note": "fixed 224 px attention bias"},
+    **dict.fromkeys(["efficientformerv2_s0", "vit_tiny_patch16_224", "deit_tiny_patch16_224",
+                     "swin_tiny_patch4_window7_224", "maxvit_nano_rw_256", "coatnet_nano_rw_224", "levit_128s",
+                     "mixer_s32_224", "resmlp_12_224"], _VIT_SIZE),
+}
+TIMM = [Spec(f"timm:{n}", family, **_TIMM.get(n, {})) for family, names in _TIMM_FAMILIES.items() for n in names.split()]
+
+_NO_AUX = {"kwargs": {"aux_logits": False, "init_weights": True}, "note": "no aux heads"}
+#: The torchvision models built otherwise than at 128 px with ``num_classes`` alone, or also compiled.
+_TV: dict[str, dict[str, Any]] = {
+    "googlenet": _NO_AUX, "inception_v3": _NO_AUX,
+    **{f"vit_{v}": {"kwargs": {"image_size": SIZE}} for v in ("b_16", "b_32", "l_16", "l_32")},
+    "vit_h_14": {"size": 112, "kwargs": {"image_size": 112}, "note": "112 px: patch 14"},  # 14 does not divide 128
+    "maxvit_t": {"size": 224, "note": "224 px: its partition size 7 does not divide 128 px maps"},
+    "resnet50": {"compile": True},
+}
 
 
 def _tv_family(name: str) -> str:
@@ -114,11 +112,8 @@ def torchvision_specs() -> list[Spec]:
     """Every torchvision classification model."""
     import torchvision
 
-    return [
-        Spec(f"tv:{n}", _tv_family(n), size=_TV_SIZES.get(n, SIZE), kwargs=_TV_KWARGS.get(n, {}),
-             note=_TV_NOTES.get(n, ""), compile=n in _TV_COMPILE)
-        for n in torchvision.models.list_models(module=torchvision.models)
-    ]
+    names = torchvision.models.list_models(module=torchvision.models)
+    return [Spec(f"tv:{n}", _tv_family(n), **_TV.get(n, {})) for n in names]
 
 
 #: Hugging Face transformers models, from config classes: (config class, model class, config kwargs).
@@ -200,7 +195,7 @@ def find(keys: list[str]) -> list[Spec]:
     return found
 
 
-# ---- building and running one model -------------------------------------------------------------
+# ---- building one model and its batches -------------------------------------------------------------
 
 
 def _faulty_path(x: torch.Tensor) -> bool:
@@ -305,8 +300,6 @@ def _detector(spec: Spec) -> nn.Module:
     return arch(backbone, num_classes=NUM_CLASSES, **same_size)
 
 
-
-
 def make_batch(spec: Spec, n: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> Any:
     """A random NCHW-contiguous batch of ``n`` with the targets of ``spec.loss``: ``(images, labels)`` (a dict
     for Hugging Face models; clips of ``spec.frames``), ``(images, masks)`` or ``(images, targets)``."""
@@ -383,3 +376,63 @@ def conv_weights_cl(net: nn.Module) -> str:
 
     weights = [m.weight for m in net.modules() if isinstance(m, CONV_TYPES) and m.weight.dim() in (4, 5)]
     return f"{sum(is_channels_last(w) for w in weights)}/{len(weights)}"
+
+
+# ---- training one model -------------------------------------------------------------------------------
+
+#: The optimizers the check is swept with, by name: SGD with momentum, Adam and AdamW.
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+OPTIMIZER_SETTINGS = {"sgd": "momentum 0.9, lr 0.01", "adam": "lr 1e-3", "adamw": "lr 1e-3"}  #: as above, in words
+
+
+def grads_of(net: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """A copy of each parameter's gradient by name (``None``: none), ``torch.compile``'s ``_orig_mod.`` left out."""
+    return {n.removeprefix("_orig_mod."): None if p.grad is None else p.grad.detach().clone()
+            for n, p in net.named_parameters()}
+
+
+class ZooModule(LightningModule):
+    """A zoo model with its spec's loss and an ``OPTIMIZERS`` optimizer; keeps the step-0 gradients and the losses."""
+
+    def __init__(self, net: torch.nn.Module, spec: Spec, optimizer: str = "sgd"):
+        super().__init__()
+        self.net, self.spec, self.optimizer_name = net, spec, optimizer
+        self.losses: list[torch.Tensor] = []
+        self.step0_grads: dict[str, torch.Tensor | None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.net, x, self.spec.dict_batch)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        quiet_random_layers(self)
+        return self
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = training_loss(self.net, batch, self.spec)
+        self.losses.append(loss.detach())
+        return loss
+
+    def on_after_backward(self) -> None:
+        if self.step0_grads is None:
+            self.step0_grads = grads_of(self.net)
+
+    def configure_optimizers(self):
+        return OPTIMIZERS[self.optimizer_name](self.parameters())
+
+
+def fit(net: torch.nn.Module, spec: Spec, batches: list[Any], callback: Any, max_steps: int,
+        precision: str = "32-true", optimizer: str = "sgd") -> ZooModule:
+    """``net`` trained for ``max_steps`` on ``batches`` (copies, in order) by a Trainer with ``callback``; the
+    global RNG seeded with 0 first (a detector's samplers draw from it)."""
+    module = ZooModule(net, spec, optimizer).train()  # Lightning keeps each submodule's mode: quiet them here
+    trainer = quiet_trainer(accelerator="cpu", max_steps=max_steps, precision=precision,
+                            callbacks=[callback] if callback else [])
+    torch.manual_seed(0)
+    trainer.fit(module, DataLoader([clone_batch(b) for b in batches], batch_size=None))
+    return module

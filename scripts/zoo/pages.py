@@ -19,9 +19,9 @@ from cltrain.timing.machine import machine_line
 from cltrain.timing.report import page, table, write_report
 from scripts.harness import REPO
 from scripts.zoo.confirm import FACTOR, FALLBACK_VERDICTS, JUDGED, MIN_GAP, NUDGE, numerics
+from scripts.zoo.models import OPTIMIZER_NAMES, OPTIMIZER_SETTINGS
 from scripts.zoo.parity import OK_BELOW
 from scripts.zoo.project_cases import NOTES
-from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZER_SETTINGS
 
 
 def load() -> str:
@@ -42,9 +42,7 @@ def record(out: Path, keep: bool = True) -> dict[str, Any]:
 
 def fmt_err(value: Any) -> str:
     """An error or a gap as the zoo's tables give it (``1.2e-03``, ``inf``); "" for none."""
-    if value is None:
-        return ""
-    return "inf" if value == math.inf else f"{value:.1e}"
+    return "" if value is None else "inf" if value == math.inf else f"{value:.1e}"
 
 
 def pair(a: Any, b: Any) -> str:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import importlib.metadata
@@ -30,7 +29,7 @@ from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from scripts.fits import quiet_trainer
-from scripts.harness import REPO, emit, options, python_module, run_child
+from scripts.harness import CASE, REPO, emit, options, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
 from scripts.zoo.pages import record, write_page
@@ -136,8 +135,8 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
     watch = Stopwatch().start()
     for layout in LAYOUTS:
         log = log_dir / f"{case.key.replace(':', '_')}.{layout}.log"
-        child = run_child(python_module("scripts.zoo.projects", "--child", json.dumps(dataclasses.asdict(case)),
-                                        "--layout", layout), log=log, timeout=timeout)
+        child = run_child(python_module("scripts.zoo.projects", "--case", json.dumps(
+            {"case": dataclasses.asdict(case), "layout": layout})), log=log, timeout=timeout)
         found = child.results()
         run = found[-1] if found else {"trained": False}
         run["status"] = child.failure() or (f"exited 0: {child.last_error()}" if not found
@@ -176,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                 out=(REPO / "docs" / "projects.md", "the page; its .json beside it"),
                 log_dir=Path(tempfile.gettempdir()) / "projects_logs",
                 timeout=(600.0, "seconds per run (one case, one layout)"), list=(False, "print the cases and exit"),
-                child=("", argparse.SUPPRESS), layout=(LAYOUTS, argparse.SUPPRESS))
+                case=CASE)
     args = p.parse_args(argv)
-    if args.child:
-        emit(child(Case(**json.loads(args.child)), args.layout))
+    if args.case:
+        emit(child(Case(**args.case["case"]), args.case["layout"]))
         return 0
     if args.list:
         for case in CASES:

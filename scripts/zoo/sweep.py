@@ -24,24 +24,22 @@ from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from scripts.harness import options, python_module, run_child
 from scripts.zoo.confirm import settle_confirmation
-from scripts.zoo.models import FAMILY_SUBSET, TASK_SPECS, Spec, all_specs, find
+from scripts.zoo.models import FAMILY_SUBSET, OPTIMIZER_NAMES, OPTIMIZERS, TASK_SPECS, Spec, all_specs, find
 from scripts.zoo.pages import check_summary, load, now, record, sweep_summary, write_page
 from scripts.zoo.sweep_child import child
-from scripts.zoo.training import OPTIMIZER_NAMES, OPTIMIZERS
 
 # One RepVGG-style stem stands for the three (tests/core/test_guardrails.py trains all three with parity).
 FAST = ["timm:repvgg_a0", "timm:resnet26d", "timm:vit_tiny_patch16_224", "tv:googlenet", "hf:resnet_small"]
 
 
-def run_one(spec: Spec, args: argparse.Namespace, log_dir: Path, optimizer: str | None = None) -> dict[str, Any]:
+def run_one(spec: Spec, args: argparse.Namespace, optimizer: str | None = None) -> dict[str, Any]:
     """One model in a subprocess (with ``optimizer``: its ``--check-only`` run with that optimizer), given this
     sweep's own arguments; a crash, a raise or a timeout comes back as the row's ``status``."""
-    log = log_dir / f"{spec.key.replace(':', '_')}{'_' + optimizer if optimizer else ''}.log"
+    log = args.log_dir / f"{spec.key.replace(':', '_')}{'_' + optimizer if optimizer else ''}.log"
     timeout = args.timeout * (3 if spec.compile and not (args.no_compile or args.check_only) else 1)  # 4 compiles
     child_run = run_child(python_module("scripts.zoo.sweep", *args.argv, "--child", spec.key,
                                         *(["--optimizer", optimizer] if optimizer else [])), log=log, timeout=timeout)
-    found = child_run.results()
-    result = found[-1] if found else {"key": spec.key, "family": spec.family}
+    result = (child_run.results() or [{"key": spec.key, "family": spec.family}])[-1]
     result["seconds"] = round(child_run.seconds, 1)
     if optimizer:
         result["optimizer"] = optimizer
@@ -101,7 +99,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-
 def recorded_args(command: str) -> argparse.Namespace:
     """The arguments of a recorded sweep, ``<out>.json``'s ``command`` (``python -m scripts.zoo.sweep ...``): what
     its page is rendered with again."""
@@ -139,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     optimizers = args.optimizers.split(",") if args.check_only else [None]
     done = {(r["key"], r.get("optimizer", optimizers[0])) for r in rows}
     order = {s.key: i for i, s in enumerate(specs)}
+    rank = {o: i for i, o in enumerate(optimizers)}  # rows of an optimizer not swept this time (--resume) last
     for spec, optimizer in ((s, o) for s in specs for o in optimizers if (s.key, o) not in done):
-        result = run_one(spec, args, args.log_dir, optimizer)
+        result = run_one(spec, args, optimizer)
         rows.append(result)
         done.add((spec.key, optimizer))
         if optimizer and result["status"] == "skipped":  # built once: its row stands for every optimizer
@@ -153,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 else f": {result['status']} {(result.get('grad') or {}).get('verdict', '')}")
         print(f"[{len(done)}/{len(specs) * len(optimizers)}] {spec.key}{said} {result['seconds']}s", flush=True)
         m["load_end"], m["ended"] = load(), now()
-        rows.sort(key=lambda r: (order.get(r["key"], len(order)), optimizers.index(r.get("optimizer", optimizers[0]))
-                                 if r.get("optimizer", optimizers[0]) in optimizers else len(optimizers)))
+        rows.sort(key=lambda r: (order[r["key"]], rank.get(r.get("optimizer", optimizers[0]), len(rank))))
         write_page(args.out, {"command": command, "machine": m, "optimizers": optimizers, "rows": rows}
                    if args.check_only else {"machine": m, "command": command, "rows": rows}, args)
     print("\n".join(check_summary(rows, optimizers) if args.check_only else sweep_summary(rows)))

@@ -23,10 +23,9 @@ from cltrain.timing.steps import training_step
 from scripts.harness import emit
 from scripts.zoo.confirm import check_child, record_check
 from scripts.zoo.models import (
-    Spec, batch_to, build, clone_batch, conv_weights_cl, make_batch, quiet_random_layers, training_loss,
+    Spec, batch_to, build, clone_batch, conv_weights_cl, fit, grads_of, make_batch, quiet_random_layers, training_loss,
 )
 from scripts.zoo.parity import parity
-from scripts.zoo.training import fit, grads_of
 
 __all__ = ["child"]
 

@@ -118,7 +118,7 @@ def _e2e(name: str, r: int, img_s: float, precision: str = "16-mixed", batch: in
 
 
 def test_the_mark_table_gives_medians_and_each_rounds_ratio_to_its_contiguous_run() -> None:
-    from scripts.bench.mark_table import mark_markdown
+    from scripts.bench.mark import mark_markdown
 
     profile = {"wall_ms": 50.0, "kinds": {"convolution forward": 10.0, "data wait": 5.0}}
     records = [
