@@ -32,7 +32,7 @@ class FolderChecks:
             that is an error naming them).
         exclude_files: a list of files to leave out from the start: the output of
             ``python -m cltrain.data.check ROOT``, or a ``skipped_files.tsv``.
-        check_val: check the validation files in ``setup`` before training starts: ``"quick"``
+        check_val: check the validation files in ``setup``, before training or an evaluation starts: ``"quick"``
             (headers and JPEG end markers), ``"full"`` (decode every file, with ``decoder``) or
             ``"off"`` (see ``cltrain.data.check``). Bad files stop the run (``bad_files="raise"``)
             or are left out and listed (``"skip"``).

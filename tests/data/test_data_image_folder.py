@@ -152,6 +152,21 @@ def test_skip_policy_replaces_logs_and_lists_the_files(tmp_path):
     assert reasons["empty.jpg"] == "empty file (0 bytes)" and "<_io" not in "".join(reasons.values()), reasons
 
 
+
+@pytest.mark.parametrize(("stage", "before"), [("validate", "validation"), ("test", "testing")])
+def test_an_evaluation_leaves_a_bad_validation_file_out_before_it_starts(tmp_path, stage, before):
+    # as fit does: not replaced by the next file, which would count twice in the metrics
+    root = write_image_folder(tmp_path / "data", classes=2, train=1, val=2, size=(64, 48))
+    shutil.copy(write_odd_files(tmp_path / "odd")["empty"], root / "val" / "c0" / "empty.jpg")
+    dm = ImageFolderDataModule(root, batch_size=8, num_workers=0, image_size=SIZE, val_resize_size=36, bad_files="skip")
+    model = Recorder()
+    with pytest.warns(UserWarning, match=rf"left out 1 unreadable validation file\(s\) before {before}: .*empty.jpg"):
+        getattr(_trainer(tmp_path / "run", limit_val_batches=None, limit_test_batches=None), stage)(model, datamodule=dm)
+    assert [s[1][0] for s in model.seen["val" if stage == "validate" else "test"]] == [4]  # 5 files less the empty one
+    raising = ImageFolderDataModule(root, batch_size=8, num_workers=0, image_size=SIZE, val_resize_size=36)
+    with pytest.raises(BadImageError, match=rf"1 unreadable file\(s\) found before {before}: .*empty.jpg"):
+        getattr(_trainer(tmp_path / "run"), stage)(Recorder(), datamodule=raising)
+
 def test_layout_errors_come_before_training(tmp_path):
     def fit(root):
         _trainer(tmp_path, limit_train_batches=1).fit(Recorder(), datamodule=ImageFolderDataModule(root, num_workers=0))

@@ -39,6 +39,10 @@ from cltrain.data.settings import IMAGE_FOLDER
 __all__ = ["ImageFolderDataModule"]
 
 
+#: What starts after ``setup(stage)``, as the check of the validation files says it.
+_BEFORE = {"fit": "training", "validate": "validation", "test": "testing", "predict": "prediction"}
+
+
 class ImageFolderDataModule(ImageDataModule):
     """Train/val image folders in the ImageNet layout, as normalised channels_last batches.
 
@@ -94,8 +98,8 @@ class ImageFolderDataModule(ImageDataModule):
             if exclude and not self._told_excluded:
                 self._told_excluded = True
                 self._tell_excluded(len(exclude))
-            if stage == "fit":
-                self._check_val_files(self.val_set)
+            stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn
+            self._check_val_files(self.val_set, _BEFORE.get(stage, "training"))  # evaluations too
 
     def _tell_excluded(self, listed: int) -> None:
         """How many of the listed files were left out; a warning where none of them is under the root."""
@@ -110,8 +114,9 @@ class ImageFolderDataModule(ImageDataModule):
                            f"under {self.root} (a relative path in the list is read from the working directory, "
                            f"{os.getcwd()}); write the list again with 'python -m cltrain.data.check {self.root}'.")
 
-    def _check_val_files(self, dataset: ImageFolderDataset) -> None:
-        """Find bad validation files now, not after a training epoch (every rank checks, so all stop together)."""
+    def _check_val_files(self, dataset: ImageFolderDataset, before: str) -> None:
+        """Find bad validation files now, not after a training epoch or amid an evaluation (where a skipped file's
+        stand-in would count twice); every rank checks, so all stop together. ``before``: what starts next."""
         from cltrain.data.check import check_files  # here: `python -m cltrain.data.check` must not find it imported
 
         paths = [p for p, _ in dataset.samples]
@@ -121,7 +126,7 @@ class ImageFolderDataModule(ImageDataModule):
             return
         listed = "; ".join(f"{p} ({r})" for p, r in sorted(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")
         if self.bad_files == "raise":
-            raise BadImageError(f"{dataset.split_dir}: {len(bad)} unreadable file(s) found before training: {listed}. "
+            raise BadImageError(f"{dataset.split_dir}: {len(bad)} unreadable file(s) found before {before}: {listed}. "
                                 f"List them all with 'python -m cltrain.data.check {self.root}' and pass exclude_files=<that list>, "
                                 "or pass bad_files='skip'.")
         dataset.samples = [s for s in dataset.samples if s[0] not in bad]
@@ -129,7 +134,7 @@ class ImageFolderDataModule(ImageDataModule):
             raise BadImageError(f"{dataset.split_dir}: every file is unreadable: {listed}.")
         for path, reason in bad.items():
             dataset.skip(path, reason)
-        rank_zero_warn(f"ImageFolderDataModule: left out {len(bad)} unreadable validation file(s) before training: {listed}.")
+        rank_zero_warn(f"ImageFolderDataModule: left out {len(bad)} unreadable validation file(s) before {before}: {listed}.")
 
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
