@@ -116,8 +116,9 @@ class SkipsBadSamples:
             try:
                 return load(i)
             except BadImageError as err:
-                name = self.sample_name(i)
-                self.skip(name, getattr(err, "reason", None) or unreadable(err.__cause__ or err, name))
+                if attempt == 0:  # a stand-in that fails is reported at its own place in the epoch: once
+                    name = self.sample_name(i)
+                    self.skip(name, getattr(err, "reason", None) or unreadable(err.__cause__ or err, name))
         raise BadImageError(f"{self.source_name}: {_MAX_SKIPS_IN_A_ROW} unreadable {self.what}s in a row from index {index}; "
                             "the data is not usable as it is (see the skipped-files list).")
 

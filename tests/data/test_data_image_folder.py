@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from cltrain import is_channels_last
 from cltrain.callback import ChannelsLast
-from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, ImageFolderDataModule, ImageFolderDataset, eval_transform)
+from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, ImageFolderDataModule, ImageFolderDataset,
+                          ResumeMidEpoch, eval_transform)
 from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_jpegs, write_odd_files
 
 SIZE = 32
@@ -305,7 +306,7 @@ def test_statistics_in_0_255_units_are_refused_at_construction(folder):
         ImageFolderDataModule(folder, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))
 
 
-def test_without_the_report_the_datamodule_adds_no_callback_and_says_where_the_list_is(tmp_path):
+def test_without_the_report_the_datamodule_adds_no_report_and_says_where_the_list_is(tmp_path):
     root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
     shutil.copy(write_odd_files(tmp_path / "odd")["empty"], root / "train" / "c0" / "empty.jpg")
     trainer = _trainer(tmp_path / "run", limit_train_batches=None)
@@ -313,4 +314,19 @@ def test_without_the_report_the_datamodule_adds_no_callback_and_says_where_the_l
     with pytest.warns(UserWarning, match=r"add cltrain.data.SkippedFilesReport\(\)"):
         trainer.fit(Recorder(), datamodule=ImageFolderDataModule(root, batch_size=5, num_workers=0, image_size=SIZE,
                                                                  val_resize_size=36, bad_files="skip"))
-    assert trainer.callbacks == before and (tmp_path / "run" / SKIPPED_FILES_NAME).is_file()
+    added = [cb for cb in trainer.callbacks if cb not in before]
+    assert [type(cb) for cb in added] == [ResumeMidEpoch] and (tmp_path / "run" / SKIPPED_FILES_NAME).is_file()
+
+
+def test_two_bad_files_in_a_row_are_each_listed_once(tmp_path):
+    root = write_image_folder(tmp_path / "data", classes=1, train=3, val=1, size=(64, 48))
+    odd = write_odd_files(tmp_path / "odd")
+    for name, kind in (("00_trunc.jpg", "truncated"), ("01_empty.jpg", "empty")):  # sorted first: places 0 and 1
+        shutil.copy(odd[kind], root / "train" / "c0" / name)
+    log = tmp_path / SKIPPED_FILES_NAME
+    ds = ImageFolderDataset(root / "train", eval_transform(SIZE, 36), bad_files="skip", skip_log=log)
+    assert [p.rsplit("/", 1)[1] for p, _ in ds.samples][:2] == ["00_trunc.jpg", "01_empty.jpg"]
+    for i in range(len(ds)):  # place 0's stand-in, place 1, fails too before place 2 stands in
+        ds[i]
+    names = [line.split("\t")[1].rsplit("/", 1)[1] for line in log.read_text().splitlines()]
+    assert sorted(names) == ["00_trunc.jpg", "01_empty.jpg"]
