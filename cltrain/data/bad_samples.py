@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cltrain.data.errors import BadImageError
+from cltrain.data.errors import BadImageError, EmptyImageError
 from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
@@ -53,7 +53,9 @@ def unreadable(err: BaseException, path: str | os.PathLike | None = None) -> str
         return f"a symbolic link to {os.readlink(path)}, which does not exist"
     with contextlib.suppress(OSError, TypeError, ValueError):
         if path is not None and os.path.getsize(path) == 0:
-            return "empty file (0 bytes)"  # as cltrain-data-check says it
+            return str(EmptyImageError())  # as cltrain-data-check says it
+    if isinstance(err, EmptyImageError):  # a stored sample's or a row's 0 bytes
+        return str(err)
     # Pillow names a BytesIO by its address, and a file by the object that read it: the line names the file already
     text = _OPENED.sub("", _IN_MEMORY.sub("(bytes)", f"{type(err).__name__}: {err}"))
     return text.replace("\t", " ").replace("\n", " ")

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BadImageError", "DataError", "StorageError", "error_line"]
+__all__ = ["BadImageError", "DataError", "EmptyImageError", "StorageError", "error_line"]
 
 
 class DataError(ValueError):
@@ -29,6 +29,13 @@ class BadImageError(DataError, RuntimeError):
     def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class EmptyImageError(ValueError):
+    """An image of 0 bytes (a file, a stored sample, a row): its reason reads the same in every source."""
+
+    def __init__(self) -> None:
+        super().__init__("empty file (0 bytes)")
 
 
 class StorageError(DataError):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cltrain.data.errors import DataError
+from cltrain.data.errors import DataError, EmptyImageError
 
 __all__ = ["VAL_SPLITS", "columns", "is_hub_id", "open_dataset", "row_name", "row_source", "split_names", "undecoded"]
 
@@ -125,7 +125,7 @@ def row_source(row: Mapping[str, Any], image: str, label: str) -> tuple[bytes | 
     if data is None or data == "":
         raise ValueError("the row's image has neither bytes nor a path")
     if not data:
-        raise ValueError("the row's image is an empty file (0 bytes)")
+        raise EmptyImageError()
     if isinstance(data, str) and not os.path.isfile(data):  # datasets stores an empty file's bytes as none
         raise ValueError(f"the row's image has no bytes and its path {data!r} is no file here (an empty image file "
                          "when the dataset was made, or a path relative to another folder)")

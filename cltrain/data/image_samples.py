@@ -22,7 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
-from cltrain.data.errors import BadImageError, StorageError
+from cltrain.data.errors import BadImageError, EmptyImageError, StorageError
 from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
@@ -97,6 +97,8 @@ class ImageSamples(SkipsBadSamples, Dataset):
                 return self.transform(src, out=out), target
             if getattr(self.transform, "takes_paths", False):
                 return self.transform(src), target
+            if isinstance(src, bytes) and not src:
+                raise EmptyImageError()
             with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as img:
                 return self.transform(img), target
         except StorageError:  # the bucket or the cache failed, not this sample: never skipped

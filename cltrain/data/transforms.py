@@ -32,6 +32,7 @@ from PIL import Image, ImageOps
 from cltrain.data.constants import CROP_RATIO, CROP_SCALE
 from cltrain.data.crop_kernels import INTERPOLATIONS, check_pixels, jpeg_resized_crop, resized_crop
 from cltrain.data.decoders import Decoder, JpegHeader, get_decoder
+from cltrain.data.errors import EmptyImageError
 from cltrain.data.loader_threads import augment_deferred, sample_generator
 
 __all__ = ["CropParams", "RandomResizedCropFlip", "ResizeCenterCrop", "eval_transform", "size_pair", "train_transform"]
@@ -146,6 +147,8 @@ def _read(img: ImageSource, owner: str) -> bytes | None:
     if isinstance(img, Image.Image):
         return None
     if isinstance(img, (bytes, bytearray, memoryview)):
+        if not len(img):
+            raise EmptyImageError()
         return bytes(img)
     if isinstance(img, (str, os.PathLike)):
         with open(img, "rb") as f:

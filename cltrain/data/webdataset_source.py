@@ -123,7 +123,8 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
         except Exception as err:  # any failure of this one sample
             reason = unreadable(err)
             raise BadImageError(f"{self.source_name} {shard} sample {place} ({sample.get('__key__')}): cannot be read "
-                                f"as an image ({reason}). Pass bad_files='skip' to leave such samples out.", reason) from err
+                                f"as an image ({reason}). Pass bad_files='skip' to leave such samples out, or write the "
+                                "shard again.", reason) from err
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:
         info = get_worker_info()
@@ -172,7 +173,8 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
                 done = self.start_batch(load, seeds, augment, refetch=lambda k: None)()  # "skip": a bad one is None
                 for k, sample in enumerate(done):
                     if k in errors:
-                        self.skip(f"{chunk[k][0]} sample {chunk[k][1]}", errors[k].reason or str(errors[k]))
+                        shard, place, raw = chunk[k]
+                        self.skip(f"{shard} sample {place} ({raw.get('__key__')})", errors[k].reason or str(errors[k]))
                         if last is None:  # the first readable one will stand in
                             owed += 1
                             continue

@@ -313,3 +313,20 @@ def test_the_sources_pass_a_storage_failure_on_under_bad_files_skip(tmp_path):
     with pytest.raises(RemoteError, match="cannot be reached"):
         lost.__getitems__([0, 1])
     assert not lost._warned and not (tmp_path / "skipped.tsv").exists()
+
+
+def test_an_empty_sample_is_said_as_every_source_says_it_and_named_by_its_key(folder, tmp_path):
+    from cltrain.data import eval_transform
+    from cltrain.data.errors import BadImageError
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    jpegs = [p.read_bytes() for p in sorted((folder / "train").rglob("*.jpg"))][:4]
+    root = _local_wds(tmp_path / "wds", [jpegs[0], b"", *jpegs[1:]])
+    log = tmp_path / "skipped.tsv"
+    ds = WebDatasetImages(root, "train", eval_transform(24, 28), shuffle_buffer=None, bad_files="skip", skip_log=log)
+    assert len(list(ds)) == 5  # the one before stands in
+    assert log.read_text().split("\t")[1:] == ["train/shard-0000.tar sample 1 (s001)", "empty file (0 bytes)\n"]
+    raising = WebDatasetImages(root, "train", eval_transform(24, 28), shuffle_buffer=None)
+    with pytest.raises(BadImageError, match=r"sample 1 \(s001\): cannot be read as an image \(empty file \(0 bytes\)\)"
+                                            r"\. Pass bad_files='skip' .*, or write the shard again\."):
+        list(raising)
