@@ -169,6 +169,10 @@ class Pixels:
         if self.dtype not in NORMALIZE_DTYPES:
             _fail(self, f"dtype={self.dtype!r} must be one of {NORMALIZE_DTYPES}.")
         if len(self.mean) not in (1, self.channels) or len(self.std) not in (1, self.channels):
+            if self.channels == 1:
+                _fail(self, f"channels=1 takes one mean and one std value, not mean={self.mean} and std={self.std} "
+                            "(the RGB defaults' three); pass mean=(0.449,), std=(0.226,) (ImageNet's, averaged over "
+                            "its channels) or your images' own.")
             _fail(self, f"mean={self.mean} and std={self.std} need 1 or {self.channels} values each.")
         check_statistics(self.mean, self.std, type(self).__name__)
 

@@ -360,3 +360,11 @@ def test_the_loading_plan_splits_the_cores():
 
     assert [loading_plan(cores=c) for c in (1, 2, 4, 8, 16)] == [(0, 1), (0, 2), (0, 4), (2, 4), (4, 4)]
     assert loading_plan(2, cores=8) == (2, 4) and loading_plan(4, cores=2) == (4, 1)
+
+
+def test_one_channel_with_the_rgb_statistics_says_which_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^ImageFolderDataModule: channels=1 takes one mean and one std value, not "
+                                         r"mean=\(0\.485, 0\.456, 0\.406\).*pass mean=\(0\.449,\), std=\(0\.226,\)") as info:
+        ImageFolderDataModule(tmp_path, channels=1)
+    assert "\n" not in str(info.value)
+    assert ImageFolderDataModule(tmp_path, channels=1, mean=(0.449,), std=(0.226,)).pixels.mean == (0.449,)
