@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ def litdata_index(root: str) -> dict:
     url = join(str(root), "index.json")
     try:
         fs, path = open_fs(url, quick=True) if is_url(url) else (None, url)
-        index = json.loads(fs.cat_file(path) if fs is not None else open(path, "rb").read())
+        index = json.loads(fs.cat_file(path) if fs is not None else Path(path).read_bytes())
     except Exception as err:  # noqa: BLE001 - one line, whatever the store says
         if isinstance(err, FileNotFoundError):
             raise DataError(f"{redact(url)}: not found: {redact(str(root))} is not a LitData optimized dataset (made "
