@@ -143,7 +143,8 @@ class SkipsBadSamples:
                 f.write(f"{self.split_name}\t{name}\t{reason}\n")
         if name not in self._warned:
             self._warned.add(name)
-            log.warning("skipping unreadable %s %s (%s)", self.what, name, reason)
+            said = name if name.startswith(f"{self.what} ") else f"{self.what} {name}"  # "item 15", not "item item 15"
+            log.warning("skipping unreadable %s (%s)", said, reason)
 
 
 class NamedSplit:

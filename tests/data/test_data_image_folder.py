@@ -330,3 +330,18 @@ def test_two_bad_files_in_a_row_are_each_listed_once(tmp_path):
         ds[i]
     names = [line.split("\t")[1].rsplit("/", 1)[1] for line in log.read_text().splitlines()]
     assert sorted(names) == ["00_trunc.jpg", "01_empty.jpg"]
+
+
+def test_the_skip_warning_names_a_sample_once(caplog):
+    from cltrain.data.bad_samples import NamedSplit, SkipsBadSamples
+
+    class Rows(NamedSplit, SkipsBadSamples):
+        what, split = "item", "train"
+
+    rows = Rows()
+    rows._set_policy("skip", None)
+    with caplog.at_level("WARNING", logger="cltrain.data.bad_samples"):
+        rows.skip(rows.sample_name(15), "empty file (0 bytes)")
+        rows.skip("/data/train/c0/a.jpg", "empty file (0 bytes)")
+    assert [r.getMessage() for r in caplog.records] == ["skipping unreadable item 15 (empty file (0 bytes))",
+                                                        "skipping unreadable item /data/train/c0/a.jpg (empty file (0 bytes))"]
