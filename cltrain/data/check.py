@@ -215,7 +215,8 @@ def _splits(root: Path) -> list[tuple[str, Path]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m cltrain.data.check", description=__doc__.split("\n\n")[0])
+    script = os.path.basename(sys.argv[0])  # cltrain-... where the console script runs it
+    parser = argparse.ArgumentParser(prog=script if script.startswith("cltrain-") else "python -m cltrain.data.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", help="folder with train/ and val/ (or one split folder of <class>/<image>)")
     parser.add_argument("--out", default="bad_files.tsv", help="where to write the bad files (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all CPUs)")

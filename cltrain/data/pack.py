@@ -215,7 +215,8 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cltrain.data.pack ROOT OUT [--shard-size N] [--splits train val] [--seed S] [--check full]
     [--workers N]``."""
-    parser = argparse.ArgumentParser(prog="python -m cltrain.data.pack", description=__doc__.split("\n\n")[0])
+    script = os.path.basename(sys.argv[0])  # cltrain-... where the console script runs it
+    parser = argparse.ArgumentParser(prog=script if script.startswith("cltrain-") else "python -m cltrain.data.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", help="ImageNet-layout folder: ROOT/<split>/<class>/<image>")
     parser.add_argument("out", help="new (or empty) folder for the shards; run again with the same arguments to resume")
     parser.add_argument("--shard-size", type=int, default=1000, help="images per shard (default 1000)")

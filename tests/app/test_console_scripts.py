@@ -47,3 +47,12 @@ def test_the_sweep_report_writes_its_table_without_matplotlib(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "the chart needs matplotlib: pip install 'cltrain[report]'" in done.stdout
     assert "1.25x" in (tmp_path / "report.md").read_text() and not (tmp_path / "report.png").exists()
+
+
+@pytest.mark.parametrize("script,module", [("cltrain-data-check", "cltrain.data.check"), ("cltrain-pack", "cltrain.data.pack")])
+def test_the_usage_names_the_command_that_ran(tmp_path, script, module) -> None:
+    code = f"import sys; sys.argv = [{script!r}, '--help']\nfrom {module} import main; sys.exit(main())"
+    assert warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout.startswith(
+        f"usage: {script} ")
+    module_run = warm.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
+    assert module_run.stdout.startswith(f"usage: python -m {module} ")
