@@ -89,6 +89,7 @@ class BatchInputs:
         self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a kind, to trace
         self._told = self._looked = False
         self._hint = " cltrain.data's NHWC collate makes this copy unnecessary."
+        self._named = "channels_last"  # the memory format the lines name
 
     def convert(self, batch: Any, kind: str, model: nn.Module, layout: str, *, in_place: bool = True) -> Any:
         """``batch`` with its model inputs in ``layout``: the same object, its tensors restrided in place, or (not
@@ -143,6 +144,10 @@ class BatchInputs:
         self._looked = True
         if isinstance(batch, Mapping) and "pixel_values" in batch:  # an image processor's CHW floats: no collate of ours
             self._hint = ""
+        first = first_image_tensor(batch, self.inputs)
+        if first is not None and first.dim() == 5:  # clips: channels_last_3d, from the clip collate
+            self._named = "channels_last_3d"
+            self._hint = self._hint and " cltrain.data.video's NDHWCCollate makes this copy unnecessary."
         if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:
             self.say(f"ChannelsLast: no model input found in the batch ({describe_batch(batch)}), so none is converted "
                      "(the first convolution converts the activations). Name it with inputs=KEY or inputs=INDEX (a list "
@@ -153,7 +158,7 @@ class BatchInputs:
         if converted and not self._told and layout == "channels_last":
             self._told = True
             self.say(f"ChannelsLast: batches arrive in another layout; converting {converted} tensor(s) per batch "
-                     f"to {layout} on the device.{self._hint}", False)
+                     f"to {self._named} on the device.{self._hint}", False)
 
 
 def _restrided_copy(batch: Any, layout: str, inputs: Inputs, skip: Any,

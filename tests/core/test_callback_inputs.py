@@ -395,11 +395,13 @@ def test_the_copy_line_points_at_the_nhwc_collate_only_where_it_can_serve():
     # a Hugging Face image processor's batch (CHW floats under pixel_values) cannot come from cltrain's NHWC collate
     from cltrain.batch_inputs import BatchInputs
 
-    model = nn.Conv2d(3, 4, 3)
-    for batch, hint in (({"pixel_values": torch.randn(2, 3, 8, 8), "labels": torch.zeros(2)}, False),
-                        ((torch.randn(2, 3, 8, 8), torch.zeros(2)), True)):
+    image, clip, labels = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 4, 8, 8), torch.zeros(2)
+    for model, batch, hint in ((nn.Conv2d(3, 4, 3), {"pixel_values": image, "labels": labels}, ""),
+                               (nn.Conv2d(3, 4, 3), (image, labels), "cltrain.data's NHWC collate"),
+                               (nn.Conv3d(3, 4, 3), (clip, labels), "cltrain.data.video's NDHWCCollate")):
         said = []
         BatchInputs(lambda line, warn=False: said.append(line), inputs="all").convert(batch, "train", model,
                                                                                     "channels_last")
-        assert len(said) == 1 and "converting 1 tensor(s) per batch" in said[0], said
-        assert ("NHWC collate" in said[0]) == hint, said
+        named = "channels_last_3d" if isinstance(model, nn.Conv3d) else "channels_last"
+        assert len(said) == 1 and f"converting 1 tensor(s) per batch to {named} on the device." in said[0], said
+        assert ("collate" in said[0].lower()) == bool(hint) and hint in said[0], said
