@@ -395,10 +395,10 @@ def test_the_copy_line_points_at_the_nhwc_collate_only_where_it_can_serve():
     # a Hugging Face image processor's batch (CHW floats under pixel_values) cannot come from cltrain's NHWC collate
     from cltrain.batch_inputs import BatchInputs
 
-    image, clip, labels = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 4, 8, 8), torch.zeros(2)
-    for model, batch, hint in ((nn.Conv2d(3, 4, 3), {"pixel_values": image, "labels": labels}, ""),
-                               (nn.Conv2d(3, 4, 3), (image, labels), "cltrain.data's NHWC collate"),
-                               (nn.Conv3d(3, 4, 3), (clip, labels), "cltrain.data.video's NDHWCCollate")):
+    image, clip, labels = (2, 3, 8, 8), (2, 3, 4, 8, 8), torch.zeros(2)  # each batch new: convert restrides in place
+    for model, batch, hint in ((nn.Conv2d(3, 4, 3), {"pixel_values": torch.randn(image), "labels": labels}, ""),
+                               (nn.Conv2d(3, 4, 3), (torch.randn(image), labels), "cltrain.data's NHWC collate"),
+                               (nn.Conv3d(3, 4, 3), (torch.randn(clip), labels), "cltrain.data.video's NDHWCCollate")):
         said = []
         BatchInputs(lambda line, warn=False: said.append(line), inputs="all").convert(batch, "train", model,
                                                                                     "channels_last")
