@@ -38,7 +38,9 @@ def wrappers(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
     if first is None:
         return []
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, nn.parallel.DistributedDataParallel)
+    # type(), not isinstance: isinstance reads an object's __class__, which torch's deprecated
+    # torch.distributed.reduce_op answers with a FutureWarning on every rank
+    return [o for o in gc.get_objects() if issubclass(type(o), nn.parallel.DistributedDataParallel)
             and any(p is first for p in o.module.parameters())]
 
 

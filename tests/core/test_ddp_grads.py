@@ -97,3 +97,17 @@ def test_a_ddp_of_one_rank_gets_the_right_gradient_after_the_switch(tmp_path, fl
         assert min(_errors(rank, nchw=True)) > 0.3, rank["steps"]
     else:
         assert max(_errors(rank, nchw=True)) < 1e-5, rank["steps"]
+
+
+def test_finding_the_wrappers_warns_nothing() -> None:
+    # isinstance over every object read torch.distributed.reduce_op's __class__: a FutureWarning on each rank
+    import warnings
+
+    import torch.distributed  # noqa: F401 - its deprecated reduce_op among the objects walked
+    from torch import nn
+
+    from cltrain.ddp import wrappers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert wrappers(nn.Conv2d(3, 4, 3)) == []
