@@ -368,3 +368,24 @@ def test_one_channel_with_the_rgb_statistics_says_which_to_pass(tmp_path: Path) 
         ImageFolderDataModule(tmp_path, channels=1)
     assert "\n" not in str(info.value)
     assert ImageFolderDataModule(tmp_path, channels=1, mean=(0.449,), std=(0.226,)).pixels.mean == (0.449,)
+
+
+class _Noisy(ImageFolderDataModule):
+    """A user's DataModule with an argument of its own, passing the rest on."""
+
+    def __init__(self, root: str, extra_noise: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self.extra_noise = extra_noise
+
+
+def test_a_subclass_with_an_argument_of_its_own_keeps_it_beside_the_settings(tmp_path: Path) -> None:
+    names = list(inspect.signature(_Noisy).parameters)
+    assert names[:3] == ["root", "extra_noise", "batch_size"]
+    assert set(inspect.signature(ImageFolderDataModule).parameters) <= set(names)
+    jsonargparse = pytest.importorskip("jsonargparse")  # as LightningCLI reads it
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(_Noisy, "data")
+    data = parser.parse_args(["--data.root=/x", "--data.extra_noise=0.5", "--data.batch_size=8"]).data
+    assert (data.extra_noise, data.batch_size) == (0.5, 8)
+    made = _Noisy(tmp_path, extra_noise=0.5, batch_size=8)
+    assert (made.extra_noise, made.batch_size) == (0.5, 8)

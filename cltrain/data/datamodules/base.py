@@ -25,6 +25,7 @@ batch is collated (``_collate``), or how a loader batches altogether (``_batchin
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -84,7 +85,9 @@ class BatchDataModule(L.LightningDataModule):
             def __init__(self: Any, *args: Any, **kw: Any) -> None:
                 super(cls, self).__init__(*args, **kw)
             cls.__init__ = __init__  # type: ignore[method-assign]
-        cls.__init__.__signature__ = signature_of(cls.settings)  # what inspect, help and LightningCLI read
+        # what inspect, help and LightningCLI read: the settings' fields, after the names a subclass's own __init__
+        # adds before passing the rest on (a user's DataModule with an argument of its own)
+        cls.__init__.__signature__ = _with_settings(cls.__init__, signature_of(cls.settings))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
@@ -283,6 +286,18 @@ class BatchDataModule(L.LightningDataModule):
         """``batch`` with its first fields replaced by ``head``, of the same type."""
         fields = [*head, *batch[len(head):]]
         return tuple(fields) if isinstance(batch, tuple) else fields
+
+
+def _with_settings(init: Any, settings: inspect.Signature) -> inspect.Signature:
+    """``init``'s own named parameters, then the settings' (keyword-only) that it passes on by ``**kwargs``; the
+    settings' signature alone where ``init`` names none (``*args, **kwargs``) or passes nothing on."""
+    own = list(inspect.signature(init).parameters.values())
+    named = [p for p in own if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(named) <= 1 or not any(p.kind == p.VAR_KEYWORD for p in own):  # only self, or no **kwargs to pass on
+        return settings if len(named) <= 1 else inspect.signature(init)
+    names = {p.name for p in named}
+    passed = [p.replace(kind=p.KEYWORD_ONLY) for p in settings.parameters.values() if p.name not in names]
+    return inspect.Signature([*named, *passed])
 
 
 def _say_if_resumed_without_state(trainer: Any) -> None:
