@@ -651,3 +651,26 @@ def test_a_max_steps_stop_mid_epoch_saved_by_model_checkpoint_resumes_there(fold
     resumed, again, _ = _run(folder, tmp_path / "resumed", 0, ckpt_path=str(tmp_path / "stopped" / "last.ckpt"))
     assert again.global_step == 2 * STEPS_PER_EPOCH
     assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))
+
+
+@pytest.mark.parametrize("top_k", [1, 0])
+@pytest.mark.parametrize("max_steps", [2 * STEPS_PER_EPOCH, -1])
+def test_a_max_steps_stop_at_an_epochs_end_resumes_with_the_next_epoch(folder, whole0, tmp_path, top_k, max_steps):
+    # Lightning counts such an epoch completed at resume only without max_steps (Lightning #19617): with it, the
+    # stopped epoch went on with a batch of the next epoch's order
+    last = ModelCheckpoint(dirpath=tmp_path / "stopped", save_last=True, save_top_k=top_k)
+    _run(folder, tmp_path / "stopped", 0, max_steps=STEPS_PER_EPOCH, callbacks=(last,))
+    resumed, again, _ = _run(folder, tmp_path / "resumed", 0, max_steps=max_steps,
+                             ckpt_path=str(tmp_path / "stopped" / "last.ckpt"))
+    assert (again.global_step, again.current_epoch) == (2 * STEPS_PER_EPOCH, 2)
+    assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))
+
+
+def test_a_run_resumed_twice_from_step_checkpoints_ends_where_the_uninterrupted_run_ends(folder, whole0, tmp_path):
+    # resumed from the last batch's checkpoint of epoch 0, Lightning counts that epoch completed but not processed, and
+    # the resumed run's own checkpoints carry it: resumed again from one of them, the run trained a whole extra epoch
+    _run(folder, tmp_path / "first", 0, every=1, ckpt_path=str(whole0[1] / f"step={STEPS_PER_EPOCH}.ckpt"))
+    resumed, again, _ = _run(folder, tmp_path / "second", 0,
+                             ckpt_path=str(tmp_path / "first" / f"step={STEPS_PER_EPOCH + 1}.ckpt"))
+    assert again.global_step == 2 * STEPS_PER_EPOCH
+    assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))

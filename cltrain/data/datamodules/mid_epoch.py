@@ -1,11 +1,22 @@
-"""``ResumeMidEpoch``: a checkpoint written where ``max_steps`` stopped a fit in the middle of an epoch resumes there.
+"""``ResumeMidEpoch``: a checkpoint written in the middle of an epoch resumes there, whoever wrote it.
 
-Lightning saves such a checkpoint from the epoch's end hooks or at the fit's end (``ModelCheckpoint(save_last=True)``)
-after counting the epoch as processed, so a run resumed from it starts the next epoch, while a
-cltrain DataModule's place in the stopped epoch, saved with it, says the epoch goes on: the next epoch would be read
-from that place, short. This callback writes (and reads) such a checkpoint as the mid-epoch state a signal's or a
-step's checkpoint is, so the resumed run finishes the stopped epoch and ends where the uninterrupted run ends. A
-cltrain DataModule adds it to the Trainer at ``setup``; checkpoints without a DataModule's place are left alone.
+A cltrain DataModule saves its place in the epoch with each checkpoint (the epoch's number, the batches taken);
+Lightning's loop counts the epochs apart from it, and its count is off in three cases, where the resumed run did not
+end as the uninterrupted run ends:
+
+* ``max_steps`` stopped the fit mid-epoch and ``ModelCheckpoint(save_last=True)`` saved ``last.ckpt`` from the
+  epoch's end hooks or at the fit's end, counting the epoch as processed: the run resumed with the next epoch, read
+  from the stopped place (short);
+* a run resumed from the checkpoint of an epoch's last batch counts the next epoch as the stopped one (its start is
+  not counted): a checkpoint it writes in that epoch, resumed, trained a whole epoch more;
+* ``max_steps`` stopped the fit at an epoch's end, and the run resumed with ``max_steps`` set: Lightning counts that
+  epoch finished only without ``max_steps`` (``FitLoop.on_run_start``; Lightning #19617), so the stopped epoch went on
+  with a batch of the next one's order.
+
+This callback writes (and reads) a mid-epoch checkpoint with the epoch counts of the DataModule's place, as a
+checkpoint of that epoch's steps in an uninterrupted run has them, and reads a finished epoch's checkpoint under
+``max_steps`` as Lightning reads it without. A cltrain DataModule adds it to the Trainer at ``setup``; a checkpoint without a DataModule's
+place is left alone.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ __all__ = ["ResumeMidEpoch"]
 
 
 class ResumeMidEpoch(L.Callback):
-    """Makes a checkpoint written after a ``max_steps`` stop in the middle of an epoch resume there (module docstring).
+    """Makes a checkpoint resume in the epoch its DataModule's place is in (see the module docstring).
 
     Example::
 
@@ -28,25 +39,46 @@ class ResumeMidEpoch(L.Callback):
 
     @override
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        _stopped_epoch_goes_on(trainer, checkpoint)
+        _count_the_places_epoch(trainer, checkpoint)
 
     @override
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        _stopped_epoch_goes_on(trainer, checkpoint)  # one written without this callback
+        _count_the_places_epoch(trainer, checkpoint)  # one written without this callback
+        if trainer.max_steps != -1:
+            _finished_epoch_with_max_steps(trainer, checkpoint)
 
 
-def _stopped_epoch_goes_on(trainer: Any, checkpoint: dict[str, Any]) -> None:
-    """Where ``checkpoint``'s epoch is counted processed (or completed) though its last batch was not reached, and the
-    DataModule's place in it is saved: the epoch counted as going on, as a checkpoint of one of its steps counts it."""
+def _count_the_places_epoch(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Where ``checkpoint`` was written in the middle of an epoch (its last batch not reached, the DataModule's place
+    in it saved): the loop's epoch counts as that epoch's steps have them (started, not processed)."""
     datamodule = getattr(trainer, "datamodule", None)
     place = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
+    loader = place.get("train_loader") if isinstance(place, dict) else None
     fit = checkpoint.get("loops", {}).get("fit_loop", {})
-    epoch, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
-    if not isinstance(place, dict) or "train_loader" not in place or not epoch or not batches \
-            or batches.get("is_last_batch", True):
+    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
+    if not isinstance(loader, dict) or not isinstance(loader.get("epoch"), int) or loader.get("finished", True) \
+            or not epochs or not batches or batches.get("is_last_batch", True):
         return
-    for counts in (epoch["total"], epoch["current"]):
-        # counted processed at the epoch's end hooks (and completed after them, where the save is at the fit's end)
-        unfinished = counts["started"] - 1
-        counts["processed"] = min(counts["processed"], unfinished)
-        counts["completed"] = min(counts["completed"], unfinished)
+    epoch = loader["epoch"]
+    for counts in (epochs["total"], epochs["current"]):  # total: the same, counted on from an earlier fit
+        before = counts["completed"] - epochs["current"]["completed"]
+        counts.update(ready=before + epoch + 1, started=before + epoch + 1, processed=before + epoch,
+                      completed=before + epoch)
+
+
+def _finished_epoch_with_max_steps(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Where ``checkpoint``'s epoch was finished (its last batch done, the DataModule's place at its end) and the fit
+    resumes with ``max_steps``: the counts a fit without ``max_steps`` resumes from (the epoch completed, no batch of
+    the next one taken), which Lightning's loop restores only without it (it goes on in the finished epoch)."""
+    datamodule = getattr(trainer, "datamodule", None)
+    place = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
+    loader = place.get("train_loader") if isinstance(place, dict) else None
+    fit = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
+    if not isinstance(loader, dict) or not loader.get("finished") or not epochs or not batches \
+            or not batches.get("is_last_batch") or epochs["current"]["processed"] != epochs["current"]["started"]:
+        return
+    for counts in (epochs["total"], epochs["current"]):
+        counts["completed"] = counts["processed"]
+    batches["current"] = dict.fromkeys(batches["current"], 0)
+    batches["is_last_batch"] = False
