@@ -61,7 +61,7 @@ class Net(pl.LightningModule):
 def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, epochs: int = 2, every: int = 0,
          video: bool = False, shards: bool = False, hf: bool = False, lit: bool = False, mds: bool = False,
          val: bool = False, callbacks: tuple = (), limit_train_batches: int | float = 1.0, max_steps: int = -1,
-         **data_options):
+         accumulate: int = 1, **data_options):
     pl.seed_everything(7, verbose=False)
     options = dict(batch_size=4, num_workers=workers, image_size=24, val_resize_size=28, persistent_workers=False)
     options.update(data_options)
@@ -83,6 +83,7 @@ def _run(folder: Path, root: Path, workers: int, ckpt_path: str | None = None, e
         trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=1.0 if val else 0, num_sanity_val_steps=0,
                              limit_train_batches=limit_train_batches, max_steps=max_steps,
+                             accumulate_grad_batches=accumulate,
                              enable_checkpointing=bool(every or callbacks),
                              callbacks=[ChannelsLast(layout=LAYOUT), *saves, *callbacks],
                              default_root_dir=root)
@@ -674,3 +675,25 @@ def test_a_run_resumed_twice_from_step_checkpoints_ends_where_the_uninterrupted_
                              ckpt_path=str(tmp_path / "first" / f"step={STEPS_PER_EPOCH + 1}.ckpt"))
     assert again.global_step == 2 * STEPS_PER_EPOCH
     assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))
+
+
+def test_a_checkpoint_inside_an_accumulation_window_says_the_resumed_run_is_not_exact(folder, tmp_path):
+    # Lightning saves no accumulated gradient: a resume between micro-batches cannot be bit for bit, and says so
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    class Crash(Exception):
+        pass
+
+    class CrashAtTheSecondMicroBatch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                raise Crash
+
+    with pytest.raises(Crash):
+        _run(folder, tmp_path / "crashed", 0, accumulate=2,
+             callbacks=(CrashAtTheSecondMicroBatch(), OnExceptionCheckpoint(tmp_path, "crashed")))
+    _, _, said = _run(folder, tmp_path / "resumed", 0, accumulate=2, ckpt_path=str(tmp_path / "crashed.ckpt"))
+    assert [m for m in said if "was saved after 1 of the 2 micro-batches of an accumulate_grad_batches window" in m]
+    _run(folder, tmp_path / "steps", 0, accumulate=2, every=1, epochs=1)  # saved at each optimizer step's end
+    _, _, said = _run(folder, tmp_path / "exact", 0, accumulate=2, ckpt_path=str(tmp_path / "steps" / "step=1.ckpt"))
+    assert not [m for m in said if "accumulate_grad_batches" in m]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 __all__ = ["ResumeMidEpoch"]
@@ -46,6 +47,7 @@ class ResumeMidEpoch(L.Callback):
         _count_the_places_epoch(trainer, checkpoint)  # one written without this callback
         if trainer.max_steps != -1:
             _finished_epoch_with_max_steps(trainer, checkpoint)
+        _say_if_inside_an_accumulation_window(trainer, checkpoint)
 
 
 def _count_the_places_epoch(trainer: Any, checkpoint: dict[str, Any]) -> None:
@@ -82,3 +84,20 @@ def _finished_epoch_with_max_steps(trainer: Any, checkpoint: dict[str, Any]) -> 
         counts["completed"] = counts["processed"]
     batches["current"] = dict.fromkeys(batches["current"], 0)
     batches["is_last_batch"] = False
+
+
+def _say_if_inside_an_accumulation_window(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """One line where ``checkpoint`` was saved between the micro-batches of an ``accumulate_grad_batches`` window (an
+    exception's or a signal's checkpoint): Lightning saves no accumulated gradient, so the window's first step lacks
+    those micro-batches' gradients and the run is not the uninterrupted one's."""
+    every = getattr(trainer, "accumulate_grad_batches", 1)
+    batches = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not isinstance(every, int) or every <= 1 or not batches or batches.get("is_last_batch", True):
+        return
+    done = batches["current"]["processed"] % every  # completed lags at a batch-end save
+    if done:
+        rank_zero_warn(f"cltrain: {getattr(trainer, 'ckpt_path', None) or 'the checkpoint'} was saved after {done} of "
+                       f"the {every} micro-batches of an accumulate_grad_batches window; Lightning saves no accumulated "
+                       f"gradient, so the resumed run's next optimizer step lacks their gradients and does not end bit "
+                       f"for bit where the uninterrupted run ends (resume from a checkpoint saved at a step's end, e.g. "
+                       f"ModelCheckpoint(every_n_train_steps=...), to continue exactly).")
