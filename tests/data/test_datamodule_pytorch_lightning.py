@@ -67,3 +67,25 @@ def test_a_datamodule_trains_under_pytorch_lightning_and_resumes_mid_epoch_bit_f
     assert proc.stdout.strip().splitlines()[-1] == "RESULT 6 6 True", proc.stdout[-2000:]
     unmade = _run(tmp_path / "unmade", "unmade")  # a DataModule of lightning's package alone: pytorch_lightning refuses it
     assert unmade.returncode != 0 and "Expected a parent" in unmade.stderr, unmade.stderr[-2000:]
+
+
+_CLI = """
+import sys, pytorch_lightning as pl
+from pytorch_lightning.cli import LightningCLI
+from cltrain.data import pl as by_class
+
+cli = LightningCLI(pl.LightningModule, subclass_mode_data=True, run=False, args=[
+    "--data", sys.argv[1], "--data.root", "/data", "--data.batch_size", "8", "--trainer.logger", "false"])
+print("RESULT", type(cli.datamodule).__name__, isinstance(cli.datamodule, pl.LightningDataModule),
+      cli.datamodule.batch_size, issubclass(by_class.ShardsDataModule, pl.LightningDataModule))
+"""
+
+
+def test_pytorch_lightnings_cli_takes_the_datamodules_by_their_classes(tmp_path):
+    pytest.importorskip("jsonargparse")
+    proc = warm.run([sys.executable, "-c", _CLI, "cltrain.data.pl.ImageFolderDataModule"], cwd=REPO,
+                    capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1:] == ["RESULT ImageFolderDataModule True 8 True"], proc.stderr[-3000:]
+    plain = warm.run([sys.executable, "-c", _CLI, "cltrain.data.ImageFolderDataModule"], cwd=REPO,
+                     capture_output=True, text=True, timeout=300)  # lightning's class: that CLI refuses it
+    assert plain.returncode != 0 and "LightningDataModule" in plain.stderr, plain.stderr[-2000:]
