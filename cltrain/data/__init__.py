@@ -24,6 +24,7 @@ Its modules, one line each (the names below are importable from ``cltrain.data``
 * ``image_samples``: ``ImageSamples``, the base of the map-style image Datasets (a path or bytes per sample).
 * ``prefetch``: ``PrefetchDataLoader``, the next batch copied to the GPU on a side stream.
 * ``datamodules``: ``ImageFolderDataModule``, ``ShardsDataModule``, ``HFImageDataModule`` and their bases, for Lightning.
+* ``pl``: the same DataModule classes as subclasses of the standalone ``pytorch_lightning``'s too (its LightningCLI).
 * ``demo``: ``make_demo_dataset``, a small JPEG folder with a learnable signal, made locally.
 * ``constants``: ImageNet statistics, the image suffixes read, the hidden and system entries no walk lists.
 * ``video``: the same path for clips, ``(N, C, T, H, W)`` channels_last_3d.
