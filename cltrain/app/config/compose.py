@@ -68,6 +68,15 @@ def _compose(overrides: Sequence[str], config_name: str = "config") -> DictConfi
         raise error from None
 
 
+def _launched_here(overrides: Sequence[str], config_name: str) -> bool:
+    """Whether Hydra's own launcher runs the sweep's jobs in this process (not a scheduler's, ``hydra/launcher=slurm``,
+    whose jobs start their ranks themselves)."""
+    from hydra import compose
+
+    hydra = compose(config_name, overrides=list(overrides), return_hydra_config=True).hydra
+    return str(hydra.launcher.get("_target_", "")).endswith(".BasicLauncher")
+
+
 def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> DictConfig:
     """The config ``python train.py <overrides>`` would run, composed with Hydra's compose API
     (no run directory, so set ``run_dir=...`` before calling ``train``).
@@ -148,7 +157,7 @@ def check_command_line(argv: Sequence[str]) -> None:
             for variant in variants:
                 cfg = _compose(variant, args.config_name or "config")
                 check(cfg)
-                if args.multirun:
+                if args.multirun and _launched_here(variant, args.config_name or "config"):
                     check_sweep_launch(cfg)
     except ConfigError:
         raise
