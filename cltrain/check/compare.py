@@ -53,7 +53,7 @@ from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line, method_source, source_of, user_frame
 from cltrain.check.events import Event
 from cltrain.check.gradient_tape import GradientTape
-from cltrain.check.randomness import SameRandomness, rng_state, set_rng_state
+from cltrain.check.randomness import rng_state, same_randomness, set_rng_state
 from cltrain.check.record import Run, execute, loss_of
 from cltrain.check.signature import Vectors, distance, projection_loss
 from cltrain.check.result import STEP_RAISED, Finding, LayoutCheck
@@ -376,7 +376,7 @@ def _time_step(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        with SameRandomness():
+        with same_randomness():
             loss = loss_of(step(model, layout))
             if loss is not None:
                 loss.backward()

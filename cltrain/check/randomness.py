@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from cltrain.check.result import COPY_LIMIT
 
-__all__ = ["SameRandomness", "rng_state", "set_rng_state"]
+__all__ = ["SameRandomness", "rng_state", "same_randomness", "set_rng_state"]
 
 
 _RANDOM_OUT = {
@@ -61,6 +61,41 @@ class SameRandomness(TorchFunctionMode):
         if in_place:
             return x.copy_(result)
         return torch.empty_like(x, dtype=result.dtype).copy_(result)
+
+
+@contextlib.contextmanager
+def same_randomness() -> Any:
+    """``SameRandomness`` around the check's step and backward, also in a non-reentrant activation checkpoint's
+    recompute during the backward, where torch runs no function mode: its dropout drew the forward's mask again in
+    memory order, another one in channels_last, and the check saw a fault the run does not have."""
+    import torch.utils.checkpoint as ckpt
+
+    impl = getattr(ckpt, "_checkpoint_without_reentrant_generator_impl", None)  # where torch passes context_fn on
+
+    def with_mode(*args: Any, **kwargs: Any) -> Any:
+        context_fn = kwargs.get("context_fn")
+        if context_fn is not None and not kwargs.get("debug"):  # debug=True takes no context_fn of ours
+            def both() -> tuple[Any, Any]:
+                forward, recompute = context_fn()
+                return forward, _entered_at_recompute(recompute)
+            kwargs["context_fn"] = both
+        return impl(*args, **kwargs)
+
+    if impl is not None:
+        ckpt._checkpoint_without_reentrant_generator_impl = with_mode
+    try:
+        with SameRandomness():
+            yield
+    finally:
+        if impl is not None:
+            ckpt._checkpoint_without_reentrant_generator_impl = impl
+
+
+@contextlib.contextmanager
+def _entered_at_recompute(recompute: Any) -> Any:
+    """``recompute`` (the checkpoint's own context), then ``SameRandomness``, entered when the recompute starts."""
+    with recompute, SameRandomness():
+        yield
 
 
 def rng_state() -> dict[str, Any]:

@@ -29,7 +29,7 @@ from cltrain.check.events import Event
 from cltrain.check.fallback import map_images
 from cltrain.check.gradient_tape import GradientTape
 from cltrain.check.isolation import ReferenceOutputs
-from cltrain.check.randomness import SameRandomness, set_rng_state
+from cltrain.check.randomness import same_randomness, set_rng_state
 from cltrain.check.signature import Vectors, floats, noise_scale, numbers, signature
 from cltrain.layout.optimizer_state import state_in_param_strides
 
@@ -200,7 +200,7 @@ def execute(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: str
     set_rng_state(rng)
     phase = "step"
     try:
-        with SameRandomness():
+        with same_randomness():
             result = step(model, layout)
             loss = loss_of(result)
             recorder.record(Event("result"), loss if loss is not None else result, (None, recorder.last_top))
