@@ -664,6 +664,7 @@ def test_a_max_steps_stop_at_an_epochs_end_resumes_with_the_next_epoch(folder, w
     resumed, again, _ = _run(folder, tmp_path / "resumed", 0, max_steps=max_steps,
                              ckpt_path=str(tmp_path / "stopped" / "last.ckpt"))
     assert (again.global_step, again.current_epoch) == (2 * STEPS_PER_EPOCH, 2)
+    assert again.fit_loop.epoch_loop._batches_that_stepped == 2 * STEPS_PER_EPOCH  # the step the loggers log at
     assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))
 
 
@@ -697,3 +698,13 @@ def test_a_checkpoint_inside_an_accumulation_window_says_the_resumed_run_is_not_
     _run(folder, tmp_path / "steps", 0, accumulate=2, every=1, epochs=1)  # saved at each optimizer step's end
     _, _, said = _run(folder, tmp_path / "exact", 0, accumulate=2, ckpt_path=str(tmp_path / "steps" / "step=1.ckpt"))
     assert not [m for m in said if "accumulate_grad_batches" in m]
+
+
+def test_a_max_steps_stop_at_an_epochs_end_with_validation_resumes_at_the_loggers_step(folder, tmp_path):
+    # restarting under max_steps, Lightning's loop counts a batch that skips the epoch's validation into the step the
+    # loggers log at: each chunk of a run trained in max_steps chunks logged one step later
+    last = ModelCheckpoint(dirpath=tmp_path / "stopped", save_last=True)
+    _run(folder, tmp_path / "stopped", 0, max_steps=STEPS_PER_EPOCH, val=True, callbacks=(last,))
+    _, again, _ = _run(folder, tmp_path / "resumed", 0, max_steps=2 * STEPS_PER_EPOCH, val=True,
+                       ckpt_path=str(tmp_path / "stopped" / "last.ckpt"))
+    assert again.fit_loop.epoch_loop._batches_that_stepped == again.global_step == 2 * STEPS_PER_EPOCH

@@ -38,6 +38,19 @@ class ResumeMidEpoch(L.Callback):
         trainer = Trainer(max_steps=1000, callbacks=[ModelCheckpoint(save_last=True), ResumeMidEpoch()])
     """
 
+    def __init__(self) -> None:
+        self._logged_step: int | None = None  # the loggers' step a finished epoch's checkpoint had, put back
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._logged_step is not None:
+            # Lightning's loop, restarting under max_steps where validation ran at the epoch's end, counts one
+            # batch that does not train (it skips that validation) into the step its loggers log at
+            loop = trainer.fit_loop.epoch_loop
+            if isinstance(getattr(loop, "_batches_that_stepped", None), int):
+                loop._batches_that_stepped = self._logged_step
+            self._logged_step = None
+
     @override
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         _count_the_places_epoch(trainer, checkpoint)
@@ -46,7 +59,7 @@ class ResumeMidEpoch(L.Callback):
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         _count_the_places_epoch(trainer, checkpoint)  # one written without this callback
         if trainer.max_steps != -1:
-            _finished_epoch_with_max_steps(trainer, checkpoint)
+            self._logged_step = _finished_epoch_with_max_steps(trainer, checkpoint)
         _say_if_inside_an_accumulation_window(trainer, checkpoint)
 
 
@@ -68,10 +81,11 @@ def _count_the_places_epoch(trainer: Any, checkpoint: dict[str, Any]) -> None:
                       completed=before + epoch)
 
 
-def _finished_epoch_with_max_steps(trainer: Any, checkpoint: dict[str, Any]) -> None:
+def _finished_epoch_with_max_steps(trainer: Any, checkpoint: dict[str, Any]) -> int | None:
     """Where ``checkpoint``'s epoch was finished (its last batch done, the DataModule's place at its end) and the fit
     resumes with ``max_steps``: the counts a fit without ``max_steps`` resumes from (the epoch completed, no batch of
-    the next one taken), which Lightning's loop restores only without it (it goes on in the finished epoch)."""
+    the next one taken), which Lightning's loop restores only without it (it goes on in the finished epoch). Returns
+    the loggers' step saved (``None``: nothing rewritten)."""
     datamodule = getattr(trainer, "datamodule", None)
     place = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
     loader = place.get("train_loader") if isinstance(place, dict) else None
@@ -79,11 +93,12 @@ def _finished_epoch_with_max_steps(trainer: Any, checkpoint: dict[str, Any]) -> 
     epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
     if not isinstance(loader, dict) or not loader.get("finished") or not epochs or not batches \
             or not batches.get("is_last_batch") or epochs["current"]["processed"] != epochs["current"]["started"]:
-        return
+        return None
     for counts in (epochs["total"], epochs["current"]):
         counts["completed"] = counts["processed"]
     batches["current"] = dict.fromkeys(batches["current"], 0)
     batches["is_last_batch"] = False
+    return fit.get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
 
 
 def _say_if_inside_an_accumulation_window(trainer: Any, checkpoint: dict[str, Any]) -> None:
