@@ -48,6 +48,8 @@ class KeepOnException(Callback):
         if isinstance(exception, (NonFiniteLossError, DiskFullError, NotWritableError)) \
                 or getattr(exception, "at_once", False):  # a save would fail again; a second signal: the middle of
             return  # a step, perhaps of the optimizer's update
+        if trainer.global_step == 0 and not trainer.ckpt_path:  # nothing trained (a data error found at setup): a
+            return  # step-0 file would resume nothing and keep a retry out of the run directory
         if trainer.world_size > 1 and isinstance(exception, Exception):
             # An error on one rank: the save's barrier would meet the other ranks' next collective (DDP's buffer
             # broadcast) and every rank would wait for ever. The other ranks stop when this one's connections close

@@ -12,7 +12,9 @@ launcher share their parent's. The guarantees: docs/guides/app.md.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -80,12 +82,27 @@ def _requeued_run(directory: Path) -> bool:
     return is_slurm_requeue() and any(directory.glob("hpc_ckpt_*.ckpt"))
 
 
+def _failed_before_training(directory: Path) -> bool:
+    """A run that stopped before its first step (a data error found at setup): no checkpoint, and a ``metrics.json``
+    that says it failed at step 0."""
+    if (directory / "checkpoints").exists():
+        return False
+    try:
+        metrics = json.loads((directory / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and metrics.get("status") == "failed" and not metrics.get("global_step")
+
+
 def _refusal(directory: Path, key: str) -> ConfigError | None:
     """Why an existing ``directory`` cannot be this run's, or None if it holds only bookkeeping."""
     if not directory.is_dir():
         return ConfigError(key, str(directory), "is a file, not a directory", "a new directory path")
     if _requeued_run(directory):
         return None  # Lightning resumes from the hpc checkpoint there
+    if _failed_before_training(directory):  # its metrics.json and csv/ say only that: the retry writes them anew
+        (directory / "metrics.json").unlink()
+        shutil.rmtree(directory / "csv", ignore_errors=True)
     entries = sorted(directory.iterdir())
     earlier = [e.name for e in entries if e.name in OUTPUTS]
     if earlier:

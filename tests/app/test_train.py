@@ -254,3 +254,21 @@ def test_a_batch_of_one_that_batchnorm_refuses_is_the_batch_size_s_one_line(demo
         tiny(demo_root, tmp_path / "run", "data.batch_size=1")
     assert "\n" not in str(info.value)
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+
+
+def test_a_data_error_found_at_setup_leaves_no_checkpoint_and_the_retry_may_use_the_folder(demo_root: Path,
+                                                                                          tmp_path: Path) -> None:
+    import shutil
+
+    from cltrain.data import BadImageError
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_root, data)
+    first_class = sorted(p for p in (data / "val").iterdir() if p.is_dir())[0]
+    (first_class / "00_empty.jpg").write_bytes(b"")
+    with pytest.raises(BadImageError, match="00_empty.jpg"):
+        tiny(data, tmp_path / "run", "data.bad_files=raise")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained: no step-0 checkpoint
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+    again = tiny(data, tmp_path / "run", "data.bad_files=skip", "trainer.max_steps=1")  # the same folder
+    assert again["status"] == "completed" and again["global_step"] == 1
