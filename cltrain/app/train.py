@@ -137,7 +137,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                 trainer.validate(module, datamodule=datamodule, verbose=False)
     except Exception as err:
         if not stop.stopped_by_peer(err):
-            _failed(cfg, results, err)
+            _failed(results, err)
             explained = _explained(cfg, err)
             if explained is not None:
                 raise explained from None
@@ -191,10 +191,10 @@ def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: 
     raise interrupt from None
 
 
-def _failed(cfg: DictConfig, results: RunResults, err: Exception) -> None:
-    """A run an exception stopped: ``metrics.json`` says so (``last.ckpt`` was written by the on-exception save)."""
-    if not cfg.evaluate_only:
-        try:
-            results.finish("failed", err)
-        except Exception:  # noqa: BLE001 - the original error is the one to show
-            pass
+def _failed(results: RunResults, err: Exception) -> None:
+    """A run an exception stopped, training or evaluating: ``metrics.json`` says so (a training run's ``last.ckpt``
+    was written by the on-exception save, where it had trained a step)."""
+    try:
+        results.finish("failed", err)
+    except Exception:  # noqa: BLE001 - the original error is the one to show
+        pass

@@ -272,3 +272,6 @@ def test_a_data_error_found_at_setup_leaves_no_checkpoint_and_the_retry_may_use_
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
     again = tiny(data, tmp_path / "run", "data.bad_files=skip", "trainer.max_steps=1")  # the same folder
     assert again["status"] == "completed" and again["global_step"] == 1
+    with pytest.raises(BadImageError, match="00_empty.jpg"):  # an evaluation's metrics.json says it failed too
+        tiny(data, tmp_path / "eval", "evaluate_only=true", f"ckpt_path={again['last_checkpoint']}")
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["status"] == "failed"
