@@ -28,6 +28,7 @@ __all__ = ["LIBRARY_NOTICES", "quiet_console"]
 #: The beginnings of the log records and warnings left out (logger or warning, text).
 LIBRARY_NOTICES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
+    ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud uploads"),  # said where no checkpoint is saved
     ("warning", "`isinstance(treespec, LeafSpec)` is deprecated"),
     # said by every S3 client each process opens (data.root=s3://...: the workers' too)
     ("botocore.credentials", "Found credentials in"),

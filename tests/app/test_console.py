@@ -78,6 +78,7 @@ def test_quiet_console_sets_lightning_s_own_handler_aside_while_the_root_prints(
     with quiet_console():
         log.info("inside")
         log.info("💡 Tip: For seamless cloud logging and experiment tracking, ...")
+        log.info("💡 Tip: For seamless cloud uploads and versioning, try installing [litmodels](...)")
         log.warning("a real warning")
     assert own_stream.getvalue().splitlines() == ["before"]
     assert root_stream.getvalue().splitlines() == ["before", "inside", "a real warning"]
