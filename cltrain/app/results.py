@@ -182,7 +182,7 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run
         "val_loss": None if logged.get("val/loss") is None else round(float(logged["val/loss"]), 4),
         "best_val_top1": None if best is None else round(100.0 * float(best), 3),
         "train_top1": _percent(logged, "train/top1"),  # logged per epoch only: no _epoch suffix
-        "epochs": trainer.current_epoch,
+        "epochs": _epochs_completed(trainer),
         "global_step": trainer.global_step,
         "best_checkpoint": _checkpoint_path(best_cb.best_model_path, run_dir) if best_cb is not None else None,
         "best_checkpoints": {} if best_cb is None else {
@@ -191,6 +191,15 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run
         "run_dir": str(run_dir),
         "config": redacted(OmegaConf.to_container(cfg, resolve=True)),  # a URL's password, a token: never on disk
     }
+
+
+def _epochs_completed(trainer: pl.Trainer) -> int:
+    """The epochs trained to their end: Lightning's ``current_epoch`` counts the one a ``max_steps`` stop ended in
+    the middle as done (a signal's stop there it does not)."""
+    loop = trainer.fit_loop
+    if loop.epoch_loop.batch_progress.is_last_batch or loop.epoch_loop.batch_progress.current.completed == 0:
+        return trainer.current_epoch
+    return min(trainer.current_epoch, loop.epoch_progress.current.started - 1)
 
 
 def summary_line(m: dict[str, Any], num_classes: int, unit: str = "images") -> str:

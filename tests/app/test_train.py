@@ -232,6 +232,7 @@ def test_a_max_steps_stop_in_the_middle_of_an_epoch_resumes_there_bit_for_bit(de
     whole = tiny(demo_root, tmp_path / "whole", pin, "trainer.max_epochs=2")
     stopped = tiny(demo_root, tmp_path / "stopped", pin, "trainer.max_epochs=2", "trainer.max_steps=3")
     assert stopped["global_step"] == 3 and whole["global_step"] == 8  # 4 batches an epoch
+    assert (stopped["epochs"], whole["epochs"]) == (0, 2)  # the epochs trained to their end
     resumed = tiny(demo_root, tmp_path / "resumed", pin, "trainer.max_epochs=2", f"ckpt_path={stopped['last_checkpoint']}")
     # Lightning counted the stopped epoch as processed: the resumed run began epoch 1 and ended at step 7
     assert resumed["global_step"] == 8
