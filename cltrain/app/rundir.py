@@ -100,15 +100,14 @@ def _refusal(directory: Path, key: str) -> ConfigError | None:
         return ConfigError(key, str(directory), "is a file, not a directory", "a new directory path")
     if _requeued_run(directory):
         return None  # Lightning resumes from the hpc checkpoint there
-    if _failed_before_training(directory):  # its metrics.json and csv/ say only that: the retry writes them anew
-        (directory / "metrics.json").unlink()
-        shutil.rmtree(directory / "csv", ignore_errors=True)
     entries = sorted(directory.iterdir())
-    earlier = [e.name for e in entries if e.name in OUTPUTS]
+    failed = _failed_before_training(directory)  # its metrics.json and csv/ say only that: the retry writes them anew
+    earlier = [e.name for e in entries if e.name in OUTPUTS and not failed]
     if earlier:
         return ConfigError(key, str(directory), f"holds an earlier run ({', '.join(earlier)}); it is never overwritten",
                            "a new directory")
-    other = [e.name + ("/" if e.is_dir() else "") for e in entries if not _is_bookkeeping(e)]
+    other = [e.name + ("/" if e.is_dir() else "") for e in entries
+             if not _is_bookkeeping(e) and not (failed and e.name in OUTPUTS)]
     if other:
         shown = ", ".join(other[:4]) + (", ..." if len(other) > 4 else "")
         return ConfigError(key, str(directory), f"is not empty and not a cltrain run (holds {shown})",
@@ -122,14 +121,17 @@ def _claim_existing(directory: Path, key: str) -> bool:
     if refusal is not None:
         raise refusal
     owner = _claim_owner(directory)
-    if owner is not None and owner[0] == os.getpid() and owner[1] == socket.gethostname():
-        return True  # claimed earlier by this process (the Hydra callback, then train())
-    if _write_claim(directory):
-        return True
-    owner = _claim_owner(directory)
-    if owner is not None and (not _alive(*owner) or _requeued_run(directory)):  # left by a run that is gone
-        return _write_claim(directory, replace=True)
-    return False
+    # claimed earlier by this process (the Hydra callback, then train()), or now, or taken over from a run that is gone
+    claimed = owner is not None and owner[0] == os.getpid() and owner[1] == socket.gethostname() \
+        or _write_claim(directory)
+    if not claimed:
+        owner = _claim_owner(directory)
+        claimed = owner is not None and (not _alive(*owner) or _requeued_run(directory)) \
+            and _write_claim(directory, replace=True)
+    if claimed and _failed_before_training(directory):  # ours now: the failed run's outputs make way for this one's
+        (directory / "metrics.json").unlink()
+        shutil.rmtree(directory / "csv", ignore_errors=True)
+    return claimed
 
 
 def claim_run_dir(run_dir: str | os.PathLike, key: str = "run_dir", next_free: bool = False) -> Path:

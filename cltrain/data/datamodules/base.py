@@ -293,8 +293,10 @@ def _with_settings(init: Any, settings: inspect.Signature) -> inspect.Signature:
     settings' signature alone where ``init`` names none (``*args, **kwargs``) or passes nothing on."""
     own = list(inspect.signature(init).parameters.values())
     named = [p for p in own if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if len(named) <= 1 or not any(p.kind == p.VAR_KEYWORD for p in own):  # only self, or no **kwargs to pass on
-        return settings if len(named) <= 1 else inspect.signature(init)
+    if len(named) <= 1:  # only self: a pass-through
+        return settings
+    if not any(p.kind == p.VAR_KEYWORD for p in own):  # it passes nothing on by name
+        return inspect.signature(init)
     names = {p.name for p in named}
     passed = [p.replace(kind=p.KEYWORD_ONLY) for p in settings.parameters.values() if p.name not in names]
     return inspect.Signature([*named, *passed])

@@ -63,15 +63,22 @@ class ResumeMidEpoch(L.Callback):
         _say_if_inside_an_accumulation_window(trainer, checkpoint)
 
 
-def _count_the_places_epoch(trainer: Any, checkpoint: dict[str, Any]) -> None:
-    """Where ``checkpoint`` was written in the middle of an epoch (its last batch not reached, the DataModule's place
-    in it saved): the loop's epoch counts as that epoch's steps have them (started, not processed)."""
+def _parts(trainer: Any, checkpoint: dict[str, Any]) -> tuple[dict | None, dict, dict | None, dict | None]:
+    """``checkpoint``'s DataModule place in the training epoch (``None`` without one), its fit loop's state, and that
+    loop's epoch and batch counts."""
     datamodule = getattr(trainer, "datamodule", None)
     place = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
     loader = place.get("train_loader") if isinstance(place, dict) else None
     fit = checkpoint.get("loops", {}).get("fit_loop", {})
-    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
-    if not isinstance(loader, dict) or not isinstance(loader.get("epoch"), int) or loader.get("finished", True) \
+    return (loader if isinstance(loader, dict) else None), fit, fit.get("epoch_progress"), \
+        fit.get("epoch_loop.batch_progress")
+
+
+def _count_the_places_epoch(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Where ``checkpoint`` was written in the middle of an epoch (its last batch not reached, the DataModule's place
+    in it saved): the loop's epoch counts as that epoch's steps have them (started, not processed)."""
+    loader, fit, epochs, batches = _parts(trainer, checkpoint)
+    if loader is None or not isinstance(loader.get("epoch"), int) or loader.get("finished", True) \
             or not epochs or not batches or batches.get("is_last_batch", True):
         return
     epoch = loader["epoch"]
@@ -86,12 +93,8 @@ def _finished_epoch_with_max_steps(trainer: Any, checkpoint: dict[str, Any]) -> 
     resumes with ``max_steps``: the counts a fit without ``max_steps`` resumes from (the epoch completed, no batch of
     the next one taken), which Lightning's loop restores only without it (it goes on in the finished epoch). Returns
     the loggers' step saved (``None``: nothing rewritten)."""
-    datamodule = getattr(trainer, "datamodule", None)
-    place = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
-    loader = place.get("train_loader") if isinstance(place, dict) else None
-    fit = checkpoint.get("loops", {}).get("fit_loop", {})
-    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
-    if not isinstance(loader, dict) or not loader.get("finished") or not epochs or not batches \
+    loader, fit, epochs, batches = _parts(trainer, checkpoint)
+    if loader is None or not loader.get("finished") or not epochs or not batches \
             or not batches.get("is_last_batch") or epochs["current"]["processed"] != epochs["current"]["started"]:
         return None
     for counts in (epochs["total"], epochs["current"]):
@@ -106,7 +109,7 @@ def _say_if_inside_an_accumulation_window(trainer: Any, checkpoint: dict[str, An
     exception's or a signal's checkpoint): Lightning saves no accumulated gradient, so the window's first step lacks
     those micro-batches' gradients and the run is not the uninterrupted one's."""
     every = getattr(trainer, "accumulate_grad_batches", 1)
-    batches = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    batches = _parts(trainer, checkpoint)[3]
     if not isinstance(every, int) or every <= 1 or not batches or batches.get("is_last_batch", True):
         return
     done = batches["current"]["processed"] % every  # completed lags at a batch-end save
