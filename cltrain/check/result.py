@@ -59,6 +59,8 @@ class Finding:
             return "call .contiguous() on the tensor before that op"
         if self.kind == "diverged" and self.phase == "update":
             return "call .contiguous() on p.grad there: it reads a gradient's memory as NCHW"
+        if self.kind == "diverged" and self.phase == "backward":
+            return "call .contiguous() on the incoming gradient in its backward: it reads a gradient's memory as NCHW"
         if self.kind == "diverged":
             return "call .contiguous() on its input there: it reads memory as NCHW (as_strided, data_ptr, ...)"
         return "make that code layout-agnostic (.reshape instead of .view, .contiguous() before raw-memory ops)"

@@ -81,6 +81,8 @@ def test_a_layout_fault_in_the_kinked_module_is_still_caught() -> None:
     result = check_layout(model, _step(_batch()))
     assert result.verdict in ("fallback", "contiguous"), result.line()
     assert result.findings[0].module == "3" and result.findings[0].phase == "backward", result.line()
+    # The fix names the backward's gradient, not the forward's input.
+    assert "incoming gradient in its backward" in result.findings[0].fix(), result.findings[0].fix()
 
 
 class Distant(nn.Module):
