@@ -41,7 +41,6 @@ class RunResults:
     resolved: Resolved
     trainer: pl.Trainer
     run: RunCallbacks
-    model: torch.nn.Module
     run_dir: Path
     global_batch: int
     lr: float
@@ -53,7 +52,7 @@ class RunResults:
         """The final metrics with ``status`` (``"completed"``, ``"interrupted"``, ``"failed"``), written as
         ``metrics.json`` by rank zero (replacing the file only in a requeued SLURM job)."""
         cfg, parts = self.cfg, self.run.parts
-        metrics = _final_metrics(cfg, self.resolved, self.trainer, self.run, self.model, self.run_dir,
+        metrics = _final_metrics(cfg, self.resolved, self.trainer, self.run, self.run_dir,
                                 self.global_batch, self.lr)
         callback_records = getattr(parts.get("channels_last"), "guardrails", None) or []
         metrics["guardrails"] = [r.as_dict() for r in (*self.guarded, *callback_records)]
@@ -120,17 +119,13 @@ def _percent(metrics: dict[str, Any], key: str) -> float | None:
     return None if value is None else round(100.0 * float(value), 3)
 
 
-def _kept_layout(cfg: DictConfig, parts: dict[str, Any], model: torch.nn.Module) -> str:
-    """The layout the model trained in: the race of the layouts may have kept contiguous."""
+def _kept_layout(cfg: DictConfig, parts: dict[str, Any]) -> str | None:
+    """The layout the model trained in (the race of the layouts may have kept contiguous); before the callback's
+    setup (a run that failed first) its pinned layout, or ``None``: not decided."""
     if not cfg.channels_last:
         return "contiguous"
-    layout = getattr(parts.get("channels_last"), "layout", None)
-    if layout in ("channels_last", "contiguous"):
-        return layout
-    from cltrain.layout import is_channels_last
-
-    conv = next((m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)), None)
-    return "channels_last" if conv is None or is_channels_last(conv) else "contiguous"
+    callback = parts["channels_last"]
+    return callback.layout or callback.session.pinned
 
 
 def _checkpoint_path(path: str | None, run_dir: Path) -> str | None:
@@ -147,7 +142,7 @@ def _optimizer_report(trainer: pl.Trainer) -> dict[str, Any] | None:
     return {"name": type(optimizer).__name__, "fused": bool(optimizer.defaults.get("fused")), "note": note or None}
 
 
-def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run: RunCallbacks, model: torch.nn.Module,
+def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run: RunCallbacks,
                   run_dir: Path, global_batch: int, lr: float) -> dict[str, Any]:
     """The run's metrics as ``metrics.json`` holds them, ``status`` still None."""
     logged = trainer.callback_metrics
@@ -155,7 +150,7 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run
     best_cb: ModelCheckpoint | None = run.parts.get("best")
     best = best_cb.best_model_score if best_cb is not None else None
     last = run_dir / "checkpoints" / "last.ckpt"
-    layout = _kept_layout(cfg, run.parts, model)
+    layout = _kept_layout(cfg, run.parts)
     return {
         "status": None,
         "model": cfg.model.name,

@@ -118,7 +118,7 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
         if not cfg.evaluate_only:
             check_checkpoint_progress(ckpt_path, saved, cfg.trainer.get("max_epochs"), cfg.trainer.get("max_steps"))
         del saved
-    results = RunResults(cfg, resolved, trainer, run, model, run_dir, global_batch, lr, ckpt_path, guarded, started)
+    results = RunResults(cfg, resolved, trainer, run, run_dir, global_batch, lr, ckpt_path, guarded, started)
 
     rank_zero_info(f"cltrain: precision {resolved.precision} ({resolved.precision_reason})")
     try:

@@ -268,11 +268,13 @@ def test_a_data_error_found_at_setup_leaves_no_checkpoint_and_the_retry_may_use_
     first_class = sorted(p for p in (data / "val").iterdir() if p.is_dir())[0]
     (first_class / "00_empty.jpg").write_bytes(b"")
     with pytest.raises(BadImageError, match="00_empty.jpg"):
-        tiny(data, tmp_path / "run", "data.bad_files=raise")
+        tiny(data, tmp_path / "run", "data.bad_files=raise", "channels_last_layout=channels_last")
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained: no step-0 checkpoint
-    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+    failed = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert failed["status"] == "failed" and failed["layout"] == "channels_last"  # the pin, though nothing converted
     again = tiny(data, tmp_path / "run", "data.bad_files=skip", "trainer.max_steps=1")  # the same folder
     assert again["status"] == "completed" and again["global_step"] == 1
     with pytest.raises(BadImageError, match="00_empty.jpg"):  # an evaluation's metrics.json says it failed too
         tiny(data, tmp_path / "eval", "evaluate_only=true", f"ckpt_path={again['last_checkpoint']}")
-    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["status"] == "failed"
+    failed = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert failed["status"] == "failed" and failed["layout"] is None  # "auto": not decided before the failure
