@@ -378,9 +378,14 @@ class _Noisy(ImageFolderDataModule):
         self.extra_noise = extra_noise
 
 
+class _NoisyFolders(_Noisy):
+    """Its subclass, with no ``__init__`` of its own."""
+
+
 def test_a_subclass_with_an_argument_of_its_own_keeps_it_beside_the_settings(tmp_path: Path) -> None:
     names = list(inspect.signature(_Noisy).parameters)
     assert names[:3] == ["root", "extra_noise", "batch_size"]
+    assert list(inspect.signature(_NoisyFolders).parameters) == names  # inherited by a subclass that adds none
     assert set(inspect.signature(ImageFolderDataModule).parameters) <= set(names)
     jsonargparse = pytest.importorskip("jsonargparse")  # as LightningCLI reads it
     parser = jsonargparse.ArgumentParser(exit_on_error=False)

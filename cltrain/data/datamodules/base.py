@@ -81,13 +81,16 @@ class BatchDataModule(L.LightningDataModule):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "__init__" not in cls.__dict__:  # its own function: the signature is its settings'
+        if "__init__" not in cls.__dict__:  # its own function, to carry its own signature
             def __init__(self: Any, *args: Any, **kw: Any) -> None:
                 super(cls, self).__init__(*args, **kw)
+            __init__.passes_through = True
             cls.__init__ = __init__  # type: ignore[method-assign]
-        # what inspect, help and LightningCLI read: the settings' fields, after the names a subclass's own __init__
-        # adds before passing the rest on (a user's DataModule with an argument of its own)
-        cls.__init__.__signature__ = _with_settings(cls.__init__, signature_of(cls.settings))
+        # what inspect, help and LightningCLI read: the settings' fields, after the names the nearest __init__ of
+        # the user's adds before passing the rest on (a user's DataModule with an argument of its own, or its subclass)
+        written = next(c.__dict__["__init__"] for c in cls.__mro__
+                       if "__init__" in c.__dict__ and not getattr(c.__dict__["__init__"], "passes_through", False))
+        cls.__init__.__signature__ = _with_settings(written, signature_of(cls.settings))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
