@@ -189,6 +189,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         saved = self.saved or _saved_in(state)
         if saved:  # resumed: the verdicts and decisions of the checkpoint
             self.session.load_state_dict(saved, model=model)
+        # A checkpoint written without this callback: the Trainer's next save looks its entry up (KeyError else)
+        state.stateful_callbacks.setdefault(type(self).__name__, self.state())
         self.session.resume()  # a resumed state keeps the strides it was saved with
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

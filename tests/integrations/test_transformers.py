@@ -156,6 +156,16 @@ def test_a_plain_module_is_saved_wherever_the_trainer_saves_it(when, tmp_path):
     assert is_channels_last(model.conv.weight)  # the saves gave contiguous copies; the model kept its layout
 
 
+def test_a_run_saved_without_the_callback_resumes_with_it_and_saves_again(tmp_path):
+    trainer("resnet", tmp_path, PlainNet(), [], max_steps=2, save_strategy="steps", save_steps=2).train()
+    t = trainer("resnet", tmp_path, PlainNet(), [ChannelsLastCallback()], max_steps=4, save_strategy="steps",
+                save_steps=2)
+    t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # the save at step 4 raised KeyError before
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["ChannelsLastCallback"]["attributes"]["saved"], saved
+    assert is_channels_last(t.model.conv.weight)
+
+
 def test_evaluate_and_predict_get_channels_last_inputs_and_the_same_outputs(tmp_path):
     model, reference = build("resnet"), build("resnet")
     probe = Probe(model)
