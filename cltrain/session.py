@@ -193,6 +193,7 @@ class LayoutSession:
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.untimed: str | None = None
+        self.unnamed_images = False  # a door saw image-like arguments under names it does not convert
         self.fingerprint: Callable[[], str] | None = None
         self._hazards: dict[str, dict[str, list[str]]] = {}
         self._expected: dict[str, torch.memory_format | None] | None = None
@@ -469,7 +470,7 @@ class LayoutSession:
                     and "no image tensor" not in self._told:
                 self._told.add("no image tensor")
                 why = ("hold no 4-D or 5-D image tensor (a list of images, as detection models take, stays as it is)"
-                       if first_image_tensor(batch, "all") is None else
+                       if first_image_tensor(batch, "all") is None and not self.unnamed_images else
                        "hold no model input cltrain knows (name it with inputs=KEY or inputs=INDEX, a list for several)")
                 self.say(f"ChannelsLast: the training batches {why}, so the layouts are not raced: the model stays "
                          f"{self.layout}; {self.pin_format.format('contiguous')} pins NCHW.")

@@ -263,6 +263,7 @@ class ChannelsLastInputs:
             return
         others = [k for k, v in kwargs.items() if _is_image(v)]
         if others:
+            self.session.unnamed_images = True
             rgb = [k for k in others if kwargs[k].shape[1] == 3]  # a mask or a depth map has one channel
             named = (rgb or others)[0] if len(rgb or others) == 1 else rgb or others
             self.log.info(
