@@ -79,13 +79,17 @@ def join(url: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)]) + query
 
 
-def redact(text: str) -> str:
+def redact(text: str, url: str = "") -> str:
     """``text`` without secrets: the user part of URLs, the query values named as secrets, and the value of any
-    secret environment variable (``SECRET_VARIABLES``) that appears in it."""
+    secret environment variable (``SECRET_VARIABLES``) that appears in it; with ``url``, its own user part and secret
+    query values wherever they appear (a library's message quoting them without the URL around them)."""
     text = _USERINFO.sub(r"\1***@", _QUERY_SECRETS.sub(r"\1***", text))
-    for name in SECRET_VARIABLES:
-        value = os.environ.get(name)
-        if value and len(value) >= 4:
+    user = _USERINFO.search(url)
+    secrets = [os.environ.get(name) or "" for name in SECRET_VARIABLES]
+    secrets += [user.group(0)[3:-1]] if user else []
+    secrets += [m.group(0)[len(m.group(1)):] for m in _QUERY_SECRETS.finditer(url)]
+    for value in secrets:
+        if len(value) >= 4:
             text = text.replace(value, "***")
     return text
 
@@ -173,7 +177,7 @@ def remote_error(err: BaseException, url: str, what: str = "") -> RemoteError:
     if isinstance(err, RemoteError):
         return err
     shown = redact(url)
-    reason = redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240]
+    reason = redact(" ".join(f"{type(err).__name__}: {err}".split()), url)[:240]
     reading = f" ({what})" if what else ""
     name = type(err).__name__
     text = str(err)

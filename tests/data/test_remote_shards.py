@@ -19,7 +19,7 @@ import torch
 from cltrain.atomic import TEMP_PREFIX
 from cltrain.data import ShardsDataModule
 from cltrain.data.pack import pack
-from cltrain.data.remote import RemoteError, redact
+from cltrain.data.remote import RemoteError, redact, remote_error
 from cltrain.data.shard_cache import CacheFullError, ShardCache, parse_size
 from tests.helpers import REPO, warm
 from tests.helpers.data_fixtures import write_image_folder
@@ -439,6 +439,10 @@ def test_secrets_are_never_in_a_message():
     # any query value named as a secret, not only a fixed list's
     named = redact("https://h/p?access_token=t1&api_key=t2&client_secret=t3&password=t4&X-Goog-Credential=t5&n=6")
     assert not [t for t in ("t1", "t2", "t3", "t4", "t5") if t in named] and "n=6" in named, named
+    # a library's message quoting the URL's user part without its scheme (botocore's "Invalid bucket name")
+    url = "s3://AKIAINURL:SecretInUrl42@bucket/pack"
+    line = str(remote_error(ValueError('Invalid bucket name "AKIAINURL:SecretInUrl42@bucket"'), url))
+    assert "SecretInUrl42" not in line and "s3://***@bucket/pack" in line, line
 
 
 @pytest.mark.slow
