@@ -54,6 +54,7 @@ from cltrain.data.constants import CHECK_MODES
 from cltrain.data.crop_kernels import check_pixels
 from cltrain.data.decoders import DECODER_NAMES, Decoder, get_decoder
 from cltrain.data.index import index_split
+from cltrain.data.remote import is_url, redact
 
 __all__ = ["CHECK_MODES", "check_bytes", "check_file", "check_files", "main"]
 
@@ -225,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the JPEG decoder of the loader, which the full check decodes with (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if is_url(args.root):
+        print(f"cltrain.data.check: {redact(args.root)} is a URL; the check reads a local folder: check the folder "
+              "before it is uploaded, or pack it (cltrain-pack checks every file as it packs).", file=sys.stderr)
+        return 2
     root = Path(args.root).absolute()  # the list names each file from /: the run that reads it may start elsewhere
     if not root.is_dir():
         print(f"cltrain.data.check: {root} is not a folder.", file=sys.stderr)

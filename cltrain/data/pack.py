@@ -54,6 +54,7 @@ from cltrain.atomic import atomic_open, atomic_write_json, remove_leftovers, rem
 from cltrain.data.constants import CHECK_MODES, is_hidden
 from cltrain.data.decoders import DECODER_NAMES, get_decoder
 from cltrain.data.image_folder_dataset import find_classes, find_samples
+from cltrain.data.remote import is_url, redact
 from cltrain.data.shard_dataset import MANIFEST
 from cltrain.data.shard_writer import CheckedReader, write_shard
 
@@ -164,6 +165,12 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
     if not (isinstance(workers, int) and workers >= 0):
         raise ValueError(f"pack: workers={workers!r} must be an int >= 0.")
     get_decoder(decoder)  # an unknown or missing back end: a one-line ValueError now
+    if is_url(root):
+        raise ValueError(f"pack: ROOT {redact(str(root))} is a URL; pack reads a local folder: download the images, "
+                         "or pack where they are and upload OUT.")
+    if is_url(out):
+        raise ValueError(f"pack: OUT {redact(str(out))} is a URL; pack writes a local folder: pack to one, then upload "
+                         "it as it is (e.g. aws s3 sync OUT s3://bucket/pack).")
     root, out = Path(root).resolve(), Path(out)
     if not root.is_dir():
         raise FileNotFoundError(f"pack: ROOT {root} is not a folder; pass an ImageNet-layout folder (train/<class>/...).")

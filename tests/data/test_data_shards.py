@@ -72,6 +72,24 @@ def test_pack_names_a_missing_split(folder: Path, tmp_path: Path, capsys: pytest
     assert not (tmp_path / "out").exists()
 
 
+def test_a_url_for_root_or_out_is_one_line_and_nothing_is_written(folder: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # a URL taken as a path wrote ./s3:/bucket/pack and said "complete"
+    assert main([str(folder), "s3://key:secret42@bucket/pack", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "OUT s3://***@bucket/pack is a URL; pack writes a local folder" in err and "secret42" not in err, err
+    assert main(["s3://bucket/images", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "ROOT s3://bucket/images is a URL; pack reads a local folder" in capsys.readouterr().err
+    assert not list(work.iterdir()) and not (tmp_path / "out").exists()
+    from cltrain.data.check import main as check
+
+    assert check(["s3://bucket/images", "--no-progress"]) == 2
+    assert "s3://bucket/images is a URL; the check reads a local folder" in capsys.readouterr().err
+
+
 def test_pack_refuses_other_settings_and_a_changed_tree(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     pack(folder, out, shard_size=7, progress=False)
