@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +55,19 @@ def litdata_index(root: str) -> dict:
         raise DataError(f"{redact(str(root))}: LitData stored its images as decoded pixels ('pil'), not as image files; "
                         "optimize the files' bytes instead (Image.open(path) of a JPEG, or litdata.Image(path=...)).")
     return index
+
+
+def _bytes(size: str | int) -> int:
+    """``max_cache_size`` in bytes, as LitData reads it (``"50GB"``)."""
+    from litdata.utilities.format import _convert_bytes_to_int
+
+    return size if isinstance(size, int) else _convert_bytes_to_int(size)
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("litdata")
 
 
 def _raw_serializer() -> Any:
@@ -116,6 +130,8 @@ class LitDataImages(NamedSplit, ImageSamples):
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
         index = litdata_index(self.root)
         self.count = sum(int(c["chunk_size"]) for c in index["chunks"])
+        self.size = sum(int(c.get("chunk_bytes", 0)) for c in index["chunks"])
+        self.whole_chunks = not is_url(self.root) or self.size <= _bytes(max_cache_size)
         self._ds: Any = None
         self._pid = -1
         self.image_key, self.label_key = self._keys(self._item(0), image_key, label_key) if self.count else (0, 1)
@@ -134,6 +150,10 @@ class LitDataImages(NamedSplit, ImageSamples):
             raw = _raw_serializer()
             self._ds = StreamingDataset(self.root, cache_dir=self.cache_dir, max_cache_size=self.max_cache_size,
                                         serializers={name: raw for name in ("jpeg", "image")})
+            # LitData reads an item got by index with a ranged GET of its bytes, every epoch, caching nothing (its
+            # iterator alone turns that off, and there is no argument): where the split fits the chunk cache, its
+            # downloader fetches whole chunks once, as with its own loader
+            self._ds._on_demand_bytes = not self.whole_chunks
             self._pid = os.getpid()
         return self._ds
 
@@ -143,6 +163,11 @@ class LitDataImages(NamedSplit, ImageSamples):
         except (DataError, IndexError):
             raise
         except Exception as err:  # noqa: BLE001 - a chunk that cannot be fetched: one line naming the dataset
+            if isinstance(err, struct.error) and not self.whole_chunks:
+                raise DataError(f"{self.where} (LitData item {index}): LitData {_version()} fails to read an item by "
+                                f"byte range ({err}), which it does where the split ({self.size:,} bytes) is larger "
+                                f"than max_cache_size={self.max_cache_size!r}; pass a max_cache_size that holds it, so "
+                                "whole chunks are cached.") from None
             if is_url(self.root) and not isinstance(err, (ValueError, TypeError, KeyError)):
                 raise remote_error(err, self.root, f"LitData item {index}") from None
             raise

@@ -88,6 +88,45 @@ def test_a_litdata_run_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(l
     assert engines.LitDataModule.takes_urls
 
 
+class _FileBytes:
+    """An item whose image is the file's bytes, stored by LitData's own ``bytes`` serializer."""
+
+    def __call__(self, path: str) -> dict:
+        return {"image": Path(path).read_bytes(), "class": int(Path(path).parent.name[1:])}
+
+
+def test_a_bucket_s_litdata_chunks_are_cached_whole_and_raw_bytes_items_read(folder, server, env, tmp_path):
+    import multiprocessing
+
+    from cltrain.data import eval_transform
+    from cltrain.data.litdata_source import LitDataImages
+
+    method = multiprocessing.get_start_method()
+    try:
+        files = sorted(str(p) for p in (folder / "val").rglob("*.jpg"))
+        litdata.optimize(fn=_FileBytes(), inputs=files, output_dir=str(tmp_path / "raw"), chunk_bytes="20KB",
+                         num_workers=1, mode="overwrite")
+    finally:
+        multiprocessing.set_start_method(method, force=True)
+    url = server.upload(tmp_path / "raw", "bucket", "raw-bytes")
+    # LitData's by-index read fetched each item by a ranged GET, caching nothing, and failed on raw bytes items
+    images = LitDataImages(url, eval_transform(24, 28), cache_dir=str(env / "lit"))
+    expected = {Path(p).read_bytes() for p in files}
+    assert {images.source(i)[0] for i in range(len(images))} == expected
+    assert len(list((env / "lit").rglob("chunk-*.bin"))) == len(litdata_index_chunks(tmp_path / "raw"))
+    # a split larger than the cache is read by range, as LitData reads it: where LitData cannot, one line says why
+    with pytest.raises(DataError, match=r"fails to read an item by byte range .* max_cache_size='1KB'; pass a "
+                                        r"max_cache_size that holds it") as caught:
+        LitDataImages(url, eval_transform(24, 28), cache_dir=str(env / "small"), max_cache_size="1KB")
+    assert "\n" not in str(caught.value)
+
+
+def litdata_index_chunks(root: Path) -> list:
+    import json
+
+    return json.loads((root / "index.json").read_text())["chunks"]
+
+
 def test_not_a_litdata_dataset_is_one_line(env, server):
     from cltrain.data.datamodules.engines import LitDataModule
 

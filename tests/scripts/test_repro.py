@@ -50,3 +50,12 @@ def test_onednn_1x1_boundary_runs_each_case_in_a_process_and_prints_its_table() 
     rows = re.findall(r"^\| (ic\d+ oc32 k1 s2 p1 \S+ .*?) \| (.+?) \|$", out.stdout, re.M)
     assert [r[0].split()[0] for r in rows] == ["ic3", "ic8", "ic15"], out.stdout
     assert all(re.fullmatch(r"ok|WRONG \([wx] \S+\)|NON-FINITE|CRASH \(\S+\)|HANG", cell) for _, cell in rows), rows
+
+
+def test_litdata_ranged_bytes_reads_each_way_from_a_real_s3_server() -> None:
+    pytest.importorskip("litdata")
+    out = warm.run([sys.executable, "-m", "scripts.repro.litdata_ranged_bytes"], cwd=REPO, capture_output=True,
+                   text=True, timeout=300)
+    rows = dict(re.findall(r"^(ranged|whole chunks) +(.+)$", out.stdout, re.M))
+    assert list(rows) == ["ranged", "whole chunks"] and rows["whole chunks"] == "1024 bytes, as written", out.stdout
+    assert out.returncode == (1 if rows["ranged"].startswith("FAILS") else 0), out.stderr[-2000:]
