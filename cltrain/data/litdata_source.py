@@ -3,7 +3,8 @@
 LitData stores a JPEG that ``optimize`` was handed as a PIL image opened from a file (``Image.open(path)``, its
 README's ImageNet recipe) or as ``litdata.Image(path=...)`` as the file's own bytes; its reader would decode them
 into a CHW tensor. ``LitDataImages`` reads the same chunks through LitData (``litdata.StreamingDataset``: its
-downloader, chunk cache and ``max_cache_size``, local folders and ``s3://``, ``gs://``, ``azure://``), with those
+downloader, chunk cache and ``max_cache_size``, local folders and ``s3://``, ``gs://``, ``azure://``; a bucket's split
+larger than ``max_cache_size`` item by item, by ranged GETs, as LitData reads by index), with those
 image serializers replaced by one that hands the bytes on, so the loader's decoder writes each image straight into
 its NHWC batch slot. Items are read by their global index (``dataset[i]``), so the DataModule's own sampler orders
 them: each sample once per epoch over the ranks, and an exact resume mid-epoch, also on another number of ranks
