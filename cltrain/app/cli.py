@@ -58,7 +58,7 @@ def _run(cfg: DictConfig) -> float | None:
         if lost_peer(err):
             print("cltrain: error: another rank stopped first (its error is above); this rank's collective lost it: "
                   + redact(str(err).splitlines()[0])[:160], file=sys.stderr)
-            raise SystemExit(1) from None
+            raise SystemExit(getattr(err, "peer_status", None) or 1) from None
 
         print(redact("".join(traceback.format_exception(err))), file=sys.stderr, end="")
         print(f"cltrain: error: {redact(f'{type(err).__name__}: {err}'.splitlines()[0])}", file=sys.stderr)

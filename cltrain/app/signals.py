@@ -248,3 +248,18 @@ def lost_peer(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, getattr(dist, "DistNetworkError", ())) or isinstance(err, RuntimeError) and (
         "Connection closed by peer" in text or "Connection reset by peer" in text)
+
+
+def peer_exit_status(trainer: pl.Trainer, wait: float = 3.0) -> int | None:
+    """The exit status to take from the ranks this process launched (Lightning's launcher starts a node's other ranks
+    as its children), once ``lost_peer``: 2 where one ended with the app's own 2 (a config or data error), so the
+    command's status says what the failing rank said whichever rank read the bad file; ``None`` otherwise. Waits at
+    most ``wait`` seconds for them (they end within it; Lightning's observer kills this process a few seconds later)."""
+    import subprocess
+
+    procs = getattr(getattr(trainer.strategy, "launcher", None), "procs", None) or []
+    deadline = time.monotonic() + wait
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    return 2 if any(proc.returncode == 2 for proc in procs) else None

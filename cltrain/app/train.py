@@ -44,7 +44,7 @@ from cltrain.app.models import build_classifier, check_input_size
 from cltrain.app.prepare import apply_cuda_math, build_lightning_module, prepare_model
 from cltrain.app.results import RunResults, resume_command, resume_line, summary_line
 from cltrain.app.rundir import run_dir_of
-from cltrain.app.signals import RunInterrupted, SignalStop
+from cltrain.app.signals import RunInterrupted, SignalStop, lost_peer, peer_exit_status
 from cltrain.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["build_datamodule", "resume_command", "train"]
@@ -138,6 +138,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     except Exception as err:
         if not stop.stopped_by_peer(err):
             _failed(results, err)
+            if lost_peer(err):  # the command's exit status is the failing rank's
+                err.peer_status = peer_exit_status(trainer)  # type: ignore[attr-defined]
             explained = _explained(cfg, err)
             if explained is not None:
                 raise explained from None
