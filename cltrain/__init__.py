@@ -25,7 +25,8 @@ Packages and modules, bottom up (lower ones never import higher ones):
   resume, end): every feature lives here, and the front doors below map their framework's events onto it;
 * ``options``: the front doors' arguments, checked alike (one line naming the call, the argument and what it takes);
 * ``lightning_access``: what cltrain reads of a LightningModule, for ``lightning`` and ``pytorch_lightning``;
-* ``callback``: ``ChannelsLast``, the Lightning door;
+* ``callback``: ``ChannelsLast``, the Lightning door; ``pl``: it and ``AtomicCheckpointIO`` as classes of the
+  standalone ``pytorch_lightning`` package too;
 * ``loops``: ``ChannelsLastRun``, the door for plain and Fabric loops; the same steps by hand; a contiguous copy for
   export;
 * ``integrations``: the Hugging Face ``Trainer`` door and the Accelerate door;

@@ -25,3 +25,18 @@ def test_the_check_finds_the_view_and_training_matches_nchw_under_pytorch_lightn
     if run["verdict"] == "fallback":
         assert run["conv_cl"] and run["swa_conv_cl"]  # the SWA copy follows the model's layout
     assert run["control"] and "view size is not compatible" in run["control"]  # without the check it raises
+
+
+def test_the_standalone_package_s_trainer_takes_cltrain_pl_atomic_checkpoint_io(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+    from cltrain import AtomicCheckpointIO
+    from cltrain.pl import AtomicCheckpointIO as ForPytorchLightning
+
+    with pytest.raises(MisconfigurationException, match="Found invalid type for plugin"):  # the control
+        pl.Trainer(plugins=[AtomicCheckpointIO()], logger=False, accelerator="cpu")
+    trainer = pl.Trainer(plugins=[ForPytorchLightning()], logger=False, accelerator="cpu")
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    trainer.strategy.checkpoint_io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    assert torch.equal(trainer.strategy.checkpoint_io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(2))

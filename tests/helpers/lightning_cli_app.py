@@ -1,4 +1,5 @@
-"""A LightningCLI application that knows nothing of cltrain (run by tests/test_lightning_cli.py).
+"""A LightningCLI application that knows nothing of cltrain (run by tests/test_lightning_cli.py); on the standalone
+``pytorch_lightning`` package where ``CLI_PACKAGE=pytorch_lightning``.
 
     python -m tests.helpers.lightning_cli_app fit --trainer.callbacks+=cltrain.ChannelsLast --trainer.max_steps=2
 
@@ -6,9 +7,15 @@ Each training step prints whether the first convolution's weight and the batch r
 channels_last, so the test can read what the callback did from outside the process.
 """
 
+import os
+
 import torch
-from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import LightningCLI
+if os.environ.get("CLI_PACKAGE") == "pytorch_lightning":  # a project on the standalone package
+    from pytorch_lightning import LightningModule
+    from pytorch_lightning.cli import LightningCLI
+else:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
