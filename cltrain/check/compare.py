@@ -280,7 +280,7 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
         if first is not None and math.isnan(first[3]):
             noise = measure_noise(run, noise)
             first = _compare(ref, noise, run, floor)
-        fault = _fault(model, run, first, step_owner, update_owner)
+        fault = _fault(model, run, first, step_owner, update_owner, ref)
         if fault is not None:
             if not search.learn(*fault):
                 break
@@ -305,7 +305,7 @@ def _check_layout(model: nn.Module, step: Callable[[nn.Module, str], Any], start
 
 
 def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | None, step_owner: Any,
-           update_owner: Any) -> tuple[Finding, int, tuple[str | None, str | None], str] | None:
+           update_owner: Any, ref: Run) -> tuple[Finding, int, tuple[str | None, str | None], str] | None:
     """The first fault of ``run`` (it raised, or its first event that differs: ``first``) as ``(finding, position,
     context, phase)``, or ``None`` where it agrees with the reference."""
     if run.raised is not None and (first is None or run.raised.position <= first[0]):
@@ -317,7 +317,7 @@ def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | 
     if first is None:
         return None
     position, key, z, z_noise = first
-    context, phase = _producer(run, key), key.phase
+    context, phase = _producer(run, key, ref), key.phase
     if phase == "update":
         context = (None, None)
         owner, method = update_owner if isinstance(update_owner, tuple) else (update_owner, "step")
@@ -331,13 +331,15 @@ def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | 
                     guard=_guard_at(model, [context[0], at]), package=package), position, context, phase)
 
 
-def _producer(run: Run, key: Event) -> tuple[str | None, str | None]:
+def _producer(run: Run, key: Event, ref: Run) -> tuple[str | None, str | None]:
     """Where the value of ``key`` was made. The gradient arriving at a module's output was made by the backward of
     the code that took that output, open when the first hook on it fired: a module's own hook opens the module,
     so the hooks of its inner modules on the same gradient (its last child's output is its output) fire with the
     module itself open, which would name the module that received a user's bad backward, not the one that made it.
     Walked back over the hooks of that one gradient (the module's and its ancestors' outputs holding the same
-    values, the consumers' inputs) to the first."""
+    values, the consumers' inputs) to the first; and over a consumer that passed it on unchanged in both layouts'
+    runs (an ``nn.Identity`` after the module: the same values at its output and its input), whose backward did not
+    make it either (a ReLU passing all of it in one run only did)."""
     context = run.contexts[key]
     if key.kind != "grad-out":
         return context
@@ -346,7 +348,10 @@ def _producer(run: Run, key: Event) -> tuple[str | None, str | None]:
         if earlier.kind == "grad-in":
             continue
         outer = earlier.module or ""
-        if earlier.kind != "grad-out" or not (module == outer or module.startswith(outer + ".")) \
+        inside = not outer or module == outer or module.startswith(outer + ".")  # the top module holds every one
+        took = Event("grad-in", earlier.name, earlier.index)
+        passed = run.signatures.get(took) == value and ref.signatures.get(took) == ref.signatures.get(earlier)
+        if earlier.kind != "grad-out" or not (inside or passed) \
                 or run.signatures.get(earlier) != value:  # the ancestor's own code after the child made it
             break
         context = run.contexts.get(earlier, context)

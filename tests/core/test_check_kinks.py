@@ -152,3 +152,24 @@ def _repghostnet_check() -> str:
 def test_a_real_model_with_a_relu_at_rounding_passes() -> None:
     line = _repghostnet_check()
     assert line.startswith("layout check passed"), line
+
+
+@pytest.mark.parametrize("tail", [[], [nn.Identity()]], ids=["plain", "identity-tail"])
+def test_a_loss_reading_raw_memory_is_the_step_code_s_behind_a_pass_through_tail(tail: list) -> None:
+    # SMP's segmentation head ends in nn.Identity: the gradient it passes on unchanged was blamed on it ("`4` ...
+    # installed package `torch`; nothing to edit"), and on the model's own forward without it
+    torch.manual_seed(0)
+    model = to_channels_last(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                           nn.Conv2d(8, 3, 1), *tail))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4, 8, 8))
+
+    def step(m: nn.Module, layout: str) -> torch.Tensor:
+        out = m(x.contiguous(memory_format=torch.channels_last if layout == "channels_last" else
+                             torch.contiguous_format))
+        flat = torch.as_strided(out, (4, 3, 64), (192, 64, 1))  # reads the logits' memory as NCHW
+        return F.cross_entropy(flat, y.view(4, -1))
+
+    result = check_layout(model, step)
+    assert result.verdict in ("fallback", "contiguous"), result.line()
+    finding = result.findings[0]
+    assert (finding.module, finding.phase, finding.package) == (None, "step", None), result.line()
