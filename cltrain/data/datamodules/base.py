@@ -88,9 +88,12 @@ class BatchDataModule(L.LightningDataModule):
             cls.__init__ = __init__  # type: ignore[method-assign]
         # what inspect, help and LightningCLI read: the settings' fields, after the names the nearest __init__ of
         # the user's adds before passing the rest on (a user's DataModule with an argument of its own, or its subclass)
-        written = next(c.__dict__["__init__"] for c in cls.__mro__
+        own = cls.__dict__["__init__"]
+        own.own_signature = inspect.signature(own)  # its code's, before the one set below
+        written = next(getattr(c.__dict__["__init__"], "own_signature", None) or inspect.signature(c.__dict__["__init__"])
+                       for c in cls.__mro__
                        if "__init__" in c.__dict__ and not getattr(c.__dict__["__init__"], "passes_through", False))
-        cls.__init__.__signature__ = _with_settings(written, signature_of(cls.settings))
+        own.__signature__ = _with_settings(written, signature_of(cls.settings))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
@@ -291,15 +294,16 @@ class BatchDataModule(L.LightningDataModule):
         return tuple(fields) if isinstance(batch, tuple) else fields
 
 
-def _with_settings(init: Any, settings: inspect.Signature) -> inspect.Signature:
-    """``init``'s own named parameters, then the settings' (keyword-only) that it passes on by ``**kwargs``; the
-    settings' signature alone where ``init`` names none (``*args, **kwargs``) or passes nothing on."""
-    own = list(inspect.signature(init).parameters.values())
+def _with_settings(init: inspect.Signature, settings: inspect.Signature) -> inspect.Signature:
+    """The ``__init__`` signature ``init``'s own named parameters, then the settings' (keyword-only) that it passes on
+    by ``**kwargs``; the settings' signature alone where ``init`` names none (``*args, **kwargs``) or passes nothing
+    on."""
+    own = list(init.parameters.values())
     named = [p for p in own if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if len(named) <= 1:  # only self: a pass-through
         return settings
     if not any(p.kind == p.VAR_KEYWORD for p in own):  # it passes nothing on by name
-        return inspect.signature(init)
+        return init
     names = {p.name for p in named}
     passed = [p.replace(kind=p.KEYWORD_ONLY) for p in settings.parameters.values() if p.name not in names]
     return inspect.Signature([*named, *passed])
