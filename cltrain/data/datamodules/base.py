@@ -90,9 +90,9 @@ class BatchDataModule(L.LightningDataModule):
         # the user's adds before passing the rest on (a user's DataModule with an argument of its own, or its subclass)
         own = cls.__dict__["__init__"]
         own.own_signature = inspect.signature(own)  # its code's, before the one set below
-        written = next(getattr(c.__dict__["__init__"], "own_signature", None) or inspect.signature(c.__dict__["__init__"])
-                       for c in cls.__mro__
-                       if "__init__" in c.__dict__ and not getattr(c.__dict__["__init__"], "passes_through", False))
+        inits = [c.__dict__["__init__"] for c in cls.__mro__ if "__init__" in c.__dict__]
+        written = next(getattr(f, "own_signature", None) or inspect.signature(f)
+                       for f in inits if not getattr(f, "passes_through", False))
         own.__signature__ = _with_settings(written, signature_of(cls.settings))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
