@@ -336,6 +336,26 @@ def test_every_value_of_a_sweep_is_checked_before_it_starts(sweep: list[str], me
                               for s in sweep)])  # the good values pass
 
 
+@pytest.mark.parametrize("override,good,message", [
+    ("hydra.sweeper.n_trial=3", "hydra.sweeper.n_trials=3",
+     "hydra.sweeper.n_trial='3': not a setting of this sweeper; did you mean hydra.sweeper.n_trials?"),
+    ("hydra.sweeper.n_trials=abc", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_trials='abc': Value 'abc'"),
+    ("hydra.sweeper.direction=maximise", "hydra.sweeper.direction=maximize",
+     "hydra.sweeper.direction='maximise': Optuna takes minimize or maximize"),
+    ("hydra.sweeper.storage=sqlite:///optuna.db", "hydra.sweeper.storage=null",
+     "hydra.sweeper.storage='sqlite:///optuna.db': a shared Optuna study needs"),
+    ("hydra.launcher.njobs=2", "hydra.launcher.n_jobs=2",
+     "hydra.launcher.njobs='2': not a setting of this launcher; did you mean hydra.launcher.n_jobs?"),
+])
+def test_the_sweeper_s_and_launcher_s_settings_are_checked_as_every_key(override: str, good: str, message: str) -> None:
+    # the keys sweeps.md has users type: Hydra's "To append to your config use +..." (wrong advice) or a traceback
+    base = ["-m", "hparams_search=optuna", "hydra/launcher=joblib", "experiment=smoke"]
+    with pytest.raises(ConfigError, match="^" + re.escape(message)) as info:
+        check_command_line([*base, override])
+    assert "\n" not in str(info.value)
+    check_command_line([*base, good])
+
+
 @pytest.mark.parametrize("override,message", [
     ("callbacks=[default,earlystop]", "callbacks='earlystop': no callbacks option of that name; did you mean "
                                       "callbacks=early_stopping"),

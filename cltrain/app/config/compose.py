@@ -68,6 +68,49 @@ def _compose(overrides: Sequence[str], config_name: str = "config") -> DictConfi
         raise error from None
 
 
+#: The Hydra keys of the sweeper's and the launcher's own settings (``hydra.sweeper.n_trials=20``), which the docs
+#: have users type: checked as every other key (the rest of ``hydra.*`` is Hydra's own to check).
+_PLUGIN_KEYS = ("hydra.sweeper.", "hydra.launcher.")
+
+
+def _check_plugin_keys(overrides: Sequence[str], plugin_keys: Sequence[str], config_name: str) -> None:
+    """Each of ``plugin_keys`` is a setting of the chosen sweeper or launcher, of its type, and a value Optuna takes.
+
+    Raises:
+        ConfigError: the first that is not.
+    """
+    import difflib
+
+    from hydra import compose
+
+    for override in plugin_keys:
+        key, _, value = override.lstrip("+~").partition("=")
+        try:
+            hydra = compose(config_name, overrides=[*overrides, override], return_hydra_config=True).hydra
+        except Exception as exc:  # noqa: BLE001 - Hydra's "Could not override" / "Error merging override"
+            node_key, _, name = key.rpartition(".")
+            try:
+                node = compose(config_name, overrides=list(overrides), return_hydra_config=True).hydra
+                known = list(node[node_key.split(".", 1)[1]].keys())
+            except Exception:  # noqa: BLE001 - the group itself did not compose: Hydra says why
+                return
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {node_key}.{near[0]}?" if near else f" (its settings: {', '.join(known)})"
+                raise ConfigError(key, value, f"not a setting of this {node_key.split('.')[1]}{hint}") from None
+            cause = exc.__cause__ or exc
+            raise ConfigError(key, value, str(cause).splitlines()[0]) from None
+        if key == "hydra.sweeper.direction" and "optuna" in str(hydra.sweeper.get("_target_", "")).lower():
+            directions = hydra.sweeper.direction
+            for direction in directions if not isinstance(directions, str) else [directions]:
+                if str(direction).lower() not in ("minimize", "maximize"):
+                    raise ConfigError(key, value, "Optuna takes minimize or maximize", "minimize, maximize")
+        if key == "hydra.sweeper.storage" and hydra.sweeper.get("storage") is not None:
+            raise ConfigError(key, value, "a shared Optuna study needs Optuna's database storage, which optuna 2.10 "
+                              "(the newest hydra-optuna-sweeper 1.3 takes) cannot open with SQLAlchemy 2",
+                              "null: each sweep's own study")
+
+
 def _launched_here(overrides: Sequence[str], config_name: str) -> bool:
     """Whether Hydra's own launcher runs the sweep's jobs in this process (not a scheduler's, ``hydra/launcher=slurm``,
     whose jobs start their ranks themselves)."""
@@ -159,6 +202,9 @@ def check_command_line(argv: Sequence[str]) -> None:
                 check(cfg)
                 if args.multirun and _launched_here(variant, args.config_name or "config"):
                     check_sweep_launch(cfg)
+            plugin_keys = [o for o in args.overrides if o.lstrip("+~").startswith(_PLUGIN_KEYS)]
+            if plugin_keys:
+                _check_plugin_keys(variants[0], plugin_keys, args.config_name or "config")
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 - not about a key or a value: Hydra reports it when it composes
