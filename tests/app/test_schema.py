@@ -356,6 +356,20 @@ def test_the_sweeper_s_and_launcher_s_settings_are_checked_as_every_key(override
     check_command_line([*base, good])
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["callbacks=[default,early_stopping]", "callbacks.early_stopping.patience=abc"],
+     "callbacks.early_stopping.patience='abc': must be a whole number (EarlyStopping)"),
+    (["logger=tensorboard", "logger.tensorboard.default_hp_metric=maybe"],
+     "logger.tensorboard.default_hp_metric='maybe': must be a boolean (TensorBoardLogger)"),
+])
+def test_a_callback_s_or_logger_s_argument_of_the_wrong_type_is_one_line_before_the_run(overrides, message) -> None:
+    # patience=abc trained two epochs, then raised a TypeError inside EarlyStopping
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        check_command_line(overrides)
+    check_command_line([*overrides[:-1], overrides[-1].rpartition("=")[0] + "=" + ("3" if "patience" in overrides[-1]
+                                                                                  else "true")])
+
+
 @pytest.mark.parametrize("override,message", [
     ("callbacks=[default,earlystop]", "callbacks='earlystop': no callbacks option of that name; did you mean "
                                       "callbacks=early_stopping"),

@@ -175,6 +175,24 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError("defaults", None, "this config does not start from cltrain's schema",
                           f"a config.yaml whose defaults list starts with {SCHEMA_NAME}")
     _check_node(cfg, "")
+    for group in _LIST_GROUPS:
+        for entry, node in (cfg.get(group) or {}).items():
+            if isinstance(node, DictConfig):
+                _check_entry_arguments(node, f"{group}.{entry}")
+
+
+def _check_entry_arguments(node: DictConfig, prefix: str) -> None:
+    """Each argument of a callback or logger entry (``callbacks.early_stopping.patience=abc``) of the type its class
+    takes, where the class says (names are checked when the override merges: ``unknown_argument``)."""
+    arguments = constructor_arguments(node.get("_target_"))
+    for name in node:
+        hint = arguments.get(str(name))
+        if hint is None or str(name).startswith("_") or OmegaConf.is_interpolation(node, name):
+            continue
+        value = node[name]
+        if not fits_hint(_plain(value), hint):
+            owner = str(node.get("_target_")).rpartition(".")[2]
+            raise ConfigError(f"{prefix}.{name}", _plain(value), f"must be {_type_words(hint)} ({owner})")
 
 
 def check_sweep_launch(cfg: DictConfig) -> None:
