@@ -361,6 +361,8 @@ def test_the_sweeper_s_and_launcher_s_settings_are_checked_as_every_key(override
      "callbacks.early_stopping.patience='abc': must be a whole number (EarlyStopping)"),
     (["logger=tensorboard", "logger.tensorboard.default_hp_metric=maybe"],
      "logger.tensorboard.default_hp_metric='maybe': must be a boolean (TensorBoardLogger)"),
+    (["callbacks=[default,early_stopping]", "callbacks.early_stopping.patience=???"],
+     "callbacks.early_stopping.patience='???': not set"),
 ])
 def test_a_callback_s_or_logger_s_argument_of_the_wrong_type_is_one_line_before_the_run(overrides, message) -> None:
     # patience=abc trained two epochs, then raised a TypeError inside EarlyStopping

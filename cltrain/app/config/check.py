@@ -186,6 +186,8 @@ def _check_entry_arguments(node: DictConfig, prefix: str) -> None:
     takes, where the class says (names are checked when the override merges: ``unknown_argument``)."""
     arguments = constructor_arguments(node.get("_target_"))
     for name in node:
+        if OmegaConf.is_missing(node, name):
+            raise ConfigError(f"{prefix}.{name}", "???", "not set", f"{prefix}.{name}=<a value>")
         hint = arguments.get(str(name))
         if hint is None or str(name).startswith("_") or OmegaConf.is_interpolation(node, name):
             continue
