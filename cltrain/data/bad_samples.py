@@ -73,11 +73,21 @@ class SkipsBadSamples:
     bad_files: str
     skip_log: str | None
     _warned: set[str]
+    _unlisted: dict[str, str]
 
     def _set_policy(self, bad_files: str, skip_log: str | os.PathLike | None) -> None:
         self.bad_files = check_bad_files(bad_files)
         self.skip_log = None if skip_log is None else str(skip_log)
         self._warned = set()
+        self._unlisted = {}
+
+    def list_skips_in(self, skip_log: str | os.PathLike) -> None:
+        """Append the samples skipped from now on to ``skip_log``, and those this process skipped before it was
+        given (a DataModule's ``setup`` called before the Trainer's, which opens the list)."""
+        self.skip_log = str(skip_log)
+        unlisted, self._unlisted = self._unlisted, {}
+        for name, reason in unlisted.items():
+            self.skip(name, reason)
 
     def __len__(self) -> int:  # pragma: no cover - the Dataset's
         raise NotImplementedError
@@ -141,6 +151,8 @@ class SkipsBadSamples:
         if self.skip_log is not None:
             with open(self.skip_log, "a", encoding="utf-8") as f:  # one short line per write: atomic with O_APPEND
                 f.write(f"{self.split_name}\t{name}\t{reason}\n")
+        else:
+            self._unlisted.setdefault(name, reason)  # listed if a list is given later (list_skips_in)
         if name not in self._warned:
             self._warned.add(name)
             said = name if name.startswith(f"{self.what} ") else f"{self.what} {name}"  # "item 15", not "item item 15"

@@ -301,6 +301,25 @@ def test_skipped_files_list_is_in_the_run_directory_not_the_loggers(tmp_path):
     assert (run / SKIPPED_FILES_NAME).is_file() and not (run / "csv" / SKIPPED_FILES_NAME).exists()
 
 
+def test_a_setup_called_before_the_trainers_lists_the_skipped_files_as_the_trainers_alone_does(tmp_path):
+    # dm.setup("fit") first, to size a model: its datasets, built without a trainer, wrote no list and said nothing
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    odd = write_odd_files(tmp_path / "odd")
+    shutil.copy(odd["empty"], root / "train" / "c0" / "empty.jpg")
+    shutil.copy(odd["text"], root / "val" / "c1" / "text.jpg")  # found by the check in that first setup
+    dm = ImageFolderDataModule(root, batch_size=5, num_workers=0, image_size=SIZE, val_resize_size=36, bad_files="skip")
+    with pytest.warns(UserWarning, match="left out 1 unreadable validation file"):
+        dm.setup("fit")
+    with pytest.warns(UserWarning) as record:
+        _trainer(tmp_path / "run", [SkippedFilesReport()], limit_train_batches=None).fit(Recorder(), datamodule=dm)
+    messages = [str(w.message) for w in record]
+    for split in ("train", "val"):
+        assert any(f"skipped 1 unreadable file(s) of '{split}' in epoch 0" in m for m in messages), messages
+    lines = (tmp_path / "run" / SKIPPED_FILES_NAME).read_text().splitlines()
+    assert sorted((line.split("\t")[0], line.split("\t")[1].rsplit("/", 1)[1]) for line in lines) == [
+        ("train", "empty.jpg"), ("val", "text.jpg")]
+
+
 def test_statistics_in_0_255_units_are_refused_at_construction(folder):
     with pytest.raises(ValueError, match=r"ImageFolderDataModule: mean=.* look like 0-255 units.*divide by 255"):
         ImageFolderDataModule(folder, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))

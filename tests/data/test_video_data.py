@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
-from cltrain.data import normalize
+from cltrain.data import SKIPPED_FILES_NAME, SkippedFilesReport, normalize
 from cltrain.data.video import (ClipFolderDataModule, ClipFolderDataset, eval_clip_transform, find_clips, make_demo_videos,
                                 normalize_clips, read_video)
 
@@ -153,3 +155,46 @@ def test_video_files_are_clips(tmp_path: Path) -> None:
     (folder / "broken.mp4").write_bytes(b"not a video")
     with pytest.raises(Exception, match=r"broken.mp4: cannot be read as a clip"):
         ClipFolderDataset(tmp_path / "train", eval_clip_transform(4, 3, size=16, resize_size=None))[0]
+
+
+class _ClipNet(L.LightningModule):
+    """A tiny 3-D conv net."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv3d(3, 2, 1), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(2, 2))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_setup_called_before_the_trainers_lists_the_skipped_clips(tmp_path: Path) -> None:
+    # dm.setup("fit") first, to size a model: its datasets, built without a trainer, wrote no list and said nothing
+    for split, n in (("train", 2), ("val", 1)):
+        for cls in ("a", "b"):
+            for k in range(n):
+                _frames(tmp_path / "clips" / split / cls / f"clip{k}", 3)
+        bad = tmp_path / "clips" / split / "b" / "bad"
+        bad.mkdir()
+        for t in range(3):
+            (bad / f"{t}.jpg").write_text("not an image")
+    dm = ClipFolderDataModule(tmp_path / "clips", batch_size=5, num_workers=0, num_frames=2, image_size=16,
+                              val_resize_size=16, hflip=0.0, bad_files="skip")
+    dm.setup("fit")
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / "run",
+                        callbacks=[SkippedFilesReport()])
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(_ClipNet(), datamodule=dm)
+    messages = [str(w.message) for w in record]
+    for split in ("train", "val"):
+        assert any(f"skipped 1 unreadable file(s) of '{split}' in epoch 0" in m for m in messages), messages
+    lines = (tmp_path / "run" / SKIPPED_FILES_NAME).read_text().splitlines()
+    assert sorted(line.split("\t")[0] + " " + line.split("\t")[1].rsplit("/", 1)[1] for line in lines) == [
+        "train bad", "val bad"]

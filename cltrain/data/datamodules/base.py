@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, IterableDataset, SequentialSampler
 from typing_extensions import override
 
+from cltrain.data.bad_samples import SkipsBadSamples
 from cltrain.data.datamodules.arguments import bind_settings, signature_of
 from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.mid_epoch import ResumeMidEpoch
@@ -174,6 +175,9 @@ class BatchDataModule(L.LightningDataModule):
         if not any(isinstance(cb, SkippedFilesReport) for cb in trainer.callbacks):
             rank_zero_warn(f"{type(self).__name__}(bad_files='skip'): skipped files are listed in {self._skip_log}; "
                            "add cltrain.data.SkippedFilesReport() to the Trainer's callbacks to count them per epoch.")
+        for dataset in (self.train_set, self.val_set):  # built by a setup() called before the Trainer's
+            if isinstance(dataset, SkipsBadSamples):
+                dataset.list_skips_in(self._skip_log)
 
     def _collate(self, pin_memory: bool) -> Any:
         """The ``collate_fn`` that builds a batch in the loader."""
