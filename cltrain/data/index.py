@@ -33,7 +33,7 @@ from cltrain.atomic import atomic_write_bytes, atomic_write_json, remove_leftove
 from cltrain.data.constants import IMG_EXTENSIONS, is_hidden
 from cltrain.data.errors import DataError
 
-__all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "scan_split"]
+__all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "not_loaded", "scan_split"]
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,19 @@ class SplitIndex:
         """One line on the ignored and duplicate files, or ``None`` when there are none."""
         parts = []
         if self.ignored:
-            kinds = ", ".join(f"{k or '(no suffix)'}: {n}" for k, n in sorted(self.ignored.items(), key=lambda kv: -kv[1]))
-            parts.append(f"{sum(self.ignored.values())} file(s) not loaded ({kinds}; loaded: {', '.join(IMG_EXTENSIONS)})")
+            parts.append(not_loaded(self.ignored, IMG_EXTENSIONS))
         if self.duplicates:
             parts.append(f"{self.duplicates} link(s) to an image already listed in its class, counted once")
         if self.shared:
             parts.append(f"{self.shared} image(s) linked into another class, listed in each (as torchvision lists them)")
         return f"{split_dir}: " + "; ".join(parts) + "." if parts else None
+
+
+def not_loaded(ignored: dict[str, int], loaded: Sequence[str]) -> str:
+    """``N file(s) not loaded (.txt: 2, ...; loaded: ...)``: the files a walk left out, counted by lower-case suffix
+    (``""``: none), most first, and what it loads."""
+    kinds = ", ".join(f"{k or '(no suffix)'}: {n}" for k, n in sorted(ignored.items(), key=lambda kv: -kv[1]))
+    return f"{sum(ignored.values())} file(s) not loaded ({kinds}; loaded: {', '.join(loaded)})"
 
 
 def find_classes(split_dir: str | os.PathLike) -> list[str]:

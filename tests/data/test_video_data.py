@@ -117,7 +117,7 @@ def test_clip_folder_errors_name_the_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"clip folder .*train/b/clip1 has no frames"):
         find_clips(root / "train", ["a", "b"])
     _frames(root / "train" / "b" / "clip1", 3)
-    (root / "train" / "b" / "notes.txt").write_text("x")  # not a clip: ignored
+    (root / "train" / "b" / "notes.txt").write_text("x")  # not a clip: left out (and said)
     assert [(Path(p).name, len(f), k) for p, f, k in find_clips(root / "train", ["a", "b"])] == [("clip1", 3, 0), ("clip1", 3, 1)]
     (root / "train" / "c").mkdir()
     with pytest.raises(ValueError, match=r"class folder .*train/c has no clips"):
@@ -126,6 +126,19 @@ def test_clip_folder_errors_name_the_folder(tmp_path: Path) -> None:
         find_clips(root / "train", ["a", "b"])
     with pytest.raises(FileNotFoundError, match="root .*missing does not exist"):
         ClipFolderDataModule(tmp_path / "missing").num_classes
+
+
+def test_files_a_clip_folder_does_not_load_are_said_once_per_split(tmp_path: Path) -> None:
+    # as an image folder says them: a video of a suffix not loaded (which OpenCV might read) was left out silently
+    for cls in ("a", "b"):
+        _frames(tmp_path / "train" / cls / "clip1", 3)
+    (tmp_path / "train" / "a" / "clip.m4v").write_bytes(b"x")
+    (tmp_path / "train" / "b" / "README.txt").write_text("labels")
+    (tmp_path / "train" / "b" / ".DS_Store").write_bytes(b"")  # hidden: neither a clip nor counted
+    with pytest.warns(UserWarning, match=r"train: 2 file\(s\) not loaded \(\.m4v: 1, \.txt: 1; loaded: folders of frames, "
+                                         r"\.mp4, \.avi, \.mkv, \.webm, \.mov\)\.$") as record:
+        dataset = ClipFolderDataset(tmp_path / "train", eval_clip_transform(2, size=16, resize_size=None))
+    assert len(record) == 1 and len(dataset) == 2
 
 
 def test_frames_are_taken_in_natural_order(tmp_path: Path) -> None:

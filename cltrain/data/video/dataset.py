@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from cltrain.data.constants import IMG_EXTENSIONS, is_hidden
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.errors import BadImageError, DataError
 from cltrain.data.image_folder_dataset import find_classes
+from cltrain.data.index import not_loaded
 
 __all__ = ["VIDEO_EXTENSIONS", "ClipFolderDataset", "find_clips", "read_video"]
 
@@ -70,7 +72,8 @@ def read_video(path: str | os.PathLike) -> list[np.ndarray]:
 
 
 def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tuple[str, tuple[str, ...] | None, int]]:
-    """``(clip path, frame file names or None for a video file, class index)`` of every clip under ``split_dir/<class>``.
+    """``(clip path, frame file names or None for a video file, class index)`` of every clip under ``split_dir/<class>``;
+    the other files of the class folders are counted by suffix in one warning (as an image folder's are).
 
     Raises:
         DataError: a class folder with no clips, a clip folder with no frames, a class
@@ -83,6 +86,7 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
         raise DataError(f"{split_dir} has class folders {sorted(present)} but the training split has {sorted(classes)}; "
                          "both splits need the same classes.")
     samples: list[tuple[str, tuple[str, ...] | None, int]] = []
+    ignored: dict[str, int] = {}
     for index, name in enumerate(classes):
         class_dir = split_dir / name
         found = 0
@@ -102,11 +106,16 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
                                      "pip install 'cltrain[video]', or extract its frames to a folder.")
                 samples.append((entry.path, None, index))
             else:
+                if entry.is_file():  # a dangling link is neither file nor folder: not counted (as in an image folder)
+                    suffix = os.path.splitext(entry.name)[1].lower()
+                    ignored[suffix] = ignored.get(suffix, 0) + 1
                 continue
             found += 1
         if not found:
             raise DataError(f"class folder {class_dir} has no clips (a folder of frames per clip, or video files "
                              f"{', '.join(VIDEO_EXTENSIONS)}); add clips or remove the folder.")
+    if ignored:
+        warnings.warn(f"{split_dir}: {not_loaded(ignored, ('folders of frames', *VIDEO_EXTENSIONS))}.", stacklevel=2)
     return samples
 
 
