@@ -14,7 +14,7 @@ from torch import nn
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
-from cltrain.data import SKIPPED_FILES_NAME, SkippedFilesReport, normalize
+from cltrain.data import SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, normalize
 from cltrain.data.video import (ClipFolderDataModule, ClipFolderDataset, eval_clip_transform, find_clips, make_demo_videos,
                                 normalize_clips, read_video)
 
@@ -139,6 +139,26 @@ def test_files_a_clip_folder_does_not_load_are_said_once_per_split(tmp_path: Pat
                                          r"\.mp4, \.avi, \.mkv, \.webm, \.mov\)\.$") as record:
         dataset = ClipFolderDataset(tmp_path / "train", eval_clip_transform(2, size=16, resize_size=None))
     assert len(record) == 1 and len(dataset) == 2
+
+
+def test_a_bad_frame_is_named_in_the_reason_and_an_empty_one_is_an_empty_file(tmp_path: Path) -> None:
+    # Pillow's "Truncated File Read" names no file, and a 0-byte frame read "UnidentifiedImageError ..."
+    for clip in ("cut", "empty", "good"):
+        _frames(tmp_path / "train" / "a" / clip, 3)
+    data = (tmp_path / "train" / "a" / "cut" / "1.jpg").read_bytes()
+    (tmp_path / "train" / "a" / "cut" / "1.jpg").write_bytes(data[: len(data) // 2])
+    (tmp_path / "train" / "a" / "empty" / "2.jpg").write_bytes(b"")
+    log = tmp_path / SKIPPED_FILES_NAME
+    dataset = ClipFolderDataset(tmp_path / "train", eval_clip_transform(3, size=16, resize_size=None), bad_files="skip",
+                                skip_log=log)
+    for i in range(len(dataset)):
+        dataset.fetch(i)
+    reasons = {line.split("\t")[1].rsplit("/", 1)[1]: line.split("\t")[2] for line in log.read_text().splitlines()}
+    assert reasons.keys() == {"cut", "empty"} and reasons["empty"] == "2.jpg: empty file (0 bytes)"
+    assert reasons["cut"].startswith("1.jpg: ") and "Error" in reasons["cut"], reasons
+    raising = ClipFolderDataset(tmp_path / "train", eval_clip_transform(3, size=16, resize_size=None))
+    with pytest.raises(BadImageError, match=r"train/a/empty: cannot be read as a clip \(2\.jpg: empty file \(0 bytes\)\)"):
+        raising[1]
 
 
 def test_frames_are_taken_in_natural_order(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.errors import BadImageError, DataError
 from cltrain.data.image_folder_dataset import find_classes
 from cltrain.data.index import not_loaded
+from cltrain.data.video.transforms import FrameError
 
 __all__ = ["VIDEO_EXTENSIONS", "ClipFolderDataset", "find_clips", "read_video"]
 
@@ -158,6 +159,9 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
         except ImportError:
             raise
         except Exception as err:  # any failure of reading or decoding this one clip
-            reason = unreadable(err, path)
+            if isinstance(err, FrameError) and isinstance(err.frame, (str, os.PathLike)):  # a frame file: as an image's
+                reason = f"{os.path.basename(err.frame)}: {unreadable(err.__cause__ or err, err.frame)}"
+            else:
+                reason = unreadable(err, path)
             raise BadImageError(f"{path}: cannot be read as a clip ({reason}). "
                                 "Replace or remove it, or pass bad_files='skip' to skip such clips.", reason) from err

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from cltrain.data.constants import CROP_RATIO, CROP_SCALE
 from cltrain.data.crop_kernels import jpeg_size
 from cltrain.data.transforms import CropParams, RandomResizedCropFlip, ResizeCenterCrop, _Transform
 
-__all__ = ["ClipParams", "ClipTransform", "TEMPORAL_MODES", "TemporalSample", "eval_clip_transform", "train_clip_transform"]
+__all__ = ["ClipParams", "ClipTransform", "FrameError", "TEMPORAL_MODES", "TemporalSample", "eval_clip_transform", "train_clip_transform"]
 
 #: ``random``: a segment at a random start; ``center``: the middle segment; ``uniform``: T frames spread over the clip.
 TEMPORAL_MODES: tuple[str, ...] = ("random", "center", "uniform")
@@ -101,6 +102,27 @@ class ClipParams:
     crop: CropParams
 
 
+class FrameError(ValueError):
+    """A frame of a clip that cannot be read (the decoder's error is its cause); ``frame``: its source (a frame
+    file's path, for a folder of frames)."""
+
+    def __init__(self, message: str, frame: FrameSource | None = None) -> None:
+        super().__init__(message)
+        self.frame = frame
+
+
+def _read(index: int, frame: FrameSource, read: Callable[[FrameSource], Any]) -> Any:
+    """``read(frame)``; its failure raised as ``FrameError`` naming frame ``index`` (and its file): a decoder's
+    message may not name the file it read."""
+    try:
+        return read(frame)
+    except ImportError:
+        raise
+    except Exception as err:
+        name = f" ({os.path.basename(frame)})" if isinstance(frame, (str, os.PathLike)) else ""
+        raise FrameError(f"frame {index}{name} cannot be read: {type(err).__name__}: {err}", frame) from err
+
+
 def _frame_size(frame: FrameSource) -> tuple[int, int]:
     """(width, height) of a frame, from the JPEG header or Pillow's lazy open (no decoding)."""
     if isinstance(frame, np.ndarray):
@@ -162,7 +184,7 @@ class ClipTransform:
             frame = frames[index]
             if isinstance(frame, np.ndarray):  # a decoded video frame: Pillow's path, no copy
                 frame = Image.fromarray(frame)
-            out[t] = self.frame_transform.apply(frame, params.crop)
+            out[t] = _read(index, frame, lambda f: self.frame_transform.apply(f, params.crop))
         return out
 
     def __call__(self, frames: Sequence[FrameSource]) -> np.ndarray:
@@ -170,11 +192,12 @@ class ClipTransform:
 
         Raises:
             ValueError: no frames, or sampled frames of different sizes (the box would not fit them all).
+            FrameError: a sampled frame that cannot be read, named.
         """
         if len(frames) == 0:
             raise ValueError("ClipTransform: a clip with no frames.")
         indices = self.temporal(len(frames))
-        sizes = {index: _frame_size(frames[index]) for index in dict.fromkeys(indices)}
+        sizes = {index: _read(index, frames[index], _frame_size) for index in dict.fromkeys(indices)}
         first = sizes[indices[0]]
         for index, size in sizes.items():
             if size != first:
