@@ -38,11 +38,17 @@ def find_samples(split_dir: str | os.PathLike, classes: Sequence[str], require_a
     return scan_split(split_dir, classes, allow_missing=not require_all).samples
 
 
-def read_file_list(path: str | os.PathLike) -> set[str]:
+class FileList(frozenset):
+    """The paths of ``read_file_list``; ``listed``: how many files the list names (each once)."""
+
+    listed: int = 0
+
+
+def read_file_list(path: str | os.PathLike) -> FileList:
     """The files listed in ``path``, each as its real path and as listed (absolute: a symbolic link whose target is
     gone resolves to that target, and is matched by its own path): a bad-files list from
     ``python -m cltrain.data.check`` or a ``skipped_files.tsv`` (``split<TAB>path<TAB>reason`` lines), or one path
-    per line.
+    per line. Its ``listed`` counts the files, not the paths (two for a link).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -51,12 +57,13 @@ def read_file_list(path: str | os.PathLike) -> set[str]:
     if not path.is_file():
         raise FileNotFoundError(f"exclude_files={str(path)!r} is not a file; give the list written by "
                                 "'python -m cltrain.data.check ROOT' or a skipped_files.tsv.")
-    out = set()
+    listed = set()
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        listed = line.split("\t")[1] if "\t" in line else line
-        out.update((os.path.realpath(listed), os.path.abspath(listed)))
+        listed.add(os.path.abspath(line.split("\t")[1] if "\t" in line else line))
+    out = FileList(listed | {os.path.realpath(p) for p in listed})
+    out.listed = len(listed)
     return out
 
 

@@ -118,6 +118,19 @@ def test_a_list_written_from_a_relative_root_serves_a_run_started_elsewhere_and_
             ImageFolderDataModule(root, num_workers=0, exclude_files=relative).setup("fit")
 
 
+def test_a_dangling_link_in_the_list_counts_once_in_what_the_run_says_it_left_out(odd, tmp_path, caplog):
+    # kept as its own path and as its target's, it was counted twice: "left out 3 of the 4 file(s) listed"
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    shutil.copy(odd["truncated"], root / "train" / "c0" / "truncated.jpg")
+    shutil.copy(odd["text"], root / "val" / "c1" / "text.jpg")
+    os.symlink(tmp_path / "gone.jpg", root / "train" / "c1" / "dangling.jpg")
+    listed = tmp_path / "bad.tsv"
+    assert main([str(root), "--quick", "--no-progress", "--workers", "0", "--out", str(listed)]) == 1
+    with caplog.at_level(logging.INFO):
+        ImageFolderDataModule(root, num_workers=0, exclude_files=listed).setup("fit")
+    assert f"left out 3 of the 3 file(s) listed in {listed} (train 2, val 1)" in caplog.text
+
+
 # --- the full check decodes as the loader with its decoder ------------------------------------------
 
 def _jpeg_cases(folder):

@@ -97,7 +97,7 @@ class ImageFolderDataModule(ImageDataModule):
                                               threads=self.decode_threads)
             if exclude and not self._told_excluded:
                 self._told_excluded = True
-                self._tell_excluded(len(exclude))
+                self._tell_excluded(exclude.listed)
             stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn
             self._check_val_files(self.val_set, _BEFORE.get(stage, "training"))  # evaluations too
 
