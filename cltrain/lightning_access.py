@@ -14,6 +14,7 @@ from lightning_utilities.core.overrides import is_overridden
 from torch import nn
 
 from cltrain.host import Host, Say
+from cltrain.layout import is_materialized
 from cltrain.nchw_code import pruning_aliases
 
 __all__ = ["LightningHost", "is_lightning_module", "lightning_package", "model_copies", "overrides", "overrides_hook",
@@ -108,6 +109,11 @@ def undo_run_after(module: nn.Module) -> None:
             del module.__dict__[hook]
 
 
+def _shapes(params: Any) -> tuple[Any, ...]:
+    """The parameters' shapes; a lazy module's parameter before its first forward has none (``None``)."""
+    return tuple(tuple(p.shape) if is_materialized(p) else None for p in params)
+
+
 def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> list[nn.Module]:
     """The modules that ``trainer``'s callbacks hold as copies of ``pl_module`` or of one of its children.
 
@@ -120,10 +126,10 @@ def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> lis
     """
     params = list(pl_module.parameters())
     own = {id(p) for p in params}
-    targets = {tuple(p.shape for p in params)}
+    targets = {_shapes(params)}
     for child in pl_module.children():
-        shapes = tuple(p.shape for p in child.parameters())
-        if any(len(shape) >= 4 for shape in shapes):
+        shapes = _shapes(child.parameters())
+        if any(shape is not None and len(shape) >= 4 for shape in shapes):
             targets.add(shapes)
     found: list[nn.Module] = []
     for callback in trainer.callbacks:
@@ -135,7 +141,7 @@ def model_copies(trainer: Any, pl_module: nn.Module, exclude: Any = None) -> lis
                 if not isinstance(item, nn.Module) or item is pl_module or any(v is item for v in found):
                     continue
                 theirs = list(item.parameters())
-                if theirs and tuple(p.shape for p in theirs) in targets and not any(id(p) in own for p in theirs):
+                if theirs and _shapes(theirs) in targets and not any(id(p) in own for p in theirs):
                     found.append(item)
     return found
 

@@ -162,6 +162,10 @@ class ChannelsLastRun(SessionResults):
         accumulation, the batches up to it are one step). The first batch of training (``train``) and of evaluation
         is checked; training steps are timed while the layouts race; at the end of the loader, whatever moved a
         parameter's layout is put back."""
+        check_flags("ChannelsLastRun.batches", train=train)
+        if not isinstance(loader, Iterable):
+            raise ValueError(f"ChannelsLastRun.batches(loader={loader!r}): expected the loop's batches (a "
+                             "DataLoader or any iterable).")
         kind = "train" if train else "eval"
         if train and self._resumed:
             self._resumed = False
@@ -183,7 +187,7 @@ class ChannelsLastRun(SessionResults):
         self.session.boundary(self.model, after="after a pass over the loader")
 
     def _check(self, batch: Any, train: bool) -> LayoutCheck:
-        optimizer = self.optimizers[0] if train and len(self.optimizers) == 1 else None
+        optimizer = list(self.optimizers) if train else None
         grad = torch.enable_grad() if train else torch.no_grad()
         with grad:
             return check_plain_step(self.model, batch, self.step, inputs=self.inputs, autocast_dtype=self.dtype,
@@ -202,6 +206,11 @@ class ChannelsLastRun(SessionResults):
         Raises:
             ValueError: ``state`` is not what ``state_dict`` gave (a whole checkpoint, a model's state dict)."""
         known = {"layout_checks", "fingerprint", "race"}
+        if isinstance(state, dict) and not set(state) - known and not (
+                isinstance(state.get("layout_checks", {}), dict) and isinstance(state.get("race", {}), dict)):
+            raise ValueError(f"ChannelsLastRun.load_state_dict: the entry is not what run.state_dict() gave "
+                             f"({ {k: type(v).__name__ for k, v in state.items()} }): pass the entry you saved it "
+                             "under, unchanged.")
         if not isinstance(state, dict) or set(state) - known:
             what = sorted(map(str, state))[:4] if isinstance(state, dict) else f"a {type(state).__name__}"
             entries = [k for k, v in state.items() if isinstance(v, dict) and not set(v) - known] \
@@ -362,6 +371,8 @@ def verify_layout(
         The ``cltrain.check.compare.LayoutCheck``.
     """
     check_module("verify_layout", model)
+    if batch is None:
+        raise ValueError("verify_layout(batch=None): expected one batch as the loop gets it (on the model's device).")
     inputs = check_inputs(inputs, owner="verify_layout")
     check_optimizers("verify_layout", optimizer, several=False)
     check_dtype("verify_layout", "autocast_dtype", autocast_dtype)
@@ -415,13 +426,13 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
 
 
 def _inside_ddp(model: nn.Module) -> nn.Module:
-    """The model a ``DistributedDataParallel`` holds (or Fabric's wrapper of one): the door converts and checks it (a
-    check of the wrapper would run DDP's collectives on the deciding rank alone), and the loop goes on calling the
-    wrapper; DDP's buckets follow the conversion (``cltrain.ddp``)."""
+    """The model a ``DistributedDataParallel`` or Fabric's wrapper holds: the door converts and checks it (a check of
+    the wrapper would run DDP's collectives on the deciding rank alone, and Fabric's asks for ``fabric.backward``),
+    and the loop goes on calling the wrapper; DDP's buckets follow the conversion (``cltrain.ddp``)."""
     forward = getattr(model, "_forward_module", model)  # Fabric's _FabricModule
     if isinstance(forward, nn.parallel.DistributedDataParallel):
         return forward.module
-    return model
+    return forward if isinstance(forward, nn.Module) else model
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -63,7 +63,7 @@ from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_
     to_contiguous
 from cltrain.layout.batches import Inputs, first_image_tensor
 from cltrain.layout.optimizer_state import restride_optimizer_state
-from cltrain.layout.tensors import compiled_frames, is_compiled, nchw
+from cltrain.layout.tensors import compiled_frames, is_compiled, is_materialized, nchw
 from cltrain.nchw_code import aliases_follow, relayout, torch_utilities
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 from cltrain.timing.clock import StepTimer
@@ -210,6 +210,7 @@ class LayoutSession:
         self._ddp_blocker: Any = _UNASKED  # why DDP's buckets cannot follow a switch (cltrain.ddp), once asked
         self._ddps: list[weakref.ref] = []  # the DDPs holding the model, once found
         self._judging = False  # a step recorded whose round the race has not judged yet (step_end's judge=False)
+        self._lazy = False  # the model held a lazy module's parameters before their first forward at the start
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
         #: how the door's user pins a layout, for the lines that say so (the app: ``"channels_last_layout={}"``)
@@ -253,6 +254,7 @@ class LayoutSession:
         if self.layout is None:
             self.layout = self.pinned or "channels_last"
         self.untimed = self._why_untimed(model)
+        self._lazy = bool(_uninitialized(model))
         self._frames, self._ddp_blocker, self._ddps = compiled_frames(), _UNASKED, []
         self._hazards.clear()
         records = self._put_in_layout(model, self.layout, held=held is not None)
@@ -431,6 +433,8 @@ class LayoutSession:
         not complete). Where a round of the race ends, the deciding rank judges, every rank applies the same, one
         line says it and the host logs both step times: here, or (``judge=False``: a step that an evaluation on this
         rank alone ends, where no other rank joins a broadcast) at the start of the next training step."""
+        if self._lazy:
+            self._adopt_materialized(model)
         if self._step is None:
             return
         key, size, clock = self._step
@@ -441,6 +445,22 @@ class LayoutSession:
         self._judging = True
         if judge:
             self._judge(model)
+
+    def _adopt_materialized(self, model: nn.Module) -> None:
+        """A lazy module's parameters and buffers, made in NCHW by their first forward, put in the session's layout
+        with their optimizer state (once every one is made)."""
+        if _uninitialized(model) or self._expected is None:
+            return
+        self._lazy = False
+        convert = self.layout == "channels_last" and self.sharding is None and not self.fallbacks
+        modules = dict(model.named_modules())
+        for name, t in _named_tensors(model):
+            if _stands_for(name) not in self._expected:
+                owner = modules.get(name.rpartition(".")[0])
+                if convert and (self.mode != "conv" or isinstance(owner, CONV_TYPES)):
+                    relayout(t, torch.channels_last)
+                self._expected[_stands_for(name)] = _layout_of(t)
+        restride_optimizer_state(self.host.optimizers())
 
     def close_stepped(self, model: nn.Module) -> None:
         """A checkpoint is taken inside a loop's step, after its optimizer stepped (a loop that saves before it asks
@@ -648,6 +668,9 @@ class LayoutSession:
                                          "training step's check covers the model"), False
         elif same:
             result = restored_check(saved)
+        elif _uninitialized(model):
+            result = LayoutCheck("not checked", reason=f"the model's lazy modules are not made yet "
+                                 f"({_uninitialized(model)}): run one forward on a batch before the run to check it")
         elif self.host.deciding():
             try:
                 with no_autotune(), _sync_batchnorm_alone(model, self.host.several()):
@@ -669,7 +692,7 @@ class LayoutSession:
     def apply(self, result: LayoutCheck, model: nn.Module) -> None:
         """What ``result`` chose, on ``model`` and the host's copies (see the module docstring), and the host's
         optimizers' state in its parameters' strides."""
-        strides = [p.stride() for p in model.parameters()]
+        strides = [p.stride() if is_materialized(p) else None for p in model.parameters()]
         if result.verdict == "fallback":
             chosen = list(result.fallbacks)
         elif result.verdict == "contiguous":  # the whole model, its inputs put in NCHW at its entry
@@ -683,14 +706,15 @@ class LayoutSession:
             return
         self.fallbacks += [f for f in chosen if f not in self.fallbacks]
         apply_fallbacks(model, self.fallbacks)
-        convs = [m.weight for m in model.modules() if isinstance(m, CONV_TYPES) and m.weight.dim() in (4, 5)]
+        convs = [m.weight for m in model.modules() if isinstance(m, CONV_TYPES) and is_materialized(m.weight)
+                 and m.weight.dim() in (4, 5)]
         if self.untimed is None and convs and not any(is_channels_last(w) for w in convs):
             self.untimed = "the check keeps every convolution in NCHW"  # both layouts would time the same model
             self.race.stop()
         self.summary = layout_summary(model, buffers=True)
         self.convert_copies(self.host.copies())
         restride_optimizer_state(self.host.optimizers())
-        if strides != [p.stride() for p in model.parameters()]:
+        if strides != [p.stride() if is_materialized(p) else None for p in model.parameters()]:
             self._buckets_follow(model, "the check's verdict")
         if self._expected is not None:
             self.expect(model)
@@ -881,9 +905,15 @@ def _layout_of(t: torch.Tensor) -> torch.memory_format | None:
     return fmt if channels_last else torch.contiguous_format
 
 
+def _uninitialized(model: nn.Module) -> str:
+    """The first of ``model``'s parameters and buffers a lazy module has not made yet (``""``: none)."""
+    return next((name for name, t in [*model.named_parameters(), *model.named_buffers()]
+                 if not is_materialized(t)), "")
+
+
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.dim() in (4, 5) and t.is_floating_point():
+        if is_materialized(t) and t.dim() in (4, 5) and t.is_floating_point():
             yield name, t
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from cltrain.layout.closures import callables_of, rebound
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "checking", "copy_optimizer", "copy_schedulers", "eager_copy", "elementwise",
-           "is_check_copy", "mark_copy", "rebind_methods", "running"]
+           "float32_tensors", "half_weights", "in_float32", "is_check_copy", "mark_copy", "rebind_methods", "running"]
 
 _MARK = "_cltrain_check_copy"
 
@@ -101,6 +101,33 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> to
         raise TypeError(f"{type(optimizer).__name__}'s copy does not hold the copied parameters")
     rebind_methods(clone, own, drop_class_wrappers=True)  # an LR scheduler's patched `step`
     return clone
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def half_weights(model: nn.Module) -> bool:
+    """Whether ``model`` computes in 16-bit floats (its weights cast: ``model.to(torch.bfloat16)``, Lightning's and
+    Fabric's ``"bf16-true"``). Its rounding noise (2**-8 per op in bfloat16) would hide an O(1) layout fault where a
+    gradient cancels (through BatchNorm), so the check runs its copies in float32 first."""
+    return any(p.dtype in _HALF for p in model.parameters())
+
+
+def in_float32(clone: nn.Module, optimizers: list[torch.optim.Optimizer] = ()) -> nn.Module:
+    """A check's copy and its optimizers' copies computing in float32: their 16-bit floating parameters, buffers and
+    optimizer state cast, in place (the ``Parameter`` objects kept, so the optimizers still hold them)."""
+    clone._apply(lambda t: t.float() if t.dtype in _HALF else t)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dtype in _HALF:
+                    state[key] = value.float()
+    return clone
+
+
+def float32_tensors(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 where it holds 16-bit floats (a batch's images for ``in_float32``'s copies)."""
+    return t.float() if t.dtype in _HALF else t
 
 
 def copy_schedulers(configs: list[Any], memo: dict[int, Any]) -> list[Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer, copy_schedulers, eager_copy, elementwise
+from cltrain.check.copies import copy_optimizer, copy_schedulers, eager_copy, elementwise, float32_tensors, \
+    half_weights, in_float32
 from cltrain.check.fallback import map_images
 from cltrain.check.result import COPY_LIMIT, MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, restride_batch
@@ -183,8 +185,9 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
     grad = torch.enable_grad if stage == "train" else torch.no_grad
     # Mixed precision's rounding would hide a wrong op in noise (bf16 gradients through BatchNorm differ
     # by O(1) between any two kernels): check in float32 first, in the training precision if that raises.
-    contexts = [contextlib.nullcontext, own_context] if autocast_dtype(trainer.precision) is not None \
-        else [own_context]
+    # 16-bit weights ("bf16-true") likewise: their copies in float32 first (_in_float32).
+    contexts = [_in_float32 if half_weights(pl_module) else contextlib.nullcontext, own_context] \
+        if autocast_dtype(trainer.precision) is not None or half_weights(pl_module) else [own_context]
     train = stage == "train"
     manual = train and not pl_module.automatic_optimization
     optimizers = list(trainer.optimizers) if train else []
@@ -195,12 +198,12 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
     update = train and (manual or after_code or not elementwise(optimizers))
     uncopied: dict[str, str] = {}
 
-    def batch_in(layout: str, clone: nn.Module) -> Any:
-        copied = apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
+    def batch_in(layout: str, clone: nn.Module, upcast: bool = False) -> Any:
+        copied = apply_to_collection(batch, torch.Tensor, lambda t: (float32_tensors(t) if upcast else t).clone())
         restride_batch(copied, layout, one_d=one_d, inputs=inputs, model=clone)
         return copied
 
-    def copy_model(module: nn.Module) -> nn.Module:
+    def copy_model(module: nn.Module, upcast: bool = False) -> nn.Module:
         memo: dict[int, Any] = {}
         copies: list[torch.optim.Optimizer] = []
         schedulers: list[Any] = []
@@ -213,7 +216,7 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
                 uncopied.setdefault(type(optimizer).__name__, str(error))
         if train:
             schedulers += copy_schedulers(trainer.lr_scheduler_configs, memo)
-        return clone
+        return in_float32(clone, copies) if upcast else clone
 
     def after_backward(clone: nn.Module) -> None:
         clone.on_after_backward()
@@ -232,7 +235,7 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
     for context in contexts:  # the step in float32 first, then in the training precision
 
         def step_code(clone: nn.Module, layout: str, context: Any = context) -> Any:
-            copied = batch_in(layout, clone)
+            copied = batch_in(layout, clone, upcast=context is _in_float32)
 
             def note_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 if not fed and layout == "contiguous":
@@ -246,7 +249,8 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
                 handle.remove()
             return None if manual else result  # a manual step has run its own backward
 
-        result = check_layout(pl_module, step_code, **options)
+        result = check_layout(pl_module, step_code, **{**options, "copy_model": functools.partial(
+            copy_model, upcast=context is _in_float32)})
         if result.verdict != "not checked":
             break
     if result.verdict == "not checked" and result.step_raised is not None:
@@ -258,17 +262,24 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
                     if layout == "channels_last":
                         args, kwargs = map_images((args, kwargs), lambda t: to_input_layout(t, clone))
                 else:
-                    args, kwargs = (first_image_tensor(batch_in(layout, clone), inputs),), {}
+                    args, kwargs = (first_image_tensor(batch_in(layout, clone, context is _in_float32), inputs),), {}
                 with grad(), context():
                     out = step_target(clone)(*args, **kwargs)
                 return projection_loss(out) if train else out
 
-            alone = _model_alone(result, pl_module, model_only, copy_model, trainer, fed, batch, inputs)
+            alone = _model_alone(result, pl_module, model_only,
+                                 functools.partial(copy_model, upcast=context is _in_float32), trainer, fed, batch, inputs)
             if alone.verdict != "not checked" or context is contexts[-1]:
                 result = alone
                 break
     notes = [f"the optimizer step of {name} was not checked ({why})" for name, why in uncopied.items()]
     return dataclasses.replace(result, notes=(*result.notes, *notes)) if notes else result
+
+
+@contextlib.contextmanager
+def _in_float32() -> Any:
+    """The attempt whose copies compute in float32 (``cltrain.check.copies.in_float32``), in no precision context."""
+    yield
 
 
 def _model_alone(step_result: LayoutCheck, pl_module: nn.Module, model_only: Callable[[nn.Module, str], Any],

@@ -16,7 +16,7 @@ from torch import nn
 
 from cltrain.check.budget import check_within_budget
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer, eager_copy, elementwise
+from cltrain.check.copies import copy_optimizer, eager_copy, elementwise, float32_tensors, half_weights, in_float32
 from cltrain.check.result import MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors, restride_batch
 from cltrain.precision import autocast_for
@@ -26,14 +26,16 @@ __all__ = ["check_plain_step"]
 
 def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], Any] | None = None, *,
                      inputs: Inputs = None, autocast_dtype: torch.dtype | None = None,
-                     optimizer: torch.optim.Optimizer | None = None, samples: int | None = 4) -> LayoutCheck:
+                     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+                     samples: int | None = 4) -> LayoutCheck:
     """One step on ``batch`` in both layouts on copies of ``model``, its verdict not applied (the arguments are
-    ``cltrain.loops.verify_layout``'s)."""
+    ``cltrain.loops.verify_layout``'s; ``optimizer`` may be the loop's several, each stepped in turn)."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
-    def run_in(part: Any, dtype: torch.dtype | None, alone: bool = False) -> Callable[[nn.Module, str], Any]:
+    def run_in(part: Any, dtype: torch.dtype | None, alone: bool = False, upcast: bool = False,
+               ) -> Callable[[nn.Module, str], Any]:
         def run(clone: nn.Module, layout: str) -> Any:
-            copied = map_tensors(part, torch.Tensor.clone)
+            copied = map_tensors(part, lambda t: (float32_tensors(t) if upcast else t).clone())
             restride_batch(copied, layout, inputs=inputs, model=clone)
             with autocast_for(device, dtype):
                 if step is not None and not alone:
@@ -42,25 +44,35 @@ def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, An
 
         return run
 
-    optimizers: weakref.WeakKeyDictionary[nn.Module, torch.optim.Optimizer] = weakref.WeakKeyDictionary()
+    optimizers: weakref.WeakKeyDictionary[nn.Module, list[torch.optim.Optimizer]] = weakref.WeakKeyDictionary()
 
     # torch's elementwise optimizers give the same update in any layout: their step is not re-run.
-    stepped = optimizer if optimizer is not None and not elementwise([optimizer]) else None
+    given = optimizer if isinstance(optimizer, list) else [optimizer] if optimizer is not None else []
+    stepped = [o for o in given if not elementwise([o])]
 
-    def copy_model(original: nn.Module) -> nn.Module:
+    def copy_model(original: nn.Module, upcast: bool = False) -> nn.Module:
         memo: dict[int, Any] = {}
         clone = eager_copy(original, memo)
-        if stepped is not None:
-            optimizers[clone] = copy_optimizer(stepped, memo)
-        return clone
+        if stepped:
+            optimizers[clone] = [copy_optimizer(o, memo) for o in stepped]
+        return in_float32(clone, optimizers.get(clone, [])) if upcast else clone
+
+    def after_backward(clone: nn.Module) -> None:
+        for copied in optimizers[clone]:
+            copied.step()
 
     options: dict[str, Any] = {"copy_model": copy_model}
-    if stepped is not None:
-        options["after_backward"] = lambda clone: optimizers[clone].step()
+    if stepped:
+        options["after_backward"] = after_backward
 
     def check(part: Any) -> LayoutCheck:
-        # float32 first: mixed precision's rounding would hide a wrong op in noise.
-        result = check_layout(model, run_in(part, None), **options)
+        # float32 first: mixed precision's rounding, or 16-bit weights', would hide a wrong op in noise.
+        result = None
+        if half_weights(model):
+            result = check_layout(model, run_in(part, None, upcast=True),
+                                  **{**options, "copy_model": lambda m: copy_model(m, upcast=True)})
+        if result is None or result.verdict == "not checked":
+            result = check_layout(model, run_in(part, None), **options)
         if result.verdict == "not checked" and autocast_dtype is not None:
             result = check_layout(model, run_in(part, autocast_dtype), **options)
         if result.step_raised is None or step is None or first_image_tensor(part, inputs) is None:

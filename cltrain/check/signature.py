@@ -43,12 +43,12 @@ class Vectors:
         key = (size, dim, device)
         if key not in self._cache:
             g = torch.Generator().manual_seed(1_000_003 * size + dim)
-            self._cache[key] = torch.randn(size, _PROJECTIONS, generator=g).to(device)
+            self._cache[key] = torch.randn(size, _PROJECTIONS, generator=g, dtype=torch.float32).to(device)
         return self._cache[key]
 
     def _product(self, x: torch.Tensor, dims: list[int]) -> torch.Tensor:
         """The vectors of ``dims`` multiplied out: ``(prod of their sizes, P)``, row-major over ``dims``."""
-        weights = torch.ones(1, _PROJECTIONS, device=x.device)
+        weights = torch.ones(1, _PROJECTIONS, device=x.device, dtype=torch.float32)
         for d in dims:
             v = self.get(x.shape[d], d, x.device)
             weights = (weights[:, None, :] * v[None, :, :]).reshape(-1, _PROJECTIONS)

@@ -38,6 +38,7 @@ from torch import nn
 __all__ = [
     "compiled_frames",
     "is_compiled",
+    "is_materialized",
     "CONV1D_TYPES",
     "CONV_TYPES",
     "MODES",
@@ -166,12 +167,13 @@ def _restride(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _is_materialized(tensor: torch.Tensor) -> bool:
+def is_materialized(tensor: torch.Tensor) -> bool:
+    """``False`` for a lazy module's parameter or buffer before its first forward (it has no shape yet)."""
     return not isinstance(tensor, nn.parameter.UninitializedTensorMixin)
 
 
 def _convert_in_place(tensor: torch.Tensor | None) -> bool:
-    if tensor is None or not _is_materialized(tensor) or memory_format_for(tensor) is None:
+    if tensor is None or not is_materialized(tensor) or memory_format_for(tensor) is None:
         return False
     new = _restride(tensor.data)
     changed = new is not tensor.data
@@ -260,7 +262,7 @@ def layout_summary(module: nn.Module, buffers: bool = False) -> dict[str, int]:
     if buffers:
         tensors += [b for b in module.buffers() if b is not None]
     for t in tensors:
-        counts["uninitialized" if not _is_materialized(t) else layout_of(t)] += 1
+        counts["uninitialized" if not is_materialized(t) else layout_of(t)] += 1
     return dict(sorted(counts.items()))
 
 
@@ -334,7 +336,7 @@ def to_channels_last_1d(obj):
         return _restride_1d(obj)
     if isinstance(obj, nn.Module):
         for sub in obj.modules():
-            if isinstance(sub, CONV1D_TYPES) and _is_materialized(sub.weight):
+            if isinstance(sub, CONV1D_TYPES) and is_materialized(sub.weight):
                 sub.weight.data = _restride_1d(sub.weight.data)
                 if sub.weight.grad is not None:
                     sub.weight.grad = _restride_1d(sub.weight.grad)

@@ -368,3 +368,36 @@ def test_an_error_in_a_line_is_cut_at_a_word_with_an_ellipsis() -> None:
     line = first_line(RuntimeError(long + "\nsecond line"))
     assert line.endswith("this may…") and len(line) <= len("RuntimeError: ") + 160
     assert first_line(ValueError("short\nmore")) == "ValueError: short"
+
+
+class _Bf16True(pl.LightningModule):
+    def __init__(self, faulty: bool, cast: bool = False) -> None:
+        super().__init__()
+        from tests.helpers.plain_modules import NCHWBackwardNet
+
+        self.net, self.cast = NCHWBackwardNet(faulty), cast
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0].bfloat16() if self.cast else batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), 1e-3)
+
+
+def test_a_bf16_true_run_is_checked_in_float32() -> None:
+    # Lightning's bf16-true makes the default dtype bfloat16 in the step: the check's own vectors stay float32 (an
+    # addmv of float32 and bfloat16 made it "not checked"), and the copies compute in float32, where the fault shows
+    torch.manual_seed(0)
+    module = _Bf16True(faulty=True)
+    data = TensorDataset(torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
+    callback = ChannelsLast(layout="channels_last")
+    trainer = pl.Trainer(accelerator="cpu", precision="bf16-true", max_steps=1, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    assert callback.layout_checks["train"].verdict in ("fallback", "contiguous"), callback.layout_checks["train"]
+    # a step that casts to bfloat16 itself cannot run on float32 copies: checked in the training precision
+    callback = ChannelsLast(layout="channels_last")
+    trainer = pl.Trainer(accelerator="cpu", precision="bf16-true", max_steps=1, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Bf16True(faulty=False, cast=True), DataLoader(data, batch_size=8))
+    assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"]

@@ -314,6 +314,14 @@ def test_a_door_given_the_wrong_thing_says_which_argument_in_one_line(caplog) ->
     for wrong in (model.state_dict(), "x"):  # the model's, a string
         with pytest.raises(ValueError, match=r"expected what run.state_dict\(\) gave .*the entry you saved"):
             run.load_state_dict(wrong)
+    with pytest.raises(ValueError, match=r"the entry is not what run.state_dict\(\) gave \(\{'race': 'int'\}\)"):
+        run.load_state_dict({"race": 3})  # the right key, a wrong value
+    with pytest.raises(ValueError, match=r"ChannelsLastRun.batches\(train='yes'\): expected True or False"):
+        next(run.batches([], train="yes"))
+    with pytest.raises(ValueError, match=r"ChannelsLastRun.batches\(loader=None\): expected the loop's batches"):
+        next(run.batches(None))
+    with pytest.raises(ValueError, match=r"verify_layout\(batch=None\): expected one batch"):
+        verify_layout(model, None)
     run.load_state_dict(checkpoint["cltrain"])  # the control: its own entry
     from cltrain.options import check_copies
 
@@ -352,3 +360,83 @@ def test_batches_without_an_image_tensor_say_that_the_layouts_are_not_raced(capl
     run.end()
     assert caplog.text.count("hold no 4-D or 5-D image tensor") == 1 and run.decision is None
     assert is_channels_last(model.conv.weight)
+
+
+def _loop_check(model: nn.Module, optimizers, batch, **kw):
+    from cltrain.loops import ChannelsLastRun
+
+    run = ChannelsLastRun(model, optimizers, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), layout="channels_last",
+                          **kw)
+    for x, y in run.batches([batch]):
+        F.cross_entropy(model(x), y).backward()
+        for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
+            optimizer.step()
+            optimizer.zero_grad()
+    run.end()
+    return run
+
+
+@pytest.mark.parametrize("faulty", [True, False])
+def test_a_model_with_bfloat16_weights_is_checked_in_float32(faulty: bool) -> None:
+    from tests.helpers.plain_modules import NCHWBackwardNet
+
+    # in bfloat16 the stem's gradient is rounding noise (the check's noise run), which hid the fault: a pass
+    torch.manual_seed(0)
+    model = NCHWBackwardNet(faulty).to(torch.bfloat16)
+    batch = (torch.randn(8, 3, 16, 16, dtype=torch.bfloat16), torch.randint(0, 10, (8,)))
+    run = _loop_check(model, torch.optim.AdamW(model.parameters(), 1e-3), batch)
+    assert run.layout_checks["train"].verdict == ("contiguous" if faulty else "passed"), run.layout_checks
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the real model keeps its dtype
+
+
+def test_every_optimizer_of_the_loop_steps_on_the_check_s_copies() -> None:
+    class FlatSGD(torch.optim.Optimizer):  # flattens with .view: raises on a channels_last gradient
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.01})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.view(-1).add_(p.grad.view(-1), alpha=-group["lr"])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    body, head = list(model[0].parameters()), list(model[4].parameters())
+    run = _loop_check(model, [FlatSGD(body), torch.optim.AdamW(head)], (torch.randn(4, 3, 8, 8), torch.tensor([0, 1] * 2)))
+    check = run.layout_checks["train"]
+    assert check.verdict in ("fallback", "contiguous") and "the code after the backward raised" in check.line("train")
+    assert not is_channels_last(model[0].weight)  # and the loop's own FlatSGD step ran (it would raise)
+
+
+def test_lazy_modules_are_put_in_channels_last_once_made() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyConv2d(8, 3), nn.LazyBatchNorm2d(), nn.ReLU(), nn.LazyConv2d(8, 3), nn.Flatten(),
+                          nn.LazyLinear(2))
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+    run = _loop_check(model, optimizer, (torch.randn(4, 3, 12, 12), torch.tensor([0, 1] * 2)))
+    check = run.layout_checks["train"]
+    assert check.verdict == "not checked" and "lazy modules are not made yet (0.weight)" in check.reason
+    for conv in (model[0], model[3]):
+        assert is_channels_last(conv.weight) and is_channels_last(optimizer.state[conv.weight]["exp_avg"])
+    # the docstring's pinned run, no check
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(2))
+    run = _loop_check(model, torch.optim.SGD(model.parameters(), 0.1), (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])),
+                      verify=False)
+    assert is_channels_last(model[0].weight) and model[2].weight.shape == (2, 288)
+
+
+def test_a_run_made_after_fabric_setup_on_one_device_checks_the_model_fabric_holds() -> None:
+    from cltrain.loops import ChannelsLastRun
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    fabric_model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    run = ChannelsLastRun(fabric_model, optimizer, step=lambda m, b: m(b).view(2, -1).sum(), layout="channels_last")
+    for x in run.batches([torch.randn(2, 3, 8, 8)]):
+        fabric.backward(fabric_model(x).view(2, -1).sum())  # .view on a channels_last output: found by the check
+        optimizer.step()
+    assert run.layout_checks["train"].verdict != "not checked", run.layout_checks["train"].reason
+    assert run.model is model

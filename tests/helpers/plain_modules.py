@@ -135,3 +135,35 @@ def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The channels-last strides for a 4-D (``channels_last``) or 5-D (``channels_last_3d``) shape."""
     fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     return torch.empty(shape, memory_format=fmt).stride()
+
+
+class _ReadsGradientAsNCHW(torch.autograd.Function):
+    """Doubles its input; its backward reads the incoming gradient's memory as NCHW (wrong in channels_last)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = g.shape
+        return torch.as_strided(g, g.shape, (c * h * w, h * w, w, 1)) * 2
+
+
+class NCHWBackwardNet(nn.Module):
+    """A stem whose custom backward assumes NCHW (``faulty``; else the same values computed plainly), then
+    convolutions with BatchNorm, whose backward cancels the gradient's mean: in bfloat16 the stem's gradient is
+    mostly rounding noise, which hides the fault unless the check computes in float32."""
+
+    def __init__(self, faulty: bool = True) -> None:
+        super().__init__()
+        self.faulty = faulty
+        self.conv, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.rest = nn.Sequential(
+            nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=2), nn.BatchNorm2d(16),
+            nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(), nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.rest(self.conv2(_ReadsGradientAsNCHW.apply(y) if self.faulty else y * 2))
