@@ -741,7 +741,7 @@ class LayoutSession:
         Example::
 
             >>> session = LayoutSession(layout="channels_last")
-            >>> model = session.start(torch.nn.Conv2d(3, 8, 1))
+            >>> model = session.start(torch.nn.Conv2d(3, 8, 3))
             >>> session.expect(model)
             >>> model.weight.data = model.weight.data.contiguous()   # a hook writes .data in NCHW
             >>> session.boundary(model, after="a test"), is_channels_last(model.weight)
