@@ -1,12 +1,17 @@
 """Mosaic MDS shards (``streaming.MDSWriter``) through the NHWC path: each sample's image column, undecoded.
 
 ``MDSImages`` reads one split (``<root>/<split>/index.json`` and its ``shard.NNNNN.mds`` files, a folder or a URL)
-with Mosaic's own shard reader (``MDSReader``: its offsets and column layout), the image column's encoding read as
+with Mosaic's own shard reader (``MDSReader``: its column layout) and its offsets, the image column's encoding read as
 ``bytes`` (Mosaic would decode a ``jpeg`` or ``png`` column with PIL), so the loader's decoder writes each image
 straight into its NHWC batch slot. A URL's shards come through the node's shard cache (``cltrain.data.shard_cache``:
-once per node, bounded, shared by ranks and workers), not through Mosaic's ``StreamingDataset``: no shared memory is
-made (Mosaic's is left behind after Ctrl-C, streaming #781), and the DataModule's own sampler orders the samples:
-each once per epoch over the ranks, an exact resume mid-epoch, also on another number of ranks.
+once per node, bounded, shared by ranks and workers, each file under its version in the store), not through Mosaic's
+``StreamingDataset``: no shared memory is made (Mosaic's is left behind after Ctrl-C, streaming #781), and the
+DataModule's own sampler orders the samples: each once per epoch over the ranks, an exact resume mid-epoch, also on
+another number of ranks. A sample's bytes are read from the file the cache gives (``MDSReader`` would open
+``<split>/shard.NNNNN.mds`` under a folder, not the cached version), at the offsets Mosaic's layout puts them.
+
+Every shard the index names is checked at setup (the store's listing, or the folder): a shard missing or shorter than
+the index says (an upload cut short) is one line naming it, before the first step.
 
 Shards written with ``compression`` are not read (write them uncompressed: JPEGs do not compress). Needs
 ``pip install 'cltrain[mds]'`` (mosaicml-streaming).
@@ -18,12 +23,15 @@ import bisect
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cltrain.data.bad_samples import NamedSplit
-from cltrain.data.errors import DataError
+from cltrain.data.errors import DataError, StorageError
 from cltrain.data.image_samples import ImageSamples
-from cltrain.data.remote import is_url, join, open_fs, redact, remote_error
+from cltrain.data.remote import RemoteError, is_url, join, open_fs, redact, remote_error
 from cltrain.data.shard_cache import ShardCache
 
 __all__ = ["MDSImages"]
@@ -32,6 +40,9 @@ __all__ = ["MDSImages"]
 IMAGE_ENCODINGS = ("jpeg", "png", "bytes")
 #: MDS column encodings that hold an integer.
 INT_ENCODINGS = ("int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+#: What to do about a shard missing or cut short, after "the MDS dataset at <root> is incomplete: ".
+REMAKE = ("copy or upload its folder again whole, as MDSWriter wrote it (index.json and every shard it names), or "
+          "write it again with streaming.MDSWriter")
 
 
 def _index(root: str, split: str) -> dict:
@@ -66,6 +77,8 @@ class MDSImages(NamedSplit, ImageSamples):
 
     Raises:
         DataError: ``mosaicml-streaming`` missing, no MDS dataset there, compressed shards, no image or label column.
+        StorageError: a shard the index names is missing or cut short (a ``RemoteError`` for a URL; its store's
+            listing says so, where it lists).
     """
 
     def __init__(self, root: str | os.PathLike, split: str, transform: Callable[..., Any], image_key: str | None = None,
@@ -78,7 +91,8 @@ class MDSImages(NamedSplit, ImageSamples):
         self._set_policy(bad_files, skip_log)
         self.root, self.split, self.transform, self.threads = str(root).rstrip("/"), split, transform, max(1, threads)
         self.where = redact(self.root)
-        self.cache = ShardCache(self.root, cache_dir, cache_limit) if is_url(self.root) else None
+        incomplete = f"the MDS dataset at {self.where} is incomplete: {REMAKE}"
+        self.cache = ShardCache(self.root, cache_dir, cache_limit, incomplete) if is_url(self.root) else None
         shards = _index(self.root, split).get("shards", [])
         if not shards:
             raise DataError(f"{redact(join(self.root, split))}: its index.json lists no shards.")
@@ -92,15 +106,20 @@ class MDSImages(NamedSplit, ImageSamples):
         if self.image_key not in columns or self.label_key not in columns:
             raise DataError(f"{redact(join(self.root, split))}: no {'image' if self.image_key not in columns else 'integer label'} "
                             f"column among {columns}; pass image_key=<column> and label_key=<column>.")
-        dirname = str(self.cache.folder) if self.cache is not None else self.root
         self.readers = []
         for shard in shards:  # the image column read as plain bytes: Mosaic's layout, cltrain's decoder
             obj = {**shard, "column_encodings": ["bytes" if c == self.image_key else e
                                                  for c, e in zip(shard["column_names"], shard["column_encodings"])]}
-            self.readers.append(MDSReader.from_json(dirname, split, obj))
+            self.readers.append(MDSReader.from_json(self.root, split, obj))
+        self.shards = [f"{split}/{r.raw_data.basename}" for r in self.readers]  # names in the root
         self.starts = [0]
         for shard in shards:
             self.starts.append(self.starts[-1] + int(shard["samples"]))
+        for name, reader in zip(self.shards, self.readers):
+            flaw = self.cache.flaw(name, reader.raw_data.bytes) if self.cache is not None else \
+                _flaw(Path(self.root) / name, reader.raw_data.bytes)
+            if flaw:
+                raise self._incomplete(name, flaw)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -109,7 +128,46 @@ class MDSImages(NamedSplit, ImageSamples):
         """The image file bytes of sample ``index`` and its label (its shard fetched first, for a URL)."""
         k = bisect.bisect_right(self.starts, int(index)) - 1
         reader = self.readers[k]
-        if self.cache is not None:
-            self.cache.get(f"{self.split}/{reader.raw_data.basename}", reader.raw_data.bytes)
-        sample = reader.decode_sample(reader.get_sample_data(int(index) - self.starts[k]))
+        sample = reader.decode_sample(self._sample_data(k, int(index) - self.starts[k]))
         return bytes(sample[self.image_key]), int(sample[self.label_key])
+
+    def _sample_data(self, k: int, i: int) -> bytes:
+        """The bytes of sample ``i`` of shard ``k``, as ``MDSReader.get_sample_data`` reads them (after the sample
+        count, a ``uint32`` offset per sample and the end), from the shard's file: the cache's, for a URL.
+
+        Raises:
+            StorageError: the shard's file is missing or shorter than its offsets say (never a bad sample to skip).
+        """
+        name, size = self.shards[k], self.readers[k].raw_data.bytes
+        for evicted in (False, True):
+            path = self.cache.get(name, size) if self.cache is not None else Path(self.root) / name
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    begin, end = (int(v) for v in np.frombuffer(os.pread(f.fileno(), 8, (1 + i) * 4), np.uint32))
+                    data = os.pread(f.fileno(), end - begin, begin)
+            except FileNotFoundError:
+                if self.cache is not None and not evicted:
+                    continue  # evicted between its fetch and this open: fetched again
+                raise self._incomplete(name, "missing") from None
+            except (OSError, ValueError) as err:
+                raise StorageError(f"{redact(join(self.root, name))}: cannot be read ({type(err).__name__}: {err}).") \
+                    from None
+            if len(data) != end - begin:
+                raise self._incomplete(name, _flaw(Path(path), size) or "shorter than its offsets say (cut short)")
+            return data
+        raise AssertionError(name)  # not reached
+
+    def _incomplete(self, name: str, flaw: str) -> StorageError:
+        """One line: shard ``name`` is ``flaw`` (missing, cut short), and the fix."""
+        error = RemoteError if self.cache is not None else StorageError
+        return error(f"{redact(join(self.root, name))}: {flaw}; the MDS dataset at {self.where} is incomplete: "
+                     f"{REMAKE}.")
+
+
+def _flaw(path: Path, needs: int) -> str | None:
+    """What is wrong with the local shard ``path``, which must hold ``needs`` bytes (``ShardCache.flaw``'s words)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    return f"{size} bytes where {needs} are needed (cut short)" if size < needs else None

@@ -170,10 +170,11 @@ def _s3_session(kwargs: dict[str, Any]) -> Any:
     return session
 
 
-def remote_error(err: BaseException, url: str, what: str = "") -> RemoteError:
+def remote_error(err: BaseException, url: str, what: str = "", missing: str | None = None) -> RemoteError:
     """``err`` met while reading ``url`` as one line: the URL, what went wrong, and the fix.
 
-    ``what`` says what was being read (``"the pack's manifest"``)."""
+    ``what`` says what was being read (``"the pack's manifest"``); ``missing`` what to do where it is not found (a
+    dataset's own advice: how it is made and uploaded; ``None``: a pack's)."""
     if isinstance(err, RemoteError):
         return err
     shown = redact(url)
@@ -182,8 +183,8 @@ def remote_error(err: BaseException, url: str, what: str = "") -> RemoteError:
     name = type(err).__name__
     text = str(err)
     if isinstance(err, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text:
-        fix = ("check the bucket and prefix (e.g. `aws s3 ls` on it), or make a pack with "
-               "`cltrain-pack IMAGEFOLDER OUT` and upload OUT there as it is")
+        fix = missing or ("check the bucket and prefix (e.g. `aws s3 ls` on it), or make a pack with "
+                          "`cltrain-pack IMAGEFOLDER OUT` and upload OUT there as it is")
         return RemoteError(f"{shown}{reading}: not found ({reason}); {fix}.")
     if any(k in name for k in ("NoCredentials", "PartialCredentials", "DefaultCredentialsError",
                                "CredentialUnavailable")) or "Unable to locate credentials" in text:

@@ -26,6 +26,11 @@ returns the local path, fetching the file first when the cache does not hold tha
 * **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
   already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times
   within ``RETRY_WINDOW`` seconds of its first try (no try starts that would end past it at the last try's pace).
+  Once one read has failed for good (the store went away), the cache's other reads give up with its reason and
+  without a word: those in flight at once (the client's own attempts cancelled), those asked for within
+  ``RETRY_WINDOW`` seconds without a try (unless a read has succeeded since), so the run ends on that one line, not
+  minutes of their retries later. A file the store holds shorter than its reader needs (an upload cut short) is
+  one line, not retried.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
   processes that are gone when a cache is opened or a process using it exits.
 
@@ -37,7 +42,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import errno
 import fcntl
 import glob
@@ -81,6 +88,14 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 class CacheFullError(StorageError):
     """The cache's disk cannot take a file, even with every other file of the cache removed."""
+
+
+class _GivenUp(Exception):
+    """A read abandoned because another read of the cache failed for good (``reason``: that read's failure)."""
+
+    def __init__(self, reason: BaseException) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def parse_size(value: int | str | None, owner: str = "cache_limit") -> int | None:
@@ -188,9 +203,12 @@ class ShardCache:
             their own under it.
         limit: most bytes the cache holds (an int, or a size such as ``"200GB"``); ``None``: half the free space
             of ``folder``'s disk when first opened, plus what the cache holds already.
+        incomplete: the fix where a file is missing or cut short in the store (``"the MDS dataset at ... is
+            incomplete: ..."``); ``None``: ``remote_error``'s.
     """
 
-    def __init__(self, url: str, folder: str | os.PathLike | None = None, limit: int | str | None = None) -> None:
+    def __init__(self, url: str, folder: str | os.PathLike | None = None, limit: int | str | None = None,
+                 incomplete: str | None = None) -> None:
         place, query = split_query(url)
         place = place.rstrip("/")
         self.url = place + query
@@ -204,11 +222,13 @@ class ShardCache:
         # folder of the root -> its files' (bytes, version), listed once; a file of a folder that does not list
         self._listing: dict[str, dict[str, tuple[int, str | None]]] = {}
         self._asked: dict[str, tuple[int, str | None]] = {}
+        self.incomplete = incomplete
+        self.failed: tuple[float, BaseException] | None = None  # when a read failed for good, and why (_given_up)
         self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_fs"], state["_pid"] = None, -1  # a filesystem is opened again in each process
+        state["_fs"], state["_pid"], state["failed"] = None, -1, None  # a filesystem is opened again in each process
         return state
 
     @property
@@ -251,13 +271,19 @@ class ShardCache:
         return int(self._limit)  # type: ignore[arg-type]
 
     def get(self, name: str, size: int | None = None) -> Path:
-        """The local path of ``name``, fetched first (once per node) when the cache does not hold it.
+        """The local path of ``name``, fetched first (once per node) when the cache does not hold it; ``size``: the
+        bytes its reader needs (an index's), else the store's.
 
         Raises:
-            RemoteError: the file cannot be read (one line: the URL and the fix).
+            RemoteError: the file cannot be read, or the store holds fewer than ``size`` bytes of it (one line: the
+                URL and the fix).
             CacheFullError: the cache's disk cannot take it.
         """
         listed, version = self.entry(name)
+        if size is not None and listed < size:  # an upload cut short: no retry reads more of it
+            fix = self.incomplete or "upload it again whole"
+            raise RemoteError(f"{redact(self.remote(name))}: {listed} bytes where {size} are needed (cut short); "
+                              f"{fix}.")
         path = self.local(name, version)
         if _touch(path):
             return path
@@ -288,7 +314,7 @@ class ShardCache:
             return listed[name]
         if name not in self._asked:
             url = self.remote(name)
-            info = _retried(lambda: self.fs.info(url), url)
+            info = self._retried(lambda: self._call("info", url), url)
             self._asked[name] = int(info["size"]), _version(info)
         return self._asked[name]
 
@@ -327,13 +353,66 @@ class ShardCache:
 
     def read_range(self, name: str, offset: int, size: int) -> bytes:
         """``size`` bytes of ``name`` from ``offset``, read from the store (not cached), retried."""
-        return _retried(lambda: self._range(self.remote(name), offset, size), self.remote(name))
+        return self._retried(lambda: self._range(self.remote(name), offset, size), self.remote(name))
 
     def _range(self, url: str, offset: int, size: int) -> bytes:
-        data = self.fs.cat_file(url, start=offset, end=offset + size)
+        data = self._call("cat_file", url, start=offset, end=offset + size)
         if len(data) != size:
             raise ConnectionError(f"got {len(data)} of {size} bytes")
         return data
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)``; on an async filesystem (s3fs, gcsfs, adlfs, HTTP) run on its loop as
+        fsspec's own call is, and abandoned (cancelled, the client's own attempts with it) once another read has
+        failed for good."""
+        fs = self.fs
+        if not getattr(fs, "async_impl", False):
+            return getattr(fs, method)(*args, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(getattr(fs, f"_{method}")(*args, **kwargs), fs.loop)
+        while not concurrent.futures.wait([future], timeout=0.1).done:
+            given_up = self._given_up()
+            if given_up is not None:
+                future.cancel()
+                raise _GivenUp(given_up)
+        return future.result()
+
+    def _given_up(self) -> BaseException | None:
+        """Why a read of this cache failed for good, less than ``RETRY_WINDOW`` seconds ago, with no read succeeding
+        since; ``None`` where none did."""
+        failed = self.failed
+        return failed[1] if failed is not None and time.monotonic() - failed[0] < RETRY_WINDOW else None
+
+    def _retried(self, read: Callable[[], Any], url: str) -> Any:
+        """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line. Once a
+        read of this cache has failed for good, the others give up with its reason, quietly and at once (see the
+        module docstring): the run ends on the first one's line, not after their retries."""
+        started = time.monotonic()
+        for attempt in range(ATTEMPTS):
+            tried = time.monotonic()
+            try:
+                given_up = self._given_up()
+                if given_up is not None:
+                    raise _GivenUp(given_up)
+                data = read()
+                self.failed = None
+                return data
+            except (FileNotFoundError, PermissionError, RemoteError, DataError) as err:
+                raise remote_error(err, url, missing=self.incomplete) from None
+            except Exception as err:  # noqa: BLE001 - a reset, a timeout, a 5xx the client gave up on, a short body
+                if "AccessDenied" in str(err) or "NoSuch" in str(err):
+                    raise remote_error(err, url, missing=self.incomplete) from None
+                given_up = err.reason if isinstance(err, _GivenUp) else self._given_up()
+                now, pause = time.monotonic(), min(0.2 * 2 ** attempt, 5.0)
+                # the next try, as long as this one (the client's own attempts and backoff in it), must end in the window
+                late = now - started + pause + (now - tried) > RETRY_WINDOW
+                if given_up is not None or attempt == ATTEMPTS - 1 or late:
+                    if given_up is None:
+                        self.failed = (time.monotonic(), err)
+                    raise remote_error(given_up or err, url) from None
+                log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
+                            redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240], attempt + 2, ATTEMPTS)
+                time.sleep(pause)
+        raise AssertionError(redact(url))  # not reached
 
     def _fetch(self, name: str, path: Path, size: int | None) -> None:
         if size is None:
@@ -485,24 +564,3 @@ def _mib(n: int) -> str:
 def _free(folder: Path) -> int:
     st = os.statvfs(folder)
     return st.f_bavail * st.f_frsize
-
-
-def _retried(read: Callable[[], Any], url: str) -> Any:
-    """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line."""
-    started = time.monotonic()
-    for attempt in range(ATTEMPTS):
-        tried = time.monotonic()
-        try:
-            return read()
-        except (FileNotFoundError, PermissionError, RemoteError, DataError) as err:
-            raise remote_error(err, url) from None
-        except Exception as err:  # noqa: BLE001 - a reset, a timeout, a 5xx the client gave up on, a short body
-            now, pause = time.monotonic(), min(0.2 * 2 ** attempt, 5.0)
-            # the next try, as long as this one (the client's own attempts and backoff in it), must end in the window
-            if attempt == ATTEMPTS - 1 or "AccessDenied" in str(err) or "NoSuch" in str(err) or \
-                    now - started + pause + (now - tried) > RETRY_WINDOW:
-                raise remote_error(err, url) from None
-            log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
-                        redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240], attempt + 2, ATTEMPTS)
-            time.sleep(pause)
-    raise AssertionError(redact(url))  # not reached
