@@ -18,7 +18,12 @@ from typing import Any
 
 from cltrain.data.errors import DataError, EmptyImageError
 
-__all__ = ["VAL_SPLITS", "columns", "is_hub_id", "open_dataset", "row_name", "row_source", "split_names", "undecoded"]
+__all__ = ["READS", "URL_FIX", "VAL_SPLITS", "columns", "is_hub_id", "open_dataset", "row_name", "row_source", "split_names", "undecoded"]
+
+#: What the HF door reads (not a URL), and what to do with a dataset in object storage.
+READS = "the HF door (data=hf) reads a local dataset folder or a Hub id"
+URL_FIX = ("download it first (e.g. `aws s3 sync <URL> <folder>`, or datasets' load_from_disk with storage_options, "
+           "then save_to_disk)")
 
 #: The splits evaluated on, in the order they are looked for when ``val_split`` is not given.
 VAL_SPLITS = ("validation", "val", "valid", "test")

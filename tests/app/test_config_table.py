@@ -103,6 +103,8 @@ TABLE = [
     (["data=shards", "data.root=/no/such/pack"], "data.root", "a pack (cltrain-pack IMAGEFOLDER OUT) as a folder"),
     (["data=litdata", "data.num_classes=2", "data.root=/no/such/lit"], "data.root", "LitData optimized datasets, or its URL"),
     (["data=shards", "data.root=s3:/bucket/pack"], "data.root", "one slash after 's3:') (allowed: s3://bucket/pack)"),
+    # an HF dataset in a bucket: downloaded first (cltrain-pack takes image folders, not HF datasets)
+    (["data=hf", "data.root=s3://bucket/hf"], "data.root", "a local folder: download it first (e.g. `aws s3 sync"),
 ]
 
 

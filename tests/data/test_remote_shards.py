@@ -476,6 +476,11 @@ def test_sizes_and_urls_are_checked_where_they_are_given(local_pack):
 
     with pytest.raises(ValueError, match="is a URL; .*cltrain-pack ROOT OUT.*data=shards"):
         ImageFolderDataModule("s3://bucket/imagenet", **KW)
+    from cltrain.data import HFImageDataModule
+
+    with pytest.raises(ValueError, match=r"is a URL; the HF door .* reads a local dataset folder.*aws s3 sync") as error:
+        HFImageDataModule("s3://bucket/hf", **KW)
+    assert "cltrain-pack" not in str(error.value)  # it takes image folders, not an HF dataset
 
 
 @pytest.mark.parametrize("url,package,extra", [("gs://bucket/pack", "gcsfs", "gcs"), ("az://box/pack", "adlfs", "azure")])

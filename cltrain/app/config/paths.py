@@ -43,6 +43,10 @@ def check_paths(cfg: DictConfig) -> None:
                           _HUB_ROOTS if hub else "a directory with train/ and val/ class folders")
     where = Path(str(root)).expanduser()
     if is_url(str(root)):
+        if hub:
+            from cltrain.data.hf_source import READS, URL_FIX
+
+            raise ConfigError("data.root", redact(str(root)), f"a URL; {READS}", f"a local folder: {URL_FIX}")
         if not _takes_urls(data):
             raise ConfigError("data.root", redact(str(root)), "a URL; this data option reads a local folder",
                               "a local path; for a bucket, a pack (cltrain-pack ROOT OUT, OUT uploaded as it is) with "

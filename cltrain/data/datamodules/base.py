@@ -69,6 +69,8 @@ class BatchDataModule(L.LightningDataModule):
     settings: ClassVar[tuple[type, ...]] = ()
     #: Whether ``root`` may be a URL (``s3://...``, ``cltrain.data.remote``).
     takes_urls: ClassVar[bool] = False
+    #: What to do instead of a URL root, where ``takes_urls`` is false (``None``: pack the folder, read the pack).
+    url_fix: ClassVar[str | None] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         return super().__new__(for_loaded_trainers(cls))
@@ -107,6 +109,8 @@ class BatchDataModule(L.LightningDataModule):
                 setattr(self, name, value)
         if self.num_workers == "auto":
             self.num_workers = self._auto_workers()
+        if is_url(str(root)) and not self.takes_urls and self.url_fix:
+            raise ValueError(f"{owner}: root={redact(str(root))!r} is a URL; {self.url_fix}.")
         if is_url(str(root)) and not self.takes_urls:
             raise ValueError(f"{owner}: root={redact(str(root))!r} is a URL; this DataModule reads local folders. An "
                              "image folder in a bucket would be read one request per image: pack it (cltrain-pack ROOT "

@@ -23,7 +23,7 @@ from typing_extensions import override
 from cltrain.data.datamodules.image_base import ImageDataModule
 from cltrain.data.errors import DataError
 from cltrain.data.hf_dataset import HFImageDataset, HFStreamingDataset, rank_of
-from cltrain.data.hf_source import columns, open_dataset, split_names
+from cltrain.data.hf_source import READS, URL_FIX, columns, open_dataset, split_names
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.settings import HF
 
@@ -60,6 +60,7 @@ class HFImageDataModule(ImageDataModule):
     root_hint = "a folder written by save_to_disk, a folder of Parquet files, or a Hub id <owner>/<name>"
 
     settings = HF
+    url_fix = f"{READS}: {URL_FIX}"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
