@@ -211,6 +211,7 @@ class LayoutSession:
         self._ddps: list[weakref.ref] = []  # the DDPs holding the model, once found
         self._judging = False  # a step recorded whose round the race has not judged yet (step_end's judge=False)
         self._lazy = False  # the model held a lazy module's parameters before their first forward at the start
+        self._race_shapes: dict[Any, tuple[int, ...]] = {}  # each race's first input shape on this rank
         #: a door whose step ends where the loop's optimizer stepped sets this: the host's optimizers are then watched
         self.watch_optimizers = False
         #: how the door's user pins a layout, for the lines that say so (the app: ``"channels_last_layout={}"``)
@@ -520,7 +521,11 @@ class LayoutSession:
             self._switch(model, want)
         if key not in self.race.decisions and self.untimed is None:
             self._step = (key, int(image.shape[0]), StepTimer(self.device))
-            self._step_layout, self._step_disturbed = self.layout, False
+            # several ranks, one race for every size: only the steps of the size this rank's race began with are its
+            # samples (sizes changing in step with the race's rounds timed every channels_last step at one size and
+            # every NCHW step at another, and switched to the slower layout); the rounds go on alike on every rank
+            own = self._race_shapes.setdefault(key, tuple(image.shape[1:]))
+            self._step_layout, self._step_disturbed = self.layout, own != tuple(image.shape[1:])
             self._step[2].start()  # the inputs' conversion is part of the step: NCHW pays it with NHWC batches
 
     def _compiles(self) -> bool:

@@ -584,3 +584,32 @@ def test_a_fallback_that_keeps_every_convolution_in_nchw_stops_the_race() -> Non
     assert run.layout_checks["train"].verdict == "fallback", run.layout_checks["train"].line("train")
     assert run.session.untimed == "the check keeps every convolution in NCHW"
     assert not run.session.race.decisions and not run.session.race.racing()
+
+
+def test_under_several_ranks_the_race_times_only_the_steps_of_one_input_size(monkeypatch) -> None:
+    # one race covers every size under several ranks: sizes changing in step with the race's rounds (16, 16, 8, 8 px
+    # where it runs channels_last, channels_last, NCHW, NCHW) timed every channels_last step at 16 px and every NCHW
+    # step at 8 px, and switched to NCHW, 1.5x slower at every size
+    import cltrain.session
+
+    class SizedClock(ScriptedClock):
+        def start(self) -> None:
+            self.layout, self.size = ScriptedClock.session.layout, size
+
+        def stop(self) -> float:
+            return {16: 1.0, 8: 0.25}[self.size] * {"channels_last": 1.0, "contiguous": 1.5}[self.layout]
+
+    monkeypatch.setattr(cltrain.session, "StepTimer", SizedClock)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    session = LayoutSession(host=Rank0Of2())
+    ScriptedClock.session = session
+    session.start(model, device="cpu")
+    for step in range(120):
+        size = (16, 8, 8, 16)[step % 4]
+        batch = session.batch("train", (torch.randn(2, 3, size, size),), model)
+        model(batch[0]).sum().backward()
+        session.batch_end()
+        session.step_end(model)
+    session.end(model)
+    assert session.decision is not None and session.decision.layout == "channels_last", session.decision
+    assert is_channels_last(model[0].weight)
