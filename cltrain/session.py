@@ -180,6 +180,8 @@ class LayoutSession:
                  inputs: Inputs = None, check_samples: int | None = DEFAULT_SAMPLES, convert_inputs: bool = True,
                  host: Host | None = None, race: LayoutRace | None = None) -> None:
         self.mode, self.pinned, self.convert_inputs = mode, None if layout == "auto" else layout, convert_inputs
+        self._pin = self.pinned  # the user's (a "contiguous" verdict pins too)
+        self._model: weakref.ref | None = None  # the model started last
         self.guard, self.verify, self.check_samples = guard, verify, check_samples
         self.host = host or Host()
         self.race = race or LayoutRace()
@@ -249,6 +251,9 @@ class LayoutSession:
             inputs: the front door converts the model's inputs (said under a sharding engine).
             training: the model will train (``False``: it only evaluates, and the line promises no race).
         """
+        if self._model is not None and self._model() is not model:
+            self._forget()  # another model (a callback reused by a second Trainer, a search's trials): checked afresh
+        self._model = weakref.ref(model)
         self.device, self.dtype = torch.device(device) if device is not None else device_of(model), dtype
         held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
         self.sharding = sharding if sharding is not None else held
@@ -277,6 +282,16 @@ class LayoutSession:
         if owner is not None:
             self.report_conversion(owner, model, inputs, training)
         return model
+
+    def _forget(self) -> None:
+        """What the session learnt of another model: its checks' verdicts and fallbacks, a pin a verdict made, its
+        hazards, its race and a checkpoint's state for it."""
+        race = self.race
+        self.race = LayoutRace(warmup=race.warmup, margin=race.margin, budget=race.budget, max_rounds=race.max_rounds,
+                               z=race.z, max_keys=race.max_keys)
+        self.layout, self.pinned, self.fallbacks, self.layout_checks = None, self._pin, [], {}
+        self.guardrails = self.summary = self._expected = self._key = self._step = None
+        self._hazards, self._restored, self._race_shapes = {}, {}, {}
 
     def _why_untimed(self, model: nn.Module) -> str | None:
         if self.pinned is not None:

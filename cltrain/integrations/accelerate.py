@@ -85,7 +85,7 @@ def prepare_channels_last(
 
     Raises:
         ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout``, ``copies`` or ``check_samples``; a
-            ``model`` that is not a module, or one ``accelerator.prepare`` wrapped in DDP already.
+            ``model`` that is not a module, an ``accelerator`` that is not an ``Accelerator``, or one ``accelerator.prepare`` wrapped in DDP already.
     """
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
     check_mode("prepare_channels_last", mode)
@@ -94,6 +94,11 @@ def prepare_channels_last(
     copied = check_copies("prepare_channels_last", copies)
     check_positive("prepare_channels_last", "check_samples", check_samples, optional=True)
     check_module("prepare_channels_last", model)
+    from accelerate import Accelerator
+
+    if not isinstance(accelerator, Accelerator):
+        raise ValueError(f"prepare_channels_last(accelerator={accelerator!r}): expected the accelerate.Accelerator that "
+                         "will prepare the model (prepare_channels_last(model, accelerator)).")
     if isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(getattr(model, "_orig_mod", None),
                                                                           nn.parallel.DistributedDataParallel):
         # its first-batch check would run DDP's collectives on one rank alone (gloo aborts, NCCL hangs)

@@ -401,3 +401,32 @@ def test_a_bf16_true_run_is_checked_in_float32() -> None:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(_Bf16True(faulty=False, cast=True), DataLoader(data, batch_size=8))
     assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"]
+
+
+class _Net(pl.LightningModule):
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.body, self.fc, self.view = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), nn.Linear(4 * 6 * 6, 2), view
+
+    def training_step(self, batch, batch_idx):
+        f = self.body(batch[0])
+        return F.cross_entropy(self.fc(f.view(f.size(0), -1) if self.view else f.flatten(1)), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), 1e-3)
+
+
+def test_a_callback_given_to_a_second_trainer_checks_its_model_afresh() -> None:
+    # one callback, two fits (a search's trials, a reused callback list): the second model's view was not checked (the
+    # first model's verdict held) and raised in the Trainer
+    callback = ChannelsLast(layout="channels_last")
+    data = DataLoader(TensorDataset(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1])), batch_size=4)
+    flat, view = _Net(view=False), _Net(view=True)
+    checks = []
+    for model in (flat, view, view):
+        trainer = pl.Trainer(accelerator="cpu", max_steps=1, callbacks=[callback], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, data)
+        checks.append(callback.layout_checks["train"])
+    assert [c.verdict for c in checks] == ["passed", "fallback", "fallback"], checks
+    assert checks[2] is checks[1]  # the same model fitted again keeps its verdict, not checked again

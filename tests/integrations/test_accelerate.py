@@ -110,6 +110,9 @@ def test_a_model_that_is_not_a_module_or_is_prepared_already_is_one_line():
 
     with pytest.raises(ValueError, match=r"prepare_channels_last\(model='resnet'\): expected the model itself"):
         prepare_channels_last("resnet", Accelerator(cpu=True))
+    for wrong in (None, "cpu"):  # an AttributeError on mixed_precision before
+        with pytest.raises(ValueError, match=r"prepare_channels_last\(accelerator=.*\): expected the accelerate.Acc"):
+            prepare_channels_last(nn.Conv2d(3, 8, 3), wrong)
     # after accelerator.prepare under DDP: the check ran DDP's collectives on rank 0 alone (gloo aborted)
     code = ("import torch, torch.distributed as dist; from torch import nn; from accelerate import Accelerator\n"
             "from cltrain.integrations.accelerate import prepare_channels_last\n"
