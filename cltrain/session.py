@@ -238,7 +238,7 @@ class LayoutSession:
     @_outside_inference
     def start(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
               sharding: str | None = None, owner: str | None = None, inputs: bool = True,
-              training: bool = True) -> nn.Module:
+              training: bool = True, compiles: bool = False) -> nn.Module:
         """Put ``model`` in the session's layout, in place, with the guardrails, the fallbacks chosen so far and the
         host's copies of it; hold torch's utilities that take channels_last weights until ``end``. In a run of several
         ranks (every rank calls here) the guardrails cover the modules any rank finds hazardous.
@@ -250,6 +250,8 @@ class LayoutSession:
             owner: the front door, as the line names it (``"ChannelsLast(mode='full')"``); ``None``: nothing said.
             inputs: the front door converts the model's inputs (said under a sharding engine).
             training: the model will train (``False``: it only evaluates, and the line promises no race).
+            compiles: the front door's host compiles the model later (the Hugging Face ``Trainer``'s
+                ``torch_compile``): not raced, as a model compiled already.
         """
         if self._model is not None and self._model() is not model:
             self._forget()  # another model (a callback reused by a second Trainer, a search's trials): checked afresh
@@ -259,7 +261,7 @@ class LayoutSession:
         self.sharding = sharding if sharding is not None else held
         if self.layout is None:
             self.layout = self.pinned or "channels_last"
-        self.untimed = self._why_untimed(model)
+        self.untimed = self._why_untimed(model, compiles)
         self._lazy = bool(_uninitialized(model))
         self._frames, self._ddp_blocker, self._ddps = compiled_frames(), _UNASKED, []
         self._hazards.clear()
@@ -293,12 +295,12 @@ class LayoutSession:
         self.guardrails = self.summary = self._expected = self._key = self._step = None
         self._hazards, self._restored, self._race_shapes = {}, {}, {}
 
-    def _why_untimed(self, model: nn.Module) -> str | None:
+    def _why_untimed(self, model: nn.Module, compiles: bool = False) -> str | None:
         if self.pinned is not None:
             return f"pinned to {self.pinned}"
         if self.sharding is not None:
             return f"{self.sharding} keeps the weights NCHW"
-        if is_compiled(model):
+        if compiles or is_compiled(model):
             return _COMPILED
         return None
 
