@@ -371,14 +371,14 @@ def verify_layout(
         The ``cltrain.check.compare.LayoutCheck``.
     """
     check_module("verify_layout", model)
-    if batch is None:
-        raise ValueError("verify_layout(batch=None): expected one batch as the loop gets it (on the model's device).")
     inputs = check_inputs(inputs, owner="verify_layout")
     check_optimizers("verify_layout", optimizer, several=False)
     check_dtype("verify_layout", "autocast_dtype", autocast_dtype)
     check_callable("verify_layout", "step(model, batch) -> loss", step=step)
     check_positive("verify_layout", "samples", samples, optional=True)
     check_flags("verify_layout", report=report)
+    if batch is None:
+        raise ValueError("verify_layout(batch=None): expected one batch as the loop gets it (on the model's device).")
     host = Host(_say, optimizers=lambda: [optimizer] if optimizer is not None else [])
     session = LayoutSession(layout="channels_last", inputs=inputs, host=host)
     session.layout, session.dtype, session.sharding = "channels_last", autocast_dtype, sharding_of(model)

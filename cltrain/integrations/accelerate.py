@@ -94,9 +94,7 @@ def prepare_channels_last(
     copied = check_copies("prepare_channels_last", copies)
     check_positive("prepare_channels_last", "check_samples", check_samples, optional=True)
     check_module("prepare_channels_last", model)
-    from accelerate import Accelerator
-
-    if not isinstance(accelerator, Accelerator):
+    if not all(hasattr(accelerator, name) for name in ("device", "mixed_precision", "register_for_checkpointing")):
         raise ValueError(f"prepare_channels_last(accelerator={accelerator!r}): expected the accelerate.Accelerator that "
                          "will prepare the model (prepare_channels_last(model, accelerator)).")
     if isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(getattr(model, "_orig_mod", None),

@@ -240,7 +240,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         session.fingerprint = lambda: run_fingerprint(model, precision=str(dtype), device=args.device.type)
         # Accelerate shards it in `prepare`; FSDP2 refuses channels_last parameters
         session.start(model, device=args.device, dtype=dtype, sharding=sharding_of(model, _accelerator_state()),
-                      owner=f"ChannelsLastCallback(mode={self.mode!r})", compiles=bool(args.torch_compile))
+                      owner=f"ChannelsLastCallback(mode={self.mode!r})", compiles=bool(getattr(args, "torch_compile", False)))
         self.inputs_hook.attach(model, session)
 
 
