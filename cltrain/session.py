@@ -245,7 +245,8 @@ class LayoutSession:
 
         Args:
             device: where it trains (default: its parameters' device); the guardrails depend on the backend.
-            dtype: the dtype its convolutions compute in (the autocast dtype, or ``None`` for float32).
+            dtype: the dtype its convolutions compute in (the autocast dtype; ``None``: its weights' 16-bit dtype, else
+                float32).
             sharding: the engine that shards it or will (``cltrain.sharding.sharding_of``): parameters contiguous.
             owner: the front door, as the line names it (``"ChannelsLast(mode='full')"``); ``None``: nothing said.
             inputs: the front door converts the model's inputs (said under a sharding engine).
@@ -256,6 +257,9 @@ class LayoutSession:
         if self._model is not None and self._model() is not model:
             self._forget()  # another model (a callback reused by a second Trainer, a search's trials): checked afresh
         self._model = weakref.ref(model)
+        if dtype is None:  # weights cast to 16 bits (model.to(torch.bfloat16), "bf16-true"): convolutions compute in it
+            dtype = next((p.dtype for p in model.parameters() if is_materialized(p)
+                          and p.dtype in (torch.float16, torch.bfloat16)), None)
         self.device, self.dtype = torch.device(device) if device is not None else device_of(model), dtype
         held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
         self.sharding = sharding if sharding is not None else held

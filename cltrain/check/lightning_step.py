@@ -262,13 +262,14 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
                     if layout == "channels_last":
                         args, kwargs = map_images((args, kwargs), lambda t: to_input_layout(t, clone))
                 else:
-                    args, kwargs = (first_image_tensor(batch_in(layout, clone, context is _in_float32), inputs),), {}
+                    copied = batch_in(layout, clone, context is _in_float32)
+                    args, kwargs = (first_image_tensor(copied, inputs),), {}
                 with grad(), context():
                     out = step_target(clone)(*args, **kwargs)
                 return projection_loss(out) if train else out
 
-            alone = _model_alone(result, pl_module, model_only,
-                                 functools.partial(copy_model, upcast=context is _in_float32), trainer, fed, batch, inputs)
+            copies = functools.partial(copy_model, upcast=context is _in_float32)
+            alone = _model_alone(result, pl_module, model_only, copies, trainer, fed, batch, inputs)
             if alone.verdict != "not checked" or context is contexts[-1]:
                 result = alone
                 break

@@ -351,6 +351,8 @@ def to_contiguous(module: nn.Module) -> nn.Module:
     # `contiguous()` keeps channels_last strides on size-1 dims (a 1x1 conv weight), which
     # the kernels would still read as channels_last; cloning gives canonical NCHW strides.
     for tensor in [*module.parameters(), *module.buffers()]:
+        if not is_materialized(tensor):  # a lazy module's, made NCHW by its first forward
+            continue
         four_or_five_d = memory_format_for(tensor) is not None and layout_of(tensor) != "contiguous"
         one_d = is_channels_last_1d(tensor) and not tensor.is_contiguous()
         if four_or_five_d or one_d:

@@ -362,11 +362,10 @@ def test_batches_without_an_image_tensor_say_that_the_layouts_are_not_raced(capl
     assert is_channels_last(model.conv.weight)
 
 
-def _loop_check(model: nn.Module, optimizers, batch, **kw):
+def _loop_check(model: nn.Module, optimizers, batch, layout: str = "channels_last", **kw):
     from cltrain.loops import ChannelsLastRun
 
-    run = ChannelsLastRun(model, optimizers, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), layout="channels_last",
-                          **kw)
+    run = ChannelsLastRun(model, optimizers, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), layout=layout, **kw)
     for x, y in run.batches([batch]):
         F.cross_entropy(model(x), y).backward()
         for optimizer in optimizers if isinstance(optimizers, list) else [optimizers]:
@@ -387,6 +386,7 @@ def test_a_model_with_bfloat16_weights_is_checked_in_float32(faulty: bool) -> No
     run = _loop_check(model, torch.optim.AdamW(model.parameters(), 1e-3), batch)
     assert run.layout_checks["train"].verdict == ("contiguous" if faulty else "passed"), run.layout_checks
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the real model keeps its dtype
+    assert run.session.dtype == torch.bfloat16  # what its convolutions compute in: the race's line said fp32
 
 
 def test_every_optimizer_of_the_loop_steps_on_the_check_s_copies() -> None:
@@ -425,6 +425,11 @@ def test_lazy_modules_are_put_in_channels_last_once_made() -> None:
     run = _loop_check(model, torch.optim.SGD(model.parameters(), 0.1), (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])),
                       verify=False)
     assert is_channels_last(model[0].weight) and model[2].weight.shape == (2, 288)
+    # pinned NCHW: nothing to convert, made NCHW (to_contiguous read the shape of a weight not made yet)
+    model = nn.Sequential(nn.LazyConv2d(8, 3), nn.Flatten(), nn.LazyLinear(2))
+    _loop_check(model, torch.optim.SGD(model.parameters(), 0.1), (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])),
+                layout="contiguous")
+    assert model[0].weight.is_contiguous()
 
 
 def test_a_run_made_after_fabric_setup_on_one_device_checks_the_model_fabric_holds() -> None:
