@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +32,9 @@ __all__ = ["LitDataImages", "litdata_index"]
 
 #: LitData serializers whose stored bytes are an image file (handed on undecoded).
 _FILE_SERIALIZERS = ("jpeg", "image", "bytes")
+#: LitData's reader is not thread-safe: decode threads calling it at once got another item's chunk state
+#: (AssertionError, a struct.error of an empty buffer, runs that differ); one read at a time per process
+_READING = threading.Lock()
 
 
 def litdata_index(root: str) -> dict:
@@ -160,7 +164,8 @@ class LitDataImages(NamedSplit, ImageSamples):
 
     def _item(self, index: int) -> Any:
         try:
-            return self._dataset()[int(index)]
+            with _READING:
+                return self._dataset()[int(index)]
         except (DataError, IndexError):
             raise
         except Exception as err:  # noqa: BLE001 - a chunk that cannot be fetched: one line naming the dataset

@@ -369,3 +369,23 @@ def test_an_empty_sample_is_said_as_every_source_says_it_and_named_by_its_key(fo
     with pytest.raises(BadImageError, match=r"sample 1 \(s001\): cannot be read as an image \(empty file \(0 bytes\)\)"
                                             r"\. Pass bad_files='skip' .*, or write the shard again\."):
         list(raising)
+
+
+def test_a_bucket_s_litdata_items_read_by_many_decode_threads_at_once_are_their_own(lit_url, env, tmp_path):
+    # LitData's reader is not thread-safe: the app's decode threads reading from a cold chunk cache at once failed
+    # (AssertionError, struct.error of an empty buffer) or got another item, so identical runs trained differently
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cltrain.data import eval_transform
+    from cltrain.data.litdata_source import LitDataImages
+
+    url = f"{lit_url}/train"
+    expected = [LitDataImages(url, eval_transform(24, 28), cache_dir=str(tmp_path / "one")).source(i)
+                for i in range(12)]
+    for attempt in range(3):
+        images = LitDataImages(url, eval_transform(24, 28), cache_dir=str(tmp_path / f"many{attempt}"))
+        order = random.Random(attempt).sample(range(len(images)), len(images)) * 2
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(images.source, order))
+        assert got == [expected[i] for i in order]
