@@ -51,6 +51,7 @@ from torch import nn
 
 from cltrain.batch_inputs import BatchInputs
 from cltrain.check.budget import DEFAULT_SAMPLES
+from cltrain.check.copies import half_dtype
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
 from cltrain.check.result import LayoutCheck
@@ -258,8 +259,7 @@ class LayoutSession:
             self._forget()  # another model (a callback reused by a second Trainer, a search's trials): checked afresh
         self._model = weakref.ref(model)
         if dtype is None:  # weights cast to 16 bits (model.to(torch.bfloat16), "bf16-true"): convolutions compute in it
-            dtype = next((p.dtype for p in model.parameters() if is_materialized(p)
-                          and p.dtype in (torch.float16, torch.bfloat16)), None)
+            dtype = half_dtype(model)
         self.device, self.dtype = torch.device(device) if device is not None else device_of(model), dtype
         held = sharding_of(model)  # sharded already: the engine owns the parameters' layout
         self.sharding = sharding if sharding is not None else held
@@ -694,9 +694,9 @@ class LayoutSession:
                                          "training step's check covers the model"), False
         elif same:
             result = restored_check(saved)
-        elif _uninitialized(model):
-            result = LayoutCheck("not checked", reason=f"the model's lazy modules are not made yet "
-                                 f"({_uninitialized(model)}): run one forward on a batch before the run to check it")
+        elif lazy := _uninitialized(model):
+            result = LayoutCheck("not checked", reason=f"the model's lazy modules are not made yet ({lazy}): run one "
+                                 "forward on a batch before the run to check it")
         elif self.host.deciding():
             try:
                 with no_autotune(), _sync_batchnorm_alone(model, self.host.several()):

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from cltrain.layout.closures import callables_of, rebound
+from cltrain.layout.tensors import is_materialized
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "checking", "copy_optimizer", "copy_schedulers", "eager_copy", "elementwise",
-           "float32_tensors", "half_weights", "in_float32", "is_check_copy", "mark_copy", "rebind_methods", "running"]
+           "float32_tensors", "half_dtype", "in_float32", "is_check_copy", "mark_copy", "rebind_methods", "running"]
 
 _MARK = "_cltrain_check_copy"
 
@@ -106,11 +107,11 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, memo: dict[int, Any]) -> to
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def half_weights(model: nn.Module) -> bool:
-    """Whether ``model`` computes in 16-bit floats (its weights cast: ``model.to(torch.bfloat16)``, Lightning's and
-    Fabric's ``"bf16-true"``). Its rounding noise (2**-8 per op in bfloat16) would hide an O(1) layout fault where a
-    gradient cancels (through BatchNorm), so the check runs its copies in float32 first."""
-    return any(p.dtype in _HALF for p in model.parameters())
+def half_dtype(model: nn.Module) -> torch.dtype | None:
+    """The 16-bit float ``model`` computes in where its weights are cast (``model.to(torch.bfloat16)``, Lightning's
+    and Fabric's ``"bf16-true"``), else ``None``. Its rounding noise (2**-8 per op in bfloat16) would hide an O(1)
+    layout fault where a gradient cancels (through BatchNorm), so the check runs its copies in float32 first."""
+    return next((p.dtype for p in model.parameters() if is_materialized(p) and p.dtype in _HALF), None)
 
 
 def in_float32(clone: nn.Module, optimizers: list[torch.optim.Optimizer] = ()) -> nn.Module:

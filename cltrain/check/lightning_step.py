@@ -25,7 +25,7 @@ from torch import nn
 
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import copy_optimizer, copy_schedulers, eager_copy, elementwise, float32_tensors, \
-    half_weights, in_float32
+    half_dtype, in_float32
 from cltrain.check.fallback import map_images
 from cltrain.check.result import COPY_LIMIT, MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, restride_batch
@@ -186,8 +186,9 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
     # Mixed precision's rounding would hide a wrong op in noise (bf16 gradients through BatchNorm differ
     # by O(1) between any two kernels): check in float32 first, in the training precision if that raises.
     # 16-bit weights ("bf16-true") likewise: their copies in float32 first (_in_float32).
-    contexts = [_in_float32 if half_weights(pl_module) else contextlib.nullcontext, own_context] \
-        if autocast_dtype(trainer.precision) is not None or half_weights(pl_module) else [own_context]
+    half = half_dtype(pl_module) is not None
+    contexts = [_in_float32 if half else contextlib.nullcontext, own_context] \
+        if autocast_dtype(trainer.precision) is not None or half else [own_context]
     train = stage == "train"
     manual = train and not pl_module.automatic_optimization
     optimizers = list(trainer.optimizers) if train else []

@@ -16,7 +16,7 @@ from torch import nn
 
 from cltrain.check.budget import check_within_budget
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer, eager_copy, elementwise, float32_tensors, half_weights, in_float32
+from cltrain.check.copies import copy_optimizer, eager_copy, elementwise, float32_tensors, half_dtype, in_float32
 from cltrain.check.result import MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors, restride_batch
 from cltrain.precision import autocast_for
@@ -68,7 +68,7 @@ def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, An
     def check(part: Any) -> LayoutCheck:
         # float32 first: mixed precision's rounding, or 16-bit weights', would hide a wrong op in noise.
         result = None
-        if half_weights(model):
+        if half_dtype(model):
             result = check_layout(model, run_in(part, None, upcast=True),
                                   **{**options, "copy_model": lambda m: copy_model(m, upcast=True)})
         if result is None or result.verdict == "not checked":
