@@ -134,16 +134,19 @@ def _losses(model: nn.Module, layout: str, steps: int = 4) -> list[float]:
 
 def test_the_pass_with_adam_is_confirmed_against_a_nudged_nchw_run() -> None:
     # channels_last trained without the check differs from NCHW no more than NCHW with its weights nudged by
-    # 1e-7 does (rounding, amplified by Adam): the check's "passed" is right.
+    # 1e-7 does (rounding, amplified by Adam): the check's "passed" is right. One nudge's drift ranges over 10x with
+    # its draw (8e-5 to 1.4e-3 here): the reference is the largest of three seeded draws.
     base = _unetplusplus()
     nchw = _losses(copy.deepcopy(base), "contiguous")
-    nudged_model = copy.deepcopy(base)
-    with torch.no_grad():
-        for p in nudged_model.parameters():
-            p.mul_(1 + 1e-7 * torch.randn_like(p))
-    nudged = _losses(nudged_model, "contiguous")
+    noise = 0.0
+    for seed in range(3):
+        nudged_model, gen = copy.deepcopy(base), torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in nudged_model.parameters():
+                p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=gen))
+        nudged = _losses(nudged_model, "contiguous")
+        noise = max(noise, *(abs(a - b) / abs(b) for a, b in zip(nudged, nchw)))
     cl = _losses(convert_model(copy.deepcopy(base)), "channels_last")
-    noise = max(abs(a - b) / abs(b) for a, b in zip(nudged, nchw))
     gap = max(abs(a - b) / abs(b) for a, b in zip(cl, nchw))
     assert gap <= 10 * max(noise, 1e-6), (gap, noise)
 

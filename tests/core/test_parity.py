@@ -2,12 +2,12 @@
 
 Tolerance, and why. Both runs do the same arithmetic in a different summation order (oneDNN
 picks other kernels for NHWC), so they differ by float32 rounding only: from identical weights
-the loss agrees to ~5e-7 relative and every gradient to ~5e-6 (measured on this CPU; a
-contiguous run repeated is bitwise identical, so all of that difference is layout). Each SGD step
-then feeds those differences back through BatchNorm on batches of 8, which amplifies them: over 5
-steps at lr 0.01 the losses drifted apart by at most 2.3e-3 relative. So: step 1 within 1e-5,
-steps 2-5 within 1e-2 (4x the drift seen). A real layout bug is O(1): the control below, the
-same pixels read in the wrong order, moves the very first loss by more than 1e-2.
+the first loss agrees to ~5e-7 relative. Each SGD step then feeds those differences back through
+BatchNorm on batches of 8, which amplifies them: by step 5 the losses drift apart by up to 1e-2
+relative on an AMX Xeon and 2.5e-2 with the kernels held to AVX2, and so does the NCHW run with
+its weights nudged by 1e-7 (the noise reference). So: step 1 within 1e-5, steps 2-5 within 10x
+the nudged run's drift. A real layout bug is O(1): the control below, the same pixels read in
+the wrong order, moves the very first loss by more than 1e-2.
 """
 
 import torch
@@ -25,6 +25,16 @@ class ScrambleInputs(Callback):
         x.data = x.data.reshape(x.shape[0], x.shape[2], x.shape[3], x.shape[1]).permute(0, 3, 1, 2).contiguous()
 
 
+class Nudge(Callback):
+    """The noise reference: every weight times ``1 + 1e-7 * randn`` before the first step."""
+
+    def on_fit_start(self, trainer, pl_module):
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=gen))
+
+
 def five_step_losses(callbacks) -> torch.Tensor:
     seed_everything(0)
     model = Classifier(lr=0.01)
@@ -39,9 +49,10 @@ def five_step_losses(callbacks) -> torch.Tensor:
 def test_five_fp32_steps_agree_with_contiguous():
     ref = five_step_losses([])
     cl = five_step_losses([ChannelsLast()])
+    noise = ((five_step_losses([Nudge()]) - ref).abs() / ref.abs())[1:].max()
     rel = (cl - ref).abs() / ref.abs()
     assert rel[0] < 1e-5, rel
-    assert (rel[1:] < 1e-2).all(), rel
+    assert (rel[1:] <= 10 * max(noise, 1e-6)).all(), (rel, noise)
 
     wrong = five_step_losses([ScrambleInputs()])
     assert ((wrong[0] - ref[0]).abs() / ref[0]) > 1e-2

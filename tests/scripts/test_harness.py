@@ -130,7 +130,9 @@ def test_a_stopped_benchmark_leaves_no_child_running(tmp_path: Path, signum: int
     child = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-S', '-c', "
              "'import time; time.sleep(120)']); open(sys.argv[1], 'w').write(f'{os.getpid()} {p.pid}'); "
              "time.sleep(120)")
-    parent = subprocess.Popen([sys.executable, "-c", "import sys; from scripts.harness import run_child; "
+    # Ctrl-C's default handler set first: a shell's background job starts with SIGINT ignored, which Python keeps
+    parent = subprocess.Popen([sys.executable, "-c", "import signal, sys; from scripts.harness import run_child; "
+                               "signal.signal(signal.SIGINT, signal.default_int_handler); "
                                f"run_child([sys.executable, '-S', '-c', {child!r}, {str(pids)!r}], timeout=120)"],
                               cwd=REPO)
     deadline = time.monotonic() + 60
@@ -139,7 +141,10 @@ def test_a_stopped_benchmark_leaves_no_child_running(tmp_path: Path, signum: int
     started = [int(p) for p in pids.read_text().split()]
     assert all(map(_running, started))
     parent.send_signal(signum)
-    assert parent.wait(timeout=30) != 0
+    try:
+        assert parent.wait(timeout=30) != 0
+    finally:
+        parent.kill()  # a parent that did not stop is no one's to leave running
     deadline = time.monotonic() + 10
     while any(map(_running, started)) and time.monotonic() < deadline:
         time.sleep(0.05)
