@@ -10,7 +10,10 @@ torch RNG (so ``seed_everything`` and the DataLoader's per-worker seeding decide
 and each sample's transform draws from a generator seeded with it
 (``sample_generator``). Augmentations that draw from the global RNG
 (``HWCAugment``) run afterwards in the calling thread, in
-sample order. The threads run torch on one intra-op thread each.
+sample order. The threads run torch on one intra-op thread each, set as each thread's own
+OpenMP team size: ``torch.set_num_threads`` there would also set the process's default, which a
+thread that has not yet run a parallel kernel takes up (the main thread's training step among
+them, on one core).
 
 Example::
 
@@ -60,19 +63,43 @@ def one_thread() -> Iterator[None]:
     waits for a descheduled OpenMP thread (docs/performance.md). Images are loaded in
     parallel instead (``load_batch``, DataLoader workers).
     """
-    threads = torch.get_num_threads()  # OpenMP's setting is per calling thread
-    if threads == 1:
+    threads = torch.get_num_threads()  # this thread's OpenMP team size (made from the process's default at its first call)
+    if threads == 1 or not _openmp():
         yield
         return
-    torch.set_num_threads(1)
+    _set_openmp_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        _set_openmp_threads(threads)
+
+
+_OPENMP: list[Any] | None = None
+_OPENMP_LOCK = threading.Lock()
+
+
+def _openmp() -> list[Any]:
+    """The OpenMP runtimes loaded in this process (threadpoolctl's controllers; torch's kernels use one)."""
+    global _OPENMP
+    with _OPENMP_LOCK:
+        if _OPENMP is None:
+            from threadpoolctl import ThreadpoolController
+
+            _OPENMP = list(ThreadpoolController().select(user_api="openmp").lib_controllers)
+        return _OPENMP
+
+
+def _set_openmp_threads(threads: int) -> None:
+    """This thread's OpenMP team size, and no other thread's: ``torch.set_num_threads`` also sets the process's
+    default, which every thread that has not yet run a parallel kernel takes up at its first (a decode thread's 1
+    became the main thread's, and a run trained on one core)."""
+    torch.get_num_threads()  # torch sets a thread's team size from its default at the thread's first call: before ours
+    for runtime in _openmp():
+        runtime.set_num_threads(threads)
 
 
 def _init_thread() -> None:
-    torch.set_num_threads(1)
+    _set_openmp_threads(1)  # without an OpenMP runtime (torch's own thread pool), the pool's threads keep its size
 
 
 _SCRATCH = threading.local()

@@ -120,6 +120,60 @@ def test_per_image_kernels_run_on_one_thread_and_leave_the_callers_setting(root)
         torch.set_num_threads(before)
 
 
+FIT_ON_DECODE_THREADS = """
+import json, sys, threading, torch
+import lightning.pytorch as pl
+import torch.nn.functional as F
+from cltrain.data import ImageFolderDataModule
+
+def fresh_thread():  # the process's default, as a thread that has run no kernel yet starts with it
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    worker.start(); worker.join()
+    return seen[0]
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net, self.seen = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2)), []
+    def training_step(self, batch, batch_idx):
+        self.seen.append(torch.get_num_threads())
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), 0.1)
+
+default = fresh_thread()
+model = Net()
+pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+           enable_model_summary=False, num_sanity_val_steps=0).fit(
+    model, datamodule=ImageFolderDataModule(sys.argv[1], batch_size=4, num_workers=0, decode_threads=2, image_size=16,
+                                            val_resize_size=18))
+print(json.dumps({"default": default, "steps": model.seen, "after": fresh_thread()}))
+"""
+
+
+def test_decode_threads_leave_the_training_step_all_of_torchs_threads(root):
+    # The decode threads' one intra-op thread each was torch.set_num_threads(1), which also set the process's
+    # default: the main thread, whose first kernel came after the first batch, trained on 1 of 2 cores, and a resumed
+    # run (whose checkpoint's load ran a kernel first) on 2, so a resume without the callback was not bit for bit
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    done = subprocess.run([sys.executable, "-c", FIT_ON_DECODE_THREADS, str(root)], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["default"] == 1:
+        pytest.skip("torch runs one intra-op thread here: nothing to lose")
+    assert result["steps"] == [result["default"]] * 3 and result["after"] == result["default"], result
+    seen = []
+    loader_threads._pool(2).submit(lambda: seen.append(torch.get_num_threads())).result()
+    assert seen == [1]  # and the decode threads still run their kernels on one
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", [(224, 224), (37, 23)])
 def test_collate_normalised_in_the_loader_equals_normalize_of_the_uint8_batch(dtype, size):
