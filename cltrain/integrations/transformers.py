@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging as std_logging
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -245,10 +246,25 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
 
 def _contiguous_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """A state dict's channels_last tensors as contiguous copies (its parameters themselves, ``keep_vars``, kept)."""
+    """A state dict's channels_last tensors as contiguous copies (its parameters themselves, ``keep_vars``, kept), where
+    the Trainer's save takes it: a state dict anyone else takes meanwhile (an EMA swap, a restore of the best weights
+    by a callback after this one) holds the model's own tensors, so a write through it reaches the model."""
+    if not _in_trainer_save():
+        return
     for key, value in state_dict.items():
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.is_contiguous():
             state_dict[key] = value.contiguous()
+
+
+def _in_trainer_save() -> bool:
+    """Whether a ``Trainer`` save (``save_model``, ``_save``: ``safetensors`` there refuses channels_last) is on the
+    stack: the Trainer offers no event before its save."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("save_model", "_save") and frame.f_globals.get("__name__") == "transformers.trainer":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _saved_in(state: TrainerState) -> dict[str, Any] | None:

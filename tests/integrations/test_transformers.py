@@ -158,6 +158,42 @@ def test_a_plain_module_is_saved_wherever_the_trainer_saves_it(when, tmp_path):
     assert is_channels_last(model.conv.weight)  # the saves gave contiguous copies; the model kept its layout
 
 
+class PutBack(TrainerCallback):
+    """A user's callback after ours: keeps the weights of step 2 and writes them back in place through
+    ``state_dict()`` at a later step's end and at the end of training (an EMA swap, a restore of the best)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 2:
+            self.kept = {k: v.clone() for k, v in model.state_dict().items()}
+        elif state.global_step == 3:
+            self.put_back(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.put_back(model)
+
+    def put_back(self, model):
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(self.kept[k])
+        self.restored = all(torch.equal(v, self.kept[k]) for k, v in model.named_parameters())
+
+
+def test_a_write_through_state_dict_reaches_the_model_and_the_saves_stay_contiguous(tmp_path):
+    # the saves' contiguous copies were every state_dict()'s from a step's end until the next step's start and after
+    # train(): a write through one did nothing to the channels_last weights (BatchNorm restored, the convs not)
+    from safetensors.torch import load_file
+
+    model, put_back = PlainNet(), PutBack()
+    t = trainer("resnet", tmp_path, model, [ChannelsLastCallback(layout="channels_last"), put_back], max_steps=4,
+                save_strategy="steps", save_steps=1)
+    t.train()
+    assert put_back.restored and is_channels_last(model.conv.weight)
+    t.save_model(str(tmp_path / "final"))  # after train(), as users do
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in put_back.kept.items())
+    assert len(list(tmp_path.glob("checkpoint-*/model.safetensors"))) == 4
+
+
 def test_a_run_saved_without_the_callback_resumes_with_it_and_saves_again(tmp_path):
     trainer("resnet", tmp_path, PlainNet(), [], max_steps=2, save_strategy="steps", save_steps=2).train()
     t = trainer("resnet", tmp_path, PlainNet(), [ChannelsLastCallback()], max_steps=4, save_strategy="steps",
