@@ -187,7 +187,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
             self._convert(model, args)
         if optimizer is not None:
             self.inputs_hook.optimizers = [optimizer]
-        saved = self.saved or _saved_in(state)
+        # a fresh train()'s state holds the callbacks' own state() (a search's earlier trial), not a checkpoint's
+        saved = self.saved or (_saved_in(state) if state.global_step > 0 else None)
         if saved:  # resumed: the verdicts and decisions of the checkpoint
             self.session.load_state_dict(saved, model=model)
         # A checkpoint written without this callback: the Trainer's next save looks its entry up (KeyError else)

@@ -80,6 +80,19 @@ def test_model_init_builds_the_model_in_train_and_it_is_converted(tmp_path):
     assert callback.layout_checks["train"].verdict == "passed"
 
 
+def test_a_search_s_second_trial_is_checked_as_a_new_run_not_a_resume(tmp_path):
+    # a fresh train()'s TrainerState holds the callbacks' own state(): the second trial read the first's as a
+    # checkpoint's ("checked again: ... changed since the checkpoint")
+    models = iter([PlainNet(), PlainNet(), FlattenWithView()])  # the Trainer builds one in __init__ too
+    callback = ChannelsLastCallback(layout="channels_last")
+    t = trainer("resnet", tmp_path, None, [callback], max_steps=1, model_init=lambda: next(models))
+    t.train()
+    assert callback.layout_checks["train"].verdict == "passed"
+    t.train()
+    check = callback.layout_checks["train"]
+    assert check.verdict == "fallback" and not [n for n in check.notes if "checkpoint" in n], check.line()
+
+
 def test_bf16_and_torch_compile(tmp_path):
     model, callback = build("resnet"), ChannelsLastCallback()
     probe = Probe(model)
