@@ -7,7 +7,8 @@
   In-process code that asks ``torch.cuda.is_available()`` itself still sees the GPU: such
   tests pass ``device=cpu`` explicitly.
 * Tests marked ``cuda`` are skipped where CUDA is not available.
-* The file-index cache (``CLTRAIN_CACHE_DIR``) is a session temporary folder, not the user's.
+* The file-index cache (``CLTRAIN_CACHE_DIR``) is a session temporary folder, not the user's; so is torch.compile's
+  (``TORCHINDUCTOR_CACHE_DIR``), unless set.
 * ``demo_root`` / ``demo_args``: the tiny demo set (:data:`tests.helpers.TINY_DEMO`), made once per session.
 * Under pytest-xdist (``-n auto`` in pyproject.toml, one worker per core, a test module per worker), each worker
   and the processes its tests start use an equal share of the CPUs: two workers each running torch on every core
@@ -39,6 +40,15 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # torch.compile's cache a run of its own (its workers and their processes share it): the machine's shared one
+        # (/tmp/torchinductor_<user>) keeps what a run with the ISA capped (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
+        # compiled under the same key, and a later run's compiled stem crashed on it (free(): invalid pointer)
+        import shutil
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="cltrain-tests-inductor-")
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         from cltrain.data.loader_threads import usable_cores
