@@ -156,6 +156,7 @@ def test_no_hazard_off_the_cpu_or_in_the_other_layout():
 
 @needs_x86_onednn
 def test_apply_guardrails_changes_only_the_matching_conv():
+    torch.manual_seed(0)  # the weights and input this test's tolerance was set on, whatever ran before in the worker
     model = to_channels_last(nn.Sequential(nn.Conv2d(3, 48, 1, stride=2), nn.ReLU(), nn.Conv2d(48, 48, 3)))
     plain = copy.deepcopy(model)
     records = apply_guardrails(model, device="cpu")
@@ -166,7 +167,7 @@ def test_apply_guardrails_changes_only_the_matching_conv():
     assert model.state_dict().keys() == plain.state_dict().keys()
     x = to_channels_last(torch.randn(2, 3, 17, 16))
     with torch.no_grad():  # forward only: the faulty kernel is in the backward
-        assert torch.allclose(model(x), plain(x), atol=1e-6) and is_channels_last(model(x))
+        assert torch.allclose(model(x), plain(x), atol=1e-5) and is_channels_last(model(x))  # rounding; a fault: O(1)
     apply_guardrails(model, device="cpu")
     assert type(model[0]) is SubsampledConv2d
 
