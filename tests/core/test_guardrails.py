@@ -167,7 +167,7 @@ def test_apply_guardrails_changes_only_the_matching_conv():
     assert model.state_dict().keys() == plain.state_dict().keys()
     x = to_channels_last(torch.randn(2, 3, 17, 16))
     with torch.no_grad():  # forward only: the faulty kernel is in the backward
-        assert torch.allclose(model(x), plain(x), atol=1e-5) and is_channels_last(model(x))  # rounding; a fault: O(1)
+        assert torch.allclose(model(x), plain(x), atol=1e-6) and is_channels_last(model(x))
     apply_guardrails(model, device="cpu")
     assert type(model[0]) is SubsampledConv2d
 
