@@ -81,6 +81,8 @@ _OPENMP_LOCK = threading.Lock()
 def _openmp() -> list[Any]:
     """The OpenMP runtimes loaded in this process (threadpoolctl's controllers; torch's kernels use one)."""
     global _OPENMP
+    if _OPENMP is not None:  # per image: no lock once found
+        return _OPENMP
     with _OPENMP_LOCK:
         if _OPENMP is None:
             from threadpoolctl import ThreadpoolController
