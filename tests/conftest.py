@@ -103,6 +103,16 @@ def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.
 
 
 
+@pytest.fixture
+def steady() -> Iterator[None]:
+    """The race of the layouts timed on a steady clock (``tests.helpers.plain_modules.SteadyClock``): ``SlowIn``'s and
+    ``SlowStep``'s pauses decide it, however busy the machine."""
+    from tests.helpers.plain_modules import steady_clock
+
+    with steady_clock():
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny demo set (:data:`tests.helpers.TINY_DEMO`), made once for the whole session."""

@@ -37,7 +37,7 @@ def test_all_four_stages_see_channels_last_3d(tmp_path):
     assert preds[0].shape == (2, 4) and torch.isfinite(preds[0]).all()
 
 
-def test_the_race_of_a_5d_model_keeps_its_choice_in_every_stage(tmp_path):
+def test_the_race_of_a_5d_model_keeps_its_choice_in_every_stage(tmp_path, steady):
     model = Classifier(net=SlowIn("channels_last", net=tiny_video_net()))
     callback = ChannelsLast()
     t = trainer(tmp_path, callback, max_steps=12, val_check_interval=12)

@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from cltrain import ChannelsLast, is_channels_last, is_channels_last_1d, to_channels_last
 from tests.helpers.plain_modules import Classifier, SlowIn, loader
 
+pytestmark = pytest.mark.usefixtures("steady")  # the race times SlowIn's pauses alone
+
 
 def fit(tmp_path, model, callback, steps=2, **kw):
     Trainer(

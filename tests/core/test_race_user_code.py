@@ -17,6 +17,8 @@ from cltrain import ChannelsLast
 from tests.helpers.door_battery import PAUSE, SlowStep, base, images
 from tests.helpers.plain_modules import SlowIn
 
+pytestmark = pytest.mark.usefixtures("steady")  # the race times SlowIn's pauses alone
+
 
 class ManualAccumulation(pl.LightningModule):
     """Manual optimization stepping its (slow) optimizer every second batch, as Lightning's docs show it."""

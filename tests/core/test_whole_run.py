@@ -242,7 +242,7 @@ def test_a_resumed_run_applies_the_checkpoints_verdict_and_checks_again_when_the
 
 
 @pytest.mark.parametrize("stop", [6, 100], ids=["mid-race", "decided"])
-def test_a_run_stopped_during_or_after_the_race_resumes_bit_for_bit(tmp_path, stop, caplog):
+def test_a_run_stopped_during_or_after_the_race_resumes_bit_for_bit(tmp_path, stop, caplog, steady):
     """The race's decision and its progress travel in the checkpoint: stopped in the middle of the race, the resumed
     run runs the same layouts at the same steps; stopped after it, the decision is kept (not raced again). The
     model's channels_last steps are slow (``SlowIn``), so every run decides alike; epochs of two steps, so each stop is

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers.plain_modules import SlowIn
+from tests.helpers.plain_modules import SlowIn, steady_clock
 from tests.helpers.user_code import SpaceToDepth
 
 STEPS, SIZE = 20, 16
@@ -72,6 +72,11 @@ def _model(scenario: str) -> nn.Module:
 
 
 def _rank(rank: int, port: int, scenario: str, out: str, flag: str) -> None:
+    with steady_clock():
+        _scenarios(rank, port, scenario, out, flag)
+
+
+def _scenarios(rank: int, port: int, scenario: str, out: str, flag: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")

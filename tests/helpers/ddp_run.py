@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from cltrain import ChannelsLast, is_channels_last, to_channels_last
-from tests.helpers.plain_modules import Classifier, SlowIn, loader
+from tests.helpers.plain_modules import Classifier, SlowIn, loader, steady_clock
 from tests.helpers import warm
 
 
@@ -82,4 +82,5 @@ def main(out: Path, how: str) -> None:
 if __name__ == "__main__":
     warm.lightning_ranks_forked()
     for fit in sys.argv[2:] or ["callback"]:
-        main(Path(sys.argv[1]), fit)
+        with steady_clock():
+            main(Path(sys.argv[1]), fit)

@@ -34,7 +34,6 @@ import contextlib
 import gc
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from torch import nn
 
 from cltrain.check.copies import checking
 from cltrain.layout import is_channels_last
-from tests.helpers.plain_modules import SlowIn
+from tests.helpers.plain_modules import SlowIn, pause, steady_clock
 
 FEATURES = ("converts", "checked", "auto", "averaged", "accumulated", "kept", "resumed")
 RANKS = 1  # 2: each door runs in two DDP processes (tests.helpers.door_ddp)
@@ -83,7 +82,7 @@ class SlowStep(torch.optim.AdamW):
     """AdamW whose step takes ``PAUSE`` seconds more (torch's step hooks still run around it)."""
 
     def step(self, closure=None):
-        time.sleep(PAUSE)
+        pause(PAUSE)
         return super().step(closure)
 
 
@@ -456,4 +455,5 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     door, out = sys.argv[1], Path(sys.argv[2])
-    print(json.dumps(battery(door, out, "--control" in sys.argv)))
+    with steady_clock():
+        print(json.dumps(battery(door, out, "--control" in sys.argv)))

@@ -22,6 +22,7 @@ from torch import nn
 
 from tests.helpers import door_battery
 from tests.helpers import warm
+from tests.helpers.plain_modules import steady_clock
 
 
 def main(door: str, out: Path) -> None:
@@ -45,4 +46,5 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     warm.lightning_ranks_forked()
-    main(sys.argv[1], Path(sys.argv[2]))
+    with steady_clock():
+        main(sys.argv[1], Path(sys.argv[2]))

@@ -6,6 +6,9 @@ They only record what reaches them (input strides, weight strides) so tests can 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torchvision
@@ -50,6 +53,48 @@ def tiny_video_net(classes: int = 4) -> nn.Module:
     )
 
 
+class SteadyClock:
+    """The clock of ``cltrain.timing.clock`` while :func:`steady_clock` holds: time passes in :func:`pause` and a
+    millisecond at each reading, so the race of the layouts times the pauses of ``SlowIn`` and ``SlowStep`` and decides
+    alike on a machine however busy (its compute takes no time on this clock). Everything but ``perf_counter`` is the
+    ``time`` module's."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def perf_counter(self) -> float:
+        self.seconds += 1e-3
+        return self.seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+_steady: SteadyClock | None = None
+
+
+def pause(seconds: float) -> None:
+    """Waste ``seconds``: on the steady clock where one holds, else asleep."""
+    if _steady is None:
+        time.sleep(seconds)
+    else:
+        _steady.seconds += seconds
+
+
+@contextmanager
+def steady_clock() -> Iterator[SteadyClock]:
+    """Time the race's steps on a :class:`SteadyClock` (this process, until the block ends)."""
+    global _steady
+    from cltrain.timing import clock
+
+    saved, _steady = clock.time, SteadyClock()
+    clock.time = _steady  # type: ignore[assignment]
+    try:
+        yield _steady
+    finally:
+        clock.time, _steady = saved, None
+
+
 class SlowIn(nn.Module):
     """A small conv net (or ``net``) that wastes ``seconds`` per forward when its input is in ``slow_layout``
     (``"channels_last"``, ``"contiguous"``, or a callable giving it at the call): which layout trains faster is then
@@ -65,7 +110,7 @@ class SlowIn(nn.Module):
 
         slow = self.slow_layout() if callable(self.slow_layout) else self.slow_layout
         if ("channels_last" if is_channels_last(x) else "contiguous") == slow:
-            time.sleep(self.seconds)
+            pause(self.seconds)
         return self.body(x)
 
 
