@@ -54,7 +54,7 @@ from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.copies import half_dtype
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
-from cltrain.check.result import LayoutCheck
+from cltrain.check.result import LayoutCheck, describe_fallbacks
 from cltrain.check.resume import restored_check, saved_check
 from cltrain.ddp import blocker, rebuild_buckets, wrappers
 from cltrain.devices import device_of
@@ -708,6 +708,10 @@ class LayoutSession:
                 result = dataclasses.replace(result, notes=(*result.notes, note))
         if shared:
             result = self.host.broadcast(result)
+        earlier = [k for k, c in self.layout_checks.items() if c.verdict == "fallback"]
+        if result.verdict == "passed" and earlier and self.fallbacks:  # it checked the model with their fallbacks on
+            note = f"with the {' and '.join(earlier)} step's fallback on ({describe_fallbacks(tuple(self.fallbacks))})"
+            result = dataclasses.replace(result, notes=(*result.notes, note))
         self.layout_checks[kind] = result
         self.apply(result, model)
         if report:

@@ -262,6 +262,17 @@ def test_the_first_batch_check_finds_code_assuming_nchw(tmp_path):
         trainer("resnet", tmp_path / "off", unchecked, [ChannelsLastCallback(verify=False)], max_steps=1).train()
 
 
+def test_a_training_check_after_an_evaluation_s_fallback_says_it_checked_with_it_on(tmp_path):
+    torch.manual_seed(0)
+    model, callback = FlattenWithView(), ChannelsLastCallback()
+    t = trainer("resnet", tmp_path, model, [callback], max_steps=2)
+    t.evaluate()  # the eval step's check finds the view and hands `conv`'s outputs on in NCHW
+    t.train()
+    checks = callback.layout_checks
+    assert checks["eval"].verdict == "fallback" and checks["train"].verdict == "passed", checks
+    assert "with the eval step's fallback on (the outputs of `conv` are handed on in NCHW)" in checks["train"].line()
+
+
 @pytest.mark.parametrize("precision, dtype", [({}, None), ({"bf16": True}, torch.bfloat16),
                                               ({"fp16": True}, torch.float16)])
 def test_events_leave_the_trainer_control_alone(precision, dtype):
