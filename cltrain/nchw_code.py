@@ -65,6 +65,16 @@ def _breaks_view(t: torch.Tensor) -> bool:
     return t.dim() >= 2 and not t.is_contiguous()
 
 
+def _own_strides(t: torch.Tensor) -> bool:
+    """Strides a ``view_as`` would lose: other than a fresh contiguous tensor's. A channels_last 1x1 or depthwise
+    kernel (``(O, I, 1, 1)``, ``(O, 1, kH, kW)``) is contiguous to torch and still has strides of its own."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    return t.dim() >= 2 and t.stride() != tuple(reversed(expected))
+
+
 def _tell() -> None:
     global _told
     if not _told:
@@ -89,9 +99,9 @@ def parameters_to_vector(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def vector_to_parameters(vec: torch.Tensor, parameters: Iterable[torch.Tensor]) -> None:
-    """torch's ``vector_to_parameters``, a non-contiguous parameter written back in its own strides."""
+    """torch's ``vector_to_parameters``, a parameter with strides of its own (``_own_strides``) written back in them."""
     parameters = list(parameters)
-    if not any(map(_breaks_view, parameters)):
+    if not any(map(_own_strides, parameters)):
         return _original[1](vec, parameters)
     if not isinstance(vec, torch.Tensor):
         raise TypeError(f"expected torch.Tensor, but got: {torch.typename(vec)}")
@@ -100,7 +110,7 @@ def vector_to_parameters(vec: torch.Tensor, parameters: Iterable[torch.Tensor]) 
     for param in parameters:
         device = convert._check_param_device(param, device)
         part = vec[pointer:pointer + param.numel()].view_as(param)
-        param.data = part.data if not _breaks_view(param) else torch.empty_like(param).copy_(part)
+        param.data = part.data if not _own_strides(param) else torch.empty_like(param).copy_(part)
         pointer += param.numel()
     return None
 

@@ -206,6 +206,24 @@ def test_parameters_to_vector_and_back_take_channels_last_weights_in_a_run():
     assert not conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["1x1 and depthwise only", "with a 3x3"])
+def test_vector_to_parameters_keeps_channels_last_on_1x1_and_depthwise_kernels(full):
+    from cltrain.loops import ChannelsLastRun
+
+    torch.manual_seed(0)  # (O, I, 1, 1) and (O, 1, kH, kW) kernels: contiguous to torch in channels_last as well
+    net = nn.Sequential(*[nn.Conv2d(3, 8, 3)] * full, nn.Conv2d(8 if full else 3, 8, 1), nn.Conv2d(8, 8, 3, groups=8),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    run = ChannelsLastRun(net, torch.optim.SGD(net.parameters(), lr=0.1), layout="channels_last", verify=False)
+    before = [p.detach().clone() for p in net.parameters()]
+    vector = torch.nn.utils.parameters_to_vector(net.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 2, net.parameters())
+    run.end()
+    convs = [m.weight for m in net if isinstance(m, nn.Conv2d)]
+    assert all(w.stride() == w.clone(memory_format=torch.channels_last).stride() for w in convs), \
+        [w.stride() for w in convs]
+    assert all(torch.equal(p, 2 * b) for p, b in zip(net.parameters(), before))
+
+
 def _resumable_fit(tmp_path, module, callback, epochs: int, ckpt_path=None):
     pl = _pl("lightning.pytorch")
     g = torch.Generator().manual_seed(1)
