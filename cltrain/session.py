@@ -200,6 +200,7 @@ class LayoutSession:
         self.fingerprint: Callable[[], str] | None = None
         self._hazards: dict[str, dict[str, list[str]]] = {}
         self._expected: dict[str, torch.memory_format | None] | None = None
+        self._trained = False  # a training step has started
         self._restored: dict[str, Any] = {}
         self._told: set[str] = set()
         self._utilities: contextlib.ExitStack | None = None
@@ -285,6 +286,8 @@ class LayoutSession:
             self._utilities = contextlib.ExitStack()
             self._utilities.enter_context(torch_utilities(self.say))
             weakref.finalize(self, self._utilities.close)  # a run that ended in an exception gives them back too
+        if not self._lazy and self.sharding is None:
+            self.expect(model)  # what user code moves before the first training step (on_train_start) is put back
         if owner is not None:
             self.report_conversion(owner, model, inputs, training)
         return model
@@ -297,6 +300,7 @@ class LayoutSession:
                                z=race.z, max_keys=race.max_keys)
         self.layout, self.pinned, self.fallbacks, self.layout_checks = None, self._pin, [], {}
         self.guardrails = self.summary = self._expected = self._key = self._step = None
+        self._trained = False
         self._hazards, self._restored, self._race_shapes = {}, {}, {}
 
     def _why_untimed(self, model: nn.Module, compiles: bool = False) -> str | None:
@@ -377,6 +381,9 @@ class LayoutSession:
         if self.layout is None:
             return batch
         if kind == "train":
+            if not self._trained:
+                self._trained = True
+                self.boundary(model, after="before the first training step")
             if self.watch_optimizers:
                 self._watch()
             if self._step is None:
@@ -392,7 +399,7 @@ class LayoutSession:
             self.check(kind, model, check)  # a "contiguous" verdict puts the model, and so its inputs, in NCHW
         if self.convert_inputs:
             batch = self.inputs.convert(batch, kind, model, self.layout, in_place=in_place)
-        if kind == "train" and self._expected is None:
+        if kind == "train" and self._expected is None:  # a lazy model, made by its first forward
             self.expect(model)
         self.inputs.start_trace(model, self.layout)
         return batch

@@ -146,28 +146,28 @@ def test_model_pruning_fails_without_the_workaround(monkeypatch):
              _module("lightning.pytorch"), epochs=2)
 
 
-def _drifts(package: str):
+def _drifts(package: str, hook: str = "on_train_epoch_end"):
     pl = _pl(package)
 
-    class WritesData(pl.Callback):
-        """A hook that writes weights through ``.data`` in NCHW (as a user's re-initialisation does)."""
+    def write(self, trainer, pl_module):
+        for m in pl_module.net:
+            if isinstance(m, nn.Conv2d):
+                m.weight.data = m.weight.data.contiguous()
 
-        def on_train_epoch_end(self, trainer, pl_module):
-            for m in pl_module.net:
-                if isinstance(m, nn.Conv2d):
-                    m.weight.data = m.weight.data.contiguous()
-
-    return WritesData()
+    # a hook that writes weights through ``.data`` in NCHW (as a user's re-initialisation does)
+    return type("WritesData", (pl.Callback,), {hook: write})()
 
 
+@pytest.mark.parametrize("hook, when", [("on_train_epoch_end", "after epoch 0's end (WritesData ran then)"),
+                                        ("on_train_start", "before the first training step")])
 @pytest.mark.parametrize("package", PACKAGES)
-def test_weights_a_hook_puts_in_nchw_are_back_in_channels_last_before_the_next_step(package, caplog):
+def test_weights_a_hook_puts_in_nchw_are_back_in_channels_last_before_the_next_step(package, hook, when, caplog):
     seen: list = []
     with caplog.at_level(logging.INFO, logger="cltrain"):
-        _fit(package, [_drifts(package), ChannelsLast(layout="channels_last")], _module(package, record=seen))
+        _fit(package, [_drifts(package, hook), ChannelsLast(layout="channels_last")], _module(package, record=seen))
     assert all(all(cl and state for cl, state in step) for step in seen), seen
     said = [r.getMessage() for r in caplog.records if "left their layout" in r.getMessage()]
-    assert len(said) == 1 and "after epoch 0's end (WritesData ran then)" in said[0], said
+    assert len(said) == 1 and when in said[0], said
 
 
 def test_without_the_watch_a_hook_leaves_the_weights_in_nchw(monkeypatch):
