@@ -227,20 +227,28 @@ def test_a_webdataset_run_trains_and_says_it_starts_a_stopped_epoch_again(wds_ur
 
     from tests.data.test_resume_state import Net
 
-    def fit(ckpt_path: str | None = None) -> list[str]:
+    def fit(ckpt_path: str | None = None, epochs: int = 1, steps: int = -1, folder: str = "wds-run") -> list[str]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            saves = ModelCheckpoint(dirpath=env / "wds-run", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-            pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
-                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                       callbacks=[saves]).fit(
-                Net(), datamodule=WebDatasetModule(wds_url, num_classes=2, cache_dir=str(env / "c"), **KW),
-                ckpt_path=ckpt_path)
+            saves = ModelCheckpoint(dirpath=env / folder, every_n_train_steps=1, save_top_k=-1, filename="{step}") \
+                if steps < 0 else ModelCheckpoint(dirpath=env / folder, save_last=True)  # last.ckpt: at the fit's end
+            trainer = pl.Trainer(max_epochs=epochs, max_steps=steps, accelerator="cpu", logger=False,
+                                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                                 num_sanity_val_steps=0, callbacks=[saves])
+            trainer.fit(Net(), datamodule=WebDatasetModule(wds_url, num_classes=2, cache_dir=str(env / "c"), **KW),
+                        ckpt_path=ckpt_path)
+        steps_run.append(trainer.global_step)
         return [str(w.message) for w in caught if "WebDataset keeps no place" in str(w.message)]
 
+    steps_run: list[int] = []
     assert fit() == []
     said = fit(str(env / "wds-run" / "step=1.ckpt"))
     assert len(said) == 1 and "epoch 0 is read again from its first batch, after 1 batch(es)" in said[0], said
+    # max_steps stopped it in its second epoch: Lightning's last.ckpt counts that epoch done; it is read again
+    assert fit(epochs=2, steps=3, folder="wds-steps") == []
+    said = fit(str(env / "wds-steps" / "last.ckpt"), epochs=2, folder="wds-steps")
+    assert len(said) == 1 and "epoch 1 is read again from its first batch, after 1 batch(es)" in said[0], said
+    assert steps_run[-2:] == [3, 5], steps_run  # the second epoch's two batches, from its first
 
 
 def _local_wds(root: Path, images: list[bytes]) -> Path:

@@ -148,10 +148,27 @@ class WebDatasetModule(_SplitsDataModule):
         super().__init__(*args, **kwargs)
         self.persistent_workers = False  # each epoch's workers take the loader's new epoch (its order)
         self._started = False
+        self._epoch: int | None = None  # the epoch the training batches come from
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch of the training batches as a place that holds no position: ``ResumeMidEpoch`` counts a checkpoint
+        of its middle (a ``max_steps`` stop's ``last.ckpt``, which Lightning counts done) as that epoch started, and
+        the resumed run reads it again from its first batch, saying so, as after a signal's stop."""
+        progress = getattr(getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+        if self._epoch is None or progress is None:
+            return {}
+        return {"train_loader": {"epoch": self._epoch, "finished": bool(progress.is_last_batch)}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the epoch starts again (``state_dict``)."""
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self.trainer
+        if getattr(trainer, "training", False):
+            self._epoch = trainer.current_epoch
         if not self._started and getattr(trainer, "training", False):
             self._started = True
             progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
