@@ -121,6 +121,10 @@ def open_fs(url: str, quick: bool = False) -> tuple[Any, str]:
     protocol = given.lower()
     if given != protocol:  # fsspec knows protocols in lowercase only
         raise RemoteError(f"{redact(url)}: write the scheme in lowercase: {redact(protocol + url[len(given):])}.")
+    if protocol not in ("http", "https") and _USERINFO.search(url):  # fsspec reads "key:secret@bucket" as a bucket
+        raise RemoteError(f"{redact(url)}: credentials in the URL are not read; give them the way the "
+                          "store's own tools take them (for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
+                          "AWS_PROFILE) and the URL without them.")
     options: dict[str, Any] = {}
     attempts = 2 if quick else S3_ATTEMPTS
     if protocol in ("s3", "s3a"):  # fsspec's own config (FSSPEC_S3='{...}', ~/.config/fsspec/) wins over these

@@ -390,7 +390,7 @@ def test_a_shard_missing_or_cut_short_in_the_bucket_is_one_line_before_the_first
         assert not list(dm.pack.cache.folder.rglob("*.tar"))  # said before any shard was fetched
 
 
-def test_no_credentials_and_an_uppercase_scheme_are_one_line_with_the_fix(url, env, monkeypatch, tmp_path):
+def test_no_credentials_an_uppercase_scheme_and_keys_in_the_url_are_one_line_with_the_fix(url, env, monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
@@ -403,6 +403,10 @@ def test_no_credentials_and_an_uppercase_scheme_are_one_line_with_the_fix(url, e
     with pytest.raises(RemoteError, match="write the scheme in lowercase") as caught:
         ShardsDataModule(upper, **KW).num_classes
     assert f"lowercase: {url}/" in str(caught.value)
+    keyed = url.replace("s3://", "s3://AKIAUSER:URLSECRET@")  # botocore read "AKIAUSER:URLSECRET@bucket" as the bucket
+    with pytest.raises(RemoteError, match=r"\*\*\*@.*credentials in the URL are not read; .*AWS_ACCESS_KEY_ID") as caught:
+        ShardsDataModule(keyed, **KW).num_classes
+    assert "URLSECRET" not in str(caught.value)
 
 
 def test_an_unreachable_endpoint_is_one_line_within_seconds(env, monkeypatch):
