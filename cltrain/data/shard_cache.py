@@ -29,8 +29,10 @@ returns the local path, fetching the file first when the cache does not hold tha
   Once one read has failed for good (the store went away), the cache's other reads give up with its reason and
   without a word: those in flight at once (the client's own attempts cancelled), those asked for within
   ``RETRY_WINDOW`` seconds without a try (unless a read has succeeded since), so the run ends on that one line, not
-  minutes of their retries later. A file the store holds shorter than its reader needs (an upload cut short) is
-  one line, not retried.
+  minutes of their retries later. The node's other processes (DataLoader workers, ranks) do the same: the failure
+  leaves a note in the cache's folder (``.cltrain-failed``: the reason, redacted), which a process heeds where it was
+  written after that process began reading and after its last read that succeeded. A file the store holds shorter
+  than its reader needs (an upload cut short) is one line, not retried.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
   processes that are gone when a cache is opened or a process using it exits.
 
@@ -61,7 +63,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from cltrain.atomic import TEMP_PREFIX, DiskFullError, atomic_open, remove_leftovers
+from cltrain.atomic import TEMP_PREFIX, DiskFullError, atomic_open, atomic_write_text, remove_leftovers
 from cltrain.data.errors import DataError, StorageError
 from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error, split_query
 
@@ -81,6 +83,7 @@ IN_FLIGHT_WAIT = 120
 #: Bytes the cache always leaves free on its disk.
 RESERVE = 2**30
 _LOCKS = ".cltrain-locks"
+_FAILED = ".cltrain-failed"  # in the cache's folder: a read failed for good, for the node's other processes
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -224,6 +227,7 @@ class ShardCache:
         self._asked: dict[str, tuple[int, str | None]] = {}
         self.incomplete = incomplete
         self.failed: tuple[float, BaseException] | None = None  # when a read failed for good, and why (_given_up)
+        self._since = time.time()  # this process began reading, or last read successfully: an older note is not heeded
         self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
 
     def __getstate__(self) -> dict:
@@ -236,7 +240,7 @@ class ShardCache:
         """The fsspec filesystem of ``url`` (opened in each process: after a fork the client starts anew)."""
         if self._fs is None or self._pid != os.getpid():
             self._fs, _ = open_fs(self.url)
-            self._pid = os.getpid()
+            self._pid, self._since = os.getpid(), time.time()
         return self._fs
 
     def remote(self, name: str) -> str:
@@ -380,7 +384,26 @@ class ShardCache:
         """Why a read of this cache failed for good, less than ``RETRY_WINDOW`` seconds ago, with no read succeeding
         since; ``None`` where none did."""
         failed = self.failed
-        return failed[1] if failed is not None and time.monotonic() - failed[0] < RETRY_WINDOW else None
+        if failed is not None and time.monotonic() - failed[0] < RETRY_WINDOW:
+            return failed[1]
+        note = self.folder / _FAILED
+        try:
+            written = note.stat().st_mtime
+            if written < self._since or time.time() - written >= RETRY_WINDOW:
+                return None
+            name, _, reason = note.read_text().partition("\n")
+        except OSError:  # no note (the usual case), or one removed meanwhile
+            return None
+        return type(name or "Exception", (Exception,), {})(reason)  # read as the failing process read its error
+
+    def _note_failure(self, err: BaseException) -> None:
+        """A read failed for good: for this process (``failed``) and, in the cache's folder, for the node's others."""
+        self.failed = (time.monotonic(), err)
+        try:
+            reason = redact(" ".join(str(err).split()), self.url)
+            atomic_write_text(self.folder / _FAILED, f"{type(err).__name__}\n{reason}")
+        except OSError:  # a note not written: the others retry as long as they would have
+            pass
 
     def _retried(self, read: Callable[[], Any], url: str) -> Any:
         """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line. Once a
@@ -394,7 +417,7 @@ class ShardCache:
                 if given_up is not None:
                     raise _GivenUp(given_up)
                 data = read()
-                self.failed = None
+                self.failed, self._since = None, time.time()
                 return data
             except (FileNotFoundError, PermissionError, RemoteError, DataError) as err:
                 raise remote_error(err, url, missing=self.incomplete) from None
@@ -407,7 +430,7 @@ class ShardCache:
                 late = now - started + pause + (now - tried) > RETRY_WINDOW
                 if given_up is not None or attempt == ATTEMPTS - 1 or late:
                     if given_up is None:
-                        self.failed = (time.monotonic(), err)
+                        self._note_failure(err)
                     raise remote_error(given_up or err, url) from None
                 log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
                             redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240], attempt + 2, ATTEMPTS)
@@ -452,7 +475,7 @@ class ShardCache:
         found = []
         for root, _, names in os.walk(self.folder):
             for n in names:
-                if n == _LOCKS:
+                if n in (_LOCKS, _FAILED):
                     continue
                 p = Path(root) / n
                 try:

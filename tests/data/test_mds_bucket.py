@@ -161,11 +161,13 @@ def test_once_a_read_has_failed_for_good_the_others_give_up_at_once_and_quietly(
     monkeypatch.setattr(shard_cache, "RETRY_WINDOW", 3.0)
     cache, names = shard_cache.ShardCache(url, env), [f"train/shard.0000{k}.mds" for k in range(3)]
     cache.listing(names[0])
+    worker = shard_cache.ShardCache(url, env)  # another process of the node: its own state, the same folder
+    worker.listing(names[0])
     proxy.faults = [Fault("reset", path=names[0], times=10**6), Fault("stall", path=names[1], times=10**6, seconds=20)]
     try:
         with caplog.at_level(logging.WARNING), ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(cache.get, names[1])  # its answer is 20 s away
-            with pytest.raises(RemoteError, match=names[0]):
+            with pytest.raises(RemoteError, match=names[0]) as first:
                 cache.get(names[0])  # its tries, each said
             failed = time.monotonic()
             with pytest.raises(RemoteError, match=names[1]):
@@ -173,11 +175,15 @@ def test_once_a_read_has_failed_for_good_the_others_give_up_at_once_and_quietly(
             assert time.monotonic() - failed < 1  # abandoned at once, the client's own attempts with it
             with pytest.raises(RemoteError, match=names[2]):
                 cache.get(names[2])  # not tried
+            with pytest.raises(RemoteError) as quiet:
+                worker.get(names[2])  # not tried either: the failure's note in the cache's folder, its reason
+            assert str(quiet.value) == str(first.value).replace(names[0], names[2]), (quiet.value, first.value)
         retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
         assert len(retries) == shard_cache.ATTEMPTS - 1 and all(names[0] in m for m in retries), retries
         assert proxy.gets(names[2]) == 0
-        proxy.faults.clear()  # the store is back, and the window over: read again
-        time.sleep(max(0.0, failed + 3.0 - time.monotonic()))
+        proxy.faults.clear()  # the store is back: a process that begins now reads (the note is older than it)
+        assert shard_cache.ShardCache(url, env).get(names[1]).read_bytes() == (local_mds / names[1]).read_bytes()
+        time.sleep(max(0.0, failed + 3.0 - time.monotonic()))  # and the window over: read again
         assert cache.get(names[2]).read_bytes() == (local_mds / names[2]).read_bytes()
     finally:
         proxy.stop()
