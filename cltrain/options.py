@@ -116,26 +116,39 @@ def check_copies(call: str, copies: Any) -> Callable[[], list[Any]]:
     after the door (``copies=lambda: [ema]`` while ``ema`` is still ``None``), which is no copy yet."""
     import torch.nn as nn
 
-    if copies is None:
-        return list
-    if isinstance(copies, nn.Module):  # callable too, but the copy itself
-        return lambda: [copies]
-    if isinstance(copies, (list, tuple)) and all(isinstance(c, nn.Module) for c in copies):
-        return lambda: list(copies)
-    if callable(copies):
-        def given() -> list[Any]:
-            found = copies()
-            listed = isinstance(found, Iterable) and not isinstance(found, (nn.Module, str, bytes))
-            found = list(found) if listed else [found]
-            bad = next((c for c in found if c is not None and not isinstance(c, nn.Module)), None)
-            if bad is not None:
-                raise ValueError(f"{call}(copies=...): the function gave {_shown(bad)}, not a module: it should give "
-                                 "the model's copies (copies=lambda: [ema]).")
-            return [c for c in found if c is not None]
-
-        return given
+    modules = isinstance(copies, nn.Module) or (  # a module is callable too, but the copy itself
+        isinstance(copies, (list, tuple)) and all(isinstance(c, nn.Module) for c in copies))
+    if copies is None or modules or callable(copies):
+        return _Copies(call, copies)
     raise ValueError(f"{call}(copies={_shown(copies)}): expected the model's copies (a module, a list of them, or a "
                      "function giving them: copies=lambda: [ema]).")
+
+
+class _Copies:
+    """``check_copies``' function: an object, not a closure, so that a door holding it pickles (Lightning's
+    ``ddp_spawn`` pickles the Trainer's callbacks into its processes)."""
+
+    def __init__(self, call: str, copies: Any) -> None:
+        self.call, self.copies = call, copies
+
+    def __call__(self) -> list[Any]:
+        import torch.nn as nn
+
+        copies = self.copies
+        if copies is None:
+            return []
+        if isinstance(copies, nn.Module):
+            return [copies]
+        if isinstance(copies, (list, tuple)):
+            return list(copies)
+        found = copies()
+        listed = isinstance(found, Iterable) and not isinstance(found, (nn.Module, str, bytes))
+        found = list(found) if listed else [found]
+        bad = next((c for c in found if c is not None and not isinstance(c, nn.Module)), None)
+        if bad is not None:
+            raise ValueError(f"{self.call}(copies=...): the function gave {_shown(bad)}, not a module: it should give "
+                             "the model's copies (copies=lambda: [ema]).")
+        return [c for c in found if c is not None]
 
 
 def check_module(call: str, model: Any) -> None:

@@ -71,3 +71,23 @@ def test_ddp_the_race_is_decided_on_rank_0_and_every_rank_switches_at_the_same_s
     assert ranks[0]["timings"] == ranks[1]["timings"] and ranks[0]["timings"]["channels_last"] > 0.15
     assert output.count("ChannelsLast: NCHW ") == 1, output[-3000:]  # said by rank 0 alone
     assert BUCKET_WARNING not in output
+
+@pytest.mark.slow
+def test_ddp_spawn_takes_the_callback_into_its_processes(tmp_path):
+    # Lightning's ddp_spawn pickles the Trainer's callbacks: a closure in ChannelsLast() ended the run at its launch
+    code = ("import sys, torch.multiprocessing as mp\n"
+            "mp.set_sharing_strategy('file_system')  # torch's default needs more of /dev/shm than a container gives\n"
+            "import lightning.pytorch as pl\n"
+            "from cltrain import ChannelsLast\n"
+            "from tests.helpers.plain_modules import Classifier, loader\n"
+            "if __name__ == '__main__':\n"
+            "    trainer = pl.Trainer(strategy='ddp_spawn', devices=2, accelerator='cpu', max_steps=2, logger=False,\n"
+            "                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,\n"
+            "                         callbacks=[ChannelsLast(layout='channels_last')])\n"
+            "    trainer.fit(Classifier(), loader(16, 4))\n")
+    script = tmp_path / "spawn.py"
+    script.write_text(code)
+    proc = warm.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                    env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)})
+    out = proc.stdout + proc.stderr  # (the spawned processes trained: the launching Trainer counts no step)
+    assert proc.returncode == 0 and "`max_steps=2` reached" in out and "layout check passed" in out, out[-3000:]

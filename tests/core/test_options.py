@@ -149,3 +149,17 @@ def test_the_loop_door_refuses_a_dtype_a_device_or_a_function_it_cannot_use():
     run = ChannelsLastRun(model, dtype=torch.bfloat16, device=torch.device("cpu"), verify=False, step=lambda m, b: 0)
     assert run.session.dtype is torch.bfloat16 and run.session.device == torch.device("cpu")
     run.end()
+
+
+@pytest.mark.parametrize("package", ["cltrain", "cltrain.pl"])
+def test_the_callback_pickles_with_its_copies(package):
+    import importlib
+    import pickle
+
+    import torch
+
+    door = importlib.import_module(package).ChannelsLast  # Lightning's ddp_spawn pickles the Trainer's callbacks
+    ema = torch.nn.Conv2d(3, 4, 1)
+    for callback, copies in ((door(), []), (door(copies=ema), [ema]), (door(copies=[ema, ema]), [ema, ema])):
+        again = pickle.loads(pickle.dumps(callback))
+        assert [c.weight.tolist() for c in again.copies()] == [c.weight.tolist() for c in copies]
