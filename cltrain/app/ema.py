@@ -110,6 +110,25 @@ class EMA(WeightAveraging):
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         return step_idx is not None and step_idx % self.every_n_steps == 0
 
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_epoch_start(trainer, pl_module)
+        self._swapped = self._average_model is not None  # the module holds the average, the copy the weights
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_epoch_end(trainer, pl_module)
+        self._swapped = False
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if getattr(self, "_swapped", False) and "current_model_state" in checkpoint:
+            # saved inside a validation (a signal's or an exception's checkpoint): Lightning's WeightAveraging read
+            # the averaged weights as the module's and the training weights as the average's
+            checkpoint["state_dict"], checkpoint["current_model_state"] = \
+                checkpoint["current_model_state"], checkpoint["state_dict"]
+
 
 def weights_in_checkpoint(path: str | None) -> str | None:
     """``"ema"`` when the checkpoint's ``state_dict`` holds averaged weights (it has

@@ -83,6 +83,36 @@ def test_the_average_follows_the_module_to_its_device_at_fit_start() -> None:
     assert {p.device.type for p in callback._average_model.parameters()} == {"meta"}
 
 
+def test_a_checkpoint_saved_inside_a_validation_holds_the_average_and_the_training_weights_in_place(tmp_path) -> None:
+    """A signal's stop saves inside the validation, where WeightAveraging has swapped the average into the module:
+    the resumed run trained on from the average, and the checkpoint's averaged weights were the training ones."""
+    import lightning.pytorch as pl
+
+    from tests.helpers.plain_modules import Classifier, loader
+
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    class SaveInside(pl.Callback):  # before the EMA in the callbacks: it sees the validation before the swap
+        def on_validation_epoch_start(self, trainer, pl_module):
+            seen["live"] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            seen["average"] = {k: v.clone() for k, v in ema._average_model.module.state_dict().items()}
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            if batch_idx == 0:
+                trainer.save_checkpoint(tmp_path / "inside.ckpt")
+
+    torch.manual_seed(0)
+    module, ema = Classifier(), EMA(decay=0.5)
+    pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, num_sanity_val_steps=0, callbacks=[SaveInside(), ema]).fit(
+        module, loader(8, 4), loader(4, 4))
+    saved = torch.load(tmp_path / "inside.ckpt", weights_only=False)
+    live, average = seen["live"], seen["average"]
+    assert not all(torch.equal(live[k], average[k]) for k in live)  # the two differ, so the test can tell them apart
+    assert all(torch.equal(saved["current_model_state"][k], live[k]) for k in live)
+    assert all(torch.equal(saved["state_dict"][k], average[k]) for k in live)
+
+
 def test_bad_ema_values_are_refused() -> None:
     with pytest.raises(ValueError, match="decay must be in"):
         EMA(decay=1.0)
