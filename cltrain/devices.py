@@ -33,14 +33,23 @@ def device_of(module: nn.Module) -> torch.device:
     return next((t.device for t in [*module.parameters(), *module.buffers()]), torch.device("cpu"))
 
 
+def check_device_name(name: object) -> None:
+    """``name`` is a device name cltrain takes (``DEVICES`` or ``cuda:N``), whatever this machine has.
+
+    Raises:
+        DeviceError: another name.
+    """
+    if not isinstance(name, str) or not (name in DEVICES or re.fullmatch(r"cuda:\d+", name)):
+        raise DeviceError(name, "unknown device", ", ".join(DEVICES))
+
+
 def resolve_device(name: object) -> torch.device:
     """The ``torch.device`` for ``name``; ``auto`` is ``cuda`` when a GPU is available, else ``cpu``.
 
     Raises:
         DeviceError: an unknown name, no CUDA (or not that many GPUs), or no MPS here.
     """
-    if not isinstance(name, str) or not (name in DEVICES or re.fullmatch(r"cuda:\d+", name)):
-        raise DeviceError(name, "unknown device", ", ".join(DEVICES))
+    check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda"):

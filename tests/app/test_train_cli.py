@@ -45,6 +45,18 @@ def test_bad_config_is_one_line_and_exit_status_2(tmp_path: Path, override: str,
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["device=gpu"], "cltrain: error: device='gpu': unknown device (allowed: auto, cpu, cuda, cuda:N, mps)"),
+    (["channels_last=false", "channels_last_layout=channels_last"],
+     "cltrain: error: channels_last_layout='channels_last': channels_last=false trains in NCHW without"),
+])
+def test_values_that_mean_nothing_together_or_anywhere_are_refused_before_the_run_folder(tmp_path: Path, overrides,
+                                                                                       message: str) -> None:
+    result = run(*overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and result.stderr.strip().startswith(message), result.stderr
+    assert not (tmp_path / "run").exists()  # found with the command line's check, before Hydra made the folder
+
+
 @pytest.mark.parametrize("override,message", [
     ("model=resnet5", "cltrain: error: model='resnet5': no model option of that name; did you mean model=resnet50"),
     ("+logger=cvs", "cltrain: error: logger='cvs': no logger option of that name; did you mean logger=csv?"),

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 
 from cltrain.app.config.check import check, check_sweep_launch, config_error
 from cltrain.app.config.errors import ConfigError
+from cltrain.app.config.resolve import check_meanings
 
 __all__ = ["check_command_line", "compose_config", "config_dir"]
 
@@ -200,6 +201,7 @@ def check_command_line(argv: Sequence[str]) -> None:
             for variant in variants:
                 cfg = _compose(variant, args.config_name or "config")
                 check(cfg)
+                check_meanings(cfg)
                 if args.multirun and _launched_here(variant, args.config_name or "config"):
                     check_sweep_launch(cfg)
             plugin_keys = [o for o in args.overrides if o.lstrip("+~").startswith(_PLUGIN_KEYS)]

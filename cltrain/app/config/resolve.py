@@ -34,11 +34,11 @@ from cltrain.app.config.check import check
 from cltrain.app.config.errors import ConfigError, show
 from cltrain.app.config.paths import check_checkpoint, check_paths
 from cltrain.app.config.rules import AMP_DTYPE_FLAGS
-from cltrain.devices import DeviceError, resolve_device
+from cltrain.devices import DeviceError, check_device_name, resolve_device
 from cltrain.platform import cpu_bf16_support
 from cltrain.precision import auto_precision
 
-__all__ = ["Resolved", "check_model_name", "resolve_accelerator", "resolve_precision", "validate"]
+__all__ = ["Resolved", "check_meanings", "check_model_name", "resolve_accelerator", "resolve_precision", "validate"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,26 @@ def check_model_name(name: Any, source: str = "auto") -> str:
     return found
 
 
+def check_meanings(cfg: DictConfig) -> None:
+    """What values mean together, wherever the run will go (``check_command_line`` asks before Hydra makes the run's
+    folder): the ChannelsLast keys without channels_last, the device's name (not whether this machine has it: a
+    sweep's launcher may run it elsewhere).
+
+    Raises:
+        ConfigError: the key, the value and the fix.
+    """
+    if not cfg.channels_last:  # the callback's keys mean nothing without it: a pin the run would not keep
+        for key, default in (("channels_last_layout", "auto"), ("channels_last_mode", "full")):
+            if cfg.get(key, default) != default:
+                raise ConfigError(key, cfg[key], "channels_last=false trains in NCHW without the ChannelsLast "
+                                  "callback, which this key sets", f"channels_last=true {key}={cfg[key]}; or drop "
+                                  f"{key} (channels_last_layout=contiguous pins NCHW with the callback's checks)")
+    try:
+        check_device_name(cfg.device)
+    except DeviceError as err:
+        raise ConfigError("device", cfg.device, err.reason, err.allowed) from None
+
+
 def validate(cfg: DictConfig) -> Resolved:
     """Check ``cfg`` (before building anything) and resolve device, precision and cuDNN benchmark.
 
@@ -135,12 +155,7 @@ def validate(cfg: DictConfig) -> Resolved:
         ConfigError: on the first bad value, naming the key, the value and what is allowed.
     """
     check(cfg)  # names, types, ranges and choices of every key (the schema); what follows checks meanings
-    if not cfg.channels_last:  # the callback's keys mean nothing without it: a pin the run would not keep
-        for key, default in (("channels_last_layout", "auto"), ("channels_last_mode", "full")):
-            if cfg.get(key, default) != default:
-                raise ConfigError(key, cfg[key], "channels_last=false trains in NCHW without the ChannelsLast "
-                                  "callback, which this key sets", f"channels_last=true {key}={cfg[key]}; or drop "
-                                  f"{key} (channels_last_layout=contiguous pins NCHW with the callback's checks)")
+    check_meanings(cfg)
     check_model_name(cfg.model.name, cfg.model.source)
     check_paths(cfg)
     if cfg.get("ckpt_path") is not None:
