@@ -407,7 +407,7 @@ class LayoutSession:
     def _watch(self) -> None:
         """Count the steps of the host's optimizers (those that appear later too), for ``optimizer_stepped``."""
         optimizers = self.host.optimizers()
-        if not optimizers and "no optimizer" not in self._told:
+        if not optimizers and self.untimed is None and "no optimizer" not in self._told:  # (no race: nothing timed)
             self._told.add("no optimizer")
             self.say("ChannelsLast: no optimizer given: each batch is timed as a step (give the run the optimizer your "
                      "loop steps: under gradient accumulation a step is then the batches up to its step)")
