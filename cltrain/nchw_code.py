@@ -46,7 +46,7 @@ import torch.nn.utils.convert_parameters as convert
 import torch.nn.utils.prune as prune
 from torch import nn
 
-from cltrain.layout.tensors import is_channels_last, nchw, to_channels_last
+from cltrain.layout.tensors import has_nchw_strides, is_channels_last, nchw, to_channels_last
 
 __all__ = ["aliases_follow", "bound_by_name", "flat_parameters", "guard_pruning", "in_nchw", "pruning_aliases",
            "pruning_in_logical_order", "relayout", "torch_utilities", "unguard_pruning"]
@@ -66,13 +66,8 @@ def _breaks_view(t: torch.Tensor) -> bool:
 
 
 def _own_strides(t: torch.Tensor) -> bool:
-    """Strides a ``view_as`` would lose: other than a fresh contiguous tensor's. A channels_last 1x1 or depthwise
-    kernel (``(O, I, 1, 1)``, ``(O, 1, kH, kW)``) is contiguous to torch and still has strides of its own."""
-    expected, step = [], 1
-    for size in reversed(t.shape):
-        expected.append(step)
-        step *= max(size, 1)
-    return t.dim() >= 2 and t.stride() != tuple(reversed(expected))
+    """Strides a ``view_as`` would lose (a channels_last 1x1 or depthwise kernel's too, contiguous to torch)."""
+    return t.dim() >= 2 and not has_nchw_strides(t)
 
 
 def _tell() -> None:

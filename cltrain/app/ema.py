@@ -94,6 +94,7 @@ class EMA(WeightAveraging):
             raise ValueError(f"EMA: warmup_steps must be >= 0 and every_n_steps >= 1, got {warmup_steps}, {every_n_steps}")
         super().__init__(device=None, use_buffers=True)
         self.decay, self.warmup_steps, self.every_n_steps = decay, warmup_steps, every_n_steps
+        self._swapped = False  # inside a validation: the module holds the average, the copy the training weights
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -113,7 +114,7 @@ class EMA(WeightAveraging):
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_validation_epoch_start(trainer, pl_module)
-        self._swapped = self._average_model is not None  # the module holds the average, the copy the weights
+        self._swapped = self._average_model is not None
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -123,7 +124,7 @@ class EMA(WeightAveraging):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        if getattr(self, "_swapped", False) and "current_model_state" in checkpoint:
+        if self._swapped and "current_model_state" in checkpoint:
             # saved inside a validation (a signal's or an exception's checkpoint): Lightning's WeightAveraging read
             # the averaged weights as the module's and the training weights as the average's
             checkpoint["state_dict"], checkpoint["current_model_state"] = \

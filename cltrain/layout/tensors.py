@@ -65,18 +65,22 @@ CONV1D_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
 M = TypeVar("M", bound=nn.Module)
 
 
+def has_nchw_strides(t: torch.Tensor) -> bool:
+    """Whether ``t`` has canonical row-major (NCHW) strides, those of a fresh contiguous tensor: a channels_last 1x1
+    or depthwise kernel (``(O, I, 1, 1)``, ``(O, 1, kH, kW)``) is ``is_contiguous()`` to torch and has not."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    return t.stride() == tuple(reversed(expected))
+
+
 def nchw(t: torch.Tensor) -> torch.Tensor:
     """``t`` in canonical row-major (NCHW) strides: a copy unless it already has them.
 
     ``contiguous()`` keeps channels_last strides on size-1 dims (C == 1, a 1x1 kernel), which a kernel
     or code reading raw memory still sees as channels_last; canonical strides leave nothing to chance."""
-    expected, step = [], 1
-    for size in reversed(t.shape):
-        expected.append(step)
-        step *= max(size, 1)
-    if t.stride() == tuple(reversed(expected)):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t if has_nchw_strides(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def memory_format_for(tensor: torch.Tensor) -> torch.memory_format | None:

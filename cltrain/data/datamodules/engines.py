@@ -169,7 +169,7 @@ class WebDatasetModule(_SplitsDataModule):
         trainer = self.trainer
         if getattr(trainer, "training", False):
             self._epoch = trainer.current_epoch
-        if not self._started and getattr(trainer, "training", False):
+        if self._epoch is not None and not self._started:
             self._started = True
             progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
             done = getattr(getattr(progress, "current", None), "completed", 0)
