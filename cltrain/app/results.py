@@ -28,6 +28,7 @@ from cltrain.app.metrics_file import write_metrics
 from cltrain.app.launch import launcher
 from cltrain.app.rundir import is_slurm_requeue
 from cltrain.app.callbacks import RunCallbacks
+from cltrain.data.errors import error_line
 from cltrain.data.remote import redact, redacted
 
 __all__ = ["RunResults", "resume_command", "resume_line", "summary_line"]
@@ -67,7 +68,7 @@ class RunResults:
         else:
             metrics["weights"] = "ema" if cfg.ema.enabled else "live"
         if error is not None and status == "failed":
-            metrics["error"] = redact(f"{type(error).__name__}: {error}".splitlines()[0])
+            metrics["error"] = redact(f"{type(error).__name__}: {error_line(error)}")  # a worker's: its own line
         metrics["wall_time_s"] = round(time.perf_counter() - self.started, 2)
         if self.trainer.is_global_zero:
             write_metrics(self.run_dir, metrics, replace=is_slurm_requeue())  # a requeued job ends its own run

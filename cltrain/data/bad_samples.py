@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cltrain.data.errors import BadImageError, EmptyImageError
+from cltrain.data.errors import BadImageError, EmptyImageError, SampleFault
 from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
@@ -54,10 +54,13 @@ def unreadable(err: BaseException, path: str | os.PathLike | None = None) -> str
     with contextlib.suppress(OSError, TypeError, ValueError):
         if path is not None and os.path.getsize(path) == 0:
             return str(EmptyImageError())  # as cltrain-data-check says it
-    if isinstance(err, EmptyImageError):  # a stored sample's or a row's 0 bytes
+    if isinstance(err, SampleFault):  # a stored sample's or a row's 0 bytes, a label that is no class
         return str(err)
-    # Pillow names a BytesIO by its address, and a file by the object that read it: the line names the file already
+    # Pillow names a BytesIO by its address, and a file by the object that read it or by its path: the line names the
+    # file already
     text = _OPENED.sub("", _IN_MEMORY.sub("(bytes)", f"{type(err).__name__}: {err}"))
+    if path is not None:
+        text = text.replace(f" {os.fspath(path)!r}", "")
     return text.replace("\t", " ").replace("\n", " ")
 
 
@@ -70,6 +73,9 @@ class SkipsBadSamples:
     ``what`` names a sample in the warning."""
 
     what = "image"
+    #: Where set (a format that keeps no class names: its DataModule's ``num_classes``), a label outside
+    #: ``0 .. num_classes - 1`` makes its sample a bad one (``class_index``).
+    num_classes: int | None = None
     bad_files: str
     skip_log: str | None
     _warned: set[str]
@@ -88,6 +94,15 @@ class SkipsBadSamples:
         unlisted, self._unlisted = self._unlisted, {}
         for name, reason in unlisted.items():
             self.skip(name, reason)
+
+    def class_index(self, label: Any) -> Any:
+        """``label``, checked against ``num_classes`` where that is set: a label of no class is a ``SampleFault``
+        (without the check it fails the loss, or a device-side assert, naming no sample)."""
+        n = self.num_classes
+        if n is not None and not 0 <= label < n:
+            raise SampleFault(f"label {label} is no class of num_classes={n}: set num_classes to the number of "
+                              "classes, or mend the label")
+        return label
 
     def __len__(self) -> int:  # pragma: no cover - the Dataset's
         raise NotImplementedError
@@ -131,8 +146,11 @@ class SkipsBadSamples:
                 if attempt == 0:  # a stand-in that fails is reported at its own place in the epoch: once
                     name = self.sample_name(i)
                     self.skip(name, getattr(err, "reason", None) or unreadable(err.__cause__ or err, name))
-        raise BadImageError(f"{self.source_name}: {_MAX_SKIPS_IN_A_ROW} unreadable {self.what}s in a row from index {index}; "
-                            "the data is not usable as it is (see the skipped-files list).")
+        tried = min(_MAX_SKIPS_IN_A_ROW, n)
+        run = f"all {n} {self.what}s are unreadable" if tried == n else \
+            f"{tried} unreadable {self.what}s in a row from index {index}"
+        raise BadImageError(f"{self.source_name}: {run}; the data is not usable as it is (see the skipped-files "
+                            "list).")
 
     threads: int = 1
 

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BadImageError", "DataError", "EmptyImageError", "StorageError", "error_line"]
+__all__ = ["BadImageError", "DataError", "EmptyImageError", "SampleFault", "StorageError", "error_line"]
 
 
 class DataError(ValueError):
@@ -31,8 +31,13 @@ class BadImageError(DataError, RuntimeError):
         self.reason = reason
 
 
-class EmptyImageError(ValueError):
-    """An image of 0 bytes (a file, a stored sample, a row): its reason reads the same in every source."""
+class SampleFault(ValueError):
+    """What is wrong with one sample, in words that read the same in every source (its reason, without a type's
+    name)."""
+
+
+class EmptyImageError(SampleFault):
+    """An image of 0 bytes (a file, a stored sample, a row)."""
 
     def __init__(self) -> None:
         super().__init__("empty file (0 bytes)")

@@ -93,6 +93,7 @@ class ImageSamples(SkipsBadSamples, Dataset):
         src: str | bytes | None = None
         try:
             src, target = self.source(index)
+            target = self.class_index(target)
             if out is not None:
                 return self.transform(src, out=out), target
             if getattr(self.transform, "takes_paths", False):

@@ -137,8 +137,8 @@ def _not_empty(loader: DataLoader, batches: Iterator[Any]) -> Iterator[Any]:
         if samples:
             raise DataError(f"{name}: its {samples} sample(s) make no whole batch of {loader.batch_size} (the last "
                             "partial batch is dropped); lower data.batch_size.")
-        raise DataError(f"{name}: no sample to read (every shard or file there is empty); check what was written "
-                        "there.")
+        raise DataError(f"{name}: no sample to read (every shard or file there is empty, or each of its samples was "
+                        "unreadable and skipped: see the warnings); check what was written there.")
 
 
 def _finish(loader: DataLoader, pending: Any) -> Any:

@@ -117,7 +117,7 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
             label = int(bytes(sample["cls"]).decode().strip()) if "cls" in sample else None
             if label is None:
                 raise ValueError("no cls field (the class index)")
-            return self.transform(bytes(data)), label
+            return self.transform(bytes(data)), self.class_index(label)
         except StorageError:
             raise
         except Exception as err:  # any failure of this one sample

@@ -106,8 +106,19 @@ def test_raise_policy_names_the_file_and_the_reason(tmp_path, kind):
     shutil.copy(odd[kind], root / "val" / "c0" / odd[kind].name)
     ds = ImageFolderDataset(root / "val", eval_transform(SIZE, 36))
     bad_index = [p for p, _ in ds.samples].index(str(root / "val" / "c0" / odd[kind].name))
-    with pytest.raises(BadImageError, match=rf"{odd[kind].name}: cannot be read as an image \(\w+.*bad_files='skip'"):
+    with pytest.raises(BadImageError, match=rf"{odd[kind].name}: cannot be read as an image \(\w+.*bad_files='skip'") \
+            as caught:
         ds[bad_index]
+    assert str(caught.value).count(odd[kind].name) == 1, caught.value  # Pillow's own naming of the path left out
+
+
+def test_a_split_of_only_unreadable_files_says_how_many_there_are_under_skip(tmp_path):
+    for k in range(3):
+        (tmp_path / "val" / "c0").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "val" / "c0" / f"{k}.jpg").write_bytes(b"")
+    ds = ImageFolderDataset(tmp_path / "val", eval_transform(SIZE, 36), bad_files="skip")
+    with pytest.raises(BadImageError, match=r"val: all 3 images are unreadable; the data is not usable"):
+        ds[1]
 
 
 def test_raise_policy_stops_training_and_odd_modes_are_read(tmp_path):

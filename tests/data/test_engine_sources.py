@@ -5,6 +5,7 @@ sample once per epoch, and a run resumed mid-epoch ends where the uninterrupted 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,12 @@ def test_an_empty_webdataset_is_one_line_not_a_run_on_nothing(tmp_path):
     with pytest.raises(DataError, match="no sample to read") as caught:
         list(dm.train_dataloader())
     assert "\n" not in str(caught.value) and "train" in str(caught.value)
+    _local_wds(tmp_path / "bad", [b"", b"not a jpeg"])  # samples, none readable: not "empty" alone
+    dm = WebDatasetModule(str(tmp_path / "bad"), num_classes=2, bad_files="skip", train_split="train",
+                          val_split="train", **{**KW, "num_workers": 0})
+    dm.setup("fit")
+    with pytest.raises(DataError, match="or each of its samples was unreadable and skipped"):
+        list(dm.train_dataloader())
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +265,26 @@ def _local_wds(root: Path, images: list[bytes]) -> Path:
         for k, data in enumerate(images):  # the class is the sample's number: each sample known by its label
             sink.write({"__key__": f"s{k:03d}", "jpg": data, "cls": str(k).encode()})
     return root
+
+
+def test_a_label_of_no_class_is_a_bad_sample_named_by_its_key(folder, tmp_path):
+    from cltrain.data.datamodules.engines import WebDatasetModule
+    from cltrain.data.errors import BadImageError
+
+    jpegs = [p.read_bytes() for p in sorted((folder / "train").rglob("*.jpg"))][:8]
+    root = _local_wds(tmp_path / "wds", jpegs)  # labels 0 .. 7
+    (root / "val").mkdir()
+    shutil.copy(root / "train" / "shard-0000.tar", root / "val")
+    settings = {**KW, "num_workers": 0, "batch_size": 2, "shuffle_buffer": None}
+    raising = WebDatasetModule(str(root), num_classes=3, **settings)
+    raising.setup("fit")
+    with pytest.raises(BadImageError, match=r"sample 3 \(s003\): cannot be read as an image \(label 3 is no class of "
+                                            r"num_classes=3: set num_classes to the number of classes"):
+        list(raising.train_dataloader())
+    skipping = WebDatasetModule(str(root), num_classes=3, bad_files="skip", **settings)
+    skipping.setup("fit")
+    labels = torch.cat([y for _, y in skipping.train_dataloader()]).tolist()
+    assert labels == [0, 1, 2, 2, 2, 2, 2, 2], labels  # the last readable sample stands in for each
 
 
 def test_webdataset_ranks_stay_in_step_when_a_bad_sample_comes_first_and_shuffle_apart(folder, tmp_path):

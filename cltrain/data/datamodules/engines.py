@@ -61,6 +61,9 @@ class _SplitsDataModule(ImageDataModule):
             self.train_set = self._open(self.train_split, self.train_transform, True)
         if self.val_set is None:
             self.val_set = self._open(self.val_split, self.eval_transform, False)
+        for split in (self.train_set, self.val_set):  # a label of no class is a bad sample (``class_index``)
+            if split is not None:
+                split.num_classes = self.splits.num_classes
 
 
 class LitDataModule(_SplitsDataModule):
