@@ -665,15 +665,15 @@ class LayoutSession:
                     "batch sizes, or evaluations, in each): kept channels_last")
         elif decision.how == "tie":
             head = f"channels_last and NCHW within {100 * self.race.margin:.0f}% here {where}: kept channels_last"
-        elif decision.layout == "channels_last" and nchw_ahead:  # noisy: NCHW's lead not beyond doubt
-            head = (f"NCHW {decision.ratio:.2f}x faster by the medians here {where}, too noisy to tell: "
-                    "kept channels_last")
+        elif decision.layout == "channels_last" and (nchw_ahead or decision.how == "noisy"):  # a lead not beyond doubt
+            head = (f"{'NCHW' if nchw_ahead else 'channels_last'} {decision.ratio:.2f}x faster by the medians here "
+                    f"{where}, too noisy to tell: kept channels_last")
         elif decision.layout == "channels_last":
             head = f"channels_last {decision.ratio:.2f}x faster here {where}: kept"
         else:
             head = f"NCHW {decision.ratio:.2f}x faster here {where}: switched, the model and its optimizer state " \
                    "moved once"
-        noisy = "; the steps' times were noisy" if decision.how == "noisy" else ""
+        noisy = "; the steps' times were noisy" if decision.how == "noisy" and "too noisy" not in head else ""
         return f"ChannelsLast: {head}{noisy} (timed {timed}{cost}; {pin})."
 
     # ---- the first-batch check -------------------------------------------------------------------------------------

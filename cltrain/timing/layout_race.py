@@ -239,7 +239,7 @@ class LayoutRace:
         slower, faster = ("contiguous", "channels_last") if med["contiguous"] > med["channels_last"] else \
             ("channels_last", "contiguous")
         extra = (len(heat.times[slower]) + heat.untimed[slower]) * (med[slower] - med[faster])
-        spent = extra >= self.budget * med[faster]
+        spent = slower == "contiguous" and extra >= self.budget * med[faster]  # NCHW's trials' cost (none if faster)
         rounds = (heat.position - self.warmup) // len(_ROUND)
         if rounds < 2:
             # one round: a clear channels_last win ends it (the pooled spread of the steps, the warm-up's later
