@@ -119,6 +119,22 @@ class PrecisionChoice:
     reason: str
 
 
+#: What bf16 autocast cost on a CPU without native bf16 (ResNet-50 training, docs/performance.md).
+CPU_BF16_EMULATED_SLOWDOWN = "ResNet-50 trained 14.5x slower than in fp32 (0.8 vs 11.6 img/s)"
+_EMULATED_SAID: list[str] = []  # the line below, once per process: the app's and every door's
+
+
+def say_bf16_emulated(say: Callable[[str], Any], asked: str, fix: str) -> bool:
+    """Where bf16 autocast on this CPU is emulated (``cpu_bf16_support``), ``say`` it once per process: ``asked``
+    (what asked for bf16), the reason, the cost and ``fix``. Whether bf16 is emulated here."""
+    native, reason = cpu_bf16_support()
+    if not native and not _EMULATED_SAID:
+        _EMULATED_SAID.append(asked)
+        say(f"{asked} on a CPU without native bf16 ({reason}): bf16 autocast runs, but emulated; "
+            f"{CPU_BF16_EMULATED_SLOWDOWN}. {fix}")
+    return not native
+
+
 def auto_precision(device: torch.device) -> PrecisionChoice:
     """The precision ``amp="auto"`` picks on ``device``.
 

@@ -66,6 +66,7 @@ from cltrain.layout.batches import Inputs, first_image_tensor
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.tensors import compiled_frames, is_compiled, is_materialized, nchw
 from cltrain.nchw_code import aliases_follow, relayout, torch_utilities
+from cltrain.precision import say_bf16_emulated
 from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 from cltrain.timing.clock import StepTimer
 from cltrain.timing.layout_race import LayoutDecision, LayoutRace
@@ -369,6 +370,9 @@ class LayoutSession:
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
                      + "; ".join(r.line() for r in self.guardrails), False)
+        if training and self.dtype == torch.bfloat16 and self.device is not None and self.device.type == "cpu":
+            say_bf16_emulated(lambda line: self.say(line, True), "ChannelsLast: training in bf16",
+                              "Training in fp32 is faster here.")
 
     # ---- a step ----------------------------------------------------------------------------------------------------
 

@@ -87,6 +87,13 @@ def torchs_own_utilities() -> None:
     reset_torch_utilities()
 
 
+@pytest.fixture(autouse=True)
+def _emulated_bf16_unsaid() -> None:
+    from cltrain import precision
+
+    precision._EMULATED_SAID.clear()  # said once per process: once per test here
+
+
 @pytest.fixture(scope="session")
 def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")

@@ -275,3 +275,32 @@ def test_the_default_smoke_run_trains_in_bf16_on_a_native_bf16_cpu(tmp_path: Pat
     metrics, _ = _smoke_precision(tmp_path, {})
     assert metrics["precision"] == "bf16-mixed" and "natively" in metrics["precision_reason"]
     assert metrics["optimizer"] == {"name": "SGD", "fused": False, "note": None}
+
+
+def test_every_door_says_once_that_bf16_training_is_emulated_on_this_cpu(bf16_x86, tmp_path, caplog) -> None:
+    from cltrain import ChannelsLast, precision
+    from cltrain.loops import ChannelsLastRun
+    from tests.helpers.plain_modules import Classifier, ConvStack, loader
+
+    def run(dtype) -> list[str]:
+        caplog.clear()
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+        model(torch.randn(1, 3, 8, 8))
+        ChannelsLastRun(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=dtype).end()
+        return [r.getMessage() for r in caplog.records if "without native bf16" in r.getMessage()]
+
+    assert run(torch.bfloat16) == []  # native here
+    bf16_x86.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert run(None) == []  # fp32
+    said = run(torch.bfloat16)
+    assert len(said) == 1 and said[0].startswith("ChannelsLast: training in bf16 on a CPU without native bf16 (oneDNN is "
+                                                 "limited to AVX2") and "14.5x slower" in said[0], said
+    assert run(torch.bfloat16) == []  # once per process
+    precision._EMULATED_SAID.clear()
+    caplog.clear()
+    trainer = Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[ChannelsLast(layout="channels_last")],
+                      default_root_dir=tmp_path)
+    with pytest.warns(UserWarning) as warned:
+        trainer.fit(Classifier(ConvStack()), loader())
+    assert sum("ChannelsLast: training in bf16 on a CPU without native bf16" in str(w.message) for w in warned) == 1

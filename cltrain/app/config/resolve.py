@@ -36,7 +36,7 @@ from cltrain.app.config.paths import check_checkpoint, check_paths
 from cltrain.app.config.rules import AMP_DTYPE_FLAGS
 from cltrain.devices import DeviceError, check_device_name, resolve_device
 from cltrain.platform import cpu_bf16_support
-from cltrain.precision import auto_precision
+from cltrain.precision import auto_precision, say_bf16_emulated
 
 __all__ = ["Resolved", "check_meanings", "check_model_name", "resolve_accelerator", "resolve_precision", "validate"]
 
@@ -66,10 +66,6 @@ def resolve_accelerator(device: Any) -> tuple[str, int | None]:
     return resolved.type, resolved.index
 
 
-#: What bf16 autocast cost on a CPU without native bf16 (ResNet-50 training, docs/performance.md).
-CPU_BF16_EMULATED_SLOWDOWN = "ResNet-50 trained 14.5x slower than in fp32 (0.8 vs 11.6 img/s)"
-
-
 def _amp_allowed_without(refused: str) -> str:
     """The ``amp`` values a device takes when it cannot autocast to ``refused``: ``auto, true, bf16, false``."""
     return ", ".join(["auto", "true", *(name for name in AMP_DTYPE_FLAGS if name != refused), "false"])
@@ -97,14 +93,9 @@ def resolve_precision(amp: Any, accelerator: str, index: int | None = None) -> t
         choice = auto_precision(device)
         return choice.flag, f"amp=auto: {choice.reason}"
     if accelerator == "cpu":  # amp=true or bf16
-        native, reason = cpu_bf16_support()
-        if not native:
-            warnings.warn(
-                f"amp={show(amp)} on a CPU without native bf16 ({reason}): bf16 autocast runs, but emulated; "
-                f"{CPU_BF16_EMULATED_SLOWDOWN}. amp=auto or amp=false trains in fp32",
-                stacklevel=3,
-            )
-        return "bf16-mixed", f"amp={show(amp)}: bf16 autocast ({reason})"
+        say_bf16_emulated(lambda line: warnings.warn(line, stacklevel=5), f"amp={show(amp)}",
+                          "amp=auto or amp=false trains in fp32")
+        return "bf16-mixed", f"amp={show(amp)}: bf16 autocast ({cpu_bf16_support()[1]})"
     if amp is True:  # on CUDA: the dtype amp=auto picks
         choice = auto_precision(device)
         return choice.flag, f"amp=true: {choice.reason}"
