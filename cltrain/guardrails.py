@@ -231,7 +231,8 @@ KNOWN_FAULTS: tuple[KnownFault, ...] = (
         versions="measured in oneDNN 3.12.0 (torch 2.14.1) with AVX-512 (not with AVX2); every oneDNN version "
                  "and x86 ISA is guarded",
         description="bf16 Conv3d weight gradients are wrong (up to 1e37) or not finite when the input is "
-                    "deeper than 1 and shallower than the kernel (depth 2 under a 3x3x3 kernel, 2-4 under 5x3x3), "
+                    "shallower than the kernel (depth 2 under a 3x3x3 kernel, 2-4 under 5x3x3; depth 1 with a "
+                    "large depth padding), some of those a heap corruption (a crash), "
                     "in both layouts, on AVX-512; a ConvTranspose3d's too, where its input or output is",
         workaround="under bf16 autocast, a Conv3d (or ConvTranspose3d) whose input (or a transposed one's output) "
                    "is shallower than its kernel is computed in float32 "
@@ -390,6 +391,14 @@ def apply_guardrails(
             fault.fix(modules[name])
         records.append(GuardRecord(fault.key, fault.upstream, tuple(names), fault.workaround, fault.description))
     return records
+
+
+def arm_autocast_guards(model: nn.Module, *, device: torch.device | str | None = None) -> list[GuardRecord]:
+    """The workarounds that act only under bf16 autocast, applied whatever the loop's dtype: their hooks look at the
+    autocast state of each call, so a float32 step never reaches them. For a loop whose autocast cannot be seen
+    (Fabric's ``bf16-mixed``, the loop's own ``torch.autocast``) and was not named."""
+    return apply_guardrails(model, device=device, dtype=torch.bfloat16,
+                            faults=tuple(f for f in KNOWN_FAULTS if f.fix is _guard_fp32))
 
 
 def guard_of(module: nn.Module) -> KnownFault | None:

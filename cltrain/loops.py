@@ -51,6 +51,7 @@ from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.compare import LayoutCheck
 from cltrain.check.plain_step import check_plain_step
 from cltrain.check.resume import run_fingerprint
+from cltrain.guardrails import arm_autocast_guards
 from cltrain.host import Host, shown
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
@@ -153,6 +154,8 @@ class ChannelsLastRun(SessionResults):
             model, precision=str(dtype), device=str(self.session.device.type), code=[step])
         self.session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                            owner=f"ChannelsLastRun(mode={mode!r})")
+        if guard and dtype is None:  # an autocast it cannot see
+            arm_autocast_guards(model, device=self.session.device)
         self._resumed = False
         self.session.watch_optimizers = True  # a step is the batches up to the loop's optimizer step
 
@@ -286,6 +289,8 @@ def convert_model(
     session = LayoutSession(mode, layout="channels_last", guard=guard, host=Host(_say))
     session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                   owner=f"convert_model(mode={mode!r})")
+    if guard and dtype is None:  # an autocast it cannot see
+        arm_autocast_guards(model, device=session.device)
     session.close()  # nothing of the run is held: the hand-wired loop calls each step itself
     return model
 

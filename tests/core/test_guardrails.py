@@ -313,6 +313,13 @@ def test_bf16_conv3d_guard_gives_fp32_gradients(layer):
     assert max(result["errors"].values()) < 2e-2, result["errors"]
 
 
+@needs_x86_onednn
+def test_a_loop_that_names_no_dtype_is_guarded_under_its_own_bf16_autocast():
+    # Fabric's bf16-mixed or the loop's torch.autocast, without ChannelsLastRun(dtype=...): weight gradients of 1e37
+    result = case("conv3d", "1", "loop")
+    assert result["guarded"] == [["0"]] and max(result["errors"].values()) < 2e-2, result  # (1, 3, 3): not at risk
+
+
 # ---- real models: the timm stems that crashed under ChannelsLast ----------------------------------------------
 
 

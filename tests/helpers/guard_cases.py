@@ -4,6 +4,7 @@
                                                             # gradients vs float64
     python tests/helpers/guard_cases.py conv3d GUARD                # bf16-autocast Conv3d weight gradients vs fp32
     python tests/helpers/guard_cases.py convtranspose3d GUARD       # the same, ConvTranspose3d
+    python tests/helpers/guard_cases.py conv3d GUARD loop           # guarded by ChannelsLastRun told no dtype
     python tests/helpers/guard_cases.py trainer MODEL GUARD SIZE    # 2 Lightning steps, ChannelsLast vs none: grads
     python tests/helpers/guard_cases.py auto GUARD                  # ChannelsLast(mode="auto") on a stem that crashes
     python tests/helpers/guard_cases.py inprocess_auto              # the in-process timing on the same stem
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -92,7 +94,7 @@ def stem(cin: int, dtype: str, guard: bool, size: int, conv: str = "conv2d", com
     return {"errors": worst, "guarded": [list(r.modules) for r in records], "class": type(model.conv_1x1).__name__}
 
 
-def conv3d(guard: bool, transposed: bool = False) -> dict:
+def conv3d(guard: bool, transposed: bool = False, loop: bool = False) -> dict:
     torch.manual_seed(0)
     # depth 2 under a 3x3x3 kernel: the faulty case; (1, 3, 3) and deep inputs are not.
     model = nn.Sequential(nn.Conv3d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv3d(32, 32, (1, 3, 3), padding=(0, 1, 1)))
@@ -100,7 +102,14 @@ def conv3d(guard: bool, transposed: bool = False) -> dict:
     if transposed:  # a 3-D decoder's layer, its output as shallow as its input
         model, x = nn.Sequential(nn.ConvTranspose3d(64, 64, 3, padding=1)), torch.randn(4, 64, 2, 8, 8)
     want = _grads(model, x, "fp32")  # fp32 oneDNN is correct for these shapes (a float64 check agrees to 1e-7)
-    records = apply_guardrails(model, device="cpu", dtype=torch.bfloat16) if guard else []
+    if loop:  # a loop's door told no dtype (Fabric's bf16-mixed, its own torch.autocast): what does it guard?
+        from cltrain.guardrails import guard_of
+        from cltrain.loops import ChannelsLastRun
+
+        ChannelsLastRun(model, torch.optim.SGD(model.parameters(), lr=0.1), guard=guard, layout="channels_last")
+        records = [SimpleNamespace(modules=[n for n, m in model.named_modules() if guard_of(m)])] if guard else []
+    else:
+        records = apply_guardrails(model, device="cpu", dtype=torch.bfloat16) if guard else []
     worst: dict[str, float] = {}
     for _ in range(3):
         errors = _errors(_grads(model, x, "bf16"), want)
@@ -201,7 +210,7 @@ def main(argv: list[str]) -> None:
     if case == "stem":
         result = stem(int(args[0]), args[1], flag(args[2]), int(args[3]), *args[4:5], compile="compile" in args[5:])
     elif case in ("conv3d", "convtranspose3d"):
-        result = conv3d(flag(args[0]), transposed=case == "convtranspose3d")
+        result = conv3d(flag(args[0]), transposed=case == "convtranspose3d", loop="loop" in args[1:])
     elif case == "trainer":
         result = trainer(args[0], flag(args[1]), int(args[2]))
     elif case == "auto":
