@@ -60,7 +60,7 @@ def unreadable(err: BaseException, path: str | os.PathLike | None = None) -> str
     # file already
     text = _OPENED.sub("", _IN_MEMORY.sub("(bytes)", f"{type(err).__name__}: {err}"))
     if path is not None:
-        text = text.replace(f" {os.fspath(path)!r}", "")
+        text = text.replace(f" {os.fspath(path)!r}", "").replace(f"{os.fspath(path)}: ", "")
     return text.replace("\t", " ").replace("\n", " ")
 
 

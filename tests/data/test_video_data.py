@@ -186,8 +186,9 @@ def test_video_files_are_clips(tmp_path: Path) -> None:
     bars = [int(np.argmax(f[:, :, 0].astype(int).sum(0))) for f in clip]
     assert clip.shape == (4, 24, 32, 3) and target == 0 and bars == sorted(bars) and bars[-1] - bars[0] >= 20
     (folder / "broken.mp4").write_bytes(b"not a video")
-    with pytest.raises(Exception, match=r"broken.mp4: cannot be read as a clip"):
+    with pytest.raises(Exception, match=r"broken.mp4: cannot be read as a clip") as caught:
         ClipFolderDataset(tmp_path / "train", eval_clip_transform(4, 3, size=16, resize_size=None))[0]
+    assert str(caught.value).count("broken.mp4") == 1, caught.value  # read_video's own naming of it left out
 
 
 class _ClipNet(L.LightningModule):
