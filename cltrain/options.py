@@ -155,6 +155,9 @@ def check_module(call: str, model: Any) -> None:
     """``model`` is a ``torch.nn.Module``; a ValueError naming ``call`` otherwise."""
     import torch.nn as nn
 
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        raise ValueError(f"{call}(model=<{type(model).__name__} of {len(model)} modules>): one model: put them in one "
+                         "torch.nn.ModuleDict({'g': ..., 'd': ...}), with their optimizers as a list.")
     if not isinstance(model, nn.Module):
         raise ValueError(f"{call}(model={_shown(model)}): expected the model itself, a torch.nn.Module (not its name, "
                          "class or state_dict).")

@@ -30,6 +30,8 @@ LIBRARY_NOTICES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
     ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud uploads"),  # said where no checkpoint is saved
     ("warning", "`isinstance(treespec, LeafSpec)` is deprecated"),
+    # said at every evaluation under DDP: EveryImageOnce takes that sampler's ranks, not its padded order
+    ("warning", "Using `DistributedSampler` with the dataloaders. During `trainer."),
     # said by every S3 client each process opens (data.root=s3://...: the workers' too)
     ("botocore.credentials", "Found credentials in"),
     ("aiobotocore.credentials", "Found credentials in"),

@@ -83,3 +83,21 @@ def test_quiet_console_sets_lightning_s_own_handler_aside_while_the_root_prints(
     assert own_stream.getvalue().splitlines() == ["before"]
     assert root_stream.getvalue().splitlines() == ["before", "inside", "a real warning"]
     assert logging.getLogger("lightning").handlers == [own]  # restored
+
+
+def test_lightnings_advice_against_evaluating_under_ddp_is_dropped() -> None:
+    # said at a DDP run's trainer.validate() (a max_steps stop, evaluate_only): EveryImageOnce evaluates every image once
+    import warnings
+
+    from lightning.pytorch.utilities import rank_zero_warn
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    from cltrain.app.console import quiet_console
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_console():
+            rank_zero_warn("Using `DistributedSampler` with the dataloaders. During `trainer.validate()`, it is "
+                           "recommended to use `Trainer(devices=1, num_nodes=1)`", category=PossibleUserWarning)
+            warnings.warn("a real warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["a real warning"]

@@ -304,6 +304,9 @@ def test_a_door_given_the_wrong_thing_says_which_argument_in_one_line(caplog) ->
         for bad in ("resnet18", None, nn.Conv2d(3, 4, 1).state_dict()):
             with pytest.raises(ValueError, match=r"\(model=.*\): expected the model itself, a torch.nn.Module"):
                 call(bad)
+        with pytest.raises(ValueError, match=r"\(model=<list of 2 modules>\): one model: put them in one "
+                                             r"torch.nn.ModuleDict\(\{'g': ..., 'd': ...\}\), with their optimizers"):
+            call([nn.Conv2d(3, 4, 1), nn.Conv2d(4, 3, 1)])  # a GAN's generator and discriminator
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     run = ChannelsLastRun(model, torch.optim.AdamW(model.parameters()))
     checkpoint = {"model": model.state_dict(), "cltrain": run.state_dict()}
