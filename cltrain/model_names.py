@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from functools import lru_cache
 from types import ModuleType
 from typing import Any
@@ -36,9 +37,15 @@ class UnknownModelError(LookupError):
 
     def __init__(self, name: str, source: str, close: list[str], lists: list[str]) -> None:
         self.name, self.source, self.close, self.lists = name, source, close, lists
-        where = " or ".join(lists) if lists else "timm (not installed: pip install timm)"
+        libraries = (("torchvision", "pip install 'cltrain[data]'", source != "timm"),
+                     ("timm", "pip install timm", source != "torchvision"))
+        missing = [f"{library} is not installed ({how})" for library, how, wanted in libraries
+                   if wanted and importlib.util.find_spec(library) is None]
+        if not lists:
+            super().__init__(f"{name!r}: no library to build it from: {'; '.join(missing)}")
+            return
         hint = f"closest: {', '.join(close)}" if close else "e.g. resnet50, r3d_18, efficientnet_b0"
-        super().__init__(f"{name!r} is not in {where}; {hint}")
+        super().__init__(f"{name!r} is not in {' or '.join(lists)}; {hint}" + "".join(f"; {m}" for m in missing))
 
 
 def optional_timm() -> ModuleType | None:

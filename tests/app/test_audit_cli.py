@@ -114,3 +114,17 @@ def test_help_exits_0(capsys):
     with pytest.raises(SystemExit) as exit_info:
         audit(["--help"])
     assert exit_info.value.code == 0 and "cltrain-audit resnet50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source", ["torchvision", "auto"])
+def test_a_missing_model_library_is_named_with_its_install(monkeypatch, source):
+    import sys
+
+    from cltrain.model_names import UnknownModelError
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # the plain `pip install cltrain`: torch alone
+    monkeypatch.setitem(sys.modules, "timm", None)
+    said = str(UnknownModelError("resnet50", source, [], []))
+    assert said.startswith("'resnet50': no library to build it from: torchvision is not installed (pip install "
+                           "'cltrain[data]')"), said
+    assert ("timm is not installed (pip install timm)" in said) == (source == "auto") and "e.g. resnet50" not in said
