@@ -85,9 +85,13 @@ class LocalPack:
         """The pack's ``shards.json``; ``FileNotFoundError`` saying how to make one."""
         path = self.root / MANIFEST
         if not path.is_file():
+            if any((self.root / split).is_dir() for split in ("train", "val")) and not any(self.root.rglob("*.tar")):
+                raise FileNotFoundError(f"{path} not found: {self.root} is an image folder, not a pack: pack it with "
+                                        f"`cltrain-pack {self.root} {self.root}-pack` and read that, or read the folder "
+                                        "as it is (ImageFolderDataModule; the app: data=imagenet).")
             raise FileNotFoundError(f"{path} not found: {self.root} is not a complete cltrain pack. Make one with "
-                                    f"`python -m cltrain.data.pack IMAGEFOLDER {self.root}` (run it again to finish an "
-                                    "interrupted one).")
+                                    f"`cltrain-pack IMAGEFOLDER {self.root}` (run it again to finish an interrupted "
+                                    "one).")
         return json.loads(path.read_text())
 
     def indexes(self, shards: Sequence[str]) -> list[np.ndarray]:

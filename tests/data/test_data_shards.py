@@ -282,8 +282,12 @@ def test_app_builds_shards_from_data_shards(folder: Path, tmp_path: Path) -> Non
     pack(folder, tmp_path / "out", shard_size=7, progress=False)
     dm = build_datamodule(compose_config(["data=shards", f"data.root={tmp_path / 'out'}"]))
     assert isinstance(dm, ShardsDataModule) and dm.num_classes == 3 and dm.channels_last
-    with pytest.raises(ConfigError, match="not a complete cltrain pack"):
+    with pytest.raises(ConfigError) as caught:
         build_datamodule(compose_config(["data=shards", f"data.root={folder}"]))  # the folder, not its pack
+    assert f"is an image folder, not a pack: pack it with `cltrain-pack {folder} {folder}-pack`" in str(caught.value)
+    assert "(allowed: a pack cltrain-pack wrote" in str(caught.value) and "ImageNet-layout" not in str(caught.value)
+    with pytest.raises(ConfigError, match="not a complete cltrain pack. Make one with `cltrain-pack IMAGEFOLDER"):
+        build_datamodule(compose_config(["data=shards", f"data.root={tmp_path}"]))  # no pack, no folder
 
 
 @pytest.mark.slow

@@ -67,6 +67,7 @@ class ShardsDataModule(ImageDataModule):
         (10, (32, 3, 224, 224))
     """
 
+    root_hint = "a pack cltrain-pack wrote (its shards.json), or its URL"
     settings = SHARDS
     takes_urls = True
 
