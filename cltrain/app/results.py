@@ -155,7 +155,7 @@ def _final_metrics(cfg: DictConfig, resolved: Resolved, trainer: pl.Trainer, run
     return {
         "status": None,
         "model": cfg.model.name,
-        "channels_last": layout == "channels_last",
+        "channels_last": None if layout is None else layout == "channels_last",  # None: failed before it was decided
         "layout": layout,
         "amp": cfg.amp,
         "precision": resolved.precision,

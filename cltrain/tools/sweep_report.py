@@ -76,8 +76,7 @@ def _completed(run: dict[str, Any]) -> bool:
 
 def label(run: dict[str, Any]) -> str:
     """A short name for a run's layout and precision, e.g. ``channels_last bf16-mixed``."""
-    layout = "channels_last" if run.get("channels_last") else "contiguous"
-    return f"{layout} {run.get('precision', '?')}"
+    return f"{_layout(run)} {run.get('precision', '?')}"
 
 
 def _baseline(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -93,7 +92,7 @@ def _baseline(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, 
     mine = others(run)
     for other in runs:
         theirs = others(other)
-        if not other.get("channels_last") and other.get("precision") == "32-true" and key(other) == key(run) \
+        if other.get("channels_last") is False and other.get("precision") == "32-true" and key(other) == key(run) \
                 and _completed(other) and (mine is None or theirs is None or mine == theirs):
             return other
     return None
@@ -145,8 +144,9 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def _layout(run: dict[str, Any]) -> str:
-    """The run's layout; ``?`` where its record does not say (a job that wrote no metrics.json)."""
-    if "channels_last" not in run:
+    """The run's layout; ``?`` where its record does not say (a job that wrote no metrics.json, a run that failed
+    before its layout was decided)."""
+    if run.get("channels_last") is None:
         return "?"
     return "channels_last" if run["channels_last"] else "contiguous"
 

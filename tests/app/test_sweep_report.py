@@ -65,6 +65,15 @@ def test_runs_that_did_not_complete_are_named_and_a_baseline_differs_only_in_the
                              "Hydra never started, after a failed one, has no directory).")
 
 
+def test_a_run_that_failed_before_its_layout_was_decided_is_no_contiguous_run(tmp_path: Path) -> None:
+    from cltrain.tools.sweep_report import collect
+
+    (tmp_path / "0").mkdir()
+    write_metrics(tmp_path / "0", {**_run(None, "32-true", 30.0, 50.0), "status": "failed"})  # as results.py writes it
+    rows = markdown_table(collect(tmp_path)).splitlines()[2:]
+    assert len(rows) == 1 and " | ? | " in rows[0] and "contiguous" not in rows[0], rows
+
+
 def test_no_baseline_gives_no_speedup() -> None:
     table = markdown_table([{**_run(True, "bf16-mixed", 20.0, 40.0), "run": "0"}])
     assert table.rstrip().endswith("| - |")

@@ -278,6 +278,7 @@ def test_a_data_error_found_at_setup_leaves_no_checkpoint_and_the_retry_may_use_
         tiny(data, tmp_path / "eval", "evaluate_only=true", f"ckpt_path={again['last_checkpoint']}")
     failed = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert failed["status"] == "failed" and failed["layout"] is None  # "auto": not decided before the failure
+    assert failed["channels_last"] is None  # nor contiguous (a sweep report said so)
 
 
 def test_early_stopping_with_a_max_steps_stop_in_the_middle_of_an_epoch(demo_root: Path, tmp_path: Path) -> None:
