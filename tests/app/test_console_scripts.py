@@ -56,3 +56,11 @@ def test_the_usage_names_the_command_that_ran(tmp_path, script, module) -> None:
         f"usage: {script} ")
     module_run = warm.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
     assert module_run.stdout.startswith(f"usage: python -m {module} ")
+
+
+def test_python_m_of_each_console_script_runs_it(tmp_path) -> None:
+    # `python -m cltrain.tools.train ...` imported the module, trained nothing and exited 0
+    for module, args, expected in [("cltrain.tools.train", ["model=resnet5"], "did you mean model=resnet50"),
+                                   ("cltrain.tools.audit", ["resnet5"], "closest: resnet50")]:
+        done = warm.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 2 and expected in done.stderr, (module, done.returncode, done.stderr[-2000:])
