@@ -51,7 +51,6 @@ from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.compare import LayoutCheck
 from cltrain.check.plain_step import check_plain_step
 from cltrain.check.resume import run_fingerprint
-from cltrain.guardrails import arm_autocast_guards
 from cltrain.host import Host, shown
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
@@ -152,10 +151,9 @@ class ChannelsLastRun(SessionResults):
                                      check_samples=check_samples, host=host)
         self.session.fingerprint = lambda: run_fingerprint(
             model, precision=str(dtype), device=str(self.session.device.type), code=[step])
+        self.session.autocast_unseen = True  # a loop's own autocast, or Fabric's
         self.session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                            owner=f"ChannelsLastRun(mode={mode!r})")
-        if guard and dtype is None:  # an autocast it cannot see
-            arm_autocast_guards(model, device=self.session.device)
         self._resumed = False
         self.session.watch_optimizers = True  # a step is the batches up to the loop's optimizer step
 
@@ -287,10 +285,9 @@ def convert_model(
     check_dtype("convert_model", "dtype", dtype)
     check_device("convert_model", device)
     session = LayoutSession(mode, layout="channels_last", guard=guard, host=Host(_say))
+    session.autocast_unseen = True  # a loop's own autocast, or Fabric's
     session.start(model, device=device, dtype=dtype, sharding=_engine(model, sharded),
                   owner=f"convert_model(mode={mode!r})")
-    if guard and dtype is None:  # an autocast it cannot see
-        arm_autocast_guards(model, device=session.device)
     session.close()  # nothing of the run is held: the hand-wired loop calls each step itself
     return model
 

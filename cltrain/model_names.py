@@ -39,8 +39,9 @@ class UnknownModelError(LookupError):
         self.name, self.source, self.close, self.lists = name, source, close, lists
         libraries = (("torchvision", "pip install 'cltrain[data]'", source != "timm"),
                      ("timm", "pip install timm", source != "torchvision"))
-        missing = [f"{library} is not installed ({how})" for library, how, wanted in libraries
-                   if wanted and importlib.util.find_spec(library) is None]
+        missing = [f"{library} is not installed ({how})" if importlib.util.find_spec(library) is None else
+                   f"{library} is installed but does not import (python -c 'import {library}' says why)"
+                   for library, how, wanted in libraries if wanted and not any(n.startswith(library) for n in lists)]
         if not lists:
             super().__init__(f"{name!r}: no library to build it from: {'; '.join(missing)}")
             return

@@ -155,9 +155,14 @@ def check_module(call: str, model: Any) -> None:
     """``model`` is a ``torch.nn.Module``; a ValueError naming ``call`` otherwise."""
     import torch.nn as nn
 
-    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
-        raise ValueError(f"{call}(model=<{type(model).__name__} of {len(model)} modules>): one model: put them in one "
-                         "torch.nn.ModuleDict({'g': ..., 'd': ...}), with their optimizers as a list.")
+    several = list(model.values()) if isinstance(model, dict) else model if isinstance(model, (list, tuple)) else []
+    if several and all(isinstance(m, nn.Module) for m in several):
+        shown = f"<{type(model).__name__} of {len(several)} module{'s' if len(several) > 1 else ''}>"
+        if len(several) == 1:
+            raise ValueError(f"{call}(model={shown}): pass the module itself (a trailing comma made a tuple?).")
+        fix = ", with their optimizers as a list" if call == "ChannelsLastRun" else f", or call {call} on each"
+        raise ValueError(f"{call}(model={shown}): one model: put them in one torch.nn.ModuleDict({{'g': ..., "
+                         f"'d': ...}}){fix}.")
     if not isinstance(model, nn.Module):
         raise ValueError(f"{call}(model={_shown(model)}): expected the model itself, a torch.nn.Module (not its name, "
                          "class or state_dict).")

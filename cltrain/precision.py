@@ -130,7 +130,7 @@ def say_bf16_emulated(say: Callable[[str], Any], asked: str, fix: str) -> bool:
     native, reason = cpu_bf16_support()
     if not native and not _EMULATED_SAID:
         _EMULATED_SAID.append(asked)
-        say(f"{asked} on a CPU without native bf16 ({reason}): bf16 autocast runs, but emulated; "
+        say(f"{asked} on a CPU without native bf16 ({reason}): bf16 runs, but emulated; "
             f"{CPU_BF16_EMULATED_SLOWDOWN}. {fix}")
     return not native
 

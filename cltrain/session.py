@@ -58,7 +58,7 @@ from cltrain.check.result import LayoutCheck, describe_fallbacks
 from cltrain.check.resume import restored_check, saved_check
 from cltrain.ddp import blocker, rebuild_buckets, wrappers
 from cltrain.devices import device_of
-from cltrain.guardrails import GuardRecord, apply_guardrails, find_hazards, hazards_over_ranks
+from cltrain.guardrails import GuardRecord, apply_guardrails, arm_autocast_guards, find_hazards, hazards_over_ranks
 from cltrain.host import Host
 from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last, \
     to_contiguous
@@ -191,6 +191,9 @@ class LayoutSession:
         self.layout: str | None = None
         self.sharding: str | None = None
         self.guardrails: list[GuardRecord] | None = None
+        #: the door cannot see the step's autocast, and was told no dtype (a loop: Fabric's ``bf16-mixed``, its own
+        #: ``torch.autocast``): the guardrails for bf16 autocast alone are applied too
+        self.autocast_unseen = False
         self.fallbacks: list[Fallback] = []
         self.layout_checks: dict[str, LayoutCheck] = {}
         self.summary: dict[str, int] | None = None
@@ -336,7 +339,10 @@ class LayoutSession:
                 found = hazards_over_ranks(model, found, self.host.sum)
             self._hazards[key] = found
         # After every conversion: converting again would undo a guarded weight's layout.
-        return apply_guardrails(model, device=self.device, dtype=self.dtype, hazards=self._hazards[key])
+        records = apply_guardrails(model, device=self.device, dtype=self.dtype, hazards=self._hazards[key])
+        if self.autocast_unseen and self.dtype is None:  # their hooks act only under bf16 autocast: inert in fp32
+            records += arm_autocast_guards(model, device=self.device)
+        return records
 
     @_outside_inference
     def convert_copies(self, copies: Iterable[nn.Module]) -> None:

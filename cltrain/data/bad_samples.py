@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cltrain.data.errors import BadImageError, EmptyImageError, SampleFault
+from cltrain.data.errors import BadImageError, EmptyImageError, LabelFault, SampleFault
 from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
@@ -59,8 +59,9 @@ def unreadable(err: BaseException, path: str | os.PathLike | None = None) -> str
     # Pillow names a BytesIO by its address, and a file by the object that read it or by its path: the line names the
     # file already
     text = _OPENED.sub("", _IN_MEMORY.sub("(bytes)", f"{type(err).__name__}: {err}"))
-    if path is not None:
-        text = text.replace(f" {os.fspath(path)!r}", "").replace(f"{os.fspath(path)}: ", "")
+    if path is not None:  # "No such file or directory: '<path>'", "cannot identify image file '<path>'", "<path>: ..."
+        named = os.fspath(path)
+        text = text.replace(f": {named!r}", "").replace(f" {named!r}", "").replace(f"{named}: ", "")
     return text.replace("\t", " ").replace("\n", " ")
 
 
@@ -100,9 +101,13 @@ class SkipsBadSamples:
         (without the check it fails the loss, or a device-side assert, naming no sample)."""
         n = self.num_classes
         if n is not None and not 0 <= label < n:
-            raise SampleFault(f"label {label} is no class of num_classes={n}: set num_classes to the number of "
-                              "classes, or mend the label")
+            raise LabelFault(f"label {label} is no class of num_classes={n}")
         return label
+
+    def label_message(self, name: str, reason: str) -> str:
+        """The one line of ``BadImageError`` for sample ``name`` whose label is no class (``class_index``)."""
+        return (f"{self.source_name} {name}: {reason}. Set num_classes to the number of classes, or mend the label "
+                f"(bad_files='skip' leaves such {self.what}s out).")
 
     def __len__(self) -> int:  # pragma: no cover - the Dataset's
         raise NotImplementedError

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BadImageError", "DataError", "EmptyImageError", "SampleFault", "StorageError", "error_line"]
+__all__ = ["BadImageError", "DataError", "EmptyImageError", "LabelFault", "SampleFault", "StorageError", "error_line"]
 
 
 class DataError(ValueError):
@@ -34,6 +34,10 @@ class BadImageError(DataError, RuntimeError):
 class SampleFault(ValueError):
     """What is wrong with one sample, in words that read the same in every source (its reason, without a type's
     name)."""
+
+
+class LabelFault(SampleFault):
+    """A sample whose label is no class of the data (its image is not at fault)."""
 
 
 class EmptyImageError(SampleFault):

@@ -22,7 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
-from cltrain.data.errors import BadImageError, EmptyImageError, StorageError
+from cltrain.data.errors import BadImageError, EmptyImageError, LabelFault, StorageError
 from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
@@ -106,4 +106,6 @@ class ImageSamples(SkipsBadSamples, Dataset):
             raise
         except Exception as err:  # any failure of reading, decoding or converting this one sample
             reason = unreadable(err, src if isinstance(src, (str, os.PathLike)) else None)
+            if isinstance(err, LabelFault):
+                raise BadImageError(self.label_message(self.sample_name(index), reason), reason) from err
             raise BadImageError(self.unreadable_message(index, reason), reason) from err

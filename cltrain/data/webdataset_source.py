@@ -26,7 +26,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from cltrain.data.bad_samples import NamedSplit, SkipsBadSamples, unreadable
-from cltrain.data.errors import BadImageError, DataError, StorageError
+from cltrain.data.errors import BadImageError, DataError, LabelFault, StorageError
 from cltrain.data.remote import is_url, open_fs, redact, remote_error
 from cltrain.data.resume_state import SeededIndex
 from cltrain.data.shard_cache import ShardCache
@@ -122,6 +122,9 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
             raise
         except Exception as err:  # any failure of this one sample
             reason = unreadable(err)
+            if isinstance(err, LabelFault):
+                raise BadImageError(self.label_message(f"{shard} sample {place} ({sample.get('__key__')})", reason),
+                                    reason) from err
             raise BadImageError(f"{self.source_name} {shard} sample {place} ({sample.get('__key__')}): cannot be read "
                                 f"as an image ({reason}). Pass bad_files='skip' to leave such samples out, or write the "
                                 "shard again.", reason) from err

@@ -128,3 +128,17 @@ def test_a_missing_model_library_is_named_with_its_install(monkeypatch, source):
     assert said.startswith("'resnet50': no library to build it from: torchvision is not installed (pip install "
                            "'cltrain[data]')"), said
     assert ("timm is not installed (pip install timm)" in said) == (source == "auto") and "e.g. resnet50" not in said
+
+
+def test_a_model_library_that_does_not_import_is_named(monkeypatch, tmp_path):
+    import sys
+
+    from cltrain.model_names import UnknownModelError
+
+    (tmp_path / "timm").mkdir()
+    (tmp_path / "timm" / "__init__.py").write_text("raise ImportError('built for another torch')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "timm", raising=False)
+    said = str(UnknownModelError("vit_tiny_patch16_224", "timm", [], []))
+    assert said == ("'vit_tiny_patch16_224': no library to build it from: timm is installed but does not import "
+                    "(python -c 'import timm' says why)"), said

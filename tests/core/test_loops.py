@@ -305,8 +305,11 @@ def test_a_door_given_the_wrong_thing_says_which_argument_in_one_line(caplog) ->
             with pytest.raises(ValueError, match=r"\(model=.*\): expected the model itself, a torch.nn.Module"):
                 call(bad)
         with pytest.raises(ValueError, match=r"\(model=<list of 2 modules>\): one model: put them in one "
-                                             r"torch.nn.ModuleDict\(\{'g': ..., 'd': ...\}\), with their optimizers"):
+                                             r"torch.nn.ModuleDict\(\{'g': ..., 'd': ...\}\)(, with their optimizers|"
+                                             r", or call)"):
             call([nn.Conv2d(3, 4, 1), nn.Conv2d(4, 3, 1)])  # a GAN's generator and discriminator
+        with pytest.raises(ValueError, match=r"\(model=<tuple of 1 module>\): pass the module itself"):
+            call((nn.Conv2d(3, 4, 1),))  # model = build(),
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     run = ChannelsLastRun(model, torch.optim.AdamW(model.parameters()))
     checkpoint = {"model": model.state_dict(), "cltrain": run.state_dict()}

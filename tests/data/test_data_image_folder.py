@@ -375,3 +375,17 @@ def test_the_skip_warning_names_a_sample_once(caplog):
         rows.skip("/data/train/c0/a.jpg", "empty file (0 bytes)")
     assert [r.getMessage() for r in caplog.records] == ["skipping unreadable item 15 (empty file (0 bytes))",
                                                         "skipping unreadable item /data/train/c0/a.jpg (empty file (0 bytes))"]
+
+
+def test_a_reason_leaves_out_the_path_the_line_names_and_reads_whole() -> None:
+    from PIL import UnidentifiedImageError
+
+    from cltrain.data.bad_samples import unreadable
+
+    path = "/data/train/cat/a b.jpg"  # gone since the index was made
+    assert unreadable(FileNotFoundError(2, "No such file or directory", path), path) == \
+        "FileNotFoundError: [Errno 2] No such file or directory"  # not "...directory:" (a dangling colon)
+    assert unreadable(UnidentifiedImageError(f"cannot identify image file {path!r}"), path) == \
+        "UnidentifiedImageError: cannot identify image file"
+    assert unreadable(ValueError(f"{path}: OpenCV cannot open it as a video."), path) == \
+        "ValueError: OpenCV cannot open it as a video."

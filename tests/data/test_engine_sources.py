@@ -278,8 +278,8 @@ def test_a_label_of_no_class_is_a_bad_sample_named_by_its_key(folder, tmp_path):
     settings = {**KW, "num_workers": 0, "batch_size": 2, "shuffle_buffer": None}
     raising = WebDatasetModule(str(root), num_classes=3, **settings)
     raising.setup("fit")
-    with pytest.raises(BadImageError, match=r"sample 3 \(s003\): cannot be read as an image \(label 3 is no class of "
-                                            r"num_classes=3: set num_classes to the number of classes"):
+    with pytest.raises(BadImageError, match=r"sample 3 \(s003\): label 3 is no class of num_classes=3\. Set "
+                                            r"num_classes to the number of classes, or mend the label \(bad_files"):
         list(raising.train_dataloader())
     skipping = WebDatasetModule(str(root), num_classes=3, bad_files="skip", **settings)
     skipping.setup("fit")

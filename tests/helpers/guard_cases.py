@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -106,8 +105,10 @@ def conv3d(guard: bool, transposed: bool = False, loop: bool = False) -> dict:
         from cltrain.guardrails import guard_of
         from cltrain.loops import ChannelsLastRun
 
-        ChannelsLastRun(model, torch.optim.SGD(model.parameters(), lr=0.1), guard=guard, layout="channels_last")
-        records = [SimpleNamespace(modules=[n for n, m in model.named_modules() if guard_of(m)])] if guard else []
+        run = ChannelsLastRun(model, torch.optim.SGD(model.parameters(), lr=0.1), guard=guard, layout="channels_last")
+        records = run.guardrails or []  # recorded as the guards told a dtype are
+        assert [list(r.modules) for r in records] == ([[n for n, m in model.named_modules() if guard_of(m)]]
+                                                      if guard else []), records
     else:
         records = apply_guardrails(model, device="cpu", dtype=torch.bfloat16) if guard else []
     worst: dict[str, float] = {}
