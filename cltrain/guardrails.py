@@ -25,9 +25,9 @@ The NCHW-weight fallback for ``Conv2d`` subclasses is undone by converting the m
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -151,7 +151,7 @@ def _register_once(module: nn.Module, kind: str, hook: Callable) -> None:
 # ---- the table -----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KnownFault:
     """One known-bad kernel: where it is, what triggers it, and what avoids it.
 
@@ -248,7 +248,7 @@ KNOWN_FAULTS: tuple[KnownFault, ...] = (
 # ---- finding and fixing --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GuardRecord:
     """What ``apply_guardrails`` did for one fault.
 
@@ -397,8 +397,9 @@ def arm_autocast_guards(model: nn.Module, *, device: torch.device | str | None =
     """The workarounds that act only under bf16 autocast, applied whatever the loop's dtype: their hooks look at the
     autocast state of each call, so a float32 step never reaches them. For a loop whose autocast cannot be seen
     (Fabric's ``bf16-mixed``, the loop's own ``torch.autocast``) and was not named."""
-    return apply_guardrails(model, device=device, dtype=torch.bfloat16,
-                            faults=tuple(f for f in KNOWN_FAULTS if f.fix is _guard_fp32))
+    records = apply_guardrails(model, device=device, dtype=torch.bfloat16,
+                               faults=tuple(f for f in KNOWN_FAULTS if f.fix is _guard_fp32))
+    return [dataclasses.replace(r, action=f"armed for a bf16 autocast not named: {r.action}") for r in records]
 
 
 def guard_of(module: nn.Module) -> KnownFault | None:
