@@ -124,15 +124,15 @@ CPU_BF16_EMULATED_SLOWDOWN = "ResNet-50 trained 14.5x slower than in fp32 (0.8 v
 _EMULATED_SAID: list[str] = []  # the line below, once per process: the app's and every door's
 
 
-def say_bf16_emulated(say: Callable[[str], Any], asked: str, fix: str) -> bool:
+def say_bf16_emulated(say: Callable[[str], Any], asked: str, fix: str) -> str:
     """Where bf16 autocast on this CPU is emulated (``cpu_bf16_support``), ``say`` it once per process: ``asked``
-    (what asked for bf16), the reason, the cost and ``fix``. Whether bf16 is emulated here."""
+    (what asked for bf16), the reason, the cost and ``fix``. Returns ``cpu_bf16_support``'s reason."""
     native, reason = cpu_bf16_support()
     if not native and not _EMULATED_SAID:
         _EMULATED_SAID.append(asked)
         say(f"{asked} on a CPU without native bf16 ({reason}): bf16 runs, but emulated; "
             f"{CPU_BF16_EMULATED_SLOWDOWN}. {fix}")
-    return not native
+    return reason
 
 
 def auto_precision(device: torch.device) -> PrecisionChoice:

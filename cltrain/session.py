@@ -670,12 +670,14 @@ class LayoutSession:
             return f"ChannelsLast: the checkpoint's race decision holds here {where}: {name}{timed} ({pin})."
         seconds = decision.seconds
         nchw_ahead = len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"]
+        hedged = len(seconds) == 2 and decision.how != "tie" and decision.layout == "channels_last" and (
+            nchw_ahead or decision.how == "noisy")
         if len(seconds) < 2:  # "untimed"
             head = (f"the layouts were not timed apart here {where} in {self.race.max_rounds} rounds (steps of other "
                     "batch sizes, or evaluations, in each): kept channels_last")
         elif decision.how == "tie":
             head = f"channels_last and NCHW within {100 * self.race.margin:.0f}% here {where}: kept channels_last"
-        elif decision.layout == "channels_last" and (nchw_ahead or decision.how == "noisy"):  # a lead not beyond doubt
+        elif hedged:  # a lead not beyond doubt
             head = (f"{'NCHW' if nchw_ahead else 'channels_last'} {decision.ratio:.2f}x faster by the medians here "
                     f"{where}, too noisy to tell: kept channels_last")
         elif decision.layout == "channels_last":
@@ -683,7 +685,7 @@ class LayoutSession:
         else:
             head = f"NCHW {decision.ratio:.2f}x faster here {where}: switched, the model and its optimizer state " \
                    "moved once"
-        noisy = "; the steps' times were noisy" if decision.how == "noisy" and "too noisy" not in head else ""
+        noisy = "; the steps' times were noisy" if decision.how == "noisy" and not hedged else ""
         return f"ChannelsLast: {head}{noisy} (timed {timed}{cost}; {pin})."
 
     # ---- the first-batch check -------------------------------------------------------------------------------------

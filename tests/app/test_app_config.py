@@ -115,7 +115,6 @@ def _native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
 
     support = (native, "natively (test)" if native else "no native bf16 (test)")
     monkeypatch.setattr(cltrain.precision, "cpu_bf16_support", lambda: support)
-    monkeypatch.setattr(app_config, "cpu_bf16_support", lambda: support)
 
 
 def test_cpu_amp_auto_is_bf16_only_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch) -> None:

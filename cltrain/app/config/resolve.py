@@ -35,7 +35,6 @@ from cltrain.app.config.errors import ConfigError, show
 from cltrain.app.config.paths import check_checkpoint, check_paths
 from cltrain.app.config.rules import AMP_DTYPE_FLAGS
 from cltrain.devices import DeviceError, check_device_name, resolve_device
-from cltrain.platform import cpu_bf16_support
 from cltrain.precision import auto_precision, say_bf16_emulated
 
 __all__ = ["Resolved", "check_meanings", "check_model_name", "resolve_accelerator", "resolve_precision", "validate"]
@@ -93,9 +92,9 @@ def resolve_precision(amp: Any, accelerator: str, index: int | None = None) -> t
         choice = auto_precision(device)
         return choice.flag, f"amp=auto: {choice.reason}"
     if accelerator == "cpu":  # amp=true or bf16
-        say_bf16_emulated(lambda line: warnings.warn(line, stacklevel=5), f"amp={show(amp)}",
-                          "amp=auto or amp=false trains in fp32")
-        return "bf16-mixed", f"amp={show(amp)}: bf16 autocast ({cpu_bf16_support()[1]})"
+        reason = say_bf16_emulated(lambda line: warnings.warn(line, stacklevel=5), f"amp={show(amp)}",
+                                   "amp=auto or amp=false trains in fp32")
+        return "bf16-mixed", f"amp={show(amp)}: bf16 autocast ({reason})"
     if amp is True:  # on CUDA: the dtype amp=auto picks
         choice = auto_precision(device)
         return choice.flag, f"amp=true: {choice.reason}"
