@@ -21,7 +21,7 @@ group               fields                                                      
 ``BadFilePolicy``   bad_files                                                           every DataModule
 ==================  ==================================================================  =================
 
-and each source's own group (``cltrain.data.source_settings``: ``FolderChecks``, ``PackReading``,
+and each source's own group (``cltrain.data.source_settings``: ``FolderChecks``, ``ExcludeList``, ``PackReading``,
 ``ShardCache``, ``HFSource``, ``Splits``, ``LitDataSource``, ``MDSColumns``, ``StreamOrder``,
 ``ClipSampling``). ``cltrain.data.datamodules.arguments`` makes a DataModule's signature of its groups. Clips have their
 own defaults (``ClipLoading``: 8 clips a batch; ``ClipCrop``: 112 px; ``ClipPixels``: Kinetics'
@@ -53,13 +53,13 @@ import torch
 
 from cltrain.data.augment_group import Augmentation, RandomCrop
 from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD, KINETICS_MEAN, KINETICS_STD
-from cltrain.data.source_settings import (ClipSampling, FolderChecks, HFSource, LitDataSource, MDSColumns,
+from cltrain.data.source_settings import (ClipSampling, ExcludeList, FolderChecks, HFSource, LitDataSource, MDSColumns,
                                           PackReading, ShardCache, Splits, StreamLength, StreamOrder, _fail)
 
 __all__ = [
     "CLIPS", "DATAMODULE_SETTINGS", "HF", "IMAGES", "IMAGE_FOLDER", "LITDATA", "MDS", "SHARDS", "WEBDATASET",
     "Augmentation", "BadFilePolicy", "ClipCrop", "ClipLoading", "ClipPixels", "ClipSampling", "Crop", "Decoding",
-    "FolderChecks", "HFDecoding", "HFSource", "LitDataSource", "Loading", "MDSColumns", "PackReading", "Pixels", "RandomCrop",
+    "ExcludeList", "FolderChecks", "HFDecoding", "HFSource", "LitDataSource", "Loading", "MDSColumns", "PackReading", "Pixels", "RandomCrop",
     "ShardCache", "Splits", "StreamLength", "StreamOrder",
 ]
 
@@ -257,13 +257,13 @@ class HFDecoding(Decoding):
 
 # --- what each DataModule is made of ---------------------------------------------------------------
 IMAGES = (Loading, Crop, Pixels, Decoding, Augmentation, BadFilePolicy)
-IMAGE_FOLDER = (*IMAGES, FolderChecks)
+IMAGE_FOLDER = (*IMAGES, FolderChecks, ExcludeList)
 SHARDS = (*IMAGES, PackReading, ShardCache)
 HF = (Loading, Crop, Pixels, HFDecoding, Augmentation, BadFilePolicy, HFSource)
 LITDATA = (*IMAGES, Splits, LitDataSource)
 MDS = (*IMAGES, Splits, MDSColumns, ShardCache)
 WEBDATASET = (*IMAGES, Splits, StreamOrder, StreamLength, ShardCache)
-CLIPS = (ClipLoading, ClipCrop, ClipPixels, ClipSampling, RandomCrop, BadFilePolicy)
+CLIPS = (ClipLoading, ClipCrop, ClipPixels, ClipSampling, RandomCrop, BadFilePolicy, ExcludeList)
 
 #: Every DataModule's class path -> its settings groups, in the order of its arguments.
 DATAMODULE_SETTINGS: dict[str, tuple[type, ...]] = {

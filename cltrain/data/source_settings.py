@@ -1,8 +1,8 @@
 """Each source's own settings group: what a DataModule adds to the shared groups of ``cltrain.data.settings``.
 
-``FolderChecks`` (``ImageFolderDataModule``), ``PackReading`` and ``ShardCache`` (``ShardsDataModule``;
-the cache also MDS and WebDataset), ``HFSource`` (``HFImageDataModule``), ``Splits`` with
-``LitDataSource``, ``MDSColumns`` or ``StreamOrder`` (the other engines' datasets), ``ClipSampling``
+``FolderChecks`` (``ImageFolderDataModule``), ``ExcludeList`` (it and ``ClipFolderDataModule``), ``PackReading``
+and ``ShardCache`` (``ShardsDataModule``; the cache also MDS and WebDataset), ``HFSource`` (``HFImageDataModule``),
+``Splits`` with ``LitDataSource``, ``MDSColumns`` or ``StreamOrder`` (the other engines' datasets), ``ClipSampling``
 (``ClipFolderDataModule``). Each is a frozen dataclass whose fields are keyword arguments of its
 DataModule and ``data.*`` keys of the app, checked when it is made.
 """
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from cltrain.data.constants import CHECK_MODES
 
-__all__ = ["ClipSampling", "FolderChecks", "HFSource", "LitDataSource", "MDSColumns", "PackReading", "ShardCache",
+__all__ = ["ClipSampling", "ExcludeList", "FolderChecks", "HFSource", "LitDataSource", "MDSColumns", "PackReading", "ShardCache",
            "Splits", "StreamOrder"]
 
 
@@ -30,8 +30,6 @@ class FolderChecks:
     Args:
         allow_missing_val_classes: accept training classes with no folder in ``val/`` (by default
             that is an error naming them).
-        exclude_files: a list of files to leave out from the start: the output of
-            ``python -m cltrain.data.check ROOT``, or a ``skipped_files.tsv``.
         check_val: check the validation files in ``setup``, before training or an evaluation starts: ``"quick"``
             (headers and JPEG end markers), ``"full"`` (decode every file, with ``decoder``) or
             ``"off"`` (see ``cltrain.data.check``). Bad files stop the run (``bad_files="raise"``)
@@ -44,13 +42,26 @@ class FolderChecks:
     key: ClassVar[str] = "checks"
 
     allow_missing_val_classes: bool = False
-    exclude_files: str | os.PathLike | None = None
     check_val: str = "quick"
     index_cache: bool | str | os.PathLike = True
 
     def __post_init__(self) -> None:
         if self.check_val not in CHECK_MODES:
             _fail(self, f"check_val={self.check_val!r} must be one of {CHECK_MODES}.")
+
+
+@dataclass(frozen=True)
+class ExcludeList:
+    """Files left out from the start (``ImageFolderDataModule``, ``ClipFolderDataModule``).
+
+    Args:
+        exclude_files: a list of files to leave out: the output of ``python -m cltrain.data.check ROOT``, or a
+            ``skipped_files.tsv``; a clip is left out when its folder, its video file or any of its frames is listed.
+    """
+
+    key: ClassVar[str] = "exclusions"
+
+    exclude_files: str | os.PathLike | None = None
 
 
 @dataclass(frozen=True)

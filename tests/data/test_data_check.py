@@ -108,7 +108,7 @@ def test_a_list_written_from_a_relative_root_serves_a_run_started_elsewhere_and_
     with caplog.at_level(logging.INFO):
         dm.setup("fit")
     assert dm.train_set.excluded == 1 and dm.val_set.excluded == 1
-    assert f"left out 2 of the 2 file(s) listed in {tmp_path / 'bad.tsv'} (train 1, val 1)" in caplog.text
+    assert f"left out 2 images of the 2 file(s) listed in {tmp_path / 'bad.tsv'} (train 1, val 1)" in caplog.text
     # a list of relative paths from elsewhere (written by hand, or by an older check): said, not silently ignored
     relative = tmp_path / "relative.tsv"
     relative.write_text("train\tdata/train/c0/truncated.jpg\tcut\n")
@@ -128,7 +128,7 @@ def test_a_dangling_link_in_the_list_counts_once_in_what_the_run_says_it_left_ou
     assert main([str(root), "--quick", "--no-progress", "--workers", "0", "--out", str(listed)]) == 1
     with caplog.at_level(logging.INFO):
         ImageFolderDataModule(root, num_workers=0, exclude_files=listed).setup("fit")
-    assert f"left out 3 of the 3 file(s) listed in {listed} (train 2, val 1)" in caplog.text
+    assert f"left out 3 images of the 3 file(s) listed in {listed} (train 2, val 1)" in caplog.text
 
 
 # --- the full check decodes as the loader with its decoder ------------------------------------------

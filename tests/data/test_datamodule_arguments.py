@@ -49,13 +49,14 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     Image.open(rotated).save(rotated, exif=exif, quality=85)
     bad = Path(shutil.copytree(images, tmp / "bad"))
     (bad / "val" / "c0" / "0_bad.jpg").write_text("not an image\n")
-    (tmp / "bad.tsv").write_text(f"{bad / 'val' / 'c0' / '0_bad.jpg'}\n")
     missing = Path(shutil.copytree(images, tmp / "missing"))
     write_jpegs(missing / "train" / "c2", 4, (64, 48), k=2)
     clips = make_demo_videos(tmp / "clips", num_classes=2, train_per_class=2, val_per_class=2, num_frames=6, frame_size=24)
     bad_clips = Path(shutil.copytree(clips, tmp / "bad_clips"))
-    for frame in sorted((bad_clips / "val").glob("*/*/"))[0].iterdir():  # the first validation clip: unreadable
+    bad_clip = sorted((bad_clips / "val").glob("*/*/"))[0]
+    for frame in bad_clip.iterdir():  # the first validation clip: unreadable
         frame.write_text("not an image\n")
+    (tmp / "bad.tsv").write_text(f"{bad / 'val' / 'c0' / '0_bad.jpg'}\n{bad_clip}\n")
     return dict(images=images, bad=bad, bad_list=tmp / "bad.tsv", missing=missing, index_cache=tmp / "index",
                 shards=pack(images, tmp / "pack", shard_size=3, progress=False).parent, clips=clips, bad_clips=bad_clips,
                 bad_shards=pack(bad, tmp / "bad_pack", shard_size=3, progress=False, check="off").parent,

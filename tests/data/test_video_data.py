@@ -232,3 +232,29 @@ def test_a_setup_called_before_the_trainers_lists_the_skipped_clips(tmp_path: Pa
     lines = (tmp_path / "run" / SKIPPED_FILES_NAME).read_text().splitlines()
     assert sorted(line.split("\t")[0] + " " + line.split("\t")[1].rsplit("/", 1)[1] for line in lines) == [
         "train bad", "val bad"]
+    # the list the run wrote (clip folders) leaves the bad clips out of the next run from the start
+    again = ClipFolderDataModule(tmp_path / "clips", batch_size=5, num_workers=0, num_frames=2, image_size=16,
+                                 val_resize_size=16, exclude_files=tmp_path / "run" / SKIPPED_FILES_NAME)
+    again.setup("fit")
+    assert (again.train_set.excluded, again.val_set.excluded, len(again.train_set)) == (1, 1, 4)
+
+
+def test_the_checks_list_of_bad_frames_leaves_their_clips_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from cltrain.data.check import main
+
+    for split, n in (("train", 3), ("val", 1)):
+        for k in range(n):
+            _frames(tmp_path / "clips" / split / "a" / f"clip{k}", 3)
+    (tmp_path / "clips" / "train" / "a" / "clip1" / "2.jpg").write_text("not an image")
+    listed = tmp_path / "bad.tsv"
+    assert main([str(tmp_path / "clips"), "--no-progress", "--workers", "0", "--out", str(listed)]) == 1
+    dm = ClipFolderDataModule(tmp_path / "clips", batch_size=2, num_workers=0, num_frames=2, image_size=16,
+                              val_resize_size=16, exclude_files=listed)
+    with caplog.at_level("INFO"):
+        dm.setup("fit")
+    assert [os.path.basename(s[0]) for s in dm.train_set.samples] == ["clip0", "clip2"] and dm.val_set.excluded == 0
+    assert f"left out 1 clips of the 1 file(s) listed in {listed} (train 1, val 0)" in caplog.text
+    listed.write_text(f"train\t{tmp_path / 'clips' / 'val' / 'a' / 'clip0'}\tbad\n")
+    with pytest.raises(ValueError, match=r"val: all 1 clips are in the exclude list"):
+        ClipFolderDataModule(tmp_path / "clips", batch_size=2, num_workers=0, num_frames=2, image_size=16,
+                             exclude_files=listed).setup("validate")

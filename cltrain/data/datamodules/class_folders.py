@@ -2,12 +2,17 @@
 
 ``ImageFolderDataModule`` (images) and ``ClipFolderDataModule`` (clips) read ``root/train/<class>/...``
 and ``root/val/<class>/...``; each holds a ``ClassFolders`` (``dm.folders``) for the split folders, the
-class names of ``root/train`` (label order), and the one-line error for a missing root.
+class names of ``root/train`` (label order), the one-line error for a missing root, and the line saying what
+``exclude_files`` left out.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from cltrain.data.image_folder_dataset import find_classes
 
@@ -44,3 +49,17 @@ class ClassFolders:
         if self._classes is None:
             self._classes = find_classes(self.split("train"))
         return self._classes
+
+    def tell_excluded(self, exclude_files: Path, listed: int, sets: dict[str, Any], what: str) -> None:
+        """How many ``what`` (``"images"``, ``"clips"``) of each split in ``sets`` (name -> dataset with ``excluded``)
+        the ``listed`` file(s) of ``exclude_files`` left out; a warning where none of them is under the root."""
+        sets = {name: s for name, s in sets.items() if s is not None}
+        left = sum(s.excluded for s in sets.values())
+        split = ", ".join(f"{name} {s.excluded}" for name, s in sets.items())
+        if left:
+            rank_zero_info(f"{self.owner}: left out {left} {what} of the {listed} file(s) listed in {exclude_files} "
+                           f"({split}).")
+        else:
+            rank_zero_warn(f"{self.owner}: none of the {listed} file(s) listed in {exclude_files} is under "
+                           f"{self.root} (a relative path in the list is read from the working directory, "
+                           f"{os.getcwd()}); write the list again with 'python -m cltrain.data.check {self.root}'.")

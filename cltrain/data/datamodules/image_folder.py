@@ -49,8 +49,8 @@ class ImageFolderDataModule(ImageDataModule):
     Made of ``cltrain.data.settings.IMAGE_FOLDER``: the image groups of
     [`ImageDataModule`][cltrain.data.datamodules.image_base.ImageDataModule] (``batch_size``,
     ``num_workers``, the crops, the decoder, the ``Augmentation``, ``bad_files``), then
-    ``FolderChecks`` (``allow_missing_val_classes``, ``exclude_files``, ``check_val``,
-    ``index_cache``); each argument is documented in its group. ``root`` holds ``train/`` and
+    ``FolderChecks`` (``allow_missing_val_classes``, ``check_val``, ``index_cache``) and ``ExcludeList``
+    (``exclude_files``); each argument is documented in its group. ``root`` holds ``train/`` and
     ``val/``, each ``<class>/<image>``. The training loader drops the last partial batch (as timm and
     torchvision's references do: no batch of 1 reaches BatchNorm, and shapes stay fixed for
     ``cudnn.benchmark`` and ``torch.compile``); validation, test and predict keep every image.
@@ -97,22 +97,10 @@ class ImageFolderDataModule(ImageDataModule):
                                               threads=self.decode_threads)
             if exclude and not self._told_excluded:
                 self._told_excluded = True
-                self._tell_excluded(exclude.listed)
+                self.folders.tell_excluded(self.exclude_files, exclude.listed,
+                                           {"train": self.train_set, "val": self.val_set}, "images")
             stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn
             self._check_val_files(self.val_set, _BEFORE.get(stage, "training"))  # evaluations too
-
-    def _tell_excluded(self, listed: int) -> None:
-        """How many of the listed files were left out; a warning where none of them is under the root."""
-        sets = [(name, s) for name, s in (("train", self.train_set), ("val", self.val_set)) if s is not None]
-        left = sum(s.excluded for _, s in sets)
-        split = ", ".join(f"{name} {s.excluded}" for name, s in sets)
-        if left:
-            rank_zero_info(f"ImageFolderDataModule: left out {left} of the {listed} file(s) listed in "
-                           f"{self.exclude_files} ({split}).")
-        else:
-            rank_zero_warn(f"ImageFolderDataModule: none of the {listed} file(s) listed in {self.exclude_files} is "
-                           f"under {self.root} (a relative path in the list is read from the working directory, "
-                           f"{os.getcwd()}); write the list again with 'python -m cltrain.data.check {self.root}'.")
 
     def _check_val_files(self, dataset: ImageFolderDataset, before: str) -> None:
         """Find bad validation files now, not after a training epoch or amid an evaluation (where a skipped file's

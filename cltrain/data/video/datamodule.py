@@ -30,6 +30,7 @@ from cltrain.data.augment_group import RandomCrop
 from cltrain.data.constants import KINETICS_MEAN, KINETICS_STD
 from cltrain.data.datamodules.base import BatchDataModule
 from cltrain.data.datamodules.class_folders import ClassFolders
+from cltrain.data.image_folder_dataset import read_file_list
 from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.settings import CLIPS
@@ -61,8 +62,9 @@ class ClipFolderDataModule(BatchDataModule):
     ``mean`` and ``std``, ``channels_last``, ...), ``ClipSampling`` (``num_frames``, ``frame_stride``,
     ``val_temporal``), ``RandomCrop`` (``scale``, ``ratio``, ``hflip``: 0 for data whose label depends
     on left and right) and ``BadFilePolicy`` (``bad_files``: a clip that cannot be read stops the run,
-    or is replaced by the next readable clip and listed, as images are); each argument is documented
-    in its group. ``root`` holds ``train/`` and ``val/``, each ``<class>/<clip>/<frame>``.
+    or is replaced by the next readable clip and listed, as images are) and ``ExcludeList``
+    (``exclude_files``: clips left out from the start, by a list from ``python -m cltrain.data.check ROOT``
+    or a ``skipped_files.tsv``); each argument is documented in its group. ``root`` holds ``train/`` and ``val/``, each ``<class>/<clip>/<frame>``.
 
     Raises:
         ValueError: a bad argument (at construction); a split without class folders, a
@@ -88,6 +90,7 @@ class ClipFolderDataModule(BatchDataModule):
                                                   self.channels, self.val_temporal)
         self.train_set: ClipFolderDataset | None = None
         self.val_set: ClipFolderDataset | None = None
+        self._told_excluded = False
 
     @property
     def input_shape(self) -> tuple[int, int, int, int, int]:
@@ -98,12 +101,17 @@ class ClipFolderDataModule(BatchDataModule):
     def setup(self, stage: str) -> None:
         self._join_trainer()
         # Everything is listed here, before the first step (the clips are decoded when read).
+        exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
         if stage == "fit" and self.train_set is None:
             self.train_set = ClipFolderDataset(self.folders.split("train"), self.train_transform, self.classes, self.bad_files,
-                                               self._skip_log)
+                                               self._skip_log, exclude)
         if self.val_set is None:
             self.val_set = ClipFolderDataset(self.folders.split("val"), self.eval_transform, self.classes, self.bad_files,
-                                             self._skip_log)
+                                             self._skip_log, exclude)
+            if exclude and not self._told_excluded:
+                self._told_excluded = True
+                self.folders.tell_excluded(self.exclude_files, exclude.listed,
+                                           {"train": self.train_set, "val": self.val_set}, "clips")
 
     @override
     def _collate(self, pin_memory: bool) -> NDHWCCollate:

@@ -120,6 +120,14 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
     return samples
 
 
+def _listed(path: str, frames: tuple[str, ...] | None, exclude: frozenset[str]) -> bool:
+    """Whether the clip at ``path`` (its folder or video file) or one of its ``frames`` is in ``exclude``."""
+    names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
+    files = [path, *(os.path.join(path, f) for f in frames or ())]
+    return any(os.path.basename(f) in names and not exclude.isdisjoint((os.path.realpath(f), os.path.abspath(f)))
+               for f in files)
+
+
 class ClipFolderDataset(SkipsBadSamples, Dataset):
     """``(transform(frames), class index)`` for each clip under ``split_dir/<class>/``.
 
@@ -131,20 +139,31 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
             naming it; ``"skip"``: the next readable clip is returned instead and the clip is
             reported (a line in ``skip_log``, a warning once per clip and process).
         skip_log: file the skipped clips are appended to (``"skip"`` only); ``None``: none.
+        exclude: the paths of files to leave out from the start, real or as listed
+            (``cltrain.data.image_folder_dataset.read_file_list``): a clip whose folder, video file or any
+            frame is listed is left out (``excluded`` counts them).
 
     Raises:
-        ValueError, FileNotFoundError: see ``find_clips`` (at construction, before any step).
+        ValueError, FileNotFoundError: see ``find_clips`` (at construction, before any step); every clip
+            excluded.
     """
 
     what = "clip"
 
     def __init__(self, split_dir: str | os.PathLike, transform: Callable[[Sequence], np.ndarray],
                  classes: Sequence[str] | None = None, bad_files: str = "raise",
-                 skip_log: str | os.PathLike | None = None) -> None:
+                 skip_log: str | os.PathLike | None = None, exclude: frozenset[str] = frozenset()) -> None:
         self._set_policy(bad_files, skip_log)
         self.split_dir = Path(split_dir)
         self.classes = list(classes) if classes is not None else find_classes(self.split_dir)
         self.samples = find_clips(self.split_dir, self.classes)
+        self.excluded = 0
+        if exclude:
+            kept = [s for s in self.samples if not _listed(s[0], s[1], exclude)]
+            self.excluded = len(self.samples) - len(kept)
+            if not kept:
+                raise ValueError(f"{self.split_dir}: all {len(self.samples)} clips are in the exclude list.")
+            self.samples = kept
         self.transform = transform
 
     def __len__(self) -> int:
