@@ -22,11 +22,10 @@ Example::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from cltrain.data.datamodules.class_folders import ClassFolders
