@@ -245,17 +245,14 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
 
 
 def _pruned_tensors(model: nn.Module, memo: dict[int, Any]) -> None:
-    """The tensors ``torch.nn.utils.prune`` computes (``weight`` from ``weight_orig`` and ``weight_mask``, set again
-    by its hook before every forward) copied as leaves: ``deepcopy`` refuses a tensor that is not one, and a pruned
-    model could not be checked."""
-    from torch.nn.utils import prune
-
+    """The tensors a module holds as plain attributes that are not leaves, copied as leaves: those a forward
+    pre-hook computes again before every forward (``torch.nn.utils.prune``'s ``weight`` from ``weight_orig`` and
+    ``weight_mask``; the old-style ``weight_norm`` and ``spectral_norm``'s, as lightly's DINO head holds them).
+    ``deepcopy`` refuses a tensor that is not a leaf (pytorch#103001), and such a model could not be checked."""
     for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, prune.BasePruningMethod):
-                value = getattr(module, hook._tensor_name, None)
-                if isinstance(value, torch.Tensor) and id(value) not in memo and not value.is_leaf:
-                    memo[id(value)] = value.detach().clone(memory_format=torch.preserve_format)
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo and not value.is_leaf:
+                memo[id(value)] = value.detach().clone(memory_format=torch.preserve_format)
 
 
 def _compiled_types() -> tuple[type, ...]:

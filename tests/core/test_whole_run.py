@@ -109,23 +109,31 @@ def test_model_pruning_trains_with_the_numbers_of_the_run_without_cltrain_and_ke
     assert len(said) == 1 and "pytorch#96743" in said[0]
 
 
-@pytest.mark.parametrize("package", PACKAGES)
-def test_a_model_pruned_before_the_first_batch_is_checked_and_trains_with_the_numbers_of_the_run_without_cltrain(
-        package):
-    # torch.nn.utils.prune's weight (weight_orig * weight_mask) is no leaf: deepcopy refused the check's copy, and the
-    # check was skipped with torch's error cut off mid-word
+def _prune(m: nn.Module) -> None:
     from torch.nn.utils import prune
 
-    def pruned(nudge: float = 0.0):
+    prune.l1_unstructured(m, "weight", amount=0.3)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("wrap", [_prune, nn.utils.weight_norm, nn.utils.spectral_norm],
+                         ids=["prune", "weight_norm", "spectral_norm"])
+def test_a_model_whose_weight_a_hook_computes_is_checked_and_trains_with_the_numbers_of_the_run_without_cltrain(
+        package, wrap):
+    # torch.nn.utils.prune's weight (weight_orig * weight_mask), the old-style weight_norm's and spectral_norm's (as
+    # lightly's DINO head holds them): no leaf after a forward; deepcopy refused the check's copy and the check was
+    # skipped, so a step that assumes NCHW crashed the run instead of falling back
+    def wrapped(nudge: float = 0.0):
         module = _module(package, "adamw", nudge=nudge)
         for m in module.net:
             if isinstance(m, nn.Conv2d):
-                prune.l1_unstructured(m, "weight", amount=0.3)
+                wrap(m)
+        module.net(torch.zeros(1, 3, 16, 16))  # a forward: the hooks' weights are computed, with their graphs
         return module
 
-    plain, nudged = _fit(package, [], pruned()), _fit(package, [], pruned(1e-7))
+    plain, nudged = _fit(package, [], wrapped()), _fit(package, [], wrapped(1e-7))
     callback = ChannelsLast(layout="channels_last")
-    ours = _fit(package, [callback], pruned())
+    ours = _fit(package, [callback], wrapped())
     assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"]
     noise = (_weights(nudged) - _weights(plain)).abs().max()
     assert torch.equal(_weights(ours) == 0, _weights(plain) == 0)
