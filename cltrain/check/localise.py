@@ -18,6 +18,7 @@ from cltrain.check.fallback import Fallback
 
 __all__ = ["candidates", "class_wide", "first_line", "method_source", "place", "source_of", "user_frame"]
 
+_PASS_THROUGH = ("__torch_function__", "__torch_dispatch__")
 _FRAMEWORKS = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "cltrain")
 
 
@@ -56,10 +57,11 @@ def place(filename: str, line: int) -> tuple[str, str | None]:
 
 def user_frame(error: BaseException) -> tuple[str, str | None] | None:
     """``place`` of the innermost frame of ``error``'s traceback outside torch, Lightning, cltrain and the standard
-    library (by where those packages really are), or ``None``."""
+    library (by where those packages really are), and outside a tensor subclass's ``__torch_function__`` (the
+    pass-through of every op on a ``torchvision.tv_tensors.Image``), or ``None``."""
     frameworks = _framework_dirs()
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if frame.filename.startswith("<"):
+        if frame.filename.startswith("<") or frame.name in _PASS_THROUGH:
             continue
         where, package = place(frame.filename, frame.lineno or 0)
         if package in _FRAMEWORKS or package is None and os.path.realpath(frame.filename).startswith(frameworks):

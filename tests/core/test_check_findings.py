@@ -96,6 +96,18 @@ def test_the_users_code_is_found_by_where_packages_are_not_by_folder_names(tmp_p
     assert package is None and where.endswith(f"{folder}/models/net.py:6"), where
 
 
+def test_a_tv_tensor_batchs_pass_through_is_not_the_users_code() -> None:
+    # anomalib's batches are torchvision.tv_tensors.Image: a .view in the user's step was placed in torchvision's
+    # __torch_function__ ("nothing to edit: that code is in the installed package `torchvision`")
+    from torchvision import tv_tensors
+
+    x = tv_tensors.Image(torch.randn(2, 3, 4, 4)).to(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError) as caught:
+        x.view(x.size(0), -1)  # this line
+    where, package = user_frame(caught.value)
+    assert package is None and where.endswith(f"test_check_findings.py:{caught.traceback[0].lineno + 1}"), where
+
+
 def _reads_nchw(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     n, c, h, w = out.shape  # the user's hook reads the output's memory as NCHW
     return torch.as_strided(out, (n, c * h * w), (c * h * w, 1)).view(n, c, h, w)
