@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown case(s) {sorted(unknown)}; --list shows them")
     command = command_line("scripts.zoo.projects", argv)
     rows = sweep(cases, args.out, args.log_dir, args.timeout, command, keep=bool(args.only))
-    print(f"wrote {args.out} ({sum(r.get('seconds', 0) for r in rows if r['key'] in {c.key for c in cases}):.0f} s)")
+    print(f"wrote {args.out} ({sum(r.get('seconds', 0) for r in rows if r['key'] in {c.key for c in cases}):.0f} s); "
+          f"each run's log in {args.log_dir}")
     return 0
 
 
