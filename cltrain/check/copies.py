@@ -222,7 +222,7 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     partials, default arguments and hooks that hold the original (a wrapped ``forward``) hold the copy
     (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise."""
     memo = {} if memo is None else memo
-    _pruned_tensors(model, memo)
+    _computed_tensors(model, memo)
     clone = copy.deepcopy(model, memo)
     originals = dict(model.named_parameters())
     for name, param in clone.named_parameters():
@@ -244,7 +244,7 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     return clone
 
 
-def _pruned_tensors(model: nn.Module, memo: dict[int, Any]) -> None:
+def _computed_tensors(model: nn.Module, memo: dict[int, Any]) -> None:
     """The tensors a module holds as plain attributes that are not leaves, copied as leaves: those a forward
     pre-hook computes again before every forward (``torch.nn.utils.prune``'s ``weight`` from ``weight_orig`` and
     ``weight_mask``; the old-style ``weight_norm`` and ``spectral_norm``'s, as lightly's DINO head holds them).
