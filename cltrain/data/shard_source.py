@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +36,16 @@ from cltrain.data.shard_cache import ShardCache, parse_size
 __all__ = ["FETCH_MODES", "MANIFEST", "LocalPack", "RemotePack", "open_pack"]
 
 log = logging.getLogger(__name__)
+MANIFEST_ATTEMPTS = 4  # the manifest's reads from a store: 0.5 s, 1 s, 2 s apart
+
+
+def _transient(err: BaseException) -> bool:
+    """Whether a failed read may succeed when tried again: a reset, a body cut short, a timeout, a 5xx or a
+    SlowDown; not a refused or unknown key, nor an endpoint that cannot be reached at all (said at once)."""
+    text = f"{type(err).__name__} {err}"
+    lasting = ("AccessDenied", "NoSuch", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+               "Could not connect to the endpoint", "EndpointConnectionError", "ConnectTimeout", "Forbidden")
+    return not isinstance(err, (PermissionError, RemoteError)) and not any(m in text for m in lasting)
 
 #: Written last into a complete pack (by ``cltrain.data.pack``): classes, shards and counts per split.
 MANIFEST = "shards.json"
@@ -180,8 +191,9 @@ class RemotePack(LocalPack):
         return redact(join(self.url, shard))
 
     def manifest(self) -> dict:
-        """The pack's ``shards.json``, read from the store once (few retries: a wrong URL or endpoint is said
-        quickly); a complete pack's manifest does not change, and each split's dataset asks for it.
+        """The pack's ``shards.json``, read from the store once (a wrong URL, key or endpoint is said quickly; a
+        transient failure, as a job's ranks starting at once meet it, is tried again ``MANIFEST_ATTEMPTS`` times);
+        a complete pack's manifest does not change, and each split's dataset asks for it.
 
         Raises:
             RemoteError: one line naming the URL and the fix.
@@ -189,16 +201,24 @@ class RemotePack(LocalPack):
         if self._manifest is not None:
             return self._manifest
         url = join(self.url, MANIFEST)
-        try:
-            fs, path = open_fs(url, quick=True)
-            self._manifest = json.loads(fs.cat_file(path, start=0))  # a range: s3fs asks no size first (a HEAD)
-            return self._manifest
-        except Exception as err:  # noqa: BLE001 - every failure of the first read is one line
-            if isinstance(err, FileNotFoundError):
-                raise RemoteError(f"{redact(url)}: not found: {self.where} is not a complete cltrain pack (no bucket, "
-                                  "prefix or manifest there). Check the URL, or make a pack with `cltrain-pack "
-                                  "IMAGEFOLDER OUT` and upload OUT there as it is (shards.json last).") from None
-            raise remote_error(err, url, "the pack's manifest") from None
+        for attempt in range(MANIFEST_ATTEMPTS):
+            try:
+                fs, path = open_fs(url, quick=True)
+                self._manifest = json.loads(fs.cat_file(path, start=0))  # a range: s3fs asks no size first (a HEAD)
+                return self._manifest
+            except Exception as err:  # noqa: BLE001 - every failure of the first read is one line
+                if isinstance(err, FileNotFoundError):
+                    raise RemoteError(f"{redact(url)}: not found: {self.where} is not a complete cltrain pack (no "
+                                      "bucket, prefix or manifest there). Check the URL, or make a pack with "
+                                      "`cltrain-pack IMAGEFOLDER OUT` and upload OUT there as it is (shards.json "
+                                      "last).") from None
+                if attempt == MANIFEST_ATTEMPTS - 1 or not _transient(err):
+                    raise remote_error(err, url, "the pack's manifest") from None
+                log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
+                            redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240], attempt + 2,
+                            MANIFEST_ATTEMPTS)
+                time.sleep(0.5 * 2 ** attempt)
+        raise AssertionError(redact(url))  # not reached
 
     def indexes(self, shards: Sequence[str]) -> list[np.ndarray]:
         """The shards' indexes, through the cache (once per node), fetched on ``threads`` threads, each checked

@@ -495,3 +495,25 @@ def test_a_store_whose_package_is_missing_names_its_own_extra(url, package, extr
         pytest.skip(f"{package} is installed here")
     with pytest.raises(RemoteError, match=rf"needs {package}: pip install 'cltrain\[{extra}\]'"):
         ShardsDataModule(url, **KW).num_classes
+
+
+def test_the_manifest_is_read_again_after_a_transient_failure_and_not_after_a_lasting_one(url, local_pack, server, env,
+                                                                                           monkeypatch, caplog):
+    # one reset, or three SlowDowns in a row, on shards.json (a job's ranks all read it at once) ended the run
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        proxy.faults = [Fault("slowdown", path="shards.json", times=3), Fault("reset", path="shards.json")]
+        with caplog.at_level("WARNING", logger="cltrain"):
+            b = _batches(ShardsDataModule(url, **{**KW, "num_workers": 0}), True)
+        assert [f.hit for f in proxy.faults] == [3, 1]
+        assert sum("shards.json failed" in r.getMessage() and "trying again" in r.getMessage()
+                   for r in caplog.records) >= 2, caplog.text
+        proxy.faults = [Fault("denied", path="shards.json", times=10)]
+        with pytest.raises(RemoteError, match="shards.json"):
+            ShardsDataModule(url, **KW).setup("fit")
+        assert proxy.faults[0].hit == 1  # a refused key: said at once
+    finally:
+        proxy.stop()
+    a = _batches(ShardsDataModule(local_pack, **{**KW, "num_workers": 0}), True)
+    assert len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
