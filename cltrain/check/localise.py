@@ -57,14 +57,16 @@ def place(filename: str, line: int) -> tuple[str, str | None]:
 
 def user_frame(error: BaseException) -> tuple[str, str | None] | None:
     """``place`` of the innermost frame of ``error``'s traceback outside torch, Lightning, cltrain and the standard
-    library (by where those packages really are), and outside a tensor subclass's ``__torch_function__`` (the
-    pass-through of every op on a ``torchvision.tv_tensors.Image``), or ``None``."""
+    library (by where those packages really are), and outside an installed tensor subclass's ``__torch_function__``
+    (the pass-through of every op on a ``torchvision.tv_tensors.Image``), or ``None``."""
     frameworks = _framework_dirs()
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if frame.filename.startswith("<") or frame.name in _PASS_THROUGH:
+        if frame.filename.startswith("<"):
             continue
         where, package = place(frame.filename, frame.lineno or 0)
         if package in _FRAMEWORKS or package is None and os.path.realpath(frame.filename).startswith(frameworks):
+            continue
+        if package is not None and frame.name in _PASS_THROUGH:  # an installed tensor subclass's pass-through
             continue
         return where, package
     return None

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from cltrain.data.bad_samples import BAD_FILE_POLICIES, SkipsBadSamples, check_bad_files
-from cltrain.data.errors import BadImageError
+from cltrain.data.errors import BadImageError, DataError
 from cltrain.data.image_samples import ImageSamples
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
@@ -115,7 +115,7 @@ class ImageFolderDataset(ImageSamples):
                     or exclude.isdisjoint((os.path.realpath(s[0]), os.path.abspath(s[0])))]
             self.excluded = len(self.samples) - len(kept)
             if not kept:
-                raise ValueError(f"{self.split_dir}: all {len(self.samples)} images are in the exclude list.")
+                raise DataError(f"{self.split_dir}: all {len(self.samples)} images are in the exclude list.")
             self.samples = kept
         summary = self.index.summary(self.split_dir)
         if summary:

@@ -108,6 +108,26 @@ def test_a_tv_tensor_batchs_pass_through_is_not_the_users_code() -> None:
     assert package is None and where.endswith(f"test_check_findings.py:{caught.traceback[0].lineno + 1}"), where
 
 
+class _Flattens(torch.Tensor):
+    """A user's own tensor subclass whose ``__torch_function__`` assumes NCHW."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.mean:
+            t = args[0].as_subclass(torch.Tensor)
+            return t.view(t.size(0), -1).mean()  # the user's NCHW assumption
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_users_own_torch_function_is_the_users_code() -> None:
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last).as_subclass(_Flattens)
+    with pytest.raises(RuntimeError) as caught:
+        x.mean()
+    where, package = user_frame(caught.value)
+    line = _Flattens.__torch_function__.__code__.co_firstlineno + 4
+    assert package is None and where.endswith(f"test_check_findings.py:{line}"), where
+
+
 def _reads_nchw(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     n, c, h, w = out.shape  # the user's hook reads the output's memory as NCHW
     return torch.as_strided(out, (n, c * h * w), (c * h * w, 1)).view(n, c, h, w)

@@ -12,6 +12,7 @@ import pytest
 
 from cltrain.data import ImageFolderDataModule
 from cltrain.data.check import check_file, check_files, main
+from cltrain.data.errors import DataError
 from cltrain.data.image_folder_dataset import BadImageError
 from cltrain.data.decoders import DECODER_NAMES
 from tests.helpers.data_fixtures import BAD, ENDS_ELSEWHERE, READABLE, write_image_folder, write_odd_files
@@ -90,7 +91,7 @@ def test_command_lists_bad_files_exits_1_and_the_datamodule_leaves_them_out(odd,
     assert main([str(root), "--quick", "--no-progress", "--workers", "0", "--out", str(out)]) == 0
     assert len(out.read_text().splitlines()) == 1 and "0 bad" in capsys.readouterr().out
     assert main([str(tmp_path / "nowhere")]) == 2 and "nowhere is not a folder" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="exclude_files=.*missing.tsv.*python -m cltrain.data.check"):
+    with pytest.raises(DataError, match="exclude_files=.*missing.tsv.*python -m cltrain.data.check"):
         ImageFolderDataModule(root, num_workers=0, exclude_files=tmp_path / "missing.tsv").setup("fit")
 
 
@@ -108,7 +109,7 @@ def test_a_list_written_from_a_relative_root_serves_a_run_started_elsewhere_and_
     with caplog.at_level(logging.INFO):
         dm.setup("fit")
     assert dm.train_set.excluded == 1 and dm.val_set.excluded == 1
-    assert f"left out 2 images of the 2 file(s) listed in {tmp_path / 'bad.tsv'} (train 1, val 1)" in caplog.text
+    assert f"left out 2 image(s) of the 2 file(s) listed in {tmp_path / 'bad.tsv'} (train 1, val 1)" in caplog.text
     # a list of relative paths from elsewhere (written by hand, or by an older check): said, not silently ignored
     relative = tmp_path / "relative.tsv"
     relative.write_text("train\tdata/train/c0/truncated.jpg\tcut\n")
@@ -128,7 +129,7 @@ def test_a_dangling_link_in_the_list_counts_once_in_what_the_run_says_it_left_ou
     assert main([str(root), "--quick", "--no-progress", "--workers", "0", "--out", str(listed)]) == 1
     with caplog.at_level(logging.INFO):
         ImageFolderDataModule(root, num_workers=0, exclude_files=listed).setup("fit")
-    assert f"left out 3 images of the 3 file(s) listed in {listed} (train 2, val 1)" in caplog.text
+    assert f"left out 3 image(s) of the 3 file(s) listed in {listed} (train 2, val 1)" in caplog.text
 
 
 # --- the full check decodes as the loader with its decoder ------------------------------------------

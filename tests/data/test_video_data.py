@@ -15,6 +15,7 @@ from cltrain.data.constants import IMAGENET_MEAN, IMAGENET_STD
 from PIL import Image
 
 from cltrain.data import SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, normalize
+from cltrain.data.errors import DataError
 from cltrain.data.video import (ClipFolderDataModule, ClipFolderDataset, eval_clip_transform, find_clips, make_demo_videos,
                                 normalize_clips, read_video)
 
@@ -253,8 +254,8 @@ def test_the_checks_list_of_bad_frames_leaves_their_clips_out(tmp_path: Path, ca
     with caplog.at_level("INFO"):
         dm.setup("fit")
     assert [os.path.basename(s[0]) for s in dm.train_set.samples] == ["clip0", "clip2"] and dm.val_set.excluded == 0
-    assert f"left out 1 clips of the 1 file(s) listed in {listed} (train 1, val 0)" in caplog.text
+    assert f"left out 1 clip(s) of the 1 file(s) listed in {listed} (train 1, val 0)" in caplog.text
     listed.write_text(f"train\t{tmp_path / 'clips' / 'val' / 'a' / 'clip0'}\tbad\n")
-    with pytest.raises(ValueError, match=r"val: all 1 clips are in the exclude list"):
+    with pytest.raises(DataError, match=r"val: all 1 clips are in the exclude list"):  # the app: one line, exit 2
         ClipFolderDataModule(tmp_path / "clips", batch_size=2, num_workers=0, num_frames=2, image_size=16,
                              exclude_files=listed).setup("validate")

@@ -14,7 +14,8 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from cltrain.data.image_folder_dataset import find_classes
+from cltrain.data.errors import DataError
+from cltrain.data.image_folder_dataset import find_classes, read_file_list
 
 __all__ = ["ClassFolders"]
 
@@ -50,14 +51,28 @@ class ClassFolders:
             self._classes = find_classes(self.split("train"))
         return self._classes
 
+    @staticmethod
+    def exclusions(exclude_files: str | os.PathLike | None) -> frozenset[str]:
+        """The files ``exclude_files`` lists (``read_file_list``); none where it is ``None``.
+
+        Raises:
+            DataError: no such file (one line: the app ends on it with exit status 2).
+        """
+        if exclude_files is None:
+            return frozenset()
+        try:
+            return read_file_list(exclude_files)
+        except FileNotFoundError as err:
+            raise DataError(str(err)) from None
+
     def tell_excluded(self, exclude_files: Path, listed: int, sets: dict[str, Any], what: str) -> None:
-        """How many ``what`` (``"images"``, ``"clips"``) of each split in ``sets`` (name -> dataset with ``excluded``)
+        """How many ``what`` (``"image"``, ``"clip"``) of each split in ``sets`` (name -> dataset with ``excluded``)
         the ``listed`` file(s) of ``exclude_files`` left out; a warning where none of them is under the root."""
         sets = {name: s for name, s in sets.items() if s is not None}
         left = sum(s.excluded for s in sets.values())
         split = ", ".join(f"{name} {s.excluded}" for name, s in sets.items())
         if left:
-            rank_zero_info(f"{self.owner}: left out {left} {what} of the {listed} file(s) listed in {exclude_files} "
+            rank_zero_info(f"{self.owner}: left out {left} {what}(s) of the {listed} file(s) listed in {exclude_files} "
                            f"({split}).")
         else:
             rank_zero_warn(f"{self.owner}: none of the {listed} file(s) listed in {exclude_files} is under "

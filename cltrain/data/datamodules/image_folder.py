@@ -31,7 +31,7 @@ from typing_extensions import override
 from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.image_base import ImageDataModule
 from cltrain.data.errors import BadImageError, DataError
-from cltrain.data.image_folder_dataset import ImageFolderDataset, read_file_list
+from cltrain.data.image_folder_dataset import ImageFolderDataset
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.settings import IMAGE_FOLDER
 
@@ -84,7 +84,7 @@ class ImageFolderDataModule(ImageDataModule):
     def setup(self, stage: str) -> None:
         self._join_trainer()
         # Everything is checked here, before the first step: root, splits, classes, images.
-        exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
+        exclude = self.folders.exclusions(self.exclude_files)
         if stage == "fit" and self.train_set is None:
             self.train_set = ImageFolderDataset(self.folders.split("train"), self.train_transform, None, self.bad_files,
                                                 self._skip_log, exclude=exclude, index_cache=self.index_cache,
@@ -97,7 +97,7 @@ class ImageFolderDataModule(ImageDataModule):
             if exclude and not self._told_excluded:
                 self._told_excluded = True
                 self.folders.tell_excluded(self.exclude_files, exclude.listed,
-                                           {"train": self.train_set, "val": self.val_set}, "images")
+                                           {"train": self.train_set, "val": self.val_set}, "image")
             stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn
             self._check_val_files(self.val_set, _BEFORE.get(stage, "training"))  # evaluations too
 

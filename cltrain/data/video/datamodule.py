@@ -30,7 +30,6 @@ from cltrain.data.augment_group import RandomCrop
 from cltrain.data.constants import KINETICS_MEAN, KINETICS_STD
 from cltrain.data.datamodules.base import BatchDataModule
 from cltrain.data.datamodules.class_folders import ClassFolders
-from cltrain.data.image_folder_dataset import read_file_list
 from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader
 from cltrain.data.settings import CLIPS
@@ -101,7 +100,7 @@ class ClipFolderDataModule(BatchDataModule):
     def setup(self, stage: str) -> None:
         self._join_trainer()
         # Everything is listed here, before the first step (the clips are decoded when read).
-        exclude = read_file_list(self.exclude_files) if self.exclude_files is not None else frozenset()
+        exclude = self.folders.exclusions(self.exclude_files)
         if stage == "fit" and self.train_set is None:
             self.train_set = ClipFolderDataset(self.folders.split("train"), self.train_transform, self.classes, self.bad_files,
                                                self._skip_log, exclude)
@@ -111,7 +110,7 @@ class ClipFolderDataModule(BatchDataModule):
             if exclude and not self._told_excluded:
                 self._told_excluded = True
                 self.folders.tell_excluded(self.exclude_files, exclude.listed,
-                                           {"train": self.train_set, "val": self.val_set}, "clips")
+                                           {"train": self.train_set, "val": self.val_set}, "clip")
 
     @override
     def _collate(self, pin_memory: bool) -> NDHWCCollate:

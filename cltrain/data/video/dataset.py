@@ -120,9 +120,9 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
     return samples
 
 
-def _listed(path: str, frames: tuple[str, ...] | None, exclude: frozenset[str]) -> bool:
-    """Whether the clip at ``path`` (its folder or video file) or one of its ``frames`` is in ``exclude``."""
-    names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
+def _listed(path: str, frames: tuple[str, ...] | None, exclude: frozenset[str], names: set[str]) -> bool:
+    """Whether the clip at ``path`` (its folder or video file) or one of its ``frames`` is in ``exclude`` (whose
+    file names are ``names``)."""
     files = [path, *(os.path.join(path, f) for f in frames or ())]
     return any(os.path.basename(f) in names and not exclude.isdisjoint((os.path.realpath(f), os.path.abspath(f)))
                for f in files)
@@ -159,10 +159,11 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
         self.samples = find_clips(self.split_dir, self.classes)
         self.excluded = 0
         if exclude:
-            kept = [s for s in self.samples if not _listed(s[0], s[1], exclude)]
+            names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
+            kept = [s for s in self.samples if not _listed(s[0], s[1], exclude, names)]
             self.excluded = len(self.samples) - len(kept)
             if not kept:
-                raise ValueError(f"{self.split_dir}: all {len(self.samples)} clips are in the exclude list.")
+                raise DataError(f"{self.split_dir}: all {len(self.samples)} clips are in the exclude list.")
             self.samples = kept
         self.transform = transform
 
