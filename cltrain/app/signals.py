@@ -12,7 +12,8 @@ current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnExcepti
   comes after the batch's metrics reach the loggers.
 
 A second signal stops the run at once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written
-before. While that file is written (``holding``), further signals wait for it: a signal raised inside ``torch.save``
+before; so does a first signal after the training loop has waited ``DATA_GRACE`` seconds for a batch that does not
+come (a read that stalls). While that file is written (``holding``), further signals wait for it: a signal raised inside ``torch.save``
 would leave no file and a traceback. SIGUSR1 (SLURM's requeue) is never touched.
 
 A signal the main thread cannot take (it waits inside C++: a rendezvous for a rank that never comes, a collective
@@ -50,6 +51,8 @@ __all__ = ["RunInterrupted", "SignalStop", "lost_peer"]
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 #: Seconds a signal may wait for the main thread's handler before the process ends without it.
 STUCK_GRACE = 60.0
+#: Seconds a first signal waits for a batch that does not come (a data read that stalls) before the run stops at once.
+DATA_GRACE = 20.0
 
 
 class RunInterrupted(BaseException):
@@ -86,6 +89,7 @@ class SignalStop(Callback):
         self._previous: dict[int, Any] = {}
         self._taken = 0  # signals the handler has taken (the watchdog compares them with those that arrived)
         self._watch: tuple[int, int, int] | None = None  # the wakeup pipe's ends and the wakeup fd before it
+        self._fetching: float | None = None  # since when the training loop waits for its next batch
 
     # --- the handler ----------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -148,8 +152,24 @@ class SignalStop(Callback):
                               f"cannot interrupt (a rendezvous or a collective with a rank that is not there); "
                               f"stopped after {STUCK_GRACE:.0f} s.", file=sys.stderr, flush=True)
                         os._exit(128 + signum)
+                    if arrived == 1 and self._defer:
+                        self._await_batch(signum)
         finally:
             os.close(read)
+
+    def _await_batch(self, signum: int) -> None:
+        """A first signal, taken while the training loop waits for its next batch (a read from a store that stalls
+        for minutes): after ``DATA_GRACE`` seconds of that wait, the signal again, which stops the run at once (no
+        batch is in the middle: ``last.ckpt`` stays the latest whole state), within a preemption's notice."""
+        since = time.monotonic()
+        while self._watch is not None and self.signum == signum and self._defer:
+            fetching = self._fetching
+            if fetching is not None and not self._holding and time.monotonic() - max(fetching, since) > DATA_GRACE:
+                print(f"cltrain: {signal.Signals(signum).name}: the next batch has not come in {DATA_GRACE:.0f} s (a "
+                      "data read that stalls); stopping now.", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.1)
 
     def deferred(self) -> _Deferred:
         """While the returned context is active (``trainer.fit``), a first signal waits for the batch end."""
@@ -192,7 +212,7 @@ class SignalStop(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._stepped = False
+        self._stepped, self._fetching = False, None
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -200,6 +220,7 @@ class SignalStop(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._fetching = time.monotonic()  # the next batch is fetched from here (or the validation begins)
         signum = self.agreed(trainer)
         if signum is None:
             return
@@ -219,6 +240,15 @@ class SignalStop(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._check(trainer)
+        self._fetching = time.monotonic()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._fetching = None  # a validation's batches: their reads and steps are not the training loop's wait
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._fetching = time.monotonic()
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:

@@ -287,3 +287,38 @@ def test_a_signal_the_main_thread_cannot_take_ends_the_process_after_the_grace()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143 and "waits inside a call that Python cannot interrupt" in out, out
+
+
+def test_a_first_signal_while_the_next_batch_stalls_stops_the_run_after_the_grace(tmp_path: Path, monkeypatch,
+                                                                                    capfd) -> None:
+    # a read from a store that stalls (about 2.5 minutes until its client gives up): the first signal waited for the
+    # next batch's end, past a preemption's notice, and the run ended "failed" on the read's error
+    import cltrain.app.signals as signals
+    from torch.utils.data import Dataset
+
+    monkeypatch.setattr(signals, "DATA_GRACE", 1.0, raising=False)
+
+    class Stalls(Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int):
+            if i == 6:  # the fourth batch: the signal comes while it is read
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+            return (torch.randn(2),)
+
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from cltrain.app.on_exception import KeepOnException
+
+    stop = signals.SignalStop()
+    trainer = pl.Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, max_epochs=1,
+                         callbacks=[KeepOnException(tmp_path, holding=stop.holding), stop])
+    started = time.monotonic()
+    with stop, stop.deferred(), pytest.raises(signals.RunInterrupted) as stopped:
+        trainer.fit(_Signalling(at=-1), DataLoader(Stalls(), batch_size=2))
+    assert time.monotonic() - started < 15 and stopped.value.at_once and trainer.global_step == 3
+    assert "the next batch has not come in 1 s" in capfd.readouterr().err
