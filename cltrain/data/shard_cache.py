@@ -7,7 +7,8 @@ returns the local path, fetching the file first when the cache does not hold tha
 * **current**: a file replaced in the store (a pack uploaded again to the same URL, or the same URL on another
   endpoint) is another version, fetched anew; the version it replaces is removed then, or evicted in time. The
   versions come from the listing that gives the sizes (ETag, else modification time; a store without either is
-  trusted by name).
+  trusted by name). On S3 every GET of a listed file asks ``If-Match`` its listed ETag: a file replaced during the
+  run (a pack uploaded again over a running one) is one line, not read as the file listed.
 
 * **once per node**: a fetch holds a lock on the file's name (a byte-range ``fcntl`` lock in one lock file, so a
   killed process never leaves a stale lock), so the ranks and DataLoader workers of a node that want the same shard
@@ -225,6 +226,7 @@ class ShardCache:
         # folder of the root -> its files' (bytes, version), listed once; a file of a folder that does not list
         self._listing: dict[str, dict[str, tuple[int, str | None]]] = {}
         self._asked: dict[str, tuple[int, str | None]] = {}
+        self._etags: dict[str, str] = {}  # "bucket/key" -> the ETag the listing gave (S3)
         self.incomplete = incomplete
         self.failed: tuple[float, BaseException] | None = None  # when a read failed for good, and why (_given_up)
         self._since = time.time()  # this process began reading, or last read successfully: an older note is not heeded
@@ -241,7 +243,17 @@ class ShardCache:
         if self._fs is None or self._pid != os.getpid():
             self._fs, _ = open_fs(self.url)
             self._pid, self._since = os.getpid(), time.time()
+            session = getattr(self._fs, "session", None)
+            if hasattr(session, "register"):  # S3: every GET of a listed file asks for the listed version
+                session.register("before-parameter-build.s3.GetObject", self._if_match)
         return self._fs
+
+    def _if_match(self, params: dict[str, Any], **kwargs: Any) -> None:
+        """botocore's hook before a GET: ``If-Match`` the ETag the listing gave, so that a file replaced in the store
+        during the run is refused (412), not read as the file listed (a pack uploaded again over a running one)."""
+        etag = self._etags.get(f"{params.get('Bucket')}/{params.get('Key')}")
+        if etag is not None:
+            params.setdefault("IfMatch", etag)
 
     def remote(self, name: str) -> str:
         """The URL of ``name``."""
@@ -352,8 +364,9 @@ class ShardCache:
             log.debug("listing %s failed: %s", redact(self.remote(folder)), redact(str(err)))
             return {}
         prefix = f"{folder}/" if folder else ""
-        return {prefix + e["name"].rstrip("/").rsplit("/", 1)[-1]: (int(e["size"]), _version(e)) for e in entries
-                if e.get("type") == "file" and isinstance(e.get("size"), int)}
+        files = [e for e in entries if e.get("type") == "file" and isinstance(e.get("size"), int)]
+        self._etags.update({e["name"]: e["ETag"] for e in files if isinstance(e.get("ETag"), str)})
+        return {prefix + e["name"].rstrip("/").rsplit("/", 1)[-1]: (int(e["size"]), _version(e)) for e in files}
 
     def read_range(self, name: str, offset: int, size: int) -> bytes:
         """``size`` bytes of ``name`` from ``offset``, read from the store (not cached), retried."""
@@ -424,6 +437,10 @@ class ShardCache:
             except Exception as err:  # noqa: BLE001 - a reset, a timeout, a 5xx the client gave up on, a short body
                 if "AccessDenied" in str(err) or "NoSuch" in str(err):
                     raise remote_error(err, url, missing=self.incomplete) from None
+                if "PreconditionFailed" in str(err) or "pre-conditions" in str(err):  # If-Match: replaced since listed
+                    raise RemoteError(f"{redact(url)}: replaced in the store during the run (not the version listed "
+                                      "when the run began): the pack was uploaded again meanwhile. Start the run again "
+                                      "once the upload is complete.") from None
                 given_up = err.reason if isinstance(err, _GivenUp) else self._given_up()
                 now, pause = time.monotonic(), min(0.2 * 2 ** attempt, 5.0)
                 # the next try, as long as this one (the client's own attempts and backoff in it), must end in the window

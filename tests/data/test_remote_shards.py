@@ -517,3 +517,17 @@ def test_the_manifest_is_read_again_after_a_transient_failure_and_not_after_a_la
         proxy.stop()
     a = _batches(ShardsDataModule(local_pack, **{**KW, "num_workers": 0}), True)
     assert len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
+
+
+@pytest.mark.parametrize("fetch", ["shards", "ranges"])
+def test_a_pack_uploaded_again_during_the_run_is_refused_not_read(local_pack, server, env, tmp_path, fetch):
+    # another pack uploaded over a running one: its shards were read at the first pack's offsets, with its labels
+    # (under bad_files=skip, silently); each GET now asks If-Match the ETag listed when the run began
+    other = pack(write_image_folder(tmp_path / "other", classes=3, train=11, val=5, size=(40, 48)),
+                 tmp_path / "other_pack", shard_size=7, progress=False).parent
+    url = server.upload(local_pack, "bucket", f"swap-{fetch}")
+    dm = ShardsDataModule(url, **{**KW, "num_workers": 0, "fetch": fetch, "bad_files": "skip"})
+    dm.setup("fit")  # the manifest, the listing and the indexes read: the shards are read from the first batch on
+    server.upload(other, "bucket", f"swap-{fetch}")
+    with pytest.raises(RemoteError, match=r"\.tar: replaced in the store during the run .* uploaded again"):
+        list(dm.train_dataloader())
