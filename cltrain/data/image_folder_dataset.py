@@ -16,6 +16,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -26,7 +27,7 @@ from cltrain.data.image_samples import ImageSamples
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
 __all__ = ["BAD_FILE_POLICIES", "BadImageError", "ImageFolderDataset", "SkipsBadSamples", "check_bad_files", "find_classes",
-           "find_samples", "read_file_list"]
+           "find_samples", "leave_out", "read_file_list"]
 
 
 def find_samples(split_dir: str | os.PathLike, classes: Sequence[str], require_all: bool = True) -> list[tuple[str, int]]:
@@ -65,6 +66,28 @@ def read_file_list(path: str | os.PathLike) -> FileList:
     out = FileList(listed | {os.path.realpath(p) for p in listed})
     out.listed = len(listed)
     return out
+
+
+def leave_out(samples: list, exclude: frozenset[str], files: Callable[[Any], Sequence[str]], split_dir: Path,
+              what: str) -> tuple[list, int]:
+    """``samples`` without those of which one of ``files(sample)`` is in ``exclude`` (``read_file_list``), and how
+    many were left out.
+
+    Raises:
+        DataError: every sample is left out (naming ``split_dir`` and ``what`` they are).
+    """
+    if not exclude:
+        return samples, 0
+    names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
+
+    def listed(path: str) -> bool:
+        return os.path.basename(path) in names and not exclude.isdisjoint((os.path.realpath(path),
+                                                                           os.path.abspath(path)))
+
+    kept = [s for s in samples if not any(listed(f) for f in files(s))]
+    if not kept:
+        raise DataError(f"{split_dir}: all {len(samples)} {what} are in the exclude list.")
+    return kept, len(samples) - len(kept)
 
 
 class ImageFolderDataset(ImageSamples):
@@ -108,15 +131,7 @@ class ImageFolderDataset(ImageSamples):
                                              cache_dir=cache_dir)
         self.classes = list(self.index.classes)
         self.samples = self.index.samples
-        self.excluded = 0
-        if exclude:
-            names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
-            kept = [s for s in self.samples if os.path.basename(s[0]) not in names
-                    or exclude.isdisjoint((os.path.realpath(s[0]), os.path.abspath(s[0])))]
-            self.excluded = len(self.samples) - len(kept)
-            if not kept:
-                raise DataError(f"{self.split_dir}: all {len(self.samples)} images are in the exclude list.")
-            self.samples = kept
+        self.samples, self.excluded = leave_out(self.samples, exclude, lambda s: (s[0],), self.split_dir, "images")
         summary = self.index.summary(self.split_dir)
         if summary:
             warnings.warn(summary, stacklevel=2)

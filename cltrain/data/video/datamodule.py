@@ -63,7 +63,8 @@ class ClipFolderDataModule(BatchDataModule):
     on left and right) and ``BadFilePolicy`` (``bad_files``: a clip that cannot be read stops the run,
     or is replaced by the next readable clip and listed, as images are) and ``ExcludeList``
     (``exclude_files``: clips left out from the start, by a list from ``python -m cltrain.data.check ROOT``
-    or a ``skipped_files.tsv``); each argument is documented in its group. ``root`` holds ``train/`` and ``val/``, each ``<class>/<clip>/<frame>``.
+    or a ``skipped_files.tsv``); each argument is documented in its group. ``root`` holds ``train/`` and
+    ``val/``, each ``<class>/<clip>/<frame>``.
 
     Raises:
         ValueError: a bad argument (at construction); a split without class folders, a

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from cltrain.data.constants import IMG_EXTENSIONS, is_hidden
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.errors import BadImageError, DataError
-from cltrain.data.image_folder_dataset import find_classes
+from cltrain.data.image_folder_dataset import find_classes, leave_out
 from cltrain.data.index import not_loaded
 from cltrain.data.video.transforms import FrameError
 
@@ -120,12 +120,9 @@ def find_clips(split_dir: str | os.PathLike, classes: Sequence[str]) -> list[tup
     return samples
 
 
-def _listed(path: str, frames: tuple[str, ...] | None, exclude: frozenset[str], names: set[str]) -> bool:
-    """Whether the clip at ``path`` (its folder or video file) or one of its ``frames`` is in ``exclude`` (whose
-    file names are ``names``)."""
-    files = [path, *(os.path.join(path, f) for f in frames or ())]
-    return any(os.path.basename(f) in names and not exclude.isdisjoint((os.path.realpath(f), os.path.abspath(f)))
-               for f in files)
+def _clip_files(sample: tuple[str, tuple[str, ...] | None, int]) -> list[str]:
+    """A clip's folder or video file, and its frames."""
+    return [sample[0], *(os.path.join(sample[0], f) for f in sample[1] or ())]
 
 
 class ClipFolderDataset(SkipsBadSamples, Dataset):
@@ -157,14 +154,7 @@ class ClipFolderDataset(SkipsBadSamples, Dataset):
         self.split_dir = Path(split_dir)
         self.classes = list(classes) if classes is not None else find_classes(self.split_dir)
         self.samples = find_clips(self.split_dir, self.classes)
-        self.excluded = 0
-        if exclude:
-            names = {os.path.basename(p) for p in exclude}  # realpath only for the few candidates
-            kept = [s for s in self.samples if not _listed(s[0], s[1], exclude, names)]
-            self.excluded = len(self.samples) - len(kept)
-            if not kept:
-                raise DataError(f"{self.split_dir}: all {len(self.samples)} clips are in the exclude list.")
-            self.samples = kept
+        self.samples, self.excluded = leave_out(self.samples, exclude, _clip_files, self.split_dir, "clips")
         self.transform = transform
 
     def __len__(self) -> int:
