@@ -248,11 +248,19 @@ def _computed_tensors(model: nn.Module, memo: dict[int, Any]) -> None:
     """The tensors a module holds as plain attributes that are not leaves, copied as leaves: those a forward
     pre-hook computes again before every forward (``torch.nn.utils.prune``'s ``weight`` from ``weight_orig`` and
     ``weight_mask``; the old-style ``weight_norm`` and ``spectral_norm``'s, as lightly's DINO head holds them).
-    ``deepcopy`` refuses a tensor that is not a leaf (pytorch#103001), and such a model could not be checked."""
+    ``deepcopy`` refuses a tensor that is not a leaf (pytorch#103001), and such a model could not be checked. Those in
+    the plain lists, tuples and dicts it holds too (a forward hook keeping activations for a feature loss)."""
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo and not value.is_leaf:
+                memo[id(value)] = value.detach().clone(memory_format=torch.preserve_format)
+        elif depth and type(value) in (list, tuple, dict):
+            for item in (value.values() if type(value) is dict else value):
+                visit(item, depth - 1)
+
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and id(value) not in memo and not value.is_leaf:
-                memo[id(value)] = value.detach().clone(memory_format=torch.preserve_format)
+            visit(value, 3)
 
 
 def _compiled_types() -> tuple[type, ...]:

@@ -115,14 +115,19 @@ def _prune(m: nn.Module) -> None:
     prune.l1_unstructured(m, "weight", amount=0.3)
 
 
+def _keep_output(m: nn.Module) -> None:
+    m.kept = {}  # a forward hook keeping activations for a feature loss, with their graphs
+    m.register_forward_hook(lambda mod, args, out: mod.kept.__setitem__("out", [out]))
+
+
 @pytest.mark.parametrize("package", PACKAGES)
-@pytest.mark.parametrize("wrap", [_prune, nn.utils.weight_norm, nn.utils.spectral_norm],
-                         ids=["prune", "weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("wrap", [_prune, nn.utils.weight_norm, nn.utils.spectral_norm, _keep_output],
+                         ids=["prune", "weight_norm", "spectral_norm", "kept-activations"])
 def test_a_model_whose_weight_a_hook_computes_is_checked_and_trains_with_the_numbers_of_the_run_without_cltrain(
         package, wrap):
     # torch.nn.utils.prune's weight (weight_orig * weight_mask), the old-style weight_norm's and spectral_norm's (as
-    # lightly's DINO head holds them): no leaf after a forward; deepcopy refused the check's copy and the check was
-    # skipped, so a step that assumes NCHW crashed the run instead of falling back
+    # lightly's DINO head holds them), activations a hook keeps in a dict: no leaves after a forward; deepcopy refused
+    # the check's copy and the check was skipped, so a step that assumes NCHW crashed the run instead of falling back
     def wrapped(nudge: float = 0.0):
         module = _module(package, "adamw", nudge=nudge)
         for m in module.net:
