@@ -168,7 +168,9 @@ class RemotePack(LocalPack):
         super().__init__(url)
         self.root: str = url.rstrip("/")  # type: ignore[assignment]  # a URL, not a Path
         self.url, self.fetch, self.ahead, self.threads = url.rstrip("/"), fetch, ahead, threads
-        self.cache = ShardCache(self.url, cache_dir, parse_size(cache_limit))
+        self.incomplete = (f"the pack at {redact(self.url)} is incomplete (its manifest names the file): upload it "
+                           "again whole, as cltrain-pack wrote it (shards.json last)")
+        self.cache = ShardCache(self.url, cache_dir, parse_size(cache_limit), self.incomplete)
         self._files: OrderedDict[str, int] = OrderedDict()  # type: ignore[assignment]
         self._ahead: _FetchAhead | None = None
         self._manifest: dict | None = None
@@ -229,11 +231,10 @@ class RemotePack(LocalPack):
                 upload): one line naming the shard and the fix, before the first step, not when it is first read.
         """
         indexes = self._fetched_indexes(shards)
-        fix = f"the pack at {self.where} is incomplete: upload it again whole, as cltrain-pack wrote it (shards.json last)"
         for shard, index in zip(shards, indexes):
             flaw = self.cache.flaw(shard, _end(index))
             if flaw:
-                raise RemoteError(f"{self.shard_url(shard)}: {flaw}; {fix}")
+                raise RemoteError(f"{self.shard_url(shard)}: {flaw}; {self.incomplete}")
         return indexes
 
     def _fetched_indexes(self, shards: Sequence[str]) -> list[np.ndarray]:

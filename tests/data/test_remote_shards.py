@@ -390,6 +390,22 @@ def test_a_shard_missing_or_cut_short_in_the_bucket_is_one_line_before_the_first
         assert not list(dm.pack.cache.folder.rglob("*.tar"))  # said before any shard was fetched
 
 
+def test_a_shard_removed_from_the_bucket_during_the_run_is_one_line_saying_the_pack_is_incomplete(local_pack, server,
+                                                                                                   env):
+    # said as a wrong URL was ("check the bucket and prefix ..., or make a pack"), though the manifest names the shard
+    client, shard = server.client(), "train/shard-000001.tar"
+    url = server.upload(local_pack, "removed", "pack")
+    dm = ShardsDataModule(url, fetch="ranges", **KW)
+    dm.setup("fit")
+    client.delete_object(Bucket="removed", Key=f"pack/{shard}")
+    with pytest.raises(RemoteError) as caught:
+        dm.pack.pread(shard, 0, 100)
+    line = str(caught.value)
+    assert "\n" not in line and f"{url}/{shard}" in line and "not found" in line
+    assert f"the pack at {url} is incomplete (its manifest names the file): upload it again whole" in line
+    assert "make a pack" not in line
+
+
 def test_no_credentials_an_uppercase_scheme_and_keys_in_the_url_are_one_line_with_the_fix(url, env, monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
