@@ -88,7 +88,9 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
         self.rank, self.world_size, self.shuffle_buffer, self.seed = rank, world_size, shuffle_buffer, seed
         self.threads, self.epoch = max(1, threads), 0
         self.shards = list_shards(self.root, split)
-        self.cache = ShardCache(self.root, cache_dir, cache_limit) if is_url(self.root) else None
+        gone = (f"{self.where}/{split} lost a shard listed when the run began: upload the split's shards again whole "
+                "and start the run again")
+        self.cache = ShardCache(self.root, cache_dir, cache_limit, gone) if is_url(self.root) else None
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next iteration gives (``PrefetchDataLoader`` sets it)."""

@@ -197,6 +197,27 @@ def test_webdataset_shards_give_the_folders_pixels_through_cltrains_decoder(fold
     assert _pixels(val) == _pixels(expected)  # every sample once, decoded by cltrain from the stored bytes
 
 
+def test_a_webdataset_shard_removed_during_the_run_is_one_line_naming_it_and_the_fix(folder, server, env, tmp_path):
+    # said as a wrong URL was ("check the bucket and prefix ..., or make a pack with cltrain-pack")
+    wds = pytest.importorskip("webdataset")
+    from cltrain.data import eval_transform
+    from cltrain.data.remote import RemoteError
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    (tmp_path / "w" / "train").mkdir(parents=True)
+    with wds.ShardWriter(str(tmp_path / "w" / "train" / "shard-%04d.tar"), maxcount=6, verbose=0) as sink:
+        for p in sorted((folder / "train").rglob("*.jpg")):
+            sink.write({"__key__": f"{p.parent.name}_{p.stem}", "jpg": p.read_bytes(), "cls": b"0"})
+    url = server.upload(tmp_path / "w", "bucket", "wds-removed")
+    ds = WebDatasetImages(url, "train", eval_transform(24, 28), shuffle_buffer=None, cache_dir=str(env / "gone"))
+    server.client().delete_object(Bucket="bucket", Key="wds-removed/train/shard-0001.tar")
+    with pytest.raises(RemoteError) as caught:
+        list(ds)
+    line = str(caught.value)
+    assert "\n" not in line and f"{url}/train/shard-0001.tar: not found" in line and "cltrain-pack" not in line
+    assert f"{url}/train lost a shard listed when the run began: upload the split's shards again whole" in line
+
+
 def test_webdataset_ranks_stay_in_step_with_fewer_shards_than_ranks_times_workers(folder, wds_url, env):
     from torch.utils.data import DataLoader
 
