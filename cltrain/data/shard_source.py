@@ -242,12 +242,23 @@ class RemotePack(LocalPack):
         from concurrent.futures import ThreadPoolExecutor
 
         def load(shard: str) -> np.ndarray:
+            name, damaged = _index_name(shard), None
             for _ in range(3):
+                path = self.cache.get(name)
                 try:
-                    return np.load(self.cache.get(_index_name(shard)), allow_pickle=False)
+                    return np.load(path, allow_pickle=False)
                 except FileNotFoundError:  # evicted between its fetch and its load (a cache smaller than the pack)
                     continue
-            return np.load(self.cache.get(_index_name(shard)), allow_pickle=False)
+                except (OSError, ValueError, EOFError) as err:
+                    reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+                    if damaged is not None:  # fetched again and still no index: the store's copy
+                        raise RemoteError(f"{self.shard_url(name)}: not a shard index ({reason}); "
+                                          f"{self.incomplete}") from None
+                    damaged = path
+                    log.warning("cltrain: %s (the shard cache's copy of %s) is not a shard index (%s); fetching it "
+                                "again", path, self.shard_url(name), reason)
+                    path.unlink(missing_ok=True)
+            return np.load(self.cache.get(name), allow_pickle=False)
 
         with ThreadPoolExecutor(max(1, min(self.threads * 4, len(shards)))) as pool:
             return list(pool.map(load, shards))

@@ -5,6 +5,7 @@ without losing or repeating a sample, bad URLs and full disks said in one line."
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -388,6 +390,27 @@ def test_a_shard_missing_or_cut_short_in_the_bucket_is_one_line_before_the_first
         assert "\n" not in line and f"{url}/{shard}" in line and "upload it again whole" in line
         assert ("missing" in line) == (body is None) and ("cut short" in line) == (body is not None)
         assert not list(dm.pack.cache.folder.rglob("*.tar"))  # said before any shard was fetched
+
+
+def test_a_damaged_index_in_the_cache_is_fetched_again_and_one_in_the_bucket_is_one_line(local_pack, server, env,
+                                                                                          tmp_path, caplog):
+    # np.load's traceback, at every setup while the damaged copy stayed in the node's cache
+    url = server.upload(local_pack, "damaged", "pack")
+    ShardsDataModule(url, cache_dir=str(tmp_path), **KW).setup("fit")
+    cached = next(tmp_path.rglob("shard-000000.idx~*.npy"))
+    cached.write_bytes(cached.read_bytes()[:-8])  # cut short on the node's disk
+    dm = ShardsDataModule(url, cache_dir=str(tmp_path), **KW)
+    with caplog.at_level(logging.WARNING, logger="cltrain"):
+        dm.setup("fit")
+    said = [r.getMessage() for r in caplog.records if "is not a shard index" in r.getMessage()]
+    assert len(said) == 1 and str(cached) in said[0] and said[0].endswith("fetching it again"), said
+    assert len(dm.train_set) == 33 and np.load(cached).shape == (7, 5)
+    server.client().put_object(Bucket="damaged", Key="pack/train/shard-000000.idx.npy", Body=b"\x93NUMPY damaged")
+    with pytest.raises(RemoteError) as caught:
+        ShardsDataModule(url, cache_dir=str(tmp_path / "fresh"), **KW).setup("fit")
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(f"{url}/train/shard-000000.idx.npy: not a shard index (")
+    assert f"the pack at {url} is incomplete" in line
 
 
 def test_a_shard_removed_from_the_bucket_during_the_run_is_one_line_saying_the_pack_is_incomplete(local_pack, server,
