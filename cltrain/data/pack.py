@@ -12,7 +12,7 @@
     OUT/train/shard-000000.skipped.tsv  # the shard's files the check found unreadable (only if any)
     OUT/val/...
     OUT/skipped_files.tsv             # every file left out: split<TAB>path<TAB>reason (as cltrain-data-check)
-    OUT/shards.json                   # written last: classes, shards and counts per split
+    OUT/shards.json                   # written last: classes, shards (each one's bytes and index digest), counts
     OUT/.cltrain_pack.json            # what is being packed (root, shard size, seed, check, a fingerprint of the tree)
 
 Every file is checked as it is packed, by the check of ``cltrain-data-check`` (``--check full``, the
@@ -56,6 +56,7 @@ from cltrain.data.decoders import DECODER_NAMES, get_decoder
 from cltrain.data.image_folder_dataset import find_classes, find_samples
 from cltrain.data.remote import is_url, redact
 from cltrain.data.shard_dataset import MANIFEST
+from cltrain.data.shard_source import index_digest
 from cltrain.data.shard_writer import CheckedReader, write_shard
 
 __all__ = ["MANIFEST", "PACK_STATE", "SKIPPED_LIST", "PackError", "pack", "shard_name"]
@@ -211,7 +212,11 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
                             for stem in stems if stem.with_suffix(".skipped.tsv").is_file())
             skipped_lines.append(lines)
             manifest["splits"][split] = {"count": sum(counts), "skipped": lines.count("\n"),
-                                         "shards": [f"{split}/{stem.name}.tar" for stem in stems]}
+                                         "shards": [f"{split}/{stem.name}.tar" for stem in stems],
+                                         # what each shard was made as: a shard or index replaced since is said
+                                         "bytes": [stem.with_suffix(".tar").stat().st_size for stem in stems],
+                                         "index_sha256": [index_digest(np.load(stem.with_suffix(".idx.npy")))
+                                                          for stem in stems]}
     finally:
         reader.close()
     with atomic_open(out / SKIPPED_LIST, "w") as f:

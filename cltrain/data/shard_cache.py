@@ -344,16 +344,20 @@ class ShardCache:
                 listed = self._listing[folder] = self._listed(folder)
         return listed
 
-    def flaw(self, name: str, needs: int) -> str | None:
-        """What the store's listing says is wrong with ``name``, which must hold ``needs`` bytes: ``"missing"``, or
-        ``"N bytes where M are needed (cut short)"``, an interrupted upload; ``None`` where nothing is (or its folder
-        does not list: a missing file is then said when it is read)."""
+    def flaw(self, name: str, needs: int, made: int | None = None) -> str | None:
+        """What the store's listing says is wrong with ``name``, which must hold ``needs`` bytes (exactly ``made``,
+        where that is known): ``"missing"``, ``"N bytes where M are needed (cut short)"`` (an interrupted upload), or
+        not the bytes it was made with; ``None`` where nothing is (or its folder does not list: a missing file is
+        then said when it is read)."""
         listed = self.listing(name)
         if not listed:
             return None
         if name not in listed:
             return "missing"
-        return f"{listed[name][0]} bytes where {needs} are needed (cut short)" if listed[name][0] < needs else None
+        size = listed[name][0]
+        if made is not None and size != made:
+            return f"{size} bytes where the manifest says {made} (cut short, or another pack's)"
+        return f"{size} bytes where {needs} are needed (cut short)" if size < needs else None
 
     def _listed(self, folder: str) -> dict[str, tuple[int, str | None]]:
         """``{name: (bytes, version)}`` of the files directly in ``folder`` (names relative to the root); ``{}``

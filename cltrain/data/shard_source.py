@@ -17,6 +17,7 @@ Which is faster, measured: ``python -m scripts.bench.object_storage`` (docs/guid
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +37,8 @@ from cltrain.data.shard_cache import ShardCache, parse_size
 __all__ = ["FETCH_MODES", "MANIFEST", "LocalPack", "RemotePack", "open_pack"]
 
 log = logging.getLogger(__name__)
+#: A shard index that is not the one the manifest records.
+REPLACED = "not the index the pack's manifest records (another pack's, uploaded or copied over part of this one)"
 MANIFEST_ATTEMPTS = 4  # the manifest's reads from a store: 0.5 s, 1 s, 2 s apart
 
 
@@ -64,6 +67,25 @@ def _end(index: np.ndarray) -> int:
     if index.ndim == 2 and index.shape[1] >= 5 and len(index):
         needs = max(needs, int((index[:, 3] + index[:, 4]).max()))
     return needs
+
+
+def index_digest(index: np.ndarray) -> str:
+    """A shard index's digest, as a pack's manifest records it (``index_sha256``)."""
+    return hashlib.sha256(np.ascontiguousarray(index, dtype=np.int64).tobytes()).hexdigest()
+
+
+def _made(manifest: dict) -> dict[str, tuple[int, str]]:
+    """``{shard: (bytes, index digest)}`` as the pack made them (packs made before the manifest held them: none)."""
+    out = {}
+    for split in manifest.get("splits", {}).values():
+        sizes, digests = split.get("bytes"), split.get("index_sha256")
+        if isinstance(sizes, list) and isinstance(digests, list) and len(sizes) == len(digests) == len(split["shards"]):
+            out.update({shard: (int(b), str(d)) for shard, b, d in zip(split["shards"], sizes, digests)})
+    return out
+
+
+def _replaced(index: np.ndarray, made: tuple[int, str] | None) -> bool:
+    return made is not None and index_digest(index) != made[1]
 
 
 class LocalPack:
@@ -112,9 +134,10 @@ class LocalPack:
             DataError: a shard or an index the manifest names is missing, unreadable or shorter than its index
                 says (an interrupted copy): one line naming the file and the fix.
         """
-        return [self._checked_index(s) for s in shards]
+        made = _made(self.manifest())
+        return [self._checked_index(s, made.get(s)) for s in shards]
 
-    def _checked_index(self, shard: str) -> np.ndarray:
+    def _checked_index(self, shard: str, made: tuple[int, str] | None) -> np.ndarray:
         fix = (f"the pack at {self.root} is incomplete: copy it again whole, or make it anew with `cltrain-pack "
                f"IMAGEFOLDER {self.root}`.")
         path = self.root / _index_name(shard)
@@ -124,11 +147,16 @@ class LocalPack:
             raise DataError(f"{path}: missing; {fix}") from None
         except (OSError, ValueError, EOFError) as err:
             raise DataError(f"{path}: not a shard index ({type(err).__name__}: {err}); {fix}") from None
+        if _replaced(index, made):
+            raise DataError(f"{path}: {REPLACED}; {fix}")
         needs = _end(index)
         try:
             size = os.stat(self.root / shard).st_size
         except FileNotFoundError:
             raise DataError(f"{self.root / shard}: missing; {fix}") from None
+        if made is not None and size != made[0]:
+            raise DataError(f"{self.root / shard}: {size} bytes where the manifest says {made[0]} (cut short, or "
+                            f"another pack's); {fix}")
         if size < needs:
             raise DataError(f"{self.root / shard}: {size} bytes where its index reads up to byte {needs} (cut short); "
                             f"{fix}")
@@ -230,9 +258,11 @@ class RemotePack(LocalPack):
             RemoteError: a shard the manifest names is missing, or shorter than its index says (an interrupted
                 upload): one line naming the shard and the fix, before the first step, not when it is first read.
         """
-        indexes = self._fetched_indexes(shards)
+        indexes, made = self._fetched_indexes(shards), _made(self.manifest())
         for shard, index in zip(shards, indexes):
-            flaw = self.cache.flaw(shard, _end(index))
+            if _replaced(index, made.get(shard)):
+                raise RemoteError(f"{self.shard_url(_index_name(shard))}: {REPLACED}; {self.incomplete}")
+            flaw = self.cache.flaw(shard, _end(index), made.get(shard, (None,))[0])
             if flaw:
                 raise RemoteError(f"{self.shard_url(shard)}: {flaw}; {self.incomplete}")
         return indexes

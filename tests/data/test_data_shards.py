@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def test_pack_refuses_other_settings_and_a_changed_tree(folder: Path, tmp_path: 
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
-@pytest.mark.parametrize("damage", ["tar missing", "index missing", "tar cut short", "index not an index"])
+@pytest.mark.parametrize("damage", ["tar missing", "index missing", "tar cut short", "index not an index",
+                                    "another tar", "another index"])
 def test_an_incomplete_pack_is_one_line_at_setup_naming_the_file(folder: Path, tmp_path: Path, damage: str) -> None:
     from cltrain.data.errors import DataError
 
@@ -110,17 +112,27 @@ def test_an_incomplete_pack_is_one_line_at_setup_naming_the_file(folder: Path, t
     pack(folder, out, shard_size=7, progress=False)
     tar = out / "train" / "shard-000002.tar"
     index = tar.with_name("shard-000002.idx.npy")
-    bad = {"tar missing": tar, "index missing": index, "tar cut short": tar, "index not an index": index}[damage]
+    bad = index if "index" in damage else tar
     if damage.endswith("missing"):
         bad.unlink()
     elif damage == "tar cut short":
         os.truncate(tar, tar.stat().st_size // 2)  # an interrupted copy
+    elif damage.startswith("another"):  # a copy of another pack over part of this one (read as this one's before)
+        if bad is index:  # two indexes of 7 samples: the same size
+            other = bad.with_name("shard-000001.idx.npy")
+        else:  # a tar's size is a multiple of 10 KiB: one that differs (the last shard holds fewer images)
+            other = next(p for p in sorted(tar.parent.glob("*.tar")) if p.stat().st_size != tar.stat().st_size)
+        assert other.read_bytes() != bad.read_bytes()
+        shutil.copyfile(other, bad)
     else:
         bad.write_bytes(b"not an index")
     with pytest.raises(DataError) as caught:
         ShardsDataset(out, "train", eval_transform(32, 36))  # at setup, before any sample is read
     line = str(caught.value)
     assert line.startswith(f"{bad}: ") and "\n" not in line and f"cltrain-pack IMAGEFOLDER {out}" in line
+    said = {"another tar": "bytes where the manifest says",
+            "another index": "not the index the pack's manifest records"}
+    assert said.get(damage, "") in line
     ShardsDataset(out, "val", eval_transform(32, 36))  # the other split is whole
 
 

@@ -392,6 +392,25 @@ def test_a_shard_missing_or_cut_short_in_the_bucket_is_one_line_before_the_first
         assert not list(dm.pack.cache.folder.rglob("*.tar"))  # said before any shard was fetched
 
 
+def test_shards_and_indexes_of_another_pack_uploaded_over_part_of_this_one_are_one_line_at_setup(local_pack, server,
+                                                                                                 env):
+    # an index of another pack, of as many samples (the same size), was read as this shard's: the wrong offsets
+    client, tar = server.client(), "train/shard-000001.tar"
+    size = (local_pack / tar).stat().st_size
+    other = next(p for p in sorted((local_pack / "train").glob("*.tar")) if p.stat().st_size != size)
+    for key, body, said in (("train/shard-000001.idx.npy", (local_pack / "train/shard-000000.idx.npy").read_bytes(),
+                             "not the index the pack's manifest records"),
+                            (tar, other.read_bytes(), "bytes where the manifest says")):
+        prefix = key.rsplit(".", 1)[-1]
+        url = server.upload(local_pack, "over", prefix)
+        client.put_object(Bucket="over", Key=f"{prefix}/{key}", Body=body)
+        with pytest.raises(RemoteError) as caught:
+            ShardsDataModule(url, **KW).setup("fit")
+        line = str(caught.value)
+        assert "\n" not in line and line.startswith(f"{url}/{key}: ") and said in line
+        assert "upload it again whole" in line
+
+
 def test_a_damaged_index_in_the_cache_is_fetched_again_and_one_in_the_bucket_is_one_line(local_pack, server, env,
                                                                                           tmp_path, caplog):
     # np.load's traceback, at every setup while the damaged copy stayed in the node's cache
