@@ -99,6 +99,8 @@ class _StepCounter:
     """An optimizer step hook that counts the steps of the optimizers it was registered on. A copy of such an
     optimizer (the check's, ``copy.deepcopy``, a pickle) carries this counter inert: its steps are not the run's."""
 
+    cltrain_own = True  # not a step hook of the user's (``user_step_hooks``)
+
     def __init__(self) -> None:
         self.ids: set[int] = set()
         self.steps = 0

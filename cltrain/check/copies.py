@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from cltrain.layout.closures import callables_of, rebound
+from cltrain.layout.optimizer_state import user_step_hooks
 from cltrain.layout.tensors import is_materialized
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "checking", "copy_optimizer", "copy_schedulers", "eager_copy", "elementwise",
@@ -158,8 +159,10 @@ class _InertScheduler:
 
 
 def elementwise(optimizers: list[Any]) -> bool:
-    """Whether every optimizer (or ``LightningOptimizer``'s) is one of ``ELEMENTWISE_OPTIMIZERS`` itself."""
-    return all(type(getattr(o, "optimizer", o)) in ELEMENTWISE_OPTIMIZERS for o in optimizers)
+    """Whether every optimizer (or ``LightningOptimizer``'s) is one of ``ELEMENTWISE_OPTIMIZERS`` itself, whose step
+    runs no step hooks of the user's (per-filter clipping in a pre-step hook reads the gradients' memory)."""
+    return all(type(getattr(o, "optimizer", o)) in ELEMENTWISE_OPTIMIZERS and not user_step_hooks(o)
+               for o in optimizers)
 
 
 class _Eager(nn.Module):

@@ -13,7 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from cltrain.layout.tensors import memory_format_for
 
-__all__ = ["restride_optimizer_state", "state_in_param_strides"]
+__all__ = ["own_hook", "restride_optimizer_state", "state_in_param_strides", "user_step_hooks"]
 
 
 def _restride(optimizer: torch.optim.Optimizer, params: set[int] | None) -> None:
@@ -55,4 +55,22 @@ def state_in_param_strides(params: Iterable[torch.Tensor]) -> RemovableHandle:
     """A global optimizer pre-step hook (remove it with the handle): before any optimizer steps, the state of
     ``params`` takes their strides, as the same run in their layout would have built it (the check's copies)."""
     own = {id(p) for p in params}
-    return register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _restride(optimizer, own))
+    return register_optimizer_step_pre_hook(own_hook(lambda optimizer, args, kwargs: _restride(optimizer, own)))
+
+
+def own_hook(hook: Any) -> Any:
+    """``hook`` marked as cltrain's own (``user_step_hooks`` passes it over)."""
+    hook.cltrain_own = True
+    return hook
+
+
+def user_step_hooks(optimizer: Any) -> bool:
+    """Whether a step of ``optimizer`` (or a ``LightningOptimizer``'s) runs step hooks other than cltrain's: its own
+    pre- and post-step hooks, or every optimizer's (``register_optimizer_step_pre_hook``)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    hooks = [*getattr(inner, "_optimizer_step_pre_hooks", {}).values(),
+             *getattr(inner, "_optimizer_step_post_hooks", {}).values(),
+             *torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values()]
+    return any(not getattr(hook, "cltrain_own", False) for hook in hooks)

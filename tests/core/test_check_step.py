@@ -27,6 +27,8 @@ EXPECTED = {
     "clipping_view": ("the code after the backward", "torch.flatten(x, 1)", "raises"),
     # torch's SGD updates alike in any layout: the line names the hook before it (user_code.py), not torch/optim
     "hook_raw_memory": ("(update at tests/helpers/user_code.py:", "p.grad", "diverges"),
+    # torch's AdamW, whose step runs a pre-step hook of the user's: the step runs on the copies
+    "step_hook_view": ("(update at tests/helpers/user_code.py:", "torch.flatten(x, 1)", "raises"),
     "compiled_view_head": ("`net`", "torch.flatten(x, 1)", "raises"),
     "compiled_submodule": ("`net._orig_mod`", "torch.flatten(x, 1)", "raises"),
     "class_wide": ("`net.blocks.0.1` and 3 more `SplitNorm`", "torch.flatten(x, 1)", "raises"),

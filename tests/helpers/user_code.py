@@ -330,12 +330,32 @@ def _with_optimizer(module: pl.LightningModule, optimizer: type[torch.optim.Opti
     return module
 
 
+def _filter_clipping(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Per-filter clipping in a step pre-hook of torch's own AdamW, written with ``view``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and p.dim() == 4:
+                flat = p.grad.view(p.size(0), -1)
+                flat.mul_((0.1 / (flat.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0))
+
+
+def _adamw_with_hook(module: pl.LightningModule) -> pl.LightningModule:
+    def configure() -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
+        optimizer.register_step_pre_hook(_filter_clipping)
+        return optimizer
+
+    module.configure_optimizers = configure  # type: ignore[method-assign]
+    return module
+
+
 # Code around the step: after the backward, compiled modules, a class's every instance, the trainer.
 STEP_PATTERNS = {
     "optimizer_view": lambda: _with_optimizer(Classifier(ViewHeadFlat()), FilterNormSGD),
     "optimizer_raw_memory": lambda: _with_optimizer(Classifier(ViewHeadFlat()), RawGradSGD),
     "clipping_view": lambda: FilterClipping(ViewHeadFlat()),
     "hook_raw_memory": lambda: InputChannelScaling(ViewHeadFlat()),
+    "step_hook_view": lambda: _adamw_with_hook(Classifier(ViewHeadFlat())),
     "compiled_view_head": lambda: torch.compile(Classifier(BNViewHead()), backend="eager"),
     "compiled_submodule": lambda: Classifier(torch.compile(ViewHead(), backend="eager")),
     "class_wide": lambda: Classifier(SplitNormNet()),
