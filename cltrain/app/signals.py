@@ -22,7 +22,9 @@ with a rank that is gone, where a Python handler runs only when the call returns
 watches the signals arrive (``signal.set_wakeup_fd``) and the handler taking them.
 
 Under several ranks a signal may reach one rank, or each rank at its own moment (Ctrl+C reaches every process of the
-terminal's group): each rank notes it, and at each of the points above the ranks agree (``agreed``: a reduction of
+terminal's group). The launching rank passes each signal on to the ranks it started as it arrives (a ``kill`` of it
+alone reaches a rank waiting for a stalled read); the same signal within ``ECHO`` seconds of the first is its echo,
+not a second signal. Each rank notes it, and at each of the points above the ranks agree (``agreed``: a reduction of
 one integer over a CPU process group, so the device is not waited on), so every rank stops at the same batch and
 meets the others in the checkpoint's collectives. Stopped at different points, a rank's checkpoint barrier met
 another rank's next collective: a gloo error and a traceback, or both ranks waiting for ever.
@@ -53,6 +55,9 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 STUCK_GRACE = 60.0
 #: Seconds a first signal waits for a batch that does not come (a data read that stalls) before the run stops at once.
 DATA_GRACE = 20.0
+#: Seconds after a first signal within which the same signal again is its echo (the launching rank passes each signal
+#: on to the ranks it started, which the terminal's or the scheduler's signal often reached too), not a second signal.
+ECHO = 1.0
 
 
 class RunInterrupted(BaseException):
@@ -90,12 +95,17 @@ class SignalStop(Callback):
         self._taken = 0  # signals the handler has taken (the watchdog compares them with those that arrived)
         self._watch: tuple[int, int, int] | None = None  # the wakeup pipe's ends and the wakeup fd before it
         self._fetching: float | None = None  # since when the training loop waits for its next batch
+        self._first_at = 0.0  # when the first signal came
+        self._children: list[Any] = []  # the ranks this process launched (Lightning's launcher): each signal passed on
 
     # --- the handler ----------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._taken += 1
+        if self.signum == signum and time.monotonic() - self._first_at < ECHO:
+            return  # the same signal, passed on by the launching rank
         again = self.signum == signum
-        self.signum = self.signum or signum  # the first (torchrun sends SIGTERM after the terminal's SIGINT)
+        if self.signum is None:
+            self.signum, self._first_at = signum, time.monotonic()  # the first (torchrun: SIGTERM after SIGINT)
         if self._holding:  # the latest state is being written: the stop goes on once it is
             print(f"cltrain: {signal.Signals(signum).name}: last.ckpt is being written; the run stops once it is.",
                   file=sys.stderr, flush=True)
@@ -144,6 +154,7 @@ class SignalStop(Callback):
                     if signum not in HANDLED:
                         continue
                     arrived += 1
+                    self._pass_on(signum)
                     deadline = time.monotonic() + STUCK_GRACE
                     while self._taken < arrived and time.monotonic() < deadline:
                         time.sleep(0.1)
@@ -156,6 +167,14 @@ class SignalStop(Callback):
                         self._await_batch(signum)
         finally:
             os.close(read)
+
+    def _pass_on(self, signum: int) -> None:
+        """``signum`` to the ranks this process launched, as it arrives (a ``kill`` of the launching process alone
+        reaches them: a rank that waits for a stalled read, not at a batch end where the ranks agree, stops too)."""
+        for proc in self._children:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.send_signal(signum)
 
     def _await_batch(self, signum: int) -> None:
         """A first signal, taken while the training loop waits for its next batch (a read from a store that stalls
@@ -181,6 +200,7 @@ class SignalStop(Callback):
         self._world_size = trainer.world_size if dist.is_available() and dist.is_initialized() else 1
         if self._world_size == 1:
             return
+        self._children = list(getattr(getattr(trainer.strategy, "launcher", None), "procs", None) or [])
         connector = getattr(trainer, "_signal_connector", None)
         if hasattr(connector, "_sigterm_notifier_fn"):  # registered after this hook
             connector._sigterm_notifier_fn = _ignore  # the ranks agree at the batch's end (``agreed``)
@@ -268,8 +288,9 @@ class _Deferred:
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     """Lightning's SIGTERM handler under several ranks, replaced: it broadcast from inside the signal handler, meeting
-    whatever collective the interrupted rank was about to run, and passed the signal on to the ranks it started, which
-    the terminal's or the scheduler's signal had often reached already (a second signal: a stop at once)."""
+    whatever collective the interrupted rank was about to run, and passed the signal on to the ranks it started when
+    the main thread took it, often a step later (read as a second signal there: a stop at once); ``SignalStop``
+    passes it on as it arrives instead."""
 
 
 def lost_peer(err: BaseException) -> bool:

@@ -3,6 +3,7 @@ interrupted, one line with the resume command; the resume continues at the exact
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -10,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -322,3 +324,34 @@ def test_a_first_signal_while_the_next_batch_stalls_stops_the_run_after_the_grac
         trainer.fit(_Signalling(at=-1), DataLoader(Stalls(), batch_size=2))
     assert time.monotonic() - started < 15 and stopped.value.at_once and trainer.global_step == 3
     assert "the next batch has not come in 1 s" in capfd.readouterr().err
+
+
+def test_a_signal_to_the_launching_rank_alone_reaches_the_ranks_it_started_while_their_reads_stall() -> None:
+    # `kill` of the launching process while every rank waited for a stalled read: it stopped after the grace, and the
+    # rank it started, which no signal reached, went on waiting for its read (minutes; orphaned once the launcher left)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.stall_ddp_run"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env(), start_new_session=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if sum("stalling" in seen for seen in lines) == 2:  # both ranks wait for their read
+                break
+        else:
+            pytest.fail("".join(lines[-30:]))
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, "".join(lines[-30:])
+        while time.monotonic() - sent < 30:
+            try:
+                os.killpg(proc.pid, 0)  # a process of the run is left
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("a rank of the run still waits for its read: " + "".join(lines[-30:]))
+        assert "".join(lines).count("stopped by 15") == 2, "".join(lines[-30:])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
