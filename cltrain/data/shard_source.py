@@ -43,12 +43,16 @@ MANIFEST_ATTEMPTS = 4  # the manifest's reads from a store: 0.5 s, 1 s, 2 s apar
 
 
 def _transient(err: BaseException) -> bool:
-    """Whether a failed read may succeed when tried again: a reset, a body cut short, a timeout, a 5xx or a
-    SlowDown; not a refused or unknown key, nor an endpoint that cannot be reached at all (said at once)."""
+    """Whether a failed read of the manifest may succeed when tried again: a reset, a body cut short, a 5xx or a
+    SlowDown (a job's ranks starting at once); not a refused or unknown key, nor an endpoint that cannot be reached
+    or does not answer (a connect or read timeout: the client's own attempts have waited for it already), said at
+    once."""
     text = f"{type(err).__name__} {err}"
     lasting = ("AccessDenied", "NoSuch", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-               "Could not connect to the endpoint", "EndpointConnectionError", "ConnectTimeout", "Forbidden")
-    return not isinstance(err, (PermissionError, RemoteError)) and not any(m in text for m in lasting)
+               "Could not connect to the endpoint", "EndpointConnectionError", "Forbidden",
+               "ConnectTimeout", "ReadTimeout", "Connect timeout", "Read timeout")
+    return (not isinstance(err, (PermissionError, RemoteError, TimeoutError))
+            and not any(m in text for m in lasting))
 
 #: Written last into a complete pack (by ``cltrain.data.pack``): classes, shards and counts per split.
 MANIFEST = "shards.json"
@@ -221,8 +225,9 @@ class RemotePack(LocalPack):
         return redact(join(self.url, shard))
 
     def manifest(self) -> dict:
-        """The pack's ``shards.json``, read from the store once (a wrong URL, key or endpoint is said quickly; a
-        transient failure, as a job's ranks starting at once meet it, is tried again ``MANIFEST_ATTEMPTS`` times);
+        """The pack's ``shards.json``, read from the store once (a wrong URL, key or endpoint, or one that does not
+        answer, is said quickly; a reset, a 5xx or a SlowDown, as a job's ranks starting at once meet them, is tried
+        again up to ``MANIFEST_ATTEMPTS`` times: ``_transient``);
         a complete pack's manifest does not change, and each split's dataset asks for it.
 
         Raises:

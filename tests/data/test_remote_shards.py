@@ -577,6 +577,23 @@ def test_the_manifest_is_read_again_after_a_transient_failure_and_not_after_a_la
     assert len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
 
 
+def test_an_endpoint_that_never_answers_the_manifest_is_one_line_without_trying_it_again(url, server, env,
+                                                                                          monkeypatch):
+    # each of the manifest's 4 tries waited out the client's own attempts of its 5 s read timeout: 78 s to say it
+    proxy = FaultProxy(server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.faults = [Fault("stall", path="shards.json", times=100, seconds=100)]
+    started = time.monotonic()
+    try:
+        with pytest.raises(RemoteError) as raised:
+            ShardsDataModule(url, **KW).setup("fit")
+    finally:
+        proxy.stop()
+    took = time.monotonic() - started
+    assert took < 45, f"{took:.0f} s: {raised.value}"
+    assert "shards.json" in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
 @pytest.mark.parametrize("fetch", ["shards", "ranges"])
 def test_a_pack_uploaded_again_during_the_run_is_refused_not_read(local_pack, server, env, tmp_path, fetch):
     # another pack uploaded over a running one: its shards were read at the first pack's offsets, with its labels
