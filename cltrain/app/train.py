@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import sys
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -47,7 +49,7 @@ from cltrain.app.rundir import run_dir_of
 from cltrain.app.signals import RunInterrupted, SignalStop, lost_peer, peer_exit_status
 from cltrain.checkpoint_io import AtomicCheckpointIO
 
-__all__ = ["build_datamodule", "resume_command", "train"]
+__all__ = ["build_datamodule", "resume_command", "train", "trainer_error"]
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -105,11 +107,14 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
 
     loggers = build_loggers(cfg.get("logger"), run_dir)
     run = build_run_callbacks(cfg, resolved, run_dir, stop, has_logger=bool(loggers))
-    trainer: pl.Trainer = instantiate(
-        cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
-        callbacks=run.callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
-        benchmark=resolved.benchmark, default_root_dir=str(run_dir),
-    )
+    try:
+        trainer: pl.Trainer = instantiate(
+            cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
+            callbacks=run.callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
+            benchmark=resolved.benchmark, default_root_dir=str(run_dir),
+        )
+    except InstantiationException as err:  # a trainer.* value Lightning refuses: its own reason, first line
+        raise trainer_error(cfg.trainer, str(err.__cause__ or err).strip().splitlines()[0]) from None
     global_batch = cfg.data.batch_size * trainer.world_size * trainer.accumulate_grad_batches
     module, lr = build_lightning_module(cfg, model, datamodule.num_classes, global_batch)
     ckpt_path = absolute(cfg.get("ckpt_path"))
@@ -167,6 +172,26 @@ def _explained(cfg: DictConfig, err: Exception) -> ConfigError | None:
         return ConfigError("data.batch_size", 1, f"a BatchNorm layer of the model got one value per channel to "
                            f"normalise (its input {shape})", "data.batch_size=2 or more per device")
     return None
+
+
+def trainer_error(trainer: DictConfig, reason: str) -> ConfigError:
+    """``reason`` (why Lightning's ``Trainer`` refused its arguments) as one line naming the ``trainer.<key>`` it is
+    about: the key the reason names (the one whose value it quotes, where it names several), else the key whose value it
+    quotes, else ``trainer`` itself.
+
+    Example::
+
+        >>> str(trainer_error(OmegaConf.create({"strategy": "fsdp", "devices": 1}),
+        ...                   "The strategy `fsdp` requires a GPU accelerator"))
+        "trainer.strategy='fsdp': The strategy `fsdp` requires a GPU accelerator"
+    """
+    values = {key: value for key, value in trainer.items() if key != "_target_"}
+    named = [key for key in values if re.search(rf"(?<![\w.]){re.escape(str(key))}(?!\w)", reason, re.IGNORECASE)]
+    quoted = [key for key, value in values.items() if isinstance(value, str) and len(value) > 1 and value in reason]
+    key = next((k for k in named if k in quoted), None) or next(iter(named + quoted), None)
+    if key is None:
+        return ConfigError("trainer", trainer.get("_target_"), reason)
+    return ConfigError(f"trainer.{key}", values[key], reason)
 
 
 def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: SignalStop,

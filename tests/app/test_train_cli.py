@@ -74,6 +74,19 @@ def test_unknown_group_option_is_one_line_with_the_closest_and_exit_status_2(tmp
     assert good.returncode == 2 and good.stderr.startswith("cltrain: error: data.batch_size=0:"), good.stderr
 
 
+@pytest.mark.parametrize("strategy,reason", [
+    ("fsdp", "The strategy `fsdp` requires a GPU accelerator"),
+    ("model_parallel", "You selected an invalid strategy name: `strategy='model_parallel'`"),
+])
+def test_a_trainer_value_lightning_refuses_is_one_line_naming_the_key(demo_args: list[str], tmp_path: Path,
+                                                                     strategy: str, reason: str) -> None:
+    # was a 43-line traceback, exit status 1, ending "InstantiationException: Error in call to target ...Trainer"
+    result = run(*SMOKE, *demo_args, "device=cpu", f"trainer.strategy={strategy}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().startswith(f"cltrain: error: trainer.strategy='{strategy}': {reason}"), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_a_run_directory_with_a_run_in_it_is_refused(tmp_path: Path) -> None:
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "last.ckpt").write_bytes(b"old")
