@@ -141,6 +141,33 @@ def test_a_bad_file_on_one_rank_ends_every_rank_with_one_line_each(demo_root: Pa
     assert "Traceback" not in output, output[-3000:]
 
 
+def test_files_skipped_on_rank_1_are_counted_and_listed_in_the_run_directorys_list(demo_root: Path,
+                                                                                   tmp_path: Path) -> None:
+    # A bad file that only rank 1 read was in rank1.skipped_files.tsv alone: no skipped_files.tsv to pass to
+    # exclude_files, and no warning (rank 0 counted its own list)
+    from cltrain.data.resume_state import ResumableSampler
+
+    root = shutil.copytree(demo_root, tmp_path / "demo")
+    files = sorted((root / "train").rglob("*.jpg"))  # the training set's order
+    first_on_rank_1 = int(next(iter(ResumableSampler(len(files), seed=42, num_replicas=2, rank=1))))  # the app's seed
+    bad = files[first_on_rank_1]
+    bad.write_bytes(bad.read_bytes()[:300])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "LOCAL_RANK")}
+    run_dir = tmp_path / "run"
+    result = warm.run([sys.executable, str(REPO / "train.py"), *SMOKE, *demo_overrides(root), "device=cpu",
+                       "trainer=ddp", "trainer.devices=2", "trainer.enable_progress_bar=false", "data.bad_files=skip",
+                       "trainer.max_epochs=1", "channels_last_layout=channels_last",
+                       f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert not (run_dir / "rank0.skipped_files.tsv").exists()  # the premise: rank 1 alone met it
+    assert str(bad) in (run_dir / "rank1.skipped_files.tsv").read_text()
+    assert [line.split("\t")[:2] for line in (run_dir / "skipped_files.tsv").read_text().splitlines()] == \
+        [["train", str(bad)]]
+    assert f"skipped 1 unreadable file(s) of 'train' in epoch 0; their paths are in {run_dir / 'skipped_files.tsv'}" \
+        in " ".join(output.split()), output[-3000:]
+
+
 def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:
     result = run("-m", *SMOKE, "trainer=ddp", "device=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert result.returncode == 2

@@ -3,7 +3,9 @@
 Every DataModule takes ``bad_files`` (``cltrain.data.settings.BadFilePolicy``); under a Trainer with
 ``bad_files="skip"`` its workers append one ``split<TAB>name<TAB>reason`` line per skipped sample to
 a list in the run directory (``SKIPPED_FILES_NAME``, ``datamodule.skipped_files_path``;
-``cltrain.data.bad_samples``). The callback reads the new lines at each epoch's end.
+``cltrain.data.bad_samples``). The callback reads the new lines at each epoch's end. Under DDP each rank appends to its
+own list (``rank<r>.skipped_files.tsv``); at each epoch's end the ranks' new lines are gathered, rank 0 appends them to
+the run directory's ``skipped_files.tsv`` (rewritten atomically), and the warning counts every rank's skips.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from cltrain.atomic import atomic_write_text
+
 
 __all__ = ["SKIPPED_FILES_NAME", "SkippedFilesReport"]
 
-#: The list of skipped files in the run directory (``rank<r>.skipped_files.tsv`` per rank under DDP).
+#: The list of skipped files in the run directory: every rank's (each rank appends to ``rank<r>.skipped_files.tsv``
+#: under DDP, and rank 0 gathers their lines into this one at each epoch's end).
 SKIPPED_FILES_NAME = "skipped_files.tsv"
 
 
@@ -36,30 +42,48 @@ class SkippedFilesReport(L.Callback):
         self.path: Path | None = None
         self._offset = 0
 
-    def _new_counts(self, trainer: L.Trainer) -> dict[str, int]:
+    def _new_lines(self, trainer: L.Trainer) -> list[str]:
+        """The lines appended to this rank's list since the last report."""
         path = getattr(trainer.datamodule, "skipped_files_path", None)
         if path != self.path:
             self.path, self._offset = path, 0
         if self.path is None or not self.path.is_file():
-            return {}
+            return []
         with open(self.path, encoding="utf-8") as f:
             f.seek(self._offset)
             lines = f.read().splitlines()
             self._offset = f.tell()
-        # A file can be met more than once in an epoch (also as the replacement tried for
-        # another bad file): count distinct files.
-        seen = {tuple(line.split("\t", 2)[:2]) for line in lines if "\t" in line}
-        counts: dict[str, int] = {}
-        for split, _ in seen:
-            counts[split] = counts.get(split, 0) + 1
-        return counts
+        return [line for line in lines if "\t" in line]
+
+    def _every_rank(self, trainer: L.Trainer, lines: list[str]) -> tuple[list[list[str]], Path | None]:
+        """Every rank's new lines (this rank's alone without a process group) and the list that holds them all:
+        under DDP rank 0 appends them to the run directory's ``skipped_files.tsv``, atomically. Every rank or none
+        calls the collective: ``path`` is ``None`` on each rank alike (``bad_files`` is the same everywhere)."""
+        if trainer.world_size == 1 or self.path is None or not (dist.is_available() and dist.is_initialized()):
+            return [lines], self.path
+        gathered: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, lines)
+        ranks = [rank_lines or [] for rank_lines in gathered]
+        merged = self.path.with_name(SKIPPED_FILES_NAME)
+        new = list(dict.fromkeys(line for rank_lines in ranks for line in rank_lines))
+        if trainer.is_global_zero and new:
+            before = merged.read_text(encoding="utf-8") if merged.is_file() else ""
+            atomic_write_text(merged, before + "".join(f"{line}\n" for line in new))
+        return ranks, merged
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
-        counts = self._new_counts(trainer)
-        for split, n in counts.items():
+        lines = self._new_lines(trainer)
+        ranks, merged = self._every_rank(trainer, lines)
+        total: dict[str, int] = {}
+        for rank_lines in ranks:  # as data/skipped_<split>: each rank's distinct files, summed over the ranks
+            for split, n in _counts(rank_lines).items():
+                total[split] = total.get(split, 0) + n
+        per_rank = "" if merged == self.path else f" (every rank's; each rank's own are in rank<r>.{SKIPPED_FILES_NAME})"
+        for split, n in total.items():
             rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
-                           f"{trainer.current_epoch}; their paths are in {self.path}.")
+                           f"{trainer.current_epoch}; their paths are in {merged}{per_rank}.")
         if can_log and not trainer.sanity_checking:
+            counts = _counts(lines)
             stage = _stages(trainer.datamodule)  # the list names a split as its source does ("validation")
             for split in ("train", "val"):
                 n = sum(count for name, count in counts.items() if stage.get(name, name) == split)
@@ -81,6 +105,15 @@ class SkippedFilesReport(L.Callback):
     @override
     def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._report(trainer, pl_module, can_log=False)
+
+
+def _counts(lines: list[str]) -> dict[str, int]:
+    """``{split: distinct files}`` of a list's lines: a file can be met more than once in an epoch (also as the
+    replacement tried for another bad file)."""
+    counts: dict[str, int] = {}
+    for split, _ in {tuple(line.split("\t", 2)[:2]) for line in lines}:
+        counts[split] = counts.get(split, 0) + 1
+    return counts
 
 
 def _stages(datamodule: object) -> dict[str, str]:
