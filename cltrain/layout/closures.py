@@ -6,7 +6,7 @@ closure over the original module (``orig = m.forward; m.forward = lambda x: post
 (``def new_forward(self, x, fn=fn)``), or a hook closing over it still runs the original from the copy.
 
 * ``rebound(value, memo)``: ``value`` with every original object it holds in a closure cell, a default, a
-  partial's arguments or a bound method's ``self`` replaced by its copy (``memo``: ``deepcopy``'s map, original
+  module-level name it reads, a partial's arguments or a bound method's ``self`` replaced by its copy (``memo``: ``deepcopy``'s map, original
   id -> copy), recursively through nested functions; ``value`` itself where it holds none. An object that is no
   copy but holds originals (a callback whose method or closure is a hook on the model, holding the module) is
   replaced by a shallow copy of it whose attributes hold the copies (a callback's ``self.module``).
@@ -119,14 +119,20 @@ def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], done: dict[i
     kwdefaults = {k: rebound(v, memo, done) for k, v in (fn.__kwdefaults__ or {}).items()}
     wrapped = getattr(fn, "__wrapped__", None)
     new_wrapped = rebound(wrapped, memo, done) if wrapped is not None else None
+    scope = fn.__globals__
+    names = {name: rebound(scope[name], memo, done) for name in _global_names(fn.__code__) if name in scope}
+    names = {name: value for name, value in names.items() if value is not scope[name]}
     unchanged = (all(a is b for a, b in zip(new_contents, contents))
                  and all(a is b for a, b in zip(defaults, fn.__defaults__ or ()))
                  and all(kwdefaults[k] is v for k, v in (fn.__kwdefaults__ or {}).items())
-                 and new_wrapped is wrapped)
+                 and new_wrapped is wrapped and not names)
     if unchanged:
         return fn
     new_cells = tuple(types.CellType() for _ in cells)
-    copy_ = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults or None, new_cells or None)
+    # a module-level name that holds an original (``orig = m.forward`` in a script or a notebook): its copy, in a
+    # copy of the function's globals
+    copy_ = types.FunctionType(fn.__code__, {**scope, **names} if names else scope, fn.__name__, defaults or None,
+                               new_cells or None)
     done[id(fn)] = copy_
     for cell, value in zip(new_cells, new_contents):  # filled after: a cell may hold the function itself
         if value is not _EMPTY:
@@ -140,6 +146,15 @@ def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], done: dict[i
 
 
 _EMPTY = object()
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names ``code`` may read from its globals: its own and its nested functions' (a lambda inside it)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
 
 
 def _cell_value(cell: types.CellType) -> Any:

@@ -1,5 +1,5 @@
 """The check leaves no trace in the real model, also for code that holds references to it: a ``forward`` replaced by
-a closure over the original, a ``functools.partial`` over it, a wrapper taking the original's method as a default
+a closure over the original or a module-level name holding it, a ``functools.partial`` over it, a wrapper taking the original's method as a default
 argument, a method rebound as an instance attribute, hooks closing over it. Each pattern is checked on true copies
 (a layout fault inside the wrapped module is found, so the copies ran their own module); what cannot be pointed at
 the copy is not checked, and says why; and what reaches the real model anyway is put back and named."""
@@ -80,7 +80,13 @@ def wrapped(net: Net) -> None:  # functools.wraps: __wrapped__ is the original's
     net.encoder.forward = forward
 
 
-PATTERNS = {f.__name__: f for f in (closure, partial, default_argument, rebound_method, hook, wrapped)}
+def global_name(net: Net) -> None:  # a notebook cell: `original = net.encoder.forward` at the top level
+    global _original
+    _original = net.encoder.forward
+    net.encoder.forward = lambda x: _keep_tokens(_original(x))
+
+
+PATTERNS = {f.__name__: f for f in (closure, partial, default_argument, rebound_method, hook, wrapped, global_name)}
 
 
 def _state(model: nn.Module) -> dict:
