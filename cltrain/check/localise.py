@@ -74,14 +74,15 @@ def user_frame(error: BaseException) -> tuple[str, str | None] | None:
 
 def source_of(model: nn.Module, name: str | None, step_owner: Any) -> tuple[str, str | None] | None:
     """``place`` of module ``name``'s ``forward`` (``None``: ``step_owner``'s ``training_step``); where that is in an
-    installed package and the module has a hook of the user's own code (a forward or backward hook, registered on
-    it), the hook's: a fault there is the user's to fix, not the package's."""
+    installed package and the module has code of the user's own (a ``forward`` set on the instance, a forward or
+    backward hook registered on it), that code's: a fault there is the user's to fix, not the package's."""
     target = dict(model.named_modules()).get(name) if name is not None else step_owner
     if target is None:
         return None
     found = method_source(target, "forward" if name is not None else "training_step")
     if name is not None and found is not None and found[1] is not None:
-        hooks = [*target._forward_pre_hooks.values(), *target._forward_hooks.values(),
+        own_forward = [vars(target)["forward"]] if callable(vars(target).get("forward")) else []
+        hooks = [*own_forward, *target._forward_pre_hooks.values(), *target._forward_hooks.values(),
                  *target._backward_pre_hooks.values(), *target._backward_hooks.values()]
         own = [at for at in map(_hook_place, hooks) if at is not None and at[1] is None]
         found = own[0] if own else found

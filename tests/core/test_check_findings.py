@@ -149,3 +149,23 @@ def test_a_users_hook_on_a_packages_module_is_the_users_to_fix() -> None:
     finding = result.findings[0]
     assert finding.module == "layer3" and finding.where.endswith(f"test_check_findings.py:{line}"), finding
     assert finding.package is None and ".contiguous()" in result.line() and "nothing to edit" not in result.line()
+
+
+def test_a_users_forward_set_on_a_packages_module_is_the_users_to_fix() -> None:
+    # named `backward at torch/nn/modules/container.py` with "nothing to edit: that code is in the installed package"
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5)
+    inner = model.layer3.forward
+    model.layer3.forward = lambda x: _reads_nchw(None, (x,), inner(x))  # a notebook's patch of a torchvision block
+    model = convert_model(model)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g))
+    result = verify_layout(model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+                           optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), report=False)
+    line = test_a_users_forward_set_on_a_packages_module_is_the_users_to_fix.__code__.co_firstlineno + 7
+    assert result.verdict in ("fallback", "contiguous"), result.line()
+    finding = result.findings[0]
+    assert finding.module == "layer3" and finding.where.endswith(f"test_check_findings.py:{line}"), finding
+    assert finding.package is None and "nothing to edit" not in result.line()
