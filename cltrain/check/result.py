@@ -7,13 +7,16 @@ from typing import Any
 
 from cltrain.check.fallback import Fallback
 
-__all__ = ["COPY_LIMIT", "MAX_LINE", "MODEL_ALONE", "STEP_RAISED", "Finding", "LayoutCheck"]
+__all__ = ["COPY_LIMIT", "MAX_LINE", "MODEL_ALONE", "REACHED_REAL", "STEP_RAISED", "Finding", "LayoutCheck"]
 
 MAX_LINE = 287  # characters of the line (300 with the "ChannelsLast " before it); the rest is in ``as_dict()``
 #: Named in every error a check copy's stand-ins raise: a limit of the copy, not of the user's code.
 COPY_LIMIT = "the layout check's copy"
 #: How a "not checked" reason starts where the step raised on the NCHW copy: the real step may still run.
 STEP_RAISED = "the step raised on the check's NCHW copy"
+#: How a "not checked" reason starts where the user's code reached the real model from the copies: what that code does
+#: in channels_last is unknown (said as a warning).
+REACHED_REAL = "the step changed the real model through code the check's copy shares with it"
 #: How a note starts where the model was checked alone because the step could not run on the copies.
 MODEL_ALONE = "the model alone"
 
@@ -157,13 +160,18 @@ class LayoutCheck:
             if self.timings:
                 done += (f" ({1e3 * self.timings['channels_last']:.0f} ms/step, "
                          f"{1e3 * self.timings['contiguous']:.0f} contiguous)")
-            found, tail = " | ".join(parts), f" -> {done}{notes} ({self.seconds:.1f} s)"
-            room = MAX_LINE - len(f"{check}: ") - len(tail)
+            found, tail, end = " | ".join(parts), f" -> {done}", f" ({self.seconds:.1f} s)"
+            room = MAX_LINE - len(f"{check}: ") - len(tail) - len(end)
             if len(found) > room:  # shorten what was found, keep what was done
-                found = _shorten(found, max(room, 40))
-            elif room - len(found) > 30 and details:
-                found += f" [{_shorten(' | '.join(details), room - len(found) - 3)}]"
-            text = f"{check}: {found}{tail}" if found else f"{check}: {done}{notes} ({self.seconds:.1f} s)"
+                found, notes = _shorten(found, max(room, 40)), ""
+            else:  # the notes, then the difference, where there is room: never in place of the place and the fix
+                space = room - len(found)
+                if len(notes) > space:
+                    notes = _shorten(notes, space) if space > 20 else ""
+                left = space - len(notes)
+                if left > 30 and details:
+                    found += f" [{_shorten(' | '.join(details), left - 3)}]"
+            text = f"{check}: {found}{tail}{notes}{end}" if found else f"{check}: {done}{notes}{end}"
         return _shorten(text, MAX_LINE)
 
     def as_dict(self) -> dict[str, Any]:

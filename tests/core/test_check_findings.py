@@ -169,3 +169,18 @@ def test_a_users_forward_set_on_a_packages_module_is_the_users_to_fix() -> None:
     finding = result.findings[0]
     assert finding.module == "layer3" and finding.where.endswith(f"test_check_findings.py:{line}"), finding
     assert finding.package is None and "nothing to edit" not in result.line()
+
+
+def test_a_long_note_never_takes_the_place_and_the_fix_out_of_the_line() -> None:
+    # "`layer2` raised in channels_last only (forward at…": the note was kept whole and the finding cut to 40 characters
+    from cltrain.check.fallback import Fallback
+    from cltrain.check.result import MAX_LINE, LayoutCheck
+
+    finding = Finding("raised", "forward", "layer2", "bad_code.py:26", "RuntimeError: view size is not compatible")
+    note = "the model alone, on the batch's image tensor: " + "the step raised on the check's NCHW copy " * 4
+    check = LayoutCheck("fallback", findings=(finding,), fallbacks=(Fallback("module", "layer2.1"),), notes=(note,))
+    line = check.line()
+    assert len(line) <= MAX_LINE and "(forward at bad_code.py:26); fix: use .reshape(...)" in line, line
+    assert "-> `layer2.1` runs in NCHW; the model alone" in line and line.endswith("s)"), line
+    short = LayoutCheck("fallback", findings=(finding,), fallbacks=(Fallback("module", "layer2.1"),), notes=("a note",))
+    assert "NCHW; a note (0.0 s)" in short.line() and "[RuntimeError: view size" in short.line(), short.line()
