@@ -54,7 +54,7 @@ from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.copies import half_dtype
 from cltrain.check.fallback import Fallback, apply_fallbacks
 from cltrain.check.localise import first_line
-from cltrain.check.result import LayoutCheck, describe_fallbacks
+from cltrain.check.result import REACHED_REAL, LayoutCheck, describe_fallbacks
 from cltrain.check.resume import restored_check, saved_check
 from cltrain.ddp import blocker, rebuild_buckets, wrappers
 from cltrain.devices import device_of
@@ -736,7 +736,8 @@ class LayoutSession:
         self.layout_checks[kind] = result
         self.apply(result, model)
         if report:
-            self.say(f"ChannelsLast {result.line(kind)}", result.verdict in ("fallback", "contiguous"))
+            unverified = (result.reason or "").startswith(REACHED_REAL)  # the user's code ran on the real model
+            self.say(f"ChannelsLast {result.line(kind)}", result.verdict in ("fallback", "contiguous") or unverified)
         return result
 
     @_outside_inference

@@ -56,7 +56,7 @@ from cltrain.check.gradient_tape import GradientTape
 from cltrain.check.randomness import rng_state, same_randomness, set_rng_state
 from cltrain.check.record import Run, execute, loss_of
 from cltrain.check.signature import Vectors, distance, projection_loss
-from cltrain.check.result import STEP_RAISED, Finding, LayoutCheck
+from cltrain.check.result import REACHED_REAL, STEP_RAISED, Finding, LayoutCheck
 from cltrain.check.search import FallbackSearch
 from cltrain.check.isolation import ReferenceOutputs
 from cltrain.check.untouched import RealState, describe, reaching_path
@@ -196,8 +196,8 @@ def check_layout(
     finally:
         changed = real.restore()
     if changed:
-        return LayoutCheck("not checked", reason=f"the step changed the real model through code the check's copy "
-                           f"shares with it ({describe(changed)}; put back as it was)",
+        return LayoutCheck("not checked", reason=f"{REACHED_REAL} ({describe(changed)}; put back as it was; "
+                           "channels_last kept unverified: make that code reach the model through `self`)",
                            seconds=time.perf_counter() - start)
     return result
 

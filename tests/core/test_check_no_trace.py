@@ -7,6 +7,7 @@ the copy is not checked, and says why; and what reaches the real model anyway is
 from __future__ import annotations
 
 import functools
+import logging
 import types
 
 import lightning.pytorch as pl
@@ -150,15 +151,18 @@ def test_a_reference_the_copy_cannot_take_over_is_named_and_not_checked() -> Non
 _REGISTRY: dict[str, nn.Module] = {}
 
 
-def test_the_real_model_reached_some_other_way_is_put_back_and_named() -> None:
+def test_the_real_model_reached_some_other_way_is_put_back_and_named_in_a_warning(caplog) -> None:
     torch.manual_seed(0)
     net = convert_model(Net())
     _REGISTRY["encoder"] = net.encoder  # a global registry: no path from the copy that a scan could follow
     net.encoder.forward = lambda x: Encoder.forward(_REGISTRY["encoder"], x)
     before = _state(net)
-    result = _check(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with caplog.at_level(logging.INFO, logger="cltrain"):  # said at INFO, as a check skipped for a copy's limit
+        result = verify_layout(net, _batch(), lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                               optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     assert result.verdict == "not checked" and "changed the real model" in result.line(), result.line()
     assert "encoder.bn.running_mean" in result.line() and "put back" in result.line(), result.line()
+    assert [r.levelno for r in caplog.records if "changed the real model" in r.getMessage()] == [logging.WARNING]
     _assert_same(before, _state(net))
     # The negative control: the same forward outside the check moves the real statistics.
     net(_batch()[0].contiguous(memory_format=torch.channels_last))
