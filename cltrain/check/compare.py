@@ -381,7 +381,7 @@ def _time_step(model: nn.Module, step: Callable[[nn.Module, str], Any], layout: 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        with same_randomness():
+        with same_randomness(), running():  # a copy's step, as the check's others: checking() says so
             loss = loss_of(step(model, layout))
             if loss is not None:
                 loss.backward()

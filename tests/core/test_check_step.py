@@ -432,3 +432,32 @@ def test_a_callback_given_to_a_second_trainer_checks_its_model_afresh() -> None:
         checks.append(callback.layout_checks["train"])
     assert [c.verdict for c in checks] == ["passed", "fallback", "fallback"], checks
     assert checks[2] is checks[1]  # the same model fitted again keeps its verdict, not checked again
+
+
+def test_checking_is_true_in_every_step_run_on_a_copy_also_while_the_fallbacks_are_timed() -> None:
+    # the steps timing a whole-model fallback against channels_last ran outside the check's flag: a side effect
+    # guarded with `if not checking():` ran for each of them
+    from cltrain.loops import convert_model, verify_layout
+
+    class FilterNormAdamW(torch.optim.AdamW):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in (p for group in self.param_groups for p in group["params"] if p.grad is not None):
+                if p.dim() == 4:
+                    p.grad.div_(p.grad.view(p.shape[0], -1).norm(dim=1).clamp_min(1e-6).view(-1, 1, 1, 1))
+            return super().step(closure)
+
+    seen: list[tuple[bool, bool]] = []
+
+    def step(m, b):
+        seen.append((checking(), is_check_copy(m)))
+        return F.cross_entropy(m(b[0]), b[1])
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g))
+    net = convert_model(net)
+    result = verify_layout(net, batch, step, optimizer=FilterNormAdamW(net.parameters()), report=False)
+    assert result.timings is not None, result.line()  # the whole model's fallback was timed
+    assert seen and all(flag == copy for flag, copy in seen), seen
