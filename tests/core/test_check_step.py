@@ -454,7 +454,8 @@ def test_checking_is_true_in_every_step_run_on_a_copy_also_while_the_fallbacks_a
         return F.cross_entropy(m(b[0]), b[1])
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(8, 5))
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g))
     net = convert_model(net)
