@@ -16,6 +16,7 @@ Hydra's ``--config-dir`` adds a folder of the user's beside them.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -56,8 +57,11 @@ def _run(cfg: DictConfig) -> float | None:
         from cltrain.data.remote import redact
 
         if lost_peer(err):
-            print("cltrain: error: another rank stopped first (its error is above); this rank's collective lost it: "
-                  + redact(str(err).splitlines()[0])[:160], file=sys.stderr)
+            from cltrain.check.localise import first_line
+
+            rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
+            print(f"cltrain: error: another rank stopped first (its error is above); rank {rank}'s collective lost it "
+                  f"({redact(first_line(err))})", file=sys.stderr)
             raise SystemExit(getattr(err, "peer_status", None) or 1) from None
 
         print(redact("".join(traceback.format_exception(err))), file=sys.stderr, end="")

@@ -138,6 +138,8 @@ def test_a_bad_file_on_one_rank_ends_every_rank_with_one_line_each(demo_root: Pa
     assert proc.returncode == 2, output[-3000:]  # a data error's status, whichever rank read the file (was 1 on rank 1)
     assert f"cltrain: error: {bad}: cannot be read as an image" in output, output[-3000:]
     assert "cltrain: error: another rank stopped first (its error is above)" in output, output[-3000:]
+    # which rank, and gloo's reason cut at a word (it ended "typically caused by a remote worker ")
+    assert re.search(r"above\); rank [01]'s collective lost it \(\w+: [^\n]*[\w…]\)$", output, re.M), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
 
 
