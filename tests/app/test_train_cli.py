@@ -291,3 +291,12 @@ def test_a_folder_given_as_ckpt_path_is_said_to_be_a_folder(tmp_path: Path) -> N
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.startswith(f"cltrain: error: ckpt_path='{tmp_path}': a folder, not a file"), result.stderr
     assert "checkpoints/last.ckpt" in result.stderr.splitlines()[0]
+
+
+def test_a_missing_exclude_list_is_one_line_before_the_ranks_start(tmp_path: Path) -> None:
+    # said by each rank at setup, after the ranks had started
+    result = run(f"data.exclude_files={tmp_path / 'bad.tsv'}", "device=cpu", "trainer=ddp", "trainer.devices=2",
+                 f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"cltrain: error: data.exclude_files='{tmp_path / 'bad.tsv'}': no such file")
+    assert result.stderr.count("cltrain: error:") == 1 and "skipped_files.tsv" in result.stderr, result.stderr

@@ -2,7 +2,8 @@
 
 ``check_paths`` refuses a ``data.root`` that is not a folder (a URL, ``s3://...``, where the option reads one:
 ``data=shards``) (a demo option's set is generated only
-at its own default root, ``demo_home``), a missing ``ckpt_path`` or ``model.pretrained`` file, and
+at its own default root, ``demo_home``), a missing ``ckpt_path``, ``model.pretrained`` or ``data.exclude_files``
+file, and
 ``evaluate_only`` without either; ``check_checkpoint`` opens ``ckpt_path`` without running anything
 in it and refuses one the run cannot resume from (another optimizer, weights only, EMA state
 without ``ema.enabled``).
@@ -65,6 +66,12 @@ def check_paths(cfg: DictConfig) -> None:
             hint = " (a run's is <run dir>/checkpoints/last.ckpt)" if key == "ckpt_path" else ""
             raise ConfigError(key, str(path), "a folder, not a file" if folder else "no such file",
                               f"a local file path{hint}, or null")
+    listed = data.get("exclude_files")
+    if listed is not None and not Path(str(listed)).expanduser().is_file():  # before the ranks start, said once
+        folder = Path(str(listed)).expanduser().is_dir()
+        raise ConfigError("data.exclude_files", str(listed), "a folder, not a file" if folder else "no such file",
+                          "a file of paths, one per line (cltrain-data-check's list, a run's skipped_files.tsv), "
+                          "or null")
     if cfg.evaluate_only and cfg.get("ckpt_path") is None and cfg.model.get("pretrained") is None:
         raise ConfigError("evaluate_only", True, "nothing to evaluate",
                           "with ckpt_path=<checkpoint> or model.pretrained=<weights file>")
