@@ -23,11 +23,11 @@ watches the signals arrive (``signal.set_wakeup_fd``) and the handler taking the
 
 Under several ranks a signal may reach one rank, or each rank at its own moment (Ctrl+C reaches every process of the
 terminal's group). The launching rank passes each signal on to the ranks it started as it arrives (a ``kill`` of it
-alone reaches a rank waiting for a stalled read); the same signal within ``ECHO`` seconds of the first is its echo,
-not a second signal. Each rank notes it, and at each of the points above the ranks agree (``agreed``: a reduction of
-one integer over a CPU process group, so the device is not waited on), so every rank stops at the same batch and
-meets the others in the checkpoint's collectives. Stopped at different points, a rank's checkpoint barrier met
-another rank's next collective: a gloo error and a traceback, or both ranks waiting for ever.
+alone reaches a rank waiting for a stalled read); in a rank it started, the same signal within ``ECHO`` seconds of
+the first is its echo, not a second signal. Each rank notes it, and at each of the points above the ranks agree
+(``agreed``: a reduction of one integer over a CPU process group, so the device is not waited on), so every rank
+stops at the same batch and meets the others in the checkpoint's collectives. Stopped at different points, a rank's
+checkpoint barrier met another rank's next collective: a gloo error and a traceback, or both ranks waiting for ever.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 STUCK_GRACE = 60.0
 #: Seconds a first signal waits for a batch that does not come (a data read that stalls) before the run stops at once.
 DATA_GRACE = 20.0
-#: Seconds after a first signal within which the same signal again is its echo (the launching rank passes each signal
-#: on to the ranks it started, which the terminal's or the scheduler's signal often reached too), not a second signal.
+#: Seconds after a first signal within which the same signal again is, in a rank a launcher started, its echo (the
+#: launching process passes each signal on to the ranks it started, which the terminal's or the scheduler's signal
+#: often reached too), not a second signal.
 ECHO = 1.0
 
 
@@ -101,8 +102,9 @@ class SignalStop(Callback):
     # --- the handler ----------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._taken += 1
-        if self.signum == signum and time.monotonic() - self._first_at < ECHO:
-            return  # the same signal, passed on by the launching rank
+        launched = "LOCAL_RANK" in os.environ and not self._children  # a rank a launcher started: it passes signals on
+        if launched and self.signum == signum and time.monotonic() - self._first_at < ECHO:
+            return  # the same signal, passed on by the launching process
         again = self.signum == signum
         if self.signum is None:
             self.signum, self._first_at = signum, time.monotonic()  # the first (torchrun: SIGTERM after SIGINT)
