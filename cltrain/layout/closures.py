@@ -19,6 +19,7 @@ closure over the original module (``orig = m.forward; m.forward = lambda x: post
 from __future__ import annotations
 
 import copy
+import dis
 import functools
 import types
 from collections.abc import Iterator
@@ -119,8 +120,9 @@ def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], done: dict[i
     kwdefaults = {k: rebound(v, memo, done) for k, v in (fn.__kwdefaults__ or {}).items()}
     wrapped = getattr(fn, "__wrapped__", None)
     new_wrapped = rebound(wrapped, memo, done) if wrapped is not None else None
-    scope = fn.__globals__
-    names = {name: rebound(scope[name], memo, done) for name in _global_names(fn.__code__) if name in scope}
+    scope, (read, writes) = fn.__globals__, _globals_used(fn.__code__)
+    # a function that writes a module-level name keeps the module's own (a copy of them would hide its writes)
+    names = {} if writes else {name: rebound(scope[name], memo, done) for name in read if name in scope}
     names = {name: value for name, value in names.items() if value is not scope[name]}
     unchanged = (all(a is b for a, b in zip(new_contents, contents))
                  and all(a is b for a, b in zip(defaults, fn.__defaults__ or ()))
@@ -129,10 +131,18 @@ def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], done: dict[i
     if unchanged:
         return fn
     new_cells = tuple(types.CellType() for _ in cells)
-    # a module-level name that holds an original (``orig = m.forward`` in a script or a notebook): its copy, in a
-    # copy of the function's globals
-    copy_ = types.FunctionType(fn.__code__, {**scope, **names} if names else scope, fn.__name__, defaults or None,
-                               new_cells or None)
+    # a module-level name that holds an original (``orig = m.forward`` in a script or a notebook): its copy, in one
+    # copy of the module's globals per model copy (``memo``), shared by every function of that module rebound for it
+    space = scope
+    if names:
+        key: Any = ("globals", id(scope))
+        space = memo.get(key)
+        if space is None:
+            space = memo[key] = dict(scope)
+        space.update(names)
+    copy_ = types.FunctionType(fn.__code__, space, fn.__name__, defaults or None, new_cells or None)
+    if names:  # a function that calls itself by its module-level name calls its copy
+        space.update({name: copy_ for name in read if scope.get(name) is fn})
     done[id(fn)] = copy_
     for cell, value in zip(new_cells, new_contents):  # filled after: a cell may hold the function itself
         if value is not _EMPTY:
@@ -148,13 +158,19 @@ def _rebound_function(fn: types.FunctionType, memo: dict[int, Any], done: dict[i
 _EMPTY = object()
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    """The names ``code`` may read from its globals: its own and its nested functions' (a lambda inside it)."""
-    names = set(code.co_names)
+def _globals_used(code: types.CodeType) -> tuple[set[str], bool]:
+    """The module-level names ``code`` reads (its own and its nested functions': a lambda inside it), and whether
+    it writes one (``global x; x = ...``)."""
+    read, writes = set(), False
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL":
+            read.add(instruction.argval)
+        writes = writes or instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
+            inner, inner_writes = _globals_used(const)
+            read, writes = read | inner, writes or inner_writes
+    return read, writes
 
 
 def _cell_value(cell: types.CellType) -> Any:

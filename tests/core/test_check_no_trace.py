@@ -87,7 +87,18 @@ def global_name(net: Net) -> None:  # a notebook cell: `original = net.encoder.f
     net.encoder.forward = lambda x: _keep_tokens(_original(x))
 
 
-PATTERNS = {f.__name__: f for f in (closure, partial, default_argument, rebound_method, hook, wrapped, global_name)}
+def _recurse(x: torch.Tensor, n: int = 1) -> torch.Tensor:  # calls itself by its module-level name
+    return _recurse(x, n - 1) if n else _keep_tokens(_original(x))
+
+
+def global_recursive(net: Net) -> None:
+    global _original
+    _original = net.encoder.forward
+    net.encoder.forward = _recurse
+
+
+PATTERNS = {f.__name__: f for f in (closure, partial, default_argument, rebound_method, hook, wrapped, global_name,
+                                    global_recursive)}
 
 
 def _state(model: nn.Module) -> dict:
@@ -149,6 +160,25 @@ def test_a_reference_the_copy_cannot_take_over_is_named_and_not_checked() -> Non
 
 
 _REGISTRY: dict[str, nn.Module] = {}
+
+
+def _keeps_last(x: torch.Tensor) -> torch.Tensor:
+    global _last_output  # written at module level: a copy of the globals would hide it from the step that reads it
+    _last_output = _original(x)
+    return _last_output
+
+
+def test_a_function_writing_a_module_level_name_keeps_the_modules_names_and_is_not_checked() -> None:
+    global _original
+    torch.manual_seed(0)
+    net = convert_model(Net())
+    _original = net.encoder.forward
+    net.encoder.forward = _keeps_last
+    before = _state(net)
+    result = verify_layout(net, _batch(), lambda m, b: F.cross_entropy(m(b[0]), b[1]) + 0 * _last_output.sum(),
+                           optimizer=torch.optim.SGD(net.parameters(), lr=0.1), report=False)
+    assert result.verdict == "not checked" and "changed the real model" in result.line(), result.line()
+    _assert_same(before, _state(net))
 
 
 def test_the_real_model_reached_some_other_way_is_put_back_and_named_in_a_warning(caplog) -> None:
