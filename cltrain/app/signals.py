@@ -22,9 +22,7 @@ with a rank that is gone, where a Python handler runs only when the call returns
 watches the signals arrive (``signal.set_wakeup_fd``) and the handler taking them.
 
 Under several ranks a signal may reach one rank, or each rank at its own moment (Ctrl+C reaches every process of the
-terminal's group). The launching rank passes each signal on to the ranks it started as it arrives (a ``kill`` of it
-alone reaches a rank waiting for a stalled read); in a rank it started, the same signal within ``ECHO`` seconds of
-the first is its echo, not a second signal. Each rank notes it, and at each of the points above the ranks agree
+terminal's group). Each rank notes it, and at each of the points above the ranks agree
 (``agreed``: a reduction of one integer over a CPU process group, so the device is not waited on), so every rank
 stops at the same batch and meets the others in the checkpoint's collectives. Stopped at different points, a rank's
 checkpoint barrier met another rank's next collective: a gloo error and a traceback, or both ranks waiting for ever.
@@ -55,10 +53,6 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 STUCK_GRACE = 60.0
 #: Seconds a first signal waits for a batch that does not come (a data read that stalls) before the run stops at once.
 DATA_GRACE = 20.0
-#: Seconds after a first signal within which the same signal again is, in a rank a launcher started, its echo (the
-#: launching process passes each signal on to the ranks it started, which the terminal's or the scheduler's signal
-#: often reached too), not a second signal.
-ECHO = 1.0
 
 
 class RunInterrupted(BaseException):
@@ -96,18 +90,13 @@ class SignalStop(Callback):
         self._taken = 0  # signals the handler has taken (the watchdog compares them with those that arrived)
         self._watch: tuple[int, int, int] | None = None  # the wakeup pipe's ends and the wakeup fd before it
         self._fetching: float | None = None  # since when the training loop waits for its next batch
-        self._first_at = 0.0  # when the first signal came
-        self._children: list[Any] = []  # the ranks this process launched (Lightning's launcher): each signal passed on
+        self._children: list[Any] = []  # the ranks this process launched (Lightning's launcher)
 
     # --- the handler ----------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._taken += 1
-        launched = "LOCAL_RANK" in os.environ and not self._children  # a rank a launcher started: it passes signals on
-        if launched and self.signum == signum and time.monotonic() - self._first_at < ECHO:
-            return  # the same signal, passed on by the launching process
         again = self.signum == signum
-        if self.signum is None:
-            self.signum, self._first_at = signum, time.monotonic()  # the first (torchrun: SIGTERM after SIGINT)
+        self.signum = self.signum or signum  # the first (torchrun sends SIGTERM after the terminal's SIGINT)
         if self._holding:  # the latest state is being written: the stop goes on once it is
             print(f"cltrain: {signal.Signals(signum).name}: last.ckpt is being written; the run stops once it is.",
                   file=sys.stderr, flush=True)
@@ -156,7 +145,6 @@ class SignalStop(Callback):
                     if signum not in HANDLED:
                         continue
                     arrived += 1
-                    self._pass_on(signum)
                     deadline = time.monotonic() + STUCK_GRACE
                     while self._taken < arrived and time.monotonic() < deadline:
                         time.sleep(0.1)
@@ -164,19 +152,21 @@ class SignalStop(Callback):
                         print(f"cltrain: {signal.Signals(signum).name}: the run waits inside a call that Python "
                               f"cannot interrupt (a rendezvous or a collective with a rank that is not there); "
                               f"stopped after {STUCK_GRACE:.0f} s.", file=sys.stderr, flush=True)
+                        self._end_children()
                         os._exit(128 + signum)
                     if arrived == 1 and self._defer:
                         self._await_batch(signum)
         finally:
             os.close(read)
 
-    def _pass_on(self, signum: int) -> None:
-        """``signum`` to the ranks this process launched, as it arrives (a ``kill`` of the launching process alone
-        reaches them: a rank that waits for a stalled read, not at a batch end where the ranks agree, stops too)."""
+    def _end_children(self) -> None:
+        """The ranks this process launched, killed (as Lightning's launcher ends them after Ctrl+C): this process stops
+        at once, where they cannot agree with it, and a rank waiting for a stalled read, which no signal may have
+        reached (a ``kill`` of the launching process alone), would wait on, orphaned."""
         for proc in self._children:
             if proc.poll() is None:
                 with contextlib.suppress(OSError):
-                    proc.send_signal(signum)
+                    proc.kill()
 
     def _await_batch(self, signum: int) -> None:
         """A first signal, taken while the training loop waits for its next batch (a read from a store that stalls
@@ -188,6 +178,7 @@ class SignalStop(Callback):
             if fetching is not None and not self._holding and time.monotonic() - max(fetching, since) > DATA_GRACE:
                 print(f"cltrain: {signal.Signals(signum).name}: the next batch has not come in {DATA_GRACE:.0f} s (a "
                       "data read that stalls); stopping now.", file=sys.stderr, flush=True)
+                self._end_children()
                 os.kill(os.getpid(), signum)
                 return
             time.sleep(0.1)
@@ -290,9 +281,8 @@ class _Deferred:
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     """Lightning's SIGTERM handler under several ranks, replaced: it broadcast from inside the signal handler, meeting
-    whatever collective the interrupted rank was about to run, and passed the signal on to the ranks it started when
-    the main thread took it, often a step later (read as a second signal there: a stop at once); ``SignalStop``
-    passes it on as it arrives instead."""
+    whatever collective the interrupted rank was about to run, and passed the signal on to the ranks it started, which
+    the terminal's or the scheduler's signal had often reached already (a second signal: a stop at once)."""
 
 
 def lost_peer(err: BaseException) -> bool:

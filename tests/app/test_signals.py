@@ -326,7 +326,7 @@ def test_a_first_signal_while_the_next_batch_stalls_stops_the_run_after_the_grac
     assert "the next batch has not come in 1 s" in capfd.readouterr().err
 
 
-def test_a_signal_to_the_launching_rank_alone_reaches_the_ranks_it_started_while_their_reads_stall() -> None:
+def test_a_signal_to_the_launching_rank_alone_ends_the_ranks_it_started_while_their_reads_stall() -> None:
     # `kill` of the launching process while every rank waited for a stalled read: it stopped after the grace, and the
     # rank it started, which no signal reached, went on waiting for its read (minutes; orphaned once the launcher left)
     proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.stall_ddp_run"], stdout=subprocess.PIPE,
@@ -351,7 +351,7 @@ def test_a_signal_to_the_launching_rank_alone_reaches_the_ranks_it_started_while
             time.sleep(0.2)
         else:
             pytest.fail("a rank of the run still waits for its read: " + "".join(lines[-30:]))
-        assert "".join(lines).count("stopped by 15") == 2, "".join(lines[-30:])
+        assert "".join(lines).count("stopped by 15") == 1, "".join(lines[-30:])  # the launching rank's
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
