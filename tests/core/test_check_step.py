@@ -462,3 +462,22 @@ def test_checking_is_true_in_every_step_run_on_a_copy_also_while_the_fallbacks_a
     result = verify_layout(net, batch, step, optimizer=FilterNormAdamW(net.parameters()), report=False)
     assert result.timings is not None, result.line()  # the whole model's fallback was timed
     assert seen and all(flag == copy for flag, copy in seen), seen
+
+
+def test_torchs_own_step_hook_is_not_the_users_but_a_global_hook_of_the_users_is() -> None:
+    # KINETO_USE_DAEMON (on-demand tracing, set cluster-wide on some sites): `import torch.profiler` registers its
+    # `_optimizer_post_hook` for every optimizer, and every check re-ran torch's optimizers as if it were the user's
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.profiler import _optimizer_post_hook
+
+    from cltrain.layout.optimizer_state import user_step_hooks
+
+    optimizer = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    handles = [register_optimizer_step_post_hook(_optimizer_post_hook)]
+    try:
+        assert not user_step_hooks(optimizer)
+        handles.append(register_optimizer_step_pre_hook(lambda o, args, kwargs: None))
+        assert user_step_hooks(optimizer)
+    finally:
+        for handle in handles:
+            handle.remove()
