@@ -154,6 +154,8 @@ def test_files_skipped_on_rank_1_are_counted_and_listed_in_the_run_directorys_li
     first_on_rank_1 = int(next(iter(ResumableSampler(len(files), seed=42, num_replicas=2, rank=1))))  # the app's seed
     bad = files[first_on_rank_1]
     bad.write_bytes(bad.read_bytes()[:300])
+    bad_val = sorted((root / "val").rglob("*.jpg"))[0]  # every rank's check of the validation files meets it
+    bad_val.write_bytes(b"")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "LOCAL_RANK")}
     run_dir = tmp_path / "run"
     result = warm.run([sys.executable, str(REPO / "train.py"), *SMOKE, *demo_overrides(root), "device=cpu",
@@ -162,12 +164,14 @@ def test_files_skipped_on_rank_1_are_counted_and_listed_in_the_run_directorys_li
                        f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert not (run_dir / "rank0.skipped_files.tsv").exists()  # the premise: rank 1 alone met it
+    assert str(bad) not in (run_dir / "rank0.skipped_files.tsv").read_text()  # the premise: rank 1 alone met it
     assert str(bad) in (run_dir / "rank1.skipped_files.tsv").read_text()
-    assert [line.split("\t")[:2] for line in (run_dir / "skipped_files.tsv").read_text().splitlines()] == \
-        [["train", str(bad)]]
+    assert sorted(line.split("\t")[:2] for line in (run_dir / "skipped_files.tsv").read_text().splitlines()) == \
+        [["train", str(bad)], ["val", str(bad_val)]]
+    said = " ".join(output.split())
     assert f"skipped 1 unreadable file(s) of 'train' in epoch 0; their paths are in {run_dir / 'skipped_files.tsv'}" \
-        in " ".join(output.split()), output[-3000:]
+        in said, output[-3000:]
+    assert "skipped 1 unreadable file(s) of 'val'" in said, output[-3000:]  # once, not once per rank
 
 
 def test_ddp_inside_a_sweep_is_refused(tmp_path: Path) -> None:

@@ -74,20 +74,17 @@ class SkippedFilesReport(L.Callback):
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
         lines = self._new_lines(trainer)
         ranks, merged = self._every_rank(trainer, lines)
-        total: dict[str, int] = {}
-        for rank_lines in ranks:  # as data/skipped_<split>: each rank's distinct files, summed over the ranks
-            for split, n in _counts(rank_lines).items():
-                total[split] = total.get(split, 0) + n
+        # distinct files over every rank (each rank's check of the validation files lists the same ones), as the list
+        total = _counts([line for rank_lines in ranks for line in rank_lines])
         per_rank = "" if merged == self.path else f" (every rank's; each rank's own are in rank<r>.{SKIPPED_FILES_NAME})"
         for split, n in total.items():
             rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
                            f"{trainer.current_epoch}; their paths are in {merged}{per_rank}.")
         if can_log and not trainer.sanity_checking:
-            counts = _counts(lines)
             stage = _stages(trainer.datamodule)  # the list names a split as its source does ("validation")
             for split in ("train", "val"):
-                n = sum(count for name, count in counts.items() if stage.get(name, name) == split)
-                pl_module.log(f"data/skipped_{split}", float(n), reduce_fx="sum", sync_dist=True)
+                n = sum(count for name, count in total.items() if stage.get(name, name) == split)
+                pl_module.log(f"data/skipped_{split}", float(n), reduce_fx="max", sync_dist=True)  # the same on each
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
