@@ -162,15 +162,14 @@ class LayoutCheck:
                          f"{1e3 * self.timings['contiguous']:.0f} contiguous)")
             found, tail, end = " | ".join(parts), f" -> {done}", f" ({self.seconds:.1f} s)"
             room = MAX_LINE - len(f"{check}: ") - len(tail) - len(end)
-            if len(found) > room:  # shorten what was found, keep what was done
-                found, notes = _shorten(found, max(room, 40)), ""
-            else:  # the notes, then the difference, where there is room: never in place of the place and the fix
-                space = room - len(found)
-                if len(notes) > space:
-                    notes = _shorten(notes, space) if space > 20 else ""
-                left = space - len(notes)
-                if left > 30 and details:
-                    found += f" [{_shorten(' | '.join(details), left - 3)}]"
+            # what was done whole; the notes (a step checked only in part says so there) in the room the finding
+            # leaves, at least their start; then the finding, shortened last; the difference where room is left
+            space = max(room - len(found), min(len(notes), 50))
+            notes = _shorten(notes, space) if len(notes) > space else notes
+            if len(found) > room - len(notes):
+                found = _shorten(found, max(room - len(notes), 40))
+            elif room - len(found) - len(notes) > 30 and details:
+                found += f" [{_shorten(' | '.join(details), room - len(found) - len(notes) - 3)}]"
             text = f"{check}: {found}{tail}{notes}{end}" if found else f"{check}: {done}{notes}{end}"
         return _shorten(text, MAX_LINE)
 

@@ -184,3 +184,15 @@ def test_a_long_note_never_takes_the_place_and_the_fix_out_of_the_line() -> None
     assert "-> `layer2.1` runs in NCHW; the model alone" in line and line.endswith("s)"), line
     short = LayoutCheck("fallback", findings=(finding,), fallbacks=(Fallback("module", "layer2.1"),), notes=("a note",))
     assert "NCHW; a note (0.0 s)" in short.line() and "[RuntimeError: view size" in short.line(), short.line()
+
+
+def test_a_line_whose_findings_fill_it_keeps_the_start_of_a_note_saying_the_step_was_checked_in_part() -> None:
+    from cltrain.check.fallback import Fallback
+    from cltrain.check.result import MAX_LINE, LayoutCheck
+
+    findings = tuple(Finding("raised", "forward", f"layer{k}", f"bad_code.py:{k}", "RuntimeError: view size")
+                     for k in range(1, 4))
+    note = "the model alone, on the batch's image tensor: the step raised on the check's NCHW copy (KeyError: 'x')"
+    line = LayoutCheck("fallback", findings=findings, fallbacks=(Fallback("module", "layer1"),), notes=(note,)).line()
+    assert len(line) <= MAX_LINE and "(forward at bad_code.py:1); fix: make that code layout-agnostic" in line, line
+    assert "; the model alone, on the batch's image tensor" in line, line
