@@ -72,7 +72,8 @@ def user_step_hooks(optimizer: Any) -> bool:
     inner = getattr(optimizer, "optimizer", optimizer)
     hooks = [*getattr(inner, "_optimizer_step_pre_hooks", {}).values(),
              *getattr(inner, "_optimizer_step_post_hooks", {}).values(),
-             *torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values()]
+             *torch_optimizer._global_optimizer_pre_hooks.values(),
+             *torch_optimizer._global_optimizer_post_hooks.values()]
     # torch's own (the profiler's, where KINETO_USE_DAEMON is set) read no gradient
     return any(not getattr(hook, "cltrain_own", False) and not getattr(hook, "__module__", "").startswith("torch.")
                for hook in hooks)

@@ -172,7 +172,7 @@ def test_a_users_forward_set_on_a_packages_module_is_the_users_to_fix() -> None:
 
 
 def test_a_long_note_never_takes_the_place_and_the_fix_out_of_the_line() -> None:
-    # "`layer2` raised in channels_last only (forward at…": the note was kept whole and the finding cut to 40 characters
+    # "`layer2` raised in channels_last only (forward at…": the note was kept whole, the finding cut to 40 characters
     from cltrain.check.fallback import Fallback
     from cltrain.check.result import MAX_LINE, LayoutCheck
 

@@ -3,7 +3,8 @@ rank at the fourth batch, as a store that stalls; ``DATA_GRACE`` 2 s.
 
     python -m tests.helpers.stall_ddp_run
 
-Each rank prints ``stalling`` as its read stalls, and ``stopped`` with the signal as its run ends; exit 128 + the signal.
+Each rank prints ``stalling`` as its read stalls, and the launching rank ``stopped`` with the signal as its run ends;
+exit 128 + the signal.
 """
 
 import sys

@@ -76,7 +76,8 @@ class SkippedFilesReport(L.Callback):
         ranks, merged = self._every_rank(trainer, lines)
         # distinct files over every rank (each rank's check of the validation files lists the same ones), as the list
         total = _counts([line for rank_lines in ranks for line in rank_lines])
-        per_rank = "" if merged == self.path else f" (every rank's; each rank's own are in rank<r>.{SKIPPED_FILES_NAME})"
+        per_rank = ("" if merged == self.path
+                    else f" (every rank's; each rank's own are in rank<r>.{SKIPPED_FILES_NAME})")
         for split, n in total.items():
             rank_zero_warn(f"{type(trainer.datamodule).__name__}: skipped {n} unreadable file(s) of {split!r} in epoch "
                            f"{trainer.current_epoch}; their paths are in {merged}{per_rank}.")
