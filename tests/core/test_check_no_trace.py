@@ -1,8 +1,9 @@
 """The check leaves no trace in the real model, also for code that holds references to it: a ``forward`` replaced by
 a closure over the original or a module-level name holding it, a ``functools.partial`` over it, a wrapper taking
-the original's method as a default argument, a method rebound as an instance attribute, hooks closing over it. Each pattern is checked on true copies
-(a layout fault inside the wrapped module is found, so the copies ran their own module); what cannot be pointed at
-the copy is not checked, and says why; and what reaches the real model anyway is put back and named."""
+the original's method as a default argument, a method rebound as an instance attribute, hooks closing over it. Each
+pattern is checked on true copies (a layout fault inside the wrapped module is found, so the copies ran their own
+module); what cannot be pointed at the copy is not checked, and says why; and what reaches the real model anyway is
+put back and named."""
 
 from __future__ import annotations
 
