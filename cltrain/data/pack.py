@@ -207,7 +207,8 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
                     with atomic_open(stems[k].with_suffix(".idx.npy")) as f:
                         np.save(f, index, allow_pickle=False)
                     bar.update(len(chunks[k]))
-            counts = [len(np.load(stem.with_suffix(".idx.npy"), mmap_mode="r")) for stem in stems]
+            indexes = [np.load(stem.with_suffix(".idx.npy")) for stem in stems]  # kilobytes each
+            counts = [len(index) for index in indexes]
             lines = "".join(stem.with_suffix(".skipped.tsv").read_text(encoding="utf-8")
                             for stem in stems if stem.with_suffix(".skipped.tsv").is_file())
             skipped_lines.append(lines)
@@ -215,8 +216,7 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
                                          "shards": [f"{split}/{stem.name}.tar" for stem in stems],
                                          # what each shard was made as: a shard or index replaced since is said
                                          "bytes": [stem.with_suffix(".tar").stat().st_size for stem in stems],
-                                         "index_sha256": [index_digest(np.load(stem.with_suffix(".idx.npy")))
-                                                          for stem in stems]}
+                                         "index_sha256": [index_digest(index) for index in indexes]}
     finally:
         reader.close()
     with atomic_open(out / SKIPPED_LIST, "w") as f:

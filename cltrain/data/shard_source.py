@@ -263,37 +263,42 @@ class RemotePack(LocalPack):
             RemoteError: a shard the manifest names is missing, or shorter than its index says (an interrupted
                 upload): one line naming the shard and the fix, before the first step, not when it is first read.
         """
-        indexes, made = self._fetched_indexes(shards), _made(self.manifest())
+        made = _made(self.manifest())
+        indexes = self._fetched_indexes(shards, made)
         for shard, index in zip(shards, indexes):
-            if _replaced(index, made.get(shard)):
-                raise RemoteError(f"{self.shard_url(_index_name(shard))}: {REPLACED}; {self.incomplete}")
             flaw = self.cache.flaw(shard, _end(index), made.get(shard, (None,))[0])
             if flaw:
                 raise RemoteError(f"{self.shard_url(shard)}: {flaw}; {self.incomplete}")
         return indexes
 
-    def _fetched_indexes(self, shards: Sequence[str]) -> list[np.ndarray]:
+    def _fetched_indexes(self, shards: Sequence[str], made: dict[str, tuple[int, str]]) -> list[np.ndarray]:
+        """The shards' indexes; a cached copy that does not load, or is not the index the manifest records, is
+        fetched again once (a node's damaged disk); still so, it is the store's copy: one line."""
         self.cache.open()
         from concurrent.futures import ThreadPoolExecutor
 
         def load(shard: str) -> np.ndarray:
-            name, damaged = _index_name(shard), None
-            for _ in range(3):
+            name, damaged = _index_name(shard), False
+            for _ in range(4):
                 path = self.cache.get(name)
                 try:
-                    return np.load(path, allow_pickle=False)
+                    index = np.load(path, allow_pickle=False)
                 except FileNotFoundError:  # evicted between its fetch and its load (a cache smaller than the pack)
                     continue
                 except (OSError, ValueError, EOFError) as err:
-                    reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
-                    if damaged is not None:  # fetched again and still no index: the store's copy
-                        raise RemoteError(f"{self.shard_url(name)}: not a shard index ({reason}); "
-                                          f"{self.incomplete}") from None
-                    damaged = path
-                    log.warning("cltrain: %s (the shard cache's copy of %s) is not a shard index (%s); fetching it "
-                                "again", path, self.shard_url(name), reason)
-                    path.unlink(missing_ok=True)
-            return np.load(self.cache.get(name), allow_pickle=False)
+                    flaw = f"not a shard index ({' '.join(f'{type(err).__name__}: {err}'.split())[:200]})"
+                else:
+                    if not _replaced(index, made.get(shard)):
+                        return index
+                    flaw = REPLACED
+                if damaged:  # fetched again, and still so: the store's copy
+                    raise RemoteError(f"{self.shard_url(name)}: {flaw}; {self.incomplete}")
+                damaged = True
+                log.warning("cltrain: %s (the shard cache's copy of %s) is %s; fetching it again", path,
+                            self.shard_url(name), flaw)
+                path.unlink(missing_ok=True)
+            raise RemoteError(f"{self.shard_url(name)}: evicted from the shard cache as often as fetched; set "
+                              "data.cache_limit higher")
 
         with ThreadPoolExecutor(max(1, min(self.threads * 4, len(shards)))) as pool:
             return list(pool.map(load, shards))

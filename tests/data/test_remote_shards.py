@@ -424,6 +424,13 @@ def test_a_damaged_index_in_the_cache_is_fetched_again_and_one_in_the_bucket_is_
     said = [r.getMessage() for r in caplog.records if "is not a shard index" in r.getMessage()]
     assert len(said) == 1 and str(cached) in said[0] and said[0].endswith("fetching it again"), said
     assert len(dm.train_set) == 33 and np.load(cached).shape == (7, 5)
+    good = cached.read_bytes()
+    cached.write_bytes(next(tmp_path.rglob("shard-000001.idx~*.npy")).read_bytes())  # loads, but another shard's
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cltrain"):
+        ShardsDataModule(url, cache_dir=str(tmp_path), **KW).setup("fit")
+    said = [r.getMessage() for r in caplog.records if "is not the index the pack's manifest records" in r.getMessage()]
+    assert len(said) == 1 and str(cached) in said[0] and cached.read_bytes() == good, said
     server.client().put_object(Bucket="damaged", Key="pack/train/shard-000000.idx.npy", Body=b"\x93NUMPY damaged")
     with pytest.raises(RemoteError) as caught:
         ShardsDataModule(url, cache_dir=str(tmp_path / "fresh"), **KW).setup("fit")
