@@ -13,8 +13,8 @@ current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnExcepti
 
 A second signal stops the run at once, in the middle of a step, and ``last.ckpt`` stays the latest whole state written
 before; so does a first signal after the training loop has waited ``DATA_GRACE`` seconds for a batch that does not
-come (a read that stalls). While that file is written (``holding``), further signals wait for it: a signal raised inside ``torch.save``
-would leave no file and a traceback. SIGUSR1 (SLURM's requeue) is never touched.
+come (a read that stalls). While that file is written (``holding``), further signals wait for it: a signal raised
+inside ``torch.save`` would leave no file and a traceback. SIGUSR1 (SLURM's requeue) is never touched.
 
 A signal the main thread cannot take (it waits inside C++: a rendezvous for a rank that never comes, a collective
 with a rank that is gone, where a Python handler runs only when the call returns) ends the process after

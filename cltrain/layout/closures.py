@@ -6,9 +6,8 @@ closure over the original module (``orig = m.forward; m.forward = lambda x: post
 (``def new_forward(self, x, fn=fn)``), or a hook closing over it still runs the original from the copy.
 
 * ``rebound(value, memo)``: ``value`` with every original object it holds in a closure cell, a default, a
-  module-level name it reads, a partial's arguments or a bound method's ``self`` replaced by its copy
-  (``memo``: ``deepcopy``'s map, original
-  id -> copy), recursively through nested functions; ``value`` itself where it holds none. An object that is no
+  module-level name it reads, a partial's arguments or a bound method's ``self`` replaced by its copy (``memo``:
+  ``deepcopy``'s map, original id -> copy), recursively through nested functions; ``value`` itself where it holds none. An object that is no
   copy but holds originals (a callback whose method or closure is a hook on the model, holding the module) is
   replaced by a shallow copy of it whose attributes hold the copies (a callback's ``self.module``).
 * ``callables_of(module)``: where a module keeps callables (its ``__dict__``, its hooks), for both of the above.
