@@ -481,3 +481,21 @@ def test_torchs_own_step_hook_is_not_the_users_but_a_global_hook_of_the_users_is
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_a_step_hook_on_torchs_optimizer_is_checked_in_a_plain_loop_too() -> None:
+    from cltrain.loops import convert_model, verify_layout
+    from tests.helpers.user_code import _filter_clipping
+
+    torch.manual_seed(0)
+    net = convert_model(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                      nn.Flatten(), nn.Linear(8, 5)))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    optimizer.register_step_pre_hook(_filter_clipping)  # per-filter clipping written with view
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g))
+    result = verify_layout(net, batch, lambda m, b: F.cross_entropy(m(b[0]), b[1]), optimizer=optimizer,
+                           report=False)
+    assert result.verdict in ("fallback", "contiguous") and "the code after the backward raised" in result.line(), \
+        result.line()
+    assert optimizer.state == {}  # the real optimizer did not step
