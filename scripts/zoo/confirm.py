@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from cltrain import ChannelsLast
-from scripts.zoo.models import Spec
-from scripts.zoo.models import fit
+from scripts.zoo.models import Spec, fit
 
 FACTOR = 10.0      #: how many times the nudged run's gap a channels_last gap must exceed to count
 MIN_GAP = 1e-5     #: and the least relative gap that counts
@@ -99,22 +98,20 @@ def numerics(result: dict[str, Any]) -> bool | None:
 
 
 def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: str, steps: int,
-            phase: Callable[[str], None] = lambda name: None, result: dict[str, Any] | None = None,
-            precision: str = "32-true") -> dict[str, Any]:
+            phase: Callable[[str], None] = lambda name: None, result: dict[str, Any] | None = None) -> dict[str, Any]:
     """The nchw, nudged and channels_last runs of ``net0`` (copies) and their gaps into ``result``, ``phase(name)``
     called before each; a float64 run where channels_last diverges (docs/zoo_check.md)."""
     result = {} if result is None else result
     result["steps"] = steps
     updates: dict[str, dict[str, torch.Tensor]] = {}
 
-    def run(name: str, callback: Any = None, run_precision: str = precision, onednn: bool = True) -> None:
+    def run(name: str, callback: Any = None, precision: str = "32-true", onednn: bool = True) -> None:
         phase(f"confirm {name}")
         net = nudge(copy.deepcopy(net0)) if name == "nudged" else copy.deepcopy(net0)
         initial = {n: p.detach().clone() for n, p in net.named_parameters()}
         try:
             with torch.backends.mkldnn.flags(enabled=onednn):
-                module = fit(net, spec, batches, callback, max_steps=steps, precision=run_precision,
-                             optimizer=optimizer)
+                module = fit(net, spec, batches, callback, max_steps=steps, precision=precision, optimizer=optimizer)
         except Exception as err:  # noqa: BLE001 - a raise is a result here
             result[f"error_{name}"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
             return
@@ -131,7 +128,7 @@ def confirm(spec: Spec, net0: torch.nn.Module, batches: list[Any], optimizer: st
         result[key] = {"loss": loss_gap(result[f"losses_{name}"], result["losses_nchw"]), "update": gap,
                        "update_param": where}
     if diverges(result):
-        run("float64", run_precision="64-true")
+        run("float64", precision="64-true")
         run("nchw_native", onednn=False)
         if "float64" in updates:
             result["float64"] = {
@@ -158,16 +155,14 @@ def check_child(spec: Spec, net0: torch.nn.Module, batches: list[Any], args: arg
     (or the spec is in ``--confirm-passes``) the three runs of :func:`confirm` on ``batches``."""
     phase("channels_last")
     callback = ChannelsLast()
-    module = fit(copy.deepcopy(net0), spec, batches[:2], callback, max_steps=2, precision=args.check_precision,
-                 optimizer=args.optimizer)
-    result.update(optimizer=args.optimizer, check_precision=args.check_precision, batch=args.batch,
-                  losses_channels_last=[float(v) for v in module.losses])
+    module = fit(copy.deepcopy(net0), spec, batches[:2], callback, max_steps=2, optimizer=args.optimizer)
+    result.update(optimizer=args.optimizer, batch=args.batch, losses_channels_last=[float(v) for v in module.losses])
     record_check(result, callback)
     scope = args.confirm_passes  # "all", or comma-separated key prefixes whose passes are confirmed too
     if result.get("layout_check") in FALLBACK_VERDICTS or scope == "all" or any(
             spec.key.startswith(p) for p in scope.split(",") if p):
         runs = result["confirm"] = {}
-        confirm(spec, net0, batches, args.optimizer, args.confirm_steps, phase, runs, precision=args.check_precision)
+        confirm(spec, net0, batches, args.optimizer, args.confirm_steps, phase, runs)
         runs["verdict"] = judge(result["layout_check"], runs)
 
 

@@ -85,19 +85,14 @@ def _fmt_speed(speed: dict[str, float] | None) -> str:
     return f"{cl:.2f} / {nchw:.2f} = **{cl / nchw:.2f}x**"
 
 
-def _fmt_grad(grad: dict[str, Any]) -> str:
-    if not grad:
-        return ""
-    cell = pair(grad.get("err_cl"), grad.get("err_nc"))
-    if grad.get("verdict") != "ok" and grad.get("grad_scale") is not None:
-        cell += f" (its gradient {grad['grad_scale']:.0e} of the largest)"
-    return cell + (f": {grad['why']}" if grad.get("why") else "")
-
-
 def _row_cells(r: dict[str, Any]) -> list[str]:
     grad = r.get("grad") or {}
     trains = "" if "trains_contiguous" not in r else (
         f"{'yes' if r['trains_contiguous'] else 'NO'} / {'yes' if r.get('trains_channels_last') else 'NO'}")
+    errors = pair(grad.get("err_cl"), grad.get("err_nc"))
+    if grad.get("verdict") != "ok" and grad.get("grad_scale") is not None:
+        errors += f" (its gradient {grad['grad_scale']:.0e} of the largest)"
+    errors += f": {grad['why']}" if grad.get("why") else ""
     verdict = grad.get("verdict", "")
     if grad and "float64_error" in r:
         verdict += " (vs NCHW fp32)"
@@ -106,17 +101,17 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     if "compile_grad" in r:
         verdict += f"; compiled: {r['compile_grad']['verdict']}"
     note = "; ".join(filter(None, [r.get("note", ""), r.get("skipped", ""),
-                                   f"no float64: {r['float64_error']}" if "float64_error" in r else ""]))
-    speed = _fmt_speed(r.get("speed_fp32"))
-    bf16 = _fmt_speed(r.get("speed_bf16"))
+                                   f"no float64: {r['float64_error']}" if "float64_error" in r else "",
+                                   (r.get("examined") or {}).get("why", "")]))
+    speed, bf16 = _fmt_speed(r.get("speed_fp32")), _fmt_speed(r.get("speed_bf16"))
     if "compile_speed_fp32" in r:
         speed += f"<br>compiled {_fmt_speed(r['compile_speed_fp32'])}"
         bf16 += f"<br>compiled {_fmt_speed(r.get('compile_speed_bf16'))}" if r.get("compile_speed_bf16") else ""
     return [
         f"`{r['key']}`", r.get("family", ""), str(r.get("params_m", "")), r.get("status", ""), trains,
-        pair(r.get("loss_err_cl"), r.get("loss_noise")), _fmt_grad(grad),
+        pair(r.get("loss_err_cl"), r.get("loss_noise")), errors,
         f"`{grad.get('worst_param', '')}`" if grad.get("worst_param") else "", verdict, r.get("conv_weights_cl", ""),
-        r.get("guardrails", ""), speed, bf16, "; ".join(filter(None, [note, (r.get("examined") or {}).get("why", "")])),
+        r.get("guardrails", ""), speed, bf16, note,
     ]
 
 
@@ -175,27 +170,27 @@ def sweep_page(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args
     ], {"Summary": sweep_summary(rows), "Every model": [table(SWEEP_HEADER, [_row_cells(r) for r in rows])]})
 
 
-# auto_fp32 and auto_bf16: the layout the default kept, in the records of sweeps that ran it (docs/zoo.json)
+#: ``<out>.csv``'s columns: a row's own field, or (field, key) inside it (auto_fp32 and auto_bf16: the layout the
+#: default kept, in the records of sweeps that ran it, docs/zoo.json)
 CSV_FIELDS = ["key", "family", "params_m", "status", "trains_contiguous", "trains_channels_last", "loss_err_cl",
               "loss_noise", "grad_verdict", "grad_why", "grad_err_cl", "grad_noise", "grad_scale", "layout_err_f64",
               "worst_param", "conv_weights_cl", "guardrails", "fp32_cl", "fp32_nchw", "bf16_cl", "bf16_nchw",
               "auto_fp32", "auto_bf16", "compile_grad_verdict", "compile_fp32_cl", "compile_fp32_nchw", "seconds",
               "note"]
-_GRAD = {"grad_verdict": "verdict", "grad_why": "why", "grad_err_cl": "err_cl", "grad_noise": "err_nc",
-         "grad_scale": "grad_scale", "layout_err_f64": "layout_err_f64", "worst_param": "worst_param"}
-_SPEED = {"fp32_cl": ("speed_fp32", "channels_last"), "fp32_nchw": ("speed_fp32", "contiguous"),
-          "bf16_cl": ("speed_bf16", "channels_last"), "bf16_nchw": ("speed_bf16", "contiguous"),
-          "compile_fp32_cl": ("compile_speed_fp32", "channels_last"),
-          "compile_fp32_nchw": ("compile_speed_fp32", "contiguous")}
+_NESTED = {"grad_verdict": ("grad", "verdict"), "grad_why": ("grad", "why"), "grad_err_cl": ("grad", "err_cl"),
+           "grad_noise": ("grad", "err_nc"), "grad_scale": ("grad", "grad_scale"),
+           "layout_err_f64": ("grad", "layout_err_f64"), "worst_param": ("grad", "worst_param"),
+           "fp32_cl": ("speed_fp32", "channels_last"), "fp32_nchw": ("speed_fp32", "contiguous"),
+           "bf16_cl": ("speed_bf16", "channels_last"), "bf16_nchw": ("speed_bf16", "contiguous"),
+           "compile_grad_verdict": ("compile_grad", "verdict"),
+           "compile_fp32_cl": ("compile_speed_fp32", "channels_last"),
+           "compile_fp32_nchw": ("compile_speed_fp32", "contiguous")}
 
 
 def csv_row(r: dict[str, Any]) -> dict[str, Any]:
     """One row of ``<out>.csv``."""
-    grad = r.get("grad") or {}
-    return {**{k: r.get(k, "") for k in CSV_FIELDS}, **{k: grad.get(v, "") for k, v in _GRAD.items()},
-            **{k: (r.get(key) or {}).get(layout, "") for k, (key, layout) in _SPEED.items()},
-            "compile_grad_verdict": (r.get("compile_grad") or {}).get("verdict", "")}
-
+    return {k: (r.get(_NESTED[k][0]) or {}).get(_NESTED[k][1], "") if k in _NESTED else r.get(k, "")
+            for k in CSV_FIELDS}
 
 
 # ---- docs/zoo_check.md ---------------------------------------------------------------------------------------------
@@ -325,7 +320,7 @@ def check_page(rows: list[dict[str, Any]], m: dict[str, Any], command: str, args
         "Each model (built from config, random weights, nothing downloaded) with each optimizer ("
         + ", ".join(f"{OPTIMIZER_NAMES[o]} {OPTIMIZER_SETTINGS[o]}" for o in optimizers) + ") in its own process: a "
         f"real `Trainer` with `ChannelsLast()` for 2 steps, batch {args.batch} at "
-        f"{f'{args.size} px' if args.size else 'its size (px in the table)'}, {args.check_precision}, and the "
+        f"{f'{args.size} px' if args.size else 'its size (px in the table)'}, 32-true, and the "
         "first-batch layout check's verdict. Where "
         "the verdict is fallback or contiguous (and for the passes of "
         f"{scope}), the same process trains {args.confirm_steps} steps three more times from the same "
@@ -388,8 +383,7 @@ def project_cells(row: dict[str, Any]) -> list[str]:
     nc, cl = row["contiguous"], row["channels_last"]
     loss = rel_diff(nc.get("first_loss"), cl.get("first_loss"))
     loss_cell = "" if loss is None else f"{nc['first_loss']:.5g} / {cl['first_loss']:.5g}: {loss:.1e}"
-    metrics_nc = {**(nc.get("metrics") or {}), **(nc.get("val_outputs") or {})}
-    metrics_cl = {**(cl.get("metrics") or {}), **(cl.get("val_outputs") or {})}
+    metrics_nc, metrics_cl = ({**(run.get("metrics") or {}), **(run.get("val_outputs") or {})} for run in (nc, cl))
     diffs = {k: rel_diff(metrics_nc[k], metrics_cl[k]) for k in metrics_nc.keys() & metrics_cl.keys()}
     worst = max(diffs, key=lambda k: (diffs[k], k)) if diffs else None
     metric_cell = f"{diffs[worst]:.1e} (`{worst}`, {len(diffs)} compared)" if worst else ""

@@ -79,7 +79,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         no_compile=(False, "do not run the torch.compile rows"),
         check_only=(False, "only the ChannelsLast run and its first-batch layout check: <out>.json and a verdict "
                            "count"),
-        check_precision=("32-true", "the Trainer's precision for --check-only (bf16-mixed, ...)"),
         optimizers=(",".join(OPTIMIZERS), f"--check-only: each model checked once per optimizer, each in its own "
                                           f"process (default {','.join(OPTIMIZERS)})"),
         confirm_passes=("", "--check-only: also confirm the passes of models whose key starts with one of these "

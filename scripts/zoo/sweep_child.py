@@ -54,10 +54,10 @@ def _time_training(nets: dict[str, torch.nn.Module], spec: Spec, batch: Any, dty
 
 
 def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_batch: Any,
-                   exact: dict[str, tuple[dict, float]], dtypes: list[tuple[str, torch.dtype | None]],
+                   refs: tuple[dict, dict], dtypes: list[tuple[str, torch.dtype | None]],
                    args: argparse.Namespace, result: dict) -> None:
     """Parity and speed of ``torch.compile``-d copies, NCHW and converted by ``cltrain.loops.convert_model``."""
-    nets, grads, losses = {}, {}, {}
+    nets, grads, losses = {}, dict(refs[0]), dict(refs[1])
     for layout in ("contiguous", "channels_last"):
         net = quiet_random_layers(copy.deepcopy(net0).train())
         if layout == "channels_last":
@@ -68,8 +68,6 @@ def _compile_phase(spec: Spec, net0: torch.nn.Module, batches: list[Any], speed_
             batch = convert_batch(batch) if layout == "channels_last" else batch
             grads[layout], losses[layout] = _step_grads(nets[layout], spec, batch)
         result[f"compile_seconds_{layout}"] = round(watch.seconds, 1)
-    for key, value in (exact or {}).items():
-        grads[key], losses[key] = value
     parity(result, grads, losses, prefix="compile_")
     for label, dtype in dtypes:
         result[f"compile_speed_{label}"] = _time_training(nets, spec, speed_batch, dtype, args, warmup=4)
@@ -105,10 +103,8 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
         return phase("done")
 
     phase("references")
-    exact = _references(spec, net0, batches[0], result)
-    grads: dict[str, dict] = {k: g for k, (g, _) in exact.items()}
-    losses: dict[str, float] = {k: loss for k, (_, loss) in exact.items()}
-
+    refs = _references(spec, net0, batches[0], result)
+    grads, losses = dict(refs[0]), dict(refs[1])
     nets = {}
     # The kernels and the guardrails, without the first-batch check's fallbacks (``--check-only`` measures those).
     for layout, callback in (("contiguous", None), ("channels_last", ChannelsLast(layout="channels_last", verify=False))):
@@ -137,14 +133,15 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
 
     if spec.compile and not args.no_compile:
         phase("compile")
-        _compile_phase(spec, net0, batches, speed_batch, exact, dtypes, args, result)
+        _compile_phase(spec, net0, batches, speed_batch, refs, dtypes, args, result)
     return phase("done")
 
 
-def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> dict[str, tuple[dict, float]]:
-    """Step-0 gradients and loss of ``net0``: ``native``/``native_cl`` (fp32 without oneDNN) and ``float64``/
-    ``float64_cl`` (none where float64 fails; why goes in ``result``)."""
-    refs = {}
+def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> tuple[dict, dict[str, float]]:
+    """Step-0 gradients and losses of ``net0``, by run: ``native``/``native_cl`` (fp32 without oneDNN) and
+    ``float64``/``float64_cl`` (none where float64 fails; why goes in ``result``)."""
+    grads: dict[str, dict] = {}
+    losses: dict[str, float] = {}
     for key in ("native", "native_cl", "float64", "float64_cl"):
         exact = key.startswith("float64")
         try:
@@ -154,11 +151,12 @@ def _references(spec: Spec, net0: torch.nn.Module, batch: Any, result: dict) -> 
             if key.endswith("_cl"):  # no guardrails: none of these runs reaches oneDNN
                 net, b = to_channels_last(net), convert_batch(b)
             with torch.backends.mkldnn.flags(enabled=exact):  # fp32 without oneDNN; float64 never reaches it
-                refs[key] = _step_grads(net, spec, b)
+                grads[key], losses[key] = _step_grads(net, spec, b)
         except Exception as err:  # noqa: BLE001 - some models hard-code float32 somewhere: CL is compared with NCHW
             if not exact:
                 raise
             result["float64_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-            refs.pop("float64", None)
+            grads.pop("float64", None)
+            losses.pop("float64", None)
             break
-    return refs
+    return grads, losses
