@@ -97,36 +97,30 @@ _TV: dict[str, dict[str, Any]] = {
 }
 
 
-def _tv_family(name: str) -> str:
-    for prefix, family in (("resnext", "ResNeXt"), ("wide_resnet", "ResNet"), ("resnet", "ResNet"), ("regnet", "RegNet"),
-                           ("efficientnet", "EfficientNet"), ("mobilenet", "MobileNet"), ("mnasnet", "MobileNet"),
-                           ("convnext", "ConvNeXt"), ("densenet", "DenseNet"), ("shufflenet", "ShuffleNet"),
-                           ("squeezenet", "SqueezeNet"), ("swin", "Swin"), ("vit", "ViT/DeiT"), ("vgg", "VGG"),
-                           ("maxvit", "MaxViT/CoAtNet")):
-        if name.startswith(prefix):
-            return family
-    return {"googlenet": "Inception", "inception_v3": "Inception", "alexnet": "AlexNet"}.get(name, name)
+#: A torchvision model's family: the first whose prefix its name starts with (else its name).
+_TV_FAMILIES = (("resnext", "ResNeXt"), ("wide_resnet", "ResNet"), ("resnet", "ResNet"), ("regnet", "RegNet"),
+                ("efficientnet", "EfficientNet"), ("mobilenet", "MobileNet"), ("mnasnet", "MobileNet"),
+                ("convnext", "ConvNeXt"), ("densenet", "DenseNet"), ("shufflenet", "ShuffleNet"),
+                ("squeezenet", "SqueezeNet"), ("swin", "Swin"), ("vit", "ViT/DeiT"), ("vgg", "VGG"),
+                ("maxvit", "MaxViT/CoAtNet"), ("googlenet", "Inception"), ("inception", "Inception"),
+                ("alexnet", "AlexNet"))
 
 
 def torchvision_specs() -> list[Spec]:
     """Every torchvision classification model."""
     import torchvision
 
-    names = torchvision.models.list_models(module=torchvision.models)
-    return [Spec(f"tv:{n}", _tv_family(n), **_TV.get(n, {})) for n in names]
+    return [Spec(f"tv:{n}", next((f for p, f in _TV_FAMILIES if n.startswith(p)), n), **_TV.get(n, {}))
+            for n in torchvision.models.list_models(module=torchvision.models)]
 
 
-#: Hugging Face transformers models, from config classes: (config class, model class, config kwargs).
-HF_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "convnext": ("ConvNextConfig", "ConvNextForImageClassification", {}),
-    "convnextv2": ("ConvNextV2Config", "ConvNextV2ForImageClassification", {}),
-    "resnet": ("ResNetConfig", "ResNetForImageClassification", {}),
-    "resnet_small": ("ResNetConfig", "ResNetForImageClassification",
-                     {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1]}),
-    "regnet": ("RegNetConfig", "RegNetForImageClassification", {}),
-    "swin": ("SwinConfig", "SwinForImageClassification", {"image_size": SIZE, "window_size": 4}),
-    "efficientnet": ("EfficientNetConfig", "EfficientNetForImageClassification", {"image_size": SIZE}),
-    "mobilevit": ("MobileViTConfig", "MobileViTForImageClassification", {"image_size": SIZE}),
+#: Hugging Face transformers image classifiers, from config classes: (``<prefix>Config`` and
+#: ``<prefix>ForImageClassification``'s prefix, config kwargs).
+HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "convnext": ("ConvNext", {}), "convnextv2": ("ConvNextV2", {}), "resnet": ("ResNet", {}),
+    "resnet_small": ("ResNet", {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1]}),
+    "regnet": ("RegNet", {}), "swin": ("Swin", {"image_size": SIZE, "window_size": 4}),
+    "efficientnet": ("EfficientNet", {"image_size": SIZE}), "mobilevit": ("MobileViT", {"image_size": SIZE}),
 }
 HF = [Spec(f"hf:{n}", f"HF {n}", note="dict batch {pixel_values, labels}") for n in HF_MODELS]
 
@@ -135,13 +129,8 @@ HF = [Spec(f"hf:{n}", f"HF {n}", note="dict batch {pixel_values, labels}") for n
 #: its families timm lacks (ShuffleNet, SqueezeNet; VGG, AlexNet and torchvision's ViTs are over 30M parameters),
 #: and the Hugging Face models but the two over 20M parameters whose code a smaller one shares (resnet, efficientnet).
 FAMILY_SUBSET = [
-    *(f"timm:{n}" for n in (
-        "resnet18", "seresnext26d_32x4d", "regnetx_002", "efficientnet_b0", "mobilenetv3_large_100", "convnext_atto",
-        "repvgg_a0", "densenet121", "hrnet_w18_small", "resnest14d", "dla34", "ese_vovnet19b_dw", "ghostnet_050",
-        "cspresnet50", "inception_v3", "nf_resnet26", "convmixer_768_32", "poolformer_s12", "efficientformer_l1",
-        "mobilevit_xxs", "vit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "maxvit_nano_rw_256", "levit_128s",
-        "efficientvit_b0", "edgenext_xx_small", "hgnetv2_b0", "starnet_s1", "tiny_vit_5m_224", "pvt_v2_b0",
-        "mambaout_femto", "xcit_nano_12_p16_224", "selecsls42b", "dpn48b", "gernet_s", "rdnet_tiny", "mixer_s32_224")),
+    *(f"timm:{({'MobileNet': 'mobilenetv3_large_100', 'Res2Net/ResNeSt': 'resnest14d'}).get(family, names.split()[0])}"
+      for family, names in _TIMM_FAMILIES.items()),
     *(f"tv:{n}" for n in ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "shufflenet_v2_x1_0", "squeezenet1_1")),
     *(f"hf:{n}" for n in ("resnet_small", "convnext", "convnextv2", "regnet", "swin", "mobilevit")),
 ]
@@ -158,10 +147,9 @@ DETECTION = [Spec(f"tv-det:{name}", family, loss="detection", note=note) for nam
 _CLIP = {"size": 64, "frames": 8}
 _TINY_VIT = {"patch_size": 16, "num_frames": 4, "hidden_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 2, "intermediate_size": 128}
-#: Hugging Face video classifiers: (config class, model class, config kwargs).
-HF_VIDEO: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "videomae": ("VideoMAEConfig", "VideoMAEForVideoClassification", {**_TINY_VIT, "tubelet_size": 2}),
-    "timesformer": ("TimesformerConfig", "TimesformerForVideoClassification", _TINY_VIT),
+#: Hugging Face video classifiers: (the classes' prefix, ``...ForVideoClassification``, config kwargs).
+HF_VIDEO: dict[str, tuple[str, dict[str, Any]]] = {
+    "videomae": ("VideoMAE", {**_TINY_VIT, "tubelet_size": 2}), "timesformer": ("Timesformer", _TINY_VIT),
 }
 VIDEO = [Spec(f"tv-video:{n}", "Video ResNet", **_CLIP, note="(N, 3, T, H, W) clips")
          for n in ("r3d_18", "mc3_18", "r2plus1d_18")]
@@ -263,10 +251,10 @@ def build(spec: Spec) -> nn.Module:
     if spec.source == "hf":
         import transformers
 
-        config_cls, model_cls, kwargs = HF_MODELS.get(spec.name) or HF_VIDEO[spec.name]
+        prefix, kwargs = HF_MODELS.get(spec.name) or HF_VIDEO[spec.name]
         video = {"image_size": spec.size} if spec.name in HF_VIDEO else {}  # a video config follows --size
-        config = getattr(transformers, config_cls)(num_labels=NUM_CLASSES, **kwargs, **video)
-        return getattr(transformers, model_cls)(config)
+        config = getattr(transformers, f"{prefix}Config")(num_labels=NUM_CLASSES, **kwargs, **video)
+        return getattr(transformers, f"{prefix}For{'Video' if video else 'Image'}Classification")(config)
     if spec.source == "smp":
         import segmentation_models_pytorch as smp
 
