@@ -147,28 +147,6 @@ def run_case(case: Case, log_dir: Path, timeout: float) -> dict[str, Any]:
     return row
 
 
-def sweep(cases: list[Case], out: Path, log_dir: Path, timeout: float, command: str, keep: bool = False) -> list[dict]:
-    """Run ``cases`` and write the outputs after each; with ``keep``, rows of other cases stay from ``<out>.json``."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    old = record(out, keep)
-    rows = {r["key"]: r for r in old.get("rows", [])}
-    runs = (old.get("runs", []) if keep else []) + [{"command": command, "seconds": 0.0}]
-    m = machine()
-    print(machine_line(m), flush=True)
-    order = [c.key for c in CASES]  # the others (a test's own cases) stay in the order they first ran
-    watch = Stopwatch().start()
-    for case in cases:
-        rows[case.key] = run_case(case, log_dir, timeout)
-        print(f"{case.key}: {rows[case.key]['status']} ({rows[case.key].get('seconds', 0)} s)", flush=True)
-        runs[-1]["seconds"] = round(watch.elapsed(), 1)
-        write_page(out, {"runs": runs, "machine": m, "rows": _in_order(rows, order)})
-    return _in_order(rows, order)
-
-
-def _in_order(rows: dict[str, dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
-    return sorted(rows.values(), key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = options(__doc__, only=([], "case keys (lightly:moco) or libraries (anomalib)"),
                 fast=(False, f"one case per library: {', '.join(FAST)}"),
@@ -188,10 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CASES if c.key in wanted or c.library in wanted]
     if unknown := wanted - {c.key for c in cases} - {c.library for c in cases}:
         p.error(f"unknown case(s) {sorted(unknown)}; --list shows them")
-    command = command_line("scripts.zoo.projects", argv)
-    rows = sweep(cases, args.out, args.log_dir, args.timeout, command, keep=bool(args.only))
-    print(f"wrote {args.out} ({sum(r.get('seconds', 0) for r in rows if r['key'] in {c.key for c in cases}):.0f} s); "
-          f"each run's log in {args.log_dir}")
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    old = record(args.out, keep=bool(args.only))  # a rerun of some cases keeps the other rows and the commands
+    rows = {r["key"]: r for r in old.get("rows", [])}
+    runs = old.get("runs", []) + [{"command": command_line("scripts.zoo.projects", argv), "seconds": 0.0}]
+    m = machine()
+    print(machine_line(m), flush=True)
+    order = [c.key for c in CASES]  # the others (a test's own cases) stay in the order they first ran
+    watch = Stopwatch().start()
+    for case in cases:
+        row = rows[case.key] = run_case(case, args.log_dir, args.timeout)
+        print(f"{case.key}: {row['status']} ({row.get('seconds', 0)} s)", flush=True)
+        runs[-1]["seconds"] = round(watch.elapsed(), 1)
+        write_page(args.out, {"runs": runs, "machine": m, "rows": sorted(
+            rows.values(), key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))})
+    print(f"wrote {args.out} ({watch.elapsed():.0f} s); each run's log in {args.log_dir}")
     return 0
 
 

@@ -130,30 +130,28 @@ def main(argv: list[str] | None = None) -> int:
         m["started"] = previous.get("machine", {}).get("started", m["started"])
         m["earlier_commands"] = previous.get("machine", {}).get("earlier_commands", []) + [previous["command"]]
         m["resumed"] = now()
-    rows = [r for r in previous.get("rows", []) if r["key"] in {s.key for s in specs}]
     args.log_dir.mkdir(parents=True, exist_ok=True)
     optimizers = args.optimizers.split(",") if args.check_only else [None]
-    done = {(r["key"], r.get("optimizer", optimizers[0])) for r in rows}
     order = {s.key: i for i, s in enumerate(specs)}
     rank = {o: i for i, o in enumerate(optimizers)}  # rows of an optimizer not swept this time (--resume) last
-    for spec, optimizer in ((s, o) for s in specs for o in optimizers if (s.key, o) not in done):
-        result = run_one(spec, args, optimizer)
-        rows.append(result)
-        done.add((spec.key, optimizer))
+    rows = {(r["key"], r.get("optimizer", optimizers[0])): r for r in previous.get("rows", []) if r["key"] in order}
+
+    def ordered() -> list[dict[str, Any]]:
+        return [rows[k] for k in sorted(rows, key=lambda k: (order[k[0]], rank.get(k[1], len(rank))))]
+
+    for spec, optimizer in ((s, o) for s in specs for o in optimizers if (s.key, o) not in rows):
+        result = rows[spec.key, optimizer] = run_one(spec, args, optimizer)
         if optimizer and result["status"] == "skipped":  # built once: its row stands for every optimizer
-            for other in (o for o in optimizers if (spec.key, o) not in done):
-                rows.append(dict(result, optimizer=other))
-                done.add((spec.key, other))
+            rows.update({(spec.key, o): dict(result, optimizer=o) for o in optimizers if (spec.key, o) not in rows})
         confirmed = (result.get("confirm") or {}).get("verdict")
         said = (f" {OPTIMIZER_NAMES[optimizer]}: {result['status']} {result.get('layout_check', '')}"
                 f"{f' ({confirmed})' if confirmed else ''}" if optimizer
                 else f": {result['status']} {(result.get('grad') or {}).get('verdict', '')}")
-        print(f"[{len(done)}/{len(specs) * len(optimizers)}] {spec.key}{said} {result['seconds']}s", flush=True)
+        print(f"[{len(rows)}/{len(specs) * len(optimizers)}] {spec.key}{said} {result['seconds']}s", flush=True)
         m["load_end"], m["ended"] = load(), now()
-        rows.sort(key=lambda r: (order[r["key"]], rank.get(r.get("optimizer", optimizers[0]), len(rank))))
-        write_page(args.out, {"command": command, "machine": m, "optimizers": optimizers, "rows": rows}
-                   if args.check_only else {"machine": m, "command": command, "rows": rows}, args)
-    print("\n".join(check_summary(rows, optimizers) if args.check_only else sweep_summary(rows)))
+        write_page(args.out, {"command": command, "machine": m, "optimizers": optimizers, "rows": ordered()}
+                   if args.check_only else {"machine": m, "command": command, "rows": ordered()}, args)
+    print("\n".join(check_summary(ordered(), optimizers) if args.check_only else sweep_summary(ordered())))
     print(f"wrote {args.out.with_suffix('.md')}, .json" + ("" if args.check_only else ", .csv"))
     return 0
 
