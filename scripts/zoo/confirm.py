@@ -14,6 +14,7 @@ import torch
 
 from cltrain import ChannelsLast
 from scripts.zoo.models import Spec, fit
+from scripts.zoo.parity import loss_gap
 
 FACTOR = 10.0      #: how many times the nudged run's gap a channels_last gap must exceed to count
 MIN_GAP = 1e-5     #: and the least relative gap that counts
@@ -30,20 +31,6 @@ def nudge(net: torch.nn.Module, relative: float = NUDGE, seed: int = 1) -> torch
         for p in net.parameters():
             p.mul_(1 + relative * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     return net
-
-
-def loss_gap(losses: list[float], reference: list[float]) -> float:
-    """The largest relative difference between two runs' losses, step by step (``inf`` where a run stopped
-    early or one is finite and the other not)."""
-    if len(losses) != len(reference):
-        return math.inf
-    gaps = []
-    for a, b in zip(losses, reference):
-        if not (math.isfinite(a) and math.isfinite(b)):
-            gaps.append(0.0 if a == b or (math.isnan(a) and math.isnan(b)) else math.inf)
-        else:
-            gaps.append(abs(a - b) / max(abs(b), 1e-12))
-    return max(gaps, default=0.0)
 
 
 def update_gap(updates: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str | None]:

@@ -8,7 +8,6 @@ docs/benchmarks.md#miss-check). Adds the finding to each row of ``<out>.json`` a
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,26 +15,13 @@ from typing import Any
 import torch
 
 from scripts.harness import options
-from scripts.zoo.models import build, find, image_of, logits_of, make_batch
+from scripts.zoo.models import build, find, make_batch, training_loss
+from scripts.zoo.pages import record, write_page
 from scripts.zoo.parity import grad_errors
-from scripts.zoo.pages import write_page
 from scripts.zoo.sweep import recorded_args
 
 #: The layer alone is "right" when both layouts' weight gradients are within this of float64.
 RIGHT_ALONE = 1e-4
-
-
-def _layer_input_shape(spec: Any, module_name: str) -> tuple[tuple[int, ...], torch.nn.Module]:
-    torch.manual_seed(0)
-    net = build(spec).train()
-    batch = make_batch(spec, 2, torch.Generator().manual_seed(0))
-    module = net.get_submodule(module_name)
-    shapes: list[tuple[int, ...]] = []
-    handle = module.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
-    with torch.no_grad():
-        logits_of(net, image_of(batch, spec), spec.dict_batch)
-    handle.remove()
-    return shapes[0], module
 
 
 def layer_alone(module: torch.nn.Module, shape: tuple[int, ...], leaf: str = "weight") -> dict[str, float]:
@@ -62,7 +48,15 @@ def examine(spec: Any, row: dict[str, Any]) -> dict[str, Any]:
     """The layer-alone errors for ``row``'s worst parameter, and the verdict they support."""
     param = row["grad"]["worst_param"]
     module_name, _, leaf = param.rpartition(".")
-    shape, module = _layer_input_shape(spec, module_name)
+    torch.manual_seed(0)
+    net = build(spec).train()
+    module = net.get_submodule(module_name)
+    shapes: list[tuple[int, ...]] = []  # the layer's input shape in the model, on the sweep's batch of 2
+    handle = module.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        training_loss(net, make_batch(spec, 2, torch.Generator().manual_seed(0)), spec)
+    handle.remove()
+    shape = shapes[0]
     errors = layer_alone(module, shape, leaf)
     right = all(e <= RIGHT_ALONE for e in errors.values())
     noise = row["grad"].get("noise_by_run") or {}
@@ -84,7 +78,7 @@ def examine(spec: Any, row: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = options(__doc__, out=(Path("docs/zoo"), "the sweep's output stem"),
                    models=("", "comma-separated keys; default: every MISS row")).parse_args(argv)
-    data = json.loads(args.out.with_suffix(".json").read_text())
+    data = record(args.out)
     keys = set(args.models.split(",")) if args.models else set()
     for row in data["rows"]:
         if (row.get("grad") or {}).get("verdict") == "MISS" and (not keys or row["key"] in keys):

@@ -17,6 +17,20 @@ FLOOR = 1e-7        # error denominators are at least this fraction of the model
 LAYOUT_F64_MAX = 1e-8  # float64 channels_last vs float64 NCHW, per parameter: only rounding below this
 
 
+def loss_gap(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference between two runs' losses, step by step (``inf`` where a run stopped
+    early or one is finite and the other not)."""
+    if len(losses) != len(reference):
+        return math.inf
+    gaps = []
+    for a, b in zip(losses, reference):
+        if not (math.isfinite(a) and math.isfinite(b)):
+            gaps.append(0.0 if a == b or (math.isnan(a) and math.isnan(b)) else math.inf)
+        else:
+            gaps.append(abs(a - b) / max(abs(b), 1e-12))
+    return max(gaps, default=0.0)
+
+
 def grad_errors(grads: dict[str, torch.Tensor | None], exact: dict[str, torch.Tensor | None]) -> dict[str, float]:
     """Per parameter, ``max|g - exact| / max(max|exact|, FLOOR * largest exact gradient)``; ``inf`` where one side
     has no gradient."""
@@ -91,9 +105,9 @@ def parity(result: dict[str, Any], grads: dict[str, dict], losses: dict[str, flo
         largest = max((float(g.abs().max()) for g in exact.values() if g is not None and g.numel()), default=0.0)
         ref = exact.get(verdict["worst_param"])
         verdict["grad_scale"] = float(ref.abs().max()) / largest if ref is not None and largest > 0 else None
-    rel = lambda key: abs(losses[key] - base) / max(abs(base), 1e-12)  # noqa: E731
-    loss_err = rel("channels_last")
-    loss_noise = max(rel(k) for k in ("contiguous", "native", "native_cl") if k in losses and k != reference)
+    loss_err = loss_gap([losses["channels_last"]], [base])
+    loss_noise = max(loss_gap([losses[k]], [base]) for k in ("contiguous", "native", "native_cl")
+                     if k in losses and k != reference)
     if loss_err > OK_BELOW and loss_err > 10 * loss_noise:  # the loss is one number: the same rule, stricter
         verdict.update(verdict="MISS", loss_miss=True)
     verdict["why"] = why(verdict)
