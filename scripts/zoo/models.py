@@ -64,7 +64,8 @@ _TIMM_FAMILIES = {
     "RepVGG/MobileOne/FastViT": "repvgg_a0 mobileone_s0 fastvit_t8 repghostnet_050 repvit_m0_9",
     "DenseNet": "densenet121", "HRNet": "hrnet_w18_small", "Res2Net/ResNeSt": "res2net50_14w_8s resnest14d",
     "DLA": "dla34", "VoVNet": "ese_vovnet19b_dw", "GhostNet": "ghostnet_050 ghostnetv2_100",
-    "CSP/Darknet": "cspresnet50 cs3darknet_s darknet17", "Inception": "inception_v3 inception_next_tiny legacy_xception",
+    "CSP/Darknet": "cspresnet50 cs3darknet_s darknet17",
+    "Inception": "inception_v3 inception_next_tiny legacy_xception",
     "NF-ResNet": "nf_resnet26", "ConvMixer": "convmixer_768_32", "PoolFormer": "poolformer_s12 poolformerv2_s12",
     "EfficientFormer": "efficientformer_l1 efficientformerv2_s0", "MobileViT": "mobilevit_xxs mobilevitv2_050",
     "ViT/DeiT": "vit_tiny_patch16_224 deit_tiny_patch16_224", "Swin": "swin_tiny_patch4_window7_224",
@@ -84,7 +85,8 @@ _TIMM: dict[str, dict[str, Any]] = {
                      "swin_tiny_patch4_window7_224", "maxvit_nano_rw_256", "coatnet_nano_rw_224", "levit_128s",
                      "mixer_s32_224", "resmlp_12_224"], _VIT_SIZE),
 }
-TIMM = [Spec(f"timm:{n}", family, **_TIMM.get(n, {})) for family, names in _TIMM_FAMILIES.items() for n in names.split()]
+TIMM = [Spec(f"timm:{n}", family, **_TIMM.get(n, {}))
+        for family, names in _TIMM_FAMILIES.items() for n in names.split()]
 
 _NO_AUX = {"kwargs": {"aux_logits": False, "init_weights": True}, "note": "no aux heads"}
 #: The torchvision models built otherwise than at 128 px with ``num_classes`` alone, or also compiled.

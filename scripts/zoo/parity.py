@@ -92,7 +92,8 @@ def parity(result: dict[str, Any], grads: dict[str, dict], losses: dict[str, flo
     reference = "float64" if "float64" in grads else "contiguous"  # without float64, the Trainer's NCHW run
     exact, base = grads[reference], losses[reference]
     err_cl = grad_errors(grads["channels_last"], exact)
-    fp32 = {k: grad_errors(grads[k], exact) for k in ("contiguous", "native", "native_cl") if k in grads and k != reference}
+    others = [k for k in ("contiguous", "native", "native_cl") if k in grads and k != reference]  # fp32 references
+    fp32 = {k: grad_errors(grads[k], exact) for k in others}
     noise = {n: max(e.get(n, 0.0) for e in fp32.values()) for n in err_cl}
     verdict = judge(err_cl, noise)
     if "float64_cl" in grads:  # the layout's own kernels, in exact arithmetic: any difference is a wrong kernel
@@ -106,8 +107,7 @@ def parity(result: dict[str, Any], grads: dict[str, dict], losses: dict[str, flo
         ref = exact.get(verdict["worst_param"])
         verdict["grad_scale"] = float(ref.abs().max()) / largest if ref is not None and largest > 0 else None
     loss_err = loss_gap([losses["channels_last"]], [base])
-    loss_noise = max(loss_gap([losses[k]], [base]) for k in ("contiguous", "native", "native_cl")
-                     if k in losses and k != reference)
+    loss_noise = max(loss_gap([losses[k]], [base]) for k in others)
     if loss_err > OK_BELOW and loss_err > 10 * loss_noise:  # the loss is one number: the same rule, stricter
         verdict.update(verdict="MISS", loss_miss=True)
     verdict["why"] = why(verdict)

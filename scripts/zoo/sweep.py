@@ -4,7 +4,7 @@ here the sweep around them: which models, resuming, the pages. The method: docs/
 
     python -m scripts.zoo.sweep                            # the whole zoo -> docs/zoo.md, docs/zoo.json, docs/zoo.csv
     python -m scripts.zoo.sweep --resume                   # go on after an interruption (rows already in the JSON kept)
-    python -m scripts.zoo.sweep --fast --out /tmp/zoo      # one model per special case, small and quick (the test suite's)
+    python -m scripts.zoo.sweep --fast --out /tmp/zoo      # one model per special case, small and quick
     python -m scripts.zoo.sweep --models resnet50,hf:swin --out /tmp/zoo
     python -m scripts.zoo.sweep --list
     python -m scripts.zoo.sweep --check-only --max-params 30 --out /tmp/zoo_check   # ChannelsLast()'s first-batch check

@@ -47,7 +47,8 @@ def _time_training(nets: dict[str, torch.nn.Module], spec: Spec, batch: Any, dty
     cast = batch_to(batch, dtype) if dtype is not None else batch
     batches = {"contiguous": clone_batch(cast), "channels_last": convert_batch(clone_batch(cast))}
     steps = {key: training_step(net, lambda net=net, batch=batches[key]: training_loss(net, batch, spec),
-                                optimizer=torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9), autocast_dtype=dtype)
+                                optimizer=torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9),
+                                autocast_dtype=dtype)
              for key, net in nets.items()}
     timing = time_steps(steps, rounds=args.rounds, warmup=warmup, min_window=args.min_window, max_steps=100_000)
     return {key: s.median for key, s in timing.rates().items()}
@@ -107,19 +108,19 @@ def child(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     grads, losses = dict(refs[0]), dict(refs[1])
     nets = {}
     # The kernels and the guardrails, without the first-batch check's fallbacks (``--check-only`` measures those).
-    for layout, callback in (("contiguous", None), ("channels_last", ChannelsLast(layout="channels_last", verify=False))):
+    callbacks = {"contiguous": None, "channels_last": ChannelsLast(layout="channels_last", verify=False)}
+    for layout, callback in callbacks.items():
         phase(layout)
         module = fit(copy.deepcopy(net0), spec, batches, callback, max_steps=2)
         nets[layout] = module.train().net
         losses[layout] = float(module.losses[0])
         grads[layout] = module.step0_grads
         result[f"losses_{layout}"] = [float(v) for v in module.losses]
-        result[f"trains_{layout}"] = len(module.losses) == 2 and all(math.isfinite(v) for v in result[f"losses_{layout}"])
+        result[f"trains_{layout}"] = len(module.losses) == 2 and all(map(math.isfinite, result[f"losses_{layout}"]))
         if callback is not None:
             result["conv_weights_cl"] = conv_weights_cl(module.net)
-            result["guardrails"] = "; ".join(  # the known-fault workarounds the callback applied, in a few words
-                f"{getattr(r, 'fault', r)} ({len(getattr(r, 'modules', ()))} modules)"
-                for r in getattr(callback, "guardrails", None) or [])
+            # the known-fault workarounds the callback applied, in a few words
+            result["guardrails"] = "; ".join(f"{r.fault} ({len(r.modules)} modules)" for r in callback.guardrails or [])
             record_check(result, callback)
     parity(result, grads, losses)
     del grads, losses
