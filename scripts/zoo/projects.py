@@ -29,13 +29,12 @@ from cltrain.timing.clock import Stopwatch
 from cltrain.timing.machine import machine, machine_line
 from cltrain.timing.report import command_line
 from scripts.fits import quiet_trainer
-from scripts.harness import CASE, REPO, emit, options, python_module, run_child
+from scripts.harness import CASE, LAYOUTS, REPO, emit, options, python_module, run_child
 from scripts.zoo.models import conv_weights_cl
 from scripts.zoo.project_cases import CASES, Case
 from scripts.zoo.pages import record, write_page
 
 FAST = ["anomalib:reverse_distillation", "lightly:moco", "torchgeo:classification"]
-LAYOUTS = ("contiguous", "channels_last")
 
 
 # ---- one run, in the child process ----------------------------------------------------------------
@@ -48,13 +47,12 @@ class _ChannelsLastLines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[str] = []
-        self._seen: list[logging.LogRecord] = []
+        self._last: logging.LogRecord | None = None  # a record propagates up the loggers, each handing it here
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("ChannelsLast") and not any(r is record for r in self._seen):
-            self._seen.append(record)
-            self.lines.append(message)
+        if record is not self._last and record.getMessage().startswith("ChannelsLast"):
+            self.lines.append(record.getMessage())
+        self._last = record
 
     def warning(self, message, category, filename, lineno, file=None, line=None) -> None:  # warnings.showwarning
         if str(message).startswith("ChannelsLast"):
