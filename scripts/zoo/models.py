@@ -312,11 +312,6 @@ def make_batch(spec: Spec, n: int, generator: torch.Generator, dtype: torch.dtyp
     return {"pixel_values": x, "labels": y} if spec.dict_batch else (x, y)
 
 
-def image_of(batch: Any, spec: Spec) -> Any:
-    """The model's input in ``batch``: its image tensor (a list of images for a detector)."""
-    return batch["pixel_values"] if spec.dict_batch else batch[0]
-
-
 def clone_batch(batch: Any) -> Any:
     """A copy with new tensor objects (the callback restrides a batch's tensors in place)."""
     return apply_to_collection(batch, torch.Tensor, torch.Tensor.clone)
