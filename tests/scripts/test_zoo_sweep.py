@@ -235,8 +235,8 @@ def test_the_summary_counts_each_optimizer_and_names_each_false_fallback():
                 "layout_check_line": f"layout check: {key} line", **confirmed, **extra}
 
     rows = [row("a", "sgd", "passed"), row("a", "adam", "fallback", "FALSE"),
-            row("b", "sgd", "contiguous", "confirmed"), row("b", "adam", "passed", "MISSED"), {"key": "c", "optimizer": "sgd", "status": "skipped"},
-            {"key": "c", "optimizer": "adam", "status": "skipped"}]
+            row("b", "sgd", "contiguous", "confirmed"), row("b", "adam", "passed", "MISSED"),
+            {"key": "c", "optimizer": "sgd", "status": "skipped"}, {"key": "c", "optimizer": "adam", "status": "skipped"}]
     lines = pages.check_summary(rows, ["sgd", "adam"])
     assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models checked with each optimizer, "
                                "1 skipped")
