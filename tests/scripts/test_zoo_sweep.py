@@ -236,7 +236,7 @@ def test_the_summary_counts_each_optimizer_and_names_each_false_fallback():
 
     rows = [row("a", "sgd", "passed"), row("a", "adam", "fallback", "FALSE"),
             row("b", "sgd", "contiguous", "confirmed"), row("b", "adam", "passed", "MISSED"),
-            {"key": "c", "optimizer": "sgd", "status": "skipped"}, {"key": "c", "optimizer": "adam", "status": "skipped"}]
+            *({"key": "c", "optimizer": o, "status": "skipped"} for o in ("sgd", "adam"))]
     lines = pages.check_summary(rows, ["sgd", "adam"])
     assert lines[0].startswith("- 3 models x 2 optimizers (SGD, Adam): 2 models checked with each optimizer, "
                                "1 skipped")
