@@ -1,18 +1,16 @@
 """The harness every script measures through, in one import: ``cltrain.timing``'s clock (``Stopwatch``, ``timed``,
-``cpu_seconds``), its rounds (``interleaved``, ``time_steps``, ``rate_after_first``), its steps (``training_step``,
-``layout_steps`` in each of the ``LAYOUTS``), ``spread`` and its report
-(``table``, ``write_report``, ``command_line``); ``machine_line``, the machine a figure was taken on; ``options``, a
-script's command line from its defaults. A case may run in a child process of its own (``run_child``), so a native
-crash, a raise or a hang is a row of the table, not the end of the run; what it measured comes back as lines it
-printed with ``emit``. A script hands its child the case whole (``run_case``: ``--case JSON``, which the child's
-``options(..., case=CASE)`` parses back)::
+``cpu_seconds``), rounds (``interleaved``, ``time_steps``, ``rate_after_first``), steps (``training_step``,
+``layout_steps`` in each of the ``LAYOUTS``), ``spread`` and report (``table``, ``write_report``, ``command_line``);
+``machine_line``; ``options``, a script's command line from its defaults; ``random_batches``, the seeded batches the
+steps train on. A case may run in a child process of its own (``run_child``), so a native crash, a raise or a hang is
+a row of the table, not the end of the run; what it measured comes back as lines it printed with ``emit``. A script
+hands its child the case whole (``run_case``: ``--case JSON``, which the child's ``options(..., case=CASE)`` parses
+back)::
 
     child = run_case("scripts.bench.default_speed", {"model": "resnet50", ...}, timeout=600)
     child.status()        # "ok", "timeout after 600 s", "crashed (SIGSEGV)", "exited 1"
     child.failure()       # None, or the status with the last error line: "exited 1: ValueError: ..."
     child.results()       # every object the child emitted
-
-``random_batches`` makes the seeded random batches the benchmarks' steps train on.
 """
 
 from __future__ import annotations
@@ -171,10 +169,8 @@ def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | N
             pass
         finally:
             if code is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait()
         out.seek(0)
         return Child(code, out.read(), watch.elapsed(), timeout)
@@ -184,15 +180,10 @@ def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | N
 def _sigterm_raises() -> Iterator[None]:
     """SIGTERM as ``SystemExit(143)`` while waiting for a child, so ``finally`` runs (Python's default ends the
     process on the spot); a handler the caller set, or a thread other than the main one, is left alone."""
-    main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield
         return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         yield
     finally:

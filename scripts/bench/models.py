@@ -131,9 +131,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
     note = "; ".join(n for n in ("no aux heads" if name == "googlenet" else "", shape_note) if n)
     ((x, y),) = random_batches(1, shape, device=device)
     rows = []
-    for dtype_name in args.dtypes:
-        dtype = None if dtype_name == "fp32" else torch.float16 if device.type == "cuda" else torch.bfloat16
-        label = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    amp = (torch.float16, "fp16") if device.type == "cuda" else (torch.bfloat16, "bf16")
+    for dtype, label in [(None, "fp32") if d == "fp32" else amp for d in args.dtypes]:
         steps = layout_steps(
             base, x, targets=y, device=device, autocast_dtype=dtype,
             loss=lambda out, y: F.cross_entropy((out if isinstance(out, torch.Tensor) else out[0]).float(), y),

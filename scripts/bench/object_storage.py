@@ -64,15 +64,19 @@ def _server() -> subprocess.Popen:
     return proc
 
 
-def _upload(folder: Path, bucket: str, prefix: str) -> str:
+def _upload(folder: Path, prefix: str) -> str:
     import boto3
 
     client = boto3.client("s3")
-    client.create_bucket(Bucket=bucket)
+    client.create_bucket(Bucket="bench")
     for q in sorted(folder.rglob("*"), key=lambda q: q.name == "shards.json"):  # the manifest last
         if q.is_file():
-            client.upload_file(str(q), bucket, f"{prefix}/{q.relative_to(folder).as_posix()}")
-    return f"s3://{bucket}/{prefix}"
+            client.upload_file(str(q), "bench", f"{prefix}/{q.relative_to(folder).as_posix()}")
+    return f"s3://bench/{prefix}"
+
+
+def _mib(folder: Path) -> float:
+    return sum(q.stat().st_size for q in folder.rglob("*") if q.is_file()) / 2**20
 
 
 def _costed(fn: Callable[[], Any], whose: tuple = ("self",)) -> tuple[Any, float, list[float]]:
@@ -93,8 +97,8 @@ def _rate(loader: Any) -> tuple[float, list[float]]:
 def _ours(root: str | Path, files: bool = False, **options: Any) -> tuple[float, list[float]]:
     """A pass of cltrain's training loader: ``ShardsDataModule`` on a pack, or with ``files`` ``ImageFolderDataModule``
     on its folder."""
-    dm = ImageFolderDataModule(root, **KW, **FILES_ONLY) if files else ShardsDataModule(root, **KW, shuffle_window=4,
-                                                                                         **options)
+    dm = (ImageFolderDataModule(root, **KW, **FILES_ONLY) if files
+          else ShardsDataModule(root, **KW, shuffle_window=4, **options))
     dm.setup("fit")
     return _rate(dm.train_dataloader())
 
@@ -110,28 +114,28 @@ def paired_ratio(root: Path, pack: Path, batches: int) -> tuple[float, float, fl
     fs, hs = files.train_set, shards.train_set
     by_bytes = {hashlib.sha1(Path(path).read_bytes()).digest(): k for k, (path, _) in enumerate(fs.samples)}
     same = [by_bytes.get(hashlib.sha1(hs.read(i)).digest()) for i in range(len(hs))]  # shard sample -> its file
-    differs = f"the pack {pack} does not hold the folder's images ({root}"
+    differs = f"object_storage: the pack {pack} does not hold the folder's images ({root}"
+    again = "; pack the folder again to another --pack."
     if None in same:
-        raise SystemExit(f"object_storage: {differs}: sample {same.index(None)} of its train split is not there); "
-                         "pack the folder again to another --pack.")
+        raise SystemExit(f"{differs}: sample {same.index(None)} of its train split is not there){again}")
     rng, pending = np.random.default_rng(0), {}
     chosen = [rng.choice(len(hs), KW["batch_size"], replace=False).tolist() for _ in range(batches)]
+    reads = {"files": lambda b: hs.collate(fs.__getitems__([same[i] for i in chosen[b]])),
+             "shards": lambda b: hs[chosen[b]]}
 
     def read(kind: str, b: int) -> float:
         torch.manual_seed(b)  # the same crops from both
-        batch, seconds, _ = _costed(lambda: hs.collate(fs.__getitems__([same[i] for i in chosen[b]]))
-                                    if kind == "files" else hs[chosen[b]], ())
+        batch, seconds, _ = _costed(lambda: reads[kind](b), ())
         if b not in pending:
             pending[b] = batch[0]
         elif not torch.equal(pending.pop(b), batch[0]):
-            raise SystemExit(f"object_storage: {differs}: a batch differs); pack the folder again to another --pack.")
+            raise SystemExit(f"{differs}: a batch differs){again}")
         return seconds
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:  # a pair per batch, which goes first alternating
-        took = interleaved({kind: functools.partial(read, kind) for kind in ("files", "shards")}, batches,
-                           with_round=True)
+        took = interleaved({kind: functools.partial(read, kind) for kind in reads}, batches, with_round=True)
     finally:
         torch.set_num_threads(threads)
     q1, median, q3 = statistics.quantiles([f / h for f, h in zip(took["files"], took["shards"])], n=4)
@@ -178,11 +182,11 @@ def _lit_item(labels: dict[str, int], path: str) -> dict:
 def _litdata_write(root: Path, out: Path) -> str:
     """The photographs ``optimize``-d into ``out`` (written locally and uploaded: LitData 0.2.76 writes to S3 through
     obstore, whose client it builds without ``allow_http``, so a plain-http endpoint is refused)."""
+    import multiprocessing
+
     from litdata import optimize
 
     if not (out / "index.json").is_file():
-        import multiprocessing
-
         method = multiprocessing.get_start_method()
         labels = {str(p): label for p, label in _labelled(root)}
         try:
@@ -190,7 +194,7 @@ def _litdata_write(root: Path, out: Path) -> str:
                      chunk_bytes="16MB", num_workers=2, mode="overwrite")
         finally:  # optimize() sets the process's start method to spawn: every loader here would start so
             multiprocessing.set_start_method(method, force=True)
-    return _upload(out, "bench", "litdata")
+    return _upload(out, "litdata")
 
 
 try:
@@ -232,7 +236,7 @@ def _mosaic_write(root: Path, out: Path) -> str:
         with MDSWriter(out=str(out / "train"), columns={"x": "jpeg", "y": "int"}, size_limit="16MB") as writer:
             for path, label in _labelled(root):
                 writer.write({"x": Image.open(path), "y": label})
-    return _upload(out, "bench", "mosaic")
+    return _upload(out, "mosaic")
 
 
 def _mosaic(url: str, cache: Path) -> tuple[float, list[float]]:
@@ -267,10 +271,9 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
     from cltrain.data.remote import open_fs
 
     fs, _ = open_fs(url)
-    bucket, prefix = url[5:].split("/", 1)
-    store = S3Store(bucket, endpoint=os.environ["AWS_ENDPOINT_URL"], region="us-east-1",
-                    access_key_id=os.environ["AWS_ACCESS_KEY_ID"], secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-                    client_options={"allow_http": True})
+    prefix, env = url.split("/", 3)[3], os.environ
+    store = S3Store("bench", endpoint=env["AWS_ENDPOINT_URL"], region="us-east-1", client_options={"allow_http": True},
+                    access_key_id=env["AWS_ACCESS_KEY_ID"], secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
     cases = {"fsspec whole": lambda: sum(len(fs.cat_file(f"{url}/{n}")) for n in names),
              "obstore whole": lambda: sum(len(obstore.get(store, f"{prefix}/{n}").bytes()) for n in names),
              "fsspec ranges": lambda: sum(len(fs.cat_file(f"{url}/{names[0]}", start=o, end=o + s)) for o, s in sizes),
@@ -282,6 +285,19 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
         [k, f"{mb / spread(t for _, t, _ in runs).median:.1f}", f"{1000 * spread(c for _, _, (c,) in runs).median / mb:.1f}",
          len(sizes) if "ranges" in k else len(names)] for k, runs in got.items() if (mb := runs[0][0] / 2**20)],
         align="lrrr"))
+
+
+def _report(runs: dict[str, list[tuple[float, list[float]]]]) -> None:
+    """The table of medians, then ours against each peer's."""
+    med = {k: spread(rate for rate, _ in v).median for k, v in runs.items()}
+    print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers", "S3 server"],
+                [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
+                  ", ".join(f"{rate:.0f}" for rate, _ in v),
+                  *(f"{spread(cpu[j] for _, cpu in v).median:.2f}" for j in range(3))]
+                 for k, v in runs.items()], align="lrrlrrr"))
+    for ours, other in [("local", "files")] + [("s3-cold", p) for p in ("webdataset", "wds-fsspec", "litdata", "mosaic")]:
+        if ours in med and other in med:
+            print(f"{ours} / {other}: {med[ours] / med[other]:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     if "mosaic" in args.cases and importlib.util.find_spec("streaming") is None:
         print("mosaic: skipped: mosaicml-streaming is not installed (pip install --no-deps mosaicml-streaming brotli "
               "python-snappy cramjam zstd catalogue)")
-        args.cases = [c for c in args.cases if c != "mosaic"]
+        args.cases.remove("mosaic")
     KW.update(batch_size=args.batch_size, num_workers=args.workers)
     PEER_WORKERS[0] = usable_cores() if args.workers == "auto" else args.workers
     from cltrain.data.pack import pack
@@ -315,27 +331,23 @@ def main(argv: list[str] | None = None) -> None:
               f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
     remote = args.clients or bool(set(args.cases) - {"files", "local"})
     server = _server() if remote else None
+    cache = Path(tempfile.mkdtemp(prefix="cltrain-bench-cache-"))
     try:
-        url = _upload(local, "bench", "pack") if remote else ""
+        url = _upload(local, "pack") if remote else ""
         names = sorted(str(q.relative_to(local)) for q in (local / "train").glob("*.tar"))
         if args.clients:
             index = np.load(local / names[0].replace(".tar", ".idx.npy"))
             _clients(url, names, [(int(o), int(s)) for o, s in index[:, :2]])
             print(machine_line())
             return
-        cache = Path(tempfile.mkdtemp(prefix="cltrain-bench-cache-"))
-        warm = cache / "warm"
+        warm, cold = cache / "warm", cache / "cold"
         if "s3-warm" in args.cases:
             _ours(url, cache_dir=str(warm))  # fills the warm cache once
         lit = _litdata_write(photos, args.work / f"litdata-{args.train}") if "litdata" in args.cases else ""
         mds = _mosaic_write(photos, args.work / f"mosaic-{args.train}") if "mosaic" in args.cases else ""
         shm = set(os.listdir("/dev/shm"))
-
-        def cold() -> tuple[float, list[float]]:
-            shutil.rmtree(cache / "cold", ignore_errors=True)
-            return _ours(url, cache_dir=str(cache / "cold"))
-
-        cases = {"files": lambda: _ours(photos, files=True), "local": lambda: _ours(str(local)), "s3-cold": cold,
+        cases = {"files": lambda: _ours(photos, files=True), "local": lambda: _ours(str(local)),
+                 "s3-cold": lambda: shutil.rmtree(cold, ignore_errors=True) or _ours(url, cache_dir=str(cold)),
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
                  "s3-ranges": lambda: _ours(url, fetch="ranges", cache_dir=str(cache / "r")),
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
@@ -343,31 +355,17 @@ def main(argv: list[str] | None = None) -> None:
                  "litdata": lambda: _litdata(lit, cache / "litdata"), "mosaic": lambda: _mosaic(mds, cache / "mosaic")}
         _SERVER.extend([server.pid] if server else [])
         runs = interleaved({k: cases[k] for k in args.cases}, args.rounds)
-        n = len(list((photos / "train").rglob("*.jpg")))
-        print(f"object storage: {n} photographs, {len(names)} shards of {args.shard_size}, batch {args.batch_size}, "
-              f"224 px, {args.workers} workers (others {PEER_WORKERS[0]}), shuffle_window 4; {args.rounds} rounds, "
-              "median images/s\n")
-        rates = {k: [rate for rate, _ in v] for k, v in runs.items()}
-        med = {k: spread(r).median for k, r in rates.items()}
-        print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers",
-                     "S3 server"],
-                    [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
-                      ", ".join(f"{x:.0f}" for x in r),
-                      *(f"{spread(cpu[j] for _, cpu in runs[k]).median:.2f}" for j in range(3))]
-                     for k, r in rates.items()], align="lrrlrrr"))
-        for ours, other in [("local", "files")] + [("s3-cold", p) for p in ("webdataset", "wds-fsspec", "litdata", "mosaic")]:
-            if ours in med and other in med:
-                print(f"{ours} / {other}: {med[ours] / med[other]:.2f}x")
-        held = sum(q.stat().st_size for q in warm.rglob("*") if q.is_file()) if warm.is_dir() else 0
-        print(f"the cache on disk: {held / 2**20:.1f} MiB (the pack: "
-              f"{sum(q.stat().st_size for q in local.rglob('*') if q.is_file()) / 2**20:.1f} MiB); peak RSS: this process "
-              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB, largest worker "
-              f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10:.0f} MiB")
+        print(f"object storage: {len(_labelled(photos))} photographs, {len(names)} shards of {args.shard_size}, batch "
+              f"{args.batch_size}, 224 px, {args.workers} workers (others {PEER_WORKERS[0]}), shuffle_window 4; "
+              f"{args.rounds} rounds, median images/s\n")
+        _report(runs)
         left = sorted(set(os.listdir("/dev/shm")) - shm)
-        print(f"left in /dev/shm by the passes: {', '.join(left) if left else 'nothing'}")
-        print(machine_line())
-        shutil.rmtree(cache, ignore_errors=True)
+        print(f"the cache on disk: {_mib(warm) if warm.is_dir() else 0:.1f} MiB (the pack: {_mib(local):.1f} MiB); "
+              f"peak RSS: this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB, largest "
+              f"worker {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10:.0f} MiB\n"
+              f"left in /dev/shm by the passes: {', '.join(left) if left else 'nothing'}\n{machine_line()}")
     finally:
+        shutil.rmtree(cache, ignore_errors=True)
         if server is not None:
             server.terminate()
             server.wait()

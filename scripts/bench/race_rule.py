@@ -53,18 +53,15 @@ def main(argv: list[str] | None = None) -> str:
     args = options(__doc__, races=(400, "races per ratio"), quick=(dict(races=40), "40 races per ratio"),
                    noise=(1.0, "scales the drift, the jitter and the slow steps"),
                    out=Path("bench_out/race_rule")).parse_args(argv)
-    races = args.races
     rows = []
     for ratio in RATIOS:
-        played = [play(ratio, seed, args.noise) for seed in range(races)]
-        losses = sorted(p["loss"] for p in played)
-        rows.append([f"{ratio:.2f}", f"{sum(p['nchw'] for p in played) / races:.2f}",
-                     f"{1 + statistics.fmean(losses):.3f}", f"{1 + losses[int(0.9 * (races - 1))]:.3f}",
-                     f"{statistics.fmean(p['steps'] for p in played):.0f}",
-                     f"{statistics.fmean(p['cost'] for p in played):.2f}",
-                     f"{1 + statistics.fmean(p['fit'] for p in played):.3f}"])
+        played = [play(ratio, seed, args.noise) for seed in range(args.races)]
+        mean = {k: statistics.fmean(p[k] for p in played) for k in played[0]}
+        p90 = sorted(p["loss"] for p in played)[int(0.9 * (args.races - 1))]
+        rows.append([f"{ratio:.2f}", f"{mean['nchw']:.2f}", f"{1 + mean['loss']:.3f}", f"{1 + p90:.3f}",
+                     f"{mean['steps']:.0f}", f"{mean['cost']:.2f}", f"{1 + mean['fit']:.3f}"])
     markdown = "\n".join([
-        f"`{command_line('scripts.bench.race_rule', argv)}`: {races} races per ratio, noise x{args.noise}.", "",
+        f"`{command_line('scripts.bench.race_rule', argv)}`: {args.races} races per ratio, noise x{args.noise}.", "",
         table(["NCHW / CL step", "races keeping NCHW", "default / faster step", "p90", "race steps",
                "race cost (steps)", "200-step fit / faster"], rows, align="rrrrrrr")]) + "\n"
     write_report(args.out / "race_rule", markdown=markdown)

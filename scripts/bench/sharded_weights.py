@@ -13,19 +13,19 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cltrain.layout import to_channels_last
+from cltrain.layout import is_channels_last, to_channels_last
 from cltrain.precision import autocast_for
 from scripts.bench.models import build_model, unknown_model
 from scripts.harness import machine_line, options, random_batches, table, time_steps, training_step
 
 PLAIN = ("contiguous", "channels_last", "cl_activations")
 SHARDED = ("fsdp2 contiguous", "fsdp2 cl_activations")
+COLUMNS = ["model", "weights / input", "img/s (median)", "min-max", "vs contiguous", "first conv output"]
 
 
 @contextlib.contextmanager
@@ -52,20 +52,11 @@ def sharded(model: nn.Module) -> nn.Module:
     return fully_shard(model)
 
 
-def variant(base: nn.Module, name: str, device: torch.device) -> nn.Module:
-    """A fresh copy of ``base`` on ``device`` with its weights as ``name`` says."""
-    model = copy.deepcopy(base).to(device)
-    if name == "channels_last":
-        to_channels_last(model)
-    return sharded(model) if name.startswith("fsdp2") else model
-
-
 def first_conv_output_layout(model: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> str:
     """``NHWC`` or ``NCHW``: the memory order of the first Conv2d's output on ``x``."""
     seen: list[str] = []
     conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
-    handle = conv.register_forward_hook(lambda m, i, out: seen.append(
-        "NHWC" if out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous() else "NCHW"))
+    handle = conv.register_forward_hook(lambda m, i, out: seen.append("NHWC" if is_channels_last(out) else "NCHW"))
     try:
         with torch.no_grad(), autocast_for(x.device, dtype):
             model(x[:1])
@@ -75,31 +66,26 @@ def first_conv_output_layout(model: nn.Module, x: torch.Tensor, dtype: torch.dty
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype | None,
-                names: tuple[str, ...]) -> list[dict[str, Any]]:
-    """One row per variant of model ``name``: median images/s over rounds, spread, first-conv output layout."""
+                names: tuple[str, ...]) -> list[list[str]]:
+    """The table's row of each variant of model ``name``: median images/s over rounds, spread, ratio to
+    ``contiguous``, first-conv output layout."""
     torch.manual_seed(0)
     base = build_model(name, args.image_size)
     ((x, y),) = random_batches(1, (args.batch_size, 3, args.image_size, args.image_size), device=device)
-    inputs = {"contiguous": x.contiguous(), "channels_last": to_channels_last(x.clone())}
-    steps, layouts = {}, {}
-    for n in names:
-        model, xi = variant(base, n, device), inputs["contiguous" if n.endswith("contiguous") else "channels_last"]
+    x_cl, steps, layouts = to_channels_last(x.clone()), {}, {}
+    for n in names:  # a fresh copy of the model, its weights as the variant says
+        model = copy.deepcopy(base).to(device)
+        if n == "channels_last":
+            to_channels_last(model)
+        model, xi = sharded(model) if n.startswith("fsdp2") else model, x if n.endswith("contiguous") else x_cl
         layouts[n] = first_conv_output_layout(model, xi, dtype)
         steps[n] = training_step(model, lambda model=model, xi=xi: F.cross_entropy(model(xi).float(), y),
                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                  autocast_dtype=dtype, device=device)
     rates = time_steps(steps, rounds=args.repeats, warmup=args.warmup, min_steps=args.steps, max_steps=args.steps,
                        sync=device).rates(units=args.batch_size)
-    base_rate = rates["contiguous"].median
-    return [{"model": name, "variant": n, "img_s": r.median, "min": r.low, "max": r.high,
-             "ratio": r.median / base_rate, "first_conv_out": layouts[n]} for n, r in rates.items()]
-
-
-def rows_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as the table the run prints."""
-    return table(["model", "weights / input", "img/s (median)", "min-max", "vs contiguous", "first conv output"],
-                 [[r["model"], r["variant"], f"{r['img_s']:,.1f}", f"{r['min']:,.1f}-{r['max']:,.1f}",
-                   f"{r['ratio']:.2f}x", r["first_conv_out"]] for r in rows], align="llrrrl")
+    return [[name, n, f"{r.median:,.1f}", f"{r.low:,.1f}-{r.high:,.1f}", f"{r.median / rates['contiguous'].median:.2f}x",
+             layouts[n]] for n, r in rates.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,13 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line(device))
     print(f"batch {args.batch_size} at {args.image_size} px, autocast {args.dtype}, {args.warmup} warm-up steps, "
           f"{args.repeats} interleaved rounds of {args.steps} steps")
-    rows: list[dict[str, Any]] = []
+    rows: list[list[str]] = []
     with one_process_group(device) if args.fsdp else contextlib.nullcontext():
         for name in args.models:
-            rows += bench_model(name, args, device, dtype, names)
-            print(rows_table([r for r in rows if r["model"] == name]), flush=True)
+            model_rows = bench_model(name, args, device, dtype, names)
+            print(table(COLUMNS, model_rows, align="llrrrl"), flush=True)
+            rows += model_rows
     print()
-    print(rows_table(rows))
+    print(table(COLUMNS, rows, align="llrrrl"))
     return 0
 
 
