@@ -84,8 +84,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, dtype
                                  autocast_dtype=dtype, device=device)
     rates = time_steps(steps, rounds=args.repeats, warmup=args.warmup, min_steps=args.steps, max_steps=args.steps,
                        sync=device).rates(units=args.batch_size)
-    return [[name, n, f"{r.median:,.1f}", f"{r.low:,.1f}-{r.high:,.1f}", f"{r.median / rates['contiguous'].median:.2f}x",
-             layouts[n]] for n, r in rates.items()]
+    return [[name, n, f"{r.median:,.1f}", f"{r.low:,.1f}-{r.high:,.1f}",
+             f"{r.median / rates['contiguous'].median:.2f}x", layouts[n]] for n, r in rates.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
