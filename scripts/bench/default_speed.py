@@ -18,11 +18,11 @@ from torch.utils.data import DataLoader
 
 from cltrain import ChannelsLast, is_channels_last
 from cltrain.layout.optimizer_state import restride_optimizer_state
-from cltrain.precision import auto_precision, autocast_dtype, autocast_for
+from cltrain.precision import auto_precision, autocast_dtype
 from scripts.bench.models import build_model, unknown_model
 from scripts.fits import NetModule, StepClock, quiet_trainer
 from scripts.harness import (CASE, Stopwatch, command_line, emit, interleaved, machine_line, options, random_batches,
-                             run_case, table, timed, write_report)
+                             run_case, table, timed, training_step, write_report)
 
 #: One family after another first, so a run cut short by ``--budget`` still covers the most families.
 MODELS = ("resnet50", "mobilenet_v3_large", "ghostnet_100", "efficientnet_b0", "convnext_tiny", "densenet121",
@@ -73,18 +73,13 @@ def interleaved_steps(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     for state in optimizer.state.values():  # (a scalar "step" stays where the optimizer keeps it)
         state.update({k: v.to(batch.device) for k, v in state.items() if torch.is_tensor(v) and v.dim()})
 
-    def step(fmt: torch.memory_format) -> None:
-        with autocast_for(batch.device, dtype):
-            loss = F.cross_entropy(module(batch.contiguous(memory_format=fmt)), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
     def block(fmt: torch.memory_format) -> float:
         module.to(memory_format=fmt)
         restride_optimizer_state([optimizer])
-        step(fmt)
-        return timed(lambda: [step(fmt) for _ in range(steps)], batch.device) / steps
+        step = training_step(module, lambda: F.cross_entropy(module(batch.contiguous(memory_format=fmt)), target),
+                             optimizer=optimizer, autocast_dtype=dtype, device=batch.device)
+        step()
+        return timed(lambda: [step() for _ in range(steps)], batch.device) / steps
 
     got = interleaved({"channels_last": lambda: block(torch.channels_last),
                        "nchw": lambda: block(torch.contiguous_format)}, rounds)

@@ -41,9 +41,10 @@ def torchvision_eval(path: str | os.PathLike, size: int, resize_size: int) -> np
     return F.center_crop(F.resize(img, [resize_size], antialias=True), [size, size]).permute(1, 2, 0).numpy()
 
 
-def differences(folder: Path, pictures: list[Image.Image]) -> dict[tuple[str, int, bool], tuple[int, float]]:
-    """``(kind, size, reduce) -> (largest, mean)`` difference per pixel against ``torchvision_eval``, over ``pictures``."""
-    out: dict[tuple[str, int, bool], list[np.ndarray]] = {}
+def differences(folder: Path, pictures: list[Image.Image]) -> dict[str, list[str]]:
+    """Per kind of file, ``"largest / mean"`` difference per pixel against ``torchvision_eval`` over ``pictures``: at
+    each of ``SIZES``, with ``reduce`` off and on."""
+    out: dict[str, dict[tuple[int, bool], list[np.ndarray]]] = {}
     for n, picture in enumerate(pictures):
         files = write_quirks(folder / str(n), picture.resize((500, 375), Image.Resampling.LANCZOS))
         for kind in (k for k in QUIRKS_READABLE if k != "one_pixel"):  # one pixel: smaller than any crop
@@ -51,18 +52,21 @@ def differences(folder: Path, pictures: list[Image.Image]) -> dict[tuple[str, in
                 ref = torchvision_eval(files[kind], size, resize_size).astype(int)
                 for reduce in (False, True):
                     ours = eval_transform(size, resize_size, reduce=reduce)(files[kind]).astype(int)
-                    out.setdefault((kind, size, reduce), []).append(np.abs(ours - ref))
-    return {key: (int(max(d.max() for d in ds)), float(np.mean([d.mean() for d in ds]))) for key, ds in out.items()}
+                    out.setdefault(kind, {}).setdefault((size, reduce), []).append(np.abs(ours - ref))
+    return {kind: [f"{max(d.max() for d in ds)} / {np.mean([d.mean() for d in ds]):.3f}" for ds in cells.values()]
+            for kind, cells in out.items()}
 
 
-def speed(paths: list[str], size: int, resize_size: int, repeats: int) -> dict[bool, float]:
-    """Images per second of ``eval_transform`` with ``reduce`` off and on (interleaved, median of ``repeats``)."""
+def speed(paths: list[str], size: int, resize_size: int, repeats: int) -> list[str]:
+    """Images per second of ``eval_transform`` with ``reduce`` off, and with it on (and the ratio): interleaved,
+    median of ``repeats``."""
     transforms = {reduce: eval_transform(size, resize_size, reduce=reduce) for reduce in (False, True)}
     # each step the next image, round after round: a window is the whole folder
     timing = time_steps({reduce: (lambda t=t, images=itertools.cycle(paths): t(next(images)))
                          for reduce, t in transforms.items()},
                         rounds=repeats, warmup=1, min_steps=len(paths), max_steps=len(paths))
-    return {k: r.median for k, r in timing.rates().items()}
+    off, on = (timing.rates()[reduce].median for reduce in (False, True))
+    return [f"{off:.0f} img/s", f"{on:.0f} ({on / off:.2f}x)"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,15 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     columns = [f"{s}/{r}, {'`reduce=True`' if red else 'default'}" for s, r in SIZES for red in (False, True)]
     print("Difference per pixel against torchvision's decode + Resize + CenterCrop (largest / mean), per kind of file, "
           "over the bundled photographs at 500x375:\n")
-    print(table(["kind", *columns], [[kind, *(f"{diffs[(kind, s, red)][0]} / {diffs[(kind, s, red)][1]:.3f}"
-                                              for s, _ in SIZES for red in (False, True))]
-                                     for kind in QUIRKS_READABLE if (kind, SIZES[0][0], False) in diffs]))
+    print(table(["kind", *columns], [[kind, *cells] for kind, cells in diffs.items()]))
     root = make_photo_folder(args.photos, **({"train": 8, "val": 1} if args.quick else {}))
     paths = sorted(str(q) for q in root.glob("*/*/*.jpg"))[: args.images]
-    cells = []
-    for size, resize_size in SIZES:
-        rates = speed(paths, size, resize_size, args.repeats)
-        cells += [f"{rates[False]:.0f} img/s", f"{rates[True]:.0f} ({rates[True] / rates[False]:.2f}x)"]
+    cells = [cell for size, resize_size in SIZES for cell in speed(paths, size, resize_size, args.repeats)]
     print("\neval_transform on the JPEGs of the photo folder (333-800 px), one thread:\n")
     print(table(["run", *(c.replace(",", "") for c in columns)],
                 [[f"{len(paths)} photos x {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}", *cells]]))
