@@ -27,6 +27,9 @@ from scripts.harness import CASE, emit, interleaved, machine_line, options, run_
 #: ``--models`` names (``scripts.bench.models.build_model``; ``unet_resnet18`` is trained with Dice + BCE).
 MODELS = ("resnet18", "resnet50", "efficientnet_b0", "mobilenet_v3_large", "convnext_tiny", "vit_s_16", "unet_resnet18")
 GRID = (("resnet50", "efficientnet_b0", "unet_resnet18"), (64, 128, 224))
+#: ``--optimizer``'s choices, the default first.
+OPTIMIZERS = {"adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+              "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)}
 
 
 def child(model: str, batch: int, size: int, precision: str, steps: int, optimizer: str,
@@ -52,15 +55,11 @@ def child(model: str, batch: int, size: int, precision: str, steps: int, optimiz
         dice = 1 - (2 * (probs * b[1]).sum() + 1) / (probs.sum() + b[1].sum() + 1)
         return dice + F.binary_cross_entropy_with_logits(out, b[1])
 
-    def make_optimizer(params: Any) -> torch.optim.Optimizer:
-        return (torch.optim.SGD(params, lr=0.01, momentum=0.9) if optimizer == "sgd"
-                else torch.optim.AdamW(params, lr=1e-3))
-
     def fit(verify: bool) -> tuple[Any, StepClock, ChannelsLast]:
         torch.manual_seed(0)
         timer, callback = StepClock(), ChannelsLast(verify=verify)
         trainer = quiet_trainer(max_steps=steps, precision=precision, callbacks=[timer, callback])
-        trainer.fit(NetModule(build_model(model, size, classes=10), loss, make_optimizer),
+        trainer.fit(NetModule(build_model(model, size, classes=10), loss, OPTIMIZERS[optimizer]),
                     DataLoader(Images(), batch_size=batch))
         return trainer, timer, callback
 
@@ -68,7 +67,8 @@ def child(model: str, batch: int, size: int, precision: str, steps: int, optimiz
     check = callback.layout_checks.get("train")
     cuda = torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"
     warm_check = fit(True)[2].layout_checks["train"].seconds if warm and verify else None
-    return {"warm_check_s": warm_check, "steps": timer.steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return {"warm_check_s": warm_check, "steps": timer.steps,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "check_s": check.seconds if check else None, "verdict": check.verdict if check else None,
             "device": str(trainer.strategy.root_device)}
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      grid=(False, "resnet50, efficientnet_b0, unet_resnet18 at 64, 128, 224 px"),
                      tiny=(dict(models=["resnet18"], batch=4, size=32, precision="32-true", steps=2, repeats=1),
                            "resnet18, batch 4 at 32 px, fp32, one round"), case=CASE,
-                     optimizer=(("adamw", "sgd"), None), json=(Path, "also write the rows here"),
+                     optimizer=(tuple(OPTIMIZERS), None), json=(Path, "also write the rows here"),
                      warm=(False, "also the check of a second fit in each process, with its kernels' first use paid"))
     parser.add_argument("--models", nargs="*", default=["resnet50", "convnext_tiny", "vit_s_16"], choices=MODELS)
     args = parser.parse_args(argv)

@@ -115,7 +115,7 @@ def plain(s: Setting, seed: int, library: str) -> float:
 
         fn, collate = T.Compose([T.RandomResizedCrop(s.size), T.RandomHorizontalFlip(), T.PILToTensor()]), fast_collate
         m255, s255 = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
-        finish = lambda b: b[0].float().sub_(m255).div_(s255).contiguous(memory_format=torch.channels_last)  # noqa: E731
+        finish = lambda b: b[0].float().sub_(m255).div_(s255).to(memory_format=torch.channels_last)  # noqa: E731
     return loader_rate(ImageFolder(str(s.split), fn), collate, finish, s.batch_size, 0 if s.threads == 1 else s.threads,
                        s.batches, seed)
 
@@ -186,7 +186,8 @@ def folders_tables(sets: dict[str, Path], args: argparse.Namespace) -> dict[str,
         batches = max(1, args.batches // 4) if name.startswith("2000") else args.batches
         for threads in args.threads:
             s = Setting(split, threads, args.batch_size, batches)
-            cases = {k: functools.partial(f, s) for k, (f, least, opt) in CASES.items() if chosen[opt] and threads >= least}
+            cases = {k: functools.partial(f, s) for k, (f, least, opt) in CASES.items()
+                     if chosen[opt] and threads >= least}
             results[(name, threads)] = interleaved(cases, args.repeats, with_round=True)
             print(f"{name}, {threads} thread(s): done", flush=True)
     names = [n for n in CASES if any(n in rates for rates in results.values())]

@@ -36,7 +36,8 @@ NUM_CLASSES = 1000
 KINDS = {
     "image": ("Images, 4-D (N, 3, H, W)", "img", "channels_last"),
     "video": ("Video clips, 5-D (N, 3, T, H, W)", "clips", "channels_last_3d"),
-    "audio": ("Audio, 1-D (N, 1, L): channels-last-1-D strides (C*L, 1, C), stock PyTorch", "clips", "channels-last-1-D"),
+    "audio": ("Audio, 1-D (N, 1, L): channels-last-1-D strides (C*L, 1, C), stock PyTorch", "clips",
+              "channels-last-1-D"),
 }
 #: The defaults per device, and ``--quick``'s sizes (a field given on the command line wins).
 SIZES = {"cpu": dict(batch_size=16, image_size=160, clip_batch_size=4, frames=8, clip_size=112, audio_batch_size=16,
@@ -61,12 +62,12 @@ def m5(num_classes: int = NUM_CLASSES, channels: int = 32) -> nn.Module:
     """M5 (Dai et al., "Very deep convolutional neural networks for raw waveforms", 2017), as in
     torchaudio's speech-command tutorial: four Conv1d/BatchNorm1d/ReLU/MaxPool1d blocks on a raw waveform."""
     def block(cin: int, cout: int, kernel: int, stride: int = 1) -> list[nn.Module]:
-        return [nn.Conv1d(cin, cout, kernel, stride=stride), nn.BatchNorm1d(cout), nn.ReLU(inplace=True), nn.MaxPool1d(4)]
+        return [nn.Conv1d(cin, cout, kernel, stride=stride), nn.BatchNorm1d(cout), nn.ReLU(inplace=True),
+                nn.MaxPool1d(4)]
 
-    return nn.Sequential(
-        *block(1, channels, 80, stride=16), *block(channels, channels, 3), *block(channels, 2 * channels, 3),
-        *block(2 * channels, 2 * channels, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(2 * channels, num_classes),
-    )
+    return nn.Sequential(*block(1, channels, 80, stride=16), *block(channels, channels, 3),
+                         *block(channels, 2 * channels, 3), *block(2 * channels, 2 * channels, 3),
+                         nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(2 * channels, num_classes))
 
 
 def kind_of(name: str) -> str:
@@ -152,16 +153,17 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, machi
         rows.append({  # the columns of results.csv, in order
             "model": name, "kind": kind_of(name), "dtype": label, "batch_size": shape[0],
             "input_shape": "x".join(map(str, shape)), "device": device.type, "machine": machine, "steps": steps,
-            **{f"{layout}_{k}": v for layout in LAYOUTS
-               for k, v in (("img_s", shown[layout]), ("min", _sig(rates[layout].low)), ("max", _sig(rates[layout].high)))},
+            **{f"{layout}_{k}": _sig(v) for layout, r in rates.items()
+               for k, v in (("img_s", r.median), ("min", r.low), ("max", r.high))},
             "speedup": round(med["channels_last"] / med["contiguous"], 3),
             "measured_winner": winner, "auto_pick": pick,
             **{f"auto_{layout}_ms": round(1e3 * seconds[layout], 1) if seconds else "" for layout in LAYOUTS},
             "auto_matches": pick == winner if seconds else "", "note": note,
         })
         verdict = "n/a" if not seconds else "matches" if pick == winner else "differs"
-        print(f"  {name:20s} {label:5s} {rows[-1]['input_shape']:>16s} x{steps:<4d} contiguous {med['contiguous']:8.2f}/s  "
-              f"channels-last {med['channels_last']:8.2f}/s  x{rows[-1]['speedup']:.2f}  auto -> {pick} ({verdict})", flush=True)
+        print(f"  {name:20s} {label:5s} {rows[-1]['input_shape']:>16s} x{steps:<4d} "
+              f"contiguous {med['contiguous']:8.2f}/s  channels-last {med['channels_last']:8.2f}/s  "
+              f"x{rows[-1]['speedup']:.2f}  auto -> {pick} ({verdict})", flush=True)
     return rows
 
 
@@ -243,9 +245,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as apex, timm and FFCV run; the warm-up covers the tuning
     described = machine_line(device, packages=("torch", "torchvision"))
-    print(f"Machine: {described}\nimages {args.batch_size}x{args.image_size}px, clips {args.clip_batch_size}x{args.frames}x"
-          f"{args.clip_size}px, waveforms {args.audio_batch_size}x{args.audio_length}, dtypes {args.dtypes}, "
-          f"models {len(args.models)}, timed windows >= {args.min_window:g} s", flush=True)
+    print(f"Machine: {described}\nimages {args.batch_size}x{args.image_size}px, clips {args.clip_batch_size}x"
+          f"{args.frames}x{args.clip_size}px, waveforms {args.audio_batch_size}x{args.audio_length}, dtypes "
+          f"{args.dtypes}, models {len(args.models)}, timed windows >= {args.min_window:g} s", flush=True)
     rows = []
     for name in args.models:
         rows += bench_model(name, args, device, described)

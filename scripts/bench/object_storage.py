@@ -41,8 +41,9 @@ from scripts.harness import cpu_seconds, interleaved, machine_line, options, spr
 KW = dict(batch_size=64, num_workers=2, image_size=224, persistent_workers=False)
 #: The folder's validation files go unchecked, as a pack's were when it was made: the same work for both.
 FILES_ONLY = {"check_val": "off"}
-PEER_WORKERS = [2]  # WebDataset's, LitData's and Mosaic's DataLoader workers: ours, or a worker per core for ours "auto"
+PEER_WORKERS = [2]  # WebDataset's, LitData's and Mosaic's DataLoader workers: ours, or one per core for ours "auto"
 _SERVER: list[int] = []  # the S3 server's process, once it runs
+PEERS = ("webdataset", "wds-fsspec", "litdata", "mosaic")  #: the other loaders' cases, each against s3-cold
 
 
 def _server() -> subprocess.Popen:
@@ -154,13 +155,14 @@ def _webdataset(urls: list[str], fsspec: bool = False) -> tuple[float, list[floa
     import webdataset as wds
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
-    tail = (wds.shuffle(1000), wds.decode("pil"), wds.to_tuple("jpg", "cls"), wds.map_tuple(torchvision_train(224), int),
-            wds.batched(KW["batch_size"]))
+    tail = (wds.shuffle(1000), wds.decode("pil"), wds.to_tuple("jpg", "cls"),
+            wds.map_tuple(torchvision_train(224), int), wds.batched(KW["batch_size"]))
     if fsspec:
         ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(len(urls)), wds.split_by_worker, _fsspec_streams,
                               tar_file_expander, group_by_keys, *tail)
     else:  # its S3 recipe is `pipe:aws s3 cp <url> -`; no AWS CLI here: the pipe runs Python with s3fs (same variables)
-        cat = f"{sys.executable} -c 'import sys, fsspec; sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'"
+        cat = (f"{sys.executable} -c 'import sys, fsspec; "
+               "sys.stdout.buffer.write(fsspec.open(sys.argv[1]).open().read())'")
         ds = wds.WebDataset([f"pipe:{cat} {u}" for u in urls], shardshuffle=len(urls), empty_check=False).compose(*tail)
     return _rate(wds.WebLoader(ds, batch_size=None, num_workers=PEER_WORKERS[0]))
 
@@ -252,7 +254,8 @@ def _mosaic(url: str, cache: Path) -> tuple[float, list[float]]:
     shutil.rmtree(cache, ignore_errors=True)
     ds = StreamingImageNet(remote=url, local=str(cache), split="train", shuffle=True, batch_size=KW["batch_size"],
                            transform=torchvision_train(224))
-    locks = [os.path.join(ds._filelock_root, _get_path(ds._shm_prefix_int, n)) for n in (BARRIER_FILELOCK, CACHE_FILELOCK)]
+    locks = [os.path.join(ds._filelock_root, _get_path(ds._shm_prefix_int, n))
+             for n in (BARRIER_FILELOCK, CACHE_FILELOCK)]
     try:
         return _rate(DataLoader(ds, batch_size=KW["batch_size"], num_workers=PEER_WORKERS[0]))
     finally:
@@ -282,9 +285,9 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
     # bytes, wall seconds, and this process's CPU seconds (the client's cost on the node's cores)
     got = interleaved({k: functools.partial(_costed, f) for k, f in cases.items()}, 5)
     print(table(["client", "MiB/s (median of 5)", "client CPU ms/MiB", "requests"], [
-        [k, f"{mb / spread(t for _, t, _ in runs).median:.1f}", f"{1000 * spread(c for _, _, (c,) in runs).median / mb:.1f}",
-         len(sizes) if "ranges" in k else len(names)] for k, runs in got.items() if (mb := runs[0][0] / 2**20)],
-        align="lrrr"))
+        [k, f"{mb / spread(t for _, t, _ in runs).median:.1f}",
+         f"{1000 * spread(c for _, _, (c,) in runs).median / mb:.1f}", len(sizes) if "ranges" in k else len(names)]
+        for k, runs in got.items() if (mb := runs[0][0] / 2**20)], align="lrrr"))
 
 
 def _report(runs: dict[str, list[tuple[float, list[float]]]]) -> None:
@@ -295,7 +298,7 @@ def _report(runs: dict[str, list[tuple[float, list[float]]]]) -> None:
                   ", ".join(f"{rate:.0f}" for rate, _ in v),
                   *(f"{spread(cpu[j] for _, cpu in v).median:.2f}" for j in range(3))]
                  for k, v in runs.items()], align="lrrlrrr"))
-    for ours, other in [("local", "files")] + [("s3-cold", p) for p in ("webdataset", "wds-fsspec", "litdata", "mosaic")]:
+    for ours, other in [("local", "files"), *(("s3-cold", peer) for peer in PEERS)]:
         if ours in med and other in med:
             print(f"{ours} / {other}: {med[ours] / med[other]:.2f}x")
 
@@ -322,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     from cltrain.data.pack import pack
 
     photos = args.root or make_photo_folder(args.work / f"photos-{args.train}", train=args.train, val=20)
-    local = args.pack or (Path(f"{args.root}-pack") if args.root else args.work / f"pack-{args.train}-{args.shard_size}")
+    local = args.pack or (Path(f"{args.root}-pack") if args.root
+                          else args.work / f"pack-{args.train}-{args.shard_size}")
     if not (local / "shards.json").is_file():
         pack(photos, local, shard_size=args.shard_size, progress=False)
     if args.paired:

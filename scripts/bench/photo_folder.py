@@ -98,7 +98,8 @@ def folders(work: Path, quick: bool, names: list[str] | None = None) -> dict[str
     """The training splits of the three folders (those whose name holds one of ``names``), made once under ``work``
     (an eighth as many images when ``quick``)."""
     n, tag = (8, "-quick") if quick else (1, "")
-    makers = {"photos 333-800 px": lambda: make_photo_folder(work / f"photos{tag}", train=400 // n, val=max(1, 40 // n)),
+    makers = {"photos 333-800 px": lambda: make_photo_folder(work / f"photos{tag}", train=400 // n,
+                                                             val=max(1, 40 // n)),
               "500x375": lambda: make_sized_folder(work / f"500x375{tag}", (500, 375), 256 // n),
               "2000x1500": lambda: make_sized_folder(work / f"2000x1500{tag}", (2000, 1500), 96 // n)}
     return {k: make() / "train" for k, make in makers.items() if not names or any(s in k for s in names)}
