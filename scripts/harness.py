@@ -163,10 +163,8 @@ def run_child(cmd: Sequence[str], *, timeout: float | None = None, log: Path | N
                                 start_new_session=True)  # its own group: a timeout kills what it started too
         code: int | None = None
         try:
-            with _sigterm_raises():
+            with _sigterm_raises(), contextlib.suppress(subprocess.TimeoutExpired):
                 code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
         finally:
             if code is None:
                 with contextlib.suppress(ProcessLookupError):
