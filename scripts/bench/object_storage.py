@@ -290,19 +290,6 @@ def _clients(url: str, names: list[str], sizes: list[tuple[int, int]]) -> None:
         for k, runs in got.items() if (mb := runs[0][0] / 2**20)], align="lrrr"))
 
 
-def _report(runs: dict[str, list[tuple[float, list[float]]]]) -> None:
-    """The table of medians, then ours against each peer's."""
-    med = {k: spread(rate for rate, _ in v).median for k, v in runs.items()}
-    print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers", "S3 server"],
-                [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
-                  ", ".join(f"{rate:.0f}" for rate, _ in v),
-                  *(f"{spread(cpu[j] for _, cpu in v).median:.2f}" for j in range(3))]
-                 for k, v in runs.items()], align="lrrlrrr"))
-    for ours, other in [("local", "files"), *(("s3-cold", peer) for peer in PEERS)]:
-        if ours in med and other in med:
-            print(f"{ours} / {other}: {med[ours] / med[other]:.2f}x")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = options(__doc__, train=(2400, "photographs in the training split"), shard_size=100, rounds=3, batch_size=64,
                 cases=(["local", "s3-cold", "s3-warm", "s3-ranges", "webdataset", "wds-fsspec", "litdata", "mosaic"],
@@ -344,14 +331,18 @@ def main(argv: list[str] | None = None) -> None:
             _clients(url, names, [(int(o), int(s)) for o, s in index[:, :2]])
             print(machine_line())
             return
-        warm, cold = cache / "warm", cache / "cold"
+        warm = cache / "warm"
         if "s3-warm" in args.cases:
             _ours(url, cache_dir=str(warm))  # fills the warm cache once
         lit = _litdata_write(photos, args.work / f"litdata-{args.train}") if "litdata" in args.cases else ""
         mds = _mosaic_write(photos, args.work / f"mosaic-{args.train}") if "mosaic" in args.cases else ""
         shm = set(os.listdir("/dev/shm"))
-        cases = {"files": lambda: _ours(photos, files=True), "local": lambda: _ours(str(local)),
-                 "s3-cold": lambda: shutil.rmtree(cold, ignore_errors=True) or _ours(url, cache_dir=str(cold)),
+
+        def cold() -> tuple[float, list[float]]:  # an empty node cache each pass
+            shutil.rmtree(cache / "cold", ignore_errors=True)
+            return _ours(url, cache_dir=str(cache / "cold"))
+
+        cases = {"files": lambda: _ours(photos, files=True), "local": lambda: _ours(str(local)), "s3-cold": cold,
                  "s3-warm": lambda: _ours(url, cache_dir=str(warm)),
                  "s3-ranges": lambda: _ours(url, fetch="ranges", cache_dir=str(cache / "r")),
                  "webdataset": lambda: _webdataset([f"{url}/{n}" for n in names]),
@@ -362,7 +353,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"object storage: {len(_labelled(photos))} photographs, {len(names)} shards of {args.shard_size}, batch "
               f"{args.batch_size}, 224 px, {args.workers} workers (others {PEER_WORKERS[0]}), shuffle_window 4; "
               f"{args.rounds} rounds, median images/s\n")
-        _report(runs)
+        med = {k: spread(rate for rate, _ in v).median for k, v in runs.items()}
+        print(table(["case", "img/s", "vs local", "each round", "CPU s per pass: main process", "workers", "S3 server"],
+                    [[k, f"{med[k]:,.1f}", f"{med[k] / med['local']:.2f}x" if "local" in med else "",
+                      ", ".join(f"{rate:.0f}" for rate, _ in v),
+                      *(f"{spread(cpu[j] for _, cpu in v).median:.2f}" for j in range(3))]
+                     for k, v in runs.items()], align="lrrlrrr"))
+        for ours, other in [("local", "files"), *(("s3-cold", peer) for peer in PEERS)]:
+            if ours in med and other in med:
+                print(f"{ours} / {other}: {med[ours] / med[other]:.2f}x")
         left = sorted(set(os.listdir("/dev/shm")) - shm)
         print(f"the cache on disk: {_mib(warm) if warm.is_dir() else 0:.1f} MiB (the pack: {_mib(local):.1f} MiB); "
               f"peak RSS: this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB, largest "
