@@ -115,7 +115,8 @@ def plain(s: Setting, seed: int, library: str) -> float:
 
         fn, collate = T.Compose([T.RandomResizedCrop(s.size), T.RandomHorizontalFlip(), T.PILToTensor()]), fast_collate
         m255, s255 = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
-        finish = lambda b: b[0].float().sub_(m255).div_(s255).to(memory_format=torch.channels_last)  # noqa: E731
+        finish = lambda b: (b[0].float().sub_(m255).div_(s255)  # noqa: E731
+                            .contiguous(memory_format=torch.channels_last))
     return loader_rate(ImageFolder(str(s.split), fn), collate, finish, s.batch_size, 0 if s.threads == 1 else s.threads,
                        s.batches, seed)
 
