@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import features
-from torch.utils.data import DataLoader, RandomSampler, default_collate
+from PIL import Image, features
+from torch.utils.data import DataLoader, Dataset, RandomSampler, default_collate
 from torchvision import transforms as T
-from torchvision.datasets import ImageFolder
 
 from cltrain.data import IMAGENET_MEAN, IMAGENET_STD, ImageFolderDataset, NHWCCollate, normalize, train_transform
 from cltrain.data.decoders import jpeg_roi
@@ -41,6 +40,21 @@ __all__ = ["CASES", "hf_table", "loader_machine_line", "loader_rate", "torchvisi
 
 
 # --- the pieces of the loaders ---------------------------------------------------------------------
+class Files(Dataset):
+    """(fn(PIL image), target) for each (path, target) of ``samples``."""
+
+    def __init__(self, samples: list[tuple[str, int]], fn: Callable) -> None:
+        self.samples, self.fn = samples, fn
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        path, target = self.samples[i]
+        with Image.open(path) as img:
+            return self.fn(img), target
+
+
 def torchvision_train(size: int) -> T.Compose:
     """torchvision's documented training transform: RandomResizedCrop, flip, ToTensor, Normalize."""
     return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
@@ -78,6 +92,10 @@ class Setting:
     batches: int
     size: int = 224
 
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        return find_samples(self.split, find_classes(self.split))
+
 
 def cltrain(s: Setting, seed: int, output: str = "float", *, threads: int | None = None, workers: int = 0,
             ahead: bool = True, rows: Any = None, mix: Callable | None = None, **transform: Any) -> float:
@@ -105,8 +123,7 @@ def augmented(s: Setting, seed: int) -> float:
 
 
 def plain(s: Setting, seed: int, library: str) -> float:
-    """torchvision's or timm's standard pipeline (torchvision's ``ImageFolder``), in this process at one thread, else
-    in T worker processes."""
+    """torchvision's or timm's standard pipeline, in this process at one thread, else in T worker processes."""
     if library == "torchvision":
         fn, collate = torchvision_train(s.size), default_collate
         finish = lambda b: b[0].contiguous(memory_format=torch.channels_last)  # noqa: E731
@@ -117,7 +134,7 @@ def plain(s: Setting, seed: int, library: str) -> float:
         m255, s255 = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
         finish = lambda b: (b[0].float().sub_(m255).div_(s255)  # noqa: E731
                             .contiguous(memory_format=torch.channels_last))
-    return loader_rate(ImageFolder(str(s.split), fn), collate, finish, s.batch_size, 0 if s.threads == 1 else s.threads,
+    return loader_rate(Files(s.samples, fn), collate, finish, s.batch_size, 0 if s.threads == 1 else s.threads,
                        s.batches, seed)
 
 
@@ -126,7 +143,7 @@ def bare_decode(s: Setting, seed: int) -> float:
     threads, nothing else: the bar."""
     import simplejpeg
 
-    samples, rng = find_samples(s.split, find_classes(s.split)), random.Random(seed)
+    samples, rng = s.samples, random.Random(seed)
     paths = [samples[rng.randrange(len(samples))][0] for _ in range(s.batch_size * s.batches)]
     one = lambda path: simplejpeg.decode_jpeg(Path(path).read_bytes()).shape[0]  # noqa: E731 - no image kept
     if s.threads == 1:
