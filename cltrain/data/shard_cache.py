@@ -30,10 +30,12 @@ returns the local path, fetching the file first when the cache does not hold tha
   Once one read has failed for good (the store went away), the cache's other reads give up with its reason and
   without a word: those in flight at once (the client's own attempts cancelled), those asked for within
   ``RETRY_WINDOW`` seconds without a try (unless a read has succeeded since), so the run ends on that one line, not
-  minutes of their retries later. The node's other processes (DataLoader workers, ranks) do the same: the failure
-  leaves a note in the cache's folder (``.cltrain-failed``: the reason, redacted), which a process heeds where it was
-  written after that process began reading and after its last read that succeeded. A file the store holds shorter
-  than its reader needs (an upload cut short) is one line, not retried.
+  minutes of their retries later. The job's other processes on the node (DataLoader workers, ranks) do the same: the
+  failure leaves a note in the cache's folder (``.cltrain-failed-<job>``: the reason, redacted), which a process of
+  that job heeds where it was written after that process began reading and after its last read that succeeded.
+  Another job reading the same pack through the same folder (an eval job beside a training job) does not heed it:
+  its own endpoint, credentials and network may be fine. A file the store holds shorter than its reader needs (an
+  upload cut short) is one line, not retried.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
   processes that are gone when a cache is opened or a process using it exits.
 
@@ -60,7 +62,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -84,7 +86,9 @@ IN_FLIGHT_WAIT = 120
 #: Bytes the cache always leaves free on its disk.
 RESERVE = 2**30
 _LOCKS = ".cltrain-locks"
-_FAILED = ".cltrain-failed"  # in the cache's folder: a read failed for good, for the node's other processes
+_FAILED = ".cltrain-failed"  # + "-<job>", in the cache's folder: a read failed for good, for the job's other processes
+#: The variables every rank of one distributed job shares (torchrun, Lightning's launcher, SLURM).
+_JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -198,6 +202,15 @@ def _in_worker_exit(folder: str) -> None:
         pass
 
 
+def _job() -> str:
+    """What the processes of one job on a node share and another job's do not: the rendezvous every rank of a
+    distributed job is given, else this process and the moment (the cache is made before its DataLoader workers
+    start, and they get it pickled)."""
+    if os.environ.get("MASTER_PORT"):
+        return "|".join(os.environ.get(k, "") for k in _JOB_VARS)
+    return f"{os.getpid()}-{time.time_ns()}"
+
+
 class ShardCache:
     """The node-local cache of the files of the remote root ``url`` (see the module docstring).
 
@@ -230,6 +243,8 @@ class ShardCache:
         self.incomplete = incomplete
         self.failed: tuple[float, BaseException] | None = None  # when a read failed for good, and why (_given_up)
         self._since = time.time()  # this process began reading, or last read successfully: an older note is not heeded
+        # this job's failure note: another job reading through the same folder may well be reading fine
+        self._note = self.folder / f"{_FAILED}-{hashlib.sha1(_job().encode()).hexdigest()[:12]}"
         self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
 
     def __getstate__(self) -> dict:
@@ -403,7 +418,7 @@ class ShardCache:
         failed = self.failed
         if failed is not None and time.monotonic() - failed[0] < RETRY_WINDOW:
             return failed[1]
-        note = self.folder / _FAILED
+        note = self._note
         try:
             written = note.stat().st_mtime
             if written < self._since or time.time() - written >= RETRY_WINDOW:
@@ -418,9 +433,13 @@ class ShardCache:
         self.failed = (time.monotonic(), err)
         try:
             reason = redact(" ".join(str(err).split()), self.url)
-            atomic_write_text(self.folder / _FAILED, f"{type(err).__name__}\n{reason}")
+            atomic_write_text(self._note, f"{type(err).__name__}\n{reason}")
         except OSError:  # a note not written: the others retry as long as they would have
             pass
+        for old in glob.glob(glob.escape(str(self.folder / _FAILED)) + "-*"):  # other jobs' notes, no longer heeded
+            with suppress(OSError):
+                if time.time() - os.stat(old).st_mtime >= RETRY_WINDOW:
+                    os.unlink(old)
 
     def _retried(self, read: Callable[[], Any], url: str) -> Any:
         """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line. Once a
@@ -496,7 +515,7 @@ class ShardCache:
         found = []
         for root, _, names in os.walk(self.folder):
             for n in names:
-                if n in (_LOCKS, _FAILED):
+                if n == _LOCKS or n.startswith(_FAILED):
                     continue
                 p = Path(root) / n
                 try:

@@ -151,6 +151,8 @@ def test_once_a_read_has_failed_for_good_the_others_give_up_at_once_and_quietly(
                                                                                  monkeypatch, caplog):
     # a server stopped mid-run: after the one error line, the other reads went on with "trying again (4 of 4)" lines
     # for about 100 s (207 s from the failure to the end of an MDS run), the error line lost among them
+    import pickle
+
     import fsspec.config
 
     from cltrain.data import shard_cache
@@ -161,7 +163,7 @@ def test_once_a_read_has_failed_for_good_the_others_give_up_at_once_and_quietly(
     monkeypatch.setattr(shard_cache, "RETRY_WINDOW", 3.0)
     cache, names = shard_cache.ShardCache(url, env), [f"train/shard.0000{k}.mds" for k in range(3)]
     cache.listing(names[0])
-    worker = shard_cache.ShardCache(url, env)  # another process of the node: its own state, the same folder
+    worker = pickle.loads(pickle.dumps(cache))  # a DataLoader worker's copy: its own state, the same folder
     worker.listing(names[0])
     proxy.faults = [Fault("reset", path=names[0], times=10**6), Fault("stall", path=names[1], times=10**6, seconds=20)]
     try:

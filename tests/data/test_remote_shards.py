@@ -264,6 +264,57 @@ def test_a_lasting_fault_is_said_at_each_of_the_caches_attempts(url, local_pack,
         proxy.stop()
 
 
+_ANOTHER_JOB = """
+import sys
+from cltrain.data.shard_cache import ShardCache
+url, folder, name = sys.argv[1:]
+cache = ShardCache(url, folder, limit=2**30)
+cache.size(name)  # reading before the other job's failure
+print("reading", flush=True)
+sys.stdin.readline()
+print(cache.get(name), flush=True)
+"""
+
+
+def test_a_read_failed_for_good_ends_its_jobs_processes_not_another_jobs_reading_through_the_same_folder(
+        url, local_pack, env, server, monkeypatch, tmp_path):
+    # A training job and an eval job of one pack share its cache folder on a node: the eval job's endpoint going away
+    # ended the training job too, 0.1 s later, with the eval job's reason (the note in the folder was the node's).
+    import pickle
+
+    import fsspec.config
+
+    proxy = FaultProxy(server.endpoint)
+    names = ["train/" + n for n in sorted(p.name for p in (local_pack / "train").glob("*.tar"))[:2]]
+    other = subprocess.Popen([sys.executable, "-c", _ANOTHER_JOB, url, str(tmp_path), names[1]], cwd=REPO, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
+    try:
+        assert other.stdout.readline().strip() == "reading", other.stderr.read()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)  # this job's own endpoint
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29500")
+        monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"retries": {"max_attempts": 1}}})
+        cache, rank = ShardCache(url, tmp_path, limit=2**30), ShardCache(url, tmp_path, limit=2**30)
+        worker = pickle.loads(pickle.dumps(cache))  # a DataLoader worker's copy
+        for reader in (rank, worker):
+            reader.size(names[1])  # reading before the failure
+        proxy.faults = [Fault("reset", path=names[0], times=10**6)]
+        with pytest.raises(RemoteError, match=names[0]) as first:
+            cache.get(names[0])
+        for reader in (rank, worker):  # this job's other rank and worker: not tried, the first one's reason
+            with pytest.raises(RemoteError) as quiet:
+                reader.get(names[1])
+            assert str(quiet.value) == str(first.value).replace(names[0], names[1])
+        assert proxy.gets(names[1]) == 0
+        out, err = other.communicate("\n", timeout=120)  # the other job, its endpoint fine, reads on
+        assert other.returncode == 0, err[-2000:]
+        assert Path(out.strip()).read_bytes() == (local_pack / names[1]).read_bytes()
+    finally:
+        other.kill()
+        proxy.stop()
+
+
 def _stalled_read(url, local_pack, server, monkeypatch, tmp_path, timeout: int, attempts: int, window: float,
                   stall: int) -> tuple[Fault, list[str]]:
     """A shard's reads stalled by a proxy (the folder's listing not) under the client's ``timeout`` and ``attempts``
