@@ -40,7 +40,7 @@ from typing import IO, Any
 
 __all__ = [
     "TEMP_PREFIX", "DiskFullError", "NotWritableError", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json",
-    "atomic_write_text", "remove_leftovers", "removed_line",
+    "atomic_write_text", "is_this_machine", "pid_running", "remove_leftovers", "removed_line", "this_machine",
 ]
 
 #: Name prefix of the temporary files; a file with it that outlives its writer is a leftover.
@@ -52,8 +52,36 @@ _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.E
 _NAME_MAX = 255
 
 
+def this_machine() -> str:
+    """The host's name and, where the system has them, its PID namespace's number (``node7~4026531836``): two
+    containers that share the host's name and a disk (Kubernetes ``hostNetwork``, ``docker --net=host``) do not see
+    each other's processes, so a pid written by one means nothing to the other."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}~{namespace}" if namespace else socket.gethostname()
+
+
+def is_this_machine(name: str) -> bool:
+    """Whether ``name``, a :func:`this_machine` written down, is this machine's: the same, or the host's name alone
+    (written where the system has no PID namespaces, or by an older cltrain)."""
+    return name in (this_machine(), socket.gethostname())
+
+
+def pid_running(pid: int) -> bool:
+    """Whether the process ``pid`` of this machine still runs (another user's process does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's running process
+        return True
+    return True
+
+
 def _host_tag() -> str:
-    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+    return hashlib.sha1(this_machine().encode()).hexdigest()[:8]
 
 
 class DiskFullError(OSError):
@@ -355,24 +383,16 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
 def _writer_gone(name: str, now: float, mtime: float, stale_after_s: float) -> bool:
     pid, host, *_ = name[len(TEMP_PREFIX):].split("-", 2) + ["", ""]
     if host == _host_tag() and pid.isdigit():
-        if int(pid) == os.getpid():
-            return False
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except OSError:  # PermissionError: another user's running process
-            return False
-        return False
-    return now - mtime > stale_after_s  # another machine's (or an unparsable) file: by age only
+        return int(pid) != os.getpid() and not pid_running(int(pid))
+    return now - mtime > stale_after_s  # another machine's or container's (or an unparsable) file: by age only
 
 
 def remove_leftovers(directory: str | os.PathLike, *, stale_after_s: float = 3600.0) -> list[Path]:
     """Remove the temporary files that writers which are gone left in ``directory``; returns them.
 
     A file's writer is gone when its process (named in the file name) no longer runs on this
-    machine; for a file written from another machine, when it was not modified for
-    ``stale_after_s`` seconds. Files of running writers are kept. A missing directory is empty.
+    machine; for a file written from another machine (or another PID namespace: ``this_machine``), when it was not
+    modified for ``stale_after_s`` seconds. Files of running writers are kept. A missing directory is empty.
     """
     try:
         entries = list(os.scandir(directory))

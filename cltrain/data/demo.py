@@ -30,13 +30,14 @@ import math
 import multiprocessing
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from cltrain.atomic import is_this_machine, pid_running, this_machine
 
 __all__ = ["MARKER", "NotADemoFolder", "draw_demo_folder", "hsv_to_rgb255", "make_demo_dataset", "shape_polygon", "write_once"]
 
@@ -184,31 +185,20 @@ def draw_demo_folder(folder: Path, num_classes: int, train_per_class: int, val_p
             _draw_into(job)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def _remove_stale_tmp(root: Path) -> list[Path]:
     """Delete the temporary folders that killed generations of ``root`` left behind.
 
-    A folder ``.<name>.tmp-<host>-<pid>`` is stale when its process is gone: on this host, a
-    pid that is not alive; from another host (a shared filesystem), untouched for a day.
+    A folder ``.<name>.tmp-<host>-<pid>`` is stale when its process is gone: on this host (``this_machine``), a
+    pid that is not alive; from another host or container (a shared filesystem), untouched for a day.
     A live writer's folder is never touched.
     """
     removed = []
-    host = socket.gethostname()
     for tmp in root.parent.glob(f".{root.name}.tmp-*"):
         owner, _, pid = tmp.name[len(f".{root.name}.tmp-"):].rpartition("-")
         if not pid.isdigit():
             continue
-        if owner == host or not owner:  # "" : the older .<name>.tmp-<pid> form, written on this host
-            stale = not _alive(int(pid))
+        if is_this_machine(owner) or not owner:  # "" : the older .<name>.tmp-<pid> form, written on this host
+            stale = not pid_running(int(pid))
         else:
             try:
                 stale = time.time() - tmp.stat().st_mtime > _STALE_AFTER_S
@@ -239,7 +229,7 @@ def write_once(root: str | os.PathLike, params: dict, fill: Callable[[Path], Non
                              f"data.root={root} in the app, ImageFolderDataModule in code); for the demo, pass a root "
                              "that does not exist yet.")
     _remove_stale_tmp(root)
-    tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    tmp = root.parent / f".{root.name}.tmp-{this_machine()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)

@@ -234,3 +234,43 @@ def test_remove_leftovers_keeps_files_of_running_writers(tmp_path: Path) -> None
     finally:
         sleeper.kill()
     assert remove_leftovers(tmp_path / "missing") == []
+
+
+_HELD_WRITE = """
+import sys
+from cltrain.atomic import atomic_open
+with atomic_open(sys.argv[1], "wb") as f:
+    f.write(b"x")
+    f.flush()
+    print("writing", flush=True)
+    sys.stdin.read()  # until the test closes its end
+"""
+
+
+def test_a_writer_in_another_pid_namespace_of_this_host_keeps_its_temporary_file(tmp_path: Path) -> None:
+    # Containers that share the host's name and a cache disk (Kubernetes hostNetwork pods, docker --net=host): a pid
+    # of the other container's namespace was looked up in this one, found gone, and its download in progress removed.
+    from cltrain.atomic import this_machine
+
+    last = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1000  # a pid no process of this namespace can have
+    shell = f"echo {last} > /proc/sys/kernel/ns_last_pid && {sys.executable} -c '{_HELD_WRITE}' {tmp_path / 'a'}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        writer = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", shell], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        pytest.skip("no unshare on this machine")
+    try:
+        if writer.stdout.readline().strip() != "writing":
+            pytest.skip(f"no PID namespace for this user here: {writer.stderr.read()[-300:]}")
+        found = _temps(tmp_path)
+        pid = int(found[0][len(TEMP_PREFIX):].split("-")[0])
+        assert len(found) == 1 and pid == last + 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the writer's pid means nothing here
+        assert remove_leftovers(tmp_path) == [] and _temps(tmp_path) == found  # kept: its writer runs
+        assert this_machine().startswith(os.uname().nodename + "~")
+    finally:
+        writer.stdin.close()  # the writer ends, its file renamed into place
+        writer.wait(timeout=60)
+    assert (tmp_path / "a").read_bytes() == b"x" and _temps(tmp_path) == []

@@ -1,7 +1,6 @@
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -9,6 +8,7 @@ import time
 import pytest
 from PIL import Image
 
+from cltrain.atomic import this_machine
 from cltrain.data import ImageFolderDataModule, make_demo_dataset
 from cltrain.data.demo import MARKER, draw_demo_folder
 from tests.helpers import warm
@@ -86,7 +86,7 @@ def test_a_killed_generation_leaves_nothing_behind_for_long(tmp_path):
     # ... which the next generation deletes, while a live writer's folder is left alone.
     writer = subprocess.Popen(["sleep", "60"])
     try:
-        live = tmp_path / f".demo.tmp-{socket.gethostname()}-{writer.pid}"
+        live = tmp_path / f".demo.tmp-{this_machine()}-{writer.pid}"
         live.mkdir()
         make_demo_dataset(tmp_path / "demo", num_classes=2, train_per_class=1, val_per_class=1, image_size=(32, 32))
         assert not stale[0].exists() and live.exists()
