@@ -210,6 +210,7 @@ class LayoutSession:
         self._restored: dict[str, Any] = {}
         self._told: set[str] = set()
         self._utilities: contextlib.ExitStack | None = None
+        self._finalizer: weakref.finalize | None = None  # gives them back where the session is collected unclosed
         self._step: tuple[tuple[Any, ...], int, StepTimer] | None = None
         self._step_layout, self._step_disturbed = "channels_last", False  # the open step's layout; an evaluation in it
         self._key: tuple[Any, ...] | None = None
@@ -291,7 +292,7 @@ class LayoutSession:
         if self._utilities is None:
             self._utilities = contextlib.ExitStack()
             self._utilities.enter_context(torch_utilities(self.say))
-            weakref.finalize(self, self._utilities.close)  # a run that ended in an exception gives them back too
+            self._finalizer = weakref.finalize(self, self._utilities.close)  # a run ended by an exception too
         if not self._lazy and self.sharding is None:
             self.expect(model)  # what user code moves before the first training step (on_train_start) is put back
         if owner is not None:
@@ -372,8 +373,10 @@ class LayoutSession:
         else:
             counts = ", ".join(f"{n} {k.replace('rank', '') + '-d' if k.startswith('rank') else k}"  # not a process's rank
                                for k, n in (self.summary or {}).items())
-            raced = ("; the first training steps race it against NCHW" if training else "") if not self.untimed else \
-                f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else ""
+            kept = sorted({_name(d.layout) for d in self.race.decisions.values()})  # by an earlier fit of this session
+            raced = f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else "" if self.untimed \
+                else "" if not training else f"; the race's decision holds: {' / '.join(kept)}" if kept \
+                else "; the first training steps race it against NCHW"
             self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
@@ -840,6 +843,7 @@ class LayoutSession:
         self.inputs.end_trace(completed=False)
         self.inputs.restore()
         if self._utilities is not None:
+            self._finalizer.detach()  # or each stage of a Trainer would leave one behind
             self._utilities.close()
             self._utilities = None
 

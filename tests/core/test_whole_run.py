@@ -219,6 +219,56 @@ def test_parameters_to_vector_and_back_take_channels_last_weights_in_a_run():
     assert not conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
+
+def test_each_stage_of_one_trainer_leaves_nothing_behind_in_the_session():
+    # a notebook's evaluation loop: each trainer.validate on one Trainer left a finalizer, its closed ExitStack and
+    # the session's bound method registered until the callback was collected (about 1.1 KB a call)
+    import weakref
+
+    pl = _pl("lightning.pytorch")
+    module = _module("lightning.pytorch")
+    module.validation_step = lambda batch, batch_idx: F.cross_entropy(module.net(batch[0]), batch[1])
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 4, (8,), generator=g)),
+                      batch_size=4)
+    callback = ChannelsLast(layout="channels_last")
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    trainer.validate(module, data, verbose=False)
+    registered = len(weakref.finalize._registry)
+    for _ in range(5):
+        trainer.validate(module, data, verbose=False)
+        assert torch.nn.utils.parameters_to_vector.__module__ == "torch.nn.utils.convert_parameters"  # given back
+    assert len(weakref.finalize._registry) == registered
+    assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in module.net if isinstance(m, nn.Conv2d))
+
+
+
+def test_a_second_fit_on_one_trainer_says_the_races_decision_holds(caplog, steady):
+    # the second fit's line said "model layout is contiguous; the first training steps race it against NCHW", and
+    # no race came: the decision of the first fit held, as it should
+    from tests.helpers.plain_modules import Classifier, SlowIn, loader
+
+    pl = _pl("lightning.pytorch")
+    torch.manual_seed(0)
+    module, callback = Classifier(net=SlowIn("channels_last")), ChannelsLast()
+    trainer = pl.Trainer(max_steps=24, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[callback],
+                         num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, loader(4, 2))
+    decided = callback.decision
+    assert decided is not None and decided.layout == "contiguous"
+    trainer.fit_loop.epoch_loop.max_steps = 28
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cltrain"):
+        trainer.fit(module, loader(4, 2))
+    lines = [r.getMessage() for r in caplog.records if "model layout is" in r.getMessage()]
+    assert len(lines) == 1 and "the race's decision holds: NCHW" in lines[0] and "race it" not in lines[0], lines
+    assert callback.decision is decided and trainer.global_step == 28
+
+
 @pytest.mark.parametrize("full", [False, True], ids=["1x1 and depthwise only", "with a 3x3"])
 def test_vector_to_parameters_keeps_channels_last_on_1x1_and_depthwise_kernels(full):
     from cltrain.loops import ChannelsLastRun
