@@ -373,7 +373,7 @@ class LayoutSession:
         else:
             counts = ", ".join(f"{n} {k.replace('rank', '') + '-d' if k.startswith('rank') else k}"  # not a process's rank
                                for k, n in (self.summary or {}).items())
-            kept = sorted({_name(d.layout) for d in self.race.decisions.values()})  # by an earlier fit of this session
+            kept = sorted({_name(d.layout) for d in self.race.decisions.values()})  # an earlier fit's, on this model
             raced = f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else "" if self.untimed \
                 else "" if not training else f"; the race's decision holds: {' / '.join(kept)}" if kept \
                 else "; the first training steps race it against NCHW"
