@@ -84,6 +84,12 @@ def _host_tag() -> str:
     return hashlib.sha1(this_machine().encode()).hexdigest()[:8]
 
 
+def _host_tags() -> tuple[str, str]:
+    """The tags a temporary file of this machine may carry: :func:`_host_tag`, and the host's name alone (written
+    where the system has no PID namespaces, or by an older cltrain)."""
+    return _host_tag(), hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
 class DiskFullError(OSError):
     """A write failed for lack of space; the target kept its previous content.
 
@@ -382,7 +388,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
 
 def _writer_gone(name: str, now: float, mtime: float, stale_after_s: float) -> bool:
     pid, host, *_ = name[len(TEMP_PREFIX):].split("-", 2) + ["", ""]
-    if host == _host_tag() and pid.isdigit():
+    if host in _host_tags() and pid.isdigit():
         return int(pid) != os.getpid() and not pid_running(int(pid))
     return now - mtime > stale_after_s  # another machine's or container's (or an unparsable) file: by age only
 

@@ -290,9 +290,10 @@ class LayoutSession:
             copies = []  # converted model then, asked again at the next change of layout
         self.convert_copies(copies)
         if self._utilities is None:
-            self._utilities = contextlib.ExitStack()
-            self._utilities.enter_context(torch_utilities(self.say))
-            self._finalizer = weakref.finalize(self, self._utilities.close)  # a run ended by an exception too
+            utilities = contextlib.ExitStack()
+            utilities.enter_context(torch_utilities(self.say))
+            self._utilities = utilities
+            self._finalizer = weakref.finalize(self, utilities.close)  # a run ended by an exception too
         if not self._lazy and self.sharding is None:
             self.expect(model)  # what user code moves before the first training step (on_train_start) is put back
         if owner is not None:
@@ -374,9 +375,12 @@ class LayoutSession:
             counts = ", ".join(f"{n} {k.replace('rank', '') + '-d' if k.startswith('rank') else k}"  # not a process's rank
                                for k, n in (self.summary or {}).items())
             kept = sorted({_name(d.layout) for d in self.race.decisions.values()})  # an earlier fit's, on this model
-            raced = f"; not raced against NCHW ({self.untimed})" if self.untimed == _COMPILED else "" if self.untimed \
-                else "" if not training else f"; the race's decision holds: {' / '.join(kept)}" if kept \
-                else "; the first training steps race it against NCHW"
+            raced = ""
+            if self.untimed == _COMPILED:
+                raced = f"; not raced against NCHW ({self.untimed})"
+            elif training and not self.untimed:
+                raced = f"; the race's decision holds for the inputs it timed: {' / '.join(kept)} (others are raced)" \
+                    if kept else "; the first training steps race it against NCHW"
             self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
@@ -843,7 +847,8 @@ class LayoutSession:
         self.inputs.end_trace(completed=False)
         self.inputs.restore()
         if self._utilities is not None:
-            self._finalizer.detach()  # or each stage of a Trainer would leave one behind
+            if self._finalizer is not None:
+                self._finalizer.detach()  # or each stage of a Trainer would leave one behind
             self._utilities.close()
             self._utilities = None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from cltrain.app.config.errors import ConfigError
 from cltrain.app.launch import is_launched_child
-from cltrain.atomic import is_this_machine, pid_running, this_machine
 
 __all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir", "is_slurm_requeue", "run_dir_of"]
 
@@ -49,8 +49,15 @@ def _claim_owner(directory: Path) -> tuple[int, str] | None:
 
 
 def _alive(pid: int, host: str) -> bool:
-    # another machine's (or container's) run: assume it is running
-    return not is_this_machine(host) or pid_running(pid)
+    if host != socket.gethostname():
+        return True  # another machine's run: assume it is running
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_claim(directory: Path, replace: bool = False) -> bool:
@@ -61,7 +68,7 @@ def _write_claim(directory: Path, replace: bool = False) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:
-        f.write(f"{os.getpid()} {this_machine()}\n")
+        f.write(f"{os.getpid()} {socket.gethostname()}\n")
     return True
 
 
@@ -115,7 +122,7 @@ def _claim_existing(directory: Path, key: str) -> bool:
         raise refusal
     owner = _claim_owner(directory)
     # claimed earlier by this process (the Hydra callback, then train()), or now, or taken over from a run that is gone
-    claimed = owner is not None and owner[0] == os.getpid() and owner[1] == this_machine() \
+    claimed = owner is not None and owner[0] == os.getpid() and owner[1] == socket.gethostname() \
         or _write_claim(directory)
     if not claimed:
         owner = _claim_owner(directory)

@@ -66,7 +66,7 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator
 
-from cltrain.atomic import TEMP_PREFIX, DiskFullError, atomic_open, atomic_write_text, remove_leftovers
+from cltrain.atomic import TEMP_PREFIX, DiskFullError, _host_tag, atomic_open, atomic_write_text, remove_leftovers
 from cltrain.data.errors import DataError, StorageError
 from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error, split_query
 
@@ -85,10 +85,11 @@ RETRY_WINDOW = 120
 IN_FLIGHT_WAIT = 120
 #: Bytes the cache always leaves free on its disk.
 RESERVE = 2**30
+#: Seconds after which a temporary file of another machine or container (a PID namespace of its own), untouched, is
+#: a download that died with its writer: a live one writes at least every chunk.
+STALE_AFTER = 3600
 _LOCKS = ".cltrain-locks"
 _FAILED = ".cltrain-failed"  # + "-<job>", in the cache's folder: a read failed for good, for the job's other processes
-#: The variables every rank of one distributed job shares (torchrun, Lightning's launcher, SLURM).
-_JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -147,7 +148,7 @@ def _folders_of(folder: str | Path) -> list[Path]:
 def _own_temps(folder: str) -> None:
     """Remove this process's temporary files and those of processes that are gone (at exit), in every folder of the
     cache."""
-    prefix = f"{TEMP_PREFIX}{os.getpid()}-"
+    prefix = f"{TEMP_PREFIX}{os.getpid()}-{_host_tag()}-"  # not another container's with the same pid (often 1)
     for sub in _folders_of(folder):
         try:
             for entry in os.scandir(sub):
@@ -158,7 +159,7 @@ def _own_temps(folder: str) -> None:
                         pass
         except OSError:
             continue
-        remove_leftovers(sub, stale_after_s=float("inf"))
+        remove_leftovers(sub, stale_after_s=STALE_AFTER)
 
 
 _leaving = threading.Event()  # this process is exiting: no download starts (its temporary file would stay)
@@ -202,13 +203,19 @@ def _in_worker_exit(folder: str) -> None:
         pass
 
 
-def _job() -> str:
-    """What the processes of one job on a node share and another job's do not: the rendezvous every rank of a
-    distributed job is given, else this process and the moment (the cache is made before its DataLoader workers
-    start, and they get it pickled)."""
-    if os.environ.get("MASTER_PORT"):
-        return "|".join(os.environ.get(k, "") for k in _JOB_VARS)
-    return f"{os.getpid()}-{time.time_ns()}"
+def _job(own: str) -> str:
+    """What the processes of one job on a node share and another job's do not, asked when a note is written or read
+    (a launcher may set its variables after the cache is made): the SLURM step (every task of an ``srun``), the
+    torchrun rendezvous, the address and port every rank of a distributed job is given; else ``own``, the token of
+    the process that made the cache (its DataLoader workers get the cache pickled)."""
+    env = os.environ
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        return f"slurm {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    if env.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"torchelastic {env['TORCHELASTIC_RUN_ID']}"
+    if env.get("MASTER_PORT") and env.get("WORLD_SIZE", "1") != "1":  # not a port exported for every job alike
+        return f"ranks {env.get('MASTER_ADDR', '')}:{env['MASTER_PORT']}"
+    return own
 
 
 class ShardCache:
@@ -243,8 +250,7 @@ class ShardCache:
         self.incomplete = incomplete
         self.failed: tuple[float, BaseException] | None = None  # when a read failed for good, and why (_given_up)
         self._since = time.time()  # this process began reading, or last read successfully: an older note is not heeded
-        # this job's failure note: another job reading through the same folder may well be reading fine
-        self._note = self.folder / f"{_FAILED}-{hashlib.sha1(_job().encode()).hexdigest()[:12]}"
+        self._own_job = f"{os.getpid()}-{time.time_ns()}"  # see _job
         self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
 
     def __getstate__(self) -> dict:
@@ -289,7 +295,7 @@ class ShardCache:
         if str(self.folder) not in _folders:
             _folders.add(str(self.folder))
             for sub in _folders_of(self.folder):
-                remove_leftovers(sub, stale_after_s=float("inf"))
+                remove_leftovers(sub, stale_after_s=STALE_AFTER)
             _in_worker_exit(str(self.folder))
         if self._limit is None:
             self._limit = self._used() + _free(self.folder) // 2
@@ -418,7 +424,7 @@ class ShardCache:
         failed = self.failed
         if failed is not None and time.monotonic() - failed[0] < RETRY_WINDOW:
             return failed[1]
-        note = self._note
+        note = self._note()
         try:
             written = note.stat().st_mtime
             if written < self._since or time.time() - written >= RETRY_WINDOW:
@@ -428,12 +434,16 @@ class ShardCache:
             return None
         return type(name or "Exception", (Exception,), {})(reason)  # read as the failing process read its error
 
+    def _note(self) -> Path:
+        """This job's failure note: another job reading through the same folder may well be reading fine."""
+        return self.folder / f"{_FAILED}-{hashlib.sha1(_job(self._own_job).encode()).hexdigest()[:12]}"
+
     def _note_failure(self, err: BaseException) -> None:
         """A read failed for good: for this process (``failed``) and, in the cache's folder, for the node's others."""
         self.failed = (time.monotonic(), err)
         try:
             reason = redact(" ".join(str(err).split()), self.url)
-            atomic_write_text(self._note, f"{type(err).__name__}\n{reason}")
+            atomic_write_text(self._note(), f"{type(err).__name__}\n{reason}")
         except OSError:  # a note not written: the others retry as long as they would have
             pass
         for old in glob.glob(glob.escape(str(self.folder / _FAILED)) + "-*"):  # other jobs' notes, no longer heeded

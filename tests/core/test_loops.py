@@ -451,3 +451,32 @@ def test_a_run_made_after_fabric_setup_on_one_device_checks_the_model_fabric_hol
         optimizer.step()
     assert run.layout_checks["train"].verdict != "not checked", run.layout_checks["train"].reason
     assert run.model is model
+
+
+def test_a_start_interrupted_while_taking_torchs_utilities_ends_without_a_second_error(monkeypatch):
+    # an interrupt (or a raising line) while the session took torch's utilities left it half made: end() then raised
+    # AttributeError, which in Lightning's on_exception hid the first error
+    import contextlib
+
+    import cltrain.session
+    from cltrain.loops import ChannelsLastRun
+
+    @contextlib.contextmanager
+    def interrupted(say):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(cltrain.session, "torch_utilities", interrupted)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3))
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        ChannelsLastRun(model, layout="channels_last", verify=False)
+    tb, sessions = stopped.tb, []
+    while tb is not None:
+        sessions += [v for v in tb.tb_frame.f_locals.values() if isinstance(v, cltrain.session.LayoutSession)]
+        tb = tb.tb_next
+    assert sessions
+    sessions[-1].close()  # what a door's exception handler calls: no second error
+    monkeypatch.undo()
+    run = ChannelsLastRun(model, layout="channels_last", verify=False)  # a new run takes them as usual
+    assert run.session._utilities is not None
+    run.end()

@@ -284,16 +284,19 @@ def test_a_read_failed_for_good_ends_its_jobs_processes_not_another_jobs_reading
 
     import fsspec.config
 
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
     proxy = FaultProxy(server.endpoint)
     names = ["train/" + n for n in sorted(p.name for p in (local_pack / "train").glob("*.tar"))[:2]]
     other = subprocess.Popen([sys.executable, "-c", _ANOTHER_JOB, url, str(tmp_path), names[1]], cwd=REPO, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
+                             env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "WORLD_SIZE": "2"})
     try:
         assert other.stdout.readline().strip() == "reading", other.stderr.read()
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)  # this job's own endpoint
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", "29500")
+        monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"retries": {"max_attempts": 1}}})
         cache, rank = ShardCache(url, tmp_path, limit=2**30), ShardCache(url, tmp_path, limit=2**30)
         worker = pickle.loads(pickle.dumps(cache))  # a DataLoader worker's copy
