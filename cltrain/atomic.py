@@ -40,7 +40,8 @@ from typing import IO, Any
 
 __all__ = [
     "TEMP_PREFIX", "DiskFullError", "NotWritableError", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json",
-    "atomic_write_text", "is_this_machine", "pid_running", "remove_leftovers", "removed_line", "this_machine",
+    "atomic_write_text", "is_this_machine", "own_temp_prefix", "pid_running", "remove_leftovers", "removed_line",
+    "this_machine",
 ]
 
 #: Name prefix of the temporary files; a file with it that outlives its writer is a leftover.
@@ -82,6 +83,12 @@ def pid_running(pid: int) -> bool:
 
 def _host_tag() -> str:
     return hashlib.sha1(this_machine().encode()).hexdigest()[:8]
+
+
+def own_temp_prefix() -> str:
+    """How this process's temporary files are named first (its pid and this machine: another container's process of
+    the same pid is not this one)."""
+    return f"{TEMP_PREFIX}{os.getpid()}-{_host_tag()}-"
 
 
 def _host_tags() -> tuple[str, str]:
@@ -170,7 +177,7 @@ def _space_errno(err: BaseException | None) -> int | None:
 
 
 def _temp_path(target: Path) -> Path:
-    head = f"{TEMP_PREFIX}{os.getpid()}-{_host_tag()}-{secrets.token_hex(4)}-"
+    head = f"{own_temp_prefix()}{secrets.token_hex(4)}-"
     name = target.name
     while len((head + name).encode()) > _NAME_MAX:
         name = name[1:]

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from cltrain.app.config.errors import ConfigError
 from cltrain.app.launch import is_launched_child
+from cltrain.atomic import pid_running
 
 __all__ = ["CLAIM", "OUTPUTS", "RunDirGuard", "check_run_dir", "claim_run_dir", "is_slurm_requeue", "run_dir_of"]
 
@@ -49,15 +50,7 @@ def _claim_owner(directory: Path) -> tuple[int, str] | None:
 
 
 def _alive(pid: int, host: str) -> bool:
-    if host != socket.gethostname():
-        return True  # another machine's run: assume it is running
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return host != socket.gethostname() or pid_running(pid)  # another machine's run: assume it is running
 
 
 def _write_claim(directory: Path, replace: bool = False) -> bool:

@@ -110,7 +110,8 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
     try:
         trainer: pl.Trainer = instantiate(
             cfg.trainer, accelerator=resolved.accelerator, devices=resolved.devices, precision=resolved.precision,
-            callbacks=run.callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
+            callbacks=run.callbacks, logger=loggers or False,
+            plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
             benchmark=resolved.benchmark, default_root_dir=str(run_dir),
         )
     except InstantiationException as err:  # a trainer.* value Lightning refuses: its own reason, first line

@@ -66,7 +66,8 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator
 
-from cltrain.atomic import TEMP_PREFIX, DiskFullError, _host_tag, atomic_open, atomic_write_text, remove_leftovers
+from cltrain.atomic import (TEMP_PREFIX, DiskFullError, atomic_open, atomic_write_text, own_temp_prefix,
+                            remove_leftovers)
 from cltrain.data.errors import DataError, StorageError
 from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error, split_query
 
@@ -148,7 +149,7 @@ def _folders_of(folder: str | Path) -> list[Path]:
 def _own_temps(folder: str) -> None:
     """Remove this process's temporary files and those of processes that are gone (at exit), in every folder of the
     cache."""
-    prefix = f"{TEMP_PREFIX}{os.getpid()}-{_host_tag()}-"  # not another container's with the same pid (often 1)
+    prefix = own_temp_prefix()  # not another container's with the same pid (often 1)
     for sub in _folders_of(folder):
         try:
             for entry in os.scandir(sub):

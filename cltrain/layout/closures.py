@@ -7,9 +7,10 @@ closure over the original module (``orig = m.forward; m.forward = lambda x: post
 
 * ``rebound(value, memo)``: ``value`` with every original object it holds in a closure cell, a default, a
   module-level name it reads, a partial's arguments or a bound method's ``self`` replaced by its copy (``memo``:
-  ``deepcopy``'s map, original id -> copy), recursively through nested functions; ``value`` itself where it holds none. An object that is no
-  copy but holds originals (a callback whose method or closure is a hook on the model, holding the module) is
-  replaced by a shallow copy of it whose attributes hold the copies (a callback's ``self.module``).
+  ``deepcopy``'s map, original id -> copy), recursively through nested functions; ``value`` itself where it holds
+  none. An object that is no copy but holds originals (a callback whose method or closure is a hook on the model,
+  holding the module) is replaced by a shallow copy of it whose attributes hold the copies (a callback's
+  ``self.module``).
 * ``callables_of(module)``: where a module keeps callables (its ``__dict__``, its hooks), for both of the above.
 * ``path_to(roots, targets)``: the first path from the callables of ``roots`` to an object in ``targets`` (by id),
   through closures, defaults, partials, bound methods and plain containers: what a copy still reaches of the
