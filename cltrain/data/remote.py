@@ -197,7 +197,8 @@ def remote_error(err: BaseException, url: str, what: str = "", missing: str | No
                            "GCS: GOOGLE_APPLICATION_CREDENTIALS; for Azure: AZURE_STORAGE_ACCOUNT_NAME and a key or "
                            "az login), or read a public pack through its https:// URL.")
     if isinstance(err, PermissionError) or any(k in text for k in ("AccessDenied", "InvalidAccessKeyId",
-                                                                   "SignatureDoesNotMatch", "Forbidden", "403")):
+                                                                   "SignatureDoesNotMatch", "Forbidden")) \
+            or re.search(r"(?<![\w.:'])403(?!\w)", text):  # the status, not a port (127.0.0.1:53403) or a number
         return RemoteError(f"{shown}{reading}: access denied ({reason}); check the credentials (for S3: "
                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and AWS_ENDPOINT_URL for "
                            "MinIO, R2 or Ceph) and that they may read this bucket.")

@@ -552,6 +552,16 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_temporary_file(url, env):
     assert not [p for p in env.rglob("*") if p.name.startswith(TEMP_PREFIX)]
 
 
+def test_an_endpoint_on_a_port_holding_403_is_unreachable_not_access_denied():
+    # a free port such as 53403 made "Cannot connect to host 127.0.0.1:53403" read as an HTTP 403: "access denied"
+    url = "https://127.0.0.1:53403/pack"
+    refused = ConnectionRefusedError("Cannot connect to host 127.0.0.1:53403 ssl:default [Connect call failed "
+                                     "('127.0.0.1', 53403)]")
+    assert "cannot be reached" in str(remote_error(refused, url))
+    for said in ("Client error '403 Forbidden' for url", "HTTP 403", "status code 403 (AccessDenied)", "(403)"):
+        assert "access denied" in str(remote_error(OSError(said), url)), said
+
+
 def test_secrets_are_never_in_a_message():
     os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
     try:
