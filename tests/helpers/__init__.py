@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,11 @@ def shm_entries() -> set[str]:
 
 
 def shm_left_behind(before: set[str], settle: float = 10.0) -> set[str]:
-    """The ``/dev/shm`` entries made since ``before`` that no live process maps or holds open: what a finished run
-    left behind. Another test running beside this one (pytest-xdist) makes its own entries, which it still maps;
-    Python's resource tracker unlinks a killed process's semaphores a moment after the process ends, so entries get
-    ``settle`` seconds to go."""
+    """The ``/dev/shm`` files made since ``before`` that no live process maps or holds open: what a finished run
+    left behind (torch's shared tensors and multiprocessing's semaphores are files). Another test running beside this
+    one (pytest-xdist) makes its own entries, which it still maps, or folders (joblib's memory-mapping folder, which
+    joblib removes when it pleases); Python's resource tracker unlinks a killed process's semaphores a moment after the
+    process ends, so entries get ``settle`` seconds to go."""
     deadline = time.monotonic() + settle
     while True:
         new = shm_entries() - before
@@ -42,9 +44,11 @@ def shm_left_behind(before: set[str], settle: float = 10.0) -> set[str]:
         inodes = {}
         for name in new:
             try:
-                inodes[os.stat(f"/dev/shm/{name}").st_ino] = name
+                st = os.stat(f"/dev/shm/{name}")
             except OSError:  # gone meanwhile
                 continue
+            if stat.S_ISREG(st.st_mode):
+                inodes[st.st_ino] = name
         used: set[str] = set()  # by inode: glibc's sem_open maps its temporary name, since deleted, not the entry's
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
@@ -55,8 +59,7 @@ def shm_left_behind(before: set[str], settle: float = 10.0) -> set[str]:
             except OSError:  # the process ended, or is not ours to read
                 continue
             used.update(inodes[i] for i in held if i in inodes)
-        new &= shm_entries()
-        orphans = new - used
+        orphans = (set(inodes.values()) & shm_entries()) - used
         if not orphans or time.monotonic() > deadline:
             return orphans
         time.sleep(0.2)
