@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cltrain.atomic import (TEMP_PREFIX, DiskFullError, atomic_open, atomic_write_text, own_temp_prefix,
-                            remove_leftovers)
+                            remove_leftovers, this_machine)
 from cltrain.data.errors import DataError, StorageError
 from cltrain.data.remote import RemoteError, join, open_fs, redact, remote_error, split_query
 
@@ -207,15 +207,19 @@ def _in_worker_exit(folder: str) -> None:
 def _job(own: str) -> str:
     """What the processes of one job on a node share and another job's do not, asked when a note is written or read
     (a launcher may set its variables after the cache is made): the SLURM step (every task of an ``srun``), the
-    torchrun rendezvous, the address and port every rank of a distributed job is given; else ``own``, the token of
-    the process that made the cache (its DataLoader workers get the cache pickled)."""
+    torchrun rendezvous, the address and port every rank of a distributed job is given (with the machine's name where
+    the address is loopback: torchrun's default on every node); else ``own``, the token of the process that made the
+    cache (its DataLoader workers get the cache pickled)."""
     env = os.environ
     if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
         return f"slurm {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
     if env.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return f"torchelastic {env['TORCHELASTIC_RUN_ID']}"
     if env.get("MASTER_PORT") and env.get("WORLD_SIZE", "1") != "1":  # not a port exported for every job alike
-        return f"ranks {env.get('MASTER_ADDR', '')}:{env['MASTER_PORT']}"
+        addr = env.get("MASTER_ADDR", "")
+        if addr in ("", "localhost", "::1") or addr.startswith("127."):  # a one-node job's: two nodes share it
+            addr = f"{this_machine()} {addr}"
+        return f"ranks {addr}:{env['MASTER_PORT']}"
     return own
 
 

@@ -80,6 +80,7 @@ def test_the_cache_cleans_its_own_and_dead_writers_files_not_another_containers(
 
 
 def test_a_jobs_failure_note_is_the_same_for_all_its_processes_and_not_for_another_jobs(tmp_path, monkeypatch):
+    from cltrain.data import shard_cache
     from cltrain.data.shard_cache import ShardCache
 
     for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
@@ -92,6 +93,13 @@ def test_a_jobs_failure_note_is_the_same_for_all_its_processes_and_not_for_anoth
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert early._note() == ShardCache(url, str(tmp_path))._note()  # rank 1, made with them
+    here = early._note()
+    monkeypatch.setattr(shard_cache, "this_machine", lambda: "node-2~4026531836")
+    assert early._note() != here  # the same one-node torchrun on another node, a network folder between them
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    far = early._note()
+    monkeypatch.setattr(shard_cache, "this_machine", lambda: "node-3~4026531836")
+    assert early._note() == far  # one job over nodes: every node's ranks share its master's address
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     step = ShardCache(url, str(tmp_path))._note()
