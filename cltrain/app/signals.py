@@ -6,8 +6,9 @@ current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnExcepti
 
 * after a batch whose optimizer stepped: with gradient accumulation, the batch that ends the accumulation (a
   half-accumulated gradient is in no checkpoint);
-* after an epoch's last batch, once its validation has begun or the next epoch starts (stopped before, a resumed run
-  would never validate that epoch);
+* after an epoch's last batch, once its validation has begun or, where none is due, at the epoch's end (stopped
+  before, a resumed run would never validate that epoch; stopped at the next epoch's start, Lightning has begun that
+  epoch and a resumed run skips most of it);
 * by Lightning's own stop (either signal sets its flag, under several ranks on every rank at the same batch), which
   comes after the batch's metrics reach the loggers.
 
@@ -245,15 +246,25 @@ class SignalStop(Callback):
                 return
             raise RunInterrupted(signum)
         # Later: at the end of the accumulation, or after the epoch's last batch at the first validation batch or the
-        # next epoch's start (stopped before the last batch counts as done, a resumed run skipped that validation).
+        # epoch's end (stopped before the last batch counts as done, a resumed run skipped that validation).
         # Lightning would stop a single process at this batch's end on SIGTERM: it waits too.
         if hasattr(connector, "received_sigterm"):
             connector.received_sigterm = False
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._check(trainer)
+        # no stop here: a signal noted since the last epoch's end stops the run at this epoch's first batch end
         self._fetching = time.monotonic()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        signum = self.agreed(trainer)
+        if signum is None:
+            return
+        connector = getattr(trainer, "_signal_connector", None)
+        if not hasattr(connector, "received_sigterm"):
+            raise RunInterrupted(signum)
+        connector.received_sigterm = True  # Lightning's own stop, once the epoch counts as done (on every rank)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:

@@ -137,12 +137,13 @@ class _Signalling:
         class Module(pl.LightningModule):
             def __init__(self) -> None:
                 super().__init__()
-                self.layer, self.steps, self.validated = torch.nn.Linear(2, 1), 0, set()
+                self.layer, self.steps, self.validated, self.trained = torch.nn.Linear(2, 1), 0, set(), []
 
             def training_step(self, batch, batch_idx):
                 if batch_idx == at:
                     os.kill(os.getpid(), signum)
                 self.steps += 1
+                self.trained.append((self.current_epoch, batch_idx))
                 loss = self.layer(batch[0]).sum()
                 self.log("loss", loss)
                 return loss
@@ -214,6 +215,18 @@ def test_a_stop_at_an_epochs_last_batch_leaves_that_epochs_validation_to_no_one(
     assert stopped is not None and stopped_module.steps == 8
     _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=2)
     assert stopped_module.validated | resumed_module.validated == {0, 1}
+
+
+@pytest.mark.parametrize("validation", [{"limit_val_batches": 0}, {"check_val_every_n_epoch": 2}],
+                         ids=["no-validation", "not-this-epoch"])
+def test_a_stop_at_an_epochs_last_batch_without_its_validation_resumes_with_the_next_epoch_whole(
+        tmp_path: Path, validation: dict) -> None:
+    # stopped at the next epoch's start, Lightning had begun that epoch: a resumed run took it as done (24 -> 21 steps)
+    stopped_module, resumed_module = _Signalling(at=7), _Signalling(at=-1)
+    trainer, stopped = _fit_stopped(stopped_module, tmp_path, max_epochs=3, **validation)
+    assert stopped is not None and stopped_module.trained == [(0, i) for i in range(8)]
+    _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=3, **validation)
+    assert resumed_module.trained == [(e, i) for e in (1, 2) for i in range(8)]
 
 
 def test_a_stopped_runs_last_step_reaches_its_logger(tmp_path: Path) -> None:
