@@ -8,8 +8,9 @@ loop's ``model(**batch)`` / ``model(x)`` then gets its images in the model's lay
 evaluation batch is checked, the first training steps race the layouts (a step ends where the next training
 forward starts after the optimizer's step, so under gradient accumulation a step is the calls up to it) and keep
 the faster, whatever moved a parameter's layout is put back when the loop turns to evaluation, and
-``accelerator.save_state`` / ``load_state`` carry the verdicts and the decision (the hook is registered for
-checkpointing) and give the restored optimizer state its parameters' strides. The same by hand, for a
+``accelerator.save_state`` / ``load_state`` carry the verdicts and the decision (in a file of their folder,
+``cltrain_layout.json``; a folder saved without cltrain loads too) and give the restored optimizer state its
+parameters' strides. The same by hand, for a
 loop that prefers to see each step: ``cltrain.loops.ChannelsLastRun`` (docs/guides/huggingface.md).
 
 Example::
@@ -29,11 +30,15 @@ Example::
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
+from cltrain.atomic import atomic_write_text
 from cltrain.check.resume import run_fingerprint
 from cltrain.integrations.inputs_hook import IMAGE_ARGUMENTS, ChannelsLastInputs, argument_names
 from cltrain.check.budget import DEFAULT_SAMPLES
@@ -94,7 +99,7 @@ def prepare_channels_last(
     copied = check_copies("prepare_channels_last", copies)
     check_positive("prepare_channels_last", "check_samples", check_samples, optional=True)
     check_module("prepare_channels_last", model)
-    if not all(hasattr(accelerator, name) for name in ("device", "mixed_precision", "register_for_checkpointing")):
+    if not all(hasattr(accelerator, name) for name in ("device", "mixed_precision", "register_load_state_pre_hook")):
         raise ValueError(f"prepare_channels_last(accelerator={accelerator!r}): expected the accelerate.Accelerator that "
                          "will prepare the model (prepare_channels_last(model, accelerator)).")
     if isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(getattr(model, "_orig_mod", None),
@@ -115,7 +120,7 @@ def prepare_channels_last(
     session.start(model, device=accelerator.device, dtype=dtype, sharding=sharding_of(model, accelerator),
                   owner=f"prepare_channels_last(mode={mode!r})")
     hook.attach(model, session)
-    accelerator.register_for_checkpointing(_Checkpointed(hook))
+    _carry_state(accelerator, hook)
     return model
 
 
@@ -129,17 +134,31 @@ class _Prepared:
         return iter(getattr(self.accelerator, "_optimizers", ()))
 
 
-class _Checkpointed:
-    """What ``accelerator.save_state`` / ``load_state`` keep of the hook's session."""
+#: The session's state in a folder ``accelerator.save_state`` writes.
+STATE_FILE = "cltrain_layout.json"
 
-    def __init__(self, hook: ChannelsLastInputs) -> None:
-        self.hook = hook
 
-    def state_dict(self) -> dict[str, Any]:
-        self.hook.session.close_stepped(self.hook.model)  # saved after the optimizer's step: the step is in it
-        return self.hook.session.state_dict()
+def _carry_state(accelerator: Accelerator, hook: ChannelsLastInputs) -> None:
+    """``save_state`` writes the session's state beside Accelerate's files, ``load_state`` reads it back. A file of
+    our own, not ``register_for_checkpointing``: Accelerate refuses a folder whose count of registered objects differs,
+    so a state saved before adopting cltrain (or loaded after dropping it) would not load."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # load_state restores the optimizers before the registered objects: their state is there to restride
-        self.hook.session.load_state_dict(state, model=self.hook.model)
-        self.hook.session.resume()
+    def save(models: Any, weights: Any, output_dir: str) -> None:
+        hook.run_pending()  # a state loaded and saved again before any call
+        hook.session.close_stepped(hook.model)  # saved after the optimizer's step: the step is in it
+        on_each_node = getattr(getattr(accelerator, "project_configuration", None), "save_on_each_node", False)
+        if accelerator.is_main_process or (on_each_node and accelerator.is_local_main_process):
+            atomic_write_text(os.path.join(output_dir, STATE_FILE), json.dumps(hook.session.state_dict()))
+
+    def load(models: Any, input_dir: str) -> None:
+        path = os.path.join(input_dir, STATE_FILE)
+        state = json.loads(Path(path).read_text()) if os.path.isfile(path) else None  # None: saved without cltrain
+
+        def restore() -> None:  # once the optimizers are restored (after this hook), at the model's next call
+            hook.session.load_state_dict(state, model=hook.model)
+            hook.session.resume()  # the restored optimizer state takes its parameters' strides
+
+        hook.pending.append(restore)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)

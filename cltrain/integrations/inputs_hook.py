@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -154,6 +154,7 @@ class ChannelsLastInputs:
         self._keys: dict[int, str | int] = {}
         self._hinted = False
         self._last: str | None = None
+        self.pending: list[Callable[[], None]] = []  # run at the model's next call (a checkpoint's state to restore)
 
     def _say(self, message: str, warn: bool) -> None:
         shown(self.log).log(logging.WARNING if warn else logging.INFO, message)
@@ -215,6 +216,8 @@ class ChannelsLastInputs:
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(_state, "checking", False) or self.session.layout is None:
             return None
+        if module is self.model:
+            self.run_pending()
         if module is not self.model:  # a copy: its inputs in the layout, nothing else
             if self.layout != "channels_last":
                 return None
@@ -248,6 +251,11 @@ class ChannelsLastInputs:
             return None
         new_args = (new["args[0]"], *args[1:]) if "args[0]" in new else args
         return new_args, {**kwargs, **{k: v for k, v in new.items() if k != "args[0]"}}
+
+    def run_pending(self) -> None:
+        """Run what waits for the model's next call, in order, once."""
+        while self.pending:
+            self.pending.pop(0)()
 
     def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if module is self.model:

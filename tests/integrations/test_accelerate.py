@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -137,5 +139,37 @@ def test_a_state_saved_after_the_optimizers_step_holds_that_step_of_the_race(tmp
         optimizer.step()
         optimizer.zero_grad()
     accelerator.save_state(str(tmp_path / "state"))
-    saved = torch.load(tmp_path / "state" / "custom_checkpoint_0.pkl", weights_only=False)
+    saved = json.loads((tmp_path / "state" / "cltrain_layout.json").read_text())
     assert [heat["position"] for heat in saved["race"]["racing"]] == [5]  # all five steps, the last one included
+
+
+def _accelerate_run(tmp_path, cltrain: bool, resume=None, save=None):
+    """Four AdamW steps of a small conv net in an Accelerate loop, with or without prepare_channels_last; from the
+    state in ``resume``, saved to ``save``: the final parameters."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(1))
+    if cltrain:
+        model = prepare_channels_last(model, accelerator, layout="channels_last")
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    if resume:
+        accelerator.load_state(str(resume))
+    for _ in range(4):
+        accelerator.backward(model(torch.randn(2, 3, 8, 8)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    if save:
+        accelerator.save_state(str(save))
+    return model, optimizer
+
+
+@pytest.mark.parametrize("before, after", [(False, True), (True, False)], ids=["adopting", "dropping"])
+def test_a_state_saved_with_or_without_cltrain_loads_in_a_run_that_differs(tmp_path, before, after):
+    # registered for checkpointing, the session's state made Accelerate refuse the folder of a run without cltrain
+    # ("Number of custom checkpoints ... does not match"), and a run without cltrain refused cltrain's folder
+    _accelerate_run(tmp_path, before, save=tmp_path / "state")
+    model, optimizer = _accelerate_run(tmp_path, after, resume=tmp_path / "state")
+    conv = model[0].weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) == after
+    if after:  # the restored state takes its parameter's strides (without cltrain it keeps the saved ones: harmless)
+        assert optimizer.state[conv]["exp_avg"].stride() == conv.stride()
