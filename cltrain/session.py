@@ -689,11 +689,11 @@ class LayoutSession:
         elif hedged:  # a lead not beyond doubt
             head = (f"{'NCHW' if nchw_ahead else 'channels_last'} {decision.ratio:.2f}x faster by the medians here "
                     f"{where}, too noisy to tell: kept channels_last")
-        elif decision.layout == "channels_last":
-            head = f"channels_last {decision.ratio:.2f}x faster here {where}: kept"
+        elif decision.layout == "channels_last":  # the lead the rule judged (paired steps), not the medians'
+            head = f"channels_last {decision.judged or decision.ratio:.2f}x faster here {where}: kept"
         else:
-            head = f"NCHW {decision.ratio:.2f}x faster here {where}: switched, the model and its optimizer state " \
-                   "moved once"
+            head = f"NCHW {decision.judged or decision.ratio:.2f}x faster here {where}: switched, the model and its " \
+                   "optimizer state moved once"
         noisy = "; the steps' times were noisy" if decision.how == "noisy" and not hedged else ""
         return f"ChannelsLast: {head}{noisy} (timed {timed}{cost}; {pin})."
 

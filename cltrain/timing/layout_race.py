@@ -56,6 +56,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
@@ -85,6 +86,8 @@ class LayoutDecision:
         seconds: the median seconds per step of each layout.
         samples: the steps timed in each layout.
         extra_seconds: what the steps in the slower layout cost over the faster one's time.
+        judged: the faster layout's lead as the rule judged it (the slower step over the faster, paired steps from
+            the second round on, pooled in the first; its medians may differ), ``None`` where not timed.
     """
 
     key: tuple[Any, ...]
@@ -93,6 +96,7 @@ class LayoutDecision:
     seconds: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
     extra_seconds: float = 0.0
+    judged: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -104,13 +108,13 @@ class LayoutDecision:
     def as_dict(self) -> dict[str, Any]:
         """Plain types, for a checkpoint and ``metrics.json``."""
         return {"key": _plain(self.key), "layout": self.layout, "how": self.how, "seconds": dict(self.seconds),
-                "samples": dict(self.samples), "extra_seconds": self.extra_seconds}
+                "samples": dict(self.samples), "extra_seconds": self.extra_seconds, "judged": self.judged}
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> LayoutDecision:
         """The decision ``as_dict`` wrote, as restored from a checkpoint."""
         return cls(_key(saved["key"]), saved["layout"], "restored", dict(saved.get("seconds", {})),
-                   dict(saved.get("samples", {})), float(saved.get("extra_seconds", 0.0)))
+                   dict(saved.get("samples", {})), float(saved.get("extra_seconds", 0.0)), _float(saved.get("judged")))
 
 
 def _plain(obj: Any) -> Any:
@@ -250,7 +254,7 @@ class LayoutRace:
             if not steady or ratio.log < 0 or ratio.log - self.z * ratio.width <= 0 and not spent:
                 return None
             how = "timed" if ratio.log - self.z * ratio.width > 0 else "noisy"  # else NCHW's trials spent the budget
-            return LayoutDecision(heat.key, "channels_last", how, med, self._samples(heat), extra)
+            return LayoutDecision(heat.key, "channels_last", how, med, self._samples(heat), extra, math.exp(ratio.log))
         # two rounds on: each round's NCHW steps against the channels_last steps around them, a step or two apart,
         # so a machine getting busier or quieter over the race cancels out (paired_log_ratio); the steps pooled
         # (more degrees of freedom, the drift in their spread) end a race that is clear in its first rounds (only
@@ -276,7 +280,7 @@ class LayoutRace:
             how = "noisy"
         else:
             return None
-        return LayoutDecision(heat.key, layout, how, med, self._samples(heat), extra)
+        return LayoutDecision(heat.key, layout, how, med, self._samples(heat), extra, math.exp(abs(log_r)))
 
     @staticmethod
     def _samples(heat: _Heat) -> dict[str, int]:

@@ -388,6 +388,7 @@ def test_the_race_decides_with_partial_batches_and_evaluations_inside_steps(monk
     session, model, _, _ = _race_run(monkeypatch, Host(), {"channels_last": 0.3, "contiguous": 0.2}, steps=40, **kwargs)
     assert session.decision is not None and session.decision.layout == "contiguous", session.race.state_dict()
     assert model[0].weight.is_contiguous()
+    assert session.decision.judged > 1 + session.race.margin  # the lead the rule switched for, said in the line
 
 
 def test_a_race_that_cannot_time_both_layouts_ends_at_its_last_round_in_channels_last(monkeypatch) -> None:
@@ -404,6 +405,15 @@ def test_the_race_keeps_channels_last_where_it_is_faster_and_a_pinned_layout_nev
     session, model, _, layouts = _race_run(monkeypatch, Host(), {"channels_last": 0.2, "contiguous": 0.3})
     assert [layout for layout, _, _ in layouts] == ["channels_last"] * 5 + ["contiguous"] * 2 + ["channels_last"] * 5
     assert session.decision.layout == "channels_last" and is_channels_last(model[0].weight)
+
+
+def test_a_switch_says_the_lead_the_rule_judged_not_the_medians() -> None:
+    # the medians 1.01x apart, the paired steps 1.03x: "NCHW 1.01x faster: switched" read as a switch under the 2% rule
+    decision = layout_race.LayoutDecision(((3, 8, 8), "fp32", "cpu"), "contiguous", "timed",
+                                          {"channels_last": 0.202, "contiguous": 0.2},
+                                          {"channels_last": 8, "contiguous": 8}, judged=1.03)
+    assert "NCHW 1.03x faster here (fp32, cpu, 8x8 px): switched" in LayoutSession().decision_line(decision)
+    assert layout_race.LayoutDecision.from_dict(decision.as_dict()).judged == 1.03
 
 
 @pytest.mark.parametrize("seconds,how,layout,said", [
