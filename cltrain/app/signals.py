@@ -259,7 +259,7 @@ class SignalStop(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         signum = self.agreed(trainer)
-        if signum is None:
+        if signum is None or _ends_here(trainer):  # a run ending with this epoch ends as it would have
             return
         connector = getattr(trainer, "_signal_connector", None)
         if not hasattr(connector, "received_sigterm"):
@@ -277,6 +277,14 @@ class SignalStop(Callback):
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._check(trainer)
+
+
+def _ends_here(trainer: pl.Trainer) -> bool:
+    """The fit ends after this epoch anyway: ``max_epochs`` or ``max_steps`` reached, or a stop asked for (as
+    Lightning's fit loop judges it; the epoch is counted as processed before ``on_train_epoch_end``)."""
+    loop = trainer.fit_loop
+    counts = ((loop.epoch_progress.current.processed, loop.max_epochs), (trainer.global_step, loop.max_steps))
+    return bool(trainer.should_stop) or any(limit not in (None, -1) and count >= limit for count, limit in counts)
 
 
 class _Deferred:

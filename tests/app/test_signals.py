@@ -161,7 +161,8 @@ class _Signalling:
         return Module()
 
 
-def _fit_stopped(module, tmp_path: Path, holding: bool = True, resume: bool = False, **trainer_args):
+def _fit_stopped(module, tmp_path: Path, holding: bool = True, resume: bool = False, stops: bool = True,
+                 **trainer_args):
     """``module`` trained under ``SignalStop`` with ``KeepOnException``, as the app runs them (with a validation each
     epoch); the exception, or ``None`` where the run ended (``resume``: from ``last.ckpt``)."""
     import lightning.pytorch as pl
@@ -184,7 +185,7 @@ def _fit_stopped(module, tmp_path: Path, holding: bool = True, resume: bool = Fa
                         ckpt_path=tmp_path / "last.ckpt" if resume else None)
         except (RunInterrupted, SIGTERMException) as stopped:  # the app's stops (Lightning's stops a single process)
             return trainer, stopped
-    assert resume, "the run was not stopped"
+    assert resume or not stops, "the run was not stopped"
     return trainer, None
 
 
@@ -227,6 +228,13 @@ def test_a_stop_at_an_epochs_last_batch_without_its_validation_resumes_with_the_
     assert stopped is not None and stopped_module.trained == [(0, i) for i in range(8)]
     _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=3, **validation)
     assert resumed_module.trained == [(e, i) for e in (1, 2) for i in range(8)]
+
+
+def test_a_signal_in_the_last_epochs_last_batch_lets_the_run_end_as_it_would(tmp_path: Path) -> None:
+    # stopped at that epoch's end, its last.ckpt held every epoch: a resume line with nothing left to train
+    module = _Signalling(at=7)
+    trainer, stopped = _fit_stopped(module, tmp_path, stops=False, max_epochs=1, limit_val_batches=0)
+    assert stopped is None and trainer.current_epoch == 1 and module.steps == 8
 
 
 def test_a_stopped_runs_last_step_reaches_its_logger(tmp_path: Path) -> None:
