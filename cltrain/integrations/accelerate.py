@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -134,31 +135,42 @@ class _Prepared:
         return iter(getattr(self.accelerator, "_optimizers", ()))
 
 
-#: The session's state in a folder ``accelerator.save_state`` writes.
+#: The sessions' states in a folder ``accelerator.save_state`` writes.
 STATE_FILE = "cltrain_layout.json"
+_HOOKS: weakref.WeakKeyDictionary[Any, list[ChannelsLastInputs]] = weakref.WeakKeyDictionary()
 
 
 def _carry_state(accelerator: Accelerator, hook: ChannelsLastInputs) -> None:
-    """``save_state`` writes the session's state beside Accelerate's files, ``load_state`` reads it back. A file of
-    our own, not ``register_for_checkpointing``: Accelerate refuses a folder whose count of registered objects differs,
-    so a state saved before adopting cltrain (or loaded after dropping it) would not load."""
+    """``save_state`` writes the sessions' states beside Accelerate's files, one per ``prepare_channels_last`` call on
+    ``accelerator`` in call order (a GAN's two models), and ``load_state`` reads them back. A file of our own, not
+    ``register_for_checkpointing``: Accelerate refuses a folder whose count of registered objects differs, so a state
+    saved before adopting cltrain (or loaded after dropping it) would not load."""
+    hooks = _HOOKS.setdefault(accelerator, [])
+    hooks.append(hook)
+    if len(hooks) > 1:  # the first call's hooks carry every session
+        return
 
     def save(models: Any, weights: Any, output_dir: str) -> None:
-        hook.run_pending()  # a state loaded and saved again before any call
-        hook.session.close_stepped(hook.model)  # saved after the optimizer's step: the step is in it
+        for each in hooks:
+            each.run_pending()  # a state loaded and saved again before any call
+            each.session.close_stepped(each.model)  # saved after the optimizer's step: the step is in it
         on_each_node = getattr(getattr(accelerator, "project_configuration", None), "save_on_each_node", False)
         if accelerator.is_main_process or (on_each_node and accelerator.is_local_main_process):
-            atomic_write_text(os.path.join(output_dir, STATE_FILE), json.dumps(hook.session.state_dict()))
+            states = [each.session.state_dict() for each in hooks]
+            atomic_write_text(os.path.join(output_dir, STATE_FILE), json.dumps({"sessions": states}))
 
     def load(models: Any, input_dir: str) -> None:
         path = os.path.join(input_dir, STATE_FILE)
-        state = json.loads(Path(path).read_text()) if os.path.isfile(path) else None  # None: saved without cltrain
+        states = json.loads(Path(path).read_text())["sessions"] if os.path.isfile(path) else []  # saved without us
+        for i, each in enumerate(hooks):
+            state = states[i] if i < len(states) else None
 
-        def restore() -> None:  # once the optimizers are restored (after this hook), at the model's next call
-            hook.session.load_state_dict(state, model=hook.model)
-            hook.session.resume()  # the restored optimizer state takes its parameters' strides
+            def restore(each: ChannelsLastInputs = each, state: dict[str, Any] | None = state) -> None:
+                # once the optimizers are restored (after this hook), at the model's next call
+                each.session.load_state_dict(state, model=each.model)
+                each.session.resume()  # the restored optimizer state takes its parameters' strides
 
-        hook.pending.append(restore)
+            each.pending[:] = [restore]  # a second load_state replaces the first's
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

@@ -139,7 +139,7 @@ def test_a_state_saved_after_the_optimizers_step_holds_that_step_of_the_race(tmp
         optimizer.step()
         optimizer.zero_grad()
     accelerator.save_state(str(tmp_path / "state"))
-    saved = json.loads((tmp_path / "state" / "cltrain_layout.json").read_text())
+    (saved,) = json.loads((tmp_path / "state" / "cltrain_layout.json").read_text())["sessions"]
     assert [heat["position"] for heat in saved["race"]["racing"]] == [5]  # all five steps, the last one included
 
 
@@ -173,3 +173,26 @@ def test_a_state_saved_with_or_without_cltrain_loads_in_a_run_that_differs(tmp_p
     assert conv.is_contiguous(memory_format=torch.channels_last) == after
     if after:  # the restored state takes its parameter's strides (without cltrain it keeps the saved ones: harmless)
         assert optimizer.state[conv]["exp_avg"].stride() == conv.stride()
+
+
+def test_two_models_of_one_accelerator_keep_their_own_states(tmp_path):
+    # a GAN's generator and discriminator: one file held the last model's state, and each model loaded it
+    def run(resume=None):
+        accelerator = Accelerator(cpu=True)
+        made = [prepare_channels_last(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(1)), accelerator,
+                                      layout=layout) for layout in ("channels_last", "contiguous")]
+        prepared = accelerator.prepare(*made, *(torch.optim.AdamW(m.parameters()) for m in made))
+        if resume:
+            accelerator.load_state(str(resume))
+        for model in prepared[:2]:
+            model(torch.randn(2, 3, 8, 8)).square().mean().backward()
+        return accelerator, [ChannelsLastInputs.of(m).session for m in made]
+
+    accelerator, sessions = run()
+    accelerator.save_state(str(tmp_path / "state"))
+    saved = json.loads((tmp_path / "state" / "cltrain_layout.json").read_text())["sessions"]
+    assert saved == [s.state_dict() for s in sessions] and saved[0] != saved[1]
+    _, resumed = run(tmp_path / "state")
+    first, second = (s.state_dict() for s in resumed)
+    assert first["fingerprint"] == saved[0]["fingerprint"] and second == saved[1]
+    assert "the checkpoint resumed from" in first["layout_checks"]["train"]["notes"][0]  # its own verdict, not checked

@@ -85,10 +85,10 @@ def test_prepare_channels_last_keeps_the_weights_nchw_for_fsdp2(fsdp):
 
     accelerator = Accelerator(cpu=True)
     if fsdp:  # the Accelerator as it is on a GPU with FSDP2: its device and precision stay this machine's
-        accelerator = SimpleNamespace(device=accelerator.device, mixed_precision="no", log=accelerator.log,
-                                      register_save_state_pre_hook=accelerator.register_save_state_pre_hook,
-                                      register_load_state_pre_hook=accelerator.register_load_state_pre_hook,
-                                      **vars(fsdp2_state()))
+        accelerator = type("Accelerator", (SimpleNamespace,), {"__hash__": object.__hash__})(  # as the real one
+            device=accelerator.device, mixed_precision="no", log=accelerator.log,
+            register_save_state_pre_hook=accelerator.register_save_state_pre_hook,
+            register_load_state_pre_hook=accelerator.register_load_state_pre_hook, **vars(fsdp2_state()))
     model = prepare_channels_last(build("resnet"), accelerator)
     probe = Probe(model)
     with torch.no_grad():
