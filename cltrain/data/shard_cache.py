@@ -54,6 +54,7 @@ import errno
 import fcntl
 import glob
 import hashlib
+import ipaddress
 import logging
 import os
 import re
@@ -217,10 +218,23 @@ def _job(own: str) -> str:
         return f"torchelastic {env['TORCHELASTIC_RUN_ID']}"
     if env.get("MASTER_PORT") and env.get("WORLD_SIZE", "1") != "1":  # not a port exported for every job alike
         addr = env.get("MASTER_ADDR", "")
-        if addr in ("", "localhost", "::1") or addr.startswith("127."):  # a one-node job's: two nodes share it
+        if _loopback(addr):  # a one-node job's: two nodes share it
             addr = f"{this_machine()} {addr}"
         return f"ranks {addr}:{env['MASTER_PORT']}"
     return own
+
+
+def _loopback(addr: str) -> bool:
+    """Whether a master address names this machine only (``127.0.0.1``, ``localhost``, ``[::1]``, ``0.0.0.0``)."""
+    host = addr.strip().strip("[]").lower()
+    if host in ("", "localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or ip.is_unspecified or (mapped is not None and mapped.is_loopback)
 
 
 class ShardCache:

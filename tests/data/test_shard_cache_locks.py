@@ -96,6 +96,9 @@ def test_a_jobs_failure_note_is_the_same_for_all_its_processes_and_not_for_anoth
     here = early._note()
     monkeypatch.setattr(shard_cache, "this_machine", lambda: "node-2~4026531836")
     assert early._note() != here  # the same one-node torchrun on another node, a network folder between them
+    for loopback in ("LOCALHOST", "[::1]", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1", "0.0.0.0", "127.0.1.1"):
+        assert shard_cache._loopback(loopback), loopback
+    assert not any(shard_cache._loopback(a) for a in ("10.0.0.5", "node-1", "[fe80::1]"))
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
     far = early._note()
     monkeypatch.setattr(shard_cache, "this_machine", lambda: "node-3~4026531836")
