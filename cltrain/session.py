@@ -672,7 +672,9 @@ class LayoutSession:
             timed = ""
             if len(decision.seconds) == 2:
                 faster = min(decision.seconds, key=decision.seconds.__getitem__)
-                timed = f", {decision.ratio:.2f}x faster when timed" if faster == decision.layout else \
+                # a switch to NCHW was judged faster (paired steps) whatever the medians say
+                timed = f", {decision.judged or decision.ratio:.2f}x faster when timed" \
+                    if faster == decision.layout or decision.layout == "contiguous" else \
                     f", when timed within {100 * self.race.margin:.0f}% of NCHW" \
                     if decision.ratio <= 1 + self.race.margin else \
                     f", when timed NCHW {decision.ratio:.2f}x faster by the medians, too noisy to tell"

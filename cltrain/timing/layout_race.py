@@ -264,9 +264,10 @@ class LayoutRace:
         ratio = paired_log_ratio(heat.times["channels_last"], heat.times["contiguous"], around=True)
         pooled = log_ratio(cl, nchw, spread_only=heat.warm)
         log_r, t975, t999 = ratio.log, ratio.bound(0.975), ratio.bound(0.999)
-        early = rounds <= 3
+        early, lead = rounds <= 3, log_r  # the estimate the rule judged
         if log_r - t975 > 0 or early and pooled.log - self.z * pooled.width > 0 and log_r > 0:  # the default, faster
             layout, how = "channels_last", "timed"
+            lead = log_r if log_r - t975 > 0 else pooled.log
         elif log_r + ratio.bound(0.99) < -self.margin or \
                 early and pooled.log + pooled.bound(0.999) < -self.margin and log_r < -self.margin:
             layout, how = "contiguous", "timed"
@@ -280,7 +281,7 @@ class LayoutRace:
             how = "noisy"
         else:
             return None
-        return LayoutDecision(heat.key, layout, how, med, self._samples(heat), extra, math.exp(abs(log_r)))
+        return LayoutDecision(heat.key, layout, how, med, self._samples(heat), extra, math.exp(abs(lead)))
 
     @staticmethod
     def _samples(heat: _Heat) -> dict[str, int]:

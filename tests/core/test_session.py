@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -413,7 +414,11 @@ def test_a_switch_says_the_lead_the_rule_judged_not_the_medians() -> None:
                                           {"channels_last": 0.202, "contiguous": 0.2},
                                           {"channels_last": 8, "contiguous": 8}, judged=1.03)
     assert "NCHW 1.03x faster here (fp32, cpu, 8x8 px): switched" in LayoutSession().decision_line(decision)
-    assert layout_race.LayoutDecision.from_dict(decision.as_dict()).judged == 1.03
+    restored = layout_race.LayoutDecision.from_dict(decision.as_dict())
+    assert restored.judged == 1.03
+    assert "NCHW, 1.03x faster when timed" in LayoutSession().decision_line(restored)  # not the medians' 1.01x
+    restored = replace(restored, seconds={"channels_last": 0.2, "contiguous": 0.21})  # the medians the other way
+    assert "NCHW, 1.03x faster when timed" in LayoutSession().decision_line(restored)
 
 
 @pytest.mark.parametrize("seconds,how,layout,said", [
