@@ -6,9 +6,9 @@ current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnExcepti
 
 * after a batch whose optimizer stepped: with gradient accumulation, the batch that ends the accumulation (a
   half-accumulated gradient is in no checkpoint);
-* after an epoch's last batch, once its validation has begun or, where none is due, at the epoch's end (stopped
-  before, a resumed run would never validate that epoch; stopped at the next epoch's start, Lightning has begun that
-  epoch and a resumed run skips most of it);
+* after an epoch's last batch, at the epoch's end, once its validation (if due) is whole (stopped before, a resumed
+  run would never validate that epoch, or finish its validation; stopped at the next epoch's start, Lightning has
+  begun that epoch and a resumed run skips most of it), unless the run ends with that epoch anyway;
 * by Lightning's own stop (either signal sets its flag, under several ranks on every rank at the same batch), which
   comes after the batch's metrics reach the loggers.
 
@@ -245,8 +245,8 @@ class SignalStop(Callback):
                 connector.received_sigterm = True       # validated, where it is due): on every rank at this batch
                 return
             raise RunInterrupted(signum)
-        # Later: at the end of the accumulation, or after the epoch's last batch at the first validation batch or the
-        # epoch's end (stopped before the last batch counts as done, a resumed run skipped that validation).
+        # Later: at the end of the accumulation, or after the epoch's last batch at the epoch's end, its validation
+        # whole (stopped before the last batch counts as done, a resumed run skipped that validation).
         # Lightning would stop a single process at this batch's end on SIGTERM: it waits too.
         if hasattr(connector, "received_sigterm"):
             connector.received_sigterm = False
@@ -276,7 +276,15 @@ class SignalStop(Callback):
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        self._check(trainer)
+        if trainer.sanity_checking or not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._check(trainer)
+            return
+        # the epoch's validation: whole, then the stop at the epoch's end (cut, a resumed run never finished it: a
+        # checkpoint or early stop monitoring its metric went without); Lightning's own stop would cut it too
+        if self.agreed(trainer) is not None:
+            connector = getattr(trainer, "_signal_connector", None)
+            if hasattr(connector, "received_sigterm"):
+                connector.received_sigterm = False
 
 
 def _ends_here(trainer: pl.Trainer) -> bool:

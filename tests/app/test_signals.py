@@ -138,6 +138,7 @@ class _Signalling:
             def __init__(self) -> None:
                 super().__init__()
                 self.layer, self.steps, self.validated, self.trained = torch.nn.Linear(2, 1), 0, set(), []
+                self.validation_batches = []
 
             def training_step(self, batch, batch_idx):
                 if batch_idx == at:
@@ -150,6 +151,7 @@ class _Signalling:
 
             def validation_step(self, batch, batch_idx):
                 self.validated.add(self.current_epoch)
+                self.validation_batches.append((self.current_epoch, batch_idx))
 
             def on_save_checkpoint(self, checkpoint) -> None:
                 if during_save:
@@ -216,6 +218,8 @@ def test_a_stop_at_an_epochs_last_batch_leaves_that_epochs_validation_to_no_one(
     assert stopped is not None and stopped_module.steps == 8
     _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=2)
     assert stopped_module.validated | resumed_module.validated == {0, 1}
+    # epoch 0's validation whole before the stop: a cut one was not finished by the resumed run
+    assert stopped_module.validation_batches == [(0, 0), (0, 1)] and resumed_module.trained[0] == (1, 0)
 
 
 @pytest.mark.parametrize("validation", [{"limit_val_batches": 0}, {"check_val_every_n_epoch": 2}],
