@@ -239,17 +239,15 @@ class SignalStop(Callback):
         if signum is None:
             return
         stepped = self._stepped or trainer.accumulate_grad_batches == 1  # not in the middle of an accumulation
-        connector = getattr(trainer, "_signal_connector", None)
         if stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            if hasattr(connector, "received_sigterm"):  # Lightning's own stop, once this batch is logged (and
-                connector.received_sigterm = True       # validated, where it is due): on every rank at this batch
-                return
-            raise RunInterrupted(signum)
+            # Lightning's own stop, once this batch is logged (and validated, where it is due): every rank, this batch
+            if not _lightning_stop(trainer, True):
+                raise RunInterrupted(signum)
+            return
         # Later: at the end of the accumulation, or after the epoch's last batch at the epoch's end, its validation
         # whole (stopped before the last batch counts as done, a resumed run skipped that validation).
         # Lightning would stop a single process at this batch's end on SIGTERM: it waits too.
-        if hasattr(connector, "received_sigterm"):
-            connector.received_sigterm = False
+        _lightning_stop(trainer, False)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -261,10 +259,8 @@ class SignalStop(Callback):
         signum = self.agreed(trainer)
         if signum is None or _ends_here(trainer):  # a run ending with this epoch ends as it would have
             return
-        connector = getattr(trainer, "_signal_connector", None)
-        if not hasattr(connector, "received_sigterm"):
+        if not _lightning_stop(trainer, True):  # Lightning's own stop, once the epoch counts as done (every rank)
             raise RunInterrupted(signum)
-        connector.received_sigterm = True  # Lightning's own stop, once the epoch counts as done (on every rank)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -282,9 +278,17 @@ class SignalStop(Callback):
         # the epoch's validation: whole, then the stop at the epoch's end (cut, a resumed run never finished it: a
         # checkpoint or early stop monitoring its metric went without); Lightning's own stop would cut it too
         if self.agreed(trainer) is not None:
-            connector = getattr(trainer, "_signal_connector", None)
-            if hasattr(connector, "received_sigterm"):
-                connector.received_sigterm = False
+            _lightning_stop(trainer, False)
+
+
+def _lightning_stop(trainer: pl.Trainer, on: bool) -> bool:
+    """Set Lightning's own SIGTERM stop (it stops the fit at the next batch or epoch end it checks); ``False`` where
+    this Lightning has none."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if not hasattr(connector, "received_sigterm"):
+        return False
+    connector.received_sigterm = on
+    return True
 
 
 def _ends_here(trainer: pl.Trainer) -> bool:
