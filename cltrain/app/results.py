@@ -81,14 +81,15 @@ def resume_command(run_dir: Path) -> str:
     return _command(_resume_args(run_dir))
 
 
-def resume_line(run_dir: Path) -> str:
-    """``resume with: <command>``, after a word on the secrets left out of the command where there were any."""
-    args = _resume_args(run_dir)
+def resume_line(run_dir: Path, evaluate: bool = False) -> str:
+    """``resume with: <command>`` (``evaluate``: ``validate it with:`` the command with ``evaluate_only=true``, for
+    a run that has nothing left to train), after a word on the secrets left out of the command where there were any."""
+    args = _resume_args(run_dir) + (["evaluate_only=true"] if evaluate else [])
     left_out = any(redact(a) != a for a in args)
     started_by = launcher()  # the command alone would start one rank, which waits for the others
     return ("the secrets shown as *** are left out of this command: put them back, then " if left_out else "") + \
         (f"start the ranks with {started_by} as before, on every node, each to " if started_by else "") + \
-        f"resume with: {_command(args)}"
+        f"{'validate it' if evaluate else 'resume'} with: {_command(args)}"
 
 
 def _command(args: list[str]) -> str:
@@ -99,7 +100,7 @@ def _resume_args(run_dir: Path) -> list[str]:
     overrides: list[str] = []
     if HydraConfig.initialized():  # as typed: they parsed once, so they parse again
         overrides = [o for o in HydraConfig.get().overrides.task
-                     if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "run_dir")]
+                     if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "run_dir", "evaluate_only")]
     # the console script (cltrain-train) has no train.py of its own to run
     script = ["python", sys.argv[0]] if sys.argv and sys.argv[0].endswith(".py") else ["cltrain-train"]
     return [*script, *overrides, f"ckpt_path={_hydra_value(str(run_dir / 'checkpoints' / 'last.ckpt'))}"]

@@ -292,11 +292,16 @@ def _lightning_stop(trainer: pl.Trainer, on: bool) -> bool:
 
 
 def _ends_here(trainer: pl.Trainer) -> bool:
-    """The fit ends after this epoch anyway: ``max_epochs`` or ``max_steps`` reached, or a stop asked for (as
-    Lightning's fit loop judges it; the epoch is counted as processed before ``on_train_epoch_end``)."""
+    """The fit ends after this epoch anyway: its limits reached (``trained_out``) or a stop asked for (as Lightning's
+    fit loop judges it; the epoch is counted as processed before ``on_train_epoch_end``)."""
+    return bool(trainer.should_stop) or trained_out(trainer)
+
+
+def trained_out(trainer: pl.Trainer) -> bool:
+    """The fit has trained all it was to: ``max_epochs`` epochs or ``max_steps`` steps."""
     loop = trainer.fit_loop
     counts = ((loop.epoch_progress.current.processed, loop.max_epochs), (trainer.global_step, loop.max_steps))
-    return bool(trainer.should_stop) or any(limit not in (None, -1) and count >= limit for count, limit in counts)
+    return any(limit not in (None, -1) and count >= limit for count, limit in counts)
 
 
 class _Deferred:

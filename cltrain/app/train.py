@@ -46,7 +46,7 @@ from cltrain.app.models import build_classifier, check_input_size
 from cltrain.app.prepare import apply_cuda_math, build_lightning_module, prepare_model
 from cltrain.app.results import RunResults, resume_command, resume_line, summary_line
 from cltrain.app.rundir import run_dir_of
-from cltrain.app.signals import RunInterrupted, SignalStop, lost_peer, peer_exit_status
+from cltrain.app.signals import RunInterrupted, SignalStop, lost_peer, peer_exit_status, trained_out
 from cltrain.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["build_datamodule", "resume_command", "train", "trainer_error"]
@@ -137,8 +137,13 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                            if cfg.optim.scale_lr else f"cltrain: lr {lr:.4g}")
             with stop.deferred():
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-            if stop.agreed(trainer) is not None or trainer.received_sigterm:  # a signal after the last agreement
-                raise RunInterrupted(stop.signum or signal.SIGTERM)
+            signum = stop.agreed(trainer) or (signal.SIGTERM if trainer.received_sigterm else None)
+            if signum is not None:  # (received_sigterm: a signal after the last agreement)
+                if not trained_out(trainer) or run.progress.last_val_step != trainer.global_step:
+                    raise RunInterrupted(signum)  # trained out: the final validation is left to do, not started
+                # a resume would have nothing to train (refused): the run ends as it would have, 0 its exit status
+                rank_zero_info(f"cltrain: {signal.Signals(signum).name} came after the last training step and its "
+                               "validation; the run ends as it would have")
             if run.progress.last_val_step != trainer.global_step:  # the final model has not been validated yet
                 trainer.validate(module, datamodule=datamodule, verbose=False)
     except Exception as err:
@@ -207,9 +212,15 @@ def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: 
                 logger.finalize("KILLED")
     if trainer.is_global_zero:
         last = metrics.get("last_checkpoint")
-        how = resume_line(run_dir) if last else "no checkpoint was written " + (
-            "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
-        if at_once and last:  # the command last: a line copied to its end runs
+        trained = bool(last) and trained_out(trainer)  # a resume would have nothing to train (refused)
+        if not last:
+            how = "no checkpoint was written " + (
+                "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
+        elif trained:
+            how = f"its training is complete; the final validation was not run: {resume_line(run_dir, evaluate=True)}"
+        else:
+            how = resume_line(run_dir)
+        if at_once and last and not trained:  # the command last: a line copied to its end runs
             how = f"a second signal stopped it in the middle of a step (its last.ckpt is the latest whole state, " \
                   f"written before); {how}"
         print(f"\ncltrain: interrupted by {signal.Signals(signum).name} at step {trainer.global_step}; {how}",

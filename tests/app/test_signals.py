@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -239,6 +240,43 @@ def test_a_signal_in_the_last_epochs_last_batch_lets_the_run_end_as_it_would(tmp
     module = _Signalling(at=7)
     trainer, stopped = _fit_stopped(module, tmp_path, stops=False, max_epochs=1, limit_val_batches=0)
     assert stopped is None and trainer.current_epoch == 1 and module.steps == 8
+
+
+def _signalled_at_the_last_step(demo_args: list[str], tmp_path: Path, *overrides: str, steps: int = 4) -> Any:
+    """train.py's ``train`` (``steps`` steps; four, one epoch) with SIGTERM as its last step starts: its metrics, or
+    its ``SystemExit``."""
+    from cltrain.app.cli import compose_config
+    from cltrain.app.train import train
+    from tests.helpers import SMOKE
+
+    cfg = compose_config([*SMOKE, *demo_args, "device=cpu", f"run_dir={tmp_path / 'run'}", "amp=false",
+                          "trainer.enable_progress_bar=false", f"trainer.max_steps={steps}",
+                          "+callbacks.stop._target_=tests.helpers.signals.SignalAtStep",
+                          f"+callbacks.stop.step={steps - 1}", *overrides])
+    try:
+        return train(cfg)
+    except SystemExit as stopped:
+        return stopped
+
+
+def test_a_signal_at_the_last_step_ends_the_run_as_it_would_have(demo_args, tmp_path: Path, capfd, caplog) -> None:
+    # its validation done at the epoch's end: a resume line would have nothing to train (refused)
+    metrics = _signalled_at_the_last_step(demo_args, tmp_path)
+    assert isinstance(metrics, dict), metrics
+    assert metrics["status"] == "completed" and metrics["global_step"] == 4 and metrics["val_top1"] is not None
+    said = "".join(capfd.readouterr()) + caplog.text  # Lightning's rank-zero logger: a handler of the app's or pytest's
+    assert "SIGTERM came after the last training step and its validation" in said
+
+
+def test_a_signal_at_the_last_step_before_the_final_validation_prints_the_command_that_validates(
+        demo_args: list[str], tmp_path: Path, capfd) -> None:
+    # trained out in the middle of an epoch (max_steps): the final validation is left to do
+    stopped = _signalled_at_the_last_step(demo_args, tmp_path, steps=3)
+    assert isinstance(stopped, SystemExit) and stopped.code == 143
+    err = capfd.readouterr().err
+    assert "its training is complete; the final validation was not run: validate it with: " in err
+    assert err.rstrip().endswith("evaluate_only=true")
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
 def test_a_stopped_runs_last_step_reaches_its_logger(tmp_path: Path) -> None:
