@@ -9,6 +9,9 @@ current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnExcepti
 * after an epoch's last batch, at the epoch's end, once its validation (if due) is whole (stopped before, a resumed
   run would never validate that epoch, or finish its validation; stopped at the next epoch's start, Lightning has
   begun that epoch and a resumed run skips most of it), unless the run ends with that epoch anyway;
+* after a validation in the middle of an epoch (``val_check_interval``), due after the batch or under way when the
+  signal came, once it is whole (cut, a resumed run goes on with the next batch and never finishes it);
+* not at all where the fit has trained all it was to (``trained_out``): it ends as it would have;
 * by Lightning's own stop (either signal sets its flag, under several ranks on every rank at the same batch), which
   comes after the batch's metrics reach the loggers.
 
@@ -239,13 +242,14 @@ class SignalStop(Callback):
         if signum is None:
             return
         stepped = self._stepped or trainer.accumulate_grad_batches == 1  # not in the middle of an accumulation
-        if stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and not trained_out(trainer):
             # Lightning's own stop, once this batch is logged (and validated, where it is due): every rank, this batch
             if not _lightning_stop(trainer, True):
                 raise RunInterrupted(signum)
             return
         # Later: at the end of the accumulation, or after the epoch's last batch at the epoch's end, its validation
-        # whole (stopped before the last batch counts as done, a resumed run skipped that validation).
+        # whole (stopped before the last batch counts as done, a resumed run skipped that validation); or the fit
+        # ends here, trained out (``max_steps``), as it would have.
         # Lightning would stop a single process at this batch's end on SIGTERM: it waits too.
         _lightning_stop(trainer, False)
 
@@ -269,16 +273,26 @@ class SignalStop(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._fetching = time.monotonic()
+        if trainer.sanity_checking or not _fitting(trainer) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return  # the epoch's validation: the stop comes at the epoch's end
+        signum = self.agreed(trainer)  # in the middle of the epoch: the stop after its batch, the validation whole
+        if signum is not None and not _lightning_stop(trainer, True):
+            raise RunInterrupted(signum)
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if trainer.sanity_checking or not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if trainer.sanity_checking or not _fitting(trainer):
             self._check(trainer)
             return
-        # the epoch's validation: whole, then the stop at the epoch's end (cut, a resumed run never finished it: a
-        # checkpoint or early stop monitoring its metric went without); Lightning's own stop would cut it too
+        # a validation of the fit: whole, then the stop (cut, a resumed run never finished it: a checkpoint or early
+        # stop monitoring its metric went without); Lightning's own stop would cut it too
         if self.agreed(trainer) is not None:
             _lightning_stop(trainer, False)
+
+
+def _fitting(trainer: pl.Trainer) -> bool:
+    """Inside ``trainer.fit`` (its validations too), not ``trainer.validate``."""
+    return trainer.state.fn == "fit"
 
 
 def _lightning_stop(trainer: pl.Trainer, on: bool) -> bool:

@@ -129,10 +129,12 @@ def test_a_second_signal_that_stops_a_step_in_the_middle_writes_no_checkpoint(tm
 
 
 class _Signalling:
-    """A LightningModule that sends this process ``signum`` at the start of training step ``at`` and, with
-    ``during_save``, once more while its checkpoint is being saved."""
+    """A LightningModule that sends this process ``signum`` at the start of training step ``at`` (or of the
+    validation step ``validating_at``, an (epoch, batch) pair) and, with ``during_save``, once more while its checkpoint
+    is being saved."""
 
-    def __new__(cls, at: int, signum: int = signal.SIGTERM, during_save: bool = False):
+    def __new__(cls, at: int, signum: int = signal.SIGTERM, during_save: bool = False,
+                validating_at: tuple[int, int] | None = None):
         import lightning.pytorch as pl
 
         class Module(pl.LightningModule):
@@ -151,6 +153,8 @@ class _Signalling:
                 return loss
 
             def validation_step(self, batch, batch_idx):
+                if (self.current_epoch, batch_idx) == validating_at and len(self.validation_batches) % 2 == 0:
+                    os.kill(os.getpid(), signum)  # (the first of the epoch's two validations)
                 self.validated.add(self.current_epoch)
                 self.validation_batches.append((self.current_epoch, batch_idx))
 
@@ -223,6 +227,20 @@ def test_a_stop_at_an_epochs_last_batch_leaves_that_epochs_validation_to_no_one(
     assert stopped_module.validation_batches == [(0, 0), (0, 1)] and resumed_module.trained[0] == (1, 0)
 
 
+@pytest.mark.parametrize("signalled", ["step", "validation"])
+def test_a_stop_at_a_validation_in_the_middle_of_an_epoch_waits_for_it_whole(tmp_path: Path, signalled: str) -> None:
+    # SIGTERM during the batch that the validation after batch 3 follows, or during that validation: cut, its
+    # metric went to no checkpoint (a resumed run goes on with batch 4)
+    at = {"step": {"at": 3}, "validation": {"at": -1, "validating_at": (0, 0)}}[signalled]
+    stopped_module, resumed_module = _Signalling(**at), _Signalling(at=-1)
+    trainer, stopped = _fit_stopped(stopped_module, tmp_path, max_epochs=1, val_check_interval=4)
+    assert stopped is not None and stopped_module.trained == [(0, i) for i in range(4)]
+    assert stopped_module.validation_batches == [(0, 0), (0, 1)]
+    _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=1, val_check_interval=4)
+    assert resumed_module.trained == [(0, i) for i in range(4, 8)] and resumed_module.validation_batches == [(0, 0),
+                                                                                                          (0, 1)]
+
+
 @pytest.mark.parametrize("validation", [{"limit_val_batches": 0}, {"check_val_every_n_epoch": 2}],
                          ids=["no-validation", "not-this-epoch"])
 def test_a_stop_at_an_epochs_last_batch_without_its_validation_resumes_with_the_next_epoch_whole(
@@ -235,11 +253,12 @@ def test_a_stop_at_an_epochs_last_batch_without_its_validation_resumes_with_the_
     assert resumed_module.trained == [(e, i) for e in (1, 2) for i in range(8)]
 
 
-def test_a_signal_in_the_last_epochs_last_batch_lets_the_run_end_as_it_would(tmp_path: Path) -> None:
-    # stopped at that epoch's end, its last.ckpt held every epoch: a resume line with nothing left to train
-    module = _Signalling(at=7)
-    trainer, stopped = _fit_stopped(module, tmp_path, stops=False, max_epochs=1, limit_val_batches=0)
-    assert stopped is None and trainer.current_epoch == 1 and module.steps == 8
+@pytest.mark.parametrize("limit", [{"max_epochs": 1}, {"max_steps": 6, "max_epochs": 3}], ids=["epochs", "steps"])
+def test_a_signal_in_the_last_step_lets_the_run_end_as_it_would(tmp_path: Path, limit: dict) -> None:
+    # stopped at that epoch's end, its last.ckpt held every step: a resume line with nothing left to train
+    module = _Signalling(at=limit.get("max_steps", 8) - 1)
+    trainer, stopped = _fit_stopped(module, tmp_path, stops=False, limit_val_batches=0, **limit)
+    assert stopped is None and module.steps == limit.get("max_steps", 8)
 
 
 def _signalled_at_the_last_step(demo_args: list[str], tmp_path: Path, *overrides: str, steps: int = 4) -> Any:
