@@ -139,9 +139,12 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
             signum = stop.agreed(trainer) or (signal.SIGTERM if trainer.received_sigterm else None)
             if signum is not None:  # (received_sigterm: a signal after the last agreement)
-                if not trained_out(trainer) or run.progress.last_val_step != trainer.global_step:
-                    raise RunInterrupted(signum)  # trained out: the final validation is left to do, not started
-                # a resume would have nothing to train (refused): the run ends as it would have, 0 its exit status
+                # trained out, or stopped by its own stop (an early stop, the user's code)
+                ended = trained_out(trainer) or trainer.should_stop
+                if not ended or run.progress.last_val_step != trainer.global_step:
+                    raise RunInterrupted(signum)  # ended: the final validation is left to do, not started
+                # a resume would have nothing to train (refused) or train past the stop: the run ends as it would
+                # have, 0 its exit status
                 rank_zero_info(f"cltrain: {signal.Signals(signum).name} came after the last training step and its "
                                "validation; the run ends as it would have")
             if run.progress.last_val_step != trainer.global_step:  # the final model has not been validated yet

@@ -261,15 +261,16 @@ def test_a_signal_in_the_last_step_lets_the_run_end_as_it_would(tmp_path: Path, 
     assert stopped is None and module.steps == limit.get("max_steps", 8)
 
 
-def _signalled_at_the_last_step(demo_args: list[str], tmp_path: Path, *overrides: str, steps: int = 4) -> Any:
-    """train.py's ``train`` (``steps`` steps; four, one epoch) with SIGTERM as its last step starts: its metrics, or
-    its ``SystemExit``."""
+def _signalled_at_the_last_step(demo_args: list[str], tmp_path: Path, *overrides: str, steps: int = 4,
+                                limit: str = "max_steps") -> Any:
+    """train.py's ``train`` with SIGTERM as its step ``steps`` starts (the last under ``max_steps``; the demo's epoch
+    has four steps): its metrics, or its ``SystemExit``."""
     from cltrain.app.cli import compose_config
     from cltrain.app.train import train
     from tests.helpers import SMOKE
 
     cfg = compose_config([*SMOKE, *demo_args, "device=cpu", f"run_dir={tmp_path / 'run'}", "amp=false",
-                          "trainer.enable_progress_bar=false", f"trainer.max_steps={steps}",
+                          "trainer.enable_progress_bar=false", f"trainer.{limit}={steps}",
                           "+callbacks.stop._target_=tests.helpers.signals.SignalAtStep",
                           f"+callbacks.stop.step={steps - 1}", *overrides])
     try:
@@ -278,9 +279,15 @@ def _signalled_at_the_last_step(demo_args: list[str], tmp_path: Path, *overrides
         return stopped
 
 
-def test_a_signal_at_the_last_step_ends_the_run_as_it_would_have(demo_args, tmp_path: Path, capfd, caplog) -> None:
-    # its validation done at the epoch's end: a resume line would have nothing to train (refused)
-    metrics = _signalled_at_the_last_step(demo_args, tmp_path)
+@pytest.mark.parametrize("end", ["trained-out", "early-stop"])
+def test_a_signal_at_the_last_step_ends_the_run_as_it_would_have(demo_args, tmp_path: Path, capfd, caplog,
+                                                                 end: str) -> None:
+    # its validation done at the epoch's end: a resume line would have nothing to train (refused), or would train on
+    # past the early stop
+    early = ["callbacks=[default,early_stopping]", "+callbacks.early_stopping.stopping_threshold=0",
+             "trainer.max_epochs=3"]  # the app's early stop, after the epoch's validation
+    metrics = _signalled_at_the_last_step(demo_args, tmp_path, *(early if end == "early-stop" else []),
+                                          limit="max_steps" if end == "trained-out" else "limit_train_batches")
     assert isinstance(metrics, dict), metrics
     assert metrics["status"] == "completed" and metrics["global_step"] == 4 and metrics["val_top1"] is not None
     said = "".join(capfd.readouterr()) + caplog.text  # Lightning's rank-zero logger: a handler of the app's or pytest's
