@@ -52,13 +52,11 @@ from cltrain.atomic import atomic_open
 from cltrain.data.bad_samples import unreadable
 from cltrain.data.constants import CHECK_MODES
 from cltrain.data.crop_kernels import check_pixels
-from cltrain.data.decoders import DECODER_NAMES, Decoder, get_decoder
+from cltrain.data.decoders import DECODER_NAMES, Decoder, get_decoder, jpeg_ends
 from cltrain.data.index import index_split
 from cltrain.data.remote import is_url, redact
 
 __all__ = ["CHECK_MODES", "check_bytes", "check_file", "check_files", "main"]
-
-_TAIL = 4096  # bytes at the end of a JPEG searched first for its end-of-image marker (``_jpeg_ends``)
 
 # A full decode costs about ten times the quick check (docs/guides/data.md), so setup runs the quick one.
 
@@ -94,50 +92,11 @@ def _check_stream(f: BinaryIO, size: int, full: bool, backend: Decoder | None) -
             fmt = img.format
             if fmt == "PNG":
                 img.verify()
-        if fmt in ("JPEG", "MPO") and not _jpeg_ends(f, size):
+        if fmt in ("JPEG", "MPO") and not jpeg_ends(f, size):
             return "JPEG without its end-of-image marker (truncated?)"
         return None
     except Exception as err:  # any failure to parse or decode this one file
         return unreadable(err)
-
-
-def _jpeg_ends(f: BinaryIO, size: int) -> bool:
-    """Whether the JPEG in ``f`` has its own end-of-image marker: one after the start of its first scan. The marker
-    segments before the scan are stepped over whole (a camera's EXIF segment holds a preview JPEG, with its own end
-    marker); the file's last ``_TAIL`` bytes are searched first, and the rest of the scan only where they hold none
-    (data after the image: a Motion Photo's video)."""
-    f.seek(0)
-    if f.read(2) != b"\xff\xd8":
-        return False
-    at = 2
-    while True:  # the segments up to the first scan (SOS)
-        f.seek(at)
-        head = f.read(4)
-        if len(head) < 2 or head[0] != 0xFF:
-            return False
-        if head[1] == 0xFF:  # a fill byte before a marker
-            at += 1
-            continue
-        if head[1] == 0xDA:
-            break
-        if head[1] == 0xD9:  # the end before any scan
-            return False
-        if 0xD0 <= head[1] <= 0xD8 or head[1] == 0x01:  # markers without a length
-            at += 2
-            continue
-        if len(head) < 4:
-            return False
-        at += 2 + int.from_bytes(head[2:4], "big")
-    f.seek(max(at, size - _TAIL))
-    if b"\xff\xd9" in f.read():
-        return True
-    f.seek(at)
-    last = b""
-    while chunk := f.read(1 << 20):
-        if b"\xff\xd9" in last + chunk:
-            return True
-        last = chunk[-1:]
-    return False
 
 
 def _decodes(backend: Decoder, data: bytes) -> bool:

@@ -29,11 +29,11 @@ Example::
 from __future__ import annotations
 
 import importlib
-from typing import Any, NamedTuple, Protocol
+from typing import Any, BinaryIO, NamedTuple, Protocol
 
 import numpy as np
 
-__all__ = ["BACKENDS", "DECODER_NAMES", "Decoder", "JpegHeader", "get_decoder"]
+__all__ = ["BACKENDS", "DECODER_NAMES", "Decoder", "JpegHeader", "get_decoder", "jpeg_ends"]
 
 #: name -> "module:Class" of each back end, in the order ``"auto"`` tries them.
 BACKENDS = {
@@ -103,3 +103,46 @@ def get_decoder(name: str = "auto") -> Decoder | None:
             raise ValueError(f"decoder={name!r} is not installed here ({found.install}); use decoder='auto'.")
     _INSTANCES[name] = found
     return found
+
+
+_TAIL = 4096  # bytes at the end of a JPEG searched first for its end-of-image marker (``jpeg_ends``)
+
+
+def jpeg_ends(f: BinaryIO, size: int) -> bool:
+    """Whether the JPEG in ``f`` has its own end-of-image marker: one after the start of its first scan. The marker
+    segments before the scan are stepped over whole (a camera's EXIF segment holds a preview JPEG, with its own end
+    marker); the file's last ``_TAIL`` bytes are searched first, and the rest of the scan only where they hold none
+    (data after the image: a Motion Photo's video). A truncated file has none; a region back end, which stops after
+    the box's last row, would not find that out (``cltrain-data-check``'s quick check reads this too)."""
+    f.seek(0)
+    if f.read(2) != b"\xff\xd8":
+        return False
+    at = 2
+    while True:  # the segments up to the first scan (SOS)
+        f.seek(at)
+        head = f.read(4)
+        if len(head) < 2 or head[0] != 0xFF:
+            return False
+        if head[1] == 0xFF:  # a fill byte before a marker
+            at += 1
+            continue
+        if head[1] == 0xDA:
+            break
+        if head[1] == 0xD9:  # the end before any scan
+            return False
+        if 0xD0 <= head[1] <= 0xD8 or head[1] == 0x01:  # markers without a length
+            at += 2
+            continue
+        if len(head) < 4:
+            return False
+        at += 2 + int.from_bytes(head[2:4], "big")
+    f.seek(max(at, size - _TAIL))
+    if b"\xff\xd9" in f.read():
+        return True
+    f.seek(at)
+    last = b""
+    while chunk := f.read(1 << 20):
+        if b"\xff\xd9" in last + chunk:
+            return True
+        last = chunk[-1:]
+    return False

@@ -2,15 +2,18 @@
 
 The ctypes binding is ``cltrain.data.decoders.jpeg_roi``; this adds the one-pixel margin that makes a
 region's pixels equal the whole image's (libjpeg's smooth chroma upsampling of 4:2:0/4:2:2 reads
-the neighbouring sample, which a region's edge lacks).
+the neighbouring sample, which a region's edge lacks), and refuses a JPEG without its end-of-image marker when the
+region stops above the last row: libjpeg stops there too and never reaches a truncated file's cut, so a partial
+download decoded for some crops and was refused for others (``bad_files`` acted at random).
 """
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 
-from cltrain.data.decoders import jpeg_roi
-from cltrain.data.decoders import JpegHeader
+from cltrain.data.decoders import JpegHeader, jpeg_ends, jpeg_roi
 
 __all__ = ["TurboJpegRegion"]
 
@@ -36,5 +39,8 @@ class TurboJpegRegion:
         width, height = -(-header.width // factor), -(-header.height // factor)
         left, top, right, bottom = box if box is not None else (0, 0, width, height)
         outer = (max(left - 1, 0), max(top - 1, 0), min(right + 1, width), min(bottom + 1, height))
+        # (most files end with the marker: one slice; a cut at an EXIF preview's own marker leaves no main header)
+        if outer[3] < height and not data.endswith(b"\xff\xd9") and not jpeg_ends(io.BytesIO(data), len(data)):
+            raise jpeg_roi.JpegRegionError("JPEG without its end-of-image marker (truncated?)")
         arr = jpeg_roi.decode_region(data, outer, factor, channels, header.detail, buffer)
         return arr[top - outer[1]:bottom - outer[1], left - outer[0]:right - outer[0]]
