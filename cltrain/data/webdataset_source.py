@@ -26,6 +26,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from cltrain.data.bad_samples import NamedSplit, SkipsBadSamples, unreadable
+from cltrain.data.constants import IMG_EXTENSIONS
 from cltrain.data.errors import BadImageError, DataError, LabelFault, StorageError
 from cltrain.data.remote import is_url, open_fs, redact, remote_error
 from cltrain.data.resume_state import SeededIndex
@@ -34,8 +35,9 @@ from cltrain.data.stream_place import row_seed
 
 __all__ = ["IMAGE_KEYS", "WebDatasetImages", "list_shards"]
 
-#: The sample fields read as the image, first found first.
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+#: The sample fields read as the image, first found first (any case): the image folder's suffixes, which
+#: ``cltrain-pack`` keeps as each file's field.
+IMAGE_KEYS = tuple(ext.lstrip(".") for ext in IMG_EXTENSIONS)
 
 
 def list_shards(root: str, split: str) -> list[str]:
@@ -113,7 +115,8 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
 
     def _load(self, shard: str, place: int, sample: dict) -> tuple[Any, int]:
         try:
-            data = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+            fields = {k.lower(): k for k in sample}
+            data = next((sample[fields[k]] for k in IMAGE_KEYS if k in fields), None)
             if data is None:
                 raise ValueError(f"no image field ({', '.join(IMAGE_KEYS)}) among {sorted(k for k in sample if not k.startswith('_'))}")
             label = int(bytes(sample["cls"]).decode().strip()) if "cls" in sample else None

@@ -288,6 +288,32 @@ def _local_wds(root: Path, images: list[bytes]) -> Path:
     return root
 
 
+def test_a_webdataset_sample_under_any_of_the_folders_image_suffixes_is_read(folder, tmp_path):
+    # cltrain-pack keeps each file's suffix as its field: a BMP, TIFF or PPM was "no image field" (a skip put the
+    # sample before it in its place)
+    import io
+
+    from PIL import Image
+
+    from cltrain.data import eval_transform
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    wds = pytest.importorskip("webdataset")
+    (tmp_path / "w" / "train").mkdir(parents=True)
+    photo = sorted((folder / "train").rglob("*.jpg"))[0]
+    files = []
+    with wds.TarWriter(str(tmp_path / "w" / "train" / "shard-0000.tar")) as sink:
+        for k, (field, fmt) in enumerate({"bmp": "BMP", "TIF": "TIFF", "ppm": "PPM", "png": "PNG"}.items()):
+            data = io.BytesIO()
+            Image.open(photo).save(data, fmt)
+            files.append(data.getvalue())
+            sink.write({"__key__": f"s{k}", field: files[-1], "cls": str(k).encode()})
+    tf = eval_transform(24, 28)
+    samples = list(WebDatasetImages(str(tmp_path / "w"), "train", tf, shuffle_buffer=None))
+    assert sorted(int(y) for _, y in samples) == [0, 1, 2, 3]
+    assert all(np.array_equal(x, tf(files[int(y)])) for x, y in samples)  # as the folder decodes the file
+
+
 def test_a_label_of_no_class_is_a_bad_sample_named_by_its_key(folder, tmp_path):
     from cltrain.data.datamodules.engines import WebDatasetModule
     from cltrain.data.errors import BadImageError
