@@ -209,12 +209,12 @@ class HFStreamingDataset(_Split, SkipsBadSamples, IterableDataset):
                 yield mine[0], j + 1, mine[2], mine[3]
 
     def _load(self, item: tuple[int, int, str, Mapping[str, Any]]) -> tuple[Any, int]:
-        name, row = item[2], item[3]
+        name, row, data = item[2], item[3], None
         try:
             data, target = row_source(row, self.image_column, self.label_column)
             return self.transform(data), target
         except Exception as err:  # any failure of this one row
-            reason = unreadable(err)
+            reason = unreadable(err, data if isinstance(data, str) else None)  # a path: an empty file said so
             raise BadImageError(self._unreadable(name, reason), reason) from err
 
     def __iter__(self) -> Iterator[tuple[Any, int]]:

@@ -93,17 +93,25 @@ def test_a_bad_validation_row_counts_as_the_validation_splits(tmp_path):
     assert trainer.callback_metrics["data/skipped_val"] == 1 and trainer.callback_metrics["data/skipped_train"] == 0
 
 
-def test_a_row_whose_empty_image_datasets_stored_as_no_bytes_is_said_as_such(tmp_path, monkeypatch):
-    # datasets keeps an empty file's bytes as none and its bare name as the path: the reason was a FileNotFoundError
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_row_whose_empty_image_datasets_stored_as_no_bytes_is_said_as_such(tmp_path, monkeypatch, streaming):
+    # datasets keeps an empty file's bytes as none and its bare name as the path (to_parquet of an imagefolder
+    # keeps the path alone): the reason was a FileNotFoundError, or Pillow's "cannot identify image file" streamed
     from datasets import ClassLabel, Dataset, Features, Image as HFImage
 
-    from cltrain.data.hf_dataset import HFImageDataset
+    from cltrain.data.hf_dataset import HFImageDataset, HFStreamingDataset
 
     cells, labels = image_rows(2, 2)
-    cells[1] = {"bytes": b"", "path": "zero.jpg"}
+    cells[1] = {"bytes": None if streaming else b"", "path": "zero.jpg"}
     dataset = Dataset.from_dict({"image": cells, "label": labels}, features=Features(
         {"image": HFImage(decode=False), "label": ClassLabel(names=NAMES[:2])}))
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "zero.jpg").write_bytes(b"")
+    if streaming:
+        rows = list(HFStreamingDataset(dataset.to_iterable_dataset(), eval_transform(32, 36), split="train",
+                                       bad_files="skip", skip_log=tmp_path / "skipped.tsv"))
+        assert rows and (tmp_path / "skipped.tsv").read_text().rstrip().endswith("\tempty file (0 bytes)")
+        return
     rows = HFImageDataset(dataset, eval_transform(32, 36), split="train")
     assert rows[0][0].shape == (32, 32, 3)
     with pytest.raises(BadImageError, match=r"row 1 \(zero\.jpg\): .*(\(empty file \(0 bytes\)\)|"
