@@ -103,6 +103,11 @@ class MDSImages(NamedSplit, ImageSamples):
         columns = dict(zip(first["column_names"], first["column_encodings"]))
         self.image_key = image_key or next((c for c, e in columns.items() if e in IMAGE_ENCODINGS), None)
         self.label_key = label_key or next((c for c, e in columns.items() if e in INT_ENCODINGS), None)
+        pixels = self.image_key or next((c for c, e in columns.items() if e == "pil"), None)  # Mosaic's decoded image
+        if pixels in columns and columns[pixels] not in IMAGE_ENCODINGS:
+            raise DataError(f"{redact(join(self.root, split))}: its column {pixels!r} holds {columns[pixels]!r} "
+                            f"({'decoded pixels' if columns[pixels] == 'pil' else 'no image file'}), not an image "
+                            "file's bytes; write the files' bytes (a 'jpeg', 'png' or 'bytes' column) with MDSWriter.")
         if self.image_key not in columns or self.label_key not in columns:
             raise DataError(f"{redact(join(self.root, split))}: no {'image' if self.image_key not in columns else 'integer label'} "
                             f"column among {columns}; pass image_key=<column> and label_key=<column>.")

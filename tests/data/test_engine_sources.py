@@ -372,6 +372,28 @@ def mds_url(folder: Path, server: S3Server, tmp_path_factory: pytest.TempPathFac
     return server.upload(out, "bucket", "mds")
 
 
+@pytest.mark.parametrize("image_key", [None, "pixels"])
+def test_an_mds_column_of_decoded_pixels_is_one_line_saying_so(folder, tmp_path, image_key):
+    # Mosaic's "pil" encoding: "no image column ...; pass image_key=<column>", and with it every sample unreadable
+    streaming = pytest.importorskip("streaming", reason="the MDS source needs mosaicml-streaming (the mds extra)")
+    from PIL import Image
+
+    from cltrain.data import eval_transform
+    from cltrain.data.mds_source import MDSImages
+
+    photo = sorted((folder / "val").rglob("*.jpg"))[0]
+    for columns in ({"pixels": "pil", "class": "int"}, {"pixels": "pil", "image": "jpeg", "class": "int"}):
+        out = tmp_path / str(len(columns)) / "val"
+        with streaming.MDSWriter(out=str(out), columns=columns) as sink:
+            sink.write({c: Image.open(photo) if c != "class" else 0 for c in columns})
+        if "image" in columns and image_key is None:  # the file's bytes beside: that column is read
+            assert MDSImages(out.parent, "val", eval_transform(24, 28)).image_key == "image"
+            continue
+        with pytest.raises(DataError, match=r"/val: its column 'pixels' holds 'pil' \(decoded pixels\), not an image "
+                                            r"file's bytes; write the files' bytes \(a 'jpeg', 'png' or 'bytes' column"):
+            MDSImages(out.parent, "val", eval_transform(24, 28), image_key=image_key)
+
+
 def test_mds_shards_give_the_folders_pixels_and_a_resumed_run_ends_where_the_whole_run_ends(folder, mds_url, env):
     from cltrain.data import eval_transform
     from cltrain.data.mds_source import MDSImages
