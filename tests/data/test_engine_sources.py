@@ -389,8 +389,8 @@ def test_an_mds_column_of_decoded_pixels_is_one_line_saying_so(folder, tmp_path,
         if "image" in columns and image_key is None:  # the file's bytes beside: that column is read
             assert MDSImages(out.parent, "val", eval_transform(24, 28)).image_key == "image"
             continue
-        with pytest.raises(DataError, match=r"/val: its column 'pixels' holds 'pil' \(decoded pixels\), not an image "
-                                            r"file's bytes; write the files' bytes \(a 'jpeg', 'png' or 'bytes' column"):
+        with pytest.raises(DataError, match=r"/val: its column 'pixels' holds 'pil' \(decoded pixels\), not an "
+                                            r"image file's bytes; write the files' bytes \(a 'jpeg', 'png' or 'bytes'"):
             MDSImages(out.parent, "val", eval_transform(24, 28), image_key=image_key)
 
 
