@@ -128,9 +128,8 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
         except Exception as err:  # any failure of this one sample
             reason = unreadable(err)
             if isinstance(err, LabelFault):
-                raise BadImageError(self.label_message(f"{shard} sample {place} ({sample.get('__key__')})", reason),
-                                    reason) from err
-            raise BadImageError(f"{self.source_name} {shard} sample {place} ({sample.get('__key__')}): cannot be read "
+                raise BadImageError(self.label_message(_name(shard, place, sample), reason), reason) from err
+            raise BadImageError(f"{self.source_name} {_name(shard, place, sample)}: cannot be read "
                                 f"as an image ({reason}). Pass bad_files='skip' to leave such samples out, or write the "
                                 "shard again.", reason) from err
 
@@ -182,7 +181,7 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
                 for k, sample in enumerate(done):
                     if k in errors:
                         shard, place, raw = chunk[k]
-                        self.skip(f"{shard} sample {place} ({raw.get('__key__')})", errors[k].reason or str(errors[k]))
+                        self.skip(_name(shard, place, raw), errors[k].reason or str(errors[k]))
                         if last is None:  # the first readable one will stand in
                             owed += 1
                             continue
@@ -196,3 +195,11 @@ class WebDatasetImages(NamedSplit, SkipsBadSamples, IterableDataset):
 
     def __len__(self) -> int:
         raise TypeError("a stream of WebDataset shards has no length")
+
+
+def _name(shard: str, place: int, sample: dict) -> str:
+    """``<shard> sample <place> (<key>)``, and the file it was made from where the sample keeps it (``cltrain-pack``'s
+    ``path`` field)."""
+    path = sample.get("path")
+    made_from = f": {bytes(path).decode(errors='replace')}" if isinstance(path, (bytes, bytearray, memoryview)) else ""
+    return f"{shard} sample {place} ({sample.get('__key__')}{made_from})"

@@ -314,6 +314,21 @@ def test_a_webdataset_sample_under_any_of_the_folders_image_suffixes_is_read(fol
     assert all(np.array_equal(x, tf(files[int(y)])) for x, y in samples)  # as the folder decodes the file
 
 
+def test_a_bad_sample_of_a_pack_read_as_webdataset_names_the_file_it_was_made_from(tmp_path):
+    # cltrain-pack keeps each file's path beside its bytes: the line named the sample's number alone
+    from cltrain.data import eval_transform
+    from cltrain.data.errors import BadImageError
+    from cltrain.data.webdataset_source import WebDatasetImages
+
+    wds = pytest.importorskip("webdataset")
+    (tmp_path / "w" / "train").mkdir(parents=True)
+    with wds.TarWriter(str(tmp_path / "w" / "train" / "shard-0000.tar")) as sink:
+        sink.write({"__key__": "000000000", "jpg": b"", "cls": b"0", "path": b"train/c0/empty.jpg"})
+    with pytest.raises(BadImageError, match=r"train/shard-0000\.tar sample 0 \(000000000: train/c0/empty\.jpg\): "
+                                            r"cannot be read as an image \(empty file"):
+        list(WebDatasetImages(str(tmp_path / "w"), "train", eval_transform(24, 28), shuffle_buffer=None))
+
+
 def test_a_label_of_no_class_is_a_bad_sample_named_by_its_key(folder, tmp_path):
     from cltrain.data.datamodules.engines import WebDatasetModule
     from cltrain.data.errors import BadImageError
