@@ -201,7 +201,7 @@ class ChannelsLast(SessionResults, Callback):
         def check() -> LayoutCheck:
             return check_within_budget(
                 lambda part: check_lightning_step(trainer, pl_module, part, batch_idx, stage, inputs=self.inputs,
-                                                  dataloader_idx=dataloader_idx),
+                                                  dataloader_idx=dataloader_idx, convert_inputs=self.convert_inputs),
                 batch, self.check_samples, inputs=self.inputs)
 
         self.session.batch(kind, batch, pl_module, check if self.verify else None)

@@ -164,7 +164,8 @@ def _backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
 
 
 def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int, stage: str, *,
-                         inputs: Inputs = None, one_d: bool = False, dataloader_idx: int | None = None) -> LayoutCheck:
+                         inputs: Inputs = None, one_d: bool = False, dataloader_idx: int | None = None,
+                         convert_inputs: bool = True) -> LayoutCheck:
     """``cltrain.check.compare.check_layout`` on a Lightning step: ``stage``'s step method of copies of
     ``pl_module`` (``training_step``, ``validation_step``, ...), called with the arguments Lightning gives it
     (``cltrain.lightning_access.step_arguments``), on copies of ``batch`` in each layout.
@@ -174,7 +175,8 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
     optimizers and their state (a manual-optimization step gets the copies from ``self.optimizers()``).
     Where the step cannot run on the copies, the model's forward is checked alone on the inputs the step gave it
     (or the batch's image tensor), and the line says so. Under mixed precision the check runs in float32 first and
-    in the training precision only where float32 raises.
+    in the training precision only where float32 raises. ``convert_inputs=False`` (the run leaves its inputs as they
+    come): both copies get the batch as it is.
     """
     from lightning_utilities.core.apply_func import apply_to_collection
 
@@ -201,7 +203,8 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
 
     def batch_in(layout: str, clone: nn.Module, upcast: bool = False) -> Any:
         copied = apply_to_collection(batch, torch.Tensor, lambda t: (float32_tensors(t) if upcast else t).clone())
-        restride_batch(copied, layout, one_d=one_d, inputs=inputs, model=clone)
+        if convert_inputs:
+            restride_batch(copied, layout, one_d=one_d, inputs=inputs, model=clone)
         return copied
 
     def copy_model(module: nn.Module, upcast: bool = False) -> nn.Module:

@@ -204,9 +204,18 @@ def test_conv_mode_and_off_mode(tmp_path):
         assert tuple(stride) == torch.empty(shape).stride()
 
 
-def test_convert_inputs_false_leaves_batches(tmp_path):
-    model = Classifier()
-    make_trainer(tmp_path, [ChannelsLast(convert_inputs=False)]).fit(model, loader(4, 2))
+class _ViewsItsInput(Classifier):
+    """An autoencoder's loss reads its input with ``view``, which a channels_last input refuses."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 0 * batch[0].view(len(batch[0]), -1).mean()
+
+
+def test_convert_inputs_false_leaves_batches_and_its_check_runs_the_step_on_them(tmp_path):
+    # the check converted the copies' inputs all the same: a step that views them raised in channels_last only,
+    # and the model went to NCHW for a fault the run never meets
+    model = _ViewsItsInput()
+    make_trainer(tmp_path, [ChannelsLast(convert_inputs=False, layout="channels_last")]).fit(model, loader(4, 2))
     assert is_channels_last(model.net.conv1.weight)
     assert all(tuple(s) == torch.empty(shape).stride() for *s, shape in model.seen["train"])
 
