@@ -57,7 +57,9 @@ class Finding:
         if self.package:
             return f"nothing to edit: that code is in the installed package `{self.package}`; the fallback stands"
         if "view size is not compatible" in self.detail or ".view(" in self.detail:
-            return "use .reshape(...) or torch.flatten(x, 1) instead of .view(...) there"
+            mine = "; where the tensor viewed is not the model's input (a target under an image key), name the " \
+                "input instead: inputs=<key or index>" if self.module is None and self.phase == "step" else ""
+            return f"use .reshape(...) or torch.flatten(x, 1) instead of .view(...) there{mine}"
         if self.kind == "raised" and "contiguous" in self.detail.lower():
             return "call .contiguous() on the tensor before that op"
         if self.kind == "diverged" and self.phase == "update":

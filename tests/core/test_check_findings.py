@@ -76,7 +76,10 @@ def test_a_finding_in_an_installed_package_or_at_a_guard_asks_nothing_of_the_use
                          package=package)
     assert "installed package `transformers`" in in_package.fix() and "fallback stands" in in_package.fix()
     mine = Finding("raised", "forward", "net", "/home/me/project/model.py:12", "RuntimeError: view size is not ...")
-    assert mine.package is None and ".reshape" in mine.fix()
+    assert mine.package is None and ".reshape" in mine.fix() and "inputs=" not in mine.fix()
+    # the step code viewing a tensor of the batch: perhaps a target the batch rules took for the input
+    step = Finding("raised", "step", None, "/home/me/project/train.py:40", "RuntimeError: view size is not compatible")
+    assert ".reshape" in step.fix() and "name the input instead: inputs=<key or index>" in step.fix()
     guarded = Finding("diverged", "backward", "net.down", where, "1.4 relative difference", guard="oneDNN #6035")
     assert "oneDNN #6035" in guarded.fix() and "nothing to edit" in guarded.fix()
 
