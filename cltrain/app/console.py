@@ -3,7 +3,7 @@
 :func:`quiet_console` wraps a run. Lightning gives its top-level ``lightning`` logger a
 console handler of its own and also lets records propagate to the root logger, where
 Hydra's console handler prints them a second time; while Hydra's handler is there,
-Lightning's is set aside. Notices no run can avoid are dropped by exact text: the
+Lightning's are set aside and every record goes to the root (``train.log`` too). Notices no run can avoid are dropped by exact text: the
 LitLogger advert every ``Trainer`` without a LitLogger logs, the ``LeafSpec``
 deprecation that Lightning's own ``_pytree`` helper triggers in torch, and where the S3
 client found its credentials and endpoint (said again by every process that opens one). Everything else,
@@ -48,17 +48,29 @@ class _DropNotices(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
+#: Lightning's loggers with a console handler of their own: ``lightning``'s always, and ``lightning.pytorch``'s and
+#: ``lightning.fabric``'s (which then keep their records from the root) where the root had no handler at their import,
+#: as when the app's config check imports Lightning before Hydra sets up the root's console and ``train.log``.
+_LIGHTNING = ("lightning", "lightning.pytorch", "lightning.fabric")
+
+
 def _console_handlers(logger: logging.Logger) -> list[logging.Handler]:
     return [h for h in logger.handlers if type(h) is logging.StreamHandler]  # not FileHandler (a subclass)
 
 
 @contextlib.contextmanager
 def quiet_console() -> Iterator[None]:
-    """Within this block: Lightning's records printed once, :data:`LIBRARY_NOTICES` left out."""
-    lightning = logging.getLogger("lightning")
-    set_aside = _console_handlers(lightning) if _console_handlers(logging.getLogger()) else []
-    for handler in set_aside:
-        lightning.removeHandler(handler)
+    """Within this block: Lightning's records printed once, by the root's handlers (Hydra's console and its
+    ``train.log``), :data:`LIBRARY_NOTICES` left out."""
+    loggers = [logging.getLogger(name) for name in _LIGHTNING]
+    root_prints = bool(_console_handlers(logging.getLogger()))
+    set_aside = [(logger, h) for logger in loggers for h in _console_handlers(logger)] if root_prints else []
+    propagate = [(logger, logger.propagate) for logger in loggers]
+    for logger, handler in set_aside:
+        logger.removeHandler(handler)
+    if root_prints:  # imported before the root had a handler, lightning.pytorch keeps its records from the root
+        for logger in loggers:
+            logger.propagate = True
     filters: list[tuple[logging.Logger, logging.Filter]] = []
     for name, start in LIBRARY_NOTICES:
         if name != "warning":
@@ -74,6 +86,8 @@ def quiet_console() -> Iterator[None]:
     finally:
         for logger, drop in filters:
             logger.removeFilter(drop)
-        for handler in set_aside:
-            lightning.addHandler(handler)
+        for logger, handler in set_aside:
+            logger.addHandler(handler)
+        for logger, flag in propagate:
+            logger.propagate = flag
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,6 @@ import pytest
 
 from cltrain.app.console import LIBRARY_NOTICES
 from tests.helpers import REPO, SMOKE
-from tests.helpers import warm
 
 #: Lines a first run must not print: the notices filtered by text, the fit() warnings the app avoids,
 #: and a second progress display (Rich's or tqdm's bar).
@@ -19,7 +19,8 @@ NOISE = (*(start for _, start in LIBRARY_NOTICES), "ckpt_path", "LeafSpec", "━
 
 
 def _run(tmp_path: Path, demo_args: list[str], *overrides: str, env: dict[str, str] | None = None) -> list[str]:
-    proc = warm.run(
+    # a start of Python (not the warm server's fork): what the console prints depends on the order of the imports
+    proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *SMOKE, *demo_args, "device=cpu",
          f"hydra.run.dir={tmp_path / 'run'}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
@@ -68,21 +69,26 @@ def test_quiet_console_sets_lightning_s_own_handler_aside_while_the_root_prints(
 
     from cltrain.app.console import quiet_console
 
-    root_stream, own_stream = io.StringIO(), io.StringIO()
+    root_stream, own_stream, pytorch_stream = io.StringIO(), io.StringIO(), io.StringIO()
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [logging.StreamHandler(root_stream)])
     own = logging.StreamHandler(own_stream)
     monkeypatch.setattr(logging.getLogger("lightning"), "handlers", [own])
     log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     log.info("before")  # the control: both handlers print it
+    # lightning.pytorch imported before the root had a handler (the app's config check): its own, not propagated
+    pytorch = logging.getLogger("lightning.pytorch")
+    monkeypatch.setattr(pytorch, "handlers", [logging.StreamHandler(pytorch_stream)])
+    monkeypatch.setattr(pytorch, "propagate", False)
     with quiet_console():
         log.info("inside")
         log.info("💡 Tip: For seamless cloud logging and experiment tracking, ...")
         log.info("💡 Tip: For seamless cloud uploads and versioning, try installing [litmodels](...)")
         log.warning("a real warning")
-    assert own_stream.getvalue().splitlines() == ["before"]
+    assert own_stream.getvalue().splitlines() == ["before"] and pytorch_stream.getvalue() == ""
     assert root_stream.getvalue().splitlines() == ["before", "inside", "a real warning"]
     assert logging.getLogger("lightning").handlers == [own]  # restored
+    assert len(pytorch.handlers) == 1 and not pytorch.propagate
 
 
 def test_lightnings_advice_against_evaluating_under_ddp_is_dropped() -> None:
