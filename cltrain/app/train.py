@@ -113,6 +113,9 @@ def _train(cfg: DictConfig, resolved: Resolved, run_dir: Path, stop: SignalStop,
             callbacks=run.callbacks, logger=loggers or False,
             plugins=[AtomicCheckpointIO()],  # atomic saves, weights_only loads
             benchmark=resolved.benchmark, default_root_dir=str(run_dir),
+            # validating writes no checkpoint: Lightning's default one took the state of the checkpoint validated
+            # and warned that its folder had changed
+            **({"enable_checkpointing": False} if cfg.evaluate_only else {}),
         )
     except InstantiationException as err:  # a trainer.* value Lightning refuses: its own reason, first line
         raise trainer_error(cfg.trainer, str(err.__cause__ or err).strip().splitlines()[0]) from None
