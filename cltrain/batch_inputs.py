@@ -21,6 +21,7 @@ from torch import nn
 from cltrain.host import Say
 from cltrain.layout.batches import (Inputs, describe_batch, first_image_tensor, image_inputs, map_tensors,
                                     restore_batch, restride_batch)
+from cltrain.layout import CONV_TYPES
 from cltrain.layout.conv_reach import ConvReach
 from cltrain.layout.stacks import in_input_layout, to_input_layout
 from cltrain.layout.tensors import is_compiled
@@ -42,6 +43,7 @@ class InputTrace:
         self.left_as_is: dict[str, frozenset[Hashable]] = {}
         self._active: tuple[str, ConvReach, dict[Hashable, torch.Tensor]] | None = None
         self._told: set[str] = set()
+        self._conv_free = False  # the model traced has no convolution module
 
     def traced(self, kind: str) -> bool:
         """Whether the first forward of ``kind`` was traced (or is being traced)."""
@@ -52,6 +54,7 @@ class InputTrace:
         self.left_as_is[kind] = frozenset()
         if not converted or is_compiled(model):
             return False
+        self._conv_free = not any(isinstance(m, CONV_TYPES) for m in model.modules())
         self._active = (kind, ConvReach(converted), converted)
         self._active[1].__enter__()
         return True
@@ -63,7 +66,7 @@ class InputTrace:
         kind, reach, converted = self._active
         self._active = None
         reach.__exit__(None, None, None)
-        if not completed or reach.convolutions == 0:  # nothing seen to judge by: keep converting
+        if not completed or reach.convolutions == 0 and not self._conv_free:  # nothing seen to judge by: convert
             return None
         left = sorted(set(converted) - reach.reached, key=str)
         if left:
@@ -71,9 +74,10 @@ class InputTrace:
             shapes = ", ".join(str(tuple(converted[k].shape)) for k in left)
             if shapes not in self._told:
                 self._told.add(shapes)
-                self.say(f"ChannelsLast: the input {shapes} reaches no convolution in channels_last (the model "
-                         "reshapes or permutes it, or other code replaces it, first), so converting it is a copy that "
-                         "helps nothing: it is left as it arrives from now on.", False)
+                why = "the model has none" if self._conv_free else \
+                    "the model reshapes or permutes it, or other code replaces it, first"
+                self.say(f"ChannelsLast: the input {shapes} reaches no convolution in channels_last ({why}), so "
+                         "converting it is a copy that helps nothing: it is left as it arrives from now on.", False)
         return left
 
 

@@ -318,6 +318,8 @@ class LayoutSession:
             return f"{self.sharding} keeps the weights NCHW"
         if compiles or is_compiled(model):
             return _COMPILED
+        if not any(isinstance(m, CONV_TYPES) for m in model.modules()):
+            return "the model has no convolution"  # both layouts would time the same steps
         return None
 
     def _put_in_layout(self, model: nn.Module, layout: str, held: bool = False) -> list[GuardRecord]:

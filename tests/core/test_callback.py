@@ -238,11 +238,15 @@ def test_bad_arguments_are_rejected_with_the_value(kwargs, match):
         ChannelsLast(**kwargs)
 
 
-def test_warns_when_the_model_has_no_convolution(tmp_path):
+def test_warns_when_the_model_has_no_convolution_and_neither_races_nor_converts_its_inputs(tmp_path):
     model = Classifier(net=nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4)))
-    trainer = make_trainer(tmp_path, [ChannelsLast()])
+    callback = ChannelsLast()
+    trainer = make_trainer(tmp_path, [callback])
     with pytest.warns(UserWarning, match="no Conv2d/Conv3d"):
         trainer.fit(model, loader(4, 2))
+    # both layouts would time the same steps; the first step's input traced, then left as it arrives
+    assert callback.session.untimed == "the model has no convolution"
+    assert all(tuple(s) == torch.empty(shape).stride() for *s, shape in model.seen["train"][1:])
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
         trainer.validate(model, loader(2, 2))
