@@ -862,9 +862,14 @@ class LayoutSession:
         """What a checkpoint carries: the checks' verdicts and the fingerprint they hold for, and the race's
         decisions and progress (plain types)."""
         state: dict[str, Any] = {}
+        restored = self._restored.get("layout_checks") or {}
         if self.layout_checks:
             state["layout_checks"] = {k: saved_check(r) for k, r in self.layout_checks.items()}
             state["fingerprint"] = self.fingerprint() if self.fingerprint is not None else None
+            if restored and self._restored.get("fingerprint") == state["fingerprint"]:  # a kind not run since the load
+                state["layout_checks"] = {**restored, **state["layout_checks"]}
+        elif restored:  # saved again before a first batch: the loaded verdicts still hold for their fingerprint
+            state["layout_checks"], state["fingerprint"] = dict(restored), self._restored.get("fingerprint")
         if self.race.decisions or self.race.racing():
             state["race"] = self.race.state_dict()
         elif self.pinned is not None and self._restored.get("race"):  # kept for a later run that does not pin

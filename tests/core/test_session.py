@@ -631,3 +631,29 @@ def test_under_several_ranks_the_race_times_only_the_steps_of_one_input_size(mon
     session.end(model)
     assert session.decision is not None and session.decision.layout == "channels_last", session.decision
     assert is_channels_last(model[0].weight)
+
+
+def test_a_checkpoint_saved_again_before_a_kinds_first_batch_keeps_that_kinds_loaded_verdict() -> None:
+    # a run loaded and saved again before its first batch wrote the race alone: the next resume checked again
+    from cltrain.check.result import LayoutCheck
+
+    first, model = _started(_stem(), layout="channels_last")
+    first.fingerprint = lambda: "the same model, step and precision"
+    for kind in ("train", "eval"):
+        first.check(kind, model, lambda: LayoutCheck("passed", seconds=0.1), report=False)
+    saved = first.state_dict()
+    assert set(saved["layout_checks"]) == {"train", "eval"}
+    again, model = _started(_stem(), layout="channels_last")
+    again.fingerprint = first.fingerprint
+    again.load_state_dict(saved, model=model)
+    assert again.state_dict()["layout_checks"] == saved["layout_checks"]  # before any batch
+    again.check("train", model, lambda: pytest.fail("the checkpoint's verdict holds"), report=False)
+    kept = again.state_dict()["layout_checks"]
+    assert kept["eval"] == saved["layout_checks"]["eval"] and kept["train"]["verdict"] == "passed"  # eval's beside
+    other, model = _started(_stem(), layout="channels_last")  # another model: the loaded verdicts are not carried
+    other.fingerprint = lambda: "another model"
+    other.load_state_dict(saved, model=model)
+    other.check("train", model, lambda: LayoutCheck("passed", seconds=0.1), report=False)
+    assert set(other.state_dict()["layout_checks"]) == {"train"}
+    for session in (first, again, other):
+        session.close()
