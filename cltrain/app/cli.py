@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir
 
-__all__ = ["compose_config", "main"]
+__all__ = ["as_keys", "compose_config", "main"]
 
 
 def _run(cfg: DictConfig) -> float | None:
@@ -44,8 +44,7 @@ def _run(cfg: DictConfig) -> float | None:
         print(f"cltrain: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None  # not an Exception: Hydra lets it through instead of printing a traceback
     except DataError as err:  # raised in setup or a worker: its own line, without the worker's traceback
-        line = error_line(err).replace("bad_files='skip'", "data.bad_files=skip")  # the library's name, as a key
-        print(f"cltrain: error: {line}", file=sys.stderr)
+        print(f"cltrain: error: {as_keys(error_line(err))}", file=sys.stderr)
         raise SystemExit(2) from None
     except (NonFiniteLossError, DiskFullError, NotWritableError, CheckpointLoadError) as err:  # a diverged run, a
         print(f"cltrain: error: {err}", file=sys.stderr)  # full disk or a folder not writable, a bad checkpoint:
@@ -84,6 +83,13 @@ def _redact_job_files() -> None:
         text = path.read_text()
         if redact(text) != text:
             atomic_write_text(path, redact(text))
+
+
+def as_keys(line: str) -> str:
+    """A data error's line with the DataModule's arguments it names as the app's keys (``data.bad_files=skip``)."""
+    for name, key in (("bad_files='skip'", "data.bad_files=skip"), (" exclude_files=", " data.exclude_files=")):
+        line = line.replace(name, key)
+    return line
 
 
 def main() -> None:

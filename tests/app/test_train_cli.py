@@ -304,3 +304,20 @@ def test_a_missing_exclude_list_is_one_line_before_the_ranks_start(tmp_path: Pat
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.startswith(f"cltrain: error: data.exclude_files='{tmp_path / 'bad.tsv'}': no such file")
     assert result.stderr.count("cltrain: error:") == 1 and "skipped_files.tsv" in result.stderr, result.stderr
+
+
+def test_a_data_errors_fix_names_the_apps_keys(tmp_path: Path) -> None:
+    # check_val's refusal said exclude_files=<that list>, the DataModule's argument, not the key the app takes
+    from cltrain.app.cli import as_keys
+    from cltrain.data import ImageFolderDataModule
+    from cltrain.data.errors import BadImageError, error_line
+    from tests.helpers.data_fixtures import write_image_folder, write_odd_files
+
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(48, 40))
+    (root / "val" / "c1" / "cut.jpg").write_bytes(write_odd_files(tmp_path / "odd")["truncated"].read_bytes())
+    dm = ImageFolderDataModule(root, batch_size=2, num_workers=0, image_size=32, val_resize_size=36)
+    with pytest.raises(BadImageError) as refused:
+        dm.setup("fit")
+    line = as_keys(error_line(refused.value))
+    assert f"List them all with 'cltrain-data-check {root}' and pass data.exclude_files=<that list>, or pass " \
+           "data.bad_files=skip" in line, line

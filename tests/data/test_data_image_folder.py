@@ -285,7 +285,7 @@ def test_a_bad_validation_file_stops_the_run_before_the_first_training_step(tmp_
     kw = dict(batch_size=2, num_workers=0, image_size=SIZE, val_resize_size=36)
     model = Recorder()
     with pytest.raises(BadImageError, match=r"val: 1 unreadable file\(s\) found before training: .*truncated.jpg.*"
-                                            r"python -m cltrain.data.check"):
+                                            r"cltrain-data-check .* exclude_files=<that list>"):
         _trainer(tmp_path, limit_val_batches=None).fit(model, datamodule=ImageFolderDataModule(root, **kw))
     assert "train" not in model.seen
     # Negative control: without the check the same file is met only after the training epoch.

@@ -114,7 +114,7 @@ class ImageFolderDataModule(ImageDataModule):
         listed = "; ".join(f"{p} ({r})" for p, r in sorted(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")
         if self.bad_files == "raise":
             raise BadImageError(f"{dataset.split_dir}: {len(bad)} unreadable file(s) found before {before}: {listed}. "
-                                f"List them all with 'python -m cltrain.data.check {self.root}' and pass exclude_files=<that list>, "
+                                f"List them all with 'cltrain-data-check {self.root}' and pass exclude_files=<that list>, "
                                 "or pass bad_files='skip'.")
         dataset.samples = [s for s in dataset.samples if s[0] not in bad]
         if not dataset.samples:
