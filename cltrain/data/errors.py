@@ -16,11 +16,17 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BadImageError", "DataError", "EmptyImageError", "LabelFault", "SampleFault", "StorageError", "error_line"]
+__all__ = ["BadImageError", "DataError", "EmptyImageError", "LabelFault", "MissingDataError", "SampleFault", "StorageError",
+           "error_line"]
 
 
 class DataError(ValueError):
     """A problem with the data: the message names the file or folder and the fix, in one line."""
+
+
+class MissingDataError(DataError, FileNotFoundError):
+    """A folder or file the data needs is not there (a root, a split, a pack's manifest, a list of files); a
+    ``FileNotFoundError`` too."""
 
 
 class BadImageError(DataError, RuntimeError):

@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from cltrain.data.bad_samples import BAD_FILE_POLICIES, SkipsBadSamples, check_bad_files
-from cltrain.data.errors import BadImageError, DataError
+from cltrain.data.errors import BadImageError, DataError, MissingDataError
 from cltrain.data.image_samples import ImageSamples
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
 
@@ -56,7 +56,7 @@ def read_file_list(path: str | os.PathLike) -> FileList:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"exclude_files={str(path)!r} is not a file; give the list written by "
+        raise MissingDataError(f"exclude_files={str(path)!r} is not a file; give the list written by "
                                 "'python -m cltrain.data.check ROOT' or a skipped_files.tsv.")
     listed = set()
     for line in path.read_text(encoding="utf-8").splitlines():

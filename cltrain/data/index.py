@@ -31,7 +31,7 @@ from filelock import FileLock
 
 from cltrain.atomic import atomic_write_bytes, atomic_write_json, remove_leftovers, removed_line
 from cltrain.data.constants import IMG_EXTENSIONS, is_hidden
-from cltrain.data.errors import DataError
+from cltrain.data.errors import DataError, MissingDataError
 
 __all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "not_loaded", "scan_split"]
 
@@ -91,7 +91,7 @@ def find_classes(split_dir: str | os.PathLike) -> list[str]:
     """
     split_dir = Path(split_dir)
     if not split_dir.is_dir():
-        raise FileNotFoundError(f"{split_dir} is not a folder. Expected the ImageNet layout: "
+        raise MissingDataError(f"{split_dir} is not a folder. Expected the ImageNet layout: "
                                 f"{split_dir.parent}/train/<class>/<image> and {split_dir.parent}/val/<class>/<image>.")
     classes = sorted(e.name for e in os.scandir(split_dir) if not is_hidden(e.name) and e.is_dir())
     if not classes:

@@ -58,6 +58,7 @@ from cltrain.data.remote import is_url, redact
 from cltrain.data.shard_dataset import MANIFEST
 from cltrain.data.shard_source import index_digest
 from cltrain.data.shard_writer import CheckedReader, write_shard
+from cltrain.data.errors import MissingDataError
 
 __all__ = ["MANIFEST", "PACK_STATE", "SKIPPED_LIST", "PackError", "pack", "shard_name"]
 
@@ -97,7 +98,7 @@ def _plan(root: Path, splits: Sequence[str], seed: int) -> tuple[list[str], dict
     missing = [s for s in splits if not (root / s).is_dir()]
     if missing:
         have = sorted(p.name for p in root.iterdir() if not is_hidden(p.name) and p.is_dir())
-        raise FileNotFoundError(f"pack: ROOT {root} has no split folder {', '.join(missing)}; it has {have}. "
+        raise MissingDataError(f"pack: ROOT {root} has no split folder {', '.join(missing)}; it has {have}. "
                                 "Pass the ones to pack with --splits.")
     classes = find_classes(root / splits[0])
     plan = {}
@@ -174,7 +175,7 @@ def pack(root: str | os.PathLike, out: str | os.PathLike, shard_size: int = 1000
                          "it as it is (e.g. aws s3 sync OUT s3://bucket/pack).")
     root, out = Path(root).resolve(), Path(out)
     if not root.is_dir():
-        raise FileNotFoundError(f"pack: ROOT {root} is not a folder; pass an ImageNet-layout folder (train/<class>/...).")
+        raise MissingDataError(f"pack: ROOT {root} is not a folder; pass an ImageNet-layout folder (train/<class>/...).")
     classes, plan = _plan(root, list(splits), seed)
     state = {"version": FORMAT_VERSION, "root": str(root), "shard_size": shard_size, "splits": list(splits), "seed": seed,
              "check": check, "decoder": decoder if check == "full" else None,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cltrain.data.errors import DataError
+from cltrain.data.errors import DataError, MissingDataError
 from cltrain.data.remote import RemoteError, is_url, join, open_fs, redact, remote_error
 from cltrain.data.shard_cache import ShardCache, parse_size
 
@@ -123,10 +123,10 @@ class LocalPack:
         path = self.root / MANIFEST
         if not path.is_file():
             if any((self.root / split).is_dir() for split in ("train", "val")) and not any(self.root.rglob("*.tar")):
-                raise FileNotFoundError(f"{path} not found: {self.root} is an image folder, not a pack: pack it with "
+                raise MissingDataError(f"{path} not found: {self.root} is an image folder, not a pack: pack it with "
                                         f"`cltrain-pack {self.root} {self.root}-pack` and read that, or read the folder "
                                         "as it is (ImageFolderDataModule; the app: data=imagenet).")
-            raise FileNotFoundError(f"{path} not found: {self.root} is not a complete cltrain pack. Make one with "
+            raise MissingDataError(f"{path} not found: {self.root} is not a complete cltrain pack. Make one with "
                                     f"`cltrain-pack IMAGEFOLDER {self.root}` (run it again to finish an interrupted "
                                     "one).")
         return json.loads(path.read_text())

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from cltrain import is_channels_last
 from cltrain.callback import ChannelsLast
-from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, SkippedFilesReport, ImageFolderDataModule, ImageFolderDataset,
-                          ResumeMidEpoch, eval_transform)
+from cltrain.data import (SKIPPED_FILES_NAME, BadImageError, DataError, SkippedFilesReport, ImageFolderDataModule,
+                          ImageFolderDataset, ResumeMidEpoch, eval_transform)
 from tests.helpers.data_fixtures import BAD, READABLE, write_image_folder, write_jpegs, write_odd_files
 
 SIZE = 32
@@ -183,11 +183,13 @@ def test_layout_errors_come_before_training(tmp_path):
     def fit(root):
         _trainer(tmp_path, limit_train_batches=1).fit(Recorder(), datamodule=ImageFolderDataModule(root, num_workers=0))
 
-    with pytest.raises(FileNotFoundError, match="root .*nowhere does not exist"):
+    # a DataError, as every data problem is (a FileNotFoundError too)
+    with pytest.raises(DataError, match="root .*nowhere does not exist") as missing:
         fit(tmp_path / "nowhere")
+    assert isinstance(missing.value, FileNotFoundError)
     root = write_image_folder(tmp_path / "data", classes=2, train=1, val=1, size=(64, 48))
     shutil.rmtree(root / "val")
-    with pytest.raises(FileNotFoundError, match=r"val is not a folder.*ImageNet layout"):
+    with pytest.raises(DataError, match=r"val is not a folder.*ImageNet layout"):
         fit(root)
     (root / "val").mkdir()
     with pytest.raises(ValueError, match="val holds no class folders"):

@@ -19,6 +19,7 @@ import torch
 
 from cltrain.atomic import TEMP_PREFIX
 from cltrain.data import ImageFolderDataModule, NHWCCollate, ShardsDataModule, ShardsDataset, eval_transform, normalize
+from cltrain.data.errors import DataError
 from cltrain.data.pack import MANIFEST, PackError, _plan, main, pack
 from cltrain.data.shard_sampler import ShardBatchSampler, rank_batch_sizes
 from tests.helpers.data_fixtures import write_image_folder, write_jpegs
@@ -161,7 +162,7 @@ def test_a_killed_pack_resumes_without_redoing_finished_shards(folder: Path, tmp
     first.send_signal(signal.SIGKILL)
     assert first.wait(timeout=60) == -signal.SIGKILL
     assert not (out / MANIFEST).exists() and not (train / "shard-000002.tar").exists()
-    with pytest.raises(FileNotFoundError, match="not a complete cltrain pack"):
+    with pytest.raises(DataError, match="not a complete cltrain pack"):
         ShardsDataset(out, "train", eval_transform(32, 36))
     kept = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in train.glob("shard-00000[01].*")}
     second = warm.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from cltrain.data.errors import DataError
+from cltrain.data.errors import DataError, MissingDataError
 from cltrain.data.image_folder_dataset import find_classes, read_file_list
 
 __all__ = ["ClassFolders"]
@@ -40,7 +40,7 @@ class ClassFolders:
             FileNotFoundError: ``root`` is not a folder (naming it and ``layout_hint``).
         """
         if not self.root.is_dir():
-            raise FileNotFoundError(f"{self.owner}: root {self.root} does not exist or is not a folder. "
+            raise MissingDataError(f"{self.owner}: root {self.root} does not exist or is not a folder. "
                                     f"Point root at {self.layout_hint}.")
         return self.root / name
 
