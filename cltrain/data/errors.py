@@ -16,8 +16,8 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BadImageError", "DataError", "EmptyImageError", "LabelFault", "MissingDataError", "SampleFault", "StorageError",
-           "error_line"]
+__all__ = ["BadImageError", "DataError", "EmptyImageError", "LabelFault", "MissingDataError", "SampleFault",
+           "StorageError", "error_line"]
 
 
 class DataError(ValueError):
