@@ -395,3 +395,17 @@ def test_a_subclass_with_an_argument_of_its_own_keeps_it_beside_the_settings(tmp
     assert (data.extra_noise, data.batch_size) == (0.5, 8)
     made = _Noisy(tmp_path, extra_noise=0.5, batch_size=8)
     assert (made.extra_noise, made.batch_size) == (0.5, 8)
+
+
+@pytest.mark.parametrize("cls, kwargs, instead", [
+    (ShardsDataModule, {"check_val": "full"}, ": an option of ImageFolderDataModule, not of ShardsDataModule"),
+    (ImageFolderDataModule, {"shuffle_window": 64}, ": an option of ShardsDataModule, not of ImageFolderDataModule"),
+    (ShardsDataModule, {"batchsize": 8}, "; did you mean batch_size?"),
+    (ImageFolderDataModule, {"frobnicate": 1}, ""),
+])
+def test_an_argument_a_datamodule_does_not_take_says_which_takes_it(cls, kwargs, instead, tmp_path: Path) -> None:
+    # the folder-only options were a bare "unexpected keyword argument" where the guide says the pack refuses them
+    (name,) = kwargs
+    with pytest.raises(TypeError) as refused:
+        cls(tmp_path, **kwargs)
+    assert str(refused.value) == f"{cls.__name__}: got an unexpected keyword argument '{name}'{instead}"

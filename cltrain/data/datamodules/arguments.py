@@ -9,6 +9,7 @@ so a bad value is one line naming the DataModule.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 import re
@@ -16,6 +17,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from cltrain.data import source_settings
 from cltrain.data.augment_group import Augmentation
 
 __all__ = ["POSITIONAL", "WHOLE", "bind_settings", "default_of", "signature_of"]
@@ -48,6 +50,22 @@ def signature_of(groups: Sequence[type]) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+def _instead(owner: str, message: str, signature: inspect.Signature) -> str:
+    """For an argument ``owner`` does not take: the one of its own that is spelled nearly so, or the DataModules that
+    take it (a settings group's first line names them)."""
+    name = re.search(r"unexpected keyword argument '(\w+)'", message)
+    if name is None:
+        return ""
+    for group in vars(source_settings).values():
+        if isinstance(group, type) and dataclasses.is_dataclass(group) \
+                and name[1] in {f.name for f in dataclasses.fields(group)}:
+            takers = re.findall(r"``(\w+DataModule)``", (group.__doc__ or "").split("\n\n")[0])
+            if takers:
+                return f": an option of {' and '.join(takers)}, not of {owner}"
+    close = difflib.get_close_matches(name[1], [p for p in signature.parameters if p not in ("self", "root")], n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def _differs(value: Any, default: Any) -> bool:
     if isinstance(value, Sequence) and not isinstance(value, str) and isinstance(default, Sequence):
         return tuple(value) != tuple(default)
@@ -66,8 +84,8 @@ def bind_settings(owner: str, groups: Sequence[type], args: tuple, kwargs: dict[
     signature = signature_of(groups)
     try:
         bound = signature.bind(None, *args, **kwargs)
-    except TypeError as err:  # Python's message: name the class called
-        raise TypeError(f"{owner}: {err}") from None
+    except TypeError as err:  # Python's message: name the class called, and what it takes instead
+        raise TypeError(f"{owner}: {err}{_instead(owner, str(err), signature)}") from None
     bound.apply_defaults()
     values = dict(bound.arguments)
     values.pop("self")
