@@ -160,7 +160,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         """What ``trainer_state.json`` keeps (``ExportableState``): the arguments, and the session's state."""
         return {"args": {"mode": self.mode, "inputs": list(self.names), "guard": self.guard, "verify": self.verify,
                          "layout": self.choice},
-                "attributes": {"saved": self.session.state_dict()}}
+                "attributes": {"saved": self.session.state_dict(), "rebuilt": True}}  # set on a rebuilt one alone
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: nn.Module | None = None, **kwargs: Any) -> None:
@@ -175,6 +175,13 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         self._state = state
         self.inputs_hook.log = _logger_for(args)
         self._unarm()
+        if getattr(self, "rebuilt", False) and not getattr(self, "_told_rebuilt", False):
+            self._told_rebuilt = True
+            self.session.say(
+                "ChannelsLastCallback: restore_callback_states_from_checkpoint=True replaced the callback given to "
+                f"this Trainer by one made from the checkpoint's options (layout={self.choice!r}, mode={self.mode!r}; "
+                "copies and check_samples at their defaults); leave it False: the callback restores its own state "
+                "from the checkpoint.", True)
         if model is None:
             return
         if model is not self.inputs_hook.model:  # built by model_init inside train(), or a restored callback
