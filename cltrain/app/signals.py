@@ -261,7 +261,10 @@ class SignalStop(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         signum = self.agreed(trainer)
-        if signum is None or _ends_here(trainer):  # a run ending with this epoch ends as it would have
+        if signum is None:
+            return
+        if _ends_here(trainer):  # a run ending with this epoch ends as it would have (a flag set in a validation
+            _lightning_stop(trainer, False)  # in the middle of it, or by Lightning's own handler, left unset)
             return
         if not _lightning_stop(trainer, True):  # Lightning's own stop, once the epoch counts as done (every rank)
             raise RunInterrupted(signum)
@@ -276,7 +279,11 @@ class SignalStop(Callback):
         if trainer.sanity_checking or not _fitting(trainer) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return  # the epoch's validation: the stop comes at the epoch's end
         signum = self.agreed(trainer)  # in the middle of the epoch: the stop after its batch, the validation whole
-        if signum is not None and not _lightning_stop(trainer, True):
+        if signum is None:
+            return
+        if _ends_here(trainer):  # an early stop decided in this validation, or max_steps: the fit ends as it would
+            _lightning_stop(trainer, False)
+        elif not _lightning_stop(trainer, True):
             raise RunInterrupted(signum)
 
     @override

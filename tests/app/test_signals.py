@@ -169,7 +169,7 @@ class _Signalling:
 
 
 def _fit_stopped(module, tmp_path: Path, holding: bool = True, resume: bool = False, stops: bool = True,
-                 **trainer_args):
+                 before: tuple = (), **trainer_args):
     """``module`` trained under ``SignalStop`` with ``KeepOnException``, as the app runs them (with a validation each
     epoch); the exception, or ``None`` where the run ended (``resume``: from ``last.ckpt``)."""
     import lightning.pytorch as pl
@@ -183,7 +183,7 @@ def _fit_stopped(module, tmp_path: Path, holding: bool = True, resume: bool = Fa
     stop = SignalStop()
     keep = KeepOnException(tmp_path, **({"holding": stop.holding} if holding else {}))
     trainer = pl.Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[keep, stop],
+                         enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[keep, *before, stop],
                          **{"max_epochs": 1, "logger": False, **trainer_args})
     data = DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=2)
     with stop, stop.deferred():
@@ -239,6 +239,23 @@ def test_a_stop_at_a_validation_in_the_middle_of_an_epoch_waits_for_it_whole(tmp
     _fit_stopped(resumed_module, tmp_path, resume=True, max_epochs=1, val_check_interval=4)
     assert resumed_module.trained == [(0, i) for i in range(4, 8)] and resumed_module.validation_batches == [(0, 0),
                                                                                                           (0, 1)]
+
+
+@pytest.mark.parametrize("end", ["max_steps", "early-stop"])
+def test_a_signal_in_a_validation_the_fit_ends_with_lets_it_end_as_it_would(tmp_path: Path, end: str) -> None:
+    # the validation after batch 3 ends the fit (max_steps, or a stop decided in it, as EarlyStopping's): the stop set
+    # for after that validation raised instead, and the app said "interrupted" of a run with nothing left to train
+    import lightning.pytorch as pl
+
+    class StopsHere(pl.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            trainer.should_stop = True
+
+    module = _Signalling(at=-1, validating_at=(0, 0))
+    limit = {"max_steps": 4} if end == "max_steps" else {"before": (StopsHere(),)}
+    trainer, stopped = _fit_stopped(module, tmp_path, stops=False, max_epochs=2, val_check_interval=4, **limit)
+    assert stopped is None and module.trained == [(0, i) for i in range(4)]
+    assert module.validation_batches == [(0, 0), (0, 1)]
 
 
 @pytest.mark.parametrize("validation", [{"limit_val_batches": 0}, {"check_val_every_n_epoch": 2}],
