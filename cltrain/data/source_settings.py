@@ -95,7 +95,8 @@ class PackReading:
 
 @dataclass(frozen=True)
 class ShardCache:
-    """The node's shard cache for a URL (``cltrain.data.shard_cache``), shared by its ranks and workers.
+    """The node's shard cache for a URL (``cltrain.data.shard_cache``), shared by its ranks and workers
+    (``ShardsDataModule``, ``WebDatasetModule``, ``MDSModule``).
 
     Args:
         cache_dir: its folder (``None``: ``$CLTRAIN_SHARD_CACHE``, else ``cltrain-shards`` in ``$TMPDIR``).

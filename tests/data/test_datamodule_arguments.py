@@ -400,6 +400,8 @@ def test_a_subclass_with_an_argument_of_its_own_keeps_it_beside_the_settings(tmp
 @pytest.mark.parametrize("cls, kwargs, instead", [
     (ShardsDataModule, {"check_val": "full"}, ": an option of ImageFolderDataModule, not of ShardsDataModule"),
     (ImageFolderDataModule, {"shuffle_window": 64}, ": an option of ShardsDataModule, not of ImageFolderDataModule"),
+    (ImageFolderDataModule, {"image_key": "jpg"}, ": an option of LitDataModule, MDSModule, not of "
+                                                  "ImageFolderDataModule"),
     (ShardsDataModule, {"batchsize": 8}, "; did you mean batch_size?"),
     (ImageFolderDataModule, {"frobnicate": 1}, ""),
 ])

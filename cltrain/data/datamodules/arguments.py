@@ -56,12 +56,12 @@ def _instead(owner: str, message: str, signature: inspect.Signature) -> str:
     name = re.search(r"unexpected keyword argument '(\w+)'", message)
     if name is None:
         return ""
-    for group in vars(source_settings).values():
-        if isinstance(group, type) and dataclasses.is_dataclass(group) \
-                and name[1] in {f.name for f in dataclasses.fields(group)}:
-            takers = re.findall(r"``(\w+DataModule)``", (group.__doc__ or "").split("\n\n")[0])
-            if takers:
-                return f": an option of {' and '.join(takers)}, not of {owner}"
+    takers = [taker for group in vars(source_settings).values()
+              if isinstance(group, type) and dataclasses.is_dataclass(group)
+              and name[1] in {f.name for f in dataclasses.fields(group)}
+              for taker in re.findall(r"``(\w+Module)``", (group.__doc__ or "").split("\n\n")[0])]
+    if takers:
+        return f": an option of {', '.join(dict.fromkeys(takers))}, not of {owner}"
     close = difflib.get_close_matches(name[1], [p for p in signature.parameters if p not in ("self", "root")], n=1)
     return f"; did you mean {close[0]}?" if close else ""
 
