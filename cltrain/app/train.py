@@ -219,7 +219,9 @@ def _interrupted(trainer: pl.Trainer, results: RunResults, run_dir: Path, stop: 
     if trainer.is_global_zero:
         last = metrics.get("last_checkpoint")
         trained = bool(last) and trained_out(trainer)  # a resume would have nothing to train (refused)
-        if not last:
+        if metrics.get("evaluate_only"):
+            how = "its validation was not finished: run the same command again"
+        elif not last:
             how = "no checkpoint was written " + (
                 "(a second signal stopped the run at once)" if at_once else "(stopped before training)")
         elif trained:

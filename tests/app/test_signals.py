@@ -322,6 +322,23 @@ def test_a_signal_at_the_last_step_before_the_final_validation_prints_the_comman
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
+def test_a_signal_during_an_evaluation_says_to_run_it_again(demo_args: list[str], tmp_path: Path, capfd) -> None:
+    # it said "at step 0; no checkpoint was written (stopped before training)" of a run that trains nothing
+    from cltrain.app.cli import compose_config
+    from cltrain.app.train import train
+    from tests.helpers import SMOKE
+
+    common = [*SMOKE, *demo_args, "device=cpu", "amp=false", "trainer.enable_progress_bar=false"]
+    trained = train(compose_config([*common, f"run_dir={tmp_path / 'a'}", "trainer.max_steps=1"]))
+    with pytest.raises(SystemExit) as stopped:
+        train(compose_config([*common, f"run_dir={tmp_path / 'b'}", "evaluate_only=true",
+                              f"ckpt_path={trained['last_checkpoint']}",
+                              "+callbacks.stop._target_=tests.helpers.signals.SignalAtValidation"]))
+    assert stopped.value.code == 143
+    assert "interrupted by SIGTERM at step 0; its validation was not finished: run the same command again" in \
+        capfd.readouterr().err
+
+
 def test_a_stopped_runs_last_step_reaches_its_logger(tmp_path: Path) -> None:
     from lightning.pytorch.loggers import CSVLogger
 

@@ -18,3 +18,15 @@ class SignalAtStep(Callback):
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), self.signum)
+
+
+class SignalAtValidation(Callback):
+    """Sends ``signum`` (default SIGTERM) to this process as the first validation batch starts (not the sanity
+    check's)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signum
+
+    def on_validation_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        if not trainer.sanity_checking:
+            os.kill(os.getpid(), self.signum)
