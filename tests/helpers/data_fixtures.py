@@ -84,6 +84,10 @@ def write_odd_files(folder: Path, size: tuple[int, int] = (96, 72)) -> dict[str,
     with_preview = data[:2] + b"\xff\xe1" + struct.pack(">H", len(exif) + 2) + exif + data[2:]
     (folder / "cut_preview.jpg").write_bytes(with_preview[: len(with_preview) - (len(data) - 2) // 2])
     out["cut_preview"] = folder / "cut_preview.jpg"
+    # bytes before a marker, which libjpeg skips with a warning ("extraneous bytes before marker"): readable
+    first = 4 + int.from_bytes(data[4:6], "big")  # after the JFIF segment
+    (folder / "extraneous.jpg").write_bytes(data[:first] + b"\0\0\0" + data[first:])
+    out["extraneous"] = folder / "extraneous.jpg"
     out["good"] = good
     return out
 
@@ -98,8 +102,9 @@ def _exif_with_preview(preview: bytes) -> bytes:
 
 BAD = ("truncated", "empty", "text")
 READABLE = ("good", "cmyk", "gray16", "rgba", "gray", "palette", "la")
-#: JPEGs whose end marker is not where it is usually found: after the image (readable), in a preview only (bad)
-ENDS_ELSEWHERE = {"motion": True, "cut_preview": False}
+#: JPEGs whose end marker is not where it is usually found: after the image (readable), in a preview only (bad),
+#: after bytes a marker follows (readable)
+ENDS_ELSEWHERE = {"motion": True, "cut_preview": False, "extraneous": True}
 
 
 

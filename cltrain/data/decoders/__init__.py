@@ -121,7 +121,14 @@ def jpeg_ends(f: BinaryIO, size: int) -> bool:
     while True:  # the segments up to the first scan (SOS)
         f.seek(at)
         head = f.read(4)
-        if len(head) < 2 or head[0] != 0xFF:
+        if head[:1] not in (b"\xff", b""):  # bytes before the marker, which libjpeg skips ("extraneous bytes")
+            f.seek(at)
+            skipped = f.read(1 << 16).find(b"\xff")
+            if skipped < 0:
+                return False
+            at += skipped
+            continue
+        if len(head) < 2:
             return False
         if head[1] == 0xFF:  # a fill byte before a marker
             at += 1
