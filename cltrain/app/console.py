@@ -1,13 +1,12 @@
 """The app's console: each log line once, and two library notices left out.
 
-:func:`quiet_console` wraps a run. Lightning gives its top-level ``lightning`` logger a
-console handler of its own and also lets records propagate to the root logger, where
-Hydra's console handler prints them a second time; while Hydra's handler is there,
-Lightning's are set aside and every record goes to the root (``train.log`` too). Notices no run can avoid are dropped by exact text: the
-LitLogger advert every ``Trainer`` without a LitLogger logs, the ``LeafSpec``
-deprecation that Lightning's own ``_pytree`` helper triggers in torch, and where the S3
-client found its credentials and endpoint (said again by every process that opens one). Everything else,
-warnings included, shows as before.
+:func:`quiet_console` wraps a run. Lightning gives its top-level ``lightning`` logger a console handler of its own
+and also lets records propagate to the root logger, where Hydra's console handler prints them a second time; while
+Hydra's handler is there, Lightning's are set aside and every record goes to the root (``train.log`` too). Notices
+no run can avoid are dropped by exact text: the LitLogger advert every ``Trainer`` without a LitLogger logs, the
+``LeafSpec`` deprecation that Lightning's own ``_pytree`` helper triggers in torch, and where the S3 client found
+its credentials and endpoint (said again by every process that opens one). Everything else, warnings included, shows
+as before.
 
 Example::
 

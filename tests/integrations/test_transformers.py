@@ -230,7 +230,8 @@ def test_a_resume_that_rebuilds_the_callback_from_the_checkpoint_says_whose_opti
     with caplog.at_level(logging.WARNING):
         t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     held = [cb for cb in t.callback_handler.callbacks if isinstance(cb, ChannelsLastCallback)]
-    assert (held == [given]) is not restore and ("replaced the callback given to this Trainer" in caplog.text) is restore
+    assert (held == [given]) is not restore
+    assert ("replaced the callback given to this Trainer" in caplog.text) is restore
     assert is_channels_last(t.model.conv.weight) is restore  # the checkpoint's layout='auto', or the given pin
 
 
