@@ -21,7 +21,7 @@ from torch import nn
 from cltrain.host import Say
 from cltrain.layout.batches import (Inputs, describe_batch, first_image_tensor, image_inputs, map_tensors,
                                     restore_batch, restride_batch)
-from cltrain.layout import CONV_TYPES
+from cltrain.layout import has_convolutions
 from cltrain.layout.conv_reach import ConvReach
 from cltrain.layout.stacks import in_input_layout, to_input_layout
 from cltrain.layout.tensors import is_compiled
@@ -54,7 +54,7 @@ class InputTrace:
         self.left_as_is[kind] = frozenset()
         if not converted or is_compiled(model):
             return False
-        self._conv_free = not any(isinstance(m, CONV_TYPES) for m in model.modules())
+        self._conv_free = not has_convolutions(model)
         self._active = (kind, ConvReach(converted), converted)
         self._active[1].__enter__()
         return True

@@ -60,8 +60,8 @@ from cltrain.ddp import blocker, rebuild_buckets, wrappers
 from cltrain.devices import device_of
 from cltrain.guardrails import GuardRecord, apply_guardrails, arm_autocast_guards, find_hazards, hazards_over_ranks
 from cltrain.host import Host
-from cltrain.layout import CONV_TYPES, is_channels_last, layout_summary, memory_format_for, to_channels_last, \
-    to_contiguous
+from cltrain.layout import CONV_TYPES, has_convolutions, is_channels_last, layout_summary, memory_format_for, \
+    to_channels_last, to_contiguous
 from cltrain.layout.batches import Inputs, first_image_tensor
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.tensors import compiled_frames, is_compiled, is_materialized, nchw
@@ -318,7 +318,7 @@ class LayoutSession:
             return f"{self.sharding} keeps the weights NCHW"
         if compiles or is_compiled(model):
             return _COMPILED
-        if not any(isinstance(m, CONV_TYPES) for m in model.modules()):
+        if not has_convolutions(model):
             return "the model has no convolution"  # both layouts would time the same steps
         return None
 
@@ -367,7 +367,7 @@ class LayoutSession:
     def report_conversion(self, owner: str, model: nn.Module, inputs: bool = True, training: bool = True) -> None:
         """Say the conversion line, the guardrails applied, and (once) that a model without convolutions gains
         nothing."""
-        if not any(isinstance(m, CONV_TYPES) for m in model.modules()) and "no convolutions" not in self._told:
+        if not has_convolutions(model) and "no convolutions" not in self._told:
             self._told.add("no convolutions")
             self.say(f"{owner.partition('(')[0]}: {type(model).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
                      "channels_last has nothing to speed up; remove it or keep it for the layout checks.", True)

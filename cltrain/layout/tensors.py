@@ -41,6 +41,7 @@ __all__ = [
     "is_materialized",
     "CONV1D_TYPES",
     "CONV_TYPES",
+    "has_convolutions",
     "MODES",
     "is_channels_last",
     "is_channels_last_1d",
@@ -58,6 +59,11 @@ MODES: tuple[str, ...] = ("full", "conv")
 
 #: The layers whose weights ``mode="conv"`` converts.
 CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+def has_convolutions(model: nn.Module) -> bool:
+    """Whether ``model`` holds a layer of ``CONV_TYPES`` (a lazy one too): without one, channels_last speeds nothing up."""
+    return any(isinstance(m, CONV_TYPES) for m in model.modules())
+
 
 #: The layers whose weights ``to_channels_last_1d`` converts.
 CONV1D_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.ConvTranspose1d)
