@@ -155,7 +155,7 @@ class ChannelsLast(SessionResults, Callback):
         run_after(pl_module, last, lambda: self.session.start(
             pl_module, device=trainer.strategy.root_device, dtype=compute_dtype(trainer.precision),
             sharding=sharding_of(pl_module, trainer.strategy), owner=f"ChannelsLast(mode={self.mode!r})",
-            inputs=self.convert_inputs, training=stage == "fit"))
+            training=stage == "fit"))
         guard_pruning(trainer.callbacks, pl_module, lambda what, aliases: self.session.boundary(
             pl_module, aliases=aliases,
             line=f"ChannelsLast: {what.partition('.')[0]} prunes the weights in NCHW (torch's pruning calls view on "

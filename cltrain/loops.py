@@ -96,6 +96,8 @@ class ChannelsLastRun(SessionResults):
         guard: apply the kernel guardrails (``cltrain.guardrails``).
         verify: check the first training batch (and the first evaluation batch) in both layouts.
         inputs: which tensors of a batch are the model's inputs (``cltrain.layout.batches``).
+        convert_inputs: put the model's inputs in its layout; ``False``: only the model is converted (its first
+            convolution converts the activations) and the batches stay as they come.
         check_samples: the check runs on this many samples of the batch; ``None``: the whole batch.
         sharded: the model will be sharded (``fully_shard``, FSDP, DeepSpeed), which keeps the weights NCHW: only the
             inputs are channels_last (``cltrain.sharding``); a model sharded already is treated so.
@@ -124,13 +126,14 @@ class ChannelsLastRun(SessionResults):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
                  *, step: Callable[[nn.Module, Any], Any] | None = None, mode: str = "full", layout: str = "auto",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, guard: bool = True,
-                 verify: bool = True, inputs: Inputs = None, check_samples: int | None = DEFAULT_SAMPLES,
-                 sharded: bool = False, log: Callable[[dict[str, float]], Any] | None = None,
+                 verify: bool = True, inputs: Inputs = None, convert_inputs: bool = True,
+                 check_samples: int | None = DEFAULT_SAMPLES, sharded: bool = False,
+                 log: Callable[[dict[str, float]], Any] | None = None,
                  copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = ()) -> None:
         check_module("ChannelsLastRun", model)
         check_mode("ChannelsLastRun", mode)
         check_layout_choice("ChannelsLastRun", layout)
-        check_flags("ChannelsLastRun", guard=guard, verify=verify, sharded=sharded)
+        check_flags("ChannelsLastRun", guard=guard, verify=verify, convert_inputs=convert_inputs, sharded=sharded)
         check_positive("ChannelsLastRun", "check_samples", check_samples, optional=True)
         check_dtype("ChannelsLastRun", "dtype", dtype)
         check_device("ChannelsLastRun", device)
@@ -148,7 +151,7 @@ class ChannelsLastRun(SessionResults):
                      "model.parameters()).", True)
         host = Host(_say, optimizers=lambda: self.optimizers, copies=check_copies("ChannelsLastRun", copies), log=log)
         self.session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, inputs=self.inputs,
-                                     check_samples=check_samples, host=host)
+                                     check_samples=check_samples, convert_inputs=convert_inputs, host=host)
         self.session.fingerprint = lambda: run_fingerprint(
             model, precision=str(dtype), device=str(self.session.device.type), code=[step])
         self.session.autocast_unseen = True  # a loop's own autocast, or Fabric's
@@ -192,7 +195,8 @@ class ChannelsLastRun(SessionResults):
         grad = torch.enable_grad() if train else torch.no_grad()
         with grad:
             return check_plain_step(self.model, batch, self.step, inputs=self.inputs, autocast_dtype=self.dtype,
-                                    optimizer=optimizer, samples=self.check_samples)
+                                    optimizer=optimizer, samples=self.check_samples,
+                                    convert_inputs=self.session.convert_inputs)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run: the checks' verdicts (with what they hold for) and the race's

@@ -246,8 +246,8 @@ class LayoutSession:
 
     @_outside_inference
     def start(self, model: nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-              sharding: str | None = None, owner: str | None = None, inputs: bool = True,
-              training: bool = True, compiles: bool = False) -> nn.Module:
+              sharding: str | None = None, owner: str | None = None, training: bool = True,
+              compiles: bool = False) -> nn.Module:
         """Put ``model`` in the session's layout, in place, with the guardrails, the fallbacks chosen so far and the
         host's copies of it; hold torch's utilities that take channels_last weights until ``end``. In a run of several
         ranks (every rank calls here) the guardrails cover the modules any rank finds hazardous.
@@ -258,7 +258,6 @@ class LayoutSession:
                 float32).
             sharding: the engine that shards it or will (``cltrain.sharding.sharding_of``): parameters contiguous.
             owner: the front door, as the line names it (``"ChannelsLast(mode='full')"``); ``None``: nothing said.
-            inputs: the front door converts the model's inputs (said under a sharding engine).
             training: the model will train (``False``: it only evaluates, and the line promises no race).
             compiles: the front door's host compiles the model later (the Hugging Face ``Trainer``'s
                 ``torch_compile``): not raced, as a model compiled already.
@@ -297,7 +296,7 @@ class LayoutSession:
         if not self._lazy and self.sharding is None:
             self.expect(model)  # what user code moves before the first training step (on_train_start) is put back
         if owner is not None:
-            self.report_conversion(owner, model, inputs, training)
+            self.report_conversion(owner, model, training)
         return model
 
     def _forget(self) -> None:
@@ -364,7 +363,7 @@ class LayoutSession:
                 apply_guardrails(copy_, device=self.device, dtype=self.dtype, layout=self.layout)
             _apply_to_copy(copy_, self.fallbacks)
 
-    def report_conversion(self, owner: str, model: nn.Module, inputs: bool = True, training: bool = True) -> None:
+    def report_conversion(self, owner: str, model: nn.Module, training: bool = True) -> None:
         """Say the conversion line, the guardrails applied, and (once) that a model without convolutions gains
         nothing."""
         if not has_convolutions(model) and "no convolutions" not in self._told:
@@ -372,7 +371,7 @@ class LayoutSession:
             self.say(f"{owner.partition('(')[0]}: {type(model).__name__} has no Conv2d/Conv3d/ConvTranspose layer, so "
                      "channels_last has nothing to speed up; remove it or keep it for the layout checks.", True)
         if self.sharding is not None:
-            self.say(f"{owner}: {sharded_line(self.sharding, inputs)}", not inputs)
+            self.say(f"{owner}: {sharded_line(self.sharding, self.convert_inputs)}", not self.convert_inputs)
         else:
             counts = ", ".join(f"{n} {k.replace('rank', '') + '-d' if k.startswith('rank') else k}"  # not a process's rank
                                for k, n in (self.summary or {}).items())

@@ -27,16 +27,18 @@ __all__ = ["check_plain_step"]
 def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, Any], Any] | None = None, *,
                      inputs: Inputs = None, autocast_dtype: torch.dtype | None = None,
                      optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
-                     samples: int | None = 4) -> LayoutCheck:
+                     samples: int | None = 4, convert_inputs: bool = True) -> LayoutCheck:
     """One step on ``batch`` in both layouts on copies of ``model``, its verdict not applied (the arguments are
-    ``cltrain.loops.verify_layout``'s; ``optimizer`` may be the loop's several, each stepped in turn)."""
+    ``cltrain.loops.verify_layout``'s; ``optimizer`` may be the loop's several, each stepped in turn;
+    ``convert_inputs=False``: both copies get the batch as it is, as the run leaves it)."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
 
     def run_in(part: Any, dtype: torch.dtype | None, alone: bool = False, upcast: bool = False,
                ) -> Callable[[nn.Module, str], Any]:
         def run(clone: nn.Module, layout: str) -> Any:
             copied = map_tensors(part, lambda t: (float32_tensors(t) if upcast else t).clone())
-            restride_batch(copied, layout, inputs=inputs, model=clone)
+            if convert_inputs:
+                restride_batch(copied, layout, inputs=inputs, model=clone)
             with autocast_for(device, dtype):
                 if step is not None and not alone:
                     return step(clone, copied)

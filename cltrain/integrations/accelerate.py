@@ -61,6 +61,7 @@ def prepare_channels_last(
     *,
     mode: str = "full",
     inputs: str | Sequence[str] = IMAGE_ARGUMENTS,
+    convert_inputs: bool = True,
     guard: bool = True,
     verify: bool = True,
     layout: str = "auto",
@@ -76,6 +77,8 @@ def prepare_channels_last(
             parameter's layout; ``accelerator.log`` gets both layouts' step times).
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
         inputs: the forward arguments holding images (the first positional argument is converted too).
+        convert_inputs: put those arguments in the model's layout; ``False``: only the model is converted (its first
+            convolution converts the activations) and the arguments stay as they come.
         guard: apply ``cltrain.guardrails.apply_guardrails``.
         verify: check the first training and evaluation batch (``ChannelsLastInputs.of(model).layout_checks``).
         layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
@@ -90,12 +93,13 @@ def prepare_channels_last(
         engines require, and only its image inputs are channels_last (``cltrain.sharding``).
 
     Raises:
-        ValueError: a bad ``mode``, ``inputs``, ``guard``, ``verify``, ``layout``, ``copies`` or ``check_samples``; a
-            ``model`` that is not a module, an ``accelerator`` that is not an ``Accelerator``, or one ``accelerator.prepare`` wrapped in DDP already.
+        ValueError: a bad ``mode``, ``inputs``, ``convert_inputs``, ``guard``, ``verify``, ``layout``, ``copies`` or
+            ``check_samples``; a ``model`` that is not a module, an ``accelerator`` that is not an ``Accelerator``, or
+            one ``accelerator.prepare`` wrapped in DDP already.
     """
     names = argument_names(inputs, f"prepare_channels_last(inputs={inputs!r})")
     check_mode("prepare_channels_last", mode)
-    check_flags("prepare_channels_last", guard=guard, verify=verify)
+    check_flags("prepare_channels_last", convert_inputs=convert_inputs, guard=guard, verify=verify)
     check_layout_choice("prepare_channels_last", layout)
     copied = check_copies("prepare_channels_last", copies)
     check_positive("prepare_channels_last", "check_samples", check_samples, optional=True)
@@ -112,7 +116,8 @@ def prepare_channels_last(
     hook = ChannelsLastInputs(names, verify=verify, autocast_dtype=dtype)
     hook.optimizers = _Prepared(accelerator)  # the optimizers accelerator.prepare makes later
     host = hook.host(copies=copied, log=lambda metrics: accelerator.log(metrics))
-    session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host, check_samples=check_samples)
+    session = LayoutSession(mode, layout=layout, guard=guard, verify=verify, host=host, check_samples=check_samples,
+                            convert_inputs=convert_inputs)
     # a step is the calls up to the optimizer's step (under accelerator.accumulate() or a loop's own accumulation)
     session.watch_optimizers = True
     session.fingerprint = lambda: run_fingerprint(model, precision=str(accelerator.mixed_precision),

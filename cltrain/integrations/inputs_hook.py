@@ -219,7 +219,7 @@ class ChannelsLastInputs:
         if module is self.model:
             self.run_pending()
         if module is not self.model:  # a copy: its inputs in the layout, nothing else
-            if self.layout != "channels_last":
+            if self.layout != "channels_last" or not self.session.convert_inputs:
                 return None
             first = (_to_channels_last(args[0], module), *args[1:]) if self.positional and args else args
             return first, {k: _to_channels_last(v, module) if k in self.names else v for k, v in kwargs.items()}
@@ -293,7 +293,8 @@ class ChannelsLastInputs:
         try:  # positional: the first argument alone; the check restrides only what `found` names
             with torch.autocast(device_of(module).type, enabled=False), grad:  # float32: the loop's autocast is outside
                 return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found,
-                                        autocast_dtype=self.autocast_dtype, samples=self.session.check_samples)
+                                        autocast_dtype=self.autocast_dtype, samples=self.session.check_samples,
+                                        convert_inputs=self.session.convert_inputs)
         finally:
             _state.checking = False
 

@@ -93,6 +93,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
         inputs: the model's forward arguments holding images, a name or a list (default ``pixel_values`` and
             ``pixel_values_videos``); the first positional argument is converted too.
+        convert_inputs: put those arguments in the model's layout; ``False``: only the model is converted (its first
+            convolution converts the activations) and the arguments stay as the collator built them.
         guard: apply ``cltrain.guardrails.apply_guardrails`` (workarounds for known-bad kernels on this device).
         verify: run the layout check on the first training and evaluation batch.
         layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
@@ -109,8 +111,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
     Raises:
         ValueError: an unknown ``mode`` or ``layout``, an ``inputs`` that is not a name or a list of names, a
-            non-bool ``guard`` or ``verify``, ``copies`` that are not modules, a ``check_samples`` that is not
-            ``None`` or an int >= 1; in ``on_train_begin``, a model rebuilt by ``model_init`` in a
+            non-bool ``convert_inputs``, ``guard`` or ``verify``, ``copies`` that are not modules, a ``check_samples``
+            that is not ``None`` or an int >= 1; in ``on_train_begin``, a model rebuilt by ``model_init`` in a
             distributed run (DDP/FSDP wrapped it before any callback could convert it).
 
     Example::
@@ -127,6 +129,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         self,
         mode: str = "full",
         inputs: str | Sequence[str] = IMAGE_ARGUMENTS,
+        convert_inputs: bool = True,
         guard: bool = True,
         verify: bool = True,
         layout: str = "auto",
@@ -135,9 +138,10 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
     ) -> None:
         check_mode("ChannelsLastCallback", mode)
         names = argument_names(inputs, f"ChannelsLastCallback(inputs={inputs!r})")
-        check_flags("ChannelsLastCallback", guard=guard, verify=verify)
+        check_flags("ChannelsLastCallback", convert_inputs=convert_inputs, guard=guard, verify=verify)
         check_layout_choice("ChannelsLastCallback", layout)
         self.mode, self.names, self.guard, self.verify, self.choice = mode, names, guard, verify, layout
+        self.convert_inputs = convert_inputs
         self.copies = check_copies("ChannelsLastCallback", copies)
         check_positive("ChannelsLastCallback", "check_samples", check_samples, optional=True)
         self.check_samples = check_samples
@@ -150,7 +154,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
     def _session(self) -> LayoutSession:
         host = self.inputs_hook.host(copies=self.copies, log=lambda metrics: self._log(metrics))
         return LayoutSession(self.mode, layout=self.choice, guard=self.guard, verify=self.verify, host=host,
-                             check_samples=self.check_samples)
+                             check_samples=self.check_samples, convert_inputs=self.convert_inputs)
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self._state is not None:
@@ -158,8 +162,9 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
     def state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` keeps (``ExportableState``): the arguments, and the session's state."""
-        return {"args": {"mode": self.mode, "inputs": list(self.names), "guard": self.guard, "verify": self.verify,
-                         "layout": self.choice},
+        return {"args": {"mode": self.mode, "inputs": list(self.names), "convert_inputs": self.convert_inputs,
+                         "guard": self.guard, "verify": self.verify, "layout": self.choice,
+                         "check_samples": self.check_samples},
                 "attributes": {"saved": self.session.state_dict(), "rebuilt": True}}  # set on a rebuilt one alone
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
