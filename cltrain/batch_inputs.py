@@ -23,7 +23,7 @@ from cltrain.layout.batches import (Inputs, describe_batch, first_image_tensor, 
                                     restore_batch, restride_batch)
 from cltrain.layout import has_convolutions
 from cltrain.layout.conv_reach import ConvReach
-from cltrain.layout.stacks import in_input_layout, to_input_layout
+from cltrain.layout.stacks import channel_dim, in_input_layout, to_input_layout
 from cltrain.layout.tensors import is_compiled
 
 __all__ = ["BatchInputs", "InputTrace"]
@@ -110,7 +110,7 @@ class BatchInputs:
             converted = len(new)
             if traced is not None:
                 traced = {p: new[p] for p in traced if p in new}
-        self._look(batch)
+        self._look(batch, model)
         if traced is not None:  # traced through this batch's forward, after the check
             self._pending = (kind, traced)
         else:
@@ -142,14 +142,17 @@ class BatchInputs:
         """The loader's tensors as it made them (it may hand the same ones out again)."""
         restore_batch(self.kept)
 
-    def _look(self, batch: Any) -> None:
+    def _look(self, batch: Any, model: nn.Module) -> None:
         if self._looked:
             return
         self._looked = True
         if isinstance(batch, Mapping) and "pixel_values" in batch:  # an image processor's CHW floats: no collate of ours
             self._hint = ""
         first = first_image_tensor(batch, self.inputs)
-        if first is not None and first.dim() == 5:  # clips: channels_last_3d, from the clip collate
+        if first is not None and first.dim() == 5 and channel_dim(first, model) == 2:  # (B, T, C, H, W) stacks
+            self._named = "channels_last per frame"
+            self._hint = ""
+        elif first is not None and first.dim() == 5:  # clips: channels_last_3d, from the clip collate
             self._named = "channels_last_3d"
             self._hint = self._hint and " cltrain.data.video's NDHWCCollate makes this copy unnecessary."
         if first_image_tensor(batch, self.inputs) is None and first_image_tensor(batch, "all") is not None:

@@ -392,16 +392,18 @@ def test_the_loaders_own_tensors_keep_their_layout_after_each_step(tmp_path, kin
 
 
 def test_the_copy_line_points_at_the_nhwc_collate_only_where_it_can_serve():
-    # a Hugging Face image processor's batch (CHW floats under pixel_values) cannot come from cltrain's NHWC collate
+    # a Hugging Face image processor's batch (CHW floats under pixel_values) cannot come from cltrain's NHWC collate;
+    # a stack of frames (B, T, C, H, W) is made channels_last frame by frame, not channels_last_3d
     from cltrain.batch_inputs import BatchInputs
 
     image, clip, labels = (2, 3, 8, 8), (2, 3, 4, 8, 8), torch.zeros(2)  # each batch new: convert restrides in place
-    for model, batch, hint in ((nn.Conv2d(3, 4, 3), {"pixel_values": torch.randn(image), "labels": labels}, ""),
-                               (nn.Conv2d(3, 4, 3), (torch.randn(image), labels), "cltrain.data's NHWC collate"),
-                               (nn.Conv3d(3, 4, 3), (torch.randn(clip), labels), "cltrain.data.video's NDHWCCollate")):
+    for model, batch, hint, named in (
+            (nn.Conv2d(3, 4, 3), {"pixel_values": torch.randn(image), "labels": labels}, "", "channels_last"),
+            (nn.Conv2d(3, 4, 3), (torch.randn(image), labels), "cltrain.data's NHWC collate", "channels_last"),
+            (nn.Conv3d(3, 4, 3), (torch.randn(clip), labels), "cltrain.data.video's NDHWCCollate", "channels_last_3d"),
+            (nn.Conv2d(3, 4, 3), (torch.randn(2, 4, 3, 8, 8), labels), "", "channels_last per frame")):
         said = []
         BatchInputs(lambda line, warn=False: said.append(line), inputs="all").convert(batch, "train", model,
                                                                                     "channels_last")
-        named = "channels_last_3d" if isinstance(model, nn.Conv3d) else "channels_last"
         assert len(said) == 1 and f"converting 1 tensor(s) per batch to {named} on the device." in said[0], said
         assert ("collate" in said[0].lower()) == bool(hint) and hint in said[0], said
