@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 from cltrain.check.result import LayoutCheck
 from cltrain.devices import device_of
 from cltrain.host import Host, shown
+from cltrain.layout import has_convolutions
 from cltrain.layout.stacks import to_input_layout
 from cltrain.options import check_flags, check_layout_choice
 from cltrain.session import LayoutSession
@@ -286,15 +287,17 @@ class ChannelsLastInputs:
         """The door's step runner: the model's forward (and its loss) on this call's arguments, in both layouts."""
         from cltrain.check.plain_step import check_plain_step
 
-        if not found:
+        if not found and not has_convolutions(module):
             return LayoutCheck("not checked", reason="the model's forward got no image argument to check")
+        # no 4-D/5-D image argument (a detector's list of 3-D images, images under another name): the forward is
+        # checked on its arguments as they come, which its convolutions read in either layout
         grad = torch.enable_grad() if kind == "train" else torch.no_grad()
         _state.checking = True
         try:  # positional: the first argument alone; the check restrides only what `found` names
             with torch.autocast(device_of(module).type, enabled=False), grad:  # float32: the loop's autocast is outside
-                return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found,
+                return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found or None,
                                         autocast_dtype=self.autocast_dtype, samples=self.session.check_samples,
-                                        convert_inputs=self.session.convert_inputs)
+                                        convert_inputs=self.session.convert_inputs and bool(found))
         finally:
             _state.checking = False
 

@@ -196,3 +196,31 @@ def test_two_models_of_one_accelerator_keep_their_own_states(tmp_path):
     first, second = (s.state_dict() for s in resumed)
     assert first["fingerprint"] == saved[0]["fingerprint"] and second == saved[1]
     assert "the checkpoint resumed from" in first["layout_checks"]["train"]["notes"][0]  # its own verdict, not checked
+
+
+class _ListOfImages(nn.Module):
+    """A detector's call: a list of 3-D images (``model(images, labels)``), stacked inside; a head written for NCHW
+    (``view`` on the convolution's output, which a channels_last one refuses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 3)
+
+    def forward(self, images: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(torch.stack(images)))
+        return nn.functional.cross_entropy(self.fc(h.view(len(h), -1)), labels)
+
+
+def test_a_forward_given_a_list_of_3d_images_is_checked_on_them_as_they_come():
+    # no 4-D image argument: the check did not run ("no image argument to check"), and the step raised in channels_last
+    model, accelerator = _ListOfImages(), Accelerator(cpu=True)
+    prepare_channels_last(model, accelerator, layout="channels_last")
+    optimizer = torch.optim.AdamW(model.parameters())
+    wrapped, optimizer = accelerator.prepare(model, optimizer)
+    for _ in range(2):
+        accelerator.backward(wrapped([torch.randn(3, 8, 8) for _ in range(2)], torch.tensor([0, 1])))
+        optimizer.step()
+        optimizer.zero_grad()
+    check = ChannelsLastInputs.of(model).layout_checks["train"]
+    assert check.verdict == "fallback" and "view" in check.line(), check.line()  # and the steps ran
