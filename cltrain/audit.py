@@ -46,13 +46,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cltrain.precision import autocast_for
 from cltrain.timing.steps import scalar_loss
 from cltrain.layout import is_channels_last, layout_summary, to_channels_last
+from cltrain.layout.function_mode import UserFrameMode
 
 __all__ = ["AuditReport", "AuditRow", "audit_model"]
 
@@ -232,7 +232,7 @@ class _Recorder(TorchDispatchMode):
         return result
 
 
-class _GradFnRecorder(TorchFunctionMode):
+class _GradFnRecorder(UserFrameMode):
     """Notes which module path created each autograd node, to attribute backward ops."""
 
     def __init__(self, current_path: Callable[[], str]) -> None:

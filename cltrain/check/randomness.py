@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from cltrain.check.result import COPY_LIMIT
+from cltrain.layout.function_mode import UserFrameMode
 
 __all__ = ["SameRandomness", "rng_state", "same_randomness", "set_rng_state"]
 
@@ -32,7 +32,7 @@ _RANDOM_IN_PLACE = {
 }
 
 
-class SameRandomness(TorchFunctionMode):
+class SameRandomness(UserFrameMode):
     """Random ops draw in the logical (NCHW) order whatever the strides, so the same RNG state gives the
     same dropout mask in both layouts (a kernel fills a mask in memory order)."""
 

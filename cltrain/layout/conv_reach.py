@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
+from cltrain.layout.function_mode import UserFrameMode
 from cltrain.layout.tensors import is_channels_last, is_channels_last_1d
 
 __all__ = ["CONV_FUNCTIONS", "ConvReach"]
@@ -53,7 +53,7 @@ def _in_its_format(x: torch.Tensor) -> bool:
     return is_channels_last_1d(x) if x.dim() == 3 else is_channels_last(x)
 
 
-class ConvReach(TorchFunctionMode):
+class ConvReach(UserFrameMode):
     """Trace ``tensors`` (key -> tensor) to the convolutions that take them; see the module docstring.
 
     Attributes:

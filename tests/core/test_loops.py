@@ -4,6 +4,7 @@ model trained channels_last (torch.export, TorchScript, ONNX)."""
 import json
 import os
 import logging
+import subprocess
 import sys
 import warnings
 
@@ -480,3 +481,27 @@ def test_a_start_interrupted_while_taking_torchs_utilities_ends_without_a_second
     run = ChannelsLastRun(model, layout="channels_last", verify=False)  # a new run takes them as usual
     assert run.session._utilities is not None
     run.end()
+
+
+def test_a_warning_the_users_step_raises_on_the_first_batch_names_the_users_line_once(tmp_path) -> None:
+    # under the check's and the input trace's function modes, torch's C++ warnings named the mode's frame
+    # (cltrain/layout/conv_reach.py): the user was sent to cltrain's code for a line of their own
+    script = tmp_path / "users_loop.py"
+    script.write_text(
+        "import torch\nfrom cltrain.loops import ChannelsLastRun\n"
+        "model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(144, 2))\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "def step(model, batch):\n"
+        "    loss = model(batch[0]).square().mean()\n"
+        "    print(float(loss))  # a scalar of a tensor needing grad: torch warns\n"
+        "    return loss\n"
+        "run = ChannelsLastRun(model, optimizer, step=step, layout='channels_last')\n"
+        "for batch in run.batches([(torch.randn(2, 3, 8, 8), torch.zeros(2))] * 3):\n"
+        "    step(model, batch).backward(); optimizer.step(); optimizer.zero_grad()\n"
+        "run.end()\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "default", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    warned = [line for line in done.stderr.splitlines() if "UserWarning: Converting a tensor" in line]
+    assert warned == [f"{script}:7: UserWarning: Converting a tensor with requires_grad=True to a scalar may lead "
+                      "to unexpected behavior."], done.stderr
