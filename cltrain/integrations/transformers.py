@@ -185,7 +185,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
             self.session.say(
                 "ChannelsLastCallback: restore_callback_states_from_checkpoint=True replaced the callback given to "
                 f"this Trainer by one made from the checkpoint's options (layout={self.choice!r}, mode={self.mode!r}; "
-                "copies and check_samples at their defaults); leave it False: the callback restores its own state "
+                "copies at their default: none); leave it False: the callback restores its own state "
                 "from the checkpoint.", True)
         if model is None:
             return

@@ -222,8 +222,8 @@ def test_a_run_saved_without_the_callback_resumes_with_it_and_saves_again(tmp_pa
 def test_a_resume_that_rebuilds_the_callback_from_the_checkpoint_says_whose_options_hold(tmp_path, caplog, restore):
     # restore_callback_states_from_checkpoint=True: transformers makes a new callback of the checkpoint's options,
     # in place of the one given (its layout, copies, check_samples): silently
-    trainer("resnet", tmp_path, PlainNet(), [ChannelsLastCallback()], max_steps=2, save_strategy="steps",
-            save_steps=2).train()
+    trainer("resnet", tmp_path, PlainNet(), [ChannelsLastCallback(check_samples=2, convert_inputs=False)], max_steps=2,
+            save_strategy="steps", save_steps=2).train()
     given = ChannelsLastCallback(layout="contiguous")
     t = trainer("resnet", tmp_path, PlainNet(), [given], max_steps=3, save_strategy="no",
                 restore_callback_states_from_checkpoint=restore)
@@ -231,6 +231,7 @@ def test_a_resume_that_rebuilds_the_callback_from_the_checkpoint_says_whose_opti
         t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     held = [cb for cb in t.callback_handler.callbacks if isinstance(cb, ChannelsLastCallback)]
     assert (held == [given]) is not restore
+    assert (held[0].check_samples, held[0].convert_inputs) == ((2, False) if restore else (4, True))
     assert ("replaced the callback given to this Trainer" in caplog.text) is restore
     assert is_channels_last(t.model.conv.weight) is restore  # the checkpoint's layout='auto', or the given pin
 
