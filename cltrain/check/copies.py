@@ -20,6 +20,7 @@ import copy
 import inspect
 import sys
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +32,8 @@ from cltrain.layout.optimizer_state import user_step_hooks
 from cltrain.layout.tensors import is_materialized
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "checking", "copy_optimizer", "copy_schedulers", "eager_copy", "elementwise",
-           "float32_tensors", "half_dtype", "in_float32", "is_check_copy", "mark_copy", "rebind_methods", "running"]
+           "float32_tensors", "half_dtype", "in_float32", "is_check_copy", "mark_copy", "rebind_methods", "running",
+           "shared_note"]
 
 _MARK = "_cltrain_check_copy"
 
@@ -218,15 +220,31 @@ def _unwrapped(fn: Any) -> Any:
         return None
 
 
+#: The attributes of each model that its copies share (``shared_note``).
+_shared: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
+_MODULE_STATE = frozenset(vars(nn.Module()))  # a module's own parameters, buffers, children and hooks
+
+
 def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     """A deep copy of ``model`` that runs eagerly and only on itself: methods bound as instance attributes
     (Lightning's rebinding of a compiled module's steps) are bound to the copy, ``module.compile()`` is
     undone and a ``torch.compile``d model or child runs its module eagerly (module names unchanged); closures,
     partials, default arguments and hooks that hold the original (a wrapped ``forward``) hold the copy
-    (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise."""
+    (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise. An attribute ``deepcopy`` refuses
+    (an open file, a ``SummaryWriter``'s lock) is shared with the copy, and ``shared_note`` names it."""
     memo = {} if memo is None else memo
     _computed_tensors(model, memo)
-    clone = copy.deepcopy(model, memo)
+    trial = dict(memo)
+    try:
+        clone = copy.deepcopy(model, trial)
+    except TypeError:  # "cannot pickle '_io.TextIOWrapper' object": the model could not be checked at all
+        names = _share_uncopyable(model, memo)
+        if not names:
+            raise
+        _shared[model] = names
+        trial = dict(memo)
+        clone = copy.deepcopy(model, trial)
+    memo.update(trial)
     originals = dict(model.named_parameters())
     for name, param in clone.named_parameters():
         _copy_grad_hooks(originals.get(name), param, memo)
@@ -245,6 +263,46 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     if isinstance(clone, _compiled_types()):  # a model compiled before a door saw it: its copy runs eagerly too
         clone = memo[id(model)] = _Eager(clone._orig_mod)
     return clone
+
+
+def _share_uncopyable(model: nn.Module, memo: dict[int, Any]) -> list[str]:
+    """The attributes of ``model``'s modules that ``deepcopy`` refuses, put in ``memo`` as themselves (shared by
+    the copy), by name; not one that holds the model (a copy's step would run the real one through it)."""
+    names = []
+    real = {id(m) for m in model.modules()} | {id(t) for t in (*model.parameters(), *model.buffers())}
+    for path, module in model.named_modules():
+        state = module.__getstate__()  # what deepcopy copies (a LightningModule's leaves its trainer out)
+        for name, value in (state if isinstance(state, dict) else vars(module)).items():
+            if name in _MODULE_STATE or isinstance(value, (nn.Module, torch.Tensor)) or id(value) in memo:
+                continue
+            try:
+                copy.deepcopy(value, dict(memo))
+            except TypeError:
+                if _reaches(value, real, 4, set()):
+                    continue
+                memo[id(value)] = value
+                names.append(f"self.{path + '.' if path else ''}{name} ({type(value).__name__})")
+    return names
+
+
+def _reaches(value: Any, targets: set[int], depth: int, seen: set[int]) -> bool:
+    """Whether ``value``'s attributes and items hold an object whose id is in ``targets``, ``depth`` levels down."""
+    if id(value) in targets:
+        return True
+    if not depth or id(value) in seen or isinstance(value, (str, bytes, int, float, torch.Tensor)):
+        return False
+    seen.add(id(value))
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set, frozenset)) \
+        else vars(value).values() if hasattr(value, "__dict__") else ()
+    return any(_reaches(item, targets, depth - 1, seen) for item in items)
+
+
+def shared_note(model: nn.Module) -> str | None:
+    """The check line's note on what ``model``'s copies share with it (``eager_copy``), or ``None``."""
+    names = _shared.get(model)
+    if not names:
+        return None
+    return f"{', '.join(names)} shared with the copies (deepcopy refuses {'it' if len(names) == 1 else 'them'})"
 
 
 def _computed_tensors(model: nn.Module, memo: dict[int, Any]) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import copy_optimizer, copy_schedulers, eager_copy, elementwise, float32_tensors, \
-    half_dtype, in_float32
+    half_dtype, in_float32, shared_note
 from cltrain.check.fallback import map_images
 from cltrain.check.result import COPY_LIMIT, MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, restride_batch
@@ -278,6 +278,7 @@ def check_lightning_step(trainer: Any, pl_module: nn.Module, batch: Any, batch_i
                 result = alone
                 break
     notes = [f"the optimizer step of {name} was not checked ({why})" for name, why in uncopied.items()]
+    notes += [note for note in (shared_note(pl_module),) if note is not None]
     return dataclasses.replace(result, notes=(*result.notes, *notes)) if notes else result
 
 

@@ -16,7 +16,8 @@ from torch import nn
 
 from cltrain.check.budget import check_within_budget
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
-from cltrain.check.copies import copy_optimizer, eager_copy, elementwise, float32_tensors, half_dtype, in_float32
+from cltrain.check.copies import (copy_optimizer, eager_copy, elementwise, float32_tensors, half_dtype, in_float32,
+                                  shared_note)
 from cltrain.check.result import MODEL_ALONE, STEP_RAISED
 from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors, restride_batch
 from cltrain.precision import autocast_for
@@ -86,4 +87,6 @@ def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, An
         return dataclasses.replace(alone, notes=(f"{MODEL_ALONE}, on the batch's image tensor: {STEP_RAISED} "
                                                  f"({result.step_raised})", *alone.notes), step_raised=result.step_raised)
 
-    return check_within_budget(check, batch, samples, inputs=inputs)
+    result = check_within_budget(check, batch, samples, inputs=inputs)
+    note = shared_note(model)
+    return dataclasses.replace(result, notes=(*result.notes, note)) if note is not None else result

@@ -220,6 +220,36 @@ def test_convert_inputs_false_leaves_batches_and_its_check_runs_the_step_on_them
     assert all(tuple(s) == torch.empty(shape).stride() for *s, shape in model.seen["train"])
 
 
+class _WritesALog(Classifier):
+    """The guide's pattern: an open file on the module, written outside the check's copies; a head written for NCHW."""
+
+    def __init__(self, path):
+        from tests.helpers.user_code import ViewHead
+
+        super().__init__(ViewHead())
+        self.sample_log = open(path, "a")  # noqa: SIM115 - the module holds it for the run
+
+    def training_step(self, batch, batch_idx):
+        from cltrain.check import is_check_copy
+
+        if not is_check_copy(self):
+            self.sample_log.write(f"{batch_idx}\n")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_module_holding_an_open_file_is_checked_sharing_it_with_the_copies(tmp_path):
+    # deepcopy refuses an open file (a SummaryWriter's lock likewise): the check was skipped, and the head's view
+    # raised at the first real step
+    model = _WritesALog(tmp_path / "samples.log")
+    callback = ChannelsLast(layout="channels_last")
+    make_trainer(tmp_path, [callback]).fit(model, loader(4, 2, size=16))
+    model.sample_log.close()
+    check = callback.layout_checks["train"]
+    assert check.verdict == "fallback", check.line()
+    assert "self.sample_log (TextIOWrapper) shared with the copies" in check.line() and "_trainer" not in check.line()
+    assert (tmp_path / "samples.log").read_text() == "0\n1\n"  # the real steps' lines alone
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -39,3 +40,26 @@ def test_an_optimizer_whose_update_reads_nchw_memory_is_run_on_copies_and_found(
     without = check_plain_step(model, _batch(), _step, samples=None)  # the control: the step alone passes
     assert without.verdict == "passed" and with_update.verdict != "passed", with_update.line()
     assert all(not s for s in optimizer.state.values())  # the optimizer's own state is not touched
+
+
+class _Holder:
+    """An object deepcopy refuses (it holds a lock), holding ``model``: a copy sharing it reaches the real model."""
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        import threading
+
+        self.lock, self.model = threading.Lock(), model
+
+
+def test_an_attribute_deepcopy_refuses_is_shared_with_the_copies_unless_it_reaches_the_real_model(tmp_path) -> None:
+    # an open file or a lock on the model: deepcopy raised, and the check did not run at all
+    model = convert_model(ViewHead())
+    with open(tmp_path / "log.txt", "w") as log:
+        model.conv1.log, model.lock = log, _Holder(None)
+        result = check_plain_step(model, _batch(), _step, samples=None)
+    assert result.verdict == "fallback", result.line()
+    assert result.notes[-1] == "self.lock (_Holder), self.conv1.log (TextIOWrapper) shared with the copies (deepcopy " \
+                               "refuses them)"
+    model.lock = _Holder(model)  # shared, a copy's step could run the real model through it: not checked (the doors
+    with pytest.raises(TypeError, match="cannot pickle"):  # say "the check itself failed (TypeError: ...)")
+        check_plain_step(model, _batch(), _step, samples=None)
