@@ -321,6 +321,17 @@ def test_a_bad_key_or_value_is_one_line_in_process(override: str, message: str) 
     assert str(again.value) == str(info.value)
 
 
+def test_a_key_under_a_group_that_is_null_in_this_config_is_one_line() -> None:
+    # data.demo is null under data=imagenet: OmegaConf's assertion and Hydra's traceback, exit status 1
+    overrides = ["data=imagenet", "data.root=photos", "data.demo.train_per_class=10", "device=cpu"]
+    message = ("data.demo.train_per_class=10: data.demo is null with data=imagenet: it has no keys (allowed: drop "
+               "data.demo.train_per_class, or choose a data that has data.demo)")
+    for make in (check_command_line, compose_config):
+        with pytest.raises(ConfigError) as info:
+            make(overrides)
+        assert str(info.value) == message
+
+
 @pytest.mark.parametrize("sweep,message", [
     (["seed=1,2,abc"], "seed='abc': must be a whole number"),
     (["ema.decay=0.9,1.5", "seed=1,2"], "ema.decay=1.5: must be a number in [0, 1)"),

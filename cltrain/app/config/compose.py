@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from cltrain.app.config.check import check, check_sweep_launch, config_error
+from cltrain.app.config.check import _override, check, check_sweep_launch, config_error
 from cltrain.app.config.errors import ConfigError
 from cltrain.app.config.resolve import check_meanings
 
@@ -63,10 +63,36 @@ def _compose(overrides: Sequence[str], config_name: str = "config") -> DictConfi
     try:
         return compose(config_name, overrides=list(overrides))
     except Exception as exc:
-        error = config_error(exc, overrides)
+        error = config_error(exc, overrides) or _under_null(exc, overrides, config_name)
         if error is None:
             raise
         raise error from None
+
+
+def _under_null(exc: BaseException, overrides: Sequence[str], config_name: str) -> ConfigError | None:
+    """``data.demo.train_per_class=10`` with ``data=imagenet``, whose ``data.demo`` is null: OmegaConf's assertion
+    ("Unexpected type for root: NoneType") as the key that is null in this run's config."""
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    if not isinstance(exc, AssertionError) or "Unexpected type for root" not in str(exc):
+        return None
+    keys = [_override(o) for o in overrides]
+    try:  # the groups chosen, and the values that set no nested key
+        cfg = compose(config_name, overrides=[o for o, (k, _) in zip(overrides, keys) if "." not in k],
+                      return_hydra_config=True)
+    except Exception:  # noqa: BLE001 - another override's error: Hydra reports it
+        return None
+    for key, value in keys:
+        parts = key.split(".")
+        for depth in range(1, len(parts)):
+            node = ".".join(parts[:depth])
+            if OmegaConf.select(cfg, node, default=0) is None:
+                group = parts[0]
+                chosen = (OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {}).get(group, "...")
+                return ConfigError(key, value, f"{node} is null with {group}={chosen}: it has no keys",
+                                   f"drop {key}, or choose a {group} that has {node}")
+    return None
 
 
 #: The Hydra keys of the sweeper's and the launcher's own settings (``hydra.sweeper.n_trials=20``), which the docs
