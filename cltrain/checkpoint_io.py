@@ -9,7 +9,7 @@ paths:
 * **Loading** uses ``torch.load(weights_only=True)`` unless the caller passes
   ``weights_only=False``: a checkpoint holding a type outside torch's allow-list is refused with
   ``UnsafeCheckpointError`` before anything in it runs; a file that cannot be read raises
-  ``UnreadableCheckpointError``, naming the checkpoints of its directory that do load.
+  ``UnreadableCheckpointError``, naming the Lightning checkpoints of its directory that do load.
 
 Why, and what a full disk or a kill does: docs/resuming.md.
 
@@ -74,7 +74,7 @@ class UnreadableCheckpointError(CheckpointLoadError):
 
     Attributes:
         reason: why it does not load (``"the file is empty"``, ``"incomplete: ..."``, ...).
-        loadable: the other checkpoints in its directory that load, newest first.
+        loadable: the other Lightning checkpoints in its directory that load, newest first.
         others: the sentence naming them.
     """
 
@@ -119,20 +119,22 @@ def _refused_types(path: Path, err: BaseException) -> list[str] | None:
 
 
 def _try_load(path: Path) -> bool:
+    """Whether ``path`` loads as a Lightning checkpoint (a dict holding ``state_dict``; a model's weights saved
+    with ``torch.save`` load too, but do not resume a run)."""
     try:
         try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: the tensors are not read
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: tensors not read
         except RuntimeError as err:
             if "mmap" not in str(err):
                 raise
-            torch.load(path, map_location="cpu", weights_only=True)  # a file in torch's legacy format
-        return True
+            loaded = torch.load(path, map_location="cpu", weights_only=True)  # a file in torch's legacy format
+        return isinstance(loaded, dict) and "state_dict" in loaded
     except Exception:  # noqa: BLE001 - any failure means "does not load"
         return False
 
 
 def loadable_checkpoints(directory: str | os.PathLike, exclude: str | os.PathLike | None = None) -> list[Path]:
-    """The checkpoint files (``*.ckpt``, ``*.pt``, ``*.pth``) in ``directory`` that load with
+    """The Lightning checkpoint files (``*.ckpt``, ``*.pt``, ``*.pth``) in ``directory`` that load with
     ``weights_only=True``, newest first; ``exclude`` is left out."""
     try:
         files = [p for p in Path(directory).iterdir() if p.suffix in CHECKPOINT_SUFFIXES and p.is_file()

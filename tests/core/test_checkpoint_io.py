@@ -201,9 +201,10 @@ def test_a_payload_checkpoint_is_refused_and_does_not_run(tmp_path: Path) -> Non
 
 def test_a_truncated_checkpoint_names_the_ones_that_load(tmp_path: Path) -> None:
     io = AtomicCheckpointIO()
-    io.save_checkpoint({"global_step": 1, "w": torch.zeros(1000)}, tmp_path / "best-epoch000.ckpt")
-    io.save_checkpoint({"global_step": 2, "w": torch.zeros(1000)}, tmp_path / "last.ckpt")
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.zeros(1000)}}, tmp_path / "best-epoch000.ckpt")
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(1000)}}, tmp_path / "last.ckpt")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
+    torch.save({"w": torch.zeros(3)}, tmp_path / "weights.pt")  # a model's weights: loads, resumes nothing
     data = (tmp_path / "last.ckpt").read_bytes()
     (tmp_path / "last.ckpt").write_bytes(data[: len(data) // 2])  # cut by some other tool
     with pytest.raises(UnreadableCheckpointError) as err:
