@@ -58,12 +58,15 @@ class ConvReach(UserFrameMode):
 
     Attributes:
         reached: the keys whose tensor (or one computed from it) a convolution took in channels-last format.
+        reached_otherwise: the keys that reached a convolution only out of that format (a strided slice of it, a
+            permute).
         convolutions: how many convolution calls were seen.
     """
 
     def __init__(self, tensors: Mapping[Hashable, torch.Tensor]) -> None:
         super().__init__()
         self.reached: set[Hashable] = set()
+        self.reached_otherwise: set[Hashable] = set()
         self.convolutions = 0
         self._from: dict[int, tuple[weakref.ref, frozenset]] = {}
         for key, t in tensors.items():
@@ -82,8 +85,11 @@ class ConvReach(UserFrameMode):
         if func in CONV_FUNCTIONS:
             self.convolutions += 1
             x = args[0] if args else kwargs.get("input")
-            if isinstance(x, torch.Tensor) and _in_its_format(x):
-                self.reached |= self._origin(x)
+            if isinstance(x, torch.Tensor):
+                if _in_its_format(x):
+                    self.reached |= self._origin(x)
+                else:
+                    self.reached_otherwise |= self._origin(x)
             return func(*args, **kwargs)  # a convolution's output has the convolution's layout, not the input's
         result = func(*args, **kwargs)
         keys = frozenset().union(*(self._origin(t) for t in _tensors((args, kwargs))))

@@ -54,7 +54,26 @@ def test_an_input_the_model_reshapes_before_any_convolution_is_left_as_it_arrive
         inputs.restore()
     assert inputs.trace.left_as_is["train"] == frozenset({0})
     assert [line for line in said if "reaches no convolution" in line] and len(said) == 1
+    assert "a convolution gets it only out of that format" in said[0], said  # not "replaces it": it reaches conv
     assert batch[0].is_contiguous()  # the second batch was not converted
+
+
+def test_an_input_no_convolution_gets_is_said_to_be_replaced() -> None:
+    class Replaces(nn.Module):  # the forward computes on a tensor of its own: the input reaches nothing
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = to_channels_last(nn.Conv2d(3, 4, 3))
+
+        def forward(self, x):
+            return self.conv(torch.zeros(2, 3, 8, 8).to(memory_format=torch.channels_last)) + x.mean()
+
+    said, inputs = _said()
+    model, batch = Replaces(), (torch.randn(2, 3, 8, 8),)
+    inputs.convert(batch, "train", model, "channels_last")
+    inputs.start_trace(model, "channels_last")
+    model(batch[0])
+    inputs.end_trace()
+    assert len(said) == 1 and "or other code replaces it, first" in said[0], said
 
 
 def _steps(inputs: BatchInputs, model: nn.Module, make, n: int = 3) -> None:
