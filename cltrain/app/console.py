@@ -60,7 +60,7 @@ def _console_handlers(logger: logging.Logger) -> list[logging.Handler]:
 @contextlib.contextmanager
 def quiet_console() -> Iterator[None]:
     """Within this block: Lightning's records printed once, by the root's handlers (Hydra's console and its
-    ``train.log``), :data:`LIBRARY_NOTICES` left out."""
+    ``train.log``), :data:`LIBRARY_NOTICES` left out; ``warnings.warn``'s warnings go there too (``py.warnings``)."""
     loggers = [logging.getLogger(name) for name in _LIGHTNING]
     root_prints = bool(_console_handlers(logging.getLogger()))
     set_aside = [(logger, h) for logger in loggers for h in _console_handlers(logger)] if root_prints else []
@@ -76,6 +76,9 @@ def quiet_console() -> Iterator[None]:
             filters.append((logging.getLogger(name), _DropNotices((start,))))
     for logger, drop in filters:
         logger.addFilter(drop)
+    captured = root_prints and warnings.showwarning is not logging._showwarning  # type: ignore[attr-defined]
+    if captured:  # printed by the root's handlers, so train.log keeps them
+        logging.captureWarnings(True)
     try:
         with warnings.catch_warnings():
             for name, start in LIBRARY_NOTICES:
@@ -83,6 +86,8 @@ def quiet_console() -> Iterator[None]:
                     warnings.filterwarnings("ignore", message=re.escape(start))
             yield
     finally:
+        if captured:
+            logging.captureWarnings(False)
         for logger, drop in filters:
             logger.removeFilter(drop)
         for logger, handler in set_aside:

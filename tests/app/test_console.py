@@ -64,6 +64,7 @@ def test_a_real_warning_still_shows(tmp_path: Path, demo_args: list[str]) -> Non
 def test_quiet_console_sets_lightning_s_own_handler_aside_while_the_root_prints(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
     import logging
+    import warnings
 
     import lightning  # noqa: F401 - adds its console handler to the "lightning" logger
 
@@ -85,8 +86,11 @@ def test_quiet_console_sets_lightning_s_own_handler_aside_while_the_root_prints(
         log.info("💡 Tip: For seamless cloud logging and experiment tracking, ...")
         log.info("💡 Tip: For seamless cloud uploads and versioning, try installing [litmodels](...)")
         log.warning("a real warning")
+        warnings.warn("a warnings.warn of a library", UserWarning, stacklevel=1)  # went to stderr, not train.log
     assert own_stream.getvalue().splitlines() == ["before"] and pytorch_stream.getvalue() == ""
-    assert root_stream.getvalue().splitlines() == ["before", "inside", "a real warning"]
+    assert root_stream.getvalue().splitlines()[:3] == ["before", "inside", "a real warning"]
+    assert "UserWarning: a warnings.warn of a library" in root_stream.getvalue()
+    assert warnings.showwarning is not logging._showwarning  # given back
     assert logging.getLogger("lightning").handlers == [own]  # restored
     assert len(pytorch.handlers) == 1 and not pytorch.propagate
 
