@@ -44,7 +44,8 @@ SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE
 # X-Amz-Credential, session, code, auth...) or is one of an Azure SAS token's fields
 _QUERY_SECRETS = re.compile(r"(?i)([?&](?:[\w.-]*(?:sig|token|key|secret|pass|pwd|credential|auth|session|code)[\w.-]*|"
                             r"sv|se|sp|st|sr|ss|srt|spr|skoid|sktid|skt|ske|sks|skv)=)[^&\s'\"]+")
-_USERINFO = re.compile(r"(://)[^/@\s'\"]+@")
+#: ``user@`` or ``user:password@`` after the scheme; a password may hold "/" (half of AWS's secret keys do), a user not
+_USERINFO = re.compile(r"(://)(?:[^/@\s'\"]+|[^/@:\s'\"]*:[^@\s'\"]*)@")
 #: Per-request retries of the S3 client (botocore's "standard" mode: exponential backoff with jitter on 5xx,
 #: SlowDown/throttling, reset connections and timeouts); a whole shard is also retried (``shard_cache``).
 S3_ATTEMPTS = 6
