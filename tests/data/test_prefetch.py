@@ -290,3 +290,27 @@ def test_workers_outlast_sigterms_and_sigints_and_end_at_exit(tmp_path: Path, sc
     assert result.returncode == 0 and result.stdout.strip() == said, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert time.monotonic() - started < 60
+
+
+def test_a_dropped_datamodule_s_persistent_workers_end_with_it(tmp_path: Path) -> None:
+    # the loader held its DataModule (for the epoch's progress), which holds the loader: only the garbage collector
+    # freed them, after closing the workers' queues, and dropping them took 20 s and left the workers running
+    import gc
+    import weakref
+
+    from cltrain.data import ImageFolderDataModule
+
+    root = write_image_folder(tmp_path / "images", classes=2, train=8, val=2, size=(24, 20))
+    dm = ImageFolderDataModule(root, batch_size=4, num_workers=2, persistent_workers=True, image_size=16)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert sum(len(batch[1]) for batch in loader) == 16
+    workers, held = list(loader._iterator._workers), weakref.ref(loader)
+    started = time.monotonic()
+    gc.disable()
+    try:
+        del dm, loader
+        assert held() is None  # freed as it is dropped, its iterator's shutdown with it
+    finally:
+        gc.enable()
+    assert time.monotonic() - started < 10 and not any(w.is_alive() for w in workers)

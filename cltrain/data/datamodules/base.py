@@ -28,6 +28,7 @@ import functools
 import inspect
 import sys
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -215,8 +216,11 @@ class BatchDataModule(L.LightningDataModule):
         if train:
             self._train_loader = loader  # counts the batches its training steps take (on_after_batch_transfer)
             if isinstance(loader, ResumableLoader):
-                loader.unfinished = functools.partial(_unfinished_steps, self)
-                loader.epoch_batches = functools.partial(_epoch_batches, self)
+                # the DataModule held weakly: a cycle through it left a dropped loader's persistent workers to the
+                # garbage collector, which closed their queues first (20 s, then the workers left running)
+                held = weakref.ref(self)
+                loader.unfinished = functools.partial(_unfinished_steps, held)
+                loader.epoch_batches = functools.partial(_epoch_batches, held)
             if getattr(self, "_loader_state", None) and isinstance(loader, ResumableLoader):
                 loader.load_state_dict(self._loader_state)
                 self._loader_state = None
@@ -352,16 +356,16 @@ def _remade(cls: type) -> Any:
     return object.__new__(for_loaded_trainers(cls))
 
 
-def _unfinished_steps(datamodule: Any) -> int:
+def _unfinished_steps(held: weakref.ref) -> int:
     """Training batches of this epoch that reached the device but whose step did not end (a batch-start hook or the
     step raised): Lightning's progress counts a batch ready before its transfer and processed after its step."""
-    loop = getattr(getattr(datamodule.trainer, "fit_loop", None), "epoch_loop", None)
+    loop = getattr(getattr(getattr(held(), "trainer", None), "fit_loop", None), "epoch_loop", None)
     current = getattr(getattr(loop, "batch_progress", None), "current", None)
     ready, processed = getattr(current, "ready", 0), getattr(current, "processed", 0)
     return max(0, ready - processed) if isinstance(ready, int) and isinstance(processed, int) else 0
 
 
-def _epoch_batches(datamodule: Any) -> float:
+def _epoch_batches(held: weakref.ref) -> float:
     """The batches Lightning takes from the training loader per epoch (``limit_train_batches`` ends it early)."""
-    batches = getattr(getattr(datamodule, "trainer", None), "num_training_batches", float("inf"))
+    batches = getattr(getattr(held(), "trainer", None), "num_training_batches", float("inf"))
     return batches if isinstance(batches, (int, float)) and batches > 0 else float("inf")
