@@ -187,7 +187,19 @@ def remote_error(err: BaseException, url: str, what: str = "", missing: str | No
     reading = f" ({what})" if what else ""
     name = type(err).__name__
     text = str(err)
-    if isinstance(err, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text:
+    timeout = "Timeout" in name or isinstance(err, TimeoutError)  # LitData's ChunkWaitTimeoutError: a FileNotFoundError
+    endpoint_variable = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)),
+                             "AWS_ENDPOINT_URL")  # botocore's order
+    if "Invalid endpoint" in text:
+        return RemoteError(f"{shown}{reading}: the endpoint is not a URL ({reason}); write {endpoint_variable} with "
+                           "its scheme: http://HOST:PORT or https://HOST.")
+    if "ProfileNotFound" in name or "profile" in text and "could not be found" in text:
+        return RemoteError(f"{shown}{reading}: {reason}; name a profile of ~/.aws/config or ~/.aws/credentials in "
+                           "AWS_PROFILE, or unset it.")
+    if "SSLError" in name or "SSL" in text and "record" in text.lower():
+        return RemoteError(f"{shown}{reading}: the endpoint does not answer TLS ({reason}); an http:// server needs "
+                           f"{endpoint_variable}=http://...")
+    if not timeout and (isinstance(err, FileNotFoundError) or "NoSuchBucket" in text or "NoSuchKey" in text):
         fix = missing or ("check the bucket and prefix (e.g. `aws s3 ls` on it), or make a pack with "
                           "`cltrain-pack IMAGEFOLDER OUT` and upload OUT there as it is")
         return RemoteError(f"{shown}{reading}: not found ({reason}); {fix}.")
@@ -205,8 +217,8 @@ def remote_error(err: BaseException, url: str, what: str = "", missing: str | No
                            "MinIO, R2 or Ceph) and that they may read this bucket.")
     if "EndpointConnectionError" in name or "Connect" in name or "Timeout" in name or isinstance(err, (ConnectionError,
                                                                                                        TimeoutError)):
-        endpoint = redact(os.environ.get("AWS_ENDPOINT_URL", "")) if url.startswith("s3") else ""
+        endpoint = redact(os.environ.get(endpoint_variable, "")) if url.startswith("s3") else ""
         at = f" at {endpoint}" if endpoint else ""
         return RemoteError(f"{shown}{reading}: the storage endpoint{at} cannot be reached ({reason}); check the "
-                           "network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible server).")
+                           f"network and the endpoint ({endpoint_variable} for an S3-compatible server).")
     return RemoteError(f"{shown}{reading}: cannot be read ({reason}).")

@@ -50,8 +50,11 @@ def _transient(err: BaseException) -> bool:
     text = f"{type(err).__name__} {err}"
     lasting = ("AccessDenied", "NoSuch", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                "Could not connect to the endpoint", "EndpointConnectionError", "Forbidden",
-               "ConnectTimeout", "ReadTimeout", "Connect timeout", "Read timeout")
-    return (not isinstance(err, (PermissionError, RemoteError, TimeoutError))
+               "ConnectTimeout", "ReadTimeout", "Connect timeout", "Read timeout",
+               # the client's own settings: a bad endpoint, profile or scheme, no credentials
+               "Invalid endpoint", "ProfileNotFound", "ParamValidationError", "SSLError", "NoCredentials",
+               "Unable to locate credentials", "InvalidRange", "not satisfiable")
+    return (not isinstance(err, (PermissionError, RemoteError, TimeoutError, json.JSONDecodeError))
             and not any(m in text for m in lasting))
 
 #: Written last into a complete pack (by ``cltrain.data.pack``): classes, shards and counts per split.
@@ -242,6 +245,11 @@ class RemotePack(LocalPack):
                 self._manifest = json.loads(fs.cat_file(path, start=0))  # a range: s3fs asks no size first (a HEAD)
                 return self._manifest
             except Exception as err:  # noqa: BLE001 - every failure of the first read is one line
+                text = f"{type(err).__name__} {err}"
+                if isinstance(err, json.JSONDecodeError) or "InvalidRange" in text or "not satisfiable" in text:
+                    raise RemoteError(f"{redact(url)}: not a cltrain pack's manifest (the object is empty or not "
+                                      f"JSON: {type(err).__name__}); upload the pack again whole, as `cltrain-pack` "
+                                      "wrote it (shards.json last).") from None
                 if isinstance(err, FileNotFoundError):
                     raise RemoteError(f"{redact(url)}: not found: {self.where} is not a complete cltrain pack (no "
                                       "bucket, prefix or manifest there). Check the URL, or make a pack with "

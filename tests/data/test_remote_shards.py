@@ -556,6 +556,40 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_temporary_file(url, env):
     assert not [p for p in env.rglob("*") if p.name.startswith(TEMP_PREFIX)]
 
 
+def test_an_empty_or_garbled_manifest_in_the_bucket_is_one_line_with_the_fix(server, url, env):
+    # "cannot be read (OSError: The requested range is not satisfiable)", or a bare JSONDecodeError, after 3 retries
+    client = server.client()
+    for body, name in ((b"", "empty"), (b"<html>not found</html>", "garbled")):
+        client.put_object(Bucket="bucket", Key=f"{name}/shards.json", Body=body)
+        with pytest.raises(RemoteError, match="not a cltrain pack's manifest .*upload the pack again whole") as caught:
+            ShardsDataModule(f"s3://bucket/{name}", **KW).num_classes
+        assert "\n" not in str(caught.value)
+
+
+def test_the_clients_own_settings_are_one_line_at_once_with_their_fix(monkeypatch):
+    # retried three times, then "cannot be read" with no fix; LitData's wait for a chunk from a gone endpoint (a
+    # FileNotFoundError) read as "not found", with a pack's advice
+    from botocore.exceptions import ProfileNotFound, SSLError
+
+    from cltrain.data.shard_source import _transient
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # botocore takes it before AWS_ENDPOINT_URL
+    url = "s3://bucket/pack"
+    cases = [(ValueError("Invalid endpoint: 127.0.0.1:9000"), "write AWS_ENDPOINT_URL_S3 with its scheme"),
+             (ProfileNotFound(profile="nosuch"), "name a profile of ~/.aws/config"),
+             (SSLError(endpoint_url="https://h", error="wrong version number"), "AWS_ENDPOINT_URL_S3=http://"),
+             (TimeoutError("Timed out waiting for chunk-0-0.bin"), "endpoint at http://127.0.0.1:9 cannot be reached")]
+    pytest.importorskip("litdata")
+    from litdata.exceptions import ChunkWaitTimeoutError
+
+    cases.append((ChunkWaitTimeoutError("chunk-0-0.bin", 120), "cannot be reached"))
+    for err, fix in cases:
+        line = str(remote_error(err, url))
+        assert fix in line and "not found" not in line, line
+        assert not _transient(err) or isinstance(err, ChunkWaitTimeoutError), err  # said at once, not tried again
+
+
 def test_an_endpoint_on_a_port_holding_403_is_unreachable_not_access_denied():
     # a free port such as 53403 made "Cannot connect to host 127.0.0.1:53403" read as an HTTP 403: "access denied"
     url = "https://127.0.0.1:53403/pack"
