@@ -21,9 +21,12 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["UserFrameMode"]
 
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cltrain/
-_PASSED = (_OURS, os.path.dirname(os.path.abspath(torch.__file__)), os.path.abspath(warnings.__file__))
+_STDLIB = os.path.dirname(os.path.abspath(warnings.__file__))
+#: frames passed over on the way to the user's: cltrain's, torch's, and the warnings machinery's (``_py_warnings``)
+_PASSED = (_OURS, os.path.dirname(os.path.abspath(torch.__file__)), os.path.join(_STDLIB, "warnings.py"),
+           os.path.join(_STDLIB, "_py_warnings.py"))
 _modes: set[str] = set()  # the files of the modes' __torch_function__ (a warning there is the user's)
-_saved: list[Any] = []  # the showwarning each outermost entry replaced
+_state = {"depth": 0, "previous": None}  # the modes entered now; the showwarning ``_show`` replaced (never itself)
 
 
 def _user_frame() -> Any:
@@ -35,9 +38,11 @@ def _user_frame() -> Any:
 
 def _show(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
           line: str | None = None) -> None:
-    frame = _user_frame() if os.path.abspath(filename) in _modes else None
-    if frame is None:
-        (_saved[0] if _saved else warnings._showwarning_orig)(message, category, filename, lineno, file, line)
+    previous = _state["previous"] or warnings._showwarning_orig  # type: ignore[attr-defined]
+    where = os.path.abspath(filename)
+    frame = _user_frame() if _state["depth"] and where in _modes else None
+    if frame is None:  # not under a mode (this hook left in place by a catch_warnings): as before
+        previous(message, category, filename, lineno, file, line)
         return
     scope = frame.f_globals
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
@@ -53,17 +58,16 @@ class UserFrameMode(TorchFunctionMode):
         _modes.add(os.path.abspath(sys.modules[cls.__module__].__file__))
 
     def __enter__(self) -> Any:
-        if not _saved:
-            _saved.append(warnings.showwarning)
+        if warnings.showwarning is not _show:
+            _state["previous"] = warnings.showwarning
             warnings.showwarning = _show
-        else:
-            _saved.append(None)
+        _state["depth"] += 1
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            previous = _saved.pop()
-            if previous is not None and warnings.showwarning is _show:  # not where another hook replaced ours since
-                warnings.showwarning = previous
+            _state["depth"] = max(0, _state["depth"] - 1)
+            if not _state["depth"] and warnings.showwarning is _show:
+                warnings.showwarning = _state["previous"] or warnings._showwarning_orig  # type: ignore[attr-defined]
