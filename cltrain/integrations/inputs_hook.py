@@ -287,10 +287,11 @@ class ChannelsLastInputs:
         """The door's step runner: the model's forward (and its loss) on this call's arguments, in both layouts."""
         from cltrain.check.plain_step import check_plain_step
 
-        if not found and not has_convolutions(module):
+        if not found and not (has_convolutions(module) and _holds_pixels((args, kwargs))):
             return LayoutCheck("not checked", reason="the model's forward got no image argument to check")
         # no 4-D/5-D image argument (a detector's list of 3-D images, images under another name): the forward is
-        # checked on its arguments as they come, which its convolutions read in either layout
+        # checked on its arguments as they come, which its convolutions read in either layout (a text-only call,
+        # pixel_values=None, is not: no convolution would run, and "passed" would say nothing)
         grad = torch.enable_grad() if kind == "train" else torch.no_grad()
         _state.checking = True
         try:  # positional: the first argument alone; the check restrides only what `found` names
@@ -300,6 +301,15 @@ class ChannelsLastInputs:
                                         convert_inputs=self.session.convert_inputs and bool(found))
         finally:
             _state.checking = False
+
+
+def _holds_pixels(value: Any, depth: int = 3) -> bool:
+    """Whether ``value`` (a call's arguments) holds a floating tensor of 3 to 5 dimensions, in its lists, tuples and
+    dicts ``depth`` levels down."""
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and value.dim() in (3, 4, 5)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return depth > 0 and any(_holds_pixels(v, depth - 1) for v in items)
 
 
 def _image_count(arguments: dict[str, Any], key: str | int) -> list[torch.Tensor]:

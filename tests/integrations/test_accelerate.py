@@ -224,3 +224,23 @@ def test_a_forward_given_a_list_of_3d_images_is_checked_on_them_as_they_come():
         optimizer.zero_grad()
     check = ChannelsLastInputs.of(model).layout_checks["train"]
     assert check.verdict == "fallback" and "view" in check.line(), check.line()  # and the steps ran
+
+
+def test_a_first_call_without_pixels_is_not_checked_rather_than_passed():
+    # a vision-language model's text-only first batch (pixel_values=None): its forward ran no convolution on the
+    # copies, and the check said "passed"
+    class TextFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.patch = nn.Embedding(10, 4), nn.Conv2d(3, 4, 2, 2)
+
+        def forward(self, input_ids, pixel_values=None):
+            text = self.embed(input_ids).mean(1)
+            return text if pixel_values is None else text + self.patch(pixel_values).mean((2, 3))
+
+    model, accelerator = TextFirst(), Accelerator(cpu=True)
+    prepare_channels_last(model, accelerator, layout="channels_last")
+    wrapped = accelerator.prepare(model)
+    wrapped(input_ids=torch.tensor([[1, 2, 3]])).sum().backward()
+    check = ChannelsLastInputs.of(model).layout_checks["train"]
+    assert check.verdict == "not checked" and "no image argument" in check.line(), check.line()
