@@ -330,6 +330,13 @@ def test_a_key_under_a_group_that_is_null_in_this_config_is_one_line() -> None:
         with pytest.raises(ConfigError) as info:
             make(overrides)
         assert str(info.value) == message
+    for given, said in ((["data=imagenet", "data.demo={train_per_class:10}"], "data.demo={'train_per_class': 10}: "
+                         "data.demo is null with data=imagenet: it has no keys"),
+                        (["data.demo=null", "data.demo.train_per_class=10"], "data.demo.train_per_class=10: "
+                         "data.demo=null on this command line: it has no keys (allowed: drop data.demo.train_per_class "
+                         "or data.demo=null)")):
+        with pytest.raises(ConfigError, match="^" + re.escape(said)):
+            check_command_line([*given, "device=cpu"])
 
 
 @pytest.mark.parametrize("sweep,message", [

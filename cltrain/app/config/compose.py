@@ -70,28 +70,37 @@ def _compose(overrides: Sequence[str], config_name: str = "config") -> DictConfi
 
 
 def _under_null(exc: BaseException, overrides: Sequence[str], config_name: str) -> ConfigError | None:
-    """``data.demo.train_per_class=10`` with ``data=imagenet``, whose ``data.demo`` is null: OmegaConf's assertion
-    ("Unexpected type for root: NoneType") as the key that is null in this run's config."""
+    """``data.demo.train_per_class=10`` with ``data=imagenet``, whose ``data.demo`` is null (or ``data.demo={...}``, or
+    after ``data.demo=null``): OmegaConf's assertion or ``AttributeError`` as the key that is null in this run's
+    config. The overrides are composed one more at a time: the config before the first that fails shows the null."""
     from hydra import compose
     from omegaconf import OmegaConf
 
-    if not isinstance(exc, AssertionError) or "Unexpected type for root" not in str(exc):
+    if not ("Unexpected type for root" in str(exc) or "'NoneType' object has no attribute" in str(exc)):
         return None
-    keys = [_override(o) for o in overrides]
-    try:  # the groups chosen, and the values that set no nested key
-        cfg = compose(config_name, overrides=[o for o, (k, _) in zip(overrides, keys) if "." not in k],
-                      return_hydra_config=True)
-    except Exception:  # noqa: BLE001 - another override's error: Hydra reports it
+    cfg = None
+    for count in range(len(overrides) + 1):
+        try:
+            cfg = compose(config_name, overrides=list(overrides[:count]), return_hydra_config=True)
+        except Exception:  # noqa: BLE001 - overrides[count - 1] is the one merged into a null
+            break
+    else:
         return None
-    for key, value in keys:
-        parts = key.split(".")
-        for depth in range(1, len(parts)):
-            node = ".".join(parts[:depth])
-            if OmegaConf.select(cfg, node, default=0) is None:
-                group = parts[0]
-                chosen = (OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {}).get(group, "...")
-                return ConfigError(key, value, f"{node} is null with {group}={chosen}: it has no keys",
-                                   f"drop {key}, or choose a {group} that has {node}")
+    if cfg is None or count == 0:
+        return None
+    key, value = _override(overrides[count - 1])
+    parts = key.split(".")
+    for depth in range(1, len(parts) + 1):
+        node = ".".join(parts[:depth])
+        if OmegaConf.select(cfg, node, default=0) is None and (depth < len(parts) or isinstance(value, dict)):
+            group = parts[0]
+            nulled = any(_override(o)[0] == node for o in overrides[:count - 1])
+            chosen = (OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {}).get(group, "...")
+            if nulled:
+                return ConfigError(key, value, f"{node}=null on this command line: it has no keys",
+                                   f"drop {key} or {node}=null")
+            return ConfigError(key, value, f"{node} is null with {group}={chosen}: it has no keys",
+                               f"drop {key}, or choose a {group} that has {node}")
     return None
 
 
