@@ -75,7 +75,7 @@ class InputTrace:
             if shapes not in self._told:
                 self._told.add(shapes)
                 why = "the model has none" if self._conv_free else \
-                    "a convolution gets it only out of that format: sliced, reshaped or permuted first" \
+                    "a convolution gets it only out of that format: copied, sliced, reshaped or permuted first" \
                     if set(left) <= reach.reached_otherwise else \
                     "the model reshapes or permutes it, or other code replaces it, first"
                 self.say(f"ChannelsLast: the input {shapes} reaches no convolution in channels_last ({why}), so "

@@ -57,6 +57,13 @@ def _console_handlers(logger: logging.Logger) -> list[logging.Handler]:
     return [h for h in logger.handlers if type(h) is logging.StreamHandler]  # not FileHandler (a subclass)
 
 
+def _one_line_end(record: logging.LogRecord) -> bool:
+    """A captured warning without the newline ``warnings.formatwarning`` ends it with (a blank line after each)."""
+    if isinstance(record.msg, str) and not record.args:  # logging logs the formatted text itself (bpo-46557)
+        record.msg = record.msg.rstrip("\n")
+    return True
+
+
 @contextlib.contextmanager
 def quiet_console() -> Iterator[None]:
     """Within this block: Lightning's records printed once, by the root's handlers (Hydra's console and its
@@ -79,6 +86,7 @@ def quiet_console() -> Iterator[None]:
     captured = root_prints and warnings.showwarning is not logging._showwarning  # type: ignore[attr-defined]
     if captured:  # printed by the root's handlers, so train.log keeps them
         logging.captureWarnings(True)
+        logging.getLogger("py.warnings").addFilter(_one_line_end)
     try:
         with warnings.catch_warnings():
             for name, start in LIBRARY_NOTICES:
@@ -88,6 +96,7 @@ def quiet_console() -> Iterator[None]:
     finally:
         if captured:
             logging.captureWarnings(False)
+            logging.getLogger("py.warnings").removeFilter(_one_line_end)
         for logger, drop in filters:
             logger.removeFilter(drop)
         for logger, handler in set_aside:
