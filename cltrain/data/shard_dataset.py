@@ -111,9 +111,11 @@ class ShardsDataset(SkipsBadSamples, Dataset):
         if self.index.shape[1] < 5:
             return self._place(i)
         try:
-            return os.fsdecode(self._pread(i, self.index[i, 3], self.index[i, 4]))
+            name = os.fsdecode(self._pread(i, self.index[i, 3], self.index[i, 4]))
         except OSError:
             return self._place(i)
+        # a shard swapped for another of its size holds other bytes there (a tar header): not a path, not one line
+        return name if name.isprintable() else self._place(i)
 
     @property
     def split_name(self) -> str:
@@ -133,7 +135,7 @@ class ShardsDataset(SkipsBadSamples, Dataset):
             raise
         except Exception as err:
             name, reason = self.sample_name(i), unreadable(err)
-            where = "" if self.index.shape[1] < 5 else f" (in {self._place(i)})"
+            where = "" if name == self._place(i) else f" (in {self._place(i)})"
             raise BadImageError(f"{name}{where}: cannot be read as an image ({reason}). Pass bad_files='skip' to leave "
                                 "such samples out, or replace the file and pack the folder again.", reason) from err
 

@@ -50,6 +50,25 @@ def test_pack_stores_the_files_bytes_labels_and_classes(folder: Path, tmp_path: 
         assert labels != sorted(labels)  # packed in a shuffled order: shards mix classes
 
 
+def test_a_sample_whose_stored_name_is_not_text_is_named_by_its_place(folder: Path, tmp_path: Path) -> None:
+    # a shard swapped for another of its size: the index's name bytes fall in a tar header, and the error carried
+    # its NULs and newlines as the file's "path"
+    from cltrain.data.image_folder_dataset import BadImageError
+
+    pack(folder, tmp_path / "out", shard_size=7, progress=False)
+    ds = ShardsDataset(tmp_path / "out", "train", eval_transform(32, 36))
+    shard = tmp_path / "out" / ds.shards[int(ds.shard_of[0])]
+    data = bytearray(shard.read_bytes())
+    for start, size in ((ds.index[0, 0], ds.index[0, 1]), (ds.index[0, 3], ds.index[0, 4])):
+        data[int(start):int(start) + int(size)] = b"\x00\n" * (int(size) // 2) + b"\x00" * (int(size) % 2)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(BadImageError) as caught:
+        ShardsDataset(tmp_path / "out", "train", eval_transform(32, 36)).load(0)
+    line = str(caught.value)
+    assert line.startswith(f"{ds.shards[int(ds.shard_of[0])]} sample 0: cannot be read as an image"), line
+    assert line.isprintable(), line
+
+
 def test_shards_are_plain_webdataset_tars(folder: Path, tmp_path: Path) -> None:
     wds = pytest.importorskip("webdataset")
     pack(folder, tmp_path / "out", shard_size=7, progress=False)
