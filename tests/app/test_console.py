@@ -89,7 +89,8 @@ def test_quiet_console_sets_lightning_s_own_handler_aside_while_the_root_prints(
         warnings.warn("a warnings.warn of a library", UserWarning, stacklevel=1)  # went to stderr, not train.log
     assert own_stream.getvalue().splitlines() == ["before"] and pytorch_stream.getvalue() == ""
     assert root_stream.getvalue().splitlines()[:3] == ["before", "inside", "a real warning"]
-    assert "UserWarning: a warnings.warn of a library" in root_stream.getvalue() and "\n\n" not in root_stream.getvalue()
+    printed = root_stream.getvalue()
+    assert "UserWarning: a warnings.warn of a library" in printed and "\n\n" not in printed  # no blank line after
     assert warnings.showwarning is not logging._showwarning  # given back
     assert logging.getLogger("lightning").handlers == [own]  # restored
     assert len(pytorch.handlers) == 1 and not pytorch.propagate
