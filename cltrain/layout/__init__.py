@@ -4,6 +4,7 @@
 * ``cltrain.layout.batches``: which tensors of a batch are the model's inputs, and restriding them;
 * ``cltrain.layout.stacks``: 5-D inputs in the layout the model reads them in (a clip, or a stack of images);
 * ``cltrain.layout.conv_reach``: which converted inputs reach a convolution in channels_last;
+* ``cltrain.layout.function_mode``: the base of cltrain's function modes, whose ops' warnings name the user's line;
 * ``cltrain.layout.closures``: functions that hold an original module, made to hold its copy;
 * ``cltrain.layout.optimizer_state``: optimizer state in its parameter's layout.
 
