@@ -16,6 +16,7 @@ Hydra's ``--config-dir`` adds a folder of the user's beside them.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -41,13 +42,13 @@ def _run(cfg: DictConfig) -> float | None:
     try:
         return train(cfg).get("val_top1")
     except ConfigError as err:
-        print(f"cltrain: error: {err}", file=sys.stderr)
+        _error(f"cltrain: error: {err}")
         raise SystemExit(2) from None  # not an Exception: Hydra lets it through instead of printing a traceback
     except DataError as err:  # raised in setup or a worker: its own line, without the worker's traceback
-        print(f"cltrain: error: {as_keys(error_line(err))}", file=sys.stderr)
+        _error(f"cltrain: error: {as_keys(error_line(err))}")
         raise SystemExit(2) from None
     except (NonFiniteLossError, DiskFullError, NotWritableError, CheckpointLoadError) as err:  # a diverged run, a
-        print(f"cltrain: error: {err}", file=sys.stderr)  # full disk or a folder not writable, a bad checkpoint:
+        _error(f"cltrain: error: {err}")  # full disk or a folder not writable, a bad checkpoint:
         # metrics.json says "failed"; one line
         raise SystemExit(1) from None
     except Exception as err:  # noqa: BLE001 - another library's error (a logger's server, ...): its traceback, but
@@ -59,13 +60,23 @@ def _run(cfg: DictConfig) -> float | None:
             from cltrain.check.localise import first_line
 
             rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
-            print(f"cltrain: error: another rank stopped first (its error is above); rank {rank}'s collective lost it "
-                  f"({redact(first_line(err))})", file=sys.stderr)
+            _error(f"cltrain: error: another rank stopped first (its error is above); rank {rank}'s collective lost it "
+                   f"({redact(first_line(err))})")
             raise SystemExit(getattr(err, "peer_status", None) or 1) from None
 
         print(redact("".join(traceback.format_exception(err))), file=sys.stderr, end="")
-        print(f"cltrain: error: {redact(f'{type(err).__name__}: {err}'.splitlines()[0])}", file=sys.stderr)
+        _error(f"cltrain: error: {redact(f'{type(err).__name__}: {err}'.splitlines()[0])}")
         raise SystemExit(1) from None
+
+
+def _error(line: str) -> None:
+    """The run's last line: on stderr, and in the run directory's ``train.log`` (Hydra's file handler) beside its
+    other records."""
+    print(line, file=sys.stderr)
+    record = logging.LogRecord("cltrain", logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _redact_job_files() -> None:
