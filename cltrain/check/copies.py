@@ -220,8 +220,9 @@ def _unwrapped(fn: Any) -> Any:
         return None
 
 
-#: The attributes of each model that its copies share (``shared_note``).
-_shared: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
+#: The attributes of each model that its copies share, by name (``shared_note``): found at its first copy, given to
+#: every later one (the objects held here: their ids stay theirs).
+_shared: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 _MODULE_STATE = frozenset(vars(nn.Module()))  # a module's own parameters, buffers, children and hooks
 
 
@@ -234,15 +235,15 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     (an open file, a ``SummaryWriter``'s lock) is shared with the copy, and ``shared_note`` names it."""
     memo = {} if memo is None else memo
     _computed_tensors(model, memo)
-    trial = dict(memo)
+    trial = {**memo, **{id(v): v for v in _shared.get(model, {}).values()}}
     try:
         clone = copy.deepcopy(model, trial)
     except TypeError:  # "cannot pickle '_io.TextIOWrapper' object": the model could not be checked at all
-        names = _share_uncopyable(model, memo)
-        if not names:
+        shared = _share_uncopyable(model, memo)
+        if not shared:
             raise
-        _shared[model] = names
-        trial = dict(memo)
+        _shared[model] = shared
+        trial = {**memo, **{id(v): v for v in shared.values()}}
         clone = copy.deepcopy(model, trial)
     memo.update(trial)
     originals = dict(model.named_parameters())
@@ -265,10 +266,10 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     return clone
 
 
-def _share_uncopyable(model: nn.Module, memo: dict[int, Any]) -> list[str]:
-    """The attributes of ``model``'s modules that ``deepcopy`` refuses, put in ``memo`` as themselves (shared by
-    the copy), by name; not one that holds the model (a copy's step would run the real one through it)."""
-    names = []
+def _share_uncopyable(model: nn.Module, memo: dict[int, Any]) -> dict[str, Any]:
+    """The attributes of ``model``'s modules that ``deepcopy`` refuses (shared by the copy), by name; not one that
+    holds the model (a copy's step would run the real one through it)."""
+    shared: dict[str, Any] = {}
     real = {id(m) for m in model.modules()} | {id(t) for t in (*model.parameters(), *model.buffers())}
     for path, module in model.named_modules():
         state = module.__getstate__()  # what deepcopy copies (a LightningModule's leaves its trainer out)
@@ -278,11 +279,9 @@ def _share_uncopyable(model: nn.Module, memo: dict[int, Any]) -> list[str]:
             try:
                 copy.deepcopy(value, dict(memo))
             except TypeError:
-                if _reaches(value, real, 4, set()):
-                    continue
-                memo[id(value)] = value
-                names.append(f"self.{path + '.' if path else ''}{name} ({type(value).__name__})")
-    return names
+                if not _reaches(value, real, 4, set()):
+                    shared[f"self.{path + '.' if path else ''}{name} ({type(value).__name__})"] = value
+    return shared
 
 
 def _reaches(value: Any, targets: set[int], depth: int, seen: set[int]) -> bool:

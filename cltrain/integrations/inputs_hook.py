@@ -47,6 +47,7 @@ from cltrain.check.result import LayoutCheck
 from cltrain.devices import device_of
 from cltrain.host import Host, shown
 from cltrain.layout import has_convolutions
+from cltrain.layout.batches import map_tensors
 from cltrain.layout.stacks import to_input_layout
 from cltrain.options import check_flags, check_layout_choice
 from cltrain.session import LayoutSession
@@ -303,13 +304,11 @@ class ChannelsLastInputs:
             _state.checking = False
 
 
-def _holds_pixels(value: Any, depth: int = 3) -> bool:
-    """Whether ``value`` (a call's arguments) holds a floating tensor of 3 to 5 dimensions, in its lists, tuples and
-    dicts ``depth`` levels down."""
-    if isinstance(value, torch.Tensor):
-        return value.is_floating_point() and value.dim() in (3, 4, 5)
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return depth > 0 and any(_holds_pixels(v, depth - 1) for v in items)
+def _holds_pixels(value: Any) -> bool:
+    """Whether ``value`` (a call's arguments) holds a floating tensor of 3 to 5 dimensions, at any depth."""
+    found: list[bool] = []
+    map_tensors(value, lambda t: found.append(t.is_floating_point() and t.dim() in (3, 4, 5)))
+    return any(found)
 
 
 def _image_count(arguments: dict[str, Any], key: str | int) -> list[torch.Tensor]:
