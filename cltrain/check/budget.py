@@ -2,10 +2,12 @@
 
 ``check_within_budget(run, batch, samples=4)`` calls ``run(part) -> LayoutCheck`` (the check on one batch) on
 ``part``, the first ``samples`` samples of ``batch``: every tensor whose leading dim is the batch size (the size of
-the model's first image input) is cut to its first ``samples`` rows; other tensors and objects are passed as they
-are. Both layouts see the same part, so the comparison stays exact, and the check's activations are ``samples``
-rows instead of the whole batch's. Where the step raised on the part without channels_last too (code written
-for the whole batch, ``x.view(BATCH, -1)``, a per-sample list the cut left long), the whole batch is checked;
+the model's first image input, or the length of a detector's list of 3-D images) is cut to its first ``samples``
+rows, and every list or tuple below the batch that is as long to its first ``samples`` elements (a detector's
+images and targets, per-sample names); other tensors and objects are passed as they are. Both layouts see the
+same part, so the comparison stays exact, and the check's activations are ``samples`` rows instead of the whole
+batch's. Where the step raised on the part without channels_last too (code written
+for the whole batch, ``x.view(BATCH, -1)``, per-sample data the cut left long), the whole batch is checked;
 not where it raised at what the check's copy cannot reach (``trainer.strategy``). An out-of-memory error (CUDA
 or host) inside the check frees what it held and the check runs again on half as many samples (down to
 ``MIN_SAMPLES``), then gives ``"not checked"`` with the reason: never a finding, so never a fallback.
@@ -33,7 +35,7 @@ import torch
 
 from cltrain.check import LayoutCheck
 from cltrain.check.result import COPY_LIMIT
-from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors
+from cltrain.layout.batches import Inputs, first_image_list, first_image_tensor, map_tensors
 
 __all__ = ["DEFAULT_SAMPLES", "MIN_SAMPLES", "check_within_budget", "free_memory", "is_out_of_memory", "slice_batch"]
 
@@ -61,8 +63,20 @@ def free_memory() -> None:
 
 
 def slice_batch(batch: Any, samples: int, size: int) -> Any:
-    """``batch`` rebuilt with every tensor whose leading dim is ``size`` cut to its first ``samples`` rows (views)."""
-    return map_tensors(batch, lambda t: t[:samples] if t.dim() >= 1 and t.shape[0] == size else t)
+    """``batch`` rebuilt with every tensor whose leading dim is ``size`` cut to its first ``samples`` rows (views),
+    and every list or tuple below it (not ``batch`` itself) of ``size`` elements cut to its first ``samples``."""
+    return map_tensors(batch, lambda t: t[:samples] if t.dim() >= 1 and t.shape[0] == size else t,
+                       items=lambda values: values[:samples] if len(values) == size else values)
+
+
+def batch_size(batch: Any, inputs: Inputs = None) -> int | None:
+    """How many samples ``batch`` holds: the leading dim of its first image tensor, else the length of its first
+    list of 3-D images; ``None`` where it holds neither."""
+    image = first_image_tensor(batch, inputs)
+    if image is not None:
+        return int(image.shape[0]) if image.dim() > 0 else None
+    images = first_image_list(batch)
+    return len(images) if images is not None else None
 
 
 def _oom_in(result: LayoutCheck) -> str | None:
@@ -93,8 +107,7 @@ def check_within_budget(run: Callable[[Any], LayoutCheck], batch: Any, samples: 
     Returns:
         ``run``'s ``LayoutCheck``, or ``"not checked"`` with the reason where memory ran out at every size tried.
     """
-    image = first_image_tensor(batch, inputs)
-    size = int(image.shape[0]) if image is not None and image.dim() > 0 else None
+    size = batch_size(batch, inputs)
     n = size if size is None or samples is None else min(samples, size)
     whole_needed = ""  # why the whole batch is checked after a part was
     while True:

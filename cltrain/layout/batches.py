@@ -181,6 +181,16 @@ def first_image_tensor(batch: Any, inputs: Inputs = None) -> torch.Tensor | None
     return next((t for t in model_inputs(batch, inputs) if t.dim() in (4, 5) and t.is_floating_point()), None)
 
 
+def first_image_list(batch: Any) -> list[torch.Tensor] | None:
+    """The first list or tuple of 3-D floating tensors in ``batch`` (a detector's images), or ``None``."""
+    if _is_sequence(batch) and batch and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_floating_point()
+                                             for t in batch):
+        return list(batch)
+    fields = _fields(batch)
+    children = fields.values() if fields is not None else batch if _is_sequence(batch) else ()
+    return next((found for child in children if (found := first_image_list(child)) is not None), None)
+
+
 # ---- the walk -----------------------------------------------------------------------------------
 
 
@@ -288,12 +298,14 @@ def _visit_tensors(batch: Any, fn: Callable[[torch.Tensor], None]) -> None:
     map_tensors(batch, call)
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *,
+                items: Callable[[list[Any]], list[Any]] | None = None, _top: bool = True) -> Any:
     """``obj`` with ``fn(t)`` in place of each tensor ``t`` in it, at any depth: mappings, sequences
     (namedtuples included) and dataclass instances are rebuilt as their own type around the new
     values; anything else (strings, numbers, other objects) is kept as it is. These are the
     collections Lightning's ``apply_to_collection`` walks to move a batch to the device, without
-    importing Lightning (the layout and data layers are torch-only).
+    importing Lightning (the layout and data layers are torch-only). ``items``, where given, picks
+    the elements each list or tuple below ``obj`` (not a namedtuple) is rebuilt from.
 
     Example::
 
@@ -308,7 +320,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         for field in dataclasses.fields(obj):
             if field.init:  # a field ``__init__`` does not take is derived state: kept, as Lightning keeps it
                 # object.__setattr__, as a frozen dataclass's own __init__ sets its fields
-                object.__setattr__(out, field.name, map_tensors(getattr(obj, field.name), fn))
+                object.__setattr__(out, field.name, map_tensors(getattr(obj, field.name), fn, items=items, _top=False))
         # a cached_property worked out from the old tensors would be stale on the copy
         cached = getattr(out, "__dict__", {})
         for name, attr in vars(type(obj)).items():
@@ -316,12 +328,13 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
                 cached.pop(name, None)
         return out
     if isinstance(obj, Mapping):
-        values = {k: map_tensors(v, fn) for k, v in obj.items()}
+        values = {k: map_tensors(v, fn, items=items, _top=False) for k, v in obj.items()}
         return type(obj)(obj.default_factory, values) if isinstance(obj, defaultdict) else type(obj)(values)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
+        return type(obj)(*(map_tensors(v, fn, items=items, _top=False) for v in obj))
     if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        return type(obj)([map_tensors(v, fn) for v in obj])
+        values = list(obj) if items is None or _top else items(list(obj))
+        return type(obj)([map_tensors(v, fn, items=items, _top=False) for v in values])
     return obj
 
 

@@ -203,3 +203,59 @@ def test_the_hugging_face_doors_check_as_many_samples_as_asked(door, samples, tm
         Trainer(model=model, args=args, train_dataset=rows,
                 callbacks=[ChannelsLastCallback(layout="channels_last", check_samples=samples)]).train()
     assert _CHECKED and set(_CHECKED) == {samples or 6}, _CHECKED
+
+
+def test_slice_batch_cuts_a_detectors_lists_below_the_batch():
+    images, targets = tuple(torch.randn(3, 4, 4) for _ in range(8)), [{"boxes": torch.ones(3, 4)} for _ in range(8)]
+    part = slice_batch((images, targets, torch.arange(8), ["a"] * 5), 4, 8)
+    assert len(part) == 4 and isinstance(part[0], tuple) and len(part[0]) == 4 and len(part[1]) == 4
+    assert part[1][0]["boxes"].shape == (3, 4) and part[2].tolist() == [0, 1, 2, 3] and len(part[3]) == 5
+
+
+class _Detector(nn.Module):
+    """A detector's call (``model(images, labels)``, a list of 3-D images) that records how many images the check's
+    copies get."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 3)
+
+    def forward(self, images: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        if checking():
+            _SEEN.append(len(images))
+        h = torch.relu(self.conv(torch.stack(images))).mean((2, 3))
+        return nn.functional.cross_entropy(self.fc(h), labels)
+
+
+@pytest.mark.parametrize("door", ["lightning", "accelerate"])
+def test_a_detectors_list_of_images_is_checked_on_check_samples_of_them(door):
+    # the whole list was checked: a detector's first batch took several training steps' time
+    _SEEN.clear()
+    torch.manual_seed(0)
+    model = _Detector()
+    images, labels = [torch.randn(3, 8, 8) for _ in range(BATCH)], torch.randint(0, 3, (BATCH,))
+    if door == "lightning":
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = model
+
+            def training_step(self, batch, batch_idx):
+                return self.net(*batch)
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters())
+
+        data = DataLoader([(images, labels)], batch_size=None)
+        fit(Module(), data, ChannelsLast(layout="channels_last"))
+    else:
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+
+        from cltrain.integrations.accelerate import prepare_channels_last
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        prepare_channels_last(model, Accelerator(cpu=True), layout="channels_last")
+        model(images, labels).backward()
+    assert _SEEN and set(_SEEN) == {4}, _SEEN
