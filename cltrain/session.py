@@ -62,7 +62,7 @@ from cltrain.guardrails import GuardRecord, apply_guardrails, arm_autocast_guard
 from cltrain.host import Host
 from cltrain.layout import CONV_TYPES, has_convolutions, is_channels_last, layout_summary, memory_format_for, \
     to_channels_last, to_contiguous
-from cltrain.layout.batches import Inputs, first_image_tensor
+from cltrain.layout.batches import Inputs, first_image_list, first_image_tensor
 from cltrain.layout.optimizer_state import restride_optimizer_state
 from cltrain.layout.tensors import compiled_frames, is_compiled, is_materialized, nchw
 from cltrain.nchw_code import aliases_follow, relayout, torch_utilities
@@ -75,6 +75,7 @@ __all__ = ["LayoutSession", "SessionResults"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
 _COMPILED = "torch.compile would compile both layouts"
+_IMAGE_LIST = ("images",)  # a race's key for a detector's lists of 3-D images, whatever their sizes
 _UNASKED = object()
 
 
@@ -534,19 +535,22 @@ class LayoutSession:
         if self._judging:
             self._judge(model)
         image = first_image_tensor(batch, self.inputs.inputs)
-        if image is None:
+        images = first_image_list(batch) if image is None else None
+        if image is None and images is None:
             if self.untimed is None and not self.race.racing() and not self.race.decisions \
                     and "no image tensor" not in self._told:
                 self._told.add("no image tensor")
-                why = ("hold no 4-D or 5-D image tensor (a list of images, as detection models take, stays as it is)"
-                       if first_image_tensor(batch, "all") is None and not self.unnamed_images else
+                why = ("hold no image tensor or list of 3-D images" if first_image_tensor(batch, "all") is None
+                       and not self.unnamed_images else
                        "hold no model input cltrain knows (name it with inputs=KEY or inputs=INDEX, a list for several)")
                 self.say(f"ChannelsLast: the training batches {why}, so the layouts are not raced: the model stays "
                          f"{self.layout}; {self.pin_format.format('contiguous')} pins NCHW.")
             return
+        # a detector's list of 3-D images (of any sizes: the model resizes them) is one kind of batch
+        sample = tuple(image.shape[1:]) if image is not None else _IMAGE_LIST
         # several ranks: one race for every input size, as the ranks' sizes may differ at a step (multi-scale
         # training) and every rank must switch at the same steps (each switch rebuilds DDP's buckets, with them all)
-        shape = () if self.host.several() else tuple(image.shape[1:])
+        shape = () if self.host.several() else sample
         key = (shape, _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
         self._key = key
         if self._restored.get("race"):  # a checkpoint of another number of ranks keys its decision by every rank's
@@ -568,12 +572,12 @@ class LayoutSession:
         if want != self.layout:
             self._switch(model, want)
         if key not in self.race.decisions and self.untimed is None:
-            self._step = (key, int(image.shape[0]), StepTimer(self.device))
+            self._step = (key, int(image.shape[0]) if image is not None else len(images), StepTimer(self.device))
             # several ranks, one race for every size: only the steps of the size this rank's race began with are its
             # samples (sizes changing in step with the race's rounds timed every channels_last step at one size and
             # every NCHW step at another, and switched to the slower layout); the rounds go on alike on every rank
-            own = self._race_shapes.setdefault(key, tuple(image.shape[1:]))
-            self._step_layout, self._step_disturbed = self.layout, own != tuple(image.shape[1:])
+            own = self._race_shapes.setdefault(key, sample)
+            self._step_layout, self._step_disturbed = self.layout, own != sample
             self._step[2].start()  # the inputs' conversion is part of the step: NCHW pays it with NHWC batches
 
     def _compiles(self) -> bool:
@@ -663,7 +667,8 @@ class LayoutSession:
     def decision_line(self, decision: LayoutDecision) -> str:
         """The one line that says what the race kept, by how much, and how to pin it."""
         shape, precision, device = decision.key
-        size = f"{'x'.join(map(str, shape[1:]))} px" if shape else "every rank's input sizes"
+        size = "lists of images" if shape == _IMAGE_LIST else f"{'x'.join(map(str, shape[1:]))} px" if shape else \
+            "every rank's input sizes"
         where = f"({precision}, {device}, {size})"
         timed = ", ".join(f"{n} step(s) in {'NCHW' if k == 'contiguous' else k}" for k, n in decision.samples.items())
         cost = f"; the race cost {decision.extra_seconds:.2f} s" if decision.extra_seconds > 0 else ""

@@ -47,7 +47,7 @@ from cltrain.check.result import LayoutCheck
 from cltrain.devices import device_of
 from cltrain.host import Host, shown
 from cltrain.layout import has_convolutions
-from cltrain.layout.batches import map_tensors
+from cltrain.layout.batches import first_image_list, map_tensors
 from cltrain.layout.stacks import to_input_layout
 from cltrain.options import check_flags, check_layout_choice
 from cltrain.session import LayoutSession
@@ -245,6 +245,8 @@ class ChannelsLastInputs:
             self._hint(args, kwargs)
         found = self._found(args, kwargs)
         arguments = {("args[0]" if k == 0 else k): (args[0] if k == 0 else kwargs[k]) for k in found}
+        if not found and self.positional and args and first_image_list(args[:1]) is not None:
+            arguments = {"args[0]": args[0]}  # a detector's list of 3-D images: nothing to convert; the race times it
         self._keys = {p: k for p, k in enumerate(k for k in found for _ in _image_count(arguments, k))}
         check = (lambda: self._check(module, args, kwargs, kind, found)) if self.verify else None
         self.session.inputs.inputs = tuple(arguments) or None

@@ -6,8 +6,9 @@ which layout is faster there, so ``LayoutRace`` times it: the real training step
 layouts, and keeps the faster. The first-batch check has shown the two layouts compute the same, so a step in the
 slower layout is still a real step: the decision costs only that step's extra time.
 
-The schedule, for one kind of batch (``key``: the input's shape without the batch size, the precision and the device;
-a new key, as progressive resizing makes, is decided again):
+The schedule, for one kind of batch (``key``: the input's shape without the batch size, or ``("images",)`` for a
+detector's lists of 3-D images, the precision and the device; a new key, as progressive resizing makes, is decided
+again):
 
 * ``warmup`` steps in channels_last, not timed (the first-batch check, lazy initialisation, autotuning);
 * then rounds of ``[channels_last, channels_last, NCHW, NCHW]``; the very first NCHW step is a warm-up of its own

@@ -14,6 +14,7 @@ import torchvision
 from lightning.fabric import Fabric
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader
 
 from cltrain import is_channels_last, layout_summary
 from cltrain.loops import contiguous_copy, convert_batch, convert_model
@@ -352,21 +353,69 @@ class _ImageList(nn.Module):
         return torch.stack([self.conv(image[None]).mean() for image in images])
 
 
-def test_batches_without_an_image_tensor_say_that_the_layouts_are_not_raced(caplog) -> None:
-    from cltrain.loops import ChannelsLastRun
-
-    model = _ImageList()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    run = ChannelsLastRun(model, optimizer, step=lambda m, b: m(b[0]).sum())
+def _detector_batches() -> list[tuple[list[torch.Tensor]]]:
     g = torch.Generator().manual_seed(0)
+    sizes = [(8, 8), (9, 7), (7, 10)]  # images of any size: the model resizes them
+    return [([torch.randn(3, *sizes[(i + j) % 3], generator=g) for j in range(2)],) for i in range(200)]
+
+
+@pytest.mark.parametrize("door", ["plain", "accelerate", "lightning"])
+def test_a_detectors_lists_of_images_are_raced_as_one_kind_of_batch(door, caplog) -> None:
+    # "not raced": a detector whose steps are slower in channels_last stayed in channels_last
+    model = _ImageList()
     with caplog.at_level(logging.INFO, logger="cltrain"):
-        for (images,) in run.batches([([torch.randn(3, 8, 8, generator=g) for _ in range(2)],)] * 8):
-            model(images).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    run.end()
-    assert caplog.text.count("hold no 4-D or 5-D image tensor") == 1 and run.decision is None
-    assert is_channels_last(model.conv.weight)
+        if door == "lightning":
+            import lightning.pytorch as pl
+
+            from cltrain import ChannelsLast
+
+            class Module(pl.LightningModule):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.net = model
+
+                def training_step(self, batch, batch_idx):
+                    return self.net(batch[0]).sum()
+
+                def configure_optimizers(self):
+                    return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+            callback = ChannelsLast()
+            pl.Trainer(max_steps=200, accelerator="cpu", logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(
+                Module(), DataLoader(_detector_batches(), batch_size=None))
+            decision = callback.decision
+        elif door == "accelerate":
+            from accelerate import Accelerator
+            from accelerate.state import AcceleratorState, GradientState
+
+            from cltrain.integrations.accelerate import prepare_channels_last
+            from cltrain.integrations.inputs_hook import ChannelsLastInputs
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+            accelerator = Accelerator(cpu=True)
+            prepare_channels_last(model, accelerator)
+            wrapped, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            for (images,) in _detector_batches():
+                accelerator.backward(wrapped(images).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+            decision = next(iter(ChannelsLastInputs.of(model).session.race.decisions.values()), None)
+        else:
+            from cltrain.loops import ChannelsLastRun
+
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            run = ChannelsLastRun(model, optimizer, step=lambda m, b: m(b[0]).sum())
+            for (images,) in run.batches(_detector_batches()):
+                model(images).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            run.end()
+            decision = run.decision
+    assert "not raced" not in caplog.text and decision is not None, caplog.text
+    assert decision.key[0] == ("images",) and "lists of images" in caplog.text, caplog.text
+    assert is_channels_last(model.conv.weight) == (decision.layout == "channels_last")
 
 
 def _loop_check(model: nn.Module, optimizers, batch, layout: str = "channels_last", **kw):
