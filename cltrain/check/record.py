@@ -85,6 +85,8 @@ class Recorder:
             self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True, always_call=True))
 
     def close(self) -> None:
+        """Remove every hook, the tensors' too: a tensor that autograd holds (a graph that an exception's traceback
+        keeps) would keep the recorder, and through it the copies, past any garbage collection."""
         for handle in self.handles:
             handle.remove()
 
@@ -116,7 +118,7 @@ class Recorder:
         if torch.is_grad_enabled():
             for t in floats(output):
                 if t.requires_grad:
-                    t.register_hook(self._noisy)
+                    self.handles.append(t.register_hook(self._noisy))
         return output
 
     def _pre(self, name: str) -> Callable[..., None]:
@@ -130,7 +132,7 @@ class Recorder:
             if torch.is_grad_enabled():
                 for i, t in enumerate(floats((args, kwargs))):
                     if t.requires_grad:
-                        t.register_hook(self._grad(Event("grad-in", call, i), name, closes=True))
+                        self.handles.append(t.register_hook(self._grad(Event("grad-in", call, i), name, closes=True)))
 
         return hook
 
@@ -153,7 +155,8 @@ class Recorder:
             if torch.is_grad_enabled():
                 for i, t in enumerate(floats(handed)):
                     if t.requires_grad:
-                        t.register_hook(self._grad(Event("grad-out", frame[1], i), name, closes=False))
+                        self.handles.append(
+                            t.register_hook(self._grad(Event("grad-out", frame[1], i), name, closes=False)))
             return None if handed is output else handed
 
         return hook

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
 import torch.nn.functional as F
@@ -65,3 +66,22 @@ def test_a_raise_names_its_phase_and_module_and_one_the_users_code_caught_is_non
     assert raised.raised is not None and raised.raised.phase == "forward" and raised.raised.context[0] == "0"
     caught = execute(nn.Sequential(Catches()), step, "contiguous", rng_state(), Vectors())
     assert caught.raised is None and Event("result") in caught.keys
+
+
+
+def test_a_check_that_saw_a_raise_leaves_no_copy_of_the_model_alive() -> None:
+    # the raise's traceback held the copies' activations, whose gradient hooks (held by autograd) held the recorder:
+    # the copies lived for the whole run, on the model's device, and a file they shared was never flushed
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cltrain import ChannelsLast
+    from tests.helpers.user_code import Classifier, ViewHead
+
+    callback = ChannelsLast(layout="channels_last")
+    data = DataLoader(TensorDataset(torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))), batch_size=4)
+    pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[callback]).fit(Classifier(ViewHead()), data)
+    assert callback.layout_checks["train"].verdict == "fallback", callback.layout_checks["train"].line()
+    gc.collect()
+    assert sum(isinstance(o, ViewHead) for o in gc.get_objects()) == 1
