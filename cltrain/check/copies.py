@@ -232,7 +232,8 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
     undone and a ``torch.compile``d model or child runs its module eagerly (module names unchanged); closures,
     partials, default arguments and hooks that hold the original (a wrapped ``forward``) hold the copy
     (``cltrain.layout.closures``); parameter gradient hooks are copied, likewise. An attribute ``deepcopy`` refuses
-    (an open file, a ``SummaryWriter``'s lock) is shared with the copy, and ``shared_note`` names it."""
+    (an open file, a ``SummaryWriter``'s lock) is shared with the copy, or what it refuses inside an attribute that
+    holds the model, and ``shared_note`` names it."""
     memo = {} if memo is None else memo
     _computed_tensors(model, memo)
     trial = {**memo, **{id(v): v for v in _shared.get(model, {}).values()}}
@@ -267,8 +268,10 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
 
 
 def _share_uncopyable(model: nn.Module, memo: dict[int, Any]) -> dict[str, Any]:
-    """The attributes of ``model``'s modules that ``deepcopy`` refuses (shared by the copy), by name; not one that
-    holds the model (a copy's step would run the real one through it)."""
+    """The objects in ``model``'s modules' attributes that ``deepcopy`` refuses (shared by the copy), by name: an
+    attribute, or where the attribute holds the model (a helper with a back-reference and a lock), the refused
+    objects inside it, so that the attribute is copied around them and its back-reference holds the copy. Never one
+    that holds the model (a copy's step would run the real one through it)."""
     shared: dict[str, Any] = {}
     real = {id(m) for m in model.modules()} | {id(t) for t in (*model.parameters(), *model.buffers())}
     for path, module in model.named_modules():
@@ -276,12 +279,33 @@ def _share_uncopyable(model: nn.Module, memo: dict[int, Any]) -> dict[str, Any]:
         for name, value in (state if isinstance(state, dict) else vars(module)).items():
             if name in _MODULE_STATE or isinstance(value, (nn.Module, torch.Tensor)) or id(value) in memo:
                 continue
-            try:
-                copy.deepcopy(value, dict(memo))
-            except TypeError:
-                if not _reaches(value, real, 4, set()):
-                    shared[f"self.{path + '.' if path else ''}{name} ({type(value).__name__})"] = value
+            _share_refused(value, f"self.{path + '.' if path else ''}{name}", memo, real, shared, 3)
     return shared
+
+
+def _share_refused(value: Any, label: str, memo: dict[int, Any], real: set[int], shared: dict[str, Any],
+                   depth: int) -> None:
+    """Add ``value`` to ``shared`` where ``deepcopy`` refuses it and it holds none of ``real``; where it holds some,
+    the refused objects among its attributes and items, ``depth`` levels down."""
+    try:
+        copy.deepcopy(value, {**memo, **{id(v): v for v in shared.values()}})
+        return
+    except TypeError:
+        pass
+    if not _reaches(value, real, 4, set()):
+        shared[f"{label} ({type(value).__name__})"] = value
+    elif depth and not isinstance(value, (nn.Module, torch.Tensor)):
+        for key, item in _children(value):
+            _share_refused(item, f"{label}{key}", memo, real, shared, depth - 1)
+
+
+def _children(value: Any) -> list[tuple[str, Any]]:
+    """``value``'s attributes and items, each with the suffix that names it (``.lock``, ``['log']``, ``[0]``)."""
+    if isinstance(value, dict):
+        return [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    return [(f".{k}", v) for k, v in vars(value).items()] if hasattr(value, "__dict__") else []
 
 
 def _reaches(value: Any, targets: set[int], depth: int, seen: set[int]) -> bool:
@@ -291,8 +315,7 @@ def _reaches(value: Any, targets: set[int], depth: int, seen: set[int]) -> bool:
     if not depth or id(value) in seen or isinstance(value, (str, bytes, int, float, torch.Tensor)):
         return False
     seen.add(id(value))
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set, frozenset)) \
-        else vars(value).values() if hasattr(value, "__dict__") else ()
+    items = [v for _, v in _children(value)] if not isinstance(value, (set, frozenset)) else value
     return any(_reaches(item, targets, depth - 1, seen) for item in items)
 
 

@@ -43,12 +43,22 @@ def test_an_optimizer_whose_update_reads_nchw_memory_is_run_on_copies_and_found(
 
 
 class _Holder:
-    """An object deepcopy refuses (it holds a lock), holding ``model``: a copy sharing it reaches the real model."""
+    """An object deepcopy refuses (it holds a lock), holding ``model``: the copy's holder must hold the copy."""
 
     def __init__(self, model: torch.nn.Module | None) -> None:
         import threading
 
         self.lock, self.model = threading.Lock(), model
+
+
+class _Refuses:
+    """An object deepcopy refuses itself, holding ``model``: a copy sharing it would reach the real model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError("cannot pickle '_Refuses' object")
 
 
 def test_an_attribute_deepcopy_refuses_is_shared_with_the_copies_unless_it_reaches_the_real_model(tmp_path) -> None:
@@ -60,6 +70,11 @@ def test_an_attribute_deepcopy_refuses_is_shared_with_the_copies_unless_it_reach
     assert result.verdict == "fallback", result.line()
     assert result.notes[-1] == "self.lock (_Holder), self.conv1.log (TextIOWrapper) shared with the copies (deepcopy " \
                                "refuses them)"
-    model.lock = _Holder(model)  # shared, a copy's step could run the real model through it: not checked (the doors
+    # a helper holding the model and a lock: the lock alone is shared, and the copy's helper holds the copy (the check
+    # was skipped, and the head's view raised at the first real step)
+    model.lock = _Holder(model)
+    result = check_plain_step(model, _batch(), _step, samples=None)
+    assert result.verdict == "fallback" and result.notes[-1].startswith("self.lock.lock (lock)"), result.line()
+    model.lock = _Refuses(model)  # shared, a copy's step could run the real model through it: not checked (the doors
     with pytest.raises(TypeError, match="cannot pickle"):  # say "the check itself failed (TypeError: ...)")
         check_plain_step(model, _batch(), _step, samples=None)
