@@ -320,11 +320,13 @@ def _reaches(value: Any, targets: set[int], depth: int, seen: set[int]) -> bool:
 
 
 def shared_note(model: nn.Module) -> str | None:
-    """The check line's note on what ``model``'s copies share with it (``eager_copy``), or ``None``."""
+    """The check line's note on what ``model``'s copies share with it (``eager_copy``), or ``None``: two names and
+    how many more, to fit the line."""
     names = _shared.get(model)
     if not names:
         return None
-    return f"{', '.join(names)} shared with the copies (deepcopy refuses {'it' if len(names) == 1 else 'them'})"
+    named = ", ".join(list(names)[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+    return f"shared with the copies: {named}"  # what deepcopy refuses: the guide says why
 
 
 def _computed_tensors(model: nn.Module, memo: dict[int, Any]) -> None:

@@ -166,7 +166,7 @@ class LayoutCheck:
             room = MAX_LINE - len(f"{check}: ") - len(tail) - len(end)
             # what was done whole; the notes (a step checked only in part says so there) in the room the finding
             # leaves, at least their start; then the finding, shortened last; the difference where room is left
-            space = max(room - len(found), min(len(notes), 50))
+            space = max(room - len(found), min(len(notes), 64))
             notes = _shorten(notes, space) if len(notes) > space else notes
             if len(found) > room - len(notes):
                 found = _shorten(found, max(room - len(notes), 40))

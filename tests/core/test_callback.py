@@ -246,7 +246,7 @@ def test_a_module_holding_an_open_file_is_checked_sharing_it_with_the_copies(tmp
     model.sample_log.close()
     check = callback.layout_checks["train"]
     assert check.verdict == "fallback", check.line()
-    assert "self.sample_log (TextIOWrapper) shared with the copies" in check.line() and "_trainer" not in check.line()
+    assert "shared with the copies: self.sample_log (TextIOWrapper)" in check.line() and "_trainer" not in check.line()
     assert (tmp_path / "samples.log").read_text() == "0\n1\n"  # the real steps' lines alone
 
 

@@ -68,13 +68,16 @@ def test_an_attribute_deepcopy_refuses_is_shared_with_the_copies_unless_it_reach
         model.conv1.log, model.lock = log, _Holder(None)
         result = check_plain_step(model, _batch(), _step, samples=None)
     assert result.verdict == "fallback", result.line()
-    assert result.notes[-1] == "self.lock (_Holder), self.conv1.log (TextIOWrapper) shared with the copies (deepcopy " \
-                               "refuses them)"
+    assert result.notes[-1] == "shared with the copies: self.lock (_Holder), self.conv1.log (TextIOWrapper)"
     # a helper holding the model and a lock: the lock alone is shared, and the copy's helper holds the copy (the check
     # was skipped, and the head's view raised at the first real step)
     model.lock = _Holder(model)
     result = check_plain_step(model, _batch(), _step, samples=None)
-    assert result.verdict == "fallback" and result.notes[-1].startswith("self.lock.lock (lock)"), result.line()
+    assert result.verdict == "fallback" and "copies: self.lock.lock (lock)" in result.notes[-1], result.line()
+    model.conv2.lock, model.fc.lock = _Holder(None), _Holder(None)  # four: the line names two, and says how many more
+    result = check_plain_step(model, _batch(), _step, samples=None)
+    assert "shared with the copies: self.lock.lock (lock), self.conv1.log (TextIOWrapper) and 2 more" in result.notes
+    assert "shared with the copies: self.lock.lock (lock)" in result.line(), result.line()
     model.lock = _Refuses(model)  # shared, a copy's step could run the real model through it: not checked (the doors
     with pytest.raises(TypeError, match="cannot pickle"):  # say "the check itself failed (TypeError: ...)")
         check_plain_step(model, _batch(), _step, samples=None)
