@@ -8,9 +8,11 @@ current batch, through Lightning's ``on_exception`` hooks, where ``KeepOnExcepti
   half-accumulated gradient is in no checkpoint);
 * after an epoch's last batch, at the epoch's end, once its validation (if due) is whole (stopped before, a resumed
   run would never validate that epoch, or finish its validation; stopped at the next epoch's start, Lightning has
-  begun that epoch and a resumed run skips most of it), unless the run ends with that epoch anyway;
+  begun that epoch and a resumed run skips most of it), unless the run ends with that epoch anyway (an
+  ``EarlyStopping`` deciding there is asked first: ``_AfterMonitors``);
 * after a validation in the middle of an epoch (``val_check_interval``), due after the batch or under way when the
-  signal came, once it is whole (cut, a resumed run goes on with the next batch and never finishes it);
+  signal came, once it is whole (cut, a resumed run goes on with the next batch and never finishes it), or where it
+  falls inside an accumulation, after the batch that ends it;
 * not at all where the fit has trained all it was to (``trained_out``): it ends as it would have;
 * by Lightning's own stop (either signal sets its flag, under several ranks on every rank at the same batch), which
   comes after the batch's metrics reach the loggers.
@@ -47,7 +49,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from typing_extensions import override
 
 __all__ = ["RunInterrupted", "SignalStop", "lost_peer"]
@@ -194,6 +196,8 @@ class SignalStop(Callback):
     # --- the callback ---------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not any(isinstance(c, _AfterMonitors) and c.stop is self for c in trainer.callbacks):
+            trainer.callbacks.append(_AfterMonitors(self))
         self._world_size = trainer.world_size if dist.is_available() and dist.is_initialized() else 1
         if self._world_size == 1:
             return
@@ -258,8 +262,9 @@ class SignalStop(Callback):
         # no stop here: a signal noted since the last epoch's end stops the run at this epoch's first batch end
         self._fetching = time.monotonic()
 
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def epoch_end(self, trainer: pl.Trainer) -> None:
+        """The stop at an epoch's end, after the callbacks that monitor a metric (``_AfterMonitors``): an early stop
+        decided there ends the run as it would have."""
         signum = self.agreed(trainer)
         if signum is None:
             return
@@ -278,6 +283,8 @@ class SignalStop(Callback):
         self._fetching = time.monotonic()
         if trainer.sanity_checking or not _fitting(trainer) or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             return  # the epoch's validation: the stop comes at the epoch's end
+        if not self._stepped and trainer.accumulate_grad_batches > 1:
+            return  # a validation inside an accumulation: the stop comes at its end (``on_train_batch_end``)
         signum = self.agreed(trainer)  # in the middle of the epoch: the stop after its batch, the validation whole
         if signum is None:
             return
@@ -295,6 +302,20 @@ class SignalStop(Callback):
         # stop monitoring its metric went without); Lightning's own stop would cut it too
         if self.agreed(trainer) is not None:
             _lightning_stop(trainer, False)
+
+
+class _AfterMonitors(Checkpoint):
+    """``SignalStop``'s decision at an epoch's end, made after ``EarlyStopping`` decides there (at the train epoch's
+    end, Lightning's default without validation): Lightning calls the callbacks that monitor a metric after all
+    others, and a ``Checkpoint`` last of them. Decided before, a signal in the epoch an early stop ends saved an
+    interrupted run, and the resumed one trained on past the stop. Saves nothing."""
+
+    def __init__(self, stop: SignalStop) -> None:
+        self.stop = stop
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self.stop.epoch_end(trainer)
 
 
 def _fitting(trainer: pl.Trainer) -> bool:

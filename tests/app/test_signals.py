@@ -204,6 +204,25 @@ def test_a_stop_in_the_middle_of_an_accumulation_waits_for_its_optimizer_step(tm
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
+def test_a_validation_inside_an_accumulation_leaves_the_stop_to_its_optimizer_step(tmp_path: Path) -> None:
+    # SIGTERM during the third batch, which a validation follows (val_check_interval=3) in the middle of a 2-batch
+    # accumulation: the stop after that validation saved a half-accumulated gradient's step
+    module = _Signalling(at=2)
+    trainer, stopped = _fit_stopped(module, tmp_path, accumulate_grad_batches=2, val_check_interval=3)
+    assert stopped is not None and module.steps == 4 and trainer.global_step == 2
+
+
+def test_a_signal_in_the_epoch_an_early_stop_at_the_train_epochs_end_ends_lets_the_run_end(tmp_path: Path) -> None:
+    # EarlyStopping checking at the train epoch's end runs after every other callback there: the stop was set before
+    # it decided, the run saved as interrupted, and the resumed run trained on past the early stop
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    early = EarlyStopping(monitor="loss", stopping_threshold=1e9, check_on_train_epoch_end=True)
+    module = _Signalling(at=7)  # the epoch's last batch
+    trainer, stopped = _fit_stopped(module, tmp_path, stops=False, max_epochs=3, before=(early,))
+    assert stopped is None and module.steps == 8 and early.stopped_epoch == 0
+
+
 @pytest.mark.parametrize("holding", [True, False], ids=["held", "control"])
 def test_a_second_signal_while_last_ckpt_is_written_waits_for_it(tmp_path: Path, holding: bool, capfd) -> None:
     module = _Signalling(at=1, during_save=True)
