@@ -28,6 +28,7 @@ from cltrain.sharding import sharding_of
 __all__ = ["ChannelsLast"]
 
 _MODES = ("full", "conv", "off")
+_FINDERS = {"BatchSizeFinder", "LearningRateFinder"}  # Lightning's tuner callbacks, of either package
 
 
 class ChannelsLast(SessionResults, Callback):
@@ -133,6 +134,7 @@ class ChannelsLast(SessionResults, Callback):
         self._audited = False
         self._module: LightningModule | None = None
         self._due: str | None = None  # what ran since the last step that may have moved the parameters
+        self._tuning = False  # the model is in NCHW for Lightning's finders (``_start``)
 
     # ---- the model -----------------------------------------------------------------------------
 
@@ -152,15 +154,25 @@ class ChannelsLast(SessionResults, Callback):
         # LightningModule.setup runs after this hook and configure_model after that; the model
         # is complete only then, and the strategy moves and wraps it right after.
         last = "configure_model" if overrides("configure_model", pl_module) else "setup"
-        run_after(pl_module, last, lambda: self.session.start(
-            pl_module, device=trainer.strategy.root_device, dtype=compute_dtype(trainer.precision),
-            sharding=sharding_of(pl_module, trainer.strategy), owner=f"ChannelsLast(mode={self.mode!r})",
-            training=stage == "fit"))
+        finders = [type(c).__name__ for c in trainer.callbacks if _FINDERS & {k.__name__ for k in type(c).__mro__}]
+        run_after(pl_module, last, lambda: self._start(trainer, pl_module, stage, finders))
         guard_pruning(trainer.callbacks, pl_module, lambda what, aliases: self.session.boundary(
             pl_module, aliases=aliases,
             line=f"ChannelsLast: {what.partition('.')[0]} prunes the weights in NCHW (torch's pruning calls view on "
                  f"channels_last ones: {UPSTREAM}); they and their masks go back to {self.layout} after each of its "
                  "calls, with their optimizer state."))
+
+    def _start(self, trainer: Trainer, pl_module: LightningModule, stage: str, finders: list[str]) -> None:
+        self.session.start(pl_module, device=trainer.strategy.root_device, dtype=compute_dtype(trainer.precision),
+                           sharding=sharding_of(pl_module, trainer.strategy), owner=f"ChannelsLast(mode={self.mode!r})",
+                           training=stage == "fit")
+        if finders and stage == "fit" and self.session.layout == "channels_last" and self.sharding is None:
+            # Lightning's finders run their trial steps with no callback: no check, no fallback, inputs as they come
+            # (a head that views its input raised there); the fit's own steps start in the layout (on_train_start)
+            to_contiguous(pl_module)
+            self._tuning = True
+            _say(f"ChannelsLast: {' and '.join(finders)} {'run' if len(finders) > 1 else 'runs'} trial steps without "
+                 "callbacks, so the model takes them in NCHW; it is channels_last from the fit's first step.", False)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -286,6 +298,9 @@ class ChannelsLast(SessionResults, Callback):
         # Runs after the optimizer state is restored from a checkpoint: momentum buffers keep the
         # strides they were saved with, which may be another layout than their parameter's.
         if self.mode != "off":
+            if self._tuning:  # the finders' trials are over
+                self._tuning = False
+                self.session.put_back(pl_module)
             self.session.resume()
 
     # ---- the audit ------------------------------------------------------------------------------

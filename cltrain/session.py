@@ -655,6 +655,11 @@ class LayoutSession:
         if self._expected is not None:
             self.expect(model)
 
+    def put_back(self, model: nn.Module) -> None:
+        """``model`` back in the session's layout, with its optimizer state, after code that ran it in another (the
+        trial steps of Lightning's finders, in NCHW)."""
+        self._switch(model, self.layout)
+
     def _decided(self, model: nn.Module, decision: LayoutDecision) -> None:
         if decision.layout != self.layout:
             self._switch(model, decision.layout)

@@ -250,6 +250,38 @@ def test_a_module_holding_an_open_file_is_checked_sharing_it_with_the_copies(tmp
     assert (tmp_path / "samples.log").read_text() == "0\n1\n"  # the real steps' lines alone
 
 
+@pytest.mark.parametrize("finder", ["Tuner.scale_batch_size", "LearningRateFinder"])
+def test_lightnings_finders_run_their_trials_in_nchw_and_the_fit_in_channels_last(finder, caplog):
+    # the finders run their trial steps with no callback, so no check and no fallback: a head that views the
+    # convolution's output raised there in channels_last
+    from lightning.pytorch.callbacks import LearningRateFinder
+    from lightning.pytorch.tuner import Tuner
+
+    from tests.helpers.user_code import Classifier as ViewClassifier
+    from tests.helpers.user_code import ViewHead
+
+    class Module(ViewClassifier):
+        def __init__(self) -> None:
+            super().__init__(ViewHead())
+            self.batch_size, self.lr = 4, 0.05
+
+        def train_dataloader(self) -> DataLoader:
+            g = torch.Generator().manual_seed(0)
+            images, labels = torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 5, (32,), generator=g)
+            return DataLoader(list(zip(images, labels)), batch_size=self.batch_size)
+
+    module, callback = Module(), ChannelsLast(layout="channels_last")
+    finders = [LearningRateFinder(num_training_steps=4)] if finder == "LearningRateFinder" else []
+    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, *finders])
+    with caplog.at_level(logging.INFO):
+        if finder == "Tuner.scale_batch_size":
+            Tuner(trainer).scale_batch_size(module, max_trials=2)
+        trainer.fit(module)
+    assert "takes them in NCHW" in caplog.text and callback.layout_checks["train"].verdict == "fallback"
+    assert is_channels_last(module.net.conv1.weight)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
