@@ -638,6 +638,10 @@ class LayoutSession:
 
     def _settled(self) -> str:
         decided = self.decision
+        if decided is None and self._key is None and not self.pinned:  # no training step yet: a checkpoint's
+            held = {d.layout for d in self.race.decisions.values()}  # decisions, where they agree (an evaluation
+            if len(held) == 1:  # of the checkpoint alone)
+                return held.pop()
         return decided.layout if decided is not None else self.pinned or "channels_last"
 
     def _switch(self, model: nn.Module, layout: str) -> None:

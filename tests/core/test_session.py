@@ -338,6 +338,11 @@ def test_the_race_switches_to_the_faster_nchw_with_the_optimizer_state_and_logs_
     resumed.start(fresh, device="cpu")
     resumed.load_state_dict(session.state_dict(), model=fresh)
     assert resumed.layout == "contiguous" and fresh[0].weight.is_contiguous()
+    # an evaluation before any training step (a fresh trainer.validate of the checkpoint) keeps it: it went back to
+    # channels_last, the layout measured slower
+    batch = resumed.batch("eval", (torch.randn(4, 3, 8, 8),), fresh)
+    resumed.batch_end()
+    assert resumed.layout == "contiguous" and fresh[0].weight.is_contiguous() and batch[0].is_contiguous()
     for _ in range(2):
         resumed.batch("train", (torch.randn(4, 3, 8, 8),), fresh)
         resumed.batch_end()
