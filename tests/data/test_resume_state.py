@@ -678,6 +678,19 @@ def test_a_run_resumed_twice_from_step_checkpoints_ends_where_the_uninterrupted_
     assert all(torch.equal(a, b) for a, b in zip(whole0[0], _state(resumed)))
 
 
+def test_an_accumulation_schedule_holds_in_an_epoch_resumed_in_its_middle(folder, tmp_path):
+    # Lightning calls no on_train_epoch_start in such an epoch, where GradientAccumulationScheduler sets its count: the
+    # resumed run accumulated 1 batch where the schedule says 2
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    whole, _, _ = _run(folder, tmp_path / "whole", 0, every=1, callbacks=(GradientAccumulationScheduler({1: 2}),))
+    steps = STEPS_PER_EPOCH + 1  # epoch 1's first window
+    resumed, again, _ = _run(folder, tmp_path / "resumed", 0, ckpt_path=str(tmp_path / "whole" / f"step={steps}.ckpt"),
+                             callbacks=(GradientAccumulationScheduler({1: 2}),))
+    assert again.accumulate_grad_batches == 2
+    assert all(torch.equal(a, b) for a, b in zip(_state(whole), _state(resumed)))
+
+
 def test_a_checkpoint_inside_an_accumulation_window_says_the_resumed_run_is_not_exact(folder, tmp_path):
     # Lightning saves no accumulated gradient: a resume between micro-batches cannot be bit for bit, and says so
     from lightning.pytorch.callbacks import OnExceptionCheckpoint

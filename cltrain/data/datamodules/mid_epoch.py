@@ -2,7 +2,8 @@
 
 A cltrain DataModule saves its place in the epoch with each checkpoint (the epoch's number, the batches taken);
 Lightning's loop counts the epochs apart from it, and its count is off in three cases, where the resumed run did not
-end as the uninterrupted run ends:
+end as the uninterrupted run ends (and a fourth: an epoch resumed in its middle calls no ``on_train_epoch_start``, so
+a ``GradientAccumulationScheduler`` is asked for its count here):
 
 * ``max_steps`` stopped the fit mid-epoch and ``ModelCheckpoint(save_last=True)`` saved ``last.ckpt`` from the
   epoch's end hooks or at the fit's end, counting the epoch as processed: the run resumed with the next epoch, read
@@ -50,6 +51,15 @@ class ResumeMidEpoch(L.Callback):
             if isinstance(getattr(loop, "_batches_that_stepped", None), int):
                 loop._batches_that_stepped = self._logged_step
             self._logged_step = None
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if getattr(trainer.fit_loop, "restarted_mid_epoch", False):
+            # Lightning calls no on_train_epoch_start in an epoch resumed in its middle: the accumulation schedule's
+            # count for the epoch is set there (a run resumed with 1 where the schedule says 2)
+            for callback in trainer.callbacks:
+                if "GradientAccumulationScheduler" in {k.__name__ for k in type(callback).__mro__}:
+                    callback.on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
