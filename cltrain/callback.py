@@ -241,10 +241,10 @@ class ChannelsLast(SessionResults, Callback):
         self.session.batch_end()
         last = batch_idx + 1 == trainer.num_training_batches
         if pl_module.automatic_optimization:  # a step is a cycle of batches ending in an optimizer step
-            completed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or last  # Lightning steps at the end
+            completed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0  # Lightning steps at the epoch's end
         else:  # manual optimization accumulates as it likes: the step ends at the batch whose optimizer stepped
             completed = self.session.optimizer_stepped()
-        if completed or last:  # a cycle the epoch ends before its optimizer step is not timed
+        if completed or last:  # a cycle the epoch ends before its accumulation is whole is not timed
             self.session.step_end(pl_module, completed=completed)
 
     # Lightning passes ``dataloader_idx`` to these hooks and to the step only with several data loaders.

@@ -1,6 +1,6 @@
 """The race of the layouts around the code users write: gradient accumulation by hand (Lightning's manual
 optimization, a plain or Accelerate loop), optimizers that wrap others, a model or an optimizer step compiled after
-the run converted the model (not raced), epochs that end inside an accumulation cycle, and an averaged copy the user's own code keeps. (Each door's own accumulation is a column of the
+the run converted the model (not raced), epochs that end inside an accumulation cycle (by hand, or Lightning's), and an averaged copy the user's own code keeps. (Each door's own accumulation is a column of the
 door table: tests/core/test_doors.py.)"""
 
 from __future__ import annotations
@@ -213,6 +213,30 @@ def test_a_cycle_the_epoch_ends_before_its_optimizer_step_is_not_timed(timed) ->
     # 5 batches an epoch, the optimizer stepping every second: each epoch's last batch is a cycle with no step
     trainer.fit(ManualAccumulation(), DataLoader(images(10), batch_size=2))
     assert timed and min(timed) >= PAUSE, timed  # every timed step holds an optimizer step
+
+
+def test_a_window_of_accumulation_the_epoch_cuts_short_is_not_timed(timed) -> None:
+    # 5 batches an epoch accumulated 2 by 2: Lightning steps at the epoch's last batch too, a step of one batch, which
+    # the race timed as a whole one (and switched on it)
+    from tests.helpers.door_battery import pause
+
+    class SlowBatches(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = base()
+
+        def training_step(self, batch, batch_idx):
+            pause(PAUSE / 2)  # each batch: a window of two holds PAUSE
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         accumulate_grad_batches=2, callbacks=[ChannelsLast()])
+    trainer.fit(SlowBatches(), DataLoader(images(10), batch_size=2))
+    assert len(timed) == 4 and min(timed) >= PAUSE, timed
 
 
 @pytest.mark.parametrize("given", [True, False])
