@@ -181,14 +181,16 @@ def first_image_tensor(batch: Any, inputs: Inputs = None) -> torch.Tensor | None
     return next((t for t in model_inputs(batch, inputs) if t.dim() in (4, 5) and t.is_floating_point()), None)
 
 
-def first_image_list(batch: Any) -> list[torch.Tensor] | None:
-    """The first list or tuple of 3-D floating tensors in ``batch`` (a detector's images), or ``None``."""
-    if _is_sequence(batch) and batch and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_floating_point()
-                                             for t in batch):
+def first_image_list(batch: Any, _top: bool = True) -> list[torch.Tensor] | None:
+    """The first list or tuple of 3-D images (floating or ``uint8``) below ``batch`` (a detector's images), or
+    ``None``. Not ``batch`` itself: ``(x, y)`` of two 3-D tensors is a batch of ``x``, not two images."""
+    if not _top and _is_sequence(batch) and batch and all(
+            isinstance(t, torch.Tensor) and t.dim() == 3 and (t.is_floating_point() or t.dtype == torch.uint8)
+            for t in batch):
         return list(batch)
     fields = _fields(batch)
     children = fields.values() if fields is not None else batch if _is_sequence(batch) else ()
-    return next((found for child in children if (found := first_image_list(child)) is not None), None)
+    return next((found for child in children if (found := first_image_list(child, False)) is not None), None)
 
 
 # ---- the walk -----------------------------------------------------------------------------------

@@ -104,3 +104,14 @@ def test_a_batch_without_a_model_input_it_can_find_is_said_once() -> None:
         inputs.convert(batch, "train", nn.Conv2d(3, 4, 3), "channels_last")
     assert len(said) == 1 and "inputs=KEY" in said[0] and "'scan'" in said[0]
     assert batch["scan"].is_contiguous()
+
+
+def test_a_detectors_list_of_images_is_found_below_the_batch_only() -> None:
+    # a batch (x, y) of two 3-D tensors (a spectrogram and its target) was taken for a list of two images
+    from cltrain.layout.batches import first_image_list
+
+    spectrogram, target = torch.randn(8, 16, 20), torch.randn(8, 16, 20)
+    assert first_image_list((spectrogram, target)) is None
+    images = [torch.randint(0, 255, (3, 10, 12), dtype=torch.uint8), torch.rand(3, 9, 8)]  # a model normalises them
+    found = first_image_list((images, [{"boxes": torch.ones(1, 4)}] * 2))
+    assert found is not None and len(found) == 2 and found[0] is images[0]
