@@ -235,19 +235,9 @@ def test_a_detectors_list_of_images_is_checked_on_check_samples_of_them(door):
     model = _Detector()
     images, labels = [torch.randn(3, 8, 8) for _ in range(BATCH)], torch.randint(0, 3, (BATCH,))
     if door == "lightning":
-        class Module(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.net = model
+        from tests.helpers.plain_modules import NetCall
 
-            def training_step(self, batch, batch_idx):
-                return self.net(*batch)
-
-            def configure_optimizers(self):
-                return torch.optim.AdamW(self.parameters())
-
-        data = DataLoader([(images, labels)], batch_size=None)
-        fit(Module(), data, ChannelsLast(layout="channels_last"))
+        fit(NetCall(model), DataLoader([(images, labels)], batch_size=None), ChannelsLast(layout="channels_last"))
     else:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState

@@ -368,22 +368,12 @@ def test_a_detectors_lists_of_images_are_raced_as_one_kind_of_batch(door, caplog
             import lightning.pytorch as pl
 
             from cltrain import ChannelsLast
-
-            class Module(pl.LightningModule):
-                def __init__(self) -> None:
-                    super().__init__()
-                    self.net = model
-
-                def training_step(self, batch, batch_idx):
-                    return self.net(batch[0]).sum()
-
-                def configure_optimizers(self):
-                    return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            from tests.helpers.plain_modules import NetCall
 
             callback = ChannelsLast()
             pl.Trainer(max_steps=200, accelerator="cpu", logger=False, enable_checkpointing=False,
                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(
-                Module(), DataLoader(_detector_batches(), batch_size=None))
+                NetCall(model), DataLoader(_detector_batches(), batch_size=None))
             decision = callback.decision
         elif door == "accelerate":
             from accelerate import Accelerator

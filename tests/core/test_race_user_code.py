@@ -1,7 +1,8 @@
 """The race of the layouts around the code users write: gradient accumulation by hand (Lightning's manual
 optimization, a plain or Accelerate loop), optimizers that wrap others, a model or an optimizer step compiled after
-the run converted the model (not raced), epochs that end inside an accumulation cycle (by hand, or Lightning's), and an averaged copy the user's own code keeps. (Each door's own accumulation is a column of the
-door table: tests/core/test_doors.py.)"""
+the run converted the model (not raced), epochs that end inside an accumulation cycle (by hand, or Lightning's),
+and an averaged copy the user's own code keeps. (Each door's own accumulation is a column of the door table:
+tests/core/test_doors.py.)"""
 
 from __future__ import annotations
 

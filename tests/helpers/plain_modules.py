@@ -135,6 +135,20 @@ class ConvStack(nn.Module):
         return self.head(self.blocks(self.stem(x)).mean((2, 3)))
 
 
+class NetCall(LightningModule):
+    """A module whose training step is ``net(*batch)``, summed (a detector's ``model(images, targets)``), with AdamW."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        return self.net(*batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 class Classifier(LightningModule):
     """A plain image classifier around any ``nn.Module``; records the layout of what it sees."""
 
