@@ -169,7 +169,9 @@ def lightning(model, steps, *, door, layout, verify, between=None, save=None, re
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[Between(), *averaging, *([callback] if door else [])])
     module = Module()
-    trainer.fit(module, DataLoader(images(), batch_size=2), ckpt_path=resume)
+    # two ranks: 4 batches a rank an epoch, so that an epoch ends no accumulation window short (Lightning steps on
+    # such a window too, and the race does not time it)
+    trainer.fit(module, DataLoader(images(16 if RANKS == 2 else 12), batch_size=2), ckpt_path=resume)
     if averaged is not None:
         averaged.append(averaging[0]._average_model)
     lightning.rank = trainer.global_rank
