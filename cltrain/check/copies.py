@@ -286,17 +286,17 @@ def _share_uncopyable(model: nn.Module, memo: dict[int, Any]) -> dict[str, Any]:
 def _share_refused(value: Any, label: str, memo: dict[int, Any], real: set[int], shared: dict[str, Any],
                    depth: int) -> None:
     """Add ``value`` to ``shared`` where ``deepcopy`` refuses it and it holds none of ``real``; where it holds some,
-    the refused objects among its attributes and items, ``depth`` levels down."""
+    the refused objects among its attributes and items, ``depth`` levels down (never a trial copy of the model: a
+    large one on a device would need its memory twice)."""
+    if _reaches(value, real, 4, set()):
+        if depth and not isinstance(value, (nn.Module, torch.Tensor)):
+            for key, item in _children(value):
+                _share_refused(item, f"{label}{key}", memo, real, shared, depth - 1)
+        return
     try:
         copy.deepcopy(value, {**memo, **{id(v): v for v in shared.values()}})
-        return
     except TypeError:
-        pass
-    if not _reaches(value, real, 4, set()):
         shared[f"{label} ({type(value).__name__})"] = value
-    elif depth and not isinstance(value, (nn.Module, torch.Tensor)):
-        for key, item in _children(value):
-            _share_refused(item, f"{label}{key}", memo, real, shared, depth - 1)
 
 
 def _children(value: Any) -> list[tuple[str, Any]]:

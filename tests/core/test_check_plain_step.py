@@ -81,3 +81,22 @@ def test_an_attribute_deepcopy_refuses_is_shared_with_the_copies_unless_it_reach
     model.lock = _Refuses(model)  # shared, a copy's step could run the real model through it: not checked (the doors
     with pytest.raises(TypeError, match="cannot pickle"):  # say "the check itself failed (TypeError: ...)")
         check_plain_step(model, _batch(), _step, samples=None)
+
+
+def test_finding_what_deepcopy_refuses_makes_no_trial_copy_of_the_model() -> None:
+    # each attribute that held the model was deep-copied whole to try it: on a device, the model's memory twice
+    import copy as copy_module
+
+    from cltrain.check.copies import _share_uncopyable
+
+    class Counted(torch.nn.Conv2d):
+        copies = 0
+
+        def __deepcopy__(self, memo):
+            Counted.copies += 1
+            return copy_module.deepcopy(torch.nn.Conv2d(3, 4, 3), memo)
+
+    model = torch.nn.Sequential(Counted(3, 4, 3))
+    model.helper = _Holder(model)
+    shared = _share_uncopyable(model, {})
+    assert list(shared) == ["self.helper.lock (lock)"] and Counted.copies == 0
