@@ -27,15 +27,15 @@ returns the local path, fetching the file first when the cache does not hold tha
 * **retried**: each file comes in ranges of ``CHUNK`` bytes; a range that fails with a transient error (the client
   already retries each request) or comes back short is fetched again with backoff, up to ``ATTEMPTS`` times
   within ``RETRY_WINDOW`` seconds of its first try (no try starts that would end past it at the last try's pace).
-  Once one read has failed for good (the store went away), the cache's other reads give up with its reason and
-  without a word: those in flight at once (the client's own attempts cancelled), those asked for within
-  ``RETRY_WINDOW`` seconds without a try (unless a read has succeeded since), so the run ends on that one line, not
-  minutes of their retries later. The job's other processes on the node (DataLoader workers, ranks) do the same: the
-  failure leaves a note in the cache's folder (``.cltrain-failed-<job>``: the reason, redacted), which a process of
-  that job heeds where it was written after that process began reading and after its last read that succeeded.
-  Another job reading the same pack through the same folder (an eval job beside a training job) does not heed it:
-  its own endpoint, credentials and network may be fine. A file the store holds shorter than its reader needs (an
-  upload cut short) is one line, not retried.
+  Once one read has failed for good (the store went away), the cache's other reads give up with its line (the file
+  it read, its error) and without a word: those in flight at once (the client's own attempts cancelled), those
+  asked for within ``RETRY_WINDOW`` seconds without a try (unless a read has succeeded since), so the run ends on
+  that one line, not minutes of their retries later. The job's other processes on the node (DataLoader workers,
+  ranks) do the same: the failure leaves a note in the cache's folder (``.cltrain-failed-<job>``: the file and the
+  reason, redacted), which a process of that job heeds where it was written after that process began reading and
+  after its last read that succeeded. Another job reading the same pack through the same folder (an eval job beside
+  a training job) does not heed it: its own endpoint, credentials and network may be fine. A file the store holds
+  shorter than its reader needs (an upload cut short) is one line, not retried.
 * **clean**: temporary files of this process are removed when it exits (also a DataLoader worker), those of
   processes that are gone when a cache is opened or a process using it exits.
 
@@ -102,10 +102,10 @@ class CacheFullError(StorageError):
 
 
 class _GivenUp(Exception):
-    """A read abandoned because another read of the cache failed for good (``reason``: that read's failure)."""
+    """A read abandoned because another read of the cache failed for good (``reason``: that read's failure and URL)."""
 
-    def __init__(self, reason: BaseException) -> None:
-        super().__init__(reason)
+    def __init__(self, reason: tuple[BaseException, str]) -> None:
+        super().__init__(reason[0])
         self.reason = reason
 
 
@@ -267,7 +267,8 @@ class ShardCache:
         self._asked: dict[str, tuple[int, str | None]] = {}
         self._etags: dict[str, str] = {}  # "bucket/key" -> the ETag the listing gave (S3)
         self.incomplete = incomplete
-        self.failed: tuple[float, BaseException] | None = None  # when a read failed for good, and why (_given_up)
+        # when a read failed for good, why, and of what URL (_given_up)
+        self.failed: tuple[float, BaseException, str] | None = None
         self._since = time.time()  # this process began reading, or last read successfully: an older note is not heeded
         self._own_job = f"{os.getpid()}-{time.time_ns()}"  # see _job
         self.fetched = 0  # files this process fetched (what a test or a benchmark counts)
@@ -437,32 +438,33 @@ class ShardCache:
                 raise _GivenUp(given_up)
         return future.result()
 
-    def _given_up(self) -> BaseException | None:
+    def _given_up(self) -> tuple[BaseException, str] | None:
         """Why a read of this cache failed for good, less than ``RETRY_WINDOW`` seconds ago, with no read succeeding
-        since; ``None`` where none did."""
+        since, and the URL it read; ``None`` where none did."""
         failed = self.failed
         if failed is not None and time.monotonic() - failed[0] < RETRY_WINDOW:
-            return failed[1]
+            return failed[1:]
         note = self._note()
         try:
             written = note.stat().st_mtime
             if written < self._since or time.time() - written >= RETRY_WINDOW:
                 return None
-            name, _, reason = note.read_text().partition("\n")
+            name, url, reason = (note.read_text().split("\n", 2) + ["", ""])[:3]
         except OSError:  # no note (the usual case), or one removed meanwhile
             return None
-        return type(name or "Exception", (Exception,), {})(reason)  # read as the failing process read its error
+        return type(name or "Exception", (Exception,), {})(reason), url  # as the failing process read its error
 
     def _note(self) -> Path:
         """This job's failure note: another job reading through the same folder may well be reading fine."""
         return self.folder / f"{_FAILED}-{hashlib.sha1(_job(self._own_job).encode()).hexdigest()[:12]}"
 
-    def _note_failure(self, err: BaseException) -> None:
-        """A read failed for good: for this process (``failed``) and, in the cache's folder, for the node's others."""
-        self.failed = (time.monotonic(), err)
+    def _note_failure(self, err: BaseException, url: str) -> None:
+        """A read of ``url`` failed for good: for this process (``failed``) and, in the cache's folder, for the node's
+        others."""
+        self.failed = (time.monotonic(), err, url)
         try:
             reason = redact(" ".join(str(err).split()), self.url)
-            atomic_write_text(self._note(), f"{type(err).__name__}\n{reason}")
+            atomic_write_text(self._note(), f"{type(err).__name__}\n{redact(url)}\n{reason}")
         except OSError:  # a note not written: the others retry as long as they would have
             pass
         for old in glob.glob(glob.escape(str(self.folder / _FAILED)) + "-*"):  # other jobs' notes, no longer heeded
@@ -472,7 +474,7 @@ class ShardCache:
 
     def _retried(self, read: Callable[[], Any], url: str) -> Any:
         """``read()``, again after a transient failure (backoff 0.2 s, 0.4 s, ...); a lasting one as one line. Once a
-        read of this cache has failed for good, the others give up with its reason, quietly and at once (see the
+        read of this cache has failed for good, the others give up with its line, quietly and at once (see the
         module docstring): the run ends on the first one's line, not after their retries."""
         started = time.monotonic()
         for attempt in range(ATTEMPTS):
@@ -493,14 +495,15 @@ class ShardCache:
                     raise RemoteError(f"{redact(url)}: replaced in the store during the run (not the version listed "
                                       "when the run began): the pack was uploaded again meanwhile. Start the run again "
                                       "once the upload is complete.") from None
+                # the read that failed for good names itself: its error quotes its own URL and host, not this one's
                 given_up = err.reason if isinstance(err, _GivenUp) else self._given_up()
                 now, pause = time.monotonic(), min(0.2 * 2 ** attempt, 5.0)
                 # the next try, as long as this one (the client's own attempts and backoff in it), must end in the window
                 late = now - started + pause + (now - tried) > RETRY_WINDOW
                 if given_up is not None or attempt == ATTEMPTS - 1 or late:
                     if given_up is None:
-                        self._note_failure(err)
-                    raise remote_error(given_up or err, url) from None
+                        self._note_failure(err, url)
+                    raise remote_error(*(given_up or (err, url))) from None
                 log.warning("cltrain: reading %s failed (%s); trying again (%d of %d)", redact(url),
                             redact(" ".join(f"{type(err).__name__}: {err}".split()))[:240], attempt + 2, ATTEMPTS)
                 time.sleep(pause)

@@ -172,14 +172,14 @@ def test_once_a_read_has_failed_for_good_the_others_give_up_at_once_and_quietly(
             with pytest.raises(RemoteError, match=names[0]) as first:
                 cache.get(names[0])  # its tries, each said
             failed = time.monotonic()
-            with pytest.raises(RemoteError, match=names[1]):
+            with pytest.raises(RemoteError) as quiet:
                 in_flight.result(timeout=10)
             assert time.monotonic() - failed < 1  # abandoned at once, the client's own attempts with it
-            with pytest.raises(RemoteError, match=names[2]):
-                cache.get(names[2])  # not tried
-            with pytest.raises(RemoteError) as quiet:
-                worker.get(names[2])  # not tried either: the failure's note in the cache's folder, its reason
-            assert str(quiet.value) == str(first.value).replace(names[0], names[2]), (quiet.value, first.value)
+            assert str(quiet.value) == str(first.value)  # the failure's own line, naming the file it read
+            for reader in (cache, worker):  # not tried: this process's failure, the note in the cache's folder
+                with pytest.raises(RemoteError) as quiet:
+                    reader.get(names[2])
+                assert str(quiet.value) == str(first.value), (quiet.value, first.value)
         retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
         assert len(retries) == shard_cache.ATTEMPTS - 1 and all(names[0] in m for m in retries), retries
         assert proxy.gets(names[2]) == 0
