@@ -413,11 +413,11 @@ def test_a_download_a_thread_starts_during_the_exit_leaves_no_temporary_file(url
 
 def test_a_pack_larger_than_the_cache_under_a_full_shuffle_is_said_in_a_readable_size(url, env):
     dm = ShardsDataModule(url, cache_limit=30000, shuffle_window=None, **KW)
-    with pytest.warns(UserWarning, match=r"about 0\.\d MiB\) does not fit the shard cache \(0\.0 MiB"):
-        dm.setup("fit")  # a small pack was "about 0.0 GiB"
+    with pytest.warns(UserWarning, match=r"about \d+\.\d KiB\) does not fit the shard cache \(29\.3 KiB"):
+        dm.setup("fit")  # a small pack was "about 0.0 GiB", a 30 KB limit "0.0 MiB"
     # a limit just below the split's size: "about 0.1 MiB" beside "0.1 MiB" looked like a split that fits
     split = int((dm.train_set.index[:, 0] + dm.train_set.index[:, 1]).max()) * len(dm.train_set.shard_names)
-    with pytest.warns(UserWarning, match=r"about (\d\.\d+) MiB\) does not fit the shard cache \((?!\1 )\d\.\d+ MiB"):
+    with pytest.warns(UserWarning, match=r"about (\d+\.\d+) KiB\) does not fit the shard cache \((?!\1 )\d+\.\d+ KiB"):
         ShardsDataModule(url, cache_limit=split - 2000, shuffle_window=None, **KW).setup("fit")
 
 

@@ -132,10 +132,11 @@ class ShardsDataModule(ImageDataModule):
 
 
 def _sizes(*sizes: int) -> list[str]:
-    """Bytes as the warnings give them: GiB, else MiB (a small pack is not "0.0 GiB"), with the digits that tell
-    them apart (a split larger than the limit is never "0.3 MiB" beside "0.3 MiB")."""
+    """Bytes as the warnings give them: GiB, MiB, else KiB (a small pack or limit is not "0.0 GiB"), with the digits
+    that tell them apart (a split larger than the limit is never "0.3 MiB" beside "0.3 MiB")."""
+    units = ((2**30, "GiB"), (2**20, "MiB"), (1, "KiB"))
     for digits in (1, 2, 3):
-        shown = [f"{n / 2**30:.{digits}f} GiB" if n >= 2**30 else f"{n / 2**20:.{digits}f} MiB" for n in sizes]
+        shown = [next(f"{n / max(u, 2**10):.{digits}f} {name}" for u, name in units if n >= u or u == 1) for n in sizes]
         if len(set(shown)) == len(set(sizes)):
             break
     return shown
