@@ -49,10 +49,12 @@ class InputTrace:
         """Whether the first forward of ``kind`` was traced (or is being traced)."""
         return kind in self.left_as_is
 
-    def start(self, kind: str, converted: dict[Hashable, torch.Tensor], model: nn.Module) -> bool:
-        """Trace this forward of ``kind``; ``False`` where it is not traced (nothing converted, or compiled)."""
+    def start(self, kind: str, converted: dict[Hashable, torch.Tensor], model: nn.Module,
+              compiled: bool = False) -> bool:
+        """Trace this forward of ``kind``; ``False`` where it is not traced (nothing converted, or compiled: ``model``
+        holds compiled code, or ``compiled`` says its call does)."""
         self.left_as_is[kind] = frozenset()
-        if not converted or is_compiled(model):
+        if not converted or compiled or is_compiled(model):
             return False
         self._conv_free = not has_convolutions(model)
         self._active = (kind, ConvReach(converted), converted)
@@ -96,6 +98,8 @@ class BatchInputs:
         self._told = self._looked = False
         self._hint = " cltrain.data's NHWC collate makes this copy unnecessary."
         self._named = "channels_last"  # the memory format the lines name
+        #: the model's call runs compiled code (a door's hook that Dynamo traced): its forward is not traced
+        self.compiled = False
 
     def convert(self, batch: Any, kind: str, model: nn.Module, layout: str, *, in_place: bool = True) -> Any:
         """``batch`` with its model inputs in ``layout``: the same object, its tensors restrided in place, or (not
@@ -127,7 +131,7 @@ class BatchInputs:
         if layout != "channels_last":  # the model runs in NCHW, and the batch with it
             self._pending = None
             self.trace.start(kind, {}, model)
-        elif not self.trace.start(kind, traced, model):  # compiled: convert as before
+        elif not self.trace.start(kind, traced, model, self.compiled):  # compiled: convert as before
             self._pending = None
             self._tell(len(traced), layout)
 

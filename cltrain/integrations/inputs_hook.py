@@ -214,10 +214,18 @@ class ChannelsLastInputs:
         # A copy of the model (the check's, an EMA's) shares the hook: its inputs are converted, never checked.
         return self
 
-    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Dynamo traces this far where the model was compiled after the hook was attached (``accelerator.prepare``
+        # with a ``dynamo_backend``, ``torch.compile`` after it): its forward is then not traced (the trace's
+        # function mode made Dynamo compile it as ~50 graphs, and again after); the rest runs eagerly
+        return self._before_forward(module, args, kwargs, torch.compiler.is_compiling())
+
+    @torch.compiler.disable
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        compiled: bool) -> Any:
         if getattr(_state, "checking", False) or self.session.layout is None:
             return None
+        self.session.inputs.compiled = compiled
         if module is self.model:
             self.run_pending()
         if module is not self.model:  # a copy: its inputs in the layout, nothing else
