@@ -570,3 +570,26 @@ def test_a_catch_warnings_the_loop_holds_across_the_first_steps_leaves_warnings_
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"{script}:13: UserWarning: the eval notice of the user" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_model_compiled_in_place_after_the_run_compiles_once(in_place):
+    # docs/guides/loops.md: the run follows its first forward under a TorchFunctionMode; a wrapper made after the run
+    # compiles that step with the mode, and again at the next step
+    from cltrain.layout.tensors import compiled_frames
+    from cltrain.loops import ChannelsLastRun
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = ChannelsLastRun(model, optimizer, layout="channels_last", verify=False)
+    if in_place:
+        model.compile(backend="eager")
+    compiled = model if in_place else torch.compile(model, backend="eager")
+    frames = [compiled_frames()]
+    for x, y in run.batches([(torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))] * 3):
+        F.cross_entropy(compiled(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        frames.append(compiled_frames())
+    run.end()
+    assert (frames[1] == frames[3]) is in_place, frames
