@@ -93,7 +93,7 @@ class BatchInputs:
         self.say, self.inputs = say, inputs
         self.trace = InputTrace(say=say)
         #: the converted inputs' data as the loader made them, given back when the batch ends
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._pending: tuple[str, dict[int, torch.Tensor]] | None = None  # the first batch of a kind, to trace
         self._told = self._looked = False
         self._hint = " cltrain.data's NHWC collate makes this copy unnecessary."

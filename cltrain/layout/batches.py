@@ -133,7 +133,7 @@ def image_inputs(batch: Any, inputs: Inputs = None, one_d: bool = False) -> dict
 
 def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs = None,
                    skip: Collection[int] = (), model: nn.Module | None = None,
-                   kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+                   kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> int:
     """Put the floating rank-4/5 (and with ``one_d``, rank-3) tensors of ``batch`` that ``inputs``
     selects in ``layout`` (``"channels_last"`` or ``"contiguous"``), in place; returns how many
     tensors it copied (0 when they already arrive in the layout: nothing is copied then). The
@@ -162,16 +162,28 @@ def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs 
         else:
             continue
         if kept is not None:
-            kept.setdefault(id(t), (t, before))
+            kept.setdefault(id(t), (t, before, _version_of(t)))
         converted += 1
     return converted
 
 
-def restore_batch(kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _version_of(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (nor can a step write it in place)
+        return -1
+
+
+def restore_batch(kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
     """Give the tensors ``restride_batch`` changed their data back as it was, and empty ``kept``: a loader
     that hands out the same tensor objects again (a cached batch, a dataset already on the device) finds
     them as it made them."""
-    for t, data in kept.values():
+    for t, data, version in kept.values():
+        if _version_of(t) != version and t.data.data_ptr() != data.data_ptr():
+            # the step wrote into the input in place (a normalisation, an augmentation on the device): the values
+            # it wrote go back with the data, as they would have stayed without the conversion (autograd may still
+            # hold the tensor for a backward after the next batch is asked for, a window that sums its losses)
+            data.copy_(t.data)
         t.data = data
     kept.clear()
 

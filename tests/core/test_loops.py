@@ -593,3 +593,39 @@ def test_a_model_compiled_in_place_after_the_run_compiles_once(in_place):
         frames.append(compiled_frames())
     run.end()
     assert (frames[1] == frames[3]) is in_place, frames
+
+
+def test_a_loop_that_edits_its_inputs_in_place_and_steps_after_the_next_batch_keeps_its_gradients():
+    # the loader's data went back at the next batch without the step's in-place writes: the backward of a window that
+    # sums its losses read the un-normalised images (conv1's gradient 52-125% off), and so did the user's code
+    from cltrain.loops import ChannelsLastRun
+
+    mean, std = torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1), torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
+
+    def window_grads(door: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.rand(4, 3, 8, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)) for _ in range(4)]
+        if door:
+            run = ChannelsLastRun(model, optimizer, layout="channels_last", verify=False)
+            batches = run.batches(data)
+        else:
+            model.to(memory_format=torch.channels_last)
+            batches = ((x.contiguous(memory_format=torch.channels_last), y) for x, y in data)
+        grads, total, seen = [], 0, []
+        for i, (x, y) in enumerate(batches):
+            x.sub_(mean).div_(std)
+            seen.append(x)
+            total = total + F.cross_entropy(model(x), y) / 2
+            if i % 2:
+                total.backward()  # after the window's second batch was asked for
+                grads.append(model[0].weight.grad.clone())
+                optimizer.step()
+                optimizer.zero_grad()
+                total = 0
+        return grads + [s.contiguous() for s in seen]
+
+    for got, want in zip(window_grads(True), window_grads(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
