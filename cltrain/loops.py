@@ -39,6 +39,7 @@ Example (Fabric; a plain loop is the same without the ``fabric`` lines)::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -193,7 +194,7 @@ class ChannelsLastRun(SessionResults):
     def _check(self, batch: Any, train: bool) -> LayoutCheck:
         optimizer = list(self.optimizers) if train else None
         grad = torch.enable_grad() if train else torch.no_grad()
-        with grad:
+        with grad, _real_steps_undone(self.optimizers):
             return check_plain_step(self.model, batch, self.step, inputs=self.inputs, autocast_dtype=self.dtype,
                                     optimizer=optimizer, samples=self.check_samples,
                                     convert_inputs=self.session.convert_inputs)
@@ -429,6 +430,29 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
         for p, g in grads.items():
             p.grad = g
     return to_contiguous(clone)
+
+
+@contextlib.contextmanager
+def _real_steps_undone(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """A ``step`` that steps the run's real optimizers (a whole training step passed as ``step``, on the real model:
+    the check puts the model back) leaves their state as it was: taken at their first step in the check (copied only
+    then), put back after it. The check's copies of the optimizers run the same hook and are left alone."""
+    real, saved = {id(o) for o in optimizers}, {}
+
+    def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in real and id(optimizer) not in saved:
+            saved[id(optimizer)] = (optimizer, {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                                    for k, v in state.items()} for p, state in optimizer.state.items()})
+
+    handles = [o.register_step_pre_hook(before) for o in optimizers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for optimizer, state in saved.values():
+            optimizer.state.clear()
+            optimizer.state.update(state)
 
 
 def _inside_ddp(model: nn.Module) -> nn.Module:

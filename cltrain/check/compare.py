@@ -197,7 +197,8 @@ def check_layout(
         changed = real.restore()
     if changed:
         return LayoutCheck("not checked", reason=f"{REACHED_REAL} ({describe(changed)}; put back as it was; "
-                           "channels_last kept unverified: make that code reach the model through `self`)",
+                           "channels_last kept unverified: make that code reach the model through what the step is "
+                           "given: `self` in a LightningModule, the model argument of a loop's `step`)",
                            seconds=time.perf_counter() - start)
     return result
 

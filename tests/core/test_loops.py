@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -629,3 +630,37 @@ def test_a_loop_that_edits_its_inputs_in_place_and_steps_after_the_next_batch_ke
 
     for got, want in zip(window_grads(True), window_grads(False), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.Adam])
+def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimizer_class):
+    # a whole training step passed as `step`, on the real model and optimizer: the check put the model back, not the
+    # optimizer (AdamW's step count 5 against 4, its moments a 4-sample step further)
+    from cltrain.loops import ChannelsLastRun
+
+    def run(verify: bool) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+        optimizer = optimizer_class(model.parameters(), lr=1e-2)
+
+        def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
+            loss = F.cross_entropy(model(batch[0]), batch[1])  # the real model, not `m`
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+
+        door = ChannelsLastRun(model, optimizer, step=train_step, layout="channels_last", verify=verify)
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.rand(4, 3, 8, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)) for _ in range(3)]
+        for x, y in door.batches(data):
+            train_step(model, (x, y))
+        door.end()
+        return model, optimizer, door.layout_checks.get("train") if verify else None
+
+    checked, plain = run(True), run(False)
+    assert checked[2].verdict == "not checked" and "model argument of a loop's `step`" in checked[2].reason
+    for a, b in zip(checked[0].state_dict().values(), plain[0].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(checked[1].state.values(), plain[1].state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a), a.keys()
