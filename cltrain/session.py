@@ -197,6 +197,8 @@ class LayoutSession:
         #: the door cannot see the step's autocast, and was told no dtype (a loop: Fabric's ``bf16-mixed``, its own
         #: ``torch.autocast``): the guardrails for bf16 autocast alone are applied too
         self.autocast_unseen = False
+        #: the precision a door given no dtype was seen training in (``_autocast_seen``), as the race names it
+        self.seen_dtype: str | None = None
         self.fallbacks: list[Fallback] = []
         self.layout_checks: dict[str, LayoutCheck] = {}
         self.summary: dict[str, int] | None = None
@@ -469,13 +471,30 @@ class LayoutSession:
     def forward_done(self, completed: bool = True) -> None:
         """The traced forward ended (at the backward, or the forward's own end)."""
         self.inputs.end_trace(completed)
+        self._autocast_seen()
 
     def batch_end(self, *, restore: bool = True, completed: bool = True) -> None:
         """A batch's forward and backward ended: the trace left (judged where ``completed``) and the loader's tensors
         given back (``restore``; not where the door handed the model new tensors)."""
         self.inputs.end_trace(completed)
+        self._autocast_seen()
         if restore:
             self.inputs.restore()
+
+    def _autocast_seen(self) -> None:
+        """A door given no dtype (a loop's own autocast, Fabric's precision) whose traced training forward ran under
+        autocast: the race's steps are named in that precision, and one line says what the check ran in."""
+        seen = self.inputs.trace.autocast
+        if seen is None or not self.autocast_unseen or self.dtype is not None or self.seen_dtype is not None:
+            return
+        self.seen_dtype = name = _PRECISION.get(seen, str(seen))
+        checked = "the first-batch check ran the step in fp32 (the kernel guardrails act under autocast too); " \
+            if "train" in self.layout_checks else ""
+        self.say(f"ChannelsLast: the model's forward runs under {name} autocast, but the run was given no dtype: "
+                 f"{checked}pass dtype=torch.{str(seen).partition('.')[2]} to check it in {name}.", False)
+        if seen == torch.bfloat16 and self.device is not None and self.device.type == "cpu":
+            say_bf16_emulated(lambda line: self.say(line, True), "ChannelsLast: training in bf16",
+                              "Training in fp32 is faster here.")
 
     def step_end(self, model: nn.Module, *, completed: bool = True, judge: bool = True) -> None:
         """The training step opened by the first training ``batch`` since the last ``step_end`` ended (its
@@ -551,7 +570,7 @@ class LayoutSession:
         # several ranks: one race for every input size, as the ranks' sizes may differ at a step (multi-scale
         # training) and every rank must switch at the same steps (each switch rebuilds DDP's buckets, with them all)
         shape = () if self.host.several() else sample
-        key = (shape, _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
+        key = (shape, self.seen_dtype or _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
         self._key = key
         if self._restored.get("race"):  # a checkpoint of another number of ranks keys its decision by every rank's
             # sizes, or by one rank's: it holds
