@@ -706,12 +706,14 @@ class LayoutSession:
             timed = ""
             if len(decision.seconds) == 2:
                 faster = min(decision.seconds, key=decision.seconds.__getitem__)
+                was = decision.timed_how  # the race's own words where the checkpoint kept them
                 # a switch to NCHW was judged faster (paired steps) whatever the medians say
-                timed = f", {decision.judged or decision.ratio:.2f}x faster when timed" \
-                    if faster == decision.layout or decision.layout == "contiguous" else \
+                timed = f", when timed within {100 * self.race.margin:.0f}% of NCHW" if was == "tie" else \
+                    f", {decision.judged or decision.ratio:.2f}x faster when timed" \
+                    if decision.layout == "contiguous" or faster == decision.layout and was != "noisy" else \
                     f", when timed within {100 * self.race.margin:.0f}% of NCHW" \
                     if decision.ratio <= 1 + self.race.margin else \
-                    f", when timed NCHW {decision.ratio:.2f}x faster by the medians, too noisy to tell"
+                    f", when timed {_name(faster)} {decision.ratio:.2f}x faster by the medians, too noisy to tell"
             return f"ChannelsLast: the checkpoint's race decision holds here {where}: {name}{timed} ({pin})."
         seconds = decision.seconds
         nchw_ahead = len(seconds) == 2 and seconds["contiguous"] < seconds["channels_last"]

@@ -89,6 +89,7 @@ class LayoutDecision:
         extra_seconds: what the steps in the slower layout cost over the faster one's time.
         judged: the faster layout's lead as the rule judged it (the slower step over the faster, paired steps from
             the second round on, pooled in the first; its medians may differ), ``None`` where not timed.
+        timed_how: a restored decision's ``how`` when it was timed (``""``: not restored, or not kept).
     """
 
     key: tuple[Any, ...]
@@ -98,6 +99,7 @@ class LayoutDecision:
     samples: dict[str, int] = field(default_factory=dict)
     extra_seconds: float = 0.0
     judged: float | None = None
+    timed_how: str = ""
 
     @property
     def ratio(self) -> float:
@@ -108,14 +110,16 @@ class LayoutDecision:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain types, for a checkpoint and ``metrics.json``."""
-        return {"key": _plain(self.key), "layout": self.layout, "how": self.how, "seconds": dict(self.seconds),
+        how = self.timed_how or self.how if self.how == "restored" else self.how  # saved again: as it was timed
+        return {"key": _plain(self.key), "layout": self.layout, "how": how, "seconds": dict(self.seconds),
                 "samples": dict(self.samples), "extra_seconds": self.extra_seconds, "judged": self.judged}
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> LayoutDecision:
         """The decision ``as_dict`` wrote, as restored from a checkpoint."""
         return cls(_key(saved["key"]), saved["layout"], "restored", dict(saved.get("seconds", {})),
-                   dict(saved.get("samples", {})), float(saved.get("extra_seconds", 0.0)), _float(saved.get("judged")))
+                   dict(saved.get("samples", {})), float(saved.get("extra_seconds", 0.0)), _float(saved.get("judged")),
+                   str(saved.get("how", "")).replace("restored", ""))
 
 
 def _plain(obj: Any) -> Any:

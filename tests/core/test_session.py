@@ -386,6 +386,23 @@ def test_a_restored_decision_says_which_layout_was_faster_when_timed(seconds, sa
                                                f"32x32 px): {said} (pin it with layout='channels_last').")
 
 
+@pytest.mark.parametrize("how, seconds, said", [
+    ("noisy", {"channels_last": 1.76, "contiguous": 2.0}, "channels_last, when timed channels_last 1.14x faster by the "
+                                                          "medians, too noisy to tell"),
+    ("tie", {"channels_last": 0.2, "contiguous": 0.203}, "channels_last, when timed within 2% of NCHW"),
+    ("timed", {"channels_last": 0.2, "contiguous": 0.3}, "channels_last, 1.09x faster when timed"),
+])
+def test_a_restored_decision_says_what_the_race_said_when_resumed_and_saved_again(how, seconds, said) -> None:
+    # a noisy race's "channels_last 1.14x faster by the medians, too noisy to tell" came back from the checkpoint as
+    # "channels_last, 1.09x faster when timed" (the paired steps' lead, stated as sure); a tie as a lead
+    decision = layout_race.LayoutDecision(((3, 8, 8), "fp32", "cpu"), "channels_last", how, seconds,
+                                          {"channels_last": 8, "contiguous": 8}, judged=1.09)
+    restored = layout_race.LayoutDecision.from_dict(decision.as_dict())
+    again = layout_race.LayoutDecision.from_dict(restored.as_dict())  # a checkpoint of the resumed run
+    for d in (restored, again):
+        assert f"holds here (fp32, cpu, 8x8 px): {said} (pin" in LayoutSession().decision_line(d)
+
+
 @pytest.mark.parametrize("how", ["a last, smaller batch each epoch", "evaluations inside accumulated steps"])
 def test_the_race_decides_with_partial_batches_and_evaluations_inside_steps(monkeypatch, how) -> None:
     # a last, smaller batch first timed became the race's batch size and every full one was left out: no decision,
