@@ -73,7 +73,8 @@ def _error(line: str) -> None:
     """The run's last line: on stderr, and in the run directory's ``train.log`` (Hydra's file handler) beside its
     other records."""
     print(line, file=sys.stderr)
-    record = logging.LogRecord("cltrain", logging.ERROR, __file__, 0, line, None, None)
+    record = logging.LogRecord("cltrain", logging.ERROR, __file__, 0, line.encode("utf-8", "backslashreplace").decode(),
+                               None, None)  # a file name that is not UTF-8: escaped, as stderr writes it
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)

@@ -23,6 +23,7 @@ from cltrain.data.demo import NotADemoFolder
 from cltrain.app.config.data_schema import DEMO_GENERATORS
 from cltrain.data.constants import is_hidden
 from cltrain.data.hf_source import is_hub_id
+from cltrain.data.index import unicode_twins
 from cltrain.data.remote import RemoteError, is_url, redact
 
 __all__ = ["absolute", "build_datamodule"]
@@ -101,5 +102,7 @@ def _check_layout(root: Path, allow_missing_val_classes: bool, evaluate_only: bo
     missing = sorted(classes.get("train", set()) - classes["val"])
     if missing and not allow_missing_val_classes:
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-        raise ConfigError("data.root", str(root), f"{len(missing)} training class(es) have no val/ folder ({shown})",
+        twins = unicode_twins(sorted(classes["val"] - classes["train"]), missing)  # the same name, other code points
+        raise ConfigError("data.root", str(root), f"{len(missing)} training class(es) have no val/ folder "
+                          f"({shown}){twins}", "rename the val/ folder as the training split names it" if twins else
                           "add them to val/, or data.allow_missing_val_classes=true")

@@ -29,7 +29,7 @@ from cltrain.data.errors import BadImageError, EmptyImageError, LabelFault, Samp
 from cltrain.data.loader_threads import start_batch
 from cltrain.data.resume_state import SeededIndex
 
-__all__ = ["BAD_FILE_POLICIES", "NamedSplit", "SkipsBadSamples", "check_bad_files", "unreadable"]
+__all__ = ["BAD_FILE_POLICIES", "NamedSplit", "SkipsBadSamples", "check_bad_files", "printable", "unreadable"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ def unreadable(err: BaseException, path: str | os.PathLike | None = None) -> str
         named = os.fspath(path)
         text = text.replace(f": {named!r}", "").replace(f" {named!r}", "").replace(f"{named}: ", "")
     return text.replace("\t", " ").replace("\n", " ")
+
+
+def printable(text: str) -> str:
+    """``text`` with the bytes of a name that is not UTF-8 written as escapes (``\\udce9``): any log handler writes
+    it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class SkipsBadSamples:
@@ -172,14 +178,16 @@ class SkipsBadSamples:
         """Report sample ``name`` as skipped: a line in ``skip_log`` and a warning once per sample and process."""
         reason = reason.replace("\t", " ").replace("\n", " ")
         if self.skip_log is not None:
-            with open(self.skip_log, "a", encoding="utf-8") as f:  # one short line per write: atomic with O_APPEND
+            # one short line per write: atomic with O_APPEND; a name that is not UTF-8 (a file named on another
+            # system) kept as its bytes, so the list names it
+            with open(self.skip_log, "a", encoding="utf-8", errors="surrogateescape") as f:
                 f.write(f"{self.split_name}\t{name}\t{reason}\n")
         else:
             self._unlisted.setdefault(name, reason)  # listed if a list is given later (list_skips_in)
         if name not in self._warned:
             self._warned.add(name)
             said = name if name.startswith(f"{self.what} ") else f"{self.what} {name}"  # "item 15", not "item item 15"
-            log.warning("skipping unreadable %s (%s)", said, reason)
+            log.warning("skipping unreadable %s (%s)", printable(said), reason)
 
 
 class NamedSplit:

@@ -48,7 +48,7 @@ from typing import BinaryIO
 
 from PIL import Image
 
-from cltrain.atomic import atomic_open
+from cltrain.atomic import atomic_write_bytes
 from cltrain.data.bad_samples import unreadable
 from cltrain.data.constants import CHECK_MODES
 from cltrain.data.crop_kernels import check_pixels
@@ -91,7 +91,12 @@ def _check_stream(f: BinaryIO, size: int, full: bool, backend: Decoder | None) -
         with Image.open(f) as img:
             fmt = img.format
             if fmt == "PNG":
-                img.verify()
+                try:
+                    img.verify()
+                except Exception:  # verify() wants every chunk whole (IEND, ancillary CRCs after the pixels);
+                    f.seek(0)      # the loader's Image.load() does not: its verdict decides, for these files only
+                    with Image.open(f) as again:
+                        again.load()
         if fmt in ("JPEG", "MPO") and not jpeg_ends(f, size):
             return "JPEG without its end-of-image marker (truncated?)"
         return None
@@ -208,10 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = check_files(list(split_of), mode, args.workers, progress=not args.no_progress, decoder=args.decoder)
     elapsed = time.perf_counter() - start
     out = Path(args.out)
-    with atomic_open(out, "w") as f:  # a list the user trains with: never half-written
-        f.write("# split\tpath\treason\n")
-        for path in sorted(bad):
-            f.write(f"{split_of[path]}\t{path}\t{bad[path]}\n")
+    lines = ["# split\tpath\treason\n"] + [f"{split_of[path]}\t{path}\t{bad[path]}\n" for path in sorted(bad)]
+    # a list the user trains with: never half-written; a name that is not UTF-8 kept as its bytes
+    atomic_write_bytes(out, "".join(lines).encode("utf-8", "surrogateescape"))
     rate = len(split_of) / elapsed if elapsed > 0 else float("inf")
     print(f"cltrain.data.check: {len(split_of)} files checked ({mode}) in {elapsed:.1f} s ({rate:.0f} files/s); "
           f"{len(bad)} bad, listed in {out}" + (f"; train with exclude_files={str(out)!r} to leave them out." if bad else "."))

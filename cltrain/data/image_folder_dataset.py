@@ -59,7 +59,7 @@ def read_file_list(path: str | os.PathLike) -> FileList:
         raise MissingDataError(f"exclude_files={str(path)!r} is not a file; give the list written by "
                                 "'python -m cltrain.data.check ROOT' or a skipped_files.tsv.")
     listed = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         listed.add(os.path.abspath(line.split("\t")[1] if "\t" in line else line))

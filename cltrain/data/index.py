@@ -33,7 +33,8 @@ from cltrain.atomic import atomic_write_bytes, atomic_write_json, remove_leftove
 from cltrain.data.constants import IMG_EXTENSIONS, is_hidden
 from cltrain.data.errors import DataError, MissingDataError
 
-__all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "not_loaded", "scan_split"]
+__all__ = ["SplitIndex", "default_cache_dir", "find_classes", "index_split", "not_loaded", "scan_split",
+           "unicode_twins"]
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
     unknown = sorted(set(present) - set(classes))
     if unknown:
         raise DataError(f"{split_dir} has class folders {unknown} that the training split does not have"
-                        f"{_unicode_twins(unknown, classes)}; remove them or add them to the training split.")
+                        f"{unicode_twins(unknown, classes)}; remove them or add them to the training split.")
     missing = [c for c in classes if c not in set(present)]
     if missing and not allow_missing:
         raise DataError(f"{split_dir} lacks the class folders {missing} that the training split has; add them, "
@@ -192,7 +193,7 @@ def scan_split(split_dir: str | os.PathLike, classes: Sequence[str] | None = Non
     return index
 
 
-def _unicode_twins(names: Sequence[str], others: Sequence[str]) -> str:
+def unicode_twins(names: Sequence[str], others: Sequence[str]) -> str:
     """Where a name of ``names`` is one of ``others`` written with other Unicode code points (a folder copied
     between macOS, NFD, and Linux, NFC): `` ('café' there is 'café' here, in other code points: rename one)``."""
     nfc = {unicodedata.normalize("NFC", o): o for o in others}

@@ -182,6 +182,17 @@ def test_data_layout_mistakes_are_config_errors(demo_root: Path, tmp_path: Path)
     assert "1 training class(es) have no val/ folder (zebra)" in str(info.value)
     assert "data.allow_missing_val_classes=true" in str(info.value)
 
+    # a class folder copied from macOS (NFD) beside its Linux twin (NFC): the line said to add the folder first
+    twins = tmp_path / "twins"
+    shutil.copytree(demo_root, twins)
+    first = next((twins / "train").iterdir()).name
+    (twins / "train" / first).rename(twins / "train" / "caf\u00e9")
+    (twins / "val" / first).rename(twins / "val" / "cafe\u0301")
+    with pytest.raises(ConfigError) as info:
+        train(_smoke(twins, tmp_path / "run4"))
+    assert "in other Unicode code points" in str(info.value) and "rename the val/ folder" in str(info.value)
+    assert "\n" not in str(info.value) and "allow_missing_val_classes" not in str(info.value), str(info.value)
+
 
 def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -513,3 +513,16 @@ def test_an_override_hydra_cannot_read_is_one_line_saying_how_to_quote_it(overri
     assert line.endswith(fix), line
     if fix.startswith('"'):
         check_command_line([fix.strip('"'), "device=cpu"])  # quoted as the line says: read
+
+
+def test_a_path_with_a_comma_or_an_apostrophe_gets_quotes_that_read() -> None:
+    # a comma read as a sweep (Hydra's "Ambiguous value" over three lines, exit 1, where -m was not given); an
+    # apostrophe inside the suggested '...' quotes failed again
+    for override, shell in [("run_dir=/tmp/set,v2", "\"run_dir='/tmp/set,v2'\""),
+                            ("run_dir=/tmp/it's (1)", "\"run_dir=\\\"/tmp/it's (1)\\\"\"")]:
+        with pytest.raises(ConfigError) as info:
+            check_command_line([override, "device=cpu"])
+        line = str(info.value)
+        assert "\n" not in line and line.startswith("run_dir=") and line.endswith(shell), line
+        check_command_line([shell[1:-1].replace('\\"', '"'), "device=cpu"])  # as the shell hands it over: read
+    check_command_line(["-m", "seed=1,2", "device=cpu"])  # a sweep is a sweep

@@ -238,3 +238,53 @@ def test_decoder_reaches_the_worker_processes_the_command_and_check_val(jpegs, t
     ImageFolderDataModule(root, num_workers=0, check_val="full").setup("fit")
     with pytest.raises(BadImageError, match="short_app14.jpg"):
         ImageFolderDataModule(root, num_workers=0, check_val="full", decoder="pillow").setup("fit")
+
+
+def test_a_file_name_that_is_not_utf8_is_listed_skipped_and_left_out_by_its_bytes(odd, tmp_path, capsys):
+    # a Latin-1 name from a Windows archive: the check's list, the skip list and the skip warning each ended the run
+    # with UnicodeEncodeError (surrogates not allowed)
+    from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME
+    from cltrain.data.image_folder_dataset import ImageFolderDataset
+    from cltrain.data.transforms import eval_transform
+
+    root = write_image_folder(tmp_path / "data", classes=2, train=2, val=2, size=(64, 48))
+    bad = root / "train" / "c0" / os.fsdecode(b"caf\xe9.jpg")
+    shutil.copy(odd["text"], bad)
+    out = tmp_path / "bad.tsv"
+    assert main([str(root), "--quick", "--no-progress", "--workers", "0", "--out", str(out)]) == 1
+    assert os.fsencode(bad) in out.read_bytes() and "1 bad" in capsys.readouterr().out
+    dm = ImageFolderDataModule(root, num_workers=0, exclude_files=out)
+    dm.setup("fit")
+    assert dm.train_set.excluded == 1 and len(dm.train_set) == 4
+    log = tmp_path / SKIPPED_FILES_NAME
+    ds = ImageFolderDataset(root / "train", eval_transform(32, 36), bad_files="skip", skip_log=log)
+    run_log = logging.FileHandler(tmp_path / "train.log", encoding="utf-8")  # as Hydra's: strict UTF-8
+    logging.getLogger("cltrain").addHandler(run_log)
+    try:
+        for i in range(len(ds)):
+            ds[i]
+    finally:
+        logging.getLogger("cltrain").removeHandler(run_log)
+        run_log.close()
+    assert os.fsencode(bad) in log.read_bytes()
+    assert "skipping unreadable" in (tmp_path / "train.log").read_text() and "caf\\udce9.jpg" in (
+        tmp_path / "train.log").read_text()
+    dm = ImageFolderDataModule(root, num_workers=0, exclude_files=log)  # the skip list serves as the exclude list
+    dm.setup("fit")
+    assert dm.train_set.excluded == 1
+
+
+@pytest.mark.parametrize("damage", ["no IEND", "a text chunk's checksum after the pixels"])
+def test_a_png_that_loads_passes_the_quick_check(odd, tmp_path, damage):
+    # Pillow's verify() wants every chunk whole; its loader does not: the run refused files that cltrain-data-check's
+    # full decode then called good, leaving the user no list to exclude
+    data = bytearray(odd["rgba"].read_bytes())
+    if damage == "no IEND":
+        data = data[:data.index(b"IEND") - 4]
+    else:
+        end = data.index(b"IEND") - 4
+        text = b"tEXt" + b"Comment\x00hi"
+        data[end:end] = struct.pack(">I", len(text) - 4) + text + b"\x00\x00\x00\x00"  # a wrong checksum
+    png = tmp_path / "damaged.png"
+    png.write_bytes(bytes(data))
+    assert check_file(str(png), full=False) is None and check_file(str(png), full=True) is None

@@ -167,7 +167,7 @@ def compose_config(overrides: Sequence[str] = (), config_dir: str | Path | None 
         return _compose(overrides)
 
 
-def _check_syntax(overrides: Sequence[str]) -> None:
+def _check_syntax(overrides: Sequence[str], multirun: bool = False) -> None:
     """Each override as Hydra's grammar reads it; one that it cannot read is a ``ConfigError`` saying how to quote
     it (a path with a space, a non-ASCII letter, a parenthesis or a comma is a lexer error unquoted)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -175,14 +175,21 @@ def _check_syntax(overrides: Sequence[str]) -> None:
 
     parser = OverridesParser.create()
     for override in overrides:
+        key, _, value = override.partition("=")
+        quote = '"' if "'" in value else "'"  # Hydra's own quotes: the kind the value does not hold
+        fix = f"quote it for Hydra inside the shell's quotes: \"{key}=\\\"{value}\\\"\"" if quote == '"' else \
+            f"quote it for Hydra inside the shell's quotes: \"{key}='{value}'\""
         try:
-            parser.parse_overrides([override])
+            parsed = parser.parse_overrides([override])
         except OverrideParseException as err:
-            key, _, value = override.partition("=")
             where = str(err).splitlines()[0].split(":", 1)[0]  # LexerNoViableAltException, ...
-            fix = "check its brackets and quotes (Hydra's override grammar)" if value[:1] in "[{'\"" else \
-                f"quote it for Hydra inside the shell's quotes: \"{key}='{value}'\""
+            if value[:1] in "[{'\"":
+                fix = "check its brackets and quotes (Hydra's override grammar)"
             raise ConfigError(key, value, f"Hydra cannot read this value ({where}); {fix}") from None
+        if not multirun and parsed and parsed[0].is_sweep_override() and \
+                key.lstrip("+~").endswith(("root", "dir", "path", "_files")):
+            # a path with a comma reads as a sweep; Hydra's own answer is three lines and a trace hint
+            raise ConfigError(key, value, f"Hydra reads the comma as a list of values; {fix}")
 
 
 def _variants(overrides: Sequence[str]) -> list[list[str]]:
@@ -224,7 +231,7 @@ def check_command_line(argv: Sequence[str]) -> None:
         return  # --config-path is relative to cli.py: Hydra composes that one itself
     # Hydra's own keys (hydra.run.dir=...) are Hydra's to check; its groups (hydra/launcher=slurm) compose here
     overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra") or o.lstrip("+~").startswith("hydra/")]
-    _check_syntax(overrides)
+    _check_syntax(overrides, args.multirun)
     if args.config_dir:
         overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
     try:

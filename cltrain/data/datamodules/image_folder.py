@@ -28,6 +28,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from cltrain.data.bad_samples import printable
 from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.image_base import ImageDataModule
 from cltrain.data.errors import BadImageError, DataError
@@ -111,7 +112,7 @@ class ImageFolderDataModule(ImageDataModule):
                           decoder=self.decoder)
         if not bad:
             return
-        listed = "; ".join(f"{p} ({r})" for p, r in sorted(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")
+        listed = printable("; ".join(f"{p} ({r})" for p, r in sorted(bad.items())[:3]) + (" ..." * (len(bad) > 3)))
         if self.bad_files == "raise":
             raise BadImageError(f"{dataset.split_dir}: {len(bad)} unreadable file(s) found before {before}: {listed}. "
                                 f"List them all with 'cltrain-data-check {self.root}' and pass exclude_files=<that list>, "

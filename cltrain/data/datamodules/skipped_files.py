@@ -18,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from cltrain.atomic import atomic_write_text
+from cltrain.atomic import atomic_write_bytes
 
 
 __all__ = ["SKIPPED_FILES_NAME", "SkippedFilesReport"]
@@ -49,7 +49,7 @@ class SkippedFilesReport(L.Callback):
             self.path, self._offset = path, 0
         if self.path is None or not self.path.is_file():
             return []
-        with open(self.path, encoding="utf-8") as f:
+        with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
             f.seek(self._offset)
             lines = f.read().splitlines()
             self._offset = f.tell()
@@ -67,8 +67,9 @@ class SkippedFilesReport(L.Callback):
         merged = self.path.with_name(SKIPPED_FILES_NAME)
         new = list(dict.fromkeys(line for rank_lines in ranks for line in rank_lines))
         if trainer.is_global_zero and new:
-            before = merged.read_text(encoding="utf-8") if merged.is_file() else ""
-            atomic_write_text(merged, before + "".join(f"{line}\n" for line in new))
+            before = merged.read_text(encoding="utf-8", errors="surrogateescape") if merged.is_file() else ""
+            text = before + "".join(f"{line}\n" for line in new)
+            atomic_write_bytes(merged, text.encode("utf-8", "surrogateescape"))
         return ranks, merged
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, can_log: bool = True) -> None:
