@@ -391,3 +391,21 @@ def test_a_reason_leaves_out_the_path_the_line_names_and_reads_whole() -> None:
         "UnidentifiedImageError: cannot identify image file"
     assert unreadable(ValueError(f"{path}: OpenCV cannot open it as a video."), path) == \
         "ValueError: OpenCV cannot open it as a video."
+
+
+def test_a_checkpoint_of_other_classes_is_one_line_at_resume_and_evaluation(tmp_path):
+    # a class folder renamed (dog/ -> ant/, now sorted first): evaluation and resume ran, labels swapped, no word
+    root = write_image_folder(tmp_path / "data", classes=2, train=4, val=2, size=(64, 48))
+    dm = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36)
+    model = Recorder(dm.num_classes)
+    _trainer(tmp_path, limit_train_batches=1, limit_val_batches=0).fit(model, datamodule=dm)
+    ckpt = tmp_path / "last.ckpt"
+    model.trainer.save_checkpoint(ckpt)
+    same = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36)
+    _trainer(tmp_path).validate(model, datamodule=same, ckpt_path=ckpt, verbose=False)  # the same classes: runs
+    for split in ("train", "val"):
+        (root / split / "c1").rename(root / split / "a1")
+    for run in ("validate", "fit"):
+        moved = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36)
+        with pytest.raises(DataError, match=r"trained on other classes \(label 0 is 'c0' there and 'a1' here\)"):
+            getattr(_trainer(tmp_path, max_epochs=2), run)(model, datamodule=moved, ckpt_path=ckpt)

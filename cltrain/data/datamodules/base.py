@@ -43,6 +43,7 @@ from cltrain.data.datamodules.arguments import bind_settings, signature_of
 from cltrain.data.datamodules.class_folders import ClassFolders
 from cltrain.data.datamodules.mid_epoch import ResumeMidEpoch
 from cltrain.data.datamodules.skipped_files import SKIPPED_FILES_NAME, SkippedFilesReport
+from cltrain.data.errors import DataError
 from cltrain.data.loader_threads import usable_cores
 from cltrain.data.normalize import normalize
 from cltrain.data.prefetch import PrefetchDataLoader, ResumableLoader
@@ -231,18 +232,22 @@ class BatchDataModule(L.LightningDataModule):
         """Where the training epoch is (``PrefetchDataLoader.state_dict``), also in the DataModule's own entry of
         the checkpoint: Lightning restores it before anything can build the loader (``estimated_stepping_batches``
         in ``configure_optimizers`` builds it before the loop's own loader state is read, and then never reads it)."""
+        kept: dict[str, Any] = {"classes": list(self._classes)} if self._classes else {}  # read already, not now
         loader = getattr(self, "_train_loader", None)
         state = loader.state_dict() if isinstance(loader, ResumableLoader) else {}
         if not state:
-            return {}
+            return kept
         stats = getattr(self, "_running_stats", None)
         if stats is not None and loader.unfinished():  # a step raised: its forward's statistics are not kept
-            return {"train_loader": state, "running_stats": stats.held()}
-        return {"train_loader": state}
+            return {**kept, "train_loader": state, "running_stats": stats.held()}
+        return {**kept, "train_loader": state}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Hand ``state_dict``'s place in the epoch to the training loader, now or when it is built."""
+        """Hand ``state_dict``'s place in the epoch to the training loader, now or when it is built; a checkpoint
+        whose classes are not this data's (a class folder renamed, added or removed: each label would name another
+        class) is a ``DataError``."""
+        self._same_classes((state_dict or {}).get("classes"))
         state = (state_dict or {}).get("train_loader")
         self._stats_to_put_back = (state_dict or {}).get("running_stats")  # at the first batch, once all is restored
         loader = getattr(self, "_train_loader", None)
@@ -250,6 +255,17 @@ class BatchDataModule(L.LightningDataModule):
             loader.load_state_dict(state)
         else:
             self._loader_state = state
+
+    def _same_classes(self, saved: list[str] | None) -> None:
+        if not saved or saved == self.classes:  # a checkpoint that kept none: an older cltrain's
+            return
+        here = self.classes
+        at = next((i for i, (a, b) in enumerate(zip(saved, here)) if a != b), min(len(saved), len(here)))
+        differs = f"label {at} is {saved[at]!r} there and {here[at]!r} here" if at < min(len(saved), len(here)) else \
+            f"{len(saved)} classes there, {len(here)} here"
+        where = redact(str(getattr(self, "root", type(self).__name__)))
+        raise DataError(f"{where}: the checkpoint was trained on other classes ({differs}): its labels would name "
+                        "other classes. Give the data it was trained on (the same class names), or start a new run.")
 
     @override
     def train_dataloader(self) -> PrefetchDataLoader:
