@@ -570,7 +570,10 @@ class LayoutSession:
         # several ranks: one race for every input size, as the ranks' sizes may differ at a step (multi-scale
         # training) and every rank must switch at the same steps (each switch rebuilds DDP's buckets, with them all)
         shape = () if self.host.several() else sample
-        key = (shape, self.seen_dtype or _PRECISION.get(self.dtype, str(self.dtype)), self.device.type)
+        weight = next(model.parameters(), None)  # a model in float64 ("64-true") computes in it: not fp32's race
+        precision = "fp64" if self.dtype is None and weight is not None and weight.dtype == torch.float64 else \
+            self.seen_dtype or _PRECISION.get(self.dtype, str(self.dtype))
+        key = (shape, precision, self.device.type)
         self._key = key
         if self._restored.get("race"):  # a checkpoint of another number of ranks keys its decision by every rank's
             # sizes, or by one rank's: it holds

@@ -190,4 +190,5 @@ def noise_scale(dtype: torch.dtype) -> float:
     """The relative perturbation of the noise run: a kernel's rounding differs between layouts by more than
     half a unit in the last place where it sums long runs (a convolution's weight gradient sums N*H*W
     products), so 64 units, and at most 2**-6 for 16-bit dtypes."""
-    return min(64 * torch.finfo(dtype).eps, 2.0**-6)
+    # the signatures are float32 (``signature`` casts): a float64 run is judged at float32's resolution
+    return min(64 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps), 2.0**-6)

@@ -353,6 +353,8 @@ class LayoutRace:
             untimed = {k: n + len(entry["times"].get(k, ())) for k, n in entry["untimed"].items()}
             heat = _Heat(key=_key(entry["key"]), batch=entry["batch"], position=entry["position"], untimed=untimed,
                          cold=set(LAYOUTS))
+            if heat.key in self.decisions:  # decided since that checkpoint (a validate/test from an earlier one)
+                continue
             self._heats[heat.key] = heat
             self._last = heat.key
         if saved.get("last") is not None:

@@ -61,3 +61,17 @@ def test_each_fault_gets_its_noise_and_the_noise_runs_measure_only_what_is_compa
     # on the reference's values each fault shows in the first run; otherwise the second asks for its own noise
     assert len(noise) == 1 if isolate else len(noise) >= 2, noise
     assert all(only is not None and events < full for only, events in noise), (noise, full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_float64_model_of_torchs_own_layers_passes(dtype) -> None:
+    # precision="64-true": the signatures are float32 sums, judged against a float64 noise floor (1.4e-14): torch's
+    # own Conv2d and BatchNorm2d "diverged in channels_last only" and whole models fell back to NCHW
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 16, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(16, 32, 4, 2, 1), nn.BatchNorm2d(32),
+                        nn.LeakyReLU(0.2), nn.Conv2d(32, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.LeakyReLU(0.2),
+                        nn.Flatten(), nn.Linear(64 * 8 * 8, 1)).to(dtype)
+    x = torch.randn(4, 3, 64, 64, dtype=dtype)
+    model, xcl = to_channels_last(net), x.contiguous(memory_format=torch.channels_last)
+    result = compare.check_layout(model, lambda m, layout: F.softplus(-m(x if layout == "contiguous" else xcl)).mean())
+    assert result.verdict == "passed", result

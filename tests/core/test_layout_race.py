@@ -169,6 +169,19 @@ def test_decisions_travel_in_a_checkpoint_and_are_not_raced_again() -> None:
     assert restored.decisions[KEY].how == "restored" and restored.decisions[KEY].seconds == decision.seconds
 
 
+def test_an_earlier_checkpoint_loaded_after_the_decision_leaves_no_race_under_way() -> None:
+    # trainer.validate(ckpt_path=<a checkpoint from before the decision>) after the fit: "training ended before the
+    # race of the layouts decided", where it had
+    race = LayoutRace()
+    seconds = lambda layout, step: {"channels_last": 1.0, "contiguous": 0.5}[layout]  # noqa: E731
+    run(race, seconds, steps=5)
+    early = json.loads(json.dumps(race.state_dict()))
+    decision, _ = run(race, lambda layout, step: seconds(layout, step + 5))
+    assert early["racing"] and decision is not None
+    race.load_state_dict(early)
+    assert not race.racing() and race.decisions[KEY] == decision
+
+
 @pytest.mark.parametrize("stop", range(1, 11))
 def test_a_race_stopped_at_any_step_goes_on_where_it_was(stop) -> None:
     def seconds(layout, step):

@@ -304,3 +304,30 @@ def test_every_door_says_once_that_bf16_training_is_emulated_on_this_cpu(bf16_x8
     with pytest.warns(UserWarning) as warned:
         trainer.fit(Classifier(ConvStack()), loader())
     assert sum("ChannelsLast: training in bf16 on a CPU without native bf16" in str(w.message) for w in warned) == 1
+
+
+def test_a_float64_fit_passes_the_check_and_races_as_fp64() -> None:
+    # "64-true": torch's own Conv2d and BatchNorm2d fell back to NCHW (float32 signatures against a float64 noise
+    # floor), and the race was keyed "fp32", so an fp32 run took a float64 run's decision
+    from lightning.pytorch import LightningModule
+
+    from cltrain import ChannelsLast
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
+                                     nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    data = DataLoader(TensorDataset(torch.randn(16, 3, 32, 32), torch.randint(0, 2, (16,))), batch_size=8)
+    callback = ChannelsLast()
+    Trainer(precision="64-true", max_steps=2, callbacks=[callback], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False).fit(Net(), data)
+    assert callback.layout_checks["train"].verdict == "passed", callback.layout_checks["train"]
+    assert callback.session._key[1] == "fp64"
