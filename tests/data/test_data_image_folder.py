@@ -409,3 +409,8 @@ def test_a_checkpoint_of_other_classes_is_one_line_at_resume_and_evaluation(tmp_
         moved = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36)
         with pytest.raises(DataError, match=r"trained on other classes \(label 0 is 'c0' there and 'a1' here\)"):
             getattr(_trainer(tmp_path, max_epochs=2), run)(model, datamodule=moved, ckpt_path=ckpt)
+    (root / "val" / "a1").rename(root / "val" / "c1")
+    shutil.rmtree(root / "train")  # a folder to evaluate on: val/ alone, its classes compared with the checkpoint's
+    val_only = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36)
+    _trainer(tmp_path).validate(model, datamodule=val_only, ckpt_path=ckpt, verbose=False)
+    assert val_only.classes == ["c0", "c1"]

@@ -2,7 +2,7 @@
 
 ``ImageFolderDataModule`` (images) and ``ClipFolderDataModule`` (clips) read ``root/train/<class>/...``
 and ``root/val/<class>/...``; each holds a ``ClassFolders`` (``dm.folders``) for the split folders, the
-class names of ``root/train`` (label order), the one-line error for a missing root, and the line saying what
+class names of ``root/train`` (label order; of ``root/val`` where there is no ``train/``), the one-line error for a missing root, and the line saying what
 ``exclude_files`` left out.
 """
 
@@ -46,9 +46,11 @@ class ClassFolders:
 
     @property
     def classes(self) -> list[str]:
-        """Class folder names of ``root/train``, in label order."""
+        """Class folder names of ``root/train``, in label order; of ``root/val`` where there is no ``train/`` (a
+        folder to evaluate on: a checkpoint's classes are compared with them as it loads)."""
         if self._classes is None:
-            self._classes = find_classes(self.split("train"))
+            train, val = self.split("train"), self.split("val")
+            self._classes = find_classes(val if not train.exists() and val.is_dir() else train)
         return self._classes
 
     @staticmethod
