@@ -57,7 +57,7 @@ from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
 from cltrain.options import (check_callable, check_copies, check_device, check_dtype, check_flags, check_layout_choice,
                              check_mode, check_module, check_optimizers, check_positive)
-from cltrain.session import LayoutSession, SessionResults
+from cltrain.session import LayoutSession, SessionResults, stepping_optimizer
 from cltrain.sharding import sharding_of
 
 __all__ = ["ChannelsLastRun", "contiguous_copy", "convert_batch", "convert_model", "verify_layout"]
@@ -436,7 +436,9 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
 def _real_steps_undone(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
     """A ``step`` that steps the run's real optimizers (a whole training step passed as ``step``, on the real model:
     the check puts the model back) leaves their state as it was: taken at their first step in the check (copied only
-    then), put back after it. The check's copies of the optimizers run the same hook and are left alone."""
+    then), put back after it. The hook is on the optimizer that runs torch's step hooks (inside Fabric's or
+    Accelerate's wrapper); the check's copies of the optimizers run it too and are left alone."""
+    optimizers = [inner for inner in map(stepping_optimizer, optimizers) if inner is not None]
     real, saved = {id(o) for o in optimizers}, {}
 
     def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -444,6 +446,7 @@ def _real_steps_undone(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[
             saved[id(optimizer)] = (optimizer, {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                                     for k, v in state.items()} for p, state in optimizer.state.items()})
 
+    before.cltrain_own = True  # not a user's hook: the check still steps no copy of torch's elementwise optimizers
     handles = [o.register_step_pre_hook(before) for o in optimizers]
     try:
         yield

@@ -71,7 +71,7 @@ from cltrain.sharding import not_checked_reason, sharded_line, sharding_of
 from cltrain.timing.clock import StepTimer
 from cltrain.timing.layout_race import LayoutDecision, LayoutRace
 
-__all__ = ["LayoutSession", "SessionResults"]
+__all__ = ["LayoutSession", "SessionResults", "stepping_optimizer"]
 
 _PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
 _COMPILED = "torch.compile would compile both layouts"
@@ -122,7 +122,7 @@ class _StepCounter:
 _WRAPPED = ("optimizer", "_optimizer", "_base_optimizer", "base_optimizer")
 
 
-def _stepping(optimizer: Any) -> torch.optim.Optimizer | None:
+def stepping_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     """The optimizer whose step hooks tell that ``optimizer`` stepped: the innermost one it wraps (a wrapper may skip
     its inner step, as Accelerate's does while gradients accumulate) whose class runs torch's step hooks (a class
     that does not call ``Optimizer.__init__``, as timm's Lookahead, takes hooks and never runs them); ``None``: none."""
@@ -438,7 +438,7 @@ class LayoutSession:
             if id(optimizer) in self._examined:
                 continue
             self._examined.add(id(optimizer))
-            stepping = _stepping(optimizer)
+            stepping = stepping_optimizer(optimizer)
             if stepping is None:
                 self.say(f"ChannelsLast: the steps of {type(optimizer).__name__} cannot be watched (its step runs no "
                          "step hooks): under gradient accumulation each batch is timed as a step")

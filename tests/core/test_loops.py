@@ -632,19 +632,29 @@ def test_a_loop_that_edits_its_inputs_in_place_and_steps_after_the_next_batch_ke
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.Adam])
-def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimizer_class):
+@pytest.mark.parametrize("optimizer_class, fabric", [(torch.optim.AdamW, False), (torch.optim.Adam, False),
+                                                     (torch.optim.AdamW, True)])
+def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimizer_class, fabric, monkeypatch):
     # a whole training step passed as `step`, on the real model and optimizer: the check put the model back, not the
-    # optimizer (AdamW's step count 5 against 4, its moments a 4-sample step further)
+    # optimizer (AdamW's step count 5 against 4, its moments a 4-sample step further); the optimizer Fabric's setup
+    # hands the loop runs its hooks on the one inside
+    import cltrain.check.plain_step as plain_step
     from cltrain.loops import ChannelsLastRun
+
+    copied = []
+    monkeypatch.setattr(plain_step, "copy_optimizer", lambda o, memo, real=plain_step.copy_optimizer: (
+        copied.append(type(o).__name__), real(o, memo))[1])  # counted, then copied
 
     def run(verify: bool) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
         optimizer = optimizer_class(model.parameters(), lr=1e-2)
+        called = model
+        if fabric:
+            called, optimizer = Fabric(accelerator="cpu", devices=1).setup(model, optimizer)
 
         def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
-            loss = F.cross_entropy(model(batch[0]), batch[1])  # the real model, not `m`
+            loss = F.cross_entropy(called(batch[0]), batch[1])  # the real model, not `m`
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -660,6 +670,7 @@ def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimi
 
     checked, plain = run(True), run(False)
     assert checked[2].verdict == "not checked" and "model argument of a loop's `step`" in checked[2].reason
+    assert copied == []  # torch's elementwise optimizers are not stepped on copies: the hook is cltrain's own
     for a, b in zip(checked[0].state_dict().values(), plain[0].state_dict().values(), strict=True):
         assert torch.equal(a, b)
     for a, b in zip(checked[1].state.values(), plain[1].state.values(), strict=True):

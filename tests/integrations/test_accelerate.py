@@ -115,6 +115,25 @@ def test_a_model_compiled_after_the_hook_is_compiled_once():
     assert frames[1] - frames[0] <= 8 and frames[1] == frames[3], frames  # the hook's graph breaks: a few frames
 
 
+def test_a_loop_run_given_the_prepared_optimizer_checks_its_first_batch():
+    # ChannelsLastRun given accelerator.prepare's optimizer: "the check itself failed (AttributeError:
+    # 'AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks')"
+    from torch.nn import functional as F
+
+    from cltrain.loops import ChannelsLastRun
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), layout="channels_last")
+    for x, y in run.batches([(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1]))] * 2):
+        accelerator.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    run.end()
+    assert run.layout_checks["train"].verdict == "passed", run.layout_checks["train"]
+
+
 @pytest.mark.parametrize("kwargs, named", [
     ({"mode": "auto"}, "mode='auto'"), ({"inputs": 0}, "inputs=0"), ({"guard": 1}, "guard=1"),
     ({"inputs": "all"}, "inputs='all'"),  # the loop door's word; here it named a forward argument 'all'
