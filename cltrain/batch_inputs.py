@@ -44,8 +44,6 @@ class InputTrace:
         self._active: tuple[str, ConvReach, dict[Hashable, torch.Tensor]] | None = None
         self._told: set[str] = set()
         self._conv_free = False  # the model traced has no convolution module
-        #: the autocast dtype a traced training forward's first convolution ran under (``None``: none, or not seen)
-        self.autocast: torch.dtype | None = None
 
     def traced(self, kind: str) -> bool:
         """Whether the first forward of ``kind`` was traced (or is being traced)."""
@@ -70,8 +68,6 @@ class InputTrace:
         kind, reach, converted = self._active
         self._active = None
         reach.__exit__(None, None, None)
-        if kind == "train" and reach.convolutions:
-            self.autocast = reach.autocast
         if not completed or reach.convolutions == 0 and not self._conv_free:  # nothing seen to judge by: convert
             return None
         left = sorted(set(converted) - reach.reached, key=str)

@@ -197,8 +197,8 @@ class LayoutSession:
         #: the door cannot see the step's autocast, and was told no dtype (a loop: Fabric's ``bf16-mixed``, its own
         #: ``torch.autocast``): the guardrails for bf16 autocast alone are applied too
         self.autocast_unseen = False
-        #: the precision a door given no dtype was seen training in (``_autocast_seen``), as the race names it
-        self.seen_dtype: str | None = None
+        #: the one-shot hook that looks at the first training forward's autocast (``False``: looked for already)
+        self._autocast_probe: Any = None
         self.fallbacks: list[Fallback] = []
         self.layout_checks: dict[str, LayoutCheck] = {}
         self.summary: dict[str, int] | None = None
@@ -425,6 +425,8 @@ class LayoutSession:
         if kind == "train" and self._expected is None:  # a lazy model, made by its first forward
             self.expect(model)
         self.inputs.start_trace(model, self.layout)
+        if kind == "train" and self._autocast_probe is None:  # after the check: its copies would copy the hook
+            self._look_for_autocast(model)
         return batch
 
     def _watch(self) -> None:
@@ -471,30 +473,48 @@ class LayoutSession:
     def forward_done(self, completed: bool = True) -> None:
         """The traced forward ended (at the backward, or the forward's own end)."""
         self.inputs.end_trace(completed)
-        self._autocast_seen()
 
     def batch_end(self, *, restore: bool = True, completed: bool = True) -> None:
         """A batch's forward and backward ended: the trace left (judged where ``completed``) and the loader's tensors
         given back (``restore``; not where the door handed the model new tensors)."""
         self.inputs.end_trace(completed)
-        self._autocast_seen()
+        if self._autocast_probe:  # a forward that reached no convolution: not looked at again
+            self._autocast_probe.remove()
         if restore:
             self.inputs.restore()
 
-    def _autocast_seen(self) -> None:
-        """A door given no dtype (a loop's own autocast, Fabric's precision) whose traced training forward ran under
-        autocast: the race's steps are named in that precision, and one line says what the check ran in."""
-        seen = self.inputs.trace.autocast
-        if seen is None or not self.autocast_unseen or self.dtype is not None or self.seen_dtype is not None:
+    def _look_for_autocast(self, model: nn.Module) -> None:
+        """A door that cannot see the step's autocast and was given no dtype (a loop under Fabric's ``bf16-mixed`` or
+        its own ``torch.autocast``): the first training forward's first convolution says whether it runs under
+        autocast (a one-shot pre-hook; a model compiled in place is not hooked), and one line gives the dtype to pass:
+        the first-batch check, the guardrails' line and the race's name for the steps take the dtype given."""
+        self._autocast_probe = False  # looked for once
+        if not self.autocast_unseen or self.dtype is not None or is_compiled(model):
             return
-        self.seen_dtype = name = _PRECISION.get(seen, str(seen))
-        checked = "the first-batch check ran the step in fp32 (the kernel guardrails act under autocast too); " \
-            if "train" in self.layout_checks else ""
-        self.say(f"ChannelsLast: the model's forward runs under {name} autocast, but the run was given no dtype: "
-                 f"{checked}pass dtype=torch.{str(seen).partition('.')[2]} to check it in {name}.", False)
-        if seen == torch.bfloat16 and self.device is not None and self.device.type == "cpu":
-            say_bf16_emulated(lambda line: self.say(line, True), "ChannelsLast: training in bf16",
-                              "Training in fp32 is faster here.")
+        conv = next((m for m in model.modules() if isinstance(m, CONV_TYPES)), None)
+        if conv is None:
+            return
+
+        looked: list[bool] = []
+
+        def look(module: nn.Module, args: Any) -> None:
+            self._autocast_probe.remove()
+            if looked:  # a copy made meanwhile (an EMA's) holds this hook too
+                return
+            looked.append(True)
+            device = args[0].device.type if args and isinstance(args[0], torch.Tensor) else "cpu"
+            if not torch.is_autocast_enabled(device):
+                return
+            seen = torch.get_autocast_dtype(device)
+            name = _PRECISION.get(seen, str(seen))
+            self.say(f"ChannelsLast: the model's forward runs under {name} autocast, but the run was given no dtype: "
+                     f"pass dtype=torch.{str(seen).partition('.')[2]}: the first-batch check, the guardrails' line and "
+                     "the race's name for the steps take the dtype given.", False)
+            if seen == torch.bfloat16 and device == "cpu":
+                say_bf16_emulated(lambda line: self.say(line, True), "ChannelsLast: training in bf16",
+                                  "Training in fp32 is faster here.")
+
+        self._autocast_probe = conv.register_forward_pre_hook(torch.compiler.disable(look))  # eager under a wrapper
 
     def step_end(self, model: nn.Module, *, completed: bool = True, judge: bool = True) -> None:
         """The training step opened by the first training ``batch`` since the last ``step_end`` ended (its
@@ -572,7 +592,7 @@ class LayoutSession:
         shape = () if self.host.several() else sample
         weight = next(model.parameters(), None)  # a model in float64 ("64-true") computes in it: not fp32's race
         precision = "fp64" if self.dtype is None and weight is not None and weight.dtype == torch.float64 else \
-            self.seen_dtype or _PRECISION.get(self.dtype, str(self.dtype))
+            _PRECISION.get(self.dtype, str(self.dtype))
         key = (shape, precision, self.device.type)
         self._key = key
         if self._restored.get("race"):  # a checkpoint of another number of ranks keys its decision by every rank's

@@ -61,7 +61,6 @@ class ConvReach(UserFrameMode):
         reached_otherwise: the keys that reached a convolution only out of that format (a strided slice of it, a
             permute).
         convolutions: how many convolution calls were seen.
-        autocast: the autocast dtype the first convolution ran under (``None``: none).
     """
 
     def __init__(self, tensors: Mapping[Hashable, torch.Tensor]) -> None:
@@ -69,7 +68,6 @@ class ConvReach(UserFrameMode):
         self.reached: set[Hashable] = set()
         self.reached_otherwise: set[Hashable] = set()
         self.convolutions = 0
-        self.autocast: torch.dtype | None = None
         self._from: dict[int, tuple[weakref.ref, frozenset]] = {}
         for key, t in tensors.items():
             self._mark(t, frozenset({key}))
@@ -88,8 +86,6 @@ class ConvReach(UserFrameMode):
             self.convolutions += 1
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, torch.Tensor):
-                if self.convolutions == 1 and torch.is_autocast_enabled(x.device.type):
-                    self.autocast = torch.get_autocast_dtype(x.device.type)
                 if _in_its_format(x):
                     self.reached |= self._origin(x)
                 else:

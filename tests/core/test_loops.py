@@ -677,23 +677,29 @@ def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimi
         assert all(torch.equal(a[k], b[k]) for k in a), a.keys()
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_a_run_given_no_dtype_under_fabrics_bf16_names_the_race_in_bf16_and_says_how_to_check_it(dtype, caplog):
-    # the race's lines said "fp32" for a bf16-mixed run, a later 32-true resume took that decision, and the bf16
-    # emulation line was never said
+@pytest.mark.parametrize("how", ["fabric", "fabric, dtype given", "fabric, NHWC batches", "own autocast", "fp32"])
+def test_a_run_given_no_dtype_under_autocast_says_the_dtype_to_pass(how, caplog):
+    # Fabric's bf16-mixed with no dtype: the race's lines said fp32 and nothing said why
     from cltrain.loops import ChannelsLastRun
 
-    fabric = Fabric(accelerator="cpu", precision="bf16-mixed", devices=1)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dtype = torch.bfloat16 if how.endswith("dtype given") else None
     run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), dtype=dtype)
-    model, optimizer = fabric.setup(model, optimizer)
-    with caplog.at_level(logging.INFO, logger="cltrain"):
-        for x, y in run.batches([(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1]))] * 2):
-            fabric.backward(F.cross_entropy(model(x), y))
+    called, backward = model, torch.Tensor.backward
+    if how.startswith("fabric"):
+        fabric = Fabric(accelerator="cpu", precision="bf16-mixed", devices=1)
+        (called, optimizer), backward = fabric.setup(model, optimizer), fabric.backward
+    x = torch.randn(4, 3, 8, 8)
+    if how.endswith("NHWC batches"):
+        x = x.contiguous(memory_format=torch.channels_last)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "own autocast")
+    with caplog.at_level(logging.INFO, logger="cltrain"), autocast:
+        for x, y in run.batches([(x, torch.tensor([0, 1, 0, 1]))] * 2):
+            backward(F.cross_entropy(called(x), y))
             optimizer.step()
             optimizer.zero_grad()
     run.end()
-    assert run.session._key[1] == "bf16"
-    said = "runs under bf16 autocast, but the run was given no dtype: the first-batch check ran the step in fp32"
-    assert (said in caplog.text) is (dtype is None), caplog.text
+    said = "the model's forward runs under bf16 autocast, but the run was given no dtype: pass dtype=torch.bfloat16"
+    assert caplog.text.count(said) == (how not in ("fabric, dtype given", "fp32")), caplog.text
+    assert not [h for c in model.modules() for h in c._forward_pre_hooks.values()]  # the look is over
