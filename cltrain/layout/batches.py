@@ -170,8 +170,8 @@ def restride_batch(batch: Any, layout: str, one_d: bool = False, inputs: Inputs 
 def _version_of(t: torch.Tensor) -> int:
     try:
         return t._version
-    except RuntimeError:  # an inference tensor has no version counter (nor can a step write it in place)
-        return -1
+    except RuntimeError:  # an inference tensor has no version counter: its writes (under inference_mode, where no
+        return -1  # backward reads them) are not given back, which would copy every evaluation batch once more
 
 
 def restore_batch(kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]]) -> None:
