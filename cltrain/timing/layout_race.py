@@ -112,7 +112,8 @@ class LayoutDecision:
         """Plain types, for a checkpoint and ``metrics.json``."""
         how = self.timed_how or self.how if self.how == "restored" else self.how  # saved again: as it was timed
         return {"key": _plain(self.key), "layout": self.layout, "how": how, "seconds": dict(self.seconds),
-                "samples": dict(self.samples), "extra_seconds": self.extra_seconds, "judged": self.judged}
+                "samples": dict(self.samples), "extra_seconds": self.extra_seconds, "judged": self.judged,
+                "restored": self.how == "restored"}  # metrics.json: a resumed run's decision came from its checkpoint
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> LayoutDecision:

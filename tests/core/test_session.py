@@ -399,6 +399,7 @@ def test_a_restored_decision_says_what_the_race_said_when_resumed_and_saved_agai
                                           {"channels_last": 8, "contiguous": 8}, judged=1.09)
     restored = layout_race.LayoutDecision.from_dict(decision.as_dict())
     again = layout_race.LayoutDecision.from_dict(restored.as_dict())  # a checkpoint of the resumed run
+    assert restored.as_dict()["restored"] and not decision.as_dict()["restored"]  # as metrics.json tells it
     for d in (restored, again):
         assert f"holds here (fp32, cpu, 8x8 px): {said} (pin" in LayoutSession().decision_line(d)
 
