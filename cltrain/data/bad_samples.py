@@ -149,7 +149,8 @@ class SkipsBadSamples:
         if self.bad_files == "raise":
             return load(index)
         n = len(self)
-        for attempt in range(min(_MAX_SKIPS_IN_A_ROW, n)):
+        limit = min(max(_MAX_SKIPS_IN_A_ROW, n // 100), n)  # a broken folder of 60 in a million is skipped too
+        for attempt in range(limit):
             i = (index + attempt) % n
             try:
                 return load(i)
@@ -157,11 +158,10 @@ class SkipsBadSamples:
                 if attempt == 0:  # a stand-in that fails is reported at its own place in the epoch: once
                     name = self.sample_name(i)
                     self.skip(name, getattr(err, "reason", None) or unreadable(err.__cause__ or err, name))
-        tried = min(_MAX_SKIPS_IN_A_ROW, n)
-        run = f"all {n} {self.what}s are unreadable" if tried == n else \
-            f"{tried} unreadable {self.what}s in a row from index {index}"
-        raise BadImageError(f"{self.source_name}: {run}; the data is not usable as it is (see the skipped-files "
-                            "list).")
+        run = f"all {n} {self.what}s are unreadable" if limit == n else \
+            f"{limit} unreadable {self.what}s in a row from {printable(self.sample_name(index))}"
+        raise BadImageError(f"{self.source_name}: {run}; the data is not usable as it is: fix or remove them (a "
+                            "folder's are all listed by 'cltrain-data-check ROOT', for exclude_files=<that list>).")
 
     threads: int = 1
 

@@ -414,3 +414,35 @@ def test_a_checkpoint_of_other_classes_is_one_line_at_resume_and_evaluation(tmp_
     val_only = ImageFolderDataModule(root, batch_size=4, num_workers=0, image_size=SIZE, val_resize_size=36)
     _trainer(tmp_path).validate(model, datamodule=val_only, ckpt_path=ckpt, verbose=False)
     assert val_only.classes == ["c0", "c1"]
+
+
+@pytest.mark.parametrize("size, broken, raises", [(10_000, 60, False), (200, 60, True), (40, 40, True)])
+def test_a_run_of_unreadable_samples_is_skipped_unless_it_is_most_of_the_data(size, broken, raises) -> None:
+    # a class folder of 60 zero-byte files (a failed copy) in a large set ended the run "from index 43", with no fix
+    from cltrain.data.bad_samples import NamedSplit, SkipsBadSamples
+
+    class Rows(NamedSplit, SkipsBadSamples):
+        what, split = "image", "train"
+        source_name = "/data/train"
+
+        def __len__(self) -> int:
+            return size
+
+        def sample_name(self, i: int) -> str:
+            return f"/data/train/c0/{i:05d}.jpg"
+
+        def load(self, i: int) -> tuple[int]:
+            if i < broken:
+                raise BadImageError("empty file (0 bytes)")
+            return (i,)
+
+    rows = Rows()
+    rows._set_policy("skip", None)
+    if not raises:
+        assert rows.fetch(0) == (broken,)
+        return
+    with pytest.raises(BadImageError) as caught:
+        rows.fetch(0)
+    line = str(caught.value)
+    assert ("all 40 images are unreadable" if size == broken else "50 unreadable images in a row from "
+            "/data/train/c0/00000.jpg") in line and "'cltrain-data-check ROOT'" in line and "\n" not in line, line
