@@ -199,6 +199,7 @@ class LayoutSession:
         self.autocast_unseen = False
         #: the one-shot hook that looks at the first training forward's autocast (``False``: looked for already)
         self._autocast_probe: Any = None
+        self._said_layout = ""  # the conversion line said last, for this model
         self.fallbacks: list[Fallback] = []
         self.layout_checks: dict[str, LayoutCheck] = {}
         self.summary: dict[str, int] | None = None
@@ -312,6 +313,7 @@ class LayoutSession:
         self.guardrails = self.summary = self._expected = self._key = self._step = None
         self._trained = False
         self._hazards, self._restored, self._race_shapes = {}, {}, {}
+        self._said_layout = ""
 
     def _why_untimed(self, model: nn.Module, compiles: bool = False) -> str | None:
         if self.pinned is not None:
@@ -385,7 +387,10 @@ class LayoutSession:
             elif training and not self.untimed:
                 raced = f"; the race's decision holds for the inputs it timed: {' / '.join(kept)} (others are raced)" \
                     if kept else "; the first training steps race it against NCHW"
-            self.say(f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}.", False)
+            line = f"{owner}: model layout is {self.layout}{raced}; parameters and buffers: {counts}."
+            if line != self._said_layout:  # said once for the model while it holds (each validate, test, fit)
+                self._said_layout = line
+                self.say(line, False)
         if self.guardrails:
             self.say("ChannelsLast: worked around known kernel faults: "
                      + "; ".join(r.line() for r in self.guardrails), False)

@@ -325,6 +325,15 @@ def test_logs_what_it_converted(tmp_path, caplog):
     with caplog.at_level(logging.INFO):  # an evaluation alone: no training step to race
         make_trainer(tmp_path, [ChannelsLast()]).validate(Classifier(), loader(4, 2))
     assert "model layout is channels_last; parameters" in caplog.text and "race" not in caplog.text
+    caplog.clear()
+    model, trainer = Classifier(), make_trainer(tmp_path, [ChannelsLast(layout="channels_last")])
+    with caplog.at_level(logging.INFO):  # every stage's setup said it again: 9 lines for fit, validate, test, ...
+        trainer.validate(model, loader(4, 2))
+        trainer.fit(model, loader(4, 2))
+        for _ in range(2):
+            trainer.validate(model, loader(4, 2))
+            trainer.test(model, loader(4, 2))
+    assert sum("model layout is channels_last" in r.getMessage() for r in caplog.records) == 1, caplog.text
 
 
 def test_checkpoint_loads_into_a_plain_torchvision_model(tmp_path):
