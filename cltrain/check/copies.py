@@ -246,7 +246,12 @@ def eager_copy(model: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modul
         _shared[model] = shared
         trial = {**memo, **{id(v): v for v in shared.values()}}
         clone = copy.deepcopy(model, trial)
+    # deepcopy keeps what it copied alive in a list under the id of the memo it was given: moved under memo's own
+    # (under the trial dict's id, gone with it, an object made later at its address, as an optimizer's __dict__
+    # that Python makes on first use, was "copied" as that list)
+    kept = trial.pop(id(trial), [])
     memo.update(trial)
+    memo.setdefault(id(memo), []).extend(kept)
     originals = dict(model.named_parameters())
     for name, param in clone.named_parameters():
         _copy_grad_hooks(originals.get(name), param, memo)

@@ -703,3 +703,20 @@ def test_a_run_given_no_dtype_under_autocast_says_the_dtype_to_pass(how, caplog)
     said = "the model's forward runs under bf16 autocast, but the run was given no dtype: pass dtype=torch.bfloat16"
     assert caplog.text.count(said) == (how not in ("fabric, dtype given", "fp32")), caplog.text
     assert not [h for c in model.modules() for h in c._forward_pre_hooks.values()]  # the look is over
+
+
+def test_a_loop_with_timms_lookahead_is_checked():
+    # loops.md names timm's Lookahead; the check failed on it ("Lookahead cannot be copied"): its __dict__, made on
+    # first use, took the address of a dict the model's copy had used, and the copy's memo named that address
+    timm_optim = pytest.importorskip("timm.optim")
+    from cltrain.loops import ChannelsLastRun
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    optimizer = timm_optim.Lookahead(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    run = ChannelsLastRun(model, optimizer, step=lambda m, b: F.cross_entropy(m(b[0]), b[1]), layout="channels_last")
+    for x, y in run.batches([(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1]))] * 2):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    run.end()
+    assert run.layout_checks["train"].verdict == "passed", run.layout_checks["train"]
