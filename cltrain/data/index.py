@@ -94,10 +94,20 @@ def find_classes(split_dir: str | os.PathLike) -> list[str]:
     if not split_dir.is_dir():
         raise MissingDataError(f"{split_dir} is not a folder. Expected the ImageNet layout: "
                                 f"{split_dir.parent}/train/<class>/<image> and {split_dir.parent}/val/<class>/<image>.")
-    classes = sorted(e.name for e in os.scandir(split_dir) if not is_hidden(e.name) and e.is_dir())
+    with os.scandir(split_dir) as scan:
+        entries = [e for e in scan if not is_hidden(e.name)]
+    classes = sorted(e.name for e in entries if e.is_dir())
     if not classes:
         raise DataError(f"{split_dir} holds no class folders; put each class's images in {split_dir}/<class>/.")
+    loose = sum(e.name.lower().endswith(IMG_EXTENSIONS) and not e.is_dir() for e in entries)
+    if loose and str(split_dir) not in _TOLD_LOOSE:  # ImageNet's raw val/ is flat: its labels come from elsewhere
+        _TOLD_LOOSE.add(str(split_dir))
+        warnings.warn(f"{split_dir}: {loose} image(s) lie in it outside a class folder and are left out (each class's "
+                      f"images go in {split_dir}/<class>/).", stacklevel=2)
     return classes
+
+
+_TOLD_LOOSE: set[str] = set()  # the split folders whose loose images were said
 
 
 def _walk(folder: str, real: str, seen_dirs: set[str], seen_files: dict[str, dict[str, str]], index: SplitIndex,

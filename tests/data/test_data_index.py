@@ -226,3 +226,19 @@ def test_a_class_named_in_other_unicode_code_points_in_val_says_so(tmp_path):
     with pytest.raises(DataError, match=r"that the training split does not have \('.+' is the training split's "
                                         r"'.+' in other Unicode code points, 'cafe\\u0301' against 'caf\\xe9': rename one\)"):
         scan_split(tmp_path / "val", [nfc])
+
+
+def test_images_outside_a_class_folder_are_said_once(tmp_path):
+    # ImageNet's raw val/ is flat: its images beside the class folders were left out without a word
+    import warnings
+
+    from cltrain.data.index import find_classes
+
+    root = write_image_folder(tmp_path / "data", classes=2, train=1, val=1, size=(16, 16))
+    (root / "train" / "loose.jpg").write_bytes((root / "train" / "c0").iterdir().__next__().read_bytes())
+    with pytest.warns(UserWarning, match=r"1 image\(s\) lie in it outside a class folder and are left out"):
+        assert find_classes(root / "train") == ["c0", "c1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        find_classes(root / "train")  # said once
+        find_classes(root / "val")  # none loose
