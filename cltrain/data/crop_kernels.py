@@ -131,7 +131,8 @@ def check_pixels(size: tuple[int, int], name: object = "image") -> None:
     if pixels > 2 * limit:
         raise Image.DecompressionBombError(
             f"{name}: image size ({pixels} pixels) exceeds limit of {2 * limit} pixels, could be decompression bomb DOS "
-            "attack; raise PIL.Image.MAX_IMAGE_PIXELS (or set it to None) if the file is trusted.")
+            "attack; raise PIL.Image.MAX_IMAGE_PIXELS (or set it to None) if the file is trusted, or leave it out "
+            "with exclude_files (the app's data.exclude_files).")
     if pixels > limit:
         warnings.warn(f"{name}: image size ({pixels} pixels) exceeds limit of {limit} pixels, could be decompression "
                       "bomb DOS attack.", Image.DecompressionBombWarning, stacklevel=2)
