@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from cltrain.data.bad_samples import BAD_FILE_POLICIES, SkipsBadSamples, check_bad_files
+from cltrain.data.bad_samples import BAD_FILE_POLICIES, SkipsBadSamples, check_bad_files, printable
 from cltrain.data.errors import BadImageError, DataError, MissingDataError
 from cltrain.data.image_samples import ImageSamples
 from cltrain.data.index import SplitIndex, find_classes, index_split, scan_split
@@ -146,5 +146,6 @@ class ImageFolderDataset(ImageSamples):
 
     def unreadable_message(self, index: int, reason: str) -> str:
         """The one line of ``BadImageError`` for sample ``index``: the file, why, what to do."""
-        return (f"{self.samples[index][0]}: cannot be read as an image ({reason}). "
-                "Replace or remove the file, or pass bad_files='skip' to skip such files.")
+        return (f"{printable(self.samples[index][0])}: cannot be read as an image ({reason}). Replace or remove the "
+                f"file, or pass bad_files='skip' to skip such files ('cltrain-data-check {self.split_dir.parent}' "
+                "lists them all, for exclude_files=<that list>).")

@@ -106,8 +106,8 @@ def test_raise_policy_names_the_file_and_the_reason(tmp_path, kind):
     shutil.copy(odd[kind], root / "val" / "c0" / odd[kind].name)
     ds = ImageFolderDataset(root / "val", eval_transform(SIZE, 36))
     bad_index = [p for p, _ in ds.samples].index(str(root / "val" / "c0" / odd[kind].name))
-    with pytest.raises(BadImageError, match=rf"{odd[kind].name}: cannot be read as an image \(\w+.*bad_files='skip'") \
-            as caught:
+    with pytest.raises(BadImageError, match=rf"{odd[kind].name}: cannot be read as an image \(\w+.*bad_files='skip'.*"
+                                            rf"'cltrain-data-check {root}' lists them all") as caught:
         ds[bad_index]
     assert str(caught.value).count(odd[kind].name) == 1, caught.value  # Pillow's own naming of the path left out
 
