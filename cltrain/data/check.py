@@ -218,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     atomic_write_bytes(out, "".join(lines).encode("utf-8", "surrogateescape"))
     rate = len(split_of) / elapsed if elapsed > 0 else float("inf")
     print(f"cltrain.data.check: {len(split_of)} files checked ({mode}) in {elapsed:.1f} s ({rate:.0f} files/s); "
-          f"{len(bad)} bad, listed in {out}" + (f"; train with exclude_files={str(out)!r} to leave them out." if bad else "."))
+          f"{len(bad)} bad, listed in {out}" + (f"; train with exclude_files={str(out)!r}"
+                                                     " (the app's data.exclude_files) to leave them out." if bad else "."))
     return 1 if bad else 0
 
 

@@ -99,7 +99,8 @@ class LitDataModule(_SplitsDataModule):
     def train_dataloader(self) -> Any:
         if self.train_set is not None and len(self.train_set) < self.batch_size:
             raise DataError(f"{type(self).__name__}: {self.train_set.source_name} has {len(self.train_set)} items, fewer "
-                            f"than batch_size={self.batch_size}; the training loader drops partial batches.")
+                            f"than batch_size={self.batch_size}"
+                            " (the app's data.batch_size); the training loader drops partial batches.")
         return self._loader(self.train_set, train=True)
 
 

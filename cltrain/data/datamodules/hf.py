@@ -121,5 +121,6 @@ class HFImageDataModule(ImageDataModule):
     def train_dataloader(self) -> PrefetchDataLoader:
         if isinstance(self.train_set, HFImageDataset) and len(self.train_set) < self.batch_size:
             raise DataError(f"{type(self).__name__}: {self.root_name} ({self.train_set.split}) has {len(self.train_set)} "
-                            f"rows, fewer than batch_size={self.batch_size}; the training loader drops partial batches.")
+                            f"rows, fewer than batch_size={self.batch_size}"
+                            " (the app's data.batch_size); the training loader drops partial batches.")
         return self._loader(self.train_set, train=True)

@@ -128,5 +128,7 @@ class ImageFolderDataModule(ImageDataModule):
     def train_dataloader(self) -> PrefetchDataLoader:
         if self.train_set is not None and len(self.train_set) < self.batch_size:
             raise DataError(f"ImageFolderDataModule: {self.train_set.split_dir} has {len(self.train_set)} images, fewer than "
-                             f"batch_size={self.batch_size}; the training loader drops partial batches, so it would be empty.")
+                             f"batch_size={self.batch_size}"
+                             " (the app's data.batch_size); the training loader drops partial batches, so it would be "
+                             "empty.")
         return self._loader(self.train_set, train=True)
