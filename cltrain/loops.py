@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cltrain.check.budget import DEFAULT_SAMPLES
 from cltrain.check.compare import LayoutCheck
@@ -55,6 +56,7 @@ from cltrain.check.resume import run_fingerprint
 from cltrain.host import Host, shown
 from cltrain.layout import to_contiguous
 from cltrain.layout.batches import Inputs, check_inputs, restride_batch
+from cltrain.layout.optimizer_state import own_hook
 from cltrain.options import (check_callable, check_copies, check_device, check_dtype, check_flags, check_layout_choice,
                              check_mode, check_module, check_optimizers, check_positive)
 from cltrain.session import LayoutSession, SessionResults, stepping_optimizer
@@ -194,7 +196,7 @@ class ChannelsLastRun(SessionResults):
     def _check(self, batch: Any, train: bool) -> LayoutCheck:
         optimizer = list(self.optimizers) if train else None
         grad = torch.enable_grad() if train else torch.no_grad()
-        with grad, _real_steps_undone(self.optimizers):
+        with grad, _real_steps_undone(self.optimizers, self.model):
             return check_plain_step(self.model, batch, self.step, inputs=self.inputs, autocast_dtype=self.dtype,
                                     optimizer=optimizer, samples=self.check_samples,
                                     convert_inputs=self.session.convert_inputs)
@@ -391,7 +393,8 @@ def verify_layout(
     session.layout, session.dtype, session.sharding = "channels_last", autocast_dtype, sharding_of(model)
     run = lambda: check_plain_step(model, batch, step, inputs=inputs,  # noqa: E731
                                    autocast_dtype=autocast_dtype, optimizer=optimizer, samples=samples)
-    return session.check("train", model, run, report=report)
+    with _real_steps_undone([optimizer] if optimizer is not None else [], model):  # the real optimizer put back
+        return session.check("train", model, run, report=report)
 
 
 def contiguous_copy(model: nn.Module) -> nn.Module:
@@ -433,26 +436,28 @@ def contiguous_copy(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _real_steps_undone(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+def _real_steps_undone(optimizers: Sequence[torch.optim.Optimizer], model: nn.Module | None = None) -> Iterator[None]:
     """A ``step`` that steps the run's real optimizers (a whole training step passed as ``step``, on the real model:
     the check puts the model back) leaves their state as it was: taken at their first step in the check (copied only
-    then), put back after it. The hook is on the optimizer that runs torch's step hooks (inside Fabric's or
-    Accelerate's wrapper); the check's copies of the optimizers run it too and are left alone."""
-    optimizers = [inner for inner in map(stepping_optimizer, optimizers) if inner is not None]
-    real, saved = {id(o) for o in optimizers}, {}
+    then), put back after it. Any optimizer holding ``model``'s own parameters counts (one not given to the run, too:
+    under DDP only rank 0 checks, and a stepped state there would part the ranks); the check's copies hold copied
+    parameters and are left alone. A global pre-step hook: it runs inside Fabric's and Accelerate's wrappers too."""
+    real = {id(o) for o in map(stepping_optimizer, optimizers) if o is not None}
+    mine = {id(p) for p in model.parameters()} if model is not None else set()
+    saved: dict[int, Any] = {}
 
     def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in real and id(optimizer) not in saved:
+        if id(optimizer) in saved:
+            return
+        if id(optimizer) in real or any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
             saved[id(optimizer)] = (optimizer, {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                                     for k, v in state.items()} for p, state in optimizer.state.items()})
 
-    before.cltrain_own = True  # not a user's hook: the check still steps no copy of torch's elementwise optimizers
-    handles = [o.register_step_pre_hook(before) for o in optimizers]
+    handle = register_optimizer_step_pre_hook(own_hook(before))
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
         for optimizer, state in saved.values():
             optimizer.state.clear()
             optimizer.state.update(state)

@@ -117,6 +117,31 @@ class _StepCounter:
         return _StepCounter, ()
 
 
+def _inert(module: Any, args: Any) -> None:
+    return None
+
+
+class _OneShot:
+    """A forward pre-hook of cltrain's that a copy of its module (an EMA's ``AveragedModel``, ``torch.save`` of the
+    whole module) carries as a no-op that pickles, not as the session's closure."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, module: Any, args: Any) -> Any:
+        return self.hook(module, args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _inert
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _inert_hook, ()
+
+
+def _inert_hook() -> Callable[..., None]:
+    return _inert
+
+
 #: Where an optimizer wrapper holds the optimizer it steps: Accelerate's and Lightning's wrappers, timm's Lookahead,
 #: SAM's implementations.
 _WRAPPED = ("optimizer", "_optimizer", "_base_optimizer", "base_optimizer")
@@ -504,7 +529,7 @@ class LayoutSession:
 
         def look(module: nn.Module, args: Any) -> None:
             self._autocast_probe.remove()
-            if looked:  # a copy made meanwhile (an EMA's) holds this hook too
+            if looked:
                 return
             looked.append(True)
             device = args[0].device.type if args and isinstance(args[0], torch.Tensor) else "cpu"
@@ -519,7 +544,8 @@ class LayoutSession:
                 say_bf16_emulated(lambda line: self.say(line, True), "ChannelsLast: training in bf16",
                                   "Training in fp32 is faster here.")
 
-        self._autocast_probe = conv.register_forward_pre_hook(torch.compiler.disable(look))  # eager under a wrapper
+        # eager under a compile wrapper; a copy made meanwhile (an EMA's) carries a no-op that pickles
+        self._autocast_probe = conv.register_forward_pre_hook(_OneShot(torch.compiler.disable(look)))
 
     def step_end(self, model: nn.Module, *, completed: bool = True, judge: bool = True) -> None:
         """The training step opened by the first training ``batch`` since the last ``step_end`` ended (its

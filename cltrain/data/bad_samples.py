@@ -75,7 +75,8 @@ class SkipsBadSamples:
     """The bad-file policy (see the module docstring) of a Dataset whose ``load(i)`` raises
     ``BadImageError`` for an unreadable sample (its ``reason``, else its ``__cause__``, says why):
     ``"raise"`` passes it on; ``"skip"`` reports the sample (``skip``) and returns the next readable
-    one (at most 50 in a row). The Dataset calls ``_set_policy`` and says what its samples are
+    one (looking at most 50 samples ahead, or 1% of the split where that is more; a sample found unreadable is
+    not loaded again in that walk, in this process). The Dataset calls ``_set_policy`` and says what its samples are
     called (``sample_name``), which split it is (``split_name``) and where (``source_name``);
     ``what`` names a sample in the warning."""
 
@@ -150,11 +151,15 @@ class SkipsBadSamples:
             return load(index)
         n = len(self)
         limit = min(max(_MAX_SKIPS_IN_A_ROW, n // 100), n)  # a broken folder of 60 in a million is skipped too
+        known = self.__dict__.setdefault("_known_bad", set())  # this process's: each is loaded once, not per walk
         for attempt in range(limit):
             i = (index + attempt) % n
+            if attempt and i in known:
+                continue
             try:
                 return load(i)
             except BadImageError as err:
+                known.add(i)
                 if attempt == 0:  # a stand-in that fails is reported at its own place in the epoch: once
                     name = self.sample_name(i)
                     self.skip(name, getattr(err, "reason", None) or unreadable(err.__cause__ or err, name))

@@ -632,9 +632,12 @@ def test_a_loop_that_edits_its_inputs_in_place_and_steps_after_the_next_batch_ke
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("optimizer_class, fabric", [(torch.optim.AdamW, False), (torch.optim.Adam, False),
-                                                     (torch.optim.AdamW, True)])
-def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimizer_class, fabric, monkeypatch):
+@pytest.mark.parametrize("optimizer_class, fabric, given", [(torch.optim.AdamW, False, True),
+                                                            (torch.optim.Adam, False, True),
+                                                            (torch.optim.AdamW, True, True),
+                                                            (torch.optim.AdamW, False, False)])
+def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimizer_class, fabric, given,
+                                                                          monkeypatch):
     # a whole training step passed as `step`, on the real model and optimizer: the check put the model back, not the
     # optimizer (AdamW's step count 5 against 4, its moments a 4-sample step further); the optimizer Fabric's setup
     # hands the loop runs its hooks on the one inside
@@ -660,7 +663,9 @@ def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimi
             optimizer.zero_grad()
             return loss.detach()
 
-        door = ChannelsLastRun(model, optimizer, step=train_step, layout="channels_last", verify=verify)
+        # an optimizer not given to the run: under DDP only rank 0 checks, and its stepped state parted the ranks
+        door = ChannelsLastRun(model, optimizer if given else None, step=train_step, layout="channels_last",
+                               verify=verify)
         gen = torch.Generator().manual_seed(0)
         data = [(torch.rand(4, 3, 8, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)) for _ in range(3)]
         for x, y in door.batches(data):
@@ -720,3 +725,46 @@ def test_a_loop_with_timms_lookahead_is_checked():
         optimizer.zero_grad()
     run.end()
     assert run.layout_checks["train"].verdict == "passed", run.layout_checks["train"]
+
+
+def test_verify_layout_on_a_step_that_trains_the_real_model_leaves_the_optimizer_as_it_was():
+    # called on every rank before DDP: rank 0's AdamW took a step the others did not, and the replicas drifted apart
+    from cltrain.loops import verify_layout
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
+        loss = F.cross_entropy(model(batch[0]), batch[1])  # the real model and optimizer
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    check = verify_layout(convert_model(model), (torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1])), train_step,
+                          optimizer=optimizer)
+    assert check.verdict == "not checked" and not optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_copy_made_before_the_first_forward_of_a_run_given_no_dtype_saves(tmp_path):
+    # the one-shot look at the first forward's autocast went with an EMA made between the first batch and its
+    # forward: torch.save(ema) failed ("Can't pickle local object")
+    from torch.optim.swa_utils import AveragedModel
+
+    from cltrain.loops import ChannelsLastRun
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run, ema = ChannelsLastRun(model, optimizer, layout="channels_last", verify=False), None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for x, y in run.batches([(torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1]))] * 2):
+            ema = ema or AveragedModel(model)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update_parameters(model)
+    run.end()
+    torch.save(ema, tmp_path / "ema.pt")
+    assert not [h for m in model.modules() for h in m._forward_pre_hooks.values()]
