@@ -150,6 +150,8 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         self.saved: dict[str, Any] | None = None  # the session's state, as a checkpoint's trainer_state.json holds it
         self._state: TrainerState | None = None
         self._contiguous_save: Any = None
+        self._init_seen = False  # on_init_end ran: the callback was given to Trainer(callbacks=...), not add_callback
+        self._told_late = False  # an evaluation or prediction before train() that the hook never saw was said
 
     def _session(self) -> LayoutSession:
         host = self.inputs_hook.host(copies=self.copies, log=lambda metrics: self._log(metrics))
@@ -170,6 +172,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: nn.Module | None = None, **kwargs: Any) -> None:
         self.inputs_hook.log = _logger_for(args)
+        self._init_seen = True
         if model is not None:
             self._convert(model, args)
             self._arm(model)  # a save_model before train()
@@ -191,6 +194,12 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
             return
         if model is not self.inputs_hook.model:  # built by model_init inside train(), or a restored callback
             sharding = sharding_of(model, _accelerator_state())
+            late = not self._init_seen and not getattr(self, "rebuilt", False)  # not a callback restored from a state
+            if args.world_size > 1 and not (_convs_channels_last(model) or sharding) and late:
+                raise ValueError(
+                    "ChannelsLastCallback: added after Trainer.__init__ (trainer.add_callback), too late to convert "
+                    "the model before DDP/FSDP wrapped it; give it to Trainer(callbacks=[ChannelsLastCallback()])."
+                )
             if args.world_size > 1 and not (_convs_channels_last(model) or sharding):
                 raise ValueError(
                     "ChannelsLastCallback: Trainer(model_init=...) built the model after DDP/FSDP wrapped it, too late "
@@ -221,8 +230,22 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: nn.Module | None = None, **kwargs: Any) -> None:
+        self._not_attached("evaluate")
         if model is not None:  # a callback after this one may ask for a save (should_save), which follows at once
             self._arm(model)
+
+    def on_predict(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   metrics: Any = None, **kwargs: Any) -> None:
+        self._not_attached("predict")
+
+    def _not_attached(self, what: str) -> None:
+        """An evaluation or prediction the hook never saw: the callback was added after ``Trainer.__init__``."""
+        if self.inputs_hook.model is None and not self._init_seen and not self._told_late:
+            self._told_late = True
+            self.session.say(f"ChannelsLastCallback: added after Trainer.__init__ (trainer.add_callback), so this "
+                             f"{what}() ran in NCHW, unconverted and unchecked; the model is converted at train(). "
+                             "Give it to Trainer(callbacks=[ChannelsLastCallback()]) to convert it from the start.",
+                             True)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:

@@ -251,6 +251,22 @@ def test_evaluate_and_predict_get_channels_last_inputs_and_the_same_outputs(tmp_
     assert metrics["eval_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-4)
 
 
+def test_a_callback_added_after_the_trainer_was_made_says_what_ran_without_it(tmp_path, caplog):
+    # trainer.add_callback(ChannelsLastCallback()): evaluate() and predict() ran in NCHW without a word (on_init_end,
+    # where the model is converted, had passed); under DDP train() blamed a model_init the user never wrote
+    model = build("resnet")
+    t = trainer("resnet", tmp_path, model, [])
+    callback = ChannelsLastCallback()
+    t.add_callback(callback)
+    with caplog.at_level(logging.WARNING):
+        t.evaluate()
+        t.predict(t.eval_dataset)
+    said = [r.getMessage() for r in caplog.records if "added after Trainer.__init__" in r.getMessage()]
+    assert len(said) == 1 and "this evaluate() ran in NCHW" in said[0], caplog.text
+    t.train()
+    assert all(conv_weights(model).values()) and callback.layout_checks["train"].verdict == "passed"
+
+
 class FlattenWithView(nn.Module):
     """A model whose head assumes NCHW strides (``view`` merging C with H and W), as user code does."""
 
