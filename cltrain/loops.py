@@ -451,16 +451,20 @@ def _real_steps_undone(optimizers: Sequence[torch.optim.Optimizer], model: nn.Mo
             return
         if id(optimizer) in real or any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
             saved[id(optimizer)] = (optimizer, {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
-                                                    for k, v in state.items()} for p, state in optimizer.state.items()})
+                                                    for k, v in state.items()} for p, state in optimizer.state.items()},
+                                    [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                                     for g in optimizer.param_groups])  # Lookahead's counter, Prodigy's d, lr
 
     handle = register_optimizer_step_pre_hook(own_hook(before))
     try:
         yield
     finally:
         handle.remove()
-        for optimizer, state in saved.values():
+        for optimizer, state, groups in reversed(list(saved.values())):  # shared param_groups: the first taken last
             optimizer.state.clear()
             optimizer.state.update(state)
+            for group, hyper in zip(optimizer.param_groups, groups):
+                group.update(hyper)
 
 
 def _inside_ddp(model: nn.Module) -> nn.Module:

@@ -157,7 +157,9 @@ class SkipsBadSamples:
             if attempt and i in known:
                 continue
             try:
-                return load(i)
+                sample = load(i)
+                known.discard(i)  # readable again (a file fixed during the run)
+                return sample
             except BadImageError as err:
                 known.add(i)
                 if attempt == 0:  # a stand-in that fails is reported at its own place in the epoch: once

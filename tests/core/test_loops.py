@@ -768,3 +768,36 @@ def test_a_copy_made_before_the_first_forward_of_a_run_given_no_dtype_saves(tmp_
     run.end()
     torch.save(ema, tmp_path / "ema.pt")
     assert not [h for m in model.modules() for h in m._forward_pre_hooks.values()]
+
+
+def test_verify_layout_puts_back_the_optimizers_groups_too():
+    # timm's Lookahead counts its steps in param_groups: after the check's two runs of a step on the real optimizer
+    # its counter was 2, not 0, and the weights parted from a run without the check (0.0135 after 4 steps)
+    timm_optim = pytest.importorskip("timm.optim")
+    from cltrain.loops import verify_layout
+
+    def run(check: bool) -> tuple[torch.Tensor, int]:
+        torch.manual_seed(0)
+        model = convert_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                            nn.Linear(8, 2)))
+        optimizer = timm_optim.Lookahead(torch.optim.AdamW(model.parameters(), lr=1e-2), k=3)
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.rand(4, 3, 8, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)) for _ in range(4)]
+
+        def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
+            loss = F.cross_entropy(model(batch[0]), batch[1])  # the real model and optimizer
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+
+        counted = 0
+        if check:
+            verify_layout(model, data[0], train_step, optimizer=optimizer, report=False)
+            counted = optimizer.param_groups[0]["lookahead_step"]
+        for batch in data:
+            train_step(model, batch)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), counted
+
+    (checked, counted), (plain, _) = run(True), run(False)
+    assert counted == 0 and torch.equal(checked, plain)
