@@ -632,6 +632,20 @@ def test_a_loop_that_edits_its_inputs_in_place_and_steps_after_the_next_batch_ke
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+def _real_train_step(model: nn.Module, optimizer: Any) -> Any:
+    """A whole training step passed as a check's ``step`` that ignores the ``m`` it is given: it trains the real model
+    and optimizer."""
+
+    def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return train_step
+
+
 @pytest.mark.parametrize("optimizer_class, fabric, given", [(torch.optim.AdamW, False, True),
                                                             (torch.optim.Adam, False, True),
                                                             (torch.optim.AdamW, True, True),
@@ -656,12 +670,7 @@ def test_a_step_that_trains_the_real_model_leaves_its_optimizer_as_it_was(optimi
         if fabric:
             called, optimizer = Fabric(accelerator="cpu", devices=1).setup(model, optimizer)
 
-        def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
-            loss = F.cross_entropy(called(batch[0]), batch[1])  # the real model, not `m`
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.detach()
+        train_step = _real_train_step(called, optimizer)
 
         # an optimizer not given to the run: under DDP only rank 0 checks, and its stepped state parted the ranks
         door = ChannelsLastRun(model, optimizer if given else None, step=train_step, layout="channels_last",
@@ -734,12 +743,7 @@ def test_verify_layout_on_a_step_that_trains_the_real_model_leaves_the_optimizer
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
-        loss = F.cross_entropy(model(batch[0]), batch[1])  # the real model and optimizer
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.detach()
+    train_step = _real_train_step(model, optimizer)
 
     before = [p.detach().clone() for p in model.parameters()]
     check = verify_layout(convert_model(model), (torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1])), train_step,
@@ -784,12 +788,7 @@ def test_verify_layout_puts_back_the_optimizers_groups_too():
         gen = torch.Generator().manual_seed(0)
         data = [(torch.rand(4, 3, 8, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)) for _ in range(4)]
 
-        def train_step(m: nn.Module, batch: Any) -> torch.Tensor:
-            loss = F.cross_entropy(model(batch[0]), batch[1])  # the real model and optimizer
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.detach()
+        train_step = _real_train_step(model, optimizer)
 
         counted = 0
         if check:
