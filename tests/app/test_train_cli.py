@@ -218,7 +218,8 @@ def test_a_bad_file_met_in_a_worker_is_one_line_and_exit_status_2(tmp_path: Path
     assert "Traceback" not in result.stderr and "Caught BadImageError" not in result.stderr, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]  # the worker's error, as a worker process raised it
     assert line.startswith(f"cltrain: error: {root / 'train' / 'c0'}/") and ": cannot be read as an image (" in line, line
-    assert line.endswith("Replace or remove the file, or pass data.bad_files=skip to skip such files."), line
+    assert line.endswith("Replace or remove the file, or pass data.bad_files=skip to skip such files "
+                         f"('cltrain-data-check {root}' lists them all, for data.exclude_files=<that list>)."), line
     logged = (tmp_path / "run" / "train.log").read_text().splitlines()
     assert logged[-1].endswith(line), logged[-3:]  # the run's log ends with why it stopped
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())

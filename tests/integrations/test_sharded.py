@@ -105,6 +105,7 @@ def test_a_model_init_model_sharded_before_train_begins_is_not_an_error(fsdp, mo
         monkeypatch.setattr(hf, "_accelerator_state", fsdp2_state)
     callback, model = hf.ChannelsLastCallback(verify=False), build("resnet")
     args = SimpleNamespace(world_size=2, bf16=False, fp16=False, device=torch.device("cpu"))  # two processes' arguments
+    callback.on_init_end(args, TrainerState(), TrainerControl(), model=None)  # given to Trainer(callbacks=...)
     if not fsdp:  # DDP wrapped an NCHW model: too late, and said so
         with pytest.raises(ValueError, match="model_init"):
             callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
