@@ -525,13 +525,8 @@ class LayoutSession:
         if conv is None:
             return
 
-        looked: list[bool] = []
-
         def look(module: nn.Module, args: Any) -> None:
-            self._autocast_probe.remove()
-            if looked:
-                return
-            looked.append(True)
+            self._autocast_probe.remove()  # a copy made meanwhile holds _OneShot's no-op instead
             device = args[0].device.type if args and isinstance(args[0], torch.Tensor) else "cpu"
             if not torch.is_autocast_enabled(device):
                 return
