@@ -134,6 +134,21 @@ def test_a_loop_run_given_the_prepared_optimizer_checks_its_first_batch():
     assert run.layout_checks["train"].verdict == "passed", run.layout_checks["train"]
 
 
+@pytest.mark.parametrize("precision, faulty", [("no", True), ("bf16", True), ("bf16", False)])
+def test_a_backward_that_assumes_nchw_is_found_in_a_model_giving_logits(precision, faulty):
+    # the loop computes the loss: the check compared the forward alone and passed; under mixed precision the copies
+    # kept accelerate's autocast forward, and the float32 check ran in bfloat16, whose noise hid the fault
+    from tests.helpers.plain_modules import NCHWBackwardNet
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, mixed_precision=precision)
+    model = prepare_channels_last(NCHWBackwardNet(faulty), accelerator, layout="channels_last")
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    accelerator.backward(nn.functional.cross_entropy(model(torch.randn(8, 3, 16, 16)), torch.randint(0, 10, (8,))))
+    check = ChannelsLastInputs.of(model).layout_checks["train"]
+    assert check.verdict == ("contiguous" if faulty else "passed"), check.line()
+
+
 @pytest.mark.parametrize("kwargs, named", [
     ({"mode": "auto"}, "mode='auto'"), ({"inputs": 0}, "inputs=0"), ({"guard": 1}, "guard=1"),
     ({"inputs": "all"}, "inputs='all'"),  # the loop door's word; here it named a forward argument 'all'
