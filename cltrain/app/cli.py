@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 import hydra
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig
 
 from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir
@@ -30,8 +31,29 @@ from cltrain.app.config import ConfigError, check_command_line, compose_config, 
 __all__ = ["as_keys", "compose_config", "main"]
 
 
+class SweepJobFailed(CompactHydraException):
+    """A failed job of a ``-m`` sweep, after its own line: an ``Exception``, where a ``SystemExit`` would end the
+    sweep, so Hydra's sweepers run the other jobs (the basic sweeper raises it after them, Optuna counts it against
+    ``max_failure_rate``); compact: Hydra prints its line alone."""
+
+
 def _run(cfg: DictConfig) -> float | None:
     """One run; returns validation top-1 (%), the value Hydra's sweepers (Optuna) maximise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        return _train(cfg)
+    except SystemExit as stop:
+        hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+        if stop.code in (0, None, 130, 143) or hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+            raise  # a signal stops the whole sweep
+        raise SweepJobFailed(
+            f"cltrain: error: a job of the sweep failed (exit status {stop.code}; its line is above); the sweep goes on "
+            f"with its other jobs, and cltrain-sweep-report {hydra_cfg.sweep.dir} tables them") from None
+
+
+def _train(cfg: DictConfig) -> float | None:
     from cltrain.app.finite import NonFiniteLossError
     from cltrain.app.train import train  # after Hydra has parsed the command line: `--help` stays fast
     from cltrain.atomic import DiskFullError, NotWritableError

@@ -32,11 +32,11 @@ def demo_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
             "trainer.limit_val_batches=1"]
 
 
-def _sweep(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def _sweep(args: list[str], timeout: int = 600, status: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     result = warm.run([sys.executable, str(REPO / "train.py"), "-m", *args], capture_output=True, text=True,
                       timeout=timeout, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == status, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
@@ -64,6 +64,26 @@ def test_optuna_search_maximises_val_top1(demo_args: list[str], tmp_path: Path) 
     assert results["best_value"] == max(r["val_top1"] for r in runs)  # the value train.py returned
     table = _report(sweep)
     assert table.count("| test_resnet |") == 2 and "Optuna best" in table
+
+
+@pytest.mark.parametrize("sweeper", ["basic", "optuna"])
+def test_a_failed_job_does_not_stop_the_sweep(demo_args: list[str], tmp_path: Path, sweeper: str) -> None:
+    # each job's one line ended the whole sweep: a SystemExit, which Hydra's sweepers let through
+    sweep = tmp_path / sweeper
+    if sweeper == "optuna":  # seed 11: the sampler draws the diverging lr first
+        pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+        lrs = ["hparams_search=optuna", "hydra.sweeper.n_trials=2", "optim.lr=choice(1e30,0.05)",
+               "optim.weight_decay=1e-4", "label_smoothing=0.0", "seed=11"]
+    else:
+        lrs = ["optim.lr=1e30,0.05"]
+    result = _sweep([*demo_args, *lrs, f"hydra.sweep.dir={sweep}"], status=1 if sweeper == "basic" else 0)
+    statuses = [run["status"] for run in _runs(sweep)]
+    assert statuses == ["failed", "completed"], statuses
+    assert "Traceback" not in result.stderr and "training loss is nan" in result.stderr, result.stderr[-3000:]
+    if sweeper == "basic":  # then Hydra's HYDRA_FULL_ERROR hint
+        assert f"cltrain-sweep-report {sweep} tables them" in result.stderr
+    else:
+        assert yaml.safe_load((sweep / "optimization_results.yaml").read_text())["best_params"] == {"optim.lr": 0.05}
 
 
 def test_joblib_launcher_runs_jobs_in_parallel_processes(demo_args: list[str], tmp_path: Path) -> None:
