@@ -118,7 +118,7 @@ class ChannelsLast(SessionResults, Callback):
         inputs: str | int | list[str | int] | None = None,
         verify: bool = True,
         check_samples: int | None = DEFAULT_SAMPLES,
-        copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = (),
+        copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] | None = None,
     ) -> None:
         check_mode("ChannelsLast", mode, _MODES)
         check_layout_choice("ChannelsLast", layout)

@@ -132,7 +132,7 @@ class ChannelsLastRun(SessionResults):
                  verify: bool = True, inputs: Inputs = None, convert_inputs: bool = True,
                  check_samples: int | None = DEFAULT_SAMPLES, sharded: bool = False,
                  log: Callable[[dict[str, float]], Any] | None = None,
-                 copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = ()) -> None:
+                 copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] | None = None) -> None:
         check_module("ChannelsLastRun", model)
         check_mode("ChannelsLastRun", mode)
         check_layout_choice("ChannelsLastRun", layout)

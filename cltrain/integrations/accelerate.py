@@ -65,7 +65,7 @@ def prepare_channels_last(
     guard: bool = True,
     verify: bool = True,
     layout: str = "auto",
-    copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = (),
+    copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] | None = None,
     check_samples: int | None = DEFAULT_SAMPLES,
 ) -> M:
     """Put ``model`` in channels_last for ``accelerator``, in place, and run its calls through a layout session.

@@ -133,7 +133,7 @@ class ChannelsLastCallback(SessionResults, TrainerCallback, ExportableState):
         guard: bool = True,
         verify: bool = True,
         layout: str = "auto",
-        copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] = (),
+        copies: Callable[[], Iterable[nn.Module]] | nn.Module | Sequence[nn.Module] | None = None,
         check_samples: int | None = DEFAULT_SAMPLES,
     ) -> None:
         check_mode("ChannelsLastCallback", mode)

@@ -16,15 +16,20 @@ APP = Path(__file__).resolve().parents[1] / "helpers" / "lightning_cli_app.py"
 
 def _fit(*args: str, cwd: Path, package: str = "lightning", ok: bool = True) -> str:
     result = warm.run([sys.executable, str(APP), "fit", "--trainer.max_steps=2", *args], capture_output=True,
-                      text=True, timeout=300, cwd=cwd, env={**os.environ, "CLI_PACKAGE": package})
+                      text=True, timeout=300, cwd=cwd, env={**os.environ, "CLI_PACKAGE": package, "PYTHONWARNINGS": ""})
     assert (result.returncode == 0) == ok, result.stderr[-2000:]
-    return result.stdout + result.stderr
+    return result.stdout if "--print_config" in args else result.stdout + result.stderr
 
 
 def test_channels_last_added_from_the_lightning_cli(tmp_path: Path) -> None:
     pytest.importorskip("jsonargparse")
     out = _fit("--trainer.callbacks+=cltrain.ChannelsLast", cwd=tmp_path)
     assert "step 0: weight_cl=True batch_cl=True" in out and "step 1: weight_cl=True batch_cl=True" in out
+    # the config the CLI prints (and saves) runs again: a default of () was written "Unable to serialize instance []"
+    saved = tmp_path / "config.yaml"
+    saved.write_text(_fit("--trainer.callbacks+=cltrain.ChannelsLast", "--print_config", cwd=tmp_path))
+    assert "ChannelsLast" in saved.read_text() and "Unable" not in saved.read_text()
+    assert "step 0: weight_cl=True batch_cl=True" in _fit("--config", str(saved), cwd=tmp_path)
     # its arguments too: mode=conv converts only the convolution weights, inputs untouched
     out = _fit("--trainer.callbacks+=cltrain.ChannelsLast", "--trainer.callbacks.mode=conv",
                "--trainer.callbacks.convert_inputs=false", cwd=tmp_path)
