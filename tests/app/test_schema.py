@@ -400,6 +400,31 @@ def test_a_mistyped_option_in_a_groups_list_is_one_line(override: str, message: 
         check_command_line([override])
 
 
+@pytest.mark.parametrize("override", ["optim.lr=${oc.env:CLTRAIN_UNSET_VAR}",
+                                      "hydra.run.dir=outputs/slurm-${oc.env:CLTRAIN_UNSET_VAR}"])
+def test_an_unset_environment_variable_is_one_line(override: str, monkeypatch) -> None:
+    # OmegaConf's traceback, exit 1; in hydra.run.dir, Hydra's while it made the run directory
+    monkeypatch.delenv("CLTRAIN_UNSET_VAR", raising=False)
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError, match=re.escape(f"{key}='{value}': the environment variable CLTRAIN_UNSET_VAR "
+                                                    "is not set (allowed: export CLTRAIN_UNSET_VAR=...")):
+        check_command_line([override, "device=cpu"])
+    monkeypatch.setenv("CLTRAIN_UNSET_VAR", "0.1")
+    check_command_line([override, "device=cpu"])
+
+
+@pytest.mark.parametrize("body, message", [
+    ("trainer:\n  max_steps: abc\n", "trainer.max_steps='abc': must be a whole number"),
+    ("  - override model: resnet5\n", "model='resnet5': no model option of that name; did you mean model=resnet50"),
+])
+def test_a_users_primary_config_in_config_dir_is_checked(tmp_path: Path, body: str, message: str) -> None:
+    # --config-dir D --config-name mine: the check found no primary config and let Hydra compose, in 10 lines
+    head = "defaults:\n  - config\n" + (body if body.startswith("  -") else "") + "  - _self_\n"
+    (tmp_path / "mine.yaml").write_text(head + ("" if body.startswith("  -") else body))
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        check_command_line(["--config-dir", str(tmp_path), "--config-name", "mine", "device=cpu"])
+
+
 def test_a_launcher_or_sweeper_not_installed_names_the_sweeps_extra() -> None:
     code = ("import sys\n"
             "for m in ('joblib_launcher', 'optuna_sweeper', 'submitit_launcher'): sys.modules['hydra_plugins.hydra_' + m] = None\n"

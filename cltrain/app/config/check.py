@@ -43,10 +43,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
+    InterpolationResolutionError,
     OmegaConfBaseException,
 )
 
-from cltrain.app.config.errors import ConfigError
+from cltrain.app.config.errors import ConfigError, env_error
 from cltrain.app.config.hints import constructor_arguments, fits_hint, unknown_argument
 from cltrain.app.config.schema import (
     APP_SET_TRAINER_KEYS,
@@ -174,7 +175,10 @@ def check(cfg: DictConfig) -> None:
     if not isinstance(cfg, DictConfig) or not issubclass(OmegaConf.get_type(cfg) or dict, TrainConfig):
         raise ConfigError("defaults", None, "this config does not start from cltrain's schema",
                           f"a config.yaml whose defaults list starts with {SCHEMA_NAME}")
-    _check_node(cfg, "")
+    try:
+        _check_node(cfg, "")
+    except InterpolationResolutionError as err:  # ${oc.env:NAME} with NAME not set, ${a.key} that is not there
+        raise _interpolation_error(err) from None
     for group in _LIST_GROUPS:
         for entry, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig):
@@ -382,3 +386,13 @@ def _not_a_key(key: str, value: Any, schema: type | None, line: str | None) -> C
 
 def _show_override(line: str | None) -> str:
     return "..." if line is None else line.partition("=")[2]
+
+
+def _interpolation_error(err: InterpolationResolutionError) -> ConfigError:
+    """An interpolation that cannot be resolved, as the key, what it says and the fix."""
+    key, parent = str(err.full_key or "?"), err.parent_node
+    value = OmegaConf.to_container(parent, resolve=False).get(err.key) if isinstance(parent, DictConfig) else None
+    missing = re.search(r"Environment variable '([^']+)' not found", str(err))
+    if missing:
+        return env_error(key, value, missing.group(1))
+    return ConfigError(key, value, f"cannot be resolved ({str(err).splitlines()[0]})")

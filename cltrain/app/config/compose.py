@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from cltrain.app.config.check import _override, check, check_sweep_launch, config_error
-from cltrain.app.config.errors import ConfigError
+from cltrain.app.config.errors import ConfigError, env_error
 from cltrain.app.config.resolve import check_meanings
 
 __all__ = ["check_command_line", "compose_config", "config_dir"]
@@ -213,6 +214,17 @@ def _variants(overrides: Sequence[str]) -> list[list[str]]:
     return variants
 
 
+def _check_hydra_dirs(overrides: Sequence[str]) -> None:
+    """``hydra.run.dir=outputs/${oc.env:SLURM_JOB_ID}`` where that variable is not set: one line (Hydra's own keys are
+    not composed here, and Hydra fails on it while it makes the run directory, with a traceback)."""
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir"):
+            for name in re.findall(r"\$\{oc\.env:([^,}]+)\}", value):  # no default given
+                if name.strip() not in os.environ:
+                    raise env_error(key, value, name.strip())
+
+
 def check_command_line(argv: Sequence[str]) -> None:
     """Compose and ``check`` what ``python train.py <argv>`` would run (every value of a ``-m``
     sweep) before Hydra starts: a bad key, value or group option (``model=resnet5``) raises one
@@ -232,23 +244,27 @@ def check_command_line(argv: Sequence[str]) -> None:
     # Hydra's own keys (hydra.run.dir=...) are Hydra's to check; its groups (hydra/launcher=slurm) compose here
     overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra") or o.lstrip("+~").startswith("hydra/")]
     _check_syntax(overrides, args.multirun)
-    if args.config_dir:
-        overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
+    _check_hydra_dirs(args.overrides)
+    folder, name = None, args.config_name or "config"
+    if args.config_dir:  # searched first, as Hydra's run does: for the primary config too (--config-name)
+        user = Path(args.config_dir).resolve()
+        folder = user if (user / f"{name.removesuffix('.yaml')}.yaml").is_file() else None
+        overrides.append(f"hydra.searchpath=[file://{config_dir().resolve() if folder else user}]")
     try:
         variants = _variants(overrides) if args.multirun else [overrides]
     except Exception:  # noqa: BLE001 - a syntax error: Hydra's message shows where
         return
     try:
-        with _hydra(None):
+        with _hydra(folder):
             for variant in variants:
-                cfg = _compose(variant, args.config_name or "config")
+                cfg = _compose(variant, name)
                 check(cfg)
                 check_meanings(cfg)
-                if args.multirun and _launched_here(variant, args.config_name or "config"):
+                if args.multirun and _launched_here(variant, name):
                     check_sweep_launch(cfg)
             plugin_keys = [o for o in args.overrides if o.lstrip("+~").startswith(_PLUGIN_KEYS)]
             if plugin_keys:
-                _check_plugin_keys(variants[0], plugin_keys, args.config_name or "config")
+                _check_plugin_keys(variants[0], plugin_keys, name)
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 - not about a key or a value: Hydra reports it when it composes

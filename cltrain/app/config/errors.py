@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConfigError", "show"]
+__all__ = ["ConfigError", "env_error", "show"]
 
 
 def show(value: Any) -> str:
@@ -39,3 +39,9 @@ class ConfigError(ValueError):
         if allowed:
             message += f" (allowed: {allowed})"
         super().__init__(redact(message))
+
+
+def env_error(key: str, value: Any, name: str) -> ConfigError:
+    """``key=${oc.env:NAME}`` where the environment variable ``NAME`` is not set."""
+    return ConfigError(key, value, f"the environment variable {name} is not set",
+                       f"export {name}=..., or a default: ${{oc.env:{name},<default>}}")
