@@ -63,10 +63,19 @@ def free_memory() -> None:
 
 
 def slice_batch(batch: Any, samples: int, size: int) -> Any:
-    """``batch`` rebuilt with every tensor whose leading dim is ``size`` cut to its first ``samples`` rows (views),
-    and every list or tuple below it (not ``batch`` itself) of ``size`` elements cut to its first ``samples``."""
-    return map_tensors(batch, lambda t: t[:samples] if t.dim() >= 1 and t.shape[0] == size else t,
-                       items=lambda values: values[:samples] if len(values) == size else values)
+    """``batch`` rebuilt with every list or tuple below it (not ``batch`` itself) of ``size`` elements cut to its first
+    ``samples``, each element whole (a detector's 3-D image, whose leading dim is its channels, a target's boxes), and
+    every other tensor whose leading dim is ``size`` cut to its first ``samples`` rows (views)."""
+    whole: set[int] = set()
+
+    def samples_of(values: list[Any]) -> list[Any]:
+        if len(values) != size:
+            return values
+        map_tensors(values, lambda t: whole.add(id(t)))
+        return values[:samples]
+
+    return map_tensors(batch, lambda t: t[:samples] if id(t) not in whole and t.dim() >= 1 and t.shape[0] == size
+                       else t, items=samples_of)
 
 
 def batch_size(batch: Any, inputs: Inputs = None) -> int | None:

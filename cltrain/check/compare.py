@@ -325,6 +325,8 @@ def _fault(model: nn.Module, run: Run, first: tuple[int, Event, float, float] | 
         where, package = (method_source(owner, method) if owner is not None else None) or (None, None)
     else:
         phase = phase if context[0] is not None else "step"
+        if context == (None, None) and key.kind == "grad-out" and key.module is not None:
+            context = (None, key.module)  # the step's code after that module made it: its outputs handed on in NCHW
         where, package = source_of(model, context[0], step_owner) or (None, None)
     at = key.module if key.kind != "update" else None  # an update's guard is its step's, not a module's
     return (Finding("diverged", phase, context[0], where,

@@ -206,10 +206,14 @@ def test_the_hugging_face_doors_check_as_many_samples_as_asked(door, samples, tm
 
 
 def test_slice_batch_cuts_a_detectors_lists_below_the_batch():
+    # each sample whole: 3 images of 3 channels with 3 boxes each were cut to 2 channels and 2 boxes
     images, targets = tuple(torch.randn(3, 4, 4) for _ in range(8)), [{"boxes": torch.ones(3, 4)} for _ in range(8)]
     part = slice_batch((images, targets, torch.arange(8), ["a"] * 5), 4, 8)
     assert len(part) == 4 and isinstance(part[0], tuple) and len(part[0]) == 4 and len(part[1]) == 4
     assert part[1][0]["boxes"].shape == (3, 4) and part[2].tolist() == [0, 1, 2, 3] and len(part[3]) == 5
+    part = slice_batch((images[:3], targets[:3], torch.arange(3)), 2, 3)
+    assert [t.shape for t in part[0]] == [(3, 4, 4)] * 2 and [t["boxes"].shape for t in part[1]] == [(3, 4)] * 2
+    assert part[2].tolist() == [0, 1]
 
 
 class _Detector(nn.Module):

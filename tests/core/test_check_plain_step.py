@@ -31,6 +31,20 @@ def test_code_that_assumes_nchw_is_found_and_layout_agnostic_code_passes() -> No
         assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_loss_that_reads_the_outputs_memory_as_nchw_gets_the_outputs_in_nchw() -> None:
+    # silent (as_strided, no error): its gradient differs first at the head's output, and the whole model went NCHW
+    def step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = model(batch[0])
+        n, c, h, w = out.shape
+        return F.cross_entropy(torch.as_strided(out, (n, c, h * w), (c * h * w, h * w, 1)), batch[1].flatten(1))
+
+    torch.manual_seed(0)
+    model = convert_model(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                              torch.nn.ReLU(), torch.nn.Conv2d(8, 3, 1)))
+    result = check_plain_step(model, (torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4, 8, 8))), step, samples=None)
+    assert result.verdict == "fallback" and [f.kind for f in result.fallbacks] == ["outputs"], result.line()
+
+
 def test_an_optimizer_whose_update_reads_nchw_memory_is_run_on_copies_and_found() -> None:
     # FilterNormSGD normalises each filter through a view of the gradient's memory as NCHW: only its step diverges
     torch.manual_seed(0)
