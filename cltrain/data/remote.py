@@ -89,9 +89,9 @@ def redact(text: str, url: str = "") -> str:
     secrets = [os.environ.get(name) or "" for name in SECRET_VARIABLES]
     secrets += [user.group(0)[3:-1]] if user else []
     secrets += [m.group(0)[len(m.group(1)):] for m in _QUERY_SECRETS.finditer(url)]
-    for value in secrets:
+    for value in secrets:  # a whole token: a local server's key ("test", "minioadmin") is in no key or path name
         if len(value) >= 4:
-            text = text.replace(value, "***")
+            text = re.sub(rf"(?<!\w){re.escape(value)}(?!\w)", "***", text)
     return text
 
 

@@ -617,6 +617,13 @@ def test_secrets_are_never_in_a_message():
     # a password holding "/"; paths holding "@" or ":" are not user parts
     assert redact("https://u:pa/ss@h/p gs://k:a/b@c/d") == "https://***@h/p gs://***@c/d"
     assert redact("s3://bucket/dir@v2/x s3://bucket/x:y@z") == "s3://bucket/dir@v2/x s3://bucket/x:y@z"
+    # a local server's key (LocalStack's "test") as a whole token only: not in a key's or a path's name
+    os.environ["AWS_SECRET_ACCESS_KEY"] = "test"
+    try:
+        text = redact("limit_test_batches: null, ckpt_path=/runs/latest/last.ckpt, secret test, s3://k:test@b/x")
+    finally:
+        del os.environ["AWS_SECRET_ACCESS_KEY"]
+    assert text == "limit_test_batches: null, ckpt_path=/runs/latest/last.ckpt, secret ***, s3://***@b/x", text
 
 
 @pytest.mark.slow
