@@ -21,6 +21,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.errors import CompactHydraException
@@ -110,13 +111,51 @@ def _redact_job_files() -> None:
     from cltrain.atomic import atomic_write_text
     from cltrain.data.remote import redact
 
+    from hydra.types import RunMode
+
     if not HydraConfig.initialized() or HydraConfig.get().output_subdir is None:
         return
-    folder = Path(HydraConfig.get().runtime.output_dir) / HydraConfig.get().output_subdir
-    for path in sorted(folder.glob("*.yaml")):
+    hydra_cfg = HydraConfig.get()
+    paths = sorted((Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml"))
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # the sweep's, written by the launcher before its jobs
+        paths += [p for p in [Path(hydra_cfg.sweep.dir) / "multirun.yaml"] if p.is_file()]
+    for path in paths:
         text = path.read_text()
         if redact(text) != text:
             atomic_write_text(path, redact(text))
+
+
+class _Redacting:
+    """``sys.stderr`` writing ``redact``-ed text: Hydra writes a failed sweep job's overrides there as they are."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from cltrain.data.remote import redact
+
+        return self._stream.write(redact(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _redact_hydra_records() -> None:
+    """Hydra's own log records (a sweep's launcher names each job's overrides) without the secrets they may carry."""
+    from cltrain.data.remote import redact
+
+    make = logging.getLogRecordFactory()
+    if getattr(make, "redacts_hydra", False):
+        return
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        if record.name.startswith(("hydra", "hydra_plugins")):
+            record.msg, record.args = redact(record.getMessage()), ()
+        return record
+
+    factory.redacts_hydra = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
 
 
 def as_keys(line: str) -> str:
@@ -134,4 +173,9 @@ def main() -> None:
     except ConfigError as err:
         print(f"cltrain: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    hydra.main(version_base="1.3", config_path=str(folder), config_name="config")(_run)()
+    _redact_hydra_records()
+    sys.stderr = _Redacting(sys.stderr)
+    try:
+        hydra.main(version_base="1.3", config_path=str(folder), config_name="config")(_run)()
+    finally:
+        sys.stderr = sys.stderr._stream if isinstance(sys.stderr, _Redacting) else sys.stderr

@@ -115,6 +115,13 @@ def test_a_bad_url_credentials_endpoint_or_full_cache_is_one_line_within_seconds
     line, _ = _fails([*args, f"hydra.run.dir={tmp_path / 'userinfo'}"], env)
     assert "cannot be reached" in line and "https://***@127.0.0.1:" in line and "Pw-in-url-1234" not in line, line
     assert not [p for p in _files(tmp_path / "userinfo") if b"Pw-in-url-1234" in p.read_bytes()]
+    # a sweep: Hydra's launcher line and its multirun.yaml, a failed job's overrides on stderr
+    done = warm.run([sys.executable, str(REPO / "train.py"), "-m", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                    capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 1 and "cannot be reached" in done.stderr and "#0 : " in done.stdout, done.stderr[-2000:]
+    assert "Pw-in-url-1234" not in done.stdout + done.stderr and "Error executing job" in done.stderr
+    assert (tmp_path / "sweep" / "multirun.yaml").is_file()
+    assert not [p for p in _files(tmp_path / "sweep") if b"Pw-in-url-1234" in p.read_bytes()]
     # wrong credentials: the server checks signatures from now on and knows no such key
     monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     line, _ = _fails([*base, f"hydra.run.dir={tmp_path / 'creds'}"], env)
