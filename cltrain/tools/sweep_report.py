@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,8 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
     directory of Hydra's without one (``status``: ``NO_METRICS``), ordered by run directory."""
     runs = []
     found = {p.parent for p in Path(sweep_dir).rglob(METRICS_FILE)} | {p.parent for p in Path(sweep_dir).rglob(".hydra")}
-    for folder in sorted(found, key=lambda p: (len(p.parts), str(p))):
+    for folder in sorted(found, key=lambda p: (len(p.parts), [int(t) if t.isdigit() else t  # job 2 before job 10
+                                                              for t in re.split(r"(\d+)", str(p))])):
         path = folder / METRICS_FILE
         metrics = read_metrics(path) if path.is_file() else {"status": NO_METRICS, **_composed(folder)}
         metrics["run"] = str(folder.relative_to(sweep_dir)) or "."
@@ -113,7 +115,8 @@ def summary(runs: Sequence[dict[str, Any]]) -> str:
         counts[status] = counts.get(status, 0) + 1
     done = counts.pop("completed", 0)
     rest = "".join(f", {n} {status}" for status, n in sorted(counts.items()))
-    note = " (not in the speed-ups; a job Hydra never started, after a failed one, has no directory)" if rest else ""
+    note = " (not in the speed-ups; a job Hydra never started, in a sweep a signal stopped, has no directory)" if rest \
+        else ""
     return f"{len(runs)} runs: {done} completed{rest}{note}."
 
 
@@ -124,17 +127,23 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
-    """One row per run: config, images/second, step time, top-1, top-5, speed-up vs contiguous fp32."""
+    """One row per run: config, images/second, step time, top-1, top-5, speed-up vs contiguous fp32; where the runs'
+    overrides differ in more than the layout and precision (an lr sweep, an Optuna search), those overrides too."""
+    given = [run.get("overrides") or {} for run in runs]
+    keys = sorted({k for o in given for k in o if k not in COMPARED and not k.lstrip("+~").startswith("hydra")
+                   and len({o.get(k) for o in given}) > 1})
     lines = [
-        "| run | model | layout | precision | device | batch | img/s | step (ms) | top-1 (%) | top-5 (%) | speed-up vs contiguous fp32 |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| run |" + (" overrides |" if keys else "") + " model | layout | precision | device | batch | img/s "
+        "| step (ms) | top-1 (%) | top-5 (%) | speed-up vs contiguous fp32 |",
+        "|---|" + ("---|" if keys else "") + "---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for run in runs:
+    for run, overrides in zip(runs, given):
         step = run.get("step_time_s")
         speedup = _speedup(run, runs)
         status = "" if _completed(run) else f" ({run.get('status')})"
+        differ = (" " + (" ".join(f"{k}={overrides[k]}" for k in keys if k in overrides) or "-") + " |") if keys else ""
         lines.append(
-            f"| {run['run']}{status} | {run.get('model', '?')} | {_layout(run)} "
+            f"| {run['run']}{status} |{differ} {run.get('model', '?')} | {_layout(run)} "
             f"| {run.get('precision', '?')} | {run.get('device', '?')} | {run.get('global_batch', '-')} "
             f"| {_fmt(run.get('images_per_second'), '.1f')} | {_fmt(step * 1000 if step else None, '.0f')} "
             f"| {_fmt(run.get('val_top1'), '.2f')} | {_fmt(run.get('val_top5'), '.2f')} "

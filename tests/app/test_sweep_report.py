@@ -62,7 +62,19 @@ def test_runs_that_did_not_complete_are_named_and_a_baseline_differs_only_in_the
     assert rows["3 (interrupted)"].endswith("| - |") and rows["4 (no metrics.json)"].endswith("| - |"), rows
     assert " | channels_last | " in rows["4 (no metrics.json)"], rows  # its config's layout, not "contiguous"
     assert summary(runs) == ("5 runs: 3 completed, 1 interrupted, 1 no metrics.json (not in the speed-ups; a job "
-                             "Hydra never started, after a failed one, has no directory).")
+                             "Hydra never started, in a sweep a signal stopped, has no directory).")
+    # the overrides that tell the runs apart, beside the run (the layout has its own column)
+    assert rows["0"].startswith("| 0 | data.num_workers=0 | resnet50 |"), rows
+    assert rows["4 (no metrics.json)"].startswith("| 4 (no metrics.json) | model.name=resnet9x | "), rows
+
+
+def test_jobs_are_in_their_numbers_order(tmp_path: Path) -> None:
+    from cltrain.tools.sweep_report import collect
+
+    for i in (0, 1, 2, 10, 11):  # 0, 1, 10, 11, 2: as text
+        (tmp_path / str(i)).mkdir()
+        write_metrics(tmp_path / str(i), _run(True, "32-true", 10.0, 50.0))
+    assert [run["run"] for run in collect(tmp_path)] == ["0", "1", "2", "10", "11"]
 
 
 def test_a_run_that_failed_before_its_layout_was_decided_is_no_contiguous_run(tmp_path: Path) -> None:
