@@ -16,6 +16,7 @@ Hydra's ``--config-dir`` adds a folder of the user's beside them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -30,6 +31,10 @@ from omegaconf import DictConfig
 from cltrain.app.config import ConfigError, check_command_line, compose_config, config_dir
 
 __all__ = ["as_keys", "compose_config", "main"]
+
+
+#: A write refused: a full disk or quota, a folder not writable, a file where a folder should be.
+_NO_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR}
 
 
 class SweepJobFailed(CompactHydraException):
@@ -87,6 +92,10 @@ def _train(cfg: DictConfig) -> float | None:
                    f"({redact(first_line(err))})")
             raise SystemExit(getattr(err, "peer_status", None) or 1) from None
 
+        if isinstance(err, OSError) and err.errno in _NO_WRITE:  # a logger's files, a profiler's: where and the fix
+            _error(f"cltrain: error: {redact(str(err.filename))}: {err.strerror} (give the key that names it, run_dir "
+                   "or logger.<name>.save_dir, a folder this user can write, with free space)")
+            raise SystemExit(1) from None
         print(redact("".join(traceback.format_exception(err))), file=sys.stderr, end="")
         _error(f"cltrain: error: {redact(f'{type(err).__name__}: {err}'.splitlines()[0])}")
         raise SystemExit(1) from None

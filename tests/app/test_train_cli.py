@@ -239,6 +239,16 @@ def test_a_run_directory_that_cannot_be_created_is_one_line_and_exit_status_2(tm
                                      "write to)"), result.stderr[-3000:]
 
 
+def test_a_logger_folder_that_cannot_be_written_is_one_line(demo_args: list[str], tmp_path: Path) -> None:
+    # the CSV logger's own NotADirectoryError (a full disk's ENOSPC alike): a traceback, and no path in its last line
+    (tmp_path / "afile").write_text("")
+    result = run(*demo_args, f"hydra.run.dir={tmp_path / 'run'}", f"logger.csv.save_dir={tmp_path / 'afile'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"cltrain: error: {tmp_path / 'afile'}/csv: Not a directory (give the key that names it, run_dir or "
+        "logger.<name>.save_dir, a folder"), result.stderr[-3000:]
+
+
 def test_the_demo_data_pointed_at_a_users_folder_says_how_to_train_on_it(tmp_path: Path) -> None:
     # the line said "Pass another root, or delete it to have it written again": the user's images, deleted
     own = tmp_path / "own"
