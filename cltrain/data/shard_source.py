@@ -227,6 +227,15 @@ class RemotePack(LocalPack):
         """The URL of shard ``shard``, for messages."""
         return redact(join(self.url, shard))
 
+    def _image_folder(self) -> bool:
+        """Whether the root holds ``train/`` or ``val/`` (an image folder uploaded as it is), asked where the manifest
+        is not found; an error here is no answer."""
+        try:
+            fs, path = open_fs(self.url, quick=True)
+            return any(fs.isdir(f"{path.rstrip('/')}/{split}") for split in ("train", "val"))
+        except Exception:  # noqa: BLE001 - the manifest's own line is said instead
+            return False
+
     def manifest(self) -> dict:
         """The pack's ``shards.json``, read from the store once (a wrong URL, key or endpoint, or one that does not
         answer, is said quickly; a reset, a 5xx or a SlowDown, as a job's ranks starting at once meet them, is tried
@@ -250,6 +259,10 @@ class RemotePack(LocalPack):
                     raise RemoteError(f"{redact(url)}: not a cltrain pack's manifest (the object is empty or not "
                                       f"JSON: {type(err).__name__}); upload the pack again whole, as `cltrain-pack` "
                                       "wrote it (shards.json last).") from None
+                if isinstance(err, FileNotFoundError) and self._image_folder():
+                    raise RemoteError(f"{redact(url)}: not found: {self.where} is an image folder, not a pack: pack "
+                                      "it with `cltrain-pack IMAGEFOLDER OUT` and upload OUT as it is (shards.json "
+                                      "last).") from None
                 if isinstance(err, FileNotFoundError):
                     raise RemoteError(f"{redact(url)}: not found: {self.where} is not a complete cltrain pack (no "
                                       "bucket, prefix or manifest there). Check the URL, or make a pack with "

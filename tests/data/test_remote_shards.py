@@ -421,12 +421,17 @@ def test_a_pack_larger_than_the_cache_under_a_full_shuffle_is_said_in_a_readable
         ShardsDataModule(url, cache_limit=split - 2000, shuffle_window=None, **KW).setup("fit")
 
 
-def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, server):
+def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, server, tmp_path):
     for bad in ("s3://no-such-bucket/pack", url.rsplit("/", 1)[0] + "/nopack", url + "/train"):
         with pytest.raises(RemoteError) as caught:
             ShardsDataModule(bad, **KW).num_classes
         line = str(caught.value)
         assert "\n" not in line and bad in line and "not a complete cltrain pack" in line and "cltrain-pack" in line
+    # an image folder uploaded as it is: its bucket and prefix are there ("no bucket, prefix or manifest" misled)
+    folder = write_image_folder(tmp_path / "images", classes=2, train=1, val=1, size=(8, 8))
+    with pytest.raises(RemoteError, match="is an image folder, not a pack: pack it with `cltrain-pack IMAGEFOLDER OUT` "
+                                          "and upload OUT"):
+        ShardsDataModule(server.upload(folder, "bucket", "data/images"), **KW).num_classes
 
 
 def test_a_shard_missing_or_cut_short_in_the_bucket_is_one_line_before_the_first_step(local_pack, server, env):
