@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from cltrain.data.bad_samples import SkipsBadSamples, unreadable
 from cltrain.data.collate import NHWCCollate
 from cltrain.data.errors import BadImageError, StorageError
-from cltrain.data.shard_source import MANIFEST, LocalPack, open_pack
+from cltrain.data.shard_source import MANIFEST, LocalPack, RemotePack, open_pack
 
 __all__ = ["MANIFEST", "ShardsDataset", "read_manifest"]
 
@@ -137,7 +137,9 @@ class ShardsDataset(SkipsBadSamples, Dataset):
             name, reason = self.sample_name(i), unreadable(err)
             where = "" if name == self._place(i) else f" (in {self._place(i)})"
             raise BadImageError(f"{name}{where}: cannot be read as an image ({reason}). Pass bad_files='skip' to leave "
-                                "such samples out, or replace the file and pack the folder again.", reason) from err
+                                "such samples out, or replace the file and pack the folder again"
+                                f"{' (and upload the pack)' if isinstance(self.source, RemotePack) else ''}.",
+                                reason) from err
 
     def __getitem__(self, index: int | Sequence[int]) -> Any:
         if isinstance(index, (int, np.integer)):

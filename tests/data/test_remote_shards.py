@@ -434,6 +434,25 @@ def test_a_missing_bucket_prefix_or_pack_is_one_line_naming_the_url(url, env, se
         ShardsDataModule(server.upload(folder, "bucket", "data/images"), **KW).num_classes
 
 
+def test_an_unreadable_image_in_a_bucket_says_to_upload_the_pack_again(local_pack, server, env, tmp_path):
+    import shutil
+
+    from cltrain.data.errors import BadImageError
+
+    bad = tmp_path / "pack"
+    shutil.copytree(local_pack, bad)
+    dm = ShardsDataModule(bad, **KW)
+    dm.setup("fit")
+    shard, (start, size) = bad / dm.train_set.shard_names[int(dm.train_set.shard_of[0])], dm.train_set.index[0, :2]
+    data = bytearray(shard.read_bytes())
+    data[int(start):int(start) + int(size)] = b"\x00" * int(size)
+    shard.write_bytes(bytes(data))
+    remote = ShardsDataModule(server.upload(bad, "bucket", "data/badpack"), **KW)
+    remote.setup("fit")
+    with pytest.raises(BadImageError, match=r"replace the file and pack the folder again \(and upload the pack\)\.$"):
+        remote.train_set.load(0)
+
+
 def test_a_shard_missing_or_cut_short_in_the_bucket_is_one_line_before_the_first_step(local_pack, server, env):
     # a missing shard was said when first read, after steps of training (hours into a large pack), once per rank
     client, shard = server.client(), "train/shard-000001.tar"
