@@ -176,6 +176,9 @@ def as_keys(line: str) -> str:
 
 def main() -> None:
     """Entry point of ``train.py`` and ``cltrain-train``."""
+    multirun = [a for a in sys.argv[1:] if a in ("-m", "--multirun")]
+    if multirun:  # after an override too: Hydra's parser reads no flag among its overrides ("unrecognized arguments")
+        sys.argv[1:] = multirun[:1] + [a for a in sys.argv[1:] if a not in ("-m", "--multirun")]
     try:
         folder = config_dir()  # here, not at import: a bad $CLTRAIN_CONFIG_DIR is one line too
         check_command_line(sys.argv[1:])
@@ -186,5 +189,11 @@ def main() -> None:
     sys.stderr = _Redacting(sys.stderr)
     try:
         hydra.main(version_base="1.3", config_path=str(folder), config_name="config")(_run)()
+    except ValueError as err:  # Hydra's, before it reports errors itself: a traceback
+        if not str(err).startswith("Only one of"):
+            raise
+        print(f"cltrain: error: {err} (a sweep, -m, runs its jobs; --cfg job without -m shows a config)",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     finally:
         sys.stderr = sys.stderr._stream if isinstance(sys.stderr, _Redacting) else sys.stderr

@@ -249,6 +249,17 @@ def test_a_logger_folder_that_cannot_be_written_is_one_line(demo_args: list[str]
         "logger.<name>.save_dir, a folder"), result.stderr[-3000:]
 
 
+def test_a_sweep_flag_after_an_override_is_read_and_with_cfg_is_one_line() -> None:
+    # argparse's usage and "unrecognized arguments: seed=1,abc"; Hydra's ValueError traceback for -m with --cfg
+    result = run(*SMOKE, "-m", "seed=1,abc")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "cltrain: error: seed='abc': must be a whole number (allowed: 0 .. 2**32-1)"), result.stderr[-3000:]
+    result = run(*SMOKE, "-m", "seed=1,2", "--cfg", "job")
+    assert result.returncode == 2 and result.stderr.strip().startswith(
+        "cltrain: error: Only one of --run, --multirun, --cfg"), result.stderr[-3000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_the_demo_data_pointed_at_a_users_folder_says_how_to_train_on_it(tmp_path: Path) -> None:
     # the line said "Pass another root, or delete it to have it written again": the user's images, deleted
     own = tmp_path / "own"
