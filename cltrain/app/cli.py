@@ -55,8 +55,9 @@ def _run(cfg: DictConfig) -> float | None:
         if stop.code in (0, None, 130, 143) or hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
             raise  # a signal stops the whole sweep
         raise SweepJobFailed(
-            f"cltrain: error: a job of the sweep failed (exit status {stop.code}; its line is above); the sweep goes on "
-            f"with its other jobs, and cltrain-sweep-report {hydra_cfg.sweep.dir} tables them") from None
+            f"cltrain: error: a job of the sweep failed (exit status {stop.code}; its line is in "
+            f"{Path(hydra_cfg.runtime.output_dir) / (hydra_cfg.job.name + '.log')}); the sweep's other jobs run on, "
+            f"and cltrain-sweep-report {hydra_cfg.sweep.dir} tables them") from None
 
 
 def _train(cfg: DictConfig) -> float | None:

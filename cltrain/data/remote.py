@@ -89,8 +89,10 @@ def redact(text: str, url: str = "") -> str:
     secrets = [os.environ.get(name) or "" for name in SECRET_VARIABLES]
     secrets += [user.group(0)[3:-1]] if user else []
     secrets += [m.group(0)[len(m.group(1)):] for m in _QUERY_SECRETS.finditer(url)]
-    for value in secrets:  # a whole token: a local server's key ("test", "minioadmin") is in no key or path name
-        if len(value) >= 4:
+    for value in secrets:
+        if len(value) >= 16:  # a real key or token: wherever it appears, glued to other characters too
+            text = text.replace(value, "***")
+        elif len(value) >= 4:  # a local server's short key ("test", "minioadmin"): as a whole token only
             text = re.sub(rf"(?<!\w){re.escape(value)}(?!\w)", "***", text)
     return text
 

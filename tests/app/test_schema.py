@@ -423,6 +423,10 @@ def test_a_users_primary_config_in_config_dir_is_checked(tmp_path: Path, body: s
     (tmp_path / "mine.yaml").write_text(head + ("" if body.startswith("  -") else body))
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         check_command_line(["--config-dir", str(tmp_path), "--config-name", "mine", "device=cpu"])
+    # named as cltrain's own: Hydra reads cltrain's, and the user's file never (its values silently unused)
+    (tmp_path / "mine.yaml").rename(tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match="is not read: Hydra finds cltrain's own config.yaml first"):
+        check_command_line(["--config-dir", str(tmp_path), "device=cpu"])
 
 
 def test_a_launcher_or_sweeper_not_installed_names_the_sweeps_extra() -> None:

@@ -81,6 +81,7 @@ def test_a_failed_job_does_not_stop_the_sweep(demo_args: list[str], tmp_path: Pa
     assert statuses == ["failed", "completed"], statuses
     assert "Traceback" not in result.stderr and "training loss is nan" in result.stderr, result.stderr[-3000:]
     if sweeper == "basic":  # then Hydra's HYDRA_FULL_ERROR hint
+        assert f"its line is in {sweep / '0' / 'train.log'}); " in result.stderr  # not in sight under submitit
         assert f"cltrain-sweep-report {sweep} tables them" in result.stderr
     else:
         assert yaml.safe_load((sweep / "optimization_results.yaml").read_text())["best_params"] == {"optim.lr": 0.05}

@@ -628,6 +628,7 @@ def test_secrets_are_never_in_a_message():
     os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
     try:
         text = redact(f"https://u:pw@h/x?X-Amz-Signature=abc&sig=def&ok=1 key {SECRET}")
+        assert SECRET not in redact(f"run_{SECRET}0 cache/hf_{SECRET}_models")  # a long one glued to a name too
     finally:
         del os.environ["AWS_SECRET_ACCESS_KEY"]
     assert "pw" not in text and "abc" not in text and "def" not in text and SECRET not in text and "ok=1" in text

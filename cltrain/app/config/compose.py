@@ -246,9 +246,14 @@ def check_command_line(argv: Sequence[str]) -> None:
     _check_syntax(overrides, args.multirun)
     _check_hydra_dirs(args.overrides)
     folder, name = None, args.config_name or "config"
-    if args.config_dir:  # searched first, as Hydra's run does: for the primary config too (--config-name)
-        user = Path(args.config_dir).resolve()
-        folder = user if (user / f"{name.removesuffix('.yaml')}.yaml").is_file() else None
+    if args.config_dir:  # searched after cltrain's own, as Hydra's run does: a primary config cltrain has no twin of
+        user, stem = Path(args.config_dir).resolve(), name.removesuffix(".yaml")
+        if (user / f"{stem}.yaml").is_file() and (config_dir() / f"{stem}.yaml").is_file():
+            # Hydra searches the app's own folder before --config-dir: this file would never be read
+            raise ConfigError("--config-dir", str(user / f"{stem}.yaml"),
+                              f"is not read: Hydra finds cltrain's own {stem}.yaml first",
+                              f"rename it (mine.yaml) and pass --config-name mine")
+        folder = user if (user / f"{stem}.yaml").is_file() else None
         overrides.append(f"hydra.searchpath=[file://{config_dir().resolve() if folder else user}]")
     try:
         variants = _variants(overrides) if args.multirun else [overrides]
