@@ -252,7 +252,7 @@ def check_command_line(argv: Sequence[str]) -> None:
             # Hydra searches the app's own folder before --config-dir: this file would never be read
             raise ConfigError("--config-dir", str(user / f"{stem}.yaml"),
                               f"is not read: Hydra finds cltrain's own {stem}.yaml first",
-                              f"rename it (mine.yaml) and pass --config-name mine")
+                              "rename it (mine.yaml) and pass --config-name mine")
         folder = user if (user / f"{stem}.yaml").is_file() else None
         overrides.append(f"hydra.searchpath=[file://{config_dir().resolve() if folder else user}]")
     try:
