@@ -93,7 +93,7 @@ def _train(cfg: DictConfig) -> float | None:
                    f"({redact(first_line(err))})")
             raise SystemExit(getattr(err, "peer_status", None) or 1) from None
 
-        if isinstance(err, OSError) and err.errno in _NO_WRITE:  # a logger's files, a profiler's: where and the fix
+        if isinstance(err, OSError) and err.errno in _NO_WRITE and err.filename:  # a logger's files: where, the fix
             _error(f"cltrain: error: {redact(str(err.filename))}: {err.strerror} (give the key that names it, run_dir "
                    "or logger.<name>.save_dir, a folder this user can write, with free space)")
             raise SystemExit(1) from None
@@ -117,11 +117,10 @@ def _redact_job_files() -> None:
     """Hydra's record of the job in the run directory (``.hydra/*.yaml``: the command line, the config) without the
     secrets a command line may carry (a URL's password, a token's value), as every other file of the run."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from cltrain.atomic import atomic_write_text
     from cltrain.data.remote import redact
-
-    from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().output_subdir is None:
         return
