@@ -88,8 +88,9 @@ class ChannelsLastRun(SessionResults):
             again after the conversion.
         optimizer: the loop's optimizer(s) (or later: ``run.optimizers = [...]``): their state follows every change
             of a parameter's layout, and the check runs your step's optimizer on copies.
-        step: ``step(model, batch) -> loss`` (or the outputs): the loop's forward and loss code, for the first-batch
-            check (its backward is run for you); default: the model on the batch's input, its outputs reduced by a
+        step: ``step(model, batch) -> loss`` (or the outputs, reduced by a fixed random projection whose backward is
+            checked too): the loop's forward and loss code, for the first-batch check (its backward is run for you);
+            default: the model on the batch's input, its outputs reduced by a
             fixed random projection.
         mode: ``"full"`` restrides every 4-D/5-D parameter and buffer; ``"conv"`` only convolution weights.
         layout: ``"auto"`` races channels_last against NCHW on the first training steps and keeps the faster;
@@ -361,7 +362,8 @@ def verify_layout(
     Args:
         model: the model, converted by ``convert_model``.
         batch: one batch as the loop gets it (on the model's device).
-        step: ``step(model, batch) -> loss`` (or the outputs): the forward and the loss code of the loop;
+        step: ``step(model, batch) -> loss`` (or the outputs, reduced by a fixed random projection whose backward is
+            checked too): the forward and the loss code of the loop;
             by default the model is called on the batch's input (``inputs``) and its outputs reduced by a
             fixed random projection.
         inputs: which tensors of ``batch`` are the model's inputs (``convert_batch``'s rules).

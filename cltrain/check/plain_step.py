@@ -18,7 +18,9 @@ from cltrain.check.budget import check_within_budget
 from cltrain.check.compare import LayoutCheck, check_layout, projection_loss
 from cltrain.check.copies import (copy_optimizer, eager_copy, elementwise, float32_tensors, half_dtype, in_float32,
                                   shared_note)
+from cltrain.check.record import loss_of
 from cltrain.check.result import MODEL_ALONE, STEP_RAISED
+from cltrain.check.signature import floats
 from cltrain.layout.batches import Inputs, first_image_tensor, map_tensors, restride_batch
 from cltrain.precision import autocast_for
 
@@ -41,8 +43,10 @@ def check_plain_step(model: nn.Module, batch: Any, step: Callable[[nn.Module, An
             if convert_inputs:
                 restride_batch(copied, layout, inputs=inputs, model=clone)
             with autocast_for(device, dtype):
-                if step is not None and not alone:
-                    return step(clone, copied)
+                if step is not None and not alone:  # a step giving no loss (logits, a detector's losses): their
+                    result = step(clone, copied)  # projection's backward is checked too
+                    done = loss_of(result) is not None or not torch.is_grad_enabled() or not floats(result)
+                    return result if done else projection_loss(result)
                 return projection_loss(clone(first_image_tensor(copied, inputs)))
 
         return run

@@ -105,16 +105,6 @@ def _call(model: nn.Module, batch: tuple[tuple[Any, ...], tuple[Any, ...], dict[
         model.forward = wrapped
 
 
-def _call_train(model: nn.Module, batch: tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]) -> Any:
-    """A training call: where the model computes no loss (``model(x)`` gives logits, a detector its losses), a
-    layout-independent projection of its outputs is the loss, so that the backward is checked too."""
-    from cltrain.check.record import loss_of
-    from cltrain.check.signature import floats, projection_loss
-
-    output = _call(model, batch)
-    return output if loss_of(output) is not None or not floats(output) else projection_loss(output)
-
-
 class ChannelsLastInputs:
     """Put a model's image arguments in its layout on every call, and run its first batches through the session.
 
@@ -323,11 +313,10 @@ class ChannelsLastInputs:
         # checked on its arguments as they come, which its convolutions read in either layout (a text-only call,
         # pixel_values=None, is not: no convolution would run, and "passed" would say nothing)
         grad = torch.enable_grad() if kind == "train" else torch.no_grad()
-        step = _call_train if kind == "train" else _call
         _state.checking = True
         try:  # positional: the first argument alone; the check restrides only what `found` names
             with torch.autocast(device_of(module).type, enabled=False), grad:  # float32: the loop's autocast is outside
-                return check_plain_step(module, (args[:1], args[1:], kwargs), step, inputs=found or None,
+                return check_plain_step(module, (args[:1], args[1:], kwargs), _call, inputs=found or None,
                                         autocast_dtype=self.autocast_dtype, samples=self.session.check_samples,
                                         convert_inputs=self.session.convert_inputs and bool(found))
         finally:

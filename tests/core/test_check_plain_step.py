@@ -45,6 +45,17 @@ def test_a_loss_that_reads_the_outputs_memory_as_nchw_gets_the_outputs_in_nchw()
     assert result.verdict == "fallback" and [f.kind for f in result.fallbacks] == ["outputs"], result.line()
 
 
+@pytest.mark.parametrize("faulty", [True, False])
+def test_a_step_giving_logits_has_its_backward_checked(faulty: bool) -> None:
+    # a step returning the model's logits (no loss) had its forward alone compared: a bad custom backward passed
+    from tests.helpers.plain_modules import NCHWBackwardNet
+
+    torch.manual_seed(0)
+    model = convert_model(NCHWBackwardNet(faulty))
+    result = check_plain_step(model, _batch(), lambda m, batch: m(batch[0]), samples=None)
+    assert result.verdict == ("contiguous" if faulty else "passed"), result.line()
+
+
 def test_an_optimizer_whose_update_reads_nchw_memory_is_run_on_copies_and_found() -> None:
     # FilterNormSGD normalises each filter through a view of the gradient's memory as NCHW: only its step diverges
     torch.manual_seed(0)
